@@ -1,0 +1,453 @@
+"""Kafka events: topics, envelopes, a producer, an idempotent consumer and the transactional outbox.
+
+Every payload is a ``forge.events.v1`` message whose first field is ``EventMeta meta`` (event id,
+time, producer, outbox sequence). On the wire a record's value is the serialised message; its
+headers carry ``forge-event-type`` (the message's full name), ``forge-event-id`` and
+``forge-producer`` so a consumer can decode and dedupe without guessing.
+
+Delivery is at least once end to end:
+
+* a service that changes its database stages the event in the same transaction
+  (:func:`stage_event`), and :class:`OutboxRelay` publishes staged rows in sequence order,
+  retrying with capped, jittered backoff while the broker is away — nothing is lost;
+* :class:`EventConsumer` applies each event and records its id in ``forge_processed_events`` in
+  one database transaction, then commits the Kafka offset — a crash between the two replays the
+  record, and the recorded id turns the replay into a no-op.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import random
+import uuid
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import Protocol
+
+import sqlalchemy as sa
+import structlog
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.errors import KafkaError, TopicAlreadyExistsError
+from forge.events.v1 import events_pb2
+from google.protobuf import descriptor_pool, message_factory
+from google.protobuf.message import Message
+from prometheus_client import Counter, Gauge
+from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.orm import Mapped, mapped_column
+
+from forge_kit.db import Base, Database
+
+log = structlog.get_logger(__name__)
+
+#: Topic of each event type, ``forge.<producing service>.<event>.v1``.
+TOPICS: dict[str, str] = {
+    events_pb2.JobStateChanged.DESCRIPTOR.full_name: "forge.scheduler.job_state_changed.v1",
+    events_pb2.CheckpointPublished.DESCRIPTOR.full_name: "forge.trainer.checkpoint_published.v1",
+    events_pb2.PreferenceRecorded.DESCRIPTOR.full_name: "forge.feedback.preference_recorded.v1",
+    events_pb2.DocumentChanged.DESCRIPTOR.full_name: "forge.retrieval.document_changed.v1",
+    events_pb2.EvalCompleted.DESCRIPTOR.full_name: "forge.eval.eval_completed.v1",
+    events_pb2.ModelPromoted.DESCRIPTOR.full_name: "forge.eval.model_promoted.v1",
+}
+
+HEADER_TYPE = "forge-event-type"
+HEADER_ID = "forge-event-id"
+HEADER_PRODUCER = "forge-producer"
+
+EVENTS_PUBLISHED = Counter("forge_events_published_total", "Events sent to Kafka", ["topic"])
+EVENTS_CONSUMED = Counter(
+    "forge_events_consumed_total", "Events handled", ["group", "topic", "outcome"]
+)
+OUTBOX_PENDING = Gauge("forge_outbox_pending", "Outbox rows not yet published")
+
+
+def topic_for(message: Message) -> str:
+    """The topic an event message belongs on."""
+    name = message.DESCRIPTOR.full_name
+    try:
+        return TOPICS[name]
+    except KeyError:
+        raise ValueError(f"{name} is not a forge.events.v1 event") from None
+
+
+def decode_event(event_type: str, payload: bytes) -> Message:
+    """Parse ``payload`` as the message named ``event_type``."""
+    descriptor = descriptor_pool.Default().FindMessageTypeByName(event_type)
+    message = message_factory.GetMessageClass(descriptor)()
+    message.ParseFromString(payload)
+    return message
+
+
+def new_meta(producer: str, sequence: int = 0) -> events_pb2.EventMeta:
+    """Fresh event metadata: a random id, the current UTC time and the producer's name."""
+    meta = events_pb2.EventMeta(event_id=str(uuid.uuid4()), producer=producer, sequence=sequence)
+    meta.occurred_at.GetCurrentTime()
+    return meta
+
+
+def _utcnow() -> dt.datetime:
+    return dt.datetime.now(dt.UTC).replace(tzinfo=None)
+
+
+class OutboxEvent(Base):
+    """An event staged in the producer's database; ``sequence`` orders and names it for replay."""
+
+    __tablename__ = "forge_outbox"
+
+    sequence: Mapped[int] = mapped_column(sa.Integer, primary_key=True, autoincrement=True)
+    event_id: Mapped[str] = mapped_column(sa.String(64), unique=True)
+    topic: Mapped[str] = mapped_column(sa.String(255))
+    key: Mapped[bytes | None] = mapped_column(sa.LargeBinary, nullable=True)
+    event_type: Mapped[str] = mapped_column(sa.String(255))
+    payload: Mapped[bytes] = mapped_column(sa.LargeBinary)
+    created_at: Mapped[dt.datetime] = mapped_column(sa.DateTime, default=_utcnow)
+    published_at: Mapped[dt.datetime | None] = mapped_column(sa.DateTime, nullable=True, index=True)
+
+
+class ProcessedEvent(Base):
+    """An event a consumer group has applied; the primary key makes a second apply impossible."""
+
+    __tablename__ = "forge_processed_events"
+
+    consumer_group: Mapped[str] = mapped_column(sa.String(255), primary_key=True)
+    event_id: Mapped[str] = mapped_column(sa.String(64), primary_key=True)
+    topic: Mapped[str] = mapped_column(sa.String(255))
+    processed_at: Mapped[dt.datetime] = mapped_column(sa.DateTime, default=_utcnow)
+
+
+class DeadLetter(Base):
+    """An event whose handler kept failing; kept for inspection and replay instead of blocking."""
+
+    __tablename__ = "forge_dead_letters"
+
+    id: Mapped[int] = mapped_column(sa.Integer, primary_key=True, autoincrement=True)
+    consumer_group: Mapped[str] = mapped_column(sa.String(255))
+    topic: Mapped[str] = mapped_column(sa.String(255))
+    partition: Mapped[int] = mapped_column(sa.Integer)
+    offset: Mapped[int] = mapped_column(sa.BigInteger)
+    event_type: Mapped[str] = mapped_column(sa.String(255))
+    payload: Mapped[bytes] = mapped_column(sa.LargeBinary)
+    error: Mapped[str] = mapped_column(sa.Text)
+    created_at: Mapped[dt.datetime] = mapped_column(sa.DateTime, default=_utcnow)
+
+
+async def stage_event(session: AsyncSession, message: Message, *, producer: str, key: str = "") -> Message:
+    """Stage ``message`` in the outbox inside the caller's transaction; fills its ``meta``.
+
+    The row is published only if the caller's transaction commits, and it is never lost once it
+    has: that is the whole point of the outbox.
+    """
+    row = OutboxEvent(
+        event_id=str(uuid.uuid4()),
+        topic=topic_for(message),
+        key=key.encode() if key else None,
+        event_type=message.DESCRIPTOR.full_name,
+        payload=b"",
+    )
+    session.add(row)
+    await session.flush()
+    meta = new_meta(producer, sequence=row.sequence)
+    meta.event_id = row.event_id
+    message.meta.CopyFrom(meta)  # type: ignore[attr-defined]
+    row.payload = message.SerializeToString()
+    return message
+
+
+class Publisher(Protocol):
+    """Sends one record to Kafka. Called by :class:`OutboxRelay` and by direct publishers."""
+
+    async def send(self, topic: str, value: bytes, *, key: bytes | None, headers: list[tuple[str, bytes]]) -> None:
+        """Send and wait for the broker's acknowledgement; raise on failure."""
+
+
+class KafkaPublisher:
+    """aiokafka producer with ``acks=all``; idempotence only where the broker supports it."""
+
+    def __init__(self, bootstrap: str, *, idempotent: bool = False, request_timeout_ms: int = 10_000) -> None:
+        self._bootstrap = bootstrap
+        self._idempotent = idempotent
+        self._timeout_ms = request_timeout_ms
+        self._producer: AIOKafkaProducer | None = None
+
+    async def _ensure(self) -> AIOKafkaProducer:
+        if self._producer is None:
+            producer = AIOKafkaProducer(
+                bootstrap_servers=self._bootstrap,
+                acks="all",
+                enable_idempotence=self._idempotent,
+                request_timeout_ms=self._timeout_ms,
+                linger_ms=5,
+            )
+            try:
+                await producer.start()
+            except BaseException:
+                await producer.stop()
+                raise
+            self._producer = producer
+        return self._producer
+
+    async def send(self, topic: str, value: bytes, *, key: bytes | None, headers: list[tuple[str, bytes]]) -> None:
+        producer = await self._ensure()
+        try:
+            await producer.send_and_wait(topic, value, key=key, headers=headers)
+        except KafkaError:
+            # A producer that lost the broker may stay wedged; rebuild it on the next attempt.
+            await self.close()
+            raise
+        EVENTS_PUBLISHED.labels(topic).inc()
+
+    async def publish(self, message: Message, *, producer: str, key: str = "") -> Message:
+        """Send an event directly (no database write precedes it)."""
+        if not message.meta.event_id:  # type: ignore[attr-defined]
+            message.meta.CopyFrom(new_meta(producer))  # type: ignore[attr-defined]
+        meta = message.meta  # type: ignore[attr-defined]
+        await self.send(
+            topic_for(message),
+            message.SerializeToString(),
+            key=key.encode() if key else None,
+            headers=_headers(message.DESCRIPTOR.full_name, meta.event_id, meta.producer),
+        )
+        return message
+
+    async def close(self) -> None:
+        if self._producer is not None:
+            producer, self._producer = self._producer, None
+            await producer.stop()
+
+
+def _headers(event_type: str, event_id: str, producer: str) -> list[tuple[str, bytes]]:
+    return [
+        (HEADER_TYPE, event_type.encode()),
+        (HEADER_ID, event_id.encode()),
+        (HEADER_PRODUCER, producer.encode()),
+    ]
+
+
+class OutboxRelay:
+    """Publishes staged outbox rows in sequence order and marks them published.
+
+    Started once per service process next to its servers. Rows are kept after publishing for
+    ``retention`` so that a consumer which missed them (the local broker keeps nothing across a
+    restart) can be replayed from the owner by sequence number.
+    """
+
+    def __init__(
+        self,
+        db: Database,
+        publisher: Publisher,
+        *,
+        producer: str,
+        batch_size: int = 100,
+        poll_interval_s: float = 0.5,
+        max_backoff_s: float = 10.0,
+        retention: dt.timedelta = dt.timedelta(days=7),
+    ) -> None:
+        self._db = db
+        self._publisher = publisher
+        self._producer = producer
+        self._batch_size = batch_size
+        self._poll_interval_s = poll_interval_s
+        self._max_backoff_s = max_backoff_s
+        self._retention = retention
+        self._wake = asyncio.Event()
+
+    def wake(self) -> None:
+        """Ask the relay to look for new rows now instead of at the next poll."""
+        self._wake.set()
+
+    async def relay_once(self) -> int:
+        """Publish up to one batch; return how many rows were published. Raises on send failure."""
+        async with self._db.session() as session:
+            rows = (
+                await session.scalars(
+                    sa.select(OutboxEvent)
+                    .where(OutboxEvent.published_at.is_(None))
+                    .order_by(OutboxEvent.sequence)
+                    .limit(self._batch_size)
+                )
+            ).all()
+            sent = 0
+            try:
+                for row in rows:
+                    await self._publisher.send(
+                        row.topic,
+                        row.payload,
+                        key=row.key,
+                        headers=_headers(row.event_type, row.event_id, self._producer),
+                    )
+                    row.published_at = _utcnow()
+                    sent += 1
+            finally:
+                # Keep the rows that did go out marked, even when a later one failed.
+                await session.commit()
+        return sent
+
+    async def pending(self) -> int:
+        """Rows staged but not yet published."""
+        async with self._db.session() as session:
+            count = await session.scalar(
+                sa.select(sa.func.count()).select_from(OutboxEvent).where(OutboxEvent.published_at.is_(None))
+            )
+        return int(count or 0)
+
+    async def prune(self) -> int:
+        """Delete published rows older than the retention window."""
+        cutoff = _utcnow() - self._retention
+        async with self._db.session() as session:
+            result = await session.execute(
+                sa.delete(OutboxEvent).where(OutboxEvent.published_at.is_not(None), OutboxEvent.published_at < cutoff)
+            )
+        return int(result.rowcount or 0)  # type: ignore[attr-defined]
+
+    async def run(self) -> None:
+        """Relay forever: drain, then sleep until woken or the poll interval passes."""
+        failures = 0
+        while True:
+            try:
+                sent = await self.relay_once()
+                failures = 0
+                OUTBOX_PENDING.set(await self.pending())
+                if sent == self._batch_size:
+                    continue
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the broker being away is expected
+                failures += 1
+                delay = min(self._max_backoff_s, 0.2 * 2 ** min(failures, 10)) * random.uniform(0.5, 1.0)
+                log.warning("outbox.publish_failed", error=repr(exc), retry_in_s=round(delay, 2))
+                await asyncio.sleep(delay)
+                continue
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=self._poll_interval_s)
+            except TimeoutError:
+                pass
+
+
+Handler = Callable[[Message, AsyncSession], Awaitable[None]]
+
+
+class EventConsumer:
+    """Consumes topics in a consumer group and applies each event exactly once to the database.
+
+    For each record: 1. decode it by its type header; 2. in one transaction, skip it if its event
+    id is already recorded for this group, else run the handler and record the id; 3. commit the
+    offset. A handler that keeps failing (``max_attempts``) sends the record to
+    ``forge_dead_letters`` so one bad event cannot stall its partition.
+    """
+
+    def __init__(
+        self,
+        db: Database,
+        *,
+        bootstrap: str,
+        group_id: str,
+        topics: Sequence[str],
+        handler: Handler,
+        max_attempts: int = 3,
+        auto_offset_reset: str = "earliest",
+    ) -> None:
+        self._db = db
+        self._bootstrap = bootstrap
+        self._group_id = group_id
+        self._topics = list(topics)
+        self._handler = handler
+        self._max_attempts = max_attempts
+        self._auto_offset_reset = auto_offset_reset
+        self._consumer: AIOKafkaConsumer | None = None
+
+    async def start(self) -> None:
+        """Join the group; retries with jittered backoff while the broker is unreachable."""
+        delay = 0.2
+        while True:
+            consumer = AIOKafkaConsumer(
+                *self._topics,
+                bootstrap_servers=self._bootstrap,
+                group_id=self._group_id,
+                enable_auto_commit=False,
+                auto_offset_reset=self._auto_offset_reset,
+                session_timeout_ms=10_000,
+                heartbeat_interval_ms=1_000,
+            )
+            try:
+                await consumer.start()
+            except KafkaError as exc:
+                await consumer.stop()
+                log.warning("consumer.start_failed", group=self._group_id, error=repr(exc))
+                await asyncio.sleep(delay * random.uniform(0.5, 1.0))
+                delay = min(delay * 2, 5.0)
+                continue
+            self._consumer = consumer
+            return
+
+    async def handle(self, record: ConsumerRecord) -> bool:  # type: ignore[type-arg]
+        """Apply one record; True when the handler ran, False when it was a duplicate."""
+        headers = {k: v.decode() for k, v in (record.headers or ())}
+        event_type = headers.get(HEADER_TYPE, "")
+        event = decode_event(event_type, record.value)
+        event_id = headers.get(HEADER_ID) or event.meta.event_id  # type: ignore[attr-defined]
+        for attempt in range(1, self._max_attempts + 1):
+            try:
+                async with self._db.session() as session:
+                    seen = await session.get(ProcessedEvent, (self._group_id, event_id))
+                    if seen is not None:
+                        EVENTS_CONSUMED.labels(self._group_id, record.topic, "duplicate").inc()
+                        return False
+                    await self._handler(event, session)
+                    session.add(ProcessedEvent(consumer_group=self._group_id, event_id=event_id, topic=record.topic))
+                EVENTS_CONSUMED.labels(self._group_id, record.topic, "applied").inc()
+                return True
+            except Exception as exc:  # noqa: BLE001 - a handler error must not kill the consumer
+                log.warning("consumer.handler_failed", group=self._group_id, event_id=event_id, attempt=attempt, error=repr(exc))
+                if attempt == self._max_attempts:
+                    async with self._db.session() as session:
+                        session.add(
+                            DeadLetter(
+                                consumer_group=self._group_id,
+                                topic=record.topic,
+                                partition=record.partition,
+                                offset=record.offset,
+                                event_type=event_type,
+                                payload=record.value,
+                                error=repr(exc),
+                            )
+                        )
+                    EVENTS_CONSUMED.labels(self._group_id, record.topic, "dead_letter").inc()
+                    return False
+                await asyncio.sleep(0.1 * 2**attempt * random.uniform(0.5, 1.0))
+        return False
+
+    async def run(self) -> None:
+        """Consume until cancelled."""
+        if self._consumer is None:
+            await self.start()
+        assert self._consumer is not None
+        consumer = self._consumer
+        while True:
+            batches = await consumer.getmany(timeout_ms=500, max_records=100)
+            for tp, records in batches.items():
+                for record in records:
+                    await self.handle(record)
+                    await consumer.commit({TopicPartition(tp.topic, tp.partition): record.offset + 1})
+
+    async def stop(self) -> None:
+        if self._consumer is not None:
+            consumer, self._consumer = self._consumer, None
+            await consumer.stop()
+
+
+async def ensure_topics(bootstrap: str, topics: Iterable[str] | None = None, partitions: int = 3) -> None:
+    """Create ``topics`` (default: every Forge topic) if missing."""
+    names = list(topics if topics is not None else TOPICS.values())
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=10_000)
+    await admin.start()
+    try:
+        existing = set(await admin.list_topics())
+        missing = [NewTopic(name, partitions, 1) for name in names if name not in existing]
+        if missing:
+            try:
+                await admin.create_topics(missing)
+            except TopicAlreadyExistsError:
+                pass
+    finally:
+        await admin.close()

@@ -1,0 +1,367 @@
+"""gRPC server and client kit.
+
+Server side, :func:`serve` starts a ``grpc.aio`` server with the standard health service,
+reflection and :class:`ForgeServerInterceptor`, which for every call:
+
+1. checks the bearer token (health and reflection are open, as probes expect);
+2. applies the default deadline when the caller set none, and records the effective deadline so
+   that downstream calls made while handling inherit what is left of it;
+3. maps domain errors (:mod:`forge_kit.errors`) to status codes — ``INVALID_ARGUMENT`` naming the
+   field, ``NOT_FOUND``, ``RESOURCE_EXHAUSTED`` — and anything else to ``INTERNAL`` without leaking
+   internals;
+4. counts and times the call in Prometheus and logs it.
+
+Client side, :func:`make_channel` builds a channel with bounded, jittered retries (gRPC's own
+retry policy, whose backoff is randomised per attempt) and an interceptor that adds the bearer
+token and propagates the current deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import Counter, Histogram
+
+from forge_kit import errors
+
+log = structlog.get_logger(__name__)
+
+GRPC_REQUESTS = Counter(
+    "forge_grpc_requests_total", "gRPC calls handled", ["service", "method", "code"]
+)
+GRPC_LATENCY = Histogram(
+    "forge_grpc_request_seconds",
+    "gRPC handling time",
+    ["service", "method"],
+    buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+)
+
+#: Methods callable without a token: probes and tooling must work before credentials exist.
+OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+
+#: Absolute monotonic deadline (``time.monotonic()`` seconds) of the call being handled.
+current_deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar(
+    "forge_current_deadline", default=None
+)
+
+#: Trailing-metadata key naming the invalid field of an ``INVALID_ARGUMENT`` error.
+FIELD_METADATA_KEY = "forge-invalid-field"
+
+
+def remaining_deadline() -> float | None:
+    """Seconds left of the call being handled, or None outside a call."""
+    deadline = current_deadline.get()
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+def _status_for(exc: BaseException) -> tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]]:
+    if isinstance(exc, errors.ValidationError):
+        return grpc.StatusCode.INVALID_ARGUMENT, exc.message, ((FIELD_METADATA_KEY, exc.field),)
+    if isinstance(exc, errors.NotFoundError):
+        return grpc.StatusCode.NOT_FOUND, exc.message, ()
+    if isinstance(exc, errors.AlreadyExistsError):
+        return grpc.StatusCode.ALREADY_EXISTS, exc.message, ()
+    if isinstance(exc, errors.ConflictError):
+        return grpc.StatusCode.FAILED_PRECONDITION, exc.message, ()
+    if isinstance(exc, errors.OverloadedError):
+        retry = (("retry-after-ms", str(int(exc.retry_after_s * 1000))),)
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, exc.message, retry
+    if isinstance(exc, errors.UnauthenticatedError):
+        return grpc.StatusCode.UNAUTHENTICATED, exc.message, ()
+    if isinstance(exc, asyncio.TimeoutError | TimeoutError):
+        return grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded", ()
+    return grpc.StatusCode.INTERNAL, "internal error", ()
+
+
+class ForgeServerInterceptor(grpc.aio.ServerInterceptor):
+    """Auth, default deadline, error mapping, metrics and logs for every handler."""
+
+    def __init__(self, service: str, token: str | None, default_deadline_s: float) -> None:
+        self._service = service
+        self._token = token
+        self._default_deadline_s = default_deadline_s
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return handler
+        method = handler_call_details.method
+        if method.startswith(OPEN_METHOD_PREFIXES):
+            return handler
+        metadata = dict(handler_call_details.invocation_metadata or ())
+        authorized = self._token is None or metadata.get("authorization") == f"Bearer {self._token}"
+        return _wrap_handler(handler, self, method, authorized)
+
+    def _enter(self, context: grpc.aio.ServicerContext) -> float:
+        remaining = context.time_remaining()
+        budget = self._default_deadline_s if remaining is None else remaining
+        return time.monotonic() + budget
+
+    async def _fail(
+        self, context: grpc.aio.ServicerContext, method: str, exc: BaseException
+    ) -> None:
+        code, message, trailers = _status_for(exc)
+        if code is grpc.StatusCode.INTERNAL:
+            log.exception("grpc.unhandled", method=method)
+        GRPC_REQUESTS.labels(self._service, method, code.name).inc()
+        if trailers:
+            context.set_trailing_metadata(trailers)
+        await context.abort(code, message)
+
+    def _done(self, method: str, started: float) -> None:
+        GRPC_REQUESTS.labels(self._service, method, "OK").inc()
+        GRPC_LATENCY.labels(self._service, method).observe(time.monotonic() - started)
+
+
+def _wrap_handler(
+    handler: grpc.RpcMethodHandler,
+    icpt: ForgeServerInterceptor,
+    method: str,
+    authorized: bool,
+) -> grpc.RpcMethodHandler:
+    async def guard(context: grpc.aio.ServicerContext) -> float:
+        if not authorized:
+            await icpt._fail(context, method, errors.UnauthenticatedError("missing or invalid bearer token"))
+        return icpt._enter(context)
+
+    def unary_response(
+        behavior: Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]],
+    ) -> Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]:
+        async def run(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            deadline = await guard(context)
+            token = current_deadline.set(deadline)
+            started = time.monotonic()
+            try:
+                response = await asyncio.wait_for(
+                    behavior(request, context), timeout=max(0.0, deadline - time.monotonic())
+                )
+            except (grpc.aio.AbortError, asyncio.CancelledError):
+                raise
+            except BaseException as exc:  # noqa: BLE001 - every error becomes a status
+                await icpt._fail(context, method, exc)
+                raise
+            finally:
+                current_deadline.reset(token)
+            icpt._done(method, started)
+            return response
+
+        return run
+
+    def stream_response(
+        behavior: Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]],
+    ) -> Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]]:
+        async def run(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            # Streams are long-lived (watches, agent sessions): the default deadline applies only
+            # to unary responses; a caller's explicit deadline still ends the stream.
+            await guard(context)
+            remaining = context.time_remaining()
+            token = current_deadline.set(None if remaining is None else time.monotonic() + remaining)
+            started = time.monotonic()
+            try:
+                async for item in behavior(request, context):
+                    yield item
+            except (grpc.aio.AbortError, asyncio.CancelledError, GeneratorExit):
+                raise
+            except BaseException as exc:  # noqa: BLE001
+                await icpt._fail(context, method, exc)
+                raise
+            finally:
+                current_deadline.reset(token)
+            icpt._done(method, started)
+
+        return run
+
+    if handler.unary_unary:
+        return grpc.unary_unary_rpc_method_handler(
+            unary_response(handler.unary_unary),
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+    if handler.stream_unary:
+        return grpc.stream_unary_rpc_method_handler(
+            unary_response(handler.stream_unary),
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(
+            stream_response(handler.unary_stream),
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+    return grpc.stream_stream_rpc_method_handler(
+        stream_response(handler.stream_stream),
+        request_deserializer=handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )
+
+
+@dataclass
+class GrpcServer:
+    """A started server: its bound port and the health servicer to flip serving status."""
+
+    server: grpc.aio.Server
+    port: int
+    health: health.aio.HealthServicer
+
+    async def set_serving(self, serving: bool) -> None:
+        """Mark every registered service SERVING or NOT_SERVING."""
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        await self.health.set("", status)
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        """Stop accepting calls, let in-flight calls finish within ``grace_s``."""
+        await self.set_serving(False)
+        await self.server.stop(grace_s)
+
+
+async def serve(
+    *,
+    service: str,
+    register: Sequence[Callable[[grpc.aio.Server], None]],
+    service_names: Iterable[str],
+    host: str,
+    port: int,
+    token: str | None,
+    default_deadline_s: float,
+    max_concurrent_rpcs: int | None = None,
+) -> GrpcServer:
+    """Start a gRPC server with health, reflection and the Forge interceptor.
+
+    ``register`` are callables such as ``lambda s: pb2_grpc.add_XServicer_to_server(impl, s)``;
+    ``service_names`` are the full names (``forge.scheduler.v1.SchedulerService``) to expose in
+    reflection and health.
+    """
+    server = grpc.aio.server(
+        interceptors=[ForgeServerInterceptor(service, token, default_deadline_s)],
+        maximum_concurrent_rpcs=max_concurrent_rpcs,
+        options=[("grpc.so_reuseport", 0)],
+    )
+    for add in register:
+        add(server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = list(service_names)
+    reflection.enable_server_reflection(
+        [*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
+    )
+    bound = server.add_insecure_port(f"{host}:{port}")
+    await server.start()
+    for name in names:
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    return GrpcServer(server=server, port=bound, health=health_servicer)
+
+
+class _ClientInterceptor(
+    grpc.aio.UnaryUnaryClientInterceptor,
+    grpc.aio.UnaryStreamClientInterceptor,
+    grpc.aio.StreamUnaryClientInterceptor,
+    grpc.aio.StreamStreamClientInterceptor,
+):
+    """Adds the bearer token and caps the timeout at what is left of the current deadline."""
+
+    def __init__(self, token: str | None) -> None:
+        self._token = token
+
+    def _details(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+        metadata = grpc.aio.Metadata(*(details.metadata or ()))
+        if self._token is not None and "authorization" not in metadata:
+            metadata.add("authorization", f"Bearer {self._token}")
+        timeout = details.timeout
+        left = remaining_deadline()
+        if left is not None:
+            timeout = left if timeout is None else min(timeout, left)
+        return grpc.aio.ClientCallDetails(
+            method=details.method,
+            timeout=timeout,
+            metadata=metadata,
+            credentials=details.credentials,
+            wait_for_ready=details.wait_for_ready,
+        )
+
+    async def intercept_unary_unary(self, continuation, client_call_details, request):  # type: ignore[no-untyped-def,override]
+        return await continuation(self._details(client_call_details), request)
+
+    async def intercept_unary_stream(self, continuation, client_call_details, request):  # type: ignore[no-untyped-def,override]
+        return await continuation(self._details(client_call_details), request)
+
+    async def intercept_stream_unary(self, continuation, client_call_details, request_iterator):  # type: ignore[no-untyped-def,override]
+        return await continuation(self._details(client_call_details), request_iterator)
+
+    async def intercept_stream_stream(self, continuation, client_call_details, request_iterator):  # type: ignore[no-untyped-def,override]
+        return await continuation(self._details(client_call_details), request_iterator)
+
+
+def retry_service_config(
+    max_attempts: int = 4,
+    initial_backoff_s: float = 0.1,
+    max_backoff_s: float = 2.0,
+    retryable: Sequence[str] = ("UNAVAILABLE",),
+) -> str:
+    """A gRPC service config with a bounded retry policy; gRPC jitters each backoff randomly."""
+    return json.dumps(
+        {
+            "methodConfig": [
+                {
+                    "name": [{}],
+                    "retryPolicy": {
+                        "maxAttempts": max_attempts,
+                        "initialBackoff": f"{initial_backoff_s}s",
+                        "maxBackoff": f"{max_backoff_s}s",
+                        "backoffMultiplier": 2,
+                        "retryableStatusCodes": list(retryable),
+                    },
+                }
+            ]
+        }
+    )
+
+
+def make_channel(
+    target: str,
+    *,
+    token: str | None = None,
+    max_attempts: int = 4,
+    initial_backoff_s: float = 0.1,
+    max_backoff_s: float = 2.0,
+) -> grpc.aio.Channel:
+    """An insecure ``grpc.aio`` channel to ``target`` with auth, deadline propagation and retries."""
+    return grpc.aio.insecure_channel(
+        target,
+        options=[
+            ("grpc.enable_retries", 1),
+            ("grpc.service_config", retry_service_config(max_attempts, initial_backoff_s, max_backoff_s)),
+            ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+        ],
+        interceptors=[_ClientInterceptor(token)],
+    )
+
+
+async def check_health(target: str, timeout_s: float = 2.0) -> bool:
+    """True when the server at ``target`` answers the standard health check with SERVING."""
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        try:
+            reply = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
+        except grpc.aio.AioRpcError:
+            return False
+        return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)

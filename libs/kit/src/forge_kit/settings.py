@@ -1,0 +1,108 @@
+"""Settings base class shared by every service.
+
+Each service subclasses :class:`ServiceSettings` once, in its ``config.py``, and sets
+``model_config = service_config("scheduler")``. Values come from init arguments, then environment
+variables with the service prefix (``FORGE_SCHEDULER_GRPC_PORT``). A variable that carries the
+prefix but names no field is an error at start-up: a typo must not silently fall back to a default.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from pydantic import Field, SecretStr, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def service_config(service: str) -> SettingsConfigDict:
+    """The pydantic-settings config for ``service``: env prefix ``FORGE_<SERVICE>_``, no extras."""
+    return SettingsConfigDict(
+        env_prefix=f"FORGE_{service.upper()}_",
+        extra="forbid",
+        validate_default=True,
+        env_nested_delimiter="__",
+    )
+
+
+class ForgeSettings(BaseSettings):
+    """Base for every settings class: rejects unknown keys, including unknown prefixed env vars."""
+
+    model_config = SettingsConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _reject_unknown_env(cls, data: Any) -> Any:
+        prefix = str(cls.model_config.get("env_prefix") or "")
+        if not prefix:
+            return data
+        known = {name.upper() for name in cls.model_fields}
+        unknown = sorted(
+            key
+            for key in os.environ
+            if key.upper().startswith(prefix.upper())
+            and key[len(prefix) :].upper().split("__", 1)[0] not in known
+        )
+        if unknown:
+            raise ValueError(f"unknown setting(s) in the environment: {', '.join(unknown)}")
+        return data
+
+
+class ServiceSettings(ForgeSettings):
+    """Fields every Forge service has. Subclasses add their own, each with a docstring."""
+
+    service_name: str = ""
+    """Name used in logs, metrics and event producers; defaults to the env prefix's service."""
+
+    host: str = "127.0.0.1"
+    """Interface the gRPC and HTTP servers bind to."""
+
+    grpc_port: int = Field(default=0, ge=0, le=65535)
+    """gRPC port; 0 picks a free port (tests)."""
+
+    http_port: int = Field(default=0, ge=0, le=65535)
+    """HTTP port for health, readiness, metrics and any HTTP API; 0 picks a free port."""
+
+    auth_token: SecretStr = SecretStr("forge-dev-token")
+    """Bearer token callers must present in gRPC metadata / HTTP Authorization."""
+
+    default_deadline_s: float = Field(default=30.0, gt=0)
+    """Deadline applied to incoming gRPC calls whose caller set none."""
+
+    database_url: str = ""
+    """SQLAlchemy async URL; empty means a SQLite file under ``data_dir``."""
+
+    data_dir: str = "var/data"
+    """Directory for this service's local state (SQLite file, caches)."""
+
+    kafka_bootstrap: str = "127.0.0.1:19092"
+    """Kafka bootstrap servers, comma separated."""
+
+    kafka_enabled: bool = True
+    """Publish and consume events; off only for isolated unit runs."""
+
+    redis_url: str = ""
+    """Redis URL for cache and rate limits; empty means in-process."""
+
+    object_store_url: str = "var/objects"
+    """fsspec URL (or local path) of the object store root."""
+
+    log_level: str = "INFO"
+    """Root log level."""
+
+    log_json: bool = True
+    """Emit JSON log lines (False: human-readable console lines)."""
+
+    @model_validator(mode="after")
+    def _default_service_name(self) -> ServiceSettings:
+        if not self.service_name:
+            prefix = str(self.model_config.get("env_prefix") or "FORGE_SERVICE_")
+            self.service_name = prefix.removeprefix("FORGE_").rstrip("_").lower()
+        return self
+
+    def sqlite_url(self, filename: str) -> str:
+        """The database URL to use: ``database_url`` if set, else ``<data_dir>/<filename>``."""
+        if self.database_url:
+            return self.database_url
+        os.makedirs(self.data_dir, exist_ok=True)
+        return f"sqlite+aiosqlite:///{os.path.abspath(os.path.join(self.data_dir, filename))}"

