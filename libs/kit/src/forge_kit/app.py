@@ -1,0 +1,105 @@
+"""The common wiring of a service process, so each ``__main__.py`` stays a few lines.
+
+``ServiceApp`` opens (and migrates) the service's database, creates the outbox relay when events
+are enabled, starts the gRPC and HTTP servers with the kit's defaults, and runs until SIGTERM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+from fastapi import FastAPI
+
+from forge_kit.db import Database
+from forge_kit.events import KafkaPublisher, OutboxRelay
+from forge_kit.grpckit import serve
+from forge_kit.http import HttpServer, make_app
+from forge_kit.logs import configure_logging
+from forge_kit.runtime import ServiceParts, run_forever
+from forge_kit.settings import ServiceSettings
+
+
+class ServiceApp:
+    """Builds the shared parts of one service from its settings."""
+
+    def __init__(self, settings: ServiceSettings) -> None:
+        self.settings = settings
+        self.name = settings.service_name
+        self.log = configure_logging(self.name, settings.log_level, settings.log_json)
+        self.db: Database | None = None
+        self.publisher: KafkaPublisher | None = None
+        self.relay: OutboxRelay | None = None
+        self._background: list[Callable[[], Coroutine[Any, Any, None]]] = []
+        self._on_stop: list[Callable[[], Awaitable[None]]] = []
+
+    @property
+    def token(self) -> str:
+        return self.settings.auth_token.get_secret_value()
+
+    async def open_database(self, filename: str, migrations_dir: Path) -> Database:
+        """Open the service database (SQLite file by default) and migrate it to head."""
+        self.db = Database(self.settings.sqlite_url(filename))
+        await self.db.migrate(migrations_dir)
+        self._on_stop.append(self.db.dispose)
+        return self.db
+
+    def enable_outbox(self) -> OutboxRelay | None:
+        """Relay the database's outbox to Kafka in the background (when Kafka is enabled)."""
+        if self.db is None:
+            raise RuntimeError("open_database() first")
+        if not self.settings.kafka_enabled:
+            return None
+        self.publisher = KafkaPublisher(self.settings.kafka_bootstrap)
+        self.relay = OutboxRelay(self.db, self.publisher, producer=self.name)
+        self._background.append(self.relay.run)
+        self._on_stop.append(self.publisher.close)
+        return self.relay
+
+    def add_background(self, factory: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        """Run ``factory()`` as a task for the life of the process; its failure stops the process."""
+        self._background.append(factory)
+
+    def add_on_stop(self, hook: Callable[[], Awaitable[None]]) -> None:
+        self._on_stop.append(hook)
+
+    def http_app(self, **kwargs: object) -> FastAPI:
+        """The service's FastAPI app with probes; readiness includes the database when open."""
+        checks = {}
+        if self.db is not None:
+            checks["database"] = self.db.ping
+        return make_app(self.name, readiness=checks, **kwargs)
+
+    async def run(
+        self,
+        *,
+        register: Sequence[Callable[[grpc.aio.Server], None]],
+        service_names: Iterable[str],
+        http: FastAPI | None = None,
+        max_concurrent_rpcs: int | None = None,
+    ) -> None:
+        """Start both servers and block until the process is told to stop."""
+        settings = self.settings
+        grpc_server = await serve(
+            service=self.name,
+            register=register,
+            service_names=service_names,
+            host=settings.host,
+            port=settings.grpc_port,
+            token=self.token,
+            default_deadline_s=settings.default_deadline_s,
+            max_concurrent_rpcs=max_concurrent_rpcs,
+        )
+        http_server = HttpServer(http or self.http_app(), settings.host, settings.http_port)
+        await http_server.start()
+        await run_forever(
+            ServiceParts(
+                name=self.name,
+                grpc=grpc_server,
+                http=http_server,
+                background=self._background,
+                on_stop=self._on_stop,
+            )
+        )

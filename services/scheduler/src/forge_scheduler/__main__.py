@@ -1,0 +1,35 @@
+"""Scheduler process: settings → database → service → gRPC + HTTP servers."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from forge.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+from forge_kit.app import ServiceApp
+from forge_scheduler.api import SchedulerApi
+from forge_scheduler.config import SchedulerSettings
+from forge_scheduler.service import SchedulerService
+
+
+async def main() -> None:
+    settings = SchedulerSettings()
+    app = ServiceApp(settings)
+    db = await app.open_database("scheduler.db", Path(__file__).parent / "migrations")
+    relay = app.enable_outbox()
+    service = SchedulerService(
+        db,
+        producer=app.name,
+        on_commit=relay.wake if relay else lambda: None,
+        watch_queue_size=settings.watch_queue_size,
+    )
+    api = SchedulerApi(service, heartbeat_interval_s=settings.heartbeat_interval_s, max_page_size=settings.max_page_size)
+    await app.run(
+        register=[lambda server: scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(api, server)],
+        service_names=[scheduler_pb2.DESCRIPTOR.services_by_name["SchedulerService"].full_name],
+    )
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

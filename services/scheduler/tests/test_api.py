@@ -1,0 +1,110 @@
+"""The scheduler's gRPC surface on a real server: auth, validation errors, agent sessions."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+from builders import make_job
+from forge.common.v1 import common_pb2
+from forge.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+from forge_kit.db import Database
+from forge_kit.grpckit import FIELD_METADATA_KEY, GrpcServer, make_channel, serve
+from forge_scheduler.api import SchedulerApi
+from forge_scheduler.service import SchedulerService
+
+pytestmark = pytest.mark.asyncio
+TOKEN = "test-token"
+
+
+@pytest.fixture
+async def server(db: Database) -> AsyncIterator[GrpcServer]:
+    api = SchedulerApi(SchedulerService(db), heartbeat_interval_s=1, max_page_size=100)
+    started = await serve(
+        service="scheduler",
+        register=[lambda s: scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(api, s)],
+        service_names=["forge.scheduler.v1.SchedulerService"],
+        host="127.0.0.1",
+        port=0,
+        token=TOKEN,
+        default_deadline_s=5,
+    )
+    yield started
+    await started.stop(0)
+
+
+@pytest.fixture
+async def stub(server: GrpcServer) -> AsyncIterator[scheduler_pb2_grpc.SchedulerServiceStub]:
+    async with make_channel(f"127.0.0.1:{server.port}", token=TOKEN) as channel:
+        yield scheduler_pb2_grpc.SchedulerServiceStub(channel)
+
+
+async def test_call_without_token_is_unauthenticated(server: GrpcServer) -> None:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await scheduler_pb2_grpc.SchedulerServiceStub(channel).ListTeams(scheduler_pb2.ListTeamsRequest())
+    assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+async def test_invalid_job_names_the_field(stub: scheduler_pb2_grpc.SchedulerServiceStub) -> None:
+    await stub.CreateTeam(scheduler_pb2.CreateTeamRequest(name="research"))
+    bad = make_job().priority("urgent").build()
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await stub.SubmitJob(scheduler_pb2.SubmitJobRequest(spec=bad))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert caught.value.details().startswith("spec.priority_class:")
+    assert (FIELD_METADATA_KEY, "spec.priority_class") in tuple(caught.value.trailing_metadata() or ())
+
+
+async def test_submit_get_list_and_page(stub: scheduler_pb2_grpc.SchedulerServiceStub) -> None:
+    await stub.CreateTeam(scheduler_pb2.CreateTeamRequest(name="research"))
+    ids = [(await stub.SubmitJob(scheduler_pb2.SubmitJobRequest(spec=make_job(f"j{i}").build()))).job.id for i in range(3)]
+    got = await stub.GetJob(scheduler_pb2.GetJobRequest(job_id=ids[0]))
+    assert got.job.spec.name == "j0" and got.job.state == common_pb2.JOB_STATE_PENDING
+    page1 = await stub.ListJobs(scheduler_pb2.ListJobsRequest(team="research", page=common_pb2.PageRequest(page_size=2)))
+    page2 = await stub.ListJobs(
+        scheduler_pb2.ListJobsRequest(team="research", page=common_pb2.PageRequest(page_size=2, page_token=page1.page.next_page_token))
+    )
+    assert {j.id for j in [*page1.jobs, *page2.jobs]} == set(ids) and page2.page.next_page_token == ""
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await stub.GetJob(scheduler_pb2.GetJobRequest(job_id="job-missing"))
+    assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_agent_session_registers_node_and_reports_job(stub: scheduler_pb2_grpc.SchedulerServiceStub) -> None:
+    await stub.CreateTeam(scheduler_pb2.CreateTeamRequest(name="research"))
+    job = (await stub.SubmitJob(scheduler_pb2.SubmitJobRequest(spec=make_job().build()))).job
+    register = scheduler_pb2.RegisterNode(node_name="node-a", gpus=[common_pb2.Gpu(index=0, type="H100", memory_mb=80_000)])
+    call = stub.AgentSession()
+    await call.write(scheduler_pb2.AgentSessionRequest(register_node=register))
+    ack = await call.read()
+    assert ack.register_ack.node_id.startswith("node-")
+    update = scheduler_pb2.JobStatusUpdate(job_id=job.id, state=common_pb2.JOB_STATE_RUNNING)
+    await call.write(scheduler_pb2.AgentSessionRequest(job_status_update=update))
+    for _ in range(50):
+        if (await stub.GetJob(scheduler_pb2.GetJobRequest(job_id=job.id))).job.state == common_pb2.JOB_STATE_RUNNING:
+            break
+        await asyncio.sleep(0.05)
+    assert (await stub.GetJob(scheduler_pb2.GetJobRequest(job_id=job.id))).job.state == common_pb2.JOB_STATE_RUNNING
+    nodes = await stub.ListNodes(scheduler_pb2.ListNodesRequest())
+    assert [(n.name, n.state) for n in nodes.nodes] == [("node-a", scheduler_pb2.NODE_STATE_READY)]
+    await call.done_writing()
+    for _ in range(50):
+        nodes = await stub.ListNodes(scheduler_pb2.ListNodesRequest())
+        if nodes.nodes[0].state == scheduler_pb2.NODE_STATE_NOT_READY:
+            break
+        await asyncio.sleep(0.05)
+    assert nodes.nodes[0].state == scheduler_pb2.NODE_STATE_NOT_READY
+
+
+async def test_session_must_start_with_registration(stub: scheduler_pb2_grpc.SchedulerServiceStub) -> None:
+    async def requests() -> AsyncIterator[scheduler_pb2.AgentSessionRequest]:
+        yield scheduler_pb2.AgentSessionRequest(heartbeat=scheduler_pb2.Heartbeat())
+
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        async for _ in stub.AgentSession(requests()):
+            pass
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -1,0 +1,126 @@
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import sqlalchemy as sa
+from builders import make_job
+from forge.common.v1 import common_pb2
+from forge.events.v1 import events_pb2
+from forge.scheduler.v1 import scheduler_pb2
+
+from forge_kit import errors
+from forge_kit.db import Database
+from forge_kit.events import OutboxEvent
+from forge_scheduler.service import SchedulerService
+
+pytestmark = pytest.mark.asyncio
+H100 = scheduler_pb2.Quota(gpu_type="H100", guaranteed_gpus=8, borrow_limit=8, weight=1)
+
+
+async def test_submit_queues_job_and_stages_event(service: SchedulerService, db: Database) -> None:
+    await service.create_team("research", "Research", [H100])
+    job = await service.submit_job(make_job().gpus(8).label("workflow_id", "wf-1").build())
+    assert job.state == common_pb2.JOB_STATE_PENDING
+    async with db.session() as session:
+        rows = (await session.scalars(sa.select(OutboxEvent))).all()
+    assert len(rows) == 1
+    event = events_pb2.JobStateChanged.FromString(rows[0].payload)
+    assert (event.job_id, event.state, event.labels["workflow_id"]) == (job.id, common_pb2.JOB_STATE_PENDING, "wf-1")
+    assert event.meta.producer == "scheduler" and event.meta.sequence == rows[0].sequence
+
+
+async def test_submit_is_idempotent_on_request_id(service: SchedulerService) -> None:
+    await service.create_team("research", "", [])
+    first = await service.submit_job(make_job().build(), request_id="r-1")
+    second = await service.submit_job(make_job().build(), request_id="r-1")
+    assert first.id == second.id
+    jobs, total = await service.list_jobs("research", [], 10, 0)
+    assert total == 1
+
+
+@pytest.mark.parametrize(
+    ("builder", "field"),
+    [
+        (make_job(team=""), "spec.team"),
+        (make_job(name="Bad_Name"), "spec.name"),
+        (make_job().priority("urgent"), "spec.priority_class"),
+        (make_job().gpus(8, gpu_type=""), "spec.resources.gpu_type"),
+    ],
+)
+async def test_invalid_spec_names_the_field_and_writes_nothing(service: SchedulerService, db: Database, builder, field: str) -> None:  # type: ignore[no-untyped-def]
+    await service.create_team("research", "", [])
+    with pytest.raises(errors.ValidationError) as caught:
+        await service.submit_job(builder.build())
+    assert caught.value.field == field
+    jobs, total = await service.list_jobs("", [], 10, 0)
+    assert total == 0
+
+
+async def test_unknown_team_is_rejected(service: SchedulerService) -> None:
+    with pytest.raises(errors.ValidationError) as caught:
+        await service.submit_job(make_job(team="nobody").build())
+    assert caught.value.field == "spec.team"
+
+
+async def test_cancel_is_terminal_and_idempotent(service: SchedulerService, db: Database) -> None:
+    await service.create_team("research", "", [])
+    job = await service.submit_job(make_job().build())
+    cancelled = await service.cancel_job(job.id, "not needed")
+    again = await service.cancel_job(job.id, "twice")
+    assert cancelled.state == again.state == common_pb2.JOB_STATE_CANCELLED
+    assert again.message == "not needed"
+    async with db.session() as session:
+        count = await session.scalar(sa.select(sa.func.count()).select_from(OutboxEvent))
+    assert count == 2
+
+
+async def test_teams_and_quotas(service: SchedulerService) -> None:
+    await service.create_team("research", "Research", [H100])
+    with pytest.raises(errors.AlreadyExistsError):
+        await service.create_team("research", "", [])
+    team = await service.set_quota("research", scheduler_pb2.Quota(gpu_type="H100", guaranteed_gpus=16, weight=2))
+    assert [(q.gpu_type, q.guaranteed_gpus, q.weight) for q in team.quotas] == [("H100", 16, 2.0)]
+    with pytest.raises(errors.NotFoundError):
+        await service.set_quota("nobody", H100)
+
+
+async def test_agent_reports_move_job_and_queue_stats(service: SchedulerService) -> None:
+    await service.create_team("research", "", [])
+    job = await service.submit_job(make_job().gpus(4).replicas(2).build())
+    await service.register_node(scheduler_pb2.RegisterNode(node_name="node-a"))
+    await service.update_job_status("node-a", scheduler_pb2.JobStatusUpdate(job_id=job.id, state=common_pb2.JOB_STATE_RUNNING))
+    [stats] = await service.queue_stats("research")
+    assert (stats.pending_jobs, stats.running_jobs, stats.gpus_in_use) == (0, 1, 8)
+    done = await service.update_job_status("node-a", scheduler_pb2.JobStatusUpdate(job_id=job.id, state=common_pb2.JOB_STATE_SUCCEEDED))
+    assert done is not None and done.finished_at is not None
+    late = await service.update_job_status("node-a", scheduler_pb2.JobStatusUpdate(job_id=job.id, state=common_pb2.JOB_STATE_FAILED))
+    assert late is None
+
+
+async def test_watch_sends_initial_state_then_changes(service: SchedulerService) -> None:
+    await service.create_team("research", "", [])
+    job = await service.submit_job(make_job().build())
+    stream = service.watch("research", [], send_initial=True)
+    first = await anext(stream)
+    assert first.id == job.id and first.state == common_pb2.JOB_STATE_PENDING
+    pending = asyncio.ensure_future(anext(stream))
+    await asyncio.sleep(0)
+    await service.cancel_job(job.id, "stop")
+    changed = await asyncio.wait_for(pending, 2)
+    assert changed.state == common_pb2.JOB_STATE_CANCELLED
+    await stream.aclose()
+
+
+async def test_slow_watcher_is_dropped_not_buffered_forever(db: Database) -> None:
+    service = SchedulerService(db, watch_queue_size=2)
+    await service.create_team("research", "", [])
+    stream = service.watch("research", [], send_initial=False)
+    waiting = asyncio.ensure_future(anext(stream))
+    await asyncio.sleep(0)
+    for _ in range(5):
+        await service.submit_job(make_job().build())
+    await waiting
+    with pytest.raises(errors.OverloadedError):
+        for _ in range(5):
+            await anext(stream)
