@@ -63,7 +63,8 @@ class Database:
         """Upgrade this database to the newest revision in ``migrations_dir``."""
         config = Config()
         config.set_main_option("script_location", str(migrations_dir))
-        config.set_main_option("sqlalchemy.url", self.url)
+        # Alembic's config is a ConfigParser: a literal "%" (URL-encoded passwords) must be doubled.
+        config.set_main_option("sqlalchemy.url", self.url.replace("%", "%%"))
 
         def upgrade(connection: Connection) -> None:
             config.attributes["connection"] = connection

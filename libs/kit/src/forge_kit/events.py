@@ -18,6 +18,7 @@ Delivery is at least once end to end:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
 import random
 import uuid
@@ -55,9 +56,7 @@ HEADER_ID = "forge-event-id"
 HEADER_PRODUCER = "forge-producer"
 
 EVENTS_PUBLISHED = Counter("forge_events_published_total", "Events sent to Kafka", ["topic"])
-EVENTS_CONSUMED = Counter(
-    "forge_events_consumed_total", "Events handled", ["group", "topic", "outcome"]
-)
+EVENTS_CONSUMED = Counter("forge_events_consumed_total", "Events handled", ["group", "topic", "outcome"])
 OUTBOX_PENDING = Gauge("forge_outbox_pending", "Outbox rows not yet published")
 
 
@@ -156,7 +155,9 @@ async def stage_event(session: AsyncSession, message: Message, *, producer: str,
 class Publisher(Protocol):
     """Sends one record to Kafka. Called by :class:`OutboxRelay` and by direct publishers."""
 
-    async def send(self, topic: str, value: bytes, *, key: bytes | None, headers: list[tuple[str, bytes]]) -> None:
+    async def send(
+        self, topic: str, value: bytes, *, key: bytes | None, headers: list[tuple[str, bytes]]
+    ) -> None:
         """Send and wait for the broker's acknowledgement; raise on failure."""
 
 
@@ -186,7 +187,9 @@ class KafkaPublisher:
             self._producer = producer
         return self._producer
 
-    async def send(self, topic: str, value: bytes, *, key: bytes | None, headers: list[tuple[str, bytes]]) -> None:
+    async def send(
+        self, topic: str, value: bytes, *, key: bytes | None, headers: list[tuple[str, bytes]]
+    ) -> None:
         producer = await self._ensure()
         try:
             await producer.send_and_wait(topic, value, key=key, headers=headers)
@@ -295,7 +298,9 @@ class OutboxRelay:
         cutoff = _utcnow() - self._retention
         async with self._db.session() as session:
             result = await session.execute(
-                sa.delete(OutboxEvent).where(OutboxEvent.published_at.is_not(None), OutboxEvent.published_at < cutoff)
+                sa.delete(OutboxEvent).where(
+                    OutboxEvent.published_at.is_not(None), OutboxEvent.published_at < cutoff
+                )
             )
         return int(result.rowcount or 0)  # type: ignore[attr-defined]
 
@@ -303,6 +308,8 @@ class OutboxRelay:
         """Relay forever: drain, then sleep until woken or the poll interval passes."""
         failures = 0
         while True:
+            # Cleared before looking, so a wake() during relay_once() is not lost.
+            self._wake.clear()
             try:
                 sent = await self.relay_once()
                 failures = 0
@@ -317,11 +324,8 @@ class OutboxRelay:
                 log.warning("outbox.publish_failed", error=repr(exc), retry_in_s=round(delay, 2))
                 await asyncio.sleep(delay)
                 continue
-            self._wake.clear()
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout=self._poll_interval_s)
-            except TimeoutError:
-                pass
 
 
 Handler = Callable[[Message, AsyncSession], Awaitable[None]]
@@ -346,6 +350,7 @@ class EventConsumer:
         handler: Handler,
         max_attempts: int = 3,
         auto_offset_reset: str = "earliest",
+        session_timeout_ms: int = 10_000,
     ) -> None:
         self._db = db
         self._bootstrap = bootstrap
@@ -354,6 +359,8 @@ class EventConsumer:
         self._handler = handler
         self._max_attempts = max_attempts
         self._auto_offset_reset = auto_offset_reset
+        # How soon a dead member's partitions move to a live one; a join also waits about this long.
+        self._session_timeout_ms = session_timeout_ms
         self._consumer: AIOKafkaConsumer | None = None
 
     async def start(self) -> None:
@@ -366,8 +373,8 @@ class EventConsumer:
                 group_id=self._group_id,
                 enable_auto_commit=False,
                 auto_offset_reset=self._auto_offset_reset,
-                session_timeout_ms=10_000,
-                heartbeat_interval_ms=1_000,
+                session_timeout_ms=self._session_timeout_ms,
+                heartbeat_interval_ms=max(100, min(1_000, self._session_timeout_ms // 3)),
             )
             try:
                 await consumer.start()
@@ -382,9 +389,14 @@ class EventConsumer:
 
     async def handle(self, record: ConsumerRecord) -> bool:  # type: ignore[type-arg]
         """Apply one record; True when the handler ran, False when it was a duplicate."""
-        headers = {k: v.decode() for k, v in (record.headers or ())}
+        headers = {k: v.decode(errors="replace") for k, v in (record.headers or ())}
         event_type = headers.get(HEADER_TYPE, "")
-        event = decode_event(event_type, record.value)
+        try:
+            event = decode_event(event_type, record.value)
+        except Exception as exc:  # noqa: BLE001 - a record nobody can decode must not stall the partition
+            log.warning("consumer.undecodable", group=self._group_id, event_type=event_type, error=repr(exc))
+            await self._dead_letter(record, event_type, f"undecodable: {exc!r}")
+            return False
         event_id = headers.get(HEADER_ID) or event.meta.event_id  # type: ignore[attr-defined]
         for attempt in range(1, self._max_attempts + 1):
             try:
@@ -394,28 +406,39 @@ class EventConsumer:
                         EVENTS_CONSUMED.labels(self._group_id, record.topic, "duplicate").inc()
                         return False
                     await self._handler(event, session)
-                    session.add(ProcessedEvent(consumer_group=self._group_id, event_id=event_id, topic=record.topic))
+                    session.add(
+                        ProcessedEvent(consumer_group=self._group_id, event_id=event_id, topic=record.topic)
+                    )
                 EVENTS_CONSUMED.labels(self._group_id, record.topic, "applied").inc()
                 return True
             except Exception as exc:  # noqa: BLE001 - a handler error must not kill the consumer
-                log.warning("consumer.handler_failed", group=self._group_id, event_id=event_id, attempt=attempt, error=repr(exc))
+                log.warning(
+                    "consumer.handler_failed",
+                    group=self._group_id,
+                    event_id=event_id,
+                    attempt=attempt,
+                    error=repr(exc),
+                )
                 if attempt == self._max_attempts:
-                    async with self._db.session() as session:
-                        session.add(
-                            DeadLetter(
-                                consumer_group=self._group_id,
-                                topic=record.topic,
-                                partition=record.partition,
-                                offset=record.offset,
-                                event_type=event_type,
-                                payload=record.value,
-                                error=repr(exc),
-                            )
-                        )
-                    EVENTS_CONSUMED.labels(self._group_id, record.topic, "dead_letter").inc()
+                    await self._dead_letter(record, event_type, repr(exc))
                     return False
                 await asyncio.sleep(0.1 * 2**attempt * random.uniform(0.5, 1.0))
         return False
+
+    async def _dead_letter(self, record: ConsumerRecord, event_type: str, error: str) -> None:  # type: ignore[type-arg]
+        async with self._db.session() as session:
+            session.add(
+                DeadLetter(
+                    consumer_group=self._group_id,
+                    topic=record.topic,
+                    partition=record.partition,
+                    offset=record.offset,
+                    event_type=event_type,
+                    payload=record.value or b"",
+                    error=error,
+                )
+            )
+        EVENTS_CONSUMED.labels(self._group_id, record.topic, "dead_letter").inc()
 
     async def run(self) -> None:
         """Consume until cancelled."""
@@ -428,7 +451,13 @@ class EventConsumer:
             for tp, records in batches.items():
                 for record in records:
                     await self.handle(record)
-                    await consumer.commit({TopicPartition(tp.topic, tp.partition): record.offset + 1})
+                    try:
+                        await consumer.commit({TopicPartition(tp.topic, tp.partition): record.offset + 1})
+                    except KafkaError as exc:
+                        # Lost the partition (rebalance) or the broker: whoever reads it next
+                        # replays from the last committed offset, and dedupe makes that harmless.
+                        log.warning("consumer.commit_failed", group=self._group_id, error=repr(exc))
+                        break
 
     async def stop(self) -> None:
         if self._consumer is not None:
@@ -445,9 +474,7 @@ async def ensure_topics(bootstrap: str, topics: Iterable[str] | None = None, par
         existing = set(await admin.list_topics())
         missing = [NewTopic(name, partitions, 1) for name in names if name not in existing]
         if missing:
-            try:
+            with contextlib.suppress(TopicAlreadyExistsError):
                 await admin.create_topics(missing)
-            except TopicAlreadyExistsError:
-                pass
     finally:
         await admin.close()

@@ -21,13 +21,15 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import json
+import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import grpc
 import structlog
+from grpc_health.v1 import _async as health_aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import Counter, Histogram
@@ -36,9 +38,7 @@ from forge_kit import errors
 
 log = structlog.get_logger(__name__)
 
-GRPC_REQUESTS = Counter(
-    "forge_grpc_requests_total", "gRPC calls handled", ["service", "method", "code"]
-)
+GRPC_REQUESTS = Counter("forge_grpc_requests_total", "gRPC calls handled", ["service", "method", "code"])
 GRPC_LATENCY = Histogram(
     "forge_grpc_request_seconds",
     "gRPC handling time",
@@ -64,6 +64,13 @@ def remaining_deadline() -> float | None:
     return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
+def _token_matches(header: str | bytes | None, token: str) -> bool:
+    if header is None:
+        return False
+    presented = header if isinstance(header, bytes) else header.encode()
+    return secrets.compare_digest(presented, f"Bearer {token}".encode())
+
+
 def _status_for(exc: BaseException) -> tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]]:
     if isinstance(exc, errors.ValidationError):
         return grpc.StatusCode.INVALID_ARGUMENT, exc.message, ((FIELD_METADATA_KEY, exc.field),)
@@ -79,6 +86,9 @@ def _status_for(exc: BaseException) -> tuple[grpc.StatusCode, str, tuple[tuple[s
     if isinstance(exc, errors.UnauthenticatedError):
         return grpc.StatusCode.UNAUTHENTICATED, exc.message, ()
     if isinstance(exc, asyncio.TimeoutError | TimeoutError):
+        return grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded", ()
+    if isinstance(exc, grpc.aio.AioRpcError) and exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
+        # A downstream call ran out of the deadline it inherited from this call.
         return grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded", ()
     return grpc.StatusCode.INTERNAL, "internal error", ()
 
@@ -103,7 +113,7 @@ class ForgeServerInterceptor(grpc.aio.ServerInterceptor):
         if method.startswith(OPEN_METHOD_PREFIXES):
             return handler
         metadata = dict(handler_call_details.invocation_metadata or ())
-        authorized = self._token is None or metadata.get("authorization") == f"Bearer {self._token}"
+        authorized = self._token is None or _token_matches(metadata.get("authorization"), self._token)
         return _wrap_handler(handler, self, method, authorized)
 
     def _enter(self, context: grpc.aio.ServicerContext) -> float:
@@ -111,9 +121,7 @@ class ForgeServerInterceptor(grpc.aio.ServerInterceptor):
         budget = self._default_deadline_s if remaining is None else remaining
         return time.monotonic() + budget
 
-    async def _fail(
-        self, context: grpc.aio.ServicerContext, method: str, exc: BaseException
-    ) -> None:
+    async def _fail(self, context: grpc.aio.ServicerContext, method: str, exc: BaseException) -> None:
         code, message, trailers = _status_for(exc)
         if code is grpc.StatusCode.INTERNAL:
             log.exception("grpc.unhandled", method=method)
@@ -122,9 +130,15 @@ class ForgeServerInterceptor(grpc.aio.ServerInterceptor):
             context.set_trailing_metadata(trailers)
         await context.abort(code, message)
 
-    def _done(self, method: str, started: float) -> None:
-        GRPC_REQUESTS.labels(self._service, method, "OK").inc()
+    def _done(self, method: str, started: float, code: str = "OK") -> None:
+        GRPC_REQUESTS.labels(self._service, method, code).inc()
         GRPC_LATENCY.labels(self._service, method).observe(time.monotonic() - started)
+
+    def _aborted(self, context: grpc.aio.ServicerContext, method: str, started: float) -> None:
+        # The handler aborted with a status of its own choosing; count it under that status.
+        code = context.code()
+        name = code.name if isinstance(code, grpc.StatusCode) else "UNKNOWN"
+        self._done(method, started, name)
 
 
 def _wrap_handler(
@@ -149,9 +163,12 @@ def _wrap_handler(
                 response = await asyncio.wait_for(
                     behavior(request, context), timeout=max(0.0, deadline - time.monotonic())
                 )
-            except (grpc.aio.AbortError, asyncio.CancelledError):
+            except grpc.aio.AbortError:
+                icpt._aborted(context, method, started)
                 raise
-            except BaseException as exc:  # noqa: BLE001 - every error becomes a status
+            except asyncio.CancelledError:
+                raise
+            except BaseException as exc:
                 await icpt._fail(context, method, exc)
                 raise
             finally:
@@ -174,9 +191,12 @@ def _wrap_handler(
             try:
                 async for item in behavior(request, context):
                     yield item
-            except (grpc.aio.AbortError, asyncio.CancelledError, GeneratorExit):
+            except grpc.aio.AbortError:
+                icpt._aborted(context, method, started)
                 raise
-            except BaseException as exc:  # noqa: BLE001
+            except (asyncio.CancelledError, GeneratorExit):
+                raise
+            except BaseException as exc:
                 await icpt._fail(context, method, exc)
                 raise
             finally:
@@ -185,26 +205,28 @@ def _wrap_handler(
 
         return run
 
-    if handler.unary_unary:
+    # grpc's type stubs describe sync handlers; a grpc.aio server's handlers are coroutines.
+    raw = cast(Any, handler)
+    if raw.unary_unary:
         return grpc.unary_unary_rpc_method_handler(
-            unary_response(handler.unary_unary),
+            unary_response(raw.unary_unary),
             request_deserializer=handler.request_deserializer,
             response_serializer=handler.response_serializer,
         )
-    if handler.stream_unary:
+    if raw.stream_unary:
         return grpc.stream_unary_rpc_method_handler(
-            unary_response(handler.stream_unary),
+            unary_response(raw.stream_unary),
             request_deserializer=handler.request_deserializer,
             response_serializer=handler.response_serializer,
         )
-    if handler.unary_stream:
+    if raw.unary_stream:
         return grpc.unary_stream_rpc_method_handler(
-            stream_response(handler.unary_stream),
+            stream_response(raw.unary_stream),
             request_deserializer=handler.request_deserializer,
             response_serializer=handler.response_serializer,
         )
     return grpc.stream_stream_rpc_method_handler(
-        stream_response(handler.stream_stream),
+        stream_response(raw.stream_stream),
         request_deserializer=handler.request_deserializer,
         response_serializer=handler.response_serializer,
     )
@@ -216,16 +238,16 @@ class GrpcServer:
 
     server: grpc.aio.Server
     port: int
-    health: health.aio.HealthServicer
+    health: health_aio.HealthServicer
+    service_names: tuple[str, ...] = ()
 
     async def set_serving(self, serving: bool) -> None:
-        """Mark every registered service SERVING or NOT_SERVING."""
+        """Mark every registered service (and the server as a whole, ``""``) SERVING or NOT_SERVING."""
         status = (
-            health_pb2.HealthCheckResponse.SERVING
-            if serving
-            else health_pb2.HealthCheckResponse.NOT_SERVING
+            health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         )
-        await self.health.set("", status)
+        for name in ("", *self.service_names):
+            await self.health.set(name, status)
 
     async def stop(self, grace_s: float = 5.0) -> None:
         """Stop accepting calls, let in-flight calls finish within ``grace_s``."""
@@ -257,18 +279,16 @@ async def serve(
     )
     for add in register:
         add(server)
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = list(service_names)
-    reflection.enable_server_reflection(
-        [*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
-    )
+    reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     bound = server.add_insecure_port(f"{host}:{port}")
     await server.start()
     for name in names:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    return GrpcServer(server=server, port=bound, health=health_servicer)
+    return GrpcServer(server=server, port=bound, health=health_servicer, service_names=tuple(names))
 
 
 class _ClientInterceptor(
@@ -309,6 +329,53 @@ class _ClientInterceptor(
 
     async def intercept_stream_stream(self, continuation, client_call_details, request_iterator):  # type: ignore[no-untyped-def,override]
         return await continuation(self._details(client_call_details), request_iterator)
+
+
+# grpc.aio files an interceptor under the FIRST call type it implements (an if/elif chain), so
+# one interceptor implementing all four would only ever see unary-unary calls. Register one
+# delegate per call type instead.
+class _UnaryUnaryDelegate(grpc.aio.UnaryUnaryClientInterceptor):
+    def __init__(self, inner: _ClientInterceptor) -> None:
+        self._inner = inner
+
+    async def intercept_unary_unary(self, continuation, client_call_details, request):  # type: ignore[no-untyped-def,override]
+        return await self._inner.intercept_unary_unary(continuation, client_call_details, request)
+
+
+class _UnaryStreamDelegate(grpc.aio.UnaryStreamClientInterceptor):
+    def __init__(self, inner: _ClientInterceptor) -> None:
+        self._inner = inner
+
+    async def intercept_unary_stream(self, continuation, client_call_details, request):  # type: ignore[no-untyped-def,override]
+        return await self._inner.intercept_unary_stream(continuation, client_call_details, request)
+
+
+class _StreamUnaryDelegate(grpc.aio.StreamUnaryClientInterceptor):
+    def __init__(self, inner: _ClientInterceptor) -> None:
+        self._inner = inner
+
+    async def intercept_stream_unary(self, continuation, client_call_details, request_iterator):  # type: ignore[no-untyped-def,override]
+        return await self._inner.intercept_stream_unary(continuation, client_call_details, request_iterator)
+
+
+class _StreamStreamDelegate(grpc.aio.StreamStreamClientInterceptor):
+    def __init__(self, inner: _ClientInterceptor) -> None:
+        self._inner = inner
+
+    async def intercept_stream_stream(self, continuation, client_call_details, request_iterator):  # type: ignore[no-untyped-def,override]
+        return await self._inner.intercept_stream_stream(continuation, client_call_details, request_iterator)
+
+
+def client_interceptors(token: str | None) -> list[grpc.aio.ClientInterceptor]:
+    """Auth and deadline-propagation interceptors, one per call type."""
+    inner = _ClientInterceptor(token)
+    delegates: list[Any] = [
+        _UnaryUnaryDelegate(inner),
+        _UnaryStreamDelegate(inner),
+        _StreamUnaryDelegate(inner),
+        _StreamStreamDelegate(inner),
+    ]
+    return delegates
 
 
 def retry_service_config(
@@ -352,7 +419,7 @@ def make_channel(
             ("grpc.service_config", retry_service_config(max_attempts, initial_backoff_s, max_backoff_s)),
             ("grpc.max_receive_message_length", 64 * 1024 * 1024),
         ],
-        interceptors=[_ClientInterceptor(token)],
+        interceptors=client_interceptors(token),
     )
 
 

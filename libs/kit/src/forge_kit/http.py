@@ -7,8 +7,10 @@ as a stack trace. ``require_token`` is the bearer-token dependency for HTTP APIs
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import math
 import secrets
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -21,14 +23,18 @@ from forge_kit import errors
 ReadinessCheck = Callable[[], Awaitable[bool]]
 
 
-def _error(status: int, code: str, message: str, field: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+def _error(
+    status: int, code: str, message: str, field: str | None = None, headers: dict[str, str] | None = None
+) -> JSONResponse:
     body: dict[str, object] = {"error": {"code": code, "message": message}}
     if field is not None:
         body["error"]["field"] = field  # type: ignore[index]
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-def make_app(service: str, readiness: dict[str, ReadinessCheck] | None = None, **kwargs: object) -> FastAPI:
+def make_app(
+    service: str, readiness: Mapping[str, ReadinessCheck] | None = None, **kwargs: object
+) -> FastAPI:
     """A FastAPI app with the probes every Forge HTTP server has.
 
     ``readiness`` maps a dependency name to a check; ``/readyz`` is 200 only when all pass.
@@ -40,9 +46,15 @@ def make_app(service: str, readiness: dict[str, ReadinessCheck] | None = None, *
     async def healthz() -> dict[str, str]:
         return {"status": "ok", "service": service}
 
+    async def run_check(check: ReadinessCheck) -> bool:
+        try:
+            return bool(await check())
+        except Exception:  # noqa: BLE001 - a failing dependency means not ready, not a 500
+            return False
+
     @app.get("/readyz", include_in_schema=False)
     async def readyz() -> Response:
-        results = {name: await check() for name, check in checks.items()}
+        results = {name: await run_check(check) for name, check in checks.items()}
         status = 200 if all(results.values()) else 503
         return JSONResponse({"ready": status == 200, "checks": results}, status_code=status)
 
@@ -74,12 +86,17 @@ def make_app(service: str, readiness: dict[str, ReadinessCheck] | None = None, *
 
     @app.exception_handler(errors.OverloadedError)
     async def _overloaded(_: Request, exc: errors.OverloadedError) -> JSONResponse:
-        retry = str(max(1, round(exc.retry_after_s)))
+        # Round up: a client that waits less than asked for is refused again.
+        retry = str(max(1, math.ceil(exc.retry_after_s)))
         return _error(429, "resource_exhausted", exc.message, headers={"Retry-After": retry})
 
     @app.exception_handler(errors.UnauthenticatedError)
     async def _unauthenticated(_: Request, exc: errors.UnauthenticatedError) -> JSONResponse:
         return _error(401, "unauthenticated", exc.message, headers={"WWW-Authenticate": "Bearer"})
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception) -> JSONResponse:
+        return _error(500, "internal", "internal error")
 
     return app
 
@@ -101,13 +118,16 @@ class HttpServer:
     """uvicorn running inside the service's event loop; ``port`` is known once started."""
 
     def __init__(self, app: FastAPI, host: str, port: int) -> None:
-        self._config = uvicorn.Config(app, host=host, port=port, log_config=None, access_log=False, lifespan="off")
+        self._config = uvicorn.Config(
+            app, host=host, port=port, log_config=None, access_log=False, lifespan="off"
+        )
         self._server = uvicorn.Server(self._config)
         self._task: asyncio.Task[None] | None = None
         self.port = port
 
     async def start(self) -> None:
-        self._server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+        # The service's runtime owns SIGTERM/SIGINT; uvicorn must not take them over.
+        self._server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]
         self._task = asyncio.create_task(self._server.serve())
         while not self._server.started:
             if self._task.done():

@@ -8,6 +8,7 @@ place, so a reader sees the whole object or nothing.
 from __future__ import annotations
 
 import posixpath
+import re
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -15,6 +16,9 @@ from typing import IO
 
 import fsspec
 from fsspec.core import url_to_fs
+
+#: Suffix of an object still being written by :meth:`ObjectStore.open_atomic`.
+_TMP_SUFFIX = re.compile(r"\.tmp-[0-9a-f]{32}$")
 
 
 class ObjectStore:
@@ -29,7 +33,7 @@ class ObjectStore:
     def path(self, key: str) -> str:
         """The backend path of ``key``; rejects keys that escape the root."""
         clean = posixpath.normpath(key.lstrip("/"))
-        if clean.startswith("..") or clean == ".":
+        if clean in (".", "..") or clean.startswith("../") or "\x00" in clean:
             raise ValueError(f"invalid object key: {key!r}")
         return f"{self.root}/{clean}"
 
@@ -51,13 +55,13 @@ class ObjectStore:
             return handle.read()  # type: ignore[no-any-return]
 
     def list(self, prefix: str = "") -> list[str]:
-        """Keys under ``prefix``, recursively, sorted."""
+        """Keys under ``prefix``, recursively, sorted; objects still being written are left out."""
         base = self.path(prefix) if prefix else self.root
         if not self.fs.exists(base):
             return []
         found = self.fs.find(base)
         strip = len(self.root) + 1
-        return sorted(str(p)[strip:] for p in found)
+        return sorted(str(p)[strip:] for p in found if not _TMP_SUFFIX.search(str(p)))
 
     def delete(self, key: str, recursive: bool = False) -> None:
         if self.exists(key):

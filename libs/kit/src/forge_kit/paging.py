@@ -9,7 +9,9 @@ from forge.common.v1 import common_pb2
 from forge_kit import errors
 
 
-def decode_page(page: common_pb2.PageRequest, *, default_size: int = 50, max_size: int = 500) -> tuple[int, int]:
+def decode_page(
+    page: common_pb2.PageRequest, *, default_size: int = 50, max_size: int = 500
+) -> tuple[int, int]:
     """(page_size, offset) of a request; an unreadable token is an INVALID_ARGUMENT on ``page.page_token``."""
     size = page.page_size or default_size
     if size > max_size:

@@ -33,13 +33,24 @@ class ServiceParts:
     on_stop: Sequence[Callable[[], Awaitable[None]]] = field(default_factory=list)
 
 
+def _write_ready_file(path: str, ports: dict[str, int | None]) -> None:
+    # Written under a temporary name and renamed, so a reader never sees half a file.
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as handle:
+        json.dump(ports, handle)
+    os.replace(tmp, path)
+
+
 async def run_forever(parts: ServiceParts, ready_file: str | None = None) -> None:
     """Start background tasks, announce ports, wait for a signal, stop everything in reverse order."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    tasks = [asyncio.create_task(factory(), name=f"{parts.name}-bg-{i}") for i, factory in enumerate(parts.background)]
+    tasks = [
+        asyncio.create_task(factory(), name=f"{parts.name}-bg-{i}")
+        for i, factory in enumerate(parts.background)
+    ]
     ports = {
         "grpc_port": parts.grpc.port if parts.grpc else None,
         "http_port": parts.http.port if parts.http else None,
@@ -48,17 +59,14 @@ async def run_forever(parts: ServiceParts, ready_file: str | None = None) -> Non
     log.info("service.started", service=parts.name, **ports)
     ready_file = ready_file or os.environ.get("FORGE_READY_FILE")
     if ready_file:
-        tmp = f"{ready_file}.tmp"
-        with open(tmp, "w") as handle:
-            json.dump(ports, handle)
-        os.replace(tmp, ready_file)
+        _write_ready_file(ready_file, ports)
 
     async def watch(task: asyncio.Task[None]) -> None:
         try:
             await task
         except asyncio.CancelledError:
             return
-        except Exception:  # noqa: BLE001 - a dead background loop makes the process unhealthy
+        except Exception:  # a dead background loop makes the process unhealthy
             log.exception("service.background_failed", task=task.get_name())
             stop.set()
 

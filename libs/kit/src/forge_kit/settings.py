@@ -22,13 +22,15 @@ def service_config(service: str) -> SettingsConfigDict:
         extra="forbid",
         validate_default=True,
         env_nested_delimiter="__",
+        use_attribute_docstrings=True,
     )
 
 
 class ForgeSettings(BaseSettings):
     """Base for every settings class: rejects unknown keys, including unknown prefixed env vars."""
 
-    model_config = SettingsConfigDict(extra="forbid")
+    # Attribute docstrings become field descriptions, so ``--help`` and docs can show them.
+    model_config = SettingsConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     @model_validator(mode="before")
     @classmethod

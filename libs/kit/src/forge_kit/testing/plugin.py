@@ -3,19 +3,38 @@
 Integration fixtures start real servers once per session: ``kafka_broker`` (Tansu),
 ``temporal_server`` (Temporal dev server); ``postgres_url`` makes a fresh database on the
 PostgreSQL at ``FORGE_TEST_POSTGRES`` (default 127.0.0.1:5432) and drops it afterwards;
-``redis_url`` points at the Redis at ``FORGE_TEST_REDIS`` (default 127.0.0.1:6379).
+``redis_url`` points at the Redis at ``FORGE_TEST_REDIS_URL`` (default redis://127.0.0.1:6379/0).
+It also registers the ``integration`` marker (tests that start real servers).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Coroutine, Iterator
+from typing import Any
 
 import pytest
 
 from forge_kit.testing.processes import TansuBroker, TemporalDevServer, free_port
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "integration: starts real servers (broker, databases, gRPC)")
+
+
+def _run_sync(coro: Coroutine[Any, Any, None]) -> None:
+    """Run ``coro`` to completion, also when called from inside a running event loop
+    (an async fixture asking for a sync one through ``request.getfixturevalue``)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        asyncio.run(coro)
+        return
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        pool.submit(asyncio.run, coro).result()
 
 
 @pytest.fixture
@@ -56,11 +75,11 @@ def postgres_url() -> Iterator[str]:
             await conn.close()
 
     try:
-        asyncio.run(admin(f'CREATE DATABASE "{name}"'))
+        _run_sync(admin(f'CREATE DATABASE "{name}"'))
     except (OSError, asyncpg.PostgresError) as exc:
         pytest.fail(f"PostgreSQL at {server} is required for this test: {exc}")
     yield f"postgresql+asyncpg://{server}/{name}"
-    asyncio.run(admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    _run_sync(admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
 
 
 @pytest.fixture

