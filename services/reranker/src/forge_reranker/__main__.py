@@ -1,0 +1,31 @@
+"""Reranker process: settings → scorer and score cache → gRPC + HTTP servers (no database)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from forge.rerank.v1 import rerank_pb2, rerank_pb2_grpc
+
+from forge_kit.app import ServiceApp
+from forge_kit.cache import make_cache
+from forge_reranker.api import RerankerApi
+from forge_reranker.config import RerankerSettings
+from forge_reranker.scoring import LexicalScorer
+from forge_reranker.service import RerankerService
+
+
+async def main() -> None:
+    settings = RerankerSettings()
+    app = ServiceApp(settings)
+    cache = make_cache(settings.redis_url, app.name)
+    app.add_on_stop(cache.close)
+    scorer = LexicalScorer(k1=settings.bm25_k1, b=settings.bm25_b, phrase_bonus=settings.phrase_bonus)
+    api = RerankerApi(RerankerService(scorer, cache, settings))
+    await app.run(
+        register=[lambda server: rerank_pb2_grpc.add_RerankerServiceServicer_to_server(api, server)],
+        service_names=[rerank_pb2.DESCRIPTOR.services_by_name["RerankerService"].full_name],
+    )
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

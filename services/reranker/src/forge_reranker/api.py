@@ -1,0 +1,23 @@
+"""gRPC servicer of ``forge.rerank.v1.RerankerService``: translation only."""
+
+from __future__ import annotations
+
+import grpc
+from forge.rerank.v1 import rerank_pb2, rerank_pb2_grpc
+
+from forge_reranker.service import PassageIn, RerankerService
+
+
+class RerankerApi(rerank_pb2_grpc.RerankerServiceServicer):
+    def __init__(self, service: RerankerService) -> None:
+        self._service = service
+
+    async def Rerank(
+        self, request: rerank_pb2.RerankRequest, context: grpc.aio.ServicerContext
+    ) -> rerank_pb2.RerankResponse:
+        passages = [PassageIn(id=p.id, text=p.text) for p in request.passages]
+        ranked = await self._service.rerank(request.query, passages, request.top_n, request.model)
+        return rerank_pb2.RerankResponse(
+            results=[rerank_pb2.RankedPassage(id=r.id, score=r.score, index=r.index) for r in ranked],
+            model=self._service.model,
+        )

@@ -1,0 +1,45 @@
+"""Retriever process: settings → database → index (rebuilt from the database if stale) → servers."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from forge.retrieval.v1 import retrieval_pb2, retrieval_pb2_grpc
+
+from forge_kit.app import ServiceApp
+from forge_kit.http import make_app
+from forge_retriever.api import RetrieverApi
+from forge_retriever.config import RetrieverSettings
+from forge_retriever.index import QdrantEdgeIndex
+from forge_retriever.service import RetrieverService
+
+
+async def main() -> None:
+    settings = RetrieverSettings()
+    app = ServiceApp(settings)
+    db = await app.open_database("retriever.db", Path(__file__).parent / "migrations")
+    relay = app.enable_outbox()
+    index = QdrantEdgeIndex(Path(settings.data_dir) / "index")
+    app.add_on_stop(lambda: asyncio.to_thread(index.close))
+    service = RetrieverService(
+        db, index, settings, producer=app.name, on_commit=relay.wake if relay else lambda: None
+    )
+    await service.reconcile_index()
+
+    async def index_ready() -> bool:
+        return service.index_ready
+
+    await app.run(
+        register=[
+            lambda server: retrieval_pb2_grpc.add_RetrieverServiceServicer_to_server(
+                RetrieverApi(service), server
+            )
+        ],
+        service_names=[retrieval_pb2.DESCRIPTOR.services_by_name["RetrieverService"].full_name],
+        http=make_app(app.name, readiness={"database": db.ping, "index": index_ready}),
+    )
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

@@ -1,0 +1,81 @@
+"""gRPC servicer of ``forge.retrieval.v1.RetrieverService``: translation only."""
+
+from __future__ import annotations
+
+import grpc
+from forge.retrieval.v1 import retrieval_pb2, retrieval_pb2_grpc
+
+from forge_kit import errors
+from forge_retriever.service import DocumentIn, RetrieverService, SearchMode
+
+#: Trailing metadata key telling how a Search was scored (``sparse`` for a HYBRID request served by
+#: BM25 alone); SearchResponse has no field for it.
+SEARCH_MODE_METADATA_KEY = "forge-search-mode"
+
+_MODES = {
+    retrieval_pb2.SEARCH_MODE_UNSPECIFIED: SearchMode.HYBRID,
+    retrieval_pb2.SEARCH_MODE_HYBRID: SearchMode.HYBRID,
+    retrieval_pb2.SEARCH_MODE_DENSE: SearchMode.DENSE,
+    retrieval_pb2.SEARCH_MODE_SPARSE: SearchMode.SPARSE,
+}
+
+
+class RetrieverApi(retrieval_pb2_grpc.RetrieverServiceServicer):
+    def __init__(self, service: RetrieverService) -> None:
+        self._service = service
+
+    async def UpsertDocuments(
+        self, request: retrieval_pb2.UpsertDocumentsRequest, context: grpc.aio.ServicerContext
+    ) -> retrieval_pb2.UpsertDocumentsResponse:
+        docs = [
+            DocumentIn(id=d.id, text=d.text, title=d.title, metadata=dict(d.metadata))
+            for d in request.documents
+        ]
+        result = await self._service.upsert_documents(request.collection, docs)
+        return retrieval_pb2.UpsertDocumentsResponse(
+            upserted_count=result.upserted, chunk_count=result.chunks
+        )
+
+    async def DeleteDocuments(
+        self, request: retrieval_pb2.DeleteDocumentsRequest, context: grpc.aio.ServicerContext
+    ) -> retrieval_pb2.DeleteDocumentsResponse:
+        deleted = await self._service.delete_documents(request.collection, list(request.ids))
+        return retrieval_pb2.DeleteDocumentsResponse(deleted_count=deleted)
+
+    async def Search(
+        self, request: retrieval_pb2.SearchRequest, context: grpc.aio.ServicerContext
+    ) -> retrieval_pb2.SearchResponse:
+        mode = _MODES.get(request.mode)
+        if mode is None:
+            raise errors.ValidationError("mode", f"unknown search mode {request.mode}")
+        result = await self._service.search(
+            request.collection, request.query, request.top_k, mode, dict(request.filter)
+        )
+        context.set_trailing_metadata(((SEARCH_MODE_METADATA_KEY, result.mode.value),))
+        return retrieval_pb2.SearchResponse(
+            chunks=[
+                retrieval_pb2.ScoredChunk(
+                    document_id=h.document_id,
+                    chunk_id=h.chunk_id,
+                    text=h.text,
+                    score=h.score,
+                    dense_score=h.dense_score,
+                    sparse_score=h.sparse_score,
+                    metadata=h.metadata,
+                )
+                for h in result.hits
+            ]
+        )
+
+    async def ListCollections(
+        self, request: retrieval_pb2.ListCollectionsRequest, context: grpc.aio.ServicerContext
+    ) -> retrieval_pb2.ListCollectionsResponse:
+        # No dense embedding model yet: embedding_model stays empty and dimension 0.
+        return retrieval_pb2.ListCollectionsResponse(
+            collections=[
+                retrieval_pb2.Collection(
+                    name=c.name, document_count=c.document_count, chunk_count=c.chunk_count
+                )
+                for c in await self._service.list_collections()
+            ]
+        )

@@ -1,0 +1,57 @@
+"""Retriever settings (env prefix ``FORGE_RETRIEVER_``)."""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+
+from forge_kit.settings import ServiceSettings, service_config
+
+
+class RetrieverSettings(ServiceSettings):
+    """Settings of the retriever process."""
+
+    model_config = service_config("retriever")
+
+    grpc_port: int = Field(default=50055, ge=0, le=65535)
+    """gRPC port of the RetrieverService."""
+
+    http_port: int = Field(default=8055, ge=0, le=65535)
+    """HTTP port for health and metrics."""
+
+    chunk_words: int = Field(default=200, ge=8, le=4096)
+    """Words per chunk (the chunker's window)."""
+
+    chunk_overlap_words: int = Field(default=40, ge=0)
+    """Words shared by consecutive chunks of one document; must be below ``chunk_words``."""
+
+    bm25_k1: float = Field(default=1.2, ge=0.0)
+    """BM25 term-frequency saturation applied to the sparse vectors of chunks."""
+
+    bm25_b: float = Field(default=0.75, ge=0.0, le=1.0)
+    """BM25 length normalisation (0: none, 1: full)."""
+
+    bm25_avg_len: float = Field(default=180.0, gt=0.0)
+    """Expected average chunk length in tokens, fixed at index time (as in Qdrant's BM25)."""
+
+    default_top_k: int = Field(default=10, ge=1)
+    """Chunks returned by Search when the request's top_k is 0."""
+
+    max_top_k: int = Field(default=1000, ge=1)
+    """Largest top_k a Search may ask for."""
+
+    max_documents_per_request: int = Field(default=1000, ge=1)
+    """Largest number of documents (or ids) in one UpsertDocuments / DeleteDocuments call."""
+
+    max_document_chars: int = Field(default=200_000, ge=1)
+    """Longest document text accepted, in characters (its event must fit a default 1 MB Kafka record)."""
+
+    max_query_chars: int = Field(default=2048, ge=1)
+    """Longest Search query accepted, in characters."""
+
+    @model_validator(mode="after")
+    def _overlap_below_window(self) -> RetrieverSettings:
+        if self.chunk_overlap_words >= self.chunk_words:
+            raise ValueError("chunk_overlap_words must be smaller than chunk_words")
+        if self.default_top_k > self.max_top_k:
+            raise ValueError("default_top_k must not exceed max_top_k")
+        return self

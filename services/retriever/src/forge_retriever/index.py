@@ -1,0 +1,209 @@
+"""The search index of chunks: the ``VectorIndex`` seam and its Qdrant Edge implementation.
+
+The database is the source of truth for documents and chunks; the index holds only what search
+needs (vectors, the owning document id, filterable metadata) and can always be rebuilt from it.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import qdrant_edge as qe
+
+from forge_retriever.text import SparseVector
+
+SPARSE_VECTOR = "bm25"
+_POINT_NAMESPACE = uuid.UUID("6b1f9a52-3d0e-4c35-9a44-0f3e2a8c9d71")
+
+
+def point_id(collection: str, document_id: str, chunk_index: int) -> str:
+    """Stable point id of a chunk: the same (collection, document, position) is the same point."""
+    return str(uuid.uuid5(_POINT_NAMESPACE, json.dumps([collection, document_id, chunk_index])))
+
+
+def metadata_terms(metadata: Mapping[str, str]) -> list[str]:
+    """One keyword per metadata pair, so an exact-match filter never depends on key syntax."""
+    return [json.dumps([k, v], ensure_ascii=False) for k, v in sorted(metadata.items())]
+
+
+@dataclass(frozen=True)
+class IndexPoint:
+    """One chunk as the index stores it."""
+
+    point_id: str
+    document_id: str
+    chunk_index: int
+    sparse: SparseVector
+    metadata: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class IndexHit:
+    """A search result: the chunk's point id and its score (higher is better)."""
+
+    point_id: str
+    document_id: str
+    score: float
+
+
+class VectorIndex(Protocol):
+    """Where chunks are searched. One index holds many collections.
+
+    Called by ``RetrieverService`` only: ``upsert``/``delete_documents`` while the database
+    transaction that writes the same chunks is still open (a failed index write rolls it back),
+    ``search_sparse`` on every Search, ``count``/``drop``/``collections`` at start-up to check the
+    index against the database and rebuild what differs. Methods block; the service calls them from
+    a worker thread, one write at a time. Dense search arrives with the embedding model (issue 6).
+    """
+
+    dense_enabled: bool
+
+    def collections(self) -> list[str]:
+        """Names of the collections the index holds."""
+
+    def count(self, collection: str) -> int:
+        """Points in ``collection``; 0 when it does not exist."""
+
+    def upsert(self, collection: str, points: Sequence[IndexPoint]) -> None:
+        """Insert or replace points by id, creating the collection on first use."""
+
+    def delete_documents(self, collection: str, document_ids: Iterable[str]) -> None:
+        """Remove every point of the given documents (no error for unknown ones)."""
+
+    def search_sparse(
+        self, collection: str, query: SparseVector, limit: int, metadata_filter: Mapping[str, str]
+    ) -> list[IndexHit]:
+        """Best ``limit`` points by BM25 (IDF applied by the index) whose metadata has every pair."""
+
+    def drop(self, collection: str) -> None:
+        """Delete the collection and its files."""
+
+    def close(self) -> None:
+        """Flush and release everything."""
+
+
+class QdrantEdgeIndex:
+    """``VectorIndex`` on Qdrant Edge: one embedded ``EdgeShard`` per collection under ``root``.
+
+    Each shard has the sparse vector ``bm25`` with Qdrant's IDF modifier, and the payload
+    ``document_id`` (keyword index, for deletes), ``chunk_index`` and ``meta`` (keyword index of
+    metadata pairs, for filters). Shards are write-ahead-logged, so an acknowledged update survives a
+    crash. A lock serialises calls: an ``EdgeShard`` is not documented as thread-safe.
+    """
+
+    dense_enabled = False
+
+    def __init__(self, root: str | Path) -> None:
+        self._root = Path(root)
+        self._root.mkdir(parents=True, exist_ok=True)
+        self._shards: dict[str, qe.EdgeShard] = {}
+        self._lock = threading.Lock()
+
+    def _path(self, collection: str) -> Path:
+        return self._root / collection
+
+    def _open(self, collection: str, *, create: bool) -> qe.EdgeShard | None:
+        shard = self._shards.get(collection)
+        if shard is not None:
+            return shard
+        path = self._path(collection)
+        if (path / "edge_config.json").exists():
+            shard = qe.EdgeShard.load(str(path))
+        elif create:
+            shutil.rmtree(path, ignore_errors=True)  # a half-created directory from a crash
+            config = qe.EdgeConfig(
+                sparse_vectors={SPARSE_VECTOR: qe.EdgeSparseVectorParams(modifier=qe.Modifier.Idf)}
+            )
+            shard = qe.EdgeShard.create(str(path), config)
+            shard.update(qe.UpdateOperation.create_field_index("document_id", qe.PayloadSchemaType.Keyword))
+            shard.update(qe.UpdateOperation.create_field_index("meta", qe.PayloadSchemaType.Keyword))
+        else:
+            return None
+        self._shards[collection] = shard
+        return shard
+
+    def collections(self) -> list[str]:
+        with self._lock:
+            return sorted(p.parent.name for p in self._root.glob("*/edge_config.json"))
+
+    def count(self, collection: str) -> int:
+        with self._lock:
+            shard = self._open(collection, create=False)
+            return 0 if shard is None else int(shard.count(qe.CountRequest(exact=True)))
+
+    def upsert(self, collection: str, points: Sequence[IndexPoint]) -> None:
+        if not points:
+            return
+        records = [
+            qe.Point(
+                p.point_id,
+                {SPARSE_VECTOR: qe.SparseVector(list(p.sparse.indices), list(p.sparse.values))},
+                {
+                    "document_id": p.document_id,
+                    "chunk_index": p.chunk_index,
+                    "meta": metadata_terms(p.metadata),
+                },
+            )
+            for p in points
+        ]
+        with self._lock:
+            shard = self._open(collection, create=True)
+            assert shard is not None
+            shard.update(qe.UpdateOperation.upsert_points(records))
+
+    def delete_documents(self, collection: str, document_ids: Iterable[str]) -> None:
+        ids = list(document_ids)
+        if not ids:
+            return
+        with self._lock:
+            shard = self._open(collection, create=False)
+            if shard is None:
+                return
+            condition = qe.FieldCondition("document_id", match=qe.MatchAny(ids))
+            shard.update(qe.UpdateOperation.delete_points_by_filter(qe.Filter(must=[condition])))
+
+    def search_sparse(
+        self, collection: str, query: SparseVector, limit: int, metadata_filter: Mapping[str, str]
+    ) -> list[IndexHit]:
+        if not query:
+            return []
+        conditions: list[qe.ConditionType] = [
+            qe.FieldCondition("meta", match=qe.MatchValue(term)) for term in metadata_terms(metadata_filter)
+        ]
+        request = qe.QueryRequest(
+            limit=limit,
+            query=qe.Query.Nearest(
+                qe.SparseVector(list(query.indices), list(query.values)), using=SPARSE_VECTOR
+            ),
+            filter=qe.Filter(must=conditions) if conditions else None,
+            with_payload=["document_id"],
+        )
+        with self._lock:
+            shard = self._open(collection, create=False)
+            if shard is None:
+                return []
+            points = shard.query(request)
+        return [
+            IndexHit(str(p.id), str((p.payload or {}).get("document_id", "")), float(p.score)) for p in points
+        ]
+
+    def drop(self, collection: str) -> None:
+        with self._lock:
+            shard = self._shards.pop(collection, None)
+            if shard is not None:
+                shard.close()
+            shutil.rmtree(self._path(collection), ignore_errors=True)
+
+    def close(self) -> None:
+        with self._lock:
+            for shard in self._shards.values():
+                shard.flush()
+                shard.close()
+            self._shards.clear()

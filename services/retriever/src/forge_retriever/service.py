@@ -1,0 +1,510 @@
+"""Retriever domain logic: ingest documents into chunks, keep the index in step, search it.
+
+The database owns documents and chunks; the index is derived from them. A write changes both
+inside one database transaction — the index is written last, just before the commit, so a failed
+index write loses nothing — and stages one ``DocumentChanged`` event per changed document in the
+same transaction (outbox). Writes are serialised in-process: the embedded index belongs to this
+process alone. At start-up :meth:`RetrieverService.reconcile_index` rebuilds any collection whose
+index does not match the database.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import hashlib
+import json
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import sqlalchemy as sa
+import structlog
+from forge.events.v1 import events_pb2
+from prometheus_client import Counter
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from forge_kit import errors
+from forge_kit.db import Database
+from forge_kit.events import stage_event
+from forge_retriever.config import RetrieverSettings
+from forge_retriever.index import IndexPoint, VectorIndex, point_id
+from forge_retriever.store import ChunkRow, CollectionRow, DocumentRow, utcnow
+from forge_retriever.text import Bm25Encoder, chunk_words
+
+log = structlog.get_logger(__name__)
+
+_COLLECTION_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+MAX_DOCUMENT_ID_CHARS = 512
+MAX_TITLE_CHARS = 4096
+MAX_METADATA_PAIRS = 64
+MAX_METADATA_CHARS = 1024
+_REBUILD_BATCH = 500
+
+SEARCHES = Counter("forge_retriever_searches_total", "Searches served", ["requested_mode", "served_mode"])
+CHANGES = Counter("forge_retriever_document_changes_total", "Documents written or removed", ["change"])
+
+
+class SearchMode(enum.Enum):
+    """How Search scores chunks."""
+
+    HYBRID = "hybrid"
+    DENSE = "dense"
+    SPARSE = "sparse"
+
+
+@dataclass(frozen=True)
+class DocumentIn:
+    """A document as a caller sends it."""
+
+    id: str
+    text: str
+    title: str = ""
+    metadata: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class UpsertResult:
+    """Documents written (changed or new), chunks written for them, documents sent unchanged."""
+
+    upserted: int
+    chunks: int
+    unchanged: int
+
+
+@dataclass(frozen=True)
+class SearchHit:
+    """A chunk found by Search, with its document's metadata plus ``title``."""
+
+    document_id: str
+    chunk_id: str
+    text: str
+    score: float
+    sparse_score: float
+    dense_score: float
+    metadata: dict[str, str]
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    """Hits best first; ``mode`` is how they were scored, which may differ from what was asked."""
+
+    hits: list[SearchHit]
+    mode: SearchMode
+
+
+@dataclass(frozen=True)
+class CollectionStats:
+    """A collection and its sizes."""
+
+    name: str
+    document_count: int
+    chunk_count: int
+
+
+def validate_collection(field_name: str, name: str) -> None:
+    """Collection names become directory names of the index, so they are restricted."""
+    if not name:
+        raise errors.ValidationError(field_name, "must not be empty")
+    if not _COLLECTION_NAME.match(name):
+        raise errors.ValidationError(
+            field_name,
+            "must be letters, digits, '_', '-' or '.', start with a letter or digit, at most 128 characters",
+        )
+
+
+def validate_document(prefix: str, doc: DocumentIn, max_chars: int) -> None:
+    """Reject a document that could not be indexed, naming the field (``documents[3].text``)."""
+    if not doc.id:
+        raise errors.ValidationError(f"{prefix}.id", "must not be empty")
+    if len(doc.id) > MAX_DOCUMENT_ID_CHARS:
+        raise errors.ValidationError(f"{prefix}.id", f"must be at most {MAX_DOCUMENT_ID_CHARS} characters")
+    if not doc.text.strip():
+        raise errors.ValidationError(f"{prefix}.text", "must not be empty")
+    if len(doc.text) > max_chars:
+        raise errors.ValidationError(f"{prefix}.text", f"must be at most {max_chars} characters")
+    if len(doc.title) > MAX_TITLE_CHARS:
+        raise errors.ValidationError(f"{prefix}.title", f"must be at most {MAX_TITLE_CHARS} characters")
+    _validate_metadata(f"{prefix}.metadata", doc.metadata)
+    if "title" in doc.metadata:
+        raise errors.ValidationError(
+            f"{prefix}.metadata.title", "is reserved: set the document's title field"
+        )
+
+
+def _validate_metadata(field_name: str, metadata: Mapping[str, str]) -> None:
+    if len(metadata) > MAX_METADATA_PAIRS:
+        raise errors.ValidationError(field_name, f"must have at most {MAX_METADATA_PAIRS} entries")
+    for key, value in metadata.items():
+        if not key:
+            raise errors.ValidationError(field_name, "keys must not be empty")
+        if len(key) > MAX_METADATA_CHARS or len(value) > MAX_METADATA_CHARS:
+            raise errors.ValidationError(
+                f"{field_name}.{key}", f"keys and values must be at most {MAX_METADATA_CHARS} characters"
+            )
+
+
+def content_hash(doc: DocumentIn) -> str:
+    """Hash of everything that affects the stored document; equal hashes make an upsert a no-op."""
+    body = json.dumps([doc.title, doc.text, sorted(doc.metadata.items())], ensure_ascii=False)
+    return hashlib.sha256(body.encode("utf-8")).hexdigest()
+
+
+def chunk_id(document_id: str, index: int) -> str:
+    """Caller-facing chunk id, stable for a document and position."""
+    return f"{document_id}#{index}"
+
+
+class RetrieverService:
+    """Owns the retriever's database and index; every public write is one transaction."""
+
+    def __init__(
+        self,
+        db: Database,
+        index: VectorIndex,
+        settings: RetrieverSettings,
+        *,
+        producer: str = "retriever",
+        on_commit: Callable[[], None] = lambda: None,
+    ) -> None:
+        self._db = db
+        self._index = index
+        self._settings = settings
+        self._producer = producer
+        self._on_commit = on_commit
+        self._encoder = Bm25Encoder(settings.bm25_k1, settings.bm25_b, settings.bm25_avg_len)
+        self._write_lock = asyncio.Lock()
+        self.index_ready = False
+
+    # --- writes ------------------------------------------------------------------------------
+
+    async def upsert_documents(self, collection: str, documents: Sequence[DocumentIn]) -> UpsertResult:
+        """Add or replace documents: rows, chunks, index points and one UPSERTED event each.
+
+        1. Validate the whole batch; nothing is written if any document is bad.
+        2. Skip documents whose content is unchanged (no event, no index write).
+        3. Replace the changed documents' rows and chunks and stage their events.
+        4. Replace their points in the index, then commit.
+        """
+        validate_collection("collection", collection)
+        self._validate_batch("documents", len(documents))
+        seen: set[str] = set()
+        for i, doc in enumerate(documents):
+            validate_document(f"documents[{i}]", doc, self._settings.max_document_chars)
+            if doc.id in seen:
+                raise errors.ValidationError(f"documents[{i}].id", f"duplicate id {doc.id!r} in the request")
+            seen.add(doc.id)
+
+        async with self._write_lock, self._db.session() as session:
+            coll = await session.get(CollectionRow, collection)
+            if coll is None:
+                coll = CollectionRow(name=collection, last_version=0, created_at=utcnow())
+                session.add(coll)
+                await session.flush()
+            existing = {
+                row.id: row
+                for row in await session.scalars(
+                    sa.select(DocumentRow).where(
+                        DocumentRow.collection == collection, DocumentRow.id.in_(seen)
+                    )
+                )
+            }
+            points: list[IndexPoint] = []
+            replaced: list[str] = []
+            written = 0
+            for doc in documents:
+                digest = content_hash(doc)
+                row = existing.get(doc.id)
+                if row is not None and row.content_hash == digest:
+                    continue
+                coll.last_version += 1
+                now = utcnow()
+                if row is None:
+                    row = DocumentRow(collection=collection, id=doc.id, created_at=now)
+                    session.add(row)
+                else:
+                    replaced.append(doc.id)
+                    await session.execute(
+                        sa.delete(ChunkRow).where(
+                            ChunkRow.collection == collection, ChunkRow.document_id == doc.id
+                        )
+                    )
+                row.title, row.text, row.meta = doc.title, doc.text, dict(doc.metadata)
+                row.version, row.content_hash, row.updated_at = coll.last_version, digest, now
+                await session.flush()
+                points.extend(self._add_chunks(session, collection, doc))
+                await stage_event(
+                    session,
+                    _upserted_event(collection, doc, row.version),
+                    producer=self._producer,
+                    key=f"{collection}/{doc.id}",
+                )
+                written += 1
+            if written:
+                await session.flush()
+                await asyncio.to_thread(self._index.delete_documents, collection, replaced)
+                await asyncio.to_thread(self._index.upsert, collection, points)
+        if written:
+            CHANGES.labels("upserted").inc(written)
+            self._on_commit()
+        return UpsertResult(upserted=written, chunks=len(points), unchanged=len(documents) - written)
+
+    def _add_chunks(self, session: AsyncSession, collection: str, doc: DocumentIn) -> list[IndexPoint]:
+        points = []
+        for chunk in chunk_words(doc.text, self._settings.chunk_words, self._settings.chunk_overlap_words):
+            pid = point_id(collection, doc.id, chunk.index)
+            session.add(
+                ChunkRow(
+                    point_id=pid,
+                    collection=collection,
+                    document_id=doc.id,
+                    chunk_index=chunk.index,
+                    chunk_id=chunk_id(doc.id, chunk.index),
+                    text=chunk.text,
+                    start_char=chunk.start,
+                    end_char=chunk.end,
+                )
+            )
+            points.append(self._point(pid, doc.id, chunk.index, doc.title, chunk.text, doc.metadata))
+        return points
+
+    def _point(
+        self, pid: str, document_id: str, index: int, title: str, text: str, metadata: Mapping[str, str]
+    ) -> IndexPoint:
+        # The title is indexed with every chunk: it is the densest statement of what the chunk is about.
+        sparse = self._encoder.encode_document(f"{title}\n{text}" if title else text)
+        return IndexPoint(
+            point_id=pid, document_id=document_id, chunk_index=index, sparse=sparse, metadata=metadata
+        )
+
+    async def delete_documents(self, collection: str, ids: Sequence[str]) -> int:
+        """Remove documents with all their chunks and index points; one DELETED event each.
+
+        Ids that do not exist are ignored; the count says how many did.
+        """
+        validate_collection("collection", collection)
+        self._validate_batch("ids", len(ids))
+        for i, doc_id in enumerate(ids):
+            if not doc_id:
+                raise errors.ValidationError(f"ids[{i}]", "must not be empty")
+        async with self._write_lock, self._db.session() as session:
+            coll = await self._collection(session, collection)
+            found = list(
+                await session.scalars(
+                    sa.select(DocumentRow.id).where(
+                        DocumentRow.collection == collection, DocumentRow.id.in_(set(ids))
+                    )
+                )
+            )
+            for doc_id in found:
+                coll.last_version += 1
+                event = events_pb2.DocumentChanged(
+                    collection=collection,
+                    document_id=doc_id,
+                    change=events_pb2.DOCUMENT_CHANGE_TYPE_DELETED,
+                    version=coll.last_version,
+                )
+                await stage_event(session, event, producer=self._producer, key=f"{collection}/{doc_id}")
+            if found:
+                await session.execute(
+                    sa.delete(ChunkRow).where(
+                        ChunkRow.collection == collection, ChunkRow.document_id.in_(found)
+                    )
+                )
+                await session.execute(
+                    sa.delete(DocumentRow).where(
+                        DocumentRow.collection == collection, DocumentRow.id.in_(found)
+                    )
+                )
+                await session.flush()
+                await asyncio.to_thread(self._index.delete_documents, collection, found)
+        if found:
+            CHANGES.labels("deleted").inc(len(found))
+            self._on_commit()
+        return len(found)
+
+    # --- reads -------------------------------------------------------------------------------
+
+    async def search(
+        self, collection: str, query: str, top_k: int, mode: SearchMode, metadata_filter: Mapping[str, str]
+    ) -> SearchResult:
+        """Top-k chunks of ``collection`` for ``query``, best first.
+
+        1. Validate; resolve top_k 0 to the default.
+        2. Pick the scoring the index can serve: DENSE needs the dense index; HYBRID without it is
+           served by BM25 alone and the result says so.
+        3. Query the index, then read the hits' chunks and documents from the database (the
+           source of truth; a point the database no longer has is dropped).
+        """
+        validate_collection("collection", collection)
+        if not query.strip():
+            raise errors.ValidationError("query", "must not be empty")
+        if len(query) > self._settings.max_query_chars:
+            raise errors.ValidationError(
+                "query", f"must be at most {self._settings.max_query_chars} characters"
+            )
+        if top_k == 0:
+            top_k = self._settings.default_top_k
+        if not 1 <= top_k <= self._settings.max_top_k:
+            raise errors.ValidationError(
+                "top_k", f"must be between 1 and {self._settings.max_top_k} (0: server default)"
+            )
+        _validate_metadata("filter", metadata_filter)
+        async with self._db.session() as session:
+            await self._collection(session, collection)
+
+        if mode is SearchMode.DENSE and not self._index.dense_enabled:
+            raise errors.ConflictError(
+                "dense index not enabled: search with mode SPARSE (or HYBRID, served by BM25)"
+            )
+        served = SearchMode.SPARSE
+        if mode is SearchMode.HYBRID:
+            log.info("hybrid search served by BM25 alone: dense index not enabled", collection=collection)
+        SEARCHES.labels(mode.value, served.value).inc()
+
+        vector = self._encoder.encode_query(query)
+        hits = await asyncio.to_thread(
+            self._index.search_sparse, collection, vector, top_k, dict(metadata_filter)
+        )
+        if not hits:
+            return SearchResult([], served)
+        async with self._db.session() as session:
+            rows = (
+                await session.execute(
+                    sa.select(ChunkRow, DocumentRow)
+                    .join(
+                        DocumentRow,
+                        sa.and_(
+                            DocumentRow.collection == ChunkRow.collection,
+                            DocumentRow.id == ChunkRow.document_id,
+                        ),
+                    )
+                    .where(ChunkRow.point_id.in_([h.point_id for h in hits]))
+                )
+            ).all()
+        by_point = {chunk.point_id: (chunk, doc) for chunk, doc in rows}
+        results = []
+        for hit in hits:
+            if hit.point_id not in by_point:
+                continue
+            chunk, doc = by_point[hit.point_id]
+            results.append(
+                SearchHit(
+                    document_id=doc.id,
+                    chunk_id=chunk.chunk_id,
+                    text=chunk.text,
+                    score=hit.score,
+                    sparse_score=hit.score,
+                    dense_score=0.0,
+                    metadata={**doc.meta, "title": doc.title},
+                )
+            )
+        return SearchResult(results, served)
+
+    async def list_collections(self) -> list[CollectionStats]:
+        docs = (
+            sa.select(DocumentRow.collection, sa.func.count().label("n"))
+            .group_by(DocumentRow.collection)
+            .subquery()
+        )
+        chunks = (
+            sa.select(ChunkRow.collection, sa.func.count().label("n"))
+            .group_by(ChunkRow.collection)
+            .subquery()
+        )
+        stmt = (
+            sa.select(CollectionRow.name, docs.c.n, chunks.c.n)
+            .outerjoin(docs, docs.c.collection == CollectionRow.name)
+            .outerjoin(chunks, chunks.c.collection == CollectionRow.name)
+            .order_by(CollectionRow.name)
+        )
+        async with self._db.session() as session:
+            return [
+                CollectionStats(name, int(d or 0), int(c or 0))
+                for name, d, c in (await session.execute(stmt)).all()
+            ]
+
+    # --- index maintenance -------------------------------------------------------------------
+
+    async def reconcile_index(self) -> list[str]:
+        """Make the index match the database; returns the collections rebuilt.
+
+        1. Drop index collections the database does not have.
+        2. Rebuild every collection whose point count differs from its chunk count (a missing or
+           emptied index directory, or a crash between an index write and its commit).
+        """
+        async with self._write_lock:
+            stats = {c.name: c.chunk_count for c in await self.list_collections()}
+            for name in await asyncio.to_thread(self._index.collections):
+                if name not in stats:
+                    log.warning("dropping index collection unknown to the database", collection=name)
+                    await asyncio.to_thread(self._index.drop, name)
+            rebuilt = []
+            for name, expected in stats.items():
+                if await asyncio.to_thread(self._index.count, name) != expected:
+                    await self._rebuild(name)
+                    rebuilt.append(name)
+            self.index_ready = True
+            return rebuilt
+
+    async def _rebuild(self, collection: str) -> None:
+        log.info("rebuilding index collection from the database", collection=collection)
+        await asyncio.to_thread(self._index.drop, collection)
+        after = ""
+        total = 0
+        while True:
+            async with self._db.session() as session:
+                rows = (
+                    await session.execute(
+                        sa.select(ChunkRow, DocumentRow.title, DocumentRow.meta)
+                        .join(
+                            DocumentRow,
+                            sa.and_(
+                                DocumentRow.collection == ChunkRow.collection,
+                                DocumentRow.id == ChunkRow.document_id,
+                            ),
+                        )
+                        .where(ChunkRow.collection == collection, ChunkRow.point_id > after)
+                        .order_by(ChunkRow.point_id)
+                        .limit(_REBUILD_BATCH)
+                    )
+                ).all()
+            if not rows:
+                break
+            points = [
+                self._point(c.point_id, c.document_id, c.chunk_index, title, c.text, meta)
+                for c, title, meta in rows
+            ]
+            await asyncio.to_thread(self._index.upsert, collection, points)
+            total += len(points)
+            after = rows[-1][0].point_id
+        log.info("index collection rebuilt", collection=collection, chunks=total)
+
+    # --- helpers -----------------------------------------------------------------------------
+
+    def _validate_batch(self, field_name: str, size: int) -> None:
+        if size == 0:
+            raise errors.ValidationError(field_name, "must not be empty")
+        if size > self._settings.max_documents_per_request:
+            raise errors.ValidationError(
+                field_name, f"must have at most {self._settings.max_documents_per_request} entries"
+            )
+
+    @staticmethod
+    async def _collection(session: AsyncSession, name: str) -> CollectionRow:
+        row = await session.get(CollectionRow, name)
+        if row is None:
+            raise errors.ValidationError("collection", f"unknown collection {name!r}")
+        return row
+
+
+def _upserted_event(collection: str, doc: DocumentIn, version: int) -> events_pb2.DocumentChanged:
+    return events_pb2.DocumentChanged(
+        collection=collection,
+        document_id=doc.id,
+        change=events_pb2.DOCUMENT_CHANGE_TYPE_UPSERTED,
+        version=version,
+        title=doc.title,
+        text=doc.text,
+        metadata=dict(doc.metadata),
+    )

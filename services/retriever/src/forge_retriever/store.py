@@ -1,0 +1,62 @@
+"""Retriever persistence: collections, documents and their chunks (the source of truth of the index)."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import sqlalchemy as sa
+from sqlalchemy.orm import Mapped, mapped_column
+
+from forge_kit.db import Base
+
+
+def utcnow() -> dt.datetime:
+    return dt.datetime.now(dt.UTC).replace(tzinfo=None)
+
+
+class CollectionRow(Base):
+    """A named set of documents; ``last_version`` numbers every change made in it."""
+
+    __tablename__ = "collections"
+
+    name: Mapped[str] = mapped_column(sa.String(128), primary_key=True)
+    last_version: Mapped[int] = mapped_column(sa.BigInteger, default=0)
+    created_at: Mapped[dt.datetime] = mapped_column(sa.DateTime, default=utcnow)
+
+
+class DocumentRow(Base):
+    """A source document as last upserted; ``version`` is its collection's change number then."""
+
+    __tablename__ = "documents"
+
+    collection: Mapped[str] = mapped_column(sa.ForeignKey("collections.name"), primary_key=True)
+    id: Mapped[str] = mapped_column(sa.String(512), primary_key=True)
+    title: Mapped[str] = mapped_column(sa.Text, default="")
+    text: Mapped[str] = mapped_column(sa.Text)
+    # ``metadata`` is reserved on declarative classes; the column keeps the plain name.
+    meta: Mapped[dict[str, str]] = mapped_column("metadata", sa.JSON, default=dict)
+    version: Mapped[int] = mapped_column(sa.BigInteger)
+    content_hash: Mapped[str] = mapped_column(sa.String(64))
+    created_at: Mapped[dt.datetime] = mapped_column(sa.DateTime, default=utcnow)
+    updated_at: Mapped[dt.datetime] = mapped_column(sa.DateTime, default=utcnow)
+
+
+class ChunkRow(Base):
+    """One chunk of a document; ``point_id`` is its id in the index, ``chunk_id`` the caller-facing one."""
+
+    __tablename__ = "chunks"
+    __table_args__ = (
+        sa.ForeignKeyConstraint(
+            ["collection", "document_id"], ["documents.collection", "documents.id"], ondelete="CASCADE"
+        ),
+        sa.Index("ix_chunks_document", "collection", "document_id"),
+    )
+
+    point_id: Mapped[str] = mapped_column(sa.String(36), primary_key=True)
+    collection: Mapped[str] = mapped_column(sa.String(128))
+    document_id: Mapped[str] = mapped_column(sa.String(512))
+    chunk_index: Mapped[int] = mapped_column(sa.Integer)
+    chunk_id: Mapped[str] = mapped_column(sa.String(600))
+    text: Mapped[str] = mapped_column(sa.Text)
+    start_char: Mapped[int] = mapped_column(sa.Integer)
+    end_char: Mapped[int] = mapped_column(sa.Integer)

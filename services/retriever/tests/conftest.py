@@ -1,0 +1,84 @@
+from __future__ import annotations
+
+import csv
+import json
+import os
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from forge_kit.db import Database
+from forge_retriever.config import RetrieverSettings
+from forge_retriever.index import QdrantEdgeIndex
+from forge_retriever.service import DocumentIn, RetrieverService
+
+MIGRATIONS = Path(__file__).parents[1] / "src" / "forge_retriever" / "migrations"
+# ../shared/data beside the repository (the BEIR copies are shared, never copied into the repo).
+SCIFACT = (
+    Path(os.environ.get("FORGE_TEST_DATA", Path(__file__).parents[3].parent / "shared" / "data"))
+    / "beir"
+    / "scifact"
+)
+SCIFACT_DOCS = 50
+
+
+@dataclass(frozen=True)
+class SciFactSample:
+    """The first SCIFACT_DOCS corpus documents and the test queries whose qrels point at them."""
+
+    documents: list[DocumentIn]
+    relevant: dict[str, tuple[str, set[str]]]  # query id -> (query text, relevant doc ids in the sample)
+
+
+@pytest.fixture(scope="session")
+def scifact() -> SciFactSample:
+    if not (SCIFACT / "corpus.jsonl").exists():
+        pytest.fail(f"SciFact data not found at {SCIFACT} (set FORGE_TEST_DATA to the shared data folder)")
+    documents = []
+    with open(SCIFACT / "corpus.jsonl", encoding="utf-8") as corpus:
+        for line, _ in zip(corpus, range(SCIFACT_DOCS), strict=False):
+            row = json.loads(line)
+            documents.append(DocumentIn(id=row["_id"], title=row.get("title", ""), text=row["text"]))
+    ids = {d.id for d in documents}
+    with open(SCIFACT / "queries.jsonl", encoding="utf-8") as f:
+        queries = {row["_id"]: row["text"] for row in map(json.loads, f)}
+    relevant: dict[str, tuple[str, set[str]]] = {}
+    with open(SCIFACT / "qrels" / "test.tsv", encoding="utf-8") as f:
+        for row in csv.DictReader(f, delimiter="\t"):
+            if row["corpus-id"] in ids and int(row["score"]) > 0:
+                relevant.setdefault(row["query-id"], (queries[row["query-id"]], set()))[1].add(
+                    row["corpus-id"]
+                )
+    assert relevant, "no SciFact test query has a relevant document among the sample"
+    return SciFactSample(documents, relevant)
+
+
+@pytest.fixture
+def settings(tmp_path: Path) -> RetrieverSettings:
+    return RetrieverSettings(
+        data_dir=str(tmp_path), kafka_enabled=False, chunk_words=64, chunk_overlap_words=16
+    )
+
+
+@pytest.fixture
+async def db(tmp_path: Path) -> AsyncIterator[Database]:
+    database = Database(f"sqlite+aiosqlite:///{tmp_path / 'retriever.db'}")
+    await database.migrate(MIGRATIONS)
+    yield database
+    await database.dispose()
+
+
+@pytest.fixture
+def index(tmp_path: Path) -> Iterator[QdrantEdgeIndex]:
+    idx = QdrantEdgeIndex(tmp_path / "index")
+    yield idx
+    idx.close()
+
+
+@pytest.fixture
+async def service(db: Database, index: QdrantEdgeIndex, settings: RetrieverSettings) -> RetrieverService:
+    svc = RetrieverService(db, index, settings)
+    await svc.reconcile_index()
+    return svc
