@@ -1,0 +1,1 @@
+"""Forge trainer agent: one per node, runs the job replicas the scheduler assigns to it."""

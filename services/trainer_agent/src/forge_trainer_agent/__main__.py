@@ -1,0 +1,58 @@
+"""Trainer agent process: settings → node → database → service → scheduler session + servers."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from forge.trainer.v1 import trainer_pb2, trainer_pb2_grpc
+
+from forge_kit.app import ServiceApp
+from forge_kit.grpckit import make_channel
+from forge_trainer_agent.api import TrainerAgentApi
+from forge_trainer_agent.config import TrainerAgentSettings
+from forge_trainer_agent.node import NodeInfo, detect_gpus, parse_gpu_spec
+from forge_trainer_agent.runner import LocalProcessRunner
+from forge_trainer_agent.service import AgentService
+from forge_trainer_agent.session import Backoff, SchedulerSession
+from forge_trainer_agent.store import RunStore
+
+
+async def main() -> None:
+    settings = TrainerAgentSettings()
+    app = ServiceApp(settings)
+    node = NodeInfo(
+        name=settings.node_name,
+        gpus=parse_gpu_spec(settings.gpus) if settings.gpus else detect_gpus(),
+        node_group=settings.node_group,
+        rack=settings.rack,
+        nvlink_domain=settings.nvlink_domain,
+    )
+    db = await app.open_database("trainer_agent.db", Path(__file__).parent / "migrations")
+    service = AgentService(
+        RunStore(db),
+        LocalProcessRunner(),
+        node,
+        runs_dir=Path(settings.data_dir).resolve() / "runs",
+        stop_grace_s=settings.stop_grace_s,
+    )
+    await service.recover()
+    channel = make_channel(settings.scheduler_target, token=settings.scheduler_token.get_secret_value())
+    session = SchedulerSession(
+        service,
+        channel,
+        register_timeout_s=settings.register_timeout_s,
+        backoff=Backoff(settings.reconnect_initial_s, settings.reconnect_max_s),
+    )
+    app.add_background(session.run)
+    app.add_on_stop(lambda: service.shutdown(settings.shutdown_grace_s))
+    app.add_on_stop(lambda: channel.close(grace=None))
+    api = TrainerAgentApi(service, max_page_size=settings.max_page_size)
+    await app.run(
+        register=[lambda server: trainer_pb2_grpc.add_TrainerAgentServiceServicer_to_server(api, server)],
+        service_names=[trainer_pb2.DESCRIPTOR.services_by_name["TrainerAgentService"].full_name],
+    )
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

@@ -1,0 +1,72 @@
+"""Trainer agent settings (env prefix ``FORGE_TRAINER_AGENT_``)."""
+
+from __future__ import annotations
+
+import socket
+
+from pydantic import Field, SecretStr, field_validator
+
+from forge_kit.settings import ServiceSettings, service_config
+from forge_trainer_agent.node import GpuSpecError, parse_gpu_spec
+
+
+class TrainerAgentSettings(ServiceSettings):
+    """Settings of one node's trainer agent."""
+
+    model_config = service_config("trainer_agent")
+
+    grpc_port: int = Field(default=50052, ge=0, le=65535)
+    """gRPC port of the TrainerAgentService."""
+
+    http_port: int = Field(default=8052, ge=0, le=65535)
+    """HTTP port for health and metrics."""
+
+    node_name: str = Field(default_factory=socket.gethostname, min_length=1)
+    """Name the node registers under; re-registering with the same name resumes the node."""
+
+    gpus: str = ""
+    """Simulated GPUs, e.g. ``H100x8:81559`` or ``A100-80GBx4,L4x2`` (TYPE[xCOUNT][:MEMORY_MB]);
+    when set it replaces detection by nvidia-smi, when empty the node's real GPUs are reported."""
+
+    node_group: str = ""
+    """Topology: node group (a block of nodes behind one switch)."""
+
+    rack: str = ""
+    """Topology: rack."""
+
+    nvlink_domain: str = ""
+    """Topology: NVLink domain."""
+
+    scheduler_target: str = "127.0.0.1:50051"
+    """host:port of the scheduler's gRPC server (SchedulerService.AgentSession)."""
+
+    scheduler_token: SecretStr = SecretStr("forge-dev-token")
+    """Bearer token presented to the scheduler."""
+
+    register_timeout_s: float = Field(default=10.0, gt=0)
+    """How long to wait for the scheduler's RegisterAck before reconnecting."""
+
+    reconnect_initial_s: float = Field(default=0.5, gt=0)
+    """First reconnect delay after the session to the scheduler drops; doubles per failure."""
+
+    reconnect_max_s: float = Field(default=30.0, gt=0)
+    """Cap of the (jittered) reconnect delay."""
+
+    stop_grace_s: float = Field(default=30.0, ge=0)
+    """Seconds a job has to exit after SIGTERM on CancelJob, on PreemptJob without grace_seconds,
+    and when it exceeds max_runtime_seconds, before it is killed."""
+
+    shutdown_grace_s: float = Field(default=5.0, ge=0)
+    """Seconds running jobs get to exit (they are preempted) when the agent itself stops."""
+
+    max_page_size: int = Field(default=500, ge=1)
+    """Upper bound on page_size in ListRuns."""
+
+    @field_validator("gpus")
+    @classmethod
+    def _gpus_readable(cls, value: str) -> str:
+        try:
+            parse_gpu_spec(value)
+        except GpuSpecError as exc:
+            raise ValueError(str(exc)) from None
+        return value

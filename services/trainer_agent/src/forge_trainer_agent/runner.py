@@ -1,0 +1,173 @@
+"""How a job replica becomes a process on this node.
+
+:class:`JobRunner` is the seam: the agent hands it a :class:`LaunchSpec` and gets back a
+:class:`JobProcess` to wait on or stop. :class:`LocalProcessRunner` runs the job's command as is;
+a torchrun runner (launching ``torchrun --nnodes … --node-rank …`` around the command, with
+checkpoint hand-off) plugs in behind the same protocol.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+#: Variables of the agent's own environment that a job must not inherit (its secrets, its ports).
+PRIVATE_ENV_PREFIXES = ("FORGE_TRAINER_AGENT_", "FORGE_READY_FILE")
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """Everything needed to start one attempt of one job replica."""
+
+    job_id: str
+    attempt: int
+    command: tuple[str, ...]
+    env: Mapping[str, str] = field(default_factory=dict)
+    gpu_indices: tuple[int, ...] = ()
+    node_rank: int = 0
+    num_nodes: int = 1
+    master_addr: str = ""
+    master_port: int = 0
+    run_dir: Path = Path(".")
+    log_path: Path = Path("job.log")
+
+
+@dataclass(frozen=True)
+class ExitStatus:
+    """How a process ended; ``code`` follows the shell: ``128 + N`` when killed by signal ``N``."""
+
+    code: int
+    signal: int | None = None
+
+    @classmethod
+    def from_returncode(cls, returncode: int) -> ExitStatus:
+        if returncode < 0:
+            return cls(code=128 - returncode, signal=-returncode)
+        return cls(code=returncode)
+
+    def describe(self) -> str:
+        if self.signal is not None:
+            return f"killed by {signal.Signals(self.signal).name}"
+        return f"exited with code {self.code}"
+
+
+class LaunchError(Exception):
+    """The command could not be started; ``exit_code`` follows the shell (127 not found, 126 not executable)."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class JobProcess(Protocol):
+    """A started replica. The agent's supervisor task awaits :meth:`wait`; preemption,
+    cancellation and the runtime limit call :meth:`stop`. Both may be awaited concurrently."""
+
+    @property
+    def pid(self) -> int: ...
+
+    async def wait(self) -> ExitStatus:
+        """Block until the replica has exited and nothing of it is left running."""
+        ...
+
+    async def stop(self, grace_s: float) -> ExitStatus:
+        """Ask the replica to exit (SIGTERM: checkpoint and leave), kill it after ``grace_s``."""
+        ...
+
+
+class JobRunner(Protocol):
+    """Starts replicas. Called by :class:`~forge_trainer_agent.service.AgentService` once per
+    StartJob, after the attempt is recorded; returns as soon as the process exists and raises
+    :class:`LaunchError` when it cannot start."""
+
+    async def launch(self, spec: LaunchSpec) -> JobProcess: ...
+
+
+def job_environment(spec: LaunchSpec, base: Mapping[str, str]) -> dict[str, str]:
+    """The replica's environment: the agent's (minus its private settings), the job's own
+    variables, then the placement variables, which the job cannot override."""
+    env = {k: v for k, v in base.items() if not k.startswith(PRIVATE_ENV_PREFIXES)}
+    env.update(spec.env)
+    env.update(
+        FORGE_JOB_ID=spec.job_id,
+        FORGE_ATTEMPT=str(spec.attempt),
+        FORGE_RUN_DIR=str(spec.run_dir),
+        CUDA_VISIBLE_DEVICES=",".join(str(i) for i in spec.gpu_indices),
+        NODE_RANK=str(spec.node_rank),
+        NNODES=str(spec.num_nodes),
+        RANK=str(spec.node_rank),
+        WORLD_SIZE=str(spec.num_nodes),
+        LOCAL_RANK="0",
+    )
+    if spec.master_addr:
+        env["MASTER_ADDR"] = spec.master_addr
+    if spec.master_port:
+        env["MASTER_PORT"] = str(spec.master_port)
+    return env
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+class LocalProcess:
+    """A replica running as a local process group (the group id is the leader's pid)."""
+
+    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+        self._proc = proc
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    async def wait(self) -> ExitStatus:
+        returncode = await self._proc.wait()
+        # Whatever the leader left behind (dataloader workers, shells) must not hold the GPUs.
+        _signal_group(self._proc.pid, signal.SIGKILL)
+        return ExitStatus.from_returncode(returncode)
+
+    async def stop(self, grace_s: float) -> ExitStatus:
+        if self._proc.returncode is None:
+            _signal_group(self._proc.pid, signal.SIGTERM)
+            try:
+                await asyncio.wait_for(asyncio.shield(self._proc.wait()), timeout=grace_s)
+            except TimeoutError:
+                _signal_group(self._proc.pid, signal.SIGKILL)
+        return await self.wait()
+
+
+class LocalProcessRunner:
+    """Runs the job's command directly, in its own process group and working directory
+    ``run_dir``, with stdout and stderr appended to ``log_path``."""
+
+    def __init__(self, base_env: Mapping[str, str] | None = None) -> None:
+        self._base_env = dict(os.environ if base_env is None else base_env)
+
+    async def launch(self, spec: LaunchSpec) -> LocalProcess:
+        if not spec.command:
+            raise LaunchError("the job has no command", exit_code=127)
+        spec.run_dir.mkdir(parents=True, exist_ok=True)
+        spec.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(spec.log_path, "ab") as log:
+            try:
+                proc = await asyncio.create_subprocess_exec(
+                    *spec.command,
+                    stdin=asyncio.subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=asyncio.subprocess.STDOUT,
+                    cwd=spec.run_dir,
+                    env=job_environment(spec, self._base_env),
+                    start_new_session=True,
+                )
+            except FileNotFoundError:
+                raise LaunchError(f"command not found: {spec.command[0]!r}", exit_code=127) from None
+            except PermissionError:
+                raise LaunchError(f"command not executable: {spec.command[0]!r}", exit_code=126) from None
+        return LocalProcess(proc)
