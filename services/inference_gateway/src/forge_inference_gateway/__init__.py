@@ -1,0 +1,1 @@
+"""Forge inference gateway: the public inference API in front of the model servers."""

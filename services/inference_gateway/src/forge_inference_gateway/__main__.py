@@ -1,0 +1,64 @@
+"""Inference gateway process: settings → database → tenants → consumer → gRPC + HTTP servers."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from forge.events.v1 import events_pb2
+from forge.inference.v1 import inference_pb2, inference_pb2_grpc
+
+from forge_inference_gateway.api import GatewayInferenceApi
+from forge_inference_gateway.config import InferenceGatewaySettings
+from forge_inference_gateway.openai_api import install_gateway_api
+from forge_inference_gateway.service import InferenceGateway
+from forge_inference_gateway.upstream import ModelServerClient
+from forge_kit.app import ServiceApp
+from forge_kit.cache import make_cache
+from forge_kit.events import EventConsumer, topic_for
+
+CONSUMER_GROUP = "inference_gateway"
+
+
+async def main() -> None:
+    settings = InferenceGatewaySettings()
+    app = ServiceApp(settings)
+    db = await app.open_database("inference_gateway.db", Path(__file__).parent / "migrations")
+    cache = make_cache(settings.redis_url, app.name)
+    upstream = ModelServerClient(settings.model_server_url, settings.model_server_token.get_secret_value())
+    gateway = InferenceGateway(
+        db,
+        cache,
+        upstream,
+        default_rpm_limit=settings.default_rpm_limit,
+        request_timeout_s=settings.request_timeout_s,
+        internal_token=app.token,
+    )
+    await gateway.bootstrap(settings.bootstrap_api_key.get_secret_value())
+    if settings.kafka_enabled:
+        consumer = EventConsumer(
+            db,
+            bootstrap=settings.kafka_bootstrap,
+            group_id=CONSUMER_GROUP,
+            topics=[topic_for(events_pb2.ModelPromoted())],
+            handler=gateway.apply_model_promoted,
+        )
+        app.add_background(consumer.run)
+        app.add_on_stop(consumer.stop)
+    app.add_on_stop(upstream.close)
+    app.add_on_stop(cache.close)
+    http = app.http_app()
+    install_gateway_api(http, gateway, app.token)
+    await app.run(
+        register=[
+            lambda s: inference_pb2_grpc.add_InferenceServiceServicer_to_server(
+                GatewayInferenceApi(gateway), s
+            )
+        ],
+        service_names=[inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name],
+        http=http,
+    )
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

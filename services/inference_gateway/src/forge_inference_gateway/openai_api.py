@@ -1,0 +1,240 @@
+"""The public OpenAI-compatible HTTP API and the admin API: translation only.
+
+``/v1/*`` takes a tenant API key (``Authorization: Bearer <key>``); ``/admin/v1/*`` takes the
+service's own token. Upstream answers pass through as they are (a 404 from the model server stays
+a 404 with its body; a stream is relayed byte for byte); the gateway's own errors use the OpenAI
+error format too: 401 without a valid key, 429 with ``Retry-After`` over the rate limit, 503 with
+``Retry-After`` when the model server is down, 504 past the deadline — never a stack trace.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack
+
+import httpx
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import Counter
+from pydantic import BaseModel
+
+from forge_inference_gateway.service import PRIORITY_CLASSES, InferenceGateway, Tenant
+from forge_inference_gateway.upstream import UpstreamError, UpstreamUnavailableError, error_for
+from forge_kit import errors
+from forge_kit.http import require_token
+
+REQUESTS = Counter("forge_gateway_requests_total", "Public API requests answered", ["route", "status"])
+# Upstream headers worth relaying; hop-by-hop and length headers are the server's business.
+_RELAYED_HEADERS = ("content-type", "retry-after", "x-request-id")
+
+
+def openai_error(
+    status: int,
+    message: str,
+    *,
+    type_: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    """An error in the OpenAI format."""
+    body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _sse_error(message: str, type_: str) -> bytes:
+    error = {"error": {"message": message, "type": type_, "param": None, "code": None}}
+    return f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
+
+
+class TenantBody(BaseModel):
+    name: str
+    priority_class: str = PRIORITY_CLASSES[0]
+    rpm_limit: int | None = None
+
+
+def _bearer(request: Request) -> str:
+    header = request.headers.get("authorization", "")
+    scheme, _, key = header.partition(" ")
+    return key.strip() if scheme.lower() == "bearer" else ""
+
+
+class GatewayRoutes:
+    def __init__(self, gateway: InferenceGateway) -> None:
+        self._gateway = gateway
+
+    async def admit(self, request: Request) -> None:
+        """Dependency of ``/v1``: authenticate, admit against the tenant's rate limit, remember who."""
+        tenant: Tenant = await self._gateway.authenticate(_bearer(request))
+        await self._gateway.admit(tenant)
+        request.state.tenant = tenant
+
+    async def list_models(self) -> dict[str, object]:
+        cards = await self._gateway.list_models(self._gateway.deadline())
+        return {"object": "list", "data": cards}
+
+    async def completions(self, request: Request) -> Response:
+        return await self._forward("/v1/completions", request)
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._forward("/v1/chat/completions", request)
+
+    async def _forward(self, path: str, request: Request) -> Response:
+        deadline = self._gateway.deadline()
+        try:
+            raw = json.loads(await request.body())
+        except ValueError as exc:
+            raise errors.ValidationError("body", f"malformed JSON: {exc}") from None
+        body = await self._gateway.prepare(raw)
+        upstream = self._gateway.upstream
+        if not body.get("stream"):
+            reply = await upstream.request("POST", path, deadline, body)
+            return self._relay(path, reply.status_code, reply.content, reply.headers)
+        stack = AsyncExitStack()
+        reply = await stack.enter_async_context(upstream.stream(path, body, deadline))
+        if reply.status_code != 200:
+            content = await reply.aread()
+            await stack.aclose()
+            return self._relay(path, reply.status_code, content, reply.headers)
+        REQUESTS.labels(path, "200").inc()
+        return StreamingResponse(
+            self._relay_stream(reply.aiter_bytes(), stack, deadline),
+            status_code=200,
+            media_type="text/event-stream",
+            headers={k: v for k, v in reply.headers.items() if k in ("x-request-id",)}
+            | {"Cache-Control": "no-cache"},
+        )
+
+    @staticmethod
+    async def _relay_stream(
+        chunks: AsyncIterator[bytes], stack: AsyncExitStack, deadline: float
+    ) -> AsyncIterator[bytes]:
+        # The upstream connection is closed when this generator ends for any reason, including
+        # the client going away (Starlette cancels it), which cancels the request upstream.
+        try:
+            async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                async for chunk in chunks:
+                    yield chunk
+        except TimeoutError:
+            yield _sse_error("deadline exceeded", "timeout")
+        except httpx.HTTPError as exc:
+            # Headers are sent: the failure can only travel as an event, as vLLM reports it mid-stream.
+            yield _sse_error(f"model server stream broke: {type(exc).__name__}", "upstream_error")
+        finally:
+            await stack.aclose()
+
+    @staticmethod
+    def _relay(path: str, status: int, content: bytes, headers: object) -> Response:
+        # The caller can act on the upstream's 4xx; a 5xx or a refusal of the gateway's own
+        # credentials is the gateway's problem, reported without the upstream's body.
+        if status in (401, 403) or (status >= 500 and status != 503):
+            REQUESTS.labels(path, "502").inc()
+            message = error_for(status, content).message
+            return openai_error(502, message, type_="upstream_error", code="bad_gateway")
+        REQUESTS.labels(path, str(status)).inc()
+        relayed = {k: v for k, v in headers.items() if k.lower() in _RELAYED_HEADERS}  # type: ignore[attr-defined]
+        if status == 503:
+            relayed.setdefault("retry-after", "1")
+        return Response(content=content, status_code=status, headers=relayed)
+
+
+class AdminRoutes:
+    def __init__(self, gateway: InferenceGateway) -> None:
+        self._gateway = gateway
+
+    async def aliases(self) -> dict[str, object]:
+        return {
+            "aliases": [
+                {
+                    "alias": a.alias,
+                    "model": {"name": a.model_name, "version": a.model_version},
+                    "stage": a.stage,
+                    "updated_at": a.updated_at,
+                }
+                for a in await self._gateway.list_aliases()
+            ]
+        }
+
+    async def tenants(self) -> dict[str, object]:
+        return {"tenants": [t.__dict__ for t in await self._gateway.list_tenants()]}
+
+    async def create_tenant(self, body: TenantBody) -> JSONResponse:
+        tenant, api_key = await self._gateway.create_tenant(body.name, body.priority_class, body.rpm_limit)
+        return JSONResponse({"tenant": tenant.__dict__, "api_key": api_key}, status_code=201)
+
+
+def install_gateway_api(app: FastAPI, gateway: InferenceGateway, admin_token: str | None) -> None:
+    """Add ``/v1/*``, ``/admin/v1/*`` and OpenAI-format error handlers to ``app``."""
+    public = GatewayRoutes(gateway)
+    tenant = [Depends(public.admit)]
+    app.add_api_route("/v1/models", public.list_models, methods=["GET"], dependencies=tenant)
+    app.add_api_route("/v1/completions", public.completions, methods=["POST"], dependencies=tenant)
+    app.add_api_route("/v1/chat/completions", public.chat_completions, methods=["POST"], dependencies=tenant)
+    admin = AdminRoutes(gateway)
+    auth = [Depends(require_token(admin_token))]
+    app.add_api_route("/admin/v1/aliases", admin.aliases, methods=["GET"], dependencies=auth)
+    app.add_api_route("/admin/v1/tenants", admin.tenants, methods=["GET"], dependencies=auth)
+    app.add_api_route("/admin/v1/tenants", admin.create_tenant, methods=["POST"], dependencies=auth)
+
+    @app.exception_handler(errors.ValidationError)
+    async def _invalid(_: Request, exc: errors.ValidationError) -> JSONResponse:
+        return openai_error(400, exc.message, param=exc.field, code="invalid_value")
+
+    @app.exception_handler(RequestValidationError)
+    async def _malformed(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        field = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or "body"
+        return openai_error(400, f"{field}: {first.get('msg')}", param=field, code="invalid_value")
+
+    @app.exception_handler(errors.NotFoundError)
+    async def _missing(_: Request, exc: errors.NotFoundError) -> JSONResponse:
+        return openai_error(404, exc.message, code="not_found")
+
+    @app.exception_handler(errors.AlreadyExistsError)
+    async def _exists(_: Request, exc: errors.AlreadyExistsError) -> JSONResponse:
+        return openai_error(409, exc.message, code="already_exists")
+
+    @app.exception_handler(errors.UnauthenticatedError)
+    async def _unauthenticated(_: Request, exc: errors.UnauthenticatedError) -> JSONResponse:
+        return openai_error(
+            401,
+            exc.message,
+            type_="authentication_error",
+            code="invalid_api_key",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+
+    @app.exception_handler(errors.OverloadedError)
+    async def _overloaded(_: Request, exc: errors.OverloadedError) -> JSONResponse:
+        retry = str(max(1, math.ceil(exc.retry_after_s)))
+        return openai_error(
+            429,
+            exc.message,
+            type_="rate_limit_error",
+            code="rate_limit_exceeded",
+            headers={"Retry-After": retry},
+        )
+
+    @app.exception_handler(UpstreamUnavailableError)
+    async def _unavailable(_: Request, exc: UpstreamUnavailableError) -> JSONResponse:
+        retry = str(max(1, math.ceil(exc.retry_after_s)))
+        return openai_error(
+            503, exc.message, type_="upstream_error", code="unavailable", headers={"Retry-After": retry}
+        )
+
+    @app.exception_handler(UpstreamError)
+    async def _bad_gateway(_: Request, exc: UpstreamError) -> JSONResponse:
+        return openai_error(502, exc.message, type_="upstream_error", code="bad_gateway")
+
+    @app.exception_handler(TimeoutError)
+    async def _timeout(_: Request, exc: TimeoutError) -> JSONResponse:
+        return openai_error(504, "deadline exceeded", type_="timeout", code="deadline_exceeded")
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception) -> JSONResponse:
+        return openai_error(500, "internal error", type_="server_error")

@@ -1,0 +1,40 @@
+"""Gateway persistence: tenants (API keys stored as SHA-256 hashes) and model aliases."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import sqlalchemy as sa
+from sqlalchemy.orm import Mapped, mapped_column
+
+from forge_kit.db import Base
+
+
+def utcnow() -> dt.datetime:
+    return dt.datetime.now(dt.UTC).replace(tzinfo=None)
+
+
+class TenantRow(Base):
+    """A tenant: who is charged and rate-limited; only the hash of its API key is kept."""
+
+    __tablename__ = "tenants"
+
+    id: Mapped[str] = mapped_column(sa.String(40), primary_key=True)
+    name: Mapped[str] = mapped_column(sa.String(63), unique=True)
+    key_hash: Mapped[str] = mapped_column(sa.String(64), unique=True)
+    priority_class: Mapped[str] = mapped_column(sa.String(32))
+    rpm_limit: Mapped[int] = mapped_column(sa.Integer)
+    created_at: Mapped[dt.datetime] = mapped_column(sa.DateTime, default=utcnow)
+
+
+class ModelAliasRow(Base):
+    """``alias`` → a model version, set by ``ModelPromoted`` events (``forge-chat`` → production)."""
+
+    __tablename__ = "model_aliases"
+
+    alias: Mapped[str] = mapped_column(sa.String(255), primary_key=True)
+    model_name: Mapped[str] = mapped_column(sa.String(255))
+    model_version: Mapped[str] = mapped_column(sa.String(255), default="")
+    stage: Mapped[str] = mapped_column(sa.String(63))
+    source_event_id: Mapped[str] = mapped_column(sa.String(64), default="")
+    updated_at: Mapped[dt.datetime] = mapped_column(sa.DateTime, default=utcnow)

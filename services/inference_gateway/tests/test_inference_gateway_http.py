@@ -1,0 +1,110 @@
+"""The public and admin HTTP API in process: auth, rate limits, error mapping, stream relay."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pytest
+
+from forge_kit.testing import free_port
+
+CHAT = "/v1/chat/completions"
+HI = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.fixture
+def upstream_transport(recorded: Any) -> httpx.AsyncBaseTransport:
+    return httpx.MockTransport(recorded)
+
+
+async def test_missing_or_wrong_key_is_401_openai_error(http: httpx.AsyncClient) -> None:
+    for headers in ({"Authorization": ""}, {"Authorization": "Bearer nope"}):
+        reply = await http.post(CHAT, json=HI, headers=headers)
+        assert reply.status_code == 401
+        assert reply.json()["error"]["type"] == "authentication_error"
+        assert set(reply.json()["error"]) == {"message", "type", "param", "code"}
+
+
+async def test_over_the_rate_limit_is_429_with_retry_after(http: httpx.AsyncClient) -> None:
+    statuses = [(await http.post(CHAT, json={**HI, "model": "other"})).status_code for _ in range(6)]
+    assert statuses == [404] * 5 + [429]
+    reply = await http.post(CHAT, json=HI)
+    assert reply.status_code == 429 and reply.headers["retry-after"] == "12"
+    assert reply.json()["error"]["code"] == "rate_limit_exceeded"
+
+
+async def test_bad_body_is_400_naming_the_field(http: httpx.AsyncClient) -> None:
+    reply = await http.post(CHAT, content=b"{oops", headers={"Content-Type": "application/json"})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "body"
+    reply = await http.post(CHAT, json={"messages": []})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "model"
+
+
+async def test_upstream_404_body_passes_through(http: httpx.AsyncClient) -> None:
+    reply = await http.post(CHAT, json={**HI, "model": "huge"})
+    assert reply.status_code == 404
+    assert reply.json()["error"] == {
+        "message": "The model `huge` does not exist.",
+        "type": "invalid_request_error",
+        "param": "model",
+        "code": "model_not_found",
+    }
+
+
+async def test_upstream_500_becomes_502_without_its_trace(http: httpx.AsyncClient) -> None:
+    reply = await http.post(CHAT, json=HI)
+    assert reply.status_code == 502 and "Traceback" not in reply.text
+    assert reply.json()["error"]["code"] == "bad_gateway"
+
+
+async def test_stream_is_relayed_and_alias_rewritten(
+    http: httpx.AsyncClient, recorded: Any, gateway: object, db: object, promoted: object
+) -> None:
+    async with db.session() as session:  # type: ignore[attr-defined]
+        await gateway.apply_model_promoted(promoted("tiny"), session)  # type: ignore[attr-defined,operator]
+    async with http.stream("POST", CHAT, json={**HI, "model": "forge-chat", "stream": True}) as reply:
+        assert reply.status_code == 200
+        relayed = b"".join([chunk async for chunk in reply.aiter_raw()])
+    assert relayed == recorded.sse
+    sent = json.loads(recorded.requests[-1].content)
+    assert (
+        sent["model"] == "tiny" and recorded.requests[-1].headers["authorization"] == "Bearer upstream-token"
+    )
+
+
+async def test_admin_requires_the_service_token(http: httpx.AsyncClient) -> None:
+    assert (await http.get("/admin/v1/aliases")).status_code == 401
+    reply = await http.post(
+        "/admin/v1/tenants",
+        json={"name": "batch-jobs", "priority_class": "batch"},
+        headers={"Authorization": "Bearer admin-token"},
+    )
+    assert reply.status_code == 201
+    key = reply.json()["api_key"]
+    tenants = (await http.get("/admin/v1/tenants", headers={"Authorization": "Bearer admin-token"})).json()
+    assert [t["name"] for t in tenants["tenants"]] == ["batch-jobs", "default"]
+    assert "key_hash" not in tenants["tenants"][0] and key not in json.dumps(tenants)
+    reply = await http.post(CHAT, json={**HI, "model": "huge"}, headers={"Authorization": f"Bearer {key}"})
+    assert reply.status_code == 404
+
+
+class TestUpstreamDown:
+    @pytest.fixture
+    def upstream_url(self) -> str:
+        return f"http://127.0.0.1:{free_port()}"  # nothing listens there
+
+    @pytest.fixture
+    def upstream_transport(self) -> None:
+        return None
+
+    @pytest.mark.integration
+    async def test_unreachable_model_server_is_503_with_retry_after(self, http: httpx.AsyncClient) -> None:
+        for reply in (
+            await http.post(CHAT, json=HI),
+            await http.get("/v1/models"),
+            await http.post(CHAT, json={**HI, "stream": True}),
+        ):
+            assert reply.status_code == 503 and reply.headers["retry-after"] == "1"
+            assert reply.json()["error"]["code"] == "unavailable"

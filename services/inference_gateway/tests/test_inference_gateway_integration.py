@@ -1,0 +1,169 @@
+"""The gateway against a real model_server process, and promotions through the real broker."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+from forge.common.v1 import common_pb2
+from forge.events.v1 import events_pb2
+
+from forge_inference_gateway.openai_api import install_gateway_api
+from forge_inference_gateway.service import InferenceGateway
+from forge_inference_gateway.upstream import ModelServerClient
+from forge_kit.cache import InMemoryCache
+from forge_kit.db import Database
+from forge_kit.events import KafkaPublisher, ensure_topics
+from forge_kit.http import make_app
+from forge_kit.testing import ServiceProcess, TansuBroker
+
+pytestmark = pytest.mark.integration
+MODEL_SERVER_TOKEN = "ms-token"
+GATEWAY_TOKEN = "gw-token"
+TENANT_KEY = "integration-key"
+CHAT = "/v1/chat/completions"
+
+
+@pytest.fixture(scope="module")
+def model_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
+    """A real model_server process serving a directory with one model that has no weights."""
+    root = tmp_path_factory.mktemp("model-server")
+    (root / "models" / "tiny").mkdir(parents=True)
+    (root / "models" / "tiny" / "config.json").write_text(
+        json.dumps({"model_type": "llama", "max_position_embeddings": 64})
+    )
+    env = {
+        "FORGE_MODEL_SERVER_GRPC_PORT": "0",
+        "FORGE_MODEL_SERVER_HTTP_PORT": "0",
+        "FORGE_MODEL_SERVER_AUTH_TOKEN": MODEL_SERVER_TOKEN,
+        "FORGE_MODEL_SERVER_MODELS_DIR": str(root / "models"),
+        "FORGE_MODEL_SERVER_KAFKA_ENABLED": "false",
+    }
+    proc = ServiceProcess("forge_model_server", env=env, cwd=str(root), log_path=str(root / "log")).start(30)
+    yield proc
+    proc.stop()
+
+
+@asynccontextmanager
+async def gateway_in_front_of(
+    model_server: ServiceProcess, db: Database, upstream_token: str
+) -> AsyncIterator[httpx.AsyncClient]:
+    """The gateway app in process, calling the model_server process with ``upstream_token``."""
+    upstream = ModelServerClient(model_server.http_url, upstream_token)
+    gateway = InferenceGateway(db, InMemoryCache(), upstream, request_timeout_s=10)
+    await gateway.bootstrap(TENANT_KEY)
+    app = make_app("inference_gateway")
+    install_gateway_api(app, gateway, GATEWAY_TOKEN)
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+    headers = {"Authorization": f"Bearer {TENANT_KEY}"}
+    try:
+        async with httpx.AsyncClient(
+            transport=transport, base_url="http://gateway", headers=headers
+        ) as client:
+            yield client
+    finally:
+        await upstream.close()
+
+
+@pytest.fixture
+async def real_http(model_server: ServiceProcess, db: Database) -> AsyncIterator[httpx.AsyncClient]:
+    async with gateway_in_front_of(model_server, db, MODEL_SERVER_TOKEN) as client:
+        yield client
+
+
+async def test_models_through_the_gateway_are_the_upstreams(real_http: httpx.AsyncClient) -> None:
+    reply = await real_http.get("/v1/models")
+    assert reply.status_code == 200
+    assert [(m["id"], m["max_model_len"]) for m in reply.json()["data"]] == [("tiny", 64)]
+
+
+async def test_model_without_weights_returns_the_upstreams_404(real_http: httpx.AsyncClient) -> None:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+    for request in (body, {**body, "stream": True}):
+        reply = await real_http.post(CHAT, json=request)
+        assert reply.status_code == 404
+        error = reply.json()["error"]
+        assert error["code"] == "model_not_found" and error["message"].startswith(
+            "no model loaded: tiny: no weights"
+        )
+
+
+async def test_upstream_refusing_the_gateways_token_is_502_not_401(
+    model_server: ServiceProcess, db: Database
+) -> None:
+    async with gateway_in_front_of(model_server, db, "wrong-token") as client:
+        models = await client.get("/v1/models")
+        chat = await client.post(
+            CHAT, json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+        )
+    for reply in (models, chat):
+        assert reply.status_code == 502, reply.text
+        assert "rejected the gateway's credentials" in reply.json()["error"]["message"]
+
+
+def test_promotion_event_updates_the_alias_of_a_running_gateway(
+    kafka_broker: TansuBroker, model_server: ServiceProcess, tmp_path: Path
+) -> None:
+    asyncio.run(ensure_topics(kafka_broker.bootstrap))
+    env = {
+        "FORGE_INFERENCE_GATEWAY_GRPC_PORT": "0",
+        "FORGE_INFERENCE_GATEWAY_HTTP_PORT": "0",
+        "FORGE_INFERENCE_GATEWAY_AUTH_TOKEN": GATEWAY_TOKEN,
+        "FORGE_INFERENCE_GATEWAY_DATA_DIR": str(tmp_path / "data"),
+        "FORGE_INFERENCE_GATEWAY_KAFKA_BOOTSTRAP": kafka_broker.bootstrap,
+        "FORGE_INFERENCE_GATEWAY_MODEL_SERVER_URL": model_server.http_url,
+        "FORGE_INFERENCE_GATEWAY_MODEL_SERVER_TOKEN": MODEL_SERVER_TOKEN,
+        "FORGE_INFERENCE_GATEWAY_BOOTSTRAP_API_KEY": TENANT_KEY,
+    }
+    gateway = ServiceProcess(
+        "forge_inference_gateway", env=env, cwd=str(tmp_path), log_path=str(tmp_path / "log")
+    )
+    gateway.start(30)
+    try:
+        event = events_pb2.ModelPromoted(
+            model=common_pb2.ModelRef(name="tiny"),
+            stage="production",
+            traffic_percent=100,
+            reason="gate passed",
+        )
+
+        async def publish() -> None:
+            publisher = KafkaPublisher(kafka_broker.bootstrap)
+            try:
+                await publisher.publish(event, producer="eval", key="production")
+            finally:
+                await publisher.close()
+
+        asyncio.run(publish())
+        admin = {"Authorization": f"Bearer {GATEWAY_TOKEN}"}
+        with httpx.Client(base_url=gateway.http_url, timeout=5) as client:
+            assert client.get("/admin/v1/aliases").status_code == 401
+            deadline = time.monotonic() + 30
+            aliases: list[dict[str, object]] = []
+            while time.monotonic() < deadline:
+                aliases = client.get("/admin/v1/aliases", headers=admin).json()["aliases"]
+                if aliases:
+                    break
+                time.sleep(0.2)
+            assert {a["alias"]: a["model"] for a in aliases} == {
+                "forge-chat": {"name": "tiny", "version": ""},
+                "production": {"name": "tiny", "version": ""},
+            }
+            tenant = {"Authorization": f"Bearer {TENANT_KEY}"}
+            models = client.get("/v1/models", headers=tenant).json()["data"]
+            assert {m["id"] for m in models} == {"tiny", "forge-chat", "production"}
+            reply = client.post(
+                CHAT,
+                headers=tenant,
+                json={"model": "forge-chat", "messages": [{"role": "user", "content": "hi"}]},
+            )
+            assert reply.status_code == 404 and "no model loaded: tiny" in reply.json()["error"]["message"]
+            assert client.get("/readyz").status_code == 200
+    finally:
+        gateway.stop()

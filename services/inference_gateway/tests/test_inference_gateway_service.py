@@ -1,0 +1,144 @@
+"""Tenants and keys, admission, aliases from ModelPromoted events: domain logic, no network."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from aiokafka import ConsumerRecord
+from forge.events.v1 import events_pb2
+
+from forge_inference_gateway.service import InferenceGateway, hash_api_key
+from forge_inference_gateway.store import TenantRow
+from forge_kit import errors
+from forge_kit.db import Database
+from forge_kit.events import HEADER_ID, HEADER_TYPE, EventConsumer, topic_for
+
+
+async def test_keys_are_stored_as_sha256_only(gateway: InferenceGateway, db: Database) -> None:
+    tenant, key = await gateway.create_tenant("search-app", "batch", rpm_limit=30)
+    async with db.session() as session:
+        row = await session.get(TenantRow, tenant.id)
+    assert row is not None and row.key_hash == hashlib.sha256(key.encode()).hexdigest() == hash_api_key(key)
+    assert key not in repr(row.__dict__)
+    assert (await gateway.authenticate(key)).name == "search-app"
+
+
+async def test_authentication_rejects_missing_and_wrong_keys(gateway: InferenceGateway, api_key: str) -> None:
+    assert (await gateway.authenticate(api_key)).name == "default"
+    for key in ("", "not-a-key"):
+        with pytest.raises(errors.UnauthenticatedError):
+            await gateway.authenticate(key)
+
+
+async def test_service_token_acts_as_default_tenant(gateway: InferenceGateway) -> None:
+    assert (await gateway.authenticate("admin-token")).name == "default"
+
+
+async def test_bootstrap_is_idempotent_and_rekeys(
+    gateway: InferenceGateway, api_key: str, db: Database
+) -> None:
+    await gateway.bootstrap(api_key)
+    await gateway.bootstrap("rotated-key")
+    async with db.session() as session:
+        count = await session.scalar(sa.select(sa.func.count()).select_from(TenantRow))
+    assert count == 1
+    assert (await gateway.authenticate("rotated-key")).name == "default"
+    with pytest.raises(errors.UnauthenticatedError):
+        await gateway.authenticate(api_key)
+
+
+@pytest.mark.parametrize(
+    ("name", "priority_class", "rpm", "field"),
+    [
+        ("Bad Name", "interactive", None, "name"),
+        ("ok", "urgent", None, "priority_class"),
+        ("ok", "batch", 0, "rpm_limit"),
+    ],
+)
+async def test_create_tenant_validates(
+    gateway: InferenceGateway, name: str, priority_class: str, rpm: int | None, field: str
+) -> None:
+    with pytest.raises(errors.ValidationError) as caught:
+        await gateway.create_tenant(name, priority_class, rpm)
+    assert caught.value.field == field
+
+
+async def test_duplicate_tenant_is_refused(gateway: InferenceGateway) -> None:
+    with pytest.raises(errors.AlreadyExistsError):
+        await gateway.create_tenant("default")
+
+
+async def test_rate_limit_refuses_with_retry_after_and_refills(
+    gateway: InferenceGateway, api_key: str, clock: Any
+) -> None:
+    tenant = await gateway.authenticate(api_key)  # 5 requests per minute
+    for _ in range(5):
+        await gateway.admit(tenant)
+    with pytest.raises(errors.OverloadedError) as caught:
+        await gateway.admit(tenant)
+    assert caught.value.retry_after_s == pytest.approx(12.0)  # one request every 60/5 s
+    clock.now += 12.0
+    await gateway.admit(tenant)
+
+
+async def test_production_promotion_sets_forge_chat(
+    gateway: InferenceGateway, db: Database, promoted: Callable[..., events_pb2.ModelPromoted]
+) -> None:
+    async with db.session() as session:
+        await gateway.apply_model_promoted(promoted("tiny-llama", "3"), session)
+    assert await gateway.resolve_model("forge-chat") == ("tiny-llama:3", (await gateway.list_aliases())[0])
+    async with db.session() as session:
+        await gateway.apply_model_promoted(promoted("tiny-llama", "4"), session)
+        await gateway.apply_model_promoted(promoted("tiny-llama", "5", stage="canary"), session)
+    aliases = {a.alias: (a.target, a.stage) for a in await gateway.list_aliases()}
+    assert aliases == {
+        "forge-chat": ("tiny-llama:4", "production"),
+        "production": ("tiny-llama:4", "production"),
+        "canary": ("tiny-llama:5", "canary"),
+    }
+    assert await gateway.resolve_model("tiny-llama") == ("tiny-llama", None)
+
+
+async def test_promotion_without_stage_is_rejected(
+    gateway: InferenceGateway, db: Database, promoted: Callable[..., events_pb2.ModelPromoted]
+) -> None:
+    with pytest.raises(errors.ValidationError):
+        async with db.session() as session:
+            await gateway.apply_model_promoted(promoted("tiny", stage=" "), session)
+
+
+async def test_consumer_applies_a_promotion_once(
+    gateway: InferenceGateway, db: Database, promoted: Callable[..., events_pb2.ModelPromoted]
+) -> None:
+    event = promoted("tiny", "1")
+    consumer = EventConsumer(
+        db,
+        bootstrap="unused:0",
+        group_id="inference_gateway",
+        topics=[topic_for(event)],
+        handler=gateway.apply_model_promoted,
+    )
+    headers = [(HEADER_TYPE, event.DESCRIPTOR.full_name.encode()), (HEADER_ID, event.meta.event_id.encode())]
+    record = ConsumerRecord(
+        topic=topic_for(event),
+        partition=0,
+        offset=0,
+        timestamp=0,
+        timestamp_type=0,
+        key=None,
+        value=event.SerializeToString(),
+        checksum=None,
+        serialized_key_size=0,
+        serialized_value_size=0,
+        headers=headers,
+    )
+    assert await consumer.handle(record) is True
+    # A later promotion, then the first event redelivered: the redelivery must not roll back.
+    async with db.session() as session:
+        await gateway.apply_model_promoted(promoted("tiny", "2"), session)
+    assert await consumer.handle(record) is False
+    assert (await gateway.resolve_model("forge-chat"))[0] == "tiny:2"

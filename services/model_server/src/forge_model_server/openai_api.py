@@ -1,0 +1,291 @@
+"""The OpenAI-compatible HTTP API, as ``vllm serve`` exposes it: translation only.
+
+Routes turn JSON into a :class:`GenerationRequest`, call :class:`ModelServer`, and turn chunks into
+OpenAI bodies or server-sent events. Every error is an OpenAI error body
+(``{"error": {"message", "type", "param", "code"}}``) with the status vLLM would answer.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from forge_kit import errors
+from forge_kit.http import require_token
+from forge_model_server.service import (
+    ChatMessage,
+    GenerationChunk,
+    GenerationRequest,
+    ModelInfo,
+    ModelNotFoundError,
+    ModelNotLoadedError,
+    ModelServer,
+)
+
+
+def openai_error(
+    status: int,
+    message: str,
+    *,
+    type_: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    """An error in the OpenAI format."""
+    body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    """Fields shared by both endpoints; unknown OpenAI fields are ignored, as vLLM does."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    priority: int = 0
+
+
+class CompletionBody(_Sampling):
+    prompt: str
+    max_tokens: int | None = 16
+
+
+class ChatMessageBody(BaseModel):
+    role: str
+    content: str
+
+
+class ChatCompletionBody(_Sampling):
+    messages: list[ChatMessageBody]
+    max_completion_tokens: int | None = Field(default=None, description="Newer name of max_tokens.")
+
+
+def _stops(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else list(stop)
+
+
+def _request(body: _Sampling, request_id: str, **kwargs: Any) -> GenerationRequest:
+    if body.n != 1:
+        raise errors.ValidationError("n", "only n=1 is supported")
+    for name in ("temperature", "top_p"):
+        value = getattr(body, name)
+        if value is not None and not math.isfinite(value):
+            raise errors.ValidationError(name, "must be a finite number")
+    generation = GenerationRequest(
+        model=body.model,
+        max_tokens=body.max_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        seed=body.seed,
+        stop=_stops(body.stop),
+        priority=body.priority,
+        **kwargs,
+    )
+    if request_id:
+        generation.request_id = request_id
+    return generation
+
+
+def _usage(last: GenerationChunk | None) -> dict[str, int]:
+    prompt = last.prompt_tokens if last else 0
+    completion = last.completion_tokens if last else 0
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _sse(payload: object) -> bytes:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n".encode()
+
+
+class OpenAIRoutes:
+    """Builds the OpenAI routes on a FastAPI app around one :class:`ModelServer`."""
+
+    def __init__(self, server: ModelServer) -> None:
+        self._server = server
+
+    def model_card(self, model: ModelInfo) -> dict[str, object]:
+        return {
+            "id": model.id,
+            "object": "model",
+            "created": model.created,
+            "owned_by": "forge",
+            "root": model.path,
+            "parent": None,
+            "max_model_len": model.max_context_tokens or None,
+            "version": model.version,
+            "loaded": self._server.is_loaded(model),
+        }
+
+    async def list_models(self) -> dict[str, object]:
+        return {"object": "list", "data": [self.model_card(m) for m in self._server.list_models()]}
+
+    async def completions(self, body: CompletionBody, request: Request) -> Response:
+        generation = _request(body, request.headers.get("x-request-id", ""), prompt=body.prompt)
+        return await self._respond(generation, body, chat=False)
+
+    async def chat_completions(self, body: ChatCompletionBody, request: Request) -> Response:
+        messages = [ChatMessage(m.role, m.content) for m in body.messages]
+        generation = _request(body, request.headers.get("x-request-id", ""), messages=messages)
+        if body.max_completion_tokens is not None:
+            generation.max_tokens = body.max_completion_tokens
+        return await self._respond(generation, body, chat=True)
+
+    async def _respond(self, generation: GenerationRequest, body: _Sampling, *, chat: bool) -> Response:
+        info, chunks = await self._server.generate(generation)
+        head = {
+            "id": f"{'chatcmpl' if chat else 'cmpl'}-{generation.request_id}",
+            "created": int(time.time()),
+            "model": info.id,
+        }
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(
+                self._stream(head, chunks, chat=chat, include_usage=include_usage),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Request-Id": generation.request_id},
+            )
+        text: list[str] = []
+        last: GenerationChunk | None = None
+        try:
+            async for chunk in chunks:
+                text.append(chunk.text)
+                last = chunk
+        finally:
+            await chunks.aclose()
+        finish = last.finish_reason if last else None
+        choice: dict[str, object] = {"index": 0, "finish_reason": finish, "logprobs": None}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": "".join(text)}
+        else:
+            choice["text"] = "".join(text)
+        obj = "chat.completion" if chat else "text_completion"
+        return JSONResponse({**head, "object": obj, "choices": [choice], "usage": _usage(last)})
+
+    async def _stream(
+        self,
+        head: dict[str, object],
+        chunks: AsyncGenerator[GenerationChunk, None],
+        *,
+        chat: bool,
+        include_usage: bool,
+    ) -> AsyncIterator[bytes]:
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        last: GenerationChunk | None = None
+        try:
+            if chat:
+                yield _sse(
+                    {
+                        **head,
+                        "object": obj,
+                        "choices": [
+                            {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                        ],
+                    }
+                )
+            async for chunk in chunks:
+                last = chunk
+                delta: dict[str, object] = {
+                    "index": 0,
+                    "finish_reason": chunk.finish_reason,
+                    "logprobs": None,
+                }
+                if chat:
+                    delta["delta"] = {"content": chunk.text} if chunk.text else {}
+                else:
+                    delta["text"] = chunk.text
+                yield _sse({**head, "object": obj, "choices": [delta]})
+            if include_usage:
+                yield _sse({**head, "object": obj, "choices": [], "usage": _usage(last)})
+        except errors.ForgeError as exc:
+            # Headers are gone; the error travels as an event, as vLLM does mid-stream.
+            yield _sse(
+                {"error": {"message": exc.message, "type": "server_error", "param": None, "code": None}}
+            )
+        finally:
+            await chunks.aclose()
+        yield b"data: [DONE]\n\n"
+
+
+def install_openai_api(app: FastAPI, server: ModelServer, token: str | None) -> None:
+    """Add ``/v1/*`` (bearer ``token`` when set), ``/health`` and OpenAI-format error handlers."""
+    routes = OpenAIRoutes(server)
+    auth = [Depends(require_token(token))]
+    app.add_api_route("/v1/models", routes.list_models, methods=["GET"], dependencies=auth)
+    app.add_api_route("/v1/completions", routes.completions, methods=["POST"], dependencies=auth)
+    app.add_api_route("/v1/chat/completions", routes.chat_completions, methods=["POST"], dependencies=auth)
+
+    @app.get("/health", include_in_schema=False)
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.exception_handler(errors.ValidationError)
+    async def _invalid(_: Request, exc: errors.ValidationError) -> JSONResponse:
+        return openai_error(400, exc.message, param=exc.field, code="invalid_value")
+
+    @app.exception_handler(RequestValidationError)
+    async def _malformed(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        field = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or "body"
+        return openai_error(400, f"{field}: {first.get('msg')}", param=field, code="invalid_value")
+
+    async def _model_missing(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, ModelNotFoundError | ModelNotLoadedError)
+        return openai_error(404, exc.message, param="model", code="model_not_found")
+
+    app.add_exception_handler(ModelNotFoundError, _model_missing)
+    app.add_exception_handler(ModelNotLoadedError, _model_missing)
+
+    @app.exception_handler(errors.NotFoundError)
+    async def _missing(_: Request, exc: errors.NotFoundError) -> JSONResponse:
+        return openai_error(404, exc.message, code="not_found")
+
+    @app.exception_handler(errors.UnauthenticatedError)
+    async def _unauthenticated(_: Request, exc: errors.UnauthenticatedError) -> JSONResponse:
+        return openai_error(
+            401,
+            exc.message,
+            type_="authentication_error",
+            code="invalid_api_key",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+
+    @app.exception_handler(errors.OverloadedError)
+    async def _overloaded(_: Request, exc: errors.OverloadedError) -> JSONResponse:
+        retry = str(max(1, math.ceil(exc.retry_after_s)))
+        return openai_error(
+            429,
+            exc.message,
+            type_="rate_limit_error",
+            code="rate_limit_exceeded",
+            headers={"Retry-After": retry},
+        )
+
+    @app.exception_handler(errors.ConflictError)
+    async def _conflict(_: Request, exc: errors.ConflictError) -> JSONResponse:
+        return openai_error(409, exc.message, code="failed_precondition")
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception) -> JSONResponse:
+        return openai_error(500, "internal error", type_="server_error")

@@ -1,0 +1,298 @@
+"""Model server domain: the model directory, request validation, the engine seam and its metrics.
+
+A model is a Hugging Face-format folder under ``models_dir`` (``config.json``, tokenizer files,
+``*.safetensors``); its name is the folder name and its version comes from an optional
+``forge_model.json`` (``{"version": "3"}``). Generation is delegated to an :class:`Engine`, which an
+:class:`EngineLoader` builds for a model on first use. A model that cannot be loaded is an error
+naming it and the reason, never a made-up completion.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import posixpath
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from forge_kit import errors
+from forge_kit.objectstore import ObjectStore
+
+# vLLM's metric names, so dashboards and the gateway's router read Forge replicas and vLLM alike.
+NUM_REQUESTS_RUNNING = Gauge(
+    "vllm:num_requests_running", "Number of requests in model execution batches.", ["model_name"]
+)
+NUM_REQUESTS_WAITING = Gauge(
+    "vllm:num_requests_waiting", "Number of requests waiting to be processed.", ["model_name"]
+)
+REQUEST_SUCCESS = Counter(
+    "vllm:request_success", "Count of successfully processed requests.", ["model_name", "finished_reason"]
+)
+PROMPT_TOKENS = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", ["model_name"])
+GENERATION_TOKENS = Counter(
+    "vllm:generation_tokens", "Number of generation tokens processed.", ["model_name"]
+)
+E2E_LATENCY = Histogram(
+    "vllm:e2e_request_latency_seconds",
+    "Histogram of end to end request latency in seconds.",
+    ["model_name"],
+    buckets=(0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0),
+)
+
+FinishReason = Literal["stop", "length", "cancelled"]
+ROLES = ("system", "user", "assistant")
+METADATA_FILE = "forge_model.json"
+
+
+class ModelNotLoadedError(errors.ConflictError):
+    """The model exists in the directory but no engine can serve it (no weights, no torch, …)."""
+
+    def __init__(self, model: str, reason: str) -> None:
+        super().__init__(f"no model loaded: {model}: {reason}")
+        self.model = model
+
+
+class ModelNotFoundError(errors.NotFoundError):
+    """No folder in the model directory has this name."""
+
+    def __init__(self, model: str, known: list[str]) -> None:
+        listing = ", ".join(known) if known else "none"
+        super().__init__(f"the model `{model}` does not exist (served models: {listing})")
+        self.model = model
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """A model folder as found in the directory."""
+
+    name: str
+    version: str
+    path: str
+    created: int
+    max_context_tokens: int
+    weight_files: tuple[str, ...]
+
+    @property
+    def id(self) -> str:
+        """What clients put in ``model``: the folder name."""
+        return self.name
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    role: str
+    content: str
+
+
+@dataclass
+class GenerationRequest:
+    """One validated generation request; exactly one of ``prompt`` and ``messages`` is set."""
+
+    model: str
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    priority: int = 0
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+
+@dataclass(frozen=True)
+class GenerationChunk:
+    """Output since the previous chunk; the last chunk has ``finish_reason`` and the token counts."""
+
+    text: str = ""
+    token_ids: tuple[int, ...] = ()
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class Engine(Protocol):
+    """Generates text for one loaded model.
+
+    Called by :class:`ModelServer` once per request, from the HTTP routes and the gRPC servicer,
+    after the request has been validated. The engine owns the tokenizer (and so the chat template)
+    and its scheduling: the continuous-batching engine plugs in here. Closing the returned iterator
+    early (client gone, deadline passed) must cancel the request and free what it holds.
+    """
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        """Stream chunks for ``request``; the last one carries ``finish_reason``."""
+        ...
+
+    def num_waiting(self) -> int:
+        """Requests admitted but not yet running (``vllm:num_requests_waiting``)."""
+        ...
+
+
+class EngineLoader(Protocol):
+    """Builds the engine of a model on its first request; called by :class:`ModelServer` only.
+
+    Raises :class:`ModelNotLoadedError` naming the reason when the model cannot be served.
+    """
+
+    def __call__(self, model: ModelInfo) -> Engine: ...
+
+
+def unavailable_engine_loader(model: ModelInfo) -> Engine:
+    """The loader of a build without an inference engine: explains why ``model`` cannot be served."""
+    if not model.weight_files:
+        raise ModelNotLoadedError(model.name, f"no weights (*.safetensors) in {model.path}")
+    missing = [name for name in ("torch", "transformers") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ModelNotLoadedError(model.name, f"{' and '.join(missing)} not installed in this model server")
+    raise ModelNotLoadedError(model.name, "this model server build has no inference engine")
+
+
+class ModelDirectory:
+    """Reads model folders from the object store; every call sees the directory as it is now."""
+
+    def __init__(self, store: ObjectStore) -> None:
+        self._store = store
+
+    def _read_json(self, path: str) -> Mapping[str, object]:
+        try:
+            with self._store.fs.open(path, "rb") as handle:
+                data = json.loads(handle.read())
+        except (OSError, ValueError):
+            return {}
+        return data if isinstance(data, dict) else {}
+
+    def _info(self, folder: str) -> ModelInfo | None:
+        name = posixpath.basename(folder.rstrip("/"))
+        config_path = f"{folder}/config.json"
+        if name.startswith(".") or not self._store.fs.exists(config_path):
+            return None
+        config = self._read_json(config_path)
+        meta = self._read_json(f"{folder}/{METADATA_FILE}")
+        files = [str(p) for p in self._store.fs.ls(folder, detail=False)]
+        weights = tuple(sorted(posixpath.basename(p) for p in files if p.endswith(".safetensors")))
+        context = config.get("max_position_embeddings")
+        try:
+            created = int(self._store.fs.modified(config_path).timestamp())
+        except (NotImplementedError, OSError, AttributeError):
+            created = 0
+        return ModelInfo(
+            name=name,
+            version=str(meta.get("version", "")),
+            path=self._store.url(name),
+            created=created,
+            max_context_tokens=context if isinstance(context, int) and context > 0 else 0,
+            weight_files=weights,
+        )
+
+    def list(self) -> list[ModelInfo]:
+        """Every folder with a ``config.json``, sorted by name."""
+        entries = self._store.fs.ls(self._store.root, detail=True)
+        folders = sorted(str(e["name"]) for e in entries if e.get("type") == "directory")
+        return [info for folder in folders if (info := self._info(folder)) is not None]
+
+    def get(self, model: str) -> ModelInfo:
+        """The model named ``model`` or ``name:version``; :class:`ModelNotFoundError` otherwise."""
+        name, _, version = model.partition(":")
+        if name and "/" not in name and name not in (".", ".."):
+            info = self._info(f"{self._store.root}/{name}")
+            if info is not None and (not version or version == info.version):
+                return info
+        raise ModelNotFoundError(model, [m.name for m in self.list()])
+
+
+def validate(request: GenerationRequest) -> None:
+    """Reject what no engine could serve, naming the field (OpenAI names: ``max_tokens``, …)."""
+    if not request.model.strip():
+        raise errors.ValidationError("model", "is required")
+    if request.messages is None and request.prompt is None:
+        raise errors.ValidationError("prompt", "one of prompt or messages is required")
+    if request.messages is not None and request.prompt is not None:
+        raise errors.ValidationError("messages", "give either prompt or messages, not both")
+    if request.messages is not None:
+        if not request.messages:
+            raise errors.ValidationError("messages", "must contain at least one message")
+        for i, message in enumerate(request.messages):
+            if message.role not in ROLES:
+                raise errors.ValidationError(f"messages.{i}.role", f"must be one of {', '.join(ROLES)}")
+    if request.max_tokens is not None and request.max_tokens < 1:
+        raise errors.ValidationError("max_tokens", f"must be at least 1, got {request.max_tokens}")
+    if request.temperature is not None and not (0.0 <= request.temperature <= 2.0):
+        raise errors.ValidationError("temperature", f"must be between 0 and 2, got {request.temperature}")
+    if request.top_p is not None and not (0.0 < request.top_p <= 1.0 and math.isfinite(request.top_p)):
+        raise errors.ValidationError("top_p", f"must be in (0, 1], got {request.top_p}")
+    if request.seed is not None and request.seed < 0:
+        raise errors.ValidationError("seed", f"must not be negative, got {request.seed}")
+    for i, stop in enumerate(request.stop):
+        if not stop:
+            raise errors.ValidationError(f"stop.{i}", "must not be empty")
+
+
+class ModelServer:
+    """Lists the models in the directory and runs generation on their engines."""
+
+    def __init__(self, directory: ModelDirectory, loader: EngineLoader = unavailable_engine_loader) -> None:
+        self._directory = directory
+        self._loader = loader
+        self._engines: dict[str, Engine] = {}
+
+    def list_models(self) -> list[ModelInfo]:
+        """The served models; each gets its metric series so they read 0 before the first request."""
+        models = self._directory.list()
+        for model in models:
+            NUM_REQUESTS_RUNNING.labels(model.name)
+            NUM_REQUESTS_WAITING.labels(model.name)
+        return models
+
+    def is_loaded(self, model: ModelInfo) -> bool:
+        return model.name in self._engines
+
+    def resolve(self, model: str) -> tuple[ModelInfo, Engine]:
+        """The model and its engine, loading the engine on first use."""
+        info = self._directory.get(model)
+        engine = self._engines.get(info.name)
+        if engine is None:
+            engine = self._loader(info)
+            self._engines[info.name] = engine
+        return info, engine
+
+    async def generate(
+        self, request: GenerationRequest
+    ) -> tuple[ModelInfo, AsyncGenerator[GenerationChunk, None]]:
+        """Validate, resolve the engine, and return the model with its chunk stream.
+
+        Errors a caller can act on (bad field, unknown or unloadable model) are raised here, before
+        the first chunk, so transports can answer with a status instead of a broken stream.
+        """
+        validate(request)
+        info, engine = self.resolve(request.model)
+        return info, self._run(info, engine, request)
+
+    async def _run(
+        self, info: ModelInfo, engine: Engine, request: GenerationRequest
+    ) -> AsyncGenerator[GenerationChunk, None]:
+        started = time.monotonic()
+        running = NUM_REQUESTS_RUNNING.labels(info.name)
+        running.inc()
+        stream = engine.generate(request)
+        try:
+            async for chunk in stream:
+                if chunk.finish_reason is not None:
+                    REQUEST_SUCCESS.labels(info.name, chunk.finish_reason).inc()
+                    PROMPT_TOKENS.labels(info.name).inc(chunk.prompt_tokens)
+                    GENERATION_TOKENS.labels(info.name).inc(chunk.completion_tokens)
+                    E2E_LATENCY.labels(info.name).observe(time.monotonic() - started)
+                yield chunk
+        finally:
+            # Closing the engine's stream is how a disconnect or deadline cancels the request there.
+            close = getattr(stream, "aclose", None)
+            if close is not None:
+                await close()
+            running.dec()
+            NUM_REQUESTS_WAITING.labels(info.name).set(engine.num_waiting())

@@ -1,0 +1,52 @@
+"""The model server as a process: probes, metrics, the OpenAI API and gRPC on their ports."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+from forge.inference.v1 import inference_pb2, inference_pb2_grpc
+
+from forge_kit.testing import ServiceProcess
+
+pytestmark = pytest.mark.integration
+TOKEN = "process-token"
+
+
+@pytest.fixture
+def process(tmp_path: Path) -> Iterator[ServiceProcess]:
+    models = tmp_path / "models" / "tiny"
+    models.mkdir(parents=True)
+    (models / "config.json").write_text(json.dumps({"model_type": "llama", "max_position_embeddings": 64}))
+    env = {
+        "FORGE_MODEL_SERVER_GRPC_PORT": "0",
+        "FORGE_MODEL_SERVER_HTTP_PORT": "0",
+        "FORGE_MODEL_SERVER_AUTH_TOKEN": TOKEN,
+        "FORGE_MODEL_SERVER_MODELS_DIR": str(tmp_path / "models"),
+        "FORGE_MODEL_SERVER_KAFKA_ENABLED": "false",
+    }
+    proc = ServiceProcess(
+        "forge_model_server", env=env, cwd=str(tmp_path), log_path=str(tmp_path / "log")
+    ).start(30)
+    yield proc
+    proc.stop()
+
+
+def test_process_serves_probes_models_and_grpc(process: ServiceProcess) -> None:
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    with httpx.Client(base_url=process.http_url, timeout=5) as client:
+        assert client.get("/readyz").status_code == 200
+        assert "vllm:num_requests_waiting" in client.get("/metrics").text
+        assert [m["id"] for m in client.get("/v1/models", headers=auth).json()["data"]] == ["tiny"]
+        reply = client.post("/v1/completions", headers=auth, json={"model": "tiny", "prompt": "hi"})
+        assert reply.status_code == 404 and reply.json()["error"]["code"] == "model_not_found"
+    with grpc.insecure_channel(process.grpc_target) as channel:
+        stub = inference_pb2_grpc.InferenceServiceStub(channel)
+        reply = stub.ListModels(
+            inference_pb2.ListModelsRequest(), metadata=[("authorization", f"Bearer {TOKEN}")]
+        )
+        assert [m.ref.name for m in reply.models] == ["tiny"]
