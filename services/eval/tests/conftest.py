@@ -1,0 +1,88 @@
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+from forge_eval.runner import ExampleResult
+from forge_eval.service import EvalService
+from forge_eval.spec import BenchmarkCatalog, RunSpec, resolve_data_path
+from forge_kit.db import Database
+from forge_kit.events import OutboxEvent
+
+MIGRATIONS = Path(__file__).parents[1] / "src" / "forge_eval" / "migrations"
+BENCHMARKS = resolve_data_path("../shared/data/benchmarks")
+
+
+class ScriptedRunner:
+    """Stands in for the model: scores per model version are given by the test (0/1 per example)."""
+
+    def __init__(self, scores: dict[str, list[float]] | None = None) -> None:
+        self.scores = scores or {}
+        self.calls: list[RunSpec] = []
+
+    def supports(self, suite: str) -> bool:
+        return suite in {"gsm8k", "bbh", "mmlu"}
+
+    def scorer_version(self, suite: str) -> str:
+        return f"{suite}-scripted-1"
+
+    async def run(self, spec: RunSpec, endpoint: str) -> list[ExampleResult]:
+        self.calls.append(spec)
+        return [
+            ExampleResult(f"ex-{i}", "accuracy", score, output=str(score), target="1")
+            for i, score in enumerate(self.scores.get(spec.model_version, []))
+        ]
+
+
+@pytest.fixture(scope="session")
+def catalog() -> BenchmarkCatalog:
+    return BenchmarkCatalog(BENCHMARKS)
+
+
+@pytest.fixture
+async def db(tmp_path: Path) -> AsyncIterator[Database]:
+    database = Database(f"sqlite+aiosqlite:///{tmp_path / 'eval.db'}")
+    await database.migrate(MIGRATIONS)
+    yield database
+    await database.dispose()
+
+
+@pytest.fixture
+def runner() -> ScriptedRunner:
+    return ScriptedRunner()
+
+
+@pytest.fixture
+def service(db: Database, catalog: BenchmarkCatalog, runner: ScriptedRunner) -> EvalService:
+    return EvalService(db, catalog, runner, default_endpoint="http://127.0.0.1:9/")
+
+
+@pytest.fixture
+def outbox(db: Database):  # type: ignore[no-untyped-def]
+    async def rows() -> list[OutboxEvent]:
+        async with db.session() as session:
+            return list((await session.scalars(sa.select(OutboxEvent).order_by(OutboxEvent.sequence))).all())
+
+    return rows
+
+
+@pytest.fixture
+def run_model(service: EvalService, runner: ScriptedRunner):  # type: ignore[no-untyped-def]
+    """Queue and execute a gsm8k run of ``name:version`` whose per-example scores are ``scores``."""
+
+    async def run(
+        version: str, scores: list[float], *, name: str = "tiny", suite: str = "gsm8k", **kwargs: object
+    ) -> str:
+        runner.scores[version] = scores
+        queued = await service.run_suite(
+            suite, name, version, endpoint="", limit=len(scores), seed=1, options={}, **kwargs
+        )  # type: ignore[arg-type]
+        claimed = await service.claim_next_run()
+        assert claimed == queued.id
+        await service.execute_run(queued.id)
+        return queued.id
+
+    return run

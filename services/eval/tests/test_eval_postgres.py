@@ -1,0 +1,43 @@
+"""The eval schema and registry work on PostgreSQL as they do on SQLite."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from forge.eval.v1 import eval_pb2
+
+from forge_eval.service import EvalService
+from forge_eval.spec import BenchmarkCatalog
+from forge_kit.db import Database
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.integration]
+MIGRATIONS = Path(__file__).parents[1] / "src" / "forge_eval" / "migrations"
+
+
+async def test_registry_and_runs_on_postgres(
+    postgres_url: str, catalog: BenchmarkCatalog, runner: Any
+) -> None:
+    runner.scores["1"] = [1.0, 0.0, 1.0]
+    db = Database(postgres_url)
+    try:
+        await db.migrate(MIGRATIONS)
+        service = EvalService(db, catalog, runner, default_endpoint="http://127.0.0.1:9")
+        await service.register_model("tiny", "", "file:///1", {"job": "j"})
+        await service.register_model("tiny", "", "file:///2", {})
+        run = await service.run_suite("gsm8k", "tiny", "1", endpoint="", limit=3, seed=2**63 + 5, options={})
+        assert await service.claim_next_run() == run.id
+        await service.execute_run(run.id)
+        got, metrics = await service.get_run(run.id)
+        assert got.status == eval_pb2.RUN_STATUS_SUCCEEDED and metrics[0].value == pytest.approx(2 / 3)
+        await service.promote_model(
+            "tiny", "1", "production", require_gate=True, traffic_percent=0, reason=""
+        )
+        await service.promote_model(
+            "tiny", "2", "production", require_gate=False, traffic_percent=0, reason=""
+        )
+        restored, removed = await service.rollback_model("production", "")
+        assert (restored.row.version, removed.version) == ("1", "2")
+    finally:
+        await db.dispose()

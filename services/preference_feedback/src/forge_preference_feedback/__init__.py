@@ -1,0 +1,1 @@
+"""Forge preference feedback service: comparisons, rater preferences and the reward-model registry."""

@@ -1,0 +1,40 @@
+"""Preference feedback settings (env prefix ``FORGE_PREFERENCE_FEEDBACK_``)."""
+
+from __future__ import annotations
+
+from pydantic import Field, SecretStr
+
+from forge_kit.settings import ServiceSettings, service_config
+
+
+class FeedbackSettings(ServiceSettings):
+    """Settings of the preference feedback process."""
+
+    model_config = service_config("preference_feedback")
+
+    grpc_port: int = Field(default=50058, ge=0, le=65535)
+    """gRPC port of the PreferenceFeedbackService."""
+
+    http_port: int = Field(default=8058, ge=0, le=65535)
+    """HTTP port for health and metrics (and the rater UI, later)."""
+
+    inference_gateway_url: str = "http://127.0.0.1:8080"
+    """Gateway base URL, for drawing fresh response pairs (not called yet: comparisons come from seeds)."""
+
+    inference_gateway_token: SecretStr = SecretStr("")
+    """Bearer token for the gateway."""
+
+    seed_dir: str = ""
+    """HH-RLHF folder (``<subset>/*.jsonl.gz``) to seed comparisons from at start-up; empty: no seeding."""
+
+    seed_limit: int = Field(default=200, ge=1)
+    """How many comparisons a start-up seed loads (already-seeded pairs count and are skipped)."""
+
+    seed_rng_seed: int = 0
+    """Seed of the per-comparison A/B order randomisation."""
+
+    assignment_lease_s: float = Field(default=600.0, gt=0)
+    """How long a comparison handed to a rater is reserved for them before others may get it."""
+
+    max_page_size: int = Field(default=500, ge=1)
+    """Upper bound on page_size in list calls."""

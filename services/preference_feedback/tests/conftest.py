@@ -1,0 +1,68 @@
+from __future__ import annotations
+
+import datetime as dt
+import gzip
+import json
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import pytest
+
+from forge_kit.db import Database
+from forge_preference_feedback.seeds import resolve_data_path
+from forge_preference_feedback.service import FeedbackService
+
+MIGRATIONS = Path(__file__).parents[1] / "src" / "forge_preference_feedback" / "migrations"
+HH_RLHF = resolve_data_path("../shared/data/preferences/hh-rlhf")
+
+
+def read_hh_line(subset: str, number: int) -> dict[str, str]:
+    """Line ``number`` (0-based) of the real HH-RLHF test file of ``subset``."""
+    with gzip.open(HH_RLHF / subset / "test.jsonl.gz", "rt", encoding="utf-8") as handle:
+        for i, line in enumerate(handle):
+            if i == number:
+                return dict(json.loads(line))
+    raise IndexError(number)
+
+
+@pytest.fixture(scope="session")
+def hh_root() -> Path:
+    """The real HH-RLHF folder in the shared data."""
+    return HH_RLHF
+
+
+@pytest.fixture(scope="session")
+def hh_line() -> Callable[[str, int], dict[str, str]]:
+    """``hh_line(subset, n)``: line n of the real HH-RLHF test file of a subset."""
+    return read_hh_line
+
+
+class Clock:
+    """A settable clock for leases."""
+
+    def __init__(self) -> None:
+        self.now = dt.datetime(2026, 1, 1, 12, 0, 0)
+
+    def __call__(self) -> dt.datetime:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += dt.timedelta(seconds=seconds)
+
+
+@pytest.fixture
+async def db(tmp_path: Path) -> AsyncIterator[Database]:
+    database = Database(f"sqlite+aiosqlite:///{tmp_path / 'feedback.db'}")
+    await database.migrate(MIGRATIONS)
+    yield database
+    await database.dispose()
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def service(db: Database, clock: Clock) -> FeedbackService:
+    return FeedbackService(db, lease=dt.timedelta(seconds=60), clock=clock)
