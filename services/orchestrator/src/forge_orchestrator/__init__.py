@@ -1,0 +1,1 @@
+"""Forge orchestrator service: Temporal workflows over the other services."""

@@ -1,0 +1,62 @@
+"""Orchestrator process: settings → database → Temporal client → worker, job-event consumer, gRPC + HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import timedelta
+from pathlib import Path
+
+from forge.events.v1 import events_pb2
+from forge.orchestrator.v1 import orchestrator_pb2, orchestrator_pb2_grpc
+
+from forge_kit.app import ServiceApp
+from forge_kit.events import TOPICS, EventConsumer
+from forge_kit.http import make_app
+from forge_orchestrator.activities import SchedulerActivities
+from forge_orchestrator.api import OrchestratorApi
+from forge_orchestrator.config import OrchestratorSettings
+from forge_orchestrator.service import (
+    JobEventRouter,
+    OrchestratorService,
+    TemporalSignaller,
+    build_worker,
+    connect_temporal,
+)
+
+
+async def main() -> None:
+    settings = OrchestratorSettings()
+    app = ServiceApp(settings)
+    db = await app.open_database("orchestrator.db", Path(__file__).parent / "migrations")
+    client = await connect_temporal(
+        settings.temporal_target, settings.temporal_namespace, timeout_s=settings.temporal_connect_timeout_s
+    )
+    activities = SchedulerActivities(settings.scheduler_target, settings.scheduler_token.get_secret_value())
+    app.add_background(build_worker(client, settings.task_queue, activities).run)
+    app.add_on_stop(activities.close)
+    if settings.kafka_enabled:
+        consumer = EventConsumer(
+            db,
+            bootstrap=settings.kafka_bootstrap,
+            group_id=settings.consumer_group,
+            topics=[TOPICS[events_pb2.JobStateChanged.DESCRIPTOR.full_name]],
+            handler=JobEventRouter(TemporalSignaller(client)).handle,
+        )
+        app.add_background(consumer.run)
+        app.add_on_stop(consumer.stop)
+
+    async def temporal_ready() -> bool:
+        return await client.service_client.check_health(timeout=timedelta(seconds=2))
+
+    api = OrchestratorApi(OrchestratorService(client, settings.task_queue))
+    await app.run(
+        register=[
+            lambda server: orchestrator_pb2_grpc.add_OrchestratorServiceServicer_to_server(api, server)
+        ],
+        service_names=[orchestrator_pb2.DESCRIPTOR.services_by_name["OrchestratorService"].full_name],
+        http=make_app(app.name, readiness={"database": db.ping, "temporal": temporal_ready}),
+    )
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

@@ -1,0 +1,124 @@
+"""Activities: every piece of I/O a workflow does, here calls to the scheduler over gRPC.
+
+A failed call becomes an ``ApplicationError`` typed with the gRPC status name and saying which
+call failed. A status that retrying cannot fix (bad argument, missing resource, bad token) is
+non-retryable; anything else (``UNAVAILABLE``, deadline) is retried under the workflow's bounded
+retry policy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import grpc
+from forge.common.v1 import common_pb2
+from forge.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
+from temporalio import activity
+from temporalio.exceptions import ApplicationError
+
+from forge_kit.grpckit import make_channel
+
+#: Status codes that a retry cannot change.
+PERMANENT = frozenset(
+    {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.ALREADY_EXISTS,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.UNAUTHENTICATED,
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.UNIMPLEMENTED,
+    }
+)
+
+
+def state_name(state: int) -> str:
+    """``JOB_STATE_CANCELLED`` → ``"CANCELLED"``: the names workflows and their results use."""
+    return common_pb2.JobState.Name(state).removeprefix("JOB_STATE_")  # type: ignore[arg-type]
+
+
+@dataclass
+class SubmitJobInput:
+    """A job a workflow wants run; ``request_id`` makes a retried submission return the same job."""
+
+    name: str
+    team: str
+    command: list[str]
+    request_id: str
+    priority_class: str = "normal"
+    labels: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class CancelJobInput:
+    job_id: str
+    reason: str
+
+
+def _failed(call: str, exc: grpc.aio.AioRpcError) -> ApplicationError:
+    code = exc.code()
+    return ApplicationError(
+        f"{call}: {code.name}: {exc.details()}", type=code.name, non_retryable=code in PERMANENT
+    )
+
+
+class SchedulerActivities:
+    """Scheduler calls for workflows. One instance per worker; its channel opens on first use so
+    it belongs to the worker's event loop."""
+
+    def __init__(self, target: str, token: str, *, rpc_timeout_s: float = 10.0) -> None:
+        self._target = target
+        self._token = token
+        self._rpc_timeout_s = rpc_timeout_s
+        self._channel: grpc.aio.Channel | None = None
+
+    def _stub(self) -> scheduler_pb2_grpc.SchedulerServiceAsyncStub:
+        if self._channel is None:
+            self._channel = make_channel(self._target, token=self._token)
+        return scheduler_pb2_grpc.SchedulerServiceStub(self._channel)
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            channel, self._channel = self._channel, None
+            await channel.close(None)
+
+    @activity.defn(name="ensure_team")
+    async def ensure_team(self, team: str) -> bool:
+        """Create ``team`` unless it exists; True when this call created it."""
+        try:
+            await self._stub().CreateTeam(
+                scheduler_pb2.CreateTeamRequest(name=team), timeout=self._rpc_timeout_s
+            )
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.ALREADY_EXISTS:
+                return False
+            raise _failed("CreateTeam", exc) from exc
+        return True
+
+    @activity.defn(name="submit_job")
+    async def submit_job(self, params: SubmitJobInput) -> str:
+        """Submit the job; returns its id."""
+        spec = scheduler_pb2.JobSpec(
+            name=params.name,
+            team=params.team,
+            priority_class=params.priority_class,
+            command=params.command,
+            labels=params.labels,
+        )
+        request = scheduler_pb2.SubmitJobRequest(spec=spec, request_id=params.request_id)
+        try:
+            reply = await self._stub().SubmitJob(request, timeout=self._rpc_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise _failed("SubmitJob", exc) from exc
+        activity.logger.info("submitted job %s (%s)", reply.job.id, params.name)
+        return str(reply.job.id)
+
+    @activity.defn(name="cancel_job")
+    async def cancel_job(self, params: CancelJobInput) -> str:
+        """Cancel the job (idempotent in the scheduler); returns its state name afterwards."""
+        request = scheduler_pb2.CancelJobRequest(job_id=params.job_id, reason=params.reason)
+        try:
+            reply = await self._stub().CancelJob(request, timeout=self._rpc_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise _failed("CancelJob", exc) from exc
+        return state_name(reply.job.state)

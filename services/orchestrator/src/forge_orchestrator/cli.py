@@ -1,0 +1,148 @@
+"""``forge workflows …``: start, inspect and cancel orchestrator workflows.
+
+The orchestrator is found at ``$FORGE_CLI_ORCHESTRATOR_TARGET`` (default ``127.0.0.1:50059``);
+its token is ``$FORGE_CLI_ORCHESTRATOR_TOKEN``, else the ``orchestrator`` entry of
+``var/secrets/tokens.json`` (written by ``forge up``) under ``$FORGE_ROOT`` or the nearest
+directory above the current one that has it, else the services' development default.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import grpc
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from forge_orchestrator.client import OrchestratorClient, response_to_dict
+from forge_orchestrator.config import DEV_TOKEN
+
+app = typer.Typer(help="Start, inspect and cancel orchestrator workflows.", no_args_is_help=True)
+console = Console()
+T = TypeVar("T")
+
+TOKEN_FILE = Path("var") / "secrets" / "tokens.json"
+
+TargetOption = Annotated[
+    str, typer.Option("--target", envvar="FORGE_CLI_ORCHESTRATOR_TARGET", help="Orchestrator gRPC host:port.")
+]
+TokenOption = Annotated[
+    str,
+    typer.Option(
+        "--token", envvar="FORGE_CLI_ORCHESTRATOR_TOKEN", help="Orchestrator token.", show_default=False
+    ),
+]
+JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
+
+
+def resolve_token(explicit: str, start: Path | None = None) -> str:
+    """The explicit token, else the token file's ``orchestrator`` entry, else the dev default."""
+    if explicit:
+        return explicit
+    roots = [Path(os.environ["FORGE_ROOT"])] if os.environ.get("FORGE_ROOT") else []
+    here = (start or Path.cwd()).resolve()
+    roots += [here, *here.parents]
+    for root in roots:
+        path = root / TOKEN_FILE
+        if path.is_file():
+            tokens = json.loads(path.read_text())
+            if not isinstance(tokens, dict):
+                raise typer.BadParameter(f"{path} is not a JSON object of service name to token")
+            token = tokens.get("orchestrator")
+            if isinstance(token, str) and token:
+                return token
+    return DEV_TOKEN.get_secret_value()
+
+
+def _run(coro: Coroutine[Any, Any, T]) -> T:
+    try:
+        return asyncio.run(coro)
+    except grpc.aio.AioRpcError as exc:
+        console.print(f"[red]{exc.code().name}[/]: {exc.details()}", highlight=False)
+        raise typer.Exit(1) from None
+
+
+def _show(data: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        typer.echo(json.dumps(data, indent=2, sort_keys=True))
+        return
+    table = Table(show_header=False)
+    table.add_column("field", style="bold")
+    table.add_column("value", overflow="fold")
+    for key, value in data.items():
+        table.add_row(key, value if isinstance(value, str) else json.dumps(value))
+    console.print(table)
+
+
+@app.command()
+def start(
+    workflow_type: Annotated[str, typer.Argument(help="Workflow type, e.g. smoke.")],
+    input_json: Annotated[str, typer.Option("--input", help="Workflow input as a JSON object.")] = "{}",
+    workflow_id: Annotated[
+        str, typer.Option("--id", help="Workflow id (idempotent start); generated when empty.")
+    ] = "",
+    wait: Annotated[bool, typer.Option("--wait", help="Wait until the workflow closes and show it.")] = False,
+    timeout_s: Annotated[float, typer.Option("--timeout", help="Seconds to wait with --wait.")] = 300.0,
+    target: TargetOption = "127.0.0.1:50059",
+    token: TokenOption = "",
+    as_json: JsonOption = False,
+) -> None:
+    """Start a workflow and print its id (or, with --wait, how it ended)."""
+    try:
+        data = json.loads(input_json)
+    except json.JSONDecodeError as exc:
+        raise typer.BadParameter(f"not JSON: {exc}", param_hint="--input") from None
+    if not isinstance(data, dict):
+        raise typer.BadParameter("must be a JSON object", param_hint="--input")
+
+    async def go() -> dict[str, Any]:
+        async with OrchestratorClient(target, resolve_token(token)) as client:
+            started = await client.start(workflow_type, data, workflow_id)
+            if not wait:
+                return {"workflow_id": started}
+            return response_to_dict(await client.wait(started, timeout_s=timeout_s))
+
+    result = _run(go())
+    _show(result, as_json)
+    if wait and result.get("status") != "COMPLETED":
+        raise typer.Exit(1)
+
+
+@app.command()
+def get(
+    workflow_id: Annotated[str, typer.Argument(help="Workflow id.")],
+    run_id: Annotated[str, typer.Option("--run-id", help="Run id; the latest run when empty.")] = "",
+    target: TargetOption = "127.0.0.1:50059",
+    token: TokenOption = "",
+    as_json: JsonOption = False,
+) -> None:
+    """Show a workflow's status, result, error or progress."""
+
+    async def go() -> dict[str, Any]:
+        async with OrchestratorClient(target, resolve_token(token)) as client:
+            return response_to_dict(await client.get(workflow_id, run_id))
+
+    _show(_run(go()), as_json)
+
+
+@app.command()
+def cancel(
+    workflow_id: Annotated[str, typer.Argument(help="Workflow id.")],
+    reason: Annotated[str, typer.Option("--reason", help="Why; recorded with the cancellation.")] = "",
+    target: TargetOption = "127.0.0.1:50059",
+    token: TokenOption = "",
+) -> None:
+    """Request cancellation of a running workflow (it cancels the jobs it started)."""
+
+    async def go() -> None:
+        async with OrchestratorClient(target, resolve_token(token)) as client:
+            await client.cancel(workflow_id, reason)
+
+    _run(go())
+    console.print(f"cancellation of {workflow_id} requested")

@@ -1,0 +1,66 @@
+"""Orchestrator settings (env prefix ``FORGE_ORCHESTRATOR_``)."""
+
+from __future__ import annotations
+
+from pydantic import Field, SecretStr
+
+from forge_kit.settings import ServiceSettings, service_config
+
+DEV_TOKEN = SecretStr("forge-dev-token")
+
+
+class OrchestratorSettings(ServiceSettings):
+    """Settings of the orchestrator process (gRPC front door, Temporal worker, job-event consumer)."""
+
+    model_config = service_config("orchestrator")
+
+    grpc_port: int = Field(default=50059, ge=0, le=65535)
+    """gRPC port of the OrchestratorService."""
+
+    http_port: int = Field(default=8059, ge=0, le=65535)
+    """HTTP port for health and metrics."""
+
+    temporal_target: str = "127.0.0.1:7233"
+    """host:port of the Temporal frontend."""
+
+    temporal_namespace: str = "default"
+    """Temporal namespace the workflows run in."""
+
+    task_queue: str = "forge-orchestrator"
+    """Temporal task queue this process's worker polls and new workflows are started on."""
+
+    temporal_connect_timeout_s: float = Field(default=30.0, gt=0)
+    """How long start-up keeps retrying to reach Temporal before giving up."""
+
+    consumer_group: str = "orchestrator"
+    """Kafka consumer group of the job-event consumer."""
+
+    scheduler_target: str = "127.0.0.1:50051"
+    """host:port of the scheduler's gRPC server (activities submit and cancel jobs there)."""
+
+    scheduler_token: SecretStr = DEV_TOKEN
+    """Bearer token the scheduler accepts."""
+
+    eval_target: str = "127.0.0.1:50057"
+    """host:port of the eval service's gRPC server (eval-and-promote workflows)."""
+
+    eval_token: SecretStr = DEV_TOKEN
+    """Bearer token the eval service accepts."""
+
+    preference_feedback_target: str = "127.0.0.1:50058"
+    """host:port of the preference-feedback gRPC server (RLHF workflows)."""
+
+    preference_feedback_token: SecretStr = DEV_TOKEN
+    """Bearer token the preference-feedback service accepts."""
+
+    inference_gateway_target: str = "127.0.0.1:50053"
+    """host:port of the inference gateway's gRPC server (RLHF and eval workflows)."""
+
+    inference_gateway_token: SecretStr = DEV_TOKEN
+    """Bearer token the inference gateway accepts."""
+
+    retriever_target: str = "127.0.0.1:50055"
+    """host:port of the retriever's gRPC server (continual pre-training / RAG workflows)."""
+
+    retriever_token: SecretStr = DEV_TOKEN
+    """Bearer token the retriever accepts."""

@@ -1,0 +1,7 @@
+"""Alembic environment of the orchestrator database."""
+
+from forge_kit import events  # noqa: F401 - registers the outbox tables on Base.metadata
+from forge_kit.db import Base, run_alembic_env
+from forge_orchestrator import store  # noqa: F401 - registers the orchestrator tables
+
+run_alembic_env(Base.metadata)

@@ -1,0 +1,352 @@
+"""Orchestrator domain logic: start, inspect and cancel workflows; route job events to them.
+
+:class:`OrchestratorService` is the workflow front door behind the gRPC API: it validates the
+workflow type and its input, starts it on this service's task queue and returns at once.
+:class:`JobEventRouter` is the handler of the Kafka consumer: a ``JobStateChanged`` event whose
+job carries a ``workflow_id`` label is recorded in ``job_events`` and signalled to that workflow.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import datetime as dt
+import random
+import re
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Protocol, get_args, get_origin, get_type_hints
+
+import structlog
+from forge.events.v1 import events_pb2
+from google.protobuf.message import Message
+from sqlalchemy.ext.asyncio import AsyncSession
+from temporalio.client import Client, WorkflowExecutionStatus, WorkflowFailureError, WorkflowHandle
+from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
+from temporalio.exceptions import ActivityError, FailureError, WorkflowAlreadyStartedError
+from temporalio.service import RPCError, RPCStatusCode
+from temporalio.worker import Worker
+
+from forge_kit import errors
+from forge_orchestrator.activities import SchedulerActivities, state_name
+from forge_orchestrator.store import JobEventRow, utcnow
+from forge_orchestrator.workflows import JOB_EVENT_SIGNAL, PROGRESS_QUERY, JobEvent, SmokeInput, SmokeWorkflow
+
+log = structlog.get_logger(__name__)
+
+_WORKFLOW_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,79}$")
+
+
+def validate_smoke(params: SmokeInput) -> None:
+    if not params.team:
+        raise errors.ValidationError("input.team", "must not be empty")
+    if not 0 < params.timeout_s <= 3600:
+        raise errors.ValidationError("input.timeout_s", "must be > 0 and at most 3600")
+    if not 0 <= params.hold_s <= 3600:
+        raise errors.ValidationError("input.hold_s", "must be between 0 and 3600")
+
+
+@dataclass(frozen=True)
+class WorkflowKind:
+    """A workflow the API can start: its Temporal type name, input dataclass and input check."""
+
+    name: str
+    workflow: type
+    input: type
+    validate: Callable[[Any], None]
+
+
+KINDS: dict[str, WorkflowKind] = {
+    "smoke": WorkflowKind("smoke", SmokeWorkflow, SmokeInput, validate_smoke),
+}
+
+#: Every workflow class the worker runs.
+WORKFLOWS: tuple[type, ...] = tuple(k.workflow for k in KINDS.values())
+
+
+def _coerce(path: str, hint: Any, value: object) -> object:
+    """``value`` (decoded JSON) as ``hint``; numbers from a Struct arrive as floats."""
+    origin = get_origin(hint)
+    if hint is str:
+        if isinstance(value, str):
+            return value
+        raise errors.ValidationError(path, "must be a string")
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise errors.ValidationError(path, "must be a boolean")
+    if hint is int:
+        if isinstance(value, int | float) and not isinstance(value, bool) and float(value).is_integer():
+            return int(value)
+        raise errors.ValidationError(path, "must be an integer")
+    if hint is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        raise errors.ValidationError(path, "must be a number")
+    if origin is list:
+        if not isinstance(value, list):
+            raise errors.ValidationError(path, "must be a list")
+        (item,) = get_args(hint)
+        return [_coerce(f"{path}[{i}]", item, v) for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise errors.ValidationError(path, "must be an object")
+        _, item = get_args(hint)
+        return {str(k): _coerce(f"{path}.{k}", item, v) for k, v in value.items()}
+    raise errors.ValidationError(path, f"has an unsupported type {hint!r}")
+
+
+def parse_input(cls: type, data: Mapping[str, object], path: str = "input") -> Any:
+    """Build the input dataclass ``cls`` from JSON, naming the offending field on any error."""
+    hints = get_type_hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - fields)
+    if unknown:
+        raise errors.ValidationError(
+            f"{path}.{unknown[0]}", f"is not a field of {cls.__name__} ({', '.join(sorted(fields))})"
+        )
+    values = {name: _coerce(f"{path}.{name}", hints[name], value) for name, value in data.items()}
+    try:
+        return cls(**values)
+    except TypeError as exc:  # a required field is missing
+        raise errors.ValidationError(path, str(exc)) from None
+
+
+def to_json(value: object) -> dict[str, Any]:
+    """A workflow result as a JSON object (dataclasses are encoded by field)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    if isinstance(value, dict):
+        return value
+    return {"value": value}
+
+
+@dataclass(frozen=True)
+class WorkflowView:
+    """What GetWorkflow reports about one run."""
+
+    workflow_id: str
+    run_id: str
+    workflow_type: str
+    status: WorkflowExecutionStatus
+    result: dict[str, Any] | None = None
+    error: str = ""
+    progress: dict[str, Any] | None = None
+    started_at: dt.datetime | None = None
+    closed_at: dt.datetime | None = None
+
+
+def failure_message(exc: BaseException) -> str:
+    """The chain of Temporal failure messages, outermost first: ``activity error: CancelJob: …``."""
+    parts: list[str] = []
+    current: BaseException | None = exc.cause if isinstance(exc, WorkflowFailureError) else exc
+    while current is not None:
+        if isinstance(current, ActivityError):
+            message = f"activity {current.activity_type} failed"
+        else:
+            message = current.message if isinstance(current, FailureError) else str(current)
+        if message and message not in parts:
+            parts.append(message)
+        current = current.cause if isinstance(current, FailureError) else current.__cause__
+    return ": ".join(parts) or type(exc).__name__
+
+
+class OrchestratorService:
+    """Starts workflows on ``task_queue`` and reports on them; every call is one or two Temporal RPCs."""
+
+    def __init__(
+        self, client: Client, task_queue: str, *, rpc_timeout_s: float = 10.0, query_timeout_s: float = 2.0
+    ) -> None:
+        self._client = client
+        self._task_queue = task_queue
+        self._rpc_timeout = timedelta(seconds=rpc_timeout_s)
+        self._query_timeout = timedelta(seconds=query_timeout_s)
+
+    async def start_workflow(
+        self, workflow_type: str, data: Mapping[str, object], workflow_id: str = ""
+    ) -> tuple[str, str]:
+        """Start ``workflow_type``; returns (workflow id, run id). Idempotent when ``workflow_id``
+        is given: an existing workflow with that id, running or closed, is returned, not re-run."""
+        kind = KINDS.get(workflow_type)
+        if kind is None:
+            raise errors.ValidationError(
+                "workflow_type", f"unknown workflow type {workflow_type!r}; known: {', '.join(sorted(KINDS))}"
+            )
+        if workflow_id and not _WORKFLOW_ID.match(workflow_id):
+            raise errors.ValidationError(
+                "workflow_id", "must be 1-80 characters of letters, digits, '.', '_', ':' and '-'"
+            )
+        params = parse_input(kind.input, data)
+        kind.validate(params)
+        workflow_id = workflow_id or f"{kind.name}-{uuid.uuid4().hex[:12]}"
+        try:
+            handle: WorkflowHandle[Any, Any] = await self._client.start_workflow(
+                kind.name,
+                params,
+                id=workflow_id,
+                task_queue=self._task_queue,
+                id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+                id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
+                rpc_timeout=self._rpc_timeout,
+            )
+        except WorkflowAlreadyStartedError:  # closed under this id: report it rather than run it again
+            handle = self._client.get_workflow_handle(workflow_id)
+        run_id = handle.result_run_id or handle.run_id
+        if not run_id:
+            description = await self._describe(handle)
+            if description.workflow_type != kind.name:
+                raise errors.AlreadyExistsError(
+                    f"workflow {workflow_id!r} exists with type {description.workflow_type!r}"
+                )
+            run_id = description.run_id or ""
+        log.info("workflow.started", workflow_type=kind.name, workflow_id=workflow_id, run_id=run_id)
+        return workflow_id, run_id
+
+    async def _describe(self, handle: WorkflowHandle[Any, Any]) -> Any:
+        try:
+            return await handle.describe(rpc_timeout=self._rpc_timeout)
+        except RPCError as exc:
+            if exc.status == RPCStatusCode.NOT_FOUND:
+                raise errors.NotFoundError(f"workflow {handle.id!r} not found") from None
+            raise
+
+    async def get_workflow(self, workflow_id: str, run_id: str = "") -> WorkflowView:
+        """Status of a run (the latest when ``run_id`` is empty), its result, error or progress."""
+        if not workflow_id:
+            raise errors.ValidationError("workflow_id", "must not be empty")
+        d = await self._describe(self._client.get_workflow_handle(workflow_id, run_id=run_id or None))
+        handle = self._client.get_workflow_handle(workflow_id, run_id=d.run_id)
+        view = WorkflowView(
+            workflow_id=workflow_id,
+            run_id=d.run_id or "",
+            workflow_type=d.workflow_type or "",
+            status=d.status or WorkflowExecutionStatus.RUNNING,
+            started_at=d.start_time,
+            closed_at=d.close_time,
+        )
+        if view.status == WorkflowExecutionStatus.RUNNING:
+            return dataclasses.replace(view, progress=await self._progress(handle))
+        if view.status == WorkflowExecutionStatus.CONTINUED_AS_NEW:
+            return view
+        try:
+            result = await handle.result(follow_runs=False, rpc_timeout=self._rpc_timeout)
+        except WorkflowFailureError as exc:
+            return dataclasses.replace(view, error=failure_message(exc))
+        return dataclasses.replace(view, result=to_json(result))
+
+    async def _progress(self, handle: WorkflowHandle[Any, Any]) -> dict[str, Any] | None:
+        # Answered by a worker; while none is polling (e.g. it is restarting) progress is absent.
+        try:
+            progress = await handle.query(PROGRESS_QUERY, rpc_timeout=self._query_timeout)
+        except Exception as exc:  # noqa: BLE001 - progress is best effort, status is not
+            log.debug("workflow.progress_unavailable", workflow_id=handle.id, error=repr(exc))
+            return None
+        return progress if isinstance(progress, dict) else None
+
+    async def cancel_workflow(self, workflow_id: str, reason: str = "") -> None:
+        """Request cancellation. Idempotent for a workflow already cancelled or being cancelled;
+        a workflow that closed otherwise cannot be cancelled (``FAILED_PRECONDITION``)."""
+        if not workflow_id:
+            raise errors.ValidationError("workflow_id", "must not be empty")
+        handle = self._client.get_workflow_handle(workflow_id)
+        d = await self._describe(handle)
+        if d.status == WorkflowExecutionStatus.CANCELED:
+            return
+        if d.status != WorkflowExecutionStatus.RUNNING:
+            raise errors.ConflictError(
+                f"workflow {workflow_id!r} is already {d.status.name if d.status else 'closed'}"
+            )
+        await handle.cancel(reason=reason, rpc_timeout=self._rpc_timeout)
+        log.info("workflow.cancel_requested", workflow_id=workflow_id, reason=reason)
+
+
+class WorkflowSignaller(Protocol):
+    """Delivers a job event to a workflow. Called by :class:`JobEventRouter` once per new event."""
+
+    async def job_event(self, workflow_id: str, event: JobEvent) -> bool:
+        """Signal ``event``; False when the workflow no longer runs (closed or unknown). Raises
+        when delivery failed and should be retried."""
+
+
+class TemporalSignaller:
+    """:class:`WorkflowSignaller` through the Temporal client."""
+
+    def __init__(self, client: Client, *, rpc_timeout_s: float = 10.0) -> None:
+        self._client = client
+        self._rpc_timeout = timedelta(seconds=rpc_timeout_s)
+
+    async def job_event(self, workflow_id: str, event: JobEvent) -> bool:
+        handle = self._client.get_workflow_handle(workflow_id)
+        try:
+            await handle.signal(JOB_EVENT_SIGNAL, event, rpc_timeout=self._rpc_timeout)
+        except RPCError as exc:
+            if exc.status == RPCStatusCode.NOT_FOUND:
+                return False
+            raise
+        return True
+
+
+class JobEventRouter:
+    """The job-event consumer's handler: record, then signal, in the consumer's transaction.
+
+    The row and the consumer's processed-event mark commit only after the signal went out, so a
+    failed signal is retried; a crash after signalling but before commit signals again, which the
+    workflow ignores by event id.
+    """
+
+    def __init__(self, signaller: WorkflowSignaller) -> None:
+        self._signaller = signaller
+
+    async def handle(self, event: Message, session: AsyncSession) -> None:
+        if not isinstance(event, events_pb2.JobStateChanged):
+            return
+        workflow_id = event.labels.get("workflow_id", "")
+        if not workflow_id:
+            return
+        state = state_name(event.state)
+        session.add(
+            JobEventRow(
+                event_id=event.meta.event_id,
+                job_id=event.job_id,
+                workflow_id=workflow_id,
+                state=state,
+                received_at=utcnow(),
+            )
+        )
+        await session.flush()
+        delivered = await self._signaller.job_event(
+            workflow_id, JobEvent(job_id=event.job_id, state=state, event_id=event.meta.event_id)
+        )
+        log.info(
+            "job_event.routed", workflow_id=workflow_id, job_id=event.job_id, state=state, delivered=delivered
+        )
+
+
+async def connect_temporal(target: str, namespace: str, *, timeout_s: float) -> Client:
+    """Connect to Temporal, retrying with jittered backoff for up to ``timeout_s`` (it may be starting)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    delay = 0.2
+    while True:
+        try:
+            return await Client.connect(target, namespace=namespace)
+        except RuntimeError as exc:  # the SDK's connection failure
+            if loop.time() + delay > deadline:
+                raise RuntimeError(f"Temporal at {target} unreachable for {timeout_s:g}s: {exc}") from exc
+            log.warning("temporal.connect_failed", target=target, error=str(exc), retry_in_s=round(delay, 2))
+            await asyncio.sleep(delay * random.uniform(0.5, 1.0))
+            delay = min(delay * 2, 5.0)
+
+
+def build_worker(
+    client: Client, task_queue: str, activities: SchedulerActivities, workflows: Sequence[type] = WORKFLOWS
+) -> Worker:
+    """The Temporal worker of this process: every workflow of :data:`KINDS` and their activities."""
+    return Worker(
+        client,
+        task_queue=task_queue,
+        workflows=list(workflows),
+        activities=[activities.ensure_team, activities.submit_job, activities.cancel_job],
+    )

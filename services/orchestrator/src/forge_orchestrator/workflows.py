@@ -1,0 +1,166 @@
+"""Temporal workflows. Deterministic: time from ``workflow.now()``, ids from ``workflow.uuid4()``,
+every call to another service through an activity (``activities.py``).
+
+Workflows that wait on scheduler jobs receive the job's state changes as the ``job_event`` signal,
+sent by this process's Kafka consumer (``service.JobEventRouter``) for every job labelled with
+the workflow's id. Signals may repeat (at-least-once delivery); each carries its event id and a
+workflow applies an event id once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+from temporalio import workflow
+from temporalio.common import RetryPolicy
+from temporalio.exceptions import ApplicationError
+
+with workflow.unsafe.imports_passed_through():
+    from forge_orchestrator.activities import CancelJobInput, SchedulerActivities, SubmitJobInput
+
+#: Name of the signal carrying a job's state change.
+JOB_EVENT_SIGNAL = "job_event"
+#: Name of the query every workflow answers with a small progress dict.
+PROGRESS_QUERY = "progress"
+
+ACTIVITY_TIMEOUT = timedelta(seconds=30)
+ACTIVITY_RETRY = RetryPolicy(
+    initial_interval=timedelta(milliseconds=500),
+    backoff_coefficient=2.0,
+    maximum_interval=timedelta(seconds=10),
+    maximum_attempts=5,
+)
+
+
+@dataclass
+class JobEvent:
+    """Payload of the ``job_event`` signal."""
+
+    job_id: str
+    state: str
+    """State name without prefix: ``PENDING``, ``RUNNING``, ``CANCELLED`` …"""
+    event_id: str = ""
+
+
+@dataclass
+class SmokeInput:
+    """Input of the platform smoke workflow."""
+
+    team: str = "smoke"
+    """Team the smoke job is submitted under; created when missing."""
+    timeout_s: float = 60.0
+    """How long to wait for each expected job event before failing."""
+    hold_s: float = 0.0
+    """How long to keep the job queued (a durable timer) between its PENDING event and cancelling it."""
+
+
+@dataclass
+class SmokeResult:
+    """Output of the platform smoke workflow."""
+
+    job_id: str
+    states_seen: list[str] = field(default_factory=list)
+    elapsed_s: float = 0.0
+
+
+@workflow.defn(name="smoke")
+class SmokeWorkflow:
+    """The platform's smoke job: a job goes through the scheduler and its events come back.
+
+    1. ensure the team and submit a no-op job labelled with this workflow's id;
+    2. wait for its PENDING event (scheduler → Kafka → this service's consumer → signal);
+    3. optionally hold it queued for ``hold_s``, then cancel it (no agent runs it yet) and wait
+       for its CANCELLED event;
+    4. return the job id, the states seen in order and the elapsed workflow time.
+
+    Cancelling the workflow cancels the job it submitted.
+    """
+
+    def __init__(self) -> None:
+        self._events: list[JobEvent] = []
+        self._event_ids: set[str] = set()
+        self._job_id = ""
+        self._step = "starting"
+
+    @workflow.signal(name=JOB_EVENT_SIGNAL)
+    def job_event(self, event: JobEvent) -> None:
+        if event.event_id:
+            if event.event_id in self._event_ids:
+                return
+            self._event_ids.add(event.event_id)
+        self._events.append(event)
+
+    @workflow.query(name=PROGRESS_QUERY)
+    def progress(self) -> dict[str, object]:
+        return {"step": self._step, "job_id": self._job_id, "states_seen": self._states()}
+
+    def _states(self) -> list[str]:
+        return [e.state for e in self._events if e.job_id == self._job_id]
+
+    async def _wait_for(self, state: str, timeout_s: float) -> None:
+        self._step = f"waiting for {state}"
+        try:
+            await workflow.wait_condition(
+                lambda: state in self._states(), timeout=timedelta(seconds=timeout_s)
+            )
+        except TimeoutError:
+            raise ApplicationError(
+                f"no {state} event for job {self._job_id} within {timeout_s:g}s",
+                type="JobEventTimeout",
+                non_retryable=True,
+            ) from None
+
+    @workflow.run
+    async def run(self, params: SmokeInput) -> SmokeResult:
+        started = workflow.now()
+        info = workflow.info()
+        try:
+            # 1. Team and job.
+            self._step = "submitting"
+            await workflow.execute_activity_method(
+                SchedulerActivities.ensure_team,
+                params.team,
+                start_to_close_timeout=ACTIVITY_TIMEOUT,
+                retry_policy=ACTIVITY_RETRY,
+            )
+            job = SubmitJobInput(
+                name=f"smoke-{workflow.uuid4().hex[:8]}",
+                team=params.team,
+                command=["true"],
+                request_id=f"{info.workflow_id}/{info.run_id}/smoke",
+                labels={"workflow_id": info.workflow_id},
+            )
+            self._job_id = await workflow.execute_activity_method(
+                SchedulerActivities.submit_job,
+                job,
+                start_to_close_timeout=ACTIVITY_TIMEOUT,
+                retry_policy=ACTIVITY_RETRY,
+            )
+            # 2. Its PENDING event.
+            await self._wait_for("PENDING", params.timeout_s)
+            # 3. Hold, cancel, and its CANCELLED event.
+            if params.hold_s > 0:
+                self._step = "holding"
+                await workflow.sleep(timedelta(seconds=params.hold_s))
+            self._step = "cancelling"
+            await self._cancel_job("smoke workflow finished")
+            await self._wait_for("CANCELLED", params.timeout_s)
+        except asyncio.CancelledError:
+            if self._job_id:
+                self._step = "cancelled"
+                await self._cancel_job("workflow cancelled")
+            raise
+        # 4. Result.
+        self._step = "done"
+        elapsed = (workflow.now() - started).total_seconds()
+        return SmokeResult(job_id=self._job_id, states_seen=self._states(), elapsed_s=round(elapsed, 3))
+
+    async def _cancel_job(self, reason: str) -> None:
+        await workflow.execute_activity_method(
+            SchedulerActivities.cancel_job,
+            CancelJobInput(job_id=self._job_id, reason=reason),
+            start_to_close_timeout=ACTIVITY_TIMEOUT,
+            retry_policy=ACTIVITY_RETRY,
+        )

@@ -1,0 +1,190 @@
+"""Fixtures of the orchestrator tests: a migrated database, and for integration tests the real
+scheduler and orchestrator started as processes next to the session's broker and Temporal server."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from forge.orchestrator.v1 import orchestrator_pb2, orchestrator_pb2_grpc
+from forge.scheduler.v1 import scheduler_pb2_grpc
+
+from forge_kit.db import Database
+from forge_kit.events import ensure_topics
+from forge_kit.grpckit import make_channel
+from forge_kit.testing import ServiceProcess, TansuBroker, TemporalDevServer
+
+MIGRATIONS = Path(__file__).parents[1] / "src" / "forge_orchestrator" / "migrations"
+HISTORIES = Path(__file__).parent / "histories"
+SCHEDULER_TOKEN = "scheduler-test-token"
+ORCHESTRATOR_TOKEN = "orchestrator-test-token"
+
+
+@pytest.fixture
+async def db(tmp_path: Path) -> AsyncIterator[Database]:
+    database = Database(f"sqlite+aiosqlite:///{tmp_path / 'orchestrator.db'}")
+    await database.migrate(MIGRATIONS)
+    yield database
+    await database.dispose()
+
+
+@pytest.fixture(scope="session")
+def scheduler(
+    kafka_broker: TansuBroker, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServiceProcess]:
+    """The real scheduler, publishing its job events to the session's broker."""
+    asyncio.run(ensure_topics(kafka_broker.bootstrap))
+    data = tmp_path_factory.mktemp("scheduler")
+    process = ServiceProcess(
+        "forge_scheduler",
+        env={
+            "FORGE_SCHEDULER_GRPC_PORT": "0",
+            "FORGE_SCHEDULER_HTTP_PORT": "0",
+            "FORGE_SCHEDULER_DATA_DIR": str(data),
+            "FORGE_SCHEDULER_KAFKA_BOOTSTRAP": kafka_broker.bootstrap,
+            "FORGE_SCHEDULER_AUTH_TOKEN": SCHEDULER_TOKEN,
+        },
+        log_path=str(data / "scheduler.log"),
+    ).start()
+    yield process
+    process.stop()
+
+
+@dataclass
+class Orchestrator:
+    """A running orchestrator process and how to reach and restart it."""
+
+    process: ServiceProcess
+    env: dict[str, str]
+    data_dir: Path
+    token: str = ORCHESTRATOR_TOKEN
+
+    @property
+    def target(self) -> str:
+        return self.process.grpc_target
+
+    def job_events(self, workflow_id: str) -> list[tuple[str, str]]:
+        """(job id, state) rows the orchestrator recorded for ``workflow_id``, in arrival order."""
+        with sqlite3.connect(self.data_dir / "orchestrator.db") as conn:
+            rows = conn.execute(
+                "SELECT job_id, state FROM job_events WHERE workflow_id = ? ORDER BY received_at",
+                (workflow_id,),
+            )
+            return [(str(a), str(b)) for a, b in rows]
+
+
+OrchestratorFactory = Callable[..., Orchestrator]
+
+
+def _spawn(
+    base: Path,
+    broker: TansuBroker,
+    temporal: TemporalDevServer,
+    scheduler: ServiceProcess,
+    like: Orchestrator | None,
+) -> Orchestrator:
+    if like is not None:
+        env, data = like.env, like.data_dir
+    else:
+        suffix = uuid.uuid4().hex[:8]
+        data = base / f"orchestrator-{suffix}"
+        env = {
+            "FORGE_ORCHESTRATOR_GRPC_PORT": "0",
+            "FORGE_ORCHESTRATOR_HTTP_PORT": "0",
+            "FORGE_ORCHESTRATOR_AUTH_TOKEN": ORCHESTRATOR_TOKEN,
+            "FORGE_ORCHESTRATOR_DATA_DIR": str(data),
+            "FORGE_ORCHESTRATOR_KAFKA_BOOTSTRAP": broker.bootstrap,
+            "FORGE_ORCHESTRATOR_TEMPORAL_TARGET": temporal.target,
+            "FORGE_ORCHESTRATOR_TASK_QUEUE": f"forge-orchestrator-{suffix}",
+            "FORGE_ORCHESTRATOR_CONSUMER_GROUP": f"orchestrator-{suffix}",
+            "FORGE_ORCHESTRATOR_SCHEDULER_TARGET": scheduler.grpc_target,
+            "FORGE_ORCHESTRATOR_SCHEDULER_TOKEN": SCHEDULER_TOKEN,
+        }
+    process = ServiceProcess("forge_orchestrator", env=env, log_path=str(data / "orchestrator.log"))
+    try:
+        process.start()
+    except BaseException:
+        process.stop()
+        raise
+    return Orchestrator(process, env, data)
+
+
+@pytest.fixture
+def start_orchestrator(
+    kafka_broker: TansuBroker, temporal_server: TemporalDevServer, scheduler: ServiceProcess, tmp_path: Path
+) -> Iterator[OrchestratorFactory]:
+    """Starts orchestrator processes, each with its own task queue, consumer group and data;
+    ``start_orchestrator(like=o)`` starts one with ``o``'s settings and data (a restart)."""
+    started: list[Orchestrator] = []
+
+    def start(like: Orchestrator | None = None) -> Orchestrator:
+        started.append(_spawn(tmp_path, kafka_broker, temporal_server, scheduler, like))
+        return started[-1]
+
+    yield start
+    for orchestrator in started:
+        orchestrator.process.stop()
+
+
+@pytest.fixture(scope="module")
+def shared_orchestrator(
+    kafka_broker: TansuBroker,
+    temporal_server: TemporalDevServer,
+    scheduler: ServiceProcess,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Orchestrator]:
+    """One orchestrator process for a whole test module (its consumer joins its group once)."""
+    orchestrator = _spawn(
+        tmp_path_factory.mktemp("orchestrator"), kafka_broker, temporal_server, scheduler, None
+    )
+    yield orchestrator
+    orchestrator.process.stop()
+
+
+@pytest.fixture
+async def scheduler_stub(
+    scheduler: ServiceProcess,
+) -> AsyncIterator[scheduler_pb2_grpc.SchedulerServiceAsyncStub]:
+    async with make_channel(scheduler.grpc_target, token=SCHEDULER_TOKEN) as channel:
+        yield scheduler_pb2_grpc.SchedulerServiceStub(channel)
+
+
+async def wait_for_workflow(
+    stub: orchestrator_pb2_grpc.OrchestratorServiceAsyncStub,
+    workflow_id: str,
+    until: Callable[[orchestrator_pb2.GetWorkflowResponse], bool],
+    timeout_s: float = 30.0,
+) -> orchestrator_pb2.GetWorkflowResponse:
+    """Poll GetWorkflow until ``until(reply)``; fails the test with the last reply on timeout."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        reply = await stub.GetWorkflow(
+            orchestrator_pb2.GetWorkflowRequest(workflow_id=workflow_id), timeout=10
+        )
+        if until(reply):
+            return reply
+        if time.monotonic() > deadline:
+            pytest.fail(f"workflow {workflow_id} did not get there within {timeout_s}s: {reply}")
+        await asyncio.sleep(0.2)
+
+
+@pytest.fixture
+def poll_workflow() -> Callable[..., object]:
+    """:func:`wait_for_workflow`, for test modules (conftest is not importable)."""
+    return wait_for_workflow
+
+
+@pytest.fixture
+def scheduler_token() -> str:
+    return SCHEDULER_TOKEN
+
+
+@pytest.fixture
+def histories_dir() -> Path:
+    return HISTORIES

@@ -1,0 +1,226 @@
+"""Unit tests (no network): workflow input parsing, job-event routing with the consumer's dedupe,
+status translation, token resolution."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+from aiokafka import ConsumerRecord
+from forge.common.v1 import common_pb2
+from forge.events.v1 import events_pb2
+from forge.orchestrator.v1 import orchestrator_pb2
+from temporalio.client import WorkflowExecutionStatus
+from temporalio.exceptions import ActivityError, ApplicationError, RetryState
+
+from forge_kit import errors
+from forge_kit.db import Database
+from forge_kit.events import HEADER_ID, HEADER_TYPE, EventConsumer, ProcessedEvent
+from forge_orchestrator.api import view_to_proto
+from forge_orchestrator.cli import resolve_token
+from forge_orchestrator.service import (
+    JobEventRouter,
+    WorkflowView,
+    failure_message,
+    parse_input,
+    validate_smoke,
+)
+from forge_orchestrator.store import JobEventRow
+from forge_orchestrator.workflows import JobEvent, SmokeInput
+
+TOPIC = "forge.scheduler.job_state_changed.v1"
+
+
+# --- input ----------------------------------------------------------------------------------------
+
+
+def test_input_defaults_and_numbers_from_a_struct() -> None:
+    assert parse_input(SmokeInput, {}) == SmokeInput()
+    assert parse_input(SmokeInput, {"team": "research", "timeout_s": 5, "hold_s": 1.5}) == SmokeInput(
+        team="research", timeout_s=5.0, hold_s=1.5
+    )
+
+
+@pytest.mark.parametrize(
+    ("data", "field"),
+    [
+        ({"team": 3}, "input.team"),
+        ({"timeout_s": "10"}, "input.timeout_s"),
+        ({"timeout_s": True}, "input.timeout_s"),
+        ({"colour": "red"}, "input.colour"),
+    ],
+)
+def test_bad_input_names_the_field(data: dict[str, object], field: str) -> None:
+    with pytest.raises(errors.ValidationError) as caught:
+        parse_input(SmokeInput, data)
+    assert caught.value.field == field
+
+
+@pytest.mark.parametrize(
+    ("params", "field"),
+    [
+        (SmokeInput(team=""), "input.team"),
+        (SmokeInput(timeout_s=0), "input.timeout_s"),
+        (SmokeInput(timeout_s=7200), "input.timeout_s"),
+        (SmokeInput(hold_s=-1), "input.hold_s"),
+    ],
+)
+def test_smoke_input_limits(params: SmokeInput, field: str) -> None:
+    with pytest.raises(errors.ValidationError) as caught:
+        validate_smoke(params)
+    assert caught.value.field == field
+
+
+# --- job events -----------------------------------------------------------------------------------
+
+
+class RecordingSignaller:
+    """The :class:`WorkflowSignaller` seam, recording what would be signalled."""
+
+    def __init__(self, *, fail: bool = False, running: bool = True) -> None:
+        self.sent: list[tuple[str, JobEvent]] = []
+        self._fail = fail
+        self._running = running
+
+    async def job_event(self, workflow_id: str, event: JobEvent) -> bool:
+        if self._fail:
+            raise RuntimeError("temporal unavailable")
+        self.sent.append((workflow_id, event))
+        return self._running
+
+
+def _record(
+    state: int, *, workflow_id: str = "smoke-1", event_id: str = "ev-1", offset: int = 0
+) -> ConsumerRecord:  # type: ignore[type-arg]
+    event = events_pb2.JobStateChanged(job_id="job-1", team="smoke", state=state)  # type: ignore[arg-type]
+    event.meta.event_id = event_id
+    if workflow_id:
+        event.labels["workflow_id"] = workflow_id
+    value = event.SerializeToString()
+    headers = [(HEADER_TYPE, event.DESCRIPTOR.full_name.encode()), (HEADER_ID, event_id.encode())]
+    return ConsumerRecord(TOPIC, 0, offset, 0, 0, b"job-1", value, None, 5, len(value), headers)
+
+
+def _consumer(db: Database, signaller: RecordingSignaller) -> EventConsumer:
+    # Constructing the consumer connects nothing; handle() is the per-record path run() takes.
+    return EventConsumer(
+        db,
+        bootstrap="unused:9",
+        group_id="orchestrator",
+        topics=[TOPIC],
+        handler=JobEventRouter(signaller).handle,
+        max_attempts=1,
+    )
+
+
+async def _rows(db: Database) -> list[tuple[str, str, str, str]]:
+    async with db.session() as session:
+        rows = (await session.scalars(sa.select(JobEventRow).order_by(JobEventRow.received_at))).all()
+    return [(r.event_id, r.job_id, r.workflow_id, r.state) for r in rows]
+
+
+async def test_event_of_a_workflow_job_is_recorded_and_signalled_once(db: Database) -> None:
+    signaller = RecordingSignaller()
+    consumer = _consumer(db, signaller)
+
+    assert await consumer.handle(_record(common_pb2.JOB_STATE_PENDING)) is True
+    assert await consumer.handle(_record(common_pb2.JOB_STATE_PENDING, offset=1)) is False  # redelivered
+
+    assert signaller.sent == [("smoke-1", JobEvent(job_id="job-1", state="PENDING", event_id="ev-1"))]
+    assert await _rows(db) == [("ev-1", "job-1", "smoke-1", "PENDING")]
+
+
+async def test_event_without_workflow_label_is_not_routed(db: Database) -> None:
+    signaller = RecordingSignaller()
+    assert await _consumer(db, signaller).handle(_record(common_pb2.JOB_STATE_RUNNING, workflow_id=""))
+    assert signaller.sent == [] and await _rows(db) == []
+
+
+async def test_event_for_a_closed_workflow_is_recorded_and_consumed(db: Database) -> None:
+    signaller = RecordingSignaller(running=False)
+    assert await _consumer(db, signaller).handle(_record(common_pb2.JOB_STATE_CANCELLED))
+    assert await _rows(db) == [("ev-1", "job-1", "smoke-1", "CANCELLED")]
+
+
+async def test_failed_signal_records_nothing_so_the_event_can_be_replayed(db: Database) -> None:
+    assert (
+        await _consumer(db, RecordingSignaller(fail=True)).handle(_record(common_pb2.JOB_STATE_PENDING))
+        is False
+    )
+    assert await _rows(db) == []
+    async with db.session() as session:
+        assert await session.get(ProcessedEvent, ("orchestrator", "ev-1")) is None
+
+
+# --- translation ----------------------------------------------------------------------------------
+
+
+def test_completed_view_becomes_a_response_with_result() -> None:
+    started = dt.datetime(2026, 1, 2, 3, 4, 5, tzinfo=dt.UTC)
+    view = WorkflowView(
+        workflow_id="smoke-1",
+        run_id="run-1",
+        workflow_type="smoke",
+        status=WorkflowExecutionStatus.COMPLETED,
+        result={"job_id": "job-1", "states_seen": ["PENDING", "CANCELLED"], "elapsed_s": 0.5},
+        started_at=started,
+        closed_at=started + dt.timedelta(seconds=1),
+    )
+    reply = view_to_proto(view)
+    assert reply.status == orchestrator_pb2.WORKFLOW_STATUS_COMPLETED
+    assert list(reply.result["states_seen"]) == ["PENDING", "CANCELLED"]
+    assert reply.started_at.ToDatetime(dt.UTC) == started and not reply.HasField("progress")
+
+
+@pytest.mark.parametrize(
+    ("status", "expected"),
+    [
+        (WorkflowExecutionStatus.RUNNING, orchestrator_pb2.WORKFLOW_STATUS_RUNNING),
+        (WorkflowExecutionStatus.FAILED, orchestrator_pb2.WORKFLOW_STATUS_FAILED),
+        (WorkflowExecutionStatus.CANCELED, orchestrator_pb2.WORKFLOW_STATUS_CANCELLED),
+        (WorkflowExecutionStatus.TERMINATED, orchestrator_pb2.WORKFLOW_STATUS_TERMINATED),
+        (WorkflowExecutionStatus.TIMED_OUT, orchestrator_pb2.WORKFLOW_STATUS_TIMED_OUT),
+        (WorkflowExecutionStatus.CONTINUED_AS_NEW, orchestrator_pb2.WORKFLOW_STATUS_CONTINUED_AS_NEW),
+    ],
+)
+def test_every_temporal_status_maps(status: WorkflowExecutionStatus, expected: int) -> None:
+    assert view_to_proto(WorkflowView("w", "r", "smoke", status)).status == expected
+
+
+def test_failure_message_names_the_failed_activity_and_cause() -> None:
+    cause = ApplicationError(
+        "SubmitJob: INVALID_ARGUMENT: spec.team: must not be empty", type="INVALID_ARGUMENT"
+    )
+    error = ActivityError(
+        "Activity task failed",
+        scheduled_event_id=5,
+        started_event_id=6,
+        identity="w",
+        activity_type="submit_job",
+        activity_id="2",
+        retry_state=RetryState.NON_RETRYABLE_FAILURE,
+    )
+    error.__cause__ = cause
+    assert (
+        failure_message(error)
+        == "activity submit_job failed: SubmitJob: INVALID_ARGUMENT: spec.team: must not be empty"
+    )
+
+
+# --- CLI token --------------------------------------------------------------------------------------
+
+
+def test_token_from_flag_then_token_file_then_default(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("FORGE_ROOT", raising=False)
+    nested = tmp_path / "services" / "x"
+    nested.mkdir(parents=True)
+    assert resolve_token("", start=nested) == "forge-dev-token"
+    (tmp_path / "var" / "secrets").mkdir(parents=True)
+    (tmp_path / "var" / "secrets" / "tokens.json").write_text(json.dumps({"orchestrator": "from-file"}))
+    assert resolve_token("", start=nested) == "from-file"
+    assert resolve_token("explicit", start=nested) == "explicit"
