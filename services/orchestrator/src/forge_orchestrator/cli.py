@@ -8,26 +8,18 @@ directory above the current one that has it, else the services' development defa
 
 from __future__ import annotations
 
-import asyncio
 import json
-import os
-from collections.abc import Coroutine
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any
 
-import grpc
 import typer
 from rich.console import Console
-from rich.table import Table
 
+from forge_kit import clitools
 from forge_orchestrator.client import OrchestratorClient, response_to_dict
-from forge_orchestrator.config import DEV_TOKEN
 
 app = typer.Typer(help="Start, inspect and cancel orchestrator workflows.", no_args_is_help=True)
 console = Console()
-T = TypeVar("T")
-
-TOKEN_FILE = Path("var") / "secrets" / "tokens.json"
 
 TargetOption = Annotated[
     str, typer.Option("--target", envvar="FORGE_CLI_ORCHESTRATOR_TARGET", help="Orchestrator gRPC host:port.")
@@ -43,41 +35,7 @@ JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON instead of 
 
 def resolve_token(explicit: str, start: Path | None = None) -> str:
     """The explicit token, else the token file's ``orchestrator`` entry, else the dev default."""
-    if explicit:
-        return explicit
-    roots = [Path(os.environ["FORGE_ROOT"])] if os.environ.get("FORGE_ROOT") else []
-    here = (start or Path.cwd()).resolve()
-    roots += [here, *here.parents]
-    for root in roots:
-        path = root / TOKEN_FILE
-        if path.is_file():
-            tokens = json.loads(path.read_text())
-            if not isinstance(tokens, dict):
-                raise typer.BadParameter(f"{path} is not a JSON object of service name to token")
-            token = tokens.get("orchestrator")
-            if isinstance(token, str) and token:
-                return token
-    return DEV_TOKEN.get_secret_value()
-
-
-def _run(coro: Coroutine[Any, Any, T]) -> T:
-    try:
-        return asyncio.run(coro)
-    except grpc.aio.AioRpcError as exc:
-        console.print(f"[red]{exc.code().name}[/]: {exc.details()}", highlight=False)
-        raise typer.Exit(1) from None
-
-
-def _show(data: dict[str, Any], as_json: bool) -> None:
-    if as_json:
-        typer.echo(json.dumps(data, indent=2, sort_keys=True))
-        return
-    table = Table(show_header=False)
-    table.add_column("field", style="bold")
-    table.add_column("value", overflow="fold")
-    for key, value in data.items():
-        table.add_row(key, value if isinstance(value, str) else json.dumps(value))
-    console.print(table)
+    return clitools.resolve_token("orchestrator", explicit, start)
 
 
 @app.command()
@@ -108,8 +66,8 @@ def start(
                 return {"workflow_id": started}
             return response_to_dict(await client.wait(started, timeout_s=timeout_s))
 
-    result = _run(go())
-    _show(result, as_json)
+    result = clitools.run_rpc(go())
+    clitools.show_record(result, as_json)
     if wait and result.get("status") != "COMPLETED":
         raise typer.Exit(1)
 
@@ -128,7 +86,7 @@ def get(
         async with OrchestratorClient(target, resolve_token(token)) as client:
             return response_to_dict(await client.get(workflow_id, run_id))
 
-    _show(_run(go()), as_json)
+    clitools.show_record(clitools.run_rpc(go()), as_json)
 
 
 @app.command()
@@ -144,5 +102,5 @@ def cancel(
         async with OrchestratorClient(target, resolve_token(token)) as client:
             await client.cancel(workflow_id, reason)
 
-    _run(go())
+    clitools.run_rpc(go())
     console.print(f"cancellation of {workflow_id} requested")

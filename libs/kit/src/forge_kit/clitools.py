@@ -1,0 +1,80 @@
+"""Helpers for the ``forge <subcommand>`` apps that service packages contribute.
+
+A subcommand finds its service at ``$FORGE_CLI_<SERVICE>_TARGET`` (or its ``--target``) and its
+token at ``$FORGE_CLI_<SERVICE>_TOKEN``, else in ``var/secrets/tokens.json`` (written by
+``forge up``) under ``$FORGE_ROOT`` or the nearest directory above the working directory that
+has one, else the services' development default.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections.abc import Coroutine, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+import typer
+from rich.console import Console
+from rich.table import Table
+
+DEV_TOKEN = "forge-dev-token"
+TOKEN_FILE = Path("var") / "secrets" / "tokens.json"
+console = Console()
+T = TypeVar("T")
+
+
+def resolve_token(service: str, explicit: str = "", start: Path | None = None) -> str:
+    """The explicit token, else the token file's entry for ``service``, else the dev default."""
+    if explicit:
+        return explicit
+    roots = [Path(os.environ["FORGE_ROOT"])] if os.environ.get("FORGE_ROOT") else []
+    here = (start or Path.cwd()).resolve()
+    roots += [here, *here.parents]
+    for root in roots:
+        path = root / TOKEN_FILE
+        if path.is_file():
+            tokens = json.loads(path.read_text())
+            if not isinstance(tokens, dict):
+                raise typer.BadParameter(f"{path} is not a JSON object of service name to token")
+            token = tokens.get(service)
+            if isinstance(token, str) and token:
+                return token
+    return DEV_TOKEN
+
+
+def run_rpc(coro: Coroutine[Any, Any, T]) -> T:
+    """Run ``coro``; a gRPC error becomes one red line and exit status 1, not a traceback."""
+    try:
+        return asyncio.run(coro)
+    except grpc.aio.AioRpcError as exc:
+        console.print(f"[red]{exc.code().name}[/]: {exc.details()}", highlight=False)
+        raise typer.Exit(1) from None
+
+
+def show_record(data: Mapping[str, Any], as_json: bool) -> None:
+    """One record as a two-column table, or as JSON."""
+    if as_json:
+        typer.echo(json.dumps(data, indent=2, sort_keys=True, default=str))
+        return
+    table = Table(show_header=False)
+    table.add_column("field", style="bold")
+    table.add_column("value", overflow="fold")
+    for key, value in data.items():
+        table.add_row(key, value if isinstance(value, str) else json.dumps(value, default=str))
+    console.print(table)
+
+
+def show_rows(rows: list[Mapping[str, Any]], columns: list[str], as_json: bool, title: str = "") -> None:
+    """Records as a table with ``columns``, or as a JSON list."""
+    if as_json:
+        typer.echo(json.dumps(rows, indent=2, sort_keys=True, default=str))
+        return
+    table = Table(title=title or None)
+    for column in columns:
+        table.add_column(column)
+    for row in rows:
+        table.add_row(*(str(row.get(c, "")) for c in columns))
+    console.print(table)

@@ -1,0 +1,200 @@
+"""``forge jobs …``: submit, list, inspect and cancel jobs; manage teams; queue statistics.
+
+Target: ``--target`` / ``$FORGE_CLI_SCHEDULER_TARGET`` (default ``127.0.0.1:50051``); token:
+``--token`` / ``$FORGE_CLI_SCHEDULER_TOKEN``, else ``var/secrets/tokens.json`` (see
+:mod:`forge_kit.clitools`).
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Annotated, Any
+
+import typer
+from forge.common.v1 import common_pb2
+from forge.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
+from google.protobuf import json_format
+
+from forge_kit import clitools
+from forge_kit.grpckit import make_channel
+
+app = typer.Typer(help="Submit and manage jobs, teams and quotas on the scheduler.", no_args_is_help=True)
+RPC_TIMEOUT_S = 15.0
+
+TargetOption = Annotated[
+    str, typer.Option("--target", envvar="FORGE_CLI_SCHEDULER_TARGET", help="Scheduler gRPC host:port.")
+]
+TokenOption = Annotated[
+    str, typer.Option("--token", envvar="FORGE_CLI_SCHEDULER_TOKEN", help="Scheduler token.", show_default=False)
+]
+JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
+
+
+def _stub(target: str, token: str) -> tuple[Any, scheduler_pb2_grpc.SchedulerServiceStub]:
+    channel = make_channel(target, token=clitools.resolve_token("scheduler", token))
+    return channel, scheduler_pb2_grpc.SchedulerServiceStub(channel)
+
+
+def _job_row(job: scheduler_pb2.Job) -> dict[str, Any]:
+    return {
+        "id": job.id,
+        "name": job.spec.name,
+        "team": job.spec.team,
+        "priority": job.spec.priority_class,
+        "gpus": f"{max(1, job.spec.replicas)}x{job.spec.resources.gpu_count} {job.spec.resources.gpu_type}".strip(),
+        "state": common_pb2.JobState.Name(job.state).removeprefix("JOB_STATE_"),
+        "message": job.message,
+    }
+
+
+@app.command()
+def submit(
+    name: Annotated[str, typer.Argument(help="Job name (lowercase letters, digits, '-').")],
+    command: Annotated[list[str], typer.Argument(help="Command line to run.")],
+    team: Annotated[str, typer.Option("--team", help="Owning team.")] = "default",
+    priority: Annotated[str, typer.Option("--priority", help="production, high, normal or preemptible.")] = "normal",
+    gpus: Annotated[int, typer.Option("--gpus", help="GPUs per replica.")] = 0,
+    gpu_type: Annotated[str, typer.Option("--gpu-type", help="GPU type, e.g. H100.")] = "",
+    replicas: Annotated[int, typer.Option("--replicas", help="Gang size.")] = 1,
+    target: TargetOption = "127.0.0.1:50051",
+    token: TokenOption = "",
+    as_json: JsonOption = False,
+) -> None:
+    """Submit a job and print it."""
+    spec = scheduler_pb2.JobSpec(
+        name=name,
+        team=team,
+        priority_class=priority,
+        command=command,
+        replicas=replicas,
+        resources=common_pb2.ResourceRequest(gpu_count=gpus, gpu_type=gpu_type),
+    )
+
+    async def go() -> scheduler_pb2.Job:
+        channel, stub = _stub(target, token)
+        async with channel:
+            request = scheduler_pb2.SubmitJobRequest(spec=spec, request_id=str(uuid.uuid4()))
+            return (await stub.SubmitJob(request, timeout=RPC_TIMEOUT_S)).job
+
+    clitools.show_record(_job_row(clitools.run_rpc(go())), as_json)
+
+
+@app.command("list")
+def list_jobs(
+    team: Annotated[str, typer.Option("--team", help="Only this team's jobs.")] = "",
+    limit: Annotated[int, typer.Option("--limit", help="At most this many jobs.")] = 50,
+    target: TargetOption = "127.0.0.1:50051",
+    token: TokenOption = "",
+    as_json: JsonOption = False,
+) -> None:
+    """List jobs, newest first."""
+
+    async def go() -> list[scheduler_pb2.Job]:
+        channel, stub = _stub(target, token)
+        async with channel:
+            request = scheduler_pb2.ListJobsRequest(team=team, page=common_pb2.PageRequest(page_size=limit))
+            return list((await stub.ListJobs(request, timeout=RPC_TIMEOUT_S)).jobs)
+
+    rows = [_job_row(job) for job in clitools.run_rpc(go())]
+    clitools.show_rows(rows, ["id", "name", "team", "priority", "gpus", "state", "message"], as_json, "jobs")
+
+
+@app.command()
+def get(
+    job_id: Annotated[str, typer.Argument(help="Job id.")],
+    target: TargetOption = "127.0.0.1:50051",
+    token: TokenOption = "",
+) -> None:
+    """Show one job in full (JSON)."""
+
+    async def go() -> scheduler_pb2.Job:
+        channel, stub = _stub(target, token)
+        async with channel:
+            return (await stub.GetJob(scheduler_pb2.GetJobRequest(job_id=job_id), timeout=RPC_TIMEOUT_S)).job
+
+    clitools.show_record(json_format.MessageToDict(clitools.run_rpc(go())), as_json=True)
+
+
+@app.command()
+def cancel(
+    job_id: Annotated[str, typer.Argument(help="Job id.")],
+    reason: Annotated[str, typer.Option("--reason", help="Why; recorded on the job.")] = "",
+    target: TargetOption = "127.0.0.1:50051",
+    token: TokenOption = "",
+    as_json: JsonOption = False,
+) -> None:
+    """Cancel a job (idempotent)."""
+
+    async def go() -> scheduler_pb2.Job:
+        channel, stub = _stub(target, token)
+        async with channel:
+            request = scheduler_pb2.CancelJobRequest(job_id=job_id, reason=reason)
+            return (await stub.CancelJob(request, timeout=RPC_TIMEOUT_S)).job
+
+    clitools.show_record(_job_row(clitools.run_rpc(go())), as_json)
+
+
+@app.command("create-team")
+def create_team(
+    name: Annotated[str, typer.Argument(help="Team name.")],
+    quota: Annotated[
+        list[str], typer.Option("--quota", help="GPU quota as TYPE=GUARANTEED[:BORROW[:WEIGHT]], repeatable.")
+    ] = [],  # noqa: B006 - typer reads the default, it is never mutated
+    target: TargetOption = "127.0.0.1:50051",
+    token: TokenOption = "",
+    as_json: JsonOption = False,
+) -> None:
+    """Create a team with optional quotas."""
+    quotas = [parse_quota(q) for q in quota]
+
+    async def go() -> scheduler_pb2.Team:
+        channel, stub = _stub(target, token)
+        async with channel:
+            request = scheduler_pb2.CreateTeamRequest(name=name, quotas=quotas)
+            return (await stub.CreateTeam(request, timeout=RPC_TIMEOUT_S)).team
+
+    clitools.show_record(json_format.MessageToDict(clitools.run_rpc(go())), as_json)
+
+
+@app.command()
+def stats(
+    team: Annotated[str, typer.Option("--team", help="Only this team.")] = "",
+    target: TargetOption = "127.0.0.1:50051",
+    token: TokenOption = "",
+    as_json: JsonOption = False,
+) -> None:
+    """Queue statistics by team: pending, running, GPUs in use, queue-time p50/p95."""
+
+    async def go() -> list[scheduler_pb2.TeamQueueStats]:
+        channel, stub = _stub(target, token)
+        async with channel:
+            reply = await stub.GetQueueStats(scheduler_pb2.GetQueueStatsRequest(team=team), timeout=RPC_TIMEOUT_S)
+            return list(reply.teams)
+
+    rows = [
+        {
+            "team": s.team,
+            "pending": s.pending_jobs,
+            "running": s.running_jobs,
+            "gpus": s.gpus_in_use,
+            "p50_s": round(s.queue_time_p50_seconds, 1),
+            "p95_s": round(s.queue_time_p95_seconds, 1),
+        }
+        for s in clitools.run_rpc(go())
+    ]
+    clitools.show_rows(rows, ["team", "pending", "running", "gpus", "p50_s", "p95_s"], as_json, "queues")
+
+
+def parse_quota(text: str) -> scheduler_pb2.Quota:
+    """``H100=8:4:2`` → Quota(gpu_type=H100, guaranteed 8, borrow 4, weight 2)."""
+    gpu_type, sep, numbers = text.partition("=")
+    parts = numbers.split(":") if sep else []
+    if not gpu_type or not 1 <= len(parts) <= 3:
+        raise typer.BadParameter(f"{text!r} is not TYPE=GUARANTEED[:BORROW[:WEIGHT]]", param_hint="--quota")
+    try:
+        guaranteed = int(parts[0])
+        borrow = int(parts[1]) if len(parts) > 1 else 0
+        weight = float(parts[2]) if len(parts) > 2 else 1.0
+    except ValueError:
+        raise typer.BadParameter(f"{text!r} has a non-numeric part", param_hint="--quota") from None
+    return scheduler_pb2.Quota(gpu_type=gpu_type, guaranteed_gpus=guaranteed, borrow_limit=borrow, weight=weight)
