@@ -1,0 +1,87 @@
+# Forge — the two commands most people need: `make up` and `make test`.
+#
+#   make install   .venv with every package (libs/*, services/*) editable, dev tools, buf
+#   make up        start the local platform and run its main job (`forge up`)
+#   make down      stop everything `make up` started
+#   make status    pid, liveness and health of each component
+#   make test      every test, in one pytest run
+#   make verify    the gate: ruff, ruff format, mypy, buf lint, stub freshness, import contracts
+#   make bench     load and soak scenarios under load/
+#   make gen       regenerate the protobuf stubs and the deployment files (deploy/generate.py)
+#   make clean     stop the platform and remove local state (var/) and caches
+
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := help
+
+PYTHON_BOOT ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+
+# Every package that has a pyproject.toml, found by glob so a new service is picked up by itself.
+SERVICE_DIRS := $(patsubst %/pyproject.toml,%,$(wildcard services/*/pyproject.toml))
+SERVICE_SRC := $(wildcard services/*/src)
+# The stamp changes whenever any dependency declaration changes, so `make install` re-runs pip
+# exactly when it has something to do.
+INSTALL_INPUTS := requirements-dev.txt $(wildcard libs/*/pyproject.toml) $(wildcard services/*/pyproject.toml)
+INSTALL_HASH := $(shell cat $(INSTALL_INPUTS) | sha256sum | cut -c1-16)
+STAMP := $(VENV)/.installed-$(INSTALL_HASH)
+NPM_STAMP := node_modules/.installed-$(shell sha256sum package-lock.json | cut -c1-16)
+
+PYTEST_TIMEOUT ?= 300
+
+.PHONY: help install up down status test verify bench gen clean
+
+help:
+	@sed -n 's/^#   //p' Makefile
+
+install: $(STAMP) $(NPM_STAMP)
+
+$(STAMP): $(INSTALL_INPUTS)
+	@test -x $(PY) || $(PYTHON_BOOT) -m venv $(VENV)
+	$(PIP) install --quiet -r requirements-dev.txt \
+	  -e libs/protos -e 'libs/kit[testing]' -e libs/cli \
+	  $(addprefix -e ,$(SERVICE_DIRS))
+	@rm -f $(VENV)/.installed-*
+	@touch $@
+	@echo "installed: libs/protos libs/kit libs/cli $(SERVICE_DIRS)"
+
+$(NPM_STAMP): package.json package-lock.json
+	npm ci --no-audit --no-fund --loglevel=error
+	@touch $@
+
+up: install
+	$(VENV)/bin/forge up
+
+down:
+	@if [ -x $(VENV)/bin/forge ]; then $(VENV)/bin/forge down; else echo "not installed: nothing to stop"; fi
+
+status: install
+	$(VENV)/bin/forge status
+
+test: install
+	$(VENV)/bin/pytest -q --timeout=$(PYTEST_TIMEOUT) libs services tests
+
+verify: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy libs/kit/src libs/cli/src $(SERVICE_SRC)
+	npx --no-install buf lint protos
+	PYTHON=$(PY) scripts/gen_protos.sh
+	git diff --exit-code -- libs/protos
+	@untracked="$$(git status --porcelain -- libs/protos)"; \
+	  if [ -n "$$untracked" ]; then echo "stale or untracked generated stubs:"; echo "$$untracked"; exit 1; fi
+	$(VENV)/bin/lint-imports
+	@echo "verify: all checks passed"
+
+bench: install
+	@if [ -f load/__main__.py ]; then $(PY) -m load; else echo "no benchmarks yet (see load/README.md)"; fi
+
+gen: install
+	PYTHON=$(PY) scripts/gen_protos.sh
+	$(PY) deploy/generate.py
+
+clean: down
+	rm -rf var .mypy_cache .ruff_cache .pytest_cache
+	find . -name __pycache__ -type d -not -path './.venv/*' -not -path './node_modules/*' -prune -exec rm -rf {} +

@@ -1,0 +1,376 @@
+"""The local platform's life cycle: what ``forge up``, ``forge down`` and ``forge status`` do.
+
+``up`` is idempotent: a component whose pid file names a live, healthy process is kept, anything
+else is (re)started, so ``make up`` twice in a row does nothing the second time but re-run the
+main job. Infrastructure comes first (the broker with every topic, then Temporal), because
+services connect to both as they start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+from rich.console import Console
+from rich.table import Table
+
+from forge_cli import mainjob, platform, supervisor, tokens
+from forge_cli.platform import INFRA, Infra, ServiceSpec
+from forge_cli.supervisor import Component, Paths
+from forge_kit.events import ensure_topics
+from forge_kit.grpckit import check_health
+from forge_kit.testing.processes import port_open, tansu_binary
+
+INFRA_TIMEOUT_S = 60.0
+SERVICE_TIMEOUT_S = 180.0
+
+
+class UpFailed(RuntimeError):
+    """A component did not come up; the message says which and shows its log tail."""
+
+
+def find_root(start: Path | None = None) -> Path:
+    """``$FORGE_ROOT``, else the nearest directory above ``start`` holding ``services/`` and ``libs/``."""
+    if env := os.environ.get("FORGE_ROOT"):
+        return Path(env).resolve()
+    here = (start or Path.cwd()).resolve()
+    for candidate in (here, *here.parents):
+        if (candidate / "services").is_dir() and (candidate / "libs").is_dir():
+            return candidate
+    return here
+
+
+def _executable(name: str) -> str:
+    """A tool installed next to this interpreter (the venv), else on PATH."""
+    beside = Path(sys.executable).parent / name
+    if beside.exists():
+        return str(beside)
+    found = shutil.which(name)
+    if found is None:
+        raise UpFailed(f"{name} not found: run `make install`")
+    return found
+
+
+# --- components ---------------------------------------------------------------------------------
+
+
+def tansu_component(infra: Infra) -> Component:
+    url = f"tcp://{platform.HOST}:{infra.kafka_port}"
+    binary = tansu_binary()
+
+    async def healthy() -> bool:
+        return port_open(infra.kafka_port)
+
+    return Component(
+        name="tansu",
+        argv=[
+            binary,
+            "broker",
+            "--listener-url",
+            url,
+            "--advertised-listener-url",
+            url,
+            "--storage-engine",
+            "memory://tansu/",
+        ],
+        marker=Path(binary).name,
+        health=healthy,
+        ports=(infra.kafka_port,),
+        urls=(f"kafka://{infra.kafka_bootstrap}",),
+    )
+
+
+def temporal_component(infra: Infra, paths: Paths) -> Component:
+    binary = _executable("temporal")
+
+    async def healthy() -> bool:
+        if not port_open(infra.temporal_port):
+            return False
+        proc = await asyncio.create_subprocess_exec(
+            binary,
+            "operator",
+            "cluster",
+            "health",
+            "--address",
+            infra.temporal_target,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.DEVNULL,
+        )
+        return await proc.wait() == 0
+
+    paths.temporal_db.parent.mkdir(parents=True, exist_ok=True)
+    return Component(
+        name="temporal",
+        argv=[
+            binary,
+            "server",
+            "start-dev",
+            "--ip",
+            platform.HOST,
+            "--port",
+            str(infra.temporal_port),
+            "--ui-port",
+            str(infra.temporal_ui_port),
+            "--db-filename",
+            str(paths.temporal_db),
+            "--namespace",
+            infra.temporal_namespace,
+            "--log-level",
+            "warn",
+        ],
+        marker="start-dev",
+        health=healthy,
+        ports=(infra.temporal_port, infra.temporal_ui_port),
+        urls=(infra.temporal_target, infra.temporal_ui_url),
+    )
+
+
+async def service_healthy(spec: ServiceSpec) -> bool:
+    """HTTP ``/healthz`` answers 200 and the gRPC health service says SERVING."""
+    try:
+        async with httpx.AsyncClient(timeout=2.0) as client:
+            reply = await client.get(f"{spec.http_url}/healthz")
+        if reply.status_code != 200:
+            return False
+    except httpx.HTTPError:
+        return False
+    return await check_health(spec.grpc_target, timeout_s=2.0)
+
+
+def service_component(
+    spec: ServiceSpec,
+    table: Sequence[ServiceSpec],
+    secrets: dict[str, str],
+    paths: Paths,
+    infra: Infra = INFRA,
+) -> Component:
+    paths.data_dir(spec.name).mkdir(parents=True, exist_ok=True)
+
+    async def healthy() -> bool:
+        return await service_healthy(spec)
+
+    return Component(
+        name=spec.name,
+        argv=[sys.executable, "-m", spec.module],
+        marker=spec.module,
+        health=healthy,
+        ports=(spec.grpc_port, spec.http_port),
+        env=platform.service_env(spec, table, secrets, paths.root, infra),
+        urls=(spec.grpc_target, spec.http_url),
+    )
+
+
+def context(
+    paths: Paths, specs: Sequence[ServiceSpec], secrets: dict[str, str], infra: Infra = INFRA
+) -> mainjob.MainJobContext:
+    """What the main job's steps get to reach the platform."""
+    endpoints = {
+        s.name: mainjob.ServiceEndpoint(s.name, s.grpc_target, s.http_url, secrets[s.name]) for s in specs
+    }
+    return mainjob.MainJobContext(
+        root=paths.root,
+        services=endpoints,
+        kafka_bootstrap=infra.kafka_bootstrap,
+        temporal_target=infra.temporal_target,
+        temporal_namespace=infra.temporal_namespace,
+        object_store_url=str(paths.objects),
+    )
+
+
+# --- up -----------------------------------------------------------------------------------------
+
+
+@dataclass
+class Started:
+    component: Component
+    pid: int
+    state: str  # "started" or "running" (was already up)
+
+
+async def _wait_healthy(component: Component, pid: int, paths: Paths, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if not supervisor.is_running(pid, component.marker):
+            raise UpFailed(
+                f"{component.name} exited during start-up; last lines of "
+                f"{paths.log_file(component.name)}:\n{supervisor.log_tail(paths, component.name)}"
+            )
+        if await component.health():
+            return
+        if time.monotonic() > deadline:
+            raise UpFailed(
+                f"{component.name} not healthy within {timeout_s:.0f}s; last lines of "
+                f"{paths.log_file(component.name)}:\n{supervisor.log_tail(paths, component.name)}"
+            )
+        await asyncio.sleep(0.25)
+
+
+def _ensure_started(component: Component, paths: Paths) -> Started:
+    """Keep the live process named by the pid file, or start a new one; never two."""
+    pid = supervisor.live_pid(paths, component.name, component.marker)
+    if pid is not None:
+        return Started(component, pid, "running")
+    supervisor.remove_pid_files(paths, [component.name])
+    busy = [p for p in component.ports if port_open(p)]
+    if busy:
+        raise UpFailed(
+            f"cannot start {component.name}: port(s) {', '.join(map(str, busy))} already in use "
+            "by a process forge did not start (stop it, or run `forge down` from its checkout)"
+        )
+    return Started(component, supervisor.spawn(component, paths), "started")
+
+
+async def bring_up(components: Sequence[Component], paths: Paths, timeout_s: float) -> list[Started]:
+    """Start the missing ones among ``components`` together, then wait until all are healthy."""
+    started = [_ensure_started(c, paths) for c in components]
+    results = await asyncio.gather(
+        *(_wait_healthy(s.component, s.pid, paths, timeout_s) for s in started), return_exceptions=True
+    )
+    errors = [str(r) for r in results if isinstance(r, BaseException)]
+    if errors:
+        raise UpFailed("\n\n".join(errors))
+    return started
+
+
+def table_of(started: Sequence[Started]) -> Table:
+    table = Table(title="Forge platform", title_justify="left")
+    for column in ("component", "pid", "state", "addresses", "log"):
+        table.add_column(column)
+    for s in started:
+        table.add_row(
+            s.component.name,
+            str(s.pid),
+            s.state,
+            "  ".join(s.component.urls),
+            f"var/log/{s.component.name}.log",
+        )
+    return table
+
+
+async def up(
+    paths: Paths,
+    specs: Sequence[ServiceSpec],
+    console: Console,
+    *,
+    run_main_job: bool = True,
+    timeout_s: float = SERVICE_TIMEOUT_S,
+    infra: Infra = INFRA,
+    table: Sequence[ServiceSpec] = platform.SERVICES,
+) -> int:
+    """Bring ``specs`` (rows of ``table``) up, print them, run the main job; 0 only if all worked."""
+    problems = platform.validate(table)
+    if problems:
+        console.print("[red]platform table is inconsistent:[/] " + "; ".join(problems))
+        return 2
+    secrets = tokens.load_or_create(paths.tokens, [s.name for s in table])
+    paths.objects.mkdir(parents=True, exist_ok=True)
+    try:
+        with console.status("starting the broker and the Temporal dev server…"):
+            infra_up = await bring_up(
+                [tansu_component(infra), temporal_component(infra, paths)], paths, INFRA_TIMEOUT_S
+            )
+            await ensure_topics(infra.kafka_bootstrap)
+        components = [service_component(s, table, secrets, paths, infra) for s in specs]
+        with console.status(f"starting {len(components)} services and waiting for their health checks…"):
+            services_up = await bring_up(components, paths, timeout_s)
+    except UpFailed as exc:
+        console.print(f"[red]forge up failed:[/]\n{exc}")
+        console.print("Components that did start are left running: `forge status`, `forge down`.")
+        return 1
+    console.print(table_of([*infra_up, *services_up]))
+    if not run_main_job:
+        return 0
+    return await run_main(context(paths, table, secrets, infra), console)
+
+
+async def run_main(ctx: mainjob.MainJobContext, console: Console) -> int:
+    steps = mainjob.discover()
+    if not steps:
+        console.print(
+            f"[red]no main job step is registered[/] (entry-point group {mainjob.GROUP!r}); "
+            "is every service installed? (`make install`)"
+        )
+        return 1
+    console.print(f"main job: {len(steps)} step(s): {', '.join(s.name for s in steps)}")
+    outcomes = await mainjob.run(steps, ctx, console)
+    for outcome in outcomes:
+        console.print(mainjob.render(outcome))
+    if all(o.ok for o in outcomes) and len(outcomes) == len(steps):
+        console.print("[green]main job finished[/]; the platform keeps running (`forge down` stops it).")
+        return 0
+    console.print("[red]main job failed[/]; logs are in var/log/.")
+    return 1
+
+
+# --- down and status ----------------------------------------------------------------------------
+
+
+def _markers(specs: Sequence[ServiceSpec]) -> dict[str, str | None]:
+    markers: dict[str, str | None] = {"tansu": "tansu", "temporal": "start-dev"}
+    markers.update({s.name: s.module for s in specs})
+    return markers
+
+
+def down(paths: Paths, console: Console, table: Sequence[ServiceSpec] = platform.SERVICES) -> int:
+    """Stop every component that has a pid file (services and infrastructure alike)."""
+    markers = _markers(table)
+    names = supervisor.pid_file_names(paths)
+    live = {}
+    for name in names:
+        pid = supervisor.live_pid(paths, name, markers.get(name))
+        if pid is not None:
+            live[name] = pid
+    if not live:
+        supervisor.remove_pid_files(paths, names)
+        console.print("nothing is running")
+        return 0
+    with console.status(f"stopping {', '.join(live)}…"):
+        outcome = supervisor.stop(live)
+    report = Table(title="forge down", title_justify="left")
+    report.add_column("component")
+    report.add_column("pid")
+    report.add_column("result")
+    for name, pid in live.items():
+        report.add_row(name, str(pid), outcome[name])
+    console.print(report)
+    leftover = [n for n, r in outcome.items() if r.startswith("still")]
+    supervisor.remove_pid_files(paths, [n for n in names if n not in leftover])
+    return 1 if leftover else 0
+
+
+async def status(paths: Paths, specs: Sequence[ServiceSpec], console: Console, infra: Infra = INFRA) -> int:
+    """Print each component's pid, liveness and health; 0 when every one is healthy."""
+    components = [tansu_component(infra), temporal_component(infra, paths)]
+    components += [
+        Component(s.name, [], s.module, _bound_health(s), urls=(s.grpc_target, s.http_url)) for s in specs
+    ]
+    table = Table(title="Forge platform", title_justify="left")
+    for column in ("component", "pid", "alive", "healthy", "addresses"):
+        table.add_column(column)
+    all_healthy = True
+    for c in components:
+        pid = supervisor.read_pid(paths, c.name)
+        alive = pid is not None and supervisor.is_running(pid, c.marker)
+        healthy = await c.health()
+        all_healthy &= alive and healthy
+        table.add_row(c.name, str(pid or "-"), _yes(alive), _yes(healthy), "  ".join(c.urls))
+    console.print(table)
+    return 0 if all_healthy else 1
+
+
+def _bound_health(spec: ServiceSpec) -> supervisor.HealthCheck:
+    async def healthy() -> bool:
+        return await service_healthy(spec)
+
+    return healthy
+
+
+def _yes(flag: bool) -> str:
+    return "[green]yes[/]" if flag else "[red]no[/]"

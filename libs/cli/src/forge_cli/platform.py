@@ -1,0 +1,227 @@
+"""The local platform as data: which services exist, their ports, and whom each one calls.
+
+Every service rejects a ``FORGE_<NAME>_*`` variable it does not declare, so the environment
+built here must match each service's settings class exactly. That is why the wiring is one
+declarative table (:data:`SERVICES`) rather than code: when a service adds or drops a
+dependency, its author changes one line here.
+
+How a row becomes environment variables (``<NAME>`` is the caller, ``<T>`` the callee, upper case):
+
+- every service: ``GRPC_PORT``, ``HTTP_PORT``, ``AUTH_TOKEN`` (its own token), ``DATA_DIR``
+  (``var/data/<name>``), ``OBJECT_STORE_URL`` (``var/objects``), ``KAFKA_BOOTSTRAP``, ``LOG_JSON``;
+- ``grpc("t")``: ``<T>_TARGET=127.0.0.1:<t's gRPC port>`` and ``<T>_TOKEN=<t's token>``;
+- ``http("t")``: ``<T>_URL=http://127.0.0.1:<t's HTTP port>`` and ``<T>_TOKEN=<t's token>``;
+- ``temporal=True``: ``TEMPORAL_TARGET=127.0.0.1:7233``;
+- ``extra``: literal ``KEY: value`` pairs; ``{root}`` in a value becomes the repository root.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+HOST = "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class Call:
+    """One service calling another: the caller declares ``<target>_target`` or ``_url``, and ``_token``."""
+
+    target: str
+    kind: Literal["grpc", "http"] = "grpc"
+
+
+def grpc(target: str) -> Call:
+    """The caller reaches ``target`` over gRPC: ``<TARGET>_TARGET`` (host:port) + ``<TARGET>_TOKEN``."""
+    return Call(target, "grpc")
+
+
+def http(target: str) -> Call:
+    """The caller reaches ``target`` over HTTP: ``<TARGET>_URL`` (http://host:port) + ``<TARGET>_TOKEN``."""
+    return Call(target, "http")
+
+
+@dataclass(frozen=True)
+class ServiceSpec:
+    """One row of the platform table."""
+
+    name: str
+    grpc_port: int
+    http_port: int
+    calls: tuple[Call, ...] = ()
+    temporal: bool = False
+    extra: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def module(self) -> str:
+        """What ``python -m`` runs."""
+        return f"forge_{self.name}"
+
+    @property
+    def prefix(self) -> str:
+        """The service's settings prefix."""
+        return f"FORGE_{self.name.upper()}_"
+
+    @property
+    def grpc_target(self) -> str:
+        return f"{HOST}:{self.grpc_port}"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{HOST}:{self.http_port}"
+
+
+# ---------------------------------------------------------------------------------------------
+# THE TABLE. Keep `calls` equal to the `<target>_target` / `<target>_url` fields each service's
+# config.py declares; a mismatch makes the service refuse to start (unknown setting) or start
+# without an address it needs. Order is start order and display order.
+# ---------------------------------------------------------------------------------------------
+SERVICES: tuple[ServiceSpec, ...] = (
+    ServiceSpec("scheduler", grpc_port=50051, http_port=8051),
+    ServiceSpec("trainer_agent", grpc_port=50052, http_port=8052, calls=(grpc("scheduler"),)),
+    ServiceSpec("model_server", grpc_port=50054, http_port=8000),
+    ServiceSpec("retriever", grpc_port=50055, http_port=8055),
+    ServiceSpec("reranker", grpc_port=50056, http_port=8056),
+    # RAG adds grpc("retriever") and grpc("reranker") here once the gateway's settings declare them.
+    ServiceSpec("inference_gateway", grpc_port=50053, http_port=8080, calls=(http("model_server"),)),
+    ServiceSpec("eval", grpc_port=50057, http_port=8057, calls=(http("inference_gateway"),)),
+    ServiceSpec("preference_feedback", grpc_port=50058, http_port=8058, calls=(http("inference_gateway"),)),
+    ServiceSpec(
+        "orchestrator",
+        grpc_port=50059,
+        http_port=8059,
+        calls=(
+            grpc("scheduler"),
+            grpc("eval"),
+            grpc("preference_feedback"),
+            grpc("inference_gateway"),
+            grpc("retriever"),
+        ),
+        temporal=True,
+    ),
+)
+
+
+@dataclass(frozen=True)
+class Infra:
+    """Where the local broker and Temporal dev server listen."""
+
+    kafka_port: int = 19092
+    temporal_port: int = 7233
+    temporal_ui_port: int = 8233
+    temporal_namespace: str = "default"
+
+    @property
+    def kafka_bootstrap(self) -> str:
+        return f"{HOST}:{self.kafka_port}"
+
+    @property
+    def temporal_target(self) -> str:
+        return f"{HOST}:{self.temporal_port}"
+
+    @property
+    def temporal_ui_url(self) -> str:
+        return f"http://{HOST}:{self.temporal_ui_port}"
+
+    @classmethod
+    def from_env(cls) -> Infra:
+        """Defaults, or ``FORGE_LOCAL_KAFKA_PORT`` / ``_TEMPORAL_PORT`` / ``_TEMPORAL_UI_PORT`` when set.
+
+        Only for running a second platform beside the usual one (tests); services still read the
+        broker and Temporal addresses from the environment ``service_env`` builds.
+        """
+        env = os.environ
+        return cls(
+            kafka_port=int(env.get("FORGE_LOCAL_KAFKA_PORT", cls.kafka_port)),
+            temporal_port=int(env.get("FORGE_LOCAL_TEMPORAL_PORT", cls.temporal_port)),
+            temporal_ui_port=int(env.get("FORGE_LOCAL_TEMPORAL_UI_PORT", cls.temporal_ui_port)),
+        )
+
+
+INFRA = Infra()
+
+
+def validate(table: Iterable[ServiceSpec]) -> list[str]:
+    """Problems in ``table`` (unknown call targets, duplicate names or ports); empty when sound."""
+    specs = list(table)
+    problems: list[str] = []
+    names = [s.name for s in specs]
+    problems += [f"service {n!r} listed twice" for n in sorted({n for n in names if names.count(n) > 1})]
+    ports = [p for s in specs for p in (s.grpc_port, s.http_port)]
+    problems += [f"port {p} used twice" for p in sorted({p for p in ports if ports.count(p) > 1})]
+    for spec in specs:
+        for call in spec.calls:
+            if call.target not in names:
+                problems.append(f"{spec.name} calls unknown service {call.target!r}")
+            if call.target == spec.name:
+                problems.append(f"{spec.name} calls itself")
+    return problems
+
+
+def declared_keys(spec: ServiceSpec) -> list[str]:
+    """The setting names (without prefix) this row says the service declares."""
+    keys = [
+        "GRPC_PORT",
+        "HTTP_PORT",
+        "AUTH_TOKEN",
+        "DATA_DIR",
+        "OBJECT_STORE_URL",
+        "KAFKA_BOOTSTRAP",
+        "LOG_JSON",
+    ]
+    for call in spec.calls:
+        stem = call.target.upper()
+        keys += [f"{stem}_TARGET" if call.kind == "grpc" else f"{stem}_URL", f"{stem}_TOKEN"]
+    if spec.temporal:
+        keys.append("TEMPORAL_TARGET")
+    keys += [k.upper() for k in spec.extra]
+    return keys
+
+
+def service_env(
+    spec: ServiceSpec,
+    table: Iterable[ServiceSpec],
+    tokens: Mapping[str, str],
+    root: Path,
+    infra: Infra = INFRA,
+) -> dict[str, str]:
+    """The ``FORGE_<NAME>_*`` variables for ``spec``: exactly :func:`declared_keys`, with values."""
+    by_name = {s.name: s for s in table}
+    var = root / "var"
+    values: dict[str, str] = {
+        "GRPC_PORT": str(spec.grpc_port),
+        "HTTP_PORT": str(spec.http_port),
+        "AUTH_TOKEN": tokens[spec.name],
+        "DATA_DIR": str(var / "data" / spec.name),
+        "OBJECT_STORE_URL": str(var / "objects"),
+        "KAFKA_BOOTSTRAP": infra.kafka_bootstrap,
+        "LOG_JSON": "true",
+    }
+    for call in spec.calls:
+        callee = by_name[call.target]
+        stem = call.target.upper()
+        if call.kind == "grpc":
+            values[f"{stem}_TARGET"] = callee.grpc_target
+        else:
+            values[f"{stem}_URL"] = callee.http_url
+        values[f"{stem}_TOKEN"] = tokens[call.target]
+    if spec.temporal:
+        values["TEMPORAL_TARGET"] = infra.temporal_target
+    for key, value in spec.extra.items():
+        values[key.upper()] = value.replace("{root}", str(root))
+    return {f"{spec.prefix}{key}": value for key, value in values.items()}
+
+
+def select(names: Iterable[str] | None, table: Iterable[ServiceSpec] = SERVICES) -> tuple[ServiceSpec, ...]:
+    """The rows named in ``names`` (all rows when ``None``), in table order; unknown names raise."""
+    rows = tuple(table)
+    if names is None:
+        return rows
+    wanted = {n.strip() for n in names if n.strip()}
+    unknown = wanted - {s.name for s in rows}
+    if unknown:
+        raise ValueError(f"unknown service(s): {', '.join(sorted(unknown))}")
+    return tuple(s for s in rows if s.name in wanted)

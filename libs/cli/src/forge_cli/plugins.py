@@ -1,0 +1,74 @@
+"""Subcommands contributed by service packages through the entry-point group ``forge.cli``.
+
+A service registers ``name = "forge_x.cli:app"`` (a ``typer.Typer``) and gets
+``forge <name> …``. The CLI never imports a service itself: a plugin is imported only when its
+command runs or ``--help`` lists it, and one that fails to import becomes a stub that explains why
+(exit code 1) instead of taking the whole ``forge`` command down with it.
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import EntryPoint, entry_points
+from typing import Any
+
+import typer
+from typer.core import TyperGroup
+
+# typer >= 0.20 vendors its own click: commands are whatever typer.main.get_command returns,
+# so plugins must be typer.Typer apps (a plain click command would not mix with them).
+Command = Any
+
+GROUP = "forge.cli"
+PANEL = "Service commands"
+
+
+def plugin_entry_points(group: str = GROUP) -> dict[str, EntryPoint]:
+    """Entry points by subcommand name; the first one wins if two packages claim a name."""
+    found: dict[str, EntryPoint] = {}
+    for ep in entry_points(group=group):
+        found.setdefault(ep.name, ep)
+    return found
+
+
+def _broken_command(name: str, ep: EntryPoint, exc: BaseException) -> Command:
+    message = f"cannot load {ep.value} ({ep.dist.name if ep.dist else 'unknown package'}): {exc!r}"
+    stub = typer.Typer(add_completion=False)
+
+    @stub.command(
+        name=name, help=f"(broken plugin) {message}", short_help=f"(broken plugin: {type(exc).__name__})"
+    )
+    def explain() -> None:
+        typer.echo(f"forge {name}: {message}", err=True)
+        raise typer.Exit(1)
+
+    return typer.main.get_command(stub)
+
+
+def load_plugin(name: str, ep: EntryPoint) -> Command:
+    """Import one plugin and turn it into a command named ``name``."""
+    try:
+        obj = ep.load()
+        if not isinstance(obj, typer.Typer):
+            raise TypeError(f"{ep.value} is a {type(obj).__name__}, not a typer.Typer")
+        command = typer.main.get_command(obj)
+    except Exception as exc:  # noqa: BLE001 - any import-time failure becomes a stub command
+        command = _broken_command(name, ep, exc)
+    command.name = name
+    setattr(command, "rich_help_panel", PANEL)  # noqa: B010 - listed apart from built-ins in `forge --help`
+    return command
+
+
+class PluginGroup(TyperGroup):
+    """The root ``forge`` group: built-in commands plus lazily loaded plugin commands."""
+
+    def list_commands(self, ctx: Any) -> list[str]:
+        builtin = super().list_commands(ctx)
+        plugins = sorted(n for n in plugin_entry_points() if n not in builtin)
+        return [*builtin, *plugins]
+
+    def get_command(self, ctx: Any, cmd_name: str) -> Command | None:
+        builtin = super().get_command(ctx, cmd_name)
+        if builtin is not None:
+            return builtin
+        ep = plugin_entry_points().get(cmd_name)
+        return load_plugin(cmd_name, ep) if ep is not None else None
