@@ -61,12 +61,19 @@ async def test_invalid_job_names_the_field(stub: scheduler_pb2_grpc.SchedulerSer
 
 async def test_submit_get_list_and_page(stub: scheduler_pb2_grpc.SchedulerServiceStub) -> None:
     await stub.CreateTeam(scheduler_pb2.CreateTeamRequest(name="research"))
-    ids = [(await stub.SubmitJob(scheduler_pb2.SubmitJobRequest(spec=make_job(f"j{i}").build()))).job.id for i in range(3)]
+    ids = [
+        (await stub.SubmitJob(scheduler_pb2.SubmitJobRequest(spec=make_job(f"j{i}").build()))).job.id
+        for i in range(3)
+    ]
     got = await stub.GetJob(scheduler_pb2.GetJobRequest(job_id=ids[0]))
     assert got.job.spec.name == "j0" and got.job.state == common_pb2.JOB_STATE_PENDING
-    page1 = await stub.ListJobs(scheduler_pb2.ListJobsRequest(team="research", page=common_pb2.PageRequest(page_size=2)))
+    page1 = await stub.ListJobs(
+        scheduler_pb2.ListJobsRequest(team="research", page=common_pb2.PageRequest(page_size=2))
+    )
     page2 = await stub.ListJobs(
-        scheduler_pb2.ListJobsRequest(team="research", page=common_pb2.PageRequest(page_size=2, page_token=page1.page.next_page_token))
+        scheduler_pb2.ListJobsRequest(
+            team="research", page=common_pb2.PageRequest(page_size=2, page_token=page1.page.next_page_token)
+        )
     )
     assert {j.id for j in [*page1.jobs, *page2.jobs]} == set(ids) and page2.page.next_page_token == ""
     with pytest.raises(grpc.aio.AioRpcError) as caught:
@@ -74,10 +81,14 @@ async def test_submit_get_list_and_page(stub: scheduler_pb2_grpc.SchedulerServic
     assert caught.value.code() == grpc.StatusCode.NOT_FOUND
 
 
-async def test_agent_session_registers_node_and_reports_job(stub: scheduler_pb2_grpc.SchedulerServiceStub) -> None:
+async def test_agent_session_registers_node_and_reports_job(
+    stub: scheduler_pb2_grpc.SchedulerServiceStub,
+) -> None:
     await stub.CreateTeam(scheduler_pb2.CreateTeamRequest(name="research"))
     job = (await stub.SubmitJob(scheduler_pb2.SubmitJobRequest(spec=make_job().build()))).job
-    register = scheduler_pb2.RegisterNode(node_name="node-a", gpus=[common_pb2.Gpu(index=0, type="H100", memory_mb=80_000)])
+    register = scheduler_pb2.RegisterNode(
+        node_name="node-a", gpus=[common_pb2.Gpu(index=0, type="H100", memory_mb=80_000)]
+    )
     call = stub.AgentSession()
     await call.write(scheduler_pb2.AgentSessionRequest(register_node=register))
     ack = await call.read()
@@ -85,10 +96,14 @@ async def test_agent_session_registers_node_and_reports_job(stub: scheduler_pb2_
     update = scheduler_pb2.JobStatusUpdate(job_id=job.id, state=common_pb2.JOB_STATE_RUNNING)
     await call.write(scheduler_pb2.AgentSessionRequest(job_status_update=update))
     for _ in range(50):
-        if (await stub.GetJob(scheduler_pb2.GetJobRequest(job_id=job.id))).job.state == common_pb2.JOB_STATE_RUNNING:
+        if (
+            await stub.GetJob(scheduler_pb2.GetJobRequest(job_id=job.id))
+        ).job.state == common_pb2.JOB_STATE_RUNNING:
             break
         await asyncio.sleep(0.05)
-    assert (await stub.GetJob(scheduler_pb2.GetJobRequest(job_id=job.id))).job.state == common_pb2.JOB_STATE_RUNNING
+    assert (
+        await stub.GetJob(scheduler_pb2.GetJobRequest(job_id=job.id))
+    ).job.state == common_pb2.JOB_STATE_RUNNING
     nodes = await stub.ListNodes(scheduler_pb2.ListNodesRequest())
     assert [(n.name, n.state) for n in nodes.nodes] == [("node-a", scheduler_pb2.NODE_STATE_READY)]
     await call.done_writing()

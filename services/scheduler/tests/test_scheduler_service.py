@@ -26,7 +26,11 @@ async def test_submit_queues_job_and_stages_event(service: SchedulerService, db:
         rows = (await session.scalars(sa.select(OutboxEvent))).all()
     assert len(rows) == 1
     event = events_pb2.JobStateChanged.FromString(rows[0].payload)
-    assert (event.job_id, event.state, event.labels["workflow_id"]) == (job.id, common_pb2.JOB_STATE_PENDING, "wf-1")
+    assert (event.job_id, event.state, event.labels["workflow_id"]) == (
+        job.id,
+        common_pb2.JOB_STATE_PENDING,
+        "wf-1",
+    )
     assert event.meta.producer == "scheduler" and event.meta.sequence == rows[0].sequence
 
 
@@ -35,7 +39,7 @@ async def test_submit_is_idempotent_on_request_id(service: SchedulerService) -> 
     first = await service.submit_job(make_job().build(), request_id="r-1")
     second = await service.submit_job(make_job().build(), request_id="r-1")
     assert first.id == second.id
-    jobs, total = await service.list_jobs("research", [], 10, 0)
+    _jobs, total = await service.list_jobs("research", [], 10, 0)
     assert total == 1
 
 
@@ -48,12 +52,14 @@ async def test_submit_is_idempotent_on_request_id(service: SchedulerService) -> 
         (make_job().gpus(8, gpu_type=""), "spec.resources.gpu_type"),
     ],
 )
-async def test_invalid_spec_names_the_field_and_writes_nothing(service: SchedulerService, db: Database, builder, field: str) -> None:  # type: ignore[no-untyped-def]
+async def test_invalid_spec_names_the_field_and_writes_nothing(
+    service: SchedulerService, db: Database, builder, field: str
+) -> None:  # type: ignore[no-untyped-def]
     await service.create_team("research", "", [])
     with pytest.raises(errors.ValidationError) as caught:
         await service.submit_job(builder.build())
     assert caught.value.field == field
-    jobs, total = await service.list_jobs("", [], 10, 0)
+    _jobs, total = await service.list_jobs("", [], 10, 0)
     assert total == 0
 
 
@@ -79,7 +85,9 @@ async def test_teams_and_quotas(service: SchedulerService) -> None:
     await service.create_team("research", "Research", [H100])
     with pytest.raises(errors.AlreadyExistsError):
         await service.create_team("research", "", [])
-    team = await service.set_quota("research", scheduler_pb2.Quota(gpu_type="H100", guaranteed_gpus=16, weight=2))
+    team = await service.set_quota(
+        "research", scheduler_pb2.Quota(gpu_type="H100", guaranteed_gpus=16, weight=2)
+    )
     assert [(q.gpu_type, q.guaranteed_gpus, q.weight) for q in team.quotas] == [("H100", 16, 2.0)]
     with pytest.raises(errors.NotFoundError):
         await service.set_quota("nobody", H100)
@@ -89,12 +97,18 @@ async def test_agent_reports_move_job_and_queue_stats(service: SchedulerService)
     await service.create_team("research", "", [])
     job = await service.submit_job(make_job().gpus(4).replicas(2).build())
     await service.register_node(scheduler_pb2.RegisterNode(node_name="node-a"))
-    await service.update_job_status("node-a", scheduler_pb2.JobStatusUpdate(job_id=job.id, state=common_pb2.JOB_STATE_RUNNING))
+    await service.update_job_status(
+        "node-a", scheduler_pb2.JobStatusUpdate(job_id=job.id, state=common_pb2.JOB_STATE_RUNNING)
+    )
     [stats] = await service.queue_stats("research")
     assert (stats.pending_jobs, stats.running_jobs, stats.gpus_in_use) == (0, 1, 8)
-    done = await service.update_job_status("node-a", scheduler_pb2.JobStatusUpdate(job_id=job.id, state=common_pb2.JOB_STATE_SUCCEEDED))
+    done = await service.update_job_status(
+        "node-a", scheduler_pb2.JobStatusUpdate(job_id=job.id, state=common_pb2.JOB_STATE_SUCCEEDED)
+    )
     assert done is not None and done.finished_at is not None
-    late = await service.update_job_status("node-a", scheduler_pb2.JobStatusUpdate(job_id=job.id, state=common_pb2.JOB_STATE_FAILED))
+    late = await service.update_job_status(
+        "node-a", scheduler_pb2.JobStatusUpdate(job_id=job.id, state=common_pb2.JOB_STATE_FAILED)
+    )
     assert late is None
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-from collections.abc import Coroutine, Mapping
+from collections.abc import Coroutine, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -67,7 +67,7 @@ def show_record(data: Mapping[str, Any], as_json: bool) -> None:
     console.print(table)
 
 
-def show_rows(rows: list[Mapping[str, Any]], columns: list[str], as_json: bool, title: str = "") -> None:
+def show_rows(rows: Sequence[Mapping[str, Any]], columns: list[str], as_json: bool, title: str = "") -> None:
     """Records as a table with ``columns``, or as a JSON list."""
     if as_json:
         typer.echo(json.dumps(rows, indent=2, sort_keys=True, default=str))

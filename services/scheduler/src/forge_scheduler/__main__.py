@@ -24,7 +24,9 @@ async def main() -> None:
         on_commit=relay.wake if relay else lambda: None,
         watch_queue_size=settings.watch_queue_size,
     )
-    api = SchedulerApi(service, heartbeat_interval_s=settings.heartbeat_interval_s, max_page_size=settings.max_page_size)
+    api = SchedulerApi(
+        service, heartbeat_interval_s=settings.heartbeat_interval_s, max_page_size=settings.max_page_size
+    )
     await app.run(
         register=[lambda server: scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(api, server)],
         service_names=[scheduler_pb2.DESCRIPTOR.services_by_name["SchedulerService"].full_name],

@@ -10,6 +10,7 @@ from __future__ import annotations
 import uuid
 from typing import Annotated, Any
 
+import grpc
 import typer
 from forge.common.v1 import common_pb2
 from forge.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
@@ -25,14 +26,15 @@ TargetOption = Annotated[
     str, typer.Option("--target", envvar="FORGE_CLI_SCHEDULER_TARGET", help="Scheduler gRPC host:port.")
 ]
 TokenOption = Annotated[
-    str, typer.Option("--token", envvar="FORGE_CLI_SCHEDULER_TOKEN", help="Scheduler token.", show_default=False)
+    str,
+    typer.Option("--token", envvar="FORGE_CLI_SCHEDULER_TOKEN", help="Scheduler token.", show_default=False),
 ]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
 
 
-def _stub(target: str, token: str) -> tuple[Any, scheduler_pb2_grpc.SchedulerServiceStub]:
+def _stub(target: str, token: str) -> tuple[grpc.aio.Channel, scheduler_pb2_grpc.SchedulerServiceAsyncStub]:
     channel = make_channel(target, token=clitools.resolve_token("scheduler", token))
-    return channel, scheduler_pb2_grpc.SchedulerServiceStub(channel)
+    return channel, scheduler_pb2_grpc.SchedulerServiceAsyncStub(channel)
 
 
 def _job_row(job: scheduler_pb2.Job) -> dict[str, Any]:
@@ -52,7 +54,9 @@ def submit(
     name: Annotated[str, typer.Argument(help="Job name (lowercase letters, digits, '-').")],
     command: Annotated[list[str], typer.Argument(help="Command line to run.")],
     team: Annotated[str, typer.Option("--team", help="Owning team.")] = "default",
-    priority: Annotated[str, typer.Option("--priority", help="production, high, normal or preemptible.")] = "normal",
+    priority: Annotated[
+        str, typer.Option("--priority", help="production, high, normal or preemptible.")
+    ] = "normal",
     gpus: Annotated[int, typer.Option("--gpus", help="GPUs per replica.")] = 0,
     gpu_type: Annotated[str, typer.Option("--gpu-type", help="GPU type, e.g. H100.")] = "",
     replicas: Annotated[int, typer.Option("--replicas", help="Gang size.")] = 1,
@@ -168,7 +172,9 @@ def stats(
     async def go() -> list[scheduler_pb2.TeamQueueStats]:
         channel, stub = _stub(target, token)
         async with channel:
-            reply = await stub.GetQueueStats(scheduler_pb2.GetQueueStatsRequest(team=team), timeout=RPC_TIMEOUT_S)
+            reply = await stub.GetQueueStats(
+                scheduler_pb2.GetQueueStatsRequest(team=team), timeout=RPC_TIMEOUT_S
+            )
             return list(reply.teams)
 
     rows = [
@@ -197,4 +203,6 @@ def parse_quota(text: str) -> scheduler_pb2.Quota:
         weight = float(parts[2]) if len(parts) > 2 else 1.0
     except ValueError:
         raise typer.BadParameter(f"{text!r} has a non-numeric part", param_hint="--quota") from None
-    return scheduler_pb2.Quota(gpu_type=gpu_type, guaranteed_gpus=guaranteed, borrow_limit=borrow, weight=weight)
+    return scheduler_pb2.Quota(
+        gpu_type=gpu_type, guaranteed_gpus=guaranteed, borrow_limit=borrow, weight=weight
+    )

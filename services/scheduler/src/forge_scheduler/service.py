@@ -26,10 +26,12 @@ from forge_kit.events import stage_event
 from forge_scheduler.store import JobRow, NodeRow, QuotaRow, TeamRow, utcnow
 
 JobState = common_pb2.JobState
-PENDING, SCHEDULED, RUNNING = JobState.JOB_STATE_PENDING, JobState.JOB_STATE_SCHEDULED, JobState.JOB_STATE_RUNNING
-TERMINAL = frozenset(
-    {JobState.JOB_STATE_SUCCEEDED, JobState.JOB_STATE_FAILED, JobState.JOB_STATE_CANCELLED}
+PENDING, SCHEDULED, RUNNING = (
+    JobState.JOB_STATE_PENDING,
+    JobState.JOB_STATE_SCHEDULED,
+    JobState.JOB_STATE_RUNNING,
 )
+TERMINAL = frozenset({JobState.JOB_STATE_SUCCEEDED, JobState.JOB_STATE_FAILED, JobState.JOB_STATE_CANCELLED})
 ACTIVE = frozenset({SCHEDULED, RUNNING})
 PRIORITY_CLASSES = ("production", "high", "normal", "preemptible")
 _NAME = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
@@ -72,7 +74,9 @@ def validate_name(field_name: str, value: str) -> None:
     if not value:
         raise errors.ValidationError(field_name, "must not be empty")
     if not _NAME.match(value):
-        raise errors.ValidationError(field_name, "must be lowercase letters, digits and '-', at most 63 characters")
+        raise errors.ValidationError(
+            field_name, "must be lowercase letters, digits and '-', at most 63 characters"
+        )
 
 
 def validate_spec(spec: scheduler_pb2.JobSpec) -> None:
@@ -112,7 +116,9 @@ class SchedulerService:
 
     # --- teams -------------------------------------------------------------------------------
 
-    async def create_team(self, name: str, display_name: str, quotas: Iterable[scheduler_pb2.Quota]) -> TeamView:
+    async def create_team(
+        self, name: str, display_name: str, quotas: Iterable[scheduler_pb2.Quota]
+    ) -> TeamView:
         validate_name("name", name)
         quotas = list(quotas)
         for i, quota in enumerate(quotas):
@@ -133,7 +139,11 @@ class SchedulerService:
     async def list_teams(self, page_size: int, offset: int) -> tuple[list[TeamView], int]:
         async with self._db.session() as session:
             total = int(await session.scalar(sa.select(sa.func.count()).select_from(TeamRow)) or 0)
-            names = (await session.scalars(sa.select(TeamRow.name).order_by(TeamRow.name).offset(offset).limit(page_size))).all()
+            names = (
+                await session.scalars(
+                    sa.select(TeamRow.name).order_by(TeamRow.name).offset(offset).limit(page_size)
+                )
+            ).all()
             return [await _team_view(session, n) for n in names], total
 
     async def set_quota(self, team: str, quota: scheduler_pb2.Quota) -> TeamView:
@@ -187,7 +197,9 @@ class SchedulerService:
         async with self._db.session() as session:
             return await _job(session, job_id)
 
-    async def list_jobs(self, team: str, states: Iterable[int], page_size: int, offset: int) -> tuple[list[JobRow], int]:
+    async def list_jobs(
+        self, team: str, states: Iterable[int], page_size: int, offset: int
+    ) -> tuple[list[JobRow], int]:
         query = sa.select(JobRow)
         if team:
             query = query.where(JobRow.team == team)
@@ -197,7 +209,9 @@ class SchedulerService:
         async with self._db.session() as session:
             total = int(await session.scalar(sa.select(sa.func.count()).select_from(query.subquery())) or 0)
             rows = (
-                await session.scalars(query.order_by(JobRow.created_at.desc(), JobRow.id).offset(offset).limit(page_size))
+                await session.scalars(
+                    query.order_by(JobRow.created_at.desc(), JobRow.id).offset(offset).limit(page_size)
+                )
             ).all()
         return list(rows), total
 
@@ -234,7 +248,11 @@ class SchedulerService:
 
     async def queue_stats(self, team: str = "") -> list[QueueStats]:
         async with self._db.session() as session:
-            teams = [team] if team else list((await session.scalars(sa.select(TeamRow.name).order_by(TeamRow.name))).all())
+            teams = (
+                [team]
+                if team
+                else list((await session.scalars(sa.select(TeamRow.name).order_by(TeamRow.name))).all())
+            )
             stats = []
             for name in teams:
                 rows = (await session.scalars(sa.select(JobRow).where(JobRow.team == name))).all()
@@ -293,7 +311,11 @@ class SchedulerService:
     async def list_nodes(self, page_size: int, offset: int) -> tuple[list[NodeRow], int]:
         async with self._db.session() as session:
             total = int(await session.scalar(sa.select(sa.func.count()).select_from(NodeRow)) or 0)
-            rows = (await session.scalars(sa.select(NodeRow).order_by(NodeRow.name).offset(offset).limit(page_size))).all()
+            rows = (
+                await session.scalars(
+                    sa.select(NodeRow).order_by(NodeRow.name).offset(offset).limit(page_size)
+                )
+            ).all()
         return list(rows), total
 
     # --- watches -----------------------------------------------------------------------------
@@ -314,10 +336,10 @@ class SchedulerService:
                     for job in (await session.scalars(query.order_by(JobRow.created_at))).all():
                         yield job
             while True:
-                job = await watcher.queue.get()
-                if job is None:
+                update = await watcher.queue.get()
+                if update is None:
                     raise errors.OverloadedError("watch stream fell behind; reconnect with send_initial")
-                yield job
+                yield update
         finally:
             self._watchers.remove(watcher)
 
@@ -369,8 +391,12 @@ async def _team_view(session: AsyncSession, name: str) -> TeamView:
     team = await session.get(TeamRow, name)
     if team is None:
         raise errors.NotFoundError(f"team {name!r} not found")
-    quotas = (await session.scalars(sa.select(QuotaRow).where(QuotaRow.team == name).order_by(QuotaRow.gpu_type))).all()
-    return TeamView(name=team.name, display_name=team.display_name, created_at=team.created_at, quotas=tuple(quotas))
+    quotas = (
+        await session.scalars(sa.select(QuotaRow).where(QuotaRow.team == name).order_by(QuotaRow.gpu_type))
+    ).all()
+    return TeamView(
+        name=team.name, display_name=team.display_name, created_at=team.created_at, quotas=tuple(quotas)
+    )
 
 
 async def _job(session: AsyncSession, job_id: str) -> JobRow:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.orm import Mapped, mapped_column
@@ -66,7 +67,7 @@ class NodeRow(Base):
 
     node_id: Mapped[str] = mapped_column(sa.String(40), primary_key=True)
     name: Mapped[str] = mapped_column(sa.String(255), unique=True)
-    gpus: Mapped[list[dict[str, object]]] = mapped_column(sa.JSON, default=list)
+    gpus: Mapped[list[dict[str, Any]]] = mapped_column(sa.JSON, default=list)
     node_group: Mapped[str] = mapped_column(sa.String(255), default="")
     rack: Mapped[str] = mapped_column(sa.String(255), default="")
     nvlink_domain: Mapped[str] = mapped_column(sa.String(255), default="")
