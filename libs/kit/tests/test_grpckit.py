@@ -246,7 +246,7 @@ async def test_deadline_propagates_to_downstream_calls() -> None:
     # gRPC rounds a timeout up when it encodes it on the wire (by up to 100 ms for long ones).
     scores = {r.id: r.score for r in reply.results}
     assert 0.0 < scores["downstream"] <= scores["upstream"] + 0.02
-    assert scores["upstream"] <= 1.0
+    assert scores["upstream"] <= 1.1
     # Without a caller deadline the upstream default (30 s) still bounds the downstream call;
     # without propagation the downstream would see no deadline at all (-1).
     scores = {r.id: r.score for r in no_deadline.results}

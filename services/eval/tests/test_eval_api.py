@@ -80,6 +80,8 @@ async def server(eval_service: EvalService) -> AsyncIterator[GrpcServer]:
     yield started
     await started.stop(0)
     worker.cancel()
+    # Wait for the worker to unwind before the database fixture disposes of its engine.
+    await asyncio.gather(worker, return_exceptions=True)
 
 
 @pytest.fixture

@@ -284,6 +284,7 @@ async def test_worker_recovers_runs_left_running(service: EvalService, runner: A
             break
         await asyncio.sleep(0.01)
     worker.cancel()
+    await asyncio.gather(worker, return_exceptions=True)
     assert (await service.get_run(run.id))[0].status == eval_pb2.RUN_STATUS_SUCCEEDED
 
 

@@ -145,19 +145,20 @@ def test_promotion_event_updates_the_alias_of_a_running_gateway(
         with httpx.Client(base_url=gateway.http_url, timeout=5) as client:
             assert client.get("/admin/v1/aliases").status_code == 401
             deadline = time.monotonic() + 30
-            aliases: list[dict[str, object]] = []
+            # The broker is shared by the whole test session, so other tests' promotions (other
+            # stages) may arrive too: wait for, and check, what this event must have done.
+            aliases: dict[str, object] = {}
             while time.monotonic() < deadline:
-                aliases = client.get("/admin/v1/aliases", headers=admin).json()["aliases"]
-                if aliases:
+                listed = client.get("/admin/v1/aliases", headers=admin).json()["aliases"]
+                aliases = {a["alias"]: a["model"] for a in listed}
+                if "production" in aliases:
                     break
                 time.sleep(0.2)
-            assert {a["alias"]: a["model"] for a in aliases} == {
-                "forge-chat": {"name": "tiny", "version": ""},
-                "production": {"name": "tiny", "version": ""},
-            }
+            assert aliases["forge-chat"] == {"name": "tiny", "version": ""}
+            assert aliases["production"] == {"name": "tiny", "version": ""}
             tenant = {"Authorization": f"Bearer {TENANT_KEY}"}
             models = client.get("/v1/models", headers=tenant).json()["data"]
-            assert {m["id"] for m in models} == {"tiny", "forge-chat", "production"}
+            assert {m["id"] for m in models} >= {"tiny", "forge-chat", "production"}
             reply = client.post(
                 CHAT,
                 headers=tenant,

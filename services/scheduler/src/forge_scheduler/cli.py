@@ -34,7 +34,7 @@ JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON instead of 
 
 def _stub(target: str, token: str) -> tuple[grpc.aio.Channel, scheduler_pb2_grpc.SchedulerServiceAsyncStub]:
     channel = make_channel(target, token=clitools.resolve_token("scheduler", token))
-    return channel, scheduler_pb2_grpc.SchedulerServiceAsyncStub(channel)
+    return channel, scheduler_pb2_grpc.SchedulerServiceStub(channel)
 
 
 def _job_row(job: scheduler_pb2.Job) -> dict[str, Any]:
