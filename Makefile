@@ -68,10 +68,7 @@ verify: install
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy libs/kit/src libs/cli/src $(SERVICE_SRC)
 	npx --no-install buf lint protos
-	PYTHON=$(PY) scripts/gen_protos.sh
-	git diff --exit-code -- libs/protos
-	@untracked="$$(git status --porcelain -- libs/protos)"; \
-	  if [ -n "$$untracked" ]; then echo "stale or untracked generated stubs:"; echo "$$untracked"; exit 1; fi
+	PYTHON=$(PY) scripts/check_stubs.sh
 	$(VENV)/bin/lint-imports
 	@echo "verify: all checks passed"
 

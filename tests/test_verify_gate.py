@@ -1,0 +1,72 @@
+"""`make verify` must fail on the two mistakes it exists to catch: a stale generated stub and a
+service importing another service. Each check runs the real gate on a scratch copy."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
+
+
+def _git(cwd: Path, *args: str) -> None:
+    subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True)
+
+
+def _stub_repo(tmp_path: Path) -> Path:
+    """A git repo holding protos/, the scripts and the committed stubs, as in the real tree."""
+    repo = tmp_path / "repo"
+    shutil.copytree(ROOT / "protos", repo / "protos")
+    shutil.copytree(ROOT / "scripts", repo / "scripts")
+    shutil.copytree(ROOT / "libs" / "protos" / "src", repo / "libs" / "protos" / "src")
+    _git(repo, "init", "-q")
+    _git(repo, "add", "-A")
+    _git(repo, "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "base")
+    return repo
+
+
+def _check_stubs(repo: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHON": sys.executable}
+    return subprocess.run(
+        ["bash", "scripts/check_stubs.sh"], cwd=repo, env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_stub_gate_passes_on_committed_stubs_and_fails_on_a_stale_one(tmp_path: Path) -> None:
+    repo = _stub_repo(tmp_path)
+    assert _check_stubs(repo).returncode == 0
+
+    proto = repo / "protos" / "forge" / "rerank" / "v1" / "rerank.proto"
+    text = proto.read_text()
+    marker = "message RerankRequest {"
+    assert marker in text
+    proto.write_text(
+        text.replace(marker, marker + "\n  // Added without regenerating.\n  string extra_field = 99;")
+    )
+    _git(repo, "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qam", "edit proto only")
+    result = _check_stubs(repo)
+    assert result.returncode != 0
+    assert "differ from the committed ones" in result.stderr
+
+
+def test_import_gate_fails_when_a_service_imports_another(tmp_path: Path) -> None:
+    # Shadow the installed scheduler package with a copy that imports the eval service.
+    shadow = tmp_path / "shadow"
+    shutil.copytree(
+        ROOT / "services" / "scheduler" / "src" / "forge_scheduler",
+        shadow / "forge_scheduler",
+        ignore=shutil.ignore_patterns("__pycache__"),
+    )
+    (shadow / "forge_scheduler" / "leak.py").write_text("from forge_eval import service  # noqa: F401\n")
+    env = {**os.environ, "PYTHONPATH": str(shadow)}
+    clean = subprocess.run([str(LINT_IMPORTS)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert clean.returncode == 0, clean.stdout
+    broken = subprocess.run(
+        [str(LINT_IMPORTS)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert broken.returncode != 0
+    assert "forge_scheduler.leak -> forge_eval" in broken.stdout
