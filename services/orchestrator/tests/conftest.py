@@ -103,6 +103,7 @@ def _spawn(
             "FORGE_ORCHESTRATOR_TEMPORAL_TARGET": temporal.target,
             "FORGE_ORCHESTRATOR_TASK_QUEUE": f"forge-orchestrator-{suffix}",
             "FORGE_ORCHESTRATOR_CONSUMER_GROUP": f"orchestrator-{suffix}",
+            "FORGE_ORCHESTRATOR_CONSUMER_SESSION_TIMEOUT_MS": "3000",
             "FORGE_ORCHESTRATOR_SCHEDULER_TARGET": scheduler.grpc_target,
             "FORGE_ORCHESTRATOR_SCHEDULER_TOKEN": SCHEDULER_TOKEN,
         }

@@ -41,6 +41,7 @@ async def main() -> None:
             group_id=settings.consumer_group,
             topics=[TOPICS[events_pb2.JobStateChanged.DESCRIPTOR.full_name]],
             handler=JobEventRouter(TemporalSignaller(client)).handle,
+            session_timeout_ms=settings.consumer_session_timeout_ms,
         )
         app.add_background(consumer.run)
         app.add_on_stop(consumer.stop)

@@ -35,6 +35,10 @@ class OrchestratorSettings(ServiceSettings):
     consumer_group: str = "orchestrator"
     """Kafka consumer group of the job-event consumer."""
 
+    consumer_session_timeout_ms: int = Field(default=10_000, ge=1_000)
+    """Kafka group session timeout: how long a dead consumer holds its partitions (and how long
+    every group join waits on the local broker)."""
+
     scheduler_target: str = "127.0.0.1:50051"
     """host:port of the scheduler's gRPC server (activities submit and cancel jobs there)."""
 
