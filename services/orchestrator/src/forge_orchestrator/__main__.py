@@ -15,7 +15,10 @@ from forge_kit.http import make_app
 from forge_orchestrator.activities import SchedulerActivities
 from forge_orchestrator.api import OrchestratorApi
 from forge_orchestrator.config import OrchestratorSettings
+from forge_orchestrator.eval_activities import EvalActivities
 from forge_orchestrator.service import (
+    CheckpointRouter,
+    EventRouters,
     JobEventRouter,
     OrchestratorService,
     TemporalSignaller,
@@ -32,15 +35,27 @@ async def main() -> None:
         settings.temporal_target, settings.temporal_namespace, timeout_s=settings.temporal_connect_timeout_s
     )
     activities = SchedulerActivities(settings.scheduler_target, settings.scheduler_token.get_secret_value())
-    app.add_background(build_worker(client, settings.task_queue, activities).run)
+    eval_activities = EvalActivities(settings.eval_target, settings.eval_token.get_secret_value())
+    app.add_background(build_worker(client, settings.task_queue, activities, eval_activities).run)
     app.add_on_stop(activities.close)
+    app.add_on_stop(eval_activities.close)
+    workflows = OrchestratorService(client, settings.task_queue)
     if settings.kafka_enabled:
+        routers = EventRouters(
+            job_events=JobEventRouter(TemporalSignaller(client)),
+            checkpoints=CheckpointRouter(
+                workflows, suite=settings.release_suite, limit=settings.release_limit
+            ),
+        )
         consumer = EventConsumer(
             db,
             bootstrap=settings.kafka_bootstrap,
             group_id=settings.consumer_group,
-            topics=[TOPICS[events_pb2.JobStateChanged.DESCRIPTOR.full_name]],
-            handler=JobEventRouter(TemporalSignaller(client)).handle,
+            topics=[
+                TOPICS[events_pb2.JobStateChanged.DESCRIPTOR.full_name],
+                TOPICS[events_pb2.CheckpointPublished.DESCRIPTOR.full_name],
+            ],
+            handler=routers.handle,
             session_timeout_ms=settings.consumer_session_timeout_ms,
         )
         app.add_background(consumer.run)
@@ -49,7 +64,7 @@ async def main() -> None:
     async def temporal_ready() -> bool:
         return await client.service_client.check_health(timeout=timedelta(seconds=2))
 
-    api = OrchestratorApi(OrchestratorService(client, settings.task_queue))
+    api = OrchestratorApi(workflows)
     await app.run(
         register=[
             lambda server: orchestrator_pb2_grpc.add_OrchestratorServiceServicer_to_server(api, server)

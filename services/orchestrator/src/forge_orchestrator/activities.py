@@ -55,7 +55,8 @@ class CancelJobInput:
     reason: str
 
 
-def _failed(call: str, exc: grpc.aio.AioRpcError) -> ApplicationError:
+def failed(call: str, exc: grpc.aio.AioRpcError) -> ApplicationError:
+    """An ApplicationError naming the call and status; non-retryable when retrying cannot help."""
     code = exc.code()
     return ApplicationError(
         f"{call}: {code.name}: {exc.details()}", type=code.name, non_retryable=code in PERMANENT
@@ -92,7 +93,7 @@ class SchedulerActivities:
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.ALREADY_EXISTS:
                 return False
-            raise _failed("CreateTeam", exc) from exc
+            raise failed("CreateTeam", exc) from exc
         return True
 
     @activity.defn(name="submit_job")
@@ -109,7 +110,7 @@ class SchedulerActivities:
         try:
             reply = await self._stub().SubmitJob(request, timeout=self._rpc_timeout_s)
         except grpc.aio.AioRpcError as exc:
-            raise _failed("SubmitJob", exc) from exc
+            raise failed("SubmitJob", exc) from exc
         activity.logger.info("submitted job %s (%s)", reply.job.id, params.name)
         return str(reply.job.id)
 
@@ -120,5 +121,5 @@ class SchedulerActivities:
         try:
             reply = await self._stub().CancelJob(request, timeout=self._rpc_timeout_s)
         except grpc.aio.AioRpcError as exc:
-            raise _failed("CancelJob", exc) from exc
+            raise failed("CancelJob", exc) from exc
         return state_name(reply.job.state)

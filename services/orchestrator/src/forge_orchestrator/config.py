@@ -35,6 +35,12 @@ class OrchestratorSettings(ServiceSettings):
     consumer_group: str = "orchestrator"
     """Kafka consumer group of the job-event consumer."""
 
+    release_suite: str = "gsm8k"
+    """Suite the eval-and-promote workflow runs for each published checkpoint."""
+
+    release_limit: int = Field(default=50, ge=0)
+    """Examples of the release suite scored per model (0: all)."""
+
     consumer_session_timeout_ms: int = Field(default=10_000, ge=1_000)
     """Kafka group session timeout: how long a dead consumer holds its partitions (and how long
     every group join waits on the local broker)."""

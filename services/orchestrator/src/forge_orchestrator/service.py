@@ -31,8 +31,17 @@ from temporalio.worker import Worker
 
 from forge_kit import errors
 from forge_orchestrator.activities import SchedulerActivities, state_name
+from forge_orchestrator.eval_activities import EvalActivities
 from forge_orchestrator.store import JobEventRow, utcnow
-from forge_orchestrator.workflows import JOB_EVENT_SIGNAL, PROGRESS_QUERY, JobEvent, SmokeInput, SmokeWorkflow
+from forge_orchestrator.workflows import (
+    JOB_EVENT_SIGNAL,
+    PROGRESS_QUERY,
+    EvalAndPromoteInput,
+    EvalAndPromoteWorkflow,
+    JobEvent,
+    SmokeInput,
+    SmokeWorkflow,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -48,6 +57,27 @@ def validate_smoke(params: SmokeInput) -> None:
         raise errors.ValidationError("input.hold_s", "must be between 0 and 3600")
 
 
+_MODEL_PART = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def validate_eval_and_promote(params: EvalAndPromoteInput) -> None:
+    for name in ("model_name", "model_version"):
+        if not _MODEL_PART.match(getattr(params, name)):
+            raise errors.ValidationError(f"input.{name}", "must be 1-128 letters, digits, '.', '_' or '-'")
+    if not params.uri:
+        raise errors.ValidationError("input.uri", "must not be empty")
+    if not params.suite:
+        raise errors.ValidationError("input.suite", "must not be empty")
+    if not 0 <= params.limit <= 100_000:
+        raise errors.ValidationError("input.limit", "must be between 0 and 100000")
+    if not 0 <= params.canary_percent <= 100:
+        raise errors.ValidationError("input.canary_percent", "must be between 0 and 100")
+    if not 0.1 <= params.poll_s <= 600:
+        raise errors.ValidationError("input.poll_s", "must be between 0.1 and 600")
+    if not 1 <= params.run_timeout_s <= 7 * 86400:
+        raise errors.ValidationError("input.run_timeout_s", "must be between 1 and 604800")
+
+
 @dataclass(frozen=True)
 class WorkflowKind:
     """A workflow the API can start: its Temporal type name, input dataclass and input check."""
@@ -60,6 +90,9 @@ class WorkflowKind:
 
 KINDS: dict[str, WorkflowKind] = {
     "smoke": WorkflowKind("smoke", SmokeWorkflow, SmokeInput, validate_smoke),
+    "eval_and_promote": WorkflowKind(
+        "eval_and_promote", EvalAndPromoteWorkflow, EvalAndPromoteInput, validate_eval_and_promote
+    ),
 }
 
 #: Every workflow class the worker runs.
@@ -341,12 +374,71 @@ async def connect_temporal(target: str, namespace: str, *, timeout_s: float) -> 
 
 
 def build_worker(
-    client: Client, task_queue: str, activities: SchedulerActivities, workflows: Sequence[type] = WORKFLOWS
+    client: Client,
+    task_queue: str,
+    activities: SchedulerActivities,
+    eval_activities: EvalActivities | None = None,
+    workflows: Sequence[type] = WORKFLOWS,
 ) -> Worker:
     """The Temporal worker of this process: every workflow of :data:`KINDS` and their activities."""
-    return Worker(
-        client,
-        task_queue=task_queue,
-        workflows=list(workflows),
-        activities=[activities.ensure_team, activities.submit_job, activities.cancel_job],
-    )
+    methods: list[Callable[..., Any]] = [activities.ensure_team, activities.submit_job, activities.cancel_job]
+    if eval_activities is not None:
+        methods += [
+            eval_activities.register_model,
+            eval_activities.current_model,
+            eval_activities.run_suite,
+            eval_activities.get_run,
+            eval_activities.compare_runs,
+            eval_activities.promote_model,
+        ]
+    return Worker(client, task_queue=task_queue, workflows=list(workflows), activities=methods)
+
+
+class WorkflowStarter(Protocol):
+    """Starts a workflow by type (the :class:`OrchestratorService`); used by event routers."""
+
+    async def start_workflow(
+        self, workflow_type: str, data: Mapping[str, object], workflow_id: str = ""
+    ) -> tuple[str, str]:
+        """Start it (idempotent on ``workflow_id``); returns (workflow id, run id)."""
+
+
+class CheckpointRouter:
+    """Consumer handler for ``CheckpointPublished``: each published checkpoint starts one
+    eval-and-promote workflow, whose id is derived from the checkpoint so a redelivered event
+    finds the workflow already there instead of evaluating twice."""
+
+    def __init__(self, starter: WorkflowStarter, *, suite: str, limit: int) -> None:
+        self._starter = starter
+        self._suite = suite
+        self._limit = limit
+
+    async def handle(self, event: Message, session: AsyncSession) -> None:
+        if not isinstance(event, events_pb2.CheckpointPublished) or not event.uri:
+            return
+        name = event.run_id or event.job_id
+        version = f"step-{event.step}"
+        workflow_id = f"eval-{name}-{version}"[:80]
+        data: dict[str, object] = {
+            "model_name": name,
+            "model_version": version,
+            "uri": event.uri,
+            "suite": self._suite,
+            "limit": self._limit,
+        }
+        started, _ = await self._starter.start_workflow("eval_and_promote", data, workflow_id)
+        log.info("checkpoint.eval_started", workflow_id=started, model=f"{name}:{version}", uri=event.uri)
+
+
+@dataclass(frozen=True)
+class EventRouters:
+    """One consumer, several topics: each event goes to the router of its type."""
+
+    job_events: JobEventRouter
+    checkpoints: CheckpointRouter
+
+    async def handle(self, event: Message, session: AsyncSession) -> None:
+        if isinstance(event, events_pb2.JobStateChanged):
+            await self.job_events.handle(event, session)
+        elif isinstance(event, events_pb2.CheckpointPublished):
+            await self.checkpoints.handle(event, session)

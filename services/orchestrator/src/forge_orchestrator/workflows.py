@@ -10,8 +10,10 @@ workflow applies an event id once.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
@@ -19,6 +21,15 @@ from temporalio.exceptions import ApplicationError
 
 with workflow.unsafe.imports_passed_through():
     from forge_orchestrator.activities import CancelJobInput, SchedulerActivities, SubmitJobInput
+    from forge_orchestrator.eval_activities import (
+        Comparison,
+        EvalActivities,
+        ModelId,
+        PromoteInput,
+        RegisterInput,
+        RunInput,
+        RunState,
+    )
 
 #: Name of the signal carrying a job's state change.
 JOB_EVENT_SIGNAL = "job_event"
@@ -164,3 +175,149 @@ class SmokeWorkflow:
             start_to_close_timeout=ACTIVITY_TIMEOUT,
             retry_policy=ACTIVITY_RETRY,
         )
+
+
+EVAL_ACTIVITY_TIMEOUT = timedelta(seconds=60)
+
+
+@dataclass
+class EvalAndPromoteInput:
+    """A candidate checkpoint to evaluate and, if it holds up against production, promote."""
+
+    model_name: str
+    model_version: str
+    uri: str
+    """Where the checkpoint lives (object store URL of the exported Hugging Face folder)."""
+    suite: str = "gsm8k"
+    limit: int = 50
+    """Examples of the suite to score (0: all); both models are scored on the same ones."""
+    seed: int = 0
+    endpoint: str = ""
+    """OpenAI-compatible endpoint serving both models; empty: eval's default (the gateway)."""
+    canary_percent: int = 10
+    poll_s: float = 2.0
+    run_timeout_s: float = 3600.0
+
+
+@dataclass
+class EvalAndPromoteResult:
+    candidate_run_id: str
+    baseline_run_id: str = ""
+    baseline: str = ""
+    """The production model it was compared with, ``name:version``; empty for the first model."""
+    verdict: str = ""
+    promoted_to: list[str] = field(default_factory=list)
+    blocked_reason: str = ""
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@workflow.defn(name="eval_and_promote")
+class EvalAndPromoteWorkflow:
+    """Evaluate a candidate and promote it through canary to production unless it regresses.
+
+    1. register the candidate in eval's registry (idempotent);
+    2. look up the production model; run the suite on the candidate and, when production exists,
+       on production too, with the same spec (suite, limit, seed);
+    3. wait for the runs (durable timers between polls); a failed run fails the workflow;
+    4. compare with production: WORSE blocks the release and returns the reason; otherwise
+    5. promote to ``canary`` (with its traffic share), then to ``production``, each through eval's
+       gate (``require_gate``), which publishes ``ModelPromoted`` for the gateway.
+    """
+
+    def __init__(self) -> None:
+        self._step = "starting"
+        self._runs: dict[str, str] = {}
+
+    @workflow.query(name=PROGRESS_QUERY)
+    def progress(self) -> dict[str, object]:
+        return {"step": self._step, "runs": dict(self._runs)}
+
+    async def _call(self, method: Callable[..., Awaitable[Any]], *args: object) -> Any:
+        return await workflow.execute_activity_method(
+            method,
+            args=list(args),
+            start_to_close_timeout=EVAL_ACTIVITY_TIMEOUT,
+            retry_policy=ACTIVITY_RETRY,
+        )
+
+    async def _wait_run(self, run_id: str, params: EvalAndPromoteInput) -> RunState:
+        deadline = workflow.now() + timedelta(seconds=params.run_timeout_s)
+        while True:
+            state: RunState = await self._call(EvalActivities.get_run, run_id)
+            self._runs[run_id] = state.status
+            if state.finished:
+                if state.status != "SUCCEEDED":
+                    raise ApplicationError(
+                        f"eval run {run_id} {state.status}: {state.error}",
+                        type="EvalRunFailed",
+                        non_retryable=True,
+                    )
+                return state
+            if workflow.now() >= deadline:
+                raise ApplicationError(
+                    f"eval run {run_id} not finished within {params.run_timeout_s:g}s",
+                    type="EvalRunTimeout",
+                    non_retryable=True,
+                )
+            await workflow.sleep(timedelta(seconds=params.poll_s))
+
+    @workflow.run
+    async def run(self, params: EvalAndPromoteInput) -> EvalAndPromoteResult:
+        candidate = ModelId(params.model_name, params.model_version)
+        # 1. Register.
+        self._step = "registering"
+        await self._call(EvalActivities.register_model, RegisterInput(model=candidate, uri=params.uri))
+        # 2. Production, and the runs.
+        self._step = "evaluating"
+        production: ModelId | None = await self._call(EvalActivities.current_model, "production")
+        if production == candidate:
+            production = None
+
+        def run_input(model: ModelId) -> RunInput:
+            return RunInput(
+                model=model,
+                suite=params.suite,
+                limit=params.limit,
+                seed=params.seed,
+                endpoint=params.endpoint,
+            )
+
+        candidate_run = await self._call(EvalActivities.run_suite, run_input(candidate))
+        baseline_run = ""
+        if production is not None:
+            baseline_run = await self._call(EvalActivities.run_suite, run_input(production))
+        # 3. Wait.
+        result_state = await self._wait_run(candidate_run, params)
+        result = EvalAndPromoteResult(candidate_run_id=candidate_run, metrics=result_state.metrics)
+        # 4. Compare.
+        if production is not None:
+            await self._wait_run(baseline_run, params)
+            self._step = "comparing"
+            comparison: Comparison = await self._call(
+                EvalActivities.compare_runs, baseline_run, candidate_run
+            )
+            result.baseline_run_id = baseline_run
+            result.baseline = f"{production.name}:{production.version}"
+            result.verdict = comparison.verdict
+            if comparison.verdict == "WORSE":
+                worst = sorted(comparison.deltas.items(), key=lambda kv: kv[1])
+                detail = ", ".join(
+                    f"{name} {delta:+.3f} (p={comparison.p_values.get(name, 1.0):.3g})"
+                    for name, delta in worst
+                )
+                result.blocked_reason = f"regression against production {result.baseline}: {detail}"
+                self._step = "blocked"
+                return result
+        # 5. Canary, then production.
+        for stage, share in (("canary", params.canary_percent), ("production", 100)):
+            self._step = f"promoting to {stage}"
+            reason = f"eval run {candidate_run}" + (
+                f" vs {result.baseline}: {result.verdict}" if production else ""
+            )
+            await self._call(
+                EvalActivities.promote_model,
+                PromoteInput(model=candidate, stage=stage, traffic_percent=share, reason=reason),
+            )
+            result.promoted_to.append(stage)
+        self._step = "done"
+        return result

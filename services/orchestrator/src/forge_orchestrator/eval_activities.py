@@ -1,0 +1,187 @@
+"""Activities of the eval-and-promote workflow: calls to the eval service over gRPC.
+
+Each returns plain dataclasses (Temporal serialises them as JSON). Failures follow
+:func:`forge_orchestrator.activities.failed`: permanent gRPC statuses are non-retryable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import grpc
+from forge.common.v1 import common_pb2
+from forge.eval.v1 import eval_pb2, eval_pb2_grpc
+from temporalio import activity
+
+from forge_kit.grpckit import make_channel
+from forge_orchestrator.activities import failed
+
+
+@dataclass
+class ModelId:
+    """A registry entry's identity."""
+
+    name: str
+    version: str
+
+    def ref(self) -> common_pb2.ModelRef:
+        return common_pb2.ModelRef(name=self.name, version=self.version)
+
+
+@dataclass
+class RegisterInput:
+    model: ModelId
+    uri: str
+    labels: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class RunInput:
+    """One suite run; ``endpoint`` empty means eval's configured default (the gateway)."""
+
+    model: ModelId
+    suite: str
+    limit: int
+    seed: int
+    endpoint: str = ""
+
+
+@dataclass
+class RunState:
+    run_id: str
+    status: str
+    """``PENDING``, ``RUNNING``, ``SUCCEEDED``, ``FAILED`` or ``CANCELLED``."""
+    error: str = ""
+    metrics: dict[str, float] = field(default_factory=dict)
+    passed_gate: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return self.status in ("SUCCEEDED", "FAILED", "CANCELLED")
+
+
+@dataclass
+class Comparison:
+    verdict: str
+    """``BETTER``, ``WORSE``, ``NO_DIFFERENCE`` or ``INCOMPARABLE``."""
+    deltas: dict[str, float] = field(default_factory=dict)
+    p_values: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class PromoteInput:
+    model: ModelId
+    stage: str
+    traffic_percent: int
+    reason: str
+    require_gate: bool = True
+
+
+class EvalActivities:
+    """Eval calls for workflows; the channel opens on first use, in the worker's event loop."""
+
+    def __init__(self, target: str, token: str, *, rpc_timeout_s: float = 15.0) -> None:
+        self._target = target
+        self._token = token
+        self._rpc_timeout_s = rpc_timeout_s
+        self._channel: grpc.aio.Channel | None = None
+
+    def _stub(self) -> eval_pb2_grpc.EvalServiceAsyncStub:
+        if self._channel is None:
+            self._channel = make_channel(self._target, token=self._token)
+        return eval_pb2_grpc.EvalServiceStub(self._channel)
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            channel, self._channel = self._channel, None
+            await channel.close(None)
+
+    @activity.defn(name="eval_register_model")
+    async def register_model(self, params: RegisterInput) -> bool:
+        """Register the candidate; False when it was already registered (a retried workflow)."""
+        request = eval_pb2.RegisterModelRequest(ref=params.model.ref(), uri=params.uri, labels=params.labels)
+        try:
+            await self._stub().RegisterModel(request, timeout=self._rpc_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.ALREADY_EXISTS:
+                return False
+            raise failed("RegisterModel", exc) from exc
+        return True
+
+    @activity.defn(name="eval_current_model")
+    async def current_model(self, stage: str) -> ModelId | None:
+        """The model holding ``stage`` now, or None."""
+        request = eval_pb2.ListModelsRequest(stage=stage, page=common_pb2.PageRequest(page_size=1))
+        try:
+            reply = await self._stub().ListModels(request, timeout=self._rpc_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise failed("ListModels", exc) from exc
+        if not reply.models:
+            return None
+        ref = reply.models[0].ref
+        return ModelId(name=ref.name, version=ref.version)
+
+    @activity.defn(name="eval_run_suite")
+    async def run_suite(self, params: RunInput) -> str:
+        """Queue a suite run; returns its id."""
+        request = eval_pb2.RunSuiteRequest(
+            suite=params.suite,
+            model=params.model.ref(),
+            endpoint=params.endpoint,
+            limit=params.limit,
+            seed=params.seed,
+        )
+        try:
+            reply = await self._stub().RunSuite(request, timeout=self._rpc_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise failed("RunSuite", exc) from exc
+        return str(reply.run_id)
+
+    @activity.defn(name="eval_get_run")
+    async def get_run(self, run_id: str) -> RunState:
+        try:
+            reply = await self._stub().GetRun(
+                eval_pb2.GetRunRequest(run_id=run_id), timeout=self._rpc_timeout_s
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise failed("GetRun", exc) from exc
+        run = reply.run
+        return RunState(
+            run_id=run.run_id,
+            status=eval_pb2.RunStatus.Name(run.status).removeprefix("RUN_STATUS_"),
+            error=run.error,
+            metrics={m.name: m.value for m in run.metrics},
+            passed_gate=run.passed_gate,
+        )
+
+    @activity.defn(name="eval_compare_runs")
+    async def compare_runs(self, baseline_run_id: str, candidate_run_id: str) -> Comparison:
+        request = eval_pb2.CompareRunsRequest(
+            baseline_run_id=baseline_run_id, candidate_run_id=candidate_run_id
+        )
+        try:
+            reply = await self._stub().CompareRuns(request, timeout=self._rpc_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise failed("CompareRuns", exc) from exc
+        return Comparison(
+            verdict=eval_pb2.Verdict.Name(reply.verdict).removeprefix("VERDICT_"),
+            deltas={d.name: d.delta for d in reply.deltas},
+            p_values={d.name: d.p_value for d in reply.deltas},
+        )
+
+    @activity.defn(name="eval_promote_model")
+    async def promote_model(self, params: PromoteInput) -> str:
+        """Promote; returns the previous holder of the stage as ``name:version`` (empty if none)."""
+        request = eval_pb2.PromoteModelRequest(
+            ref=params.model.ref(),
+            stage=params.stage,
+            require_gate=params.require_gate,
+            traffic_percent=params.traffic_percent,
+            reason=params.reason,
+        )
+        try:
+            reply = await self._stub().PromoteModel(request, timeout=self._rpc_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise failed("PromoteModel", exc) from exc
+        previous = reply.previous
+        return f"{previous.name}:{previous.version}" if previous.name else ""
