@@ -10,6 +10,7 @@ are generated, committed for review, and ``tests/test_deploy.py`` fails when the
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -279,7 +280,142 @@ def k8s_manifests() -> dict[str, list[dict[str, Any]]]:
     files["configmap.yaml"] = configmaps
     for spec in SERVICES:
         files[f"{host(spec)}.yaml"] = [_deployment(spec), _service(spec)]
+    files["network-policies.yaml"] = network_policies()
+    files["disruption-budgets.yaml"] = [_disruption_budget(spec) for spec in SERVICES]
+    files["autoscaling.yaml"] = autoscalers()
+    files["kustomization.yaml"] = [
+        {
+            "apiVersion": "kustomize.config.k8s.io/v1beta1",
+            "kind": "Kustomization",
+            "metadata": {"name": "forge"},
+            "namespace": NAMESPACE,
+            "resources": sorted(name for name in files if name != "kustomization.yaml"),
+        }
+    ]
     return files
+
+
+#: Services people and product apps reach from outside the namespace (through an ingress or a
+#: port-forward): the public inference API, the rater UI, and the gRPC APIs researchers' CLIs
+#: call. Everything else is reachable only from the callers the platform table names.
+PUBLIC_SERVICES = {
+    "inference_gateway": ("grpc", "http"),
+    "preference_feedback": ("http",),
+    "scheduler": ("grpc",),
+    "orchestrator": ("grpc",),
+    "eval": ("grpc",),
+}
+#: Pods allowed to scrape every service's metrics port.
+MONITORING_SELECTOR = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+
+
+def callers_of(name: str) -> list[ServiceSpec]:
+    """Services whose table row calls ``name``."""
+    return [spec for spec in SERVICES if any(call.target == name for call in spec.calls)]
+
+
+def network_policies() -> list[dict[str, Any]]:
+    """Default-deny ingress, then one policy per service admitting exactly the flows in the
+    platform table (callers on the port kind they use), monitoring on the HTTP port, and the
+    public entry points. Egress stays open: brokers, databases and object stores live outside."""
+    policies: list[dict[str, Any]] = [
+        {
+            "apiVersion": "networking.k8s.io/v1",
+            "kind": "NetworkPolicy",
+            "metadata": {"name": "default-deny-ingress", "namespace": NAMESPACE},
+            "spec": {"podSelector": {}, "policyTypes": ["Ingress"]},
+        }
+    ]
+    for spec in SERVICES:
+        rules: list[dict[str, Any]] = []
+        for kind in ("grpc", "http"):
+            port = spec.grpc_port if kind == "grpc" else spec.http_port
+            peers = [
+                {"podSelector": {"matchLabels": {"app.kubernetes.io/name": host(caller)}}}
+                for caller in callers_of(spec.name)
+                if any(call.target == spec.name and call.kind == kind for call in caller.calls)
+            ]
+            if kind in PUBLIC_SERVICES.get(spec.name, ()):
+                rules.append({"ports": [{"port": port, "protocol": "TCP"}]})
+                continue
+            if kind == "http":
+                peers.append(MONITORING_SELECTOR)
+            if peers:
+                rules.append({"from": peers, "ports": [{"port": port, "protocol": "TCP"}]})
+        policies.append(
+            {
+                "apiVersion": "networking.k8s.io/v1",
+                "kind": "NetworkPolicy",
+                "metadata": {
+                    "name": f"{host(spec)}-ingress",
+                    "namespace": NAMESPACE,
+                    "labels": _labels(spec),
+                },
+                "spec": {
+                    "podSelector": {"matchLabels": {"app.kubernetes.io/name": host(spec)}},
+                    "policyTypes": ["Ingress"],
+                    "ingress": rules,
+                },
+            }
+        )
+    return policies
+
+
+def _disruption_budget(spec: ServiceSpec) -> dict[str, Any]:
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": {"name": host(spec), "namespace": NAMESPACE, "labels": _labels(spec)},
+        # Serving keeps capacity through a voluntary disruption; the rest may restart one at a time.
+        "spec": {
+            **({"minAvailable": 1} if spec.name in SCALED_SERVICES else {"maxUnavailable": 1}),
+            "selector": {"matchLabels": {"app.kubernetes.io/name": host(spec)}},
+        },
+    }
+
+
+#: Serving tiers that scale horizontally: name -> (min, max, metric).
+SCALED_SERVICES: dict[str, tuple[int, int, dict[str, Any]]] = {
+    # The gateway is CPU-bound (auth, routing, SSE relay).
+    "inference_gateway": (
+        2,
+        10,
+        {
+            "type": "Resource",
+            "resource": {"name": "cpu", "target": {"type": "Utilization", "averageUtilization": 70}},
+        },
+    ),
+    # Model servers scale on queue depth (vLLM's metric name, exported by model_server and vLLM
+    # alike; Prometheus Adapter exposes it as a pods metric without the colon).
+    "model_server": (
+        2,
+        16,
+        {
+            "type": "Pods",
+            "pods": {
+                "metric": {"name": "vllm_num_requests_waiting"},
+                "target": {"type": "AverageValue", "averageValue": "4"},
+            },
+        },
+    ),
+}
+
+
+def autoscalers() -> list[dict[str, Any]]:
+    return [
+        {
+            "apiVersion": "autoscaling/v2",
+            "kind": "HorizontalPodAutoscaler",
+            "metadata": {"name": host(name), "namespace": NAMESPACE, "labels": _labels(_by_name()[name])},
+            "spec": {
+                "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": host(name)},
+                "minReplicas": low,
+                "maxReplicas": high,
+                "metrics": [metric],
+            },
+        }
+        for name, (low, high, metric) in SCALED_SERVICES.items()
+    ]
 
 
 def _labels(spec: ServiceSpec) -> dict[str, str]:
@@ -335,7 +471,7 @@ def _deployment(spec: ServiceSpec) -> dict[str, Any]:
         "kind": "Deployment",
         "metadata": {"name": host(spec), "namespace": NAMESPACE, "labels": _labels(spec)},
         "spec": {
-            "replicas": 1,
+            "replicas": SCALED_SERVICES[spec.name][0] if spec.name in SCALED_SERVICES else 1,
             "selector": {"matchLabels": {"app.kubernetes.io/name": host(spec)}},
             "template": {
                 "metadata": {
@@ -387,6 +523,7 @@ def _service(spec: ServiceSpec) -> dict[str, Any]:
 def prometheus() -> dict[str, Any]:
     return {
         "global": {"scrape_interval": "15s", "evaluation_interval": "15s"},
+        "rule_files": ["alerts.yml"],
         "scrape_configs": [
             {
                 "job_name": f"forge-{host(spec)}",
@@ -397,6 +534,98 @@ def prometheus() -> dict[str, Any]:
                 ],
             }
             for spec in SERVICES
+        ],
+    }
+
+
+#: Alerting rules on the SLOs. Each expression uses metric names the services export today.
+ALERT_RULES: list[dict[str, Any]] = [
+    {
+        "alert": "ForgeInferenceTTFTHigh",
+        "expr": "histogram_quantile(0.99, sum by (le, model_name) "
+        "(rate(vllm:time_to_first_token_seconds_bucket[5m]))) > 2",
+        "for": "10m",
+        "labels": {"severity": "page"},
+        "annotations": {"summary": "TTFT p99 above 2 s for {{ $labels.model_name }}"},
+    },
+    {
+        "alert": "ForgeInferenceQueueBuilding",
+        "expr": "sum by (model_name) (vllm:num_requests_waiting) > 32",
+        "for": "5m",
+        "labels": {"severity": "ticket"},
+        "annotations": {"summary": "{{ $labels.model_name }} has {{ $value }} requests waiting"},
+    },
+    {
+        "alert": "ForgeGrpcErrors",
+        "expr": 'sum by (service, method) (rate(forge_grpc_requests_total{code=~"INTERNAL|UNAVAILABLE|DEADLINE_EXCEEDED"}[5m]))'
+        " / sum by (service, method) (rate(forge_grpc_requests_total[5m])) > 0.05",
+        "for": "10m",
+        "labels": {"severity": "page"},
+        "annotations": {"summary": "{{ $labels.service }} {{ $labels.method }}: over 5% server errors"},
+    },
+    {
+        "alert": "ForgeOutboxBacklog",
+        "expr": "max by (job) (forge_outbox_pending) > 1000",
+        "for": "10m",
+        "labels": {"severity": "page"},
+        "annotations": {
+            "summary": "{{ $labels.job }}: events not reaching Kafka (outbox backlog {{ $value }})"
+        },
+    },
+    {
+        "alert": "ForgeConsumerDeadLetters",
+        "expr": 'sum by (group, topic) (increase(forge_events_consumed_total{outcome="dead_letter"}[15m])) > 0',
+        "labels": {"severity": "ticket"},
+        "annotations": {"summary": "{{ $labels.group }} dead-lettered events from {{ $labels.topic }}"},
+    },
+    {
+        "alert": "ForgeServiceDown",
+        "expr": 'up{job=~"forge-.*"} == 0',
+        "for": "2m",
+        "labels": {"severity": "page"},
+        "annotations": {"summary": "{{ $labels.job }} is not answering /metrics"},
+    },
+]
+
+
+def alert_rules() -> dict[str, Any]:
+    return {"groups": [{"name": "forge-slo", "rules": ALERT_RULES}]}
+
+
+def grafana_dashboard() -> dict[str, Any]:
+    """One overview dashboard: a row of panels per concern, all on the exported metric names."""
+    panels = [
+        ("gRPC requests/s by service", "sum by (service) (rate(forge_grpc_requests_total[1m]))"),
+        (
+            "gRPC p99 latency by service (s)",
+            "histogram_quantile(0.99, sum by (le, service) (rate(forge_grpc_request_seconds_bucket[5m])))",
+        ),
+        ("gRPC server errors/s", 'sum by (service, code) (rate(forge_grpc_requests_total{code!="OK"}[1m]))'),
+        (
+            "Requests waiting / running (model servers)",
+            "sum by (model_name) (vllm:num_requests_waiting) or sum by (model_name) (vllm:num_requests_running)",
+        ),
+        ("Outbox backlog by service", "max by (job) (forge_outbox_pending)"),
+        (
+            "Events consumed/s by group and outcome",
+            "sum by (group, outcome) (rate(forge_events_consumed_total[1m]))",
+        ),
+    ]
+    return {
+        "title": "Forge overview",
+        "uid": "forge-overview",
+        "schemaVersion": 39,
+        "time": {"from": "now-6h", "to": "now"},
+        "panels": [
+            {
+                "id": i + 1,
+                "type": "timeseries",
+                "title": title,
+                "gridPos": {"h": 8, "w": 12, "x": (i % 2) * 12, "y": (i // 2) * 8},
+                "datasource": {"type": "prometheus", "uid": "prometheus"},
+                "targets": [{"refId": "A", "expr": expr}],
+            }
+            for i, (title, expr) in enumerate(panels)
         ],
     }
 
@@ -419,7 +648,12 @@ def _dump(documents: list[dict[str, Any]]) -> str:
 
 def rendered() -> dict[Path, str]:
     """Every generated file and its content."""
-    files = {COMPOSE_FILE: _dump([compose()]), PROMETHEUS_FILE: _dump([prometheus()])}
+    files = {
+        COMPOSE_FILE: _dump([compose()]),
+        PROMETHEUS_FILE: _dump([prometheus()]),
+        PROMETHEUS_FILE.parent / "alerts.yml": _dump([alert_rules()]),
+        ROOT / "deploy" / "grafana" / "forge-overview.json": json.dumps(grafana_dashboard(), indent=2) + "\n",
+    }
     files.update({K8S_DIR / name: _dump(docs) for name, docs in k8s_manifests().items()})
     files[ROOT / "deploy" / "postgres" / "init.sql"] = (
         "-- GENERATED by deploy/generate.py: one database per service (docker compose).\n"

@@ -97,3 +97,89 @@ def test_prometheus_scrapes_every_service_metrics_endpoint() -> None:
     }
     for spec in SERVICES:
         assert targets.get(f"{spec.name.replace('_', '-')}:{spec.http_port}") == "/metrics"
+
+
+KUBERNETES_VERSION = "1.30.0"
+
+
+def test_every_manifest_is_valid_kubernetes() -> None:
+    import kubernetes_validate
+
+    checked = 0
+    for doc in _documents():
+        if doc["kind"] == "Kustomization":
+            continue
+        kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+        checked += 1
+    assert checked > 20
+
+
+def test_kustomization_lists_every_manifest() -> None:
+    [kustomization] = [d for d in _documents() if d["kind"] == "Kustomization"]
+    files = {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"}
+    assert set(kustomization["resources"]) == files
+
+
+def _ingress_peers(service: str, port: int) -> list[dict[str, Any]] | None:
+    """The peers admitted to ``service`` on ``port``: None when the port is open to all."""
+    policy = _find("NetworkPolicy", f"{service.replace('_', '-')}-ingress")
+    for rule in policy["spec"]["ingress"]:
+        if any(p["port"] == port for p in rule["ports"]):
+            return rule.get("from")
+    return []
+
+
+def test_network_policies_admit_exactly_the_table_flows() -> None:
+    _find("NetworkPolicy", "default-deny-ingress")
+    by_name = {s.name: s for s in SERVICES}
+    public = _generator().PUBLIC_SERVICES
+    for spec in SERVICES:
+        for kind, port in (("grpc", spec.grpc_port), ("http", spec.http_port)):
+            peers = _ingress_peers(spec.name, port)
+            if kind in public.get(spec.name, ()):
+                assert peers is None, f"{spec.name} {kind} should be public"
+                continue
+            admitted = {
+                p["podSelector"]["matchLabels"]["app.kubernetes.io/name"]
+                for p in peers or []
+                if "podSelector" in p
+            }
+            expected = {
+                caller.name.replace("_", "-")
+                for caller in by_name.values()
+                if any(c.target == spec.name and c.kind == kind for c in caller.calls)
+            }
+            assert admitted == expected, f"{spec.name} {kind}: {admitted} != {expected}"
+            if kind == "http":
+                assert any("namespaceSelector" in p for p in peers or []), (
+                    f"{spec.name}: metrics not scrapeable"
+                )
+
+
+def test_scaled_services_have_an_autoscaler_and_keep_capacity_through_disruption() -> None:
+    for name in _generator().SCALED_SERVICES:
+        host = name.replace("_", "-")
+        hpa = _find("HorizontalPodAutoscaler", host)
+        assert hpa["spec"]["scaleTargetRef"]["name"] == host
+        assert _find("Deployment", host)["spec"]["replicas"] == hpa["spec"]["minReplicas"] >= 2
+        assert _find("PodDisruptionBudget", host)["spec"]["minAvailable"] == 1
+
+
+def test_alerts_and_dashboard_use_only_metrics_the_services_export() -> None:
+    import json
+    import re
+
+    exported = set()
+    for path in [*ROOT.glob("libs/kit/src/**/*.py"), *ROOT.glob("services/*/src/**/*.py")]:
+        exported |= set(re.findall(r'"((?:forge_|vllm:)[a-z_]+)"', path.read_text()))
+    rules = yaml.safe_load((ROOT / "deploy" / "prometheus" / "alerts.yml").read_text())["groups"][0]["rules"]
+    dashboard = json.loads((ROOT / "deploy" / "grafana" / "forge-overview.json").read_text())
+    expressions = [r["expr"] for r in rules] + [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    used = {
+        re.sub(r"_(bucket|sum|count)$", "", m)
+        for expr in expressions
+        for m in re.findall(r"\b(?:forge_|vllm:)[a-z_]+", expr)
+    }
+    # prometheus_client adds _total to counters and _bucket to histograms on the wire.
+    missing = {m for m in used if m not in exported and m.removesuffix("_total") not in exported}
+    assert not missing, f"alerts/dashboard reference metrics nobody exports: {missing}"
