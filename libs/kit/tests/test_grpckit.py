@@ -225,9 +225,11 @@ async def test_a_call_without_deadline_gets_the_default_one(running: Running) ->
 @pytest.mark.asyncio
 async def test_the_callers_deadline_wins_over_the_default(running: Running) -> None:
     async with make_channel(running.target, token=TOKEN) as channel:
-        reply = await call(channel, "remaining", timeout=0.2)
+        reply = await call(channel, "remaining", timeout=5.0)
     kit_left = next(r.score for r in reply.results if r.id == "kit")
-    assert 0.0 < kit_left <= 0.2
+    # Longer than the server's 0.3 s default, so only the caller's deadline explains it (and the
+    # margin keeps the check honest on a loaded machine).
+    assert 0.3 < kit_left <= 5.1
 
 
 @pytest.mark.asyncio

@@ -15,7 +15,7 @@ from fastapi import FastAPI
 
 from forge_kit.db import Database
 from forge_kit.events import KafkaPublisher, OutboxRelay
-from forge_kit.grpckit import serve
+from forge_kit.grpckit import serve, set_default_client_tls
 from forge_kit.http import HttpServer, make_app
 from forge_kit.logs import configure_logging
 from forge_kit.runtime import ServiceParts, run_forever
@@ -29,6 +29,7 @@ class ServiceApp:
         self.settings = settings
         self.name = settings.service_name
         self.log = configure_logging(self.name, settings.log_level, settings.log_json)
+        set_default_client_tls(settings.tls())
         self.db: Database | None = None
         self.publisher: KafkaPublisher | None = None
         self.relay: OutboxRelay | None = None
@@ -91,6 +92,7 @@ class ServiceApp:
             token=self.token,
             default_deadline_s=settings.default_deadline_s,
             max_concurrent_rpcs=max_concurrent_rpcs,
+            tls=settings.tls(),
         )
         http_server = HttpServer(http or self.http_app(), settings.host, settings.http_port)
         await http_server.start()

@@ -255,6 +255,44 @@ class GrpcServer:
         await self.server.stop(grace_s)
 
 
+@dataclass(frozen=True)
+class TlsConfig:
+    """Mutual TLS between services: this process's certificate and key, and the CA that signs
+    every peer. Servers require a client certificate from that CA; clients verify the server's."""
+
+    cert_file: str
+    key_file: str
+    ca_file: str
+
+    def _read(self) -> tuple[bytes, bytes, bytes]:
+        with (
+            open(self.cert_file, "rb") as cert,
+            open(self.key_file, "rb") as key,
+            open(self.ca_file, "rb") as ca,
+        ):
+            return cert.read(), key.read(), ca.read()
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        cert, key, ca = self._read()
+        return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=True)
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        cert, key, ca = self._read()
+        return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+
+
+#: The identity this process presents when it calls other services; set once at start-up by
+#: :class:`forge_kit.app.ServiceApp` from the service's settings, so every channel the process
+#: opens is mutually authenticated without each call site passing certificates around.
+_default_client_tls: TlsConfig | None = None
+
+
+def set_default_client_tls(tls: TlsConfig | None) -> None:
+    """Make :func:`make_channel` use ``tls`` when its caller does not pass one."""
+    global _default_client_tls
+    _default_client_tls = tls
+
+
 async def serve(
     *,
     service: str,
@@ -265,8 +303,10 @@ async def serve(
     token: str | None,
     default_deadline_s: float,
     max_concurrent_rpcs: int | None = None,
+    tls: TlsConfig | None = None,
 ) -> GrpcServer:
-    """Start a gRPC server with health, reflection and the Forge interceptor.
+    """Start a gRPC server with health, reflection and the Forge interceptor; mutual TLS when
+    ``tls`` is given (a plaintext or certificate-less client is then refused at the handshake).
 
     ``register`` are callables such as ``lambda s: pb2_grpc.add_XServicer_to_server(impl, s)``;
     ``service_names`` are the full names (``forge.scheduler.v1.SchedulerService``) to expose in
@@ -283,7 +323,12 @@ async def serve(
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = list(service_names)
     reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    address = f"{host}:{port}"
+    bound = (
+        server.add_secure_port(address, tls.server_credentials())
+        if tls
+        else server.add_insecure_port(address)
+    )
     await server.start()
     for name in names:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -410,22 +455,33 @@ def make_channel(
     max_attempts: int = 4,
     initial_backoff_s: float = 0.1,
     max_backoff_s: float = 2.0,
+    tls: TlsConfig | None = None,
 ) -> grpc.aio.Channel:
-    """An insecure ``grpc.aio`` channel to ``target`` with auth, deadline propagation and retries."""
-    return grpc.aio.insecure_channel(
-        target,
-        options=[
-            ("grpc.enable_retries", 1),
-            ("grpc.service_config", retry_service_config(max_attempts, initial_backoff_s, max_backoff_s)),
-            ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-        ],
-        interceptors=client_interceptors(token),
-    )
+    """A ``grpc.aio`` channel to ``target`` with auth, deadline propagation and retries; mutual
+    TLS with ``tls``, or with the process default (:func:`set_default_client_tls`) when set."""
+    options = [
+        ("grpc.enable_retries", 1),
+        ("grpc.service_config", retry_service_config(max_attempts, initial_backoff_s, max_backoff_s)),
+        ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    ]
+    interceptors = client_interceptors(token)
+    tls = tls or _default_client_tls
+    if tls is not None:
+        return grpc.aio.secure_channel(
+            target, tls.channel_credentials(), options=options, interceptors=interceptors
+        )
+    return grpc.aio.insecure_channel(target, options=options, interceptors=interceptors)
 
 
-async def check_health(target: str, timeout_s: float = 2.0) -> bool:
+async def check_health(target: str, timeout_s: float = 2.0, tls: TlsConfig | None = None) -> bool:
     """True when the server at ``target`` answers the standard health check with SERVING."""
-    async with grpc.aio.insecure_channel(target) as channel:
+    tls = tls or _default_client_tls
+    channel = (
+        grpc.aio.secure_channel(target, tls.channel_credentials())
+        if tls
+        else grpc.aio.insecure_channel(target)
+    )
+    async with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             reply = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)

@@ -14,6 +14,8 @@ from typing import Any
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from forge_kit.grpckit import TlsConfig
+
 
 def service_config(service: str) -> SettingsConfigDict:
     """The pydantic-settings config for ``service``: env prefix ``FORGE_<SERVICE>_``, no extras."""
@@ -89,6 +91,16 @@ class ServiceSettings(ForgeSettings):
     object_store_url: str = "var/objects"
     """fsspec URL (or local path) of the object store root."""
 
+    tls_cert_file: str = ""
+    """PEM certificate this service presents (server and client side); set all three TLS fields
+    to turn on mutual TLS for its gRPC server and every channel it opens."""
+
+    tls_key_file: str = ""
+    """PEM private key of ``tls_cert_file``."""
+
+    tls_ca_file: str = ""
+    """PEM CA bundle that signs every Forge service's certificate."""
+
     log_level: str = "INFO"
     """Root log level."""
 
@@ -108,3 +120,22 @@ class ServiceSettings(ForgeSettings):
             return self.database_url
         os.makedirs(self.data_dir, exist_ok=True)
         return f"sqlite+aiosqlite:///{os.path.abspath(os.path.join(self.data_dir, filename))}"
+
+    @model_validator(mode="after")
+    def _tls_all_or_nothing(self) -> ServiceSettings:
+        given = {name: bool(getattr(self, name)) for name in ("tls_cert_file", "tls_key_file", "tls_ca_file")}
+        if any(given.values()) and not all(given.values()):
+            missing = ", ".join(name for name, ok in given.items() if not ok)
+            raise ValueError(
+                f"mutual TLS needs all of tls_cert_file, tls_key_file, tls_ca_file; missing: {missing}"
+            )
+        for name, ok in given.items():
+            if ok and not os.path.isfile(getattr(self, name)):
+                raise ValueError(f"{name}: no such file: {getattr(self, name)}")
+        return self
+
+    def tls(self) -> TlsConfig | None:
+        """The mutual-TLS configuration, or None when TLS is off."""
+        if not self.tls_cert_file:
+            return None
+        return TlsConfig(cert_file=self.tls_cert_file, key_file=self.tls_key_file, ca_file=self.tls_ca_file)
