@@ -12,8 +12,11 @@ from typing import Any
 
 import grpc
 from fastapi import FastAPI
+from forge.events.v1 import events_pb2_grpc
 
 from forge_kit.db import Database
+from forge_kit.eventlog import SERVICE_NAME as EVENT_LOG_SERVICE
+from forge_kit.eventlog import EventLogApi
 from forge_kit.events import KafkaPublisher, OutboxRelay
 from forge_kit.grpckit import serve, set_default_client_tls
 from forge_kit.http import HttpServer, make_app
@@ -33,6 +36,7 @@ class ServiceApp:
         self.db: Database | None = None
         self.publisher: KafkaPublisher | None = None
         self.relay: OutboxRelay | None = None
+        self._serves_event_log = False
         self._background: list[Callable[[], Coroutine[Any, Any, None]]] = []
         self._on_stop: list[Callable[[], Awaitable[None]]] = []
 
@@ -51,6 +55,7 @@ class ServiceApp:
         """Relay the database's outbox to Kafka in the background (when Kafka is enabled)."""
         if self.db is None:
             raise RuntimeError("open_database() first")
+        self._serves_event_log = True
         if not self.settings.kafka_enabled:
             return None
         self.publisher = KafkaPublisher(self.settings.kafka_bootstrap)
@@ -83,6 +88,15 @@ class ServiceApp:
     ) -> None:
         """Start both servers and block until the process is told to stop."""
         settings = self.settings
+        register = list(register)
+        service_names = list(service_names)
+        if self._serves_event_log and self.db is not None:
+            # Whoever publishes events lets consumers catch up from its outbox.
+            log_api = EventLogApi(self.db)
+            register.append(
+                lambda server: events_pb2_grpc.add_EventLogServiceServicer_to_server(log_api, server)
+            )
+            service_names.append(EVENT_LOG_SERVICE)
         grpc_server = await serve(
             service=self.name,
             register=register,

@@ -48,3 +48,17 @@ def drop_kit_tables() -> None:
     op.drop_table("forge_processed_events")
     op.drop_index("ix_forge_outbox_published_at", "forge_outbox")
     op.drop_table("forge_outbox")
+
+
+def create_catchup_table() -> None:
+    """``forge_catchup_watermarks``: for services that catch up from producers' outboxes."""
+    op.create_table(
+        "forge_catchup_watermarks",
+        sa.Column("consumer_group", sa.String(255), primary_key=True),
+        sa.Column("producer", sa.String(255), primary_key=True),
+        sa.Column("sequence", sa.BigInteger, nullable=False),
+    )
+
+
+def drop_catchup_table() -> None:
+    op.drop_table("forge_catchup_watermarks")

@@ -10,6 +10,7 @@ from forge.events.v1 import events_pb2
 from forge.orchestrator.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
 from forge_kit.app import ServiceApp
+from forge_kit.eventlog import CatchUp, CatchUpSource
 from forge_kit.events import TOPICS, EventConsumer
 from forge_kit.http import make_app
 from forge_orchestrator.activities import SchedulerActivities
@@ -60,6 +61,21 @@ async def main() -> None:
         )
         app.add_background(consumer.run)
         app.add_on_stop(consumer.stop)
+        # The broker may lose job events (the local one keeps nothing across a restart): read
+        # them from the scheduler's outbox too; the consumer's dedupe applies each once.
+        catch_up = CatchUp(
+            consumer,
+            db,
+            group_id=settings.consumer_group,
+            topics=[TOPICS[events_pb2.JobStateChanged.DESCRIPTOR.full_name]],
+            sources=[
+                CatchUpSource(
+                    "scheduler", settings.scheduler_target, settings.scheduler_token.get_secret_value()
+                )
+            ],
+            interval_s=settings.catch_up_interval_s,
+        )
+        app.add_background(catch_up.run)
 
     async def temporal_ready() -> bool:
         return await client.service_client.check_health(timeout=timedelta(seconds=2))

@@ -35,6 +35,9 @@ class OrchestratorSettings(ServiceSettings):
     consumer_group: str = "orchestrator"
     """Kafka consumer group of the job-event consumer."""
 
+    catch_up_interval_s: float = Field(default=30.0, gt=0)
+    """How often job events are also read from the scheduler's outbox (events the broker lost)."""
+
     release_suite: str = "gsm8k"
     """Suite the eval-and-promote workflow runs for each published checkpoint."""
 

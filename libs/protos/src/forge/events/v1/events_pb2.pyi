@@ -513,3 +513,111 @@ class ModelPromoted(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ModelPromoted: _TypeAlias = ModelPromoted  # noqa: Y015
+
+@_typing.final
+class ListEventsRequest(_message.Message):
+    """Request of ListEvents."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AFTER_SEQUENCE_FIELD_NUMBER: _builtins.int
+    LIMIT_FIELD_NUMBER: _builtins.int
+    TOPICS_FIELD_NUMBER: _builtins.int
+    after_sequence: _builtins.int
+    """Only events with a larger sequence number; 0 for the oldest retained."""
+    limit: _builtins.int
+    """Page size; 0 means the server default, larger values are capped."""
+    @_builtins.property
+    def topics(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Only events on these topics; empty for all."""
+
+    def __init__(
+        self,
+        *,
+        after_sequence: _builtins.int = ...,
+        limit: _builtins.int = ...,
+        topics: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["after_sequence", b"after_sequence", "limit", b"limit", "topics", b"topics"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListEventsRequest: _TypeAlias = ListEventsRequest  # noqa: Y015
+
+@_typing.final
+class EventRecord(_message.Message):
+    """One outbox row as the producer wrote it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SEQUENCE_FIELD_NUMBER: _builtins.int
+    EVENT_ID_FIELD_NUMBER: _builtins.int
+    TOPIC_FIELD_NUMBER: _builtins.int
+    EVENT_TYPE_FIELD_NUMBER: _builtins.int
+    PAYLOAD_FIELD_NUMBER: _builtins.int
+    KEY_FIELD_NUMBER: _builtins.int
+    sequence: _builtins.int
+    """Producer's outbox sequence number."""
+    event_id: _builtins.str
+    """Event id (also in the payload's meta)."""
+    topic: _builtins.str
+    """Topic the event belongs on."""
+    event_type: _builtins.str
+    """Full protobuf name of the payload, e.g. "forge.events.v1.JobStateChanged"."""
+    payload: _builtins.bytes
+    """The serialised event, exactly as published to Kafka."""
+    key: _builtins.str
+    """Partition key used on Kafka."""
+    def __init__(
+        self,
+        *,
+        sequence: _builtins.int = ...,
+        event_id: _builtins.str = ...,
+        topic: _builtins.str = ...,
+        event_type: _builtins.str = ...,
+        payload: _builtins.bytes = ...,
+        key: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["event_id", b"event_id", "event_type", b"event_type", "key", b"key", "payload", b"payload", "sequence", b"sequence", "topic", b"topic"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EventRecord: _TypeAlias = EventRecord  # noqa: Y015
+
+@_typing.final
+class ListEventsResponse(_message.Message):
+    """Response of ListEvents."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EVENTS_FIELD_NUMBER: _builtins.int
+    LAST_SEQUENCE_FIELD_NUMBER: _builtins.int
+    HAS_MORE_FIELD_NUMBER: _builtins.int
+    last_sequence: _builtins.int
+    """The last sequence number this page covered (pass it as after_sequence for the next page);
+    it may exceed the last event's when rows on other topics were skipped.
+    """
+    has_more: _builtins.bool
+    """Whether more rows follow."""
+    @_builtins.property
+    def events(self) -> _containers.RepeatedCompositeFieldContainer[Global___EventRecord]:
+        """Matching events in sequence order."""
+
+    def __init__(
+        self,
+        *,
+        events: _abc.Iterable[Global___EventRecord] | None = ...,
+        last_sequence: _builtins.int = ...,
+        has_more: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["events", b"events", "has_more", b"has_more", "last_sequence", b"last_sequence"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListEventsResponse: _TypeAlias = ListEventsResponse  # noqa: Y015

@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from forge.events.v1 import events_pb2 as forge_dot_events_dot_v1_dot_events__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -22,3 +23,85 @@ if _version_not_supported:
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
     )
+
+
+class EventLogServiceStub:
+    """Read access to a producer's transactional outbox. Every service that publishes events serves
+    it, so a consumer can catch up from the owner when the broker lost records (the local broker
+    keeps nothing across a restart) or when it was down longer than the broker's retention.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.ListEvents = channel.unary_unary(
+                '/forge.events.v1.EventLogService/ListEvents',
+                request_serializer=forge_dot_events_dot_v1_dot_events__pb2.ListEventsRequest.SerializeToString,
+                response_deserializer=forge_dot_events_dot_v1_dot_events__pb2.ListEventsResponse.FromString,
+                _registered_method=True)
+
+
+class EventLogServiceServicer:
+    """Read access to a producer's transactional outbox. Every service that publishes events serves
+    it, so a consumer can catch up from the owner when the broker lost records (the local broker
+    keeps nothing across a restart) or when it was down longer than the broker's retention.
+    """
+
+    def ListEvents(self, request, context):
+        """Events staged after a sequence number, in sequence order. Called by consumers' catch-up loops.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_EventLogServiceServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'ListEvents': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListEvents,
+                    request_deserializer=forge_dot_events_dot_v1_dot_events__pb2.ListEventsRequest.FromString,
+                    response_serializer=forge_dot_events_dot_v1_dot_events__pb2.ListEventsResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'forge.events.v1.EventLogService', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('forge.events.v1.EventLogService', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class EventLogService:
+    """Read access to a producer's transactional outbox. Every service that publishes events serves
+    it, so a consumer can catch up from the owner when the broker lost records (the local broker
+    keeps nothing across a restart) or when it was down longer than the broker's retention.
+    """
+
+    @staticmethod
+    def ListEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/forge.events.v1.EventLogService/ListEvents',
+            forge_dot_events_dot_v1_dot_events__pb2.ListEventsRequest.SerializeToString,
+            forge_dot_events_dot_v1_dot_events__pb2.ListEventsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

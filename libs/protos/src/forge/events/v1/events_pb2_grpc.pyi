@@ -8,10 +8,17 @@ This package depends only on forge.common.v1 and well-known types, never on a se
 """
 
 from collections import abc as _abc
+from forge.events.v1 import events_pb2 as _events_pb2
 from grpc import aio as _aio
 import abc as _abc_1
 import grpc as _grpc
+import sys
 import typing as _typing
+
+if sys.version_info >= (3, 11):
+    from typing import Self as _Self
+else:
+    from typing_extensions import Self as _Self
 
 _T = _typing.TypeVar("_T")
 
@@ -22,3 +29,43 @@ class _ServicerContext(_grpc.ServicerContext, _aio.ServicerContext):  # type: ig
 
 GRPC_GENERATED_VERSION: str
 GRPC_VERSION: str
+
+class EventLogServiceStub:
+    """Read access to a producer's transactional outbox. Every service that publishes events serves
+    it, so a consumer can catch up from the owner when the broker lost records (the local broker
+    keeps nothing across a restart) or when it was down longer than the broker's retention.
+    """
+
+    @_typing.overload
+    def __new__(cls, channel: _grpc.Channel) -> _Self: ...
+    @_typing.overload
+    def __new__(cls, channel: _aio.Channel) -> EventLogServiceAsyncStub: ...
+    ListEvents: _grpc.UnaryUnaryMultiCallable[_events_pb2.ListEventsRequest, _events_pb2.ListEventsResponse]
+    """Events staged after a sequence number, in sequence order. Called by consumers' catch-up loops."""
+
+@_typing.type_check_only
+class EventLogServiceAsyncStub(EventLogServiceStub):
+    """Read access to a producer's transactional outbox. Every service that publishes events serves
+    it, so a consumer can catch up from the owner when the broker lost records (the local broker
+    keeps nothing across a restart) or when it was down longer than the broker's retention.
+    """
+
+    def __init__(self, channel: _aio.Channel) -> None: ...
+    ListEvents: _aio.UnaryUnaryMultiCallable[_events_pb2.ListEventsRequest, _events_pb2.ListEventsResponse]  # type: ignore[assignment]
+    """Events staged after a sequence number, in sequence order. Called by consumers' catch-up loops."""
+
+class EventLogServiceServicer(metaclass=_abc_1.ABCMeta):
+    """Read access to a producer's transactional outbox. Every service that publishes events serves
+    it, so a consumer can catch up from the owner when the broker lost records (the local broker
+    keeps nothing across a restart) or when it was down longer than the broker's retention.
+    """
+
+    @_abc_1.abstractmethod
+    def ListEvents(
+        self,
+        request: _events_pb2.ListEventsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_events_pb2.ListEventsResponse, _abc.Awaitable[_events_pb2.ListEventsResponse]]:
+        """Events staged after a sequence number, in sequence order. Called by consumers' catch-up loops."""
+
+def add_EventLogServiceServicer_to_server(servicer: EventLogServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
