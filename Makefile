@@ -5,6 +5,7 @@
 #   make down      stop everything `make up` started
 #   make status    pid, liveness and health of each component
 #   make test      every test, in one pytest run
+#   make faults    fault injection: kill -9 / restart each component under load, count what survived
 #   make verify    the gate: ruff, ruff format, mypy, buf lint, stub freshness, import contracts
 #   make bench     load and soak scenarios under load/
 #   make gen       regenerate the protobuf stubs and the deployment files (deploy/generate.py)
@@ -31,7 +32,7 @@ NPM_STAMP := node_modules/.installed-$(shell sha256sum package-lock.json | cut -
 
 PYTEST_TIMEOUT ?= 300
 
-.PHONY: help install up down status test verify bench gen clean
+.PHONY: help install up down status test faults verify bench gen clean
 
 help:
 	@sed -n 's/^#   //p' Makefile
@@ -61,7 +62,10 @@ status: install
 	$(VENV)/bin/forge status
 
 test: install
-	$(VENV)/bin/pytest -q --timeout=$(PYTEST_TIMEOUT) libs services tests
+	$(VENV)/bin/pytest -q --timeout=$(PYTEST_TIMEOUT) -m "not faults_full" libs services tests
+
+faults: install
+	$(VENV)/bin/pytest -q -s --timeout=$(PYTEST_TIMEOUT) tests/faults
 
 verify: install
 	$(VENV)/bin/ruff check .
