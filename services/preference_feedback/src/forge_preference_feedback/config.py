@@ -16,7 +16,7 @@ class FeedbackSettings(ServiceSettings):
     """gRPC port of the PreferenceFeedbackService."""
 
     http_port: int = Field(default=8058, ge=0, le=65535)
-    """HTTP port for health and metrics (and the rater UI, later)."""
+    """HTTP port for health, metrics and the rater web UI (``/ui``)."""
 
     inference_gateway_url: str = "http://127.0.0.1:8080"
     """Gateway base URL, for drawing fresh response pairs (not called yet: comparisons come from seeds)."""
@@ -38,3 +38,18 @@ class FeedbackSettings(ServiceSettings):
 
     max_page_size: int = Field(default=500, ge=1)
     """Upper bound on page_size in list calls."""
+
+    overlap_k: int = Field(default=3, ge=1)
+    """Raters per comparison: an item is handed out until this many have answered or hold it."""
+
+    session_ttl_s: int = Field(default=12 * 3600, ge=60)
+    """How long a rater's login lasts."""
+
+    secure_cookies: bool = False
+    """Mark session cookies ``Secure`` (HTTPS only); set it wherever the UI is served over TLS."""
+
+    admin_password: SecretStr = SecretStr("")
+    """When set, the account ``admin`` (an admin) is created at start-up with this password if missing."""
+
+    quality_min_median_seconds: float = Field(default=3.0, ge=0)
+    """Raters whose median time per item is below this are flagged as too fast."""

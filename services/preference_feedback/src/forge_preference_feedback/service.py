@@ -8,14 +8,20 @@ no answer is lost while the broker is away.
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import math
 import re
+import secrets
 import uuid
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from itertools import islice
+from pathlib import Path
 
 import sqlalchemy as sa
+from argon2 import PasswordHasher
+from argon2.exceptions import InvalidHashError, VerificationError
 from forge.common.v1 import common_pb2
 from forge.events.v1 import events_pb2
 from sqlalchemy.exc import IntegrityError
@@ -24,12 +30,16 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from forge_kit import errors
 from forge_kit.db import Database
 from forge_kit.events import stage_event
+from forge_preference_feedback.export import RatedPair, SnapshotManifest, write_snapshot
+from forge_preference_feedback.quality import Label, QualityPolicy, QualityReport, assess_raters
 from forge_preference_feedback.seeds import PreferencePair, arrange, stable_id
 from forge_preference_feedback.store import (
     AssignmentRow,
     ComparisonRow,
     PreferenceRow,
+    RaterRow,
     RewardModelRow,
+    SessionRow,
     utcnow,
 )
 
@@ -39,6 +49,30 @@ MAX_RATIONALE = 4000
 _RATER = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,127}$")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _VERSION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+MIN_PASSWORD = 8
+MAX_PASSWORD = 256
+UI_VERSION_MAX = 32
+REWARD_MODEL_STATUSES = ("candidate", "active", "retired")
+# Quality labels: the proto's choices A, B, TIE, BOTH_BAD as 0..3.
+QUALITY_CLASSES = 4
+_GOLD = {"A": Choice.PREFERENCE_CHOICE_A, "B": Choice.PREFERENCE_CHOICE_B}
+
+
+@dataclass(frozen=True)
+class Session:
+    """A live login: who, whether they are an admin, and the CSRF token their forms must carry."""
+
+    rater_id: str
+    is_admin: bool
+    csrf_token: str
+
+
+@dataclass(frozen=True)
+class Progress:
+    """How far a rater is: answers given, and comparisons still open to them."""
+
+    answered: int
+    remaining: int
 
 
 @dataclass(frozen=True)
@@ -67,14 +101,25 @@ class FeedbackService:
         *,
         producer: str = "preference_feedback",
         lease: dt.timedelta = dt.timedelta(minutes=10),
+        overlap: int = 3,
+        session_ttl: dt.timedelta = dt.timedelta(hours=12),
+        hasher: PasswordHasher | None = None,
+        token_factory: Callable[[], str] = lambda: secrets.token_urlsafe(32),
         clock: Callable[[], dt.datetime] = utcnow,
         on_commit: Callable[[], None] = lambda: None,
     ) -> None:
+        if overlap < 1:
+            raise ValueError("overlap must be at least 1")
         self._db = db
         self._producer = producer
         self._lease = lease
+        self._overlap = overlap
+        self._session_ttl = session_ttl
+        self._hasher = hasher or PasswordHasher()
+        self._new_token = token_factory
         self._clock = clock
         self._on_commit = on_commit
+        self._dummy_hash = ""
 
     # --- comparisons -------------------------------------------------------------------------
 
@@ -131,8 +176,10 @@ class FeedbackService:
         """The comparison this rater should answer next, reserved for them for the lease.
 
         1. A comparison already leased to the rater and not yet answered comes back (a reload
-        shows the same item). 2. Otherwise the first comparison the rater has not answered,
-        preferring ones no other rater holds a live lease on, then ones with fewer answers.
+        shows the same item). 2. Otherwise the first comparison the rater has not answered and
+        that does not yet have ``overlap`` raters (answers plus other raters' live leases),
+        preferring ones no other rater holds a live lease on, then ones with fewer answers — so
+        each item gets k independent answers, which agreement and Dawid–Skene need.
         3. Record the lease.
         """
         validate_rater("rater_id", rater_id)
@@ -157,6 +204,11 @@ class FeedbackService:
                     AssignmentRow.comparison_id == ComparisonRow.id,
                     AssignmentRow.rater_id != rater_id,
                     AssignmentRow.expires_at > now,
+                    # A lease its holder has answered is counted once, as the answer.
+                    ~sa.exists().where(
+                        PreferenceRow.comparison_id == AssignmentRow.comparison_id,
+                        PreferenceRow.rater_id == AssignmentRow.rater_id,
+                    ),
                 )
                 .scalar_subquery()
             )
@@ -167,7 +219,7 @@ class FeedbackService:
             )
             chosen = await session.scalar(
                 sa.select(ComparisonRow)
-                .where(ComparisonRow.id.not_in(answered))
+                .where(ComparisonRow.id.not_in(answered), answers + leased_by_others < self._overlap)
                 .order_by(leased_by_others, answers, ComparisonRow.seq)
                 .limit(1)
             )
@@ -190,7 +242,13 @@ class FeedbackService:
     # --- preferences -------------------------------------------------------------------------
 
     async def submit_preference(
-        self, comparison_id: str, rater_id: str, choice: int, confidence: float, rationale: str
+        self,
+        comparison_id: str,
+        rater_id: str,
+        choice: int,
+        confidence: float,
+        rationale: str,
+        ui_version: str = "grpc",
     ) -> PreferenceRow:
         """Record a rater's answer with its event. The same answer posted again (a retry, a double
         click) returns the first record; a different answer to the same comparison is refused."""
@@ -203,14 +261,23 @@ class FeedbackService:
             raise errors.ValidationError("confidence", "must be between 0 and 1")
         if len(rationale) > MAX_RATIONALE:
             raise errors.ValidationError("rationale", f"must be at most {MAX_RATIONALE} characters")
+        if len(ui_version) > UI_VERSION_MAX:
+            raise errors.ValidationError("ui_version", f"must be at most {UI_VERSION_MAX} characters")
+        args = (comparison_id, rater_id, choice, confidence, rationale, ui_version)
         try:
-            return await self._record(comparison_id, rater_id, choice, confidence, rationale)
+            return await self._record(*args)
         except IntegrityError:
             # A concurrent identical submit won the race; answer as the retry it is.
-            return await self._record(comparison_id, rater_id, choice, confidence, rationale)
+            return await self._record(*args)
 
     async def _record(
-        self, comparison_id: str, rater_id: str, choice: int, confidence: float, rationale: str
+        self,
+        comparison_id: str,
+        rater_id: str,
+        choice: int,
+        confidence: float,
+        rationale: str,
+        ui_version: str,
     ) -> PreferenceRow:
         async with self._db.session() as session:
             comparison = await session.get(ComparisonRow, comparison_id)
@@ -229,7 +296,8 @@ class FeedbackService:
                 raise errors.AlreadyExistsError(
                     f"rater {rater_id!r} already answered comparison {comparison_id!r} (preference {existing.id})"
                 )
-            if await session.get(AssignmentRow, (comparison_id, rater_id)) is None:
+            assignment = await session.get(AssignmentRow, (comparison_id, rater_id))
+            if assignment is None:
                 raise errors.ValidationError(
                     "comparison_id", f"comparison {comparison_id!r} was not assigned to rater {rater_id!r}"
                 )
@@ -241,6 +309,8 @@ class FeedbackService:
                 confidence=confidence,
                 rationale=rationale,
                 created_at=self._clock(),
+                shown_at=assignment.assigned_at,
+                ui_version=ui_version,
             )
             session.add(row)
             await session.flush()
@@ -267,6 +337,182 @@ class FeedbackService:
             rejected_text=rejected[1],
         )
         await stage_event(session, event, producer=self._producer, key=comparison.id)
+
+    async def progress(self, rater_id: str) -> Progress:
+        """Answers the rater has given and comparisons still open to them (under the overlap)."""
+        validate_rater("rater_id", rater_id)
+        answered = sa.select(PreferenceRow.comparison_id).where(PreferenceRow.rater_id == rater_id)
+        answers = (
+            sa.select(sa.func.count())
+            .where(PreferenceRow.comparison_id == ComparisonRow.id)
+            .scalar_subquery()
+        )
+        async with self._db.session() as session:
+            done = int(
+                await session.scalar(
+                    sa.select(sa.func.count())
+                    .select_from(PreferenceRow)
+                    .where(PreferenceRow.rater_id == rater_id)
+                )
+                or 0
+            )
+            open_ = int(
+                await session.scalar(
+                    sa.select(sa.func.count())
+                    .select_from(ComparisonRow)
+                    .where(ComparisonRow.id.not_in(answered), answers < self._overlap)
+                )
+                or 0
+            )
+        return Progress(answered=done, remaining=open_)
+
+    # --- rater accounts and sessions ------------------------------------------------------------
+
+    async def create_rater(self, rater_id: str, password: str, *, is_admin: bool = False) -> RaterRow:
+        """Add a rater account; the password is stored only as an Argon2id hash."""
+        validate_rater("rater_id", rater_id)
+        if not MIN_PASSWORD <= len(password) <= MAX_PASSWORD:
+            raise errors.ValidationError(
+                "password", f"must be {MIN_PASSWORD} to {MAX_PASSWORD} characters long"
+            )
+        row = RaterRow(
+            id=rater_id,
+            password_hash=self._hasher.hash(password),
+            is_admin=is_admin,
+            created_at=self._clock(),
+        )
+        async with self._db.session() as session:
+            if await session.get(RaterRow, rater_id) is not None:
+                raise errors.AlreadyExistsError(f"rater {rater_id!r} already exists")
+            session.add(row)
+        return row
+
+    async def login(self, rater_id: str, password: str) -> tuple[str, Session]:
+        """Check the password and open a session; returns the cookie token (shown once, stored
+        hashed) and the session. A wrong name and a wrong password give the same error."""
+        async with self._db.session() as session:
+            rater = await session.get(RaterRow, rater_id) if _RATER.match(rater_id or "") else None
+            if rater is None and not self._dummy_hash:
+                # Verified against when the rater does not exist, so a miss costs as much as a hit.
+                self._dummy_hash = self._hasher.hash("not-a-password")
+            try:
+                self._hasher.verify(rater.password_hash if rater else self._dummy_hash, password)
+            except (VerificationError, InvalidHashError):
+                rater = None
+            if rater is None:
+                raise errors.UnauthenticatedError("unknown rater or wrong password")
+            token, now = self._new_token(), self._clock()
+            row = SessionRow(
+                token_hash=_token_hash(token),
+                rater_id=rater.id,
+                csrf_token=secrets.token_urlsafe(32),
+                created_at=now,
+                expires_at=now + self._session_ttl,
+            )
+            session.add(row)
+            return token, Session(rater.id, rater.is_admin, row.csrf_token)
+
+    async def session_for(self, token: str) -> Session | None:
+        """The live session of a cookie token, or None (unknown, expired or logged out)."""
+        if not token:
+            return None
+        async with self._db.session() as session:
+            row = await session.get(SessionRow, _token_hash(token))
+            if row is None or row.expires_at <= self._clock():
+                return None
+            rater = await session.get(RaterRow, row.rater_id)
+            if rater is None:
+                return None
+            return Session(rater.id, rater.is_admin, row.csrf_token)
+
+    async def logout(self, token: str) -> None:
+        async with self._db.session() as session:
+            await session.execute(sa.delete(SessionRow).where(SessionRow.token_hash == _token_hash(token)))
+
+    # --- rater quality ------------------------------------------------------------------------
+
+    async def rater_quality(self, policy: QualityPolicy = QualityPolicy()) -> QualityReport:
+        """Quality of every rater over all preferences recorded so far (see :mod:`.quality`)."""
+        async with self._db.session() as session:
+            rows = (
+                await session.execute(
+                    sa.select(
+                        PreferenceRow.comparison_id,
+                        PreferenceRow.rater_id,
+                        PreferenceRow.choice,
+                        PreferenceRow.created_at,
+                        PreferenceRow.shown_at,
+                    )
+                )
+            ).all()
+            golds = (
+                await session.execute(
+                    sa.select(ComparisonRow.id, ComparisonRow.gold_choice).where(
+                        ComparisonRow.id.in_({r.comparison_id for r in rows}), ComparisonRow.gold_choice != ""
+                    )
+                )
+            ).all()
+        labels = [
+            Label(
+                r.comparison_id,
+                r.rater_id,
+                r.choice - 1,
+                (r.created_at - r.shown_at).total_seconds() if r.shown_at else float("nan"),
+            )
+            for r in rows
+        ]
+        gold = {g.id: _GOLD[g.gold_choice] - 1 for g in golds if g.gold_choice in _GOLD}
+        return assess_raters(labels, QUALITY_CLASSES, gold, policy)
+
+    async def export_snapshot(
+        self, out: Path, *, heldout_fraction: float = 0.1, policy: QualityPolicy = QualityPolicy()
+    ) -> SnapshotManifest:
+        """Write the accepted A/B pairs as a training snapshot (see :mod:`.export`).
+
+        1. Assess the raters; flagged raters' labels are excluded, with the reasons in the manifest.
+        2. Ties and "both bad" carry no preference between the two responses and are left out
+           (counted). 3. Everything else is written with its rater's weight.
+        """
+        # 1.
+        report = await self.rater_quality(policy)
+        excluded_raters = report.flagged()
+        weights = {q.rater: q.weight for q in report.raters}
+        # 2-3.
+        excluded: Counter[str] = Counter()
+        pairs: list[RatedPair] = []
+        async with self._db.session() as session:
+            rows = (
+                await session.execute(
+                    sa.select(PreferenceRow, ComparisonRow)
+                    .join(ComparisonRow, ComparisonRow.id == PreferenceRow.comparison_id)
+                    .order_by(PreferenceRow.created_at, PreferenceRow.id)
+                )
+            ).all()
+        for pref, comparison in rows:
+            if pref.choice not in (Choice.PREFERENCE_CHOICE_A, Choice.PREFERENCE_CHOICE_B):
+                excluded["tie_or_both_bad"] += 1
+                continue
+            a, b = comparison.response_a_text, comparison.response_b_text
+            chosen, rejected = (a, b) if pref.choice == Choice.PREFERENCE_CHOICE_A else (b, a)
+            pairs.append(
+                RatedPair(
+                    pref.id,
+                    comparison.id,
+                    pref.rater_id,
+                    comparison.prompt,
+                    chosen,
+                    rejected,
+                    pref.created_at.isoformat(),
+                )
+            )
+        return write_snapshot(
+            pairs,
+            out,
+            heldout_fraction=heldout_fraction,
+            excluded_raters=excluded_raters,
+            excluded=excluded,
+            weights=weights,
+        )
 
     # --- reward models -----------------------------------------------------------------------
 
@@ -325,3 +571,25 @@ class FeedbackService:
                 )
             ).all()
         return list(rows), total
+
+    async def set_reward_model_status(self, name: str, version: str, status: str) -> RewardModelRow:
+        """Move a reward-model version between candidate, active and retired. Making one version
+        active retires the previously active version of that name, so ``active`` names one model."""
+        if status not in REWARD_MODEL_STATUSES:
+            raise errors.ValidationError("status", f"must be one of {', '.join(REWARD_MODEL_STATUSES)}")
+        async with self._db.session() as session:
+            row = await session.get(RewardModelRow, (name, version))
+            if row is None:
+                raise errors.NotFoundError(f"reward model {name}:{version} not found")
+            if status == "active":
+                await session.execute(
+                    sa.update(RewardModelRow)
+                    .where(RewardModelRow.name == name, RewardModelRow.status == "active")
+                    .values(status="retired")
+                )
+            row.status = status
+        return row
+
+
+def _token_hash(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()

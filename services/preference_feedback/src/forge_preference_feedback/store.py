@@ -64,6 +64,10 @@ class PreferenceRow(Base):
     confidence: Mapped[float] = mapped_column(sa.Float)
     rationale: Mapped[str] = mapped_column(sa.Text, default="")
     created_at: Mapped[dt.datetime] = mapped_column(sa.DateTime, default=utcnow)
+    shown_at: Mapped[dt.datetime | None] = mapped_column(sa.DateTime, nullable=True, default=None)
+    """When the comparison was handed to the rater: ``created_at - shown_at`` is the time spent."""
+    ui_version: Mapped[str] = mapped_column(sa.String(32), default="")
+    """Which client recorded it (the web UI's version, or ``grpc``)."""
 
 
 class RewardModelRow(Base):
@@ -76,3 +80,30 @@ class RewardModelRow(Base):
     uri: Mapped[str] = mapped_column(sa.Text)
     metrics: Mapped[dict[str, float]] = mapped_column(sa.JSON, default=dict)
     created_at: Mapped[dt.datetime] = mapped_column(sa.DateTime, default=utcnow, index=True)
+    status: Mapped[str] = mapped_column(sa.String(16), default="candidate")
+    """``candidate`` when registered; an admin makes it ``active`` or ``retired`` (the only mutable field)."""
+
+
+class RaterRow(Base):
+    """A rater account; ``password_hash`` is an Argon2id hash (never the password)."""
+
+    __tablename__ = "feedback_raters"
+
+    id: Mapped[str] = mapped_column(sa.String(128), primary_key=True)
+    password_hash: Mapped[str] = mapped_column(sa.String(255))
+    is_admin: Mapped[bool] = mapped_column(sa.Boolean, default=False)
+    created_at: Mapped[dt.datetime] = mapped_column(sa.DateTime, default=utcnow)
+
+
+class SessionRow(Base):
+    """A logged-in browser session. Only the SHA-256 of the cookie token is stored, so a copy of
+    the database cannot be replayed as a login; ``csrf_token`` is the synchroniser token that
+    every form of the session must carry."""
+
+    __tablename__ = "feedback_sessions"
+
+    token_hash: Mapped[str] = mapped_column(sa.String(64), primary_key=True)
+    rater_id: Mapped[str] = mapped_column(sa.ForeignKey("feedback_raters.id"), index=True)
+    csrf_token: Mapped[str] = mapped_column(sa.String(64))
+    created_at: Mapped[dt.datetime] = mapped_column(sa.DateTime)
+    expires_at: Mapped[dt.datetime] = mapped_column(sa.DateTime, index=True)

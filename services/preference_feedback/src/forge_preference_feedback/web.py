@@ -1,0 +1,309 @@
+"""The rater web UI (server-rendered pages) and its JSON API on the service's HTTP port,
+translation only.
+
+Pages: ``/ui/login``, ``/ui/rate`` (the queue: one comparison at a time, A / B / tie / both bad,
+optional reason, keyboard shortcuts, progress), ``/ui/admin`` (rater statistics, agreement,
+flagged raters, reward-model versions; admins only).
+
+Security, and why:
+- sessions are random cookie tokens stored hashed (:meth:`FeedbackService.login`), ``HttpOnly``
+  and ``SameSite=Strict`` so scripts and cross-site requests cannot use them;
+- every form carries a CSRF token: the session's synchroniser token once logged in, and a
+  double-submit cookie on the login form (login CSRF would log a victim in as the attacker);
+- a Content-Security-Policy allowing only this origin's script, so injected markup cannot run;
+  all text is escaped by Jinja2's autoescape.
+A double click posts the same answer twice; the service records it once, and the page script
+disables the buttons after the first press.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from collections.abc import Awaitable, Callable
+from importlib import resources
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Form, Request
+from fastapi.responses import HTMLResponse, RedirectResponse, Response
+from forge.common.v1 import common_pb2
+from jinja2 import Environment, PackageLoader, select_autoescape
+from pydantic import BaseModel, Field
+
+from forge_kit import errors
+from forge_preference_feedback.quality import QualityPolicy
+from forge_preference_feedback.service import FeedbackService, Session
+
+UI_VERSION = "web-1"
+SESSION_COOKIE = "forge_feedback_session"
+LOGIN_CSRF_COOKIE = "forge_feedback_login_csrf"
+CHOICES = {
+    "A": common_pb2.PREFERENCE_CHOICE_A,
+    "B": common_pb2.PREFERENCE_CHOICE_B,
+    "TIE": common_pb2.PREFERENCE_CHOICE_TIE,
+    "BOTH_BAD": common_pb2.PREFERENCE_CHOICE_BOTH_BAD,
+}
+SECURITY_HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; "
+    "form-action 'self'; frame-ancestors 'none'; base-uri 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "same-origin",
+    "Cache-Control": "no-store",
+}
+STATIC = {"rate.js": "text/javascript", "style.css": "text/css"}
+
+_templates = Environment(
+    loader=PackageLoader("forge_preference_feedback", "templates"),
+    autoescape=select_autoescape(["html"]),
+    trim_blocks=True,
+    lstrip_blocks=True,
+)
+
+
+def _fmt(value: float, spec: str = ".2f") -> str:
+    return "–" if value != value or math.isinf(value) else format(value, spec)
+
+
+_templates.filters["fmt"] = _fmt
+
+
+def _page(template: str, status: int = 200, **context: Any) -> HTMLResponse:
+    html = _templates.get_template(template).render(ui_version=UI_VERSION, **context)
+    return HTMLResponse(html, status_code=status, headers=SECURITY_HEADERS)
+
+
+def _csrf_ok(expected: str, given: str) -> bool:
+    return bool(expected) and secrets.compare_digest(expected.encode(), given.encode())
+
+
+def rater_ui(
+    service: FeedbackService,
+    *,
+    secure_cookies: bool,
+    session_max_age_s: int,
+    policy: QualityPolicy = QualityPolicy(),
+) -> APIRouter:
+    """The ``/ui`` routes over ``service``; ``secure_cookies`` marks cookies HTTPS-only."""
+    router = APIRouter(prefix="/ui", include_in_schema=False)
+
+    async def current(request: Request) -> Session | None:
+        return await service.session_for(request.cookies.get(SESSION_COOKIE, ""))
+
+    def to_login() -> Response:
+        return RedirectResponse("/ui/login", status_code=303, headers=SECURITY_HEADERS)
+
+    Handler = Callable[[Session], Awaitable[Response]]
+
+    async def guarded(request: Request, csrf: str | None, admin: bool, handler: Handler) -> Response:
+        """1. A session is required (pages redirect to login; form posts get 401). 2. Admin
+        pages need an admin (403). 3. Posts must carry the session's CSRF token (403)."""
+        session = await current(request)
+        if session is None:
+            if csrf is None:
+                return to_login()
+            return _page("error.html", 401, title="Not logged in", message="Log in again.", session=None)
+        if admin and not session.is_admin:
+            return _page("error.html", 403, title="Forbidden", message="Admins only.", session=session)
+        if csrf is not None and not _csrf_ok(session.csrf_token, csrf):
+            return _page(
+                "error.html",
+                403,
+                title="Forbidden",
+                message="Invalid or missing CSRF token.",
+                session=session,
+            )
+        return await handler(session)
+
+    @router.get("/static/{name}")
+    async def static(name: str) -> Response:
+        if name not in STATIC:
+            raise errors.NotFoundError(f"no static file {name!r}")
+        body = resources.files("forge_preference_feedback").joinpath("static", name).read_bytes()
+        return Response(body, media_type=STATIC[name], headers={"Cache-Control": "max-age=300"})
+
+    @router.get("")
+    async def root(request: Request) -> Response:
+        session = await current(request)
+        return RedirectResponse("/ui/rate" if session else "/ui/login", status_code=303)
+
+    @router.get("/login")
+    async def login_page(request: Request) -> Response:
+        token = secrets.token_urlsafe(32)
+        response = _page("login.html", csrf=token, error="", rater_id="", session=None)
+        response.set_cookie(
+            LOGIN_CSRF_COOKIE, token, httponly=True, samesite="strict", secure=secure_cookies, path="/ui"
+        )
+        return response
+
+    @router.post("/login")
+    async def login(
+        request: Request,
+        rater_id: Annotated[str, Form()] = "",
+        password: Annotated[str, Form()] = "",
+        csrf: Annotated[str, Form()] = "",
+    ) -> Response:
+        if not _csrf_ok(request.cookies.get(LOGIN_CSRF_COOKIE, ""), csrf):
+            return _page(
+                "error.html", 403, title="Forbidden", message="Invalid or missing CSRF token.", session=None
+            )
+        try:
+            token, _ = await service.login(rater_id, password)
+        except errors.UnauthenticatedError as exc:
+            return _page(
+                "login.html", 401, csrf=csrf, error=exc.message, rater_id=rater_id[:128], session=None
+            )
+        response = RedirectResponse("/ui/rate", status_code=303, headers=SECURITY_HEADERS)
+        response.set_cookie(
+            SESSION_COOKIE,
+            token,
+            httponly=True,
+            samesite="strict",
+            secure=secure_cookies,
+            path="/",
+            max_age=session_max_age_s,
+        )
+        response.delete_cookie(LOGIN_CSRF_COOKIE, path="/ui")
+        return response
+
+    @router.post("/logout")
+    async def logout(request: Request, csrf: Annotated[str, Form()] = "") -> Response:
+        async def handle(session: Session) -> Response:
+            await service.logout(request.cookies.get(SESSION_COOKIE, ""))
+            response = to_login()
+            response.delete_cookie(SESSION_COOKIE, path="/")
+            return response
+
+        return await guarded(request, csrf, False, handle)
+
+    @router.get("/rate")
+    async def rate_page(request: Request, recorded: str = "") -> Response:
+        async def handle(session: Session) -> Response:
+            item = await service.next_comparison(session.rater_id)
+            progress = await service.progress(session.rater_id)
+            return _page(
+                "rate.html", session=session, item=item, progress=progress, recorded=recorded[:40], error=""
+            )
+
+        return await guarded(request, None, False, handle)
+
+    @router.post("/rate")
+    async def rate(
+        request: Request,
+        comparison_id: Annotated[str, Form()] = "",
+        choice: Annotated[str, Form()] = "",
+        reason: Annotated[str, Form()] = "",
+        csrf: Annotated[str, Form()] = "",
+    ) -> Response:
+        async def handle(session: Session) -> Response:
+            try:
+                if choice not in CHOICES:
+                    raise errors.ValidationError("choice", "must be A, B, TIE or BOTH_BAD")
+                row = await service.submit_preference(
+                    comparison_id, session.rater_id, CHOICES[choice], 1.0, reason.strip(), UI_VERSION
+                )
+            except (errors.ValidationError, errors.AlreadyExistsError) as exc:
+                status = 409 if isinstance(exc, errors.AlreadyExistsError) else 400
+                field = getattr(exc, "field", "")
+                message = f"{field}: {exc.message}" if field else exc.message
+                return _page("error.html", status, title="Not recorded", message=message, session=session)
+            return RedirectResponse(f"/ui/rate?recorded={row.id}", status_code=303, headers=SECURITY_HEADERS)
+
+        return await guarded(request, csrf, False, handle)
+
+    @router.get("/admin")
+    async def admin_page(request: Request) -> Response:
+        async def handle(session: Session) -> Response:
+            report = await service.rater_quality(policy)
+            models, _ = await service.list_reward_models("", 100, 0)
+            return _page("admin.html", session=session, report=report, models=models, policy=policy)
+
+        return await guarded(request, None, True, handle)
+
+    @router.post("/admin/reward-models")
+    async def set_status(
+        request: Request,
+        name: Annotated[str, Form()] = "",
+        version: Annotated[str, Form()] = "",
+        status: Annotated[str, Form()] = "",
+        csrf: Annotated[str, Form()] = "",
+    ) -> Response:
+        async def handle(session: Session) -> Response:
+            try:
+                await service.set_reward_model_status(name, version, status)
+            except (errors.ValidationError, errors.NotFoundError) as exc:
+                code = 404 if isinstance(exc, errors.NotFoundError) else 400
+                return _page("error.html", code, title="Not changed", message=exc.message, session=session)
+            return RedirectResponse("/ui/admin", status_code=303, headers=SECURITY_HEADERS)
+
+        return await guarded(request, csrf, True, handle)
+
+    return router
+
+
+class LoginBody(BaseModel):
+    """``POST /api/v1/sessions``."""
+
+    rater_id: str = Field(max_length=128)
+    password: str = Field(max_length=256)
+
+
+class PreferenceBody(BaseModel):
+    """``POST /api/v1/preferences``: the rater's answer to a comparison handed to them."""
+
+    comparison_id: str = Field(max_length=64)
+    choice: str = Field(description="A, B, TIE or BOTH_BAD")
+    reason: str = ""
+    confidence: float = 1.0
+
+
+def rater_api(service: FeedbackService, *, ui_version: str = "api-1") -> APIRouter:
+    """JSON API for rating tools and load tests: ``POST /api/v1/sessions`` (log in, get a bearer
+    token), ``GET /api/v1/comparisons/next``, ``POST /api/v1/preferences``. Bearer tokens are not
+    sent by browsers on their own, so these routes need no CSRF token; errors are the kit's JSON
+    bodies naming the field."""
+    router = APIRouter(prefix="/api/v1")
+
+    async def bearer(request: Request) -> Session:
+        header = request.headers.get("authorization", "")
+        token = header[len("Bearer ") :] if header.startswith("Bearer ") else ""
+        session = await service.session_for(token)
+        if session is None:
+            raise errors.UnauthenticatedError("missing, unknown or expired session token")
+        return session
+
+    @router.post("/sessions")
+    async def open_session(body: LoginBody) -> dict[str, object]:
+        token, session = await service.login(body.rater_id, body.password)
+        return {"token": token, "rater_id": session.rater_id, "is_admin": session.is_admin}
+
+    @router.get("/comparisons/next")
+    async def next_comparison(request: Request) -> dict[str, object]:
+        session = await bearer(request)
+        row = await service.next_comparison(session.rater_id)
+        if row is None:
+            return {"comparison": None}
+        return {
+            "comparison": {
+                "id": row.id,
+                "prompt": row.prompt,
+                "response_a": row.response_a_text,
+                "response_b": row.response_b_text,
+            }
+        }
+
+    @router.post("/preferences")
+    async def submit(body: PreferenceBody, request: Request) -> dict[str, str]:
+        session = await bearer(request)
+        if body.choice not in CHOICES:
+            raise errors.ValidationError("choice", "must be A, B, TIE or BOTH_BAD")
+        row = await service.submit_preference(
+            body.comparison_id,
+            session.rater_id,
+            CHOICES[body.choice],
+            body.confidence,
+            body.reason,
+            ui_version,
+        )
+        return {"preference_id": row.id}
+
+    return router
