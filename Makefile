@@ -5,6 +5,7 @@
 #   make down      stop everything `make up` started
 #   make status    pid, liveness and health of each component
 #   make test      every test, in one pytest run
+#   make fuzz      hypothesis-generated requests against every RPC (1000 per RPC; no INTERNAL allowed)
 #   make faults    fault injection: kill -9 / restart each component under load, count what survived
 #   make verify    the gate: ruff, ruff format, mypy, buf lint, stub freshness, import contracts
 #   make bench     load and soak scenarios under load/
@@ -32,7 +33,7 @@ NPM_STAMP := node_modules/.installed-$(shell sha256sum package-lock.json | cut -
 
 PYTEST_TIMEOUT ?= 300
 
-.PHONY: help install up down status test faults verify bench gen clean
+.PHONY: help install up down status test fuzz faults verify bench gen clean
 
 help:
 	@sed -n 's/^#   //p' Makefile
@@ -63,6 +64,9 @@ status: install
 
 test: install
 	$(VENV)/bin/pytest -q --timeout=$(PYTEST_TIMEOUT) -m "not faults_full" libs services tests
+
+fuzz: install
+	FORGE_FUZZ_EXAMPLES=$${FORGE_FUZZ_EXAMPLES:-1000} $(VENV)/bin/pytest -q -s --timeout=3600 tests/fuzz
 
 faults: install
 	$(VENV)/bin/pytest -q -s --timeout=$(PYTEST_TIMEOUT) tests/faults
