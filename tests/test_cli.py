@@ -73,6 +73,40 @@ def test_a_plugin_typer_app_becomes_a_subcommand(monkeypatch: pytest.MonkeyPatch
     assert "hello forge" in result.output
 
 
+def test_two_packages_sharing_a_subcommand_name_merge(monkeypatch: pytest.MonkeyPatch) -> None:
+    import types
+
+    import typer
+
+    first, second = typer.Typer(), typer.Typer()
+
+    @first.command()
+    def run() -> None:
+        typer.echo("ran")
+
+    @first.command()
+    def compare() -> None:
+        typer.echo("compared")
+
+    @second.command()
+    def retrieval() -> None:
+        typer.echo("retrieved")
+
+    for module_name, typer_app in (("tests_cli_eval_a", first), ("tests_cli_eval_b", second)):
+        module = types.ModuleType(module_name)
+        module.app = typer_app  # type: ignore[attr-defined]
+        monkeypatch.setitem(sys.modules, module_name, module)
+    eps = [
+        EntryPoint(name="evalx", value="tests_cli_eval_a:app", group=plugins.GROUP),
+        EntryPoint(name="evalx", value="tests_cli_eval_b:app", group=plugins.GROUP),
+    ]
+    monkeypatch.setattr(plugins, "plugin_entry_points", lambda group=plugins.GROUP: {"evalx": eps})
+    for args, expected in ((["evalx", "run"], "ran"), (["evalx", "retrieval"], "retrieved")):
+        result = runner.invoke(app, args)
+        assert result.exit_code == 0, result.output
+        assert expected in result.output
+
+
 # --- tokens -------------------------------------------------------------------------------------
 
 

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -11,6 +12,8 @@ from forge_eval.service import EvalService
 from forge_eval.spec import BenchmarkCatalog, RunSpec, resolve_data_path
 from forge_kit.db import Database
 from forge_kit.events import OutboxEvent
+
+sys.path.insert(0, str(Path(__file__).parent))
 
 MIGRATIONS = Path(__file__).parents[1] / "src" / "forge_eval" / "migrations"
 BENCHMARKS = resolve_data_path("../shared/data/benchmarks")

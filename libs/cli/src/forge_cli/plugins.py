@@ -22,11 +22,12 @@ GROUP = "forge.cli"
 PANEL = "Service commands"
 
 
-def plugin_entry_points(group: str = GROUP) -> dict[str, EntryPoint]:
-    """Entry points by subcommand name; the first one wins if two packages claim a name."""
-    found: dict[str, EntryPoint] = {}
-    for ep in entry_points(group=group):
-        found.setdefault(ep.name, ep)
+def plugin_entry_points(group: str = GROUP) -> dict[str, list[EntryPoint]]:
+    """Entry points by subcommand name. Several packages may share a name (``forge eval`` gets
+    ``run``/``compare`` from eval and ``retrieval`` from the retriever): their commands merge."""
+    found: dict[str, list[EntryPoint]] = {}
+    for ep in sorted(entry_points(group=group), key=lambda e: (e.name, e.value)):
+        found.setdefault(ep.name, []).append(ep)
     return found
 
 
@@ -44,8 +45,20 @@ def _broken_command(name: str, ep: EntryPoint, exc: BaseException) -> Command:
     return typer.main.get_command(stub)
 
 
-def load_plugin(name: str, ep: EntryPoint) -> Command:
-    """Import one plugin and turn it into a command named ``name``."""
+def load_plugin(name: str, eps: EntryPoint | list[EntryPoint]) -> Command:
+    """Import the plugin(s) registered as ``name`` and turn them into one command."""
+    if isinstance(eps, list):
+        if len(eps) > 1:
+            return _merged(name, [_load(name, ep) for ep in eps])
+        eps = eps[0]
+    command = _load(name, eps)
+    command.name = name
+    setattr(command, "rich_help_panel", PANEL)  # noqa: B010 - listed apart from built-ins in `forge --help`
+    return command
+
+
+def _load(name: str, ep: EntryPoint) -> Command:
+    """The plugin's command as typer builds it (a one-command app keeps its command's name)."""
     try:
         obj = ep.load()
         if not isinstance(obj, typer.Typer):
@@ -53,9 +66,22 @@ def load_plugin(name: str, ep: EntryPoint) -> Command:
         command = typer.main.get_command(obj)
     except Exception as exc:  # noqa: BLE001 - any import-time failure becomes a stub command
         command = _broken_command(name, ep, exc)
-    command.name = name
-    setattr(command, "rich_help_panel", PANEL)  # noqa: B010 - listed apart from built-ins in `forge --help`
     return command
+
+
+def _merged(name: str, commands: list[Command]) -> Command:
+    """One group holding the subcommands of every plugin that claimed ``name``; a plugin that is
+    a single command is added under its own name. The first claim of a subcommand name wins."""
+    group = TyperGroup(name=name, help=" / ".join(c.help.splitlines()[0] for c in commands if c.help))
+    for command in commands:
+        subcommands = getattr(command, "commands", None)
+        if subcommands is None:
+            group.commands.setdefault(command.name, command)
+            continue
+        for sub_name, sub in subcommands.items():
+            group.commands.setdefault(sub_name, sub)
+    setattr(group, "rich_help_panel", PANEL)  # noqa: B010
+    return group
 
 
 class PluginGroup(TyperGroup):

@@ -9,9 +9,10 @@ from forge.eval.v1 import eval_pb2, eval_pb2_grpc
 
 from forge_eval.api import EvalApi
 from forge_eval.config import EvalSettings
-from forge_eval.runner import OpenAICompletionsRunner
 from forge_eval.service import EvalService
 from forge_eval.spec import BenchmarkCatalog, resolve_data_path
+from forge_eval.task_runner import TaskSuiteRunner
+from forge_eval.tasks import DataRoots
 from forge_kit.app import ServiceApp
 
 
@@ -21,10 +22,13 @@ async def main() -> None:
     db = await app.open_database("eval.db", Path(__file__).parent / "migrations")
     relay = app.enable_outbox()
     benchmarks = resolve_data_path(settings.benchmarks_dir)
-    runner = OpenAICompletionsRunner(
-        benchmarks,
+    runner = TaskSuiteRunner(
+        DataRoots(benchmarks, resolve_data_path(settings.corpora_dir)),
+        cache_path=Path(settings.response_cache_path) if settings.response_cache_path else None,
         token=settings.inference_gateway_token.get_secret_value(),
         timeout_s=settings.request_timeout_s,
+        batch_size=settings.request_batch_size,
+        concurrency=settings.request_concurrency,
     )
     service = EvalService(
         db,

@@ -27,6 +27,18 @@ class EvalSettings(ServiceSettings):
     benchmarks_dir: str = "../shared/data/benchmarks"
     """Root of the benchmark data (one folder per suite, MANIFEST.tsv); relative to the repository."""
 
+    corpora_dir: str = "../shared/data/corpora"
+    """Root of the text corpora perplexity tasks read; relative to the repository."""
+
+    response_cache_path: str = "var/cache/eval/responses.sqlite"
+    """SQLite response cache keyed by request and model identity; empty disables it."""
+
+    request_batch_size: int = Field(default=16, ge=1, le=256)
+    """Prompts per /v1/completions request (1 for endpoints that take one prompt per request)."""
+
+    request_concurrency: int = Field(default=8, ge=1, le=256)
+    """Requests in flight to the model endpoint per run."""
+
     run_concurrency: int = Field(default=1, ge=1, le=64)
     """Eval runs executed at the same time by this process."""
 

@@ -26,8 +26,10 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from forge_eval import stats
 from forge_eval.runner import ExampleResult, RunnerError, SuiteRunner
+from forge_eval.scorers import SCORERS
 from forge_eval.spec import BenchmarkCatalog, RunSpec, normalize_options
 from forge_eval.store import ExampleRow, MetricRow, ModelRow, RunRow, StageEventRow, utcnow
+from forge_eval.tasks import load_task, shipped_tasks
 from forge_kit import errors
 from forge_kit.db import Database
 from forge_kit.events import stage_event
@@ -93,18 +95,37 @@ def validate_stage(field: str, value: str) -> None:
         raise errors.ValidationError(field, "must be lowercase letters, digits and '-', e.g. 'production'")
 
 
-def verdict_of(deltas: tuple[MetricDelta, ...]) -> int:
-    """WORSE if any metric is significantly lower, BETTER if some are higher and none lower, else
-    NO_DIFFERENCE; significance at ``ALPHA`` / number of metrics (Bonferroni)."""
+def verdict_of(deltas: tuple[MetricDelta, ...], tolerance: float = 0.0) -> int:
+    """The release-gate rule on intervals already widened for the number of metrics (Bonferroni):
+    WORSE when some metric's interval lies entirely below −``tolerance`` in its better direction,
+    BETTER when none does and some lies entirely above ``tolerance``, else NO_DIFFERENCE."""
     if not deltas:
         return Verdict.VERDICT_NO_DIFFERENCE
-    alpha = ALPHA / len(deltas)
-    significant = [d.result for d in deltas if d.result.p_value < alpha]
-    if any(r.delta < 0 for r in significant):
+    gains = [
+        (d.result.ci_low, d.result.ci_high)
+        if _higher_is_better(d.name)
+        else (-d.result.ci_high, -d.result.ci_low)
+        for d in deltas
+    ]
+    if any(high < -tolerance for _, high in gains):
         return Verdict.VERDICT_WORSE
-    if any(r.delta > 0 for r in significant):
+    if any(low > tolerance for low, _ in gains):
         return Verdict.VERDICT_BETTER
     return Verdict.VERDICT_NO_DIFFERENCE
+
+
+def _higher_is_better(metric: str) -> bool:
+    for scorer in SCORERS.values():
+        if metric in scorer.higher_is_better:
+            return scorer.higher_is_better[metric]
+    return True
+
+
+def _tolerance(suite: str) -> float:
+    """The suite's gate tolerance from its shipped task file; 0 for suites without one."""
+    if suite not in shipped_tasks():
+        return 0.0
+    return load_task(suite).gate.tolerance
 
 
 class EvalService:
@@ -567,7 +588,12 @@ class EvalService:
         ).all()
         for baseline in candidates:
             if not RunSpec.from_dict(baseline.spec).differences(spec):
-                comparison = _compare(await _example_scores(session, baseline.id), scores, seed=spec.seed)
+                comparison = _compare(
+                    await _example_scores(session, baseline.id),
+                    scores,
+                    seed=spec.seed,
+                    tolerance=_tolerance(spec.suite),
+                )
                 return comparison.verdict != Verdict.VERDICT_WORSE
         return True
 
@@ -601,21 +627,32 @@ class EvalService:
                 await _example_scores(session, baseline_id),
                 await _example_scores(session, candidate_id),
                 seed=spec_b.seed,
+                tolerance=_tolerance(spec_b.suite),
             )
 
 
 def _compare(
-    baseline: dict[str, dict[str, float]], candidate: dict[str, dict[str, float]], *, seed: int
+    baseline: dict[str, dict[str, float]],
+    candidate: dict[str, dict[str, float]],
+    *,
+    seed: int,
+    tolerance: float = 0.0,
 ) -> Comparison:
+    """Paired comparison per metric at confidence 1 − ALPHA/m for m metrics, and its verdict."""
+    metrics = sorted(baseline.keys() & candidate.keys())
+    confidence = 1 - ALPHA / max(1, len(metrics))
     deltas = []
-    for metric in sorted(baseline.keys() & candidate.keys()):
+    for metric in metrics:
         ids = sorted(baseline[metric].keys() & candidate[metric].keys())
         result = stats.paired_compare(
-            [baseline[metric][i] for i in ids], [candidate[metric][i] for i in ids], seed=seed
+            [baseline[metric][i] for i in ids],
+            [candidate[metric][i] for i in ids],
+            seed=seed,
+            confidence=confidence,
         )
         deltas.append(MetricDelta(metric, result))
     frozen = tuple(deltas)
-    return Comparison(frozen, verdict_of(frozen))
+    return Comparison(frozen, verdict_of(frozen, tolerance))
 
 
 async def _example_scores(session: AsyncSession, run_id: str) -> dict[str, dict[str, float]]:

@@ -44,9 +44,19 @@ class PairedResult:
 
 
 def _bootstrap_means(values: np.ndarray, resamples: int, seed: int) -> np.ndarray:
-    """Means of ``resamples`` bootstrap resamples, drawn in chunks to bound memory."""
+    """Means of ``resamples`` bootstrap resamples.
+
+    A resample's mean depends only on how often each distinct value is drawn, so when the scores
+    take few distinct values (0/1 accuracy, paired differences in {-1, 0, 1}) the counts are drawn
+    from one multinomial per resample — O(resamples × distinct) instead of O(resamples × n), the
+    same distribution. Otherwise indices are drawn in chunks to bound memory.
+    """
     rng = np.random.default_rng(seed)
     n = len(values)
+    distinct, counts = np.unique(values, return_counts=True)
+    if len(distinct) <= 64:
+        draws = rng.multinomial(n, counts / n, size=resamples)
+        return np.asarray(draws @ distinct / n, dtype=float)
     out = np.empty(resamples)
     for start in range(0, resamples, _CHUNK):
         stop = min(resamples, start + _CHUNK)
@@ -55,8 +65,8 @@ def _bootstrap_means(values: np.ndarray, resamples: int, seed: int) -> np.ndarra
     return out
 
 
-def _interval(means: np.ndarray) -> tuple[float, float]:
-    tail = (1 - CONFIDENCE) / 2 * 100
+def _interval(means: np.ndarray, confidence: float = CONFIDENCE) -> tuple[float, float]:
+    tail = (1 - confidence) / 2 * 100
     low, high = np.percentile(means, [tail, 100 - tail])
     return float(low), float(high)
 
@@ -102,10 +112,24 @@ def sign_flip_p(differences: Sequence[float], *, seed: int = 0, resamples: int =
     return (hits + 1) / (resamples + 1)
 
 
+def standard_error(scores: Sequence[float]) -> float:
+    """Standard error of the mean (sample standard deviation / sqrt(n)); 0 for fewer than 2."""
+    values = np.asarray(scores, dtype=float)
+    if len(values) < 2:
+        return 0.0
+    return float(values.std(ddof=1) / math.sqrt(len(values)))
+
+
 def paired_compare(
-    baseline: Sequence[float], candidate: Sequence[float], *, seed: int = 0, resamples: int = 2000
+    baseline: Sequence[float],
+    candidate: Sequence[float],
+    *,
+    seed: int = 0,
+    resamples: int = 2000,
+    confidence: float = CONFIDENCE,
 ) -> PairedResult:
-    """Compare two runs' scores on the same examples (``baseline[i]`` pairs with ``candidate[i]``)."""
+    """Compare two runs' scores on the same examples (``baseline[i]`` pairs with ``candidate[i]``);
+    the interval of the difference is at ``confidence`` (raise it to account for many comparisons)."""
     if len(baseline) != len(candidate):
         raise ValueError("paired scores must have the same length")
     b = np.asarray(baseline, dtype=float)
@@ -114,7 +138,7 @@ def paired_compare(
     if n == 0:
         return PairedResult(math.nan, math.nan, math.nan, math.nan, math.nan, 1.0, 0, "none")
     d = c - b
-    low, high = _interval(_bootstrap_means(d, resamples, seed))
+    low, high = _interval(_bootstrap_means(d, resamples, seed), confidence)
     binary = bool(np.all(np.isin(b, (0.0, 1.0))) and np.all(np.isin(c, (0.0, 1.0))))
     if binary:
         p = mcnemar_exact(int(np.sum((b == 1) & (c == 0))), int(np.sum((b == 0) & (c == 1))))

@@ -1,0 +1,384 @@
+"""The model backend: any OpenAI-compatible endpoint (the gateway, a ``model_server``, vLLM).
+
+Generation goes to ``/v1/completions`` (or ``/v1/chat/completions`` for chat tasks);
+log-likelihoods come from prompt logprobs as vLLM returns them: ``echo: true, logprobs: 1,
+max_tokens: 1`` gives ``tokens``, ``token_logprobs`` and ``text_offset`` for the prompt, and the
+continuation's tokens are those whose span reaches past the context's characters.
+
+Every single-prompt request is first looked up in a :class:`ResponseCache` keyed by the request
+body **and** the model identity (checkpoint, tokenizer and chat-template hashes): a re-run of an
+unchanged spec makes no model calls, and a different checkpoint served under the same name never
+reads another checkpoint's answers (lm-evaluation-harness #4063). Misses are packed into batches
+of ``batch_size`` prompts and sent with at most ``concurrency`` requests in flight; a retry
+re-sends the same batch and answers are placed by their ``index``, so a retry never counts twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import random
+import sqlite3
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+WEIGHT_FILES = ("*.safetensors", "*.bin", "config.json", "generation_config.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt", "special_tokens_map.json")
+
+
+class BackendError(Exception):
+    """The endpoint cannot answer; the message says why."""
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    """What a result depends on about the model. ``source`` is ``files`` when the hashes were
+    computed from the checkpoint folder, ``declared`` when only the endpoint's model card was seen."""
+
+    name: str
+    checkpoint_sha256: str
+    tokenizer_sha256: str
+    chat_template_sha256: str
+    source: str
+
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()
+
+
+def _hash_files(paths: Sequence[Path], base: Path) -> str:
+    digest = hashlib.sha256()
+    for path in sorted(paths):
+        digest.update(f"{path.relative_to(base).as_posix()}\n".encode())
+        with path.open("rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()
+
+
+def identity_from_checkpoint(name: str, folder: Path) -> ModelIdentity:
+    """Hash a Hugging Face checkpoint folder: weights + config, tokenizer, chat template."""
+    if not folder.is_dir():
+        raise BackendError(f"checkpoint folder {folder} does not exist")
+    weights = [p for pattern in WEIGHT_FILES for p in folder.glob(pattern)]
+    if not weights:
+        raise BackendError(f"checkpoint folder {folder} holds no weights or config.json")
+    tokenizer = [folder / f for f in TOKENIZER_FILES if (folder / f).is_file()]
+    template = ""
+    config_path = folder / "tokenizer_config.json"
+    if config_path.is_file():
+        template = str(json.loads(config_path.read_text()).get("chat_template") or "")
+    if (folder / "chat_template.jinja").is_file():
+        template = (folder / "chat_template.jinja").read_text()
+    return ModelIdentity(
+        name=name,
+        checkpoint_sha256=_hash_files(weights, folder),
+        tokenizer_sha256=_hash_files(tokenizer, folder) if tokenizer else "",
+        chat_template_sha256=hashlib.sha256(template.encode()).hexdigest() if template else "",
+        source="files",
+    )
+
+
+class ResponseCache:
+    """A SQLite table of request key → response JSON, safe to share between runs and threads."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        self._conn.execute("PRAGMA journal_mode=WAL")
+        self._conn.execute("CREATE TABLE IF NOT EXISTS responses (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
+        self._lock = threading.Lock()
+
+    def get(self, key: str) -> dict[str, Any] | None:
+        with self._lock:
+            row = self._conn.execute("SELECT value FROM responses WHERE key = ?", (key,)).fetchone()
+        return json.loads(row[0]) if row else None
+
+    def put_many(self, items: Sequence[tuple[str, dict[str, Any]]]) -> None:
+        with self._lock:
+            self._conn.executemany(
+                "INSERT OR REPLACE INTO responses (key, value) VALUES (?, ?)",
+                [(k, json.dumps(v, sort_keys=True)) for k, v in items],
+            )
+
+    def close(self) -> None:
+        self._conn.close()
+
+
+@dataclass(frozen=True)
+class Request:
+    """One prompt's request: the route and the body (with a single string prompt)."""
+
+    path: str
+    body: dict[str, Any]
+
+    def key(self, identity: ModelIdentity) -> str:
+        blob = json.dumps({"model": identity.digest(), "path": self.path, "body": self.body}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()
+
+    def batch_key(self) -> str:
+        """Requests with equal batch keys differ only in their prompt and can share an HTTP call."""
+        if self.path != "/v1/completions":
+            return f"unbatchable:{id(self)}"
+        return json.dumps({k: v for k, v in self.body.items() if k != "prompt"}, sort_keys=True)
+
+
+@dataclass
+class CallStats:
+    """What a run cost: requests answered from the cache, prompts sent, HTTP calls and retries."""
+
+    cache_hits: int = 0
+    prompts_sent: int = 0
+    model_calls: int = 0
+    retries: int = 0
+    per_batch: list[int] = field(default_factory=list)
+
+
+class OpenAIBackend:
+    """Sends :class:`Request` objects to one OpenAI-compatible endpoint, through the cache."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        model: str,
+        *,
+        cache: ResponseCache | None = None,
+        token: str = "",
+        batch_size: int = 16,
+        concurrency: int = 8,
+        attempts: int = 4,
+        timeout_s: float = 120.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+        rng: random.Random | None = None,
+        sleep: Callable[[float], Any] = asyncio.sleep,
+    ) -> None:
+        if batch_size < 1:
+            raise ValueError("batch_size must be at least 1")
+        if concurrency < 1:
+            raise ValueError("concurrency must be at least 1")
+        self.endpoint = endpoint.rstrip("/")
+        self.model = model
+        self.cache = cache
+        self.batch_size = batch_size
+        self.concurrency = concurrency
+        self.stats = CallStats()
+        self._attempts = attempts
+        self._batching = True
+        self._rng = rng or random.Random(0)
+        self._sleep = sleep
+        self._client = httpx.AsyncClient(
+            base_url=self.endpoint,
+            headers={"Authorization": f"Bearer {token}"} if token else {},
+            timeout=timeout_s,
+            transport=transport,
+        )
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    async def identity(self, checkpoint: Path | None = None) -> ModelIdentity:
+        """The served model's identity: hashed from ``checkpoint`` (or the card's ``root`` when that
+        is a local folder), else declared from its model card (id, root, version)."""
+        try:
+            response = await self._client.get("/v1/models")
+            response.raise_for_status()
+            cards = [c for c in response.json().get("data", []) if isinstance(c, dict)]
+        except (httpx.HTTPError, ValueError, AttributeError) as exc:
+            raise BackendError(
+                f"model endpoint {self.endpoint} is unreachable or not OpenAI-compatible: {exc!r}"
+            ) from exc
+        card = next((c for c in cards if c.get("id") == self.model), None)
+        if card is None:
+            served = [c.get("id") for c in cards]
+            raise BackendError(
+                f"model endpoint {self.endpoint} does not serve {self.model!r} (it serves {served})"
+            )
+        root = card.get("root")
+        folder = checkpoint or (Path(root) if isinstance(root, str) and Path(root).is_dir() else None)
+        if folder is not None:
+            return identity_from_checkpoint(self.model, folder)
+        declared = json.dumps({k: card.get(k) for k in ("id", "root", "version")}, sort_keys=True)
+        return ModelIdentity(self.model, hashlib.sha256(declared.encode()).hexdigest(), "", "", "declared")
+
+    async def run(self, requests: Sequence[Request], identity: ModelIdentity) -> list[dict[str, Any]]:
+        """One response per request, in order.
+
+        1. Answer what the cache holds; 2. pack the misses into batches of prompts that differ only
+        in the prompt; 3. send the batches, at most ``concurrency`` at once; 4. store every answer
+        in the cache as its batch returns, so an interrupted run resumes where it stopped.
+        """
+        out: list[dict[str, Any] | None] = [None] * len(requests)
+        keys = [r.key(identity) for r in requests]
+        misses: dict[str, list[int]] = {}
+        for i, (request, key) in enumerate(zip(requests, keys, strict=True)):
+            cached = self.cache.get(key) if self.cache else None
+            if cached is not None:
+                out[i] = cached
+                self.stats.cache_hits += 1
+            else:
+                misses.setdefault(request.batch_key(), []).append(i)
+        batches = [
+            ids[start : start + self.batch_size]
+            for ids in misses.values()
+            for start in range(0, len(ids), self.batch_size)
+        ]
+        gate = asyncio.Semaphore(self.concurrency)
+
+        async def send(ids: list[int]) -> None:
+            async with gate:
+                answers = await self._post([requests[i] for i in ids])
+            if answers is None:  # the endpoint takes one prompt per request: split the batch
+                await asyncio.gather(*(send([i]) for i in ids))
+                return
+            for i, answer in zip(ids, answers, strict=True):
+                out[i] = answer
+            if self.cache:
+                self.cache.put_many([(keys[i], a) for i, a in zip(ids, answers, strict=True)])
+
+        await asyncio.gather(*(send(ids) for ids in batches))
+        return [o for o in out if o is not None]
+
+    async def _post(self, batch: list[Request]) -> list[dict[str, Any]] | None:
+        """One HTTP call for ``batch``, retried on 429/5xx/transport errors with jittered backoff
+        (honouring ``Retry-After``); the answers split back per prompt by choice ``index``. None
+        when the endpoint refuses a list of prompts (400/422; e.g. the ``model_server`` takes one
+        prompt per request): batching is then switched off for the rest of the run."""
+        first = batch[0]
+        if len(batch) > 1 and not self._batching:
+            return None
+        body = dict(first.body)
+        if len(batch) > 1:
+            body["prompt"] = [r.body["prompt"] for r in batch]
+        n = int(body.get("n", 1))
+        error = ""
+        for attempt in range(1, self._attempts + 1):
+            self.stats.model_calls += 1
+            try:
+                response = await self._client.post(first.path, json=body)
+            except httpx.TransportError as exc:
+                error, wait = repr(exc), 0.0
+            else:
+                if response.status_code == 429 or response.status_code >= 500:
+                    error = f"HTTP {response.status_code}: {response.text[:200]}"
+                    wait = float(response.headers.get("retry-after", 0) or 0)
+                elif response.status_code in (400, 422) and len(batch) > 1:
+                    self._batching = False
+                    return None
+                elif response.status_code >= 400:
+                    raise BackendError(
+                        f"model endpoint {self.endpoint} refused {first.path}: HTTP {response.status_code} {response.text[:300]}"
+                    )
+                else:
+                    self.stats.prompts_sent += len(batch)
+                    self.stats.per_batch.append(len(batch))
+                    return _split(response.json(), len(batch), n, self.endpoint)
+            if attempt < self._attempts:
+                self.stats.retries += 1
+                await self._sleep(max(wait, 0.1 * 2**attempt * self._rng.uniform(0.5, 1.0)))
+        raise BackendError(f"model endpoint {self.endpoint} failed {self._attempts} times: {error}")
+
+
+def _split(payload: dict[str, Any], prompts: int, n: int, endpoint: str) -> list[dict[str, Any]]:
+    choices = payload.get("choices")
+    if not isinstance(choices, list) or len(choices) != prompts * n:
+        raise BackendError(
+            f"model endpoint {endpoint} returned {len(choices or [])} choices for {prompts}×{n}"
+        )
+    ordered = sorted(choices, key=lambda c: int(c.get("index", 0)))
+    return [
+        {"choices": [{k: v for k, v in c.items() if k != "index"} for c in ordered[p * n : (p + 1) * n]]}
+        for p in range(prompts)
+    ]
+
+
+# --- request builders and response readers -----------------------------------------------------
+
+
+def generate_request(model: str, prompt: str, gen: dict[str, Any], seed: int, *, chat: bool) -> Request:
+    body: dict[str, Any] = {
+        "model": model,
+        "max_tokens": gen["max_tokens"],
+        "temperature": gen["temperature"],
+        "top_p": gen["top_p"],
+        "n": gen["n"],
+        "seed": seed,
+    }
+    if gen["stop"]:
+        body["stop"] = list(gen["stop"])
+    if chat:
+        return Request("/v1/chat/completions", {**body, "messages": [{"role": "user", "content": prompt}]})
+    return Request("/v1/completions", {**body, "prompt": prompt})
+
+
+def logprob_request(model: str, text: str) -> Request:
+    """Prompt logprobs for ``text`` (vLLM: echo the prompt, one generated token, top-1 logprobs)."""
+    return Request(
+        "/v1/completions",
+        {"model": model, "prompt": text, "max_tokens": 1, "temperature": 0.0, "echo": True, "logprobs": 1},
+    )
+
+
+def texts(response: dict[str, Any]) -> list[str]:
+    out = []
+    for choice in response["choices"]:
+        message = choice.get("message")
+        out.append(
+            str(message.get("content") or "") if isinstance(message, dict) else str(choice.get("text", ""))
+        )
+    return out
+
+
+def _prompt_logprobs(
+    response: dict[str, Any], prompt: str
+) -> tuple[list[str], list[float | None], list[int], list[Any]]:
+    logprobs = response["choices"][0].get("logprobs") or {}
+    tokens, values, offsets = (logprobs.get(k) for k in ("tokens", "token_logprobs", "text_offset"))
+    if not (isinstance(tokens, list) and isinstance(values, list) and isinstance(offsets, list)):
+        raise BackendError(
+            "the endpoint returned no prompt logprobs (tokens, token_logprobs, text_offset); it must support "
+            "echo=true with logprobs on /v1/completions, as vLLM does"
+        )
+    top = logprobs.get("top_logprobs") or [None] * len(tokens)
+    keep = [i for i, off in enumerate(offsets) if off < len(prompt)]
+    return (
+        [tokens[i] for i in keep],
+        [values[i] for i in keep],
+        [offsets[i] for i in keep],
+        [top[i] for i in keep],
+    )
+
+
+def continuation_loglikelihood(response: dict[str, Any], context: str, continuation: str) -> dict[str, Any]:
+    """Sum of the logprobs of the tokens covering ``continuation`` and whether each was the
+    greedy choice; a token straddling the boundary counts with the continuation."""
+    prompt = context + continuation
+    _, values, offsets, top = _prompt_logprobs(response, prompt)
+    ends = [*offsets[1:], len(prompt)]
+    picked = [i for i, end in enumerate(ends) if end > len(context)]
+    if not picked or any(values[i] is None for i in picked):
+        raise BackendError(f"no scored tokens cover the continuation {continuation!r}")
+    greedy = all(
+        not isinstance(top[i], dict) or not top[i] or float(values[i] or 0.0) >= max(top[i].values()) - 1e-6
+        for i in picked
+    )
+    return {"logprob": sum(float(values[i] or 0.0) for i in picked), "greedy": greedy, "tokens": len(picked)}
+
+
+def rolling_loglikelihood(response: dict[str, Any], text: str) -> dict[str, Any]:
+    """Log-likelihood of ``text`` after its first token (which has no context to be scored on)."""
+    _, values, offsets, _ = _prompt_logprobs(response, text)
+    scored = [i for i, v in enumerate(values) if v is not None]
+    if not scored:
+        raise BackendError("the endpoint scored no token of the text")
+    span = text[offsets[scored[0]] :]
+    return {
+        "logprob": sum(float(values[i] or 0.0) for i in scored),
+        "tokens": len(scored),
+        "bytes": len(span.encode()),
+        "words": len(span.split()),
+    }

@@ -1,0 +1,194 @@
+"""Scorers: from a model's raw response for one example to per-metric scores.
+
+A scorer never calls the model: it reads the raw response the harness stored (texts, or
+log-likelihoods), so stored predictions can be re-scored by a new scorer version without any
+generation. Its ``version`` goes into the run-spec hash; change it whenever a score could change.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from forge_eval.sandbox import SandboxLimits, run_program
+from forge_eval.tasks import Doc, OutputType
+from forge_kit import errors
+
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+_STRICT = re.compile(r"####\s*(-?\d[\d,]*(?:\.\d+)?)")
+
+
+@dataclass(frozen=True)
+class MetricScore:
+    """One example's score for one metric and the answer it was computed from."""
+
+    metric: str
+    score: float
+    extracted: str = ""
+
+
+@dataclass(frozen=True)
+class Scorer:
+    """A named, versioned scoring function and which direction of each metric is better."""
+
+    name: str
+    version: str
+    output_type: OutputType
+    higher_is_better: Mapping[str, bool]
+    primary: str
+    fn: Callable[[Doc, dict[str, Any], dict[str, Any]], list[MetricScore]]
+
+    def score(self, doc: Doc, response: dict[str, Any], options: dict[str, Any]) -> list[MetricScore]:
+        return self.fn(doc, response, options)
+
+
+def _number(text: str) -> str:
+    return text.replace(",", "").rstrip(".")
+
+
+def _gsm8k(doc: Doc, response: dict[str, Any], options: dict[str, Any]) -> list[MetricScore]:
+    """Strict: the number after ``####``; flexible: the last number of the first paragraph."""
+    output = response["texts"][0]
+    strict = _STRICT.search(output)
+    strict_answer = _number(strict.group(1)) if strict else ""
+    numbers = _NUMBER.findall(output.split("\n\n")[0])
+    flexible = _number(numbers[-1]) if numbers else ""
+    target = _number(doc.target.strip())
+    return [
+        MetricScore("exact_match_strict", float(strict_answer == target), strict_answer),
+        MetricScore("exact_match_flexible", float(flexible == target), flexible),
+    ]
+
+
+def _exact_match(doc: Doc, response: dict[str, Any], options: dict[str, Any]) -> list[MetricScore]:
+    """The first line of the output, stripped of a trailing full stop, equals the target."""
+    answer = response["texts"][0].strip().split("\n")[0].strip().rstrip(".")
+    return [MetricScore("exact_match", float(answer == doc.target.strip()), answer)]
+
+
+def _multiple_choice(doc: Doc, response: dict[str, Any], options: dict[str, Any]) -> list[MetricScore]:
+    """acc: the choice of highest log-likelihood; acc_norm: per byte of the continuation
+    (lm-evaluation-harness's definitions)."""
+    lls = [float(c["logprob"]) for c in response["choices"]]
+    best = max(range(len(lls)), key=lambda i: (lls[i], -i))
+    norm = [ll / max(1, len(c.encode())) for ll, c in zip(lls, doc.choices, strict=True)]
+    best_norm = max(range(len(norm)), key=lambda i: (norm[i], -i))
+    return [
+        MetricScore("acc", float(best == doc.gold), doc.choices[best].strip()),
+        MetricScore("acc_norm", float(best_norm == doc.gold), doc.choices[best_norm].strip()),
+    ]
+
+
+def _perplexity(doc: Doc, response: dict[str, Any], options: dict[str, Any]) -> list[MetricScore]:
+    """Bits per byte and nats per token of the scored text; corpus-level perplexities are
+    aggregated from the sums in :func:`corpus_perplexity`."""
+    nll = -float(response["logprob"])
+    n_bytes = max(1, int(response["bytes"]))
+    n_tokens = max(1, int(response["tokens"]))
+    return [
+        MetricScore("bits_per_byte", nll / n_bytes / math.log(2), f"{nll:.6f}"),
+        MetricScore("nll_per_token", nll / n_tokens, str(n_tokens)),
+    ]
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from ``n`` samples of which ``c`` passed (Chen et al., 2021)."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
+def _humaneval(doc: Doc, response: dict[str, Any], options: dict[str, Any]) -> list[MetricScore]:
+    """Run prompt + completion + the tests in the sandbox for every sample; pass@k per k."""
+    limits = SandboxLimits(timeout_s=float(options.get("timeout_s", 10.0)))
+    record = doc.record
+    passed = 0
+    statuses = []
+    for completion in response["texts"]:
+        program = f"{record['prompt']}{completion}\n\n{record['test']}\n\ncheck({record['entry_point']})\n"
+        result = run_program(program, limits)
+        passed += result.passed
+        statuses.append(result.status)
+    n = len(response["texts"])
+    ks = [int(k) for k in options.get("k", [1])]
+    return [MetricScore(f"pass@{k}", pass_at_k(n, passed, k), ",".join(statuses)) for k in ks if k <= n]
+
+
+SCORERS: dict[str, Scorer] = {
+    s.name: s
+    for s in (
+        Scorer(
+            "gsm8k",
+            "gsm8k-extract-1",
+            "generate_until",
+            {"exact_match_strict": True, "exact_match_flexible": True},
+            "exact_match_strict",
+            _gsm8k,
+        ),
+        Scorer(
+            "exact_match",
+            "exact-match-1",
+            "generate_until",
+            {"exact_match": True},
+            "exact_match",
+            _exact_match,
+        ),
+        Scorer(
+            "multiple_choice_loglikelihood",
+            "mc-loglik-1",
+            "multiple_choice",
+            {"acc": True, "acc_norm": True},
+            "acc",
+            _multiple_choice,
+        ),
+        Scorer(
+            "perplexity",
+            "perplexity-1",
+            "loglikelihood_rolling",
+            {"bits_per_byte": False, "nll_per_token": False},
+            "bits_per_byte",
+            _perplexity,
+        ),
+        Scorer(
+            "humaneval",
+            "humaneval-sandbox-1",
+            "code_exec",
+            {"pass@1": True, "pass@10": True},
+            "pass@1",
+            _humaneval,
+        ),
+    )
+}
+
+
+def get_scorer(name: str, output_type: OutputType) -> Scorer:
+    scorer = SCORERS.get(name)
+    if scorer is None:
+        raise errors.ValidationError(
+            "task.scorer.name", f"unknown scorer {name!r}; known: {', '.join(sorted(SCORERS))}"
+        )
+    wanted = "generate_until" if scorer.output_type == "code_exec" else scorer.output_type
+    if output_type not in (scorer.output_type, wanted):
+        raise errors.ValidationError(
+            "task.output_type",
+            f"scorer {name!r} needs output_type {scorer.output_type!r}, not {output_type!r}",
+        )
+    return scorer
+
+
+def corpus_perplexity(responses: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """Corpus-level perplexities from summed log-likelihoods (not a mean of per-document ratios)."""
+    nll = -sum(float(r["logprob"]) for r in responses)
+    n_bytes = sum(int(r["bytes"]) for r in responses)
+    n_tokens = sum(int(r["tokens"]) for r in responses)
+    n_words = sum(int(r.get("words", 0)) for r in responses)
+    out = {
+        "byte_perplexity": math.exp(nll / max(1, n_bytes)),
+        "token_perplexity": math.exp(nll / max(1, n_tokens)),
+    }
+    if n_words:
+        out["word_perplexity"] = math.exp(nll / n_words)
+    return out

@@ -1,0 +1,110 @@
+"""The :class:`~forge_eval.runner.SuiteRunner` that runs the YAML tasks for the eval service.
+
+RunSuite's suite names a shipped task (``forge_eval/tasks/<suite>.yaml``); the run goes through
+the same harness as ``forge eval run`` — templates, few-shot selection, log-likelihood multiple
+choice, the HumanEval sandbox, the response cache keyed by model identity — so a service run and a
+CLI run of one task score alike. The task file's hash is part of the scorer version, and so of
+the run-spec hash: editing a template makes runs incomparable with older ones, as it should.
+RunSuite's sampling options override the task file's only where they differ from their defaults
+(an option left at its default keeps the task's value, e.g. MMLU's 5 shots).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from forge_eval.backend import BackendError, OpenAIBackend, ResponseCache
+from forge_eval.harness import run_task
+from forge_eval.runner import ExampleResult, RunnerError
+from forge_eval.scorers import get_scorer
+from forge_eval.spec import OPTIONS, RunSpec
+from forge_eval.tasks import DataRoots, TaskConfig, load_task, shipped_tasks
+from forge_kit import errors
+
+
+class TaskSuiteRunner:
+    """Runs shipped YAML tasks against an OpenAI-compatible endpoint for :class:`EvalService`."""
+
+    def __init__(
+        self,
+        roots: DataRoots,
+        *,
+        cache_path: Path | None = None,
+        token: str = "",
+        timeout_s: float = 60.0,
+        batch_size: int = 16,
+        concurrency: int = 8,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self._roots = roots
+        self._cache = ResponseCache(cache_path) if cache_path else None
+        self._token = token
+        self._timeout_s = timeout_s
+        self._batch_size = batch_size
+        self._concurrency = concurrency
+        self._transport = transport
+
+    def supports(self, suite: str) -> bool:
+        return suite in shipped_tasks()
+
+    def scorer_version(self, suite: str) -> str:
+        task = load_task(suite)
+        digest = hashlib.sha256(json.dumps(task.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
+        return f"{get_scorer(task.scorer.name, task.output_type).version}+task-{digest[:12]}"
+
+    def _configure(self, spec: RunSpec) -> TaskConfig:
+        task = load_task(spec.suite)
+        changed = {k: v for k, v in spec.sampling.items() if k in OPTIONS and v != OPTIONS[k].default}
+        generation: dict[str, Any] = {
+            k: changed[k] for k in ("temperature", "top_p", "max_tokens") if k in changed
+        }
+        update: dict[str, Any] = {}
+        if generation:
+            update["generation"] = task.generation.model_copy(update=generation)
+        if "num_fewshot" in changed:
+            update["fewshot"] = task.fewshot.model_copy(update={"num": int(changed["num_fewshot"])})
+        return task.model_copy(update=update) if update else task
+
+    async def run(self, spec: RunSpec, endpoint: str) -> list[ExampleResult]:
+        """1. Apply the spec's option overrides to the task; 2. resolve the served model's
+        identity; 3. run the task through the cache; 4. one result per example and metric."""
+        task = self._configure(spec)
+        backend = OpenAIBackend(
+            endpoint,
+            f"{spec.model_name}:{spec.model_version}" if spec.model_version else spec.model_name,
+            cache=self._cache,
+            token=self._token,
+            timeout_s=self._timeout_s,
+            batch_size=self._batch_size,
+            concurrency=self._concurrency,
+            transport=self._transport,
+        )
+        try:
+            try:
+                identity = await backend.identity()
+            except BackendError:
+                backend.model = spec.model_name
+                identity = await backend.identity()
+            result = await run_task(task, self._roots, backend, identity, limit=spec.limit, seed=spec.seed)
+        except (BackendError, errors.ForgeError) as exc:
+            raise RunnerError(str(exc)) from exc
+        finally:
+            await backend.aclose()
+        return [
+            ExampleResult(
+                example_id=sample["id"],
+                metric=metric,
+                score=float(score),
+                prompt=sample["prompt"],
+                output=json.dumps(sample["response"], sort_keys=True),
+                extracted=sample["extracted"].get(metric, ""),
+                target=sample["target"],
+            )
+            for sample in result.samples
+            for metric, score in sorted(sample["scores"].items())
+        ]

@@ -1,0 +1,117 @@
+"""``forge eval run`` and ``forge eval compare`` over real HTTP against the n-gram endpoint."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+from eval_ngram_endpoint import EndpointState, NGramModel, make_app
+from test_eval_harness import CORPUS_BAD, CORPUS_GOOD, write_mc_task
+from typer.testing import CliRunner
+
+from forge_eval.cli import app
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def endpoint() -> Iterator[tuple[str, EndpointState]]:
+    state = EndpointState(models={"toy": NGramModel(CORPUS_GOOD), "toy-bad": NGramModel(CORPUS_BAD)})
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(make_app(state), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            if httpx.get(f"{url}/v1/models").status_code == 200:
+                break
+        except httpx.TransportError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+    yield url, state
+    server.should_exit = True
+    thread.join(timeout=5)
+
+
+def test_run_twice_then_compare(endpoint: tuple[str, EndpointState], tmp_path: Path) -> None:
+    url, state = endpoint
+    task = str(write_mc_task(tmp_path))
+    runner = CliRunner()
+    common = [
+        "--task",
+        task,
+        "--endpoint",
+        url,
+        "--benchmarks-dir",
+        str(tmp_path / "benchmarks"),
+        "--cache",
+        str(tmp_path / "cache.sqlite"),
+    ]
+    first = runner.invoke(app, ["run", *common, "--model", "toy", "--out", str(tmp_path / "a")])
+    assert first.exit_code == 0, first.output
+    calls = state.completion_requests
+    second = runner.invoke(app, ["run", *common, "--model", "toy", "--out", str(tmp_path / "a2")])
+    assert second.exit_code == 0, second.output
+    assert state.completion_requests == calls
+    a = json.loads((tmp_path / "a" / "summary.json").read_text())
+    a2 = json.loads((tmp_path / "a2" / "summary.json").read_text())
+    assert a2["calls"]["model_calls"] == 0 and a["spec_hash"] == a2["spec_hash"]
+    assert a["tasks"] == a2["tasks"]
+    assert (tmp_path / "a" / "report.md").read_text() == (tmp_path / "a2" / "report.md").read_text()
+    for key in ("score", "stderr", "ci_low", "ci_high"):
+        assert isinstance(a["tasks"]["toy_mc"][key], float)
+    bad = runner.invoke(app, ["run", *common, "--model", "toy-bad", "--out", str(tmp_path / "b")])
+    assert bad.exit_code == 0, bad.output
+    compared = runner.invoke(
+        app, ["compare", str(tmp_path / "a"), str(tmp_path / "b"), "--fail-on-regression"]
+    )
+    assert (
+        compared.exit_code == 1 and "gate: BLOCK" in compared.output and "| toy_mc | acc |" in compared.output
+    )
+    reported = runner.invoke(
+        app, ["compare", str(tmp_path / "a"), str(tmp_path / "b"), "--report", str(tmp_path / "r")]
+    )
+    assert reported.exit_code == 0 and (tmp_path / "r" / "deltas.png").stat().st_size > 1000
+    assert "gate: BLOCK" in (tmp_path / "r" / "comparison.md").read_text()
+    as_json = runner.invoke(app, ["compare", str(tmp_path / "a"), str(tmp_path / "a2"), "--json"])
+    assert json.loads(as_json.output)["decision"] == "PASS"
+
+
+def test_bad_input_writes_nothing(endpoint: tuple[str, EndpointState], tmp_path: Path) -> None:
+    url, _ = endpoint
+    bad_task = tmp_path / "bad.yaml"
+    bad_task.write_text("name: bad\noutput_type: generate_until\nbogus: 1\n")
+    result = CliRunner().invoke(
+        app,
+        ["run", "--task", str(bad_task), "--endpoint", url, "--model", "toy", "--out", str(tmp_path / "out")],
+    )
+    assert result.exit_code == 2 and "task.bogus" in result.output
+    unknown_model = CliRunner().invoke(
+        app,
+        [
+            "run",
+            "--task",
+            "bbh",
+            "--endpoint",
+            url,
+            "--model",
+            "nope",
+            "--out",
+            str(tmp_path / "out"),
+            "--no-cache",
+        ],
+    )
+    assert unknown_model.exit_code == 2 and "does not serve 'nope'" in unknown_model.output
+    assert not (tmp_path / "out").exists()

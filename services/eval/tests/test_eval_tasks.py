@@ -1,0 +1,104 @@
+"""Task YAML files: the shipped tasks load and render from the shared data; bad task files are
+refused naming the field."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from forge_eval.spec import resolve_data_path
+from forge_eval.tasks import DataRoots, build_docs, dataset_hash, load_task, shipped_tasks
+from forge_kit import errors
+
+ROOTS = DataRoots(resolve_data_path("../shared/data/benchmarks"), resolve_data_path("../shared/data/corpora"))
+
+
+def test_every_shipped_task_loads_and_pins_its_data() -> None:
+    assert set(shipped_tasks()) == {"gsm8k", "mmlu", "bbh", "humaneval", "tinyshakespeare_ppl"}
+    for name in shipped_tasks():
+        task = load_task(name)
+        assert task.dataset.sha256, f"{name} pins no dataset hash"
+        dataset_hash(ROOTS, task.dataset)
+
+
+def test_gsm8k_renders_five_shots_deterministically_per_example() -> None:
+    task = load_task("gsm8k")
+    docs = build_docs(task, ROOTS, limit=4, seed=3)
+    again = build_docs(task, ROOTS, limit=2, seed=3)
+    assert len(docs) == 4 and all(len(d.shots) == 5 for d in docs)
+    by_id = {d.id: d for d in docs}
+    # A doc's shots depend on the few-shot seed and its id only, not on which other docs run.
+    for doc in again:
+        if doc.id in by_id:
+            assert doc.prompt == by_id[doc.id].prompt
+    assert docs[0].prompt.endswith("Answer:") and "####" in docs[0].shots[0]
+    assert docs[0].target.replace("-", "").isdigit()
+
+
+def test_mmlu_draws_shots_from_the_same_subject_and_smoke_covers_every_subject() -> None:
+    task = load_task("mmlu")
+    docs = build_docs(task, ROOTS, smoke=True)
+    assert len(docs) == task.smoke.size
+    subjects = Counter(d.record["_source"] for d in docs)
+    assert len(subjects) == 57
+    doc = docs[0]
+    assert doc.choices == (" A", " B", " C", " D") and 0 <= doc.gold < 4
+    assert len(doc.shots) == 5
+
+
+def test_bbh_and_humaneval_render() -> None:
+    bbh = build_docs(load_task("bbh"), ROOTS, limit=30, seed=1)
+    assert all(d.prompt.startswith("Q: ") and d.target for d in bbh)
+    humaneval = build_docs(load_task("humaneval"), ROOTS, limit=3)
+    assert all(d.id.startswith("HumanEval/") and "def " in d.prompt for d in humaneval)
+
+
+def _write(tmp: Path, body: str) -> str:
+    path = tmp / "t.yaml"
+    path.write_text(body)
+    return str(path)
+
+
+BASE = "name: t\noutput_type: generate_until\ndataset: {path: gsm8k/test.jsonl}\ntemplate: {prompt: 'Q: {{ question }}'}\nscorer: {name: gsm8k}\n"
+
+
+def test_unknown_key_is_refused_naming_it(tmp_path: Path) -> None:
+    with pytest.raises(errors.ValidationError) as info:
+        load_task(_write(tmp_path, BASE + "temprature: 0.5\n"))
+    assert info.value.field == "task.temprature" and "unknown key" in str(info.value)
+    with pytest.raises(errors.ValidationError) as nested:
+        load_task(_write(tmp_path, BASE.replace("{prompt:", "{promt: x, prompt:")))
+    assert nested.value.field == "task.template.promt"
+
+
+def test_missing_dataset_and_changed_data_are_refused(tmp_path: Path) -> None:
+    missing = load_task(_write(tmp_path, BASE.replace("gsm8k/test.jsonl", "gsm8k/nope.jsonl")))
+    with pytest.raises(errors.ValidationError) as info:
+        build_docs(missing, ROOTS)
+    assert info.value.field == "task.dataset.path"
+    pinned = load_task(
+        _write(tmp_path, BASE.replace("gsm8k/test.jsonl}", "gsm8k/test.jsonl, sha256: 0123abcd}"))
+    )
+    with pytest.raises(errors.ValidationError) as changed:
+        dataset_hash(ROOTS, pinned.dataset)
+    assert changed.value.field == "task.dataset.sha256" and "3730d312f6e34405" in str(changed.value)
+
+
+def test_template_with_a_missing_field_is_refused(tmp_path: Path) -> None:
+    task = load_task(_write(tmp_path, BASE.replace("{{ question }}", "{{ questoin }}")))
+    with pytest.raises(errors.ValidationError) as info:
+        build_docs(task, ROOTS, limit=2)
+    assert info.value.field == "task.template.prompt" and "questoin" in str(info.value)
+    assert "question" in str(info.value)
+
+
+def test_scorer_must_fit_the_output_type(tmp_path: Path) -> None:
+    from forge_eval.scorers import get_scorer
+
+    with pytest.raises(errors.ValidationError) as info:
+        get_scorer("multiple_choice_loglikelihood", "generate_until")
+    assert info.value.field == "task.output_type"
+    with pytest.raises(errors.ValidationError):
+        load_task(_write(tmp_path, BASE.replace("generate_until", "multiple_choice")))
