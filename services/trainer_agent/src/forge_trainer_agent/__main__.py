@@ -12,7 +12,7 @@ from forge_kit.grpckit import make_channel
 from forge_trainer_agent.api import TrainerAgentApi
 from forge_trainer_agent.config import TrainerAgentSettings
 from forge_trainer_agent.node import NodeInfo, detect_gpus, parse_gpu_spec
-from forge_trainer_agent.runner import LocalProcessRunner
+from forge_trainer_agent.runner import LocalProcessRunner, TorchrunRunner
 from forge_trainer_agent.service import AgentService
 from forge_trainer_agent.session import Backoff, SchedulerSession
 from forge_trainer_agent.store import RunStore
@@ -31,7 +31,7 @@ async def main() -> None:
     db = await app.open_database("trainer_agent.db", Path(__file__).parent / "migrations")
     service = AgentService(
         RunStore(db),
-        LocalProcessRunner(),
+        TorchrunRunner() if settings.runner == "torchrun" else LocalProcessRunner(),
         node,
         runs_dir=Path(settings.data_dir).resolve() / "runs",
         stop_grace_s=settings.stop_grace_s,

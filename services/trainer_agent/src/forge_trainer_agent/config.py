@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+from typing import Literal
 
 from pydantic import Field, SecretStr, field_validator
 
@@ -58,6 +59,9 @@ class TrainerAgentSettings(ServiceSettings):
 
     shutdown_grace_s: float = Field(default=5.0, ge=0)
     """Seconds running jobs get to exit (they are preempted) when the agent itself stops."""
+
+    runner: Literal["local", "torchrun"] = "local"
+    """How a job's command is started: as is, or under torchrun (one worker per assigned GPU)."""
 
     max_page_size: int = Field(default=500, ge=1)
     """Upper bound on page_size in ListRuns."""

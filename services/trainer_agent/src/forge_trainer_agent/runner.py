@@ -3,7 +3,7 @@
 :class:`JobRunner` is the seam: the agent hands it a :class:`LaunchSpec` and gets back a
 :class:`JobProcess` to wait on or stop. :class:`LocalProcessRunner` runs the job's command as is;
 a torchrun runner (launching ``torchrun --nnodes … --node-rank …`` around the command, with
-checkpoint hand-off) plugs in behind the same protocol.
+checkpoint hand-off) plugs in behind the same protocol: :class:`TorchrunRunner`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ import asyncio
 import contextlib
 import os
 import signal
-from collections.abc import Mapping
+import sys
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -171,3 +172,60 @@ class LocalProcessRunner:
             except PermissionError:
                 raise LaunchError(f"command not executable: {spec.command[0]!r}", exit_code=126) from None
         return LocalProcess(proc)
+
+
+class TorchrunRunner:
+    """Runs the job's command under ``torchrun``: one worker per assigned GPU (one when none),
+    ``--standalone`` for a one-node job, otherwise a c10d rendezvous at the job's master address
+    (so several agents, even on one machine over loopback, form one process group).
+
+    torchrun gives each worker its ``RANK``, ``LOCAL_RANK`` and ``WORLD_SIZE``; stopping sends
+    SIGTERM to the whole process group, so the workers checkpoint (see
+    :mod:`forge_trainer_agent.training.run`) while torchrun waits for them.
+    """
+
+    def __init__(
+        self,
+        base_env: Mapping[str, str] | None = None,
+        torchrun: Sequence[str] = (sys.executable, "-m", "torch.distributed.run"),
+    ) -> None:
+        self._local = LocalProcessRunner(base_env)
+        self._torchrun = tuple(torchrun)
+
+    def command(self, spec: LaunchSpec) -> tuple[str, ...]:
+        """The full command line for ``spec`` (the job's command follows ``--no-python``)."""
+        args = [
+            *self._torchrun,
+            f"--nnodes={spec.num_nodes}",
+            f"--nproc-per-node={max(1, len(spec.gpu_indices))}",
+        ]
+        if spec.num_nodes == 1 and not spec.master_addr:
+            args.append("--standalone")
+        else:
+            if not spec.master_addr or not spec.master_port:
+                raise LaunchError("a multi-node job needs master_addr and master_port", exit_code=127)
+            args += [
+                "--rdzv-backend=c10d",
+                f"--rdzv-endpoint={spec.master_addr}:{spec.master_port}",
+                f"--rdzv-id={spec.job_id}-{spec.attempt}",
+                f"--node-rank={spec.node_rank}",
+            ]
+        return (*args, "--no-python", *spec.command)
+
+    async def launch(self, spec: LaunchSpec) -> LocalProcess:
+        if not spec.command:
+            raise LaunchError("the job has no command", exit_code=127)
+        wrapped = LaunchSpec(
+            job_id=spec.job_id,
+            attempt=spec.attempt,
+            command=self.command(spec),
+            env=spec.env,
+            gpu_indices=spec.gpu_indices,
+            node_rank=spec.node_rank,
+            num_nodes=spec.num_nodes,
+            master_addr=spec.master_addr,
+            master_port=spec.master_port,
+            run_dir=spec.run_dir,
+            log_path=spec.log_path,
+        )
+        return await self._local.launch(wrapped)

@@ -1,0 +1,175 @@
+"""``forge bench train [--nanogpt-dir PATH] --out DIR``: the training benchmarks of issue 4.
+
+Writes ``DIR/summary.json``::
+
+    {"forge": {"val_loss_per_char", "wall_s", "tokens_per_s"},
+     "nanogpt": {"val_loss_per_char", "wall_s"},          # only with --nanogpt-dir
+     "ddp_speedup", "async_checkpoint_stall_ratio"}
+
+1. nanoGPT (when given a checkout): its README's CPU recipe on the same corpus, timed; its
+   character-level validation loss is already per character.
+2. Forge: the ``shakespeare_tiny`` recipe, with ``max_steps`` calibrated so the run fits the
+   same wall-clock budget (nanoGPT's time, or ``--budget-s``); per-token validation loss is
+   divided by the validation split's characters per token.
+3. DDP: tokens/s of 2 gloo processes over 1 process, one thread each, same global batch.
+4. Checkpoint stall: mean time the loop is blocked per save, async over sync, same run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from forge_kit.objectstore import ObjectStore
+from forge_trainer_agent.training import recipes
+from forge_trainer_agent.training.launch import run_group
+from forge_trainer_agent.training.train import RunContext, pretrain
+
+app = typer.Typer(add_completion=False, help="Benchmarks.")
+
+
+@app.callback()
+def bench() -> None:
+    """Benchmarks (``forge bench train``)."""
+
+
+def _recipe(corpus: Path, **overrides: Any) -> recipes.TrainConfig:
+    return dataclasses.replace(recipes.build("shakespeare_tiny", {"data.corpus": str(corpus)}), **overrides)
+
+
+NANOGPT_FLAGS = (
+    "--device=cpu", "--compile=False", "--eval_iters=20", "--log_interval=1", "--block_size=64",
+    "--batch_size=12", "--n_layer=4", "--n_head=4", "--n_embd=128", "--max_iters=2000",
+    "--lr_decay_iters=2000", "--dropout=0.0",
+)  # fmt: skip
+_VAL = re.compile(r"step (\d+): train loss ([0-9.]+), val loss ([0-9.]+)")
+
+
+def run_nanogpt(checkout: Path, corpus: Path, work: Path) -> dict[str, float]:
+    """nanoGPT's README CPU recipe, run in a copy of the checkout (its data prep writes files)."""
+    if not (checkout / "train.py").is_file():
+        raise typer.BadParameter(
+            f"{checkout} has no train.py (not a nanoGPT checkout)", param_hint="--nanogpt-dir"
+        )
+    tree = work / "nanogpt"
+    shutil.copytree(checkout, tree, ignore=shutil.ignore_patterns(".git"))
+    data = tree / "data" / "shakespeare_char"
+    shutil.copy(corpus, data / "input.txt")  # prepare.py downloads only when input.txt is missing
+    subprocess.run([sys.executable, "prepare.py"], cwd=data, check=True, capture_output=True)
+    started = time.perf_counter()
+    out = subprocess.run(
+        [
+            sys.executable,
+            "train.py",
+            "config/train_shakespeare_char.py",
+            *NANOGPT_FLAGS,
+            f"--out_dir={work / 'nanogpt-out'}",
+        ],
+        cwd=tree,
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    wall = time.perf_counter() - started
+    evals = _VAL.findall(out.stdout)
+    if not evals:
+        raise RuntimeError(f"nanoGPT printed no validation loss:\n{out.stdout[-2000:]}")
+    return {"val_loss_per_char": float(evals[-1][2]), "wall_s": wall}
+
+
+def _ctx(root: Path, cache: Path, **kw: Any) -> RunContext:
+    return RunContext(
+        run_id="bench", run_dir=root, store=ObjectStore(str(root / "objects")), cache_dir=cache, **kw
+    )
+
+
+def forge_quality(budget_s: float, corpus: Path, work: Path, cache: Path) -> dict[str, float]:
+    """Calibrate seconds per step on 20 steps, then train for as many steps as fit the budget."""
+    base = _recipe(corpus)
+    probe_cfg = dataclasses.replace(base, max_steps=20, eval_interval=10**9, log_interval=10)
+    probe_cfg = dataclasses.replace(probe_cfg, optim=dataclasses.replace(base.optim, warmup_steps=2))
+    probe = pretrain(probe_cfg, _ctx(work / "probe", cache, export=False))
+    step_s = probe.wall_s / probe.step
+    # Leave room for data loading, evaluations and the final checkpoint (about 15%).
+    steps = max(50, int(budget_s * 0.85 / step_s))
+    config = dataclasses.replace(base, max_steps=steps, eval_interval=max(1, steps // 4))
+    config = dataclasses.replace(
+        config, optim=dataclasses.replace(base.optim, warmup_steps=min(100, steps // 10))
+    )
+    started = time.perf_counter()
+    result = pretrain(config, _ctx(work / "forge", cache))
+    assert result.val_loss_per_char is not None
+    return {
+        "val_loss_per_char": result.val_loss_per_char,
+        "wall_s": time.perf_counter() - started,
+        "tokens_per_s": result.tokens_per_s,
+        "steps": steps,
+    }
+
+
+def ddp_speedup(corpus: Path, work: Path, cache: Path, steps: int) -> float:
+    config = _recipe(corpus, max_steps=steps, eval_interval=10**9, threads=1, micro_batch_size=6)
+    config = dataclasses.replace(config, optim=dataclasses.replace(config.optim, warmup_steps=2))
+    config = dataclasses.replace(config, checkpoint=dataclasses.replace(config.checkpoint, interval_steps=0))
+    one = run_group(config, 1, work / "ddp1", cache_dir=cache)
+    two = run_group(config, 2, work / "ddp2", cache_dir=cache)
+    return float(two["tokens_per_s"]) / float(one["tokens_per_s"])
+
+
+def checkpoint_stall_ratio(corpus: Path, work: Path, cache: Path, steps: int) -> float:
+    stalls: dict[bool, float] = {}
+    for async_save in (False, True):
+        config = _recipe(corpus, max_steps=steps, eval_interval=10**9)
+        config = dataclasses.replace(config, optim=dataclasses.replace(config.optim, warmup_steps=2))
+        ckpt = dataclasses.replace(
+            config.checkpoint, interval_steps=max(1, steps // 5), async_save=async_save
+        )
+        result = pretrain(
+            dataclasses.replace(config, checkpoint=ckpt),
+            _ctx(work / f"ckpt-{async_save}", cache, export=False),
+        )
+        periodic = (
+            result.checkpoint_stalls_s[:-1] or result.checkpoint_stalls_s
+        )  # the last save waits by design
+        stalls[async_save] = sum(periodic) / len(periodic)
+    return stalls[True] / stalls[False]
+
+
+@app.command()
+def train(
+    out: Annotated[Path, typer.Option(help="directory for summary.json")],
+    nanogpt_dir: Annotated[Path | None, typer.Option(help="a checkout of karpathy/nanoGPT")] = None,
+    budget_s: Annotated[float, typer.Option(help="wall-clock budget without nanoGPT")] = 180.0,
+    corpus: Annotated[Path, typer.Option(help="training corpus")] = Path(recipes.DEFAULT_CORPUS),
+    ddp_steps: Annotated[int, typer.Option(help="steps per DDP throughput run")] = 40,
+) -> None:
+    """Run steps 1-4 of the module docstring and write DIR/summary.json."""
+    if not corpus.is_file() or corpus.stat().st_size == 0:
+        raise typer.BadParameter(f"{corpus} is missing or empty", param_hint="--corpus")
+    out.mkdir(parents=True, exist_ok=True)
+    summary: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="forge-bench-train-") as tmp:
+        work = Path(tmp)
+        cache = work / "tokens"
+        if nanogpt_dir is not None:
+            summary["nanogpt"] = run_nanogpt(nanogpt_dir, corpus, work)
+            budget_s = summary["nanogpt"]["wall_s"]
+        summary["forge"] = forge_quality(budget_s, corpus, work, cache)
+        if "nanogpt" in summary:
+            summary["val_loss_ratio"] = (
+                summary["forge"]["val_loss_per_char"] / summary["nanogpt"]["val_loss_per_char"]
+            )
+        summary["ddp_speedup"] = ddp_speedup(corpus, work, cache, ddp_steps)
+        summary["async_checkpoint_stall_ratio"] = checkpoint_stall_ratio(corpus, work, cache, 50)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    typer.echo(json.dumps(summary, indent=2))

@@ -1,0 +1,247 @@
+"""Checkpoints: per-rank shards in the object store, published by an atomic manifest.
+
+Layout under ``checkpoints/<run_id>/step-<step>/``: ``rank-<r>.pt`` (each rank's RNG state;
+rank 0's also holds model, optimizer, scheduler and sampler position), ``rank-<r>.part.json``
+(the shard's sha256 and size, the hand-off to rank 0) and ``manifest.json``, written last by rank
+0 once every part record is there. A step directory without a readable manifest whose checksums
+all match is not a checkpoint: :meth:`CheckpointManager.load_latest` skips it (and logs why) in
+favour of the previous complete one.
+
+Saving stalls the training loop only for the in-memory copy of the state; serialisation, upload
+and publication run in one background thread (one save in flight at a time).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import re
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+import torch
+
+from forge_kit.objectstore import ObjectStore
+
+log = structlog.get_logger(__name__)
+
+MANIFEST = "manifest.json"
+_STEP_DIR = re.compile(r"^step-(\d{8})$")
+
+
+class CheckpointError(Exception):
+    """A checkpoint that cannot be used (torn, corrupt, or for another run shape)."""
+
+
+def _snapshot(obj: Any) -> Any:
+    """A deep copy whose tensors are detached CPU clones, so training may go on mutating."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, Mapping):
+        return {k: _snapshot(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_snapshot(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_snapshot(v) for v in obj)
+    return obj
+
+
+@dataclass
+class Manifest:
+    """What a published checkpoint holds; ``files`` maps object key to sha256 and size."""
+
+    run_id: str
+    step: int
+    world_size: int
+    files: dict[str, dict[str, Any]]
+    meta: dict[str, Any] = field(default_factory=dict)
+    key: str = ""
+
+    def to_json(self) -> bytes:
+        body = {
+            "run_id": self.run_id,
+            "step": self.step,
+            "world_size": self.world_size,
+            "files": self.files,
+            "meta": self.meta,
+        }
+        return json.dumps(body, indent=1, sort_keys=True).encode()
+
+
+@dataclass
+class SaveStats:
+    """Seconds the training loop was blocked per save (the figure async saving must keep small)."""
+
+    stalls_s: list[float] = field(default_factory=list)
+    writes_s: list[float] = field(default_factory=list)
+
+
+class CheckpointManager:
+    """Saves and finds this run's checkpoints; one instance per rank."""
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        run_id: str,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        keep_last: int = 3,
+        async_save: bool = True,
+        part_timeout_s: float = 600.0,
+        on_published: Callable[[Manifest], None] | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.store = store
+        self.prefix = f"checkpoints/{run_id}"
+        self.run_id, self.rank, self.world_size = run_id, rank, world_size
+        self.keep_last, self.async_save = keep_last, async_save
+        self.part_timeout_s = part_timeout_s
+        self.on_published = on_published
+        self.clock = clock
+        self.stats = SaveStats()
+        self.last_published: Manifest | None = None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def step_dir(self, step: int) -> str:
+        return f"{self.prefix}/step-{step:08d}"
+
+    # -- saving ---------------------------------------------------------------------------------
+
+    def save(self, step: int, state: Mapping[str, Any], meta: Mapping[str, Any] | None = None) -> None:
+        """Snapshot ``state`` now and write it (in the background when ``async_save``)."""
+        started = self.clock()
+        self.wait()
+        snapshot = _snapshot(state)
+        meta_copy = dict(meta or {})
+        if self.async_save:
+            self._thread = threading.Thread(
+                target=self._write_guarded, args=(step, snapshot, meta_copy), daemon=True
+            )
+            self._thread.start()
+        else:
+            self._write(step, snapshot, meta_copy)
+        self.stats.stalls_s.append(self.clock() - started)
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is published; re-raise its failure."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise CheckpointError(f"background checkpoint save failed: {error!r}") from error
+
+    def _write_guarded(self, step: int, snapshot: dict[str, Any], meta: dict[str, Any]) -> None:
+        try:
+            self._write(step, snapshot, meta)
+        except BaseException as exc:  # noqa: BLE001 - surfaced by wait() on the training thread
+            self._error = exc
+
+    def _write(self, step: int, snapshot: dict[str, Any], meta: dict[str, Any]) -> None:
+        """1. serialise; 2. upload the shard, then its part record; 3. rank 0 publishes."""
+        started = self.clock()
+        # 1. Serialise.
+        buf = io.BytesIO()
+        torch.save(snapshot, buf)
+        data = buf.getvalue()
+        # 2. Upload.
+        base = self.step_dir(step)
+        shard_key = f"{base}/rank-{self.rank:05d}.pt"
+        self.store.put_bytes(shard_key, data)
+        part = {"key": shard_key, "sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+        self.store.put_bytes(f"{base}/rank-{self.rank:05d}.part.json", json.dumps(part).encode())
+        # 3. Publish.
+        if self.rank == 0:
+            self._publish(step, meta)
+        self.stats.writes_s.append(self.clock() - started)
+
+    def _publish(self, step: int, meta: dict[str, Any]) -> None:
+        base = self.step_dir(step)
+        deadline = time.monotonic() + self.part_timeout_s
+        files: dict[str, dict[str, Any]] = {}
+        for r in range(self.world_size):
+            part_key = f"{base}/rank-{r:05d}.part.json"
+            while not self.store.exists(part_key):
+                if time.monotonic() > deadline:
+                    raise CheckpointError(f"rank {r} did not write its shard of step {step}")
+                time.sleep(0.01)
+            part = json.loads(self.store.get_bytes(part_key))
+            files[part["key"]] = {"sha256": part["sha256"], "size": part["size"]}
+        if self.last_published is not None:
+            meta.setdefault("parent", self.last_published.key)
+        manifest = Manifest(self.run_id, step, self.world_size, files, meta, key=f"{base}/{MANIFEST}")
+        self.store.put_bytes(manifest.key, manifest.to_json())
+        self.last_published = manifest
+        log.info("checkpoint.published", key=manifest.key, step=step)
+        self._retain()
+        if self.on_published is not None:
+            self.on_published(manifest)
+
+    def _retain(self) -> None:
+        """Keep the newest ``keep_last`` complete checkpoints; drop everything older."""
+        complete = [s for s in self._steps() if self.store.exists(f"{self.step_dir(s)}/{MANIFEST}")]
+        if len(complete) <= self.keep_last:
+            return
+        oldest_kept = complete[-self.keep_last]
+        for step in self._steps():
+            if step < oldest_kept:
+                self.store.delete(self.step_dir(step), recursive=True)
+
+    # -- loading --------------------------------------------------------------------------------
+
+    def _steps(self) -> list[int]:
+        steps = set()
+        for key in self.store.list(self.prefix):
+            parts = key[len(self.prefix) + 1 :].split("/")
+            match = _STEP_DIR.match(parts[0])
+            if match:
+                steps.add(int(match.group(1)))
+        return sorted(steps)
+
+    def read_manifest(self, step: int) -> Manifest:
+        """The manifest of ``step`` after checking every file's size and sha256."""
+        key = f"{self.step_dir(step)}/{MANIFEST}"
+        if not self.store.exists(key):
+            raise CheckpointError(f"{key}: no manifest (torn or in progress)")
+        try:
+            body = json.loads(self.store.get_bytes(key))
+            manifest = Manifest(
+                body["run_id"],
+                int(body["step"]),
+                int(body["world_size"]),
+                dict(body["files"]),
+                dict(body["meta"]),
+                key=key,
+            )
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{key}: unreadable manifest ({exc})") from None
+        for file_key, expect in manifest.files.items():
+            if not self.store.exists(file_key):
+                raise CheckpointError(f"{file_key}: listed in the manifest but missing")
+            digest = hashlib.sha256(self.store.get_bytes(file_key)).hexdigest()
+            if digest != expect["sha256"]:
+                raise CheckpointError(f"{file_key}: checksum mismatch")
+        return manifest
+
+    def latest_manifest(self) -> Manifest | None:
+        """The newest complete checkpoint; torn or corrupt ones are logged and skipped."""
+        for step in reversed(self._steps()):
+            try:
+                return self.read_manifest(step)
+            except CheckpointError as exc:
+                log.warning("checkpoint.skipped", step=step, reason=str(exc))
+        return None
+
+    def load_shard(self, manifest: Manifest, rank: int) -> dict[str, Any]:
+        key = f"{self.step_dir(manifest.step)}/rank-{rank:05d}.pt"
+        if key not in manifest.files:
+            raise CheckpointError(f"{key}: not part of {manifest.key}")
+        loaded: dict[str, Any] = torch.load(io.BytesIO(self.store.get_bytes(key)), weights_only=True)
+        return loaded

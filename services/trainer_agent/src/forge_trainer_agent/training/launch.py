@@ -1,0 +1,81 @@
+"""Run one recipe as a local gloo process group without torchrun (tests and benchmarks).
+
+:func:`run_group` spawns ``world_size`` processes on loopback; each trains its rank and rank 0
+writes the :class:`~forge_trainer_agent.training.train.TrainResult` figures to
+``<run_dir>/result.json``, which is returned.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from forge_kit.objectstore import ObjectStore
+from forge_trainer_agent.training import recipes
+from forge_trainer_agent.training.train import RunContext, pretrain
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _worker(rank: int, world_size: int, port: int, config: dict[str, Any], run: dict[str, Any]) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        ctx = RunContext(
+            run_id=run["run_id"],
+            run_dir=Path(run["run_dir"]),
+            store=ObjectStore(run["objects"]),
+            cache_dir=Path(run["cache_dir"]),
+            rank=rank,
+            world_size=world_size,
+            export=run["export"],
+        )
+        result = pretrain(recipes.from_dict(config), ctx)
+        if rank == 0:
+            out = {
+                "outcome": result.outcome,
+                "step": result.step,
+                "losses": result.losses,
+                "val_loss": result.val_loss,
+                "val_loss_per_char": result.val_loss_per_char,
+                "tokens_per_s": result.tokens_per_s,
+                "wall_s": result.wall_s,
+            }
+            (ctx.run_dir / "result.json").write_text(json.dumps(out))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_group(
+    config: recipes.TrainConfig,
+    world_size: int,
+    run_dir: Path,
+    *,
+    cache_dir: Path,
+    objects: str = "",
+    run_id: str = "local",
+    export: bool = False,
+) -> dict[str, Any]:
+    """Train ``config`` on ``world_size`` local processes; rank 0's result figures."""
+    recipes.validate(config, world_size)
+    run = {
+        "run_id": run_id,
+        "run_dir": str(run_dir),
+        "objects": objects or str(run_dir / "objects"),
+        "cache_dir": str(cache_dir),
+        "export": export,
+    }
+    mp.spawn(_worker, args=(world_size, free_port(), config.to_dict(), run), nprocs=world_size)
+    result: dict[str, Any] = json.loads((run_dir / "result.json").read_text())
+    result["losses"] = {int(k): v for k, v in result["losses"].items()}
+    return result
