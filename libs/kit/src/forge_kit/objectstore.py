@@ -42,6 +42,12 @@ class ObjectStore:
         protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
         return f"{protocol}://{self.path(key)}" if protocol != "file" else self.path(key)
 
+    @property
+    def root_url(self) -> str:
+        """The store's root as a URL another process can open (an absolute path when local)."""
+        protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
+        return self.root if protocol in ("file", "local") else f"{protocol}://{self.root}"
+
     def exists(self, key: str) -> bool:
         return bool(self.fs.exists(self.path(key)))
 

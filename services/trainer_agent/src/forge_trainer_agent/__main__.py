@@ -9,7 +9,9 @@ from forge.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 
 from forge_kit.app import ServiceApp
 from forge_kit.grpckit import make_channel
+from forge_kit.objectstore import ObjectStore
 from forge_trainer_agent.api import TrainerAgentApi
+from forge_trainer_agent.checkpoints import CheckpointAnnouncer, ManifestFinder
 from forge_trainer_agent.config import TrainerAgentSettings
 from forge_trainer_agent.node import NodeInfo, detect_gpus, parse_gpu_spec
 from forge_trainer_agent.runner import LocalProcessRunner, TorchrunRunner
@@ -29,12 +31,16 @@ async def main() -> None:
         nvlink_domain=settings.nvlink_domain,
     )
     db = await app.open_database("trainer_agent.db", Path(__file__).parent / "migrations")
+    app.enable_outbox()
+    objects = ObjectStore(settings.object_store_url)
     service = AgentService(
         RunStore(db),
         TorchrunRunner() if settings.runner == "torchrun" else LocalProcessRunner(),
         node,
         runs_dir=Path(settings.data_dir).resolve() / "runs",
         stop_grace_s=settings.stop_grace_s,
+        announcer=CheckpointAnnouncer(db, objects, ManifestFinder(objects), producer=app.name),
+        objects_url=objects.root_url,
     )
     await service.recover()
     channel = make_channel(settings.scheduler_target, token=settings.scheduler_token.get_secret_value())

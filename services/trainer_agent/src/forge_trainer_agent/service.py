@@ -28,6 +28,7 @@ from forge.scheduler.v1 import scheduler_pb2
 from prometheus_client import Counter, Gauge
 
 from forge_kit import errors
+from forge_trainer_agent.checkpoints import CheckpointAnnouncer
 from forge_trainer_agent.node import NodeInfo
 from forge_trainer_agent.runner import ExitStatus, JobProcess, JobRunner, LaunchError, LaunchSpec
 from forge_trainer_agent.store import RunRow, RunStore, utcnow
@@ -133,8 +134,12 @@ class AgentService:
         stop_grace_s: float = 30.0,
         clock: Callable[[], dt.datetime] = utcnow,
         outbound_limit: int = 1000,
+        announcer: CheckpointAnnouncer | None = None,
+        objects_url: str = "",
     ) -> None:
         self.node = node
+        self._announcer = announcer
+        self._objects_url = objects_url
         self.node_id = ""
         self.connected = False
         self._store = store
@@ -287,11 +292,13 @@ class AgentService:
         if problem is not None:
             await self._finish(row, FAILED, problem.message, None)
             return
+        # Jobs write checkpoints to the agent's object store unless they name another one.
+        env = {"FORGE_OBJECTS_URL": self._objects_url, **spec.env} if self._objects_url else dict(spec.env)
         launch = LaunchSpec(
             job_id=job_id,
             attempt=attempt,
             command=tuple(spec.command),
-            env=dict(spec.env),
+            env=env,
             gpu_indices=tuple(command.gpu_indices),
             node_rank=command.node_rank,
             num_nodes=command.num_nodes or 1,
@@ -381,6 +388,11 @@ class AgentService:
         return FAILED, f"{status.describe()}: {tail}" if tail else status.describe()
 
     async def _finish(self, row: RunRow, state: int, message: str, exit_code: int | None) -> None:
+        if self._announcer is not None and state in (SUCCEEDED, PREEMPTED):
+            try:
+                await self._announcer.announce(row, self._runs_dir / row.job_id)
+            except Exception:
+                log.exception("agent.checkpoint_announce_failed", job_id=row.job_id)
         row = await self._store.update(
             row.job_id,
             row.attempt,
