@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -129,3 +129,71 @@ async def scripted_http(scripted_server: ModelServer) -> AsyncIterator[httpx.Asy
     """The OpenAI API of ``scripted_server``, in process."""
     async with _client(scripted_server) as client:
         yield client
+
+
+TINY_CORPUS = (
+    "To be, or not to be, that is the question: Whether 'tis nobler in the mind to suffer "
+    "the slings and arrows of outrageous fortune, or to take arms against a sea of troubles "
+    "and by opposing end them. To die: to sleep; no more; and by a sleep to say we end the "
+    "heart-ache and the thousand natural shocks that flesh is heir to."
+)
+
+
+def save_tiny_llama(folder: Path, *, chat_template: str | None = None, seed: int = 0) -> Path:
+    """A randomly initialised tiny Llama (2 layers, hidden 64, 4 heads, 2 KV heads) with a
+    byte-level BPE tokenizer, saved in Hugging Face format exactly as the trainer exports."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator([TINY_CORPUS] * 4, trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>")
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=bpe.get_vocab_size(),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        tie_word_embeddings=False,
+        # Wider than the default 0.02 so greedy choices are not near-ties that rounding could flip.
+        initializer_range=0.2,
+    )
+    model = LlamaForCausalLM(config).eval()
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama, saved once per session (a model folder outside any models dir)."""
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny-llama")
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread() -> Iterator[None]:
+    """These models are tiny: one intra-op thread is as fast alone and far faster on a busy machine
+    (torch's one-thread-per-core pool made each small matmul ~17x slower under load)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

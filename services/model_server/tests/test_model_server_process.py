@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,7 +19,8 @@ TOKEN = "process-token"
 
 
 @pytest.fixture
-def process(tmp_path: Path) -> Iterator[ServiceProcess]:
+def process(tmp_path: Path, tiny_llama: Path) -> Iterator[ServiceProcess]:
+    shutil.copytree(tiny_llama, tmp_path / "models" / "llama")
     models = tmp_path / "models" / "tiny"
     models.mkdir(parents=True)
     (models / "config.json").write_text(json.dumps({"model_type": "llama", "max_position_embeddings": 64}))
@@ -28,6 +30,7 @@ def process(tmp_path: Path) -> Iterator[ServiceProcess]:
         "FORGE_MODEL_SERVER_AUTH_TOKEN": TOKEN,
         "FORGE_MODEL_SERVER_MODELS_DIR": str(tmp_path / "models"),
         "FORGE_MODEL_SERVER_KAFKA_ENABLED": "false",
+        "FORGE_MODEL_SERVER_TORCH_THREADS": "1",
     }
     proc = ServiceProcess(
         "forge_model_server", env=env, cwd=str(tmp_path), log_path=str(tmp_path / "log")
@@ -41,12 +44,16 @@ def test_process_serves_probes_models_and_grpc(process: ServiceProcess) -> None:
     with httpx.Client(base_url=process.http_url, timeout=5) as client:
         assert client.get("/readyz").status_code == 200
         assert "vllm:num_requests_waiting" in client.get("/metrics").text
-        assert [m["id"] for m in client.get("/v1/models", headers=auth).json()["data"]] == ["tiny"]
+        assert [m["id"] for m in client.get("/v1/models", headers=auth).json()["data"]] == ["llama", "tiny"]
         reply = client.post("/v1/completions", headers=auth, json={"model": "tiny", "prompt": "hi"})
         assert reply.status_code == 404 and reply.json()["error"]["code"] == "model_not_found"
+        body = {"model": "llama", "prompt": "To be", "max_tokens": 4, "temperature": 0}
+        reply = client.post("/v1/completions", headers=auth, json=body)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["usage"]["completion_tokens"] >= 1 and reply.json()["choices"][0]["text"]
     with grpc.insecure_channel(process.grpc_target) as channel:
         stub = inference_pb2_grpc.InferenceServiceStub(channel)
         reply = stub.ListModels(
             inference_pb2.ListModelsRequest(), metadata=[("authorization", f"Bearer {TOKEN}")]
         )
-        assert [m.ref.name for m in reply.models] == ["tiny"]
+        assert [m.ref.name for m in reply.models] == ["llama", "tiny"]

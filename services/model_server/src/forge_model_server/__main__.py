@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import torch
 from forge.inference.v1 import inference_pb2, inference_pb2_grpc
 
 from forge_kit.app import ServiceApp
@@ -11,15 +12,29 @@ from forge_kit.http import make_app
 from forge_kit.objectstore import ObjectStore
 from forge_model_server.api import InferenceApi
 from forge_model_server.config import ModelServerSettings
+from forge_model_server.engine import EngineConfig
 from forge_model_server.openai_api import install_openai_api
+from forge_model_server.runner import HFEngineLoader
 from forge_model_server.service import ModelDirectory, ModelServer
 
 
 async def main() -> None:
     settings = ModelServerSettings()
+    if settings.torch_threads:
+        torch.set_num_threads(settings.torch_threads)
     app = ServiceApp(settings)
     store = ObjectStore(settings.models_dir)
-    server = ModelServer(ModelDirectory(store))
+    engine_config = EngineConfig(
+        num_blocks=settings.num_kv_blocks,
+        block_size=settings.block_size,
+        max_num_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        enable_prefix_caching=settings.enable_prefix_caching,
+    )
+    loader = HFEngineLoader(engine_config, max_waiting=settings.max_waiting_requests)
+    server = ModelServer(ModelDirectory(store), loader=loader)
+    # Runs after both servers stopped accepting and let their open calls finish.
+    app.add_on_stop(lambda: server.drain(settings.drain_timeout_s))
 
     async def directory_readable() -> bool:
         return await asyncio.to_thread(lambda: bool(store.fs.isdir(store.root)))

@@ -20,3 +20,27 @@ class ModelServerSettings(ServiceSettings):
 
     models_dir: str = "var/objects/models"
     """fsspec URL or local path of the model directory: one Hugging Face-format folder per model."""
+
+    block_size: int = Field(default=16, ge=1, le=1024)
+    """Token slots per KV-cache block (vLLM's ``--block-size``)."""
+
+    num_kv_blocks: int = Field(default=512, ge=1)
+    """Blocks in each model's KV-cache pool; the pool holds ``num_kv_blocks * block_size`` tokens."""
+
+    max_num_seqs: int = Field(default=64, ge=1)
+    """Most sequences in one batch (vLLM's ``--max-num-seqs``)."""
+
+    max_num_batched_tokens: int = Field(default=512, ge=1)
+    """Token budget of one engine step; longer prompts are prefilled in chunks of it."""
+
+    max_waiting_requests: int = Field(default=256, ge=0)
+    """Admitted requests that may wait for a batch slot; beyond it requests get 429 / RESOURCE_EXHAUSTED."""
+
+    enable_prefix_caching: bool = True
+    """Reuse the KV blocks of prompt prefixes already computed (vLLM's ``--enable-prefix-caching``)."""
+
+    drain_timeout_s: float = Field(default=30.0, ge=0)
+    """On SIGTERM, how long admitted requests may run to completion before they are cancelled."""
+
+    torch_threads: int = Field(default=0, ge=0)
+    """Intra-op threads of the forward pass; 0 keeps torch's default (one per core)."""

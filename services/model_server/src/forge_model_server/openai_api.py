@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
@@ -22,12 +22,14 @@ from forge_kit import errors
 from forge_kit.http import require_token
 from forge_model_server.service import (
     ChatMessage,
+    ChunkStream,
     GenerationChunk,
     GenerationRequest,
     ModelInfo,
     ModelNotFoundError,
     ModelNotLoadedError,
     ModelServer,
+    TokenLogprob,
 )
 
 
@@ -64,11 +66,16 @@ class _Sampling(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     priority: int = 0
+    top_k: int | None = None
+    prompt_logprobs: int | None = None
+    ignore_eos: bool = False
 
 
 class CompletionBody(_Sampling):
     prompt: str
     max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
 
 
 class ChatMessageBody(BaseModel):
@@ -78,6 +85,8 @@ class ChatMessageBody(BaseModel):
 
 class ChatCompletionBody(_Sampling):
     messages: list[ChatMessageBody]
+    logprobs: bool = False
+    top_logprobs: int | None = None
     max_completion_tokens: int | None = Field(default=None, description="Newer name of max_tokens.")
 
 
@@ -102,6 +111,9 @@ def _request(body: _Sampling, request_id: str, **kwargs: Any) -> GenerationReque
         seed=body.seed,
         stop=_stops(body.stop),
         priority=body.priority,
+        top_k=body.top_k if body.top_k not in (None, -1) else None,
+        prompt_logprobs=body.prompt_logprobs,
+        ignore_eos=body.ignore_eos,
         **kwargs,
     )
     if request_id:
@@ -113,6 +125,64 @@ def _usage(last: GenerationChunk | None) -> dict[str, int]:
     prompt = last.prompt_tokens if last else 0
     completion = last.completion_tokens if last else 0
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _completion_logprobs(
+    chunks: list[GenerationChunk], *, echo: bool = False, offset: int = 0
+) -> dict[str, object] | None:
+    """The legacy completions ``logprobs`` object (tokens, token_logprobs, top_logprobs, text_offset);
+    with ``echo`` the prompt's tokens come first, the first of them unscored, as vLLM answers."""
+    lps: list[TokenLogprob] = []
+    if echo:
+        lps += next((list(c.prompt_logprobs) for c in chunks if c.prompt_logprobs is not None), [])
+    lps += [lp for c in chunks for lp in c.logprobs]
+    if not lps:
+        return None
+    offsets, at = [], offset
+    for lp in lps:
+        offsets.append(at)
+        at += len(lp.token)
+    return {
+        "tokens": [lp.token for lp in lps],
+        "token_logprobs": [lp.logprob for lp in lps],
+        "top_logprobs": [dict(lp.top) if lp.logprob is not None else None for lp in lps],
+        "text_offset": offsets,
+    }
+
+
+def _chat_logprobs(chunks: list[GenerationChunk]) -> dict[str, object] | None:
+    """The chat ``logprobs`` object (``content``: token, logprob, bytes, top_logprobs)."""
+    lps = [lp for c in chunks for lp in c.logprobs]
+    if not lps:
+        return None
+
+    def entry(token: str, logprob: float | None) -> dict[str, object]:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+    return {
+        "content": [
+            {**entry(lp.token, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps
+        ]
+    }
+
+
+def _prompt_logprobs(chunks: list[GenerationChunk]) -> list[dict[str, dict[str, object]] | None] | None:
+    """vLLM's ``prompt_logprobs``: per prompt token, {token id: {logprob, rank, decoded_token}}."""
+    first = next((c.prompt_logprobs for c in chunks if c.prompt_logprobs is not None), None)
+    if first is None:
+        return None
+    out: list[dict[str, dict[str, object]] | None] = []
+    for lp in first:
+        if lp.logprob is None:
+            out.append(None)
+            continue
+        entries: dict[str, dict[str, object]] = {
+            str(lp.token_id): {"logprob": lp.logprob, "decoded_token": lp.token}
+        }
+        for rank, (token, value) in enumerate(lp.top, start=1):
+            entries.setdefault(token, {"logprob": value, "rank": rank, "decoded_token": token})
+        out.append(entries)
+    return out
 
 
 def _sse(payload: object) -> bytes:
@@ -143,6 +213,11 @@ class OpenAIRoutes:
 
     async def completions(self, body: CompletionBody, request: Request) -> Response:
         generation = _request(body, request.headers.get("x-request-id", ""), prompt=body.prompt)
+        generation.logprobs = body.logprobs
+        if body.echo and body.stream:
+            raise errors.ValidationError("echo", "is not supported with stream")
+        if body.echo and body.logprobs is not None and generation.prompt_logprobs is None:
+            generation.prompt_logprobs = body.logprobs
         return await self._respond(generation, body, chat=False)
 
     async def chat_completions(self, body: ChatCompletionBody, request: Request) -> Response:
@@ -150,6 +225,10 @@ class OpenAIRoutes:
         generation = _request(body, request.headers.get("x-request-id", ""), messages=messages)
         if body.max_completion_tokens is not None:
             generation.max_tokens = body.max_completion_tokens
+        if body.logprobs:
+            generation.logprobs = body.top_logprobs or 0
+        elif body.top_logprobs is not None:
+            raise errors.ValidationError("top_logprobs", "needs logprobs: true")
         return await self._respond(generation, body, chat=True)
 
     async def _respond(self, generation: GenerationRequest, body: _Sampling, *, chat: bool) -> Response:
@@ -167,26 +246,33 @@ class OpenAIRoutes:
                 headers={"Cache-Control": "no-cache", "X-Request-Id": generation.request_id},
             )
         text: list[str] = []
-        last: GenerationChunk | None = None
+        received: list[GenerationChunk] = []
         try:
             async for chunk in chunks:
                 text.append(chunk.text)
-                last = chunk
+                received.append(chunk)
         finally:
             await chunks.aclose()
+        last = received[-1] if received else None
         finish = last.finish_reason if last else None
-        choice: dict[str, object] = {"index": 0, "finish_reason": finish, "logprobs": None}
+        echo = isinstance(body, CompletionBody) and body.echo
+        choice: dict[str, object] = {
+            "index": 0,
+            "finish_reason": finish,
+            "logprobs": _chat_logprobs(received) if chat else _completion_logprobs(received, echo=echo),
+            "prompt_logprobs": _prompt_logprobs(received),
+        }
         if chat:
             choice["message"] = {"role": "assistant", "content": "".join(text)}
         else:
-            choice["text"] = "".join(text)
+            choice["text"] = (generation.prompt or "" if echo else "") + "".join(text)
         obj = "chat.completion" if chat else "text_completion"
         return JSONResponse({**head, "object": obj, "choices": [choice], "usage": _usage(last)})
 
     async def _stream(
         self,
         head: dict[str, object],
-        chunks: AsyncGenerator[GenerationChunk, None],
+        chunks: ChunkStream,
         *,
         chat: bool,
         include_usage: bool,
@@ -209,8 +295,10 @@ class OpenAIRoutes:
                 delta: dict[str, object] = {
                     "index": 0,
                     "finish_reason": chunk.finish_reason,
-                    "logprobs": None,
+                    "logprobs": _chat_logprobs([chunk]) if chat else _completion_logprobs([chunk]),
                 }
+                if chunk.prompt_logprobs is not None:
+                    delta["prompt_logprobs"] = _prompt_logprobs([chunk])
                 if chat:
                     delta["delta"] = {"content": chunk.text} if chunk.text else {}
                 else:

@@ -45,9 +45,35 @@ E2E_LATENCY = Histogram(
     buckets=(0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0),
 )
 
+TIME_TO_FIRST_TOKEN = Histogram(
+    "vllm:time_to_first_token_seconds",
+    "Histogram of time to first token in seconds.",
+    ["model_name"],
+    buckets=(0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0),
+)
+INTER_TOKEN_LATENCY = Histogram(
+    "vllm:inter_token_latency_seconds",
+    "Histogram of inter-token latency in seconds.",
+    ["model_name"],
+    buckets=(0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5),
+)
+KV_CACHE_USAGE = Gauge(
+    "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", ["model_name"]
+)
+NUM_PREEMPTIONS = Counter(
+    "vllm:num_preemptions", "Cumulative number of preemption from the engine.", ["model_name"]
+)
+PREFIX_CACHE_QUERIES = Counter(
+    "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.", ["model_name"]
+)
+PREFIX_CACHE_HITS = Counter(
+    "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", ["model_name"]
+)
+
 FinishReason = Literal["stop", "length", "cancelled"]
 ROLES = ("system", "user", "assistant")
 METADATA_FILE = "forge_model.json"
+MAX_LOGPROBS = 20
 
 
 class ModelNotLoadedError(errors.ConflictError):
@@ -90,6 +116,19 @@ class ChatMessage:
     content: str
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability and its most likely alternatives (token text, logprob).
+
+    ``logprob`` is None only for the first prompt token, which has nothing to be scored on.
+    """
+
+    token: str
+    token_id: int
+    logprob: float | None
+    top: tuple[tuple[str, float], ...] = ()
+
+
 @dataclass
 class GenerationRequest:
     """One validated generation request; exactly one of ``prompt`` and ``messages`` is set."""
@@ -100,9 +139,16 @@ class GenerationRequest:
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
+    top_k: int | None = None
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     priority: int = 0
+    logprobs: int | None = None
+    """Alternatives to return with each generated token's logprob; None returns no logprobs."""
+    prompt_logprobs: int | None = None
+    """The same for the prompt tokens (the eval service's log-likelihood scoring)."""
+    ignore_eos: bool = False
+    """Keep generating past the end-of-sequence token (vLLM's benchmark sets it for fixed lengths)."""
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
 
@@ -115,6 +161,9 @@ class GenerationChunk:
     finish_reason: FinishReason | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    logprobs: tuple[TokenLogprob, ...] = ()
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
+    """Set on the first chunk when asked for: one entry per prompt token (the first unscored)."""
 
 
 class Engine(Protocol):
@@ -145,7 +194,7 @@ class EngineLoader(Protocol):
 
 
 def unavailable_engine_loader(model: ModelInfo) -> Engine:
-    """The loader of a build without an inference engine: explains why ``model`` cannot be served."""
+    """The loader when none is configured (the process passes the real one): says why not."""
     if not model.weight_files:
         raise ModelNotLoadedError(model.name, f"no weights (*.safetensors) in {model.path}")
     missing = [name for name in ("torch", "transformers") if importlib.util.find_spec(name) is None]
@@ -229,6 +278,12 @@ def validate(request: GenerationRequest) -> None:
         raise errors.ValidationError("top_p", f"must be in (0, 1], got {request.top_p}")
     if request.seed is not None and request.seed < 0:
         raise errors.ValidationError("seed", f"must not be negative, got {request.seed}")
+    if request.top_k is not None and request.top_k < 0:
+        raise errors.ValidationError("top_k", f"must not be negative, got {request.top_k}")
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(request, name)
+        if value is not None and not (0 <= value <= MAX_LOGPROBS):
+            raise errors.ValidationError(name, f"must be between 0 and {MAX_LOGPROBS}, got {value}")
     for i, stop in enumerate(request.stop):
         if not stop:
             raise errors.ValidationError(f"stop.{i}", "must not be empty")
@@ -262,25 +317,31 @@ class ModelServer:
             self._engines[info.name] = engine
         return info, engine
 
-    async def generate(
-        self, request: GenerationRequest
-    ) -> tuple[ModelInfo, AsyncGenerator[GenerationChunk, None]]:
-        """Validate, resolve the engine, and return the model with its chunk stream.
+    async def generate(self, request: GenerationRequest) -> tuple[ModelInfo, ChunkStream]:
+        """Validate, resolve the engine, admit the request, and return the model with its stream.
 
-        Errors a caller can act on (bad field, unknown or unloadable model) are raised here, before
-        the first chunk, so transports can answer with a status instead of a broken stream.
+        Errors a caller can act on (bad field, unknown or unloadable model, full queue) are raised
+        here, before the first chunk, so transports can answer with a status instead of a broken
+        stream. Closing the stream, started or not, cancels the request in the engine.
         """
         validate(request)
         info, engine = self.resolve(request.model)
-        return info, self._run(info, engine, request)
+        stream = engine.generate(request)
+        return info, ChunkStream(self._run(info, engine, stream), stream)
+
+    async def drain(self, timeout_s: float) -> None:
+        """Let every engine finish what it admitted (SIGTERM), refusing new requests meanwhile."""
+        for engine in self._engines.values():
+            drain = getattr(engine, "drain", None)
+            if drain is not None:
+                await drain(timeout_s)
 
     async def _run(
-        self, info: ModelInfo, engine: Engine, request: GenerationRequest
+        self, info: ModelInfo, engine: Engine, stream: AsyncIterator[GenerationChunk]
     ) -> AsyncGenerator[GenerationChunk, None]:
         started = time.monotonic()
         running = NUM_REQUESTS_RUNNING.labels(info.name)
         running.inc()
-        stream = engine.generate(request)
         try:
             async for chunk in stream:
                 if chunk.finish_reason is not None:
@@ -296,3 +357,25 @@ class ModelServer:
                 await close()
             running.dec()
             NUM_REQUESTS_WAITING.labels(info.name).set(engine.num_waiting())
+
+
+class ChunkStream:
+    """The chunks of one request; ``aclose`` cancels it in the engine even before the first chunk."""
+
+    def __init__(
+        self, chunks: AsyncGenerator[GenerationChunk, None], engine_stream: AsyncIterator[GenerationChunk]
+    ) -> None:
+        self._chunks = chunks
+        self._engine_stream = engine_stream
+
+    def __aiter__(self) -> ChunkStream:
+        return self
+
+    async def __anext__(self) -> GenerationChunk:
+        return await self._chunks.__anext__()
+
+    async def aclose(self) -> None:
+        await self._chunks.aclose()
+        close = getattr(self._engine_stream, "aclose", None)
+        if close is not None:
+            await close()

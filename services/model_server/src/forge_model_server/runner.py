@@ -1,0 +1,337 @@
+"""The live engine: loads a Hugging Face Llama folder and drives :class:`EngineCore` from asyncio.
+
+:class:`AsyncEngine` implements the ``Engine`` seam of ``service.py``. Admission (tokenize, check
+the context and the pool, bound the waiting queue) happens when ``generate`` is called, so a
+transport answers 400 or 429 before any byte of a stream. One task runs the engine loop; only the
+batched forward leaves the event loop (on a worker thread), so scheduler state is only ever touched
+from the event loop and an abort between steps cannot race with the scheduler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import random
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from forge_kit import errors
+from forge_model_server import service
+from forge_model_server.engine import EngineConfig, EngineCore, RequestOutput
+from forge_model_server.llama import LlamaModel, UnsupportedModelError
+from forge_model_server.sampling import Logprob, SamplingParams
+from forge_model_server.service import (
+    GenerationChunk,
+    GenerationRequest,
+    ModelInfo,
+    ModelNotLoadedError,
+    TokenLogprob,
+)
+
+Clock = Callable[[], float]
+
+
+def fallback_chat_prompt(messages: list[service.ChatMessage]) -> str:
+    """The chat format of a model whose tokenizer config has no ``chat_template``."""
+    lines = [f"{m.role}: {m.content}\n" for m in messages]
+    return "".join(lines) + "assistant:"
+
+
+@dataclass
+class _Tracked:
+    queue: asyncio.Queue[RequestOutput | BaseException]
+    arrived: float
+    first_prompt_id: int
+    last_token: float | None = None
+
+
+class _RequestStream:
+    """Chunks of one admitted request. Unlike an async generator, ``aclose`` before the first
+    ``__anext__`` still cancels the request, so a client gone early leaks no blocks."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str, tracked: _Tracked) -> None:
+        self._engine = engine
+        self._request_id = request_id
+        self._tracked = tracked
+        self._done = False
+
+    def __aiter__(self) -> _RequestStream:
+        return self
+
+    async def __anext__(self) -> GenerationChunk:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            item = await self._tracked.queue.get()
+        except BaseException:
+            await self.aclose()
+            raise
+        if isinstance(item, BaseException):
+            await self.aclose()
+            raise item
+        if item.finish_reason is not None:
+            self._done = True
+            self._engine._release(self._request_id, finished=True)
+        return self._engine._chunk(item, self._tracked.first_prompt_id)
+
+    async def aclose(self) -> None:
+        if not self._done:
+            self._done = True
+            self._engine._release(self._request_id, finished=False)
+
+
+class AsyncEngine:
+    """One loaded model: tokenizer, chat template, engine core and the loop that steps it."""
+
+    def __init__(
+        self,
+        name: str,
+        core: EngineCore,
+        tokenizer: Any,
+        *,
+        max_model_len: int,
+        max_waiting: int,
+        clock: Clock = time.monotonic,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.name = name
+        self.core = core
+        self._tokenizer = tokenizer
+        self._max_model_len = max_model_len
+        self._max_waiting = max_waiting
+        self._clock = clock
+        self._rng = rng or random.Random()
+        self._tracked: dict[str, _Tracked] = {}
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._draining = False
+        self._last_stats = (0, 0, 0)
+        self._ids = itertools.count()
+
+    # -- the Engine seam --------------------------------------------------------------------------
+
+    def num_waiting(self) -> int:
+        return len(self.core.waiting)
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        """Admit ``request`` now (raising 400/429-class errors) and return its chunk stream."""
+        # 1. Tokenize the prompt or the rendered chat.
+        field = "messages" if request.messages is not None else "prompt"
+        prompt_ids = self._tokenizer.encode(self._prompt_text(request))
+        if not prompt_ids:
+            raise errors.ValidationError(field, "is empty after tokenization")
+        # 2. Check it fits the context and the KV pool.
+        room = self._max_model_len - len(prompt_ids)
+        if room < 1:
+            raise errors.ValidationError(
+                field, f"is {len(prompt_ids)} tokens; this model's context is {self._max_model_len}"
+            )
+        max_tokens = request.max_tokens or room
+        if max_tokens > room:
+            raise errors.ValidationError(
+                "max_tokens",
+                f"{len(prompt_ids)} prompt tokens + {max_tokens} exceed the context of {self._max_model_len}",
+            )
+        capacity = self.core.config.num_blocks * self.core.config.block_size
+        if len(prompt_ids) + max_tokens > capacity:
+            raise errors.ValidationError(
+                "max_tokens", f"prompt + max_tokens exceed this replica's KV cache of {capacity} tokens"
+            )
+        # 3. Bound the queue: say so instead of letting latency grow without limit.
+        if self._draining:
+            raise errors.OverloadedError("the model server is draining; retry on another replica")
+        if len(self.core.waiting) >= self._max_waiting:
+            raise errors.OverloadedError(
+                f"{len(self.core.waiting)} requests are waiting for {self.name}; the queue is full"
+            )
+        # 4. Hand it to the core and wake the loop.
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if request.temperature is None else request.temperature,
+            top_p=1.0 if request.top_p is None else request.top_p,
+            top_k=request.top_k or 0,
+            stop=tuple(request.stop),
+            logprobs=request.logprobs,
+            prompt_logprobs=request.prompt_logprobs,
+            ignore_eos=request.ignore_eos,
+        )
+        seed = request.seed if request.seed is not None else self._rng.randrange(2**63)
+        # Client ids may repeat; the engine's own id must not.
+        engine_id = f"{request.request_id}#{next(self._ids)}"
+        self.core.add_request(engine_id, prompt_ids, params, seed=seed, priority=request.priority)
+        tracked = _Tracked(asyncio.Queue(), self._clock(), prompt_ids[0])
+        self._tracked[engine_id] = tracked
+        self._ensure_loop()
+        self._wake.set()
+        service.NUM_REQUESTS_WAITING.labels(self.name).set(len(self.core.waiting))
+        return self._stream(engine_id, tracked)
+
+    def _prompt_text(self, request: GenerationRequest) -> str:
+        if request.messages is None:
+            return request.prompt or ""
+        if getattr(self._tokenizer, "chat_template", None):
+            rendered = self._tokenizer.apply_chat_template(
+                [{"role": m.role, "content": m.content} for m in request.messages],
+                tokenize=False,
+                add_generation_prompt=True,
+            )
+            return str(rendered)
+        return fallback_chat_prompt(request.messages)
+
+    def _stream(self, request_id: str, tracked: _Tracked) -> _RequestStream:
+        return _RequestStream(self, request_id, tracked)
+
+    def _release(self, request_id: str, finished: bool) -> None:
+        """The stream is done with: forget it, and cancel it in the core if it did not finish."""
+        self._tracked.pop(request_id, None)
+        if not finished:
+            self.core.abort(request_id)
+            service.NUM_REQUESTS_WAITING.labels(self.name).set(len(self.core.waiting))
+            service.KV_CACHE_USAGE.labels(self.name).set(self.core.pool.usage())
+
+    def _chunk(self, out: RequestOutput, first_prompt_id: int) -> GenerationChunk:
+        prompt_lps = None
+        if out.prompt_logprobs is not None:
+            first = TokenLogprob(str(self._tokenizer.decode([first_prompt_id])), first_prompt_id, None)
+            prompt_lps = tuple(first if lp is None else self._token_logprob(lp) for lp in out.prompt_logprobs)
+        return GenerationChunk(
+            text=out.text,
+            token_ids=out.token_ids,
+            finish_reason=out.finish_reason,  # type: ignore[arg-type]
+            prompt_tokens=out.prompt_tokens,
+            completion_tokens=out.completion_tokens,
+            logprobs=tuple(self._token_logprob(lp) for lp in out.logprobs),
+            prompt_logprobs=prompt_lps,
+        )
+
+    def _token_logprob(self, lp: Logprob) -> TokenLogprob:
+        decode = self._tokenizer.decode
+        return TokenLogprob(
+            token=decode([lp.token_id]),
+            token_id=lp.token_id,
+            logprob=lp.logprob,
+            top=tuple((decode([t]), v) for t, v in lp.top),
+        )
+
+    # -- the loop ---------------------------------------------------------------------------------
+
+    def _ensure_loop(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._loop(), name=f"engine-{self.name}")
+
+    async def _loop(self) -> None:
+        """1. wait for work  2. schedule  3. forward on a thread  4. deliver outputs  5. metrics."""
+        try:
+            while True:
+                # 1. Sleep until a request arrives.
+                if not self.core.has_work():
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                # 2. Schedule on the event loop, where adds and aborts also happen.
+                batch = self.core.schedule()
+                if not batch.seqs:
+                    await asyncio.sleep(0.001)
+                    continue
+                layout, rows = self.core.prepare(batch)
+                # 3. One batched forward; the HTTP server keeps serving meanwhile.
+                logits = await asyncio.to_thread(self.core.execute, layout, rows)
+                # 4. Sample, stop, free, and hand each request its output.
+                now = self._clock()
+                for out in self.core.update(batch, rows, logits):
+                    tracked = self._tracked.get(out.request_id)
+                    if tracked is None:
+                        continue
+                    if tracked.last_token is None:
+                        service.TIME_TO_FIRST_TOKEN.labels(self.name).observe(now - tracked.arrived)
+                    else:
+                        service.INTER_TOKEN_LATENCY.labels(self.name).observe(now - tracked.last_token)
+                    tracked.last_token = now
+                    tracked.queue.put_nowait(out)
+                # 5. Gauges and counters in vLLM's names.
+                self._publish_metrics()
+        except Exception as exc:  # a broken model fails its requests, never silently hangs them
+            for request_id, tracked in list(self._tracked.items()):
+                self.core.abort(request_id)
+                tracked.queue.put_nowait(exc)
+            raise
+
+    def _publish_metrics(self) -> None:
+        stats = self.core.stats
+        preemptions, queries, hits = self._last_stats
+        service.NUM_PREEMPTIONS.labels(self.name).inc(stats.num_preemptions - preemptions)
+        service.PREFIX_CACHE_QUERIES.labels(self.name).inc(stats.prefix_queries - queries)
+        service.PREFIX_CACHE_HITS.labels(self.name).inc(stats.prefix_hits - hits)
+        self._last_stats = (stats.num_preemptions, stats.prefix_queries, stats.prefix_hits)
+        service.NUM_REQUESTS_WAITING.labels(self.name).set(len(self.core.waiting))
+        service.KV_CACHE_USAGE.labels(self.name).set(self.core.pool.usage())
+
+    async def drain(self, timeout_s: float) -> None:
+        """Refuse new requests, let admitted ones finish within ``timeout_s``, then stop the loop."""
+        self._draining = True
+        deadline = self._clock() + timeout_s
+        while self.core.has_work() and self._clock() < deadline:
+            await asyncio.sleep(0.05)
+        for request_id in list(self._tracked):
+            self.core.abort(request_id)
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+
+class HFEngineLoader:
+    """The ``EngineLoader`` of this build: a Hugging Face Llama folder → :class:`AsyncEngine`."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        max_waiting: int,
+        clock: Clock = time.monotonic,
+        rng: random.Random | None = None,
+    ) -> None:
+        self._config = config
+        self._max_waiting = max_waiting
+        self._clock = clock
+        self._rng = rng or random.Random()
+
+    def __call__(self, model: ModelInfo) -> AsyncEngine:
+        if not model.weight_files:
+            raise ModelNotLoadedError(model.name, f"no weights (*.safetensors) in {model.path}")
+        if "://" in model.path:
+            raise ModelNotLoadedError(
+                model.name, f"only local model directories can be loaded, not {model.path}"
+            )
+        folder = Path(model.path)
+        try:
+            from transformers import PreTrainedTokenizerFast
+
+            llama = LlamaModel.load(
+                folder, num_blocks=self._config.num_blocks, block_size=self._config.block_size
+            )
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(str(folder))
+        except (UnsupportedModelError, OSError, ValueError, KeyError, TypeError) as exc:
+            raise ModelNotLoadedError(model.name, f"cannot load {folder}: {exc}") from exc
+        eos = set(llama.config.eos_token_ids)
+        if tokenizer.eos_token_id is not None:
+            eos.add(int(tokenizer.eos_token_id))
+        core = EngineCore(
+            llama,
+            self._config,
+            lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True)),
+            tuple(sorted(eos)),
+        )
+        return AsyncEngine(
+            model.name,
+            core,
+            tokenizer,
+            max_model_len=llama.config.max_position_embeddings,
+            max_waiting=self._max_waiting,
+            clock=self._clock,
+            rng=self._rng,
+        )

@@ -1,0 +1,68 @@
+"""Per-request sampling: greedy, temperature, top-k, top-p, and log-probabilities.
+
+Randomness comes only from the request's own ``torch.Generator`` (seeded from the request's ``seed``,
+or from the engine's injected RNG), so a seeded request gives the same tokens whatever else shares
+its batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+GREEDY_EPSILON = 1e-5
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request picks tokens and when it stops; validated before the engine sees it."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    """0 keeps every token."""
+    stop: tuple[str, ...] = ()
+    logprobs: int | None = None
+    """How many alternatives to return with each sampled token's log-probability; None for none."""
+    prompt_logprobs: int | None = None
+    """The same for every prompt token after the first; None for none."""
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class Logprob:
+    """The log-probability of the chosen token and the top alternatives (ids, raw model logits)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def logprob_of(logits: torch.Tensor, token_id: int, top_n: int) -> Logprob:
+    """Log-probability of ``token_id`` under the unmodified distribution, as vLLM reports it."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    top: tuple[tuple[int, float], ...] = ()
+    if top_n > 0:
+        values, ids = torch.topk(logp, min(top_n, logp.shape[-1]))
+        top = tuple((int(i), float(v)) for i, v in zip(ids, values, strict=True))
+    return Logprob(token_id, float(logp[token_id]), top)
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    """One token from a 1-D row of logits."""
+    if params.temperature < GREEDY_EPSILON:
+        return int(torch.argmax(logits))
+    scaled = logits.float() / params.temperature
+    if 0 < params.top_k < scaled.shape[-1]:
+        kth = torch.topk(scaled, params.top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(scaled, descending=True)
+        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
+        # Drop a token when the tokens before it already reach top_p; the first always stays.
+        drop = (cumulative - torch.softmax(sorted_logits, dim=-1)) >= params.top_p
+        scaled = scaled.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
+    probs = torch.softmax(scaled, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))

@@ -1,0 +1,248 @@
+"""The engine core on a tiny random Llama: logits parity with transformers, continuous batching,
+paged blocks and preemption, prefix caching, priority, stops, logprobs and seeds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
+
+from forge_model_server.engine import EngineConfig, EngineCore, RequestOutput
+from forge_model_server.llama import BatchLayout, LlamaModel
+from forge_model_server.sampling import SamplingParams
+
+PROMPTS = [
+    "To be, or not to be",
+    "the slings and arrows of outrageous fortune, or to take arms",
+    "heart-ache",
+    "Whether 'tis nobler in the mind to suffer the slings",
+]
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_llama: Path) -> LlamaForCausalLM:
+    return LlamaForCausalLM.from_pretrained(tiny_llama).eval()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_llama: Path) -> PreTrainedTokenizerFast:
+    return PreTrainedTokenizerFast.from_pretrained(str(tiny_llama))
+
+
+def make_core(tiny_llama: Path, tokenizer: PreTrainedTokenizerFast, **config: int | bool) -> EngineCore:
+    cfg = EngineConfig(**config)  # type: ignore[arg-type]
+    model = LlamaModel.load(tiny_llama, num_blocks=cfg.num_blocks, block_size=cfg.block_size)
+    return EngineCore(model, cfg, lambda ids: str(tokenizer.decode(ids)), (tokenizer.eos_token_id,))
+
+
+def greedy(max_tokens: int = 12, **kwargs: object) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kwargs)  # type: ignore[arg-type]
+
+
+def run_to_end(core: EngineCore, max_steps: int = 500) -> dict[str, list[RequestOutput]]:
+    outputs: dict[str, list[RequestOutput]] = {}
+    for _ in range(max_steps):
+        if not core.has_work():
+            return outputs
+        for out in core.step():
+            outputs.setdefault(out.request_id, []).append(out)
+    raise AssertionError("the engine did not finish")
+
+
+def tokens(outs: list[RequestOutput]) -> list[int]:
+    return [t for o in outs for t in o.token_ids]
+
+
+def alone(
+    tiny_llama: Path, tokenizer: PreTrainedTokenizerFast, prompt: str, params: SamplingParams
+) -> list[int]:
+    core = make_core(tiny_llama, tokenizer)
+    core.add_request("solo", tokenizer.encode(prompt), params, seed=1)
+    return tokens(run_to_end(core)["solo"])
+
+
+def test_paged_forward_matches_transformers_logits(tiny_llama: Path, hf_model: LlamaForCausalLM) -> None:
+    """Two sequences in one step, scattered blocks, one of them prefilled in two chunks."""
+    bs = 4
+    model = LlamaModel.load(tiny_llama, num_blocks=16, block_size=bs)
+    a = torch.randint(0, 300, (11,), generator=torch.Generator().manual_seed(3))
+    b = torch.randint(0, 300, (6,), generator=torch.Generator().manual_seed(4))
+    tables = {"a": [9, 2, 14], "b": [5, 0]}
+
+    def layout(chunks: list[tuple[str, torch.Tensor, int]]) -> BatchLayout:
+        ids, pos, slots, starts, lens, ctx = [], [], [], [0], [], []
+        for name, seq, start in chunks:
+            table = tables[name]
+            for p in range(start, len(seq)):
+                ids.append(int(seq[p]))
+                pos.append(p)
+                slots.append(table[p // bs] * bs + p % bs)
+            starts.append(len(ids))
+            lens.append(len(seq))
+            ctx.append([table[p // bs] * bs + p % bs for p in range(len(seq))])
+        width = max(lens)
+        return BatchLayout(
+            torch.tensor(ids),
+            torch.tensor(pos),
+            torch.tensor(slots),
+            starts,
+            lens,
+            torch.tensor([c + [0] * (width - len(c)) for c in ctx]),
+        )
+
+    # Step 1: a's first 7 tokens and all of b; step 2: the rest of a, attending to step 1's cache.
+    first = layout([("a", a[:7], 0), ("b", b, 0)])
+    logits1 = model.forward(first, torch.arange(13))
+    second = layout([("a", a, 7)])
+    logits2 = model.forward(second, torch.arange(4))
+    with torch.no_grad():
+        ref_a = hf_model(a[None]).logits[0]
+        ref_b = hf_model(b[None]).logits[0]
+    torch.testing.assert_close(torch.cat([logits1[:7], logits2]), ref_a, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(logits1[7:], ref_b, rtol=1e-4, atol=1e-4)
+
+
+def test_greedy_generation_matches_transformers_generate(
+    tiny_llama: Path, tokenizer: PreTrainedTokenizerFast, hf_model: LlamaForCausalLM
+) -> None:
+    ids = tokenizer.encode(PROMPTS[1])
+    ours = alone(tiny_llama, tokenizer, PROMPTS[1], greedy(10))
+    with torch.no_grad():
+        ref = hf_model.generate(torch.tensor([ids]), max_new_tokens=10, do_sample=False, eos_token_id=None)
+    assert ours == ref[0, len(ids) :].tolist()
+
+
+def test_continuous_batching_joins_and_leaves_without_changing_tokens(
+    tiny_llama: Path, tokenizer: PreTrainedTokenizerFast
+) -> None:
+    lengths = [12, 5, 9, 7]
+    expected = {
+        str(i): alone(tiny_llama, tokenizer, p, greedy(n))
+        for i, (p, n) in enumerate(zip(PROMPTS, lengths, strict=True))
+    }
+    # A small token budget forces chunked prefill next to running decodes.
+    core = make_core(tiny_llama, tokenizer, max_num_batched_tokens=8)
+    outputs: dict[str, list[RequestOutput]] = {}
+    joins = {0: [0, 1], 3: [2], 6: [3]}
+    batch_sizes = []
+    for step in range(200):
+        for i in joins.get(step, []):
+            core.add_request(str(i), tokenizer.encode(PROMPTS[i]), greedy(lengths[i]), seed=1)
+        if not core.has_work():
+            break
+        batch_sizes.append(len(core.running))
+        for out in core.step():
+            outputs.setdefault(out.request_id, []).append(out)
+    assert {k: tokens(v) for k, v in outputs.items()} == expected
+    assert max(batch_sizes) >= 3  # they really shared steps
+    assert core.pool.num_free() == core.config.num_blocks
+
+
+def test_tiny_pool_preempts_by_recompute_and_keeps_outputs(
+    tiny_llama: Path, tokenizer: PreTrainedTokenizerFast
+) -> None:
+    expected = {str(i): alone(tiny_llama, tokenizer, p, greedy(10)) for i, p in enumerate(PROMPTS)}
+    # 12 blocks of 4 slots: the longest request alone needs 12, so the others must make room.
+    core = make_core(tiny_llama, tokenizer, num_blocks=12, block_size=4, enable_prefix_caching=False)
+    for i, prompt in enumerate(PROMPTS):
+        core.add_request(str(i), tokenizer.encode(prompt), greedy(10), seed=1)
+    outputs = run_to_end(core)
+    assert {k: tokens(v) for k, v in outputs.items()} == expected
+    assert core.stats.num_preemptions > 0
+    assert core.pool.num_free() == 12
+
+
+def test_a_request_larger_than_the_pool_is_refused(
+    tiny_llama: Path, tokenizer: PreTrainedTokenizerFast
+) -> None:
+    core = make_core(tiny_llama, tokenizer, num_blocks=4, block_size=4)
+    with pytest.raises(ValueError, match="needs 5 KV blocks; the pool has 4"):
+        core.add_request("big", list(range(10)), greedy(10), seed=1)
+
+
+def test_prefix_cache_reuses_full_prompt_blocks(tiny_llama: Path, tokenizer: PreTrainedTokenizerFast) -> None:
+    core = make_core(tiny_llama, tokenizer, block_size=4)
+    prompt = tokenizer.encode(PROMPTS[3])
+    core.add_request("first", prompt, greedy(6), seed=1)
+    first = tokens(run_to_end(core)["first"])
+    assert core.stats.prefix_hits == 0
+    core.add_request("second", prompt, greedy(6), seed=1)
+    second = tokens(run_to_end(core)["second"])
+    assert second == first
+    assert core.stats.prefix_hits == (len(prompt) - 1) // 4 * 4 > 0
+    assert core.stats.prefix_queries == 2 * len(prompt)
+    assert core.pool.usage() == 0.0
+
+
+def test_lower_priority_value_runs_first(tiny_llama: Path, tokenizer: PreTrainedTokenizerFast) -> None:
+    core = make_core(tiny_llama, tokenizer, max_num_seqs=1)
+    core.add_request("batch", tokenizer.encode(PROMPTS[0]), greedy(3), seed=1, priority=5)
+    core.add_request("interactive", tokenizer.encode(PROMPTS[2]), greedy(3), seed=1, priority=-1)
+    core.add_request("normal", tokenizer.encode(PROMPTS[1]), greedy(3), seed=1, priority=0)
+    finished = []
+    while core.has_work():
+        finished += [o.request_id for o in core.step() if o.finish_reason]
+    assert finished == ["interactive", "normal", "batch"]
+
+
+def test_higher_priority_arrival_preempts_a_running_lower_one(
+    tiny_llama: Path, tokenizer: PreTrainedTokenizerFast
+) -> None:
+    expected = alone(tiny_llama, tokenizer, PROMPTS[0], greedy(8))
+    core = make_core(tiny_llama, tokenizer, max_num_seqs=1)
+    core.add_request("batch", tokenizer.encode(PROMPTS[0]), greedy(8), seed=1, priority=5)
+    outputs = [o for _ in range(3) for o in core.step()]
+    core.add_request("interactive", tokenizer.encode(PROMPTS[2]), greedy(3), seed=1, priority=-1)
+    while core.has_work():
+        outputs += core.step()
+    finished = [o.request_id for o in outputs if o.finish_reason]
+    assert finished == ["interactive", "batch"] and core.stats.num_preemptions == 1
+    assert tokens([o for o in outputs if o.request_id == "batch"]) == expected
+
+
+def test_stop_string_truncates_and_finishes(tiny_llama: Path, tokenizer: PreTrainedTokenizerFast) -> None:
+    full = str(tokenizer.decode(alone(tiny_llama, tokenizer, PROMPTS[0], greedy(16))))
+    stop = full[5:8]
+    assert full.find(stop) == 5
+    core = make_core(tiny_llama, tokenizer)
+    core.add_request("s", tokenizer.encode(PROMPTS[0]), greedy(16, stop=(stop,)), seed=1)
+    outs = run_to_end(core)["s"]
+    assert "".join(o.text for o in outs) == full[:5]
+    assert outs[-1].finish_reason == "stop" and len(tokens(outs)) < 16
+
+
+def test_seeded_sampling_is_deterministic_whatever_the_batch(
+    tiny_llama: Path, tokenizer: PreTrainedTokenizerFast
+) -> None:
+    params = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, top_k=50, ignore_eos=True)
+    solo = make_core(tiny_llama, tokenizer)
+    solo.add_request("x", tokenizer.encode(PROMPTS[0]), params, seed=7)
+    alone_tokens = tokens(run_to_end(solo)["x"])
+    shared = make_core(tiny_llama, tokenizer)
+    shared.add_request("other", tokenizer.encode(PROMPTS[1]), params, seed=8)
+    shared.add_request("x", tokenizer.encode(PROMPTS[0]), params, seed=7)
+    outputs = run_to_end(shared)
+    assert tokens(outputs["x"]) == alone_tokens
+    assert tokens(outputs["other"]) != alone_tokens
+
+
+def test_logprobs_and_prompt_logprobs_match_transformers(
+    tiny_llama: Path, tokenizer: PreTrainedTokenizerFast, hf_model: LlamaForCausalLM
+) -> None:
+    ids = tokenizer.encode(PROMPTS[1])
+    core = make_core(tiny_llama, tokenizer, max_num_batched_tokens=5)  # prompt spans chunks
+    core.add_request("lp", ids, greedy(2, logprobs=3, prompt_logprobs=1), seed=1)
+    outs = run_to_end(core)["lp"]
+    prompt_lps = outs[0].prompt_logprobs
+    assert prompt_lps is not None and len(prompt_lps) == len(ids) and prompt_lps[0] is None
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0], -1)
+    for pos in range(1, len(ids)):
+        lp = prompt_lps[pos]
+        assert lp is not None and lp.token_id == ids[pos]
+        assert lp.logprob == pytest.approx(float(ref[pos - 1, ids[pos]]), abs=1e-4)
+        assert lp.top[0][0] == int(ref[pos - 1].argmax())
+    first = outs[0].logprobs[0]
+    assert first.token_id == int(ref[-1].argmax()) == first.top[0][0] and len(first.top) == 3
