@@ -66,7 +66,7 @@ test: install
 	$(VENV)/bin/pytest -q --timeout=$(PYTEST_TIMEOUT) -m "not faults_full" libs services tests
 
 fuzz: install
-	FORGE_FUZZ_EXAMPLES=$${FORGE_FUZZ_EXAMPLES:-1000} $(VENV)/bin/pytest -q -s --timeout=3600 tests/fuzz
+	FORGE_FUZZ_EXAMPLES=$${FORGE_FUZZ_EXAMPLES:-1000} FORGE_FUZZ_TIMEOUT_S=7200 $(VENV)/bin/pytest -q -s --timeout=7200 tests/fuzz
 
 faults: install
 	$(VENV)/bin/pytest -q -s --timeout=$(PYTEST_TIMEOUT) tests/faults
