@@ -27,7 +27,10 @@ from forge_kit.grpckit import check_health
 from forge_kit.testing import ServiceProcess
 from forge_kit.testing.fuzz import SERVER_FAULTS, messages, unary_caller
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(int(os.environ.get("FORGE_FUZZ_TIMEOUT_S", "600")))]
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.timeout(int(os.environ.get("FORGE_FUZZ_TIMEOUT_S", "600"))),
+]
 EXAMPLES = int(os.environ.get("FORGE_FUZZ_EXAMPLES", "20"))
 TOKEN = "fuzz-token"
 

@@ -21,7 +21,10 @@ from hypothesis import strategies as st
 
 from forge_kit.testing import ServiceProcess
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(int(os.environ.get("FORGE_FUZZ_TIMEOUT_S", "900")))]
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.timeout(int(os.environ.get("FORGE_FUZZ_TIMEOUT_S", "900"))),
+]
 EXAMPLES = int(os.environ.get("FORGE_FUZZ_EXAMPLES", "20"))
 TENANT_KEY = "fk-fuzz-tenant-key"
 MODEL_SERVER_TOKEN = "fuzz-model-server-token"
