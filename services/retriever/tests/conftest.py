@@ -11,6 +11,7 @@ import pytest
 
 from forge_kit.db import Database
 from forge_retriever.config import RetrieverSettings
+from forge_retriever.embed import SentenceTransformerEmbedder
 from forge_retriever.index import QdrantEdgeIndex
 from forge_retriever.service import DocumentIn, RetrieverService
 
@@ -80,5 +81,30 @@ def index(tmp_path: Path) -> Iterator[QdrantEdgeIndex]:
 @pytest.fixture
 async def service(db: Database, index: QdrantEdgeIndex, settings: RetrieverSettings) -> RetrieverService:
     svc = RetrieverService(db, index, settings)
+    await svc.reconcile_index()
+    return svc
+
+
+@pytest.fixture(scope="session")
+def minilm() -> SentenceTransformerEmbedder:
+    """The real bundled MiniLM, loaded once per test session (a few seconds on CPU)."""
+    return SentenceTransformerEmbedder(batch_size=16, query_cache_size=8)
+
+
+@pytest.fixture
+def dense_index(tmp_path: Path, minilm: SentenceTransformerEmbedder) -> Iterator[QdrantEdgeIndex]:
+    idx = QdrantEdgeIndex(tmp_path / "dense-index", dense_dim=minilm.dimension, dense_version=minilm.version)
+    yield idx
+    idx.close()
+
+
+@pytest.fixture
+async def dense_service(
+    db: Database,
+    dense_index: QdrantEdgeIndex,
+    settings: RetrieverSettings,
+    minilm: SentenceTransformerEmbedder,
+) -> RetrieverService:
+    svc = RetrieverService(db, dense_index, settings, embedder=minilm)
     await svc.reconcile_index()
     return svc

@@ -10,7 +10,7 @@ from forge_kit.app import ServiceApp
 from forge_kit.cache import make_cache
 from forge_reranker.api import RerankerApi
 from forge_reranker.config import RerankerSettings
-from forge_reranker.scoring import LexicalScorer
+from forge_reranker.scoring import CrossEncoderScorer, LexicalScorer, Scorer
 from forge_reranker.service import RerankerService
 
 
@@ -19,7 +19,18 @@ async def main() -> None:
     app = ServiceApp(settings)
     cache = make_cache(settings.redis_url, app.name)
     app.add_on_stop(cache.close)
-    scorer = LexicalScorer(k1=settings.bm25_k1, b=settings.bm25_b, phrase_bonus=settings.phrase_bonus)
+    scorer: Scorer
+    if settings.scorer == "cross-encoder":
+        scorer = await asyncio.to_thread(
+            CrossEncoderScorer,
+            settings.cross_encoder_path,
+            max_tokens=settings.cross_encoder_max_tokens,
+            batch_size=settings.cross_encoder_batch_size,
+            int8=settings.cross_encoder_int8,
+            num_threads=settings.torch_threads,
+        )
+    else:
+        scorer = LexicalScorer(k1=settings.bm25_k1, b=settings.bm25_b, phrase_bonus=settings.phrase_bonus)
     api = RerankerApi(RerankerService(scorer, cache, settings))
     await app.run(
         register=[lambda server: rerank_pb2_grpc.add_RerankerServiceServicer_to_server(api, server)],

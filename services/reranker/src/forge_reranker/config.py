@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from typing import Literal
+
+from pydantic import Field, model_validator
 
 from forge_kit.settings import ServiceSettings, service_config
 
@@ -39,3 +41,27 @@ class RerankerSettings(ServiceSettings):
     phrase_bonus: float = Field(default=1.0, ge=0.0)
     """Added to a passage's score when it contains the whole query as a phrase (scaled down for
     the share of the query's word pairs it contains)."""
+
+    scorer: Literal["lexical", "cross-encoder"] = "lexical"
+    """Which scorer serves: the lexical BM25+phrase scorer, or the cross-encoder in ``cross_encoder_path``."""
+
+    cross_encoder_path: str = ""
+    """Hugging Face cross-encoder directory (config.json, weights, tokenizer); required for ``cross-encoder``."""
+
+    cross_encoder_max_tokens: int = Field(default=256, ge=16, le=512)
+    """Word pieces per (query, passage) pair; the passage is truncated to fit."""
+
+    cross_encoder_batch_size: int = Field(default=16, ge=1, le=256)
+    """Pairs per forward pass."""
+
+    cross_encoder_int8: bool = True
+    """Dynamically quantise the cross-encoder's Linear layers to INT8 (about 2x faster on CPU)."""
+
+    torch_threads: int = Field(default=0, ge=0)
+    """Torch CPU threads for the cross-encoder; 0 keeps torch's default (one per core)."""
+
+    @model_validator(mode="after")
+    def _cross_encoder_needs_a_path(self) -> RerankerSettings:
+        if self.scorer == "cross-encoder" and not self.cross_encoder_path:
+            raise ValueError("cross_encoder_path is required when scorer is 'cross-encoder'")
+        return self

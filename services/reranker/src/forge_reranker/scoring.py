@@ -1,8 +1,9 @@
-"""Relevance scorers: the ``Scorer`` seam and the lexical scorer behind it.
+"""Relevance scorers: the ``Scorer`` seam, the lexical scorer and the cross-encoder behind it.
 
 The lexical scorer is BM25 with the call's passages as the corpus (so IDF rewards the words that
 tell these candidates apart) plus a bonus for passages that contain the query as a phrase. The
-cross-encoder (issue 6) is another ``Scorer``.
+cross-encoder reads query and passage together in one transformer pass: far better relevance, and
+far more CPU, hence INT8, batching and the score cache.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import math
 import re
 from collections import Counter
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Protocol
 
 _WORD = re.compile(r"\w+")
@@ -87,3 +89,79 @@ class LexicalScorer:
             return self.phrase_bonus
         shared = query_pairs.intersection(itertools.pairwise(doc))
         return self.phrase_bonus * 0.5 * len(shared) / len(query_pairs)
+
+
+class CrossEncoderScorer:
+    """A Hugging Face cross-encoder (any ``AutoModelForSequenceClassification`` directory with one
+    output), scoring (query, passage) pairs jointly on CPU.
+
+    Pairs are tokenized together and truncated to ``max_tokens`` word pieces (the passage is cut,
+    never the query), and scored ``batch_size`` at a time; the texts of a call are sorted by length
+    first so a batch pads to similar lengths. With ``int8`` the Linear layers are dynamically
+    quantised (weights INT8, activations quantised per batch): about twice as fast on CPU; the
+    benchmark prints the accuracy it costs. ``version`` hashes the weights and these settings, so
+    the score cache never serves a score of another model or configuration.
+    """
+
+    batch_dependent = False
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        max_tokens: int = 256,
+        batch_size: int = 16,
+        int8: bool = False,
+        num_threads: int = 0,
+    ) -> None:
+        if max_tokens < 16 or batch_size < 1 or num_threads < 0:
+            raise ValueError(
+                f"need max_tokens >= 16, batch_size >= 1, num_threads >= 0; got {max_tokens=} {batch_size=}"
+            )
+        import torch
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        path = Path(model_dir)
+        weights = sorted(path.glob("*.safetensors")) or sorted(path.glob("*.bin"))
+        if not (path / "config.json").is_file() or not weights:
+            raise FileNotFoundError(f"no Hugging Face model (config.json and weights) in {path}")
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        self._torch = torch
+        self._tokenizer = AutoTokenizer.from_pretrained(str(path))
+        model = AutoModelForSequenceClassification.from_pretrained(str(path))
+        if model.config.num_labels != 1:
+            raise ValueError(
+                f"{path}: a cross-encoder has one output (num_labels=1), got {model.config.num_labels}"
+            )
+        model.eval()
+        if int8:
+            model = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
+        self._model = model
+        self._max_tokens, self._batch_size = max_tokens, batch_size
+        self.name = path.name
+        digest = hashlib.sha256(f"{max_tokens}:{int8}".encode())
+        for file in weights:
+            with open(file, "rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    digest.update(block)
+        self.version = digest.hexdigest()[:16]
+
+    def score(self, query: str, passages: Sequence[str]) -> list[float]:
+        order = sorted(range(len(passages)), key=lambda i: len(passages[i]))
+        scores = [0.0] * len(passages)
+        with self._torch.inference_mode():
+            for first in range(0, len(order), self._batch_size):
+                batch = order[first : first + self._batch_size]
+                encoded = self._tokenizer(
+                    [query] * len(batch),
+                    [passages[i] for i in batch],
+                    truncation="only_second",
+                    max_length=self._max_tokens,
+                    padding=True,
+                    return_tensors="pt",
+                )
+                logits = self._model(**encoded).logits.reshape(-1)
+                for i, value in zip(batch, logits.tolist(), strict=True):
+                    scores[i] = float(value)
+        return scores

@@ -1,4 +1,4 @@
-"""Retriever process: settings → database → index (rebuilt from the database if stale) → servers."""
+"""Retriever process: settings → database → embedder → index (rebuilt if stale) → servers."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from forge_kit.app import ServiceApp
 from forge_kit.http import make_app
 from forge_retriever.api import RetrieverApi
 from forge_retriever.config import RetrieverSettings
+from forge_retriever.embed import SentenceTransformerEmbedder
 from forge_retriever.index import QdrantEdgeIndex
 from forge_retriever.service import RetrieverService
 
@@ -20,10 +21,29 @@ async def main() -> None:
     app = ServiceApp(settings)
     db = await app.open_database("retriever.db", Path(__file__).parent / "migrations")
     relay = app.enable_outbox()
-    index = QdrantEdgeIndex(Path(settings.data_dir) / "index")
+    embedder = None
+    if settings.dense_enabled:
+        embedder = await asyncio.to_thread(
+            SentenceTransformerEmbedder,
+            settings.embedding_model_path or None,
+            batch_size=settings.embedding_batch_size,
+            max_seq_length=settings.embedding_max_tokens,
+            query_cache_size=settings.query_cache_size,
+            num_threads=settings.embedding_threads,
+        )
+    index = QdrantEdgeIndex(
+        Path(settings.data_dir) / "index",
+        dense_dim=embedder.dimension if embedder else None,
+        dense_version=embedder.version if embedder else "",
+    )
     app.add_on_stop(lambda: asyncio.to_thread(index.close))
     service = RetrieverService(
-        db, index, settings, producer=app.name, on_commit=relay.wake if relay else lambda: None
+        db,
+        index,
+        settings,
+        embedder=embedder,
+        producer=app.name,
+        on_commit=relay.wake if relay else lambda: None,
     )
     await service.reconcile_index()
 

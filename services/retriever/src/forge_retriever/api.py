@@ -70,11 +70,14 @@ class RetrieverApi(retrieval_pb2_grpc.RetrieverServiceServicer):
     async def ListCollections(
         self, request: retrieval_pb2.ListCollectionsRequest, context: grpc.aio.ServicerContext
     ) -> retrieval_pb2.ListCollectionsResponse:
-        # No dense embedding model yet: embedding_model stays empty and dimension 0.
         return retrieval_pb2.ListCollectionsResponse(
             collections=[
                 retrieval_pb2.Collection(
-                    name=c.name, document_count=c.document_count, chunk_count=c.chunk_count
+                    name=c.name,
+                    document_count=c.document_count,
+                    chunk_count=c.chunk_count,
+                    embedding_model=self._service.embedding_model,
+                    dimension=self._service.embedding_dimension,
                 )
                 for c in await self._service.list_collections()
             ]

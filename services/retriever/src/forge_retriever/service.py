@@ -28,7 +28,8 @@ from forge_kit import errors
 from forge_kit.db import Database
 from forge_kit.events import stage_event
 from forge_retriever.config import RetrieverSettings
-from forge_retriever.index import IndexPoint, VectorIndex, point_id
+from forge_retriever.embed import Embedder
+from forge_retriever.index import Fusion, HybridParams, IndexHit, IndexPoint, VectorIndex, point_id
 from forge_retriever.store import ChunkRow, CollectionRow, DocumentRow, utcnow
 from forge_retriever.text import Bm25Encoder, chunk_words
 
@@ -40,6 +41,19 @@ MAX_TITLE_CHARS = 4096
 MAX_METADATA_PAIRS = 64
 MAX_METADATA_CHARS = 1024
 _REBUILD_BATCH = 500
+
+
+@dataclass(frozen=True)
+class _PendingPoint:
+    """A chunk to index: what ``_points`` needs to encode it (sparse) and embed it (dense)."""
+
+    point_id: str
+    document_id: str
+    chunk_index: int
+    title: str
+    text: str
+    metadata: Mapping[str, str]
+
 
 SEARCHES = Counter("forge_retriever_searches_total", "Searches served", ["requested_mode", "served_mode"])
 CHANGES = Counter("forge_retriever_document_changes_total", "Documents written or removed", ["change"])
@@ -156,7 +170,11 @@ def chunk_id(document_id: str, index: int) -> str:
 
 
 class RetrieverService:
-    """Owns the retriever's database and index; every public write is one transaction."""
+    """Owns the retriever's database and index; every public write is one transaction.
+
+    With an ``embedder`` (and an index opened with dense vectors) every chunk is also embedded and
+    DENSE and HYBRID search are served; without one the service is BM25 only.
+    """
 
     def __init__(
         self,
@@ -164,11 +182,18 @@ class RetrieverService:
         index: VectorIndex,
         settings: RetrieverSettings,
         *,
+        embedder: Embedder | None = None,
         producer: str = "retriever",
         on_commit: Callable[[], None] = lambda: None,
     ) -> None:
+        if index.dense_enabled != (embedder is not None):
+            raise ValueError("an embedder is needed exactly when the index holds dense vectors")
         self._db = db
         self._index = index
+        self._embedder = embedder
+        self._hybrid = HybridParams(
+            candidates=settings.hybrid_candidates, fusion=Fusion(settings.hybrid_fusion), rrf_k=settings.rrf_k
+        )
         self._settings = settings
         self._producer = producer
         self._on_commit = on_commit
@@ -184,7 +209,8 @@ class RetrieverService:
         1. Validate the whole batch; nothing is written if any document is bad.
         2. Skip documents whose content is unchanged (no event, no index write).
         3. Replace the changed documents' rows and chunks and stage their events.
-        4. Replace their points in the index, then commit.
+        4. Encode the new chunks (BM25, and embeddings in batches when dense is enabled).
+        5. Replace their points in the index, then commit.
         """
         validate_collection("collection", collection)
         self._validate_batch("documents", len(documents))
@@ -209,7 +235,7 @@ class RetrieverService:
                     )
                 )
             }
-            points: list[IndexPoint] = []
+            pending: list[_PendingPoint] = []
             replaced: list[str] = []
             written = 0
             for doc in documents:
@@ -232,7 +258,7 @@ class RetrieverService:
                 row.title, row.text, row.meta = doc.title, doc.text, dict(doc.metadata)
                 row.version, row.content_hash, row.updated_at = coll.last_version, digest, now
                 await session.flush()
-                points.extend(self._add_chunks(session, collection, doc))
+                pending.extend(self._add_chunks(session, collection, doc))
                 await stage_event(
                     session,
                     _upserted_event(collection, doc, row.version),
@@ -240,8 +266,10 @@ class RetrieverService:
                     key=f"{collection}/{doc.id}",
                 )
                 written += 1
+            points: list[IndexPoint] = []
             if written:
                 await session.flush()
+                points = await asyncio.to_thread(self._points, pending)
                 await asyncio.to_thread(self._index.delete_documents, collection, replaced)
                 await asyncio.to_thread(self._index.upsert, collection, points)
         if written:
@@ -249,7 +277,7 @@ class RetrieverService:
             self._on_commit()
         return UpsertResult(upserted=written, chunks=len(points), unchanged=len(documents) - written)
 
-    def _add_chunks(self, session: AsyncSession, collection: str, doc: DocumentIn) -> list[IndexPoint]:
+    def _add_chunks(self, session: AsyncSession, collection: str, doc: DocumentIn) -> list[_PendingPoint]:
         points = []
         for chunk in chunk_words(doc.text, self._settings.chunk_words, self._settings.chunk_overlap_words):
             pid = point_id(collection, doc.id, chunk.index)
@@ -265,17 +293,27 @@ class RetrieverService:
                     end_char=chunk.end,
                 )
             )
-            points.append(self._point(pid, doc.id, chunk.index, doc.title, chunk.text, doc.metadata))
+            points.append(_PendingPoint(pid, doc.id, chunk.index, doc.title, chunk.text, doc.metadata))
         return points
 
-    def _point(
-        self, pid: str, document_id: str, index: int, title: str, text: str, metadata: Mapping[str, str]
-    ) -> IndexPoint:
+    def _points(self, pending: Sequence[_PendingPoint]) -> list[IndexPoint]:
+        """Encode chunks for the index (blocking: embedding is CPU-bound, run it in a thread)."""
         # The title is indexed with every chunk: it is the densest statement of what the chunk is about.
-        sparse = self._encoder.encode_document(f"{title}\n{text}" if title else text)
-        return IndexPoint(
-            point_id=pid, document_id=document_id, chunk_index=index, sparse=sparse, metadata=metadata
+        texts = [f"{p.title}\n{p.text}" if p.title else p.text for p in pending]
+        dense: Sequence[Sequence[float] | None] = (
+            self._embedder.embed_documents(texts) if self._embedder is not None else [None] * len(texts)
         )
+        return [
+            IndexPoint(
+                point_id=p.point_id,
+                document_id=p.document_id,
+                chunk_index=p.chunk_index,
+                sparse=self._encoder.encode_document(text),
+                metadata=p.metadata,
+                dense=vector,
+            )
+            for p, text, vector in zip(pending, texts, dense, strict=True)
+        ]
 
     async def delete_documents(self, collection: str, ids: Sequence[str]) -> int:
         """Remove documents with all their chunks and index points; one DELETED event each.
@@ -333,7 +371,9 @@ class RetrieverService:
         1. Validate; resolve top_k 0 to the default.
         2. Pick the scoring the index can serve: DENSE needs the dense index; HYBRID without it is
            served by BM25 alone and the result says so.
-        3. Query the index, then read the hits' chunks and documents from the database (the
+        3. Encode the query (BM25 terms, embedding through the query cache) and query the index;
+           HYBRID is one index query fusing the dense and sparse candidate lists.
+        4. Read the hits' chunks and documents from the database (the
            source of truth; a point the database no longer has is dropped).
         """
         validate_collection("collection", collection)
@@ -353,18 +393,17 @@ class RetrieverService:
         async with self._db.session() as session:
             await self._collection(session, collection)
 
-        if mode is SearchMode.DENSE and not self._index.dense_enabled:
+        dense_enabled = self._embedder is not None
+        if mode is SearchMode.DENSE and not dense_enabled:
             raise errors.ConflictError(
                 "dense index not enabled: search with mode SPARSE (or HYBRID, served by BM25)"
             )
-        served = SearchMode.SPARSE
-        if mode is SearchMode.HYBRID:
+        served = mode if dense_enabled else SearchMode.SPARSE
+        if mode is SearchMode.HYBRID and not dense_enabled:
             log.info("hybrid search served by BM25 alone: dense index not enabled", collection=collection)
         SEARCHES.labels(mode.value, served.value).inc()
-
-        vector = self._encoder.encode_query(query)
         hits = await asyncio.to_thread(
-            self._index.search_sparse, collection, vector, top_k, dict(metadata_filter)
+            self._query_index, collection, query, top_k, served, dict(metadata_filter)
         )
         if not hits:
             return SearchResult([], served)
@@ -394,12 +433,38 @@ class RetrieverService:
                     chunk_id=chunk.chunk_id,
                     text=chunk.text,
                     score=hit.score,
-                    sparse_score=hit.score,
-                    dense_score=0.0,
+                    # A fused score has no components the engine reports: 0 means "not computed".
+                    sparse_score=hit.score if served is SearchMode.SPARSE else 0.0,
+                    dense_score=hit.score if served is SearchMode.DENSE else 0.0,
                     metadata={**doc.meta, "title": doc.title},
                 )
             )
         return SearchResult(results, served)
+
+    def _query_index(
+        self, collection: str, query: str, top_k: int, mode: SearchMode, metadata_filter: dict[str, str]
+    ) -> list[IndexHit]:
+        """Encode ``query`` as ``mode`` needs and search the index (blocking: runs in a thread)."""
+        if mode is SearchMode.SPARSE or self._embedder is None:
+            return self._index.search_sparse(
+                collection, self._encoder.encode_query(query), top_k, metadata_filter
+            )
+        vector = self._embedder.embed_query(query)
+        if mode is SearchMode.DENSE:
+            return self._index.search_dense(collection, vector, top_k, metadata_filter)
+        return self._index.search_hybrid(
+            collection, self._encoder.encode_query(query), vector, top_k, metadata_filter, self._hybrid
+        )
+
+    @property
+    def embedding_model(self) -> str:
+        """Name of the embedding model; empty when dense search is off."""
+        return self._embedder.name if self._embedder is not None else ""
+
+    @property
+    def embedding_dimension(self) -> int:
+        """Length of the dense vectors; 0 when dense search is off."""
+        return self._embedder.dimension if self._embedder is not None else 0
 
     async def list_collections(self) -> list[CollectionStats]:
         docs = (
@@ -471,10 +536,11 @@ class RetrieverService:
                 ).all()
             if not rows:
                 break
-            points = [
-                self._point(c.point_id, c.document_id, c.chunk_index, title, c.text, meta)
+            pending = [
+                _PendingPoint(c.point_id, c.document_id, c.chunk_index, title, c.text, meta)
                 for c, title, meta in rows
             ]
+            points = await asyncio.to_thread(self._points, pending)
             await asyncio.to_thread(self._index.upsert, collection, points)
             total += len(points)
             after = rows[-1][0].point_id

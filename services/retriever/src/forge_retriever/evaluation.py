@@ -1,0 +1,290 @@
+"""Retrieval evaluation on BEIR-format folders: nDCG@10, recall@100 and search latency per mode.
+
+A BEIR folder has ``corpus.jsonl`` (``_id``, ``title``, ``text``), ``queries.jsonl`` (``_id``,
+``text``) and ``qrels/test.tsv`` (``query-id``, ``corpus-id``, ``score`` with a header row). The
+corpus is ingested through ``RetrieverService`` exactly as UpsertDocuments would (chunking, BM25,
+embeddings, the Qdrant Edge index), and every test query is searched through ``RetrieverService.search``,
+so the figures are the service's, latency included (query encoding, index, database read).
+
+Metrics are BEIR's (pytrec_eval): nDCG@10 with linear gains ``rel / log2(rank + 1)`` against the
+ideal ordering of the query's qrels, recall@100 over the qrels with a score above 0. Chunks are
+mapped to documents by their first (best) occurrence. Queries with no relevant document are skipped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import json
+import math
+import statistics
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from forge_kit.db import Database
+from forge_retriever.config import RetrieverSettings
+from forge_retriever.embed import Embedder
+from forge_retriever.index import QdrantEdgeIndex
+from forge_retriever.service import DocumentIn, RetrieverService, SearchHit, SearchMode
+
+MODES = {"bm25": SearchMode.SPARSE, "dense": SearchMode.DENSE, "hybrid": SearchMode.HYBRID}
+RERANK_MODES = ("hybrid_rerank", "hybrid_rerank_best")
+MIGRATIONS = Path(__file__).parent / "migrations"
+COLLECTION = "beir"
+_INGEST_BATCH = 256
+
+#: Published nDCG@10 on the test splits, from ``../shared/data/beir/PROVENANCE.md``, by folder name.
+PUBLISHED: dict[str, dict[str, tuple[float, str]]] = {
+    "scifact": {
+        "bm25": (0.665, "BM25, BEIR paper"),
+        "dense": (0.6451, "all-MiniLM-L6-v2, MTEB"),
+        "hybrid": (0.7175, "dense + BM25 RRF, Qdrant article"),
+        "hybrid_rerank": (0.688, "BM25 top-100 + ms-marco-MiniLM-L-6-v2, BEIR paper"),
+    },
+    "nfcorpus": {
+        "bm25": (0.325, "BM25, BEIR paper"),
+        "dense": (0.3159, "all-MiniLM-L6-v2, MTEB"),
+        "hybrid": (0.280, "BM25 + all-MiniLM-L6-v2 alpha 0.5, Weaviate"),
+        "hybrid_rerank": (0.350, "BM25 top-100 + ms-marco-MiniLM-L-6-v2, BEIR paper"),
+    },
+}
+
+#: Reranks ``passages`` (id, text) for ``query``; returns passage ids best first.
+Rerank = Callable[[str, Sequence[tuple[str, str]]], Awaitable[list[str]]]
+
+
+class DatasetError(ValueError):
+    """The folder is not in BEIR format; the message names the file and line."""
+
+
+@dataclass(frozen=True)
+class BeirDataset:
+    """A BEIR folder's corpus, its test queries that have qrels, and those qrels."""
+
+    name: str
+    corpus: list[DocumentIn]
+    queries: dict[str, str]
+    qrels: dict[str, dict[str, int]]
+
+
+def load_beir(folder: Path, split: str = "test") -> BeirDataset:
+    """Read a BEIR folder, checking every row names its fields."""
+    paths = {n: folder / n for n in ("corpus.jsonl", "queries.jsonl", f"qrels/{split}.tsv")}
+    for name, path in paths.items():
+        if not path.is_file():
+            raise DatasetError(f"{folder}: missing {name}")
+    corpus: list[DocumentIn] = []
+    for n, row in _jsonl(paths["corpus.jsonl"]):
+        doc_id, text = str(row.get("_id", "")), str(row.get("text", "") or "")
+        if not doc_id:
+            raise DatasetError(f"corpus.jsonl line {n}: _id missing or empty")
+        title = str(row.get("title", "") or "")
+        if not text.strip():
+            text = title  # BEIR keeps a few title-only documents: index the title as the text
+        if text.strip():
+            corpus.append(DocumentIn(id=doc_id, title=title, text=text))
+    queries: dict[str, str] = {}
+    for n, row in _jsonl(paths["queries.jsonl"]):
+        if not row.get("_id") or not str(row.get("text", "")).strip():
+            raise DatasetError(f"queries.jsonl line {n}: _id and text must be non-empty")
+        queries[str(row["_id"])] = str(row["text"])
+    qrels: dict[str, dict[str, int]] = {}
+    with open(paths[f"qrels/{split}.tsv"], encoding="utf-8") as f:
+        reader = csv.DictReader(f, delimiter="\t")
+        for n, qrel in enumerate(reader, start=2):
+            try:
+                qrels.setdefault(qrel["query-id"], {})[qrel["corpus-id"]] = int(qrel["score"])
+            except (KeyError, TypeError, ValueError) as exc:
+                raise DatasetError(
+                    f"qrels/{split}.tsv line {n}: need query-id, corpus-id and an integer score"
+                ) from exc
+    qrels = {q: r for q, r in qrels.items() if q in queries and any(s > 0 for s in r.values())}
+    if not qrels:
+        raise DatasetError(
+            f"qrels/{split}.tsv: no query with a relevant document and a text in queries.jsonl"
+        )
+    return BeirDataset(folder.name, corpus, {q: queries[q] for q in qrels}, qrels)
+
+
+def _jsonl(path: Path) -> list[tuple[int, dict[str, object]]]:
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DatasetError(f"{path.name} line {n}: not JSON ({exc.msg})") from exc
+            if not isinstance(row, dict):
+                raise DatasetError(f"{path.name} line {n}: not a JSON object")
+            rows.append((n, row))
+    return rows
+
+
+def ndcg_at_k(ranked: Sequence[str], relevant: Mapping[str, int], k: int = 10) -> float:
+    """nDCG@k with linear gains (BEIR / pytrec_eval ``ndcg_cut``)."""
+    dcg = sum(relevant.get(d, 0) / math.log2(i + 2) for i, d in enumerate(ranked[:k]))
+    ideal = sorted((s for s in relevant.values() if s > 0), reverse=True)[:k]
+    idcg = sum(s / math.log2(i + 2) for i, s in enumerate(ideal))
+    return dcg / idcg if idcg else 0.0
+
+
+def recall_at_k(ranked: Sequence[str], relevant: Mapping[str, int], k: int = 100) -> float:
+    """Share of the relevant documents (score > 0) among the first ``k``."""
+    wanted = {d for d, s in relevant.items() if s > 0}
+    return len(wanted.intersection(ranked[:k])) / len(wanted) if wanted else 0.0
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0-100), linear interpolation between closest ranks."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def documents_of(hits: Sequence[SearchHit]) -> list[str]:
+    """Document ids in order of their best chunk."""
+    seen: dict[str, None] = {}
+    for hit in hits:
+        seen.setdefault(hit.document_id, None)
+    return list(seen)
+
+
+@dataclass(frozen=True)
+class ModeResult:
+    """The figures of one mode, as written to ``summary.json``."""
+
+    ndcg_at_10: float
+    recall_at_100: float
+    p50_ms: float
+    p95_ms: float
+
+    def as_json(self) -> dict[str, float]:
+        return {
+            "ndcg@10": round(self.ndcg_at_10, 4),
+            "recall@100": round(self.recall_at_100, 4),
+            "p50_ms": round(self.p50_ms, 2),
+            "p95_ms": round(self.p95_ms, 2),
+        }
+
+
+@dataclass(frozen=True)
+class IngestResult:
+    """``upserted`` documents (``chunks`` chunks) were new; the rest were already indexed unchanged."""
+
+    documents: int
+    upserted: int
+    chunks: int
+    seconds: float
+
+    @property
+    def docs_per_s(self) -> float:
+        """Throughput of the documents actually written (chunked, encoded, embedded, indexed)."""
+        return self.upserted / self.seconds if self.seconds and self.upserted else 0.0
+
+
+class Evaluator:
+    """Ingests one BEIR corpus into an in-process retriever and scores search modes on it.
+
+    ``work_dir`` holds the database and index; reusing one skips re-embedding (an unchanged
+    document is a no-op upsert). ``clock`` is injected for the latency figures.
+    """
+
+    def __init__(
+        self,
+        dataset: BeirDataset,
+        work_dir: Path,
+        embedder: Embedder | None,
+        settings: RetrieverSettings | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.dataset = dataset
+        self._work = work_dir
+        self._embedder = embedder
+        self._settings = settings or RetrieverSettings(data_dir=str(work_dir), kafka_enabled=False)
+        self._clock = clock
+        self._db: Database | None = None
+        self._index: QdrantEdgeIndex | None = None
+        self.service: RetrieverService | None = None
+
+    async def open(self) -> None:
+        self._work.mkdir(parents=True, exist_ok=True)
+        self._db = Database(f"sqlite+aiosqlite:///{self._work / 'retriever.db'}")
+        await self._db.migrate(MIGRATIONS)
+        emb = self._embedder
+        self._index = QdrantEdgeIndex(
+            self._work / "index",
+            dense_dim=emb.dimension if emb else None,
+            dense_version=emb.version if emb else "",
+        )
+        self.service = RetrieverService(self._db, self._index, self._settings, embedder=emb)
+        await self.service.reconcile_index()
+
+    async def close(self) -> None:
+        if self._index is not None:
+            await asyncio.to_thread(self._index.close)
+        if self._db is not None:
+            await self._db.dispose()
+
+    async def ingest(self, progress: Callable[[int, int], None] = lambda done, total: None) -> IngestResult:
+        """Upsert the corpus in batches; documents already indexed unchanged cost nothing."""
+        assert self.service is not None, "call open() first"
+        corpus = self.dataset.corpus
+        started, chunks, upserted = self._clock(), 0, 0
+        for first in range(0, len(corpus), _INGEST_BATCH):
+            result = await self.service.upsert_documents(COLLECTION, corpus[first : first + _INGEST_BATCH])
+            chunks += result.chunks
+            upserted += result.upserted
+            progress(min(first + _INGEST_BATCH, len(corpus)), len(corpus))
+        return IngestResult(len(corpus), upserted, chunks, self._clock() - started)
+
+    async def run_mode(
+        self, mode: SearchMode, top_k: int = 200, rerank: Rerank | None = None, rerank_depth: int = 0
+    ) -> ModeResult:
+        """Search every query with ``mode``; with ``rerank``, its first ``rerank_depth`` documents
+        (best chunk text each) are reordered and put before the rest. Latency covers both stages."""
+        assert self.service is not None, "call open() first"
+        ndcgs, recalls, latencies = [], [], []
+        for qid, text in self.dataset.queries.items():
+            started = self._clock()
+            result = await self.service.search(COLLECTION, text, top_k, mode, {})
+            ranked = documents_of(result.hits)
+            if rerank is not None and rerank_depth:
+                best_text: dict[str, str] = {}
+                for hit in result.hits:
+                    best_text.setdefault(
+                        hit.document_id, f"{hit.metadata.get('title', '')}\n{hit.text}".strip()
+                    )
+                head = ranked[:rerank_depth]
+                reordered = await rerank(text, [(d, best_text[d]) for d in head])
+                ranked = reordered + [d for d in ranked if d not in set(reordered)]
+            latencies.append((self._clock() - started) * 1000.0)
+            ndcgs.append(ndcg_at_k(ranked, self.dataset.qrels[qid], 10))
+            recalls.append(recall_at_k(ranked, self.dataset.qrels[qid], 100))
+        return ModeResult(
+            statistics.fmean(ndcgs),
+            statistics.fmean(recalls),
+            percentile(latencies, 50),
+            percentile(latencies, 95),
+        )
+
+
+def parse_modes(text: str) -> list[str]:
+    """The comma-separated ``--modes`` list; unknown names are an error naming them."""
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    known = [*MODES, "hybrid_rerank"]
+    unknown = [m for m in modes if m not in known]
+    if not modes or unknown:
+        raise ValueError(f"--modes: unknown {unknown or 'empty list'}; choose from {', '.join(known)}")
+    return modes
+
+
+def default_work_dir() -> Path:
+    return Path(tempfile.mkdtemp(prefix="forge-eval-retrieval-"))

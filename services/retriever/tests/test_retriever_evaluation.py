@@ -1,0 +1,99 @@
+"""The retrieval benchmark's pieces: BEIR loading, the metrics, and ``forge eval retrieval`` end to end
+on a small BEIR folder written here (BM25 only, so no model is loaded)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from forge_retriever import evaluation
+from forge_retriever.cli import app
+
+
+def write_beir(folder: Path, qrels: str | None = None) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    corpus = [
+        {"_id": "d1", "title": "Aspirin", "text": "Aspirin lowers the risk of heart attack in adults."},
+        {"_id": "d2", "title": "Volcanoes", "text": "Volcanic ash travels far in the upper atmosphere."},
+        {"_id": "d3", "title": "Bread", "text": "Sourdough bread rises slowly with wild yeast."},
+        {"_id": "d4", "title": "Title only", "text": ""},
+    ]
+    queries = [
+        {"_id": "q1", "text": "does aspirin prevent heart attack"},
+        {"_id": "q2", "text": "volcanic ash atmosphere"},
+        {"_id": "q3", "text": "a query without qrels"},
+    ]
+    (folder / "corpus.jsonl").write_text("".join(json.dumps(r) + "\n" for r in corpus))
+    (folder / "queries.jsonl").write_text("".join(json.dumps(r) + "\n" for r in queries))
+    (folder / "qrels").mkdir(exist_ok=True)
+    (folder / "qrels" / "test.tsv").write_text(
+        qrels if qrels is not None else "query-id\tcorpus-id\tscore\nq1\td1\t1\nq2\td2\t2\nq2\td3\t0\n"
+    )
+    return folder
+
+
+def test_ndcg_and_recall_match_hand_computed_values() -> None:
+    relevant = {"a": 2, "b": 1, "z": 0}
+    assert evaluation.ndcg_at_k(["a", "b", "c"], relevant) == pytest.approx(1.0)
+    # b at rank 1, a at rank 3: (1/log2(2) + 2/log2(4)) / (2/log2(2) + 1/log2(3))
+    expected = (1.0 + 2.0 / 2.0) / (2.0 + 1.0 / math.log2(3))
+    assert evaluation.ndcg_at_k(["b", "c", "a"], relevant) == pytest.approx(expected)
+    assert evaluation.ndcg_at_k(["c", "a"], relevant, k=1) == 0.0
+    assert evaluation.recall_at_k(["c", "a"], relevant, k=100) == 0.5  # "z" (score 0) is not relevant
+    assert evaluation.recall_at_k(["c", "a"], relevant, k=1) == 0.0
+    assert evaluation.percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert evaluation.percentile([5.0], 95) == 5.0
+
+
+def test_load_beir_keeps_judged_queries_and_names_bad_lines(tmp_path: Path) -> None:
+    data = evaluation.load_beir(write_beir(tmp_path / "ok"))
+    assert sorted(data.queries) == ["q1", "q2"] and data.name == "ok"
+    assert [d.id for d in data.corpus] == ["d1", "d2", "d3", "d4"] and data.corpus[3].text == "Title only"
+    bad = write_beir(tmp_path / "bad", qrels="query-id\tcorpus-id\tscore\nq1\td1\tyes\n")
+    with pytest.raises(evaluation.DatasetError, match="line 2"):
+        evaluation.load_beir(bad)
+    (tmp_path / "bad" / "corpus.jsonl").write_text('{"_id": "x", "text": "fine"}\n{"text": "no id"}\n')
+    with pytest.raises(evaluation.DatasetError, match=r"corpus\.jsonl line 2: _id"):
+        evaluation.load_beir(bad)
+    with pytest.raises(evaluation.DatasetError, match=r"missing corpus\.jsonl"):
+        evaluation.load_beir(tmp_path / "nowhere")
+    with pytest.raises(ValueError, match="--modes"):
+        evaluation.parse_modes("bm25,colbert")
+
+
+def test_cli_writes_the_contract_summary(tmp_path: Path) -> None:
+    dataset = write_beir(tmp_path / "tiny")
+    out = tmp_path / "out"
+    result = CliRunner().invoke(
+        app,
+        [
+            "retrieval",
+            "--dataset",
+            str(dataset),
+            "--modes",
+            "bm25",
+            "--out",
+            str(out),
+            "--work",
+            str(tmp_path / "w"),
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    summary = json.loads((out / "summary.json").read_text())
+    assert list(summary) == ["bm25"]
+    assert set(summary["bm25"]) == {"ndcg@10", "recall@100", "p50_ms", "p95_ms"}
+    # Both judged queries find their document first: perfect scores.
+    assert summary["bm25"]["ndcg@10"] == 1.0 and summary["bm25"]["recall@100"] == 1.0
+    assert 0 < summary["bm25"]["p50_ms"] <= summary["bm25"]["p95_ms"]
+    details = json.loads((out / "details.json").read_text())
+    assert details["documents"] == 4 and details["queries"] == 2
+
+
+def test_cli_rejects_a_folder_that_is_not_beir(tmp_path: Path) -> None:
+    result = CliRunner().invoke(app, ["retrieval", "--dataset", str(tmp_path), "--out", str(tmp_path / "o")])
+    assert result.exit_code == 2 and "missing corpus.jsonl" in result.output
+    assert not (tmp_path / "o").exists()
