@@ -1,0 +1,728 @@
+"""The scheduling cycle: admission, ordering, gang placement, reservation + backfill, preemption.
+
+``PolicyEngine.cycle(snapshot, now)`` is pure: it reads a snapshot and returns decisions. The
+service applies them to its database and agents; the simulator applies them to its event queue.
+Baselines (strict FIFO, FIFO + backfill, Slurm-like multifactor) are configurations of the same
+engine, so every policy is measured with the same placement code.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+from forge_scheduler.policy.capacity import CapacityIndex, Slots
+from forge_scheduler.policy.model import (
+    ANY_GPU_TYPE,
+    Allocation,
+    Job,
+    Node,
+    PendingJob,
+    Placement,
+    Priority,
+    Snapshot,
+    Team,
+)
+
+Ordering = Literal["forge", "fifo", "multifactor"]
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """Knobs of one policy; ``forge()``, ``fifo()``, ``fifo_backfill()``, ``multifactor()`` are the recipes."""
+
+    ordering: Ordering = "forge"
+    strict: bool = False
+    """Strict FIFO: nothing behind the first job that does not fit may start."""
+    backfill: bool = True
+    """Reserve for the head-of-line gang that does not fit; others use only what it does not need."""
+    preemption: bool = True
+    las_tiers_gpu_s: tuple[float, ...] = (2 * 3600.0, 16 * 3600.0, 128 * 3600.0)
+    """Attained-service tiers (GPU-seconds): a job that has used less goes first (Tiresias 2D-LAS),
+    which favours short jobs without knowing any duration."""
+    las_preemption: bool = True
+    """Within one priority class, a job of a lower tier may preempt one of a higher tier."""
+    aging_s: float = 6 * 3600.0
+    """Every ``aging_s`` of waiting lifts a job one tier, so nothing starves under small jobs."""
+    preemption_grace_s: float = 60.0
+    """Time a victim gets to checkpoint before it must stop."""
+    max_preemption_searches: int = 8
+    """Bound on victim searches per cycle, which keeps one cycle's cost bounded."""
+    max_victims: int = 64
+    """A gang that would need more victims than this waits for its reservation instead."""
+    multifactor_weights: tuple[float, float, float] = (1000.0, 1000.0, 100.0)
+    """Slurm PriorityWeight{Age, FairShare, JobSize}."""
+    multifactor_max_age_s: float = 7 * 86400.0
+    explain: bool = True
+    """Compute a pending reason for every job (the service); the simulator turns it off."""
+
+    @staticmethod
+    def forge() -> PolicyConfig:
+        return PolicyConfig()
+
+    @staticmethod
+    def fifo() -> PolicyConfig:
+        return PolicyConfig(ordering="fifo", strict=True, backfill=False, preemption=False)
+
+    @staticmethod
+    def fifo_backfill() -> PolicyConfig:
+        return PolicyConfig(ordering="fifo", backfill=True, preemption=False)
+
+    @staticmethod
+    def multifactor() -> PolicyConfig:
+        return PolicyConfig(ordering="multifactor", backfill=True, preemption=False)
+
+
+@dataclass(frozen=True)
+class Start:
+    job_id: str
+    slots: Slots
+    borrowed: bool
+
+
+@dataclass(frozen=True)
+class Preemption:
+    job_id: str
+    for_job: str
+    reason: str
+    stop_by: float
+    """The victim checkpoints until then (grace period), then its GPUs are released."""
+
+
+@dataclass(frozen=True)
+class Reservation:
+    job_id: str
+    nodes: tuple[str, ...]
+    estimated_start: float | None
+
+
+@dataclass
+class CycleResult:
+    starts: list[Start] = field(default_factory=list)
+    preemptions: list[Preemption] = field(default_factory=list)
+    reasons: dict[str, str] = field(default_factory=dict)
+    reservation: Reservation | None = None
+    order: list[str] = field(default_factory=list)
+    """Pending job ids in the order the cycle considered them."""
+
+
+class _Quota:
+    """Per-cycle quota book: GPUs in use per (team, type) and what each cohort can still lend.
+
+    The cohort's unused guarantees are kept incrementally, so admitting one job is O(1).
+    """
+
+    def __init__(self, teams: Mapping[str, Team], capacity: Mapping[str, int]) -> None:
+        self.teams = teams
+        self.capacity = dict(capacity)
+        self.used: dict[tuple[str, str], int] = {}
+        self._team_total: dict[str, int] = {}
+        self._borrowed: dict[str, int] = {}
+        guaranteed: dict[str, int] = {}
+        self._unused: dict[tuple[str, str], int] = {}
+        for team in teams.values():
+            for t, g in team.guaranteed.items():
+                guaranteed[t] = guaranteed.get(t, 0) + g
+                key = (team.cohort, t)
+                self._unused[key] = self._unused.get(key, 0) + g
+        self._unassigned = {t: max(0, cap - guaranteed.get(t, 0)) for t, cap in capacity.items()}
+
+    def _used(self, team: str, t: str) -> int:
+        if t == ANY_GPU_TYPE:
+            return self._team_total.get(team, 0)
+        return self.used.get((team, t), 0)
+
+    def within_guarantee(self, team: Team, t: str, gpus: int) -> bool:
+        return self._used(team.name, t) + gpus <= team.guarantee(t)
+
+    def cohort_spare(self, cohort: str, t: str) -> int:
+        """Unused guarantees of the cohort plus capacity guaranteed to nobody."""
+        if t == ANY_GPU_TYPE:
+            return sum(self._unassigned.values()) + sum(
+                v for (c, _), v in self._unused.items() if c == cohort
+            )
+        return self._unassigned.get(t, 0) + self._unused.get((cohort, t), 0)
+
+    def admit(self, team: Team, job: Job) -> tuple[bool, bool, str]:
+        """(admitted, borrowed, reason). Production inference is never held back by quota."""
+        t, need = job.gpu_type, job.tasks * job.gpus_per_task
+        if t != ANY_GPU_TYPE:
+            if self.used.get((team.name, t), 0) + need <= team.guaranteed.get(t, 0):
+                return True, False, ""
+        elif self.within_guarantee(team, t, need):
+            return True, False, ""
+        if job.priority is Priority.PRODUCTION_INFERENCE:
+            return True, False, ""
+        used = self._used(team.name, t)
+        over = used + need - max(team.guarantee(t), used)
+        if team.borrow_limit is not None and self._borrowed.get(team.name, 0) + over > team.borrow_limit:
+            return (
+                False,
+                False,
+                f"team quota exhausted and borrowing limit of {team.borrow_limit} GPUs reached",
+            )
+        own_unused = max(0, team.guarantee(t) - used)  # the job fills the team's own guarantee first
+        if self.cohort_spare(team.cohort, t) - own_unused < over:
+            return False, False, "team quota exhausted and cohort has no spare"
+        return True, True, ""
+
+    def add(self, team_name: str, slots: Slots, nodes: Mapping[str, Node]) -> None:
+        by_type: dict[str, int] = {}
+        for name, gpus in slots:
+            t = nodes[name].gpu_type
+            by_type[t] = by_type.get(t, 0) + gpus
+        for t, gpus in by_type.items():
+            self.add_gpus(team_name, t, gpus)
+
+    def add_gpus(self, team_name: str, t: str, gpus: int) -> None:
+        """Book ``gpus`` of type ``t`` to the team: inside its guarantee first, then borrowed."""
+        team = self.teams.get(team_name)
+        key = (team_name, t)
+        before = self.used.get(key, 0)
+        after = before + gpus
+        self.used[key] = after
+        self._team_total[team_name] = self._team_total.get(team_name, 0) + gpus
+        g = team.guarantee(t) if team else 0
+        self._borrowed[team_name] = self._borrowed.get(team_name, 0) + max(0, after - g) - max(0, before - g)
+        inside = min(after, g) - min(before, g)
+        if inside and team is not None:
+            self._unused[(team.cohort, t)] -= inside
+        outside = max(0, after - g) - max(0, before - g)
+        if outside:
+            # borrowed GPUs come first from capacity nobody is guaranteed, then from the cohort
+            from_unassigned = min(outside, self._unassigned.get(t, 0))
+            self._unassigned[t] = self._unassigned.get(t, 0) - from_unassigned
+            if team is not None and outside > from_unassigned:
+                self._unused[(team.cohort, t)] = self._unused.get((team.cohort, t), 0) - (
+                    outside - from_unassigned
+                )
+
+
+class PolicyEngine:
+    """Runs one scheduling cycle over a snapshot. Stateless between cycles; the clock is ``now``."""
+
+    def __init__(self, config: PolicyConfig | None = None) -> None:
+        self.config = config or PolicyConfig()
+
+    # ------------------------------------------------------------------ ordering
+    def tier(self, attained_gpu_s: float) -> int:
+        """Attained-service tier: 0 for a job that has used less than the first threshold."""
+        return bisect.bisect_right(self.config.las_tiers_gpu_s, attained_gpu_s)
+
+    def _effective_tier(self, p: PendingJob, now: float) -> int:
+        """Tier lowered by one per ``aging_s`` waited, so a long job cannot starve."""
+        return max(
+            0, self.tier(p.attained_gpu_s) - int(max(0.0, now - p.waiting_since) // self.config.aging_s)
+        )
+
+    def _fair_scores(self, snap: Snapshot, capacity: Mapping[str, int]) -> dict[str, float]:
+        node_type = {n.name: n.gpu_type for n in snap.nodes}
+        """Weighted dominant share of current allocation plus share of decayed usage (lower first)."""
+        alloc: dict[tuple[str, str], int] = {}
+        for a in snap.running:
+            for name, gpus in a.slots:
+                key = (a.job.team, node_type.get(name, ""))
+                alloc[key] = alloc.get(key, 0) + gpus
+        total_usage = sum(snap.usage.values()) or 1.0
+        scores: dict[str, float] = {}
+        for team in snap.teams.values():
+            dominant = max(
+                (alloc.get((team.name, t), 0) / cap for t, cap in capacity.items() if cap > 0), default=0.0
+            )
+            scores[team.name] = (dominant + snap.usage.get(team.name, 0.0) / total_usage) / max(
+                team.weight, 1e-9
+            )
+        return scores
+
+    def _order(self, snap: Snapshot, now: float, capacity: Mapping[str, int]) -> list[PendingJob]:
+        cfg = self.config
+        if cfg.ordering == "fifo":
+            return sorted(snap.pending, key=lambda p: (p.job.submit_time, p.job.id))
+        if cfg.ordering == "multifactor":
+            w_age, w_fs, w_size = cfg.multifactor_weights
+            total = sum(capacity.values()) or 1
+            usage_total = sum(snap.usage.values()) or 1.0
+            weights_total = sum(t.weight for t in snap.teams.values()) or 1.0
+            fs: dict[str, float] = {}
+            for team in snap.teams.values():
+                share = team.weight / weights_total
+                fs[team.name] = 2.0 ** (-(snap.usage.get(team.name, 0.0) / usage_total) / share)
+
+            def mf(p: PendingJob) -> tuple[float, ...]:
+                age = min(1.0, max(0.0, now - p.job.submit_time) / cfg.multifactor_max_age_s)
+                score = w_age * age + w_fs * fs.get(p.job.team, 0.0) + w_size * p.job.gpus / total
+                return (-int(p.job.priority), -score, p.job.submit_time)
+
+            return sorted(snap.pending, key=lambda p: (*mf(p), p.job.id))
+        fair = self._fair_scores(snap, capacity)
+        tiers = cfg.las_tiers_gpu_s
+        aging = cfg.aging_s
+
+        def key(p: PendingJob) -> tuple[int, int, float, float, str]:
+            since = p.waiting_since
+            tier = bisect.bisect_right(tiers, p.attained_gpu_s)
+            if tier:
+                tier = max(0, tier - int(max(0.0, now - since) // aging))
+            return (-int(p.job.priority), tier, fair.get(p.job.team, 0.0), since, p.job.id)
+
+        return sorted(snap.pending, key=key)
+
+    # ------------------------------------------------------------------ the cycle
+    def cycle(self, snap: Snapshot, now: float) -> CycleResult:
+        """One cycle.
+
+        1. Build the free-GPU index from the nodes minus running allocations; inference-pool
+           nodes go to their own index that only production inference may use.
+        2. Book quota in use per team and GPU type.
+        3. Order the pending jobs: priority class, then attained-service tier with aging, then
+           the team's weighted dominant share with decayed usage, then waiting time.
+        4. For each job in order: admit it by quota (borrowing inside its cohort), then try to
+           place the whole gang best-fit within its topology constraint.
+        5. A job that does not fit may preempt (higher class over lower, reclaim of borrowed
+           quota, lower LAS tier over higher), choosing the cheapest victims past their minimum
+           runtime; the GPUs being freed are held for it.
+        6. The first job that neither fits nor preempts gets a reservation on the nodes closest to
+           fitting; later jobs backfill only outside it (or inside, if their declared limit ends
+           before the reservation's estimated start). Strict FIFO stops here instead.
+        7. Every job left pending gets its reason in words.
+        """
+        cfg = self.config
+        result = CycleResult()
+        nodes = {n.name: n for n in snap.nodes}
+        # 1. free-GPU index
+        used: dict[str, int] = {}
+        for a in snap.running:
+            for name, gpus in a.slots:
+                used[name] = used.get(name, 0) + gpus
+        general = CapacityIndex([], {})
+        pool = CapacityIndex([], {})
+        capacity: dict[str, int] = {}
+        for n in snap.nodes:
+            (pool if n.inference_pool else general).add_node(n, n.gpus - used.get(n.name, 0))
+            capacity[n.gpu_type] = capacity.get(n.gpu_type, 0) + n.gpus
+        # 2. quota book
+        quota = _Quota(snap.teams, capacity)
+        held: dict[tuple[str, str], int] = {}
+        for a in snap.running:
+            for name, gpus in a.slots:
+                key = (a.job.team, nodes[name].gpu_type)
+                held[key] = held.get(key, 0) + gpus
+        for (team_name, gpu_type), gpus in held.items():
+            quota.add_gpus(team_name, gpu_type, gpus)
+        preemptable = cfg.preemption and bool(snap.running)
+        if not cfg.explain and general.total_free == 0 and pool.total_free == 0 and not preemptable:
+            return result
+        # 3. order
+        ordered = self._order(snap, now, capacity)
+        result.order = [p.job.id for p in ordered]
+        in_flight = [a for a in snap.running if a.preempting]
+        claimed: set[str] = set()
+        victims: list[_Victim] | None = None
+        failed: set[tuple[object, ...]] = set()
+        no_fit: set[tuple[object, ...]] = set()
+        started: list[tuple[Job, Slots]] = []
+        reserved_free: dict[str, int] = {}
+        searches = 0
+        blocked_at: int | None = None
+        higher = 0
+        fit_reasons: dict[tuple[object, ...], str] = {}
+
+        def fit_reason(job: Job) -> str:
+            key = (job.gpu_type, id(job.placement), job.tasks, job.gpus_per_task, general.total_free)
+            text = fit_reasons.get(key)
+            if text is None:
+                text = fit_reasons[key] = self._fit_reason(job, general)
+            return text
+
+        for rank, p in enumerate(ordered):
+            job = p.job
+            if (
+                general.total_free == 0
+                and pool.total_free == 0
+                and (not cfg.preemption or searches >= cfg.max_preemption_searches)
+            ):
+                # nothing more can start or preempt this cycle: the rest only needs its reason
+                if cfg.explain:
+                    for later, q in enumerate(ordered[rank:], start=higher):
+                        qteam = snap.teams.get(q.job.team)
+                        why = (
+                            f"unknown team {q.job.team!r}" if qteam is None else quota.admit(qteam, q.job)[2]
+                        )
+                        if not why:
+                            why = fit_reason(q.job) + (
+                                f"; behind {later} job(s) of higher rank" if later else ""
+                            )
+                        result.reasons[q.job.id] = why
+                break
+            if blocked_at is not None:
+                if cfg.explain:
+                    result.reasons[job.id] = f"behind {rank - blocked_at} earlier jobs (strict FIFO)"
+                continue
+            team = snap.teams.get(job.team)
+            if team is None:
+                result.reasons[job.id] = f"unknown team {job.team!r}"
+                continue
+            # 4. admission, then placement
+            ok, borrowed, why = quota.admit(team, job)
+            if not ok:
+                result.reasons[job.id] = why
+                continue
+            slots = None
+            if job.priority is Priority.PRODUCTION_INFERENCE:
+                slots = pool.place(job)
+            # id() of the enum member: a cheap memo key (Enum.__hash__ is Python-level)
+            fit_key = (job.gpu_type, id(job.placement), job.tasks, job.gpus_per_task)
+            if slots is None and fit_key not in no_fit:
+                # free capacity only shrinks during a cycle: a shape that failed fails again
+                slots = general.place(job)
+                if slots is None:
+                    no_fit.add(fit_key)
+            if slots is None and result.reservation is not None and job.time_limit_s is not None:
+                slots = self._backfill_into_reservation(job, now, result.reservation, nodes, reserved_free)
+            if slots is not None:
+                quota.add(job.team, slots, nodes)
+                result.starts.append(Start(job.id, slots, borrowed))
+                started.append((job, slots))
+                continue
+            # 5. preemption (a search that failed for this class, tier and shape fails again)
+            my_tier = self._effective_tier(p, now)
+            shape = (
+                int(job.priority),
+                my_tier,
+                job.gpus,
+                id(job.placement),
+                job.gpu_type,
+                quota.within_guarantee(team, job.gpu_type, job.gpus),
+            )
+            if cfg.preemption and searches < cfg.max_preemption_searches and shape not in failed:
+                searches += 1
+                if victims is None:
+                    victims = self._victim_pool(snap, now)
+                plan = self._preempt(p, my_tier, team, quota, victims, general, in_flight, claimed)
+                if plan is None:
+                    failed.add(shape)
+                else:
+                    chosen, hold, waiting_only = plan
+                    for v, reason in chosen:
+                        claimed.add(v.job.id)
+                        result.preemptions.append(
+                            Preemption(
+                                v.job.id,
+                                job.id,
+                                reason,
+                                now + (cfg.preemption_grace_s if v.job.checkpointable else 0.0),
+                            )
+                        )
+                    for name in hold:
+                        if name in general.nodes:
+                            general.remove_node(name)
+                    if cfg.explain:
+                        result.reasons[job.id] = (
+                            "waiting for preempted jobs to checkpoint and stop"
+                            if waiting_only
+                            else f"preempting {len(chosen)} job(s); starts after the {cfg.preemption_grace_s:.0f} s grace period"
+                        )
+                    higher += 1
+                    continue
+            # 6. reservation / strict stop
+            if cfg.strict:
+                blocked_at = rank
+                if cfg.explain:
+                    result.reasons[job.id] = fit_reason(job)
+                continue
+            # 7. reason (before the reservation takes the nodes it names out of the index)
+            if cfg.explain:
+                reason = fit_reason(job)
+                if higher:
+                    reason += f"; behind {higher} job(s) of higher rank"
+                result.reasons[job.id] = reason
+            if cfg.backfill and result.reservation is None:
+                result.reservation = self._reserve(job, now, general, snap, started, reserved_free)
+            higher += 1
+        return result
+
+    # ------------------------------------------------------------------ helpers
+    @staticmethod
+    def _fit_reason(job: Job, index: CapacityIndex) -> str:
+        block = index.largest_block(job)
+        where = {
+            Placement.SAME_NODE: "one node",
+            Placement.SAME_GROUP: "one node group",
+            Placement.ANY: "the cluster",
+        }[job.placement]
+        kind = f" {job.gpu_type}" if job.gpu_type else ""
+        return f"waiting for {job.gpus}{kind} GPUs in {where}; largest free block is {block}"
+
+    def _reserve(
+        self,
+        job: Job,
+        now: float,
+        index: CapacityIndex,
+        snap: Snapshot,
+        started: list[tuple[Job, Slots]],
+        reserved_free: dict[str, int],
+    ) -> Reservation:
+        """Hold the nodes closest to fitting ``job``; estimate its start where limits are known."""
+        ends: dict[str, list[float | None]] = {}
+        holders = [(a.job, a.slots, a.start_time) for a in snap.running]
+        holders += [(j, slots, now) for j, slots in started]  # started earlier in this cycle
+        for holder, slots, since in holders:
+            end = since + holder.time_limit_s if holder.time_limit_s is not None else None
+            for name, _ in slots:
+                ends.setdefault(name, []).append(end)
+        types = index.types_for(job)
+        candidates = [n for n in index.nodes.values() if n.gpu_type in types]
+
+        def known_end(name: str) -> float:
+            values = ends.get(name, [])
+            return max((e for e in values if e is not None), default=now) if None not in values else math.inf
+
+        if job.placement is Placement.SAME_NODE:
+            fits = [n for n in candidates if n.gpus >= job.gpus]
+            fits.sort(key=lambda n: (-index.free[n.name], known_end(n.name), n.name))
+            chosen = fits[:1]
+        elif job.placement is Placement.SAME_GROUP:
+            groups: dict[str, list[Node]] = {}
+            for n in candidates:
+                groups.setdefault(n.group, []).append(n)
+            best = sorted(groups.items(), key=lambda kv: (-sum(index.free[n.name] for n in kv[1]), kv[0]))
+            chosen = []
+            if best:
+                members = sorted(best[0][1], key=lambda n: (-index.free[n.name], n.name))
+                total = 0
+                for n in members:
+                    chosen.append(n)
+                    total += n.gpus
+                    if total >= job.gpus:
+                        break
+        else:
+            chosen = []
+            total = 0
+            for n in sorted(candidates, key=lambda n: (-index.free[n.name], known_end(n.name), n.name)):
+                chosen.append(n)
+                total += n.gpus
+                if total >= job.gpus:
+                    break
+        est = max((known_end(n.name) for n in chosen), default=now)
+        for n in chosen:
+            reserved_free[n.name] = index.remove_node(n.name)
+        return Reservation(job.id, tuple(n.name for n in chosen), None if math.isinf(est) else est)
+
+    @staticmethod
+    def _backfill_into_reservation(
+        job: Job,
+        now: float,
+        reservation: Reservation,
+        nodes: Mapping[str, Node],
+        reserved_free: dict[str, int],
+    ) -> Slots | None:
+        """A job whose declared limit ends before the reservation starts may use reserved nodes."""
+        if reservation.estimated_start is None or job.time_limit_s is None:
+            return None
+        if now + job.time_limit_s > reservation.estimated_start:
+            return None
+        side = CapacityIndex([], {})
+        for name in reservation.nodes:
+            side.add_node(nodes[name], reserved_free[name])
+        slots = side.place(job, commit=False)
+        # reserved nodes stay out of the general index; book the GPUs so later backfills see them
+        for name, gpus in slots or ():
+            reserved_free[name] -= gpus
+        return slots
+
+    def _victim_reason(
+        self, victim: _Victim, p: PendingJob, my_tier: int, team: Team, quota: _Quota
+    ) -> str | None:
+        """Why ``victim`` may be preempted for ``p``, or ``None`` if it may not."""
+        job, v = p.job, victim.alloc.job
+        if v.priority < job.priority:
+            return f"preempted by higher priority {job.priority.name.lower()} job {job.id}"
+        if v.priority > job.priority:
+            return None
+        if (
+            victim.alloc.borrowed
+            and v.team != job.team
+            and victim.cohort == team.cohort
+            and quota.within_guarantee(team, job.gpu_type, job.gpus)
+        ):
+            return f"borrowed quota reclaimed by team {job.team}"
+        if self.config.las_preemption and victim.tier > my_tier:
+            return f"yielded to job {job.id} with less attained service (tier {my_tier} < {victim.tier})"
+        return None
+
+    def _victim_pool(self, snap: Snapshot, now: float) -> list[_Victim]:
+        """Running jobs that may be preempted at all (past minimum runtime, not production
+        inference, not already stopping), cheapest first: cost = GPUs × time since last checkpoint."""
+        pool: list[_Victim] = []
+        for a in snap.running:
+            v = a.job
+            if (
+                a.preempting
+                or v.priority is Priority.PRODUCTION_INFERENCE
+                or now - a.start_time < v.min_runtime_s
+            ):
+                continue
+            team = snap.teams.get(v.team)
+            pool.append(
+                _Victim(
+                    v.gpus * max(0.0, now - a.last_checkpoint(now)),
+                    v.id,
+                    a,
+                    self.tier(a.attained(now)),
+                    team.cohort if team else "",
+                )
+            )
+        pool.sort(key=lambda c: (c.cost, c.job_id))
+        return pool
+
+    def _preempt(
+        self,
+        p: PendingJob,
+        my_tier: int,
+        team: Team,
+        quota: _Quota,
+        victims: list[_Victim],
+        general: CapacityIndex,
+        in_flight: list[Allocation],
+        claimed: set[str],
+    ) -> tuple[list[tuple[Allocation, str]], list[str], bool] | None:
+        """Cheapest victim set that lets ``p`` fit, with the nodes to hold for it; ``None`` if none.
+
+        Victims already being preempted count as free first (no new victims are then needed).
+        """
+        job = p.job
+        if job.placement is Placement.SAME_NODE and job.gpu_type != ANY_GPU_TYPE:
+            return self._preempt_one_node(p, my_tier, team, quota, victims, general, in_flight, claimed)
+        # trial on the real index, undone before returning: copying 1,000 nodes costs more
+        trial = general
+        given: list[Slots] = []
+
+        def free_up(slots: Slots) -> None:
+            mine = tuple((n, g) for n, g in slots if n in trial.nodes)
+            trial.give(mine)
+            given.append(mine)
+
+        def undo() -> None:
+            for slots in reversed(given):
+                trial.take(slots)
+
+        pending_free = [a for a in in_flight if a.job.id not in claimed]
+        for a in pending_free:
+            free_up(a.slots)
+        slots = trial.place(job, commit=False)
+        if slots is not None and pending_free:
+            undo()
+            return [], sorted({n for n, _ in slots}), True
+        chosen: list[tuple[_Victim, str]] = []
+        for c in victims:
+            if c.job_id in claimed or any(n not in trial.nodes for n, _ in c.alloc.slots):
+                continue
+            why = self._victim_reason(c, p, my_tier, team, quota)
+            if why is None:
+                continue
+            chosen.append((c, why))
+            if len(chosen) > self.config.max_victims:
+                undo()
+                return None
+            free_up(c.alloc.slots)
+            # only a node that now holds a whole task can change the answer
+            helps = any(trial.free[n] >= job.gpus_per_task for n, _ in c.alloc.slots)
+            if helps and trial.place(job, commit=False) is not None:
+                break
+        else:
+            undo()
+            return None
+        # prune victims that turned out unnecessary, most expensive first
+        dropped: set[str] = set()
+        for victim, _ in sorted(chosen, key=lambda i: (-i[0].cost, i[0].job_id)):
+            trial.take(victim.alloc.slots)
+            if trial.place(job, commit=False) is None:
+                trial.give(victim.alloc.slots)
+            else:
+                dropped.add(victim.job_id)
+                given.remove(victim.alloc.slots)
+        chosen = [item for item in chosen if item[0].job_id not in dropped]
+        slots = trial.place(job, commit=False)
+        undo()
+        hold = sorted({n for n, _ in slots or ()})
+        return [(c.alloc, why) for c, why in chosen], hold, False
+
+    def _preempt_one_node(
+        self,
+        p: PendingJob,
+        my_tier: int,
+        team: Team,
+        quota: _Quota,
+        victims: list[_Victim],
+        general: CapacityIndex,
+        in_flight: list[Allocation],
+        claimed: set[str],
+    ) -> tuple[list[tuple[Allocation, str]], list[str], bool] | None:
+        """Single-node gangs: per node, add the cheapest eligible victims until the gang fits; the
+        first node to fit wins (its most expensive victim is the cheapest possible)."""
+        job = p.job
+        need = job.gpus
+        gained: dict[str, int] = {}
+        for a in in_flight:
+            if a.job.id in claimed:
+                continue
+            for name, gpus in a.slots:
+                if name in general.nodes and general.nodes[name].gpu_type == job.gpu_type:
+                    gained[name] = gained.get(name, 0) + gpus
+                    if general.free[name] + gained[name] >= need:
+                        return [], [name], True
+        picked: dict[str, list[tuple[Allocation, str]]] = {}
+        for c in victims:
+            if c.job_id in claimed:
+                continue
+            names = [
+                n
+                for n, _ in c.alloc.slots
+                if n in general.nodes and general.nodes[n].gpu_type == job.gpu_type
+            ]
+            if not names:
+                continue
+            why = self._victim_reason(c, p, my_tier, team, quota)
+            if why is None:
+                continue
+            for name, gpus in c.alloc.slots:
+                if name not in general.nodes or general.nodes[name].gpu_type != job.gpu_type:
+                    continue
+                gained[name] = gained.get(name, 0) + gpus
+                chosen = picked.setdefault(name, [])
+                if not chosen or chosen[-1][0] is not c.alloc:
+                    chosen.append((c.alloc, why))
+                if general.free[name] + gained[name] >= need and general.nodes[name].gpus >= need:
+                    return chosen, [name], False
+        return None
+
+
+@dataclass(frozen=True, eq=False)
+class _Victim:
+    cost: float
+    job_id: str
+    alloc: Allocation
+    tier: int
+    cohort: str
+
+
+def never_fits(job: Job, nodes: list[Node]) -> str | None:
+    """Why ``job`` could not run even on the empty cluster (refuse it at submit), or ``None``.
+
+    Checked against every node at full capacity with the same placement code the cycle uses, so a
+    job that is accepted can start once enough work has finished.
+    """
+    allowed = [n for n in nodes if not n.inference_pool or job.priority is Priority.PRODUCTION_INFERENCE]
+    empty = CapacityIndex(allowed, {})
+    if empty.place(job, commit=False) is not None:
+        return None
+    where = {
+        Placement.SAME_NODE: "one node",
+        Placement.SAME_GROUP: "one node group",
+        Placement.ANY: "the cluster",
+    }[job.placement]
+    kind = f" {job.gpu_type}" if job.gpu_type else ""
+    return f"asks {job.gpus}{kind} GPUs in {where}; the largest there is {empty.largest_block(job)}"
