@@ -18,7 +18,6 @@ from contextlib import AsyncExitStack
 
 import httpx
 from fastapi import Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import Counter
 from pydantic import BaseModel
@@ -27,24 +26,11 @@ from forge_inference_gateway.service import PRIORITY_CLASSES, InferenceGateway, 
 from forge_inference_gateway.upstream import UpstreamError, UpstreamUnavailableError, error_for
 from forge_kit import errors
 from forge_kit.http import require_token
+from forge_kit.openai_errors import install_openai_error_handlers, openai_error
 
 REQUESTS = Counter("forge_gateway_requests_total", "Public API requests answered", ["route", "status"])
 # Upstream headers worth relaying; hop-by-hop and length headers are the server's business.
 _RELAYED_HEADERS = ("content-type", "retry-after", "x-request-id")
-
-
-def openai_error(
-    status: int,
-    message: str,
-    *,
-    type_: str = "invalid_request_error",
-    param: str | None = None,
-    code: str | None = None,
-    headers: dict[str, str] | None = None,
-) -> JSONResponse:
-    """An error in the OpenAI format."""
-    body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def _sse_error(message: str, type_: str) -> bytes:
@@ -181,44 +167,7 @@ def install_gateway_api(app: FastAPI, gateway: InferenceGateway, admin_token: st
     app.add_api_route("/admin/v1/tenants", admin.tenants, methods=["GET"], dependencies=auth)
     app.add_api_route("/admin/v1/tenants", admin.create_tenant, methods=["POST"], dependencies=auth)
 
-    @app.exception_handler(errors.ValidationError)
-    async def _invalid(_: Request, exc: errors.ValidationError) -> JSONResponse:
-        return openai_error(400, exc.message, param=exc.field, code="invalid_value")
-
-    @app.exception_handler(RequestValidationError)
-    async def _malformed(_: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
-        field = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or "body"
-        return openai_error(400, f"{field}: {first.get('msg')}", param=field, code="invalid_value")
-
-    @app.exception_handler(errors.NotFoundError)
-    async def _missing(_: Request, exc: errors.NotFoundError) -> JSONResponse:
-        return openai_error(404, exc.message, code="not_found")
-
-    @app.exception_handler(errors.AlreadyExistsError)
-    async def _exists(_: Request, exc: errors.AlreadyExistsError) -> JSONResponse:
-        return openai_error(409, exc.message, code="already_exists")
-
-    @app.exception_handler(errors.UnauthenticatedError)
-    async def _unauthenticated(_: Request, exc: errors.UnauthenticatedError) -> JSONResponse:
-        return openai_error(
-            401,
-            exc.message,
-            type_="authentication_error",
-            code="invalid_api_key",
-            headers={"WWW-Authenticate": "Bearer"},
-        )
-
-    @app.exception_handler(errors.OverloadedError)
-    async def _overloaded(_: Request, exc: errors.OverloadedError) -> JSONResponse:
-        retry = str(max(1, math.ceil(exc.retry_after_s)))
-        return openai_error(
-            429,
-            exc.message,
-            type_="rate_limit_error",
-            code="rate_limit_exceeded",
-            headers={"Retry-After": retry},
-        )
+    install_openai_error_handlers(app)
 
     @app.exception_handler(UpstreamUnavailableError)
     async def _unavailable(_: Request, exc: UpstreamUnavailableError) -> JSONResponse:
@@ -234,7 +183,3 @@ def install_gateway_api(app: FastAPI, gateway: InferenceGateway, admin_token: st
     @app.exception_handler(TimeoutError)
     async def _timeout(_: Request, exc: TimeoutError) -> JSONResponse:
         return openai_error(504, "deadline exceeded", type_="timeout", code="deadline_exceeded")
-
-    @app.exception_handler(Exception)
-    async def _internal(_: Request, exc: Exception) -> JSONResponse:
-        return openai_error(500, "internal error", type_="server_error")

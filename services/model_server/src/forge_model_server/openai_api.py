@@ -14,12 +14,12 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from forge_kit import errors
 from forge_kit.http import require_token
+from forge_kit.openai_errors import install_openai_error_handlers, openai_error
 from forge_model_server.service import (
     ChatMessage,
     ChunkStream,
@@ -31,20 +31,6 @@ from forge_model_server.service import (
     ModelServer,
     TokenLogprob,
 )
-
-
-def openai_error(
-    status: int,
-    message: str,
-    *,
-    type_: str = "invalid_request_error",
-    param: str | None = None,
-    code: str | None = None,
-    headers: dict[str, str] | None = None,
-) -> JSONResponse:
-    """An error in the OpenAI format."""
-    body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status, headers=headers)
 
 
 class StreamOptions(BaseModel):
@@ -328,15 +314,7 @@ def install_openai_api(app: FastAPI, server: ModelServer, token: str | None) -> 
     async def health() -> Response:
         return Response(status_code=200)
 
-    @app.exception_handler(errors.ValidationError)
-    async def _invalid(_: Request, exc: errors.ValidationError) -> JSONResponse:
-        return openai_error(400, exc.message, param=exc.field, code="invalid_value")
-
-    @app.exception_handler(RequestValidationError)
-    async def _malformed(_: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
-        field = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or "body"
-        return openai_error(400, f"{field}: {first.get('msg')}", param=field, code="invalid_value")
+    install_openai_error_handlers(app)
 
     async def _model_missing(_: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, ModelNotFoundError | ModelNotLoadedError)
@@ -344,36 +322,3 @@ def install_openai_api(app: FastAPI, server: ModelServer, token: str | None) -> 
 
     app.add_exception_handler(ModelNotFoundError, _model_missing)
     app.add_exception_handler(ModelNotLoadedError, _model_missing)
-
-    @app.exception_handler(errors.NotFoundError)
-    async def _missing(_: Request, exc: errors.NotFoundError) -> JSONResponse:
-        return openai_error(404, exc.message, code="not_found")
-
-    @app.exception_handler(errors.UnauthenticatedError)
-    async def _unauthenticated(_: Request, exc: errors.UnauthenticatedError) -> JSONResponse:
-        return openai_error(
-            401,
-            exc.message,
-            type_="authentication_error",
-            code="invalid_api_key",
-            headers={"WWW-Authenticate": "Bearer"},
-        )
-
-    @app.exception_handler(errors.OverloadedError)
-    async def _overloaded(_: Request, exc: errors.OverloadedError) -> JSONResponse:
-        retry = str(max(1, math.ceil(exc.retry_after_s)))
-        return openai_error(
-            429,
-            exc.message,
-            type_="rate_limit_error",
-            code="rate_limit_exceeded",
-            headers={"Retry-After": retry},
-        )
-
-    @app.exception_handler(errors.ConflictError)
-    async def _conflict(_: Request, exc: errors.ConflictError) -> JSONResponse:
-        return openai_error(409, exc.message, code="failed_precondition")
-
-    @app.exception_handler(Exception)
-    async def _internal(_: Request, exc: Exception) -> JSONResponse:
-        return openai_error(500, "internal error", type_="server_error")

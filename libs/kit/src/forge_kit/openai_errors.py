@@ -1,0 +1,80 @@
+"""Errors in the OpenAI API's format, for every service that speaks that protocol (the model
+server, as vLLM does, and the gateway in front of it): ``{"error": {"message", "type", "param",
+"code"}}`` with the status codes OpenAI clients expect, mapped from the kit's domain errors."""
+
+from __future__ import annotations
+
+import math
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from forge_kit import errors
+
+
+def openai_error(
+    status: int,
+    message: str,
+    *,
+    type_: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    """An error in the OpenAI format."""
+    body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def install_openai_error_handlers(app: FastAPI) -> None:
+    """Map validation (400 naming the field), not found (404), conflicts (409), missing
+    credentials (401) and overload (429 with Retry-After) to OpenAI errors; anything unexpected
+    becomes a 500 without internals. Services add their own handlers for their own errors."""
+
+    @app.exception_handler(errors.ValidationError)
+    async def _invalid(_: Request, exc: errors.ValidationError) -> JSONResponse:
+        return openai_error(400, exc.message, param=exc.field, code="invalid_value")
+
+    @app.exception_handler(RequestValidationError)
+    async def _malformed(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        field = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or "body"
+        return openai_error(400, f"{field}: {first.get('msg')}", param=field, code="invalid_value")
+
+    @app.exception_handler(errors.NotFoundError)
+    async def _missing(_: Request, exc: errors.NotFoundError) -> JSONResponse:
+        return openai_error(404, exc.message, code="not_found")
+
+    @app.exception_handler(errors.AlreadyExistsError)
+    async def _exists(_: Request, exc: errors.AlreadyExistsError) -> JSONResponse:
+        return openai_error(409, exc.message, code="already_exists")
+
+    @app.exception_handler(errors.ConflictError)
+    async def _conflict(_: Request, exc: errors.ConflictError) -> JSONResponse:
+        return openai_error(409, exc.message, code="failed_precondition")
+
+    @app.exception_handler(errors.UnauthenticatedError)
+    async def _unauthenticated(_: Request, exc: errors.UnauthenticatedError) -> JSONResponse:
+        return openai_error(
+            401,
+            exc.message,
+            type_="authentication_error",
+            code="invalid_api_key",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+
+    @app.exception_handler(errors.OverloadedError)
+    async def _overloaded(_: Request, exc: errors.OverloadedError) -> JSONResponse:
+        retry = str(max(1, math.ceil(exc.retry_after_s)))
+        return openai_error(
+            429,
+            exc.message,
+            type_="rate_limit_error",
+            code="rate_limit_exceeded",
+            headers={"Retry-After": retry},
+        )
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception) -> JSONResponse:
+        return openai_error(500, "internal error", type_="server_error")
