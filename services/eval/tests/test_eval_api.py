@@ -19,8 +19,9 @@ from forge_eval.runner import OpenAICompletionsRunner
 from forge_eval.service import EvalService
 from forge_eval.spec import BenchmarkCatalog
 from forge_kit.db import Database
-from forge_kit.grpckit import FIELD_METADATA_KEY, GrpcServer, make_channel, serve
+from forge_kit.grpckit import FIELD_METADATA_KEY, GrpcServer, make_channel
 from forge_kit.http import HttpServer
+from forge_kit.testing.grpcserver import grpc_test_server
 from forge_kit.testing.processes import free_port
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.integration]
@@ -68,17 +69,14 @@ async def eval_service(db: Database, catalog: BenchmarkCatalog) -> EvalService:
 async def server(eval_service: EvalService) -> AsyncIterator[GrpcServer]:
     api = EvalApi(eval_service, max_page_size=100)
     worker = asyncio.create_task(eval_service.run_worker())
-    started = await serve(
-        service="eval",
-        register=[lambda s: eval_pb2_grpc.add_EvalServiceServicer_to_server(api, s)],
-        service_names=["forge.eval.v1.EvalService"],
-        host="127.0.0.1",
-        port=0,
+    async with grpc_test_server(
+        eval_pb2_grpc.add_EvalServiceServicer_to_server,
+        api,
+        "forge.eval.v1.EvalService",
         token=TOKEN,
-        default_deadline_s=5,
-    )
-    yield started
-    await started.stop(0)
+        service="eval",
+    ) as started:
+        yield started
     worker.cancel()
     # Wait for the worker to unwind before the database fixture disposes of its engine.
     await asyncio.gather(worker, return_exceptions=True)

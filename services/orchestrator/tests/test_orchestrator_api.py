@@ -16,8 +16,9 @@ from forge.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from google.protobuf import json_format, struct_pb2
 from temporalio.client import Client
 
-from forge_kit.grpckit import FIELD_METADATA_KEY, GrpcServer, make_channel, serve
+from forge_kit.grpckit import FIELD_METADATA_KEY, GrpcServer, make_channel
 from forge_kit.testing import ServiceProcess, TemporalDevServer
+from forge_kit.testing.grpcserver import grpc_test_server
 from forge_orchestrator.activities import SchedulerActivities
 from forge_orchestrator.api import OrchestratorApi
 from forge_orchestrator.service import OrchestratorService, build_worker
@@ -40,18 +41,18 @@ async def server(
     task_queue = f"api-test-{uuid.uuid4().hex[:8]}"
     activities = SchedulerActivities(scheduler.grpc_target, scheduler_token)
     api = OrchestratorApi(OrchestratorService(client, task_queue))
-    async with build_worker(client, task_queue, activities):
-        started = await serve(
-            service="orchestrator",
-            register=[lambda s: orchestrator_pb2_grpc.add_OrchestratorServiceServicer_to_server(api, s)],
-            service_names=["forge.orchestrator.v1.OrchestratorService"],
-            host="127.0.0.1",
-            port=0,
+    async with (
+        build_worker(client, task_queue, activities),
+        grpc_test_server(
+            orchestrator_pb2_grpc.add_OrchestratorServiceServicer_to_server,
+            api,
+            "forge.orchestrator.v1.OrchestratorService",
             token=TOKEN,
+            service="orchestrator",
             default_deadline_s=10,
-        )
+        ) as started,
+    ):
         yield started
-        await started.stop(0)
     await activities.close()
 
 

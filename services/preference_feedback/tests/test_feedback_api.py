@@ -15,7 +15,8 @@ from forge.feedback.v1 import feedback_pb2, feedback_pb2_grpc
 
 from forge_kit.db import Database
 from forge_kit.events import KafkaPublisher, OutboxRelay, ensure_topics, topic_for
-from forge_kit.grpckit import FIELD_METADATA_KEY, GrpcServer, make_channel, serve
+from forge_kit.grpckit import FIELD_METADATA_KEY, GrpcServer, make_channel
+from forge_kit.testing.grpcserver import grpc_test_server
 from forge_kit.testing.processes import TansuBroker
 from forge_preference_feedback.api import FeedbackApi
 from forge_preference_feedback.seeds import read_hh_rlhf
@@ -29,17 +30,14 @@ TOKEN = "test-token"
 async def server(service: FeedbackService, hh_root: Path) -> AsyncIterator[GrpcServer]:
     await service.seed_comparisons(read_hh_rlhf(hh_root), limit=5, rng_seed=0)
     api = FeedbackApi(service, max_page_size=100)
-    started = await serve(
-        service="preference_feedback",
-        register=[lambda s: feedback_pb2_grpc.add_PreferenceFeedbackServiceServicer_to_server(api, s)],
-        service_names=["forge.feedback.v1.PreferenceFeedbackService"],
-        host="127.0.0.1",
-        port=0,
+    async with grpc_test_server(
+        feedback_pb2_grpc.add_PreferenceFeedbackServiceServicer_to_server,
+        api,
+        "forge.feedback.v1.PreferenceFeedbackService",
         token=TOKEN,
-        default_deadline_s=5,
-    )
-    yield started
-    await started.stop(0)
+        service="preference_feedback",
+    ) as started:
+        yield started
 
 
 @pytest.fixture

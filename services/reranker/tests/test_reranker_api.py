@@ -11,7 +11,8 @@ import pytest
 from forge.rerank.v1 import rerank_pb2, rerank_pb2_grpc
 
 from forge_kit.cache import make_cache
-from forge_kit.grpckit import FIELD_METADATA_KEY, GrpcServer, check_health, make_channel, serve
+from forge_kit.grpckit import FIELD_METADATA_KEY, GrpcServer, check_health, make_channel
+from forge_kit.testing.grpcserver import grpc_test_server
 from forge_reranker.api import RerankerApi
 from forge_reranker.config import RerankerSettings
 from forge_reranker.service import PassageIn, RerankerService
@@ -26,17 +27,14 @@ QUERY = "TNFAIP3 is a tumor suppressor in glioblastoma."
 
 @pytest.fixture
 async def server(service: RerankerService) -> AsyncIterator[GrpcServer]:
-    started = await serve(
-        service="reranker",
-        register=[lambda s: rerank_pb2_grpc.add_RerankerServiceServicer_to_server(RerankerApi(service), s)],
-        service_names=["forge.rerank.v1.RerankerService"],
-        host="127.0.0.1",
-        port=0,
+    async with grpc_test_server(
+        rerank_pb2_grpc.add_RerankerServiceServicer_to_server,
+        RerankerApi(service),
+        "forge.rerank.v1.RerankerService",
         token=TOKEN,
-        default_deadline_s=5,
-    )
-    yield started
-    await started.stop(0)
+        service="reranker",
+    ) as started:
+        yield started
 
 
 @pytest.fixture

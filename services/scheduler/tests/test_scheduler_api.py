@@ -12,7 +12,8 @@ from forge.common.v1 import common_pb2
 from forge.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 from forge_kit.db import Database
-from forge_kit.grpckit import FIELD_METADATA_KEY, GrpcServer, make_channel, serve
+from forge_kit.grpckit import FIELD_METADATA_KEY, GrpcServer, make_channel
+from forge_kit.testing.grpcserver import grpc_test_server
 from forge_scheduler.api import SchedulerApi
 from forge_scheduler.service import SchedulerService
 
@@ -23,17 +24,14 @@ TOKEN = "test-token"
 @pytest.fixture
 async def server(db: Database) -> AsyncIterator[GrpcServer]:
     api = SchedulerApi(SchedulerService(db), heartbeat_interval_s=1, max_page_size=100)
-    started = await serve(
-        service="scheduler",
-        register=[lambda s: scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(api, s)],
-        service_names=["forge.scheduler.v1.SchedulerService"],
-        host="127.0.0.1",
-        port=0,
+    async with grpc_test_server(
+        scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server,
+        api,
+        "forge.scheduler.v1.SchedulerService",
         token=TOKEN,
-        default_deadline_s=5,
-    )
-    yield started
-    await started.stop(0)
+        service="scheduler",
+    ) as started:
+        yield started
 
 
 @pytest.fixture

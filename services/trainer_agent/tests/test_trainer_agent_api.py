@@ -11,7 +11,8 @@ from forge.common.v1 import common_pb2
 from forge.scheduler.v1 import scheduler_pb2
 from forge.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 
-from forge_kit.grpckit import FIELD_METADATA_KEY, GrpcServer, make_channel, serve
+from forge_kit.grpckit import FIELD_METADATA_KEY, GrpcServer, make_channel
+from forge_kit.testing.grpcserver import grpc_test_server
 from forge_trainer_agent.api import TrainerAgentApi
 from forge_trainer_agent.service import AgentService
 
@@ -21,17 +22,14 @@ TOKEN = "test-token"
 @pytest.fixture
 async def server(agent: AgentService) -> AsyncIterator[GrpcServer]:
     api = TrainerAgentApi(agent, max_page_size=50)
-    started = await serve(
-        service="trainer_agent",
-        register=[lambda s: trainer_pb2_grpc.add_TrainerAgentServiceServicer_to_server(api, s)],
-        service_names=["forge.trainer.v1.TrainerAgentService"],
-        host="127.0.0.1",
-        port=0,
+    async with grpc_test_server(
+        trainer_pb2_grpc.add_TrainerAgentServiceServicer_to_server,
+        api,
+        "forge.trainer.v1.TrainerAgentService",
         token=TOKEN,
-        default_deadline_s=5,
-    )
-    yield started
-    await started.stop(0)
+        service="trainer_agent",
+    ) as started:
+        yield started
 
 
 @pytest.fixture
