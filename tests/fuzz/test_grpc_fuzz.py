@@ -17,11 +17,13 @@ from typing import Any
 
 import grpc
 import pytest
+from forge.common.v1 import common_pb2
 from forge.rerank.v1 import rerank_pb2
 from forge.scheduler.v1 import scheduler_pb2
 from forge.trainer.v1 import trainer_pb2
 from google.protobuf.message import Message
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from forge_kit.grpckit import check_health
 from forge_kit.testing import ServiceProcess
@@ -108,3 +110,75 @@ def test_fuzzed_requests_never_get_a_server_error(server: ServiceProcess) -> Non
     assert exercised == set(_methods(module))
     assert asyncio.run(check_health(server.grpc_target)), f"{module} unhealthy after fuzzing"
     print(f"\n{module}: {sum(statuses.values())} fuzzed requests: {dict(sorted(statuses.items()))}")
+
+
+def _valid_name() -> st.SearchStrategy[str]:
+    return st.from_regex(r"[a-z0-9]([a-z0-9-]{0,20}[a-z0-9])?", fullmatch=True)
+
+
+def _near_valid_spec() -> st.SearchStrategy[scheduler_pb2.JobSpec]:
+    """Specs that pass the cheap checks more often than random ones, so the deeper submit path
+    (team lookup, idempotency, the outbox) gets fuzzed too: valid names and priority classes,
+    GPU counts and types from plausible and edge values, random labels, env and commands."""
+    return st.builds(
+        lambda name, team, priority, gpus, gpu_type, replicas, command, labels: scheduler_pb2.JobSpec(
+            name=name,
+            team=team,
+            priority_class=priority,
+            resources=common_pb2.ResourceRequest(gpu_count=gpus, gpu_type=gpu_type),
+            replicas=replicas,
+            command=command,
+            labels=labels,
+        ),
+        _valid_name(),
+        st.sampled_from(["fuzz-team", "no-such-team"]),
+        st.sampled_from(["production", "high", "normal", "preemptible", "urgent"]),
+        st.sampled_from([0, 1, 8, 64, 65, 2**31]),
+        st.sampled_from(["H100", "", "A100-80GB"]),
+        st.sampled_from([0, 1, 4, 1024, 1025]),
+        st.lists(st.text(max_size=20), max_size=3),
+        st.dictionaries(st.text(max_size=10), st.text(max_size=10), max_size=3),
+    )
+
+
+def test_near_valid_job_submissions_never_get_a_server_error(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    data = tmp_path_factory.mktemp("submit-fuzz")
+    process = ServiceProcess(
+        "forge_scheduler",
+        env={
+            "FORGE_SCHEDULER_GRPC_PORT": "0",
+            "FORGE_SCHEDULER_HTTP_PORT": "0",
+            "FORGE_SCHEDULER_DATA_DIR": str(data),
+            "FORGE_SCHEDULER_KAFKA_ENABLED": "false",
+            "FORGE_SCHEDULER_AUTH_TOKEN": TOKEN,
+        },
+        log_path=str(data / "service.log"),
+    ).start()
+    statuses: Counter[str] = Counter()
+    try:
+        with grpc.insecure_channel(process.grpc_target) as channel:
+            service = scheduler_pb2.DESCRIPTOR.services_by_name["SchedulerService"]
+            create = unary_caller(channel, service, service.methods_by_name["CreateTeam"], TOKEN)
+            assert create(scheduler_pb2.CreateTeamRequest(name="fuzz-team")) == grpc.StatusCode.OK
+            submit = unary_caller(channel, service, service.methods_by_name["SubmitJob"], TOKEN)
+
+            @settings(
+                max_examples=EXAMPLES * 5,
+                deadline=None,
+                database=None,
+                suppress_health_check=list(HealthCheck),
+            )
+            @given(_near_valid_spec(), st.sampled_from(["", "req-1", "req-2"]))
+            def fuzz(spec: scheduler_pb2.JobSpec, request_id: str) -> None:
+                code = submit(scheduler_pb2.SubmitJobRequest(spec=spec, request_id=request_id))
+                statuses[code.name] += 1
+                assert code not in SERVER_FAULTS, f"SubmitJob answered {code.name} to {spec}"
+
+            fuzz()
+        assert statuses["OK"] > 0, f"no submission was accepted: {dict(statuses)}"
+        assert asyncio.run(check_health(process.grpc_target))
+    finally:
+        process.stop()
+    print(f"\nSubmitJob near-valid: {dict(sorted(statuses.items()))}")
