@@ -15,6 +15,7 @@ from forge_kit.db import Database
 from forge_kit.grpckit import FIELD_METADATA_KEY, GrpcServer, make_channel
 from forge_kit.testing.grpcserver import grpc_test_server
 from forge_scheduler.api import SchedulerApi
+from forge_scheduler.scheduling import SchedulingLoop
 from forge_scheduler.service import SchedulerService
 
 pytestmark = pytest.mark.asyncio
@@ -23,15 +24,20 @@ TOKEN = "test-token"
 
 @pytest.fixture
 async def server(db: Database) -> AsyncIterator[GrpcServer]:
-    api = SchedulerApi(SchedulerService(db), heartbeat_interval_s=1, max_page_size=100)
+    service = SchedulerService(db)
+    api = SchedulerApi(service, heartbeat_interval_s=1, max_page_size=100)
+    loop = asyncio.create_task(SchedulingLoop(service, interval_s=0.2).run())
     async with grpc_test_server(
         scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server,
         api,
         "forge.scheduler.v1.SchedulerService",
         token=TOKEN,
         service="scheduler",
+        authenticators=[service.authenticate],
     ) as started:
         yield started
+    loop.cancel()
+    await asyncio.gather(loop, return_exceptions=True)
 
 
 @pytest.fixture
@@ -79,11 +85,11 @@ async def test_submit_get_list_and_page(stub: scheduler_pb2_grpc.SchedulerServic
     assert caught.value.code() == grpc.StatusCode.NOT_FOUND
 
 
-async def test_agent_session_registers_node_and_reports_job(
+async def test_agent_session_receives_start_and_reports_job(
     stub: scheduler_pb2_grpc.SchedulerServiceStub,
 ) -> None:
-    await stub.CreateTeam(scheduler_pb2.CreateTeamRequest(name="research"))
-    job = (await stub.SubmitJob(scheduler_pb2.SubmitJobRequest(spec=make_job().build()))).job
+    quota = scheduler_pb2.Quota(gpu_type="H100", guaranteed_gpus=1)
+    await stub.CreateTeam(scheduler_pb2.CreateTeamRequest(name="research", quotas=[quota]))
     register = scheduler_pb2.RegisterNode(
         node_name="node-a", gpus=[common_pb2.Gpu(index=0, type="H100", memory_mb=80_000)]
     )
@@ -91,6 +97,9 @@ async def test_agent_session_registers_node_and_reports_job(
     await call.write(scheduler_pb2.AgentSessionRequest(register_node=register))
     ack = await call.read()
     assert ack.register_ack.node_id.startswith("node-")
+    job = (await stub.SubmitJob(scheduler_pb2.SubmitJobRequest(spec=make_job().gpus(1).build()))).job
+    command = await asyncio.wait_for(call.read(), 5)
+    assert command.start_job.job.id == job.id and list(command.start_job.gpu_indices) == [0]
     update = scheduler_pb2.JobStatusUpdate(job_id=job.id, state=common_pb2.JOB_STATE_RUNNING)
     await call.write(scheduler_pb2.AgentSessionRequest(job_status_update=update))
     for _ in range(50):
@@ -99,11 +108,14 @@ async def test_agent_session_registers_node_and_reports_job(
         ).job.state == common_pb2.JOB_STATE_RUNNING:
             break
         await asyncio.sleep(0.05)
-    assert (
-        await stub.GetJob(scheduler_pb2.GetJobRequest(job_id=job.id))
-    ).job.state == common_pb2.JOB_STATE_RUNNING
+    got = (await stub.GetJob(scheduler_pb2.GetJobRequest(job_id=job.id))).job
+    assert got.state == common_pb2.JOB_STATE_RUNNING and got.attempt == 1
     nodes = await stub.ListNodes(scheduler_pb2.ListNodesRequest())
-    assert [(n.name, n.state) for n in nodes.nodes] == [("node-a", scheduler_pb2.NODE_STATE_READY)]
+    assert [(n.name, n.state, n.free_gpus) for n in nodes.nodes] == [
+        ("node-a", scheduler_pb2.NODE_STATE_READY, 0)
+    ]
+    cluster = await stub.GetClusterStats(scheduler_pb2.GetClusterStatsRequest())
+    assert (cluster.total_gpus, cluster.allocated_gpus, cluster.utilization) == (1, 1, 1.0)
     await call.done_writing()
     for _ in range(50):
         nodes = await stub.ListNodes(scheduler_pb2.ListNodesRequest())
@@ -111,6 +123,65 @@ async def test_agent_session_registers_node_and_reports_job(
             break
         await asyncio.sleep(0.05)
     assert nodes.nodes[0].state == scheduler_pb2.NODE_STATE_NOT_READY
+
+
+async def test_team_tokens_act_only_for_their_team(
+    server: GrpcServer, stub: scheduler_pb2_grpc.SchedulerServiceStub
+) -> None:
+    for name in ("research", "vision"):
+        await stub.CreateTeam(scheduler_pb2.CreateTeamRequest(name=name))
+    issued = await stub.IssueTeamToken(scheduler_pb2.IssueTeamTokenRequest(team="research", description="ci"))
+    assert issued.token and issued.token_id
+    theirs = (
+        await stub.SubmitJob(scheduler_pb2.SubmitJobRequest(spec=make_job("theirs", team="vision").build()))
+    ).job
+    async with make_channel(f"127.0.0.1:{server.port}", token=issued.token) as channel:
+        team = scheduler_pb2_grpc.SchedulerServiceStub(channel)
+        mine = (await team.SubmitJob(scheduler_pb2.SubmitJobRequest(spec=make_job("mine").build()))).job
+        await team.CancelJob(scheduler_pb2.CancelJobRequest(job_id=mine.id))
+        denied = [
+            team.SubmitJob(scheduler_pb2.SubmitJobRequest(spec=make_job("x", team="vision").build())),
+            team.CancelJob(scheduler_pb2.CancelJobRequest(job_id=theirs.id)),
+            team.SetQuota(
+                scheduler_pb2.SetQuotaRequest(team="research", quota=scheduler_pb2.Quota(gpu_type="H100"))
+            ),
+            team.CreateTeam(scheduler_pb2.CreateTeamRequest(name="mine-now")),
+            team.IssueTeamToken(scheduler_pb2.IssueTeamTokenRequest(team="research")),
+        ]
+        for call in denied:
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await call
+            assert caught.value.code() == grpc.StatusCode.PERMISSION_DENIED, caught.value.details()
+        # reads stay open to every authenticated caller
+        assert (
+            await team.GetJob(scheduler_pb2.GetJobRequest(job_id=theirs.id))
+        ).job.state == common_pb2.JOB_STATE_PENDING
+    # nothing was half-written by the refusals
+    jobs = await stub.ListJobs(scheduler_pb2.ListJobsRequest(team="vision"))
+    assert [(j.spec.name, j.state) for j in jobs.jobs] == [("theirs", common_pb2.JOB_STATE_PENDING)]
+    teams = await stub.ListTeams(scheduler_pb2.ListTeamsRequest())
+    assert [t.name for t in teams.teams] == ["research", "vision"]
+
+
+async def test_unknown_team_is_not_found_and_never_fitting_job_is_refused(
+    stub: scheduler_pb2_grpc.SchedulerServiceStub,
+) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await stub.SubmitJob(scheduler_pb2.SubmitJobRequest(spec=make_job(team="nobody").build()))
+    assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+    await stub.CreateTeam(scheduler_pb2.CreateTeamRequest(name="research"))
+    call = stub.AgentSession()
+    register = scheduler_pb2.RegisterNode(
+        node_name="node-a", gpus=[common_pb2.Gpu(index=i, type="H100") for i in range(8)]
+    )
+    await call.write(scheduler_pb2.AgentSessionRequest(register_node=register))
+    await call.read()
+    too_big = make_job().gpus(8).replicas(2).same_node_group().build()
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await stub.SubmitJob(scheduler_pb2.SubmitJobRequest(spec=too_big))
+    assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "can never be placed" in (caught.value.details() or "")
+    call.cancel()
 
 
 async def test_session_must_start_with_registration(stub: scheduler_pb2_grpc.SchedulerServiceStub) -> None:

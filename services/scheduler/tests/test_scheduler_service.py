@@ -63,10 +63,9 @@ async def test_invalid_spec_names_the_field_and_writes_nothing(
     assert total == 0
 
 
-async def test_unknown_team_is_rejected(service: SchedulerService) -> None:
-    with pytest.raises(errors.ValidationError) as caught:
+async def test_unknown_team_is_not_found(service: SchedulerService) -> None:
+    with pytest.raises(errors.NotFoundError, match="team 'nobody' not found"):
         await service.submit_job(make_job(team="nobody").build())
-    assert caught.value.field == "spec.team"
 
 
 async def test_cancel_is_terminal_and_idempotent(service: SchedulerService, db: Database) -> None:
@@ -91,25 +90,6 @@ async def test_teams_and_quotas(service: SchedulerService) -> None:
     assert [(q.gpu_type, q.guaranteed_gpus, q.weight) for q in team.quotas] == [("H100", 16, 2.0)]
     with pytest.raises(errors.NotFoundError):
         await service.set_quota("nobody", H100)
-
-
-async def test_agent_reports_move_job_and_queue_stats(service: SchedulerService) -> None:
-    await service.create_team("research", "", [])
-    job = await service.submit_job(make_job().gpus(4).replicas(2).build())
-    await service.register_node(scheduler_pb2.RegisterNode(node_name="node-a"))
-    await service.update_job_status(
-        "node-a", scheduler_pb2.JobStatusUpdate(job_id=job.id, state=common_pb2.JOB_STATE_RUNNING)
-    )
-    [stats] = await service.queue_stats("research")
-    assert (stats.pending_jobs, stats.running_jobs, stats.gpus_in_use) == (0, 1, 8)
-    done = await service.update_job_status(
-        "node-a", scheduler_pb2.JobStatusUpdate(job_id=job.id, state=common_pb2.JOB_STATE_SUCCEEDED)
-    )
-    assert done is not None and done.finished_at is not None
-    late = await service.update_job_status(
-        "node-a", scheduler_pb2.JobStatusUpdate(job_id=job.id, state=common_pb2.JOB_STATE_FAILED)
-    )
-    assert late is None
 
 
 async def test_watch_sends_initial_state_then_changes(service: SchedulerService) -> None:

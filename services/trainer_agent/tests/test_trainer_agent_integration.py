@@ -115,7 +115,6 @@ async def test_agent_reconnects_after_a_scheduler_restart_and_delivers_what_happ
     scheduler: ServiceProcess,
     scheduler_stub: scheduler_pb2_grpc.SchedulerServiceStub,
     agent: AgentService,
-    start_job,
 ) -> None:
     channel = make_channel(scheduler.grpc_target, token=TOKEN)
     session = SchedulerSession(agent, channel, register_timeout_s=5, backoff=Backoff(0.05, 0.3))
@@ -124,8 +123,8 @@ async def test_agent_reconnects_after_a_scheduler_restart_and_delivers_what_happ
         await eventually(node_named(scheduler_stub, "node-test", scheduler_pb2.NODE_STATE_READY))
         await scheduler_stub.CreateTeam(scheduler_pb2.CreateTeamRequest(name="research"))
 
-        async def submit(name: str) -> scheduler_pb2.Job:
-            spec = scheduler_pb2.JobSpec(name=name, team="research", priority_class="normal", command=["x"])
+        async def submit(name: str, command: list[str]) -> scheduler_pb2.Job:
+            spec = scheduler_pb2.JobSpec(name=name, team="research", priority_class="normal", command=command)
             return (await scheduler_stub.SubmitJob(scheduler_pb2.SubmitJobRequest(spec=spec))).job
 
         def job_in(job_id: str, state: int) -> Callable[[], Awaitable[bool]]:
@@ -135,24 +134,18 @@ async def test_agent_reconnects_after_a_scheduler_restart_and_delivers_what_happ
 
             return probe
 
-        # A job run while connected reaches the scheduler as SUCCEEDED.
-        quick, late, long = await submit("quick"), await submit("late"), await submit("long")
-        await agent.handle(
-            scheduler_pb2.AgentSessionResponse(start_job=start_job(quick.id, [sys.executable, "-c", "pass"]))
-        )
+        # The scheduler places jobs on the node; one run while connected arrives as SUCCEEDED.
+        quick = await submit("quick", [sys.executable, "-c", "pass"])
         await eventually(job_in(quick.id, common_pb2.JOB_STATE_SUCCEEDED))
-        sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
-        await agent.handle(
-            scheduler_pb2.AgentSessionResponse(start_job=start_job(long.id, sleeper, gpus=[0]))
-        )
+        long = await submit("long", [sys.executable, "-c", "import time; time.sleep(60)"])
+        late = await submit("late", [sys.executable, "-c", "import time; time.sleep(2)"])
         await eventually(job_in(long.id, common_pb2.JOB_STATE_RUNNING))
+        await eventually(job_in(late.id, common_pb2.JOB_STATE_RUNNING))
 
         # The scheduler crashes; a job finishes while the agent cannot tell it.
         scheduler.kill()
         await eventually(lambda: asyncio.sleep(0, result=not agent.connected))
-        await agent.handle(
-            scheduler_pb2.AgentSessionResponse(start_job=start_job(late.id, [sys.executable, "-c", "pass"]))
-        )
+        await eventually(lambda: asyncio.sleep(0, result=agent.running_job_ids() == [long.id]))
         assert session.sessions_opened == 1
 
         # It comes back on the same port: the agent re-registers with its running job and catches up.
@@ -161,6 +154,9 @@ async def test_agent_reconnects_after_a_scheduler_restart_and_delivers_what_happ
         node = await eventually(node_named(scheduler_stub, "node-test", scheduler_pb2.NODE_STATE_READY))
         assert list(node.running_job_ids) == [long.id]
         await eventually(job_in(late.id, common_pb2.JOB_STATE_SUCCEEDED))
+        assert (
+            await scheduler_stub.GetJob(scheduler_pb2.GetJobRequest(job_id=long.id))
+        ).job.state == common_pb2.JOB_STATE_RUNNING
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)

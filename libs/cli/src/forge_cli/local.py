@@ -264,7 +264,10 @@ async def up(
     infra: Infra = INFRA,
     table: Sequence[ServiceSpec] = platform.SERVICES,
 ) -> int:
-    """Bring ``specs`` (rows of ``table``) up, print them, run the main job; 0 only if all worked."""
+    """Bring ``specs`` (rows of ``table``) up, print them, run the main job; 0 only if all worked.
+    Rows with ``instances`` > 1 start that many local copies."""
+    table = platform.local_table(table)
+    specs = platform.local_table(specs)
     problems = platform.validate(table)
     if problems:
         console.print("[red]platform table is inconsistent:[/] " + "; ".join(problems))
@@ -320,7 +323,7 @@ def _markers(specs: Sequence[ServiceSpec]) -> dict[str, str | None]:
 
 def down(paths: Paths, console: Console, table: Sequence[ServiceSpec] = platform.SERVICES) -> int:
     """Stop every component that has a pid file (services and infrastructure alike)."""
-    markers = _markers(table)
+    markers = _markers(platform.local_table(table))
     names = supervisor.pid_file_names(paths)
     live = {}
     for name in names:
@@ -349,7 +352,8 @@ async def status(paths: Paths, specs: Sequence[ServiceSpec], console: Console, i
     """Print each component's pid, liveness and health; 0 when every one is healthy."""
     components = [tansu_component(infra), temporal_component(infra, paths)]
     components += [
-        Component(s.name, [], s.module, _bound_health(s), urls=(s.grpc_target, s.http_url)) for s in specs
+        Component(s.name, [], s.module, _bound_health(s), urls=(s.grpc_target, s.http_url))
+        for s in platform.local_table(specs)
     ]
     table = Table(title="Forge platform", title_justify="left")
     for column in ("component", "pid", "alive", "healthy", "addresses"):

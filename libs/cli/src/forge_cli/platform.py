@@ -12,11 +12,17 @@ How a row becomes environment variables (``<NAME>`` is the caller, ``<T>`` the c
 - ``grpc("t")``: ``<T>_TARGET=127.0.0.1:<t's gRPC port>`` and ``<T>_TOKEN=<t's token>``;
 - ``http("t")``: ``<T>_URL=http://127.0.0.1:<t's HTTP port>`` and ``<T>_TOKEN=<t's token>``;
 - ``temporal=True``: ``TEMPORAL_TARGET=127.0.0.1:7233``;
-- ``extra``: literal ``KEY: value`` pairs; ``{root}`` in a value becomes the repository root.
+- ``extra``: literal ``KEY: value`` pairs; ``{root}`` in a value becomes the repository root;
+- ``local``: like ``extra`` but only for ``forge up`` on this machine (not compose or Kubernetes);
+  ``{instance}`` in a value becomes the copy's number;
+- ``instances``: how many copies ``forge up`` runs here (two trainer agents stand in for two
+  nodes); copy n ≥ 2 is named ``<name>_<n>``, listens on both ports + 10·(n-1) and keeps the
+  service's package and settings prefix (:func:`local_table`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -54,16 +60,26 @@ class ServiceSpec:
     calls: tuple[Call, ...] = ()
     temporal: bool = False
     extra: Mapping[str, str] = field(default_factory=dict)
+    local: Mapping[str, str] = field(default_factory=dict)
+    instances: int = 1
+    package: str = ""
+    """The service this row runs, when the row is a local copy (``trainer_agent_2``)."""
+    instance: int = 1
+
+    @property
+    def service(self) -> str:
+        """The service's own name (a local copy's package)."""
+        return self.package or self.name
 
     @property
     def module(self) -> str:
         """What ``python -m`` runs."""
-        return f"forge_{self.name}"
+        return f"forge_{self.service}"
 
     @property
     def prefix(self) -> str:
         """The service's settings prefix."""
-        return f"FORGE_{self.name.upper()}_"
+        return f"FORGE_{self.service.upper()}_"
 
     @property
     def grpc_target(self) -> str:
@@ -81,7 +97,21 @@ class ServiceSpec:
 # ---------------------------------------------------------------------------------------------
 SERVICES: tuple[ServiceSpec, ...] = (
     ServiceSpec("scheduler", grpc_port=50051, http_port=8051),
-    ServiceSpec("trainer_agent", grpc_port=50052, http_port=8052, calls=(grpc("scheduler"),)),
+    # Two agents on this machine stand in for two nodes of one GPU each (simulated), so the main
+    # job can schedule one torchrun job across them.
+    ServiceSpec(
+        "trainer_agent",
+        grpc_port=50052,
+        http_port=8052,
+        calls=(grpc("scheduler"),),
+        instances=2,
+        local={
+            "NODE_NAME": "local-node-{instance}",
+            "GPUS": "SIMx1",
+            "NODE_GROUP": "local",
+            "RUNNER": "torchrun",
+        },
+    ),
     ServiceSpec("model_server", grpc_port=50054, http_port=8000),
     ServiceSpec("retriever", grpc_port=50055, http_port=8055),
     ServiceSpec("reranker", grpc_port=50056, http_port=8056),
@@ -177,7 +207,7 @@ def declared_keys(spec: ServiceSpec) -> list[str]:
         keys += [f"{stem}_TARGET" if call.kind == "grpc" else f"{stem}_URL", f"{stem}_TOKEN"]
     if spec.temporal:
         keys.append("TEMPORAL_TARGET")
-    keys += [k.upper() for k in spec.extra]
+    keys += [k.upper() for k in (*spec.extra, *spec.local)]
     return keys
 
 
@@ -210,9 +240,29 @@ def service_env(
         values[f"{stem}_TOKEN"] = tokens[call.target]
     if spec.temporal:
         values["TEMPORAL_TARGET"] = infra.temporal_target
-    for key, value in spec.extra.items():
-        values[key.upper()] = value.replace("{root}", str(root))
+    for key, value in {**spec.extra, **spec.local}.items():
+        values[key.upper()] = value.replace("{root}", str(root)).replace("{instance}", str(spec.instance))
     return {f"{spec.prefix}{key}": value for key, value in values.items()}
+
+
+def local_table(table: Iterable[ServiceSpec] = SERVICES) -> tuple[ServiceSpec, ...]:
+    """``table`` with every row's extra local copies (``instances``) expanded after it."""
+    rows: list[ServiceSpec] = []
+    for spec in table:
+        rows.append(spec)
+        for n in range(2, spec.instances + 1):
+            rows.append(
+                dataclasses.replace(
+                    spec,
+                    name=f"{spec.name}_{n}",
+                    package=spec.service,
+                    grpc_port=spec.grpc_port + 10 * (n - 1),
+                    http_port=spec.http_port + 10 * (n - 1),
+                    instances=1,
+                    instance=n,
+                )
+            )
+    return tuple(rows)
 
 
 def select(names: Iterable[str] | None, table: Iterable[ServiceSpec] = SERVICES) -> tuple[ServiceSpec, ...]:

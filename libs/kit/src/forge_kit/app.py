@@ -18,7 +18,7 @@ from forge_kit.db import Database
 from forge_kit.eventlog import SERVICE_NAME as EVENT_LOG_SERVICE
 from forge_kit.eventlog import EventLogApi
 from forge_kit.events import KafkaPublisher, OutboxRelay
-from forge_kit.grpckit import serve, set_default_client_tls
+from forge_kit.grpckit import Authenticator, serve, set_default_client_tls
 from forge_kit.http import HttpServer, make_app
 from forge_kit.logs import configure_logging
 from forge_kit.runtime import ServiceParts, run_forever
@@ -85,8 +85,10 @@ class ServiceApp:
         service_names: Iterable[str],
         http: FastAPI | None = None,
         max_concurrent_rpcs: int | None = None,
+        authenticators: Sequence[Authenticator] = (),
     ) -> None:
-        """Start both servers and block until the process is told to stop."""
+        """Start both servers and block until the process is told to stop. ``authenticators``
+        accept tokens besides the service token (see :class:`forge_kit.grpckit.Principal`)."""
         settings = self.settings
         register = list(register)
         service_names = list(service_names)
@@ -107,6 +109,7 @@ class ServiceApp:
             default_deadline_s=settings.default_deadline_s,
             max_concurrent_rpcs=max_concurrent_rpcs,
             tls=settings.tls(),
+            authenticators=authenticators,
         )
         http_server = HttpServer(http or self.http_app(), settings.host, settings.http_port)
         await http_server.start()

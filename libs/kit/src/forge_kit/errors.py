@@ -45,3 +45,7 @@ class OverloadedError(ForgeError):
 
 class UnauthenticatedError(ForgeError):
     """The caller presented no valid credentials."""
+
+
+class PermissionDeniedError(ForgeError):
+    """The caller is authenticated but may not do this (another team's job, an admin action)."""

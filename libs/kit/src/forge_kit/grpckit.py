@@ -3,7 +3,9 @@
 Server side, :func:`serve` starts a ``grpc.aio`` server with the standard health service,
 reflection and :class:`ForgeServerInterceptor`, which for every call:
 
-1. checks the bearer token (health and reflection are open, as probes expect);
+1. checks the bearer token (health and reflection are open, as probes expect) and records who
+   called as the :func:`current_principal`: the service token is the ``admin`` principal; a
+   service may accept more tokens (e.g. the scheduler's team tokens) through ``authenticators``;
 2. applies the default deadline when the caller set none, and records the effective deadline so
    that downstream calls made while handling inherit what is left of it;
 3. maps domain errors (:mod:`forge_kit.errors`) to status codes — ``INVALID_ARGUMENT`` naming the
@@ -54,8 +56,46 @@ current_deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar(
     "forge_current_deadline", default=None
 )
 
+#: Who made the call being handled (set by the interceptor after authentication).
+_current_principal: contextvars.ContextVar[Principal | None] = contextvars.ContextVar(
+    "forge_current_principal", default=None
+)
+
 #: Trailing-metadata key naming the invalid field of an ``INVALID_ARGUMENT`` error.
 FIELD_METADATA_KEY = "forge-invalid-field"
+
+
+@dataclass(frozen=True)
+class Principal:
+    """An authenticated caller: ``role`` is ``admin`` (the service token) or ``team`` (a token
+    that acts for ``team`` only)."""
+
+    name: str
+    role: str
+    team: str = ""
+
+    @property
+    def is_admin(self) -> bool:
+        return self.role == "admin"
+
+
+#: The principal of the shared service token: operators, the CLI's admin commands, other services.
+SERVICE_PRINCIPAL = Principal(name="service", role="admin")
+
+#: Maps a presented bearer token to a principal, or None when it does not know the token.
+Authenticator = Callable[[str], Principal | None]
+
+
+def current_principal() -> Principal | None:
+    """The caller of the gRPC call being handled; None outside a call or when auth is off."""
+    return _current_principal.get()
+
+
+def require_admin(action: str) -> None:
+    """Raise PermissionDeniedError unless the current caller is an admin (or auth is off)."""
+    principal = current_principal()
+    if principal is not None and not principal.is_admin:
+        raise errors.PermissionDeniedError(f"{action} needs an admin token; {principal.name} is not an admin")
 
 
 def remaining_deadline() -> float | None:
@@ -69,6 +109,14 @@ def _token_matches(header: str | bytes | None, token: str) -> bool:
         return False
     presented = header if isinstance(header, bytes) else header.encode()
     return secrets.compare_digest(presented, f"Bearer {token}".encode())
+
+
+def _bearer(header: str | bytes | None) -> str | None:
+    if header is None:
+        return None
+    text = header.decode(errors="replace") if isinstance(header, bytes) else header
+    scheme, _, value = text.partition(" ")
+    return value.strip() if scheme.lower() == "bearer" and value.strip() else None
 
 
 def _status_for(exc: BaseException) -> tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]]:
@@ -85,6 +133,8 @@ def _status_for(exc: BaseException) -> tuple[grpc.StatusCode, str, tuple[tuple[s
         return grpc.StatusCode.RESOURCE_EXHAUSTED, exc.message, retry
     if isinstance(exc, errors.UnauthenticatedError):
         return grpc.StatusCode.UNAUTHENTICATED, exc.message, ()
+    if isinstance(exc, errors.PermissionDeniedError):
+        return grpc.StatusCode.PERMISSION_DENIED, exc.message, ()
     if isinstance(exc, asyncio.TimeoutError | TimeoutError):
         return grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded", ()
     if isinstance(exc, grpc.aio.AioRpcError) and exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
@@ -96,10 +146,30 @@ def _status_for(exc: BaseException) -> tuple[grpc.StatusCode, str, tuple[tuple[s
 class ForgeServerInterceptor(grpc.aio.ServerInterceptor):
     """Auth, default deadline, error mapping, metrics and logs for every handler."""
 
-    def __init__(self, service: str, token: str | None, default_deadline_s: float) -> None:
+    def __init__(
+        self,
+        service: str,
+        token: str | None,
+        default_deadline_s: float,
+        authenticators: Sequence[Authenticator] = (),
+    ) -> None:
         self._service = service
         self._token = token
         self._default_deadline_s = default_deadline_s
+        self._authenticators = tuple(authenticators)
+
+    def authenticate(self, header: str | bytes | None) -> Principal | None:
+        """The principal of an ``authorization`` header, or None when no token matches."""
+        if self._token is not None and _token_matches(header, self._token):
+            return SERVICE_PRINCIPAL
+        presented = _bearer(header)
+        if presented is None:
+            return None
+        for authenticate in self._authenticators:
+            principal = authenticate(presented)
+            if principal is not None:
+                return principal
+        return None
 
     async def intercept_service(
         self,
@@ -113,8 +183,10 @@ class ForgeServerInterceptor(grpc.aio.ServerInterceptor):
         if method.startswith(OPEN_METHOD_PREFIXES):
             return handler
         metadata = dict(handler_call_details.invocation_metadata or ())
-        authorized = self._token is None or _token_matches(metadata.get("authorization"), self._token)
-        return _wrap_handler(handler, self, method, authorized)
+        if self._token is None:
+            return _wrap_handler(handler, self, method, True, None)
+        principal = self.authenticate(metadata.get("authorization"))
+        return _wrap_handler(handler, self, method, principal is not None, principal)
 
     def _enter(self, context: grpc.aio.ServicerContext) -> float:
         remaining = context.time_remaining()
@@ -146,6 +218,7 @@ def _wrap_handler(
     icpt: ForgeServerInterceptor,
     method: str,
     authorized: bool,
+    principal: Principal | None,
 ) -> grpc.RpcMethodHandler:
     async def guard(context: grpc.aio.ServicerContext) -> float:
         if not authorized:
@@ -158,6 +231,7 @@ def _wrap_handler(
         async def run(request: Any, context: grpc.aio.ServicerContext) -> Any:
             deadline = await guard(context)
             token = current_deadline.set(deadline)
+            who = _current_principal.set(principal)
             started = time.monotonic()
             try:
                 response = await asyncio.wait_for(
@@ -173,6 +247,7 @@ def _wrap_handler(
                 raise
             finally:
                 current_deadline.reset(token)
+                _current_principal.reset(who)
             icpt._done(method, started)
             return response
 
@@ -187,6 +262,7 @@ def _wrap_handler(
             await guard(context)
             remaining = context.time_remaining()
             token = current_deadline.set(None if remaining is None else time.monotonic() + remaining)
+            who = _current_principal.set(principal)
             started = time.monotonic()
             try:
                 async for item in behavior(request, context):
@@ -201,6 +277,7 @@ def _wrap_handler(
                 raise
             finally:
                 current_deadline.reset(token)
+                _current_principal.reset(who)
             icpt._done(method, started)
 
         return run
@@ -304,6 +381,7 @@ async def serve(
     default_deadline_s: float,
     max_concurrent_rpcs: int | None = None,
     tls: TlsConfig | None = None,
+    authenticators: Sequence[Authenticator] = (),
 ) -> GrpcServer:
     """Start a gRPC server with health, reflection and the Forge interceptor; mutual TLS when
     ``tls`` is given (a plaintext or certificate-less client is then refused at the handshake).
@@ -313,7 +391,7 @@ async def serve(
     reflection and health.
     """
     server = grpc.aio.server(
-        interceptors=[ForgeServerInterceptor(service, token, default_deadline_s)],
+        interceptors=[ForgeServerInterceptor(service, token, default_deadline_s, authenticators)],
         maximum_concurrent_rpcs=max_concurrent_rpcs,
         options=[("grpc.so_reuseport", 0)],
     )

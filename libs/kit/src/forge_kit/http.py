@@ -94,6 +94,10 @@ def make_app(
     async def _unauthenticated(_: Request, exc: errors.UnauthenticatedError) -> JSONResponse:
         return _error(401, "unauthenticated", exc.message, headers={"WWW-Authenticate": "Bearer"})
 
+    @app.exception_handler(errors.PermissionDeniedError)
+    async def _denied(_: Request, exc: errors.PermissionDeniedError) -> JSONResponse:
+        return _error(403, "permission_denied", exc.message)
+
     @app.exception_handler(Exception)
     async def _internal(_: Request, exc: Exception) -> JSONResponse:
         return _error(500, "internal", "internal error")

@@ -64,6 +64,10 @@ def install_openai_error_handlers(app: FastAPI) -> None:
             headers={"WWW-Authenticate": "Bearer"},
         )
 
+    @app.exception_handler(errors.PermissionDeniedError)
+    async def _denied(_: Request, exc: errors.PermissionDeniedError) -> JSONResponse:
+        return openai_error(403, exc.message, type_="permission_error", code="permission_denied")
+
     @app.exception_handler(errors.OverloadedError)
     async def _overloaded(_: Request, exc: errors.OverloadedError) -> JSONResponse:
         retry = str(max(1, math.ceil(exc.retry_after_s)))

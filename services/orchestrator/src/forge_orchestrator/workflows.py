@@ -82,8 +82,8 @@ class SmokeWorkflow:
 
     1. ensure the team and submit a no-op job labelled with this workflow's id;
     2. wait for its PENDING event (scheduler → Kafka → this service's consumer → signal);
-    3. optionally hold it queued for ``hold_s``, then cancel it (no agent runs it yet) and wait
-       for its CANCELLED event;
+    3. optionally hold it for ``hold_s``, then cancel it and wait for its end: CANCELLED, or
+       SUCCEEDED when an agent already ran it (the job is ``true``);
     4. return the job id, the states seen in order and the elapsed workflow time.
 
     Cancelling the workflow cancels the job it submitted.
@@ -110,15 +110,16 @@ class SmokeWorkflow:
     def _states(self) -> list[str]:
         return [e.state for e in self._events if e.job_id == self._job_id]
 
-    async def _wait_for(self, state: str, timeout_s: float) -> None:
-        self._step = f"waiting for {state}"
+    async def _wait_for(self, state: str, timeout_s: float, *alternatives: str) -> None:
+        wanted = {state, *alternatives}
+        self._step = f"waiting for {' or '.join(sorted(wanted))}"
         try:
             await workflow.wait_condition(
-                lambda: state in self._states(), timeout=timedelta(seconds=timeout_s)
+                lambda: bool(wanted & set(self._states())), timeout=timedelta(seconds=timeout_s)
             )
         except TimeoutError:
             raise ApplicationError(
-                f"no {state} event for job {self._job_id} within {timeout_s:g}s",
+                f"no {' or '.join(sorted(wanted))} event for job {self._job_id} within {timeout_s:g}s",
                 type="JobEventTimeout",
                 non_retryable=True,
             ) from None
@@ -157,7 +158,7 @@ class SmokeWorkflow:
                 await workflow.sleep(timedelta(seconds=params.hold_s))
             self._step = "cancelling"
             await self._cancel_job("smoke workflow finished")
-            await self._wait_for("CANCELLED", params.timeout_s)
+            await self._wait_for("CANCELLED", params.timeout_s, "SUCCEEDED")
         except asyncio.CancelledError:
             if self._job_id:
                 self._step = "cancelled"

@@ -13,8 +13,9 @@ from forge.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from google.protobuf import timestamp_pb2
 
 from forge_kit import errors
+from forge_kit.grpckit import require_admin
 from forge_kit.paging import decode_page, page_info
-from forge_scheduler.service import QueueStats, SchedulerService, TeamView
+from forge_scheduler.service import PENDING, ClusterView, QueueStats, SchedulerService, TeamView
 from forge_scheduler.store import JobRow, NodeRow
 
 log = structlog.get_logger(__name__)
@@ -28,7 +29,8 @@ def _ts(value: dt.datetime | None) -> timestamp_pb2.Timestamp | None:
     return stamp
 
 
-def job_to_proto(job: JobRow) -> scheduler_pb2.Job:
+def job_to_proto(job: JobRow, queue_position: int = 0) -> scheduler_pb2.Job:
+    pending = job.state == PENDING
     return scheduler_pb2.Job(
         id=job.id,
         spec=scheduler_pb2.JobSpec.FromString(job.spec),
@@ -39,6 +41,10 @@ def job_to_proto(job: JobRow) -> scheduler_pb2.Job:
         assigned_nodes=list(job.assigned_nodes),
         message=job.message,
         preemption_count=job.preemption_count,
+        queue_position=queue_position if pending else 0,
+        estimated_start=_ts(job.estimated_start) if pending else None,
+        attempt=job.attempt or 0,
+        pending_reason=(job.pending_reason or "") if pending else "",
     )
 
 
@@ -47,6 +53,7 @@ def team_to_proto(team: TeamView) -> scheduler_pb2.Team:
         name=team.name,
         display_name=team.display_name,
         created_at=_ts(team.created_at),
+        cohort=team.cohort,
         quotas=[
             scheduler_pb2.Quota(
                 gpu_type=q.gpu_type,
@@ -59,7 +66,7 @@ def team_to_proto(team: TeamView) -> scheduler_pb2.Team:
     )
 
 
-def node_to_proto(node: NodeRow) -> scheduler_pb2.Node:
+def node_to_proto(node: NodeRow, used: set[int] | None = None) -> scheduler_pb2.Node:
     gpus = [
         common_pb2.Gpu(index=int(g["index"]), type=str(g["type"]), memory_mb=int(g["memory_mb"]))
         for g in node.gpus
@@ -75,6 +82,7 @@ def node_to_proto(node: NodeRow) -> scheduler_pb2.Node:
         state=node.state,  # type: ignore[arg-type]
         last_heartbeat_at=_ts(node.last_heartbeat_at),
         running_job_ids=list(node.running_job_ids),
+        free_gpus=sum(1 for g in gpus if g.index not in (used or set())),
     )
 
 
@@ -86,6 +94,28 @@ def stats_to_proto(s: QueueStats) -> scheduler_pb2.TeamQueueStats:
         gpus_in_use=s.gpus_in_use,
         queue_time_p50_seconds=s.queue_time_p50_s,
         queue_time_p95_seconds=s.queue_time_p95_s,
+        guaranteed_gpus=s.guaranteed_gpus,
+        borrowed_gpus=s.borrowed_gpus,
+        fair_share_gpus=s.fair_share_gpus,
+        share_ratio=s.share_ratio,
+        decayed_usage_gpu_hours=s.decayed_usage_gpu_hours,
+    )
+
+
+def cluster_to_proto(c: ClusterView) -> scheduler_pb2.GetClusterStatsResponse:
+    return scheduler_pb2.GetClusterStatsResponse(
+        total_gpus=c.total_gpus,
+        allocated_gpus=c.allocated_gpus,
+        utilization=c.utilization,
+        fragmented_gpus=c.fragmented_gpus,
+        jain_index=c.jain_index,
+        share_deviation_gpus=c.share_deviation_gpus,
+        ready_nodes=c.ready_nodes,
+        pending_jobs=c.pending_jobs,
+        running_jobs=c.running_jobs,
+        largest_free_block=c.largest_free_block,
+        last_cycle_ms=c.last_cycle_ms,
+        last_cycle_at=_ts(c.last_cycle_at),
     )
 
 
@@ -97,18 +127,32 @@ class SchedulerApi(scheduler_pb2_grpc.SchedulerServiceServicer):
         self._heartbeat_interval_s = heartbeat_interval_s
         self._max_page_size = max_page_size
 
+    def _job(self, job: JobRow) -> scheduler_pb2.Job:
+        return job_to_proto(job, self._service.cluster.queue_positions.get(job.id, 0))
+
+    async def IssueTeamToken(
+        self, request: scheduler_pb2.IssueTeamTokenRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.IssueTeamTokenResponse:
+        token, token_id = await self._service.issue_team_token(request.team, request.description)
+        return scheduler_pb2.IssueTeamTokenResponse(token=token, token_id=token_id)
+
+    async def GetClusterStats(
+        self, request: scheduler_pb2.GetClusterStatsRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.GetClusterStatsResponse:
+        return cluster_to_proto(self._service.cluster)
+
     async def SubmitJob(
         self, request: scheduler_pb2.SubmitJobRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.SubmitJobResponse:
         if not request.HasField("spec"):
             raise errors.ValidationError("spec", "is required")
         job = await self._service.submit_job(request.spec, request.request_id)
-        return scheduler_pb2.SubmitJobResponse(job=job_to_proto(job))
+        return scheduler_pb2.SubmitJobResponse(job=self._job(job))
 
     async def GetJob(
         self, request: scheduler_pb2.GetJobRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.GetJobResponse:
-        return scheduler_pb2.GetJobResponse(job=job_to_proto(await self._service.get_job(request.job_id)))
+        return scheduler_pb2.GetJobResponse(job=self._job(await self._service.get_job(request.job_id)))
 
     async def ListJobs(
         self, request: scheduler_pb2.ListJobsRequest, context: grpc.aio.ServicerContext
@@ -116,26 +160,28 @@ class SchedulerApi(scheduler_pb2_grpc.SchedulerServiceServicer):
         size, offset = decode_page(request.page, max_size=self._max_page_size)
         jobs, total = await self._service.list_jobs(request.team, request.states, size, offset)
         return scheduler_pb2.ListJobsResponse(
-            jobs=[job_to_proto(j) for j in jobs], page=page_info(offset, len(jobs), total)
+            jobs=[self._job(j) for j in jobs], page=page_info(offset, len(jobs), total)
         )
 
     async def CancelJob(
         self, request: scheduler_pb2.CancelJobRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.CancelJobResponse:
         return scheduler_pb2.CancelJobResponse(
-            job=job_to_proto(await self._service.cancel_job(request.job_id, request.reason))
+            job=self._job(await self._service.cancel_job(request.job_id, request.reason))
         )
 
     async def WatchJobs(
         self, request: scheduler_pb2.WatchJobsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[scheduler_pb2.WatchJobsResponse]:
         async for job in self._service.watch(request.team, request.job_ids, request.send_initial):
-            yield scheduler_pb2.WatchJobsResponse(job=job_to_proto(job))
+            yield scheduler_pb2.WatchJobsResponse(job=self._job(job))
 
     async def CreateTeam(
         self, request: scheduler_pb2.CreateTeamRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.CreateTeamResponse:
-        team = await self._service.create_team(request.name, request.display_name, request.quotas)
+        team = await self._service.create_team(
+            request.name, request.display_name, request.quotas, request.cohort
+        )
         return scheduler_pb2.CreateTeamResponse(team=team_to_proto(team))
 
     async def GetTeam(
@@ -172,8 +218,10 @@ class SchedulerApi(scheduler_pb2_grpc.SchedulerServiceServicer):
     ) -> scheduler_pb2.ListNodesResponse:
         size, offset = decode_page(request.page, max_size=self._max_page_size)
         nodes, total = await self._service.list_nodes(size, offset)
+        used = await self._service.used_gpus()
         return scheduler_pb2.ListNodesResponse(
-            nodes=[node_to_proto(n) for n in nodes], page=page_info(offset, len(nodes), total)
+            nodes=[node_to_proto(n, used.get(n.name)) for n in nodes],
+            page=page_info(offset, len(nodes), total),
         )
 
     async def AgentSession(
@@ -181,8 +229,11 @@ class SchedulerApi(scheduler_pb2_grpc.SchedulerServiceServicer):
         request_iterator: AsyncIterator[scheduler_pb2.AgentSessionRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[scheduler_pb2.AgentSessionResponse]:
-        """1. Read RegisterNode; 2. acknowledge with the node id; 3. apply heartbeats and job
-        updates until the agent hangs up; 4. mark the node lost."""
+        """1. Read RegisterNode (only the service token may register nodes); 2. acknowledge with
+        the node id and re-send StartJob commands the node missed; 3. until the agent hangs up,
+        apply its heartbeats and job reports while forwarding the scheduler's commands; 4. mark
+        the node NOT_READY (the scheduling loop requeues its jobs if it stays away)."""
+        require_admin("AgentSession")
         first = await anext(aiter(request_iterator), None)
         if first is None or first.WhichOneof("message") != "register_node":
             raise errors.ValidationError(
@@ -190,22 +241,41 @@ class SchedulerApi(scheduler_pb2_grpc.SchedulerServiceServicer):
             )
         node = await self._service.register_node(first.register_node)
         log.info("agent.registered", node=node.name, node_id=node.node_id, gpus=len(node.gpus))
-        yield scheduler_pb2.AgentSessionResponse(
-            register_ack=scheduler_pb2.RegisterAck(
-                node_id=node.node_id, heartbeat_interval_seconds=self._heartbeat_interval_s
-            )
-        )
+        commands = self._service.hub.open(node.name)
+        reader = asyncio.create_task(self._read_agent(node.name, request_iterator))
         try:
-            async for message in request_iterator:
-                kind = message.WhichOneof("message")
-                if kind == "heartbeat":
-                    await self._service.heartbeat(node.name, message.heartbeat.running_job_ids)
-                elif kind == "job_status_update":
-                    await self._service.update_job_status(node.name, message.job_status_update)
-                else:
-                    raise errors.ValidationError("message", f"{kind} is only valid as the first message")
-        except asyncio.CancelledError:
-            raise
+            yield scheduler_pb2.AgentSessionResponse(
+                register_ack=scheduler_pb2.RegisterAck(
+                    node_id=node.node_id, heartbeat_interval_seconds=self._heartbeat_interval_s
+                )
+            )
+            for command in await self._service.outstanding_starts(
+                node.name, first.register_node.running_job_ids
+            ):
+                yield command
+            while True:
+                next_command = asyncio.ensure_future(commands.get())
+                done, _ = await asyncio.wait({next_command, reader}, return_when=asyncio.FIRST_COMPLETED)
+                if next_command in done:
+                    yield next_command.result()
+                    continue
+                next_command.cancel()
+                reader.result()  # the agent hung up (or broke the protocol: raises)
+                return
         finally:
+            reader.cancel()
+            self._service.hub.close(node.name, commands)
             await asyncio.shield(self._service.mark_node_lost(node.name))
             log.info("agent.disconnected", node=node.name)
+
+    async def _read_agent(
+        self, node_name: str, request_iterator: AsyncIterator[scheduler_pb2.AgentSessionRequest]
+    ) -> None:
+        async for message in request_iterator:
+            kind = message.WhichOneof("message")
+            if kind == "heartbeat":
+                await self._service.heartbeat(node_name, message.heartbeat.running_job_ids)
+            elif kind == "job_status_update":
+                await self._service.update_job_status(node_name, message.job_status_update)
+            else:
+                raise errors.ValidationError("message", f"{kind} is only valid as the first message")

@@ -1,4 +1,6 @@
-"""``forge jobs …``: submit, list, inspect and cancel jobs; manage teams; queue statistics.
+"""``forge jobs …``: submit, list, inspect and cancel jobs; manage teams and team tokens;
+``forge queue``: pending jobs with their reasons and estimated starts, and per-team queue figures;
+``forge cluster``: utilisation, fragmentation, fairness and nodes.
 
 Target: ``--target`` / ``$FORGE_CLI_SCHEDULER_TARGET`` (default ``127.0.0.1:50051``); token:
 ``--token`` / ``$FORGE_CLI_SCHEDULER_TOKEN``, else ``var/secrets/tokens.json`` (see
@@ -7,6 +9,7 @@ Target: ``--target`` / ``$FORGE_CLI_SCHEDULER_TARGET`` (default ``127.0.0.1:5005
 
 from __future__ import annotations
 
+import json
 import uuid
 from typing import Annotated, Any
 
@@ -60,11 +63,25 @@ def submit(
     gpus: Annotated[int, typer.Option("--gpus", help="GPUs per replica.")] = 0,
     gpu_type: Annotated[str, typer.Option("--gpu-type", help="GPU type, e.g. H100.")] = "",
     replicas: Annotated[int, typer.Option("--replicas", help="Gang size.")] = 1,
+    placement: Annotated[str, typer.Option("--placement", help="any, same-node or same-node-group.")] = "any",
+    min_runtime: Annotated[
+        int, typer.Option("--min-runtime", min=0, help="Seconds before the job may be preempted.")
+    ] = 0,
+    checkpointable: Annotated[
+        bool, typer.Option("--checkpointable", help="The job checkpoints and resumes.")
+    ] = False,
     target: TargetOption = "127.0.0.1:50051",
     token: TokenOption = "",
     as_json: JsonOption = False,
 ) -> None:
     """Submit a job and print it."""
+    placements = {
+        "any": scheduler_pb2.PLACEMENT_ANY,
+        "same-node": scheduler_pb2.PLACEMENT_SAME_NODE,
+        "same-node-group": scheduler_pb2.PLACEMENT_SAME_NODE_GROUP,
+    }
+    if placement not in placements:
+        raise typer.BadParameter(f"must be one of {', '.join(placements)}", param_hint="--placement")
     spec = scheduler_pb2.JobSpec(
         name=name,
         team=team,
@@ -72,6 +89,9 @@ def submit(
         command=command,
         replicas=replicas,
         resources=common_pb2.ResourceRequest(gpu_count=gpus, gpu_type=gpu_type),
+        placement=placements[placement],
+        min_runtime_seconds=min_runtime,
+        checkpointable=checkpointable,
     )
 
     async def go() -> scheduler_pb2.Job:
@@ -206,3 +226,136 @@ def parse_quota(text: str) -> scheduler_pb2.Quota:
     return scheduler_pb2.Quota(
         gpu_type=gpu_type, guaranteed_gpus=guaranteed, borrow_limit=borrow, weight=weight
     )
+
+
+@app.command()
+def token(
+    team: Annotated[str, typer.Argument(help="Team the token acts for.")],
+    description: Annotated[str, typer.Option("--description", help="What the token is for.")] = "",
+    target: TargetOption = "127.0.0.1:50051",
+    token: TokenOption = "",
+) -> None:
+    """Issue a team token (admin): it may submit and cancel only that team's jobs. Shown once."""
+
+    async def go() -> scheduler_pb2.IssueTeamTokenResponse:
+        channel, stub = _stub(target, token)
+        async with channel:
+            return await stub.IssueTeamToken(
+                scheduler_pb2.IssueTeamTokenRequest(team=team, description=description), timeout=RPC_TIMEOUT_S
+            )
+
+    reply = clitools.run_rpc(go())
+    typer.echo(f"token_id: {reply.token_id}")
+    typer.echo(f"token: {reply.token}")
+
+
+def _ts(stamp: Any) -> str:
+    return stamp.ToDatetime().strftime("%Y-%m-%d %H:%M:%S") if stamp.seconds else ""
+
+
+queue_app = typer.Typer(help="Pending jobs with why they wait, and queue figures by team.")
+
+
+@queue_app.command("queue")
+def queue(
+    team: Annotated[str, typer.Option("--team", help="Only this team.")] = "",
+    limit: Annotated[int, typer.Option("--limit", min=1, max=500, help="Pending jobs to show.")] = 50,
+    target: TargetOption = "127.0.0.1:50051",
+    token: TokenOption = "",
+    as_json: JsonOption = False,
+) -> None:
+    """Pending jobs (position in team queue, reason in words, estimated start) and per-team
+    queue time p50/p95, GPUs in use, guarantee, borrowed GPUs and fair share."""
+
+    async def go() -> tuple[list[scheduler_pb2.Job], list[scheduler_pb2.TeamQueueStats]]:
+        channel, stub = _stub(target, token)
+        async with channel:
+            jobs = await stub.ListJobs(
+                scheduler_pb2.ListJobsRequest(
+                    team=team,
+                    states=[common_pb2.JOB_STATE_PENDING],
+                    page=common_pb2.PageRequest(page_size=limit),
+                ),
+                timeout=RPC_TIMEOUT_S,
+            )
+            stats = await stub.GetQueueStats(
+                scheduler_pb2.GetQueueStatsRequest(team=team), timeout=RPC_TIMEOUT_S
+            )
+            return list(jobs.jobs), list(stats.teams)
+
+    jobs, stats = clitools.run_rpc(go())
+    pending = [
+        {
+            "id": j.id,
+            "team": j.spec.team,
+            "pos": j.queue_position,
+            "priority": j.spec.priority_class,
+            "gpus": f"{max(1, j.spec.replicas)}x{j.spec.resources.gpu_count}",
+            "reason": j.pending_reason,
+            "estimated_start": _ts(j.estimated_start),
+        }
+        for j in sorted(jobs, key=lambda j: (j.spec.team, j.queue_position or 1 << 30))
+    ]
+    teams = [
+        {
+            "team": s.team,
+            "pending": s.pending_jobs,
+            "running": s.running_jobs,
+            "gpus": s.gpus_in_use,
+            "guaranteed": s.guaranteed_gpus,
+            "borrowed": s.borrowed_gpus,
+            "fair_share": round(s.fair_share_gpus, 1),
+            "share_ratio": round(s.share_ratio, 2),
+            "p50_s": round(s.queue_time_p50_seconds, 1),
+            "p95_s": round(s.queue_time_p95_seconds, 1),
+        }
+        for s in stats
+    ]
+    if as_json:
+        typer.echo(json.dumps({"pending": pending, "teams": teams}, indent=2))
+        return
+    clitools.show_rows(
+        pending, ["id", "team", "pos", "priority", "gpus", "reason", "estimated_start"], False, "pending"
+    )
+    clitools.show_rows(teams, list(teams[0]) if teams else ["team"], False, "teams")
+
+
+cluster_app = typer.Typer(help="Cluster utilisation, fragmentation, fairness and nodes.")
+
+
+@cluster_app.command("cluster")
+def cluster(
+    target: TargetOption = "127.0.0.1:50051",
+    token: TokenOption = "",
+    as_json: JsonOption = False,
+) -> None:
+    """Figures of the last scheduling cycle and every node with its free GPUs."""
+
+    async def go() -> tuple[scheduler_pb2.GetClusterStatsResponse, list[scheduler_pb2.Node]]:
+        channel, stub = _stub(target, token)
+        async with channel:
+            stats = await stub.GetClusterStats(scheduler_pb2.GetClusterStatsRequest(), timeout=RPC_TIMEOUT_S)
+            nodes = await stub.ListNodes(
+                scheduler_pb2.ListNodesRequest(page=common_pb2.PageRequest(page_size=500)),
+                timeout=RPC_TIMEOUT_S,
+            )
+            return stats, list(nodes.nodes)
+
+    stats, nodes = clitools.run_rpc(go())
+    summary = json_format.MessageToDict(stats, always_print_fields_with_no_presence=True)
+    rows = [
+        {
+            "node": n.name,
+            "state": scheduler_pb2.NodeState.Name(n.state).removeprefix("NODE_STATE_"),
+            "group": n.topology.node_group,
+            "gpus": f"{len(n.gpus)}x{n.gpus[0].type}" if n.gpus else "0",
+            "free": n.free_gpus,
+            "jobs": ",".join(n.running_job_ids),
+        }
+        for n in nodes
+    ]
+    if as_json:
+        typer.echo(json.dumps({"cluster": summary, "nodes": rows}, indent=2))
+        return
+    clitools.show_record(summary, False)
+    clitools.show_rows(rows, ["node", "state", "group", "gpus", "free", "jobs"], False, "nodes")

@@ -26,3 +26,15 @@ class SchedulerSettings(ServiceSettings):
 
     max_page_size: int = Field(default=500, ge=1)
     """Upper bound on page_size in list calls."""
+
+    cycle_interval_s: float = Field(default=1.0, gt=0, le=60)
+    """Longest pause between scheduling cycles (a submit, report or new node wakes it sooner)."""
+
+    node_lost_after_s: float = Field(default=15.0, gt=0)
+    """A node silent this long is lost: its jobs go back to the queue."""
+
+    preemption_grace_s: float = Field(default=30.0, ge=0)
+    """Time a preempted job gets to checkpoint before its agent kills it."""
+
+    usage_half_life_s: float = Field(default=7 * 86400.0, gt=0)
+    """Half-life of the decayed usage behind fair share (Slurm's PriorityDecayHalfLife)."""

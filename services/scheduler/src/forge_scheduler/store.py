@@ -23,6 +23,7 @@ class TeamRow(Base):
     name: Mapped[str] = mapped_column(sa.String(63), primary_key=True)
     display_name: Mapped[str] = mapped_column(sa.String(255), default="")
     created_at: Mapped[dt.datetime] = mapped_column(sa.DateTime, default=utcnow)
+    cohort: Mapped[str] = mapped_column(sa.String(63), default="default")
 
 
 class QuotaRow(Base):
@@ -58,6 +59,30 @@ class JobRow(Base):
     created_at: Mapped[dt.datetime] = mapped_column(sa.DateTime, default=utcnow, index=True)
     started_at: Mapped[dt.datetime | None] = mapped_column(sa.DateTime, nullable=True)
     finished_at: Mapped[dt.datetime | None] = mapped_column(sa.DateTime, nullable=True)
+    placement: Mapped[str] = mapped_column(sa.String(16), default="any")
+    """``any``, ``same_node`` or ``same_group`` (the policy's Placement values)."""
+    min_runtime_s: Mapped[float] = mapped_column(sa.Float, default=0.0)
+    checkpointable: Mapped[bool] = mapped_column(sa.Boolean, default=False)
+    checkpoint_interval_s: Mapped[float] = mapped_column(sa.Float, default=0.0)
+    attempt: Mapped[int] = mapped_column(sa.Integer, default=0)
+    """Starts so far; StartJob carries it so an agent can tell a new attempt from a repeat."""
+    queued_at: Mapped[dt.datetime | None] = mapped_column(sa.DateTime, nullable=True)
+    """When it last entered the queue (submit, preemption or node loss)."""
+    slots: Mapped[list[list[Any]] | None] = mapped_column(sa.JSON, nullable=True)
+    """While placed: one ``[node name, [gpu indices]]`` per replica, in rank order."""
+    replica_states: Mapped[dict[str, int] | None] = mapped_column(sa.JSON, nullable=True)
+    """While placed: the last state each replica's agent reported, by rank (as a string)."""
+    draining: Mapped[list[list[Any]] | None] = mapped_column(sa.JSON, nullable=True)
+    """Replicas of an earlier placement still stopping (``[node, [gpu indices]]``): their GPUs stay
+    taken until the agent reports the replica ended or the node is lost."""
+    borrowed: Mapped[bool] = mapped_column(sa.Boolean, default=False)
+    attained_gpu_s: Mapped[float] = mapped_column(sa.Float, default=0.0)
+    """GPU-seconds used by earlier attempts (least-attained-service ordering)."""
+    last_checkpoint_at: Mapped[dt.datetime | None] = mapped_column(sa.DateTime, nullable=True)
+    preempt_by: Mapped[dt.datetime | None] = mapped_column(sa.DateTime, nullable=True)
+    """Set when a preemption was ordered: the end of the victim's checkpoint grace period."""
+    pending_reason: Mapped[str] = mapped_column(sa.Text, default="")
+    estimated_start: Mapped[dt.datetime | None] = mapped_column(sa.DateTime, nullable=True)
 
 
 class NodeRow(Base):
@@ -75,3 +100,24 @@ class NodeRow(Base):
     state: Mapped[int] = mapped_column(sa.Integer)
     last_heartbeat_at: Mapped[dt.datetime | None] = mapped_column(sa.DateTime, nullable=True)
     running_job_ids: Mapped[list[str]] = mapped_column(sa.JSON, default=list)
+
+
+class TeamUsageRow(Base):
+    """A team's decayed historical GPU usage (the fair-share input), kept across restarts."""
+
+    __tablename__ = "team_usage"
+
+    team: Mapped[str] = mapped_column(sa.String(63), primary_key=True)
+    decayed_gpu_s: Mapped[float] = mapped_column(sa.Float, default=0.0)
+    updated_at: Mapped[dt.datetime] = mapped_column(sa.DateTime, default=utcnow)
+
+
+class TeamTokenRow(Base):
+    """A bearer token that acts for one team; only its SHA-256 is stored."""
+
+    __tablename__ = "team_tokens"
+
+    token_hash: Mapped[str] = mapped_column(sa.String(64), primary_key=True)
+    team: Mapped[str] = mapped_column(sa.ForeignKey("teams.name", ondelete="CASCADE"), index=True)
+    description: Mapped[str] = mapped_column(sa.String(255), default="")
+    created_at: Mapped[dt.datetime] = mapped_column(sa.DateTime, default=utcnow)

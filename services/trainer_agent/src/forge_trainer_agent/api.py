@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+from pathlib import Path
 
 import grpc
 from forge.trainer.v1 import trainer_pb2, trainer_pb2_grpc
@@ -21,11 +22,16 @@ def _ts(value: dt.datetime | None) -> timestamp_pb2.Timestamp | None:
     return stamp
 
 
-def run_to_proto(row: RunRow) -> trainer_pb2.Run:
+def run_to_proto(row: RunRow, export_dir: Path | None = None) -> trainer_pb2.Run:
     checkpoint = None
     if row.last_checkpoint_uri:
+        manifest = row.last_checkpoint_uri
         checkpoint = trainer_pb2.Checkpoint(
-            step=row.last_checkpoint_step, uri=row.last_checkpoint_uri, created_at=_ts(row.last_checkpoint_at)
+            step=row.last_checkpoint_step,
+            uri=manifest.rsplit("/", 1)[0],
+            manifest_uri=manifest,
+            created_at=_ts(row.last_checkpoint_at),
+            export_uri=str(export_dir) if export_dir is not None else "",
         )
     return trainer_pb2.Run(
         run_id=row.run_id,
@@ -63,5 +69,6 @@ class TrainerAgentApi(trainer_pb2_grpc.TrainerAgentServiceServicer):
         size, offset = decode_page(request.page, max_size=self._max_page_size)
         runs, total = await self._service.list_runs(request.job_id, size, offset)
         return trainer_pb2.ListRunsResponse(
-            runs=[run_to_proto(r) for r in runs], page=page_info(offset, len(runs), total)
+            runs=[run_to_proto(r, self._service.export_dir(r.job_id)) for r in runs],
+            page=page_info(offset, len(runs), total),
         )

@@ -414,6 +414,11 @@ class AgentService:
 
     # --- queries -----------------------------------------------------------------------------
 
+    def export_dir(self, job_id: str) -> Path | None:
+        """The job's Hugging Face export on this node (written by its rank-0 replica), if any."""
+        export = self._runs_dir / job_id / "hf"
+        return export.resolve() if (export / "config.json").exists() else None
+
     async def node_status(self) -> NodeStatus:
         return NodeStatus(
             node=self.node, node_id=self.node_id, connected=self.connected, running=await self._store.active()

@@ -3,13 +3,13 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
 import grpc
 
-from forge_kit.grpckit import GrpcServer, serve
+from forge_kit.grpckit import Authenticator, GrpcServer, serve
 
 
 @asynccontextmanager
@@ -21,6 +21,7 @@ async def grpc_test_server(
     token: str | None,
     default_deadline_s: float = 5.0,
     service: str = "test",
+    authenticators: Sequence[Authenticator] = (),
 ) -> AsyncIterator[GrpcServer]:
     """``add`` is the generated ``add_XServicer_to_server``; ``service_name`` its full name."""
     started = await serve(
@@ -31,6 +32,7 @@ async def grpc_test_server(
         port=0,
         token=token,
         default_deadline_s=default_deadline_s,
+        authenticators=authenticators,
     )
     try:
         yield started

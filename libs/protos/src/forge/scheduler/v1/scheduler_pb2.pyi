@@ -59,6 +59,34 @@ JOB_KIND_INTERACTIVE: JobKind.ValueType  # 5
 """Interactive session (notebook, debugging)."""
 Global___JobKind: _TypeAlias = JobKind  # noqa: Y015
 
+class _Placement:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _PlacementEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Placement.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    PLACEMENT_UNSPECIFIED: _Placement.ValueType  # 0
+    """Not set: SAME_NODE_GROUP when same_node_group is true, else ANY."""
+    PLACEMENT_ANY: _Placement.ValueType  # 1
+    """Any nodes."""
+    PLACEMENT_SAME_NODE: _Placement.ValueType  # 2
+    """All replicas on one node."""
+    PLACEMENT_SAME_NODE_GROUP: _Placement.ValueType  # 3
+    """All replicas in one node group (NVLink / switch domain); the job waits rather than spread."""
+
+class Placement(_Placement, metaclass=_PlacementEnumTypeWrapper):
+    """Where the replicas of one job may land."""
+
+PLACEMENT_UNSPECIFIED: Placement.ValueType  # 0
+"""Not set: SAME_NODE_GROUP when same_node_group is true, else ANY."""
+PLACEMENT_ANY: Placement.ValueType  # 1
+"""Any nodes."""
+PLACEMENT_SAME_NODE: Placement.ValueType  # 2
+"""All replicas on one node."""
+PLACEMENT_SAME_NODE_GROUP: Placement.ValueType  # 3
+"""All replicas in one node group (NVLink / switch domain); the job waits rather than spread."""
+Global___Placement: _TypeAlias = Placement  # noqa: Y015
+
 class _NodeState:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -146,6 +174,10 @@ class JobSpec(_message.Message):
     MAX_RUNTIME_SECONDS_FIELD_NUMBER: _builtins.int
     PREEMPTIBLE_FIELD_NUMBER: _builtins.int
     LABELS_FIELD_NUMBER: _builtins.int
+    PLACEMENT_FIELD_NUMBER: _builtins.int
+    MIN_RUNTIME_SECONDS_FIELD_NUMBER: _builtins.int
+    CHECKPOINTABLE_FIELD_NUMBER: _builtins.int
+    CHECKPOINT_INTERVAL_SECONDS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Human-readable name, e.g. "llama-tiny-pretrain"."""
     team: _builtins.str
@@ -164,6 +196,14 @@ class JobSpec(_message.Message):
     """Wall-clock limit; 0 means no limit. The job fails when it is exceeded."""
     preemptible: _builtins.bool
     """Whether the job may be preempted even when within its team's guaranteed quota."""
+    placement: Global___Placement.ValueType
+    """Topology constraint; overrides same_node_group when set."""
+    min_runtime_seconds: _builtins.int
+    """The job is not preempted before it has run this long (it would lose its warm-up)."""
+    checkpointable: _builtins.bool
+    """The job checkpoints and resumes: a preemption costs it only the work since its last checkpoint."""
+    checkpoint_interval_seconds: _builtins.int
+    """How often the job checkpoints, used to estimate the work a preemption would lose; 0 = unknown."""
     @_builtins.property
     def resources(self) -> _common_pb2.ResourceRequest:
         """Resources per replica."""
@@ -196,10 +236,14 @@ class JobSpec(_message.Message):
         max_runtime_seconds: _builtins.int = ...,
         preemptible: _builtins.bool = ...,
         labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        placement: Global___Placement.ValueType = ...,
+        min_runtime_seconds: _builtins.int = ...,
+        checkpointable: _builtins.bool = ...,
+        checkpoint_interval_seconds: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["resources", b"resources"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["command", b"command", "env", b"env", "image", b"image", "kind", b"kind", "labels", b"labels", "max_runtime_seconds", b"max_runtime_seconds", "name", b"name", "preemptible", b"preemptible", "priority_class", b"priority_class", "replicas", b"replicas", "resources", b"resources", "same_node_group", b"same_node_group", "team", b"team"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_interval_seconds", b"checkpoint_interval_seconds", "checkpointable", b"checkpointable", "command", b"command", "env", b"env", "image", b"image", "kind", b"kind", "labels", b"labels", "max_runtime_seconds", b"max_runtime_seconds", "min_runtime_seconds", b"min_runtime_seconds", "name", b"name", "placement", b"placement", "preemptible", b"preemptible", "priority_class", b"priority_class", "replicas", b"replicas", "resources", b"resources", "same_node_group", b"same_node_group", "team", b"team"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -221,6 +265,9 @@ class Job(_message.Message):
     MESSAGE_FIELD_NUMBER: _builtins.int
     QUEUE_POSITION_FIELD_NUMBER: _builtins.int
     PREEMPTION_COUNT_FIELD_NUMBER: _builtins.int
+    ESTIMATED_START_FIELD_NUMBER: _builtins.int
+    ATTEMPT_FIELD_NUMBER: _builtins.int
+    PENDING_REASON_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Job id assigned by the scheduler."""
     state: _common_pb2.JobState.ValueType
@@ -231,6 +278,10 @@ class Job(_message.Message):
     """1-based position in its team's queue while PENDING; 0 otherwise."""
     preemption_count: _builtins.int
     """Number of times the job has been preempted."""
+    attempt: _builtins.int
+    """Number of times the job has been started (1 after its first start)."""
+    pending_reason: _builtins.str
+    """While PENDING: why it is not running, in words; empty otherwise."""
     @_builtins.property
     def spec(self) -> Global___JobSpec:
         """What was submitted."""
@@ -251,6 +302,10 @@ class Job(_message.Message):
     def assigned_nodes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Nodes it is (or was last) placed on, one per replica in rank order."""
 
+    @_builtins.property
+    def estimated_start(self) -> _timestamp_pb2.Timestamp:
+        """While PENDING: when the scheduler expects it to start, if it can tell (the reservation)."""
+
     def __init__(
         self,
         *,
@@ -264,10 +319,13 @@ class Job(_message.Message):
         message: _builtins.str = ...,
         queue_position: _builtins.int = ...,
         preemption_count: _builtins.int = ...,
+        estimated_start: _timestamp_pb2.Timestamp | None = ...,
+        attempt: _builtins.int = ...,
+        pending_reason: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "finished_at", b"finished_at", "spec", b"spec", "started_at", b"started_at"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "estimated_start", b"estimated_start", "finished_at", b"finished_at", "spec", b"spec", "started_at", b"started_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["assigned_nodes", b"assigned_nodes", "created_at", b"created_at", "finished_at", b"finished_at", "id", b"id", "message", b"message", "preemption_count", b"preemption_count", "queue_position", b"queue_position", "spec", b"spec", "started_at", b"started_at", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["assigned_nodes", b"assigned_nodes", "attempt", b"attempt", "created_at", b"created_at", "estimated_start", b"estimated_start", "finished_at", b"finished_at", "id", b"id", "message", b"message", "pending_reason", b"pending_reason", "preemption_count", b"preemption_count", "queue_position", b"queue_position", "spec", b"spec", "started_at", b"started_at", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -576,6 +634,58 @@ class Quota(_message.Message):
 Global___Quota: _TypeAlias = Quota  # noqa: Y015
 
 @_typing.final
+class IssueTeamTokenRequest(_message.Message):
+    """Request of IssueTeamToken."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TEAM_FIELD_NUMBER: _builtins.int
+    DESCRIPTION_FIELD_NUMBER: _builtins.int
+    team: _builtins.str
+    """Team the token acts for."""
+    description: _builtins.str
+    """What the token is for, e.g. "ci pipeline"; recorded with it."""
+    def __init__(
+        self,
+        *,
+        team: _builtins.str = ...,
+        description: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["description", b"description", "team", b"team"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___IssueTeamTokenRequest: _TypeAlias = IssueTeamTokenRequest  # noqa: Y015
+
+@_typing.final
+class IssueTeamTokenResponse(_message.Message):
+    """Response of IssueTeamToken."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_FIELD_NUMBER: _builtins.int
+    TOKEN_ID_FIELD_NUMBER: _builtins.int
+    token: _builtins.str
+    """The bearer token; it cannot be retrieved again."""
+    token_id: _builtins.str
+    """Id of the token (a prefix of its hash), for audit and revocation."""
+    def __init__(
+        self,
+        *,
+        token: _builtins.str = ...,
+        token_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["token", b"token", "token_id", b"token_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___IssueTeamTokenResponse: _TypeAlias = IssueTeamTokenResponse  # noqa: Y015
+
+@_typing.final
 class Team(_message.Message):
     """A team: the unit of quota and fair share."""
 
@@ -585,10 +695,13 @@ class Team(_message.Message):
     DISPLAY_NAME_FIELD_NUMBER: _builtins.int
     QUOTAS_FIELD_NUMBER: _builtins.int
     CREATED_AT_FIELD_NUMBER: _builtins.int
+    COHORT_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Unique name, e.g. "research"."""
     display_name: _builtins.str
     """Display name."""
+    cohort: _builtins.str
+    """Cohort: teams of one cohort lend each other their unused guaranteed GPUs."""
     @_builtins.property
     def quotas(self) -> _containers.RepeatedCompositeFieldContainer[Global___Quota]:
         """Quotas, one per GPU type."""
@@ -604,10 +717,11 @@ class Team(_message.Message):
         display_name: _builtins.str = ...,
         quotas: _abc.Iterable[Global___Quota] | None = ...,
         created_at: _timestamp_pb2.Timestamp | None = ...,
+        cohort: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "display_name", b"display_name", "name", b"name", "quotas", b"quotas"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cohort", b"cohort", "created_at", b"created_at", "display_name", b"display_name", "name", b"name", "quotas", b"quotas"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -622,10 +736,13 @@ class CreateTeamRequest(_message.Message):
     NAME_FIELD_NUMBER: _builtins.int
     DISPLAY_NAME_FIELD_NUMBER: _builtins.int
     QUOTAS_FIELD_NUMBER: _builtins.int
+    COHORT_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Unique name."""
     display_name: _builtins.str
     """Display name."""
+    cohort: _builtins.str
+    """Cohort; empty means "default"."""
     @_builtins.property
     def quotas(self) -> _containers.RepeatedCompositeFieldContainer[Global___Quota]:
         """Initial quotas."""
@@ -636,10 +753,11 @@ class CreateTeamRequest(_message.Message):
         name: _builtins.str = ...,
         display_name: _builtins.str = ...,
         quotas: _abc.Iterable[Global___Quota] | None = ...,
+        cohort: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["display_name", b"display_name", "name", b"name", "quotas", b"quotas"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cohort", b"cohort", "display_name", b"display_name", "name", b"name", "quotas", b"quotas"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -855,6 +973,11 @@ class TeamQueueStats(_message.Message):
     GPUS_IN_USE_FIELD_NUMBER: _builtins.int
     QUEUE_TIME_P50_SECONDS_FIELD_NUMBER: _builtins.int
     QUEUE_TIME_P95_SECONDS_FIELD_NUMBER: _builtins.int
+    GUARANTEED_GPUS_FIELD_NUMBER: _builtins.int
+    BORROWED_GPUS_FIELD_NUMBER: _builtins.int
+    FAIR_SHARE_GPUS_FIELD_NUMBER: _builtins.int
+    SHARE_RATIO_FIELD_NUMBER: _builtins.int
+    DECAYED_USAGE_GPU_HOURS_FIELD_NUMBER: _builtins.int
     team: _builtins.str
     """Team name."""
     pending_jobs: _builtins.int
@@ -867,6 +990,16 @@ class TeamQueueStats(_message.Message):
     """Median queue time (submit to start) of recently started jobs, in seconds."""
     queue_time_p95_seconds: _builtins.float
     """95th-percentile queue time of recently started jobs, in seconds."""
+    guaranteed_gpus: _builtins.int
+    """GPUs guaranteed to the team (all types)."""
+    borrowed_gpus: _builtins.int
+    """GPUs the team holds beyond its guarantee (borrowed from its cohort; reclaimable)."""
+    fair_share_gpus: _builtins.float
+    """The team's weighted max-min fair share of the cluster given current demand, in GPUs."""
+    share_ratio: _builtins.float
+    """gpus_in_use / fair_share_gpus (1 = exactly its share); 0 when it has no demand."""
+    decayed_usage_gpu_hours: _builtins.float
+    """Decayed historical usage in GPU-hours (the fair-share input)."""
     def __init__(
         self,
         *,
@@ -876,10 +1009,15 @@ class TeamQueueStats(_message.Message):
         gpus_in_use: _builtins.int = ...,
         queue_time_p50_seconds: _builtins.float = ...,
         queue_time_p95_seconds: _builtins.float = ...,
+        guaranteed_gpus: _builtins.int = ...,
+        borrowed_gpus: _builtins.int = ...,
+        fair_share_gpus: _builtins.float = ...,
+        share_ratio: _builtins.float = ...,
+        decayed_usage_gpu_hours: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["gpus_in_use", b"gpus_in_use", "pending_jobs", b"pending_jobs", "queue_time_p50_seconds", b"queue_time_p50_seconds", "queue_time_p95_seconds", b"queue_time_p95_seconds", "running_jobs", b"running_jobs", "team", b"team"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["borrowed_gpus", b"borrowed_gpus", "decayed_usage_gpu_hours", b"decayed_usage_gpu_hours", "fair_share_gpus", b"fair_share_gpus", "gpus_in_use", b"gpus_in_use", "guaranteed_gpus", b"guaranteed_gpus", "pending_jobs", b"pending_jobs", "queue_time_p50_seconds", b"queue_time_p50_seconds", "queue_time_p95_seconds", b"queue_time_p95_seconds", "running_jobs", b"running_jobs", "share_ratio", b"share_ratio", "team", b"team"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -908,6 +1046,91 @@ class GetQueueStatsResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetQueueStatsResponse: _TypeAlias = GetQueueStatsResponse  # noqa: Y015
+
+@_typing.final
+class GetClusterStatsRequest(_message.Message):
+    """Request of GetClusterStats."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetClusterStatsRequest: _TypeAlias = GetClusterStatsRequest  # noqa: Y015
+
+@_typing.final
+class GetClusterStatsResponse(_message.Message):
+    """Response of GetClusterStats."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOTAL_GPUS_FIELD_NUMBER: _builtins.int
+    ALLOCATED_GPUS_FIELD_NUMBER: _builtins.int
+    UTILIZATION_FIELD_NUMBER: _builtins.int
+    FRAGMENTED_GPUS_FIELD_NUMBER: _builtins.int
+    JAIN_INDEX_FIELD_NUMBER: _builtins.int
+    SHARE_DEVIATION_GPUS_FIELD_NUMBER: _builtins.int
+    READY_NODES_FIELD_NUMBER: _builtins.int
+    PENDING_JOBS_FIELD_NUMBER: _builtins.int
+    RUNNING_JOBS_FIELD_NUMBER: _builtins.int
+    LARGEST_FREE_BLOCK_FIELD_NUMBER: _builtins.int
+    LAST_CYCLE_MS_FIELD_NUMBER: _builtins.int
+    LAST_CYCLE_AT_FIELD_NUMBER: _builtins.int
+    total_gpus: _builtins.int
+    """GPUs on ready nodes."""
+    allocated_gpus: _builtins.int
+    """GPUs assigned to jobs."""
+    utilization: _builtins.float
+    """allocated_gpus / total_gpus."""
+    fragmented_gpus: _builtins.int
+    """Free GPUs that no pending job can use (on nodes where even the smallest pending task does not fit)."""
+    jain_index: _builtins.float
+    """Jain's index over each team's allocation divided by its fair share (1 = perfectly fair)."""
+    share_deviation_gpus: _builtins.float
+    """Mean absolute deviation of teams' allocations from their fair shares, in GPUs."""
+    ready_nodes: _builtins.int
+    """Nodes ready for work."""
+    pending_jobs: _builtins.int
+    """Jobs waiting."""
+    running_jobs: _builtins.int
+    """Jobs scheduled or running."""
+    largest_free_block: _builtins.int
+    """Largest number of free GPUs in one node group."""
+    last_cycle_ms: _builtins.float
+    """Duration of the last scheduling cycle, in milliseconds."""
+    @_builtins.property
+    def last_cycle_at(self) -> _timestamp_pb2.Timestamp:
+        """When the last cycle ran."""
+
+    def __init__(
+        self,
+        *,
+        total_gpus: _builtins.int = ...,
+        allocated_gpus: _builtins.int = ...,
+        utilization: _builtins.float = ...,
+        fragmented_gpus: _builtins.int = ...,
+        jain_index: _builtins.float = ...,
+        share_deviation_gpus: _builtins.float = ...,
+        ready_nodes: _builtins.int = ...,
+        pending_jobs: _builtins.int = ...,
+        running_jobs: _builtins.int = ...,
+        largest_free_block: _builtins.int = ...,
+        last_cycle_ms: _builtins.float = ...,
+        last_cycle_at: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["last_cycle_at", b"last_cycle_at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allocated_gpus", b"allocated_gpus", "fragmented_gpus", b"fragmented_gpus", "jain_index", b"jain_index", "largest_free_block", b"largest_free_block", "last_cycle_at", b"last_cycle_at", "last_cycle_ms", b"last_cycle_ms", "pending_jobs", b"pending_jobs", "ready_nodes", b"ready_nodes", "running_jobs", b"running_jobs", "share_deviation_gpus", b"share_deviation_gpus", "total_gpus", b"total_gpus", "utilization", b"utilization"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetClusterStatsResponse: _TypeAlias = GetClusterStatsResponse  # noqa: Y015
 
 @_typing.final
 class NodeTopology(_message.Message):
@@ -1188,6 +1411,7 @@ class JobStatusUpdate(_message.Message):
     STEP_FIELD_NUMBER: _builtins.int
     PROGRESS_FIELD_NUMBER: _builtins.int
     EXIT_CODE_FIELD_NUMBER: _builtins.int
+    LAST_CHECKPOINT_AT_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """Job id."""
     state: _common_pb2.JobState.ValueType
@@ -1200,6 +1424,10 @@ class JobStatusUpdate(_message.Message):
     """Fraction done in [0, 1], if known."""
     exit_code: _builtins.int
     """Process exit code, for terminal states."""
+    @_builtins.property
+    def last_checkpoint_at(self) -> _timestamp_pb2.Timestamp:
+        """When the replica last wrote a complete checkpoint; unset if never (bounds preemption cost)."""
+
     def __init__(
         self,
         *,
@@ -1209,10 +1437,11 @@ class JobStatusUpdate(_message.Message):
         step: _builtins.int = ...,
         progress: _builtins.float = ...,
         exit_code: _builtins.int = ...,
+        last_checkpoint_at: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["last_checkpoint_at", b"last_checkpoint_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["exit_code", b"exit_code", "job_id", b"job_id", "message", b"message", "progress", b"progress", "state", b"state", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["exit_code", b"exit_code", "job_id", b"job_id", "last_checkpoint_at", b"last_checkpoint_at", "message", b"message", "progress", b"progress", "state", b"state", "step", b"step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -81,6 +81,11 @@ class SchedulerServiceStub:
                 request_serializer=forge_dot_scheduler_dot_v1_dot_scheduler__pb2.SetQuotaRequest.SerializeToString,
                 response_deserializer=forge_dot_scheduler_dot_v1_dot_scheduler__pb2.SetQuotaResponse.FromString,
                 _registered_method=True)
+        self.IssueTeamToken = channel.unary_unary(
+                '/forge.scheduler.v1.SchedulerService/IssueTeamToken',
+                request_serializer=forge_dot_scheduler_dot_v1_dot_scheduler__pb2.IssueTeamTokenRequest.SerializeToString,
+                response_deserializer=forge_dot_scheduler_dot_v1_dot_scheduler__pb2.IssueTeamTokenResponse.FromString,
+                _registered_method=True)
         self.GetQueueStats = channel.unary_unary(
                 '/forge.scheduler.v1.SchedulerService/GetQueueStats',
                 request_serializer=forge_dot_scheduler_dot_v1_dot_scheduler__pb2.GetQueueStatsRequest.SerializeToString,
@@ -90,6 +95,11 @@ class SchedulerServiceStub:
                 '/forge.scheduler.v1.SchedulerService/ListNodes',
                 request_serializer=forge_dot_scheduler_dot_v1_dot_scheduler__pb2.ListNodesRequest.SerializeToString,
                 response_deserializer=forge_dot_scheduler_dot_v1_dot_scheduler__pb2.ListNodesResponse.FromString,
+                _registered_method=True)
+        self.GetClusterStats = channel.unary_unary(
+                '/forge.scheduler.v1.SchedulerService/GetClusterStats',
+                request_serializer=forge_dot_scheduler_dot_v1_dot_scheduler__pb2.GetClusterStatsRequest.SerializeToString,
+                response_deserializer=forge_dot_scheduler_dot_v1_dot_scheduler__pb2.GetClusterStatsResponse.FromString,
                 _registered_method=True)
         self.AgentSession = channel.stream_stream(
                 '/forge.scheduler.v1.SchedulerService/AgentSession',
@@ -166,6 +176,14 @@ class SchedulerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def IssueTeamToken(self, request, context):
+        """Issue a bearer token that acts for one team only: it may submit, cancel and watch that
+        team's jobs. Called by admins; the token is shown once and stored only as a hash.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetQueueStats(self, request, context):
         """Queue statistics per team. Called by CLI, dashboards and load tests.
         """
@@ -175,6 +193,13 @@ class SchedulerServiceServicer:
 
     def ListNodes(self, request, context):
         """List registered nodes with their GPUs and topology.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetClusterStats(self, request, context):
+        """Cluster-wide figures of the last scheduling cycle: utilisation, fragmentation, fairness.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -237,6 +262,11 @@ def add_SchedulerServiceServicer_to_server(servicer, server):
                     request_deserializer=forge_dot_scheduler_dot_v1_dot_scheduler__pb2.SetQuotaRequest.FromString,
                     response_serializer=forge_dot_scheduler_dot_v1_dot_scheduler__pb2.SetQuotaResponse.SerializeToString,
             ),
+            'IssueTeamToken': grpc.unary_unary_rpc_method_handler(
+                    servicer.IssueTeamToken,
+                    request_deserializer=forge_dot_scheduler_dot_v1_dot_scheduler__pb2.IssueTeamTokenRequest.FromString,
+                    response_serializer=forge_dot_scheduler_dot_v1_dot_scheduler__pb2.IssueTeamTokenResponse.SerializeToString,
+            ),
             'GetQueueStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetQueueStats,
                     request_deserializer=forge_dot_scheduler_dot_v1_dot_scheduler__pb2.GetQueueStatsRequest.FromString,
@@ -246,6 +276,11 @@ def add_SchedulerServiceServicer_to_server(servicer, server):
                     servicer.ListNodes,
                     request_deserializer=forge_dot_scheduler_dot_v1_dot_scheduler__pb2.ListNodesRequest.FromString,
                     response_serializer=forge_dot_scheduler_dot_v1_dot_scheduler__pb2.ListNodesResponse.SerializeToString,
+            ),
+            'GetClusterStats': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetClusterStats,
+                    request_deserializer=forge_dot_scheduler_dot_v1_dot_scheduler__pb2.GetClusterStatsRequest.FromString,
+                    response_serializer=forge_dot_scheduler_dot_v1_dot_scheduler__pb2.GetClusterStatsResponse.SerializeToString,
             ),
             'AgentSession': grpc.stream_stream_rpc_method_handler(
                     servicer.AgentSession,
@@ -509,6 +544,33 @@ class SchedulerService:
             _registered_method=True)
 
     @staticmethod
+    def IssueTeamToken(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/forge.scheduler.v1.SchedulerService/IssueTeamToken',
+            forge_dot_scheduler_dot_v1_dot_scheduler__pb2.IssueTeamTokenRequest.SerializeToString,
+            forge_dot_scheduler_dot_v1_dot_scheduler__pb2.IssueTeamTokenResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def GetQueueStats(request,
             target,
             options=(),
@@ -552,6 +614,33 @@ class SchedulerService:
             '/forge.scheduler.v1.SchedulerService/ListNodes',
             forge_dot_scheduler_dot_v1_dot_scheduler__pb2.ListNodesRequest.SerializeToString,
             forge_dot_scheduler_dot_v1_dot_scheduler__pb2.ListNodesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetClusterStats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/forge.scheduler.v1.SchedulerService/GetClusterStats',
+            forge_dot_scheduler_dot_v1_dot_scheduler__pb2.GetClusterStatsRequest.SerializeToString,
+            forge_dot_scheduler_dot_v1_dot_scheduler__pb2.GetClusterStatsResponse.FromString,
             options,
             channel_credentials,
             insecure,

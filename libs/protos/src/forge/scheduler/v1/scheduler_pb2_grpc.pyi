@@ -55,10 +55,16 @@ class SchedulerServiceStub:
     """List teams."""
     SetQuota: _grpc.UnaryUnaryMultiCallable[_scheduler_pb2.SetQuotaRequest, _scheduler_pb2.SetQuotaResponse]
     """Set (create or replace) a team's quota for one GPU type. Called by admins."""
+    IssueTeamToken: _grpc.UnaryUnaryMultiCallable[_scheduler_pb2.IssueTeamTokenRequest, _scheduler_pb2.IssueTeamTokenResponse]
+    """Issue a bearer token that acts for one team only: it may submit, cancel and watch that
+    team's jobs. Called by admins; the token is shown once and stored only as a hash.
+    """
     GetQueueStats: _grpc.UnaryUnaryMultiCallable[_scheduler_pb2.GetQueueStatsRequest, _scheduler_pb2.GetQueueStatsResponse]
     """Queue statistics per team. Called by CLI, dashboards and load tests."""
     ListNodes: _grpc.UnaryUnaryMultiCallable[_scheduler_pb2.ListNodesRequest, _scheduler_pb2.ListNodesResponse]
     """List registered nodes with their GPUs and topology."""
+    GetClusterStats: _grpc.UnaryUnaryMultiCallable[_scheduler_pb2.GetClusterStatsRequest, _scheduler_pb2.GetClusterStatsResponse]
+    """Cluster-wide figures of the last scheduling cycle: utilisation, fragmentation, fairness."""
     AgentSession: _grpc.StreamStreamMultiCallable[_scheduler_pb2.AgentSessionRequest, _scheduler_pb2.AgentSessionResponse]
     """Long-lived bidirectional session with one node's trainer agent. The agent opens it, sends
     RegisterNode first, then heartbeats and job status updates; the scheduler answers with
@@ -90,10 +96,16 @@ class SchedulerServiceAsyncStub(SchedulerServiceStub):
     """List teams."""
     SetQuota: _aio.UnaryUnaryMultiCallable[_scheduler_pb2.SetQuotaRequest, _scheduler_pb2.SetQuotaResponse]  # type: ignore[assignment]
     """Set (create or replace) a team's quota for one GPU type. Called by admins."""
+    IssueTeamToken: _aio.UnaryUnaryMultiCallable[_scheduler_pb2.IssueTeamTokenRequest, _scheduler_pb2.IssueTeamTokenResponse]  # type: ignore[assignment]
+    """Issue a bearer token that acts for one team only: it may submit, cancel and watch that
+    team's jobs. Called by admins; the token is shown once and stored only as a hash.
+    """
     GetQueueStats: _aio.UnaryUnaryMultiCallable[_scheduler_pb2.GetQueueStatsRequest, _scheduler_pb2.GetQueueStatsResponse]  # type: ignore[assignment]
     """Queue statistics per team. Called by CLI, dashboards and load tests."""
     ListNodes: _aio.UnaryUnaryMultiCallable[_scheduler_pb2.ListNodesRequest, _scheduler_pb2.ListNodesResponse]  # type: ignore[assignment]
     """List registered nodes with their GPUs and topology."""
+    GetClusterStats: _aio.UnaryUnaryMultiCallable[_scheduler_pb2.GetClusterStatsRequest, _scheduler_pb2.GetClusterStatsResponse]  # type: ignore[assignment]
+    """Cluster-wide figures of the last scheduling cycle: utilisation, fragmentation, fairness."""
     AgentSession: _aio.StreamStreamMultiCallable[_scheduler_pb2.AgentSessionRequest, _scheduler_pb2.AgentSessionResponse]  # type: ignore[assignment]
     """Long-lived bidirectional session with one node's trainer agent. The agent opens it, sends
     RegisterNode first, then heartbeats and job status updates; the scheduler answers with
@@ -178,6 +190,16 @@ class SchedulerServiceServicer(metaclass=_abc_1.ABCMeta):
         """Set (create or replace) a team's quota for one GPU type. Called by admins."""
 
     @_abc_1.abstractmethod
+    def IssueTeamToken(
+        self,
+        request: _scheduler_pb2.IssueTeamTokenRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_scheduler_pb2.IssueTeamTokenResponse, _abc.Awaitable[_scheduler_pb2.IssueTeamTokenResponse]]:
+        """Issue a bearer token that acts for one team only: it may submit, cancel and watch that
+        team's jobs. Called by admins; the token is shown once and stored only as a hash.
+        """
+
+    @_abc_1.abstractmethod
     def GetQueueStats(
         self,
         request: _scheduler_pb2.GetQueueStatsRequest,
@@ -192,6 +214,14 @@ class SchedulerServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_scheduler_pb2.ListNodesResponse, _abc.Awaitable[_scheduler_pb2.ListNodesResponse]]:
         """List registered nodes with their GPUs and topology."""
+
+    @_abc_1.abstractmethod
+    def GetClusterStats(
+        self,
+        request: _scheduler_pb2.GetClusterStatsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_scheduler_pb2.GetClusterStatsResponse, _abc.Awaitable[_scheduler_pb2.GetClusterStatsResponse]]:
+        """Cluster-wide figures of the last scheduling cycle: utilisation, fragmentation, fairness."""
 
     @_abc_1.abstractmethod
     def AgentSession(

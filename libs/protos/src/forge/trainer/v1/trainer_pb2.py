@@ -26,7 +26,7 @@ from forge.common.v1 import common_pb2 as forge_dot_common_dot_v1_dot_common__pb
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x66orge/trainer/v1/trainer.proto\x12\x10\x66orge.trainer.v1\x1a\x1c\x66orge/common/v1/common.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"m\n\nCheckpoint\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0b\n\x03uri\x18\x02 \x01(\t\x12\x14\n\x0cmanifest_uri\x18\x03 \x01(\t\x12.\n\ncreated_at\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\xbe\x02\n\x03Run\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12(\n\x05state\x18\x03 \x01(\x0e\x32\x19.forge.common.v1.JobState\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12\x13\n\x0bgpu_indices\x18\x05 \x03(\r\x12.\n\nstarted_at\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x35\n\x0flast_checkpoint\x18\x07 \x01(\x0b\x32\x1c.forge.trainer.v1.Checkpoint\x12\x33\n\x07metrics\x18\x08 \x03(\x0b\x32\".forge.trainer.v1.Run.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x16\n\x14GetNodeStatusRequest\"\x9a\x01\n\x15GetNodeStatusResponse\x12\x11\n\tnode_name\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\"\n\x04gpus\x18\x03 \x03(\x0b\x32\x14.forge.common.v1.Gpu\x12\x11\n\tconnected\x18\x04 \x01(\x08\x12&\n\x07running\x18\x05 \x03(\x0b\x32\x15.forge.trainer.v1.Run\"M\n\x0fListRunsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12*\n\x04page\x18\x02 \x01(\x0b\x32\x1c.forge.common.v1.PageRequest\"`\n\x10ListRunsResponse\x12#\n\x04runs\x18\x01 \x03(\x0b\x32\x15.forge.trainer.v1.Run\x12\'\n\x04page\x18\x02 \x01(\x0b\x32\x19.forge.common.v1.PageInfo2\xca\x01\n\x13TrainerAgentService\x12`\n\rGetNodeStatus\x12&.forge.trainer.v1.GetNodeStatusRequest\x1a\'.forge.trainer.v1.GetNodeStatusResponse\x12Q\n\x08ListRuns\x12!.forge.trainer.v1.ListRunsRequest\x1a\".forge.trainer.v1.ListRunsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x66orge/trainer/v1/trainer.proto\x12\x10\x66orge.trainer.v1\x1a\x1c\x66orge/common/v1/common.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\x81\x01\n\nCheckpoint\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0b\n\x03uri\x18\x02 \x01(\t\x12\x14\n\x0cmanifest_uri\x18\x03 \x01(\t\x12.\n\ncreated_at\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x12\n\nexport_uri\x18\x05 \x01(\t\"\xbe\x02\n\x03Run\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12(\n\x05state\x18\x03 \x01(\x0e\x32\x19.forge.common.v1.JobState\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12\x13\n\x0bgpu_indices\x18\x05 \x03(\r\x12.\n\nstarted_at\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x35\n\x0flast_checkpoint\x18\x07 \x01(\x0b\x32\x1c.forge.trainer.v1.Checkpoint\x12\x33\n\x07metrics\x18\x08 \x03(\x0b\x32\".forge.trainer.v1.Run.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x16\n\x14GetNodeStatusRequest\"\x9a\x01\n\x15GetNodeStatusResponse\x12\x11\n\tnode_name\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\"\n\x04gpus\x18\x03 \x03(\x0b\x32\x14.forge.common.v1.Gpu\x12\x11\n\tconnected\x18\x04 \x01(\x08\x12&\n\x07running\x18\x05 \x03(\x0b\x32\x15.forge.trainer.v1.Run\"M\n\x0fListRunsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12*\n\x04page\x18\x02 \x01(\x0b\x32\x1c.forge.common.v1.PageRequest\"`\n\x10ListRunsResponse\x12#\n\x04runs\x18\x01 \x03(\x0b\x32\x15.forge.trainer.v1.Run\x12\'\n\x04page\x18\x02 \x01(\x0b\x32\x19.forge.common.v1.PageInfo2\xca\x01\n\x13TrainerAgentService\x12`\n\rGetNodeStatus\x12&.forge.trainer.v1.GetNodeStatusRequest\x1a\'.forge.trainer.v1.GetNodeStatusResponse\x12Q\n\x08ListRuns\x12!.forge.trainer.v1.ListRunsRequest\x1a\".forge.trainer.v1.ListRunsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,20 +35,20 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_RUN_METRICSENTRY']._loaded_options = None
   _globals['_RUN_METRICSENTRY']._serialized_options = b'8\001'
-  _globals['_CHECKPOINT']._serialized_start=115
-  _globals['_CHECKPOINT']._serialized_end=224
-  _globals['_RUN']._serialized_start=227
-  _globals['_RUN']._serialized_end=545
-  _globals['_RUN_METRICSENTRY']._serialized_start=499
-  _globals['_RUN_METRICSENTRY']._serialized_end=545
-  _globals['_GETNODESTATUSREQUEST']._serialized_start=547
-  _globals['_GETNODESTATUSREQUEST']._serialized_end=569
-  _globals['_GETNODESTATUSRESPONSE']._serialized_start=572
-  _globals['_GETNODESTATUSRESPONSE']._serialized_end=726
-  _globals['_LISTRUNSREQUEST']._serialized_start=728
-  _globals['_LISTRUNSREQUEST']._serialized_end=805
-  _globals['_LISTRUNSRESPONSE']._serialized_start=807
-  _globals['_LISTRUNSRESPONSE']._serialized_end=903
-  _globals['_TRAINERAGENTSERVICE']._serialized_start=906
-  _globals['_TRAINERAGENTSERVICE']._serialized_end=1108
+  _globals['_CHECKPOINT']._serialized_start=116
+  _globals['_CHECKPOINT']._serialized_end=245
+  _globals['_RUN']._serialized_start=248
+  _globals['_RUN']._serialized_end=566
+  _globals['_RUN_METRICSENTRY']._serialized_start=520
+  _globals['_RUN_METRICSENTRY']._serialized_end=566
+  _globals['_GETNODESTATUSREQUEST']._serialized_start=568
+  _globals['_GETNODESTATUSREQUEST']._serialized_end=590
+  _globals['_GETNODESTATUSRESPONSE']._serialized_start=593
+  _globals['_GETNODESTATUSRESPONSE']._serialized_end=747
+  _globals['_LISTRUNSREQUEST']._serialized_start=749
+  _globals['_LISTRUNSREQUEST']._serialized_end=826
+  _globals['_LISTRUNSRESPONSE']._serialized_start=828
+  _globals['_LISTRUNSRESPONSE']._serialized_end=924
+  _globals['_TRAINERAGENTSERVICE']._serialized_start=927
+  _globals['_TRAINERAGENTSERVICE']._serialized_end=1129
 # @@protoc_insertion_point(module_scope)

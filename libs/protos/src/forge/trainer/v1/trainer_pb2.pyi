@@ -32,12 +32,17 @@ class Checkpoint(_message.Message):
     URI_FIELD_NUMBER: _builtins.int
     MANIFEST_URI_FIELD_NUMBER: _builtins.int
     CREATED_AT_FIELD_NUMBER: _builtins.int
+    EXPORT_URI_FIELD_NUMBER: _builtins.int
     step: _builtins.int
     """Optimizer step."""
     uri: _builtins.str
     """Object-store URI of the checkpoint directory."""
     manifest_uri: _builtins.str
     """Object-store URI of its manifest."""
+    export_uri: _builtins.str
+    """Local path of its Hugging Face export (safetensors, config.json, tokenizer files) on this
+    node; empty when this node has none (only the rank-0 node exports).
+    """
     @_builtins.property
     def created_at(self) -> _timestamp_pb2.Timestamp:
         """When it was published."""
@@ -49,10 +54,11 @@ class Checkpoint(_message.Message):
         uri: _builtins.str = ...,
         manifest_uri: _builtins.str = ...,
         created_at: _timestamp_pb2.Timestamp | None = ...,
+        export_uri: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "manifest_uri", b"manifest_uri", "step", b"step", "uri", b"uri"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "export_uri", b"export_uri", "manifest_uri", b"manifest_uri", "step", b"step", "uri", b"uri"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
