@@ -581,6 +581,21 @@ ALERT_RULES: list[dict[str, Any]] = [
         "annotations": {"summary": "{{ $labels.group }} dead-lettered events from {{ $labels.topic }}"},
     },
     {
+        "alert": "ForgeSchedulerQueueTimeHigh",
+        "expr": "histogram_quantile(0.95, sum by (le, team) "
+        "(rate(forge_scheduler_queue_time_seconds_bucket[1h]))) > 4 * 3600",
+        "for": "30m",
+        "labels": {"severity": "ticket"},
+        "annotations": {"summary": "team {{ $labels.team }}: p95 queue time above 4 h"},
+    },
+    {
+        "alert": "ForgeSchedulerCycleSlow",
+        "expr": "histogram_quantile(0.99, sum by (le) (rate(forge_scheduler_cycle_seconds_bucket[10m]))) > 0.1",
+        "for": "15m",
+        "labels": {"severity": "ticket"},
+        "annotations": {"summary": "scheduling cycle p99 above 100 ms"},
+    },
+    {
         "alert": "ForgeServiceDown",
         "expr": 'up{job=~"forge-.*"} == 0',
         "for": "2m",
@@ -598,6 +613,13 @@ def grafana_dashboard() -> dict[str, Any]:
     """One overview dashboard: a row of panels per concern, all on the exported metric names."""
     panels = [
         ("gRPC requests/s by service", "sum by (service) (rate(forge_grpc_requests_total[1m]))"),
+        ("GPU utilisation (scheduler)", "forge_scheduler_utilization"),
+        ("Jain's fairness index", "forge_scheduler_jain_index"),
+        (
+            "Queue time p95 by team (s)",
+            "histogram_quantile(0.95, sum by (le, team) (rate(forge_scheduler_queue_time_seconds_bucket[1h])))",
+        ),
+        ("Pending jobs by team", "sum by (team) (forge_scheduler_pending_jobs)"),
         (
             "gRPC p99 latency by service (s)",
             "histogram_quantile(0.99, sum by (le, service) (rate(forge_grpc_request_seconds_bucket[5m])))",
