@@ -42,10 +42,11 @@ async def main() -> None:
     app.add_on_stop(eval_activities.close)
     workflows = OrchestratorService(client, settings.task_queue)
     if settings.kafka_enabled:
+        signaller = TemporalSignaller(client)
         routers = EventRouters(
-            job_events=JobEventRouter(TemporalSignaller(client)),
+            job_events=JobEventRouter(signaller),
             checkpoints=CheckpointRouter(
-                workflows, suite=settings.release_suite, limit=settings.release_limit
+                workflows, suite=settings.release_suite, limit=settings.release_limit, signaller=signaller
             ),
         )
         consumer = EventConsumer(

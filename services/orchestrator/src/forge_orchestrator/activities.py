@@ -47,6 +47,12 @@ class SubmitJobInput:
     request_id: str
     priority_class: str = "normal"
     labels: dict[str, str] = field(default_factory=dict)
+    gpu_count: int = 0
+    gpu_type: str = ""
+    replicas: int = 1
+    checkpointable: bool = False
+    kind: str = ""
+    """``training``, ``fine_tune``, ``inference``, ``eval`` or empty."""
 
 
 @dataclass
@@ -105,6 +111,10 @@ class SchedulerActivities:
             priority_class=params.priority_class,
             command=params.command,
             labels=params.labels,
+            resources=common_pb2.ResourceRequest(gpu_count=params.gpu_count, gpu_type=params.gpu_type),
+            replicas=params.replicas,
+            checkpointable=params.checkpointable,
+            kind=scheduler_pb2.JobKind.Value(f"JOB_KIND_{params.kind.upper()}") if params.kind else 0,  # type: ignore[arg-type]
         )
         request = scheduler_pb2.SubmitJobRequest(spec=spec, request_id=params.request_id)
         try:

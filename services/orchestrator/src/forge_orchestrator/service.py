@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Protocol, get_args, get_origin, get_type_hints
 
+import sqlalchemy as sa
 import structlog
 from forge.events.v1 import events_pb2
 from google.protobuf.message import Message
@@ -33,6 +34,7 @@ from forge_kit import errors
 from forge_orchestrator.activities import SchedulerActivities, state_name
 from forge_orchestrator.eval_activities import EvalActivities
 from forge_orchestrator.store import JobEventRow, utcnow
+from forge_orchestrator.training import CHECKPOINT_SIGNAL, CheckpointInfo, TrainInput, TrainWorkflow
 from forge_orchestrator.workflows import (
     JOB_EVENT_SIGNAL,
     PROGRESS_QUERY,
@@ -88,8 +90,29 @@ class WorkflowKind:
     validate: Callable[[Any], None]
 
 
+def validate_train(params: TrainInput) -> None:
+    if not _MODEL_PART.match(params.recipe):
+        raise errors.ValidationError("input.recipe", "must be 1-128 letters, digits, '.', '_' or '-'")
+    if not params.team:
+        raise errors.ValidationError("input.team", "must not be empty")
+    for i, pair in enumerate(params.overrides):
+        if "=" not in pair or pair.startswith("="):
+            raise errors.ValidationError(f"input.overrides[{i}]", "must be KEY=VALUE")
+    if not 1 <= params.replicas <= 1024:
+        raise errors.ValidationError("input.replicas", "must be between 1 and 1024")
+    if not 0 <= params.gpus_per_replica <= 64:
+        raise errors.ValidationError("input.gpus_per_replica", "must be between 0 and 64")
+    if not 0 <= params.max_infra_retries <= 100:
+        raise errors.ValidationError("input.max_infra_retries", "must be between 0 and 100")
+    if not 1 <= params.timeout_s <= 30 * 86400:
+        raise errors.ValidationError("input.timeout_s", "must be between 1 and 2592000")
+    if not 0 <= params.checkpoint_wait_s <= 86400:
+        raise errors.ValidationError("input.checkpoint_wait_s", "must be between 0 and 86400")
+
+
 KINDS: dict[str, WorkflowKind] = {
     "smoke": WorkflowKind("smoke", SmokeWorkflow, SmokeInput, validate_smoke),
+    "training": WorkflowKind("training", TrainWorkflow, TrainInput, validate_train),
     "eval_and_promote": WorkflowKind(
         "eval_and_promote", EvalAndPromoteWorkflow, EvalAndPromoteInput, validate_eval_and_promote
     ),
@@ -302,6 +325,9 @@ class WorkflowSignaller(Protocol):
         """Signal ``event``; False when the workflow no longer runs (closed or unknown). Raises
         when delivery failed and should be retried."""
 
+    async def checkpoint(self, workflow_id: str, checkpoint: CheckpointInfo) -> bool:
+        """Signal a published checkpoint of the workflow's job, with the same contract."""
+
 
 class TemporalSignaller:
     """:class:`WorkflowSignaller` through the Temporal client."""
@@ -311,9 +337,15 @@ class TemporalSignaller:
         self._rpc_timeout = timedelta(seconds=rpc_timeout_s)
 
     async def job_event(self, workflow_id: str, event: JobEvent) -> bool:
+        return await self._signal(workflow_id, JOB_EVENT_SIGNAL, event)
+
+    async def checkpoint(self, workflow_id: str, checkpoint: CheckpointInfo) -> bool:
+        return await self._signal(workflow_id, CHECKPOINT_SIGNAL, checkpoint)
+
+    async def _signal(self, workflow_id: str, name: str, payload: object) -> bool:
         handle = self._client.get_workflow_handle(workflow_id)
         try:
-            await handle.signal(JOB_EVENT_SIGNAL, event, rpc_timeout=self._rpc_timeout)
+            await handle.signal(name, payload, rpc_timeout=self._rpc_timeout)
         except RPCError as exc:
             if exc.status == RPCStatusCode.NOT_FOUND:
                 return False
@@ -350,7 +382,8 @@ class JobEventRouter:
         )
         await session.flush()
         delivered = await self._signaller.job_event(
-            workflow_id, JobEvent(job_id=event.job_id, state=state, event_id=event.meta.event_id)
+            workflow_id,
+            JobEvent(job_id=event.job_id, state=state, event_id=event.meta.event_id, reason=event.reason),
         )
         log.info(
             "job_event.routed", workflow_id=workflow_id, job_id=event.job_id, state=state, delivered=delivered
@@ -408,14 +441,43 @@ class CheckpointRouter:
     eval-and-promote workflow, whose id is derived from the checkpoint so a redelivered event
     finds the workflow already there instead of evaluating twice."""
 
-    def __init__(self, starter: WorkflowStarter, *, suite: str, limit: int) -> None:
+    def __init__(
+        self,
+        starter: WorkflowStarter,
+        *,
+        suite: str,
+        limit: int,
+        signaller: WorkflowSignaller | None = None,
+    ) -> None:
         self._starter = starter
         self._suite = suite
         self._limit = limit
+        self._signaller = signaller
 
     async def handle(self, event: Message, session: AsyncSession) -> None:
         if not isinstance(event, events_pb2.CheckpointPublished) or not event.uri:
             return
+        # The training workflow that submitted the job (if one did) learns of its checkpoint.
+        owner = (
+            await session.scalar(
+                sa.select(JobEventRow.workflow_id).where(JobEventRow.job_id == event.job_id).limit(1)
+            )
+            if self._signaller is not None and event.job_id
+            else None
+        )
+        if owner and self._signaller is not None:
+            await self._signaller.checkpoint(
+                owner,
+                CheckpointInfo(
+                    job_id=event.job_id,
+                    run_id=event.run_id,
+                    step=event.step,
+                    uri=event.uri,
+                    manifest_uri=event.manifest_uri,
+                    metrics=dict(event.metrics),
+                    event_id=event.meta.event_id,
+                ),
+            )
         name = event.run_id or event.job_id
         version = f"step-{event.step}"
         workflow_id = f"eval-{name}-{version}"[:80]

@@ -53,6 +53,8 @@ class JobEvent:
     state: str
     """State name without prefix: ``PENDING``, ``RUNNING``, ``CANCELLED`` …"""
     event_id: str = ""
+    reason: str = ""
+    """The scheduler's reason for the change (a failure's exit code and log tail, a lost node …)."""
 
 
 @dataclass

@@ -1,0 +1,251 @@
+"""The training workflow: one training run through the scheduler and the trainer agents.
+
+``training`` (:class:`TrainWorkflow`), in numbered steps:
+
+1. ensure the team exists (its quota is an admin's business) and submit the job — a gang of
+   ``replicas`` × ``gpus_per_replica``, checkpointable, labelled with this workflow's id;
+2. follow its state changes (the ``job_event`` signal from the Kafka consumer):
+   - PENDING after it ran: it was requeued. A preemption is expected (the job resumes from its
+     last checkpoint on its next start); a lost node is an infrastructure failure and counts
+     against ``max_infra_retries`` — beyond it the job is cancelled and the workflow fails;
+   - FAILED: the job's own error (a non-zero exit of one replica). The workflow fails at once,
+     with the scheduler's reason, and never retries: a crash in the code would only repeat;
+   - CANCELLED: someone cancelled it; the workflow fails;
+   - SUCCEEDED: go on;
+3. wait for the run's published checkpoint (the ``checkpoint_published`` signal, sent by the
+   consumer of ``CheckpointPublished`` for the job this workflow submitted);
+4. return the job, the states seen, the requeues and the checkpoint (where its Hugging Face
+   export is, its step and metrics).
+
+Cancelling the workflow cancels the job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+from temporalio import workflow
+from temporalio.exceptions import ApplicationError
+
+with workflow.unsafe.imports_passed_through():
+    from forge_orchestrator.activities import CancelJobInput, SchedulerActivities, SubmitJobInput
+    from forge_orchestrator.workflows import (
+        ACTIVITY_RETRY,
+        ACTIVITY_TIMEOUT,
+        JOB_EVENT_SIGNAL,
+        PROGRESS_QUERY,
+        JobEvent,
+    )
+
+#: Name of the signal carrying a published checkpoint of the workflow's job.
+CHECKPOINT_SIGNAL = "checkpoint_published"
+TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
+
+
+@dataclass
+class CheckpointInfo:
+    """Payload of the ``checkpoint_published`` signal (from ``CheckpointPublished``)."""
+
+    job_id: str
+    run_id: str
+    step: int
+    uri: str
+    """The Hugging Face export (safetensors + config + tokenizer) of the checkpoint."""
+    manifest_uri: str = ""
+    metrics: dict[str, float] = field(default_factory=dict)
+    event_id: str = ""
+
+
+@dataclass
+class TrainInput:
+    """Input of the training workflow."""
+
+    team: str
+    recipe: str
+    name: str = "train"
+    overrides: list[str] = field(default_factory=list)
+    """Recipe overrides, ``key=value`` (``--set`` of the training entry point)."""
+    replicas: int = 1
+    gpus_per_replica: int = 1
+    gpu_type: str = ""
+    priority_class: str = "normal"
+    python: str = "python"
+    """Interpreter on the nodes that runs ``forge_trainer_agent.training.run``."""
+    max_infra_retries: int = 3
+    """Requeues after a lost node before the workflow gives up (preemptions do not count)."""
+    timeout_s: float = 6 * 3600.0
+    """How long the job may take from submission to SUCCEEDED."""
+    checkpoint_wait_s: float = 120.0
+    """How long to wait for the published checkpoint after the job succeeded."""
+
+
+@dataclass
+class TrainResult:
+    job_id: str
+    states_seen: list[str] = field(default_factory=list)
+    preemptions: int = 0
+    infra_retries: int = 0
+    checkpoint: CheckpointInfo | None = None
+    elapsed_s: float = 0.0
+
+
+def command_of(params: TrainInput) -> list[str]:
+    overrides = [arg for pair in params.overrides for arg in ("--set", pair)]
+    return [params.python, "-m", "forge_trainer_agent.training.run", "--recipe", params.recipe, *overrides]
+
+
+@workflow.defn(name="training")
+class TrainWorkflow:
+    def __init__(self) -> None:
+        self._events: list[JobEvent] = []
+        self._event_ids: set[str] = set()
+        self._checkpoints: list[CheckpointInfo] = []
+        self._job_id = ""
+        self._step = "starting"
+        self._handled = 0
+
+    @workflow.signal(name=JOB_EVENT_SIGNAL)
+    def job_event(self, event: JobEvent) -> None:
+        if event.event_id:
+            if event.event_id in self._event_ids:
+                return
+            self._event_ids.add(event.event_id)
+        self._events.append(event)
+
+    @workflow.signal(name=CHECKPOINT_SIGNAL)
+    def checkpoint_published(self, checkpoint: CheckpointInfo) -> None:
+        if checkpoint.event_id and checkpoint.event_id in self._event_ids:
+            return
+        self._event_ids.add(checkpoint.event_id)
+        self._checkpoints.append(checkpoint)
+
+    @workflow.query(name=PROGRESS_QUERY)
+    def progress(self) -> dict[str, object]:
+        return {"step": self._step, "job_id": self._job_id, "states_seen": self._states()}
+
+    def _mine(self) -> list[JobEvent]:
+        return [e for e in self._events if e.job_id == self._job_id]
+
+    def _states(self) -> list[str]:
+        return [e.state for e in self._mine()]
+
+    @workflow.run
+    async def run(self, params: TrainInput) -> TrainResult:
+        started = workflow.now()
+        info = workflow.info()
+        try:
+            # 1. Team and job.
+            self._step = "submitting"
+            await workflow.execute_activity_method(
+                SchedulerActivities.ensure_team,
+                params.team,
+                start_to_close_timeout=ACTIVITY_TIMEOUT,
+                retry_policy=ACTIVITY_RETRY,
+            )
+            job = SubmitJobInput(
+                name=params.name,
+                team=params.team,
+                command=command_of(params),
+                request_id=f"{info.workflow_id}/{info.run_id}/train",
+                priority_class=params.priority_class,
+                labels={"workflow_id": info.workflow_id, "recipe": params.recipe},
+                gpu_count=params.gpus_per_replica,
+                gpu_type=params.gpu_type,
+                replicas=params.replicas,
+                checkpointable=True,
+                kind="training",
+            )
+            self._job_id = await workflow.execute_activity_method(
+                SchedulerActivities.submit_job,
+                job,
+                start_to_close_timeout=ACTIVITY_TIMEOUT,
+                retry_policy=ACTIVITY_RETRY,
+            )
+            # 2. Follow the job to its end.
+            preemptions, infra = await self._follow(params)
+            # 3. Its checkpoint.
+            self._step = "waiting for the checkpoint"
+            try:
+                await workflow.wait_condition(
+                    lambda: bool(self._checkpoints), timeout=timedelta(seconds=params.checkpoint_wait_s)
+                )
+            except TimeoutError:
+                raise ApplicationError(
+                    f"job {self._job_id} succeeded but published no checkpoint within "
+                    f"{params.checkpoint_wait_s:g}s",
+                    type="NoCheckpoint",
+                    non_retryable=True,
+                ) from None
+        except asyncio.CancelledError:
+            if self._job_id:
+                self._step = "cancelled"
+                await self._cancel("workflow cancelled")
+            raise
+        # 4. Result.
+        self._step = "done"
+        return TrainResult(
+            job_id=self._job_id,
+            states_seen=self._states(),
+            preemptions=preemptions,
+            infra_retries=infra,
+            checkpoint=max(self._checkpoints, key=lambda c: c.step),
+            elapsed_s=round((workflow.now() - started).total_seconds(), 3),
+        )
+
+    async def _follow(self, params: TrainInput) -> tuple[int, int]:
+        """Wait for SUCCEEDED; count requeues; fail fast on the job's own failure."""
+        self._handled = 0
+        ran = False
+        preemptions = infra = 0
+        deadline = workflow.now() + timedelta(seconds=params.timeout_s)
+        while True:
+            self._step = f"following job ({', '.join(self._states()[-3:]) or 'submitted'})"
+            left = (deadline - workflow.now()).total_seconds()
+            try:
+                await workflow.wait_condition(
+                    lambda: len(self._mine()) > self._handled,
+                    timeout=timedelta(seconds=max(1.0, left)),
+                )
+            except TimeoutError:
+                await self._cancel(f"training did not finish within {params.timeout_s:g}s")
+                raise ApplicationError(
+                    f"job {self._job_id} did not succeed within {params.timeout_s:g}s",
+                    type="TrainTimeout",
+                    non_retryable=True,
+                ) from None
+            for event in self._mine()[self._handled :]:
+                if event.state in ("SCHEDULED", "RUNNING"):
+                    ran = True
+                elif event.state == "PENDING" and ran:
+                    ran = False
+                    if "lost" in event.reason:
+                        infra += 1
+                        if infra > params.max_infra_retries:
+                            await self._cancel("too many infrastructure failures")
+                            raise ApplicationError(
+                                f"job {self._job_id} lost its node {infra} times (limit "
+                                f"{params.max_infra_retries}): {event.reason}",
+                                type="InfraRetriesExhausted",
+                                non_retryable=True,
+                            )
+                    else:
+                        preemptions += 1
+                elif event.state == "SUCCEEDED":
+                    return preemptions, infra
+                elif event.state in ("FAILED", "CANCELLED"):
+                    raise ApplicationError(
+                        f"job {self._job_id} {event.state.lower()}: {event.reason or 'no reason given'}",
+                        type=f"Job{event.state.title()}",
+                        non_retryable=True,
+                    )
+            self._handled = len(self._mine())
+
+    async def _cancel(self, reason: str) -> None:
+        await workflow.execute_activity_method(
+            SchedulerActivities.cancel_job,
+            CancelJobInput(job_id=self._job_id, reason=reason),
+            start_to_close_timeout=ACTIVITY_TIMEOUT,
+            retry_policy=ACTIVITY_RETRY,
+        )
