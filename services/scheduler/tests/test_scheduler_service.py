@@ -118,3 +118,27 @@ async def test_slow_watcher_is_dropped_not_buffered_forever(db: Database) -> Non
     with pytest.raises(errors.OverloadedError):
         for _ in range(5):
             await anext(stream)
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"kind": scheduler_pb2.JOB_KIND_TRAINING}, "spec.resources.gpu_count"),
+        ({"name": ""}, "spec.name"),
+        ({"max_runtime_seconds": 10**9}, "spec.max_runtime_seconds"),
+        ({"min_runtime_seconds": 600, "max_runtime_seconds": 60}, "spec.min_runtime_seconds"),
+        ({"placement": 9}, "spec.placement"),
+    ],
+)
+async def test_bad_specs_name_the_field_and_write_nothing(
+    service: SchedulerService, db: Database, change: dict[str, object], field: str
+) -> None:
+    await service.create_team("research", "", [])
+    spec = make_job().build()
+    for key, value in change.items():
+        setattr(spec, key, value)
+    with pytest.raises(errors.ValidationError) as caught:
+        await service.submit_job(spec)
+    assert caught.value.field == field
+    async with db.session() as session:
+        assert await session.scalar(sa.select(sa.func.count()).select_from(OutboxEvent)) == 0

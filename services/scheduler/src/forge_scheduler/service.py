@@ -55,6 +55,10 @@ ACTIVE = frozenset({SCHEDULED, RUNNING})
 REPLICA_ENDED = frozenset({SUCCEEDED, FAILED, CANCELLED, PREEMPTED})
 MAX_DURATION_S = 90 * 86400
 INFERENCE_POOL_LABEL = "forge.ai/inference-pool"
+#: Kinds that are gangs of GPU tasks; other kinds (unspecified, eval, interactive) may be CPU-only.
+GPU_KINDS = frozenset(
+    {scheduler_pb2.JOB_KIND_TRAINING, scheduler_pb2.JOB_KIND_FINE_TUNE, scheduler_pb2.JOB_KIND_INFERENCE}
+)
 _PLACEMENTS = {
     scheduler_pb2.PLACEMENT_ANY: Placement.ANY,
     scheduler_pb2.PLACEMENT_SAME_NODE: Placement.SAME_NODE,
@@ -146,6 +150,9 @@ def validate_spec(spec: scheduler_pb2.JobSpec) -> None:
         raise errors.ValidationError("spec.min_runtime_seconds", "must not exceed max_runtime_seconds")
     if spec.priority_class not in PRIORITY_CLASSES:
         raise errors.ValidationError("spec.priority_class", f"must be one of {', '.join(PRIORITY_CLASSES)}")
+    if spec.resources.gpu_count == 0 and spec.kind in GPU_KINDS:
+        kind = scheduler_pb2.JobKind.Name(spec.kind).removeprefix("JOB_KIND_").lower()
+        raise errors.ValidationError("spec.resources.gpu_count", f"must be at least 1 for a {kind} job")
     if spec.resources.gpu_count > 0 and not spec.resources.gpu_type:
         raise errors.ValidationError("spec.resources.gpu_type", "is required when gpu_count > 0")
     if spec.resources.gpu_count > 64:
