@@ -13,6 +13,7 @@ from forge_kit.objectstore import ObjectStore
 from forge_trainer_agent.api import TrainerAgentApi
 from forge_trainer_agent.checkpoints import CheckpointAnnouncer, ManifestFinder
 from forge_trainer_agent.config import TrainerAgentSettings
+from forge_trainer_agent.metrics import MetricsStreamer
 from forge_trainer_agent.node import NodeInfo, detect_gpus, parse_gpu_spec
 from forge_trainer_agent.runner import LocalProcessRunner, TorchrunRunner
 from forge_trainer_agent.service import AgentService
@@ -41,6 +42,7 @@ async def main() -> None:
         stop_grace_s=settings.stop_grace_s,
         announcer=CheckpointAnnouncer(db, objects, ManifestFinder(objects), producer=app.name),
         objects_url=objects.root_url,
+        metrics=MetricsStreamer(db, producer=app.name),
     )
     await service.recover()
     channel = make_channel(settings.scheduler_target, token=settings.scheduler_token.get_secret_value())

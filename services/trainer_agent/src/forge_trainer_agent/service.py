@@ -29,6 +29,7 @@ from prometheus_client import Counter, Gauge
 
 from forge_kit import errors
 from forge_trainer_agent.checkpoints import CheckpointAnnouncer
+from forge_trainer_agent.metrics import MetricsStreamer
 from forge_trainer_agent.node import NodeInfo
 from forge_trainer_agent.runner import ExitStatus, JobProcess, JobRunner, LaunchError, LaunchSpec
 from forge_trainer_agent.store import RunRow, RunStore, utcnow
@@ -84,6 +85,8 @@ class _Active:
     stop_reason: str = ""
     supervisor: asyncio.Task[None] | None = None
     done: asyncio.Event = field(default_factory=asyncio.Event)
+    metrics: asyncio.Task[None] | None = None
+    """Publishes the run's training metrics while it lives (rank 0 writes them)."""
 
 
 def _report(row: RunRow) -> StatusReport:
@@ -136,9 +139,11 @@ class AgentService:
         outbound_limit: int = 1000,
         announcer: CheckpointAnnouncer | None = None,
         objects_url: str = "",
+        metrics: MetricsStreamer | None = None,
     ) -> None:
         self.node = node
         self._announcer = announcer
+        self._metrics = metrics
         self._objects_url = objects_url
         self.node_id = ""
         self.connected = False
@@ -337,6 +342,10 @@ class AgentService:
             pid=process.pid,
             gpus=list(command.gpu_indices),
         )
+        if self._metrics is not None:
+            active.metrics = self._spawn(
+                self._metrics.follow(job_id, row.run_id, run_dir, active.done), name=f"metrics-{job_id}"
+            )
         active.supervisor = self._spawn(self._supervise(active), name=f"supervise-{job_id}")
 
     def _check_start(self, command: scheduler_pb2.StartJob) -> errors.ValidationError | None:

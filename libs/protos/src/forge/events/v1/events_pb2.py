@@ -26,7 +26,7 @@ from forge.common.v1 import common_pb2 as forge_dot_common_dot_v1_dot_common__pb
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x66orge/events/v1/events.proto\x12\x0f\x66orge.events.v1\x1a\x1c\x66orge/common/v1/common.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"r\n\tEventMeta\x12\x10\n\x08\x65vent_id\x18\x01 \x01(\t\x12/\n\x0boccurred_at\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x10\n\x08producer\x18\x03 \x01(\t\x12\x10\n\x08sequence\x18\x04 \x01(\x04\"\xd5\x02\n\x0fJobStateChanged\x12(\n\x04meta\x18\x01 \x01(\x0b\x32\x1a.forge.events.v1.EventMeta\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x0c\n\x04team\x18\x03 \x01(\t\x12\x0c\n\x04name\x18\x04 \x01(\t\x12\x31\n\x0eprevious_state\x18\x05 \x01(\x0e\x32\x19.forge.common.v1.JobState\x12(\n\x05state\x18\x06 \x01(\x0e\x32\x19.forge.common.v1.JobState\x12\x0e\n\x06reason\x18\x07 \x01(\t\x12\x12\n\nnode_names\x18\x08 \x03(\t\x12<\n\x06labels\x18\t \x03(\x0b\x32,.forge.events.v1.JobStateChanged.LabelsEntry\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x84\x02\n\x13\x43heckpointPublished\x12(\n\x04meta\x18\x01 \x01(\x0b\x32\x1a.forge.events.v1.EventMeta\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x0e\n\x06run_id\x18\x03 \x01(\t\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12\x0b\n\x03uri\x18\x05 \x01(\t\x12\x14\n\x0cmanifest_uri\x18\x06 \x01(\t\x12\x42\n\x07metrics\x18\x07 \x03(\x0b\x32\x31.forge.events.v1.CheckpointPublished.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xbb\x02\n\x12PreferenceRecorded\x12(\n\x04meta\x18\x01 \x01(\x0b\x32\x1a.forge.events.v1.EventMeta\x12\x15\n\rpreference_id\x18\x02 \x01(\t\x12\x15\n\rcomparison_id\x18\x03 \x01(\t\x12\x10\n\x08rater_id\x18\x04 \x01(\t\x12\x0e\n\x06prompt\x18\x05 \x01(\t\x12\x1a\n\x12\x63hosen_response_id\x18\x06 \x01(\t\x12\x1c\n\x14rejected_response_id\x18\x07 \x01(\t\x12\x31\n\x06\x63hoice\x18\x08 \x01(\x0e\x32!.forge.common.v1.PreferenceChoice\x12\x12\n\nconfidence\x18\t \x01(\x02\x12\x13\n\x0b\x63hosen_text\x18\n \x01(\t\x12\x15\n\rrejected_text\x18\x0b \x01(\t\"\xba\x02\n\x0f\x44ocumentChanged\x12(\n\x04meta\x18\x01 \x01(\x0b\x32\x1a.forge.events.v1.EventMeta\x12\x12\n\ncollection\x18\x02 \x01(\t\x12\x13\n\x0b\x64ocument_id\x18\x03 \x01(\t\x12\x33\n\x06\x63hange\x18\x04 \x01(\x0e\x32#.forge.events.v1.DocumentChangeType\x12\x0f\n\x07version\x18\x05 \x01(\x04\x12\r\n\x05title\x18\x06 \x01(\t\x12\x0c\n\x04text\x18\x07 \x01(\t\x12@\n\x08metadata\x18\x08 \x03(\x0b\x32..forge.events.v1.DocumentChanged.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x98\x02\n\rEvalCompleted\x12(\n\x04meta\x18\x01 \x01(\x0b\x32\x1a.forge.events.v1.EventMeta\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\r\n\x05suite\x18\x03 \x01(\t\x12(\n\x05model\x18\x04 \x01(\x0b\x32\x19.forge.common.v1.ModelRef\x12<\n\x07metrics\x18\x05 \x03(\x0b\x32+.forge.events.v1.EvalCompleted.MetricsEntry\x12\x11\n\tspec_hash\x18\x06 \x01(\t\x12\x13\n\x0bpassed_gate\x18\x07 \x01(\x08\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xdd\x01\n\rModelPromoted\x12(\n\x04meta\x18\x01 \x01(\x0b\x32\x1a.forge.events.v1.EventMeta\x12(\n\x05model\x18\x02 \x01(\x0b\x32\x19.forge.common.v1.ModelRef\x12\r\n\x05stage\x18\x03 \x01(\t\x12+\n\x08previous\x18\x04 \x01(\x0b\x32\x19.forge.common.v1.ModelRef\x12\x17\n\x0ftraffic_percent\x18\x05 \x01(\r\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12\x13\n\x0bis_rollback\x18\x07 \x01(\x08\"J\n\x11ListEventsRequest\x12\x16\n\x0e\x61\x66ter_sequence\x18\x01 \x01(\x04\x12\r\n\x05limit\x18\x02 \x01(\r\x12\x0e\n\x06topics\x18\x03 \x03(\t\"r\n\x0b\x45ventRecord\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12\x10\n\x08\x65vent_id\x18\x02 \x01(\t\x12\r\n\x05topic\x18\x03 \x01(\t\x12\x12\n\nevent_type\x18\x04 \x01(\t\x12\x0f\n\x07payload\x18\x05 \x01(\x0c\x12\x0b\n\x03key\x18\x06 \x01(\t\"k\n\x12ListEventsResponse\x12,\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x1c.forge.events.v1.EventRecord\x12\x15\n\rlast_sequence\x18\x02 \x01(\x04\x12\x10\n\x08has_more\x18\x03 \x01(\x08*\x7f\n\x12\x44ocumentChangeType\x12$\n DOCUMENT_CHANGE_TYPE_UNSPECIFIED\x10\x00\x12!\n\x1d\x44OCUMENT_CHANGE_TYPE_UPSERTED\x10\x01\x12 \n\x1c\x44OCUMENT_CHANGE_TYPE_DELETED\x10\x02\x32h\n\x0f\x45ventLogService\x12U\n\nListEvents\x12\".forge.events.v1.ListEventsRequest\x1a#.forge.events.v1.ListEventsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x66orge/events/v1/events.proto\x12\x0f\x66orge.events.v1\x1a\x1c\x66orge/common/v1/common.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"r\n\tEventMeta\x12\x10\n\x08\x65vent_id\x18\x01 \x01(\t\x12/\n\x0boccurred_at\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x10\n\x08producer\x18\x03 \x01(\t\x12\x10\n\x08sequence\x18\x04 \x01(\x04\"\xd5\x02\n\x0fJobStateChanged\x12(\n\x04meta\x18\x01 \x01(\x0b\x32\x1a.forge.events.v1.EventMeta\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x0c\n\x04team\x18\x03 \x01(\t\x12\x0c\n\x04name\x18\x04 \x01(\t\x12\x31\n\x0eprevious_state\x18\x05 \x01(\x0e\x32\x19.forge.common.v1.JobState\x12(\n\x05state\x18\x06 \x01(\x0e\x32\x19.forge.common.v1.JobState\x12\x0e\n\x06reason\x18\x07 \x01(\t\x12\x12\n\nnode_names\x18\x08 \x03(\t\x12<\n\x06labels\x18\t \x03(\x0b\x32,.forge.events.v1.JobStateChanged.LabelsEntry\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x84\x02\n\x13\x43heckpointPublished\x12(\n\x04meta\x18\x01 \x01(\x0b\x32\x1a.forge.events.v1.EventMeta\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x0e\n\x06run_id\x18\x03 \x01(\t\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12\x0b\n\x03uri\x18\x05 \x01(\t\x12\x14\n\x0cmanifest_uri\x18\x06 \x01(\t\x12\x42\n\x07metrics\x18\x07 \x03(\x0b\x32\x31.forge.events.v1.CheckpointPublished.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xd6\x01\n\x0fTrainingMetrics\x12(\n\x04meta\x18\x01 \x01(\x0b\x32\x1a.forge.events.v1.EventMeta\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x0e\n\x06run_id\x18\x03 \x01(\t\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12<\n\x06values\x18\x05 \x03(\x0b\x32,.forge.events.v1.TrainingMetrics.ValuesEntry\x1a-\n\x0bValuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xbb\x02\n\x12PreferenceRecorded\x12(\n\x04meta\x18\x01 \x01(\x0b\x32\x1a.forge.events.v1.EventMeta\x12\x15\n\rpreference_id\x18\x02 \x01(\t\x12\x15\n\rcomparison_id\x18\x03 \x01(\t\x12\x10\n\x08rater_id\x18\x04 \x01(\t\x12\x0e\n\x06prompt\x18\x05 \x01(\t\x12\x1a\n\x12\x63hosen_response_id\x18\x06 \x01(\t\x12\x1c\n\x14rejected_response_id\x18\x07 \x01(\t\x12\x31\n\x06\x63hoice\x18\x08 \x01(\x0e\x32!.forge.common.v1.PreferenceChoice\x12\x12\n\nconfidence\x18\t \x01(\x02\x12\x13\n\x0b\x63hosen_text\x18\n \x01(\t\x12\x15\n\rrejected_text\x18\x0b \x01(\t\"\xba\x02\n\x0f\x44ocumentChanged\x12(\n\x04meta\x18\x01 \x01(\x0b\x32\x1a.forge.events.v1.EventMeta\x12\x12\n\ncollection\x18\x02 \x01(\t\x12\x13\n\x0b\x64ocument_id\x18\x03 \x01(\t\x12\x33\n\x06\x63hange\x18\x04 \x01(\x0e\x32#.forge.events.v1.DocumentChangeType\x12\x0f\n\x07version\x18\x05 \x01(\x04\x12\r\n\x05title\x18\x06 \x01(\t\x12\x0c\n\x04text\x18\x07 \x01(\t\x12@\n\x08metadata\x18\x08 \x03(\x0b\x32..forge.events.v1.DocumentChanged.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x98\x02\n\rEvalCompleted\x12(\n\x04meta\x18\x01 \x01(\x0b\x32\x1a.forge.events.v1.EventMeta\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\r\n\x05suite\x18\x03 \x01(\t\x12(\n\x05model\x18\x04 \x01(\x0b\x32\x19.forge.common.v1.ModelRef\x12<\n\x07metrics\x18\x05 \x03(\x0b\x32+.forge.events.v1.EvalCompleted.MetricsEntry\x12\x11\n\tspec_hash\x18\x06 \x01(\t\x12\x13\n\x0bpassed_gate\x18\x07 \x01(\x08\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xdd\x01\n\rModelPromoted\x12(\n\x04meta\x18\x01 \x01(\x0b\x32\x1a.forge.events.v1.EventMeta\x12(\n\x05model\x18\x02 \x01(\x0b\x32\x19.forge.common.v1.ModelRef\x12\r\n\x05stage\x18\x03 \x01(\t\x12+\n\x08previous\x18\x04 \x01(\x0b\x32\x19.forge.common.v1.ModelRef\x12\x17\n\x0ftraffic_percent\x18\x05 \x01(\r\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12\x13\n\x0bis_rollback\x18\x07 \x01(\x08\"J\n\x11ListEventsRequest\x12\x16\n\x0e\x61\x66ter_sequence\x18\x01 \x01(\x04\x12\r\n\x05limit\x18\x02 \x01(\r\x12\x0e\n\x06topics\x18\x03 \x03(\t\"r\n\x0b\x45ventRecord\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12\x10\n\x08\x65vent_id\x18\x02 \x01(\t\x12\r\n\x05topic\x18\x03 \x01(\t\x12\x12\n\nevent_type\x18\x04 \x01(\t\x12\x0f\n\x07payload\x18\x05 \x01(\x0c\x12\x0b\n\x03key\x18\x06 \x01(\t\"k\n\x12ListEventsResponse\x12,\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x1c.forge.events.v1.EventRecord\x12\x15\n\rlast_sequence\x18\x02 \x01(\x04\x12\x10\n\x08has_more\x18\x03 \x01(\x08*\x7f\n\x12\x44ocumentChangeType\x12$\n DOCUMENT_CHANGE_TYPE_UNSPECIFIED\x10\x00\x12!\n\x1d\x44OCUMENT_CHANGE_TYPE_UPSERTED\x10\x01\x12 \n\x1c\x44OCUMENT_CHANGE_TYPE_DELETED\x10\x02\x32h\n\x0f\x45ventLogService\x12U\n\nListEvents\x12\".forge.events.v1.ListEventsRequest\x1a#.forge.events.v1.ListEventsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,12 +37,14 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_JOBSTATECHANGED_LABELSENTRY']._serialized_options = b'8\001'
   _globals['_CHECKPOINTPUBLISHED_METRICSENTRY']._loaded_options = None
   _globals['_CHECKPOINTPUBLISHED_METRICSENTRY']._serialized_options = b'8\001'
+  _globals['_TRAININGMETRICS_VALUESENTRY']._loaded_options = None
+  _globals['_TRAININGMETRICS_VALUESENTRY']._serialized_options = b'8\001'
   _globals['_DOCUMENTCHANGED_METADATAENTRY']._loaded_options = None
   _globals['_DOCUMENTCHANGED_METADATAENTRY']._serialized_options = b'8\001'
   _globals['_EVALCOMPLETED_METRICSENTRY']._loaded_options = None
   _globals['_EVALCOMPLETED_METRICSENTRY']._serialized_options = b'8\001'
-  _globals['_DOCUMENTCHANGETYPE']._serialized_start=2278
-  _globals['_DOCUMENTCHANGETYPE']._serialized_end=2405
+  _globals['_DOCUMENTCHANGETYPE']._serialized_start=2495
+  _globals['_DOCUMENTCHANGETYPE']._serialized_end=2622
   _globals['_EVENTMETA']._serialized_start=112
   _globals['_EVENTMETA']._serialized_end=226
   _globals['_JOBSTATECHANGED']._serialized_start=229
@@ -53,24 +55,28 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHECKPOINTPUBLISHED']._serialized_end=833
   _globals['_CHECKPOINTPUBLISHED_METRICSENTRY']._serialized_start=787
   _globals['_CHECKPOINTPUBLISHED_METRICSENTRY']._serialized_end=833
-  _globals['_PREFERENCERECORDED']._serialized_start=836
-  _globals['_PREFERENCERECORDED']._serialized_end=1151
-  _globals['_DOCUMENTCHANGED']._serialized_start=1154
-  _globals['_DOCUMENTCHANGED']._serialized_end=1468
-  _globals['_DOCUMENTCHANGED_METADATAENTRY']._serialized_start=1421
-  _globals['_DOCUMENTCHANGED_METADATAENTRY']._serialized_end=1468
-  _globals['_EVALCOMPLETED']._serialized_start=1471
-  _globals['_EVALCOMPLETED']._serialized_end=1751
+  _globals['_TRAININGMETRICS']._serialized_start=836
+  _globals['_TRAININGMETRICS']._serialized_end=1050
+  _globals['_TRAININGMETRICS_VALUESENTRY']._serialized_start=1005
+  _globals['_TRAININGMETRICS_VALUESENTRY']._serialized_end=1050
+  _globals['_PREFERENCERECORDED']._serialized_start=1053
+  _globals['_PREFERENCERECORDED']._serialized_end=1368
+  _globals['_DOCUMENTCHANGED']._serialized_start=1371
+  _globals['_DOCUMENTCHANGED']._serialized_end=1685
+  _globals['_DOCUMENTCHANGED_METADATAENTRY']._serialized_start=1638
+  _globals['_DOCUMENTCHANGED_METADATAENTRY']._serialized_end=1685
+  _globals['_EVALCOMPLETED']._serialized_start=1688
+  _globals['_EVALCOMPLETED']._serialized_end=1968
   _globals['_EVALCOMPLETED_METRICSENTRY']._serialized_start=787
   _globals['_EVALCOMPLETED_METRICSENTRY']._serialized_end=833
-  _globals['_MODELPROMOTED']._serialized_start=1754
-  _globals['_MODELPROMOTED']._serialized_end=1975
-  _globals['_LISTEVENTSREQUEST']._serialized_start=1977
-  _globals['_LISTEVENTSREQUEST']._serialized_end=2051
-  _globals['_EVENTRECORD']._serialized_start=2053
-  _globals['_EVENTRECORD']._serialized_end=2167
-  _globals['_LISTEVENTSRESPONSE']._serialized_start=2169
-  _globals['_LISTEVENTSRESPONSE']._serialized_end=2276
-  _globals['_EVENTLOGSERVICE']._serialized_start=2407
-  _globals['_EVENTLOGSERVICE']._serialized_end=2511
+  _globals['_MODELPROMOTED']._serialized_start=1971
+  _globals['_MODELPROMOTED']._serialized_end=2192
+  _globals['_LISTEVENTSREQUEST']._serialized_start=2194
+  _globals['_LISTEVENTSREQUEST']._serialized_end=2268
+  _globals['_EVENTRECORD']._serialized_start=2270
+  _globals['_EVENTRECORD']._serialized_end=2384
+  _globals['_LISTEVENTSRESPONSE']._serialized_start=2386
+  _globals['_LISTEVENTSRESPONSE']._serialized_end=2493
+  _globals['_EVENTLOGSERVICE']._serialized_start=2624
+  _globals['_EVENTLOGSERVICE']._serialized_end=2728
 # @@protoc_insertion_point(module_scope)

@@ -242,6 +242,71 @@ class CheckpointPublished(_message.Message):
 Global___CheckpointPublished: _TypeAlias = CheckpointPublished  # noqa: Y015
 
 @_typing.final
+class TrainingMetrics(_message.Message):
+    """Metrics a training run logged at one step (from its rank-0 replica's metrics.jsonl).
+    Topic forge.trainer.training_metrics.v1, key job_id. Producer: trainer_agent.
+    Consumers: dashboards, the orchestrator (sweeps, early stopping).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class ValuesEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.float
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.float = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    META_FIELD_NUMBER: _builtins.int
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    RUN_ID_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
+    VALUES_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    """Scheduler job of the run."""
+    run_id: _builtins.str
+    """Training run id."""
+    step: _builtins.int
+    """Optimizer step the values belong to."""
+    @_builtins.property
+    def meta(self) -> Global___EventMeta:
+        """Envelope."""
+
+    @_builtins.property
+    def values(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
+        """Values by name, e.g. "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "val_loss"."""
+
+    def __init__(
+        self,
+        *,
+        meta: Global___EventMeta | None = ...,
+        job_id: _builtins.str = ...,
+        run_id: _builtins.str = ...,
+        step: _builtins.int = ...,
+        values: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["meta", b"meta"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_id", b"job_id", "meta", b"meta", "run_id", b"run_id", "step", b"step", "values", b"values"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TrainingMetrics: _TypeAlias = TrainingMetrics  # noqa: Y015
+
+@_typing.final
 class PreferenceRecorded(_message.Message):
     """A rater recorded a preference between two responses.
     Topic forge.feedback.preference_recorded.v1, key comparison_id. Producer: preference_feedback.

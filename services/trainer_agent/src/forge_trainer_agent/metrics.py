@@ -1,0 +1,110 @@
+"""Training metrics from a run's ``metrics.jsonl`` to Kafka and Prometheus, while it runs.
+
+The training loop (rank 0) appends one JSON object per logged step to
+``<run dir>/metrics.jsonl``. :class:`MetricsStreamer` follows that file for every live attempt on
+this node: each new complete line becomes one ``TrainingMetrics`` event, staged in the outbox in
+one transaction per batch (so Kafka gets each step once, in order, even across a broker restart),
+and the latest value of each metric is exported as ``forge_trainer_agent_training_metric``.
+A partial last line (the writer is mid-append) is left for the next poll.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+from forge.events.v1 import events_pb2
+from prometheus_client import Gauge
+
+from forge_kit.db import Database
+from forge_kit.events import stage_event
+
+log = structlog.get_logger(__name__)
+
+TRAINING_METRIC = Gauge(
+    "forge_trainer_agent_training_metric",
+    "Latest value of a training metric of a job running on this node",
+    ["job_id", "metric"],
+)
+METRICS_FILE = "metrics.jsonl"
+
+
+@dataclass
+class _Cursor:
+    offset: int = 0
+    last_step: int = -1
+
+
+def read_new_records(path: Path, cursor: _Cursor) -> list[dict[str, float]]:
+    """Complete lines after ``cursor.offset`` (advanced past them), as {name: number} with
+    ``step``; lines that are not JSON objects with a step are skipped and logged."""
+    if not path.exists():
+        return []
+    with path.open("rb") as handle:
+        handle.seek(cursor.offset)
+        data = handle.read()
+    end = data.rfind(b"\n") + 1
+    cursor.offset += end
+    records = []
+    for raw in data[:end].splitlines():
+        try:
+            record = json.loads(raw)
+        except ValueError:
+            log.warning("metrics.bad_line", path=str(path), line=raw[:200])
+            continue
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int | float):
+            continue
+        values = {
+            str(k): float(v)
+            for k, v in record.items()
+            if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(float(v))
+        }
+        records.append(values)
+    return records
+
+
+class MetricsStreamer:
+    """Follows ``metrics.jsonl`` of each live run and publishes new steps."""
+
+    def __init__(self, db: Database, *, producer: str, interval_s: float = 2.0) -> None:
+        self._db = db
+        self._producer = producer
+        self._interval_s = interval_s
+
+    async def follow(self, job_id: str, run_id: str, run_dir: Path, stop: asyncio.Event) -> None:
+        """Publish until ``stop`` is set, then once more for what was written last."""
+        path = run_dir / METRICS_FILE
+        # Only what this attempt writes: earlier attempts' lines were published by them.
+        cursor = _Cursor(offset=path.stat().st_size if path.exists() else 0)
+        try:
+            while not stop.is_set():
+                await self.publish_new(job_id, run_id, path, cursor)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), timeout=self._interval_s)
+            await self.publish_new(job_id, run_id, path, cursor)
+        finally:
+            for metric in list(TRAINING_METRIC._metrics):
+                if metric[0] == job_id:
+                    TRAINING_METRIC.remove(*metric)
+
+    async def publish_new(self, job_id: str, run_id: str, path: Path, cursor: _Cursor) -> int:
+        records = await asyncio.to_thread(read_new_records, path, cursor)
+        # A restarted attempt appends to the same file: steps at or before the last one sent
+        # were published by the earlier attempt (or are being replayed after a resume).
+        fresh = [r for r in records if int(r["step"]) > cursor.last_step]
+        if not fresh:
+            return 0
+        async with self._db.session() as session:
+            for record in fresh:
+                step = int(record.pop("step"))
+                event = events_pb2.TrainingMetrics(job_id=job_id, run_id=run_id, step=step, values=record)
+                await stage_event(session, event, producer=self._producer, key=job_id)
+                for name, value in record.items():
+                    TRAINING_METRIC.labels(job_id, name).set(value)
+                cursor.last_step = step
+        return len(fresh)
