@@ -1,4 +1,6 @@
-"""``forge bench train [--nanogpt-dir PATH] --out DIR``: the training benchmarks of issue 4.
+"""``forge bench train [--nanogpt-dir PATH] --out DIR``: the training benchmarks of issue 4;
+``forge bench recipes --out DIR``: the post-training recipes on the shared data (see
+:func:`recipes_bench`).
 
 Writes ``DIR/summary.json``::
 
@@ -34,6 +36,7 @@ from forge_kit.objectstore import ObjectStore
 from forge_trainer_agent.training import recipes
 from forge_trainer_agent.training.launch import run_group
 from forge_trainer_agent.training.train import RunContext, pretrain
+from forge_trainer_agent.training.train import train as run_training
 
 app = typer.Typer(add_completion=False, help="Benchmarks.")
 
@@ -172,4 +175,73 @@ def train(
         summary["ddp_speedup"] = ddp_speedup(corpus, work, cache, ddp_steps)
         summary["async_checkpoint_stall_ratio"] = checkpoint_stall_ratio(corpus, work, cache, 50)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    typer.echo(json.dumps(summary, indent=2))
+
+
+def _run_recipe(name: str, overrides: dict[str, str], work: Path, cache: Path) -> dict[str, Any]:
+    """One recipe; its figures: start (step 0) and final metrics, tokens/s, MFU, wall time."""
+    config = recipes.build(name, overrides)
+    started = time.perf_counter()
+    result = run_training(config, _ctx(work / name, cache))
+    lines = [json.loads(ln) for ln in (work / name / "metrics.jsonl").read_text().splitlines()]
+    start: dict[str, Any] = next((ln for ln in lines if ln["step"] == 0), {})
+    figures = [ln for ln in lines if "loss" in ln]
+    out: dict[str, Any] = {
+        "steps": result.step,
+        "wall_s": time.perf_counter() - started,
+        "tokens_per_s": result.tokens_per_s,
+        "mfu": result.mfu,
+        "first_loss": result.losses[min(result.losses)],
+        "last_loss": result.losses[result.step],
+        "start": {k: v for k, v in start.items() if k not in ("step", "time_s")},
+        "final": result.eval_metrics,
+        "export_dir": str(result.export_dir),
+    }
+    for key in (
+        "general_fraction",
+        "reward_margin",
+        "reward_accuracy",
+        "logratio_chosen",
+        "logratio_rejected",
+    ):
+        values = [ln[key] for ln in figures if key in ln]
+        if values:
+            out[f"mean_{key}"] = sum(values) / len(values)
+    plans = [ln for ln in lines if "checkpoint_interval_steps" in ln]
+    if plans:
+        out["checkpoint_plan"] = {k: v for k, v in plans[0].items() if k != "time_s"}
+    return out
+
+
+@app.command("recipes")
+def recipes_bench(
+    out: Annotated[Path, typer.Option(help="directory for recipes.json")],
+    pretrain_steps: Annotated[int, typer.Option(help="steps of the shakespeare_tiny parent")] = 300,
+    steps: Annotated[int, typer.Option(help="steps of each post-training recipe")] = 100,
+    mtbf_s: Annotated[float, typer.Option(help="MTBF for the parent's Daly checkpoint interval")] = 60.0,
+) -> None:
+    """Parent (``shakespeare_tiny``, Daly checkpoint interval) -> ``cpt_scifact``, ``sft_hh``,
+    ``reward_hh`` from the parent, ``dpo_hh`` from the SFT model; writes DIR/recipes.json."""
+    out.mkdir(parents=True, exist_ok=True)
+    summary: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="forge-bench-recipes-") as tmp:
+        work, cache = Path(tmp), Path(tmp) / "tokens"
+        short = {"max_steps": str(steps), "eval_interval": str(steps), "log_interval": "10",
+                 "optim.warmup_steps": str(max(1, steps // 10))}  # fmt: skip
+        summary["pretrain"] = _run_recipe(
+            "shakespeare_tiny",
+            {"max_steps": str(pretrain_steps), "eval_interval": str(pretrain_steps), "log_interval": "10",
+             "optim.warmup_steps": str(max(1, pretrain_steps // 10)), "checkpoint.interval_policy": "daly",
+             "checkpoint.mtbf_s": str(mtbf_s), "checkpoint.interval_steps": "10"},
+            work, cache,
+        )  # fmt: skip
+        parent = summary["pretrain"]["export_dir"]
+        summary["cpt"] = _run_recipe("cpt_scifact", {**short, "init.parent": parent}, work, cache)
+        summary["sft"] = _run_recipe("sft_hh", {**short, "init.parent": parent}, work, cache)
+        summary["reward"] = _run_recipe("reward_hh", {**short, "init.parent": parent}, work, cache)
+        sft_model = summary["sft"]["export_dir"]
+        summary["dpo"] = _run_recipe("dpo_hh", {**short, "init.parent": sft_model}, work, cache)
+    for entry in summary.values():
+        entry.pop("export_dir")
+    (out / "recipes.json").write_text(json.dumps(summary, indent=2))
     typer.echo(json.dumps(summary, indent=2))

@@ -8,15 +8,21 @@ keyed by a hash of the corpus and the data config, so a second run reuses it.
 :class:`StepSampler` decides which windows each rank reads. Its order depends only on the seed
 and the epoch, and its state is one position in the *global* order (epoch, cursor), so a resumed
 run reads exactly what the uninterrupted one would have read — with any world size.
+:class:`MixtureSampler` does the same for several sources drawn by sampling weight (continual
+pre-training): the source of every slot of a global batch comes from a generator seeded by
+(seed, step), and each source walks its own per-epoch permutation.
 """
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -30,16 +36,39 @@ INDEX_FILE = "index.json"
 EOT = "<|endoftext|>"
 
 
+def _read_text(path: Path, text_fields: str) -> str:
+    """A ``.txt`` file as is; a ``.jsonl``/``.jsonl.gz`` file as its documents (the named fields
+    of each line, one per line) separated by blank lines."""
+    if not path.name.endswith((".jsonl", ".jsonl.gz")):
+        return path.read_text(encoding="utf-8")
+    fields = [f.strip() for f in text_fields.split(",") if f.strip()]
+    opener = gzip.open if path.name.endswith(".gz") else open
+    docs = []
+    with opener(path, "rt", encoding="utf-8") as handle:
+        for line in handle:
+            if line.strip():
+                row = json.loads(line)
+                parts = [str(row[f]).strip() for f in fields if row.get(f)]
+                if parts:
+                    docs.append("\n".join(parts))
+    return "\n\n".join(docs) + "\n"
+
+
 def read_corpus(config: DataConfig) -> str:
-    return "".join(p.read_text(encoding="utf-8") for p in corpus_files(config.corpus))
+    return "".join(_read_text(p, config.text_fields) for p in corpus_files(config.corpus))
 
 
-def data_hash(config: DataConfig) -> str:
-    """Hash of the corpus bytes and every setting that changes the token shards."""
+def data_hash(config: DataConfig, tokenizer_json: str | None = None) -> str:
+    """Hash of the corpus bytes and every setting that changes the token shards (including a
+    given tokenizer, which replaces the trained one)."""
     h = hashlib.sha256()
     for path in corpus_files(config.corpus):
         h.update(path.read_bytes())
     h.update(f"{config.vocab_size}/{config.val_fraction}/{config.shard_tokens}".encode())
+    if any(p.name.endswith((".jsonl", ".jsonl.gz")) for p in corpus_files(config.corpus)):
+        h.update(config.text_fields.encode())
+    if tokenizer_json is not None:
+        h.update(b"tokenizer:" + tokenizer_json.encode())
     return h.hexdigest()[:16]
 
 
@@ -99,22 +128,25 @@ class PreparedData:
         return self.tokenizer().get_vocab_size()
 
 
-def prepare(config: DataConfig, cache_dir: Path) -> PreparedData:
+def prepare(config: DataConfig, cache_dir: Path, tokenizer_json: str | None = None) -> PreparedData:
     """Tokenise the corpus into ``cache_dir/<data hash>/`` unless it is already there.
 
     1. hash the corpus and config; reuse a complete earlier preparation;
-    2. train the byte-level BPE on the whole corpus and save ``tokenizer.json``;
+    2. train the byte-level BPE on the whole corpus (or take ``tokenizer_json``, a parent
+       model's tokenizer) and save ``tokenizer.json``;
     3. split the text, encode each split, and write its shards, index last.
     """
     # 1. Reuse.
-    digest = data_hash(config)
+    digest = data_hash(config, tokenizer_json)
     root = cache_dir / digest
     if all((root / s / INDEX_FILE).exists() for s in ("train", "val")) and (root / TOKENIZER_FILE).exists():
         return PreparedData(root, digest)
     root.mkdir(parents=True, exist_ok=True)
     # 2. Tokenizer.
     text = read_corpus(config)
-    tok = train_tokenizer(text, config.vocab_size)
+    tok = Tokenizer.from_str(tokenizer_json) if tokenizer_json else train_tokenizer(text, config.vocab_size)
+    if tok.get_vocab_size() > 65535:
+        raise ValueError(f"a vocabulary of {tok.get_vocab_size()} does not fit uint16 shards")
     tok.save(str(root / f"{TOKENIZER_FILE}.tmp"))
     os.replace(root / f"{TOKENIZER_FILE}.tmp", root / TOKENIZER_FILE)
     # 3. Splits.
@@ -204,3 +236,69 @@ class StepSampler:
         start = self.state.cursor + rank * per_rank
         self.state = SamplerState(self.state.epoch, self.state.cursor + self.global_batch)
         return [int(i) for i in perm[start : start + per_rank]]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.state.epoch, "cursor": self.state.cursor}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.state = SamplerState(int(state["epoch"]), int(state["cursor"]))
+
+
+class MixtureSampler:
+    """A global batch whose every slot comes from source ``s`` with probability ``weights[s]``.
+
+    The slot's source is drawn by a generator seeded with (seed, step), so the realised mixture
+    depends only on the seed; each source hands out its windows in its own per-epoch permutation
+    (seeded by seed, source, epoch), starting a new epoch when it runs out. State: the step and
+    each source's (epoch, cursor) — a position in the global order, exact for any world size.
+    Rank ``r`` of ``w`` takes the ``r``-th contiguous slice of the global batch.
+    """
+
+    _SOURCE_STREAM = 0x5EED
+
+    def __init__(self, sizes: Sequence[int], weights: Sequence[float], global_batch: int, seed: int) -> None:
+        if len(sizes) != len(weights) or not sizes:
+            raise ValueError("one weight per source")
+        if any(n <= 0 for n in sizes):
+            raise ValueError(f"every source needs at least one window, got {list(sizes)}")
+        total = float(sum(weights))
+        self.sizes = [int(n) for n in sizes]
+        self.weights = [float(w) / total for w in weights]
+        self.global_batch = global_batch
+        self.seed = seed
+        self.step = 0
+        self.cursors = [[0, 0] for _ in sizes]  # [epoch, cursor] per source
+        self._perms: dict[tuple[int, int], npt.NDArray[np.int64]] = {}
+
+    def _take(self, source: int) -> int:
+        epoch, cursor = self.cursors[source]
+        if cursor >= self.sizes[source]:
+            epoch, cursor = epoch + 1, 0
+        key = (source, epoch)
+        if key not in self._perms:
+            self._perms = {k: v for k, v in self._perms.items() if k[0] != source}
+            self._perms[key] = np.random.default_rng([self.seed, source, epoch]).permutation(
+                self.sizes[source]
+            )
+        self.cursors[source] = [epoch, cursor + 1]
+        return int(self._perms[key][cursor])
+
+    def next_step(self, rank: int, world_size: int) -> list[tuple[int, int]]:
+        """(source, window) pairs this rank trains on in the next step; advances the global position."""
+        rng = np.random.default_rng([self.seed, self._SOURCE_STREAM, self.step])
+        sources = rng.choice(len(self.sizes), size=self.global_batch, p=self.weights)
+        batch = [(int(s), self._take(int(s))) for s in sources]
+        self.step += 1
+        per_rank = self.global_batch // world_size
+        return batch[rank * per_rank : (rank + 1) * per_rank]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "cursors": [list(c) for c in self.cursors]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        cursors = [[int(e), int(c)] for e, c in state["cursors"]]
+        if len(cursors) != len(self.sizes):
+            raise ValueError(
+                f"the checkpoint's mixture has {len(cursors)} sources, this run {len(self.sizes)}"
+            )
+        self.step, self.cursors = int(state["step"]), cursors

@@ -1,8 +1,9 @@
-"""Run one recipe as a local gloo process group without torchrun (tests and benchmarks).
+"""Run recipes as a local gloo process group without torchrun (tests and benchmarks).
 
 :func:`run_group` spawns ``world_size`` processes on loopback; each trains its rank and rank 0
 writes the :class:`~forge_trainer_agent.training.train.TrainResult` figures to
-``<run_dir>/result.json``, which is returned.
+``<run_dir>/result.json``, which is returned. :func:`run_group_sequence` runs several recipes
+one after another in the same group, paying the process start-up once.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +20,7 @@ import torch.multiprocessing as mp
 
 from forge_kit.objectstore import ObjectStore
 from forge_trainer_agent.training import recipes
-from forge_trainer_agent.training.train import RunContext, pretrain
+from forge_trainer_agent.training.train import RunContext, train
 
 
 def free_port() -> int:
@@ -27,33 +29,69 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _worker(rank: int, world_size: int, port: int, config: dict[str, Any], run: dict[str, Any]) -> None:
+def _worker(rank: int, world_size: int, port: int, jobs: list[tuple[dict[str, Any], dict[str, Any]]]) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
-        ctx = RunContext(
-            run_id=run["run_id"],
-            run_dir=Path(run["run_dir"]),
-            store=ObjectStore(run["objects"]),
-            cache_dir=Path(run["cache_dir"]),
-            rank=rank,
-            world_size=world_size,
-            export=run["export"],
-        )
-        result = pretrain(recipes.from_dict(config), ctx)
-        if rank == 0:
-            out = {
-                "outcome": result.outcome,
-                "step": result.step,
-                "losses": result.losses,
-                "val_loss": result.val_loss,
-                "val_loss_per_char": result.val_loss_per_char,
-                "tokens_per_s": result.tokens_per_s,
-                "wall_s": result.wall_s,
-            }
-            (ctx.run_dir / "result.json").write_text(json.dumps(out))
+        for config, run in jobs:
+            ctx = RunContext(
+                run_id=run["run_id"],
+                run_dir=Path(run["run_dir"]),
+                store=ObjectStore(run["objects"]),
+                cache_dir=Path(run["cache_dir"]),
+                rank=rank,
+                world_size=world_size,
+                export=run["export"],
+            )
+            result = train(recipes.from_dict(config), ctx)
+            if rank == 0:
+                out = {
+                    "outcome": result.outcome,
+                    "step": result.step,
+                    "losses": result.losses,
+                    "val_loss": result.val_loss,
+                    "val_loss_per_char": result.val_loss_per_char,
+                    "tokens_per_s": result.tokens_per_s,
+                    "wall_s": result.wall_s,
+                    "eval_metrics": result.eval_metrics,
+                    "mfu": result.mfu,
+                }
+                (ctx.run_dir / "result.json").write_text(json.dumps(out))
     finally:
         dist.destroy_process_group()
+
+
+def run_group_sequence(
+    runs: Sequence[tuple[recipes.TrainConfig, Path]],
+    world_size: int,
+    *,
+    cache_dir: Path,
+    export: bool = False,
+) -> list[dict[str, Any]]:
+    """Train each ``(config, run_dir)`` in turn on one group of ``world_size`` local processes
+    (objects under ``<run_dir>/objects``, run id ``local``); rank 0's result figures of each."""
+    for config, _ in runs:
+        recipes.validate(config, world_size)
+    jobs = [
+        (
+            config.to_dict(),
+            {
+                "run_id": "local",
+                "run_dir": str(run_dir),
+                "objects": str(run_dir / "objects"),
+                "cache_dir": str(cache_dir),
+                "export": export,
+            },
+        )
+        for config, run_dir in runs
+    ]
+    mp.spawn(_worker, args=(world_size, free_port(), jobs), nprocs=world_size)
+    results = []
+    for _, run_dir in runs:
+        result: dict[str, Any] = json.loads((run_dir / "result.json").read_text())
+        result["losses"] = {int(k): v for k, v in result["losses"].items()}
+        results.append(result)
+    return results
 
 
 def run_group(
@@ -75,7 +113,7 @@ def run_group(
         "cache_dir": str(cache_dir),
         "export": export,
     }
-    mp.spawn(_worker, args=(world_size, free_port(), config.to_dict(), run), nprocs=world_size)
+    mp.spawn(_worker, args=(world_size, free_port(), [(config.to_dict(), run)]), nprocs=world_size)
     result: dict[str, Any] = json.loads((run_dir / "result.json").read_text())
     result["losses"] = {int(k): v for k, v in result["losses"].items()}
     return result

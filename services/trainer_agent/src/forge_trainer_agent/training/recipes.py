@@ -1,9 +1,15 @@
 """Experiment recipes: Python functions returning a frozen :class:`TrainConfig`.
 
 A recipe is the whole description of a run; overrides are ``dotted.key=value`` pairs applied to
-it. :func:`build` refuses unknown keys and :func:`validate` refuses impossible configurations
-(heads not dividing the hidden size, a global batch the world size cannot split, a missing or
-empty corpus) with a :class:`RecipeError` naming the field, before any worker starts.
+it. :func:`build` refuses unknown keys (and keys of sections the recipe's task does not read) and
+:func:`validate` refuses impossible configurations (heads not dividing the hidden size, a global
+batch the world size cannot split, a missing or empty corpus or pair set, a parent checkpoint that
+is missing or corrupt) with a :class:`RecipeError` naming the field, before any worker starts.
+
+Tasks (``TrainConfig.task``): ``pretrain`` (from scratch, own tokenizer), ``cpt`` (continual
+pre-training on a domain corpus mixed with general data), ``sft`` (prompt/response pairs, loss on
+the response), ``reward`` (scalar head, Bradley-Terry on chosen/rejected pairs) and ``dpo``
+(against the frozen parent). Every task but ``pretrain`` starts from ``init.parent``.
 """
 
 from __future__ import annotations
@@ -18,6 +24,13 @@ from typing import Any
 
 #: Where the shared corpora live on Forge machines (``../shared`` next to the repository).
 DEFAULT_CORPUS = "/work/shared/data/corpora/tinyshakespeare/input.txt"
+#: A domain corpus for continual pre-training: 5,183 scientific abstracts (BEIR SciFact).
+SCIFACT_CORPUS = "/work/shared/data/beir/scifact/corpus.jsonl"
+#: Anthropic HH-RLHF chosen/rejected pairs (helpful-base and harmless-base test splits).
+HH_RLHF = "/work/shared/data/preferences/hh-rlhf"
+
+TASKS = ("pretrain", "cpt", "sft", "reward", "dpo")
+INTERVAL_POLICIES = ("steps", "young", "daly")
 
 
 class RecipeError(ValueError):
@@ -49,6 +62,63 @@ class DataConfig:
     """Last fraction of the corpus held out for validation (as nanoGPT does)."""
     shard_tokens: int = 1 << 20
     """Tokens per memmap shard file."""
+    text_fields: str = "title,text"
+    """For a ``.jsonl``/``.jsonl.gz`` corpus: comma-separated fields of each line that form a
+    document (documents are separated by a blank line)."""
+    prefetch_batches: int = 2
+    """Steps of batches a background thread prepares ahead of the loop (0: none). The checkpoint
+    holds the position of the last *consumed* step, so read-ahead never shifts a resume."""
+
+
+@dataclass(frozen=True)
+class InitConfig:
+    """Where a run's weights and tokenizer come from (every task but ``pretrain``)."""
+
+    parent: str = ""
+    """A Hugging Face directory (``config.json``, ``model.safetensors``, ``tokenizer.json``) or a
+    Forge manifest (``.../checkpoints/<run>/step-<n>/manifest.json``, a path or object-store URL)."""
+
+
+@dataclass(frozen=True)
+class MixtureConfig:
+    """Continual pre-training: general data replayed next to the domain corpus (``data.corpus``)."""
+
+    general_corpus: str = DEFAULT_CORPUS
+    """The general (parent's pre-training) corpus; its validation split measures forgetting."""
+    general_fraction: float = 0.1
+    """Sampling weight of the general data: each sequence of a batch is general with this
+    probability (5-20 % is the usual replay range)."""
+
+
+@dataclass(frozen=True)
+class PairsConfig:
+    """Prompt/response data for ``sft``, ``reward`` and ``dpo``: HH-RLHF style ``{"chosen",
+    "rejected"}`` transcripts; the prompt is the shared prefix up to the last Assistant turn."""
+
+    path: str = HH_RLHF
+    """A ``.jsonl``/``.jsonl.gz`` file, or a directory searched recursively for them."""
+    max_pairs: int = 0
+    """Use at most this many pairs after filtering and the seeded shuffle (0: all)."""
+
+
+@dataclass(frozen=True)
+class DpoConfig:
+    """Direct preference optimisation (sigmoid loss) against the frozen parent."""
+
+    beta: float = 0.1
+    """Strength of the implicit KL penalty: reward = beta * (log pi - log pi_ref)."""
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    """What the MFU estimate divides by."""
+
+    peak_flops: float = 0.0
+    """Peak FLOP/s of one process's device (0: the GPU's dense bf16 peak from a table, or on CPU
+    ``cpu_peak_flops_per_thread`` x the process's torch threads)."""
+    cpu_peak_flops_per_thread: float = 1.0e11
+    """About one AVX2 core at 3 GHz: 2 FMA units x 8 fp32 lanes x 2 FLOP x 3e9 = 96 GFLOP/s.
+    Set it from a measured ``torch.mm`` rate for a meaningful CPU MFU."""
 
 
 @dataclass(frozen=True)
@@ -69,7 +139,13 @@ class CheckpointConfig:
     """When and how checkpoints are written."""
 
     interval_steps: int = 250
-    """Save every this many optimizer steps (0: only at the end and on SIGTERM)."""
+    """Save every this many optimizer steps (0: only at the end and on SIGTERM). With the
+    ``young``/``daly`` policies: the step of the first save, which measures the save time."""
+    interval_policy: str = "steps"
+    """``steps`` (every ``interval_steps``), ``young`` (sqrt(2 x save time x MTBF)) or ``daly``
+    (Daly's higher-order refinement), re-evaluated after the first measured save."""
+    mtbf_s: float = 0.0
+    """Mean time between failures of the whole job, seconds (``young``/``daly``)."""
     keep_last: int = 3
     async_save: bool = True
     """Serialise and upload in a background thread; the loop stalls only for the in-memory copy."""
@@ -81,10 +157,17 @@ class TrainConfig:
     ``world_size`` ranks and ``grad_accum_steps`` micro-batches of ``micro_batch_size``."""
 
     name: str = "pretrain"
+    task: str = "pretrain"
+    """One of :data:`TASKS`."""
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    init: InitConfig = field(default_factory=InitConfig)
+    mixture: MixtureConfig = field(default_factory=MixtureConfig)
+    pairs: PairsConfig = field(default_factory=PairsConfig)
+    dpo: DpoConfig = field(default_factory=DpoConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
     global_batch_size: int = 12
     micro_batch_size: int = 12
     max_steps: int = 2000
@@ -132,7 +215,99 @@ def smoke() -> TrainConfig:
     )
 
 
-RECIPES: dict[str, Callable[[], TrainConfig]] = {"shakespeare_tiny": shakespeare_tiny, "smoke": smoke}
+def cpt_scifact() -> TrainConfig:
+    """Continual pre-training of a Shakespeare model on scientific abstracts (BEIR SciFact) with
+    10 % of the batch replaying Shakespeare: peak LR 3x lower than pre-training, 20 warmup steps;
+    ``general_val_loss`` (forgetting) is logged next to the domain ``val_loss``."""
+    return TrainConfig(
+        name="cpt_scifact",
+        task="cpt",
+        data=DataConfig(corpus=SCIFACT_CORPUS, seq_len=64),
+        optim=OptimConfig(lr=3e-4, min_lr=3e-5, warmup_steps=20),
+        mixture=MixtureConfig(general_corpus=DEFAULT_CORPUS, general_fraction=0.1),
+        max_steps=500,
+        eval_interval=100,
+    )
+
+
+def _pairs_recipe(name: str, task: str, lr: float, max_steps: int) -> TrainConfig:
+    return TrainConfig(
+        name=name,
+        task=task,
+        data=DataConfig(seq_len=128),
+        optim=OptimConfig(lr=lr, min_lr=lr / 10, warmup_steps=10, weight_decay=0.0),
+        checkpoint=CheckpointConfig(interval_steps=100),
+        global_batch_size=8,
+        micro_batch_size=8,
+        max_steps=max_steps,
+        eval_interval=100,
+        eval_batches=60,  # 480 held-out pairs: the whole 10 % of HH-RLHF's 4.6k test pairs
+    )
+
+
+def sft_hh() -> TrainConfig:
+    """Supervised fine-tuning on HH-RLHF chosen conversations in the chat template, loss on the
+    final Assistant response only."""
+    return _pairs_recipe("sft_hh", "sft", lr=3e-4, max_steps=300)
+
+
+def reward_hh() -> TrainConfig:
+    """Reward model on HH-RLHF: the parent with a scalar head (``LlamaForSequenceClassification``,
+    one label), Bradley-Terry loss; held-out pairwise accuracy with its 95 % Wilson interval."""
+    return _pairs_recipe("reward_hh", "reward", lr=1e-4, max_steps=300)
+
+
+def dpo_hh() -> TrainConfig:
+    """DPO (sigmoid loss, beta 0.1) on HH-RLHF pairs against the frozen parent."""
+    return _pairs_recipe("dpo_hh", "dpo", lr=5e-5, max_steps=300)
+
+
+RECIPES: dict[str, Callable[[], TrainConfig]] = {
+    "shakespeare_tiny": shakespeare_tiny,
+    "smoke": smoke,
+    "cpt_scifact": cpt_scifact,
+    "sft_hh": sft_hh,
+    "reward_hh": reward_hh,
+    "dpo_hh": dpo_hh,
+}
+
+#: Keys each task ignores; setting one is refused like an unknown key.
+_UNUSED: dict[str, tuple[str, ...]] = {
+    "pretrain": ("init", "mixture", "pairs", "dpo"),
+    "cpt": ("model", "data.vocab_size", "pairs", "dpo"),
+    "sft": (
+        "model",
+        "data.corpus",
+        "data.vocab_size",
+        "data.shard_tokens",
+        "data.text_fields",
+        "mixture",
+        "dpo",
+    ),
+    "reward": (
+        "model",
+        "data.corpus",
+        "data.vocab_size",
+        "data.shard_tokens",
+        "data.text_fields",
+        "mixture",
+        "dpo",
+    ),
+    "dpo": ("model", "data.corpus", "data.vocab_size", "data.shard_tokens", "data.text_fields", "mixture"),
+}
+
+
+def _refuse_unused(config: TrainConfig, key: str) -> None:
+    for prefix in _UNUSED.get(config.task, ()):
+        if key == prefix or key.startswith(prefix + "."):
+            reason = (
+                "the model shape comes from init.parent"
+                if prefix == "model"
+                else "the tokenizer comes from init.parent"
+                if prefix == "data.vocab_size"
+                else "it does not read it"
+            )
+            raise RecipeError(f"{key}: not used by the {config.task!r} task ({reason})")
 
 
 def _coerce(current: Any, raw: Any, key: str) -> Any:
@@ -171,8 +346,12 @@ def build(recipe: str, overrides: Mapping[str, Any] | None = None) -> TrainConfi
     if recipe not in RECIPES:
         raise RecipeError(f"recipe: unknown recipe {recipe!r} (known: {', '.join(sorted(RECIPES))})")
     config = RECIPES[recipe]()
-    for key, raw in (overrides or {}).items():
+    items = dict(overrides or {})
+    if "task" in items:  # the task decides which keys apply
+        config = _override(config, ["task"], items.pop("task"), "task")
+    for key, raw in items.items():
         config = _override(config, key.split("."), raw, key)
+        _refuse_unused(config, key)
     return config
 
 
@@ -194,17 +373,32 @@ def from_dict(data: Mapping[str, Any]) -> TrainConfig:
     return config
 
 
-def corpus_files(corpus: str) -> list[Path]:
-    """The text files of a corpus; raises :class:`RecipeError` when there is nothing to read."""
+def corpus_files(corpus: str, field_name: str = "data.corpus") -> list[Path]:
+    """The text files of a corpus (a file, ``.txt``/``.jsonl``/``.jsonl.gz``, or a directory of
+    ``*.txt``); raises :class:`RecipeError` naming ``field_name`` when there is nothing to read."""
     path = Path(corpus)
     if path.is_dir():
         files = sorted(p for p in path.glob("*.txt") if p.is_file())
     elif path.is_file():
         files = [path]
     else:
-        raise RecipeError(f"data.corpus: {corpus!r} does not exist")
+        raise RecipeError(f"{field_name}: {corpus!r} does not exist")
     if not files or all(p.stat().st_size == 0 for p in files):
-        raise RecipeError(f"data.corpus: {corpus!r} is empty")
+        raise RecipeError(f"{field_name}: {corpus!r} is empty")
+    return files
+
+
+def pair_files(path: str) -> list[Path]:
+    """The ``.jsonl``/``.jsonl.gz`` files of a pair set; :class:`RecipeError` names ``pairs.path``."""
+    root = Path(path)
+    if root.is_dir():
+        files = sorted(p for p in root.rglob("*") if p.is_file() and p.name.endswith((".jsonl", ".jsonl.gz")))
+    elif root.is_file():
+        files = [root]
+    else:
+        raise RecipeError(f"pairs.path: {path!r} does not exist")
+    if not files or all(p.stat().st_size == 0 for p in files):
+        raise RecipeError(f"pairs.path: {path!r} holds no non-empty .jsonl or .jsonl.gz file")
     return files
 
 
@@ -261,4 +455,53 @@ def validate(config: TrainConfig, world_size: int) -> None:
         raise RecipeError(f"optim.grad_clip: must be >= 0, got {o.grad_clip}")
     if c.interval_steps < 0:
         raise RecipeError(f"checkpoint.interval_steps: must be >= 0, got {c.interval_steps}")
-    corpus_files(d.corpus)
+    if c.interval_policy not in INTERVAL_POLICIES:
+        raise RecipeError(
+            f"checkpoint.interval_policy: must be one of {', '.join(INTERVAL_POLICIES)}, got {c.interval_policy!r}"
+        )
+    if c.interval_policy != "steps":
+        if c.mtbf_s <= 0:
+            raise RecipeError(f"checkpoint.mtbf_s: must be positive with the {c.interval_policy!r} policy")
+        if c.interval_steps <= 0:
+            raise RecipeError("checkpoint.interval_steps: must be positive (the first, measured save)")
+    if d.prefetch_batches < 0:
+        raise RecipeError(f"data.prefetch_batches: must be >= 0, got {d.prefetch_batches}")
+    if config.metrics.peak_flops < 0 or config.metrics.cpu_peak_flops_per_thread <= 0:
+        raise RecipeError("metrics.peak_flops / metrics.cpu_peak_flops_per_thread: must be positive")
+    _validate_task(config)
+
+
+def _validate_task(config: TrainConfig) -> None:
+    """The task's own inputs: corpora, pair files, the parent checkpoint."""
+    if config.task not in TASKS:
+        raise RecipeError(f"task: must be one of {', '.join(TASKS)}, got {config.task!r}")
+    if config.task in ("pretrain", "cpt"):
+        corpus_files(config.data.corpus)
+    if config.task == "cpt":
+        mix = config.mixture
+        if not 0.0 < mix.general_fraction < 1.0:
+            raise RecipeError(f"mixture.general_fraction: must be in (0, 1), got {mix.general_fraction}")
+        corpus_files(mix.general_corpus, "mixture.general_corpus")
+    if config.task in ("sft", "reward", "dpo"):
+        pair_files(config.pairs.path)
+        if config.pairs.max_pairs < 0:
+            raise RecipeError(f"pairs.max_pairs: must be >= 0, got {config.pairs.max_pairs}")
+        if config.data.seq_len < 8:
+            raise RecipeError(
+                f"data.seq_len: prompt and response need at least 8 tokens, got {config.data.seq_len}"
+            )
+    if config.task == "dpo" and config.dpo.beta <= 0:
+        raise RecipeError(f"dpo.beta: must be positive, got {config.dpo.beta}")
+    if config.task == "pretrain":
+        return
+    if not config.init.parent:
+        raise RecipeError(
+            f"init.parent: the {config.task!r} task starts from a parent checkpoint "
+            "(a Hugging Face directory or a Forge manifest.json); none given"
+        )
+    from forge_trainer_agent.training.parents import ParentError, check_parent  # torch: import late
+
+    try:
+        check_parent(config.init.parent)
+    except ParentError as exc:
+        raise RecipeError(f"init.parent: {exc}") from None

@@ -1,5 +1,9 @@
 """Job entry point: ``python -m forge_trainer_agent.training.run --recipe NAME [--set k=v ...]``.
 
+Every task runs through here (``pretrain``, ``cpt``, ``sft``, ``reward``, ``dpo``); a task with a
+parent names it with ``--set init.parent=PATH``, which is checked (present, complete, checksums)
+before anything starts.
+
 Run directly for one process, or under ``torchrun`` (the agent's :class:`TorchrunRunner`) for
 several: the rank and world size come from torchrun's environment and the process group uses
 gloo on CPU, NCCL on GPU. SIGTERM (preemption) sets a flag the loop checks after every step;
@@ -22,7 +26,7 @@ import torch.distributed as dist
 
 from forge_kit.objectstore import ObjectStore
 from forge_trainer_agent.training import recipes
-from forge_trainer_agent.training.train import RunContext, pretrain
+from forge_trainer_agent.training.train import RunContext, train
 
 EXIT_BAD_RECIPE = 2
 
@@ -78,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
             world_size=world_size,
             should_stop=lambda: stop["requested"],
         )
-        result = pretrain(config, ctx)
+        result = train(config, ctx)
         if rank == 0:
             summary = {
                 "outcome": result.outcome,
@@ -86,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
                 "val_loss": result.val_loss,
                 "val_loss_per_char": result.val_loss_per_char,
                 "tokens_per_s": result.tokens_per_s,
+                "mfu": result.mfu,
+                "eval": result.eval_metrics,
                 "export_dir": str(result.export_dir) if result.export_dir else None,
             }
             print(json.dumps(summary), flush=True)

@@ -1,15 +1,21 @@
-"""The pre-training loop: ``LlamaForCausalLM``, AdamW, warmup + cosine, clipping, accumulation,
-DistributedDataParallel over whatever process group is initialised (gloo on CPU, NCCL on GPU).
+"""The training loop, the same for every task: DistributedDataParallel over whatever process group
+is initialised (gloo on CPU, NCCL on GPU), AdamW, warmup + cosine, clipping, accumulation.
+What differs per task (data, model, loss, evaluation, export) is an
+:class:`~forge_trainer_agent.training.objectives.Objective`.
 
-:func:`pretrain` runs these steps:
+:func:`train` runs these steps:
 
 1. validate the recipe for this world size (before any work);
-2. prepare the token shards (rank 0; the others wait at a barrier);
-3. build model, optimizer and schedule from the seed; wrap in DDP when ``world_size > 1``;
-4. resume from the newest complete checkpoint, if any (model, optimizer, schedule, RNG, sampler);
-5. for each step: read this rank's slice of the global batch, forward/backward per micro-batch
-   (gradient sync only on the last), clip, step, log metrics; evaluate and checkpoint on their
-   intervals; on a stop request (SIGTERM) checkpoint and return ``preempted``;
+2. build the objective from the seed: data (rank 0 prepares token shards first), model (from
+   scratch or from ``init.parent``), sampler; wrap the model in DDP when ``world_size > 1``;
+3. build optimizer and schedule;
+4. resume from the newest complete checkpoint, if any (model, optimizer, schedule, RNG, sampler
+   position, task state); on a fresh run log the starting model's metrics (step 0);
+5. for each step: take this rank's prefetched batch, forward/backward per micro-batch (gradient
+   sync only on the last) scaled by the step's global loss units, clip, step, log loss, figures,
+   tokens/s and MFU; evaluate and checkpoint on their intervals (a fixed step count or the
+   Young/Daly interval, re-planned after the first measured save); on a stop request (SIGTERM)
+   checkpoint and return ``preempted``;
 6. at the end: final checkpoint, wait for it to publish, export in Hugging Face format.
 """
 
@@ -22,29 +28,22 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 import structlog
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 from torch.nn.utils import clip_grad_norm_
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from forge_kit.objectstore import ObjectStore
 from forge_trainer_agent.training import recipes
-from forge_trainer_agent.training.checkpoint import CheckpointManager, Manifest
-from forge_trainer_agent.training.data import (
-    EOT,
-    PreparedData,
-    SamplerState,
-    StepSampler,
-    TokenShards,
-    prepare,
-)
-from forge_trainer_agent.training.export import export_hf
+from forge_trainer_agent.training.checkpoint import CheckpointManager, Manifest, optimal_interval_s
+from forge_trainer_agent.training.collectives import all_reduce, barrier
+from forge_trainer_agent.training.data import PreparedData, prepare
+from forge_trainer_agent.training.mfu import peak_flops
+from forge_trainer_agent.training.objectives import Objective, StepBatch, build_objective
+from forge_trainer_agent.training.prefetch import Prefetcher
 from forge_trainer_agent.training.recipes import TrainConfig
 
 log = structlog.get_logger(__name__)
@@ -81,24 +80,12 @@ class TrainResult:
     wall_s: float = 0.0
     export_dir: Path | None = None
     checkpoint_stalls_s: list[float] = field(default_factory=list)
-
-
-def model_config(config: TrainConfig, vocab_size: int, bos_eos: int) -> LlamaConfig:
-    m = config.model
-    return LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=m.hidden_size,
-        intermediate_size=m.intermediate_size,
-        num_hidden_layers=m.num_layers,
-        num_attention_heads=m.num_heads,
-        num_key_value_heads=m.num_kv_heads,
-        max_position_embeddings=config.data.seq_len,
-        rope_parameters={"rope_type": "default", "rope_theta": m.rope_theta},
-        bos_token_id=bos_eos,
-        eos_token_id=bos_eos,
-        pad_token_id=bos_eos,
-        tie_word_embeddings=False,
-    )
+    eval_metrics: dict[str, float] = field(default_factory=dict)
+    """The last evaluation's figures (``val_loss`` and the task's own)."""
+    mfu: float | None = None
+    """Model FLOPs utilisation over the whole run (see :mod:`mfu`)."""
+    checkpoint_interval_steps: int = 0
+    """The interval in force at the end (Young/Daly: as planned from the measured save)."""
 
 
 def lr_factor(config: TrainConfig) -> Callable[[int], float]:
@@ -133,87 +120,109 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state((np_state[0], np_state[1].numpy(), *np_state[2:]))
 
 
-def _batch(split: TokenShards, windows: list[int], seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    rows = np.stack([split.window(i, seq_len) for i in windows])
-    data = torch.from_numpy(rows)
-    return data[:, :-1], data[:, 1:]
+class _Metrics:
+    """``<run dir>/metrics.jsonl`` on rank 0 (other ranks write nothing)."""
+
+    def __init__(self, path: Path, rank: int, started: float, clock: Callable[[], float]) -> None:
+        self._file: IO[str] | None = path.open("a") if rank == 0 else None
+        self._started, self._clock = started, clock
+
+    def write(self, step: int, values: dict[str, Any]) -> None:
+        if self._file is not None:
+            line = {"step": step, **values, "time_s": self._clock() - self._started}
+            self._file.write(json.dumps(line) + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
 
 
-def _loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    logits = model(input_ids=x).logits
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+class _SavePlan:
+    """When to checkpoint: every ``interval_steps`` (``steps``), or (``young``/``daly``) first at
+    ``interval_steps`` after the start, then every interval planned from the measured save."""
+
+    def __init__(self, config: recipes.CheckpointConfig, first_step: int) -> None:
+        self.config = config
+        self.interval = config.interval_steps
+        self.next_step = first_step + config.interval_steps
+        self.measured = config.interval_policy == "steps"
+
+    def due(self, step: int) -> bool:
+        if not self.interval:
+            return False
+        if self.config.interval_policy == "steps":
+            return step % self.interval == 0
+        return step >= self.next_step
+
+    def saved(self, step: int) -> None:
+        self.next_step = step + self.interval
+
+    def plan(self, save_s: float, step_s: float, step: int) -> dict[str, Any]:
+        """Re-plan from the measured save time and step time (the same on every rank)."""
+        interval_s = optimal_interval_s(self.config.interval_policy, save_s, self.config.mtbf_s)
+        self.interval = max(1, round(interval_s / max(step_s, 1e-9)))
+        self.next_step = step + self.interval
+        self.measured = True
+        return {
+            "checkpoint_policy": self.config.interval_policy,
+            "checkpoint_save_s": save_s,
+            "checkpoint_mtbf_s": self.config.mtbf_s,
+            "checkpoint_interval_s": interval_s,
+            "checkpoint_interval_steps": self.interval,
+            "step_s": step_s,
+        }
 
 
-def _all_reduce_sum(values: list[float], world_size: int) -> list[float]:
-    if world_size == 1:
-        return values
-    t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t)
-    return [float(v) for v in t.tolist()]
+def _train_step(
+    objective: Objective, ddp: torch.nn.Module, batch: StepBatch, world_size: int
+) -> tuple[float, list[float], float]:
+    """Forward/backward every micro-batch; returns this rank's loss sum, figure sums and the
+    step's global loss units. Each micro-batch's summed loss is scaled by world size over the
+    global units, so DDP's gradient average is the mean over the whole global batch."""
+    (units,) = all_reduce([batch.units], world_size)
+    scale = world_size / max(units, 1.0)
+    loss_sum, figures = 0.0, [0.0] * len(objective.figure_names)
+    last = len(batch.micro) - 1
+    for i, micro in enumerate(batch.micro):
+        if i == last or not isinstance(ddp, DistributedDataParallel):
+            loss, figs = objective.loss(ddp, micro)
+            (loss * scale).backward()
+        else:
+            with ddp.no_sync():
+                loss, figs = objective.loss(ddp, micro)
+                (loss * scale).backward()
+        loss_sum += float(loss.detach())
+        figures = [a + b for a, b in zip(figures, figs, strict=True)]
+    return loss_sum, figures, units
 
 
-@torch.no_grad()
-def evaluate(
-    model: LlamaForCausalLM, val: TokenShards, config: TrainConfig, rank: int, world_size: int
-) -> float:
-    """Mean per-token loss on a fixed, evenly spread set of validation windows (split by rank)."""
-    count = config.eval_batches * config.micro_batch_size
-    n = val.num_windows(config.data.seq_len)
-    windows = [int(i) for i in np.linspace(0, n - 1, min(count, n)).astype(np.int64)]
-    mine = windows[rank::world_size]
-    was_training = model.training
-    model.eval()
-    total, tokens = 0.0, 0
-    for start in range(0, len(mine), config.micro_batch_size):
-        x, y = _batch(val, mine[start : start + config.micro_batch_size], config.data.seq_len)
-        total += float(_loss(model, x, y)) * y.numel()
-        tokens += y.numel()
-    model.train(was_training)
-    total, tokens_f = _all_reduce_sum([total, float(tokens)], world_size)
-    return total / tokens_f
-
-
-def _barrier(world_size: int) -> None:
-    if world_size > 1:
-        dist.barrier()
-
-
-def pretrain(config: TrainConfig, ctx: RunContext) -> TrainResult:
+def train(config: TrainConfig, ctx: RunContext) -> TrainResult:
     """Run (or resume) ``config``; steps 1-6 of the module docstring."""
     # 1. Validate.
     recipes.validate(config, ctx.world_size)
     if config.threads:
         torch.set_num_threads(config.threads)
     started = ctx.clock()
-    # 2. Data.
-    if ctx.rank == 0:
-        prepared = prepare(config.data, ctx.cache_dir)
-    _barrier(ctx.world_size)
-    if ctx.rank != 0:
-        prepared = prepare(config.data, ctx.cache_dir)
-    train_split, val_split = prepared.split("train"), prepared.split("val")
-    tok = prepared.tokenizer()
-    eot = tok.token_to_id(EOT)
-    if eot is None:
-        raise RuntimeError(f"the tokenizer in {prepared.root} has no {EOT} token")
-    # 3. Model, optimizer, schedule.
+    # 2. Objective: data, model, sampler.
     torch.manual_seed(config.seed)
     random.seed(config.seed)
     np.random.seed(config.seed)
-    model = LlamaForCausalLM(model_config(config, tok.get_vocab_size(), eot))
-    model.train()
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    objective = build_objective(config, ctx.rank, ctx.world_size, ctx.cache_dir)
+    model = objective.model
+    # 3. Optimizer and schedule.
     o = config.optim
+    trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        [
+            {"params": [p for p in trainable if p.dim() >= 2], "weight_decay": o.weight_decay},
+            {"params": [p for p in trainable if p.dim() < 2], "weight_decay": 0.0},
+        ],
         lr=o.lr,
         betas=(o.beta1, o.beta2),
         foreach=False,
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(config))
-    seq_len = config.data.seq_len
-    sampler = StepSampler(train_split.num_windows(seq_len), config.global_batch_size, config.seed)
     ckpt = CheckpointManager(
         ctx.store,
         ctx.run_id,
@@ -223,7 +232,9 @@ def pretrain(config: TrainConfig, ctx: RunContext) -> TrainResult:
         async_save=config.checkpoint.async_save,
         on_published=ctx.on_published,
     )
-    # 4. Resume.
+    ctx.run_dir.mkdir(parents=True, exist_ok=True)
+    metrics = _Metrics(ctx.run_dir / "metrics.jsonl", ctx.rank, started, ctx.clock)
+    # 4. Resume, or measure the starting point.
     step = 0
     manifest = ckpt.latest_manifest()
     if manifest is not None:
@@ -231,112 +242,133 @@ def pretrain(config: TrainConfig, ctx: RunContext) -> TrainResult:
         model.load_state_dict(main["model"])
         optimizer.load_state_dict(main["optimizer"])
         scheduler.load_state_dict(main["scheduler"])
-        sampler.state = SamplerState(**main["sampler"])
+        objective.sampler.load_state_dict(main["sampler"])
+        objective.load_state_dict(main.get("objective", {}))
         own = ckpt.load_shard(manifest, ctx.rank) if ctx.rank < manifest.world_size else main
         _set_rng_state(own["rng"])
         step = int(main["step"])
         ckpt.last_published = manifest
         log.info("train.resumed", step=step, manifest=manifest.key, from_world_size=manifest.world_size)
+    else:
+        baseline = objective.start()
+        if baseline:
+            metrics.write(0, baseline)
+    position = objective.sampler.state_dict()
     ddp: torch.nn.Module = DistributedDataParallel(model) if ctx.world_size > 1 else model
-    accum = config.grad_accum_steps(ctx.world_size)
-    meta = {"recipe": config.name, "recipe_hash": config.recipe_hash(), "data_hash": prepared.data_hash}
+    meta = {
+        "recipe": config.name,
+        "recipe_hash": config.recipe_hash(),
+        "data_hash": objective.data_hash,
+        "config": config.to_dict(),
+        **objective.model_meta(),
+    }
+    if config.init.parent:
+        meta["init_parent"] = config.init.parent
 
-    def save(at: int, metrics: dict[str, float]) -> None:
+    def save(at: int, figures: dict[str, float]) -> None:
         state: dict[str, Any] = {"step": at, "rng": _rng_state()}
         if ctx.rank == 0:
             state.update(
                 model=model.state_dict(),
                 optimizer=optimizer.state_dict(),
                 scheduler=scheduler.state_dict(),
-                sampler={"epoch": sampler.state.epoch, "cursor": sampler.state.cursor},
+                sampler=position,
+                objective=objective.state_dict(),
+                tokenizer=objective.tokenizer_json,
             )
-        ckpt.save(at, state, {**meta, "metrics": metrics})
+        ckpt.save(at, state, {**meta, "metrics": figures})
 
-    ctx.run_dir.mkdir(parents=True, exist_ok=True)
-    metrics_file = (ctx.run_dir / "metrics.jsonl").open("a") if ctx.rank == 0 else None
     result = TrainResult(outcome="succeeded", step=step)
-    tokens_per_step = config.global_batch_size * seq_len
-    window_tokens, window_start = 0, ctx.clock()
-    loop_start = window_start
+    plan = _SavePlan(config.checkpoint, step)
+    peak = peak_flops(config.metrics, next(model.parameters()).device) * ctx.world_size
+    prefetch = Prefetcher(objective.draw, count=config.max_steps - step, depth=config.data.prefetch_batches)
+    window_tokens, window_flops, window_start = 0.0, 0.0, ctx.clock()
+    loop_start, total_tokens, total_flops, steps_run = window_start, 0.0, 0.0, 0
     last: dict[str, float] = {}
     try:
         # 5. Steps.
         while step < config.max_steps:
-            windows = sampler.next_step(ctx.rank, ctx.world_size)
-            loss_sum = 0.0
-            for micro in range(accum):
-                part = windows[micro * config.micro_batch_size : (micro + 1) * config.micro_batch_size]
-                x, y = _batch(train_split, part, seq_len)
-                sync = micro == accum - 1 or not isinstance(ddp, DistributedDataParallel)
-                if sync:
-                    loss = _loss(ddp, x, y)
-                    (loss / accum).backward()
-                else:
-                    with ddp.no_sync():  # type: ignore[operator]
-                        loss = _loss(ddp, x, y)
-                        (loss / accum).backward()
-                loss_sum += float(loss.detach())
-            grad_norm = float(
-                clip_grad_norm_(model.parameters(), o.grad_clip if o.grad_clip > 0 else float("inf"))
-            )
+            batch = prefetch.next()
+            loss_sum, figures, units = _train_step(objective, ddp, batch, ctx.world_size)
+            grad_norm = float(clip_grad_norm_(trainable, o.grad_clip if o.grad_clip > 0 else float("inf")))
             lr = scheduler.get_last_lr()[0]
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-            step += 1
-            (mean_loss,) = _all_reduce_sum([loss_sum / accum], ctx.world_size)
-            mean_loss /= ctx.world_size
-            result.losses[step] = mean_loss
-            window_tokens += tokens_per_step
-            last = {"loss": mean_loss, "lr": float(lr), "grad_norm": grad_norm}
+            step, steps_run, position = step + 1, steps_run + 1, batch.position
+            loss_total, tokens, flops, *figure_sums = all_reduce(
+                [loss_sum, batch.tokens, batch.flops, *figures], ctx.world_size
+            )
+            result.losses[step] = loss_total / units
+            window_tokens, window_flops = window_tokens + tokens, window_flops + flops
+            total_tokens, total_flops = total_tokens + tokens, total_flops + flops
+            last = {"loss": result.losses[step], "lr": float(lr), "grad_norm": grad_norm}
+            last.update(
+                {name: v / units for name, v in zip(objective.figure_names, figure_sums, strict=True)}
+            )
             if step % config.log_interval == 0 or step == config.max_steps:
                 now = ctx.clock()
-                last["tokens_per_s"] = window_tokens / max(now - window_start, 1e-9)
-                window_tokens, window_start = 0, now
-                if metrics_file is not None:
-                    metrics_file.write(json.dumps({"step": step, **last, "time_s": now - started}) + "\n")
-                    metrics_file.flush()
+                elapsed = max(now - window_start, 1e-9)
+                last["tokens_per_s"] = window_tokens / elapsed
+                last["mfu"] = window_flops / elapsed / peak
+                window_tokens, window_flops, window_start = 0.0, 0.0, now
+                metrics.write(step, last)
             if step % config.eval_interval == 0 or step == config.max_steps:
-                result.val_loss = evaluate(model, val_split, config, ctx.rank, ctx.world_size)
-                last["val_loss"] = result.val_loss
-                if metrics_file is not None:
-                    metrics_file.write(json.dumps({"step": step, "val_loss": result.val_loss}) + "\n")
-                    metrics_file.flush()
+                result.eval_metrics = objective.evaluate()
+                last.update(result.eval_metrics)
+                metrics.write(step, result.eval_metrics)
             if ctx.stop_after_step is not None and step >= ctx.stop_after_step:
                 ckpt.wait()
                 result.outcome, result.step = "stopped", step
                 return result
-            (stop,) = _all_reduce_sum([1.0 if ctx.should_stop() else 0.0], ctx.world_size)
+            (stop,) = all_reduce([1.0 if ctx.should_stop() else 0.0], ctx.world_size)
             if stop > 0:
                 save(step, last)
                 ckpt.wait()
                 result.outcome, result.step = "preempted", step
                 return result
-            if (
-                config.checkpoint.interval_steps
-                and step % config.checkpoint.interval_steps == 0
-                and step < config.max_steps
-            ):
+            if plan.due(step) and step < config.max_steps:
                 save(step, last)
+                plan.saved(step)
+                if not plan.measured:
+                    ckpt.wait()  # once: the planned interval needs the whole save's duration
+                    own_save_s = ckpt.stats.stalls_s[-1] + ckpt.stats.writes_s[-1]
+                    own_step_s = (ctx.clock() - loop_start) / steps_run
+                    save_s, step_s = all_reduce([own_save_s, own_step_s], ctx.world_size, op="max")
+                    chosen = plan.plan(save_s, step_s, step)
+                    log.info("checkpoint.interval", **chosen)
+                    metrics.write(step, chosen)
         # 6. Final checkpoint and export.
         elapsed = ctx.clock() - loop_start
+        if not result.eval_metrics:
+            result.eval_metrics = objective.evaluate()
+            last.update(result.eval_metrics)
         if ckpt.last_published is None or ckpt.last_published.step != step:
             save(step, last)
         ckpt.wait()
         result.step = step
         result.wall_s = elapsed
-        result.tokens_per_s = tokens_per_step * len(result.losses) / max(elapsed, 1e-9)
-        if result.val_loss is None:
-            result.val_loss = evaluate(model, val_split, config, ctx.rank, ctx.world_size)
-        result.val_loss_per_char = result.val_loss / val_split.chars_per_token
+        result.tokens_per_s = total_tokens / max(elapsed, 1e-9)
+        result.mfu = total_flops / max(elapsed, 1e-9) / peak if steps_run else None
+        result.val_loss = result.eval_metrics.get("val_loss")
+        if result.val_loss is not None and objective.chars_per_token:
+            result.val_loss_per_char = result.val_loss / objective.chars_per_token
+        result.checkpoint_interval_steps = plan.interval
         if ctx.export and ctx.rank == 0:
-            result.export_dir = export_hf(model, prepared.tokenizer_path, ctx.run_dir / "hf")
-        _barrier(ctx.world_size)
+            result.export_dir = objective.export(ctx.run_dir / "hf")
+        barrier(ctx.world_size)
         return result
     finally:
+        prefetch.close()
         result.checkpoint_stalls_s = list(ckpt.stats.stalls_s)
-        if metrics_file is not None:
-            metrics_file.close()
+        metrics.close()
+
+
+def pretrain(config: TrainConfig, ctx: RunContext) -> TrainResult:
+    """:func:`train` for a ``pretrain`` recipe (refuses the other tasks, which need a parent)."""
+    if config.task != "pretrain":
+        raise recipes.RecipeError(f"task: pretrain() runs the 'pretrain' task, got {config.task!r}")
+    return train(config, ctx)
 
 
 def prepared_for(config: TrainConfig, cache_dir: Path) -> PreparedData:

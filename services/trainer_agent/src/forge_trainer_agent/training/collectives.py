@@ -1,0 +1,20 @@
+"""The few collectives the training loop needs, no-ops in a single process."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def barrier(world_size: int) -> None:
+    if world_size > 1:
+        dist.barrier()
+
+
+def all_reduce(values: list[float], world_size: int, op: str = "sum") -> list[float]:
+    """Element-wise sum (or max) of ``values`` over all ranks, in float64."""
+    if world_size == 1:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+    return [float(v) for v in t.tolist()]
