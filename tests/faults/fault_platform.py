@@ -63,7 +63,7 @@ def wait_ready(process: ServiceProcess, timeout_s: float = 60.0) -> None:
     raise TimeoutError(f"{process.module} not ready in {timeout_s}s")
 
 
-def start_platform(root: Path) -> Platform:
+def start_platform(root: Path, scheduler_env: dict[str, str] | None = None) -> Platform:
     broker = TansuBroker(log_path=str(root / "tansu.log")).start()
     asyncio.run(ensure_topics(broker.bootstrap))
     temporal = TemporalDevServer(
@@ -78,6 +78,7 @@ def start_platform(root: Path) -> Platform:
             "FORGE_SCHEDULER_DATA_DIR": str(root / "scheduler"),
             "FORGE_SCHEDULER_KAFKA_BOOTSTRAP": broker.bootstrap,
             "FORGE_SCHEDULER_AUTH_TOKEN": SCHEDULER_TOKEN,
+            **(scheduler_env or {}),
         },
         log_path=str(root / "scheduler.log"),
     ).start()
