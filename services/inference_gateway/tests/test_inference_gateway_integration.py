@@ -15,6 +15,7 @@ from forge.common.v1 import common_pb2
 from forge.events.v1 import events_pb2
 
 from forge_inference_gateway.openai_api import install_gateway_api
+from forge_inference_gateway.routing import ReplicaPool
 from forge_inference_gateway.service import InferenceGateway
 from forge_inference_gateway.upstream import ModelServerClient
 from forge_kit.cache import InMemoryCache
@@ -55,8 +56,8 @@ async def gateway_in_front_of(
     model_server: ServiceProcess, db: Database, upstream_token: str
 ) -> AsyncIterator[httpx.AsyncClient]:
     """The gateway app in process, calling the model_server process with ``upstream_token``."""
-    upstream = ModelServerClient(model_server.http_url, upstream_token)
-    gateway = InferenceGateway(db, InMemoryCache(), upstream, request_timeout_s=10)
+    pool = ReplicaPool([model_server.http_url], lambda url: ModelServerClient(url, upstream_token))
+    gateway = InferenceGateway(db, InMemoryCache(), pool, request_timeout_s=10)
     await gateway.bootstrap(TENANT_KEY)
     app = make_app("inference_gateway")
     install_gateway_api(app, gateway, GATEWAY_TOKEN)
@@ -68,7 +69,7 @@ async def gateway_in_front_of(
         ) as client:
             yield client
     finally:
-        await upstream.close()
+        await pool.close()
 
 
 @pytest.fixture

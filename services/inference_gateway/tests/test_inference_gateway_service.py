@@ -142,3 +142,48 @@ async def test_consumer_applies_a_promotion_once(
         await gateway.apply_model_promoted(promoted("tiny", "2"), session)
     assert await consumer.handle(record) is False
     assert (await gateway.resolve_model("forge-chat"))[0] == "tiny:2"
+
+
+async def test_reads_are_loaded_once_for_concurrent_requests_and_never_after_a_change() -> None:
+    import asyncio
+
+    from forge_inference_gateway.service import _ReadThrough
+
+    now = [0.0]
+    cache: _ReadThrough[str, int] = _ReadThrough(ttl_s=1.0, clock=lambda: now[0])
+    loads = []
+    gate = asyncio.Event()
+
+    async def load() -> int:
+        loads.append(1)
+        await gate.wait()
+        return len(loads)
+
+    readers = [asyncio.create_task(cache.get("k", load)) for _ in range(20)]
+    await asyncio.sleep(0)
+    gate.set()
+    assert await asyncio.gather(*readers) == [1] * 20 and len(loads) == 1
+    assert await cache.get("k", load) == 1  # fresh
+    now[0] = 1.5
+    assert await cache.get("k", load) == 1  # expired: answered stale while one read refreshes it
+    await asyncio.sleep(0.01)
+    assert len(loads) == 2 and await cache.get("k", load) == 2
+    # A change (clear) while a read is in flight: that read's result is not kept.
+    gate.clear()
+    cache.clear()
+    stale = asyncio.create_task(cache.get("k", load))
+    await asyncio.sleep(0)
+    cache.clear()
+    gate.set()
+    assert await stale == 3
+    assert await cache.get("k", load) == 4
+    # A refresh that fails drops the entry instead of serving it on.
+    now[0] = 10.0
+
+    async def gone() -> int:
+        raise KeyError("k")
+
+    assert await cache.get("k", gone) == 4
+    await asyncio.sleep(0.01)
+    with pytest.raises(KeyError):
+        await cache.get("k", gone)

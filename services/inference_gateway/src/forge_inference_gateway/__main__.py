@@ -1,4 +1,5 @@
-"""Inference gateway process: settings → database → tenants → consumer → gRPC + HTTP servers."""
+"""Inference gateway process: settings → database → replica pool → tenants → consumer and control
+loop → gRPC + HTTP servers."""
 
 from __future__ import annotations
 
@@ -8,9 +9,13 @@ from pathlib import Path
 from forge.events.v1 import events_pb2
 from forge.inference.v1 import inference_pb2, inference_pb2_grpc
 
+from forge_inference_gateway.admission import Admission
 from forge_inference_gateway.api import GatewayInferenceApi
+from forge_inference_gateway.autoscaling import Autoscaler
 from forge_inference_gateway.config import InferenceGatewaySettings
 from forge_inference_gateway.openai_api import install_gateway_api
+from forge_inference_gateway.response_cache import ResponseCache
+from forge_inference_gateway.routing import ReplicaPool
 from forge_inference_gateway.service import InferenceGateway
 from forge_inference_gateway.upstream import ModelServerClient
 from forge_kit.app import ServiceApp
@@ -25,16 +30,35 @@ async def main() -> None:
     app = ServiceApp(settings)
     db = await app.open_database("inference_gateway.db", Path(__file__).parent / "migrations")
     cache = make_cache(settings.redis_url, app.name)
-    upstream = ModelServerClient(settings.model_server_url, settings.model_server_token.get_secret_value())
+    token = settings.model_server_token.get_secret_value()
+    pool = ReplicaPool(
+        settings.replica_urls(), lambda url: ModelServerClient(url, token), settings.routing_policy()
+    )
+    admission = Admission(pool, settings.admission_policy())
     gateway = InferenceGateway(
         db,
         cache,
-        upstream,
+        pool,
+        admission=admission,
+        autoscaler=Autoscaler(admission, settings.autoscale_policy()),
+        responses=(
+            ResponseCache(cache, settings.response_cache_ttl_s, settings.response_cache_max_bytes)
+            if settings.response_cache_ttl_s > 0
+            else None
+        ),
+        upstream_priority=settings.upstream_priority,
+        upstream_attempts=settings.upstream_attempts,
         default_rpm_limit=settings.default_rpm_limit,
         request_timeout_s=settings.request_timeout_s,
         internal_token=app.token,
+        alias_ttl_s=settings.alias_cache_ttl_s,
+        tenant_ttl_s=settings.tenant_cache_ttl_s,
+        metrics_interval_s=settings.metrics_interval_s,
+        replica_sync_s=settings.replica_sync_s,
     )
     await gateway.bootstrap(settings.bootstrap_api_key.get_secret_value())
+    app.add_background(gateway.run_control_loop)
+    app.add_on_stop(gateway.stop)
     if settings.kafka_enabled:
         consumer = EventConsumer(
             db,
@@ -45,7 +69,6 @@ async def main() -> None:
         )
         app.add_background(consumer.run)
         app.add_on_stop(consumer.stop)
-    app.add_on_stop(upstream.close)
     app.add_on_stop(cache.close)
     http = app.http_app()
     install_gateway_api(http, gateway, app.token)

@@ -1,8 +1,9 @@
 """gRPC servicer of the public ``forge.inference.v1.InferenceService``: translation only.
 
 Callers authenticate with the service token (the kit's interceptor); the tenant charged is the
-request's ``tenant`` field, ``default`` when empty. Generation is forwarded to the model server's
-streaming HTTP API and its server-sent events are translated into ``GenerateResponse`` chunks.
+request's ``tenant`` field, ``default`` when empty. Generation goes through the same routing,
+admission and cache as the HTTP API, to a model server's streaming HTTP API, and its server-sent
+events are translated into ``GenerateResponse`` chunks; each names the model version that served it.
 """
 
 from __future__ import annotations
@@ -88,13 +89,11 @@ class GatewayInferenceApi(inference_pb2_grpc.InferenceServiceServicer):
         except errors.NotFoundError:
             raise errors.ValidationError("tenant", f"unknown tenant {request.tenant!r}") from None
         await self._gateway.admit(tenant)
-        body = await self._gateway.prepare(body)
-        ref = _ref(str(body["model"]))
         request_id = request.request_id or uuid.uuid4().hex
         deadline = self._gateway.deadline(context.time_remaining())
         try:
-            async for chunk in self._gateway.generate(body, chat=chat, deadline=deadline):
-                yield chunk_to_proto(chunk, ref, request_id)
+            async for routed, chunk in self._gateway.generate(tenant, body, chat=chat, deadline=deadline):
+                yield chunk_to_proto(chunk, _ref(routed.target), request_id)
         except UpstreamUnavailableError as exc:
             context.set_trailing_metadata((("retry-after-ms", str(int(exc.retry_after_s * 1000))),))
             await context.abort(grpc.StatusCode.UNAVAILABLE, exc.message)
@@ -105,13 +104,24 @@ class GatewayInferenceApi(inference_pb2_grpc.InferenceServiceServicer):
         self, request: inference_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> inference_pb2.ListModelsResponse:
         try:
-            cards = await self._gateway.list_models(self._gateway.deadline(context.time_remaining()))
+            cards = await self._gateway.list_models()
         except (UpstreamUnavailableError, UpstreamError) as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, exc.message)
         aliases: dict[str, list[str]] = {}
+        # Share of an alias's traffic each model gets: a canary its weight, the stable the rest.
+        traffic: dict[str, int] = {}
         for card in cards:
-            if "alias_of" in card:
-                aliases.setdefault(str(card["alias_of"]).partition(":")[0], []).append(str(card["id"]))
+            if "alias_of" not in card:
+                continue
+            stable = str(card["alias_of"]).partition(":")[0]
+            aliases.setdefault(stable, []).append(str(card["id"]))
+            canary = card.get("canary")
+            if isinstance(canary, dict):
+                weight = int(canary["weight"])
+                traffic[stable] = min(traffic.get(stable, 100), 100 - weight)
+                canary_name = str(canary["model"]).partition(":")[0]
+                aliases.setdefault(canary_name, []).append(str(card["id"]))
+                traffic[canary_name] = max(traffic.get(canary_name, 0), weight)
         models = []
         for card in cards:
             if "alias_of" in card:
@@ -122,9 +132,9 @@ class GatewayInferenceApi(inference_pb2_grpc.InferenceServiceServicer):
                 inference_pb2.ServedModel(
                     ref=common_pb2.ModelRef(name=name, version=str(card.get("version") or "")),
                     aliases=aliases.get(name, []),
-                    traffic_percent=100,
+                    traffic_percent=traffic.get(name, 100),
                     max_context_tokens=context_len if isinstance(context_len, int) else 0,
-                    ready_replicas=1,
+                    ready_replicas=int(str(card.get("ready_replicas", 0))),
                 )
             )
         return inference_pb2.ListModelsResponse(models=models)

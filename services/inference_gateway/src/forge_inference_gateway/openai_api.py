@@ -3,8 +3,10 @@
 ``/v1/*`` takes a tenant API key (``Authorization: Bearer <key>``); ``/admin/v1/*`` takes the
 service's own token. Upstream answers pass through as they are (a 404 from the model server stays
 a 404 with its body; a stream is relayed byte for byte); the gateway's own errors use the OpenAI
-error format too: 401 without a valid key, 429 with ``Retry-After`` over the rate limit, 503 with
-``Retry-After`` when the model server is down, 504 past the deadline — never a stack trace.
+error format too: 401 without a valid key, 429 with ``Retry-After`` over the rate limit or when the
+model's queue sheds the request, 503 with ``Retry-After`` when no replica can be reached, 504 past
+the deadline — never a stack trace. Every answer that went through routing names the model version
+that served it in ``x-forge-model``; a deterministic request says ``x-forge-cache: hit|miss``.
 """
 
 from __future__ import annotations
@@ -13,24 +15,23 @@ import asyncio
 import json
 import math
 import time
-from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from dataclasses import asdict
 
-import httpx
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import Counter
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
-from forge_inference_gateway.service import PRIORITY_CLASSES, InferenceGateway, Tenant
-from forge_inference_gateway.upstream import UpstreamError, UpstreamUnavailableError, error_for
+from forge_inference_gateway.service import PRIORITY_CLASSES, Alias, InferenceGateway, Tenant
+from forge_inference_gateway.upstream import StreamBroken, UpstreamError, UpstreamUnavailableError, error_for
 from forge_kit import errors
 from forge_kit.http import require_token
 from forge_kit.openai_errors import install_openai_error_handlers, openai_error
 
 REQUESTS = Counter("forge_gateway_requests_total", "Public API requests answered", ["route", "status"])
-# Upstream headers worth relaying; hop-by-hop and length headers are the server's business.
-_RELAYED_HEADERS = ("content-type", "retry-after", "x-request-id")
+#: Request header that keeps a canary split sticky for a session when the body has no ``user``.
+SESSION_HEADER = "x-session-id"
 
 
 def _sse_error(message: str, type_: str) -> bytes:
@@ -42,6 +43,20 @@ class TenantBody(BaseModel):
     name: str
     priority_class: str = PRIORITY_CLASSES[0]
     rpm_limit: int | None = None
+
+
+class ModelRefBody(BaseModel):
+    name: str
+    version: str = ""
+
+
+class CanaryBody(BaseModel):
+    model: ModelRefBody
+    weight: int = Field(ge=0, le=100)
+
+
+class ReplicaBody(BaseModel):
+    url: str
 
 
 def _bearer(request: Request) -> str:
@@ -61,8 +76,7 @@ class GatewayRoutes:
         request.state.tenant = tenant
 
     async def list_models(self) -> dict[str, object]:
-        cards = await self._gateway.list_models(self._gateway.deadline())
-        return {"object": "list", "data": cards}
+        return {"object": "list", "data": await self._gateway.list_models()}
 
     async def completions(self, request: Request) -> Response:
         return await self._forward("/v1/completions", request)
@@ -76,30 +90,23 @@ class GatewayRoutes:
             raw = json.loads(await request.body())
         except ValueError as exc:
             raise errors.ValidationError("body", f"malformed JSON: {exc}") from None
-        body = await self._gateway.prepare(raw)
-        upstream = self._gateway.upstream
-        if not body.get("stream"):
-            reply = await upstream.request("POST", path, deadline, body)
-            return self._relay(path, reply.status_code, reply.content, reply.headers)
-        stack = AsyncExitStack()
-        reply = await stack.enter_async_context(upstream.stream(path, body, deadline))
-        if reply.status_code != 200:
-            content = await reply.aread()
-            await stack.aclose()
-            return self._relay(path, reply.status_code, content, reply.headers)
+        routed = await self._gateway.route(
+            request.state.tenant, path, raw, session_key=request.headers.get(SESSION_HEADER)
+        )
+        forwarded = await self._gateway.forward(routed, deadline)
+        if forwarded.chunks is None:
+            return self._relay(path, forwarded.status, forwarded.content, forwarded.headers)
         REQUESTS.labels(path, "200").inc()
         return StreamingResponse(
-            self._relay_stream(reply.aiter_bytes(), stack, deadline),
+            self._relay_stream(forwarded.chunks, deadline),
             status_code=200,
             media_type="text/event-stream",
-            headers={k: v for k, v in reply.headers.items() if k in ("x-request-id",)}
+            headers={k: v for k, v in forwarded.headers.items() if k != "content-type"}
             | {"Cache-Control": "no-cache"},
         )
 
     @staticmethod
-    async def _relay_stream(
-        chunks: AsyncIterator[bytes], stack: AsyncExitStack, deadline: float
-    ) -> AsyncIterator[bytes]:
+    async def _relay_stream(chunks: AsyncGenerator[bytes, None], deadline: float) -> AsyncIterator[bytes]:
         # The upstream connection is closed when this generator ends for any reason, including
         # the client going away (Starlette cancels it), which cancels the request upstream.
         try:
@@ -108,14 +115,14 @@ class GatewayRoutes:
                     yield chunk
         except TimeoutError:
             yield _sse_error("deadline exceeded", "timeout")
-        except httpx.HTTPError as exc:
+        except StreamBroken as exc:
             # Headers are sent: the failure can only travel as an event, as vLLM reports it mid-stream.
             yield _sse_error(f"model server stream broke: {type(exc).__name__}", "upstream_error")
         finally:
-            await stack.aclose()
+            await chunks.aclose()
 
     @staticmethod
-    def _relay(path: str, status: int, content: bytes, headers: object) -> Response:
+    def _relay(path: str, status: int, content: bytes, headers: Mapping[str, str]) -> Response:
         # The caller can act on the upstream's 4xx; a 5xx or a refusal of the gateway's own
         # credentials is the gateway's problem, reported without the upstream's body.
         if status in (401, 403) or (status >= 500 and status != 503):
@@ -123,10 +130,27 @@ class GatewayRoutes:
             message = error_for(status, content).message
             return openai_error(502, message, type_="upstream_error", code="bad_gateway")
         REQUESTS.labels(path, str(status)).inc()
-        relayed = {k: v for k, v in headers.items() if k.lower() in _RELAYED_HEADERS}  # type: ignore[attr-defined]
+        relayed = dict(headers)
         if status == 503:
             relayed.setdefault("retry-after", "1")
         return Response(content=content, status_code=status, headers=relayed)
+
+
+def _alias_view(alias: Alias) -> dict[str, object]:
+    return {
+        "alias": alias.alias,
+        "model": {"name": alias.model_name, "version": alias.model_version},
+        "stage": alias.stage,
+        "updated_at": alias.updated_at,
+        "canary": (
+            {
+                "model": {"name": alias.canary_name, "version": alias.canary_version},
+                "weight": alias.canary_weight,
+            }
+            if alias.canary_name
+            else None
+        ),
+    }
 
 
 class AdminRoutes:
@@ -134,17 +158,14 @@ class AdminRoutes:
         self._gateway = gateway
 
     async def aliases(self) -> dict[str, object]:
-        return {
-            "aliases": [
-                {
-                    "alias": a.alias,
-                    "model": {"name": a.model_name, "version": a.model_version},
-                    "stage": a.stage,
-                    "updated_at": a.updated_at,
-                }
-                for a in await self._gateway.list_aliases()
-            ]
-        }
+        return {"aliases": [_alias_view(a) for a in await self._gateway.list_aliases()]}
+
+    async def set_canary(self, alias: str, body: CanaryBody) -> dict[str, object]:
+        updated = await self._gateway.set_canary(alias, body.model.name, body.model.version, body.weight)
+        return _alias_view(updated)
+
+    async def rollback_canary(self, alias: str) -> dict[str, object]:
+        return _alias_view(await self._gateway.rollback_canary(alias))
 
     async def tenants(self) -> dict[str, object]:
         return {"tenants": [t.__dict__ for t in await self._gateway.list_tenants()]}
@@ -152,6 +173,20 @@ class AdminRoutes:
     async def create_tenant(self, body: TenantBody) -> JSONResponse:
         tenant, api_key = await self._gateway.create_tenant(body.name, body.priority_class, body.rpm_limit)
         return JSONResponse({"tenant": tenant.__dict__, "api_key": api_key}, status_code=201)
+
+    async def replicas(self) -> dict[str, object]:
+        return {"replicas": [r.view() for r in self._gateway.pool.replicas()]}
+
+    async def add_replica(self, body: ReplicaBody) -> JSONResponse:
+        replica = await self._gateway.add_replica(body.url)
+        return JSONResponse(replica.view(), status_code=201)
+
+    async def remove_replica(self, url: str) -> Response:
+        await self._gateway.remove_replica(url)
+        return Response(status_code=204)
+
+    async def autoscaling(self) -> dict[str, object]:
+        return {"models": [asdict(r) for r in self._gateway.autoscaling()]}
 
 
 def install_gateway_api(app: FastAPI, gateway: InferenceGateway, admin_token: str | None) -> None:
@@ -163,9 +198,18 @@ def install_gateway_api(app: FastAPI, gateway: InferenceGateway, admin_token: st
     app.add_api_route("/v1/chat/completions", public.chat_completions, methods=["POST"], dependencies=tenant)
     admin = AdminRoutes(gateway)
     auth = [Depends(require_token(admin_token))]
-    app.add_api_route("/admin/v1/aliases", admin.aliases, methods=["GET"], dependencies=auth)
-    app.add_api_route("/admin/v1/tenants", admin.tenants, methods=["GET"], dependencies=auth)
-    app.add_api_route("/admin/v1/tenants", admin.create_tenant, methods=["POST"], dependencies=auth)
+    for path, endpoint, method in (
+        ("/admin/v1/aliases", admin.aliases, "GET"),
+        ("/admin/v1/aliases/{alias}/canary", admin.set_canary, "PUT"),
+        ("/admin/v1/aliases/{alias}/canary", admin.rollback_canary, "DELETE"),
+        ("/admin/v1/tenants", admin.tenants, "GET"),
+        ("/admin/v1/tenants", admin.create_tenant, "POST"),
+        ("/admin/v1/replicas", admin.replicas, "GET"),
+        ("/admin/v1/replicas", admin.add_replica, "POST"),
+        ("/admin/v1/replicas", admin.remove_replica, "DELETE"),
+        ("/admin/v1/autoscaling", admin.autoscaling, "GET"),
+    ):
+        app.add_api_route(path, endpoint, methods=[method], dependencies=auth)
 
     install_openai_error_handlers(app)
 

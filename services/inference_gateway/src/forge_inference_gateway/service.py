@@ -1,43 +1,93 @@
-"""Gateway domain logic: tenants and API keys, admission (rate limits), model aliases, routing.
+"""Gateway domain logic: tenants, admission, model aliases with canaries, routing, the response cache.
 
-A request goes through these steps, in the routes and the gRPC servicer alike:
+A request goes through these steps, in the HTTP routes and the gRPC servicer alike:
 
 1. authenticate the API key to a tenant (keys are stored as SHA-256 hashes only);
 2. admit it against the tenant's requests-per-minute bucket (the shared cache: Redis or in-process);
-3. resolve its ``model`` through the alias table (``forge-chat`` → the production model);
-4. forward it to the model server with what is left of the request's deadline.
+3. :meth:`InferenceGateway.route`: resolve ``model`` through the alias table, splitting an alias's
+   traffic to its canary by a sticky hash of the user (or session, or the request), and give the
+   request its priority level (the tenant's class, lowered by the request's ``priority``);
+4. :meth:`InferenceGateway.forward`: answer a deterministic request from the response cache, or
+   take a slot on a replica (:mod:`admission`, :mod:`routing`) — queueing in priority order, shed
+   with 429 when the model's queue is full — and send it there with what is left of the deadline,
+   trying another replica when one cannot be reached or is full.
 
-Aliases change only through ``ModelPromoted`` events (:meth:`InferenceGateway.apply_model_promoted`,
-the consumer's handler) so every gateway replica converges on the registry's decision.
+Aliases change through ``ModelPromoted`` events (:meth:`InferenceGateway.apply_model_promoted`, the
+consumer's handler), so every gateway replica converges on the registry's decision, and through the
+admin API (canary weight, rollback). :meth:`InferenceGateway.run_control_loop` keeps the replica set,
+their scraped load and the autoscaling signal current.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
 import json
 import re
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 import sqlalchemy as sa
+import structlog
 from forge.events.v1 import events_pb2
 from google.protobuf.message import Message
+from prometheus_client import Counter, Histogram
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from forge_inference_gateway.store import ModelAliasRow, TenantRow, utcnow
-from forge_inference_gateway.upstream import ModelServerClient, UpstreamError, error_for
+from forge_inference_gateway.admission import LEVELS, Admission, Lease, level_for
+from forge_inference_gateway.autoscaling import Autoscaler, Recommendation
+from forge_inference_gateway.response_cache import (
+    CACHE_HEADER,
+    ResponseCache,
+    cache_key,
+    complete_stream,
+    is_deterministic,
+)
+from forge_inference_gateway.routing import NoReplicaError, Replica, ReplicaPool, normalize_url
+from forge_inference_gateway.store import ModelAliasRow, TenantRow, UpstreamReplicaRow, utcnow
+from forge_inference_gateway.upstream import StreamReply, UpstreamError, UpstreamUnavailableError, error_for
 from forge_kit import errors
 from forge_kit.cache import Cache
 from forge_kit.db import Database
 
-PRIORITY_CLASSES = ("interactive", "batch")
+log = structlog.get_logger(__name__)
+
+PRIORITY_CLASSES = LEVELS
 BOOTSTRAP_TENANT = "default"
 #: Stage whose model the public alias ``forge-chat`` serves.
 PUBLIC_ALIASES = {"production": "forge-chat"}
+#: A promotion to the key stage becomes a weighted canary of the value stage's aliases.
+CANARY_OF = {"canary": "production"}
+#: Response header naming the model version that served the request (a canary split shows here).
+MODEL_HEADER = "x-forge-model"
+#: Upstream statuses after which another replica is tried: it could not take the request.
+_RETRY_STATUSES = (429, 503)
+# Upstream headers worth relaying; hop-by-hop and length headers are the server's business.
+_RELAYED_HEADERS = ("content-type", "retry-after", "x-request-id")
 _NAME = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
+
+UPSTREAM_REQUESTS = Counter(
+    "forge_gateway_upstream_requests_total",
+    "Requests answered by a model version (split: stable or canary of an alias, or direct)",
+    ["model", "split", "status"],
+)
+TTFT = Histogram(
+    "forge_gateway_time_to_first_token_seconds",
+    "From sending upstream to the first streamed bytes, per model version",
+    ["model", "split"],
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30),
+)
+UPSTREAM_SECONDS = Histogram(
+    "forge_gateway_upstream_seconds",
+    "From sending upstream to the end of the answer, per model version",
+    ["model", "split"],
+    buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60),
+)
 
 
 def hash_api_key(api_key: str) -> str:
@@ -64,11 +114,18 @@ class Alias:
     model_version: str
     stage: str
     updated_at: str
+    canary_name: str = ""
+    canary_version: str = ""
+    canary_weight: int = 0
 
     @property
     def target(self) -> str:
         """The model id sent upstream: ``name``, or ``name:version`` when a version is pinned."""
-        return f"{self.model_name}:{self.model_version}" if self.model_version else self.model_name
+        return _target(self.model_name, self.model_version)
+
+    @property
+    def canary_target(self) -> str | None:
+        return _target(self.canary_name, self.canary_version) if self.canary_name else None
 
 
 @dataclass(frozen=True)
@@ -81,35 +138,179 @@ class StreamChunk:
     completion_tokens: int = 0
 
 
+@dataclass(frozen=True)
+class Routed:
+    """A request ready to go upstream (step 3 of the module docstring)."""
+
+    path: str
+    body: dict[str, object]
+    stream: bool
+    target: str
+    split: str
+    level: int
+    prefix: list[bytes]
+    cache_key: str | None
+    alias: str | None = None
+
+
+@dataclass
+class Forwarded:
+    """The upstream's answer: ``content`` whole, or ``chunks`` to stream (which end the request when
+    they end or are closed). ``headers`` are what the caller may relay."""
+
+    status: int
+    headers: dict[str, str]
+    content: bytes = b""
+    chunks: AsyncGenerator[bytes, None] | None = field(default=None, repr=False)
+
+
+def _target(name: str, version: str) -> str:
+    return f"{name}:{version}" if version else name
+
+
 def _tenant(row: TenantRow) -> Tenant:
     return Tenant(id=row.id, name=row.name, priority_class=row.priority_class, rpm_limit=row.rpm_limit)
 
 
 def _alias(row: ModelAliasRow) -> Alias:
-    return Alias(row.alias, row.model_name, row.model_version, row.stage, row.updated_at.isoformat() + "Z")
+    return Alias(
+        row.alias,
+        row.model_name,
+        row.model_version,
+        row.stage,
+        row.updated_at.isoformat() + "Z",
+        row.canary_model_name or "",
+        row.canary_model_version or "",
+        row.canary_weight or 0,
+    )
+
+
+def prompt_text(body: dict[str, object]) -> str:
+    """The text whose prefix decides replica affinity: the prompt, or the chat turns in order."""
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        return "".join(f"{m.get('role')}\x1f{m.get('content')}\x1e" for m in messages if isinstance(m, dict))
+    prompt = body.get("prompt")
+    if isinstance(prompt, list):
+        prompt = prompt[0] if prompt and isinstance(prompt[0], str) else " ".join(map(str, prompt))
+    return prompt if isinstance(prompt, str) else ""
+
+
+def canary_bucket(alias: str, tenant_id: str, sticky: str) -> int:
+    """0-99, fixed for a (alias, tenant, user/session/request): the canary takes buckets below its weight."""
+    digest = hashlib.sha256(f"{alias}\x00{tenant_id}\x00{sticky}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") % 100
+
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+class _ReadThrough(Generic[K, V]):
+    """Per-request database reads (keys, aliases), kept for ``ttl_s``.
+
+    A missing entry is loaded once however many requests ask at the same moment (50 streams
+    arriving together would otherwise make 50 reads). An expired entry is still answered while one
+    background read refreshes it, so no request waits on the database once a key is known; a change
+    made in this process (``clear``) applies at once, one made elsewhere within ``ttl_s`` and a read.
+    """
+
+    def __init__(self, ttl_s: float, clock: Callable[[], float]) -> None:
+        self._ttl_s = ttl_s
+        self._clock = clock
+        self._items: dict[K, tuple[float, V]] = {}
+        self._loading: dict[K, asyncio.Future[V]] = {}
+        self._refreshing: set[asyncio.Task[None]] = set()
+        self._generation = 0
+
+    async def get(self, key: K, load: Callable[[], Awaitable[V]]) -> V:
+        item = self._items.get(key)
+        if item is not None:
+            if item[0] < self._clock() and key not in self._loading:
+                task = asyncio.get_running_loop().create_task(self._refresh(key, load))
+                self._refreshing.add(task)
+                task.add_done_callback(self._refreshing.discard)
+            return item[1]
+        pending = self._loading.get(key)
+        if pending is not None:
+            return await asyncio.shield(pending)
+        return await self._load(key, load)
+
+    async def _load(self, key: K, load: Callable[[], Awaitable[V]]) -> V:
+        future: asyncio.Future[V] = asyncio.get_running_loop().create_future()
+        self._loading[key] = future
+        generation = self._generation
+        try:
+            value = await load()
+        except BaseException as exc:
+            future.set_exception(exc)
+            future.exception()  # retrieved: waiters re-raise it, nobody else needs to
+            raise
+        else:
+            future.set_result(value)
+            # A change made while this read ran (``clear``) must not be overwritten by its result.
+            if self._ttl_s > 0 and generation == self._generation:
+                if len(self._items) > 10_000:
+                    self._items.clear()
+                self._items[key] = (self._clock() + self._ttl_s, value)
+            return value
+        finally:
+            if self._loading.get(key) is future:
+                del self._loading[key]
+
+    async def _refresh(self, key: K, load: Callable[[], Awaitable[V]]) -> None:
+        try:
+            await self._load(key, load)
+        except Exception as exc:  # noqa: BLE001 - gone (a key revoked) or failing: read again next time
+            self._items.pop(key, None)
+            log.info("read_through.refresh_failed", error=repr(exc))
+
+    def clear(self) -> None:
+        self._items.clear()
+        self._loading.clear()
+        self._generation += 1
 
 
 class InferenceGateway:
-    """Tenants, admission, aliases and forwarding to one upstream model server."""
+    """Tenants, admission, aliases and forwarding to a pool of model-server replicas."""
 
     def __init__(
         self,
         db: Database,
         cache: Cache,
-        upstream: ModelServerClient,
+        pool: ReplicaPool,
         *,
+        admission: Admission | None = None,
+        autoscaler: Autoscaler | None = None,
+        responses: ResponseCache | None = None,
+        upstream_priority: bool = True,
+        upstream_attempts: int = 2,
         default_rpm_limit: int = 600,
         request_timeout_s: float = 60.0,
         internal_token: str | None = None,
+        alias_ttl_s: float = 1.0,
+        tenant_ttl_s: float = 5.0,
+        metrics_interval_s: float = 0.5,
+        replica_sync_s: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._db = db
         self._cache = cache
-        self.upstream = upstream
+        self.pool = pool
+        self.admission = admission or Admission(pool, clock=clock)
+        self.autoscaler = autoscaler or Autoscaler(self.admission, clock=clock)
+        self.responses = responses
+        self._upstream_priority = upstream_priority
+        self._attempts = upstream_attempts
         self._default_rpm = default_rpm_limit
         self._timeout_s = request_timeout_s
         self._internal_token = internal_token
         self._clock = clock
+        self._aliases: _ReadThrough[str, Alias | None] = _ReadThrough(alias_ttl_s, clock)
+        self._tenants: _ReadThrough[str, Tenant] = _ReadThrough(tenant_ttl_s, clock)
+        self._interval_s = metrics_interval_s
+        self._sync_s = replica_sync_s
+        self._stopping = asyncio.Event()
 
     # -- tenants -----------------------------------------------------------------------------
 
@@ -131,6 +332,7 @@ class InferenceGateway:
                 session.add(row)
             elif row.key_hash != key_hash:
                 row.key_hash = key_hash
+        self._tenants.clear()
         return _tenant(row)
 
     async def create_tenant(
@@ -163,11 +365,14 @@ class InferenceGateway:
         return [_tenant(r) for r in rows]
 
     async def tenant_named(self, name: str) -> Tenant:
-        async with self._db.session() as session:
-            row = await session.scalar(sa.select(TenantRow).where(TenantRow.name == name))
-        if row is None:
-            raise errors.NotFoundError(f"tenant {name!r} not found")
-        return _tenant(row)
+        async def load() -> Tenant:
+            async with self._db.session() as session:
+                row = await session.scalar(sa.select(TenantRow).where(TenantRow.name == name))
+            if row is None:
+                raise errors.NotFoundError(f"tenant {name!r} not found")
+            return _tenant(row)
+
+        return await self._tenants.get(f"name:{name}", load)
 
     async def authenticate(self, api_key: str) -> Tenant:
         """The tenant of ``api_key``. The service's own token (platform callers) acts as ``default``."""
@@ -175,13 +380,16 @@ class InferenceGateway:
             raise errors.UnauthenticatedError("missing API key: send Authorization: Bearer <key>")
         if self._internal_token and secrets.compare_digest(api_key.encode(), self._internal_token.encode()):
             return await self.tenant_named(BOOTSTRAP_TENANT)
-        async with self._db.session() as session:
-            row = await session.scalar(
-                sa.select(TenantRow).where(TenantRow.key_hash == hash_api_key(api_key))
-            )
-        if row is None:
-            raise errors.UnauthenticatedError("invalid API key")
-        return _tenant(row)
+        key_hash = hash_api_key(api_key)
+
+        async def load() -> Tenant:
+            async with self._db.session() as session:
+                row = await session.scalar(sa.select(TenantRow).where(TenantRow.key_hash == key_hash))
+            if row is None:
+                raise errors.UnauthenticatedError("invalid API key")
+            return _tenant(row)
+
+        return await self._tenants.get(key_hash, load)
 
     async def admit(self, tenant: Tenant) -> None:
         """Take one request from the tenant's per-minute budget, or refuse with when to retry."""
@@ -198,6 +406,10 @@ class InferenceGateway:
     async def apply_model_promoted(self, event: Message, session: AsyncSession) -> None:
         """Consumer handler of ``ModelPromoted``: the stage (and its public alias) now names the model.
 
+        A promotion to ``canary`` also makes the model the canary of the ``production`` aliases with
+        the event's ``traffic_percent`` (0, or a rollback, stops the split). A promotion to
+        ``production`` of the canary's own model, or a rollback, ends the split (weight 0).
+
         Runs inside the consumer's transaction, which also records the event id, so a redelivered
         event is skipped there. An event older than the alias's current state cannot be told apart
         here; the registry publishes in order per stage (keyed by stage).
@@ -206,84 +418,360 @@ class InferenceGateway:
         stage = event.stage.strip()
         if not stage or not event.model.name:
             raise errors.ValidationError("stage" if not stage else "model.name", "is required")
+        name, version = event.model.name, event.model.version
         for alias in (stage, PUBLIC_ALIASES.get(stage)):
             if alias is None:
                 continue
             row = await session.get(ModelAliasRow, alias)
             if row is None:
-                row = ModelAliasRow(alias=alias)
+                row = ModelAliasRow(
+                    alias=alias, canary_model_name="", canary_model_version="", canary_weight=0
+                )
                 session.add(row)
-            row.model_name = event.model.name
-            row.model_version = event.model.version
+            row.model_name = name
+            row.model_version = version
             row.stage = stage
             row.source_event_id = event.meta.event_id
             row.updated_at = utcnow()
+            if event.is_rollback or (row.canary_model_name, row.canary_model_version) == (name, version):
+                row.canary_weight = 0
+        base = CANARY_OF.get(stage)
+        if base is not None:
+            weight = 0 if event.is_rollback else min(100, event.traffic_percent)
+            for alias in (base, PUBLIC_ALIASES.get(base)):
+                row = await session.get(ModelAliasRow, alias) if alias else None
+                if row is None:
+                    continue  # nothing stable to split yet
+                row.canary_model_name, row.canary_model_version = name, version
+                row.canary_weight = weight
+                row.updated_at = utcnow()
+        self._aliases.clear()
 
     async def list_aliases(self) -> list[Alias]:
         async with self._db.session() as session:
             rows = (await session.scalars(sa.select(ModelAliasRow).order_by(ModelAliasRow.alias))).all()
         return [_alias(r) for r in rows]
 
-    async def resolve_model(self, model: str) -> tuple[str, Alias | None]:
-        """The upstream model id for ``model`` (an alias or a model id) and the alias used, if any."""
-        async with self._db.session() as session:
-            row = await session.get(ModelAliasRow, model)
-        if row is None:
-            return model, None
-        alias = _alias(row)
-        return alias.target, alias
+    async def alias_named(self, alias: str) -> Alias | None:
+        async def load() -> Alias | None:
+            async with self._db.session() as session:
+                row = await session.get(ModelAliasRow, alias)
+            return _alias(row) if row is not None else None
 
-    # -- forwarding --------------------------------------------------------------------------
+        return await self._aliases.get(alias, load)
+
+    async def resolve_model(self, model: str) -> tuple[str, Alias | None]:
+        """The upstream model id for ``model`` (an alias's stable target, or a model id) and the alias."""
+        alias = await self.alias_named(model)
+        return (alias.target, alias) if alias is not None else (model, None)
+
+    async def set_canary(self, alias: str, name: str, version: str, weight: int) -> Alias:
+        """Admin: send ``weight`` percent of ``alias``'s traffic to ``name[:version]``."""
+        if not name.strip():
+            raise errors.ValidationError("model.name", "is required")
+        if not 0 <= weight <= 100:
+            raise errors.ValidationError("weight", f"must be 0-100, got {weight}")
+        async with self._db.session() as session:
+            row = await session.get(ModelAliasRow, alias)
+            if row is None:
+                raise errors.NotFoundError(f"alias {alias!r} not found")
+            row.canary_model_name, row.canary_model_version, row.canary_weight = name, version, weight
+            row.updated_at = utcnow()
+            result = _alias(row)
+        self._aliases.clear()
+        return result
+
+    async def rollback_canary(self, alias: str) -> Alias:
+        """Admin: all of ``alias``'s traffic back to its stable model at once (canary weight 0)."""
+        async with self._db.session() as session:
+            row = await session.get(ModelAliasRow, alias)
+            if row is None:
+                raise errors.NotFoundError(f"alias {alias!r} not found")
+            row.canary_weight = 0
+            row.updated_at = utcnow()
+            result = _alias(row)
+        self._aliases.clear()
+        return result
+
+    # -- replicas ----------------------------------------------------------------------------
+
+    async def add_replica(self, url: str) -> Replica:
+        """Admin: route to one more model-server replica, on every gateway replica (via the store)."""
+        url = normalize_url(url)
+        async with self._db.session() as session:
+            if await session.get(UpstreamReplicaRow, url) is not None:
+                raise errors.AlreadyExistsError(f"replica {url} is already in the pool")
+            session.add(UpstreamReplicaRow(url=url))
+        return self.pool.add(url, source="admin")
+
+    async def remove_replica(self, url: str) -> None:
+        """Admin: stop routing to a replica added through the admin API; its requests finish there."""
+        replica = self.pool.get(url)
+        if replica.source != "admin":
+            raise errors.ConflictError(
+                f"replica {replica.url} is configured (MODEL_SERVER_URL); change the setting"
+            )
+        async with self._db.session() as session:
+            row = await session.get(UpstreamReplicaRow, replica.url)
+            if row is not None:
+                await session.delete(row)
+        await self.pool.remove(replica.url)
+
+    async def sync_replicas(self) -> None:
+        """Make the pool's admin-added replicas those in the store (other gateways may have changed it)."""
+        async with self._db.session() as session:
+            urls = (await session.scalars(sa.select(UpstreamReplicaRow.url))).all()
+        await self.pool.sync(urls)
+
+    def autoscaling(self) -> list[Recommendation]:
+        return self.autoscaler.publish()
+
+    async def run_control_loop(self) -> None:
+        """Until :meth:`stop`, every ``metrics_interval_s``:
+
+        1. re-read the admin-added replicas from the store (every ``replica_sync_s``);
+        2. scrape every due replica's ``/metrics`` (and now and then ``/v1/models``); the pool
+           then wakes the admission queues, since capacity may have appeared;
+        3. publish the autoscaling signal.
+        """
+        last_sync = float("-inf")
+        while not self._stopping.is_set():
+            try:
+                # 1. Membership.
+                if self._clock() - last_sync >= self._sync_s:
+                    await self.sync_replicas()
+                    last_sync = self._clock()
+                # 2. Load and health.
+                await self.pool.refresh()
+                # 3. Autoscaling signal.
+                self.autoscaler.publish()
+            except Exception as exc:  # noqa: BLE001 - one bad round must not stop routing
+                log.warning("control_loop.round_failed", error=repr(exc))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), self._interval_s)
+
+    async def stop(self) -> None:
+        self._stopping.set()
+        await self.pool.close()
+
+    # -- requests ----------------------------------------------------------------------------
 
     def deadline(self, caller_remaining_s: float | None = None) -> float:
         """Absolute monotonic deadline: the gateway's timeout, or the caller's if that is sooner."""
         budget = self._timeout_s if caller_remaining_s is None else min(self._timeout_s, caller_remaining_s)
         return self._clock() + budget
 
-    async def list_models(self, deadline: float) -> list[dict[str, object]]:
-        """The upstream's models, then every alias whose target the upstream serves."""
-        reply = await self.upstream.request("GET", "/v1/models", deadline)
-        if reply.status_code != 200:
-            raise error_for(reply.status_code, reply.content, reply.headers.get("retry-after"))
-        cards: list[dict[str, object]] = list(reply.json().get("data", []))
-        served = {str(c.get("id")): c for c in cards}
+    async def list_models(self) -> list[dict[str, object]]:
+        """The models the healthy replicas serve, then every alias whose target one of them serves."""
+        await self.pool.ensure_known()
+        replicas = self.pool.replicas()
+        cards: dict[str, dict[str, object]] = {}
+        ready: dict[str, int] = {}
+        for replica in replicas:
+            if not replica.healthy or replica.cards is None:
+                continue
+            for model_id, card in replica.cards.items():
+                cards.setdefault(model_id, card)
+                ready[model_id] = ready.get(model_id, 0) + 1
+        if not cards:
+            for replica in replicas:
+                error = replica.models_error or replica.last_error
+                if error is not None:
+                    raise error
+            if not any(r.healthy for r in replicas):
+                raise NoReplicaError("no healthy model-server replica", self.pool.retry_after_s())
+        served = {model_id: {**card, "ready_replicas": ready[model_id]} for model_id, card in cards.items()}
+        listed = list(served.values())
         for alias in await self.list_aliases():
-            card = served.get(alias.target) or served.get(alias.model_name)
-            if card is not None and alias.alias not in served:
-                cards.append(
-                    {**card, "id": alias.alias, "alias_of": alias.target, "version": alias.model_version}
-                )
-        return cards
+            found = served.get(alias.target) or served.get(alias.model_name)
+            if found is None or alias.alias in served:
+                continue
+            entry: dict[str, object] = {
+                **found,
+                "id": alias.alias,
+                "alias_of": alias.target,
+                "version": alias.model_version,
+            }
+            if alias.canary_target and alias.canary_weight:
+                entry["canary"] = {"model": alias.canary_target, "weight": alias.canary_weight}
+            listed.append(entry)
+        return listed
 
-    async def prepare(self, body: object) -> dict[str, object]:
-        """Validate the body enough to route it and rewrite ``model`` to the upstream's id."""
+    async def route(self, tenant: Tenant, path: str, body: object, session_key: str | None = None) -> Routed:
+        """Step 3: validate what routing needs, resolve the alias (and its canary), set the priority."""
         if not isinstance(body, dict):
             raise errors.ValidationError("body", "must be a JSON object")
         model = body.get("model")
         if not isinstance(model, str) or not model.strip():
             raise errors.ValidationError("model", "is required and must be a string")
-        target, _ = await self.resolve_model(model)
-        return {**body, "model": target}
+        requested = body.get("priority")
+        if requested is not None and (isinstance(requested, bool) or not isinstance(requested, int)):
+            raise errors.ValidationError("priority", "must be an integer (lower runs first)")
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise errors.ValidationError("stream", "must be a boolean")
+        target, alias = await self.resolve_model(model)
+        split = "direct"
+        if alias is not None:
+            split = "stable"
+            canary = alias.canary_target
+            if canary and alias.canary_weight > 0:
+                user = body.get("user")
+                sticky = (
+                    user
+                    if isinstance(user, str) and user
+                    else session_key or json.dumps(body, sort_keys=True, default=str)
+                )
+                if canary_bucket(alias.alias, tenant.id, sticky) < alias.canary_weight:
+                    target, split = canary, "canary"
+        level = level_for(tenant.priority_class, requested)
+        upstream: dict[str, object] = {**body, "model": target}
+        upstream.pop("priority", None)
+        key = None
+        if self.responses is not None and is_deterministic(body):
+            key = cache_key(tenant.id, path, upstream)
+        if self._upstream_priority:
+            upstream["priority"] = level
+        prefix = self.pool.prefixes.keys(prompt_text(body)) if self.pool.policy.max_blocks else []
+        return Routed(
+            path=path,
+            body=upstream,
+            stream=stream,
+            target=target,
+            split=split,
+            level=level,
+            prefix=prefix,
+            cache_key=key,
+            alias=alias.alias if alias else None,
+        )
+
+    async def forward(self, routed: Routed, deadline: float) -> Forwarded:
+        """Step 4: the cached answer, or the upstream's through a replica slot.
+
+        1. a deterministic request found in the response cache is answered from it;
+        2. take a slot (may queue, may be shed with 429, may time out);
+        3. send; a replica that cannot be reached, or answers 429/503, gives its slot back and
+           another is tried, ``upstream_attempts`` in all;
+        4. a whole answer releases the slot at once; a stream keeps it until it ends.
+        """
+        gateway_headers = {MODEL_HEADER: routed.target}
+        # 1. Cache.
+        if routed.cache_key is not None and self.responses is not None:
+            hit = await self.responses.get(routed.cache_key)
+            if hit is not None:
+                headers = {**gateway_headers, "content-type": hit.content_type, CACHE_HEADER: "hit"}
+                UPSTREAM_REQUESTS.labels(routed.target, routed.split, "cached").inc()
+                if routed.stream:
+                    return Forwarded(200, headers, chunks=_once(hit.content))
+                return Forwarded(200, headers, content=hit.content)
+            gateway_headers[CACHE_HEADER] = "miss"
+        exclude: frozenset[str] = frozenset()
+        last_error: errors.ForgeError | None = None
+        for attempt in range(self._attempts):
+            # 2. A slot.
+            try:
+                lease = await self.admission.acquire(
+                    routed.target, routed.level, routed.prefix, deadline, exclude
+                )
+            except NoReplicaError:
+                if last_error is None:
+                    raise
+                raise last_error from None
+            replica = lease.replica
+            started = self._clock()
+            # 3. Send.
+            stream: StreamReply | None = None
+            try:
+                if routed.stream:
+                    stream = await replica.client.open_stream(routed.path, routed.body, deadline)
+                    status, upstream_headers = stream.status_code, stream.headers
+                    content = b""
+                    if status != 200:
+                        try:
+                            content = await stream.aread()
+                        finally:
+                            await stream.aclose()
+                else:
+                    reply = await replica.client.request("POST", routed.path, deadline, routed.body)
+                    status, upstream_headers, content = reply.status_code, reply.headers, reply.content
+            except UpstreamUnavailableError as exc:
+                lease.release()
+                self.pool.report_failure(replica, exc)
+                exclude, last_error = exclude | {replica.url}, exc
+                continue
+            except BaseException:
+                lease.release()
+                raise
+            self.pool.report_success(replica)
+            headers = {k: v for k, v in upstream_headers.items() if k in _RELAYED_HEADERS} | gateway_headers
+            if stream is not None and status == 200:
+                # 4. A stream holds its slot until it ends.
+                return Forwarded(200, headers, chunks=self._stream(routed, stream, lease, started))
+            lease.release()
+            self._observe_end(routed, status, started)
+            retry = status in _RETRY_STATUSES and attempt + 1 < self._attempts
+            if retry and self.pool.candidates(routed.target, exclude | {replica.url}):
+                exclude = exclude | {replica.url}
+                last_error = UpstreamUnavailableError(f"replica {replica.url} is full")
+                continue
+            if status == 200 and routed.cache_key and self.responses is not None:
+                await self.responses.put(routed.cache_key, headers.get("content-type", ""), content)
+            return Forwarded(status, headers, content=content)
+        assert last_error is not None
+        raise last_error
+
+    async def _stream(
+        self, routed: Routed, response: StreamReply, lease: Lease, started: float
+    ) -> AsyncGenerator[bytes, None]:
+        """Relay a stream's bytes; measure its first token; keep it for the cache if it completes."""
+        keep = bytearray() if routed.cache_key and self.responses is not None else None
+        first = True
+        completed = False
+        try:
+            async for chunk in response.aiter_bytes():
+                if first:
+                    first = False
+                    ttft = self._clock() - started
+                    TTFT.labels(routed.target, routed.split).observe(ttft)
+                    self.autoscaler.observe(routed.target, ttft)
+                if keep is not None:
+                    keep.extend(chunk)
+                    if self.responses is not None and len(keep) > self.responses.max_bytes:
+                        keep = None  # too large to cache: stop holding it
+                yield chunk
+            completed = True
+        finally:
+            await response.aclose()
+            lease.release()
+            self._observe_end(routed, 200 if completed else 499, started)
+        if keep is not None and self.responses is not None and complete_stream(bytes(keep)):
+            await self.responses.put(routed.cache_key or "", "text/event-stream", bytes(keep))
+
+    def _observe_end(self, routed: Routed, status: int, started: float) -> None:
+        UPSTREAM_REQUESTS.labels(routed.target, routed.split, str(status)).inc()
+        UPSTREAM_SECONDS.labels(routed.target, routed.split).observe(self._clock() - started)
 
     async def generate(
-        self, body: dict[str, object], *, chat: bool, deadline: float
-    ) -> AsyncIterator[StreamChunk]:
-        """Stream an OpenAI request from the upstream, as text pieces then one final chunk."""
+        self, tenant: Tenant, body: dict[str, object], *, chat: bool, deadline: float
+    ) -> AsyncIterator[tuple[Routed, StreamChunk]]:
+        """Stream an OpenAI request as text pieces then one final chunk (the gRPC API's view)."""
         path = "/v1/chat/completions" if chat else "/v1/completions"
         request = {**body, "stream": True, "stream_options": {"include_usage": True}}
-        async with self.upstream.stream(path, request, deadline) as reply:
-            if reply.status_code != 200:
-                raise error_for(reply.status_code, await reply.aread(), reply.headers.get("retry-after"))
-            finish: str | None = None
-            usage: dict[str, int] = {}
-            done = False
-            async for line in reply.aiter_lines():
+        routed = await self.route(tenant, path, request)
+        forwarded = await self.forward(routed, deadline)
+        if forwarded.chunks is None:
+            raise error_for(forwarded.status, forwarded.content, forwarded.headers.get("retry-after"))
+        finish: str | None = None
+        usage: dict[str, int] = {}
+        done = False
+        try:
+            async for line in _lines(forwarded.chunks):
                 if not line.startswith("data:"):
                     continue
                 data = line[5:].strip()
-                if data == "[DONE]":
-                    done = True
-                    break
+                if done or data == "[DONE]":
+                    done = True  # read on to the end, so the stream counts as complete
+                    continue
                 event = json.loads(data)
                 if "error" in event:
                     raise UpstreamError(f"model server failed mid-stream: {event['error'].get('message')}")
@@ -291,12 +779,33 @@ class InferenceGateway:
                 for choice in event.get("choices", []):
                     text = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
                     if text:
-                        yield StreamChunk(text=text)
+                        yield routed, StreamChunk(text=text)
                     finish = choice.get("finish_reason") or finish
-            if not done:
-                raise UpstreamError("model server closed the stream before it finished")
-            yield StreamChunk(
+        finally:
+            await forwarded.chunks.aclose()
+        if not done:
+            raise UpstreamError("model server closed the stream before it finished")
+        yield (
+            routed,
+            StreamChunk(
                 finish_reason=finish or "stop",
                 prompt_tokens=int(usage.get("prompt_tokens", 0)),
                 completion_tokens=int(usage.get("completion_tokens", 0)),
-            )
+            ),
+        )
+
+
+async def _once(content: bytes) -> AsyncGenerator[bytes, None]:
+    yield content
+
+
+async def _lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[str]:
+    """Text lines of a byte stream, split however its chunks fall."""
+    pending = b""
+    async for chunk in chunks:
+        pending += chunk
+        *lines, pending = pending.split(b"\n")
+        for line in lines:
+            yield line.decode().rstrip("\r")
+    if pending:
+        yield pending.decode()

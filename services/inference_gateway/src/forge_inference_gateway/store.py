@@ -1,4 +1,5 @@
-"""Gateway persistence: tenants (API keys stored as SHA-256 hashes) and model aliases."""
+"""Gateway persistence: tenants (API keys stored as SHA-256 hashes), model aliases with their canary
+split, and the model-server replicas added through the admin API."""
 
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ class TenantRow(Base):
 
 
 class ModelAliasRow(Base):
-    """``alias`` → a model version, set by ``ModelPromoted`` events (``forge-chat`` → production)."""
+    """``alias`` → a model version, set by ``ModelPromoted`` events (``forge-chat`` → production),
+    and optionally a canary version that takes ``canary_weight`` percent of the alias's traffic."""
 
     __tablename__ = "model_aliases"
 
@@ -38,3 +40,15 @@ class ModelAliasRow(Base):
     stage: Mapped[str] = mapped_column(sa.String(63))
     source_event_id: Mapped[str] = mapped_column(sa.String(64), default="")
     updated_at: Mapped[dt.datetime] = mapped_column(sa.DateTime, default=utcnow)
+    canary_model_name: Mapped[str] = mapped_column(sa.String(255), default="")
+    canary_model_version: Mapped[str] = mapped_column(sa.String(255), default="")
+    canary_weight: Mapped[int] = mapped_column(sa.Integer, default=0)
+
+
+class UpstreamReplicaRow(Base):
+    """A model-server replica added at run time; every gateway replica routes to the same set."""
+
+    __tablename__ = "upstream_replicas"
+
+    url: Mapped[str] = mapped_column(sa.String(512), primary_key=True)
+    added_at: Mapped[dt.datetime] = mapped_column(sa.DateTime, default=utcnow)

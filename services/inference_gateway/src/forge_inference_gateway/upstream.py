@@ -1,23 +1,32 @@
-"""Client of one upstream model server over its OpenAI-compatible HTTP API.
+"""Client of one model-server replica over its OpenAI-compatible HTTP API.
 
 The upstream may be Forge's ``model_server`` or ``vllm serve``: the same protocol, so nothing here
 is specific to either. Every call carries what is left of the caller's deadline as its timeout;
 closing a stream closes the connection, which is how a cancelled request is cancelled upstream.
+
+aiohttp rather than httpx on this leg: the gateway relays every token of every stream, and at 50
+concurrent streams httpcore's pool bookkeeping (a scan of all connections, with a readability
+poll of each, on every request start and end) cost about 40% of the gateway's CPU (py-spy,
+``load/inference/README.md``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
 
-import httpx
+import aiohttp
 import structlog
 
 from forge_kit import errors
 
 log = structlog.get_logger(__name__)
+
+#: What a broken upstream connection raises mid-stream (after the status line).
+StreamBroken = aiohttp.ClientError
 
 
 class UpstreamUnavailableError(errors.ForgeError):
@@ -66,42 +75,111 @@ def error_for(status: int, body: bytes, retry_after: str | None = None) -> error
     return UpstreamError(f"model server error ({status})")
 
 
+@dataclass(frozen=True)
+class Reply:
+    """A whole upstream answer. ``headers`` keys are lower-case."""
+
+    status_code: int
+    headers: Mapping[str, str]
+    content: bytes
+
+    @property
+    def text(self) -> str:
+        return self.content.decode(errors="replace")
+
+    def json(self) -> object:
+        return json.loads(self.content)
+
+
+class StreamReply:
+    """An upstream answer whose status and headers are known and whose body is still to come."""
+
+    def __init__(self, response: aiohttp.ClientResponse) -> None:
+        self._response = response
+        self.status_code = response.status
+        self.headers: Mapping[str, str] = {k.lower(): v for k, v in response.headers.items()}
+
+    async def aiter_bytes(self) -> AsyncIterator[bytes]:
+        """The body as it arrives, one network read at a time."""
+        async for chunk in self._response.content.iter_any():
+            yield chunk
+
+    async def aread(self) -> bytes:
+        return await self._response.read()
+
+    async def aclose(self) -> None:
+        # Closing a response that has not been read to the end drops its connection: the
+        # model server sees the disconnect and cancels the request.
+        if self._response.content.at_eof():
+            self._response.release()
+        else:
+            self._response.close()
+
+
 class ModelServerClient:
-    """One upstream replica; ``transport`` lets tests put an in-process app behind the same client."""
+    """One upstream replica, its own connection pool, the gateway's bearer token."""
 
-    def __init__(
-        self, base_url: str, token: str | None, transport: httpx.AsyncBaseTransport | None = None
-    ) -> None:
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
+    def __init__(self, base_url: str, token: str | None) -> None:
         self.base_url = base_url.rstrip("/")
-        self._client = httpx.AsyncClient(base_url=self.base_url, headers=headers, transport=transport)
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._session: aiohttp.ClientSession | None = None
 
-    def _unavailable(self, exc: httpx.HTTPError) -> UpstreamUnavailableError:
+    def _client(self) -> aiohttp.ClientSession:
+        # Created on first use, inside the event loop that will use it.
+        if self._session is None or self._session.closed:
+            # No connection cap here: the gateway's admission limits are the ones that mean something.
+            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30)
+            self._session = aiohttp.ClientSession(
+                base_url=self.base_url + "/", headers=self._headers, connector=connector
+            )
+        return self._session
+
+    def _unavailable(self, exc: BaseException) -> UpstreamUnavailableError:
         return UpstreamUnavailableError(f"model server at {self.base_url} unreachable: {type(exc).__name__}")
 
-    async def request(self, method: str, path: str, deadline: float, body: object = None) -> httpx.Response:
-        """One non-streaming call; the response is returned whatever its status."""
+    async def _send(
+        self, method: str, path: str, timeout: aiohttp.ClientTimeout, body: object
+    ) -> aiohttp.ClientResponse:
+        data = None if body is None else json.dumps(body).encode()
+        headers = None if body is None else {"Content-Type": "application/json"}
         try:
-            return await self._client.request(method, path, json=body, timeout=_remaining(deadline))
-        except httpx.TimeoutException as exc:
+            return await self._client().request(
+                method, path.lstrip("/"), data=data, headers=headers, timeout=timeout
+            )
+        except TimeoutError as exc:
             raise TimeoutError("deadline exceeded waiting for the model server") from exc
-        except httpx.TransportError as exc:
+        except (aiohttp.ClientConnectionError, OSError) as exc:
             raise self._unavailable(exc) from exc
 
-    @asynccontextmanager
-    async def stream(self, path: str, body: object, deadline: float) -> AsyncIterator[httpx.Response]:
-        """A streaming call; the response's status is known on entry, its body not yet read."""
-        request = self._client.build_request("POST", path, json=body, timeout=_remaining(deadline))
+    async def request(self, method: str, path: str, deadline: float, body: object = None) -> Reply:
+        """One non-streaming call; the answer is returned whatever its status."""
+        timeout = aiohttp.ClientTimeout(total=_remaining(deadline))
+        response = await self._send(method, path, timeout, body)
         try:
-            response = await self._client.send(request, stream=True)
-        except httpx.TimeoutException as exc:
+            content = await response.read()
+        except TimeoutError as exc:
             raise TimeoutError("deadline exceeded waiting for the model server") from exc
-        except httpx.TransportError as exc:
+        except aiohttp.ClientError as exc:
             raise self._unavailable(exc) from exc
-        try:
-            yield response
         finally:
-            await response.aclose()
+            response.release()
+        return Reply(response.status, {k.lower(): v for k, v in response.headers.items()}, content)
+
+    async def open_stream(self, path: str, body: object, deadline: float) -> StreamReply:
+        """Start a streaming call (the deadline bounds the whole stream); the caller closes it."""
+        timeout = aiohttp.ClientTimeout(total=_remaining(deadline))
+        return StreamReply(await self._send("POST", path, timeout, body))
+
+    async def probe(self, path: str, timeout_s: float) -> Reply:
+        """A GET of the replica's own state (``/metrics``, ``/v1/models``) with its own short timeout;
+        any failure to get an answer is :class:`UpstreamUnavailableError`."""
+        try:
+            return await self.request("GET", path, time.monotonic() + timeout_s)
+        except TimeoutError as exc:
+            raise UpstreamUnavailableError(f"model server at {self.base_url} timed out on {path}") from exc
 
     async def close(self) -> None:
-        await self._client.aclose()
+        if self._session is not None:
+            await self._session.close()
+            # aiohttp's connections finish closing on the next loop turn.
+            await asyncio.sleep(0)

@@ -1,0 +1,136 @@
+"""Canary traffic on an alias: set by ModelPromoted events or the admin API, split by a sticky hash,
+rolled back at once, and counted per model version."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from forge.common.v1 import common_pb2
+from forge.events.v1 import events_pb2
+from prometheus_client import REGISTRY
+
+from forge_inference_gateway.service import InferenceGateway, Tenant
+from forge_kit.db import Database
+from forge_kit.events import new_meta
+
+
+def promoted(
+    name: str, version: str, stage: str, traffic: int = 100, rollback: bool = False
+) -> events_pb2.ModelPromoted:
+    return events_pb2.ModelPromoted(
+        meta=new_meta("eval"),
+        model=common_pb2.ModelRef(name=name, version=version),
+        stage=stage,
+        traffic_percent=traffic,
+        is_rollback=rollback,
+        reason="test",
+    )
+
+
+async def apply(gateway: InferenceGateway, db: Database, *events: events_pb2.ModelPromoted) -> None:
+    async with db.session() as session:
+        for event in events:
+            await gateway.apply_model_promoted(event, session)
+
+
+async def targets(gateway: InferenceGateway, tenant: Tenant, users: range) -> list[str]:
+    body = {"model": "forge-chat", "prompt": "hi"}
+    return [(await gateway.route(tenant, "/v1/completions", {**body, "user": f"u{i}"})).target for i in users]
+
+
+async def test_canary_event_splits_the_production_aliases_stickily_until_rolled_back(
+    gateway: InferenceGateway, db: Database, api_key: str
+) -> None:
+    tenant = await gateway.authenticate(api_key)
+    await apply(gateway, db, promoted("tiny", "3", "production"), promoted("tiny", "4", "canary", traffic=10))
+    aliases = {a.alias: a for a in await gateway.list_aliases()}
+    assert (aliases["forge-chat"].canary_target, aliases["forge-chat"].canary_weight) == ("tiny:4", 10)
+    assert (aliases["canary"].target, aliases["canary"].canary_weight) == ("tiny:4", 0)
+    first = await targets(gateway, tenant, range(1000))
+    assert 70 <= first.count("tiny:4") <= 130 and set(first) == {"tiny:3", "tiny:4"}
+    assert await targets(gateway, tenant, range(1000)) == first  # the same user, the same version
+    # Without a user the session header keeps it sticky; without either, the request itself does.
+    routed = [
+        await gateway.route(tenant, "/v1/completions", {"model": "production", "prompt": "p"}, f"s{i}")
+        for i in range(200)
+    ]
+    assert {r.split for r in routed} == {"stable", "canary"}
+    assert all(r.split == ("canary" if r.target == "tiny:4" else "stable") for r in routed)
+    # Rollback: weight 0 at once, everything stable.
+    await apply(gateway, db, promoted("tiny", "4", "canary", traffic=10, rollback=True))
+    assert set(await targets(gateway, tenant, range(300))) == {"tiny:3"}
+    # A new canary, then its promotion to production ends the split.
+    await apply(gateway, db, promoted("tiny", "5", "canary", traffic=50))
+    assert set(await targets(gateway, tenant, range(100))) == {"tiny:3", "tiny:5"}
+    await apply(gateway, db, promoted("tiny", "5", "production"))
+    assert set(await targets(gateway, tenant, range(100))) == {"tiny:5"}
+    assert (await gateway.alias_named("forge-chat")).canary_weight == 0  # type: ignore[union-attr]
+
+
+async def test_canary_over_real_replicas_via_the_admin_api_with_per_version_metrics(
+    replicas: Callable[..., Awaitable[Any]],
+    make_gateway: Callable[..., Awaitable[InferenceGateway]],
+    client_for: Any,
+    admin_headers: dict[str, str],
+    db: Database,
+) -> None:
+    stable, canary = await replicas(version="3"), await replicas(version="4")
+    gateway = await make_gateway([stable.url, canary.url])
+    await gateway.pool.refresh()
+    await apply(gateway, db, promoted("tiny", "3", "production"))
+
+    def served(version: str) -> float:
+        labels = {
+            "model": f"tiny:{version}",
+            "split": "canary" if version == "4" else "stable",
+            "status": "200",
+        }
+        return REGISTRY.get_sample_value("forge_gateway_upstream_requests_total", labels) or 0.0
+
+    before = served("3"), served("4")
+    async with client_for(gateway) as client:
+        reply = await client.put(
+            "/admin/v1/aliases/forge-chat/canary",
+            json={"model": {"name": "tiny", "version": "4"}, "weight": 30},
+            headers=admin_headers,
+        )
+        assert reply.status_code == 200 and reply.json()["canary"]["weight"] == 30
+        seen = []
+        for i in range(40):
+            reply = await client.post(
+                "/v1/completions",
+                json={"model": "forge-chat", "prompt": "hi", "max_tokens": 1, "user": f"u{i}"},
+            )
+            assert reply.status_code == 200
+            seen.append(reply.headers["x-forge-model"])
+        assert [b["model"] for b in canary.bodies] == ["tiny:4"] * seen.count("tiny:4") and canary.bodies
+        assert [b["model"] for b in stable.bodies] == ["tiny:3"] * seen.count("tiny:3") and stable.bodies
+        assert (served("3") - before[0], served("4") - before[1]) == (
+            seen.count("tiny:3"),
+            seen.count("tiny:4"),
+        )
+        models = {m["id"]: m for m in (await client.get("/v1/models")).json()["data"]}
+        assert models["forge-chat"]["canary"] == {"model": "tiny:4", "weight": 30}
+        # Instant rollback.
+        reply = await client.delete("/admin/v1/aliases/forge-chat/canary", headers=admin_headers)
+        assert reply.status_code == 200 and reply.json()["canary"]["weight"] == 0
+        for i in range(10):
+            reply = await client.post(
+                "/v1/completions",
+                json={"model": "forge-chat", "prompt": "hi", "max_tokens": 1, "user": f"u{i}"},
+            )
+            assert reply.headers["x-forge-model"] == "tiny:3"
+        # Bad input names the field; an unknown alias is a 404.
+        reply = await client.put(
+            "/admin/v1/aliases/forge-chat/canary",
+            json={"model": {"name": "tiny"}, "weight": 101},
+            headers=admin_headers,
+        )
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == "weight"
+        reply = await client.put(
+            "/admin/v1/aliases/nope/canary",
+            json={"model": {"name": "tiny"}, "weight": 5},
+            headers=admin_headers,
+        )
+        assert reply.status_code == 404
