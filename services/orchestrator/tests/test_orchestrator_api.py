@@ -175,7 +175,9 @@ async def test_repeated_signals_are_applied_once(stub: Stub, client: Client, pol
     )
     await handle.signal(JOB_EVENT_SIGNAL, pending)
     await handle.signal(JOB_EVENT_SIGNAL, pending)  # redelivered
-    await poll_workflow(stub, workflow_id, lambda r: _step(r) == "waiting for CANCELLED or SUCCEEDED", timeout_s=20)
+    await poll_workflow(
+        stub, workflow_id, lambda r: _step(r) == "waiting for CANCELLED or SUCCEEDED", timeout_s=20
+    )
     await handle.signal(JOB_EVENT_SIGNAL, JobEvent(job_id=job_id, state="CANCELLED", event_id="ev-2"))
     reply = await poll_workflow(stub, workflow_id, _closed, timeout_s=20)
 
