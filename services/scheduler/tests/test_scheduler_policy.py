@@ -9,8 +9,9 @@ from dataclasses import dataclass, field
 import pytest
 from builders import make_cluster, make_pjob, make_teams
 
-from forge_scheduler.policy import PolicyConfig, PolicyEngine, Snapshot, Team, UsageLedger
+from forge_scheduler.policy import PolicyConfig, PolicyEngine, Snapshot, Team, UsageLedger, fragmentation
 from forge_scheduler.policy.engine import never_fits
+from forge_scheduler.policy.fragmentation import GpuShareCluster, NodeSpec, TaskShape, WorkloadMix
 from forge_scheduler.policy.metrics import fair_shares, fairness, fragmented_gpus, jain_index
 from forge_scheduler.policy.model import Allocation, Job, Node, PendingJob
 
@@ -382,3 +383,110 @@ def test_backfill_into_a_reservation_never_overbooks_a_node_started_on_this_cycl
     assert result.reservation is not None and result.reservation.nodes == ("n0",)
     assert result.reservation.estimated_start == 510.0  # a, started this cycle, ends then
     assert all(used <= 8 for used in booked.values()), booked
+
+
+# ---------------------------------------------------------------------------- FGD packing
+def _brute_force_fragmentation(cluster: GpuShareCluster, mix: WorkloadMix) -> list[float]:
+    """FGD's definition, shape by shape and GPU by GPU (the reference for the closed form)."""
+    out = []
+    for n in range(len(cluster.nodes)):
+        gpus = [int(g) for g in cluster.gpu[n] if g >= 0]
+        lost = 0.0
+        for shape, demand in mix.demand.items():
+            fits = [g for g in gpus if g >= shape.gpu_milli]
+            hosts = (
+                cluster.cpu[n] >= shape.cpu_milli
+                and cluster.mem[n] >= shape.memory_mib
+                and (not shape.gpu_models or cluster.nodes[n].gpu_model in shape.gpu_models)
+                and len(fits) >= shape.gpus
+            )
+            lost += demand * (sum(gpus) - (sum(fits) if hosts else 0))
+        out.append(lost / mix.total)
+    return out
+
+
+def test_fragmentation_counts_gpus_a_task_could_not_use() -> None:
+    cluster = GpuShareCluster([NodeSpec("n0", 8000, 65536, 2, "T4")])
+    cluster.bind(0, TaskShape(0, 0, 1, 700), [1])  # GPUs now [1000, 300]
+    mix = WorkloadMix()
+    mix.observe(TaskShape(4000, 1024, 1, 500), times=2)  # fits GPU 0: the 300 on GPU 1 is lost to it
+    mix.observe(TaskShape(16000, 1024, 1, 1000))  # too little CPU: all 1300 free milli are lost to it
+    # weighed by demand: 1000 milli of each
+    assert cluster.fragmentation(mix).tolist() == [pytest.approx((300 + 1300) / 2)]
+
+
+@pytest.mark.parametrize("table", [True, False], ids=["count-table", "shape-by-shape"])
+def test_fragmentation_closed_form_matches_the_definition(
+    table: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not table:
+        monkeypatch.setattr(fragmentation, "_TABLE_BUDGET", 0)
+    rng = random.Random(3)
+    specs = [
+        NodeSpec(
+            f"n{i}", rng.choice([16000, 64000]), rng.choice([65536, 262144]), g, rng.choice(["T4", "V100"])
+        )
+        for i, g in enumerate([1, 2, 4, 8, 8, 2])
+    ]
+    cluster = GpuShareCluster(specs)
+    shapes = [
+        TaskShape(rng.choice([2000, 8000, 24000]), rng.choice([4096, 32768]), k, m, models)
+        for k, m, models in [
+            (1, 250, ()),
+            (1, 500, ("T4",)),
+            (1, 1000, ()),
+            (2, 1000, ()),
+            (8, 1000, ("V100",)),
+        ]
+    ]
+    mix = WorkloadMix()
+    for _ in range(40):
+        task = rng.choice(shapes)
+        mix.observe(task)
+        cand = cluster.candidates(task)
+        if len(cand):
+            node, gpus = cluster.place_fgd(task, mix, cand)
+            cluster.bind(node, task, gpus)
+        assert cluster.fragmentation(mix).tolist() == pytest.approx(_brute_force_fragmentation(cluster, mix))
+
+
+def test_fgd_keeps_whole_gpus_whole_for_whole_gpu_tasks() -> None:
+    cluster = GpuShareCluster([NodeSpec("one-gpu", 64000, 262144, 1), NodeSpec("used", 64000, 262144, 2)])
+    cluster.bind(1, TaskShape(1000, 1024, 1, 400), [1])  # "used": GPUs [1000, 600]
+    mix = WorkloadMix()
+    mix.observe(TaskShape(1000, 1024, 1, 1000), times=3)
+    half = TaskShape(1000, 1024, 1, 500)
+    mix.observe(half)
+    # best fit (least GPU left on the node) would cut the one-GPU node's whole GPU in half; FGD
+    # puts the share on the partly used GPU, which whole-GPU tasks could not use anyway
+    assert cluster.place_fgd(half, mix, cluster.candidates(half)) == (1, [1])
+
+
+def test_fgd_leaves_cpu_with_the_gpus_that_need_it() -> None:
+    # same free GPUs, so GPU best fit cannot tell the nodes apart; only one keeps CPU for its
+    # second GPU after the task lands
+    cluster = GpuShareCluster([NodeSpec("lean", 12000, 262144, 2), NodeSpec("rich", 96000, 262144, 2)])
+    task = TaskShape(8000, 1024, 1, 1000)
+    mix = WorkloadMix()
+    mix.observe(task, times=5)
+    assert cluster.place_fgd(task, mix, cluster.candidates(task))[0] == 1
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"gpus": 1, "gpu_milli": 0}, "gpu_milli"),
+        ({"gpus": 2, "gpu_milli": 500}, "gpu_milli"),
+        ({"gpus": -1}, "gpus"),
+        ({"cpu_milli": -5}, "cpu_milli"),
+    ],
+)
+def test_task_shape_refuses_bad_requests_naming_the_field(kwargs: dict[str, int], field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        TaskShape(**kwargs)
+
+
+def test_bind_refuses_to_overcommit_a_node() -> None:
+    cluster = GpuShareCluster([NodeSpec("n0", 4000, 8192, 1)])
+    with pytest.raises(ValueError, match="over-committed"):
+        cluster.bind(0, TaskShape(8000, 1024, 1, 1000), [0])

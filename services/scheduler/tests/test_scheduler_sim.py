@@ -139,3 +139,17 @@ def test_pack_reports_allocation_at_first_failure() -> None:
     figures = run_pack(nodes, pods, "forge", seed=1)
     assert 0 < figures["allocation_rate_at_first_failure"] <= 100
     assert set(figures) >= {"allocation_rate_at_first_failure", "fragmentation_at_full_arrival"}
+
+
+def test_forge_packing_keeps_cpu_for_the_gpus_that_need_it() -> None:
+    """Two CPU-light and two CPU-heavy one-GPU pods fill both nodes only if the heavy ones get
+    the CPU-rich node. GPU best fit puts a light pod there when a heavy one came first and strands
+    the lean node's GPUs; forge does not, in any arrival order."""
+    nodes = [PackNode("lean", 16000, 65536, 2, "T4"), PackNode("rich", 96000, 262144, 2, "T4")]
+    pods = [Pod(f"light{i}", 8000, 1024, 1, 1000, ()) for i in range(2)]
+    pods += [Pod(f"heavy{i}", 40000, 1024, 1, 1000, ()) for i in range(2)]
+    seeds = range(12)
+    forge = [run_pack(nodes, pods, "forge", s)["allocation_rate_at_first_failure"] for s in seeds]
+    bestfit = [run_pack(nodes, pods, "bestfit", s)["allocation_rate_at_first_failure"] for s in seeds]
+    assert forge == [100.0] * len(seeds)
+    assert min(bestfit) == 75.0

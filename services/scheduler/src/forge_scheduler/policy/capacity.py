@@ -6,7 +6,7 @@ order of operations, so the same input always gives the same placement.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
 from forge_scheduler.policy.model import ANY_GPU_TYPE, Job, Node, Placement
 
@@ -25,6 +25,7 @@ class CapacityIndex:
         self.group_free: dict[tuple[str, str], int] = {}
         self._groups_of_type: dict[str, list[str]] = {}
         self.max_gpus = 0
+        self._total_free = 0
         for node in nodes:
             self.add_node(node, free.get(node.name, node.gpus))
 
@@ -39,6 +40,7 @@ class CapacityIndex:
         other.group_free = dict(self.group_free)
         other._groups_of_type = {k: list(v) for k, v in self._groups_of_type.items()}
         other.max_gpus = self.max_gpus
+        other._total_free = self._total_free
         return other
 
     def add_node(self, node: Node, free: int) -> None:
@@ -56,6 +58,7 @@ class CapacityIndex:
             self._groups_of_type.setdefault(t, []).append(node.group)
         self.type_free[t] = self.type_free.get(t, 0) + free
         self.group_free[g] = self.group_free.get(g, 0) + free
+        self._total_free += free
 
     def remove_node(self, name: str) -> int:
         """Take ``name`` out of the index (a reservation); returns its free GPUs."""
@@ -65,6 +68,7 @@ class CapacityIndex:
         self._by_group[(node.gpu_type, node.group)][free].pop(name)
         self.type_free[node.gpu_type] -= free
         self.group_free[(node.gpu_type, node.group)] -= free
+        self._total_free -= free
         return free
 
     def _move(self, name: str, delta: int) -> None:
@@ -80,6 +84,7 @@ class CapacityIndex:
             buckets[new][name] = None
         self.type_free[node.gpu_type] += delta
         self.group_free[g] += delta
+        self._total_free += delta
 
     def take(self, slots: Slots) -> None:
         for name, gpus in slots:
@@ -92,12 +97,25 @@ class CapacityIndex:
 
     @property
     def total_free(self) -> int:
-        return sum(self.type_free.values())
+        return self._total_free
 
     def types_for(self, job: Job) -> list[str]:
         if job.gpu_type != ANY_GPU_TYPE:
             return [job.gpu_type] if job.gpu_type in self.type_free else []
         return sorted(self.type_free)
+
+    def by_free(self, types: list[str]) -> Iterator[tuple[int, list[Node]]]:
+        """Nodes of ``types`` grouped by free GPUs, most free first (empty levels skipped)."""
+        top = max((len(self._by_type[t]) for t in types if t in self._by_type), default=0)
+        for free in range(top - 1, -1, -1):
+            level = [
+                self.nodes[name]
+                for t in types
+                if free < len(self._by_type.get(t, ()))
+                for name in self._by_type[t][free]
+            ]
+            if level:
+                yield free, level
 
     def _best(self, buckets: list[dict[str, None]], need: int) -> str | None:
         for free in range(need, len(buckets)):

@@ -9,8 +9,10 @@ engine, so every policy is measured with the same placement code.
 from __future__ import annotations
 
 import bisect
+import heapq
+import itertools
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -121,6 +123,7 @@ class _Quota:
         self.used: dict[tuple[str, str], int] = {}
         self._team_total: dict[str, int] = {}
         self._borrowed: dict[str, int] = {}
+        self._decided: dict[tuple[str, str, int, bool], tuple[bool, bool, str]] = {}
         guaranteed: dict[str, int] = {}
         self._unused: dict[tuple[str, str], int] = {}
         for team in teams.values():
@@ -147,7 +150,23 @@ class _Quota:
         return self._unassigned.get(t, 0) + self._unused.get((cohort, t), 0)
 
     def admit(self, team: Team, job: Job) -> tuple[bool, bool, str]:
-        """(admitted, borrowed, reason). Production inference is never held back by quota."""
+        """(admitted, borrowed, reason). Production inference is never held back by quota.
+
+        Decisions are remembered per (team, GPU type, size, production) until quota is next booked:
+        most of a long queue asks again for the same few shapes.
+        """
+        key = (
+            team.name,
+            job.gpu_type,
+            job.tasks * job.gpus_per_task,
+            job.priority is Priority.PRODUCTION_INFERENCE,
+        )
+        decision = self._decided.get(key)
+        if decision is None:
+            decision = self._decided[key] = self._admit(team, job)
+        return decision
+
+    def _admit(self, team: Team, job: Job) -> tuple[bool, bool, str]:
         t, need = job.gpu_type, job.tasks * job.gpus_per_task
         if t != ANY_GPU_TYPE:
             if self.used.get((team.name, t), 0) + need <= team.guaranteed.get(t, 0):
@@ -179,6 +198,7 @@ class _Quota:
 
     def add_gpus(self, team_name: str, t: str, gpus: int) -> None:
         """Book ``gpus`` of type ``t`` to the team: inside its guarantee first, then borrowed."""
+        self._decided.clear()
         team = self.teams.get(team_name)
         key = (team_name, t)
         before = self.used.get(key, 0)
@@ -218,26 +238,67 @@ class PolicyEngine:
             0, self.tier(p.attained_gpu_s) - int(max(0.0, now - p.waiting_since) // self.config.aging_s)
         )
 
-    def _fair_scores(self, snap: Snapshot, capacity: Mapping[str, int]) -> dict[str, float]:
-        node_type = {n.name: n.gpu_type for n in snap.nodes}
-        """Weighted dominant share of current allocation plus share of decayed usage (lower first)."""
-        alloc: dict[tuple[str, str], int] = {}
-        for a in snap.running:
-            for name, gpus in a.slots:
-                key = (a.job.team, node_type.get(name, ""))
-                alloc[key] = alloc.get(key, 0) + gpus
+    def _fair_scores(
+        self, snap: Snapshot, capacity: Mapping[str, int], held: Mapping[tuple[str, str], int]
+    ) -> dict[str, float]:
+        """Weighted dominant share of current allocation plus share of decayed usage (lower first).
+
+        ``held``: GPUs in use per (team, GPU type).
+        """
         total_usage = sum(snap.usage.values()) or 1.0
         scores: dict[str, float] = {}
         for team in snap.teams.values():
             dominant = max(
-                (alloc.get((team.name, t), 0) / cap for t, cap in capacity.items() if cap > 0), default=0.0
+                (held.get((team.name, t), 0) / cap for t, cap in capacity.items() if cap > 0), default=0.0
             )
             scores[team.name] = (dominant + snap.usage.get(team.name, 0.0) / total_usage) / max(
                 team.weight, 1e-9
             )
         return scores
 
-    def _order(self, snap: Snapshot, now: float, capacity: Mapping[str, int]) -> list[PendingJob]:
+    def _order(
+        self,
+        snap: Snapshot,
+        now: float,
+        capacity: Mapping[str, int],
+        held: Mapping[tuple[str, str], int],
+    ) -> tuple[list[PendingJob], list[str]]:
+        """The pending jobs in the order the cycle considers them, and their ids."""
+        cfg = self.config
+        if cfg.ordering != "forge":
+            ordered = self._order_baseline(snap, now, capacity)
+            return ordered, [p.job.id for p in ordered]
+        fair = self._fair_scores(snap, capacity, held)
+        tiers = cfg.las_tiers_gpu_s
+        first = tiers[0] if tiers else math.inf
+        aging = cfg.aging_s
+        bisect_right = bisect.bisect_right
+        # keys built in one loop and sorted as plain tuples: a key function per job costs twice as
+        # much; the team's fair score enters as its rank, so the key's head is one small integer
+        ranks = {score: r for r, score in enumerate(sorted({*fair.values(), 0.0}))}
+        team_rank = {team: ranks[score] for team, score in fair.items()}
+        unknown = ranks[0.0]
+        per_tier = len(ranks)
+        per_priority = (len(tiers) + 1) * per_tier
+        keyed: list[tuple[int, float, str, int]] = []
+        append = keyed.append
+        for i, p in enumerate(snap.pending):
+            job = p.job
+            since = job.submit_time if p.queued_since is None else p.queued_since
+            head = team_rank.get(job.team, unknown) - int(job.priority) * per_priority
+            attained = p.attained_gpu_s
+            if attained >= first:
+                tier = bisect_right(tiers, attained)
+                if now > since:
+                    tier = max(0, tier - int((now - since) // aging))
+                head += tier * per_tier
+            append((head, since, job.id, i))
+        keyed.sort()
+        pending = snap.pending
+        return [pending[k[3]] for k in keyed], [k[2] for k in keyed]
+
+    def _order_baseline(self, snap: Snapshot, now: float, capacity: Mapping[str, int]) -> list[PendingJob]:
+        """Strict FIFO and FIFO + backfill: submit time; multifactor: Slurm's weighted sum."""
         cfg = self.config
         if cfg.ordering == "fifo":
             return sorted(snap.pending, key=lambda p: (p.job.submit_time, p.job.id))
@@ -257,18 +318,7 @@ class PolicyEngine:
                 return (-int(p.job.priority), -score, p.job.submit_time)
 
             return sorted(snap.pending, key=lambda p: (*mf(p), p.job.id))
-        fair = self._fair_scores(snap, capacity)
-        tiers = cfg.las_tiers_gpu_s
-        aging = cfg.aging_s
-
-        def key(p: PendingJob) -> tuple[int, int, float, float, str]:
-            since = p.waiting_since
-            tier = bisect.bisect_right(tiers, p.attained_gpu_s)
-            if tier:
-                tier = max(0, tier - int(max(0.0, now - since) // aging))
-            return (-int(p.job.priority), tier, fair.get(p.job.team, 0.0), since, p.job.id)
-
-        return sorted(snap.pending, key=key)
+        raise ValueError(f"ordering: unknown {cfg.ordering!r}")
 
     # ------------------------------------------------------------------ the cycle
     def cycle(self, snap: Snapshot, now: float) -> CycleResult:
@@ -292,11 +342,15 @@ class PolicyEngine:
         cfg = self.config
         result = CycleResult()
         nodes = {n.name: n for n in snap.nodes}
-        # 1. free-GPU index
+        # 1. free-GPU index (and, in the same pass over the running jobs, GPUs held per team and type)
         used: dict[str, int] = {}
+        held: dict[tuple[str, str], int] = {}
         for a in snap.running:
+            team_name = a.job.team
             for name, gpus in a.slots:
                 used[name] = used.get(name, 0) + gpus
+                key = (team_name, nodes[name].gpu_type)
+                held[key] = held.get(key, 0) + gpus
         general = CapacityIndex([], {})
         pool = CapacityIndex([], {})
         capacity: dict[str, int] = {}
@@ -305,22 +359,16 @@ class PolicyEngine:
             capacity[n.gpu_type] = capacity.get(n.gpu_type, 0) + n.gpus
         # 2. quota book
         quota = _Quota(snap.teams, capacity)
-        held: dict[tuple[str, str], int] = {}
-        for a in snap.running:
-            for name, gpus in a.slots:
-                key = (a.job.team, nodes[name].gpu_type)
-                held[key] = held.get(key, 0) + gpus
         for (team_name, gpu_type), gpus in held.items():
             quota.add_gpus(team_name, gpu_type, gpus)
         preemptable = cfg.preemption and bool(snap.running)
         if not cfg.explain and general.total_free == 0 and pool.total_free == 0 and not preemptable:
             return result
         # 3. order
-        ordered = self._order(snap, now, capacity)
-        result.order = [p.job.id for p in ordered]
+        ordered, result.order = self._order(snap, now, capacity, held)
         in_flight = [a for a in snap.running if a.preempting]
         claimed: set[str] = set()
-        victims: list[_Victim] | None = None
+        victims: _VictimQueue | None = None
         failed: set[tuple[object, ...]] = set()
         no_fit: set[tuple[object, ...]] = set()
         started: list[tuple[Job, Slots]] = []
@@ -337,28 +385,41 @@ class PolicyEngine:
                 text = fit_reasons[key] = self._fit_reason(job, general)
             return text
 
+        explain, max_searches = cfg.explain, cfg.max_preemption_searches if cfg.preemption else 0
+        production = Priority.PRODUCTION_INFERENCE
         for rank, p in enumerate(ordered):
             job = p.job
-            if (
-                general.total_free == 0
-                and pool.total_free == 0
-                and (not cfg.preemption or searches >= cfg.max_preemption_searches)
-            ):
+            if general.total_free == 0 and pool.total_free == 0 and searches >= max_searches:
                 # nothing more can start or preempt this cycle: the rest only needs its reason
-                if cfg.explain:
+                if explain:
+                    # quota and free GPUs no longer change: one answer per team and shape
+                    answers: dict[tuple[object, ...], tuple[str, bool]] = {}
                     for later, q in enumerate(ordered[rank:], start=higher):
-                        qteam = snap.teams.get(q.job.team)
-                        why = (
-                            f"unknown team {q.job.team!r}" if qteam is None else quota.admit(qteam, q.job)[2]
+                        qjob = q.job
+                        asks = (
+                            qjob.team,
+                            qjob.gpu_type,
+                            id(qjob.placement),
+                            qjob.tasks,
+                            qjob.gpus_per_task,
+                            qjob.priority is production,
                         )
-                        if not why:
-                            why = fit_reason(q.job) + (
-                                f"; behind {later} job(s) of higher rank" if later else ""
+                        answer = answers.get(asks)
+                        if answer is None:
+                            qteam = snap.teams.get(qjob.team)
+                            why = (
+                                f"unknown team {qjob.team!r}"
+                                if qteam is None
+                                else quota.admit(qteam, qjob)[2]
                             )
-                        result.reasons[q.job.id] = why
+                            answer = answers[asks] = (why or fit_reason(qjob), not why)
+                        why, ranked = answer
+                        if ranked and later:
+                            why = f"{why}; behind {later} job(s) of higher rank"
+                        result.reasons[qjob.id] = why
                 break
             if blocked_at is not None:
-                if cfg.explain:
+                if explain:
                     result.reasons[job.id] = f"behind {rank - blocked_at} earlier jobs (strict FIFO)"
                 continue
             team = snap.teams.get(job.team)
@@ -371,7 +432,7 @@ class PolicyEngine:
                 result.reasons[job.id] = why
                 continue
             slots = None
-            if job.priority is Priority.PRODUCTION_INFERENCE:
+            if job.priority is production:
                 slots = pool.place(job)
             # id() of the enum member: a cheap memo key (Enum.__hash__ is Python-level)
             fit_key = (job.gpu_type, id(job.placement), job.tasks, job.gpus_per_task)
@@ -388,16 +449,19 @@ class PolicyEngine:
                 started.append((job, slots))
                 continue
             # 5. preemption (a search that failed for this class, tier and shape fails again)
-            my_tier = self._effective_tier(p, now)
-            shape = (
-                int(job.priority),
-                my_tier,
-                job.gpus,
-                id(job.placement),
-                job.gpu_type,
-                quota.within_guarantee(team, job.gpu_type, job.gpus),
-            )
-            if cfg.preemption and searches < cfg.max_preemption_searches and shape not in failed:
+            search = searches < max_searches
+            if search:
+                my_tier = self._effective_tier(p, now)
+                shape = (
+                    int(job.priority),
+                    my_tier,
+                    job.gpus,
+                    id(job.placement),
+                    job.gpu_type,
+                    quota.within_guarantee(team, job.gpu_type, job.gpus),
+                )
+                search = shape not in failed
+            if search:
                 searches += 1
                 if victims is None:
                     victims = self._victim_pool(snap, now)
@@ -419,7 +483,7 @@ class PolicyEngine:
                     for name in hold:
                         if name in general.nodes:
                             general.remove_node(name)
-                    if cfg.explain:
+                    if explain:
                         result.reasons[job.id] = (
                             "waiting for preempted jobs to checkpoint and stop"
                             if waiting_only
@@ -430,11 +494,11 @@ class PolicyEngine:
             # 6. reservation / strict stop
             if cfg.strict:
                 blocked_at = rank
-                if cfg.explain:
+                if explain:
                     result.reasons[job.id] = fit_reason(job)
                 continue
             # 7. reason (before the reservation takes the nodes it names out of the index)
-            if cfg.explain:
+            if explain:
                 reason = fit_reason(job)
                 if higher:
                     reason += f"; behind {higher} job(s) of higher rank"
@@ -465,31 +529,50 @@ class PolicyEngine:
         started: list[tuple[Job, Slots]],
         reserved_free: dict[str, int],
     ) -> Reservation:
-        """Hold the nodes closest to fitting ``job``; estimate its start where limits are known."""
-        ends: dict[str, list[float | None]] = {}
-        holders = [(a.job, a.slots, a.start_time) for a in snap.running]
-        holders += [(j, slots, now) for j, slots in started]  # started earlier in this cycle
-        for holder, slots, since in holders:
-            end = since + holder.time_limit_s if holder.time_limit_s is not None else None
-            for name, _ in slots:
-                ends.setdefault(name, []).append(end)
+        """Hold the nodes closest to fitting ``job``; estimate its start where limits are known.
+
+        Nodes go most-free first and, among equally free ones, the one whose jobs' declared limits
+        end first. End times are looked up only for the nodes that can be chosen: scanning every
+        running job per node would cost more than the rest of the cycle.
+        """
+        ends: dict[str, float] = {}
+
+        def look_up_ends(names: Iterable[str]) -> None:
+            wanted = {name for name in names if name not in ends}
+            if not wanted:
+                return
+            found: dict[str, float] = {}
+
+            def note(name: str, holder: Job, since: float) -> None:
+                end = math.inf if holder.time_limit_s is None else since + holder.time_limit_s
+                found[name] = max(found.get(name, -math.inf), end)
+
+            for a in snap.running:
+                for name, _ in a.slots:
+                    if name in wanted:
+                        note(name, a.job, a.start_time)
+            for j, slots in started:  # started earlier in this cycle
+                for name, _ in slots:
+                    if name in wanted:
+                        note(name, j, now)
+            for name in wanted:
+                ends[name] = found.get(name, now)  # a node without jobs is free now
+
         types = index.types_for(job)
-        candidates = [n for n in index.nodes.values() if n.gpu_type in types]
-
-        def known_end(name: str) -> float:
-            values = ends.get(name, [])
-            return max((e for e in values if e is not None), default=now) if None not in values else math.inf
-
+        chosen: list[Node] = []
         if job.placement is Placement.SAME_NODE:
-            fits = [n for n in candidates if n.gpus >= job.gpus]
-            fits.sort(key=lambda n: (-index.free[n.name], known_end(n.name), n.name))
-            chosen = fits[:1]
+            for _, level in index.by_free(types):
+                fits = [n for n in level if n.gpus >= job.gpus]
+                if fits:
+                    look_up_ends(n.name for n in fits)
+                    chosen = [min(fits, key=lambda n: (ends[n.name], n.name))]
+                    break
         elif job.placement is Placement.SAME_GROUP:
+            candidates = [n for n in index.nodes.values() if n.gpu_type in types]
             groups: dict[str, list[Node]] = {}
             for n in candidates:
                 groups.setdefault(n.group, []).append(n)
             best = sorted(groups.items(), key=lambda kv: (-sum(index.free[n.name] for n in kv[1]), kv[0]))
-            chosen = []
             if best:
                 members = sorted(best[0][1], key=lambda n: (-index.free[n.name], n.name))
                 total = 0
@@ -498,15 +581,27 @@ class PolicyEngine:
                     total += n.gpus
                     if total >= job.gpus:
                         break
+            look_up_ends(n.name for n in chosen)
         else:
-            chosen = []
+            # whole levels until they hold the gang; only the last level's order depends on ends
+            levels: list[list[Node]] = []
             total = 0
-            for n in sorted(candidates, key=lambda n: (-index.free[n.name], known_end(n.name), n.name)):
-                chosen.append(n)
-                total += n.gpus
+            for _, level in index.by_free(types):
+                levels.append(level)
+                total += sum(n.gpus for n in level)
                 if total >= job.gpus:
                     break
-        est = max((known_end(n.name) for n in chosen), default=now)
+            look_up_ends(n.name for level in levels for n in level)
+            total = 0
+            for level in levels:
+                for n in sorted(level, key=lambda n: (ends[n.name], n.name)):
+                    chosen.append(n)
+                    total += n.gpus
+                    if total >= job.gpus:
+                        break
+                if total >= job.gpus:
+                    break
+        est = max((ends[n.name] for n in chosen), default=now)
         for n in chosen:
             reserved_free[n.name] = index.remove_node(n.name)
         return Reservation(job.id, tuple(n.name for n in chosen), None if math.isinf(est) else est)
@@ -553,30 +648,27 @@ class PolicyEngine:
             return f"yielded to job {job.id} with less attained service (tier {my_tier} < {victim.tier})"
         return None
 
-    def _victim_pool(self, snap: Snapshot, now: float) -> list[_Victim]:
+    def _victim_pool(self, snap: Snapshot, now: float) -> _VictimQueue:
         """Running jobs that may be preempted at all (past minimum runtime, not production
         inference, not already stopping), cheapest first: cost = GPUs × time since last checkpoint."""
-        pool: list[_Victim] = []
-        for a in snap.running:
+        keys: list[tuple[float, str, int]] = []
+        append = keys.append
+        production = Priority.PRODUCTION_INFERENCE
+        running = snap.running
+        for i, a in enumerate(running):
             v = a.job
-            if (
-                a.preempting
-                or v.priority is Priority.PRODUCTION_INFERENCE
-                or now - a.start_time < v.min_runtime_s
-            ):
+            start = a.start_time
+            if a.preempting or v.priority is production or now - start < v.min_runtime_s:
                 continue
-            team = snap.teams.get(v.team)
-            pool.append(
-                _Victim(
-                    v.gpus * max(0.0, now - a.last_checkpoint(now)),
-                    v.id,
-                    a,
-                    self.tier(a.attained(now)),
-                    team.cohort if team else "",
-                )
-            )
-        pool.sort(key=lambda c: (c.cost, c.job_id))
-        return pool
+            # Allocation.last_checkpoint, inlined: this loop runs over every running job
+            last = a.last_checkpoint_time
+            if last is None:
+                last = start
+                interval = a.checkpoint_interval_s
+                if interval and v.checkpointable:
+                    last = start + (max(0.0, now - start) // interval) * interval
+            append((v.tasks * v.gpus_per_task * max(0.0, now - last), v.id, i))
+        return _VictimQueue(self, snap, now, keys)
 
     def _preempt(
         self,
@@ -584,7 +676,7 @@ class PolicyEngine:
         my_tier: int,
         team: Team,
         quota: _Quota,
-        victims: list[_Victim],
+        victims: _VictimQueue,
         general: CapacityIndex,
         in_flight: list[Allocation],
         claimed: set[str],
@@ -656,7 +748,7 @@ class PolicyEngine:
         my_tier: int,
         team: Team,
         quota: _Quota,
-        victims: list[_Victim],
+        victims: _VictimQueue,
         general: CapacityIndex,
         in_flight: list[Allocation],
         claimed: set[str],
@@ -707,6 +799,43 @@ class _Victim:
     alloc: Allocation
     tier: int
     cohort: str
+
+
+class _VictimQueue:
+    """The victim pool in cost order, sorted lazily from a heap: a search usually stops after the
+    first few victims, and most cycles search a few times, so sorting every running job is waste.
+
+    Iterating it again starts from the cheapest; ties in cost go by job id, then snapshot order.
+    """
+
+    def __init__(
+        self, engine: PolicyEngine, snap: Snapshot, now: float, keys: list[tuple[float, str, int]]
+    ) -> None:
+        heapq.heapify(keys)
+        self._heap = keys
+        self._sorted: list[_Victim] = []
+        self._engine = engine
+        self._snap = snap
+        self._now = now
+
+    def _pop(self) -> _Victim:
+        cost, job_id, i = heapq.heappop(self._heap)
+        a = self._snap.running[i]
+        team = self._snap.teams.get(a.job.team)
+        victim = _Victim(
+            cost, job_id, a, self._engine.tier(a.attained(self._now)), team.cohort if team else ""
+        )
+        self._sorted.append(victim)
+        return victim
+
+    def __iter__(self) -> Iterator[_Victim]:
+        for i in itertools.count():
+            if i < len(self._sorted):
+                yield self._sorted[i]
+            elif self._heap:
+                yield self._pop()
+            else:
+                return
 
 
 def never_fits(job: Job, nodes: list[Node]) -> str | None:
