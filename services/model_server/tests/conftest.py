@@ -182,6 +182,12 @@ def save_tiny_llama(folder: Path, *, chat_template: str | None = None, seed: int
 
 
 @pytest.fixture(scope="session")
+def save_llama() -> Callable[..., Path]:
+    """``save_llama(folder, chat_template=..., seed=...)``: a tiny Llama saved as a trained export."""
+    return save_tiny_llama
+
+
+@pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny Llama, saved once per session (a model folder outside any models dir)."""
     return save_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny-llama")

@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
+from forge_model_server import llama
 from forge_model_server.engine import EngineConfig, EngineCore, RequestOutput
 from forge_model_server.llama import BatchLayout, LlamaModel
 from forge_model_server.sampling import SamplingParams
@@ -63,45 +64,78 @@ def alone(
     return tokens(run_to_end(core)["solo"])
 
 
-def test_paged_forward_matches_transformers_logits(tiny_llama: Path, hf_model: LlamaForCausalLM) -> None:
-    """Two sequences in one step, scattered blocks, one of them prefilled in two chunks."""
+def paged_layout(
+    tables: dict[str, list[int]], bs: int, chunks: list[tuple[str, torch.Tensor, int]]
+) -> BatchLayout:
+    """One step computing ``seq[start:]`` of each (name, seq, start) through ``tables[name]``."""
+    ids, pos, slots, starts, lens, block_tables = [], [], [], [0], [], []
+    for name, seq, start in chunks:
+        table = tables[name]
+        for p in range(start, len(seq)):
+            ids.append(int(seq[p]))
+            pos.append(p)
+            slots.append(table[p // bs] * bs + p % bs)
+        starts.append(len(ids))
+        lens.append(len(seq))
+        block_tables.append(table)
+    return BatchLayout(torch.tensor(ids), torch.tensor(pos), torch.tensor(slots), starts, lens, block_tables)
+
+
+def random_ids(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 300, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("explicit_scores_max", [llama.EXPLICIT_SCORES_MAX, 0], ids=["explicit", "sdpa"])
+def test_paged_forward_matches_transformers_logits(
+    tiny_llama: Path, hf_model: LlamaForCausalLM, monkeypatch: pytest.MonkeyPatch, explicit_scores_max: int
+) -> None:
+    """Two sequences in one step, scattered blocks, one of them prefilled in two chunks; prefill
+    attention with explicit scores, and through SDPA (the path of large chunks)."""
+    monkeypatch.setattr(llama, "EXPLICIT_SCORES_MAX", explicit_scores_max)
     bs = 4
     model = LlamaModel.load(tiny_llama, num_blocks=16, block_size=bs)
-    a = torch.randint(0, 300, (11,), generator=torch.Generator().manual_seed(3))
-    b = torch.randint(0, 300, (6,), generator=torch.Generator().manual_seed(4))
+    a, b = random_ids(11, 3), random_ids(6, 4)
     tables = {"a": [9, 2, 14], "b": [5, 0]}
-
-    def layout(chunks: list[tuple[str, torch.Tensor, int]]) -> BatchLayout:
-        ids, pos, slots, starts, lens, ctx = [], [], [], [0], [], []
-        for name, seq, start in chunks:
-            table = tables[name]
-            for p in range(start, len(seq)):
-                ids.append(int(seq[p]))
-                pos.append(p)
-                slots.append(table[p // bs] * bs + p % bs)
-            starts.append(len(ids))
-            lens.append(len(seq))
-            ctx.append([table[p // bs] * bs + p % bs for p in range(len(seq))])
-        width = max(lens)
-        return BatchLayout(
-            torch.tensor(ids),
-            torch.tensor(pos),
-            torch.tensor(slots),
-            starts,
-            lens,
-            torch.tensor([c + [0] * (width - len(c)) for c in ctx]),
-        )
-
     # Step 1: a's first 7 tokens and all of b; step 2: the rest of a, attending to step 1's cache.
-    first = layout([("a", a[:7], 0), ("b", b, 0)])
-    logits1 = model.forward(first, torch.arange(13))
-    second = layout([("a", a, 7)])
-    logits2 = model.forward(second, torch.arange(4))
+    logits1 = model.forward(paged_layout(tables, bs, [("a", a[:7], 0), ("b", b, 0)]), torch.arange(13))
+    logits2 = model.forward(paged_layout(tables, bs, [("a", a, 7)]), torch.arange(4))
     with torch.no_grad():
         ref_a = hf_model(a[None]).logits[0]
         ref_b = hf_model(b[None]).logits[0]
     torch.testing.assert_close(torch.cat([logits1[:7], logits2]), ref_a, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(logits1[7:], ref_b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "tables",
+    [
+        # Dense: the step's blocks are read where they lie; c's shared prefix blocks are gathered.
+        {"a": [3, 1, 4], "b": [5, 0], "c": [3, 1, 6]},
+        # Sparse (block 39 far away): the blocks are gathered.
+        {"a": [9, 2, 14], "b": [5, 39], "c": [9, 2, 20]},
+    ],
+)
+def test_batched_decode_matches_transformers_logits(
+    tiny_llama: Path, hf_model: LlamaForCausalLM, tables: dict[str, list[int]]
+) -> None:
+    """Single-token steps of several sequences attend together; c shares a's first two blocks (the
+    prefix cache's case) and joins with a prefill chunk beside two decodes."""
+    bs = 4
+    model = LlamaModel.load(tiny_llama, num_blocks=40, block_size=bs)
+    a, b = random_ids(12, 3), random_ids(6, 4)
+    c = torch.cat([a[:8], random_ids(3, 5)])
+    model.forward(paged_layout(tables, bs, [("a", a[:10], 0), ("b", b[:5], 0)]), torch.arange(15))
+    # Step 2: a and b decode one token each; c computes positions 8-9 on a's cached prefix.
+    step2 = model.forward(
+        paged_layout(tables, bs, [("a", a[:11], 10), ("b", b, 5), ("c", c[:10], 8)]), torch.arange(4)
+    )
+    # Step 3: a and c decode, reading the two blocks they share.
+    step3 = model.forward(paged_layout(tables, bs, [("a", a, 11), ("c", c, 10)]), torch.arange(2))
+    with torch.no_grad():
+        ref_a, ref_b, ref_c = (hf_model(s[None]).logits[0] for s in (a, b, c))
+    got = torch.stack([step2[0], step3[0], step2[1], step2[2], step2[3], step3[1]])
+    want = torch.stack([ref_a[10], ref_a[11], ref_b[5], ref_c[8], ref_c[9], ref_c[10]])
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 def test_greedy_generation_matches_transformers_generate(
@@ -246,3 +280,22 @@ def test_logprobs_and_prompt_logprobs_match_transformers(
         assert lp.top[0][0] == int(ref[pos - 1].argmax())
     first = outs[0].logprobs[0]
     assert first.token_id == int(ref[-1].argmax()) == first.top[0][0] and len(first.top) == 3
+
+
+def test_sequences_sharing_cached_prefix_blocks_decode_together(
+    tiny_llama: Path, tokenizer: PreTrainedTokenizerFast
+) -> None:
+    """Later requests reuse the first one's prompt blocks while it is still decoding, so one
+    decode step reads the same blocks for several sequences."""
+    prompt = tokenizer.encode(PROMPTS[3])
+    expected = alone(tiny_llama, tokenizer, PROMPTS[3], greedy(8))
+    core = make_core(tiny_llama, tokenizer, block_size=4)
+    core.add_request("0", prompt, greedy(8), seed=1)
+    first = core.step()
+    for name in ("1", "2"):
+        core.add_request(name, prompt, greedy(8), seed=1)
+    outputs = run_to_end(core)
+    outputs["0"] = first + outputs["0"]
+    assert core.stats.prefix_hits == 2 * ((len(prompt) - 1) // 4 * 4) > 0
+    assert all(tokens(outputs[name]) == expected for name in ("0", "1", "2"))
+    assert core.pool.usage() == 0.0

@@ -10,6 +10,7 @@ from forge.inference.v1 import inference_pb2, inference_pb2_grpc
 from forge_kit.app import ServiceApp
 from forge_kit.http import make_app
 from forge_kit.objectstore import ObjectStore
+from forge_model_server.admin_api import install_admin_api
 from forge_model_server.api import InferenceApi
 from forge_model_server.config import ModelServerSettings
 from forge_model_server.engine import EngineConfig
@@ -32,7 +33,7 @@ async def main() -> None:
         enable_prefix_caching=settings.enable_prefix_caching,
     )
     loader = HFEngineLoader(engine_config, max_waiting=settings.max_waiting_requests)
-    server = ModelServer(ModelDirectory(store), loader=loader)
+    server = ModelServer(ModelDirectory(store), loader=loader, drain_timeout_s=settings.drain_timeout_s)
     # Runs after both servers stopped accepting and let their open calls finish.
     app.add_on_stop(lambda: server.drain(settings.drain_timeout_s))
 
@@ -41,6 +42,7 @@ async def main() -> None:
 
     http = make_app(app.name, readiness={"models_dir": directory_readable})
     install_openai_api(http, server, app.token)
+    install_admin_api(http, server, app.token)
     server.list_models()  # metric series of every model exist from the first scrape
     await app.run(
         register=[

@@ -15,8 +15,9 @@ to be recomputed from its prompt and the tokens it has produced (vLLM's recomput
 
 from __future__ import annotations
 
+import heapq
 import itertools
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
@@ -24,7 +25,7 @@ from enum import Enum
 import torch
 
 from forge_model_server.llama import BatchLayout, LlamaModel
-from forge_model_server.sampling import Logprob, SamplingParams, logprob_of, sample
+from forge_model_server.sampling import Logprob, SamplingParams, logprob_of, sample_rows
 
 
 class BlockPool:
@@ -32,7 +33,9 @@ class BlockPool:
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        # A heap: the lowest free block first, so the blocks in use stay a dense range that the
+        # decode attention reads in place (llama.py).
+        self._free = list(range(num_blocks))
         self._refs = [0] * num_blocks
         self._hash_of: dict[int, int] = {}
         self._by_hash: dict[int, int] = {}
@@ -49,7 +52,7 @@ class BlockPool:
 
     def allocate(self) -> int:
         if self._free:
-            block = self._free.popleft()
+            block = heapq.heappop(self._free)
         else:
             block, _ = self._evictable.popitem(last=False)
             del self._by_hash[self._hash_of.pop(block)]
@@ -62,7 +65,7 @@ class BlockPool:
             if block in self._hash_of:
                 self._evictable[block] = None
             else:
-                self._free.append(block)
+                heapq.heappush(self._free, block)
 
     def lookup(self, block_hash: int) -> int | None:
         """The cached block with this hash, now held by the caller; None on a miss."""
@@ -109,8 +112,17 @@ class Sequence:
     prompt_logprobs: list[Logprob | None] = field(default_factory=list)
 
     @property
-    def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens ``start:end`` of prompt + output, without copying the whole sequence."""
+        prompt = len(self.prompt_ids)
+        if end <= prompt:
+            return self.prompt_ids[start:end]
+        if start >= prompt:
+            return self.output_ids[start - prompt : end - prompt]
+        return self.prompt_ids[start:] + self.output_ids[: end - prompt]
 
     @property
     def order(self) -> tuple[int, int]:
@@ -138,6 +150,16 @@ class ScheduledBatch:
 
     seqs: list[Sequence]
     num_tokens: list[int]
+
+
+@dataclass(frozen=True)
+class StepInput:
+    """One step's model input: the flat layout, the flat rows whose logits are computed, and which
+    of those rows serves (sequence index in the batch, position)."""
+
+    layout: BatchLayout
+    logit_rows: torch.Tensor
+    rows: dict[tuple[int, int], int]
 
 
 @dataclass(frozen=True)
@@ -246,9 +268,9 @@ class EngineCore:
         batch = self.schedule()
         if not batch.seqs:
             return []
-        layout, rows = self.prepare(batch)
-        logits = self.execute(layout, rows)
-        return self.update(batch, rows, logits)
+        inputs = self.prepare(batch)
+        logits = self.execute(inputs)
+        return self.update(batch, inputs, logits)
 
     def schedule(self) -> ScheduledBatch:
         """Pick this step's sequences and token counts under the token budget.
@@ -271,7 +293,7 @@ class EngineCore:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(len(seq.all_ids) - seq.num_computed, budget)
+            n = min(seq.num_tokens - seq.num_computed, budget)
             need = self.blocks_needed(seq.num_computed + n) - len(seq.block_table)
             while need > self.pool.num_free():
                 victim = self.running[-1]
@@ -306,7 +328,7 @@ class EngineCore:
             self.waiting.pop(0)
             seq.status = Status.RUNNING
             self.running.append(seq)
-            n = min(len(seq.all_ids) - seq.num_computed, budget)
+            n = min(seq.num_tokens - seq.num_computed, budget)
             seqs.append(seq)
             counts.append(n)
             budget -= n
@@ -315,7 +337,7 @@ class EngineCore:
     def _admit(self, seq: Sequence, budget: int) -> bool:
         """Give ``seq`` its cached prefix and the blocks of its first chunk, or nothing."""
         bs = self.config.block_size
-        total = len(seq.all_ids)
+        total = seq.num_tokens
         hits: list[int] = []
         use_cache = self.config.enable_prefix_caching and seq.params.prompt_logprobs is None
         if use_cache:
@@ -355,66 +377,62 @@ class EngineCore:
         seq.block_table = []
         seq.num_registered = 0
 
-    def prepare(self, batch: ScheduledBatch) -> tuple[BatchLayout, dict[tuple[int, int], int]]:
-        """Flatten the step's tokens; ``rows`` maps (seq index, position) to a logits row."""
+    def prepare(self, batch: ScheduledBatch) -> StepInput:
+        """Flatten the step's tokens and pick the rows whose logits are needed."""
         bs = self.config.block_size
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         starts = [0]
         context_lens: list[int] = []
+        tables: list[list[int]] = []
         rows: dict[tuple[int, int], int] = {}
         logit_rows: list[int] = []
         for k, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens, strict=True)):
-            all_ids = seq.all_ids
-            start = seq.num_computed
-            for pos in range(start, start + n):
-                flat = len(ids)
-                ids.append(all_ids[pos])
-                positions.append(pos)
-                slots.append(seq.block_table[pos // bs] * bs + pos % bs)
-                wants_prompt_lp = (
-                    seq.params.prompt_logprobs is not None
-                    and pos + 1 < len(seq.prompt_ids)
-                    and len(seq.prompt_logprobs) <= pos + 1
-                )
-                if wants_prompt_lp or pos == len(all_ids) - 1:
-                    rows[(k, pos)] = len(logit_rows)
-                    logit_rows.append(flat)
+            start, end = seq.num_computed, seq.num_computed + n
+            first = len(ids)
+            table = seq.block_table
+            ids += seq.token_ids(start, end)
+            positions += range(start, end)
+            slots += [table[pos // bs] * bs + pos % bs for pos in range(start, end)]
+            if seq.params.prompt_logprobs is not None:
+                # Prompt positions whose logprob is not recorded yet (a recomputed one has it).
+                for pos in range(start, min(end, len(seq.prompt_ids) - 1)):
+                    if len(seq.prompt_logprobs) <= pos + 1:
+                        rows[(k, pos)] = len(logit_rows)
+                        logit_rows.append(first + pos - start)
+            if end == seq.num_tokens:  # the last token's logits give the next token
+                rows[(k, end - 1)] = len(logit_rows)
+                logit_rows.append(first + n - 1)
             starts.append(len(ids))
-            context_lens.append(start + n)
-        max_ctx = max(context_lens)
-        context_slots = torch.zeros(len(batch.seqs), max_ctx, dtype=torch.long)
-        for k, seq in enumerate(batch.seqs):
-            ctx = torch.arange(context_lens[k])
-            table = torch.tensor(seq.block_table, dtype=torch.long)
-            context_slots[k, : context_lens[k]] = table[ctx // bs] * bs + ctx % bs
+            context_lens.append(end)
+            tables.append(table)
         layout = BatchLayout(
             input_ids=torch.tensor(ids, dtype=torch.long),
             positions=torch.tensor(positions, dtype=torch.long),
             slots=torch.tensor(slots, dtype=torch.long),
             query_start=starts,
             context_lens=context_lens,
-            context_slots=context_slots,
+            block_tables=tables,
         )
-        return layout, rows
+        return StepInput(layout, torch.tensor(logit_rows, dtype=torch.long), rows)
 
-    def execute(self, layout: BatchLayout, rows: dict[tuple[int, int], int]) -> torch.Tensor:
+    def execute(self, inputs: StepInput) -> torch.Tensor:
         """The batched forward; pure with respect to the scheduler, so it may run on a thread."""
-        flat = sorted(rows.items(), key=lambda item: item[1])
-        starts = layout.query_start
-        logit_rows = []
-        for (k, pos), _ in flat:
-            first_pos = int(layout.positions[starts[k]])
-            logit_rows.append(starts[k] + pos - first_pos)
-        return self.model.forward(layout, torch.tensor(logit_rows, dtype=torch.long))
+        return self.model.forward(inputs.layout, inputs.logit_rows)
 
-    def update(
-        self, batch: ScheduledBatch, rows: dict[tuple[int, int], int], logits: torch.Tensor
-    ) -> list[RequestOutput]:
-        """Advance each sequence: record prompt logprobs, sample, check the stops, free blocks."""
-        outputs: list[RequestOutput] = []
+    def update(self, batch: ScheduledBatch, inputs: StepInput, logits: torch.Tensor) -> list[RequestOutput]:
+        """Advance each sequence: record prompt logprobs, sample, check the stops, free blocks.
+
+        1. Every sequence counts its computed tokens, records prompt logprobs and registers its
+           full prompt blocks for prefix caching.
+        2. Those whose last token was computed sample the next one, all in one call.
+        3. Each of them gets its token, logprobs, text and stop check.
+        """
         bs = self.config.block_size
+        rows = inputs.rows
+        # 1. Advance.
+        ready: list[tuple[Sequence, int]] = []
         for k, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens, strict=True)):
             if seq.status is not Status.RUNNING:
                 continue  # aborted while the forward ran
@@ -427,15 +445,20 @@ class EngineCore:
             ):
                 self.pool.register(seq.block_table[seq.num_registered], seq.block_hashes[seq.num_registered])
                 seq.num_registered += 1
-            last = len(seq.all_ids) - 1
-            if seq.num_computed < len(seq.all_ids):
-                continue  # chunked prefill continues next step
-            row = logits[rows[(k, last)]]
-            token = sample(row, seq.params, seq.generator)
+            if seq.num_computed == seq.num_tokens:  # else chunked prefill continues next step
+                ready.append((seq, rows[(k, seq.num_tokens - 1)]))
+        if not ready:
+            return []
+        # 2. Sample.
+        last = logits[torch.tensor([row for _, row in ready])]
+        tokens = sample_rows(last, [seq.params for seq, _ in ready], [seq.generator for seq, _ in ready])
+        # 3. Emit.
+        outputs: list[RequestOutput] = []
+        for i, ((seq, _), token) in enumerate(zip(ready, tokens, strict=True)):
             seq.output_ids.append(token)
             lp: tuple[Logprob, ...] = ()
             if seq.params.logprobs is not None:
-                logprob = logprob_of(row, token, seq.params.logprobs)
+                logprob = logprob_of(last[i], token, seq.params.logprobs)
                 seq.logprobs.append(logprob)
                 lp = (logprob,)
             outputs.append(self._emit(seq, token, lp))

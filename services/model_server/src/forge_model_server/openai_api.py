@@ -175,27 +175,30 @@ def _sse(payload: object) -> bytes:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n".encode()
 
 
+def model_card(model: ModelInfo, loaded: bool) -> dict[str, object]:
+    """A ``/v1/models`` entry as vLLM lists it, plus Forge's ``version`` and ``loaded``."""
+    return {
+        "id": model.id,
+        "object": "model",
+        "created": model.created,
+        "owned_by": "forge",
+        "root": model.path,
+        "parent": None,
+        "max_model_len": model.max_context_tokens or None,
+        "version": model.version,
+        "loaded": loaded,
+    }
+
+
 class OpenAIRoutes:
     """Builds the OpenAI routes on a FastAPI app around one :class:`ModelServer`."""
 
     def __init__(self, server: ModelServer) -> None:
         self._server = server
 
-    def model_card(self, model: ModelInfo) -> dict[str, object]:
-        return {
-            "id": model.id,
-            "object": "model",
-            "created": model.created,
-            "owned_by": "forge",
-            "root": model.path,
-            "parent": None,
-            "max_model_len": model.max_context_tokens or None,
-            "version": model.version,
-            "loaded": self._server.is_loaded(model),
-        }
-
     async def list_models(self) -> dict[str, object]:
-        return {"object": "list", "data": [self.model_card(m) for m in self._server.list_models()]}
+        server = self._server
+        return {"object": "list", "data": [model_card(m, server.is_loaded(m)) for m in server.list_models()]}
 
     async def completions(self, body: CompletionBody, request: Request) -> Response:
         generation = _request(body, request.headers.get("x-request-id", ""), prompt=body.prompt)

@@ -237,12 +237,12 @@ class AsyncEngine:
                 if not batch.seqs:
                     await asyncio.sleep(0.001)
                     continue
-                layout, rows = self.core.prepare(batch)
+                inputs = self.core.prepare(batch)
                 # 3. One batched forward; the HTTP server keeps serving meanwhile.
-                logits = await asyncio.to_thread(self.core.execute, layout, rows)
+                logits = await asyncio.to_thread(self.core.execute, inputs)
                 # 4. Sample, stop, free, and hand each request its output.
                 now = self._clock()
-                for out in self.core.update(batch, rows, logits):
+                for out in self.core.update(batch, inputs, logits):
                     tracked = self._tracked.get(out.request_id)
                     if tracked is None:
                         continue

@@ -66,3 +66,20 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         scaled = scaled.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
     probs = torch.softmax(scaled, dim=-1)
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def sample_rows(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]
+) -> list[int]:
+    """One token per row of ``logits``: the greedy rows in one argmax (one read-back for the whole
+    batch), the others each from its own generator."""
+    tokens = [0] * len(params)
+    greedy = [i for i, p in enumerate(params) if p.temperature < GREEDY_EPSILON]
+    if greedy:
+        picked = logits if len(greedy) == len(params) else logits[greedy]
+        for i, token in zip(greedy, picked.argmax(dim=-1).tolist(), strict=True):
+            tokens[i] = int(token)
+    for i, p in enumerate(params):
+        if p.temperature >= GREEDY_EPSILON:
+            tokens[i] = sample(logits[i], p, generators[i])
+    return tokens

@@ -2,21 +2,26 @@
 
 A model is a Hugging Face-format folder under ``models_dir`` (``config.json``, tokenizer files,
 ``*.safetensors``); its name is the folder name and its version comes from an optional
-``forge_model.json`` (``{"version": "3"}``). Generation is delegated to an :class:`Engine`, which an
-:class:`EngineLoader` builds for a model on first use. A model that cannot be loaded is an error
-naming it and the reason, never a made-up completion.
+``forge_model.json`` (``{"version": "3"}``). An admin may also register a folder elsewhere on this
+machine under a name at run time (:meth:`ModelServer.register`: a freshly trained checkpoint); it
+is loaded at once and served until the process ends. Generation is delegated to an
+:class:`Engine`, which an :class:`EngineLoader` builds for a model on first use. A model that cannot
+be loaded is an error naming it and the reason, never a made-up completion.
 """
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import json
 import math
 import posixpath
+import re
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal, Protocol
 
 from prometheus_client import Counter, Gauge, Histogram
@@ -74,6 +79,9 @@ FinishReason = Literal["stop", "length", "cancelled"]
 ROLES = ("system", "user", "assistant")
 METADATA_FILE = "forge_model.json"
 MAX_LOGPROBS = 20
+#: A registered model's name: what clients put in ``model`` (no ``:``, which separates a version).
+MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+TOKENIZER_FILE = "tokenizer.json"
 
 
 class ModelNotLoadedError(errors.ConflictError):
@@ -289,17 +297,77 @@ def validate(request: GenerationRequest) -> None:
             raise errors.ValidationError(f"stop.{i}", "must not be empty")
 
 
-class ModelServer:
-    """Lists the models in the directory and runs generation on their engines."""
+def checkpoint_info(name: str, path: str, version: str | None) -> ModelInfo:
+    """The model an admin asks to register, once its name and folder pass the checks; every
+    refusal is a :class:`~forge_kit.errors.ValidationError` naming ``name``, ``path`` or ``version``."""
+    if not MODEL_NAME.fullmatch(name):
+        raise errors.ValidationError(
+            "name", "must be 1-128 letters, digits, '.', '_' or '-', starting with a letter or digit"
+        )
+    if version is not None and not re.fullmatch(r"[A-Za-z0-9._-]{0,64}", version):
+        raise errors.ValidationError("version", "must be at most 64 letters, digits, '.', '_' or '-'")
+    if not path:
+        raise errors.ValidationError("path", "is required")
+    if "://" in path:
+        raise errors.ValidationError(
+            "path", f"must be a directory on the model server's disk, not a URL: {path}"
+        )
+    folder = Path(path)
+    if not folder.is_absolute():
+        raise errors.ValidationError("path", f"must be absolute: {path}")
+    if not folder.is_dir():
+        raise errors.ValidationError("path", f"is not a directory: {path}")
+    config = folder / "config.json"
+    if not config.is_file():
+        raise errors.ValidationError("path", f"has no config.json: {path}")
+    if not (folder / TOKENIZER_FILE).is_file():
+        raise errors.ValidationError("path", f"has no tokenizer ({TOKENIZER_FILE}): {path}")
+    weights = tuple(sorted(p.name for p in folder.glob("*.safetensors")))
+    if not weights:
+        raise errors.ValidationError("path", f"has no weights (*.safetensors): {path}")
+    try:
+        data = json.loads(config.read_text())
+        meta = json.loads((folder / METADATA_FILE).read_text()) if (folder / METADATA_FILE).is_file() else {}
+    except (OSError, ValueError) as exc:
+        raise errors.ValidationError(
+            "path", f"has an unreadable config.json or {METADATA_FILE}: {exc}"
+        ) from exc
+    context = data.get("max_position_embeddings") if isinstance(data, dict) else None
+    return ModelInfo(
+        name=name,
+        version=version
+        if version is not None
+        else str(meta.get("version", "") if isinstance(meta, dict) else ""),
+        path=str(folder),
+        created=int(config.stat().st_mtime),
+        max_context_tokens=context if isinstance(context, int) and context > 0 else 0,
+        weight_files=weights,
+    )
 
-    def __init__(self, directory: ModelDirectory, loader: EngineLoader = unavailable_engine_loader) -> None:
+
+class ModelServer:
+    """Lists the models in the directory and those registered at run time, and runs generation on
+    their engines."""
+
+    def __init__(
+        self,
+        directory: ModelDirectory,
+        loader: EngineLoader = unavailable_engine_loader,
+        *,
+        drain_timeout_s: float = 30.0,
+    ) -> None:
         self._directory = directory
         self._loader = loader
+        self._drain_timeout_s = drain_timeout_s
         self._engines: dict[str, Engine] = {}
+        self._registered: dict[str, ModelInfo] = {}
+        self._retiring: set[asyncio.Task[None]] = set()
 
     def list_models(self) -> list[ModelInfo]:
         """The served models; each gets its metric series so they read 0 before the first request."""
-        models = self._directory.list()
+        found = {m.name: m for m in self._directory.list()}
+        found.update(self._registered)
+        models = [found[name] for name in sorted(found)]
         for model in models:
             NUM_REQUESTS_RUNNING.labels(model.name)
             NUM_REQUESTS_WAITING.labels(model.name)
@@ -308,14 +376,55 @@ class ModelServer:
     def is_loaded(self, model: ModelInfo) -> bool:
         return model.name in self._engines
 
+    def lookup(self, model: str) -> ModelInfo:
+        """The model named ``model`` or ``name:version``, registered ones first."""
+        name, _, version = model.partition(":")
+        info = self._registered.get(name)
+        if info is not None and (not version or version == info.version):
+            return info
+        try:
+            return self._directory.get(model)
+        except ModelNotFoundError:
+            raise ModelNotFoundError(model, [m.name for m in self.list_models()]) from None
+
     def resolve(self, model: str) -> tuple[ModelInfo, Engine]:
         """The model and its engine, loading the engine on first use."""
-        info = self._directory.get(model)
+        info = self.lookup(model)
         engine = self._engines.get(info.name)
         if engine is None:
             engine = self._loader(info)
             self._engines[info.name] = engine
         return info, engine
+
+    async def register(self, name: str, path: str, version: str | None = None) -> ModelInfo:
+        """Admin: serve the Hugging Face folder ``path`` (on this machine) as ``name``.
+
+        1. Check the name and the folder (config, tokenizer, weights): 400 naming the field.
+        2. Load the engine now, off the event loop, so a folder that cannot be served is refused
+           here (400 naming ``path``, with the reason) instead of on its first request.
+        3. Serve it: a model registered under the same name before is replaced; requests already
+           on the old engine finish there (it drains in the background).
+        """
+        # 1. Check.
+        info = checkpoint_info(name, path, version)
+        if name not in self._registered and name in {m.name for m in self._directory.list()}:
+            raise errors.ValidationError("name", f"`{name}` is already a folder of the model directory")
+        # 2. Load.
+        try:
+            engine = await asyncio.to_thread(self._loader, info)
+        except ModelNotLoadedError as exc:
+            raise errors.ValidationError("path", exc.message) from exc
+        # 3. Serve.
+        old = self._engines.get(name)
+        self._registered[name] = info
+        self._engines[name] = engine
+        drain = getattr(old, "drain", None)
+        if drain is not None:
+            task = asyncio.create_task(drain(self._drain_timeout_s), name=f"retire-{name}")
+            self._retiring.add(task)
+            task.add_done_callback(self._retiring.discard)
+        self.list_models()
+        return info
 
     async def generate(self, request: GenerationRequest) -> tuple[ModelInfo, ChunkStream]:
         """Validate, resolve the engine, admit the request, and return the model with its stream.
@@ -335,6 +444,8 @@ class ModelServer:
             drain = getattr(engine, "drain", None)
             if drain is not None:
                 await drain(timeout_s)
+        if self._retiring:
+            await asyncio.gather(*self._retiring, return_exceptions=True)
 
     async def _run(
         self, info: ModelInfo, engine: Engine, stream: AsyncIterator[GenerationChunk]

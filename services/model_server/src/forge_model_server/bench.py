@@ -1,0 +1,237 @@
+"""``forge bench engine --out DIR``: the engine against Hugging Face ``generate`` on the same
+weights and the same requests, in one run (issue 5's benchmark contract).
+
+Workload: ``num_requests`` requests offered at once, prompt lengths uniform in
+[``min_prompt``, ``max_prompt``] tokens (random token ids), output lengths uniform in
+[``min_output``, ``max_output``], greedy, EOS ignored so every system produces exactly the same
+number of tokens. Without ``--model-dir`` a randomly initialised Llama (4 layers x 256 hidden,
+4 heads, vocab 2048, context 1024) is used.
+
+1. ``engine_tok_s``: the engine core (continuous batching, paged KV cache, chunked prefill under
+   ``max_num_batched_tokens``) with every request admitted at once;
+2. ``hf_static_tok_s``: ``LlamaForCausalLM.generate`` in static batches of ``hf_batch_size``
+   (left-padded; a batch runs until its longest output is done; only requested tokens count);
+3. ``sequential_tok_s``: ``generate`` one request at a time.
+
+Output tokens per second of wall time each, all three with the same torch thread count (default
+1: on a shared 2-core machine more threads than free cores made small matmuls 17x slower).
+Writes ``DIR/summary.json`` with those three keys, ``engine_vs_hf_static``,
+``engine_vs_sequential``, and ``identical_to_sequential`` (requests whose engine tokens equal
+the one-at-a-time ``generate`` tokens), and prints it as one JSON line.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Annotated, Any
+
+import torch
+import typer
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from forge_model_server.engine import EngineConfig, EngineCore
+from forge_model_server.llama import LlamaModel
+from forge_model_server.sampling import SamplingParams
+
+app = typer.Typer(add_completion=False, help="Inference engine benchmark (engine).")
+
+Request = tuple[list[int], int]
+BLOCK_SIZE = 16
+
+
+@dataclass(frozen=True)
+class EngineBench:
+    """One run's workload and settings; :func:`validate` names the first bad field."""
+
+    num_requests: int = 64
+    min_prompt: int = 8
+    max_prompt: int = 512
+    min_output: int = 16
+    max_output: int = 256
+    hf_batch_size: int = 16
+    max_num_batched_tokens: int = 512
+    seed: int = 0
+    threads: int = 1
+
+
+def validate(bench: EngineBench) -> None:
+    if bench.num_requests < 1:
+        raise typer.BadParameter("must be at least 1", param_hint="--num-requests")
+    if not 1 <= bench.min_prompt <= bench.max_prompt:
+        raise typer.BadParameter("needs 1 <= --min-prompt <= --max-prompt", param_hint="--min-prompt")
+    if not 1 <= bench.min_output <= bench.max_output:
+        raise typer.BadParameter("needs 1 <= --min-output <= --max-output", param_hint="--min-output")
+    if bench.hf_batch_size < 1:
+        raise typer.BadParameter("must be at least 1", param_hint="--hf-batch-size")
+    if bench.max_num_batched_tokens < 1:
+        raise typer.BadParameter("must be at least 1", param_hint="--max-num-batched-tokens")
+    if bench.threads < 0:
+        raise typer.BadParameter("must be 0 (torch's default) or more", param_hint="--threads")
+
+
+def random_model(folder: Path, seed: int) -> Path:
+    """A randomly initialised Llama of the default shape, saved in Hugging Face format."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=2048,
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+    )
+    LlamaForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+def workload(bench: EngineBench, vocab: int) -> list[Request]:
+    rng = random.Random(bench.seed)
+    return [
+        (
+            [rng.randrange(vocab) for _ in range(rng.randint(bench.min_prompt, bench.max_prompt))],
+            rng.randint(bench.min_output, bench.max_output),
+        )
+        for _ in range(bench.num_requests)
+    ]
+
+
+def run_engine(folder: Path, requests: list[Request], budget: int) -> tuple[float, list[list[int]]]:
+    """Seconds to serve every request with all of them admitted at once, and their tokens."""
+    blocks = sum(-(-(len(p) + n) // BLOCK_SIZE) for p, n in requests)
+    config = EngineConfig(
+        num_blocks=blocks,
+        block_size=BLOCK_SIZE,
+        max_num_seqs=len(requests),
+        max_num_batched_tokens=budget,
+        enable_prefix_caching=False,
+    )
+    model = LlamaModel.load(folder, num_blocks=blocks, block_size=BLOCK_SIZE)
+    core = EngineCore(model, config, lambda ids: "")
+    produced: dict[str, list[int]] = {str(i): [] for i in range(len(requests))}
+    start = time.perf_counter()
+    for i, (prompt, n) in enumerate(requests):
+        params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+        core.add_request(str(i), prompt, params, seed=i)
+    while core.has_work():
+        for out in core.step():
+            produced[out.request_id] += out.token_ids
+    return time.perf_counter() - start, list(produced.values())
+
+
+def run_hf(
+    model: LlamaForCausalLM, requests: list[Request], batch_size: int
+) -> tuple[float, list[list[int]]]:
+    """Seconds for ``generate`` over static batches of ``batch_size``, and the requested tokens."""
+    outputs: list[list[int]] = []
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for b in range(0, len(requests), batch_size):
+            batch = requests[b : b + batch_size]
+            width = max(len(p) for p, _ in batch)
+            ids = torch.zeros(len(batch), width, dtype=torch.long)
+            mask = torch.zeros(len(batch), width, dtype=torch.long)
+            for row, (prompt, _) in enumerate(batch):
+                ids[row, width - len(prompt) :] = torch.tensor(prompt)
+                mask[row, width - len(prompt) :] = 1
+            longest = max(n for _, n in batch)
+            generated = model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=longest,
+                min_new_tokens=longest,
+                do_sample=False,
+                pad_token_id=0,
+            )
+            outputs += [generated[row, width : width + n].tolist() for row, (_, n) in enumerate(batch)]
+    return time.perf_counter() - start, outputs
+
+
+def engine_bench(bench: EngineBench, model_dir: Path | None = None) -> dict[str, Any]:
+    """1. the engine, 2. static batches, 3. one request at a time; the summary of the three."""
+    validate(bench)
+    before = torch.get_num_threads()
+    if bench.threads > 0:
+        torch.set_num_threads(bench.threads)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            folder = model_dir or random_model(Path(tmp) / "model", bench.seed)
+            hf = LlamaForCausalLM.from_pretrained(folder).eval()
+            requests = workload(bench, hf.config.vocab_size)
+            longest = max(len(p) + n for p, n in requests)
+            if longest > hf.config.max_position_embeddings:
+                raise typer.BadParameter(
+                    f"prompt + output reach {longest} tokens; the model's context is "
+                    f"{hf.config.max_position_embeddings}",
+                    param_hint="--max-prompt",
+                )
+            engine_s, engine_tokens = run_engine(folder, requests, bench.max_num_batched_tokens)
+            static_s, _ = run_hf(hf, requests, bench.hf_batch_size)
+            sequential_s, sequential_tokens = run_hf(hf, requests, 1)
+        threads = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
+    tokens = sum(n for _, n in requests)
+    if sum(map(len, engine_tokens)) != tokens:
+        raise RuntimeError(f"the engine produced {sum(map(len, engine_tokens))} tokens, not {tokens}")
+    summary: dict[str, Any] = {
+        "engine_tok_s": tokens / engine_s,
+        "hf_static_tok_s": tokens / static_s,
+        "sequential_tok_s": tokens / sequential_s,
+    }
+    summary["engine_vs_hf_static"] = summary["engine_tok_s"] / summary["hf_static_tok_s"]
+    summary["engine_vs_sequential"] = summary["engine_tok_s"] / summary["sequential_tok_s"]
+    summary["identical_to_sequential"] = sum(
+        a == b for a, b in zip(engine_tokens, sequential_tokens, strict=True)
+    )
+    summary["output_tokens"] = tokens
+    summary["threads"] = threads
+    summary["settings"] = asdict(bench)
+    return summary
+
+
+@app.callback()
+def bench() -> None:
+    """Benchmarks (``forge bench engine``)."""
+
+
+@app.command()
+def engine(
+    out: Annotated[Path, typer.Option(help="directory for summary.json")],
+    model_dir: Annotated[
+        Path | None, typer.Option(help="a Hugging Face Llama folder (default: a random one)")
+    ] = None,
+    num_requests: Annotated[int, typer.Option(help="requests, all offered at once")] = 64,
+    min_prompt: Annotated[int, typer.Option(help="shortest prompt, tokens")] = 8,
+    max_prompt: Annotated[int, typer.Option(help="longest prompt, tokens")] = 512,
+    min_output: Annotated[int, typer.Option(help="shortest output, tokens")] = 16,
+    max_output: Annotated[int, typer.Option(help="longest output, tokens")] = 256,
+    hf_batch_size: Annotated[int, typer.Option(help="requests per static generate batch")] = 16,
+    max_num_batched_tokens: Annotated[int, typer.Option(help="the engine's token budget per step")] = 512,
+    seed: Annotated[int, typer.Option(help="workload and random-model seed")] = 0,
+    threads: Annotated[int, typer.Option(help="torch intra-op threads for all three (0: torch's)")] = 1,
+) -> None:
+    """Engine throughput against HF generate (static batches, one at a time), same weights."""
+    settings = EngineBench(
+        num_requests=num_requests,
+        min_prompt=min_prompt,
+        max_prompt=max_prompt,
+        min_output=min_output,
+        max_output=max_output,
+        hf_batch_size=hf_batch_size,
+        max_num_batched_tokens=max_num_batched_tokens,
+        seed=seed,
+        threads=threads,
+    )
+    if model_dir is not None and not (model_dir / "config.json").is_file():
+        raise typer.BadParameter(f"{model_dir} has no config.json", param_hint="--model-dir")
+    summary = engine_bench(settings, model_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    typer.echo(json.dumps(summary))
