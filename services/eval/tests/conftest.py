@@ -32,7 +32,7 @@ class ScriptedRunner:
     def scorer_version(self, suite: str) -> str:
         return f"{suite}-scripted-1"
 
-    async def run(self, spec: RunSpec, endpoint: str) -> list[ExampleResult]:
+    async def run(self, spec: RunSpec, endpoint: str, *, token: str | None = None) -> list[ExampleResult]:
         self.calls.append(spec)
         return [
             ExampleResult(f"ex-{i}", "accuracy", score, output=str(score), target="1")

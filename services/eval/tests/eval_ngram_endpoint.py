@@ -74,6 +74,8 @@ class EndpointState:
     fail_next: int = 0
     single_prompt_only: bool = False
     roots: dict[str, str] = field(default_factory=dict)
+    max_model_len: int | None = None
+    """The context in tokens (characters): longer prompts + max_tokens are refused with 400."""
 
 
 def _generate(model: NGramModel, prompt: str, body: dict[str, Any], rng: random.Random) -> str:
@@ -119,7 +121,13 @@ def make_app(state: EndpointState) -> FastAPI:
         return {
             "object": "list",
             "data": [
-                {"id": name, "object": "model", "root": state.roots.get(name, name), "version": "1"}
+                {
+                    "id": name,
+                    "object": "model",
+                    "root": state.roots.get(name, name),
+                    "version": "1",
+                    "max_model_len": state.max_model_len,
+                }
                 for name in state.models
             ],
         }
@@ -139,6 +147,14 @@ def make_app(state: EndpointState) -> FastAPI:
                 {"error": {"message": "prompt must be a string", "param": "prompt"}}, status_code=422
             )
         prompts = body["prompt"] if isinstance(body["prompt"], list) else [body["prompt"]]
+        too_long = [
+            p
+            for p in prompts
+            if state.max_model_len and len(p) + int(body.get("max_tokens", 16)) > state.max_model_len
+        ]
+        if too_long:
+            message = f"{len(too_long[0])} prompt tokens exceed the context of {state.max_model_len}"
+            return JSONResponse({"error": {"message": message, "param": "prompt"}}, status_code=400)
         state.prompts += len(prompts)
         n = int(body.get("n", 1))
         choices = []

@@ -14,7 +14,7 @@ from fastapi import FastAPI
 from forge.common.v1 import common_pb2
 from forge.eval.v1 import eval_pb2, eval_pb2_grpc
 
-from forge_eval.api import EvalApi
+from forge_eval.api import EvalApi, named_tokens
 from forge_eval.runner import OpenAICompletionsRunner
 from forge_eval.service import EvalService
 from forge_eval.spec import BenchmarkCatalog
@@ -26,6 +26,8 @@ from forge_kit.testing.processes import free_port
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.integration]
 TOKEN = "test-token"
+ADMIN_TOKEN = "alice-token"
+USER_TOKEN = "ci-token"
 
 
 def scripted_model_server(catalog: BenchmarkCatalog) -> FastAPI:
@@ -75,6 +77,7 @@ async def server(eval_service: EvalService) -> AsyncIterator[GrpcServer]:
         "forge.eval.v1.EvalService",
         token=TOKEN,
         service="eval",
+        authenticators=[named_tokens({"alice": ADMIN_TOKEN}, {"ci": USER_TOKEN})],
     ) as started:
         yield started
     worker.cancel()
@@ -108,29 +111,76 @@ async def test_call_without_token_is_unauthenticated(server: GrpcServer) -> None
     assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
-async def test_registry_promote_rollback_over_grpc(stub: eval_pb2_grpc.EvalServiceStub) -> None:
-    for uri in ("file:///ckpt/1", "file:///ckpt/2"):
-        await stub.RegisterModel(
-            eval_pb2.RegisterModelRequest(ref=common_pb2.ModelRef(name="tiny"), uri=uri, labels={"job": "j"})
+async def test_registry_lifecycle_forced_promotion_and_audit_over_grpc(
+    server: GrpcServer, stub: eval_pb2_grpc.EvalServiceStub
+) -> None:
+    first = await stub.RegisterModel(
+        eval_pb2.RegisterModelRequest(
+            ref=common_pb2.ModelRef(name="tiny"),
+            uri="file:///ckpt/1",
+            labels={"job": "j"},
+            lineage=eval_pb2.Lineage(training_run_id="run-1", recipe_hash="r1", data_hash="d1"),
         )
-    await stub.PromoteModel(eval_pb2.PromoteModelRequest(ref=ref("1"), stage="production"))
-    promoted = await stub.PromoteModel(
-        eval_pb2.PromoteModelRequest(ref=ref("2"), stage="production", reason="new")
     )
-    assert promoted.model.stage == "production" and promoted.previous.version == "1"
-    back = await stub.RollbackModel(eval_pb2.RollbackModelRequest(stage="production"))
-    assert (back.model.ref.version, back.rolled_back.version) == ("1", "2")
+    second = await stub.RegisterModel(
+        eval_pb2.RegisterModelRequest(
+            ref=common_pb2.ModelRef(name="tiny"),
+            uri="file:///ckpt/2",
+            lineage=eval_pb2.Lineage(training_run_id="run-2", parent=ref("1")),
+        )
+    )
+    assert first.model.stage == "candidate" and first.model.lineage.recipe_hash == "r1"
+    assert second.model.lineage.parent.version == "1" and second.model.lineage.training_run_id == "run-2"
+
+    # No eval run: refused; a non-admin may not force; an admin may, with a reason.
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await stub.PromoteModel(eval_pb2.PromoteModelRequest(ref=ref("1"), stage="production"))
+    assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "has no eval runs; an admin may force it" in caught.value.details()
+    forced = eval_pb2.PromoteModelRequest(ref=ref("1"), stage="production", force=True, reason="bootstrap")
+    async with make_channel(f"127.0.0.1:{server.port}", token=USER_TOKEN) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await eval_pb2_grpc.EvalServiceStub(channel).PromoteModel(forced)
+    assert (
+        caught.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        and "ci is not an admin" in caught.value.details()
+    )
+    async with make_channel(f"127.0.0.1:{server.port}", token=ADMIN_TOKEN) as channel:
+        admin = eval_pb2_grpc.EvalServiceStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await admin.PromoteModel(
+                eval_pb2.PromoteModelRequest(ref=ref("1"), stage="production", force=True)
+            )
+        assert (FIELD_METADATA_KEY, "reason") in tuple(caught.value.trailing_metadata() or ())
+        one = await admin.PromoteModel(forced)
+        two = await admin.PromoteModel(
+            eval_pb2.PromoteModelRequest(ref=ref("2"), stage="production", force=True, reason="hotfix")
+        )
+    assert one.event.forced and one.event.actor == "alice" and "no eval runs" in one.event.gate_report
+    assert two.model.stage == "production" and two.previous.version == "1"
+
+    back = await stub.RollbackModel(eval_pb2.RollbackModelRequest(stage="production", reason="bad"))
+    assert (back.model.ref.version, back.rolled_back.version, back.event.actor) == ("1", "2", "service")
     listed = await stub.ListModels(eval_pb2.ListModelsRequest(stage="production"))
     assert [m.ref.version for m in listed.models] == ["1"] and listed.models[0].uri == "file:///ckpt/1"
+    archived = await stub.ListModels(eval_pb2.ListModelsRequest(stage="archived"))
+    assert [m.ref.version for m in archived.models] == ["2"]
 
-    with pytest.raises(grpc.aio.AioRpcError) as caught:
-        await stub.PromoteModel(
-            eval_pb2.PromoteModelRequest(ref=ref("2"), stage="production", require_gate=True)
-        )
-    assert (
-        caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        and "has no eval runs" in caught.value.details()
+    audit = await stub.ListStageEvents(eval_pb2.ListStageEventsRequest(forced_only=True))
+    assert [(e.model.version, e.actor, e.reason) for e in audit.events] == [
+        ("2", "alice", "hotfix"),
+        ("1", "alice", "bootstrap"),
+    ]
+    history = await stub.ListStageEvents(
+        eval_pb2.ListStageEventsRequest(model_name="tiny", model_version="1")
     )
+    assert [(e.action, e.to_stage) for e in reversed(history.events)] == [
+        ("register", "candidate"),
+        ("promote", "production"),
+        ("archive", "archived"),
+        ("rollback", "production"),
+    ]
+    assert history.page.total_size == 4 and history.events[0].created_at.seconds > 0
 
 
 async def test_invalid_request_names_the_field(stub: eval_pb2_grpc.EvalServiceStub) -> None:

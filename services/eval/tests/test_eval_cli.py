@@ -1,4 +1,5 @@
-"""``forge eval run`` and ``forge eval compare`` over real HTTP against the n-gram endpoint."""
+"""``forge eval run`` and ``forge eval compare`` over real HTTP against the n-gram endpoint, and the
+registry commands against a real eval service process."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from test_eval_harness import CORPUS_BAD, CORPUS_GOOD, write_mc_task
 from typer.testing import CliRunner
 
 from forge_eval.cli import app
+from forge_kit.testing import ServiceProcess
 
 pytestmark = pytest.mark.integration
 
@@ -115,3 +117,57 @@ def test_bad_input_writes_nothing(endpoint: tuple[str, EndpointState], tmp_path:
     )
     assert unknown_model.exit_code == 2 and "does not serve 'nope'" in unknown_model.output
     assert not (tmp_path / "out").exists()
+
+
+@pytest.fixture
+def eval_service(tmp_path: Path) -> Iterator[ServiceProcess]:
+    process = ServiceProcess(
+        "forge_eval",
+        env={
+            "FORGE_EVAL_GRPC_PORT": "0",
+            "FORGE_EVAL_HTTP_PORT": "0",
+            "FORGE_EVAL_DATA_DIR": str(tmp_path / "eval"),
+            "FORGE_EVAL_KAFKA_ENABLED": "false",
+            "FORGE_EVAL_AUTH_TOKEN": "service-token",
+            "FORGE_EVAL_ADMIN_TOKENS": json.dumps({"alice": "alice-token"}),
+            "FORGE_EVAL_USER_TOKENS": json.dumps({"ci": "ci-token"}),
+        },
+        log_path=str(tmp_path / "eval.log"),
+    ).start()
+    yield process
+    process.stop()
+
+
+def test_registry_commands_promote_force_and_audit(eval_service: ServiceProcess) -> None:
+    runner = CliRunner()
+
+    def forge_eval(*args: str, token: str = "service-token") -> tuple[int, str]:
+        result = runner.invoke(app, [*args, "--target", eval_service.grpc_target, "--token", token])
+        return result.exit_code, result.output
+
+    code, out = forge_eval("register", "tiny", "--uri", "file:///ckpt/1", "--training-run", "run-1", "--json")
+    assert code == 0 and json.loads(out)["stage"] == "candidate", out
+    code, out = forge_eval("promote", "tiny:1", "--stage", "production")
+    assert code == 1 and "FAILED_PRECONDITION" in out and "has no eval runs" in out
+    code, out = forge_eval(
+        "promote", "tiny:1", "--stage", "production", "--force", "--reason", "r", token="ci-token"
+    )
+    assert code == 1 and "PERMISSION_DENIED" in out
+    code, out = forge_eval(
+        "promote",
+        "tiny:1",
+        "--stage",
+        "production",
+        "--force",
+        "--reason",
+        "bootstrap",
+        "--json",
+        token="alice-token",
+    )
+    event = json.loads(out)
+    assert code == 0 and (event["forced"], event["actor"], event["to_stage"]) == (True, "alice", "production")
+    assert "has no eval runs" in json.loads(event["gate_report"])["summary"]
+    code, out = forge_eval("history", "tiny:1", "--forced", "--json")
+    assert code == 0 and [(e["actor"], e["reason"]) for e in json.loads(out)] == [("alice", "bootstrap")]
+    code, out = forge_eval("models", "--stage", "production", "--json")
+    assert code == 0 and [(m["model"], m["training_run"]) for m in json.loads(out)] == [("tiny:1", "run-1")]

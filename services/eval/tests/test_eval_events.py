@@ -20,14 +20,14 @@ async def test_model_promoted_is_relayed_to_kafka(
     kafka_broker: TansuBroker, service: EvalService, db: Database
 ) -> None:
     topic = topic_for(events_pb2.ModelPromoted())
-    await ensure_topics(kafka_broker.bootstrap, [topic])
+    await ensure_topics(kafka_broker.bootstrap, [topic, topic_for(events_pb2.EvalCompleted())])
     await service.register_model("tiny", "1", "file:///ckpt/1", {})
     await service.register_model("tiny", "2", "file:///ckpt/2", {})
     await service.promote_model(
-        "tiny", "1", "production", require_gate=False, traffic_percent=0, reason="first"
+        "tiny", "1", "production", traffic_percent=0, reason="first", force=True, actor="alice"
     )
     await service.promote_model(
-        "tiny", "2", "canary", require_gate=False, traffic_percent=10, reason="try it"
+        "tiny", "2", "canary", traffic_percent=10, reason="try it", force=True, actor="alice"
     )
 
     publisher = KafkaPublisher(kafka_broker.bootstrap)

@@ -15,7 +15,7 @@ import pytest
 from eval_ngram_endpoint import EndpointState, NGramModel, make_app
 
 from forge_eval.backend import OpenAIBackend, ResponseCache
-from forge_eval.harness import compare_runs, read_samples, rescore_task, run_task, write_run
+from forge_eval.harness import compare_runs, read_samples, rescore_task, run_task, windows, write_run
 from forge_eval.spec import BenchmarkCatalog, resolve_data_path
 from forge_eval.tasks import DataRoots, load_task
 from forge_kit import errors
@@ -230,6 +230,44 @@ async def test_perplexity_matches_the_model(
     n_bytes = sum(len(c) - 1 for c in chunks)
     assert result.summary["corpus"]["byte_perplexity"] == pytest.approx(math.exp(nll / n_bytes))
     assert result.summary["metrics"]["bits_per_byte"]["higher_is_better"] is False
+
+
+async def test_perplexity_documents_longer_than_the_context_are_scored_in_windows(
+    roots: DataRoots, backend_factory: BackendFactory, state: EndpointState, tmp_path: Path
+) -> None:
+    corpus = tmp_path / "corpora" / "toy"
+    corpus.mkdir(parents=True)
+    text = "the cat sat on the mat. " * 12
+    (corpus / "input.txt").write_text(text)
+    path = tmp_path / "ppl.yaml"
+    path.write_text(
+        "name: toy_ppl\noutput_type: loglikelihood_rolling\n"
+        "dataset: {root: corpora, path: toy/input.txt, format: text, chunk_chars: 96}\n"
+        "template: {prompt: '{{ text }}'}\nscorer: {name: perplexity}\n"
+    )
+    state.max_model_len = 40  # a 96-character document does not fit: 3 windows of 32 characters
+    backend = backend_factory()
+    result = await run_task(
+        load_task(str(path)),
+        DataRoots(roots.benchmarks, tmp_path / "corpora"),
+        backend,
+        await backend.identity(),
+    )
+    assert result.spec["window_bytes"] == 38
+    model = NGramModel(CORPUS_GOOD)
+    docs = [text[i : i + 96] for i in range(0, len(text), 96)]
+    for doc, sample in zip(docs, result.samples, strict=True):
+        pieces = windows(doc, 38)
+        assert [len(p) for p in pieces] == [32, 32, 32] and "".join(pieces) == doc
+        nll = -sum(model.logprob(w[0], w[1:]) for w in pieces)
+        assert sample["scores"]["bits_per_byte"] == pytest.approx(nll / (96 - 3) / math.log(2))
+    assert backend.stats.prompts_sent == 3 * len(docs)
+
+
+def test_windows_cut_on_characters_within_the_byte_budget() -> None:
+    assert windows("abc", 0) == ["abc"] and windows("abc", 3) == ["abc"]
+    pieces = windows("é" * 10, 7)  # 20 bytes; 3 characters (6 bytes) fit a window, so 4 windows
+    assert "".join(pieces) == "é" * 10 and [len(p) for p in pieces] == [2, 3, 3, 2]
 
 
 async def test_generation_and_rescoring_without_model_calls(

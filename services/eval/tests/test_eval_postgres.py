@@ -31,13 +31,13 @@ async def test_registry_and_runs_on_postgres(
         await service.execute_run(run.id)
         got, metrics = await service.get_run(run.id)
         assert got.status == eval_pb2.RUN_STATUS_SUCCEEDED and metrics[0].value == pytest.approx(2 / 3)
+        await service.promote_model("tiny", "1", "production", traffic_percent=0, reason="")
         await service.promote_model(
-            "tiny", "1", "production", require_gate=True, traffic_percent=0, reason=""
+            "tiny", "2", "production", traffic_percent=0, reason="no runs yet", force=True, actor="alice"
         )
-        await service.promote_model(
-            "tiny", "2", "production", require_gate=False, traffic_percent=0, reason=""
-        )
-        restored, removed = await service.rollback_model("production", "")
-        assert (restored.row.version, removed.version) == ("1", "2")
+        back = await service.rollback_model("production", "")
+        assert back.model.row.version == "1" and back.previous is not None and back.previous.version == "2"
+        forced, _ = await service.list_stage_events("tiny", "2", "", forced_only=True, page_size=5, offset=0)
+        assert [(e.row.actor, e.row.stage) for e in forced] == [("alice", "production")]
     finally:
         await db.dispose()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -9,7 +11,8 @@ import sqlalchemy as sa
 from forge.eval.v1 import eval_pb2
 from forge.events.v1 import events_pb2
 
-from forge_eval.service import EvalService
+from forge_eval.service import EvalService, Lineage, Promotion
+from forge_eval.serving import LocalModelServer
 from forge_eval.store import ExampleRow, ModelRow, RunRow, StageEventRow
 from forge_kit import errors
 from forge_kit.db import Database
@@ -29,6 +32,22 @@ async def register(service: EvalService, *versions: str, name: str = "tiny") -> 
         await service.register_model(name, version, f"file:///ckpt/{name}/{version}", {"job": "j-1"})
 
 
+async def promote(service: EvalService, version: str, stage: str, **kwargs: Any) -> Promotion:
+    values: dict[str, Any] = {"traffic_percent": 0, "reason": "", **kwargs}
+    return await service.promote_model("tiny", version, stage, **values)
+
+
+async def promotions(outbox: Outbox) -> list[Any]:
+    rows = [r for r in await outbox() if r.event_type == events_pb2.ModelPromoted.DESCRIPTOR.full_name]
+    return [(r.key, events_pb2.ModelPromoted.FromString(r.payload)) for r in rows]
+
+
+async def passing(run_model: RunModel, *versions: str) -> None:
+    """Give each version a finished run that passes the gate (there is no production yet)."""
+    for version in versions:
+        await run_model(version, [1.0, 0.0, 1.0])
+
+
 # --- registry -------------------------------------------------------------------------------------
 
 
@@ -36,10 +55,26 @@ async def test_register_numbers_versions_and_refuses_duplicates(service: EvalSer
     first = await service.register_model("tiny", "", "file:///a", {})
     second = await service.register_model("tiny", "", "file:///b", {"job": "j-2"})
     assert (first.row.version, second.row.version, second.row.labels) == ("1", "2", {"job": "j-2"})
+    assert first.stage == second.stage == "candidate"
     with pytest.raises(errors.AlreadyExistsError):
         await service.register_model("tiny", "2", "file:///c", {})
     models, total = await service.list_models("tiny", "", 10, 0)
     assert total == 2 and [m.row.version for m in models] == ["2", "1"]
+    events, _ = await service.list_stage_events("tiny", "1", "", forced_only=False, page_size=10, offset=0)
+    assert [(e.row.action, e.row.from_stage, e.row.stage) for e in events] == [("register", "", "candidate")]
+
+
+async def test_lineage_is_stored_with_its_registered_parent(service: EvalService) -> None:
+    await register(service, "1")
+    child = await service.register_model(
+        "tiny", "2", "file:///b", {}, Lineage("run-7", "recipe-abc", "data-def", ("tiny", "1"))
+    )
+    assert (child.row.training_run_id, child.row.recipe_hash, child.row.data_hash) == (
+        "run-7",
+        "recipe-abc",
+        "data-def",
+    )
+    assert child.parent == ("tiny", "1")
 
 
 @pytest.mark.parametrize(
@@ -50,6 +85,8 @@ async def test_register_numbers_versions_and_refuses_duplicates(service: EvalSer
         (("tiny", "1/2", "file:///a", {}), "ref.version"),
         (("tiny", "1", "  ", {}), "uri"),
         (("tiny", "1", "file:///a", {"": "x"}), "labels"),
+        (("tiny", "1", "file:///a", {}, Lineage(parent=("tiny", "0"))), "lineage.parent"),
+        (("tiny", "1", "file:///a", {}, Lineage(recipe_hash="x" * 129)), "lineage.recipe_hash"),
     ],
 )
 async def test_bad_registration_names_the_field_and_writes_nothing(
@@ -58,56 +95,129 @@ async def test_bad_registration_names_the_field_and_writes_nothing(
     with pytest.raises(errors.ValidationError) as caught:
         await service.register_model(*args)
     assert caught.value.field == field
-    assert await count(db, ModelRow) == 0
+    assert await count(db, ModelRow) == 0 and await count(db, StageEventRow) == 0
 
 
-async def test_promote_then_rollback_restores_the_previous_holder_with_events(
-    service: EvalService, outbox: Outbox
+async def test_lifecycle_candidate_canary_production_archived_with_events(
+    service: EvalService, run_model: RunModel, outbox: Outbox
 ) -> None:
     await register(service, "1", "2")
-    view, previous = await service.promote_model(
-        "tiny", "1", "production", require_gate=False, traffic_percent=0, reason=""
-    )
-    assert (view.stage, view.traffic_percent, previous) == ("production", 100, None)
-    view, previous = await service.promote_model(
-        "tiny", "2", "production", require_gate=False, traffic_percent=0, reason="better"
-    )
-    assert previous is not None and previous.version == "1"
-    holders, _ = await service.list_models("", "production", 10, 0)
-    assert [m.row.version for m in holders] == ["2"]
+    await passing(run_model, "1", "2")
+    canary = await promote(service, "1", "canary", traffic_percent=10, actor="ops")
+    assert (canary.model.stage, canary.model.traffic_percent, canary.previous) == ("canary", 10, None)
+    production = await promote(service, "1", "production")
+    assert production.model.stage == "production" and production.event.row.from_stage == "canary"
+    assert (await service.list_models("", "canary", 10, 0))[1] == 0  # it left canary
 
-    restored, removed = await service.rollback_model("production", "bad release")
-    assert (restored.row.version, restored.stage, removed.version) == ("1", "production", "2")
-    holders, _ = await service.list_models("", "production", 10, 0)
-    assert [m.row.version for m in holders] == ["1"]
+    await promote(service, "2", "canary", traffic_percent=10)
+    replaced = await promote(service, "2", "production", reason="better")
+    again = await promote(service, "2", "production", reason="a retried call")  # changes nothing
+    assert again.event.row.id == replaced.event.row.id and again.previous is None
+    assert replaced.previous is not None and replaced.previous.version == "1"
+    stages = {m.row.version: m.stage for m in (await service.list_models("tiny", "", 10, 0))[0]}
+    assert stages == {"1": "archived", "2": "production"}
 
-    events = [events_pb2.ModelPromoted.FromString(row.payload) for row in await outbox()]
-    assert [(e.model.version, e.previous.version, e.is_rollback, e.reason) for e in events] == [
-        ("1", "", False, "promoted"),
-        ("2", "1", False, "better"),
-        ("1", "2", True, "bad release"),
+    events = await promotions(outbox)
+    assert [(e.stage, e.model.version, e.previous.version, e.traffic_percent) for _, e in events] == [
+        ("canary", "1", "", 10),
+        ("production", "1", "", 100),
+        ("canary", "2", "", 10),
+        ("production", "2", "1", 100),
     ]
-    assert all(e.stage == "production" and e.meta.producer == "eval" for e in events)
-    assert [row.key for row in await outbox()] == [b"production"] * 3
+    assert events[-1][1].reason == "better" and events[-1][0] == b"production"
+    trail, total = await service.list_stage_events("tiny", "1", "", forced_only=False, page_size=10, offset=0)
+    assert [(e.row.action, e.row.from_stage, e.row.stage) for e in reversed(trail)] == [
+        ("register", "", "candidate"),
+        ("promote", "candidate", "canary"),
+        ("promote", "canary", "production"),
+        ("archive", "production", "archived"),
+    ]
+    assert (
+        total == 4
+        and trail[-2].row.actor == "ops"
+        and trail[0].row.reason == "replaced in production by tiny:2"
+    )
+    assert trail[1].row.gate_run_id and not trail[1].row.forced
 
+
+@pytest.mark.parametrize(
+    ("path", "target", "message"),
+    [
+        (["production"], "canary", "tiny:1 is production; it cannot move to canary"),
+        (["production"], "archived", "is production; it cannot move to archived"),
+        (
+            ["archived"],
+            "production",
+            r"is archived; it cannot move to production \(from archived: only a rollback\)",
+        ),
+    ],
+)
+async def test_transitions_outside_the_lifecycle_are_refused(
+    service: EvalService, run_model: RunModel, db: Database, path: list[str], target: str, message: str
+) -> None:
+    await register(service, "1")
+    await passing(run_model, "1")
+    for stage in path:
+        await promote(service, "1", stage)
+    events = await count(db, StageEventRow)
+    with pytest.raises(errors.ConflictError, match=message):
+        await promote(service, "1", target)
+    assert await count(db, StageEventRow) == events
+
+
+async def test_rollback_restores_the_replaced_model_and_archives_the_bad_one(
+    service: EvalService, run_model: RunModel, outbox: Outbox
+) -> None:
+    await register(service, "1", "2")
+    await passing(run_model, "1", "2")
+    await promote(service, "1", "production")
+    await promote(service, "2", "production")
+    back = await service.rollback_model("production", "bad release", actor="oncall")
+    assert (back.model.row.version, back.model.stage, back.previous and back.previous.version) == (
+        "1",
+        "production",
+        "2",
+    )
+    assert (back.event.row.action, back.event.row.from_stage, back.event.row.actor) == (
+        "rollback",
+        "archived",
+        "oncall",
+    )
+    stages = {m.row.version: m.stage for m in (await service.list_models("tiny", "", 10, 0))[0]}
+    assert stages == {"1": "production", "2": "archived"}
+    _, last = (await promotions(outbox))[-1]
+    assert (last.model.version, last.previous.version, last.is_rollback, last.reason) == (
+        "1",
+        "2",
+        True,
+        "bad release",
+    )
     with pytest.raises(errors.ConflictError, match="no earlier model"):
         await service.rollback_model("production", "")
 
 
-async def test_rollback_skips_repeated_promotions_of_the_same_model(service: EvalService) -> None:
+async def test_canary_rollback_skips_repeated_promotions_of_the_same_model(
+    service: EvalService, run_model: RunModel
+) -> None:
     await register(service, "1", "2")
-    for version in ("1", "2", "2"):
-        await service.promote_model(
-            "tiny", version, "canary", require_gate=False, traffic_percent=10, reason=""
-        )
-    restored, removed = await service.rollback_model("canary", "")
-    assert (restored.row.version, restored.traffic_percent, removed.version) == ("1", 10, "2")
+    await passing(run_model, "1", "2")
+    await promote(service, "1", "canary", traffic_percent=10)
+    await promote(service, "2", "canary", traffic_percent=10)
+    await promote(service, "2", "canary", traffic_percent=50)  # a new share, same model
+    back = await service.rollback_model("canary", "")
+    assert (back.model.row.version, back.model.traffic_percent, back.previous and back.previous.version) == (
+        "1",
+        10,
+        "2",
+    )
 
 
 async def test_rollback_of_an_empty_stage_is_refused(service: EvalService, db: Database) -> None:
     with pytest.raises(errors.ConflictError, match="no model"):
         await service.rollback_model("production", "")
-    assert await count(db, StageEventRow) == 0
+    with pytest.raises(errors.ValidationError) as caught:
+        await service.rollback_model("archived", "")
+    assert caught.value.field == "stage" and await count(db, StageEventRow) == 0
 
 
 @pytest.mark.parametrize(
@@ -116,6 +226,7 @@ async def test_rollback_of_an_empty_stage_is_refused(service: EvalService, db: D
         ("tiny", "", "production", 0, "ref.version"),
         ("tiny", "1", "", 0, "stage"),
         ("tiny", "1", "Prod!", 0, "stage"),
+        ("tiny", "1", "candidate", 0, "stage"),
         ("tiny", "1", "canary", 101, "traffic_percent"),
     ],
 )
@@ -131,32 +242,29 @@ async def test_bad_promotion_names_the_field_and_writes_nothing(
 ) -> None:
     await register(service, "1")
     with pytest.raises(errors.ValidationError) as caught:
-        await service.promote_model(
-            name, version, stage, require_gate=False, traffic_percent=traffic, reason=""
-        )
+        await service.promote_model(name, version, stage, traffic_percent=traffic, reason="")
     assert caught.value.field == field
-    assert await count(db, StageEventRow) == 0 and await outbox() == []
+    assert await count(db, StageEventRow) == 1 and await outbox() == []  # the registration only
 
 
 async def test_promoting_an_unknown_model_is_not_found(service: EvalService) -> None:
     with pytest.raises(errors.NotFoundError):
-        await service.promote_model(
-            "tiny", "9", "production", require_gate=False, traffic_percent=0, reason=""
-        )
+        await promote(service, "9", "production")
 
 
 # --- the release gate ----------------------------------------------------------------------------
 
 
 async def test_gate_refuses_a_model_without_runs_and_writes_nothing(
-    service: EvalService, outbox: Outbox
+    service: EvalService, outbox: Outbox, db: Database
 ) -> None:
     await register(service, "1")
-    with pytest.raises(errors.ConflictError, match="tiny:1 has no eval runs"):
-        await service.promote_model(
-            "tiny", "1", "production", require_gate=True, traffic_percent=0, reason=""
-        )
-    assert await outbox() == []
+    for stage in ("canary", "production"):
+        with pytest.raises(errors.ConflictError, match="tiny:1 has no eval runs; an admin may force it"):
+            await promote(service, "1", stage)
+    assert await outbox() == [] and await count(db, StageEventRow) == 1
+    archived = await promote(service, "1", "archived")  # archiving needs no gate
+    assert archived.model.stage == "archived" and await promotions(outbox) == []
 
 
 async def test_gate_refuses_a_model_whose_runs_failed_and_says_why(
@@ -165,9 +273,7 @@ async def test_gate_refuses_a_model_whose_runs_failed_and_says_why(
     await register(service, "1")
     run_id = await run_model("1", [])  # the runner scores nothing: the run fails
     with pytest.raises(errors.ConflictError) as caught:
-        await service.promote_model(
-            "tiny", "1", "production", require_gate=True, traffic_percent=0, reason=""
-        )
+        await promote(service, "1", "production")
     assert run_id in caught.value.message and "FAILED: the runner scored no examples" in caught.value.message
 
 
@@ -176,25 +282,51 @@ async def test_gate_passes_without_a_baseline_and_blocks_a_regression(
 ) -> None:
     await register(service, "1", "2", "3")
     first = await run_model("1", [1.0] * 80 + [0.0] * 20)
-    view, _ = await service.promote_model(
-        "tiny", "1", "production", require_gate=True, traffic_percent=0, reason=""
-    )
-    assert view.stage == "production" and view.eval_run_ids == (first,)
+    done = await promote(service, "1", "production")
+    assert done.model.stage == "production" and done.model.eval_run_ids == (first,)
+    assert done.event.row.reason == f"gate passed: eval run {first}"
 
     worse = await run_model("2", [1.0] * 40 + [0.0] * 60)  # 40 examples broken, none fixed
     run, _ = await service.get_run(worse)
     assert run.status == eval_pb2.RUN_STATUS_SUCCEEDED and not run.passed_gate
     with pytest.raises(errors.ConflictError, match="failed the gate"):
-        await service.promote_model(
-            "tiny", "2", "production", require_gate=True, traffic_percent=0, reason=""
-        )
+        await promote(service, "2", "production")
 
     same = await run_model("3", [1.0] * 80 + [0.0] * 20)
     assert (await service.get_run(same))[0].passed_gate
-    view, previous = await service.promote_model(
-        "tiny", "3", "production", require_gate=True, traffic_percent=0, reason=""
-    )
-    assert previous is not None and previous.version == "1"
+    done = await promote(service, "3", "production")
+    assert done.previous is not None and done.previous.version == "1"
+
+
+async def test_only_an_admin_may_force_past_the_gate_and_it_is_audited(
+    service: EvalService, run_model: RunModel, db: Database
+) -> None:
+    await register(service, "1", "2")
+    await run_model("1", [1.0] * 80 + [0.0] * 20)
+    await promote(service, "1", "production")
+    worse = await run_model("2", [1.0] * 40 + [0.0] * 60)
+    events = await count(db, StageEventRow)
+
+    with pytest.raises(errors.PermissionDeniedError, match="ci is not an admin"):
+        await promote(service, "2", "production", force=True, reason="hotfix", actor="ci", admin=False)
+    with pytest.raises(errors.ValidationError) as caught:
+        await promote(service, "2", "production", force=True, reason=" ", actor="alice")
+    assert caught.value.field == "reason"
+    with pytest.raises(errors.ValidationError) as caught:
+        await promote(service, "2", "archived", force=True, reason="x", actor="alice")
+    assert caught.value.field == "force" and await count(db, StageEventRow) == events
+
+    forced = await promote(service, "2", "production", force=True, reason="hotfix for INC-42", actor="alice")
+    row = forced.event.row
+    assert (row.forced, row.actor, row.reason, row.gate_run_id) == (True, "alice", "hotfix for INC-42", "")
+    report = json.loads(row.gate_report)
+    assert report["runs"][0]["run_id"] == worse and not report["runs"][0]["passed_gate"]
+    assert report["comparison"]["verdict"] == "WORSE" and report["comparison"]["production"] == "tiny:1"
+    assert report["comparison"]["deltas"]["accuracy"]["delta"] == pytest.approx(-0.4)
+
+    audited, total = await service.list_stage_events("", "", "", forced_only=True, page_size=10, offset=0)
+    assert total == 1 and audited[0].model == ("tiny", "2") and audited[0].previous == ("tiny", "1")
+    assert audited[0].row.created_at is not None
 
 
 # --- runs ----------------------------------------------------------------------------------------
@@ -248,6 +380,100 @@ async def test_bad_run_requests_name_the_field_and_write_nothing(
         await service.run_suite(args.pop("suite"), args.pop("name"), args.pop("version"), **args)
     assert caught.value.field == field and words in caught.value.message
     assert await count(db, RunRow) == 0
+
+
+@pytest.fixture
+def checkpoint(tmp_path: Path) -> Path:
+    """A folder shaped like a Hugging Face checkpoint (what serve_model checks at request time)."""
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    return folder
+
+
+@pytest.fixture
+def serving_service(db: Database, catalog: Any, runner: Any, tmp_path: Path) -> EvalService:
+    return EvalService(
+        db,
+        catalog,
+        runner,
+        default_endpoint="http://127.0.0.1:9/",
+        model_host=LocalModelServer(work_dir=tmp_path / "serving"),
+        reports_dir=tmp_path / "reports",
+    )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "uri", "field", "words"),
+    [
+        ({"tier": "tiny"}, "", "tier", "full, smoke"),
+        ({"serve_model": True, "endpoint": "http://x"}, "", "endpoint", "must be empty with serve_model"),
+        ({"serve_model": True}, "s3://bucket/ckpt", "serve_model", "is not a local checkpoint folder"),
+        ({"serve_model": True, "version": "9"}, "", "model", "must be registered"),
+    ],
+)
+async def test_bad_tier_and_serving_requests_name_the_field(
+    serving_service: EvalService,
+    db: Database,
+    checkpoint: Path,
+    kwargs: dict[str, Any],
+    uri: str,
+    field: str,
+    words: str,
+) -> None:
+    await serving_service.register_model("tiny", "1", uri or str(checkpoint), {})
+    args: dict[str, Any] = {"version": "1", "endpoint": "", "limit": 0, "seed": 0, "options": {}, **kwargs}
+    with pytest.raises(errors.ValidationError) as caught:
+        await serving_service.run_suite("gsm8k", "tiny", args.pop("version"), **args)
+    assert caught.value.field == field and words in caught.value.message
+    assert await count(db, RunRow) == 0
+
+
+async def test_served_and_smoke_runs_are_queued_with_their_tier(
+    serving_service: EvalService, service: EvalService, checkpoint: Path
+) -> None:
+    await serving_service.register_model("tiny", "1", f"file://{checkpoint}", {})
+    served = await serving_service.run_suite(
+        "gsm8k", "tiny", "1", endpoint="", limit=5, seed=0, options={}, tier="smoke", serve_model=True
+    )
+    assert (served.serve_model, served.endpoint, served.tier, served.spec["tier"]) == (
+        True,
+        "",
+        "smoke",
+        "smoke",
+    )
+    full = await service.run_suite("gsm8k", "tiny", "1", endpoint="", limit=5, seed=0, options={})
+    assert full.spec["tier"] == "full" and full.spec_hash != served.spec_hash
+    with pytest.raises(errors.ValidationError) as caught:
+        await service.run_suite(
+            "gsm8k", "tiny", "1", endpoint="", limit=5, seed=0, options={}, serve_model=True
+        )
+    assert caught.value.field == "serve_model" and "not configured" in caught.value.message
+
+
+async def test_finished_runs_and_comparisons_write_reports(
+    serving_service: EvalService, runner: Any, tmp_path: Path
+) -> None:
+    async def run(version: str, scores: list[float], tier: str) -> str:
+        runner.scores[version] = scores
+        queued = await serving_service.run_suite(
+            "gsm8k", "tiny", version, endpoint="", limit=len(scores), seed=1, options={}, tier=tier
+        )
+        assert await serving_service.claim_next_run() == queued.id
+        return (await serving_service.execute_run(queued.id)).id
+
+    base = await run("1", [1.0] * 8 + [0.0] * 2, "smoke")
+    cand = await run("2", [1.0] * 5 + [0.0] * 5, "smoke")
+    got, _ = await serving_service.get_run(base)
+    report = Path(got.report_path)
+    assert report == tmp_path / "reports" / base / "report.md"
+    text = report.read_text()
+    assert "tier: **smoke**" in text and "Smoke tier" in text and "| accuracy | 10 | 0.8000 |" in text
+    comparison = await serving_service.compare_runs(base, cand)
+    compared = Path(comparison.report_path).read_text()
+    assert "tiny:2 vs tiny:1" in compared and "| accuracy | 10 | 0.8000 | 0.5000 | -0.3000 |" in compared
+    with pytest.raises(errors.ConflictError, match="tier: 'smoke' vs 'full'"):
+        await serving_service.compare_runs(base, await run("3", [1.0] * 10, "full"))
 
 
 async def test_executed_run_stores_examples_metrics_and_event(

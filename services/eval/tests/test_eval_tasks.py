@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from forge_eval.spec import resolve_data_path
-from forge_eval.tasks import DataRoots, build_docs, dataset_hash, load_task, shipped_tasks
+from forge_eval.task_runner import TaskCatalog
+from forge_eval.tasks import DataRoots, build_docs, dataset_hash, load_records, load_task, shipped_tasks
 from forge_kit import errors
 
 ROOTS = DataRoots(resolve_data_path("../shared/data/benchmarks"), resolve_data_path("../shared/data/corpora"))
@@ -46,6 +47,26 @@ def test_mmlu_draws_shots_from_the_same_subject_and_smoke_covers_every_subject()
     doc = docs[0]
     assert doc.choices == (" A", " B", " C", " D") and 0 <= doc.gold < 4
     assert len(doc.shots) == 5
+
+
+def test_smoke_tier_is_a_seeded_stratified_subset() -> None:
+    task = load_task("bbh")  # 27 subtasks of different sizes
+    docs = build_docs(task, ROOTS, smoke=True, seed=0)
+    records = Counter(r["_source"] for r in load_records(ROOTS, task.dataset))
+    picked = Counter(d.record["_source"] for d in docs)
+    assert len(docs) == task.smoke.size and set(picked) == set(records)
+    total = sum(records.values())
+    for subtask, n in records.items():  # each subtask keeps its share (largest remainder)
+        assert abs(picked[subtask] - task.smoke.size * n / total) < 1
+    assert [d.id for d in build_docs(task, ROOTS, smoke=True, seed=0)] == [d.id for d in docs]
+    assert {d.id for d in build_docs(task, ROOTS, smoke=True, seed=1)} != {d.id for d in docs}
+
+
+def test_smoke_stratified_by_a_missing_field_is_refused(tmp_path: Path) -> None:
+    task = load_task(_write(tmp_path, BASE + "smoke: {size: 5, stratify_by: subject}\n"))
+    with pytest.raises(errors.ValidationError) as info:
+        build_docs(task, ROOTS, smoke=True)
+    assert info.value.field == "task.smoke.stratify_by" and "answer, question" in str(info.value)
 
 
 def test_bbh_and_humaneval_render() -> None:
@@ -102,3 +123,12 @@ def test_scorer_must_fit_the_output_type(tmp_path: Path) -> None:
     assert info.value.field == "task.output_type"
     with pytest.raises(errors.ValidationError):
         load_task(_write(tmp_path, BASE.replace("generate_until", "multiple_choice")))
+
+
+def test_the_service_catalog_is_the_shipped_tasks_with_their_data_hashes() -> None:
+    catalog = TaskCatalog(ROOTS)
+    assert catalog.suites() == ["bbh", "gsm8k", "humaneval", "mmlu", "tinyshakespeare_ppl"]
+    hashes = catalog.dataset_hashes("gsm8k")
+    assert hashes["benchmarks/gsm8k/test.jsonl"].startswith("3730d312f6e34405")
+    assert hashes["benchmarks/gsm8k/train.jsonl"].startswith("17f347dc51477c50")
+    assert list(catalog.dataset_hashes("tinyshakespeare_ppl")) == ["corpora/tinyshakespeare/input.txt"]

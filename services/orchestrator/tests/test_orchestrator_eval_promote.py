@@ -149,6 +149,9 @@ async def test_good_candidate_is_promoted_and_a_regression_is_blocked(
     await evals.close()
     assert bad.baseline == "tiny:good" and bad.verdict == "WORSE"
     assert bad.promoted_to == [] and bad.blocked_reason.startswith("regression against production tiny:good")
+    report = Path(bad.report_path)  # eval wrote the comparison the release was blocked on
+    assert bad.decision == "blocked" and report.name == "comparison.md"
+    assert "verdict: **WORSE**" in report.read_text() and good.decision == "promoted"
     assert await production_model(eval_service.grpc_target) == ("tiny", "good")
 
 

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from pathlib import Path
 
 from forge.eval.v1 import eval_pb2, eval_pb2_grpc
 
-from forge_eval.api import EvalApi
+from forge_eval.api import EvalApi, named_tokens
 from forge_eval.config import EvalSettings
 from forge_eval.service import EvalService
-from forge_eval.spec import BenchmarkCatalog, resolve_data_path
-from forge_eval.task_runner import TaskSuiteRunner
+from forge_eval.serving import LocalModelServer
+from forge_eval.spec import resolve_data_path
+from forge_eval.task_runner import TaskCatalog, TaskSuiteRunner
 from forge_eval.tasks import DataRoots
 from forge_kit.app import ServiceApp
 
@@ -19,32 +21,47 @@ from forge_kit.app import ServiceApp
 async def main() -> None:
     settings = EvalSettings()
     app = ServiceApp(settings)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per model request drowns the log
     db = await app.open_database("eval.db", Path(__file__).parent / "migrations")
     relay = app.enable_outbox()
-    benchmarks = resolve_data_path(settings.benchmarks_dir)
+    roots = DataRoots(resolve_data_path(settings.benchmarks_dir), resolve_data_path(settings.corpora_dir))
+    data = Path(settings.data_dir).resolve()
     runner = TaskSuiteRunner(
-        DataRoots(benchmarks, resolve_data_path(settings.corpora_dir)),
+        roots,
         cache_path=Path(settings.response_cache_path) if settings.response_cache_path else None,
         token=settings.inference_gateway_token.get_secret_value(),
         timeout_s=settings.request_timeout_s,
         batch_size=settings.request_batch_size,
         concurrency=settings.request_concurrency,
     )
+    catalog = TaskCatalog(roots)
     service = EvalService(
         db,
-        BenchmarkCatalog(benchmarks),
+        catalog,
         runner,
         default_endpoint=settings.inference_gateway_url,
         producer=app.name,
         on_commit=relay.wake if relay else lambda: None,
         run_concurrency=settings.run_concurrency,
+        model_host=LocalModelServer(
+            settings.model_server_command,
+            data / "serving",
+            start_timeout_s=settings.model_server_start_timeout_s,
+        ),
+        reports_dir=data / "reports",
     )
     app.add_background(service.run_worker)
-    app.log.info("eval.benchmarks", root=str(benchmarks), suites=BenchmarkCatalog(benchmarks).suites())
+    app.log.info("eval.suites", roots=str(roots), suites=catalog.suites())
     api = EvalApi(service, max_page_size=settings.max_page_size)
     await app.run(
         register=[lambda server: eval_pb2_grpc.add_EvalServiceServicer_to_server(api, server)],
         service_names=[eval_pb2.DESCRIPTOR.services_by_name["EvalService"].full_name],
+        authenticators=[
+            named_tokens(
+                {k: v.get_secret_value() for k, v in settings.admin_tokens.items()},
+                {k: v.get_secret_value() for k, v in settings.user_tokens.items()},
+            )
+        ],
     )
 
 

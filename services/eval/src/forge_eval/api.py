@@ -1,18 +1,55 @@
-"""gRPC servicer of ``forge.eval.v1.EvalService``: translation only."""
+"""gRPC servicer of ``forge.eval.v1.EvalService``: translation only.
+
+Who called comes from the kit's interceptor (:func:`forge_kit.grpckit.current_principal`): the
+service token is the ``service`` admin, and :func:`named_tokens` maps the tokens of the
+``ADMIN_TOKENS`` and ``USER_TOKENS`` settings to their names. The registry records the caller's
+name on every change and lets only an admin force a promotion.
+"""
 
 from __future__ import annotations
 
 import datetime as dt
+import secrets
+from collections.abc import Mapping
 
 import grpc
 from forge.common.v1 import common_pb2
 from forge.eval.v1 import eval_pb2, eval_pb2_grpc
 from google.protobuf import timestamp_pb2
 
-from forge_eval.service import EvalService, ModelView
+from forge_eval.service import EvalService, Lineage, ModelView, StageEventView
 from forge_eval.store import MetricRow, ModelRow, RunRow
 from forge_kit import errors
+from forge_kit.grpckit import Authenticator, Principal, current_principal
 from forge_kit.paging import decode_page, page_info
+
+
+def named_tokens(admins: Mapping[str, str], users: Mapping[str, str]) -> Authenticator:
+    """An authenticator for named tokens: ``admins`` and ``users`` map a name to its token."""
+    known = [(token, Principal(name=name, role="admin")) for name, token in admins.items() if token] + [
+        (token, Principal(name=name, role="user")) for name, token in users.items() if token
+    ]
+
+    def authenticate(presented: str) -> Principal | None:
+        found = None
+        for token, principal in known:  # compare with every token: no early exit to time
+            if secrets.compare_digest(presented.encode(), token.encode()):
+                found = principal
+        return found
+
+    return authenticate
+
+
+def _caller() -> tuple[str, bool]:
+    """(name, is admin) of the caller; with auth off, an anonymous admin."""
+    principal = current_principal()
+    if principal is None:
+        return "anonymous", True
+    return principal.name, principal.is_admin
+
+
+def _from_ts(stamp: timestamp_pb2.Timestamp, present: bool) -> dt.datetime | None:
+    return stamp.ToDatetime() if present else None
 
 
 def _ts(value: dt.datetime | None) -> timestamp_pb2.Timestamp | None:
@@ -28,15 +65,43 @@ def ref_of(model: ModelRow) -> common_pb2.ModelRef:
 
 
 def model_to_proto(view: ModelView) -> eval_pb2.RegisteredModel:
+    row = view.row
+    lineage = eval_pb2.Lineage(
+        training_run_id=row.training_run_id, recipe_hash=row.recipe_hash, data_hash=row.data_hash
+    )
+    if view.parent is not None:
+        lineage.parent.CopyFrom(common_pb2.ModelRef(name=view.parent[0], version=view.parent[1]))
     return eval_pb2.RegisteredModel(
-        ref=ref_of(view.row),
-        uri=view.row.uri,
+        ref=ref_of(row),
+        uri=row.uri,
         stage=view.stage,
-        created_at=_ts(view.row.created_at),
+        created_at=_ts(row.created_at),
         eval_run_ids=list(view.eval_run_ids),
         traffic_percent=view.traffic_percent,
-        labels=dict(view.row.labels),
+        labels=dict(row.labels),
+        lineage=lineage,
     )
+
+
+def event_to_proto(view: StageEventView) -> eval_pb2.StageEvent:
+    row = view.row
+    event = eval_pb2.StageEvent(
+        event_id=row.id,
+        action=row.action,
+        model=common_pb2.ModelRef(name=view.model[0], version=view.model[1]),
+        from_stage=row.from_stage,
+        to_stage=row.stage,
+        traffic_percent=row.traffic_percent,
+        reason=row.reason,
+        actor=row.actor,
+        forced=row.forced,
+        gate_run_id=row.gate_run_id,
+        gate_report=row.gate_report,
+        created_at=_ts(row.created_at),
+    )
+    if view.previous is not None:
+        event.previous.CopyFrom(common_pb2.ModelRef(name=view.previous[0], version=view.previous[1]))
+    return event
 
 
 def run_to_proto(run: RunRow, metrics: list[MetricRow]) -> eval_pb2.EvalRun:
@@ -56,6 +121,9 @@ def run_to_proto(run: RunRow, metrics: list[MetricRow]) -> eval_pb2.EvalRun:
         created_at=_ts(run.created_at),
         finished_at=_ts(run.finished_at),
         passed_gate=run.passed_gate,
+        tier=run.tier,
+        serve_model=run.serve_model,
+        report_path=run.report_path,
     )
 
 
@@ -79,6 +147,8 @@ class EvalApi(eval_pb2_grpc.EvalServiceServicer):
             limit=request.limit,
             seed=request.seed,
             options=request.options,
+            tier=request.tier,
+            serve_model=request.serve_model,
         )
         return eval_pb2.RunSuiteResponse(run_id=run.id, spec_hash=run.spec_hash)
 
@@ -92,7 +162,15 @@ class EvalApi(eval_pb2_grpc.EvalServiceServicer):
         self, request: eval_pb2.ListRunsRequest, context: grpc.aio.ServicerContext
     ) -> eval_pb2.ListRunsResponse:
         size, offset = decode_page(request.page, max_size=self._max_page_size)
-        runs, total = await self._service.list_runs(request.suite, request.model_name, size, offset)
+        runs, total = await self._service.list_runs(
+            request.suite,
+            request.model_name,
+            size,
+            offset,
+            model_version=request.model_version,
+            created_after=_from_ts(request.created_after, request.HasField("created_after")),
+            created_before=_from_ts(request.created_before, request.HasField("created_before")),
+        )
         return eval_pb2.ListRunsResponse(
             runs=[run_to_proto(r, m) for r, m in runs], page=page_info(offset, len(runs), total)
         )
@@ -116,6 +194,7 @@ class EvalApi(eval_pb2_grpc.EvalServiceServicer):
                 for d in comparison.deltas
             ],
             verdict=comparison.verdict,  # type: ignore[arg-type]
+            report_path=comparison.report_path,
         )
 
     async def ListModels(
@@ -132,8 +211,19 @@ class EvalApi(eval_pb2_grpc.EvalServiceServicer):
     ) -> eval_pb2.RegisterModelResponse:
         if not request.HasField("ref"):
             raise errors.ValidationError("ref", "is required")
+        lineage = request.lineage
+        parent = None
+        if lineage.HasField("parent"):
+            if not lineage.parent.name or not lineage.parent.version:
+                raise errors.ValidationError("lineage.parent", "needs a name and a version")
+            parent = (lineage.parent.name, lineage.parent.version)
         view = await self._service.register_model(
-            request.ref.name, request.ref.version, request.uri, request.labels
+            request.ref.name,
+            request.ref.version,
+            request.uri,
+            request.labels,
+            Lineage(lineage.training_run_id, lineage.recipe_hash, lineage.data_hash, parent),
+            actor=_caller()[0],
         )
         return eval_pb2.RegisterModelResponse(model=model_to_proto(view))
 
@@ -142,20 +232,46 @@ class EvalApi(eval_pb2_grpc.EvalServiceServicer):
     ) -> eval_pb2.PromoteModelResponse:
         if not request.HasField("ref"):
             raise errors.ValidationError("ref", "is required")
-        view, previous = await self._service.promote_model(
+        actor, admin = _caller()
+        done = await self._service.promote_model(
             request.ref.name,
             request.ref.version,
             request.stage,
-            require_gate=request.require_gate,
             traffic_percent=request.traffic_percent,
             reason=request.reason,
+            force=request.force,
+            actor=actor,
+            admin=admin,
         )
         return eval_pb2.PromoteModelResponse(
-            model=model_to_proto(view), previous=ref_of(previous) if previous else None
+            model=model_to_proto(done.model),
+            previous=ref_of(done.previous) if done.previous else None,
+            event=event_to_proto(done.event),
         )
 
     async def RollbackModel(
         self, request: eval_pb2.RollbackModelRequest, context: grpc.aio.ServicerContext
     ) -> eval_pb2.RollbackModelResponse:
-        view, removed = await self._service.rollback_model(request.stage, request.reason)
-        return eval_pb2.RollbackModelResponse(model=model_to_proto(view), rolled_back=ref_of(removed))
+        done = await self._service.rollback_model(request.stage, request.reason, actor=_caller()[0])
+        assert done.previous is not None
+        return eval_pb2.RollbackModelResponse(
+            model=model_to_proto(done.model),
+            rolled_back=ref_of(done.previous),
+            event=event_to_proto(done.event),
+        )
+
+    async def ListStageEvents(
+        self, request: eval_pb2.ListStageEventsRequest, context: grpc.aio.ServicerContext
+    ) -> eval_pb2.ListStageEventsResponse:
+        size, offset = decode_page(request.page, max_size=self._max_page_size)
+        events, total = await self._service.list_stage_events(
+            request.model_name,
+            request.model_version,
+            request.stage,
+            forced_only=request.forced_only,
+            page_size=size,
+            offset=offset,
+        )
+        return eval_pb2.ListStageEventsResponse(
+            events=[event_to_proto(e) for e in events], page=page_info(offset, len(events), total)
+        )

@@ -167,15 +167,20 @@ class OpenAIBackend:
         self.batch_size = batch_size
         self.concurrency = concurrency
         self.stats = CallStats()
+        self.max_model_len: int | None = None
+        """The served model's context in tokens (its card's ``max_model_len``), once known."""
         self._attempts = attempts
         self._batching = True
         self._rng = rng or random.Random(0)
         self._sleep = sleep
+        # One kept-alive connection per request in flight: httpx's default pool (100 connections,
+        # 20 kept alive) would cap the concurrency at 100 and reconnect for every request above 20.
         self._client = httpx.AsyncClient(
             base_url=self.endpoint,
             headers={"Authorization": f"Bearer {token}"} if token else {},
             timeout=timeout_s,
             transport=transport,
+            limits=httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency),
         )
 
     async def aclose(self) -> None:
@@ -198,6 +203,8 @@ class OpenAIBackend:
             raise BackendError(
                 f"model endpoint {self.endpoint} does not serve {self.model!r} (it serves {served})"
             )
+        context = card.get("max_model_len")
+        self.max_model_len = context if isinstance(context, int) and context > 0 else None
         root = card.get("root")
         folder = checkpoint or (Path(root) if isinstance(root, str) and Path(root).is_dir() else None)
         if folder is not None:

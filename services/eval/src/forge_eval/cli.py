@@ -1,10 +1,16 @@
 """``forge eval …``: run YAML tasks against an OpenAI-compatible endpoint, compare two runs with
-the release gate, re-score stored predictions, list the shipped tasks.
+the release gate, re-score stored predictions, list the shipped tasks — and the model registry.
 
-These work on run folders and need no eval server: ``forge eval run`` writes ``DIR/summary.json``
-(spec hash, per-task score, stderr and interval), samples and ``report.md``; ``forge eval
-compare RUN_A RUN_B`` prints the paired deltas of B against A and the gate decision. Responses are
-cached (request + model identity) in ``--cache`` so an unchanged re-run makes no model calls.
+``run``, ``compare``, ``rescore`` and ``tasks`` work on run folders and need no eval server:
+``forge eval run`` writes ``DIR/summary.json`` (spec hash, per-task score, stderr and interval),
+samples and ``report.md``; ``forge eval compare RUN_A RUN_B`` prints the paired deltas of B against
+A and the gate decision. Responses are cached (request + model identity) in ``--cache`` so an
+unchanged re-run makes no model calls.
+
+``register``, ``models``, ``promote``, ``rollback`` and ``history`` call the eval service's
+registry over gRPC at ``$FORGE_CLI_EVAL_TARGET`` (default ``127.0.0.1:50057``) with
+``$FORGE_CLI_EVAL_TOKEN``, else the ``eval`` entry of ``var/secrets/tokens.json`` (the service
+token: an admin, who may ``promote --force``).
 """
 
 from __future__ import annotations
@@ -16,6 +22,9 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from forge.common.v1 import common_pb2
+from forge.eval.v1 import eval_pb2, eval_pb2_grpc
+from google.protobuf import json_format
 
 from forge_eval.backend import BackendError, OpenAIBackend, ResponseCache
 from forge_eval.harness import (
@@ -31,7 +40,8 @@ from forge_eval.harness import (
 )
 from forge_eval.spec import resolve_data_path
 from forge_eval.tasks import DataRoots, load_task, shipped_tasks
-from forge_kit import errors
+from forge_kit import clitools, errors
+from forge_kit.grpckit import make_channel
 
 app = typer.Typer(help="Run benchmark tasks, compare runs and apply the release gate.", no_args_is_help=True)
 
@@ -66,7 +76,7 @@ def run(
         bool, typer.Option("--smoke", help="The smoke tier: each task's stratified subset.")
     ] = False,
     batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Prompts per request.")] = 16,
-    concurrency: Annotated[int, typer.Option("--concurrency", min=1, help="Requests in flight.")] = 8,
+    concurrency: Annotated[int, typer.Option("--concurrency", min=1, help="Requests in flight.")] = 64,
     cache: Annotated[Path, typer.Option("--cache", help="Response cache (SQLite).")] = DEFAULT_CACHE,
     no_cache: Annotated[bool, typer.Option("--no-cache", help="Neither read nor write the cache.")] = False,
     token: Annotated[
@@ -216,3 +226,162 @@ def list_tasks() -> None:
     """The shipped task files."""
     for name, path in sorted(shipped_tasks().items()):
         typer.echo(f"{name}\t{path}")
+
+
+# --- the registry, over gRPC ----------------------------------------------------------------------
+
+TargetOption = Annotated[
+    str, typer.Option("--target", envvar="FORGE_CLI_EVAL_TARGET", help="Eval service gRPC host:port.")
+]
+TokenOption = Annotated[
+    str,
+    typer.Option("--token", envvar="FORGE_CLI_EVAL_TOKEN", help="Eval service token.", show_default=False),
+]
+JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
+
+
+def _ref(text: str) -> common_pb2.ModelRef:
+    name, _, version = text.partition(":")
+    if not name:
+        raise typer.BadParameter("must be NAME or NAME:VERSION", param_hint="MODEL")
+    return common_pb2.ModelRef(name=name, version=version)
+
+
+def _call(target: str, token: str, call: Any) -> Any:
+    """Run ``call(stub)`` against the eval service; a gRPC error is one red line and exit 1."""
+
+    async def go() -> Any:
+        async with make_channel(target, token=clitools.resolve_token("eval", token)) as channel:
+            return await call(eval_pb2_grpc.EvalServiceStub(channel))
+
+    return clitools.run_rpc(go())
+
+
+def _dict(message: Any) -> dict[str, Any]:
+    return json_format.MessageToDict(message, preserving_proto_field_name=True)
+
+
+@app.command()
+def register(
+    model: Annotated[
+        str, typer.Argument(help="NAME or NAME:VERSION (an empty version takes the next number).")
+    ],
+    uri: Annotated[str, typer.Option("--uri", help="Where the checkpoint is (a local HF folder or a URL).")],
+    training_run: Annotated[str, typer.Option("--training-run", help="Training run that produced it.")] = "",
+    recipe_hash: Annotated[str, typer.Option("--recipe-hash")] = "",
+    data_hash: Annotated[str, typer.Option("--data-hash")] = "",
+    parent: Annotated[
+        str, typer.Option("--parent", help="Registered NAME:VERSION it was trained from.")
+    ] = "",
+    target: TargetOption = "127.0.0.1:50057",
+    token: TokenOption = "",
+    as_json: JsonOption = False,
+) -> None:
+    """Register a checkpoint as a candidate, with its lineage."""
+    lineage = eval_pb2.Lineage(training_run_id=training_run, recipe_hash=recipe_hash, data_hash=data_hash)
+    if parent:
+        lineage.parent.CopyFrom(_ref(parent))
+    request = eval_pb2.RegisterModelRequest(ref=_ref(model), uri=uri, lineage=lineage)
+    reply = _call(target, token, lambda stub: stub.RegisterModel(request, timeout=10))
+    clitools.show_record(_dict(reply.model), as_json)
+
+
+@app.command()
+def models(
+    name: Annotated[str, typer.Option("--name", help="Only this model family.")] = "",
+    stage: Annotated[str, typer.Option("--stage", help="candidate, canary, production or archived.")] = "",
+    target: TargetOption = "127.0.0.1:50057",
+    token: TokenOption = "",
+    as_json: JsonOption = False,
+) -> None:
+    """Registered models, newest first."""
+    request = eval_pb2.ListModelsRequest(name=name, stage=stage, page=common_pb2.PageRequest(page_size=100))
+    reply = _call(target, token, lambda stub: stub.ListModels(request, timeout=10))
+    rows = [
+        {
+            "model": f"{m.ref.name}:{m.ref.version}",
+            "stage": m.stage,
+            "traffic": m.traffic_percent or "",
+            "training_run": m.lineage.training_run_id,
+            "parent": f"{m.lineage.parent.name}:{m.lineage.parent.version}" if m.lineage.parent.name else "",
+            "uri": m.uri,
+            "runs": len(m.eval_run_ids),
+        }
+        for m in reply.models
+    ]
+    clitools.show_rows(rows, ["model", "stage", "traffic", "training_run", "parent", "uri", "runs"], as_json)
+
+
+@app.command()
+def promote(
+    model: Annotated[str, typer.Argument(help="NAME:VERSION.")],
+    stage: Annotated[str, typer.Option("--stage", help="canary, production or archived.")],
+    traffic: Annotated[
+        int, typer.Option("--traffic", min=0, max=100, help="Share of the stage (0: 100).")
+    ] = 0,
+    reason: Annotated[str, typer.Option("--reason", help="Why (required with --force).")] = "",
+    force: Annotated[
+        bool, typer.Option("--force", help="Past a failing release gate: admins only, audited.")
+    ] = False,
+    target: TargetOption = "127.0.0.1:50057",
+    token: TokenOption = "",
+    as_json: JsonOption = False,
+) -> None:
+    """Move a model along its lifecycle through the release gate."""
+    request = eval_pb2.PromoteModelRequest(
+        ref=_ref(model), stage=stage, traffic_percent=traffic, reason=reason, force=force
+    )
+    reply = _call(target, token, lambda stub: stub.PromoteModel(request, timeout=10))
+    clitools.show_record(_dict(reply.event), as_json)
+
+
+@app.command()
+def rollback(
+    stage: Annotated[str, typer.Option("--stage", help="canary or production.")],
+    reason: Annotated[str, typer.Option("--reason", help="Why.")] = "",
+    target: TargetOption = "127.0.0.1:50057",
+    token: TokenOption = "",
+    as_json: JsonOption = False,
+) -> None:
+    """Give a stage back to the model it replaced; the current holder is archived."""
+    request = eval_pb2.RollbackModelRequest(stage=stage, reason=reason)
+    reply = _call(target, token, lambda stub: stub.RollbackModel(request, timeout=10))
+    clitools.show_record(_dict(reply.event), as_json)
+
+
+@app.command()
+def history(
+    model: Annotated[str, typer.Argument(help="NAME or NAME:VERSION; empty for all.")] = "",
+    stage: Annotated[str, typer.Option("--stage", help="Only changes into this stage.")] = "",
+    forced: Annotated[bool, typer.Option("--forced", help="Only promotions forced past the gate.")] = False,
+    limit: Annotated[int, typer.Option("--limit", min=1, max=500)] = 50,
+    target: TargetOption = "127.0.0.1:50057",
+    token: TokenOption = "",
+    as_json: JsonOption = False,
+) -> None:
+    """The registry's audit trail, newest first: who changed which stage, when and why."""
+    ref = _ref(model) if model else common_pb2.ModelRef()
+    request = eval_pb2.ListStageEventsRequest(
+        model_name=ref.name,
+        model_version=ref.version,
+        stage=stage,
+        forced_only=forced,
+        page=common_pb2.PageRequest(page_size=limit),
+    )
+    reply = _call(target, token, lambda stub: stub.ListStageEvents(request, timeout=10))
+    if as_json:
+        typer.echo(json.dumps([_dict(e) for e in reply.events], indent=2, sort_keys=True))
+        return
+    rows = [
+        {
+            "when": e.created_at.ToDatetime().isoformat(timespec="seconds"),
+            "action": e.action,
+            "model": f"{e.model.name}:{e.model.version}",
+            "stage": f"{e.from_stage or '-'} -> {e.to_stage}",
+            "actor": e.actor,
+            "forced": "FORCED" if e.forced else "",
+            "reason": e.reason,
+        }
+        for e in reply.events
+    ]
+    clitools.show_rows(rows, ["when", "action", "model", "stage", "actor", "forced", "reason"], False)

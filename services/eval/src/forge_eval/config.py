@@ -36,8 +36,9 @@ class EvalSettings(ServiceSettings):
     request_batch_size: int = Field(default=16, ge=1, le=256)
     """Prompts per /v1/completions request (1 for endpoints that take one prompt per request)."""
 
-    request_concurrency: int = Field(default=8, ge=1, le=256)
-    """Requests in flight to the model endpoint per run."""
+    request_concurrency: int = Field(default=64, ge=1, le=256)
+    """Requests in flight to the model endpoint per run: enough to fill a model_server's batch
+    (its MAX_NUM_SEQS, 64); it queues the rest and answers 429 (retried) past its queue."""
 
     run_concurrency: int = Field(default=1, ge=1, le=64)
     """Eval runs executed at the same time by this process."""
@@ -47,3 +48,18 @@ class EvalSettings(ServiceSettings):
 
     max_page_size: int = Field(default=500, ge=1)
     """Upper bound on page_size in list calls."""
+
+    admin_tokens: dict[str, SecretStr] = Field(default_factory=dict)
+    """Named admin tokens besides the service token, JSON ``{"alice": "<token>"}``: recorded by name
+    in the audit trail; an admin may force a promotion past a failing gate."""
+
+    user_tokens: dict[str, SecretStr] = Field(default_factory=dict)
+    """Named non-admin tokens, JSON ``{"ci": "<token>"}``: may run, compare, register and promote
+    through the gate, but not force."""
+
+    model_server_command: list[str] = Field(default_factory=list)
+    """Command starting a model server for ``serve_model`` runs (JSON list); empty: this Python's
+    ``-m forge_model_server``."""
+
+    model_server_start_timeout_s: float = Field(default=180.0, gt=0)
+    """How long a model server started for a run may take to serve its checkpoint."""

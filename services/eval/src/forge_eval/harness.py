@@ -11,6 +11,7 @@ the spec hash is the sha256 of its canonical JSON.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
 from collections.abc import Callable, Sequence
@@ -65,6 +66,7 @@ def task_spec(
     limit: int,
     seed: int,
     smoke: bool,
+    window_bytes: int = 0,
 ) -> dict[str, Any]:
     """Everything that decides ``task``'s results on this model, as plain JSON."""
     config = {k: v for k, v in task.model_dump(mode="json").items() if k not in UNHASHED}
@@ -80,21 +82,52 @@ def task_spec(
         "limit": limit,
         "seed": seed,
         "smoke": smoke,
+        "window_bytes": window_bytes,
     }
 
 
-def _requests(task: TaskConfig, docs: Sequence[Doc], model: str, seed: int) -> list[list[Request]]:
-    """The requests of every doc (several per doc for multiple choice)."""
+def windows(text: str, max_bytes: int) -> list[str]:
+    """``text`` cut on character boundaries into the fewest pieces of near-equal length that each
+    fit in ``max_bytes`` UTF-8 bytes (so no piece is a stub); the whole text when it fits."""
+    total = len(text.encode())
+    if max_bytes <= 0 or total <= max_bytes:
+        return [text]
+    count = math.ceil(total / max_bytes)
+    while True:
+        bounds = [round(i * len(text) / count) for i in range(count + 1)]
+        pieces = [text[lo:hi] for lo, hi in itertools.pairwise(bounds)]
+        if all(len(p.encode()) <= max_bytes for p in pieces):
+            return pieces
+        count += 1
+
+
+def rolling_window_bytes(task: TaskConfig, docs: Sequence[Doc], max_model_len: int | None) -> int:
+    """For a perplexity task whose documents exceed the served model's context, the window size
+    in bytes that any byte-level tokenizer fits in it (each token covers at least one byte; one
+    position for a start token, one for the generated token); 0 when no document needs it."""
+    if task.output_type != "loglikelihood_rolling" or not max_model_len:
+        return 0
+    limit = max(1, max_model_len - 2)
+    return limit if any(len(d.prompt.encode()) > limit for d in docs) else 0
+
+
+def _requests(
+    task: TaskConfig, docs: Sequence[Doc], model: str, seed: int, window_bytes: int = 0
+) -> list[list[Request]]:
+    """The requests of every doc (several per doc for multiple choice, and for a perplexity
+    document longer than the model's context, one per window)."""
     gen = task.generation.model_dump()
     if task.output_type in ("generate_until", "code_exec"):
         return [[generate_request(model, d.prompt, gen, seed, chat=task.chat)] for d in docs]
     if task.output_type == "multiple_choice":
         return [[logprob_request(model, d.prompt + c) for c in d.choices] for d in docs]
-    return [[logprob_request(model, d.prompt)] for d in docs]
+    return [[logprob_request(model, w) for w in windows(d.prompt, window_bytes)] for d in docs]
 
 
-def _parse(task: TaskConfig, doc: Doc, raw: list[dict[str, Any]]) -> dict[str, Any]:
-    """The scorer's input from the raw responses of one doc."""
+def _parse(task: TaskConfig, doc: Doc, raw: list[dict[str, Any]], window_bytes: int = 0) -> dict[str, Any]:
+    """The scorer's input from the raw responses of one doc; a windowed document's
+    log-likelihood, tokens, bytes and words are the sums over its windows (each window's first
+    token is unscored: it has no context)."""
     if task.output_type in ("generate_until", "code_exec"):
         return {"texts": texts(raw[0])}
     if task.output_type == "multiple_choice":
@@ -103,7 +136,10 @@ def _parse(task: TaskConfig, doc: Doc, raw: list[dict[str, Any]]) -> dict[str, A
                 continuation_loglikelihood(r, doc.prompt, c) for r, c in zip(raw, doc.choices, strict=True)
             ]
         }
-    return rolling_loglikelihood(raw[0], doc.prompt)
+    parts = [rolling_loglikelihood(r, w) for r, w in zip(raw, windows(doc.prompt, window_bytes), strict=True)]
+    if len(parts) == 1:
+        return parts[0]
+    return {key: sum(p[key] for p in parts) for key in ("logprob", "tokens", "bytes", "words")}
 
 
 def _score(task: TaskConfig, scorer: Scorer, doc: Doc, response: dict[str, Any]) -> dict[str, Any]:
@@ -165,22 +201,26 @@ async def run_task(
     """Evaluate one task.
 
     1. Check the scorer fits the task and render the docs (data hashes checked, templates strict);
-    2. pin the spec; 3. build every request and run them through the backend (cache first);
-    4. parse and score each doc; 5. summarise with standard errors and intervals.
+    2. pin the spec (with the perplexity window when documents exceed the model's context);
+    3. build every request and run them through the backend (cache first); 4. parse and score
+    each doc; 5. summarise with standard errors and intervals.
     """
     scorer = get_scorer(task.scorer.name, task.output_type)
     docs = build_docs(task, roots, limit=limit, seed=seed, smoke=smoke)
     if not docs:
         raise errors.ValidationError("task.dataset", "selects no examples")
-    spec = task_spec(task, roots, docs, identity, scorer, limit=limit, seed=seed, smoke=smoke)
-    per_doc = _requests(task, docs, backend.model, seed)
+    window = rolling_window_bytes(task, docs, backend.max_model_len)
+    spec = task_spec(
+        task, roots, docs, identity, scorer, limit=limit, seed=seed, smoke=smoke, window_bytes=window
+    )
+    per_doc = _requests(task, docs, backend.model, seed, window)
     flat = [r for rs in per_doc for r in rs]
     answers = await backend.run(flat, identity)
     samples, at = [], 0
     for doc, rs in zip(docs, per_doc, strict=True):
         raw = answers[at : at + len(rs)]
         at += len(rs)
-        samples.append(_score(task, scorer, doc, _parse(task, doc, raw)))
+        samples.append(_score(task, scorer, doc, _parse(task, doc, raw, window)))
     return TaskRun(
         task.name,
         spec,

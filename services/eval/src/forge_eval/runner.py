@@ -62,8 +62,10 @@ class SuiteRunner(Protocol):
     def scorer_version(self, suite: str) -> str:
         """Version of the prompt format, answer extraction and scoring of ``suite``."""
 
-    async def run(self, spec: RunSpec, endpoint: str) -> list[ExampleResult]:
-        """Score every selected example; raise :class:`RunnerError` when that is impossible."""
+    async def run(self, spec: RunSpec, endpoint: str, *, token: str | None = None) -> list[ExampleResult]:
+        """Score every selected example; raise :class:`RunnerError` when that is impossible.
+        ``token`` is the endpoint's bearer token when it is not the runner's configured one (a
+        model server started for the run)."""
 
 
 # --- suites ------------------------------------------------------------------------------------
@@ -203,7 +205,7 @@ class OpenAICompletionsRunner:
     def scorer_version(self, suite: str) -> str:
         return SUITES[suite].version
 
-    async def run(self, spec: RunSpec, endpoint: str) -> list[ExampleResult]:
+    async def run(self, spec: RunSpec, endpoint: str, *, token: str | None = None) -> list[ExampleResult]:
         suite = SUITES[spec.suite]
         examples = select_examples(suite.examples(self._root), spec.limit, spec.seed)
         shots = int(spec.sampling.get("num_fewshot", 0))
@@ -212,8 +214,9 @@ class OpenAICompletionsRunner:
             pool = suite.shots(self._root)
             prefix = "".join(s + "\n\n" for s in random.Random(spec.seed).sample(pool, min(shots, len(pool))))
         base = endpoint.rstrip("/")
+        headers = self._headers if token is None else {"Authorization": f"Bearer {token}"}
         async with httpx.AsyncClient(
-            base_url=base, headers=self._headers, timeout=self._timeout_s, transport=self._transport
+            base_url=base, headers=headers, timeout=self._timeout_s, transport=self._transport
         ) as client:
             model = await self._served_name(client, base, spec)
             gate = asyncio.Semaphore(self._concurrency)

@@ -1,9 +1,12 @@
 """Eval domain logic: the model registry and release gate, run requests, run execution, comparisons.
 
-Every registry change is written with its ``ModelPromoted`` event, and every finished run with its
-``EvalCompleted`` event, in one transaction (the outbox). Runs are executed by a background worker
-through a :class:`~forge_eval.runner.SuiteRunner`; RunSuite itself only validates, pins the spec
-and queues the run.
+A model version's lifecycle is ``candidate`` (registered) → ``canary`` → ``production`` →
+``archived``; every change is an append-only audit event (who, when, why, and for a promotion
+forced past a failing gate, that gate's report). Changes of a serving stage (canary, production)
+are written with their ``ModelPromoted`` event, and every finished run with its ``EvalCompleted``
+event, in one transaction (the outbox). Runs are executed by a background worker through a
+:class:`~forge_eval.runner.SuiteRunner`, against the run's endpoint or a model server started for
+the run (:mod:`forge_eval.serving`); RunSuite itself only validates, pins the spec and queues it.
 """
 
 from __future__ import annotations
@@ -11,11 +14,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
+import json
 import re
 import uuid
 from collections import defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import sqlalchemy as sa
 import structlog
@@ -24,10 +31,11 @@ from forge.eval.v1 import eval_pb2
 from forge.events.v1 import events_pb2
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from forge_eval import stats
+from forge_eval import reports, stats
 from forge_eval.runner import ExampleResult, RunnerError, SuiteRunner
 from forge_eval.scorers import SCORERS
-from forge_eval.spec import BenchmarkCatalog, RunSpec, normalize_options
+from forge_eval.serving import ModelHost, ModelServerError, local_checkpoint
+from forge_eval.spec import RunSpec, SuiteCatalog, normalize_options
 from forge_eval.store import ExampleRow, MetricRow, ModelRow, RunRow, StageEventRow, utcnow
 from forge_eval.tasks import load_task, shipped_tasks
 from forge_kit import errors
@@ -41,21 +49,63 @@ PENDING, RUNNING = RunStatus.RUN_STATUS_PENDING, RunStatus.RUN_STATUS_RUNNING
 SUCCEEDED, FAILED = RunStatus.RUN_STATUS_SUCCEEDED, RunStatus.RUN_STATUS_FAILED
 Verdict = eval_pb2.Verdict
 ALPHA = 0.05
-GATE_STAGE = "production"
+
+CANDIDATE, CANARY, PRODUCTION, ARCHIVED = "candidate", "canary", "production", "archived"
+STAGES = (CANDIDATE, CANARY, PRODUCTION, ARCHIVED)
+#: Stages that serve traffic: one holder each, ``ModelPromoted`` on change, rollback possible.
+SERVING = (CANARY, PRODUCTION)
+#: Where a promotion may take a model from each stage (a rollback aside). Canary → canary
+#: re-promotes with a new traffic share.
+TRANSITIONS: dict[str, frozenset[str]] = {
+    CANDIDATE: frozenset({CANARY, PRODUCTION, ARCHIVED}),
+    CANARY: frozenset({CANARY, PRODUCTION, ARCHIVED}),
+    PRODUCTION: frozenset(),
+    ARCHIVED: frozenset(),
+}
+GATE_STAGE = PRODUCTION
+TIERS = ("full", "smoke")
 
 _MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _VERSION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-_STAGE = re.compile(r"^[a-z][a-z0-9-]{0,63}$")
+
+
+@dataclass(frozen=True)
+class Lineage:
+    """Where a checkpoint came from; ``parent`` is a registered (name, version)."""
+
+    training_run_id: str = ""
+    recipe_hash: str = ""
+    data_hash: str = ""
+    parent: tuple[str, str] | None = None
 
 
 @dataclass(frozen=True)
 class ModelView:
-    """A registered model with the stage it holds (the most recently assigned, if several)."""
+    """A registered model: its lifecycle stage, traffic share when serving, runs and parent."""
 
     row: ModelRow
     stage: str
     traffic_percent: int
     eval_run_ids: tuple[str, ...]
+    parent: tuple[str, str] | None = None
+
+
+@dataclass(frozen=True)
+class StageEventView:
+    """One audit event with the models it names resolved."""
+
+    row: StageEventRow
+    model: tuple[str, str]
+    previous: tuple[str, str] | None
+
+
+@dataclass(frozen=True)
+class Promotion:
+    """A promotion's or rollback's outcome: the model, the one it displaced, the audit event."""
+
+    model: ModelView
+    previous: ModelRow | None
+    event: StageEventView
 
 
 @dataclass(frozen=True)
@@ -72,6 +122,7 @@ class Comparison:
 
     deltas: tuple[MetricDelta, ...]
     verdict: int
+    report_path: str = ""
 
 
 def validate_model_name(field: str, value: str) -> None:
@@ -91,8 +142,8 @@ def validate_version(field: str, value: str) -> None:
 def validate_stage(field: str, value: str) -> None:
     if not value:
         raise errors.ValidationError(field, "must not be empty")
-    if not _STAGE.match(value):
-        raise errors.ValidationError(field, "must be lowercase letters, digits and '-', e.g. 'production'")
+    if value not in STAGES:
+        raise errors.ValidationError(field, f"must be one of {', '.join(STAGES)}, got {value!r}")
 
 
 def verdict_of(deltas: tuple[MetricDelta, ...], tolerance: float = 0.0) -> int:
@@ -134,7 +185,7 @@ class EvalService:
     def __init__(
         self,
         db: Database,
-        catalog: BenchmarkCatalog,
+        catalog: SuiteCatalog,
         runner: SuiteRunner,
         *,
         default_endpoint: str = "",
@@ -142,6 +193,8 @@ class EvalService:
         clock: Callable[[], dt.datetime] = utcnow,
         on_commit: Callable[[], None] = lambda: None,
         run_concurrency: int = 1,
+        model_host: ModelHost | None = None,
+        reports_dir: Path | None = None,
     ) -> None:
         self._db = db
         self._catalog = catalog
@@ -151,12 +204,24 @@ class EvalService:
         self._clock = clock
         self._on_commit = on_commit
         self._run_concurrency = run_concurrency
+        self._model_host = model_host
+        self._reports_dir = reports_dir
         self._queued = asyncio.Event()
 
     # --- registry ----------------------------------------------------------------------------
 
-    async def register_model(self, name: str, version: str, uri: str, labels: Mapping[str, str]) -> ModelView:
-        """Add a model version; an empty version takes the next integer of the family."""
+    async def register_model(
+        self,
+        name: str,
+        version: str,
+        uri: str,
+        labels: Mapping[str, str],
+        lineage: Lineage | None = None,
+        *,
+        actor: str = "",
+    ) -> ModelView:
+        """Add a model version as a ``candidate``; an empty version takes the next integer of the
+        family. The parent named in ``lineage`` must be registered."""
         validate_model_name("ref.name", name)
         if version:
             validate_version("ref.version", version)
@@ -164,7 +229,19 @@ class EvalService:
             raise errors.ValidationError("uri", "must not be empty")
         if any(not key for key in labels):
             raise errors.ValidationError("labels", "keys must not be empty")
+        lineage = lineage or Lineage()
+        for field in ("training_run_id", "recipe_hash", "data_hash"):
+            if len(getattr(lineage, field)) > 128:
+                raise errors.ValidationError(f"lineage.{field}", "must be at most 128 characters")
         async with self._db.session() as session:
+            parent_id: int | None = None
+            if lineage.parent is not None:
+                parent = await _find_model(session, *lineage.parent)
+                if parent is None:
+                    raise errors.ValidationError(
+                        "lineage.parent", f"model {':'.join(lineage.parent)} is not registered"
+                    )
+                parent_id = parent.id
             if not version:
                 existing = (
                     await session.scalars(sa.select(ModelRow.version).where(ModelRow.name == name))
@@ -172,9 +249,25 @@ class EvalService:
                 version = str(max((int(v) for v in existing if v.isdigit()), default=0) + 1)
             elif await _find_model(session, name, version) is not None:
                 raise errors.AlreadyExistsError(f"model {name}:{version} is already registered")
-            row = ModelRow(name=name, version=version, uri=uri, labels=dict(labels), created_at=self._clock())
+            row = ModelRow(
+                name=name,
+                version=version,
+                uri=uri,
+                labels=dict(labels),
+                created_at=self._clock(),
+                stage=CANDIDATE,
+                training_run_id=lineage.training_run_id,
+                recipe_hash=lineage.recipe_hash,
+                data_hash=lineage.data_hash,
+                parent_model_id=parent_id,
+            )
             session.add(row)
             await session.flush()
+            session.add(
+                self._event(
+                    "register", row, from_stage="", to_stage=CANDIDATE, actor=actor, reason="registered"
+                )
+            )
             return await _model_view(session, row)
 
     async def list_models(
@@ -183,10 +276,10 @@ class EvalService:
         query = sa.select(ModelRow)
         if name:
             query = query.where(ModelRow.name == name)
+        if stage:
+            validate_stage("stage", stage)
+            query = query.where(ModelRow.stage == stage)
         async with self._db.session() as session:
-            if stage:
-                holder = (await _holders(session)).get(stage)
-                query = query.where(ModelRow.id == (holder.model_id if holder else -1))
             total = int(await session.scalar(sa.select(sa.func.count()).select_from(query.subquery())) or 0)
             rows = (
                 await session.scalars(
@@ -198,51 +291,135 @@ class EvalService:
             return [await _model_view(session, r) for r in rows], total
 
     async def promote_model(
-        self, name: str, version: str, stage: str, *, require_gate: bool, traffic_percent: int, reason: str
-    ) -> tuple[ModelView, ModelRow | None]:
-        """Make ``name:version`` the holder of ``stage``; with ``require_gate`` only if one of its
-        finished eval runs passed the release gate."""
+        self,
+        name: str,
+        version: str,
+        stage: str,
+        *,
+        traffic_percent: int,
+        reason: str,
+        force: bool = False,
+        actor: str = "",
+        admin: bool = True,
+    ) -> Promotion:
+        """Move ``name:version`` to ``stage`` along its lifecycle.
+
+        1. Check the transition (canary from candidate; production from candidate or canary;
+           archived from candidate or canary);
+        2. canary and production need one of its finished runs to have passed the release gate;
+           without one the promotion is refused unless ``force`` is set by an ``admin`` with a
+           reason, and then the failing gate's report is kept with the event;
+        3. the stage's previous holder is archived (production) or archived (a displaced canary);
+        4. write the audit event and, for canary and production, ``ModelPromoted`` (outbox).
+        """
         validate_model_name("ref.name", name)
         if not version:
             raise errors.ValidationError("ref.version", "is required to promote")
         validate_version("ref.version", version)
         validate_stage("stage", stage)
+        if stage == CANDIDATE:
+            raise errors.ValidationError(
+                "stage", "a model is a candidate when registered; promote to canary, production or archived"
+            )
         if traffic_percent > 100:
             raise errors.ValidationError("traffic_percent", "must be between 0 and 100")
+        if force:
+            if not admin:
+                raise errors.PermissionDeniedError(
+                    f"forcing a promotion past the release gate needs an admin token; {actor or 'the caller'} is not an admin"
+                )
+            if stage not in SERVING:
+                raise errors.ValidationError(
+                    "force", "only canary and production have a release gate to force"
+                )
+            if not reason.strip():
+                raise errors.ValidationError("reason", "is required to force a promotion (it is audited)")
         traffic = traffic_percent or 100
         async with self._db.session() as session:
             model = await _find_model(session, name, version)
             if model is None:
                 raise errors.NotFoundError(f"model {name}:{version} is not registered")
-            gate_run_id = ""
-            if require_gate:
-                gate_run_id = await self._gate_run(session, model)
-            holder = (await _holders(session)).get(stage)
-            previous = await session.get(ModelRow, holder.model_id) if holder else None
-            why = reason or (f"gate passed: eval run {gate_run_id}" if gate_run_id else "promoted")
-            session.add(
-                StageEventRow(
-                    stage=stage,
-                    action="promote",
-                    model_id=model.id,
-                    previous_model_id=previous.id if previous else None,
-                    traffic_percent=traffic,
-                    reason=why,
-                    gate_run_id=gate_run_id,
-                    rolled_back=False,
-                    created_at=self._clock(),
+            holder = (await _holders(session)).get(stage) if stage in SERVING else None
+            if holder is not None and holder.model_id == model.id and holder.traffic_percent == traffic:
+                # Already done (a retried call whose answer was lost): report it, change nothing.
+                return Promotion(await _model_view(session, model), None, await _event_view(session, holder))
+            allowed = TRANSITIONS[model.stage]
+            if stage not in allowed:
+                raise errors.ConflictError(
+                    f"model {name}:{version} is {model.stage}; it cannot move to {stage} "
+                    f"(from {model.stage}: {', '.join(sorted(allowed)) or 'only a rollback'})"
                 )
+            gate_run_id, gate_report, forced = "", "", False
+            if stage in SERVING:
+                gate_run_id, report = await self._gate(session, model)
+                if not gate_run_id:
+                    if not force:
+                        raise errors.ConflictError(
+                            f"release gate: {report['summary']}; an admin may force it (force with a reason)"
+                        )
+                    forced = True
+                    gate_report = json.dumps(report, sort_keys=True)
+            previous = (
+                await session.get(ModelRow, holder.model_id)
+                if holder is not None and holder.model_id != model.id
+                else None
             )
+            if forced:
+                why = reason
+            else:
+                why = reason or (f"gate passed: eval run {gate_run_id}" if gate_run_id else stage)
+            now_actor = actor or "anonymous"
+            if previous is not None:
+                session.add(
+                    self._event(
+                        "archive",
+                        previous,
+                        from_stage=previous.stage,
+                        to_stage=ARCHIVED,
+                        actor=now_actor,
+                        reason=f"replaced in {stage} by {name}:{version}",
+                    )
+                )
+                previous.stage = ARCHIVED
+            event = self._event(
+                "archive" if stage == ARCHIVED else "promote",
+                model,
+                from_stage=model.stage,
+                to_stage=stage,
+                actor=now_actor,
+                reason=why,
+                previous=previous,
+                traffic_percent=traffic if stage in SERVING else 0,
+                gate_run_id=gate_run_id,
+                forced=forced,
+                gate_report=gate_report,
+            )
+            session.add(event)
+            model.stage = stage
             await session.flush()
-            await self._stage_promotion(session, model, stage, previous, traffic, why, is_rollback=False)
+            if stage in SERVING:
+                await self._stage_promotion(session, model, stage, previous, traffic, why, is_rollback=False)
             view = await _model_view(session, model)
+            record = await _event_view(session, event)
+        if forced:
+            log.warning(
+                "eval.promotion_forced", model=f"{name}:{version}", stage=stage, actor=now_actor, reason=why
+            )
         self._on_commit()
-        return view, previous
+        return Promotion(view, previous, record)
 
-    async def rollback_model(self, stage: str, reason: str) -> tuple[ModelView, ModelRow]:
-        """Give ``stage`` back to the model that held it before its current holder."""
+    async def rollback_model(self, stage: str, reason: str, *, actor: str = "") -> Promotion:
+        """Give ``stage`` back to the model that held it before its current holder, if that model
+        was archived by being replaced; the current holder is archived."""
         validate_stage("stage", stage)
+        if stage not in SERVING:
+            raise errors.ValidationError("stage", "only canary and production can be rolled back")
         async with self._db.session() as session:
+            holder = (await _holders(session)).get(stage)
+            if holder is None:
+                raise errors.ConflictError(f"stage {stage!r} has no model to roll back")
+            removed = await session.get(ModelRow, holder.model_id)
+            assert removed is not None
             stack = list(
                 (
                     await session.scalars(
@@ -256,61 +433,181 @@ class EvalService:
                     )
                 ).all()
             )
-            if not stack:
-                raise errors.ConflictError(f"stage {stage!r} has no model to roll back")
-            current_id = stack[-1].model_id
-            while stack and stack[-1].model_id == current_id:
-                stack.pop().rolled_back = True
+            for row in stack:
+                if row.model_id == removed.id:
+                    row.rolled_back = True
+            stack = [row for row in stack if row.model_id != removed.id]
             if not stack:
                 raise errors.ConflictError(f"stage {stage!r} has no earlier model to roll back to")
             restored = stack[-1]
             model = await session.get(ModelRow, restored.model_id)
-            removed = await session.get(ModelRow, current_id)
-            assert model is not None and removed is not None
+            assert model is not None
+            if model.stage != ARCHIVED:
+                raise errors.ConflictError(
+                    f"the previous holder of {stage!r}, {model.name}:{model.version}, is now {model.stage}; "
+                    "archive the current holder or promote another model instead"
+                )
+            now_actor = actor or "anonymous"
             why = reason or f"rolled back from {removed.name}:{removed.version}"
             session.add(
-                StageEventRow(
-                    stage=stage,
-                    action="rollback",
-                    model_id=model.id,
-                    previous_model_id=removed.id,
-                    traffic_percent=restored.traffic_percent,
-                    reason=why,
-                    gate_run_id="",
-                    rolled_back=False,
-                    created_at=self._clock(),
+                self._event(
+                    "archive",
+                    removed,
+                    from_stage=removed.stage,
+                    to_stage=ARCHIVED,
+                    actor=now_actor,
+                    reason=f"rolled back: {why}",
                 )
             )
+            removed.stage = ARCHIVED
+            event = self._event(
+                "rollback",
+                model,
+                from_stage=model.stage,
+                to_stage=stage,
+                actor=now_actor,
+                reason=why,
+                previous=removed,
+                traffic_percent=restored.traffic_percent,
+            )
+            session.add(event)
+            model.stage = stage
             await session.flush()
             await self._stage_promotion(
                 session, model, stage, removed, restored.traffic_percent, why, is_rollback=True
             )
             view = await _model_view(session, model)
+            record = await _event_view(session, event)
         self._on_commit()
-        return view, removed
+        return Promotion(view, removed, record)
 
-    async def _gate_run(self, session: AsyncSession, model: ModelRow) -> str:
+    async def list_stage_events(
+        self,
+        model_name: str,
+        model_version: str,
+        stage: str,
+        *,
+        forced_only: bool,
+        page_size: int,
+        offset: int,
+    ) -> tuple[list[StageEventView], int]:
+        """The audit trail, newest first."""
+        if model_version and not model_name:
+            raise errors.ValidationError("model_version", "needs model_name")
+        if stage:
+            validate_stage("stage", stage)
+        query = sa.select(StageEventRow)
+        if model_name:
+            models = sa.select(ModelRow.id).where(ModelRow.name == model_name)
+            if model_version:
+                models = models.where(ModelRow.version == model_version)
+            query = query.where(StageEventRow.model_id.in_(models))
+        if stage:
+            query = query.where(StageEventRow.stage == stage)
+        if forced_only:
+            query = query.where(StageEventRow.forced.is_(True))
+        async with self._db.session() as session:
+            total = int(await session.scalar(sa.select(sa.func.count()).select_from(query.subquery())) or 0)
+            rows = (
+                await session.scalars(query.order_by(StageEventRow.id.desc()).offset(offset).limit(page_size))
+            ).all()
+            return [await _event_view(session, r) for r in rows], total
+
+    def _event(
+        self,
+        action: str,
+        model: ModelRow,
+        *,
+        from_stage: str,
+        to_stage: str,
+        actor: str,
+        reason: str,
+        previous: ModelRow | None = None,
+        traffic_percent: int = 0,
+        gate_run_id: str = "",
+        forced: bool = False,
+        gate_report: str = "",
+    ) -> StageEventRow:
+        return StageEventRow(
+            stage=to_stage,
+            from_stage=from_stage,
+            action=action,
+            model_id=model.id,
+            previous_model_id=previous.id if previous else None,
+            traffic_percent=traffic_percent,
+            reason=reason,
+            gate_run_id=gate_run_id,
+            rolled_back=False,
+            actor=actor or "anonymous",
+            forced=forced,
+            gate_report=gate_report,
+            created_at=self._clock(),
+        )
+
+    async def _gate(self, session: AsyncSession, model: ModelRow) -> tuple[str, dict[str, Any]]:
+        """The newest finished run of ``model`` that passed the release gate, or "" with the gate's
+        state: the model's latest runs, and how the newest finished one compares with production."""
         runs = (
             await session.scalars(
                 sa.select(RunRow)
                 .where(RunRow.model_name == model.name, RunRow.model_version == model.version)
-                .order_by(RunRow.created_at.desc())
+                .order_by(RunRow.created_at.desc(), RunRow.id)
             )
         ).all()
         passing = [r for r in runs if r.status == SUCCEEDED and r.passed_gate]
-        if passing:
-            return passing[0].id
         ref = f"{model.name}:{model.version}"
+        if passing:
+            return passing[0].id, {}
         if not runs:
-            raise errors.ConflictError(f"release gate: model {ref} has no eval runs")
-        summary = "; ".join(
-            f"{r.id} ({r.suite}) {_status_name(r.status)}"
-            + (": failed the gate" if r.status == SUCCEEDED else f": {r.error}" if r.error else "")
-            for r in runs[:5]
-        )
-        raise errors.ConflictError(
-            f"release gate: model {ref} has no finished eval run that passed the gate [{summary}]"
-        )
+            summary = f"model {ref} has no eval runs"
+        else:
+            listed = "; ".join(
+                f"{r.id} ({r.suite}, {r.tier}) {_status_name(r.status)}"
+                + (": failed the gate" if r.status == SUCCEEDED else f": {r.error}" if r.error else "")
+                for r in runs[:5]
+            )
+            summary = f"model {ref} has no finished eval run that passed the gate [{listed}]"
+        report: dict[str, Any] = {"model": ref, "summary": summary, "runs": [], "comparison": None}
+        for run in runs[:10]:
+            metrics = (await session.scalars(sa.select(MetricRow).where(MetricRow.run_id == run.id))).all()
+            report["runs"].append(
+                {
+                    "run_id": run.id,
+                    "suite": run.suite,
+                    "tier": run.tier,
+                    "status": _status_name(run.status),
+                    "passed_gate": run.passed_gate,
+                    "error": run.error,
+                    "spec_hash": run.spec_hash,
+                    "metrics": {m.name: [m.value, m.ci_low, m.ci_high] for m in metrics},
+                }
+            )
+        finished = next((r for r in runs if r.status == SUCCEEDED), None)
+        if finished is not None:
+            found = await self._production_comparison(
+                session,
+                finished,
+                RunSpec.from_dict(finished.spec),
+                await _example_scores(session, finished.id),
+            )
+            if found is not None:
+                production, baseline, comparison = found
+                report["comparison"] = {
+                    "candidate_run_id": finished.id,
+                    "baseline_run_id": baseline.id,
+                    "production": f"{production.name}:{production.version}",
+                    "verdict": _verdict_name(comparison.verdict),
+                    "deltas": {
+                        d.name: {
+                            "delta": d.result.delta,
+                            "ci": [d.result.ci_low, d.result.ci_high],
+                            "p_value": d.result.p_value,
+                            "n": d.result.n,
+                        }
+                        for d in comparison.deltas
+                    },
+                }
+        return "", report
 
     async def _stage_promotion(
         self,
@@ -346,8 +643,12 @@ class EvalService:
         limit: int,
         seed: int,
         options: Mapping[str, str],
+        tier: str = "",
+        serve_model: bool = False,
     ) -> RunRow:
-        """Validate, pin the spec and queue the run (PENDING); the worker executes it."""
+        """Validate, pin the spec and queue the run (PENDING); the worker executes it. With
+        ``serve_model`` the run's endpoint is a model server started from the model's registered
+        checkpoint when the run executes."""
         suites = self._catalog.suites()
         if suite not in suites:
             raise errors.ValidationError(
@@ -362,11 +663,26 @@ class EvalService:
         validate_model_name("model.name", name)
         if version:
             validate_version("model.version", version)
-        endpoint = endpoint or self._default_endpoint
-        if not endpoint:
-            raise errors.ValidationError("endpoint", "is required: no default model endpoint is configured")
-        if not re.match(r"^https?://[^\s/]+", endpoint):
-            raise errors.ValidationError("endpoint", "must be an http:// or https:// URL")
+        tier = tier or "full"
+        if tier not in TIERS:
+            raise errors.ValidationError("tier", f"must be one of {', '.join(TIERS)}, got {tier!r}")
+        if serve_model:
+            if endpoint:
+                raise errors.ValidationError(
+                    "endpoint", "must be empty with serve_model: the run queries the model server eval starts"
+                )
+            if self._model_host is None:
+                raise errors.ValidationError(
+                    "serve_model", "this eval service is not configured to start model servers"
+                )
+        else:
+            endpoint = endpoint or self._default_endpoint
+            if not endpoint:
+                raise errors.ValidationError(
+                    "endpoint", "is required: no default model endpoint is configured"
+                )
+            if not re.match(r"^https?://[^\s/]+", endpoint):
+                raise errors.ValidationError("endpoint", "must be an http:// or https:// URL")
         sampling = normalize_options(options)
         datasets = await asyncio.to_thread(self._catalog.dataset_hashes, suite)
         async with self._db.session() as session:
@@ -381,6 +697,15 @@ class EvalService:
                         "model.version", f"is required: {name!r} has no registered version"
                     )
                 version = latest.version
+            if serve_model:
+                model = await _find_model(session, name, version)
+                if model is None:
+                    raise errors.ValidationError("model", f"{name}:{version} must be registered to be served")
+                if local_checkpoint(model.uri) is None:
+                    raise errors.ValidationError(
+                        "serve_model",
+                        f"{name}:{version}'s uri {model.uri!r} is not a local checkpoint folder with a config.json",
+                    )
             spec = RunSpec(
                 suite=suite,
                 datasets=datasets,
@@ -390,6 +715,7 @@ class EvalService:
                 seed=seed,
                 limit=limit,
                 scorer_version=self._runner.scorer_version(suite),
+                tier=tier,
             )
             run = RunRow(
                 id=f"run-{uuid.uuid4().hex[:12]}",
@@ -404,6 +730,9 @@ class EvalService:
                 example_count=0,
                 passed_gate=False,
                 created_at=self._clock(),
+                tier=tier,
+                serve_model=serve_model,
+                report_path="",
             )
             session.add(run)
         self._queued.set()
@@ -420,13 +749,30 @@ class EvalService:
             return run, list(metrics)
 
     async def list_runs(
-        self, suite: str, model_name: str, page_size: int, offset: int
+        self,
+        suite: str,
+        model_name: str,
+        page_size: int,
+        offset: int,
+        *,
+        model_version: str = "",
+        created_after: dt.datetime | None = None,
+        created_before: dt.datetime | None = None,
     ) -> tuple[list[tuple[RunRow, list[MetricRow]]], int]:
+        """Runs by suite, checkpoint (model name and version) and date, newest first."""
+        if model_version and not model_name:
+            raise errors.ValidationError("model_version", "needs model_name")
         query = sa.select(RunRow)
         if suite:
             query = query.where(RunRow.suite == suite)
         if model_name:
             query = query.where(RunRow.model_name == model_name)
+        if model_version:
+            query = query.where(RunRow.model_version == model_version)
+        if created_after is not None:
+            query = query.where(RunRow.created_at >= created_after)
+        if created_before is not None:
+            query = query.where(RunRow.created_at < created_before)
         async with self._db.session() as session:
             total = int(await session.scalar(sa.select(sa.func.count()).select_from(query.subquery())) or 0)
             runs = (
@@ -488,20 +834,46 @@ class EvalService:
             return run.id
 
     async def execute_run(self, run_id: str) -> RunRow:
-        """Score a claimed run and store its results, or mark it FAILED with the reason."""
+        """Score a claimed run and store its results, or mark it FAILED with the reason. A run
+        with ``serve_model`` first starts a model server for its checkpoint, which is stopped when
+        scoring ends, however it ends."""
         async with self._db.session() as session:
             run = await _run(session, run_id)
+            model = await _find_model(session, run.model_name, run.model_version)
         spec = RunSpec.from_dict(run.spec)
         try:
-            results = await self._runner.run(spec, run.endpoint)
+            async with self._endpoint(run, model) as (endpoint, token):
+                results = await self._runner.run(spec, endpoint, token=token)
             if not results:
                 raise RunnerError("the runner scored no examples")
-        except RunnerError as exc:
+        except (RunnerError, ModelServerError) as exc:
             return await self._fail_run(run_id, str(exc))
         except Exception as exc:  # a broken run must not take the worker down
             log.exception("eval.run_crashed", run_id=run_id)
             return await self._fail_run(run_id, f"internal error: {exc!r}")
         return await self._finish_run(run_id, spec, results)
+
+    @asynccontextmanager
+    async def _endpoint(self, run: RunRow, model: ModelRow | None) -> AsyncIterator[tuple[str, str | None]]:
+        """The run's endpoint and token (None: the runner's own), serving the checkpoint if asked."""
+        if not run.serve_model:
+            yield run.endpoint, None
+            return
+        checkpoint = local_checkpoint(model.uri) if model is not None else None
+        if self._model_host is None or model is None or checkpoint is None:
+            raise RunnerError(
+                f"cannot serve {run.model_name}:{run.model_version}: "
+                + (
+                    "no model host is configured"
+                    if self._model_host is None
+                    else "its checkpoint folder is gone"
+                )
+            )
+        async with self._model_host.serve(model.name, model.version, checkpoint) as served:
+            async with self._db.session() as session:
+                (await _run(session, run.id)).endpoint = served.endpoint
+            log.info("eval.model_served", run_id=run.id, endpoint=served.endpoint, checkpoint=str(checkpoint))
+            yield served.endpoint, served.token
 
     async def _fail_run(self, run_id: str, error: str) -> RunRow:
         async with self._db.session() as session:
@@ -524,7 +896,8 @@ class EvalService:
         }
         async with self._db.session() as session:
             run = await _run(session, run_id)
-            passed = await self._passes_gate(session, run, spec, by_metric)
+            found = await self._production_comparison(session, run, spec, by_metric)
+            passed = found is None or found[2].verdict != Verdict.VERDICT_WORSE
             session.add_all(
                 ExampleRow(
                     run_id=run_id,
@@ -538,14 +911,19 @@ class EvalService:
                 )
                 for r in results
             )
-            session.add_all(
+            metric_rows = [
                 MetricRow(run_id=run_id, name=name, value=e.value, ci_low=e.ci_low, ci_high=e.ci_high, n=e.n)
                 for name, e in estimates.items()
-            )
+            ]
+            session.add_all(metric_rows)
             run.status = SUCCEEDED
             run.example_count = len({r.example_id for r in results})
             run.passed_gate = passed
             run.finished_at = self._clock()
+            run.report_path = await self._write_report(
+                f"{run.id}/report.md",
+                reports.run_report(run, metric_rows, _baseline(found)),
+            )
             await stage_event(
                 session,
                 events_pb2.EvalCompleted(
@@ -562,18 +940,19 @@ class EvalService:
         self._on_commit()
         return run
 
-    async def _passes_gate(
+    async def _production_comparison(
         self, session: AsyncSession, run: RunRow, spec: RunSpec, scores: dict[str, dict[str, float]]
-    ) -> bool:
-        """The release gate: no significant regression against the production model's latest
-        finished run of the same spec; passes when production has no such run."""
+    ) -> tuple[ModelRow, RunRow, Comparison] | None:
+        """The release gate's comparison: ``run`` against the production model's latest finished
+        run of the same spec; None when there is no production model (or it is this model) or
+        it has no such run, and then the gate passes."""
         holder = (await _holders(session)).get(GATE_STAGE)
         if holder is None:
-            return True
+            return None
         production = await session.get(ModelRow, holder.model_id)
         assert production is not None
         if (production.name, production.version) == (run.model_name, run.model_version):
-            return True
+            return None
         candidates = (
             await session.scalars(
                 sa.select(RunRow)
@@ -594,8 +973,21 @@ class EvalService:
                     seed=spec.seed,
                     tolerance=_tolerance(spec.suite),
                 )
-                return comparison.verdict != Verdict.VERDICT_WORSE
-        return True
+                return production, baseline, comparison
+        return None
+
+    async def _write_report(self, name: str, text: str) -> str:
+        """Write a Markdown report under ``reports_dir``; its path, or "" when reports are off."""
+        if self._reports_dir is None:
+            return ""
+        path = self._reports_dir / name
+
+        def write() -> None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+
+        await asyncio.to_thread(write)
+        return str(path)
 
     async def compare_runs(self, baseline_id: str, candidate_id: str) -> Comparison:
         """Paired comparison of two finished runs of the same spec (apart from the model)."""
@@ -623,12 +1015,24 @@ class EvalService:
                 raise errors.ConflictError(
                     f"runs {baseline_id} and {candidate_id} are not comparable: {detail}"
                 )
-            return _compare(
+            tolerance = _tolerance(spec_b.suite)
+            comparison = _compare(
                 await _example_scores(session, baseline_id),
                 await _example_scores(session, candidate_id),
                 seed=spec_b.seed,
-                tolerance=_tolerance(spec_b.suite),
+                tolerance=tolerance,
             )
+        path = await self._write_report(
+            f"compare-{baseline_id}-{candidate_id}/comparison.md",
+            reports.comparison_report(
+                baseline,
+                candidate,
+                _verdict_name(comparison.verdict),
+                [(d.name, d.result) for d in comparison.deltas],
+                tolerance,
+            ),
+        )
+        return Comparison(comparison.deltas, comparison.verdict, path)
 
 
 def _compare(
@@ -667,6 +1071,22 @@ async def _example_scores(session: AsyncSession, run_id: str) -> dict[str, dict[
     return scores
 
 
+def _verdict_name(verdict: int) -> str:
+    return Verdict.Name(verdict).removeprefix("VERDICT_")  # type: ignore[arg-type]
+
+
+def _baseline(found: tuple[ModelRow, RunRow, Comparison] | None) -> reports.Baseline | None:
+    if found is None:
+        return None
+    production, run, comparison = found
+    return reports.Baseline(
+        f"{production.name}:{production.version}",
+        run.id,
+        _verdict_name(comparison.verdict),
+        [(d.name, d.result) for d in comparison.deltas],
+    )
+
+
 def _status_name(status: int) -> str:
     return RunStatus.Name(status).removeprefix("RUN_STATUS_")  # type: ignore[arg-type]
 
@@ -685,11 +1105,17 @@ async def _find_model(session: AsyncSession, name: str, version: str) -> ModelRo
 
 
 async def _holders(session: AsyncSession) -> dict[str, StageEventRow]:
-    """The current holder row of every stage: its newest promotion not rolled back."""
+    """The current holder row of every serving stage: its newest promotion not rolled back whose
+    model is still in that stage (a canary promoted to production no longer holds canary)."""
     rows = (
         await session.scalars(
             sa.select(StageEventRow)
-            .where(StageEventRow.action == "promote", StageEventRow.rolled_back.is_(False))
+            .join(ModelRow, ModelRow.id == StageEventRow.model_id)
+            .where(
+                StageEventRow.action == "promote",
+                StageEventRow.rolled_back.is_(False),
+                StageEventRow.stage == ModelRow.stage,
+            )
             .order_by(StageEventRow.id)
         )
     ).all()
@@ -697,8 +1123,8 @@ async def _holders(session: AsyncSession) -> dict[str, StageEventRow]:
 
 
 async def _model_view(session: AsyncSession, model: ModelRow) -> ModelView:
-    held = [row for row in (await _holders(session)).values() if row.model_id == model.id]
-    latest = max(held, key=lambda r: r.id) if held else None
+    holder = (await _holders(session)).get(model.stage)
+    traffic = holder.traffic_percent if holder is not None and holder.model_id == model.id else 0
     run_ids = (
         await session.scalars(
             sa.select(RunRow.id)
@@ -706,6 +1132,20 @@ async def _model_view(session: AsyncSession, model: ModelRow) -> ModelView:
             .order_by(RunRow.created_at)
         )
     ).all()
+    parent = await session.get(ModelRow, model.parent_model_id) if model.parent_model_id else None
     return ModelView(
-        model, latest.stage if latest else "", latest.traffic_percent if latest else 0, tuple(run_ids)
+        model,
+        model.stage,
+        traffic,
+        tuple(run_ids),
+        (parent.name, parent.version) if parent is not None else None,
+    )
+
+
+async def _event_view(session: AsyncSession, row: StageEventRow) -> StageEventView:
+    model = await session.get(ModelRow, row.model_id)
+    assert model is not None
+    previous = await session.get(ModelRow, row.previous_model_id) if row.previous_model_id else None
+    return StageEventView(
+        row, (model.name, model.version), (previous.name, previous.version) if previous else None
     )

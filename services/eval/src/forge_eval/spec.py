@@ -14,6 +14,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Protocol
 
 from forge_kit import errors
 
@@ -77,6 +78,8 @@ class RunSpec:
     seed: int
     limit: int
     scorer_version: str
+    tier: str = "full"
+    """``full`` or ``smoke`` (each task's stratified subset)."""
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -123,6 +126,21 @@ def resolve_data_path(setting: str) -> Path:
     return (Path.cwd() / path).resolve()
 
 
+class SuiteCatalog(Protocol):
+    """Which suites exist and what their data hashes to. Called by ``EvalService.run_suite`` to
+    validate the suite and pin the content hashes in the run spec."""
+
+    @property
+    def root(self) -> Path:
+        """Where the data is (named in errors)."""
+
+    def suites(self) -> list[str]:
+        """Suite names whose data is present."""
+
+    def dataset_hashes(self, suite: str) -> dict[str, str]:
+        """``{data file or dataset: sha256}``; raises when data no longer matches a pinned hash."""
+
+
 class BenchmarkCatalog:
     """The suites under a benchmarks folder and the content hashes of their data files.
 
@@ -131,9 +149,13 @@ class BenchmarkCatalog:
     """
 
     def __init__(self, root: Path) -> None:
-        self.root = root
+        self._root = root
         self._cache: dict[Path, tuple[int, int, str]] = {}
         self._manifest = self._read_manifest()
+
+    @property
+    def root(self) -> Path:
+        return self._root
 
     def _read_manifest(self) -> dict[str, str]:
         path = self.root / MANIFEST

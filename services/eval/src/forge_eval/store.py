@@ -26,14 +26,23 @@ class ModelRow(Base):
     uri: Mapped[str] = mapped_column(sa.Text)
     labels: Mapped[dict[str, str]] = mapped_column(sa.JSON, default=dict)
     created_at: Mapped[dt.datetime] = mapped_column(sa.DateTime, default=utcnow)
+    stage: Mapped[str] = mapped_column(sa.String(16), default="candidate")
+    """Lifecycle stage: ``candidate`` → ``canary`` → ``production`` → ``archived``."""
+    training_run_id: Mapped[str] = mapped_column(sa.String(128), default="", index=True)
+    recipe_hash: Mapped[str] = mapped_column(sa.String(128), default="")
+    data_hash: Mapped[str] = mapped_column(sa.String(128), default="")
+    parent_model_id: Mapped[int | None] = mapped_column(sa.ForeignKey("eval_models.id"), nullable=True)
 
 
 class StageEventRow(Base):
-    """One change of a stage's holder, append-only: the audit trail and the rollback stack.
+    """One registry change, append-only: the audit trail and the rollback stack.
 
-    ``action`` is ``promote`` or ``rollback``. A stage's holder is the newest ``promote`` row of the
-    stage not yet ``rolled_back``; a rollback marks the holder's rows rolled back and writes a
-    ``rollback`` row naming the model it restored.
+    ``action`` is ``register``, ``promote``, ``archive`` or ``rollback``; ``stage`` is the stage the
+    model moved to and ``from_stage`` the one it left. A serving stage's holder is the newest
+    ``promote`` row of the stage not yet ``rolled_back`` whose model is still in that stage; a
+    rollback marks the holder's rows rolled back and writes a ``rollback`` row naming the model it
+    restored. ``actor`` is who asked; ``forced`` promotions skipped a failing gate, and
+    ``gate_report`` keeps that gate's state (JSON) as it was.
     """
 
     __tablename__ = "eval_stage_events"
@@ -48,6 +57,10 @@ class StageEventRow(Base):
     gate_run_id: Mapped[str] = mapped_column(sa.String(40), default="")
     rolled_back: Mapped[bool] = mapped_column(sa.Boolean, default=False)
     created_at: Mapped[dt.datetime] = mapped_column(sa.DateTime, default=utcnow)
+    from_stage: Mapped[str] = mapped_column(sa.String(16), default="")
+    actor: Mapped[str] = mapped_column(sa.String(128), default="")
+    forced: Mapped[bool] = mapped_column(sa.Boolean, default=False)
+    gate_report: Mapped[str] = mapped_column(sa.Text, default="")
 
 
 class RunRow(Base):
@@ -69,6 +82,10 @@ class RunRow(Base):
     created_at: Mapped[dt.datetime] = mapped_column(sa.DateTime, default=utcnow, index=True)
     started_at: Mapped[dt.datetime | None] = mapped_column(sa.DateTime, nullable=True)
     finished_at: Mapped[dt.datetime | None] = mapped_column(sa.DateTime, nullable=True)
+    tier: Mapped[str] = mapped_column(sa.String(16), default="full")
+    serve_model: Mapped[bool] = mapped_column(sa.Boolean, default=False)
+    """Eval starts a model server from the model's registered checkpoint for the run."""
+    report_path: Mapped[str] = mapped_column(sa.Text, default="")
 
 
 class MetricRow(Base):

@@ -6,7 +6,12 @@ choice, the HumanEval sandbox, the response cache keyed by model identity — so
 CLI run of one task score alike. The task file's hash is part of the scorer version, and so of
 the run-spec hash: editing a template makes runs incomparable with older ones, as it should.
 RunSuite's sampling options override the task file's only where they differ from their defaults
-(an option left at its default keeps the task's value, e.g. MMLU's 5 shots).
+(an option left at its default keeps the task's value, e.g. MMLU's 5 shots). A ``smoke`` tier run
+scores each task's stratified subset (``smoke`` in the task file).
+
+:class:`TaskCatalog` is the matching :class:`~forge_eval.spec.SuiteCatalog`: the suites are the
+shipped tasks whose data is present (benchmarks and corpora alike), and a suite's dataset hashes
+are those of its task's dataset and few-shot dataset, checked against the pins in the task file.
 """
 
 from __future__ import annotations
@@ -23,8 +28,36 @@ from forge_eval.harness import run_task
 from forge_eval.runner import ExampleResult, RunnerError
 from forge_eval.scorers import get_scorer
 from forge_eval.spec import OPTIONS, RunSpec
-from forge_eval.tasks import DataRoots, TaskConfig, load_task, shipped_tasks
+from forge_eval.tasks import DataRoots, TaskConfig, dataset_hash, load_task, shipped_tasks
 from forge_kit import errors
+
+
+class TaskCatalog:
+    """The shipped tasks whose data is present, as RunSuite's suites."""
+
+    def __init__(self, roots: DataRoots) -> None:
+        self._roots = roots
+
+    @property
+    def root(self) -> Path:
+        return self._roots.benchmarks
+
+    def suites(self) -> list[str]:
+        found = []
+        for name in sorted(shipped_tasks()):
+            task = load_task(name)
+            folder = self._roots.of(task.dataset.root)
+            if any(p.is_file() for p in folder.glob(task.dataset.path)):
+                found.append(name)
+        return found
+
+    def dataset_hashes(self, suite: str) -> dict[str, str]:
+        task = load_task(suite)
+        hashes = {f"{task.dataset.root}/{task.dataset.path}": dataset_hash(self._roots, task.dataset)}
+        shots = task.fewshot.dataset
+        if shots is not None:
+            hashes[f"{shots.root}/{shots.path}"] = dataset_hash(self._roots, shots, "task.fewshot.dataset")
+        return hashes
 
 
 class TaskSuiteRunner:
@@ -70,15 +103,16 @@ class TaskSuiteRunner:
             update["fewshot"] = task.fewshot.model_copy(update={"num": int(changed["num_fewshot"])})
         return task.model_copy(update=update) if update else task
 
-    async def run(self, spec: RunSpec, endpoint: str) -> list[ExampleResult]:
+    async def run(self, spec: RunSpec, endpoint: str, *, token: str | None = None) -> list[ExampleResult]:
         """1. Apply the spec's option overrides to the task; 2. resolve the served model's
-        identity; 3. run the task through the cache; 4. one result per example and metric."""
+        identity; 3. run the task (its smoke subset for the smoke tier) through the cache; 4. one
+        result per example and metric."""
         task = self._configure(spec)
         backend = OpenAIBackend(
             endpoint,
             f"{spec.model_name}:{spec.model_version}" if spec.model_version else spec.model_name,
             cache=self._cache,
-            token=self._token,
+            token=self._token if token is None else token,
             timeout_s=self._timeout_s,
             batch_size=self._batch_size,
             concurrency=self._concurrency,
@@ -90,7 +124,15 @@ class TaskSuiteRunner:
             except BackendError:
                 backend.model = spec.model_name
                 identity = await backend.identity()
-            result = await run_task(task, self._roots, backend, identity, limit=spec.limit, seed=spec.seed)
+            result = await run_task(
+                task,
+                self._roots,
+                backend,
+                identity,
+                limit=spec.limit,
+                seed=spec.seed,
+                smoke=spec.tier == "smoke",
+            )
         except (BackendError, errors.ForgeError) as exc:
             raise RunnerError(str(exc)) from exc
         finally:

@@ -311,7 +311,14 @@ def build_docs(
     """
     records = load_records(roots, task.dataset)
     if smoke:
-        records = select(records, task.smoke.size, seed, task.smoke.stratify_by)
+        by = task.smoke.stratify_by
+        if by and any(by not in r for r in records):
+            fields = ", ".join(sorted(k for k in records[0] if not k.startswith("_"))) if records else ""
+            raise errors.ValidationError(
+                "task.smoke.stratify_by",
+                f"the records have no field {by!r} to stratify by; they have: {fields}",
+            )
+        records = select(records, task.smoke.size, seed, by)
     records = select(records, limit, seed)
     t = task.template
     pool: dict[str, list[dict[str, Any]]] = defaultdict(list)

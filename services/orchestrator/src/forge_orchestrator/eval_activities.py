@@ -33,17 +33,26 @@ class RegisterInput:
     model: ModelId
     uri: str
     labels: dict[str, str] = field(default_factory=dict)
+    training_run_id: str = ""
+    recipe_hash: str = ""
+    data_hash: str = ""
+    parent: str = ""
+    """The registered model it was trained from, ``name:version``; empty if none."""
 
 
 @dataclass
 class RunInput:
-    """One suite run; ``endpoint`` empty means eval's configured default (the gateway)."""
+    """One suite run; ``endpoint`` empty means eval's configured default (the gateway), unless
+    ``serve_model``: eval then starts a model server from the model's registered checkpoint for
+    the run. ``tier`` is ``full`` or ``smoke``."""
 
     model: ModelId
     suite: str
     limit: int
     seed: int
     endpoint: str = ""
+    tier: str = "full"
+    serve_model: bool = False
 
 
 @dataclass
@@ -54,6 +63,10 @@ class RunState:
     error: str = ""
     metrics: dict[str, float] = field(default_factory=dict)
     passed_gate: bool = False
+    intervals: dict[str, list[float]] = field(default_factory=dict)
+    """Per metric, its 95% interval ``[low, high]``."""
+    tier: str = "full"
+    report_path: str = ""
 
     @property
     def finished(self) -> bool:
@@ -66,15 +79,17 @@ class Comparison:
     """``BETTER``, ``WORSE``, ``NO_DIFFERENCE`` or ``INCOMPARABLE``."""
     deltas: dict[str, float] = field(default_factory=dict)
     p_values: dict[str, float] = field(default_factory=dict)
+    report_path: str = ""
 
 
 @dataclass
 class PromoteInput:
+    """A promotion through eval's release gate (a workflow never forces one)."""
+
     model: ModelId
     stage: str
     traffic_percent: int
     reason: str
-    require_gate: bool = True
 
 
 class EvalActivities:
@@ -99,7 +114,15 @@ class EvalActivities:
     @activity.defn(name="eval_register_model")
     async def register_model(self, params: RegisterInput) -> bool:
         """Register the candidate; False when it was already registered (a retried workflow)."""
-        request = eval_pb2.RegisterModelRequest(ref=params.model.ref(), uri=params.uri, labels=params.labels)
+        lineage = eval_pb2.Lineage(
+            training_run_id=params.training_run_id, recipe_hash=params.recipe_hash, data_hash=params.data_hash
+        )
+        if params.parent:
+            name, _, version = params.parent.partition(":")
+            lineage.parent.CopyFrom(ModelId(name, version).ref())
+        request = eval_pb2.RegisterModelRequest(
+            ref=params.model.ref(), uri=params.uri, labels=params.labels, lineage=lineage
+        )
         try:
             await self._stub().RegisterModel(request, timeout=self._rpc_timeout_s)
         except grpc.aio.AioRpcError as exc:
@@ -130,6 +153,8 @@ class EvalActivities:
             endpoint=params.endpoint,
             limit=params.limit,
             seed=params.seed,
+            tier=params.tier,
+            serve_model=params.serve_model,
         )
         try:
             reply = await self._stub().RunSuite(request, timeout=self._rpc_timeout_s)
@@ -152,6 +177,9 @@ class EvalActivities:
             error=run.error,
             metrics={m.name: m.value for m in run.metrics},
             passed_gate=run.passed_gate,
+            intervals={m.name: [m.ci_low, m.ci_high] for m in run.metrics},
+            tier=run.tier,
+            report_path=run.report_path,
         )
 
     @activity.defn(name="eval_compare_runs")
@@ -167,6 +195,7 @@ class EvalActivities:
             verdict=eval_pb2.Verdict.Name(reply.verdict).removeprefix("VERDICT_"),
             deltas={d.name: d.delta for d in reply.deltas},
             p_values={d.name: d.p_value for d in reply.deltas},
+            report_path=reply.report_path,
         )
 
     @activity.defn(name="eval_promote_model")
@@ -175,7 +204,6 @@ class EvalActivities:
         request = eval_pb2.PromoteModelRequest(
             ref=params.model.ref(),
             stage=params.stage,
-            require_gate=params.require_gate,
             traffic_percent=params.traffic_percent,
             reason=params.reason,
         )

@@ -190,16 +190,27 @@ class EvalAndPromoteInput:
     model_name: str
     model_version: str
     uri: str
-    """Where the checkpoint lives (object store URL of the exported Hugging Face folder)."""
+    """Where the checkpoint lives: a local Hugging Face folder (served for the run), or an object
+    store URL when ``endpoint`` serves it."""
     suite: str = "gsm8k"
     limit: int = 50
     """Examples of the suite to score (0: all); both models are scored on the same ones."""
     seed: int = 0
     endpoint: str = ""
-    """OpenAI-compatible endpoint serving both models; empty: eval's default (the gateway)."""
+    """OpenAI-compatible endpoint serving both models; empty: a model server eval starts for each
+    model's checkpoint (``serve_model``), or eval's default endpoint (the gateway) without it."""
     canary_percent: int = 10
     poll_s: float = 2.0
     run_timeout_s: float = 3600.0
+    tier: str = "full"
+    """``full`` or ``smoke``: each task's small stratified subset, for when compute is short."""
+    serve_model: bool = True
+    """With no ``endpoint``, evaluate each model on a model server started for its run."""
+    training_run_id: str = ""
+    recipe_hash: str = ""
+    data_hash: str = ""
+    parent: str = ""
+    """Lineage recorded in the registry; ``parent`` is a registered ``name:version``."""
 
 
 @dataclass
@@ -212,19 +223,29 @@ class EvalAndPromoteResult:
     promoted_to: list[str] = field(default_factory=list)
     blocked_reason: str = ""
     metrics: dict[str, float] = field(default_factory=dict)
+    intervals: dict[str, list[float]] = field(default_factory=dict)
+    """The candidate's 95% interval per metric (wider for the smoke tier)."""
+    tier: str = "full"
+    report_path: str = ""
+    """The comparison report when compared with production, else the candidate run's report."""
+    decision: str = ""
+    """``promoted`` or ``blocked``."""
 
 
 @workflow.defn(name="eval_and_promote")
 class EvalAndPromoteWorkflow:
     """Evaluate a candidate and promote it through canary to production unless it regresses.
 
-    1. register the candidate in eval's registry (idempotent);
+    1. register the candidate in eval's registry (idempotent), with its lineage and this
+       workflow's id as the label ``workflow_id`` (how callers find the workflow of a checkpoint);
     2. look up the production model; run the suite on the candidate and, when production exists,
-       on production too, with the same spec (suite, limit, seed);
+       on production too, with the same spec (suite, tier, limit, seed) — each on a model server
+       eval starts for the run from the model's checkpoint, unless an endpoint is given;
     3. wait for the runs (durable timers between polls); a failed run fails the workflow;
-    4. compare with production: WORSE blocks the release and returns the reason; otherwise
+    4. compare with production: WORSE blocks the release and returns the reason and report;
+       otherwise
     5. promote to ``canary`` (with its traffic share), then to ``production``, each through eval's
-       gate (``require_gate``), which publishes ``ModelPromoted`` for the gateway.
+       release gate, which publishes ``ModelPromoted`` for the gateway.
     """
 
     def __init__(self) -> None:
@@ -269,12 +290,24 @@ class EvalAndPromoteWorkflow:
         candidate = ModelId(params.model_name, params.model_version)
         # 1. Register.
         self._step = "registering"
-        await self._call(EvalActivities.register_model, RegisterInput(model=candidate, uri=params.uri))
+        await self._call(
+            EvalActivities.register_model,
+            RegisterInput(
+                model=candidate,
+                uri=params.uri,
+                labels={"workflow_id": workflow.info().workflow_id},
+                training_run_id=params.training_run_id,
+                recipe_hash=params.recipe_hash,
+                data_hash=params.data_hash,
+                parent=params.parent,
+            ),
+        )
         # 2. Production, and the runs.
         self._step = "evaluating"
         production: ModelId | None = await self._call(EvalActivities.current_model, "production")
         if production == candidate:
             production = None
+        serve = params.serve_model and not params.endpoint
 
         def run_input(model: ModelId) -> RunInput:
             return RunInput(
@@ -283,6 +316,8 @@ class EvalAndPromoteWorkflow:
                 limit=params.limit,
                 seed=params.seed,
                 endpoint=params.endpoint,
+                tier=params.tier,
+                serve_model=serve,
             )
 
         candidate_run = await self._call(EvalActivities.run_suite, run_input(candidate))
@@ -290,8 +325,14 @@ class EvalAndPromoteWorkflow:
         if production is not None:
             baseline_run = await self._call(EvalActivities.run_suite, run_input(production))
         # 3. Wait.
-        result_state = await self._wait_run(candidate_run, params)
-        result = EvalAndPromoteResult(candidate_run_id=candidate_run, metrics=result_state.metrics)
+        state = await self._wait_run(candidate_run, params)
+        result = EvalAndPromoteResult(
+            candidate_run_id=candidate_run,
+            metrics=state.metrics,
+            intervals=state.intervals,
+            tier=state.tier,
+            report_path=state.report_path,
+        )
         # 4. Compare.
         if production is not None:
             await self._wait_run(baseline_run, params)
@@ -302,6 +343,7 @@ class EvalAndPromoteWorkflow:
             result.baseline_run_id = baseline_run
             result.baseline = f"{production.name}:{production.version}"
             result.verdict = comparison.verdict
+            result.report_path = comparison.report_path or result.report_path
             if comparison.verdict == "WORSE":
                 worst = sorted(comparison.deltas.items(), key=lambda kv: kv[1])
                 detail = ", ".join(
@@ -309,6 +351,7 @@ class EvalAndPromoteWorkflow:
                     for name, delta in worst
                 )
                 result.blocked_reason = f"regression against production {result.baseline}: {detail}"
+                result.decision = "blocked"
                 self._step = "blocked"
                 return result
         # 5. Canary, then production.
@@ -322,5 +365,6 @@ class EvalAndPromoteWorkflow:
                 PromoteInput(model=candidate, stage=stage, traffic_percent=share, reason=reason),
             )
             result.promoted_to.append(stage)
+        result.decision = "promoted"
         self._step = "done"
         return result

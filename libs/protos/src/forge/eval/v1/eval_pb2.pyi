@@ -145,6 +145,9 @@ class EvalRun(_message.Message):
     CREATED_AT_FIELD_NUMBER: _builtins.int
     FINISHED_AT_FIELD_NUMBER: _builtins.int
     PASSED_GATE_FIELD_NUMBER: _builtins.int
+    TIER_FIELD_NUMBER: _builtins.int
+    SERVE_MODEL_FIELD_NUMBER: _builtins.int
+    REPORT_PATH_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     """Run id."""
     suite: _builtins.str
@@ -161,6 +164,12 @@ class EvalRun(_message.Message):
     """Error, when FAILED."""
     passed_gate: _builtins.bool
     """Whether it passed the suite's release gate (meaningful when SUCCEEDED)."""
+    tier: _builtins.str
+    """"full" or "smoke" (each task's small stratified subset: wider intervals)."""
+    serve_model: _builtins.bool
+    """Whether eval started a model server for the run from the model's registered checkpoint."""
+    report_path: _builtins.str
+    """Path of the run's Markdown report on the eval host (set when SUCCEEDED)."""
     @_builtins.property
     def model(self) -> _common_pb2.ModelRef:
         """Model evaluated."""
@@ -192,10 +201,13 @@ class EvalRun(_message.Message):
         created_at: _timestamp_pb2.Timestamp | None = ...,
         finished_at: _timestamp_pb2.Timestamp | None = ...,
         passed_gate: _builtins.bool = ...,
+        tier: _builtins.str = ...,
+        serve_model: _builtins.bool = ...,
+        report_path: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "finished_at", b"finished_at", "model", b"model"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "endpoint", b"endpoint", "error", b"error", "example_count", b"example_count", "finished_at", b"finished_at", "metrics", b"metrics", "model", b"model", "passed_gate", b"passed_gate", "run_id", b"run_id", "spec_hash", b"spec_hash", "status", b"status", "suite", b"suite"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "endpoint", b"endpoint", "error", b"error", "example_count", b"example_count", "finished_at", b"finished_at", "metrics", b"metrics", "model", b"model", "passed_gate", b"passed_gate", "report_path", b"report_path", "run_id", b"run_id", "serve_model", b"serve_model", "spec_hash", b"spec_hash", "status", b"status", "suite", b"suite", "tier", b"tier"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -233,6 +245,8 @@ class RunSuiteRequest(_message.Message):
     LIMIT_FIELD_NUMBER: _builtins.int
     SEED_FIELD_NUMBER: _builtins.int
     OPTIONS_FIELD_NUMBER: _builtins.int
+    TIER_FIELD_NUMBER: _builtins.int
+    SERVE_MODEL_FIELD_NUMBER: _builtins.int
     suite: _builtins.str
     """Suite name."""
     endpoint: _builtins.str
@@ -241,6 +255,14 @@ class RunSuiteRequest(_message.Message):
     """Evaluate at most this many examples; 0 means all."""
     seed: _builtins.int
     """Seed for sampling examples and decoding."""
+    tier: _builtins.str
+    """"full" (default when empty) or "smoke": each task's small stratified subset, for when
+    compute is short; part of the spec hash, so smoke runs compare only with smoke runs.
+    """
+    serve_model: _builtins.bool
+    """Start a model server for this run from the model's registered uri (a local Hugging Face
+    checkpoint folder), evaluate against it and stop it afterwards; endpoint must then be empty.
+    """
     @_builtins.property
     def model(self) -> _common_pb2.ModelRef:
         """Model to evaluate."""
@@ -258,10 +280,12 @@ class RunSuiteRequest(_message.Message):
         limit: _builtins.int = ...,
         seed: _builtins.int = ...,
         options: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        tier: _builtins.str = ...,
+        serve_model: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["model", b"model"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["endpoint", b"endpoint", "limit", b"limit", "model", b"model", "options", b"options", "seed", b"seed", "suite", b"suite"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["endpoint", b"endpoint", "limit", b"limit", "model", b"model", "options", b"options", "seed", b"seed", "serve_model", b"serve_model", "suite", b"suite", "tier", b"tier"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -348,13 +372,26 @@ class ListRunsRequest(_message.Message):
     SUITE_FIELD_NUMBER: _builtins.int
     MODEL_NAME_FIELD_NUMBER: _builtins.int
     PAGE_FIELD_NUMBER: _builtins.int
+    MODEL_VERSION_FIELD_NUMBER: _builtins.int
+    CREATED_AFTER_FIELD_NUMBER: _builtins.int
+    CREATED_BEFORE_FIELD_NUMBER: _builtins.int
     suite: _builtins.str
     """Only this suite; empty for all."""
     model_name: _builtins.str
     """Only this model name; empty for all."""
+    model_version: _builtins.str
+    """Only this model version (with model_name); empty for all."""
     @_builtins.property
     def page(self) -> _common_pb2.PageRequest:
         """Paging."""
+
+    @_builtins.property
+    def created_after(self) -> _timestamp_pb2.Timestamp:
+        """Only runs requested at or after this time."""
+
+    @_builtins.property
+    def created_before(self) -> _timestamp_pb2.Timestamp:
+        """Only runs requested before this time."""
 
     def __init__(
         self,
@@ -362,10 +399,13 @@ class ListRunsRequest(_message.Message):
         suite: _builtins.str = ...,
         model_name: _builtins.str = ...,
         page: _common_pb2.PageRequest | None = ...,
+        model_version: _builtins.str = ...,
+        created_after: _timestamp_pb2.Timestamp | None = ...,
+        created_before: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["page", b"page"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["created_after", b"created_after", "created_before", b"created_before", "page", b"page"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["model_name", b"model_name", "page", b"page", "suite", b"suite"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_after", b"created_after", "created_before", b"created_before", "model_name", b"model_name", "model_version", b"model_version", "page", b"page", "suite", b"suite"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -485,8 +525,11 @@ class CompareRunsResponse(_message.Message):
 
     DELTAS_FIELD_NUMBER: _builtins.int
     VERDICT_FIELD_NUMBER: _builtins.int
+    REPORT_PATH_FIELD_NUMBER: _builtins.int
     verdict: Global___Verdict.ValueType
     """Overall verdict."""
+    report_path: _builtins.str
+    """Path of the comparison's Markdown report on the eval host."""
     @_builtins.property
     def deltas(self) -> _containers.RepeatedCompositeFieldContainer[Global___MetricDelta]:
         """One entry per metric present in both runs."""
@@ -496,14 +539,51 @@ class CompareRunsResponse(_message.Message):
         *,
         deltas: _abc.Iterable[Global___MetricDelta] | None = ...,
         verdict: Global___Verdict.ValueType = ...,
+        report_path: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["deltas", b"deltas", "verdict", b"verdict"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deltas", b"deltas", "report_path", b"report_path", "verdict", b"verdict"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___CompareRunsResponse: _TypeAlias = CompareRunsResponse  # noqa: Y015
+
+@_typing.final
+class Lineage(_message.Message):
+    """Where a checkpoint came from."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TRAINING_RUN_ID_FIELD_NUMBER: _builtins.int
+    RECIPE_HASH_FIELD_NUMBER: _builtins.int
+    DATA_HASH_FIELD_NUMBER: _builtins.int
+    PARENT_FIELD_NUMBER: _builtins.int
+    training_run_id: _builtins.str
+    """Training run that produced it (stable across restarts of its job)."""
+    recipe_hash: _builtins.str
+    """Hash of the training recipe (configuration)."""
+    data_hash: _builtins.str
+    """Hash of the training data."""
+    @_builtins.property
+    def parent(self) -> _common_pb2.ModelRef:
+        """Registered model it was trained from (fine-tuning, continued pre-training); unset if none."""
+
+    def __init__(
+        self,
+        *,
+        training_run_id: _builtins.str = ...,
+        recipe_hash: _builtins.str = ...,
+        data_hash: _builtins.str = ...,
+        parent: _common_pb2.ModelRef | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["parent", b"parent"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data_hash", b"data_hash", "parent", b"parent", "recipe_hash", b"recipe_hash", "training_run_id", b"training_run_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Lineage: _TypeAlias = Lineage  # noqa: Y015
 
 @_typing.final
 class RegisteredModel(_message.Message):
@@ -538,10 +618,11 @@ class RegisteredModel(_message.Message):
     EVAL_RUN_IDS_FIELD_NUMBER: _builtins.int
     TRAFFIC_PERCENT_FIELD_NUMBER: _builtins.int
     LABELS_FIELD_NUMBER: _builtins.int
+    LINEAGE_FIELD_NUMBER: _builtins.int
     uri: _builtins.str
     """Object-store URI of the model files (Hugging Face format)."""
     stage: _builtins.str
-    """Stage it holds, e.g. "production", "canary"; empty if none."""
+    """Lifecycle stage: "candidate" (registered), "canary", "production" or "archived"."""
     traffic_percent: _builtins.int
     """Share of its stage's traffic, 0-100."""
     @_builtins.property
@@ -560,6 +641,10 @@ class RegisteredModel(_message.Message):
     def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """Free-form labels, e.g. training job id."""
 
+    @_builtins.property
+    def lineage(self) -> Global___Lineage:
+        """Where it came from."""
+
     def __init__(
         self,
         *,
@@ -570,10 +655,11 @@ class RegisteredModel(_message.Message):
         eval_run_ids: _abc.Iterable[_builtins.str] | None = ...,
         traffic_percent: _builtins.int = ...,
         labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        lineage: Global___Lineage | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "ref", b"ref"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "lineage", b"lineage", "ref", b"ref"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "eval_run_ids", b"eval_run_ids", "labels", b"labels", "ref", b"ref", "stage", b"stage", "traffic_percent", b"traffic_percent", "uri", b"uri"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "eval_run_ids", b"eval_run_ids", "labels", b"labels", "lineage", b"lineage", "ref", b"ref", "stage", b"stage", "traffic_percent", b"traffic_percent", "uri", b"uri"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -670,6 +756,7 @@ class RegisterModelRequest(_message.Message):
     REF_FIELD_NUMBER: _builtins.int
     URI_FIELD_NUMBER: _builtins.int
     LABELS_FIELD_NUMBER: _builtins.int
+    LINEAGE_FIELD_NUMBER: _builtins.int
     uri: _builtins.str
     """Object-store URI of the model files."""
     @_builtins.property
@@ -680,16 +767,21 @@ class RegisterModelRequest(_message.Message):
     def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """Labels."""
 
+    @_builtins.property
+    def lineage(self) -> Global___Lineage:
+        """Where it came from; the parent, when set, must be registered."""
+
     def __init__(
         self,
         *,
         ref: _common_pb2.ModelRef | None = ...,
         uri: _builtins.str = ...,
         labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        lineage: Global___Lineage | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["ref", b"ref"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["lineage", b"lineage", "ref", b"ref"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["labels", b"labels", "ref", b"ref", "uri", b"uri"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["labels", b"labels", "lineage", b"lineage", "ref", b"ref", "uri", b"uri"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -727,17 +819,22 @@ class PromoteModelRequest(_message.Message):
 
     REF_FIELD_NUMBER: _builtins.int
     STAGE_FIELD_NUMBER: _builtins.int
-    REQUIRE_GATE_FIELD_NUMBER: _builtins.int
     TRAFFIC_PERCENT_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
+    FORCE_FIELD_NUMBER: _builtins.int
     stage: _builtins.str
-    """Target stage, e.g. "canary", "production"."""
-    require_gate: _builtins.bool
-    """Refuse (FAILED_PRECONDITION) unless the version has a passing gate eval run."""
+    """Target stage: "canary" (from candidate), "production" (from candidate or canary) or
+    "archived" (from candidate or canary). Canary and production are refused
+    (FAILED_PRECONDITION) unless the version has a finished eval run that passed the gate.
+    """
     traffic_percent: _builtins.int
     """Traffic share in the stage, 0-100; 0 means 100."""
     reason: _builtins.str
-    """Why."""
+    """Why; required with force."""
+    force: _builtins.bool
+    """Promote without a passing gate. Only an admin caller may (PERMISSION_DENIED otherwise); the
+    promotion is audited with who, when, why and the failing gate report.
+    """
     @_builtins.property
     def ref(self) -> _common_pb2.ModelRef:
         """Version to promote."""
@@ -747,13 +844,13 @@ class PromoteModelRequest(_message.Message):
         *,
         ref: _common_pb2.ModelRef | None = ...,
         stage: _builtins.str = ...,
-        require_gate: _builtins.bool = ...,
         traffic_percent: _builtins.int = ...,
         reason: _builtins.str = ...,
+        force: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["ref", b"ref"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["reason", b"reason", "ref", b"ref", "require_gate", b"require_gate", "stage", b"stage", "traffic_percent", b"traffic_percent"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["force", b"force", "reason", b"reason", "ref", b"ref", "stage", b"stage", "traffic_percent", b"traffic_percent"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -767,6 +864,7 @@ class PromoteModelResponse(_message.Message):
 
     MODEL_FIELD_NUMBER: _builtins.int
     PREVIOUS_FIELD_NUMBER: _builtins.int
+    EVENT_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def model(self) -> Global___RegisteredModel:
         """The model after promotion."""
@@ -775,15 +873,20 @@ class PromoteModelResponse(_message.Message):
     def previous(self) -> _common_pb2.ModelRef:
         """Previous holder of the stage; unset if none."""
 
+    @_builtins.property
+    def event(self) -> Global___StageEvent:
+        """The audit record of this promotion."""
+
     def __init__(
         self,
         *,
         model: Global___RegisteredModel | None = ...,
         previous: _common_pb2.ModelRef | None = ...,
+        event: Global___StageEvent | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["model", b"model", "previous", b"previous"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "model", b"model", "previous", b"previous"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["model", b"model", "previous", b"previous"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "model", b"model", "previous", b"previous"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -823,24 +926,176 @@ class RollbackModelResponse(_message.Message):
 
     MODEL_FIELD_NUMBER: _builtins.int
     ROLLED_BACK_FIELD_NUMBER: _builtins.int
+    EVENT_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def model(self) -> Global___RegisteredModel:
         """The model now holding the stage."""
 
     @_builtins.property
     def rolled_back(self) -> _common_pb2.ModelRef:
-        """The model removed from the stage."""
+        """The model removed from the stage (now archived)."""
+
+    @_builtins.property
+    def event(self) -> Global___StageEvent:
+        """The audit record of this rollback."""
 
     def __init__(
         self,
         *,
         model: Global___RegisteredModel | None = ...,
         rolled_back: _common_pb2.ModelRef | None = ...,
+        event: Global___StageEvent | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["model", b"model", "rolled_back", b"rolled_back"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "model", b"model", "rolled_back", b"rolled_back"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["model", b"model", "rolled_back", b"rolled_back"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "model", b"model", "rolled_back", b"rolled_back"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RollbackModelResponse: _TypeAlias = RollbackModelResponse  # noqa: Y015
+
+@_typing.final
+class StageEvent(_message.Message):
+    """One change in the registry, append-only: the audit trail."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EVENT_ID_FIELD_NUMBER: _builtins.int
+    ACTION_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
+    FROM_STAGE_FIELD_NUMBER: _builtins.int
+    TO_STAGE_FIELD_NUMBER: _builtins.int
+    PREVIOUS_FIELD_NUMBER: _builtins.int
+    TRAFFIC_PERCENT_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    ACTOR_FIELD_NUMBER: _builtins.int
+    FORCED_FIELD_NUMBER: _builtins.int
+    GATE_RUN_ID_FIELD_NUMBER: _builtins.int
+    GATE_REPORT_FIELD_NUMBER: _builtins.int
+    CREATED_AT_FIELD_NUMBER: _builtins.int
+    event_id: _builtins.int
+    """Sequence number."""
+    action: _builtins.str
+    """"register", "promote", "archive" or "rollback"."""
+    from_stage: _builtins.str
+    """Its stage before ("" for a registration)."""
+    to_stage: _builtins.str
+    """Its stage after."""
+    traffic_percent: _builtins.int
+    """Traffic share in to_stage."""
+    reason: _builtins.str
+    """Why."""
+    actor: _builtins.str
+    """Who: the authenticated caller's name ("service" for the service token)."""
+    forced: _builtins.bool
+    """Promoted without a passing gate by an admin."""
+    gate_run_id: _builtins.str
+    """The eval run whose passing gate allowed the promotion; empty if none."""
+    gate_report: _builtins.str
+    """JSON: the gate's state when forced (the model's runs and their comparison with production)."""
+    @_builtins.property
+    def model(self) -> _common_pb2.ModelRef:
+        """Model whose stage changed."""
+
+    @_builtins.property
+    def previous(self) -> _common_pb2.ModelRef:
+        """Model displaced from to_stage (promote, rollback); unset if none."""
+
+    @_builtins.property
+    def created_at(self) -> _timestamp_pb2.Timestamp:
+        """When."""
+
+    def __init__(
+        self,
+        *,
+        event_id: _builtins.int = ...,
+        action: _builtins.str = ...,
+        model: _common_pb2.ModelRef | None = ...,
+        from_stage: _builtins.str = ...,
+        to_stage: _builtins.str = ...,
+        previous: _common_pb2.ModelRef | None = ...,
+        traffic_percent: _builtins.int = ...,
+        reason: _builtins.str = ...,
+        actor: _builtins.str = ...,
+        forced: _builtins.bool = ...,
+        gate_run_id: _builtins.str = ...,
+        gate_report: _builtins.str = ...,
+        created_at: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "model", b"model", "previous", b"previous"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "actor", b"actor", "created_at", b"created_at", "event_id", b"event_id", "forced", b"forced", "from_stage", b"from_stage", "gate_report", b"gate_report", "gate_run_id", b"gate_run_id", "model", b"model", "previous", b"previous", "reason", b"reason", "to_stage", b"to_stage", "traffic_percent", b"traffic_percent"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StageEvent: _TypeAlias = StageEvent  # noqa: Y015
+
+@_typing.final
+class ListStageEventsRequest(_message.Message):
+    """Request of ListStageEvents."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_NAME_FIELD_NUMBER: _builtins.int
+    MODEL_VERSION_FIELD_NUMBER: _builtins.int
+    STAGE_FIELD_NUMBER: _builtins.int
+    FORCED_ONLY_FIELD_NUMBER: _builtins.int
+    PAGE_FIELD_NUMBER: _builtins.int
+    model_name: _builtins.str
+    """Only this model name; empty for all."""
+    model_version: _builtins.str
+    """Only this version (with model_name); empty for all."""
+    stage: _builtins.str
+    """Only events into this stage; empty for all."""
+    forced_only: _builtins.bool
+    """Only forced promotions."""
+    @_builtins.property
+    def page(self) -> _common_pb2.PageRequest:
+        """Paging."""
+
+    def __init__(
+        self,
+        *,
+        model_name: _builtins.str = ...,
+        model_version: _builtins.str = ...,
+        stage: _builtins.str = ...,
+        forced_only: _builtins.bool = ...,
+        page: _common_pb2.PageRequest | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["page", b"page"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["forced_only", b"forced_only", "model_name", b"model_name", "model_version", b"model_version", "page", b"page", "stage", b"stage"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListStageEventsRequest: _TypeAlias = ListStageEventsRequest  # noqa: Y015
+
+@_typing.final
+class ListStageEventsResponse(_message.Message):
+    """Response of ListStageEvents."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EVENTS_FIELD_NUMBER: _builtins.int
+    PAGE_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def events(self) -> _containers.RepeatedCompositeFieldContainer[Global___StageEvent]:
+        """Events, newest first."""
+
+    @_builtins.property
+    def page(self) -> _common_pb2.PageInfo:
+        """Paging."""
+
+    def __init__(
+        self,
+        *,
+        events: _abc.Iterable[Global___StageEvent] | None = ...,
+        page: _common_pb2.PageInfo | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["page", b"page"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["events", b"events", "page", b"page"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListStageEventsResponse: _TypeAlias = ListStageEventsResponse  # noqa: Y015

@@ -75,6 +75,11 @@ class EvalServiceStub:
                 request_serializer=forge_dot_eval_dot_v1_dot_eval__pb2.RollbackModelRequest.SerializeToString,
                 response_deserializer=forge_dot_eval_dot_v1_dot_eval__pb2.RollbackModelResponse.FromString,
                 _registered_method=True)
+        self.ListStageEvents = channel.unary_unary(
+                '/forge.eval.v1.EvalService/ListStageEvents',
+                request_serializer=forge_dot_eval_dot_v1_dot_eval__pb2.ListStageEventsRequest.SerializeToString,
+                response_deserializer=forge_dot_eval_dot_v1_dot_eval__pb2.ListStageEventsResponse.FromString,
+                _registered_method=True)
 
 
 class EvalServiceServicer:
@@ -124,8 +129,9 @@ class EvalServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def PromoteModel(self, request, context):
-        """Move a model version to a stage, optionally only if it passes the release gate.
-        Publishes ModelPromoted.
+        """Move a model version along its lifecycle (candidate -> canary -> production -> archived).
+        Canary and production need a passing release gate unless an admin forces it (audited).
+        Publishes ModelPromoted for canary and production.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -133,6 +139,13 @@ class EvalServiceServicer:
 
     def RollbackModel(self, request, context):
         """Put the previous holder of a stage back. Publishes ModelPromoted with is_rollback.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListStageEvents(self, request, context):
+        """The registry's audit trail: registrations, promotions, archivals and rollbacks, newest first.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -180,6 +193,11 @@ def add_EvalServiceServicer_to_server(servicer, server):
                     servicer.RollbackModel,
                     request_deserializer=forge_dot_eval_dot_v1_dot_eval__pb2.RollbackModelRequest.FromString,
                     response_serializer=forge_dot_eval_dot_v1_dot_eval__pb2.RollbackModelResponse.SerializeToString,
+            ),
+            'ListStageEvents': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListStageEvents,
+                    request_deserializer=forge_dot_eval_dot_v1_dot_eval__pb2.ListStageEventsRequest.FromString,
+                    response_serializer=forge_dot_eval_dot_v1_dot_eval__pb2.ListStageEventsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -399,6 +417,33 @@ class EvalService:
             '/forge.eval.v1.EvalService/RollbackModel',
             forge_dot_eval_dot_v1_dot_eval__pb2.RollbackModelRequest.SerializeToString,
             forge_dot_eval_dot_v1_dot_eval__pb2.RollbackModelResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListStageEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/forge.eval.v1.EvalService/ListStageEvents',
+            forge_dot_eval_dot_v1_dot_eval__pb2.ListStageEventsRequest.SerializeToString,
+            forge_dot_eval_dot_v1_dot_eval__pb2.ListStageEventsResponse.FromString,
             options,
             channel_credentials,
             insecure,

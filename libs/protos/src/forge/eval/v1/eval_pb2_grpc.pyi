@@ -46,11 +46,14 @@ class EvalServiceStub:
     RegisterModel: _grpc.UnaryUnaryMultiCallable[_eval_pb2.RegisterModelRequest, _eval_pb2.RegisterModelResponse]
     """Register a model version (e.g. an exported checkpoint)."""
     PromoteModel: _grpc.UnaryUnaryMultiCallable[_eval_pb2.PromoteModelRequest, _eval_pb2.PromoteModelResponse]
-    """Move a model version to a stage, optionally only if it passes the release gate.
-    Publishes ModelPromoted.
+    """Move a model version along its lifecycle (candidate -> canary -> production -> archived).
+    Canary and production need a passing release gate unless an admin forces it (audited).
+    Publishes ModelPromoted for canary and production.
     """
     RollbackModel: _grpc.UnaryUnaryMultiCallable[_eval_pb2.RollbackModelRequest, _eval_pb2.RollbackModelResponse]
     """Put the previous holder of a stage back. Publishes ModelPromoted with is_rollback."""
+    ListStageEvents: _grpc.UnaryUnaryMultiCallable[_eval_pb2.ListStageEventsRequest, _eval_pb2.ListStageEventsResponse]
+    """The registry's audit trail: registrations, promotions, archivals and rollbacks, newest first."""
 
 @_typing.type_check_only
 class EvalServiceAsyncStub(EvalServiceStub):
@@ -70,11 +73,14 @@ class EvalServiceAsyncStub(EvalServiceStub):
     RegisterModel: _aio.UnaryUnaryMultiCallable[_eval_pb2.RegisterModelRequest, _eval_pb2.RegisterModelResponse]  # type: ignore[assignment]
     """Register a model version (e.g. an exported checkpoint)."""
     PromoteModel: _aio.UnaryUnaryMultiCallable[_eval_pb2.PromoteModelRequest, _eval_pb2.PromoteModelResponse]  # type: ignore[assignment]
-    """Move a model version to a stage, optionally only if it passes the release gate.
-    Publishes ModelPromoted.
+    """Move a model version along its lifecycle (candidate -> canary -> production -> archived).
+    Canary and production need a passing release gate unless an admin forces it (audited).
+    Publishes ModelPromoted for canary and production.
     """
     RollbackModel: _aio.UnaryUnaryMultiCallable[_eval_pb2.RollbackModelRequest, _eval_pb2.RollbackModelResponse]  # type: ignore[assignment]
     """Put the previous holder of a stage back. Publishes ModelPromoted with is_rollback."""
+    ListStageEvents: _aio.UnaryUnaryMultiCallable[_eval_pb2.ListStageEventsRequest, _eval_pb2.ListStageEventsResponse]  # type: ignore[assignment]
+    """The registry's audit trail: registrations, promotions, archivals and rollbacks, newest first."""
 
 class EvalServiceServicer(metaclass=_abc_1.ABCMeta):
     """Eval and model registry. Called by the orchestrator (eval-and-promote, RLHF), the CLI and ops."""
@@ -133,8 +139,9 @@ class EvalServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _eval_pb2.PromoteModelRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_eval_pb2.PromoteModelResponse, _abc.Awaitable[_eval_pb2.PromoteModelResponse]]:
-        """Move a model version to a stage, optionally only if it passes the release gate.
-        Publishes ModelPromoted.
+        """Move a model version along its lifecycle (candidate -> canary -> production -> archived).
+        Canary and production need a passing release gate unless an admin forces it (audited).
+        Publishes ModelPromoted for canary and production.
         """
 
     @_abc_1.abstractmethod
@@ -144,5 +151,13 @@ class EvalServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_eval_pb2.RollbackModelResponse, _abc.Awaitable[_eval_pb2.RollbackModelResponse]]:
         """Put the previous holder of a stage back. Publishes ModelPromoted with is_rollback."""
+
+    @_abc_1.abstractmethod
+    def ListStageEvents(
+        self,
+        request: _eval_pb2.ListStageEventsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_eval_pb2.ListStageEventsResponse, _abc.Awaitable[_eval_pb2.ListStageEventsResponse]]:
+        """The registry's audit trail: registrations, promotions, archivals and rollbacks, newest first."""
 
 def add_EvalServiceServicer_to_server(servicer: EvalServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,0 +1,206 @@
+"""Model servers eval starts for a run: a ``forge_model_server`` subprocess serving one registered
+checkpoint folder for the duration of one run (RunSuite's ``serve_model``).
+
+Why here and not in the workflow: the server must live exactly as long as the run that queries
+it, and the run executes in this process. It is started after the run is claimed, health-checked
+(ready file, ``/readyz``, the model listed by ``/v1/models``) and stopped in a ``finally`` — on
+success, failure or cancellation — and it dies with this process too (``PR_SET_PDEATHSIG``), so no
+server outlives its run. Each server gets a fresh random bearer token that only this run knows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import json
+import os
+import secrets
+import shutil
+import signal
+import sys
+import tempfile
+from collections.abc import AsyncIterator, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import httpx
+
+#: The file the model server reads a model's version from (its folder name is the model's name).
+VERSION_FILE = "forge_model.json"
+
+
+class ModelServerError(Exception):
+    """The model server could not be started or did not become healthy; the message says why."""
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """A running model server: where it listens, the token it accepts, the model id it lists (the
+    model's name; ``name:version`` also resolves)."""
+
+    endpoint: str
+    token: str
+    model: str
+
+
+class ModelHost(Protocol):
+    """Starts a model server for one checkpoint folder.
+
+    Called by :meth:`forge_eval.service.EvalService.execute_run` for a run with ``serve_model``;
+    the server is up when the context is entered and stopped when it exits, however it exits.
+    """
+
+    def serve(self, name: str, version: str, checkpoint: Path) -> AbstractAsyncContextManager[ServedModel]:
+        """Serve ``checkpoint`` as ``name:version``; raises :class:`ModelServerError`."""
+
+
+def local_checkpoint(uri: str) -> Path | None:
+    """The local Hugging Face checkpoint folder ``uri`` names (a path or ``file://`` URL with a
+    ``config.json``), or None."""
+    path = Path(uri.removeprefix("file://")).expanduser()
+    return path.resolve() if path.is_absolute() and (path / "config.json").is_file() else None
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+class LocalModelServer:
+    """:class:`ModelHost` that runs ``command`` (``python -m forge_model_server``) as a subprocess.
+
+    1. lay out a model directory holding one folder named after the model: links to the
+       checkpoint's files plus ``forge_model.json`` with the version (the checkpoint is not touched);
+    2. start the server on free ports (port 0; it reports them in its ready file) with a random token;
+    3. wait for its ready file, ``/readyz`` and the model in ``/v1/models``;
+    4. on exit, SIGTERM, then SIGKILL after ``stop_timeout_s``; remove the directory.
+    """
+
+    def __init__(
+        self,
+        command: Sequence[str] = (),
+        work_dir: Path | None = None,
+        *,
+        start_timeout_s: float = 120.0,
+        stop_timeout_s: float = 10.0,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self._command = list(command) or [sys.executable, "-m", "forge_model_server"]
+        self._work_dir = work_dir
+        self._start_timeout_s = start_timeout_s
+        self._stop_timeout_s = stop_timeout_s
+        self._env = dict(env or {})
+
+    @asynccontextmanager
+    async def serve(self, name: str, version: str, checkpoint: Path) -> AsyncIterator[ServedModel]:
+        if self._work_dir is not None:
+            self._work_dir.mkdir(parents=True, exist_ok=True)
+        root = Path(tempfile.mkdtemp(prefix=f"serve-{name}-", dir=self._work_dir))
+        process: asyncio.subprocess.Process | None = None
+        try:
+            models = _lay_out(root, name, version, checkpoint)
+            token = secrets.token_urlsafe(24)
+            process = await self._spawn(root, models, token)
+            served = await self._wait_healthy(process, root, token, name)
+            yield served
+        finally:
+            if process is not None:
+                await self._stop(process)
+            shutil.rmtree(root, ignore_errors=True)
+
+    async def _spawn(self, root: Path, models: Path, token: str) -> asyncio.subprocess.Process:
+        inherited = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith("FORGE_MODEL_SERVER_") and k != "FORGE_READY_FILE"
+        }
+        env = {
+            **inherited,
+            "FORGE_MODEL_SERVER_MODELS_DIR": str(models),
+            "FORGE_MODEL_SERVER_HTTP_PORT": "0",
+            "FORGE_MODEL_SERVER_GRPC_PORT": "0",
+            "FORGE_MODEL_SERVER_AUTH_TOKEN": token,
+            "FORGE_MODEL_SERVER_DATA_DIR": str(root / "data"),
+            "FORGE_MODEL_SERVER_KAFKA_ENABLED": "false",
+            "FORGE_READY_FILE": str(root / "ready.json"),
+            **self._env,
+        }
+        log = (root / "server.log").open("wb")
+        try:
+            return await asyncio.create_subprocess_exec(
+                *self._command,
+                env=env,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=log,
+                stderr=asyncio.subprocess.STDOUT,
+                preexec_fn=_die_with_parent,
+            )
+        except OSError as exc:
+            raise ModelServerError(f"cannot start the model server {self._command}: {exc}") from exc
+        finally:
+            log.close()
+
+    async def _wait_healthy(
+        self, process: asyncio.subprocess.Process, root: Path, token: str, model: str
+    ) -> ServedModel:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._start_timeout_s
+        ready = root / "ready.json"
+        endpoint = ""
+        async with httpx.AsyncClient(timeout=5.0, headers={"Authorization": f"Bearer {token}"}) as client:
+            while loop.time() < deadline:
+                if process.returncode is not None:
+                    raise ModelServerError(
+                        f"the model server exited with {process.returncode} during start-up: {_tail(root)}"
+                    )
+                if not endpoint and ready.is_file():
+                    with contextlib.suppress(ValueError):
+                        endpoint = f"http://127.0.0.1:{int(json.loads(ready.read_text())['http_port'])}"
+                if endpoint and await _healthy(client, endpoint, model):
+                    return ServedModel(endpoint=endpoint, token=token, model=model)
+                await asyncio.sleep(0.1)
+        raise ModelServerError(
+            f"the model server did not serve {model} within {self._start_timeout_s:g}s: {_tail(root)}"
+        )
+
+    async def _stop(self, process: asyncio.subprocess.Process) -> None:
+        if process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                process.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(asyncio.shield(process.wait()), timeout=self._stop_timeout_s)
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    process.kill()
+        await process.wait()
+
+
+def _lay_out(root: Path, name: str, version: str, checkpoint: Path) -> Path:
+    folder = root / "models" / name
+    folder.mkdir(parents=True)
+    for item in checkpoint.iterdir():
+        if item.name != VERSION_FILE:
+            (folder / item.name).symlink_to(item.resolve())
+    (folder / VERSION_FILE).write_text(json.dumps({"version": version}))
+    return root / "models"
+
+
+async def _healthy(client: httpx.AsyncClient, endpoint: str, model: str) -> bool:
+    try:
+        ready = await client.get(f"{endpoint}/readyz")
+        if ready.status_code != 200:
+            return False
+        listed = await client.get(f"{endpoint}/v1/models")
+        return listed.status_code == 200 and any(c.get("id") == model for c in listed.json().get("data", []))
+    except (httpx.HTTPError, ValueError):
+        return False
+
+
+def _tail(root: Path, chars: int = 1500) -> str:
+    try:
+        return (root / "server.log").read_text(errors="replace")[-chars:].strip() or "(no output)"
+    except OSError:
+        return "(no log)"

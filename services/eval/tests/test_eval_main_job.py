@@ -1,0 +1,155 @@
+"""Eval's main-job step, end to end: a tiny checkpoint made here is announced with a real
+``CheckpointPublished`` on the broker; the real orchestrator (a process) routes it to an
+eval-and-promote workflow on the Temporal dev server; the real eval service (a process) runs the
+release suite on a model server it starts from the checkpoint; the step, found through the
+``forge.main_job`` entry points as ``forge up`` finds it, waits for that workflow and reports it."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from forge.eval.v1 import eval_pb2, eval_pb2_grpc
+from forge.events.v1 import events_pb2
+from rich.console import Console
+from tiny_checkpoint import make_tiny_checkpoint
+
+from forge_cli import mainjob
+from forge_cli.mainjob import MainJobContext, ServiceEndpoint
+from forge_eval.main_job import StepError, evaluate_checkpoint
+from forge_kit.events import KafkaPublisher, ensure_topics
+from forge_kit.grpckit import make_channel
+from forge_kit.testing import ServiceProcess, TansuBroker, TemporalDevServer
+from forge_kit.testing.processes import free_port
+
+EVAL_TOKEN = "eval-main-job-token"
+ORCHESTRATOR_TOKEN = "orchestrator-main-job-token"
+#: The release suite of this test: held-out tinyshakespeare perplexity, 6 documents, each scored in
+#: windows that fit the checkpoint's 32-token context.
+RELEASE = {"RELEASE_SUITE": "tinyshakespeare_ppl", "RELEASE_LIMIT": "6"}
+
+
+@pytest.fixture(scope="module")
+def platform(
+    kafka_broker: TansuBroker, temporal_server: TemporalDevServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[ServiceProcess, ServiceProcess]]:
+    """The eval service and an orchestrator whose consumer routes checkpoints to eval-and-promote."""
+    asyncio.run(ensure_topics(kafka_broker.bootstrap))
+    data = tmp_path_factory.mktemp("main-job")
+    evals = ServiceProcess(
+        "forge_eval",
+        env={
+            "FORGE_EVAL_GRPC_PORT": "0",
+            "FORGE_EVAL_HTTP_PORT": "0",
+            "FORGE_EVAL_DATA_DIR": str(data / "eval"),
+            "FORGE_EVAL_KAFKA_ENABLED": "false",
+            "FORGE_EVAL_AUTH_TOKEN": EVAL_TOKEN,
+            "FORGE_EVAL_RESPONSE_CACHE_PATH": str(data / "eval" / "cache.sqlite"),
+        },
+        log_path=str(data / "eval.log"),
+    ).start()
+    suffix = data.name[-8:]
+    orchestrator = ServiceProcess(
+        "forge_orchestrator",
+        env={
+            "FORGE_ORCHESTRATOR_GRPC_PORT": "0",
+            "FORGE_ORCHESTRATOR_HTTP_PORT": "0",
+            "FORGE_ORCHESTRATOR_AUTH_TOKEN": ORCHESTRATOR_TOKEN,
+            "FORGE_ORCHESTRATOR_DATA_DIR": str(data / "orchestrator"),
+            "FORGE_ORCHESTRATOR_KAFKA_BOOTSTRAP": kafka_broker.bootstrap,
+            "FORGE_ORCHESTRATOR_TEMPORAL_TARGET": temporal_server.target,
+            "FORGE_ORCHESTRATOR_TASK_QUEUE": f"main-job-{suffix}",
+            "FORGE_ORCHESTRATOR_CONSUMER_GROUP": f"main-job-{suffix}",
+            "FORGE_ORCHESTRATOR_CONSUMER_SESSION_TIMEOUT_MS": "3000",
+            "FORGE_ORCHESTRATOR_SCHEDULER_TARGET": f"127.0.0.1:{free_port()}",
+            "FORGE_ORCHESTRATOR_EVAL_TARGET": evals.grpc_target,
+            "FORGE_ORCHESTRATOR_EVAL_TOKEN": EVAL_TOKEN,
+            **{f"FORGE_ORCHESTRATOR_{k}": v for k, v in RELEASE.items()},
+        },
+        log_path=str(data / "orchestrator.log"),
+    )
+    try:
+        orchestrator.start()
+        yield evals, orchestrator
+    finally:
+        orchestrator.stop()
+        evals.stop()
+
+
+def context(
+    evals: ServiceProcess, orchestrator: ServiceProcess, results: dict[str, dict[str, object]]
+) -> MainJobContext:
+    def endpoint(name: str, process: ServiceProcess, token: str) -> ServiceEndpoint:
+        return ServiceEndpoint(name, process.grpc_target, process.http_url, token)
+
+    return MainJobContext(
+        root=Path.cwd(),
+        services={
+            "eval": endpoint("eval", evals, EVAL_TOKEN),
+            "orchestrator": endpoint("orchestrator", orchestrator, ORCHESTRATOR_TOKEN),
+        },
+        kafka_bootstrap="",
+        temporal_target="",
+        temporal_namespace="default",
+        object_store_url="",
+        results=results,
+    )
+
+
+async def test_the_step_needs_the_train_step_result() -> None:
+    ctx = MainJobContext(Path.cwd(), {}, "", "", "default", "", results={"smoke": {"ok": True}})
+    with pytest.raises(StepError, match=r"ctx.results has no 'train' entry \(steps done: smoke\)"):
+        await evaluate_checkpoint(ctx)
+    ctx.results["train"] = {"checkpoint_id": "c", "checkpoint_uri": "", "run_id": "r"}
+    with pytest.raises(StepError, match=r"\['checkpoint_uri'\] must be a non-empty string"):
+        await evaluate_checkpoint(ctx)
+
+
+@pytest.mark.integration
+async def test_the_trained_checkpoint_is_evaluated_and_promoted(
+    platform: tuple[ServiceProcess, ServiceProcess], kafka_broker: TansuBroker, tmp_path: Path
+) -> None:
+    evals, orchestrator = platform
+    [eval_step] = [s for s in mainjob.discover() if s.name == "eval"]
+    assert eval_step.order == 60 and eval_step.timeout_s < 120
+
+    checkpoint = make_tiny_checkpoint(tmp_path / "run-7" / "hf", context=32)
+    publisher = KafkaPublisher(kafka_broker.bootstrap)
+    try:
+        await publisher.publish(
+            events_pb2.CheckpointPublished(job_id="job-7", run_id="run-7", step=10, uri=str(checkpoint)),
+            producer="trainer_agent",
+            key="job-7",
+        )
+    finally:
+        await publisher.close()
+    train = {"checkpoint_id": "run-7/step-10", "checkpoint_uri": str(checkpoint), "run_id": "run-7"}
+
+    started = time.monotonic()
+    [outcome] = await mainjob.run(
+        [eval_step], context(evals, orchestrator, {"train": train}), Console(file=io.StringIO())
+    )
+    assert outcome.ok, outcome.error
+    assert time.monotonic() - started < 120
+    result = outcome.result
+    assert result["model"] == "run-7:step-10" and result["decision"] == "promoted"
+    assert result["promoted_to"] == ["canary", "production"]
+    scores, intervals = result["scores"], result["intervals"]
+    assert isinstance(scores, dict) and isinstance(intervals, dict)
+    low, high = intervals["bits_per_byte"]
+    assert 1.0 < low <= scores["bits_per_byte"] <= high  # a random model: several bits per byte
+    report = Path(str(result["report"]))
+    assert report.is_file() and "run-7:step-10" in report.read_text()
+
+    async with make_channel(evals.grpc_target, token=EVAL_TOKEN) as channel:
+        stub = eval_pb2_grpc.EvalServiceStub(channel)
+        [model] = (await stub.ListModels(eval_pb2.ListModelsRequest(name="run-7"))).models
+        [served] = (await stub.ListRuns(eval_pb2.ListRunsRequest(model_name="run-7"))).runs
+    assert model.stage == "production" and model.labels["workflow_id"] == result["workflow_id"]
+    assert (
+        served.serve_model and served.endpoint.startswith("http://127.0.0.1:") and served.example_count == 6
+    )
