@@ -9,8 +9,10 @@ from pathlib import Path
 import pytest
 
 from forge_kit.db import Database
+from forge_preference_feedback.registry import RewardModelRegistry
 from forge_preference_feedback.seeds import resolve_data_path
 from forge_preference_feedback.service import FeedbackService
+from forge_preference_feedback.store import AsyncTransactions, SqliteGroupCommit, Transactions
 
 MIGRATIONS = Path(__file__).parents[1] / "src" / "forge_preference_feedback" / "migrations"
 HH_RLHF = resolve_data_path("../shared/data/preferences/hh-rlhf")
@@ -63,6 +65,20 @@ def clock() -> Clock:
     return Clock()
 
 
+@pytest.fixture(params=["async", "group-commit"])
+async def transactions(request: pytest.FixtureRequest, db: Database) -> AsyncIterator[Transactions]:
+    """Both ways the hot path runs its transactions: on the async engine (any database) and on
+    SQLite's group-commit writer thread."""
+    runner: Transactions = AsyncTransactions(db) if request.param == "async" else SqliteGroupCommit(db.url)
+    yield runner
+    await runner.close()
+
+
 @pytest.fixture
-def service(db: Database, clock: Clock) -> FeedbackService:
-    return FeedbackService(db, lease=dt.timedelta(seconds=60), clock=clock)
+def service(db: Database, clock: Clock, transactions: Transactions) -> FeedbackService:
+    return FeedbackService(db, lease=dt.timedelta(seconds=60), clock=clock, transactions=transactions)
+
+
+@pytest.fixture
+def registry(db: Database, clock: Clock) -> RewardModelRegistry:
+    return RewardModelRegistry(db, clock=clock)

@@ -15,27 +15,33 @@ from forge.feedback.v1 import feedback_pb2, feedback_pb2_grpc
 
 from forge_kit.db import Database
 from forge_kit.events import KafkaPublisher, OutboxRelay, ensure_topics, topic_for
-from forge_kit.grpckit import FIELD_METADATA_KEY, GrpcServer, make_channel
+from forge_kit.grpckit import FIELD_METADATA_KEY, GrpcServer, Principal, make_channel
 from forge_kit.testing.grpcserver import grpc_test_server
 from forge_kit.testing.processes import TansuBroker
 from forge_preference_feedback.api import FeedbackApi
+from forge_preference_feedback.registry import RewardModelRegistry
 from forge_preference_feedback.seeds import read_hh_rlhf
 from forge_preference_feedback.service import FeedbackService
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.integration]
 TOKEN = "test-token"
+VIEWER = "viewer-token"
 
 
 @pytest.fixture
-async def server(service: FeedbackService, hh_root: Path) -> AsyncIterator[GrpcServer]:
+async def server(
+    service: FeedbackService, registry: RewardModelRegistry, hh_root: Path
+) -> AsyncIterator[GrpcServer]:
     await service.seed_comparisons(read_hh_rlhf(hh_root), limit=5, rng_seed=0)
-    api = FeedbackApi(service, max_page_size=100)
+    api = FeedbackApi(service, registry, max_page_size=100)
     async with grpc_test_server(
         feedback_pb2_grpc.add_PreferenceFeedbackServiceServicer_to_server,
         api,
         "forge.feedback.v1.PreferenceFeedbackService",
         token=TOKEN,
         service="preference_feedback",
+        # A caller that is not an admin (the service token is): may read, not register or change.
+        authenticators=[lambda token: Principal("viewer", "team", "research") if token == VIEWER else None],
     ) as started:
         yield started
 
@@ -86,21 +92,93 @@ async def test_rate_a_real_comparison_over_grpc(
     assert following.id and following.id != item.id
 
 
+def heldout(accuracy: float = 0.62) -> feedback_pb2.PairwiseAccuracy:
+    return feedback_pb2.PairwiseAccuracy(
+        accuracy=accuracy, ci95_low=0.5767, ci95_high=0.6614, n=500, interval="wilson"
+    )
+
+
 async def test_reward_models_over_grpc(stub: feedback_pb2_grpc.PreferenceFeedbackServiceStub) -> None:
     registered = await stub.RegisterRewardModel(
         feedback_pb2.RegisterRewardModelRequest(
-            ref=common_pb2.ModelRef(name="rm-small"), uri="file:///rm/1", metrics={"pairwise_accuracy": 0.6}
+            ref=common_pb2.ModelRef(name="rm-small"),
+            uri="file:///rm/1",
+            metrics={"val_loss": 0.6},
+            snapshot_id="snap-1",
+            backbone="forge-policy-tiny:3",
+            heldout=heldout(),
         )
     )
-    assert registered.reward_model.ref.version == "1" and registered.reward_model.created_at.seconds > 0
+    model = registered.reward_model
+    assert model.ref.version == "1" and model.created_at.seconds > 0
+    assert model.status == feedback_pb2.REWARD_MODEL_STATUS_CANDIDATE and model.registered_by == "service"
+    assert (model.snapshot_id, model.backbone, model.heldout.n, model.heldout.interval) == (
+        "snap-1",
+        "forge-policy-tiny:3",
+        500,
+        "wilson",
+    )
     listed = await stub.ListRewardModels(feedback_pb2.ListRewardModelsRequest(name="rm-small"))
     assert [m.ref.version for m in listed.reward_models] == ["1"] and listed.page.total_size == 1
-    assert dict(listed.reward_models[0].metrics) == {"pairwise_accuracy": pytest.approx(0.6)}
+    assert dict(listed.reward_models[0].metrics) == {"val_loss": pytest.approx(0.6)}
+    activated = await stub.SetRewardModelStatus(
+        feedback_pb2.SetRewardModelStatusRequest(
+            ref=common_pb2.ModelRef(name="rm-small", version="1"),
+            status=feedback_pb2.REWARD_MODEL_STATUS_ACTIVE,
+        )
+    )
+    assert activated.reward_model.status == feedback_pb2.REWARD_MODEL_STATUS_ACTIVE
+    assert activated.reward_model.status_changed_at.seconds > 0
+    latest = await stub.GetRewardModel(
+        feedback_pb2.GetRewardModelRequest(ref=common_pb2.ModelRef(name="rm-small", version="latest"))
+    )
+    assert latest.reward_model.heldout.accuracy == pytest.approx(0.62)
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await stub.RegisterRewardModel(feedback_pb2.RegisterRewardModelRequest(uri="file:///rm/2"))
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and caught.value.details().startswith(
         "ref:"
     )
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await stub.RegisterRewardModel(
+            feedback_pb2.RegisterRewardModelRequest(
+                ref=common_pb2.ModelRef(name="rm-small"), uri="file:///rm/2", snapshot_id="s", backbone="b"
+            )
+        )
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert dict(caught.value.trailing_metadata() or ()).get(FIELD_METADATA_KEY) == "heldout"
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await stub.GetRewardModel(
+            feedback_pb2.GetRewardModelRequest(ref=common_pb2.ModelRef(name="rm-small", version="9"))
+        )
+    assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_only_admins_register_or_change_reward_models(
+    server: GrpcServer, stub: feedback_pb2_grpc.PreferenceFeedbackServiceStub
+) -> None:
+    request = feedback_pb2.RegisterRewardModelRequest(
+        ref=common_pb2.ModelRef(name="rm"), uri="file:///rm", snapshot_id="s", backbone="b", heldout=heldout()
+    )
+    await stub.RegisterRewardModel(request)
+    async with make_channel(f"127.0.0.1:{server.port}", token=VIEWER) as channel:
+        viewer = feedback_pb2_grpc.PreferenceFeedbackServiceStub(channel)
+        assert len((await viewer.ListRewardModels(feedback_pb2.ListRewardModelsRequest())).reward_models) == 1
+        for call in (
+            viewer.RegisterRewardModel(request),
+            viewer.SetRewardModelStatus(
+                feedback_pb2.SetRewardModelStatusRequest(
+                    ref=common_pb2.ModelRef(name="rm", version="1"),
+                    status=feedback_pb2.REWARD_MODEL_STATUS_ACTIVE,
+                )
+            ),
+        ):
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await call
+            assert caught.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    listed = await stub.ListRewardModels(feedback_pb2.ListRewardModelsRequest())
+    assert [(m.ref.version, m.status) for m in listed.reward_models] == [
+        ("1", feedback_pb2.REWARD_MODEL_STATUS_CANDIDATE)
+    ]
 
 
 async def test_preference_recorded_reaches_kafka(

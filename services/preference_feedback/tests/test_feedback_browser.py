@@ -16,6 +16,7 @@ from argon2 import PasswordHasher
 from forge_kit.db import Database
 from forge_kit.events import OutboxEvent
 from forge_kit.http import HttpServer, make_app
+from forge_preference_feedback.registry import RewardModelRegistry
 from forge_preference_feedback.seeds import read_hh_rlhf
 from forge_preference_feedback.service import FeedbackService
 from forge_preference_feedback.store import PreferenceRow
@@ -37,7 +38,9 @@ async def base_url(db: Database, hh_root: Path) -> AsyncIterator[str]:
     await service.seed_comparisons(read_hh_rlhf(hh_root), limit=4, rng_seed=0)
     await service.create_rater("alice", PASSWORD)
     app = make_app("preference_feedback")
-    app.include_router(rater_ui(service, secure_cookies=False, session_max_age_s=3600))
+    app.include_router(
+        rater_ui(service, RewardModelRegistry(db), secure_cookies=False, session_max_age_s=3600)
+    )
     server = HttpServer(app, "127.0.0.1", 0)
     await server.start()
     yield f"http://127.0.0.1:{server.port}"

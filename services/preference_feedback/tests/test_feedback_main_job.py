@@ -13,6 +13,7 @@ from forge_kit.db import Database
 from forge_kit.grpckit import serve
 from forge_preference_feedback.api import FeedbackApi
 from forge_preference_feedback.main_job import PREFERENCES, RATER, SEED_LIMIT, step
+from forge_preference_feedback.registry import RewardModelRegistry
 from forge_preference_feedback.service import FeedbackService
 from forge_preference_feedback.store import PreferenceRow
 
@@ -26,7 +27,7 @@ async def test_step_seeds_and_posts_each_preference_once(tmp_path: Path) -> None
     folder.mkdir(parents=True)
     db = Database(f"sqlite+aiosqlite:///{folder / 'preference_feedback.db'}")
     await db.migrate(MIGRATIONS)
-    api = FeedbackApi(FeedbackService(db), max_page_size=10)
+    api = FeedbackApi(FeedbackService(db), RewardModelRegistry(db), max_page_size=10)
     server = await serve(
         service="preference_feedback",
         register=[lambda s: feedback_pb2_grpc.add_PreferenceFeedbackServiceServicer_to_server(api, s)],

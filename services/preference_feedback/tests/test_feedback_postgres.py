@@ -8,6 +8,7 @@ import pytest
 from forge.common.v1 import common_pb2
 
 from forge_kit.db import Database
+from forge_preference_feedback.registry import HeldoutAccuracy, RewardModelRegistry
 from forge_preference_feedback.seeds import read_hh_rlhf
 from forge_preference_feedback.service import FeedbackService
 
@@ -27,7 +28,12 @@ async def test_seed_assign_submit_on_postgres(postgres_url: str, hh_root: Path) 
         pref = await service.submit_preference(first.id, "alice", common_pb2.PREFERENCE_CHOICE_A, 1.0, "")
         again = await service.submit_preference(first.id, "alice", common_pb2.PREFERENCE_CHOICE_A, 1.0, "")
         assert pref.id == again.id
-        await service.register_reward_model("rm", "", "file:///rm", {"pairwise_accuracy": 0.55})
-        assert (await service.list_reward_models("", 10, 0))[1] == 1
+        registry = RewardModelRegistry(db)
+        heldout = HeldoutAccuracy(0.55, 0.51, 0.59, 600, "wilson")
+        await registry.register(
+            "rm", "", uri="file:///rm", snapshot_id="s1", backbone="b", heldout=heldout, registered_by="t"
+        )
+        await registry.set_status("rm", "1", "active", changed_by="t")
+        assert (await registry.get("rm", "active")).heldout_n == 600
     finally:
         await db.dispose()

@@ -122,7 +122,9 @@ POOLS = {
 
 
 @pytest.mark.parametrize("pool", sorted(POOLS))
-@pytest.mark.parametrize("seed", [1, 2])
+# Eight draws of each pool: with 30 % noise an honest rater's kappa against the consensus lands
+# near 0.2 on some draws (seed 6 of the noisy pool), which a point-value threshold flagged.
+@pytest.mark.parametrize("seed", range(1, 9))
 def test_simulated_pool_recovers_adversarial_raters(pool: str, seed: int) -> None:
     raters = POOLS[pool]
     labels, truth, gold = simulate(raters, items=300, k=5, seed=seed)
@@ -145,7 +147,9 @@ def test_simulated_pool_recovers_adversarial_raters(pool: str, seed: int) -> Non
             assert any("too fast" in r for r in reasons[rater.name])
     by_name = {q.rater: q for q in report.raters}
     assert all(by_name[n].weight == 0.0 for n in bad)
-    assert all(by_name[r.name].weight > 0.5 for r in raters if r.kind == "honest")
+    # Honest raters keep their Dawid–Skene accuracy as weight, far above chance (0.25 over four
+    # choices): over these draws a 30 %-noise rater's estimate on ~70 items spans 0.46 to 0.8.
+    assert all(by_name[r.name].weight > 0.4 for r in raters if r.kind == "honest")
 
 
 def test_dawid_skene_learns_a_flipping_raters_confusion() -> None:

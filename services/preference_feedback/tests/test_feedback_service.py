@@ -16,7 +16,7 @@ from forge_kit.db import Database
 from forge_kit.events import OutboxEvent
 from forge_preference_feedback.seeds import PreferencePair, read_hh_rlhf
 from forge_preference_feedback.service import FeedbackService
-from forge_preference_feedback.store import AssignmentRow, ComparisonRow, PreferenceRow, RewardModelRow
+from forge_preference_feedback.store import AssignmentRow, ComparisonRow, PreferenceRow
 
 pytestmark = pytest.mark.asyncio
 A, B = common_pb2.PREFERENCE_CHOICE_A, common_pb2.PREFERENCE_CHOICE_B
@@ -171,31 +171,3 @@ async def test_next_comparison_needs_a_rater(service: FeedbackService, db: Datab
 
 async def test_empty_queue_gives_nothing(service: FeedbackService) -> None:
     assert await service.next_comparison("alice") is None
-
-
-async def test_reward_model_registry(service: FeedbackService, db: Database) -> None:
-    first = await service.register_reward_model("rm-small", "", "file:///rm/1", {"pairwise_accuracy": 0.61})
-    second = await service.register_reward_model("rm-small", "", "file:///rm/2", {})
-    assert (first.version, second.version) == ("1", "2")
-    with pytest.raises(errors.AlreadyExistsError):
-        await service.register_reward_model("rm-small", "2", "file:///rm/x", {})
-    rows, total = await service.list_reward_models("rm-small", 10, 0)
-    assert total == 2 and {r.version for r in rows} == {"1", "2"}
-    assert (await service.list_reward_models("other", 10, 0))[1] == 0
-
-
-@pytest.mark.parametrize(
-    ("args", "field"),
-    [
-        (("", "1", "file:///a", {}), "ref.name"),
-        (("rm", "v/1", "file:///a", {}), "ref.version"),
-        (("rm", "1", "", {}), "uri"),
-        (("rm", "1", "file:///a", {"acc": float("inf")}), "metrics.acc"),
-    ],
-)
-async def test_bad_reward_models_name_the_field_and_write_nothing(
-    service: FeedbackService, db: Database, args: tuple[Any, ...], field: str
-) -> None:
-    with pytest.raises(errors.ValidationError) as caught:
-        await service.register_reward_model(*args)
-    assert caught.value.field == field and await count(db, RewardModelRow) == 0

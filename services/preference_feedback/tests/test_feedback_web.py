@@ -15,6 +15,7 @@ from argon2 import PasswordHasher
 from forge_kit.db import Database
 from forge_kit.events import OutboxEvent
 from forge_kit.http import make_app
+from forge_preference_feedback.registry import HeldoutAccuracy, RewardModelRegistry
 from forge_preference_feedback.seeds import PreferencePair
 from forge_preference_feedback.service import FeedbackService
 from forge_preference_feedback.store import PreferenceRow
@@ -48,10 +49,12 @@ async def web_service(db: Database, clock: Clock) -> FeedbackService:
 
 
 @pytest.fixture
-async def client(web_service: FeedbackService) -> AsyncIterator[httpx.AsyncClient]:
+async def client(
+    web_service: FeedbackService, registry: RewardModelRegistry
+) -> AsyncIterator[httpx.AsyncClient]:
     app = make_app("preference_feedback")
-    app.include_router(rater_ui(web_service, secure_cookies=False, session_max_age_s=3600))
-    app.include_router(rater_api(web_service))
+    app.include_router(rater_ui(web_service, registry, secure_cookies=False, session_max_age_s=3600))
+    app.include_router(rater_api(web_service, registry))
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as http:
         yield http
@@ -180,37 +183,129 @@ async def test_overlap_stops_handing_out_an_item_after_k_raters(web_service: Fee
     assert sorted(seen.values()) == [2, 2, 2]  # 3 items × k=2, never a third rater
 
 
-async def test_admin_pages_are_for_admins(client: httpx.AsyncClient, web_service: FeedbackService) -> None:
+HELDOUT = HeldoutAccuracy(accuracy=0.6, ci95_low=0.56, ci95_high=0.64, n=600, interval="wilson")
+
+
+async def test_admin_pages_are_for_admins(client: httpx.AsyncClient, registry: RewardModelRegistry) -> None:
     await login(client)
     assert (await client.get("/ui/admin")).status_code == 403
-    await web_service.register_reward_model("rm", "", "file:///rm/1", {"pairwise_accuracy": 0.6})
+    await registry.register(
+        "rm",
+        "",
+        uri="file:///rm/1",
+        snapshot_id="snap-1",
+        backbone="tiny",
+        heldout=HELDOUT,
+        registered_by="ops",
+    )
     page = await client.get("/ui/rate")
     denied = await client.post(
         "/ui/admin/reward-models",
         data={"name": "rm", "version": "1", "status": "active", "csrf": hidden(page.text, "csrf")},
     )
     assert denied.status_code == 403
-    assert (await web_service.list_reward_models("rm", 10, 0))[0][0].status == "candidate"
+    assert (await registry.get("rm", "1")).status == "candidate"
 
     client.cookies.clear()
     await login(client, "boss")
     admin = await client.get("/ui/admin")
-    assert (
-        admin.status_code == 200
-        and 'data-model="rm:1"' in admin.text
-        and "pairwise_accuracy=0.6" in admin.text
-    )
+    assert admin.status_code == 200 and 'data-model="rm:1" data-status="candidate"' in admin.text
+    assert "60.0% [56.0%, 64.0%], n=600 (wilson)" in admin.text and "snap-1" in admin.text
     set_active = await client.post(
         "/ui/admin/reward-models",
         data={"name": "rm", "version": "1", "status": "active", "csrf": hidden(admin.text, "csrf")},
     )
     assert set_active.status_code == 303
-    assert (await web_service.list_reward_models("rm", 10, 0))[0][0].status == "active"
+    changed = await registry.get("rm", "1")
+    assert (changed.status, changed.status_changed_by) == ("active", "boss")
     bad = await client.post(
         "/ui/admin/reward-models",
         data={"name": "rm", "version": "1", "status": "deleted", "csrf": hidden(admin.text, "csrf")},
     )
     assert bad.status_code == 400 and "status" in bad.text
+
+
+async def test_admin_registers_a_version_from_the_page(
+    client: httpx.AsyncClient, registry: RewardModelRegistry
+) -> None:
+    form = {
+        "name": "rm-web",
+        "uri": "file:///rm/web",
+        "snapshot_id": "snap-9",
+        "backbone": "forge-policy-tiny:3",
+        "accuracy": "0.58",
+        "ci95_low": "0.52",
+        "ci95_high": "0.64",
+        "n": "250",
+        "interval": "wilson",
+    }
+    await login(client)
+    page = await client.get("/ui/rate")
+    assert (
+        await client.post("/ui/admin/reward-models/new", data={**form, "csrf": hidden(page.text, "csrf")})
+    ).status_code == 403
+    client.cookies.clear()
+    await login(client, "boss")
+    csrf = hidden((await client.get("/ui/admin")).text, "csrf")
+    assert (await client.post("/ui/admin/reward-models/new", data=form)).status_code == 403  # no CSRF token
+    bad = await client.post("/ui/admin/reward-models/new", data={**form, "n": "many", "csrf": csrf})
+    assert bad.status_code == 400 and "heldout.n" in bad.text
+    made = await client.post("/ui/admin/reward-models/new", data={**form, "csrf": csrf})
+    assert made.status_code == 303
+    row = await registry.get("rm-web", "latest")
+    assert (row.version, row.snapshot_id, row.heldout_n, row.registered_by) == ("1", "snap-9", 250, "boss")
+    again = await client.post("/ui/admin/reward-models/new", data={**form, "version": "1", "csrf": csrf})
+    assert again.status_code == 409
+
+
+async def test_json_registry_is_for_admins(client: httpx.AsyncClient, registry: RewardModelRegistry) -> None:
+    body = {
+        "name": "rm",
+        "uri": "file:///rm/1",
+        "snapshot_id": "snap-1",
+        "backbone": "tiny",
+        "heldout": {"accuracy": 0.6, "ci95_low": 0.56, "ci95_high": 0.64, "n": 600},
+    }
+    assert (await client.post("/api/v1/reward-models", json=body)).status_code == 401
+    rater = await client.post("/api/v1/sessions", json={"rater_id": "alice", "password": PASSWORD})
+    as_rater = {"Authorization": f"Bearer {rater.json()['token']}"}
+    for method, path, payload in [
+        ("POST", "/api/v1/reward-models", body),
+        ("GET", "/api/v1/reward-models", None),
+        ("POST", "/api/v1/reward-models/rm/1/status", {"status": "active"}),
+    ]:
+        refused = await client.request(method, path, json=payload, headers=as_rater)
+        assert refused.status_code == 403 and refused.json()["error"]["code"] == "permission_denied"
+    boss = await client.post("/api/v1/sessions", json={"rater_id": "boss", "password": PASSWORD})
+    as_admin = {"Authorization": f"Bearer {boss.json()['token']}"}
+    made = await client.post("/api/v1/reward-models", json=body, headers=as_admin)
+    assert made.status_code == 201, made.text
+    assert made.json()["version"] == "1" and made.json()["status"] == "candidate"
+    assert made.json()["heldout"] == {
+        "accuracy": 0.6,
+        "ci95_low": 0.56,
+        "ci95_high": 0.64,
+        "n": 600,
+        "interval": "wilson",
+    }
+    status = await client.post(
+        "/api/v1/reward-models/rm/1/status", json={"status": "active"}, headers=as_admin
+    )
+    assert status.json()["status"] == "active" and status.json()["status_changed_by"] == "boss"
+    active = await client.get("/api/v1/reward-models/rm/active", headers=as_admin)
+    assert active.json()["snapshot_id"] == "snap-1"
+    listed = await client.get("/api/v1/reward-models", headers=as_admin)
+    assert listed.json()["total"] == 1
+    for bad, field in [
+        ({**body, "snapshot_id": ""}, "snapshot_id"),
+        ({**body, "heldout": {**body["heldout"], "ci95_high": 0.5}}, "heldout.ci95_low"),
+        ({**body, "heldout": {**body["heldout"], "interval": "normal"}}, "heldout.interval"),
+    ]:
+        refused = await client.post("/api/v1/reward-models", json=bad, headers=as_admin)
+        assert refused.status_code == 400 and refused.json()["error"]["field"] == field, refused.text
+    missing = await client.get("/api/v1/reward-models/rm/7", headers=as_admin)
+    assert missing.status_code == 404
+    assert (await registry.list("", 10, 0))[1] == 1
 
 
 async def test_admin_page_shows_flagged_raters_with_reasons(

@@ -10,9 +10,18 @@ from forge.feedback.v1 import feedback_pb2, feedback_pb2_grpc
 from google.protobuf import timestamp_pb2
 
 from forge_kit import errors
+from forge_kit.grpckit import current_principal, require_admin
 from forge_kit.paging import decode_page, page_info
+from forge_preference_feedback.registry import HeldoutAccuracy, RewardModelRegistry, heldout_of
 from forge_preference_feedback.service import FeedbackService
 from forge_preference_feedback.store import ComparisonRow, RewardModelRow
+
+STATUS_TO_PROTO = {
+    "candidate": feedback_pb2.REWARD_MODEL_STATUS_CANDIDATE,
+    "active": feedback_pb2.REWARD_MODEL_STATUS_ACTIVE,
+    "retired": feedback_pb2.REWARD_MODEL_STATUS_RETIRED,
+}
+STATUS_FROM_PROTO = {v: k for k, v in STATUS_TO_PROTO.items()}
 
 
 def _ts(value: dt.datetime) -> timestamp_pb2.Timestamp:
@@ -39,19 +48,46 @@ def comparison_to_proto(row: ComparisonRow) -> feedback_pb2.Comparison:
 
 
 def reward_model_to_proto(row: RewardModelRow) -> feedback_pb2.RewardModel:
-    return feedback_pb2.RewardModel(
+    heldout = heldout_of(row)
+    message = feedback_pb2.RewardModel(
         ref=common_pb2.ModelRef(name=row.name, version=row.version),
         uri=row.uri,
         metrics=dict(row.metrics),
         created_at=_ts(row.created_at),
+        status=STATUS_TO_PROTO.get(row.status, feedback_pb2.REWARD_MODEL_STATUS_UNSPECIFIED),
+        snapshot_id=row.snapshot_id,
+        backbone=row.backbone,
+        registered_by=row.registered_by,
+        status_changed_by=row.status_changed_by,
     )
+    if heldout is not None:
+        message.heldout.CopyFrom(
+            feedback_pb2.PairwiseAccuracy(
+                accuracy=heldout.accuracy,
+                ci95_low=heldout.ci95_low,
+                ci95_high=heldout.ci95_high,
+                n=heldout.n,
+                interval=heldout.interval,
+            )
+        )
+    if row.status_changed_at is not None:
+        message.status_changed_at.CopyFrom(_ts(row.status_changed_at))
+    return message
+
+
+def _caller() -> str:
+    principal = current_principal()
+    return principal.name if principal is not None else "service"
 
 
 class FeedbackApi(feedback_pb2_grpc.PreferenceFeedbackServiceServicer):
     """Translates PreferenceFeedbackService RPCs to :class:`FeedbackService` calls."""
 
-    def __init__(self, service: FeedbackService, *, max_page_size: int) -> None:
+    def __init__(
+        self, service: FeedbackService, registry: RewardModelRegistry, *, max_page_size: int
+    ) -> None:
         self._service = service
+        self._registry = registry
         self._max_page_size = max_page_size
 
     async def GetNextComparison(
@@ -72,7 +108,7 @@ class FeedbackApi(feedback_pb2_grpc.PreferenceFeedbackServiceServicer):
         self, request: feedback_pb2.ListRewardModelsRequest, context: grpc.aio.ServicerContext
     ) -> feedback_pb2.ListRewardModelsResponse:
         size, offset = decode_page(request.page, max_size=self._max_page_size)
-        rows, total = await self._service.list_reward_models(request.name, size, offset)
+        rows, total = await self._registry.list(request.name, size, offset)
         return feedback_pb2.ListRewardModelsResponse(
             reward_models=[reward_model_to_proto(r) for r in rows], page=page_info(offset, len(rows), total)
         )
@@ -80,9 +116,39 @@ class FeedbackApi(feedback_pb2_grpc.PreferenceFeedbackServiceServicer):
     async def RegisterRewardModel(
         self, request: feedback_pb2.RegisterRewardModelRequest, context: grpc.aio.ServicerContext
     ) -> feedback_pb2.RegisterRewardModelResponse:
+        require_admin("RegisterRewardModel")
         if not request.HasField("ref"):
             raise errors.ValidationError("ref", "is required")
-        row = await self._service.register_reward_model(
-            request.ref.name, request.ref.version, request.uri, request.metrics
+        if not request.HasField("heldout"):
+            raise errors.ValidationError(
+                "heldout", "is required: held-out pairwise accuracy with its interval"
+            )
+        h = request.heldout
+        row = await self._registry.register(
+            request.ref.name,
+            request.ref.version,
+            uri=request.uri,
+            snapshot_id=request.snapshot_id,
+            backbone=request.backbone,
+            heldout=HeldoutAccuracy(h.accuracy, h.ci95_low, h.ci95_high, h.n, h.interval),
+            metrics=request.metrics,
+            registered_by=_caller(),
         )
         return feedback_pb2.RegisterRewardModelResponse(reward_model=reward_model_to_proto(row))
+
+    async def GetRewardModel(
+        self, request: feedback_pb2.GetRewardModelRequest, context: grpc.aio.ServicerContext
+    ) -> feedback_pb2.GetRewardModelResponse:
+        row = await self._registry.get(request.ref.name, request.ref.version)
+        return feedback_pb2.GetRewardModelResponse(reward_model=reward_model_to_proto(row))
+
+    async def SetRewardModelStatus(
+        self, request: feedback_pb2.SetRewardModelStatusRequest, context: grpc.aio.ServicerContext
+    ) -> feedback_pb2.SetRewardModelStatusResponse:
+        require_admin("SetRewardModelStatus")
+        if request.status not in STATUS_FROM_PROTO:
+            raise errors.ValidationError("status", "must be CANDIDATE, ACTIVE or RETIRED")
+        row = await self._registry.set_status(
+            request.ref.name, request.ref.version, STATUS_FROM_PROTO[request.status], changed_by=_caller()
+        )
+        return feedback_pb2.SetRewardModelStatusResponse(reward_model=reward_model_to_proto(row))

@@ -45,6 +45,10 @@ class FeedbackSettings(ServiceSettings):
     session_ttl_s: int = Field(default=12 * 3600, ge=60)
     """How long a rater's login lasts."""
 
+    session_cache_s: float = Field(default=5.0, ge=0)
+    """How long a checked session is remembered in-process (0: check the database on every call);
+    a logout in another replica takes effect within this time."""
+
     secure_cookies: bool = False
     """Mark session cookies ``Secure`` (HTTPS only); set it wherever the UI is served over TLS."""
 

@@ -125,6 +125,19 @@ def cohen_kappa(first: Sequence[int], second: Sequence[int]) -> float:
     return (observed - expected) / (1.0 - expected)
 
 
+def kappa_upper_bound(first: Sequence[int], second: Sequence[int], z: float = 1.959964) -> float:
+    """Upper end of the 95 % interval of Cohen's kappa (large-sample standard error
+    ``sqrt(p_o (1 - p_o) / n) / (1 - p_e)``, Cohen 1960); NaN where kappa is undefined."""
+    kappa = cohen_kappa(first, second)
+    if kappa != kappa:
+        return kappa
+    n = len(first)
+    observed = sum(a == b for a, b in zip(first, second, strict=True)) / n
+    left, right = Counter(first), Counter(second)
+    expected = sum(left[k] * right[k] for k in left) / (n * n)
+    return kappa + z * math.sqrt(observed * (1.0 - observed) / n) / (1.0 - expected)
+
+
 def fleiss_kappa(labels: Sequence[Label], classes: int) -> float:
     """Fleiss' kappa over the items with at least two answers.
 
@@ -159,7 +172,10 @@ class QualityPolicy:
     min_answers: int = 10
     """Fewer answers than this: too little evidence to flag anyone."""
     min_kappa: float = 0.2
-    """Cohen's kappa against the consensus below this flags a rater (below 0: anti-correlated)."""
+    """A rater whose kappa against the consensus is significantly below this (95 % upper bound
+    under it) is flagged; significantly below 0 is anti-correlated. Significance, not the point
+    value: an honest rater with 30 % noise sits near 0.2 on a few dozen items and must not be
+    flagged for chance, while a rater answering at random is, once there is evidence."""
     max_same_share: float = 0.9
     """One choice (e.g. always A) in more than this share of answers flags a rater."""
     min_median_seconds: float = 3.0
@@ -181,6 +197,7 @@ class RaterQuality:
     gold_accuracy: float
     ds_accuracy: float
     kappa_vs_consensus: float
+    kappa_upper_95: float
     agreement_vs_consensus: float
     top_choice_share: float
     median_seconds: float
@@ -208,8 +225,9 @@ class QualityReport:
         return {r.rater: r.reasons for r in self.raters if r.flagged}
 
 
-def wilson_interval(successes: int, n: int, z: float = 1.959964) -> tuple[float, float]:
-    """95% Wilson score interval of a proportion (sensible for small n, unlike the normal one)."""
+def wilson_interval(successes: float, n: int, z: float = 1.959964) -> tuple[float, float]:
+    """95% Wilson score interval of a proportion (sensible for small n, unlike the normal one).
+    ``successes`` may be fractional (a tie counted as half a success)."""
     if n <= 0:
         return (float("nan"), float("nan"))
     p = successes / n
@@ -271,6 +289,7 @@ def assess_raters(
             gold_accuracy=gold_acc,
             ds_accuracy=fit.accuracy[rater],
             kappa_vs_consensus=cohen_kappa(own, ref),
+            kappa_upper_95=kappa_upper_bound(own, ref) if own else float("nan"),
             agreement_vs_consensus=(sum(a == b for a, b in zip(own, ref, strict=True)) / len(own))
             if own
             else float("nan"),
@@ -279,11 +298,15 @@ def assess_raters(
         )
         # 3. Rules.
         if quality.answers >= policy.min_answers:
-            kappa = quality.kappa_vs_consensus
-            if kappa == kappa and kappa < 0:
-                quality.reasons.append(f"anti-correlated with consensus (kappa {kappa:.2f})")
-            elif kappa == kappa and kappa < policy.min_kappa:
-                quality.reasons.append(f"low agreement with consensus (kappa {kappa:.2f})")
+            kappa, upper = quality.kappa_vs_consensus, quality.kappa_upper_95
+            if upper == upper and upper < 0:
+                quality.reasons.append(
+                    f"anti-correlated with consensus (kappa {kappa:.2f}, 95% upper {upper:.2f})"
+                )
+            elif upper == upper and upper < policy.min_kappa:
+                quality.reasons.append(
+                    f"low agreement with consensus (kappa {kappa:.2f}, 95% upper {upper:.2f})"
+                )
             if top_share > policy.max_same_share:
                 quality.reasons.append(f"same choice in {top_share:.0%} of answers")
             if quality.median_seconds == quality.median_seconds and (

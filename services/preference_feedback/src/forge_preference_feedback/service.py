@@ -1,5 +1,6 @@
 """Preference feedback domain logic: seeding comparisons, handing them to raters, recording
-preferences, and the reward-model registry.
+preferences, rater accounts, rater quality and training snapshots (the reward-model registry is
+:mod:`.registry`).
 
 A preference is written with its ``PreferenceRecorded`` event in one transaction (the outbox), so
 no answer is lost while the broker is away.
@@ -7,6 +8,7 @@ no answer is lost while the broker is away.
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import hashlib
 import math
@@ -14,8 +16,9 @@ import re
 import secrets
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from functools import partial
 from itertools import islice
 from pathlib import Path
 
@@ -25,21 +28,21 @@ from argon2.exceptions import InvalidHashError, VerificationError
 from forge.common.v1 import common_pb2
 from forge.events.v1 import events_pb2
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.ext.asyncio import AsyncSession
 
 from forge_kit import errors
 from forge_kit.db import Database
-from forge_kit.events import stage_event
 from forge_preference_feedback.export import RatedPair, SnapshotManifest, write_snapshot
 from forge_preference_feedback.quality import Label, QualityPolicy, QualityReport, assess_raters
 from forge_preference_feedback.seeds import PreferencePair, arrange, stable_id
 from forge_preference_feedback.store import (
-    AssignmentRow,
+    AsyncTransactions,
     ComparisonRow,
+    HotPath,
     PreferenceRow,
     RaterRow,
-    RewardModelRow,
     SessionRow,
+    Transactions,
+    stage_event_sync,
     utcnow,
 )
 
@@ -47,12 +50,10 @@ Choice = common_pb2.PreferenceChoice
 CHOICES = frozenset(v for v in Choice.values() if v != Choice.PREFERENCE_CHOICE_UNSPECIFIED)
 MAX_RATIONALE = 4000
 _RATER = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,127}$")
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-_VERSION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+SESSION_CACHE_MAX = 10_000
 MIN_PASSWORD = 8
 MAX_PASSWORD = 256
 UI_VERSION_MAX = 32
-REWARD_MODEL_STATUSES = ("candidate", "active", "retired")
 # Quality labels: the proto's choices A, B, TIE, BOTH_BAD as 0..3.
 QUALITY_CLASSES = 4
 _GOLD = {"A": Choice.PREFERENCE_CHOICE_A, "B": Choice.PREFERENCE_CHOICE_B}
@@ -107,6 +108,8 @@ class FeedbackService:
         token_factory: Callable[[], str] = lambda: secrets.token_urlsafe(32),
         clock: Callable[[], dt.datetime] = utcnow,
         on_commit: Callable[[], None] = lambda: None,
+        transactions: Transactions | None = None,
+        session_cache: dt.timedelta = dt.timedelta(seconds=5),
     ) -> None:
         if overlap < 1:
             raise ValueError("overlap must be at least 1")
@@ -119,6 +122,10 @@ class FeedbackService:
         self._new_token = token_factory
         self._clock = clock
         self._on_commit = on_commit
+        self._tx = transactions or AsyncTransactions(db)
+        self._session_cache = session_cache
+        # token hash -> (session, remembered until); insertion-ordered, oldest evicted first.
+        self._sessions: dict[str, tuple[Session, dt.datetime]] = {}
         self._dummy_hash = ""
 
     # --- comparisons -------------------------------------------------------------------------
@@ -183,61 +190,36 @@ class FeedbackService:
         3. Record the lease.
         """
         validate_rater("rater_id", rater_id)
-        now = self._clock()
-        answered = sa.select(PreferenceRow.comparison_id).where(PreferenceRow.rater_id == rater_id)
-        async with self._db.session() as session:
-            held = await session.scalar(
-                sa.select(ComparisonRow)
-                .join(AssignmentRow, AssignmentRow.comparison_id == ComparisonRow.id)
-                .where(
-                    AssignmentRow.rater_id == rater_id,
-                    AssignmentRow.expires_at > now,
-                    ComparisonRow.id.not_in(answered),
-                )
-                .order_by(AssignmentRow.assigned_at, ComparisonRow.seq)
+        return await self._tx.run(partial(self._next_comparison, rater_id=rater_id, now=self._clock()))
+
+    def _next_comparison(
+        self, conn: sa.Connection, *, rater_id: str, now: dt.datetime
+    ) -> ComparisonRow | None:
+        # Answering closes the answerer's lease (see _record), so "live lease" means a rater
+        # still looking at the item, and live leases are few (about one per active rater): each
+        # step is driven by an index, not by the size of the history. Core statements built
+        # once (HotPath): this runs for every item handed out.
+        params = {"rid": rater_id, "now": now, "k": self._overlap}
+        # 1.
+        chosen = conn.execute(HotPath.held, params).first()
+        if chosen is not None:
+            return ComparisonRow(**chosen._mapping)
+        # 2. Items no other rater holds first, else the least-held of the rest.
+        chosen = (
+            conn.execute(HotPath.free, params).first() or conn.execute(HotPath.held_by_others, params).first()
+        )
+        if chosen is None:
+            return None
+        # 3. Lease it (again, when an old lease of this rater on it ran out).
+        until = now + self._lease
+        if not conn.execute(
+            HotPath.renew_lease, {"cid": chosen.id, "rid": rater_id, "lease_from": now, "lease_until": until}
+        ).rowcount:
+            conn.execute(
+                HotPath.insert_lease,
+                {"comparison_id": chosen.id, "rater_id": rater_id, "assigned_at": now, "expires_at": until},
             )
-            if held is not None:
-                return held
-            leased_by_others = (
-                sa.select(sa.func.count())
-                .where(
-                    AssignmentRow.comparison_id == ComparisonRow.id,
-                    AssignmentRow.rater_id != rater_id,
-                    AssignmentRow.expires_at > now,
-                    # A lease its holder has answered is counted once, as the answer.
-                    ~sa.exists().where(
-                        PreferenceRow.comparison_id == AssignmentRow.comparison_id,
-                        PreferenceRow.rater_id == AssignmentRow.rater_id,
-                    ),
-                )
-                .scalar_subquery()
-            )
-            answers = (
-                sa.select(sa.func.count())
-                .where(PreferenceRow.comparison_id == ComparisonRow.id)
-                .scalar_subquery()
-            )
-            chosen = await session.scalar(
-                sa.select(ComparisonRow)
-                .where(ComparisonRow.id.not_in(answered), answers + leased_by_others < self._overlap)
-                .order_by(leased_by_others, answers, ComparisonRow.seq)
-                .limit(1)
-            )
-            if chosen is None:
-                return None
-            assignment = await session.get(AssignmentRow, (chosen.id, rater_id))
-            if assignment is None:
-                session.add(
-                    AssignmentRow(
-                        comparison_id=chosen.id,
-                        rater_id=rater_id,
-                        assigned_at=now,
-                        expires_at=now + self._lease,
-                    )
-                )
-            else:
-                assignment.assigned_at, assignment.expires_at = now, now + self._lease
-            return chosen
+        return ComparisonRow(**chosen._mapping)
 
     # --- preferences -------------------------------------------------------------------------
 
@@ -263,64 +245,78 @@ class FeedbackService:
             raise errors.ValidationError("rationale", f"must be at most {MAX_RATIONALE} characters")
         if len(ui_version) > UI_VERSION_MAX:
             raise errors.ValidationError("ui_version", f"must be at most {UI_VERSION_MAX} characters")
-        args = (comparison_id, rater_id, choice, confidence, rationale, ui_version)
+        record = partial(
+            self._record,
+            comparison_id=comparison_id,
+            rater_id=rater_id,
+            choice=choice,
+            confidence=confidence,
+            rationale=rationale,
+            ui_version=ui_version,
+            now=self._clock(),
+        )
         try:
-            return await self._record(*args)
+            row, created = await self._tx.run(record)
         except IntegrityError:
             # A concurrent identical submit won the race; answer as the retry it is.
-            return await self._record(*args)
+            row, created = await self._tx.run(record)
+        if created:
+            self._on_commit()
+        return row
 
-    async def _record(
+    def _record(
         self,
+        conn: sa.Connection,
+        *,
         comparison_id: str,
         rater_id: str,
         choice: int,
         confidence: float,
         rationale: str,
         ui_version: str,
-    ) -> PreferenceRow:
-        async with self._db.session() as session:
-            comparison = await session.get(ComparisonRow, comparison_id)
-            if comparison is None:
-                raise errors.ValidationError("comparison_id", f"no comparison {comparison_id!r}")
-            existing = await session.scalar(
-                sa.select(PreferenceRow).where(
-                    PreferenceRow.comparison_id == comparison_id, PreferenceRow.rater_id == rater_id
-                )
+        now: dt.datetime,
+    ) -> tuple[PreferenceRow, bool]:
+        """The preference and its event in one transaction; ``(row, created)``. Core statements,
+        as in :meth:`_next_comparison`."""
+        key = {"cid": comparison_id, "rid": rater_id}
+        comparison = conn.execute(HotPath.comparison, key).first()
+        if comparison is None:
+            raise errors.ValidationError("comparison_id", f"no comparison {comparison_id!r}")
+        existing = conn.execute(HotPath.answer, key).first()
+        if existing is not None:
+            if (existing.choice, existing.rationale) == (choice, rationale) and abs(
+                existing.confidence - confidence
+            ) < 1e-6:
+                return PreferenceRow(**existing._mapping), False
+            raise errors.AlreadyExistsError(
+                f"rater {rater_id!r} already answered comparison {comparison_id!r} (preference {existing.id})"
             )
-            if existing is not None:
-                if (existing.choice, existing.rationale) == (choice, rationale) and abs(
-                    existing.confidence - confidence
-                ) < 1e-6:
-                    return existing
-                raise errors.AlreadyExistsError(
-                    f"rater {rater_id!r} already answered comparison {comparison_id!r} (preference {existing.id})"
-                )
-            assignment = await session.get(AssignmentRow, (comparison_id, rater_id))
-            if assignment is None:
-                raise errors.ValidationError(
-                    "comparison_id", f"comparison {comparison_id!r} was not assigned to rater {rater_id!r}"
-                )
-            row = PreferenceRow(
-                id=f"pref-{uuid.uuid4().hex[:12]}",
-                comparison_id=comparison_id,
-                rater_id=rater_id,
-                choice=choice,
-                confidence=confidence,
-                rationale=rationale,
-                created_at=self._clock(),
-                shown_at=assignment.assigned_at,
-                ui_version=ui_version,
+        assignment = conn.execute(HotPath.lease, key).first()
+        if assignment is None:
+            raise errors.ValidationError(
+                "comparison_id", f"comparison {comparison_id!r} was not assigned to rater {rater_id!r}"
             )
-            session.add(row)
-            await session.flush()
-            await self._stage_recorded(session, comparison, row)
-        self._on_commit()
-        return row
+        values = {
+            "comparison_id": comparison_id,
+            "rater_id": rater_id,
+            "id": f"pref-{uuid.uuid4().hex[:12]}",
+            "choice": choice,
+            "confidence": confidence,
+            "rationale": rationale,
+            "created_at": now,
+            "shown_at": assignment.assigned_at,
+            "ui_version": ui_version,
+        }
+        conn.execute(HotPath.insert_answer, values)
+        # The answer ends the lease and counts toward the item's overlap (what assignment reads).
+        if assignment.expires_at > now:
+            conn.execute(HotPath.end_lease, {**key, "lease_until": now})
+        conn.execute(HotPath.count_answer, key)
+        row = PreferenceRow(**values)
+        self._stage_recorded(conn, ComparisonRow(**comparison._mapping), row)
+        return row, True
 
-    async def _stage_recorded(
-        self, session: AsyncSession, comparison: ComparisonRow, row: PreferenceRow
-    ) -> None:
+    def _stage_recorded(self, conn: sa.Connection, comparison: ComparisonRow, row: PreferenceRow) -> None:
         a = (comparison.response_a_id, comparison.response_a_text)
         b = (comparison.response_b_id, comparison.response_b_text)
         chosen, rejected = (b, a) if row.choice == Choice.PREFERENCE_CHOICE_B else (a, b)
@@ -336,16 +332,13 @@ class FeedbackService:
             chosen_text=chosen[1],
             rejected_text=rejected[1],
         )
-        await stage_event(session, event, producer=self._producer, key=comparison.id)
+        stage_event_sync(conn, event, producer=self._producer, key=comparison.id)
 
     async def progress(self, rater_id: str) -> Progress:
         """Answers the rater has given and comparisons still open to them (under the overlap)."""
         validate_rater("rater_id", rater_id)
-        answered = sa.select(PreferenceRow.comparison_id).where(PreferenceRow.rater_id == rater_id)
-        answers = (
-            sa.select(sa.func.count())
-            .where(PreferenceRow.comparison_id == ComparisonRow.id)
-            .scalar_subquery()
+        mine = sa.exists().where(
+            PreferenceRow.comparison_id == ComparisonRow.id, PreferenceRow.rater_id == rater_id
         )
         async with self._db.session() as session:
             done = int(
@@ -360,7 +353,7 @@ class FeedbackService:
                 await session.scalar(
                     sa.select(sa.func.count())
                     .select_from(ComparisonRow)
-                    .where(ComparisonRow.id.not_in(answered), answers < self._overlap)
+                    .where(ComparisonRow.answer_count < self._overlap, ~mine)
                 )
                 or 0
             )
@@ -377,7 +370,7 @@ class FeedbackService:
             )
         row = RaterRow(
             id=rater_id,
-            password_hash=self._hasher.hash(password),
+            password_hash=await asyncio.to_thread(self._hasher.hash, password),
             is_admin=is_admin,
             created_at=self._clock(),
         )
@@ -389,45 +382,74 @@ class FeedbackService:
 
     async def login(self, rater_id: str, password: str) -> tuple[str, Session]:
         """Check the password and open a session; returns the cookie token (shown once, stored
-        hashed) and the session. A wrong name and a wrong password give the same error."""
+        hashed) and the session. A wrong name and a wrong password give the same error.
+
+        Argon2 is deliberately slow (tens of milliseconds); it runs on a worker thread so that
+        a login does not stall every other request on the event loop."""
         async with self._db.session() as session:
             rater = await session.get(RaterRow, rater_id) if _RATER.match(rater_id or "") else None
-            if rater is None and not self._dummy_hash:
-                # Verified against when the rater does not exist, so a miss costs as much as a hit.
-                self._dummy_hash = self._hasher.hash("not-a-password")
-            try:
-                self._hasher.verify(rater.password_hash if rater else self._dummy_hash, password)
-            except (VerificationError, InvalidHashError):
-                rater = None
-            if rater is None:
-                raise errors.UnauthenticatedError("unknown rater or wrong password")
-            token, now = self._new_token(), self._clock()
-            row = SessionRow(
-                token_hash=_token_hash(token),
-                rater_id=rater.id,
-                csrf_token=secrets.token_urlsafe(32),
-                created_at=now,
-                expires_at=now + self._session_ttl,
+        if rater is None and not self._dummy_hash:
+            # Verified against when the rater does not exist, so a miss costs as much as a hit.
+            self._dummy_hash = await asyncio.to_thread(self._hasher.hash, "not-a-password")
+        try:
+            await asyncio.to_thread(
+                self._hasher.verify, rater.password_hash if rater else self._dummy_hash, password
             )
+        except (VerificationError, InvalidHashError):
+            rater = None
+        if rater is None:
+            raise errors.UnauthenticatedError("unknown rater or wrong password")
+        token, now = self._new_token(), self._clock()
+        row = SessionRow(
+            token_hash=_token_hash(token),
+            rater_id=rater.id,
+            csrf_token=secrets.token_urlsafe(32),
+            created_at=now,
+            expires_at=now + self._session_ttl,
+        )
+        async with self._db.session() as session:
             session.add(row)
-            return token, Session(rater.id, rater.is_admin, row.csrf_token)
+        return token, Session(rater.id, rater.is_admin, row.csrf_token)
 
     async def session_for(self, token: str) -> Session | None:
-        """The live session of a cookie token, or None (unknown, expired or logged out)."""
+        """The live session of a cookie token, or None (unknown, expired or logged out).
+
+        Every API call and page asks this, so a live session is remembered in this process for
+        ``session_cache`` (never past its expiry): a logout takes effect at once in the process
+        that handled it and within ``session_cache`` in any other replica."""
         if not token:
             return None
-        async with self._db.session() as session:
-            row = await session.get(SessionRow, _token_hash(token))
-            if row is None or row.expires_at <= self._clock():
-                return None
-            rater = await session.get(RaterRow, row.rater_id)
-            if rater is None:
-                return None
-            return Session(rater.id, rater.is_admin, row.csrf_token)
+        token_hash, now = _token_hash(token), self._clock()
+        cached = self._sessions.get(token_hash)
+        if cached is not None and cached[1] > now:
+            return cached[0]
+        found = await self._tx.run(partial(self._session_for, token_hash=token_hash, now=now))
+        if found is None:
+            self._sessions.pop(token_hash, None)
+            return None
+        live, expires_at = found
+        if self._session_cache > dt.timedelta(0):
+            if len(self._sessions) >= SESSION_CACHE_MAX:
+                self._sessions.pop(next(iter(self._sessions)))
+            self._sessions[token_hash] = (live, min(expires_at, now + self._session_cache))
+        return live
+
+    @staticmethod
+    def _session_for(
+        conn: sa.Connection, *, token_hash: str, now: dt.datetime
+    ) -> tuple[Session, dt.datetime] | None:
+        row = conn.execute(
+            sa.select(SessionRow.rater_id, SessionRow.csrf_token, SessionRow.expires_at, RaterRow.is_admin)
+            .join(RaterRow, RaterRow.id == SessionRow.rater_id)
+            .where(SessionRow.token_hash == token_hash, SessionRow.expires_at > now)
+        ).first()
+        return (Session(row.rater_id, row.is_admin, row.csrf_token), row.expires_at) if row else None
 
     async def logout(self, token: str) -> None:
+        token_hash = _token_hash(token)
+        self._sessions.pop(token_hash, None)
         async with self._db.session() as session:
-            await session.execute(sa.delete(SessionRow).where(SessionRow.token_hash == _token_hash(token)))
+            await session.execute(sa.delete(SessionRow).where(SessionRow.token_hash == token_hash))
 
     # --- rater quality ------------------------------------------------------------------------
 
@@ -513,82 +535,6 @@ class FeedbackService:
             excluded=excluded,
             weights=weights,
         )
-
-    # --- reward models -----------------------------------------------------------------------
-
-    async def register_reward_model(
-        self, name: str, version: str, uri: str, metrics: Mapping[str, float]
-    ) -> RewardModelRow:
-        """Add an immutable reward-model version; an empty version takes the next integer."""
-        if not name:
-            raise errors.ValidationError("ref.name", "must not be empty")
-        if not _NAME.match(name):
-            raise errors.ValidationError(
-                "ref.name", "must be letters, digits, '.', '_' or '-', at most 128 characters"
-            )
-        if version and not _VERSION.match(version):
-            raise errors.ValidationError(
-                "ref.version", "must be letters, digits, '.', '_' or '-', at most 64 characters"
-            )
-        if not uri.strip():
-            raise errors.ValidationError("uri", "must not be empty")
-        for key, value in metrics.items():
-            if not key:
-                raise errors.ValidationError("metrics", "names must not be empty")
-            if not math.isfinite(value):
-                raise errors.ValidationError(f"metrics.{key}", "must be finite")
-        async with self._db.session() as session:
-            if not version:
-                existing = (
-                    await session.scalars(
-                        sa.select(RewardModelRow.version).where(RewardModelRow.name == name)
-                    )
-                ).all()
-                version = str(max((int(v) for v in existing if v.isdigit()), default=0) + 1)
-            elif await session.get(RewardModelRow, (name, version)) is not None:
-                raise errors.AlreadyExistsError(f"reward model {name}:{version} is already registered")
-            row = RewardModelRow(
-                name=name, version=version, uri=uri, metrics=dict(metrics), created_at=self._clock()
-            )
-            session.add(row)
-        return row
-
-    async def list_reward_models(
-        self, name: str, page_size: int, offset: int
-    ) -> tuple[list[RewardModelRow], int]:
-        query = sa.select(RewardModelRow)
-        if name:
-            query = query.where(RewardModelRow.name == name)
-        async with self._db.session() as session:
-            total = int(await session.scalar(sa.select(sa.func.count()).select_from(query.subquery())) or 0)
-            rows = (
-                await session.scalars(
-                    query.order_by(
-                        RewardModelRow.created_at.desc(), RewardModelRow.name, RewardModelRow.version.desc()
-                    )
-                    .offset(offset)
-                    .limit(page_size)
-                )
-            ).all()
-        return list(rows), total
-
-    async def set_reward_model_status(self, name: str, version: str, status: str) -> RewardModelRow:
-        """Move a reward-model version between candidate, active and retired. Making one version
-        active retires the previously active version of that name, so ``active`` names one model."""
-        if status not in REWARD_MODEL_STATUSES:
-            raise errors.ValidationError("status", f"must be one of {', '.join(REWARD_MODEL_STATUSES)}")
-        async with self._db.session() as session:
-            row = await session.get(RewardModelRow, (name, version))
-            if row is None:
-                raise errors.NotFoundError(f"reward model {name}:{version} not found")
-            if status == "active":
-                await session.execute(
-                    sa.update(RewardModelRow)
-                    .where(RewardModelRow.name == name, RewardModelRow.status == "active")
-                    .values(status="retired")
-                )
-            row.status = status
-        return row
 
 
 def _token_hash(token: str) -> str:

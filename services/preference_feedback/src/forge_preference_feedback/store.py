@@ -1,13 +1,50 @@
-"""Preference feedback persistence: comparisons, assignments, preferences and reward models."""
+"""Preference feedback persistence: the tables, and how the rating hot path runs its transactions.
+
+The hot path (session check, next comparison, preference + outbox event) is written as plain
+functions of a synchronous SQLAlchemy ``Connection`` running Core statements built once
+(:class:`HotPath`) — "units" — run by a :class:`Transactions`:
+
+- :class:`AsyncTransactions` runs each unit as its own transaction on the service's async engine
+  (``AsyncConnection.run_sync``) — any database, PostgreSQL included;
+- :class:`SqliteGroupCommit` runs them on one writer thread with a plain ``sqlite3`` connection.
+  Through aiosqlite every statement is a round trip to a worker thread (about 0.25 ms, against
+  microseconds for the statement itself) and every commit is an fsync; here a whole unit costs
+  one hand-over, and the units that queued up while the previous commit was on disk are
+  committed together with one fsync (group commit), each in its own savepoint so one unit's
+  failure undoes only that unit.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import datetime as dt
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar, cast
 
 import sqlalchemy as sa
+from google.protobuf.message import Message
+from prometheus_client import Histogram
+from sqlalchemy import event
 from sqlalchemy.orm import Mapped, mapped_column
 
-from forge_kit.db import Base
+from forge_kit.db import Base, Database
+from forge_kit.events import OutboxEvent, new_meta, topic_for
+
+T = TypeVar("T")
+GROUP_COMMIT_UNITS = Histogram(
+    "forge_feedback_group_commit_units",
+    "Units of work committed together by the SQLite writer thread",
+    buckets=(1, 2, 4, 8, 16, 32, 64),
+)
+GROUP_COMMIT_SECONDS = Histogram(
+    "forge_feedback_group_commit_seconds", "Time of one group commit (units and the commit's fsync)"
+)
 
 
 def utcnow() -> dt.datetime:
@@ -36,10 +73,16 @@ class ComparisonRow(Base):
     response_b_model: Mapped[str] = mapped_column(sa.String(255), default="")
     gold_choice: Mapped[str] = mapped_column(sa.String(1), default="")
     created_at: Mapped[dt.datetime] = mapped_column(sa.DateTime, default=utcnow)
+    answer_count: Mapped[int] = mapped_column(sa.Integer, default=0)
+    """Preferences recorded for it, kept in the preference's transaction; with ``seq`` it is the
+    index that assignment walks to find the next open item."""
+
+    __table_args__ = (sa.Index("ix_feedback_comparisons_answer_count_seq", "answer_count", "seq"),)
 
 
 class AssignmentRow(Base):
-    """A comparison handed to a rater; reserved for them until ``expires_at``."""
+    """A comparison handed to a rater; reserved for them until ``expires_at``, which the rater's
+    answer brings forward to the time of the answer (the row stays as the proof of assignment)."""
 
     __tablename__ = "feedback_assignments"
 
@@ -71,17 +114,31 @@ class PreferenceRow(Base):
 
 
 class RewardModelRow(Base):
-    """A registered reward model version with its validation metrics."""
+    """A registered reward-model version. Immutable but for ``status`` (and who changed it when):
+    the registry has no other update path."""
 
     __tablename__ = "feedback_reward_models"
 
     name: Mapped[str] = mapped_column(sa.String(128), primary_key=True)
     version: Mapped[str] = mapped_column(sa.String(64), primary_key=True)
     uri: Mapped[str] = mapped_column(sa.Text)
+    """Checkpoint location: object-store URI of the Hugging Face files."""
     metrics: Mapped[dict[str, float]] = mapped_column(sa.JSON, default=dict)
     created_at: Mapped[dt.datetime] = mapped_column(sa.DateTime, default=utcnow, index=True)
-    status: Mapped[str] = mapped_column(sa.String(16), default="candidate")
-    """``candidate`` when registered; an admin makes it ``active`` or ``retired`` (the only mutable field)."""
+    status: Mapped[str] = mapped_column(sa.String(16), default="candidate", index=True)
+    """``candidate`` when registered; an admin makes it ``active`` or ``retired``."""
+    snapshot_id: Mapped[str] = mapped_column(sa.String(128), default="")
+    """The training snapshot (``forge feedback export``) it was trained on."""
+    backbone: Mapped[str] = mapped_column(sa.String(255), default="")
+    heldout_accuracy: Mapped[float | None] = mapped_column(sa.Float, nullable=True, default=None)
+    heldout_ci95_low: Mapped[float | None] = mapped_column(sa.Float, nullable=True, default=None)
+    heldout_ci95_high: Mapped[float | None] = mapped_column(sa.Float, nullable=True, default=None)
+    heldout_n: Mapped[int | None] = mapped_column(sa.Integer, nullable=True, default=None)
+    heldout_interval: Mapped[str] = mapped_column(sa.String(16), default="")
+    """How the interval was computed: ``wilson`` or ``bootstrap``."""
+    registered_by: Mapped[str] = mapped_column(sa.String(128), default="")
+    status_changed_at: Mapped[dt.datetime | None] = mapped_column(sa.DateTime, nullable=True, default=None)
+    status_changed_by: Mapped[str] = mapped_column(sa.String(128), default="")
 
 
 class RaterRow(Base):
@@ -107,3 +164,255 @@ class SessionRow(Base):
     csrf_token: Mapped[str] = mapped_column(sa.String(64))
     created_at: Mapped[dt.datetime] = mapped_column(sa.DateTime)
     expires_at: Mapped[dt.datetime] = mapped_column(sa.DateTime, index=True)
+
+
+COMPARISONS = cast(sa.Table, ComparisonRow.__table__)
+ASSIGNMENTS = cast(sa.Table, AssignmentRow.__table__)
+PREFERENCES = cast(sa.Table, PreferenceRow.__table__)
+OUTBOX = cast(sa.Table, OutboxEvent.__table__)
+
+
+class HotPath:
+    """The statements of the rating hot path, built once with bind parameters.
+
+    Every item handed out and every answer runs these; built per call, SQLAlchemy would spend
+    more time constructing each statement and computing its cache key than SQLite spends
+    running it. Parameters: ``rid`` (the rater), ``cid`` (the comparison), ``now``, ``k`` (the overlap);
+    an UPDATE may not name a parameter after a column.
+    """
+
+    _c, _a, _p = COMPARISONS.c, ASSIGNMENTS.c, PREFERENCES.c
+    _mine = sa.exists().where(_p.comparison_id == _c.id, _p.rater_id == sa.bindparam("rid"))
+    held = (
+        sa.select(COMPARISONS)
+        .join(ASSIGNMENTS, _a.comparison_id == _c.id)
+        .where(_a.rater_id == sa.bindparam("rid"), _a.expires_at > sa.bindparam("now"), ~_mine)
+        .order_by(_a.assigned_at, _c.seq)
+        .limit(1)
+    )
+    """The rater's own live lease on an item they have not answered yet."""
+    free = (
+        sa.select(COMPARISONS)
+        .where(
+            _c.answer_count < sa.bindparam("k"),
+            ~sa.exists().where(
+                _a.comparison_id == _c.id,
+                _a.rater_id != sa.bindparam("rid"),
+                _a.expires_at > sa.bindparam("now"),
+            ),
+            ~_mine,
+        )
+        .order_by(_c.answer_count, _c.seq)
+        .limit(1)
+    )
+    """The first open item (by answers, then seq) that no other rater holds a live lease on."""
+    _holders = (
+        sa.select(_a.comparison_id, sa.func.count().label("n"))
+        .where(_a.rater_id != sa.bindparam("rid"), _a.expires_at > sa.bindparam("now"))
+        .group_by(_a.comparison_id)
+        .subquery()
+    )
+    held_by_others = (
+        sa.select(COMPARISONS)
+        .join(_holders, _holders.c.comparison_id == _c.id)
+        .where(_c.answer_count + _holders.c.n < sa.bindparam("k"), ~_mine)
+        .order_by(_holders.c.n, _c.answer_count, _c.seq)
+        .limit(1)
+    )
+    """Among items other raters hold, one still under the overlap: fewest holders first."""
+    renew_lease = (
+        sa.update(ASSIGNMENTS)
+        .where(_a.comparison_id == sa.bindparam("cid"), _a.rater_id == sa.bindparam("rid"))
+        .values(assigned_at=sa.bindparam("lease_from"), expires_at=sa.bindparam("lease_until"))
+    )
+    insert_lease = sa.insert(ASSIGNMENTS)
+    comparison = sa.select(COMPARISONS).where(_c.id == sa.bindparam("cid"))
+    answer = sa.select(PREFERENCES).where(
+        _p.comparison_id == sa.bindparam("cid"), _p.rater_id == sa.bindparam("rid")
+    )
+    lease = sa.select(_a.assigned_at, _a.expires_at).where(
+        _a.comparison_id == sa.bindparam("cid"), _a.rater_id == sa.bindparam("rid")
+    )
+    insert_answer = sa.insert(PREFERENCES)
+    end_lease = (
+        sa.update(ASSIGNMENTS)
+        .where(_a.comparison_id == sa.bindparam("cid"), _a.rater_id == sa.bindparam("rid"))
+        .values(expires_at=sa.bindparam("lease_until"))
+    )
+    count_answer = (
+        sa.update(COMPARISONS).where(_c.id == sa.bindparam("cid")).values(answer_count=_c.answer_count + 1)
+    )
+    insert_event = sa.insert(OUTBOX).returning(OUTBOX.c.sequence)
+    event_payload = (
+        sa.update(OUTBOX).where(OUTBOX.c.sequence == sa.bindparam("seq")).values(payload=sa.bindparam("body"))
+    )
+
+
+class Transactions(Protocol):
+    """Runs units of work, each a function of a synchronous connection, as transactions.
+
+    Called by :class:`~forge_preference_feedback.service.FeedbackService` for every call on the
+    rating hot path. A unit commits whole or not at all, and its result is handed back only
+    once its commit is durable; an exception raised by the unit (or by the commit) is re-raised
+    to the caller with nothing of that unit written.
+    """
+
+    async def run(self, unit: Callable[[sa.Connection], T]) -> T:
+        """Run ``unit`` in a transaction and return what it returned."""
+        ...
+
+    async def close(self) -> None:
+        """Finish queued units and release connections."""
+        ...
+
+
+class AsyncTransactions:
+    """Each unit is one transaction on the service's async engine (any database)."""
+
+    def __init__(self, db: Database) -> None:
+        self._db = db
+
+    async def run(self, unit: Callable[[sa.Connection], T]) -> T:
+        async with self._db.engine.begin() as connection:
+            return await connection.run_sync(unit)
+
+    async def close(self) -> None:
+        return None
+
+
+@dataclass
+class _Job:
+    unit: Callable[[sa.Connection], Any]
+    future: asyncio.Future[Any]
+
+
+def _settle(future: asyncio.Future[Any], ok: bool, value: Any) -> None:
+    if future.cancelled():
+        return
+    if ok:
+        future.set_result(value)
+    else:
+        future.set_exception(value)
+
+
+class SqliteGroupCommit:
+    """One writer thread over a synchronous ``sqlite3`` connection, with group commit.
+
+    The thread takes every unit queued (up to ``max_batch``), opens one ``BEGIN IMMEDIATE``
+    transaction (the write lock up front, so two writers wait on each other instead of failing
+    to upgrade a read lock), runs each unit in a ``SAVEPOINT`` (an exception rolls back that unit
+    alone and goes to its caller), commits once — one fsync, ``synchronous=FULL`` as SQLite's WAL
+    default keeps it, so an acknowledged answer survives a power cut — and only then answers
+    the callers. If the commit fails every unit of the batch gets the error: none was written.
+    """
+
+    def __init__(self, url: str, *, max_batch: int = 64) -> None:
+        sync_url = sa.engine.make_url(url).set(drivername="sqlite")
+        if sync_url.get_backend_name() != "sqlite":
+            raise ValueError(f"SqliteGroupCommit needs a SQLite URL, not {url!r}")
+        self._engine = sa.create_engine(
+            sync_url, connect_args={"timeout": 30, "check_same_thread": False}, poolclass=sa.pool.StaticPool
+        )
+        event.listen(self._engine, "connect", _sqlite_connect)
+        event.listen(self._engine, "begin", lambda conn: conn.exec_driver_sql("BEGIN IMMEDIATE"))
+        self._max_batch = max_batch
+        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    async def run(self, unit: Callable[[sa.Connection], T]) -> T:
+        future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        self._start()
+        self._queue.put(_Job(unit, future))
+        return await future
+
+    async def close(self) -> None:
+        with self._lock:
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            self._queue.put(None)
+            await asyncio.to_thread(thread.join)
+        self._engine.dispose()
+
+    def _start(self) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._work, name="feedback-sqlite-writer", daemon=True)
+                self._thread.start()
+
+    def _work(self) -> None:
+        while True:
+            first = self._queue.get()
+            if first is None:
+                return
+            batch = [first]
+            stop = False
+            while len(batch) < self._max_batch:
+                try:
+                    job = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if job is None:
+                    stop = True
+                    break
+                batch.append(job)
+            self._run_batch(batch)
+            if stop:
+                return
+
+    def _run_batch(self, batch: list[_Job]) -> None:
+        outcomes: list[tuple[bool, Any]] = []
+        GROUP_COMMIT_UNITS.observe(len(batch))
+        started = time.perf_counter()
+        try:
+            with self._engine.connect() as connection, connection.begin():
+                for job in batch:
+                    try:
+                        with connection.begin_nested():
+                            value = job.unit(connection)
+                    except Exception as exc:  # noqa: BLE001 - handed to the unit's caller
+                        outcomes.append((False, exc))
+                    else:
+                        outcomes.append((True, value))
+        except Exception as exc:  # noqa: BLE001 - the commit failed: no unit of the batch was written
+            outcomes = [(False, exc)] * len(batch)
+        GROUP_COMMIT_SECONDS.observe(time.perf_counter() - started)
+        for job, (ok, value) in zip(batch, outcomes, strict=True):
+            with contextlib.suppress(RuntimeError):  # the caller's loop is gone (shutdown)
+                job.future.get_loop().call_soon_threadsafe(_settle, job.future, ok, value)
+
+
+def stage_event_sync(conn: sa.Connection, message: Message, *, producer: str, key: str = "") -> None:
+    """:func:`forge_kit.events.stage_event` on a synchronous connection: the event goes into the
+    outbox in the caller's transaction, its ``meta`` naming the outbox row."""
+    event_id = str(uuid.uuid4())
+    sequence = conn.execute(
+        HotPath.insert_event,
+        {
+            "event_id": event_id,
+            "topic": topic_for(message),
+            "key": key.encode() if key else None,
+            "event_type": message.DESCRIPTOR.full_name,
+            "payload": b"",
+            "created_at": utcnow(),
+        },
+    ).scalar_one()
+    meta = new_meta(producer, sequence=sequence)
+    meta.event_id = event_id
+    message.meta.CopyFrom(meta)  # type: ignore[attr-defined]
+    conn.execute(HotPath.event_payload, {"seq": sequence, "body": message.SerializeToString()})
+
+
+def _sqlite_connect(dbapi_connection: Any, _record: object) -> None:
+    # Transactions are begun explicitly (BEGIN IMMEDIATE above); pysqlite's own implicit BEGIN
+    # would break savepoints.
+    dbapi_connection.isolation_level = None
+    for pragma in ("journal_mode=WAL", "busy_timeout=30000", "foreign_keys=ON"):
+        dbapi_connection.execute(f"PRAGMA {pragma}")
+
+
+def open_transactions(db: Database) -> Transactions:
+    """Group commit on a writer thread for SQLite, async transactions for anything else."""
+    if sa.engine.make_url(db.url).get_backend_name() == "sqlite":
+        return SqliteGroupCommit(db.url)
+    return AsyncTransactions(db)

@@ -3,7 +3,8 @@ translation only.
 
 Pages: ``/ui/login``, ``/ui/rate`` (the queue: one comparison at a time, A / B / tie / both bad,
 optional reason, keyboard shortcuts, progress), ``/ui/admin`` (rater statistics, agreement,
-flagged raters, reward-model versions; admins only).
+flagged raters, reward-model versions with a form to register one and to change a status;
+admins only). JSON: the rating API and the reward-model registry (admins only), bearer tokens.
 
 Security, and why:
 - sessions are random cookie tokens stored hashed (:meth:`FeedbackService.login`), ``HttpOnly``
@@ -32,7 +33,9 @@ from pydantic import BaseModel, Field
 
 from forge_kit import errors
 from forge_preference_feedback.quality import QualityPolicy
+from forge_preference_feedback.registry import HeldoutAccuracy, RewardModelRegistry, heldout_of
 from forge_preference_feedback.service import FeedbackService, Session
+from forge_preference_feedback.store import RewardModelRow
 
 UI_VERSION = "web-1"
 SESSION_COOKIE = "forge_feedback_session"
@@ -78,6 +81,7 @@ def _csrf_ok(expected: str, given: str) -> bool:
 
 def rater_ui(
     service: FeedbackService,
+    registry: RewardModelRegistry,
     *,
     secure_cookies: bool,
     session_max_age_s: int,
@@ -214,8 +218,15 @@ def rater_ui(
     async def admin_page(request: Request) -> Response:
         async def handle(session: Session) -> Response:
             report = await service.rater_quality(policy)
-            models, _ = await service.list_reward_models("", 100, 0)
-            return _page("admin.html", session=session, report=report, models=models, policy=policy)
+            models, _ = await registry.list("", 100, 0)
+            return _page(
+                "admin.html",
+                session=session,
+                report=report,
+                models=models,
+                policy=policy,
+                heldout_of=heldout_of,
+            )
 
         return await guarded(request, None, True, handle)
 
@@ -229,7 +240,7 @@ def rater_ui(
     ) -> Response:
         async def handle(session: Session) -> Response:
             try:
-                await service.set_reward_model_status(name, version, status)
+                await registry.set_status(name, version, status, changed_by=session.rater_id)
             except (errors.ValidationError, errors.NotFoundError) as exc:
                 code = 404 if isinstance(exc, errors.NotFoundError) else 400
                 return _page("error.html", code, title="Not changed", message=exc.message, session=session)
@@ -237,7 +248,87 @@ def rater_ui(
 
         return await guarded(request, csrf, True, handle)
 
+    @router.post("/admin/reward-models/new")
+    async def register(
+        request: Request,
+        name: Annotated[str, Form()] = "",
+        version: Annotated[str, Form()] = "",
+        uri: Annotated[str, Form()] = "",
+        snapshot_id: Annotated[str, Form()] = "",
+        backbone: Annotated[str, Form()] = "",
+        accuracy: Annotated[str, Form()] = "",
+        ci95_low: Annotated[str, Form()] = "",
+        ci95_high: Annotated[str, Form()] = "",
+        n: Annotated[str, Form()] = "",
+        interval: Annotated[str, Form()] = "wilson",
+        csrf: Annotated[str, Form()] = "",
+    ) -> Response:
+        async def handle(session: Session) -> Response:
+            try:
+                heldout = HeldoutAccuracy(
+                    _number("heldout.accuracy", accuracy),
+                    _number("heldout.ci95_low", ci95_low),
+                    _number("heldout.ci95_high", ci95_high),
+                    int(_number("heldout.n", n, integer=True)),
+                    interval,
+                )
+                await registry.register(
+                    name,
+                    version,
+                    uri=uri,
+                    snapshot_id=snapshot_id,
+                    backbone=backbone,
+                    heldout=heldout,
+                    registered_by=session.rater_id,
+                )
+            except (errors.ValidationError, errors.AlreadyExistsError) as exc:
+                code = 409 if isinstance(exc, errors.AlreadyExistsError) else 400
+                field = getattr(exc, "field", "")
+                message = f"{field}: {exc.message}" if field else exc.message
+                return _page("error.html", code, title="Not registered", message=message, session=session)
+            return RedirectResponse("/ui/admin", status_code=303, headers=SECURITY_HEADERS)
+
+        return await guarded(request, csrf, True, handle)
+
     return router
+
+
+def _number(field: str, text: str, *, integer: bool = False) -> float:
+    """A form field as a number, or ValidationError naming it."""
+    try:
+        value = float(int(text)) if integer else float(text)
+    except ValueError:
+        raise errors.ValidationError(
+            field, f"must be {'a whole number' if integer else 'a number'}"
+        ) from None
+    return value
+
+
+def reward_model_json(row: RewardModelRow) -> dict[str, object]:
+    """A reward-model version as the JSON API shows it."""
+    heldout = heldout_of(row)
+    return {
+        "name": row.name,
+        "version": row.version,
+        "uri": row.uri,
+        "status": row.status,
+        "snapshot_id": row.snapshot_id,
+        "backbone": row.backbone,
+        "heldout": None
+        if heldout is None
+        else {
+            "accuracy": heldout.accuracy,
+            "ci95_low": heldout.ci95_low,
+            "ci95_high": heldout.ci95_high,
+            "n": heldout.n,
+            "interval": heldout.interval,
+        },
+        "metrics": dict(row.metrics),
+        "created_at": row.created_at.isoformat() + "Z",
+        "registered_by": row.registered_by,
+        "status_changed_at": row.status_changed_at.isoformat() + "Z" if row.status_changed_at else None,
+        "status_changed_by": row.status_changed_by,
+    }
 
 
 class LoginBody(BaseModel):
@@ -256,11 +347,44 @@ class PreferenceBody(BaseModel):
     confidence: float = 1.0
 
 
-def rater_api(service: FeedbackService, *, ui_version: str = "api-1") -> APIRouter:
+class HeldoutBody(BaseModel):
+    """Held-out pairwise accuracy with its 95 % interval."""
+
+    accuracy: float
+    ci95_low: float
+    ci95_high: float
+    n: int
+    interval: str = Field(default="wilson", description="wilson or bootstrap")
+
+
+class RewardModelBody(BaseModel):
+    """``POST /api/v1/reward-models``: a new immutable version (admins only)."""
+
+    name: str = Field(max_length=128)
+    version: str = Field(default="", max_length=64, description="empty: the next integer")
+    uri: str = Field(max_length=4096, description="checkpoint location")
+    snapshot_id: str = Field(max_length=128)
+    backbone: str = Field(max_length=255)
+    heldout: HeldoutBody
+    metrics: dict[str, float] = Field(default_factory=dict)
+
+
+class StatusBody(BaseModel):
+    """``POST /api/v1/reward-models/{name}/{version}/status`` (admins only)."""
+
+    status: str = Field(description="candidate, active or retired")
+
+
+def rater_api(
+    service: FeedbackService, registry: RewardModelRegistry, *, ui_version: str = "api-1"
+) -> APIRouter:
     """JSON API for rating tools and load tests: ``POST /api/v1/sessions`` (log in, get a bearer
-    token), ``GET /api/v1/comparisons/next``, ``POST /api/v1/preferences``. Bearer tokens are not
-    sent by browsers on their own, so these routes need no CSRF token; errors are the kit's JSON
-    bodies naming the field."""
+    token), ``GET /api/v1/comparisons/next``, ``POST /api/v1/preferences``; and the reward-model
+    registry for admins: ``GET /api/v1/reward-models``, ``GET /api/v1/reward-models/{name}/{version}``
+    (version ``latest`` or ``active`` too), ``POST /api/v1/reward-models``,
+    ``POST /api/v1/reward-models/{name}/{version}/status``. Bearer tokens are not sent by browsers
+    on their own, so these routes need no CSRF token; errors are the kit's JSON bodies naming the
+    field (401 without a session, 403 for a rater who is not an admin)."""
     router = APIRouter(prefix="/api/v1")
 
     async def bearer(request: Request) -> Session:
@@ -305,5 +429,53 @@ def rater_api(service: FeedbackService, *, ui_version: str = "api-1") -> APIRout
             ui_version,
         )
         return {"preference_id": row.id}
+
+    async def admin(request: Request, action: str) -> Session:
+        session = await bearer(request)
+        if not session.is_admin:
+            raise errors.PermissionDeniedError(f"{action} is for admins; {session.rater_id} is not one")
+        return session
+
+    @router.get("/reward-models")
+    async def list_models(
+        request: Request, name: str = "", page_size: int = 50, offset: int = 0
+    ) -> dict[str, object]:
+        await admin(request, "the reward-model registry")
+        if not 1 <= page_size <= 500:
+            raise errors.ValidationError("page_size", "must be between 1 and 500")
+        if offset < 0:
+            raise errors.ValidationError("offset", "must not be negative")
+        rows, total = await registry.list(name, page_size, offset)
+        return {"reward_models": [reward_model_json(r) for r in rows], "total": total}
+
+    @router.get("/reward-models/{name}/{version}")
+    async def get_model(request: Request, name: str, version: str) -> dict[str, object]:
+        await admin(request, "the reward-model registry")
+        return reward_model_json(await registry.get(name, version))
+
+    @router.post("/reward-models", status_code=201)
+    async def register_model(body: RewardModelBody, request: Request) -> dict[str, object]:
+        session = await admin(request, "registering a reward model")
+        h = body.heldout
+        row = await registry.register(
+            body.name,
+            body.version,
+            uri=body.uri,
+            snapshot_id=body.snapshot_id,
+            backbone=body.backbone,
+            heldout=HeldoutAccuracy(h.accuracy, h.ci95_low, h.ci95_high, h.n, h.interval),
+            metrics=body.metrics,
+            registered_by=session.rater_id,
+        )
+        return reward_model_json(row)
+
+    @router.post("/reward-models/{name}/{version}/status")
+    async def set_model_status(
+        name: str, version: str, body: StatusBody, request: Request
+    ) -> dict[str, object]:
+        session = await admin(request, "changing a reward model's status")
+        return reward_model_json(
+            await registry.set_status(name, version, body.status, changed_by=session.rater_id)
+        )
 
     return router

@@ -26,7 +26,7 @@ from forge.common.v1 import common_pb2 as forge_dot_common_dot_v1_dot_common__pb
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n forge/feedback/v1/feedback.proto\x12\x11\x66orge.feedback.v1\x1a\x1c\x66orge/common/v1/common.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"N\n\x08Response\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12(\n\x05model\x18\x03 \x01(\x0b\x32\x19.forge.common.v1.ModelRef\"\x8a\x01\n\nComparison\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12/\n\nresponse_a\x18\x03 \x01(\x0b\x32\x1b.forge.feedback.v1.Response\x12/\n\nresponse_b\x18\x04 \x01(\x0b\x32\x1b.forge.feedback.v1.Response\",\n\x18GetNextComparisonRequest\x12\x10\n\x08rater_id\x18\x01 \x01(\t\"N\n\x19GetNextComparisonResponse\x12\x31\n\ncomparison\x18\x01 \x01(\x0b\x32\x1d.forge.feedback.v1.Comparison\"\x9c\x01\n\x17SubmitPreferenceRequest\x12\x15\n\rcomparison_id\x18\x01 \x01(\t\x12\x10\n\x08rater_id\x18\x02 \x01(\t\x12\x31\n\x06\x63hoice\x18\x03 \x01(\x0e\x32!.forge.common.v1.PreferenceChoice\x12\x12\n\nconfidence\x18\x04 \x01(\x02\x12\x11\n\trationale\x18\x05 \x01(\t\"1\n\x18SubmitPreferenceResponse\x12\x15\n\rpreference_id\x18\x01 \x01(\t\"\xe0\x01\n\x0bRewardModel\x12&\n\x03ref\x18\x01 \x01(\x0b\x32\x19.forge.common.v1.ModelRef\x12\x0b\n\x03uri\x18\x02 \x01(\t\x12<\n\x07metrics\x18\x03 \x03(\x0b\x32+.forge.feedback.v1.RewardModel.MetricsEntry\x12.\n\ncreated_at\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"S\n\x17ListRewardModelsRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12*\n\x04page\x18\x02 \x01(\x0b\x32\x1c.forge.common.v1.PageRequest\"z\n\x18ListRewardModelsResponse\x12\x35\n\rreward_models\x18\x01 \x03(\x0b\x32\x1e.forge.feedback.v1.RewardModel\x12\'\n\x04page\x18\x02 \x01(\x0b\x32\x19.forge.common.v1.PageInfo\"\xce\x01\n\x1aRegisterRewardModelRequest\x12&\n\x03ref\x18\x01 \x01(\x0b\x32\x19.forge.common.v1.ModelRef\x12\x0b\n\x03uri\x18\x02 \x01(\t\x12K\n\x07metrics\x18\x03 \x03(\x0b\x32:.forge.feedback.v1.RegisterRewardModelRequest.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"S\n\x1bRegisterRewardModelResponse\x12\x34\n\x0creward_model\x18\x01 \x01(\x0b\x32\x1e.forge.feedback.v1.RewardModel2\xdb\x03\n\x19PreferenceFeedbackService\x12n\n\x11GetNextComparison\x12+.forge.feedback.v1.GetNextComparisonRequest\x1a,.forge.feedback.v1.GetNextComparisonResponse\x12k\n\x10SubmitPreference\x12*.forge.feedback.v1.SubmitPreferenceRequest\x1a+.forge.feedback.v1.SubmitPreferenceResponse\x12k\n\x10ListRewardModels\x12*.forge.feedback.v1.ListRewardModelsRequest\x1a+.forge.feedback.v1.ListRewardModelsResponse\x12t\n\x13RegisterRewardModel\x12-.forge.feedback.v1.RegisterRewardModelRequest\x1a..forge.feedback.v1.RegisterRewardModelResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n forge/feedback/v1/feedback.proto\x12\x11\x66orge.feedback.v1\x1a\x1c\x66orge/common/v1/common.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"f\n\x10PairwiseAccuracy\x12\x10\n\x08\x61\x63\x63uracy\x18\x01 \x01(\x01\x12\x10\n\x08\x63i95_low\x18\x02 \x01(\x01\x12\x11\n\tci95_high\x18\x03 \x01(\x01\x12\t\n\x01n\x18\x04 \x01(\x03\x12\x10\n\x08interval\x18\x05 \x01(\t\"N\n\x08Response\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12(\n\x05model\x18\x03 \x01(\x0b\x32\x19.forge.common.v1.ModelRef\"\x8a\x01\n\nComparison\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12/\n\nresponse_a\x18\x03 \x01(\x0b\x32\x1b.forge.feedback.v1.Response\x12/\n\nresponse_b\x18\x04 \x01(\x0b\x32\x1b.forge.feedback.v1.Response\",\n\x18GetNextComparisonRequest\x12\x10\n\x08rater_id\x18\x01 \x01(\t\"N\n\x19GetNextComparisonResponse\x12\x31\n\ncomparison\x18\x01 \x01(\x0b\x32\x1d.forge.feedback.v1.Comparison\"\x9c\x01\n\x17SubmitPreferenceRequest\x12\x15\n\rcomparison_id\x18\x01 \x01(\t\x12\x10\n\x08rater_id\x18\x02 \x01(\t\x12\x31\n\x06\x63hoice\x18\x03 \x01(\x0e\x32!.forge.common.v1.PreferenceChoice\x12\x12\n\nconfidence\x18\x04 \x01(\x02\x12\x11\n\trationale\x18\x05 \x01(\t\"1\n\x18SubmitPreferenceResponse\x12\x15\n\rpreference_id\x18\x01 \x01(\t\"\xdc\x03\n\x0bRewardModel\x12&\n\x03ref\x18\x01 \x01(\x0b\x32\x19.forge.common.v1.ModelRef\x12\x0b\n\x03uri\x18\x02 \x01(\t\x12<\n\x07metrics\x18\x03 \x03(\x0b\x32+.forge.feedback.v1.RewardModel.MetricsEntry\x12.\n\ncreated_at\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x34\n\x06status\x18\x05 \x01(\x0e\x32$.forge.feedback.v1.RewardModelStatus\x12\x13\n\x0bsnapshot_id\x18\x06 \x01(\t\x12\x10\n\x08\x62\x61\x63kbone\x18\x07 \x01(\t\x12\x34\n\x07heldout\x18\x08 \x01(\x0b\x32#.forge.feedback.v1.PairwiseAccuracy\x12\x15\n\rregistered_by\x18\t \x01(\t\x12\x35\n\x11status_changed_at\x18\n \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x19\n\x11status_changed_by\x18\x0b \x01(\t\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"S\n\x17ListRewardModelsRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12*\n\x04page\x18\x02 \x01(\x0b\x32\x1c.forge.common.v1.PageRequest\"z\n\x18ListRewardModelsResponse\x12\x35\n\rreward_models\x18\x01 \x03(\x0b\x32\x1e.forge.feedback.v1.RewardModel\x12\'\n\x04page\x18\x02 \x01(\x0b\x32\x19.forge.common.v1.PageInfo\"\xab\x02\n\x1aRegisterRewardModelRequest\x12&\n\x03ref\x18\x01 \x01(\x0b\x32\x19.forge.common.v1.ModelRef\x12\x0b\n\x03uri\x18\x02 \x01(\t\x12K\n\x07metrics\x18\x03 \x03(\x0b\x32:.forge.feedback.v1.RegisterRewardModelRequest.MetricsEntry\x12\x13\n\x0bsnapshot_id\x18\x04 \x01(\t\x12\x10\n\x08\x62\x61\x63kbone\x18\x05 \x01(\t\x12\x34\n\x07heldout\x18\x06 \x01(\x0b\x32#.forge.feedback.v1.PairwiseAccuracy\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"S\n\x1bRegisterRewardModelResponse\x12\x34\n\x0creward_model\x18\x01 \x01(\x0b\x32\x1e.forge.feedback.v1.RewardModel\"?\n\x15GetRewardModelRequest\x12&\n\x03ref\x18\x01 \x01(\x0b\x32\x19.forge.common.v1.ModelRef\"N\n\x16GetRewardModelResponse\x12\x34\n\x0creward_model\x18\x01 \x01(\x0b\x32\x1e.forge.feedback.v1.RewardModel\"{\n\x1bSetRewardModelStatusRequest\x12&\n\x03ref\x18\x01 \x01(\x0b\x32\x19.forge.common.v1.ModelRef\x12\x34\n\x06status\x18\x02 \x01(\x0e\x32$.forge.feedback.v1.RewardModelStatus\"T\n\x1cSetRewardModelStatusResponse\x12\x34\n\x0creward_model\x18\x01 \x01(\x0b\x32\x1e.forge.feedback.v1.RewardModel*\x9c\x01\n\x11RewardModelStatus\x12#\n\x1fREWARD_MODEL_STATUS_UNSPECIFIED\x10\x00\x12!\n\x1dREWARD_MODEL_STATUS_CANDIDATE\x10\x01\x12\x1e\n\x1aREWARD_MODEL_STATUS_ACTIVE\x10\x02\x12\x1f\n\x1bREWARD_MODEL_STATUS_RETIRED\x10\x03\x32\xbb\x05\n\x19PreferenceFeedbackService\x12n\n\x11GetNextComparison\x12+.forge.feedback.v1.GetNextComparisonRequest\x1a,.forge.feedback.v1.GetNextComparisonResponse\x12k\n\x10SubmitPreference\x12*.forge.feedback.v1.SubmitPreferenceRequest\x1a+.forge.feedback.v1.SubmitPreferenceResponse\x12k\n\x10ListRewardModels\x12*.forge.feedback.v1.ListRewardModelsRequest\x1a+.forge.feedback.v1.ListRewardModelsResponse\x12t\n\x13RegisterRewardModel\x12-.forge.feedback.v1.RegisterRewardModelRequest\x1a..forge.feedback.v1.RegisterRewardModelResponse\x12\x65\n\x0eGetRewardModel\x12(.forge.feedback.v1.GetRewardModelRequest\x1a).forge.feedback.v1.GetRewardModelResponse\x12w\n\x14SetRewardModelStatus\x12..forge.feedback.v1.SetRewardModelStatusRequest\x1a/.forge.feedback.v1.SetRewardModelStatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,32 +37,44 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REWARDMODEL_METRICSENTRY']._serialized_options = b'8\001'
   _globals['_REGISTERREWARDMODELREQUEST_METRICSENTRY']._loaded_options = None
   _globals['_REGISTERREWARDMODELREQUEST_METRICSENTRY']._serialized_options = b'8\001'
-  _globals['_RESPONSE']._serialized_start=118
-  _globals['_RESPONSE']._serialized_end=196
-  _globals['_COMPARISON']._serialized_start=199
-  _globals['_COMPARISON']._serialized_end=337
-  _globals['_GETNEXTCOMPARISONREQUEST']._serialized_start=339
-  _globals['_GETNEXTCOMPARISONREQUEST']._serialized_end=383
-  _globals['_GETNEXTCOMPARISONRESPONSE']._serialized_start=385
-  _globals['_GETNEXTCOMPARISONRESPONSE']._serialized_end=463
-  _globals['_SUBMITPREFERENCEREQUEST']._serialized_start=466
-  _globals['_SUBMITPREFERENCEREQUEST']._serialized_end=622
-  _globals['_SUBMITPREFERENCERESPONSE']._serialized_start=624
-  _globals['_SUBMITPREFERENCERESPONSE']._serialized_end=673
-  _globals['_REWARDMODEL']._serialized_start=676
-  _globals['_REWARDMODEL']._serialized_end=900
-  _globals['_REWARDMODEL_METRICSENTRY']._serialized_start=854
-  _globals['_REWARDMODEL_METRICSENTRY']._serialized_end=900
-  _globals['_LISTREWARDMODELSREQUEST']._serialized_start=902
-  _globals['_LISTREWARDMODELSREQUEST']._serialized_end=985
-  _globals['_LISTREWARDMODELSRESPONSE']._serialized_start=987
-  _globals['_LISTREWARDMODELSRESPONSE']._serialized_end=1109
-  _globals['_REGISTERREWARDMODELREQUEST']._serialized_start=1112
-  _globals['_REGISTERREWARDMODELREQUEST']._serialized_end=1318
-  _globals['_REGISTERREWARDMODELREQUEST_METRICSENTRY']._serialized_start=854
-  _globals['_REGISTERREWARDMODELREQUEST_METRICSENTRY']._serialized_end=900
-  _globals['_REGISTERREWARDMODELRESPONSE']._serialized_start=1320
-  _globals['_REGISTERREWARDMODELRESPONSE']._serialized_end=1403
-  _globals['_PREFERENCEFEEDBACKSERVICE']._serialized_start=1406
-  _globals['_PREFERENCEFEEDBACKSERVICE']._serialized_end=1881
+  _globals['_REWARDMODELSTATUS']._serialized_start=2211
+  _globals['_REWARDMODELSTATUS']._serialized_end=2367
+  _globals['_PAIRWISEACCURACY']._serialized_start=118
+  _globals['_PAIRWISEACCURACY']._serialized_end=220
+  _globals['_RESPONSE']._serialized_start=222
+  _globals['_RESPONSE']._serialized_end=300
+  _globals['_COMPARISON']._serialized_start=303
+  _globals['_COMPARISON']._serialized_end=441
+  _globals['_GETNEXTCOMPARISONREQUEST']._serialized_start=443
+  _globals['_GETNEXTCOMPARISONREQUEST']._serialized_end=487
+  _globals['_GETNEXTCOMPARISONRESPONSE']._serialized_start=489
+  _globals['_GETNEXTCOMPARISONRESPONSE']._serialized_end=567
+  _globals['_SUBMITPREFERENCEREQUEST']._serialized_start=570
+  _globals['_SUBMITPREFERENCEREQUEST']._serialized_end=726
+  _globals['_SUBMITPREFERENCERESPONSE']._serialized_start=728
+  _globals['_SUBMITPREFERENCERESPONSE']._serialized_end=777
+  _globals['_REWARDMODEL']._serialized_start=780
+  _globals['_REWARDMODEL']._serialized_end=1256
+  _globals['_REWARDMODEL_METRICSENTRY']._serialized_start=1210
+  _globals['_REWARDMODEL_METRICSENTRY']._serialized_end=1256
+  _globals['_LISTREWARDMODELSREQUEST']._serialized_start=1258
+  _globals['_LISTREWARDMODELSREQUEST']._serialized_end=1341
+  _globals['_LISTREWARDMODELSRESPONSE']._serialized_start=1343
+  _globals['_LISTREWARDMODELSRESPONSE']._serialized_end=1465
+  _globals['_REGISTERREWARDMODELREQUEST']._serialized_start=1468
+  _globals['_REGISTERREWARDMODELREQUEST']._serialized_end=1767
+  _globals['_REGISTERREWARDMODELREQUEST_METRICSENTRY']._serialized_start=1210
+  _globals['_REGISTERREWARDMODELREQUEST_METRICSENTRY']._serialized_end=1256
+  _globals['_REGISTERREWARDMODELRESPONSE']._serialized_start=1769
+  _globals['_REGISTERREWARDMODELRESPONSE']._serialized_end=1852
+  _globals['_GETREWARDMODELREQUEST']._serialized_start=1854
+  _globals['_GETREWARDMODELREQUEST']._serialized_end=1917
+  _globals['_GETREWARDMODELRESPONSE']._serialized_start=1919
+  _globals['_GETREWARDMODELRESPONSE']._serialized_end=1997
+  _globals['_SETREWARDMODELSTATUSREQUEST']._serialized_start=1999
+  _globals['_SETREWARDMODELSTATUSREQUEST']._serialized_end=2122
+  _globals['_SETREWARDMODELSTATUSRESPONSE']._serialized_start=2124
+  _globals['_SETREWARDMODELSTATUSRESPONSE']._serialized_end=2208
+  _globals['_PREFERENCEFEEDBACKSERVICE']._serialized_start=2370
+  _globals['_PREFERENCEFEEDBACKSERVICE']._serialized_end=3069
 # @@protoc_insertion_point(module_scope)

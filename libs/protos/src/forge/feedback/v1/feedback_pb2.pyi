@@ -9,6 +9,7 @@ from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -19,6 +20,74 @@ else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class _RewardModelStatus:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _RewardModelStatusEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_RewardModelStatus.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    REWARD_MODEL_STATUS_UNSPECIFIED: _RewardModelStatus.ValueType  # 0
+    """Not set; refused where a status is required."""
+    REWARD_MODEL_STATUS_CANDIDATE: _RewardModelStatus.ValueType  # 1
+    """Registered, not yet chosen."""
+    REWARD_MODEL_STATUS_ACTIVE: _RewardModelStatus.ValueType  # 2
+    """The version RLHF rounds use; at most one per name."""
+    REWARD_MODEL_STATUS_RETIRED: _RewardModelStatus.ValueType  # 3
+    """No longer to be used."""
+
+class RewardModelStatus(_RewardModelStatus, metaclass=_RewardModelStatusEnumTypeWrapper):
+    """Where a reward-model version stands."""
+
+REWARD_MODEL_STATUS_UNSPECIFIED: RewardModelStatus.ValueType  # 0
+"""Not set; refused where a status is required."""
+REWARD_MODEL_STATUS_CANDIDATE: RewardModelStatus.ValueType  # 1
+"""Registered, not yet chosen."""
+REWARD_MODEL_STATUS_ACTIVE: RewardModelStatus.ValueType  # 2
+"""The version RLHF rounds use; at most one per name."""
+REWARD_MODEL_STATUS_RETIRED: RewardModelStatus.ValueType  # 3
+"""No longer to be used."""
+Global___RewardModelStatus: _TypeAlias = RewardModelStatus  # noqa: Y015
+
+@_typing.final
+class PairwiseAccuracy(_message.Message):
+    """Pairwise accuracy on held-out human preference pairs: the share of pairs whose chosen response
+    scores above the rejected one (a tie counts one half), with its 95% interval.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ACCURACY_FIELD_NUMBER: _builtins.int
+    CI95_LOW_FIELD_NUMBER: _builtins.int
+    CI95_HIGH_FIELD_NUMBER: _builtins.int
+    N_FIELD_NUMBER: _builtins.int
+    INTERVAL_FIELD_NUMBER: _builtins.int
+    accuracy: _builtins.float
+    """Accuracy in [0, 1]."""
+    ci95_low: _builtins.float
+    """Lower end of the 95% interval."""
+    ci95_high: _builtins.float
+    """Upper end of the 95% interval."""
+    n: _builtins.int
+    """Pairs scored."""
+    interval: _builtins.str
+    """How the interval was computed: "wilson" or "bootstrap"."""
+    def __init__(
+        self,
+        *,
+        accuracy: _builtins.float = ...,
+        ci95_low: _builtins.float = ...,
+        ci95_high: _builtins.float = ...,
+        n: _builtins.int = ...,
+        interval: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accuracy", b"accuracy", "ci95_high", b"ci95_high", "ci95_low", b"ci95_low", "interval", b"interval", "n", b"n"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PairwiseAccuracy: _TypeAlias = PairwiseAccuracy  # noqa: Y015
 
 @_typing.final
 class Response(_message.Message):
@@ -198,7 +267,7 @@ Global___SubmitPreferenceResponse: _TypeAlias = SubmitPreferenceResponse  # noqa
 
 @_typing.final
 class RewardModel(_message.Message):
-    """A trained reward model."""
+    """A trained reward model version. Everything but the status is fixed at registration."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -226,19 +295,44 @@ class RewardModel(_message.Message):
     URI_FIELD_NUMBER: _builtins.int
     METRICS_FIELD_NUMBER: _builtins.int
     CREATED_AT_FIELD_NUMBER: _builtins.int
+    STATUS_FIELD_NUMBER: _builtins.int
+    SNAPSHOT_ID_FIELD_NUMBER: _builtins.int
+    BACKBONE_FIELD_NUMBER: _builtins.int
+    HELDOUT_FIELD_NUMBER: _builtins.int
+    REGISTERED_BY_FIELD_NUMBER: _builtins.int
+    STATUS_CHANGED_AT_FIELD_NUMBER: _builtins.int
+    STATUS_CHANGED_BY_FIELD_NUMBER: _builtins.int
     uri: _builtins.str
-    """Object-store URI of its files."""
+    """Checkpoint location: object-store URI of its Hugging Face files."""
+    status: Global___RewardModelStatus.ValueType
+    """Where it stands."""
+    snapshot_id: _builtins.str
+    """The training snapshot it was trained on (the snapshot id of `forge feedback export`)."""
+    backbone: _builtins.str
+    """The model it was initialised from, e.g. "forge-policy-tiny:3" or "all-MiniLM-L6-v2"."""
+    registered_by: _builtins.str
+    """Who registered it."""
+    status_changed_by: _builtins.str
+    """Who last changed the status."""
     @_builtins.property
     def ref(self) -> _common_pb2.ModelRef:
         """Name and version."""
 
     @_builtins.property
     def metrics(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
-        """Validation metrics, e.g. "pairwise_accuracy"."""
+        """Further validation metrics, e.g. "val_loss"."""
 
     @_builtins.property
     def created_at(self) -> _timestamp_pb2.Timestamp:
         """When it was registered."""
+
+    @_builtins.property
+    def heldout(self) -> Global___PairwiseAccuracy:
+        """Held-out pairwise accuracy with its interval."""
+
+    @_builtins.property
+    def status_changed_at(self) -> _timestamp_pb2.Timestamp:
+        """When the status last changed (unset while it is the registration's CANDIDATE)."""
 
     def __init__(
         self,
@@ -247,10 +341,17 @@ class RewardModel(_message.Message):
         uri: _builtins.str = ...,
         metrics: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
         created_at: _timestamp_pb2.Timestamp | None = ...,
+        status: Global___RewardModelStatus.ValueType = ...,
+        snapshot_id: _builtins.str = ...,
+        backbone: _builtins.str = ...,
+        heldout: Global___PairwiseAccuracy | None = ...,
+        registered_by: _builtins.str = ...,
+        status_changed_at: _timestamp_pb2.Timestamp | None = ...,
+        status_changed_by: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "ref", b"ref"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "heldout", b"heldout", "ref", b"ref", "status_changed_at", b"status_changed_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "metrics", b"metrics", "ref", b"ref", "uri", b"uri"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backbone", b"backbone", "created_at", b"created_at", "heldout", b"heldout", "metrics", b"metrics", "ref", b"ref", "registered_by", b"registered_by", "snapshot_id", b"snapshot_id", "status", b"status", "status_changed_at", b"status_changed_at", "status_changed_by", b"status_changed_by", "uri", b"uri"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -343,15 +444,26 @@ class RegisterRewardModelRequest(_message.Message):
     REF_FIELD_NUMBER: _builtins.int
     URI_FIELD_NUMBER: _builtins.int
     METRICS_FIELD_NUMBER: _builtins.int
+    SNAPSHOT_ID_FIELD_NUMBER: _builtins.int
+    BACKBONE_FIELD_NUMBER: _builtins.int
+    HELDOUT_FIELD_NUMBER: _builtins.int
     uri: _builtins.str
-    """Object-store URI of its files."""
+    """Checkpoint location: object-store URI of its Hugging Face files."""
+    snapshot_id: _builtins.str
+    """The training snapshot it was trained on (required)."""
+    backbone: _builtins.str
+    """The model it was initialised from (required)."""
     @_builtins.property
     def ref(self) -> _common_pb2.ModelRef:
-        """Name and version."""
+        """Name and version; an empty version takes the next integer."""
 
     @_builtins.property
     def metrics(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
-        """Validation metrics."""
+        """Further validation metrics."""
+
+    @_builtins.property
+    def heldout(self) -> Global___PairwiseAccuracy:
+        """Held-out pairwise accuracy with its interval (required)."""
 
     def __init__(
         self,
@@ -359,10 +471,13 @@ class RegisterRewardModelRequest(_message.Message):
         ref: _common_pb2.ModelRef | None = ...,
         uri: _builtins.str = ...,
         metrics: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
+        snapshot_id: _builtins.str = ...,
+        backbone: _builtins.str = ...,
+        heldout: Global___PairwiseAccuracy | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["ref", b"ref"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["heldout", b"heldout", "ref", b"ref"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["metrics", b"metrics", "ref", b"ref", "uri", b"uri"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backbone", b"backbone", "heldout", b"heldout", "metrics", b"metrics", "ref", b"ref", "snapshot_id", b"snapshot_id", "uri", b"uri"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -391,3 +506,103 @@ class RegisterRewardModelResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RegisterRewardModelResponse: _TypeAlias = RegisterRewardModelResponse  # noqa: Y015
+
+@_typing.final
+class GetRewardModelRequest(_message.Message):
+    """Request of GetRewardModel."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REF_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def ref(self) -> _common_pb2.ModelRef:
+        """Name and version; version "latest" or "active" picks one (see the RPC)."""
+
+    def __init__(
+        self,
+        *,
+        ref: _common_pb2.ModelRef | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ref", b"ref"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ref", b"ref"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetRewardModelRequest: _TypeAlias = GetRewardModelRequest  # noqa: Y015
+
+@_typing.final
+class GetRewardModelResponse(_message.Message):
+    """Response of GetRewardModel."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REWARD_MODEL_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def reward_model(self) -> Global___RewardModel:
+        """The reward model."""
+
+    def __init__(
+        self,
+        *,
+        reward_model: Global___RewardModel | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["reward_model", b"reward_model"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["reward_model", b"reward_model"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetRewardModelResponse: _TypeAlias = GetRewardModelResponse  # noqa: Y015
+
+@_typing.final
+class SetRewardModelStatusRequest(_message.Message):
+    """Request of SetRewardModelStatus."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REF_FIELD_NUMBER: _builtins.int
+    STATUS_FIELD_NUMBER: _builtins.int
+    status: Global___RewardModelStatus.ValueType
+    """The new status."""
+    @_builtins.property
+    def ref(self) -> _common_pb2.ModelRef:
+        """Name and version."""
+
+    def __init__(
+        self,
+        *,
+        ref: _common_pb2.ModelRef | None = ...,
+        status: Global___RewardModelStatus.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ref", b"ref"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ref", b"ref", "status", b"status"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SetRewardModelStatusRequest: _TypeAlias = SetRewardModelStatusRequest  # noqa: Y015
+
+@_typing.final
+class SetRewardModelStatusResponse(_message.Message):
+    """Response of SetRewardModelStatus."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REWARD_MODEL_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def reward_model(self) -> Global___RewardModel:
+        """The reward model with its new status."""
+
+    def __init__(
+        self,
+        *,
+        reward_model: Global___RewardModel | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["reward_model", b"reward_model"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["reward_model", b"reward_model"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SetRewardModelStatusResponse: _TypeAlias = SetRewardModelStatusResponse  # noqa: Y015

@@ -56,6 +56,16 @@ class PreferenceFeedbackServiceStub:
                 request_serializer=forge_dot_feedback_dot_v1_dot_feedback__pb2.RegisterRewardModelRequest.SerializeToString,
                 response_deserializer=forge_dot_feedback_dot_v1_dot_feedback__pb2.RegisterRewardModelResponse.FromString,
                 _registered_method=True)
+        self.GetRewardModel = channel.unary_unary(
+                '/forge.feedback.v1.PreferenceFeedbackService/GetRewardModel',
+                request_serializer=forge_dot_feedback_dot_v1_dot_feedback__pb2.GetRewardModelRequest.SerializeToString,
+                response_deserializer=forge_dot_feedback_dot_v1_dot_feedback__pb2.GetRewardModelResponse.FromString,
+                _registered_method=True)
+        self.SetRewardModelStatus = channel.unary_unary(
+                '/forge.feedback.v1.PreferenceFeedbackService/SetRewardModelStatus',
+                request_serializer=forge_dot_feedback_dot_v1_dot_feedback__pb2.SetRewardModelStatusRequest.SerializeToString,
+                response_deserializer=forge_dot_feedback_dot_v1_dot_feedback__pb2.SetRewardModelStatusResponse.FromString,
+                _registered_method=True)
 
 
 class PreferenceFeedbackServiceServicer:
@@ -78,14 +88,30 @@ class PreferenceFeedbackServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListRewardModels(self, request, context):
-        """Registered reward models.
+        """Registered reward models, newest first.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def RegisterRewardModel(self, request, context):
-        """Register a trained reward model.
+        """Register a trained reward model as a new immutable version (status CANDIDATE). Admins only.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetRewardModel(self, request, context):
+        """One reward model by name and version; version "latest" is the newest registered version and
+        "active" the active one (of any name when the name is empty). NOT_FOUND when there is none.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetRewardModelStatus(self, request, context):
+        """Move a version between CANDIDATE, ACTIVE and RETIRED, the only field that ever changes;
+        activating one retires the name's previously active version. Admins only.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -113,6 +139,16 @@ def add_PreferenceFeedbackServiceServicer_to_server(servicer, server):
                     servicer.RegisterRewardModel,
                     request_deserializer=forge_dot_feedback_dot_v1_dot_feedback__pb2.RegisterRewardModelRequest.FromString,
                     response_serializer=forge_dot_feedback_dot_v1_dot_feedback__pb2.RegisterRewardModelResponse.SerializeToString,
+            ),
+            'GetRewardModel': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetRewardModel,
+                    request_deserializer=forge_dot_feedback_dot_v1_dot_feedback__pb2.GetRewardModelRequest.FromString,
+                    response_serializer=forge_dot_feedback_dot_v1_dot_feedback__pb2.GetRewardModelResponse.SerializeToString,
+            ),
+            'SetRewardModelStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetRewardModelStatus,
+                    request_deserializer=forge_dot_feedback_dot_v1_dot_feedback__pb2.SetRewardModelStatusRequest.FromString,
+                    response_serializer=forge_dot_feedback_dot_v1_dot_feedback__pb2.SetRewardModelStatusResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -225,6 +261,60 @@ class PreferenceFeedbackService:
             '/forge.feedback.v1.PreferenceFeedbackService/RegisterRewardModel',
             forge_dot_feedback_dot_v1_dot_feedback__pb2.RegisterRewardModelRequest.SerializeToString,
             forge_dot_feedback_dot_v1_dot_feedback__pb2.RegisterRewardModelResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetRewardModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/forge.feedback.v1.PreferenceFeedbackService/GetRewardModel',
+            forge_dot_feedback_dot_v1_dot_feedback__pb2.GetRewardModelRequest.SerializeToString,
+            forge_dot_feedback_dot_v1_dot_feedback__pb2.GetRewardModelResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetRewardModelStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/forge.feedback.v1.PreferenceFeedbackService/SetRewardModelStatus',
+            forge_dot_feedback_dot_v1_dot_feedback__pb2.SetRewardModelStatusRequest.SerializeToString,
+            forge_dot_feedback_dot_v1_dot_feedback__pb2.SetRewardModelStatusResponse.FromString,
             options,
             channel_credentials,
             insecure,

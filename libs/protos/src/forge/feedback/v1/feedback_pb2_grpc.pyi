@@ -40,9 +40,17 @@ class PreferenceFeedbackServiceStub:
     SubmitPreference: _grpc.UnaryUnaryMultiCallable[_feedback_pb2.SubmitPreferenceRequest, _feedback_pb2.SubmitPreferenceResponse]
     """Record a rater's preference. Publishes PreferenceRecorded. Idempotent per (comparison, rater)."""
     ListRewardModels: _grpc.UnaryUnaryMultiCallable[_feedback_pb2.ListRewardModelsRequest, _feedback_pb2.ListRewardModelsResponse]
-    """Registered reward models."""
+    """Registered reward models, newest first."""
     RegisterRewardModel: _grpc.UnaryUnaryMultiCallable[_feedback_pb2.RegisterRewardModelRequest, _feedback_pb2.RegisterRewardModelResponse]
-    """Register a trained reward model."""
+    """Register a trained reward model as a new immutable version (status CANDIDATE). Admins only."""
+    GetRewardModel: _grpc.UnaryUnaryMultiCallable[_feedback_pb2.GetRewardModelRequest, _feedback_pb2.GetRewardModelResponse]
+    """One reward model by name and version; version "latest" is the newest registered version and
+    "active" the active one (of any name when the name is empty). NOT_FOUND when there is none.
+    """
+    SetRewardModelStatus: _grpc.UnaryUnaryMultiCallable[_feedback_pb2.SetRewardModelStatusRequest, _feedback_pb2.SetRewardModelStatusResponse]
+    """Move a version between CANDIDATE, ACTIVE and RETIRED, the only field that ever changes;
+    activating one retires the name's previously active version. Admins only.
+    """
 
 @_typing.type_check_only
 class PreferenceFeedbackServiceAsyncStub(PreferenceFeedbackServiceStub):
@@ -56,9 +64,17 @@ class PreferenceFeedbackServiceAsyncStub(PreferenceFeedbackServiceStub):
     SubmitPreference: _aio.UnaryUnaryMultiCallable[_feedback_pb2.SubmitPreferenceRequest, _feedback_pb2.SubmitPreferenceResponse]  # type: ignore[assignment]
     """Record a rater's preference. Publishes PreferenceRecorded. Idempotent per (comparison, rater)."""
     ListRewardModels: _aio.UnaryUnaryMultiCallable[_feedback_pb2.ListRewardModelsRequest, _feedback_pb2.ListRewardModelsResponse]  # type: ignore[assignment]
-    """Registered reward models."""
+    """Registered reward models, newest first."""
     RegisterRewardModel: _aio.UnaryUnaryMultiCallable[_feedback_pb2.RegisterRewardModelRequest, _feedback_pb2.RegisterRewardModelResponse]  # type: ignore[assignment]
-    """Register a trained reward model."""
+    """Register a trained reward model as a new immutable version (status CANDIDATE). Admins only."""
+    GetRewardModel: _aio.UnaryUnaryMultiCallable[_feedback_pb2.GetRewardModelRequest, _feedback_pb2.GetRewardModelResponse]  # type: ignore[assignment]
+    """One reward model by name and version; version "latest" is the newest registered version and
+    "active" the active one (of any name when the name is empty). NOT_FOUND when there is none.
+    """
+    SetRewardModelStatus: _aio.UnaryUnaryMultiCallable[_feedback_pb2.SetRewardModelStatusRequest, _feedback_pb2.SetRewardModelStatusResponse]  # type: ignore[assignment]
+    """Move a version between CANDIDATE, ACTIVE and RETIRED, the only field that ever changes;
+    activating one retires the name's previously active version. Admins only.
+    """
 
 class PreferenceFeedbackServiceServicer(metaclass=_abc_1.ABCMeta):
     """Preference feedback. Called by the rater web UI (comparisons, preferences) and the
@@ -87,7 +103,7 @@ class PreferenceFeedbackServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _feedback_pb2.ListRewardModelsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_feedback_pb2.ListRewardModelsResponse, _abc.Awaitable[_feedback_pb2.ListRewardModelsResponse]]:
-        """Registered reward models."""
+        """Registered reward models, newest first."""
 
     @_abc_1.abstractmethod
     def RegisterRewardModel(
@@ -95,6 +111,26 @@ class PreferenceFeedbackServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _feedback_pb2.RegisterRewardModelRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_feedback_pb2.RegisterRewardModelResponse, _abc.Awaitable[_feedback_pb2.RegisterRewardModelResponse]]:
-        """Register a trained reward model."""
+        """Register a trained reward model as a new immutable version (status CANDIDATE). Admins only."""
+
+    @_abc_1.abstractmethod
+    def GetRewardModel(
+        self,
+        request: _feedback_pb2.GetRewardModelRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_feedback_pb2.GetRewardModelResponse, _abc.Awaitable[_feedback_pb2.GetRewardModelResponse]]:
+        """One reward model by name and version; version "latest" is the newest registered version and
+        "active" the active one (of any name when the name is empty). NOT_FOUND when there is none.
+        """
+
+    @_abc_1.abstractmethod
+    def SetRewardModelStatus(
+        self,
+        request: _feedback_pb2.SetRewardModelStatusRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_feedback_pb2.SetRewardModelStatusResponse, _abc.Awaitable[_feedback_pb2.SetRewardModelStatusResponse]]:
+        """Move a version between CANDIDATE, ACTIVE and RETIRED, the only field that ever changes;
+        activating one retires the name's previously active version. Admins only.
+        """
 
 def add_PreferenceFeedbackServiceServicer_to_server(servicer: PreferenceFeedbackServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,0 +1,96 @@
+"""The hot path's transactions: SQLite group commit (savepoint per unit, durable before the
+answer) and the session check's in-process memory."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import sqlite3
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import pytest
+import sqlalchemy as sa
+from argon2 import PasswordHasher
+from prometheus_client import REGISTRY
+
+from forge_kit.db import Database
+from forge_preference_feedback.service import FeedbackService
+from forge_preference_feedback.store import SessionRow, SqliteGroupCommit
+
+if TYPE_CHECKING:
+    from conftest import Clock
+
+pytestmark = pytest.mark.asyncio
+NOTES = sa.table("notes", sa.column("id", sa.Integer), sa.column("text", sa.String))
+
+
+def committed_units() -> float:
+    """Units the group-commit writers have run, from their Prometheus histogram."""
+    return REGISTRY.get_sample_value("forge_feedback_group_commit_units_sum") or 0.0
+
+
+async def test_group_commit_undoes_only_the_failing_unit_and_answers_after_commit(db: Database) -> None:
+    path = db.engine.url.database
+    assert path
+    with sqlite3.connect(path) as setup:
+        setup.execute("CREATE TABLE notes (id INTEGER PRIMARY KEY, text TEXT NOT NULL)")
+    writer = SqliteGroupCommit(db.url)
+    units_before = committed_units()
+
+    def write(i: int) -> Callable[[sa.Connection], int]:
+        def unit(conn: sa.Connection) -> int:
+            conn.execute(sa.insert(NOTES).values(id=i, text=f"note {i}"))
+            if i % 3 == 0:
+                raise ValueError(f"unit {i} fails after writing")
+            return i
+
+        return unit
+
+    try:
+        results = await asyncio.gather(*(writer.run(write(i)) for i in range(1, 31)), return_exceptions=True)
+        # Each answer came after its commit: another connection sees exactly the surviving rows.
+        with sqlite3.connect(path) as reader:
+            stored = [row[0] for row in reader.execute("SELECT id FROM notes ORDER BY id")]
+    finally:
+        await writer.close()
+    assert [r for r in results if isinstance(r, ValueError)] and len(results) == 30
+    assert stored == [i for i in range(1, 31) if i % 3] == [r for r in results if isinstance(r, int)]
+    assert committed_units() - units_before == 30
+
+
+async def test_a_failed_commit_fails_every_unit_of_the_batch(db: Database) -> None:
+    writer = SqliteGroupCommit(db.url)
+    try:
+        with pytest.raises(sa.exc.OperationalError, match="no such table"):
+            await writer.run(lambda conn: conn.execute(sa.text("INSERT INTO missing VALUES (1)")))
+        assert await writer.run(lambda conn: conn.execute(sa.text("SELECT 41 + 1")).scalar_one()) == 42
+    finally:
+        await writer.close()
+
+
+async def test_sessions_are_remembered_briefly_and_logout_ends_them_at_once(
+    db: Database, clock: Clock
+) -> None:
+    fast = PasswordHasher(time_cost=1, memory_cost=8, parallelism=1)
+    service = FeedbackService(
+        db, clock=clock, hasher=fast, session_ttl=dt.timedelta(hours=1), session_cache=dt.timedelta(seconds=5)
+    )
+    await service.create_rater("alice", "correct horse battery")
+    token, _ = await service.login("alice", "correct horse battery")
+    assert (await service.session_for(token)) is not None
+    # Another replica logs the session out (the row goes): this process notices within 5 s.
+    async with db.session() as session:
+        await session.execute(sa.delete(SessionRow))
+    assert (await service.session_for(token)) is not None
+    clock.advance(6)
+    assert (await service.session_for(token)) is None
+    # A logout here takes effect at once; an expired session is never served from memory.
+    token, _ = await service.login("alice", "correct horse battery")
+    assert (await service.session_for(token)) is not None
+    await service.logout(token)
+    assert (await service.session_for(token)) is None
+    token, _ = await service.login("alice", "correct horse battery")
+    assert (await service.session_for(token)) is not None
+    clock.advance(3600)
+    assert (await service.session_for(token)) is None
