@@ -5,17 +5,87 @@ each can be killed and started again in place."""
 from __future__ import annotations
 
 import asyncio
+import os
+import shutil
 import sqlite3
+import subprocess
+import tempfile
 import time
 import urllib.request
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
+
+import asyncpg
 
 from forge_kit.events import ensure_topics
 from forge_kit.testing import ServiceProcess, TansuBroker, TemporalDevServer, free_port
 
 SCHEDULER_TOKEN = "faults-scheduler-token"
 ORCHESTRATOR_TOKEN = "faults-orchestrator-token"
+
+
+class PrivatePostgres:
+    """A PostgreSQL cluster of our own (``initdb`` in a temporary folder, a free port), so the
+    suite can crash and restart it without touching the machine's shared server. ``restart()``
+    stops it in ``immediate`` mode — no checkpoint, crash recovery on start, as after kill -9."""
+
+    def __init__(self) -> None:
+        # Its own folder under /tmp, not pytest's (root-only) one: as root, the server runs as
+        # the ``postgres`` user, which must be able to reach it.
+        self.root = Path(tempfile.mkdtemp(prefix="forge-faults-pg-"))
+        self.data = self.root / "pgdata"
+        self.port = free_port()
+        self.log = self.root / "postgres.log"
+        self._as_postgres = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
+
+    @staticmethod
+    def available() -> bool:
+        return shutil.which("pg_ctl") is not None and shutil.which("initdb") is not None
+
+    def _run(self, *argv: str) -> None:
+        subprocess.run([*self._as_postgres, *argv], check=True, capture_output=True, timeout=120)
+
+    def init(self) -> PrivatePostgres:
+        if self._as_postgres:
+            shutil.chown(self.root, "postgres")
+        self._run("initdb", "-D", str(self.data), "-U", "postgres", "--auth=trust", "-E", "UTF8")
+        return self.start()
+
+    def start(self) -> PrivatePostgres:
+        options = f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1 -c fsync=on"
+        self._run("pg_ctl", "-D", str(self.data), "-l", str(self.log), "-o", options, "-w", "start")
+        return self
+
+    def stop(self, mode: str = "fast") -> None:
+        self._run("pg_ctl", "-D", str(self.data), "-m", mode, "-w", "stop")
+
+    def remove(self) -> None:
+        """Stop (if running) and delete the cluster."""
+        subprocess.run(
+            [*self._as_postgres, "pg_ctl", "-D", str(self.data), "-m", "fast", "-w", "stop"],
+            capture_output=True,
+            timeout=120,
+        )
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def restart(self) -> float:
+        """Crash-stop and start again; seconds until it accepts connections."""
+        self.stop("immediate")
+        stopped = time.monotonic()
+        self.start()
+        return time.monotonic() - stopped
+
+    def create_database(self, name: str) -> str:
+        async def create() -> None:
+            conn = await asyncpg.connect(f"postgresql://postgres@127.0.0.1:{self.port}/postgres")
+            try:
+                await conn.execute(f'CREATE DATABASE "{name}"')
+            finally:
+                await conn.close()
+
+        asyncio.run(create())
+        return f"postgresql+asyncpg://postgres@127.0.0.1:{self.port}/{name}"
 
 
 @dataclass
@@ -25,6 +95,7 @@ class Platform:
     scheduler: ServiceProcess
     orchestrator: ServiceProcess
     root: Path
+    scheduler_database_url: str = field(default="")
 
     def components(self) -> dict[str, object]:
         return {
@@ -42,8 +113,19 @@ class Platform:
             ]
 
     def scheduler_jobs(self, team: str) -> list[str]:
+        if self.scheduler_database_url:
+            # A thread of its own: the caller may be inside an event loop (an async test).
+            with ThreadPoolExecutor(1) as pool:
+                return pool.submit(asyncio.run, self._postgres_jobs(team)).result()
         with sqlite3.connect(self.root / "scheduler" / "scheduler.db") as conn:
             return [str(r[0]) for r in conn.execute("SELECT id FROM jobs WHERE team = ?", (team,))]
+
+    async def _postgres_jobs(self, team: str) -> list[str]:
+        conn = await asyncpg.connect(self.scheduler_database_url.replace("postgresql+asyncpg", "postgresql"))
+        try:
+            return [str(r[0]) for r in await conn.fetch("SELECT id FROM jobs WHERE team = $1", team)]
+        finally:
+            await conn.close()
 
 
 def _http_ok(url: str) -> bool:
@@ -99,7 +181,8 @@ def start_platform(root: Path, scheduler_env: dict[str, str] | None = None) -> P
         log_path=str(root / "orchestrator.log"),
     ).start()
     wait_ready(orchestrator)
-    return Platform(broker, temporal, scheduler, orchestrator, root)
+    url = (scheduler_env or {}).get("FORGE_SCHEDULER_DATABASE_URL", "")
+    return Platform(broker, temporal, scheduler, orchestrator, root, scheduler_database_url=url)
 
 
 def stop_platform(platform: Platform) -> None:

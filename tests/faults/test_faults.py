@@ -11,10 +11,18 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
-from fault_platform import ORCHESTRATOR_TOKEN, Platform, wait_ready
+from fault_platform import (
+    ORCHESTRATOR_TOKEN,
+    Platform,
+    PrivatePostgres,
+    start_platform,
+    stop_platform,
+    wait_ready,
+)
 from forge.orchestrator.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 from google.protobuf import struct_pb2
 
@@ -131,3 +139,42 @@ async def test_temporal_restart_finishes_every_workflow(platform: Platform) -> N
     recovery = await run_workload(platform, team, restart_temporal)
     assert_nothing_lost_or_duplicated(platform, team)
     _report("temporal restart", recovery)
+
+
+@pytest.fixture(scope="module")
+def postgres_platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Platform, PrivatePostgres]]:
+    """The platform with the scheduler's state in a PostgreSQL cluster of its own."""
+    if not PrivatePostgres.available():
+        pytest.skip("PostgreSQL's initdb/pg_ctl are not installed")
+    root = tmp_path_factory.mktemp("faults-pg")
+    postgres = PrivatePostgres()
+    try:
+        postgres.init()
+        url = postgres.create_database("scheduler")
+        started = start_platform(Path(root), scheduler_env={"FORGE_SCHEDULER_DATABASE_URL": url})
+    except BaseException:
+        postgres.remove()
+        raise
+    yield started, postgres
+    stop_platform(started)
+    postgres.remove()
+
+
+@pytest.mark.faults_full
+@pytest.mark.asyncio
+async def test_postgres_restart_loses_no_job(postgres_platform: tuple[Platform, PrivatePostgres]) -> None:
+    """The scheduler's database crashes (immediate stop: crash recovery on start) while jobs are
+    submitted, cancelled and relayed; the services ride through it on their retries."""
+    platform, postgres = postgres_platform
+    team = f"fault-pg-{uuid.uuid4().hex[:6]}"
+
+    def restart_postgres() -> float:
+        stopped = time.monotonic()
+        postgres.restart()
+        wait_ready(platform.scheduler)
+        return time.monotonic() - stopped
+
+    recovery = await run_workload(platform, team, restart_postgres)
+    assert_nothing_lost_or_duplicated(platform, team)
+    _report("postgresql restart", recovery)
+    assert recovery <= 10
