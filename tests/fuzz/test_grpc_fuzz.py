@@ -18,7 +18,11 @@ from typing import Any
 import grpc
 import pytest
 from forge.common.v1 import common_pb2
+from forge.eval.v1 import eval_pb2
+from forge.feedback.v1 import feedback_pb2
+from forge.inference.v1 import inference_pb2
 from forge.rerank.v1 import rerank_pb2
+from forge.retrieval.v1 import retrieval_pb2
 from forge.scheduler.v1 import scheduler_pb2
 from forge.trainer.v1 import trainer_pb2
 from google.protobuf.message import Message
@@ -49,6 +53,35 @@ TARGETS = {
         trainer_pb2.DESCRIPTOR.services_by_name["TrainerAgentService"],
         {},
     ),
+    "forge_retriever": (
+        "FORGE_RETRIEVER_",
+        retrieval_pb2.DESCRIPTOR.services_by_name["RetrieverService"],
+        {},
+    ),
+    "forge_eval": ("FORGE_EVAL_", eval_pb2.DESCRIPTOR.services_by_name["EvalService"], {}),
+    "forge_preference_feedback": (
+        "FORGE_PREFERENCE_FEEDBACK_",
+        feedback_pb2.DESCRIPTOR.services_by_name["PreferenceFeedbackService"],
+        {},
+    ),
+    "forge_model_server": (
+        "FORGE_MODEL_SERVER_",
+        inference_pb2.DESCRIPTOR.services_by_name["InferenceService"],
+        {},
+    ),
+    "forge_inference_gateway": (
+        "FORGE_INFERENCE_GATEWAY_",
+        inference_pb2.DESCRIPTOR.services_by_name["InferenceService"],
+        {},
+    ),
+}
+#: Settings a service needs to start on its own, beyond ports, data folder, token and Kafka off.
+#: The orchestrator is left out: it needs a Temporal server (its RPCs are fuzzed in its own tests).
+EXTRA_ENV = {
+    "forge_trainer_agent": {"FORGE_TRAINER_AGENT_SCHEDULER_TARGET": "127.0.0.1:1"},
+    # BM25 only: loading the embedding model adds nothing to what the request checks see.
+    "forge_retriever": {"FORGE_RETRIEVER_DENSE_ENABLED": "false"},
+    "forge_inference_gateway": {"FORGE_INFERENCE_GATEWAY_MODEL_SERVER_URL": "http://127.0.0.1:1"},
 }
 
 
@@ -66,8 +99,10 @@ def server(
         f"{prefix}KAFKA_ENABLED": "false",
         f"{prefix}AUTH_TOKEN": TOKEN,
     }
-    if module == "forge_trainer_agent":
-        env["FORGE_TRAINER_AGENT_SCHEDULER_TARGET"] = "127.0.0.1:1"
+    env.update(EXTRA_ENV.get(module, {}))
+    if module == "forge_model_server":
+        env["FORGE_MODEL_SERVER_MODELS_DIR"] = str(data / "models")
+        (data / "models").mkdir()
     process = ServiceProcess(module, env=env, log_path=str(Path(data) / "service.log"), cwd=str(data)).start()
     yield process
     process.stop()

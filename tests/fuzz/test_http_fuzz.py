@@ -142,3 +142,63 @@ def test_arbitrary_json_bodies_never_get_a_server_error(gateway: ServiceProcess,
         fuzz()
         assert client.get("/healthz").status_code == 200
     print(f"\n{path}: {sum(statuses.values())} fuzzed bodies: {dict(sorted(statuses.items()))}")
+
+
+FEEDBACK_ADMIN_PASSWORD = "fuzz-admin-password-1"
+
+
+@pytest.fixture(scope="module")
+def feedback(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServiceProcess, str]]:
+    """The preference service with its admin account, and a session token of that admin (so the
+    fuzzed requests reach past authentication into every handler)."""
+    data = tmp_path_factory.mktemp("http-fuzz-feedback")
+    process = ServiceProcess(
+        "forge_preference_feedback",
+        env={
+            "FORGE_PREFERENCE_FEEDBACK_GRPC_PORT": "0",
+            "FORGE_PREFERENCE_FEEDBACK_HTTP_PORT": "0",
+            "FORGE_PREFERENCE_FEEDBACK_DATA_DIR": str(data),
+            "FORGE_PREFERENCE_FEEDBACK_KAFKA_ENABLED": "false",
+            "FORGE_PREFERENCE_FEEDBACK_AUTH_TOKEN": "fuzz-feedback-token",
+            "FORGE_PREFERENCE_FEEDBACK_ADMIN_PASSWORD": FEEDBACK_ADMIN_PASSWORD,
+        },
+        log_path=str(data / "service.log"),
+        cwd=str(data),
+    ).start()
+    login = httpx.post(
+        f"{process.http_url}/api/v1/sessions",
+        json={"rater_id": "admin", "password": FEEDBACK_ADMIN_PASSWORD},
+        timeout=30,
+    )
+    assert login.status_code == 200, login.text
+    yield process, str(login.json()["token"])
+    process.stop()
+
+
+def test_no_generated_rater_api_request_gets_a_server_error(feedback: tuple[ServiceProcess, str]) -> None:
+    """The rater and reward-model JSON API, from the service's OpenAPI schema, as a logged-in
+    admin: every operation is reached with generated paths, queries and bodies."""
+    process, token = feedback
+    schema = schemathesis.openapi.from_url(f"{process.http_url}/openapi.json")
+    operations = [result.ok() for result in schema.get_all_operations()]
+    assert any(op.path.startswith("/api/v1/") for op in operations)
+    statuses: Counter[str] = Counter()
+    for operation in operations:
+
+        @settings(
+            max_examples=EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck)
+        )
+        @given(operation.as_strategy())
+        def fuzz(case: schemathesis.Case) -> None:
+            response = case.call(
+                base_url=process.http_url, headers={"Authorization": f"Bearer {token}"}, timeout=30
+            )
+            statuses[f"{case.method} {case.path} {response.status_code}"] += 1
+            assert response.status_code < 500, (
+                f"{case.method} {case.path}: {response.status_code} for {case.body!r}: {response.text[:300]}"
+            )
+
+        fuzz()
+    with urllib.request.urlopen(f"{process.http_url}/healthz", timeout=5) as health:
+        assert health.status == 200
+    print(f"\nfeedback HTTP: {sum(statuses.values())} fuzzed requests: {dict(sorted(statuses.items()))}")

@@ -129,3 +129,20 @@ async def test_migrate_accepts_percent_encoded_urls(postgres_url: str, tmp_path:
     await db.migrate(write_migrations(tmp_path / "migrations"))
     assert await names(db) == []
     await db.dispose()
+
+
+@pytest.mark.asyncio
+async def test_concurrent_read_then_write_units_of_work_all_commit(db: Database) -> None:
+    """Writers that read first (check, then insert — as every submit does) interleave on
+    separate connections; none may fail with "database is locked" (SQLite) or lose a row."""
+    import asyncio
+
+    async def writer(w: int) -> None:
+        for n in range(10):
+            async with db.session() as session:
+                await session.execute(sa.text("SELECT count(*) FROM widgets"))
+                await asyncio.sleep(0.005)  # another writer may commit between the read and the write
+                await session.execute(sa.text("INSERT INTO widgets (name) VALUES (:n)"), {"n": f"{w}-{n}"})
+
+    await asyncio.gather(*(writer(w) for w in range(6)))
+    assert sorted(await names(db)) == sorted(f"{w}-{n}" for w in range(6) for n in range(10))

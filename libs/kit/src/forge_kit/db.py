@@ -28,7 +28,7 @@ class Base(DeclarativeBase):
 def _sqlite_pragmas(dbapi_connection: object, _record: object) -> None:
     cursor = dbapi_connection.cursor()  # type: ignore[attr-defined]
     cursor.execute("PRAGMA journal_mode=WAL")
-    cursor.execute("PRAGMA busy_timeout=5000")
+    cursor.execute("PRAGMA busy_timeout=30000")  # as the driver's timeout: a writer queues, it does not fail
     cursor.execute("PRAGMA foreign_keys=ON")
     cursor.close()
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import datetime as dt
 import json
 import secrets
 import time
@@ -566,3 +567,16 @@ async def check_health(target: str, timeout_s: float = 2.0, tls: TlsConfig | Non
         except grpc.aio.AioRpcError:
             return False
         return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+
+def timestamp_field(message: Any, field: str) -> dt.datetime | None:
+    """The ``google.protobuf.Timestamp`` field ``field`` of ``message`` as an aware UTC datetime,
+    or ``None`` when it is unset. A value outside Timestamp's range (years 1 to 9999) is the
+    caller's error: :class:`~forge_kit.errors.ValidationError` naming the field, never INTERNAL."""
+    if not message.HasField(field):
+        return None
+    stamp = getattr(message, field)
+    try:
+        return cast(dt.datetime, stamp.ToDatetime(tzinfo=dt.UTC))
+    except (ValueError, OverflowError) as exc:
+        raise errors.ValidationError(field, f"is outside the timestamp range (years 1-9999): {exc}") from exc

@@ -20,7 +20,7 @@ from google.protobuf import timestamp_pb2
 from forge_eval.service import EvalService, Lineage, ModelView, StageEventView
 from forge_eval.store import MetricRow, ModelRow, RunRow
 from forge_kit import errors
-from forge_kit.grpckit import Authenticator, Principal, current_principal
+from forge_kit.grpckit import Authenticator, Principal, current_principal, timestamp_field
 from forge_kit.paging import decode_page, page_info
 
 
@@ -48,8 +48,9 @@ def _caller() -> tuple[str, bool]:
     return principal.name, principal.is_admin
 
 
-def _from_ts(stamp: timestamp_pb2.Timestamp, present: bool) -> dt.datetime | None:
-    return stamp.ToDatetime() if present else None
+def _naive(value: dt.datetime | None) -> dt.datetime | None:
+    """UTC without its zone, as the store keeps times."""
+    return value.replace(tzinfo=None) if value is not None else None
 
 
 def _ts(value: dt.datetime | None) -> timestamp_pb2.Timestamp | None:
@@ -168,8 +169,8 @@ class EvalApi(eval_pb2_grpc.EvalServiceServicer):
             size,
             offset,
             model_version=request.model_version,
-            created_after=_from_ts(request.created_after, request.HasField("created_after")),
-            created_before=_from_ts(request.created_before, request.HasField("created_before")),
+            created_after=_naive(timestamp_field(request, "created_after")),
+            created_before=_naive(timestamp_field(request, "created_before")),
         )
         return eval_pb2.ListRunsResponse(
             runs=[run_to_proto(r, m) for r, m in runs], page=page_info(offset, len(runs), total)
