@@ -14,6 +14,7 @@ import grpc
 from fastapi import FastAPI
 from forge.events.v1 import events_pb2_grpc
 
+from forge_kit import audit
 from forge_kit.db import Database
 from forge_kit.eventlog import SERVICE_NAME as EVENT_LOG_SERVICE
 from forge_kit.eventlog import EventLogApi
@@ -88,8 +89,10 @@ class ServiceApp:
         authenticators: Sequence[Authenticator] = (),
     ) -> None:
         """Start both servers and block until the process is told to stop. ``authenticators``
-        accept tokens besides the service token (see :class:`forge_kit.grpckit.Principal`)."""
+        accept tokens besides the service token (see :class:`forge_kit.grpckit.Principal`).
+        Admin actions are audited to ``<data_dir>/audit.jsonl`` (:mod:`forge_kit.audit`)."""
         settings = self.settings
+        audit.configure(settings.data_dir)
         register = list(register)
         service_names = list(service_names)
         if self._serves_event_log and self.db is not None:

@@ -37,7 +37,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import Counter, Histogram
 
-from forge_kit import errors
+from forge_kit import audit, errors
 
 log = structlog.get_logger(__name__)
 
@@ -92,8 +92,21 @@ def current_principal() -> Principal | None:
     return _current_principal.get()
 
 
+_admin_actions: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar(
+    "forge_admin_actions", default=None
+)
+"""Admin actions the call being handled asked for (a list shared with the handler's task, which
+``asyncio.wait_for`` runs in a copy of the context): audited when the call ends."""
+
+
 def require_admin(action: str) -> None:
-    """Raise PermissionDeniedError unless the current caller is an admin (or auth is off)."""
+    """Raise PermissionDeniedError unless the current caller is an admin (or auth is off).
+
+    The call is audited (:mod:`forge_kit.audit`) when it ends, whether allowed or not.
+    """
+    pending = _admin_actions.get()
+    if pending is not None:
+        pending.append(action)
     principal = current_principal()
     if principal is not None and not principal.is_admin:
         raise errors.PermissionDeniedError(f"{action} needs an admin token; {principal.name} is not an admin")
@@ -214,6 +227,10 @@ class ForgeServerInterceptor(grpc.aio.ServerInterceptor):
         self._done(method, started, name)
 
 
+def _code_name(code: object) -> str:
+    return code.name if isinstance(code, grpc.StatusCode) else "UNKNOWN"
+
+
 def _wrap_handler(
     handler: grpc.RpcMethodHandler,
     icpt: ForgeServerInterceptor,
@@ -233,22 +250,31 @@ def _wrap_handler(
             deadline = await guard(context)
             token = current_deadline.set(deadline)
             who = _current_principal.set(principal)
+            admin_actions: list[str] = []
+            asked = _admin_actions.set(admin_actions)
             started = time.monotonic()
+            outcome = "OK"
             try:
                 response = await asyncio.wait_for(
                     behavior(request, context), timeout=max(0.0, deadline - time.monotonic())
                 )
             except grpc.aio.AbortError:
                 icpt._aborted(context, method, started)
+                outcome = _code_name(context.code())
                 raise
             except asyncio.CancelledError:
+                outcome = "CANCELLED"
                 raise
             except BaseException as exc:
+                outcome = _status_for(exc)[0].name
                 await icpt._fail(context, method, exc)
                 raise
             finally:
                 current_deadline.reset(token)
                 _current_principal.reset(who)
+                _admin_actions.reset(asked)
+                for action in admin_actions:
+                    audit.record(action, principal.name if principal else "anonymous", outcome, method=method)
             icpt._done(method, started)
             return response
 

@@ -3,9 +3,33 @@
 from __future__ import annotations
 
 import logging
+import re
 import sys
+from collections.abc import Mapping
+from typing import Any
 
 import structlog
+
+SECRET_KEYS = re.compile(r"(token|password|secret|api_?key|authorization|credential)", re.IGNORECASE)
+REDACTED = "[redacted]"
+
+
+def redact(values: Mapping[str, Any]) -> dict[str, Any]:
+    """``values`` with every value under a secret-looking key (token, password, api key, …)
+    replaced by ``[redacted]``, nested mappings included."""
+    return {
+        key: REDACTED
+        if SECRET_KEYS.search(str(key))
+        else (redact(value) if isinstance(value, Mapping) else value)
+        for key, value in values.items()
+    }
+
+
+def _redact_event(
+    _logger: object, _method: str, event: structlog.types.EventDict
+) -> structlog.types.EventDict:
+    """structlog processor: secrets passed as log fields never reach the output."""
+    return redact(event)
 
 
 def configure_logging(service: str, level: str = "INFO", json: bool = True) -> structlog.BoundLogger:
@@ -15,6 +39,7 @@ def configure_logging(service: str, level: str = "INFO", json: bool = True) -> s
     )
     shared: list[structlog.types.Processor] = [
         structlog.contextvars.merge_contextvars,
+        _redact_event,
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
