@@ -8,7 +8,9 @@
 #   make fuzz      hypothesis-generated requests against every RPC (1000 per RPC; no INTERNAL allowed)
 #   make faults    fault injection: kill -9 / restart each component under load, count what survived
 #   make verify    the gate: ruff, ruff format, mypy, buf lint, stub freshness, import contracts
-#   make bench     load and soak scenarios under load/
+#   make load      the load suite: every scenario once, checked against load/thresholds.toml
+#   make soak      30 minutes of mixed traffic: memory flat and error rate steady (SOAK_MINUTES=30)
+#   make bench     the same as make load
 #   make gen       regenerate the protobuf stubs and the deployment files (deploy/generate.py)
 #   make clean     stop the platform and remove local state (var/) and caches
 
@@ -33,7 +35,7 @@ NPM_STAMP := node_modules/.installed-$(shell sha256sum package-lock.json | cut -
 
 PYTEST_TIMEOUT ?= 300
 
-.PHONY: help install up down status test fuzz faults verify bench gen clean
+.PHONY: help install up down status test fuzz faults verify load soak bench gen clean
 
 help:
 	@sed -n 's/^#   //p' Makefile
@@ -80,8 +82,13 @@ verify: install
 	$(VENV)/bin/lint-imports
 	@echo "verify: all checks passed"
 
-bench: install
-	@if [ -f load/__main__.py ]; then $(PY) -m load; else echo "no benchmarks yet (see load/README.md)"; fi
+load: install
+	$(PY) -m load run --out var/load
+
+soak: install
+	$(PY) -m load soak --minutes $${SOAK_MINUTES:-30} --out var/load/soak
+
+bench: load
 
 gen: install
 	PYTHON=$(PY) scripts/gen_protos.sh
