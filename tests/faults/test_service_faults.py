@@ -1,6 +1,9 @@
 """kill -9 of a data-owning leaf service under write load: what it acknowledged survives exactly
 once, in its database, its index and on Kafka.
 
+The preference service: raters answer through the JSON API while it is killed and started again;
+a failed request is sent again unchanged (the service records a repeated answer once).
+
 The retriever: writers upsert documents in batches while the process is killed and started
 again in place; a batch that failed is re-sent (an upsert of the same content is a no-op, so a
 retry never duplicates). Afterwards every document is counted in the collection, found in the
@@ -10,11 +13,16 @@ index, and announced once or more (at-least-once) by a ``DocumentChanged`` event
 from __future__ import annotations
 
 import asyncio
+import os
+import sqlite3
+import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 from aiokafka import AIOKafkaConsumer
 from fault_platform import wait_ready
@@ -27,6 +35,7 @@ from forge_kit.testing import ServiceProcess, TansuBroker, free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.faults_full, pytest.mark.timeout(300)]
 TOKEN = "faults-retriever-token"
+SHARED = Path(os.environ.get("FORGE_TEST_DATA", Path(__file__).resolve().parents[3] / "shared" / "data"))
 DOCUMENTS = 240
 BATCH = 8
 WRITERS = 3
@@ -164,4 +173,128 @@ async def test_retriever_kill_loses_no_document(tmp_path: Path) -> None:
     assert collection.document_count == DOCUMENTS, collection
     assert missing_in_index == []
     assert set(announced) == {d.id for d in docs}
+    assert recovery <= 10
+
+
+FEEDBACK_RATERS = 3
+FEEDBACK_PASSWORD = "faults-rater-password"
+
+
+async def rate_until_done(http: httpx.AsyncClient, rater: str, acked: dict[tuple[str, str], str]) -> int:
+    """Log in, then take comparisons and answer them until none is left; a request that fails
+    (the service is down) is sent again unchanged. Returns the number of failed attempts."""
+    failures = 0
+
+    async def call(method: str, path: str, **kwargs: object) -> httpx.Response:
+        nonlocal failures
+        while True:
+            try:
+                reply = await http.request(method, path, **kwargs)  # type: ignore[arg-type]
+            except httpx.TransportError:
+                failures += 1
+                await asyncio.sleep(0.2)
+                continue
+            if reply.status_code >= 500:
+                failures += 1
+                await asyncio.sleep(0.2)
+                continue
+            assert reply.status_code == 200, (path, reply.status_code, reply.text)
+            return reply
+
+    login = await call("POST", "/api/v1/sessions", json={"rater_id": rater, "password": FEEDBACK_PASSWORD})
+    headers = {"Authorization": f"Bearer {login.json()['token']}"}
+    for n in range(10_000):
+        item = (await call("GET", "/api/v1/comparisons/next", headers=headers)).json()["comparison"]
+        if item is None:
+            return failures
+        choice = ("A", "B", "TIE")[n % 3]
+        body = {"comparison_id": item["id"], "choice": choice}
+        recorded = await call("POST", "/api/v1/preferences", headers=headers, json=body)
+        acked[(rater, item["id"])] = recorded.json()["preference_id"]
+    raise AssertionError("the queue never ran dry")
+
+
+async def preference_events(bootstrap: str, expect: int, timeout_s: float) -> dict[str, int]:
+    seen: dict[str, int] = {}
+    consumer = AIOKafkaConsumer(
+        topic_for(events_pb2.PreferenceRecorded()),
+        bootstrap_servers=bootstrap,
+        auto_offset_reset="earliest",
+        group_id=f"faults-{uuid.uuid4().hex[:6]}",
+    )
+    await consumer.start()
+    try:
+        deadline = time.monotonic() + timeout_s
+        while len(seen) < expect and time.monotonic() < deadline:
+            for records in (await consumer.getmany(timeout_ms=500)).values():
+                for record in records:
+                    event = events_pb2.PreferenceRecorded.FromString(record.value)
+                    seen[event.preference_id] = seen.get(event.preference_id, 0) + 1
+    finally:
+        await consumer.stop()
+    return seen
+
+
+@pytest.mark.asyncio
+async def test_preference_feedback_kill_loses_no_preference(tmp_path: Path) -> None:
+    """Raters answer through the JSON API while the service is killed -9 and started again;
+    every acknowledged preference is in the database once and on Kafka."""
+    data = tmp_path / "feedback"
+    env = {
+        "FORGE_PREFERENCE_FEEDBACK_GRPC_PORT": str(free_port()),
+        "FORGE_PREFERENCE_FEEDBACK_HTTP_PORT": str(free_port()),
+        "FORGE_PREFERENCE_FEEDBACK_DATA_DIR": str(data),
+        "FORGE_PREFERENCE_FEEDBACK_AUTH_TOKEN": TOKEN,
+        "FORGE_PREFERENCE_FEEDBACK_SEED_DIR": str(SHARED / "preferences" / "hh-rlhf"),
+        "FORGE_PREFERENCE_FEEDBACK_SEED_LIMIT": "40",
+        "FORGE_PREFERENCE_FEEDBACK_OVERLAP_K": str(FEEDBACK_RATERS),
+    }
+    for r in range(FEEDBACK_RATERS):
+        subprocess.run(
+            [
+                str(Path(sys.executable).with_name("forge")),
+                "feedback",
+                "add-rater",
+                f"rater{r}",
+                "--data-dir",
+                str(data),
+            ],
+            env={**os.environ, "FORGE_FEEDBACK_PASSWORD": FEEDBACK_PASSWORD},
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
+    broker = TansuBroker(log_path=str(tmp_path / "tansu.log")).start()
+    await ensure_topics(broker.bootstrap)
+    env["FORGE_PREFERENCE_FEEDBACK_KAFKA_BOOTSTRAP"] = broker.bootstrap
+    service = ServiceProcess(
+        "forge_preference_feedback", env=env, log_path=str(tmp_path / "feedback.log")
+    ).start()
+    try:
+        acked: dict[tuple[str, str], str] = {}
+        async with httpx.AsyncClient(base_url=service.http_url, timeout=20) as http:
+            raters = [
+                asyncio.create_task(rate_until_done(http, f"rater{r}", acked)) for r in range(FEEDBACK_RATERS)
+            ]
+            while len(acked) < 30:
+                await asyncio.sleep(0.05)
+            service.kill()
+            killed = time.monotonic()
+            await asyncio.to_thread(service.start)
+            await asyncio.to_thread(wait_ready, service)
+            recovery = time.monotonic() - killed
+            failures = sum(await asyncio.gather(*raters))
+        with sqlite3.connect(data / "preference_feedback.db") as conn:
+            rows = [str(r[0]) for r in conn.execute("SELECT id FROM feedback_preferences")]
+        announced = await preference_events(broker.bootstrap, len(rows), timeout_s=60)
+    finally:
+        service.stop()
+        broker.stop()
+    print(
+        f"\nfault preference_feedback kill -9: recovered in {recovery:.1f}s; {failures} failed requests retried; "
+        f"{len(acked)} preferences acknowledged, {len(rows)} rows, {len(announced)} on Kafka"
+    )
+    assert len(acked) == 40 * FEEDBACK_RATERS  # every comparison answered by every rater
+    assert sorted(rows) == sorted(acked.values())  # each acknowledged preference once, nothing else
+    assert set(announced) == set(rows)
     assert recovery <= 10
