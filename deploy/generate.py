@@ -32,6 +32,9 @@ IMAGE_TAG = "0.1.0"
 TORCH_SERVICES = frozenset(
     {"trainer_agent", "model_server", "preference_feedback", "eval", "retriever", "reranker"}
 )
+# Other services' packages an image carries to run them as subprocesses, never to import them:
+# eval starts a model server per checkpoint for its serve_model runs (``forge_eval.serving``).
+RUNTIME_PACKAGES: dict[str, tuple[str, ...]] = {"eval": ("model_server",)}
 # Services that own a relational database (one PostgreSQL database each in Compose).
 DATABASES = tuple(f"forge_{s.name}" for s in SERVICES)
 
@@ -674,8 +677,8 @@ WORKDIR /app
 {torch}
 COPY libs/protos /src/libs/protos
 COPY libs/kit /src/libs/kit
-COPY services/{name} /src/services/{name}
-RUN pip install /src/libs/protos /src/libs/kit /src/services/{name} \\
+{runtime_copies}COPY services/{name} /src/services/{name}
+RUN pip install /src/libs/protos /src/libs/kit{runtime_installs} /src/services/{name} \\
  && rm -rf /src \\
  && mkdir -p {data_root}/data {data_root}/objects \\
  && chown -R forge:forge {data_root} /app
@@ -718,6 +721,10 @@ def dockerfile(spec: ServiceSpec) -> str:
         # Models come with the image or the object store; never from a hub at run time.
         offline="\n    HF_HUB_OFFLINE=1 \\" if heavy else "",
         torch=TORCH_LAYER if heavy else "",
+        runtime_copies="".join(
+            f"COPY services/{p} /src/services/{p}\n" for p in RUNTIME_PACKAGES.get(spec.name, ())
+        ),
+        runtime_installs="".join(f" /src/services/{p}" for p in RUNTIME_PACKAGES.get(spec.name, ())),
         healthcheck=json.dumps(healthcheck_command(spec.http_port)[1:]),
     )
 

@@ -20,7 +20,12 @@ from forge_kit.http import HttpServer
 from forge_kit.testing import ServiceProcess, TemporalDevServer
 from forge_orchestrator.activities import SchedulerActivities
 from forge_orchestrator.eval_activities import EvalActivities
-from forge_orchestrator.service import CheckpointRouter, build_worker, validate_eval_and_promote
+from forge_orchestrator.service import (
+    CheckpointRouter,
+    build_worker,
+    parse_input,
+    validate_eval_and_promote,
+)
 from forge_orchestrator.workflows import EvalAndPromoteInput, EvalAndPromoteResult
 
 EVAL_TOKEN = "eval-test-token"
@@ -171,13 +176,14 @@ async def test_a_published_checkpoint_starts_one_idempotent_eval_workflow() -> N
     from forge.events.v1 import events_pb2
 
     starter = RecordingStarter()
-    router = CheckpointRouter(starter, suite="gsm8k", limit=50)
+    router = CheckpointRouter(starter, suite="tinyshakespeare_ppl", limit=50, tier="smoke")
     event = events_pb2.CheckpointPublished(run_id="pretrain-7", step=2000, uri="file:///ckpt/hf")
     await router.handle(event, session=None)  # type: ignore[arg-type]
     await router.handle(events_pb2.CheckpointPublished(run_id="x", step=1), session=None)  # type: ignore[arg-type]
     [(kind, data, workflow_id)] = starter.started
     assert kind == "eval_and_promote" and workflow_id == "eval-pretrain-7-step-2000"
     assert data["model_name"] == "pretrain-7" and data["model_version"] == "step-2000"
+    assert (data["suite"], data["limit"], data["tier"]) == ("tinyshakespeare_ppl", 50, "smoke")
     validate_eval_and_promote(EvalAndPromoteInput(**data))  # type: ignore[arg-type]
 
 
@@ -187,6 +193,8 @@ async def test_a_published_checkpoint_starts_one_idempotent_eval_workflow() -> N
         ({"model_name": ""}, "input.model_name"),
         ({"uri": ""}, "input.uri"),
         ({"canary_percent": 101}, "input.canary_percent"),
+        ({"tier": "fast"}, "input.tier"),
+        ({"tier": "Smoke"}, "input.tier"),
     ],
 )
 def test_bad_eval_and_promote_input_names_the_field(change: dict[str, object], field: str) -> None:
@@ -196,3 +204,17 @@ def test_bad_eval_and_promote_input_names_the_field(change: dict[str, object], f
     with pytest.raises(errors.ValidationError) as caught:
         validate_eval_and_promote(EvalAndPromoteInput(**values))
     assert caught.value.field == field
+
+
+def test_an_unknown_tier_is_refused_when_the_workflow_is_started() -> None:
+    """The API's input parser (StartWorkflow, and the checkpoint router's start) refuses it with
+    the field named, before any workflow exists; the two known tiers are accepted."""
+    from forge_kit import errors
+
+    data: dict[str, object] = {"model_name": "tiny", "model_version": "1", "uri": "file:///m"}
+    with pytest.raises(errors.ValidationError, match=r"must be one of full, smoke, got 'quick'") as caught:
+        parse_input(EvalAndPromoteInput, {**data, "tier": "quick"})
+    assert caught.value.field == "input.tier"
+    for tier in ("full", "smoke"):
+        assert parse_input(EvalAndPromoteInput, {**data, "tier": tier}).tier == tier
+    assert parse_input(EvalAndPromoteInput, data).suite == "tinyshakespeare_ppl"

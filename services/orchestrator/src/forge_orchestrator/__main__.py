@@ -17,6 +17,8 @@ from forge_orchestrator.activities import SchedulerActivities
 from forge_orchestrator.api import OrchestratorApi
 from forge_orchestrator.config import OrchestratorSettings
 from forge_orchestrator.eval_activities import EvalActivities
+from forge_orchestrator.rlhf_activities import RlhfActivities
+from forge_orchestrator.rlhf_worker import RlhfSettings, build_rlhf_worker
 from forge_orchestrator.service import (
     CheckpointRouter,
     EventRouters,
@@ -40,13 +42,27 @@ async def main() -> None:
     app.add_background(build_worker(client, settings.task_queue, activities, eval_activities).run)
     app.add_on_stop(activities.close)
     app.add_on_stop(eval_activities.close)
+    rlhf_settings = RlhfSettings()
+    if rlhf_settings.enabled:
+        rlhf_activities = RlhfActivities(
+            rlhf_settings.feedback_target, rlhf_settings.feedback_token.get_secret_value()
+        )
+        rlhf_worker = build_rlhf_worker(
+            client, settings.task_queue, activities, eval_activities, rlhf_activities
+        )
+        app.add_background(rlhf_worker.run)
+        app.add_on_stop(rlhf_activities.close)
     workflows = OrchestratorService(client, settings.task_queue)
     if settings.kafka_enabled:
         signaller = TemporalSignaller(client)
         routers = EventRouters(
             job_events=JobEventRouter(signaller),
             checkpoints=CheckpointRouter(
-                workflows, suite=settings.release_suite, limit=settings.release_limit, signaller=signaller
+                workflows,
+                suite=settings.release_suite,
+                limit=settings.release_limit,
+                tier=settings.release_tier,
+                signaller=signaller,
             ),
         )
         consumer = EventConsumer(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, SecretStr
 
 from forge_kit.settings import ServiceSettings, service_config
@@ -38,11 +40,18 @@ class OrchestratorSettings(ServiceSettings):
     catch_up_interval_s: float = Field(default=30.0, gt=0)
     """How often job events are also read from the scheduler's outbox (events the broker lost)."""
 
-    release_suite: str = "gsm8k"
-    """Suite the eval-and-promote workflow runs for each published checkpoint."""
+    release_suite: str = "tinyshakespeare_ppl"
+    """Suite the eval-and-promote workflow runs for each published checkpoint: held-out perplexity
+    on the pre-training corpus, which every model the platform trains can be scored on (a tiny
+    Shakespeare model scores zero on GSM8K, so a regression there would go unseen)."""
 
     release_limit: int = Field(default=50, ge=0)
     """Examples of the release suite scored per model (0: all)."""
+
+    release_tier: Literal["full", "smoke"] = "smoke"
+    """Tier of the release runs. ``smoke`` (each task's stratified subset: 20 documents of
+    ``tinyshakespeare_ppl``) keeps ``forge up``'s eval step around a minute on 2 CPU cores;
+    ``full`` scores up to ``release_limit`` examples, for deployments with the compute for it."""
 
     consumer_session_timeout_ms: int = Field(default=10_000, ge=1_000)
     """Kafka group session timeout: how long a dead consumer holds its partitions (and how long

@@ -447,11 +447,13 @@ class CheckpointRouter:
         *,
         suite: str,
         limit: int,
+        tier: str = "full",
         signaller: WorkflowSignaller | None = None,
     ) -> None:
         self._starter = starter
         self._suite = suite
         self._limit = limit
+        self._tier = tier
         self._signaller = signaller
 
     async def handle(self, event: Message, session: AsyncSession) -> None:
@@ -487,6 +489,7 @@ class CheckpointRouter:
             "uri": event.uri,
             "suite": self._suite,
             "limit": self._limit,
+            "tier": self._tier,
         }
         started, _ = await self._starter.start_workflow("eval_and_promote", data, workflow_id)
         log.info("checkpoint.eval_started", workflow_id=started, model=f"{name}:{version}", uri=event.uri)

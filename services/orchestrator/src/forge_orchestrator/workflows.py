@@ -20,6 +20,7 @@ from temporalio.common import RetryPolicy
 from temporalio.exceptions import ApplicationError
 
 with workflow.unsafe.imports_passed_through():
+    from forge_kit import errors
     from forge_orchestrator.activities import CancelJobInput, SchedulerActivities, SubmitJobInput
     from forge_orchestrator.eval_activities import (
         Comparison,
@@ -181,6 +182,9 @@ class SmokeWorkflow:
 
 
 EVAL_ACTIVITY_TIMEOUT = timedelta(seconds=60)
+#: Eval tiers: ``full`` scores the suite (up to ``limit``), ``smoke`` each task's small stratified
+#: subset (eval's ``RunSuite`` accepts exactly these).
+TIERS = ("full", "smoke")
 
 
 @dataclass
@@ -192,7 +196,7 @@ class EvalAndPromoteInput:
     uri: str
     """Where the checkpoint lives: a local Hugging Face folder (served for the run), or an object
     store URL when ``endpoint`` serves it."""
-    suite: str = "gsm8k"
+    suite: str = "tinyshakespeare_ppl"
     limit: int = 50
     """Examples of the suite to score (0: all); both models are scored on the same ones."""
     seed: int = 0
@@ -211,6 +215,14 @@ class EvalAndPromoteInput:
     data_hash: str = ""
     parent: str = ""
     """Lineage recorded in the registry; ``parent`` is a registered ``name:version``."""
+
+    def __post_init__(self) -> None:
+        # Checked on construction, so an unknown tier is refused when the workflow is started
+        # (INVALID_ARGUMENT naming ``input.tier``), not minutes later by eval's RunSuite.
+        if self.tier not in TIERS:
+            raise errors.ValidationError(
+                "input.tier", f"must be one of {', '.join(TIERS)}, got {self.tier!r}"
+            )
 
 
 @dataclass

@@ -20,6 +20,7 @@ from forge_preference_feedback.config import FeedbackSettings
 from forge_preference_feedback.outbox import enable_pipelined_outbox
 from forge_preference_feedback.quality import QualityPolicy
 from forge_preference_feedback.registry import RewardModelRegistry
+from forge_preference_feedback.rounds import RlhfRounds
 from forge_preference_feedback.seeds import read_hh_rlhf, resolve_data_path
 from forge_preference_feedback.service import FeedbackService
 from forge_preference_feedback.store import open_transactions
@@ -56,7 +57,17 @@ async def main() -> None:
         with contextlib.suppress(errors.AlreadyExistsError):
             await service.create_rater("admin", settings.admin_password.get_secret_value(), is_admin=True)
     registry = RewardModelRegistry(db)
-    api = FeedbackApi(service, registry, max_page_size=settings.max_page_size)
+    rounds = RlhfRounds(db)
+    policy = QualityPolicy(min_median_seconds=settings.quality_min_median_seconds)
+    api = FeedbackApi(
+        service,
+        registry,
+        max_page_size=settings.max_page_size,
+        rounds=rounds,
+        snapshot_dir=Path(settings.snapshot_dir or Path(settings.data_dir, "snapshots")).resolve(),
+        default_heldout_fraction=settings.default_heldout_fraction,
+        policy=policy,
+    )
     log_api = EventLogApi(db)
     http = app.http_app()
     http.include_router(
@@ -65,7 +76,8 @@ async def main() -> None:
             registry,
             secure_cookies=settings.secure_cookies,
             session_max_age_s=settings.session_ttl_s,
-            policy=QualityPolicy(min_median_seconds=settings.quality_min_median_seconds),
+            policy=policy,
+            rounds=rounds,
         )
     )
     http.include_router(rater_api(service, registry))

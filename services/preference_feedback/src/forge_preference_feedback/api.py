@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+from pathlib import Path
 
 import grpc
 from forge.common.v1 import common_pb2
@@ -10,11 +11,13 @@ from forge.feedback.v1 import feedback_pb2, feedback_pb2_grpc
 from google.protobuf import timestamp_pb2
 
 from forge_kit import errors
-from forge_kit.grpckit import current_principal, require_admin
+from forge_kit.grpckit import current_principal, require_admin, timestamp_field
 from forge_kit.paging import decode_page, page_info
+from forge_preference_feedback.quality import QualityPolicy
 from forge_preference_feedback.registry import HeldoutAccuracy, RewardModelRegistry, heldout_of
-from forge_preference_feedback.service import FeedbackService
-from forge_preference_feedback.store import ComparisonRow, RewardModelRow
+from forge_preference_feedback.rounds import RlhfRounds, RoundReport
+from forge_preference_feedback.service import FeedbackService, StoredSnapshot
+from forge_preference_feedback.store import ComparisonRow, RewardModelRow, RlhfRoundRow
 
 STATUS_TO_PROTO = {
     "candidate": feedback_pb2.REWARD_MODEL_STATUS_CANDIDATE,
@@ -75,6 +78,39 @@ def reward_model_to_proto(row: RewardModelRow) -> feedback_pb2.RewardModel:
     return message
 
 
+def snapshot_to_proto(stored: StoredSnapshot) -> feedback_pb2.Snapshot:
+    m = stored.manifest
+    message = feedback_pb2.Snapshot(
+        snapshot_id=m.snapshot_id,
+        uri=str(stored.path),
+        train_pairs=m.train_pairs,
+        test_pairs=m.test_pairs,
+        heldout_fraction=m.heldout_fraction,
+        excluded_raters={k: "; ".join(v) for k, v in m.excluded_raters.items()},
+        excluded=m.excluded,
+    )
+    if m.last_recorded_at:
+        message.last_recorded_at.CopyFrom(_ts(dt.datetime.fromisoformat(m.last_recorded_at)))
+    return message
+
+
+def round_to_proto(row: RlhfRoundRow) -> feedback_pb2.RlhfRound:
+    name, _, version = row.reward_model.partition(":")
+    return feedback_pb2.RlhfRound(
+        workflow_id=row.workflow_id,
+        round=row.round,
+        status=row.status,
+        step=row.step,
+        snapshot_id=row.snapshot_id,
+        reward_model=common_pb2.ModelRef(name=name, version=version) if name else None,
+        policy_uri=row.policy_uri,
+        reason=row.reason,
+        metrics=dict(row.metrics),
+        started_at=_ts(row.started_at),
+        updated_at=_ts(row.updated_at),
+    )
+
+
 def _caller() -> str:
     principal = current_principal()
     return principal.name if principal is not None else "service"
@@ -84,11 +120,88 @@ class FeedbackApi(feedback_pb2_grpc.PreferenceFeedbackServiceServicer):
     """Translates PreferenceFeedbackService RPCs to :class:`FeedbackService` calls."""
 
     def __init__(
-        self, service: FeedbackService, registry: RewardModelRegistry, *, max_page_size: int
+        self,
+        service: FeedbackService,
+        registry: RewardModelRegistry,
+        *,
+        max_page_size: int,
+        rounds: RlhfRounds | None = None,
+        snapshot_dir: Path | None = None,
+        default_heldout_fraction: float = 0.1,
+        policy: QualityPolicy = QualityPolicy(),
     ) -> None:
         self._service = service
         self._registry = registry
         self._max_page_size = max_page_size
+        self._rounds = rounds
+        self._snapshot_dir = snapshot_dir
+        self._default_heldout = default_heldout_fraction
+        self._policy = policy
+
+    async def GetPreferenceStats(
+        self, request: feedback_pb2.GetPreferenceStatsRequest, context: grpc.aio.ServicerContext
+    ) -> feedback_pb2.GetPreferenceStatsResponse:
+        since = timestamp_field(request, "since")
+        since = since.replace(tzinfo=None) if since is not None else None  # the store's naive UTC
+        stats = await self._service.preference_stats(since, self._policy)
+        reply = feedback_pb2.GetPreferenceStatsResponse(
+            accepted_pairs=stats.accepted,
+            accepted_since=stats.accepted_since,
+            excluded_raters={k: "; ".join(v) for k, v in stats.excluded_raters.items()},
+        )
+        if stats.last_recorded_at is not None:
+            reply.last_recorded_at.CopyFrom(_ts(stats.last_recorded_at))
+        return reply
+
+    async def ExportSnapshot(
+        self, request: feedback_pb2.ExportSnapshotRequest, context: grpc.aio.ServicerContext
+    ) -> feedback_pb2.ExportSnapshotResponse:
+        require_admin("ExportSnapshot")
+        if self._snapshot_dir is None:
+            raise errors.ConflictError("this server has no snapshot folder configured")
+        fraction = request.heldout_fraction or self._default_heldout
+        if not 0.0 <= fraction < 1.0:
+            raise errors.ValidationError("heldout_fraction", "must be in [0, 1)")
+        stored = await self._service.export_to_store(
+            self._snapshot_dir, heldout_fraction=fraction, policy=self._policy
+        )
+        return feedback_pb2.ExportSnapshotResponse(snapshot=snapshot_to_proto(stored), created=stored.created)
+
+    async def RecordRlhfRound(
+        self, request: feedback_pb2.RecordRlhfRoundRequest, context: grpc.aio.ServicerContext
+    ) -> feedback_pb2.RecordRlhfRoundResponse:
+        require_admin("RecordRlhfRound")
+        rounds = self._require_rounds()
+        r = request.round
+        model = f"{r.reward_model.name}:{r.reward_model.version}" if r.reward_model.name else ""
+        row = await rounds.record(
+            RoundReport(
+                workflow_id=r.workflow_id,
+                round=r.round,
+                status=r.status,
+                step=r.step,
+                snapshot_id=r.snapshot_id,
+                reward_model=model,
+                policy_uri=r.policy_uri,
+                reason=r.reason,
+                metrics=dict(r.metrics),
+            )
+        )
+        return feedback_pb2.RecordRlhfRoundResponse(round=round_to_proto(row))
+
+    async def ListRlhfRounds(
+        self, request: feedback_pb2.ListRlhfRoundsRequest, context: grpc.aio.ServicerContext
+    ) -> feedback_pb2.ListRlhfRoundsResponse:
+        size, offset = decode_page(request.page, max_size=self._max_page_size)
+        rows, total = await self._require_rounds().list(request.workflow_id, size, offset)
+        return feedback_pb2.ListRlhfRoundsResponse(
+            rounds=[round_to_proto(r) for r in rows], page=page_info(offset, len(rows), total)
+        )
+
+    def _require_rounds(self) -> RlhfRounds:
+        if self._rounds is None:
+            raise errors.ConflictError("this server keeps no RLHF rounds")
+        return self._rounds
 
     async def GetNextComparison(
         self, request: feedback_pb2.GetNextComparisonRequest, context: grpc.aio.ServicerContext

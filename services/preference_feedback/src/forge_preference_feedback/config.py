@@ -57,3 +57,10 @@ class FeedbackSettings(ServiceSettings):
 
     quality_min_median_seconds: float = Field(default=3.0, ge=0)
     """Raters whose median time per item is below this are flagged as too fast."""
+
+    snapshot_dir: str = ""
+    """Folder of training snapshots written by ExportSnapshot (``<snapshot id>/``); empty:
+    ``<data_dir>/snapshots``. Trainer jobs read the snapshots from here, so it must be shared."""
+
+    default_heldout_fraction: float = Field(default=0.1, ge=0.0, lt=1.0)
+    """Share of comparisons an ExportSnapshot holds out when the request does not say."""

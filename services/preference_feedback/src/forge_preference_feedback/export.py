@@ -61,8 +61,10 @@ def heldout(comparison_id: str, fraction: float) -> bool:
 
 
 def transcript(prompt: str, response: str) -> str:
-    """The HH-RLHF full transcript of a response to a prompt."""
-    return f"{prompt}{ASSISTANT} {response}"
+    """The HH-RLHF full transcript of a response to a prompt. Every turn, the first one too,
+    starts with a blank line as in HH-RLHF (stored prompts are stripped): readers split turns on
+    ``"\n\nHuman:"``, and without it a one-turn prompt would read as no prompt at all."""
+    return f"\n\n{prompt.lstrip()}{ASSISTANT} {response}"
 
 
 def write_snapshot(

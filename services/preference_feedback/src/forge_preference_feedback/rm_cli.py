@@ -224,3 +224,7 @@ def set_status(
     )
     reply = _call(target, token, lambda stub: stub.SetRewardModelStatus(request, timeout=10))
     clitools.show_record(_dict(reply.reward_model), as_json)
+
+
+if __name__ == "__main__":
+    app()

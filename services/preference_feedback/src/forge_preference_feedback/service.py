@@ -14,6 +14,7 @@ import hashlib
 import math
 import re
 import secrets
+import shutil
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -74,6 +75,25 @@ class Progress:
 
     answered: int
     remaining: int
+
+
+@dataclass(frozen=True)
+class PreferenceStats:
+    """Accepted pairs (A or B answers of raters not flagged): in all and recorded after ``since``."""
+
+    accepted: int
+    accepted_since: int
+    last_recorded_at: dt.datetime | None
+    excluded_raters: dict[str, list[str]]
+
+
+@dataclass(frozen=True)
+class StoredSnapshot:
+    """A snapshot in the snapshot folder: where it is, what it holds, and whether this call wrote it."""
+
+    path: Path
+    manifest: SnapshotManifest
+    created: bool
 
 
 @dataclass(frozen=True)
@@ -485,6 +505,50 @@ class FeedbackService:
         ]
         gold = {g.id: _GOLD[g.gold_choice] - 1 for g in golds if g.gold_choice in _GOLD}
         return assess_raters(labels, QUALITY_CLASSES, gold, policy)
+
+    async def preference_stats(
+        self, since: dt.datetime | None = None, policy: QualityPolicy = QualityPolicy()
+    ) -> PreferenceStats:
+        """How many accepted pairs there are, and how many were recorded after ``since``: the
+        pairs a snapshot would hold (flagged raters' labels, ties and "both bad" left out)."""
+        report = await self.rater_quality(policy)
+        flagged = report.flagged()
+        accepted: list[sa.ColumnElement[bool]] = [
+            PreferenceRow.choice.in_([Choice.PREFERENCE_CHOICE_A, Choice.PREFERENCE_CHOICE_B])
+        ]
+        if flagged:
+            accepted.append(PreferenceRow.rater_id.not_in(list(flagged)))
+        newer = PreferenceRow.created_at > since if since is not None else sa.false()
+        async with self._db.session() as session:
+            total, fresh, last = (
+                await session.execute(
+                    sa.select(
+                        sa.func.count(),
+                        sa.func.coalesce(sa.func.sum(sa.case((newer, 1), else_=0)), 0),
+                        sa.func.max(PreferenceRow.created_at),
+                    ).where(*accepted)
+                )
+            ).one()
+        return PreferenceStats(int(total), int(fresh), last, flagged)
+
+    async def export_to_store(
+        self, root: Path, *, heldout_fraction: float = 0.1, policy: QualityPolicy = QualityPolicy()
+    ) -> StoredSnapshot:
+        """Export a snapshot into ``root/<snapshot id>``. The id is a digest of the data, so the
+        same data is one folder: a snapshot already there is returned (``created`` False) and the
+        fresh copy discarded; a folder is never overwritten."""
+        root.mkdir(parents=True, exist_ok=True)
+        pending = root / f".pending-{uuid.uuid4().hex}"
+        manifest = await self.export_snapshot(pending, heldout_fraction=heldout_fraction, policy=policy)
+        final = root / manifest.snapshot_id
+        try:
+            pending.rename(final)
+        except OSError:  # the same data was exported before: keep the first copy
+            if not (final / "manifest.json").is_file():
+                raise
+            shutil.rmtree(pending, ignore_errors=True)
+            return StoredSnapshot(final, manifest, created=False)
+        return StoredSnapshot(final, manifest, created=True)
 
     async def export_snapshot(
         self, out: Path, *, heldout_fraction: float = 0.1, policy: QualityPolicy = QualityPolicy()

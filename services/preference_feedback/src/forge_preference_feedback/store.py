@@ -141,6 +141,26 @@ class RewardModelRow(Base):
     status_changed_by: Mapped[str] = mapped_column(sa.String(128), default="")
 
 
+class RlhfRoundRow(Base):
+    """One round of the orchestrator's RLHF workflow as it last reported it (``rounds.py``)."""
+
+    __tablename__ = "feedback_rlhf_rounds"
+
+    workflow_id: Mapped[str] = mapped_column(sa.String(128), primary_key=True)
+    round: Mapped[int] = mapped_column(sa.Integer, primary_key=True)
+    status: Mapped[str] = mapped_column(sa.String(16))
+    """``running``, ``completed``, ``stopped`` or ``rejected``."""
+    step: Mapped[str] = mapped_column(sa.String(255), default="")
+    snapshot_id: Mapped[str] = mapped_column(sa.String(128), default="")
+    reward_model: Mapped[str] = mapped_column(sa.String(200), default="")
+    """``name:version`` of the reward model the round is pinned to."""
+    policy_uri: Mapped[str] = mapped_column(sa.Text, default="")
+    reason: Mapped[str] = mapped_column(sa.Text, default="")
+    metrics: Mapped[dict[str, float]] = mapped_column(sa.JSON, default=dict)
+    started_at: Mapped[dt.datetime] = mapped_column(sa.DateTime, default=utcnow)
+    updated_at: Mapped[dt.datetime] = mapped_column(sa.DateTime, default=utcnow, index=True)
+
+
 class RaterRow(Base):
     """A rater account; ``password_hash`` is an Argon2id hash (never the password)."""
 

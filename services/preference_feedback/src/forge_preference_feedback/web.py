@@ -34,6 +34,7 @@ from pydantic import BaseModel, Field
 from forge_kit import errors
 from forge_preference_feedback.quality import QualityPolicy
 from forge_preference_feedback.registry import HeldoutAccuracy, RewardModelRegistry, heldout_of
+from forge_preference_feedback.rounds import RlhfRounds
 from forge_preference_feedback.service import FeedbackService, Session
 from forge_preference_feedback.store import RewardModelRow
 
@@ -86,6 +87,7 @@ def rater_ui(
     secure_cookies: bool,
     session_max_age_s: int,
     policy: QualityPolicy = QualityPolicy(),
+    rounds: RlhfRounds | None = None,
 ) -> APIRouter:
     """The ``/ui`` routes over ``service``; ``secure_cookies`` marks cookies HTTPS-only."""
     router = APIRouter(prefix="/ui", include_in_schema=False)
@@ -227,6 +229,14 @@ def rater_ui(
                 policy=policy,
                 heldout_of=heldout_of,
             )
+
+        return await guarded(request, None, True, handle)
+
+    @router.get("/admin/rlhf")
+    async def rlhf_page(request: Request) -> Response:
+        async def handle(session: Session) -> Response:
+            rows, total = await rounds.list("", 200, 0) if rounds is not None else ([], 0)
+            return _page("rlhf.html", session=session, rounds=rows, total=total)
 
         return await guarded(request, None, True, handle)
 

@@ -606,3 +606,427 @@ class SetRewardModelStatusResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SetRewardModelStatusResponse: _TypeAlias = SetRewardModelStatusResponse  # noqa: Y015
+
+@_typing.final
+class GetPreferenceStatsRequest(_message.Message):
+    """Request of GetPreferenceStats."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SINCE_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def since(self) -> _timestamp_pb2.Timestamp:
+        """Count accepted pairs recorded strictly after this time too; unset: only the totals."""
+
+    def __init__(
+        self,
+        *,
+        since: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["since", b"since"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["since", b"since"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetPreferenceStatsRequest: _TypeAlias = GetPreferenceStatsRequest  # noqa: Y015
+
+@_typing.final
+class GetPreferenceStatsResponse(_message.Message):
+    """Response of GetPreferenceStats."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class ExcludedRatersEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    ACCEPTED_PAIRS_FIELD_NUMBER: _builtins.int
+    ACCEPTED_SINCE_FIELD_NUMBER: _builtins.int
+    LAST_RECORDED_AT_FIELD_NUMBER: _builtins.int
+    EXCLUDED_RATERS_FIELD_NUMBER: _builtins.int
+    accepted_pairs: _builtins.int
+    """Accepted pairs in all (A or B answers of raters not flagged by rater quality)."""
+    accepted_since: _builtins.int
+    """Of those, recorded after `since`."""
+    @_builtins.property
+    def last_recorded_at(self) -> _timestamp_pb2.Timestamp:
+        """When the newest accepted pair was recorded (unset when there is none)."""
+
+    @_builtins.property
+    def excluded_raters(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Raters whose labels are excluded, with the reasons ("; "-joined)."""
+
+    def __init__(
+        self,
+        *,
+        accepted_pairs: _builtins.int = ...,
+        accepted_since: _builtins.int = ...,
+        last_recorded_at: _timestamp_pb2.Timestamp | None = ...,
+        excluded_raters: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["last_recorded_at", b"last_recorded_at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted_pairs", b"accepted_pairs", "accepted_since", b"accepted_since", "excluded_raters", b"excluded_raters", "last_recorded_at", b"last_recorded_at"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetPreferenceStatsResponse: _TypeAlias = GetPreferenceStatsResponse  # noqa: Y015
+
+@_typing.final
+class Snapshot(_message.Message):
+    """An exported training snapshot: HH-RLHF format train and test splits and their manifest."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class ExcludedRatersEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    @_typing.final
+    class ExcludedEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    SNAPSHOT_ID_FIELD_NUMBER: _builtins.int
+    URI_FIELD_NUMBER: _builtins.int
+    TRAIN_PAIRS_FIELD_NUMBER: _builtins.int
+    TEST_PAIRS_FIELD_NUMBER: _builtins.int
+    HELDOUT_FRACTION_FIELD_NUMBER: _builtins.int
+    LAST_RECORDED_AT_FIELD_NUMBER: _builtins.int
+    EXCLUDED_RATERS_FIELD_NUMBER: _builtins.int
+    EXCLUDED_FIELD_NUMBER: _builtins.int
+    snapshot_id: _builtins.str
+    """Content digest of both splits, "snap-<hex>"."""
+    uri: _builtins.str
+    """Folder holding train.jsonl.gz, test.jsonl.gz and manifest.json."""
+    train_pairs: _builtins.int
+    """Pairs in the training split."""
+    test_pairs: _builtins.int
+    """Pairs in the held-out split."""
+    heldout_fraction: _builtins.float
+    """Share of comparisons held out (by a hash of the comparison id)."""
+    @_builtins.property
+    def last_recorded_at(self) -> _timestamp_pb2.Timestamp:
+        """When the newest pair included was recorded (the snapshot's high-water mark)."""
+
+    @_builtins.property
+    def excluded_raters(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Raters whose labels were left out, with the reasons ("; "-joined)."""
+
+    @_builtins.property
+    def excluded(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """Other answers left out, by reason (e.g. "tie_or_both_bad")."""
+
+    def __init__(
+        self,
+        *,
+        snapshot_id: _builtins.str = ...,
+        uri: _builtins.str = ...,
+        train_pairs: _builtins.int = ...,
+        test_pairs: _builtins.int = ...,
+        heldout_fraction: _builtins.float = ...,
+        last_recorded_at: _timestamp_pb2.Timestamp | None = ...,
+        excluded_raters: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        excluded: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["last_recorded_at", b"last_recorded_at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["excluded", b"excluded", "excluded_raters", b"excluded_raters", "heldout_fraction", b"heldout_fraction", "last_recorded_at", b"last_recorded_at", "snapshot_id", b"snapshot_id", "test_pairs", b"test_pairs", "train_pairs", b"train_pairs", "uri", b"uri"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Snapshot: _TypeAlias = Snapshot  # noqa: Y015
+
+@_typing.final
+class ExportSnapshotRequest(_message.Message):
+    """Request of ExportSnapshot."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HELDOUT_FRACTION_FIELD_NUMBER: _builtins.int
+    heldout_fraction: _builtins.float
+    """Share of comparisons held out for testing, in [0, 1); 0 means the default 0.1."""
+    def __init__(
+        self,
+        *,
+        heldout_fraction: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["heldout_fraction", b"heldout_fraction"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ExportSnapshotRequest: _TypeAlias = ExportSnapshotRequest  # noqa: Y015
+
+@_typing.final
+class ExportSnapshotResponse(_message.Message):
+    """Response of ExportSnapshot."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SNAPSHOT_FIELD_NUMBER: _builtins.int
+    CREATED_FIELD_NUMBER: _builtins.int
+    created: _builtins.bool
+    """False when a snapshot of the same data already existed and is returned."""
+    @_builtins.property
+    def snapshot(self) -> Global___Snapshot:
+        """The snapshot."""
+
+    def __init__(
+        self,
+        *,
+        snapshot: Global___Snapshot | None = ...,
+        created: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["snapshot", b"snapshot"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created", b"created", "snapshot", b"snapshot"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ExportSnapshotResponse: _TypeAlias = ExportSnapshotResponse  # noqa: Y015
+
+@_typing.final
+class RlhfRound(_message.Message):
+    """One round of the orchestrator's RLHF workflow, as it reports it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class MetricsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.float
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.float = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    WORKFLOW_ID_FIELD_NUMBER: _builtins.int
+    ROUND_FIELD_NUMBER: _builtins.int
+    STATUS_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
+    SNAPSHOT_ID_FIELD_NUMBER: _builtins.int
+    REWARD_MODEL_FIELD_NUMBER: _builtins.int
+    POLICY_URI_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    METRICS_FIELD_NUMBER: _builtins.int
+    STARTED_AT_FIELD_NUMBER: _builtins.int
+    UPDATED_AT_FIELD_NUMBER: _builtins.int
+    workflow_id: _builtins.str
+    """The workflow running the loop."""
+    round: _builtins.int
+    """Round number within the workflow, from 1."""
+    status: _builtins.str
+    """"running", "completed", "stopped" (a drift check ended it) or "rejected" (a gate refused)."""
+    step: _builtins.str
+    """The step the round is at, e.g. "training reward model"."""
+    snapshot_id: _builtins.str
+    """The training snapshot of the round."""
+    policy_uri: _builtins.str
+    """The policy checkpoint the round produced (Hugging Face folder)."""
+    reason: _builtins.str
+    """Why the round stopped or was refused; empty otherwise."""
+    @_builtins.property
+    def reward_model(self) -> _common_pb2.ModelRef:
+        """The reward model the round is pinned to."""
+
+    @_builtins.property
+    def metrics(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
+        """Figures: reward-model accuracy and interval, KL, sqrt(KL), proxy reward, agreement ..."""
+
+    @_builtins.property
+    def started_at(self) -> _timestamp_pb2.Timestamp:
+        """When the round was first recorded (set by the service)."""
+
+    @_builtins.property
+    def updated_at(self) -> _timestamp_pb2.Timestamp:
+        """When it was last updated (set by the service)."""
+
+    def __init__(
+        self,
+        *,
+        workflow_id: _builtins.str = ...,
+        round: _builtins.int = ...,
+        status: _builtins.str = ...,
+        step: _builtins.str = ...,
+        snapshot_id: _builtins.str = ...,
+        reward_model: _common_pb2.ModelRef | None = ...,
+        policy_uri: _builtins.str = ...,
+        reason: _builtins.str = ...,
+        metrics: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
+        started_at: _timestamp_pb2.Timestamp | None = ...,
+        updated_at: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["reward_model", b"reward_model", "started_at", b"started_at", "updated_at", b"updated_at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["metrics", b"metrics", "policy_uri", b"policy_uri", "reason", b"reason", "reward_model", b"reward_model", "round", b"round", "snapshot_id", b"snapshot_id", "started_at", b"started_at", "status", b"status", "step", b"step", "updated_at", b"updated_at", "workflow_id", b"workflow_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RlhfRound: _TypeAlias = RlhfRound  # noqa: Y015
+
+@_typing.final
+class RecordRlhfRoundRequest(_message.Message):
+    """Request of RecordRlhfRound."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROUND_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def round(self) -> Global___RlhfRound:
+        """The round; (workflow_id, round) identifies it."""
+
+    def __init__(
+        self,
+        *,
+        round: Global___RlhfRound | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["round", b"round"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["round", b"round"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RecordRlhfRoundRequest: _TypeAlias = RecordRlhfRoundRequest  # noqa: Y015
+
+@_typing.final
+class RecordRlhfRoundResponse(_message.Message):
+    """Response of RecordRlhfRound."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROUND_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def round(self) -> Global___RlhfRound:
+        """The round as stored."""
+
+    def __init__(
+        self,
+        *,
+        round: Global___RlhfRound | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["round", b"round"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["round", b"round"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RecordRlhfRoundResponse: _TypeAlias = RecordRlhfRoundResponse  # noqa: Y015
+
+@_typing.final
+class ListRlhfRoundsRequest(_message.Message):
+    """Request of ListRlhfRounds."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WORKFLOW_ID_FIELD_NUMBER: _builtins.int
+    PAGE_FIELD_NUMBER: _builtins.int
+    workflow_id: _builtins.str
+    """Only this workflow's rounds; empty for all."""
+    @_builtins.property
+    def page(self) -> _common_pb2.PageRequest:
+        """Paging."""
+
+    def __init__(
+        self,
+        *,
+        workflow_id: _builtins.str = ...,
+        page: _common_pb2.PageRequest | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["page", b"page"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["page", b"page", "workflow_id", b"workflow_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListRlhfRoundsRequest: _TypeAlias = ListRlhfRoundsRequest  # noqa: Y015
+
+@_typing.final
+class ListRlhfRoundsResponse(_message.Message):
+    """Response of ListRlhfRounds."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROUNDS_FIELD_NUMBER: _builtins.int
+    PAGE_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def rounds(self) -> _containers.RepeatedCompositeFieldContainer[Global___RlhfRound]:
+        """Rounds, most recently updated first."""
+
+    @_builtins.property
+    def page(self) -> _common_pb2.PageInfo:
+        """Paging."""
+
+    def __init__(
+        self,
+        *,
+        rounds: _abc.Iterable[Global___RlhfRound] | None = ...,
+        page: _common_pb2.PageInfo | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["page", b"page"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["page", b"page", "rounds", b"rounds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListRlhfRoundsResponse: _TypeAlias = ListRlhfRoundsResponse  # noqa: Y015

@@ -66,6 +66,26 @@ class PreferenceFeedbackServiceStub:
                 request_serializer=forge_dot_feedback_dot_v1_dot_feedback__pb2.SetRewardModelStatusRequest.SerializeToString,
                 response_deserializer=forge_dot_feedback_dot_v1_dot_feedback__pb2.SetRewardModelStatusResponse.FromString,
                 _registered_method=True)
+        self.GetPreferenceStats = channel.unary_unary(
+                '/forge.feedback.v1.PreferenceFeedbackService/GetPreferenceStats',
+                request_serializer=forge_dot_feedback_dot_v1_dot_feedback__pb2.GetPreferenceStatsRequest.SerializeToString,
+                response_deserializer=forge_dot_feedback_dot_v1_dot_feedback__pb2.GetPreferenceStatsResponse.FromString,
+                _registered_method=True)
+        self.ExportSnapshot = channel.unary_unary(
+                '/forge.feedback.v1.PreferenceFeedbackService/ExportSnapshot',
+                request_serializer=forge_dot_feedback_dot_v1_dot_feedback__pb2.ExportSnapshotRequest.SerializeToString,
+                response_deserializer=forge_dot_feedback_dot_v1_dot_feedback__pb2.ExportSnapshotResponse.FromString,
+                _registered_method=True)
+        self.RecordRlhfRound = channel.unary_unary(
+                '/forge.feedback.v1.PreferenceFeedbackService/RecordRlhfRound',
+                request_serializer=forge_dot_feedback_dot_v1_dot_feedback__pb2.RecordRlhfRoundRequest.SerializeToString,
+                response_deserializer=forge_dot_feedback_dot_v1_dot_feedback__pb2.RecordRlhfRoundResponse.FromString,
+                _registered_method=True)
+        self.ListRlhfRounds = channel.unary_unary(
+                '/forge.feedback.v1.PreferenceFeedbackService/ListRlhfRounds',
+                request_serializer=forge_dot_feedback_dot_v1_dot_feedback__pb2.ListRlhfRoundsRequest.SerializeToString,
+                response_deserializer=forge_dot_feedback_dot_v1_dot_feedback__pb2.ListRlhfRoundsResponse.FromString,
+                _registered_method=True)
 
 
 class PreferenceFeedbackServiceServicer:
@@ -117,6 +137,38 @@ class PreferenceFeedbackServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetPreferenceStats(self, request, context):
+        """How many accepted pairs (A or B, from raters not flagged by rater quality) there are, in all
+        and recorded after a given time: what the RLHF workflow buffers on.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ExportSnapshot(self, request, context):
+        """Write the accepted pairs as an immutable, content-addressed training snapshot (flagged
+        raters' labels excluded, with the reasons); the same data gives the same snapshot, which is
+        returned rather than written again. Admins only.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RecordRlhfRound(self, request, context):
+        """Create or update one RLHF round's record (the orchestrator's workflow reports each step).
+        Admins only.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListRlhfRounds(self, request, context):
+        """RLHF rounds, most recently updated first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PreferenceFeedbackServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -149,6 +201,26 @@ def add_PreferenceFeedbackServiceServicer_to_server(servicer, server):
                     servicer.SetRewardModelStatus,
                     request_deserializer=forge_dot_feedback_dot_v1_dot_feedback__pb2.SetRewardModelStatusRequest.FromString,
                     response_serializer=forge_dot_feedback_dot_v1_dot_feedback__pb2.SetRewardModelStatusResponse.SerializeToString,
+            ),
+            'GetPreferenceStats': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetPreferenceStats,
+                    request_deserializer=forge_dot_feedback_dot_v1_dot_feedback__pb2.GetPreferenceStatsRequest.FromString,
+                    response_serializer=forge_dot_feedback_dot_v1_dot_feedback__pb2.GetPreferenceStatsResponse.SerializeToString,
+            ),
+            'ExportSnapshot': grpc.unary_unary_rpc_method_handler(
+                    servicer.ExportSnapshot,
+                    request_deserializer=forge_dot_feedback_dot_v1_dot_feedback__pb2.ExportSnapshotRequest.FromString,
+                    response_serializer=forge_dot_feedback_dot_v1_dot_feedback__pb2.ExportSnapshotResponse.SerializeToString,
+            ),
+            'RecordRlhfRound': grpc.unary_unary_rpc_method_handler(
+                    servicer.RecordRlhfRound,
+                    request_deserializer=forge_dot_feedback_dot_v1_dot_feedback__pb2.RecordRlhfRoundRequest.FromString,
+                    response_serializer=forge_dot_feedback_dot_v1_dot_feedback__pb2.RecordRlhfRoundResponse.SerializeToString,
+            ),
+            'ListRlhfRounds': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListRlhfRounds,
+                    request_deserializer=forge_dot_feedback_dot_v1_dot_feedback__pb2.ListRlhfRoundsRequest.FromString,
+                    response_serializer=forge_dot_feedback_dot_v1_dot_feedback__pb2.ListRlhfRoundsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -315,6 +387,114 @@ class PreferenceFeedbackService:
             '/forge.feedback.v1.PreferenceFeedbackService/SetRewardModelStatus',
             forge_dot_feedback_dot_v1_dot_feedback__pb2.SetRewardModelStatusRequest.SerializeToString,
             forge_dot_feedback_dot_v1_dot_feedback__pb2.SetRewardModelStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetPreferenceStats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/forge.feedback.v1.PreferenceFeedbackService/GetPreferenceStats',
+            forge_dot_feedback_dot_v1_dot_feedback__pb2.GetPreferenceStatsRequest.SerializeToString,
+            forge_dot_feedback_dot_v1_dot_feedback__pb2.GetPreferenceStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExportSnapshot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/forge.feedback.v1.PreferenceFeedbackService/ExportSnapshot',
+            forge_dot_feedback_dot_v1_dot_feedback__pb2.ExportSnapshotRequest.SerializeToString,
+            forge_dot_feedback_dot_v1_dot_feedback__pb2.ExportSnapshotResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RecordRlhfRound(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/forge.feedback.v1.PreferenceFeedbackService/RecordRlhfRound',
+            forge_dot_feedback_dot_v1_dot_feedback__pb2.RecordRlhfRoundRequest.SerializeToString,
+            forge_dot_feedback_dot_v1_dot_feedback__pb2.RecordRlhfRoundResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListRlhfRounds(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/forge.feedback.v1.PreferenceFeedbackService/ListRlhfRounds',
+            forge_dot_feedback_dot_v1_dot_feedback__pb2.ListRlhfRoundsRequest.SerializeToString,
+            forge_dot_feedback_dot_v1_dot_feedback__pb2.ListRlhfRoundsResponse.FromString,
             options,
             channel_credentials,
             insecure,

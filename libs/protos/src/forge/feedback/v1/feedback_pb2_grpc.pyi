@@ -51,6 +51,21 @@ class PreferenceFeedbackServiceStub:
     """Move a version between CANDIDATE, ACTIVE and RETIRED, the only field that ever changes;
     activating one retires the name's previously active version. Admins only.
     """
+    GetPreferenceStats: _grpc.UnaryUnaryMultiCallable[_feedback_pb2.GetPreferenceStatsRequest, _feedback_pb2.GetPreferenceStatsResponse]
+    """How many accepted pairs (A or B, from raters not flagged by rater quality) there are, in all
+    and recorded after a given time: what the RLHF workflow buffers on.
+    """
+    ExportSnapshot: _grpc.UnaryUnaryMultiCallable[_feedback_pb2.ExportSnapshotRequest, _feedback_pb2.ExportSnapshotResponse]
+    """Write the accepted pairs as an immutable, content-addressed training snapshot (flagged
+    raters' labels excluded, with the reasons); the same data gives the same snapshot, which is
+    returned rather than written again. Admins only.
+    """
+    RecordRlhfRound: _grpc.UnaryUnaryMultiCallable[_feedback_pb2.RecordRlhfRoundRequest, _feedback_pb2.RecordRlhfRoundResponse]
+    """Create or update one RLHF round's record (the orchestrator's workflow reports each step).
+    Admins only.
+    """
+    ListRlhfRounds: _grpc.UnaryUnaryMultiCallable[_feedback_pb2.ListRlhfRoundsRequest, _feedback_pb2.ListRlhfRoundsResponse]
+    """RLHF rounds, most recently updated first."""
 
 @_typing.type_check_only
 class PreferenceFeedbackServiceAsyncStub(PreferenceFeedbackServiceStub):
@@ -75,6 +90,21 @@ class PreferenceFeedbackServiceAsyncStub(PreferenceFeedbackServiceStub):
     """Move a version between CANDIDATE, ACTIVE and RETIRED, the only field that ever changes;
     activating one retires the name's previously active version. Admins only.
     """
+    GetPreferenceStats: _aio.UnaryUnaryMultiCallable[_feedback_pb2.GetPreferenceStatsRequest, _feedback_pb2.GetPreferenceStatsResponse]  # type: ignore[assignment]
+    """How many accepted pairs (A or B, from raters not flagged by rater quality) there are, in all
+    and recorded after a given time: what the RLHF workflow buffers on.
+    """
+    ExportSnapshot: _aio.UnaryUnaryMultiCallable[_feedback_pb2.ExportSnapshotRequest, _feedback_pb2.ExportSnapshotResponse]  # type: ignore[assignment]
+    """Write the accepted pairs as an immutable, content-addressed training snapshot (flagged
+    raters' labels excluded, with the reasons); the same data gives the same snapshot, which is
+    returned rather than written again. Admins only.
+    """
+    RecordRlhfRound: _aio.UnaryUnaryMultiCallable[_feedback_pb2.RecordRlhfRoundRequest, _feedback_pb2.RecordRlhfRoundResponse]  # type: ignore[assignment]
+    """Create or update one RLHF round's record (the orchestrator's workflow reports each step).
+    Admins only.
+    """
+    ListRlhfRounds: _aio.UnaryUnaryMultiCallable[_feedback_pb2.ListRlhfRoundsRequest, _feedback_pb2.ListRlhfRoundsResponse]  # type: ignore[assignment]
+    """RLHF rounds, most recently updated first."""
 
 class PreferenceFeedbackServiceServicer(metaclass=_abc_1.ABCMeta):
     """Preference feedback. Called by the rater web UI (comparisons, preferences) and the
@@ -132,5 +162,44 @@ class PreferenceFeedbackServiceServicer(metaclass=_abc_1.ABCMeta):
         """Move a version between CANDIDATE, ACTIVE and RETIRED, the only field that ever changes;
         activating one retires the name's previously active version. Admins only.
         """
+
+    @_abc_1.abstractmethod
+    def GetPreferenceStats(
+        self,
+        request: _feedback_pb2.GetPreferenceStatsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_feedback_pb2.GetPreferenceStatsResponse, _abc.Awaitable[_feedback_pb2.GetPreferenceStatsResponse]]:
+        """How many accepted pairs (A or B, from raters not flagged by rater quality) there are, in all
+        and recorded after a given time: what the RLHF workflow buffers on.
+        """
+
+    @_abc_1.abstractmethod
+    def ExportSnapshot(
+        self,
+        request: _feedback_pb2.ExportSnapshotRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_feedback_pb2.ExportSnapshotResponse, _abc.Awaitable[_feedback_pb2.ExportSnapshotResponse]]:
+        """Write the accepted pairs as an immutable, content-addressed training snapshot (flagged
+        raters' labels excluded, with the reasons); the same data gives the same snapshot, which is
+        returned rather than written again. Admins only.
+        """
+
+    @_abc_1.abstractmethod
+    def RecordRlhfRound(
+        self,
+        request: _feedback_pb2.RecordRlhfRoundRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_feedback_pb2.RecordRlhfRoundResponse, _abc.Awaitable[_feedback_pb2.RecordRlhfRoundResponse]]:
+        """Create or update one RLHF round's record (the orchestrator's workflow reports each step).
+        Admins only.
+        """
+
+    @_abc_1.abstractmethod
+    def ListRlhfRounds(
+        self,
+        request: _feedback_pb2.ListRlhfRoundsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_feedback_pb2.ListRlhfRoundsResponse, _abc.Awaitable[_feedback_pb2.ListRlhfRoundsResponse]]:
+        """RLHF rounds, most recently updated first."""
 
 def add_PreferenceFeedbackServiceServicer_to_server(servicer: PreferenceFeedbackServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,0 +1,109 @@
+"""The RLHF worker: its settings and the Temporal worker that runs the ``rlhf`` loop.
+
+The loop and its children (``training``, ``rlhf_job``, ``eval_and_promote``) run on their own
+task queue, ``<task queue>-rlhf``, so the main worker's registrations stay as they are; child
+workflows inherit the parent's queue. Job events and checkpoints reach the children by workflow
+id (the job's ``workflow_id`` label), whatever their queue.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from pydantic import SecretStr
+from temporalio.client import Client
+from temporalio.worker import Worker
+
+from forge_kit import errors
+from forge_kit.settings import ForgeSettings, service_config
+from forge_orchestrator.activities import SchedulerActivities
+from forge_orchestrator.eval_activities import EvalActivities
+from forge_orchestrator.rlhf import RLHF_WORKFLOWS, RlhfInput
+from forge_orchestrator.rlhf_activities import RlhfActivities
+
+
+class RlhfSettings(ForgeSettings):
+    """Settings of the orchestrator's RLHF worker (env prefix ``FORGE_RLHF_``)."""
+
+    model_config = service_config("rlhf")
+
+    enabled: bool = True
+    """Run the RLHF worker in the orchestrator process."""
+
+    feedback_target: str = "127.0.0.1:50058"
+    """gRPC address of the preference-feedback service."""
+
+    feedback_token: SecretStr = SecretStr("")
+    """Admin token of the preference-feedback service (snapshots, reward models, rounds)."""
+
+
+def rlhf_task_queue(task_queue: str) -> str:
+    return f"{task_queue}-rlhf"
+
+
+def build_rlhf_worker(
+    client: Client,
+    task_queue: str,
+    scheduler: SchedulerActivities,
+    evals: EvalActivities,
+    rlhf: RlhfActivities,
+) -> Worker:
+    """A worker on :func:`rlhf_task_queue` (``task_queue``) for the loop, its children and their activities."""
+    methods: list[Callable[..., Any]] = [
+        scheduler.ensure_team,
+        scheduler.submit_job,
+        scheduler.cancel_job,
+        evals.register_model,
+        evals.current_model,
+        evals.run_suite,
+        evals.get_run,
+        evals.compare_runs,
+        evals.promote_model,
+        rlhf.preference_stats,
+        rlhf.export_snapshot,
+        rlhf.register_reward_model,
+        rlhf.set_reward_model_status,
+        rlhf.record_round,
+        rlhf.read_json,
+    ]
+    return Worker(
+        client, task_queue=rlhf_task_queue(task_queue), workflows=list(RLHF_WORKFLOWS), activities=methods
+    )
+
+
+def validate_rlhf(params: RlhfInput) -> None:
+    """The RLHF input's check for the workflow API (``service.KINDS``): names the bad field."""
+    if not params.policy_uri:
+        raise errors.ValidationError(
+            "input.policy_uri", "must name the reference policy (a Hugging Face folder)"
+        )
+    if not params.work_uri:
+        raise errors.ValidationError(
+            "input.work_uri", "must name a folder the jobs and the orchestrator share"
+        )
+    if not params.team:
+        raise errors.ValidationError("input.team", "must not be empty")
+    if not 1 <= params.min_new_pairs <= 10_000_000:
+        raise errors.ValidationError("input.min_new_pairs", "must be between 1 and 10000000")
+    if not 0.1 <= params.poll_s <= params.max_poll_s <= 86400:
+        raise errors.ValidationError("input.poll_s", "need 0.1 <= poll_s <= max_poll_s <= 86400")
+    if not 0.0 < params.heldout_fraction < 1.0:
+        raise errors.ValidationError("input.heldout_fraction", "must be in (0, 1)")
+    if not params.kl_budget > 0:
+        raise errors.ValidationError("input.kl_budget", "must be positive (nats per response)")
+    if not 1 <= params.overopt_window <= 100:
+        raise errors.ValidationError("input.overopt_window", "must be between 1 and 100")
+    if not 1 <= params.max_rounds <= 1000:
+        raise errors.ValidationError("input.max_rounds", "must be between 1 and 1000")
+    for name in ("reward_overrides", "dpo_overrides"):
+        for i, pair in enumerate(getattr(params, name)):
+            key = pair.partition("=")[0]
+            if "=" not in pair or not key:
+                raise errors.ValidationError(f"input.{name}[{i}]", "must be KEY=VALUE")
+            if key in ("init.parent", "pairs.path"):
+                raise errors.ValidationError(
+                    f"input.{name}[{i}]", f"{key} is set by the loop (the policy and the round's snapshot)"
+                )
+    if not 1 <= params.check_max_prompts <= 10_000 or not 1 <= params.check_max_new_tokens <= 4096:
+        raise errors.ValidationError("input.check_max_prompts", "prompts 1-10000, new tokens 1-4096")

@@ -1,0 +1,458 @@
+"""The RLHF workflow on the real Temporal dev server with the real scheduler, preference-feedback
+service and (for the hand-over) eval service as processes, and real training.
+
+Raters answer comparisons over the feedback service's gRPC API: two honest raters and an
+adversarial one, whom rater quality flags and the snapshot leaves out. The test plays the
+trainer agent and the Kafka consumer: it runs each job the scheduler holds for the loop's child
+workflows exactly as an agent would (the job's own command, with ``FORGE_RUN_DIR`` and
+``FORGE_JOB_ID``), then signals the job's events and, for training jobs, the published
+checkpoint — what the consumer does on ``JobStateChanged`` and ``CheckpointPublished``.
+
+- ``test_a_reward_model_that_does_not_beat_chance_stops_the_loop``: real HH-RLHF labels, a tiny
+  reward model trained for a few steps: held-out accuracy is not significantly above 50 %, so
+  the version is registered, retired, and the round is rejected with the reason.
+- ``test_a_round_trains_evaluates_optimises_and_hands_over``: HH-RLHF pairs relabelled by a rule a
+  tiny model learns in seconds (the raters prefer the response that ends with a full stop); the
+  reward model passes the gate, DPO runs against the reference, the drift check scores it, and
+  the checkpoint is promoted by eval-and-promote.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import gzip
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi import FastAPI
+from forge.common.v1 import common_pb2
+from forge.feedback.v1 import feedback_pb2, feedback_pb2_grpc
+from forge.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
+from temporalio.client import Client, WorkflowHandle
+from temporalio.service import RPCError
+from temporalio.worker import Replayer
+
+from forge_kit.grpckit import make_channel
+from forge_kit.http import HttpServer
+from forge_kit.testing import ServiceProcess, TemporalDevServer
+from forge_orchestrator.activities import SchedulerActivities
+from forge_orchestrator.eval_activities import EvalActivities
+from forge_orchestrator.rlhf import RLHF_WORKFLOWS, RlhfInput, RlhfResult
+from forge_orchestrator.rlhf_activities import RlhfActivities
+from forge_orchestrator.rlhf_worker import build_rlhf_worker, rlhf_task_queue
+from forge_orchestrator.training import CHECKPOINT_SIGNAL, CheckpointInfo
+from forge_orchestrator.workflows import JOB_EVENT_SIGNAL, PROGRESS_QUERY, JobEvent
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+SCHEDULER_TOKEN = "scheduler-test-token"  # the session scheduler's token (conftest)
+FEEDBACK_TOKEN = "feedback-test-token"
+EVAL_TOKEN = "eval-test-token"
+SHARED = Path(__file__).resolve().parents[3].parent / "shared" / "data"
+HH = SHARED / "preferences" / "hh-rlhf"
+PAIR_SETTINGS = ["optim.warmup_steps=2", "eval_batches=2", "eval_interval=100", "checkpoint.interval_steps=0"]
+CHOICE = {"A": common_pb2.PREFERENCE_CHOICE_A, "B": common_pb2.PREFERENCE_CHOICE_B}
+FLIP = {"A": "B", "B": "A"}
+
+
+@pytest.fixture(scope="module")
+def policy(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny pre-trained policy (the trainer's ``smoke`` recipe): the loop's reference."""
+    run = tmp_path_factory.mktemp("policy")
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "forge_trainer_agent.training.run",
+            "--recipe",
+            "smoke",
+            "--run-dir",
+            str(run),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    return run / "hf"
+
+
+def _last_turn(transcript: str) -> str:
+    return transcript.rsplit("\n\nAssistant:", 1)[-1].strip()
+
+
+def period_rule_seed(root: Path, limit: int) -> Path:
+    """HH-RLHF pairs where exactly one response ends with a full stop, that one marked chosen."""
+    out = root / "period-rule" / "helpful-base"
+    out.mkdir(parents=True)
+    kept = 0
+    with (
+        gzip.open(HH / "helpful-base" / "test.jsonl.gz", "rt") as source,
+        gzip.open(out / "test.jsonl.gz", "wt") as sink,
+    ):
+        for line in source:
+            row = json.loads(line)
+            a, b = _last_turn(row["chosen"]), _last_turn(row["rejected"])
+            if a.endswith(".") == b.endswith("."):
+                continue
+            chosen, rejected = (
+                (row["chosen"], row["rejected"]) if a.endswith(".") else (row["rejected"], row["chosen"])
+            )
+            sink.write(json.dumps({"chosen": chosen, "rejected": rejected}) + "\n")
+            kept += 1
+            if kept == limit:
+                break
+    return out.parent
+
+
+@dataclass
+class Feedback:
+    process: ServiceProcess
+    data: Path
+
+    def gold(self) -> dict[str, str]:
+        with sqlite3.connect(self.data / "preference_feedback.db") as conn:
+            return dict(conn.execute("SELECT id, gold_choice FROM feedback_comparisons"))
+
+
+def start_feedback(data: Path, seed_dir: Path, limit: int) -> Feedback:
+    process = ServiceProcess(
+        "forge_preference_feedback",
+        env={
+            "FORGE_PREFERENCE_FEEDBACK_GRPC_PORT": "0",
+            "FORGE_PREFERENCE_FEEDBACK_HTTP_PORT": "0",
+            "FORGE_PREFERENCE_FEEDBACK_DATA_DIR": str(data),
+            "FORGE_PREFERENCE_FEEDBACK_KAFKA_ENABLED": "false",
+            "FORGE_PREFERENCE_FEEDBACK_AUTH_TOKEN": FEEDBACK_TOKEN,
+            "FORGE_PREFERENCE_FEEDBACK_SEED_DIR": str(seed_dir),
+            "FORGE_PREFERENCE_FEEDBACK_SEED_LIMIT": str(limit),
+            "FORGE_PREFERENCE_FEEDBACK_QUALITY_MIN_MEDIAN_SECONDS": "0",
+        },
+        log_path=str(data / "feedback.log"),
+    )
+    process.start()
+    return Feedback(process, data)
+
+
+async def rate(feedback: Feedback, rater: str, count: int, *, adversarial: bool = False) -> int:
+    """``rater`` answers up to ``count`` comparisons over gRPC: the gold side, or the other one."""
+    gold = feedback.gold()
+    answered = 0
+    async with make_channel(feedback.process.grpc_target, token=FEEDBACK_TOKEN) as channel:
+        stub = feedback_pb2_grpc.PreferenceFeedbackServiceStub(channel)
+        while answered < count:
+            reply = await stub.GetNextComparison(feedback_pb2.GetNextComparisonRequest(rater_id=rater))
+            if not reply.HasField("comparison"):
+                break
+            side = gold[reply.comparison.id]
+            await stub.SubmitPreference(
+                feedback_pb2.SubmitPreferenceRequest(
+                    comparison_id=reply.comparison.id,
+                    rater_id=rater,
+                    choice=CHOICE[FLIP[side] if adversarial else side],
+                    confidence=0.9,
+                )
+            )
+            answered += 1
+    return answered
+
+
+async def rounds_of(feedback: Feedback, workflow_id: str) -> list[feedback_pb2.RlhfRound]:
+    async with make_channel(feedback.process.grpc_target, token=FEEDBACK_TOKEN) as channel:
+        stub = feedback_pb2_grpc.PreferenceFeedbackServiceStub(channel)
+        reply = await stub.ListRlhfRounds(feedback_pb2.ListRlhfRoundsRequest(workflow_id=workflow_id))
+    return list(reply.rounds)
+
+
+async def reward_model(feedback: Feedback, ref: str) -> feedback_pb2.RewardModel:
+    name, _, version = ref.partition(":")
+    async with make_channel(feedback.process.grpc_target, token=FEEDBACK_TOKEN) as channel:
+        stub = feedback_pb2_grpc.PreferenceFeedbackServiceStub(channel)
+        reply = await stub.GetRewardModel(
+            feedback_pb2.GetRewardModelRequest(ref=common_pb2.ModelRef(name=name, version=version))
+        )
+    return reply.reward_model
+
+
+class Agent:
+    """Plays the trainer agent and the event consumer for the loop's child workflows."""
+
+    SUFFIXES = ("r1-rm", "r1-rm-eval", "r1-dpo", "r1-check")
+
+    def __init__(self, client: Client, scheduler: ServiceProcess, parent: str, runs: Path) -> None:
+        self._client, self._scheduler, self._parent, self._runs = client, scheduler, parent, runs
+        self.ran: dict[str, str] = {}
+        """child workflow suffix → job id it ran."""
+
+    async def serve(self) -> None:
+        async with make_channel(self._scheduler.grpc_target, token=SCHEDULER_TOKEN) as channel:
+            stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
+            while True:
+                for suffix in self.SUFFIXES:
+                    if suffix not in self.ran:
+                        await self._try(stub, suffix)
+                await asyncio.sleep(0.3)
+
+    async def _try(self, stub: Any, suffix: str) -> None:
+        handle = self._client.get_workflow_handle(f"{self._parent}-{suffix}")
+        try:
+            job_id = str((await handle.query(PROGRESS_QUERY))["job_id"])
+        except RPCError:
+            return
+        if not job_id:
+            return
+        self.ran[suffix] = job_id
+        job = (await stub.GetJob(scheduler_pb2.GetJobRequest(job_id=job_id))).job
+        assert job.spec.labels["workflow_id"] == handle.id
+        run_dir = self._runs / job_id
+        run_dir.mkdir(parents=True)
+        await self._event(handle, job_id, "RUNNING")
+        process = await asyncio.create_subprocess_exec(
+            *job.spec.command,
+            cwd=run_dir,
+            env={**os.environ, "FORGE_RUN_DIR": str(run_dir), "FORGE_JOB_ID": job_id},
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )
+        output, _ = await process.communicate()
+        (run_dir / "job.log").write_bytes(output)
+        if process.returncode:
+            tail = output.decode(errors="replace")[-400:]
+            await self._event(handle, job_id, "FAILED", f"exited with code {process.returncode}: {tail}")
+            return
+        await self._event(handle, job_id, "SUCCEEDED")
+        if (run_dir / "hf" / "config.json").is_file():
+            await handle.signal(
+                CHECKPOINT_SIGNAL,
+                CheckpointInfo(job_id, job_id, 1, str(run_dir / "hf"), event_id=f"{job_id}-ckpt"),
+            )
+
+    @staticmethod
+    async def _event(handle: WorkflowHandle[Any, Any], job_id: str, state: str, reason: str = "") -> None:
+        await handle.signal(JOB_EVENT_SIGNAL, JobEvent(job_id, state, uuid.uuid4().hex, reason))
+
+
+def scripted_endpoint() -> FastAPI:
+    """An OpenAI-compatible endpoint that answers every question with 42."""
+    app = FastAPI()
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": "policy-rlhf"}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: dict[str, Any]) -> dict[str, Any]:
+        prompts = body["prompt"] if isinstance(body["prompt"], list) else [body["prompt"]]
+        choices = [{"index": i, "text": " #### 42", "finish_reason": "stop"} for i in range(len(prompts))]
+        return {"object": "text_completion", "model": body["model"], "choices": choices}
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: dict[str, Any]) -> dict[str, Any]:
+        message = {"role": "assistant", "content": " #### 42"}
+        return {
+            "object": "chat.completion",
+            "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
+        }
+
+    return app
+
+
+@pytest.fixture
+def eval_service(tmp_path: Path) -> Iterator[ServiceProcess]:
+    data = tmp_path / "eval"
+    data.mkdir()
+    process = ServiceProcess(
+        "forge_eval",
+        env={
+            "FORGE_EVAL_GRPC_PORT": "0",
+            "FORGE_EVAL_HTTP_PORT": "0",
+            "FORGE_EVAL_DATA_DIR": str(data),
+            "FORGE_EVAL_KAFKA_ENABLED": "false",
+            "FORGE_EVAL_AUTH_TOKEN": EVAL_TOKEN,
+            "FORGE_EVAL_BENCHMARKS_DIR": str(SHARED / "benchmarks"),
+        },
+        log_path=str(data / "eval.log"),
+    ).start()
+    yield process
+    process.stop()
+
+
+@pytest.fixture
+async def endpoint() -> AsyncIterator[str]:
+    server = HttpServer(scripted_endpoint(), "127.0.0.1", 0)
+    await server.start()
+    yield f"http://127.0.0.1:{server.port}"
+    await server.stop()
+
+
+async def run_loop(
+    temporal: TemporalDevServer,
+    scheduler: ServiceProcess,
+    feedback: Feedback,
+    eval_target: str,
+    params: RlhfInput,
+    runs: Path,
+) -> tuple[RlhfResult, str, Agent]:
+    client = await Client.connect(temporal.target)
+    queue = f"rlhf-{uuid.uuid4().hex[:8]}"
+    scheduler_acts = SchedulerActivities(scheduler.grpc_target, SCHEDULER_TOKEN)
+    evals = EvalActivities(eval_target, EVAL_TOKEN)
+    rlhf = RlhfActivities(feedback.process.grpc_target, FEEDBACK_TOKEN)
+    workflow_id = f"{queue}-loop"
+    agent = Agent(client, scheduler, workflow_id, runs)
+    try:
+        async with build_rlhf_worker(client, queue, scheduler_acts, evals, rlhf):
+            handle = await client.start_workflow(
+                "rlhf", params, id=workflow_id, task_queue=rlhf_task_queue(queue), result_type=RlhfResult
+            )
+            serving = asyncio.create_task(agent.serve())
+            try:
+                result: RlhfResult = await handle.result()
+            finally:
+                serving.cancel()
+            progress = await handle.query(PROGRESS_QUERY)
+            assert progress["step"] == "done" and len(progress["rounds"]) == len(result.rounds)
+        # The recorded history replays against the workflow code (determinism).
+        await Replayer(workflows=list(RLHF_WORKFLOWS)).replay_workflow(await handle.fetch_history())
+    finally:
+        for closer in (scheduler_acts.close, evals.close, rlhf.close):
+            await closer()
+    return result, workflow_id, agent
+
+
+def loop_input(policy: Path, work: Path, **change: Any) -> RlhfInput:
+    base: dict[str, Any] = {
+        "policy_uri": str(policy),
+        "work_uri": str(work),
+        "min_new_pairs": 30,
+        "heldout_fraction": 0.35,
+        "poll_s": 0.5,
+        "max_poll_s": 2.0,
+        "python": sys.executable,
+        "gpu_type": "H100",
+        "checkpoint_wait_s": 30.0,
+        "reward_overrides": ["max_steps=12", *PAIR_SETTINGS],
+        "dpo_overrides": ["max_steps=10", "optim.lr=1e-3", *PAIR_SETTINGS],
+        "check_max_prompts": 6,
+        "check_max_new_tokens": 12,
+        "promote": False,
+    }
+    return RlhfInput(**{**base, **change})
+
+
+@pytest.mark.asyncio
+async def test_a_reward_model_that_does_not_beat_chance_stops_the_loop(
+    temporal_server: TemporalDevServer, scheduler: ServiceProcess, policy: Path, tmp_path: Path
+) -> None:
+    feedback = start_feedback(tmp_path / "feedback", HH, limit=40)
+    try:
+        # Too few pairs at first: the loop buffers.
+        assert await rate(feedback, "alice", 10) == 10
+        loop = asyncio.create_task(
+            run_loop(
+                temporal_server,
+                scheduler,
+                feedback,
+                "127.0.0.1:1",
+                loop_input(policy, tmp_path / "work", min_new_pairs=60),
+                tmp_path / "runs",
+            )
+        )
+        await asyncio.sleep(3)
+        assert not loop.done()
+        await rate(feedback, "alice", 30)
+        await rate(feedback, "bob", 40)
+        assert await rate(feedback, "mallory", 15, adversarial=True) == 15
+        result, workflow_id, agent = await loop
+        [record] = result.rounds
+        registered = await reward_model(feedback, record.reward_model)
+        [row] = await rounds_of(feedback, workflow_id)
+    finally:
+        feedback.process.stop()
+
+    print(f"\nrefused round: {json.dumps(dataclasses.asdict(record), default=str)}")
+    assert set(agent.ran) == {"r1-rm", "r1-rm-eval"}  # no policy round after the refusal
+    assert record.status == "rejected" and record.new_pairs >= 60
+    assert "mallory" in record.excluded_raters and "alice" not in record.excluded_raters
+    # The snapshot left mallory out and holds alice's and bob's 80 answers.
+    snapshot = Path(record.snapshot_uri)
+    manifest = json.loads((snapshot / "manifest.json").read_text())
+    assert manifest["snapshot_id"] == record.snapshot_id == snapshot.name
+    assert manifest["train_pairs"] + manifest["test_pairs"] == 80
+    assert manifest["excluded"]["flagged_rater"] == 15
+    # The version is registered with its figures and snapshot, and retired; the reason says why.
+    assert record.rm_ci95_low <= 0.5 < record.rm_ci95_high
+    assert 0 < record.rm_n <= manifest["test_pairs"]
+    assert "does not beat 50% significantly" in record.reason and record.reward_model in record.reason
+    assert registered.snapshot_id == record.snapshot_id and registered.heldout.n == record.rm_n
+    assert registered.heldout.ci95_low == pytest.approx(record.rm_ci95_low)
+    assert registered.status == feedback_pb2.REWARD_MODEL_STATUS_RETIRED
+    assert (row.status, row.reason, row.snapshot_id) == ("rejected", record.reason, record.snapshot_id)
+    assert row.metrics["rm_accuracy"] == pytest.approx(record.rm_accuracy)
+    assert result.ended == record.reason and result.policy_uri == str(policy)
+
+
+@pytest.mark.asyncio
+async def test_a_round_trains_evaluates_optimises_and_hands_over(
+    temporal_server: TemporalDevServer,
+    scheduler: ServiceProcess,
+    policy: Path,
+    tmp_path: Path,
+    eval_service: ServiceProcess,
+    endpoint: str,
+) -> None:
+    seeds = period_rule_seed(tmp_path, limit=160)
+    feedback = start_feedback(tmp_path / "feedback", seeds, limit=160)
+    try:
+        await rate(feedback, "alice", 160)
+        await rate(feedback, "bob", 15)
+        await rate(feedback, "mallory", 15, adversarial=True)
+        params = loop_input(
+            policy,
+            tmp_path / "work",
+            min_new_pairs=160,
+            reward_overrides=["max_steps=40", "optim.lr=1e-3", *PAIR_SETTINGS],
+            promote=True,
+            promote_endpoint=endpoint,
+            promote_limit=4,
+        )
+        result, workflow_id, agent = await run_loop(
+            temporal_server, scheduler, feedback, eval_service.grpc_target, params, tmp_path / "runs"
+        )
+        [record] = result.rounds
+        [row] = await rounds_of(feedback, workflow_id)
+        registered = await reward_model(feedback, record.reward_model)
+    finally:
+        feedback.process.stop()
+
+    print(f"\nfull round: {json.dumps(dataclasses.asdict(record), default=str)}")
+    assert set(agent.ran) == set(Agent.SUFFIXES)
+    # Gate passed: significantly above chance, registered active with its snapshot.
+    assert record.rm_ci95_low > 0.5, record.reason
+    assert registered.status == feedback_pb2.REWARD_MODEL_STATUS_ACTIVE
+    assert registered.snapshot_id == record.snapshot_id and registered.heldout.n == record.rm_n
+    # Policy round: the DPO checkpoint was scored against the reference under the pinned RM.
+    reference, newest = record.drift
+    assert reference.kl == 0.0 and newest.policy == record.policy_uri
+    assert newest.sqrt_kl >= 0.0 and 0.0 <= newest.heldout_agreement <= 1.0
+    check = json.loads(
+        (tmp_path / "work" / workflow_id / "round-1" / "policy-check" / "summary.json").read_text()
+    )
+    assert check["reward_model"] == record.reward_model_uri and check["reference"] == str(policy)
+    # Handed over: eval-and-promote promoted it (no production model to beat), the round completed.
+    assert record.decision == "promoted" and record.status == "completed"
+    assert result.policy_uri == record.policy_uri
+    assert (row.status, row.policy_uri) == ("completed", record.policy_uri)
+    assert row.metrics["sqrt_kl"] == pytest.approx(newest.sqrt_kl)
+    assert (
+        row.reward_model.version
+        and f"{row.reward_model.name}:{row.reward_model.version}" == record.reward_model
+    )

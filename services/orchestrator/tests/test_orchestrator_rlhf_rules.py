@@ -1,0 +1,88 @@
+"""The RLHF loop's decisions as pure functions: the reward-model gate and the drift stops."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+
+from forge_kit import errors
+from forge_orchestrator.rlhf import DriftPoint, RlhfInput, drift_stop, reward_gate, rm_version
+from forge_orchestrator.rlhf_worker import validate_rlhf
+
+
+def point(kl: float, proxy: float, agreement: float) -> DriftPoint:
+    return DriftPoint("p", kl, math.sqrt(kl), proxy, agreement)
+
+
+def test_the_gate_needs_the_interval_above_chance() -> None:
+    assert reward_gate({"accuracy": 0.78, "ci95_low": 0.66, "ci95_high": 0.87, "n": 60}) == ""
+    refused = reward_gate({"accuracy": 0.64, "ci95_low": 0.48, "ci95_high": 0.77, "n": 39})
+    assert "0.640 [0.480, 0.770] on n=39" in refused
+    assert "does not beat 50% significantly" in refused
+    assert reward_gate(
+        {"accuracy": 0.51, "ci95_low": 0.5, "ci95_high": 0.52, "n": 10_000}
+    )  # = 0.5 is not above
+    assert "no 'n'" in reward_gate({"accuracy": 0.9, "ci95_low": 0.8, "ci95_high": 0.95})
+
+
+def test_kl_over_budget_stops_the_round() -> None:
+    assert drift_stop([point(0, 0.1, 0.5), point(3.9, 0.3, 0.6)], kl_budget=4.0, window=2) == ""
+    reason = drift_stop([point(0, 0.1, 0.5), point(4.2, 0.3, 0.6)], kl_budget=4.0, window=2)
+    assert reason.startswith("KL to the reference 4.200 nats exceeds the budget 4")
+
+
+@pytest.mark.parametrize(
+    ("points", "stops"),
+    [
+        # proxy up, agreement down at each of the last two steps: Goodhart
+        ([point(0, 0.1, 0.5), point(1, 0.2, 0.45), point(2, 0.3, 0.40)], True),
+        # agreement recovers at the last step: keep going
+        ([point(0, 0.1, 0.5), point(1, 0.2, 0.45), point(2, 0.3, 0.46)], False),
+        # proxy flat at the last step: not "keeps rising"
+        ([point(0, 0.1, 0.5), point(1, 0.2, 0.45), point(2, 0.2, 0.40)], False),
+        # both rising: the reward model and humans agree
+        ([point(0, 0.1, 0.5), point(1, 0.2, 0.55), point(2, 0.3, 0.60)], False),
+        # one step only, fewer points than the window needs
+        ([point(0, 0.1, 0.5), point(1, 0.2, 0.40)], False),
+    ],
+)
+def test_rising_proxy_with_falling_agreement_stops_the_round(points: list[DriftPoint], stops: bool) -> None:
+    reason = drift_stop(points, kl_budget=100.0, window=2)
+    assert bool(reason) is stops
+    if stops:
+        assert (
+            reason.startswith("over-optimisation")
+            and "sqrt(KL)=1.414: proxy 0.300, agreement 0.400" in reason
+        )
+
+
+def test_reward_model_versions_are_unique_per_round_and_valid() -> None:
+    assert rm_version("rlhf:team/x", 2) == "rlhf-team-x.r2"
+    assert rm_version("w" * 100, 1) == "w" * 48 + ".r1"
+
+
+def loop_input(**change: Any) -> RlhfInput:
+    return RlhfInput(**{"policy_uri": "/models/sft", "work_uri": "/shared/rlhf", **change})
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"policy_uri": ""}, "input.policy_uri"),
+        ({"work_uri": ""}, "input.work_uri"),
+        ({"min_new_pairs": 0}, "input.min_new_pairs"),
+        ({"poll_s": 700.0}, "input.poll_s"),
+        ({"heldout_fraction": 0.0}, "input.heldout_fraction"),
+        ({"kl_budget": 0.0}, "input.kl_budget"),
+        ({"overopt_window": 0}, "input.overopt_window"),
+        ({"dpo_overrides": ["max_steps=3", "no-equals"]}, "input.dpo_overrides[1]"),
+        ({"reward_overrides": ["pairs.path=/elsewhere"]}, "input.reward_overrides[0]"),
+    ],
+)
+def test_bad_loop_input_names_the_field(change: dict[str, Any], field: str) -> None:
+    validate_rlhf(loop_input())
+    with pytest.raises(errors.ValidationError) as caught:
+        validate_rlhf(loop_input(**change))
+    assert caught.value.field == field
