@@ -584,6 +584,23 @@ ALERT_RULES: list[dict[str, Any]] = [
         "annotations": {"summary": "{{ $labels.group }} dead-lettered events from {{ $labels.topic }}"},
     },
     {
+        "alert": "ForgeConsumerLagHigh",
+        "expr": "sum by (group, topic) (forge_consumer_lag) > 1000",
+        "for": "10m",
+        "labels": {"severity": "page"},
+        "annotations": {
+            "summary": "{{ $labels.group }} is {{ $value }} records behind on {{ $labels.topic }}"
+        },
+    },
+    {
+        "alert": "ForgeEvalGateBlocked",
+        "expr": 'sum by (suite) (increase(forge_eval_gate_total{decision="blocked"}[1h])) > 0',
+        "labels": {"severity": "ticket"},
+        "annotations": {
+            "summary": "release gate blocked {{ $value }} candidate(s) on suite {{ $labels.suite }} in the last hour"
+        },
+    },
+    {
         "alert": "ForgeSchedulerQueueTimeHigh",
         "expr": "histogram_quantile(0.95, sum by (le, team) "
         "(rate(forge_scheduler_queue_time_seconds_bucket[1h]))) > 4 * 3600",

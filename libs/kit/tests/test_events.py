@@ -304,3 +304,63 @@ async def test_outbox_keeps_events_while_the_broker_is_down_and_delivers_after_r
         await asyncio.gather(run, return_exceptions=True)
         await events.stop()
     assert len(handler.events) == 1
+
+
+@pytest.mark.asyncio
+async def test_consumer_lag_counts_unhandled_records_and_falls_to_zero(
+    db: Database, broker: TansuBroker
+) -> None:
+    """While the handler is stuck on the first of five events, the lag shows the records not
+    yet handled; once they are, it is 0."""
+    from prometheus_client import REGISTRY
+
+    job = f"job-{uuid.uuid4().hex}"
+    publisher = KafkaPublisher(broker.bootstrap)
+    for n in range(5):
+        await publisher.publish(
+            events_pb2.JobStateChanged(job_id=f"{job}-{n}"), producer="scheduler", key=job
+        )
+    await publisher.close()
+    release = asyncio.Event()
+    handled: list[str] = []
+
+    async def slow_handler(event: Message, session: AsyncSession) -> None:
+        job_id = getattr(event, "job_id", "")
+        if job_id.startswith(job):
+            await release.wait()
+            handled.append(job_id)
+
+    group = f"lag-{uuid.uuid4().hex}"
+    events = EventConsumer(
+        db,
+        bootstrap=broker.bootstrap,
+        group_id=group,
+        topics=[TOPIC],
+        handler=slow_handler,
+        session_timeout_ms=1500,
+    )
+    task = asyncio.create_task(events.run())
+
+    def lag() -> float:
+        return sum(
+            sample.value
+            for metric in REGISTRY.collect()
+            if metric.name == "forge_consumer_lag"
+            for sample in metric.samples
+            if sample.labels.get("group") == group
+        )
+
+    async def behind() -> bool:
+        return lag() >= 5
+
+    async def caught_up() -> bool:
+        return len(handled) == 5 and lag() == 0
+
+    try:
+        await eventually(behind, what="a lag of at least the five unhandled events")
+        release.set()
+        await eventually(caught_up, what="lag 0 once the five events are handled")
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await events.stop()

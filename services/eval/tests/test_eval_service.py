@@ -10,6 +10,7 @@ import pytest
 import sqlalchemy as sa
 from forge.eval.v1 import eval_pb2
 from forge.events.v1 import events_pb2
+from prometheus_client import REGISTRY
 
 from forge_eval.service import EvalService, Lineage, Promotion
 from forge_eval.serving import LocalModelServer
@@ -281,6 +282,12 @@ async def test_gate_passes_without_a_baseline_and_blocks_a_regression(
     service: EvalService, run_model: RunModel
 ) -> None:
     await register(service, "1", "2", "3")
+
+    def gate(decision: str) -> float:
+        value = REGISTRY.get_sample_value("forge_eval_gate_total", {"suite": "gsm8k", "decision": decision})
+        return value or 0.0
+
+    blocked_before, passed_before = gate("blocked"), gate("passed")
     first = await run_model("1", [1.0] * 80 + [0.0] * 20)
     done = await promote(service, "1", "production")
     assert done.model.stage == "production" and done.model.eval_run_ids == (first,)
@@ -296,6 +303,8 @@ async def test_gate_passes_without_a_baseline_and_blocks_a_regression(
     assert (await service.get_run(same))[0].passed_gate
     done = await promote(service, "3", "production")
     assert done.previous is not None and done.previous.version == "1"
+    # The decisions are counted for the eval-gate alert (forge_eval_gate_total).
+    assert (gate("passed") - passed_before, gate("blocked") - blocked_before) == (2, 1)
 
 
 async def test_only_an_admin_may_force_past_the_gate_and_it_is_audited(

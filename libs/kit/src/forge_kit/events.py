@@ -59,6 +59,11 @@ HEADER_PRODUCER = "forge-producer"
 EVENTS_PUBLISHED = Counter("forge_events_published_total", "Events sent to Kafka", ["topic"])
 EVENTS_CONSUMED = Counter("forge_events_consumed_total", "Events handled", ["group", "topic", "outcome"])
 OUTBOX_PENDING = Gauge("forge_outbox_pending", "Outbox rows not yet published")
+CONSUMER_LAG = Gauge(
+    "forge_consumer_lag",
+    "Records on the partition not yet handled by the group (high watermark - position)",
+    ["group", "topic", "partition"],
+)
 
 
 def topic_for(message: Message) -> str:
@@ -363,6 +368,8 @@ class EventConsumer:
         # How soon a dead member's partitions move to a live one; a join also waits about this long.
         self._session_timeout_ms = session_timeout_ms
         self._consumer: AIOKafkaConsumer | None = None
+        self._committed: dict[TopicPartition, int | None] = {}
+        """Offset committed per partition, as far as this consumer knows (for the lag gauge)."""
 
     async def start(self) -> None:
         """Join the group; retries with jittered backoff while the broker is unreachable."""
@@ -449,6 +456,7 @@ class EventConsumer:
         consumer = self._consumer
         while True:
             batches = await consumer.getmany(timeout_ms=500, max_records=100)
+            await self._export_lag(consumer)
             for tp, records in batches.items():
                 for record in records:
                     await self.handle(record)
@@ -459,6 +467,36 @@ class EventConsumer:
                         # replays from the last committed offset, and dedupe makes that harmless.
                         log.warning("consumer.commit_failed", group=self._group_id, error=repr(exc))
                         break
+                    self._committed[TopicPartition(tp.topic, tp.partition)] = record.offset + 1
+            if batches:
+                await self._export_lag(consumer)
+
+    async def _export_lag(self, consumer: AIOKafkaConsumer) -> None:
+        """``forge_consumer_lag`` per assigned partition: the last fetch's high watermark less the
+        group's committed offset — records on the broker this group has not handled yet, fetched
+        or not. The committed offset is asked of the broker once per partition, then followed
+        locally as this consumer commits."""
+        for tp in consumer.assignment():
+            highwater = consumer.highwater(tp)
+            key = TopicPartition(tp.topic, tp.partition)
+            if self._committed.get(key) is None:
+                try:
+                    committed = await consumer.committed(tp)
+                    if committed is None:  # the group never committed here: where it started
+                        committed = (
+                            (await consumer.beginning_offsets([tp]))[tp]
+                            if self._auto_offset_reset == "earliest"
+                            else await consumer.position(tp)
+                        )
+                    self._committed[key] = committed
+                except KafkaError:
+                    continue
+            committed = self._committed[key]
+            if highwater is None or committed is None:
+                continue
+            CONSUMER_LAG.labels(self._group_id, tp.topic, str(tp.partition)).set(
+                max(0, highwater - committed)
+            )
 
     async def stop(self) -> None:
         if self._consumer is not None:

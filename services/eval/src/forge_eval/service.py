@@ -29,6 +29,7 @@ import structlog
 from forge.common.v1 import common_pb2
 from forge.eval.v1 import eval_pb2
 from forge.events.v1 import events_pb2
+from prometheus_client import Counter
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from forge_eval import reports, stats
@@ -43,6 +44,9 @@ from forge_kit.db import Database
 from forge_kit.events import stage_event
 
 log = structlog.get_logger(__name__)
+EVAL_GATE = Counter(
+    "forge_eval_gate_total", "Release-gate decisions of finished eval runs", ["suite", "decision"]
+)
 
 RunStatus = eval_pb2.RunStatus
 PENDING, RUNNING = RunStatus.RUN_STATUS_PENDING, RunStatus.RUN_STATUS_RUNNING
@@ -938,6 +942,7 @@ class EvalService:
                 key=run.id,
             )
         self._on_commit()
+        EVAL_GATE.labels(run.suite, "passed" if passed else "blocked").inc()
         return run
 
     async def _production_comparison(
