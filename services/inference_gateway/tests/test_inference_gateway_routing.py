@@ -244,6 +244,10 @@ async def test_replicas_are_added_and_removed_at_run_time_through_the_admin_api(
         assert (
             await client.post("/admin/v1/replicas", json={"url": second.url}, headers=admin)
         ).status_code == 409
+        # The configured replica is there already too, and the 409 leaves nothing in the store.
+        assert (
+            await client.post("/admin/v1/replicas", json={"url": first.url}, headers=admin)
+        ).status_code == 409
         reply = await client.post("/admin/v1/replicas", json={"url": "gopher://x"}, headers=admin)
         assert reply.status_code == 400 and reply.json()["error"]["param"] == "url"
         await gateway.pool.refresh()
@@ -262,3 +266,7 @@ async def test_replicas_are_added_and_removed_at_run_time_through_the_admin_api(
         for i in range(3):
             assert (await _stream(client, {**HI, "prompt": f"q{i}"}))[0] == 200
     assert len(first.bodies) == 3 and second.bodies == []
+    # A gateway configured without ``first`` finds no admin-added replica left in the store.
+    other = await make_gateway([second.url])
+    await other.sync_replicas()
+    assert [r.url for r in other.pool.replicas()] == [second.url]

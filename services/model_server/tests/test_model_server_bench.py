@@ -24,6 +24,9 @@ def test_engine_bench_writes_the_contract_summary(tmp_path: Path, tiny_llama: Pa
         assert summary[key] > 0
     assert summary["engine_vs_hf_static"] == summary["engine_tok_s"] / summary["hf_static_tok_s"]
     assert summary["engine_vs_sequential"] == summary["engine_tok_s"] / summary["sequential_tok_s"]
+    cpu = summary["cpu_s"]
+    assert summary["engine_vs_hf_static_cpu"] == cpu["hf_static"] / cpu["engine"] > 0
+    assert summary["engine_vs_sequential_cpu"] == cpu["sequential"] / cpu["engine"] > 0
     # Chunked prefill (a 16-token budget), batching and the paged cache change no greedy token.
     assert summary["identical_to_sequential"] == 5 and summary["threads"] == 1
     assert 5 * 2 <= summary["output_tokens"] <= 5 * 9

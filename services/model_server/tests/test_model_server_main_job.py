@@ -43,7 +43,9 @@ async def test_without_a_trained_checkpoint_the_step_says_so(tmp_path: Path) -> 
 
 @pytest.fixture
 def platform(tmp_path: Path) -> Iterator[dict[str, ServiceProcess]]:
-    """A model server with an empty model directory, and a gateway routing to it."""
+    """A model server with an empty model directory, and a gateway routing to it, wired as
+    ``forge up`` wires them (the gateway's MODEL_SERVER_URL and _TOKEN; every other setting at its
+    default, so the gateway learns the new model on its usual ``/v1/models`` refresh)."""
     (tmp_path / "models").mkdir()
     server = ServiceProcess(
         "forge_model_server",
@@ -69,7 +71,6 @@ def platform(tmp_path: Path) -> Iterator[dict[str, ServiceProcess]]:
                 "FORGE_INFERENCE_GATEWAY_KAFKA_ENABLED": "false",
                 "FORGE_INFERENCE_GATEWAY_MODEL_SERVER_URL": server.http_url,
                 "FORGE_INFERENCE_GATEWAY_MODEL_SERVER_TOKEN": SERVER_TOKEN,
-                "FORGE_INFERENCE_GATEWAY_MODELS_REFRESH_S": "0.5",
             },
             cwd=str(tmp_path),
             log_path=str(tmp_path / "gateway.log"),
@@ -109,6 +110,12 @@ async def test_the_trained_checkpoint_answers_a_streamed_chat_through_the_gatewa
     server_url = platform["model_server"].http_url
     cards = httpx.get(f"{server_url}/v1/models", headers=auth).json()["data"]
     assert [(c["id"], c["version"], c["root"]) for c in cards] == [(MODEL, "run-7-5", str(export))]
-    # Running the step again (a second `make up`) replaces the model and still answers.
+    # The next `make up` trains again: a new run, exported as pre-training exports (no chat
+    # template, so the server's default chat format), replaces the model and still answers.
+    second = save_llama(tmp_path / "checkpoints" / "run-8" / "hf", seed=1)
+    ctx.results["train"] = {"checkpoint_uri": str(second), "run_id": "run-8", "step": 9}
     again = await chat(ctx)
-    assert again["ok"] is True and again["token_events"] == again["completion_tokens"]
+    assert again["ok"] is True and again["model"] == f"{MODEL}:run-8-9"
+    assert again["token_events"] == again["completion_tokens"] >= 1
+    cards = httpx.get(f"{server_url}/v1/models", headers=auth).json()["data"]
+    assert [(c["id"], c["version"], c["root"]) for c in cards] == [(MODEL, "run-8-9", str(second))]

@@ -323,6 +323,9 @@ class ReplicaPool:
         for url in wanted - set(self._replicas):
             self.add(url, source="admin")
 
+    def has(self, url: str) -> bool:
+        return normalize_url(url) in self._replicas
+
     def get(self, url: str) -> Replica:
         replica = self._replicas.get(normalize_url(url))
         if replica is None:

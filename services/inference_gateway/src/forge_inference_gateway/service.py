@@ -498,6 +498,10 @@ class InferenceGateway:
     async def add_replica(self, url: str) -> Replica:
         """Admin: route to one more model-server replica, on every gateway replica (via the store)."""
         url = normalize_url(url)
+        # A configured replica (MODEL_SERVER_URL) is checked first: it must not get a store row,
+        # or every gateway would keep routing to it after the setting drops it.
+        if self.pool.has(url):
+            raise errors.AlreadyExistsError(f"replica {url} is already in the pool")
         async with self._db.session() as session:
             if await session.get(UpstreamReplicaRow, url) is not None:
                 raise errors.AlreadyExistsError(f"replica {url} is already in the pool")

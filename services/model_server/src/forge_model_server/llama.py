@@ -93,7 +93,7 @@ IN_PLACE_MAX_SPAN = 3
 IN_PLACE_MAX_HOLE = 8
 #: Runs shorter than this are gathered, and at most this many runs are read in place per step.
 IN_PLACE_MIN_RUN = 4
-IN_PLACE_MAX_RUNS = 8
+IN_PLACE_MAX_RUNS = 16
 #: A prefill chunk whose scores ([heads, chunk, context] floats) fit this many is attended with
 #: explicit matmuls and softmax: 2-2.5x faster than ``scaled_dot_product_attention`` on CPU, which
 #: runs its math fallback there for GQA and masks (measured); a larger one uses SDPA, which tiles.
@@ -193,26 +193,31 @@ class _BlockRun:
 @dataclass(frozen=True)
 class _DecodePlan:
     """The step's single-token sequences: their flat rows, the block runs they read and, for every
-    block of those runs in order, its owner (the decode row; the spare row ``len(rows)`` for a block
-    nobody in the step reads) and which of its slots lie beyond the owner's context."""
+    block of those runs in order, its owner (the decode row) and the additive mask of its slots
+    (``[blocks, kv_heads, groups, block_size]``: 0, or -inf beyond the owner's context). A block
+    nobody in the step reads is masked whole and lent to row 0, where it adds exactly nothing.
+    Built once per step, read by every layer."""
 
     rows: torch.Tensor
     runs: list[_BlockRun]
     owner: torch.Tensor
-    invalid: torch.Tensor
+    bias: torch.Tensor
 
 
 @dataclass(frozen=True)
 class _Prefill:
     """A sequence computing a chunk of several tokens: its flat rows, context, blocks and causal
-    mask (``[chunk, context]``, True where a query may look). A first chunk (``fresh``) attends
-    only to its own new keys; a later one gathers its context."""
+    mask (``[chunk, context]``, True where a query may look), and that mask as the additive bias
+    of the explicit path (``[groups * chunk, context]``; None when SDPA runs), built once per step
+    for every layer. A first chunk (``fresh``) attends only to its own new keys; a later one
+    gathers its context."""
 
     start: int
     end: int
     context: int
     blocks: torch.Tensor
     mask: torch.Tensor
+    bias: torch.Tensor | None
 
     @property
     def fresh(self) -> bool:
@@ -339,7 +344,8 @@ class LlamaModel:
 
     def _plan(self, batch: BatchLayout) -> _Plan:
         """Split the step's sequences into decoding ones (attend together) and prefilling ones."""
-        bs = self.block_size
+        bs, c = self.block_size, self.config
+        groups = c.num_heads // c.num_kv_heads
         decode: list[tuple[int, int, list[int]]] = []
         prefill: list[_Prefill] = []
         for i, ctx in enumerate(batch.context_lens):
@@ -350,7 +356,11 @@ class LlamaModel:
                 continue
             n = end - start
             mask = torch.ones(n, ctx, dtype=torch.bool).tril(diagonal=ctx - n)  # query i is at ctx - n + i
-            prefill.append(_Prefill(start, end, ctx, torch.tensor(table, dtype=torch.long), mask))
+            bias = None
+            if c.num_heads * n * ctx <= EXPLICIT_SCORES_MAX:
+                bias = torch.zeros(n, ctx, dtype=self.k_cache.dtype).masked_fill_(~mask, float("-inf"))
+                bias = bias.repeat(groups, 1) if groups > 1 else bias
+            prefill.append(_Prefill(start, end, ctx, torch.tensor(table, dtype=torch.long), mask, bias))
         return _Plan(self._decode_plan(decode) if decode else None, prefill)
 
     def _decode_plan(self, seqs: list[tuple[int, int, list[int]]]) -> _DecodePlan:
@@ -361,7 +371,7 @@ class LlamaModel:
         2. Cut the sorted blocks into runs at holes of more than ``IN_PLACE_MAX_HOLE`` blocks;
            the longest dense runs are read in place, every other block is gathered.
         """
-        bs, spare = self.block_size, len(seqs)
+        bs, c = self.block_size, self.config
         # 1. Every block with its owner and valid slots.
         entries: list[tuple[int, int, int]] = []
         for i, (_, ctx, table) in enumerate(seqs):
@@ -396,7 +406,7 @@ class LlamaModel:
         limits: list[int] = []
         for run in dense:
             lo, hi = run[0][0], run[-1][0] + 1
-            run_owners, run_limits = [spare] * (hi - lo), [0] * (hi - lo)
+            run_owners, run_limits = [0] * (hi - lo), [0] * (hi - lo)
             for block, owner, limit in run:
                 run_owners[block - lo], run_limits[block - lo] = owner, limit
             plan_runs.append(_BlockRun(start=lo, stop=hi))
@@ -406,11 +416,16 @@ class LlamaModel:
             plan_runs.append(_BlockRun(blocks=torch.tensor([e[0] for e in gathered])))
             owners += [e[1] for e in gathered]
             limits += [e[2] for e in gathered]
+        invalid = torch.arange(bs)[None, :] >= torch.tensor(limits)[:, None]
+        bias = torch.zeros(len(owners), 1, 1, bs, dtype=self.k_cache.dtype).masked_fill_(
+            invalid[:, None, None, :], float("-inf")
+        )
+        groups = c.num_heads // c.num_kv_heads
         return _DecodePlan(
             rows=torch.tensor([row for row, _, _ in seqs]),
             runs=plan_runs,
             owner=torch.tensor(owners),
-            invalid=torch.arange(bs)[None, :] >= torch.tensor(limits)[:, None],
+            bias=bias.expand(-1, c.num_kv_heads, groups, -1).contiguous(),
         )
 
     def _attend(
@@ -435,7 +450,8 @@ class LlamaModel:
     def _decode_attention(self, layer: int, q: torch.Tensor, plan: _DecodePlan) -> torch.Tensor:
         """One query token per sequence against its blocks, all sequences in the same products.
 
-        1. Scores: per block, its owner's queries x the block's keys (one batched matmul per run).
+        1. Scores: per block, its owner's (pre-scaled) queries x the block's keys plus the block's
+           mask (one batched matmul per run).
         2. Softmax across each sequence's blocks: the per-owner max, exp, the per-owner sum.
         3. Output: per block, probabilities x values (one batched matmul per run), summed per
            owner, divided by the sum. GQA: the query heads of one KV head ride in the query axis,
@@ -445,26 +461,26 @@ class LlamaModel:
         n = q.shape[0]
         kv, groups, dim, bs = c.num_kv_heads, c.num_heads // c.num_kv_heads, c.head_dim, self.block_size
         total_blocks = plan.owner.shape[0]
-        queries = torch.cat((q.view(n, kv, groups, dim), q.new_zeros(1, kv, groups, dim)))
-        mine = queries.index_select(0, plan.owner)
+        mine = (q * dim**-0.5).view(n, kv, groups, dim).index_select(0, plan.owner)
         # 1. Scores.
         scores = q.new_empty(total_blocks, kv, groups, bs)
         at = 0
         for i, run in enumerate(plan.runs):
             keys, m = self._run_blocks(self.k_cache[layer], run, f"k{i}"), run.size
-            torch.matmul(
+            torch.baddbmm(
+                plan.bias[at : at + m].view(m * kv, groups, bs),
                 mine[at : at + m].view(m * kv, groups, dim),
                 keys.view(m * kv, bs, dim).transpose(1, 2),
                 out=scores[at : at + m].view(m * kv, groups, bs),
             )
             at += m
-        scores.mul_(dim**-0.5).masked_fill_(plan.invalid[:, None, None, :], float("-inf"))
-        # 2. Softmax across blocks.
-        top = torch.full((n + 1, kv, groups), float("-inf"), dtype=q.dtype)
-        top.scatter_reduce_(0, plan.owner[:, None, None].expand(-1, kv, groups), scores.amax(dim=-1), "amax")
-        top[n] = 0.0  # the spare row owns only masked slots
-        probs = torch.exp(scores.sub_(top.index_select(0, plan.owner)[..., None]))
-        total = q.new_zeros(n + 1, kv, groups).index_add_(0, plan.owner, probs.sum(dim=-1))
+        # 2. Softmax across blocks (every row owns at least one valid slot, so its max is finite).
+        owner = plan.owner[:, None, None].expand(-1, kv, groups)
+        top = q.new_empty(n, kv, groups).scatter_reduce_(
+            0, owner, scores.amax(dim=-1), "amax", include_self=False
+        )
+        probs = scores.sub_(top.index_select(0, plan.owner)[..., None]).exp_()
+        total = q.new_zeros(n, kv, groups).index_add_(0, plan.owner, probs.sum(dim=-1))
         # 3. Output.
         weighted = q.new_empty(total_blocks, kv, groups, dim)
         at = 0
@@ -476,8 +492,8 @@ class LlamaModel:
                 out=weighted[at : at + m].view(m * kv, groups, dim),
             )
             at += m
-        out = q.new_zeros(n + 1, kv, groups, dim).index_add_(0, plan.owner, weighted)
-        return (out[:n] / total[:n, ..., None]).view(n, c.num_heads, dim)
+        out = q.new_zeros(n, kv, groups, dim).index_add_(0, plan.owner, weighted)
+        return out.div_(total[..., None]).view(n, c.num_heads, dim)
 
     def _prefill_attention(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: _Prefill
@@ -492,15 +508,14 @@ class LlamaModel:
         else:
             keys = self._gather_context(self.k_cache[layer], seq, "pk")
             values = self._gather_context(self.v_cache[layer], seq, "pv")
-        if c.num_heads * n * seq.context > EXPLICIT_SCORES_MAX:
+        if seq.bias is None:
             o = F.scaled_dot_product_attention(
                 q.transpose(0, 1), keys, values, attn_mask=seq.mask, enable_gqa=True
             )
             return o.transpose(0, 1)
         groups = c.num_heads // kv
         queries = q.reshape(n, kv, groups, dim).permute(1, 2, 0, 3).reshape(kv, groups * n, dim)
-        bias = torch.zeros(n, seq.context, dtype=q.dtype).masked_fill_(~seq.mask, float("-inf"))
-        scores = torch.baddbmm(bias.repeat(groups, 1), queries, keys.transpose(1, 2), alpha=dim**-0.5)
+        scores = torch.baddbmm(seq.bias, queries, keys.transpose(1, 2), alpha=dim**-0.5)
         o = torch.bmm(torch.softmax(scores, dim=-1), values)
         return o.view(kv, groups, n, dim).permute(2, 0, 1, 3).reshape(n, c.num_heads, dim)
 
