@@ -328,6 +328,52 @@ def test_production_inference_displaces_a_preemptible_flood_within_one_cycle_plu
     assert [s.job_id for s in second.starts] == ["serve"]
 
 
+def test_production_inference_is_placed_within_one_cycle_plus_grace_under_a_queued_flood() -> None:
+    """The cluster is full of 1-GPU preemptible jobs (half of them still inside their minimum
+    runtime) and 2,000 more wait ahead of the production request: the first cycle orders only
+    preemptions for it, and the first cycle after the grace period starts it on the freed nodes."""
+    grace = 60.0
+    engine = PolicyEngine(PolicyConfig(preemption_grace_s=grace))
+    nodes = make_cluster(nodes=32, groups=4)
+    teams = {**make_teams("research", guaranteed=128), **make_teams("product", guaranteed=64)}
+    running = [
+        make_pjob(f"run{i:03d}", "research")
+        .gpus(1)
+        .priority("preemptible")
+        .min_runtime(10_000.0 if (i // 8) % 2 == 0 else 0.0)
+        .running([(f"n{i // 8}", 1)], start=0.0, borrowed=i >= 128)
+        for i in range(32 * 8)
+    ]
+    rng = random.Random(7)
+    queued = [
+        make_pjob(f"q{i:04d}", "research")
+        .gpus(rng.choice([1, 2, 4, 8]))
+        .priority("preemptible")
+        .submitted(i * 0.1)
+        .pending()
+        for i in range(2000)
+    ]
+    serve = make_pjob("serve", "product").tasks(2).gpus(8).priority("production").submitted(1000).pending()
+    now = 1000.0
+
+    first = engine.cycle(Snapshot(nodes, teams, [*queued, serve], running), now)
+
+    assert first.starts == []
+    assert first.order[0] == "serve"
+    assert len(first.preemptions) == 16 and {p.for_job for p in first.preemptions} == {"serve"}
+    assert {p.stop_by for p in first.preemptions} == {now + grace}
+    stopped = {p.job_id for p in first.preemptions}
+    freed = {a.slots[0][0] for a in running if a.job.id in stopped}
+    assert len(freed) == 2 and all(int(n[1:]) % 2 == 1 for n in freed), "only nodes past min runtime"
+    assert "grace period" in first.reasons["serve"]
+
+    left = [a for a in running if a.job.id not in stopped]
+    second = engine.cycle(Snapshot(nodes, teams, [*queued, serve], left), now + grace)
+
+    assert [s.job_id for s in second.starts] == ["serve"]
+    assert {n for n, _ in second.starts[0].slots} == freed
+
+
 def test_usage_ledger_halves_after_one_half_life() -> None:
     ledger = UsageLedger(half_life_s=100.0)
     ledger.advance(1.0, {"a": 10})

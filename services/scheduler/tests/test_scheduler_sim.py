@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import gc
 import json
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
+from forge_scheduler.gcpause import collector_paused
 from forge_scheduler.sim.cli import app
+from forge_scheduler.sim.cycle import CycleBench, run_cycle_bench
 from forge_scheduler.sim.pack import PackNode, Pod, run_pack
 from forge_scheduler.sim.replay import SimSettings, pooled_sjf_avg_jct, replay
 from forge_scheduler.sim.trace import TraceError, TraceJob, load_trace
@@ -131,6 +134,31 @@ def test_cli_cycle_writes_percentiles(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     summary = json.loads((tmp_path / "c" / "summary.json").read_text())
     assert 0 < summary["cycle_ms"]["p50"] <= summary["cycle_ms"]["p99"]
+
+
+def test_cycles_run_with_the_collector_paused_and_restore_it_after(tmp_path: Path) -> None:
+    seen: list[bool] = []
+
+    def clock() -> float:
+        seen.append(gc.isenabled())
+        return 0.0
+
+    assert gc.isenabled()
+    run_cycle_bench(CycleBench(pending=50, nodes=4, cycles=2), clock=clock)
+    assert seen == [False] * 4, "the timed cycle ran with the cyclic collector on"
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with collector_paused(), collector_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled(), "a collector that was off before stays off"
+    finally:
+        gc.enable()
+    with collector_paused():
+        with collector_paused():
+            pass
+        assert not gc.isenabled(), "the inner pause ended the outer one"
+    assert gc.isenabled()
 
 
 def test_pack_reports_allocation_at_first_failure() -> None:

@@ -33,6 +33,7 @@ import structlog
 from forge.scheduler.v1 import scheduler_pb2
 from prometheus_client import Gauge, Histogram
 
+from forge_scheduler.gcpause import collector_paused
 from forge_scheduler.policy import (
     Allocation,
     CycleResult,
@@ -142,7 +143,7 @@ class SchedulingLoop:
             # 2.-3. Snapshot and usage.
             snap, rows = await self._snapshot(now)
             # 4. Policy.
-            result = await asyncio.to_thread(self._engine.cycle, snap, epoch(now))
+            result = await asyncio.to_thread(self._decide, snap, epoch(now))
             # 5.-6. Apply and tell the agents.
             await self._apply(result, rows, now, report)
             report.seconds = time.perf_counter() - started
@@ -157,6 +158,12 @@ class SchedulingLoop:
                     ms=round(report.seconds * 1000, 2),
                 )
             return report
+
+    def _decide(self, snap: Snapshot, now: float) -> CycleResult:
+        """The policy's cycle with the cyclic garbage collector paused (see ``gcpause``): a full
+        collection of the service's heap would otherwise land inside one cycle in a few."""
+        with collector_paused():
+            return self._engine.cycle(snap, now)
 
     # --- 1. lost nodes -------------------------------------------------------------------------
 

@@ -273,16 +273,22 @@ class PolicyEngine:
         first = tiers[0] if tiers else math.inf
         aging = cfg.aging_s
         bisect_right = bisect.bisect_right
-        # keys built in one loop and sorted as plain tuples: a key function per job costs twice as
-        # much; the team's fair score enters as its rank, so the key's head is one small integer
+        # The key is (head, waiting since, job id), head = priority, tier and the team's fair
+        # score as one small integer (the score enters as its rank). It is sorted as three stable
+        # passes over plain lists, least significant first, instead of one sort of per-job
+        # tuples: 10,000 tuples cost more to build than to sort, and they are the bulk of what a
+        # cycle allocates (each allocation burst brings the cyclic garbage collector closer).
         ranks = {score: r for r, score in enumerate(sorted({*fair.values(), 0.0}))}
         team_rank = {team: ranks[score] for team, score in fair.items()}
         unknown = ranks[0.0]
         per_tier = len(ranks)
         per_priority = (len(tiers) + 1) * per_tier
-        keyed: list[tuple[int, float, str, int]] = []
-        append = keyed.append
-        for i, p in enumerate(snap.pending):
+        pending = snap.pending
+        heads: list[int] = []
+        sinces: list[float] = []
+        ids: list[str] = []
+        add_head, add_since, add_id = heads.append, sinces.append, ids.append
+        for p in pending:
             job = p.job
             since = job.submit_time if p.queued_since is None else p.queued_since
             head = team_rank.get(job.team, unknown) - int(job.priority) * per_priority
@@ -292,10 +298,13 @@ class PolicyEngine:
                 if now > since:
                     tier = max(0, tier - int((now - since) // aging))
                 head += tier * per_tier
-            append((head, since, job.id, i))
-        keyed.sort()
-        pending = snap.pending
-        return [pending[k[3]] for k in keyed], [k[2] for k in keyed]
+            add_head(head)
+            add_since(since)
+            add_id(job.id)
+        order = sorted(range(len(ids)), key=ids.__getitem__)
+        order.sort(key=sinces.__getitem__)
+        order.sort(key=heads.__getitem__)
+        return [pending[i] for i in order], [ids[i] for i in order]
 
     def _order_baseline(self, snap: Snapshot, now: float, capacity: Mapping[str, int]) -> list[PendingJob]:
         """Strict FIFO and FIFO + backfill: submit time; multifactor: Slurm's weighted sum."""

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from forge_scheduler.gcpause import collector_paused
 from forge_scheduler.policy.engine import PolicyConfig, PolicyEngine
 from forge_scheduler.policy.model import (
     Allocation,
@@ -108,7 +109,12 @@ def run_cycle_bench(
 ) -> dict[str, object]:
     """Cycle time in ms over ``bench.cycles`` freshly drawn snapshots: wall (``cycle_ms``, the
     contract) and this process's CPU time (``cycle_cpu_ms``, what the cycle costs when the
-    shared build machine is busy with other work)."""
+    shared build machine is busy with other work).
+
+    Each cycle runs with the cyclic garbage collector paused, as the service's scheduling loop
+    runs it (``forge_scheduler.gcpause``): otherwise a full collection of the benchmark's own heap
+    lands inside some cycle every few cycles and the p99 measures that instead of the policy.
+    """
     rng = random.Random(bench.seed)
     engine = PolicyEngine(PolicyConfig.forge())
     times: list[float] = []
@@ -116,10 +122,11 @@ def run_cycle_bench(
     starts = preemptions = 0
     for _ in range(bench.cycles):
         snap = build_snapshot(bench, rng)
-        begin, cpu_begin = clock(), cpu_clock()
-        result = engine.cycle(snap, 10_000.0)
-        times.append((clock() - begin) * 1000.0)
-        cpu_times.append((cpu_clock() - cpu_begin) * 1000.0)
+        with collector_paused():
+            begin, cpu_begin = clock(), cpu_clock()
+            result = engine.cycle(snap, 10_000.0)
+            times.append((clock() - begin) * 1000.0)
+            cpu_times.append((cpu_clock() - cpu_begin) * 1000.0)
         starts += len(result.starts)
         preemptions += len(result.preemptions)
 
