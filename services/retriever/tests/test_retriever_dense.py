@@ -12,7 +12,10 @@ from forge_retriever.config import RetrieverSettings
 from forge_retriever.embed import SentenceTransformerEmbedder
 from forge_retriever.index import Fusion, HybridParams, IndexPoint, QdrantEdgeIndex, point_id
 from forge_retriever.service import DocumentIn, RetrieverService, SearchMode
+from forge_retriever.tenancy import DEFAULT_TENANT
 from forge_retriever.text import SparseVector
+
+T = DEFAULT_TENANT
 
 # --- fusion on synthetic lists ------------------------------------------------------------------
 
@@ -57,14 +60,16 @@ QUERY_DENSE = [1.0, 0.0, 0.0]
 def test_rrf_fuses_the_two_lists_by_reciprocal_rank(tmp_path: Path) -> None:
     idx = _synthetic(tmp_path)
     try:
-        dense = [h.document_id for h in idx.search_dense("c", QUERY_DENSE, 10, {})]
-        sparse = [h.document_id for h in idx.search_sparse("c", QUERY_SPARSE, 10, {})]
+        dense = [h.document_id for h in idx.search_dense("c", QUERY_DENSE, 10, {}, tenant=T)]
+        sparse = [h.document_id for h in idx.search_sparse("c", QUERY_SPARSE, 10, {}, tenant=T)]
         assert dense == ["a", "b", "c", "d", "e"] and sparse == ["e", "d", "c", "b"]
         k = 60
         expected = {
             doc: sum(1.0 / (k + lst.index(doc)) for lst in (dense, sparse) if doc in lst) for doc in dense
         }
-        hits = idx.search_hybrid("c", QUERY_SPARSE, QUERY_DENSE, 5, {}, HybridParams(candidates=10, rrf_k=k))
+        hits = idx.search_hybrid(
+            "c", QUERY_SPARSE, QUERY_DENSE, 5, {}, HybridParams(candidates=10, rrf_k=k), tenant=T
+        )
         assert {h.document_id: h.score for h in hits} == pytest.approx(expected, rel=1e-5)
         ranked = [h.document_id for h in hits]
         assert [h.score for h in hits] == sorted((h.score for h in hits), reverse=True)
@@ -78,10 +83,14 @@ def test_rrf_fuses_the_two_lists_by_reciprocal_rank(tmp_path: Path) -> None:
 def test_hybrid_candidates_cut_each_list_before_fusion(tmp_path: Path) -> None:
     idx = _synthetic(tmp_path)
     try:
-        hits = idx.search_hybrid("c", QUERY_SPARSE, QUERY_DENSE, 5, {}, HybridParams(candidates=1, rrf_k=60))
+        hits = idx.search_hybrid(
+            "c", QUERY_SPARSE, QUERY_DENSE, 5, {}, HybridParams(candidates=1, rrf_k=60), tenant=T
+        )
         # limit wins over a smaller candidate count: each list contributes max(limit, candidates).
         assert len(hits) == 5
-        one = idx.search_hybrid("c", QUERY_SPARSE, QUERY_DENSE, 1, {}, HybridParams(candidates=1, rrf_k=60))
+        one = idx.search_hybrid(
+            "c", QUERY_SPARSE, QUERY_DENSE, 1, {}, HybridParams(candidates=1, rrf_k=60), tenant=T
+        )
         assert [h.document_id for h in one] in (["a"], ["e"])  # the two list heads tie at 1/60
     finally:
         idx.close()
@@ -91,10 +100,12 @@ def test_dbsf_and_filters_apply_to_both_lists(tmp_path: Path) -> None:
     idx = _synthetic(tmp_path)
     try:
         hits = idx.search_hybrid(
-            "c", QUERY_SPARSE, QUERY_DENSE, 10, {"tenant": "t2"}, HybridParams(fusion=Fusion.DBSF)
+            "c", QUERY_SPARSE, QUERY_DENSE, 10, {"tenant": "t2"}, HybridParams(fusion=Fusion.DBSF), tenant=T
         )
         assert [h.document_id for h in hits] == ["c"]
-        dbsf = idx.search_hybrid("c", QUERY_SPARSE, QUERY_DENSE, 5, {}, HybridParams(fusion=Fusion.DBSF))
+        dbsf = idx.search_hybrid(
+            "c", QUERY_SPARSE, QUERY_DENSE, 5, {}, HybridParams(fusion=Fusion.DBSF), tenant=T
+        )
         assert {h.document_id for h in dbsf} == {"a", "b", "c", "d", "e"}
     finally:
         idx.close()

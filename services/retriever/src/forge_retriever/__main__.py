@@ -5,14 +5,17 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+from forge.events.v1 import events_pb2
 from forge.retrieval.v1 import retrieval_pb2, retrieval_pb2_grpc
 
 from forge_kit.app import ServiceApp
+from forge_kit.events import EventConsumer, topic_for
 from forge_kit.http import make_app
 from forge_retriever.api import RetrieverApi
 from forge_retriever.config import RetrieverSettings
 from forge_retriever.embed import SentenceTransformerEmbedder
-from forge_retriever.index import QdrantEdgeIndex
+from forge_retriever.index import QdrantEdgeIndex, VectorIndex
+from forge_retriever.index_server import QdrantServerIndex
 from forge_retriever.service import RetrieverService
 
 
@@ -31,10 +34,18 @@ async def main() -> None:
             query_cache_size=settings.query_cache_size,
             num_threads=settings.embedding_threads,
         )
-    index = QdrantEdgeIndex(
-        Path(settings.data_dir) / "index",
-        dense_dim=embedder.dimension if embedder else None,
-        dense_version=embedder.version if embedder else "",
+    dense_dim = embedder.dimension if embedder else None
+    dense_version = embedder.version if embedder else ""
+    index: VectorIndex = (
+        QdrantServerIndex.connect(
+            settings.qdrant_url,
+            settings.qdrant_api_key.get_secret_value(),
+            prefix=settings.qdrant_collection_prefix,
+            dense_dim=dense_dim,
+            dense_version=dense_version,
+        )
+        if settings.index_backend == "qdrant"
+        else QdrantEdgeIndex(Path(settings.data_dir) / "index", dense_dim, dense_version)
     )
     app.add_on_stop(lambda: asyncio.to_thread(index.close))
     service = RetrieverService(
@@ -46,6 +57,16 @@ async def main() -> None:
         on_commit=relay.wake if relay else lambda: None,
     )
     await service.reconcile_index()
+    if settings.kafka_enabled and settings.consume_document_changes:
+        consumer = EventConsumer(
+            db,
+            bootstrap=settings.kafka_bootstrap,
+            group_id=app.name,
+            topics=[topic_for(events_pb2.DocumentChanged())],
+            handler=service.handle_event,
+        )
+        app.add_background(consumer.run)
+        app.add_on_stop(consumer.stop)
 
     async def index_ready() -> bool:
         return service.index_ready

@@ -1,4 +1,7 @@
-"""gRPC servicer of ``forge.retrieval.v1.RetrieverService``: translation only."""
+"""gRPC servicer of ``forge.retrieval.v1.RetrieverService``: translation only.
+
+The tenant of every call comes from the caller (``tenancy.caller_tenant``), never from the request.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +9,9 @@ import grpc
 from forge.retrieval.v1 import retrieval_pb2, retrieval_pb2_grpc
 
 from forge_kit import errors
+from forge_kit.grpckit import current_principal
 from forge_retriever.service import DocumentIn, RetrieverService, SearchMode
+from forge_retriever.tenancy import caller_tenant
 
 #: Trailing metadata key telling how a Search was scored (``sparse`` for a HYBRID request served by
 #: BM25 alone); SearchResponse has no field for it.
@@ -31,7 +36,7 @@ class RetrieverApi(retrieval_pb2_grpc.RetrieverServiceServicer):
             DocumentIn(id=d.id, text=d.text, title=d.title, metadata=dict(d.metadata))
             for d in request.documents
         ]
-        result = await self._service.upsert_documents(request.collection, docs)
+        result = await self._service.upsert_documents(request.collection, docs, tenant=_tenant(context))
         return retrieval_pb2.UpsertDocumentsResponse(
             upserted_count=result.upserted, chunk_count=result.chunks
         )
@@ -39,7 +44,9 @@ class RetrieverApi(retrieval_pb2_grpc.RetrieverServiceServicer):
     async def DeleteDocuments(
         self, request: retrieval_pb2.DeleteDocumentsRequest, context: grpc.aio.ServicerContext
     ) -> retrieval_pb2.DeleteDocumentsResponse:
-        deleted = await self._service.delete_documents(request.collection, list(request.ids))
+        deleted = await self._service.delete_documents(
+            request.collection, list(request.ids), tenant=_tenant(context)
+        )
         return retrieval_pb2.DeleteDocumentsResponse(deleted_count=deleted)
 
     async def Search(
@@ -49,7 +56,12 @@ class RetrieverApi(retrieval_pb2_grpc.RetrieverServiceServicer):
         if mode is None:
             raise errors.ValidationError("mode", f"unknown search mode {request.mode}")
         result = await self._service.search(
-            request.collection, request.query, request.top_k, mode, dict(request.filter)
+            request.collection,
+            request.query,
+            request.top_k,
+            mode,
+            dict(request.filter),
+            tenant=_tenant(context),
         )
         context.set_trailing_metadata(((SEARCH_MODE_METADATA_KEY, result.mode.value),))
         return retrieval_pb2.SearchResponse(
@@ -79,6 +91,10 @@ class RetrieverApi(retrieval_pb2_grpc.RetrieverServiceServicer):
                     embedding_model=self._service.embedding_model,
                     dimension=self._service.embedding_dimension,
                 )
-                for c in await self._service.list_collections()
+                for c in await self._service.list_collections(tenant=_tenant(context))
             ]
         )
+
+
+def _tenant(context: grpc.aio.ServicerContext) -> str:
+    return caller_tenant(current_principal(), context.invocation_metadata() or ())

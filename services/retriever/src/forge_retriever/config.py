@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, SecretStr, model_validator
 
+from forge_kit import errors
 from forge_kit.settings import ServiceSettings, service_config
+from forge_retriever.tenancy import validate_tenant
 
 
 class RetrieverSettings(ServiceSettings):
@@ -77,10 +79,34 @@ class RetrieverSettings(ServiceSettings):
     rrf_k: int = Field(default=60, ge=1)
     """RRF's rank offset: a chunk at rank r (0 for the head, as Qdrant counts) adds 1/(rrf_k + r)."""
 
+    index_backend: Literal["edge", "qdrant"] = "edge"
+    """Where chunks are indexed: Qdrant Edge in-process (``edge``) or a Qdrant server (``qdrant``)."""
+
+    qdrant_url: str = ""
+    """Qdrant server for ``index_backend=qdrant``: ``http(s)://host:6333``, or ``local:<folder>`` (qdrant-client's local mode)."""
+
+    qdrant_api_key: SecretStr = SecretStr("")
+    """API key of the Qdrant server; empty: none."""
+
+    qdrant_collection_prefix: str = "forge_"
+    """Prefix of the Qdrant collections this retriever owns on a shared server."""
+
+    consume_document_changes: bool = True
+    """Apply other producers' events of ``forge.retrieval.document_changed.v1`` (needs Kafka enabled)."""
+
+    source_tenant: str = "default"
+    """Tenant that documents arriving through the document-change topic belong to (events name none)."""
+
     @model_validator(mode="after")
     def _overlap_below_window(self) -> RetrieverSettings:
         if self.chunk_overlap_words >= self.chunk_words:
             raise ValueError("chunk_overlap_words must be smaller than chunk_words")
         if self.default_top_k > self.max_top_k:
             raise ValueError("default_top_k must not exceed max_top_k")
+        if self.index_backend == "qdrant" and not self.qdrant_url:
+            raise ValueError("index_backend=qdrant needs qdrant_url")
+        try:
+            validate_tenant("source_tenant", self.source_tenant)
+        except errors.ValidationError as exc:
+            raise ValueError(exc.message) from None
         return self

@@ -18,6 +18,7 @@ from typing import Protocol
 
 import qdrant_edge as qe
 
+from forge_retriever.tenancy import DEFAULT_TENANT
 from forge_retriever.text import SparseVector
 
 SPARSE_VECTOR = "bm25"
@@ -28,9 +29,17 @@ _SCHEMA_FILE = "forge_schema.json"
 _POINT_NAMESPACE = uuid.UUID("6b1f9a52-3d0e-4c35-9a44-0f3e2a8c9d71")
 
 
-def point_id(collection: str, document_id: str, chunk_index: int) -> str:
-    """Stable point id of a chunk: the same (collection, document, position) is the same point."""
-    return str(uuid.uuid5(_POINT_NAMESPACE, json.dumps([collection, document_id, chunk_index])))
+def point_id(collection: str, document_id: str, chunk_index: int, tenant: str = DEFAULT_TENANT) -> str:
+    """Stable point id of a chunk: the same (collection, tenant, document, position) is the same point.
+
+    The default tenant's ids leave the tenant out, so they are the ids chunks had before tenants.
+    """
+    key = (
+        [collection, document_id, chunk_index]
+        if tenant == DEFAULT_TENANT
+        else [collection, tenant, document_id, chunk_index]
+    )
+    return str(uuid.uuid5(_POINT_NAMESPACE, json.dumps(key)))
 
 
 def metadata_terms(metadata: Mapping[str, str]) -> list[str]:
@@ -48,6 +57,7 @@ class IndexPoint:
     sparse: SparseVector
     metadata: Mapping[str, str] = field(default_factory=dict)
     dense: Sequence[float] | None = None
+    tenant: str = DEFAULT_TENANT
 
 
 class Fusion(enum.Enum):
@@ -86,6 +96,10 @@ class VectorIndex(Protocol):
     ``collections`` at start-up to check the index against the database and rebuild what differs.
     Methods block; the service calls them from a worker thread, one write at a time. When
     ``dense_enabled`` is false points carry no dense vector and only ``search_sparse`` is called.
+
+    Tenant isolation is the index's contract, not the caller's care: every search and delete takes
+    the tenant, and sees only that tenant's points whatever ``metadata_filter`` holds (the tenant
+    condition is ANDed with it inside the engine's query).
     """
 
     dense_enabled: bool
@@ -99,18 +113,30 @@ class VectorIndex(Protocol):
     def upsert(self, collection: str, points: Sequence[IndexPoint]) -> None:
         """Insert or replace points by id, creating the collection on first use."""
 
-    def delete_documents(self, collection: str, document_ids: Iterable[str]) -> None:
-        """Remove every point of the given documents (no error for unknown ones)."""
+    def delete_documents(self, collection: str, document_ids: Iterable[str], *, tenant: str) -> None:
+        """Remove every point of the given documents of ``tenant`` (no error for unknown ones)."""
 
     def search_sparse(
-        self, collection: str, query: SparseVector, limit: int, metadata_filter: Mapping[str, str]
+        self,
+        collection: str,
+        query: SparseVector,
+        limit: int,
+        metadata_filter: Mapping[str, str],
+        *,
+        tenant: str,
     ) -> list[IndexHit]:
-        """Best ``limit`` points by BM25 (IDF applied by the index) whose metadata has every pair."""
+        """Best ``limit`` points of ``tenant`` by BM25 (IDF applied by the index) whose metadata has every pair."""
 
     def search_dense(
-        self, collection: str, query: Sequence[float], limit: int, metadata_filter: Mapping[str, str]
+        self,
+        collection: str,
+        query: Sequence[float],
+        limit: int,
+        metadata_filter: Mapping[str, str],
+        *,
+        tenant: str,
     ) -> list[IndexHit]:
-        """Best ``limit`` points by cosine similarity of their dense vector (approximate, HNSW)."""
+        """Best ``limit`` points of ``tenant`` by cosine similarity of their dense vector (approximate, HNSW)."""
 
     def search_hybrid(
         self,
@@ -120,6 +146,8 @@ class VectorIndex(Protocol):
         limit: int,
         metadata_filter: Mapping[str, str],
         params: HybridParams,
+        *,
+        tenant: str,
     ) -> list[IndexHit]:
         """Best ``limit`` points of the fusion of the dense and the sparse candidate lists."""
 
@@ -134,9 +162,9 @@ class QdrantEdgeIndex:
     """``VectorIndex`` on Qdrant Edge: one embedded ``EdgeShard`` per collection under ``root``.
 
     Each shard has the sparse vector ``bm25`` with Qdrant's IDF modifier, the dense vector ``dense``
-    (cosine, HNSW) when ``dense_dim`` is given, and the payload
-    ``document_id`` (keyword index, for deletes), ``chunk_index`` and ``meta`` (keyword index of
-    metadata pairs, for filters). Shards are write-ahead-logged, so an acknowledged update survives a
+    (cosine, HNSW) when ``dense_dim`` is given, and the payload ``tenant`` (keyword index, in every
+    query and delete), ``document_id`` (keyword index, for deletes), ``chunk_index`` and ``meta``
+    (keyword index of metadata pairs, for filters). Shards are write-ahead-logged, so an acknowledged update survives a
     crash. A lock serialises calls: an ``EdgeShard`` is not documented as thread-safe.
 
     Hybrid search is one Qdrant query: two prefetches (dense and sparse, each with the filter) and a
@@ -152,7 +180,13 @@ class QdrantEdgeIndex:
         self._lock = threading.Lock()
         self._dense_dim = dense_dim
         self.dense_enabled = dense_dim is not None
-        self._schema = {"sparse": SPARSE_VECTOR, "dense_dim": dense_dim, "dense_version": dense_version}
+        # "tenant": shards built before points carried a tenant lack it and are rebuilt.
+        self._schema = {
+            "sparse": SPARSE_VECTOR,
+            "dense_dim": dense_dim,
+            "dense_version": dense_version,
+            "tenant": "tenant",
+        }
 
     def _compatible(self, path: Path) -> bool:
         try:
@@ -183,6 +217,7 @@ class QdrantEdgeIndex:
                 sparse_vectors={SPARSE_VECTOR: qe.EdgeSparseVectorParams(modifier=qe.Modifier.Idf)},
             )
             shard = qe.EdgeShard.create(str(path), config)
+            shard.update(qe.UpdateOperation.create_field_index("tenant", qe.PayloadSchemaType.Keyword))
             shard.update(qe.UpdateOperation.create_field_index("document_id", qe.PayloadSchemaType.Keyword))
             shard.update(qe.UpdateOperation.create_field_index("meta", qe.PayloadSchemaType.Keyword))
             (path / _SCHEMA_FILE).write_text(json.dumps(self._schema))
@@ -210,6 +245,7 @@ class QdrantEdgeIndex:
                 p.point_id,
                 self._vectors(p),
                 {
+                    "tenant": p.tenant,
                     "document_id": p.document_id,
                     "chunk_index": p.chunk_index,
                     "meta": metadata_terms(p.metadata),
@@ -232,7 +268,7 @@ class QdrantEdgeIndex:
             vectors[DENSE_VECTOR] = list(p.dense)
         return vectors
 
-    def delete_documents(self, collection: str, document_ids: Iterable[str]) -> None:
+    def delete_documents(self, collection: str, document_ids: Iterable[str], *, tenant: str) -> None:
         ids = list(document_ids)
         if not ids:
             return
@@ -240,11 +276,20 @@ class QdrantEdgeIndex:
             shard = self._open(collection, create=False)
             if shard is None:
                 return
-            condition = qe.FieldCondition("document_id", match=qe.MatchAny(ids))
-            shard.update(qe.UpdateOperation.delete_points_by_filter(qe.Filter(must=[condition])))
+            conditions: list[qe.ConditionType] = [
+                qe.FieldCondition("tenant", match=qe.MatchValue(tenant)),
+                qe.FieldCondition("document_id", match=qe.MatchAny(ids)),
+            ]
+            shard.update(qe.UpdateOperation.delete_points_by_filter(qe.Filter(must=conditions)))
 
     def search_sparse(
-        self, collection: str, query: SparseVector, limit: int, metadata_filter: Mapping[str, str]
+        self,
+        collection: str,
+        query: SparseVector,
+        limit: int,
+        metadata_filter: Mapping[str, str],
+        *,
+        tenant: str,
     ) -> list[IndexHit]:
         if not query:
             return []
@@ -253,13 +298,19 @@ class QdrantEdgeIndex:
             qe.QueryRequest(
                 limit=limit,
                 query=qe.Query.Nearest(_sparse(query), using=SPARSE_VECTOR),
-                filter=_filter(metadata_filter),
+                filter=_filter(tenant, metadata_filter),
                 with_payload=["document_id"],
             ),
         )
 
     def search_dense(
-        self, collection: str, query: Sequence[float], limit: int, metadata_filter: Mapping[str, str]
+        self,
+        collection: str,
+        query: Sequence[float],
+        limit: int,
+        metadata_filter: Mapping[str, str],
+        *,
+        tenant: str,
     ) -> list[IndexHit]:
         self._require_dense()
         return self._query(
@@ -267,7 +318,7 @@ class QdrantEdgeIndex:
             qe.QueryRequest(
                 limit=limit,
                 query=qe.Query.Nearest(list(query), using=DENSE_VECTOR),
-                filter=_filter(metadata_filter),
+                filter=_filter(tenant, metadata_filter),
                 with_payload=["document_id"],
             ),
         )
@@ -280,9 +331,11 @@ class QdrantEdgeIndex:
         limit: int,
         metadata_filter: Mapping[str, str],
         params: HybridParams,
+        *,
+        tenant: str,
     ) -> list[IndexHit]:
         self._require_dense()
-        flt = _filter(metadata_filter)
+        flt = _filter(tenant, metadata_filter)
         candidates = max(limit, params.candidates)
         prefetches = [
             qe.Prefetch(limit=candidates, query=qe.Query.Nearest(list(dense), using=DENSE_VECTOR), filter=flt)
@@ -337,9 +390,16 @@ def _sparse(vector: SparseVector) -> qe.SparseVector:
     return qe.SparseVector(list(vector.indices), list(vector.values))
 
 
-def _filter(metadata_filter: Mapping[str, str]) -> qe.Filter | None:
-    """Exact match on every pair; ``None`` (no filter) for an empty mapping."""
-    conditions: list[qe.ConditionType] = [
+def _filter(tenant: str, metadata_filter: Mapping[str, str]) -> qe.Filter:
+    """The tenant's points that match every metadata pair exactly.
+
+    The caller's pairs only ever add ``must`` conditions on the ``meta`` field, beside the one on
+    ``tenant``: a filter can narrow the tenant's points, never reach another tenant's.
+    """
+    if not tenant:
+        raise ValueError("a tenant is required")
+    conditions: list[qe.ConditionType] = [qe.FieldCondition("tenant", match=qe.MatchValue(tenant))]
+    conditions += [
         qe.FieldCondition("meta", match=qe.MatchValue(term)) for term in metadata_terms(metadata_filter)
     ]
-    return qe.Filter(must=conditions) if conditions else None
+    return qe.Filter(must=conditions)

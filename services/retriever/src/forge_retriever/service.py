@@ -6,22 +6,28 @@ index write loses nothing — and stages one ``DocumentChanged`` event per chang
 same transaction (outbox). Writes are serialised in-process: the embedded index belongs to this
 process alone. At start-up :meth:`RetrieverService.reconcile_index` rebuilds any collection whose
 index does not match the database.
+
+Every call acts for one tenant (``forge_retriever.tenancy``): a document is keyed by (collection,
+tenant, id), and reads, writes and the index queries are all scoped to the caller's tenant.
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
+import functools
 import hashlib
 import json
 import re
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import sqlalchemy as sa
 import structlog
 from forge.events.v1 import events_pb2
-from prometheus_client import Counter
+from google.protobuf.message import Message
+from prometheus_client import Counter, Histogram
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from forge_kit import errors
@@ -30,7 +36,8 @@ from forge_kit.events import stage_event
 from forge_retriever.config import RetrieverSettings
 from forge_retriever.embed import Embedder
 from forge_retriever.index import Fusion, HybridParams, IndexHit, IndexPoint, VectorIndex, point_id
-from forge_retriever.store import ChunkRow, CollectionRow, DocumentRow, utcnow
+from forge_retriever.store import ChunkRow, CollectionRow, DocumentRow, SourceVersionRow, utcnow
+from forge_retriever.tenancy import DEFAULT_TENANT, validate_tenant
 from forge_retriever.text import Bm25Encoder, chunk_words
 
 log = structlog.get_logger(__name__)
@@ -48,6 +55,7 @@ class _PendingPoint:
     """A chunk to index: what ``_points`` needs to encode it (sparse) and embed it (dense)."""
 
     point_id: str
+    tenant: str
     document_id: str
     chunk_index: int
     title: str
@@ -57,6 +65,26 @@ class _PendingPoint:
 
 SEARCHES = Counter("forge_retriever_searches_total", "Searches served", ["requested_mode", "served_mode"])
 CHANGES = Counter("forge_retriever_document_changes_total", "Documents written or removed", ["change"])
+SOURCE_CHANGES = Counter(
+    "forge_retriever_source_changes_total", "Document-change events from the topic, by outcome", ["outcome"]
+)
+SOURCE_LAG = Histogram(
+    "forge_retriever_source_lag_seconds",
+    "From a document-change event's occurred_at to its change being committed to the index",
+    buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60),
+)
+
+
+class ChangeOutcome(enum.Enum):
+    """What became of a document-change event from the topic."""
+
+    APPLIED = "applied"
+    UNCHANGED = "unchanged"
+    """Same content as held, or a delete of a document not held: nothing to do."""
+    STALE = "stale"
+    """A version at or below the newest already applied to the document."""
+    OWN = "own"
+    """The retriever's own event, recording a write it has already made."""
 
 
 class SearchMode(enum.Enum):
@@ -120,7 +148,7 @@ def validate_collection(field_name: str, name: str) -> None:
     """Collection names become directory names of the index, so they are restricted."""
     if not name:
         raise errors.ValidationError(field_name, "must not be empty")
-    if not _COLLECTION_NAME.match(name):
+    if not _COLLECTION_NAME.fullmatch(name):
         raise errors.ValidationError(
             field_name,
             "must be letters, digits, '_', '-' or '.', start with a letter or digit, at most 128 characters",
@@ -199,12 +227,15 @@ class RetrieverService:
         self._on_commit = on_commit
         self._encoder = Bm25Encoder(settings.bm25_k1, settings.bm25_b, settings.bm25_avg_len)
         self._write_lock = asyncio.Lock()
+        self._source_tenant = settings.source_tenant
         self.index_ready = False
 
     # --- writes ------------------------------------------------------------------------------
 
-    async def upsert_documents(self, collection: str, documents: Sequence[DocumentIn]) -> UpsertResult:
-        """Add or replace documents: rows, chunks, index points and one UPSERTED event each.
+    async def upsert_documents(
+        self, collection: str, documents: Sequence[DocumentIn], *, tenant: str = DEFAULT_TENANT
+    ) -> UpsertResult:
+        """Add or replace ``tenant``'s documents: rows, chunks, index points and one UPSERTED event each.
 
         1. Validate the whole batch; nothing is written if any document is bad.
         2. Skip documents whose content is unchanged (no event, no index write).
@@ -213,6 +244,7 @@ class RetrieverService:
         5. Replace their points in the index, then commit.
         """
         validate_collection("collection", collection)
+        validate_tenant("tenant", tenant)
         self._validate_batch("documents", len(documents))
         seen: set[str] = set()
         for i, doc in enumerate(documents):
@@ -222,69 +254,96 @@ class RetrieverService:
             seen.add(doc.id)
 
         async with self._write_lock, self._db.session() as session:
-            coll = await session.get(CollectionRow, collection)
-            if coll is None:
-                coll = CollectionRow(name=collection, last_version=0, created_at=utcnow())
-                session.add(coll)
-                await session.flush()
-            existing = {
-                row.id: row
-                for row in await session.scalars(
-                    sa.select(DocumentRow).where(
-                        DocumentRow.collection == collection, DocumentRow.id.in_(seen)
+            written, chunks = await self._write_upsert(session, collection, tenant, documents, publish=True)
+        if written:
+            CHANGES.labels("upserted").inc(written)
+            self._on_commit()
+        return UpsertResult(upserted=written, chunks=chunks, unchanged=len(documents) - written)
+
+    async def _write_upsert(
+        self,
+        session: AsyncSession,
+        collection: str,
+        tenant: str,
+        documents: Sequence[DocumentIn],
+        *,
+        publish: bool,
+    ) -> tuple[int, int]:
+        """Steps 2-5 of an upsert inside ``session`` (the caller holds the write lock and commits).
+
+        ``publish`` stages the UPSERTED events; returns (documents written, chunks written).
+        """
+        seen = {doc.id for doc in documents}
+        coll = await session.get(CollectionRow, collection)
+        if coll is None:
+            coll = CollectionRow(name=collection, last_version=0, created_at=utcnow())
+            session.add(coll)
+            await session.flush()
+        existing = {
+            row.id: row
+            for row in await session.scalars(
+                sa.select(DocumentRow).where(
+                    DocumentRow.collection == collection,
+                    DocumentRow.tenant == tenant,
+                    DocumentRow.id.in_(seen),
+                )
+            )
+        }
+        pending: list[_PendingPoint] = []
+        replaced: list[str] = []
+        written = 0
+        for doc in documents:
+            digest = content_hash(doc)
+            row = existing.get(doc.id)
+            if row is not None and row.content_hash == digest:
+                continue
+            coll.last_version += 1
+            now = utcnow()
+            if row is None:
+                row = DocumentRow(collection=collection, tenant=tenant, id=doc.id, created_at=now)
+                session.add(row)
+            else:
+                replaced.append(doc.id)
+                await session.execute(
+                    sa.delete(ChunkRow).where(
+                        ChunkRow.collection == collection,
+                        ChunkRow.tenant == tenant,
+                        ChunkRow.document_id == doc.id,
                     )
                 )
-            }
-            pending: list[_PendingPoint] = []
-            replaced: list[str] = []
-            written = 0
-            for doc in documents:
-                digest = content_hash(doc)
-                row = existing.get(doc.id)
-                if row is not None and row.content_hash == digest:
-                    continue
-                coll.last_version += 1
-                now = utcnow()
-                if row is None:
-                    row = DocumentRow(collection=collection, id=doc.id, created_at=now)
-                    session.add(row)
-                else:
-                    replaced.append(doc.id)
-                    await session.execute(
-                        sa.delete(ChunkRow).where(
-                            ChunkRow.collection == collection, ChunkRow.document_id == doc.id
-                        )
-                    )
-                row.title, row.text, row.meta = doc.title, doc.text, dict(doc.metadata)
-                row.version, row.content_hash, row.updated_at = coll.last_version, digest, now
-                await session.flush()
-                pending.extend(self._add_chunks(session, collection, doc))
+            row.title, row.text, row.meta = doc.title, doc.text, dict(doc.metadata)
+            row.version, row.content_hash, row.updated_at = coll.last_version, digest, now
+            await session.flush()
+            pending.extend(self._add_chunks(session, collection, tenant, doc))
+            if publish:
                 await stage_event(
                     session,
                     _upserted_event(collection, doc, row.version),
                     producer=self._producer,
                     key=f"{collection}/{doc.id}",
                 )
-                written += 1
-            points: list[IndexPoint] = []
-            if written:
-                await session.flush()
-                points = await asyncio.to_thread(self._points, pending)
-                await asyncio.to_thread(self._index.delete_documents, collection, replaced)
-                await asyncio.to_thread(self._index.upsert, collection, points)
+            written += 1
+        points: list[IndexPoint] = []
         if written:
-            CHANGES.labels("upserted").inc(written)
-            self._on_commit()
-        return UpsertResult(upserted=written, chunks=len(points), unchanged=len(documents) - written)
+            await session.flush()
+            points = await asyncio.to_thread(self._points, pending)
+            await asyncio.to_thread(
+                functools.partial(self._index.delete_documents, collection, replaced, tenant=tenant)
+            )
+            await asyncio.to_thread(self._index.upsert, collection, points)
+        return written, len(points)
 
-    def _add_chunks(self, session: AsyncSession, collection: str, doc: DocumentIn) -> list[_PendingPoint]:
+    def _add_chunks(
+        self, session: AsyncSession, collection: str, tenant: str, doc: DocumentIn
+    ) -> list[_PendingPoint]:
         points = []
         for chunk in chunk_words(doc.text, self._settings.chunk_words, self._settings.chunk_overlap_words):
-            pid = point_id(collection, doc.id, chunk.index)
+            pid = point_id(collection, doc.id, chunk.index, tenant)
             session.add(
                 ChunkRow(
                     point_id=pid,
                     collection=collection,
+                    tenant=tenant,
                     document_id=doc.id,
                     chunk_index=chunk.index,
                     chunk_id=chunk_id(doc.id, chunk.index),
@@ -293,7 +352,9 @@ class RetrieverService:
                     end_char=chunk.end,
                 )
             )
-            points.append(_PendingPoint(pid, doc.id, chunk.index, doc.title, chunk.text, doc.metadata))
+            points.append(
+                _PendingPoint(pid, tenant, doc.id, chunk.index, doc.title, chunk.text, doc.metadata)
+            )
         return points
 
     def _points(self, pending: Sequence[_PendingPoint]) -> list[IndexPoint]:
@@ -311,31 +372,54 @@ class RetrieverService:
                 sparse=self._encoder.encode_document(text),
                 metadata=p.metadata,
                 dense=vector,
+                tenant=p.tenant,
             )
             for p, text, vector in zip(pending, texts, dense, strict=True)
         ]
 
-    async def delete_documents(self, collection: str, ids: Sequence[str]) -> int:
-        """Remove documents with all their chunks and index points; one DELETED event each.
+    async def delete_documents(
+        self, collection: str, ids: Sequence[str], *, tenant: str = DEFAULT_TENANT
+    ) -> int:
+        """Remove ``tenant``'s documents with all their chunks and index points; one DELETED event each.
 
-        Ids that do not exist are ignored; the count says how many did.
+        Ids that do not exist (for this tenant) are ignored; the count says how many did.
         """
         validate_collection("collection", collection)
+        validate_tenant("tenant", tenant)
         self._validate_batch("ids", len(ids))
         for i, doc_id in enumerate(ids):
             if not doc_id:
                 raise errors.ValidationError(f"ids[{i}]", "must not be empty")
         async with self._write_lock, self._db.session() as session:
-            coll = await self._collection(session, collection)
-            found = list(
-                await session.scalars(
-                    sa.select(DocumentRow.id).where(
-                        DocumentRow.collection == collection, DocumentRow.id.in_(set(ids))
-                    )
+            await self._collection(session, collection)
+            found = await self._write_delete(session, collection, tenant, ids, publish=True)
+        if found:
+            CHANGES.labels("deleted").inc(len(found))
+            self._on_commit()
+        return len(found)
+
+    async def _write_delete(
+        self, session: AsyncSession, collection: str, tenant: str, ids: Sequence[str], *, publish: bool
+    ) -> list[str]:
+        """A delete inside ``session`` (the caller holds the write lock and commits).
+
+        ``publish`` stages the DELETED events; returns the ids that existed and were removed.
+        """
+        coll = await session.get(CollectionRow, collection)
+        if coll is None:
+            return []
+        found = list(
+            await session.scalars(
+                sa.select(DocumentRow.id).where(
+                    DocumentRow.collection == collection,
+                    DocumentRow.tenant == tenant,
+                    DocumentRow.id.in_(set(ids)),
                 )
             )
-            for doc_id in found:
-                coll.last_version += 1
+        )
+        for doc_id in found:
+            coll.last_version += 1
+            if publish:
                 event = events_pb2.DocumentChanged(
                     collection=collection,
                     document_id=doc_id,
@@ -343,30 +427,104 @@ class RetrieverService:
                     version=coll.last_version,
                 )
                 await stage_event(session, event, producer=self._producer, key=f"{collection}/{doc_id}")
-            if found:
-                await session.execute(
-                    sa.delete(ChunkRow).where(
-                        ChunkRow.collection == collection, ChunkRow.document_id.in_(found)
-                    )
-                )
-                await session.execute(
-                    sa.delete(DocumentRow).where(
-                        DocumentRow.collection == collection, DocumentRow.id.in_(found)
-                    )
-                )
-                await session.flush()
-                await asyncio.to_thread(self._index.delete_documents, collection, found)
         if found:
-            CHANGES.labels("deleted").inc(len(found))
-            self._on_commit()
-        return len(found)
+            await session.execute(
+                sa.delete(ChunkRow).where(
+                    ChunkRow.collection == collection,
+                    ChunkRow.tenant == tenant,
+                    ChunkRow.document_id.in_(found),
+                )
+            )
+            await session.execute(
+                sa.delete(DocumentRow).where(
+                    DocumentRow.collection == collection,
+                    DocumentRow.tenant == tenant,
+                    DocumentRow.id.in_(found),
+                )
+            )
+            await session.flush()
+            await asyncio.to_thread(
+                functools.partial(self._index.delete_documents, collection, found, tenant=tenant)
+            )
+        return found
+
+    async def handle_event(self, event: Message, session: AsyncSession) -> None:
+        """The document-change consumer's handler (``forge_kit.events.EventConsumer``)."""
+        if not isinstance(event, events_pb2.DocumentChanged):
+            raise errors.ValidationError("event", f"{event.DESCRIPTOR.full_name} is not a DocumentChanged")
+        await self.apply_document_changed(event, session)
+
+    async def apply_document_changed(
+        self, event: events_pb2.DocumentChanged, session: AsyncSession
+    ) -> ChangeOutcome:
+        """Apply a document change from the topic: the handler of the document-change consumer.
+
+        Runs inside the consumer's transaction, which also records the event id (exactly-once with
+        the kit's ``EventConsumer``); upstream documents belong to ``SOURCE_TENANT`` (the event has
+        no tenant field).
+
+        1. Skip the retriever's own events: they record writes it has already made.
+        2. Validate as UpsertDocuments/DeleteDocuments do; a bad event raises ``ValidationError``
+           (the consumer dead-letters it rather than stall the partition).
+        3. Skip a version at or below the newest applied to this document (version 0: unversioned,
+           always applied).
+        4. Upsert or delete without staging an event (the topic already carries this change).
+        5. Record the version, kept after a delete so that a late upsert cannot resurrect it.
+        """
+        if event.meta.producer == self._producer:
+            SOURCE_CHANGES.labels(ChangeOutcome.OWN.value).inc()
+            return ChangeOutcome.OWN
+        collection, tenant = event.collection, self._source_tenant
+        validate_collection("collection", collection)
+        if not event.document_id:
+            raise errors.ValidationError("document_id", "must not be empty")
+        upsert = event.change == events_pb2.DOCUMENT_CHANGE_TYPE_UPSERTED
+        if not upsert and event.change != events_pb2.DOCUMENT_CHANGE_TYPE_DELETED:
+            raise errors.ValidationError("change", f"must be UPSERTED or DELETED, not {event.change}")
+        doc = DocumentIn(event.document_id, event.text, event.title, dict(event.metadata))
+        if upsert:
+            validate_document("document", doc, self._settings.max_document_chars)
+        async with self._write_lock:
+            held = await session.get(SourceVersionRow, (collection, tenant, event.document_id))
+            if held is not None and event.version and event.version <= held.version:
+                SOURCE_CHANGES.labels(ChangeOutcome.STALE.value).inc()
+                return ChangeOutcome.STALE
+            if upsert:
+                changed = (await self._write_upsert(session, collection, tenant, [doc], publish=False))[0]
+            else:
+                changed = len(await self._write_delete(session, collection, tenant, [doc.id], publish=False))
+            if held is None:
+                held = SourceVersionRow(
+                    collection=collection, tenant=tenant, document_id=event.document_id, version=0
+                )
+                session.add(held)
+            # An unversioned event never lowers the mark a versioned one set.
+            held.version = max(held.version, event.version)
+            held.producer, held.applied_at = event.meta.producer, utcnow()
+            await session.flush()
+        outcome = ChangeOutcome.APPLIED if changed else ChangeOutcome.UNCHANGED
+        SOURCE_CHANGES.labels(outcome.value).inc()
+        if changed:
+            CHANGES.labels("upserted" if upsert else "deleted").inc()
+            if event.meta.HasField("occurred_at"):
+                SOURCE_LAG.observe(max(0.0, time.time() - event.meta.occurred_at.ToNanoseconds() / 1e9))
+        return outcome
 
     # --- reads -------------------------------------------------------------------------------
 
     async def search(
-        self, collection: str, query: str, top_k: int, mode: SearchMode, metadata_filter: Mapping[str, str]
+        self,
+        collection: str,
+        query: str,
+        top_k: int,
+        mode: SearchMode,
+        metadata_filter: Mapping[str, str],
+        *,
+        tenant: str = DEFAULT_TENANT,
     ) -> SearchResult:
-        """Top-k chunks of ``collection`` for ``query``, best first.
+        """Top-k chunks of ``tenant``'s documents in ``collection`` for ``query``, best first.
+
+        ``metadata_filter`` narrows within the tenant's chunks; it cannot widen past them.
 
         1. Validate; resolve top_k 0 to the default.
         2. Pick the scoring the index can serve: DENSE needs the dense index; HYBRID without it is
@@ -377,6 +535,7 @@ class RetrieverService:
            source of truth; a point the database no longer has is dropped).
         """
         validate_collection("collection", collection)
+        validate_tenant("tenant", tenant)
         if not query.strip():
             raise errors.ValidationError("query", "must not be empty")
         if len(query) > self._settings.max_query_chars:
@@ -403,7 +562,7 @@ class RetrieverService:
             log.info("hybrid search served by BM25 alone: dense index not enabled", collection=collection)
         SEARCHES.labels(mode.value, served.value).inc()
         hits = await asyncio.to_thread(
-            self._query_index, collection, query, top_k, served, dict(metadata_filter)
+            self._query_index, collection, tenant, query, top_k, served, dict(metadata_filter)
         )
         if not hits:
             return SearchResult([], served)
@@ -415,10 +574,12 @@ class RetrieverService:
                         DocumentRow,
                         sa.and_(
                             DocumentRow.collection == ChunkRow.collection,
+                            DocumentRow.tenant == ChunkRow.tenant,
                             DocumentRow.id == ChunkRow.document_id,
                         ),
                     )
-                    .where(ChunkRow.point_id.in_([h.point_id for h in hits]))
+                    # The tenant again: the database, not only the index, keeps tenants apart.
+                    .where(ChunkRow.point_id.in_([h.point_id for h in hits]), ChunkRow.tenant == tenant)
                 )
             ).all()
         by_point = {chunk.point_id: (chunk, doc) for chunk, doc in rows}
@@ -442,18 +603,30 @@ class RetrieverService:
         return SearchResult(results, served)
 
     def _query_index(
-        self, collection: str, query: str, top_k: int, mode: SearchMode, metadata_filter: dict[str, str]
+        self,
+        collection: str,
+        tenant: str,
+        query: str,
+        top_k: int,
+        mode: SearchMode,
+        metadata_filter: dict[str, str],
     ) -> list[IndexHit]:
         """Encode ``query`` as ``mode`` needs and search the index (blocking: runs in a thread)."""
         if mode is SearchMode.SPARSE or self._embedder is None:
             return self._index.search_sparse(
-                collection, self._encoder.encode_query(query), top_k, metadata_filter
+                collection, self._encoder.encode_query(query), top_k, metadata_filter, tenant=tenant
             )
         vector = self._embedder.embed_query(query)
         if mode is SearchMode.DENSE:
-            return self._index.search_dense(collection, vector, top_k, metadata_filter)
+            return self._index.search_dense(collection, vector, top_k, metadata_filter, tenant=tenant)
         return self._index.search_hybrid(
-            collection, self._encoder.encode_query(query), vector, top_k, metadata_filter, self._hybrid
+            collection,
+            self._encoder.encode_query(query),
+            vector,
+            top_k,
+            metadata_filter,
+            self._hybrid,
+            tenant=tenant,
         )
 
     @property
@@ -466,23 +639,29 @@ class RetrieverService:
         """Length of the dense vectors; 0 when dense search is off."""
         return self._embedder.dimension if self._embedder is not None else 0
 
-    async def list_collections(self) -> list[CollectionStats]:
-        docs = (
-            sa.select(DocumentRow.collection, sa.func.count().label("n"))
-            .group_by(DocumentRow.collection)
-            .subquery()
-        )
-        chunks = (
-            sa.select(ChunkRow.collection, sa.func.count().label("n"))
-            .group_by(ChunkRow.collection)
-            .subquery()
-        )
+    async def list_collections(self, *, tenant: str | None = DEFAULT_TENANT) -> list[CollectionStats]:
+        """Collections with ``tenant``'s documents in them and their counts for that tenant.
+
+        ``tenant=None`` (start-up reconciliation only, never a caller) lists every collection with
+        the counts of all tenants together.
+        """
+        docs_q = sa.select(DocumentRow.collection, sa.func.count().label("n"))
+        chunks_q = sa.select(ChunkRow.collection, sa.func.count().label("n"))
+        if tenant is not None:
+            validate_tenant("tenant", tenant)
+            docs_q = docs_q.where(DocumentRow.tenant == tenant)
+            chunks_q = chunks_q.where(ChunkRow.tenant == tenant)
+        docs = docs_q.group_by(DocumentRow.collection).subquery()
+        chunks = chunks_q.group_by(ChunkRow.collection).subquery()
         stmt = (
             sa.select(CollectionRow.name, docs.c.n, chunks.c.n)
             .outerjoin(docs, docs.c.collection == CollectionRow.name)
             .outerjoin(chunks, chunks.c.collection == CollectionRow.name)
             .order_by(CollectionRow.name)
         )
+        if tenant is not None:
+            # Another tenant's collection names are not this tenant's business.
+            stmt = stmt.where(docs.c.n > 0)
         async with self._db.session() as session:
             return [
                 CollectionStats(name, int(d or 0), int(c or 0))
@@ -499,7 +678,7 @@ class RetrieverService:
            emptied index directory, or a crash between an index write and its commit).
         """
         async with self._write_lock:
-            stats = {c.name: c.chunk_count for c in await self.list_collections()}
+            stats = {c.name: c.chunk_count for c in await self.list_collections(tenant=None)}
             for name in await asyncio.to_thread(self._index.collections):
                 if name not in stats:
                     log.warning("dropping index collection unknown to the database", collection=name)
@@ -526,6 +705,7 @@ class RetrieverService:
                             DocumentRow,
                             sa.and_(
                                 DocumentRow.collection == ChunkRow.collection,
+                                DocumentRow.tenant == ChunkRow.tenant,
                                 DocumentRow.id == ChunkRow.document_id,
                             ),
                         )
@@ -537,7 +717,7 @@ class RetrieverService:
             if not rows:
                 break
             pending = [
-                _PendingPoint(c.point_id, c.document_id, c.chunk_index, title, c.text, meta)
+                _PendingPoint(c.point_id, c.tenant, c.document_id, c.chunk_index, title, c.text, meta)
                 for c, title, meta in rows
             ]
             points = await asyncio.to_thread(self._points, pending)

@@ -25,11 +25,16 @@ class CollectionRow(Base):
 
 
 class DocumentRow(Base):
-    """A source document as last upserted; ``version`` is its collection's change number then."""
+    """A source document as last upserted; ``version`` is its collection's change number then.
+
+    A document belongs to one tenant: the same id in the same collection is a different document
+    for another tenant, so no tenant can overwrite, delete or read another's.
+    """
 
     __tablename__ = "documents"
 
     collection: Mapped[str] = mapped_column(sa.ForeignKey("collections.name"), primary_key=True)
+    tenant: Mapped[str] = mapped_column(sa.String(128), primary_key=True)
     id: Mapped[str] = mapped_column(sa.String(512), primary_key=True)
     title: Mapped[str] = mapped_column(sa.Text, default="")
     text: Mapped[str] = mapped_column(sa.Text)
@@ -47,16 +52,36 @@ class ChunkRow(Base):
     __tablename__ = "chunks"
     __table_args__ = (
         sa.ForeignKeyConstraint(
-            ["collection", "document_id"], ["documents.collection", "documents.id"], ondelete="CASCADE"
+            ["collection", "tenant", "document_id"],
+            ["documents.collection", "documents.tenant", "documents.id"],
+            ondelete="CASCADE",
         ),
-        sa.Index("ix_chunks_document", "collection", "document_id"),
+        sa.Index("ix_chunks_document", "collection", "tenant", "document_id"),
     )
 
     point_id: Mapped[str] = mapped_column(sa.String(36), primary_key=True)
     collection: Mapped[str] = mapped_column(sa.String(128))
+    tenant: Mapped[str] = mapped_column(sa.String(128))
     document_id: Mapped[str] = mapped_column(sa.String(512))
     chunk_index: Mapped[int] = mapped_column(sa.Integer)
     chunk_id: Mapped[str] = mapped_column(sa.String(600))
     text: Mapped[str] = mapped_column(sa.Text)
     start_char: Mapped[int] = mapped_column(sa.Integer)
     end_char: Mapped[int] = mapped_column(sa.Integer)
+
+
+class SourceVersionRow(Base):
+    """The newest upstream ``DocumentChanged`` version applied to a document (kept after a delete).
+
+    Upstream events arrive at least once and, across partitions or a replay, out of order; one
+    older than this is ignored, so a late update cannot resurrect or roll back a document.
+    """
+
+    __tablename__ = "source_versions"
+
+    collection: Mapped[str] = mapped_column(sa.String(128), primary_key=True)
+    tenant: Mapped[str] = mapped_column(sa.String(128), primary_key=True)
+    document_id: Mapped[str] = mapped_column(sa.String(512), primary_key=True)
+    producer: Mapped[str] = mapped_column(sa.String(255))
+    version: Mapped[int] = mapped_column(sa.BigInteger)
+    applied_at: Mapped[dt.datetime] = mapped_column(sa.DateTime, default=utcnow)

@@ -1,0 +1,297 @@
+"""``VectorIndex`` on a Qdrant server through ``qdrant-client`` (docker compose, production).
+
+The same collections and the same query shape as :class:`~forge_retriever.index.QdrantEdgeIndex`:
+one Qdrant collection per Forge collection (named ``<prefix><collection>``) with the sparse vector
+``bm25`` (IDF modifier), the dense vector ``dense`` (cosine, HNSW) when dense search is on, the
+payload ``tenant``/``document_id`` (keyword indexes) and ``meta`` (keyword index of metadata pairs);
+hybrid search is one ``query_points`` call with a dense and a sparse prefetch (each filtered) and
+an RRF or DBSF fusion query over them. The schema (as Edge writes beside each shard) is kept in
+the collection's metadata; a collection of another schema counts as absent and is rebuilt.
+
+``qdrant-client``'s local mode (``QdrantClient(path=...)`` / ``":memory:"``) answers the same API
+in-process; the tests use it, since no Qdrant server runs on the build machines.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from qdrant_client import QdrantClient, models
+
+from forge_retriever.index import (
+    DENSE_VECTOR,
+    SPARSE_VECTOR,
+    Fusion,
+    HybridParams,
+    IndexHit,
+    IndexPoint,
+    metadata_terms,
+)
+from forge_retriever.text import SparseVector
+
+_UPSERT_BATCH = 256
+
+
+class QdrantServerIndex:
+    """``VectorIndex`` on a Qdrant server (or qdrant-client's local mode): see the module docstring."""
+
+    def __init__(
+        self,
+        client: QdrantClient,
+        dense_dim: int | None = None,
+        dense_version: str = "",
+        *,
+        prefix: str = "forge_",
+        local: bool = False,
+    ) -> None:
+        self._client = client
+        self._prefix = prefix
+        self._dense_dim = dense_dim
+        self.dense_enabled = dense_dim is not None
+        self._schema: dict[str, Any] = {
+            "sparse": SPARSE_VECTOR,
+            "dense_dim": dense_dim,
+            "dense_version": dense_version,
+            "tenant": "tenant",
+        }
+        self._known: set[str] = set()
+        # ``local``: qdrant-client's local mode, one in-process store not documented as thread-safe
+        # (a server takes concurrent requests, so searches run in parallel there) and without
+        # payload indexes (it filters by scanning).
+        self._local = local
+        self._guard: contextlib.AbstractContextManager[Any] = (
+            threading.Lock() if local else contextlib.nullcontext()
+        )
+
+    @classmethod
+    def connect(cls, url: str, api_key: str = "", **kwargs: Any) -> QdrantServerIndex:
+        """``http(s)://host:port`` for a server; ``local:<folder>`` or ``local::memory:`` for local mode."""
+        if url.startswith("local:"):
+            location = url.removeprefix("local:")
+            client = QdrantClient(":memory:") if location == ":memory:" else QdrantClient(path=location)
+            return cls(client, local=True, **kwargs)
+        if url.startswith(("http://", "https://")):
+            client = QdrantClient(url=url, api_key=api_key or None, timeout=10)
+        else:
+            raise ValueError(f"qdrant url must be http(s)://… or local:<folder>, not {url!r}")
+        return cls(client, **kwargs)
+
+    def _name(self, collection: str) -> str:
+        return self._prefix + collection
+
+    def _exists(self, collection: str) -> bool:
+        """True when the collection exists with this index's schema (cached once seen)."""
+        if collection in self._known:
+            return True
+        name = self._name(collection)
+        if not self._client.collection_exists(name):
+            return False
+        metadata = self._client.get_collection(name).config.metadata or {}
+        if metadata.get("forge_schema") != self._schema:
+            return False
+        self._known.add(collection)
+        return True
+
+    def _create(self, collection: str) -> None:
+        name = self._name(collection)
+        # Absent, or of another schema (another model, or built BM25-only): start it afresh.
+        if self._client.collection_exists(name):
+            self._client.delete_collection(name)
+        dense = (
+            {DENSE_VECTOR: models.VectorParams(size=self._dense_dim, distance=models.Distance.COSINE)}
+            if self._dense_dim is not None
+            else {}
+        )
+        self._client.create_collection(
+            name,
+            vectors_config=dense,
+            sparse_vectors_config={SPARSE_VECTOR: models.SparseVectorParams(modifier=models.Modifier.IDF)},
+            metadata={"forge_schema": self._schema},
+        )
+        for field in () if self._local else ("tenant", "document_id", "meta"):
+            self._client.create_payload_index(name, field, models.PayloadSchemaType.KEYWORD)
+        self._known.add(collection)
+
+    def collections(self) -> list[str]:
+        with self._guard:
+            names = [c.name for c in self._client.get_collections().collections]
+            return sorted(
+                n.removeprefix(self._prefix)
+                for n in names
+                if n.startswith(self._prefix) and self._exists(n.removeprefix(self._prefix))
+            )
+
+    def count(self, collection: str) -> int:
+        with self._guard:
+            if not self._exists(collection):
+                return 0
+            return int(self._client.count(self._name(collection), exact=True).count)
+
+    def upsert(self, collection: str, points: Sequence[IndexPoint]) -> None:
+        with self._guard:
+            if not points:
+                return
+            if not self._exists(collection):
+                self._create(collection)
+            records = [
+                models.PointStruct(
+                    id=p.point_id,
+                    vector=self._vectors(p),
+                    payload={
+                        "tenant": p.tenant,
+                        "document_id": p.document_id,
+                        "chunk_index": p.chunk_index,
+                        "meta": metadata_terms(p.metadata),
+                    },
+                )
+                for p in points
+            ]
+            for first in range(0, len(records), _UPSERT_BATCH):
+                self._client.upsert(self._name(collection), records[first : first + _UPSERT_BATCH], wait=True)
+
+    def _vectors(self, p: IndexPoint) -> dict[str, Any]:
+        vectors: dict[str, Any] = {SPARSE_VECTOR: _sparse(p.sparse)}
+        if self._dense_dim is not None:
+            if p.dense is None or len(p.dense) != self._dense_dim:
+                raise ValueError(f"point {p.point_id} needs a dense vector of {self._dense_dim} floats")
+            vectors[DENSE_VECTOR] = list(p.dense)
+        return vectors
+
+    def delete_documents(self, collection: str, document_ids: Iterable[str], *, tenant: str) -> None:
+        with self._guard:
+            ids = list(document_ids)
+            if not ids or not self._exists(collection):
+                return
+            flt = models.Filter(
+                must=[
+                    models.FieldCondition(key="tenant", match=models.MatchValue(value=tenant)),
+                    models.FieldCondition(key="document_id", match=models.MatchAny(any=ids)),
+                ]
+            )
+            self._client.delete(
+                self._name(collection), points_selector=models.FilterSelector(filter=flt), wait=True
+            )
+
+    def search_sparse(
+        self,
+        collection: str,
+        query: SparseVector,
+        limit: int,
+        metadata_filter: Mapping[str, str],
+        *,
+        tenant: str,
+    ) -> list[IndexHit]:
+        if not query:
+            return []
+        return self._query(
+            collection,
+            query=_sparse(query),
+            using=SPARSE_VECTOR,
+            limit=limit,
+            flt=_filter(tenant, metadata_filter),
+        )
+
+    def search_dense(
+        self,
+        collection: str,
+        query: Sequence[float],
+        limit: int,
+        metadata_filter: Mapping[str, str],
+        *,
+        tenant: str,
+    ) -> list[IndexHit]:
+        self._require_dense()
+        return self._query(
+            collection,
+            query=list(query),
+            using=DENSE_VECTOR,
+            limit=limit,
+            flt=_filter(tenant, metadata_filter),
+        )
+
+    def search_hybrid(
+        self,
+        collection: str,
+        sparse: SparseVector,
+        dense: Sequence[float],
+        limit: int,
+        metadata_filter: Mapping[str, str],
+        params: HybridParams,
+        *,
+        tenant: str,
+    ) -> list[IndexHit]:
+        self._require_dense()
+        flt = _filter(tenant, metadata_filter)
+        candidates = max(limit, params.candidates)
+        prefetch = [models.Prefetch(query=list(dense), using=DENSE_VECTOR, limit=candidates, filter=flt)]
+        if sparse:
+            prefetch.append(
+                models.Prefetch(query=_sparse(sparse), using=SPARSE_VECTOR, limit=candidates, filter=flt)
+            )
+        fusion: models.Query = (
+            models.RrfQuery(rrf=models.Rrf(k=params.rrf_k))
+            if params.fusion is Fusion.RRF
+            else models.FusionQuery(fusion=models.Fusion.DBSF)
+        )
+        return self._query(collection, query=fusion, using=None, limit=limit, flt=flt, prefetch=prefetch)
+
+    def _require_dense(self) -> None:
+        if self._dense_dim is None:
+            raise RuntimeError("this index was opened without dense vectors")
+
+    def _query(
+        self,
+        collection: str,
+        *,
+        query: Any,
+        using: str | None,
+        limit: int,
+        flt: models.Filter,
+        prefetch: list[models.Prefetch] | None = None,
+    ) -> list[IndexHit]:
+        with self._guard:
+            if not self._exists(collection):
+                return []
+            response = self._client.query_points(
+                self._name(collection),
+                query=query,
+                using=using,
+                prefetch=prefetch,
+                query_filter=flt,
+                limit=limit,
+                with_payload=["document_id"],
+            )
+        return [
+            IndexHit(str(p.id), str((p.payload or {}).get("document_id", "")), float(p.score))
+            for p in response.points
+        ]
+
+    def drop(self, collection: str) -> None:
+        with self._guard:
+            self._known.discard(collection)
+            if self._client.collection_exists(self._name(collection)):
+                self._client.delete_collection(self._name(collection))
+
+    def close(self) -> None:
+        self._client.close()
+
+
+def _sparse(vector: SparseVector) -> models.SparseVector:
+    return models.SparseVector(indices=list(vector.indices), values=list(vector.values))
+
+
+def _filter(tenant: str, metadata_filter: Mapping[str, str]) -> models.Filter:
+    """The tenant's points that match every metadata pair exactly (as ``index._filter``)."""
+    if not tenant:
+        raise ValueError("a tenant is required")
+    conditions: list[models.Condition] = [
+        models.FieldCondition(key="tenant", match=models.MatchValue(value=tenant))
+    ]
+    conditions += [
+        models.FieldCondition(key="meta", match=models.MatchValue(value=term))
+        for term in metadata_terms(metadata_filter)
+    ]
+    return models.Filter(must=conditions)

@@ -1,0 +1,217 @@
+"""Document changes arriving through the document-change topic.
+
+The handler tests drive the kit's ``EventConsumer.handle`` with records built here (no network);
+the last test runs the consumer against the real Tansu broker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import pytest
+import sqlalchemy as sa
+from aiokafka import ConsumerRecord
+from forge.events.v1 import events_pb2
+
+from forge_kit import errors
+from forge_kit.db import Database
+from forge_kit.events import (
+    HEADER_ID,
+    HEADER_PRODUCER,
+    HEADER_TYPE,
+    DeadLetter,
+    EventConsumer,
+    KafkaPublisher,
+    OutboxEvent,
+    ensure_topics,
+    new_meta,
+    topic_for,
+)
+from forge_kit.testing.processes import TansuBroker
+from forge_retriever.service import ChangeOutcome, RetrieverService, SearchMode
+from forge_retriever.store import DocumentRow
+from forge_retriever.tenancy import DEFAULT_TENANT
+
+TOPIC = topic_for(events_pb2.DocumentChanged())
+UPSERTED, DELETED = events_pb2.DOCUMENT_CHANGE_TYPE_UPSERTED, events_pb2.DOCUMENT_CHANGE_TYPE_DELETED
+
+
+def change(
+    document_id: str,
+    text: str = "",
+    *,
+    version: int = 0,
+    kind: int = UPSERTED,
+    collection: str = "wiki",
+    producer: str = "cms",
+) -> events_pb2.DocumentChanged:
+    return events_pb2.DocumentChanged(
+        meta=new_meta(producer),
+        collection=collection,
+        document_id=document_id,
+        change=kind,  # type: ignore[arg-type]
+        version=version,
+        text=text,
+        metadata={"source": producer} if kind == UPSERTED else {},
+    )
+
+
+def record(event: events_pb2.DocumentChanged, offset: int = 0) -> ConsumerRecord:  # type: ignore[type-arg]
+    headers = [
+        (HEADER_TYPE, event.DESCRIPTOR.full_name.encode()),
+        (HEADER_ID, event.meta.event_id.encode()),
+        (HEADER_PRODUCER, event.meta.producer.encode()),
+    ]
+    return ConsumerRecord(
+        topic=TOPIC,
+        partition=0,
+        offset=offset,
+        timestamp=0,
+        timestamp_type=0,
+        key=None,
+        value=event.SerializeToString(),
+        checksum=None,
+        serialized_key_size=0,
+        serialized_value_size=0,
+        headers=headers,
+    )
+
+
+def consumer(db: Database, service: RetrieverService, bootstrap: str = "unused:0") -> EventConsumer:
+    return EventConsumer(
+        db,
+        bootstrap=bootstrap,
+        group_id="retriever",
+        topics=[TOPIC],
+        handler=service.handle_event,
+        max_attempts=1,
+        session_timeout_ms=6_000,
+    )
+
+
+async def found(service: RetrieverService, query: str, collection: str = "wiki") -> list[tuple[str, str]]:
+    hits = (await service.search(collection, query, 10, SearchMode.SPARSE, {})).hits
+    return [(h.document_id, h.text) for h in hits]
+
+
+async def apply(db: Database, service: RetrieverService, event: events_pb2.DocumentChanged) -> ChangeOutcome:
+    async with db.session() as session:
+        return await service.apply_document_changed(event, session)
+
+
+async def test_upsert_and_delete_from_the_topic_are_searchable_and_not_republished(
+    service: RetrieverService, db: Database
+) -> None:
+    c = consumer(db, service)
+    assert await c.handle(record(change("alpha", "giraffes graze the savanna", version=1)))
+    assert await found(service, "giraffes") == [("alpha", "giraffes graze the savanna")]
+    assert await c.handle(record(change("alpha", "zebras graze the savanna", version=2)))
+    assert await found(service, "giraffes") == [] and [d for d, _ in await found(service, "zebras")] == [
+        "alpha"
+    ]
+    assert await c.handle(record(change("alpha", kind=DELETED, version=3)))
+    assert await found(service, "zebras") == []
+    # The topic already carries these changes: the retriever's outbox stays empty.
+    async with db.session() as session:
+        assert await session.scalar(sa.select(sa.func.count()).select_from(OutboxEvent)) == 0
+
+
+async def test_redelivered_and_stale_events_change_nothing(service: RetrieverService, db: Database) -> None:
+    c = consumer(db, service)
+    v2 = change("alpha", "version two text", version=2)
+    assert await c.handle(record(v2))
+    assert await c.handle(record(v2)) is False  # same event id: a duplicate
+    # An older version delivered late (another partition, a replay) does not roll back.
+    assert await apply(db, service, change("alpha", "version one text", version=1)) is ChangeOutcome.STALE
+    assert [t for _, t in await found(service, "version text")] == ["version two text"]
+    # Nor can a late upsert resurrect a document deleted at a newer version.
+    assert await apply(db, service, change("alpha", kind=DELETED, version=3)) is ChangeOutcome.APPLIED
+    assert await apply(db, service, change("alpha", "version two text", version=2)) is ChangeOutcome.STALE
+    assert await found(service, "version text") == []
+    # Re-sending held content, or deleting an absent document, is a no-op.
+    assert await apply(db, service, change("beta", "same words", version=1)) is ChangeOutcome.APPLIED
+    assert await apply(db, service, change("beta", "same words", version=2)) is ChangeOutcome.UNCHANGED
+    assert await apply(db, service, change("gamma", kind=DELETED, version=1)) is ChangeOutcome.UNCHANGED
+    # Unversioned events (version 0) are applied in arrival order.
+    assert await apply(db, service, change("beta", "other words")) is ChangeOutcome.APPLIED
+    assert [t for _, t in await found(service, "words")] == ["other words"]
+    # ... and never lower the mark a versioned event set (beta is at version 2).
+    assert await apply(db, service, change("beta", "stale words", version=1)) is ChangeOutcome.STALE
+
+
+async def test_own_events_are_skipped(service: RetrieverService, db: Database) -> None:
+    own = change("alpha", "written through grpc already", version=9, producer="retriever")
+    assert await apply(db, service, own) is ChangeOutcome.OWN
+    assert await service.list_collections() == []
+
+
+async def test_upstream_documents_belong_to_the_source_tenant(
+    service: RetrieverService, db: Database
+) -> None:
+    await apply(db, service, change("alpha", "shared handbook", version=1))
+    assert [d for d, _ in await found(service, "handbook")] == ["alpha"]
+    other = await service.search("wiki", "handbook", 10, SearchMode.SPARSE, {}, tenant="acme")
+    assert other.hits == []
+    async with db.session() as session:
+        tenants = set(await session.scalars(sa.select(DocumentRow.tenant)))
+    assert tenants == {DEFAULT_TENANT}
+
+
+@pytest.mark.parametrize(
+    ("event", "field"),
+    [
+        (change("alpha", "text", collection="../etc"), "collection"),
+        (change("", "text"), "document_id"),
+        (change("alpha", "   "), "document.text"),
+        (change("alpha", "text", kind=0), "change"),
+    ],
+)
+async def test_bad_events_are_refused_and_dead_lettered(
+    service: RetrieverService, db: Database, event: events_pb2.DocumentChanged, field: str
+) -> None:
+    with pytest.raises(errors.ValidationError) as caught:
+        await apply(db, service, event)
+    assert caught.value.field == field
+    assert await consumer(db, service).handle(record(event)) is False
+    async with db.session() as session:
+        letters = (await session.scalars(sa.select(DeadLetter))).all()
+    assert len(letters) == 1 and field in letters[0].error
+    assert await service.list_collections() == []
+
+
+@pytest.mark.integration
+async def test_change_published_to_the_broker_is_searchable_within_seconds(
+    kafka_broker: TansuBroker, service: RetrieverService, db: Database
+) -> None:
+    await ensure_topics(kafka_broker.bootstrap, [TOPIC])
+    c = consumer(db, service, kafka_broker.bootstrap)
+    await c.start()
+    task = asyncio.create_task(c.run())
+    publisher = KafkaPublisher(kafka_broker.bootstrap)
+    try:
+        await publisher.publish(
+            change("alpha", "okapis live in the forest", version=1), producer="cms", key="wiki/alpha"
+        )
+        started = time.monotonic()
+        while not await _listed(service):
+            assert time.monotonic() - started < 30, "the consumer never applied the first event"
+            await asyncio.sleep(0.05)
+        assert [d for d, _ in await found(service, "okapis")] == ["alpha"]
+        # The group is live now: a later change must show up within the 2 s freshness target.
+        await publisher.publish(change("alpha", kind=DELETED, version=2), producer="cms", key="wiki/alpha")
+        sent = time.monotonic()
+        while await found(service, "okapis"):
+            assert time.monotonic() - sent < 2.0, "delete not applied within 2 s"
+            await asyncio.sleep(0.02)
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await c.stop()
+        await publisher.close()
+
+
+async def _listed(service: RetrieverService) -> bool:
+    return any(c.name == "wiki" and c.document_count for c in await service.list_collections())
