@@ -1,5 +1,5 @@
-"""Forge's training runtime: recipes, tokenizer, token shards, one training loop with DDP for
-pre-training, continual pre-training, SFT, reward models and DPO, checkpoints published by atomic
+"""Forge's training runtime: recipes, tokenizer, token shards, one training loop with DDP or FSDP
+for pre-training, continual pre-training, SFT, reward models and DPO, checkpoints published by atomic
 manifests, and Hugging Face export.
 
 Entry point for a job: ``python -m forge_trainer_agent.training.run --recipe NAME`` (under

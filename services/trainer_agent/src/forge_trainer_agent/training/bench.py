@@ -6,7 +6,8 @@ Writes ``DIR/summary.json``::
 
     {"forge": {"val_loss_per_char", "wall_s", "tokens_per_s"},
      "nanogpt": {"val_loss_per_char", "wall_s"},          # only with --nanogpt-dir
-     "ddp_speedup", "async_checkpoint_stall_ratio"}
+     "ddp_speedup", "async_checkpoint_stall_ratio",
+     "fsdp": {"ddp_tokens_per_s", "fsdp_tokens_per_s", "fsdp_over_ddp"}}
 
 1. nanoGPT (when given a checkout): its README's CPU recipe on the same corpus, timed; its
    character-level validation loss is already per character.
@@ -15,6 +16,8 @@ Writes ``DIR/summary.json``::
    divided by the validation split's characters per token.
 3. DDP: tokens/s of 2 gloo processes over 1 process, one thread each, same global batch.
 4. Checkpoint stall: mean time the loop is blocked per save, async over sync, same run.
+5. FSDP: tokens/s of 2 gloo processes with ``parallelism=fsdp`` and with ``ddp``, same recipe,
+   one process group (one start-up) for both.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import typer
 
 from forge_kit.objectstore import ObjectStore
 from forge_trainer_agent.training import recipes
-from forge_trainer_agent.training.launch import run_group
+from forge_trainer_agent.training.launch import run_group, run_group_sequence
 from forge_trainer_agent.training.train import RunContext, pretrain
 from forge_trainer_agent.training.train import train as run_training
 
@@ -129,6 +132,17 @@ def ddp_speedup(corpus: Path, work: Path, cache: Path, steps: int) -> float:
     return float(two["tokens_per_s"]) / float(one["tokens_per_s"])
 
 
+def fsdp_vs_ddp(corpus: Path, work: Path, cache: Path, steps: int) -> dict[str, float]:
+    """Tokens/s of the same 2-process run under DDP and under FSDP (the 3. config)."""
+    config = _recipe(corpus, max_steps=steps, eval_interval=10**9, threads=1, micro_batch_size=6)
+    config = dataclasses.replace(config, optim=dataclasses.replace(config.optim, warmup_steps=2))
+    config = dataclasses.replace(config, checkpoint=dataclasses.replace(config.checkpoint, interval_steps=0))
+    modes = ("ddp", "fsdp")
+    runs = [(dataclasses.replace(config, parallelism=mode), work / f"dp-{mode}") for mode in modes]
+    ddp, fsdp = (float(r["tokens_per_s"]) for r in run_group_sequence(runs, 2, cache_dir=cache))
+    return {"ddp_tokens_per_s": ddp, "fsdp_tokens_per_s": fsdp, "fsdp_over_ddp": fsdp / ddp}
+
+
 def checkpoint_stall_ratio(corpus: Path, work: Path, cache: Path, steps: int) -> float:
     stalls: dict[bool, float] = {}
     for async_save in (False, True):
@@ -156,7 +170,7 @@ def train(
     corpus: Annotated[Path, typer.Option(help="training corpus")] = Path(recipes.DEFAULT_CORPUS),
     ddp_steps: Annotated[int, typer.Option(help="steps per DDP throughput run")] = 40,
 ) -> None:
-    """Run steps 1-4 of the module docstring and write DIR/summary.json."""
+    """Run steps 1-5 of the module docstring and write DIR/summary.json."""
     if not corpus.is_file() or corpus.stat().st_size == 0:
         raise typer.BadParameter(f"{corpus} is missing or empty", param_hint="--corpus")
     out.mkdir(parents=True, exist_ok=True)
@@ -174,6 +188,7 @@ def train(
             )
         summary["ddp_speedup"] = ddp_speedup(corpus, work, cache, ddp_steps)
         summary["async_checkpoint_stall_ratio"] = checkpoint_stall_ratio(corpus, work, cache, 50)
+        summary["fsdp"] = fsdp_vs_ddp(corpus, work, cache, ddp_steps)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     typer.echo(json.dumps(summary, indent=2))
 

@@ -169,7 +169,9 @@ class Objective(ABC):
         """Held-out metrics (every rank calls it; ``val_loss`` is the primary one)."""
 
     @abstractmethod
-    def export(self, out_dir: Path) -> Path: ...
+    def export(self, out_dir: Path, model: PreTrainedModel | None = None) -> Path:
+        """Write ``model`` (default: the trained one; under FSDP the loop passes a gathered,
+        unsharded copy) and the tokenizer to ``out_dir`` in Hugging Face format."""
 
     def start(self) -> dict[str, float]:
         """Metrics of the starting model, measured once before the first step of a fresh run."""
@@ -187,6 +189,17 @@ class Objective(ABC):
 
 
 # -- language modelling: pretrain and continual pre-training -----------------------------------
+
+
+def rank_batches(items: Sequence[int], rank: int, world_size: int, size: int) -> list[tuple[list[int], bool]]:
+    """This rank's share ``items[rank::world_size]`` in batches of ``size``, each with whether it
+    counts. Ranks with fewer batches than rank 0 get repeats of ``items[0]`` that do not count:
+    under FSDP every forward all-gathers parameters, so every rank must run the same number of
+    forwards or the collectives hang."""
+    mine = list(items[rank::world_size])
+    batches = [(mine[i : i + size], True) for i in range(0, len(mine), size)]
+    most = math.ceil(len(items[0::world_size]) / size)
+    return batches + [([items[0]], False)] * (most - len(batches))
 
 
 def _lm_batch(split: TokenShards, windows: Sequence[int], seq_len: int) -> Micro:
@@ -207,14 +220,15 @@ def evaluate_lm(
     """Mean per-token loss on a fixed, evenly spread set of ``split``'s windows (split by rank)."""
     seq_len = config.data.seq_len
     windows = _spread(split.num_windows(seq_len), config.eval_batches * config.micro_batch_size)
-    mine = windows[rank::world_size]
     was_training = model.training
     model.eval()
     total, tokens = 0.0, 0.0
-    for start in range(0, len(mine), config.micro_batch_size):
-        micro = _lm_batch(split, mine[start : start + config.micro_batch_size], seq_len)
-        total += float(_lm_loss_sum(model, micro))
-        tokens += micro["labels"].numel()
+    for batch, counts in rank_batches(windows, rank, world_size, config.micro_batch_size):
+        micro = _lm_batch(split, batch, seq_len)
+        loss = float(_lm_loss_sum(model, micro))
+        if counts:
+            total += loss
+            tokens += micro["labels"].numel()
     model.train(was_training)
     total, tokens = all_reduce([total, tokens], world_size)
     return total / tokens
@@ -262,8 +276,8 @@ class Pretraining(Objective):
         val = evaluate_lm(self.model, self.val_split, self.config, self.rank, self.world_size)
         return {"val_loss": val, "val_ppl": math.exp(min(val, 50.0))}
 
-    def export(self, out_dir: Path) -> Path:
-        return export_hf(self.model, Tokenizer.from_str(self.tokenizer_json), out_dir)
+    def export(self, out_dir: Path, model: PreTrainedModel | None = None) -> Path:
+        return export_hf(model or self.model, Tokenizer.from_str(self.tokenizer_json), out_dir)
 
 
 def _adopt(parent: Parent, seq_len: int) -> LlamaForCausalLM:
@@ -372,8 +386,8 @@ class ContinualPretraining(Objective):
         if "general_val_loss_start" in state:
             self.general_val_loss_start = float(state["general_val_loss_start"])
 
-    def export(self, out_dir: Path) -> Path:
-        return export_hf(self.model, Tokenizer.from_str(self.tokenizer_json), out_dir)
+    def export(self, out_dir: Path, model: PreTrainedModel | None = None) -> Path:
+        return export_hf(model or self.model, Tokenizer.from_str(self.tokenizer_json), out_dir)
 
 
 # -- prompt/response tasks ---------------------------------------------------------------------
@@ -441,21 +455,21 @@ class _PairTask(Objective):
         """The held-out metrics of the starting model (the baseline the run improves on)."""
         return self.evaluate()
 
-    def _eval_indices(self) -> list[int]:
+    def _eval_micro(self) -> list[tuple[Micro, bool]]:
+        """This rank's held-out micro-batches, each with whether it counts (see :func:`rank_batches`)."""
         every = _spread(len(self.val_rows), self.config.eval_batches * self.config.micro_batch_size)
-        return every[self.rank :: self.world_size]
-
-    def _eval_micro(self) -> list[Micro]:
-        mine, mb = self._eval_indices(), self.config.micro_batch_size
-        return [self.collate(mine[i : i + mb], self.val_rows) for i in range(0, len(mine), mb)]
+        batches = rank_batches(every, self.rank, self.world_size, self.config.micro_batch_size)
+        return [(self.collate(items, self.val_rows), counts) for items, counts in batches]
 
     @abstractmethod
     def collate(
         self, items: Sequence[Any], rows: Sequence[tuple[pairdata.Encoded, ...]] | None = None
     ) -> Micro: ...
 
-    def export(self, out_dir: Path) -> Path:
-        return export_hf(self.model, Tokenizer.from_str(self.tokenizer_json), out_dir, pairdata.CHAT_TEMPLATE)
+    def export(self, out_dir: Path, model: PreTrainedModel | None = None) -> Path:
+        return export_hf(
+            model or self.model, Tokenizer.from_str(self.tokenizer_json), out_dir, pairdata.CHAT_TEMPLATE
+        )
 
 
 class SupervisedFineTuning(_PairTask):
@@ -498,9 +512,10 @@ class SupervisedFineTuning(_PairTask):
     def evaluate(self) -> dict[str, float]:
         self.model.eval()
         total, units = 0.0, 0.0
-        for micro in self._eval_micro():
+        for micro, counts in self._eval_micro():
             loss, _ = self.loss(self.model, micro)
-            total, units = total + float(loss), units + self.units(micro)
+            if counts:
+                total, units = total + float(loss), units + self.units(micro)
         self.model.train()
         total, units = all_reduce([total, units], self.world_size)
         val = total / max(units, 1.0)
@@ -563,9 +578,11 @@ class RewardModeling(_PreferenceTask):
     def evaluate(self) -> dict[str, float]:
         self.model.eval()
         sums = [0.0, 0.0, 0.0, 0.0]  # loss, correct, margin, pairs
-        for micro in self._eval_micro():
+        for micro, counts in self._eval_micro():
             chosen, rejected = self.rewards(self.model, micro)
             margin = chosen - rejected
+            if not counts:
+                continue
             sums = [
                 sums[0] + float(-F.logsigmoid(margin).sum()),
                 sums[1] + wins(margin),
@@ -647,9 +664,11 @@ class DirectPreference(_PreferenceTask):
     def evaluate(self) -> dict[str, float]:
         self.model.eval()
         sums = [0.0, 0.0, 0.0, 0.0]  # loss, correct, margin, pairs
-        for micro in self._eval_micro():
+        for micro, counts in self._eval_micro():
             chosen, rejected = self.logratios(self.model, micro)
             margin = self.beta * (chosen - rejected)
+            if not counts:
+                continue
             sums = [
                 sums[0] + float(-F.logsigmoid(margin).sum()),
                 sums[1] + wins(margin),

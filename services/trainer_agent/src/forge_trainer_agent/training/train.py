@@ -1,5 +1,6 @@
-"""The training loop, the same for every task: DistributedDataParallel over whatever process group
-is initialised (gloo on CPU, NCCL on GPU), AdamW, warmup + cosine, clipping, accumulation.
+"""The training loop, the same for every task: data parallelism over whatever process group is
+initialised (gloo on CPU, NCCL on GPU) with DistributedDataParallel or FSDP2 (``parallelism``;
+see :mod:`parallel`), AdamW, warmup + cosine, clipping, accumulation.
 What differs per task (data, model, loss, evaluation, export) is an
 :class:`~forge_trainer_agent.training.objectives.Objective`.
 
@@ -7,16 +8,20 @@ What differs per task (data, model, loss, evaluation, export) is an
 
 1. validate the recipe for this world size (before any work);
 2. build the objective from the seed: data (rank 0 prepares token shards first), model (from
-   scratch or from ``init.parent``), sampler; wrap the model in DDP when ``world_size > 1``;
+   scratch or from ``init.parent``), sampler; under FSDP shard the model now (the optimizer must
+   hold the sharded parameters);
 3. build optimizer and schedule;
 4. resume from the newest complete checkpoint, if any (model, optimizer, schedule, RNG, sampler
-   position, task state); on a fresh run log the starting model's metrics (step 0);
+   position, task state); on a fresh run log the starting model's metrics (step 0); under DDP wrap
+   the model now;
 5. for each step: take this rank's prefetched batch, forward/backward per micro-batch (gradient
-   sync only on the last) scaled by the step's global loss units, clip, step, log loss, figures,
+   sync only on the last) scaled by the step's global loss units, clip (the global norm, over
+   shards under FSDP), step, log loss, figures,
    tokens/s and MFU; evaluate and checkpoint on their intervals (a fixed step count or the
    Young/Daly interval, re-planned after the first measured save); on a stop request (SIGTERM)
    checkpoint and return ``preempted``;
-6. at the end: final checkpoint, wait for it to publish, export in Hugging Face format.
+6. at the end: final checkpoint, wait for it to publish, export in Hugging Face format (under
+   FSDP from the gathered full state, as the plain model class).
 """
 
 from __future__ import annotations
@@ -33,11 +38,9 @@ from typing import IO, Any
 import numpy as np
 import structlog
 import torch
-from torch.nn.parallel import DistributedDataParallel
-from torch.nn.utils import clip_grad_norm_
 
 from forge_kit.objectstore import ObjectStore
-from forge_trainer_agent.training import recipes
+from forge_trainer_agent.training import parallel, recipes
 from forge_trainer_agent.training.checkpoint import CheckpointManager, Manifest, optimal_interval_s
 from forge_trainer_agent.training.collectives import all_reduce, barrier
 from forge_trainer_agent.training.data import PreparedData, prepare
@@ -175,23 +178,20 @@ class _SavePlan:
 
 
 def _train_step(
-    objective: Objective, ddp: torch.nn.Module, batch: StepBatch, world_size: int
+    objective: Objective, module: torch.nn.Module, batch: StepBatch, world_size: int
 ) -> tuple[float, list[float], float]:
     """Forward/backward every micro-batch; returns this rank's loss sum, figure sums and the
     step's global loss units. Each micro-batch's summed loss is scaled by world size over the
-    global units, so DDP's gradient average is the mean over the whole global batch."""
+    global units, so the gradient average over ranks (DDP's all-reduce, FSDP's reduce-scatter)
+    is the mean over the whole global batch. Gradients sync on the last micro-batch only."""
     (units,) = all_reduce([batch.units], world_size)
     scale = world_size / max(units, 1.0)
     loss_sum, figures = 0.0, [0.0] * len(objective.figure_names)
     last = len(batch.micro) - 1
     for i, micro in enumerate(batch.micro):
-        if i == last or not isinstance(ddp, DistributedDataParallel):
-            loss, figs = objective.loss(ddp, micro)
+        with parallel.gradient_sync(module, enabled=i == last):
+            loss, figs = objective.loss(module, micro)
             (loss * scale).backward()
-        else:
-            with ddp.no_sync():
-                loss, figs = objective.loss(ddp, micro)
-                (loss * scale).backward()
         loss_sum += float(loss.detach())
         figures = [a + b for a, b in zip(figures, figs, strict=True)]
     return loss_sum, figures, units
@@ -210,6 +210,8 @@ def train(config: TrainConfig, ctx: RunContext) -> TrainResult:
     np.random.seed(config.seed)
     objective = build_objective(config, ctx.rank, ctx.world_size, ctx.cache_dir)
     model = objective.model
+    plain_class = type(model)
+    sharded = parallel.shard(model, config.parallelism, ctx.world_size)
     # 3. Optimizer and schedule.
     o = config.optim
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -239,8 +241,7 @@ def train(config: TrainConfig, ctx: RunContext) -> TrainResult:
     manifest = ckpt.latest_manifest()
     if manifest is not None:
         main = ckpt.load_shard(manifest, 0)
-        model.load_state_dict(main["model"])
-        optimizer.load_state_dict(main["optimizer"])
+        parallel.load_state(model, optimizer, main["model"], main["optimizer"], sharded)
         scheduler.load_state_dict(main["scheduler"])
         objective.sampler.load_state_dict(main["sampler"])
         objective.load_state_dict(main.get("objective", {}))
@@ -254,12 +255,13 @@ def train(config: TrainConfig, ctx: RunContext) -> TrainResult:
         if baseline:
             metrics.write(0, baseline)
     position = objective.sampler.state_dict()
-    ddp: torch.nn.Module = DistributedDataParallel(model) if ctx.world_size > 1 else model
+    module = parallel.replicate(model, sharded, ctx.world_size)
     meta = {
         "recipe": config.name,
         "recipe_hash": config.recipe_hash(),
         "data_hash": objective.data_hash,
         "config": config.to_dict(),
+        "data_parallel": "fsdp" if sharded else "ddp" if ctx.world_size > 1 else "none",
         **objective.model_meta(),
     }
     if config.init.parent:
@@ -267,10 +269,11 @@ def train(config: TrainConfig, ctx: RunContext) -> TrainResult:
 
     def save(at: int, figures: dict[str, float]) -> None:
         state: dict[str, Any] = {"step": at, "rng": _rng_state()}
-        if ctx.rank == 0:
+        full = parallel.full_state(model, optimizer, sharded, ctx.rank)
+        if full is not None:
             state.update(
-                model=model.state_dict(),
-                optimizer=optimizer.state_dict(),
+                model=full[0],
+                optimizer=full[1],
                 scheduler=scheduler.state_dict(),
                 sampler=position,
                 objective=objective.state_dict(),
@@ -289,8 +292,8 @@ def train(config: TrainConfig, ctx: RunContext) -> TrainResult:
         # 5. Steps.
         while step < config.max_steps:
             batch = prefetch.next()
-            loss_sum, figures, units = _train_step(objective, ddp, batch, ctx.world_size)
-            grad_norm = float(clip_grad_norm_(trainable, o.grad_clip if o.grad_clip > 0 else float("inf")))
+            loss_sum, figures, units = _train_step(objective, module, batch, ctx.world_size)
+            grad_norm = parallel.clip_grad_norm(trainable, o.grad_clip)
             lr = scheduler.get_last_lr()[0]
             optimizer.step()
             scheduler.step()
@@ -354,8 +357,10 @@ def train(config: TrainConfig, ctx: RunContext) -> TrainResult:
         if result.val_loss is not None and objective.chars_per_token:
             result.val_loss_per_char = result.val_loss / objective.chars_per_token
         result.checkpoint_interval_steps = plan.interval
-        if ctx.export and ctx.rank == 0:
-            result.export_dir = objective.export(ctx.run_dir / "hf")
+        if ctx.export:
+            exported = parallel.full_model(model, plain_class, sharded, ctx.rank)
+            if exported is not None:
+                result.export_dir = objective.export(ctx.run_dir / "hf", exported)
         barrier(ctx.world_size)
         return result
     finally:
