@@ -96,6 +96,19 @@ async def test_call_without_token_is_unauthenticated(server: GrpcServer) -> None
         ({"workflow_type": "smoke", "input": _input(teem="x")}, "input.teem"),
         ({"workflow_type": "smoke", "input": _input(timeout_s=0)}, "input.timeout_s"),
         ({"workflow_type": "smoke", "workflow_id": "has spaces"}, "workflow_id"),
+        ({"workflow_type": "rlhf", "input": _input(policy_uri="", work_uri="/w")}, "input.policy_uri"),
+        (
+            {"workflow_type": "rlhf", "input": _input(policy_uri="/p", work_uri="/w", min_new_pairs=0)},
+            "input.min_new_pairs",
+        ),
+        (
+            {"workflow_type": "rlhf", "input": _input(policy_uri="/p", work_uri="/w", promote_tier="quick")},
+            "input.promote_tier",
+        ),
+        (
+            {"workflow_type": "rlhf", "input": _input(policy_uri="/p", work_uri="/w", kl_budget="x")},
+            "input.kl_budget",
+        ),
     ],
 )
 async def test_invalid_start_names_the_field(stub: Stub, request_fields: dict[str, Any], field: str) -> None:
@@ -128,6 +141,21 @@ async def test_start_with_an_id_is_idempotent(stub: Stub, client: Client) -> Non
     assert third.run_id == first.run_id
     reply = await stub.GetWorkflow(orchestrator_pb2.GetWorkflowRequest(workflow_id=workflow_id))
     assert reply.status == orchestrator_pb2.WORKFLOW_STATUS_TERMINATED and "terminated" in reply.error
+
+
+async def test_rlhf_starts_on_the_rlhf_workers_queue(stub: Stub, client: Client, server: GrpcServer) -> None:
+    """The loop runs on ``<queue>-rlhf`` (the RLHF worker's), not on the main worker's queue."""
+    request = orchestrator_pb2.StartWorkflowRequest(
+        workflow_type="rlhf", input=_input(policy_uri="/models/sft", work_uri="/shared/rlhf", min_new_pairs=8)
+    )
+    started = await stub.StartWorkflow(request)
+    handle = client.get_workflow_handle(started.workflow_id)
+    try:
+        described = await handle.describe()
+        assert described.workflow_type == "rlhf" and started.workflow_id.startswith("rlhf-")
+        assert described.task_queue.endswith("-rlhf") and described.task_queue.startswith("api-test-")
+    finally:
+        await handle.terminate("test done")
 
 
 async def test_missing_job_event_fails_the_workflow_with_a_clear_error(

@@ -47,10 +47,11 @@ from forge_kit.http import HttpServer
 from forge_kit.testing import ServiceProcess, TemporalDevServer
 from forge_orchestrator.activities import SchedulerActivities
 from forge_orchestrator.eval_activities import EvalActivities
+from forge_orchestrator.main_job import RLHF_SIZES
 from forge_orchestrator.rlhf import RLHF_WORKFLOWS, RlhfInput, RlhfResult
 from forge_orchestrator.rlhf_activities import RlhfActivities
 from forge_orchestrator.rlhf_worker import build_rlhf_worker, rlhf_task_queue
-from forge_orchestrator.training import CHECKPOINT_SIGNAL, CheckpointInfo
+from forge_orchestrator.training import AUTO_EVAL_LABEL, CHECKPOINT_SIGNAL, CheckpointInfo
 from forge_orchestrator.workflows import JOB_EVENT_SIGNAL, PROGRESS_QUERY, JobEvent
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
@@ -62,6 +63,8 @@ HH = SHARED / "preferences" / "hh-rlhf"
 PAIR_SETTINGS = ["optim.warmup_steps=2", "eval_batches=2", "eval_interval=100", "checkpoint.interval_steps=0"]
 CHOICE = {"A": common_pb2.PREFERENCE_CHOICE_A, "B": common_pb2.PREFERENCE_CHOICE_B}
 FLIP = {"A": "B", "B": "A"}
+MAIN_JOB_PAIRS = 144
+"""Accepted pairs the main job's simulated raters post (``forge_preference_feedback.main_job``)."""
 
 
 @pytest.fixture(scope="module")
@@ -212,6 +215,8 @@ class Agent:
         self.ran[suffix] = job_id
         job = (await stub.GetJob(scheduler_pb2.GetJobRequest(job_id=job_id))).job
         assert job.spec.labels["workflow_id"] == handle.id
+        # The loop's training jobs keep the checkpoint router from evaluating their checkpoints.
+        assert job.spec.labels.get(AUTO_EVAL_LABEL) == ("false" if suffix in ("r1-rm", "r1-dpo") else None)
         run_dir = self._runs / job_id
         run_dir.mkdir(parents=True)
         await self._event(handle, job_id, "RUNNING")
@@ -409,20 +414,25 @@ async def test_a_round_trains_evaluates_optimises_and_hands_over(
     eval_service: ServiceProcess,
     endpoint: str,
 ) -> None:
-    seeds = period_rule_seed(tmp_path, limit=160)
-    feedback = start_feedback(tmp_path / "feedback", seeds, limit=160)
+    # The main job's sizes (``forge up``'s round) on as many rule pairs as its raters post.
+    seeds = period_rule_seed(tmp_path, limit=MAIN_JOB_PAIRS)
+    feedback = start_feedback(tmp_path / "feedback", seeds, limit=MAIN_JOB_PAIRS)
     try:
-        await rate(feedback, "alice", 160)
+        await rate(feedback, "alice", MAIN_JOB_PAIRS)
         await rate(feedback, "bob", 15)
         await rate(feedback, "mallory", 15, adversarial=True)
         params = loop_input(
             policy,
             tmp_path / "work",
-            min_new_pairs=160,
-            reward_overrides=["max_steps=40", "optim.lr=1e-3", *PAIR_SETTINGS],
-            promote=True,
-            promote_endpoint=endpoint,
-            promote_limit=4,
+            **{
+                **RLHF_SIZES,
+                "promote": True,
+                # The scripted endpoint answers GSM8K (a model server per checkpoint would double
+                # the test's time); forge up's round hands over on the default suite, served.
+                "promote_endpoint": endpoint,
+                "promote_suite": "gsm8k",
+                "promote_limit": 4,
+            },
         )
         result, workflow_id, agent = await run_loop(
             temporal_server, scheduler, feedback, eval_service.grpc_target, params, tmp_path / "runs"

@@ -22,13 +22,18 @@ from forge_kit.events import HEADER_ID, HEADER_TYPE, EventConsumer, ProcessedEve
 from forge_orchestrator.api import view_to_proto
 from forge_orchestrator.cli import resolve_token
 from forge_orchestrator.service import (
+    KINDS,
+    WORKFLOWS,
+    CheckpointRouter,
     JobEventRouter,
+    OrchestratorService,
     WorkflowView,
     failure_message,
     parse_input,
     validate_smoke,
 )
 from forge_orchestrator.store import JobEventRow
+from forge_orchestrator.training import AUTO_EVAL_LABEL, CheckpointInfo, TrainInput
 from forge_orchestrator.workflows import JobEvent, SmokeInput
 
 TOPIC = "forge.scheduler.job_state_changed.v1"
@@ -85,10 +90,16 @@ class RecordingSignaller:
         self._fail = fail
         self._running = running
 
+        self.checkpoints: list[tuple[str, CheckpointInfo]] = []
+
     async def job_event(self, workflow_id: str, event: JobEvent) -> bool:
         if self._fail:
             raise RuntimeError("temporal unavailable")
         self.sent.append((workflow_id, event))
+        return self._running
+
+    async def checkpoint(self, workflow_id: str, checkpoint: CheckpointInfo) -> bool:
+        self.checkpoints.append((workflow_id, checkpoint))
         return self._running
 
 
@@ -153,6 +164,83 @@ async def test_failed_signal_records_nothing_so_the_event_can_be_replayed(db: Da
     assert await _rows(db) == []
     async with db.session() as session:
         assert await session.get(ProcessedEvent, ("orchestrator", "ev-1")) is None
+
+
+class RecordingStarter:
+    """The :class:`WorkflowStarter` seam (the OrchestratorService), recording what it would start."""
+
+    def __init__(self) -> None:
+        self.started: list[tuple[str, dict[str, object], str]] = []
+
+    async def start_workflow(
+        self, workflow_type: str, data: dict[str, object], workflow_id: str = ""
+    ) -> tuple[str, str]:
+        self.started.append((workflow_type, dict(data), workflow_id))
+        return workflow_id, "run"
+
+
+async def _checkpoint_of_a_job(
+    db: Database, labels: dict[str, str]
+) -> tuple[RecordingSignaller, RecordingStarter]:
+    """A workflow's job with ``labels`` runs, then publishes a checkpoint; both routed as consumed."""
+    signaller, starter = RecordingSignaller(), RecordingStarter()
+    job = events_pb2.JobStateChanged(job_id="job-7", team="rlhf", state=common_pb2.JOB_STATE_RUNNING)
+    job.meta.event_id = "ev-run"
+    job.labels.update({"workflow_id": "rlhf-1-r1-dpo", **labels})
+    checkpoint = events_pb2.CheckpointPublished(job_id="job-7", run_id="job-7", step=10, uri="/runs/job-7/hf")
+    checkpoint.meta.event_id = "ev-ckpt"
+    router = CheckpointRouter(starter, suite="tinyshakespeare_ppl", limit=5, signaller=signaller)
+    async with db.session() as session:
+        await JobEventRouter(signaller).handle(job, session)
+    async with db.session() as session:
+        await router.handle(checkpoint, session)
+    return signaller, starter
+
+
+async def test_checkpoints_of_rlhf_jobs_reach_their_workflow_but_start_no_eval(db: Database) -> None:
+    """The RLHF loop's training jobs carry ``auto_eval=false``: their workflow gets the checkpoint,
+    and no second eval-and-promote starts (the loop hands the DPO checkpoint over itself)."""
+    signaller, starter = await _checkpoint_of_a_job(db, {AUTO_EVAL_LABEL: "false"})
+    [(owner, info)] = signaller.checkpoints
+    assert owner == "rlhf-1-r1-dpo" and info.uri == "/runs/job-7/hf" and info.step == 10
+    assert starter.started == []
+
+
+async def test_checkpoints_of_other_workflow_jobs_are_evaluated(db: Database) -> None:
+    signaller, starter = await _checkpoint_of_a_job(db, {"recipe": "smoke"})
+    assert [owner for owner, _ in signaller.checkpoints] == ["rlhf-1-r1-dpo"]
+    [(kind, data, workflow_id)] = starter.started
+    assert (kind, workflow_id, data["uri"]) == ("eval_and_promote", "eval-job-7-step-10", "/runs/job-7/hf")
+
+
+def test_the_rlhf_loop_labels_its_training_jobs_and_only_the_rlhf_worker_runs_it() -> None:
+    from forge_orchestrator.rlhf import RlhfInput, RlhfWorkflow
+
+    train = RlhfWorkflow()._train(RlhfInput(policy_uri="/p", work_uri="/w"), "dpo-r1", "dpo_hh", [])
+    assert train.labels == {AUTO_EVAL_LABEL: "false"}
+    assert KINDS["rlhf"].queue("forge-orchestrator") == "forge-orchestrator-rlhf"
+    assert KINDS["training"].queue("forge-orchestrator") == "forge-orchestrator"
+    assert RlhfWorkflow not in WORKFLOWS
+
+
+@pytest.mark.parametrize(
+    ("labels", "field"),
+    [({"workflow_id": "x"}, "input.labels.workflow_id"), ({"": "x"}, "input.labels.")],
+)
+def test_training_labels_may_not_replace_the_routing_labels(labels: dict[str, str], field: str) -> None:
+    from forge_orchestrator.service import validate_train
+
+    with pytest.raises(errors.ValidationError) as caught:
+        validate_train(TrainInput(team="t", recipe="smoke", labels=labels))
+    assert caught.value.field == field
+
+
+async def test_a_kind_whose_worker_is_disabled_is_refused_with_the_reason() -> None:
+    kinds = {k: v for k, v in KINDS.items() if k != "rlhf"}
+    service = OrchestratorService(None, "q", kinds=kinds)  # type: ignore[arg-type]  # refused before any call
+    with pytest.raises(errors.ValidationError, match="its worker is disabled here") as caught:
+        await service.start_workflow("rlhf", {"policy_uri": "/p", "work_uri": "/w"})
+    assert caught.value.field == "workflow_type"
 
 
 # --- translation ----------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from forge_orchestrator.eval_activities import EvalActivities
 from forge_orchestrator.rlhf_activities import RlhfActivities
 from forge_orchestrator.rlhf_worker import RlhfSettings, build_rlhf_worker
 from forge_orchestrator.service import (
+    KINDS,
     CheckpointRouter,
     EventRouters,
     JobEventRouter,
@@ -42,17 +43,19 @@ async def main() -> None:
     app.add_background(build_worker(client, settings.task_queue, activities, eval_activities).run)
     app.add_on_stop(activities.close)
     app.add_on_stop(eval_activities.close)
-    rlhf_settings = RlhfSettings()
-    if rlhf_settings.enabled:
+    kinds = dict(KINDS)
+    if RlhfSettings().enabled:
         rlhf_activities = RlhfActivities(
-            rlhf_settings.feedback_target, rlhf_settings.feedback_token.get_secret_value()
+            settings.preference_feedback_target, settings.preference_feedback_token.get_secret_value()
         )
         rlhf_worker = build_rlhf_worker(
             client, settings.task_queue, activities, eval_activities, rlhf_activities
         )
         app.add_background(rlhf_worker.run)
         app.add_on_stop(rlhf_activities.close)
-    workflows = OrchestratorService(client, settings.task_queue)
+    else:
+        del kinds["rlhf"]
+    workflows = OrchestratorService(client, settings.task_queue, kinds=kinds)
     if settings.kafka_enabled:
         signaller = TemporalSignaller(client)
         routers = EventRouters(

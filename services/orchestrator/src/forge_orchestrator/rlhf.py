@@ -52,7 +52,7 @@ with workflow.unsafe.imports_passed_through():
         RoundReportInput,
         SnapshotInfo,
     )
-    from forge_orchestrator.training import TrainInput, TrainResult, TrainWorkflow
+    from forge_orchestrator.training import AUTO_EVAL_LABEL, TrainInput, TrainResult, TrainWorkflow
     from forge_orchestrator.workflows import (
         ACTIVITY_RETRY,
         ACTIVITY_TIMEOUT,
@@ -108,7 +108,8 @@ class RlhfInput:
     promote: bool = True
     """Hand each accepted checkpoint to ``eval_and_promote`` (step 6)."""
     model_name: str = "policy-rlhf"
-    promote_suite: str = "gsm8k"
+    promote_suite: str = EvalAndPromoteInput.suite
+    """Suite of the hand-over; by default eval-and-promote's own (held-out perplexity)."""
     promote_limit: int = 50
     promote_tier: str = "smoke"
     promote_endpoint: str = ""
@@ -422,6 +423,9 @@ class RlhfWorkflow:
             python=params.python,
             timeout_s=params.job_timeout_s,
             checkpoint_wait_s=params.checkpoint_wait_s,
+            # The loop gates its reward model itself and hands the DPO checkpoint to
+            # eval-and-promote after the drift check: the checkpoint router must not as well.
+            labels={AUTO_EVAL_LABEL: "false"},
         )
 
     async def _job(self, params: RlhfInput, child_id: str, name: str, command: list[str]) -> JobResult:

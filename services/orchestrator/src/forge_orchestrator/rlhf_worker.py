@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from pydantic import SecretStr
 from temporalio.client import Client
 from temporalio.worker import Worker
 
@@ -21,21 +20,19 @@ from forge_orchestrator.activities import SchedulerActivities
 from forge_orchestrator.eval_activities import EvalActivities
 from forge_orchestrator.rlhf import RLHF_WORKFLOWS, RlhfInput
 from forge_orchestrator.rlhf_activities import RlhfActivities
+from forge_orchestrator.workflows import TIERS
 
 
 class RlhfSettings(ForgeSettings):
-    """Settings of the orchestrator's RLHF worker (env prefix ``FORGE_RLHF_``)."""
+    """Settings of the orchestrator's RLHF worker (env prefix ``FORGE_RLHF_``). The worker reaches
+    the preference-feedback service at the orchestrator's ``preference_feedback_target`` with its
+    ``preference_feedback_token`` (``FORGE_ORCHESTRATOR_PREFERENCE_FEEDBACK_*``, which the
+    platform table sets)."""
 
     model_config = service_config("rlhf")
 
     enabled: bool = True
-    """Run the RLHF worker in the orchestrator process."""
-
-    feedback_target: str = "127.0.0.1:50058"
-    """gRPC address of the preference-feedback service."""
-
-    feedback_token: SecretStr = SecretStr("")
-    """Admin token of the preference-feedback service (snapshots, reward models, rounds)."""
+    """Run the RLHF worker in the orchestrator process; when off, StartWorkflow refuses ``rlhf``."""
 
 
 def rlhf_task_queue(task_queue: str) -> str:
@@ -105,5 +102,11 @@ def validate_rlhf(params: RlhfInput) -> None:
                 raise errors.ValidationError(
                     f"input.{name}[{i}]", f"{key} is set by the loop (the policy and the round's snapshot)"
                 )
-    if not 1 <= params.check_max_prompts <= 10_000 or not 1 <= params.check_max_new_tokens <= 4096:
-        raise errors.ValidationError("input.check_max_prompts", "prompts 1-10000, new tokens 1-4096")
+    if not 1 <= params.check_max_prompts <= 10_000:
+        raise errors.ValidationError("input.check_max_prompts", "must be between 1 and 10000")
+    if not 1 <= params.check_max_new_tokens <= 4096:
+        raise errors.ValidationError("input.check_max_new_tokens", "must be between 1 and 4096")
+    if params.promote and not params.promote_suite:
+        raise errors.ValidationError("input.promote_suite", "must name the suite of the hand-over")
+    if params.promote_tier not in TIERS:
+        raise errors.ValidationError("input.promote_tier", f"must be one of {', '.join(TIERS)}")

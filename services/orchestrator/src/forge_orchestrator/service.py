@@ -1,9 +1,12 @@
 """Orchestrator domain logic: start, inspect and cancel workflows; route job events to them.
 
 :class:`OrchestratorService` is the workflow front door behind the gRPC API: it validates the
-workflow type and its input, starts it on this service's task queue and returns at once.
+workflow type and its input, starts it on its kind's task queue (the main worker's, or
+``<queue>-rlhf`` for the RLHF loop) and returns at once.
 :class:`JobEventRouter` is the handler of the Kafka consumer: a ``JobStateChanged`` event whose
-job carries a ``workflow_id`` label is recorded in ``job_events`` and signalled to that workflow.
+job carries a ``workflow_id`` label is recorded in ``job_events`` and signalled to that workflow;
+:class:`CheckpointRouter` hands a published checkpoint to that workflow and starts its
+eval-and-promote (unless the job is labelled ``auto_eval=false``).
 """
 
 from __future__ import annotations
@@ -33,8 +36,16 @@ from temporalio.worker import Worker
 from forge_kit import errors
 from forge_orchestrator.activities import SchedulerActivities, state_name
 from forge_orchestrator.eval_activities import EvalActivities
+from forge_orchestrator.rlhf import RlhfInput, RlhfWorkflow
+from forge_orchestrator.rlhf_worker import rlhf_task_queue, validate_rlhf
 from forge_orchestrator.store import JobEventRow, utcnow
-from forge_orchestrator.training import CHECKPOINT_SIGNAL, CheckpointInfo, TrainInput, TrainWorkflow
+from forge_orchestrator.training import (
+    AUTO_EVAL_LABEL,
+    CHECKPOINT_SIGNAL,
+    CheckpointInfo,
+    TrainInput,
+    TrainWorkflow,
+)
 from forge_orchestrator.workflows import (
     JOB_EVENT_SIGNAL,
     PROGRESS_QUERY,
@@ -80,14 +91,21 @@ def validate_eval_and_promote(params: EvalAndPromoteInput) -> None:
         raise errors.ValidationError("input.run_timeout_s", "must be between 1 and 604800")
 
 
+def _main_queue(task_queue: str) -> str:
+    return task_queue
+
+
 @dataclass(frozen=True)
 class WorkflowKind:
-    """A workflow the API can start: its Temporal type name, input dataclass and input check."""
+    """A workflow the API can start: its Temporal type name, input dataclass, input check, and
+    the task queue it starts on (a function of the service's queue)."""
 
     name: str
     workflow: type
     input: type
     validate: Callable[[Any], None]
+    queue: Callable[[str], str] = _main_queue
+    """Which worker runs it: the main worker's queue, or a separate worker's (``<queue>-rlhf``)."""
 
 
 def validate_train(params: TrainInput) -> None:
@@ -108,6 +126,11 @@ def validate_train(params: TrainInput) -> None:
         raise errors.ValidationError("input.timeout_s", "must be between 1 and 2592000")
     if not 0 <= params.checkpoint_wait_s <= 86400:
         raise errors.ValidationError("input.checkpoint_wait_s", "must be between 0 and 86400")
+    for key in params.labels:
+        if not key or key in ("workflow_id", "recipe"):
+            raise errors.ValidationError(
+                f"input.labels.{key}", "must be a non-empty key other than workflow_id and recipe (set here)"
+            )
 
 
 KINDS: dict[str, WorkflowKind] = {
@@ -116,10 +139,12 @@ KINDS: dict[str, WorkflowKind] = {
     "eval_and_promote": WorkflowKind(
         "eval_and_promote", EvalAndPromoteWorkflow, EvalAndPromoteInput, validate_eval_and_promote
     ),
+    # Run by the RLHF worker (rlhf_worker.py) on its own queue, with its children.
+    "rlhf": WorkflowKind("rlhf", RlhfWorkflow, RlhfInput, validate_rlhf, queue=rlhf_task_queue),
 }
 
-#: Every workflow class the worker runs.
-WORKFLOWS: tuple[type, ...] = tuple(k.workflow for k in KINDS.values())
+#: Every workflow class the main worker runs (the kinds started on the main queue).
+WORKFLOWS: tuple[type, ...] = tuple(k.workflow for k in KINDS.values() if k.queue is _main_queue)
 
 
 def _coerce(path: str, hint: Any, value: object) -> object:
@@ -210,13 +235,22 @@ def failure_message(exc: BaseException) -> str:
 
 
 class OrchestratorService:
-    """Starts workflows on ``task_queue`` and reports on them; every call is one or two Temporal RPCs."""
+    """Starts workflows on their kind's task queue (derived from ``task_queue``) and reports on
+    them; every call is one or two Temporal RPCs. ``kinds`` are the workflows this deployment
+    runs (the RLHF kind only where its worker is enabled)."""
 
     def __init__(
-        self, client: Client, task_queue: str, *, rpc_timeout_s: float = 10.0, query_timeout_s: float = 2.0
+        self,
+        client: Client,
+        task_queue: str,
+        *,
+        kinds: Mapping[str, WorkflowKind] = KINDS,
+        rpc_timeout_s: float = 10.0,
+        query_timeout_s: float = 2.0,
     ) -> None:
         self._client = client
         self._task_queue = task_queue
+        self._kinds = kinds
         self._rpc_timeout = timedelta(seconds=rpc_timeout_s)
         self._query_timeout = timedelta(seconds=query_timeout_s)
 
@@ -225,10 +259,12 @@ class OrchestratorService:
     ) -> tuple[str, str]:
         """Start ``workflow_type``; returns (workflow id, run id). Idempotent when ``workflow_id``
         is given: an existing workflow with that id, running or closed, is returned, not re-run."""
-        kind = KINDS.get(workflow_type)
+        kind = self._kinds.get(workflow_type)
         if kind is None:
+            disabled = " (its worker is disabled here)" if workflow_type in KINDS else ""
             raise errors.ValidationError(
-                "workflow_type", f"unknown workflow type {workflow_type!r}; known: {', '.join(sorted(KINDS))}"
+                "workflow_type",
+                f"unknown workflow type {workflow_type!r}{disabled}; known: {', '.join(sorted(self._kinds))}",
             )
         if workflow_id and not _WORKFLOW_ID.match(workflow_id):
             raise errors.ValidationError(
@@ -242,7 +278,7 @@ class OrchestratorService:
                 kind.name,
                 params,
                 id=workflow_id,
-                task_queue=self._task_queue,
+                task_queue=kind.queue(self._task_queue),
                 id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
                 id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
                 rpc_timeout=self._rpc_timeout,
@@ -377,6 +413,7 @@ class JobEventRouter:
                 job_id=event.job_id,
                 workflow_id=workflow_id,
                 state=state,
+                auto_eval=event.labels.get(AUTO_EVAL_LABEL, "true").lower() != "false",
                 received_at=utcnow(),
             )
         )
@@ -439,7 +476,12 @@ class WorkflowStarter(Protocol):
 class CheckpointRouter:
     """Consumer handler for ``CheckpointPublished``: each published checkpoint starts one
     eval-and-promote workflow, whose id is derived from the checkpoint so a redelivered event
-    finds the workflow already there instead of evaluating twice."""
+    finds the workflow already there instead of evaluating twice.
+
+    A job labelled ``auto_eval=false`` (:data:`AUTO_EVAL_LABEL`; the RLHF loop's reward-model and
+    DPO jobs) is skipped: its submitter evaluates its checkpoints. The label is known from the
+    job's ``JobStateChanged`` events, which the scheduler publishes when the job starts, well
+    before the job can publish a checkpoint."""
 
     def __init__(
         self,
@@ -459,14 +501,20 @@ class CheckpointRouter:
     async def handle(self, event: Message, session: AsyncSession) -> None:
         if not isinstance(event, events_pb2.CheckpointPublished) or not event.uri:
             return
-        # The training workflow that submitted the job (if one did) learns of its checkpoint.
-        owner = (
-            await session.scalar(
-                sa.select(JobEventRow.workflow_id).where(JobEventRow.job_id == event.job_id).limit(1)
-            )
-            if self._signaller is not None and event.job_id
+        # The workflow that submitted the job (if one did), from the job's recorded events.
+        row = (
+            (
+                await session.execute(
+                    sa.select(JobEventRow.workflow_id, JobEventRow.auto_eval)
+                    .where(JobEventRow.job_id == event.job_id)
+                    .limit(1)
+                )
+            ).first()
+            if event.job_id
             else None
         )
+        owner, auto_eval = (row.workflow_id, row.auto_eval) if row is not None else ("", True)
+        # 1. That workflow (a training workflow) learns of its checkpoint.
         if owner and self._signaller is not None:
             await self._signaller.checkpoint(
                 owner,
@@ -480,6 +528,11 @@ class CheckpointRouter:
                     event_id=event.meta.event_id,
                 ),
             )
+        # 2. Unless its submitter evaluates it itself (the RLHF loop: reward models are gated on
+        # held-out pairs, policies handed over after the drift check), eval-and-promote.
+        if not auto_eval:
+            log.info("checkpoint.eval_skipped", workflow_id=owner, job_id=event.job_id, uri=event.uri)
+            return
         name = event.run_id or event.job_id
         version = f"step-{event.step}"
         workflow_id = f"eval-{name}-{version}"[:80]

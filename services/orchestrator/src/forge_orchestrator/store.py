@@ -23,4 +23,6 @@ class JobEventRow(Base):
     job_id: Mapped[str] = mapped_column(sa.String(64), index=True)
     workflow_id: Mapped[str] = mapped_column(sa.String(255), index=True)
     state: Mapped[str] = mapped_column(sa.String(32))
+    auto_eval: Mapped[bool] = mapped_column(sa.Boolean, default=True, server_default=sa.true())
+    """False when the job is labelled ``auto_eval=false``: its checkpoints start no eval-and-promote."""
     received_at: Mapped[dt.datetime] = mapped_column(sa.DateTime, default=utcnow)

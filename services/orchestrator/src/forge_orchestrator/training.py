@@ -41,6 +41,9 @@ with workflow.unsafe.imports_passed_through():
 
 #: Name of the signal carrying a published checkpoint of the workflow's job.
 CHECKPOINT_SIGNAL = "checkpoint_published"
+#: Job label that keeps the checkpoint router from starting eval-and-promote for the job's
+#: checkpoints (value ``"false"``): set by a caller that evaluates them itself (the RLHF loop).
+AUTO_EVAL_LABEL = "auto_eval"
 TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
 
 
@@ -79,6 +82,8 @@ class TrainInput:
     """How long the job may take from submission to SUCCEEDED."""
     checkpoint_wait_s: float = 120.0
     """How long to wait for the published checkpoint after the job succeeded."""
+    labels: dict[str, str] = field(default_factory=dict)
+    """Extra job labels, e.g. ``{AUTO_EVAL_LABEL: "false"}``; ``workflow_id`` and ``recipe`` are set here."""
 
 
 @dataclass
@@ -150,7 +155,7 @@ class TrainWorkflow:
                 command=command_of(params),
                 request_id=f"{info.workflow_id}/{info.run_id}/train",
                 priority_class=params.priority_class,
-                labels={"workflow_id": info.workflow_id, "recipe": params.recipe},
+                labels={**params.labels, "workflow_id": info.workflow_id, "recipe": params.recipe},
                 gpu_count=params.gpus_per_replica,
                 gpu_type=params.gpu_type,
                 replicas=params.replicas,

@@ -1,0 +1,140 @@
+"""The ``rlhf`` main-job step without the platform: its input passes the API's own checks, its
+report reads the workflow's result as GetWorkflow returns it, and against a real orchestrator API
+(Temporal dev server, no RLHF worker polling) an overrun round is cancelled with a clear error.
+The round itself runs in ``test_orchestrator_rlhf.py`` with the same sizes (:data:`RLHF_SIZES`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from forge.orchestrator.v1 import orchestrator_pb2, orchestrator_pb2_grpc
+from google.protobuf import json_format, struct_pb2
+from temporalio.client import Client
+
+from forge_kit.testing import TemporalDevServer
+from forge_kit.testing.grpcserver import grpc_test_server
+from forge_orchestrator import main_job
+from forge_orchestrator.api import OrchestratorApi
+from forge_orchestrator.main_job import RlhfStepError, rlhf, rlhf_input, round_report
+from forge_orchestrator.rlhf import DriftPoint, RlhfInput, RlhfResult, RoundRecord
+from forge_orchestrator.rlhf_worker import validate_rlhf
+from forge_orchestrator.service import OrchestratorService, parse_input
+
+TOKEN = "main-job-test-token"
+CHECKPOINT = "/var/runs/job-1/hf"
+
+
+def context(tmp_path: Path, results: dict[str, Any], target: str = "127.0.0.1:1") -> Any:
+    endpoint = SimpleNamespace(grpc_target=target, token=TOKEN)
+    return SimpleNamespace(
+        results=results, object_store_url=str(tmp_path / "objects"), endpoint=lambda name: endpoint
+    )
+
+
+def as_get_workflow_returns_it(value: object) -> dict[str, Any]:
+    """JSON → Struct → JSON, as a workflow result travels to GetWorkflow (numbers become floats)."""
+    return json_format.MessageToDict(json_format.ParseDict(value, struct_pb2.Struct()))
+
+
+def test_input_is_the_train_checkpoint_with_small_sizes_and_passes_the_api_checks(tmp_path: Path) -> None:
+    data = rlhf_input(context(tmp_path, {"train": {"checkpoint_uri": CHECKPOINT}}))
+    params = parse_input(RlhfInput, as_get_workflow_returns_it(data))
+    validate_rlhf(params)
+    assert params.policy_uri == CHECKPOINT and params.work_uri == f"{tmp_path / 'objects'}/rlhf"
+    assert (params.team, params.gpu_type, params.max_rounds) == ("main-job", "SIM", 1)
+    assert "max_steps=40" in params.reward_overrides and "max_steps=10" in params.dpo_overrides
+    assert params.promote and params.promote_suite == "tinyshakespeare_ppl"
+
+
+def test_without_the_train_step_the_step_says_what_is_missing(tmp_path: Path) -> None:
+    with pytest.raises(
+        RlhfStepError, match=r"ctx.results\['train'\] has no checkpoint_uri \(steps done: smoke\)"
+    ):
+        rlhf_input(context(tmp_path, {"smoke": {"ok": True}}))
+
+
+def _round(**values: Any) -> RoundRecord:
+    base: dict[str, Any] = {
+        "round": 1,
+        "snapshot_id": "snap-1",
+        "train_pairs": 94,
+        "test_pairs": 50,
+        "excluded_raters": {"mainjob": "too fast (median 0.0s per item)"},
+        "reward_model": "rm-rlhf:main-job-rlhf.r1",
+        "rm_accuracy": 0.88,
+        "rm_ci95_low": 0.7619,
+        "rm_ci95_high": 0.9438,
+        "rm_n": 50,
+    }
+    return RoundRecord(**{**base, **values})
+
+
+def test_report_of_a_promoted_round_has_the_reward_model_and_drift_figures() -> None:
+    drift = [
+        DriftPoint("/ref", 0.0, 0.0, -0.1, 0.5),
+        DriftPoint("/dpo", 0.36, 0.6, 0.4, 0.62),
+    ]
+    record = _round(status="completed", decision="promoted", drift=drift, policy_uri="/dpo", step="x")
+    result = as_get_workflow_returns_it(dataclasses.asdict(RlhfResult(rounds=[record], policy_uri="/dpo")))
+    report = round_report(result)
+    assert report["outcome"] == "eval-and-promote: promoted" and report["promoted"] is True
+    assert (report["rm_accuracy"], report["rm_ci95"], report["rm_n"]) == (0.88, [0.7619, 0.9438], 50)
+    assert (report["kl"], report["sqrt_kl"], report["heldout_agreement"]) == (0.36, 0.6, 0.62)
+    assert report["reference_proxy_reward"] == -0.1 and report["proxy_reward"] == 0.4
+    assert report["pairs"] == {"train": 94, "heldout": 50} and "mainjob" in report["excluded_raters"]
+
+
+def test_report_of_a_refused_reward_model_says_refused_and_why() -> None:
+    reason = (
+        "reward model rm-rlhf:x.r1: held-out pairwise accuracy 0.520 [0.380, 0.657] ... does not beat 50%"
+    )
+    record = _round(status="rejected", reason=reason, rm_accuracy=0.52, rm_ci95_low=0.38, rm_ci95_high=0.657)
+    report = round_report(as_get_workflow_returns_it(dataclasses.asdict(RlhfResult(rounds=[record]))))
+    assert report["outcome"] == f"refused: {reason}" and report["promoted"] is False
+    assert report["kl"] is None and report["rm_ci95"] == [0.38, 0.657]
+
+
+def test_a_result_without_rounds_is_an_error() -> None:
+    with pytest.raises(RlhfStepError, match="ran no round"):
+        round_report({"rounds": [], "ended": "cancelled"})
+
+
+@pytest.fixture
+async def orchestrator(temporal_server: TemporalDevServer) -> AsyncIterator[tuple[Client, str]]:
+    """The real OrchestratorService behind its gRPC API; no worker polls the RLHF queue."""
+    client = await Client.connect(temporal_server.target)
+    api = OrchestratorApi(OrchestratorService(client, f"main-job-test-{uuid.uuid4().hex[:8]}"))
+    async with grpc_test_server(
+        orchestrator_pb2_grpc.add_OrchestratorServiceServicer_to_server,
+        api,
+        orchestrator_pb2.DESCRIPTOR.services_by_name["OrchestratorService"].full_name,
+        token=TOKEN,
+        service="orchestrator",
+        default_deadline_s=10,
+    ) as server:
+        yield client, f"127.0.0.1:{server.port}"
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(60)
+async def test_a_round_that_overruns_is_cancelled_and_the_step_says_where_it_was(
+    orchestrator: tuple[Client, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    client, target = orchestrator
+    monkeypatch.setattr(main_job, "RLHF_WAIT_S", 2.0)
+    ctx = context(tmp_path, {"train": {"checkpoint_uri": CHECKPOINT}}, target)
+    with pytest.raises(RlhfStepError, match=r"still running after 2s \(at: unknown\); cancelled") as caught:
+        await rlhf(ctx)
+    workflow_id = str(caught.value).split()[2]
+    handle = client.get_workflow_handle(workflow_id)
+    described = await handle.describe()
+    assert described.workflow_type == "rlhf" and described.task_queue.endswith("-rlhf")
+    history = await handle.fetch_history()
+    assert any(e.HasField("workflow_execution_cancel_requested_event_attributes") for e in history.events)
+    await handle.terminate("test done")
