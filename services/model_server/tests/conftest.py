@@ -139,7 +139,9 @@ TINY_CORPUS = (
 )
 
 
-def save_tiny_llama(folder: Path, *, chat_template: str | None = None, seed: int = 0) -> Path:
+def save_tiny_llama(
+    folder: Path, *, chat_template: str | None = None, seed: int = 0, context: int = 256
+) -> Path:
     """A randomly initialised tiny Llama (2 layers, hidden 64, 4 heads, 2 KV heads) with a
     byte-level BPE tokenizer, saved in Hugging Face format exactly as the trainer exports."""
     import torch
@@ -167,7 +169,7 @@ def save_tiny_llama(folder: Path, *, chat_template: str | None = None, seed: int
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=256,
+        max_position_embeddings=context,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None,
         tie_word_embeddings=False,

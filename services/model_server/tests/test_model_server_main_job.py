@@ -111,8 +111,9 @@ async def test_the_trained_checkpoint_answers_a_streamed_chat_through_the_gatewa
     cards = httpx.get(f"{server_url}/v1/models", headers=auth).json()["data"]
     assert [(c["id"], c["version"], c["root"]) for c in cards] == [(MODEL, "run-7-5", str(export))]
     # The next `make up` trains again: a new run, exported as pre-training exports (no chat
-    # template, so the server's default chat format), replaces the model and still answers.
-    second = save_llama(tmp_path / "checkpoints" / "run-8" / "hf", seed=1)
+    # template, so the server's default chat format) with the main job's 32-token context (the
+    # prompt leaves little room: max_tokens is left to the server), replaces the model and answers.
+    second = save_llama(tmp_path / "checkpoints" / "run-8" / "hf", seed=1, context=32)
     ctx.results["train"] = {"checkpoint_uri": str(second), "run_id": "run-8", "step": 9}
     again = await chat(ctx)
     assert again["ok"] is True and again["model"] == f"{MODEL}:run-8-9"
