@@ -429,8 +429,10 @@ def test_forge_command_up_and_down_with_no_services(tmp_path: Path) -> None:
 
 # --- the table against the services' own settings classes ---------------------------------------
 
-# Fields every service has (forge_kit.settings.ServiceSettings) that name an address but are not calls.
-NOT_CALLS = {"DATABASE_URL", "REDIS_URL", "OBJECT_STORE_URL"}
+# Fields that name an address but are not calls between Forge services: every service's
+# (forge_kit.settings.ServiceSettings) infrastructure, and the retriever's optional Qdrant server
+# (QDRANT_URL; empty = the embedded Qdrant Edge).
+NOT_CALLS = {"DATABASE_URL", "REDIS_URL", "OBJECT_STORE_URL", "QDRANT_URL"}
 
 
 def _settings_fields(spec: ServiceSpec) -> set[str] | None:
