@@ -116,7 +116,12 @@ SERVICES: tuple[ServiceSpec, ...] = (
     ServiceSpec("retriever", grpc_port=50055, http_port=8055),
     ServiceSpec("reranker", grpc_port=50056, http_port=8056),
     # RAG adds grpc("retriever") and grpc("reranker") here once the gateway's settings declare them.
-    ServiceSpec("inference_gateway", grpc_port=50053, http_port=8080, calls=(http("model_server"),)),
+    ServiceSpec(
+        "inference_gateway",
+        grpc_port=50053,
+        http_port=8080,
+        calls=(http("model_server"), grpc("retriever"), grpc("reranker")),
+    ),
     ServiceSpec("eval", grpc_port=50057, http_port=8057, calls=(http("inference_gateway"),)),
     ServiceSpec("preference_feedback", grpc_port=50058, http_port=8058, calls=(http("inference_gateway"),)),
     ServiceSpec(

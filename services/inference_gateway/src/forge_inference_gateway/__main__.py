@@ -14,6 +14,7 @@ from forge_inference_gateway.api import GatewayInferenceApi
 from forge_inference_gateway.autoscaling import Autoscaler
 from forge_inference_gateway.config import InferenceGatewaySettings
 from forge_inference_gateway.openai_api import install_gateway_api
+from forge_inference_gateway.rag import GrpcReranker, GrpcRetriever, RagService
 from forge_inference_gateway.response_cache import ResponseCache
 from forge_inference_gateway.routing import ReplicaPool
 from forge_inference_gateway.service import InferenceGateway
@@ -57,6 +58,16 @@ async def main() -> None:
         replica_sync_s=settings.replica_sync_s,
     )
     await gateway.bootstrap(settings.bootstrap_api_key.get_secret_value())
+    retriever = GrpcRetriever(settings.retriever_target, settings.retriever_token.get_secret_value())
+    reranker = (
+        GrpcReranker(settings.reranker_target, settings.reranker_token.get_secret_value())
+        if settings.reranker_target
+        else None
+    )
+    rag = RagService(gateway, retriever, reranker, cache, settings.rag_limits())
+    app.add_on_stop(retriever.close)
+    if reranker is not None:
+        app.add_on_stop(reranker.close)
     app.add_background(gateway.run_control_loop)
     app.add_on_stop(gateway.stop)
     if settings.kafka_enabled:
@@ -71,7 +82,7 @@ async def main() -> None:
         app.add_on_stop(consumer.stop)
     app.add_on_stop(cache.close)
     http = app.http_app()
-    install_gateway_api(http, gateway, app.token)
+    install_gateway_api(http, gateway, app.token, rag)
     await app.run(
         register=[
             lambda s: inference_pb2_grpc.add_InferenceServiceServicer_to_server(

@@ -6,6 +6,7 @@ from pydantic import Field, SecretStr, model_validator
 
 from forge_inference_gateway.admission import AdmissionPolicy
 from forge_inference_gateway.autoscaling import AutoscalePolicy
+from forge_inference_gateway.rag import RagLimits
 from forge_inference_gateway.routing import RoutingPolicy
 from forge_kit.settings import ServiceSettings, service_config
 
@@ -121,6 +122,66 @@ class InferenceGatewaySettings(ServiceSettings):
     autoscale_max_replicas: int = Field(default=16, ge=1)
     """Most replicas the autoscaling signal asks for."""
 
+    retriever_target: str = "127.0.0.1:50055"
+    """``host:port`` of the retriever (``forge.retrieval.v1.RetrieverService``) behind ``/v1/rag/query``."""
+
+    retriever_token: SecretStr = SecretStr("forge-dev-token")
+    """Service token presented to the retriever; the gateway names the caller's tenant in ``forge-tenant``."""
+
+    reranker_target: str = "127.0.0.1:50056"
+    """``host:port`` of the reranker (``forge.rerank.v1.RerankerService``); empty: RAG keeps retriever order."""
+
+    reranker_token: SecretStr = SecretStr("forge-dev-token")
+    """Service token presented to the reranker."""
+
+    rag_timeout_s: float = Field(default=30.0, gt=0)
+    """Deadline of one RAG query, retrieval to last token; a request's ``timeout_s`` may only shorten it."""
+
+    rag_retrieval_timeout_s: float = Field(default=2.0, gt=0)
+    """Longest the retriever's Search may take within a RAG query's deadline."""
+
+    rag_rerank_timeout_s: float = Field(default=1.0, gt=0)
+    """Longest the reranker may take; past it the retriever's order is kept and the answer says so."""
+
+    rag_rerank_min_s: float = Field(default=0.05, ge=0)
+    """Reranking is skipped (retriever order, said in the answer) when less than this is left for it."""
+
+    rag_answer_reserve_s: float = Field(default=2.0, ge=0)
+    """Part of the deadline that reranking never eats into: it is kept for generating the answer."""
+
+    rag_max_query_chars: int = Field(default=2048, ge=1)
+    """Longest RAG query, in characters."""
+
+    rag_default_top_k: int = Field(default=20, ge=1)
+    """Chunks retrieved when the request gives no ``top_k``."""
+
+    rag_max_top_k: int = Field(default=200, ge=1)
+    """Largest ``top_k`` a RAG request may ask for."""
+
+    rag_default_top_n: int = Field(default=5, ge=1)
+    """Passages kept after reranking when the request gives no ``top_n``."""
+
+    rag_max_top_n: int = Field(default=50, ge=1)
+    """Largest ``top_n`` a RAG request may ask for (never more than its ``top_k``)."""
+
+    rag_default_context_tokens: int = Field(default=2048, ge=16)
+    """Token budget of the prompt (passages, instructions, question) when the request gives none."""
+
+    rag_max_context_tokens: int = Field(default=32768, ge=16)
+    """Largest ``max_context_tokens`` a request may ask for; the model's ``max_model_len`` caps it too."""
+
+    rag_default_max_tokens: int = Field(default=256, ge=1)
+    """Answer tokens when the request gives no ``max_tokens``."""
+
+    rag_chars_per_token: float = Field(default=3.0, gt=0)
+    """Characters counted as one token when fitting the context (the model's tokenizer is not local to
+    the gateway); 3 is conservative for English on BPE vocabularies of 32k or more, lower it for
+    byte-level or small-vocabulary tokenizers."""
+
+    rag_cache_ttl_s: float = Field(default=60.0, ge=0)
+    """How long a greedy RAG answer is replayed for the same tenant, collection, query, parameters
+    and model version; 0 turns the RAG cache off."""
+
     @model_validator(mode="after")
     def _ranges(self) -> InferenceGatewaySettings:
         if self.autoscale_min_replicas > self.autoscale_max_replicas:
@@ -148,6 +209,25 @@ class InferenceGatewaySettings(ServiceSettings):
             eject_max_s=self.eject_max_s,
             scrape_timeout_s=self.scrape_timeout_s,
             models_refresh_s=self.models_refresh_s,
+        )
+
+    def rag_limits(self) -> RagLimits:
+        return RagLimits(
+            timeout_s=self.rag_timeout_s,
+            max_query_chars=self.rag_max_query_chars,
+            default_top_k=self.rag_default_top_k,
+            max_top_k=self.rag_max_top_k,
+            default_top_n=self.rag_default_top_n,
+            max_top_n=self.rag_max_top_n,
+            default_context_tokens=self.rag_default_context_tokens,
+            max_context_tokens=self.rag_max_context_tokens,
+            default_max_tokens=self.rag_default_max_tokens,
+            retrieval_timeout_s=self.rag_retrieval_timeout_s,
+            rerank_timeout_s=self.rag_rerank_timeout_s,
+            rerank_min_s=self.rag_rerank_min_s,
+            answer_reserve_s=self.rag_answer_reserve_s,
+            chars_per_token=self.rag_chars_per_token,
+            cache_ttl_s=self.rag_cache_ttl_s,
         )
 
     def admission_policy(self) -> AdmissionPolicy:

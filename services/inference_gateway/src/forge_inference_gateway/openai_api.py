@@ -23,6 +23,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import Counter
 from pydantic import BaseModel, Field
 
+from forge_inference_gateway.rag import RagService
+from forge_inference_gateway.response_cache import CACHE_HEADER
 from forge_inference_gateway.service import PRIORITY_CLASSES, Alias, InferenceGateway, Tenant
 from forge_inference_gateway.upstream import StreamBroken, UpstreamError, UpstreamUnavailableError, error_for
 from forge_kit import errors
@@ -66,8 +68,9 @@ def _bearer(request: Request) -> str:
 
 
 class GatewayRoutes:
-    def __init__(self, gateway: InferenceGateway) -> None:
+    def __init__(self, gateway: InferenceGateway, rag: RagService | None = None) -> None:
         self._gateway = gateway
+        self._rag = rag
 
     async def admit(self, request: Request) -> None:
         """Dependency of ``/v1``: authenticate, admit against the tenant's rate limit, remember who."""
@@ -83,6 +86,42 @@ class GatewayRoutes:
 
     async def chat_completions(self, request: Request) -> Response:
         return await self._forward("/v1/chat/completions", request)
+
+    async def rag_query(self, request: Request) -> Response:
+        """``POST /v1/rag/query``: JSON answer, or SSE ``rag.answer.delta`` events then ``rag.answer``."""
+        if self._rag is None:
+            raise errors.NotFoundError("retrieval is not configured on this gateway")
+        try:
+            raw = json.loads(await request.body())
+        except ValueError as exc:
+            raise errors.ValidationError("body", f"malformed JSON: {exc}") from None
+        plan = await self._rag.prepare(request.state.tenant, raw)
+        cache = {CACHE_HEADER: "hit" if plan.cached is not None else "miss"}
+        if not plan.query.stream:
+            result = await self._rag.answer(plan)
+            REQUESTS.labels("/v1/rag/query", "200").inc()
+            return JSONResponse(result, headers=cache)
+        REQUESTS.labels("/v1/rag/query", "200").inc()
+        return StreamingResponse(
+            self._rag_events(self._rag.stream(plan), plan.deadline),
+            media_type="text/event-stream",
+            headers=cache | {"Cache-Control": "no-cache"},
+        )
+
+    @staticmethod
+    async def _rag_events(events: AsyncIterator[dict[str, object]], deadline: float) -> AsyncIterator[bytes]:
+        try:
+            async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                async for event in events:
+                    yield f"data: {json.dumps(event)}\n\n".encode()
+            yield b"data: [DONE]\n\n"
+        except TimeoutError:
+            yield _sse_error("deadline exceeded", "timeout")
+        except (StreamBroken, UpstreamError, errors.ForgeError) as exc:
+            yield _sse_error(f"answer failed: {exc}", "upstream_error")
+        finally:
+            if isinstance(events, AsyncGenerator):
+                await events.aclose()
 
     async def _forward(self, path: str, request: Request) -> Response:
         deadline = self._gateway.deadline()
@@ -189,13 +228,16 @@ class AdminRoutes:
         return {"models": [asdict(r) for r in self._gateway.autoscaling()]}
 
 
-def install_gateway_api(app: FastAPI, gateway: InferenceGateway, admin_token: str | None) -> None:
-    """Add ``/v1/*``, ``/admin/v1/*`` and OpenAI-format error handlers to ``app``."""
-    public = GatewayRoutes(gateway)
+def install_gateway_api(
+    app: FastAPI, gateway: InferenceGateway, admin_token: str | None, rag: RagService | None = None
+) -> None:
+    """Add ``/v1/*`` (``/v1/rag/query`` with ``rag``), ``/admin/v1/*`` and OpenAI-format error handlers."""
+    public = GatewayRoutes(gateway, rag)
     tenant = [Depends(public.admit)]
     app.add_api_route("/v1/models", public.list_models, methods=["GET"], dependencies=tenant)
     app.add_api_route("/v1/completions", public.completions, methods=["POST"], dependencies=tenant)
     app.add_api_route("/v1/chat/completions", public.chat_completions, methods=["POST"], dependencies=tenant)
+    app.add_api_route("/v1/rag/query", public.rag_query, methods=["POST"], dependencies=tenant)
     admin = AdminRoutes(gateway)
     auth = [Depends(require_token(admin_token))]
     for path, endpoint, method in (

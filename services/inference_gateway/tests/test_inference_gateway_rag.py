@@ -1,0 +1,359 @@
+"""``POST /v1/rag/query``: context assembly and validation (no network), then the gateway in front of
+real retriever, reranker and model_server processes — answers with their passages, streamed and
+whole, tenant isolation, the cache, a reranker or retriever that is down, bad input."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx
+import pytest
+from forge.retrieval.v1 import retrieval_pb2, retrieval_pb2_grpc
+
+from forge_inference_gateway.openai_api import install_gateway_api
+from forge_inference_gateway.rag import (
+    Candidate,
+    GrpcReranker,
+    GrpcRetriever,
+    RagLimits,
+    RagService,
+    assemble_context,
+    cited,
+    parse_query,
+)
+from forge_inference_gateway.service import InferenceGateway
+from forge_kit import errors
+from forge_kit.cache import InMemoryCache
+from forge_kit.http import make_app
+from forge_kit.testing import ServiceProcess, free_port
+
+SERVICE_TOKEN = "svc-token"
+ADMIN_TOKEN = "admin-token"
+UPSTREAM_TOKEN = "upstream-token"  # what build_gateway presents to model servers
+COLLECTION = "handbook"
+
+
+def chunk(doc: str, n: int, text: str, title: str = "") -> Candidate:
+    return Candidate(doc, f"{doc}#{n}", text, 1.0 / (n + 1), {"title": title} if title else {})
+
+
+def words(start: int, stop: int) -> str:
+    return " ".join(f"w{i}" for i in range(start, stop))
+
+
+# -- context assembly and validation (unit) ------------------------------------------------------
+
+
+def test_assembly_drops_repeats_trims_overlap_and_numbers_passages() -> None:
+    ranked = [
+        (chunk("a", 0, words(0, 20), "Alpha"), 0.9),
+        (chunk("a", 1, words(15, 35)), 0.8),  # continues a#0 with a 5-word overlap
+        (chunk("a", 0, words(0, 20)), 0.7),  # the same chunk again
+        (chunk("b", 0, words(2, 10)), 0.6),  # text already inside a#0
+        (chunk("c", 0, "the sky is blue"), 0.5),
+    ]
+    passages, prompt = assemble_context("why?", ranked, 10_000, len)
+    assert [(p.n, p.chunk_id) for p in passages] == [(1, "a#0"), (2, "a#1"), (3, "c#0")]
+    assert passages[1].text == words(20, 35)
+    assert "[1] Alpha: w0 w1" in prompt and "[3] the sky is blue" in prompt
+    assert prompt.endswith("Question: why?") and "[n]" in prompt
+
+
+def test_assembly_fits_the_budget_and_cuts_only_the_first_passage() -> None:
+    ranked = [(chunk("a", 0, words(0, 50)), 0.9), (chunk("b", 0, words(100, 400)), 0.8)]
+    ranked.append((chunk("c", 0, "short one"), 0.7))
+    empty = len(assemble_context("q", [], 10_000, len)[1])
+    budget = empty + 400
+    passages, prompt = assemble_context("q", ranked, budget, len)
+    assert len(prompt) <= budget
+    assert [p.chunk_id for p in passages] == ["a#0", "c#0"]  # b did not fit, c after it did
+    passages, prompt = assemble_context("q", ranked, empty + 60, len)
+    assert len(prompt) <= empty + 60 and passages[0].chunk_id == "a#0"
+    assert 0 < len(passages[0].text) < len(words(0, 50))
+
+
+def test_citations_are_read_from_the_answer() -> None:
+    passages, _ = assemble_context("q", [(chunk(d, 0, f"text of {d}"), 1.0) for d in "xyz"], 10_000, len)
+    found = cited("Because [3] and [1, 2]; not [9].", passages)
+    assert [p.document_id for p in found] == ["z", "x", "y"]
+    assert cited("no citations here", passages) == []
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"query": "", "collection": "c", "model": "m"}, "query"),
+        ({"query": "x" * 101, "collection": "c", "model": "m"}, "query"),
+        ({"query": "q", "model": "m"}, "collection"),
+        ({"query": "q", "collection": "c"}, "model"),
+        ({"query": "q", "collection": "c", "model": "m", "top_k": 0}, "top_k"),
+        ({"query": "q", "collection": "c", "model": "m", "top_k": 51}, "top_k"),
+        ({"query": "q", "collection": "c", "model": "m", "top_k": 5, "top_n": 6}, "top_n"),
+        ({"query": "q", "collection": "c", "model": "m", "top_n": "3"}, "top_n"),
+        ({"query": "q", "collection": "c", "model": "m", "filter": {"a": 1}}, "filter"),
+        ({"query": "q", "collection": "c", "model": "m", "stream": "yes"}, "stream"),
+        ({"query": "q", "collection": "c", "model": "m", "topk": 3}, "topk"),
+    ],
+)
+def test_bad_input_names_the_field(body: dict[str, Any], field: str) -> None:
+    with pytest.raises(errors.ValidationError) as raised:
+        parse_query(body, RagLimits(max_query_chars=100, max_top_k=50))
+    assert raised.value.field == field
+
+
+# -- against real retriever, reranker and model_server processes ---------------------------------
+
+# ASCII only: the test model's byte-level tokenizer then makes at most one token per character,
+# which is what ``chars_per_token=1`` below assumes.
+ACME_DOCS = {
+    "acme-1": "The zebra migration crosses the Mara river every July, led by wildebeest herds.",
+    "acme-2": "Zebras have black and white stripes that confuse biting flies and predators.",
+    "acme-3": "Acme ships rockets by mail; delivery to the desert takes three working days.",
+}
+GLOBEX_DOCS = {
+    "globex-1": "The quasar survey found zebra patterns in the radio jets of distant galaxies.",
+    "globex-2": "Globex pays its engineers in volcano shares, vested over four years.",
+}
+
+
+def save_tiny_llama(folder: Path) -> Path:
+    """A random 2-layer Llama with a byte-level BPE tokenizer and a 2048-token window."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator(list(ACME_DOCS.values()) + list(GLOBEX_DOCS.values()), trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>")
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=bpe.get_vocab_size(),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=False,
+    )
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def _service(module: str, prefix: str, root: Path, extra: dict[str, str]) -> ServiceProcess:
+    env = {
+        f"{prefix}GRPC_PORT": "0",
+        f"{prefix}HTTP_PORT": "0",
+        f"{prefix}AUTH_TOKEN": SERVICE_TOKEN,
+        f"{prefix}DATA_DIR": str(root / module),
+        f"{prefix}KAFKA_ENABLED": "false",
+        **extra,
+    }
+    return ServiceProcess(module, env=env, cwd=str(root), log_path=str(root / f"{module}.log"))
+
+
+@pytest.fixture(scope="module")
+def services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, ServiceProcess]]:
+    root = tmp_path_factory.mktemp("rag")
+    save_tiny_llama(root / "models" / "llama")
+    procs = {
+        "retriever": _service(
+            "forge_retriever", "FORGE_RETRIEVER_", root, {"FORGE_RETRIEVER_DENSE_ENABLED": "false"}
+        ),
+        "reranker": _service("forge_reranker", "FORGE_RERANKER_", root, {}),
+        "model_server": _service(
+            "forge_model_server",
+            "FORGE_MODEL_SERVER_",
+            root,
+            {
+                "FORGE_MODEL_SERVER_AUTH_TOKEN": UPSTREAM_TOKEN,
+                "FORGE_MODEL_SERVER_MODELS_DIR": str(root / "models"),
+                "FORGE_MODEL_SERVER_TORCH_THREADS": "1",
+            },
+        ),
+    }
+    try:
+        with ThreadPoolExecutor(len(procs)) as pool:
+            list(pool.map(lambda p: p.start(120), procs.values()))
+        yield procs
+    finally:
+        for proc in procs.values():
+            proc.stop()
+
+
+def _ingest(target: str, tenant: str, docs: dict[str, str]) -> None:
+    with grpc.insecure_channel(target) as channel:
+        stub = retrieval_pb2_grpc.RetrieverServiceStub(channel)
+        request = retrieval_pb2.UpsertDocumentsRequest(
+            collection=COLLECTION,
+            documents=[
+                retrieval_pb2.Document(id=i, text=t, title=i.upper(), metadata={"source": tenant})
+                for i, t in docs.items()
+            ],
+        )
+        metadata = (("authorization", f"Bearer {SERVICE_TOKEN}"), ("forge-tenant", tenant))
+        stub.UpsertDocuments(request, metadata=metadata, timeout=30)
+
+
+@pytest.fixture(scope="module")
+def ingested(services: dict[str, ServiceProcess]) -> dict[str, ServiceProcess]:
+    _ingest(services["retriever"].grpc_target, "acme", ACME_DOCS)
+    _ingest(services["retriever"].grpc_target, "globex", GLOBEX_DOCS)
+    return services
+
+
+Client = Callable[[str], httpx.AsyncClient]
+
+
+@pytest.fixture
+async def rag_gateway(
+    make_gateway: Callable[..., Awaitable[InferenceGateway]], ingested: dict[str, ServiceProcess]
+) -> AsyncIterator[Callable[..., Awaitable[tuple[dict[str, str], Client]]]]:
+    """``keys, client = await rag_gateway(retriever_target=..., reranker_target=...)``: a gateway over
+    the real model server with RAG wired to the real retriever and reranker (or the targets given),
+    tenants ``acme`` and ``globex``; ``client(key)`` is its HTTP API with that tenant's key."""
+    channels: list[GrpcRetriever | GrpcReranker] = []
+    keys: dict[str, str] = {}
+
+    async def build(
+        retriever_target: str | None = None, reranker_target: str | None = None
+    ) -> tuple[dict[str, str], Client]:
+        gateway = await make_gateway([ingested["model_server"].http_url])
+        retriever = GrpcRetriever(retriever_target or ingested["retriever"].grpc_target, SERVICE_TOKEN)
+        reranker = GrpcReranker(reranker_target or ingested["reranker"].grpc_target, SERVICE_TOKEN)
+        channels.extend((retriever, reranker))
+        limits = RagLimits(chars_per_token=1.0, answer_reserve_s=1.0, default_max_tokens=8)
+        rag = RagService(gateway, retriever, reranker, InMemoryCache(), limits)
+        app = make_app("inference_gateway")
+        install_gateway_api(app, gateway, ADMIN_TOKEN, rag)
+        if not keys:  # the gateways of one test share its database
+            for name in ("acme", "globex"):
+                keys[name] = (await gateway.create_tenant(name, rpm_limit=1000))[1]
+
+        def client(key: str) -> httpx.AsyncClient:
+            transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+            headers = {"Authorization": f"Bearer {key}"}
+            return httpx.AsyncClient(
+                transport=transport, base_url="http://gateway", headers=headers, timeout=60
+            )
+
+        return keys, client
+
+    yield build
+    for channel in channels:
+        await channel.close()
+
+
+def _body(**kw: Any) -> dict[str, Any]:
+    return {"query": "zebra migration stripes", "collection": COLLECTION, "model": "llama", "top_k": 10, **kw}
+
+
+@pytest.mark.integration
+async def test_rag_answers_with_numbered_passages_of_the_callers_tenant_only(rag_gateway: Any) -> None:
+    keys, client = await rag_gateway()
+    async with client(keys["acme"]) as acme, client(keys["globex"]) as globex:
+        reply = await acme.post("/v1/rag/query", json=_body(top_n=2))
+        assert reply.status_code == 200, reply.text
+        result = reply.json()
+        assert result["answer"] and result["model"] == "llama"
+        assert result["usage"]["completion_tokens"] > 0
+        assert result["rerank"]["applied"] is True and result["rerank"]["model"]
+        passages = result["passages"]
+        assert [p["n"] for p in passages] == [1, 2], result
+        assert {p["document_id"] for p in passages} <= set(ACME_DOCS)
+        assert passages[0]["document_id"] == "acme-1", result  # two query words: ranked first
+        assert passages[0]["metadata"]["source"] == "acme"
+        assert result["context"]["tokens"] <= result["context"]["budget_tokens"]
+        assert "estimated" in result["context"]["token_count"]
+        assert {c["n"] for c in result["citations"]} <= {1, 2}
+        assert reply.headers["x-forge-cache"] == "miss"
+        # Globex's "zebra" document is never Acme's, and the other way round.
+        theirs = (await globex.post("/v1/rag/query", json=_body())).json()
+        assert {p["document_id"] for p in theirs["passages"]} == {"globex-1"}
+        probe = await acme.post("/v1/rag/query", json=_body(query="quasar volcano shares"))
+        assert probe.status_code == 200
+        assert probe.json()["passages"] == []
+        # A filter cannot widen the search to another tenant.
+        probe = await acme.post("/v1/rag/query", json=_body(filter={"source": "globex"}))
+        assert probe.json()["passages"] == []
+        # The same greedy question again comes from the cache, with the same answer.
+        again = await acme.post("/v1/rag/query", json=_body(top_n=2))
+        assert again.headers["x-forge-cache"] == "hit" and again.json()["cached"] is True
+        assert again.json()["answer"] == result["answer"]
+
+
+@pytest.mark.integration
+async def test_rag_streams_the_answer_then_its_passages(rag_gateway: Any) -> None:
+    keys, client = await rag_gateway()
+    async with client(keys["acme"]) as acme:
+        body = _body(query="stripes and biting flies", stream=True, temperature=0.7)
+        async with acme.stream("POST", "/v1/rag/query", json=body) as reply:
+            assert reply.status_code == 200
+            assert reply.headers["content-type"].startswith("text/event-stream")
+            data = [line[6:] async for line in reply.aiter_lines() if line.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    events = [json.loads(d) for d in data[:-1]]
+    deltas = [e["delta"] for e in events if e["object"] == "rag.answer.delta"]
+    final = events[-1]
+    assert deltas and final["object"] == "rag.answer"
+    assert final["answer"] == "".join(deltas)
+    assert final["passages"][0]["document_id"] == "acme-2"
+
+
+@pytest.mark.integration
+async def test_rag_keeps_retriever_order_when_the_reranker_is_down_or_time_is_short(
+    rag_gateway: Any,
+) -> None:
+    keys, client = await rag_gateway(reranker_target=f"127.0.0.1:{free_port()}")
+    async with client(keys["acme"]) as acme:
+        reply = await acme.post("/v1/rag/query", json=_body())
+    assert reply.status_code == 200, reply.text
+    result = reply.json()
+    assert result["rerank"]["applied"] is False and "reranker" in result["rerank"]["skipped"]
+    assert result["passages"][0]["document_id"] == "acme-1"
+    keys, client = await rag_gateway()
+    async with client(keys["acme"]) as acme:
+        # 1 s is kept for the answer: with 1.01 s in all, no time is left for reranking.
+        reply = await acme.post("/v1/rag/query", json=_body(timeout_s=1.01, max_tokens=2))
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["rerank"]["skipped"].startswith("deadline")
+
+
+@pytest.mark.integration
+async def test_rag_bad_input_is_400_and_a_retriever_down_is_503(rag_gateway: Any) -> None:
+    keys, client = await rag_gateway()
+    async with client(keys["acme"]) as acme:
+        for body, field in [
+            (_body(query="   "), "query"),
+            (_body(query="z" * 3000), "query"),
+            (_body(top_k=0), "top_k"),
+            (_body(top_k=5, top_n=9), "top_n"),
+            (_body(collection="no-such-collection"), "collection"),
+            (_body(max_context_tokens=16), "max_context_tokens"),
+        ]:
+            reply = await acme.post("/v1/rag/query", json=body)
+            assert reply.status_code == 400, (field, reply.text)
+            assert reply.json()["error"]["param"] == field
+        reply = await acme.post("/v1/rag/query", content=b"{not json")
+        assert reply.status_code == 400
+    keys, client = await rag_gateway(retriever_target=f"127.0.0.1:{free_port()}")
+    async with client(keys["acme"]) as acme:
+        reply = await acme.post("/v1/rag/query", json=_body())
+    assert reply.status_code == 503
+    assert "retriever unavailable" in reply.json()["error"]["message"]
+    assert reply.headers["retry-after"]
