@@ -73,7 +73,11 @@ class SchedulerApi:
 
     def start(self, work: Path) -> None:
         self._proc = services.scheduler(work)
-        asyncio.run(self._create_team())
+        try:
+            asyncio.run(self._create_team())
+        except BaseException:
+            self.stop()  # leave nothing running when the scenario cannot start
+            raise
 
     async def _create_team(self) -> None:
         async with make_channel(self.target, token=services.TOKEN) as channel:
