@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -28,6 +29,7 @@ from aiokafka import AIOKafkaConsumer
 from fault_platform import wait_ready
 from forge.events.v1 import events_pb2
 from forge.retrieval.v1 import retrieval_pb2, retrieval_pb2_grpc
+from google.protobuf.message import Message
 
 from forge_kit.events import ensure_topics, topic_for
 from forge_kit.grpckit import make_channel
@@ -86,11 +88,15 @@ async def writer(target: str, batches: list[list[retrieval_pb2.Document]], acked
     return failures
 
 
-async def events_for(bootstrap: str, collection: str, expect: int, timeout_s: float) -> dict[str, int]:
-    """Distinct document ids (with counts) of the ``DocumentChanged`` events of ``collection``."""
+async def announced(
+    bootstrap: str, kind: type[Message], key: Callable[[Message], str | None], expect: int, timeout_s: float
+) -> dict[str, int]:
+    """How often each id ``key`` picks out of the ``kind`` events on the broker was announced,
+    read from the start of the topic until ``expect`` distinct ids are seen (or ``timeout_s``);
+    ``key`` returns None for events of other tests."""
     seen: dict[str, int] = {}
     consumer = AIOKafkaConsumer(
-        topic_for(events_pb2.DocumentChanged()),
+        topic_for(kind()),
         bootstrap_servers=bootstrap,
         auto_offset_reset="earliest",
         group_id=f"faults-{uuid.uuid4().hex[:6]}",
@@ -99,12 +105,11 @@ async def events_for(bootstrap: str, collection: str, expect: int, timeout_s: fl
     try:
         deadline = time.monotonic() + timeout_s
         while len(seen) < expect and time.monotonic() < deadline:
-            batches = await consumer.getmany(timeout_ms=500)
-            for records in batches.values():
+            for records in (await consumer.getmany(timeout_ms=500)).values():
                 for record in records:
-                    event = events_pb2.DocumentChanged.FromString(record.value)
-                    if event.collection == collection:
-                        seen[event.document_id] = seen.get(event.document_id, 0) + 1
+                    found = key(kind.FromString(record.value))
+                    if found is not None:
+                        seen[found] = seen.get(found, 0) + 1
     finally:
         await consumer.stop()
     return seen
@@ -161,18 +166,24 @@ async def test_retriever_kill_loses_no_document(tmp_path: Path) -> None:
                 )
                 if not hits.chunks or hits.chunks[0].document_id != doc.id:
                     missing_in_index.append(doc.id)
-        announced = await events_for(broker.bootstrap, "faults", DOCUMENTS, timeout_s=60)
+        announced_docs = await announced(
+            broker.bootstrap,
+            events_pb2.DocumentChanged,
+            lambda e: e.document_id if e.collection == "faults" else None,  # type: ignore[attr-defined]
+            DOCUMENTS,
+            timeout_s=60,
+        )
     finally:
         retriever.stop()
         broker.stop()
     print(
         f"\nfault retriever kill -9: recovered in {recovery:.1f}s; {failures} failed attempts retried; "
-        f"{len(announced)} documents announced, {sum(announced.values()) - len(announced)} redeliveries"
+        f"{len(announced_docs)} documents announced, {sum(announced_docs.values()) - len(announced_docs)} redeliveries"
     )
     assert sorted(acked) == sorted(d.id for d in docs)  # every batch acknowledged exactly once
     assert collection.document_count == DOCUMENTS, collection
     assert missing_in_index == []
-    assert set(announced) == {d.id for d in docs}
+    assert set(announced_docs) == {d.id for d in docs}
     assert recovery <= 10
 
 
@@ -212,27 +223,6 @@ async def rate_until_done(http: httpx.AsyncClient, rater: str, acked: dict[tuple
         recorded = await call("POST", "/api/v1/preferences", headers=headers, json=body)
         acked[(rater, item["id"])] = recorded.json()["preference_id"]
     raise AssertionError("the queue never ran dry")
-
-
-async def preference_events(bootstrap: str, expect: int, timeout_s: float) -> dict[str, int]:
-    seen: dict[str, int] = {}
-    consumer = AIOKafkaConsumer(
-        topic_for(events_pb2.PreferenceRecorded()),
-        bootstrap_servers=bootstrap,
-        auto_offset_reset="earliest",
-        group_id=f"faults-{uuid.uuid4().hex[:6]}",
-    )
-    await consumer.start()
-    try:
-        deadline = time.monotonic() + timeout_s
-        while len(seen) < expect and time.monotonic() < deadline:
-            for records in (await consumer.getmany(timeout_ms=500)).values():
-                for record in records:
-                    event = events_pb2.PreferenceRecorded.FromString(record.value)
-                    seen[event.preference_id] = seen.get(event.preference_id, 0) + 1
-    finally:
-        await consumer.stop()
-    return seen
 
 
 @pytest.mark.asyncio
@@ -286,15 +276,21 @@ async def test_preference_feedback_kill_loses_no_preference(tmp_path: Path) -> N
             failures = sum(await asyncio.gather(*raters))
         with sqlite3.connect(data / "preference_feedback.db") as conn:
             rows = [str(r[0]) for r in conn.execute("SELECT id FROM feedback_preferences")]
-        announced = await preference_events(broker.bootstrap, len(rows), timeout_s=60)
+        announced_prefs = await announced(
+            broker.bootstrap,
+            events_pb2.PreferenceRecorded,
+            lambda e: e.preference_id,  # type: ignore[attr-defined]
+            len(rows),
+            timeout_s=60,
+        )
     finally:
         service.stop()
         broker.stop()
     print(
         f"\nfault preference_feedback kill -9: recovered in {recovery:.1f}s; {failures} failed requests retried; "
-        f"{len(acked)} preferences acknowledged, {len(rows)} rows, {len(announced)} on Kafka"
+        f"{len(acked)} preferences acknowledged, {len(rows)} rows, {len(announced_prefs)} on Kafka"
     )
     assert len(acked) == 40 * FEEDBACK_RATERS  # every comparison answered by every rater
     assert sorted(rows) == sorted(acked.values())  # each acknowledged preference once, nothing else
-    assert set(announced) == set(rows)
+    assert set(announced_prefs) == set(rows)
     assert recovery <= 10
