@@ -78,6 +78,19 @@ class Orchestrator:
             )
             return [(str(a), str(b)) for a, b in rows]
 
+    async def settled_job_events(
+        self, workflow_id: str, state: str, timeout_s: float = 10
+    ) -> list[tuple[str, str]]:
+        """``job_events`` once a row in ``state`` is there. The consumer signals the workflow inside
+        the unit of work that records the event, so a workflow can finish just before its last
+        row commits."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            rows = self.job_events(workflow_id)
+            if state in [s for _, s in rows] or time.monotonic() > deadline:
+                return rows
+            await asyncio.sleep(0.1)
+
 
 OrchestratorFactory = Callable[..., Orchestrator]
 

@@ -102,7 +102,7 @@ async def test_main_job_step_runs_the_smoke_workflow(orchestrator: Any) -> None:
     assert result["ok"] is True
     assert result["states_seen"] == ["PENDING", "CANCELLED"]
     assert str(result["job_id"]).startswith("job-")
-    assert orchestrator.job_events(str(result["workflow_id"])) == [
+    assert await orchestrator.settled_job_events(str(result["workflow_id"]), "CANCELLED") == [
         (result["job_id"], "PENDING"),
         (result["job_id"], "CANCELLED"),
     ]
