@@ -30,7 +30,7 @@ from forge_kit.events import (
     topic_for,
 )
 from forge_kit.testing.processes import TansuBroker
-from forge_retriever.service import ChangeOutcome, RetrieverService, SearchMode
+from forge_retriever.service import ChangeOutcome, DocumentIn, RetrieverService, SearchMode
 from forge_retriever.store import DocumentRow
 from forge_retriever.tenancy import DEFAULT_TENANT
 
@@ -46,10 +46,12 @@ def change(
     kind: int = UPSERTED,
     collection: str = "wiki",
     producer: str = "cms",
+    tenant: str = "",
 ) -> events_pb2.DocumentChanged:
     return events_pb2.DocumentChanged(
         meta=new_meta(producer),
         collection=collection,
+        tenant=tenant,
         document_id=document_id,
         change=kind,  # type: ignore[arg-type]
         version=version,
@@ -159,6 +161,32 @@ async def test_upstream_documents_belong_to_the_source_tenant(
     assert tenants == {DEFAULT_TENANT}
 
 
+async def test_an_event_naming_a_tenant_writes_only_into_that_tenant(
+    service: RetrieverService, db: Database
+) -> None:
+    await apply(db, service, change("alpha", "acme quarterly plan", version=1, tenant="acme"))
+    await apply(db, service, change("alpha", "globex quarterly plan", version=1, tenant="globex"))
+    acme = await service.search("wiki", "quarterly plan", 10, SearchMode.SPARSE, {}, tenant="acme")
+    assert [h.text for h in acme.hits] == ["acme quarterly plan"]
+    assert await found(service, "quarterly plan") == []  # the source tenant sees neither
+    # A delete names its tenant too: globex's copy goes, acme's stays.
+    await apply(db, service, change("alpha", kind=DELETED, version=2, tenant="globex"))
+    globex = await service.search("wiki", "quarterly plan", 10, SearchMode.SPARSE, {}, tenant="globex")
+    acme = await service.search("wiki", "quarterly plan", 10, SearchMode.SPARSE, {}, tenant="acme")
+    assert globex.hits == [] and [h.text for h in acme.hits] == ["acme quarterly plan"]
+
+
+async def test_own_events_name_the_writing_tenant(service: RetrieverService, db: Database) -> None:
+    await service.upsert_documents("wiki", [DocumentIn("alpha", "tenant scoped text")], tenant="acme")
+    await service.delete_documents("wiki", ["alpha"], tenant="acme")
+    async with db.session() as session:
+        rows = (await session.scalars(sa.select(OutboxEvent))).all()
+    assert len(rows) == 2
+    for row in rows:
+        event = events_pb2.DocumentChanged.FromString(row.payload)
+        assert event.tenant == "acme"
+
+
 @pytest.mark.parametrize(
     ("event", "field"),
     [
@@ -166,6 +194,7 @@ async def test_upstream_documents_belong_to_the_source_tenant(
         (change("", "text"), "document_id"),
         (change("alpha", "   "), "document.text"),
         (change("alpha", "text", kind=0), "change"),
+        (change("alpha", "text", tenant="no spaces allowed"), "tenant"),
     ],
 )
 async def test_bad_events_are_refused_and_dead_lettered(

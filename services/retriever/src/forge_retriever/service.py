@@ -318,7 +318,7 @@ class RetrieverService:
             if publish:
                 await stage_event(
                     session,
-                    _upserted_event(collection, doc, row.version),
+                    _upserted_event(collection, tenant, doc, row.version),
                     producer=self._producer,
                     key=f"{collection}/{doc.id}",
                 )
@@ -425,6 +425,7 @@ class RetrieverService:
                     document_id=doc_id,
                     change=events_pb2.DOCUMENT_CHANGE_TYPE_DELETED,
                     version=coll.last_version,
+                    tenant=tenant,
                 )
                 await stage_event(session, event, producer=self._producer, key=f"{collection}/{doc_id}")
         if found:
@@ -460,8 +461,8 @@ class RetrieverService:
         """Apply a document change from the topic: the handler of the document-change consumer.
 
         Runs inside the consumer's transaction, which also records the event id (exactly-once with
-        the kit's ``EventConsumer``); upstream documents belong to ``SOURCE_TENANT`` (the event has
-        no tenant field).
+        the kit's ``EventConsumer``); the document belongs to the event's ``tenant``, or to
+        ``SOURCE_TENANT`` when the event names none.
 
         1. Skip the retriever's own events: they record writes it has already made.
         2. Validate as UpsertDocuments/DeleteDocuments do; a bad event raises ``ValidationError``
@@ -474,8 +475,9 @@ class RetrieverService:
         if event.meta.producer == self._producer:
             SOURCE_CHANGES.labels(ChangeOutcome.OWN.value).inc()
             return ChangeOutcome.OWN
-        collection, tenant = event.collection, self._source_tenant
+        collection, tenant = event.collection, event.tenant or self._source_tenant
         validate_collection("collection", collection)
+        validate_tenant("tenant", tenant)
         if not event.document_id:
             raise errors.ValidationError("document_id", "must not be empty")
         upsert = event.change == events_pb2.DOCUMENT_CHANGE_TYPE_UPSERTED
@@ -744,9 +746,12 @@ class RetrieverService:
         return row
 
 
-def _upserted_event(collection: str, doc: DocumentIn, version: int) -> events_pb2.DocumentChanged:
+def _upserted_event(
+    collection: str, tenant: str, doc: DocumentIn, version: int
+) -> events_pb2.DocumentChanged:
     return events_pb2.DocumentChanged(
         collection=collection,
+        tenant=tenant,
         document_id=doc.id,
         change=events_pb2.DOCUMENT_CHANGE_TYPE_UPSERTED,
         version=version,

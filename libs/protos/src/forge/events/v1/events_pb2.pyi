@@ -410,6 +410,7 @@ class DocumentChanged(_message.Message):
     TITLE_FIELD_NUMBER: _builtins.int
     TEXT_FIELD_NUMBER: _builtins.int
     METADATA_FIELD_NUMBER: _builtins.int
+    TENANT_FIELD_NUMBER: _builtins.int
     collection: _builtins.str
     """Collection name."""
     document_id: _builtins.str
@@ -422,6 +423,8 @@ class DocumentChanged(_message.Message):
     """Title (UPSERTED only)."""
     text: _builtins.str
     """Full text (UPSERTED only)."""
+    tenant: _builtins.str
+    """Tenant that owns the document; empty means the consumer's configured source tenant."""
     @_builtins.property
     def meta(self) -> Global___EventMeta:
         """Envelope."""
@@ -441,10 +444,11 @@ class DocumentChanged(_message.Message):
         title: _builtins.str = ...,
         text: _builtins.str = ...,
         metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        tenant: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["meta", b"meta"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["change", b"change", "collection", b"collection", "document_id", b"document_id", "meta", b"meta", "metadata", b"metadata", "text", b"text", "title", b"title", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["change", b"change", "collection", b"collection", "document_id", b"document_id", "meta", b"meta", "metadata", b"metadata", "tenant", b"tenant", "text", b"text", "title", b"title", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
