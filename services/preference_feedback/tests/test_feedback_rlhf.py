@@ -10,10 +10,13 @@ from typing import TYPE_CHECKING
 
 import httpx
 import pytest
+import sqlalchemy as sa
 from forge.common.v1 import common_pb2
+from forge.events.v1 import events_pb2
 
 from forge_kit import errors
 from forge_kit.db import Database
+from forge_kit.events import OutboxEvent
 from forge_preference_feedback.rounds import RlhfRounds, RoundReport
 from forge_preference_feedback.seeds import read_hh_rlhf
 from forge_preference_feedback.service import FeedbackService
@@ -101,6 +104,20 @@ async def test_rounds_are_updated_step_by_step_and_not_reopened(db: Database, cl
     await rounds.record(RoundReport("rlhf-2", 1, "running"))
     listed, total = await rounds.list("", 10, 0)
     assert total == 2 and [r.workflow_id for r in listed] == ["rlhf-2", "rlhf-1"]
+    # Every accepted report published the round as stored; the refused one published nothing.
+    async with db.session() as session:
+        rows = (await session.scalars(sa.select(OutboxEvent).order_by(OutboxEvent.sequence))).all()
+    assert {r.topic for r in rows} == {"forge.feedback.rlhf_round_updated.v1"}
+    published = [events_pb2.RlhfRoundUpdated.FromString(r.payload) for r in rows]
+    assert [(e.workflow_id, e.round, e.status) for e in published] == [
+        ("rlhf-1", 1, "running"),
+        ("rlhf-1", 1, "running"),
+        ("rlhf-1", 1, "rejected"),
+        ("rlhf-2", 1, "running"),
+    ]
+    assert published[2].step == "training reward model" and published[2].reason == "does not beat 50%"
+    assert dict(published[2].metrics) == {"n": 3.0, "rm_accuracy": 0.52}
+    assert rows[2].key == b"rlhf-1/1"
 
 
 @pytest.mark.parametrize(
@@ -118,6 +135,8 @@ async def test_bad_round_reports_name_the_field(db: Database, report: RoundRepor
         await RlhfRounds(db).record(report)
     assert caught.value.field == field
     assert await RlhfRounds(db).list("", 10, 0) == ([], 0)
+    async with db.session() as session:
+        assert await session.scalar(sa.select(sa.func.count()).select_from(OutboxEvent)) == 0
 
 
 @pytest.mark.asyncio

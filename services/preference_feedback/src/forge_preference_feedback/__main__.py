@@ -57,7 +57,7 @@ async def main() -> None:
         with contextlib.suppress(errors.AlreadyExistsError):
             await service.create_rater("admin", settings.admin_password.get_secret_value(), is_admin=True)
     registry = RewardModelRegistry(db)
-    rounds = RlhfRounds(db)
+    rounds = RlhfRounds(db, producer=app.name)
     policy = QualityPolicy(min_median_seconds=settings.quality_min_median_seconds)
     api = FeedbackApi(
         service,

@@ -3,7 +3,8 @@
 The workflow owns the loop; this table is its visible record: one row per (workflow, round),
 created on the round's first report and updated at each step (status, step, snapshot, pinned
 reward model, the policy checkpoint, figures, and why a round was stopped or refused). A round
-that has ended (``completed``, ``stopped``, ``rejected``) is not reopened.
+that has ended (``completed``, ``stopped``, ``rejected``) is not reopened. Every report also stages
+an ``RlhfRoundUpdated`` event with the round as stored, in the same transaction (outbox).
 """
 
 from __future__ import annotations
@@ -15,9 +16,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import sqlalchemy as sa
+from forge.common.v1 import common_pb2
+from forge.events.v1 import events_pb2
 
 from forge_kit import errors
 from forge_kit.db import Database
+from forge_kit.events import stage_event
 from forge_preference_feedback.store import RlhfRoundRow, utcnow
 
 ROUND_STATUSES = ("running", "completed", "stopped", "rejected")
@@ -60,9 +64,16 @@ class RoundReport:
 class RlhfRounds:
     """The ``feedback_rlhf_rounds`` table; every method is one transaction."""
 
-    def __init__(self, db: Database, *, clock: Callable[[], dt.datetime] = utcnow) -> None:
+    def __init__(
+        self,
+        db: Database,
+        *,
+        clock: Callable[[], dt.datetime] = utcnow,
+        producer: str = "preference_feedback",
+    ) -> None:
         self._db = db
         self._clock = clock
+        self._producer = producer
 
     async def record(self, report: RoundReport) -> RlhfRoundRow:
         """Create or update the round; metrics are merged. An ended round refuses a change of
@@ -97,6 +108,9 @@ class RlhfRounds:
                     setattr(row, name, value)
             row.metrics = {**row.metrics, **{k: float(v) for k, v in report.metrics.items()}}
             row.updated_at = now
+            await stage_event(
+                session, round_event(row), producer=self._producer, key=f"{row.workflow_id}/{row.round}"
+            )
         return row
 
     async def list(self, workflow_id: str, page_size: int, offset: int) -> tuple[list[RlhfRoundRow], int]:
@@ -116,3 +130,19 @@ class RlhfRounds:
                 )
             ).all()
         return list(rows), total
+
+
+def round_event(row: RlhfRoundRow) -> events_pb2.RlhfRoundUpdated:
+    """The round as stored, as the event every report publishes."""
+    name, _, version = row.reward_model.partition(":")
+    return events_pb2.RlhfRoundUpdated(
+        workflow_id=row.workflow_id,
+        round=row.round,
+        status=row.status,
+        step=row.step,
+        snapshot_id=row.snapshot_id,
+        reward_model=common_pb2.ModelRef(name=name, version=version) if name else None,
+        policy_uri=row.policy_uri,
+        reason=row.reason,
+        metrics=dict(row.metrics),
+    )

@@ -374,6 +374,93 @@ class PreferenceRecorded(_message.Message):
 Global___PreferenceRecorded: _TypeAlias = PreferenceRecorded  # noqa: Y015
 
 @_typing.final
+class RlhfRoundUpdated(_message.Message):
+    """An RLHF round was recorded or moved on: a new step, new figures, or its end.
+    Topic forge.feedback.rlhf_round_updated.v1, key workflow_id/round. Producer: preference_feedback
+    (as the orchestrator's RLHF workflow reports each round). Consumers: dashboards, notifications.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class MetricsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.float
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.float = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    META_FIELD_NUMBER: _builtins.int
+    WORKFLOW_ID_FIELD_NUMBER: _builtins.int
+    ROUND_FIELD_NUMBER: _builtins.int
+    STATUS_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
+    SNAPSHOT_ID_FIELD_NUMBER: _builtins.int
+    REWARD_MODEL_FIELD_NUMBER: _builtins.int
+    POLICY_URI_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    METRICS_FIELD_NUMBER: _builtins.int
+    workflow_id: _builtins.str
+    """The workflow running the loop."""
+    round: _builtins.int
+    """Round number within the workflow, from 1."""
+    status: _builtins.str
+    """"running", "completed", "stopped" (a drift check ended it) or "rejected" (a gate refused)."""
+    step: _builtins.str
+    """The step the round is at, e.g. "training reward model"."""
+    snapshot_id: _builtins.str
+    """The training snapshot of the round."""
+    policy_uri: _builtins.str
+    """The policy checkpoint the round produced (Hugging Face folder)."""
+    reason: _builtins.str
+    """Why the round stopped or was refused; empty otherwise."""
+    @_builtins.property
+    def meta(self) -> Global___EventMeta:
+        """Envelope."""
+
+    @_builtins.property
+    def reward_model(self) -> _common_pb2.ModelRef:
+        """The reward model the round is pinned to."""
+
+    @_builtins.property
+    def metrics(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
+        """Figures so far: reward-model accuracy and interval, KL, sqrt(KL), proxy reward, agreement ..."""
+
+    def __init__(
+        self,
+        *,
+        meta: Global___EventMeta | None = ...,
+        workflow_id: _builtins.str = ...,
+        round: _builtins.int = ...,
+        status: _builtins.str = ...,
+        step: _builtins.str = ...,
+        snapshot_id: _builtins.str = ...,
+        reward_model: _common_pb2.ModelRef | None = ...,
+        policy_uri: _builtins.str = ...,
+        reason: _builtins.str = ...,
+        metrics: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["meta", b"meta", "reward_model", b"reward_model"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["meta", b"meta", "metrics", b"metrics", "policy_uri", b"policy_uri", "reason", b"reason", "reward_model", b"reward_model", "round", b"round", "snapshot_id", b"snapshot_id", "status", b"status", "step", b"step", "workflow_id", b"workflow_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RlhfRoundUpdated: _TypeAlias = RlhfRoundUpdated  # noqa: Y015
+
+@_typing.final
 class DocumentChanged(_message.Message):
     """A document in a collection was created, replaced or deleted.
     Topic forge.retrieval.document_changed.v1, key collection/document_id. Producers: any source
