@@ -15,7 +15,7 @@ from forge_kit.grpckit import current_principal, require_admin, timestamp_field
 from forge_kit.paging import decode_page, page_info
 from forge_preference_feedback.quality import QualityPolicy
 from forge_preference_feedback.registry import HeldoutAccuracy, RewardModelRegistry, heldout_of
-from forge_preference_feedback.rounds import RlhfRounds, RoundReport
+from forge_preference_feedback.rounds import RlhfRounds, RoundReport, round_fields
 from forge_preference_feedback.service import FeedbackService, StoredSnapshot
 from forge_preference_feedback.store import ComparisonRow, RewardModelRow, RlhfRoundRow
 
@@ -95,19 +95,8 @@ def snapshot_to_proto(stored: StoredSnapshot) -> feedback_pb2.Snapshot:
 
 
 def round_to_proto(row: RlhfRoundRow) -> feedback_pb2.RlhfRound:
-    name, _, version = row.reward_model.partition(":")
     return feedback_pb2.RlhfRound(
-        workflow_id=row.workflow_id,
-        round=row.round,
-        status=row.status,
-        step=row.step,
-        snapshot_id=row.snapshot_id,
-        reward_model=common_pb2.ModelRef(name=name, version=version) if name else None,
-        policy_uri=row.policy_uri,
-        reason=row.reason,
-        metrics=dict(row.metrics),
-        started_at=_ts(row.started_at),
-        updated_at=_ts(row.updated_at),
+        **round_fields(row), started_at=_ts(row.started_at), updated_at=_ts(row.updated_at)
     )
 
 

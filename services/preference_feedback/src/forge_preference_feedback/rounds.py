@@ -14,6 +14,7 @@ import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import sqlalchemy as sa
 from forge.common.v1 import common_pb2
@@ -132,17 +133,22 @@ class RlhfRounds:
         return list(rows), total
 
 
+def round_fields(row: RlhfRoundRow) -> dict[str, Any]:
+    """The round's fields as ``RlhfRound`` (API) and ``RlhfRoundUpdated`` (event) both name them."""
+    name, _, version = row.reward_model.partition(":")
+    return {
+        "workflow_id": row.workflow_id,
+        "round": row.round,
+        "status": row.status,
+        "step": row.step,
+        "snapshot_id": row.snapshot_id,
+        "reward_model": common_pb2.ModelRef(name=name, version=version) if name else None,
+        "policy_uri": row.policy_uri,
+        "reason": row.reason,
+        "metrics": dict(row.metrics),
+    }
+
+
 def round_event(row: RlhfRoundRow) -> events_pb2.RlhfRoundUpdated:
     """The round as stored, as the event every report publishes."""
-    name, _, version = row.reward_model.partition(":")
-    return events_pb2.RlhfRoundUpdated(
-        workflow_id=row.workflow_id,
-        round=row.round,
-        status=row.status,
-        step=row.step,
-        snapshot_id=row.snapshot_id,
-        reward_model=common_pb2.ModelRef(name=name, version=version) if name else None,
-        policy_uri=row.policy_uri,
-        reason=row.reason,
-        metrics=dict(row.metrics),
-    )
+    return events_pb2.RlhfRoundUpdated(**round_fields(row))
