@@ -308,6 +308,46 @@ def test_same_input_gives_same_decisions_in_any_input_order() -> None:
     assert sum(s.slots[0][1] * len(s.slots) for s in first.starts) <= 16 * 8
 
 
+@pytest.mark.parametrize("policy", ["fifo", "fifo-backfill", "multifactor"])
+def test_baseline_orders_match_their_keys_with_ties_by_job_id(policy: str) -> None:
+    """The baselines' orderings equal a plain sort on the documented keys, ties to the lower id,
+    whatever order the snapshot lists the jobs in (many share a submit time, team and size)."""
+    rng = random.Random(3)
+    teams = make_teams("a", "b", "c", guaranteed=8)
+    usage = {"a": 10.0, "b": 500.0, "c": 0.0}
+    jobs = [
+        make_pjob(f"j{rng.randrange(1000):03d}-{i}", rng.choice("abc"))
+        .gpus(rng.choice([1, 8]))
+        .priority(rng.choice(["normal", "high"]))
+        .submitted(float(rng.choice([0, 100, 200])))
+        .pending()
+        for i in range(120)
+    ]
+    config = {
+        "fifo": PolicyConfig.fifo(),
+        "fifo-backfill": PolicyConfig.fifo_backfill(),
+        "multifactor": PolicyConfig.multifactor(),
+    }[policy]
+    now = 3 * 86400.0
+    if policy == "multifactor":
+        w_age, w_fs, w_size = config.multifactor_weights
+        fs = {t: 2.0 ** (-(usage[t] / 510.0) / (1 / 3)) for t in usage}
+
+        def key(p: PendingJob) -> tuple[object, ...]:
+            age = min(1.0, max(0.0, now - p.job.submit_time) / config.multifactor_max_age_s)
+            score = w_age * age + w_fs * fs[p.job.team] + w_size * p.job.gpus / 8
+            return (-int(p.job.priority), -score, p.job.submit_time, p.job.id)
+    else:
+
+        def key(p: PendingJob) -> tuple[object, ...]:
+            return (p.job.submit_time, p.job.id)
+
+    expected = [p.job.id for p in sorted(jobs, key=key)]
+    for listing in (jobs, jobs[::-1], rng.sample(jobs, len(jobs))):
+        snap = Snapshot(make_cluster(nodes=1, gpus=8), teams, listing, [], usage=usage)
+        assert PolicyEngine(config).cycle(snap, now).order == expected
+
+
 def test_production_inference_displaces_a_preemptible_flood_within_one_cycle_plus_grace() -> None:
     config = PolicyConfig(preemption_grace_s=30.0)
     engine = PolicyEngine(config)

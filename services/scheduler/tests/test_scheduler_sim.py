@@ -78,6 +78,17 @@ def test_replay_is_deterministic() -> None:
     assert first.jct == second.jct and first.preemptions == second.preemptions
 
 
+def test_arrivals_inside_the_cycle_interval_wait_for_the_next_cycle() -> None:
+    """b arrives 10 s after the cycle that started a: with a 60 s interval it starts at 60 s (a
+    cycle at most once a minute), with 0 at its own arrival; a cluster of 8 GPUs has room for both."""
+    trace = [TraceJob("a", 0.0, 1000.0, 1, "t"), TraceJob("b", 10.0, 1000.0, 1, "t")]
+    minute = replay(trace, "fifo", SimSettings(gpus=8, cycle_interval_s=60.0))
+    every = replay(trace, "fifo", SimSettings(gpus=8, cycle_interval_s=0.0))
+    assert minute.queue == {"a": 0.0, "b": 50.0}
+    assert every.queue == {"a": 0.0, "b": 0.0}
+    assert minute.cycles == every.cycles == 2
+
+
 def test_pooled_relaxation_is_sjf_on_one_pool() -> None:
     trace = [TraceJob("a", 0.0, 100.0, 1, "t"), TraceJob("b", 0.0, 10.0, 1, "t")]
     assert pooled_sjf_avg_jct(trace, 1) == pytest.approx((10.0 + 110.0) / 2)
@@ -114,6 +125,7 @@ def test_cli_replay_writes_the_contract(tmp_path: Path) -> None:
         (["--gpus", "12"], "not a multiple of --gpus-per-node"),
         (["--gpus", "16", "--policies", "forge,lottery"], "policies: unknown"),
         (["--gpus", "4", "--gpus-per-node", "4"], "num_gpus: job"),
+        (["--gpus", "16", "--cycle-interval", "-1"], "cycle-interval: must be zero or"),
     ],
 )
 def test_cli_replay_refuses_bad_input_and_writes_nothing(

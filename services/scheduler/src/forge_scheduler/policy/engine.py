@@ -12,9 +12,12 @@ import bisect
 import heapq
 import itertools
 import math
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from operator import attrgetter, itemgetter
+from typing import Literal, TypeVar
+
+import numpy as np
 
 from forge_scheduler.policy.capacity import CapacityIndex, Slots
 from forge_scheduler.policy.model import (
@@ -28,6 +31,8 @@ from forge_scheduler.policy.model import (
     Snapshot,
     Team,
 )
+
+T = TypeVar("T")
 
 Ordering = Literal["forge", "fifo", "multifactor"]
 
@@ -266,8 +271,7 @@ class PolicyEngine:
         """The pending jobs in the order the cycle considers them, and their ids."""
         cfg = self.config
         if cfg.ordering != "forge":
-            ordered = self._order_baseline(snap, now, capacity)
-            return ordered, [p.job.id for p in ordered]
+            return self._order_baseline(snap, now, capacity)
         fair = self._fair_scores(snap, capacity, held)
         tiers = cfg.las_tiers_gpu_s
         first = tiers[0] if tiers else math.inf
@@ -306,12 +310,23 @@ class PolicyEngine:
         order.sort(key=heads.__getitem__)
         return [pending[i] for i in order], [ids[i] for i in order]
 
-    def _order_baseline(self, snap: Snapshot, now: float, capacity: Mapping[str, int]) -> list[PendingJob]:
-        """Strict FIFO and FIFO + backfill: submit time; multifactor: Slurm's weighted sum."""
+    def _order_baseline(
+        self, snap: Snapshot, now: float, capacity: Mapping[str, int]
+    ) -> tuple[list[PendingJob], list[str]]:
+        """Strict FIFO and FIFO + backfill: submit time; multifactor: Slurm's weighted sum.
+
+        Ties go to the lower job id. A long queue is re-sorted every cycle, so the keys are numpy
+        columns sorted in C (:func:`_lex_order`) rather than a Python key per job.
+        """
         cfg = self.config
+        pending = snap.pending
+        # map with attrgetter runs in C: these columns are most of an ordering's cost
+        jobs = list(map(attrgetter("job"), pending))
+        ids = list(map(attrgetter("id"), jobs))
+        submit = np.fromiter(map(attrgetter("submit_time"), jobs), np.float64, len(jobs))
         if cfg.ordering == "fifo":
-            return sorted(snap.pending, key=lambda p: (p.job.submit_time, p.job.id))
-        if cfg.ordering == "multifactor":
+            order = _lex_order([submit], ids)
+        elif cfg.ordering == "multifactor":
             w_age, w_fs, w_size = cfg.multifactor_weights
             total = sum(capacity.values()) or 1
             usage_total = sum(snap.usage.values()) or 1.0
@@ -320,14 +335,17 @@ class PolicyEngine:
             for team in snap.teams.values():
                 share = team.weight / weights_total
                 fs[team.name] = 2.0 ** (-(snap.usage.get(team.name, 0.0) / usage_total) / share)
-
-            def mf(p: PendingJob) -> tuple[float, ...]:
-                age = min(1.0, max(0.0, now - p.job.submit_time) / cfg.multifactor_max_age_s)
-                score = w_age * age + w_fs * fs.get(p.job.team, 0.0) + w_size * p.job.gpus / total
-                return (-int(p.job.priority), -score, p.job.submit_time)
-
-            return sorted(snap.pending, key=lambda p: (*mf(p), p.job.id))
-        raise ValueError(f"ordering: unknown {cfg.ordering!r}")
+            fs_of = fs.get
+            # Slurm's job priority: age (capped), fair share and size, each weighted; higher first.
+            age = np.minimum(1.0, np.maximum(0.0, now - submit) / cfg.multifactor_max_age_s)
+            share_col = np.array([fs_of(job.team, 0.0) for job in jobs], dtype=np.float64)
+            size = np.array([job.tasks * job.gpus_per_task for job in jobs], dtype=np.float64)
+            score = w_age * age + w_fs * share_col + w_size * size / total
+            priority = np.array([int(job.priority) for job in jobs], dtype=np.float64)
+            order = _lex_order([-priority, -score, submit], ids)
+        else:
+            raise ValueError(f"ordering: unknown {cfg.ordering!r}")
+        return _take(pending, order), _take(ids, order)
 
     # ------------------------------------------------------------------ the cycle
     def cycle(self, snap: Snapshot, now: float) -> CycleResult:
@@ -428,8 +446,9 @@ class PolicyEngine:
                         result.reasons[qjob.id] = why
                 break
             if blocked_at is not None:
-                if explain:
-                    result.reasons[job.id] = f"behind {rank - blocked_at} earlier jobs (strict FIFO)"
+                if not explain:
+                    break  # nothing behind the blocked head may start
+                result.reasons[job.id] = f"behind {rank - blocked_at} earlier jobs (strict FIFO)"
                 continue
             team = snap.teams.get(job.team)
             if team is None:
@@ -864,3 +883,34 @@ def never_fits(job: Job, nodes: list[Node]) -> str | None:
     }[job.placement]
     kind = f" {job.gpu_type}" if job.gpu_type else ""
     return f"asks {job.gpus}{kind} GPUs in {where}; the largest there is {empty.largest_block(job)}"
+
+
+def _take(items: Sequence[T], order: list[int]) -> list[T]:
+    """``[items[i] for i in order]``, gathered in C."""
+    if len(order) < 2:
+        return [items[i] for i in order]
+    return list(itemgetter(*order)(items))
+
+
+def _lex_order(keys: list[np.ndarray], ids: list[str]) -> list[int]:
+    """Indices sorting by ``keys`` (most significant first), then by id where every key ties.
+
+    1. A stable lexicographic sort of the numeric keys in C.
+    2. The runs where all keys tie (rare) are re-sorted by job id, so the order never depends on
+       the order the snapshot listed the jobs in.
+    """
+    if not ids:
+        return []
+    # 1. numeric keys (np.lexsort takes the most significant last)
+    order = np.lexsort(keys[::-1])
+    tied = np.ones(len(ids) - 1, dtype=bool)
+    for key in keys:
+        ranked = key[order]
+        tied &= ranked[1:] == ranked[:-1]
+    result: list[int] = order.tolist()
+    # 2. ties by id: a run spans positions start..end where tied[start:end] are all True
+    if tied.any():
+        edges = np.flatnonzero(np.diff(np.concatenate(([False], tied, [False])).astype(np.int8)))
+        for start, end in zip(edges[::2].tolist(), edges[1::2].tolist(), strict=True):
+            result[start : end + 1] = sorted(result[start : end + 1], key=ids.__getitem__)
+    return result

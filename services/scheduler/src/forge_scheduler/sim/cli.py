@@ -7,6 +7,7 @@ Every command validates all input before it creates ``--out``, then writes ``sum
 from __future__ import annotations
 
 import json
+import math
 import os
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -61,6 +62,13 @@ def replay_cmd(
     fmt: Annotated[str, typer.Option("--format", help="generic or philly.")] = "generic",
     limit: Annotated[int, typer.Option("--limit", help="Replay only the first N jobs (0 = all).")] = 0,
     workers: Annotated[int, typer.Option("--workers", help="Policies replayed in parallel (0 = CPUs).")] = 0,
+    cycle_interval: Annotated[
+        float,
+        typer.Option(
+            "--cycle-interval",
+            help="At most one scheduling cycle per this many simulated seconds (0 = every event).",
+        ),
+    ] = SimSettings.cycle_interval_s,
 ) -> None:
     """Replay a trace under each policy; print and write the summary and the plots."""
     names = [p.strip() for p in policies.split(",") if p.strip()]
@@ -69,7 +77,9 @@ def replay_cmd(
         _fail(f"policies: unknown {unknown or names}; choose from {sorted(POLICIES)}")
     if limit < 0:
         _fail("limit: must be zero or positive")
-    settings = SimSettings(gpus=gpus, gpus_per_node=gpus_per_node)
+    if not 0 <= cycle_interval < math.inf:
+        _fail("cycle-interval: must be zero or a positive number of seconds")
+    settings = SimSettings(gpus=gpus, gpus_per_node=gpus_per_node, cycle_interval_s=cycle_interval)
     try:
         build_cluster(settings)
         jobs = load_trace(trace, fmt)

@@ -37,6 +37,11 @@ class SimSettings:
     usage_half_life_s: float = 7 * 86400.0
     tick_s: float = 600.0
     """A preempting policy also runs a cycle this often while jobs wait (tiers change with time)."""
+    cycle_interval_s: float = 60.0
+    """At most one cycle per this many simulated seconds: arrivals and completions inside the
+    interval wait for the next cycle, as with Slurm's ``sched_interval`` (60 s) or the 60 s
+    scheduling interval of Pollux's simulator, whose Philly trace this is. 0 = a cycle at every
+    event instant. The same for every policy."""
     sample_s: float = 3600.0
     restart_overhead_s: float = 60.0
     """Added to a preempted job's remaining work: loading its checkpoint again."""
@@ -149,6 +154,7 @@ def replay(trace: Sequence[TraceJob], policy: str, settings: SimSettings) -> Rep
     next_sample = 0.0
     next_tick = math.inf
     dirty = True
+    last_cycle = -math.inf
     wait_start: dict[str, float] = {}
     while next_arrival < len(arrivals) or pending or running:
         # 1. next instant: an arrival, a completion / preemption stop, a tick or a sample
@@ -159,6 +165,8 @@ def replay(trace: Sequence[TraceJob], policy: str, settings: SimSettings) -> Rep
             candidates.append(events[0][0])
         if pending and config.preemption:
             candidates.append(next_tick)
+        if dirty and pending:
+            candidates.append(last_cycle + settings.cycle_interval_s)
         t_next = max(now, min(candidates))
         util_area += busy * (t_next - now)
         ledger.advance(t_next, gpus_by_team)
@@ -183,7 +191,8 @@ def replay(trace: Sequence[TraceJob], policy: str, settings: SimSettings) -> Rep
             if kind == "end":
                 sj.end = now
                 result.jct[job_id] = now - sj.trace.submit_time
-                result.queue[job_id] = (sj.first_start or now) - sj.trace.submit_time
+                started = sj.first_start if sj.first_start is not None else now
+                result.queue[job_id] = started - sj.trace.submit_time
                 result.team_of[job_id] = sj.job.team
             else:
                 sj.run_token += 1
@@ -217,9 +226,10 @@ def replay(trace: Sequence[TraceJob], policy: str, settings: SimSettings) -> Rep
             next_sample = now + settings.sample_s
         if config.preemption and now >= next_tick:
             dirty = True
-        # 5. a cycle when something changed
-        if dirty and pending:
+        # 5. a cycle when something changed (and the last one is an interval ago)
+        if dirty and pending and now >= last_cycle + settings.cycle_interval_s:
             dirty = False
+            last_cycle = now
             next_tick = now + settings.tick_s
             result.cycles += 1
             decision = engine.cycle(
