@@ -15,7 +15,7 @@ import pytest
 
 from forge_inference_gateway.routing import RoutingPolicy, parse_load
 from forge_inference_gateway.service import InferenceGateway
-from forge_kit.testing import ServiceProcess
+from forge_kit.testing import ServiceProcess, tiny_llama
 
 pytestmark = pytest.mark.integration
 TOKEN = "upstream-token"  # what build_gateway presents to replicas
@@ -25,36 +25,7 @@ CORPUS = "To be, or not to be, that is the question: whether 'tis nobler in the 
 def save_tiny_llama(folder: Path) -> Path:
     """A random 2-layer Llama with a byte-level BPE tokenizer, in Hugging Face format as the trainer
     exports it (the model server's own tests build the same shape)."""
-    import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    bpe.train_from_iterator([CORPUS], trainer)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>")
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=bpe.get_vocab_size(),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        eos_token_id=tokenizer.eos_token_id,
-        tie_word_embeddings=False,
-    )
-    LlamaForCausalLM(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+    return tiny_llama.save_tiny_llama(folder, corpus=[CORPUS])
 
 
 @pytest.fixture(scope="module")

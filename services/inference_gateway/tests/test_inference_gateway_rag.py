@@ -30,7 +30,7 @@ from forge_inference_gateway.service import InferenceGateway
 from forge_kit import errors
 from forge_kit.cache import InMemoryCache
 from forge_kit.http import make_app
-from forge_kit.testing import ServiceProcess, free_port
+from forge_kit.testing import ServiceProcess, free_port, tiny_llama
 
 SERVICE_TOKEN = "svc-token"
 ADMIN_TOKEN = "admin-token"
@@ -123,36 +123,9 @@ GLOBEX_DOCS = {
 
 def save_tiny_llama(folder: Path) -> Path:
     """A random 2-layer Llama with a byte-level BPE tokenizer and a 2048-token window."""
-    import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
+    return tiny_llama.save_tiny_llama(
+        folder, corpus=list(ACME_DOCS.values()) + list(GLOBEX_DOCS.values()), context=2048
     )
-    bpe.train_from_iterator(list(ACME_DOCS.values()) + list(GLOBEX_DOCS.values()), trainer)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>")
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=bpe.get_vocab_size(),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        eos_token_id=tokenizer.eos_token_id,
-        tie_word_embeddings=False,
-    )
-    LlamaForCausalLM(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
 
 
 def _service(module: str, prefix: str, root: Path, extra: dict[str, str]) -> ServiceProcess:

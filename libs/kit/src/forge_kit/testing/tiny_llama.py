@@ -1,0 +1,59 @@
+"""A random tiny Llama with a byte-level BPE tokenizer, saved as the trainer exports checkpoints.
+
+For tests that need a real model_server to serve something: weights are random (seeded), so the
+output is noise, but every code path of loading, tokenizing, batching and streaming is the real
+one. torch, tokenizers and transformers are imported on call: the kit itself does not need them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+DEFAULT_CORPUS = (
+    "To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer. " * 8,
+)
+
+
+def save_tiny_llama(
+    folder: Path,
+    *,
+    corpus: Iterable[str] = DEFAULT_CORPUS,
+    context: int = 256,
+    vocab_size: int = 300,
+    hidden: int = 64,
+    layers: int = 2,
+    seed: int = 0,
+) -> Path:
+    """Train a BPE tokenizer of ``vocab_size`` on ``corpus``, build a random Llama (``layers`` x
+    ``hidden``, 4 heads over 2 KV heads, ``context`` positions) and save both into ``folder``."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator(list(corpus), trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>")
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=bpe.get_vocab_size(),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=context,
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=False,
+    )
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
