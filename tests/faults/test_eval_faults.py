@@ -1,0 +1,159 @@
+"""kill -9 of the eval service in the middle of a run.
+
+A real model_server serves a random Llama; the eval service scores tinyshakespeare perplexity
+against it, and is killed with SIGKILL while the run is scoring, then started again in place. A
+second eval service, with a database and response cache of its own, runs the same spec without
+interruption as the reference.
+
+Afterwards: the run finished once (SUCCEEDED, every example scored, its metrics equal the
+reference's to the last bit: an interruption changes nothing), and the resumed run asked the model
+again only for what had not come back before the kill (the response cache keeps each answer as its
+batch returns), so the model calls of both halves together stay within the reference's count plus
+what was in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from fault_platform import wait_ready
+from forge.common.v1 import common_pb2
+from forge.eval.v1 import eval_pb2, eval_pb2_grpc
+
+from forge_kit.grpckit import make_channel
+from forge_kit.testing import ServiceProcess, free_port, tiny_llama
+
+pytestmark = [pytest.mark.integration, pytest.mark.faults_full, pytest.mark.timeout(300)]
+TOKEN = "faults-eval-token"
+SHARED = Path(os.environ.get("FORGE_TEST_DATA", Path(__file__).resolve().parents[3] / "shared" / "data"))
+DOCUMENTS = 24
+CONCURRENCY = 4
+
+
+def eval_process(root: Path, name: str, endpoint_token: str) -> ServiceProcess:
+    return ServiceProcess(
+        "forge_eval",
+        env={
+            "FORGE_EVAL_GRPC_PORT": str(free_port()),
+            "FORGE_EVAL_HTTP_PORT": str(free_port()),
+            "FORGE_EVAL_DATA_DIR": str(root / name),
+            "FORGE_EVAL_RESPONSE_CACHE_PATH": str(root / name / "cache.sqlite"),
+            "FORGE_EVAL_KAFKA_ENABLED": "false",
+            "FORGE_EVAL_AUTH_TOKEN": TOKEN,
+            "FORGE_EVAL_INFERENCE_GATEWAY_TOKEN": endpoint_token,
+            "FORGE_EVAL_CORPORA_DIR": str(SHARED / "corpora"),
+            "FORGE_EVAL_BENCHMARKS_DIR": str(SHARED / "benchmarks"),
+            "FORGE_EVAL_REQUEST_CONCURRENCY": str(CONCURRENCY),
+            "FORGE_EVAL_REQUEST_BATCH_SIZE": "1",  # one prompt per call: the kill lands between answers
+        },
+        log_path=str(root / f"{name}.log"),
+    )
+
+
+def served(model_server: ServiceProcess) -> float:
+    """Requests the model server finished (its vLLM counter)."""
+    text = httpx.get(f"{model_server.http_url}/metrics", timeout=5).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("vllm:request_success_total{")
+    )
+
+
+async def submit(evals: ServiceProcess, checkpoint: Path, endpoint: str) -> str:
+    async with make_channel(evals.grpc_target, token=TOKEN) as channel:
+        stub = eval_pb2_grpc.EvalServiceStub(channel)
+        registered = await stub.RegisterModel(
+            eval_pb2.RegisterModelRequest(ref=common_pb2.ModelRef(name="llama"), uri=str(checkpoint)),
+            timeout=30,
+        )
+        started = await stub.RunSuite(
+            eval_pb2.RunSuiteRequest(
+                suite="tinyshakespeare_ppl",
+                model=registered.model.ref,
+                endpoint=endpoint,
+                limit=DOCUMENTS,
+                seed=7,
+            ),
+            timeout=30,
+        )
+    return started.run_id
+
+
+async def run_state(evals: ServiceProcess, run_id: str) -> eval_pb2.EvalRun:
+    async with make_channel(evals.grpc_target, token=TOKEN) as channel:
+        reply = await eval_pb2_grpc.EvalServiceStub(channel).GetRun(
+            eval_pb2.GetRunRequest(run_id=run_id), timeout=30
+        )
+    return reply.run
+
+
+async def finished(evals: ServiceProcess, run_id: str, timeout_s: float = 180) -> eval_pb2.EvalRun:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        run = await run_state(evals, run_id)
+        if run.status not in (eval_pb2.RUN_STATUS_PENDING, eval_pb2.RUN_STATUS_RUNNING):
+            return run
+        assert time.monotonic() < deadline, f"run {run_id} still {run.status} after {timeout_s}s"
+        await asyncio.sleep(0.2)
+
+
+async def test_eval_kill_mid_run_resumes_to_the_same_result(tmp_path: Path) -> None:
+    checkpoint = tiny_llama.save_tiny_llama(tmp_path / "models" / "llama", hidden=256, layers=4)
+    model_server = ServiceProcess(
+        "forge_model_server",
+        env={
+            "FORGE_MODEL_SERVER_GRPC_PORT": "0",
+            "FORGE_MODEL_SERVER_HTTP_PORT": "0",
+            "FORGE_MODEL_SERVER_AUTH_TOKEN": TOKEN,
+            "FORGE_MODEL_SERVER_MODELS_DIR": str(tmp_path / "models"),
+            "FORGE_MODEL_SERVER_KAFKA_ENABLED": "false",
+            "FORGE_MODEL_SERVER_TORCH_THREADS": "1",
+        },
+        cwd=str(tmp_path),
+        log_path=str(tmp_path / "model_server.log"),
+    ).start(90)
+    evals = eval_process(tmp_path, "eval", TOKEN).start(60)
+    reference = eval_process(tmp_path, "reference", TOKEN)
+    try:
+        # 1. The interrupted run: kill -9 once some of its requests are answered, start again.
+        start = served(model_server)
+        run_id = await submit(evals, checkpoint, model_server.http_url)
+        while served(model_server) - start < 8:
+            assert (await run_state(evals, run_id)).status in (
+                eval_pb2.RUN_STATUS_PENDING,
+                eval_pb2.RUN_STATUS_RUNNING,
+            ), "the run ended before the kill: make it longer"
+            await asyncio.sleep(0.02)
+        evals.kill()
+        before_kill = served(model_server) - start
+        await asyncio.to_thread(evals.start, 60)
+        await asyncio.to_thread(wait_ready, evals)
+        resumed = await finished(evals, run_id)
+        interrupted_calls = served(model_server) - start
+        # 2. The reference: the same spec, uninterrupted, with its own database and cache.
+        reference.start(60)
+        mark = served(model_server)
+        reference_run = await finished(reference, await submit(reference, checkpoint, model_server.http_url))
+        reference_calls = served(model_server) - mark
+    finally:
+        reference.stop()
+        evals.stop()
+        model_server.stop()
+    print(
+        f"\nfault eval kill -9: {before_kill:.0f} model calls answered before the kill, "
+        f"{interrupted_calls:.0f} in all for the interrupted run, {reference_calls:.0f} for the reference"
+    )
+    assert resumed.status == eval_pb2.RUN_STATUS_SUCCEEDED, resumed.error
+    assert resumed.spec_hash == reference_run.spec_hash
+    assert resumed.example_count == reference_run.example_count == DOCUMENTS
+    metrics = {m.name: (m.value, m.ci_low, m.ci_high, m.n) for m in resumed.metrics}
+    assert metrics == {m.name: (m.value, m.ci_low, m.ci_high, m.n) for m in reference_run.metrics}
+    assert metrics  # perplexity and bits per byte at least
+    # Answers that came back before the kill were not asked for again (at most what was in flight).
+    assert interrupted_calls <= reference_calls + CONCURRENCY
