@@ -10,6 +10,7 @@ import pytest
 
 from forge_kit.http import make_app
 from forge_kit.objectstore import ObjectStore
+from forge_kit.testing.tiny_llama import save_tiny_llama as save_random_llama
 from forge_model_server.openai_api import install_openai_api
 from forge_model_server.service import (
     Engine,
@@ -143,44 +144,17 @@ def save_tiny_llama(
     folder: Path, *, chat_template: str | None = None, seed: int = 0, context: int = 256
 ) -> Path:
     """A randomly initialised tiny Llama (2 layers, hidden 64, 4 heads, 2 KV heads) with a
-    byte-level BPE tokenizer, saved in Hugging Face format exactly as the trainer exports."""
-    import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    bpe.train_from_iterator([TINY_CORPUS] * 4, trainer)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>")
-    if chat_template is not None:
-        tokenizer.chat_template = chat_template
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=bpe.get_vocab_size(),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=context,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
-        tie_word_embeddings=False,
-        # Wider than the default 0.02 so greedy choices are not near-ties that rounding could flip.
+    byte-level BPE tokenizer, saved in Hugging Face format exactly as the trainer exports. Weights
+    are drawn wider than the default 0.02 so greedy choices are not near-ties that rounding could
+    flip."""
+    return save_random_llama(
+        folder,
+        corpus=[TINY_CORPUS] * 4,
+        context=context,
+        seed=seed,
+        chat_template=chat_template,
         initializer_range=0.2,
     )
-    model = LlamaForCausalLM(config).eval()
-    folder.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
 
 
 @pytest.fixture(scope="session")

@@ -24,9 +24,13 @@ def save_tiny_llama(
     hidden: int = 64,
     layers: int = 2,
     seed: int = 0,
+    chat_template: str | None = None,
+    initializer_range: float = 0.02,
 ) -> Path:
     """Train a BPE tokenizer of ``vocab_size`` on ``corpus``, build a random Llama (``layers`` x
-    ``hidden``, 4 heads over 2 KV heads, ``context`` positions) and save both into ``folder``."""
+    ``hidden``, 4 heads over 2 KV heads, ``context`` positions, no BOS token, weights drawn with
+    ``initializer_range``) and save both into ``folder``; ``chat_template`` goes into the
+    tokenizer config."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -42,6 +46,8 @@ def save_tiny_llama(
     )
     bpe.train_from_iterator(list(corpus), trainer)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>")
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=bpe.get_vocab_size(),
@@ -52,8 +58,11 @@ def save_tiny_llama(
         num_key_value_heads=2,
         max_position_embeddings=context,
         eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
         tie_word_embeddings=False,
+        initializer_range=initializer_range,
     )
-    LlamaForCausalLM(config).save_pretrained(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    LlamaForCausalLM(config).eval().save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
