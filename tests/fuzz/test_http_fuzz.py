@@ -28,6 +28,7 @@ pytestmark = [
 EXAMPLES = int(os.environ.get("FORGE_FUZZ_EXAMPLES", "20"))
 TENANT_KEY = "fk-fuzz-tenant-key"
 MODEL_SERVER_TOKEN = "fuzz-model-server-token"
+GATEWAY_ADMIN_TOKEN = "fuzz-gateway-admin-token"
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +57,7 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess
             "FORGE_INFERENCE_GATEWAY_MODEL_SERVER_URL": upstream.http_url,
             "FORGE_INFERENCE_GATEWAY_MODEL_SERVER_TOKEN": MODEL_SERVER_TOKEN,
             "FORGE_INFERENCE_GATEWAY_BOOTSTRAP_API_KEY": TENANT_KEY,
+            "FORGE_INFERENCE_GATEWAY_AUTH_TOKEN": GATEWAY_ADMIN_TOKEN,
             "FORGE_INFERENCE_GATEWAY_DEFAULT_RPM_LIMIT": "1000000",
         },
         log_path=str(data / "gateway.log"),
@@ -67,12 +69,14 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess
 
 
 def fuzz_operation(operation: Any, base_url: str, statuses: Counter[str]) -> None:
-    """``EXAMPLES`` generated requests to one operation of the schema."""
+    """``EXAMPLES`` generated requests to one operation of the schema, as the tenant on the public
+    API and as the admin on ``/admin/*`` (so the handlers behind authentication are reached)."""
+    token = GATEWAY_ADMIN_TOKEN if operation.path.startswith("/admin/") else TENANT_KEY
 
     @settings(max_examples=EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck))
     @given(operation.as_strategy())
     def fuzz(case: schemathesis.Case) -> None:
-        response = case.call(base_url=base_url, headers={"Authorization": f"Bearer {TENANT_KEY}"}, timeout=30)
+        response = case.call(base_url=base_url, headers={"Authorization": f"Bearer {token}"}, timeout=30)
         statuses[f"{case.method} {case.path} {response.status_code}"] += 1
         assert response.status_code != 500, (
             f"{case.method} {case.path}: 500 for {case.body!r}: {response.text[:300]}"

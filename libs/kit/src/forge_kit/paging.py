@@ -8,6 +8,10 @@ from forge.common.v1 import common_pb2
 
 from forge_kit import errors
 
+#: Largest offset a page may start at: beyond it a database's 64-bit OFFSET would overflow (an
+#: internal error instead of an answer), and no listing here is that long.
+MAX_OFFSET = 2**31 - 1
+
 
 def decode_page(
     page: common_pb2.PageRequest, *, default_size: int = 50, max_size: int = 500
@@ -22,7 +26,7 @@ def decode_page(
         offset = int(base64.urlsafe_b64decode(page.page_token.encode()).decode().removeprefix("o:"))
     except (ValueError, UnicodeDecodeError):
         raise errors.ValidationError("page.page_token", "is not a token returned by this API") from None
-    if offset < 0:
+    if not 0 <= offset <= MAX_OFFSET:
         raise errors.ValidationError("page.page_token", "is not a token returned by this API")
     return size, offset
 

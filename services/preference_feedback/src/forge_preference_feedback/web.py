@@ -32,6 +32,7 @@ from jinja2 import Environment, PackageLoader, select_autoescape
 from pydantic import BaseModel, Field
 
 from forge_kit import errors
+from forge_kit.paging import MAX_OFFSET
 from forge_preference_feedback.quality import QualityPolicy
 from forge_preference_feedback.registry import HeldoutAccuracy, RewardModelRegistry, heldout_of
 from forge_preference_feedback.rounds import RlhfRounds
@@ -453,8 +454,8 @@ def rater_api(
         await admin(request, "the reward-model registry")
         if not 1 <= page_size <= 500:
             raise errors.ValidationError("page_size", "must be between 1 and 500")
-        if offset < 0:
-            raise errors.ValidationError("offset", "must not be negative")
+        if not 0 <= offset <= MAX_OFFSET:
+            raise errors.ValidationError("offset", f"must be between 0 and {MAX_OFFSET}")
         rows, total = await registry.list(name, page_size, offset)
         return {"reward_models": [reward_model_json(r) for r in rows], "total": total}
 
