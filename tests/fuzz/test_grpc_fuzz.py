@@ -21,6 +21,7 @@ from forge.common.v1 import common_pb2
 from forge.eval.v1 import eval_pb2
 from forge.feedback.v1 import feedback_pb2
 from forge.inference.v1 import inference_pb2
+from forge.orchestrator.v1 import orchestrator_pb2
 from forge.rerank.v1 import rerank_pb2
 from forge.retrieval.v1 import retrieval_pb2
 from forge.scheduler.v1 import scheduler_pb2
@@ -30,7 +31,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from forge_kit.grpckit import check_health
-from forge_kit.testing import ServiceProcess
+from forge_kit.testing import ServiceProcess, TemporalDevServer
 from forge_kit.testing.fuzz import SERVER_FAULTS, messages, unary_caller
 
 pytestmark = [
@@ -59,6 +60,11 @@ TARGETS = {
         {},
     ),
     "forge_eval": ("FORGE_EVAL_", eval_pb2.DESCRIPTOR.services_by_name["EvalService"], {}),
+    "forge_orchestrator": (
+        "FORGE_ORCHESTRATOR_",
+        orchestrator_pb2.DESCRIPTOR.services_by_name["OrchestratorService"],
+        {},
+    ),
     "forge_preference_feedback": (
         "FORGE_PREFERENCE_FEEDBACK_",
         feedback_pb2.DESCRIPTOR.services_by_name["PreferenceFeedbackService"],
@@ -76,8 +82,15 @@ TARGETS = {
     ),
 }
 #: Settings a service needs to start on its own, beyond ports, data folder, token and Kafka off.
-#: The orchestrator is left out: it needs a Temporal server (its RPCs are fuzzed in its own tests).
+#: The orchestrator also gets the session's Temporal dev server (below) and a task queue of its own;
+#: the services its workflows would call are unreachable, so a workflow a fuzzed request starts
+#: only waits on its first activity.
 EXTRA_ENV = {
+    "forge_orchestrator": {
+        "FORGE_ORCHESTRATOR_TASK_QUEUE": "fuzz-orchestrator",
+        "FORGE_ORCHESTRATOR_SCHEDULER_TARGET": "127.0.0.1:1",
+        "FORGE_ORCHESTRATOR_EVAL_TARGET": "127.0.0.1:1",
+    },
     "forge_trainer_agent": {"FORGE_TRAINER_AGENT_SCHEDULER_TARGET": "127.0.0.1:1"},
     # BM25 only: loading the embedding model adds nothing to what the request checks see.
     "forge_retriever": {"FORGE_RETRIEVER_DENSE_ENABLED": "false"},
@@ -103,6 +116,9 @@ def server(
     if module == "forge_model_server":
         env["FORGE_MODEL_SERVER_MODELS_DIR"] = str(data / "models")
         (data / "models").mkdir()
+    if module == "forge_orchestrator":
+        temporal: TemporalDevServer = request.getfixturevalue("temporal_server")
+        env["FORGE_ORCHESTRATOR_TEMPORAL_TARGET"] = temporal.target
     process = ServiceProcess(module, env=env, log_path=str(Path(data) / "service.log"), cwd=str(data)).start()
     yield process
     process.stop()

@@ -109,6 +109,8 @@ async def test_call_without_token_is_unauthenticated(server: GrpcServer) -> None
             {"workflow_type": "rlhf", "input": _input(policy_uri="/p", work_uri="/w", kl_budget="x")},
             "input.kl_budget",
         ),
+        # Found by fuzzing: a Struct number JSON cannot carry was an INTERNAL error.
+        ({"workflow_type": "smoke", "input": _input(timeout_s=float("inf"))}, "input"),
     ],
 )
 async def test_invalid_start_names_the_field(stub: Stub, request_fields: dict[str, Any], field: str) -> None:
@@ -117,6 +119,14 @@ async def test_invalid_start_names_the_field(stub: Stub, request_fields: dict[st
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert caught.value.details().startswith(f"{field}:")
     assert (FIELD_METADATA_KEY, field) in tuple(caught.value.trailing_metadata() or ())
+
+
+async def test_a_run_id_that_is_not_one_is_refused_by_field(stub: Stub) -> None:
+    """Found by fuzzing: Temporal's own refusal of the run id surfaced as INTERNAL."""
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await stub.GetWorkflow(orchestrator_pb2.GetWorkflowRequest(workflow_id="smoke-x", run_id=" "))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert caught.value.details().startswith("run_id:")
 
 
 async def test_unknown_workflow_is_not_found(stub: Stub) -> None:

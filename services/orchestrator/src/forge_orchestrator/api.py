@@ -10,6 +10,7 @@ from forge.orchestrator.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 from google.protobuf import json_format, struct_pb2, timestamp_pb2
 from temporalio.client import WorkflowExecutionStatus
 
+from forge_kit import errors
 from forge_orchestrator.service import OrchestratorService, WorkflowView
 
 STATUS = {
@@ -62,7 +63,10 @@ class OrchestratorApi(orchestrator_pb2_grpc.OrchestratorServiceServicer):
     async def StartWorkflow(
         self, request: orchestrator_pb2.StartWorkflowRequest, context: grpc.aio.ServicerContext
     ) -> orchestrator_pb2.StartWorkflowResponse:
-        data = json_format.MessageToDict(request.input) if request.HasField("input") else {}
+        try:
+            data = json_format.MessageToDict(request.input) if request.HasField("input") else {}
+        except (ValueError, json_format.Error) as exc:  # NaN or infinity: not JSON
+            raise errors.ValidationError("input", f"must be plain JSON: {exc}") from None
         workflow_id, run_id = await self._service.start_workflow(
             request.workflow_type, data, request.workflow_id
         )

@@ -302,12 +302,19 @@ class OrchestratorService:
         except RPCError as exc:
             if exc.status == RPCStatusCode.NOT_FOUND:
                 raise errors.NotFoundError(f"workflow {handle.id!r} not found") from None
+            if exc.status == RPCStatusCode.INVALID_ARGUMENT:  # an id Temporal cannot take
+                raise errors.ValidationError("workflow_id", exc.message) from None
             raise
 
     async def get_workflow(self, workflow_id: str, run_id: str = "") -> WorkflowView:
         """Status of a run (the latest when ``run_id`` is empty), its result, error or progress."""
         if not workflow_id:
             raise errors.ValidationError("workflow_id", "must not be empty")
+        if run_id:
+            try:
+                uuid.UUID(run_id)
+            except ValueError:
+                raise errors.ValidationError("run_id", "must be empty or a run id (a UUID)") from None
         d = await self._describe(self._client.get_workflow_handle(workflow_id, run_id=run_id or None))
         handle = self._client.get_workflow_handle(workflow_id, run_id=d.run_id)
         view = WorkflowView(
