@@ -12,10 +12,9 @@ import bisect
 import heapq
 import itertools
 import math
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from operator import attrgetter, itemgetter
-from typing import Literal, TypeVar
+from typing import Literal
 
 import numpy as np
 
@@ -31,8 +30,6 @@ from forge_scheduler.policy.model import (
     Snapshot,
     Team,
 )
-
-T = TypeVar("T")
 
 Ordering = Literal["forge", "fifo", "multifactor"]
 
@@ -320,10 +317,9 @@ class PolicyEngine:
         """
         cfg = self.config
         pending = snap.pending
-        # map with attrgetter runs in C: these columns are most of an ordering's cost
-        jobs = list(map(attrgetter("job"), pending))
-        ids = list(map(attrgetter("id"), jobs))
-        submit = np.fromiter(map(attrgetter("submit_time"), jobs), np.float64, len(jobs))
+        jobs = [p.job for p in pending]
+        ids = [job.id for job in jobs]
+        submit = np.array([job.submit_time for job in jobs], dtype=np.float64)
         if cfg.ordering == "fifo":
             order = _lex_order([submit], ids)
         elif cfg.ordering == "multifactor":
@@ -345,7 +341,7 @@ class PolicyEngine:
             order = _lex_order([-priority, -score, submit], ids)
         else:
             raise ValueError(f"ordering: unknown {cfg.ordering!r}")
-        return _take(pending, order), _take(ids, order)
+        return [pending[i] for i in order], [ids[i] for i in order]
 
     # ------------------------------------------------------------------ the cycle
     def cycle(self, snap: Snapshot, now: float) -> CycleResult:
@@ -883,13 +879,6 @@ def never_fits(job: Job, nodes: list[Node]) -> str | None:
     }[job.placement]
     kind = f" {job.gpu_type}" if job.gpu_type else ""
     return f"asks {job.gpus}{kind} GPUs in {where}; the largest there is {empty.largest_block(job)}"
-
-
-def _take(items: Sequence[T], order: list[int]) -> list[T]:
-    """``[items[i] for i in order]``, gathered in C."""
-    if len(order) < 2:
-        return [items[i] for i in order]
-    return list(itemgetter(*order)(items))
 
 
 def _lex_order(keys: list[np.ndarray], ids: list[str]) -> list[int]:
