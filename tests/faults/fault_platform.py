@@ -188,3 +188,28 @@ def start_platform(root: Path, scheduler_env: dict[str, str] | None = None) -> P
 def stop_platform(platform: Platform) -> None:
     for component in (platform.orchestrator, platform.scheduler, platform.temporal, platform.broker):
         component.stop()  # type: ignore[attr-defined]
+
+
+def model_server_process(root: Path, name: str, token: str) -> ServiceProcess:
+    """A model_server over ``root/models`` on ports of its own (so it can be killed and started
+    again in place), one torch thread, Kafka off."""
+    return ServiceProcess(
+        "forge_model_server",
+        env={
+            "FORGE_MODEL_SERVER_GRPC_PORT": str(free_port()),
+            "FORGE_MODEL_SERVER_HTTP_PORT": str(free_port()),
+            "FORGE_MODEL_SERVER_AUTH_TOKEN": token,
+            "FORGE_MODEL_SERVER_MODELS_DIR": str(root / "models"),
+            "FORGE_MODEL_SERVER_KAFKA_ENABLED": "false",
+            "FORGE_MODEL_SERVER_TORCH_THREADS": "1",
+        },
+        cwd=str(root),
+        log_path=str(root / f"{name}.log"),
+    )
+
+
+def vllm_metric(process: ServiceProcess, name: str) -> float:
+    """The sum over labels of one metric on a model server's ``/metrics`` (vLLM's names)."""
+    with urllib.request.urlopen(f"{process.http_url}/metrics", timeout=5) as reply:
+        text = reply.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))

@@ -19,9 +19,8 @@ import os
 import time
 from pathlib import Path
 
-import httpx
 import pytest
-from fault_platform import wait_ready
+from fault_platform import model_server_process, vllm_metric, wait_ready
 from forge.common.v1 import common_pb2
 from forge.eval.v1 import eval_pb2, eval_pb2_grpc
 
@@ -57,12 +56,7 @@ def eval_process(root: Path, name: str, endpoint_token: str) -> ServiceProcess:
 
 def served(model_server: ServiceProcess) -> float:
     """Requests the model server finished (its vLLM counter)."""
-    text = httpx.get(f"{model_server.http_url}/metrics", timeout=5).text
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("vllm:request_success_total{")
-    )
+    return vllm_metric(model_server, "vllm:request_success_total")
 
 
 async def submit(evals: ServiceProcess, checkpoint: Path, endpoint: str) -> str:
@@ -105,19 +99,7 @@ async def finished(evals: ServiceProcess, run_id: str, timeout_s: float = 180) -
 
 async def test_eval_kill_mid_run_resumes_to_the_same_result(tmp_path: Path) -> None:
     checkpoint = tiny_llama.save_tiny_llama(tmp_path / "models" / "llama", hidden=256, layers=4)
-    model_server = ServiceProcess(
-        "forge_model_server",
-        env={
-            "FORGE_MODEL_SERVER_GRPC_PORT": "0",
-            "FORGE_MODEL_SERVER_HTTP_PORT": "0",
-            "FORGE_MODEL_SERVER_AUTH_TOKEN": TOKEN,
-            "FORGE_MODEL_SERVER_MODELS_DIR": str(tmp_path / "models"),
-            "FORGE_MODEL_SERVER_KAFKA_ENABLED": "false",
-            "FORGE_MODEL_SERVER_TORCH_THREADS": "1",
-        },
-        cwd=str(tmp_path),
-        log_path=str(tmp_path / "model_server.log"),
-    ).start(90)
+    model_server = model_server_process(tmp_path, "model_server", TOKEN).start(90)
     evals = eval_process(tmp_path, "eval", TOKEN).start(60)
     reference = eval_process(tmp_path, "reference", TOKEN)
     try:

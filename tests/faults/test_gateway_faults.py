@@ -22,14 +22,14 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 import pytest
-from fault_platform import wait_ready
+from fault_platform import model_server_process, vllm_metric, wait_ready
 
 from forge_kit.testing import ServiceProcess, free_port, tiny_llama
 
@@ -40,23 +40,6 @@ CLIENTS = 4
 REQUESTS = 48
 MAX_TOKENS = 8
 LONG_TOKENS = 96  # long enough that streams are open on a replica when it dies
-
-
-def model_server(root: Path, name: str) -> ServiceProcess:
-    """A replica on ports of its own, so it can be killed and started again in place."""
-    return ServiceProcess(
-        "forge_model_server",
-        env={
-            "FORGE_MODEL_SERVER_GRPC_PORT": str(free_port()),
-            "FORGE_MODEL_SERVER_HTTP_PORT": str(free_port()),
-            "FORGE_MODEL_SERVER_AUTH_TOKEN": TOKEN,
-            "FORGE_MODEL_SERVER_MODELS_DIR": str(root / "models"),
-            "FORGE_MODEL_SERVER_KAFKA_ENABLED": "false",
-            "FORGE_MODEL_SERVER_TORCH_THREADS": "1",
-        },
-        cwd=str(root),
-        log_path=str(root / f"{name}.log"),
-    )
 
 
 @dataclass
@@ -125,16 +108,10 @@ async def app_client(
 
 def replica_gauges(proc: ServiceProcess) -> tuple[float, float, float]:
     """(running requests, KV cache use, finished requests) from the replica's vLLM metrics."""
-    text = httpx.get(f"{proc.http_url}/metrics", timeout=5).text
-    values: defaultdict[str, float] = defaultdict(float)
-    for line in text.splitlines():
-        for name in ("vllm:num_requests_running", "vllm:kv_cache_usage_perc", "vllm:request_success_total"):
-            if line.startswith(name + "{"):
-                values[name] += float(line.rsplit(" ", 1)[1])
     return (
-        values["vllm:num_requests_running"],
-        values["vllm:kv_cache_usage_perc"],
-        values["vllm:request_success_total"],
+        vllm_metric(proc, "vllm:num_requests_running"),
+        vllm_metric(proc, "vllm:kv_cache_usage_perc"),
+        vllm_metric(proc, "vllm:request_success_total"),
     )
 
 
@@ -162,7 +139,7 @@ async def start_serving(root: Path) -> tuple[list[ServiceProcess], ServiceProces
     """Two replicas and the gateway; an admin creates the tenant (its key is returned) and adds the
     second replica through the API."""
     tiny_llama.save_tiny_llama(root / "models" / "llama")
-    replicas = [model_server(root, "replica-a"), model_server(root, "replica-b")]
+    replicas = [model_server_process(root, f"replica-{n}", TOKEN) for n in "ab"]
     with ThreadPoolExecutor(2) as pool:
         list(pool.map(lambda p: p.start(90), replicas))
     gateway = gateway_process(root, replicas[0].http_url).start(60)
@@ -175,12 +152,6 @@ async def start_serving(root: Path) -> tuple[list[ServiceProcess], ServiceProces
         added = await http.post("/admin/v1/replicas", json={"url": replicas[1].http_url})
         assert added.status_code == 201, added.text
     return replicas, gateway, created.json()["api_key"]
-
-
-def replica_gauges_served(
-    gauges: list[tuple[float, float, float]], replicas: list[ServiceProcess], proc: ServiceProcess
-) -> float:
-    return gauges[replicas.index(proc)][2]
 
 
 def request_queue(first: int, count: int) -> asyncio.Queue[str]:
@@ -296,7 +267,7 @@ async def test_model_server_kill_fails_over_and_the_replica_rejoins(tmp_path: Pa
     print(
         f"\nfault model_server kill -9: healthy again after {back}s; failed attempts retried: "
         f"{dict(tally.failures)} ({open_streams:.0f} streams were open on it); the restarted replica served "
-        f"{replica_gauges_served(gauges, replicas, victim) - rejoined:.0f} of the last "
+        f"{gauges[replicas.index(victim)][2] - rejoined:.0f} of the last "
         f"{REQUESTS // 2}"
     )
     total = REQUESTS + REQUESTS // 2
@@ -308,5 +279,5 @@ async def test_model_server_kill_fails_over_and_the_replica_rejoins(tmp_path: Pa
     assert set(tally.failures) <= {"error event"}, tally.failures
     assert tally.failures["error event"] <= CLIENTS  # one open stream per client at most
     assert back is not None and back <= 60
-    assert replica_gauges_served(gauges, replicas, victim) - rejoined > 0  # routed to again after restart
+    assert gauges[replicas.index(victim)][2] - rejoined > 0  # routed to again after restart
     assert all(running == 0 and kv == 0 for running, kv, _ in gauges), gauges
