@@ -27,7 +27,7 @@ from forge.retrieval.v1 import retrieval_pb2
 from forge.scheduler.v1 import scheduler_pb2
 from forge.trainer.v1 import trainer_pb2
 from google.protobuf.message import Message
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from forge_kit.grpckit import check_health
@@ -222,6 +222,19 @@ def test_near_valid_job_submissions_never_get_a_server_error(
                 suppress_health_check=list(HealthCheck),
             )
             @given(_near_valid_spec(), st.sampled_from(["", "req-1", "req-2"]))
+            # One submission that is valid whatever the draw, so the accepted path (the outbox,
+            # idempotency) is always exercised: a random hundred sometimes held none.
+            @example(
+                scheduler_pb2.JobSpec(
+                    name="fuzz-valid",
+                    team="fuzz-team",
+                    priority_class="normal",
+                    resources=common_pb2.ResourceRequest(gpu_count=1, gpu_type="H100"),
+                    replicas=1,
+                    command=["python", "train.py"],
+                ),
+                "",
+            )
             def fuzz(spec: scheduler_pb2.JobSpec, request_id: str) -> None:
                 code = submit(scheduler_pb2.SubmitJobRequest(spec=spec, request_id=request_id))
                 statuses[code.name] += 1
