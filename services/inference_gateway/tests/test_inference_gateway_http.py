@@ -132,3 +132,10 @@ async def test_admin_bad_input_is_400_naming_the_field(http: httpx.AsyncClient) 
     ):
         reply = await http.post("/v1/completions", json={**body, **bad})
         assert reply.status_code == 400 and reply.json()["error"]["param"] == field
+
+
+async def test_a_replica_without_tokenize_leaves_the_count_to_the_caller(gateway: Any) -> None:
+    """The recorded replica has no ``/tokenize`` (404): no count, so RAG keeps its estimate."""
+    await gateway.pool.ensure_known()
+    messages = [{"role": "user", "content": "hello"}]
+    assert await gateway.count_tokens("tiny", messages, gateway.deadline()) is None

@@ -106,6 +106,38 @@ def test_bad_input_names_the_field(body: dict[str, Any], field: str) -> None:
     assert raised.value.field == field
 
 
+class _CountingGateway:
+    """The one gateway call context fitting makes: a count of words, or None (no replica counts)."""
+
+    def __init__(self, counts: bool) -> None:
+        self.counts = counts
+        self.calls = 0
+
+    async def count_tokens(self, target: str, messages: list[dict[str, str]], deadline: float) -> int | None:
+        self.calls += 1
+        return len(messages[0]["content"].split()) if self.counts else None
+
+
+async def test_fitting_corrects_the_estimate_with_the_replicas_count() -> None:
+    ranked = [(chunk(d, 0, words(i * 100, i * 100 + 60)), 1.0) for i, d in enumerate("abcd")]
+    # The estimate (1 token per 50 characters) says everything fits; counted in words it does not.
+    counted = _CountingGateway(counts=True)
+    rag = RagService(counted, None, None, None, RagLimits(chars_per_token=50.0))  # type: ignore[arg-type]
+    passages, prompt, tokens, method = await rag._fit("q", ranked, 150, "m", float("inf"))
+    assert method.startswith("measured") and tokens == len(prompt.split()) <= 150
+    # Head and question are about 27 words, each passage 61: one or two passages fit.
+    assert tokens >= 85 and 1 <= len(passages) <= 2 and counted.calls <= 4
+    # No replica counts: the estimate stands, and says so.
+    rag = RagService(_CountingGateway(counts=False), None, None, None, RagLimits(chars_per_token=50.0))  # type: ignore[arg-type]
+    passages, prompt, tokens, method = await rag._fit("q", ranked, 150, "m", float("inf"))
+    assert method.startswith("estimated") and len(passages) == 4 and tokens == -(-len(prompt) // 50)
+    # Not even the instructions fit the model's count: 400 naming the budget.
+    rag = RagService(_CountingGateway(counts=True), None, None, None, RagLimits(chars_per_token=50.0))  # type: ignore[arg-type]
+    with pytest.raises(errors.ValidationError) as raised:
+        await rag._fit("q", ranked, 10, "m", float("inf"))
+    assert raised.value.field == "max_context_tokens"
+
+
 # -- against real retriever, reranker and model_server processes ---------------------------------
 
 # ASCII only: the test model's byte-level tokenizer then makes at most one token per character,
@@ -204,13 +236,15 @@ async def rag_gateway(
     keys: dict[str, str] = {}
 
     async def build(
-        retriever_target: str | None = None, reranker_target: str | None = None
+        retriever_target: str | None = None,
+        reranker_target: str | None = None,
+        limits: RagLimits | None = None,
     ) -> tuple[dict[str, str], Client]:
         gateway = await make_gateway([ingested["model_server"].http_url])
         retriever = GrpcRetriever(retriever_target or ingested["retriever"].grpc_target, SERVICE_TOKEN)
         reranker = GrpcReranker(reranker_target or ingested["reranker"].grpc_target, SERVICE_TOKEN)
         channels.extend((retriever, reranker))
-        limits = RagLimits(chars_per_token=1.0, answer_reserve_s=1.0, default_max_tokens=8)
+        limits = limits or RagLimits(chars_per_token=1.0, answer_reserve_s=1.0, default_max_tokens=8)
         rag = RagService(gateway, retriever, reranker, InMemoryCache(), limits)
         app = make_app("inference_gateway")
         install_gateway_api(app, gateway, ADMIN_TOKEN, rag)
@@ -251,8 +285,11 @@ async def test_rag_answers_with_numbered_passages_of_the_callers_tenant_only(rag
         assert {p["document_id"] for p in passages} <= set(ACME_DOCS)
         assert passages[0]["document_id"] == "acme-1", result  # two query words: ranked first
         assert passages[0]["metadata"]["source"] == "acme"
+        # Counted by the model server with the model's tokenizer and chat template: exactly the
+        # prompt the answer was generated from.
         assert result["context"]["tokens"] <= result["context"]["budget_tokens"]
-        assert "estimated" in result["context"]["token_count"]
+        assert result["context"]["token_count"].startswith("measured")
+        assert result["context"]["tokens"] == result["usage"]["prompt_tokens"]
         assert {c["n"] for c in result["citations"]} <= {1, 2}
         assert reply.headers["x-forge-cache"] == "miss"
         # Globex's "zebra" document is never Acme's, and the other way round.
@@ -268,6 +305,23 @@ async def test_rag_answers_with_numbered_passages_of_the_callers_tenant_only(rag
         again = await acme.post("/v1/rag/query", json=_body(top_n=2))
         assert again.headers["x-forge-cache"] == "hit" and again.json()["cached"] is True
         assert again.json()["answer"] == result["answer"]
+
+
+@pytest.mark.integration
+async def test_rag_fits_the_serving_models_tokens_when_the_estimate_is_wrong(rag_gateway: Any) -> None:
+    """Assembly with a ratio that undercounts (8 characters a token; this tokenizer, trained on five
+    sentences, makes about one per character) is corrected by the replica's count: the prompt still
+    fits."""
+    limits = RagLimits(chars_per_token=8.0, answer_reserve_s=1.0, default_max_tokens=8)
+    keys, client = await rag_gateway(limits=limits)
+    async with client(keys["acme"]) as acme:
+        for budget in (260, 400):
+            reply = await acme.post("/v1/rag/query", json=_body(max_context_tokens=budget, top_n=3))
+            assert reply.status_code == 200, reply.text
+            context, usage = reply.json()["context"], reply.json()["usage"]
+            assert context["token_count"].startswith("measured")
+            assert context["tokens"] == usage["prompt_tokens"] <= budget
+            assert context["passages"] >= 1
 
 
 @pytest.mark.integration

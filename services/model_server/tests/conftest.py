@@ -70,6 +70,11 @@ class ScriptedEngine:
     def num_waiting(self) -> int:
         return 0
 
+    def tokenize(self, request: GenerationRequest) -> list[int]:
+        """One id per whitespace-separated word of the prompt or of the messages' contents."""
+        text = request.prompt if request.messages is None else " ".join(m.content for m in request.messages)
+        return list(range(len((text or "").split())))
+
 
 @pytest.fixture
 def models_root(tmp_path: Path) -> Path:

@@ -228,3 +228,44 @@ async def test_echo_with_logprobs_scores_the_prompt_as_vllm_does(http: httpx.Asy
     assert lps["token_logprobs"][0] is None and all(v <= 0 for v in lps["token_logprobs"][1:])
     assert "".join(lps["tokens"][: usage["prompt_tokens"]]) == PROMPT
     assert lps["text_offset"][usage["prompt_tokens"]] == len(PROMPT)
+
+
+async def test_tokenize_counts_what_generation_feeds_the_model(http: httpx.AsyncClient) -> None:
+    """``/tokenize`` (vLLM's route) counts exactly the prompt tokens a completion then reports."""
+    messages = [{"role": "user", "content": PROMPT}]
+    for body in ({"prompt": PROMPT}, {"messages": messages}):
+        counted = await http.post("/tokenize", json={"model": "tiny", **body})
+        assert counted.status_code == 200, counted.text
+        route = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
+        answered = await http.post(route, json={"model": "tiny", **body, "max_tokens": 1})
+        assert answered.status_code == 200, answered.text
+        reply = counted.json()
+        assert reply["count"] == len(reply["tokens"]) == answered.json()["usage"]["prompt_tokens"] > 0
+        assert reply["max_model_len"] > reply["count"]
+    # The chat template adds tokens around the message.
+    plain = (await http.post("/tokenize", json={"model": "tiny", "prompt": PROMPT})).json()["count"]
+    chat = (await http.post("/tokenize", json={"model": "tiny", "messages": messages})).json()["count"]
+    assert chat > plain
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"model": "tiny"}, "prompt"),
+        ({"model": "tiny", "prompt": "a", "messages": [{"role": "user", "content": "a"}]}, "messages"),
+        ({"model": "tiny", "messages": [{"role": "robot", "content": "a"}]}, "messages.0.role"),
+        ({"model": "tiny", "prompt": "a", "add_special_tokens": False}, "add_special_tokens"),
+        ({"model": "", "prompt": "a"}, "model"),
+    ],
+)
+async def test_tokenize_refuses_bad_input_naming_the_field(
+    http: httpx.AsyncClient, body: dict[str, object], param: str
+) -> None:
+    reply = await http.post("/tokenize", json=body)
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == param
+
+
+async def test_tokenize_of_an_unknown_model_is_404(http: httpx.AsyncClient) -> None:
+    reply = await http.post("/tokenize", json={"model": "nope", "prompt": "a"})
+    assert reply.status_code == 404 and reply.json()["error"]["param"] == "model"

@@ -20,11 +20,13 @@
    response cache), streamed as SSE when asked; the response names the passages and which of them
    the answer cites.
 
-Token counting: the serving model's tokenizer files live on the model servers, which expose no
-tokenize endpoint, so the context budget is measured with a conservative bound of
-``rag_chars_per_token`` characters per token (default 3: English BPE text with a vocabulary of 32k
-or more averages about 4) and capped by the model's ``max_model_len`` when a replica reports it.
-Every response says so under ``context.token_count``.
+Token counting: the context budget is in tokens of the serving model, counted by a replica that
+serves it (``POST /tokenize``, vLLM's route, which Forge's model_server answers too) on the whole
+chat as the model will see it, template included. Assembly itself counts with a
+characters-per-token ratio, ``rag_chars_per_token`` (default 3) at first and then the ratio the
+replica's count showed, until the count fits (:meth:`RagService._fit`); the budget is also capped
+by the model's ``max_model_len``. A replica without the route leaves the estimate in place, and
+every response says which under ``context.token_count``.
 """
 
 from __future__ import annotations
@@ -87,6 +89,7 @@ class RagLimits:
     rerank_min_s: float = 0.05
     answer_reserve_s: float = 2.0
     chars_per_token: float = 3.0
+    fit_rounds: int = 4
     cache_ttl_s: float = 60.0
 
 
@@ -398,6 +401,15 @@ def assemble_context(
     return placed, prompt
 
 
+#: A measured prompt holding at least this fraction of the budget is full enough.
+FIT_LOW = 0.9
+
+
+def _chars_counter(chars_per_token: float) -> Callable[[str], int]:
+    """Token count of a text estimated as ``ceil(characters / chars_per_token)``."""
+    return lambda text: math.ceil(len(text) / chars_per_token)
+
+
 def cited(answer: str, passages: Sequence[Passage]) -> list[Passage]:
     """The passages ``answer`` cites as ``[n]`` or ``[n, m]``, in order of first citation."""
     by_n = {p.n: p for p in passages}
@@ -428,10 +440,6 @@ class RagService:
         self._cache = cache
         self.limits = limits or RagLimits()
         self._clock = clock
-
-    def count_tokens(self, text: str) -> int:
-        """Conservative token count of ``text`` (see the module docstring)."""
-        return math.ceil(len(text) / self.limits.chars_per_token)
 
     def _left(self, deadline: float) -> float:
         left = deadline - self._clock()
@@ -490,23 +498,18 @@ class RagService:
                 raise errors.ValidationError(
                     "max_tokens", f"leaves no room for context in the model's {model_len}-token window"
                 )
-        plan.passages, prompt = assemble_context(query.query, ranked, budget, self.count_tokens)
-        if self.count_tokens(prompt) > budget:
-            window = f" (the model's window is {model_len} tokens)" if model_len is not None else ""
-            raise errors.ValidationError(
-                "max_context_tokens",
-                f"{budget} tokens cannot hold the instructions and the question{window}",
-            )
+        plan.passages, prompt, tokens, method = await self._fit(
+            query.query, ranked, budget, target, plan.deadline
+        )
         plan.messages = [{"role": "user", "content": prompt}]
         plan.report = {
             "retrieval": {"mode": mode, "candidates": len(candidates), "top_k": query.top_k},
             "rerank": rerank,
             "context": {
                 "passages": len(plan.passages),
-                "tokens": self.count_tokens(prompt),
+                "tokens": tokens,
                 "budget_tokens": budget,
-                "token_count": f"estimated: ceil(characters / {self.limits.chars_per_token:g}),"
-                " the serving model's tokenizer is not available to the gateway",
+                "token_count": method,
             },
             "timings_ms": {
                 "retrieve": round((retrieved - started) * 1000, 1),
@@ -514,6 +517,59 @@ class RagService:
             },
         }
         return plan
+
+    async def _fit(
+        self, query: str, ranked: list[tuple[Candidate, float]], budget: int, target: str, deadline: float
+    ) -> tuple[list[Passage], str, int, str]:
+        """Step 5: passages and prompt within ``budget`` tokens of the serving model, the prompt's
+        token count, and how it was counted.
+
+        Assembly counts with a characters-per-token ratio (the conservative ``chars_per_token`` at
+        first); the assembled chat is then counted by a replica with the model's own tokenizer and
+        template (``/tokenize``), and assembly runs again with the ratio that prompt showed (and, once
+        that ratio still overshoots, a budget lowered by the excess), at most ``fit_rounds`` counts, keeping the fullest
+        prompt that fits. Without a replica that counts, the estimate stands.
+        """
+        ratio, aim = self.limits.chars_per_token, budget
+        best: tuple[list[Passage], str, int] | None = None
+        measured_any = False
+        for _ in range(self.limits.fit_rounds):
+            passages, prompt = assemble_context(query, ranked, aim, _chars_counter(ratio))
+            if best is not None and prompt == best[1]:
+                break  # the corrected ratio places nothing more
+            measured = await self._gateway.count_tokens(
+                target, [{"role": "user", "content": prompt}], min(deadline, self._clock() + 2.0)
+            )
+            if measured is None:
+                break
+            measured_any = True
+            if measured <= budget and (best is None or measured > best[2]):
+                best = (passages, prompt, measured)
+            if FIT_LOW * budget <= measured <= budget:
+                break
+            if measured > budget and ratio != self.limits.chars_per_token:
+                # Already assembled with a measured ratio: the text varies; aim lower by the excess.
+                aim = max(1, aim - (measured - budget))
+            ratio = len(prompt) / max(measured, 1)
+        if best is not None:
+            return *best, "measured: the serving model's tokenizer and chat template (/tokenize on a replica)"
+        if measured_any:
+            raise errors.ValidationError(
+                "max_context_tokens",
+                f"{budget} tokens of the serving model cannot hold the instructions and the question",
+            )
+        count = _chars_counter(self.limits.chars_per_token)
+        passages, prompt = assemble_context(query, ranked, budget, count)
+        if count(prompt) > budget:
+            raise errors.ValidationError(
+                "max_context_tokens", f"{budget} tokens cannot hold the instructions and the question"
+            )
+        return (
+            passages,
+            prompt,
+            count(prompt),
+            f"estimated: ceil(characters / {self.limits.chars_per_token:g}); no replica counted it",
+        )
 
     async def _rerank(
         self, query: RagQuery, candidates: list[Candidate], deadline: float

@@ -601,6 +601,23 @@ class InferenceGateway:
             listed.append(entry)
         return listed
 
+    async def count_tokens(self, target: str, messages: list[dict[str, str]], deadline: float) -> int | None:
+        """Prompt tokens of chat ``messages`` for the model ``target``, counted by a replica that
+        serves it with its own tokenizer and chat template (vLLM's ``POST /tokenize``); None when
+        no healthy replica answers the route (the caller then estimates)."""
+        body = {"model": target, "messages": messages}
+        for replica in self.pool.candidates(target):
+            try:
+                reply = await replica.client.request("POST", "/tokenize", deadline, body)
+            except UpstreamUnavailableError as exc:
+                self.pool.report_failure(replica, exc)
+                continue
+            count = _tokenize_count(reply.content) if reply.status_code == 200 else None
+            if count is not None:
+                return count
+            log.info("gateway.tokenize_unanswered", replica=replica.url, status=reply.status_code)
+        return None
+
     async def route(self, tenant: Tenant, path: str, body: object, session_key: str | None = None) -> Routed:
         """Step 3: validate what routing needs, resolve the alias (and its canary), set the priority."""
         if not isinstance(body, dict):
@@ -797,6 +814,15 @@ class InferenceGateway:
                 completion_tokens=int(usage.get("completion_tokens", 0)),
             ),
         )
+
+
+def _tokenize_count(content: bytes) -> int | None:
+    """``count`` of a ``/tokenize`` answer, or None when the body is not one."""
+    try:
+        count = json.loads(content).get("count")
+    except (ValueError, AttributeError):
+        return None
+    return count if isinstance(count, int) and not isinstance(count, bool) and count >= 0 else None
 
 
 async def _once(content: bytes) -> AsyncGenerator[bytes, None]:

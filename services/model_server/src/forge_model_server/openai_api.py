@@ -76,6 +76,18 @@ class ChatCompletionBody(_Sampling):
     max_completion_tokens: int | None = Field(default=None, description="Newer name of max_tokens.")
 
 
+class TokenizeBody(BaseModel):
+    """vLLM's ``/tokenize`` body: a ``prompt``, or chat ``messages`` rendered with the template."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    prompt: str | None = None
+    messages: list[ChatMessageBody] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
 def _stops(stop: str | list[str] | None) -> list[str]:
     if stop is None:
         return []
@@ -220,6 +232,28 @@ class OpenAIRoutes:
             raise errors.ValidationError("top_logprobs", "needs logprobs: true")
         return await self._respond(generation, body, chat=True)
 
+    async def tokenize(self, body: TokenizeBody) -> dict[str, object]:
+        """``POST /tokenize`` as vLLM answers it: the ids generation would feed the model, their
+        count and the model's context, so a caller can fit a prompt with the serving tokenizer."""
+        # Only what generation does can be counted: the ids of any other rendering would not be
+        # the prompt the model sees.
+        for name in ("add_special_tokens", "add_generation_prompt"):
+            if not getattr(body, name):
+                raise errors.ValidationError(
+                    name, "only true is supported (the prompt as generation sees it)"
+                )
+        messages = (
+            [ChatMessage(m.role, m.content) for m in body.messages] if body.messages is not None else None
+        )
+        request = GenerationRequest(model=body.model, prompt=body.prompt, messages=messages)
+        info, tokens = self._server.tokenize(request)
+        return {
+            "count": len(tokens),
+            "max_model_len": info.max_context_tokens or None,
+            "tokens": tokens,
+            "token_strs": None,
+        }
+
     async def _respond(self, generation: GenerationRequest, body: _Sampling, *, chat: bool) -> Response:
         info, chunks = await self._server.generate(generation)
         head = {
@@ -312,6 +346,7 @@ def install_openai_api(app: FastAPI, server: ModelServer, token: str | None) -> 
     app.add_api_route("/v1/models", routes.list_models, methods=["GET"], dependencies=auth)
     app.add_api_route("/v1/completions", routes.completions, methods=["POST"], dependencies=auth)
     app.add_api_route("/v1/chat/completions", routes.chat_completions, methods=["POST"], dependencies=auth)
+    app.add_api_route("/tokenize", routes.tokenize, methods=["POST"], dependencies=auth)
 
     @app.get("/health", include_in_schema=False)
     async def health() -> Response:

@@ -121,7 +121,7 @@ class AsyncEngine:
         """Admit ``request`` now (raising 400/429-class errors) and return its chunk stream."""
         # 1. Tokenize the prompt or the rendered chat.
         field = "messages" if request.messages is not None else "prompt"
-        prompt_ids = self._tokenizer.encode(self._prompt_text(request))
+        prompt_ids = self.tokenize(request)
         if not prompt_ids:
             raise errors.ValidationError(field, "is empty after tokenization")
         # 2. Check it fits the context and the KV pool.
@@ -169,6 +169,10 @@ class AsyncEngine:
         self._wake.set()
         service.NUM_REQUESTS_WAITING.labels(self.name).set(len(self.core.waiting))
         return self._stream(engine_id, tracked)
+
+    def tokenize(self, request: GenerationRequest) -> list[int]:
+        """The prompt ids :meth:`generate` would admit for ``request`` (the same template and call)."""
+        return list(self._tokenizer.encode(self._prompt_text(request)))
 
     def _prompt_text(self, request: GenerationRequest) -> str:
         if request.messages is None:

@@ -191,6 +191,11 @@ class Engine(Protocol):
         """Requests admitted but not yet running (``vllm:num_requests_waiting``)."""
         ...
 
+    def tokenize(self, request: GenerationRequest) -> list[int]:
+        """The token ids ``generate`` would feed the model for ``request``'s prompt or messages
+        (chat template applied): what ``/tokenize`` counts."""
+        ...
+
 
 class EngineLoader(Protocol):
     """Builds the engine of a model on its first request; called by :class:`ModelServer` only.
@@ -437,6 +442,13 @@ class ModelServer:
         info, engine = self.resolve(request.model)
         stream = engine.generate(request)
         return info, ChunkStream(self._run(info, engine, stream), stream)
+
+    def tokenize(self, request: GenerationRequest) -> tuple[ModelInfo, list[int]]:
+        """The model and the token ids its engine would see for ``request`` (vLLM's ``/tokenize``):
+        how a caller such as the gateway measures a prompt with the serving model's tokenizer."""
+        validate(request)
+        info, engine = self.resolve(request.model)
+        return info, engine.tokenize(request)
 
     async def drain(self, timeout_s: float) -> None:
         """Let every engine finish what it admitted (SIGTERM), refusing new requests meanwhile."""
