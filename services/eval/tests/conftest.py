@@ -9,9 +9,10 @@ import sqlalchemy as sa
 
 from forge_eval.runner import ExampleResult
 from forge_eval.service import EvalService
-from forge_eval.spec import BenchmarkCatalog, RunSpec, resolve_data_path
+from forge_eval.spec import BenchmarkCatalog, RunSpec
 from forge_kit.db import Database
 from forge_kit.events import OutboxEvent
+from forge_kit.paths import resolve_data_path
 
 sys.path.insert(0, str(Path(__file__).parent))
 

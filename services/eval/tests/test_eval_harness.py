@@ -16,10 +16,11 @@ from eval_ngram_endpoint import EndpointState, NGramModel, make_app
 
 from forge_eval.backend import OpenAIBackend, ResponseCache
 from forge_eval.harness import compare_runs, read_samples, rescore_task, run_task, windows, write_run
-from forge_eval.spec import BenchmarkCatalog, resolve_data_path
+from forge_eval.spec import BenchmarkCatalog
 from forge_eval.tasks import DataRoots, load_task
 from forge_kit import errors
 from forge_kit.db import Database
+from forge_kit.paths import resolve_data_path
 
 CORPUS_GOOD = "the cat sat on the mat. the dog sat on the log. " * 20 + "one two three four five. " * 10
 CORPUS_BAD = "the cat sat on the hat. the dog sat on the hog. " * 20 + "one two three four five. " * 10

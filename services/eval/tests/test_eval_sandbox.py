@@ -10,8 +10,8 @@ import pytest
 
 from forge_eval.sandbox import SandboxLimits, run_program
 from forge_eval.scorers import get_scorer, pass_at_k
-from forge_eval.spec import resolve_data_path
 from forge_eval.tasks import DataRoots, build_docs, load_task
+from forge_kit.paths import resolve_data_path
 
 FAST = SandboxLimits(timeout_s=2.0, memory_bytes=256 << 20)
 

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from forge_eval.spec import BenchmarkCatalog, RunSpec, normalize_options, resolve_data_path
+from forge_eval.spec import BenchmarkCatalog, RunSpec, normalize_options
 from forge_kit import errors
+from forge_kit.paths import resolve_data_path
 
 
 def make_spec(**changes: object) -> RunSpec:

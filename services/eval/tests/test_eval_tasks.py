@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from forge_eval.spec import resolve_data_path
 from forge_eval.task_runner import TaskCatalog
 from forge_eval.tasks import DataRoots, build_docs, dataset_hash, load_records, load_task, shipped_tasks
 from forge_kit import errors
+from forge_kit.paths import resolve_data_path
 
 ROOTS = DataRoots(resolve_data_path("../shared/data/benchmarks"), resolve_data_path("../shared/data/corpora"))
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from forge_eval.spec import resolve_data_path
+from forge_kit.paths import resolve_data_path
 
 CORPUS = resolve_data_path("../shared/data/corpora") / "tinyshakespeare" / "input.txt"
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from forge_kit.db import Database
+from forge_kit.paths import resolve_data_path
 from forge_preference_feedback.registry import RewardModelRegistry
-from forge_preference_feedback.seeds import resolve_data_path
 from forge_preference_feedback.service import FeedbackService
 from forge_preference_feedback.store import AsyncTransactions, SqliteGroupCommit, Transactions
 

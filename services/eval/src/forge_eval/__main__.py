@@ -12,10 +12,10 @@ from forge_eval.api import EvalApi, named_tokens
 from forge_eval.config import EvalSettings
 from forge_eval.service import EvalService
 from forge_eval.serving import LocalModelServer
-from forge_eval.spec import resolve_data_path
 from forge_eval.task_runner import TaskCatalog, TaskSuiteRunner
 from forge_eval.tasks import DataRoots
 from forge_kit.app import ServiceApp
+from forge_kit.paths import resolve_data_path
 
 
 async def main() -> None:

@@ -38,10 +38,10 @@ from forge_eval.harness import (
     run_task,
     write_run,
 )
-from forge_eval.spec import resolve_data_path
 from forge_eval.tasks import DataRoots, load_task, shipped_tasks
 from forge_kit import clitools, errors
 from forge_kit.grpckit import make_channel
+from forge_kit.paths import resolve_data_path
 
 app = typer.Typer(help="Run benchmark tasks, compare runs and apply the release gate.", no_args_is_help=True)
 

@@ -102,30 +102,6 @@ class RunSpec:
         return [key for key in sorted(mine) if key not in ignore and mine[key] != theirs[key]]
 
 
-def find_repo_root(start: Path) -> Path | None:
-    """The nearest folder above ``start`` holding both ``services/`` and ``libs/``."""
-    for folder in [start, *start.parents]:
-        if (folder / "services").is_dir() and (folder / "libs").is_dir():
-            return folder
-    return None
-
-
-def resolve_data_path(setting: str) -> Path:
-    """An absolute setting as is; a relative one against the working directory (the platform runs
-    services from the repository root), else against the repository this package lives in."""
-    path = Path(setting).expanduser()
-    if path.is_absolute():
-        return path
-    candidates = [Path.cwd()]
-    root = find_repo_root(Path(__file__).resolve().parent)
-    if root is not None:
-        candidates.append(root)
-    for base in candidates:
-        if (base / path).is_dir():
-            return (base / path).resolve()
-    return (Path.cwd() / path).resolve()
-
-
 class SuiteCatalog(Protocol):
     """Which suites exist and what their data hashes to. Called by ``EvalService.run_suite`` to
     validate the suite and pin the content hashes in the run spec."""

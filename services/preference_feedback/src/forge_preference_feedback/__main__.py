@@ -15,13 +15,14 @@ from forge_kit import errors
 from forge_kit.app import ServiceApp
 from forge_kit.eventlog import SERVICE_NAME as EVENT_LOG_SERVICE
 from forge_kit.eventlog import EventLogApi
+from forge_kit.paths import resolve_data_path
 from forge_preference_feedback.api import FeedbackApi
 from forge_preference_feedback.config import FeedbackSettings
 from forge_preference_feedback.outbox import enable_pipelined_outbox
 from forge_preference_feedback.quality import QualityPolicy
 from forge_preference_feedback.registry import RewardModelRegistry
 from forge_preference_feedback.rounds import RlhfRounds
-from forge_preference_feedback.seeds import read_hh_rlhf, resolve_data_path
+from forge_preference_feedback.seeds import read_hh_rlhf
 from forge_preference_feedback.service import FeedbackService
 from forge_preference_feedback.store import open_transactions
 from forge_preference_feedback.web import rater_api, rater_ui

@@ -16,8 +16,9 @@ from rich.table import Table
 
 from forge_kit import errors
 from forge_kit.db import Database
+from forge_kit.paths import resolve_data_path
 from forge_preference_feedback.config import FeedbackSettings
-from forge_preference_feedback.seeds import ReadStats, read_hh_rlhf, resolve_data_path
+from forge_preference_feedback.seeds import ReadStats, read_hh_rlhf
 from forge_preference_feedback.service import FeedbackService, SeedResult
 
 app = typer.Typer(help="Preference feedback: comparisons for raters.", no_args_is_help=True)

@@ -31,9 +31,10 @@ from forge.feedback.v1 import feedback_pb2, feedback_pb2_grpc
 
 from forge_kit.db import Database
 from forge_kit.grpckit import make_channel
+from forge_kit.paths import resolve_data_path
 from forge_preference_feedback.cli import DEFAULT_SOURCE, seed_database
 from forge_preference_feedback.config import FeedbackSettings
-from forge_preference_feedback.seeds import ASSISTANT, ReadStats, resolve_data_path
+from forge_preference_feedback.seeds import ASSISTANT, ReadStats
 from forge_preference_feedback.service import FeedbackService
 
 SEED_LIMIT = 50

@@ -135,23 +135,3 @@ def _next_pair(
         stats.usable += 1
         return PreferencePair(source, f"{source}/{path.name}:{number}", prompt, chosen, rejected)
     return None
-
-
-def find_repo_root(start: Path) -> Path | None:
-    """The nearest folder above ``start`` holding both ``services/`` and ``libs/``."""
-    for folder in [start, *start.parents]:
-        if (folder / "services").is_dir() and (folder / "libs").is_dir():
-            return folder
-    return None
-
-
-def resolve_data_path(setting: str) -> Path:
-    """An absolute path as is; a relative one against the working directory, else the repository."""
-    path = Path(setting).expanduser()
-    if path.is_absolute():
-        return path
-    root = find_repo_root(Path(__file__).resolve().parent)
-    for base in [Path.cwd(), *([root] if root else [])]:
-        if (base / path).is_dir():
-            return (base / path).resolve()
-    return (Path.cwd() / path).resolve()
