@@ -97,6 +97,7 @@ async def chat(ctx: MainJobContext) -> dict[str, object]:
     return {
         "ok": streamed["completion_tokens"] > 0 and streamed["finish_reason"] is not None,
         "model": f"{MODEL}:{version}" if version else MODEL,
+        "served_model": MODEL,
         "checkpoint": str(checkpoint),
         "gateway_saw_model_after_s": round(waited, 2),
         "question": question,

@@ -34,7 +34,8 @@ TEAM = "main-job"
 GPU_TYPE = "SIM"
 NODES = 2
 RECIPE = "smoke"
-RECIPE_OVERRIDES = ["max_steps=120", "eval_interval=60", "checkpoint.interval_steps=60"]
+#: 512-token windows: the model's context must hold the ``rag`` step's passages and question.
+RECIPE_OVERRIDES = ["max_steps=120", "eval_interval=60", "checkpoint.interval_steps=60", "data.seq_len=512"]
 PROMPT = "ROMEO:"
 WAIT_NODES_S = 60.0
 WAIT_TRAIN_S = 420.0
