@@ -46,7 +46,7 @@ TOPICS: dict[str, str] = {
     events_pb2.JobStateChanged.DESCRIPTOR.full_name: "forge.scheduler.job_state_changed.v1",
     events_pb2.CheckpointPublished.DESCRIPTOR.full_name: "forge.trainer.checkpoint_published.v1",
     events_pb2.TrainingMetrics.DESCRIPTOR.full_name: "forge.trainer.training_metrics.v1",
-    events_pb2.PreferenceRecorded.DESCRIPTOR.full_name: "forge.feedback.preference_recorded.v1",
+    events_pb2.PreferenceRecorded.DESCRIPTOR.full_name: "forge.preferences.recorded.v1",
     events_pb2.RlhfRoundUpdated.DESCRIPTOR.full_name: "forge.feedback.rlhf_round_updated.v1",
     events_pb2.DocumentChanged.DESCRIPTOR.full_name: "forge.retrieval.document_changed.v1",
     events_pb2.EvalCompleted.DESCRIPTOR.full_name: "forge.eval.eval_completed.v1",

@@ -309,7 +309,7 @@ Global___TrainingMetrics: _TypeAlias = TrainingMetrics  # noqa: Y015
 @_typing.final
 class PreferenceRecorded(_message.Message):
     """A rater recorded a preference between two responses.
-    Topic forge.feedback.preference_recorded.v1, key comparison_id. Producer: preference_feedback.
+    Topic forge.preferences.recorded.v1, key comparison_id. Producer: preference_feedback.
     Consumers: orchestrator (RLHF loop, reward-model training data).
     """
 
