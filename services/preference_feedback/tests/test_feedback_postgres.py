@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
+import sqlalchemy as sa
 from forge.common.v1 import common_pb2
+from forge.events.v1 import events_pb2
+from prometheus_client import REGISTRY
 
 from forge_kit.db import Database
+from forge_kit.events import topic_for
 from forge_preference_feedback.registry import HeldoutAccuracy, RewardModelRegistry
 from forge_preference_feedback.seeds import read_hh_rlhf
 from forge_preference_feedback.service import FeedbackService
+from forge_preference_feedback.store import AsyncGroupCommit
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.integration]
 MIGRATIONS = Path(__file__).parents[1] / "src" / "forge_preference_feedback" / "migrations"
@@ -36,4 +42,55 @@ async def test_seed_assign_submit_on_postgres(postgres_url: str, hh_root: Path) 
         await registry.set_status("rm", "1", "active", changed_by="t")
         assert (await registry.get("rm", "active")).heldout_n == 600
     finally:
+        await db.dispose()
+
+
+async def test_group_commit_on_postgres_answers_each_unit_once(postgres_url: str, hh_root: Path) -> None:
+    """Concurrent raters through :class:`AsyncGroupCommit`: units share transactions, every answer
+    is recorded once with one outbox event, double posts included, and a failing unit fails alone."""
+    db = Database(postgres_url)
+    tx = AsyncGroupCommit(db)
+    try:
+        await db.migrate(MIGRATIONS)
+        service = FeedbackService(db, transactions=tx)
+        await service.seed_comparisons(read_hh_rlhf(hh_root), limit=24, rng_seed=0)
+        raters = [f"rater-{n}" for n in range(12)]
+        items = await asyncio.gather(*(service.next_comparison(r) for r in raters))
+        assert all(items) and len({i.id for i in items if i}) == len(raters)
+        batches = REGISTRY.get_sample_value("forge_feedback_group_commit_units_count") or 0.0
+
+        def boom(_: sa.Connection) -> None:
+            raise ValueError("this unit fails")
+
+        def one(connection: sa.Connection) -> int:
+            return int(connection.execute(sa.text("SELECT 1")).scalar_one())
+
+        choice = common_pb2.PREFERENCE_CHOICE_A
+        posts = [
+            service.submit_preference(i.id, r, choice, 1.0, "")
+            for i, r in zip(items, raters, strict=True)
+            if i
+        ]
+        posts += [
+            service.submit_preference(i.id, r, choice, 1.0, "")
+            for i, r in zip(items, raters, strict=True)
+            if i
+        ]
+        results = await asyncio.gather(*posts, tx.run(boom), tx.run(one), return_exceptions=True)
+        *answers, failed, ok = results
+        assert isinstance(failed, ValueError) and ok == 1
+        assert not [a for a in answers if isinstance(a, BaseException)], answers
+        # Each rater's double post is the same record.
+        assert len({a.id for a in answers}) == len(raters)  # type: ignore[union-attr]
+        after = REGISTRY.get_sample_value("forge_feedback_group_commit_units_count") or 0.0
+        assert after - batches < len(posts) + 2  # some units shared a transaction
+        async with db.engine.connect() as connection:
+            records = await connection.scalar(sa.text("SELECT count(*) FROM feedback_preferences"))
+            events = await connection.scalar(
+                sa.text("SELECT count(*) FROM forge_outbox WHERE topic = :topic"),
+                {"topic": topic_for(events_pb2.PreferenceRecorded())},
+            )
+        assert records == events == len(raters)
+    finally:
+        await tx.close()
         await db.dispose()
