@@ -41,8 +41,8 @@ from forge_eval import stats
 from forge_eval.backend import OpenAIBackend, ResponseCache
 from forge_eval.harness import TaskRun, run_report, run_task, write_run
 from forge_eval.serving import LocalModelServer
-from forge_eval.spec import resolve_data_path
 from forge_eval.tasks import DataRoots, load_task
+from forge_kit.paths import resolve_data_path
 
 BOOTSTRAP_LIMIT_S = 1.0
 SPEEDUP_TARGET = 5.0

@@ -43,8 +43,9 @@ from forge.events.v1 import events_pb2, events_pb2_grpc
 from forge_kit.db import Database
 from forge_kit.events import OutboxEvent, ensure_topics, topic_for
 from forge_kit.grpckit import make_channel
+from forge_kit.paths import resolve_data_path
 from forge_kit.testing.processes import ServiceProcess, TansuBroker
-from forge_preference_feedback.seeds import read_hh_rlhf, resolve_data_path
+from forge_preference_feedback.seeds import read_hh_rlhf
 from forge_preference_feedback.service import FeedbackService
 from forge_preference_feedback.store import PreferenceRow, utcnow
 
@@ -229,6 +230,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "FORGE_PREFERENCE_FEEDBACK_OVERLAP_K": str(args.overlap),
         "FORGE_PREFERENCE_FEEDBACK_LOG_LEVEL": "WARNING",
         "FORGE_PREFERENCE_FEEDBACK_AUTH_TOKEN": AUTH_TOKEN,
+        "FORGE_PREFERENCE_FEEDBACK_GROUP_COMMIT": "false" if args.no_group_commit else "true",
     }
     try:
         service = ServiceProcess(
@@ -343,6 +345,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "raters": args.raters,
         "mean_units_per_group_commit": round(group_commit, 1) if group_commit == group_commit else None,
         "database": url.split(":", 1)[0],
+        "group_commit": not args.no_group_commit,
     }
     result["pass"] = bool(
         rate >= TARGET_PER_S
@@ -366,6 +369,9 @@ def main() -> None:
     parser.add_argument("--restart-at", type=float, default=0.5)
     parser.add_argument("--database-url", default="")
     parser.add_argument("--out", type=Path)
+    parser.add_argument(
+        "--no-group-commit", action="store_true", help="a transaction per unit (the baseline to compare with)"
+    )
     args = parser.parse_args()
     for name in ("preferences", "raters", "overlap"):
         if getattr(args, name) < 1:

@@ -32,7 +32,7 @@ async def main() -> None:
     settings = FeedbackSettings()
     app = ServiceApp(settings)
     db = await app.open_database("preference_feedback.db", Path(__file__).parent / "migrations")
-    transactions = open_transactions(db)
+    transactions = open_transactions(db, group_commit=settings.group_commit)
     app.add_on_stop(transactions.close)
     # This service's own pipelined relay (outbox.py), not ServiceApp.enable_outbox's.
     relay = enable_pipelined_outbox(app, db, transactions)

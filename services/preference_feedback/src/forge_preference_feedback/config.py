@@ -45,6 +45,10 @@ class FeedbackSettings(ServiceSettings):
     session_ttl_s: int = Field(default=12 * 3600, ge=60)
     """How long a rater's login lasts."""
 
+    group_commit: bool = True
+    """Commit the rating hot path's units in groups (one transaction, a savepoint each); false runs
+    each unit as its own transaction on the async engine (slower; for comparison and diagnosis)."""
+
     session_cache_s: float = Field(default=5.0, ge=0)
     """How long a checked session is remembered in-process (0: check the database on every call);
     a logout in another replica takes effect within this time."""

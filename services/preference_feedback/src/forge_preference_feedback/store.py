@@ -505,8 +505,11 @@ def _sqlite_connect(dbapi_connection: Any, _record: object) -> None:
         dbapi_connection.execute(f"PRAGMA {pragma}")
 
 
-def open_transactions(db: Database) -> Transactions:
-    """Group commit on a writer thread for SQLite, on the async engine for anything else."""
+def open_transactions(db: Database, *, group_commit: bool = True) -> Transactions:
+    """Group commit on a writer thread for SQLite, on the async engine for anything else; without
+    ``group_commit``, a transaction per unit on the async engine."""
+    if not group_commit:
+        return AsyncTransactions(db)
     if sa.engine.make_url(db.url).get_backend_name() == "sqlite":
         return SqliteGroupCommit(db.url)
     return AsyncGroupCommit(db)
