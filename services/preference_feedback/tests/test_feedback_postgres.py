@@ -94,3 +94,32 @@ async def test_group_commit_on_postgres_answers_each_unit_once(postgres_url: str
     finally:
         await tx.close()
         await db.dispose()
+
+
+class _Deadlock(Exception):
+    sqlstate = "40P01"
+
+
+async def test_group_commit_runs_a_deadlocked_batch_again(postgres_url: str) -> None:
+    """A batch the database aborts as a deadlock wrote nothing, so it runs again, whole; a unit's
+    other database errors stay that unit's."""
+    db = Database(postgres_url)
+    tx = AsyncGroupCommit(db)
+    calls = {"flaky": 0}
+
+    def flaky(connection: sa.Connection) -> int:
+        calls["flaky"] += 1
+        if calls["flaky"] == 1:
+            raise sa.exc.DBAPIError("SELECT 1", None, _Deadlock("deadlock detected"))
+        return int(connection.execute(sa.text("SELECT 2")).scalar_one())
+
+    def bad_sql(connection: sa.Connection) -> None:
+        connection.execute(sa.text("SELECT * FROM no_such_table"))
+
+    try:
+        flaky_result, bad = await asyncio.gather(tx.run(flaky), tx.run(bad_sql), return_exceptions=True)
+        assert flaky_result == 2 and calls["flaky"] == 2
+        assert isinstance(bad, sa.exc.ProgrammingError)
+    finally:
+        await tx.close()
+        await db.dispose()

@@ -303,18 +303,24 @@ class AsyncTransactions:
 class AsyncGroupCommit:
     """Group commit on the service's async engine (PostgreSQL).
 
-    ``writers`` tasks each take every unit queued (up to ``max_batch``), run them in one
-    transaction, each in a ``SAVEPOINT`` (an exception rolls back that unit alone and goes to its
-    caller), commit once — one WAL flush for the batch — and only then answer the callers. If the
-    transaction fails every unit of the batch gets the error: none was written. Per unit that is
-    a savepoint and its release instead of a transaction's begin, commit, flush and pool
+    One writer task takes every unit queued (up to ``max_batch``), runs them in one transaction,
+    each in a ``SAVEPOINT`` (an exception rolls back that unit alone and goes to its caller),
+    commits once — one WAL flush for the batch — and only then answers the callers. Per unit that
+    is a savepoint and its release instead of a transaction's begin, commit, flush and pool
     check-out; the commit the batch waits for is the database's own, durability unchanged.
+
+    One writer, as SQLite's: two batches in flight hold row locks (answer counts, leases) longer
+    than single units do, and deadlocked each other under load. A batch the database aborts as a
+    deadlock or serialization failure (with another writer of the service) wrote nothing and is
+    run again, up to ``retries`` times; any other failure of the transaction goes to every unit of
+    the batch.
     """
 
-    def __init__(self, db: Database, *, max_batch: int = 64, writers: int = 2) -> None:
+    def __init__(self, db: Database, *, max_batch: int = 64, writers: int = 1, retries: int = 3) -> None:
         self._db = db
         self._max_batch = max_batch
         self._writers = writers
+        self._retries = retries
         self._queue: asyncio.Queue[_Job] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -358,6 +364,10 @@ class AsyncGroupCommit:
                 try:
                     with connection.begin_nested():
                         value = job.unit(connection)
+                except sa.exc.DBAPIError as exc:
+                    if _retryable(exc):
+                        raise  # the whole batch runs again
+                    outcomes.append((False, exc))
                 except Exception as exc:  # noqa: BLE001 - handed to the unit's caller
                     outcomes.append((False, exc))
                 else:
@@ -365,13 +375,30 @@ class AsyncGroupCommit:
 
         GROUP_COMMIT_UNITS.observe(len(batch))
         started = time.perf_counter()
-        try:
-            async with self._db.engine.begin() as connection:
-                await connection.run_sync(run_all)
-        except Exception as exc:  # noqa: BLE001 - the commit failed: no unit of the batch was written
-            outcomes = [(False, exc)] * len(batch)
+        for attempt in range(self._retries + 1):
+            outcomes.clear()
+            try:
+                async with self._db.engine.begin() as connection:
+                    await connection.run_sync(run_all)
+            except sa.exc.DBAPIError as exc:
+                if _retryable(exc) and attempt < self._retries:
+                    continue
+                outcomes = [(False, exc)] * len(batch)
+            except Exception as exc:  # noqa: BLE001 - the commit failed: no unit of the batch was written
+                outcomes = [(False, exc)] * len(batch)
+            break
         GROUP_COMMIT_SECONDS.observe(time.perf_counter() - started)
         return outcomes
+
+
+#: SQLSTATEs after which the whole transaction may simply run again: serialization failure, deadlock.
+_RETRYABLE_SQLSTATES = frozenset({"40001", "40P01"})
+
+
+def _retryable(exc: sa.exc.DBAPIError) -> bool:
+    orig = exc.orig
+    code = getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)
+    return code in _RETRYABLE_SQLSTATES
 
 
 @dataclass
