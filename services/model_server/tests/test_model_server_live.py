@@ -269,3 +269,55 @@ async def test_tokenize_refuses_bad_input_naming_the_field(
 async def test_tokenize_of_an_unknown_model_is_404(http: httpx.AsyncClient) -> None:
     reply = await http.post("/tokenize", json={"model": "nope", "prompt": "a"})
     assert reply.status_code == 404 and reply.json()["error"]["param"] == "model"
+
+
+async def test_a_list_of_prompts_answers_each_as_if_sent_alone(http: httpx.AsyncClient) -> None:
+    """vLLM's list ``prompt``: one choice per prompt by index, each the same text (and, to float
+    rounding, the same logprobs) as that prompt sent alone with the same seed; usage summed."""
+    prompts = [PROMPT, "Good morrow", "What light through yonder window"]
+    body = {"model": "tiny", "max_tokens": 6, "temperature": 0.8, "seed": 7, "echo": True, "logprobs": 1}
+    together = await http.post("/v1/completions", json={**body, "prompt": prompts})
+    assert together.status_code == 200, together.text
+    choices = together.json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2]
+    alone = [(await http.post("/v1/completions", json={**body, "prompt": p})).json() for p in prompts]
+    for choice, single in zip(choices, alone, strict=True):
+        assert choice["text"] == single["choices"][0]["text"]
+        # Batched with other prompts, the same sums may round differently in the last bits.
+        got, want = choice["logprobs"], single["choices"][0]["logprobs"]
+        assert got["tokens"] == want["tokens"] and got["text_offset"] == want["text_offset"]
+        assert got["token_logprobs"][0] is None and want["token_logprobs"][0] is None
+        assert got["token_logprobs"][1:] == pytest.approx(want["token_logprobs"][1:], abs=1e-4)
+    usage = together.json()["usage"]
+    assert usage["prompt_tokens"] == sum(a["usage"]["prompt_tokens"] for a in alone)
+    assert usage["completion_tokens"] == sum(a["usage"]["completion_tokens"] for a in alone)
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [({"prompt": []}, "prompt"), ({"prompt": ["a", "b"], "stream": True}, "stream")],
+)
+async def test_a_bad_list_of_prompts_is_400(
+    http: httpx.AsyncClient, extra: dict[str, object], param: str
+) -> None:
+    reply = await http.post("/v1/completions", json={"model": "tiny", "max_tokens": 2, **extra})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == param
+
+
+async def test_a_list_with_one_prompt_too_long_is_refused_whole(
+    server: ModelServer, http: httpx.AsyncClient
+) -> None:
+    """A prompt the context cannot hold refuses the call; the prompts admitted before it are
+    cancelled, so no request or KV block is left behind."""
+    reply = await http.post(
+        "/v1/completions", json={"model": "tiny", "max_tokens": 2, "prompt": ["short", "x " * 5000]}
+    )
+    assert reply.status_code == 400, reply.text
+    engine = server.resolve("tiny")[1]
+    core = engine.core  # type: ignore[attr-defined]
+    for _ in range(50):
+        if not core.running and not core.waiting:
+            break
+        await asyncio.sleep(0.02)
+    assert not core.running and not core.waiting
+    assert core.pool.usage() == 0

@@ -7,9 +7,11 @@ OpenAI bodies or server-sent events. Every error is an OpenAI error body
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import time
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -57,8 +59,12 @@ class _Sampling(BaseModel):
     ignore_eos: bool = False
 
 
+#: Most prompts one ``/v1/completions`` call may carry as a list.
+MAX_PROMPTS = 256
+
+
 class CompletionBody(_Sampling):
-    prompt: str
+    prompt: str | list[str]
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
@@ -183,6 +189,11 @@ def _prompt_logprobs(chunks: list[GenerationChunk]) -> list[dict[str, dict[str, 
     return out
 
 
+async def _collect(chunks: ChunkStream) -> list[GenerationChunk]:
+    """Every chunk of a whole (non-streamed) answer."""
+    return [chunk async for chunk in chunks]
+
+
 def _sse(payload: object) -> bytes:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n".encode()
 
@@ -213,13 +224,75 @@ class OpenAIRoutes:
         return {"object": "list", "data": [model_card(m, server.is_loaded(m)) for m in server.list_models()]}
 
     async def completions(self, body: CompletionBody, request: Request) -> Response:
-        generation = _request(body, request.headers.get("x-request-id", ""), prompt=body.prompt)
-        generation.logprobs = body.logprobs
         if body.echo and body.stream:
             raise errors.ValidationError("echo", "is not supported with stream")
+        request_id = request.headers.get("x-request-id", "")
+        if isinstance(body.prompt, list):
+            return await self._completions_of_list(body, body.prompt, request_id)
+        return await self._respond(self._completion(body, body.prompt, request_id), body, chat=False)
+
+    @staticmethod
+    def _completion(body: CompletionBody, prompt: str, request_id: str) -> GenerationRequest:
+        generation = _request(body, request_id, prompt=prompt)
+        generation.logprobs = body.logprobs
         if body.echo and body.logprobs is not None and generation.prompt_logprobs is None:
             generation.prompt_logprobs = body.logprobs
-        return await self._respond(generation, body, chat=False)
+        return generation
+
+    async def _completions_of_list(
+        self, body: CompletionBody, prompts: list[str], request_id: str
+    ) -> Response:
+        """A list of prompts, as vLLM takes it: one choice per prompt (``index`` = its position),
+        each sampled as if sent alone (same parameters and seed), all admitted at once so the
+        engine batches them; usage summed. Whole answers only."""
+        if body.stream:
+            raise errors.ValidationError("stream", "is not supported with a list of prompts")
+        if not 1 <= len(prompts) <= MAX_PROMPTS:
+            raise errors.ValidationError(
+                "prompt", f"a list must hold 1 to {MAX_PROMPTS} prompts, got {len(prompts)}"
+            )
+        base = request_id or uuid.uuid4().hex
+        generations = [self._completion(body, prompt, f"{base}-{i}") for i, prompt in enumerate(prompts)]
+        admitted: list[ChunkStream] = []
+        try:
+            # Admit every prompt before any runs to completion: a refusal (bad prompt, full
+            # queue) refuses the whole call, and what was admitted is cancelled.
+            for generation in generations:
+                info, chunks = await self._server.generate(generation)
+                admitted.append(chunks)
+            received = await asyncio.gather(*(_collect(chunks) for chunks in admitted))
+        finally:
+            for chunks in admitted:
+                await chunks.aclose()
+        choices = []
+        for i, (generation, got) in enumerate(zip(generations, received, strict=True)):
+            choice = self._choice(generation, got, chat=False, echo=body.echo)
+            choices.append({**choice, "index": i})
+        usage = [_usage(got[-1] if got else None) for got in received]
+        total = {
+            key: sum(u[key] for u in usage) for key in ("prompt_tokens", "completion_tokens", "total_tokens")
+        }
+        head = {"id": f"cmpl-{base}", "created": int(time.time()), "model": info.id}
+        return JSONResponse({**head, "object": "text_completion", "choices": choices, "usage": total})
+
+    @staticmethod
+    def _choice(
+        generation: GenerationRequest, received: list[GenerationChunk], *, chat: bool, echo: bool
+    ) -> dict[str, object]:
+        """One whole answer's choice (index 0): text or message, finish reason, logprobs."""
+        last = received[-1] if received else None
+        text = "".join(chunk.text for chunk in received)
+        choice: dict[str, object] = {
+            "index": 0,
+            "finish_reason": last.finish_reason if last else None,
+            "logprobs": _chat_logprobs(received) if chat else _completion_logprobs(received, echo=echo),
+            "prompt_logprobs": _prompt_logprobs(received),
+        }
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = (generation.prompt or "" if echo else "") + text
+        return choice
 
     async def chat_completions(self, body: ChatCompletionBody, request: Request) -> Response:
         messages = [ChatMessage(m.role, m.content) for m in body.messages]
@@ -268,28 +341,14 @@ class OpenAIRoutes:
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Request-Id": generation.request_id},
             )
-        text: list[str] = []
-        received: list[GenerationChunk] = []
         try:
-            async for chunk in chunks:
-                text.append(chunk.text)
-                received.append(chunk)
+            received = await _collect(chunks)
         finally:
             await chunks.aclose()
-        last = received[-1] if received else None
-        finish = last.finish_reason if last else None
         echo = isinstance(body, CompletionBody) and body.echo
-        choice: dict[str, object] = {
-            "index": 0,
-            "finish_reason": finish,
-            "logprobs": _chat_logprobs(received) if chat else _completion_logprobs(received, echo=echo),
-            "prompt_logprobs": _prompt_logprobs(received),
-        }
-        if chat:
-            choice["message"] = {"role": "assistant", "content": "".join(text)}
-        else:
-            choice["text"] = (generation.prompt or "" if echo else "") + "".join(text)
+        choice = self._choice(generation, received, chat=chat, echo=echo)
         obj = "chat.completion" if chat else "text_completion"
+        last = received[-1] if received else None
         return JSONResponse({**head, "object": obj, "choices": [choice], "usage": _usage(last)})
 
     async def _stream(
