@@ -253,7 +253,7 @@ class OpenAIBackend:
     async def _post(self, batch: list[Request]) -> list[dict[str, Any]] | None:
         """One HTTP call for ``batch``, retried on 429/5xx/transport errors with jittered backoff
         (honouring ``Retry-After``); the answers split back per prompt by choice ``index``. None
-        when the endpoint refuses a list of prompts (400/422; e.g. the ``model_server`` takes one
+        when the endpoint refuses a list of prompts (400/422; e.g. an endpoint that takes one
         prompt per request): batching is then switched off for the rest of the run."""
         first = batch[0]
         if len(batch) > 1 and not self._batching:
