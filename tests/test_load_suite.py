@@ -80,3 +80,24 @@ def test_scheduler_api_scenario_counts_every_job_end_to_end(tmp_path: Path) -> N
 def test_an_unknown_scenario_is_refused(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="unknown nope"):
         runner.run(["nope"], tmp_path, SimpleNamespace())
+
+
+def test_hnsw_bench_measures_recall_against_exact_search(tmp_path: Path) -> None:
+    """A small run of the HNSW curve: the full scan finds exactly numpy's top 10; on isotropic
+    vectors (past the 1 MB indexing threshold, so the graph is built) a beam of 4 misses some of
+    them and a beam of 128 recalls more."""
+    import json
+
+    from load.retrieval import bench_hnsw
+
+    out = tmp_path / "hnsw"
+    args = ["--out", str(out), "--vectors", "3000", "--queries", "40", "--dim", "128", "--ef", "4,128"]
+    args += ["--data", "gaussian"]
+    assert bench_hnsw.main(args) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["exact"]["recall@10"] == 1.0
+    narrow, wide = summary["curve"]
+    assert 0 < narrow["recall@10"] < wide["recall@10"] <= 1.0
+    assert summary["build"]["optimize_s"] >= 0 and summary["vectors"] == 3000
+    with pytest.raises(SystemExit):
+        bench_hnsw.main(["--out", str(out), "--vectors", "0"])
