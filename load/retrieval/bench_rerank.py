@@ -2,7 +2,7 @@
 
     python load/retrieval/bench_rerank.py MODEL_DIR [--dataset ../shared/data/beir/scifact]
         [--first-stage bm25|hybrid] [--depth 20] [--queries 0] [--max-tokens 256] [--int8]
-        [--work DIR] [--out FILE.json]
+        [--threads 1] [--work DIR] [--out FILE.json]
 
 Ingests the dataset through ``RetrieverService`` (as ``forge eval retrieval`` does, reusing
 ``--work``), searches every judged test query (the first ``--queries`` when above 0) with the
@@ -44,7 +44,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
     )
     embedder = SentenceTransformerEmbedder(num_threads=1, query_cache_size=0) if dense else None
     scorer = CrossEncoderScorer(
-        args.model, max_tokens=args.max_tokens, batch_size=16, int8=args.int8, num_threads=1
+        args.model, max_tokens=args.max_tokens, batch_size=16, int8=args.int8, num_threads=args.threads
     )
     pairs, scoring_s = 0, 0.0
 
@@ -73,6 +73,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         "depth": args.depth,
         "max_tokens": args.max_tokens,
         "int8": args.int8,
+        "threads": args.threads,
         "model": str(args.model),
         "first_stage_ndcg@10": round(first.ndcg_at_10, 4),
         "reranked_ndcg@10": round(reranked.ndcg_at_10, 4),
@@ -92,11 +93,12 @@ def main() -> None:
     parser.add_argument("--queries", type=int, default=0, help="first N judged test queries (0: all)")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--int8", action="store_true")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads of the cross-encoder")
     parser.add_argument("--work", type=Path, default=Path("var/eval/work-rerank"))
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    if args.depth < 1 or args.queries < 0:
-        parser.error("--depth must be at least 1 and --queries at least 0")
+    if args.depth < 1 or args.queries < 0 or args.threads < 1:
+        parser.error("--depth and --threads must be at least 1 and --queries at least 0")
     result = asyncio.run(run(args))
     line = json.dumps(result)
     print(line)
