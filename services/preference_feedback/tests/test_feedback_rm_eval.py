@@ -16,7 +16,7 @@ import gzip
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from forge.feedback.v1 import feedback_pb2_grpc
@@ -267,3 +267,100 @@ async def test_version_latest_resolves_through_the_registry(
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["n"] == RIGHT + WRONG + TIES
     missing = await asyncio.to_thread(CliRunner().invoke, app, [*args[:4], "other", *args[5:]])
     assert missing.exit_code == 1 and "NOT_FOUND" in missing.output
+
+
+# -- an encoder (BERT) reward model ------------------------------------------------------------
+
+# The trainer's template for encoders (services/trainer_agent/.../pairs.py): no end-of-text token.
+ENCODER_CHAT_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m['role'] == 'user' %}{{ 'User: ' + m['content'] + '\\n' }}"
+    "{% else %}{{ 'Assistant: ' + m['content'] + '\\n' }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+)
+ENCODER_SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]"]
+
+
+def tiny_bert_reward_model(folder: Path, model_max_length: int) -> Path:
+    """A seeded random one-layer ``BertForSequenceClassification`` (one label) and a word-level
+    tokenizer that wraps every sequence in ``[CLS] … [SEP]``, as the trainer's encoder export is."""
+    vocab = {t: i for i, t in enumerate(ENCODER_SPECIALS)} | {w: i + 4 for i, w in enumerate(WORDS)}
+    core = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    core.pre_tokenizer = tokenizers.pre_tokenizers.Sequence(
+        [tokenizers.pre_tokenizers.Whitespace(), tokenizers.pre_tokenizers.Punctuation()]
+    )
+    core.post_processor = tokenizers.processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", special_tokens=[("[CLS]", vocab["[CLS]"]), ("[SEP]", vocab["[SEP]"])]
+    )
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        pad_token="[PAD]",
+        unk_token="[UNK]",
+        model_max_length=model_max_length,
+        truncation_side="left",
+    )
+    tokenizer.chat_template = ENCODER_CHAT_TEMPLATE
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        vocab_size=len(vocab),
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        max_position_embeddings=64,
+        num_labels=1,
+        pad_token_id=0,
+    )
+    transformers.BertForSequenceClassification(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_an_encoder_checkpoint_is_read_at_cls_with_the_end_of_each_transcript_kept(tmp_path: Path) -> None:
+    from forge_preference_feedback.rm_eval import RewardModel
+
+    folder = tiny_bert_reward_model(tmp_path / "bert", model_max_length=12)
+    model = RewardModel(folder)
+    assert model.max_length == 12  # the length it was trained at, not its 64 positions
+    assert RewardModel(folder, max_length=40).max_length == 40
+    assert RewardModel(folder, max_length=100).max_length == 64  # never past the positions
+    tok = model.tokenizer
+    cls_id, sep_id = tok.convert_tokens_to_ids(["[CLS]", "[SEP]"])
+    long_answer = "the answer is fine it is more about cats maybe good okay"  # 12 words: longer than 10
+    row = pair("question about dogs", long_answer, "bad", "question about cats", "okay")
+    (scored,) = read_pairs_from([row], tmp_path)
+    chosen, rejected = model.encode(scored)
+    assert len(chosen) == 12 and chosen[0] == cls_id and chosen[-1] == sep_id
+    assert tok.decode(chosen[1:-1]) == " ".join(long_answer.split()[-10:])  # the response's end
+    # the oldest turns go first: 10 tokens from the end of the conversation
+    assert tok.decode(rejected[1:-1]) == ": okay User : question about dogs Assistant : bad"
+    # forge rm eval scores those sequences: each reward is the model's own output on them.
+    out = tmp_path / "out"
+    result = CliRunner().invoke(
+        app,
+        ["eval", "--checkpoint", str(folder), "--pairs", str(tmp_path / "pairs.jsonl"), "--out", str(out)],
+    )
+    assert result.exit_code == 0, result.output
+    assert json.loads((out / "summary.json").read_text())["n"] == 1
+    with gzip.open(out / "scores.jsonl.gz", "rt") as handle:
+        scores = json.loads(handle.readline())
+    bert = transformers.AutoModelForSequenceClassification.from_pretrained(folder).eval()
+    with torch.no_grad():
+        direct = [float(bert(input_ids=torch.tensor([ids])).logits) for ids in (chosen, rejected)]
+    assert scores["reward_chosen"] == pytest.approx(direct[0], abs=1e-5)
+    assert scores["reward_rejected"] == pytest.approx(direct[1], abs=1e-5)
+    assert json.loads((out / "details.json").read_text())["max_length"] == 12
+
+
+def read_pairs_from(rows: list[dict[str, str]], folder: Path) -> list[Any]:
+    """``rows`` written to ``folder/pairs.jsonl`` and read back as scorable pairs."""
+    from collections import Counter
+
+    from forge_preference_feedback.rm_eval import read_pairs
+
+    path = folder / "pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return list(read_pairs(path, Counter()))

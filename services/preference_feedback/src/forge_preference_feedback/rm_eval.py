@@ -15,6 +15,14 @@ response keeps at most half of it and the prompt is cut from the left. Pairs the
 drop (no final Assistant turn, prompts that differ, empty or identical responses) are counted
 as skipped, not scored.
 
+An encoder checkpoint, one whose tokenizer wraps a sequence in ``[CLS] … [SEP]`` (BERT; the
+trainer's ``reward_hh_minilm`` recipe exports ``BertForSequenceClassification``, which reads the
+reward at ``[CLS]``), is scored as that recipe trains it: ``[CLS] prompt + " " + response [SEP]``
+with the tokens cut from the *left* when too long (:func:`keep_end`), so the final response
+survives and the oldest turns go first, and ``max_length`` defaults to the tokenizer's
+``model_max_length`` (the length it was trained at) when that is set. Its chat template (or, if
+it has none, the same template with no end-of-sequence token) renders the prompt.
+
 Accuracy is the share of pairs whose chosen response scores above the rejected one, a tie
 counting one half (as the trainer's validation does); the 95 % interval is the Wilson score
 interval, which stays inside [0, 1] and is sensible for small n.
@@ -115,6 +123,13 @@ def fit(prompt: list[int], responses: list[list[int]], max_length: int) -> tuple
     return prompt[-room:] if room > 0 else [], responses
 
 
+def keep_end(ids: list[int], max_length: int, cls_id: int, sep_id: int) -> list[int]:
+    """``[CLS] ids [SEP]`` in at most ``max_length`` tokens, ``ids`` cut from the left: a BERT
+    reward model sees the end of the conversation, the final response, whatever its length."""
+    room = max(max_length - 2, 1)
+    return [cls_id, *ids[-room:], sep_id]
+
+
 @dataclass
 class Scores:
     """Per-pair rewards and the accuracy they give."""
@@ -172,8 +187,16 @@ class RewardModel:
         if pad is None:
             raise PairsError("--checkpoint: neither the model nor the tokenizer names a padding token")
         self.pad_id = int(pad)
+        cls_id, sep_id = self.tokenizer.cls_token_id, self.tokenizer.sep_token_id
+        self.wrap: tuple[int, int] | None = None
+        """``([CLS], [SEP])`` ids for an encoder checkpoint (see the module docstring)."""
+        if cls_id is not None and sep_id is not None and self.tokenizer.num_special_tokens_to_add() > 0:
+            self.wrap = (int(cls_id), int(sep_id))
         limit = int(getattr(self.model.config, "max_position_embeddings", 0) or 0)
-        self.max_length = min(max_length, limit) if max_length and limit else (max_length or limit or 512)
+        trained = int(getattr(self.tokenizer, "model_max_length", 0) or 0)
+        default = trained if self.wrap is not None and 0 < trained < 1_000_000 else limit
+        wanted = max_length or default or 512
+        self.max_length = min(wanted, limit) if limit else wanted
 
     def render_prompt(self, messages: tuple[tuple[str, str], ...]) -> str:
         """The conversation with the generation prompt, by the tokenizer's chat template when it
@@ -181,7 +204,7 @@ class RewardModel:
         turns = [{"role": role, "content": content} for role, content in messages]
         if getattr(self.tokenizer, "chat_template", None):
             return str(self.tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False))
-        eos = self.tokenizer.eos_token or ""
+        eos = (self.tokenizer.eos_token or "") if self.wrap is None else ""
         parts = [
             f"User: {t['content']}\n" if t["role"] == "user" else f"Assistant: {t['content']}{eos}\n"
             for t in turns
@@ -189,12 +212,19 @@ class RewardModel:
         return "".join(parts) + "Assistant:"
 
     def encode(self, pair: Pair) -> tuple[list[int], list[int]]:
-        """Token ids of prompt + chosen and prompt + rejected, cut to ``max_length``."""
+        """Token ids of prompt + chosen and prompt + rejected, cut to ``max_length``: by
+        :func:`fit` for a decoder, from the left inside ``[CLS] … [SEP]`` for an encoder."""
         encode = self.tokenizer
 
         def ids(text: str) -> list[int]:
             return list(encode(text, add_special_tokens=False)["input_ids"])
 
+        if self.wrap is not None:
+            prompt_ids = ids(self.render_prompt(pair.messages))
+            return (
+                keep_end(prompt_ids + ids(" " + pair.chosen), self.max_length, *self.wrap),
+                keep_end(prompt_ids + ids(" " + pair.rejected), self.max_length, *self.wrap),
+            )
         prompt, (good, bad) = fit(
             ids(self.render_prompt(pair.messages)),
             [ids(" " + pair.chosen), ids(" " + pair.rejected)],

@@ -35,14 +35,15 @@ GPU_PEAK_FLOPS: tuple[tuple[str, float], ...] = (
 
 
 def _shape(config: PreTrainedConfig) -> tuple[int, int, int, int, int, int]:
-    """(hidden, layers, heads, kv heads, head dim, intermediate) of a Llama-style config."""
+    """(hidden, layers, heads, kv heads, head dim, intermediate) of a Llama-style config (a BERT
+    config has as many key/value heads as query heads)."""
     h, heads = int(config.hidden_size), int(config.num_attention_heads)
     head_dim = int(getattr(config, "head_dim", None) or h // heads)
     return (
         h,
         int(config.num_hidden_layers),
         heads,
-        int(config.num_key_value_heads),
+        int(getattr(config, "num_key_value_heads", None) or heads),
         head_dim,
         int(config.intermediate_size),
     )
@@ -50,10 +51,11 @@ def _shape(config: PreTrainedConfig) -> tuple[int, int, int, int, int, int]:
 
 def matmul_params(config: PreTrainedConfig, head_outputs: int) -> int:
     """Parameters that take part in a matrix multiply per token (``head_outputs``: the vocabulary
-    for a language model, 1 for a scalar reward head)."""
+    for a language model, 1 for a scalar reward head). Llama's MLP is gated (three matrices),
+    BERT's is not (two)."""
     h, layers, heads, kv_heads, head_dim, intermediate = _shape(config)
     attention = h * heads * head_dim + 2 * h * kv_heads * head_dim + heads * head_dim * h
-    mlp = 3 * h * intermediate
+    mlp = (2 if config.model_type == "bert" else 3) * h * intermediate
     return layers * (attention + mlp) + h * head_outputs
 
 

@@ -26,9 +26,18 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer
-from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification, PreTrainedModel
+from transformers import (
+    AutoTokenizer,
+    BertConfig,
+    BertForSequenceClassification,
+    LlamaConfig,
+    LlamaForCausalLM,
+    LlamaForSequenceClassification,
+    PreTrainedModel,
+)
 
 from forge_trainer_agent.training import pairs as pairdata
+from forge_trainer_agent.training.backbones import BACKBONE_NAMES, backbone_dir
 from forge_trainer_agent.training.collectives import all_reduce, barrier
 from forge_trainer_agent.training.data import (
     EOT,
@@ -434,10 +443,19 @@ class _PairTask(Objective):
         if eot is None:
             raise ValueError(f"init.parent: the tokenizer has no {EOT} token")
         self.pad_id = eot
-        train, val = pairdata.load_pairs(config.pairs, config.seed, config.data.val_fraction)
         encode = dict(end_of_text=self.end_of_text, chosen_only=self.chosen_only)
-        self.train_rows = pairdata.encode_pairs(tok, train, config.data.seq_len, **encode)
-        self.val_rows = pairdata.encode_pairs(tok, val, config.data.seq_len, **encode)
+        self._prepare_pairs(lambda pairs: pairdata.encode_pairs(tok, pairs, config.data.seq_len, **encode))
+        self.model = self.make_model(parent)
+
+    def _prepare_pairs(
+        self, encode: Callable[[list[pairdata.PreferencePair]], Sequence[tuple[pairdata.Encoded, ...]]]
+    ) -> None:
+        """Split the pairs by seed, encode both splits, make the sampler over the training rows."""
+        config = self.config
+        train, val = pairdata.load_pairs(config.pairs, config.seed, config.data.val_fraction)
+        self.train_pairs, self.val_pairs = train, val
+        self.train_rows = list(encode(train))
+        self.val_rows = list(encode(val))
         self.data_hash = pairdata.pairs_hash(config.pairs, config.seed, config.data.val_fraction)
         if len(self.train_rows) < config.global_batch_size:
             raise ValueError(
@@ -445,7 +463,6 @@ class _PairTask(Objective):
                 f"({config.global_batch_size})"
             )
         self.sampler = StepSampler(len(self.train_rows), config.global_batch_size, config.seed)
-        self.model = self.make_model(parent)
 
     @abstractmethod
     def make_model(self, parent: Parent) -> PreTrainedModel:
@@ -602,6 +619,77 @@ class RewardModeling(_PreferenceTask):
         }
 
 
+class EncoderRewardModeling(RewardModeling):
+    """A reward model from a pre-trained BERT encoder (``init.backbone``; ``minilm`` =
+    all-MiniLM-L6-v2): ``BertForSequenceClassification`` with one label, the encoder's weights and
+    a new head (pooler at ``[CLS]``, then a linear score), its own WordPiece tokenizer. Inputs are
+    ``[CLS] prompt + response [SEP]`` cut from the left to ``data.seq_len`` (see
+    :func:`pairs.encode_pairs_for_encoder`), right-padded with ``[PAD]``. Loss, accuracy and its
+    Wilson interval are :class:`RewardModeling`'s.
+
+    Rank 0 writes the held-out pairs to ``<cache dir>/held_out_pairs.jsonl`` (HH-RLHF format), the
+    file to score the export with (``forge rm eval --pairs``); the export carries the tokenizer
+    with ``truncation_side="left"``, ``model_max_length = data.seq_len`` and
+    :data:`pairs.ENCODER_CHAT_TEMPLATE`, so ``forge rm eval`` encodes pairs as training did."""
+
+    HELD_OUT_FILE = "held_out_pairs.jsonl"
+
+    def __init__(self, config: TrainConfig, rank: int, world_size: int, cache_dir: Path) -> None:
+        Objective.__init__(self, config, rank, world_size)
+        self.source = backbone_dir(config.init.backbone)
+        self.tokenizer_json = (self.source / "tokenizer.json").read_text(encoding="utf-8")
+        tok = Tokenizer.from_str(self.tokenizer_json)
+
+        def special(name: str) -> int:
+            found = tok.token_to_id(name)
+            if found is None:
+                raise ValueError(f"init.backbone: the {config.init.backbone!r} tokenizer has no {name}")
+            return int(found)
+
+        cls_id, sep_id, self.pad_id = special("[CLS]"), special("[SEP]"), special("[PAD]")
+        seq_len = config.data.seq_len
+        self._prepare_pairs(
+            lambda pairs: pairdata.encode_pairs_for_encoder(tok, pairs, seq_len, cls_id, sep_id)
+        )
+        if rank == 0:
+            self.held_out_file = pairdata.write_pairs(cache_dir / self.HELD_OUT_FILE, self.val_pairs)
+        self.model = self._make_encoder()
+
+    def make_model(self, parent: Parent) -> PreTrainedModel:  # pragma: no cover - no parent here
+        raise TypeError("an encoder reward model has no parent")
+
+    def _make_encoder(self) -> PreTrainedModel:
+        limit = BertConfig.from_pretrained(self.source).max_position_embeddings
+        if self.config.data.seq_len > limit:
+            raise ValueError(
+                f"data.seq_len: {self.config.data.seq_len} exceeds the encoder's {limit} positions"
+            )
+        model = BertForSequenceClassification.from_pretrained(self.source, num_labels=1, dtype=torch.float32)
+        model.config.pad_token_id = self.pad_id
+        model.train()
+        return model
+
+    def rewards(self, module: torch.nn.Module, micro: Micro) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = module(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"]).logits
+        chosen, rejected = scores.squeeze(-1).float().chunk(2)
+        return chosen, rejected
+
+    def model_meta(self) -> dict[str, Any]:
+        return {**super().model_meta(), "backbone": BACKBONE_NAMES.get(self.config.init.backbone, "")}
+
+    def export(self, out_dir: Path, model: PreTrainedModel | None = None) -> Path:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (model or self.model).save_pretrained(out_dir, safe_serialization=True)
+        tokenizer = AutoTokenizer.from_pretrained(self.source)
+        tokenizer.backend_tokenizer.no_truncation()  # the source's tokenizer.json pads and cuts at 128
+        tokenizer.backend_tokenizer.no_padding()
+        tokenizer.truncation_side = "left"
+        tokenizer.model_max_length = self.config.data.seq_len
+        tokenizer.chat_template = pairdata.ENCODER_CHAT_TEMPLATE
+        tokenizer.save_pretrained(out_dir)
+        return out_dir
+
+
 class DirectPreference(_PreferenceTask):
     """DPO, sigmoid loss: ``-log sigmoid(beta ((log pi(y_c) - log ref(y_c)) - (log pi(y_r) -
     log ref(y_r))))``, log-probabilities summed over response tokens; the reference is a frozen
@@ -696,6 +784,8 @@ def build_objective(config: TrainConfig, rank: int, world_size: int, cache_dir: 
         return ContinualPretraining(config, rank, world_size, cache_dir)
     if config.task == "sft":
         return SupervisedFineTuning(config, rank, world_size)
+    if config.task == "reward" and config.init.backbone != "parent":
+        return EncoderRewardModeling(config, rank, world_size, cache_dir)
     if config.task == "reward":
         return RewardModeling(config, rank, world_size)
     if config.task == "dpo":
