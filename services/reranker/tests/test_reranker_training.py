@@ -14,6 +14,7 @@ import pytest
 from forge_reranker.scoring import CrossEncoderScorer
 from forge_reranker.training import (
     Bm25,
+    TrainConfig,
     _param_groups,
     beir_train_recipe,
     build_groups,
@@ -52,6 +53,13 @@ def write_beir(root: Path, name: str) -> Path:
     return folder
 
 
+def tiny_recipe(groups: int = 3, **overrides: object) -> TrainConfig:
+    """The recipe on the ``tiny`` folder of :func:`write_beir`: one hard negative from the top 5."""
+    return beir_train_recipe(
+        datasets=("tiny",), groups_per_dataset={"tiny": groups}, negatives=1, negative_depth=5, **overrides
+    )
+
+
 def test_bm25_ranks_by_shared_rare_terms() -> None:
     bm25 = Bm25([f"{t} {x}" for t, x in DOCS.values()])
     assert bm25.top("sulphur dioxide eruptions", 2) == [0, 2]
@@ -61,9 +69,7 @@ def test_bm25_ranks_by_shared_rare_terms() -> None:
 def test_groups_put_the_positive_first_and_never_a_judged_document_among_negatives(tmp_path: Path) -> None:
     write_beir(tmp_path, "tiny")
     data = read_dataset(tmp_path, "tiny")
-    config = beir_train_recipe(
-        datasets=("tiny",), groups_per_dataset={"tiny": 10}, negatives=1, negative_depth=5
-    )
+    config = tiny_recipe(10)
     groups = build_groups(data, config, random.Random(0))
     # "how does dough rise" shares a word with its relevant document only: no hard negative, no group.
     assert sorted(g.query for g in groups) == sorted([QUERIES["q1"], QUERIES["q3"]])
@@ -82,11 +88,7 @@ def test_missing_train_split_is_a_clear_error(tmp_path: Path) -> None:
 
 def test_training_writes_a_directory_the_reranker_loads(tmp_path: Path) -> None:
     write_beir(tmp_path, "tiny")
-    config = beir_train_recipe(
-        datasets=("tiny",),
-        groups_per_dataset={"tiny": 3},
-        negatives=1,
-        negative_depth=5,
+    config = tiny_recipe(
         groups_per_step=1,
         max_steps=2,
         max_tokens=32,
@@ -146,11 +148,7 @@ def test_the_loop_overfits_a_few_groups_well_below_chance(tmp_path: Path) -> Non
     """The learning check: the same two groups for many steps must be learnt, which a wrong target,
     a loss over the wrong axis, a gradient never applied or a dead head would all prevent."""
     write_beir(tmp_path, "tiny")
-    config = beir_train_recipe(
-        datasets=("tiny",),
-        groups_per_dataset={"tiny": 3},
-        negatives=1,
-        negative_depth=5,
+    config = tiny_recipe(
         groups_per_step=2,
         epochs=30,
         max_steps=30,
@@ -173,9 +171,7 @@ def test_the_loop_overfits_a_few_groups_well_below_chance(tmp_path: Path) -> Non
 
 def test_a_spent_budget_still_publishes_the_model(tmp_path: Path) -> None:
     write_beir(tmp_path, "tiny")
-    config = beir_train_recipe(
-        datasets=("tiny",), groups_per_dataset={"tiny": 3}, negatives=1, negative_depth=5, max_minutes=0.0
-    )
+    config = tiny_recipe(max_minutes=0.0)
     record = train(config, tmp_path, tmp_path / "model", log=lambda _: None)
     assert record["steps"] == 0 and (tmp_path / "model" / "config.json").is_file()
 
@@ -188,9 +184,7 @@ def test_positives_are_the_relevant_documents_bm25_retrieves(tmp_path: Path) -> 
     with open(folder / "qrels" / "train.tsv", "a") as f:
         f.write("q4\td5\t1\nq4\td2\t1\n")
     data = read_dataset(tmp_path, "tiny")
-    config = beir_train_recipe(
-        datasets=("tiny",), groups_per_dataset={"tiny": 10}, negatives=1, negative_depth=5, positive_depth=5
-    )
+    config = tiny_recipe(10, positive_depth=5)
     positives = {
         g.passages[0] for g in build_groups(data, config, random.Random(0)) if g.query == "volcanic ash soil"
     }

@@ -316,29 +316,25 @@ class AsyncGroupCommit:
     the batch.
     """
 
-    def __init__(self, db: Database, *, max_batch: int = 64, writers: int = 1, retries: int = 3) -> None:
+    def __init__(self, db: Database, *, max_batch: int = 64, retries: int = 3) -> None:
         self._db = db
         self._max_batch = max_batch
-        self._writers = writers
         self._retries = retries
         self._queue: asyncio.Queue[_Job] = asyncio.Queue()
-        self._tasks: list[asyncio.Task[None]] = []
+        self._writer: asyncio.Task[None] | None = None
 
     async def run(self, unit: Callable[[sa.Connection], T]) -> T:
         future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
-        if not self._tasks:
-            self._tasks = [
-                asyncio.create_task(self._work(), name=f"feedback-group-commit-{n}")
-                for n in range(self._writers)
-            ]
+        if self._writer is None:
+            self._writer = asyncio.create_task(self._work(), name="feedback-group-commit")
         self._queue.put_nowait(_Job(unit, future))
         return await future
 
     async def close(self) -> None:
-        tasks, self._tasks = self._tasks, []
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.cancel()
+            await asyncio.gather(writer, return_exceptions=True)
         while not self._queue.empty():
             _settle(self._queue.get_nowait().future, False, RuntimeError("the store is closing"))
 
