@@ -165,10 +165,11 @@ async def consume(bootstrap: str, tally: Tally, stop: asyncio.Event) -> None:
             await asyncio.sleep(0.1)
 
 
-async def audit(url: str) -> tuple[set[str], int, dict[str, int], dt.datetime | None]:
+async def audit(url: str, overlap: int) -> tuple[set[str], int, dict[str, int], dt.datetime | None, int]:
     """The owner's view: preference ids in the database, unpublished outbox rows, how many
-    outbox events each preference id has (the catch-up source for a consumer), and when the
-    broker acknowledged the last of them."""
+    outbox events each preference id has (the catch-up source for a consumer), when the
+    broker acknowledged the last of them, and how many comparisons got more than ``overlap``
+    answers (concurrent assignment handing one item to too many raters)."""
     db = Database(url)
     try:
         async with db.session() as session:
@@ -189,8 +190,20 @@ async def audit(url: str) -> tuple[set[str], int, dict[str, int], dt.datetime | 
                     )
                 )
             ).all()
+            per_item = (
+                sa.select(sa.func.count().label("n"))
+                .select_from(PreferenceRow)
+                .group_by(PreferenceRow.comparison_id)
+                .subquery()
+            )
+            over = int(
+                await session.scalar(
+                    sa.select(sa.func.count()).select_from(per_item).where(per_item.c.n > overlap)
+                )
+                or 0
+            )
         outbox = Counter(events_pb2.PreferenceRecorded.FromString(p).preference_id for p in payloads)
-        return ids, pending, dict(outbox), last_published
+        return ids, pending, dict(outbox), last_published, over
     finally:
         await db.dispose()
 
@@ -289,7 +302,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         # 3. Wait for the outbox to drain (every row acknowledged by the broker).
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
-            ids, pending, outbox, last_published = await audit(url)
+            ids, pending, outbox, last_published, _ = await audit(url, args.overlap)
             if pending == 0:
                 break
             await asyncio.sleep(0.1)
@@ -309,7 +322,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         service.stop()
         broker.stop()
     # 5. Count end to end.
-    ids, pending, outbox, _ = await audit(url)
+    ids, pending, outbox, _, over_overlap = await audit(url, args.overlap)
     acked = set(tally.acked.values())
     missed_by_consumer = ids - set(tally.kafka)
     replayed = missed_by_consumer & set(replay)
@@ -331,6 +344,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "outbox_pending": pending,
         "lost": len(lost),
         "duplicated_records": duplicated_records,
+        "comparisons_over_overlap": over_overlap,
         "client_retries": sum(tally.retries.values()),
         "client_retry_reasons": dict(tally.retries),
         "ingest_s": round(ingest_s, 2),
@@ -352,6 +366,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         and kafka_rate >= TARGET_PER_S
         and len(lost) == 0
         and duplicated_records == 0
+        and over_overlap == 0
         and pending == 0
         and len(ids) == len(acked) == args.preferences
         and restart_s > 0

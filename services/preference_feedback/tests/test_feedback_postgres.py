@@ -9,14 +9,13 @@ import pytest
 import sqlalchemy as sa
 from forge.common.v1 import common_pb2
 from forge.events.v1 import events_pb2
-from prometheus_client import REGISTRY
 
 from forge_kit.db import Database
 from forge_kit.events import topic_for
 from forge_preference_feedback.registry import HeldoutAccuracy, RewardModelRegistry
 from forge_preference_feedback.seeds import read_hh_rlhf
 from forge_preference_feedback.service import FeedbackService
-from forge_preference_feedback.store import AsyncGroupCommit
+from forge_preference_feedback.store import AsyncTransactions, open_transactions
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.integration]
 MIGRATIONS = Path(__file__).parents[1] / "src" / "forge_preference_feedback" / "migrations"
@@ -45,11 +44,13 @@ async def test_seed_assign_submit_on_postgres(postgres_url: str, hh_root: Path) 
         await db.dispose()
 
 
-async def test_group_commit_on_postgres_answers_each_unit_once(postgres_url: str, hh_root: Path) -> None:
-    """Concurrent raters through :class:`AsyncGroupCommit`: units share transactions, every answer
-    is recorded once with one outbox event, double posts included, and a failing unit fails alone."""
+async def test_concurrent_raters_on_postgres_answer_each_unit_once(postgres_url: str, hh_root: Path) -> None:
+    """Concurrent raters through the PostgreSQL transactions (:func:`open_transactions`): every
+    answer is recorded once with one outbox event, double posts included, and a failing unit
+    fails alone."""
     db = Database(postgres_url)
-    tx = AsyncGroupCommit(db)
+    tx = open_transactions(db)
+    assert isinstance(tx, AsyncTransactions)
     try:
         await db.migrate(MIGRATIONS)
         service = FeedbackService(db, transactions=tx)
@@ -57,7 +58,6 @@ async def test_group_commit_on_postgres_answers_each_unit_once(postgres_url: str
         raters = [f"rater-{n}" for n in range(12)]
         items = await asyncio.gather(*(service.next_comparison(r) for r in raters))
         assert all(items) and len({i.id for i in items if i}) == len(raters)
-        batches = REGISTRY.get_sample_value("forge_feedback_group_commit_units_count") or 0.0
 
         def boom(_: sa.Connection) -> None:
             raise ValueError("this unit fails")
@@ -68,11 +68,7 @@ async def test_group_commit_on_postgres_answers_each_unit_once(postgres_url: str
         choice = common_pb2.PREFERENCE_CHOICE_A
         posts = [
             service.submit_preference(i.id, r, choice, 1.0, "")
-            for i, r in zip(items, raters, strict=True)
-            if i
-        ]
-        posts += [
-            service.submit_preference(i.id, r, choice, 1.0, "")
+            for _ in range(2)
             for i, r in zip(items, raters, strict=True)
             if i
         ]
@@ -82,15 +78,14 @@ async def test_group_commit_on_postgres_answers_each_unit_once(postgres_url: str
         assert not [a for a in answers if isinstance(a, BaseException)], answers
         # Each rater's double post is the same record.
         assert len({a.id for a in answers}) == len(raters)  # type: ignore[union-attr]
-        after = REGISTRY.get_sample_value("forge_feedback_group_commit_units_count") or 0.0
-        assert after - batches < len(posts) + 2  # some units shared a transaction
         async with db.engine.connect() as connection:
             records = await connection.scalar(sa.text("SELECT count(*) FROM feedback_preferences"))
             events = await connection.scalar(
                 sa.text("SELECT count(*) FROM forge_outbox WHERE topic = :topic"),
                 {"topic": topic_for(events_pb2.PreferenceRecorded())},
             )
-        assert records == events == len(raters)
+            answered = await connection.scalar(sa.text("SELECT sum(answer_count) FROM feedback_comparisons"))
+        assert records == events == answered == len(raters)
     finally:
         await tx.close()
         await db.dispose()
@@ -100,12 +95,12 @@ class _Deadlock(Exception):
     sqlstate = "40P01"
 
 
-async def test_group_commit_runs_a_deadlocked_batch_again(postgres_url: str) -> None:
-    """A batch the database aborts as a deadlock wrote nothing, so it runs again, whole; a unit's
-    other database errors stay that unit's."""
+async def test_a_deadlocked_unit_runs_again(postgres_url: str) -> None:
+    """A unit the database aborts as a deadlock wrote nothing, so it runs again; a unit's other
+    database errors go to its caller at once."""
     db = Database(postgres_url)
-    tx = AsyncGroupCommit(db)
-    calls = {"flaky": 0}
+    tx = AsyncTransactions(db)
+    calls = {"flaky": 0, "bad": 0}
 
     def flaky(connection: sa.Connection) -> int:
         calls["flaky"] += 1
@@ -114,12 +109,13 @@ async def test_group_commit_runs_a_deadlocked_batch_again(postgres_url: str) -> 
         return int(connection.execute(sa.text("SELECT 2")).scalar_one())
 
     def bad_sql(connection: sa.Connection) -> None:
+        calls["bad"] += 1
         connection.execute(sa.text("SELECT * FROM no_such_table"))
 
     try:
         flaky_result, bad = await asyncio.gather(tx.run(flaky), tx.run(bad_sql), return_exceptions=True)
         assert flaky_result == 2 and calls["flaky"] == 2
-        assert isinstance(bad, sa.exc.ProgrammingError)
+        assert isinstance(bad, sa.exc.ProgrammingError) and calls["bad"] == 1
     finally:
         await tx.close()
         await db.dispose()

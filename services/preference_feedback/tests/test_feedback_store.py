@@ -7,6 +7,7 @@ import asyncio
 import datetime as dt
 import sqlite3
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
@@ -15,6 +16,7 @@ from argon2 import PasswordHasher
 from prometheus_client import REGISTRY
 
 from forge_kit.db import Database
+from forge_preference_feedback.seeds import read_hh_rlhf
 from forge_preference_feedback.service import FeedbackService
 from forge_preference_feedback.store import SessionRow, SqliteGroupCommit
 
@@ -94,3 +96,13 @@ async def test_sessions_are_remembered_briefly_and_logout_ends_them_at_once(
     assert (await service.session_for(token)) is not None
     clock.advance(3600)
     assert (await service.session_for(token)) is None
+
+
+async def test_concurrent_raters_are_handed_different_items(service: FeedbackService, hh_root: Path) -> None:
+    """Assignment reads the leases it then extends, so it runs serially (``serial=True``) in both
+    transaction modes: raters asking at the same moment each get an item of their own, and no item
+    ends up with more holders than the overlap allows."""
+    await service.seed_comparisons(read_hh_rlhf(hh_root), limit=12, rng_seed=0)
+    raters = [f"rater-{n}" for n in range(12)]
+    items = await asyncio.gather(*(service.next_comparison(r) for r in raters))
+    assert len({item.id for item in items if item}) == len(raters)

@@ -210,7 +210,9 @@ class FeedbackService:
         3. Record the lease.
         """
         validate_rater("rater_id", rater_id)
-        return await self._tx.run(partial(self._next_comparison, rater_id=rater_id, now=self._clock()))
+        return await self._tx.run(
+            partial(self._next_comparison, rater_id=rater_id, now=self._clock()), serial=True
+        )
 
     def _next_comparison(
         self, conn: sa.Connection, *, rater_id: str, now: dt.datetime
