@@ -106,7 +106,7 @@ def test_a_bundled_backbone_is_refused_where_it_cannot_run() -> None:
     recipes.validate(config, 1)  # no parent needed
     with pytest.raises(RecipeError, match=r"init\.parent: the 'minilm' backbone brings its own weights"):
         recipes.validate(recipes.build("reward_hh_minilm", {"init.parent": "/tmp/x"}), 1)
-    with pytest.raises(RecipeError, match=r"init\.backbone: only the 'reward' task"):
+    with pytest.raises(RecipeError, match=r"init\.backbone: only the reward and rerank tasks"):
         recipes.validate(recipes.build("sft_hh", {"init.backbone": "minilm"}), 1)
     with pytest.raises(RecipeError, match=r"init\.backbone: must be one of parent, minilm"):
         recipes.validate(recipes.build("reward_hh_minilm", {"init.backbone": "bert-huge"}), 1)

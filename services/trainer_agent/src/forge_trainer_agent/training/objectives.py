@@ -116,7 +116,7 @@ def wins(margin: torch.Tensor) -> float:
     return float((margin > 0).sum()) + 0.5 * float((margin == 0).sum())
 
 
-def _spread(n: int, count: int) -> list[int]:
+def spread(n: int, count: int) -> list[int]:
     """``count`` indices evenly spread over ``range(n)`` (a fixed evaluation set)."""
     return [int(i) for i in np.linspace(0, n - 1, min(count, n)).astype(np.int64)]
 
@@ -196,6 +196,48 @@ class Objective(ABC):
     def model_meta(self) -> dict[str, Any]:
         return {"task": self.task, "model_config": self.model.config.to_dict()}
 
+    def head_prefixes(self) -> tuple[str, ...]:
+        """Parameter-name prefixes of a freshly initialised head, which learns
+        ``optim.head_lr_scale`` times faster than the rest (none by default)."""
+        return ()
+
+
+# -- bundled encoders under a new one-output head: encoder reward models, cross-encoders ----------
+
+
+def encoder_classifier(source: Path, seq_len: int, pad_id: int, dropout: float = -1.0) -> PreTrainedModel:
+    """``BertForSequenceClassification`` with one label from the encoder folder ``source``: its
+    weights, a new pooler-and-linear head read at ``[CLS]``; ``dropout`` (-1: the encoder's own)."""
+    config = BertConfig.from_pretrained(source, num_labels=1)
+    if seq_len > config.max_position_embeddings:
+        raise ValueError(
+            f"data.seq_len: {seq_len} exceeds the encoder's {config.max_position_embeddings} positions"
+        )
+    if dropout >= 0:
+        config.hidden_dropout_prob = config.attention_probs_dropout_prob = dropout
+    model = BertForSequenceClassification.from_pretrained(source, config=config, dtype=torch.float32)
+    model.config.pad_token_id = pad_id
+    model.train()
+    return model
+
+
+def save_encoder(
+    model: PreTrainedModel, source: Path, out_dir: Path, seq_len: int, **tokenizer_attrs: Any
+) -> Path:
+    """``model`` in Hugging Face format with ``source``'s tokenizer, which cuts at ``seq_len``
+    (``model_max_length``) and neither pads nor truncates by itself (the source's
+    ``tokenizer.json`` pads and cuts at 128); ``tokenizer_attrs`` are set on the tokenizer."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    tokenizer.backend_tokenizer.no_truncation()
+    tokenizer.backend_tokenizer.no_padding()
+    tokenizer.model_max_length = seq_len
+    for name, value in tokenizer_attrs.items():
+        setattr(tokenizer, name, value)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
 
 # -- language modelling: pretrain and continual pre-training -----------------------------------
 
@@ -228,7 +270,7 @@ def evaluate_lm(
 ) -> float:
     """Mean per-token loss on a fixed, evenly spread set of ``split``'s windows (split by rank)."""
     seq_len = config.data.seq_len
-    windows = _spread(split.num_windows(seq_len), config.eval_batches * config.micro_batch_size)
+    windows = spread(split.num_windows(seq_len), config.eval_batches * config.micro_batch_size)
     was_training = model.training
     model.eval()
     total, tokens = 0.0, 0.0
@@ -474,7 +516,7 @@ class _PairTask(Objective):
 
     def _eval_micro(self) -> list[tuple[Micro, bool]]:
         """This rank's held-out micro-batches, each with whether it counts (see :func:`rank_batches`)."""
-        every = _spread(len(self.val_rows), self.config.eval_batches * self.config.micro_batch_size)
+        every = spread(len(self.val_rows), self.config.eval_batches * self.config.micro_batch_size)
         batches = rank_batches(every, self.rank, self.world_size, self.config.micro_batch_size)
         return [(self.collate(items, self.val_rows), counts) for items, counts in batches]
 
@@ -653,21 +695,15 @@ class EncoderRewardModeling(RewardModeling):
         )
         if rank == 0:
             self.held_out_file = pairdata.write_pairs(cache_dir / self.HELD_OUT_FILE, self.val_pairs)
-        self.model = self._make_encoder()
+        self.model = encoder_classifier(self.source, seq_len, self.pad_id, config.init.encoder_dropout)
+        if config.init.freeze_embeddings:
+            self.model.get_input_embeddings().weight.requires_grad_(False)
 
     def make_model(self, parent: Parent) -> PreTrainedModel:  # pragma: no cover - no parent here
         raise TypeError("an encoder reward model has no parent")
 
-    def _make_encoder(self) -> PreTrainedModel:
-        limit = BertConfig.from_pretrained(self.source).max_position_embeddings
-        if self.config.data.seq_len > limit:
-            raise ValueError(
-                f"data.seq_len: {self.config.data.seq_len} exceeds the encoder's {limit} positions"
-            )
-        model = BertForSequenceClassification.from_pretrained(self.source, num_labels=1, dtype=torch.float32)
-        model.config.pad_token_id = self.pad_id
-        model.train()
-        return model
+    def head_prefixes(self) -> tuple[str, ...]:
+        return ("classifier.", f"{self.model.base_model_prefix}.pooler.")
 
     def rewards(self, module: torch.nn.Module, micro: Micro) -> tuple[torch.Tensor, torch.Tensor]:
         scores = module(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"]).logits
@@ -678,16 +714,14 @@ class EncoderRewardModeling(RewardModeling):
         return {**super().model_meta(), "backbone": BACKBONE_NAMES.get(self.config.init.backbone, "")}
 
     def export(self, out_dir: Path, model: PreTrainedModel | None = None) -> Path:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (model or self.model).save_pretrained(out_dir, safe_serialization=True)
-        tokenizer = AutoTokenizer.from_pretrained(self.source)
-        tokenizer.backend_tokenizer.no_truncation()  # the source's tokenizer.json pads and cuts at 128
-        tokenizer.backend_tokenizer.no_padding()
-        tokenizer.truncation_side = "left"
-        tokenizer.model_max_length = self.config.data.seq_len
-        tokenizer.chat_template = pairdata.ENCODER_CHAT_TEMPLATE
-        tokenizer.save_pretrained(out_dir)
-        return out_dir
+        return save_encoder(
+            model or self.model,
+            self.source,
+            out_dir,
+            self.config.data.seq_len,
+            truncation_side="left",
+            chat_template=pairdata.ENCODER_CHAT_TEMPLATE,
+        )
 
 
 class DirectPreference(_PreferenceTask):
@@ -790,4 +824,8 @@ def build_objective(config: TrainConfig, rank: int, world_size: int, cache_dir: 
         return RewardModeling(config, rank, world_size)
     if config.task == "dpo":
         return DirectPreference(config, rank, world_size)
+    if config.task == "rerank":
+        from forge_trainer_agent.training.rerank import CrossEncoderRanking  # it builds on this module
+
+        return CrossEncoderRanking(config, rank, world_size)
     raise ValueError(f"task: unknown task {config.task!r}")

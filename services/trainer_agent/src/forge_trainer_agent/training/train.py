@@ -30,7 +30,7 @@ import json
 import math
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -197,6 +197,30 @@ def _train_step(
     return loss_sum, figures, units
 
 
+def param_groups(
+    model: torch.nn.Module, optim: recipes.OptimConfig, head_prefixes: Sequence[str] = ()
+) -> list[dict[str, Any]]:
+    """AdamW groups of the trainable parameters: weight decay on matrices only (not on biases and
+        norms); a fresh head (names starting with one of ``head_prefixes``) at ``optim.head_lr_scale``
+        times the learning rate (when that is not 1: otherwise the two groups of every other run, so
+    their checkpoints' optimizer states still load). The body's decayed group comes first (the
+    loop logs its rate)."""
+    heads = tuple(head_prefixes) if optim.head_lr_scale != 1.0 else ()
+    groups: dict[tuple[bool, bool], list[torch.nn.Parameter]] = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            key = (bool(heads) and name.startswith(heads), p.dim() < 2)
+            groups.setdefault(key, []).append(p)
+    return [
+        {
+            "params": params,
+            "lr": optim.lr * (optim.head_lr_scale if is_head else 1.0),
+            "weight_decay": 0.0 if exempt else optim.weight_decay,
+        }
+        for (is_head, exempt), params in sorted(groups.items())
+    ]
+
+
 def train(config: TrainConfig, ctx: RunContext) -> TrainResult:
     """Run (or resume) ``config``; steps 1-6 of the module docstring."""
     # 1. Validate.
@@ -214,16 +238,10 @@ def train(config: TrainConfig, ctx: RunContext) -> TrainResult:
     sharded = parallel.shard(model, config.parallelism, ctx.world_size)
     # 3. Optimizer and schedule.
     o = config.optim
-    trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
-        [
-            {"params": [p for p in trainable if p.dim() >= 2], "weight_decay": o.weight_decay},
-            {"params": [p for p in trainable if p.dim() < 2], "weight_decay": 0.0},
-        ],
-        lr=o.lr,
-        betas=(o.beta1, o.beta2),
-        foreach=False,
+        param_groups(model, o, objective.head_prefixes()), betas=(o.beta1, o.beta2), foreach=False
     )
+    trainable = [p for group in optimizer.param_groups for p in group["params"]]
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(config))
     ckpt = CheckpointManager(
         ctx.store,
