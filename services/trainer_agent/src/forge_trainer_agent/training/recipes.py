@@ -377,10 +377,10 @@ def rerank_beir_minilm() -> TrainConfig:
         optim=OptimConfig(lr=7e-5, min_lr=0.0, warmup_steps=30, weight_decay=0.01, head_lr_scale=20.0),
         checkpoint=CheckpointConfig(interval_steps=100, keep_last=2),
         global_batch_size=4,
-        micro_batch_size=4,
+        micro_batch_size=2,  # so that 1 or 2 processes can share a step
         max_steps=300,
         eval_interval=150,
-        eval_batches=50,  # 50 x 4 = 200 held-out groups
+        eval_batches=100,  # 100 x 2 = 200 held-out groups
         log_interval=10,
         threads=1,
     )
