@@ -15,7 +15,13 @@ from forge_kit.objectstore import ObjectStore
 from forge_trainer_agent.training import recipes
 from forge_trainer_agent.training.launch import run_group_sequence
 from forge_trainer_agent.training.recipes import OptimConfig, RecipeError, RerankConfig
-from forge_trainer_agent.training.rerank import Bm25, build_groups, read_dataset, split_queries
+from forge_trainer_agent.training.rerank import (
+    Bm25,
+    CrossEncoderRanking,
+    build_groups,
+    read_dataset,
+    split_queries,
+)
 from forge_trainer_agent.training.run import EXIT_BAD_RECIPE, main
 from forge_trainer_agent.training.train import RunContext, param_groups, train
 
@@ -237,3 +243,28 @@ def test_two_gloo_processes_train_the_cross_encoder_like_one(tmp_path: Path) -> 
         assert double["losses"][step] == pytest.approx(single.losses[step], rel=1e-4), step
     for key in ("val_loss", "val_mrr", "eval_groups"):
         assert double["eval_metrics"][key] == pytest.approx(single.eval_metrics[key], rel=1e-4), key
+
+
+def test_later_epochs_draw_each_groups_negatives_again_reproducibly(tmp_path: Path) -> None:
+    write_beir(tmp_path)
+    extra = {"rerank.negative_depth": "8"}  # pools of several candidates
+    objective = CrossEncoderRanking(recipes.build("rerank_beir_minilm", tiny(tmp_path, **extra)), 0, 1)
+    n = len(objective.train_groups)
+    first = [objective.passages(i, 0) for i in range(n)]
+    assert first == [g.passages for g in objective.train_groups]  # epoch 0: the build-time draw
+    later = [[objective.passages(i, epoch) for i in range(n)] for epoch in (1, 2)]
+    assert later[0] != first and later[1] != later[0]
+    for epoch in later:
+        for group, drawn in zip(objective.train_groups, epoch, strict=True):
+            assert drawn[0] == group.passages[0] and len(drawn) == 2 and drawn[1] in group.pool
+    assert [objective.passages(i, 1) for i in range(n)] == later[0]  # a resume sees the same groups
+    fixed = recipes.build(
+        "rerank_beir_minilm", tiny(tmp_path, **extra, **{"rerank.resample_negatives": "false"})
+    )
+    still = CrossEncoderRanking(fixed, 0, 1)
+    assert [still.passages(i, 3) for i in range(n)] == first
+    # The sampler tags each item with its epoch, and the batch encodes those passages.
+    items = objective.sampler.next_step(0, 1)
+    assert all(epoch == 0 for _, epoch in items)
+    micro = objective.collate(items)
+    assert micro["input_ids"].shape[0] == 2 * len(items)

@@ -151,6 +151,10 @@ class RerankConfig:
     the positive was in the BM25 top 30 for 15 % of its groups, half the groups taught the
     opposite of the SciFact half, and the loss stayed at chance."""
 
+    resample_negatives: bool = True
+    """Draw each group's negatives again from its query's top-``negative_depth`` pool in every
+    epoch after the first (seeded by seed, epoch and group, so resume is exact)."""
+
     def names(self) -> list[str]:
         return [n.strip() for n in self.datasets.split(",") if n.strip()]
 

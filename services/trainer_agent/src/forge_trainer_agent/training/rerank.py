@@ -9,9 +9,13 @@
    not judged relevant (top ``rerank.negative_depth``), its positives the relevant documents BM25
    retrieves in the top ``rerank.positive_depth`` (the ones a reranker of its candidates meets).
 4. Groups of (query, one relevant passage, ``rerank.negatives`` hard negatives), each query's first
-   positive before any query's second, at most ``rerank.groups_per_dataset`` per dataset.
-5. Every pair is encoded once, ``[CLS] query [SEP] passage [SEP]`` with the passage cut to fit
-   ``data.seq_len`` word pieces; the loop's sampler draws groups.
+   positive before any query's second, at most ``rerank.groups_per_dataset`` per dataset. Every
+   epoch after the first draws each group's negatives again from its query's pool
+   (``rerank.resample_negatives``): with the same negatives every epoch, the held-out loss rose
+   from the second epoch on while the training loss fell to a fifth of chance.
+5. Pairs are encoded as ``[CLS] query [SEP] passage [SEP]``, the passage cut to fit
+   ``data.seq_len`` word pieces: the held-out groups once, training groups as the loop's sampler
+   draws them (in the prefetch thread).
 6. Loss: each group's scores go through a softmax whose target is the relevant passage (listwise
    cross-entropy, as localized contrastive estimation); figures: how often the relevant passage
    ranks first of its group, and its reciprocal rank. Held-out: the same on the held-out groups,
@@ -122,7 +126,13 @@ class Bm25:
 class Group:
     query: str
     passages: tuple[str, ...]
-    """The relevant passage first, then the hard negatives."""
+    """The relevant passage first, then the hard negatives drawn when the group was built."""
+    pool: tuple[str, ...] = ()
+    """Every hard-negative candidate of the query, which later epochs draw from again."""
+
+    def redraw(self, k: int, rng: random.Random) -> tuple[str, ...]:
+        """The relevant passage and ``k`` negatives drawn afresh from the pool."""
+        return (self.passages[0], *rng.sample(self.pool, k))
 
 
 def split_queries(data: Dataset, seed: int, val_fraction: float) -> tuple[list[str], list[str]]:
@@ -163,8 +173,9 @@ def build_groups(
     ordered.sort(key=lambda x: x[0])
     groups: list[Group] = []
     for _, qid, did in ordered[:limit]:
-        negatives = rng.sample(mined[qid][1], config.negatives)
-        groups.append(Group(data.queries[qid], (data.texts[index[did]], *(data.texts[i] for i in negatives))))
+        candidates = tuple(data.texts[i] for i in mined[qid][1])
+        negatives = rng.sample(candidates, config.negatives)
+        groups.append(Group(data.queries[qid], (data.texts[index[did]], *negatives), candidates))
     return groups
 
 
@@ -190,6 +201,24 @@ def rerank_data_hash(config: TrainConfig) -> str:
 
 Encoded = tuple[list[int], list[int]]
 """One (query, passage) pair: word-piece ids and token type ids."""
+
+
+class EpochTagged:
+    """A :class:`StepSampler` whose items carry the epoch they were drawn in (the negatives of a
+    group depend on it); position and resume are the inner sampler's."""
+
+    def __init__(self, inner: StepSampler) -> None:
+        self.inner = inner
+
+    def next_step(self, rank: int, world_size: int) -> list[tuple[int, int]]:
+        picked = self.inner.next_step(rank, world_size)
+        return [(i, self.inner.state.epoch) for i in picked]
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state)
 
 
 class CrossEncoderRanking(Objective):
@@ -226,34 +255,53 @@ class CrossEncoderRanking(Objective):
             )
         if not val:
             raise ValueError("data.val_fraction: no held-out group (too few judged queries)")
-        self.train_rows = self._encode(tokenizer, train)
-        self.val_rows = self._encode(tokenizer, val)
+        self.train_groups = train
+        self.val_rows = self._encode(tokenizer, [g.passages for g in val], [g.query for g in val])
+        self._tokenizer = tokenizer  # training batches are encoded as drawn, in the prefetch thread
         self.data_hash = rerank_data_hash(config)
-        self.sampler = StepSampler(len(self.train_rows), config.global_batch_size, config.seed)
+        self.sampler = EpochTagged(StepSampler(len(train), config.global_batch_size, config.seed))
         self.model = encoder_classifier(
             self.source, config.data.seq_len, self.pad_id, config.init.encoder_dropout
         )
         if config.init.freeze_embeddings:
             self.model.get_input_embeddings().weight.requires_grad_(False)
 
-    def _encode(self, tokenizer: Any, groups: Sequence[Group]) -> list[list[Encoded]]:
-        """Step 5: every (query, passage) pair of ``groups``, cut to ``data.seq_len``."""
+    def _encode(
+        self, tokenizer: Any, passages: Sequence[Sequence[str]], queries: Sequence[str]
+    ) -> list[list[Encoded]]:
+        """Step 5: every (query, passage) pair of each group, cut to ``data.seq_len``."""
         encoded = tokenizer(
-            [g.query for g in groups for _ in g.passages],
-            [p for g in groups for p in g.passages],
+            [q for q, group in zip(queries, passages, strict=True) for _ in group],
+            [p for group in passages for p in group],
             truncation="only_second",
             max_length=self.config.data.seq_len,
         )
         pairs = list(zip(encoded["input_ids"], encoded["token_type_ids"], strict=True))
         n = self.group_size
-        return [pairs[i * n : (i + 1) * n] for i in range(len(groups))]
+        return [pairs[i * n : (i + 1) * n] for i in range(len(passages))]
+
+    def passages(self, index: int, epoch: int) -> tuple[str, ...]:
+        """Training group ``index``'s passages in ``epoch``: the negatives drawn at build time in
+        the first epoch, drawn again from the group's pool in every later one (with
+        ``rerank.resample_negatives``), from a generator seeded by (seed, epoch, index), so a
+        resumed run sees the same groups."""
+        group = self.train_groups[index]
+        if epoch == 0 or not self.config.rerank.resample_negatives:
+            return group.passages
+        rng = random.Random(f"{self.config.seed}/{epoch}/{index}")
+        return group.redraw(self.config.rerank.negatives, rng)
 
     def head_prefixes(self) -> tuple[str, ...]:
         return ("classifier.", f"{self.model.base_model_prefix}.pooler.")
 
     def collate(self, items: Sequence[Any], rows: Sequence[list[Encoded]] | None = None) -> Micro:
-        source = self.train_rows if rows is None else rows
-        pairs = [pair for i in items for pair in source[i]]
+        """Training items are (group index, epoch) from the sampler; held-out items index ``rows``."""
+        if rows is None:
+            groups = [self.passages(i, epoch) for i, epoch in items]
+            queries = [self.train_groups[i].query for i, _ in items]
+            pairs = [pair for group in self._encode(self._tokenizer, groups, queries) for pair in group]
+        else:
+            pairs = [pair for i in items for pair in rows[i]]
         width = max(len(ids) for ids, _ in pairs)
         ids = torch.full((len(pairs), width), self.pad_id, dtype=torch.long)
         types = torch.zeros((len(pairs), width), dtype=torch.long)
