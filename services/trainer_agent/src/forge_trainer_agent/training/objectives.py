@@ -50,7 +50,7 @@ from forge_trainer_agent.training.data import (
 from forge_trainer_agent.training.export import export_hf
 from forge_trainer_agent.training.mfu import forward_flops_per_token, train_flops_per_token
 from forge_trainer_agent.training.parents import Parent, load_parent
-from forge_trainer_agent.training.recipes import TrainConfig
+from forge_trainer_agent.training.recipes import InitConfig, TrainConfig
 
 Micro = dict[str, torch.Tensor]
 
@@ -205,18 +205,21 @@ class Objective(ABC):
 # -- bundled encoders under a new one-output head: encoder reward models, cross-encoders ----------
 
 
-def encoder_classifier(source: Path, seq_len: int, pad_id: int, dropout: float = -1.0) -> PreTrainedModel:
+def encoder_classifier(source: Path, seq_len: int, pad_id: int, init: InitConfig) -> PreTrainedModel:
     """``BertForSequenceClassification`` with one label from the encoder folder ``source``: its
-    weights, a new pooler-and-linear head read at ``[CLS]``; ``dropout`` (-1: the encoder's own)."""
+    weights, a new pooler-and-linear head read at ``[CLS]``; ``init.encoder_dropout`` (-1: the
+    encoder's own) and ``init.freeze_embeddings`` applied."""
     config = BertConfig.from_pretrained(source, num_labels=1)
     if seq_len > config.max_position_embeddings:
         raise ValueError(
             f"data.seq_len: {seq_len} exceeds the encoder's {config.max_position_embeddings} positions"
         )
-    if dropout >= 0:
-        config.hidden_dropout_prob = config.attention_probs_dropout_prob = dropout
+    if init.encoder_dropout >= 0:
+        config.hidden_dropout_prob = config.attention_probs_dropout_prob = init.encoder_dropout
     model = BertForSequenceClassification.from_pretrained(source, config=config, dtype=torch.float32)
     model.config.pad_token_id = pad_id
+    if init.freeze_embeddings:
+        model.get_input_embeddings().weight.requires_grad_(False)
     model.train()
     return model
 
@@ -695,9 +698,7 @@ class EncoderRewardModeling(RewardModeling):
         )
         if rank == 0:
             self.held_out_file = pairdata.write_pairs(cache_dir / self.HELD_OUT_FILE, self.val_pairs)
-        self.model = encoder_classifier(self.source, seq_len, self.pad_id, config.init.encoder_dropout)
-        if config.init.freeze_embeddings:
-            self.model.get_input_embeddings().weight.requires_grad_(False)
+        self.model = encoder_classifier(self.source, seq_len, self.pad_id, config.init)
 
     def make_model(self, parent: Parent) -> PreTrainedModel:  # pragma: no cover - no parent here
         raise TypeError("an encoder reward model has no parent")

@@ -44,13 +44,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
 )
 #: :data:`CHAT_TEMPLATE` without the end-of-text token, for tokenizers that have none (WordPiece).
-ENCODER_CHAT_TEMPLATE = (
-    "{% for m in messages %}"
-    "{% if m['role'] == 'user' %}{{ 'User: ' + m['content'] + '\\n' }}"
-    "{% else %}{{ 'Assistant: ' + m['content'] + '\\n' }}{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
-)
+ENCODER_CHAT_TEMPLATE = CHAT_TEMPLATE.replace(" + eos_token", "")
 _TURN = re.compile(r"\n\n(Human|Assistant):")
 _ROLES = {"Human": "user", "Assistant": "assistant"}
 

@@ -260,11 +260,7 @@ class CrossEncoderRanking(Objective):
         self._tokenizer = tokenizer  # training batches are encoded as drawn, in the prefetch thread
         self.data_hash = rerank_data_hash(config)
         self.sampler = EpochTagged(StepSampler(len(train), config.global_batch_size, config.seed))
-        self.model = encoder_classifier(
-            self.source, config.data.seq_len, self.pad_id, config.init.encoder_dropout
-        )
-        if config.init.freeze_embeddings:
-            self.model.get_input_embeddings().weight.requires_grad_(False)
+        self.model = encoder_classifier(self.source, config.data.seq_len, self.pad_id, config.init)
 
     def _encode(
         self, tokenizer: Any, passages: Sequence[Sequence[str]], queries: Sequence[str]
