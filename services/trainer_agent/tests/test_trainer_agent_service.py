@@ -14,7 +14,8 @@ import pytest
 from forge.common.v1 import common_pb2
 from forge.scheduler.v1 import scheduler_pb2
 
-from forge_trainer_agent.runner import LaunchSpec, job_environment
+from forge_trainer_agent.node import NodeInfo
+from forge_trainer_agent.runner import LaunchSpec, TorchrunRunner, job_environment
 from forge_trainer_agent.service import AgentService
 from forge_trainer_agent.store import RunRow, RunStore
 
@@ -25,6 +26,7 @@ RUNNING, SUCCEEDED, FAILED = (
     common_pb2.JOB_STATE_FAILED,
 )
 PREEMPTED, CANCELLED = common_pb2.JOB_STATE_PREEMPTED, common_pb2.JOB_STATE_CANCELLED
+SCHEDULED = common_pb2.JOB_STATE_SCHEDULED
 # Installs a SIGTERM handler that ignores the signal, then says so: only SIGKILL ends it.
 STUBBORN = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); time.sleep(60)"
 SLEEPER = "import time; print('ready', flush=True); time.sleep(60)"
@@ -76,6 +78,45 @@ async def test_failing_job_reports_its_exit_code_and_the_tail_of_its_output(
     assert final.message.startswith("exited with code 3") and "ValueError: bad shard 7" in final.message
     row = await store.get("job-bad", 1)
     assert row is not None and (row.state, row.exit_code) == (FAILED, 3)
+
+
+async def test_a_failing_job_names_its_reason_through_the_termination_log(
+    agent: AgentService, start_job, reports_until
+) -> None:
+    code = (
+        "import os, sys; open(os.environ['FORGE_TERMINATION_LOG'], 'w').write('shard 7 is torn'); "
+        "print('a summary printed after the reason'); sys.exit(3)"
+    )
+    await agent.handle(start(start_job("job-said", [PY, "-c", code])))
+
+    final = (await reports_until("job-said"))[-1].update
+
+    assert (final.state, final.exit_code) == (FAILED, 3)
+    assert final.message == "exited with code 3: shard 7 is torn"
+
+
+@pytest.mark.integration
+async def test_a_recipe_refused_under_torchrun_is_the_failure_message(
+    store: RunStore, node: NodeInfo, tmp_path: Path, start_job
+) -> None:
+    """torchrun ends the log with its own failure summary; the attempt's message is still the
+    worker's reason, from the termination log."""
+    agent = AgentService(store, TorchrunRunner(), node, runs_dir=tmp_path / "runs", stop_grace_s=5.0)
+    job = start_job("job-refused", [PY, "-m", "forge_trainer_agent.training.run", "--recipe", "smoke"])
+    job.master_addr = ""  # one node: torchrun --standalone
+    job.job.spec.command.extend(["--set", "optim.no_such_field=1"])
+    try:
+        await agent.handle(start(job))
+        deadline = time.monotonic() + 60
+        while (row := await store.get("job-refused", 1)) is None or row.state in (SCHEDULED, RUNNING):
+            assert time.monotonic() < deadline, "the refused job never finished"
+            await asyncio.sleep(0.1)
+    finally:
+        await agent.shutdown(grace_s=0)
+
+    assert row.state == FAILED and row.exit_code != 0
+    assert "recipe refused:" in row.message and "no_such_field" in row.message
+    assert "recipe refused:" not in "\n".join(Path(row.log_path).read_text().splitlines()[-5:])
 
 
 async def test_preempting_a_sleeping_job_stops_it_well_within_grace(

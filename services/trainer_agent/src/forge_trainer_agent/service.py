@@ -31,7 +31,14 @@ from forge_kit import errors
 from forge_trainer_agent.checkpoints import CheckpointAnnouncer
 from forge_trainer_agent.metrics import MetricsStreamer
 from forge_trainer_agent.node import NodeInfo
-from forge_trainer_agent.runner import ExitStatus, JobProcess, JobRunner, LaunchError, LaunchSpec
+from forge_trainer_agent.runner import (
+    ExitStatus,
+    JobProcess,
+    JobRunner,
+    LaunchError,
+    LaunchSpec,
+    termination_log,
+)
 from forge_trainer_agent.store import RunRow, RunStore, utcnow
 
 log = structlog.get_logger(__name__)
@@ -100,6 +107,16 @@ def _report(row: RunRow) -> StatusReport:
         else row.exit_code or 0,
     )
     return StatusReport(job_id=row.job_id, attempt=row.attempt, version=row.version, update=update)
+
+
+def _failure_reason(log_path: str) -> str:
+    """Why an attempt failed, for its message: what the job wrote to its termination log,
+    else the last lines of its output."""
+    try:
+        written = termination_log(Path(log_path)).read_text(encoding="utf-8", errors="replace").strip()
+    except OSError:
+        written = ""
+    return written[:MESSAGE_LIMIT] or _log_tail(log_path)
 
 
 def _log_tail(path: str) -> str:
@@ -393,8 +410,8 @@ class AgentService:
             return active.stop_state, f"{active.stop_reason or 'stopped'} ({status.describe()})"
         if status.code == 0:
             return SUCCEEDED, status.describe()
-        tail = _log_tail(log_path)
-        return FAILED, f"{status.describe()}: {tail}" if tail else status.describe()
+        reason = _failure_reason(log_path)
+        return FAILED, f"{status.describe()}: {reason}" if reason else status.describe()
 
     async def _finish(self, row: RunRow, state: int, message: str, exit_code: int | None) -> None:
         if self._announcer is not None and state in (SUCCEEDED, PREEMPTED):

@@ -8,7 +8,9 @@ Run directly for one process, or under ``torchrun`` (the agent's :class:`Torchru
 several: the rank and world size come from torchrun's environment and the process group uses
 gloo on CPU, NCCL on GPU. SIGTERM (preemption) sets a flag the loop checks after every step;
 the run then writes a checkpoint and exits 0. A recipe that cannot run exits 2 with the reason
-before any process group is formed. Metrics go to ``<run dir>/metrics.jsonl``.
+before any process group is formed. The reason for a failure also goes to the agent's
+termination log (``$FORGE_TERMINATION_LOG``), so the attempt's message names it rather than
+torchrun's summary. Metrics go to ``<run dir>/metrics.jsonl``.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from forge_kit.objectstore import ObjectStore
+from forge_trainer_agent.runner import write_termination_message
 from forge_trainer_agent.training import recipes
 from forge_trainer_agent.training.train import RunContext, train
 
@@ -59,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         recipes.validate(config, world_size)
     except recipes.RecipeError as exc:
         print(f"recipe refused: {exc}", file=sys.stderr)
+        write_termination_message(f"recipe refused: {exc}")
         return EXIT_BAD_RECIPE
     # 2. Preemption: finish the step, checkpoint, leave.
     stop = {"requested": False}
@@ -82,7 +86,12 @@ def main(argv: list[str] | None = None) -> int:
             world_size=world_size,
             should_stop=lambda: stop["requested"],
         )
-        result = train(config, ctx)
+        try:
+            result = train(config, ctx)
+        except Exception as exc:
+            # The traceback goes to the log; the agent's failure message gets the reason.
+            write_termination_message(f"rank {rank}: {type(exc).__name__}: {exc}")
+            raise
         if rank == 0:
             summary = {
                 "outcome": result.outcome,
