@@ -229,12 +229,15 @@ def test_the_loop_overfits_a_few_groups_well_below_chance(tmp_path: Path) -> Non
     assert [m["rank_accuracy"] for m in metrics if m.get("step", 0) >= 22 and "loss" in m] == [1.0, 1.0, 1.0]
 
 
-def test_two_gloo_processes_train_the_cross_encoder_like_one(tmp_path: Path) -> None:
+@pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
+def test_two_gloo_processes_train_the_cross_encoder_like_one(tmp_path: Path, parallelism: str) -> None:
     """Data parallel: 2 processes with a group each per step match 1 process with both, step by
     step and on the held-out figures (the groups are split by rank and the sums all-reduced);
-    without dropout, whose masks each process draws from its own generator."""
+    without dropout, whose masks each process draws from its own generator. FSDP shards the
+    encoder's blocks (its frozen embeddings included) and trains the same."""
     write_beir(tmp_path)
-    config = recipes.build("rerank_beir_minilm", tiny(tmp_path, **{"init.encoder_dropout": "0"}))
+    overrides = tiny(tmp_path, **{"init.encoder_dropout": "0", "parallelism": parallelism})
+    config = recipes.build("rerank_beir_minilm", overrides)
     (double,) = run_group_sequence([(config, tmp_path / "two")], 2, cache_dir=tmp_path / "cache")
     ctx = RunContext(run_id="one", run_dir=tmp_path / "one", store=ObjectStore(str(tmp_path / "o1")),
                      cache_dir=tmp_path / "cache", export=False)  # fmt: skip

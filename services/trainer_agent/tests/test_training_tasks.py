@@ -242,32 +242,47 @@ def test_dpo_starts_at_log_2_against_the_frozen_parent_and_logs_reward_margins(
     assert {"val_loss", "val_reward_accuracy", "val_reward_margin"} <= set(result.eval_metrics)
 
 
-# -- DDP ----------------------------------------------------------------------------------------
+# -- DDP and FSDP -------------------------------------------------------------------------------
 
 
 def test_two_gloo_processes_train_every_task_like_one(
     corpora: dict[str, Path], parent: dict[str, Path], tmp_path: Path
 ) -> None:
-    """One 2-process group runs the four tasks in turn (one start-up); each matches a
-    single-process run with the same global batch, step by step and on the held-out metric."""
+    """One 2-process group runs the four tasks in turn (one start-up), under DDP and under FSDP;
+    each matches a single-process run with the same global batch, step by step and on the
+    held-out metric (DPO's frozen reference model stays whole on every rank under FSDP)."""
     few = {"max_steps": "2", "eval_interval": "2", "checkpoint.interval_steps": "0"}
     configs = {
-        "cpt": cpt_config(corpora, parent["hf"], **few),
-        **{task: pair_config(f"{task}_hh", parent["hf"], **few) for task in ("sft", "reward", "dpo")},
+        (task, parallelism): config
+        for parallelism in ("ddp", "fsdp")
+        for task, config in {
+            "cpt": cpt_config(corpora, parent["hf"], parallelism=parallelism, **few),
+            **{
+                task: pair_config(f"{task}_hh", parent["hf"], parallelism=parallelism, **few)
+                for task in ("sft", "reward", "dpo")
+            },
+        }.items()
     }
     cache = tmp_path / "cache"
     doubles = run_group_sequence(
-        [(c, tmp_path / "two" / task) for task, c in configs.items()], 2, cache_dir=cache
+        [(c, tmp_path / "two" / "-".join(key)) for key, c in configs.items()], 2, cache_dir=cache
     )
-    for (task, config), double in zip(configs.items(), doubles, strict=True):
-        ctx = RunContext(run_id=task, run_dir=tmp_path / "one" / task, store=ObjectStore(str(tmp_path / "o1")),
-                         cache_dir=cache, export=False)  # fmt: skip
-        single = train(config, ctx)
+    singles: dict[str, TrainResult] = {}
+    for ((task, parallelism), config), double in zip(configs.items(), doubles, strict=True):
+        if task not in singles:  # one process trains the plain model under either setting
+            ctx = RunContext(run_id=task, run_dir=tmp_path / "one" / task, store=ObjectStore(str(tmp_path / "o1")),
+                             cache_dir=cache, export=False)  # fmt: skip
+            singles[task] = train(config, ctx)
+        single = singles[task]
         for step in (1, 2):
-            assert double["losses"][step] == pytest.approx(single.losses[step], rel=1e-4), (task, step)
+            assert double["losses"][step] == pytest.approx(single.losses[step], rel=1e-4), (
+                task,
+                parallelism,
+                step,
+            )
         assert double["eval_metrics"]["val_loss"] == pytest.approx(
             single.eval_metrics["val_loss"], rel=1e-4
-        ), task
+        ), (task, parallelism)
 
 
 # -- checkpoint interval and MFU ----------------------------------------------------------------

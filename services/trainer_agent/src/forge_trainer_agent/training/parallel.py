@@ -1,10 +1,10 @@
 """Data parallelism over the ranks: what the loop does differently under DDP and under FSDP.
 
 ``ddp``: every rank holds the whole model; :class:`~torch.nn.parallel.DistributedDataParallel`
-all-reduces gradients. ``fsdp``: FSDP2's ``fully_shard`` on each decoder layer, then on the root,
-so parameters, gradients and AdamW state are DTensors sharded over the ranks; every forward
-all-gathers a layer's parameters and every backward reduce-scatters its gradients. One process
-trains the plain module either way.
+all-reduces gradients. ``fsdp``: FSDP2's ``fully_shard`` on each transformer block (a decoder's
+or an encoder's), then on the root, so parameters, gradients and AdamW state are DTensors sharded
+over the ranks; every forward all-gathers a layer's parameters and every backward reduce-scatters
+its gradients. One process trains the plain module either way.
 
 Checkpoints hold the *full* state whichever the mode (rank 0's shard, as under DDP): under FSDP it is
 gathered with ``torch.distributed.checkpoint.state_dict`` (``full_state_dict=True,
@@ -43,18 +43,28 @@ _SCATTER = StateDictOptions(full_state_dict=True)
 
 
 def shard(model: PreTrainedModel, parallelism: str, world_size: int) -> bool:
-    """Apply ``fully_shard`` to every decoder layer and then the root when ``parallelism`` is
-    ``fsdp`` on several ranks (in place: the model's class becomes ``FSDP<class>``); whether it
-    did. Call before the optimizer is built: it must hold the sharded parameters."""
+    """Apply ``fully_shard`` to every transformer block (a decoder's ``layers``, an encoder's
+    ``encoder.layer``) and then the root when ``parallelism`` is ``fsdp`` on several ranks (in
+    place: the model's class becomes ``FSDP<class>``); whether it did. Call before the optimizer
+    is built: it must hold the sharded parameters."""
     if parallelism != "fsdp" or world_size == 1:
         return False
-    layers = getattr(model.base_model, "layers", None)
-    if not isinstance(layers, torch.nn.ModuleList) or not len(layers):
-        raise ValueError(f"parallelism: fsdp needs decoder layers, {type(model).__name__} has none")
-    for layer in layers:
+    for layer in transformer_blocks(model):
         fully_shard(layer)
     fully_shard(model)
     return True
+
+
+def transformer_blocks(model: PreTrainedModel) -> torch.nn.ModuleList:
+    """The model's stack of transformer blocks, FSDP's unit of sharding."""
+    base = model.base_model
+    encoder = getattr(base, "encoder", None)
+    for blocks in (getattr(base, "layers", None), getattr(encoder, "layer", None)):
+        if isinstance(blocks, torch.nn.ModuleList) and len(blocks):
+            return blocks
+    raise ValueError(
+        f"parallelism: fsdp needs a stack of transformer blocks, {type(model).__name__} has none"
+    )
 
 
 def replicate(model: torch.nn.Module, sharded: bool, world_size: int) -> torch.nn.Module:

@@ -241,7 +241,7 @@ class TrainConfig:
     log_interval: int = 10
     parallelism: str = "ddp"
     """Data parallelism over the ranks: ``ddp`` (DistributedDataParallel, full replicas) or
-    ``fsdp`` (``fully_shard`` per decoder layer, then the root: parameters, gradients and
+    ``fsdp`` (``fully_shard`` per transformer block, then the root: parameters, gradients and
     optimizer state sharded over the ranks). One process trains unwrapped either way."""
     threads: int = 1
     """torch intra-op threads per process (0: torch's default). One by default: on a shared
