@@ -392,6 +392,55 @@ def test_up_reports_a_service_that_dies_at_start(fake_platform: Any) -> None:
     assert "fakesvc exited during start-up" in text and "NO_SUCH_SETTING" in text
 
 
+def _flaky_binder(tmp_path: Path, failure: str) -> supervisor.Component:
+    """A component whose first start dies with ``failure`` in its log, and whose later starts
+    serve (healthy once the log says so)."""
+    tried = tmp_path / "tried"
+    script = textwrap.dedent(
+        f"""
+        import pathlib, sys, time
+        tried = pathlib.Path({str(tried)!r})
+        if not tried.exists():
+            tried.write_text("1")
+            print({failure!r}, flush=True)
+            sys.exit(1)
+        print("serving", flush=True)
+        time.sleep(60)
+        """
+    )
+    paths = supervisor.Paths(tmp_path)
+
+    async def healthy() -> bool:
+        log = paths.log_file("binder")
+        return log.exists() and log.read_text().rstrip().endswith("serving")
+
+    return supervisor.Component(
+        name="binder", argv=[sys.executable, "-c", script, "forge_binder_test"], marker="forge_binder_test",
+        health=healthy,
+    )  # fmt: skip
+
+
+def test_a_service_whose_port_was_taken_at_bind_is_started_again(tmp_path: Path) -> None:
+    """Forge's ports lie in Linux's ephemeral range: another process's outgoing connection can
+    hold one at the moment a service binds. That start is retried; any other exit is not."""
+    paths = supervisor.Paths(tmp_path)
+    binder = _flaky_binder(tmp_path, "RuntimeError: Failed to bind to address 127.0.0.1:50054")
+    (started,) = asyncio.run(local.bring_up([binder], paths, timeout_s=30))
+    try:
+        assert supervisor.is_running(started.pid, "forge_binder_test")
+        assert supervisor.read_pid(paths, "binder") == started.pid
+        assert paths.log_file("binder").read_text().count(supervisor.START_BANNER) == 2
+    finally:
+        supervisor.stop({"binder": started.pid}, timeout_s=5)
+
+    other = tmp_path / "other"
+    other.mkdir()
+    crasher = _flaky_binder(other, "ValueError: NO_SUCH_SETTING")
+    with pytest.raises(local.UpFailed, match="binder exited during start-up"):
+        asyncio.run(local.bring_up([crasher], supervisor.Paths(other), timeout_s=30))
+    assert supervisor.Paths(other).log_file("binder").read_text().count(supervisor.START_BANNER) == 1
+
+
 @pytest.mark.integration
 def test_forge_command_up_and_down_with_no_services(tmp_path: Path) -> None:
     env = {

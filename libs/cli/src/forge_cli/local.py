@@ -194,13 +194,32 @@ class Started:
     state: str  # "started" or "running" (was already up)
 
 
-async def _wait_healthy(component: Component, pid: int, paths: Paths, timeout_s: float) -> None:
+#: What a server's log says when another socket held its port at the moment it bound (lower case).
+#: The platform's default ports (50051-50059, 8050-8059) lie inside Linux's ephemeral range
+#: (32768-60999), so any process's outgoing connection — Temporal's dev server opens dozens at
+#: start — can hold one for a while; seen once in a `make up` right after a test run.
+BIND_FAILURES = ("failed to bind to address", "address already in use")
+BIND_RETRY_S = 2.0
+
+
+async def _wait_healthy(started: Started, paths: Paths, timeout_s: float) -> None:
+    """Wait until ``started`` answers its health check. A process that exits because its port
+    was taken is started again until the deadline (its pid in ``started`` follows); any other
+    exit, or the deadline, fails with the log's last lines."""
+    component = started.component
     deadline = time.monotonic() + timeout_s
     while True:
-        if not supervisor.is_running(pid, component.marker):
+        if not supervisor.is_running(started.pid, component.marker):
+            tail = supervisor.log_tail(paths, component.name)
+            this_run = tail.rsplit(supervisor.START_BANNER, 1)[-1].lower()  # not an earlier start's
+            lost_port = any(failure in this_run for failure in BIND_FAILURES)
+            if lost_port and time.monotonic() + BIND_RETRY_S < deadline:
+                await asyncio.sleep(BIND_RETRY_S)
+                started.pid = supervisor.spawn(component, paths)
+                continue
             raise UpFailed(
                 f"{component.name} exited during start-up; last lines of "
-                f"{paths.log_file(component.name)}:\n{supervisor.log_tail(paths, component.name)}"
+                f"{paths.log_file(component.name)}:\n{tail}"
             )
         if await component.health():
             return
@@ -231,7 +250,7 @@ async def bring_up(components: Sequence[Component], paths: Paths, timeout_s: flo
     """Start the missing ones among ``components`` together, then wait until all are healthy."""
     started = [_ensure_started(c, paths) for c in components]
     results = await asyncio.gather(
-        *(_wait_healthy(s.component, s.pid, paths, timeout_s) for s in started), return_exceptions=True
+        *(_wait_healthy(s, paths, timeout_s) for s in started), return_exceptions=True
     )
     errors = [str(r) for r in results if isinstance(r, BaseException)]
     if errors:

@@ -138,15 +138,17 @@ def live_pid(paths: Paths, name: str, marker: str | None) -> int | None:
     return pid if pid is not None and is_running(pid, marker) else None
 
 
+START_BANNER = "--- forge: starting"
+"""The line :func:`spawn` writes to a component's log before each start."""
+
+
 def spawn(component: Component, paths: Paths) -> int:
     """Start ``component`` detached in its own session; record its pid; return it."""
     paths.run_dir.mkdir(parents=True, exist_ok=True)
     paths.log_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **component.env}
     with open(paths.log_file(component.name), "ab") as log:
-        log.write(
-            f"\n--- forge: starting {component.name} at {time.strftime('%Y-%m-%dT%H:%M:%S%z')}\n".encode()
-        )
+        log.write(f"\n{START_BANNER} {component.name} at {time.strftime('%Y-%m-%dT%H:%M:%S%z')}\n".encode())
         log.flush()
         proc = subprocess.Popen(
             component.argv,
