@@ -317,8 +317,8 @@ def train(config: TrainConfig, ctx: RunContext) -> TrainResult:
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             step, steps_run, position = step + 1, steps_run + 1, batch.position
-            # One collective a step for the figures and the preemption flag (a small gloo
-            # all-reduce costs ~2 ms on loopback here, whatever its size).
+            # One collective a step for the figures and the preemption flag: a gloo all-reduce
+            # of a few floats took 1.9 ms on loopback here (load/training/README.md).
             stop_requested = 1.0 if ctx.should_stop() else 0.0
             loss_total, tokens, flops, stop, *figure_sums = all_reduce(
                 [loss_sum, batch.tokens, batch.flops, stop_requested, *figures], ctx.world_size
