@@ -52,9 +52,23 @@ class Clock:
         self.now += dt.timedelta(seconds=seconds)
 
 
+@pytest.fixture(params=["async", "group-commit"])
+def hot_path(request: pytest.FixtureRequest) -> str:
+    """How the hot path runs its transactions: on the async engine (any database) or on SQLite's
+    group-commit writer thread; a module may add ``postgres`` (the async engine on PostgreSQL)."""
+    return str(request.param)
+
+
 @pytest.fixture
-async def db(tmp_path: Path) -> AsyncIterator[Database]:
-    database = Database(f"sqlite+aiosqlite:///{tmp_path / 'feedback.db'}")
+async def db(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterator[Database]:
+    """SQLite in the test's folder; PostgreSQL when the test runs the hot path there."""
+    postgres = "hot_path" in request.fixturenames and request.getfixturevalue("hot_path") == "postgres"
+    url = (
+        request.getfixturevalue("postgres_url")
+        if postgres
+        else f"sqlite+aiosqlite:///{tmp_path / 'feedback.db'}"
+    )
+    database = Database(url)
     await database.migrate(MIGRATIONS)
     yield database
     await database.dispose()
@@ -65,11 +79,9 @@ def clock() -> Clock:
     return Clock()
 
 
-@pytest.fixture(params=["async", "group-commit"])
-async def transactions(request: pytest.FixtureRequest, db: Database) -> AsyncIterator[Transactions]:
-    """Both ways the hot path runs its transactions: on the async engine (any database) and on
-    SQLite's group-commit writer thread."""
-    runner: Transactions = AsyncTransactions(db) if request.param == "async" else SqliteGroupCommit(db.url)
+@pytest.fixture
+async def transactions(hot_path: str, db: Database) -> AsyncIterator[Transactions]:
+    runner: Transactions = SqliteGroupCommit(db.url) if hot_path == "group-commit" else AsyncTransactions(db)
     yield runner
     await runner.close()
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from itertools import islice
 from pathlib import Path
 from typing import Any
@@ -17,42 +16,16 @@ from forge_kit.db import Database
 from forge_kit.events import OutboxEvent
 from forge_preference_feedback.seeds import PreferencePair, read_hh_rlhf
 from forge_preference_feedback.service import FeedbackService
-from forge_preference_feedback.store import (
-    AssignmentRow,
-    AsyncTransactions,
-    ComparisonRow,
-    PreferenceRow,
-    SqliteGroupCommit,
-    Transactions,
-)
+from forge_preference_feedback.store import AssignmentRow, ComparisonRow, PreferenceRow
 
 pytestmark = pytest.mark.asyncio
-MIGRATIONS = Path(__file__).parents[1] / "src" / "forge_preference_feedback" / "migrations"
 A, B = common_pb2.PREFERENCE_CHOICE_A, common_pb2.PREFERENCE_CHOICE_B
 
 
 @pytest.fixture(params=["async", "group-commit", "postgres"])
 def hot_path(request: pytest.FixtureRequest) -> str:
-    """Every way the hot path runs: SQLite on the async engine or on the group-commit writer,
-    and PostgreSQL (whose answers write in one statement)."""
+    """Every way the hot path runs here, PostgreSQL included (conftest's ``db`` follows it)."""
     return str(request.param)
-
-
-@pytest.fixture
-async def db(hot_path: str, tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterator[Database]:
-    postgres = hot_path == "postgres"
-    url = request.getfixturevalue("postgres_url") if postgres else f"sqlite+aiosqlite:///{tmp_path / 'f.db'}"
-    database = Database(url)
-    await database.migrate(MIGRATIONS)
-    yield database
-    await database.dispose()
-
-
-@pytest.fixture
-async def transactions(hot_path: str, db: Database) -> AsyncIterator[Transactions]:
-    runner: Transactions = SqliteGroupCommit(db.url) if hot_path == "group-commit" else AsyncTransactions(db)
-    yield runner
-    await runner.close()
 
 
 def pairs(n: int) -> list[PreferencePair]:
