@@ -224,6 +224,11 @@ def encoder_classifier(source: Path, seq_len: int, pad_id: int, init: InitConfig
     return model
 
 
+def encoder_head_prefixes(model: PreTrainedModel) -> tuple[str, ...]:
+    """The new head of :func:`encoder_classifier`'s model: its pooler and its classifier."""
+    return ("classifier.", f"{model.base_model_prefix}.pooler.")
+
+
 def save_encoder(
     model: PreTrainedModel, source: Path, out_dir: Path, seq_len: int, **tokenizer_attrs: Any
 ) -> Path:
@@ -704,7 +709,7 @@ class EncoderRewardModeling(RewardModeling):
         raise TypeError("an encoder reward model has no parent")
 
     def head_prefixes(self) -> tuple[str, ...]:
-        return ("classifier.", f"{self.model.base_model_prefix}.pooler.")
+        return encoder_head_prefixes(self.model)
 
     def rewards(self, module: torch.nn.Module, micro: Micro) -> tuple[torch.Tensor, torch.Tensor]:
         scores = module(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"]).logits

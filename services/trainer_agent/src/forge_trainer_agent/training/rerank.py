@@ -35,6 +35,7 @@ import re
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,7 @@ from forge_trainer_agent.training.objectives import (
     Micro,
     Objective,
     encoder_classifier,
+    encoder_head_prefixes,
     rank_batches,
     save_encoder,
     spread,
@@ -73,6 +75,11 @@ class Dataset:
     texts: list[str]
     queries: dict[str, str]
     positives: dict[str, dict[str, int]]
+
+    @cached_property
+    def bm25(self) -> Bm25:
+        """The corpus's BM25 index, built once for the training and the held-out groups."""
+        return Bm25(self.texts)
 
 
 def read_dataset(root: Path, name: str) -> Dataset:
@@ -147,12 +154,11 @@ def build_groups(
     data: Dataset, qids: Sequence[str], config: RerankConfig, rng: random.Random, limit: int
 ) -> list[Group]:
     """Steps 3-4 for the queries ``qids`` of one dataset, at most ``limit`` groups."""
-    bm25 = Bm25(data.texts)
     index = {d: i for i, d in enumerate(data.doc_ids)}
     depth = max(config.negative_depth, config.positive_depth)
     mined: dict[str, tuple[dict[int, int], list[int]]] = {}
     for qid in qids:
-        ranked = bm25.top(data.queries[qid], depth)
+        ranked = data.bm25.top(data.queries[qid], depth)
         pool = [i for i in ranked[: config.negative_depth] if data.doc_ids[i] not in data.positives[qid]]
         mined[qid] = ({i: r for r, i in enumerate(ranked)}, pool)
     pairs = [
@@ -288,7 +294,7 @@ class CrossEncoderRanking(Objective):
         return group.redraw(self.config.rerank.negatives, rng)
 
     def head_prefixes(self) -> tuple[str, ...]:
-        return ("classifier.", f"{self.model.base_model_prefix}.pooler.")
+        return encoder_head_prefixes(self.model)
 
     def collate(self, items: Sequence[Any], rows: Sequence[list[Encoded]] | None = None) -> Micro:
         """Training items are (group index, epoch) from the sampler; held-out items index ``rows``."""

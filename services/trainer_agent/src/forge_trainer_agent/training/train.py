@@ -201,8 +201,8 @@ def param_groups(
     model: torch.nn.Module, optim: recipes.OptimConfig, head_prefixes: Sequence[str] = ()
 ) -> list[dict[str, Any]]:
     """AdamW groups of the trainable parameters: weight decay on matrices only (not on biases and
-        norms); a fresh head (names starting with one of ``head_prefixes``) at ``optim.head_lr_scale``
-        times the learning rate (when that is not 1: otherwise the two groups of every other run, so
+    norms); a fresh head (names starting with one of ``head_prefixes``) at ``optim.head_lr_scale``
+    times the learning rate (when that is not 1: otherwise the two groups of every other run, so
     their checkpoints' optimizer states still load). The body's decayed group comes first (the
     loop logs its rate)."""
     heads = tuple(head_prefixes) if optim.head_lr_scale != 1.0 else ()
