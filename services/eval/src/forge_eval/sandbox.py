@@ -21,6 +21,8 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
+from forge_kit import spawn
+
 _GUARD = """\
 import socket as _s
 def _no_network(*a, **k):
@@ -62,17 +64,17 @@ def network_namespace_available() -> bool:
 
 def run_program(source: str, limits: SandboxLimits = SandboxLimits()) -> SandboxResult:
     """Run ``source`` as a Python program in the sandbox and say whether it succeeded."""
-
-    def limit() -> None:
-        resource.setrlimit(resource.RLIMIT_AS, (limits.memory_bytes, limits.memory_bytes))
-        cpu = int(limits.timeout_s) + 1
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limits.max_file_bytes, limits.max_file_bytes))
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        # RLIMIT_NPROC counts the user's processes, so it caps a fork bomb, not honest code.
-        soft, hard = resource.getrlimit(resource.RLIMIT_NPROC)
-        nproc = limits.max_processes + len(os.listdir("/proc")) if soft == resource.RLIM_INFINITY else soft
-        resource.setrlimit(resource.RLIMIT_NPROC, (min(nproc, hard), hard))
+    cpu = int(limits.timeout_s) + 1
+    # RLIMIT_NPROC counts the user's processes, so it caps a fork bomb, not honest code.
+    soft, hard = resource.getrlimit(resource.RLIMIT_NPROC)
+    nproc = limits.max_processes + len(os.listdir("/proc")) if soft == resource.RLIM_INFINITY else soft
+    rlimits = {
+        "AS": (limits.memory_bytes, limits.memory_bytes),
+        "CPU": (cpu, cpu),
+        "FSIZE": (limits.max_file_bytes, limits.max_file_bytes),
+        "CORE": (0, 0),
+        "NPROC": (min(nproc, hard), hard),
+    }
 
     with tempfile.TemporaryDirectory(prefix="forge-eval-sandbox-") as workdir:
         script = os.path.join(workdir, "program.py")
@@ -83,13 +85,12 @@ def run_program(source: str, limits: SandboxLimits = SandboxLimits()) -> Sandbox
             command = ["unshare", "-rn", *command]
         try:
             proc = subprocess.Popen(
-                command,
+                spawn.command(command, rlimits=rlimits),
                 cwd=workdir,
                 env={"PATH": "/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir},
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
-                preexec_fn=limit,
                 start_new_session=True,
             )
         except OSError as exc:

@@ -4,15 +4,15 @@ checkpoint folder for the duration of one run (RunSuite's ``serve_model``).
 Why here and not in the workflow: the server must live exactly as long as the run that queries
 it, and the run executes in this process. It is started after the run is claimed, health-checked
 (ready file, ``/readyz``, the model listed by ``/v1/models``) and stopped in a ``finally`` — on
-success, failure or cancellation — and it dies with this process too (``PR_SET_PDEATHSIG``), so no
-server outlives its run. Each server gets a fresh random bearer token that only this run knows.
+success, failure or cancellation — and it dies with this process too (``PR_SET_PDEATHSIG``, set by
+:mod:`forge_kit.spawn` in the child, never by Python code between fork and exec), so no server
+outlives its run. Each server gets a fresh random bearer token that only this run knows.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import json
 import os
 import secrets
@@ -27,6 +27,8 @@ from pathlib import Path
 from typing import Protocol
 
 import httpx
+
+from forge_kit import spawn
 
 #: The file the model server reads a model's version from (its folder name is the model's name).
 VERSION_FILE = "forge_model.json"
@@ -62,11 +64,6 @@ def local_checkpoint(uri: str) -> Path | None:
     ``config.json``), or None."""
     path = Path(uri.removeprefix("file://")).expanduser()
     return path.resolve() if path.is_absolute() and (path / "config.json").is_file() else None
-
-
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 class LocalModelServer:
@@ -131,12 +128,11 @@ class LocalModelServer:
         log = (root / "server.log").open("wb")
         try:
             return await asyncio.create_subprocess_exec(
-                *self._command,
+                *spawn.command(self._command, die_with_parent=True),
                 env=env,
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=log,
                 stderr=asyncio.subprocess.STDOUT,
-                preexec_fn=_die_with_parent,
             )
         except OSError as exc:
             raise ModelServerError(f"cannot start the model server {self._command}: {exc}") from exc
