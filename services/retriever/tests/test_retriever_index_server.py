@@ -9,6 +9,7 @@ Each behaviour is checked against the Qdrant Edge index on the same points.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -155,15 +156,13 @@ async def test_service_on_the_server_backend_ranks_scifact_like_edge(
         await on_server.upsert_documents("scifact", scifact.documents)
         await on_server.upsert_documents("scifact", [DocumentIn(id="x", text="cancer cells")], tenant="acme")
         for query, _ in scifact.relevant.values():
-            edge_ids = [
-                h.document_id
-                for h in (await service.search("scifact", query, 10, SearchMode.SPARSE, {})).hits
-            ]
-            server_ids = [
-                h.document_id
-                for h in (await on_server.search("scifact", query, 10, SearchMode.SPARSE, {})).hits
-            ]
-            assert server_ids == edge_ids, query
+            edge = (await service.search("scifact", query, 10, SearchMode.SPARSE, {})).hits
+            server_hits = (await on_server.search("scifact", query, 10, SearchMode.SPARSE, {})).hits
+            # The same scores rank by rank (acme's document moves the server's IDF a little), and
+            # the same documents; chunks of exactly equal score may come in either order.
+            assert [h.score for h in server_hits] == pytest.approx([h.score for h in edge], rel=0.01), query
+            assert Counter(h.document_id for h in server_hits) == Counter(h.document_id for h in edge), query
+            assert server_hits[0].document_id == edge[0].document_id
         await other_db.dispose()
     finally:
         server.close()

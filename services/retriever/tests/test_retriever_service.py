@@ -15,7 +15,7 @@ from forge_kit.db import Database
 from forge_kit.events import OutboxEvent
 from forge_retriever.config import RetrieverSettings
 from forge_retriever.index import QdrantEdgeIndex
-from forge_retriever.service import DocumentIn, RetrieverService, SearchMode
+from forge_retriever.service import DocumentIn, RetrieverService, SearchMode, sparse_encoder
 from forge_retriever.store import ChunkRow
 
 if TYPE_CHECKING:
@@ -252,6 +252,28 @@ async def test_restart_and_rebuild_from_the_database(
     assert rebuilt.index_ready and rebuilt_index.count("scifact") == await chunk_count(db)
     assert await top_ids(rebuilt, query) == before
     rebuilt_index.close()
+
+
+async def test_an_index_of_another_bm25_encoding_is_rebuilt(
+    tmp_path: Path, db: Database, settings: RetrieverSettings
+) -> None:
+    """Vectors of unstemmed words searched with stemmed queries would miss: a shard recorded with
+    another encoder's version is rebuilt from the database, not searched."""
+    plain = settings.model_copy(update={"bm25_language": "none"})
+    old_index = QdrantEdgeIndex(tmp_path / "bm25", sparse_version=sparse_encoder(plain).version)
+    await RetrieverService(db, old_index, plain).upsert_documents(
+        "c", [DocumentIn(id="t", text="tumours suppressed")]
+    )
+    old_index.close()
+
+    index = QdrantEdgeIndex(tmp_path / "bm25", sparse_version=sparse_encoder(settings).version)
+    try:
+        assert index.collections() == []
+        service = RetrieverService(db, index, settings)
+        assert await service.reconcile_index() == ["c"]
+        assert await top_ids(service, "tumour suppression", collection="c") == ["t"]
+    finally:
+        index.close()
 
 
 async def test_reconcile_drops_index_collections_the_database_lacks(

@@ -16,7 +16,7 @@ from forge_retriever.config import RetrieverSettings
 from forge_retriever.embed import SentenceTransformerEmbedder
 from forge_retriever.index import QdrantEdgeIndex, VectorIndex
 from forge_retriever.index_server import QdrantServerIndex
-from forge_retriever.service import RetrieverService
+from forge_retriever.service import RetrieverService, sparse_encoder
 
 
 async def main() -> None:
@@ -36,6 +36,7 @@ async def main() -> None:
         )
     dense_dim = embedder.dimension if embedder else None
     dense_version = embedder.version if embedder else ""
+    sparse_version = sparse_encoder(settings).version
     index: VectorIndex = (
         QdrantServerIndex.connect(
             settings.qdrant_url,
@@ -43,9 +44,10 @@ async def main() -> None:
             prefix=settings.qdrant_collection_prefix,
             dense_dim=dense_dim,
             dense_version=dense_version,
+            sparse_version=sparse_version,
         )
         if settings.index_backend == "qdrant"
-        else QdrantEdgeIndex(Path(settings.data_dir) / "index", dense_dim, dense_version)
+        else QdrantEdgeIndex(Path(settings.data_dir) / "index", dense_dim, dense_version, sparse_version)
     )
     app.add_on_stop(lambda: asyncio.to_thread(index.close))
     service = RetrieverService(

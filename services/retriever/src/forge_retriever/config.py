@@ -9,6 +9,7 @@ from pydantic import Field, SecretStr, model_validator
 from forge_kit import errors
 from forge_kit.settings import ServiceSettings, service_config
 from forge_retriever.tenancy import validate_tenant
+from forge_retriever.text import Bm25Encoder
 
 
 class RetrieverSettings(ServiceSettings):
@@ -36,6 +37,9 @@ class RetrieverSettings(ServiceSettings):
 
     bm25_avg_len: float = Field(default=180.0, gt=0.0)
     """Expected average chunk length in tokens, fixed at index time (as in Qdrant's BM25)."""
+
+    bm25_language: str = "english"
+    """Stop words and Snowball stemmer of BM25 (a language Qdrant's BM25 knows); ``none``: neither."""
 
     default_top_k: int = Field(default=10, ge=1)
     """Chunks returned by Search when the request's top_k is 0."""
@@ -105,6 +109,7 @@ class RetrieverSettings(ServiceSettings):
             raise ValueError("default_top_k must not exceed max_top_k")
         if self.index_backend == "qdrant" and not self.qdrant_url:
             raise ValueError("index_backend=qdrant needs qdrant_url")
+        Bm25Encoder(self.bm25_k1, self.bm25_b, self.bm25_avg_len, self.bm25_language)  # unknown language
         try:
             validate_tenant("source_tenant", self.source_tenant)
         except errors.ValidationError as exc:

@@ -28,7 +28,7 @@ from forge_kit.db import Database
 from forge_retriever.config import RetrieverSettings
 from forge_retriever.embed import Embedder
 from forge_retriever.index import QdrantEdgeIndex
-from forge_retriever.service import DocumentIn, RetrieverService, SearchHit, SearchMode
+from forge_retriever.service import DocumentIn, RetrieverService, SearchHit, SearchMode, sparse_encoder
 
 MODES = {"bm25": SearchMode.SPARSE, "dense": SearchMode.DENSE, "hybrid": SearchMode.HYBRID}
 RERANK_MODES = ("hybrid_rerank", "hybrid_rerank_best")
@@ -223,6 +223,7 @@ class Evaluator:
             self._work / "index",
             dense_dim=emb.dimension if emb else None,
             dense_version=emb.version if emb else "",
+            sparse_version=sparse_encoder(self._settings).version,
         )
         self.service = RetrieverService(self._db, self._index, self._settings, embedder=emb)
         await self.service.reconcile_index()

@@ -169,11 +169,18 @@ class QdrantEdgeIndex:
 
     Hybrid search is one Qdrant query: two prefetches (dense and sparse, each with the filter) and a
     fusion query (``Fusion.Rrf`` or ``Fusion.Dbsf``) over them, so fusion happens inside the engine.
-    ``dense_version`` (the embedder's version) is recorded beside each shard; a shard recorded with
-    another schema is treated as absent, so start-up reconciliation rebuilds it.
+    ``dense_version`` (the embedder's version) and ``sparse_version`` (the BM25 encoder's) are
+    recorded beside each shard; a shard recorded with another schema is treated as absent, so
+    start-up reconciliation rebuilds it.
     """
 
-    def __init__(self, root: str | Path, dense_dim: int | None = None, dense_version: str = "") -> None:
+    def __init__(
+        self,
+        root: str | Path,
+        dense_dim: int | None = None,
+        dense_version: str = "",
+        sparse_version: str = "",
+    ) -> None:
         self._root = Path(root)
         self._root.mkdir(parents=True, exist_ok=True)
         self._shards: dict[str, qe.EdgeShard] = {}
@@ -183,6 +190,7 @@ class QdrantEdgeIndex:
         # "tenant": shards built before points carried a tenant lack it and are rebuilt.
         self._schema = {
             "sparse": SPARSE_VECTOR,
+            "sparse_version": sparse_version,
             "dense_dim": dense_dim,
             "dense_version": dense_version,
             "tenant": "tenant",

@@ -43,6 +43,7 @@ class QdrantServerIndex:
         client: QdrantClient,
         dense_dim: int | None = None,
         dense_version: str = "",
+        sparse_version: str = "",
         *,
         prefix: str = "forge_",
         local: bool = False,
@@ -53,6 +54,7 @@ class QdrantServerIndex:
         self.dense_enabled = dense_dim is not None
         self._schema: dict[str, Any] = {
             "sparse": SPARSE_VECTOR,
+            "sparse_version": sparse_version,
             "dense_dim": dense_dim,
             "dense_version": dense_version,
             "tenant": "tenant",

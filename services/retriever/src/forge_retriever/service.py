@@ -192,6 +192,11 @@ def content_hash(doc: DocumentIn) -> str:
     return hashlib.sha256(body.encode("utf-8")).hexdigest()
 
 
+def sparse_encoder(settings: RetrieverSettings) -> Bm25Encoder:
+    """The BM25 encoder ``settings`` describe (its ``version`` goes into the index's schema)."""
+    return Bm25Encoder(settings.bm25_k1, settings.bm25_b, settings.bm25_avg_len, settings.bm25_language)
+
+
 def chunk_id(document_id: str, index: int) -> str:
     """Caller-facing chunk id, stable for a document and position."""
     return f"{document_id}#{index}"
@@ -225,7 +230,7 @@ class RetrieverService:
         self._settings = settings
         self._producer = producer
         self._on_commit = on_commit
-        self._encoder = Bm25Encoder(settings.bm25_k1, settings.bm25_b, settings.bm25_avg_len)
+        self._encoder = sparse_encoder(settings)
         self._write_lock = asyncio.Lock()
         self._source_tenant = settings.source_tenant
         self.index_ready = False
