@@ -22,6 +22,7 @@ from forge_inference_gateway.rag import (
     GrpcRetriever,
     RagLimits,
     RagService,
+    RerankAnswer,
     assemble_context,
     cited,
     parse_query,
@@ -136,6 +137,25 @@ async def test_fitting_corrects_the_estimate_with_the_replicas_count() -> None:
     with pytest.raises(errors.ValidationError) as raised:
         await rag._fit("q", ranked, 10, "m", float("inf"))
     assert raised.value.field == "max_context_tokens"
+
+
+class _PartialReranker:
+    """Scores the first two candidates (reversing them), leaves the rest in retriever order."""
+
+    async def rerank(
+        self, query: str, candidates: list[Candidate], top_n: int, timeout_s: float
+    ) -> RerankAnswer:
+        order = [(1, 0.9), (0, 0.1)] + [(i, 0.0) for i in range(2, len(candidates))]
+        return RerankAnswer(order[:top_n], "ce", partial=True, scored=2)
+
+
+async def test_a_partial_rerank_keeps_the_rest_in_retriever_order_and_says_so() -> None:
+    candidates = [chunk(d, 0, f"text {d}") for d in "abcd"]
+    rag = RagService(None, None, _PartialReranker(), None, RagLimits())  # type: ignore[arg-type]
+    query = parse_query({"query": "q", "collection": "c", "model": "m", "top_k": 4, "top_n": 3}, RagLimits())
+    ranked, report = await rag._rerank(query, candidates, deadline=float("inf"))
+    assert [c.document_id for c, _ in ranked] == ["b", "a", "c"]
+    assert report == {"applied": True, "model": "ce", "partial": True, "scored": 2, "candidates": 4}
 
 
 # -- against real retriever, reranker and model_server processes ---------------------------------
@@ -352,7 +372,8 @@ async def test_rag_keeps_retriever_order_when_the_reranker_is_down_or_time_is_sh
     assert reply.status_code == 200, reply.text
     result = reply.json()
     assert result["rerank"]["applied"] is False and "reranker" in result["rerank"]["skipped"]
-    assert result["passages"][0]["document_id"] == "acme-1"
+    # The retriever's stemmed BM25 puts "Zebras ... stripes" first; reranked, the phrase wins.
+    assert result["passages"][0]["document_id"] == "acme-2"
     keys, client = await rag_gateway()
     async with client(keys["acme"]) as acme:
         # 1 s is kept for the answer: with 1.01 s in all, no time is left for reranking.

@@ -94,9 +94,11 @@ async def test_scores_are_shared_through_redis(
     namespace = f"reranker-test-{uuid.uuid4().hex}"
     first_cache, second_cache = make_cache(redis_url, namespace), make_cache(redis_url, namespace)
     try:
-        first = await RerankerService(scorer, first_cache, settings).rerank(QUERY, passages, 0, "")
+        first = (await RerankerService(scorer, first_cache, settings).rerank(QUERY, passages, 0, "")).passages
         # A second replica with its own connection finds every score already computed.
-        second = await RerankerService(scorer, second_cache, settings).rerank(QUERY, passages, 0, "")
+        second = (
+            await RerankerService(scorer, second_cache, settings).rerank(QUERY, passages, 0, "")
+        ).passages
         assert len(scorer.calls) == 1
         assert [(r.id, r.score) for r in second] == [(r.id, r.score) for r in first]
     finally:

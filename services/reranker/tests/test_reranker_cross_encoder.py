@@ -112,8 +112,12 @@ async def test_service_caches_cross_encoder_scores_per_passage(model_dir: Path) 
 
     scorer.score = counting  # type: ignore[method-assign]
     service = RerankerService(scorer, InMemoryCache(), RerankerSettings(kafka_enabled=False))
-    first = await service.rerank(QUERY, [PassageIn(f"p{i}", t) for i, t in enumerate(PASSAGES[:3])], 0, "")
+    first = (
+        await service.rerank(QUERY, [PassageIn(f"p{i}", t) for i, t in enumerate(PASSAGES[:3])], 0, "")
+    ).passages
     # Not batch-dependent: a new passage set scores only the passages not seen before.
-    second = await service.rerank(QUERY, [PassageIn(f"p{i}", t) for i, t in enumerate(PASSAGES)], 0, "")
+    second = (
+        await service.rerank(QUERY, [PassageIn(f"p{i}", t) for i, t in enumerate(PASSAGES)], 0, "")
+    ).passages
     assert calls == [3, 2]
     assert {r.id: r.score for r in first} == {r.id: r.score for r in second if r.id in {"p0", "p1", "p2"}}

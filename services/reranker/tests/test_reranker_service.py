@@ -9,7 +9,7 @@ import pytest
 from forge_kit import errors
 from forge_kit.cache import InMemoryCache
 from forge_reranker.config import RerankerSettings
-from forge_reranker.service import PassageIn, RerankerService
+from forge_reranker.service import PassageIn, Reranked, RerankerService
 
 if TYPE_CHECKING:
     from conftest import CountingScorer
@@ -20,28 +20,28 @@ QUERY = "TNFAIP3 is a tumor suppressor in glioblastoma."
 async def test_orders_best_first_and_cuts_to_top_n(
     service: RerankerService, passages: list[PassageIn]
 ) -> None:
-    ranked = await service.rerank(QUERY, passages, top_n=2, model="")
+    ranked = (await service.rerank(QUERY, passages, top_n=2, model="")).passages
     assert [r.id for r in ranked] == ["p2", "p0"]
     assert ranked[0].index == 2 and ranked[0].score > ranked[1].score
-    everything = await service.rerank(QUERY, passages, top_n=0, model="bm25-phrase")
+    everything = (await service.rerank(QUERY, passages, top_n=0, model="bm25-phrase")).passages
     assert [r.id for r in everything][:2] == ["p2", "p0"] and len(everything) == 4
     assert everything[-1].id == "p1"
 
 
 async def test_ties_keep_request_order(service: RerankerService) -> None:
     same = [PassageIn(f"p{i}", "identical text about nothing") for i in range(3)]
-    assert [r.index for r in await service.rerank("query", same, 0, "")] == [0, 1, 2]
+    assert [r.index for r in (await service.rerank("query", same, 0, "")).passages] == [0, 1, 2]
 
 
 async def test_no_passages_is_an_empty_answer(service: RerankerService) -> None:
-    assert await service.rerank("query", [], 0, "") == []
+    assert await service.rerank("query", [], 0, "") == Reranked([], 0, False)
 
 
 async def test_repeated_call_is_served_from_the_cache(
     service: RerankerService, scorer: CountingScorer, passages: list[PassageIn]
 ) -> None:
-    first = await service.rerank(QUERY, passages, 0, "")
-    second = await service.rerank(QUERY, list(reversed(passages)), 0, "")
+    first = (await service.rerank(QUERY, passages, 0, "")).passages
+    second = (await service.rerank(QUERY, list(reversed(passages)), 0, "")).passages
     assert len(scorer.calls) == 1
     assert {r.id: r.score for r in first} == {r.id: r.score for r in second}
     # The lexical scorer is batch-dependent: another passage set is scored afresh, never mixed.
@@ -62,7 +62,7 @@ async def test_broken_cache_does_not_fail_the_call(
             raise ConnectionError("redis down")
 
     service = RerankerService(scorer, BrokenCache(), settings)
-    assert (await service.rerank(QUERY, passages, 1, ""))[0].id == "p2"
+    assert (await service.rerank(QUERY, passages, 1, "")).passages[0].id == "p2"
 
 
 @pytest.mark.parametrize(

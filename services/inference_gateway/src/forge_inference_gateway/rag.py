@@ -11,8 +11,10 @@
    (gRPC metadata ``forge-tenant`` = the API key's tenant name): the retriever enforces the
    isolation, whatever ``filter`` says. Unknown collection → 400; retriever down → 503.
 4. **Rerank** to ``top_n`` with the cross-encoder, with at most ``rag_rerank_timeout_s`` and never
-   eating into ``rag_answer_reserve_s``; when the reranker is unavailable, fails, or the deadline
-   is too near, the retriever's order is kept and the response says so (``rerank.skipped``).
+   eating into ``rag_answer_reserve_s``: the reranker scores candidates in retriever order while
+   that budget lasts and keeps the retriever's order for the rest (``rerank.partial``, with how
+   many were ``scored``); when it is unavailable, fails, or the deadline is too near to start,
+   the retriever's order is kept and the response says so (``rerank.skipped``).
 5. **Assemble** the context (:func:`assemble_context`): drop repeated and overlapping chunk text,
    keep the reranked order, fit the token budget, number the passages ``[1]..[n]`` and ask for
    citations.
@@ -164,13 +166,25 @@ class Retriever(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class RerankAnswer:
+    """What the reranker returned: ``order`` is ``(index into candidates, score)`` best first, at
+    most ``top_n``; with ``partial`` only ``scored`` candidates were scored before the deadline
+    and the rest follow in retriever order."""
+
+    order: list[tuple[int, float]]
+    model: str
+    partial: bool = False
+    scored: int = 0
+
+
 class Reranker(Protocol):
     """The reranker as the RAG service calls it in step 4, once per query with candidates."""
 
     async def rerank(
         self, query: str, candidates: Sequence[Candidate], top_n: int, timeout_s: float
-    ) -> tuple[list[tuple[int, float]], str]:
-        """``(index into candidates, score)`` best first, at most ``top_n``, and the scorer's name."""
+    ) -> RerankAnswer:
+        """The candidates reranked within ``timeout_s`` (the deadline the reranker plans for)."""
         ...
 
 
@@ -240,7 +254,7 @@ class GrpcReranker:
 
     async def rerank(
         self, query: str, candidates: Sequence[Candidate], top_n: int, timeout_s: float
-    ) -> tuple[list[tuple[int, float]], str]:
+    ) -> RerankAnswer:
         request = rerank_pb2.RerankRequest(
             query=query,
             passages=[rerank_pb2.Passage(id=str(i), text=c.text) for i, c in enumerate(candidates)],
@@ -250,7 +264,12 @@ class GrpcReranker:
             reply = await self._stub.Rerank(request, timeout=timeout_s)
         except grpc.aio.AioRpcError as exc:
             raise _grpc_error("reranker", exc) from None
-        return [(int(r.index), float(r.score)) for r in reply.results], reply.model
+        return RerankAnswer(
+            [(int(r.index), float(r.score)) for r in reply.results],
+            reply.model,
+            partial=reply.partial,
+            scored=int(reply.scored),
+        )
 
     async def close(self) -> None:
         await self._channel.close(None)
@@ -584,12 +603,16 @@ class RagService:
             reason = f"deadline: {max(0.0, budget) * 1000:.0f} ms left for reranking"
             return in_order[: query.top_n], {"applied": False, "skipped": reason}
         try:
-            order, model = await self._reranker.rerank(query.query, candidates, query.top_n, budget)
+            answer = await self._reranker.rerank(query.query, candidates, query.top_n, budget)
         except (TimeoutError, errors.ForgeError) as exc:
             log.info("rag.rerank_skipped", error=str(exc))
             return in_order[: query.top_n], {"applied": False, "skipped": f"reranker: {exc}"}
-        ranked = [(candidates[i], score) for i, score in order if 0 <= i < len(candidates)]
-        return ranked[: query.top_n], {"applied": True, "model": model}
+        ranked = [(candidates[i], score) for i, score in answer.order if 0 <= i < len(candidates)]
+        report: dict[str, object] = {"applied": True, "model": answer.model}
+        if answer.partial:
+            # The reranker scored what its deadline allowed; the rest kept the retriever's order.
+            report.update(partial=True, scored=answer.scored, candidates=len(candidates))
+        return ranked[: query.top_n], report
 
     def _result(self, plan: RagPlan, model: str, answer: str, usage: dict[str, int]) -> dict[str, object]:
         return {

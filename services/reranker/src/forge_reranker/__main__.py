@@ -31,7 +31,11 @@ async def main() -> None:
         )
     else:
         scorer = LexicalScorer(k1=settings.bm25_k1, b=settings.bm25_b, phrase_bonus=settings.phrase_bonus)
-    api = RerankerApi(RerankerService(scorer, cache, settings))
+    service = RerankerService(scorer, cache, settings)
+    if not scorer.batch_dependent:
+        # A passage as long as the model reads: the pace is planned from the slow end.
+        await service.warm_up(settings.cross_encoder_batch_size, "warm " * settings.cross_encoder_max_tokens)
+    api = RerankerApi(service)
     await app.run(
         register=[lambda server: rerank_pb2_grpc.add_RerankerServiceServicer_to_server(api, server)],
         service_names=[rerank_pb2.DESCRIPTOR.services_by_name["RerankerService"].full_name],

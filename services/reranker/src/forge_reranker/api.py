@@ -16,8 +16,15 @@ class RerankerApi(rerank_pb2_grpc.RerankerServiceServicer):
         self, request: rerank_pb2.RerankRequest, context: grpc.aio.ServicerContext
     ) -> rerank_pb2.RerankResponse:
         passages = [PassageIn(id=p.id, text=p.text) for p in request.passages]
-        ranked = await self._service.rerank(request.query, passages, request.top_n, request.model)
+        answer = await self._service.rerank(
+            request.query, passages, request.top_n, request.model, time_left_s=context.time_remaining()
+        )
         return rerank_pb2.RerankResponse(
-            results=[rerank_pb2.RankedPassage(id=r.id, score=r.score, index=r.index) for r in ranked],
+            results=[
+                rerank_pb2.RankedPassage(id=r.id, score=r.score, index=r.index, scored=r.scored)
+                for r in answer.passages
+            ],
             model=self._service.model,
+            partial=answer.partial,
+            scored=answer.scored,
         )

@@ -57,6 +57,9 @@ class RerankerSettings(ServiceSettings):
     cross_encoder_int8: bool = True
     """Dynamically quantise the cross-encoder's Linear layers to INT8 (about 2x faster on CPU)."""
 
+    deadline_margin_ms: float = Field(default=10.0, ge=0)
+    """Time kept back from a call's deadline for ordering and the reply: scoring stops before it."""
+
     torch_threads: int = Field(default=0, ge=0)
     """Torch CPU threads for the cross-encoder; 0 keeps torch's default (one per core)."""
 

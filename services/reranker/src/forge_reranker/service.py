@@ -3,6 +3,12 @@
 Scores are cached by (scorer version, query, passage) — plus the whole passage set for a scorer
 whose scores depend on it — so a repeated RAG query costs cache lookups, not model time. The cache
 is an optimisation only: when it fails, the call is scored as if nothing were cached.
+
+Deadline-aware: with a deadline, passages are scored in request order (the retriever's, best
+first), a batch at a time, while the measured time per passage says the next one still fits
+before the deadline (less ``deadline_margin_ms`` for the reply); what is left unscored follows the
+scored passages in request order and the answer says so (``partial``). So the caller's budget,
+not a fixed depth, decides how many candidates the cross-encoder sees.
 """
 
 from __future__ import annotations
@@ -10,7 +16,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import struct
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import structlog
@@ -25,6 +32,7 @@ log = structlog.get_logger(__name__)
 
 CACHE_LOOKUPS = Counter("forge_reranker_cache_lookups_total", "Score cache lookups", ["outcome"])
 PASSAGES_SCORED = Counter("forge_reranker_passages_scored_total", "Passages scored by the model", ["model"])
+PARTIAL = Counter("forge_reranker_partial_total", "Rerank calls the deadline cut short", ["model"])
 _SCORE = struct.Struct(">d")
 
 
@@ -38,11 +46,47 @@ class PassageIn:
 
 @dataclass(frozen=True)
 class RankedPassage:
-    """A scored passage; ``index`` is its position in the request."""
+    """A passage of the answer; ``index`` is its position in the request. One the deadline left
+    unscored has ``scored`` false and score 0."""
 
     id: str
     score: float
     index: int
+    scored: bool = True
+
+
+@dataclass(frozen=True)
+class Reranked:
+    """A Rerank answer: ``passages`` best first (cut to top_n), ``scored`` how many of the call's
+    passages have a score, ``partial`` whether the deadline left some unscored."""
+
+    passages: list[RankedPassage]
+    scored: int
+    partial: bool
+
+
+class Pace:
+    """Seconds per passage of the scorer: an exponentially weighted mean of measured batches
+    (started from a warm-up), so the service knows how many passages fit in the time left."""
+
+    def __init__(self, weight: float = 0.2) -> None:
+        self.seconds_per_passage: float | None = None
+        self._weight = weight
+
+    def observe(self, passages: int, seconds: float) -> None:
+        if passages <= 0:
+            return
+        sample = seconds / passages
+        mean = self.seconds_per_passage
+        self.seconds_per_passage = sample if mean is None else mean + self._weight * (sample - mean)
+
+    def fitting(self, seconds: float) -> int:
+        """Passages that fit in ``seconds``; before any measurement, one batch is allowed."""
+        if seconds <= 0:
+            return 0
+        if not self.seconds_per_passage:
+            return 1 << 30
+        return int(seconds / self.seconds_per_passage)
 
 
 def cache_key(version: str, query: str, passage: str, context: str = "") -> str:
@@ -57,28 +101,52 @@ def cache_key(version: str, query: str, passage: str, context: str = "") -> str:
 class RerankerService:
     """Scores passages with one ``Scorer`` through a score cache."""
 
-    def __init__(self, scorer: Scorer, cache: Cache, settings: RerankerSettings) -> None:
+    def __init__(
+        self,
+        scorer: Scorer,
+        cache: Cache,
+        settings: RerankerSettings,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._scorer = scorer
         self._cache = cache
         self._settings = settings
+        self._clock = clock
+        self.pace = Pace()
+
+    async def warm_up(self, passages: int, text: str) -> None:
+        """Score ``passages`` copies of ``text`` once (outside any call) so the first deadline is
+        planned from a measured pace, and the model's first, slowest forward pass is paid here."""
+        started = self._clock()
+        await asyncio.to_thread(self._scorer.score, "warm up", [text] * passages)
+        self.pace.observe(passages, self._clock() - started)
 
     @property
     def model(self) -> str:
         return self._scorer.name
 
     async def rerank(
-        self, query: str, passages: Sequence[PassageIn], top_n: int, model: str
-    ) -> list[RankedPassage]:
+        self,
+        query: str,
+        passages: Sequence[PassageIn],
+        top_n: int,
+        model: str,
+        *,
+        time_left_s: float | None = None,
+    ) -> Reranked:
         """The ``top_n`` best passages (all when 0), best first; ties keep request order.
 
         1. Validate the call, naming the field.
         2. Look every score up in the cache.
-        3. Score what is missing (the whole set for a batch-dependent scorer) and cache it.
-        4. Order by score and cut to ``top_n``.
+        3. Score what is missing (the whole set for a batch-dependent scorer) and cache it; with
+           ``time_left_s``, in request order and only while the next batch fits before the deadline.
+        4. Order the scored passages by score, the unscored after them in request order; cut to ``top_n``.
         """
+        deadline = None if time_left_s is None else self._clock() + time_left_s
         self._validate(query, passages, top_n, model)
         if not passages:
-            return []
+            return Reranked([], 0, False)
         texts = [p.text for p in passages]
         context = _passage_set_digest(texts) if self._scorer.batch_dependent else ""
         keys = [cache_key(self._scorer.version, query, t, context) for t in texts]
@@ -86,21 +154,59 @@ class RerankerService:
         missing = [i for i, s in enumerate(scores) if s is None]
         CACHE_LOOKUPS.labels("hit").inc(len(keys) - len(missing))
         CACHE_LOOKUPS.labels("miss").inc(len(missing))
-        if missing:
-            to_score = list(range(len(texts))) if self._scorer.batch_dependent else missing
-            fresh = await asyncio.to_thread(self._scorer.score, query, [texts[i] for i in to_score])
-            PASSAGES_SCORED.labels(self._scorer.name).inc(len(to_score))
-            for i, value in zip(to_score, fresh, strict=True):
-                scores[i] = float(value)
-            await self._store([(keys[i], float(v)) for i, v in zip(to_score, fresh, strict=True)])
-        ranked = sorted(
-            (
-                RankedPassage(id=p.id, score=s if s is not None else 0.0, index=i)
-                for i, (p, s) in enumerate(zip(passages, scores, strict=True))
-            ),
-            key=lambda r: (-r.score, r.index),
-        )
-        return ranked[:top_n] if top_n else ranked
+        if self._scorer.batch_dependent:
+            if missing:
+                await self._score(query, texts, list(range(len(texts))), keys, scores)
+        else:
+            await self._score_until(query, texts, missing, keys, scores, deadline)
+        scored = [
+            RankedPassage(id=p.id, score=s, index=i)
+            for i, (p, s) in enumerate(zip(passages, scores, strict=True))
+            if s is not None
+        ]
+        scored.sort(key=lambda r: (-r.score, r.index))
+        unscored = [
+            RankedPassage(id=p.id, score=0.0, index=i, scored=False)
+            for i, (p, s) in enumerate(zip(passages, scores, strict=True))
+            if s is None
+        ]
+        if unscored:
+            PARTIAL.labels(self._scorer.name).inc()
+        ranked = scored + unscored
+        return Reranked(ranked[:top_n] if top_n else ranked, len(scored), bool(unscored))
+
+    async def _score_until(
+        self,
+        query: str,
+        texts: list[str],
+        missing: list[int],
+        keys: list[str],
+        scores: list[float | None],
+        deadline: float | None,
+    ) -> None:
+        batch = self._settings.cross_encoder_batch_size
+        margin = self._settings.deadline_margin_ms / 1000.0
+        first = 0
+        while first < len(missing):
+            take = len(missing)  # no deadline: one call, which the scorer batches by length
+            if deadline is not None:
+                take = min(batch, self.pace.fitting(deadline - margin - self._clock()))
+                if take <= 0:
+                    return
+            chunk = missing[first : first + take]
+            started = self._clock()
+            await self._score(query, texts, chunk, keys, scores)
+            self.pace.observe(len(chunk), self._clock() - started)
+            first += len(chunk)
+
+    async def _score(
+        self, query: str, texts: list[str], which: list[int], keys: list[str], scores: list[float | None]
+    ) -> None:
+        fresh = await asyncio.to_thread(self._scorer.score, query, [texts[i] for i in which])
+        PASSAGES_SCORED.labels(self._scorer.name).inc(len(which))
+        for i, value in zip(which, fresh, strict=True):
+            scores[i] = float(value)
+        await self._store([(keys[i], float(v)) for i, v in zip(which, fresh, strict=True)])
 
     def _validate(self, query: str, passages: Sequence[PassageIn], top_n: int, model: str) -> None:
         limits = self._settings

@@ -89,22 +89,28 @@ class RankedPassage(_message.Message):
     ID_FIELD_NUMBER: _builtins.int
     SCORE_FIELD_NUMBER: _builtins.int
     INDEX_FIELD_NUMBER: _builtins.int
+    SCORED_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Passage id from the request."""
     score: _builtins.float
     """Relevance score; higher is better."""
     index: _builtins.int
     """Position of the passage in the request."""
+    scored: _builtins.bool
+    """False for a passage the deadline left unscored (its score is then 0 and its place is its
+    request order, after every scored passage).
+    """
     def __init__(
         self,
         *,
         id: _builtins.str = ...,
         score: _builtins.float = ...,
         index: _builtins.int = ...,
+        scored: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id", "index", b"index", "score", b"score"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id", "index", b"index", "score", b"score", "scored", b"scored"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -118,8 +124,14 @@ class RerankResponse(_message.Message):
 
     RESULTS_FIELD_NUMBER: _builtins.int
     MODEL_FIELD_NUMBER: _builtins.int
+    PARTIAL_FIELD_NUMBER: _builtins.int
+    SCORED_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """Cross-encoder that scored them."""
+    partial: _builtins.bool
+    """True when the deadline stopped scoring before every passage was scored."""
+    scored: _builtins.int
+    """Passages scored by the model or found in the score cache (all of them unless partial)."""
     @_builtins.property
     def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___RankedPassage]:
         """Passages, best first."""
@@ -129,10 +141,12 @@ class RerankResponse(_message.Message):
         *,
         results: _abc.Iterable[Global___RankedPassage] | None = ...,
         model: _builtins.str = ...,
+        partial: _builtins.bool = ...,
+        scored: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["model", b"model", "results", b"results"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["model", b"model", "partial", b"partial", "results", b"results", "scored", b"scored"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -47,7 +47,10 @@ class RerankerServiceServicer:
     """
 
     def Rerank(self, request, context):
-        """Score passages against a query and return the best top_n.
+        """Score passages against a query and return the best top_n. Deadline-aware: passages are
+        scored in request order (the retriever's, best first) for as long as the call's gRPC deadline
+        allows; what could not be scored in time follows the scored ones in request order, and the
+        response says so (partial, scored).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -34,7 +34,11 @@ class RerankerServiceStub:
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> RerankerServiceAsyncStub: ...
     Rerank: _grpc.UnaryUnaryMultiCallable[_rerank_pb2.RerankRequest, _rerank_pb2.RerankResponse]
-    """Score passages against a query and return the best top_n."""
+    """Score passages against a query and return the best top_n. Deadline-aware: passages are
+    scored in request order (the retriever's, best first) for as long as the call's gRPC deadline
+    allows; what could not be scored in time follows the scored ones in request order, and the
+    response says so (partial, scored).
+    """
 
 @_typing.type_check_only
 class RerankerServiceAsyncStub(RerankerServiceStub):
@@ -42,7 +46,11 @@ class RerankerServiceAsyncStub(RerankerServiceStub):
 
     def __init__(self, channel: _aio.Channel) -> None: ...
     Rerank: _aio.UnaryUnaryMultiCallable[_rerank_pb2.RerankRequest, _rerank_pb2.RerankResponse]  # type: ignore[assignment]
-    """Score passages against a query and return the best top_n."""
+    """Score passages against a query and return the best top_n. Deadline-aware: passages are
+    scored in request order (the retriever's, best first) for as long as the call's gRPC deadline
+    allows; what could not be scored in time follows the scored ones in request order, and the
+    response says so (partial, scored).
+    """
 
 class RerankerServiceServicer(metaclass=_abc_1.ABCMeta):
     """The reranker. Called by inference_gateway between retrieval and context assembly."""
@@ -53,6 +61,10 @@ class RerankerServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _rerank_pb2.RerankRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_rerank_pb2.RerankResponse, _abc.Awaitable[_rerank_pb2.RerankResponse]]:
-        """Score passages against a query and return the best top_n."""
+        """Score passages against a query and return the best top_n. Deadline-aware: passages are
+        scored in request order (the retriever's, best first) for as long as the call's gRPC deadline
+        allows; what could not be scored in time follows the scored ones in request order, and the
+        response says so (partial, scored).
+        """
 
 def add_RerankerServiceServicer_to_server(servicer: RerankerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
