@@ -573,10 +573,19 @@ class RetrieverService:
         )
         if not hits:
             return SearchResult([], served)
+        # Only the columns a hit needs, as plain rows: ORM objects (and the documents' whole
+        # texts) for 100 hits cost ~17 ms a query, most of a BM25 search.
         async with self._db.session() as session:
             rows = (
                 await session.execute(
-                    sa.select(ChunkRow, DocumentRow)
+                    sa.select(
+                        ChunkRow.point_id,
+                        ChunkRow.chunk_id,
+                        ChunkRow.text,
+                        DocumentRow.id,
+                        DocumentRow.title,
+                        DocumentRow.meta,
+                    )
                     .join(
                         DocumentRow,
                         sa.and_(
@@ -589,22 +598,22 @@ class RetrieverService:
                     .where(ChunkRow.point_id.in_([h.point_id for h in hits]), ChunkRow.tenant == tenant)
                 )
             ).all()
-        by_point = {chunk.point_id: (chunk, doc) for chunk, doc in rows}
+        by_point = {row.point_id: row for row in rows}
         results = []
         for hit in hits:
-            if hit.point_id not in by_point:
+            row = by_point.get(hit.point_id)
+            if row is None:
                 continue
-            chunk, doc = by_point[hit.point_id]
             results.append(
                 SearchHit(
-                    document_id=doc.id,
-                    chunk_id=chunk.chunk_id,
-                    text=chunk.text,
+                    document_id=row.id,
+                    chunk_id=row.chunk_id,
+                    text=row.text,
                     score=hit.score,
                     # A fused score has no components the engine reports: 0 means "not computed".
                     sparse_score=hit.score if served is SearchMode.SPARSE else 0.0,
                     dense_score=hit.score if served is SearchMode.DENSE else 0.0,
-                    metadata={**doc.meta, "title": doc.title},
+                    metadata={**row.meta, "title": row.title},
                 )
             )
         return SearchResult(results, served)
