@@ -13,7 +13,7 @@ from forge_kit.events import EventConsumer, topic_for
 from forge_kit.http import make_app
 from forge_retriever.api import RetrieverApi
 from forge_retriever.config import RetrieverSettings
-from forge_retriever.embed import SentenceTransformerEmbedder
+from forge_retriever.embed import embedder_for
 from forge_retriever.index import QdrantEdgeIndex, VectorIndex
 from forge_retriever.index_server import QdrantServerIndex
 from forge_retriever.service import RetrieverService, sparse_encoder
@@ -26,14 +26,7 @@ async def main() -> None:
     relay = app.enable_outbox()
     embedder = None
     if settings.dense_enabled:
-        embedder = await asyncio.to_thread(
-            SentenceTransformerEmbedder,
-            settings.embedding_model_path or None,
-            batch_size=settings.embedding_batch_size,
-            max_seq_length=settings.embedding_max_tokens,
-            query_cache_size=settings.query_cache_size,
-            num_threads=settings.embedding_threads,
-        )
+        embedder = await asyncio.to_thread(embedder_for, settings)
     dense_dim = embedder.dimension if embedder else None
     dense_version = embedder.version if embedder else ""
     sparse_version = sparse_encoder(settings).version

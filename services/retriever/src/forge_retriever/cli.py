@@ -26,7 +26,7 @@ from forge_kit import clitools
 from forge_kit.grpckit import make_channel
 from forge_retriever import evaluation
 from forge_retriever.config import RetrieverSettings
-from forge_retriever.embed import SentenceTransformerEmbedder
+from forge_retriever.embed import embedder_for
 
 app = typer.Typer(help="Evaluation suites served by the retriever.", no_args_is_help=True)
 
@@ -104,17 +104,7 @@ async def _run(
     settings = RetrieverSettings(
         data_dir=str(work), kafka_enabled=False, dense_enabled=needs_dense, query_cache_size=0
     )
-    embedder = (
-        SentenceTransformerEmbedder(
-            settings.embedding_model_path or None,
-            batch_size=settings.embedding_batch_size,
-            max_seq_length=settings.embedding_max_tokens,
-            num_threads=settings.embedding_threads,
-            query_cache_size=settings.query_cache_size,
-        )
-        if needs_dense
-        else None
-    )
+    embedder = embedder_for(settings) if needs_dense else None
     ev = evaluation.Evaluator(data, work, embedder, settings)
     await ev.open()
     try:
@@ -157,6 +147,7 @@ async def _run(
                 "chunk_words",
                 "chunk_overlap_words",
                 "embedding_max_tokens",
+                "embedding_backend",
                 "hybrid_candidates",
                 "hybrid_fusion",
                 "rrf_k",

