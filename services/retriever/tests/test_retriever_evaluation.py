@@ -12,6 +12,8 @@ from typer.testing import CliRunner
 
 from forge_retriever import evaluation
 from forge_retriever.cli import app
+from forge_retriever.config import RetrieverSettings
+from forge_retriever.embed import SentenceTransformerEmbedder
 
 
 def write_beir(folder: Path, qrels: str | None = None) -> Path:
@@ -97,3 +99,17 @@ def test_cli_rejects_a_folder_that_is_not_beir(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["retrieval", "--dataset", str(tmp_path), "--out", str(tmp_path / "o")])
     assert result.exit_code == 2 and "missing corpus.jsonl" in result.output
     assert not (tmp_path / "o").exists()
+
+
+async def test_ingestion_is_compared_with_plain_sentence_transformers(
+    tmp_path: Path, minilm: SentenceTransformerEmbedder
+) -> None:
+    data = evaluation.load_beir(write_beir(tmp_path / "tiny"))
+    settings = RetrieverSettings(data_dir=str(tmp_path), kafka_enabled=False, embedding_backend="torch")
+    comparison = await evaluation.compare_ingestion(data, minilm, settings, sample=3)
+    figures = comparison.as_json()
+    assert figures["documents"] == 3
+    assert figures["service_docs_per_s"] > 0 and figures["sentence_transformers_docs_per_s"] > 0
+    assert figures["service_over_sentence_transformers"] == pytest.approx(
+        comparison.service_docs_per_s / comparison.sentence_transformers_docs_per_s, rel=1e-2
+    )

@@ -64,6 +64,14 @@ def retrieval(
     rerank_depth_best: Annotated[
         int, typer.Option("--rerank-depth-best", min=1, help="Documents reranked (unconstrained).")
     ] = 100,
+    ingest_sample: Annotated[
+        int,
+        typer.Option(
+            "--ingest-sample",
+            min=0,
+            help="Documents ingested afresh and embedded by plain sentence-transformers, to compare (0: skip).",
+        ),
+    ] = 256,
 ) -> None:
     """nDCG@10, recall@100 and per-query latency p50/p95 for each mode on the test split."""
     try:
@@ -82,6 +90,7 @@ def retrieval(
             token,
             rerank_depth,
             rerank_depth_best,
+            ingest_sample,
         )
     )
     out.mkdir(parents=True, exist_ok=True)
@@ -98,6 +107,7 @@ async def _run(
     reranker_token: str,
     depth: int,
     depth_best: int,
+    ingest_sample: int,
 ) -> tuple[dict[str, dict[str, float]], dict[str, object]]:
     needs_dense = any(m != "bm25" for m in modes)
     # No query cache: every mode pays for its own query embedding, as a first-time query would.
@@ -132,6 +142,14 @@ async def _run(
             typer.echo(f"{mode}: done", err=True)
     finally:
         await ev.close()
+    comparison = None
+    if ingest_sample and embedder is not None:
+        comparison = await evaluation.compare_ingestion(data, embedder, settings, ingest_sample)
+        typer.echo(
+            f"ingestion of {comparison.documents} documents afresh: service {comparison.service_docs_per_s:.1f}/s, "
+            f"plain sentence-transformers encode {comparison.sentence_transformers_docs_per_s:.1f}/s",
+            err=True,
+        )
     details: dict[str, object] = {
         "dataset": data.name,
         "documents": ingest.documents,
@@ -139,6 +157,7 @@ async def _run(
         "ingestion_docs_per_s": round(ingest.docs_per_s, 2),
         "ingestion_new_documents": ingest.upserted,
         "ingestion_new_chunks": ingest.chunks,
+        "ingestion_against_sentence_transformers": comparison.as_json() if comparison else None,
         "rerank_depth": depth,
         "rerank_depth_best": depth_best,
         "cpu_threads": os.cpu_count(),

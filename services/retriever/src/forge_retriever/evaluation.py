@@ -277,6 +277,58 @@ class Evaluator:
         )
 
 
+@dataclass(frozen=True)
+class IngestionComparison:
+    """The same ``documents`` ingested through the service (chunked, BM25-encoded, embedded,
+    indexed, committed) and embedded by plain sentence-transformers ``encode`` (title and text,
+    one vector a document), documents per second each."""
+
+    documents: int
+    service_docs_per_s: float
+    sentence_transformers_docs_per_s: float
+
+    def as_json(self) -> dict[str, float]:
+        return {
+            "documents": self.documents,
+            "service_docs_per_s": round(self.service_docs_per_s, 2),
+            "sentence_transformers_docs_per_s": round(self.sentence_transformers_docs_per_s, 2),
+            "service_over_sentence_transformers": round(
+                self.service_docs_per_s / self.sentence_transformers_docs_per_s, 3
+            ),
+        }
+
+
+async def compare_ingestion(
+    dataset: BeirDataset,
+    embedder: Embedder,
+    settings: RetrieverSettings,
+    sample: int,
+    clock: Callable[[], float] = time.perf_counter,
+) -> IngestionComparison:
+    """Ingest the first ``sample`` documents into a fresh scratch retriever (nothing cached) and
+    time plain sentence-transformers on the same documents, with the same threads and batch."""
+    from sentence_transformers import SentenceTransformer
+
+    from forge_retriever.embed import bundled_minilm_path
+
+    head = BeirDataset(dataset.name, dataset.corpus[:sample], {}, {})
+    with tempfile.TemporaryDirectory(prefix="forge-ingest-bench-") as tmp:
+        scratch = Evaluator(head, Path(tmp), embedder, settings.model_copy(update={"data_dir": tmp}))
+        await scratch.open()
+        try:
+            ingested = await scratch.ingest()
+        finally:
+            await scratch.close()
+    model = SentenceTransformer(settings.embedding_model_path or str(bundled_minilm_path()), device="cpu")
+    model.max_seq_length = settings.embedding_max_tokens
+    texts = [f"{d.title}\n{d.text}".strip() for d in head.corpus]
+    model.encode(texts[: settings.embedding_batch_size], batch_size=settings.embedding_batch_size)  # warm up
+    started = clock()
+    model.encode(texts, batch_size=settings.embedding_batch_size, show_progress_bar=False)
+    plain_s = clock() - started
+    return IngestionComparison(len(texts), ingested.docs_per_s, len(texts) / plain_s)
+
+
 def parse_modes(text: str) -> list[str]:
     """The comma-separated ``--modes`` list; unknown names are an error naming them."""
     modes = [m.strip() for m in text.split(",") if m.strip()]
