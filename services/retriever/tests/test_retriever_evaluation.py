@@ -65,6 +65,11 @@ def test_load_beir_keeps_judged_queries_and_names_bad_lines(tmp_path: Path) -> N
         evaluation.load_beir(tmp_path / "nowhere")
     with pytest.raises(ValueError, match="--modes"):
         evaluation.parse_modes("bm25,colbert")
+    (tmp_path / "ok" / "qrels" / "dev.tsv").write_text("query-id\tcorpus-id\tscore\nq3\td2\t1\n")
+    dev = evaluation.load_beir(tmp_path / "ok", "dev")
+    assert dev.split == "dev" and list(dev.queries) == ["q3"] and dev.qrels == {"q3": {"d2": 1}}
+    with pytest.raises(evaluation.DatasetError, match=r"missing qrels/train\.tsv"):
+        evaluation.load_beir(tmp_path / "ok", "train")
 
 
 def test_cli_writes_the_contract_summary(tmp_path: Path) -> None:
@@ -92,7 +97,7 @@ def test_cli_writes_the_contract_summary(tmp_path: Path) -> None:
     assert summary["bm25"]["ndcg@10"] == 1.0 and summary["bm25"]["recall@100"] == 1.0
     assert 0 < summary["bm25"]["p50_ms"] <= summary["bm25"]["p95_ms"]
     details = json.loads((out / "details.json").read_text())
-    assert details["documents"] == 4 and details["queries"] == 2
+    assert details["documents"] == 4 and details["queries"] == 2 and details["split"] == "test"
 
 
 def test_cli_rejects_a_folder_that_is_not_beir(tmp_path: Path) -> None:

@@ -64,6 +64,9 @@ def retrieval(
     rerank_depth_best: Annotated[
         int, typer.Option("--rerank-depth-best", min=1, help="Documents reranked (unconstrained).")
     ] = 100,
+    split: Annotated[
+        str, typer.Option("--split", help="Which qrels/<split>.tsv judges the queries (test, dev, train).")
+    ] = "test",
     ingest_sample: Annotated[
         int,
         typer.Option(
@@ -76,7 +79,7 @@ def retrieval(
     """nDCG@10, recall@100 and per-query latency p50/p95 for each mode on the test split."""
     try:
         wanted = evaluation.parse_modes(modes)
-        data = evaluation.load_beir(dataset)
+        data = evaluation.load_beir(dataset, split)
     except ValueError as exc:
         typer.echo(f"forge eval retrieval: {exc}", err=True)
         raise typer.Exit(2) from exc
@@ -154,6 +157,7 @@ async def _run(
         "dataset": data.name,
         "documents": ingest.documents,
         "queries": len(data.queries),
+        "split": data.split,
         "ingestion_docs_per_s": round(ingest.docs_per_s, 2),
         "ingestion_new_documents": ingest.upserted,
         "ingestion_new_chunks": ingest.chunks,

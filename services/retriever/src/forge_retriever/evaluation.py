@@ -68,6 +68,7 @@ class BeirDataset:
     corpus: list[DocumentIn]
     queries: dict[str, str]
     qrels: dict[str, dict[str, int]]
+    split: str = "test"
 
 
 def load_beir(folder: Path, split: str = "test") -> BeirDataset:
@@ -106,7 +107,7 @@ def load_beir(folder: Path, split: str = "test") -> BeirDataset:
         raise DatasetError(
             f"qrels/{split}.tsv: no query with a relevant document and a text in queries.jsonl"
         )
-    return BeirDataset(folder.name, corpus, {q: queries[q] for q in qrels}, qrels)
+    return BeirDataset(folder.name, corpus, {q: queries[q] for q in qrels}, qrels, split)
 
 
 def _jsonl(path: Path) -> list[tuple[int, dict[str, object]]]:
