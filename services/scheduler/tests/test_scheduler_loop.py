@@ -111,6 +111,28 @@ async def test_gang_across_two_nodes_starts_runs_and_succeeds(
     assert await sched.used_gpus() == {}
 
 
+async def test_replicas_failing_at_once_free_every_gpu(sched: SchedulerService, loop: SchedulingLoop) -> None:
+    """Both replicas' reports processed side by side (each agent has its own stream): each read
+    the job before the other committed, and the later commit put back a replica the earlier had
+    freed, so its GPUs stayed draining and the next gang never started."""
+    await sched.create_team("research", "", [H100])
+    queues = await with_nodes(sched, register("node-a"), register("node-b"))
+    job = await sched.submit_job(make_job().gpus(4).replicas(2).build())
+    await loop.cycle()
+    for name in queues:
+        await sched.update_job_status(name, report(job.id, S.JOB_STATE_RUNNING))
+
+    await asyncio.gather(
+        *(sched.update_job_status(name, report(job.id, S.JOB_STATE_FAILED)) for name in queues)
+    )
+
+    failed = await sched.get_job(job.id)
+    assert failed.state == S.JOB_STATE_FAILED and failed.draining is None
+    assert await sched.used_gpus() == {}
+    again = await sched.submit_job(make_job("again").gpus(4).replicas(2).build())
+    assert (await loop.cycle()).started == [again.id]
+
+
 async def test_job_that_can_never_fit_is_refused_at_submit_and_nothing_is_written(
     sched: SchedulerService, db: Database
 ) -> None:

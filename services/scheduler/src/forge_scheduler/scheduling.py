@@ -32,6 +32,7 @@ import sqlalchemy as sa
 import structlog
 from forge.scheduler.v1 import scheduler_pb2
 from prometheus_client import Gauge, Histogram
+from sqlalchemy.orm.exc import StaleDataError
 
 from forge_scheduler.gcpause import collector_paused
 from forge_scheduler.policy import (
@@ -130,6 +131,11 @@ class SchedulingLoop:
                 await self.cycle()
             except asyncio.CancelledError:
                 raise
+            except StaleDataError:
+                # A job row changed under the cycle (an agent's report): nothing was committed
+                # or sent; the next cycle decides on the fresh rows, at once.
+                log.info("scheduler.cycle_conflict")
+                self._changed.set()
             except Exception:
                 log.exception("scheduler.cycle_failed")
 

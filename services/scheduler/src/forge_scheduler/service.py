@@ -20,14 +20,17 @@ import hashlib
 import re
 import secrets
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import sqlalchemy as sa
+import structlog
 from forge.common.v1 import common_pb2
 from forge.events.v1 import events_pb2
 from forge.scheduler.v1 import scheduler_pb2
 from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.orm.exc import StaleDataError
 
 from forge_kit import errors
 from forge_kit.db import Database
@@ -204,6 +207,28 @@ def policy_node(node: NodeRow) -> Node:
         rack=node.rack,
         inference_pool=node.labels.get(INFERENCE_POOL_LABEL, "").lower() == "true",
     )
+
+
+log = structlog.get_logger(__name__)
+T = TypeVar("T")
+
+#: Times a unit of work on jobs runs when other units keep changing its rows under it.
+WRITE_ATTEMPTS = 5
+
+
+async def retry_on_conflict(unit: Callable[[], Awaitable[T]], what: str) -> T:
+    """Run ``unit`` (one database session and what follows its commit) again while its commit
+    finds a job row changed since it was read (``JobRow.version``); nothing of a failed attempt
+    was committed or sent. Gives up after ``WRITE_ATTEMPTS``."""
+    for attempt in range(1, WRITE_ATTEMPTS + 1):
+        try:
+            return await unit()
+        except StaleDataError:
+            if attempt == WRITE_ATTEMPTS:
+                raise
+            log.info("scheduler.write_conflict", unit=what, attempt=attempt)
+            await asyncio.sleep(0.005 * attempt)
+    raise AssertionError("unreachable")
 
 
 def token_hash(token: str) -> str:
@@ -420,6 +445,9 @@ class SchedulerService:
     async def cancel_job(self, job_id: str, reason: str) -> JobRow:
         """Cancel a job; idempotent for jobs already finished. Running replicas are told to stop;
         their GPUs stay taken until each agent reports the replica ended."""
+        return await retry_on_conflict(lambda: self._cancel_job(job_id, reason), "cancel_job")
+
+    async def _cancel_job(self, job_id: str, reason: str) -> JobRow:
         async with self._db.session() as session:
             job = await _job(session, job_id)
             authorize_team(job.team, "cancel")
@@ -465,7 +493,15 @@ class SchedulerService:
         3. RUNNING: the job runs (first replica to start). FAILED: the job fails and the other
            replicas are cancelled. PREEMPTED / CANCELLED while the job is active: once no
            replica is live, the job returns to the queue. SUCCEEDED: when every replica did.
+
+        Reports of one job's replicas arrive on their agents' streams side by side: each runs as
+        one unit on the row as committed, again if another report changed it meanwhile.
         """
+        return await retry_on_conflict(lambda: self._update_job_status(node_name, update), "job_status")
+
+    async def _update_job_status(
+        self, node_name: str, update: scheduler_pb2.JobStatusUpdate
+    ) -> JobRow | None:
         now = self._clock()
         stop: list[str] = []
         changed: JobRow | None = None

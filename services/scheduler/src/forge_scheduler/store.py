@@ -83,6 +83,13 @@ class JobRow(Base):
     """Set when a preemption was ordered: the end of the victim's checkpoint grace period."""
     pending_reason: Mapped[str] = mapped_column(sa.Text, default="")
     estimated_start: Mapped[dt.datetime | None] = mapped_column(sa.DateTime, nullable=True)
+    version: Mapped[int] = mapped_column(sa.Integer, default=0, server_default="0")
+    """Bumped by every write; an UPDATE of a row another unit changed since it was read matches
+    nothing and fails (``StaleDataError``), and that unit runs again on the fresh row. Two
+    replicas' reports processed side by side used to both read the job, both fail it, and the
+    later commit put back a replica the earlier had freed: its GPU stayed draining for good."""
+
+    __mapper_args__ = {"version_id_col": version}
 
 
 class NodeRow(Base):
