@@ -59,7 +59,7 @@ def scifact() -> SciFactSample:
 @pytest.fixture
 def settings(tmp_path: Path) -> RetrieverSettings:
     return RetrieverSettings(
-        data_dir=str(tmp_path), kafka_enabled=False, chunk_words=64, chunk_overlap_words=16
+        data_dir=str(tmp_path), kafka_enabled=False, chunk_tokens=64, chunk_overlap_tokens=16
     )
 
 

@@ -276,6 +276,22 @@ async def test_an_index_of_another_bm25_encoding_is_rebuilt(
         index.close()
 
 
+async def test_a_document_sent_again_after_a_chunking_change_is_chunked_anew(
+    db: Database, index: QdrantEdgeIndex, settings: RetrieverSettings
+) -> None:
+    doc = DocumentIn(id="long", text=" ".join(f"Sentence number {i} is here." for i in range(40)))
+    first = RetrieverService(db, index, settings)
+    assert (await first.upsert_documents("c", [doc])).upserted == 1
+    assert (await first.upsert_documents("c", [doc])).unchanged == 1  # same content, same chunking
+    before = await chunk_count(db)
+    smaller = RetrieverService(
+        db, index, settings.model_copy(update={"chunk_tokens": 32, "chunk_overlap_tokens": 8})
+    )
+    result = await smaller.upsert_documents("c", [doc])
+    assert result.upserted == 1 and await chunk_count(db) > before
+    assert index.count("c") == await chunk_count(db)
+
+
 async def test_reconcile_drops_index_collections_the_database_lacks(
     service: RetrieverService, index: QdrantEdgeIndex
 ) -> None:

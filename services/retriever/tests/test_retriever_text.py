@@ -1,39 +1,10 @@
-"""The chunker and the BM25 sparse encoder."""
+"""The BM25 sparse encoder."""
 
 from __future__ import annotations
 
 import pytest
 
-from forge_retriever.text import Bm25Encoder, chunk_words
-
-
-def test_chunks_are_windows_with_overlap_covering_every_word() -> None:
-    text = " ".join(f"w{i}" for i in range(25))
-    chunks = chunk_words(text, window=10, overlap=3)
-    assert [c.text.split()[0] for c in chunks] == ["w0", "w7", "w14", "w21"]
-    assert [len(c.text.split()) for c in chunks] == [10, 10, 10, 4]  # the last window ends at the last word
-    assert chunks[1].text.split()[:3] == chunks[0].text.split()[-3:]
-    assert chunks[-1].text.endswith("w24")
-    assert [c.index for c in chunks] == [0, 1, 2, 3]
-
-
-def test_chunk_is_a_slice_of_the_original_text() -> None:
-    text = "Alpha,  beta\n\ngamma.\tdelta epsilon"
-    chunks = chunk_words(text, window=3, overlap=1)
-    for chunk in chunks:
-        assert text[chunk.start : chunk.end] == chunk.text
-    assert chunks[0].text == "Alpha,  beta\n\ngamma."
-
-
-def test_short_and_empty_text() -> None:
-    assert [c.text for c in chunk_words("just three words", window=10, overlap=2)] == ["just three words"]
-    assert chunk_words("   \n ", window=10, overlap=2) == []
-
-
-@pytest.mark.parametrize(("window", "overlap"), [(0, 0), (5, 5), (5, -1)])
-def test_bad_window_is_rejected(window: int, overlap: int) -> None:
-    with pytest.raises(ValueError):
-        chunk_words("a b c", window=window, overlap=overlap)
+from forge_retriever.text import Bm25Encoder
 
 
 def test_documents_and_queries_meet_on_stems_without_stop_words() -> None:

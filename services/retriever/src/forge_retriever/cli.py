@@ -167,8 +167,8 @@ async def _run(
         "cpu_threads": os.cpu_count(),
         "settings": settings.model_dump(
             include={
-                "chunk_words",
-                "chunk_overlap_words",
+                "chunk_tokens",
+                "chunk_overlap_tokens",
                 "embedding_max_tokens",
                 "embedding_backend",
                 "hybrid_candidates",

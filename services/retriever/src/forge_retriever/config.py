@@ -23,11 +23,12 @@ class RetrieverSettings(ServiceSettings):
     http_port: int = Field(default=8055, ge=0, le=65535)
     """HTTP port for health and metrics."""
 
-    chunk_words: int = Field(default=200, ge=8, le=4096)
-    """Words per chunk (the chunker's window)."""
+    chunk_tokens: int = Field(default=200, ge=8, le=4096)
+    """Tokens of the embedding model's tokenizer per chunk at most (the title is added when
+    embedding, so with dense search on it must leave room within ``embedding_max_tokens``)."""
 
-    chunk_overlap_words: int = Field(default=40, ge=0)
-    """Words shared by consecutive chunks of one document; must be below ``chunk_words``."""
+    chunk_overlap_tokens: int = Field(default=40, ge=0)
+    """Tokens (whole sentences) a chunk repeats from the one before it in its section; below ``chunk_tokens``."""
 
     bm25_k1: float = Field(default=1.2, ge=0.0)
     """BM25 term-frequency saturation applied to the sparse vectors of chunks."""
@@ -107,8 +108,13 @@ class RetrieverSettings(ServiceSettings):
 
     @model_validator(mode="after")
     def _overlap_below_window(self) -> RetrieverSettings:
-        if self.chunk_overlap_words >= self.chunk_words:
-            raise ValueError("chunk_overlap_words must be smaller than chunk_words")
+        if self.chunk_overlap_tokens >= self.chunk_tokens:
+            raise ValueError("chunk_overlap_tokens must be smaller than chunk_tokens")
+        if self.dense_enabled and self.chunk_tokens + 2 > self.embedding_max_tokens:
+            raise ValueError(
+                "chunk_tokens must leave room for [CLS] and [SEP] within embedding_max_tokens "
+                f"({self.chunk_tokens} + 2 > {self.embedding_max_tokens}): the rest would not be embedded"
+            )
         if self.default_top_k > self.max_top_k:
             raise ValueError("default_top_k must not exceed max_top_k")
         if self.index_backend == "qdrant" and not self.qdrant_url:

@@ -33,12 +33,13 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from forge_kit import errors
 from forge_kit.db import Database
 from forge_kit.events import stage_event
+from forge_retriever.chunking import HfTokenizer, TokenChunker
 from forge_retriever.config import RetrieverSettings
-from forge_retriever.embed import Embedder
+from forge_retriever.embed import Embedder, bundled_minilm_path
 from forge_retriever.index import Fusion, HybridParams, IndexHit, IndexPoint, VectorIndex, point_id
 from forge_retriever.store import ChunkRow, CollectionRow, DocumentRow, SourceVersionRow, utcnow
 from forge_retriever.tenancy import DEFAULT_TENANT, validate_tenant
-from forge_retriever.text import Bm25Encoder, chunk_words
+from forge_retriever.text import Bm25Encoder
 
 log = structlog.get_logger(__name__)
 
@@ -186,10 +187,25 @@ def _validate_metadata(field_name: str, metadata: Mapping[str, str]) -> None:
             )
 
 
-def content_hash(doc: DocumentIn) -> str:
-    """Hash of everything that affects the stored document; equal hashes make an upsert a no-op."""
-    body = json.dumps([doc.title, doc.text, sorted(doc.metadata.items())], ensure_ascii=False)
+def content_hash(doc: DocumentIn, chunking: str) -> str:
+    """Hash of everything that affects the stored document, its chunking included (``chunking``:
+    the chunker's version); equal hashes make an upsert a no-op, so after a chunking change a
+    document sent again unchanged is chunked anew."""
+    body = json.dumps([doc.title, doc.text, sorted(doc.metadata.items()), chunking], ensure_ascii=False)
     return hashlib.sha256(body.encode("utf-8")).hexdigest()
+
+
+@functools.cache
+def _tokenizer(model_dir: str) -> HfTokenizer:
+    return HfTokenizer(model_dir)
+
+
+def chunker_for(settings: RetrieverSettings) -> TokenChunker:
+    """The chunker ``settings`` describe: windows of the embedding model's tokenizer."""
+    tokenizer = _tokenizer(settings.embedding_model_path or str(bundled_minilm_path()))
+    return TokenChunker(
+        tokenizer, settings.chunk_tokens, settings.chunk_overlap_tokens, fingerprint=tokenizer.fingerprint
+    )
 
 
 def sparse_encoder(settings: RetrieverSettings) -> Bm25Encoder:
@@ -231,6 +247,7 @@ class RetrieverService:
         self._producer = producer
         self._on_commit = on_commit
         self._encoder = sparse_encoder(settings)
+        self._chunker = chunker_for(settings)
         self._write_lock = asyncio.Lock()
         self._source_tenant = settings.source_tenant
         self.index_ready = False
@@ -298,7 +315,7 @@ class RetrieverService:
         replaced: list[str] = []
         written = 0
         for doc in documents:
-            digest = content_hash(doc)
+            digest = content_hash(doc, self._chunker.version)
             row = existing.get(doc.id)
             if row is not None and row.content_hash == digest:
                 continue
@@ -342,7 +359,7 @@ class RetrieverService:
         self, session: AsyncSession, collection: str, tenant: str, doc: DocumentIn
     ) -> list[_PendingPoint]:
         points = []
-        for chunk in chunk_words(doc.text, self._settings.chunk_words, self._settings.chunk_overlap_words):
+        for chunk in self._chunker.chunk(doc.text):
             pid = point_id(collection, doc.id, chunk.index, tenant)
             session.add(
                 ChunkRow(

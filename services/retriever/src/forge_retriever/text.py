@@ -1,4 +1,4 @@
-"""Text processing for the index: the word-window chunker and the BM25 sparse encoder.
+"""The BM25 sparse encoder of the index (chunking is ``chunking.py``).
 
 Sparse vectors are Qdrant's own BM25 (``qdrant_edge.Bm25``, the embedder Qdrant Edge ships, whose
 configuration mirrors the server's ``Bm25Config``): words lowercased, the language's stop words
@@ -14,47 +14,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from dataclasses import dataclass
 
 import qdrant_edge as qe
 
-_NON_SPACE = re.compile(r"\S+")
 #: Encoded to fingerprint an encoder: a library release that tokenises, stems or hashes differently
 #: changes the fingerprint, and indexes built with the old vectors are rebuilt, not searched.
 _PROBE = "Tumour-suppressing genes were studied in 12 glioblastoma cell lines; TNFAIP3 expression rose."
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """A window of a document's words; ``start``/``end`` are character offsets into its text."""
-
-    index: int
-    text: str
-    start: int
-    end: int
-
-
-def chunk_words(text: str, window: int, overlap: int) -> list[Chunk]:
-    """Split ``text`` into windows of ``window`` words, consecutive windows sharing ``overlap``.
-
-    Chunks are slices of the original text (whitespace and punctuation kept). The last window ends
-    at the last word, so every word is in at least one chunk and no chunk is a pure repeat.
-    """
-    if window < 1 or not 0 <= overlap < window:
-        raise ValueError(f"need window >= 1 and 0 <= overlap < window, got {window=} {overlap=}")
-    spans = [(m.start(), m.end()) for m in _NON_SPACE.finditer(text)]
-    chunks: list[Chunk] = []
-    step = window - overlap
-    first = 0
-    while first < len(spans):
-        last = min(first + window, len(spans)) - 1
-        start, end = spans[first][0], spans[last][1]
-        chunks.append(Chunk(index=len(chunks), text=text[start:end], start=start, end=end))
-        if last == len(spans) - 1:
-            break
-        first += step
-    return chunks
 
 
 @dataclass(frozen=True)
