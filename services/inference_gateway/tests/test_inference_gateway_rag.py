@@ -25,6 +25,7 @@ from forge_inference_gateway.rag import (
     RerankAnswer,
     assemble_context,
     cited,
+    parse_chat,
     parse_query,
 )
 from forge_inference_gateway.service import InferenceGateway
@@ -105,6 +106,59 @@ def test_bad_input_names_the_field(body: dict[str, Any], field: str) -> None:
     with pytest.raises(errors.ValidationError) as raised:
         parse_query(body, RagLimits(max_query_chars=100, max_top_k=50))
     assert raised.value.field == field
+
+
+def _chat(**kw: Any) -> dict[str, Any]:
+    return {
+        "model": "m",
+        "messages": [{"role": "user", "content": "q"}],
+        "retrieval": {"collection": "c"},
+        **kw,
+    }
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        (_chat(retrieval="c"), "retrieval"),
+        (_chat(retrieval={}), "retrieval.collection"),
+        (_chat(retrieval={"collection": "c", "top_k": 0}), "retrieval.top_k"),
+        (_chat(retrieval={"collection": "c", "k": 3}), "retrieval.k"),
+        (_chat(messages=[]), "messages"),
+        (
+            _chat(messages=[{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]),
+            "messages",
+        ),
+        (_chat(messages=[{"role": "user", "content": ""}]), "messages[0].content"),
+        (_chat(messages=[{"role": "user", "content": ["parts"]}]), "messages[0]"),
+        (_chat(n=2), "n"),
+        (_chat(temperature=3), "temperature"),
+    ],
+)
+def test_chat_with_retrieval_bad_input_names_the_field(body: dict[str, Any], field: str) -> None:
+    with pytest.raises(errors.ValidationError) as raised:
+        parse_chat(body, RagLimits(max_top_k=50))
+    assert raised.value.field == field
+
+
+def test_chat_with_retrieval_asks_the_last_user_message_and_keeps_the_conversation() -> None:
+    history = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+    ]
+    body = _chat(messages=[*history, {"role": "user", "content": " zebra stripes? "}], stream=True, user="u1")
+    query, before = parse_chat(
+        {**body, "retrieval": {"collection": "docs", "top_k": 8, "top_n": 2}}, RagLimits()
+    )
+    assert (query.query, query.collection, query.top_k, query.top_n, query.stream) == (
+        "zebra stripes?",
+        "docs",
+        8,
+        2,
+        True,
+    )
+    assert before == history
 
 
 class _CountingGateway:
@@ -360,6 +414,51 @@ async def test_rag_streams_the_answer_then_its_passages(rag_gateway: Any) -> Non
     assert deltas and final["object"] == "rag.answer"
     assert final["answer"] == "".join(deltas)
     assert final["passages"][0]["document_id"] == "acme-2"
+
+
+@pytest.mark.integration
+async def test_chat_completion_with_retrieval_answers_over_the_tenants_documents(rag_gateway: Any) -> None:
+    keys, client = await rag_gateway()
+    chat = {
+        "model": "llama",
+        "messages": [
+            {"role": "user", "content": "tell me about animals"},
+            {"role": "assistant", "content": "which ones?"},
+            {"role": "user", "content": "zebra migration stripes"},
+        ],
+        "max_tokens": 4,
+        "retrieval": {"collection": COLLECTION, "top_k": 10, "top_n": 2},
+    }
+    async with client(keys["acme"]) as acme, client(keys["globex"]) as globex:
+        reply = await acme.post("/v1/chat/completions", json=chat)
+        assert reply.status_code == 200, reply.text
+        body = reply.json()
+        assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+        [choice] = body["choices"]
+        assert choice["message"]["role"] == "assistant" and choice["finish_reason"] in ("stop", "length")
+        passages = body["retrieval"]["passages"]
+        assert passages and {p["document_id"] for p in passages} <= set(ACME_DOCS)
+        assert body["retrieval"]["rerank"]["applied"] is True
+        # The conversation reached the model ahead of the assembled prompt.
+        assert body["usage"]["prompt_tokens"] > body["retrieval"]["context"]["tokens"]
+        assert (
+            body["usage"]["total_tokens"]
+            == body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"]
+        )
+        theirs = (await globex.post("/v1/chat/completions", json=chat)).json()
+        assert {p["document_id"] for p in theirs["retrieval"]["passages"]} == {"globex-1"}
+        async with acme.stream("POST", "/v1/chat/completions", json={**chat, "stream": True}) as streamed:
+            assert streamed.status_code == 200
+            data = [line[6:] async for line in streamed.aiter_lines() if line.startswith("data: ")]
+        assert data[-1] == "[DONE]"
+        chunks = [json.loads(d) for d in data[:-1]]
+        assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+        assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+        assert chunks[-1]["retrieval"]["passages"] == passages
+        bad = await acme.post(
+            "/v1/chat/completions", json={**chat, "retrieval": {"collection": COLLECTION, "top_k": 0}}
+        )
+        assert bad.status_code == 400 and "retrieval.top_k" in bad.json()["error"]["message"]
 
 
 @pytest.mark.integration

@@ -15,6 +15,7 @@ import asyncio
 import json
 import math
 import time
+import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import asdict
 
@@ -82,20 +83,37 @@ class GatewayRoutes:
         return {"object": "list", "data": await self._gateway.list_models()}
 
     async def completions(self, request: Request) -> Response:
-        return await self._forward("/v1/completions", request)
+        return await self._forward("/v1/completions", request, _json_body(await request.body()))
 
     async def chat_completions(self, request: Request) -> Response:
-        return await self._forward("/v1/chat/completions", request)
+        """``POST /v1/chat/completions``: relayed to a replica, or, with a ``retrieval`` object,
+        answered over the tenant's documents (the RAG path on the last user message) in the chat
+        completion format, the passages and citations under ``retrieval``."""
+        raw = _json_body(await request.body())
+        if isinstance(raw, dict) and "retrieval" in raw:
+            return await self._chat_with_retrieval(request, raw)
+        return await self._forward("/v1/chat/completions", request, raw)
+
+    async def _chat_with_retrieval(self, request: Request, raw: dict[str, object]) -> Response:
+        if self._rag is None:
+            raise errors.NotFoundError("retrieval is not configured on this gateway")
+        plan = await self._rag.prepare_chat(request.state.tenant, raw)
+        cache = {CACHE_HEADER: "hit" if plan.cached is not None else "miss"}
+        created = int(time.time())
+        REQUESTS.labels("/v1/chat/completions", "200").inc()
+        if not plan.query.stream:
+            return JSONResponse(_chat_completion(await self._rag.answer(plan), created), headers=cache)
+        return StreamingResponse(
+            self._rag_events(_chat_chunks(self._rag.stream(plan), created), plan.deadline),
+            media_type="text/event-stream",
+            headers=cache | {"Cache-Control": "no-cache"},
+        )
 
     async def rag_query(self, request: Request) -> Response:
         """``POST /v1/rag/query``: JSON answer, or SSE ``rag.answer.delta`` events then ``rag.answer``."""
         if self._rag is None:
             raise errors.NotFoundError("retrieval is not configured on this gateway")
-        try:
-            raw = json.loads(await request.body())
-        except ValueError as exc:
-            raise errors.ValidationError("body", f"malformed JSON: {exc}") from None
-        plan = await self._rag.prepare(request.state.tenant, raw)
+        plan = await self._rag.prepare(request.state.tenant, _json_body(await request.body()))
         cache = {CACHE_HEADER: "hit" if plan.cached is not None else "miss"}
         if not plan.query.stream:
             result = await self._rag.answer(plan)
@@ -123,12 +141,8 @@ class GatewayRoutes:
             if isinstance(events, AsyncGenerator):
                 await events.aclose()
 
-    async def _forward(self, path: str, request: Request) -> Response:
+    async def _forward(self, path: str, request: Request, raw: object) -> Response:
         deadline = self._gateway.deadline()
-        try:
-            raw = json.loads(await request.body())
-        except ValueError as exc:
-            raise errors.ValidationError("body", f"malformed JSON: {exc}") from None
         routed = await self._gateway.route(
             request.state.tenant, path, raw, session_key=request.headers.get(SESSION_HEADER)
         )
@@ -173,6 +187,82 @@ class GatewayRoutes:
         if status == 503:
             relayed.setdefault("retry-after", "1")
         return Response(content=content, status_code=status, headers=relayed)
+
+
+def _json_body(body: bytes) -> object:
+    try:
+        return json.loads(body)
+    except ValueError as exc:
+        raise errors.ValidationError("body", f"malformed JSON: {exc}") from None
+
+
+#: What a chat completion with retrieval reports of the RAG path, under ``retrieval``.
+_RETRIEVAL_REPORT = ("passages", "citations", "retrieval", "rerank", "context", "timings_ms", "cached")
+
+
+def _chat_id(result: Mapping[str, object]) -> str:
+    return "chatcmpl-" + str(result.get("id", "")).removeprefix("rag-")
+
+
+def _usage(result: Mapping[str, object]) -> dict[str, int]:
+    raw = result.get("usage")
+    usage = {k: int(v) for k, v in raw.items() if isinstance(v, int)} if isinstance(raw, dict) else {}
+    usage["total_tokens"] = usage.get("prompt_tokens", 0) + usage.get("completion_tokens", 0)
+    return usage
+
+
+def _chat_completion(result: Mapping[str, object], created: int) -> dict[str, object]:
+    """A RAG answer as an OpenAI ``chat.completion``."""
+    return {
+        "id": _chat_id(result),
+        "object": "chat.completion",
+        "created": created,
+        "model": result.get("model"),
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": result.get("answer", "")},
+                "finish_reason": result.get("finish_reason", "stop"),
+            }
+        ],
+        "usage": _usage(result),
+        "retrieval": {k: result[k] for k in _RETRIEVAL_REPORT if k in result},
+    }
+
+
+async def _chat_chunks(
+    events: AsyncIterator[dict[str, object]], created: int
+) -> AsyncIterator[dict[str, object]]:
+    """RAG stream events as ``chat.completion.chunk`` events: the answer's pieces as content
+    deltas, then a last chunk with the finish reason, the usage and the retrieval report."""
+    chunk_id, first = "chatcmpl-" + uuid.uuid4().hex[:16], True
+    try:
+        async for event in events:
+            if event.get("object") == "rag.answer.delta":
+                delta: dict[str, object] = {"content": event.get("delta", "")}
+                if first:
+                    delta["role"], first = "assistant", False
+                choice = {"index": 0, "delta": delta, "finish_reason": None}
+                yield {
+                    "id": chunk_id,
+                    "object": "chat.completion.chunk",
+                    "created": created,
+                    "choices": [choice],
+                }
+                continue
+            whole = _chat_completion(event, created)
+            yield {
+                "id": chunk_id,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": whole["model"],
+                "choices": [{"index": 0, "delta": {}, "finish_reason": event.get("finish_reason", "stop")}],
+                "usage": whole["usage"],
+                "retrieval": whole["retrieval"],
+            }
+    finally:
+        if isinstance(events, AsyncGenerator):
+            await events.aclose()
 
 
 def _alias_view(alias: Alias) -> dict[str, object]:

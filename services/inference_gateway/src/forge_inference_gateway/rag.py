@@ -340,6 +340,51 @@ def parse_query(body: object, limits: RagLimits) -> RagQuery:
     )
 
 
+#: What a chat completion's ``retrieval`` object may hold (the RAG query fields it sets).
+CHAT_RETRIEVAL_FIELDS = ("collection", "top_k", "top_n", "filter", "max_context_tokens")
+#: Chat completion fields served together with ``retrieval``.
+_CHAT_FIELDS = {"model", "messages", "max_tokens", "temperature", "stream", "retrieval", "user"}
+
+
+def parse_chat(body: object, limits: RagLimits) -> tuple[RagQuery, list[dict[str, str]]]:
+    """A chat completion with a ``retrieval`` object as a RAG query on its last user message, and
+    the conversation before that message; ``ValidationError`` names the field."""
+    if not isinstance(body, dict):
+        raise errors.ValidationError("body", "must be a JSON object")
+    retrieval = body.get("retrieval")
+    if not isinstance(retrieval, dict):
+        raise errors.ValidationError("retrieval", "must be an object with at least a collection")
+    for name in sorted(set(retrieval) - set(CHAT_RETRIEVAL_FIELDS)):
+        raise errors.ValidationError(f"retrieval.{name}", "unknown field")
+    for name in sorted(set(body) - _CHAT_FIELDS):
+        raise errors.ValidationError(name, "is not supported together with retrieval")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise errors.ValidationError("messages", "must be a non-empty list")
+    history: list[dict[str, str]] = []
+    for i, message in enumerate(messages):
+        if (
+            not isinstance(message, dict)
+            or not isinstance(message.get("role"), str)
+            or not isinstance(message.get("content"), str)
+        ):
+            raise errors.ValidationError(f"messages[{i}]", "must have a string role and string content")
+        history.append({"role": message["role"], "content": message["content"]})
+    question = history.pop()
+    if question["role"] != "user":
+        raise errors.ValidationError("messages", "the last message must be the user's question")
+    fields = {k: body[k] for k in ("model", "max_tokens", "temperature", "stream") if k in body}
+    try:
+        query = parse_query({**retrieval, **fields, "query": question["content"]}, limits)
+    except errors.ValidationError as exc:
+        if exc.field == "query":
+            raise errors.ValidationError(f"messages[{len(history)}].content", exc.message) from None
+        if exc.field in CHAT_RETRIEVAL_FIELDS:
+            raise errors.ValidationError(f"retrieval.{exc.field}", exc.message) from None
+        raise
+    return query, history
+
+
 # -- step 5: context assembly --------------------------------------------------------------------
 
 
@@ -485,13 +530,32 @@ class RagService:
         return None
 
     async def prepare(self, tenant: Tenant, body: object) -> RagPlan:
-        """Steps 1-5."""
+        """Steps 1-5 for ``POST /v1/rag/query``."""
         # 1. Validate; the deadline starts now.
-        query = parse_query(body, self.limits)
+        return await self.plan(tenant, parse_query(body, self.limits))
+
+    async def prepare_chat(self, tenant: Tenant, body: object) -> RagPlan:
+        """Steps 1-5 for a chat completion with ``retrieval``: the last user message is the
+        question, the conversation before it goes to the model ahead of the assembled prompt, and
+        its length (estimated at ``chars_per_token``) comes off the context budget. A
+        conversation with history is not cached (the answer depends on it)."""
+        query, history = parse_chat(body, self.limits)
+        reserve = sum(-(-len(m["content"]) // max(1, round(self.limits.chars_per_token))) for m in history)
+        return await self.plan(tenant, query, history=history, reserve_tokens=reserve)
+
+    async def plan(
+        self,
+        tenant: Tenant,
+        query: RagQuery,
+        *,
+        history: Sequence[dict[str, str]] = (),
+        reserve_tokens: int = 0,
+    ) -> RagPlan:
+        """Steps 2-5 for a validated query."""
         plan = RagPlan(query, tenant, self._gateway.deadline(query.timeout_s))
         started = self._clock()
         # 2. Cache.
-        plan.cache_key = await self._cache_key(tenant, query)
+        plan.cache_key = None if history else await self._cache_key(tenant, query)
         if plan.cache_key is not None and self._cache is not None:
             hit = await self._cache.get(plan.cache_key)
             if hit is not None:
@@ -512,15 +576,16 @@ class RagService:
         budget = query.max_context_tokens
         model_len = self._model_context(target)
         if model_len is not None:
-            budget = min(budget, model_len - query.max_tokens)
+            budget = min(budget, model_len - query.max_tokens - reserve_tokens)
             if budget < 16:
+                field_name = "messages" if reserve_tokens else "max_tokens"
                 raise errors.ValidationError(
-                    "max_tokens", f"leaves no room for context in the model's {model_len}-token window"
+                    field_name, f"leaves no room for context in the model's {model_len}-token window"
                 )
         plan.passages, prompt, tokens, method = await self._fit(
             query.query, ranked, budget, target, plan.deadline
         )
-        plan.messages = [{"role": "user", "content": prompt}]
+        plan.messages = [*history, {"role": "user", "content": prompt}]
         plan.report = {
             "retrieval": {"mode": mode, "candidates": len(candidates), "top_k": query.top_k},
             "rerank": rerank,
@@ -615,11 +680,13 @@ class RagService:
         return ranked[: query.top_n], report
 
     def _result(self, plan: RagPlan, model: str, answer: str, usage: dict[str, int]) -> dict[str, object]:
+        length = usage.get("completion_tokens", 0) >= plan.query.max_tokens
         return {
             "id": f"rag-{uuid.uuid4().hex[:16]}",
             "object": "rag.answer",
             "model": model,
             "answer": answer,
+            "finish_reason": "length" if length else "stop",
             "citations": [p.view() for p in cited(answer, plan.passages)],
             "passages": [p.view() for p in plan.passages],
             **plan.report,
