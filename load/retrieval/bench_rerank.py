@@ -48,14 +48,16 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
     )
     pairs, scoring_s = 0, 0.0
 
-    async def rerank(query: str, passages: list[tuple[str, str]]) -> list[str]:
+    async def rerank(
+        query: str, passages: list[tuple[str, str]], time_left_s: float | None
+    ) -> evaluation.Reranked:
         nonlocal pairs, scoring_s
         started = time.perf_counter()
         scores = await asyncio.to_thread(scorer.score, query, [t for _, t in passages])
         scoring_s += time.perf_counter() - started
         pairs += len(passages)
         order = sorted(range(len(passages)), key=lambda i: -scores[i])
-        return [passages[i][0] for i in order]
+        return evaluation.Reranked([passages[i][0] for i in order], len(passages))
 
     ev = evaluation.Evaluator(data, args.work, embedder, settings)
     await ev.open()

@@ -98,6 +98,8 @@ def test_cli_writes_the_contract_summary(tmp_path: Path) -> None:
     assert 0 < summary["bm25"]["p50_ms"] <= summary["bm25"]["p95_ms"]
     details = json.loads((out / "details.json").read_text())
     assert details["documents"] == 4 and details["queries"] == 2 and details["split"] == "test"
+    stage = details["stages"]["bm25"]
+    assert 0 < stage["retrieve_p50_ms"] <= stage["retrieve_p95_ms"] and "rerank_p50_ms" not in stage
 
 
 def test_cli_rejects_a_folder_that_is_not_beir(tmp_path: Path) -> None:
@@ -118,3 +120,33 @@ async def test_ingestion_is_compared_with_plain_sentence_transformers(
     assert figures["service_over_sentence_transformers"] == pytest.approx(
         comparison.service_docs_per_s / comparison.sentence_transformers_docs_per_s, rel=1e-2
     )
+
+
+async def test_rerank_gets_what_the_search_left_of_the_budget(tmp_path: Path) -> None:
+    data = evaluation.load_beir(write_beir(tmp_path / "tiny"))
+    settings = RetrieverSettings(data_dir=str(tmp_path), kafka_enabled=False, dense_enabled=False)
+    ev = evaluation.Evaluator(data, tmp_path / "w", None, settings)
+    seen: list[float | None] = []
+
+    async def reverse(query: str, passages: object, time_left_s: float | None) -> evaluation.Reranked:
+        ids = [i for i, _ in passages]  # type: ignore[attr-defined]
+        seen.append(time_left_s)
+        return evaluation.Reranked(list(reversed(ids)), len(ids))
+
+    await ev.open()
+    try:
+        await ev.ingest()
+        plain = await ev.run_mode(evaluation.SearchMode.SPARSE)
+        budgeted = await ev.run_mode(
+            evaluation.SearchMode.SPARSE, rerank=reverse, rerank_depth=2, budget_ms=500
+        )
+        unbounded = await ev.run_mode(evaluation.SearchMode.SPARSE, rerank=reverse, rerank_depth=2)
+    finally:
+        await ev.close()
+    assert (
+        len(seen) == 4 and all(t is not None and 0 < t < 0.5 for t in seen[:2]) and seen[2:] == [None, None]
+    )
+    # Each query matches one document here: reranking it changes nothing, and the figures say so.
+    assert budgeted.ndcg_at_10 == plain.ndcg_at_10 == 1.0
+    assert budgeted.stages["reranked_mean"] == 1.0 and "rerank_p95_ms" in unbounded.stages
+    assert "rerank_p50_ms" not in plain.stages

@@ -59,8 +59,17 @@ def retrieval(
         str, typer.Option("--reranker-token", envvar="FORGE_CLI_RERANKER_TOKEN", show_default=False)
     ] = "",
     rerank_depth: Annotated[
-        int, typer.Option("--rerank-depth", min=1, help="Documents reranked (latency config).")
+        int,
+        typer.Option("--rerank-depth", min=1, help="Documents sent to the reranker (latency config)."),
     ] = 20,
+    latency_budget_ms: Annotated[
+        float,
+        typer.Option(
+            "--latency-budget-ms",
+            min=1.0,
+            help="Retrieval + rerank budget per query (latency config): the reranker's deadline is what search left.",
+        ),
+    ] = 200.0,
     rerank_depth_best: Annotated[
         int, typer.Option("--rerank-depth-best", min=1, help="Documents reranked (unconstrained).")
     ] = 100,
@@ -93,6 +102,7 @@ def retrieval(
             token,
             rerank_depth,
             rerank_depth_best,
+            latency_budget_ms,
             ingest_sample,
         )
     )
@@ -110,6 +120,7 @@ async def _run(
     reranker_token: str,
     depth: int,
     depth_best: int,
+    budget_ms: float,
     ingest_sample: int,
 ) -> tuple[dict[str, dict[str, float]], dict[str, object]]:
     needs_dense = any(m != "bm25" for m in modes)
@@ -128,6 +139,7 @@ async def _run(
             err=True,
         )
         summary: dict[str, dict[str, float]] = {}
+        stages: dict[str, dict[str, float]] = {}
         for mode in modes:
             if mode == "hybrid_rerank":
                 async with make_channel(reranker_target, token=reranker_token) as channel:
@@ -135,13 +147,17 @@ async def _run(
                         channel
                     )  # type: ignore[assignment]
                     rerank = _grpc_rerank(stub)
-                    for name, d in (("hybrid_rerank", depth), ("hybrid_rerank_best", depth_best)):
+                    configs = (("hybrid_rerank", depth, budget_ms), ("hybrid_rerank_best", depth_best, None))
+                    for name, d, budget in configs:
                         result = await ev.run_mode(
-                            evaluation.SearchMode.HYBRID, rerank=rerank, rerank_depth=d
+                            evaluation.SearchMode.HYBRID, rerank=rerank, rerank_depth=d, budget_ms=budget
                         )
                         summary[name] = result.as_json()
+                        stages[name] = {k: round(v, 2) for k, v in result.stages.items()}
             else:
-                summary[mode] = (await ev.run_mode(evaluation.MODES[mode])).as_json()
+                result = await ev.run_mode(evaluation.MODES[mode])
+                summary[mode] = result.as_json()
+                stages[mode] = {k: round(v, 2) for k, v in result.stages.items()}
             typer.echo(f"{mode}: done", err=True)
     finally:
         await ev.close()
@@ -163,6 +179,8 @@ async def _run(
         "ingestion_new_chunks": ingest.chunks,
         "ingestion_against_sentence_transformers": comparison.as_json() if comparison else None,
         "rerank_depth": depth,
+        "latency_budget_ms": budget_ms,
+        "stages": stages,
         "rerank_depth_best": depth_best,
         "cpu_threads": os.cpu_count(),
         "settings": settings.model_dump(
@@ -185,12 +203,16 @@ async def _run(
 
 
 def _grpc_rerank(stub: rerank_pb2_grpc.RerankerServiceAsyncStub) -> evaluation.Rerank:
-    async def rerank(query: str, passages: Sequence[tuple[str, str]]) -> list[str]:
+    async def rerank(
+        query: str, passages: Sequence[tuple[str, str]], time_left_s: float | None
+    ) -> evaluation.Reranked:
         request = rerank_pb2.RerankRequest(
             query=query, passages=[rerank_pb2.Passage(id=i, text=t) for i, t in passages]
         )
-        response = await stub.Rerank(request, timeout=60.0)
-        return [r.id for r in response.results]
+        if time_left_s is not None and time_left_s <= 0:
+            return evaluation.Reranked([i for i, _ in passages], 0)  # nothing left: the retriever's order
+        response = await stub.Rerank(request, timeout=60.0 if time_left_s is None else time_left_s)
+        return evaluation.Reranked([r.id for r in response.results], int(response.scored))
 
     return rerank
 

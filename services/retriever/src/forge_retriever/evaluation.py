@@ -21,7 +21,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from forge_kit.db import Database
@@ -52,8 +52,18 @@ PUBLISHED: dict[str, dict[str, tuple[float, str]]] = {
     },
 }
 
-#: Reranks ``passages`` (id, text) for ``query``; returns passage ids best first.
-Rerank = Callable[[str, Sequence[tuple[str, str]]], Awaitable[list[str]]]
+
+@dataclass(frozen=True)
+class Reranked:
+    """A reranker's answer: passage ids best first, and how many of them it scored (a reranker
+    with a deadline may score the first few and keep the rest in the order sent)."""
+
+    ids: list[str]
+    scored: int
+
+
+#: Reranks ``passages`` (id, text) for ``query`` within ``time_left_s`` (None: no deadline).
+Rerank = Callable[[str, Sequence[tuple[str, str]], float | None], Awaitable[Reranked]]
 
 
 class DatasetError(ValueError):
@@ -166,6 +176,9 @@ class ModeResult:
     recall_at_100: float
     p50_ms: float
     p95_ms: float
+    stages: dict[str, float] = field(default_factory=dict)
+    """Per-stage latency percentiles (``retrieve_p50_ms`` …) and, reranked, the mean passages
+    scored; ``details.json`` carries them (``summary.json`` keeps the contract's four keys)."""
 
     def as_json(self) -> dict[str, float]:
         return {
@@ -248,16 +261,24 @@ class Evaluator:
         return IngestResult(len(corpus), upserted, chunks, self._clock() - started)
 
     async def run_mode(
-        self, mode: SearchMode, top_k: int = 200, rerank: Rerank | None = None, rerank_depth: int = 0
+        self,
+        mode: SearchMode,
+        top_k: int = 200,
+        rerank: Rerank | None = None,
+        rerank_depth: int = 0,
+        budget_ms: float | None = None,
     ) -> ModeResult:
         """Search every query with ``mode``; with ``rerank``, its first ``rerank_depth`` documents
-        (best chunk text each) are reordered and put before the rest. Latency covers both stages."""
+        (best chunk text each) are reordered and put before the rest. With ``budget_ms`` the
+        reranker gets what the search left of it as its deadline. Latency covers both stages."""
         assert self.service is not None, "call open() first"
-        ndcgs, recalls, latencies = [], [], []
+        ndcgs, recalls, latencies, searched, reranked, scored = [], [], [], [], [], []
         for qid, text in self.dataset.queries.items():
             started = self._clock()
             result = await self.service.search(COLLECTION, text, top_k, mode, {})
             ranked = documents_of(result.hits)
+            found = self._clock()
+            searched.append((found - started) * 1000.0)
             if rerank is not None and rerank_depth:
                 best_text: dict[str, str] = {}
                 for hit in result.hits:
@@ -265,16 +286,27 @@ class Evaluator:
                         hit.document_id, f"{hit.metadata.get('title', '')}\n{hit.text}".strip()
                     )
                 head = ranked[:rerank_depth]
-                reordered = await rerank(text, [(d, best_text[d]) for d in head])
-                ranked = reordered + [d for d in ranked if d not in set(reordered)]
+                left = None if budget_ms is None else max(0.0, budget_ms / 1000.0 - (found - started))
+                answer = await rerank(text, [(d, best_text[d]) for d in head], left)
+                ranked = answer.ids + [d for d in ranked if d not in set(answer.ids)]
+                reranked.append((self._clock() - found) * 1000.0)
+                scored.append(answer.scored)
             latencies.append((self._clock() - started) * 1000.0)
             ndcgs.append(ndcg_at_k(ranked, self.dataset.qrels[qid], 10))
             recalls.append(recall_at_k(ranked, self.dataset.qrels[qid], 100))
+        stages = {"retrieve_p50_ms": percentile(searched, 50), "retrieve_p95_ms": percentile(searched, 95)}
+        if reranked:
+            stages |= {
+                "rerank_p50_ms": percentile(reranked, 50),
+                "rerank_p95_ms": percentile(reranked, 95),
+                "reranked_mean": statistics.fmean(scored),
+            }
         return ModeResult(
             statistics.fmean(ndcgs),
             statistics.fmean(recalls),
             percentile(latencies, 50),
             percentile(latencies, 95),
+            stages,
         )
 
 
