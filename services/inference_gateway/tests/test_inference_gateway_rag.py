@@ -13,6 +13,7 @@ from typing import Any
 import grpc
 import httpx
 import pytest
+from forge.rerank.v1 import rerank_pb2, rerank_pb2_grpc
 from forge.retrieval.v1 import retrieval_pb2, retrieval_pb2_grpc
 
 from forge_inference_gateway.openai_api import install_gateway_api
@@ -33,6 +34,7 @@ from forge_kit import errors
 from forge_kit.cache import InMemoryCache
 from forge_kit.http import make_app
 from forge_kit.testing import ServiceProcess, free_port, tiny_llama
+from forge_kit.testing.grpcserver import grpc_test_server
 
 SERVICE_TOKEN = "svc-token"
 ADMIN_TOKEN = "admin-token"
@@ -254,7 +256,11 @@ def services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Ser
         "retriever": _service(
             "forge_retriever", "FORGE_RETRIEVER_", root, {"FORGE_RETRIEVER_DENSE_ENABLED": "false"}
         ),
-        "reranker": _service("forge_reranker", "FORGE_RERANKER_", root, {}),
+        # The lexical reranker alone, so the tests below see its order, not its blend with the
+        # retriever's (test_grpc_reranker_sends_the_retrieval_scores covers what the blend gets).
+        "reranker": _service(
+            "forge_reranker", "FORGE_RERANKER_", root, {"FORGE_RERANKER_RETRIEVAL_WEIGHT": "0"}
+        ),
         "model_server": _service(
             "forge_model_server",
             "FORGE_MODEL_SERVER_",
@@ -504,3 +510,43 @@ async def test_rag_bad_input_is_400_and_a_retriever_down_is_503(rag_gateway: Any
     assert reply.status_code == 503
     assert "retriever unavailable" in reply.json()["error"]["message"]
     assert reply.headers["retry-after"]
+
+
+class RecordingReranker(rerank_pb2_grpc.RerankerServiceServicer):
+    """A RerankerService that keeps each request and answers in reverse request order."""
+
+    def __init__(self) -> None:
+        self.requests: list[rerank_pb2.RerankRequest] = []
+
+    async def Rerank(
+        self, request: rerank_pb2.RerankRequest, context: grpc.aio.ServicerContext
+    ) -> rerank_pb2.RerankResponse:
+        self.requests.append(request)
+        n = len(request.passages)
+        results = [
+            rerank_pb2.RankedPassage(id=p.id, score=float(i), index=i) for i, p in enumerate(request.passages)
+        ]
+        return rerank_pb2.RerankResponse(results=results[::-1], model="recording", scored=n)
+
+
+@pytest.mark.integration
+async def test_grpc_reranker_sends_the_retrieval_scores() -> None:
+    """The reranker blends the first stage's scores into its order: each candidate's travels with it."""
+    servicer = RecordingReranker()
+    async with grpc_test_server(
+        rerank_pb2_grpc.add_RerankerServiceServicer_to_server,
+        servicer,
+        "forge.rerank.v1.RerankerService",
+        token=SERVICE_TOKEN,
+    ) as server:
+        reranker = GrpcReranker(f"127.0.0.1:{server.port}", SERVICE_TOKEN)
+        candidates = [Candidate(f"d{i}", f"d{i}#0", f"text {i}", 0.5 - 0.1 * i, {}) for i in range(3)]
+        try:
+            answer = await reranker.rerank("q", candidates, 2, 1.0)
+        finally:
+            await reranker.close()
+    (sent,) = servicer.requests
+    assert [(p.id, p.text) for p in sent.passages] == [("0", "text 0"), ("1", "text 1"), ("2", "text 2")]
+    assert all(p.HasField("retrieval_score") for p in sent.passages)
+    assert [p.retrieval_score for p in sent.passages] == pytest.approx([0.5, 0.4, 0.3])
+    assert answer.order == [(2, 2.0), (1, 1.0), (0, 0.0)] and answer.model == "recording"

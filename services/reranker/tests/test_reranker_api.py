@@ -15,7 +15,7 @@ from forge_kit.grpckit import FIELD_METADATA_KEY, GrpcServer, check_health, make
 from forge_kit.testing.grpcserver import grpc_test_server
 from forge_reranker.api import RerankerApi
 from forge_reranker.config import RerankerSettings
-from forge_reranker.service import PassageIn, RerankerService
+from forge_reranker.service import PassageIn, RerankerService, blend
 
 if TYPE_CHECKING:
     from conftest import CountingScorer
@@ -66,6 +66,29 @@ async def test_rerank_returns_the_relevant_passage_first(
     assert reply.model == "bm25-phrase"
     assert [(r.id, r.index) for r in reply.results] == [("p2", 2), ("p0", 0)]
     assert reply.results[0].score > reply.results[1].score
+
+
+async def test_retrieval_scores_are_blended_and_the_model_score_comes_back(
+    stub: rerank_pb2_grpc.RerankerServiceStub, passages: list[PassageIn]
+) -> None:
+    model = {r.id: r.score for r in (await stub.Rerank(request(passages))).results}
+    retrieval = [0.9, 0.2, 0.1, 0.0]  # the first stage is sure of p0
+    reply = await stub.Rerank(
+        rerank_pb2.RerankRequest(
+            query=QUERY,
+            passages=[
+                rerank_pb2.Passage(id=p.id, text=p.text, retrieval_score=r)
+                for p, r in zip(passages, retrieval, strict=True)
+            ],
+        )
+    )
+    assert {r.id: r.model_score for r in reply.results} == pytest.approx(model)
+    expected = blend([model[p.id] for p in passages], retrieval, RerankerSettings().retrieval_weight)
+    assert [r.id for r in reply.results] == [
+        passages[i].id for i in sorted(range(len(passages)), key=lambda i: -expected[i])
+    ]
+    assert [r.score for r in reply.results] == pytest.approx(sorted(expected, reverse=True))
+    assert reply.results[0].id == "p0"  # second for the model alone, first blended
 
 
 @pytest.mark.parametrize(("kwargs", "field"), [({"top_n": 9}, "top_n"), ({"model": "nope"}, "model")])

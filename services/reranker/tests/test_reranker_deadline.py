@@ -113,6 +113,33 @@ async def test_the_margin_is_kept_for_the_reply(clock: FakeClock) -> None:
     assert answer.scored == 2  # 55 - 30 ms leaves room for two
 
 
+async def test_a_partial_answer_blends_the_scored_passages_and_keeps_the_rest_in_order(
+    clock: FakeClock,
+) -> None:
+    scorer = MeteredScorer(0.010, clock)
+    service = RerankerService(
+        scorer,
+        InMemoryCache(),
+        settings(cross_encoder_batch_size=2, deadline_margin_ms=0, retrieval_weight=0.5),
+        clock=clock,
+    )
+    await service.warm_up(2, "passage 0")
+    answer = await service.rerank(
+        "q",
+        [
+            PassageIn(p.id, p.text, r)
+            for p, r in zip(passages(6), [0.9, 0.8, 0.1, 0.0, 0.5, 0.4], strict=True)
+        ],
+        0,
+        "",
+        time_left_s=0.045,
+    )
+    # p0..p3 scored: model [0, 1/3, 2/3, 1], retrieval [1, 8/9, 1/9, 0] -> p1 first, as above
+    assert answer.partial and answer.scored == 4
+    assert [r.id for r in answer.passages] == ["p1", "p0", "p3", "p2", "p4", "p5"]
+    assert [r.scored for r in answer.passages] == [True] * 4 + [False] * 2
+
+
 @pytest.fixture
 async def slow_stub() -> AsyncIterator[rerank_pb2_grpc.RerankerServiceStub]:
     service = RerankerService(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -127,10 +128,14 @@ async def test_rerank_gets_what_the_search_left_of_the_budget(tmp_path: Path) ->
     settings = RetrieverSettings(data_dir=str(tmp_path), kafka_enabled=False, dense_enabled=False)
     ev = evaluation.Evaluator(data, tmp_path / "w", None, settings)
     seen: list[float | None] = []
+    first_stage: list[list[float]] = []
 
-    async def reverse(query: str, passages: object, time_left_s: float | None) -> evaluation.Reranked:
-        ids = [i for i, _ in passages]  # type: ignore[attr-defined]
+    async def reverse(
+        query: str, passages: Sequence[tuple[str, str, float]], time_left_s: float | None
+    ) -> evaluation.Reranked:
+        ids = [i for i, _, _ in passages]
         seen.append(time_left_s)
+        first_stage.append([score for _, _, score in passages])
         return evaluation.Reranked(list(reversed(ids)), len(ids))
 
     await ev.open()
@@ -146,6 +151,8 @@ async def test_rerank_gets_what_the_search_left_of_the_budget(tmp_path: Path) ->
     assert (
         len(seen) == 4 and all(t is not None and 0 < t < 0.5 for t in seen[:2]) and seen[2:] == [None, None]
     )
+    # The search's scores travel with the passages, best first, for the reranker to blend.
+    assert all(scores and scores == sorted(scores, reverse=True) and scores[0] > 0 for scores in first_stage)
     # Each query matches one document here: reranking it changes nothing, and the figures say so.
     assert budgeted.ndcg_at_10 == plain.ndcg_at_10 == 1.0
     assert budgeted.stages["reranked_mean"] == 1.0 and "rerank_p95_ms" in unbounded.stages

@@ -257,7 +257,10 @@ class GrpcReranker:
     ) -> RerankAnswer:
         request = rerank_pb2.RerankRequest(
             query=query,
-            passages=[rerank_pb2.Passage(id=str(i), text=c.text) for i, c in enumerate(candidates)],
+            passages=[
+                rerank_pb2.Passage(id=str(i), text=c.text, retrieval_score=c.score)
+                for i, c in enumerate(candidates)
+            ],
             top_n=top_n,
         )
         try:

@@ -15,13 +15,18 @@ class RerankerApi(rerank_pb2_grpc.RerankerServiceServicer):
     async def Rerank(
         self, request: rerank_pb2.RerankRequest, context: grpc.aio.ServicerContext
     ) -> rerank_pb2.RerankResponse:
-        passages = [PassageIn(id=p.id, text=p.text) for p in request.passages]
+        passages = [
+            PassageIn(p.id, p.text, p.retrieval_score if p.HasField("retrieval_score") else None)
+            for p in request.passages
+        ]
         answer = await self._service.rerank(
             request.query, passages, request.top_n, request.model, time_left_s=context.time_remaining()
         )
         return rerank_pb2.RerankResponse(
             results=[
-                rerank_pb2.RankedPassage(id=r.id, score=r.score, index=r.index, scored=r.scored)
+                rerank_pb2.RankedPassage(
+                    id=r.id, score=r.score, index=r.index, scored=r.scored, model_score=r.model_score
+                )
                 for r in answer.passages
             ],
             model=self._service.model,

@@ -204,13 +204,14 @@ async def _run(
 
 def _grpc_rerank(stub: rerank_pb2_grpc.RerankerServiceAsyncStub) -> evaluation.Rerank:
     async def rerank(
-        query: str, passages: Sequence[tuple[str, str]], time_left_s: float | None
+        query: str, passages: Sequence[tuple[str, str, float]], time_left_s: float | None
     ) -> evaluation.Reranked:
         request = rerank_pb2.RerankRequest(
-            query=query, passages=[rerank_pb2.Passage(id=i, text=t) for i, t in passages]
+            query=query,
+            passages=[rerank_pb2.Passage(id=i, text=t, retrieval_score=s) for i, t, s in passages],
         )
         if time_left_s is not None and time_left_s <= 0:
-            return evaluation.Reranked([i for i, _ in passages], 0)  # nothing left: the retriever's order
+            return evaluation.Reranked([i for i, _, _ in passages], 0)  # nothing left: the retriever's order
         response = await stub.Rerank(request, timeout=60.0 if time_left_s is None else time_left_s)
         return evaluation.Reranked([r.id for r in response.results], int(response.scored))
 

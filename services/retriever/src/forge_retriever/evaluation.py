@@ -62,8 +62,9 @@ class Reranked:
     scored: int
 
 
-#: Reranks ``passages`` (id, text) for ``query`` within ``time_left_s`` (None: no deadline).
-Rerank = Callable[[str, Sequence[tuple[str, str]], float | None], Awaitable[Reranked]]
+#: Reranks ``passages`` (id, text, first-stage score) for ``query`` within ``time_left_s`` (None:
+#: no deadline).
+Rerank = Callable[[str, Sequence[tuple[str, str, float]], float | None], Awaitable[Reranked]]
 
 
 class DatasetError(ValueError):
@@ -269,7 +270,7 @@ class Evaluator:
         budget_ms: float | None = None,
     ) -> ModeResult:
         """Search every query with ``mode``; with ``rerank``, its first ``rerank_depth`` documents
-        (best chunk text each) are reordered and put before the rest. With ``budget_ms`` the
+        (best chunk text and score each) are reordered and put before the rest. With ``budget_ms`` the
         reranker gets what the search left of it as its deadline. Latency covers both stages."""
         assert self.service is not None, "call open() first"
         ndcgs, recalls, latencies, searched, reranked, scored = [], [], [], [], [], []
@@ -280,14 +281,15 @@ class Evaluator:
             found = self._clock()
             searched.append((found - started) * 1000.0)
             if rerank is not None and rerank_depth:
-                best_text: dict[str, str] = {}
+                best: dict[str, tuple[str, str, float]] = {}
                 for hit in result.hits:
-                    best_text.setdefault(
-                        hit.document_id, f"{hit.metadata.get('title', '')}\n{hit.text}".strip()
+                    best.setdefault(
+                        hit.document_id,
+                        (hit.document_id, f"{hit.metadata.get('title', '')}\n{hit.text}".strip(), hit.score),
                     )
                 head = ranked[:rerank_depth]
                 left = None if budget_ms is None else max(0.0, budget_ms / 1000.0 - (found - started))
-                answer = await rerank(text, [(d, best_text[d]) for d in head], left)
+                answer = await rerank(text, [best[d] for d in head], left)
                 ranked = answer.ids + [d for d in ranked if d not in set(answer.ids)]
                 reranked.append((self._clock() - found) * 1000.0)
                 scored.append(answer.scored)

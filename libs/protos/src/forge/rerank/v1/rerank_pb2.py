@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x66orge/rerank/v1/rerank.proto\x12\x0f\x66orge.rerank.v1\"#\n\x07Passage\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\"h\n\rRerankRequest\x12\r\n\x05query\x18\x01 \x01(\t\x12*\n\x08passages\x18\x02 \x03(\x0b\x32\x18.forge.rerank.v1.Passage\x12\r\n\x05top_n\x18\x03 \x01(\r\x12\r\n\x05model\x18\x04 \x01(\t\"I\n\rRankedPassage\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05score\x18\x02 \x01(\x02\x12\r\n\x05index\x18\x03 \x01(\r\x12\x0e\n\x06scored\x18\x04 \x01(\x08\"q\n\x0eRerankResponse\x12/\n\x07results\x18\x01 \x03(\x0b\x32\x1e.forge.rerank.v1.RankedPassage\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0f\n\x07partial\x18\x03 \x01(\x08\x12\x0e\n\x06scored\x18\x04 \x01(\r2\\\n\x0fRerankerService\x12I\n\x06Rerank\x12\x1e.forge.rerank.v1.RerankRequest\x1a\x1f.forge.rerank.v1.RerankResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x66orge/rerank/v1/rerank.proto\x12\x0f\x66orge.rerank.v1\"U\n\x07Passage\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x1c\n\x0fretrieval_score\x18\x03 \x01(\x02H\x00\x88\x01\x01\x42\x12\n\x10_retrieval_score\"h\n\rRerankRequest\x12\r\n\x05query\x18\x01 \x01(\t\x12*\n\x08passages\x18\x02 \x03(\x0b\x32\x18.forge.rerank.v1.Passage\x12\r\n\x05top_n\x18\x03 \x01(\r\x12\r\n\x05model\x18\x04 \x01(\t\"^\n\rRankedPassage\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05score\x18\x02 \x01(\x02\x12\r\n\x05index\x18\x03 \x01(\r\x12\x0e\n\x06scored\x18\x04 \x01(\x08\x12\x13\n\x0bmodel_score\x18\x05 \x01(\x02\"q\n\x0eRerankResponse\x12/\n\x07results\x18\x01 \x03(\x0b\x32\x1e.forge.rerank.v1.RankedPassage\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0f\n\x07partial\x18\x03 \x01(\x08\x12\x0e\n\x06scored\x18\x04 \x01(\r2\\\n\x0fRerankerService\x12I\n\x06Rerank\x12\x1e.forge.rerank.v1.RerankRequest\x1a\x1f.forge.rerank.v1.RerankResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,13 +32,13 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'forge.rerank.v1.rerank_pb2'
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PASSAGE']._serialized_start=49
-  _globals['_PASSAGE']._serialized_end=84
-  _globals['_RERANKREQUEST']._serialized_start=86
-  _globals['_RERANKREQUEST']._serialized_end=190
-  _globals['_RANKEDPASSAGE']._serialized_start=192
-  _globals['_RANKEDPASSAGE']._serialized_end=265
-  _globals['_RERANKRESPONSE']._serialized_start=267
-  _globals['_RERANKRESPONSE']._serialized_end=380
-  _globals['_RERANKERSERVICE']._serialized_start=382
-  _globals['_RERANKERSERVICE']._serialized_end=474
+  _globals['_PASSAGE']._serialized_end=134
+  _globals['_RERANKREQUEST']._serialized_start=136
+  _globals['_RERANKREQUEST']._serialized_end=240
+  _globals['_RANKEDPASSAGE']._serialized_start=242
+  _globals['_RANKEDPASSAGE']._serialized_end=336
+  _globals['_RERANKRESPONSE']._serialized_start=338
+  _globals['_RERANKRESPONSE']._serialized_end=451
+  _globals['_RERANKERSERVICE']._serialized_start=453
+  _globals['_RERANKERSERVICE']._serialized_end=545
 # @@protoc_insertion_point(module_scope)

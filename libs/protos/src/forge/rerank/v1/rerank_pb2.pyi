@@ -26,21 +26,31 @@ class Passage(_message.Message):
 
     ID_FIELD_NUMBER: _builtins.int
     TEXT_FIELD_NUMBER: _builtins.int
+    RETRIEVAL_SCORE_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Caller's id for the passage (e.g. a chunk id)."""
     text: _builtins.str
     """Text."""
+    retrieval_score: _builtins.float
+    """The first stage's score of this passage (e.g. the retriever's hybrid score); higher is
+    better. When every scored passage of a call carries one, the server blends it with the
+    model's score (its retrieval_weight setting), since a small cross-encoder alone can reorder
+    a strong hybrid first stage for the worse.
+    """
     def __init__(
         self,
         *,
         id: _builtins.str = ...,
         text: _builtins.str = ...,
+        retrieval_score: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_retrieval_score", b"_retrieval_score", "retrieval_score", b"retrieval_score"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id", "text", b"text"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_retrieval_score", b"_retrieval_score", "id", b"id", "retrieval_score", b"retrieval_score", "text", b"text"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__retrieval_score: _TypeAlias = _typing.Literal["retrieval_score"]  # noqa: Y015
+    _WhichOneofArgType__retrieval_score: _TypeAlias = _typing.Literal["_retrieval_score", b"_retrieval_score"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__retrieval_score) -> _WhichOneofReturnType__retrieval_score | None: ...
 
 Global___Passage: _TypeAlias = Passage  # noqa: Y015
 
@@ -90,16 +100,22 @@ class RankedPassage(_message.Message):
     SCORE_FIELD_NUMBER: _builtins.int
     INDEX_FIELD_NUMBER: _builtins.int
     SCORED_FIELD_NUMBER: _builtins.int
+    MODEL_SCORE_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Passage id from the request."""
     score: _builtins.float
-    """Relevance score; higher is better."""
+    """Relevance score the order follows; higher is better. The model's own score, or, when the
+    call carried retrieval scores, the blend of both (each min-max normalised over the call's
+    scored passages, so in [0, 1]).
+    """
     index: _builtins.int
     """Position of the passage in the request."""
     scored: _builtins.bool
     """False for a passage the deadline left unscored (its score is then 0 and its place is its
     request order, after every scored passage).
     """
+    model_score: _builtins.float
+    """The model's own score (equal to score when nothing was blended; 0 when unscored)."""
     def __init__(
         self,
         *,
@@ -107,10 +123,11 @@ class RankedPassage(_message.Message):
         score: _builtins.float = ...,
         index: _builtins.int = ...,
         scored: _builtins.bool = ...,
+        model_score: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id", "index", b"index", "score", b"score", "scored", b"scored"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id", "index", b"index", "model_score", b"model_score", "score", b"score", "scored", b"scored"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
