@@ -15,7 +15,7 @@ from forge_kit.grpckit import GrpcServer, make_channel
 from forge_kit.testing.grpcserver import grpc_test_server
 from forge_reranker.api import RerankerApi
 from forge_reranker.config import RerankerSettings
-from forge_reranker.service import PassageIn, RerankerService
+from forge_reranker.service import PassageIn, Pace, RerankerService
 
 TOKEN = "test-token"
 
@@ -81,6 +81,18 @@ async def test_scores_in_request_order_until_the_deadline_then_keeps_retriever_o
     assert [r.id for r in answer.passages] == ["p4", "p3", "p2", "p1", "p0", "p5", "p6", "p7"]
     assert [r.scored for r in answer.passages] == [True] * 5 + [False] * 3
     assert all(r.score == 0.0 for r in answer.passages[5:])
+
+
+def test_a_pace_that_varies_plans_fewer_passages() -> None:
+    steady, jumpy = Pace(), Pace()
+    for seconds in (0.010, 0.010, 0.010, 0.010):
+        steady.observe(1, seconds)
+    for seconds in (0.010, 0.014, 0.006, 0.014):
+        jumpy.observe(1, seconds)
+    assert steady.deviation == 0.0 and steady.fitting(0.1) == 10
+    # About the same mean, but batches have taken 40 % longer than it: keep room for that.
+    assert jumpy.seconds_per_passage == pytest.approx(0.0106, abs=1e-3) and jumpy.deviation > 0.001
+    assert jumpy.fitting(0.1) < 8
 
 
 async def test_cached_scores_count_even_when_no_time_is_left(clock: FakeClock) -> None:

@@ -3,16 +3,21 @@ on a small BEIR folder written here (BM25 only, so no model is loaded)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
 
+import grpc
 import pytest
+from forge.rerank.v1 import rerank_pb2, rerank_pb2_grpc
 from typer.testing import CliRunner
 
+from forge_kit.grpckit import make_channel
+from forge_kit.testing.grpcserver import grpc_test_server
 from forge_retriever import evaluation
-from forge_retriever.cli import app
+from forge_retriever.cli import grpc_rerank, app
 from forge_retriever.config import RetrieverSettings
 from forge_retriever.embed import SentenceTransformerEmbedder
 
@@ -157,3 +162,34 @@ async def test_rerank_gets_what_the_search_left_of_the_budget(tmp_path: Path) ->
     assert budgeted.ndcg_at_10 == plain.ndcg_at_10 == 1.0
     assert budgeted.stages["reranked_mean"] == 1.0 and "rerank_p95_ms" in unbounded.stages
     assert "rerank_p50_ms" not in plain.stages
+
+
+class SlowReranker(rerank_pb2_grpc.RerankerServiceServicer):
+    """Answers in request order after ``delay_s``."""
+
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s = delay_s
+
+    async def Rerank(
+        self, request: rerank_pb2.RerankRequest, context: grpc.aio.ServicerContext
+    ) -> rerank_pb2.RerankResponse:
+        await asyncio.sleep(self.delay_s)
+        results = [rerank_pb2.RankedPassage(id=p.id, index=i) for i, p in enumerate(request.passages)]
+        return rerank_pb2.RerankResponse(results=results[::-1], scored=len(results))
+
+
+@pytest.mark.integration
+async def test_a_rerank_past_its_deadline_keeps_the_retriever_order_and_is_counted() -> None:
+    async with (
+        grpc_test_server(
+            rerank_pb2_grpc.add_RerankerServiceServicer_to_server,
+            SlowReranker(0.3),
+            "forge.rerank.v1.RerankerService",
+            token="t",
+        ) as server,
+        make_channel(f"127.0.0.1:{server.port}", token="t") as channel,
+    ):
+        rerank = grpc_rerank(rerank_pb2_grpc.RerankerServiceStub(channel))  # type: ignore[arg-type]
+        passages = [("a", "text a", 2.0), ("b", "text b", 1.0)]
+        assert await rerank("q", passages, 0.05) == evaluation.Reranked(["a", "b"], 0, overran=True)
+        assert await rerank("q", passages, None) == evaluation.Reranked(["b", "a"], 2)

@@ -78,18 +78,27 @@ class Reranked:
 
 class Pace:
     """Seconds per passage of the scorer: an exponentially weighted mean of measured batches
-    (started from a warm-up), so the service knows how many passages fit in the time left."""
+    (started from a warm-up) and their mean deviation from it, so the service knows how many
+    passages fit in the time left. Planning adds twice the deviation to the mean (as TCP's
+    retransmission timer does with round trips): a batch may take longer than the mean says (a
+    small batch pays the per-batch overhead over fewer passages, another process takes the core),
+    and a call that overruns its deadline gets no answer at all."""
 
-    def __init__(self, weight: float = 0.2) -> None:
+    def __init__(self, weight: float = 0.2, deviations: float = 2.0) -> None:
         self.seconds_per_passage: float | None = None
-        self._weight = weight
+        self.deviation = 0.0
+        self._weight, self._deviations = weight, deviations
 
     def observe(self, passages: int, seconds: float) -> None:
         if passages <= 0:
             return
         sample = seconds / passages
         mean = self.seconds_per_passage
-        self.seconds_per_passage = sample if mean is None else mean + self._weight * (sample - mean)
+        if mean is None:
+            self.seconds_per_passage = sample
+            return
+        self.deviation += self._weight * (abs(sample - mean) - self.deviation)
+        self.seconds_per_passage = mean + self._weight * (sample - mean)
 
     def fitting(self, seconds: float) -> int:
         """Passages that fit in ``seconds``; before any measurement, one batch is allowed."""
@@ -97,7 +106,7 @@ class Pace:
             return 0
         if not self.seconds_per_passage:
             return 1 << 30
-        return int(seconds / self.seconds_per_passage)
+        return int(seconds / (self.seconds_per_passage + self._deviations * self.deviation))
 
 
 def cache_key(version: str, query: str, passage: str, context: str = "") -> str:

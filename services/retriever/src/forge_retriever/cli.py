@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated
 
+import grpc
 import typer
 from forge.rerank.v1 import rerank_pb2, rerank_pb2_grpc
 
@@ -146,7 +147,7 @@ async def _run(
                     stub: rerank_pb2_grpc.RerankerServiceAsyncStub = rerank_pb2_grpc.RerankerServiceStub(
                         channel
                     )  # type: ignore[assignment]
-                    rerank = _grpc_rerank(stub)
+                    rerank = grpc_rerank(stub)
                     configs = (("hybrid_rerank", depth, budget_ms), ("hybrid_rerank_best", depth_best, None))
                     for name, d, budget in configs:
                         result = await ev.run_mode(
@@ -202,7 +203,7 @@ async def _run(
     return summary, details
 
 
-def _grpc_rerank(stub: rerank_pb2_grpc.RerankerServiceAsyncStub) -> evaluation.Rerank:
+def grpc_rerank(stub: rerank_pb2_grpc.RerankerServiceAsyncStub) -> evaluation.Rerank:
     async def rerank(
         query: str, passages: Sequence[tuple[str, str, float]], time_left_s: float | None
     ) -> evaluation.Reranked:
@@ -212,7 +213,12 @@ def _grpc_rerank(stub: rerank_pb2_grpc.RerankerServiceAsyncStub) -> evaluation.R
         )
         if time_left_s is not None and time_left_s <= 0:
             return evaluation.Reranked([i for i, _, _ in passages], 0)  # nothing left: the retriever's order
-        response = await stub.Rerank(request, timeout=60.0 if time_left_s is None else time_left_s)
+        try:
+            response = await stub.Rerank(request, timeout=60.0 if time_left_s is None else time_left_s)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() is not grpc.StatusCode.DEADLINE_EXCEEDED or time_left_s is None:
+                raise
+            return evaluation.Reranked([i for i, _, _ in passages], 0, overran=True)
         return evaluation.Reranked([r.id for r in response.results], int(response.scored))
 
     return rerank

@@ -60,6 +60,8 @@ class Reranked:
 
     ids: list[str]
     scored: int
+    overran: bool = False
+    """The call ran past its deadline: no answer, the retriever's order kept (as the gateway does)."""
 
 
 #: Reranks ``passages`` (id, text, first-stage score) for ``query`` within ``time_left_s`` (None:
@@ -274,6 +276,7 @@ class Evaluator:
         reranker gets what the search left of it as its deadline. Latency covers both stages."""
         assert self.service is not None, "call open() first"
         ndcgs, recalls, latencies, searched, reranked, scored = [], [], [], [], [], []
+        overran = 0
         for qid, text in self.dataset.queries.items():
             started = self._clock()
             result = await self.service.search(COLLECTION, text, top_k, mode, {})
@@ -293,6 +296,7 @@ class Evaluator:
                 ranked = answer.ids + [d for d in ranked if d not in set(answer.ids)]
                 reranked.append((self._clock() - found) * 1000.0)
                 scored.append(answer.scored)
+                overran += answer.overran
             latencies.append((self._clock() - started) * 1000.0)
             ndcgs.append(ndcg_at_k(ranked, self.dataset.qrels[qid], 10))
             recalls.append(recall_at_k(ranked, self.dataset.qrels[qid], 100))
@@ -302,6 +306,7 @@ class Evaluator:
                 "rerank_p50_ms": percentile(reranked, 50),
                 "rerank_p95_ms": percentile(reranked, 95),
                 "reranked_mean": statistics.fmean(scored),
+                "rerank_overran": overran,
             }
         return ModeResult(
             statistics.fmean(ndcgs),
