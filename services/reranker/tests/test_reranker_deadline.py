@@ -15,7 +15,7 @@ from forge_kit.grpckit import GrpcServer, make_channel
 from forge_kit.testing.grpcserver import grpc_test_server
 from forge_reranker.api import RerankerApi
 from forge_reranker.config import RerankerSettings
-from forge_reranker.service import PassageIn, Pace, RerankerService
+from forge_reranker.service import Pace, PassageIn, RerankerService
 
 TOKEN = "test-token"
 

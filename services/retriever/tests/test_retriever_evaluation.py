@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 from forge_kit.grpckit import make_channel
 from forge_kit.testing.grpcserver import grpc_test_server
 from forge_retriever import evaluation
-from forge_retriever.cli import grpc_rerank, app
+from forge_retriever.cli import app, grpc_rerank
 from forge_retriever.config import RetrieverSettings
 from forge_retriever.embed import SentenceTransformerEmbedder
 
