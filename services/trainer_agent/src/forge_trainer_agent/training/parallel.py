@@ -92,14 +92,23 @@ def gradient_sync(module: torch.nn.Module, enabled: bool) -> Iterator[None]:
         yield
 
 
-def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> float:
-    """Clip to ``max_norm`` (0: no clipping) and return the global norm before clipping. With
-    sharded (DTensor) gradients torch computes the norm of each shard and all-reduces it; every
-    rank returns the same figure."""
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
-    return float(norm)
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, scale: float = 1.0) -> float:
+    """Multiply the gradients by ``scale``, clip them to ``max_norm`` (0: no clipping) and return
+    the global norm of the scaled gradients before clipping, in one pass over the gradients (the
+    scale and the clipping coefficient are one factor). With sharded (DTensor) gradients torch
+    computes the norm of each shard and all-reduces it; every rank returns the same figure."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return 0.0
+    total = torch.nn.utils.get_total_norm(grads)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
+    norm = float(total) * scale
+    factor = scale * min(1.0, max_norm / (norm + 1e-6)) if max_norm > 0 else scale
+    if factor != 1.0:
+        for g in grads:
+            g.mul_(factor)
+    return norm
 
 
 def full_state(

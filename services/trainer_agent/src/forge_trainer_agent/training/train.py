@@ -15,8 +15,8 @@ What differs per task (data, model, loss, evaluation, export) is an
    position, task state); on a fresh run log the starting model's metrics (step 0); under DDP wrap
    the model now;
 5. for each step: take this rank's prefetched batch, forward/backward per micro-batch (gradient
-   sync only on the last) scaled by the step's global loss units, clip (the global norm, over
-   shards under FSDP), step, log loss, figures,
+   sync only on the last), sum the step's loss units and figures over the ranks, divide the
+   gradients by the global units and clip (the global norm, over shards under FSDP), step, log loss, figures,
    tokens/s and MFU; evaluate and checkpoint on their intervals (a fixed step count or the
    Young/Daly interval, re-planned after the first measured save); on a stop request (SIGTERM)
    checkpoint and return ``preempted``;
@@ -179,22 +179,22 @@ class _SavePlan:
 
 def _train_step(
     objective: Objective, module: torch.nn.Module, batch: StepBatch, world_size: int
-) -> tuple[float, list[float], float]:
-    """Forward/backward every micro-batch; returns this rank's loss sum, figure sums and the
-    step's global loss units. Each micro-batch's summed loss is scaled by world size over the
-    global units, so the gradient average over ranks (DDP's all-reduce, FSDP's reduce-scatter)
-    is the mean over the whole global batch. Gradients sync on the last micro-batch only."""
-    (units,) = all_reduce([batch.units], world_size)
-    scale = world_size / max(units, 1.0)
+) -> tuple[float, list[float]]:
+    """Forward/backward every micro-batch; returns this rank's loss sum and figure sums. Each
+    micro-batch's summed loss is scaled by the world size, so after the gradient average over
+    ranks (DDP's all-reduce, FSDP's reduce-scatter) the gradients are the *sum* over the global
+    batch; the loop divides them by the step's global loss units when clipping, once those have
+    travelled with the step's figures (one collective a step instead of a second one up front).
+    Gradients sync on the last micro-batch only."""
     loss_sum, figures = 0.0, [0.0] * len(objective.figure_names)
     last = len(batch.micro) - 1
     for i, micro in enumerate(batch.micro):
         with parallel.gradient_sync(module, enabled=i == last):
             loss, figs = objective.loss(module, micro)
-            (loss * scale).backward()
+            (loss * world_size).backward()
         loss_sum += float(loss.detach())
         figures = [a + b for a, b in zip(figures, figs, strict=True)]
-    return loss_sum, figures, units
+    return loss_sum, figures
 
 
 def param_groups(
@@ -238,8 +238,10 @@ def train(config: TrainConfig, ctx: RunContext) -> TrainResult:
     sharded = parallel.shard(model, config.parallelism, ctx.world_size)
     # 3. Optimizer and schedule.
     o = config.optim
+    # The fused kernel (CPU and CUDA) updates every tensor in one pass: 4 ms a step against 13 ms
+    # for the per-parameter loop on the CPU baseline's 1.2 M parameters, work every DDP rank repeats.
     optimizer = torch.optim.AdamW(
-        param_groups(model, o, objective.head_prefixes()), betas=(o.beta1, o.beta2), foreach=False
+        param_groups(model, o, objective.head_prefixes()), betas=(o.beta1, o.beta2), fused=True
     )
     trainable = [p for group in optimizer.param_groups for p in group["params"]]
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(config))
@@ -310,19 +312,20 @@ def train(config: TrainConfig, ctx: RunContext) -> TrainResult:
         # 5. Steps.
         while step < config.max_steps:
             batch = prefetch.next()
-            loss_sum, figures, units = _train_step(objective, module, batch, ctx.world_size)
-            grad_norm = parallel.clip_grad_norm(trainable, o.grad_clip)
+            loss_sum, figures = _train_step(objective, module, batch, ctx.world_size)
+            # One small collective a step, for the loss units, the figures and the preemption
+            # flag together: a gloo all-reduce of a few floats costs 1.9-2 ms on loopback here,
+            # latency, not bandwidth (load/training/README.md).
+            stop_requested = 1.0 if ctx.should_stop() else 0.0
+            units, loss_total, tokens, flops, stop, *figure_sums = all_reduce(
+                [batch.units, loss_sum, batch.tokens, batch.flops, stop_requested, *figures], ctx.world_size
+            )
+            grad_norm = parallel.clip_grad_norm(trainable, o.grad_clip, scale=1.0 / max(units, 1.0))
             lr = scheduler.get_last_lr()[0]
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             step, steps_run, position = step + 1, steps_run + 1, batch.position
-            # One collective a step for the figures and the preemption flag: a gloo all-reduce
-            # of a few floats took 1.9 ms on loopback here (load/training/README.md).
-            stop_requested = 1.0 if ctx.should_stop() else 0.0
-            loss_total, tokens, flops, stop, *figure_sums = all_reduce(
-                [loss_sum, batch.tokens, batch.flops, stop_requested, *figures], ctx.world_size
-            )
             result.losses[step] = loss_total / units
             window_tokens, window_flops = window_tokens + tokens, window_flops + flops
             total_tokens, total_flops = total_tokens + tokens, total_flops + flops
