@@ -11,9 +11,10 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from tokenizers import Tokenizer
 
-from forge_trainer_agent.training import recipes
+from forge_trainer_agent.training import parallel, recipes
 from forge_trainer_agent.training.checkpoint import optimal_interval_s
 from forge_trainer_agent.training.data import EOT, MixtureSampler, train_tokenizer
 from forge_trainer_agent.training.export import hf_tokenizer
@@ -270,3 +271,34 @@ def test_a_corrupt_hugging_face_parent_is_refused(tmp_path: Path) -> None:
     weights.write_bytes(weights.read_bytes()[:1000])  # a torn copy
     with pytest.raises(RecipeError, match=r"init\.parent: .*model\.safetensors: corrupt weights"):
         recipes.validate(config, 1)
+
+
+def _params_with_grads(*grads: list[float]) -> list[torch.nn.Parameter]:
+    params = []
+    for g in grads:
+        p = torch.nn.Parameter(torch.zeros(len(g)))
+        p.grad = torch.tensor(g)
+        params.append(p)
+    return params
+
+
+def test_clipping_scales_first_then_clips_the_scaled_norm_in_one_factor() -> None:
+    """The loop hands the 1 / global-units factor to the clipping pass: the norm it reports and
+    clips is that of the scaled gradients, exactly as scaling first and clipping with torch."""
+    grads = ([3.0, 4.0], [12.0])  # norm 13
+    ours, theirs = _params_with_grads(*grads), _params_with_grads(*grads)
+    norm = parallel.clip_grad_norm(ours, max_norm=1.0, scale=0.5)
+    for p in theirs:
+        assert p.grad is not None
+        p.grad.mul_(0.5)
+    expected = torch.nn.utils.clip_grad_norm_(theirs, 1.0)
+    assert norm == pytest.approx(float(expected)) == pytest.approx(6.5)
+    for a, b in zip(ours, theirs, strict=True):
+        assert torch.allclose(a.grad, b.grad)  # type: ignore[arg-type]
+    # Under the limit only the scale applies; max_norm 0 means no clipping at all.
+    small = _params_with_grads([0.3, 0.4])
+    assert parallel.clip_grad_norm(small, max_norm=1.0, scale=2.0) == pytest.approx(1.0)
+    assert small[0].grad is not None and torch.allclose(small[0].grad, torch.tensor([0.6, 0.8]), atol=1e-5)
+    unclipped = _params_with_grads([30.0, 40.0])
+    assert parallel.clip_grad_norm(unclipped, max_norm=0.0, scale=0.1) == pytest.approx(5.0)
+    assert unclipped[0].grad is not None and torch.allclose(unclipped[0].grad, torch.tensor([3.0, 4.0]))
