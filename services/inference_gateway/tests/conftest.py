@@ -411,6 +411,7 @@ def build_gateway(
     admission: AdmissionPolicy | None = None,
     cache: Cache | None = None,
     clock: Callable[[], float] = time.monotonic,
+    request_timeout_s: float = 10,
     **kwargs: Any,
 ) -> InferenceGateway:
     """A gateway over real replicas at ``urls`` (see :class:`ProtocolReplica`), seeded randomness."""
@@ -429,7 +430,7 @@ def build_gateway(
         admission=Admission(pool, admission, clock=clock),
         responses=responses,
         internal_token=ADMIN_TOKEN,
-        request_timeout_s=10,
+        request_timeout_s=request_timeout_s,
         clock=clock,
         **kwargs,
     )
