@@ -286,6 +286,16 @@ def services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Ser
     try:
         with ThreadPoolExecutor(len(procs)) as pool:
             list(pool.map(lambda p: p.start(120), procs.values()))
+        # The model server's first /tokenize loads the tokenizer and chat template: over the 2 s a
+        # RAG count may take on a slow machine, which leaves the estimate standing (tested apart);
+        # the tests below check the measured count, so it is warm before they start.
+        warm = httpx.post(
+            f"{procs['model_server'].http_url}/tokenize",
+            json={"model": "llama", "messages": [{"role": "user", "content": "warm up"}]},
+            headers={"Authorization": f"Bearer {UPSTREAM_TOKEN}"},
+            timeout=60,
+        )
+        assert warm.status_code == 200, warm.text
         yield procs
     finally:
         for proc in procs.values():
