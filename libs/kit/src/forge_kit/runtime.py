@@ -7,6 +7,7 @@ the ready file and shutdown are the same everywhere.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import signal
@@ -41,6 +42,22 @@ def _write_ready_file(path: str, ports: dict[str, int | None]) -> None:
     os.replace(tmp, path)
 
 
+def freeze_startup_heap() -> None:
+    """Move every object alive after start-up (modules, the app, its routes, ORM metadata, compiled
+    protobufs: most of a service's heap) out of the garbage collector's sight.
+
+    CPython's full collections scan every tracked object; for a started service that is mostly
+    this start-up heap, which lives as long as the process, so each full collection is work for
+    nothing. Frozen (``gc.freeze``, as Instagram does before forking its workers), collections
+    scan only what requests allocate. Measured on the preference ingest benchmark
+    (``load/feedback``): ``gc_collect_main`` was 23 % of the event loop's samples (py-spy
+    ``--native``), 4 % once frozen, and the service went from 297 to 388 preferences/s (3.12 to
+    2.50 ms of CPU each).
+    """
+    gc.collect()
+    gc.freeze()
+
+
 async def run_forever(parts: ServiceParts, ready_file: str | None = None) -> None:
     """Start background tasks, announce ports, wait for a signal, stop everything in reverse order."""
     stop = asyncio.Event()
@@ -56,6 +73,7 @@ async def run_forever(parts: ServiceParts, ready_file: str | None = None) -> Non
         "http_port": parts.http.port if parts.http else None,
         "pid": os.getpid(),
     }
+    freeze_startup_heap()
     log.info("service.started", service=parts.name, **ports)
     ready_file = ready_file or os.environ.get("FORGE_READY_FILE")
     if ready_file:
