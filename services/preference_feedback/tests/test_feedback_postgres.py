@@ -15,7 +15,7 @@ from forge_kit.events import topic_for
 from forge_preference_feedback.registry import HeldoutAccuracy, RewardModelRegistry
 from forge_preference_feedback.seeds import read_hh_rlhf
 from forge_preference_feedback.service import FeedbackService
-from forge_preference_feedback.store import AsyncTransactions, open_transactions
+from forge_preference_feedback.store import AsyncTransactions, UnitConnection, open_transactions
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.integration]
 MIGRATIONS = Path(__file__).parents[1] / "src" / "forge_preference_feedback" / "migrations"
@@ -59,10 +59,10 @@ async def test_concurrent_raters_on_postgres_answer_each_unit_once(postgres_url:
         items = await asyncio.gather(*(service.next_comparison(r) for r in raters))
         assert all(items) and len({i.id for i in items if i}) == len(raters)
 
-        def boom(_: sa.Connection) -> None:
+        def boom(_: UnitConnection) -> None:
             raise ValueError("this unit fails")
 
-        def one(connection: sa.Connection) -> int:
+        def one(connection: UnitConnection) -> int:
             return int(connection.execute(sa.text("SELECT 1")).scalar_one())
 
         choice = common_pb2.PREFERENCE_CHOICE_A
@@ -102,13 +102,13 @@ async def test_a_deadlocked_unit_runs_again(postgres_url: str) -> None:
     tx = AsyncTransactions(db)
     calls = {"flaky": 0, "bad": 0}
 
-    def flaky(connection: sa.Connection) -> int:
+    def flaky(connection: UnitConnection) -> int:
         calls["flaky"] += 1
         if calls["flaky"] == 1:
             raise sa.exc.DBAPIError("SELECT 1", None, _Deadlock("deadlock detected"))
         return int(connection.execute(sa.text("SELECT 2")).scalar_one())
 
-    def bad_sql(connection: sa.Connection) -> None:
+    def bad_sql(connection: UnitConnection) -> None:
         calls["bad"] += 1
         connection.execute(sa.text("SELECT * FROM no_such_table"))
 

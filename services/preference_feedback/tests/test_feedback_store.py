@@ -18,7 +18,14 @@ from prometheus_client import REGISTRY
 from forge_kit.db import Database
 from forge_preference_feedback.seeds import read_hh_rlhf
 from forge_preference_feedback.service import FeedbackService
-from forge_preference_feedback.store import SessionRow, SqliteGroupCommit
+from forge_preference_feedback.store import (
+    HotPath,
+    PrecompiledConnection,
+    SessionRow,
+    SqliteGroupCommit,
+    UnitConnection,
+    utcnow,
+)
 
 if TYPE_CHECKING:
     from conftest import Clock
@@ -40,8 +47,8 @@ async def test_group_commit_undoes_only_the_failing_unit_and_answers_after_commi
     writer = SqliteGroupCommit(db.url)
     units_before = committed_units()
 
-    def write(i: int) -> Callable[[sa.Connection], int]:
-        def unit(conn: sa.Connection) -> int:
+    def write(i: int) -> Callable[[UnitConnection], int]:
+        def unit(conn: UnitConnection) -> int:
             conn.execute(sa.insert(NOTES).values(id=i, text=f"note {i}"))
             if i % 3 == 0:
                 raise ValueError(f"unit {i} fails after writing")
@@ -106,3 +113,58 @@ async def test_concurrent_raters_are_handed_different_items(service: FeedbackSer
     raters = [f"rater-{n}" for n in range(12)]
     items = await asyncio.gather(*(service.next_comparison(r) for r in raters))
     assert len({item.id for item in items if item}) == len(raters)
+
+
+async def test_precompiled_hot_path_reads_and_fails_as_sqlalchemy_does(db: Database, hh_root: Path) -> None:
+    """On the writer thread the hot path's statements run on ``sqlite3`` directly: every select
+    returns the rows SQLAlchemy returns for it (types processed: datetimes come back as
+    datetimes), a constraint violation is SQLAlchemy's ``IntegrityError`` (what a concurrent
+    identical answer relies on) and undoes only its own unit."""
+    service = FeedbackService(db, lease=dt.timedelta(seconds=60))
+    await service.seed_comparisons(read_hh_rlhf(hh_root), limit=4, rng_seed=0)
+    item = await service.next_comparison("alice")
+    assert item is not None
+    answered = await service.submit_preference(item.id, "alice", 1, 0.8, "clearer")
+    await service.next_comparison("bob")
+    writer = SqliteGroupCommit(db.url)
+    now = utcnow()
+    params = {"rid": "alice", "cid": item.id, "now": now, "k": 3}
+    selects = [
+        HotPath.held,
+        HotPath.free,
+        HotPath.held_by_others,
+        HotPath.comparison,
+        HotPath.answer,
+        HotPath.lease,
+    ]
+
+    def both(conn: UnitConnection) -> list[tuple[object, object]]:
+        assert isinstance(conn, PrecompiledConnection)
+        pairs = []
+        for statement in selects:
+            fast, slow = (
+                conn.execute(statement, params).first(),
+                conn.connection.execute(statement, params).first(),
+            )
+            pairs.append((fast and fast._mapping, slow and dict(slow._mapping)))
+        return pairs
+
+    def lease_again(conn: UnitConnection) -> None:
+        lease = {"comparison_id": item.id, "rater_id": "alice", "assigned_at": now, "expires_at": now}
+        conn.execute(HotPath.insert_lease, lease)
+
+    def count(conn: UnitConnection) -> int:
+        return int(conn.execute(HotPath.count_answer, {"cid": item.id}).rowcount)
+
+    try:
+        pairs = await writer.run(both)
+        outcomes = await asyncio.gather(writer.run(lease_again), writer.run(count), return_exceptions=True)
+        after = await service.get_comparison(item.id)
+    finally:
+        await writer.close()
+    for fast, slow in pairs:
+        assert fast == slow
+    assert any(fast for fast, _ in pairs) and pairs[4][0]["id"] == answered.id
+    assert isinstance(pairs[5][0]["assigned_at"], dt.datetime)
+    assert isinstance(outcomes[0], sa.exc.IntegrityError) and outcomes[1] == 1
+    assert after.answer_count == 2  # the failed unit took nothing with it

@@ -32,7 +32,7 @@ from forge_kit.events import (
     KafkaPublisher,
     OutboxRelay,
 )
-from forge_preference_feedback.store import OUTBOX, Transactions, utcnow
+from forge_preference_feedback.store import OUTBOX, Transactions, UnitConnection, utcnow
 
 
 @dataclass(frozen=True)
@@ -150,7 +150,7 @@ class PipelinedOutboxRelay(OutboxRelay):
         return acked
 
 
-def _mark_published(conn: sa.Connection, sequences: list[int], when: dt.datetime) -> None:
+def _mark_published(conn: UnitConnection, sequences: list[int], when: dt.datetime) -> None:
     conn.execute(sa.update(OUTBOX).where(OUTBOX.c.sequence.in_(sequences)).values(published_at=when))
 
 

@@ -43,6 +43,7 @@ from forge_preference_feedback.store import (
     RaterRow,
     SessionRow,
     Transactions,
+    UnitConnection,
     stage_event_sync,
     utcnow,
 )
@@ -215,7 +216,7 @@ class FeedbackService:
         )
 
     def _next_comparison(
-        self, conn: sa.Connection, *, rater_id: str, now: dt.datetime
+        self, conn: UnitConnection, *, rater_id: str, now: dt.datetime
     ) -> ComparisonRow | None:
         # Answering closes the answerer's lease (see _record), so "live lease" means a rater
         # still looking at the item, and live leases are few (about one per active rater): each
@@ -288,7 +289,7 @@ class FeedbackService:
 
     def _record(
         self,
-        conn: sa.Connection,
+        conn: UnitConnection,
         *,
         comparison_id: str,
         rater_id: str,
@@ -338,7 +339,7 @@ class FeedbackService:
         self._stage_recorded(conn, ComparisonRow(**comparison._mapping), row)
         return row, True
 
-    def _stage_recorded(self, conn: sa.Connection, comparison: ComparisonRow, row: PreferenceRow) -> None:
+    def _stage_recorded(self, conn: UnitConnection, comparison: ComparisonRow, row: PreferenceRow) -> None:
         a = (comparison.response_a_id, comparison.response_a_text)
         b = (comparison.response_b_id, comparison.response_b_text)
         chosen, rejected = (b, a) if row.choice == Choice.PREFERENCE_CHOICE_B else (a, b)
@@ -458,7 +459,7 @@ class FeedbackService:
 
     @staticmethod
     def _session_for(
-        conn: sa.Connection, *, token_hash: str, now: dt.datetime
+        conn: UnitConnection, *, token_hash: str, now: dt.datetime
     ) -> tuple[Session, dt.datetime] | None:
         row = conn.execute(
             sa.select(SessionRow.rater_id, SessionRow.csrf_token, SessionRow.expires_at, RaterRow.is_admin)

@@ -25,13 +25,14 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar, cast
+from typing import Any, ClassVar, Protocol, TypeVar, cast
 
 import sqlalchemy as sa
 from google.protobuf.message import Message
 from prometheus_client import Histogram
 from sqlalchemy import event
 from sqlalchemy.orm import Mapped, mapped_column
+from sqlalchemy.sql.expression import ReturnsRows
 
 from forge_kit.db import Base, Database
 from forge_kit.events import OutboxEvent, new_meta, topic_for
@@ -267,6 +268,167 @@ class HotPath:
         sa.update(OUTBOX).where(OUTBOX.c.sequence == sa.bindparam("seq")).values(payload=sa.bindparam("body"))
     )
 
+    @classmethod
+    def statements(cls) -> list[sa.Executable]:
+        """Every statement above (what :class:`PrecompiledConnection` compiles once)."""
+        return [v for k, v in vars(cls).items() if not k.startswith("_") and isinstance(v, sa.Executable)]
+
+
+class PrecompiledRow(tuple[Any, ...]):
+    """A row of a precompiled statement: by position, by column key as an attribute, and as
+    ``_mapping`` — what the units read of SQLAlchemy's ``Row``."""
+
+    __slots__ = ()
+    _keys: ClassVar[dict[str, int]] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[type(self)._keys[name]]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    @property
+    def _mapping(self) -> dict[str, Any]:
+        return dict(zip(type(self)._keys, self, strict=True))
+
+
+@dataclass(frozen=True)
+class PrecompiledResult:
+    """The rows (fetched at once) and row count of one precompiled execution."""
+
+    rows: list[PrecompiledRow]
+    rowcount: int
+
+    def first(self) -> PrecompiledRow | None:
+        return self.rows[0] if self.rows else None
+
+    def scalar_one(self) -> Any:
+        if len(self.rows) != 1:
+            raise sa.exc.NoResultFound(f"expected one row, got {len(self.rows)}")
+        return self.rows[0][0]
+
+
+@dataclass(frozen=True)
+class _Precompiled:
+    """One statement as SQLite runs it: the SQL text, each positional parameter as (name, the
+    type's bind processor, constant) — constant is the value of a parameter the statement fixes
+    itself (a ``LIMIT``), else ``_FROM_CALL`` — and the row type with each column's result processor."""
+
+    sql: str
+    params: tuple[tuple[str, Callable[[Any], Any] | None, Any], ...]
+    row: type[PrecompiledRow] | None
+    results: tuple[Callable[[Any], Any] | None, ...]
+
+
+_FROM_CALL = object()
+
+
+def _precompile(statement: sa.Executable, keys: tuple[str, ...], dialect: sa.Dialect) -> _Precompiled | None:
+    """Compile ``statement`` for the parameter names ``keys``, or None when SQLAlchemy must run it
+    itself: defaults computed per execution (``insert_prefetch``/``update_prefetch``) or an
+    expanding ``IN`` parameter."""
+    compiled = cast(Any, cast(sa.ClauseElement, statement).compile(dialect=dialect, column_keys=list(keys)))
+    if compiled.insert_prefetch or compiled.update_prefetch or compiled.positiontup is None:
+        return None
+    params: list[tuple[str, Callable[[Any], Any] | None, Any]] = []
+    for name in compiled.positiontup:
+        bind = compiled.binds[name]
+        if bind.expanding:
+            return None
+        processor = bind.type.dialect_impl(dialect).bind_processor(dialect)
+        params.append((name, processor, _FROM_CALL if name in keys else bind.effective_value))
+    columns = list(statement.exported_columns) if isinstance(statement, ReturnsRows) else []
+    row = None
+    if columns:
+        fields = {column.key: i for i, column in enumerate(columns)}
+        row = cast(type[PrecompiledRow], type("Row", (PrecompiledRow,), {"__slots__": (), "_keys": fields}))
+    results = tuple(column.type.dialect_impl(dialect).result_processor(dialect, None) for column in columns)
+    return _Precompiled(compiled.string, tuple(params), row, results)
+
+
+class PrecompiledConnection:
+    """A unit's connection on SQLite's writer thread: :class:`HotPath`'s statements run on the
+    ``sqlite3`` connection underneath, compiled once per set of parameter names; anything else
+    goes to SQLAlchemy's connection, in the same transaction.
+
+    SQLAlchemy's execution of an already-compiled statement (execution context, parameter and
+    result processing, events) took about 25 µs a statement against 2-9 µs for ``sqlite3``
+    itself (measured on the hot path's selects), and the hot path runs 16 statements a
+    preference: over half of the writer thread's CPU, which bounded the whole service. The
+    compiled SQL, the type processors and the row keys are still SQLAlchemy's, so the two paths
+    read and write the same values.
+    """
+
+    def __init__(self, connection: sa.Connection, plans: _Plans) -> None:
+        self.connection = connection
+        raw = connection.connection.driver_connection
+        if raw is None:
+            raise RuntimeError("the SQLite connection is closed")
+        self._raw: Any = raw
+        self._plans = plans
+        self._dbapi_error: type[Exception] = connection.dialect.loaded_dbapi.Error
+
+    def savepoint(self) -> None:
+        """Open the savepoint one unit runs in (SQL, not SQLAlchemy's ``begin_nested``: that
+        compiled a new statement each time, four a preference)."""
+        self._raw.execute("SAVEPOINT forge_unit")
+
+    def release(self, *, undo: bool = False) -> None:
+        """Close the unit's savepoint, keeping what it wrote or, with ``undo``, rolling it back."""
+        if undo:
+            self._raw.execute("ROLLBACK TO forge_unit")
+        self._raw.execute("RELEASE forge_unit")
+
+    def execute(
+        self, statement: sa.Executable, parameters: dict[str, Any] | None = None
+    ) -> PrecompiledResult | sa.CursorResult[Any]:
+        values = parameters or {}
+        plan = self._plans.get(statement, values, self.connection.dialect)
+        if plan is None:
+            return self.connection.execute(statement, values)
+        args = []
+        for name, processor, constant in plan.params:
+            value = values[name] if constant is _FROM_CALL else constant
+            args.append(value if processor is None else processor(value))
+        try:
+            cursor = self._raw.execute(plan.sql, args)
+            fetched = cursor.fetchall() if plan.row is not None else []
+        except self._dbapi_error as exc:  # as SQLAlchemy raises it: IntegrityError and the rest
+            raise sa.exc.DBAPIError.instance(plan.sql, args, exc, self._dbapi_error) from exc
+        if plan.row is None:
+            return PrecompiledResult([], cursor.rowcount)
+        rows = [
+            plan.row(
+                v if process is None else process(v) for v, process in zip(raw, plan.results, strict=True)
+            )
+            for raw in fetched
+        ]
+        return PrecompiledResult(rows, cursor.rowcount)
+
+
+class _Plans:
+    """:class:`HotPath`'s statements compiled for SQLite, per set of parameter names, on first use."""
+
+    def __init__(self) -> None:
+        self._hot = {id(statement) for statement in HotPath.statements()}
+        self._plans: dict[tuple[int, tuple[str, ...]], _Precompiled | None] = {}
+
+    def get(
+        self, statement: sa.Executable, values: dict[str, Any], dialect: sa.Dialect
+    ) -> _Precompiled | None:
+        if id(statement) not in self._hot:
+            return None
+        key = (id(statement), tuple(sorted(values)))
+        if key not in self._plans:
+            self._plans[key] = _precompile(statement, key[1], dialect)
+        return self._plans[key]
+
+
+UnitConnection = sa.Connection | PrecompiledConnection
+"""What a unit of work is given: SQLAlchemy's connection, or on SQLite's writer thread the
+:class:`PrecompiledConnection` over it. Units use ``execute(statement, parameters)`` and, of its
+result, ``first()``, ``scalar_one()`` and ``rowcount``."""
+
 
 class Transactions(Protocol):
     """Runs units of work, each a function of a synchronous connection, as transactions.
@@ -277,7 +439,7 @@ class Transactions(Protocol):
     to the caller with nothing of that unit written.
     """
 
-    async def run(self, unit: Callable[[sa.Connection], T], *, serial: bool = False) -> T:
+    async def run(self, unit: Callable[[UnitConnection], T], *, serial: bool = False) -> T:
         """Run ``unit`` in a transaction and return what it returned. ``serial`` units never
         overlap one another (every replica of the service included): assignment reads the
         leases and answer counts it then extends, and two raters must not both be handed the
@@ -311,7 +473,7 @@ class AsyncTransactions:
         self._postgres = sa.engine.make_url(db.url).get_backend_name() == "postgresql"
         self._serial = asyncio.Lock()
 
-    async def run(self, unit: Callable[[sa.Connection], T], *, serial: bool = False) -> T:
+    async def run(self, unit: Callable[[UnitConnection], T], *, serial: bool = False) -> T:
         for attempt in range(self._retries + 1):
             try:
                 local = self._serial if serial and not self._postgres else contextlib.nullcontext()
@@ -344,7 +506,7 @@ def _retryable(exc: sa.exc.DBAPIError) -> bool:
 
 @dataclass
 class _Job:
-    unit: Callable[[sa.Connection], Any]
+    unit: Callable[[UnitConnection], Any]
     future: asyncio.Future[Any]
 
 
@@ -378,11 +540,12 @@ class SqliteGroupCommit:
         event.listen(self._engine, "connect", _sqlite_connect)
         event.listen(self._engine, "begin", lambda conn: conn.exec_driver_sql("BEGIN IMMEDIATE"))
         self._max_batch = max_batch
+        self._plans = _Plans()
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
-    async def run(self, unit: Callable[[sa.Connection], T], *, serial: bool = False) -> T:
+    async def run(self, unit: Callable[[UnitConnection], T], *, serial: bool = False) -> T:
         """Every unit is serial here: one thread writes."""
         future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
         self._start()
@@ -429,13 +592,16 @@ class SqliteGroupCommit:
         started = time.perf_counter()
         try:
             with self._engine.connect() as connection, connection.begin():
+                unit_connection = PrecompiledConnection(connection, self._plans)
                 for job in batch:
+                    unit_connection.savepoint()
                     try:
-                        with connection.begin_nested():
-                            value = job.unit(connection)
+                        value = job.unit(unit_connection)
                     except Exception as exc:  # noqa: BLE001 - handed to the unit's caller
+                        unit_connection.release(undo=True)
                         outcomes.append((False, exc))
                     else:
+                        unit_connection.release()
                         outcomes.append((True, value))
         except Exception as exc:  # noqa: BLE001 - the commit failed: no unit of the batch was written
             outcomes = [(False, exc)] * len(batch)
@@ -445,7 +611,7 @@ class SqliteGroupCommit:
                 job.future.get_loop().call_soon_threadsafe(_settle, job.future, ok, value)
 
 
-def stage_event_sync(conn: sa.Connection, message: Message, *, producer: str, key: str = "") -> None:
+def stage_event_sync(conn: UnitConnection, message: Message, *, producer: str, key: str = "") -> None:
     """:func:`forge_kit.events.stage_event` on a synchronous connection: the event goes into the
     outbox in the caller's transaction, its ``meta`` naming the outbox row."""
     event_id = str(uuid.uuid4())
