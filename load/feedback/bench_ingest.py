@@ -1,13 +1,14 @@
 """Preference ingest end to end, across a broker restart (see README.md for the thresholds).
 
     python load/feedback/bench_ingest.py [--preferences 3000] [--raters 24] [--overlap 3]
-        [--restart-at 0.5] [--database-url URL] [--out FILE.json]
+        [--restart-at 0.5] [--database-url URL] [--separate-next] [--out FILE.json]
 
 Starts the real Tansu broker and the real ``preference_feedback`` process (SQLite in a
 temporary folder unless ``--database-url``), logs ``--raters`` accounts in through the JSON HTTP
 API (before the clock starts) and has each post preferences as fast as the service answers
-(next comparison → answer over one kept-alive aiohttp connection, a failed post retried with
-the same answer). When ``--restart-at`` of the preferences are in, the broker is stopped and
+over one kept-alive aiohttp connection (each answer's post asks for the rater's next item in its
+reply, as a rating front end does; ``--separate-next`` fetches it with its own GET instead), a
+failed post retried with the same answer. When ``--restart-at`` of the preferences are in, the broker is stopped and
 started again in place, on a thread so the raters keep going (memory storage: it comes back
 empty). A consumer counts ``PreferenceRecorded`` events by preference id on the topic the
 whole time. The rate onto Kafka is read from the outbox rows' ``published_at``.
@@ -117,18 +118,33 @@ async def log_in(client: aiohttp.ClientSession, name: str, tally: Tally, rng: ra
 
 
 async def rater(
-    client: aiohttp.ClientSession, name: str, token: str, quota: list[int], tally: Tally, rng: random.Random
+    client: aiohttp.ClientSession,
+    name: str,
+    token: str,
+    quota: list[int],
+    tally: Tally,
+    rng: random.Random,
+    *,
+    separate_next: bool,
 ) -> None:
-    """One logged-in rater: next → answer until the shared quota is used up or no items are left."""
+    """One logged-in rater answers until the shared quota is used up or no items are left: each
+    answer's post asks for the next item too (``"next": true``, one round trip per item), or
+    with ``separate_next`` the item comes from its own ``GET /api/v1/comparisons/next``."""
     auth = {"Authorization": f"Bearer {token}"}
+    item: dict[str, Any] | None = None
     while quota[0] > 0:
         quota[0] -= 1
-        item = (await call(client, tally, rng, "GET", "/api/v1/comparisons/next", headers=auth))["comparison"]
         if item is None:
-            return
-        body = {"comparison_id": item["id"], "choice": rng.choice(["A", "B", "A", "B", "TIE"])}
+            item = (await call(client, tally, rng, "GET", "/api/v1/comparisons/next", headers=auth))[
+                "comparison"
+            ]
+            if item is None:
+                return
+        more = not separate_next and quota[0] > 0
+        body = {"comparison_id": item["id"], "choice": rng.choice(["A", "B", "A", "B", "TIE"]), "next": more}
         posted = await call(client, tally, rng, "POST", "/api/v1/preferences", json=body, headers=auth)
         tally.acked[(name, item["id"])] = posted["preference_id"]
+        item = posted["next"]["comparison"] if more else None
 
 
 def mean_of(metrics: str, histogram: str) -> float:
@@ -271,7 +287,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             started, started_at = time.perf_counter(), utcnow()
             service_cpu = cpu_seconds(service.pid)
             workers = [
-                asyncio.create_task(rater(client, name, token, quota, tally, random.Random(r)))
+                asyncio.create_task(
+                    rater(
+                        client, name, token, quota, tally, random.Random(r), separate_next=args.separate_next
+                    )
+                )
                 for r, (name, token) in enumerate(zip(names, tokens, strict=True))
             ]
 
@@ -363,6 +383,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "mean_units_per_group_commit": round(group_commit, 1) if group_commit == group_commit else None,
         "database": url.split(":", 1)[0],
         "group_commit": not args.no_group_commit,
+        "flow": "separate_next" if args.separate_next else "answer_and_next",
     }
     result["pass"] = bool(
         rate >= TARGET_PER_S
@@ -387,6 +408,11 @@ def main() -> None:
     parser.add_argument("--restart-at", type=float, default=0.5)
     parser.add_argument("--database-url", default="")
     parser.add_argument("--out", type=Path)
+    parser.add_argument(
+        "--separate-next",
+        action="store_true",
+        help="fetch each next item with its own GET (two requests per preference) instead of in the answer's reply",
+    )
     parser.add_argument(
         "--no-group-commit", action="store_true", help="a transaction per unit (the baseline to compare with)"
     )

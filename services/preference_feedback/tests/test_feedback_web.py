@@ -366,3 +366,33 @@ async def test_json_api_rates_once_per_answer_and_names_bad_fields(
         refused = await client.post("/api/v1/preferences", json=bad, headers=auth)
         assert refused.status_code in (400, 422) and refused.json()["error"]["field"] == field, refused.text
     assert len(await preferences(db)) == 1
+
+
+async def test_json_api_answers_and_hands_out_the_next_item_in_one_round_trip(
+    client: httpx.AsyncClient, db: Database
+) -> None:
+    """``"next": true`` records the answer, then leases the rater's next item into the reply: the
+    three seeded items come one after the other, a retry of a post records nothing twice and
+    gets the same next item, and after the last one the reply says nothing is left."""
+    opened = await client.post("/api/v1/sessions", json={"rater_id": "alice", "password": PASSWORD})
+    auth = {"Authorization": f"Bearer {opened.json()['token']}"}
+    item = (await client.get("/api/v1/comparisons/next", headers=auth)).json()["comparison"]
+    seen = [item["id"]]
+    for turn in range(3):
+        body = {"comparison_id": item["id"], "choice": "A", "next": True}
+        reply = await client.post("/api/v1/preferences", json=body, headers=auth)
+        retry = await client.post("/api/v1/preferences", json=body, headers=auth)
+        assert reply.status_code == retry.status_code == 200 and reply.json() == retry.json(), reply.text
+        item = reply.json()["next"]["comparison"]
+        if turn < 2:
+            assert item["id"] not in seen and item["response_a"] and item["response_b"]
+            seen.append(item["id"])
+    assert item is None
+    rows = await preferences(db)
+    assert sorted(r.comparison_id for r in rows) == sorted(seen) and await events(db) == 3
+    # Without "next" the reply is the preference alone, as before.
+    [first] = [r.id for r in rows if r.comparison_id == seen[0]]
+    plain = await client.post(
+        "/api/v1/preferences", json={"comparison_id": seen[0], "choice": "A"}, headers=auth
+    )
+    assert plain.json() == {"preference_id": first}

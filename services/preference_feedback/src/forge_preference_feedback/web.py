@@ -37,7 +37,7 @@ from forge_preference_feedback.quality import QualityPolicy
 from forge_preference_feedback.registry import HeldoutAccuracy, RewardModelRegistry, heldout_of
 from forge_preference_feedback.rounds import RlhfRounds
 from forge_preference_feedback.service import FeedbackService, Session
-from forge_preference_feedback.store import RewardModelRow
+from forge_preference_feedback.store import ComparisonRow, RewardModelRow
 
 UI_VERSION = "web-1"
 SESSION_COOKIE = "forge_feedback_session"
@@ -356,6 +356,23 @@ class PreferenceBody(BaseModel):
     choice: str = Field(description="A, B, TIE or BOTH_BAD")
     reason: str = ""
     confidence: float = 1.0
+    next: bool = Field(
+        default=False,
+        description="also hand the rater their next comparison in the reply, as "
+        "GET /api/v1/comparisons/next would: one round trip per item",
+    )
+
+
+def comparison_json(row: ComparisonRow | None) -> dict[str, str] | None:
+    """A comparison as the rater API shows it (None when nothing is left for the rater)."""
+    if row is None:
+        return None
+    return {
+        "id": row.id,
+        "prompt": row.prompt,
+        "response_a": row.response_a_text,
+        "response_b": row.response_b_text,
+    }
 
 
 class HeldoutBody(BaseModel):
@@ -414,20 +431,10 @@ def rater_api(
     @router.get("/comparisons/next")
     async def next_comparison(request: Request) -> dict[str, object]:
         session = await bearer(request)
-        row = await service.next_comparison(session.rater_id)
-        if row is None:
-            return {"comparison": None}
-        return {
-            "comparison": {
-                "id": row.id,
-                "prompt": row.prompt,
-                "response_a": row.response_a_text,
-                "response_b": row.response_b_text,
-            }
-        }
+        return {"comparison": comparison_json(await service.next_comparison(session.rater_id))}
 
     @router.post("/preferences")
-    async def submit(body: PreferenceBody, request: Request) -> dict[str, str]:
+    async def submit(body: PreferenceBody, request: Request) -> dict[str, object]:
         session = await bearer(request)
         if body.choice not in CHOICES:
             raise errors.ValidationError("choice", "must be A, B, TIE or BOTH_BAD")
@@ -439,7 +446,12 @@ def rater_api(
             body.reason,
             ui_version,
         )
-        return {"preference_id": row.id}
+        if not body.next:
+            return {"preference_id": row.id}
+        # Recorded first: a failure here loses no answer, and a retry of the same post records
+        # nothing twice and is handed the same next item (the rater's live lease comes back).
+        following = await service.next_comparison(session.rater_id)
+        return {"preference_id": row.id, "next": {"comparison": comparison_json(following)}}
 
     async def admin(request: Request, action: str) -> Session:
         session = await bearer(request)
