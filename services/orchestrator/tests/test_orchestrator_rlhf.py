@@ -305,7 +305,11 @@ async def run_loop(
     eval_target: str,
     params: RlhfInput,
     runs: Path,
+    *,
+    buffering: asyncio.Event | None = None,
 ) -> tuple[RlhfResult, str, Agent]:
+    """Run the loop to its end. ``buffering`` is set once the workflow has counted the pairs and
+    gone to sleep until its next count (its progress query says it is buffering)."""
     client = await Client.connect(temporal.target)
     queue = f"rlhf-{uuid.uuid4().hex[:8]}"
     scheduler_acts = SchedulerActivities(scheduler.grpc_target, SCHEDULER_TOKEN)
@@ -319,6 +323,10 @@ async def run_loop(
                 "rlhf", params, id=workflow_id, task_queue=rlhf_task_queue(queue), result_type=RlhfResult
             )
             serving = asyncio.create_task(agent.serve())
+            if buffering is not None:
+                while "buffering" not in str((await handle.query(PROGRESS_QUERY))["step"]):
+                    await asyncio.sleep(0.1)
+                buffering.set()
             try:
                 result: RlhfResult = await handle.result()
             finally:
@@ -359,19 +367,23 @@ async def test_a_reward_model_that_does_not_beat_chance_stops_the_loop(
 ) -> None:
     feedback = start_feedback(tmp_path / "feedback", HH, limit=40)
     try:
-        # Too few pairs at first: the loop buffers.
+        # Too few pairs at first: the loop counts 10 and buffers. Its next count comes 20 s later,
+        # by when every rater below has answered, so the snapshot holds all of them (with short
+        # polls a count between bob's last answer and mallory's first took a round without her).
         assert await rate(feedback, "alice", 10) == 10
+        buffering = asyncio.Event()
         loop = asyncio.create_task(
             run_loop(
                 temporal_server,
                 scheduler,
                 feedback,
                 "127.0.0.1:1",
-                loop_input(policy, tmp_path / "work", min_new_pairs=60),
+                loop_input(policy, tmp_path / "work", min_new_pairs=60, poll_s=20.0, max_poll_s=20.0),
                 tmp_path / "runs",
+                buffering=buffering,
             )
         )
-        await asyncio.sleep(3)
+        await asyncio.wait_for(buffering.wait(), timeout=60)
         assert not loop.done()
         await rate(feedback, "alice", 30)
         await rate(feedback, "bob", 40)
