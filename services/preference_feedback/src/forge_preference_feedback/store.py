@@ -11,7 +11,8 @@ functions of a synchronous SQLAlchemy ``Connection`` running Core statements bui
   microseconds for the statement itself) and every commit is an fsync; here a whole unit costs
   one hand-over, and the units that queued up while the previous commit was on disk are
   committed together with one fsync (group commit), each in its own savepoint so one unit's
-  failure undoes only that unit.
+  failure undoes only that unit. There the units' :class:`HotPath` statements run on the
+  ``sqlite3`` connection as SQLAlchemy compiled them once (:class:`PrecompiledConnection`).
 """
 
 from __future__ import annotations
