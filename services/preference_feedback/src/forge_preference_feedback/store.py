@@ -304,8 +304,11 @@ class PrecompiledResult:
         return self.rows[0] if self.rows else None
 
     def scalar_one(self) -> Any:
-        if len(self.rows) != 1:
-            raise sa.exc.NoResultFound(f"expected one row, got {len(self.rows)}")
+        """The first column of the only row; SQLAlchemy's errors when there is none or several."""
+        if not self.rows:
+            raise sa.exc.NoResultFound("no row was found when one was required")
+        if len(self.rows) > 1:
+            raise sa.exc.MultipleResultsFound("multiple rows were found when exactly one was required")
         return self.rows[0][0]
 
 
