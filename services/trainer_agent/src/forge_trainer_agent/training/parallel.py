@@ -38,6 +38,8 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from transformers import PreTrainedModel
 
+from forge_trainer_agent.training.shm_allreduce import SharedMemoryAllReduce
+
 _GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)
 _SCATTER = StateDictOptions(full_state_dict=True)
 
@@ -67,10 +69,21 @@ def transformer_blocks(model: PreTrainedModel) -> torch.nn.ModuleList:
     )
 
 
-def replicate(model: torch.nn.Module, sharded: bool, world_size: int) -> torch.nn.Module:
+def replicate(
+    model: torch.nn.Module,
+    sharded: bool,
+    world_size: int,
+    shared: SharedMemoryAllReduce | None = None,
+) -> torch.nn.Module:
     """The module the loop trains through: DDP around ``model`` on several ranks unless it is
-    sharded (FSDP syncs gradients itself)."""
-    return DistributedDataParallel(model) if world_size > 1 and not sharded else model
+    sharded (FSDP syncs gradients itself). With ``shared``, DDP all-reduces the gradients
+    through it (CPU ranks on one host) instead of the backend; the averaged gradients are the same."""
+    if world_size == 1 or sharded:
+        return model
+    ddp = DistributedDataParallel(model)
+    if shared is not None:
+        ddp.register_comm_hook(None, shared.ddp_hook)
+    return ddp
 
 
 @contextmanager

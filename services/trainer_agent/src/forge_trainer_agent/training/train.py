@@ -38,6 +38,7 @@ from typing import IO, Any
 import numpy as np
 import structlog
 import torch
+import torch.distributed as dist
 
 from forge_kit.objectstore import ObjectStore
 from forge_trainer_agent.training import parallel, recipes
@@ -48,6 +49,7 @@ from forge_trainer_agent.training.mfu import peak_flops
 from forge_trainer_agent.training.objectives import Objective, StepBatch, build_objective
 from forge_trainer_agent.training.prefetch import Prefetcher
 from forge_trainer_agent.training.recipes import TrainConfig
+from forge_trainer_agent.training.shm_allreduce import SharedMemoryAllReduce
 
 log = structlog.get_logger(__name__)
 
@@ -275,7 +277,8 @@ def train(config: TrainConfig, ctx: RunContext) -> TrainResult:
         if baseline:
             metrics.write(0, baseline)
     position = objective.sampler.state_dict()
-    module = parallel.replicate(model, sharded, ctx.world_size)
+    shared = SharedMemoryAllReduce.create() if _shared_memory_wanted(config, model, ctx.world_size) else None
+    module = parallel.replicate(model, sharded, ctx.world_size, shared)
     meta = {
         "recipe": config.name,
         "recipe_hash": config.recipe_hash(),
@@ -314,11 +317,13 @@ def train(config: TrainConfig, ctx: RunContext) -> TrainResult:
             batch = prefetch.next()
             loss_sum, figures = _train_step(objective, module, batch, ctx.world_size)
             # One small collective a step, for the loss units, the figures and the preemption
-            # flag together: a gloo all-reduce of a few floats costs 1.9-2 ms on loopback here,
-            # latency, not bandwidth (load/training/README.md).
+            # flag together: a gloo all-reduce of a few floats costs 0.5-3 ms on loopback here,
+            # latency, not bandwidth; through shared memory, microseconds (load/training/README.md).
             stop_requested = 1.0 if ctx.should_stop() else 0.0
             units, loss_total, tokens, flops, stop, *figure_sums = all_reduce(
-                [batch.units, loss_sum, batch.tokens, batch.flops, stop_requested, *figures], ctx.world_size
+                [batch.units, loss_sum, batch.tokens, batch.flops, stop_requested, *figures],
+                ctx.world_size,
+                shared=shared,
             )
             grad_norm = parallel.clip_grad_norm(trainable, o.grad_clip, scale=1.0 / max(units, 1.0))
             lr = scheduler.get_last_lr()[0]
@@ -390,6 +395,13 @@ def train(config: TrainConfig, ctx: RunContext) -> TrainResult:
         prefetch.close()
         result.checkpoint_stalls_s = list(ckpt.stats.stalls_s)
         metrics.close()
+
+
+def _shared_memory_wanted(config: TrainConfig, model: torch.nn.Module, world_size: int) -> bool:
+    """Whether to set up the shared-memory all-reduce: several CPU ranks under gloo (it then
+    returns ``None`` by itself when the ranks do not share a host)."""
+    on_cpu = next(model.parameters()).device.type == "cpu"
+    return config.shared_memory_allreduce and world_size > 1 and on_cpu and dist.get_backend() == "gloo"
 
 
 def pretrain(config: TrainConfig, ctx: RunContext) -> TrainResult:
