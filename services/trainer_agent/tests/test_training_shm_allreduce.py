@@ -25,7 +25,8 @@ def _sums_like_gloo(rank: int, world_size: int, port: int) -> None:
     try:
         shared = SharedMemoryAllReduce.create()
         assert shared is not None
-        assert not Path(shared.path).exists()  # unlinked once every rank mapped it: nothing to leak
+        dist.barrier()  # rank 0 unlinks it once every rank has mapped it: a crash leaks nothing
+        assert not Path(shared.path).exists()
         generator = torch.Generator().manual_seed(rank)
         # Two slots and a bit in float32 (three rounds through the banks), a few floats in float64.
         for numel, dtype in ((2 * SLOT_BYTES // 4 + 1234, torch.float32), (7, torch.float64)):

@@ -43,7 +43,9 @@ SLOT_BYTES = 4 << 20
 64 MiB ``/dev/shm``."""
 _FLAG_STRIDE = 8  # int64s per flag: one 64-byte cache line each
 _HEADER_BYTES = 64  # the token other ranks check before trusting the mapping
-_SPINS_BEFORE_YIELD = 200
+_SPINS = 200  # flag reads (a few microseconds each) before giving the core away
+_YIELD_S = 0.002  # then sched_yield for this long (the peer may share this core)
+_NAP_S = 0.0002  # then sleep: a rank waiting on a slow peer must not take its CPU time
 
 
 class SharedMemoryAllReduce:
@@ -108,16 +110,20 @@ class SharedMemoryAllReduce:
         return tensor
 
     def _wait_for(self, call: int) -> None:
-        spins, deadline = 0, None
+        """Until every rank has published ``call``: spin, then yield, then nap."""
+        spins, started = 0, 0.0
         while int(self._flags.min()) < call:
             spins += 1
-            if spins < _SPINS_BEFORE_YIELD:
+            if spins < _SPINS:
                 continue
-            os.sched_yield()
             now = time.monotonic()
-            if deadline is None:
-                deadline = now + self.timeout_s
-            elif now > deadline:
+            if not started:
+                started = now
+            if now - started < _YIELD_S:
+                os.sched_yield()
+                continue
+            time.sleep(_NAP_S)
+            if now - started > self.timeout_s:
                 late = [r for r, c in enumerate(self._flags.tolist()) if c < call]
                 raise TimeoutError(
                     f"shared-memory all-reduce: rank(s) {late} did not reach call {call} "
