@@ -1,6 +1,6 @@
 """The training loop, the same for every task: data parallelism over whatever process group is
-initialised (gloo on CPU, NCCL on GPU) with DistributedDataParallel or FSDP2 (``parallelism``;
-see :mod:`parallel`), AdamW, warmup + cosine, clipping, accumulation.
+initialised (gloo on CPU, NCCL on GPU; CPU ranks of one host sum through shared memory, see
+:mod:`shm_allreduce`) with DistributedDataParallel or FSDP2 (``parallelism``; see :mod:`parallel`), AdamW, warmup + cosine, clipping, accumulation.
 What differs per task (data, model, loss, evaluation, export) is an
 :class:`~forge_trainer_agent.training.objectives.Objective`.
 
