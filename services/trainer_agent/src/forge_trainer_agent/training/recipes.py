@@ -244,9 +244,9 @@ class TrainConfig:
     ``fsdp`` (``fully_shard`` per transformer block, then the root: parameters, gradients and
     optimizer state sharded over the ranks). One process trains unwrapped either way."""
     shared_memory_allreduce: bool = True
-    """Under ``ddp`` on CPU ranks of one host, all-reduce the gradients through shared memory
-    rather than gloo's loopback TCP (same averaged gradients; 1.7 ms against 5.7 ms for the
-    baseline's 4.7 MB). Off: gloo's all-reduce, as on several hosts."""
+    """On CPU ranks of one host, sum the gradients (under ``ddp``) and each step's figures through
+    shared memory rather than gloo's loopback TCP (the same sums; 1.7 ms against 5.7 ms for the
+    baseline's 4.7 MB of gradients). Off: gloo's all-reduce, as across hosts."""
     threads: int = 1
     """torch intra-op threads per process (0: torch's default). One by default: on a shared
     2-core machine two OpenMP threads per process ran 20x slower (0.215 vs 4.1 s/step) when
