@@ -1,9 +1,10 @@
 """Training runtime parts with no training run: the mixture sampler, loader prefetch, the
 Young/Daly interval, the MFU formula, the chat template and the SFT loss mask, the Wilson
-interval, and recipes that refuse bad input with the field named."""
+interval, the benchmark's step-time calibration, and recipes that refuse bad input with the field named."""
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import threading
@@ -15,6 +16,7 @@ import torch
 from tokenizers import Tokenizer
 
 from forge_trainer_agent.training import parallel, recipes
+from forge_trainer_agent.training.bench import steady_step_s
 from forge_trainer_agent.training.checkpoint import optimal_interval_s
 from forge_trainer_agent.training.data import EOT, MixtureSampler, train_tokenizer
 from forge_trainer_agent.training.export import hf_tokenizer
@@ -31,6 +33,7 @@ from forge_trainer_agent.training.pairs import (
 )
 from forge_trainer_agent.training.prefetch import Prefetcher
 from forge_trainer_agent.training.recipes import MetricsConfig, PairsConfig, RecipeError
+from forge_trainer_agent.training.train import TrainResult
 
 HH_ROW = {
     "chosen": "\n\nHuman: Can you name a bird?\n\nAssistant: Which kind?\n\nHuman: Any.\n\nAssistant: A robin.",
@@ -302,3 +305,18 @@ def test_clipping_scales_first_then_clips_the_scaled_norm_in_one_factor() -> Non
     unclipped = _params_with_grads([30.0, 40.0])
     assert parallel.clip_grad_norm(unclipped, max_norm=0.0, scale=0.1) == pytest.approx(5.0)
     assert unclipped[0].grad is not None and torch.allclose(unclipped[0].grad, torch.tensor([3.0, 4.0]))
+
+
+def test_the_benchmark_calibrates_on_the_probes_last_window_not_its_first_steps(tmp_path: Path) -> None:
+    # 20 steps of 768 tokens in 2.4 s: steps 1-10 took 1.4 s (first calls), steps 11-20 took 1.0 s.
+    probe = TrainResult(outcome="succeeded", step=20, wall_s=2.4, tokens_per_s=20 * 768 / 2.4)
+    metrics = tmp_path / "metrics.jsonl"
+    lines = [
+        {"step": 0, "val_loss": 6.2},
+        {"step": 10, "tokens_per_s": 7680 / 1.4},
+        {"step": 20, "tokens_per_s": 7680 / 1.0},
+    ]
+    metrics.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert steady_step_s(metrics, probe) == pytest.approx(0.1)
+    metrics.write_text(json.dumps({"step": 0, "val_loss": 6.2}) + "\n")  # no window logged
+    assert steady_step_s(metrics, probe) == pytest.approx(0.12)
