@@ -23,7 +23,7 @@ def _sums_like_gloo(rank: int, world_size: int, port: int) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
-        shared = SharedMemoryAllReduce.create()
+        shared = SharedMemoryAllReduce.create(torch.device("cpu"))
         assert shared is not None
         dist.barrier()  # rank 0 unlinks it once every rank has mapped it: a crash leaks nothing
         assert not Path(shared.path).exists()
@@ -79,7 +79,7 @@ def _falls_back(rank: int, world_size: int, port: int, missing_on: int) -> None:
             shm_allreduce.SHM_DIR = Path("/nonexistent-shm")
         elif rank == missing_on:  # this rank does not see rank 0's segment (another host or container)
             shm_allreduce._map_segment = lambda offer, size: None
-        assert SharedMemoryAllReduce.create() is None
+        assert SharedMemoryAllReduce.create(torch.device("cpu")) is None
     finally:
         dist.destroy_process_group()
 

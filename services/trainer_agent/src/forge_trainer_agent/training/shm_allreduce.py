@@ -70,13 +70,19 @@ class SharedMemoryAllReduce:
         return SHM_DIR.is_dir() and platform.machine().lower() in ("x86_64", "amd64")
 
     @classmethod
-    def create(cls, timeout_s: float = 1800.0) -> "SharedMemoryAllReduce | None":
+    def create(cls, device: torch.device, timeout_s: float = 1800.0) -> "SharedMemoryAllReduce | None":
         """Collective over the default group: the shared all-reduce when every rank maps the same
-        segment (same host, shared ``/dev/shm``, x86-64), else ``None``. Every rank must call it."""
+        segment (same host, shared ``/dev/shm``, x86-64), else ``None``. Every rank must call it.
+        ``None`` at once, with no collective, for one process (no group), a backend other than gloo
+        or tensors on ``device`` other than the CPU: every rank sees the same."""
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return None
+        if dist.get_backend() != "gloo" or device.type != "cpu":
+            return None
         rank, world_size = dist.get_rank(), dist.get_world_size()
         size = segment_bytes(world_size)
         offer: list[tuple[str, bytes] | None] = [None]
-        if rank == 0 and world_size > 1 and cls.supported():
+        if rank == 0 and cls.supported():
             offer = [_create_segment(size)]
         dist.broadcast_object_list(offer, src=0)
         segment = offer[0]

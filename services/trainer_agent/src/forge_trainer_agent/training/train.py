@@ -38,7 +38,6 @@ from typing import IO, Any
 import numpy as np
 import structlog
 import torch
-import torch.distributed as dist
 
 from forge_kit.objectstore import ObjectStore
 from forge_trainer_agent.training import parallel, recipes
@@ -277,7 +276,8 @@ def train(config: TrainConfig, ctx: RunContext) -> TrainResult:
         if baseline:
             metrics.write(0, baseline)
     position = objective.sampler.state_dict()
-    shared = SharedMemoryAllReduce.create() if _shared_memory_wanted(config, model, ctx.world_size) else None
+    device = next(model.parameters()).device
+    shared = SharedMemoryAllReduce.create(device) if config.shared_memory_allreduce else None
     module = parallel.replicate(model, sharded, ctx.world_size, shared)
     meta = {
         "recipe": config.name,
@@ -395,13 +395,6 @@ def train(config: TrainConfig, ctx: RunContext) -> TrainResult:
         prefetch.close()
         result.checkpoint_stalls_s = list(ckpt.stats.stalls_s)
         metrics.close()
-
-
-def _shared_memory_wanted(config: TrainConfig, model: torch.nn.Module, world_size: int) -> bool:
-    """Whether to set up the shared-memory all-reduce: several CPU ranks under gloo (it then
-    returns ``None`` by itself when the ranks do not share a host)."""
-    on_cpu = next(model.parameters()).device.type == "cpu"
-    return config.shared_memory_allreduce and world_size > 1 and on_cpu and dist.get_backend() == "gloo"
 
 
 def pretrain(config: TrainConfig, ctx: RunContext) -> TrainResult:
