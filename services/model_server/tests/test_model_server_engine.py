@@ -11,7 +11,7 @@ from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 from forge_model_server import llama
 from forge_model_server.engine import EngineConfig, EngineCore, RequestOutput
-from forge_model_server.llama import BatchLayout, LlamaModel
+from forge_model_server.llama import BatchLayout, DecodeAttention, LlamaModel
 from forge_model_server.sampling import SamplingParams
 
 PROMPTS = [
@@ -106,6 +106,7 @@ def test_paged_forward_matches_transformers_logits(
     torch.testing.assert_close(logits1[7:], ref_b, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("decode_attention", ["torch", "native"])
 @pytest.mark.parametrize(
     "tables",
     [
@@ -116,12 +117,17 @@ def test_paged_forward_matches_transformers_logits(
     ],
 )
 def test_batched_decode_matches_transformers_logits(
-    tiny_llama: Path, hf_model: LlamaForCausalLM, tables: dict[str, list[int]]
+    tiny_llama: Path,
+    hf_model: LlamaForCausalLM,
+    tables: dict[str, list[int]],
+    decode_attention: DecodeAttention,
 ) -> None:
     """Single-token steps of several sequences attend together; c shares a's first two blocks (the
-    prefix cache's case) and joins with a prefill chunk beside two decodes."""
+    prefix cache's case) and joins with a prefill chunk beside two decodes. Through torch's batched
+    products (read in place or gathered, per ``tables``) and through the native kernel."""
     bs = 4
-    model = LlamaModel.load(tiny_llama, num_blocks=40, block_size=bs)
+    model = LlamaModel.load(tiny_llama, num_blocks=40, block_size=bs, decode_attention=decode_attention)
+    assert model.decode_attention == decode_attention
     a, b = random_ids(12, 3), random_ids(6, 4)
     c = torch.cat([a[:8], random_ids(3, 5)])
     model.forward(paged_layout(tables, bs, [("a", a[:10], 0), ("b", b[:5], 0)]), torch.arange(15))

@@ -32,7 +32,11 @@ async def main() -> None:
         max_num_batched_tokens=settings.max_num_batched_tokens,
         enable_prefix_caching=settings.enable_prefix_caching,
     )
-    loader = HFEngineLoader(engine_config, max_waiting=settings.max_waiting_requests)
+    loader = HFEngineLoader(
+        engine_config,
+        max_waiting=settings.max_waiting_requests,
+        decode_attention=settings.decode_attention,
+    )
     server = ModelServer(ModelDirectory(store), loader=loader, drain_timeout_s=settings.drain_timeout_s)
     # Runs after both servers stopped accepting and let their open calls finish.
     app.add_on_stop(lambda: server.drain(settings.drain_timeout_s))

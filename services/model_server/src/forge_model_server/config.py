@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from forge_kit.settings import ServiceSettings, service_config
@@ -44,3 +46,8 @@ class ModelServerSettings(ServiceSettings):
 
     torch_threads: int = Field(default=0, ge=0)
     """Intra-op threads of the forward pass; 0 keeps torch's default (one per core)."""
+
+    decode_attention: Literal["auto", "native", "torch"] = "auto"
+    """Decode attention over the paged KV cache: ``native`` is the one-pass C++ kernel (built on first
+    use with the compiler found here; start-up fails where it cannot be built), ``torch`` batched
+    matmuls, ``auto`` the kernel where it builds and torch elsewhere (with a warning)."""

@@ -26,11 +26,38 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+import structlog
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
+
+from forge_model_server.kernels import KernelUnavailableError, PagedDecodeAttention, paged_decode_attention
+
+log = structlog.get_logger(__name__)
+
+
+DecodeAttention = Literal["auto", "native", "torch"]
+"""How decoding sequences attend: ``native`` is the one-pass kernel of :mod:`.kernels` (float32
+only; an error where it cannot be built), ``torch`` the batched matmuls below, ``auto`` the kernel
+where it builds and torch elsewhere."""
+
+
+def _decode_kernel(choice: DecodeAttention, dtype: torch.dtype) -> PagedDecodeAttention | None:
+    if choice == "torch":
+        return None
+    if dtype != torch.float32:
+        if choice == "native":
+            raise KernelUnavailableError(f"the native decode attention is float32 only, not {dtype}")
+        return None
+    try:
+        return paged_decode_attention()
+    except KernelUnavailableError as exc:
+        if choice == "native":
+            raise
+        log.warning("kernel.unavailable", fallback="torch", reason=str(exc))
+        return None
 
 
 class UnsupportedModelError(ValueError):
@@ -205,6 +232,16 @@ class _DecodePlan:
 
 
 @dataclass(frozen=True)
+class _KernelDecode:
+    """The step's single-token sequences for the native kernel: their flat rows, block tables
+    (``[seqs, max_blocks]`` int32, padded with block 0) and context lengths (int32)."""
+
+    rows: torch.Tensor
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+
+
+@dataclass(frozen=True)
 class _Prefill:
     """A sequence computing a chunk of several tokens: its flat rows, context, blocks and causal
     mask (``[chunk, context]``, True where a query may look), and that mask as the additive bias
@@ -226,7 +263,7 @@ class _Prefill:
 
 @dataclass(frozen=True)
 class _Plan:
-    decode: _DecodePlan | None
+    decode: _DecodePlan | _KernelDecode | None
     prefill: list[_Prefill]
 
 
@@ -258,6 +295,7 @@ class LlamaModel:
         num_blocks: int,
         block_size: int,
         dtype: torch.dtype = torch.float32,
+        decode_attention: DecodeAttention = "auto",
     ) -> None:
         self.config = config
         self.block_size = block_size
@@ -280,6 +318,12 @@ class LlamaModel:
         self.k_cache = torch.zeros(shape, dtype=dtype)
         self.v_cache = torch.zeros(shape, dtype=dtype)
         self._scratch = _Scratch(dtype)
+        self._kernel = _decode_kernel(decode_attention, dtype)
+
+    @property
+    def decode_attention(self) -> str:
+        """Which decode attention runs: ``native`` (the kernel) or ``torch``."""
+        return "torch" if self._kernel is None else "native"
 
     def _required(self) -> list[str]:
         names = ["model.embed_tokens.weight", "model.norm.weight"]
@@ -295,13 +339,17 @@ class LlamaModel:
         return names
 
     @classmethod
-    def load(cls, folder: Path, *, num_blocks: int, block_size: int) -> LlamaModel:
+    def load(
+        cls, folder: Path, *, num_blocks: int, block_size: int, decode_attention: DecodeAttention = "auto"
+    ) -> LlamaModel:
         """Read ``config.json`` and every ``*.safetensors`` file of a Hugging Face folder."""
         config = LlamaConfig.from_json(json.loads((folder / "config.json").read_text()))
         weights: dict[str, torch.Tensor] = {}
         for path in sorted(folder.glob("*.safetensors")):
             weights.update(load_file(str(path)))
-        return cls(config, weights, num_blocks=num_blocks, block_size=block_size)
+        return cls(
+            config, weights, num_blocks=num_blocks, block_size=block_size, decode_attention=decode_attention
+        )
 
     @torch.inference_mode()
     def forward(self, batch: BatchLayout, logit_rows: torch.Tensor) -> torch.Tensor:
@@ -361,7 +409,21 @@ class LlamaModel:
                 bias = torch.zeros(n, ctx, dtype=self.k_cache.dtype).masked_fill_(~mask, float("-inf"))
                 bias = bias.repeat(groups, 1) if groups > 1 else bias
             prefill.append(_Prefill(start, end, ctx, torch.tensor(table, dtype=torch.long), mask, bias))
-        return _Plan(self._decode_plan(decode) if decode else None, prefill)
+        if not decode:
+            return _Plan(None, prefill)
+        if self._kernel is None:
+            return _Plan(self._decode_plan(decode), prefill)
+        width = max(len(table) for _, _, table in decode)
+        return _Plan(
+            _KernelDecode(
+                rows=torch.tensor([row for row, _, _ in decode]),
+                block_tables=torch.tensor(
+                    [table + [0] * (width - len(table)) for _, _, table in decode], dtype=torch.int32
+                ),
+                context_lens=torch.tensor([ctx for _, ctx, _ in decode], dtype=torch.int32),
+            ),
+            prefill,
+        )
 
     def _decode_plan(self, seqs: list[tuple[int, int, list[int]]]) -> _DecodePlan:
         """Which blocks the decoding sequences read, and how (see the module docstring).
@@ -432,7 +494,21 @@ class LlamaModel:
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: _Plan
     ) -> torch.Tensor:
         out = torch.empty_like(q)
-        if plan.decode is not None:
+        if isinstance(plan.decode, _KernelDecode) and self._kernel is not None:
+            d = plan.decode
+            queries = q.index_select(0, d.rows)
+            attended = torch.empty_like(queries)
+            self._kernel(
+                attended,
+                queries,
+                self.k_cache[layer],
+                self.v_cache[layer],
+                d.block_tables,
+                d.context_lens,
+                self.config.head_dim**-0.5,
+            )
+            out.index_copy_(0, d.rows, attended)
+        elif isinstance(plan.decode, _DecodePlan):
             rows = plan.decode.rows
             out.index_copy_(0, rows, self._decode_attention(layer, q.index_select(0, rows), plan.decode))
         for seq in plan.prefill:

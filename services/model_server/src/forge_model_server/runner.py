@@ -22,7 +22,8 @@ from typing import Any
 from forge_kit import errors
 from forge_model_server import service
 from forge_model_server.engine import EngineConfig, EngineCore, RequestOutput
-from forge_model_server.llama import LlamaModel, UnsupportedModelError
+from forge_model_server.kernels import KernelUnavailableError
+from forge_model_server.llama import DecodeAttention, LlamaModel, UnsupportedModelError
 from forge_model_server.sampling import Logprob, SamplingParams
 from forge_model_server.service import (
     GenerationChunk,
@@ -298,8 +299,10 @@ class HFEngineLoader:
         max_waiting: int,
         clock: Clock = time.monotonic,
         rng: random.Random | None = None,
+        decode_attention: DecodeAttention = "auto",
     ) -> None:
         self._config = config
+        self._decode_attention = decode_attention
         self._max_waiting = max_waiting
         self._clock = clock
         self._rng = rng or random.Random()
@@ -316,10 +319,20 @@ class HFEngineLoader:
             from transformers import PreTrainedTokenizerFast
 
             llama = LlamaModel.load(
-                folder, num_blocks=self._config.num_blocks, block_size=self._config.block_size
+                folder,
+                num_blocks=self._config.num_blocks,
+                block_size=self._config.block_size,
+                decode_attention=self._decode_attention,
             )
             tokenizer = PreTrainedTokenizerFast.from_pretrained(str(folder))
-        except (UnsupportedModelError, OSError, ValueError, KeyError, TypeError) as exc:
+        except (
+            UnsupportedModelError,
+            KernelUnavailableError,
+            OSError,
+            ValueError,
+            KeyError,
+            TypeError,
+        ) as exc:
             raise ModelNotLoadedError(model.name, f"cannot load {folder}: {exc}") from exc
         eos = set(llama.config.eos_token_ids)
         if tokenizer.eos_token_id is not None:

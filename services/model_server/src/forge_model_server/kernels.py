@@ -1,0 +1,109 @@
+"""Native CPU kernels of the forward pass, compiled on first use with torch's extension builder.
+
+``csrc/paged_attention.cpp`` holds the decode attention over the paged KV cache in one pass
+(``torch.ops.forge.paged_decode_attention``; its header describes the arguments). It is built by
+``torch.utils.cpp_extension.load`` (a C++ compiler and ninja) into :func:`build_directory`, under a
+name made of the vector width torch itself dispatches to on this CPU and a digest of the source,
+flags and torch version: a cache shared by machines of different kinds never hands AVX-512 code to
+a CPU without it, and an edited source is built afresh. torch's file lock in the build folder makes
+concurrent processes build it once.
+
+Where it cannot be built (no compiler, a non-x86 host), :func:`paged_decode_attention` raises
+:class:`KernelUnavailableError` naming why, and the model falls back to torch's batched matmuls
+when the setting allows it (``decode_attention="auto"``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import structlog
+import torch
+
+log = structlog.get_logger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+
+# Compiler flags per torch CPU capability (``torch.backends.cpu.get_cpu_capability()``).
+_ARCH_FLAGS = {
+    "AVX512": ["-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq", "-mavx2", "-mfma"],
+    "AVX2": ["-mavx2", "-mfma"],
+    "DEFAULT": [],
+}
+
+PagedDecodeAttention = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], None
+]
+
+
+class KernelUnavailableError(RuntimeError):
+    """The native kernel cannot be built or loaded here; the message says why."""
+
+
+_lock = threading.Lock()
+_loaded: PagedDecodeAttention | None = None
+_failure: str | None = None
+
+
+def paged_decode_attention() -> PagedDecodeAttention:
+    """``torch.ops.forge.paged_decode_attention``, built on the first call of the process.
+
+    Raises :class:`KernelUnavailableError` (every call, with the first failure's reason) when it
+    cannot be built.
+    """
+    global _loaded, _failure
+    with _lock:
+        if _loaded is None and _failure is None:
+            try:
+                _loaded = _build()
+            except KernelUnavailableError as exc:
+                _failure = str(exc)
+        if _loaded is None:
+            raise KernelUnavailableError(_failure)
+        return _loaded
+
+
+def build_directory() -> Path:
+    """Where the kernels are built: ``$TORCH_EXTENSIONS_DIR/forge``, else under ``~/.cache``."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or str(Path.home() / ".cache" / "torch_extensions")
+    return Path(root) / "forge"
+
+
+def _build() -> PagedDecodeAttention:
+    """Load the library built for this source, torch and CPU kind, building it first if needed.
+
+    A finished build (its library there, no build lock beside it) is loaded as it is, so an image
+    that built the kernel needs no compiler at run time.
+    """
+    capability = torch.backends.cpu.get_cpu_capability()
+    flags = ["-O3", "-fopenmp", *_ARCH_FLAGS.get(capability, [])]
+    recipe = SOURCE.read_bytes() + " ".join([torch.__version__, *flags]).encode()
+    digest = hashlib.sha256(recipe).hexdigest()[:12]
+    name = f"forge_paged_attention_{capability.lower()}_{digest}"
+    folder = build_directory() / name
+    library = folder / f"{name}.so"
+    try:
+        if library.is_file() and not (folder / "lock").exists():
+            torch.ops.load_library(str(library))
+        else:
+            from torch.utils import cpp_extension
+
+            folder.mkdir(parents=True, exist_ok=True)
+            cpp_extension.load(
+                name=name,
+                sources=[str(SOURCE)],
+                extra_cflags=flags,
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(folder),
+                is_python_module=False,
+                verbose=False,
+            )
+    except (RuntimeError, OSError) as exc:  # no compiler or ninja, compile or link errors
+        raise KernelUnavailableError(f"building {name} in {folder} failed: {exc}") from exc
+    log.info("kernel.loaded", kernel=name)
+    op: PagedDecodeAttention = torch.ops.forge.paged_decode_attention
+    return op
