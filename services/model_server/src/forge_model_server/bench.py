@@ -33,14 +33,14 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, cast
 
 import torch
 import typer
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from forge_model_server.engine import EngineConfig, EngineCore
-from forge_model_server.llama import LlamaModel
+from forge_model_server.llama import DecodeAttention, LlamaModel
 from forge_model_server.sampling import SamplingParams
 
 app = typer.Typer(add_completion=False, help="Inference engine benchmark (engine).")
@@ -78,6 +78,7 @@ class EngineBench:
     max_num_batched_tokens: int = 2048
     seed: int = 0
     threads: int = 1
+    decode_attention: DecodeAttention = "auto"
 
 
 def validate(bench: EngineBench) -> None:
@@ -123,8 +124,11 @@ def workload(bench: EngineBench, vocab: int) -> list[Request]:
     ]
 
 
-def run_engine(folder: Path, requests: list[Request], budget: int) -> tuple[Timing, list[list[int]]]:
-    """Time to serve every request with all of them admitted at once, and their tokens."""
+def run_engine(
+    folder: Path, requests: list[Request], budget: int, decode_attention: DecodeAttention = "auto"
+) -> tuple[Timing, list[list[int]], str]:
+    """Time to serve every request with all of them admitted at once, their tokens, and which decode
+    attention ran."""
     blocks = sum(-(-(len(p) + n) // BLOCK_SIZE) for p, n in requests)
     config = EngineConfig(
         num_blocks=blocks,
@@ -133,7 +137,9 @@ def run_engine(folder: Path, requests: list[Request], budget: int) -> tuple[Timi
         max_num_batched_tokens=budget,
         enable_prefix_caching=False,
     )
-    model = LlamaModel.load(folder, num_blocks=blocks, block_size=BLOCK_SIZE)
+    model = LlamaModel.load(
+        folder, num_blocks=blocks, block_size=BLOCK_SIZE, decode_attention=decode_attention
+    )
     core = EngineCore(model, config, lambda ids: "")
     produced: dict[str, list[int]] = {str(i): [] for i in range(len(requests))}
     clock = _Clock()
@@ -143,7 +149,7 @@ def run_engine(folder: Path, requests: list[Request], budget: int) -> tuple[Timi
     while core.has_work():
         for out in core.step():
             produced[out.request_id] += out.token_ids
-    return clock.stop(), list(produced.values())
+    return clock.stop(), list(produced.values()), model.decode_attention
 
 
 def run_hf(
@@ -192,7 +198,9 @@ def engine_bench(bench: EngineBench, model_dir: Path | None = None) -> dict[str,
                     f"{hf.config.max_position_embeddings}",
                     param_hint="--max-prompt",
                 )
-            engine_s, engine_tokens = run_engine(folder, requests, bench.max_num_batched_tokens)
+            engine_s, engine_tokens, decode_path = run_engine(
+                folder, requests, bench.max_num_batched_tokens, bench.decode_attention
+            )
             static_s, _ = run_hf(hf, requests, bench.hf_batch_size)
             sequential_s, sequential_tokens = run_hf(hf, requests, 1)
         threads = torch.get_num_threads()
@@ -222,8 +230,17 @@ def engine_bench(bench: EngineBench, model_dir: Path | None = None) -> dict[str,
     )
     summary["output_tokens"] = tokens
     summary["threads"] = threads
+    summary["decode_attention"] = decode_path
     summary["settings"] = asdict(bench)
     return summary
+
+
+def _decode_attention(value: str) -> DecodeAttention:
+    if value not in ("auto", "native", "torch"):
+        raise typer.BadParameter(
+            f"{value!r} is not one of auto, native, torch", param_hint="--decode-attention"
+        )
+    return cast(DecodeAttention, value)
 
 
 @app.callback()
@@ -246,6 +263,9 @@ def engine(
     max_num_batched_tokens: Annotated[int, typer.Option(help="the engine's token budget per step")] = 2048,
     seed: Annotated[int, typer.Option(help="workload and random-model seed")] = 0,
     threads: Annotated[int, typer.Option(help="torch intra-op threads for all three (0: torch's)")] = 1,
+    decode_attention: Annotated[
+        str, typer.Option(help="the engine's decode attention: auto, native (the kernel) or torch")
+    ] = "auto",
 ) -> None:
     """Engine throughput against HF generate (static batches, one at a time), same weights."""
     settings = EngineBench(
@@ -258,6 +278,7 @@ def engine(
         max_num_batched_tokens=max_num_batched_tokens,
         seed=seed,
         threads=threads,
+        decode_attention=_decode_attention(decode_attention),
     )
     if model_dir is not None and not (model_dir / "config.json").is_file():
         raise typer.BadParameter(f"{model_dir} has no config.json", param_hint="--model-dir")
