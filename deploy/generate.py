@@ -699,7 +699,7 @@ RUN pip install /src/libs/protos /src/libs/kit{runtime_installs} /src/services/{
  && rm -rf /src \\
  && mkdir -p {data_root}/data {data_root}/objects \\
  && chown -R forge:forge {data_root} /app
-
+{kernel}
 ENV {prefix}HOST=0.0.0.0 \\
     {prefix}GRPC_PORT={grpc_port} \\
     {prefix}HTTP_PORT={http_port} \\
@@ -719,6 +719,18 @@ TORCH_LAYER = """
 # torch first, CPU build, in its own layer: the default wheel bundles CUDA (gigabytes) these
 # images never use, and torch changes far less often than the code.
 RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+"""
+
+
+KERNEL_LAYER = """
+# The model server's native decode-attention kernel (forge_model_server.kernels), built here with a
+# compiler that leaves the image afterwards; a host whose CPU kind differs from the builder's
+# (AVX-512 against AVX2) cannot build its own and runs torch's matmuls instead, with a warning.
+ENV TORCH_EXTENSIONS_DIR=/opt/forge/torch_extensions
+RUN apt-get update && apt-get install -y --no-install-recommends g++ \\
+ && python -c "from forge_model_server.kernels import paged_decode_attention; paged_decode_attention()" \\
+ && apt-get purge -y --auto-remove g++ && rm -rf /var/lib/apt/lists/* \\
+ && chown -R forge:forge /opt/forge
 """
 
 
@@ -743,6 +755,7 @@ def dockerfile(spec: ServiceSpec) -> str:
         ),
         runtime_installs="".join(f" /src/services/{p}" for p in RUNTIME_PACKAGES.get(spec.name, ())),
         healthcheck=json.dumps(healthcheck_command(spec.http_port)[1:]),
+        kernel=KERNEL_LAYER if "model_server" in (spec.name, *RUNTIME_PACKAGES.get(spec.name, ())) else "",
     )
 
 
