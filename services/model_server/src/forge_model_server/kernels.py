@@ -5,10 +5,9 @@
 ``torch.utils.cpp_extension.load`` (a C++ compiler and ninja) into :func:`build_directory`, under a
 name made of the vector width torch itself dispatches to on this CPU and a digest of the source,
 flags and torch version: a cache shared by machines of different kinds never hands AVX-512 code to
-a CPU without it, and an edited source is built afresh. torch's file lock in the build folder makes
-concurrent processes build it once.
+a CPU without it, and an edited source is built afresh.
 
-Where it cannot be built (no compiler, a non-x86 host), :func:`paged_decode_attention` raises
+Where it cannot be built (no compiler, no ninja), :func:`paged_decode_attention` raises
 :class:`KernelUnavailableError` naming why, and the model falls back to torch's batched matmuls
 when the setting allows it (``decode_attention="auto"``).
 """
@@ -17,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -76,34 +76,37 @@ def build_directory() -> Path:
 def _build() -> PagedDecodeAttention:
     """Load the library built for this source, torch and CPU kind, building it first if needed.
 
-    A finished build (its library there, no build lock beside it) is loaded as it is, so an image
-    that built the kernel needs no compiler at run time.
+    Each build runs in a folder of its own and its library is then renamed into place, so a
+    finished library is all a later process looks for: concurrent first uses each build (the same
+    bytes; the last rename wins), a process killed mid-build leaves no lock for others to wait on,
+    and an image that built the kernel needs no compiler at run time.
     """
     capability = torch.backends.cpu.get_cpu_capability()
     flags = ["-O3", "-fopenmp", *_ARCH_FLAGS.get(capability, [])]
     recipe = SOURCE.read_bytes() + " ".join([torch.__version__, *flags]).encode()
-    digest = hashlib.sha256(recipe).hexdigest()[:12]
-    name = f"forge_paged_attention_{capability.lower()}_{digest}"
-    folder = build_directory() / name
-    library = folder / f"{name}.so"
+    name = f"forge_paged_attention_{capability.lower()}_{hashlib.sha256(recipe).hexdigest()[:12]}"
+    root = build_directory()
+    library = root / f"{name}.so"
     try:
-        if library.is_file() and not (folder / "lock").exists():
+        if library.is_file():
             torch.ops.load_library(str(library))
         else:
             from torch.utils import cpp_extension
 
-            folder.mkdir(parents=True, exist_ok=True)
-            cpp_extension.load(
-                name=name,
-                sources=[str(SOURCE)],
-                extra_cflags=flags,
-                extra_ldflags=["-fopenmp"],
-                build_directory=str(folder),
-                is_python_module=False,
-                verbose=False,
-            )
+            root.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(prefix=f".{name}-", dir=root) as scratch:
+                cpp_extension.load(  # builds, then loads the library from the scratch folder
+                    name=name,
+                    sources=[str(SOURCE)],
+                    extra_cflags=flags,
+                    extra_ldflags=["-fopenmp"],
+                    build_directory=scratch,
+                    is_python_module=False,
+                    verbose=False,
+                )
+                os.replace(Path(scratch) / f"{name}.so", library)
     except (RuntimeError, OSError) as exc:  # no compiler or ninja, compile or link errors
-        raise KernelUnavailableError(f"building {name} in {folder} failed: {exc}") from exc
+        raise KernelUnavailableError(f"building {name} in {root} failed: {exc}") from exc
     log.info("kernel.loaded", kernel=name)
     op: PagedDecodeAttention = torch.ops.forge.paged_decode_attention
     return op
