@@ -21,8 +21,9 @@ Output tokens per second of wall time each, all three with the same torch thread
 Writes ``DIR/summary.json`` with those three keys, ``engine_vs_hf_static``,
 ``engine_vs_sequential``, the same two ratios in CPU seconds of this process (``cpu_s``,
 ``engine_vs_hf_static_cpu``, ``engine_vs_sequential_cpu``: time slices other jobs take do not count
-there), and ``identical_to_sequential`` (requests whose engine tokens equal
-the one-at-a-time ``generate`` tokens), and prints it as one JSON line.
+there), ``identical_to_sequential`` (requests whose engine tokens equal
+the one-at-a-time ``generate`` tokens) and ``decode_attention`` (the engine's decode path:
+``native`` kernel or ``torch`` matmuls, per ``--decode-attention``), and prints it as one JSON line.
 """
 
 from __future__ import annotations

@@ -4,8 +4,10 @@ One call runs every scheduled token of every sequence in the step as one flat ba
 projections (q/k/v fused into one weight, gate/up into another) and the MLP are single matmuls over
 all tokens. Attention writes the new keys and values into their cache slots, then:
 
-- **decoding sequences** (one new token each) attend all together, block by block, reading the
-  cache where it lies, as PagedAttention does, with torch's batched matmuls in place of a kernel:
+- **decoding sequences** (one new token each) read the cache where it lies, as PagedAttention
+  does: by default through the native kernel of :mod:`.kernels` (one pass over each sequence's
+  blocks with an online softmax); where that cannot be built, or with ``decode_attention="torch"``,
+  all together, block by block, with torch's batched matmuls:
   one product of every block with its owner's query gives the scores, the softmax runs across each
   sequence's blocks with a per-sequence max and sum (as flash-decoding combines its splits), and a
   second product with the value blocks, summed per sequence, gives the output. The blocks are the
