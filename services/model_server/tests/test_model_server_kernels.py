@@ -16,8 +16,11 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from forge_model_server import kernels, llama
+from forge_model_server.engine import EngineConfig
 from forge_model_server.kernels import KernelUnavailableError, paged_decode_attention
 from forge_model_server.llama import LlamaModel
+from forge_model_server.runner import HFEngineLoader
+from forge_model_server.service import ModelInfo, ModelNotLoadedError
 
 
 def reference(
@@ -125,6 +128,21 @@ def test_auto_falls_back_to_torch_and_native_refuses_where_the_kernel_is_missing
     assert fallback.decode_attention == "torch"
     with pytest.raises(KernelUnavailableError, match="no C\\+\\+ compiler"):
         LlamaModel.load(tiny_llama, num_blocks=8, block_size=4, decode_attention="native")
+
+
+def test_a_server_set_to_native_names_the_missing_kernel_when_loading_a_model(
+    tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def missing() -> kernels.PagedDecodeAttention:
+        raise KernelUnavailableError("no C++ compiler here")
+
+    monkeypatch.setattr(llama, "paged_decode_attention", missing)
+    loader = HFEngineLoader(
+        EngineConfig(num_blocks=8, block_size=4), max_waiting=4, decode_attention="native"
+    )
+    info = ModelInfo("tiny", "1", str(tiny_llama), 0, 256, ("model.safetensors",))
+    with pytest.raises(ModelNotLoadedError, match="no C\\+\\+ compiler here"):
+        loader(info)
 
 
 def test_native_is_float32_only(tiny_llama: Path) -> None:

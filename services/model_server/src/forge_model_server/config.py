@@ -49,5 +49,5 @@ class ModelServerSettings(ServiceSettings):
 
     decode_attention: Literal["auto", "native", "torch"] = "auto"
     """Decode attention over the paged KV cache: ``native`` is the one-pass C++ kernel (built on first
-    use with the compiler found here; start-up fails where it cannot be built), ``torch`` batched
+    use with the compiler found here; loading a model fails, naming why, where it cannot be built), ``torch`` batched
     matmuls, ``auto`` the kernel where it builds and torch elsewhere (with a warning)."""
