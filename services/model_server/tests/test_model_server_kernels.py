@@ -117,26 +117,26 @@ def test_kernel_refuses_bad_arguments_by_name(mutate: object, message: str) -> N
         paged_decode_attention()(a["out"], a["q"], a["k"], a["v"], a["tables"], a["lens"], 1.0)
 
 
-def test_auto_falls_back_to_torch_and_native_refuses_where_the_kernel_is_missing(
-    tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.fixture
+def kernel_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The model finds no kernel, as on a host without a compiler."""
+
     def missing() -> kernels.PagedDecodeAttention:
         raise KernelUnavailableError("no C++ compiler here")
 
     monkeypatch.setattr(llama, "paged_decode_attention", missing)
+
+
+@pytest.mark.usefixtures("kernel_missing")
+def test_auto_falls_back_to_torch_and_native_refuses_where_the_kernel_is_missing(tiny_llama: Path) -> None:
     fallback = LlamaModel.load(tiny_llama, num_blocks=8, block_size=4, decode_attention="auto")
     assert fallback.decode_attention == "torch"
     with pytest.raises(KernelUnavailableError, match="no C\\+\\+ compiler"):
         LlamaModel.load(tiny_llama, num_blocks=8, block_size=4, decode_attention="native")
 
 
-def test_a_server_set_to_native_names_the_missing_kernel_when_loading_a_model(
-    tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    def missing() -> kernels.PagedDecodeAttention:
-        raise KernelUnavailableError("no C++ compiler here")
-
-    monkeypatch.setattr(llama, "paged_decode_attention", missing)
+@pytest.mark.usefixtures("kernel_missing")
+def test_a_server_set_to_native_names_the_missing_kernel_when_loading_a_model(tiny_llama: Path) -> None:
     loader = HFEngineLoader(
         EngineConfig(num_blocks=8, block_size=4), max_waiting=4, decode_attention="native"
     )
