@@ -34,7 +34,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Annotated, Any, cast
+from typing import Annotated, Any, cast, get_args
 
 import torch
 import typer
@@ -237,9 +237,10 @@ def engine_bench(bench: EngineBench, model_dir: Path | None = None) -> dict[str,
 
 
 def _decode_attention(value: str) -> DecodeAttention:
-    if value not in ("auto", "native", "torch"):
+    choices = get_args(DecodeAttention)
+    if value not in choices:
         raise typer.BadParameter(
-            f"{value!r} is not one of auto, native, torch", param_hint="--decode-attention"
+            f"{value!r} is not one of {', '.join(choices)}", param_hint="--decode-attention"
         )
     return cast(DecodeAttention, value)
 
