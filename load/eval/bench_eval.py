@@ -46,7 +46,7 @@ from forge_kit.paths import resolve_data_path
 
 BOOTSTRAP_LIMIT_S = 1.0
 SPEEDUP_TARGET = 5.0
-CORPUS = "../shared/data/corpora/tinyshakespeare/input.txt"
+CORPUS = "corpora/tinyshakespeare/input.txt"
 
 
 def bench_bootstrap() -> dict[str, Any]:
@@ -109,9 +109,7 @@ def make_checkpoint(out: Path) -> dict[str, Any]:
 
 
 def _roots() -> DataRoots:
-    return DataRoots(
-        resolve_data_path("../shared/data/benchmarks"), resolve_data_path("../shared/data/corpora")
-    )
+    return DataRoots(resolve_data_path("benchmarks"), resolve_data_path("corpora"))
 
 
 @contextlib.asynccontextmanager

@@ -24,10 +24,10 @@ class EvalSettings(ServiceSettings):
     inference_gateway_token: SecretStr = SecretStr("")
     """Bearer token sent to the model endpoint."""
 
-    benchmarks_dir: str = "../shared/data/benchmarks"
+    benchmarks_dir: str = "benchmarks"
     """Root of the benchmark data (one folder per suite, MANIFEST.tsv); relative to the repository."""
 
-    corpora_dir: str = "../shared/data/corpora"
+    corpora_dir: str = "corpora"
     """Root of the text corpora perplexity tasks read; relative to the repository."""
 
     response_cache_path: str = "var/cache/eval/responses.sqlite"

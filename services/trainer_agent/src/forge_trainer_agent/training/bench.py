@@ -39,6 +39,7 @@ from typing import Annotated, Any
 import typer
 
 from forge_kit.objectstore import ObjectStore
+from forge_kit.paths import resolve_data_path
 from forge_trainer_agent.training import recipes
 from forge_trainer_agent.training.launch import run_group, run_group_sequence
 from forge_trainer_agent.training.train import RunContext, TrainResult, pretrain
@@ -188,7 +189,7 @@ def train(
     out: Annotated[Path, typer.Option(help="directory for summary.json")],
     nanogpt_dir: Annotated[Path | None, typer.Option(help="a checkout of karpathy/nanoGPT")] = None,
     budget_s: Annotated[float, typer.Option(help="wall-clock budget without nanoGPT")] = 180.0,
-    corpus: Annotated[Path, typer.Option(help="training corpus")] = Path(recipes.DEFAULT_CORPUS),
+    corpus: Annotated[Path, typer.Option(help="training corpus")] = resolve_data_path(recipes.DEFAULT_CORPUS),
     ddp_steps: Annotated[int, typer.Option(help="steps per DDP throughput run")] = 40,
     ddp_repeats: Annotated[
         int, typer.Option(min=1, help="1-process/2-process pairs; the median is reported")

@@ -24,16 +24,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from forge_kit.paths import resolve_data_path
 from forge_trainer_agent.training.backbones import BACKBONES, backbone_dir
 
-#: Where the shared corpora live on Forge machines (``../shared`` next to the repository).
-DEFAULT_CORPUS = "/work/shared/data/corpora/tinyshakespeare/input.txt"
+# Data paths: absolute, or relative to the data folder (FORGE_DATA_DIR, filled by `forge data fetch`).
+#: The pre-training corpus: 1.1 MB of Shakespeare.
+DEFAULT_CORPUS = "corpora/tinyshakespeare/input.txt"
 #: A domain corpus for continual pre-training: 5,183 scientific abstracts (BEIR SciFact).
-SCIFACT_CORPUS = "/work/shared/data/beir/scifact/corpus.jsonl"
+SCIFACT_CORPUS = "beir/scifact/corpus.jsonl"
 #: Anthropic HH-RLHF chosen/rejected pairs (helpful-base and harmless-base test splits).
-HH_RLHF = "/work/shared/data/preferences/hh-rlhf"
+HH_RLHF = "preferences/hh-rlhf"
 #: BEIR datasets (corpus.jsonl, queries.jsonl, qrels/{train,dev,test}.tsv per folder).
-BEIR = "/work/shared/data/beir"
+BEIR = "beir"
 
 TASKS = ("pretrain", "cpt", "sft", "reward", "dpo", "rerank")
 #: Tasks that may start from a bundled encoder (``init.backbone``) instead of a parent.
@@ -502,7 +504,7 @@ def from_dict(data: Mapping[str, Any]) -> TrainConfig:
 def corpus_files(corpus: str, field_name: str = "data.corpus") -> list[Path]:
     """The text files of a corpus (a file, ``.txt``/``.jsonl``/``.jsonl.gz``, or a directory of
     ``*.txt``); raises :class:`RecipeError` naming ``field_name`` when there is nothing to read."""
-    path = Path(corpus)
+    path = resolve_data_path(corpus)
     if path.is_dir():
         files = sorted(p for p in path.glob("*.txt") if p.is_file())
     elif path.is_file():
@@ -516,7 +518,7 @@ def corpus_files(corpus: str, field_name: str = "data.corpus") -> list[Path]:
 
 def pair_files(path: str, field_name: str = "pairs.path") -> list[Path]:
     """The ``.jsonl``/``.jsonl.gz`` files of a pair set; :class:`RecipeError` names ``field_name``."""
-    root = Path(path)
+    root = resolve_data_path(path)
     if root.is_dir():
         files = sorted(p for p in root.rglob("*") if p.is_file() and p.name.endswith((".jsonl", ".jsonl.gz")))
     elif root.is_file():
@@ -689,7 +691,7 @@ def _validate_rerank(config: TrainConfig) -> None:
     if not r.names():
         raise RecipeError("rerank.datasets: names no dataset")
     for name in r.names():
-        folder = Path(r.root) / name
+        folder = resolve_data_path(r.root) / name
         for part in ("corpus.jsonl", "queries.jsonl", "qrels/train.tsv"):
             if not (folder / part).is_file():
                 raise RecipeError(
