@@ -82,8 +82,12 @@ def run(
     token: Annotated[
         str, typer.Option("--token", envvar="FORGE_CLI_EVAL_ENDPOINT_TOKEN", show_default=False)
     ] = "",
-    benchmarks_dir: Annotated[str, typer.Option("--benchmarks-dir")] = "benchmarks",
-    corpora_dir: Annotated[str, typer.Option("--corpora-dir")] = "corpora",
+    benchmarks_dir: Annotated[
+        str, typer.Option("--benchmarks-dir", help="Absolute, or a folder inside FORGE_DATA_DIR.")
+    ] = "benchmarks",
+    corpora_dir: Annotated[
+        str, typer.Option("--corpora-dir", help="Absolute, or a folder inside FORGE_DATA_DIR.")
+    ] = "corpora",
 ) -> None:
     """Evaluate tasks on a model and write DIR/summary.json, samples and report.md."""
     try:

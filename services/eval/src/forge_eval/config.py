@@ -25,10 +25,10 @@ class EvalSettings(ServiceSettings):
     """Bearer token sent to the model endpoint."""
 
     benchmarks_dir: str = "benchmarks"
-    """Root of the benchmark data (one folder per suite, MANIFEST.tsv); relative to the repository."""
+    """Root of the benchmark data (one folder per suite, MANIFEST.tsv); absolute, or inside FORGE_DATA_DIR."""
 
     corpora_dir: str = "corpora"
-    """Root of the text corpora perplexity tasks read; relative to the repository."""
+    """Root of the text corpora perplexity tasks read; absolute, or inside FORGE_DATA_DIR."""
 
     response_cache_path: str = "var/cache/eval/responses.sqlite"
     """SQLite response cache keyed by request and model identity; empty disables it."""
