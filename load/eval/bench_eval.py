@@ -9,7 +9,7 @@
     python load/eval/bench_eval.py throughput (--serve DIR | --endpoint URL --model NAME) [--task T]
         the same spec sequentially (batch 1, one request in flight) and concurrently (batch 16,
         --concurrency in flight), cache off, alternated --repeat times; the best time of each is
-        compared (the build machine is shared: the best run is the one least disturbed).
+        compared (on a shared machine the best run is the one least disturbed).
         Threshold: at least 5x faster with identical samples and summary in every repetition.
     python load/eval/bench_eval.py rerun (--serve DIR | --endpoint URL --model NAME) [--task T]
         a run and a re-run of the unchanged spec through one cache; threshold: zero model calls on

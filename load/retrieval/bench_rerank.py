@@ -13,7 +13,7 @@ nDCG@10 and recall@100 of the first stage and of first stage + rerank over the s
 the reranker's pairs/s; with ``--int8-delta`` the same candidates are reranked by the fp32 model and
 by its INT8 quantisation, and the line has both and the accuracy the quantisation costs.
 ``forge eval retrieval --modes hybrid_rerank`` is the benchmark contract (through a reranker
-process); this script is the cheap way to judge a freshly trained model on a shared 2-core machine.
+process); this script is the cheap way to judge a freshly trained model on a small CPU machine.
 """
 
 from __future__ import annotations

@@ -31,11 +31,10 @@ from google.protobuf import json_format
 
 from forge_kit.grpckit import make_channel
 
-#: How long the step waits for the workflow. On the 2-core build machine, ``forge up``'s release
-#: runs (``tinyshakespeare_ppl``, smoke tier: 20 documents in the trained model's 512-token
-#: windows) take a few seconds to tens of seconds per model plus about 10 s to start its model
-#: server; a second ``forge up`` also re-scores production, from the response cache. The margin
-#: is for a machine shared with other work.
+#: How long the step waits for the workflow: the release runs (``tinyshakespeare_ppl``, smoke
+#: tier: 20 documents in the trained model's 512-token windows) plus starting a model server per
+#: model; a second ``forge up`` also re-scores production, from the response cache. The margin is
+#: for a small machine shared with other work.
 STEP_TIMEOUT_S = 240.0
 POLL_S = 0.5
 #: The keys the training step's result must have.

@@ -1,4 +1,4 @@
-"""``forge bench train [--nanogpt-dir PATH] --out DIR``: the training benchmarks of issue 4;
+"""``forge bench train [--nanogpt-dir PATH] --out DIR``: the training benchmarks (quality against nanoGPT, DDP speed-up);
 ``forge bench recipes --out DIR``: the post-training recipes on the shared data (see
 :func:`recipes_bench`).
 
@@ -141,8 +141,8 @@ def forge_quality(budget_s: float, corpus: Path, work: Path, cache: Path) -> dic
 
 def ddp_speedup(corpus: Path, work: Path, cache: Path, steps: int, repeats: int = 5) -> list[float]:
     """Tokens/s of 2 processes over 1, ``repeats`` times, the two runs of a pair back to back: on
-    a shared 2-core machine one pair's ratio moves by +-0.2 with what else is running, so the
-    summary reports the median pair and keeps every pair's ratio."""
+    a shared machine one pair's ratio moves with what else is running, so the summary reports the
+    median pair and keeps every pair's ratio."""
     config = _recipe(corpus, max_steps=steps, eval_interval=10**9, threads=1, micro_batch_size=6)
     config = dataclasses.replace(config, optim=dataclasses.replace(config.optim, warmup_steps=2))
     config = dataclasses.replace(config, checkpoint=dataclasses.replace(config.checkpoint, interval_steps=0))

@@ -247,12 +247,12 @@ class TrainConfig:
     optimizer state sharded over the ranks). One process trains unwrapped either way."""
     shared_memory_allreduce: bool = True
     """On CPU ranks of one host, sum the gradients (under ``ddp``) and each step's figures through
-    shared memory rather than gloo's loopback TCP (the same sums; 1.7 ms against 5.7 ms for the
-    baseline's 4.7 MB of gradients). Off: gloo's all-reduce, as across hosts."""
+    shared memory rather than gloo's loopback TCP (the same sums, several times faster). Off:
+    gloo's all-reduce, as across hosts."""
     threads: int = 1
-    """torch intra-op threads per process (0: torch's default). One by default: on a shared
-    2-core machine two OpenMP threads per process ran 20x slower (0.215 vs 4.1 s/step) when
-    other jobs held the cores; data parallelism uses the cores instead."""
+    """torch intra-op threads per process (0: torch's default). One by default: OpenMP threads
+    that outnumber the free cores slow a step down many times when other jobs hold the cores;
+    data parallelism uses the cores instead."""
 
     def grad_accum_steps(self, world_size: int) -> int:
         return self.global_batch_size // (world_size * self.micro_batch_size)
@@ -343,11 +343,9 @@ def reward_hh_minilm() -> TrainConfig:
     (1,576). Harmless-base is not mixed in by default (``pairs.extra_train`` adds it): its chosen
     response is the longer one in 44 % of pairs, helpful-base's in 59 %, so it pulls a small model
     away from what helpful-base rewards. Micro-batches of 2 pairs keep padding low (a batch pads
-    to its longest sequence); 16 pairs per step; about 17 s a step on one thread of a shared
-    2-core machine, so 140 steps fit in about 35 minutes with the two held-out evaluations. The
-    new head (pooler and classifier) learns 20x faster than the encoder (``optim.head_lr_scale``,
-    as the reranker's cross-encoder): held-out accuracy 0.638 [0.601, 0.672] against 0.616
-    [0.580, 0.652] at 1x (701 pairs; ``load/training/README.md``)."""
+    to its longest sequence); 16 pairs per step. The new head (pooler and classifier) learns 20x
+    faster than the encoder (``optim.head_lr_scale``, as the reranker's cross-encoder), which
+    held out better than 1x (``load/training/RESULTS.md``)."""
     return TrainConfig(
         name="reward_hh_minilm",
         task="reward",
@@ -380,9 +378,7 @@ def rerank_beir_minilm() -> TrainConfig:
     relevant passage ranks first of its group. 128 word pieces per pair keep the query, the title
     and the abstract's opening at about 1.5x the pairs/s of 192 on CPU; 4 groups (16 pairs) a
     step, since on CPU pairs/s hardly grow with the batch and the fresh head needs many steps;
-    the word-piece embeddings stay frozen and the head learns 20x faster. Measured through the
-    scheduler on two trainer agents of the 2-core build machine (DDP, one thread each, otherwise
-    idle): about 1.1 s a step, 300 steps in 6.5 minutes with the evaluations."""
+    the word-piece embeddings stay frozen and the head learns 20x faster."""
     return TrainConfig(
         name="rerank_beir_minilm",
         task="rerank",
