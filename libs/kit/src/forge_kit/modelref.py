@@ -50,7 +50,7 @@ def check_name(name: str) -> str:
     """``name`` when it is a valid model name, else a :class:`ValueError` naming it."""
     if not isinstance(name, str) or not _NAME.fullmatch(name):
         shown = _shown(name) if isinstance(name, str) else type(name).__name__
-        raise ValueError(f"invalid model name {shown}: must be 1-{NAME_MAX} {_ALPHABET}")
+        raise ValueError(f"invalid model name {shown}: must be 1 to at most {NAME_MAX} {_ALPHABET}")
     return name
 
 
@@ -58,7 +58,7 @@ def check_version(version: str) -> str:
     """``version`` when it is empty or a valid version, else a :class:`ValueError` naming it."""
     if not isinstance(version, str) or (version and not _VERSION.fullmatch(version)):
         shown = _shown(version) if isinstance(version, str) else type(version).__name__
-        raise ValueError(f"invalid model version {shown}: must be empty or 1-{VERSION_MAX} {_ALPHABET}")
+        raise ValueError(f"invalid model version {shown}: must be empty or at most {VERSION_MAX} {_ALPHABET}")
     return version
 
 
