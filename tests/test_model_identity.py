@@ -222,7 +222,8 @@ async def test_the_product_names_answer_with_the_version_the_registry_promoted(
             assert asyncio.get_running_loop().time() < deadline, "forge-chat never moved to run-9c1d"
             await asyncio.sleep(0.3)
 
-        # The next `make up`: the chat step serves what the registry holds, and forge-chat answers.
+        # The chat step again, as after a `make up` whose checkpoint eval blocked: it serves what the
+        # registry holds in production too (a checkpoint folder of an earlier run), and forge-chat answers.
         ctx.results["eval"] = {"model": str(model), "promoted_to": []}
         again = await chat(ctx)
         assert again["ok"] is True and again["served_by"] == "run-9c1d:step-40", again
