@@ -25,6 +25,7 @@ from forge_inference_gateway.routing import (
 from forge_inference_gateway.service import InferenceGateway
 from forge_inference_gateway.upstream import ModelServerClient, UpstreamUnavailableError
 from forge_kit import errors
+from forge_kit.modelref import ModelRef
 
 # What `vllm serve` (0.x, V1 engine) exposes, trimmed: two engines' gauges and unrelated series.
 VLLM_EXPOSITION = """# HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -115,6 +116,11 @@ def test_only_replicas_serving_the_version_are_candidates() -> None:
     assert {r.url for r in pool.candidates("tiny")} == {r1.url, r2.url}
     # Nobody serves it: any healthy replica, whose 404 reaches the caller.
     assert len(pool.candidates("huge")) == 3
+    # The version that answers: a pinned one as asked, else the one the replica lists.
+    assert str(r1.answering(ModelRef("tiny"))) == "tiny:3"
+    assert str(r2.answering(ModelRef("tiny", "4"))) == "tiny:4"
+    assert str(r3.answering(ModelRef("other"))) == "other"
+    assert r1.served("huge") is None and r1.serves("not a model") is False
 
 
 def test_prefix_affinity_keeps_a_shared_prompt_on_one_replica_until_it_is_too_busy() -> None:

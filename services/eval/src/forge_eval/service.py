@@ -42,6 +42,7 @@ from forge_eval.tasks import load_task, shipped_tasks
 from forge_kit import errors
 from forge_kit.db import Database
 from forge_kit.events import stage_event
+from forge_kit.modelref import check_name, check_version
 
 log = structlog.get_logger(__name__)
 EVAL_GATE = Counter(
@@ -68,9 +69,6 @@ TRANSITIONS: dict[str, frozenset[str]] = {
 }
 GATE_STAGE = PRODUCTION
 TIERS = ("full", "smoke")
-
-_MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-_VERSION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
 @dataclass(frozen=True)
@@ -130,17 +128,23 @@ class Comparison:
 
 
 def validate_model_name(field: str, value: str) -> None:
+    """A registry name is a :class:`~forge_kit.modelref.ModelRef`'s name."""
     if not value:
         raise errors.ValidationError(field, "must not be empty")
-    if not _MODEL_NAME.match(value):
-        raise errors.ValidationError(
-            field, "must be letters, digits, '.', '_' or '-', at most 128 characters"
-        )
+    try:
+        check_name(value)
+    except ValueError as exc:
+        raise errors.ValidationError(field, str(exc)) from None
 
 
 def validate_version(field: str, value: str) -> None:
-    if not _VERSION.match(value):
-        raise errors.ValidationError(field, "must be letters, digits, '.', '_' or '-', at most 64 characters")
+    """A registry version is a :class:`~forge_kit.modelref.ModelRef`'s version, never empty."""
+    if not value:
+        raise errors.ValidationError(field, "must not be empty")
+    try:
+        check_version(value)
+    except ValueError as exc:
+        raise errors.ValidationError(field, str(exc)) from None
 
 
 def validate_stage(field: str, value: str) -> None:

@@ -46,6 +46,7 @@ from prometheus_client import Counter, Gauge
 
 from forge_inference_gateway.upstream import ModelServerClient, UpstreamUnavailableError, error_for
 from forge_kit import errors
+from forge_kit.modelref import ModelRef
 
 log = structlog.get_logger(__name__)
 
@@ -131,10 +132,13 @@ def parse_load(text: str) -> Load:
     return Load(waiting=waiting, running=running, kv_usage=kv)
 
 
-def split_target(target: str) -> tuple[str, str]:
-    """``name:version`` → (name, version); a bare name has version ``""``."""
-    name, _, version = target.partition(":")
-    return name, version
+def model_name(target: str) -> str:
+    """The model name of a routing target (``name`` or ``name:version``); the target itself when it
+    is not a model reference."""
+    try:
+        return ModelRef.parse(target).name
+    except ValueError:
+        return target
 
 
 @dataclass
@@ -159,15 +163,32 @@ class Replica:
     removed: bool = False
 
     def serves(self, target: str) -> bool | None:
-        """Whether it serves ``target``; None while its model list is not known."""
+        """Whether it serves ``target`` (``name`` or ``name:version``); None while its model list
+        is not known."""
         if self.cards is None:
             return None
-        name, version = split_target(target)
-        card = self.cards.get(name)
-        if card is None:
+        try:
+            wanted = ModelRef.parse(target)
+        except ValueError:
             return False
-        served_version = str(card.get("version") or "")
-        return not version or not served_version or served_version == version
+        served = self.served(wanted.name)
+        return served is not None and wanted.matches(served)
+
+    def served(self, name: str) -> ModelRef | None:
+        """The model version it lists under ``name`` (its ``/v1/models`` card), or None."""
+        card = (self.cards or {}).get(name)
+        if card is None:
+            return None
+        try:
+            return ModelRef(name, str(card.get("version") or ""))
+        except ValueError:
+            return ModelRef(name)  # a version outside the grammar: known by its name only
+
+    def answering(self, model: ModelRef) -> ModelRef:
+        """The version that answers a request for ``model`` here: its pinned one, else the one
+        this replica lists under the name."""
+        served = None if model.pinned else self.served(model.name)
+        return served if served is not None else model
 
     def estimated_load(self) -> float:
         """Requests on the replica now, as best this gateway can tell (see the module docstring)."""

@@ -353,7 +353,7 @@ class EvalAndPromoteWorkflow:
                 EvalActivities.compare_runs, baseline_run, candidate_run
             )
             result.baseline_run_id = baseline_run
-            result.baseline = f"{production.name}:{production.version}"
+            result.baseline = str(production)
             result.verdict = comparison.verdict
             result.report_path = comparison.report_path or result.report_path
             if comparison.verdict == "WORSE":
