@@ -91,7 +91,7 @@ async def chat(ctx: MainJobContext) -> dict[str, object]:
         small = bool(context) and context < 4 * MAX_TOKENS
         max_tokens, question = (None, SHORT_QUESTION) if small else (MAX_TOKENS, QUESTION)
         # 3. The gateway routes to that model server and has seen the model there.
-        waited = await _register_with_gateway(client, gateway, server.http_url)
+        waited = await _register_with_gateway(client, gateway, server.http_url, server.token)
         # 4. One streamed chat completion through the gateway.
         streamed = await stream_chat(client, gateway, MODEL, question, max_tokens)
     return {
@@ -118,11 +118,16 @@ def _expect(reply: httpx.Response, statuses: set[int], doing: str) -> None:
         raise ChatStepError(f"{doing}: HTTP {reply.status_code}: {reply.text[:500]}")
 
 
-async def _register_with_gateway(client: httpx.AsyncClient, gateway: Endpoint, replica_url: str) -> float:
-    """Add the model server to the gateway's replicas (409: it is there already) and wait until the
-    gateway's scrape of its ``/v1/models`` lists the model; seconds waited."""
+async def _register_with_gateway(
+    client: httpx.AsyncClient, gateway: Endpoint, replica_url: str, replica_token: str
+) -> float:
+    """Add the model server to the gateway's replicas with the token it accepts (409: it is there
+    already) and wait until the gateway's scrape of its ``/v1/models`` lists the model; seconds
+    waited."""
     admin = f"{gateway.http_url}/admin/v1/replicas"
-    reply = await client.post(admin, json={"url": replica_url}, headers=_bearer(gateway.token))
+    reply = await client.post(
+        admin, json={"url": replica_url, "token": replica_token}, headers=_bearer(gateway.token)
+    )
     _expect(reply, {201, 409}, f"adding {replica_url} to the gateway's replicas")
     started = time.monotonic()
     wanted = replica_url.rstrip("/")
