@@ -239,7 +239,10 @@ def test_an_admin_added_replica_never_receives_the_gateways_model_server_token(
     assert configured.headers() == {f"Bearer {MODEL_SERVER_TOKEN}"}  # the configured one is trusted
     assert added.headers() == {None}, added.seen
     assert with_token.headers() == {"Bearer issued-for-it"}, with_token.seen
-    # A token that would break the header it goes into is refused.
     with httpx.Client(base_url=process.http_url, headers=admin, timeout=30) as http:
+        # The listing does not hand the replica's token back.
+        listed = http.get("/admin/v1/replicas")
+        assert listed.status_code == 200 and "issued-for-it" not in listed.text
+        # A token that would break the header it goes into is refused.
         reply = http.post("/admin/v1/replicas", json={"url": listen().url, "token": "a\r\nX-Evil: 1"})
     assert reply.status_code == 400, reply.text
