@@ -214,10 +214,9 @@ class OpenAICompletionsRunner:
             pool = suite.shots(self._root)
             prefix = "".join(s + "\n\n" for s in random.Random(spec.seed).sample(pool, min(shots, len(pool))))
         base = endpoint.rstrip("/")
-        if token is None:
-            headers = self._headers
-        else:  # the endpoint's own credential; empty: none
-            headers = {"Authorization": f"Bearer {token}"} if token else {}
+        # The endpoint's own credential (empty: none); None: the runner's configured one.
+        bound = {"Authorization": f"Bearer {token}"} if token else {}
+        headers = self._headers if token is None else bound
         async with httpx.AsyncClient(
             base_url=base, headers=headers, timeout=self._timeout_s, transport=self._transport
         ) as client:
