@@ -179,6 +179,28 @@ def test_replica_urls_are_validated() -> None:
         pool.add(URLS[0] + "/")
 
 
+async def test_added_replicas_get_their_own_token_and_a_new_client_when_it_changes() -> None:
+    made: list[tuple[str, str | None]] = []
+
+    def configured(url: str) -> ModelServerClient:
+        made.append((url, "gateway-token"))
+        return ModelServerClient(url, "gateway-token")
+
+    def added(url: str, token: str) -> ModelServerClient:
+        made.append((url, token))
+        return ModelServerClient(url, token or None)
+
+    pool = ReplicaPool([URLS[0]], configured, admin_client_factory=added)
+    await pool.sync({URLS[1]: "", URLS[2]: "t2"})
+    assert made == [(URLS[0], "gateway-token"), (URLS[1], ""), (URLS[2], "t2")]
+    first = pool.get(URLS[2]).client
+    await pool.sync({URLS[1]: "", URLS[2]: "t2"})  # unchanged: same clients
+    assert pool.get(URLS[2]).client is first and len(made) == 3
+    await pool.sync({URLS[2]: "rotated"})  # r2 gone, r3's token rotated
+    assert not pool.has(URLS[1]) and pool.get(URLS[2]).client is not first
+    assert made[-1] == (URLS[2], "rotated") and pool.has(URLS[0])
+
+
 # -- against real vLLM-protocol servers ------------------------------------------------------
 
 Start = Callable[..., Awaitable[Any]]

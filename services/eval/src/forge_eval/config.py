@@ -22,7 +22,13 @@ class EvalSettings(ServiceSettings):
     """OpenAI-compatible base URL runs query when RunSuite names no endpoint."""
 
     inference_gateway_token: SecretStr = SecretStr("")
-    """Bearer token sent to the model endpoint."""
+    """Bearer token issued to eval by the gateway (a tenant key); sent only to
+    ``inference_gateway_url``."""
+
+    model_endpoints: dict[str, SecretStr] = Field(default_factory=dict)
+    """Further model endpoints runs may query, JSON ``{"http://host:port": "<token or empty>"}``:
+    each token is sent only to its own URL. A non-admin's RunSuite must name a registered endpoint
+    (these, the gateway); an admin's may name another, which then gets no credential."""
 
     benchmarks_dir: str = "benchmarks"
     """Root of the benchmark data (one folder per suite, MANIFEST.tsv); absolute, or inside FORGE_DATA_DIR."""

@@ -33,6 +33,7 @@ from prometheus_client import Counter
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from forge_eval import reports, stats
+from forge_eval.endpoints import EndpointRegistry, normalize_endpoint
 from forge_eval.runner import ExampleResult, RunnerError, SuiteRunner
 from forge_eval.scorers import SCORERS
 from forge_eval.serving import ModelHost, ModelServerError, local_checkpoint
@@ -203,8 +204,10 @@ class EvalService:
         run_concurrency: int = 1,
         model_host: ModelHost | None = None,
         reports_dir: Path | None = None,
+        endpoints: EndpointRegistry | None = None,
     ) -> None:
         self._db = db
+        self._endpoints = endpoints or EndpointRegistry({default_endpoint: ""})
         self._catalog = catalog
         self._runner = runner
         self._default_endpoint = default_endpoint
@@ -653,10 +656,13 @@ class EvalService:
         options: Mapping[str, str],
         tier: str = "",
         serve_model: bool = False,
+        admin: bool = True,
     ) -> RunRow:
         """Validate, pin the spec and queue the run (PENDING); the worker executes it. With
         ``serve_model`` the run's endpoint is a model server started from the model's registered
-        checkpoint when the run executes."""
+        checkpoint when the run executes. Otherwise the endpoint must be a registered one
+        (:mod:`forge_eval.endpoints`) unless the caller is an ``admin``; an unregistered endpoint's
+        run carries no credential."""
         suites = self._catalog.suites()
         if suite not in suites:
             raise errors.ValidationError(
@@ -689,8 +695,13 @@ class EvalService:
                 raise errors.ValidationError(
                     "endpoint", "is required: no default model endpoint is configured"
                 )
-            if not re.match(r"^https?://[^\s/]+", endpoint):
-                raise errors.ValidationError("endpoint", "must be an http:// or https:// URL")
+            normalize_endpoint(endpoint)
+            if not admin and not self._endpoints.is_registered(endpoint):
+                raise errors.PermissionDeniedError(
+                    f"endpoint {endpoint[:200]!r} is not a registered model endpoint "
+                    f"(registered: {', '.join(self._endpoints.urls()) or 'none'}); only an admin may "
+                    "run against another address, and such a run carries no credential"
+                )
         sampling = normalize_options(options)
         datasets = await asyncio.to_thread(self._catalog.dataset_hashes, suite)
         async with self._db.session() as session:
@@ -863,9 +874,10 @@ class EvalService:
 
     @asynccontextmanager
     async def _endpoint(self, run: RunRow, model: ModelRow | None) -> AsyncIterator[tuple[str, str | None]]:
-        """The run's endpoint and token (None: the runner's own), serving the checkpoint if asked."""
+        """The run's endpoint and the token bound to it (empty for an unregistered endpoint),
+        serving the checkpoint if asked."""
         if not run.serve_model:
-            yield run.endpoint, None
+            yield run.endpoint, self._endpoints.credential(run.endpoint)
             return
         checkpoint = local_checkpoint(model.uri) if model is not None else None
         if self._model_host is None or model is None or checkpoint is None:

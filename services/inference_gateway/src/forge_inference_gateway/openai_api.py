@@ -61,6 +61,8 @@ class CanaryBody(BaseModel):
 
 class ReplicaBody(BaseModel):
     url: str
+    token: str = Field(default="", max_length=512)
+    """The bearer token the replica accepts, issued for it (empty: none)."""
 
 
 def _bearer(request: Request) -> str:
@@ -308,7 +310,7 @@ class AdminRoutes:
         return {"replicas": [r.view() for r in self._gateway.pool.replicas()]}
 
     async def add_replica(self, body: ReplicaBody) -> JSONResponse:
-        replica = await self._gateway.add_replica(body.url)
+        replica = await self._gateway.add_replica(body.url, body.token)
         return JSONResponse(replica.view(), status_code=201)
 
     async def remove_replica(self, url: str) -> Response:

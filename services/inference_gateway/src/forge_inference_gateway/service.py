@@ -72,6 +72,8 @@ PUBLIC_ALIASES = {"production": "forge-chat"}
 CANARY_OF = {"canary": "production"}
 #: Response header naming the model version that served the request (a canary split shows here).
 MODEL_HEADER = "x-forge-model"
+#: A replica's bearer token: visible ASCII only (it goes into a header), bounded.
+_REPLICA_TOKEN = re.compile(r"[\x21-\x7e]{0,512}")
 #: Upstream statuses after which another replica is tried: it could not take the request.
 _RETRY_STATUSES = (429, 503)
 # Upstream headers worth relaying; hop-by-hop and length headers are the server's business.
@@ -531,9 +533,13 @@ class InferenceGateway:
 
     # -- replicas ----------------------------------------------------------------------------
 
-    async def add_replica(self, url: str) -> Replica:
-        """Admin: route to one more model-server replica, on every gateway replica (via the store)."""
+    async def add_replica(self, url: str, token: str = "") -> Replica:
+        """Admin: route to one more model-server replica, on every gateway replica (via the store).
+        ``token`` is the credential issued for that replica (empty: none): it is what the gateway
+        sends there, never its own model-server token."""
         url = normalize_url(url)
+        if not _REPLICA_TOKEN.fullmatch(token):
+            raise errors.ValidationError("token", "must be at most 512 visible ASCII characters")
         # A configured replica (MODEL_SERVER_URL) is checked first: it must not get a store row,
         # or every gateway would keep routing to it after the setting drops it.
         if self.pool.has(url):
@@ -541,8 +547,8 @@ class InferenceGateway:
         async with self._db.session() as session:
             if await session.get(UpstreamReplicaRow, url) is not None:
                 raise errors.AlreadyExistsError(f"replica {url} is already in the pool")
-            session.add(UpstreamReplicaRow(url=url))
-        return self.pool.add(url, source="admin")
+            session.add(UpstreamReplicaRow(url=url, token=token))
+        return self.pool.add(url, source="admin", token=token)
 
     async def remove_replica(self, url: str) -> None:
         """Admin: stop routing to a replica added through the admin API; its requests finish there."""
@@ -560,8 +566,8 @@ class InferenceGateway:
     async def sync_replicas(self) -> None:
         """Make the pool's admin-added replicas those in the store (other gateways may have changed it)."""
         async with self._db.session() as session:
-            urls = (await session.scalars(sa.select(UpstreamReplicaRow.url))).all()
-        await self.pool.sync(urls)
+            rows = (await session.execute(sa.select(UpstreamReplicaRow.url, UpstreamReplicaRow.token))).all()
+        await self.pool.sync({url: token for url, token in rows})
 
     def autoscaling(self) -> list[Recommendation]:
         return self.autoscaler.publish()

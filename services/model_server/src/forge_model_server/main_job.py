@@ -173,7 +173,9 @@ async def chat(ctx: MainJobContext) -> dict[str, object]:
         max_tokens, question = (None, SHORT_QUESTION) if small else (MAX_TOKENS, QUESTION)
         # 4. The gateway routes to that model server and lists forge-chat at production's version.
         alias = PUBLIC_MODEL if "production" in holders else str(trained.model)
-        waited = await _register_with_gateway(client, gateway, server.http_url, alias, production)
+        waited = await _register_with_gateway(
+            client, gateway, server.http_url, server.token, alias, production
+        )
         # 5. One streamed chat completion through the gateway, to the product name.
         streamed = await stream_chat(client, gateway, alias, question, max_tokens)
     return {
@@ -219,13 +221,20 @@ def _expect(reply: httpx.Response, statuses: set[int], doing: str) -> None:
 
 
 async def _register_with_gateway(
-    client: httpx.AsyncClient, gateway: Endpoint, replica_url: str, model: str, version_of: ModelRef
+    client: httpx.AsyncClient,
+    gateway: Endpoint,
+    replica_url: str,
+    replica_token: str,
+    model: str,
+    version_of: ModelRef,
 ) -> float:
-    """Add the model server to the gateway's replicas (409: it is there already) and wait until
-    the gateway's ``/v1/models`` lists ``model`` (an alias, moved there by ``ModelPromoted``, or
-    a model) at the version of ``version_of``; seconds waited."""
+    """Add the model server to the gateway's replicas with the token it accepts (409: it is there
+    already) and wait until the gateway's ``/v1/models`` lists ``model`` (an alias, moved there by
+    ``ModelPromoted``, or a model) at the version of ``version_of``; seconds waited."""
     admin = f"{gateway.http_url}/admin/v1/replicas"
-    reply = await client.post(admin, json={"url": replica_url}, headers=_bearer(gateway.token))
+    reply = await client.post(
+        admin, json={"url": replica_url, "token": replica_token}, headers=_bearer(gateway.token)
+    )
     _expect(reply, {201, 409}, f"adding {replica_url} to the gateway's replicas")
     started = time.monotonic()
     while True:
