@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import datetime as dt
 import json
-import re
 import uuid
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable, Mapping
