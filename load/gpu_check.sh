@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check of the inference path (issue 5): a checkpoint Forge trained and exported, served by
+# The GPU check of the inference path: a checkpoint Forge trained and exported, served by
 # `vllm serve`, driven through Forge's inference gateway with `forge load inference`.
 #
 #   load/gpu_check.sh [OUT_DIR]            (default: var/gpu-check)

@@ -7,7 +7,7 @@ closing a stream closes the connection, which is how a cancelled request is canc
 aiohttp rather than httpx on this leg: the gateway relays every token of every stream, and at 50
 concurrent streams httpcore's pool bookkeeping (a scan of all connections, with a readability
 poll of each, on every request start and end) cost about 40% of the gateway's CPU (py-spy,
-``load/inference/README.md``).
+``load/inference/RESULTS.md``).
 """
 
 from __future__ import annotations
