@@ -1,4 +1,4 @@
-"""Attacker's side of issue 22, hole 4: a service must not forward its own credential to an
+"""Attacker's side: a service must not forward its own credential to an
 address its caller picks.
 
 - Eval: a user (a non-admin eval token) asks for a run against an endpoint it controls — a local

@@ -1,4 +1,4 @@
-"""Attacker's side of issue 22, hole 6: the orchestrator must act with its caller's rights, not as
+"""Attacker's side: the orchestrator must act with its caller's rights, not as
 the scheduler admin it holds a token for.
 
 A team token issued by the scheduler (team-a) calls the orchestrator:
