@@ -109,7 +109,7 @@ async def test_the_trained_checkpoint_answers_a_streamed_chat_through_the_gatewa
     auth = {"Authorization": f"Bearer {SERVER_TOKEN}"}
     server_url = platform["model_server"].http_url
     cards = httpx.get(f"{server_url}/v1/models", headers=auth).json()["data"]
-    assert [(c["id"], c["version"], c["root"]) for c in cards] == [(MODEL, "run-7-5", str(export))]
+    assert [(c["id"], c["version"], c["root"]) for c in cards] == [(MODEL, "run-7-5", MODEL)]
     # The next `make up` trains again: a new run, exported as pre-training exports (no chat
     # template, so the server's default chat format) with the main job's 32-token context (the
     # prompt leaves little room: max_tokens is left to the server), replaces the model and answers.
@@ -119,4 +119,4 @@ async def test_the_trained_checkpoint_answers_a_streamed_chat_through_the_gatewa
     assert again["ok"] is True and again["model"] == f"{MODEL}:run-8-9"
     assert again["token_events"] == again["completion_tokens"] >= 1
     cards = httpx.get(f"{server_url}/v1/models", headers=auth).json()["data"]
-    assert [(c["id"], c["version"], c["root"]) for c in cards] == [(MODEL, "run-8-9", str(second))]
+    assert [(c["id"], c["version"], c["root"]) for c in cards] == [(MODEL, "run-8-9", MODEL)]
