@@ -5,21 +5,29 @@ What a program sees: a root file system of its own with nothing of the host but 
 runtime (the interpreter, its standard library without ``site-packages``, and the shared libraries
 they load), bound read-only; a private tmpfs ``/tmp`` and working directory ``/sandbox`` holding
 only ``program.py``; a minimal ``/dev``; no ``/proc``, no ``/etc``, no environment variables. It
-runs in new user, PID, network, IPC, UTS and cgroup namespaces (no host unix sockets reach it: the
-file system holds none, and the network namespace has only a down loopback), as an unprivileged
-host uid (when this process is root it first drops to ``uid``/``gid``: a file the host keeps
-root-only stays unreadable even if bound in), with further user namespaces disabled, under
-``RLIMIT_NPROC`` (counted per sandbox: each has its own user namespace), ``RLIMIT_AS``,
-``RLIMIT_CPU``, ``RLIMIT_FSIZE`` and ``RLIMIT_NOFILE``. On timeout the outer bwrap is killed; its
-PID-1 reaper dies with it (``--die-with-parent``) and the kernel kills everything else in the PID
-namespace, ``setsid()`` children included.
+runs in new PID, network, IPC, UTS and cgroup namespaces (no host unix socket is reachable: the
+file system holds none; the network namespace has only its own loopback) under ``RLIMIT_NPROC``,
+``RLIMIT_AS``, ``RLIMIT_CPU``, ``RLIMIT_FSIZE`` and ``RLIMIT_NOFILE``, with no capabilities and
+no-new-privileges, as an unprivileged host uid:
+
+- this process is root: bwrap runs without a user namespace (one would map the sandbox to host
+  root) keeping only CAP_SETUID/CAP_SETGID, and the launcher drops to ``uid``/``gid`` before the
+  program starts, so a root-only file stays unreadable even if bound in. ``RLIMIT_NPROC`` then
+  counts every task of that host uid; the tasks it already has are added to the allowance.
+- otherwise: a user namespace maps the sandbox to this process's own uid, nested user namespaces
+  are disabled, and ``RLIMIT_NPROC`` counts this sandbox's tasks only.
+
+On timeout the outer bwrap is killed; its PID-1 reaper dies with it (``--die-with-parent``) and
+the kernel kills everything else in the PID namespace, ``setsid()`` children included. If this
+process dies, ``setpriv --pdeathsig`` takes bwrap down too.
 
 Where bubblewrap is missing or cannot create the namespaces, :func:`run_python` raises
 :class:`SandboxUnavailableError`: code never runs unsandboxed.
 
-The host provides ``bwrap`` (Debian ``bubblewrap``; ``FORGE_SANDBOX_BWRAP``), unprivileged user
-namespaces, and an otherwise unused uid/gid to drop to when running as root
-(``FORGE_SANDBOX_UID``/``FORGE_SANDBOX_GID``, default ``nobody``).
+The host provides ``bwrap`` (Debian ``bubblewrap``; ``FORGE_SANDBOX_BWRAP``) and util-linux
+``setpriv``, unprivileged user namespaces when this process is not root, and when it is, a uid/gid
+to drop to (``FORGE_SANDBOX_UID``/``FORGE_SANDBOX_GID``, default ``nobody``) that owns no files;
+the Python runtime must be readable by that uid once bound (it need not reach its folder).
 """
 
 from __future__ import annotations
@@ -228,6 +236,20 @@ def _identity(settings: SandboxSettings) -> list[str]:
     ]
 
 
+def _tasks_of(uid: int) -> int:
+    """Threads the host already runs as ``uid``. Without a user namespace of its own, a sandbox's
+    ``RLIMIT_NPROC`` counts every task of its host uid: this many come on top of the program's
+    allowance, so other programs running as that uid (a concurrent sandbox, a job) neither eat
+    it nor make the launch fail."""
+    count = 0
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                if os.stat(f"/proc/{entry}").st_uid == uid:
+                    count += len(os.listdir(f"/proc/{entry}/task"))
+    return count
+
+
 def _command(
     settings: SandboxSettings, limits: SandboxLimits, program_fd: int, readonly_files: Sequence[str]
 ) -> list[str]:
@@ -270,7 +292,7 @@ def _command(
         "FSIZE": limits.max_file_bytes,
         "CORE": 0,
         "NOFILE": limits.max_open_files,
-        "NPROC": limits.max_processes,
+        "NPROC": limits.max_processes + (_tasks_of(settings.uid) if os.geteuid() == 0 else 0),
     }
     spec = ",".join(f"{k}={v}" for k, v in rlimits.items())
     drop = f"{settings.uid}:{settings.gid}" if os.geteuid() == 0 else "-"
