@@ -58,9 +58,7 @@ def test_pass_at_k_matches_the_combinatorial_definition() -> None:
 
 
 def _roots() -> DataRoots:
-    return DataRoots(
-        resolve_data_path("../shared/data/benchmarks"), resolve_data_path("../shared/data/corpora")
-    )
+    return DataRoots(resolve_data_path("benchmarks"), resolve_data_path("corpora"))
 
 
 def test_humaneval_scores_canonical_and_broken_solutions() -> None:
