@@ -26,6 +26,7 @@ from forge_cli.platform import INFRA, Infra, ServiceSpec
 from forge_cli.supervisor import Component, Paths
 from forge_kit.events import ensure_topics
 from forge_kit.grpckit import check_health
+from forge_kit.paths import private_dir
 from forge_kit.testing.processes import port_open, tansu_binary
 
 INFRA_TIMEOUT_S = 60.0
@@ -105,7 +106,7 @@ def temporal_component(infra: Infra, paths: Paths) -> Component:
         )
         return await proc.wait() == 0
 
-    paths.temporal_db.parent.mkdir(parents=True, exist_ok=True)
+    private_dir(paths.temporal_db.parent)
     return Component(
         name="temporal",
         argv=[
@@ -151,7 +152,7 @@ def service_component(
     paths: Paths,
     infra: Infra = INFRA,
 ) -> Component:
-    paths.data_dir(spec.name).mkdir(parents=True, exist_ok=True)
+    private_dir(paths.data_dir(spec.name))
 
     async def healthy() -> bool:
         return await service_healthy(spec)

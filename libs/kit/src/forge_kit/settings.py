@@ -15,6 +15,7 @@ from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from forge_kit.grpckit import TlsConfig
+from forge_kit.paths import private_dir
 
 
 def service_config(service: str) -> SettingsConfigDict:
@@ -115,10 +116,11 @@ class ServiceSettings(ForgeSettings):
         return self
 
     def sqlite_url(self, filename: str) -> str:
-        """The database URL to use: ``database_url`` if set, else ``<data_dir>/<filename>``."""
+        """The database URL to use: ``database_url`` if set, else ``<data_dir>/<filename>``
+        (``data_dir`` made private: 0700)."""
         if self.database_url:
             return self.database_url
-        os.makedirs(self.data_dir, exist_ok=True)
+        private_dir(self.data_dir)
         return f"sqlite+aiosqlite:///{os.path.abspath(os.path.join(self.data_dir, filename))}"
 
     @model_validator(mode="after")

@@ -199,13 +199,14 @@ def _sse(payload: object) -> bytes:
 
 
 def model_card(model: ModelInfo, loaded: bool) -> dict[str, object]:
-    """A ``/v1/models`` entry as vLLM lists it, plus Forge's ``version`` and ``loaded``."""
+    """A ``/v1/models`` entry as vLLM lists it, plus Forge's ``version`` and ``loaded``; ``root`` is
+    the model id, never the checkpoint's path on this host."""
     return {
         "id": model.id,
         "object": "model",
         "created": model.created,
         "owned_by": "forge",
-        "root": model.path,
+        "root": model.id,
         "parent": None,
         "max_model_len": model.max_context_tokens or None,
         "version": model.version,
