@@ -12,6 +12,7 @@
 #   make soak      30 minutes of mixed traffic: memory flat and error rate steady (SOAK_MINUTES=30)
 #   make bench     the same as make load
 #   make gen       regenerate the protobuf stubs and the deployment files (deploy/generate.py)
+#   make secrets   generate every Compose secret into .env (mode 0600, never committed)
 #   make clean     stop the platform and remove local state (var/) and caches
 
 SHELL := /bin/bash
@@ -35,7 +36,7 @@ NPM_STAMP := node_modules/.installed-$(shell sha256sum package-lock.json | cut -
 
 PYTEST_TIMEOUT ?= 300
 
-.PHONY: help install up down status test fuzz faults verify load soak bench gen clean
+.PHONY: help install up down status test fuzz faults verify load soak bench gen secrets clean
 
 help:
 	@sed -n 's/^#   //p' Makefile
@@ -93,6 +94,9 @@ bench: load
 gen: install
 	PYTHON=$(PY) scripts/gen_protos.sh
 	$(PY) deploy/generate.py
+
+secrets: install
+	$(PY) -m forge_cli.secretsfile .env
 
 clean: down
 	rm -rf var .mypy_cache .ruff_cache .pytest_cache
