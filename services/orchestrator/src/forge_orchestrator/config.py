@@ -8,7 +8,7 @@ from pydantic import Field, SecretStr
 
 from forge_kit.settings import ServiceSettings, service_config
 
-DEV_TOKEN = SecretStr("forge-dev-token")
+NO_TOKEN = SecretStr("")
 
 
 class OrchestratorSettings(ServiceSettings):
@@ -60,29 +60,29 @@ class OrchestratorSettings(ServiceSettings):
     scheduler_target: str = "127.0.0.1:50051"
     """host:port of the scheduler's gRPC server (activities submit and cancel jobs there)."""
 
-    scheduler_token: SecretStr = DEV_TOKEN
+    scheduler_token: SecretStr = NO_TOKEN
     """Bearer token the scheduler accepts."""
 
     eval_target: str = "127.0.0.1:50057"
     """host:port of the eval service's gRPC server (eval-and-promote workflows)."""
 
-    eval_token: SecretStr = DEV_TOKEN
+    eval_token: SecretStr = NO_TOKEN
     """Bearer token the eval service accepts."""
 
     preference_feedback_target: str = "127.0.0.1:50058"
     """host:port of the preference-feedback gRPC server (RLHF workflows)."""
 
-    preference_feedback_token: SecretStr = DEV_TOKEN
+    preference_feedback_token: SecretStr = NO_TOKEN
     """Bearer token the preference-feedback service accepts."""
 
     inference_gateway_target: str = "127.0.0.1:50053"
     """host:port of the inference gateway's gRPC server (RLHF and eval workflows)."""
 
-    inference_gateway_token: SecretStr = DEV_TOKEN
+    inference_gateway_token: SecretStr = NO_TOKEN
     """Bearer token the inference gateway accepts."""
 
     retriever_target: str = "127.0.0.1:50055"
     """host:port of the retriever's gRPC server (continual pre-training / RAG workflows)."""
 
-    retriever_token: SecretStr = DEV_TOKEN
+    retriever_token: SecretStr = NO_TOKEN
     """Bearer token the retriever accepts."""
