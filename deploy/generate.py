@@ -49,6 +49,24 @@ BIND = "${FORGE_BIND_ADDR:-127.0.0.1}"
 #: The Compose broker's loopback listener (PLAINTEXT, reachable only inside its container) used
 #: to create users and ACLs; services use the SASL listener on 9092.
 KAFKA_ADMIN_LISTENER = "127.0.0.1:9094"
+#: Temporal's mutual-TLS files (``make secrets``), as mounted into the containers that use them.
+TLS_HOST_DIR = f"./{secretsfile.TEMPORAL_TLS_DIR.as_posix()}"
+TLS_DIR = "/etc/forge/temporal-tls"
+
+
+def tls_mounts(*names: str) -> list[str]:
+    """Read-only mounts of the named files of the Temporal TLS directory (ca.pem, <name>.pem/.key)."""
+    return [f"{TLS_HOST_DIR}/{name}:{TLS_DIR}/{name}:ro" for name in names]
+
+
+def temporal_tls_settings(spec: ServiceSpec, client: str) -> dict[str, str]:
+    """A Temporal client's ``FORGE_<NAME>_TEMPORAL_TLS_*`` settings: mutual TLS as ``client``."""
+    return {
+        f"{spec.prefix}TEMPORAL_TLS_CA_FILE": f"{TLS_DIR}/ca.pem",
+        f"{spec.prefix}TEMPORAL_TLS_CERT_FILE": f"{TLS_DIR}/{client}.pem",
+        f"{spec.prefix}TEMPORAL_TLS_KEY_FILE": f"{TLS_DIR}/{client}.key",
+        f"{spec.prefix}TEMPORAL_TLS_SERVER_NAME": "temporal",
+    }
 
 
 def host(spec: ServiceSpec | str) -> str:
@@ -221,7 +239,28 @@ def compose() -> dict[str, Any]:
                 "POSTGRES_SEEDS": "postgres",
                 "BIND_ON_IP": "0.0.0.0",
                 "TEMPORAL_BROADCAST_ADDRESS": "127.0.0.1",
+                # Mutual TLS on the frontend and between nodes: only holders of a certificate of
+                # the CA `make secrets` created get in (var/secrets/temporal-tls).
+                "TEMPORAL_TLS_REQUIRE_CLIENT_AUTH": "true",
+                "TEMPORAL_TLS_SERVER_CA_CERT": f"{TLS_DIR}/ca.pem",
+                "TEMPORAL_TLS_SERVER_CERT": f"{TLS_DIR}/server.pem",
+                "TEMPORAL_TLS_SERVER_KEY": f"{TLS_DIR}/server.key",
+                "TEMPORAL_TLS_FRONTEND_CERT": f"{TLS_DIR}/server.pem",
+                "TEMPORAL_TLS_FRONTEND_KEY": f"{TLS_DIR}/server.key",
+                "TEMPORAL_TLS_CLIENT1_CA_CERT": f"{TLS_DIR}/ca.pem",
+                "TEMPORAL_TLS_INTERNODE_SERVER_NAME": "temporal",
+                "TEMPORAL_TLS_FRONTEND_SERVER_NAME": "temporal",
+                # The image's own setup (temporal CLI) and health check (tctl) connect as "admin".
+                "TEMPORAL_TLS_CA": f"{TLS_DIR}/ca.pem",
+                "TEMPORAL_TLS_CERT": f"{TLS_DIR}/admin.pem",
+                "TEMPORAL_TLS_KEY": f"{TLS_DIR}/admin.key",
+                "TEMPORAL_TLS_SERVER_NAME": "temporal",
+                "TEMPORAL_CLI_TLS_CA": f"{TLS_DIR}/ca.pem",
+                "TEMPORAL_CLI_TLS_CERT": f"{TLS_DIR}/admin.pem",
+                "TEMPORAL_CLI_TLS_KEY": f"{TLS_DIR}/admin.key",
+                "TEMPORAL_CLI_TLS_SERVER_NAME": "temporal",
             },
+            "volumes": tls_mounts("ca.pem", "server.pem", "server.key", "admin.pem", "admin.key"),
             "depends_on": {"postgres": healthy},
             "ports": [f"{BIND}:7233:7233"],
             "healthcheck": {
@@ -234,7 +273,16 @@ def compose() -> dict[str, Any]:
         },
         "temporal-ui": {
             "image": "temporalio/ui:2.34.0",
-            "environment": {"TEMPORAL_ADDRESS": "temporal:7233", "TEMPORAL_UI_PORT": "8080"},
+            "environment": {
+                "TEMPORAL_ADDRESS": "temporal:7233",
+                "TEMPORAL_UI_PORT": "8080",
+                "TEMPORAL_TLS_CA": f"{TLS_DIR}/ca.pem",
+                "TEMPORAL_TLS_CERT": f"{TLS_DIR}/ui.pem",
+                "TEMPORAL_TLS_KEY": f"{TLS_DIR}/ui.key",
+                "TEMPORAL_TLS_SERVER_NAME": "temporal",
+                "TEMPORAL_TLS_ENABLE_HOST_VERIFICATION": "true",
+            },
+            "volumes": tls_mounts("ca.pem", "ui.pem", "ui.key"),
             "depends_on": {"temporal": healthy},
             "ports": [f"{BIND}:8233:8080"],
             "healthcheck": {
@@ -267,6 +315,10 @@ def compose() -> dict[str, Any]:
         for key, variable in secret_env(spec).items():
             # No secret has a default: `make secrets` writes them all into .env (mode 0600).
             env[key] = required(variable)
+        volumes = [f"{host(spec)}-data:{DATA_ROOT}/data", f"objects:{DATA_ROOT}/objects"]
+        if spec.temporal:
+            env.update(temporal_tls_settings(spec, "orchestrator"))
+            volumes += tls_mounts("ca.pem", "orchestrator.pem", "orchestrator.key")
         depends = {name: healthy for name in ("postgres", "redis", "kafka")}
         if spec.temporal:
             depends["temporal"] = healthy
@@ -282,7 +334,7 @@ def compose() -> dict[str, Any]:
                 f"{BIND}:{spec.grpc_port}:{spec.grpc_port}",
                 f"{BIND}:{spec.http_port}:{spec.http_port}",
             ],
-            "volumes": [f"{host(spec)}-data:{DATA_ROOT}/data", f"objects:{DATA_ROOT}/objects"],
+            "volumes": volumes,
             "depends_on": depends,
             "healthcheck": {
                 "test": healthcheck_command(spec.http_port),
@@ -330,6 +382,8 @@ def k8s_manifests() -> dict[str, list[dict[str, Any]]]:
             redis_url="redis://redis.forge.svc:6379/0",
             kafka_protocol="SASL_SSL",
         )
+        if spec.temporal:
+            settings.update(temporal_tls_settings(spec, "orchestrator"))
         configmaps.append(
             {
                 "apiVersion": "v1",
@@ -539,6 +593,26 @@ def _deployment(spec: ServiceSpec) -> dict[str, Any]:
             {"name": "tmp", "mountPath": "/tmp"},
         ],
     }
+    volumes: list[dict[str, Any]] = [
+        {"name": "data", "emptyDir": {}},
+        {"name": "objects", "persistentVolumeClaim": {"claimName": "forge-objects"}},
+        {"name": "tmp", "emptyDir": {}},
+    ]
+    if spec.temporal:
+        # Temporal's mutual TLS: the CA and this client's pair, from a Secret never committed.
+        container["volumeMounts"].append({"name": "temporal-tls", "mountPath": TLS_DIR, "readOnly": True})
+        volumes.append(
+            {
+                "name": "temporal-tls",
+                "secret": {
+                    "secretName": "forge-temporal-tls",
+                    "defaultMode": 0o440,
+                    "items": [
+                        {"key": f, "path": f} for f in ("ca.pem", "orchestrator.pem", "orchestrator.key")
+                    ],
+                },
+            }
+        )
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -564,11 +638,7 @@ def _deployment(spec: ServiceSpec) -> dict[str, Any]:
                         "seccompProfile": {"type": "RuntimeDefault"},
                     },
                     "containers": [container],
-                    "volumes": [
-                        {"name": "data", "emptyDir": {}},
-                        {"name": "objects", "persistentVolumeClaim": {"claimName": "forge-objects"}},
-                        {"name": "tmp", "emptyDir": {}},
-                    ],
+                    "volumes": volumes,
                 },
             },
         },

@@ -21,7 +21,7 @@ import httpx
 import pytest
 import yaml
 
-from forge_cli import platform, secretsfile, tokens
+from forge_cli import platform, secretsfile, tlscerts, tokens
 from forge_cli.platform import ServiceSpec
 from forge_cli.supervisor import Paths
 from forge_kit.testing import ServiceProcess
@@ -159,7 +159,8 @@ def test_compose_holds_no_constant_secret() -> None:
             for variable, operator, default in REFERENCE.findall(str(value)):
                 if variable != "FORGE_BIND_ADDR":
                     assert operator == ":?", f"{name}.{key} gives ${variable} a default ({operator}{default})"
-            if SECRETISH.search(key):
+            if SECRETISH.search(key) and not str(value).startswith("/etc/forge/temporal-tls/"):
+                # A secret is a reference to `make secrets`' .env, or a file it wrote (TLS keys).
                 assert REFERENCE.search(str(value)), f"{name}.{key} is a literal secret"
 
 
@@ -173,6 +174,47 @@ def test_compose_publishes_ports_on_loopback_only() -> None:
     for name, port in published:
         assert port.startswith("${FORGE_BIND_ADDR:-127.0.0.1}:"), (name, port)
     assert "ports" not in COMPOSE["services"]["kafka"]
+
+
+def test_compose_temporal_requires_client_certificates() -> None:
+    temporal = _environment(COMPOSE["services"]["temporal"])
+    assert temporal["TEMPORAL_TLS_REQUIRE_CLIENT_AUTH"] == "true"
+    orchestrator = _environment(COMPOSE["services"]["orchestrator"])
+    assert orchestrator["FORGE_ORCHESTRATOR_TEMPORAL_TLS_CERT_FILE"].endswith("/orchestrator.pem")
+
+
+def test_make_secrets_certificates_admit_only_the_forge_ca(tmp_path: Path) -> None:
+    from cryptography import x509
+
+    written = tlscerts.write(tmp_path / "tls")
+    assert {p.name for p in written} >= {"ca.pem", "server.pem", "orchestrator.pem", "orchestrator.key"}
+    assert stat.S_IMODE((tmp_path / "tls").stat().st_mode) == 0o700
+    assert stat.S_IMODE((tmp_path / "tls" / "ca.key").stat().st_mode) == 0o600
+    ca = x509.load_pem_x509_certificate((tmp_path / "tls" / "ca.pem").read_bytes())
+    server = x509.load_pem_x509_certificate((tmp_path / "tls" / "server.pem").read_bytes())
+    server.verify_directly_issued_by(ca)
+    assert "temporal" in server.extensions.get_extension_for_class(
+        x509.SubjectAlternativeName
+    ).value.get_values_for_type(x509.DNSName)
+    assert tlscerts.write(tmp_path / "tls") == []  # kept on a second run
+
+
+def test_orchestrator_speaks_mutual_tls_to_temporal_when_given_certificates(tmp_path: Path) -> None:
+    from forge_orchestrator.config import OrchestratorSettings
+
+    tls = tmp_path / "tls"
+    tlscerts.write(tls)
+    files = {
+        "temporal_tls_ca_file": str(tls / "ca.pem"),
+        "temporal_tls_cert_file": str(tls / "orchestrator.pem"),
+        "temporal_tls_key_file": str(tls / "orchestrator.key"),
+    }
+    config = OrchestratorSettings(auth_token="t", temporal_tls_server_name="temporal", **files).temporal_tls()
+    assert config is not None and config.client_cert == (tls / "orchestrator.pem").read_bytes()
+    assert config.domain == "temporal"
+    with pytest.raises(ValueError, match="missing: temporal_tls_key_file"):
+        OrchestratorSettings(auth_token="t", **{**files, "temporal_tls_key_file": ""})
+    assert OrchestratorSettings(auth_token="t").temporal_tls() is None  # the local dev server
 
 
 def test_compose_kafka_requires_sasl_and_acls() -> None:

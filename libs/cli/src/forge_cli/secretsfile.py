@@ -12,7 +12,9 @@ and refuses to start without. This module writes that file (mode 0600, never com
   bootstrap API key), printed once when created;
 - ``POSTGRES_PASSWORD``.
 
-Existing values are kept, so running it again only adds what is missing.
+It also writes Temporal's mutual-TLS CA and certificates into ``var/secrets/temporal-tls/`` next
+to the env file (:mod:`forge_cli.tlscerts`). Existing values are kept, so running it again only
+adds what is missing.
 
     python -m forge_cli.secretsfile [.env]
 """
@@ -26,11 +28,14 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 
+from forge_cli import tlscerts
 from forge_cli.platform import SERVICES, ServiceSpec
 from forge_cli.tokens import new_event_key, new_token
 from forge_kit.eventauth import EventSigner
 
 VERIFY_KEYS = "FORGE_EVENT_VERIFY_KEYS"
+#: Where the Temporal certificates live, relative to the env file's directory (the repository).
+TEMPORAL_TLS_DIR = Path("var") / "secrets" / "temporal-tls"
 POSTGRES_PASSWORD = "POSTGRES_PASSWORD"
 
 
@@ -108,6 +113,7 @@ def write(path: Path, table: Iterable[ServiceSpec] = SERVICES) -> dict[str, str]
 def main(argv: list[str]) -> int:
     path = Path(argv[0] if argv else ".env")
     shown = write(path)
+    tlscerts.write(path.resolve().parent / TEMPORAL_TLS_DIR)
     for name, value in shown.items():
         print(f"{name}={value}  (shown once; kept in {path}, mode 0600)")
     print(f"secrets in {path} (mode 0600)")

@@ -36,7 +36,10 @@ async def main() -> None:
     app = ServiceApp(settings)
     db = await app.open_database("orchestrator.db", Path(__file__).parent / "migrations")
     client = await connect_temporal(
-        settings.temporal_target, settings.temporal_namespace, timeout_s=settings.temporal_connect_timeout_s
+        settings.temporal_target,
+        settings.temporal_namespace,
+        timeout_s=settings.temporal_connect_timeout_s,
+        tls=settings.temporal_tls(),
     )
     activities = SchedulerActivities(settings.scheduler_target, settings.scheduler_token.get_secret_value())
     eval_activities = EvalActivities(settings.eval_target, settings.eval_token.get_secret_value())

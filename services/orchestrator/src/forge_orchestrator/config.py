@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, model_validator
+from temporalio.service import TLSConfig
 
 from forge_kit.settings import ServiceSettings, service_config
 
@@ -33,6 +36,19 @@ class OrchestratorSettings(ServiceSettings):
 
     temporal_connect_timeout_s: float = Field(default=30.0, gt=0)
     """How long start-up keeps retrying to reach Temporal before giving up."""
+
+    temporal_tls_ca_file: str = ""
+    """PEM CA that signed the Temporal frontend's certificate; with the client certificate and
+    key below, the connection uses mutual TLS (all three or none)."""
+
+    temporal_tls_cert_file: str = ""
+    """PEM client certificate this process presents to Temporal."""
+
+    temporal_tls_key_file: str = ""
+    """PEM private key of ``temporal_tls_cert_file``."""
+
+    temporal_tls_server_name: str = ""
+    """Name to verify in the frontend's certificate when it differs from the target's host."""
 
     consumer_group: str = "orchestrator"
     """Kafka consumer group of the job-event consumer."""
@@ -86,3 +102,29 @@ class OrchestratorSettings(ServiceSettings):
 
     retriever_token: SecretStr = NO_TOKEN
     """Bearer token the retriever accepts."""
+
+    @model_validator(mode="after")
+    def _temporal_tls_all_or_nothing(self) -> OrchestratorSettings:
+        files = {
+            "temporal_tls_ca_file": self.temporal_tls_ca_file,
+            "temporal_tls_cert_file": self.temporal_tls_cert_file,
+            "temporal_tls_key_file": self.temporal_tls_key_file,
+        }
+        if any(files.values()) and not all(files.values()):
+            missing = ", ".join(name for name, value in files.items() if not value)
+            raise ValueError(f"Temporal mutual TLS needs all of {', '.join(files)}; missing: {missing}")
+        for name, value in files.items():
+            if value and not os.path.isfile(value):
+                raise ValueError(f"{name}: no such file: {value}")
+        return self
+
+    def temporal_tls(self) -> TLSConfig | None:
+        """The Temporal client's mutual-TLS configuration, or None for plaintext (local dev server)."""
+        if not self.temporal_tls_ca_file:
+            return None
+        return TLSConfig(
+            server_root_ca_cert=Path(self.temporal_tls_ca_file).read_bytes(),
+            client_cert=Path(self.temporal_tls_cert_file).read_bytes(),
+            client_private_key=Path(self.temporal_tls_key_file).read_bytes(),
+            domain=self.temporal_tls_server_name or None,
+        )
