@@ -154,9 +154,7 @@ class EventSigner:
         )
         return _b64encode(raw)
 
-    def headers(
-        self, *, topic: str, event_type: str, event_id: str, payload: bytes
-    ) -> list[tuple[str, bytes]]:
+    def headers(self, topic: str, event_type: str, event_id: str, payload: bytes) -> list[tuple[str, bytes]]:
         """Every header of a record carrying this event: type, id, producer, key id, signature."""
         signature = self.sign(topic=topic, event_type=event_type, event_id=event_id, payload=payload)
         return [

@@ -4,10 +4,8 @@ Every payload is a ``forge.events.v1`` message whose first field is ``EventMeta 
 time, producer, outbox sequence). On the wire a record's value is the serialised message; its
 headers carry ``forge-event-type`` (the message's full name), ``forge-event-id`` and
 ``forge-producer`` so a consumer can decode and dedupe without guessing, and ``forge-key-id`` and
-``forge-signature``: every event is signed by its producer (:mod:`forge_kit.eventauth`). A
-consumer drops — and counts in ``forge_events_rejected_total`` — any record whose signature does
-not verify, and any record from a producer that does not own the topic (:data:`OWNERS`) unless
-the consumer was told to accept that producer there too (``sources``).
+``forge-signature`` (:mod:`forge_kit.eventauth`): a consumer drops and counts any record whose
+signature does not verify or whose producer does not own the topic (:data:`OWNERS`, or ``sources``).
 
 Delivery is at least once end to end:
 
@@ -80,8 +78,8 @@ OWNERS: dict[str, str] = {
     events_pb2.ModelPromoted.DESCRIPTOR.full_name: "eval",
 }
 
+#: Topic → the producer that owns it.
 TOPIC_OWNERS: dict[str, str] = {TOPICS[name]: owner for name, owner in OWNERS.items()}
-"""Topic → the producer that owns it."""
 
 EVENTS_PUBLISHED = Counter("forge_events_published_total", "Events sent to Kafka", ["topic"])
 EVENTS_CONSUMED = Counter("forge_events_consumed_total", "Events handled", ["group", "topic", "outcome"])
@@ -262,9 +260,7 @@ class KafkaPublisher:
             topic,
             payload,
             key=key.encode() if key else None,
-            headers=self.signer.headers(
-                topic=topic, event_type=message.DESCRIPTOR.full_name, event_id=meta.event_id, payload=payload
-            ),
+            headers=self.signer.headers(topic, message.DESCRIPTOR.full_name, meta.event_id, payload),
         )
         return message
 
@@ -325,12 +321,7 @@ class OutboxRelay:
                         row.topic,
                         row.payload,
                         key=row.key,
-                        headers=self._signer.headers(
-                            topic=row.topic,
-                            event_type=row.event_type,
-                            event_id=row.event_id,
-                            payload=row.payload,
-                        ),
+                        headers=self._signer.headers(row.topic, row.event_type, row.event_id, row.payload),
                     )
                     row.published_at = _utcnow()
                     sent += 1
@@ -478,9 +469,7 @@ class EventConsumer:
         try:
             producer = self.authenticate(record)
         except Rejected as exc:
-            record_rejection(
-                self._group_id, record.topic, exc, offset=record.offset, event_type=event_type[:255]
-            )
+            record_rejection(self._group_id, record.topic, exc, offset=record.offset, type=event_type[:255])
             return False
         try:
             event = decode_event(event_type, record.value)
