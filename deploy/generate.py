@@ -250,7 +250,12 @@ def compose() -> dict[str, Any]:
                 "TEMPORAL_TLS_CLIENT1_CA_CERT": f"{TLS_DIR}/ca.pem",
                 "TEMPORAL_TLS_INTERNODE_SERVER_NAME": "temporal",
                 "TEMPORAL_TLS_FRONTEND_SERVER_NAME": "temporal",
-                # The image's own setup (temporal CLI) and health check (tctl) connect as "admin".
+                # The image's own setup (temporal CLI; its current and older variable names) and
+                # health check (tctl) connect as "admin".
+                "TEMPORAL_TLS": "true",
+                "TEMPORAL_TLS_CLIENT_CERT_PATH": f"{TLS_DIR}/admin.pem",
+                "TEMPORAL_TLS_CLIENT_KEY_PATH": f"{TLS_DIR}/admin.key",
+                "TEMPORAL_TLS_SERVER_CA_CERT_PATH": f"{TLS_DIR}/ca.pem",
                 "TEMPORAL_TLS_CA": f"{TLS_DIR}/ca.pem",
                 "TEMPORAL_TLS_CERT": f"{TLS_DIR}/admin.pem",
                 "TEMPORAL_TLS_KEY": f"{TLS_DIR}/admin.key",
