@@ -92,8 +92,9 @@ if [[ ! -f "$EXPORT/config.json" ]]; then
     if [[ -n "${CORPUS:-}" ]]; then
         corpus_args=(--set "data.corpus=$CORPUS")
     elif ! "$FORGE_PY" -c 'import os, sys
+from forge_kit.paths import resolve_data_path
 from forge_trainer_agent.training.recipes import DEFAULT_CORPUS
-sys.exit(0 if os.path.exists(DEFAULT_CORPUS) else 1)'; then
+sys.exit(0 if resolve_data_path(DEFAULT_CORPUS).exists() else 1)'; then
         # No shared corpora here: any English text trains a tokenizer and a model the server can load.
         mkdir -p "$OUT/corpus"
         find "$ROOT" -name '*.md' -not -path '*/.venv/*' -not -path '*/node_modules/*' \

@@ -520,3 +520,15 @@ def test_table_matches_the_service_settings(spec: ServiceSpec) -> None:
     assert declared - fields == set(), "the table passes settings the service does not declare"
     addresses = {f for f in fields if f.endswith(("_TARGET", "_URL")) and f not in NOT_CALLS}
     assert addresses - declared == set(), "the service declares addresses the table does not wire"
+
+
+def test_the_cli_fails_in_one_line_on_a_bad_mirror(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FORGE_DATA_DIR", str(tmp_path / "data"))
+    mirror = tmp_path / "mirror" / "corpora" / "tinyshakespeare"
+    mirror.mkdir(parents=True)
+    (mirror / "input.txt").write_text("not shakespeare")
+    result = CliRunner().invoke(app, ["data", "fetch", "tinyshakespeare", "--from", str(tmp_path / "mirror")])
+    assert result.exit_code == 1
+    assert "checksum mismatch for input.txt" in result.output
+    assert "Traceback" not in result.output
+    assert not (tmp_path / "data" / "corpora" / "tinyshakespeare" / "input.txt").exists()

@@ -9,7 +9,7 @@
     python load/eval/bench_eval.py throughput (--serve DIR | --endpoint URL --model NAME) [--task T]
         the same spec sequentially (batch 1, one request in flight) and concurrently (batch 16,
         --concurrency in flight), cache off, alternated --repeat times; the best time of each is
-        compared (the build machine is shared: the best run is the one least disturbed).
+        compared (on a shared machine the best run is the one least disturbed).
         Threshold: at least 5x faster with identical samples and summary in every repetition.
     python load/eval/bench_eval.py rerun (--serve DIR | --endpoint URL --model NAME) [--task T]
         a run and a re-run of the unchanged spec through one cache; threshold: zero model calls on
@@ -46,7 +46,7 @@ from forge_kit.paths import resolve_data_path
 
 BOOTSTRAP_LIMIT_S = 1.0
 SPEEDUP_TARGET = 5.0
-CORPUS = "../shared/data/corpora/tinyshakespeare/input.txt"
+CORPUS = "corpora/tinyshakespeare/input.txt"
 
 
 def bench_bootstrap() -> dict[str, Any]:
@@ -109,9 +109,7 @@ def make_checkpoint(out: Path) -> dict[str, Any]:
 
 
 def _roots() -> DataRoots:
-    return DataRoots(
-        resolve_data_path("../shared/data/benchmarks"), resolve_data_path("../shared/data/corpora")
-    )
+    return DataRoots(resolve_data_path("benchmarks"), resolve_data_path("corpora"))
 
 
 @contextlib.asynccontextmanager

@@ -77,7 +77,7 @@ async def prepare(url: str, comparisons: int, raters: int) -> None:
     try:
         await db.migrate(MIGRATIONS)
         service = FeedbackService(db)
-        source = resolve_data_path("../shared/data/preferences/hh-rlhf")
+        source = resolve_data_path("preferences/hh-rlhf")
         await service.seed_comparisons(read_hh_rlhf(source), limit=comparisons, rng_seed=0)
         for r in range(raters):
             await service.create_rater(f"bench{r:03d}", PASSWORD)

@@ -305,7 +305,7 @@ def run_scenario(name: str, server: ServiceProcess, work: Path, args: argparse.N
     try:
         before = os.getloadavg()[0]
         result = asyncio.run(measured())
-        # The build machine is shared: say how busy it was, since latency figures move with it.
+        # On a shared machine, say how busy it was, since latency figures move with it.
         result["load_average_1m"] = [round(before, 2), round(os.getloadavg()[0], 2)]
         return result
     finally:

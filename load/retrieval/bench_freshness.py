@@ -11,7 +11,7 @@ every 10 ms. Freshness of an update = from just before the publish call to the f
 returns the document — broker, consumer, chunking, encoding, the index write and the commit.
 A warm-up event (not counted) first waits for the consumer group to form.
 
-Prints one JSON line: count, p50/p95/max in ms, the target (p95 ≤ 2,000 ms, issue 6) and
+Prints one JSON line: count, p50/p95/max in ms, the target (p95 ≤ 2,000 ms) and
 ``"pass"``; exits 1 on a miss or a timeout.
 """
 

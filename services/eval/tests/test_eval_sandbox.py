@@ -51,9 +51,7 @@ def test_pass_at_k_matches_the_combinatorial_definition() -> None:
 
 
 def test_humaneval_scores_canonical_and_broken_solutions() -> None:
-    roots = DataRoots(
-        resolve_data_path("../shared/data/benchmarks"), resolve_data_path("../shared/data/corpora")
-    )
+    roots = DataRoots(resolve_data_path("benchmarks"), resolve_data_path("corpora"))
     task = load_task("humaneval")
     docs = build_docs(task, roots, limit=2, seed=5)
     scorer = get_scorer("humaneval", "code_exec")

@@ -1,8 +1,11 @@
-"""Where the repository and its data folders are, for services run from a checkout."""
+"""Where the repository and the data folder are, for services run from a checkout."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+DATA_DIR_ENV = "FORGE_DATA_DIR"
 
 
 def find_repo_root(start: Path) -> Path | None:
@@ -13,15 +16,24 @@ def find_repo_root(start: Path) -> Path | None:
     return None
 
 
-def resolve_data_path(setting: str) -> Path:
-    """An absolute setting as is; a relative one (such as ``../shared/data/...``) against the
-    working directory (the platform runs services from the repository root), else against the
-    repository this package lives in; the working directory's when neither holds it."""
+def data_dir() -> Path:
+    """The data folder (``forge data fetch`` fills it): ``$FORGE_DATA_DIR`` when set, else
+    ``var/data`` in the checkout of the working directory, else of this package, else under the
+    working directory."""
+    setting = os.environ.get(DATA_DIR_ENV, "").strip()
+    if setting:
+        return Path(setting).expanduser().resolve()
+    root = find_repo_root(Path.cwd()) or find_repo_root(Path(__file__).resolve().parent) or Path.cwd()
+    return (root / "var" / "data").resolve()
+
+
+def data_path(*parts: str) -> Path:
+    """A path inside the data folder, e.g. ``data_path("benchmarks")``."""
+    return data_dir().joinpath(*parts)
+
+
+def resolve_data_path(setting: str | Path) -> Path:
+    """A data setting as a path: an absolute one as is, a relative one (``benchmarks``,
+    ``corpora/tinyshakespeare/input.txt``) inside the data folder."""
     path = Path(setting).expanduser()
-    if path.is_absolute():
-        return path
-    root = find_repo_root(Path(__file__).resolve().parent)
-    for base in [Path.cwd(), *([root] if root else [])]:
-        if (base / path).is_dir():
-            return (base / path).resolve()
-    return (Path.cwd() / path).resolve()
+    return path if path.is_absolute() else data_dir() / path

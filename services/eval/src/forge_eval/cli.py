@@ -41,6 +41,7 @@ from forge_eval.harness import (
 from forge_eval.tasks import DataRoots, load_task, shipped_tasks
 from forge_kit import clitools, errors
 from forge_kit.grpckit import make_channel
+from forge_kit.modelref import ModelRef
 from forge_kit.paths import resolve_data_path
 
 app = typer.Typer(help="Run benchmark tasks, compare runs and apply the release gate.", no_args_is_help=True)
@@ -82,8 +83,12 @@ def run(
     token: Annotated[
         str, typer.Option("--token", envvar="FORGE_CLI_EVAL_ENDPOINT_TOKEN", show_default=False)
     ] = "",
-    benchmarks_dir: Annotated[str, typer.Option("--benchmarks-dir")] = "../shared/data/benchmarks",
-    corpora_dir: Annotated[str, typer.Option("--corpora-dir")] = "../shared/data/corpora",
+    benchmarks_dir: Annotated[
+        str, typer.Option("--benchmarks-dir", help="Absolute, or a folder inside FORGE_DATA_DIR.")
+    ] = "benchmarks",
+    corpora_dir: Annotated[
+        str, typer.Option("--corpora-dir", help="Absolute, or a folder inside FORGE_DATA_DIR.")
+    ] = "corpora",
 ) -> None:
     """Evaluate tasks on a model and write DIR/summary.json, samples and report.md."""
     try:
@@ -241,10 +246,11 @@ JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON instead of 
 
 
 def _ref(text: str) -> common_pb2.ModelRef:
-    name, _, version = text.partition(":")
-    if not name:
-        raise typer.BadParameter("must be NAME or NAME:VERSION", param_hint="MODEL")
-    return common_pb2.ModelRef(name=name, version=version)
+    try:
+        ref = ModelRef.parse(text)
+    except ValueError as exc:
+        raise typer.BadParameter(f"must be NAME or NAME:VERSION ({exc})", param_hint="MODEL") from None
+    return common_pb2.ModelRef(name=ref.name, version=ref.version)
 
 
 def _call(target: str, token: str, call: Any) -> Any:

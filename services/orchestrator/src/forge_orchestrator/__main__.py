@@ -17,6 +17,7 @@ from forge_orchestrator.activities import SchedulerActivities
 from forge_orchestrator.api import OrchestratorApi
 from forge_orchestrator.config import OrchestratorSettings
 from forge_orchestrator.eval_activities import EvalActivities
+from forge_orchestrator.identity import SchedulerAuthenticator
 from forge_orchestrator.rlhf_activities import RlhfActivities
 from forge_orchestrator.rlhf_worker import RlhfSettings, build_rlhf_worker
 from forge_orchestrator.service import (
@@ -100,12 +101,16 @@ async def main() -> None:
         return await client.service_client.check_health(timeout=timedelta(seconds=2))
 
     api = OrchestratorApi(workflows)
+    # Team tokens are the scheduler's: it says whom a presented token acts for.
+    callers = SchedulerAuthenticator(settings.scheduler_target)
+    app.add_on_stop(callers.close)
     await app.run(
         register=[
             lambda server: orchestrator_pb2_grpc.add_OrchestratorServiceServicer_to_server(api, server)
         ],
         service_names=[orchestrator_pb2.DESCRIPTOR.services_by_name["OrchestratorService"].full_name],
         http=make_app(app.name, readiness={"database": db.ping, "temporal": temporal_ready}),
+        authenticators=[callers],
     )
 
 
