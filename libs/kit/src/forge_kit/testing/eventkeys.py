@@ -1,15 +1,18 @@
-"""Event signing keys for tests: one Ed25519 key per producer name, derived from the name, so the
-publishers, consumers and service processes a test builds — in this process or a child — all agree
-on who signed what.
+"""Event signing keys for tests: one Ed25519 key per producer name, derived from the name and a
+random seed drawn once per test run, so the publishers, consumers and service processes a test
+builds — in this process or a child, which inherits the seed through ``FORGE_TEST_EVENT_SEED`` —
+all agree on who signed what, and no key is fixed in the source for anyone to reuse.
 
 Only tests use these keys; in production every key comes from the secrets store (``forge up``,
-``make secrets``), and a test key is never among a production consumer's verify keys.
+``make secrets``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import secrets
 from collections.abc import Iterable
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -19,6 +22,7 @@ from forge_kit.eventauth import EventSigner, EventVerifier
 from forge_kit.events import OWNERS, topic_for
 
 _SIGNERS: dict[str, EventSigner] = {}
+SEED_VARIABLE = "FORGE_TEST_EVENT_SEED"
 
 #: Every producer that owns a topic.
 PRODUCERS: tuple[str, ...] = tuple(sorted(set(OWNERS.values())))
@@ -27,7 +31,8 @@ PRODUCERS: tuple[str, ...] = tuple(sorted(set(OWNERS.values())))
 def signer(producer: str) -> EventSigner:
     """The test signer of ``producer`` (the same object for the life of the process)."""
     if producer not in _SIGNERS:
-        seed = hashlib.sha256(f"forge-test-event-key:{producer}".encode()).digest()
+        run_seed = os.environ.setdefault(SEED_VARIABLE, secrets.token_hex(16))
+        seed = hashlib.sha256(f"forge-test-event-key:{run_seed}:{producer}".encode()).digest()
         _SIGNERS[producer] = EventSigner(producer, Ed25519PrivateKey.from_private_bytes(seed))
     return _SIGNERS[producer]
 
