@@ -371,3 +371,26 @@ def test_no_forge_event_header_is_binary() -> None:
     """Signatures travel as text, so tools that print headers keep working."""
     headers = eventkeys.signer("eval").headers(topic=PROMOTIONS, event_type="t", event_id="i", payload=b"x")
     assert all(re.fullmatch(rb"[A-Za-z0-9_.\-]+", value) for _, value in headers)
+
+
+# --- the broker's own gate (Compose / Kubernetes) -------------------------------------------------
+
+
+def test_broker_acls_let_each_service_write_only_its_own_topics() -> None:
+    """deploy/kafka/setup.sh: a Write grant exists only for a topic's owner; Read grants only for
+    the topics a consumer actually consumes, in its own group; no wildcard, no cluster grant."""
+    from forge_kit.events import TOPIC_OWNERS
+
+    script = (Path(__file__).resolve().parents[2] / "deploy" / "kafka" / "setup.sh").read_text()
+    grants = [line.split() for line in script.splitlines() if line.startswith("acl ")]
+    assert grants
+    writes = {(g[1], g[g.index("--topic") + 1]) for g in grants if "Write" in g}
+    assert writes == {(owner, topic) for topic, owner in TOPIC_OWNERS.items()}
+    consumed = {(g[1], g[g.index("--topic") + 1]) for g in grants if "Read" in g and "--topic" in g}
+    assert consumed == {
+        ("orchestrator", topic_for(events_pb2.JobStateChanged())),
+        ("orchestrator", topic_for(events_pb2.CheckpointPublished())),
+        ("inference_gateway", PROMOTIONS),
+        ("retriever", DOCS),
+    }
+    assert all("*" not in " ".join(g) and "--cluster" not in g for g in grants)
