@@ -49,6 +49,14 @@ class Paths:
         return self.var / "secrets" / "tokens.json"
 
     @property
+    def event_keys(self) -> Path:
+        return self.var / "secrets" / "event_keys.json"
+
+    @property
+    def generated(self) -> Path:
+        return self.var / "secrets" / "generated.json"
+
+    @property
     def objects(self) -> Path:
         return self.var / "objects"
 

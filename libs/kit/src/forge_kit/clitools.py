@@ -3,8 +3,8 @@
 A subcommand finds its service at ``$FORGE_CLI_<SERVICE>_TARGET`` (or its ``--target``) and its
 token in the file ``--token-file`` names, else at ``$FORGE_CLI_<SERVICE>_TOKEN``, else in
 ``var/secrets/tokens.json`` (written by ``forge up``) under ``$FORGE_ROOT`` or the nearest
-directory above the working directory that has one, else the services' development default. A
-token is never a command-line value: every local user can read a process's arguments (``ps``).
+directory above the working directory that has one; there is no default token. A token is never a
+command-line value: every local user can read a process's arguments (``ps``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-DEV_TOKEN = "forge-dev-token"
 TOKEN_FILE = Path("var") / "secrets" / "tokens.json"
 console = Console()
 T = TypeVar("T")
@@ -53,7 +52,7 @@ def token_option(env: str, what: str, flag: str = "--token-file") -> Any:
 
 
 def resolve_token(service: str, explicit: str = "", start: Path | None = None) -> str:
-    """The explicit token, else the token file's entry for ``service``, else the dev default."""
+    """The explicit token, else the token file's entry for ``service``; neither is an error."""
     if explicit:
         return explicit
     roots = [Path(os.environ["FORGE_ROOT"])] if os.environ.get("FORGE_ROOT") else []
@@ -68,7 +67,10 @@ def resolve_token(service: str, explicit: str = "", start: Path | None = None) -
             token = tokens.get(service)
             if isinstance(token, str) and token:
                 return token
-    return DEV_TOKEN
+    raise typer.BadParameter(
+        f"no token for {service}: pass --token, set FORGE_CLI_{service.upper()}_TOKEN, or run `forge up` "
+        f"(it writes {TOKEN_FILE})"
+    )
 
 
 def run_rpc(coro: Coroutine[Any, Any, T]) -> T:
