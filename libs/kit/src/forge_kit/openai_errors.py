@@ -9,6 +9,7 @@ import math
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from forge_kit import errors
 
@@ -28,13 +29,25 @@ def openai_error(
 
 
 def install_openai_error_handlers(app: FastAPI) -> None:
-    """Map validation (400 naming the field), not found (404), conflicts (409), missing
+    """Map validation (400 naming the field; ``unsupported_parameter`` for a field the server cannot
+    honour), the framework's own 404/405/413, not found (404), conflicts (409), missing
     credentials (401) and overload (429 with Retry-After) to OpenAI errors; anything unexpected
     becomes a 500 without internals. Services add their own handlers for their own errors."""
 
     @app.exception_handler(errors.ValidationError)
     async def _invalid(_: Request, exc: errors.ValidationError) -> JSONResponse:
-        return openai_error(400, exc.message, param=exc.field, code="invalid_value")
+        code = (
+            "unsupported_parameter" if isinstance(exc, errors.UnsupportedParameterError) else "invalid_value"
+        )
+        return openai_error(400, exc.message, param=exc.field, code=code)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # The framework's own refusals (no such route, method not allowed, body too large).
+        codes = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+        message = exc.detail if isinstance(exc.detail, str) else "request refused"
+        headers = dict(exc.headers) if exc.headers else None
+        return openai_error(exc.status_code, message, code=codes.get(exc.status_code), headers=headers)
 
     @app.exception_handler(RequestValidationError)
     async def _malformed(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -1,0 +1,221 @@
+"""The OpenAI request bodies Forge serves, in one copy: the model server parses them (as vLLM does)
+and the gateway validates and documents them (its OpenAPI document).
+
+Fields the OpenAI API defines that Forge cannot honour are refused by name
+(:func:`refuse_unsupported`: 400 ``unsupported_parameter``) rather than silently ignored; other
+unknown fields are ignored, as vLLM ignores them. The new sampling parameters are checked here
+against vLLM's ranges (400 naming the parameter); the vocabulary-dependent checks (``logit_bias``
+token ids, token-id prompts) belong to the engine that knows the vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from forge_kit import errors
+
+#: Most choices one request may ask for (``n``).
+MAX_N = 16
+#: Most entries of ``logit_bias`` (OpenAI's own limit).
+MAX_LOGIT_BIAS = 300
+#: Most inputs one ``/v1/embeddings`` call may carry.
+MAX_EMBEDDING_INPUTS = 256
+#: Most characters of one embedding input.
+MAX_EMBEDDING_CHARS = 8192
+
+#: OpenAI fields this server cannot honour, with the values that ask for nothing (and so pass).
+_UNSUPPORTED: dict[str, tuple[object, ...]] = {
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "parallel_tool_calls": (None,),
+    "response_format": (None, {"type": "text"}),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "structured_outputs": (None,),
+    "use_beam_search": (None, False),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "prediction": (None,),
+    "suffix": (None, ""),
+    "web_search_options": (None,),
+}
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class SamplingBody(BaseModel):
+    """Fields shared by completions and chat completions."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = Field(default=1, description=f"Choices to generate, 1 to {MAX_N}.")
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    priority: int = 0
+    top_k: int | None = Field(default=None, description="Keep the k most likely tokens; -1 or 0 keeps all.")
+    prompt_logprobs: int | None = None
+    ignore_eos: bool = False
+    presence_penalty: float = Field(default=0.0, description="-2 to 2: penalises tokens already generated.")
+    frequency_penalty: float = Field(default=0.0, description="-2 to 2: penalises by generated count.")
+    repetition_penalty: float = Field(
+        default=1.0, description="> 0: divides the logits of prompt and generated tokens (1 = off)."
+    )
+    logit_bias: dict[str, float] | None = Field(
+        default=None, description="Token id → bias added to its logit, -100 to 100."
+    )
+    min_tokens: int = Field(default=0, description="Tokens to generate before EOS or a stop may end.")
+    user: str | None = None
+
+    def extra_fields(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+
+class CompletionBody(SamplingBody):
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        description="Text, a list of texts, token ids, or a list of token-id lists."
+    )
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ImageUrl(BaseModel):
+    url: str
+    detail: str | None = None
+
+
+class ImagePart(BaseModel):
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
+class ChatMessageBody(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionBody(SamplingBody):
+    messages: list[ChatMessageBody]
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    max_completion_tokens: int | None = Field(default=None, description="Newer name of max_tokens.")
+
+
+class EmbeddingBody(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    input: str | list[str] | list[int] | list[list[int]] = Field(
+        description=f"A text or a list of 1 to {MAX_EMBEDDING_INPUTS} texts (token ids are refused)."
+    )
+    encoding_format: Literal["float"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+
+
+class TokenizeBody(BaseModel):
+    """vLLM's ``/tokenize`` body: a ``prompt``, or chat ``messages`` rendered with the template."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    prompt: str | None = None
+    messages: list[ChatMessageBody] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+def message_text(message: ChatMessageBody, index: int) -> str:
+    """A message's text: a string as is, a list of parts joined with newlines (as vLLM joins
+    them); an image part is refused, naming it, since no served model reads images."""
+    content = message.content
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for j, part in enumerate(content):
+        if isinstance(part, ImagePart):
+            raise errors.ValidationError(
+                f"messages.{index}.content.{j}", "image parts are not supported: no served model reads images"
+            )
+        texts.append(part.text)
+    return "\n".join(texts)
+
+
+def refuse_unsupported(fields: dict[str, Any]) -> None:
+    """400 ``unsupported_parameter`` for the first field asking for what Forge cannot do."""
+    for name in sorted(fields):
+        allowed = _UNSUPPORTED.get(name)
+        if allowed is not None and fields[name] not in allowed:
+            raise errors.UnsupportedParameterError(name, "is not supported by this server")
+
+
+def check_sampling(body: SamplingBody) -> None:
+    """The new sampling parameters against vLLM's ranges; the first bad one is named."""
+    refuse_unsupported(body.extra_fields())
+    if not 1 <= body.n <= MAX_N:
+        raise errors.ValidationError("n", f"must be between 1 and {MAX_N}, got {body.n}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(body, name)
+        if not (math.isfinite(value) and -2.0 <= value <= 2.0):
+            raise errors.ValidationError(name, f"must be between -2 and 2, got {value}")
+    if not (math.isfinite(body.repetition_penalty) and body.repetition_penalty > 0.0):
+        raise errors.ValidationError(
+            "repetition_penalty", f"must be a number above 0, got {body.repetition_penalty}"
+        )
+    if body.top_k is not None and body.top_k < -1:
+        raise errors.ValidationError("top_k", f"must be -1 (all), 0 (all) or positive, got {body.top_k}")
+    if body.min_tokens < 0:
+        raise errors.ValidationError("min_tokens", f"must not be negative, got {body.min_tokens}")
+    if body.min_tokens and body.max_tokens is not None and body.min_tokens > body.max_tokens:
+        raise errors.ValidationError(
+            "min_tokens", f"must not exceed max_tokens ({body.max_tokens}), got {body.min_tokens}"
+        )
+    logit_bias(body.logit_bias)
+
+
+def logit_bias(raw: dict[str, float] | None) -> dict[int, float]:
+    """``logit_bias`` with integer token ids; ids and biases out of range are named."""
+    if not raw:
+        return {}
+    if len(raw) > MAX_LOGIT_BIAS:
+        raise errors.ValidationError("logit_bias", f"at most {MAX_LOGIT_BIAS} entries, got {len(raw)}")
+    out: dict[int, float] = {}
+    for key, value in raw.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise errors.ValidationError("logit_bias", f"keys must be token ids, got {key!r}") from None
+        if token < 0:
+            raise errors.ValidationError("logit_bias", f"token id {token} is negative")
+        if not (math.isfinite(value) and -100.0 <= value <= 100.0):
+            raise errors.ValidationError("logit_bias", f"biases must be between -100 and 100, got {value}")
+        out[token] = float(value)
+    return out
