@@ -71,8 +71,10 @@ async def test_unknown_model_is_404(http: httpx.AsyncClient) -> None:
         ({"min_tokens": -1}, "min_tokens"),
         ({"min_tokens": 9, "max_tokens": 4}, "min_tokens"),
         ({"top_k": -2}, "top_k"),
-        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-         "messages.0.content.0"),  # fmt: skip
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+            "messages.0.content.0",
+        ),
         ({"messages": "hello"}, "messages"),
         ({"model": None}, "model"),
     ],
