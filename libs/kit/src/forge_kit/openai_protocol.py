@@ -11,9 +11,10 @@ token ids, token-id prompts) belong to the engine that knows the vocabulary.
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ValidationError as PydanticValidationError
 
 from forge_kit import errors
 
@@ -25,6 +26,8 @@ MAX_LOGIT_BIAS = 300
 MAX_EMBEDDING_INPUTS = 256
 #: Most characters of one embedding input.
 MAX_EMBEDDING_CHARS = 8192
+
+BodyT = TypeVar("BodyT", bound=BaseModel)
 
 #: OpenAI fields this server cannot honour, with the values that ask for nothing (and so pass).
 _UNSUPPORTED: dict[str, tuple[object, ...]] = {
@@ -61,24 +64,30 @@ class SamplingBody(BaseModel):
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    n: int = Field(default=1, description=f"Choices to generate, 1 to {MAX_N}.")
+    n: int = Field(default=1, ge=1, le=MAX_N, description="Choices to generate.")
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     priority: int = 0
-    top_k: int | None = Field(default=None, description="Keep the k most likely tokens; -1 or 0 keeps all.")
+    top_k: int | None = Field(
+        default=None, ge=-1, description="Keep the k most likely tokens; -1 or 0 keeps all."
+    )
     prompt_logprobs: int | None = None
     ignore_eos: bool = False
-    presence_penalty: float = Field(default=0.0, description="-2 to 2: penalises tokens already generated.")
-    frequency_penalty: float = Field(default=0.0, description="-2 to 2: penalises by generated count.")
+    presence_penalty: float = Field(
+        default=0.0, ge=-2, le=2, description="Subtracted from the logits of tokens already generated."
+    )
+    frequency_penalty: float = Field(
+        default=0.0, ge=-2, le=2, description="Subtracted per time a token was generated."
+    )
     repetition_penalty: float = Field(
-        default=1.0, description="> 0: divides the logits of prompt and generated tokens (1 = off)."
+        default=1.0, gt=0, description="Divides the logits of prompt and generated tokens (1 = off)."
     )
     logit_bias: dict[str, float] | None = Field(
         default=None, description="Token id → bias added to its logit, -100 to 100."
     )
-    min_tokens: int = Field(default=0, description="Tokens to generate before EOS or a stop may end.")
+    min_tokens: int = Field(default=0, ge=0, description="Tokens to generate before EOS or a stop may end.")
     user: str | None = None
 
     def extra_fields(self) -> dict[str, Any]:
@@ -149,6 +158,29 @@ class TokenizeBody(BaseModel):
     messages: list[ChatMessageBody] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorBody(BaseModel):
+    """Every error answer: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    error: ErrorDetail
+
+
+def parse(model: type[BodyT], raw: object) -> BodyT:
+    """``raw`` JSON as ``model``; a malformed field is a 400 naming it (dotted path)."""
+    try:
+        return model.model_validate(raw)
+    except PydanticValidationError as exc:
+        first = exc.errors()[0]
+        field = ".".join(str(p) for p in first["loc"]) or "body"
+        raise errors.ValidationError(field, str(first["msg"])) from None
 
 
 def message_text(message: ChatMessageBody, index: int) -> str:
