@@ -28,6 +28,10 @@ MAX_EMBEDDING_INPUTS = 256
 MAX_EMBEDDING_CHARS = 8192
 
 BodyT = TypeVar("BodyT", bound=BaseModel)
+#: What ``model`` may be: a model name, ``name:version``, an alias or ``org/name`` (ASCII, since it
+#: travels back in a response header).
+MODEL_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,255}$"
+TokenId = Annotated[int, Field(ge=0)]
 
 #: OpenAI fields this server cannot honour, with the values that ask for nothing (and so pass).
 _UNSUPPORTED: dict[str, tuple[object, ...]] = {
@@ -60,7 +64,7 @@ class SamplingBody(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    model: str
+    model: str = Field(pattern=MODEL_PATTERN, description="A served model (``name[:version]``) or an alias.")
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -95,7 +99,7 @@ class SamplingBody(BaseModel):
 
 
 class CompletionBody(SamplingBody):
-    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]] = Field(
         description="Text, a list of texts, token ids, or a list of token-id lists."
     )
     max_tokens: int | None = 16
@@ -139,8 +143,8 @@ class ChatCompletionBody(SamplingBody):
 class EmbeddingBody(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    model: str
-    input: str | list[str] | list[int] | list[list[int]] = Field(
+    model: str = Field(pattern=MODEL_PATTERN)
+    input: str | list[str] | list[TokenId] | list[list[TokenId]] = Field(
         description=f"A text or a list of 1 to {MAX_EMBEDDING_INPUTS} texts (token ids are refused)."
     )
     encoding_format: Literal["float"] = "float"
