@@ -147,7 +147,7 @@ class EmbeddingBody(BaseModel):
     input: str | list[str] | list[TokenId] | list[list[TokenId]] = Field(
         description=f"A text or a list of 1 to {MAX_EMBEDDING_INPUTS} texts (token ids are refused)."
     )
-    encoding_format: Literal["float"] = "float"
+    encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     user: str | None = None
 

@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import Counter
 from pydantic import BaseModel, Field
 
+from forge_inference_gateway.embeddings import GrpcEmbedder, create_embeddings
 from forge_inference_gateway.openai_schema import bearer_scheme, check_generation, install_openapi
 from forge_inference_gateway.rag import RagService
 from forge_inference_gateway.response_cache import CACHE_HEADER
@@ -73,9 +74,12 @@ def _bearer(request: Request) -> str:
 
 
 class GatewayRoutes:
-    def __init__(self, gateway: InferenceGateway, rag: RagService | None = None) -> None:
+    def __init__(
+        self, gateway: InferenceGateway, rag: RagService | None = None, embedder: GrpcEmbedder | None = None
+    ) -> None:
         self._gateway = gateway
         self._rag = rag
+        self._embedder = embedder
 
     async def admit(self, request: Request) -> None:
         """Dependency of ``/v1``: authenticate, admit against the tenant's rate limit, remember who."""
@@ -94,6 +98,15 @@ class GatewayRoutes:
         return openai_error(
             404, f"the model `{model_id}` does not exist", param="model", code="model_not_found"
         )
+
+    async def embeddings(self, request: Request) -> Response:
+        """``POST /v1/embeddings``: the retriever's embedder, for the caller's tenant."""
+        if self._embedder is None:
+            raise errors.NotFoundError("embeddings are not configured on this gateway")
+        raw = _json_body(await request.body())
+        answer = await create_embeddings(self._embedder, request.state.tenant, raw)
+        REQUESTS.labels("/v1/embeddings", "200").inc()
+        return JSONResponse(answer)
 
     async def completions(self, request: Request) -> Response:
         raw = _json_body(await request.body())
@@ -335,10 +348,15 @@ class AdminRoutes:
 
 
 def install_gateway_api(
-    app: FastAPI, gateway: InferenceGateway, admin_token: str | None, rag: RagService | None = None
+    app: FastAPI,
+    gateway: InferenceGateway,
+    admin_token: str | None,
+    rag: RagService | None = None,
+    embedder: GrpcEmbedder | None = None,
 ) -> None:
-    """Add ``/v1/*`` (``/v1/rag/query`` with ``rag``), ``/admin/v1/*`` and OpenAI-format error handlers."""
-    public = GatewayRoutes(gateway, rag)
+    """Add ``/v1/*`` (``/v1/rag/query`` with ``rag``, ``/v1/embeddings`` with ``embedder``),
+    ``/admin/v1/*`` and OpenAI-format error handlers."""
+    public = GatewayRoutes(gateway, rag, embedder)
     tenant = [Depends(bearer_scheme), Depends(public.admit)]
     app.add_api_route("/v1/models", public.list_models, methods=["GET"], dependencies=tenant)
     app.add_api_route(
@@ -347,6 +365,7 @@ def install_gateway_api(
     app.add_api_route("/v1/completions", public.completions, methods=["POST"], dependencies=tenant)
     app.add_api_route("/v1/chat/completions", public.chat_completions, methods=["POST"], dependencies=tenant)
     app.add_api_route("/v1/rag/query", public.rag_query, methods=["POST"], dependencies=tenant)
+    app.add_api_route("/v1/embeddings", public.embeddings, methods=["POST"], dependencies=tenant)
     admin = AdminRoutes(gateway)
     auth = [Depends(bearer_scheme), Depends(require_token(admin_token))]
     for path, endpoint, method, status in (
