@@ -17,7 +17,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from fastapi.security import HTTPBearer
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict, Field
 
 from forge_kit.openai_protocol import (
     ChatCompletionBody,
@@ -33,11 +33,32 @@ from forge_kit.openai_protocol import (
 #: the service token on ``/admin``); the check itself is the routes' dependency.
 bearer_scheme = HTTPBearer(auto_error=False, description="A tenant API key (``/v1``) or the admin token.")
 
+
+class RagQueryBody(BaseModel):
+    """``POST /v1/rag/query`` as ``rag.parse_query`` takes it (documentation only: the bounds of
+    ``top_k``, ``top_n``, the context and the timeout are the gateway's settings)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    query: str = Field(min_length=1, description="The question; whitespace-only is refused.")
+    collection: str = Field(min_length=1)
+    model: str = Field(min_length=1, description="The model (or alias) that writes the answer.")
+    top_k: int | None = Field(default=None, ge=1, description="Chunks retrieved.")
+    top_n: int | None = Field(default=None, ge=1, description="Chunks kept after reranking (at most top_k).")
+    max_context_tokens: int | None = Field(default=None, ge=16)
+    max_tokens: int | None = Field(default=None, ge=1, le=32768)
+    temperature: float = Field(default=0.0, ge=0, le=2)
+    stream: bool = False
+    filter: dict[str, str] | None = Field(default=None, description="Exact-match metadata filter.")
+    timeout_s: float | None = Field(default=None, gt=0)
+
+
 #: Request bodies of the routes that read raw JSON.
 REQUEST_BODIES: dict[tuple[str, str], type[BaseModel]] = {
     ("/v1/completions", "post"): CompletionBody,
     ("/v1/chat/completions", "post"): ChatCompletionBody,
     ("/v1/embeddings", "post"): EmbeddingBody,
+    ("/v1/rag/query", "post"): RagQueryBody,
 }
 
 _DESCRIPTIONS = {
@@ -105,7 +126,7 @@ def install_openapi(app: FastAPI) -> None:
                         "description": _DESCRIPTIONS[code],
                         "content": {"application/json": {"schema": error_ref}},
                     }
-                if body is not None and path != "/v1/embeddings":
+                if body is not None and path != "/v1/embeddings":  # JSON, or SSE with "stream"
                     ok = responses.setdefault("200", {"description": "Successful Response"})
                     ok["content"] = {
                         "application/json": {"schema": {"type": "object"}},
