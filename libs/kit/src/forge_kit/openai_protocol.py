@@ -13,10 +13,11 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from pydantic import ValidationError as PydanticValidationError
 
 from forge_kit import errors
+from forge_kit.modelref import NAME_MAX, VERSION_MAX, ModelRef
 
 #: Most choices one request may ask for (``n``).
 MAX_N = 16
@@ -28,10 +29,20 @@ MAX_EMBEDDING_INPUTS = 256
 MAX_EMBEDDING_CHARS = 8192
 
 BodyT = TypeVar("BodyT", bound=BaseModel)
-#: What ``model`` may be: a model name, ``name:version``, an alias or ``org/name`` (ASCII, since it
-#: travels back in a response header).
-MODEL_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,255}$"
+_WORD = r"[A-Za-z0-9][A-Za-z0-9._-]"
+#: What a generation's ``model`` may be: a model or alias name, or ``name:version`` — the kit's
+#: :class:`~forge_kit.modelref.ModelRef` grammar, as a JSON-schema pattern.
+MODEL_PATTERN = rf"^{_WORD}{{0,{NAME_MAX - 1}}}(:{_WORD}{{0,{VERSION_MAX - 1}}})?$"
+#: What an embedding ``model`` may be: the embedder's name, ``org/name`` included.
+EMBEDDING_MODEL_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,255}$"
 TokenId = Annotated[int, Field(ge=0)]
+
+
+def _model_ref(model: str) -> str:
+    """``model`` when it is a model reference (the kit's grammar, its error message otherwise)."""
+    ModelRef.parse(model)
+    return model
+
 
 #: OpenAI fields this server cannot honour, with the values that ask for nothing (and so pass).
 _UNSUPPORTED: dict[str, tuple[object, ...]] = {
@@ -64,7 +75,10 @@ class SamplingBody(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    model: str = Field(pattern=MODEL_PATTERN, description="A served model (``name[:version]``) or an alias.")
+    model: Annotated[str, AfterValidator(_model_ref)] = Field(
+        json_schema_extra={"pattern": MODEL_PATTERN},
+        description="A served model (``name[:version]``) or an alias.",
+    )
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -143,7 +157,7 @@ class ChatCompletionBody(SamplingBody):
 class EmbeddingBody(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    model: str = Field(pattern=MODEL_PATTERN)
+    model: str = Field(pattern=EMBEDDING_MODEL_PATTERN)
     input: str | list[str] | list[TokenId] | list[list[TokenId]] = Field(
         description=f"A text or a list of 1 to {MAX_EMBEDDING_INPUTS} texts (token ids are refused)."
     )
