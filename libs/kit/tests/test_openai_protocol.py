@@ -69,3 +69,29 @@ def test_logit_bias_keys_become_token_ids() -> None:
     assert logit_bias({"5": 1.5, "07": -100}) == {5: 1.5, 7: -100.0}
     with pytest.raises(errors.ValidationError):
         logit_bias({str(i): 1.0 for i in range(301)})
+
+
+@pytest.mark.parametrize(
+    ("raw", "param"),
+    [
+        ({"model": "m", "prompt": 5}, "prompt"),  # not "prompt.str": the union's member is no field
+        ({"model": "m", "prompt": "x", "stop": 5}, "stop"),
+        ({"model": "m"}, "prompt"),
+        ({"model": "m", "prompt": "x", "logit_bias": {"3": "a"}}, "logit_bias.3"),
+    ],
+)
+def test_a_malformed_field_is_named_by_its_path_in_the_body(raw: dict[str, object], param: str) -> None:
+    with pytest.raises(errors.ValidationError) as refused:
+        parse(CompletionBody, raw)
+    assert refused.value.field == param
+
+
+def test_a_malformed_message_is_named_by_its_path() -> None:
+    with pytest.raises(errors.ValidationError) as refused:
+        parse(
+            ChatCompletionBody, {"model": "m", "messages": [{"role": "user", "content": 5}, {"content": "x"}]}
+        )
+    assert refused.value.field == "messages.0.content"
+    with pytest.raises(errors.ValidationError) as missing:
+        parse(ChatCompletionBody, {"model": "m", "messages": [{"content": "x"}]})
+    assert missing.value.field == "messages.0.role"

@@ -5,6 +5,7 @@ server, as vLLM does, and the gateway in front of it): ``{"error": {"message", "
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -26,6 +27,22 @@ def openai_error(
     """An error in the OpenAI format."""
     body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
     return JSONResponse(body, status_code=status, headers=headers)
+
+
+def error_path(body: object, loc: Sequence[int | str], *, missing: bool = False) -> str:
+    """The dotted path of a validation error's location in the request body, without the tags
+    pydantic adds for the member of a union it tried (``prompt.str`` → ``prompt``): an element
+    counts where the body has it, or, for a ``missing`` field, as the last element."""
+    parts: list[str] = []
+    at = body
+    for i, key in enumerate(loc):
+        if isinstance(at, dict) and isinstance(key, str) and (key in at or (missing and i == len(loc) - 1)):
+            parts.append(key)
+            at = at.get(key)
+        elif isinstance(at, list) and isinstance(key, int) and 0 <= key < len(at):
+            parts.append(str(key))
+            at = at[key]
+    return ".".join(parts) or "body"
 
 
 def install_openai_error_handlers(app: FastAPI) -> None:
@@ -52,7 +69,11 @@ def install_openai_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _malformed(_: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
-        field = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or "body"
+        loc = list(first.get("loc", ()))
+        if loc[:1] == ["body"]:
+            field = error_path(exc.body, loc[1:], missing=first.get("type") == "missing")
+        else:  # a query, path or header parameter: named as FastAPI locates it
+            field = ".".join(str(p) for p in loc) or "body"
         return openai_error(400, f"{field}: {first.get('msg')}", param=field, code="invalid_value")
 
     @app.exception_handler(errors.NotFoundError)

@@ -18,6 +18,7 @@ from pydantic import ValidationError as PydanticValidationError
 
 from forge_kit import errors
 from forge_kit.modelref import NAME_MAX, VERSION_MAX, ModelRef
+from forge_kit.openai_errors import error_path
 
 #: Most choices one request may ask for (``n``).
 MAX_N = 16
@@ -197,7 +198,7 @@ def parse(model: type[BodyT], raw: object) -> BodyT:
         return model.model_validate(raw)
     except PydanticValidationError as exc:
         first = exc.errors()[0]
-        field = ".".join(str(p) for p in first["loc"]) or "body"
+        field = error_path(raw, first["loc"], missing=first["type"] == "missing")
         raise errors.ValidationError(field, str(first["msg"])) from None
 
 
