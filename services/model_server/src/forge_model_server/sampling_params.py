@@ -84,6 +84,10 @@ def completion_prompts(body: CompletionBody) -> list[Prompt]:
 def completion_requests(body: CompletionBody, request_id: str) -> list[GenerationRequest]:
     """One request per prompt and choice, in vLLM's order (prompt-major)."""
     prompts = completion_prompts(body)
+    if len(prompts) * body.n > MAX_CHOICES:
+        raise errors.ValidationError(
+            "n", f"{len(prompts)} prompts x n={body.n} exceed {MAX_CHOICES} choices in one call"
+        )
     if body.echo and any(not isinstance(p, str) for p in prompts):
         raise errors.ValidationError("echo", "is not supported with a token-id prompt")
     out = []
@@ -118,8 +122,6 @@ def choices(generation: GenerationRequest, n: int) -> list[GenerationRequest]:
     choices get seeds ``seed``, ``seed+1``, … so they differ yet repeat."""
     if n == 1:
         return [generation]
-    if n > MAX_CHOICES:
-        raise errors.ValidationError("n", f"at most {MAX_CHOICES} choices per call")
     return [
         dataclasses.replace(
             generation,
