@@ -2,8 +2,8 @@
 and repetition penalties, applied to one step's rows of logits before sampling.
 
 Every processor is a few tensor operations over the rows that use it: per-row parameters become
-column vectors, token counts come from one ``scatter_add`` over the padded output ids, and the
-prompt's tokens from one ``scatter`` over the padded prompt ids. The order is vLLM's:
+vectors, and the penalties touch only the (row, token) pairs that occur, found and counted by one
+``unique`` over flat keys. The order is vLLM's:
 ``min_tokens`` (EOS masked), ``logit_bias``, then the repetition penalty (prompt and output
 tokens), the frequency and the presence penalties (output tokens). Logprobs are reported from the
 raw logits, as vLLM reports them by default.
@@ -18,14 +18,10 @@ import torch
 from forge_model_server.sampling import SamplingParams
 
 
-def _padded(rows: Sequence[Sequence[int]], pad: int, device: torch.device) -> torch.Tensor:
-    """``rows`` as one [len(rows), longest] tensor, short rows filled with ``pad``."""
-    width = max((len(r) for r in rows), default=0)
-    out = torch.full((len(rows), max(width, 1)), pad, dtype=torch.long)
-    for i, row in enumerate(rows):
-        if row:
-            out[i, : len(row)] = torch.tensor(row, dtype=torch.long)
-    return out.to(device)
+def _pairs(ids: Sequence[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """Each (row, token) of ``ids`` as one flat key ``row * vocab + token``."""
+    flat = [i * vocab + t for i, row in enumerate(ids) for t in row]
+    return torch.tensor(flat, dtype=torch.long, device=device)
 
 
 def _penalise(
@@ -34,25 +30,22 @@ def _penalise(
     prompt_ids: Sequence[Sequence[int]],
     output_ids: Sequence[Sequence[int]],
 ) -> torch.Tensor:
-    """The three penalties on ``logits`` (the rows that use one), vectorised."""
-    rows, vocab = logits.shape
+    """The three penalties on ``logits`` (the rows that use one), touching only the (row, token)
+    pairs that occur: the work grows with the tokens seen, not with the vocabulary."""
+    vocab = logits.shape[1]
     device, dtype = logits.device, logits.dtype
-    repetition = torch.tensor([p.repetition_penalty for p in params], dtype=dtype, device=device)[:, None]
-    frequency = torch.tensor([p.frequency_penalty for p in params], dtype=dtype, device=device)[:, None]
-    presence = torch.tensor([p.presence_penalty for p in params], dtype=dtype, device=device)[:, None]
-    # One extra column takes the padding.
-    padded = _padded(output_ids, vocab, device)
-    counts = torch.zeros(rows, vocab + 1, dtype=dtype, device=device)
-    counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=dtype))
-    counts = counts[:, :vocab]
-    generated = counts > 0
+    repetition = torch.tensor([p.repetition_penalty for p in params], dtype=dtype, device=device)
+    frequency = torch.tensor([p.frequency_penalty for p in params], dtype=dtype, device=device)
+    presence = torch.tensor([p.presence_penalty for p in params], dtype=dtype, device=device)
+    generated, counts = torch.unique(_pairs(output_ids, vocab, device), return_counts=True)
     if any(p.repetition_penalty != 1.0 for p in params):
-        in_prompt = torch.zeros(rows, vocab + 1, dtype=torch.bool, device=device)
-        in_prompt.scatter_(1, _padded(prompt_ids, vocab, device), True)
-        seen = in_prompt[:, :vocab] | generated
-        penalised = torch.where(logits > 0, logits / repetition, logits * repetition)
-        logits = torch.where(seen, penalised, logits)
-    return logits - frequency * counts - presence * generated.to(dtype)
+        seen = torch.unique(torch.cat([generated, _pairs(prompt_ids, vocab, device)]))
+        rows, tokens = seen // vocab, seen % vocab
+        values, penalty = logits[rows, tokens], repetition[rows]
+        logits[rows, tokens] = torch.where(values > 0, values / penalty, values * penalty)
+    rows, tokens = generated // vocab, generated % vocab
+    logits[rows, tokens] -= frequency[rows] * counts.to(dtype) + presence[rows]
+    return logits
 
 
 def apply_logits_processors(
