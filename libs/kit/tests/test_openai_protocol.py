@@ -95,3 +95,11 @@ def test_a_malformed_message_is_named_by_its_path() -> None:
     with pytest.raises(errors.ValidationError) as missing:
         parse(ChatCompletionBody, {"model": "m", "messages": [{"content": "x"}]})
     assert missing.value.field == "messages.0.role"
+
+
+def test_null_parameters_mean_their_defaults() -> None:
+    body = parse(
+        CompletionBody, {"model": "m", "prompt": "x", "n": None, "presence_penalty": None, "stream": None}
+    )
+    assert (body.n, body.presence_penalty, body.stream) == (1, 0.0, False)
+    check_sampling(body)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 from pydantic import ValidationError as PydanticValidationError
 
 from forge_kit import errors
@@ -67,6 +67,13 @@ _UNSUPPORTED: dict[str, tuple[object, ...]] = {
 }
 
 
+#: Parameters whose ``null`` is their default (clients send ``null`` for "not set").
+_NULL_MEANS_DEFAULT = frozenset(
+    {"n", "stream", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "priority",
+     "ignore_eos", "echo", "logprobs"}
+)  # fmt: skip
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
@@ -108,6 +115,14 @@ class SamplingBody(BaseModel):
     )
     min_tokens: int = Field(default=0, ge=0, description="Tokens to generate before EOS or a stop may end.")
     user: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        """``null`` for a parameter with a default means the default, as OpenAI's API reads it."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if not (v is None and k in _NULL_MEANS_DEFAULT)}
+        return data
 
     def extra_fields(self) -> dict[str, Any]:
         return dict(self.model_extra or {})
