@@ -13,8 +13,10 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, GetJsonSchemaHandler, model_validator
 from pydantic import ValidationError as PydanticValidationError
+from pydantic.json_schema import JsonSchemaValue
+from pydantic_core import CoreSchema
 
 from forge_kit import errors
 from forge_kit.modelref import NAME_MAX, VERSION_MAX, ModelRef
@@ -123,6 +125,18 @@ class SamplingBody(BaseModel):
         if isinstance(data, dict):
             return {k: v for k, v in data.items() if not (v is None and k in _NULL_MEANS_DEFAULT)}
         return data
+
+    @classmethod
+    def __get_pydantic_json_schema__(cls, core: CoreSchema, handler: GetJsonSchemaHandler) -> JsonSchemaValue:
+        """The document says what the validator does: those parameters may be ``null``."""
+        schema = handler.resolve_ref_schema(handler(core))
+        for name, prop in schema.get("properties", {}).items():
+            if name in _NULL_MEANS_DEFAULT and "anyOf" not in prop:
+                nullable = {k: v for k, v in prop.items() if k not in ("title", "description", "default")}
+                for key in nullable:
+                    prop.pop(key)
+                prop["anyOf"] = [nullable, {"type": "null"}]
+        return schema
 
     def extra_fields(self) -> dict[str, Any]:
         return dict(self.model_extra or {})
