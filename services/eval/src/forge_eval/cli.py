@@ -77,7 +77,14 @@ def run(
         bool, typer.Option("--smoke", help="The smoke tier: each task's stratified subset.")
     ] = False,
     batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Prompts per request.")] = 16,
-    concurrency: Annotated[int, typer.Option("--concurrency", min=1, help="Requests in flight.")] = 64,
+    concurrency: Annotated[
+        int,
+        typer.Option(
+            "--concurrency",
+            min=1,
+            help="Most requests in flight; the client adapts below it to the server's 429/503 answers.",
+        ),
+    ] = 64,
     cache: Annotated[Path, typer.Option("--cache", help="Response cache (SQLite).")] = DEFAULT_CACHE,
     no_cache: Annotated[bool, typer.Option("--no-cache", help="Neither read nor write the cache.")] = False,
     token: Annotated[
@@ -123,6 +130,8 @@ def run(
             "prompts_sent": backend.stats.prompts_sent,
             "cache_hits": backend.stats.cache_hits,
             "retries": backend.stats.retries,
+            "overloads": backend.stats.overloads,
+            "lowest_concurrency": backend.stats.lowest_concurrency,
         }
         return write_run(
             out,
