@@ -107,6 +107,47 @@ def test_two_packages_sharing_a_subcommand_name_merge(monkeypatch: pytest.Monkey
         assert expected in result.output
 
 
+def test_help_shows_one_line_per_command_group() -> None:
+    """The installed plugins, as a user sees them: each group on one line of its own, a group two
+    packages share described once (its main package's help, then what the other adds)."""
+    result = runner.invoke(app, ["--help"], env={"COLUMNS": "400"}, terminal_width=400)
+    assert result.exit_code == 0, result.output
+    lines = {}
+    for line in result.output.splitlines():
+        cells = line.strip("│ ").split(None, 1)
+        if len(cells) == 2:
+            lines.setdefault(cells[0], cells[1].strip("│ "))
+    for group, entry_points in plugins.plugin_entry_points().items():
+        assert group in lines, f"{group} missing from forge --help"
+        assert lines[group].endswith("."), lines[group]
+        if len(entry_points) > 1:
+            assert "Also: " in lines[group], lines[group]
+    assert lines["eval"] == "Run benchmark tasks, compare runs and apply the release gate. Also: retrieval."
+    assert lines["bench"] == "Training benchmarks: step throughput and the recipe chain. Also: engine."
+
+
+def test_a_merged_group_is_described_by_the_plugin_with_most_commands() -> None:
+    import typer
+
+    small, big = (
+        typer.Typer(help="Inference engine benchmark."),
+        typer.Typer(help="Training benchmarks.\n\nLong text."),
+    )
+
+    @small.command()
+    def engine() -> None: ...
+
+    @big.command()
+    def train() -> None: ...
+
+    @big.command()
+    def recipes() -> None: ...
+
+    merged = plugins._merged("bench", [typer.main.get_command(small), typer.main.get_command(big)])
+    assert merged.help == "Training benchmarks. Also: engine."
+    assert set(merged.commands) == {"engine", "train", "recipes"}
+
+
 # --- tokens -------------------------------------------------------------------------------------
 
 

@@ -53,6 +53,7 @@ def load_plugin(name: str, eps: EntryPoint | list[EntryPoint]) -> Command:
         eps = eps[0]
     command = _load(name, eps)
     command.name = name
+    command.short_help = one_line(command.help)
     setattr(command, "rich_help_panel", PANEL)  # noqa: B010 - listed apart from built-ins in `forge --help`
     return command
 
@@ -69,17 +70,29 @@ def _load(name: str, ep: EntryPoint) -> Command:
     return command
 
 
+def one_line(text: str | None) -> str:
+    """The first paragraph of a help text on one line (what ``forge --help`` lists)."""
+    return " ".join((text or "").strip().split("\n\n")[0].split())
+
+
 def _merged(name: str, commands: list[Command]) -> Command:
     """One group holding the subcommands of every plugin that claimed ``name``; a plugin that is
-    a single command is added under its own name. The first claim of a subcommand name wins."""
-    group = TyperGroup(name=name, help=" / ".join(c.help.splitlines()[0] for c in commands if c.help))
+    a single command is added under its own name. The first claim of a subcommand name wins.
+
+    Its help is one line: the help of the plugin with the most subcommands, then the names the
+    others add (``Run benchmark tasks, … release gate. Also: retrieval.``)."""
+    group = TyperGroup(name=name)
+    owners: list[tuple[Command, list[str]]] = []
     for command in commands:
-        subcommands = getattr(command, "commands", None)
-        if subcommands is None:
-            group.commands.setdefault(command.name, command)
-            continue
-        for sub_name, sub in subcommands.items():
-            group.commands.setdefault(sub_name, sub)
+        subcommands = getattr(command, "commands", None) or {command.name: command}
+        added = [n for n in subcommands if n not in group.commands]
+        for sub_name in added:
+            group.commands[sub_name] = subcommands[sub_name]
+        owners.append((command, added))
+    primary, _ = max(owners, key=lambda o: len(o[1]))
+    others = [n for command, added in owners if command is not primary for n in added]
+    lead = one_line(primary.help).rstrip(".") or f"forge {name} commands"
+    group.help = group.short_help = f"{lead}. Also: {', '.join(others)}." if others else f"{lead}."
     setattr(group, "rich_help_panel", PANEL)  # noqa: B010
     return group
 

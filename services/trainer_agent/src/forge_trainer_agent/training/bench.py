@@ -45,7 +45,7 @@ from forge_trainer_agent.training.launch import run_group, run_group_sequence
 from forge_trainer_agent.training.train import RunContext, TrainResult, pretrain
 from forge_trainer_agent.training.train import train as run_training
 
-app = typer.Typer(add_completion=False, help="Benchmarks.")
+app = typer.Typer(add_completion=False, help="Training benchmarks: step throughput and the recipe chain.")
 
 
 @app.callback()
