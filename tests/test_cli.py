@@ -148,6 +148,38 @@ def test_a_merged_group_is_described_by_the_plugin_with_most_commands() -> None:
     assert set(merged.commands) == {"engine", "train", "recipes"}
 
 
+def test_an_expected_failure_in_any_command_is_one_line_not_a_traceback(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import types
+
+    import typer
+
+    broken = typer.Typer()
+
+    @broken.command()
+    def wait() -> None:
+        raise TimeoutError("workflow w-1 still RUNNING after 300s")
+
+    module = types.ModuleType("tests_cli_timeout")
+    module.app = broken  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "tests_cli_timeout", module)
+    eps = [EntryPoint(name="waitx", value="tests_cli_timeout:app", group=plugins.GROUP)]
+    monkeypatch.setattr(plugins, "plugin_entry_points", lambda group=plugins.GROUP: {"waitx": eps})
+    result = runner.invoke(app, ["waitx"])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert result.output.strip() == "forge: error: timed out: workflow w-1 still RUNNING after 300s"
+
+
+def test_a_service_that_is_not_up_is_one_line() -> None:
+    """The real ``forge workflows get`` against a port nothing listens on."""
+    port = free_port()
+    result = runner.invoke(app, ["workflows", "get", "w-1", "--target", f"127.0.0.1:{port}"])
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    assert "UNAVAILABLE" in result.output and "is the service up?" in result.output
+    assert len(result.output.strip().splitlines()) == 1
+
+
 # --- tokens -------------------------------------------------------------------------------------
 
 

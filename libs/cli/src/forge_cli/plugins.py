@@ -14,6 +14,8 @@ from typing import Any
 import typer
 from typer.core import TyperGroup
 
+from forge_kit import clitools
+
 # typer >= 0.20 vendors its own click: commands are whatever typer.main.get_command returns,
 # so plugins must be typer.Typer apps (a plain click command would not mix with them).
 Command = Any
@@ -98,7 +100,20 @@ def _merged(name: str, commands: list[Command]) -> Command:
 
 
 class PluginGroup(TyperGroup):
-    """The root ``forge`` group: built-in commands plus lazily loaded plugin commands."""
+    """The root ``forge`` group: built-in commands plus lazily loaded plugin commands.
+
+    An expected failure escaping any command (a service not up, a refused token, a timeout:
+    :func:`forge_kit.clitools.describe_error`) ends as one line on stderr and exit status 1."""
+
+    def invoke(self, ctx: Any) -> Any:
+        try:
+            return super().invoke(ctx)
+        except Exception as exc:
+            message = clitools.describe_error(exc)
+            if message is None:
+                raise
+            clitools.error_console.print(f"[red]forge: error[/]: {message}", highlight=False, soft_wrap=True)
+            raise typer.Exit(1) from None
 
     def list_commands(self, ctx: Any) -> list[str]:
         builtin = super().list_commands(ctx)
