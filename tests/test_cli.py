@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import stat
@@ -178,6 +179,79 @@ def test_a_service_that_is_not_up_is_one_line() -> None:
     assert result.exit_code == 1 and "Traceback" not in result.output, result.output
     assert "UNAVAILABLE" in result.output and "is the service up?" in result.output
     assert len(result.output.strip().splitlines()) == 1
+
+
+def _replay_on_a_terminal(tmp_path: Path, *extra: str) -> tuple[int, str, str]:
+    """``forge sim replay`` with stderr on a pseudo-terminal (as a user sees it) and stdout piped."""
+    import pty
+
+    trace = tmp_path / "trace.csv"
+    trace.write_text(
+        "submit_time,duration_s,num_gpus,team\n" + "".join(f"{i},{30 + i},1,t{i % 2}\n" for i in range(20))
+    )
+    primary, secondary = pty.openpty()
+    command = [sys.executable, "-c", "from forge_cli.main import app; app()", "sim", "replay"]
+    command += [
+        "--trace",
+        str(trace),
+        "--gpus",
+        "4",
+        "--gpus-per-node",
+        "4",
+        "--policies",
+        "fifo",
+        "--workers",
+        "1",
+    ]
+    command += ["--out", str(tmp_path / "out"), *extra]
+    env = {**os.environ, "COLUMNS": "120", "TERM": "xterm"}
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=secondary, env=env) as proc:
+        os.close(secondary)
+        terminal = b""
+        while True:
+            try:
+                chunk = os.read(primary, 4096)
+            except OSError:  # the child closed its end
+                break
+            if not chunk:
+                break
+            terminal += chunk
+        stdout = proc.stdout.read().decode() if proc.stdout else ""
+    os.close(primary)
+    return proc.returncode, stdout, terminal.decode(errors="replace")
+
+
+def test_a_long_command_draws_progress_on_a_terminal_and_keeps_stdout_clean(tmp_path: Path) -> None:
+    code, stdout, terminal = _replay_on_a_terminal(tmp_path)
+    assert code == 0, terminal
+    assert "replaying 20 jobs" in terminal and "1/1" in terminal
+    assert json.loads(stdout)["policies"]["fifo"]["makespan_s"] > 0  # nothing but JSON on stdout
+    quiet_code, quiet_stdout, quiet_terminal = _replay_on_a_terminal(tmp_path, "--quiet")
+    assert quiet_code == 0 and "replaying" not in quiet_terminal
+    assert json.loads(quiet_stdout) == json.loads(stdout)
+
+
+def test_progress_is_off_when_stderr_is_not_a_terminal(tmp_path: Path) -> None:
+    trace = tmp_path / "trace.csv"
+    trace.write_text("submit_time,duration_s,num_gpus,team\n0,10,1,a\n1,10,1,b\n")
+    command = [sys.executable, "-c", "from forge_cli.main import app; app()", "sim", "replay"]
+    command += [
+        "--trace",
+        str(trace),
+        "--gpus",
+        "2",
+        "--gpus-per-node",
+        "2",
+        "--policies",
+        "fifo",
+        "--workers",
+        "1",
+    ]
+    done = subprocess.run(
+        [*command, "--out", str(tmp_path / "o")], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    assert "replaying" not in done.stderr and json.loads(done.stdout)
 
 
 # --- tokens -------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ import errno
 import json
 import os
 import sys
-from collections.abc import Coroutine, Iterator, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
@@ -188,3 +188,22 @@ def show_rows(rows: Sequence[Mapping[str, Any]], columns: list[str], as_json: bo
     for row in rows:
         table.add_row(*(str(row.get(c, "")) for c in columns))
     console.print(table)
+
+
+@contextmanager
+def stages(total: int, quiet: bool = False) -> Iterator[Callable[[str], None]]:
+    """A :func:`progress` bar over ``total`` named stages: call ``start(name)`` as each begins;
+    the bar shows the stage running and how many are done."""
+    with progress(quiet) as bar:
+        task = bar.add_task("starting", total=total)
+        begun = 0
+
+        def start(name: str) -> None:
+            nonlocal begun
+            if begun:
+                bar.advance(task)
+            begun += 1
+            bar.update(task, description=name)
+
+        yield start
+        bar.update(task, completed=total, description="done")

@@ -178,6 +178,8 @@ class OpenAIBackend:
         self.batch_size = batch_size
         self.concurrency = concurrency
         self.stats = CallStats(lowest_concurrency=concurrency)
+        self.on_answers: Callable[[int], None] = lambda count: None
+        """Called with the number of requests answered (from the cache or a batch), for progress."""
         self.max_model_len: int | None = None
         """The served model's context in tokens (its card's ``max_model_len``), once known."""
         self.limiter = AIMDLimiter(concurrency)
@@ -242,6 +244,9 @@ class OpenAIBackend:
                 self.stats.cache_hits += 1
             else:
                 misses.setdefault(request.batch_key(), []).append(i)
+        cached_here = len(requests) - sum(len(ids) for ids in misses.values())
+        if cached_here:
+            self.on_answers(cached_here)
         batches = [
             ids[start : start + self.batch_size]
             for ids in misses.values()
@@ -255,6 +260,7 @@ class OpenAIBackend:
                 return
             for i, answer in zip(ids, answers, strict=True):
                 out[i] = answer
+            self.on_answers(len(ids))
             if self.cache:
                 self.cache.put_many([(keys[i], a) for i, a in zip(ids, answers, strict=True)])
 

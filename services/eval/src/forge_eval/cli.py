@@ -16,6 +16,7 @@ token: an admin, who may ``promote --force``).
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 from pathlib import Path
@@ -96,6 +97,7 @@ def run(
     corpora_dir: Annotated[
         str, typer.Option("--corpora-dir", help="Absolute, or a folder inside FORGE_DATA_DIR.")
     ] = "corpora",
+    quiet: Annotated[bool, clitools.QuietOption] = False,
 ) -> None:
     """Evaluate tasks on a model and write DIR/summary.json, samples and report.md."""
     try:
@@ -116,10 +118,14 @@ def run(
             identity = await backend.identity(checkpoint)
             started = time.perf_counter()
             runs: list[TaskRun] = []
-            for config in configs:
-                runs.append(
-                    await run_task(config, roots, backend, identity, limit=limit, seed=seed, smoke=smoke)
-                )
+            with clitools.progress(quiet) as bar:
+                for config in configs:
+                    step = bar.add_task(f"{config.name}: requests answered", total=None)
+                    backend.on_answers = functools.partial(bar.advance, step)
+                    runs.append(
+                        await run_task(config, roots, backend, identity, limit=limit, seed=seed, smoke=smoke)
+                    )
+                    bar.update(step, total=bar.tasks[step].completed)
             elapsed = time.perf_counter() - started
         finally:
             await backend.aclose()
