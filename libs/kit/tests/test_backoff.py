@@ -20,6 +20,7 @@ from forge_kit.backoff import (
     GaveUp,
     RetryPolicy,
     RetryStats,
+    TooLarge,
     parse_retry_after,
     send_with_retries,
 )
@@ -137,6 +138,21 @@ async def test_dropped_connections_are_retried_then_given_up() -> None:
     finally:
         server.close()
         await server.wait_closed()
+
+
+async def test_a_request_refused_even_alone_in_flight_is_too_large(
+    overloaded: tuple[str, Overloaded],
+) -> None:
+    url, server = overloaded
+    server.capacity = 0  # nothing fits: whatever the window, the answer is 429
+    server.retry_after = "0"
+    limiter = AIMDLimiter(8)
+    policy = RetryPolicy(base_s=0.001, cap_s=0.002)
+    async with httpx.AsyncClient(base_url=url, timeout=5) as client:
+        with pytest.raises(TooLarge) as caught:
+            await send_with_retries(lambda: client.post("/work"), limiter, policy=policy, split_after=2)
+    # 8 -> 4 -> 2 -> 1 took three refusals; then two more at the minimum.
+    assert server.refused == 5 and "alone in flight" in str(caught.value)
 
 
 async def test_a_server_overloaded_past_the_patience_gives_up(overloaded: tuple[str, Overloaded]) -> None:

@@ -143,3 +143,52 @@ def test_a_bad_request_fails_the_run_at_once(server: tuple[str, Queue], tmp_path
     assert code == 2 and "HTTP 400" in output
     assert time.monotonic() - started < 30
     assert set(queue.bodies.values()) == {1}  # nothing was retried
+
+
+def test_default_settings_complete_against_the_real_model_server(tmp_path: Path) -> None:
+    """The platform's own ``forge_model_server`` (a tiny checkpoint), its waiting queue cut to
+    four prompts: the default 64 requests of 16 prompts overrun it many times over, and a batch of
+    16 never fits even alone (it is halved until it does)."""
+    from tiny_checkpoint import make_tiny_checkpoint
+
+    from forge_kit.testing import ServiceProcess
+
+    make_tiny_checkpoint(tmp_path / "models" / "tiny", context=64)
+    data = tmp_path / "benchmarks" / "toy_gen"
+    data.mkdir(parents=True)
+    words = ["the cat", "one two", "the dog", "a b", "to be", "my lord"]
+    rows = [{"q": f"{words[i % len(words)]} {i}", "a": "x"} for i in range(40)]
+    (data / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    task = tmp_path / "toy_gen.yaml"
+    task.write_text(
+        "name: toy_gen\noutput_type: generate_until\ndataset: {path: toy_gen/test.jsonl}\n"
+        "template: {prompt: '{{ q }} ', target: '{{ a }}'}\n"
+        "generation: {max_tokens: 4}\nscorer: {name: exact_match}\n"
+    )
+    server = ServiceProcess(
+        "forge_model_server",
+        env={
+            "FORGE_MODEL_SERVER_GRPC_PORT": "0",
+            "FORGE_MODEL_SERVER_HTTP_PORT": "0",
+            "FORGE_MODEL_SERVER_AUTH_TOKEN": "overload-token",
+            "FORGE_MODEL_SERVER_MODELS_DIR": str(tmp_path / "models"),
+            "FORGE_MODEL_SERVER_KAFKA_ENABLED": "false",
+            "FORGE_MODEL_SERVER_TORCH_THREADS": "1",
+            "FORGE_MODEL_SERVER_MAX_WAITING_REQUESTS": "4",
+        },
+        cwd=str(tmp_path),
+        log_path=str(tmp_path / "model_server.log"),
+    ).start(90)
+    try:
+        out = tmp_path / "run"
+        args = ["run", "--task", str(task), "--endpoint", server.http_url, "--model", "tiny"]
+        args += ["--out", str(out), "--benchmarks-dir", str(tmp_path / "benchmarks"), "--no-cache"]
+        result = CliRunner().invoke(app, args, env={"FORGE_CLI_EVAL_ENDPOINT_TOKEN": "overload-token"})
+    finally:
+        server.stop()
+    assert result.exit_code == 0, result.output + (tmp_path / "model_server.log").read_text()[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    samples = (out / "samples" / "toy_gen.jsonl").read_text().splitlines()
+    assert len(samples) == len(rows) and summary["calls"]["prompts_sent"] == len(rows)
+    assert summary["calls"]["overloads"] > 0  # the server did say "slow down", and the run went on
+    assert summary["calls"]["batches_split"] >= 1

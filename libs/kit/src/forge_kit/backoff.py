@@ -179,6 +179,11 @@ class GaveUp(Exception):
         self.last = last
 
 
+class TooLarge(GaveUp):
+    """The server kept refusing this request as overloaded while it was the only one in flight:
+    the request alone is more than the server takes (a batch larger than its queue). Split it."""
+
+
 async def send_with_retries(
     send: Callable[[], Awaitable[httpx.Response]],
     limiter: AIMDLimiter,
@@ -188,6 +193,7 @@ async def send_with_retries(
     rng: random.Random | None = None,
     sleep: Callable[[float], Awaitable[object]] = asyncio.sleep,
     clock: Callable[[], float] = time.monotonic,
+    split_after: int | None = None,
 ) -> httpx.Response:
     """``send()`` inside a limiter slot until it answers something retrying cannot change.
 
@@ -195,7 +201,9 @@ async def send_with_retries(
     2. 2xx/3xx: grow the window and return. 429/503: cut the window, pause for ``Retry-After``
        (or back off) and retry while the request's patience lasts. 5xx/408/connection error:
        back off and retry up to ``policy.attempts`` tries. Any other status: return it.
-    3. Out of retries: :class:`GaveUp` naming the last answer.
+    3. Out of retries: :class:`GaveUp` naming the last answer. With ``split_after``, that many
+       overloads answered while the window was already at its minimum raise :class:`TooLarge`:
+       a caller that batches splits the batch (it would never fit otherwise).
     """
     policy = policy or RetryPolicy()
     stats = stats if stats is not None else RetryStats()
@@ -203,6 +211,7 @@ async def send_with_retries(
     started = clock()
     transient = 0
     retry = 0
+    alone = 0
     while True:
         stats.calls += 1
         async with limiter.slot() as epoch:
@@ -215,8 +224,12 @@ async def send_with_retries(
                 last = f"HTTP {response.status_code}: {response.text[:200]}"
         if response is not None and response.status_code in OVERLOAD_STATUSES:
             retry_after = parse_retry_after(response.headers.get("retry-after"))
+            at_minimum = limiter.window == limiter.minimum and limiter.in_flight == 0
             limiter.overloaded(epoch, retry_after)
             stats.overloads += 1
+            alone += at_minimum
+            if split_after is not None and alone >= split_after:
+                raise TooLarge(f"refused {alone} times while alone in flight", last)
             if clock() - started >= policy.overload_patience_s:
                 raise GaveUp(f"still overloaded after {policy.overload_patience_s:.0f} s", last)
             wait = retry_after if retry_after is not None else policy.delay(retry, rng)

@@ -32,7 +32,7 @@ from typing import Any
 
 import httpx
 
-from forge_kit.backoff import AIMDLimiter, GaveUp, RetryPolicy, RetryStats, send_with_retries
+from forge_kit.backoff import AIMDLimiter, GaveUp, RetryPolicy, RetryStats, TooLarge, send_with_retries
 from forge_kit.paths import private_file
 
 WEIGHT_FILES = ("*.safetensors", "*.bin", "config.json", "generation_config.json")
@@ -41,6 +41,14 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.tx
 
 class BackendError(Exception):
     """The endpoint cannot answer; the message says why."""
+
+
+class _TooLarge(Exception):
+    """A batch the server refused as overloaded while alone in flight: split it."""
+
+
+_SPLIT_AFTER = 3
+"""Overload answers to a batch sent alone (the window at one request) before it is halved."""
 
 
 @dataclass(frozen=True)
@@ -144,6 +152,9 @@ class CallStats:
     retries: int = 0
     overloads: int = 0
     """429/503 answers: each halves the window of requests in flight (once per congestion event)."""
+    batches_split: int = 0
+    """Batches halved because the server refused them as overloaded even alone (a queue smaller
+    than the batch)."""
     lowest_concurrency: int = 0
     """The smallest the adaptive window became (the ``concurrency`` asked for when never cut)."""
     per_batch: list[int] = field(default_factory=list)
@@ -186,6 +197,8 @@ class OpenAIBackend:
         self._policy = RetryPolicy(attempts=attempts, overload_patience_s=overload_patience_s)
         self._retry_stats = RetryStats()
         self._batching = True
+        self._batch_cap = batch_size
+        """Prompts per call at most: halved whenever the server refuses a batch even alone."""
         self._rng = rng or random.Random(0)
         self._sleep = sleep
         # One kept-alive connection per request in flight: httpx's default pool (100 connections,
@@ -254,7 +267,18 @@ class OpenAIBackend:
         ]
 
         async def send(ids: list[int]) -> None:
-            answers = await self._post([requests[i] for i in ids])
+            if len(ids) > self._batch_cap:  # a batch this large was refused even alone before
+                cap = self._batch_cap
+                await asyncio.gather(*(send(ids[i : i + cap]) for i in range(0, len(ids), cap)))
+                return
+            try:
+                answers = await self._post([requests[i] for i in ids])
+            except _TooLarge:  # more prompts than the server's queue holds: halve the batch
+                self.stats.batches_split += 1
+                half = len(ids) // 2
+                self._batch_cap = min(self._batch_cap, half)
+                await asyncio.gather(send(ids[:half]), send(ids[half:]))
+                return
             if answers is None:  # the endpoint takes one prompt per request: split the batch
                 await asyncio.gather(*(send([i]) for i in ids))
                 return
@@ -292,7 +316,10 @@ class OpenAIBackend:
                 stats=self._retry_stats,
                 rng=self._rng,
                 sleep=self._sleep,
+                split_after=_SPLIT_AFTER if len(batch) > 1 else None,
             )
+        except TooLarge:
+            raise _TooLarge from None
         except GaveUp as exc:
             raise BackendError(
                 f"model endpoint {self.endpoint} gave up on {first.path}: {exc} (last: {exc.last})"

@@ -138,6 +138,7 @@ def run(
             "retries": backend.stats.retries,
             "overloads": backend.stats.overloads,
             "lowest_concurrency": backend.stats.lowest_concurrency,
+            "batches_split": backend.stats.batches_split,
         }
         return write_run(
             out,
