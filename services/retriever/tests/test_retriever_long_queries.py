@@ -136,3 +136,24 @@ def test_run_file_scores_reproduce_the_ranking(tmp_path: Path) -> None:
     evaluation.write_trec_run(path, {"q": ["b", "a", "c"]}, "forge-x")
     lines = path.read_text().splitlines()
     assert lines == ["q Q0 b 1 3 forge-x", "q Q0 a 2 2 forge-x", "q Q0 c 3 1 forge-x"]
+
+
+def test_a_mode_whose_every_query_fails_exits_non_zero_after_writing_the_summary(tmp_path: Path) -> None:
+    """The reranker is not up: each unbudgeted rerank fails and is counted (a budgeted one runs out
+    of its budget and keeps the retriever's order, as the gateway does); the command says so."""
+    from forge_kit.testing.processes import free_port
+
+    out = tmp_path / "out"
+    args = ["retrieval", "--dataset", str(write_beir(tmp_path / "set")), "--modes", "hybrid_rerank"]
+    args += ["--out", str(out), "--work", str(tmp_path / "w"), "--quiet", "--ingest-sample", "0"]
+    args += ["--reranker-target", f"127.0.0.1:{free_port()}", "--reranker-token", "t"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert "every query of hybrid_rerank_best failed" in result.output and "UNAVAILABLE" in result.output
+    summary = json.loads((out / "summary.json").read_text())
+    modes = summary["protocol"]["modes"]
+    assert (
+        modes["hybrid_rerank_best"]["failed_queries"] == 4 and summary["hybrid_rerank_best"]["ndcg@10"] == 0
+    )
+    assert modes["hybrid_rerank"]["failed_queries"] == 1  # only q-huge, past the query limit
+    assert all("\n" not in e for e in modes["hybrid_rerank_best"]["errors"])

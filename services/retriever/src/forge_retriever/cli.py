@@ -139,6 +139,11 @@ def retrieval(
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     (out / "details.json").write_text(json.dumps(details, indent=2) + "\n")
     _print_table(data.name, results, details, ignore_identical_ids)
+    dead = [mode for mode, result in results.items() if result.failed == len(data.queries)]
+    if dead:
+        first = results[dead[0]].errors[0] if results[dead[0]].errors else ""
+        typer.echo(f"forge eval retrieval: every query of {', '.join(dead)} failed; first: {first}", err=True)
+        raise typer.Exit(1)
 
 
 async def _run(

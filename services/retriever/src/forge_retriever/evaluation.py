@@ -350,7 +350,7 @@ class Evaluator:
             except Exception as exc:  # noqa: BLE001 - one query's failure is counted, never fatal
                 failed += 1
                 if len(errors) < _ERRORS_KEPT:
-                    errors.append(f"{qid}: {type(exc).__name__}: {str(exc)[:200]}")
+                    errors.append(f"{qid}: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}")
                 ranked = []
             rankings[qid] = ranked
             ndcgs.append(ndcg_at_k(ranked, self.dataset.qrels[qid], 10))
