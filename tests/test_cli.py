@@ -177,7 +177,11 @@ def test_an_expected_failure_in_any_command_is_one_line_not_a_traceback(
 def test_a_service_that_is_not_up_is_one_line() -> None:
     """The real ``forge workflows get`` against a port nothing listens on."""
     port = free_port()
-    result = runner.invoke(app, ["workflows", "get", "w-1", "--target", f"127.0.0.1:{port}"])
+    result = runner.invoke(
+        app,
+        ["workflows", "get", "w-1", "--target", f"127.0.0.1:{port}"],
+        env={"FORGE_CLI_ORCHESTRATOR_TOKEN": "t"},
+    )
     assert result.exit_code == 1 and "Traceback" not in result.output, result.output
     assert "UNAVAILABLE" in result.output and "is the service up?" in result.output
     assert len(result.output.strip().splitlines()) == 1
