@@ -146,8 +146,8 @@ def test_a_mode_whose_every_query_fails_exits_non_zero_after_writing_the_summary
     out = tmp_path / "out"
     args = ["retrieval", "--dataset", str(write_beir(tmp_path / "set")), "--modes", "hybrid_rerank"]
     args += ["--out", str(out), "--work", str(tmp_path / "w"), "--quiet", "--ingest-sample", "0"]
-    args += ["--reranker-target", f"127.0.0.1:{free_port()}", "--reranker-token", "t"]
-    result = CliRunner().invoke(app, args)
+    args += ["--reranker-target", f"127.0.0.1:{free_port()}"]
+    result = CliRunner().invoke(app, args, env={"FORGE_CLI_RERANKER_TOKEN": "t"})
     assert result.exit_code == 1 and "Traceback" not in result.output
     assert "every query of hybrid_rerank_best failed" in result.output and "UNAVAILABLE" in result.output
     summary = json.loads((out / "summary.json").read_text())
