@@ -11,6 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from forge_kit import errors
+from forge_kit.limits import OPENAI_ERRORS_STATE
 
 
 def openai_error(
@@ -30,7 +31,9 @@ def openai_error(
 def install_openai_error_handlers(app: FastAPI) -> None:
     """Map validation (400 naming the field), not found (404), conflicts (409), missing
     credentials (401) and overload (429 with Retry-After) to OpenAI errors; anything unexpected
-    becomes a 500 without internals. Services add their own handlers for their own errors."""
+    becomes a 500 without internals. Services add their own handlers for their own errors.
+    The body-size limit of :class:`forge_kit.http.HttpServer` answers this app in the same format."""
+    setattr(app.state, OPENAI_ERRORS_STATE, True)
 
     @app.exception_handler(errors.ValidationError)
     async def _invalid(_: Request, exc: errors.ValidationError) -> JSONResponse:

@@ -14,7 +14,8 @@ from typing import Any
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from forge_kit.grpckit import TlsConfig
+from forge_kit.grpckit import DEFAULT_MAX_MESSAGE_BYTES, TlsConfig
+from forge_kit.limits import DEFAULT_MAX_BODY_BYTES
 
 
 def service_config(service: str) -> SettingsConfigDict:
@@ -72,6 +73,12 @@ class ServiceSettings(ForgeSettings):
 
     default_deadline_s: float = Field(default=30.0, gt=0)
     """Deadline applied to incoming gRPC calls whose caller set none."""
+
+    http_max_body_bytes: int = Field(default=DEFAULT_MAX_BODY_BYTES, ge=1024)
+    """Largest HTTP request body accepted; a larger one is answered 413 before it is read."""
+
+    grpc_max_receive_bytes: int = Field(default=DEFAULT_MAX_MESSAGE_BYTES, ge=1024)
+    """Largest gRPC request message accepted (RESOURCE_EXHAUSTED beyond)."""
 
     database_url: str = ""
     """SQLAlchemy async URL; empty means a SQLite file under ``data_dir``."""
