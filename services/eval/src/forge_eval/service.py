@@ -42,6 +42,7 @@ from forge_eval.tasks import load_task, shipped_tasks
 from forge_kit import errors
 from forge_kit.db import Database
 from forge_kit.events import stage_event
+from forge_kit.validate import MAX_URI_CHARS, check_labels, check_text
 
 log = structlog.get_logger(__name__)
 EVAL_GATE = Counter(
@@ -231,8 +232,8 @@ class EvalService:
             validate_version("ref.version", version)
         if not uri.strip():
             raise errors.ValidationError("uri", "must not be empty")
-        if any(not key for key in labels):
-            raise errors.ValidationError("labels", "keys must not be empty")
+        check_text("uri", uri, MAX_URI_CHARS)
+        check_labels("labels", labels)
         lineage = lineage or Lineage()
         for field in ("training_run_id", "recipe_hash", "data_hash"):
             if len(getattr(lineage, field)) > 128:

@@ -54,6 +54,7 @@ from forge_inference_gateway.upstream import StreamReply, UpstreamError, Upstrea
 from forge_kit import errors
 from forge_kit.cache import Cache
 from forge_kit.db import Database
+from forge_kit.validate import check_name
 
 log = structlog.get_logger(__name__)
 
@@ -467,8 +468,9 @@ class InferenceGateway:
 
     async def set_canary(self, alias: str, name: str, version: str, weight: int) -> Alias:
         """Admin: send ``weight`` percent of ``alias``'s traffic to ``name[:version]``."""
-        if not name.strip():
-            raise errors.ValidationError("model.name", "is required")
+        check_name("model.name", name)
+        if version:
+            check_name("model.version", version)
         if not 0 <= weight <= 100:
             raise errors.ValidationError("weight", f"must be 0-100, got {weight}")
         async with self._db.session() as session:
@@ -622,9 +624,8 @@ class InferenceGateway:
         """Step 3: validate what routing needs, resolve the alias (and its canary), set the priority."""
         if not isinstance(body, dict):
             raise errors.ValidationError("body", "must be a JSON object")
-        model = body.get("model")
-        if not isinstance(model, str) or not model.strip():
-            raise errors.ValidationError("model", "is required and must be a string")
+        # The model (or the alias's target) is echoed in the x-forge-model header: checked first.
+        model = check_name("model", body.get("model"))
         requested = body.get("priority")
         if requested is not None and (isinstance(requested, bool) or not isinstance(requested, int)):
             raise errors.ValidationError("priority", "must be an integer (lower runs first)")

@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from forge_kit import errors
 from forge_kit.http import require_token
 from forge_kit.openai_errors import install_openai_error_handlers, openai_error
+from forge_kit.validate import FiniteFloat, Name, Seed
 from forge_model_server.service import (
     ChatMessage,
     ChunkStream,
@@ -44,12 +45,12 @@ class _Sampling(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    model: str
+    model: Name
     max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
+    temperature: FiniteFloat | None = None
+    top_p: FiniteFloat | None = None
     n: int = 1
-    seed: int | None = None
+    seed: Seed | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -87,7 +88,7 @@ class TokenizeBody(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    model: str
+    model: Name
     prompt: str | None = None
     messages: list[ChatMessageBody] | None = None
     add_special_tokens: bool = True
@@ -319,7 +320,7 @@ class OpenAIRoutes:
             [ChatMessage(m.role, m.content) for m in body.messages] if body.messages is not None else None
         )
         request = GenerationRequest(model=body.model, prompt=body.prompt, messages=messages)
-        info, tokens = self._server.tokenize(request)
+        info, tokens = await self._server.tokenize(request)
         return {
             "count": len(tokens),
             "max_model_len": info.max_context_tokens or None,

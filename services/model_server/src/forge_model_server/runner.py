@@ -122,7 +122,7 @@ class AsyncEngine:
         """Admit ``request`` now (raising 400/429-class errors) and return its chunk stream."""
         # 1. Tokenize the prompt or the rendered chat.
         field = "messages" if request.messages is not None else "prompt"
-        prompt_ids = self.tokenize(request)
+        prompt_ids = request.prompt_ids if request.prompt_ids is not None else self.tokenize(request)
         if not prompt_ids:
             raise errors.ValidationError(field, "is empty after tokenization")
         # 2. Check it fits the context and the KV pool.

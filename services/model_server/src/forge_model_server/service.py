@@ -20,6 +20,7 @@ import re
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol
@@ -28,6 +29,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from forge_kit import errors
 from forge_kit.objectstore import ObjectStore
+from forge_kit.validate import check_int, check_name, check_path, check_seed
 
 # vLLM's metric names, so dashboards and the gateway's router read Forge replicas and vLLM alike.
 NUM_REQUESTS_RUNNING = Gauge(
@@ -77,6 +79,8 @@ PREFIX_CACHE_HITS = Counter(
 
 FinishReason = Literal["stop", "length", "cancelled"]
 ROLES = ("system", "user", "assistant")
+#: Bound of a request's ``priority`` either way (vLLM's lower-runs-first integer).
+MAX_PRIORITY = 2**31 - 1
 METADATA_FILE = "forge_model.json"
 MAX_LOGPROBS = 20
 #: A registered model's name: what clients put in ``model`` (no ``:``, which separates a version).
@@ -158,6 +162,9 @@ class GenerationRequest:
     ignore_eos: bool = False
     """Keep generating past the end-of-sequence token (vLLM's benchmark sets it for fixed lengths)."""
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    prompt_ids: list[int] | None = None
+    """The prompt's token ids once :class:`ModelServer` has tokenized it (off the event loop);
+    an engine given them does not tokenize again."""
 
 
 @dataclass(frozen=True)
@@ -184,7 +191,8 @@ class Engine(Protocol):
     """
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
-        """Stream chunks for ``request``; the last one carries ``finish_reason``."""
+        """Stream chunks for ``request``; the last one carries ``finish_reason``. The prompt comes
+        tokenized (``request.prompt_ids``, from :meth:`tokenize` on a worker thread)."""
         ...
 
     def num_waiting(self) -> int:
@@ -193,7 +201,8 @@ class Engine(Protocol):
 
     def tokenize(self, request: GenerationRequest) -> list[int]:
         """The token ids ``generate`` would feed the model for ``request``'s prompt or messages
-        (chat template applied): what ``/tokenize`` counts."""
+        (chat template applied): what ``/tokenize`` counts. Called off the event loop, one call
+        at a time per server."""
         ...
 
 
@@ -289,8 +298,10 @@ def validate(request: GenerationRequest) -> None:
         raise errors.ValidationError("temperature", f"must be between 0 and 2, got {request.temperature}")
     if request.top_p is not None and not (0.0 < request.top_p <= 1.0 and math.isfinite(request.top_p)):
         raise errors.ValidationError("top_p", f"must be in (0, 1], got {request.top_p}")
-    if request.seed is not None and request.seed < 0:
-        raise errors.ValidationError("seed", f"must not be negative, got {request.seed}")
+    check_name("model", request.model)
+    if request.seed is not None:
+        check_seed("seed", request.seed)
+    check_int("priority", request.priority, -MAX_PRIORITY, MAX_PRIORITY)
     if request.top_k is not None and request.top_k < 0:
         raise errors.ValidationError("top_k", f"must not be negative, got {request.top_k}")
     for name in ("logprobs", "prompt_logprobs"):
@@ -311,8 +322,7 @@ def checkpoint_info(name: str, path: str, version: str | None) -> ModelInfo:
         )
     if version is not None and not re.fullmatch(r"[A-Za-z0-9._-]{0,64}", version):
         raise errors.ValidationError("version", "must be at most 64 letters, digits, '.', '_' or '-'")
-    if not path:
-        raise errors.ValidationError("path", "is required")
+    check_path("path", path)
     if "://" in path:
         raise errors.ValidationError(
             "path", f"must be a directory on the model server's disk, not a URL: {path}"
@@ -365,6 +375,8 @@ class ModelServer:
         self._loader = loader
         self._drain_timeout_s = drain_timeout_s
         self._engines: dict[str, Engine] = {}
+        # One thread: HF fast tokenizers are not safe to call from several threads at once.
+        self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self._registered: dict[str, ModelInfo] = {}
         self._retiring: set[asyncio.Task[None]] = set()
 
@@ -440,15 +452,23 @@ class ModelServer:
         """
         validate(request)
         info, engine = self.resolve(request.model)
+        if request.prompt_ids is None:
+            request.prompt_ids = await self._tokenize(engine, request)
         stream = engine.generate(request)
         return info, ChunkStream(self._run(info, engine, stream), stream)
 
-    def tokenize(self, request: GenerationRequest) -> tuple[ModelInfo, list[int]]:
+    async def tokenize(self, request: GenerationRequest) -> tuple[ModelInfo, list[int]]:
         """The model and the token ids its engine would see for ``request`` (vLLM's ``/tokenize``):
         how a caller such as the gateway measures a prompt with the serving model's tokenizer."""
         validate(request)
         info, engine = self.resolve(request.model)
-        return info, engine.tokenize(request)
+        return info, await self._tokenize(engine, request)
+
+    async def _tokenize(self, engine: Engine, request: GenerationRequest) -> list[int]:
+        """Tokenize on the server's tokenizer thread: a long prompt (megabytes of chat) takes
+        seconds, which on the event loop would stall every other request and probe meanwhile."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenizer_thread, engine.tokenize, request)
 
     async def drain(self, timeout_s: float) -> None:
         """Let every engine finish what it admitted (SIGTERM), refusing new requests meanwhile."""
