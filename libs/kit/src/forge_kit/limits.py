@@ -1,14 +1,17 @@
 """A request-body size limit for every Forge HTTP server (ASGI middleware).
 
-A body announced larger than the limit (``Content-Length``) is refused before a byte of it is read;
-a body without a length (``Transfer-Encoding: chunked``) is read up to the limit and refused as soon
-as it passes it. Refused means 413 with a JSON error: the OpenAI format on servers that speak that
+A body announced larger than the limit (``Content-Length``) is refused before any of it reaches the
+app; a body without a length (``Transfer-Encoding: chunked``) is read up to the limit and refused as
+soon as it passes it. Before answering, what is left of a refused body is read and dropped for a
+bounded time and size (nginx's lingering close): a client still sending then reads the 413 instead
+of a connection reset. Refused means 413 with a JSON error: the OpenAI format on servers that speak that
 protocol (:func:`forge_kit.openai_errors.install_openai_error_handlers` marks them), the kit's own
 ``{"error": {"code", "message"}}`` elsewhere.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -19,6 +22,9 @@ DEFAULT_MAX_BODY_BYTES = 1 << 20
 #: The default of the OpenAI-compatible servers: a long chat's prompt fits (the model server takes
 #: twice as much, so whatever the gateway admits still fits once re-encoded upstream).
 OPENAI_MAX_BODY_BYTES = 4 << 20
+#: How long, and how much past the limit, a refused body is read and dropped before the answer.
+DRAIN_S = 5.0
+DRAIN_MIN_BYTES = 32 << 20
 #: ``app.state`` attribute that selects the OpenAI error format for the 413 answer.
 OPENAI_ERRORS_STATE = "openai_errors"
 
@@ -33,6 +39,7 @@ class BodySizeLimit:
     def __init__(self, app: ASGIApp, max_bytes: int, *, state_of: Any = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self._drain_bytes = max(4 * max_bytes, DRAIN_MIN_BYTES)
         # The FastAPI app whose state says which error format to answer with (may be ``app``).
         self._state_of = state_of if state_of is not None else app
 
@@ -43,6 +50,8 @@ class BodySizeLimit:
         length = _content_length(scope)
         if length is not None:
             if length > self.max_bytes:
+                if length <= self._drain_bytes:
+                    await self._drain(receive, 0)
                 await self._refuse(send)
                 return
             await self.app(scope, receive, send)
@@ -51,6 +60,7 @@ class BodySizeLimit:
         try:
             messages = await self._read_bounded(receive)
         except _TooLarge:
+            await self._drain(receive, self.max_bytes)
             await self._refuse(send)
             return
         replay = iter(messages)
@@ -74,6 +84,18 @@ class BodySizeLimit:
                 raise _TooLarge
             if not message.get("more_body", False):
                 return messages
+
+    async def _drain(self, receive: Receive, drained: int) -> None:
+        """Read and drop the rest of a refused body, up to ``_drain_bytes`` in all and ``DRAIN_S``."""
+        try:
+            async with asyncio.timeout(DRAIN_S):
+                while drained <= self._drain_bytes:
+                    message = await receive()
+                    if message["type"] != "http.request" or not message.get("more_body", False):
+                        return
+                    drained += len(message.get("body", b""))
+        except TimeoutError:
+            return
 
     async def _refuse(self, send: Send) -> None:
         message = f"request body is larger than this server's limit of {self.max_bytes} bytes"
