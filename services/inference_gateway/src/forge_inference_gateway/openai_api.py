@@ -46,7 +46,7 @@ def _sse_error(message: str, type_: str) -> bytes:
 class TenantBody(BaseModel):
     name: str
     priority_class: str = PRIORITY_CLASSES[0]
-    rpm_limit: int | None = None
+    rpm_limit: int | None = Field(default=None, le=10**9)
 
 
 class ModelRefBody(BaseModel):
