@@ -371,6 +371,9 @@ def _register(eval_service: ServiceProcess, name: str, uri: str, labels: dict[st
 def test_register_model_refuses_a_1_mb_uri(eval_service: ServiceProcess) -> None:
     refused = _register(eval_service, "big-uri", "s3://bucket/" + "u" * (1 << 20), {})
     assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT and "uri" in (refused.details() or "")
+    # Past the gRPC receive limit (4 MiB): refused before any handler runs.
+    refused = _register(eval_service, "huge-uri", "s3://bucket/" + "u" * (5 << 20), {})
+    assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 def test_register_model_refuses_10000_labels_and_oversize_labels(eval_service: ServiceProcess) -> None:
