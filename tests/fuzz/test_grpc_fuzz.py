@@ -214,6 +214,11 @@ EXPLICIT: dict[str, list[tuple[str, Message]]] = {
     ],
     "forge_inference_gateway": [
         ("Generate", inference_pb2.GenerateRequest(model=name, **_GENERATE)) for name in _CHAT_NAMES
+    ]
+    + [
+        ("Generate", inference_pb2.GenerateRequest(model="tiny", seed=2**64 - 1, **_GENERATE)),
+        ("Generate", inference_pb2.GenerateRequest(model="tiny", temperature=_NAN, **_GENERATE)),
+        ("Generate", inference_pb2.GenerateRequest(model="tiny", top_p=_INF, **_GENERATE)),
     ],
     "forge_reranker": [
         (
