@@ -194,10 +194,10 @@ async def _health_latencies_during(url: str, send: asyncio.Task[httpx.Response])
 def test_a_long_chat_does_not_freeze_the_model_server_while_it_is_tokenized(
     model_server: ServiceProcess,
 ) -> None:
-    """A few megabytes of chat take seconds to tokenize; probes and other requests must still be
-    answered meanwhile. Relative bound (load-proof): the slowest probe waits well under the time
+    """Six megabytes of chat (under the model server's 8 MiB limit) take seconds to tokenize;
+    probes and other requests must still be answered meanwhile. Relative bound (load-proof): the slowest probe waits well under the time
     the tokenization took, where on the event loop it waited for all of it."""
-    content = "To be, or not to be, that is the question. " * (3_000_000 // 44)
+    content = "To be, or not to be, that is the question. " * (6_000_000 // 44)
     body = json.dumps(_chat(messages=[{"role": "user", "content": content}])).encode()
 
     async def run() -> tuple[httpx.Response, float, list[float]]:
