@@ -420,6 +420,10 @@ class InferenceGateway:
         if not stage or not event.model.name:
             raise errors.ValidationError("stage" if not stage else "model.name", "is required")
         name, version = event.model.name, event.model.version
+        # The alias's target is echoed in x-forge-model: nothing unfit for a header is stored.
+        check_name("model.name", name)
+        if version:
+            check_name("model.version", version)
         for alias in (stage, PUBLIC_ALIASES.get(stage)):
             if alias is None:
                 continue
