@@ -183,7 +183,19 @@ EXPLICIT: dict[str, list[tuple[str, Message]]] = {
             scheduler_pb2.CreateTeamRequest(
                 name="nan-team", quotas=[scheduler_pb2.Quota(gpu_type="H100", weight=_NAN)]
             ),
-        )
+        ),
+        (
+            "SubmitJob",
+            scheduler_pb2.SubmitJobRequest(
+                spec=scheduler_pb2.JobSpec(
+                    name="j",
+                    team="t",
+                    priority_class="normal",
+                    command=["true"],
+                    labels={f"k{i}": "v" for i in range(10_000)},
+                )
+            ),
+        ),
     ],
     "forge_eval": [
         (

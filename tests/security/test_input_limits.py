@@ -314,6 +314,24 @@ def test_set_quota_refuses_a_weight_that_is_not_a_finite_share(scheduler: Servic
             assert "weight" in (refused.value.details() or "")
 
 
+def test_submit_job_refuses_10000_labels(scheduler: ServiceProcess) -> None:
+    with grpc.insecure_channel(scheduler.grpc_target) as channel:
+        stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
+        auth = [("authorization", f"Bearer {SERVICE_TOKEN}")]
+        stub.CreateTeam(scheduler_pb2.CreateTeamRequest(name="labels"), metadata=auth, timeout=30)
+        spec = scheduler_pb2.JobSpec(
+            name="many-labels",
+            team="labels",
+            priority_class="normal",
+            command=["python", "-c", "pass"],
+            labels={f"k{i}": "v" for i in range(10_000)},
+        )
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.SubmitJob(scheduler_pb2.SubmitJobRequest(spec=spec), metadata=auth, timeout=30)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value.details()
+    assert "labels" in (refused.value.details() or "")
+
+
 # -- names, paths, labels -------------------------------------------------------------------------
 
 

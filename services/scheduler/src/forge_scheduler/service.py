@@ -36,7 +36,7 @@ from forge_kit import errors
 from forge_kit.db import Database
 from forge_kit.events import stage_event
 from forge_kit.grpckit import Principal, current_principal, require_admin
-from forge_kit.validate import check_finite
+from forge_kit.validate import check_finite, check_labels
 from forge_scheduler.hub import AgentHub
 from forge_scheduler.policy import Job, Node, Placement, Priority, never_fits
 from forge_scheduler.store import JobRow, NodeRow, QuotaRow, TeamRow, TeamTokenRow, TeamUsageRow, utcnow
@@ -165,6 +165,7 @@ def validate_spec(spec: scheduler_pb2.JobSpec) -> None:
         raise errors.ValidationError("spec.replicas", "must be at most 1024")
     if not spec.command:
         raise errors.ValidationError("spec.command", "must not be empty")
+    check_labels("spec.labels", spec.labels)
 
 
 def placement_of(spec: scheduler_pb2.JobSpec) -> Placement:
