@@ -42,7 +42,7 @@ from forge_eval.tasks import load_task, shipped_tasks
 from forge_kit import errors
 from forge_kit.db import Database
 from forge_kit.events import stage_event
-from forge_kit.validate import MAX_URI_CHARS, check_labels, check_text
+from forge_kit.validate import MAX_URI_CHARS, check_labels, check_seed, check_text
 
 log = structlog.get_logger(__name__)
 EVAL_GATE = Counter(
@@ -668,6 +668,7 @@ class EvalService:
         validate_model_name("model.name", name)
         if version:
             validate_version("model.version", version)
+        check_seed("seed", seed)  # it becomes the model server's sampling seed
         tier = tier or "full"
         if tier not in TIERS:
             raise errors.ValidationError("tier", f"must be one of {', '.join(TIERS)}, got {tier!r}")
