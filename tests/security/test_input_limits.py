@@ -141,6 +141,11 @@ def test_a_30_mb_body_is_refused_with_413_in_the_openai_format(
     error = _assert_openai_error(reply, 413)
     assert error["code"] == "request_too_large" and "limit" in str(error["message"])
     assert time.monotonic() - started < 30
+    # An OpenAI client gets an error it can read, not a reset connection or a 5xx.
+    with pytest.raises(openai.APIStatusError) as refused:
+        _openai(process, key).completions.create(model=MODEL, prompt="x" * HUGE, max_tokens=2)
+    assert refused.value.status_code == 413
+    assert refused.value.body["code"] == "request_too_large"  # type: ignore[index]
     assert httpx.get(f"{process.http_url}/healthz", timeout=10).status_code == 200
 
 
