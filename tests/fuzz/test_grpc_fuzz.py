@@ -196,6 +196,14 @@ EXPLICIT: dict[str, list[tuple[str, Message]]] = {
                 )
             ),
         ),
+        (
+            "SubmitJob",
+            scheduler_pb2.SubmitJobRequest(
+                spec=scheduler_pb2.JobSpec(
+                    name="j", team="t", priority_class="normal", command=["true"], labels={"\x1f\r\n": ""}
+                )
+            ),
+        ),
     ],
     "forge_eval": [
         (

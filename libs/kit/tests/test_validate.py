@@ -82,6 +82,11 @@ def test_text_and_labels() -> None:
         with pytest.raises(errors.ValidationError) as refused:
             check_labels("labels", labels)
         assert refused.value.field.startswith("labels")
+    # A bad key is never echoed in the field name (it travels in gRPC metadata).
+    for key in ("\x1f", "a\r\nb", "é", "a b"):
+        with pytest.raises(errors.ValidationError) as refused:
+            check_labels("labels", {key: "v"})
+        assert refused.value.field == "labels"
 
 
 @pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity"])

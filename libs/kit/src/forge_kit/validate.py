@@ -123,13 +123,16 @@ def check_labels(
     max_key_chars: int = MAX_LABEL_KEY_CHARS,
     max_value_chars: int = MAX_LABEL_VALUE_CHARS,
 ) -> Mapping[str, str]:
-    """A label map of at most ``max_count`` entries with bounded, control-free keys and values."""
+    """A label map of at most ``max_count`` entries: keys of 1 to ``max_key_chars`` visible ASCII
+    characters, values of at most ``max_value_chars`` without control characters. A bad key is
+    named by position, never echoed (the field name travels in gRPC metadata)."""
     if len(labels) > max_count:
         raise errors.ValidationError(field, f"must hold at most {max_count} labels, got {len(labels)}")
-    for key, value in labels.items():
-        if not key:
-            raise errors.ValidationError(field, "keys must not be empty")
-        check_text(f"{field}.{key[:max_key_chars]}", key, max_key_chars)
+    for i, (key, value) in enumerate(labels.items()):
+        if not key or len(key) > max_key_chars or not _NAME.fullmatch(key):
+            raise errors.ValidationError(
+                field, f"key #{i + 1} must be 1-{max_key_chars} visible ASCII characters (no spaces)"
+            )
         check_text(f"{field}.{key}", value, max_value_chars)
     return labels
 
