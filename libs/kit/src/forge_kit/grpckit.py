@@ -38,6 +38,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import Counter, Histogram
 
 from forge_kit import audit, errors
+from forge_kit.limits import DEFAULT_MAX_MESSAGE_BYTES
 
 log = structlog.get_logger(__name__)
 
@@ -395,10 +396,6 @@ def set_default_client_tls(tls: TlsConfig | None) -> None:
     """Make :func:`make_channel` use ``tls`` when its caller does not pass one."""
     global _default_client_tls
     _default_client_tls = tls
-
-
-#: gRPC's own default receive limit, set explicitly so each service can size it (settings).
-DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 
 
 async def serve(

@@ -17,6 +17,9 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+#: gRPC's own default receive limit, set explicitly so each service can size it
+#: (settings: ``grpc_max_receive_bytes``).
+DEFAULT_MAX_MESSAGE_BYTES = 4 << 20
 #: The default most bytes of one request body (settings: ``http_max_body_bytes``).
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 #: The default of the OpenAI-compatible servers: a long chat's prompt fits (the model server takes

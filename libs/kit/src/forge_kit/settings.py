@@ -14,8 +14,8 @@ from typing import Any
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from forge_kit.grpckit import DEFAULT_MAX_MESSAGE_BYTES, TlsConfig
-from forge_kit.limits import DEFAULT_MAX_BODY_BYTES
+from forge_kit.grpckit import TlsConfig
+from forge_kit.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_MESSAGE_BYTES
 
 
 def service_config(service: str) -> SettingsConfigDict:
