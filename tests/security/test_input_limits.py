@@ -291,6 +291,9 @@ def test_model_server_refuses_non_finite_and_out_of_range_numbers(model_server: 
     raw = json.dumps(_chat()).encode()[:-1]
     cases = [(b', "top_p": NaN}', "top_p"), (b', "temperature": Infinity}', "temperature")]
     cases += [(f', "priority": {2**70}}}'.encode(), "priority"), (f', "seed": {2**64}}}'.encode(), "seed")]
+    # Each stop string is searched for after every token: 10,000 of them, or one of a megabyte.
+    cases += [(b', "stop": ' + json.dumps([f"s{i}" for i in range(10_000)]).encode() + b"}", "stop")]
+    cases += [(b', "stop": ["' + b"s" * (1 << 20) + b'"]}', "stop")]
     for extra, field in cases:
         reply = httpx.post(
             f"{model_server.http_url}/v1/chat/completions", content=raw + extra, headers=auth, timeout=30

@@ -79,6 +79,9 @@ PREFIX_CACHE_HITS = Counter(
 
 FinishReason = Literal["stop", "length", "cancelled"]
 ROLES = ("system", "user", "assistant")
+#: Most stop strings one request may carry (OpenAI allows 4), and the longest.
+MAX_STOPS = 16
+MAX_STOP_CHARS = 256
 #: Bound of a request's ``priority`` either way (vLLM's lower-runs-first integer).
 MAX_PRIORITY = 2**31 - 1
 METADATA_FILE = "forge_model.json"
@@ -308,9 +311,16 @@ def validate(request: GenerationRequest) -> None:
         value = getattr(request, name)
         if value is not None and not (0 <= value <= MAX_LOGPROBS):
             raise errors.ValidationError(name, f"must be between 0 and {MAX_LOGPROBS}, got {value}")
+    # Every stop string is looked for after every token: their number and length are bounded.
+    if len(request.stop) > MAX_STOPS:
+        raise errors.ValidationError(
+            "stop", f"must hold at most {MAX_STOPS} strings, got {len(request.stop)}"
+        )
     for i, stop in enumerate(request.stop):
         if not stop:
             raise errors.ValidationError(f"stop.{i}", "must not be empty")
+        if len(stop) > MAX_STOP_CHARS:
+            raise errors.ValidationError(f"stop.{i}", f"must be at most {MAX_STOP_CHARS} characters")
 
 
 def checkpoint_info(name: str, path: str, version: str | None) -> ModelInfo:
