@@ -1,6 +1,8 @@
 # Forge — the two commands most people need: `make up` and `make test`.
 #
 #   make install   .venv with every package (libs/*, services/*) editable, dev tools, buf
+#   make data      fetch every dataset into FORGE_DATA_DIR (default var/data), checksums pinned;
+#                  from the mirror folder DATA_MIRROR when there is one (../shared/data here)
 #   make up        start the local platform and run its main job (`forge up`)
 #   make down      stop everything `make up` started
 #   make status    pid, liveness and health of each component
@@ -12,6 +14,7 @@
 #   make soak      30 minutes of mixed traffic: memory flat and error rate steady (SOAK_MINUTES=30)
 #   make bench     the same as make load
 #   make gen       regenerate the protobuf stubs and the deployment files (deploy/generate.py)
+#   make secrets   generate every Compose secret into .env (mode 0600, never committed)
 #   make clean     stop the platform and remove local state (var/) and caches
 
 SHELL := /bin/bash
@@ -34,8 +37,10 @@ STAMP := $(VENV)/.installed-$(INSTALL_HASH)
 NPM_STAMP := node_modules/.installed-$(shell sha256sum package-lock.json | cut -c1-16)
 
 PYTEST_TIMEOUT ?= 300
+# A local copy of the public datasets, laid out as FORGE_DATA_DIR is; without one they are downloaded.
+DATA_MIRROR ?= $(wildcard ../shared/data)
 
-.PHONY: help install up down status test fuzz faults verify load soak bench gen clean
+.PHONY: help install data up down status test fuzz faults verify load soak bench gen secrets clean
 
 help:
 	@sed -n 's/^#   //p' Makefile
@@ -55,7 +60,10 @@ $(NPM_STAMP): package.json package-lock.json
 	npm ci --no-audit --no-fund --loglevel=error
 	@touch $@
 
-up: install
+data: install
+	$(VENV)/bin/forge data fetch --quiet $(if $(DATA_MIRROR),--from $(DATA_MIRROR))
+
+up: install data
 	$(VENV)/bin/forge up
 
 down:
@@ -64,7 +72,7 @@ down:
 status: install
 	$(VENV)/bin/forge status
 
-test: install
+test: install data
 	$(VENV)/bin/pytest -q --timeout=$(PYTEST_TIMEOUT) -m "not faults_full" libs services tests
 
 fuzz: install
@@ -93,6 +101,9 @@ bench: load
 gen: install
 	PYTHON=$(PY) scripts/gen_protos.sh
 	$(PY) deploy/generate.py
+
+secrets: install
+	$(PY) -m forge_cli.secretsfile .env
 
 clean: down
 	rm -rf var .mypy_cache .ruff_cache .pytest_cache

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check of the inference path (issue 5): a checkpoint Forge trained and exported, served by
+# The GPU check of the inference path: a checkpoint Forge trained and exported, served by
 # `vllm serve`, driven through Forge's inference gateway with `forge load inference`.
 #
 #   load/gpu_check.sh [OUT_DIR]            (default: var/gpu-check)
@@ -92,8 +92,9 @@ if [[ ! -f "$EXPORT/config.json" ]]; then
     if [[ -n "${CORPUS:-}" ]]; then
         corpus_args=(--set "data.corpus=$CORPUS")
     elif ! "$FORGE_PY" -c 'import os, sys
+from forge_kit.paths import resolve_data_path
 from forge_trainer_agent.training.recipes import DEFAULT_CORPUS
-sys.exit(0 if os.path.exists(DEFAULT_CORPUS) else 1)'; then
+sys.exit(0 if resolve_data_path(DEFAULT_CORPUS).exists() else 1)'; then
         # No shared corpora here: any English text trains a tokenizer and a model the server can load.
         mkdir -p "$OUT/corpus"
         find "$ROOT" -name '*.md' -not -path '*/.venv/*' -not -path '*/node_modules/*' \
@@ -149,7 +150,7 @@ load() {  # load NAME BASE_URL KEY ARGS...
     local name=$1 url=$2 key=$3
     shift 3
     log "forge load inference: $name"
-    "$ROOT/.venv/bin/forge" load inference --base-url "$url" --model "$MODEL" --api-key "$key" \
+    FORGE_CLI_LOAD_API_KEY="$key" "$ROOT/.venv/bin/forge" load inference --base-url "$url" --model "$MODEL" \
         --num-prompts "$NUM_PROMPTS" --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" \
         --tokenizer "$EXPORT" --out "$OUT/$name" "$@" >"$OUT/$name.log" 2>&1 \
         || die "forge load inference $name (see $OUT/$name.log)"

@@ -145,19 +145,21 @@ TABLE = (
     ),
 )
 TOKENS = {"alpha": "tok-a", "beta": "tok-b", "gamma": "tok-g"}
+EVENT_KEYS = {name: tokens.new_event_key() for name in TOKENS}
+SECRETS: dict[str, Any] = {"event_keys": EVENT_KEYS, "generated": {}}
 
 
 def test_env_has_exactly_the_declared_keys_of_each_service() -> None:
     root = Path("/repo")
     for spec in TABLE:
-        env = platform.service_env(spec, TABLE, TOKENS, root)
+        env = platform.service_env(spec, TABLE, TOKENS, root, **SECRETS)
         assert sorted(env) == sorted(spec.prefix + key for key in platform.declared_keys(spec))
         assert all(key.startswith(spec.prefix) for key in env)
 
 
 def test_env_wires_targets_urls_and_only_the_callees_tokens() -> None:
     infra = Infra(kafka_port=9999, temporal_port=7777)
-    env = platform.service_env(TABLE[2], TABLE, TOKENS, Path("/repo"), infra)
+    env = platform.service_env(TABLE[2], TABLE, TOKENS, Path("/repo"), infra, **SECRETS)
     assert env["FORGE_GAMMA_AUTH_TOKEN"] == "tok-g"
     assert env["FORGE_GAMMA_BETA_URL"] == "http://127.0.0.1:2002"
     assert env["FORGE_GAMMA_BETA_TOKEN"] == "tok-b"
@@ -168,7 +170,7 @@ def test_env_wires_targets_urls_and_only_the_callees_tokens() -> None:
     assert env["FORGE_GAMMA_DATA_DIR"] == "/repo/var/data/gamma"
     assert env["FORGE_GAMMA_OBJECT_STORE_URL"] == "/repo/var/objects"
     assert env["FORGE_GAMMA_MODEL_DIR"] == "/repo/var/models"
-    leaf = platform.service_env(TABLE[0], TABLE, TOKENS, Path("/repo"))
+    leaf = platform.service_env(TABLE[0], TABLE, TOKENS, Path("/repo"), **SECRETS)
     assert "tok-b" not in leaf.values() and "tok-g" not in leaf.values()
 
 
@@ -326,7 +328,10 @@ def fake_platform(
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
     (pkg / "__main__.py").write_text(FAKE_SERVICE)
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "pkgs"))
+    # The fake package first; then whatever the test run imports from (a worktree's sources).
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path / "pkgs"), os.environ.get("PYTHONPATH")]))
+    )
     infra = Infra(kafka_port=free_port(), temporal_port=free_port(), temporal_ui_port=free_port())
     table = (ServiceSpec("fakesvc", grpc_port=free_port(), http_port=free_port()),)
     paths = supervisor.Paths(tmp_path / "root")
@@ -515,3 +520,15 @@ def test_table_matches_the_service_settings(spec: ServiceSpec) -> None:
     assert declared - fields == set(), "the table passes settings the service does not declare"
     addresses = {f for f in fields if f.endswith(("_TARGET", "_URL")) and f not in NOT_CALLS}
     assert addresses - declared == set(), "the service declares addresses the table does not wire"
+
+
+def test_the_cli_fails_in_one_line_on_a_bad_mirror(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FORGE_DATA_DIR", str(tmp_path / "data"))
+    mirror = tmp_path / "mirror" / "corpora" / "tinyshakespeare"
+    mirror.mkdir(parents=True)
+    (mirror / "input.txt").write_text("not shakespeare")
+    result = CliRunner().invoke(app, ["data", "fetch", "tinyshakespeare", "--from", str(tmp_path / "mirror")])
+    assert result.exit_code == 1
+    assert "checksum mismatch for input.txt" in result.output
+    assert "Traceback" not in result.output
+    assert not (tmp_path / "data" / "corpora" / "tinyshakespeare" / "input.txt").exists()

@@ -13,6 +13,7 @@ import jsonschema
 import pytest
 import yaml
 
+from forge_cli import secretsfile
 from forge_cli.platform import SERVICES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -111,13 +112,19 @@ def _compose_binary() -> list[str] | None:
     return None
 
 
-def test_docker_compose_config_accepts_the_file() -> None:
+def test_docker_compose_config_accepts_the_file(tmp_path: Path) -> None:
     binary = _compose_binary()
     if binary is None:
         pytest.skip(
             "neither `docker compose` nor `docker-compose` is installed; the schema test covers the file"
         )
+    env_file = tmp_path / ".env"
+    secretsfile.write(env_file)  # what `make secrets` writes: Compose refuses to run without it
     result = subprocess.run(
-        [*binary, "-f", str(COMPOSE), "config", "-q"], capture_output=True, text=True, cwd=ROOT, timeout=60
+        [*binary, "-f", str(COMPOSE), "--env-file", str(env_file), "config", "-q"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
     )
     assert result.returncode == 0, result.stderr

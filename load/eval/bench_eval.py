@@ -9,7 +9,7 @@
     python load/eval/bench_eval.py throughput (--serve DIR | --endpoint URL --model NAME) [--task T]
         the same spec sequentially (batch 1, one request in flight) and concurrently (batch 16,
         --concurrency in flight), cache off, alternated --repeat times; the best time of each is
-        compared (the build machine is shared: the best run is the one least disturbed).
+        compared (on a shared machine the best run is the one least disturbed).
         Threshold: at least 5x faster with identical samples and summary in every repetition.
     python load/eval/bench_eval.py rerun (--serve DIR | --endpoint URL --model NAME) [--task T]
         a run and a re-run of the unchanged spec through one cache; threshold: zero model calls on
@@ -28,6 +28,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import sys
 import tempfile
 import time
@@ -46,7 +47,7 @@ from forge_kit.paths import resolve_data_path
 
 BOOTSTRAP_LIMIT_S = 1.0
 SPEEDUP_TARGET = 5.0
-CORPUS = "../shared/data/corpora/tinyshakespeare/input.txt"
+CORPUS = "corpora/tinyshakespeare/input.txt"
 
 
 def bench_bootstrap() -> dict[str, Any]:
@@ -109,9 +110,7 @@ def make_checkpoint(out: Path) -> dict[str, Any]:
 
 
 def _roots() -> DataRoots:
-    return DataRoots(
-        resolve_data_path("../shared/data/benchmarks"), resolve_data_path("../shared/data/corpora")
-    )
+    return DataRoots(resolve_data_path("benchmarks"), resolve_data_path("corpora"))
 
 
 @contextlib.asynccontextmanager
@@ -205,7 +204,11 @@ def main() -> int:
     parser.add_argument("bench", choices=["bootstrap", "checkpoint", "throughput", "rerun"])
     parser.add_argument("--endpoint", default="http://127.0.0.1:8000")
     parser.add_argument("--model", default="")
-    parser.add_argument("--token", default="", help="bearer token of the endpoint")
+    parser.add_argument(
+        "--token-file",
+        default="",
+        help="file holding the endpoint's bearer token (else $FORGE_CLI_EVAL_ENDPOINT_TOKEN); never on the command line",
+    )
     parser.add_argument("--serve", default="", help="checkpoint folder to serve for the benchmark")
     parser.add_argument("--server-env", action="append", default=[], help="KEY=VALUE model-server setting")
     parser.add_argument("--out", default="var/bench/eval-checkpoint/tiny", help="checkpoint: where to write")
@@ -215,6 +218,10 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=3, help="throughput: alternated repetitions")
     args = parser.parse_args()
+    token_file = Path(args.token_file) if args.token_file else None
+    args.token = (
+        token_file.read_text().strip() if token_file else os.environ.get("FORGE_CLI_EVAL_ENDPOINT_TOKEN", "")
+    )
     if args.bench == "bootstrap":
         result = bench_bootstrap()
     elif args.bench == "checkpoint":

@@ -45,6 +45,7 @@ from forge_kit.db import Database
 from forge_kit.events import OutboxEvent, ensure_topics, topic_for
 from forge_kit.grpckit import make_channel
 from forge_kit.paths import resolve_data_path
+from forge_kit.testing import eventkeys
 from forge_kit.testing.processes import ServiceProcess, TansuBroker, cpu_seconds
 from forge_preference_feedback.seeds import read_hh_rlhf
 from forge_preference_feedback.service import FeedbackService
@@ -76,7 +77,7 @@ async def prepare(url: str, comparisons: int, raters: int) -> None:
     try:
         await db.migrate(MIGRATIONS)
         service = FeedbackService(db)
-        source = resolve_data_path("../shared/data/preferences/hh-rlhf")
+        source = resolve_data_path("preferences/hh-rlhf")
         await service.seed_comparisons(read_hh_rlhf(source), limit=comparisons, rng_seed=0)
         for r in range(raters):
             await service.create_rater(f"bench{r:03d}", PASSWORD)
@@ -259,6 +260,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "FORGE_PREFERENCE_FEEDBACK_OVERLAP_K": str(args.overlap),
         "FORGE_PREFERENCE_FEEDBACK_LOG_LEVEL": "WARNING",
         "FORGE_PREFERENCE_FEEDBACK_AUTH_TOKEN": AUTH_TOKEN,
+        **eventkeys.service_env("preference_feedback"),
         "FORGE_PREFERENCE_FEEDBACK_GROUP_COMMIT": "false" if args.no_group_commit else "true",
     }
     try:

@@ -11,7 +11,7 @@ byte-level BPE tokenizer: ``policy`` (the policy's shape, 4 layers x 256 hidden;
 and ``tiny`` (2 x 64). The gateway's response cache is off (the workloads repeat prompts at
 temperature 0, which it would otherwise answer itself).
 
-1. ``overhead`` — the issue's "gateway overhead against direct calls to the model server at 50
+1. ``overhead`` — the target "gateway overhead against direct calls to the model server at 50
    concurrent streams: p50 added latency <= 2 ms, p99 <= 10 ms". ``--concurrency`` streams
    (model ``tiny``, so the gateway's cost is not lost in the engine's) in a closed loop of pairs:
    ``--overhead-prompts`` x ``--rounds`` requests, half of them direct and half through the
@@ -305,7 +305,7 @@ def run_scenario(name: str, server: ServiceProcess, work: Path, args: argparse.N
     try:
         before = os.getloadavg()[0]
         result = asyncio.run(measured())
-        # The build machine is shared: say how busy it was, since latency figures move with it.
+        # On a shared machine, say how busy it was, since latency figures move with it.
         result["load_average_1m"] = [round(before, 2), round(os.getloadavg()[0], 2)]
         return result
     finally:

@@ -19,8 +19,8 @@ retriever README's 100M-document plan rests on.
 4. **Curve**: for each ``hnsw_ef``, every query once from one client thread: recall@10 against the
    truth, queries/s and latency p50/p99; ``exact`` (full scan) as the reference point.
 
-Writes ``DIR/summary.json`` and prints the table. Queries/s here are one client on this machine
-(2 cores, shared); the shard searches its segments on its own thread pool (``--threads``).
+Writes ``DIR/summary.json`` and prints the table. Queries/s are those of one client
+thread; the shard searches its segments on its own thread pool (``--threads``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Cross-encoder reranking quality on a BEIR test split, in-process, CPU-bounded.
 
-    python load/retrieval/bench_rerank.py MODEL_DIR [--dataset ../shared/data/beir/scifact]
+    python load/retrieval/bench_rerank.py MODEL_DIR [--dataset DIR (default: beir/scifact in FORGE_DATA_DIR)]
         [--first-stage bm25|hybrid] [--depth 20] [--queries 0] [--max-tokens 256] [--int8 | --int8-delta]
         [--retrieval-weight 0.0] [--threads 1] [--work DIR] [--out FILE.json]
 
@@ -13,7 +13,7 @@ nDCG@10 and recall@100 of the first stage and of first stage + rerank over the s
 the reranker's pairs/s; with ``--int8-delta`` the same candidates are reranked by the fp32 model and
 by its INT8 quantisation, and the line has both and the accuracy the quantisation costs.
 ``forge eval retrieval --modes hybrid_rerank`` is the benchmark contract (through a reranker
-process); this script is the cheap way to judge a freshly trained model on a shared 2-core machine.
+process); this script is the cheap way to judge a freshly trained model on a small CPU machine.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from forge_kit.paths import resolve_data_path
 from forge_reranker.scoring import CrossEncoderScorer
 from forge_reranker.service import blend
 from forge_retriever import evaluation
@@ -112,7 +113,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("model", type=Path, help="HF cross-encoder directory")
-    parser.add_argument("--dataset", type=Path, default=Path("../shared/data/beir/scifact"))
+    parser.add_argument("--dataset", type=Path, default=resolve_data_path("beir/scifact"))
     parser.add_argument("--first-stage", choices=("bm25", "hybrid"), default="bm25")
     parser.add_argument("--depth", type=int, default=20)
     parser.add_argument("--queries", type=int, default=0, help="first N judged test queries (0: all)")

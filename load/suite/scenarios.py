@@ -26,12 +26,13 @@ from forge.retrieval.v1 import retrieval_pb2, retrieval_pb2_grpc
 from forge.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 from forge_kit.grpckit import make_channel
+from forge_kit.paths import resolve_data_path
 from forge_kit.testing.processes import ServiceProcess
 
 from . import services
 from .measure import Tally
 
-DEFAULT_BEIR = services.REPO.parent / "shared" / "data" / "beir" / "scifact"
+DEFAULT_BEIR = resolve_data_path("beir/scifact")
 
 
 class Scenario(Protocol):

@@ -34,7 +34,7 @@ DOCUMENTS = 24
 CONCURRENCY = 4
 
 
-def eval_process(root: Path, name: str, endpoint_token: str) -> ServiceProcess:
+def eval_process(root: Path, name: str, endpoint: str, endpoint_token: str) -> ServiceProcess:
     return ServiceProcess(
         "forge_eval",
         env={
@@ -44,6 +44,8 @@ def eval_process(root: Path, name: str, endpoint_token: str) -> ServiceProcess:
             "FORGE_EVAL_RESPONSE_CACHE_PATH": str(root / name / "cache.sqlite"),
             "FORGE_EVAL_KAFKA_ENABLED": "false",
             "FORGE_EVAL_AUTH_TOKEN": TOKEN,
+            # The model server is eval's model endpoint here: its token is sent only there.
+            "FORGE_EVAL_INFERENCE_GATEWAY_URL": endpoint,
             "FORGE_EVAL_INFERENCE_GATEWAY_TOKEN": endpoint_token,
             "FORGE_EVAL_CORPORA_DIR": str(SHARED / "corpora"),
             "FORGE_EVAL_BENCHMARKS_DIR": str(SHARED / "benchmarks"),
@@ -100,8 +102,8 @@ async def finished(evals: ServiceProcess, run_id: str, timeout_s: float = 180) -
 async def test_eval_kill_mid_run_resumes_to_the_same_result(tmp_path: Path) -> None:
     checkpoint = tiny_llama.save_tiny_llama(tmp_path / "models" / "llama", hidden=256, layers=4)
     model_server = model_server_process(tmp_path, "model_server", TOKEN).start(90)
-    evals = eval_process(tmp_path, "eval", TOKEN).start(60)
-    reference = eval_process(tmp_path, "reference", TOKEN)
+    evals = eval_process(tmp_path, "eval", model_server.http_url, TOKEN).start(60)
+    reference = eval_process(tmp_path, "reference", model_server.http_url, TOKEN)
     try:
         # 1. The interrupted run: kill -9 once some of its requests are answered, start again.
         start = served(model_server)

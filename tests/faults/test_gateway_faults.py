@@ -149,7 +149,7 @@ async def start_serving(root: Path) -> tuple[list[ServiceProcess], ServiceProces
             "/admin/v1/tenants", json={"name": "faults-app", "priority_class": "interactive"}
         )
         assert created.status_code == 201, created.text
-        added = await http.post("/admin/v1/replicas", json={"url": replicas[1].http_url})
+        added = await http.post("/admin/v1/replicas", json={"url": replicas[1].http_url, "token": TOKEN})
         assert added.status_code == 201, added.text
     return replicas, gateway, created.json()["api_key"]
 

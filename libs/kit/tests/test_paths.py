@@ -1,4 +1,4 @@
-"""Data folders named relative to the repository resolve from any working directory."""
+"""The data folder: FORGE_DATA_DIR, else var/data in the checkout; relative settings inside it."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from forge_kit.paths import find_repo_root, resolve_data_path
+from forge_kit.paths import data_dir, data_path, find_repo_root, resolve_data_path
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -16,14 +16,20 @@ def test_the_repository_root_is_found_from_inside_it() -> None:
     assert find_repo_root(Path("/")) is None
 
 
-def test_relative_paths_resolve_against_the_working_directory_then_the_repository(
+def test_the_data_folder_is_the_setting_else_var_data_of_the_checkout(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    assert resolve_data_path(str(tmp_path)) == tmp_path
-    (tmp_path / "data" / "set").mkdir(parents=True)
-    monkeypatch.chdir(tmp_path)
-    assert resolve_data_path("data/set") == tmp_path / "data" / "set"
-    # Not under the working directory but in the repository: the repository's.
-    assert resolve_data_path("libs/kit") == REPO / "libs" / "kit"
-    # Neither: the working directory's, for the caller's "missing" error to name.
-    assert resolve_data_path("nowhere") == tmp_path / "nowhere"
+    monkeypatch.setenv("FORGE_DATA_DIR", str(tmp_path / "d"))
+    assert data_dir() == tmp_path / "d"
+    assert data_path("benchmarks", "gsm8k") == tmp_path / "d" / "benchmarks" / "gsm8k"
+    monkeypatch.delenv("FORGE_DATA_DIR")
+    monkeypatch.chdir(tmp_path)  # outside any checkout: this package's checkout
+    assert data_dir() == REPO / "var" / "data"
+
+
+def test_relative_settings_resolve_inside_the_data_folder_absolute_ones_as_they_are(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FORGE_DATA_DIR", str(tmp_path))
+    assert resolve_data_path("beir/scifact") == tmp_path / "beir" / "scifact"
+    assert resolve_data_path("/elsewhere/x.txt") == Path("/elsewhere/x.txt")

@@ -11,13 +11,13 @@ from forge_kit import errors
 from forge_kit.validate import (
     MAX_SEED,
     FiniteFloat,
-    Name,
+    PrintableName,
     Seed,
     check_finite,
     check_int,
     check_labels,
-    check_name,
     check_path,
+    check_printable_name,
     check_seed,
     check_text,
     loads_json,
@@ -52,13 +52,13 @@ def test_integers_and_seeds() -> None:
 @pytest.mark.parametrize("name", ["", "a b", "a\r\nb", "a\x00", "a\x7f", "é", "x" * 257, 3, None])
 def test_names_unfit_for_a_header_are_refused(name: object) -> None:
     with pytest.raises(errors.ValidationError) as refused:
-        check_name("model", name)
+        check_printable_name("model", name)
     assert refused.value.field == "model"
 
 
 def test_names_fit_for_a_header_pass() -> None:
     for name in ("llama", "meta-llama/Llama-3:v2", "x" * 256):
-        assert check_name("model", name) == name
+        assert check_printable_name("model", name) == name
 
 
 @pytest.mark.parametrize("path", ["", "/a\x00b", "/a\nb", "/" + "a" * 256, "/a" * 3000])
@@ -103,7 +103,7 @@ def test_loads_json_reads_standard_json_and_names_malformed_bodies() -> None:
 
 
 class _Body(BaseModel):
-    model: Name
+    model: PrintableName
     temperature: FiniteFloat = 1.0
     seed: Seed | None = None
 

@@ -17,7 +17,7 @@ from forge_kit.paths import resolve_data_path
 sys.path.insert(0, str(Path(__file__).parent))
 
 MIGRATIONS = Path(__file__).parents[1] / "src" / "forge_eval" / "migrations"
-BENCHMARKS = resolve_data_path("../shared/data/benchmarks")
+BENCHMARKS = resolve_data_path("benchmarks")
 
 
 class ScriptedRunner:

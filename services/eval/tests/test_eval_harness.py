@@ -73,7 +73,7 @@ def write_gen_task(tmp: Path) -> Path:
 
 @pytest.fixture
 def roots(tmp_path: Path) -> DataRoots:
-    return DataRoots(tmp_path / "benchmarks", resolve_data_path("../shared/data/corpora"))
+    return DataRoots(tmp_path / "benchmarks", resolve_data_path("corpora"))
 
 
 @pytest.fixture
@@ -342,7 +342,7 @@ async def test_the_service_runs_a_shipped_task_through_the_harness(
 
     state.models["toy:1"] = state.models["toy"]
     runner = TaskSuiteRunner(
-        DataRoots(catalog.root, resolve_data_path("../shared/data/corpora")),
+        DataRoots(catalog.root, resolve_data_path("corpora")),
         cache_path=tmp_path / "cache.sqlite",
         transport=httpx.ASGITransport(app=make_app(state)),
     )
@@ -373,9 +373,7 @@ def test_service_gate_uses_the_tolerance_and_the_metric_direction() -> None:
 
 async def test_humaneval_runs_generated_code_in_the_sandbox(backend_factory: BackendFactory) -> None:
     """The shipped HumanEval task end to end: greedy completions from the toy model, executed."""
-    roots = DataRoots(
-        resolve_data_path("../shared/data/benchmarks"), resolve_data_path("../shared/data/corpora")
-    )
+    roots = DataRoots(resolve_data_path("benchmarks"), resolve_data_path("corpora"))
     backend = backend_factory()
     result = await run_task(load_task("humaneval"), roots, backend, await backend.identity(), limit=2, seed=4)
     assert [s["id"].split("/")[0] for s in result.samples] == ["HumanEval", "HumanEval"]
@@ -384,3 +382,16 @@ async def test_humaneval_runs_generated_code_in_the_sandbox(backend_factory: Bac
         assert sample["scores"] == {"pass@1": 0.0}
         assert sample["extracted"]["pass@1"] in {"failed", "timeout"}
     assert result.summary["metric"] == "pass@1"
+
+
+async def test_humaneval_refuses_to_run_without_a_sandbox(
+    backend_factory: BackendFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No bubblewrap: the run fails with a clear error before any completion is generated."""
+    from forge_kit.sandbox import SandboxUnavailableError
+
+    monkeypatch.setenv("FORGE_SANDBOX_BWRAP", "/nonexistent/bwrap")
+    roots = DataRoots(resolve_data_path("benchmarks"), resolve_data_path("corpora"))
+    backend = backend_factory()
+    with pytest.raises(SandboxUnavailableError, match="code execution is refused"):
+        await run_task(load_task("humaneval"), roots, backend, await backend.identity(), limit=2, seed=4)

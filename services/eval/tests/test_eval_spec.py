@@ -91,7 +91,7 @@ def test_real_benchmarks_are_found_and_match_the_manifest(catalog: BenchmarkCata
 
 
 def test_default_setting_resolves_to_the_shared_data() -> None:
-    assert (resolve_data_path("../shared/data/benchmarks") / "MANIFEST.tsv").is_file()
+    assert (resolve_data_path("benchmarks") / "MANIFEST.tsv").is_file()
 
 
 def test_changed_data_changes_the_hash_and_a_pinned_mismatch_refuses(tmp_path: Path) -> None:

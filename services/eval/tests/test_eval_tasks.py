@@ -13,7 +13,7 @@ from forge_eval.tasks import DataRoots, build_docs, dataset_hash, load_records, 
 from forge_kit import errors
 from forge_kit.paths import resolve_data_path
 
-ROOTS = DataRoots(resolve_data_path("../shared/data/benchmarks"), resolve_data_path("../shared/data/corpora"))
+ROOTS = DataRoots(resolve_data_path("benchmarks"), resolve_data_path("corpora"))
 
 
 def test_every_shipped_task_loads_and_pins_its_data() -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from forge_kit.paths import resolve_data_path
 
-CORPUS = resolve_data_path("../shared/data/corpora") / "tinyshakespeare" / "input.txt"
+CORPUS = resolve_data_path("corpora") / "tinyshakespeare" / "input.txt"
 
 
 def make_tiny_checkpoint(folder: Path, *, seed: int = 0, context: int = 32, vocab: int = 300) -> Path:

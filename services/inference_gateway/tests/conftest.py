@@ -221,7 +221,7 @@ class RecordedUpstream(LocalServer):
 
     @staticmethod
     def _models() -> dict[str, object]:
-        card = {"id": "tiny", "object": "model", "owned_by": "forge", "max_model_len": 64}
+        card = {"id": "tiny", "object": "model", "owned_by": "forge", "max_model_len": 64, "version": "7"}
         return {"object": "list", "data": [card]}
 
     async def _generate(self, request: Request) -> Response:

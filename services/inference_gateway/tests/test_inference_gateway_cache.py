@@ -117,7 +117,7 @@ async def redis() -> AsyncIterator[RedisCache]:
     cache = RedisCache("redis://127.0.0.1:6379/0", f"gateway-test-{uuid.uuid4().hex[:8]}")
     try:
         await cache.get("ping")
-    except OSError as exc:  # pragma: no cover - the build machines run Redis
+    except OSError as exc:  # pragma: no cover - the test machines run Redis
         pytest.skip(f"no Redis at 127.0.0.1:6379: {exc}")
     yield cache
     await cache.close()

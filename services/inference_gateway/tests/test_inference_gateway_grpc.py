@@ -54,8 +54,9 @@ async def _generate(
 
 
 async def test_generate_translates_the_upstream_stream(
-    stub: inference_pb2_grpc.InferenceServiceStub, recorded: Any
+    stub: inference_pb2_grpc.InferenceServiceStub, recorded: Any, gateway: InferenceGateway
 ) -> None:
+    await gateway.pool.refresh()  # the control loop's scrape: what the replica serves
     messages = [inference_pb2.ChatMessage(role="user", content="hi")]
     chunks = await _generate(
         stub, model="tiny", messages=messages, max_tokens=2, temperature=0.0, request_id="r-9"
@@ -64,7 +65,9 @@ async def test_generate_translates_the_upstream_stream(
     last = chunks[-1]
     assert last.finish_reason == inference_pb2.FINISH_REASON_LENGTH
     assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (4, 2)
-    assert {c.request_id for c in chunks} == {"r-9"} and last.model.name == "tiny"
+    assert {c.request_id for c in chunks} == {"r-9"}
+    # Every chunk names the version that served it: the one the replica lists for ``tiny``.
+    assert {(c.model.name, c.model.version) for c in chunks} == {("tiny", "7")}
     sent = recorded.requests[-1]
     assert sent.path == "/v1/chat/completions"
     body = sent.body

@@ -64,12 +64,41 @@ async def test_stream_is_relayed_and_alias_rewritten(
 ) -> None:
     async with db.session() as session:  # type: ignore[attr-defined]
         await gateway.apply_model_promoted(promoted("tiny"), session)  # type: ignore[attr-defined,operator]
+    await gateway.pool.refresh()  # type: ignore[attr-defined]  # the control loop's scrape: what it serves
     async with http.stream("POST", CHAT, json={**HI, "model": "forge-chat", "stream": True}) as reply:
         assert reply.status_code == 200
         relayed = b"".join([chunk async for chunk in reply.aiter_raw()])
     assert relayed == recorded.sse
     sent = recorded.requests[-1]
     assert sent.body["model"] == "tiny" and sent.headers["authorization"] == "Bearer upstream-token"
+    # The version that answered is the one the replica lists for the name (the alias pinned none).
+    assert reply.headers["x-forge-model"] == "tiny:7"
+
+
+async def test_a_model_that_is_no_model_reference_is_400_naming_model(http: httpx.AsyncClient) -> None:
+    for model in ("tiny model", "../etc/passwd", "tiny:", "a" * 300, "tiny\u0000"):
+        reply = await http.post(CHAT, json={**HI, "model": model})
+        assert reply.status_code == 400, model
+        error = reply.json()["error"]
+        assert error["param"] == "model" and "invalid model" in error["message"]
+        assert "x-forge-model" not in reply.headers
+
+
+async def test_an_alias_no_replica_serves_is_404_naming_the_alias(
+    http: httpx.AsyncClient, gateway: Any, db: Any, promoted: Any
+) -> None:
+    """The registry promoted a version the replicas do not serve: the caller learns about the name
+    they sent, not the registry's identity behind it."""
+    async with db.session() as session:
+        await gateway.apply_model_promoted(promoted("run-4f2e", "step-120"), session)
+    for body in ({**HI, "model": "forge-chat"}, {**HI, "model": "forge-chat", "stream": True}):
+        reply = await http.post(CHAT, json=body)
+        assert reply.status_code == 404
+        error = reply.json()["error"]
+        assert error["code"] == "model_not_found" and error["param"] == "model"
+        assert "`forge-chat`" in error["message"] and "run-4f2e" not in error["message"]
+    models = (await http.get("/v1/models")).json()["data"]
+    assert [m["id"] for m in models] == ["tiny"], "an alias that cannot answer is not listed"
 
 
 async def test_admin_requires_the_service_token(http: httpx.AsyncClient) -> None:

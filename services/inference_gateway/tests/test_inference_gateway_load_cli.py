@@ -1,4 +1,4 @@
-"""``forge load inference``, the issue's benchmark contract, run as a user runs it."""
+"""``forge load inference``, the serving benchmark contract, run as a user runs it."""
 
 from __future__ import annotations
 

@@ -25,6 +25,7 @@ from forge_inference_gateway.routing import (
 from forge_inference_gateway.service import InferenceGateway
 from forge_inference_gateway.upstream import ModelServerClient, UpstreamUnavailableError
 from forge_kit import errors
+from forge_kit.modelref import ModelRef
 
 # What `vllm serve` (0.x, V1 engine) exposes, trimmed: two engines' gauges and unrelated series.
 VLLM_EXPOSITION = """# HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -115,6 +116,11 @@ def test_only_replicas_serving_the_version_are_candidates() -> None:
     assert {r.url for r in pool.candidates("tiny")} == {r1.url, r2.url}
     # Nobody serves it: any healthy replica, whose 404 reaches the caller.
     assert len(pool.candidates("huge")) == 3
+    # The version that answers: a pinned one as asked, else the one the replica lists.
+    assert str(r1.answering(ModelRef("tiny"))) == "tiny:3"
+    assert str(r2.answering(ModelRef("tiny", "4"))) == "tiny:4"
+    assert str(r3.answering(ModelRef("other"))) == "other"
+    assert r1.served("huge") is None and r1.serves("not a model") is False
 
 
 def test_prefix_affinity_keeps_a_shared_prompt_on_one_replica_until_it_is_too_busy() -> None:
@@ -171,6 +177,28 @@ def test_replica_urls_are_validated() -> None:
         assert caught.value.field == "url"
     with pytest.raises(errors.AlreadyExistsError):
         pool.add(URLS[0] + "/")
+
+
+async def test_added_replicas_get_their_own_token_and_a_new_client_when_it_changes() -> None:
+    made: list[tuple[str, str | None]] = []
+
+    def configured(url: str) -> ModelServerClient:
+        made.append((url, "gateway-token"))
+        return ModelServerClient(url, "gateway-token")
+
+    def added(url: str, token: str) -> ModelServerClient:
+        made.append((url, token))
+        return ModelServerClient(url, token or None)
+
+    pool = ReplicaPool([URLS[0]], configured, admin_client_factory=added)
+    await pool.sync({URLS[1]: "", URLS[2]: "t2"})
+    assert made == [(URLS[0], "gateway-token"), (URLS[1], ""), (URLS[2], "t2")]
+    first = pool.get(URLS[2]).client
+    await pool.sync({URLS[1]: "", URLS[2]: "t2"})  # unchanged: same clients
+    assert pool.get(URLS[2]).client is first and len(made) == 3
+    await pool.sync({URLS[2]: "rotated"})  # r2 gone, r3's token rotated
+    assert not pool.has(URLS[1]) and pool.get(URLS[2]).client is not first
+    assert made[-1] == (URLS[2], "rotated") and pool.has(URLS[0])
 
 
 # -- against real vLLM-protocol servers ------------------------------------------------------

@@ -15,7 +15,9 @@ from forge_inference_gateway.service import InferenceGateway, hash_api_key
 from forge_inference_gateway.store import TenantRow
 from forge_kit import errors
 from forge_kit.db import Database
-from forge_kit.events import HEADER_ID, HEADER_TYPE, EventConsumer, topic_for
+from forge_kit.events import EventConsumer, topic_for
+from forge_kit.modelref import ModelRef
+from forge_kit.testing import eventkeys
 
 
 async def test_keys_are_stored_as_sha256_only(gateway: InferenceGateway, db: Database) -> None:
@@ -90,7 +92,10 @@ async def test_production_promotion_sets_forge_chat(
 ) -> None:
     async with db.session() as session:
         await gateway.apply_model_promoted(promoted("tiny-llama", "3"), session)
-    assert await gateway.resolve_model("forge-chat") == ("tiny-llama:3", (await gateway.list_aliases())[0])
+    assert await gateway.resolve_model("forge-chat") == (
+        ModelRef("tiny-llama", "3"),
+        (await gateway.list_aliases())[0],
+    )
     async with db.session() as session:
         await gateway.apply_model_promoted(promoted("tiny-llama", "4"), session)
         await gateway.apply_model_promoted(promoted("tiny-llama", "5", stage="canary"), session)
@@ -100,7 +105,13 @@ async def test_production_promotion_sets_forge_chat(
         "production": ("tiny-llama:4", "production"),
         "canary": ("tiny-llama:5", "canary"),
     }
-    assert await gateway.resolve_model("tiny-llama") == ("tiny-llama", None)
+    assert await gateway.resolve_model("tiny-llama") == (ModelRef("tiny-llama"), None)
+    # A pinned reference is a model version, never an alias; what is not a reference is refused.
+    assert await gateway.resolve_model("forge-chat:4") == (ModelRef("forge-chat", "4"), None)
+    for bad in ("tiny llama", "a/b", "x:", "x\r\nset-cookie: 1"):
+        with pytest.raises(errors.ValidationError, match="invalid model") as caught:
+            await gateway.resolve_model(bad)
+        assert caught.value.field == "model"
 
 
 async def test_promotion_without_stage_is_rejected(
@@ -121,8 +132,9 @@ async def test_consumer_applies_a_promotion_once(
         group_id="inference_gateway",
         topics=[topic_for(event)],
         handler=gateway.apply_model_promoted,
+        verifier=eventkeys.verifier(),
     )
-    headers = [(HEADER_TYPE, event.DESCRIPTOR.full_name.encode()), (HEADER_ID, event.meta.event_id.encode())]
+    headers = eventkeys.headers_for(event)
     record = ConsumerRecord(
         topic=topic_for(event),
         partition=0,
@@ -141,7 +153,7 @@ async def test_consumer_applies_a_promotion_once(
     async with db.session() as session:
         await gateway.apply_model_promoted(promoted("tiny", "2"), session)
     assert await consumer.handle(record) is False
-    assert (await gateway.resolve_model("forge-chat"))[0] == "tiny:2"
+    assert (await gateway.resolve_model("forge-chat"))[0] == ModelRef("tiny", "2")
 
 
 async def test_reads_are_loaded_once_for_concurrent_requests_and_never_after_a_change() -> None:

@@ -15,7 +15,7 @@ from forge_preference_feedback.service import FeedbackService
 from forge_preference_feedback.store import AsyncTransactions, SqliteGroupCommit, Transactions
 
 MIGRATIONS = Path(__file__).parents[1] / "src" / "forge_preference_feedback" / "migrations"
-HH_RLHF = resolve_data_path("../shared/data/preferences/hh-rlhf")
+HH_RLHF = resolve_data_path("preferences/hh-rlhf")
 
 
 def read_hh_line(subset: str, number: int) -> dict[str, str]:

@@ -2,7 +2,6 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,18 +9,15 @@ from pathlib import Path
 import pytest
 
 from forge_kit.db import Database
+from forge_kit.paths import resolve_data_path
 from forge_retriever.config import RetrieverSettings
 from forge_retriever.embed import SentenceTransformerEmbedder
 from forge_retriever.index import QdrantEdgeIndex
 from forge_retriever.service import DocumentIn, RetrieverService
 
 MIGRATIONS = Path(__file__).parents[1] / "src" / "forge_retriever" / "migrations"
-# ../shared/data beside the repository (the BEIR copies are shared, never copied into the repo).
-SCIFACT = (
-    Path(os.environ.get("FORGE_TEST_DATA", Path(__file__).parents[3].parent / "shared" / "data"))
-    / "beir"
-    / "scifact"
-)
+# The data folder (`forge data fetch scifact`); the BEIR copies are never copied into the repo.
+SCIFACT = resolve_data_path("beir/scifact")
 SCIFACT_DOCS = 50
 
 

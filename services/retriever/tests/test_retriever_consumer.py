@@ -18,9 +18,6 @@ from forge.events.v1 import events_pb2
 from forge_kit import errors
 from forge_kit.db import Database
 from forge_kit.events import (
-    HEADER_ID,
-    HEADER_PRODUCER,
-    HEADER_TYPE,
     DeadLetter,
     EventConsumer,
     KafkaPublisher,
@@ -29,6 +26,7 @@ from forge_kit.events import (
     new_meta,
     topic_for,
 )
+from forge_kit.testing import eventkeys
 from forge_kit.testing.processes import TansuBroker
 from forge_retriever.service import ChangeOutcome, DocumentIn, RetrieverService, SearchMode
 from forge_retriever.store import DocumentRow
@@ -61,11 +59,7 @@ def change(
 
 
 def record(event: events_pb2.DocumentChanged, offset: int = 0) -> ConsumerRecord:  # type: ignore[type-arg]
-    headers = [
-        (HEADER_TYPE, event.DESCRIPTOR.full_name.encode()),
-        (HEADER_ID, event.meta.event_id.encode()),
-        (HEADER_PRODUCER, event.meta.producer.encode()),
-    ]
+    headers = eventkeys.headers_for(event)
     return ConsumerRecord(
         topic=TOPIC,
         partition=0,
@@ -88,6 +82,8 @@ def consumer(db: Database, service: RetrieverService, bootstrap: str = "unused:0
         group_id="retriever",
         topics=[TOPIC],
         handler=service.handle_event,
+        verifier=eventkeys.verifier([*eventkeys.PRODUCERS, "cms"]),
+        sources={TOPIC: ["cms"]},
         max_attempts=1,
         session_timeout_ms=6_000,
     )
@@ -218,18 +214,16 @@ async def test_change_published_to_the_broker_is_searchable_within_seconds(
     c = consumer(db, service, kafka_broker.bootstrap)
     await c.start()
     task = asyncio.create_task(c.run())
-    publisher = KafkaPublisher(kafka_broker.bootstrap)
+    publisher = KafkaPublisher(kafka_broker.bootstrap, signer=eventkeys.signer("cms"))
     try:
-        await publisher.publish(
-            change("alpha", "okapis live in the forest", version=1), producer="cms", key="wiki/alpha"
-        )
+        await publisher.publish(change("alpha", "okapis live in the forest", version=1), key="wiki/alpha")
         started = time.monotonic()
         while not await _listed(service):
             assert time.monotonic() - started < 30, "the consumer never applied the first event"
             await asyncio.sleep(0.05)
         assert [d for d, _ in await found(service, "okapis")] == ["alpha"]
         # The group is live now: a later change must show up within the 2 s freshness target.
-        await publisher.publish(change("alpha", kind=DELETED, version=2), producer="cms", key="wiki/alpha")
+        await publisher.publish(change("alpha", kind=DELETED, version=2), key="wiki/alpha")
         sent = time.monotonic()
         while await found(service, "okapis"):
             assert time.monotonic() - sent < 2.0, "delete not applied within 2 s"

@@ -1,6 +1,6 @@
 """The Qdrant server backend (``QdrantServerIndex``) behind the same ``VectorIndex`` seam.
 
-No Qdrant server runs on the build machines, so these tests drive ``qdrant-client``'s local mode,
+These tests need no Qdrant server: they drive ``qdrant-client``'s local mode,
 which answers the same ``query_points`` API (prefetch, RRF with k, DBSF, sparse IDF, filters); the
 HTTP/gRPC transport to a real server and server-side payload indexes are not exercised here.
 Each behaviour is checked against the Qdrant Edge index on the same points.

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from forge_kit.objectstore import ObjectStore
+from forge_kit.paths import resolve_data_path
 from forge_trainer_agent.runner import LaunchError, LaunchSpec, TorchrunRunner
 from forge_trainer_agent.training import recipes
 from forge_trainer_agent.training.checkpoint import CheckpointManager
@@ -26,7 +27,7 @@ from forge_trainer_agent.training.recipes import RecipeError, TrainConfig
 from forge_trainer_agent.training.run import EXIT_BAD_RECIPE, main
 from forge_trainer_agent.training.train import RunContext, lr_factor, pretrain
 
-SHAKESPEARE = Path(recipes.DEFAULT_CORPUS)
+SHAKESPEARE = resolve_data_path(recipes.DEFAULT_CORPUS)
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from forge_kit.objectstore import ObjectStore
+from forge_kit.paths import resolve_data_path
 from forge_trainer_agent.training import recipes
 from forge_trainer_agent.training.data import prepare
 from forge_trainer_agent.training.launch import LocalRun, run_group, run_group_sequence
@@ -20,7 +21,7 @@ from forge_trainer_agent.training.recipes import RecipeError, TrainConfig
 from forge_trainer_agent.training.run import EXIT_BAD_RECIPE, main
 from forge_trainer_agent.training.train import RunContext, pretrain
 
-SHAKESPEARE = Path(recipes.DEFAULT_CORPUS)
+SHAKESPEARE = resolve_data_path(recipes.DEFAULT_CORPUS)
 KILL_AT = 7  # after the step-5 checkpoint: the resume redoes steps 6 and 7
 
 

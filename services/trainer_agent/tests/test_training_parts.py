@@ -15,6 +15,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
+from forge_kit.paths import resolve_data_path
 from forge_trainer_agent.training import parallel, recipes
 from forge_trainer_agent.training.bench import steady_step_s
 from forge_trainer_agent.training.checkpoint import optimal_interval_s
@@ -43,7 +44,7 @@ HH_ROW = {
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Tokenizer:
-    text = Path(recipes.DEFAULT_CORPUS).read_text(encoding="utf-8")[:20_000]
+    text = resolve_data_path(recipes.DEFAULT_CORPUS).read_text(encoding="utf-8")[:20_000]
     return train_tokenizer(text + "User: Assistant: robin bird", 300)
 
 

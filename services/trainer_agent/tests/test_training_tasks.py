@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from forge_kit.objectstore import ObjectStore
+from forge_kit.paths import resolve_data_path
 from forge_trainer_agent.training import recipes
 from forge_trainer_agent.training.checkpoint import Manifest, optimal_interval_s
 from forge_trainer_agent.training.launch import run_group_sequence
@@ -25,7 +26,7 @@ from forge_trainer_agent.training.recipes import RecipeError, TrainConfig
 from forge_trainer_agent.training.run import EXIT_BAD_RECIPE, main
 from forge_trainer_agent.training.train import RunContext, TrainResult, train
 
-SHAKESPEARE = Path(recipes.DEFAULT_CORPUS)
+SHAKESPEARE = resolve_data_path(recipes.DEFAULT_CORPUS)
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +36,7 @@ def corpora(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     general = root / "shakespeare.txt"
     general.write_text(SHAKESPEARE.read_text(encoding="utf-8")[:40_000], encoding="utf-8")
     domain = root / "scifact.jsonl"
-    with open(recipes.SCIFACT_CORPUS, encoding="utf-8") as handle:
+    with open(resolve_data_path(recipes.SCIFACT_CORPUS), encoding="utf-8") as handle:
         domain.write_text("".join(next(handle) for _ in range(80)), encoding="utf-8")
     return {"general": general, "domain": domain}
 

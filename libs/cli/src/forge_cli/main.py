@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from forge_cli import local, platform
+from forge_cli import data, local, platform
 from forge_cli.plugins import PluginGroup
 from forge_cli.supervisor import Paths
 
@@ -20,6 +20,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 console = Console()
+app.add_typer(data.app, name="data")
 
 ServicesOption = Annotated[
     str | None,

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import datetime as dt
+import inspect
 import json
 import secrets
 import time
@@ -84,8 +85,9 @@ class Principal:
 #: The principal of the shared service token: operators, the CLI's admin commands, other services.
 SERVICE_PRINCIPAL = Principal(name="service", role="admin")
 
-#: Maps a presented bearer token to a principal, or None when it does not know the token.
-Authenticator = Callable[[str], Principal | None]
+#: Maps a presented bearer token to a principal, or None when it does not know the token; it may
+#: be a coroutine function (e.g. one that asks the service that issued the token).
+Authenticator = Callable[[str], Principal | Awaitable[Principal | None] | None]
 
 
 def current_principal() -> Principal | None:
@@ -173,7 +175,7 @@ class ForgeServerInterceptor(grpc.aio.ServerInterceptor):
         self._default_deadline_s = default_deadline_s
         self._authenticators = tuple(authenticators)
 
-    def authenticate(self, header: str | bytes | None) -> Principal | None:
+    async def authenticate(self, header: str | bytes | None) -> Principal | None:
         """The principal of an ``authorization`` header, or None when no token matches."""
         if self._token is not None and _token_matches(header, self._token):
             return SERVICE_PRINCIPAL
@@ -181,7 +183,8 @@ class ForgeServerInterceptor(grpc.aio.ServerInterceptor):
         if presented is None:
             return None
         for authenticate in self._authenticators:
-            principal = authenticate(presented)
+            found = authenticate(presented)
+            principal = await found if inspect.isawaitable(found) else found
             if principal is not None:
                 return principal
         return None
@@ -200,7 +203,7 @@ class ForgeServerInterceptor(grpc.aio.ServerInterceptor):
         metadata = dict(handler_call_details.invocation_metadata or ())
         if self._token is None:
             return _wrap_handler(handler, self, method, True, None)
-        principal = self.authenticate(metadata.get("authorization"))
+        principal = await self.authenticate(metadata.get("authorization"))
         return _wrap_handler(handler, self, method, principal is not None, principal)
 
     def _enter(self, context: grpc.aio.ServicerContext) -> float:

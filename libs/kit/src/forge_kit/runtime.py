@@ -49,10 +49,8 @@ def freeze_startup_heap() -> None:
     CPython's full collections scan every tracked object; for a started service that is mostly
     this start-up heap, which lives as long as the process, so each full collection is work for
     nothing. Frozen (``gc.freeze``, as Instagram does before forking its workers), collections
-    scan only what requests allocate. Measured on the preference ingest benchmark
-    (``load/feedback``): ``gc_collect_main`` was 23 % of the event loop's samples (py-spy
-    ``--native``), 4 % once frozen, and the service went from 297 to 388 preferences/s (3.12 to
-    2.50 ms of CPU each).
+    scan only what requests allocate. On the preference ingest benchmark this takes most of the
+    collector's share of the event loop's time away (figures in ``load/feedback/RESULTS.md``).
     """
     gc.collect()
     gc.freeze()

@@ -41,7 +41,9 @@ FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 #: A sampling seed torch accepts.
 Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
 #: A name that may reach a header, a metric label or a path: visible ASCII, at most 256 characters.
-Name = Annotated[str, StringConstraints(min_length=1, max_length=MAX_NAME_CHARS, pattern=r"^[!-~]+$")]
+PrintableName = Annotated[
+    str, StringConstraints(min_length=1, max_length=MAX_NAME_CHARS, pattern=r"^[!-~]+$")
+]
 
 
 def check_finite(
@@ -78,7 +80,7 @@ def check_seed(field: str, value: object) -> int:
     return check_int(field, value, 0, MAX_SEED)
 
 
-def check_name(field: str, value: object, max_chars: int = MAX_NAME_CHARS) -> str:
+def check_printable_name(field: str, value: object, max_chars: int = MAX_NAME_CHARS) -> str:
     """A name safe to put in a header, a metric label or a log line: 1 to ``max_chars`` visible
     ASCII characters (no space, NUL, CR or LF)."""
     if not isinstance(value, str) or not value:

@@ -10,6 +10,7 @@ from forge.eval.v1 import eval_pb2, eval_pb2_grpc
 
 from forge_eval.api import EvalApi, named_tokens
 from forge_eval.config import EvalSettings
+from forge_eval.endpoints import EndpointRegistry
 from forge_eval.service import EvalService
 from forge_eval.serving import LocalModelServer
 from forge_eval.task_runner import TaskCatalog, TaskSuiteRunner
@@ -29,7 +30,6 @@ async def main() -> None:
     runner = TaskSuiteRunner(
         roots,
         cache_path=Path(settings.response_cache_path) if settings.response_cache_path else None,
-        token=settings.inference_gateway_token.get_secret_value(),
         timeout_s=settings.request_timeout_s,
         batch_size=settings.request_batch_size,
         concurrency=settings.request_concurrency,
@@ -49,6 +49,13 @@ async def main() -> None:
             start_timeout_s=settings.model_server_start_timeout_s,
         ),
         reports_dir=data / "reports",
+        # Each credential goes only to the endpoint it was issued for.
+        endpoints=EndpointRegistry(
+            {
+                **{url: token.get_secret_value() for url, token in settings.model_endpoints.items()},
+                settings.inference_gateway_url: settings.inference_gateway_token.get_secret_value(),
+            }
+        ),
     )
     app.add_background(service.run_worker)
     app.log.info("eval.suites", roots=str(roots), suites=catalog.suites())

@@ -150,6 +150,7 @@ class EvalApi(eval_pb2_grpc.EvalServiceServicer):
             options=request.options,
             tier=request.tier,
             serve_model=request.serve_model,
+            admin=_caller()[1],
         )
         return eval_pb2.RunSuiteResponse(run_id=run.id, spec_hash=run.spec_hash)
 

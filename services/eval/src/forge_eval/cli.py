@@ -8,8 +8,8 @@ A and the gate decision. Responses are cached (request + model identity) in ``--
 unchanged re-run makes no model calls.
 
 ``register``, ``models``, ``promote``, ``rollback`` and ``history`` call the eval service's
-registry over gRPC at ``$FORGE_CLI_EVAL_TARGET`` (default ``127.0.0.1:50057``) with
-``$FORGE_CLI_EVAL_TOKEN``, else the ``eval`` entry of ``var/secrets/tokens.json`` (the service
+registry over gRPC at ``$FORGE_CLI_EVAL_TARGET`` (default ``127.0.0.1:50057``) with the token in
+``--token-file``, else ``$FORGE_CLI_EVAL_TOKEN``, else the ``eval`` entry of ``var/secrets/tokens.json`` (the service
 token: an admin, who may ``promote --force``).
 """
 
@@ -41,6 +41,7 @@ from forge_eval.harness import (
 from forge_eval.tasks import DataRoots, load_task, shipped_tasks
 from forge_kit import clitools, errors
 from forge_kit.grpckit import make_channel
+from forge_kit.modelref import ModelRef
 from forge_kit.paths import resolve_data_path
 
 app = typer.Typer(help="Run benchmark tasks, compare runs and apply the release gate.", no_args_is_help=True)
@@ -80,10 +81,14 @@ def run(
     cache: Annotated[Path, typer.Option("--cache", help="Response cache (SQLite).")] = DEFAULT_CACHE,
     no_cache: Annotated[bool, typer.Option("--no-cache", help="Neither read nor write the cache.")] = False,
     token: Annotated[
-        str, typer.Option("--token", envvar="FORGE_CLI_EVAL_ENDPOINT_TOKEN", show_default=False)
+        str, clitools.token_option("FORGE_CLI_EVAL_ENDPOINT_TOKEN", "model endpoint's bearer token")
     ] = "",
-    benchmarks_dir: Annotated[str, typer.Option("--benchmarks-dir")] = "../shared/data/benchmarks",
-    corpora_dir: Annotated[str, typer.Option("--corpora-dir")] = "../shared/data/corpora",
+    benchmarks_dir: Annotated[
+        str, typer.Option("--benchmarks-dir", help="Absolute, or a folder inside FORGE_DATA_DIR.")
+    ] = "benchmarks",
+    corpora_dir: Annotated[
+        str, typer.Option("--corpora-dir", help="Absolute, or a folder inside FORGE_DATA_DIR.")
+    ] = "corpora",
 ) -> None:
     """Evaluate tasks on a model and write DIR/summary.json, samples and report.md."""
     try:
@@ -233,18 +238,16 @@ def list_tasks() -> None:
 TargetOption = Annotated[
     str, typer.Option("--target", envvar="FORGE_CLI_EVAL_TARGET", help="Eval service gRPC host:port.")
 ]
-TokenOption = Annotated[
-    str,
-    typer.Option("--token", envvar="FORGE_CLI_EVAL_TOKEN", help="Eval service token.", show_default=False),
-]
+TokenOption = Annotated[str, clitools.token_option("FORGE_CLI_EVAL_TOKEN", "eval service token")]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
 
 
 def _ref(text: str) -> common_pb2.ModelRef:
-    name, _, version = text.partition(":")
-    if not name:
-        raise typer.BadParameter("must be NAME or NAME:VERSION", param_hint="MODEL")
-    return common_pb2.ModelRef(name=name, version=version)
+    try:
+        ref = ModelRef.parse(text)
+    except ValueError as exc:
+        raise typer.BadParameter(f"must be NAME or NAME:VERSION ({exc})", param_hint="MODEL") from None
+    return common_pb2.ModelRef(name=ref.name, version=ref.version)
 
 
 def _call(target: str, token: str, call: Any) -> Any:

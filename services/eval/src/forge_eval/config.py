@@ -22,13 +22,19 @@ class EvalSettings(ServiceSettings):
     """OpenAI-compatible base URL runs query when RunSuite names no endpoint."""
 
     inference_gateway_token: SecretStr = SecretStr("")
-    """Bearer token sent to the model endpoint."""
+    """Bearer token issued to eval by the gateway (a tenant key); sent only to
+    ``inference_gateway_url``."""
 
-    benchmarks_dir: str = "../shared/data/benchmarks"
-    """Root of the benchmark data (one folder per suite, MANIFEST.tsv); relative to the repository."""
+    model_endpoints: dict[str, SecretStr] = Field(default_factory=dict)
+    """Further model endpoints runs may query, JSON ``{"http://host:port": "<token or empty>"}``:
+    each token is sent only to its own URL. A non-admin's RunSuite must name a registered endpoint
+    (these, the gateway); an admin's may name another, which then gets no credential."""
 
-    corpora_dir: str = "../shared/data/corpora"
-    """Root of the text corpora perplexity tasks read; relative to the repository."""
+    benchmarks_dir: str = "benchmarks"
+    """Root of the benchmark data (one folder per suite, MANIFEST.tsv); absolute, or inside FORGE_DATA_DIR."""
+
+    corpora_dir: str = "corpora"
+    """Root of the text corpora perplexity tasks read; absolute, or inside FORGE_DATA_DIR."""
 
     response_cache_path: str = "var/cache/eval/responses.sqlite"
     """SQLite response cache keyed by request and model identity; empty disables it."""

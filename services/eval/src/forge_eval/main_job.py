@@ -30,12 +30,12 @@ from forge.orchestrator.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 from google.protobuf import json_format
 
 from forge_kit.grpckit import make_channel
+from forge_kit.modelref import ModelRef
 
-#: How long the step waits for the workflow. On the 2-core build machine, ``forge up``'s release
-#: runs (``tinyshakespeare_ppl``, smoke tier: 20 documents in the trained model's 512-token
-#: windows) take a few seconds to tens of seconds per model plus about 10 s to start its model
-#: server; a second ``forge up`` also re-scores production, from the response cache. The margin
-#: is for a machine shared with other work.
+#: How long the step waits for the workflow: the release runs (``tinyshakespeare_ppl``, smoke
+#: tier: 20 documents in the trained model's 512-token windows) plus starting a model server per
+#: model; a second ``forge up`` also re-scores production, from the response cache. The margin is
+#: for a small machine shared with other work.
 STEP_TIMEOUT_S = 240.0
 POLL_S = 0.5
 #: The keys the training step's result must have.
@@ -120,7 +120,7 @@ async def evaluate_checkpoint(ctx: MainJobContext, *, timeout_s: float = STEP_TI
                     "no eval-and-promote workflow picked up its CheckpointPublished event"
                 )
             await asyncio.sleep(POLL_S)
-    ref = f"{model.ref.name}:{model.ref.version}"
+    ref = str(ModelRef.of(model.ref))
     workflow_id = model.labels.get("workflow_id") or f"eval-{model.ref.name}-{model.ref.version}"[:80]
     # 3. The workflow, until it closes.
     async with make_channel(orchestrator.grpc_target, token=orchestrator.token) as channel:

@@ -64,8 +64,8 @@ class SuiteRunner(Protocol):
 
     async def run(self, spec: RunSpec, endpoint: str, *, token: str | None = None) -> list[ExampleResult]:
         """Score every selected example; raise :class:`RunnerError` when that is impossible.
-        ``token`` is the endpoint's bearer token when it is not the runner's configured one (a
-        model server started for the run)."""
+        ``token`` is the credential bound to the endpoint (empty: send none); None: the runner's
+        configured one (the CLI's local runs)."""
 
 
 # --- suites ------------------------------------------------------------------------------------
@@ -214,7 +214,9 @@ class OpenAICompletionsRunner:
             pool = suite.shots(self._root)
             prefix = "".join(s + "\n\n" for s in random.Random(spec.seed).sample(pool, min(shots, len(pool))))
         base = endpoint.rstrip("/")
-        headers = self._headers if token is None else {"Authorization": f"Bearer {token}"}
+        # The endpoint's own credential (empty: none); None: the runner's configured one.
+        bound = {"Authorization": f"Bearer {token}"} if token else {}
+        headers = self._headers if token is None else bound
         async with httpx.AsyncClient(
             base_url=base, headers=headers, timeout=self._timeout_s, transport=self._transport
         ) as client:

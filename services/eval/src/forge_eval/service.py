@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import datetime as dt
 import json
-import re
 import uuid
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -33,6 +32,7 @@ from prometheus_client import Counter
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from forge_eval import reports, stats
+from forge_eval.endpoints import EndpointRegistry, normalize_endpoint
 from forge_eval.runner import ExampleResult, RunnerError, SuiteRunner
 from forge_eval.scorers import SCORERS
 from forge_eval.serving import ModelHost, ModelServerError, local_checkpoint
@@ -42,6 +42,7 @@ from forge_eval.tasks import load_task, shipped_tasks
 from forge_kit import errors
 from forge_kit.db import Database
 from forge_kit.events import stage_event
+from forge_kit.modelref import check_name, check_version
 from forge_kit.validate import MAX_URI_CHARS, check_labels, check_seed, check_text
 
 log = structlog.get_logger(__name__)
@@ -69,9 +70,6 @@ TRANSITIONS: dict[str, frozenset[str]] = {
 }
 GATE_STAGE = PRODUCTION
 TIERS = ("full", "smoke")
-
-_MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-_VERSION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
 @dataclass(frozen=True)
@@ -131,17 +129,23 @@ class Comparison:
 
 
 def validate_model_name(field: str, value: str) -> None:
+    """A registry name is a :class:`~forge_kit.modelref.ModelRef`'s name."""
     if not value:
         raise errors.ValidationError(field, "must not be empty")
-    if not _MODEL_NAME.match(value):
-        raise errors.ValidationError(
-            field, "must be letters, digits, '.', '_' or '-', at most 128 characters"
-        )
+    try:
+        check_name(value)
+    except ValueError as exc:
+        raise errors.ValidationError(field, str(exc)) from None
 
 
 def validate_version(field: str, value: str) -> None:
-    if not _VERSION.match(value):
-        raise errors.ValidationError(field, "must be letters, digits, '.', '_' or '-', at most 64 characters")
+    """A registry version is a :class:`~forge_kit.modelref.ModelRef`'s version, never empty."""
+    if not value:
+        raise errors.ValidationError(field, "must not be empty")
+    try:
+        check_version(value)
+    except ValueError as exc:
+        raise errors.ValidationError(field, str(exc)) from None
 
 
 def validate_stage(field: str, value: str) -> None:
@@ -200,8 +204,10 @@ class EvalService:
         run_concurrency: int = 1,
         model_host: ModelHost | None = None,
         reports_dir: Path | None = None,
+        endpoints: EndpointRegistry | None = None,
     ) -> None:
         self._db = db
+        self._endpoints = endpoints or EndpointRegistry({default_endpoint: ""})
         self._catalog = catalog
         self._runner = runner
         self._default_endpoint = default_endpoint
@@ -650,10 +656,13 @@ class EvalService:
         options: Mapping[str, str],
         tier: str = "",
         serve_model: bool = False,
+        admin: bool = True,
     ) -> RunRow:
         """Validate, pin the spec and queue the run (PENDING); the worker executes it. With
         ``serve_model`` the run's endpoint is a model server started from the model's registered
-        checkpoint when the run executes."""
+        checkpoint when the run executes. Otherwise the endpoint must be a registered one
+        (:mod:`forge_eval.endpoints`) unless the caller is an ``admin``; an unregistered endpoint's
+        run carries no credential."""
         suites = self._catalog.suites()
         if suite not in suites:
             raise errors.ValidationError(
@@ -687,8 +696,13 @@ class EvalService:
                 raise errors.ValidationError(
                     "endpoint", "is required: no default model endpoint is configured"
                 )
-            if not re.match(r"^https?://[^\s/]+", endpoint):
-                raise errors.ValidationError("endpoint", "must be an http:// or https:// URL")
+            normalize_endpoint(endpoint)
+            if not admin and not self._endpoints.is_registered(endpoint):
+                raise errors.PermissionDeniedError(
+                    f"endpoint {endpoint[:200]!r} is not a registered model endpoint "
+                    f"(registered: {', '.join(self._endpoints.urls()) or 'none'}); only an admin may "
+                    "run against another address, and such a run carries no credential"
+                )
         sampling = normalize_options(options)
         datasets = await asyncio.to_thread(self._catalog.dataset_hashes, suite)
         async with self._db.session() as session:
@@ -861,9 +875,10 @@ class EvalService:
 
     @asynccontextmanager
     async def _endpoint(self, run: RunRow, model: ModelRow | None) -> AsyncIterator[tuple[str, str | None]]:
-        """The run's endpoint and token (None: the runner's own), serving the checkpoint if asked."""
+        """The run's endpoint and the token bound to it (empty for an unregistered endpoint),
+        serving the checkpoint if asked."""
         if not run.serve_model:
-            yield run.endpoint, None
+            yield run.endpoint, self._endpoints.credential(run.endpoint)
             return
         checkpoint = local_checkpoint(model.uri) if model is not None else None
         if self._model_host is None or model is None or checkpoint is None:

@@ -21,7 +21,7 @@ from forge_inference_gateway.service import InferenceGateway
 from forge_inference_gateway.upstream import ModelServerClient
 from forge_kit.app import ServiceApp
 from forge_kit.cache import make_cache
-from forge_kit.events import EventConsumer, topic_for
+from forge_kit.events import topic_for
 
 CONSUMER_GROUP = "inference_gateway"
 
@@ -71,15 +71,11 @@ async def main() -> None:
     app.add_background(gateway.run_control_loop)
     app.add_on_stop(gateway.stop)
     if settings.kafka_enabled:
-        consumer = EventConsumer(
-            db,
-            bootstrap=settings.kafka_bootstrap,
+        app.event_consumer(
             group_id=CONSUMER_GROUP,
             topics=[topic_for(events_pb2.ModelPromoted())],
             handler=gateway.apply_model_promoted,
         )
-        app.add_background(consumer.run)
-        app.add_on_stop(consumer.stop)
     app.add_on_stop(cache.close)
     http = app.http_app()
     install_gateway_api(http, gateway, app.token, rag)

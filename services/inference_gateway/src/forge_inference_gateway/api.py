@@ -15,9 +15,11 @@ import grpc
 from forge.common.v1 import common_pb2
 from forge.inference.v1 import inference_pb2, inference_pb2_grpc
 
+from forge_inference_gateway.routing import model_name
 from forge_inference_gateway.service import BOOTSTRAP_TENANT, InferenceGateway, StreamChunk
 from forge_inference_gateway.upstream import UpstreamError, UpstreamUnavailableError
 from forge_kit import errors
+from forge_kit.modelref import ModelRef
 from forge_kit.validate import check_finite, check_seed
 
 _FINISH = {
@@ -60,9 +62,8 @@ def openai_body(request: inference_pb2.GenerateRequest) -> tuple[dict[str, objec
     return body, chat
 
 
-def _ref(target: str) -> common_pb2.ModelRef:
-    name, _, version = target.partition(":")
-    return common_pb2.ModelRef(name=name, version=version)
+def ref_to_proto(model: ModelRef) -> common_pb2.ModelRef:
+    return common_pb2.ModelRef(name=model.name, version=model.version)
 
 
 def chunk_to_proto(
@@ -93,8 +94,8 @@ class GatewayInferenceApi(inference_pb2_grpc.InferenceServiceServicer):
         request_id = request.request_id or uuid.uuid4().hex
         deadline = self._gateway.deadline(context.time_remaining())
         try:
-            async for routed, chunk in self._gateway.generate(tenant, body, chat=chat, deadline=deadline):
-                yield chunk_to_proto(chunk, _ref(routed.target), request_id)
+            async for model, chunk in self._gateway.generate(tenant, body, chat=chat, deadline=deadline):
+                yield chunk_to_proto(chunk, ref_to_proto(model), request_id)
         except UpstreamUnavailableError as exc:
             context.set_trailing_metadata((("retry-after-ms", str(int(exc.retry_after_s * 1000))),))
             await context.abort(grpc.StatusCode.UNAVAILABLE, exc.message)
@@ -114,13 +115,13 @@ class GatewayInferenceApi(inference_pb2_grpc.InferenceServiceServicer):
         for card in cards:
             if "alias_of" not in card:
                 continue
-            stable = str(card["alias_of"]).partition(":")[0]
+            stable = model_name(str(card["alias_of"]))
             aliases.setdefault(stable, []).append(str(card["id"]))
             canary = card.get("canary")
             if isinstance(canary, dict):
                 weight = int(canary["weight"])
                 traffic[stable] = min(traffic.get(stable, 100), 100 - weight)
-                canary_name = str(canary["model"]).partition(":")[0]
+                canary_name = model_name(str(canary["model"]))
                 aliases.setdefault(canary_name, []).append(str(card["id"]))
                 traffic[canary_name] = max(traffic.get(canary_name, 0), weight)
         models = []

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from prometheus_client import Gauge
 
 from forge_inference_gateway.admission import Admission
-from forge_inference_gateway.routing import split_target
+from forge_inference_gateway.routing import model_name
 
 DESIRED = Gauge(
     "forge_gateway_desired_replicas", "Model-server replicas the gateway asks for, per model", ["model"]
@@ -82,7 +82,7 @@ class Autoscaler:
 
     def observe(self, target: str, ttft_s: float) -> None:
         """A time to first token of a request routed to ``target`` (``name`` or ``name:version``)."""
-        samples = self._ttft.setdefault(split_target(target)[0], deque(maxlen=10_000))
+        samples = self._ttft.setdefault(model_name(target), deque(maxlen=10_000))
         samples.append((self._clock(), ttft_s))
 
     def _p99(self, model: str) -> tuple[float | None, int]:
@@ -100,7 +100,7 @@ class Autoscaler:
     def models(self) -> set[str]:
         pool = self._admission.pool
         served = {name for r in pool.replicas() if r.cards for name in r.cards}
-        routed = {split_target(target)[0] for target in self._admission.models()}
+        routed = {model_name(target) for target in self._admission.models()}
         return served | routed | {m for m, s in self._ttft.items() if s}
 
     def recommend(self, model: str) -> Recommendation:
@@ -108,7 +108,7 @@ class Autoscaler:
         policy = self.policy
         admission = self._admission
         replicas = [r for r in admission.pool.replicas() if r.healthy and r.serves(model)]
-        targets = [t for t in admission.models() if split_target(t)[0] == model]
+        targets = [t for t in admission.models() if model_name(t) == model]
         queued = sum(admission.queued(t) for t in targets)
         demand = queued + sum(r.estimated_load() for r in replicas)
         by_load = math.ceil(demand / policy.target_per_replica)

@@ -2,7 +2,8 @@
 
 ``/v1/*`` takes a tenant API key (``Authorization: Bearer <key>``); ``/admin/v1/*`` takes the
 service's own token. Upstream answers pass through as they are (a 404 from the model server stays
-a 404 with its body; a stream is relayed byte for byte); the gateway's own errors use the OpenAI
+a 404 with its body, except that an alias whose model no replica lists is a 404 naming the alias;
+a stream is relayed byte for byte); the gateway's own errors use the OpenAI
 error format too: 401 without a valid key, 429 with ``Retry-After`` over the rate limit or when the
 model's queue sheds the request, 503 with ``Retry-After`` when no replica can be reached, 504 past
 the deadline — never a stack trace. Every answer that went through routing names the model version
@@ -61,6 +62,8 @@ class CanaryBody(BaseModel):
 
 class ReplicaBody(BaseModel):
     url: str
+    token: str = Field(default="", max_length=512)
+    """The bearer token the replica accepts, issued for it (empty: none)."""
 
 
 def _bearer(request: Request) -> str:
@@ -306,7 +309,7 @@ class AdminRoutes:
         return {"replicas": [r.view() for r in self._gateway.pool.replicas()]}
 
     async def add_replica(self, body: ReplicaBody) -> JSONResponse:
-        replica = await self._gateway.add_replica(body.url)
+        replica = await self._gateway.add_replica(body.url, body.token)
         return JSONResponse(replica.view(), status_code=201)
 
     async def remove_replica(self, url: str) -> Response:

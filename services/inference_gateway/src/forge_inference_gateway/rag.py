@@ -54,7 +54,7 @@ from forge_inference_gateway.upstream import UpstreamError, UpstreamUnavailableE
 from forge_kit import errors
 from forge_kit.cache import Cache
 from forge_kit.grpckit import FIELD_METADATA_KEY, make_channel
-from forge_kit.validate import check_finite, check_name
+from forge_kit.validate import check_finite, check_printable_name
 
 log = structlog.get_logger(__name__)
 
@@ -308,7 +308,7 @@ def parse_query(body: object, limits: RagLimits) -> RagQuery:
     collection = body.get("collection")
     if not isinstance(collection, str) or not collection.strip():
         raise errors.ValidationError("collection", "is required")
-    model = check_name("model", body.get("model"))
+    model = check_printable_name("model", body.get("model"))
     top_k = _int(body, "top_k", limits.default_top_k, 1, limits.max_top_k)
     top_n = _int(body, "top_n", min(limits.default_top_n, top_k), 1, min(limits.max_top_n, top_k))
     context = _int(body, "max_context_tokens", limits.default_context_tokens, 16, limits.max_context_tokens)
@@ -515,7 +515,9 @@ class RagService:
         if self._cache is None or self.limits.cache_ttl_s <= 0 or query.temperature != 0:
             return None
         target, alias = await self._gateway.resolve_model(query.model)
-        version = [target, alias.canary_target, alias.canary_weight] if alias is not None else [target]
+        version = (
+            [str(target), alias.canary_target, alias.canary_weight] if alias is not None else [str(target)]
+        )
         params = {**asdict(query), "stream": None, "timeout_s": None, "version": version}
         digest = hashlib.sha256(json.dumps([tenant.id, params], sort_keys=True).encode()).hexdigest()
         return f"rag:{digest}"
@@ -571,10 +573,11 @@ class RagService:
         ranked, rerank = await self._rerank(query, candidates, plan.deadline)
         RAG_STAGE_SECONDS.labels("rerank").observe(self._clock() - retrieved)
         # 5. Assemble within the token budget.
-        target, _ = await self._gateway.resolve_model(query.model)
+        model, _ = await self._gateway.resolve_model(query.model)
+        target = str(model)
         await self._gateway.pool.ensure_known()
         budget = query.max_context_tokens
-        model_len = self._model_context(target)
+        model_len = self._model_context(model.name)
         if model_len is not None:
             budget = min(budget, model_len - query.max_tokens - reserve_tokens)
             if budget < 16:
@@ -719,13 +722,13 @@ class RagService:
             "max_tokens": plan.query.max_tokens,
             "temperature": plan.query.temperature,
         }
-        async for routed, chunk in self._gateway.generate(
+        async for model, chunk in self._gateway.generate(
             plan.tenant, body, chat=True, deadline=plan.deadline
         ):
             usage = None
             if chunk.finish_reason is not None:
                 usage = {"prompt_tokens": chunk.prompt_tokens, "completion_tokens": chunk.completion_tokens}
-            yield routed.target, chunk.text, usage
+            yield str(model), chunk.text, usage
 
     async def answer(self, plan: RagPlan) -> dict[str, object]:
         """Step 6, whole."""

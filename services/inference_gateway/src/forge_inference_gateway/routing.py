@@ -37,7 +37,7 @@ import random
 import re
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -46,6 +46,7 @@ from prometheus_client import Counter, Gauge
 
 from forge_inference_gateway.upstream import ModelServerClient, UpstreamUnavailableError, error_for
 from forge_kit import errors
+from forge_kit.modelref import ModelRef
 
 log = structlog.get_logger(__name__)
 
@@ -131,10 +132,13 @@ def parse_load(text: str) -> Load:
     return Load(waiting=waiting, running=running, kv_usage=kv)
 
 
-def split_target(target: str) -> tuple[str, str]:
-    """``name:version`` → (name, version); a bare name has version ``""``."""
-    name, _, version = target.partition(":")
-    return name, version
+def model_name(target: str) -> str:
+    """The model name of a routing target (``name`` or ``name:version``); the target itself when it
+    is not a model reference."""
+    try:
+        return ModelRef.parse(target).name
+    except ValueError:
+        return target
 
 
 @dataclass
@@ -159,15 +163,32 @@ class Replica:
     removed: bool = False
 
     def serves(self, target: str) -> bool | None:
-        """Whether it serves ``target``; None while its model list is not known."""
+        """Whether it serves ``target`` (``name`` or ``name:version``); None while its model list
+        is not known."""
         if self.cards is None:
             return None
-        name, version = split_target(target)
-        card = self.cards.get(name)
-        if card is None:
+        try:
+            wanted = ModelRef.parse(target)
+        except ValueError:
             return False
-        served_version = str(card.get("version") or "")
-        return not version or not served_version or served_version == version
+        served = self.served(wanted.name)
+        return served is not None and wanted.matches(served)
+
+    def served(self, name: str) -> ModelRef | None:
+        """The model version it lists under ``name`` (its ``/v1/models`` card), or None."""
+        card = (self.cards or {}).get(name)
+        if card is None:
+            return None
+        try:
+            return ModelRef(name, str(card.get("version") or ""))
+        except ValueError:
+            return ModelRef(name)  # a version outside the grammar: known by its name only
+
+    def answering(self, model: ModelRef) -> ModelRef:
+        """The version that answers a request for ``model`` here: its pinned one, else the one
+        this replica lists under the name."""
+        served = None if model.pinned else self.served(model.name)
+        return served if served is not None else model
 
     def estimated_load(self) -> float:
         """Requests on the replica now, as best this gateway can tell (see the module docstring)."""
@@ -265,7 +286,10 @@ class ReplicaPool:
 
     Called by the admission controller (``pick``, ``release``), by the gateway's control loop
     (``refresh``, ``sync``) and by the admin API (``add``, ``remove``, ``replicas``).
-    ``client_factory`` builds each replica's client (tests pass an in-process transport).
+    ``client_factory`` builds the client of each configured replica (``urls``; it holds the
+    gateway's model-server credential); ``admin_client_factory`` that of each replica added at run
+    time, from its URL and the token issued for it (empty: none) — the gateway's own credential
+    never goes to an address an admin added.
     """
 
     def __init__(
@@ -276,9 +300,15 @@ class ReplicaPool:
         *,
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
+        admin_client_factory: Callable[[str, str], ModelServerClient] | None = None,
     ) -> None:
         self.policy = policy or RoutingPolicy()
         self._make_client = client_factory
+        self._make_admin_client = admin_client_factory or (
+            lambda url, token: ModelServerClient(url, token or None)
+        )
+        self._tokens: dict[str, str] = {}
+        """Token of each admin-added replica, to tell when the store's changed."""
         self._clock = clock
         self._rng = rng or random.Random()
         self._replicas: dict[str, Replica] = {}
@@ -290,12 +320,18 @@ class ReplicaPool:
 
     # -- membership --------------------------------------------------------------------------
 
-    def add(self, url: str, source: str = "admin") -> Replica:
-        """Start routing to ``url``; routable at once, loaded as zero until its first scrape."""
+    def add(self, url: str, source: str = "admin", token: str = "") -> Replica:
+        """Start routing to ``url``; routable at once, loaded as zero until its first scrape. An
+        admin-added replica is sent ``token`` (the credential issued for it), never the gateway's."""
         url = normalize_url(url)
         if url in self._replicas:
             raise errors.AlreadyExistsError(f"replica {url} is already in the pool")
-        replica = Replica(url=url, client=self._make_client(url), source=source)
+        if source == "config":
+            client = self._make_client(url)
+        else:
+            client = self._make_admin_client(url, token)
+            self._tokens[url] = token
+        replica = Replica(url=url, client=client, source=source)
         self._replicas[url] = replica
         REPLICA_HEALTHY.labels(url).set(1)
         self._changed()
@@ -308,20 +344,22 @@ class ReplicaPool:
         if replica is None:
             raise errors.NotFoundError(f"replica {url} is not in the pool")
         replica.removed = True
+        self._tokens.pop(url, None)
         self.prefixes.forget(url)
         for gauge in (REPLICA_HEALTHY, REPLICA_LOAD, REPLICA_KV):
             gauge.remove(url)
         if replica.inflight == 0:
             await replica.client.close()
 
-    async def sync(self, urls: Iterable[str]) -> None:
-        """Make the admin-added replicas exactly ``urls`` (configured ones stay)."""
-        wanted = {normalize_url(u) for u in urls}
+    async def sync(self, replicas: Mapping[str, str]) -> None:
+        """Make the admin-added replicas exactly ``replicas`` (URL → its token; configured ones
+        stay); one whose token changed gets a new client."""
+        wanted = {normalize_url(u): token for u, token in replicas.items()}
         for url, replica in list(self._replicas.items()):
-            if replica.source == "admin" and url not in wanted:
+            if replica.source == "admin" and (url not in wanted or wanted[url] != self._tokens.get(url)):
                 await self.remove(url)
-        for url in wanted - set(self._replicas):
-            self.add(url, source="admin")
+        for url in wanted.keys() - set(self._replicas):
+            self.add(url, source="admin", token=wanted[url])
 
     def has(self, url: str) -> bool:
         return normalize_url(url) in self._replicas

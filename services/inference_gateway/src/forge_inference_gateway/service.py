@@ -50,11 +50,17 @@ from forge_inference_gateway.response_cache import (
 )
 from forge_inference_gateway.routing import NoReplicaError, Replica, ReplicaPool, normalize_url
 from forge_inference_gateway.store import ModelAliasRow, TenantRow, UpstreamReplicaRow, utcnow
-from forge_inference_gateway.upstream import StreamReply, UpstreamError, UpstreamUnavailableError, error_for
+from forge_inference_gateway.upstream import (
+    StreamReply,
+    UpstreamError,
+    UpstreamUnavailableError,
+    error_for,
+    not_served_body,
+)
 from forge_kit import errors
 from forge_kit.cache import Cache
 from forge_kit.db import Database
-from forge_kit.validate import check_name
+from forge_kit.modelref import ModelRef
 
 log = structlog.get_logger(__name__)
 
@@ -66,6 +72,8 @@ PUBLIC_ALIASES = {"production": "forge-chat"}
 CANARY_OF = {"canary": "production"}
 #: Response header naming the model version that served the request (a canary split shows here).
 MODEL_HEADER = "x-forge-model"
+#: A replica's bearer token: visible ASCII only (it goes into a header), bounded.
+_REPLICA_TOKEN = re.compile(r"[\x21-\x7e]{0,512}")
 #: Upstream statuses after which another replica is tried: it could not take the request.
 _RETRY_STATUSES = (429, 503)
 # Upstream headers worth relaying; hop-by-hop and length headers are the server's business.
@@ -120,13 +128,22 @@ class Alias:
     canary_weight: int = 0
 
     @property
+    def model(self) -> ModelRef:
+        """The stable model version the alias names (the registry's identity of it)."""
+        return ModelRef(self.model_name, self.model_version)
+
+    @property
+    def canary(self) -> ModelRef | None:
+        return ModelRef(self.canary_name, self.canary_version) if self.canary_name else None
+
+    @property
     def target(self) -> str:
         """The model id sent upstream: ``name``, or ``name:version`` when a version is pinned."""
-        return _target(self.model_name, self.model_version)
+        return str(self.model)
 
     @property
     def canary_target(self) -> str | None:
-        return _target(self.canary_name, self.canary_version) if self.canary_name else None
+        return str(self.canary) if self.canary is not None else None
 
 
 @dataclass(frozen=True)
@@ -146,12 +163,20 @@ class Routed:
     path: str
     body: dict[str, object]
     stream: bool
-    target: str
+    model: ModelRef
+    """The model version the request goes to (an alias resolved, a canary split decided)."""
     split: str
     level: int
     prefix: list[bytes]
     cache_key: str | None
     alias: str | None = None
+    requested: str = ""
+    """The ``model`` the caller sent (an alias or a model id): what errors name."""
+
+    @property
+    def target(self) -> str:
+        """The model id sent upstream: ``name`` or ``name:version``."""
+        return str(self.model)
 
 
 @dataclass
@@ -163,10 +188,8 @@ class Forwarded:
     headers: dict[str, str]
     content: bytes = b""
     chunks: AsyncGenerator[bytes, None] | None = field(default=None, repr=False)
-
-
-def _target(name: str, version: str) -> str:
-    return f"{name}:{version}" if version else name
+    model: ModelRef | None = None
+    """The model version that answered (named in ``x-forge-model``)."""
 
 
 def _tenant(row: TenantRow) -> Tenant:
@@ -270,6 +293,16 @@ class _ReadThrough(Generic[K, V]):
         self._items.clear()
         self._loading.clear()
         self._generation += 1
+
+
+#: What a tenant sees of a replica's model card; ``root`` is replaced by the model id.
+PUBLIC_CARD_FIELDS = ("id", "object", "created", "owned_by", "max_model_len", "version", "loaded")
+
+
+def public_card(model_id: str, card: dict[str, object]) -> dict[str, object]:
+    """A replica's ``/v1/models`` card without what only the host should know (paths)."""
+    public = {key: card[key] for key in PUBLIC_CARD_FIELDS if key in card}
+    return {**public, "id": model_id, "root": model_id, "parent": None}
 
 
 class InferenceGateway:
@@ -419,11 +452,11 @@ class InferenceGateway:
         stage = event.stage.strip()
         if not stage or not event.model.name:
             raise errors.ValidationError("stage" if not stage else "model.name", "is required")
-        name, version = event.model.name, event.model.version
-        # The alias's target is echoed in x-forge-model: nothing unfit for a header is stored.
-        check_name("model.name", name)
-        if version:
-            check_name("model.version", version)
+        try:
+            promoted = ModelRef.of(event.model)
+        except ValueError as exc:
+            raise errors.ValidationError("model", str(exc)) from None
+        name, version = promoted.name, promoted.version
         for alias in (stage, PUBLIC_ALIASES.get(stage)):
             if alias is None:
                 continue
@@ -465,16 +498,25 @@ class InferenceGateway:
 
         return await self._aliases.get(alias, load)
 
-    async def resolve_model(self, model: str) -> tuple[str, Alias | None]:
-        """The upstream model id for ``model`` (an alias's stable target, or a model id) and the alias."""
-        alias = await self.alias_named(model)
-        return (alias.target, alias) if alias is not None else (model, None)
+    async def resolve_model(self, model: str) -> tuple[ModelRef, Alias | None]:
+        """The model version ``model`` names (an alias's stable model, or the model reference
+        itself) and the alias; a :class:`~forge_kit.errors.ValidationError` naming ``model`` when
+        it is neither."""
+        try:
+            ref = ModelRef.parse(model)
+        except ValueError as exc:
+            raise errors.ValidationError("model", str(exc)) from None
+        alias = None if ref.pinned else await self.alias_named(ref.name)
+        return (alias.model, alias) if alias is not None else (ref, None)
 
     async def set_canary(self, alias: str, name: str, version: str, weight: int) -> Alias:
         """Admin: send ``weight`` percent of ``alias``'s traffic to ``name[:version]``."""
-        check_name("model.name", name)
-        if version:
-            check_name("model.version", version)
+        if not name.strip():
+            raise errors.ValidationError("model.name", "is required")
+        try:
+            ModelRef(name, version)
+        except ValueError as exc:
+            raise errors.ValidationError("model", str(exc)) from None
         if not 0 <= weight <= 100:
             raise errors.ValidationError("weight", f"must be 0-100, got {weight}")
         async with self._db.session() as session:
@@ -501,9 +543,13 @@ class InferenceGateway:
 
     # -- replicas ----------------------------------------------------------------------------
 
-    async def add_replica(self, url: str) -> Replica:
-        """Admin: route to one more model-server replica, on every gateway replica (via the store)."""
+    async def add_replica(self, url: str, token: str = "") -> Replica:
+        """Admin: route to one more model-server replica, on every gateway replica (via the store).
+        ``token`` is the credential issued for that replica (empty: none): it is what the gateway
+        sends there, never its own model-server token."""
         url = normalize_url(url)
+        if not _REPLICA_TOKEN.fullmatch(token):
+            raise errors.ValidationError("token", "must be at most 512 visible ASCII characters")
         # A configured replica (MODEL_SERVER_URL) is checked first: it must not get a store row,
         # or every gateway would keep routing to it after the setting drops it.
         if self.pool.has(url):
@@ -511,8 +557,8 @@ class InferenceGateway:
         async with self._db.session() as session:
             if await session.get(UpstreamReplicaRow, url) is not None:
                 raise errors.AlreadyExistsError(f"replica {url} is already in the pool")
-            session.add(UpstreamReplicaRow(url=url))
-        return self.pool.add(url, source="admin")
+            session.add(UpstreamReplicaRow(url=url, token=token))
+        return self.pool.add(url, source="admin", token=token)
 
     async def remove_replica(self, url: str) -> None:
         """Admin: stop routing to a replica added through the admin API; its requests finish there."""
@@ -530,8 +576,8 @@ class InferenceGateway:
     async def sync_replicas(self) -> None:
         """Make the pool's admin-added replicas those in the store (other gateways may have changed it)."""
         async with self._db.session() as session:
-            urls = (await session.scalars(sa.select(UpstreamReplicaRow.url))).all()
-        await self.pool.sync(urls)
+            rows = (await session.execute(sa.select(UpstreamReplicaRow.url, UpstreamReplicaRow.token))).all()
+        await self.pool.sync({url: token for url, token in rows})
 
     def autoscaling(self) -> list[Recommendation]:
         return self.autoscaler.publish()
@@ -572,7 +618,9 @@ class InferenceGateway:
         return self._clock() + budget
 
     async def list_models(self) -> list[dict[str, object]]:
-        """The models the healthy replicas serve, then every alias whose target one of them serves."""
+        """The models the healthy replicas serve, then every alias whose target one of them serves;
+        each card only with the fields in :data:`PUBLIC_CARD_FIELDS` (a replica's ``root`` is its
+        checkpoint's host path: tenants see the model id there)."""
         await self.pool.ensure_known()
         replicas = self.pool.replicas()
         cards: dict[str, dict[str, object]] = {}
@@ -581,7 +629,7 @@ class InferenceGateway:
             if not replica.healthy or replica.cards is None:
                 continue
             for model_id, card in replica.cards.items():
-                cards.setdefault(model_id, card)
+                cards.setdefault(model_id, public_card(model_id, card))
                 ready[model_id] = ready.get(model_id, 0) + 1
         if not cards:
             for replica in replicas:
@@ -593,14 +641,17 @@ class InferenceGateway:
         served = {model_id: {**card, "ready_replicas": ready[model_id]} for model_id, card in cards.items()}
         listed = list(served.values())
         for alias in await self.list_aliases():
-            found = served.get(alias.target) or served.get(alias.model_name)
+            found = served.get(alias.model_name)
             if found is None or alias.alias in served:
                 continue
+            version = str(found.get("version") or "")
+            if alias.model.pinned and version and version != alias.model_version:
+                continue  # the replicas serve another version of the name: the alias cannot answer
             entry: dict[str, object] = {
                 **found,
                 "id": alias.alias,
                 "alias_of": alias.target,
-                "version": alias.model_version,
+                "version": alias.model_version or version,
             }
             if alias.canary_target and alias.canary_weight:
                 entry["canary"] = {"model": alias.canary_target, "weight": alias.canary_weight}
@@ -628,8 +679,9 @@ class InferenceGateway:
         """Step 3: validate what routing needs, resolve the alias (and its canary), set the priority."""
         if not isinstance(body, dict):
             raise errors.ValidationError("body", "must be a JSON object")
-        # The model (or the alias's target) is echoed in the x-forge-model header: checked first.
-        model = check_name("model", body.get("model"))
+        model = body.get("model")
+        if not isinstance(model, str) or not model.strip():
+            raise errors.ValidationError("model", "is required and must be a string")
         requested = body.get("priority")
         if requested is not None and (isinstance(requested, bool) or not isinstance(requested, int)):
             raise errors.ValidationError("priority", "must be an integer (lower runs first)")
@@ -640,8 +692,8 @@ class InferenceGateway:
         split = "direct"
         if alias is not None:
             split = "stable"
-            canary = alias.canary_target
-            if canary and alias.canary_weight > 0:
+            canary = alias.canary
+            if canary is not None and alias.canary_weight > 0:
                 user = body.get("user")
                 sticky = (
                     user
@@ -651,7 +703,7 @@ class InferenceGateway:
                 if canary_bucket(alias.alias, tenant.id, sticky) < alias.canary_weight:
                     target, split = canary, "canary"
         level = level_for(tenant.priority_class, requested)
-        upstream: dict[str, object] = {**body, "model": target}
+        upstream: dict[str, object] = {**body, "model": str(target)}
         upstream.pop("priority", None)
         key = None
         if self.responses is not None and is_deterministic(body):
@@ -663,12 +715,13 @@ class InferenceGateway:
             path=path,
             body=upstream,
             stream=stream,
-            target=target,
+            model=target,
             split=split,
             level=level,
             prefix=prefix,
             cache_key=key,
             alias=alias.alias if alias else None,
+            requested=model,
         )
 
     async def forward(self, routed: Routed, deadline: float) -> Forwarded:
@@ -680,16 +733,20 @@ class InferenceGateway:
            another is tried, ``upstream_attempts`` in all;
         4. a whole answer releases the slot at once; a stream keeps it until it ends.
         """
-        gateway_headers = {MODEL_HEADER: routed.target}
+        gateway_headers: dict[str, str] = {}
         # 1. Cache.
         if routed.cache_key is not None and self.responses is not None:
             hit = await self.responses.get(routed.cache_key)
             if hit is not None:
-                headers = {**gateway_headers, "content-type": hit.content_type, CACHE_HEADER: "hit"}
+                headers = {
+                    MODEL_HEADER: str(routed.model),
+                    "content-type": hit.content_type,
+                    CACHE_HEADER: "hit",
+                }
                 UPSTREAM_REQUESTS.labels(routed.target, routed.split, "cached").inc()
                 if routed.stream:
-                    return Forwarded(200, headers, chunks=_once(hit.content))
-                return Forwarded(200, headers, content=hit.content)
+                    return Forwarded(200, headers, chunks=_once(hit.content), model=routed.model)
+                return Forwarded(200, headers, content=hit.content, model=routed.model)
             gateway_headers[CACHE_HEADER] = "miss"
         exclude: frozenset[str] = frozenset()
         last_error: errors.ForgeError | None = None
@@ -729,10 +786,16 @@ class InferenceGateway:
                 lease.release()
                 raise
             self.pool.report_success(replica)
-            headers = {k: v for k, v in upstream_headers.items() if k in _RELAYED_HEADERS} | gateway_headers
+            served = replica.answering(routed.model)
+            headers = (
+                {k: v for k, v in upstream_headers.items() if k in _RELAYED_HEADERS}
+                | gateway_headers
+                | {MODEL_HEADER: str(served)}
+            )
             if stream is not None and status == 200:
                 # 4. A stream holds its slot until it ends.
-                return Forwarded(200, headers, chunks=self._stream(routed, stream, lease, started))
+                chunks = self._stream(routed, stream, lease, started)
+                return Forwarded(200, headers, chunks=chunks, model=served)
             lease.release()
             self._observe_end(routed, status, started)
             retry = status in _RETRY_STATUSES and attempt + 1 < self._attempts
@@ -742,7 +805,11 @@ class InferenceGateway:
                 continue
             if status == 200 and routed.cache_key and self.responses is not None:
                 await self.responses.put(routed.cache_key, headers.get("content-type", ""), content)
-            return Forwarded(status, headers, content=content)
+            if status == 404 and routed.alias is not None and replica.serves(routed.target) is not True:
+                # The alias names a version this replica does not list: say so of what was asked
+                # (a model it lists but cannot load keeps the replica's own reason).
+                content, headers["content-type"] = not_served_body(routed.requested), "application/json"
+            return Forwarded(status, headers, content=content, model=served)
         assert last_error is not None
         raise last_error
 
@@ -779,14 +846,16 @@ class InferenceGateway:
 
     async def generate(
         self, tenant: Tenant, body: dict[str, object], *, chat: bool, deadline: float
-    ) -> AsyncIterator[tuple[Routed, StreamChunk]]:
-        """Stream an OpenAI request as text pieces then one final chunk (the gRPC API's view)."""
+    ) -> AsyncIterator[tuple[ModelRef, StreamChunk]]:
+        """Stream an OpenAI request as text pieces then one final chunk (the gRPC API's view), each
+        with the model version that answers it."""
         path = "/v1/chat/completions" if chat else "/v1/completions"
         request = {**body, "stream": True, "stream_options": {"include_usage": True}}
         routed = await self.route(tenant, path, request)
         forwarded = await self.forward(routed, deadline)
         if forwarded.chunks is None:
             raise error_for(forwarded.status, forwarded.content, forwarded.headers.get("retry-after"))
+        served = forwarded.model or routed.model
         finish: str | None = None
         usage: dict[str, int] = {}
         done = False
@@ -805,14 +874,14 @@ class InferenceGateway:
                 for choice in event.get("choices", []):
                     text = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
                     if text:
-                        yield routed, StreamChunk(text=text)
+                        yield served, StreamChunk(text=text)
                     finish = choice.get("finish_reason") or finish
         finally:
             await forwarded.chunks.aclose()
         if not done:
             raise UpstreamError("model server closed the stream before it finished")
         yield (
-            routed,
+            served,
             StreamChunk(
                 finish_reason=finish or "stop",
                 prompt_tokens=int(usage.get("prompt_tokens", 0)),

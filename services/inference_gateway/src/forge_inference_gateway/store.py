@@ -52,3 +52,5 @@ class UpstreamReplicaRow(Base):
 
     url: Mapped[str] = mapped_column(sa.String(512), primary_key=True)
     added_at: Mapped[dt.datetime] = mapped_column(sa.DateTime, default=utcnow)
+    token: Mapped[str] = mapped_column(sa.String(512), default="", server_default="")
+    """The bearer token issued for this replica (empty: none); the gateway sends it only there."""

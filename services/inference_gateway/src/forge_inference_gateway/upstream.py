@@ -7,7 +7,7 @@ closing a stream closes the connection, which is how a cancelled request is canc
 aiohttp rather than httpx on this leg: the gateway relays every token of every stream, and at 50
 concurrent streams httpcore's pool bookkeeping (a scan of all connections, with a readability
 poll of each, on every request start and end) cost about 40% of the gateway's CPU (py-spy,
-``load/inference/README.md``).
+``load/inference/RESULTS.md``).
 """
 
 from __future__ import annotations
@@ -183,3 +183,14 @@ class ModelServerClient:
             await self._session.close()
             # aiohttp's connections finish closing on the next loop turn.
             await asyncio.sleep(0)
+
+
+def not_served_body(requested: str) -> bytes:
+    """The OpenAI-format 404 body for an alias whose model version no replica serves: it names
+    what the caller sent, not the registry's identity behind it."""
+    message = (
+        f"the model `{requested}` is not served right now: no model-server replica serves the "
+        "version it names (GET /v1/models lists the models and aliases you can use)"
+    )
+    error = {"message": message, "type": "invalid_request_error", "param": "model", "code": "model_not_found"}
+    return json.dumps({"error": error}).encode()

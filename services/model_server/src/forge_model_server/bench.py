@@ -1,5 +1,5 @@
 """``forge bench engine --out DIR``: the engine against Hugging Face ``generate`` on the same
-weights and the same requests, in one run (issue 5's benchmark contract).
+weights and the same requests, in one run.
 
 Workload: ``num_requests`` requests offered at once, prompt lengths uniform in
 [``min_prompt``, ``max_prompt``] tokens (random token ids), output lengths uniform in
@@ -11,13 +11,13 @@ number of tokens. Without ``--model-dir`` a randomly initialised Llama (4 layers
    ``max_num_batched_tokens``) with every request admitted at once. The budget defaults to 2048, a
    throughput setting (vLLM's own defaults are in the thousands), rather than the model server's
    latency-minded 512: on this workload it makes most prompts one chunk (no context to gather back
-   from the cache) and took 13% less CPU time (8.0-8.2 s against 9.4 s, measured with ``time.process_time``);
+   from the cache);
 2. ``hf_static_tok_s``: ``LlamaForCausalLM.generate`` in static batches of ``hf_batch_size``
    (left-padded; a batch runs until its longest output is done; only requested tokens count);
 3. ``sequential_tok_s``: ``generate`` one request at a time.
 
 Output tokens per second of wall time each, all three with the same torch thread count (default
-1: on a shared 2-core machine more threads than free cores made small matmuls 17x slower).
+1: more threads than free cores make small matmuls many times slower).
 Writes ``DIR/summary.json`` with those three keys, ``engine_vs_hf_static``,
 ``engine_vs_sequential``, the same two ratios in CPU seconds of this process (``cpu_s``,
 ``engine_vs_hf_static_cpu``, ``engine_vs_sequential_cpu``: time slices other jobs take do not count

@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from forge_kit import errors
 from forge_kit.http import require_token
 from forge_kit.openai_errors import install_openai_error_handlers, openai_error
-from forge_kit.validate import FiniteFloat, Name, Seed
+from forge_kit.validate import FiniteFloat, PrintableName, Seed
 from forge_model_server.service import (
     ChatMessage,
     ChunkStream,
@@ -45,7 +45,7 @@ class _Sampling(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    model: Name
+    model: PrintableName
     max_tokens: int | None = None
     temperature: FiniteFloat | None = None
     top_p: FiniteFloat | None = None
@@ -88,7 +88,7 @@ class TokenizeBody(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    model: Name
+    model: PrintableName
     prompt: str | None = None
     messages: list[ChatMessageBody] | None = None
     add_special_tokens: bool = True
@@ -200,13 +200,14 @@ def _sse(payload: object) -> bytes:
 
 
 def model_card(model: ModelInfo, loaded: bool) -> dict[str, object]:
-    """A ``/v1/models`` entry as vLLM lists it, plus Forge's ``version`` and ``loaded``."""
+    """A ``/v1/models`` entry as vLLM lists it, plus Forge's ``version`` and ``loaded``; ``root`` is
+    the model id, never the checkpoint's path on this host."""
     return {
         "id": model.id,
         "object": "model",
         "created": model.created,
         "owned_by": "forge",
-        "root": model.path,
+        "root": model.id,
         "parent": None,
         "max_model_len": model.max_context_tokens or None,
         "version": model.version,

@@ -16,7 +16,6 @@ import importlib.util
 import json
 import math
 import posixpath
-import re
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
@@ -28,8 +27,9 @@ from typing import Literal, Protocol
 from prometheus_client import Counter, Gauge, Histogram
 
 from forge_kit import errors
+from forge_kit.modelref import ModelRef, check_name, check_version
 from forge_kit.objectstore import ObjectStore
-from forge_kit.validate import check_int, check_name, check_path, check_seed
+from forge_kit.validate import check_int, check_path, check_printable_name, check_seed
 
 # vLLM's metric names, so dashboards and the gateway's router read Forge replicas and vLLM alike.
 NUM_REQUESTS_RUNNING = Gauge(
@@ -86,8 +86,6 @@ MAX_STOP_CHARS = 256
 MAX_PRIORITY = 2**31 - 1
 METADATA_FILE = "forge_model.json"
 MAX_LOGPROBS = 20
-#: A registered model's name: what clients put in ``model`` (no ``:``, which separates a version).
-MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 TOKENIZER_FILE = "tokenizer.json"
 
 
@@ -273,12 +271,20 @@ class ModelDirectory:
 
     def get(self, model: str) -> ModelInfo:
         """The model named ``model`` or ``name:version``; :class:`ModelNotFoundError` otherwise."""
-        name, _, version = model.partition(":")
-        if name and "/" not in name and name not in (".", ".."):
-            info = self._info(f"{self._store.root}/{name}")
-            if info is not None and (not version or version == info.version):
+        ref = _parsed(model)
+        if ref is not None:  # a valid name is a single folder name: no '/', never '..'
+            info = self._info(f"{self._store.root}/{ref.name}")
+            if info is not None and (not ref.version or ref.version == info.version):
                 return info
         raise ModelNotFoundError(model, [m.name for m in self.list()])
+
+
+def _parsed(model: str) -> ModelRef | None:
+    """``model`` as a model reference, or None when it is not one (then no model has that name)."""
+    try:
+        return ModelRef.parse(model)
+    except ValueError:
+        return None
 
 
 def validate(request: GenerationRequest) -> None:
@@ -301,7 +307,7 @@ def validate(request: GenerationRequest) -> None:
         raise errors.ValidationError("temperature", f"must be between 0 and 2, got {request.temperature}")
     if request.top_p is not None and not (0.0 < request.top_p <= 1.0 and math.isfinite(request.top_p)):
         raise errors.ValidationError("top_p", f"must be in (0, 1], got {request.top_p}")
-    check_name("model", request.model)
+    check_printable_name("model", request.model)
     if request.seed is not None:
         check_seed("seed", request.seed)
     check_int("priority", request.priority, -MAX_PRIORITY, MAX_PRIORITY)
@@ -326,12 +332,13 @@ def validate(request: GenerationRequest) -> None:
 def checkpoint_info(name: str, path: str, version: str | None) -> ModelInfo:
     """The model an admin asks to register, once its name and folder pass the checks; every
     refusal is a :class:`~forge_kit.errors.ValidationError` naming ``name``, ``path`` or ``version``."""
-    if not MODEL_NAME.fullmatch(name):
-        raise errors.ValidationError(
-            "name", "must be 1-128 letters, digits, '.', '_' or '-', starting with a letter or digit"
-        )
-    if version is not None and not re.fullmatch(r"[A-Za-z0-9._-]{0,64}", version):
-        raise errors.ValidationError("version", "must be at most 64 letters, digits, '.', '_' or '-'")
+    # The name a model is served under is a model reference's name (no ``:``, which separates a
+    # version): the registry's identity of the checkpoint, so an alias that names it routes here.
+    for param, value, check in (("name", name, check_name), ("version", version or "", check_version)):
+        try:
+            check(value)
+        except ValueError as exc:
+            raise errors.ValidationError(param, str(exc)) from None
     check_path("path", path)
     if "://" in path:
         raise errors.ValidationError(
@@ -405,9 +412,9 @@ class ModelServer:
 
     def lookup(self, model: str) -> ModelInfo:
         """The model named ``model`` or ``name:version``, registered ones first."""
-        name, _, version = model.partition(":")
-        info = self._registered.get(name)
-        if info is not None and (not version or version == info.version):
+        ref = _parsed(model)
+        info = self._registered.get(ref.name) if ref is not None else None
+        if ref is not None and info is not None and (not ref.version or ref.version == info.version):
             return info
         try:
             return self._directory.get(model)

@@ -11,12 +11,13 @@ from forge.orchestrator.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
 from forge_kit.app import ServiceApp
 from forge_kit.eventlog import CatchUp, CatchUpSource
-from forge_kit.events import TOPICS, EventConsumer
+from forge_kit.events import TOPICS
 from forge_kit.http import make_app
 from forge_orchestrator.activities import SchedulerActivities
 from forge_orchestrator.api import OrchestratorApi
 from forge_orchestrator.config import OrchestratorSettings
 from forge_orchestrator.eval_activities import EvalActivities
+from forge_orchestrator.identity import SchedulerAuthenticator
 from forge_orchestrator.rlhf_activities import RlhfActivities
 from forge_orchestrator.rlhf_worker import RlhfSettings, build_rlhf_worker
 from forge_orchestrator.service import (
@@ -36,7 +37,10 @@ async def main() -> None:
     app = ServiceApp(settings)
     db = await app.open_database("orchestrator.db", Path(__file__).parent / "migrations")
     client = await connect_temporal(
-        settings.temporal_target, settings.temporal_namespace, timeout_s=settings.temporal_connect_timeout_s
+        settings.temporal_target,
+        settings.temporal_namespace,
+        timeout_s=settings.temporal_connect_timeout_s,
+        tls=settings.temporal_tls(),
     )
     activities = SchedulerActivities(settings.scheduler_target, settings.scheduler_token.get_secret_value())
     eval_activities = EvalActivities(settings.eval_target, settings.eval_token.get_secret_value())
@@ -68,9 +72,7 @@ async def main() -> None:
                 signaller=signaller,
             ),
         )
-        consumer = EventConsumer(
-            db,
-            bootstrap=settings.kafka_bootstrap,
+        consumer = app.event_consumer(
             group_id=settings.consumer_group,
             topics=[
                 TOPICS[events_pb2.JobStateChanged.DESCRIPTOR.full_name],
@@ -79,8 +81,6 @@ async def main() -> None:
             handler=routers.handle,
             session_timeout_ms=settings.consumer_session_timeout_ms,
         )
-        app.add_background(consumer.run)
-        app.add_on_stop(consumer.stop)
         # The broker may lose job events (the local one keeps nothing across a restart): read
         # them from the scheduler's outbox too; the consumer's dedupe applies each once.
         catch_up = CatchUp(
@@ -101,12 +101,16 @@ async def main() -> None:
         return await client.service_client.check_health(timeout=timedelta(seconds=2))
 
     api = OrchestratorApi(workflows)
+    # Team tokens are the scheduler's: it says whom a presented token acts for.
+    callers = SchedulerAuthenticator(settings.scheduler_target)
+    app.add_on_stop(callers.close)
     await app.run(
         register=[
             lambda server: orchestrator_pb2_grpc.add_OrchestratorServiceServicer_to_server(api, server)
         ],
         service_names=[orchestrator_pb2.DESCRIPTOR.services_by_name["OrchestratorService"].full_name],
         http=make_app(app.name, readiness={"database": db.ping, "temporal": temporal_ready}),
+        authenticators=[callers],
     )
 
 

@@ -53,6 +53,9 @@ class SubmitJobInput:
     checkpointable: bool = False
     kind: str = ""
     """``training``, ``fine_tune``, ``inference``, ``eval`` or empty."""
+    on_behalf_of: str = ""
+    """The team whose rights the submission acts with (a team caller's workflow); empty: the
+    orchestrator's own (an admin caller's workflow)."""
 
 
 @dataclass
@@ -116,7 +119,9 @@ class SchedulerActivities:
             checkpointable=params.checkpointable,
             kind=scheduler_pb2.JobKind.Value(f"JOB_KIND_{params.kind.upper()}") if params.kind else 0,  # type: ignore[arg-type]
         )
-        request = scheduler_pb2.SubmitJobRequest(spec=spec, request_id=params.request_id)
+        request = scheduler_pb2.SubmitJobRequest(
+            spec=spec, request_id=params.request_id, on_behalf_of=params.on_behalf_of
+        )
         try:
             reply = await self._stub().SubmitJob(request, timeout=self._rpc_timeout_s)
         except grpc.aio.AioRpcError as exc:

@@ -11,6 +11,8 @@ from google.protobuf import json_format, struct_pb2, timestamp_pb2
 from temporalio.client import WorkflowExecutionStatus
 
 from forge_kit import errors
+from forge_kit.grpckit import current_principal
+from forge_orchestrator.identity import caller_of
 from forge_orchestrator.service import OrchestratorService, WorkflowView
 
 STATUS = {
@@ -68,17 +70,23 @@ class OrchestratorApi(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         except (ValueError, json_format.Error) as exc:  # NaN or infinity: not JSON
             raise errors.ValidationError("input", f"must be plain JSON: {exc}") from None
         workflow_id, run_id = await self._service.start_workflow(
-            request.workflow_type, data, request.workflow_id
+            request.workflow_type, data, request.workflow_id, caller_of(current_principal())
         )
         return orchestrator_pb2.StartWorkflowResponse(workflow_id=workflow_id, run_id=run_id)
 
     async def GetWorkflow(
         self, request: orchestrator_pb2.GetWorkflowRequest, context: grpc.aio.ServicerContext
     ) -> orchestrator_pb2.GetWorkflowResponse:
-        return view_to_proto(await self._service.get_workflow(request.workflow_id, request.run_id))
+        return view_to_proto(
+            await self._service.get_workflow(
+                request.workflow_id, request.run_id, caller_of(current_principal())
+            )
+        )
 
     async def CancelWorkflow(
         self, request: orchestrator_pb2.CancelWorkflowRequest, context: grpc.aio.ServicerContext
     ) -> orchestrator_pb2.CancelWorkflowResponse:
-        await self._service.cancel_workflow(request.workflow_id, request.reason)
+        await self._service.cancel_workflow(
+            request.workflow_id, request.reason, caller_of(current_principal())
+        )
         return orchestrator_pb2.CancelWorkflowResponse()

@@ -12,20 +12,34 @@ import grpc
 from forge.common.v1 import common_pb2
 from forge.eval.v1 import eval_pb2, eval_pb2_grpc
 from temporalio import activity
+from temporalio.exceptions import ApplicationError
 
 from forge_kit.grpckit import make_channel
+from forge_kit.modelref import ModelRef
 from forge_orchestrator.activities import failed
 
 
 @dataclass
 class ModelId:
-    """A registry entry's identity."""
+    """A registry entry's identity (a :class:`~forge_kit.modelref.ModelRef` as Temporal's JSON
+    carries it)."""
 
     name: str
     version: str
 
+    @classmethod
+    def of(cls, model: ModelRef) -> ModelId:
+        return cls(model.name, model.version)
+
+    def model(self) -> ModelRef:
+        return ModelRef(self.name, self.version)
+
     def ref(self) -> common_pb2.ModelRef:
-        return common_pb2.ModelRef(name=self.name, version=self.version)
+        model = self.model()
+        return common_pb2.ModelRef(name=model.name, version=model.version)
+
+    def __str__(self) -> str:
+        return str(self.model())
 
 
 @dataclass
@@ -117,9 +131,12 @@ class EvalActivities:
         lineage = eval_pb2.Lineage(
             training_run_id=params.training_run_id, recipe_hash=params.recipe_hash, data_hash=params.data_hash
         )
-        if params.parent:
-            name, _, version = params.parent.partition(":")
-            lineage.parent.CopyFrom(ModelId(name, version).ref())
+        try:
+            parent = ModelRef.parse_optional(params.parent)
+        except ValueError as exc:
+            raise ApplicationError(f"lineage parent: {exc}", non_retryable=True) from None
+        if parent is not None:
+            lineage.parent.CopyFrom(ModelId.of(parent).ref())
         request = eval_pb2.RegisterModelRequest(
             ref=params.model.ref(), uri=params.uri, labels=params.labels, lineage=lineage
         )
@@ -212,4 +229,4 @@ class EvalActivities:
         except grpc.aio.AioRpcError as exc:
             raise failed("PromoteModel", exc) from exc
         previous = reply.previous
-        return f"{previous.name}:{previous.version}" if previous.name else ""
+        return str(ModelRef.of(previous)) if previous.name else ""

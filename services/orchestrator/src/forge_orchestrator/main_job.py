@@ -75,11 +75,9 @@ smoke.timeout_s = SMOKE_WAIT_S + 30  # type: ignore[attr-defined]
 
 # --- one small RLHF round ---------------------------------------------------------------------
 
-#: How long the round may take. On the 2-core build machine the same round (these sizes, 158
-#: pairs) took 131 s in ``test_orchestrator_rlhf.py``, whose hand-over queries a scripted endpoint;
-#: here eval-and-promote also starts a model server and scores ``tinyshakespeare_ppl`` (30-60 s,
-#: see ``forge_eval.main_job``), and jobs wait for the agents' polls. The margin is for a machine
-#: shared with other work.
+#: How long the round may take: reward-model and DPO jobs (which wait for the agents' polls), then
+#: eval-and-promote, which starts a model server and scores ``tinyshakespeare_ppl`` (see
+#: ``forge_eval.main_job``). The margin is for a small machine shared with other work.
 RLHF_WAIT_S = 540.0
 #: The train step's team, whose quota covers the two simulated GPUs of ``forge up``'s agents.
 TEAM = "main-job"

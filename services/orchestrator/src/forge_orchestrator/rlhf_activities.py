@@ -20,6 +20,7 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from forge_kit.grpckit import make_channel
+from forge_kit.modelref import ModelRef
 from forge_kit.objectstore import ObjectStore
 from forge_orchestrator.activities import failed
 
@@ -174,7 +175,7 @@ class RlhfActivities:
         except grpc.aio.AioRpcError as exc:
             if exc.code() != grpc.StatusCode.ALREADY_EXISTS:
                 raise failed("RegisterRewardModel", exc) from exc
-        return f"{params.name}:{params.version}"
+        return str(ModelRef(params.name, params.version))
 
     @activity.defn(name="rlhf_set_reward_model_status")
     async def set_reward_model_status(self, params: RewardModelStatusInput) -> str:
@@ -189,7 +190,10 @@ class RlhfActivities:
 
     @activity.defn(name="rlhf_record_round")
     async def record_round(self, params: RoundReportInput) -> None:
-        name, _, version = params.reward_model.partition(":")
+        try:
+            reward_model = ModelRef.parse_optional(params.reward_model)
+        except ValueError as exc:
+            raise ApplicationError(f"reward model: {exc}", non_retryable=True) from None
         request = feedback_pb2.RecordRlhfRoundRequest(
             round=feedback_pb2.RlhfRound(
                 workflow_id=params.workflow_id,
@@ -197,7 +201,11 @@ class RlhfActivities:
                 status=params.status,
                 step=params.step,
                 snapshot_id=params.snapshot_id,
-                reward_model=common_pb2.ModelRef(name=name, version=version) if name else None,
+                reward_model=(
+                    common_pb2.ModelRef(name=reward_model.name, version=reward_model.version)
+                    if reward_model is not None
+                    else None
+                ),
                 policy_uri=params.policy_uri,
                 reason=params.reason,
                 metrics=params.metrics,

@@ -30,12 +30,13 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowFailureError, WorkflowHandle
 from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
 from temporalio.exceptions import ActivityError, FailureError, WorkflowAlreadyStartedError
-from temporalio.service import RPCError, RPCStatusCode
+from temporalio.service import RPCError, RPCStatusCode, TLSConfig
 from temporalio.worker import Worker
 
 from forge_kit import errors
 from forge_orchestrator.activities import SchedulerActivities, state_name
 from forge_orchestrator.eval_activities import EvalActivities
+from forge_orchestrator.identity import ADMIN, Caller, authorize_start
 from forge_orchestrator.rlhf import RlhfInput, RlhfWorkflow
 from forge_orchestrator.rlhf_worker import rlhf_task_queue, validate_rlhf
 from forge_orchestrator.store import JobEventRow, utcnow
@@ -58,6 +59,8 @@ from forge_orchestrator.workflows import (
 
 log = structlog.get_logger(__name__)
 
+#: Memo keys of every workflow the API starts: who started it and the team it acts for.
+MEMO_CALLER, MEMO_TEAM = "forge_caller", "forge_team"
 _WORKFLOW_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,79}$")
 
 
@@ -255,10 +258,12 @@ class OrchestratorService:
         self._query_timeout = timedelta(seconds=query_timeout_s)
 
     async def start_workflow(
-        self, workflow_type: str, data: Mapping[str, object], workflow_id: str = ""
+        self, workflow_type: str, data: Mapping[str, object], workflow_id: str = "", caller: Caller = ADMIN
     ) -> tuple[str, str]:
-        """Start ``workflow_type``; returns (workflow id, run id). Idempotent when ``workflow_id``
-        is given: an existing workflow with that id, running or closed, is returned, not re-run."""
+        """Start ``workflow_type`` for ``caller`` (its identity goes into the input; see
+        :mod:`forge_orchestrator.identity` for what it may ask); returns (workflow id, run id).
+        Idempotent when ``workflow_id`` is given: an existing workflow with that id, running or
+        closed, is returned, not re-run."""
         kind = self._kinds.get(workflow_type)
         if kind is None:
             disabled = " (its worker is disabled here)" if workflow_type in KINDS else ""
@@ -270,8 +275,13 @@ class OrchestratorService:
             raise errors.ValidationError(
                 "workflow_id", "must be 1-80 characters of letters, digits, '.', '_', ':' and '-'"
             )
+        if "caller" in data:
+            raise errors.ValidationError("input.caller", "is set by the orchestrator from the caller's token")
         params = parse_input(kind.input, data)
+        authorize_start(kind.name, params, caller)
         kind.validate(params)
+        if "caller" in {f.name for f in dataclasses.fields(params)}:
+            params = dataclasses.replace(params, caller=caller)
         workflow_id = workflow_id or f"{kind.name}-{uuid.uuid4().hex[:12]}"
         try:
             handle: WorkflowHandle[Any, Any] = await self._client.start_workflow(
@@ -282,31 +292,48 @@ class OrchestratorService:
                 id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
                 id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
                 rpc_timeout=self._rpc_timeout,
+                memo={MEMO_CALLER: caller.name, MEMO_TEAM: caller.team},
             )
         except WorkflowAlreadyStartedError:  # closed under this id: report it rather than run it again
             handle = self._client.get_workflow_handle(workflow_id)
         run_id = handle.result_run_id or handle.run_id
-        if not run_id:
-            description = await self._describe(handle)
+        if not run_id or not caller.is_admin:
+            description = await self._describe(handle, caller)
             if description.workflow_type != kind.name:
                 raise errors.AlreadyExistsError(
                     f"workflow {workflow_id!r} exists with type {description.workflow_type!r}"
                 )
-            run_id = description.run_id or ""
-        log.info("workflow.started", workflow_type=kind.name, workflow_id=workflow_id, run_id=run_id)
+            run_id = run_id or description.run_id or ""
+        log.info(
+            "workflow.started",
+            workflow_type=kind.name,
+            workflow_id=workflow_id,
+            run_id=run_id,
+            caller=caller.name,
+        )
         return workflow_id, run_id
 
-    async def _describe(self, handle: WorkflowHandle[Any, Any]) -> Any:
+    async def _describe(self, handle: WorkflowHandle[Any, Any], caller: Caller = ADMIN) -> Any:
+        """The workflow's description; a team caller sees only its team's workflows (another
+        team's answers NOT_FOUND, as a missing one does)."""
         try:
-            return await handle.describe(rpc_timeout=self._rpc_timeout)
+            description = await handle.describe(rpc_timeout=self._rpc_timeout)
         except RPCError as exc:
             if exc.status == RPCStatusCode.NOT_FOUND:
                 raise errors.NotFoundError(f"workflow {handle.id!r} not found") from None
             if exc.status == RPCStatusCode.INVALID_ARGUMENT:  # an id Temporal cannot take
                 raise errors.ValidationError("workflow_id", exc.message) from None
             raise
+        if not caller.is_admin:
+            try:
+                team = await description.memo_value(MEMO_TEAM, default="")
+            except Exception:  # noqa: BLE001 - an undecodable memo is nobody's
+                team = ""
+            if team != caller.team:
+                raise errors.NotFoundError(f"workflow {handle.id!r} not found")
+        return description
 
-    async def get_workflow(self, workflow_id: str, run_id: str = "") -> WorkflowView:
+    async def get_workflow(self, workflow_id: str, run_id: str = "", caller: Caller = ADMIN) -> WorkflowView:
         """Status of a run (the latest when ``run_id`` is empty), its result, error or progress."""
         if not workflow_id:
             raise errors.ValidationError("workflow_id", "must not be empty")
@@ -315,7 +342,7 @@ class OrchestratorService:
                 uuid.UUID(run_id)
             except ValueError:
                 raise errors.ValidationError("run_id", "must be empty or a run id (a UUID)") from None
-        d = await self._describe(self._client.get_workflow_handle(workflow_id, run_id=run_id or None))
+        d = await self._describe(self._client.get_workflow_handle(workflow_id, run_id=run_id or None), caller)
         handle = self._client.get_workflow_handle(workflow_id, run_id=d.run_id)
         view = WorkflowView(
             workflow_id=workflow_id,
@@ -344,13 +371,13 @@ class OrchestratorService:
             return None
         return progress if isinstance(progress, dict) else None
 
-    async def cancel_workflow(self, workflow_id: str, reason: str = "") -> None:
+    async def cancel_workflow(self, workflow_id: str, reason: str = "", caller: Caller = ADMIN) -> None:
         """Request cancellation. Idempotent for a workflow already cancelled or being cancelled;
         a workflow that closed otherwise cannot be cancelled (``FAILED_PRECONDITION``)."""
         if not workflow_id:
             raise errors.ValidationError("workflow_id", "must not be empty")
         handle = self._client.get_workflow_handle(workflow_id)
-        d = await self._describe(handle)
+        d = await self._describe(handle, caller)
         if d.status == WorkflowExecutionStatus.CANCELED:
             return
         if d.status != WorkflowExecutionStatus.RUNNING:
@@ -434,14 +461,17 @@ class JobEventRouter:
         )
 
 
-async def connect_temporal(target: str, namespace: str, *, timeout_s: float) -> Client:
-    """Connect to Temporal, retrying with jittered backoff for up to ``timeout_s`` (it may be starting)."""
+async def connect_temporal(
+    target: str, namespace: str, *, timeout_s: float, tls: TLSConfig | None = None
+) -> Client:
+    """Connect to Temporal, retrying with jittered backoff for up to ``timeout_s`` (it may be
+    starting); with ``tls``, over mutual TLS."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     delay = 0.2
     while True:
         try:
-            return await Client.connect(target, namespace=namespace)
+            return await Client.connect(target, namespace=namespace, tls=tls or False)
         except RuntimeError as exc:  # the SDK's connection failure
             if loop.time() + delay > deadline:
                 raise RuntimeError(f"Temporal at {target} unreachable for {timeout_s:g}s: {exc}") from exc

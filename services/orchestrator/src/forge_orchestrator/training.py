@@ -2,8 +2,10 @@
 
 ``training`` (:class:`TrainWorkflow`), in numbered steps:
 
-1. ensure the team exists (its quota is an admin's business) and submit the job — a gang of
-   ``replicas`` × ``gpus_per_replica``, checkpointable, labelled with this workflow's id;
+1. ensure the team exists (its quota is an admin's business; only for an admin caller — a team
+   caller's team exists) and submit the job with the caller's rights (a team caller's job is its
+   team's submission, ``on_behalf_of``) — a gang of ``replicas`` × ``gpus_per_replica``,
+   checkpointable, labelled with this workflow's id;
 2. follow its state changes (the ``job_event`` signal from the Kafka consumer):
    - PENDING after it ran: it was requeued. A preemption is expected (the job resumes from its
      last checkpoint on its next start); a lost node is an infrastructure failure and counts
@@ -31,6 +33,7 @@ from temporalio.exceptions import ApplicationError
 
 with workflow.unsafe.imports_passed_through():
     from forge_orchestrator.activities import CancelJobInput, SchedulerActivities, SubmitJobInput
+    from forge_orchestrator.identity import ADMIN, Caller
     from forge_orchestrator.workflows import (
         ACTIVITY_RETRY,
         ACTIVITY_TIMEOUT,
@@ -84,6 +87,9 @@ class TrainInput:
     """How long to wait for the published checkpoint after the job succeeded."""
     labels: dict[str, str] = field(default_factory=dict)
     """Extra job labels, e.g. ``{AUTO_EVAL_LABEL: "false"}``; ``workflow_id`` and ``recipe`` are set here."""
+    caller: Caller | None = None
+    """Who started the workflow (set by the orchestrator from the caller's token, never by the
+    caller); None: an admin (a workflow started before callers were recorded)."""
 
 
 @dataclass
@@ -143,12 +149,14 @@ class TrainWorkflow:
         try:
             # 1. Team and job.
             self._step = "submitting"
-            await workflow.execute_activity_method(
-                SchedulerActivities.ensure_team,
-                params.team,
-                start_to_close_timeout=ACTIVITY_TIMEOUT,
-                retry_policy=ACTIVITY_RETRY,
-            )
+            caller = params.caller or ADMIN
+            if caller.is_admin:
+                await workflow.execute_activity_method(
+                    SchedulerActivities.ensure_team,
+                    params.team,
+                    start_to_close_timeout=ACTIVITY_TIMEOUT,
+                    retry_policy=ACTIVITY_RETRY,
+                )
             job = SubmitJobInput(
                 name=params.name,
                 team=params.team,
@@ -161,6 +169,7 @@ class TrainWorkflow:
                 replicas=params.replicas,
                 checkpointable=True,
                 kind="training",
+                on_behalf_of=caller.on_behalf_of,
             )
             self._job_id = await workflow.execute_activity_method(
                 SchedulerActivities.submit_job,

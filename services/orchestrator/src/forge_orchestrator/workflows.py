@@ -31,6 +31,7 @@ with workflow.unsafe.imports_passed_through():
         RunInput,
         RunState,
     )
+    from forge_orchestrator.identity import ADMIN, Caller
 
 #: Name of the signal carrying a job's state change.
 JOB_EVENT_SIGNAL = "job_event"
@@ -68,6 +69,8 @@ class SmokeInput:
     """How long to wait for each expected job event before failing."""
     hold_s: float = 0.0
     """How long to keep the job queued (a durable timer) between its PENDING event and cancelling it."""
+    caller: Caller | None = None
+    """Who started the workflow (set by the orchestrator from the caller's token); None: an admin."""
 
 
 @dataclass
@@ -134,18 +137,21 @@ class SmokeWorkflow:
         try:
             # 1. Team and job.
             self._step = "submitting"
-            await workflow.execute_activity_method(
-                SchedulerActivities.ensure_team,
-                params.team,
-                start_to_close_timeout=ACTIVITY_TIMEOUT,
-                retry_policy=ACTIVITY_RETRY,
-            )
+            caller = params.caller or ADMIN
+            if caller.is_admin:  # a team caller's team exists; creating teams is an admin's
+                await workflow.execute_activity_method(
+                    SchedulerActivities.ensure_team,
+                    params.team,
+                    start_to_close_timeout=ACTIVITY_TIMEOUT,
+                    retry_policy=ACTIVITY_RETRY,
+                )
             job = SubmitJobInput(
                 name=f"smoke-{workflow.uuid4().hex[:8]}",
                 team=params.team,
                 command=["true"],
                 request_id=f"{info.workflow_id}/{info.run_id}/smoke",
                 labels={"workflow_id": info.workflow_id},
+                on_behalf_of=caller.on_behalf_of,
             )
             self._job_id = await workflow.execute_activity_method(
                 SchedulerActivities.submit_job,
@@ -353,7 +359,7 @@ class EvalAndPromoteWorkflow:
                 EvalActivities.compare_runs, baseline_run, candidate_run
             )
             result.baseline_run_id = baseline_run
-            result.baseline = f"{production.name}:{production.version}"
+            result.baseline = str(production)
             result.verdict = comparison.verdict
             result.report_path = comparison.report_path or result.report_path
             if comparison.verdict == "WORSE":

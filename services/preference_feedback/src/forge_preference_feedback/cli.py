@@ -23,7 +23,7 @@ from forge_preference_feedback.service import FeedbackService, SeedResult
 
 app = typer.Typer(help="Preference feedback: comparisons for raters.", no_args_is_help=True)
 MIGRATIONS = Path(__file__).parent / "migrations"
-DEFAULT_SOURCE = "../shared/data/preferences/hh-rlhf"
+DEFAULT_SOURCE = "preferences/hh-rlhf"
 PASSWORD_ENV = "FORGE_FEEDBACK_PASSWORD"
 T = TypeVar("T")
 DATA_DIR_OPTION = typer.Option(

@@ -24,6 +24,7 @@ from google.protobuf import json_format
 
 from forge_kit import clitools
 from forge_kit.grpckit import make_channel
+from forge_kit.modelref import ModelRef
 from forge_preference_feedback.rm_eval import (
     PairsError,
     RewardModel,
@@ -49,10 +50,7 @@ TargetOption = Annotated[
     ),
 ]
 TokenOption = Annotated[
-    str,
-    typer.Option(
-        "--token", envvar="FORGE_CLI_PREFERENCE_FEEDBACK_TOKEN", help="Service token.", show_default=False
-    ),
+    str, clitools.token_option("FORGE_CLI_PREFERENCE_FEEDBACK_TOKEN", "preference feedback service token")
 ]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
 
@@ -214,13 +212,16 @@ def set_status(
     as_json: JsonOption = False,
 ) -> None:
     """Move a version between candidate, active and retired (activating retires the active one)."""
-    name, _, version = model.partition(":")
-    if not name or not version:
+    try:
+        ref = ModelRef.parse(model)
+    except ValueError as exc:
+        raise typer.BadParameter(f"must be NAME:VERSION ({exc})", param_hint="MODEL") from None
+    if not ref.pinned:
         raise typer.BadParameter("must be NAME:VERSION", param_hint="MODEL")
     if status not in STATUSES:
         raise typer.BadParameter(f"must be one of {', '.join(STATUSES)}", param_hint="STATUS")
     request = feedback_pb2.SetRewardModelStatusRequest(
-        ref=common_pb2.ModelRef(name=name, version=version), status=STATUSES[status]
+        ref=common_pb2.ModelRef(name=ref.name, version=ref.version), status=STATUSES[status]
     )
     reply = _call(target, token, lambda stub: stub.SetRewardModelStatus(request, timeout=10))
     clitools.show_record(_dict(reply.reward_model), as_json)

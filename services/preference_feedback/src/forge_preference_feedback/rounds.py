@@ -23,6 +23,7 @@ from forge.events.v1 import events_pb2
 from forge_kit import errors
 from forge_kit.db import Database
 from forge_kit.events import stage_event
+from forge_kit.modelref import ModelRef
 from forge_preference_feedback.store import RlhfRoundRow, utcnow
 
 ROUND_STATUSES = ("running", "completed", "stopped", "rejected")
@@ -135,14 +136,18 @@ class RlhfRounds:
 
 def round_fields(row: RlhfRoundRow) -> dict[str, Any]:
     """The round's fields as ``RlhfRound`` (API) and ``RlhfRoundUpdated`` (event) both name them."""
-    name, _, version = row.reward_model.partition(":")
+    reward_model = ModelRef.parse_optional(row.reward_model)
     return {
         "workflow_id": row.workflow_id,
         "round": row.round,
         "status": row.status,
         "step": row.step,
         "snapshot_id": row.snapshot_id,
-        "reward_model": common_pb2.ModelRef(name=name, version=version) if name else None,
+        "reward_model": (
+            common_pb2.ModelRef(name=reward_model.name, version=reward_model.version)
+            if reward_model
+            else None
+        ),
         "policy_uri": row.policy_uri,
         "reason": row.reason,
         "metrics": dict(row.metrics),

@@ -464,9 +464,9 @@ class AsyncTransactions:
     database aborts as a deadlock or serialization failure wrote nothing and runs again, up to
     ``retries`` times.
 
-    Not group-committed, unlike SQLite's writer: measured on PostgreSQL (``load/feedback``), one
-    writer task running every queued unit in shared transactions (a savepoint each) answered
-    187-191 preferences/s; PostgreSQL's commits were not the limit. One writer serialises every
+    Not group-committed, unlike SQLite's writer: on PostgreSQL one writer task running every
+    queued unit in shared transactions (a savepoint each) is the slower of the two
+    (``load/feedback/RESULTS.md``); PostgreSQL's commits are not the limit. One writer serialises every
     statement's round trip where concurrent transactions overlap them, and a savepoint and its
     release cost two round trips per unit, more than the begin and commit they replace.
     """

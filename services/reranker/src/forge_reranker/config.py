@@ -63,7 +63,7 @@ class RerankerSettings(ServiceSettings):
     retrieval_weight: float = Field(default=0.5, ge=0.0, le=1.0)
     """Share of the caller's ``retrieval_score`` in the order when every scored passage has one
     (both min-max normalised over the call); 0 orders by the model alone. 0.5 was best on NFCorpus's
-    dev split for Forge's cross-encoder over the hybrid first stage (load/retrieval/README.md)."""
+    dev split for Forge's cross-encoder over the hybrid first stage (load/retrieval/RESULTS.md)."""
 
     torch_threads: int = Field(default=0, ge=0)
     """Torch CPU threads for the cross-encoder; 0 keeps torch's default (one per core)."""

@@ -14,7 +14,7 @@ Blended with the first stage: when every scored passage carries the caller's ``r
 the order follows ``(1 - w) * model + w * retrieval`` with both min-max normalised over the scored
 passages and ``w`` the ``retrieval_weight`` setting. Forge's small cross-encoder alone reorders a
 strong hybrid first stage for the worse (SciFact test 0.726 -> 0.666 at depth 20); blended at
-``w = 0.5`` (chosen on NFCorpus's dev split) it adds to it (load/retrieval/README.md).
+``w = 0.5`` (chosen on NFCorpus's dev split) it adds to it (load/retrieval/RESULTS.md).
 """
 
 from __future__ import annotations

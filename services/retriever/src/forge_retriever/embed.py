@@ -13,9 +13,9 @@ Two backends behind the seam (:func:`make_embedder`, ``EMBEDDING_BACKEND``):
 - ``onnx`` / ``onnx-int8``: :class:`OnnxEmbedder`, the same transformer exported once to ONNX
   (cached under the data directory) and run by ONNX Runtime, optionally with INT8 weights
   (dynamic quantisation, per output channel), the pooling and normalisation of the model's own
-  sentence-transformers configuration done in numpy. On these CPUs a query embeds about 3x faster
-  than with torch (small inputs are dominated by torch's per-operator overhead) and documents
-  about 1.2x; ``load/retrieval/README.md`` has the figures and what INT8 costs in nDCG.
+  sentence-transformers configuration done in numpy. On CPU a query embeds faster than with torch
+  (small inputs are dominated by torch's per-operator overhead) and documents a little faster;
+  ``load/retrieval/RESULTS.md`` has the figures and what INT8 costs in nDCG.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ MIGRATIONS = Path(__file__).parent / "migrations"
 COLLECTION = "beir"
 _INGEST_BATCH = 256
 
-#: Published nDCG@10 on the test splits, from ``../shared/data/beir/PROVENANCE.md``, by folder name.
+#: Published nDCG@10 on the test splits, as the BEIR and MTEB papers report them, by folder name.
 PUBLISHED: dict[str, dict[str, tuple[float, str]]] = {
     "scifact": {
         "bm25": (0.665, "BM25, BEIR paper"),

@@ -9,7 +9,7 @@ an RRF or DBSF fusion query over them. The schema (as Edge writes beside each sh
 the collection's metadata; a collection of another schema counts as absent and is rebuilt.
 
 ``qdrant-client``'s local mode (``QdrantClient(path=...)`` / ``":memory:"``) answers the same API
-in-process; the tests use it, since no Qdrant server runs on the build machines.
+in-process; the tests use it, so they need no Qdrant server.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 After the ``chat`` step has served the trained checkpoint through the gateway, this step runs the
 RAG path end to end on real documents:
 
-1. read a sample of SciFact (``../shared/data/beir/scifact``, BEIR format): the documents judged
+1. read a sample of SciFact (``beir/scifact`` in the data folder, BEIR format): the documents judged
    relevant to its first ``SAMPLE_QUERIES`` test queries, then corpus documents in file order up to
    ``SAMPLE_DOCS`` in all;
 2. upsert them into the collection ``scifact-sample`` through the retriever's gRPC API, for the
@@ -37,7 +37,7 @@ from forge_kit.grpckit import make_channel
 from forge_kit.paths import resolve_data_path
 from forge_retriever.evaluation import load_beir
 
-DATASET = "../shared/data/beir/scifact"
+DATASET = "beir/scifact"
 COLLECTION = "scifact-sample"
 TENANT = "default"
 """The gateway's bootstrap tenant, which the main job's gateway key belongs to."""

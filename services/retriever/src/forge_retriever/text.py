@@ -7,7 +7,7 @@ for a term is its BM25 term-frequency part, ``tf·(k1+1) / (tf + k1·(1 − b + 
 query has weight 1 per distinct term; the IDF part is applied by Qdrant at search time (the
 ``Idf`` modifier of the sparse vector), so it always reflects the collection as it is now.
 Stemming and stop words were worth +0.03 nDCG@10 on SciFact and +0.02 on NFCorpus over plain
-lowercase words (``load/retrieval/README.md``).
+lowercase words (``load/retrieval/RESULTS.md``).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from forge.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from google.protobuf import timestamp_pb2
 
 from forge_kit import errors
-from forge_kit.grpckit import require_admin
+from forge_kit.grpckit import SERVICE_PRINCIPAL, current_principal, require_admin
 from forge_kit.paging import decode_page, page_info
 from forge_scheduler.service import PENDING, ClusterView, QueueStats, SchedulerService, TeamView
 from forge_scheduler.store import JobRow, NodeRow
@@ -136,6 +136,12 @@ class SchedulerApi(scheduler_pb2_grpc.SchedulerServiceServicer):
         token, token_id = await self._service.issue_team_token(request.team, request.description)
         return scheduler_pb2.IssueTeamTokenResponse(token=token, token_id=token_id)
 
+    async def GetCaller(
+        self, request: scheduler_pb2.GetCallerRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.GetCallerResponse:
+        principal = current_principal() or SERVICE_PRINCIPAL  # auth off: every caller is an admin
+        return scheduler_pb2.GetCallerResponse(name=principal.name, role=principal.role, team=principal.team)
+
     async def GetClusterStats(
         self, request: scheduler_pb2.GetClusterStatsRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.GetClusterStatsResponse:
@@ -146,7 +152,9 @@ class SchedulerApi(scheduler_pb2_grpc.SchedulerServiceServicer):
     ) -> scheduler_pb2.SubmitJobResponse:
         if not request.HasField("spec"):
             raise errors.ValidationError("spec", "is required")
-        job = await self._service.submit_job(request.spec, request.request_id)
+        job = await self._service.submit_job(
+            request.spec, request.request_id, on_behalf_of=request.on_behalf_of
+        )
         return scheduler_pb2.SubmitJobResponse(job=self._job(job))
 
     async def GetJob(

@@ -3,8 +3,8 @@
 A cycle over a 10,000-job snapshot allocates tens of thousands of short-lived objects, none of
 them in reference cycles, so reference counting frees them all. With the cyclic collector on,
 those allocations still count towards its thresholds, and every few cycles one of them tips a
-full collection that walks the whole process heap — snapshot included — inside the cycle (65–75
-ms on the 2-core build machine, against 25–45 ms for the cycle's own work). Paused, the cycle
+full collection that walks the whole process heap — snapshot included — inside the cycle, which
+can cost more than the cycle's own work. Paused, the cycle
 takes only its own time; the collection runs once the cycle is over, when the collector next
 passes a threshold.
 """

@@ -367,10 +367,21 @@ class SchedulerService:
 
     # --- jobs --------------------------------------------------------------------------------
 
-    async def submit_job(self, spec: scheduler_pb2.JobSpec, request_id: str = "") -> JobRow:
-        """Queue a job. A retry with the same ``request_id`` returns the job created first."""
+    async def submit_job(
+        self, spec: scheduler_pb2.JobSpec, request_id: str = "", *, on_behalf_of: str = ""
+    ) -> JobRow:
+        """Queue a job. A retry with the same ``request_id`` returns the job created first.
+        ``on_behalf_of`` names the team whose rights an admin caller (the orchestrator, for a
+        team's caller) acts with: the job must be that team's."""
         validate_spec(spec)
         authorize_team(spec.team, "submit")
+        if on_behalf_of:
+            validate_name("on_behalf_of", on_behalf_of)
+            authorize_team(on_behalf_of, "submit")
+            if spec.team != on_behalf_of:
+                raise errors.PermissionDeniedError(
+                    f"a submission on behalf of team {on_behalf_of!r} may not submit jobs of team {spec.team!r}"
+                )
         async with self._db.session() as session:
             if request_id:
                 found = await session.scalar(sa.select(JobRow).where(JobRow.request_id == request_id))

@@ -1,7 +1,7 @@
 """``forge sim …``: replay traces through the policy and the baselines, time cycles, pack pods.
 
 Every command validates all input before it creates ``--out``, then writes ``summary.json``
-(the benchmark contract in services/scheduler/README.md) and its PNG plots.
+(the benchmark contract in load/scheduler/README.md) and its PNG plots.
 """
 
 from __future__ import annotations

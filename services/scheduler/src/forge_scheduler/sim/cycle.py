@@ -109,7 +109,7 @@ def run_cycle_bench(
 ) -> dict[str, object]:
     """Cycle time in ms over ``bench.cycles`` freshly drawn snapshots: wall (``cycle_ms``, the
     contract) and this process's CPU time (``cycle_cpu_ms``, what the cycle costs when the
-    shared build machine is busy with other work).
+    machine is busy with other work).
 
     Each cycle runs with the cyclic garbage collector paused, as the service's scheduling loop
     runs it (``forge_scheduler.gcpause``): otherwise a full collection of the benchmark's own heap

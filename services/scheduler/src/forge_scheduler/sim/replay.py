@@ -307,7 +307,7 @@ def _sample(
 def pooled_sjf_avg_jct(trace: Sequence[TraceJob], gpus: int) -> float:
     """Capacity relaxation: one pool of ``gpus`` GPUs, no placement, oracle shortest-job-first.
 
-    Not a proven bound (SJF is not optimal on many servers) but the reference the issue quotes:
+    Not a proven bound (SJF is not optimal on many servers) but the reference the targets quote:
     what an ideal scheduler with perfect knowledge and no topology could reach.
     """
     events: list[tuple[float, int]] = []

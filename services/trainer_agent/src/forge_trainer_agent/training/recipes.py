@@ -24,16 +24,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from forge_kit.paths import resolve_data_path
 from forge_trainer_agent.training.backbones import BACKBONES, backbone_dir
 
-#: Where the shared corpora live on Forge machines (``../shared`` next to the repository).
-DEFAULT_CORPUS = "/work/shared/data/corpora/tinyshakespeare/input.txt"
+# Data paths: absolute, or relative to the data folder (FORGE_DATA_DIR, filled by `forge data fetch`).
+#: The pre-training corpus: 1.1 MB of Shakespeare.
+DEFAULT_CORPUS = "corpora/tinyshakespeare/input.txt"
 #: A domain corpus for continual pre-training: 5,183 scientific abstracts (BEIR SciFact).
-SCIFACT_CORPUS = "/work/shared/data/beir/scifact/corpus.jsonl"
+SCIFACT_CORPUS = "beir/scifact/corpus.jsonl"
 #: Anthropic HH-RLHF chosen/rejected pairs (helpful-base and harmless-base test splits).
-HH_RLHF = "/work/shared/data/preferences/hh-rlhf"
+HH_RLHF = "preferences/hh-rlhf"
 #: BEIR datasets (corpus.jsonl, queries.jsonl, qrels/{train,dev,test}.tsv per folder).
-BEIR = "/work/shared/data/beir"
+BEIR = "beir"
 
 TASKS = ("pretrain", "cpt", "sft", "reward", "dpo", "rerank")
 #: Tasks that may start from a bundled encoder (``init.backbone``) instead of a parent.
@@ -245,12 +247,12 @@ class TrainConfig:
     optimizer state sharded over the ranks). One process trains unwrapped either way."""
     shared_memory_allreduce: bool = True
     """On CPU ranks of one host, sum the gradients (under ``ddp``) and each step's figures through
-    shared memory rather than gloo's loopback TCP (the same sums; 1.7 ms against 5.7 ms for the
-    baseline's 4.7 MB of gradients). Off: gloo's all-reduce, as across hosts."""
+    shared memory rather than gloo's loopback TCP (the same sums, several times faster). Off:
+    gloo's all-reduce, as across hosts."""
     threads: int = 1
-    """torch intra-op threads per process (0: torch's default). One by default: on a shared
-    2-core machine two OpenMP threads per process ran 20x slower (0.215 vs 4.1 s/step) when
-    other jobs held the cores; data parallelism uses the cores instead."""
+    """torch intra-op threads per process (0: torch's default). One by default: OpenMP threads
+    that outnumber the free cores slow a step down many times when other jobs hold the cores;
+    data parallelism uses the cores instead."""
 
     def grad_accum_steps(self, world_size: int) -> int:
         return self.global_batch_size // (world_size * self.micro_batch_size)
@@ -341,11 +343,9 @@ def reward_hh_minilm() -> TrainConfig:
     (1,576). Harmless-base is not mixed in by default (``pairs.extra_train`` adds it): its chosen
     response is the longer one in 44 % of pairs, helpful-base's in 59 %, so it pulls a small model
     away from what helpful-base rewards. Micro-batches of 2 pairs keep padding low (a batch pads
-    to its longest sequence); 16 pairs per step; about 17 s a step on one thread of a shared
-    2-core machine, so 140 steps fit in about 35 minutes with the two held-out evaluations. The
-    new head (pooler and classifier) learns 20x faster than the encoder (``optim.head_lr_scale``,
-    as the reranker's cross-encoder): held-out accuracy 0.638 [0.601, 0.672] against 0.616
-    [0.580, 0.652] at 1x (701 pairs; ``load/training/README.md``)."""
+    to its longest sequence); 16 pairs per step. The new head (pooler and classifier) learns 20x
+    faster than the encoder (``optim.head_lr_scale``, as the reranker's cross-encoder), which
+    held out better than 1x (``load/training/RESULTS.md``)."""
     return TrainConfig(
         name="reward_hh_minilm",
         task="reward",
@@ -378,9 +378,7 @@ def rerank_beir_minilm() -> TrainConfig:
     relevant passage ranks first of its group. 128 word pieces per pair keep the query, the title
     and the abstract's opening at about 1.5x the pairs/s of 192 on CPU; 4 groups (16 pairs) a
     step, since on CPU pairs/s hardly grow with the batch and the fresh head needs many steps;
-    the word-piece embeddings stay frozen and the head learns 20x faster. Measured through the
-    scheduler on two trainer agents of the 2-core build machine (DDP, one thread each, otherwise
-    idle): about 1.1 s a step, 300 steps in 6.5 minutes with the evaluations."""
+    the word-piece embeddings stay frozen and the head learns 20x faster."""
     return TrainConfig(
         name="rerank_beir_minilm",
         task="rerank",
@@ -502,7 +500,7 @@ def from_dict(data: Mapping[str, Any]) -> TrainConfig:
 def corpus_files(corpus: str, field_name: str = "data.corpus") -> list[Path]:
     """The text files of a corpus (a file, ``.txt``/``.jsonl``/``.jsonl.gz``, or a directory of
     ``*.txt``); raises :class:`RecipeError` naming ``field_name`` when there is nothing to read."""
-    path = Path(corpus)
+    path = resolve_data_path(corpus)
     if path.is_dir():
         files = sorted(p for p in path.glob("*.txt") if p.is_file())
     elif path.is_file():
@@ -516,7 +514,7 @@ def corpus_files(corpus: str, field_name: str = "data.corpus") -> list[Path]:
 
 def pair_files(path: str, field_name: str = "pairs.path") -> list[Path]:
     """The ``.jsonl``/``.jsonl.gz`` files of a pair set; :class:`RecipeError` names ``field_name``."""
-    root = Path(path)
+    root = resolve_data_path(path)
     if root.is_dir():
         files = sorted(p for p in root.rglob("*") if p.is_file() and p.name.endswith((".jsonl", ".jsonl.gz")))
     elif root.is_file():
@@ -689,7 +687,7 @@ def _validate_rerank(config: TrainConfig) -> None:
     if not r.names():
         raise RecipeError("rerank.datasets: names no dataset")
     for name in r.names():
-        folder = Path(r.root) / name
+        folder = resolve_data_path(r.root) / name
         for part in ("corpus.jsonl", "queries.jsonl", "qrels/train.tsv"):
             if not (folder / part).is_file():
                 raise RecipeError(

@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoTokenizer, PreTrainedModel
 
+from forge_kit.paths import resolve_data_path
 from forge_trainer_agent.training.backbones import BACKBONE_NAMES, backbone_dir
 from forge_trainer_agent.training.collectives import all_reduce
 from forge_trainer_agent.training.data import StepSampler
@@ -188,7 +189,7 @@ def build_groups(
 def rerank_data_hash(config: TrainConfig) -> str:
     """Identifies the groups: the rerank section, the split and each dataset file's size."""
     files = {
-        f"{name}/{part}": (Path(config.rerank.root) / name / part).stat().st_size
+        f"{name}/{part}": (resolve_data_path(config.rerank.root) / name / part).stat().st_size
         for name in config.rerank.names()
         for part in ("corpus.jsonl", "queries.jsonl", "qrels/train.tsv")
     }
@@ -246,7 +247,7 @@ class CrossEncoderRanking(Objective):
         val: list[Group] = []
         self.counts: dict[str, dict[str, int]] = {}
         for name in r.names():
-            data = read_dataset(Path(r.root), name)
+            data = read_dataset(resolve_data_path(r.root), name)
             train_q, val_q = split_queries(data, config.seed, config.data.val_fraction)
             mine = build_groups(data, train_q, r, rng, r.groups_per_dataset)
             held = build_groups(data, val_q, r, rng, len(val_q))

@@ -1,9 +1,8 @@
 """Gradient all-reduce through shared memory, for data-parallel ranks on one CPU host.
 
-Under gloo, DDP's all-reduce of the gradients goes over TCP on loopback: on the 2-core
-development machine 5.7 ms for the CPU baseline's 1.18 M floats (4.7 MB), where copying them
-into shared memory and summing the ranks' copies takes 1.7 ms (``load/training/README.md``). On
-one host every rank can read every other rank's gradients in place, as DeepSpeed's and oneCCL's
+Under gloo, DDP's all-reduce of the gradients goes over TCP on loopback, several times slower
+than copying them into shared memory and summing the ranks' copies (``load/training/RESULTS.md``).
+On one host every rank can read every other rank's gradients in place, as DeepSpeed's and oneCCL's
 CPU back ends do; NCCL does the same on a GPU node, so this is the CPU path only.
 
 The segment is a file in ``/dev/shm``, mapped by every rank and unlinked once all have it (so a

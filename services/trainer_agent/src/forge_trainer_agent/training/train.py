@@ -317,8 +317,8 @@ def train(config: TrainConfig, ctx: RunContext) -> TrainResult:
             batch = prefetch.next()
             loss_sum, figures = _train_step(objective, module, batch, ctx.world_size)
             # One small collective a step, for the loss units, the figures and the preemption
-            # flag together: a gloo all-reduce of a few floats costs 0.5-3 ms on loopback here,
-            # latency, not bandwidth; through shared memory, microseconds (load/training/README.md).
+            # flag together: a gloo all-reduce of a few floats costs milliseconds on loopback,
+            # latency, not bandwidth; through shared memory, microseconds (load/training/RESULTS.md).
             stop_requested = 1.0 if ctx.should_stop() else 0.0
             units, loss_total, tokens, flops, stop, *figure_sums = all_reduce(
                 [batch.units, loss_sum, batch.tokens, batch.flops, stop_requested, *figures],

@@ -339,8 +339,15 @@ class SubmitJobRequest(_message.Message):
 
     SPEC_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    ON_BEHALF_OF_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Client-chosen idempotency key; a retry with the same key returns the same job."""
+    on_behalf_of: _builtins.str
+    """The team whose rights the submission acts with, set by a service (the orchestrator) that
+    submits with its admin token for a team's caller: the job must then be that team's, and it is
+    authorised as that team's submission. Empty: the caller's own rights. A team token may name
+    only its own team.
+    """
     @_builtins.property
     def spec(self) -> Global___JobSpec:
         """The job to run."""
@@ -350,10 +357,11 @@ class SubmitJobRequest(_message.Message):
         *,
         spec: Global___JobSpec | None = ...,
         request_id: _builtins.str = ...,
+        on_behalf_of: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["spec", b"spec"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["request_id", b"request_id", "spec", b"spec"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["on_behalf_of", b"on_behalf_of", "request_id", b"request_id", "spec", b"spec"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -684,6 +692,53 @@ class IssueTeamTokenResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___IssueTeamTokenResponse: _TypeAlias = IssueTeamTokenResponse  # noqa: Y015
+
+@_typing.final
+class GetCallerRequest(_message.Message):
+    """Request of GetCaller: the token to describe is the call's own bearer token."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetCallerRequest: _TypeAlias = GetCallerRequest  # noqa: Y015
+
+@_typing.final
+class GetCallerResponse(_message.Message):
+    """Response of GetCaller."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    ROLE_FIELD_NUMBER: _builtins.int
+    TEAM_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """Name of the principal, e.g. "service" or "team:research"."""
+    role: _builtins.str
+    """"admin" (the service token) or "team" (a team token)."""
+    team: _builtins.str
+    """The team a team token acts for; empty for an admin."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        role: _builtins.str = ...,
+        team: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "role", b"role", "team", b"team"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetCallerResponse: _TypeAlias = GetCallerResponse  # noqa: Y015
 
 @_typing.final
 class Team(_message.Message):

@@ -86,6 +86,11 @@ class SchedulerServiceStub:
                 request_serializer=forge_dot_scheduler_dot_v1_dot_scheduler__pb2.IssueTeamTokenRequest.SerializeToString,
                 response_deserializer=forge_dot_scheduler_dot_v1_dot_scheduler__pb2.IssueTeamTokenResponse.FromString,
                 _registered_method=True)
+        self.GetCaller = channel.unary_unary(
+                '/forge.scheduler.v1.SchedulerService/GetCaller',
+                request_serializer=forge_dot_scheduler_dot_v1_dot_scheduler__pb2.GetCallerRequest.SerializeToString,
+                response_deserializer=forge_dot_scheduler_dot_v1_dot_scheduler__pb2.GetCallerResponse.FromString,
+                _registered_method=True)
         self.GetQueueStats = channel.unary_unary(
                 '/forge.scheduler.v1.SchedulerService/GetQueueStats',
                 request_serializer=forge_dot_scheduler_dot_v1_dot_scheduler__pb2.GetQueueStatsRequest.SerializeToString,
@@ -184,6 +189,14 @@ class SchedulerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetCaller(self, request, context):
+        """Whom the presented bearer token acts for: an admin, or one team. Called by services that
+        accept team tokens without holding them (the orchestrator) to learn their caller's rights.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetQueueStats(self, request, context):
         """Queue statistics per team. Called by CLI, dashboards and load tests.
         """
@@ -266,6 +279,11 @@ def add_SchedulerServiceServicer_to_server(servicer, server):
                     servicer.IssueTeamToken,
                     request_deserializer=forge_dot_scheduler_dot_v1_dot_scheduler__pb2.IssueTeamTokenRequest.FromString,
                     response_serializer=forge_dot_scheduler_dot_v1_dot_scheduler__pb2.IssueTeamTokenResponse.SerializeToString,
+            ),
+            'GetCaller': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetCaller,
+                    request_deserializer=forge_dot_scheduler_dot_v1_dot_scheduler__pb2.GetCallerRequest.FromString,
+                    response_serializer=forge_dot_scheduler_dot_v1_dot_scheduler__pb2.GetCallerResponse.SerializeToString,
             ),
             'GetQueueStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetQueueStats,
@@ -560,6 +578,33 @@ class SchedulerService:
             '/forge.scheduler.v1.SchedulerService/IssueTeamToken',
             forge_dot_scheduler_dot_v1_dot_scheduler__pb2.IssueTeamTokenRequest.SerializeToString,
             forge_dot_scheduler_dot_v1_dot_scheduler__pb2.IssueTeamTokenResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetCaller(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/forge.scheduler.v1.SchedulerService/GetCaller',
+            forge_dot_scheduler_dot_v1_dot_scheduler__pb2.GetCallerRequest.SerializeToString,
+            forge_dot_scheduler_dot_v1_dot_scheduler__pb2.GetCallerResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -59,6 +59,10 @@ class SchedulerServiceStub:
     """Issue a bearer token that acts for one team only: it may submit, cancel and watch that
     team's jobs. Called by admins; the token is shown once and stored only as a hash.
     """
+    GetCaller: _grpc.UnaryUnaryMultiCallable[_scheduler_pb2.GetCallerRequest, _scheduler_pb2.GetCallerResponse]
+    """Whom the presented bearer token acts for: an admin, or one team. Called by services that
+    accept team tokens without holding them (the orchestrator) to learn their caller's rights.
+    """
     GetQueueStats: _grpc.UnaryUnaryMultiCallable[_scheduler_pb2.GetQueueStatsRequest, _scheduler_pb2.GetQueueStatsResponse]
     """Queue statistics per team. Called by CLI, dashboards and load tests."""
     ListNodes: _grpc.UnaryUnaryMultiCallable[_scheduler_pb2.ListNodesRequest, _scheduler_pb2.ListNodesResponse]
@@ -99,6 +103,10 @@ class SchedulerServiceAsyncStub(SchedulerServiceStub):
     IssueTeamToken: _aio.UnaryUnaryMultiCallable[_scheduler_pb2.IssueTeamTokenRequest, _scheduler_pb2.IssueTeamTokenResponse]  # type: ignore[assignment]
     """Issue a bearer token that acts for one team only: it may submit, cancel and watch that
     team's jobs. Called by admins; the token is shown once and stored only as a hash.
+    """
+    GetCaller: _aio.UnaryUnaryMultiCallable[_scheduler_pb2.GetCallerRequest, _scheduler_pb2.GetCallerResponse]  # type: ignore[assignment]
+    """Whom the presented bearer token acts for: an admin, or one team. Called by services that
+    accept team tokens without holding them (the orchestrator) to learn their caller's rights.
     """
     GetQueueStats: _aio.UnaryUnaryMultiCallable[_scheduler_pb2.GetQueueStatsRequest, _scheduler_pb2.GetQueueStatsResponse]  # type: ignore[assignment]
     """Queue statistics per team. Called by CLI, dashboards and load tests."""
@@ -197,6 +205,16 @@ class SchedulerServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_scheduler_pb2.IssueTeamTokenResponse, _abc.Awaitable[_scheduler_pb2.IssueTeamTokenResponse]]:
         """Issue a bearer token that acts for one team only: it may submit, cancel and watch that
         team's jobs. Called by admins; the token is shown once and stored only as a hash.
+        """
+
+    @_abc_1.abstractmethod
+    def GetCaller(
+        self,
+        request: _scheduler_pb2.GetCallerRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_scheduler_pb2.GetCallerResponse, _abc.Awaitable[_scheduler_pb2.GetCallerResponse]]:
+        """Whom the presented bearer token acts for: an admin, or one team. Called by services that
+        accept team tokens without holding them (the orchestrator) to learn their caller's rights.
         """
 
     @_abc_1.abstractmethod

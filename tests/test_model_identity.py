@@ -1,0 +1,232 @@
+"""One model identity from the registry to the answer: what ``make up`` does, with real processes.
+
+The registry (eval, a process) registers a trained checkpoint and promotes it to canary and
+production; its ``ModelPromoted`` events travel through a real broker to the gateway (a process),
+which moves ``canary``, ``production`` and ``forge-chat``; the main job's ``chat`` step serves the
+checkpoint on the model server (a process) and routes the gateway to it. Then a client nobody here
+wrote — the official ``openai`` SDK — asks for the product names, and each answer says in
+``x-forge-model`` which version served it. A production model nobody serves answers 404 naming
+what the caller asked for, and the next run of the chat step serves it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from forge.common.v1 import common_pb2
+from forge.eval.v1 import eval_pb2, eval_pb2_grpc
+
+from forge_kit.events import ensure_topics
+from forge_kit.grpckit import make_channel
+from forge_kit.modelref import ModelRef
+from forge_kit.testing import ServiceProcess, TansuBroker, eventkeys
+from forge_kit.testing.tiny_llama import save_tiny_llama
+from forge_model_server.main_job import chat
+
+pytestmark = pytest.mark.integration
+
+EVAL_TOKEN = "identity-eval-token"
+SERVER_TOKEN = "identity-server-token"
+GATEWAY_TOKEN = "identity-gateway-token"
+TENANT_KEY = "identity-tenant-key"
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    http_url: str
+    grpc_target: str
+    token: str
+
+
+@dataclass
+class Context:
+    """What ``forge_cli.mainjob.MainJobContext`` gives a step, for the services started here."""
+
+    root: Path
+    services: Mapping[str, Endpoint]
+    results: dict[str, Mapping[str, Any]] = field(default_factory=dict)
+
+    def endpoint(self, name: str) -> Endpoint:
+        return self.services[name]
+
+
+@pytest.fixture
+def platform(tmp_path: Path) -> Iterator[dict[str, Endpoint]]:
+    """A broker of its own (the session's shared one carries other tests' promotions), the eval
+    service relaying its events there, a model server with no models, and a gateway consuming
+    ``ModelPromoted`` and routing to that model server — wired as ``forge up`` wires them."""
+    broker = TansuBroker(log_path=str(tmp_path / "broker.log")).start()
+    started: list[ServiceProcess] = []
+    try:
+        asyncio.run(ensure_topics(broker.bootstrap))
+        common = {"KAFKA_BOOTSTRAP": broker.bootstrap, "GRPC_PORT": "0", "HTTP_PORT": "0"}
+
+        def start(name: str, env: dict[str, str]) -> ServiceProcess:
+            prefix = f"FORGE_{name.upper()}_"
+            # Each service signs its events with its own key and verifies the others' (forge up: var/secrets).
+            full = {**{prefix + k: v for k, v in {**common, **env}.items()}, **eventkeys.service_env(name)}
+            proc = ServiceProcess(
+                f"forge_{name}", env=full, cwd=str(tmp_path), log_path=str(tmp_path / f"{name}.log")
+            ).start(90)
+            started.append(proc)
+            return proc
+
+        evals = start(
+            "eval",
+            {
+                "AUTH_TOKEN": EVAL_TOKEN,
+                "DATA_DIR": str(tmp_path / "eval"),
+                "RESPONSE_CACHE_PATH": str(tmp_path / "eval" / "cache.sqlite"),
+            },
+        )
+        (tmp_path / "models").mkdir()
+        server = start(
+            "model_server",
+            {
+                "AUTH_TOKEN": SERVER_TOKEN,
+                "MODELS_DIR": str(tmp_path / "models"),
+                "KAFKA_ENABLED": "false",
+                "TORCH_THREADS": "1",
+            },
+        )
+        gateway = start(
+            "inference_gateway",
+            {
+                "AUTH_TOKEN": GATEWAY_TOKEN,
+                "DATA_DIR": str(tmp_path / "gateway"),
+                "MODEL_SERVER_URL": server.http_url,
+                "MODEL_SERVER_TOKEN": SERVER_TOKEN,
+                "BOOTSTRAP_API_KEY": TENANT_KEY,
+            },
+        )
+        yield {
+            "eval": Endpoint(evals.http_url, evals.grpc_target, EVAL_TOKEN),
+            "model_server": Endpoint(server.http_url, server.grpc_target, SERVER_TOKEN),
+            "inference_gateway": Endpoint(gateway.http_url, gateway.grpc_target, GATEWAY_TOKEN),
+        }
+    finally:
+        for proc in reversed(started):
+            proc.stop()
+        broker.stop()
+
+
+async def register_and_promote(
+    registry: Endpoint, model: ModelRef, uri: str, stages: tuple[str, ...]
+) -> None:
+    """What the eval-and-promote workflow does, through eval's gRPC API (forced: no suite run here)."""
+    ref = common_pb2.ModelRef(name=model.name, version=model.version)
+    async with make_channel(registry.grpc_target, token=registry.token) as channel:
+        stub = eval_pb2_grpc.EvalServiceStub(channel)
+        await stub.RegisterModel(eval_pb2.RegisterModelRequest(ref=ref, uri=uri), timeout=10)
+        for stage in stages:
+            await stub.PromoteModel(
+                eval_pb2.PromoteModelRequest(
+                    ref=ref, stage=stage, traffic_percent=10, reason="identity test", force=True
+                ),
+                timeout=10,
+            )
+
+
+async def ask(
+    client: openai.AsyncOpenAI, model: str, *, stream: bool = False, max_tokens: int | None = 8
+) -> tuple[str, str, int]:
+    """One chat completion through the SDK: (x-forge-model, text, completion tokens);
+    ``max_tokens`` None: what the model's context leaves."""
+    messages: list[Any] = [{"role": "user", "content": "Good morrow"}]
+    limit = {"max_tokens": max_tokens} if max_tokens is not None else {}
+    if not stream:
+        raw = await client.chat.completions.with_raw_response.create(
+            model=model, messages=messages, temperature=0.7, **limit
+        )
+        completion = raw.parse()
+        assert completion.usage is not None
+        return (
+            raw.headers["x-forge-model"],
+            completion.choices[0].message.content or "",
+            completion.usage.completion_tokens,
+        )
+    raw_stream = await client.chat.completions.with_raw_response.create(
+        model=model,
+        messages=messages,
+        temperature=0.7,
+        stream=True,
+        stream_options={"include_usage": True},
+        **limit,
+    )
+    pieces, tokens = [], 0
+    async for chunk in raw_stream.parse():
+        pieces += [c.delta.content or "" for c in chunk.choices]
+        tokens = chunk.usage.completion_tokens if chunk.usage else tokens
+    return raw_stream.headers["x-forge-model"], "".join(pieces), tokens
+
+
+async def test_the_product_names_answer_with_the_version_the_registry_promoted(
+    tmp_path: Path, platform: dict[str, Endpoint]
+) -> None:
+    # The train step's export, named by the registry as the orchestrator names checkpoints.
+    trained = save_tiny_llama(tmp_path / "checkpoints" / "run-7f3a" / "hf", chat_template=CHAT_TEMPLATE)
+    model = ModelRef("run-7f3a", "step-120")
+    await register_and_promote(platform["eval"], model, str(trained), ("canary", "production"))
+    ctx = Context(
+        tmp_path,
+        platform,
+        {
+            # Relative to the repository root, as the train step may report it.
+            "train": {"checkpoint_uri": "checkpoints/run-7f3a/hf", "run_id": "run-7f3a", "step": 120},
+            "eval": {"model": str(model), "promoted_to": ["canary", "production"]},
+        },
+    )
+    # The main job's chat step: it serves the checkpoint under the registry's identity.
+    result = await chat(ctx)
+    assert result["ok"] is True, result
+    client = openai.AsyncOpenAI(
+        base_url=f"{platform['inference_gateway'].http_url}/v1", api_key=TENANT_KEY, max_retries=0
+    )
+    async with client:
+        # What a product app does first: ask for the name it was told to use.
+        for name in ("forge-chat", "production", "canary", "run-7f3a", "run-7f3a:step-120"):
+            for stream in (False, True):
+                served_by, text, tokens = await ask(client, name, stream=stream)
+                assert served_by == "run-7f3a:step-120", (name, stream)
+                assert isinstance(text, str) and tokens >= 1, (name, stream)
+        # The step reports the product name and the version that answered it.
+        assert (result["served_model"], result["served_by"], result["production"]) == (
+            "forge-chat",
+            "run-7f3a:step-120",
+            "run-7f3a:step-120",
+        )
+        # /v1/models lists the aliases a tenant may use, at the version they name, and the models.
+        listed = {m.id: m for m in (await client.models.list()).data}
+        assert {"forge-chat", "production", "canary", "run-7f3a"} <= set(listed)
+        assert {getattr(listed[a], "version", None) for a in ("forge-chat", "production")} == {"step-120"}
+
+        # Production moves to a version no replica serves yet: the error names what was asked.
+        # Exported as pre-training exports: no chat template, the main job's 32-token context.
+        second = save_tiny_llama(tmp_path / "checkpoints" / "run-9c1d" / "hf", seed=1, context=32)
+        newer = ModelRef("run-9c1d", "step-40")
+        await register_and_promote(platform["eval"], newer, f"file://{second}", ("production",))
+        deadline = asyncio.get_running_loop().time() + 30
+        while True:
+            try:
+                await ask(client, "forge-chat")
+            except openai.NotFoundError as exc:
+                message = str(exc.body)
+                assert "`forge-chat`" in message and "run-9c1d" not in message, message
+                break
+            assert asyncio.get_running_loop().time() < deadline, "forge-chat never moved to run-9c1d"
+            await asyncio.sleep(0.3)
+
+        # The chat step again, as after a `make up` whose checkpoint eval blocked: it serves what the
+        # registry holds in production too (a checkpoint folder of an earlier run), and forge-chat answers.
+        ctx.results["eval"] = {"model": str(model), "promoted_to": []}
+        again = await chat(ctx)
+        assert again["ok"] is True and again["served_by"] == "run-9c1d:step-40", again
+        assert (await ask(client, "forge-chat", max_tokens=None))[0] == "run-9c1d:step-40"
+        assert (await ask(client, "run-7f3a"))[0] == "run-7f3a:step-120"
