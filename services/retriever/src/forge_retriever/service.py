@@ -667,6 +667,11 @@ class RetrieverService:
         )
 
     @property
+    def embedder(self) -> Embedder | None:
+        """The dense embedder (None when the index is BM25 only); ``Embed`` serves it directly."""
+        return self._embedder
+
+    @property
     def embedding_model(self) -> str:
         """Name of the embedding model; empty when dense search is off."""
         return self._embedder.name if self._embedder is not None else ""
