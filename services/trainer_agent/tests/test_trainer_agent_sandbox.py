@@ -1,0 +1,98 @@
+"""Jobs in the bubblewrap sandbox: stopping still lets them checkpoint, and the main job's shape
+(two replicas on two agents of one host, c10d over loopback, shared-memory all-reduce, checkpoints
+into the object store) still trains as the unprivileged job user."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+from forge_kit.testing import free_port
+from forge_trainer_agent.runner import ExitStatus, LaunchSpec, LocalProcessRunner, TorchrunRunner
+from forge_trainer_agent.sandbox import JobIsolation, JobSandbox
+from forge_trainer_agent.training import recipes
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the sandbox drops privileges only from root")
+
+
+def sandbox(tmp_path: Path, **kw: object) -> JobSandbox:
+    return JobSandbox(bwrap="/usr/bin/bwrap", uid=65534, gid=65534, private=[tmp_path / "agent"], **kw)  # type: ignore[arg-type]
+
+
+def test_the_probe_reports_isolation_and_a_missing_bwrap(tmp_path: Path) -> None:
+    assert sandbox(tmp_path).check().isolated
+    missing = JobSandbox(bwrap=str(tmp_path / "nope"), uid=65534, gid=65534).check()
+    assert not missing.isolated and "nope not found (Debian package bubblewrap)" in missing.detail
+    assert missing.refusal(submitted_by_admin=False) and not missing.refusal(submitted_by_admin=True)
+    assert not JobIsolation(False, "x", allows_unisolated=True).refusal(submitted_by_admin=False)
+    with pytest.raises(ValueError, match="root"):
+        JobSandbox(bwrap="/usr/bin/bwrap", uid=0, gid=0)
+
+
+async def test_stop_reaches_the_job_in_the_sandbox_which_exits_in_its_grace(tmp_path: Path) -> None:
+    code = (
+        "import os, signal, sys, time\n"
+        "def leave(*_):\n"
+        "    time.sleep(0.5); open('saved', 'w').write(str(os.getuid())); sys.exit(3)\n"
+        "signal.signal(signal.SIGTERM, leave)\n"
+        "open('ready', 'w').close()\n"
+        "time.sleep(60)\n"
+    )
+    run_dir = tmp_path / "runs" / "job-t"
+    spec = LaunchSpec(job_id="job-t", attempt=1, command=(sys.executable, "-c", code), run_dir=run_dir,
+                      log_path=run_dir / "attempt-1.log")  # fmt: skip
+    runner = LocalProcessRunner(sandbox=sandbox(tmp_path))
+    proc = await runner.launch(spec)
+    for _ in range(300):
+        if (run_dir / "ready").exists():
+            break
+        await asyncio.sleep(0.05)
+    status = await proc.stop(grace_s=20)
+    assert status == ExitStatus(code=3), (run_dir / "attempt-1.log").read_text()
+    assert (run_dir / "saved").read_text() == "65534"
+    # A command that keeps SIGTERM's default action dies of it, and is reported so.
+    sleeping = tmp_path / "runs" / "job-s"
+    spec = LaunchSpec(job_id="job-s", attempt=1, command=("sleep", "60"), run_dir=sleeping,
+                      log_path=sleeping / "attempt-1.log")  # fmt: skip
+    sleeper = await runner.launch(spec)
+    await asyncio.sleep(0.5)
+    assert (await sleeper.stop(grace_s=20)).signal == signal.SIGTERM
+
+
+@pytest.mark.integration
+async def test_two_sandboxed_replicas_on_two_agents_train_and_checkpoint_as_the_job_user(
+    tmp_path: Path,
+) -> None:
+    corpus = tmp_path / "data" / "shakespeare.txt"
+    corpus.parent.mkdir()
+    corpus.write_text(Path(recipes.DEFAULT_CORPUS).read_text(encoding="utf-8")[:40_000], encoding="utf-8")
+    objects = tmp_path / "objects"
+    objects.mkdir()
+    job_id, port = "job-ddp", free_port()
+    command = (sys.executable, "-m", "forge_trainer_agent.training.run", "--recipe", "smoke",
+               "--set", f"data.corpus={corpus}", "--set", "threads=1", "--set", "max_steps=4",
+               "--set", "eval_interval=4", "--set", "checkpoint.interval_steps=2")  # fmt: skip
+    launched = []
+    for rank in (0, 1):
+        box = sandbox(tmp_path / f"agent-{rank}", read_paths=[str(corpus.parent)], objects_root=str(objects))
+        run_dir = tmp_path / f"agent-{rank}" / "runs" / job_id
+        spec = LaunchSpec(job_id=job_id, attempt=1, command=command, env={"FORGE_OBJECTS_URL": str(objects)},
+                          gpu_indices=(0,), node_rank=rank, num_nodes=2, master_addr="127.0.0.1",
+                          master_port=port, run_dir=run_dir, log_path=run_dir / "attempt-1.log")  # fmt: skip
+        launched.append((spec, await TorchrunRunner(sandbox=box).launch(spec)))
+    statuses = await asyncio.wait_for(asyncio.gather(*(p.wait() for _, p in launched)), timeout=280)
+    logs = [spec.log_path.read_text() for spec, _ in launched]
+    assert statuses == [ExitStatus(code=0), ExitStatus(code=0)], "\n".join(log[-3000:] for log in logs)
+    assert "allreduce.shared_memory" in logs[0] and "shared_memory_unavailable" not in logs[0]
+    summary = json.loads([ln for ln in logs[0].splitlines() if ln.startswith("{")][-1])
+    assert summary["outcome"] == "succeeded" and summary["step"] == 4
+    manifest = objects / "checkpoints" / job_id / "step-00000004" / "manifest.json"
+    assert json.loads(manifest.read_text())["world_size"] == 2
+    assert manifest.stat().st_uid == 65534 and launched[0][0].run_dir.stat().st_uid == 65534
+    assert not (Path("/dev/shm") / f"forge-job-{job_id}").exists()  # left empty, removed
