@@ -22,7 +22,8 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the sandbox drops pri
 
 
 def sandbox(tmp_path: Path, **kw: object) -> JobSandbox:
-    return JobSandbox(bwrap="/usr/bin/bwrap", uid=65534, gid=65534, private=[tmp_path / "agent"], **kw)  # type: ignore[arg-type]
+    kw.setdefault("private", [tmp_path / "agent"])
+    return JobSandbox(bwrap="/usr/bin/bwrap", uid=65534, gid=65534, **kw)  # type: ignore[arg-type]
 
 
 def test_the_probe_reports_isolation_and_a_missing_bwrap(tmp_path: Path) -> None:
@@ -96,3 +97,35 @@ async def test_two_sandboxed_replicas_on_two_agents_train_and_checkpoint_as_the_
     assert json.loads(manifest.read_text())["world_size"] == 2
     assert manifest.stat().st_uid == 65534 and launched[0][0].run_dir.stat().st_uid == 65534
     assert not (Path("/dev/shm") / f"forge-job-{job_id}").exists()  # left empty, removed
+
+
+async def test_read_globs_and_write_paths_reach_the_job_and_nothing_else(tmp_path: Path) -> None:
+    """Another agent's run folders are readable through a glob, a shared results folder is
+    writable, and the agent's own database next to its runs is not there at all."""
+    other = tmp_path / "var" / "data" / "trainer_agent_2" / "runs" / "job-old" / "hf"
+    other.mkdir(parents=True)
+    (other / "config.json").write_text("{}")
+    agent = tmp_path / "var" / "data" / "trainer_agent"
+    (agent / "runs").mkdir(parents=True)
+    (agent / "trainer_agent.db").write_text("rows")
+    results = tmp_path / "var" / "objects" / "rlhf"
+    box = sandbox(
+        tmp_path,
+        read_paths=[str(tmp_path / "var" / "data" / "trainer_agent*" / "runs")],
+        write_paths=[str(results)],
+        private=[agent],
+    )
+    code = (
+        "import os, sys\n"
+        "print(open(sys.argv[1]).read(), os.path.exists(sys.argv[2]))\n"
+        "open(os.path.join(sys.argv[3], 'out.json'), 'w').write('ok')\n"
+    )
+    run_dir = agent / "runs" / "job-new"
+    spec = LaunchSpec(job_id="job-new", attempt=1, run_dir=run_dir, log_path=run_dir / "attempt-1.log",
+                      command=(sys.executable, "-c", code, str(other / "config.json"),
+                               str(agent / "trainer_agent.db"), str(results)))  # fmt: skip
+    status = await (await LocalProcessRunner(sandbox=box).launch(spec)).wait()
+    log = spec.log_path.read_text()
+    assert status == ExitStatus(code=0), log
+    assert log.strip() == "{} False"
+    assert (results / "out.json").read_text() == "ok" and results.stat().st_uid == 65534

@@ -119,6 +119,10 @@ SERVICES: tuple[ServiceSpec, ...] = (
             "GPUS": "SIMx1",
             "NODE_GROUP": "local",
             "RUNNER": "torchrun",
+            # Jobs run sandboxed: they read datasets and the exports of earlier jobs on either
+            # agent, and the rlhf workflow's jobs write their results under objects/rlhf.
+            "JOB_READ_PATHS": "/work/shared/data,{root}/var/data/trainer_agent*/runs",
+            "JOB_WRITE_PATHS": "{root}/var/objects/rlhf",
         },
     ),
     ServiceSpec("model_server", grpc_port=50054, http_port=8000),

@@ -44,6 +44,7 @@ async def main() -> None:
         uid=settings.job_uid,
         gid=settings.job_gid,
         read_paths=[p.strip() for p in settings.job_read_paths.split(",")],
+        write_paths=[p.strip() for p in settings.job_write_paths.split(",")],
         objects_root=objects.root_url,
         private=[Path(settings.data_dir)],
     )

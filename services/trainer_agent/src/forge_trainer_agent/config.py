@@ -79,8 +79,14 @@ class TrainerAgentSettings(ServiceSettings):
     """Host group id jobs run as, with no supplementary groups; never 0."""
 
     job_read_paths: str = "/work/shared/data"
-    """Comma-separated host folders jobs may read (datasets), besides the Python runtime, the
-    code on the agent's ``sys.path`` and the object store; missing ones are left out."""
+    """Comma-separated host folders jobs may read (datasets, other jobs' run directories), besides
+    the Python runtime, the code on the agent's ``sys.path`` and the object store; glob patterns
+    are expanded at each launch and missing folders left out."""
+
+    job_write_paths: str = ""
+    """Comma-separated host folders jobs may write besides their run directory and their
+    ``checkpoints/<job id>`` in a local object store (e.g. a shared results folder); created when
+    missing and handed to the job user."""
 
     allow_unisolated_jobs: bool = False
     """Run jobs of non-admin submitters even when this node cannot isolate them (they would see

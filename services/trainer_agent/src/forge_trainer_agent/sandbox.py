@@ -11,10 +11,12 @@ What the job sees of the host filesystem is an allow-list:
 
 - read-only: ``/usr`` and ``/etc`` (with the ``/bin``, ``/lib``… entries as on the host), the
   agent's Python runtime and the directories on its ``sys.path`` (the code), the configured
-  read paths (datasets) and the object store;
+  read paths (datasets, other jobs' run directories; glob patterns, expanded at each launch) and
+  the object store;
 - writable: its run directory (owned by the job uid), ``checkpoints/<job id>`` in a local object
-  store, a private ``/tmp``, and as ``/dev/shm`` a directory per job shared only by the job's
-  replicas on this host (their shared-memory all-reduce);
+  store, the configured write paths (handed to the job uid), a private ``/tmp``, and as
+  ``/dev/shm`` a directory per job shared only by the job's replicas on this host (their
+  shared-memory all-reduce);
 - never: the agent's data directory and everything above it (a ``sys.path`` entry that holds it is
   left out), so the secrets and databases kept next to it are not there at all.
 
@@ -147,6 +149,7 @@ class JobSandbox:
         uid: int,
         gid: int,
         read_paths: Sequence[str] = (),
+        write_paths: Sequence[str] = (),
         objects_root: str = "",
         private: Sequence[Path] = (),
         shm_root: Path = Path("/dev/shm"),
@@ -158,10 +161,9 @@ class JobSandbox:
         objects = Path(objects_root).resolve() if objects_root and "://" not in objects_root else None
         self._objects = objects
         private_paths = [Path(p).resolve() for p in private]
-        extra = [Path(p).resolve() for p in read_paths if p]
-        self._read_only = _outermost(
-            [*code_paths(private_paths), *(p for p in extra if p.exists()), *([objects] if objects else [])]
-        )
+        self._code = [*code_paths(private_paths), *([objects] if objects else [])]
+        self._read_patterns = [p for p in read_paths if p]
+        self._write_paths = tuple(Path(p).resolve() for p in write_paths if p)
 
     # --- start-up ----------------------------------------------------------------------------
 
@@ -203,12 +205,14 @@ class JobSandbox:
 
     def plan(self, run_dir: Path, job_id: str) -> SandboxPlan:
         run_dir = run_dir.resolve()
-        writable = [run_dir]
+        matched = [Path(m).resolve() for pattern in self._read_patterns for m in glob.glob(pattern)]
+        read_only = _outermost([*self._code, *(p for p in matched if p.is_dir())])
+        writable = [*self._write_paths, run_dir]
         if self._objects is not None:
             writable.append(self._objects / "checkpoints" / job_id)
         shm = self._shm_root / f"forge-job-{job_id}" if self._shm_root.is_dir() else None
         devices = tuple(Path(p) for p in sorted(glob.glob("/dev/nvidia*")) if not os.path.isdir(p))
-        return SandboxPlan(run_dir, job_id, self._read_only, tuple(writable), shm, devices)
+        return SandboxPlan(run_dir, job_id, read_only, tuple(writable), shm, devices)
 
     def prepare(self, run_dir: Path, job_id: str) -> None:
         """Create the replica's writable directories, owned by the job user."""
