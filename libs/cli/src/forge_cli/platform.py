@@ -119,9 +119,11 @@ SERVICES: tuple[ServiceSpec, ...] = (
             "GPUS": "SIMx1",
             "NODE_GROUP": "local",
             "RUNNER": "torchrun",
-            # Jobs run sandboxed: they read datasets and the exports of earlier jobs on either
-            # agent, and the rlhf workflow's jobs write their results under objects/rlhf.
-            "JOB_READ_PATHS": "/work/shared/data,{root}/var/data/trainer_agent*/runs",
+            # Jobs run sandboxed: they read datasets, the exports of earlier jobs on either agent
+            # and preference snapshots; the rlhf workflow's jobs write results under objects/rlhf.
+            "JOB_READ_PATHS": (
+                "/work/shared/data,{root}/var/data/trainer_agent*/runs,{root}/var/data/preference_feedback/snapshots"
+            ),
             "JOB_WRITE_PATHS": "{root}/var/objects/rlhf",
         },
     ),
