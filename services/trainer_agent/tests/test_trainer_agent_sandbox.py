@@ -129,3 +129,28 @@ async def test_read_globs_and_write_paths_reach_the_job_and_nothing_else(tmp_pat
     assert status == ExitStatus(code=0), log
     assert log.strip() == "{} False"
     assert (results / "out.json").read_text() == "ok" and results.stat().st_uid == 65534
+
+
+async def test_the_jobs_environment_never_reaches_the_processes_that_run_as_root(tmp_path: Path) -> None:
+    """bubblewrap and setpriv run as root: a job-declared ``LD_PRELOAD`` in their environment
+    would load the job's code as root. They get only PATH and the job id; the job gets its env."""
+    run_dir = tmp_path / "runs" / "job-env"
+    code = "import os, time; open('env', 'w').write(os.environ['LD_PRELOAD']); time.sleep(60)"
+    spec = LaunchSpec(job_id="job-env", attempt=1, command=(sys.executable, "-c", code), run_dir=run_dir,
+                      env={"LD_PRELOAD": "/nonexistent/evil.so", "JOB_SECRET": "s3"},
+                      log_path=run_dir / "attempt-1.log")  # fmt: skip
+    proc = await LocalProcessRunner(sandbox=sandbox(tmp_path)).launch(spec)
+    try:
+        for _ in range(300):
+            if (run_dir / "env").exists():
+                break
+            await asyncio.sleep(0.05)
+        assert (run_dir / "env").read_text() == "/nonexistent/evil.so"
+        launcher = Path(f"/proc/{proc.pid}")
+        assert launcher.stat().st_uid == 0
+        environ = launcher.joinpath("environ").read_bytes().split(b"\0")
+        assert b"FORGE_JOB_ID=job-env" in environ
+        assert not [v for v in environ if v.startswith((b"LD_PRELOAD", b"JOB_SECRET"))]
+        assert b"s3" not in launcher.joinpath("cmdline").read_bytes()
+    finally:
+        await proc.stop(grace_s=5)

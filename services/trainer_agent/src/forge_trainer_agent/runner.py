@@ -211,25 +211,12 @@ class LocalProcessRunner:
         spec.run_dir.mkdir(parents=True, exist_ok=True)
         spec.log_path.parent.mkdir(parents=True, exist_ok=True)
         env = job_environment(spec, self._base_env)
-        command: Sequence[str] = spec.command
-        sandbox = self._sandbox
-        on_exit: Callable[[], None] = lambda: None  # noqa: E731
-        if sandbox is not None:
-            if sandbox.which(spec.command[0], env["PATH"]) is None:
-                raise LaunchError(f"command not found: {spec.command[0]!r}", exit_code=127)
-            try:
-                sandbox.prepare(spec.run_dir, spec.job_id)
-            except OSError as exc:
-                raise LaunchError(f"cannot prepare the job's sandbox: {exc}", exit_code=126) from None
-            command = sandbox.argv(sandbox.plan(spec.run_dir, spec.job_id), spec.command, spec.node_rank)
-
-            def on_exit() -> None:
-                sandbox.release(spec.run_dir, spec.job_id)
-
+        if self._sandbox is not None:
+            return await self._launch_sandboxed(spec, env, self._sandbox)
         with open(spec.log_path, "ab") as log:
             try:
                 proc = await asyncio.create_subprocess_exec(
-                    *command,
+                    *spec.command,
                     stdin=asyncio.subprocess.DEVNULL,
                     stdout=log,
                     stderr=asyncio.subprocess.STDOUT,
@@ -241,7 +228,35 @@ class LocalProcessRunner:
                 raise LaunchError(f"command not found: {spec.command[0]!r}", exit_code=127) from None
             except PermissionError:
                 raise LaunchError(f"command not executable: {spec.command[0]!r}", exit_code=126) from None
-        return LocalProcess(proc, on_exit=on_exit, wrapped=sandbox is not None)
+        return LocalProcess(proc)
+
+    @staticmethod
+    async def _launch_sandboxed(spec: LaunchSpec, env: dict[str, str], sandbox: JobSandbox) -> LocalProcess:
+        if sandbox.which(spec.command[0], env["PATH"]) is None:
+            raise LaunchError(f"command not found: {spec.command[0]!r}", exit_code=127)
+        try:
+            sandbox.prepare(spec.run_dir, spec.job_id)
+            plan = sandbox.plan(spec.run_dir, spec.job_id)
+            with (
+                open(spec.log_path, "ab") as log,
+                sandbox.started_by(plan, spec.command, env, spec.node_rank) as (
+                    argv,
+                    fds,
+                ),
+            ):
+                proc = await asyncio.create_subprocess_exec(
+                    *argv,
+                    stdin=asyncio.subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=asyncio.subprocess.STDOUT,
+                    cwd=spec.run_dir,
+                    env=sandbox.launcher_env(spec.job_id),
+                    start_new_session=True,
+                    pass_fds=fds,
+                )
+        except (OSError, ValueError) as exc:
+            raise LaunchError(f"cannot start the job's sandbox: {exc}", exit_code=126) from None
+        return LocalProcess(proc, on_exit=lambda: sandbox.release(spec.run_dir, spec.job_id), wrapped=True)
 
 
 class TorchrunRunner:

@@ -20,6 +20,8 @@ What the job sees of the host filesystem is an allow-list:
 - never: the agent's data directory and everything above it (a ``sys.path`` entry that holds it is
   left out), so the secrets and databases kept next to it are not there at all.
 
+The processes that run as root (bubblewrap, ``setpriv``) get an empty environment; the job's
+variables are set by a script bound into the sandbox and run after the privileges are dropped.
 The network is the host's (torchrun's rendezvous, the object store and the scheduler are reached
 over loopback). ``bwrap`` ignores SIGTERM (through ``env --ignore-signal``) so that stopping a job
 — SIGTERM to its process group — reaches the job, which checkpoints while the sandbox waits; the
@@ -35,12 +37,13 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
+import shlex
 import shutil
 import stat
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,14 +56,8 @@ SYSTEM_LINKS = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
 SETPRIV = "/usr/bin/setpriv"
 ENV = "/usr/bin/env"
 PROBE_TIMEOUT_S = 30.0
-#: ``sh -c`` program for replicas after the first: fork ``$1`` short-lived subshells, then run the
-#: rest of the arguments as a child (so its pid is past them) and exit with its status. SIGTERM
-#: has a no-op handler here (the child keeps SIGTERM's default action and gets the signal itself,
-#: from the process group); the shell stays until the child is gone.
-_SKIP_PIDS = (
-    'trap : TERM; i=0; while [ "$i" -lt "$1" ]; do (:); i=$((i + 1)); done; shift; "$@" & child=$!; '
-    'while :; do wait "$child"; status=$?; kill -0 "$child" 2>/dev/null || exit "$status"; done'
-)
+#: Where the sandbox finds the script that sets the job's environment and starts its command.
+LAUNCH_SCRIPT = "/run/forge/launch"
 
 
 @dataclass(frozen=True)
@@ -102,6 +99,17 @@ class SandboxPlan:
     writable: tuple[Path, ...]
     shm_dir: Path | None
     devices: tuple[Path, ...]
+
+
+@dataclass(frozen=True)
+class SandboxLaunch:
+    """How to start one sandbox: ``argv``, whose ``--args`` and ``--ro-bind-data`` file
+    descriptors must hold ``args`` (bubblewrap's options) and ``script`` (the job's environment):
+    so neither shows in ``ps``, and the job's variables never reach a process running as root."""
+
+    argv: tuple[str, ...]
+    args: bytes
+    script: bytes
 
 
 def _is_under(path: Path, root: Path) -> bool:
@@ -175,11 +183,18 @@ class JobSandbox:
         with tempfile.TemporaryDirectory(prefix="forge-sandbox-probe-") as tmp:
             run_dir = Path(tmp) / "probe"
             self.prepare(run_dir, "probe")
-            argv = self.argv(self.plan(run_dir, "probe"), ["/usr/bin/test", "-w", str(run_dir)])
+            probe = ["/usr/bin/test", "-w", str(run_dir)]
             try:
-                done = subprocess.run(
-                    argv, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S, check=False, env={}
-                )
+                with self.started_by(self.plan(run_dir, "probe"), probe, {}) as (argv, fds):
+                    done = subprocess.run(
+                        argv,
+                        capture_output=True,
+                        text=True,
+                        timeout=PROBE_TIMEOUT_S,
+                        check=False,
+                        env=self.launcher_env("probe"),
+                        pass_fds=fds,
+                    )
             except (OSError, subprocess.TimeoutExpired) as exc:
                 return JobIsolation(False, f"the probe sandbox did not run: {exc}", self.uid, self.gid)
             finally:
@@ -233,14 +248,52 @@ class JobSandbox:
             with contextlib.suppress(OSError):  # not empty, or already gone
                 shm.rmdir()
 
-    def argv(self, plan: SandboxPlan, command: Sequence[str], pid_offset: int = 0) -> list[str]:
-        """``env --ignore-signal=TERM bwrap … setpriv … env --default-signal=TERM <command>``.
+    @contextlib.contextmanager
+    def started_by(
+        self, plan: SandboxPlan, command: Sequence[str], env: Mapping[str, str], pid_offset: int = 0
+    ) -> Iterator[tuple[list[str], tuple[int, int]]]:
+        """The command line that starts the sandbox of :meth:`launch` and the file descriptors
+        it reads (pass them to the child), open while the context lasts."""
+        with tempfile.TemporaryFile() as args_file, tempfile.TemporaryFile() as script_file:
+            fds = (args_file.fileno(), script_file.fileno())
+            launch = self.launch(plan, command, env, *fds, pid_offset=pid_offset)
+            for handle, data in ((args_file, launch.args), (script_file, launch.script)):
+                handle.write(data)
+                handle.flush()
+                handle.seek(0)
+            yield list(launch.argv), fds
 
-        ``pid_offset`` processes are forked (and gone) before ``command`` starts, so that the
-        replicas of one job on one host — each its sandbox's first process otherwise — have
-        distinct pids: torchrun names a node in the c10d rendezvous by host name and pid."""
-        args = [ENV, "--ignore-signal=TERM", self.bwrap]
-        args += ["--unshare-pid", "--unshare-ipc", "--unshare-cgroup-try", "--die-with-parent"]
+    @staticmethod
+    def launcher_env(job_id: str) -> dict[str, str]:
+        """The environment of the processes that run as root (bubblewrap, then ``setpriv``): none
+        of the job's variables (a job's ``LD_PRELOAD`` must never reach them), only ``PATH`` and
+        ``FORGE_JOB_ID``, by which the agent recognises the job's processes after a restart."""
+        return {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "FORGE_JOB_ID": job_id}
+
+    def launch(
+        self,
+        plan: SandboxPlan,
+        command: Sequence[str],
+        env: Mapping[str, str],
+        args_fd: int,
+        script_fd: int,
+        pid_offset: int = 0,
+    ) -> SandboxLaunch:
+        """The sandbox for ``command``: bubblewrap's options (read from a file descriptor), then
+        ``setpriv`` to the job user, then a shell script (bound read-only from ``script_fd``) that
+        runs ``env -i <the job's environment> --default-signal=TERM <command>``; the processes
+        that run as root start with an empty environment.
+
+        With ``pid_offset`` the script first forks that many short-lived subshells and runs the
+        command as its child, so that the replicas of one job on one host — each its sandbox's
+        first process otherwise — have distinct pids: torchrun names a node in the c10d
+        rendezvous by host name and pid."""
+        for key, value in env.items():
+            if not key or "=" in key or "\0" in key or "\0" in value:
+                raise ValueError(f"environment variable {key!r} is not usable")
+        if any("\0" in arg for arg in command):
+            raise ValueError("a command argument holds a NUL character")
+        args = ["--unshare-pid", "--unshare-ipc", "--unshare-cgroup-try", "--die-with-parent"]
         for name in SYSTEM_DIRS:
             if os.path.isdir(f"/{name}"):
                 args += ["--ro-bind", f"/{name}", f"/{name}"]
@@ -272,9 +325,16 @@ class JobSandbox:
                     made.add(parent)
                 args += [flag, str(path), str(path)]
                 mounted.append(path)
-        args += ["--chdir", str(plan.run_dir)]
+        args += ["--perms", "0755", "--dir", str(Path(LAUNCH_SCRIPT).parent)]
+        args += ["--perms", "0555", "--ro-bind-data", str(script_fd), LAUNCH_SCRIPT]
+        args += ["--chdir", str(plan.run_dir), "--clearenv"]
         args += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--cap-add", "CAP_SETPCAP"]
-        args += [
+        argv = [
+            ENV,
+            "--ignore-signal=TERM",
+            self.bwrap,
+            "--args",
+            str(args_fd),
             SETPRIV,
             f"--reuid={self.uid}",
             f"--regid={self.gid}",
@@ -283,12 +343,28 @@ class JobSandbox:
             "--bounding-set=-all",
             "--no-new-privs",
             "--",
-            ENV,
-            "--default-signal=TERM",
+            "/bin/sh",
+            LAUNCH_SCRIPT,
+            *command,
         ]
+        start = " ".join(
+            [
+                ENV,
+                "-i",
+                "--default-signal=TERM",
+                "--",
+                *(shlex.quote(f"{k}={v}") for k, v in sorted(env.items())),
+            ]
+        )
         if pid_offset > 0:
-            args += ["/bin/sh", "-c", _SKIP_PIDS, "sh", str(pid_offset)]
-        return [*args, *command]
+            script = (
+                f'trap : TERM; i=0; while [ "$i" -lt {int(pid_offset)} ]; do (:); i=$((i + 1)); done\n'
+                f'{start} "$@" & child=$!\n'
+                'while :; do wait "$child"; status=$?; kill -0 "$child" 2>/dev/null || exit "$status"; done\n'
+            )
+        else:
+            script = f'exec {start} "$@"\n'
+        return SandboxLaunch(tuple(argv), "\0".join(args).encode() + b"\0", script.encode())
 
     def which(self, program: str, path_env: str) -> str | None:
         """Where ``program`` would be found (its own path when it names one)."""
