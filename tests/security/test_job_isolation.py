@@ -16,6 +16,7 @@ an admin submitted still runs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -221,6 +222,8 @@ async def test_a_team_job_reaches_no_secret_of_its_agent(isolated: Platform) -> 
     )
 
     log = isolated.job_log(job.id)
+    with contextlib.suppress(OSError):
+        (Path("/dev/shm") / f"forge-job-{job.id}").rmdir()
     assert job.state == common_pb2.JOB_STATE_SUCCEEDED, f"{job.message}\n{log}"
     line = next(line for line in log.splitlines() if line.startswith("ATTACK "))
     found = json.loads(line.removeprefix("ATTACK "))

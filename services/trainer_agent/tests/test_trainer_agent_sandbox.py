@@ -5,10 +5,12 @@ into the object store) still trains as the unprivileged job user."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,15 @@ from forge_trainer_agent.sandbox import JobIsolation, JobSandbox
 from forge_trainer_agent.training import recipes
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the sandbox drops privileges only from root")
+
+
+@pytest.fixture(autouse=True)
+def _shm_folders() -> Iterator[None]:
+    """The per-job shm folders stay after a job (another replica may use them): tidy ours."""
+    yield
+    for job_id in ("job-t", "job-s", "job-env", "job-new", "job-ddp"):
+        with contextlib.suppress(OSError):
+            (Path("/dev/shm") / f"forge-job-{job_id}").rmdir()
 
 
 def sandbox(tmp_path: Path, **kw: object) -> JobSandbox:
@@ -96,7 +107,8 @@ async def test_two_sandboxed_replicas_on_two_agents_train_and_checkpoint_as_the_
     manifest = objects / "checkpoints" / job_id / "step-00000004" / "manifest.json"
     assert json.loads(manifest.read_text())["world_size"] == 2
     assert manifest.stat().st_uid == 65534 and launched[0][0].run_dir.stat().st_uid == 65534
-    assert not (Path("/dev/shm") / f"forge-job-{job_id}").exists()  # left empty, removed
+    shm = Path("/dev/shm") / f"forge-job-{job_id}"
+    assert list(shm.iterdir()) == [] and shm.stat().st_uid == 65534  # the segment was unlinked
 
 
 async def test_read_globs_and_write_paths_reach_the_job_and_nothing_else(tmp_path: Path) -> None:

@@ -181,7 +181,6 @@ class LocalProcess:
         returncode = await self._proc.wait()
         # Whatever the leader left behind (dataloader workers, shells) must not hold the GPUs.
         _signal_group(self._proc.pid, signal.SIGKILL)
-        self._on_exit()
         if self._wrapped:
             return ExitStatus.from_wrapper_code(returncode)
         return ExitStatus.from_returncode(returncode)
@@ -256,7 +255,7 @@ class LocalProcessRunner:
                 )
         except (OSError, ValueError) as exc:
             raise LaunchError(f"cannot start the job's sandbox: {exc}", exit_code=126) from None
-        return LocalProcess(proc, on_exit=lambda: sandbox.release(spec.run_dir, spec.job_id), wrapped=True)
+        return LocalProcess(proc, wrapped=True)
 
 
 class TorchrunRunner:

@@ -16,7 +16,8 @@ What the job sees of the host filesystem is an allow-list:
 - writable: its run directory (owned by the job uid), ``checkpoints/<job id>`` in a local object
   store, the configured write paths (handed to the job uid), a private ``/tmp``, and as
   ``/dev/shm`` a directory per job shared only by the job's replicas on this host (their
-  shared-memory all-reduce);
+  shared-memory all-reduce; it is left in place, empty, when a replica ends, as a replica of the
+  job on another agent may still use it);
 - never: the agent's data directory and everything above it (a ``sys.path`` entry that holds it is
   left out), so the secrets and databases kept next to it are not there at all.
 
@@ -242,7 +243,9 @@ class JobSandbox:
             plan.shm_dir.chmod(0o700)
 
     def release(self, run_dir: Path, job_id: str) -> None:
-        """Remove what :meth:`prepare` made that holds nothing of value (the empty shm folder)."""
+        """Remove the job's shm folder if it is empty. Only for a job no other replica on this
+        host may still run (the probe): removing a folder another sandbox has bound as its
+        ``/dev/shm`` detaches it there."""
         shm = self.plan(run_dir, job_id).shm_dir
         if shm is not None:
             with contextlib.suppress(OSError):  # not empty, or already gone
