@@ -250,7 +250,8 @@ async def test_a_node_that_cannot_isolate_refuses_team_jobs_and_says_so(unisolat
     shown = await asyncio.to_thread(
         CliRunner().invoke,
         cluster_app,
-        ["--target", unisolated.scheduler.grpc_target, "--token", unisolated.secrets["scheduler"], "--json"],
+        ["--target", unisolated.scheduler.grpc_target, "--json"],
+        env={"FORGE_CLI_SCHEDULER_TOKEN": unisolated.secrets["scheduler"]},
     )
     assert shown.exit_code == 0, shown.output
     row = json.loads(shown.output)["nodes"][0]

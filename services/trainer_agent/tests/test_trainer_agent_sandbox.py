@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 
+from forge_kit.paths import resolve_data_path
 from forge_kit.testing import free_port
 from forge_trainer_agent.runner import ExitStatus, LaunchSpec, LocalProcessRunner, TorchrunRunner
-from forge_trainer_agent.sandbox import JobIsolation, JobSandbox
+from forge_trainer_agent.sandbox import JobIsolation, JobSandbox, dataset_folders
 from forge_trainer_agent.training import recipes
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the sandbox drops privileges only from root")
@@ -83,7 +84,9 @@ async def test_two_sandboxed_replicas_on_two_agents_train_and_checkpoint_as_the_
 ) -> None:
     corpus = tmp_path / "data" / "shakespeare.txt"
     corpus.parent.mkdir()
-    corpus.write_text(Path(recipes.DEFAULT_CORPUS).read_text(encoding="utf-8")[:40_000], encoding="utf-8")
+    corpus.write_text(
+        resolve_data_path(recipes.DEFAULT_CORPUS).read_text(encoding="utf-8")[:40_000], encoding="utf-8"
+    )
     objects = tmp_path / "objects"
     objects.mkdir()
     job_id, port = "job-ddp", free_port()
@@ -166,3 +169,17 @@ async def test_the_jobs_environment_never_reaches_the_processes_that_run_as_root
         assert b"s3" not in launcher.joinpath("cmdline").read_bytes()
     finally:
         await proc.stop(grace_s=5)
+
+
+def test_jobs_read_the_datasets_but_not_the_data_folder_itself(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The data folder may hold services' state next to the datasets (``var/data/<service>``)."""
+    monkeypatch.setenv("FORGE_DATA_DIR", str(tmp_path / "data"))
+    folders = dataset_folders()
+    assert tmp_path / "data" / "corpora" in folders and tmp_path / "data" not in folders
+    (tmp_path / "data" / "corpora").mkdir(parents=True)
+    (tmp_path / "data" / "scheduler").mkdir()
+    plan = sandbox(tmp_path, read_paths=[str(p) for p in folders]).plan(tmp_path / "run", "job-d")
+    assert tmp_path / "data" / "corpora" in plan.read_only
+    assert not any(p == tmp_path / "data" or p == tmp_path / "data" / "scheduler" for p in plan.read_only)

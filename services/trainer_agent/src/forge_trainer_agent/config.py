@@ -78,10 +78,10 @@ class TrainerAgentSettings(ServiceSettings):
     job_gid: int = Field(default=65534, ge=1, le=2**31 - 1)
     """Host group id jobs run as, with no supplementary groups; never 0."""
 
-    job_read_paths: str = "/work/shared/data"
-    """Comma-separated host folders jobs may read (datasets, other jobs' run directories), besides
-    the Python runtime, the code on the agent's ``sys.path`` and the object store; glob patterns
-    are expanded at each launch and missing folders left out."""
+    job_read_paths: str = ""
+    """Comma-separated host folders jobs may read (e.g. other jobs' run directories), besides the
+    Python runtime, the code on the agent's ``sys.path``, the data folder's datasets and the
+    object store; glob patterns are expanded at each launch and missing folders left out."""
 
     job_write_paths: str = ""
     """Comma-separated host folders jobs may write besides their run directory and their

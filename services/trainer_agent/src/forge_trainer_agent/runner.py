@@ -26,7 +26,16 @@ from forge_trainer_agent.sandbox import JobSandbox
 
 #: The only variables of the agent's environment a job gets: where programs and the Python code
 #: are, and the locale. Everything else a job sees is its own declared env and its placement.
-INHERITED_ENV = ("PATH", "PYTHONPATH", "VIRTUAL_ENV", "LD_LIBRARY_PATH", "LANG", "LANGUAGE", "TZ")
+INHERITED_ENV = (
+    "PATH",
+    "PYTHONPATH",
+    "VIRTUAL_ENV",
+    "LD_LIBRARY_PATH",
+    "FORGE_DATA_DIR",
+    "LANG",
+    "LANGUAGE",
+    "TZ",
+)
 INHERITED_ENV_PREFIXES = ("LC_",)
 
 

@@ -11,8 +11,8 @@ What the job sees of the host filesystem is an allow-list:
 
 - read-only: ``/usr`` and ``/etc`` (with the ``/bin``, ``/lib``… entries as on the host), the
   agent's Python runtime and the directories on its ``sys.path`` (the code), the configured
-  read paths (datasets, other jobs' run directories; glob patterns, expanded at each launch) and
-  the object store;
+  read paths (the data folder's datasets, other jobs' run directories; glob patterns, expanded
+  at each launch) and the object store;
 - writable: its run directory (owned by the job uid), ``checkpoints/<job id>`` in a local object
   store, the configured write paths (handed to the job uid), a private ``/tmp``, and as
   ``/dev/shm`` a directory per job shared only by the job's replicas on this host (their
@@ -46,9 +46,12 @@ import sys
 import tempfile
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from forge.scheduler.v1 import scheduler_pb2
+
+from forge_kit import datasets
+from forge_kit.paths import data_dir
 
 #: Host directories of the system a program needs (read-only); the others are symlinks or absent.
 SYSTEM_DIRS = ("usr", "etc")
@@ -111,6 +114,15 @@ class SandboxLaunch:
     argv: tuple[str, ...]
     args: bytes
     script: bytes
+
+
+def dataset_folders() -> list[Path]:
+    """The data folder's dataset folders (``corpora``, ``beir``…, from the catalog in
+    :mod:`forge_kit.datasets`), which jobs read; not the data folder itself, which may also hold
+    services' state (``var/data/<service>`` in a checkout)."""
+    root = data_dir()
+    tops = {PurePosixPath(d.folder).parts[0] for d in datasets.catalog().values()}
+    return [root / top for top in sorted(tops)]
 
 
 def _is_under(path: Path, root: Path) -> bool:
