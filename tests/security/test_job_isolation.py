@@ -156,7 +156,7 @@ class Platform:
             return str(issued.token)
 
     async def run_job(
-        self, token: str, team: str, command: list[str], env: dict[str, str]
+        self, token: str, team: str, command: list[str], env: dict[str, str], on_behalf_of: str = ""
     ) -> scheduler_pb2.Job:
         """Submit with ``token`` and wait for a terminal state."""
         async with make_channel(self.scheduler.grpc_target, token=token) as channel:
@@ -169,7 +169,8 @@ class Platform:
                 env=env,
                 resources=common_pb2.ResourceRequest(gpu_type="SIM", gpu_count=1),
             )
-            job = (await stub.SubmitJob(scheduler_pb2.SubmitJobRequest(spec=spec))).job
+            request = scheduler_pb2.SubmitJobRequest(spec=spec, on_behalf_of=on_behalf_of)
+            job = (await stub.SubmitJob(request)).job
             terminal = {
                 common_pb2.JOB_STATE_SUCCEEDED,
                 common_pb2.JOB_STATE_FAILED,
@@ -265,6 +266,16 @@ async def test_a_node_that_cannot_isolate_refuses_team_jobs_and_says_so(unisolat
 
     assert refused.state == common_pb2.JOB_STATE_FAILED
     assert "cannot isolate jobs" in refused.message and "allow_unisolated_jobs" in refused.message
+    assert not marker.exists()
+    # An admin relaying the team's submission (the orchestrator's workflows) is the team's.
+    relayed = await unisolated.run_job(
+        unisolated.secrets["scheduler"],
+        "research",
+        [sys.executable, "-c", f"open({str(marker)!r}, 'w')"],
+        {},
+        on_behalf_of="research",
+    )
+    assert relayed.state == common_pb2.JOB_STATE_FAILED and "cannot isolate jobs" in relayed.message
     assert not marker.exists()
     admin_job = await unisolated.run_job(
         unisolated.secrets["scheduler"], "research", [sys.executable, "-c", "pass"], {}

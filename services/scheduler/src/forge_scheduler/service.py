@@ -417,7 +417,8 @@ class SchedulerService:
                 checkpoint_interval_s=float(spec.checkpoint_interval_seconds),
                 attempt=0,
                 borrowed=False,
-                submitted_by_admin=_by_admin(),
+                # A submission on a team's behalf is that team's, whoever relays it.
+                submitted_by_admin=_by_admin() and not on_behalf_of,
                 attained_gpu_s=0.0,
                 pending_reason="waiting for the next scheduling cycle",
             )
