@@ -67,6 +67,7 @@ def test_files_are_downloaded_checked_and_kept(server: tuple[str, Path, list[str
     assert lines == ["toy: 2 fetched, 0 already present (15 bytes)"]
     assert (root / "sets/toy/a.txt").read_bytes() == b"alpha\n"
     assert (root / "sets/toy/sub/b.jsonl").read_bytes() == b'{"x": 1}\n'
+    assert (root / "sets/toy/a.txt").stat().st_mode & 0o777 == 0o644  # sandboxed jobs read it
     assert ("toy/a.txt", 6, 6) in seen
     # A second fetch finds both in place and asks the server nothing.
     count = len(requests)

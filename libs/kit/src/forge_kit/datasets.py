@@ -121,6 +121,8 @@ def _staged(target: Path) -> Iterator[Path]:
     tmp = Path(name)
     try:
         yield tmp
+        # Public data, read by jobs that run as another user: not mkstemp's 0600.
+        tmp.chmod(0o644)
         os.replace(tmp, target)
     finally:
         tmp.unlink(missing_ok=True)
