@@ -128,6 +128,12 @@ def _staged(target: Path) -> Iterator[Path]:
         tmp.unlink(missing_ok=True)
 
 
+def _world_readable(path: Path) -> None:
+    """Make a data file readable by every user (jobs run as their own)."""
+    if path.stat().st_mode & 0o044 != 0o044:
+        path.chmod(path.stat().st_mode | 0o044)
+
+
 def _check(file: DataFile, path: Path, origin: str) -> None:
     actual = _sha256(path)
     if actual != file.sha256:
@@ -197,6 +203,7 @@ def fetch(
                 fetched = 0
                 for file in dataset.files:
                     if is_present(dataset, root, file):
+                        _world_readable(root / dataset.folder / file.path)  # one fetched as 0600
                         continue
                     target = root / dataset.folder / file.path
                     label = f"{dataset.name}/{file.path}"
