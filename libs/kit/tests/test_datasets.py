@@ -67,11 +67,15 @@ def test_files_are_downloaded_checked_and_kept(server: tuple[str, Path, list[str
     assert lines == ["toy: 2 fetched, 0 already present (15 bytes)"]
     assert (root / "sets/toy/a.txt").read_bytes() == b"alpha\n"
     assert (root / "sets/toy/sub/b.jsonl").read_bytes() == b'{"x": 1}\n'
+    assert (root / "sets/toy/a.txt").stat().st_mode & 0o777 == 0o644  # sandboxed jobs read it
     assert ("toy/a.txt", 6, 6) in seen
-    # A second fetch finds both in place and asks the server nothing.
+    # A second fetch finds both in place and asks the server nothing (a file once fetched as
+    # 0600 is made readable again).
+    (root / "sets/toy/a.txt").chmod(0o600)
     count = len(requests)
     assert datasets.fetch(["toy"], root=root, known=known) == ["toy: 0 fetched, 2 already present (15 bytes)"]
     assert len(requests) == count
+    assert (root / "sets/toy/a.txt").stat().st_mode & 0o777 == 0o644
 
 
 def test_a_checksum_mismatch_is_refused_and_nothing_is_installed(

@@ -119,6 +119,10 @@ SERVICES: tuple[ServiceSpec, ...] = (
             "GPUS": "SIMx1",
             "NODE_GROUP": "local",
             "RUNNER": "torchrun",
+            # Jobs run sandboxed: besides the datasets they read the exports of earlier jobs on
+            # either agent and preference snapshots; the rlhf workflow's jobs write objects/rlhf.
+            "JOB_READ_PATHS": "{root}/var/data/trainer_agent*/runs,{root}/var/data/preference_feedback/snapshots",
+            "JOB_WRITE_PATHS": "{root}/var/objects/rlhf",
         },
     ),
     ServiceSpec("model_server", grpc_port=50054, http_port=8000),

@@ -121,9 +121,17 @@ def _staged(target: Path) -> Iterator[Path]:
     tmp = Path(name)
     try:
         yield tmp
+        # Public data, read by jobs that run as another user: not mkstemp's 0600.
+        tmp.chmod(0o644)
         os.replace(tmp, target)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _world_readable(path: Path) -> None:
+    """Make a data file readable by every user (jobs run as their own)."""
+    if path.stat().st_mode & 0o044 != 0o044:
+        path.chmod(path.stat().st_mode | 0o044)
 
 
 def _check(file: DataFile, path: Path, origin: str) -> None:
@@ -195,6 +203,7 @@ def fetch(
                 fetched = 0
                 for file in dataset.files:
                     if is_present(dataset, root, file):
+                        _world_readable(root / dataset.folder / file.path)  # one fetched as 0600
                         continue
                     target = root / dataset.folder / file.path
                     label = f"{dataset.name}/{file.path}"

@@ -10,7 +10,7 @@ import grpc
 import structlog
 from forge.common.v1 import common_pb2
 from forge.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
-from google.protobuf import timestamp_pb2
+from google.protobuf import json_format, timestamp_pb2
 
 from forge_kit import errors
 from forge_kit.grpckit import SERVICE_PRINCIPAL, current_principal, require_admin
@@ -83,6 +83,9 @@ def node_to_proto(node: NodeRow, used: set[int] | None = None) -> scheduler_pb2.
         last_heartbeat_at=_ts(node.last_heartbeat_at),
         running_job_ids=list(node.running_job_ids),
         free_gpus=sum(1 for g in gpus if g.index not in (used or set())),
+        job_isolation=json_format.ParseDict(node.job_isolation, scheduler_pb2.JobIsolation())
+        if node.job_isolation is not None
+        else None,
     )
 
 

@@ -348,6 +348,7 @@ def cluster(
             "gpus": f"{len(n.gpus)}x{n.gpus[0].type}" if n.gpus else "0",
             "free": n.free_gpus,
             "jobs": ",".join(n.running_job_ids),
+            "isolation": _isolation(n),
         }
         for n in nodes
     ]
@@ -355,4 +356,15 @@ def cluster(
         typer.echo(json.dumps({"cluster": summary, "nodes": rows}, indent=2))
         return
     clitools.show_record(summary, False)
-    clitools.show_rows(rows, ["node", "state", "group", "gpus", "free", "jobs"], False, "nodes")
+    clitools.show_rows(rows, ["node", "state", "group", "gpus", "free", "jobs", "isolation"], False, "nodes")
+
+
+def _isolation(node: scheduler_pb2.Node) -> str:
+    """How the node's agent contains jobs, in a few words (``unknown`` when it did not say)."""
+    if not node.HasField("job_isolation"):
+        return "unknown"
+    iso = node.job_isolation
+    if iso.isolated:
+        return f"sandboxed (uid {iso.job_uid})"
+    runs = "all jobs" if iso.allows_unisolated else "admin jobs only"
+    return f"NONE, {runs}: {iso.detail}"

@@ -29,6 +29,7 @@ import structlog
 from forge.common.v1 import common_pb2
 from forge.events.v1 import events_pb2
 from forge.scheduler.v1 import scheduler_pb2
+from google.protobuf import json_format
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm.exc import StaleDataError
 
@@ -244,6 +245,12 @@ def authorize_team(team: str, action: str) -> None:
         raise errors.PermissionDeniedError(f"{principal.name} may not {action} jobs of team {team!r}")
 
 
+def _by_admin() -> bool:
+    """Whether the caller is an admin (a service token), or no authentication is in force."""
+    principal = current_principal()
+    return principal is None or principal.is_admin
+
+
 class SchedulerService:
     """Owns the scheduler's database; every public method is one transaction."""
 
@@ -412,6 +419,8 @@ class SchedulerService:
                 checkpoint_interval_s=float(spec.checkpoint_interval_seconds),
                 attempt=0,
                 borrowed=False,
+                # A submission on a team's behalf is that team's, whoever relays it.
+                submitted_by_admin=_by_admin() and not on_behalf_of,
                 attained_gpu_s=0.0,
                 pending_reason="waiting for the next scheduling cycle",
             )
@@ -645,6 +654,11 @@ class SchedulerService:
             node.state = scheduler_pb2.NodeState.NODE_STATE_READY
             node.last_heartbeat_at = self._clock()
             node.running_job_ids = list(request.running_job_ids)
+            node.job_isolation = (
+                json_format.MessageToDict(request.job_isolation)
+                if request.HasField("job_isolation")
+                else None
+            )
         self._wake()
         return node
 
@@ -782,6 +796,7 @@ def start_command(
             master_addr=master_addr,
             master_port=master_port(job),
             attempt=job.attempt,
+            submitted_by_admin=job.submitted_by_admin,
         )
     )
 

@@ -76,6 +76,8 @@ class JobRow(Base):
     """Replicas of an earlier placement still stopping (``[node, [gpu indices]]``): their GPUs stay
     taken until the agent reports the replica ended or the node is lost."""
     borrowed: Mapped[bool] = mapped_column(sa.Boolean, default=False)
+    submitted_by_admin: Mapped[bool] = mapped_column(sa.Boolean, default=False, server_default=sa.false())
+    """An admin principal (not a team token) submitted it; StartJob carries it to the agent."""
     attained_gpu_s: Mapped[float] = mapped_column(sa.Float, default=0.0)
     """GPU-seconds used by earlier attempts (least-attained-service ordering)."""
     last_checkpoint_at: Mapped[dt.datetime | None] = mapped_column(sa.DateTime, nullable=True)
@@ -107,6 +109,8 @@ class NodeRow(Base):
     state: Mapped[int] = mapped_column(sa.Integer)
     last_heartbeat_at: Mapped[dt.datetime | None] = mapped_column(sa.DateTime, nullable=True)
     running_job_ids: Mapped[list[str]] = mapped_column(sa.JSON, default=list)
+    job_isolation: Mapped[dict[str, Any] | None] = mapped_column(sa.JSON, nullable=True)
+    """``forge.scheduler.v1.JobIsolation`` as its agent registered it (JSON field names)."""
 
 
 class TeamUsageRow(Base):

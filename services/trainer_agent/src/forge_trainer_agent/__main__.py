@@ -3,22 +3,29 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import os
 from pathlib import Path
 
+import structlog
 from forge.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 
 from forge_kit.app import ServiceApp
 from forge_kit.grpckit import make_channel
 from forge_kit.objectstore import ObjectStore
+from forge_kit.paths import DATA_DIR_ENV, data_dir
 from forge_trainer_agent.api import TrainerAgentApi
 from forge_trainer_agent.checkpoints import CheckpointAnnouncer, ManifestFinder
 from forge_trainer_agent.config import TrainerAgentSettings
 from forge_trainer_agent.metrics import MetricsStreamer
 from forge_trainer_agent.node import NodeInfo, detect_gpus, parse_gpu_spec
 from forge_trainer_agent.runner import LocalProcessRunner, TorchrunRunner
+from forge_trainer_agent.sandbox import JobSandbox, dataset_folders
 from forge_trainer_agent.service import AgentService
 from forge_trainer_agent.session import Backoff, SchedulerSession
 from forge_trainer_agent.store import RunStore
+
+log = structlog.get_logger(__name__)
 
 
 async def main() -> None:
@@ -34,9 +41,35 @@ async def main() -> None:
     db = await app.open_database("trainer_agent.db", Path(__file__).parent / "migrations")
     app.enable_outbox()
     objects = ObjectStore(settings.object_store_url)
+    sandbox = JobSandbox(
+        bwrap=settings.job_sandbox,
+        uid=settings.job_uid,
+        gid=settings.job_gid,
+        read_paths=[*(p.strip() for p in settings.job_read_paths.split(",")), *map(str, dataset_folders())],
+        write_paths=[p.strip() for p in settings.job_write_paths.split(",")],
+        objects_root=objects.root_url,
+        private=[Path(settings.data_dir)],
+    )
+    checked = await asyncio.to_thread(sandbox.check)
+    isolation = dataclasses.replace(checked, allows_unisolated=settings.allow_unisolated_jobs)
+    if isolation.isolated:
+        log.info("agent.job_isolation", isolated=True, detail=isolation.detail)
+    else:
+        log.warning(
+            "agent.job_isolation",
+            isolated=False,
+            detail=isolation.detail,
+            runs="every job" if settings.allow_unisolated_jobs else "jobs submitted by admins only",
+        )
+    used = sandbox if isolation.isolated else None
+    # Jobs find the datasets where the agent does, whatever their working directory.
+    base_env = {**os.environ, DATA_DIR_ENV: str(data_dir())}
+    node = dataclasses.replace(node, isolation=isolation)
     service = AgentService(
         RunStore(db),
-        TorchrunRunner() if settings.runner == "torchrun" else LocalProcessRunner(),
+        TorchrunRunner(base_env, sandbox=used)
+        if settings.runner == "torchrun"
+        else LocalProcessRunner(base_env, sandbox=used),
         node,
         runs_dir=Path(settings.data_dir).resolve() / "runs",
         stop_grace_s=settings.stop_grace_s,

@@ -66,6 +66,32 @@ class TrainerAgentSettings(ServiceSettings):
     max_page_size: int = Field(default=500, ge=1)
     """Upper bound on page_size in ListRuns."""
 
+    job_sandbox: str = "/usr/bin/bwrap"
+    """The bubblewrap binary jobs run in (Debian package ``bubblewrap``); empty turns job
+    isolation off. Without it (or when the agent is not root) jobs are not isolated: the agent
+    says so at start-up and to the scheduler, and runs only jobs that admins submitted unless
+    ``allow_unisolated_jobs`` is set."""
+
+    job_uid: int = Field(default=65534, ge=1, le=2**31 - 1)
+    """Host user id jobs run as (``nobody`` by default); never 0."""
+
+    job_gid: int = Field(default=65534, ge=1, le=2**31 - 1)
+    """Host group id jobs run as, with no supplementary groups; never 0."""
+
+    job_read_paths: str = ""
+    """Comma-separated host folders jobs may read (e.g. other jobs' run directories), besides the
+    Python runtime, the code on the agent's ``sys.path``, the data folder's datasets and the
+    object store; glob patterns are expanded at each launch and missing folders left out."""
+
+    job_write_paths: str = ""
+    """Comma-separated host folders jobs may write besides their run directory and their
+    ``checkpoints/<job id>`` in a local object store (e.g. a shared results folder); created when
+    missing and handed to the job user."""
+
+    allow_unisolated_jobs: bool = False
+    """Run jobs of non-admin submitters even when this node cannot isolate them (they would see
+    the agent's user and files): an explicit operator choice."""
+
     @field_validator("gpus")
     @classmethod
     def _gpus_readable(cls, value: str) -> str:

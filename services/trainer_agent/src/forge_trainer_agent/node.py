@@ -15,6 +15,8 @@ import structlog
 from forge.common.v1 import common_pb2
 from forge.scheduler.v1 import scheduler_pb2
 
+from forge_trainer_agent.sandbox import JobIsolation
+
 log = structlog.get_logger(__name__)
 
 #: The query the agent runs; ``parse_nvidia_smi`` reads its output.
@@ -48,6 +50,8 @@ class NodeInfo:
     rack: str = ""
     nvlink_domain: str = ""
     labels: dict[str, str] = field(default_factory=dict)
+    isolation: JobIsolation | None = None
+    """How jobs run here (checked at start-up); None when the caller chose the runner itself."""
 
     def topology(self) -> scheduler_pb2.NodeTopology:
         return scheduler_pb2.NodeTopology(

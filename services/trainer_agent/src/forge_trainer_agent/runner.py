@@ -1,9 +1,13 @@
 """How a job replica becomes a process on this node.
 
 :class:`JobRunner` is the seam: the agent hands it a :class:`LaunchSpec` and gets back a
-:class:`JobProcess` to wait on or stop. :class:`LocalProcessRunner` runs the job's command as is;
+:class:`JobProcess` to wait on or stop. :class:`LocalProcessRunner` runs the job's command — inside
+a :class:`~forge_trainer_agent.sandbox.JobSandbox` when given one (as the agent's user otherwise);
 a torchrun runner (launching ``torchrun --nnodes … --node-rank …`` around the command, with
 checkpoint hand-off) plugs in behind the same protocol: :class:`TorchrunRunner`.
+
+A job's environment is built from an allow-list (:func:`job_environment`), never copied from the
+agent's, whose variables hold its credentials.
 """
 
 from __future__ import annotations
@@ -13,13 +17,26 @@ import contextlib
 import os
 import signal
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-#: Variables of the agent's own environment that a job must not inherit (its secrets, its ports).
-PRIVATE_ENV_PREFIXES = ("FORGE_TRAINER_AGENT_", "FORGE_READY_FILE")
+from forge_trainer_agent.sandbox import JobSandbox
+
+#: The only variables of the agent's environment a job gets: where programs and the Python code
+#: are, and the locale. Everything else a job sees is its own declared env and its placement.
+INHERITED_ENV = (
+    "PATH",
+    "PYTHONPATH",
+    "VIRTUAL_ENV",
+    "LD_LIBRARY_PATH",
+    "FORGE_DATA_DIR",
+    "LANG",
+    "LANGUAGE",
+    "TZ",
+)
+INHERITED_ENV_PREFIXES = ("LC_",)
 
 
 @dataclass(frozen=True)
@@ -51,6 +68,14 @@ class ExitStatus:
         if returncode < 0:
             return cls(code=128 - returncode, signal=-returncode)
         return cls(code=returncode)
+
+    @classmethod
+    def from_wrapper_code(cls, returncode: int) -> ExitStatus:
+        """The status of a command run by a wrapper that reports death by signal ``N`` as exit
+        code ``128 + N`` (bubblewrap)."""
+        if 128 < returncode < 128 + signal.NSIG:
+            return cls(code=returncode, signal=returncode - 128)
+        return cls.from_returncode(returncode)
 
     def describe(self) -> str:
         if self.signal is not None:
@@ -113,9 +138,12 @@ def write_termination_message(message: str) -> None:
 
 
 def job_environment(spec: LaunchSpec, base: Mapping[str, str]) -> dict[str, str]:
-    """The replica's environment: the agent's (minus its private settings), the job's own
-    variables, then the placement variables, which the job cannot override."""
-    env = {k: v for k, v in base.items() if not k.startswith(PRIVATE_ENV_PREFIXES)}
+    """The replica's environment: the allow-listed basics of ``base`` (:data:`INHERITED_ENV`),
+    ``HOME`` as its run directory, the job's own variables, then the placement variables, which
+    the job cannot override."""
+    env = {k: v for k, v in base.items() if k in INHERITED_ENV or k.startswith(INHERITED_ENV_PREFIXES)}
+    env.setdefault("PATH", os.defpath)
+    env["HOME"] = str(spec.run_dir)
     env.update(spec.env)
     env.update(
         FORGE_JOB_ID=spec.job_id,
@@ -144,8 +172,15 @@ def _signal_group(pgid: int, sig: signal.Signals) -> None:
 class LocalProcess:
     """A replica running as a local process group (the group id is the leader's pid)."""
 
-    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+    def __init__(
+        self,
+        proc: asyncio.subprocess.Process,
+        on_exit: Callable[[], None] = lambda: None,
+        wrapped: bool = False,
+    ) -> None:
         self._proc = proc
+        self._on_exit = on_exit
+        self._wrapped = wrapped
 
     @property
     def pid(self) -> int:
@@ -155,6 +190,8 @@ class LocalProcess:
         returncode = await self._proc.wait()
         # Whatever the leader left behind (dataloader workers, shells) must not hold the GPUs.
         _signal_group(self._proc.pid, signal.SIGKILL)
+        if self._wrapped:
+            return ExitStatus.from_wrapper_code(returncode)
         return ExitStatus.from_returncode(returncode)
 
     async def stop(self, grace_s: float) -> ExitStatus:
@@ -168,17 +205,22 @@ class LocalProcess:
 
 
 class LocalProcessRunner:
-    """Runs the job's command directly, in its own process group and working directory
-    ``run_dir``, with stdout and stderr appended to ``log_path``."""
+    """Runs the job's command in its own process group and working directory ``run_dir``, with
+    stdout and stderr appended to ``log_path``: inside ``sandbox`` when given (as its job user),
+    else directly as the agent's user."""
 
-    def __init__(self, base_env: Mapping[str, str] | None = None) -> None:
+    def __init__(self, base_env: Mapping[str, str] | None = None, sandbox: JobSandbox | None = None) -> None:
         self._base_env = dict(os.environ if base_env is None else base_env)
+        self._sandbox = sandbox
 
     async def launch(self, spec: LaunchSpec) -> LocalProcess:
         if not spec.command:
             raise LaunchError("the job has no command", exit_code=127)
         spec.run_dir.mkdir(parents=True, exist_ok=True)
         spec.log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = job_environment(spec, self._base_env)
+        if self._sandbox is not None:
+            return await self._launch_sandboxed(spec, env, self._sandbox)
         with open(spec.log_path, "ab") as log:
             try:
                 proc = await asyncio.create_subprocess_exec(
@@ -187,7 +229,7 @@ class LocalProcessRunner:
                     stdout=log,
                     stderr=asyncio.subprocess.STDOUT,
                     cwd=spec.run_dir,
-                    env=job_environment(spec, self._base_env),
+                    env=env,
                     start_new_session=True,
                 )
             except FileNotFoundError:
@@ -195,6 +237,34 @@ class LocalProcessRunner:
             except PermissionError:
                 raise LaunchError(f"command not executable: {spec.command[0]!r}", exit_code=126) from None
         return LocalProcess(proc)
+
+    @staticmethod
+    async def _launch_sandboxed(spec: LaunchSpec, env: dict[str, str], sandbox: JobSandbox) -> LocalProcess:
+        if sandbox.which(spec.command[0], env["PATH"]) is None:
+            raise LaunchError(f"command not found: {spec.command[0]!r}", exit_code=127)
+        try:
+            sandbox.prepare(spec.run_dir, spec.job_id)
+            plan = sandbox.plan(spec.run_dir, spec.job_id)
+            with (
+                open(spec.log_path, "ab") as log,
+                sandbox.started_by(plan, spec.command, env, spec.node_rank) as (
+                    argv,
+                    fds,
+                ),
+            ):
+                proc = await asyncio.create_subprocess_exec(
+                    *argv,
+                    stdin=asyncio.subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=asyncio.subprocess.STDOUT,
+                    cwd=spec.run_dir,
+                    env=sandbox.launcher_env(spec.job_id),
+                    start_new_session=True,
+                    pass_fds=fds,
+                )
+        except (OSError, ValueError) as exc:
+            raise LaunchError(f"cannot start the job's sandbox: {exc}", exit_code=126) from None
+        return LocalProcess(proc, wrapped=True)
 
 
 class TorchrunRunner:
@@ -211,8 +281,9 @@ class TorchrunRunner:
         self,
         base_env: Mapping[str, str] | None = None,
         torchrun: Sequence[str] = (sys.executable, "-m", "torch.distributed.run"),
+        sandbox: JobSandbox | None = None,
     ) -> None:
-        self._local = LocalProcessRunner(base_env)
+        self._local = LocalProcessRunner(base_env, sandbox)
         self._torchrun = tuple(torchrun)
 
     def command(self, spec: LaunchSpec) -> tuple[str, ...]:

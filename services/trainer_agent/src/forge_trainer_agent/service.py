@@ -368,6 +368,9 @@ class AgentService:
     def _check_start(self, command: scheduler_pb2.StartJob) -> errors.ValidationError | None:
         if not command.job.spec.command:
             return errors.ValidationError("start_job.job.spec.command", "must not be empty")
+        isolation = self.node.isolation
+        if isolation is not None and (refusal := isolation.refusal(command.submitted_by_admin)):
+            return errors.ValidationError("start_job.submitted_by_admin", refusal)
         indices = list(command.gpu_indices)
         known = {g.index for g in self.node.gpus}
         if unknown := sorted(set(indices) - known):

@@ -110,6 +110,7 @@ class SchedulerSession:
                 topology=node.topology(),
                 labels=node.labels,
                 running_job_ids=self._service.running_job_ids(),
+                job_isolation=node.isolation.to_proto() if node.isolation else None,
             )
             await call.write(scheduler_pb2.AgentSessionRequest(register_node=register))
             # 2. Wait for the acknowledgement.

@@ -1218,6 +1218,44 @@ class NodeTopology(_message.Message):
 Global___NodeTopology: _TypeAlias = NodeTopology  # noqa: Y015
 
 @_typing.final
+class JobIsolation(_message.Message):
+    """How a node's trainer agent contains the jobs it runs."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ISOLATED_FIELD_NUMBER: _builtins.int
+    DETAIL_FIELD_NUMBER: _builtins.int
+    JOB_UID_FIELD_NUMBER: _builtins.int
+    ALLOWS_UNISOLATED_FIELD_NUMBER: _builtins.int
+    isolated: _builtins.bool
+    """Jobs run as an unprivileged host user in their own PID and mount namespaces (bubblewrap),
+    with an allow-listed environment and filesystem. False: they run as the agent's user.
+    """
+    detail: _builtins.str
+    """In words: how jobs run, or why they cannot be isolated (e.g. "/usr/bin/bwrap not found")."""
+    job_uid: _builtins.int
+    """Host uid jobs run as when isolated."""
+    allows_unisolated: _builtins.bool
+    """Whether the agent also runs unisolated jobs of non-admin submitters (an operator's choice);
+    otherwise an unisolated node runs only jobs submitted by admins.
+    """
+    def __init__(
+        self,
+        *,
+        isolated: _builtins.bool = ...,
+        detail: _builtins.str = ...,
+        job_uid: _builtins.int = ...,
+        allows_unisolated: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allows_unisolated", b"allows_unisolated", "detail", b"detail", "isolated", b"isolated", "job_uid", b"job_uid"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___JobIsolation: _TypeAlias = JobIsolation  # noqa: Y015
+
+@_typing.final
 class Node(_message.Message):
     """A node known to the scheduler."""
 
@@ -1252,6 +1290,7 @@ class Node(_message.Message):
     LAST_HEARTBEAT_AT_FIELD_NUMBER: _builtins.int
     RUNNING_JOB_IDS_FIELD_NUMBER: _builtins.int
     FREE_GPUS_FIELD_NUMBER: _builtins.int
+    JOB_ISOLATION_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     """Node id assigned at registration."""
     name: _builtins.str
@@ -1280,6 +1319,10 @@ class Node(_message.Message):
     def running_job_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Jobs with a replica on the node."""
 
+    @_builtins.property
+    def job_isolation(self) -> Global___JobIsolation:
+        """How its agent contains jobs, as it registered; unset when it did not say."""
+
     def __init__(
         self,
         *,
@@ -1292,10 +1335,11 @@ class Node(_message.Message):
         last_heartbeat_at: _timestamp_pb2.Timestamp | None = ...,
         running_job_ids: _abc.Iterable[_builtins.str] | None = ...,
         free_gpus: _builtins.int = ...,
+        job_isolation: Global___JobIsolation | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["last_heartbeat_at", b"last_heartbeat_at", "topology", b"topology"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["job_isolation", b"job_isolation", "last_heartbeat_at", b"last_heartbeat_at", "topology", b"topology"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["free_gpus", b"free_gpus", "gpus", b"gpus", "labels", b"labels", "last_heartbeat_at", b"last_heartbeat_at", "name", b"name", "node_id", b"node_id", "running_job_ids", b"running_job_ids", "state", b"state", "topology", b"topology"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["free_gpus", b"free_gpus", "gpus", b"gpus", "job_isolation", b"job_isolation", "labels", b"labels", "last_heartbeat_at", b"last_heartbeat_at", "name", b"name", "node_id", b"node_id", "running_job_ids", b"running_job_ids", "state", b"state", "topology", b"topology"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1389,6 +1433,7 @@ class RegisterNode(_message.Message):
     TOPOLOGY_FIELD_NUMBER: _builtins.int
     LABELS_FIELD_NUMBER: _builtins.int
     RUNNING_JOB_IDS_FIELD_NUMBER: _builtins.int
+    JOB_ISOLATION_FIELD_NUMBER: _builtins.int
     node_name: _builtins.str
     """Node name (hostname); re-registering with the same name resumes the node."""
     @_builtins.property
@@ -1407,6 +1452,10 @@ class RegisterNode(_message.Message):
     def running_job_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Jobs the agent still runs from before a reconnect, so the scheduler can reconcile."""
 
+    @_builtins.property
+    def job_isolation(self) -> Global___JobIsolation:
+        """How the agent contains the jobs it runs."""
+
     def __init__(
         self,
         *,
@@ -1415,10 +1464,11 @@ class RegisterNode(_message.Message):
         topology: Global___NodeTopology | None = ...,
         labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         running_job_ids: _abc.Iterable[_builtins.str] | None = ...,
+        job_isolation: Global___JobIsolation | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["topology", b"topology"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["job_isolation", b"job_isolation", "topology", b"topology"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["gpus", b"gpus", "labels", b"labels", "node_name", b"node_name", "running_job_ids", b"running_job_ids", "topology", b"topology"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["gpus", b"gpus", "job_isolation", b"job_isolation", "labels", b"labels", "node_name", b"node_name", "running_job_ids", b"running_job_ids", "topology", b"topology"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1582,6 +1632,7 @@ class StartJob(_message.Message):
     MASTER_ADDR_FIELD_NUMBER: _builtins.int
     MASTER_PORT_FIELD_NUMBER: _builtins.int
     ATTEMPT_FIELD_NUMBER: _builtins.int
+    SUBMITTED_BY_ADMIN_FIELD_NUMBER: _builtins.int
     node_rank: _builtins.int
     """Rank of this node among the job's nodes (torchrun --node-rank)."""
     num_nodes: _builtins.int
@@ -1592,6 +1643,10 @@ class StartJob(_message.Message):
     """Rendezvous port."""
     attempt: _builtins.int
     """Attempt number, incremented after each preemption; the job resumes from its last checkpoint."""
+    submitted_by_admin: _builtins.bool
+    """Whether an admin principal (a service token) submitted the job, not a team token; an agent
+    that cannot isolate jobs runs only these unless its operator allows otherwise.
+    """
     @_builtins.property
     def job(self) -> Global___Job:
         """The job (id and spec)."""
@@ -1610,10 +1665,11 @@ class StartJob(_message.Message):
         master_addr: _builtins.str = ...,
         master_port: _builtins.int = ...,
         attempt: _builtins.int = ...,
+        submitted_by_admin: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["job", b"job"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "gpu_indices", b"gpu_indices", "job", b"job", "master_addr", b"master_addr", "master_port", b"master_port", "node_rank", b"node_rank", "num_nodes", b"num_nodes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "gpu_indices", b"gpu_indices", "job", b"job", "master_addr", b"master_addr", "master_port", b"master_port", "node_rank", b"node_rank", "num_nodes", b"num_nodes", "submitted_by_admin", b"submitted_by_admin"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
