@@ -10,9 +10,11 @@ from forge.events.v1 import events_pb2
 from forge.orchestrator.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
 from forge_kit.app import ServiceApp
+from forge_kit.db import Database
 from forge_kit.eventlog import CatchUp, CatchUpSource
 from forge_kit.events import TOPICS, EventConsumer
 from forge_kit.http import make_app
+from forge_kit.objectstore import ObjectStore
 from forge_orchestrator.activities import SchedulerActivities
 from forge_orchestrator.api import OrchestratorApi
 from forge_orchestrator.config import OrchestratorSettings
@@ -30,6 +32,38 @@ from forge_orchestrator.service import (
     build_worker,
     connect_temporal,
 )
+
+
+def add_tracking(app: ServiceApp, db: Database, settings: OrchestratorSettings) -> None:
+    """The consumer that records training runs in MLflow (its own group, so it neither delays
+    nor is delayed by the workflows' consumer)."""
+    from forge_orchestrator.tracking import Tracker
+    from forge_orchestrator.tracking_consumer import RunRecorder, SchedulerJobs, git_commit
+
+    jobs = SchedulerJobs(settings.scheduler_target, settings.scheduler_token.get_secret_value())
+    recorder = RunRecorder(
+        Tracker(settings.mlflow_uri, ui_url=settings.mlflow_ui_url),
+        jobs,
+        objects=ObjectStore(settings.object_store_url),
+        code_version=settings.code_version or git_commit(),
+    )
+    names = (
+        events_pb2.JobStateChanged,
+        events_pb2.TrainingMetrics,
+        events_pb2.CheckpointPublished,
+        events_pb2.EvalCompleted,
+    )
+    consumer = EventConsumer(
+        db,
+        bootstrap=settings.kafka_bootstrap,
+        group_id=settings.tracking_consumer_group,
+        topics=[TOPICS[m.DESCRIPTOR.full_name] for m in names],
+        handler=recorder.handle,
+        session_timeout_ms=settings.consumer_session_timeout_ms,
+    )
+    app.add_background(consumer.run)
+    app.add_on_stop(consumer.stop)
+    app.add_on_stop(jobs.close)
 
 
 async def main() -> None:
@@ -97,6 +131,8 @@ async def main() -> None:
             interval_s=settings.catch_up_interval_s,
         )
         app.add_background(catch_up.run)
+        if settings.mlflow_uri:
+            add_tracking(app, db, settings)
 
     async def temporal_ready() -> bool:
         return await client.service_client.check_health(timeout=timedelta(seconds=2))
