@@ -42,7 +42,7 @@ def add_tracking(app: ServiceApp, db: Database, settings: OrchestratorSettings) 
 
     jobs = SchedulerJobs(settings.scheduler_target, settings.scheduler_token.get_secret_value())
     recorder = RunRecorder(
-        Tracker(settings.mlflow_uri, ui_url=settings.mlflow_ui_url),
+        Tracker(settings.mlflow_uri, ui_url=settings.mlflow_ui_uri),
         jobs,
         objects=ObjectStore(settings.object_store_url),
         code_version=settings.code_version or git_commit(),

@@ -57,7 +57,7 @@ class OrchestratorSettings(ServiceSettings):
     """URL of the MLflow tracking server (``forge up`` runs one); empty: training runs are not
     tracked and the tracking consumer does not start."""
 
-    mlflow_ui_url: str = ""
+    mlflow_ui_uri: str = ""
     """Base URL of the MLflow UI in the run links this service hands out; empty: ``mlflow_uri``."""
 
     tracking_consumer_group: str = "orchestrator-tracking"
