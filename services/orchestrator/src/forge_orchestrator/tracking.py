@@ -232,10 +232,11 @@ class Tracker:
     def ensure_sweep_run(self, sweep_id: str, name: str, params: Mapping[str, object]) -> str:
         """The sweep's parent run (created on first call); its params are logged once."""
         filter_value(sweep_id, "sweep id")
-        run_id = self._one(RunFilter(sweep_id=sweep_id, role="sweep"))
+        found = RunFilter(sweep_id=sweep_id, role="sweep")
+        run_id = self._one(found)
         if not run_id:
             tags = {TAG_ROLE: "sweep", TAG_SWEEP: sweep_id}
-            run_id = self._create(name or f"sweep-{sweep_id}", tags)
+            run_id = self._settle(found, self._create(name or f"sweep-{sweep_id}", tags))
         self.log_params(run_id, params)
         return run_id
 
@@ -257,7 +258,7 @@ class Tracker:
         if parent_run_id:
             all_tags[PARENT_TAG] = parent_run_id
         if not run_id:
-            run_id = self._create(name or job_id, all_tags)
+            run_id = self._settle(RunFilter(job_id=job_id), self._create(name or job_id, all_tags))
         else:
             existing = self._client.get_run(run_id).data.tags
             missing = {k: v for k, v in all_tags.items() if k not in existing}
@@ -265,6 +266,17 @@ class Tracker:
                 self.set_tags(run_id, missing)
         self.log_params(run_id, params)
         return run_id
+
+    def _settle(self, run_filter: RunFilter, created: str) -> str:
+        """After creating ``created``: if another caller made a run for the same thing at the same
+        time (the sweep's activity and the tracking consumer may), the oldest one is kept and
+        ours is deleted, so every caller ends up with the same run."""
+        oldest = self._one(run_filter)
+        if oldest and oldest != created:
+            self._client.delete_run(created)
+            log.info("tracking.duplicate_run_removed", kept=oldest, removed=created)
+            return oldest
+        return created
 
     def _create(self, name: str, tags: Mapping[str, str]) -> str:
         clean = _clean(tags, MAX_TAG_VALUE, "tag")
@@ -290,7 +302,26 @@ class Tracker:
             log.warning("tracking.param_conflict", run_id=run_id, keys=conflicts)
         new = [Param(k, v) for k, v in clean.items() if k not in existing]
         for start in range(0, len(new), 100):
-            self._client.log_batch(run_id, params=new[start : start + 100])
+            try:
+                self._client.log_batch(run_id, params=new[start : start + 100])
+            except MlflowException as exc:
+                if exc.error_code != "INVALID_PARAMETER_VALUE":
+                    raise
+                # Another caller logged some of them in between: log the rest one by one.
+                conflicts += self._log_params_one_by_one(run_id, new[start : start + 100])
+        return conflicts
+
+    def _log_params_one_by_one(self, run_id: str, params: Sequence[Param]) -> list[str]:
+        conflicts = []
+        for param in params:
+            try:
+                self._client.log_batch(run_id, params=[param])
+            except MlflowException as exc:
+                if exc.error_code != "INVALID_PARAMETER_VALUE":
+                    raise
+                conflicts.append(param.key)
+        if conflicts:
+            log.warning("tracking.param_conflict", run_id=run_id, keys=conflicts)
         return conflicts
 
     def log_metrics(
