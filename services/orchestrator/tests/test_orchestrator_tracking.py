@@ -28,7 +28,7 @@ from forge.events.v1 import events_pb2
 from forge_kit.db import Database
 from forge_kit.events import TOPICS, EventConsumer, KafkaPublisher, ProcessedEvent, ensure_topics, new_meta
 from forge_kit.objectstore import ObjectStore
-from forge_kit.testing import MlflowServer, ServiceProcess, TansuBroker
+from forge_kit.testing import MlflowServer, ServiceProcess, TansuBroker, TemporalDevServer
 from forge_orchestrator.activities import SchedulerActivities, SubmitJobInput
 from forge_orchestrator.tracking import PARENT_TAG, RunFilter, Tracker
 from forge_orchestrator.tracking_consumer import RunRecorder, SchedulerJobs
@@ -138,7 +138,7 @@ async def wait_for_run(tracker: Tracker, job_id: str, timeout_s: float = 60.0) -
     deadline = time.monotonic() + timeout_s
     while True:
         found = await asyncio.to_thread(tracker.find_runs, RunFilter(job_id=job_id))
-        if found:
+        if found and "overrides" in found[0].params:  # made, and its params logged
             return found[0].run_id
         if time.monotonic() > deadline:
             pytest.fail(f"no MLflow run for job {job_id} within {timeout_s}s")
@@ -274,3 +274,70 @@ async def test_manifest_outside_the_object_store_is_not_read(rig: Rig, tmp_path:
     run = await asyncio.to_thread(rig.tracker.get_run, run_id)
     assert "config_hash" not in run.params and "seed" not in run.params
     assert run.tags["forge.checkpoint_uri"] == "file:///x"
+
+
+async def test_the_orchestrator_process_tracks_a_job_and_loses_nothing_when_mlflow_restarts(
+    kafka_broker: TansuBroker,
+    temporal_server: TemporalDevServer,
+    scheduler: ServiceProcess,
+    scheduler_token: str,
+    tmp_path: Path,
+) -> None:
+    """The real orchestrator (``MLFLOW_URI`` set) records a job submitted to the scheduler; a
+    metric published while the MLflow server is down arrives once it is back."""
+    mlflow = MlflowServer(tmp_path / "mlflow", log_path=str(tmp_path / "mlflow.log")).start()
+    suffix = uuid.uuid4().hex[:8]
+    env = {
+        "FORGE_ORCHESTRATOR_GRPC_PORT": "0",
+        "FORGE_ORCHESTRATOR_HTTP_PORT": "0",
+        "FORGE_ORCHESTRATOR_AUTH_TOKEN": "orchestrator-tracking-test",
+        "FORGE_ORCHESTRATOR_DATA_DIR": str(tmp_path / "orchestrator"),
+        "FORGE_ORCHESTRATOR_KAFKA_BOOTSTRAP": kafka_broker.bootstrap,
+        "FORGE_ORCHESTRATOR_TEMPORAL_TARGET": temporal_server.target,
+        "FORGE_ORCHESTRATOR_TASK_QUEUE": f"forge-orchestrator-{suffix}",
+        "FORGE_ORCHESTRATOR_CONSUMER_GROUP": f"orchestrator-{suffix}",
+        "FORGE_ORCHESTRATOR_TRACKING_CONSUMER_GROUP": f"orchestrator-tracking-{suffix}",
+        "FORGE_ORCHESTRATOR_CONSUMER_SESSION_TIMEOUT_MS": "3000",
+        "FORGE_ORCHESTRATOR_SCHEDULER_TARGET": scheduler.grpc_target,
+        "FORGE_ORCHESTRATOR_SCHEDULER_TOKEN": scheduler_token,
+        "FORGE_ORCHESTRATOR_MLFLOW_URI": mlflow.url,
+        "FORGE_ORCHESTRATOR_OBJECT_STORE_URL": str(tmp_path / "objects"),
+    }
+    orchestrator = ServiceProcess(
+        "forge_orchestrator", env=env, log_path=str(tmp_path / "orchestrator.log")
+    ).start()
+    activities = SchedulerActivities(scheduler.grpc_target, scheduler_token)
+    publisher = KafkaPublisher(kafka_broker.bootstrap)
+    try:
+        await activities.ensure_team(TEAM)
+        job_id = await activities.submit_job(
+            SubmitJobInput(
+                name="tiny-pretrain",
+                team=TEAM,
+                command=["python", "-m", "forge_trainer_agent.training.run", "--recipe", "tiny"],
+                request_id=uuid.uuid4().hex,
+                labels={"recipe": "tiny", "workflow_id": f"wf-{suffix}"},
+                kind="training",
+                gpu_count=1,
+                gpu_type="SIM",
+            )
+        )
+        tracker = Tracker(mlflow.url)
+        run_id = await wait_for_run(tracker, job_id, timeout_s=90)
+        run = await asyncio.to_thread(tracker.get_run, run_id)
+        assert len(run.params["code_version"]) == 40  # the git commit of this checkout
+        mlflow.stop()
+        await publisher.publish(metrics_event(job_id, 10, 3.1), producer="trainer_agent", key=job_id)
+        await asyncio.sleep(3)
+        mlflow.start()
+        deadline = time.monotonic() + 180
+        while not await asyncio.to_thread(tracker.metric_history, run_id, "loss"):
+            if time.monotonic() > deadline:
+                pytest.fail("the metric published while MLflow was down never arrived")
+            await asyncio.sleep(1)
+        assert await asyncio.to_thread(tracker.metric_history, run_id, "loss") == [(10, 3.1)]
+    finally:
+        await publisher.close()
+        await activities.close()
+        orchestrator.stop()
+        mlflow.stop()
