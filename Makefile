@@ -14,6 +14,7 @@
 #   make soak      30 minutes of mixed traffic: memory flat and error rate steady (SOAK_MINUTES=30)
 #   make bench     the same as make load
 #   make gen       regenerate the protobuf stubs and the deployment files (deploy/generate.py)
+#   make secrets   generate every Compose secret into .env (mode 0600, never committed)
 #   make clean     stop the platform and remove local state (var/) and caches
 
 SHELL := /bin/bash
@@ -39,7 +40,7 @@ PYTEST_TIMEOUT ?= 300
 # A local copy of the public datasets, laid out as FORGE_DATA_DIR is; without one they are downloaded.
 DATA_MIRROR ?= $(wildcard ../shared/data)
 
-.PHONY: help install data up down status test fuzz faults verify load soak bench gen clean
+.PHONY: help install data up down status test fuzz faults verify load soak bench gen secrets clean
 
 help:
 	@sed -n 's/^#   //p' Makefile
@@ -100,6 +101,9 @@ bench: load
 gen: install
 	PYTHON=$(PY) scripts/gen_protos.sh
 	$(PY) deploy/generate.py
+
+secrets: install
+	$(PY) -m forge_cli.secretsfile .env
 
 clean: down
 	rm -rf var .mypy_cache .ruff_cache .pytest_cache

@@ -150,7 +150,7 @@ load() {  # load NAME BASE_URL KEY ARGS...
     local name=$1 url=$2 key=$3
     shift 3
     log "forge load inference: $name"
-    "$ROOT/.venv/bin/forge" load inference --base-url "$url" --model "$MODEL" --api-key "$key" \
+    FORGE_CLI_LOAD_API_KEY="$key" "$ROOT/.venv/bin/forge" load inference --base-url "$url" --model "$MODEL" \
         --num-prompts "$NUM_PROMPTS" --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" \
         --tokenizer "$EXPORT" --out "$OUT/$name" "$@" >"$OUT/$name.log" 2>&1 \
         || die "forge load inference $name (see $OUT/$name.log)"

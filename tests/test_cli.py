@@ -145,19 +145,21 @@ TABLE = (
     ),
 )
 TOKENS = {"alpha": "tok-a", "beta": "tok-b", "gamma": "tok-g"}
+EVENT_KEYS = {name: tokens.new_event_key() for name in TOKENS}
+SECRETS: dict[str, Any] = {"event_keys": EVENT_KEYS, "generated": {}}
 
 
 def test_env_has_exactly_the_declared_keys_of_each_service() -> None:
     root = Path("/repo")
     for spec in TABLE:
-        env = platform.service_env(spec, TABLE, TOKENS, root)
+        env = platform.service_env(spec, TABLE, TOKENS, root, **SECRETS)
         assert sorted(env) == sorted(spec.prefix + key for key in platform.declared_keys(spec))
         assert all(key.startswith(spec.prefix) for key in env)
 
 
 def test_env_wires_targets_urls_and_only_the_callees_tokens() -> None:
     infra = Infra(kafka_port=9999, temporal_port=7777)
-    env = platform.service_env(TABLE[2], TABLE, TOKENS, Path("/repo"), infra)
+    env = platform.service_env(TABLE[2], TABLE, TOKENS, Path("/repo"), infra, **SECRETS)
     assert env["FORGE_GAMMA_AUTH_TOKEN"] == "tok-g"
     assert env["FORGE_GAMMA_BETA_URL"] == "http://127.0.0.1:2002"
     assert env["FORGE_GAMMA_BETA_TOKEN"] == "tok-b"
@@ -168,18 +170,22 @@ def test_env_wires_targets_urls_and_only_the_callees_tokens() -> None:
     assert env["FORGE_GAMMA_DATA_DIR"] == "/repo/var/data/gamma"
     assert env["FORGE_GAMMA_OBJECT_STORE_URL"] == "/repo/var/objects"
     assert env["FORGE_GAMMA_MODEL_DIR"] == "/repo/var/models"
-    leaf = platform.service_env(TABLE[0], TABLE, TOKENS, Path("/repo"))
+    leaf = platform.service_env(TABLE[0], TABLE, TOKENS, Path("/repo"), **SECRETS)
     assert "tok-b" not in leaf.values() and "tok-g" not in leaf.values()
 
 
 def test_a_tracking_service_gets_the_mlflow_server() -> None:
     spec = ServiceSpec("delta", grpc_port=1004, http_port=2004, tracking=True)
+    secrets = {"event_keys": {**EVENT_KEYS, "delta": tokens.new_event_key()}, "generated": {}}
+    table = (*TABLE, spec)
     env = platform.service_env(
-        spec, (*TABLE, spec), {**TOKENS, "delta": "tok-d"}, Path("/repo"), Infra(mlflow_port=8123)
+        spec, table, {**TOKENS, "delta": "tok-d"}, Path("/repo"), Infra(mlflow_port=8123), **secrets
     )
     assert env["FORGE_DELTA_MLFLOW_URI"] == "http://127.0.0.1:8123"
     assert "MLFLOW_URI" in platform.declared_keys(spec)
-    assert "FORGE_GAMMA_MLFLOW_URI" not in platform.service_env(TABLE[2], TABLE, TOKENS, Path("/repo"))
+    assert "FORGE_GAMMA_MLFLOW_URI" not in platform.service_env(
+        TABLE[2], TABLE, TOKENS, Path("/repo"), **SECRETS
+    )
 
 
 def test_the_real_table_is_consistent() -> None:
@@ -336,7 +342,10 @@ def fake_platform(
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
     (pkg / "__main__.py").write_text(FAKE_SERVICE)
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "pkgs"))
+    # The fake package first; then whatever the test run imports from (a worktree's sources).
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path / "pkgs"), os.environ.get("PYTHONPATH")]))
+    )
     infra = Infra(
         kafka_port=free_port(),
         temporal_port=free_port(),

@@ -13,6 +13,7 @@ import jsonschema
 import pytest
 import yaml
 
+from forge_cli import secretsfile
 from forge_cli.platform import SERVICES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -111,14 +112,20 @@ def _compose_binary() -> list[str] | None:
     return None
 
 
-def test_docker_compose_config_accepts_the_file() -> None:
+def test_docker_compose_config_accepts_the_file(tmp_path: Path) -> None:
     binary = _compose_binary()
     if binary is None:
         pytest.skip(
             "neither `docker compose` nor `docker-compose` is installed; the schema test covers the file"
         )
+    env_file = tmp_path / ".env"
+    secretsfile.write(env_file)  # what `make secrets` writes: Compose refuses to run without it
     result = subprocess.run(
-        [*binary, "-f", str(COMPOSE), "config", "-q"], capture_output=True, text=True, cwd=ROOT, timeout=60
+        [*binary, "-f", str(COMPOSE), "--env-file", str(env_file), "config", "-q"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
     )
     assert result.returncode == 0, result.stderr
 
@@ -132,7 +139,7 @@ def test_mlflow_runs_on_postgres_and_the_object_store_for_the_tracking_services(
     assert command[command.index("--backend-store-uri") + 1].endswith("@postgres:5432/forge_mlflow")
     assert command[command.index("--artifacts-destination") + 1].startswith("/var/lib/forge/objects/")
     assert any(v.startswith("objects:") for v in mlflow["volumes"])
-    assert all(port.startswith("127.0.0.1:") for port in mlflow["ports"])
+    assert mlflow["ports"] == ["${FORGE_BIND_ADDR:-127.0.0.1}:8060:5000"]
     assert "CREATE DATABASE forge_mlflow;" in (ROOT / "deploy" / "postgres" / "init.sql").read_text()
     for name, spec in FORGE.items():
         env = services[name]["environment"]

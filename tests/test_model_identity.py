@@ -25,7 +25,7 @@ from forge.eval.v1 import eval_pb2, eval_pb2_grpc
 from forge_kit.events import ensure_topics
 from forge_kit.grpckit import make_channel
 from forge_kit.modelref import ModelRef
-from forge_kit.testing import ServiceProcess, TansuBroker
+from forge_kit.testing import ServiceProcess, TansuBroker, eventkeys
 from forge_kit.testing.tiny_llama import save_tiny_llama
 from forge_model_server.main_job import chat
 
@@ -70,7 +70,8 @@ def platform(tmp_path: Path) -> Iterator[dict[str, Endpoint]]:
 
         def start(name: str, env: dict[str, str]) -> ServiceProcess:
             prefix = f"FORGE_{name.upper()}_"
-            full = {prefix + k: v for k, v in {**common, **env}.items()}
+            # Each service signs its events with its own key and verifies the others' (forge up: var/secrets).
+            full = {**{prefix + k: v for k, v in {**common, **env}.items()}, **eventkeys.service_env(name)}
             proc = ServiceProcess(
                 f"forge_{name}", env=full, cwd=str(tmp_path), log_path=str(tmp_path / f"{name}.log")
             ).start(90)

@@ -28,6 +28,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import sys
 import tempfile
 import time
@@ -203,7 +204,11 @@ def main() -> int:
     parser.add_argument("bench", choices=["bootstrap", "checkpoint", "throughput", "rerun"])
     parser.add_argument("--endpoint", default="http://127.0.0.1:8000")
     parser.add_argument("--model", default="")
-    parser.add_argument("--token", default="", help="bearer token of the endpoint")
+    parser.add_argument(
+        "--token-file",
+        default="",
+        help="file holding the endpoint's bearer token (else $FORGE_CLI_EVAL_ENDPOINT_TOKEN); never on the command line",
+    )
     parser.add_argument("--serve", default="", help="checkpoint folder to serve for the benchmark")
     parser.add_argument("--server-env", action="append", default=[], help="KEY=VALUE model-server setting")
     parser.add_argument("--out", default="var/bench/eval-checkpoint/tiny", help="checkpoint: where to write")
@@ -213,6 +218,10 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=3, help="throughput: alternated repetitions")
     args = parser.parse_args()
+    token_file = Path(args.token_file) if args.token_file else None
+    args.token = (
+        token_file.read_text().strip() if token_file else os.environ.get("FORGE_CLI_EVAL_ENDPOINT_TOKEN", "")
+    )
     if args.bench == "bootstrap":
         result = bench_bootstrap()
     elif args.bench == "checkpoint":

@@ -45,6 +45,7 @@ from forge_kit.db import Database
 from forge_kit.events import OutboxEvent, ensure_topics, topic_for
 from forge_kit.grpckit import make_channel
 from forge_kit.paths import resolve_data_path
+from forge_kit.testing import eventkeys
 from forge_kit.testing.processes import ServiceProcess, TansuBroker, cpu_seconds
 from forge_preference_feedback.seeds import read_hh_rlhf
 from forge_preference_feedback.service import FeedbackService
@@ -259,6 +260,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "FORGE_PREFERENCE_FEEDBACK_OVERLAP_K": str(args.overlap),
         "FORGE_PREFERENCE_FEEDBACK_LOG_LEVEL": "WARNING",
         "FORGE_PREFERENCE_FEEDBACK_AUTH_TOKEN": AUTH_TOKEN,
+        **eventkeys.service_env("preference_feedback"),
         "FORGE_PREFERENCE_FEEDBACK_GROUP_COMMIT": "false" if args.no_group_commit else "true",
     }
     try:

@@ -34,6 +34,7 @@ from forge.retrieval.v1 import retrieval_pb2, retrieval_pb2_grpc
 
 from forge_kit.events import KafkaPublisher, ensure_topics, new_meta, topic_for
 from forge_kit.grpckit import make_channel
+from forge_kit.testing import eventkeys
 from forge_kit.testing.processes import ServiceProcess, TansuBroker
 
 TARGET_P95_MS = 2_000.0
@@ -78,7 +79,7 @@ async def _update(
     """Publish one update and return ms until Search finds it (``inf`` on timeout)."""
     word = f"w{uuid.uuid4().hex[:12]}"
     started = time.monotonic()
-    await publisher.publish(_event(doc_id, word, version), producer="bench-cms", key=f"{COLLECTION}/{doc_id}")
+    await publisher.publish(_event(doc_id, word, version), key=f"{COLLECTION}/{doc_id}")
     while time.monotonic() - started < timeout_s:
         if await _visible(stub, word, doc_id):
             return (time.monotonic() - started) * 1000.0
@@ -98,11 +99,14 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
             "FORGE_RETRIEVER_AUTH_TOKEN": TOKEN,
             "FORGE_RETRIEVER_DENSE_ENABLED": "true" if args.dense else "false",
             "FORGE_RETRIEVER_EMBEDDING_THREADS": "1",
+            # bench-cms is an upstream source the retriever is told to trust, with its own key.
+            "FORGE_RETRIEVER_DOCUMENT_SOURCES": '["bench-cms"]',
+            **eventkeys.service_env("retriever", extra=["bench-cms"]),
         }
         retriever = ServiceProcess("forge_retriever", env=env, log_path=str(work / "retriever.log")).start(
             120
         )
-        publisher = KafkaPublisher(broker.bootstrap)
+        publisher = KafkaPublisher(broker.bootstrap, signer=eventkeys.signer("bench-cms"))
         async with make_channel(retriever.grpc_target, token=TOKEN) as channel:
             stub: retrieval_pb2_grpc.RetrieverServiceAsyncStub = retrieval_pb2_grpc.RetrieverServiceStub(
                 channel

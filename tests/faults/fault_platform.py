@@ -19,7 +19,7 @@ from pathlib import Path
 import asyncpg
 
 from forge_kit.events import ensure_topics
-from forge_kit.testing import ServiceProcess, TansuBroker, TemporalDevServer, free_port
+from forge_kit.testing import ServiceProcess, TansuBroker, TemporalDevServer, eventkeys, free_port
 
 SCHEDULER_TOKEN = "faults-scheduler-token"
 ORCHESTRATOR_TOKEN = "faults-orchestrator-token"
@@ -160,6 +160,7 @@ def start_platform(root: Path, scheduler_env: dict[str, str] | None = None) -> P
             "FORGE_SCHEDULER_DATA_DIR": str(root / "scheduler"),
             "FORGE_SCHEDULER_KAFKA_BOOTSTRAP": broker.bootstrap,
             "FORGE_SCHEDULER_AUTH_TOKEN": SCHEDULER_TOKEN,
+            **eventkeys.service_env("scheduler"),
             **(scheduler_env or {}),
         },
         log_path=str(root / "scheduler.log"),
@@ -177,6 +178,7 @@ def start_platform(root: Path, scheduler_env: dict[str, str] | None = None) -> P
             "FORGE_ORCHESTRATOR_CATCH_UP_INTERVAL_S": "2",
             "FORGE_ORCHESTRATOR_SCHEDULER_TARGET": f"127.0.0.1:{scheduler_ports[0]}",
             "FORGE_ORCHESTRATOR_SCHEDULER_TOKEN": SCHEDULER_TOKEN,
+            **eventkeys.service_env("orchestrator"),
         },
         log_path=str(root / "orchestrator.log"),
     ).start()

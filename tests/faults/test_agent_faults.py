@@ -32,7 +32,7 @@ from forge.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from google.protobuf import json_format, struct_pb2
 
 from forge_kit.grpckit import make_channel
-from forge_kit.testing import ServiceProcess, free_port
+from forge_kit.testing import ServiceProcess, eventkeys, free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.faults_full, pytest.mark.timeout(600)]
 SCHEDULER_TOKEN = "faults-scheduler-token"
@@ -56,6 +56,7 @@ def agent_process(platform: Platform, name: str) -> ServiceProcess:
             "FORGE_TRAINER_AGENT_NODE_NAME": name,
             "FORGE_TRAINER_AGENT_GPUS": "SIMx1",
             "FORGE_TRAINER_AGENT_RECONNECT_MAX_S": "2",
+            **eventkeys.service_env("trainer_agent"),
         },
         log_path=str(root / f"{name}.log"),
     )

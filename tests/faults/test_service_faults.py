@@ -33,7 +33,7 @@ from google.protobuf.message import Message
 
 from forge_kit.events import ensure_topics, topic_for
 from forge_kit.grpckit import make_channel
-from forge_kit.testing import ServiceProcess, TansuBroker, free_port
+from forge_kit.testing import ServiceProcess, TansuBroker, eventkeys, free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.faults_full, pytest.mark.timeout(300)]
 TOKEN = "faults-retriever-token"
@@ -128,6 +128,7 @@ async def test_retriever_kill_loses_no_document(tmp_path: Path) -> None:
             "FORGE_RETRIEVER_KAFKA_BOOTSTRAP": broker.bootstrap,
             "FORGE_RETRIEVER_AUTH_TOKEN": TOKEN,
             "FORGE_RETRIEVER_DENSE_ENABLED": "false",  # BM25 only: the fault is the subject here
+            **eventkeys.service_env("retriever"),
         },
         log_path=str(tmp_path / "retriever.log"),
     ).start()
@@ -257,6 +258,7 @@ async def test_preference_feedback_kill_loses_no_preference(tmp_path: Path) -> N
     broker = TansuBroker(log_path=str(tmp_path / "tansu.log")).start()
     await ensure_topics(broker.bootstrap)
     env["FORGE_PREFERENCE_FEEDBACK_KAFKA_BOOTSTRAP"] = broker.bootstrap
+    env.update(eventkeys.service_env("preference_feedback"))
     service = ServiceProcess(
         "forge_preference_feedback", env=env, log_path=str(tmp_path / "feedback.log")
     ).start()

@@ -129,8 +129,8 @@ _near_valid_chat = st.fixed_dictionaries(
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
 def test_arbitrary_json_bodies_never_get_a_server_error(gateway: ServiceProcess, path: str) -> None:
-    """The OpenAPI schema leaves the OpenAI bodies open, so bodies are generated here: arbitrary
-    JSON, and requests that are nearly valid with wrong types and values in every field."""
+    """Beyond what the OpenAPI schema describes, bodies are generated here too: arbitrary JSON,
+    and requests that are nearly valid with wrong types and values in every field."""
     statuses: Counter[int] = Counter()
     with httpx.Client(base_url=gateway.http_url, timeout=30) as client:
 

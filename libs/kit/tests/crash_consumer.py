@@ -14,6 +14,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from forge_kit.db import Database
 from forge_kit.events import EventConsumer
+from forge_kit.testing import eventkeys
 
 
 async def main(bootstrap: str, db_url: str, group: str, topic: str, job_id: str) -> None:
@@ -26,7 +27,13 @@ async def main(bootstrap: str, db_url: str, group: str, topic: str, job_id: str)
             )
 
     consumer = EventConsumer(
-        db, bootstrap=bootstrap, group_id=group, topics=[topic], handler=handler, session_timeout_ms=1500
+        db,
+        bootstrap=bootstrap,
+        group_id=group,
+        topics=[topic],
+        handler=handler,
+        session_timeout_ms=1500,
+        verifier=eventkeys.verifier(),
     )
     apply = consumer.handle
 

@@ -21,7 +21,7 @@ from forge_kit.db import Base, Database
 from forge_kit.eventlog import CatchUp, CatchUpSource, CatchUpWatermark, EventLogApi
 from forge_kit.events import EventConsumer, KafkaPublisher, OutboxRelay, ensure_topics, stage_event, topic_for
 from forge_kit.grpckit import FIELD_METADATA_KEY, GrpcServer, make_channel, serve
-from forge_kit.testing import TansuBroker
+from forge_kit.testing import TansuBroker, eventkeys
 
 TOKEN = "eventlog-token"
 JOBS = topic_for(events_pb2.JobStateChanged())
@@ -51,7 +51,7 @@ async def consumer_db(tmp_path: Path) -> AsyncIterator[Database]:
 
 @pytest_asyncio.fixture
 async def owner(producer_db: Database) -> AsyncIterator[GrpcServer]:
-    api = EventLogApi(producer_db, default_page=2, max_page=50)
+    api = EventLogApi(producer_db, signer=eventkeys.signer("scheduler"), default_page=2, max_page=50)
     server = await serve(
         service="producer",
         register=[lambda s: events_pb2_grpc.add_EventLogServiceServicer_to_server(api, s)],
@@ -86,7 +86,14 @@ class Recorder:
 def catch_up(
     consumer_db: Database, owner: GrpcServer, recorder: Recorder, bootstrap: str = "127.0.0.1:1"
 ) -> CatchUp:
-    consumer = EventConsumer(consumer_db, bootstrap=bootstrap, group_id="g", topics=[JOBS], handler=recorder)
+    consumer = EventConsumer(
+        consumer_db,
+        bootstrap=bootstrap,
+        group_id="g",
+        topics=[JOBS],
+        handler=recorder,
+        verifier=eventkeys.verifier(),
+    )
     source = CatchUpSource(producer="scheduler", target=f"127.0.0.1:{owner.port}", token=TOKEN)
     return CatchUp(consumer, consumer_db, group_id="g", topics=[JOBS], sources=[source], page_size=2)
 
@@ -139,7 +146,12 @@ async def test_catch_up_applies_each_event_once_and_resumes_from_its_watermark(
 async def test_an_unreachable_owner_is_skipped_not_fatal(consumer_db: Database) -> None:
     recorder = Recorder()
     consumer = EventConsumer(
-        consumer_db, bootstrap="127.0.0.1:1", group_id="g", topics=[JOBS], handler=recorder
+        consumer_db,
+        bootstrap="127.0.0.1:1",
+        group_id="g",
+        topics=[JOBS],
+        handler=recorder,
+        verifier=eventkeys.verifier(),
     )
     source = CatchUpSource(producer="scheduler", target="127.0.0.1:1", token=TOKEN)
     loop = CatchUp(consumer, consumer_db, group_id="g", topics=[JOBS], sources=[source], rpc_timeout_s=1)
@@ -158,7 +170,7 @@ async def test_events_the_broker_lost_in_a_restart_are_recovered_from_the_owner(
     ids = [f"lost-{uuid.uuid4().hex[:6]}" for _ in range(3)]
     await stage_jobs(producer_db, ids)
     publisher = KafkaPublisher(kafka_broker.bootstrap)
-    relay = OutboxRelay(producer_db, publisher, producer="scheduler")
+    relay = OutboxRelay(producer_db, publisher, signer=eventkeys.signer("scheduler"))
     try:
         assert await relay.relay_once() == 3
     finally:
@@ -176,6 +188,7 @@ async def test_events_the_broker_lost_in_a_restart_are_recovered_from_the_owner(
         topics=[JOBS],
         handler=recorder,
         session_timeout_ms=1500,
+        verifier=eventkeys.verifier(),
     )
     source = CatchUpSource(producer="scheduler", target=f"127.0.0.1:{owner.port}", token=TOKEN)
     loop = CatchUp(consumer, consumer_db, group_id=group, topics=[JOBS], sources=[source], page_size=50)
@@ -191,7 +204,7 @@ async def test_events_the_broker_lost_in_a_restart_are_recovered_from_the_owner(
         await stage_jobs(producer_db, ["after-restart"])
         publisher = KafkaPublisher(kafka_broker.bootstrap)
         try:
-            await OutboxRelay(producer_db, publisher, producer="scheduler").relay_once()
+            await OutboxRelay(producer_db, publisher, signer=eventkeys.signer("scheduler")).relay_once()
         finally:
             await publisher.close()
         deadline = time.monotonic() + 30

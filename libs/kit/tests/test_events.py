@@ -32,7 +32,7 @@ from forge_kit.events import (
     stage_event,
     topic_for,
 )
-from forge_kit.testing import TansuBroker
+from forge_kit.testing import TansuBroker, eventkeys
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
@@ -100,6 +100,7 @@ def consumer(
         topics=[TOPIC],
         handler=handler,
         session_timeout_ms=1500,
+        verifier=eventkeys.verifier(),
         **kw,  # type: ignore[arg-type]
     )
 
@@ -121,8 +122,8 @@ async def test_outbox_relay_publishes_committed_events_and_nothing_else(
         async with db.session() as session:
             await stage_event(session, events_pb2.JobStateChanged(job_id=rolled_back), producer="scheduler")
             raise RuntimeError("the database write failed")
-    publisher = KafkaPublisher(broker.bootstrap)
-    relay = OutboxRelay(db, publisher, producer="scheduler")
+    publisher = KafkaPublisher(broker.bootstrap, signer=eventkeys.signer("scheduler"))
+    relay = OutboxRelay(db, publisher, signer=eventkeys.signer("scheduler"))
     assert await relay.pending() == 1
     assert await relay.relay_once() == 1
     assert await relay.pending() == 0
@@ -169,8 +170,8 @@ async def test_consumer_crash_after_db_commit_does_not_apply_the_event_twice(
     async with db.session() as session:
         await session.execute(sa.text("INSERT INTO counters (name, n) VALUES (:name, 0)"), {"name": job_id})
     staged = await stage(db, job_id)
-    publisher = KafkaPublisher(broker.bootstrap)
-    assert await OutboxRelay(db, publisher, producer="scheduler").relay_once() == 1
+    publisher = KafkaPublisher(broker.bootstrap, signer=eventkeys.signer("scheduler"))
+    assert await OutboxRelay(db, publisher, signer=eventkeys.signer("scheduler")).relay_once() == 1
     await publisher.close()
 
     crashed = await asyncio.to_thread(
@@ -227,15 +228,17 @@ async def test_failing_handler_dead_letters_the_event_and_the_partition_moves_on
     db: Database, broker: TansuBroker
 ) -> None:
     poison, good = f"job-{uuid.uuid4().hex}", f"job-{uuid.uuid4().hex}"
-    publisher = KafkaPublisher(broker.bootstrap)
+    publisher = KafkaPublisher(broker.bootstrap, signer=eventkeys.signer("scheduler"))
     # Same key, so both land on one partition: the good one is behind the poison one.
-    await publisher.publish(events_pb2.JobStateChanged(job_id=poison), producer="scheduler", key="same")
-    await publisher.publish(events_pb2.JobStateChanged(job_id=good), producer="scheduler", key="same")
-    # And a record nobody can decode, on the same partition.
-    await publisher.send(
-        TOPIC, b"\xff\x00garbage", key=b"same", headers=[(HEADER_TYPE, b"forge.nope.v1.Nope")]
+    await publisher.publish(events_pb2.JobStateChanged(job_id=poison), key="same")
+    await publisher.publish(events_pb2.JobStateChanged(job_id=good), key="same")
+    # And a record nobody can decode (signed by the owner all the same), on the same partition.
+    garbage = b"\xff\x00garbage"
+    headers = eventkeys.signer("scheduler").headers(
+        topic=TOPIC, event_type="forge.nope.v1.Nope", event_id="nope-1", payload=garbage
     )
-    await publisher.publish(events_pb2.JobStateChanged(job_id=good + "-2"), producer="scheduler", key="same")
+    await publisher.send(TOPIC, garbage, key=b"same", headers=headers)
+    await publisher.publish(events_pb2.JobStateChanged(job_id=good + "-2"), key="same")
     await publisher.close()
 
     handler = Collector({poison, good, good + "-2"}, fail_for={poison})
@@ -267,7 +270,9 @@ async def test_outbox_keeps_events_while_the_broker_is_down_and_delivers_after_r
 ) -> None:
     job_id = f"job-{uuid.uuid4().hex}"
     publisher = KafkaPublisher(broker.bootstrap, request_timeout_ms=2000)
-    relay = OutboxRelay(db, publisher, producer="scheduler", poll_interval_s=0.1, max_backoff_s=0.5)
+    relay = OutboxRelay(
+        db, publisher, signer=eventkeys.signer("scheduler"), poll_interval_s=0.1, max_backoff_s=0.5
+    )
     task: asyncio.Task[None] | None = None
     broker.stop()
     try:
@@ -315,11 +320,9 @@ async def test_consumer_lag_counts_unhandled_records_and_falls_to_zero(
     from prometheus_client import REGISTRY
 
     job = f"job-{uuid.uuid4().hex}"
-    publisher = KafkaPublisher(broker.bootstrap)
+    publisher = KafkaPublisher(broker.bootstrap, signer=eventkeys.signer("scheduler"))
     for n in range(5):
-        await publisher.publish(
-            events_pb2.JobStateChanged(job_id=f"{job}-{n}"), producer="scheduler", key=job
-        )
+        await publisher.publish(events_pb2.JobStateChanged(job_id=f"{job}-{n}"), key=job)
     await publisher.close()
     release = asyncio.Event()
     handled: list[str] = []
@@ -338,6 +341,7 @@ async def test_consumer_lag_counts_unhandled_records_and_falls_to_zero(
         topics=[TOPIC],
         handler=slow_handler,
         session_timeout_ms=1500,
+        verifier=eventkeys.verifier(),
     )
     task = asyncio.create_task(events.run())
 

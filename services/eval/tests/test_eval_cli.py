@@ -142,7 +142,9 @@ def test_registry_commands_promote_force_and_audit(eval_service: ServiceProcess)
     runner = CliRunner()
 
     def forge_eval(*args: str, token: str = "service-token") -> tuple[int, str]:
-        result = runner.invoke(app, [*args, "--target", eval_service.grpc_target, "--token", token])
+        result = runner.invoke(
+            app, [*args, "--target", eval_service.grpc_target], env={"FORGE_CLI_EVAL_TOKEN": token}
+        )
         return result.exit_code, result.output
 
     code, out = forge_eval("register", "tiny", "--uri", "file:///ckpt/1", "--training-run", "run-1", "--json")

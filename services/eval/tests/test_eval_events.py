@@ -11,6 +11,7 @@ from forge.events.v1 import events_pb2
 from forge_eval.service import EvalService
 from forge_kit.db import Database
 from forge_kit.events import HEADER_ID, HEADER_TYPE, KafkaPublisher, OutboxRelay, ensure_topics, topic_for
+from forge_kit.testing import eventkeys
 from forge_kit.testing.processes import TansuBroker
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.integration]
@@ -32,7 +33,7 @@ async def test_model_promoted_is_relayed_to_kafka(
 
     publisher = KafkaPublisher(kafka_broker.bootstrap)
     try:
-        assert await OutboxRelay(db, publisher, producer="eval").relay_once() == 2
+        assert await OutboxRelay(db, publisher, signer=eventkeys.signer("eval")).relay_once() == 2
     finally:
         await publisher.close()
 

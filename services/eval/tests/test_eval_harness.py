@@ -382,3 +382,16 @@ async def test_humaneval_runs_generated_code_in_the_sandbox(backend_factory: Bac
         assert sample["scores"] == {"pass@1": 0.0}
         assert sample["extracted"]["pass@1"] in {"failed", "timeout"}
     assert result.summary["metric"] == "pass@1"
+
+
+async def test_humaneval_refuses_to_run_without_a_sandbox(
+    backend_factory: BackendFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No bubblewrap: the run fails with a clear error before any completion is generated."""
+    from forge_kit.sandbox import SandboxUnavailableError
+
+    monkeypatch.setenv("FORGE_SANDBOX_BWRAP", "/nonexistent/bwrap")
+    roots = DataRoots(resolve_data_path("benchmarks"), resolve_data_path("corpora"))
+    backend = backend_factory()
+    with pytest.raises(SandboxUnavailableError, match="code execution is refused"):
+        await run_task(load_task("humaneval"), roots, backend, await backend.identity(), limit=2, seed=4)

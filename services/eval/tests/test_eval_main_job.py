@@ -23,7 +23,7 @@ from forge_cli.mainjob import MainJobContext, ServiceEndpoint
 from forge_eval.main_job import StepError, evaluate_checkpoint
 from forge_kit.events import KafkaPublisher, ensure_topics
 from forge_kit.grpckit import make_channel
-from forge_kit.testing import ServiceProcess, TansuBroker, TemporalDevServer
+from forge_kit.testing import ServiceProcess, TansuBroker, TemporalDevServer, eventkeys
 from forge_kit.testing.processes import free_port
 
 EVAL_TOKEN = "eval-main-job-token"
@@ -65,6 +65,7 @@ def platform(
             "FORGE_ORCHESTRATOR_TASK_QUEUE": f"main-job-{suffix}",
             "FORGE_ORCHESTRATOR_CONSUMER_GROUP": f"main-job-{suffix}",
             "FORGE_ORCHESTRATOR_CONSUMER_SESSION_TIMEOUT_MS": "3000",
+            **eventkeys.service_env("orchestrator"),
             "FORGE_ORCHESTRATOR_SCHEDULER_TARGET": f"127.0.0.1:{free_port()}",
             "FORGE_ORCHESTRATOR_EVAL_TARGET": evals.grpc_target,
             "FORGE_ORCHESTRATOR_EVAL_TOKEN": EVAL_TOKEN,
@@ -111,13 +112,12 @@ async def test_the_step_needs_the_train_step_result() -> None:
 
 async def publish_checkpoint(bootstrap: str, run_id: str, step: int, checkpoint: Path) -> dict[str, object]:
     """Announce ``checkpoint`` as the trainer agent does; the train step's result for it."""
-    publisher = KafkaPublisher(bootstrap)
+    publisher = KafkaPublisher(bootstrap, signer=eventkeys.signer("trainer_agent"))
     try:
         await publisher.publish(
             events_pb2.CheckpointPublished(
                 job_id=f"job-{run_id}", run_id=run_id, step=step, uri=str(checkpoint)
             ),
-            producer="trainer_agent",
             key=f"job-{run_id}",
         )
     finally:

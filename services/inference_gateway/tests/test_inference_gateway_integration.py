@@ -22,7 +22,7 @@ from forge_kit.cache import InMemoryCache
 from forge_kit.db import Database
 from forge_kit.events import KafkaPublisher, ensure_topics
 from forge_kit.http import make_app
-from forge_kit.testing import ServiceProcess, TansuBroker
+from forge_kit.testing import ServiceProcess, TansuBroker, eventkeys
 
 pytestmark = pytest.mark.integration
 MODEL_SERVER_TOKEN = "ms-token"
@@ -124,6 +124,7 @@ def test_promotion_event_updates_the_alias_of_a_running_gateway(
         "FORGE_INFERENCE_GATEWAY_MODEL_SERVER_URL": model_server.http_url,
         "FORGE_INFERENCE_GATEWAY_MODEL_SERVER_TOKEN": MODEL_SERVER_TOKEN,
         "FORGE_INFERENCE_GATEWAY_BOOTSTRAP_API_KEY": TENANT_KEY,
+        **eventkeys.service_env("inference_gateway"),
     }
     gateway = ServiceProcess(
         "forge_inference_gateway", env=env, cwd=str(tmp_path), log_path=str(tmp_path / "log")
@@ -138,9 +139,9 @@ def test_promotion_event_updates_the_alias_of_a_running_gateway(
         )
 
         async def publish() -> None:
-            publisher = KafkaPublisher(broker.bootstrap)
+            publisher = KafkaPublisher(broker.bootstrap, signer=eventkeys.signer("eval"))
             try:
-                await publisher.publish(event, producer="eval", key="production")
+                await publisher.publish(event, key="production")
             finally:
                 await publisher.close()
 

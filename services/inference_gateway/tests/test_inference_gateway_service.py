@@ -15,8 +15,9 @@ from forge_inference_gateway.service import InferenceGateway, hash_api_key
 from forge_inference_gateway.store import TenantRow
 from forge_kit import errors
 from forge_kit.db import Database
-from forge_kit.events import HEADER_ID, HEADER_TYPE, EventConsumer, topic_for
+from forge_kit.events import EventConsumer, topic_for
 from forge_kit.modelref import ModelRef
+from forge_kit.testing import eventkeys
 
 
 async def test_keys_are_stored_as_sha256_only(gateway: InferenceGateway, db: Database) -> None:
@@ -131,8 +132,9 @@ async def test_consumer_applies_a_promotion_once(
         group_id="inference_gateway",
         topics=[topic_for(event)],
         handler=gateway.apply_model_promoted,
+        verifier=eventkeys.verifier(),
     )
-    headers = [(HEADER_TYPE, event.DESCRIPTOR.full_name.encode()), (HEADER_ID, event.meta.event_id.encode())]
+    headers = eventkeys.headers_for(event)
     record = ConsumerRecord(
         topic=topic_for(event),
         partition=0,

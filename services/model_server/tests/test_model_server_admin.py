@@ -63,7 +63,8 @@ async def test_a_registered_checkpoint_is_listed_and_chats_with_its_template(
     assert reply.status_code == 201, reply.text
     card = reply.json()
     assert card["id"] == "forge-main-job" and card["version"] == "run1-5" and card["loaded"] is True
-    assert card["root"] == str(chat_llama) and card["max_model_len"] == 256
+    assert card["path"] == str(chat_llama) and card["max_model_len"] == 256
+    assert card["root"] == "forge-main-job"
     listed = (await http.get("/v1/models")).json()["data"]
     assert [(m["id"], m["loaded"]) for m in listed] == [("forge-main-job", True), ("tiny", False)]
 
@@ -98,7 +99,7 @@ async def test_registering_again_replaces_the_model(
         "/v1/completions", json={"model": "m", "prompt": "To be", "max_tokens": 6, "temperature": 0}
     )
     reply = await http.post(ADMIN, json={"name": "m", "path": str(other), "version": "2"})
-    assert reply.status_code == 201 and reply.json()["root"] == str(other)
+    assert reply.status_code == 201 and reply.json()["path"] == str(other)
     second = await http.post(
         "/v1/completions", json={"model": "m", "prompt": "To be", "max_tokens": 6, "temperature": 0}
     )

@@ -298,7 +298,12 @@ async def test_a_list_of_prompts_answers_each_as_if_sent_alone(http: httpx.Async
 
 @pytest.mark.parametrize(
     ("extra", "param"),
-    [({"prompt": []}, "prompt"), ({"prompt": ["a", "b"], "stream": True}, "stream")],
+    [
+        ({"prompt": []}, "prompt"),
+        ({"prompt": ["a"] * 257}, "prompt"),
+        ({"prompt": [[]]}, "prompt"),
+        ({"prompt": ["a"] * 17, "n": 16}, "n"),
+    ],
 )
 async def test_a_bad_list_of_prompts_is_400(
     http: httpx.AsyncClient, extra: dict[str, object], param: str

@@ -18,7 +18,7 @@ from forge.scheduler.v1 import scheduler_pb2_grpc
 from forge_kit.db import Database
 from forge_kit.events import ensure_topics
 from forge_kit.grpckit import make_channel
-from forge_kit.testing import ServiceProcess, TansuBroker, TemporalDevServer
+from forge_kit.testing import ServiceProcess, TansuBroker, TemporalDevServer, eventkeys
 
 MIGRATIONS = Path(__file__).parents[1] / "src" / "forge_orchestrator" / "migrations"
 HISTORIES = Path(__file__).parent / "histories"
@@ -49,6 +49,7 @@ def scheduler(
             "FORGE_SCHEDULER_DATA_DIR": str(data),
             "FORGE_SCHEDULER_KAFKA_BOOTSTRAP": kafka_broker.bootstrap,
             "FORGE_SCHEDULER_AUTH_TOKEN": SCHEDULER_TOKEN,
+            **eventkeys.service_env("scheduler"),
         },
         log_path=str(data / "scheduler.log"),
     ).start()
@@ -119,6 +120,7 @@ def _spawn(
             "FORGE_ORCHESTRATOR_CONSUMER_SESSION_TIMEOUT_MS": "3000",
             "FORGE_ORCHESTRATOR_SCHEDULER_TARGET": scheduler.grpc_target,
             "FORGE_ORCHESTRATOR_SCHEDULER_TOKEN": SCHEDULER_TOKEN,
+            **eventkeys.service_env("orchestrator"),
         }
     process = ServiceProcess("forge_orchestrator", env=env, log_path=str(data / "orchestrator.log"))
     try:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
+import typer
 from aiokafka import ConsumerRecord
 from forge.common.v1 import common_pb2
 from forge.events.v1 import events_pb2
@@ -18,7 +19,8 @@ from temporalio.exceptions import ActivityError, ApplicationError, RetryState
 
 from forge_kit import errors
 from forge_kit.db import Database
-from forge_kit.events import HEADER_ID, HEADER_TYPE, EventConsumer, ProcessedEvent
+from forge_kit.events import EventConsumer, ProcessedEvent
+from forge_kit.testing import eventkeys
 from forge_orchestrator.api import view_to_proto
 from forge_orchestrator.cli import resolve_token
 from forge_orchestrator.service import (
@@ -108,10 +110,11 @@ def _record(
 ) -> ConsumerRecord:  # type: ignore[type-arg]
     event = events_pb2.JobStateChanged(job_id="job-1", team="smoke", state=state)  # type: ignore[arg-type]
     event.meta.event_id = event_id
+    event.meta.producer = "scheduler"
     if workflow_id:
         event.labels["workflow_id"] = workflow_id
     value = event.SerializeToString()
-    headers = [(HEADER_TYPE, event.DESCRIPTOR.full_name.encode()), (HEADER_ID, event_id.encode())]
+    headers = eventkeys.headers_for(event, topic=TOPIC)
     return ConsumerRecord(TOPIC, 0, offset, 0, 0, b"job-1", value, None, 5, len(value), headers)
 
 
@@ -123,6 +126,7 @@ def _consumer(db: Database, signaller: RecordingSignaller) -> EventConsumer:
         group_id="orchestrator",
         topics=[TOPIC],
         handler=JobEventRouter(signaller).handle,
+        verifier=eventkeys.verifier(),
         max_attempts=1,
     )
 
@@ -301,13 +305,14 @@ def test_failure_message_names_the_failed_activity_and_cause() -> None:
 # --- CLI token --------------------------------------------------------------------------------------
 
 
-def test_token_from_flag_then_token_file_then_default(
+def test_token_from_flag_then_token_file_and_no_default(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("FORGE_ROOT", raising=False)
     nested = tmp_path / "services" / "x"
     nested.mkdir(parents=True)
-    assert resolve_token("", start=nested) == "forge-dev-token"
+    with pytest.raises(typer.BadParameter, match="no token for orchestrator"):
+        resolve_token("", start=nested)
     (tmp_path / "var" / "secrets").mkdir(parents=True)
     (tmp_path / "var" / "secrets" / "tokens.json").write_text(json.dumps({"orchestrator": "from-file"}))
     assert resolve_token("", start=nested) == "from-file"

@@ -5,7 +5,8 @@ then publishes what the trainer agent and the eval service would (``TrainingMetr
 ``CheckpointPublished`` with its manifest in the object store, ``EvalCompleted``) and the job's
 terminal state, and reads the run back through MLflow's client: tags, params, metrics per step,
 eval results, the checkpoint and loss-curve artifacts, and the sweep parent. Replays add nothing;
-a metric for a job the scheduler does not know is dropped; a late metric lands on the closed run.
+a metric for a job the scheduler does not know is dropped, one signed by a service that does not
+own the topic is rejected by the kit's consumer; a late metric lands on the closed run.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from forge.events.v1 import events_pb2
 from forge_kit.db import Database
 from forge_kit.events import TOPICS, EventConsumer, KafkaPublisher, ProcessedEvent, ensure_topics, new_meta
 from forge_kit.objectstore import ObjectStore
-from forge_kit.testing import MlflowServer, ServiceProcess, TansuBroker, TemporalDevServer
+from forge_kit.testing import MlflowServer, ServiceProcess, TansuBroker, TemporalDevServer, eventkeys
 from forge_orchestrator.activities import SchedulerActivities, SubmitJobInput
 from forge_orchestrator.tracking import PARENT_TAG, RunFilter, Tracker
 from forge_orchestrator.tracking_consumer import RunRecorder, SchedulerJobs
@@ -47,7 +48,8 @@ EVENT_TYPES = (
 @dataclass
 class Rig:
     tracker: Tracker
-    publisher: KafkaPublisher
+    publishers: dict[str, KafkaPublisher]
+    """One per producer, each signing with that producer's test key."""
     objects: ObjectStore
     group: str
     db: Database
@@ -75,7 +77,8 @@ class Rig:
             await asyncio.sleep(0.3)
 
     async def publish(self, message: events_pb2.TrainingMetrics | object, producer: str, key: str) -> str:
-        await self.publisher.publish(message, producer=producer, key=key)  # type: ignore[arg-type]
+        """Publish ``message`` as ``producer`` would (signed with its key); returns its event id."""
+        await self.publishers[producer].publish(message, key=key)  # type: ignore[arg-type]
         return str(message.meta.event_id)  # type: ignore[attr-defined]
 
 
@@ -100,6 +103,7 @@ async def rig(
         group_id=group,
         topics=[TOPICS[m.DESCRIPTOR.full_name] for m in EVENT_TYPES],
         handler=recorder.handle,
+        verifier=eventkeys.verifier(),
         session_timeout_ms=6_000,
     )
     await consumer.start()
@@ -123,13 +127,17 @@ async def rig(
             )
         )
 
-    publisher = KafkaPublisher(kafka_broker.bootstrap)
-    yield Rig(tracker, publisher, objects, group, db, submit)
+    publishers = {
+        p: KafkaPublisher(kafka_broker.bootstrap, signer=eventkeys.signer(p))
+        for p in ("scheduler", "trainer_agent", "eval")
+    }
+    yield Rig(tracker, publishers, objects, group, db, submit)
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
     await consumer.stop()
-    await publisher.close()
+    for publisher in publishers.values():
+        await publisher.close()
     await activities.close()
     await jobs.close()
 
@@ -240,13 +248,18 @@ async def test_training_run_is_recorded_once_with_params_metrics_eval_and_artifa
 
     # 4. Replays: the same events again (same ids) are skipped by the consumer's dedupe; the same
     # step re-sent under a new id (a re-staged line) is stored once by MLflow (same time, value).
-    await rig.publisher.publish(first[0], producer="trainer_agent", key=job_id)
+    await rig.publish(first[0], "trainer_agent", job_id)
     again = events_pb2.TrainingMetrics()
     again.CopyFrom(first[1])
     again.meta.event_id = str(uuid.uuid4())
     ids = [await rig.publish(again, "trainer_agent", job_id)]
     # 5. A forged metric for a job the scheduler never had: dropped, no run made.
     ids.append(await rig.publish(metrics_event("no-such-job-x", 5, 0.01), "trainer_agent", "no-such-job-x"))
+    # 5b. A metric for the real job signed by a service that does not own the topic: the kit's
+    # consumer rejects it before the handler (it shares the job's partition with step 30 below).
+    forged = metrics_event(job_id, 40, 0.0)
+    forged.meta.producer = "eval"
+    await rig.publish(forged, "eval", job_id)
     # 6. A late metric after the job finished: recorded on the closed run.
     ids.append(await rig.publish(metrics_event(job_id, 30, 2.4), "trainer_agent", job_id))
     await rig.processed([first[0].meta.event_id, *ids])
@@ -302,12 +315,13 @@ async def test_the_orchestrator_process_tracks_a_job_and_loses_nothing_when_mlfl
         "FORGE_ORCHESTRATOR_SCHEDULER_TOKEN": scheduler_token,
         "FORGE_ORCHESTRATOR_MLFLOW_URI": mlflow.url,
         "FORGE_ORCHESTRATOR_OBJECT_STORE_URL": str(tmp_path / "objects"),
+        **eventkeys.service_env("orchestrator"),
     }
     orchestrator = ServiceProcess(
         "forge_orchestrator", env=env, log_path=str(tmp_path / "orchestrator.log")
     ).start()
     activities = SchedulerActivities(scheduler.grpc_target, scheduler_token)
-    publisher = KafkaPublisher(kafka_broker.bootstrap)
+    publisher = KafkaPublisher(kafka_broker.bootstrap, signer=eventkeys.signer("trainer_agent"))
     try:
         await activities.ensure_team(TEAM)
         job_id = await activities.submit_job(
@@ -327,7 +341,7 @@ async def test_the_orchestrator_process_tracks_a_job_and_loses_nothing_when_mlfl
         run = await asyncio.to_thread(tracker.get_run, run_id)
         assert len(run.params["code_version"]) == 40  # the git commit of this checkout
         mlflow.stop()
-        await publisher.publish(metrics_event(job_id, 10, 3.1), producer="trainer_agent", key=job_id)
+        await publisher.publish(metrics_event(job_id, 10, 3.1), key=job_id)
         await asyncio.sleep(3)
         mlflow.start()
         deadline = time.monotonic() + 180

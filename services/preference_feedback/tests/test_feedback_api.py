@@ -16,6 +16,7 @@ from forge.feedback.v1 import feedback_pb2, feedback_pb2_grpc
 from forge_kit.db import Database
 from forge_kit.events import KafkaPublisher, OutboxRelay, ensure_topics, topic_for
 from forge_kit.grpckit import FIELD_METADATA_KEY, GrpcServer, Principal, make_channel
+from forge_kit.testing import eventkeys
 from forge_kit.testing.grpcserver import grpc_test_server
 from forge_kit.testing.processes import TansuBroker
 from forge_preference_feedback.api import FeedbackApi
@@ -192,7 +193,9 @@ async def test_preference_recorded_reaches_kafka(
     pref = await service.submit_preference(item.id, "alice", common_pb2.PREFERENCE_CHOICE_B, 0.6, "")
     publisher = KafkaPublisher(kafka_broker.bootstrap)
     try:
-        assert await OutboxRelay(db, publisher, producer="preference_feedback").relay_once() == 1
+        assert (
+            await OutboxRelay(db, publisher, signer=eventkeys.signer("preference_feedback")).relay_once() == 1
+        )
     finally:
         await publisher.close()
     consumer = AIOKafkaConsumer(

@@ -73,6 +73,23 @@ async def test_log_in_rate_with_mouse_and_keyboard_and_see_it_recorded(base_url:
         await page.get_by_role("button", name="Log in").click()
         await page.wait_for_url("**/ui/rate")
 
+        # 0. The question and the guidelines are on screen, and the reason box fits its column.
+        await playwright_api.expect(
+            page.get_by_role("heading", name="Which response is better?")
+        ).to_be_visible()
+        await playwright_api.expect(page.locator("#guidelines")).to_be_visible()
+        assert "helpful" in await page.locator("#guidelines").inner_text()
+        for width in (1280, 600):  # two columns, and one on a narrow screen
+            await page.set_viewport_size({"width": width, "height": 900})
+            box = await page.locator("#reason").bounding_box()
+            column = await page.locator("#rate-form").bounding_box()
+            assert box is not None and column is not None
+            assert column["x"] <= box["x"] and box["x"] + box["width"] <= column["x"] + column["width"], (
+                width,
+                box,
+                column,
+            )
+
         # 1. The mouse: a reason and "B is better"; a double click records once.
         first = await page.locator("#rate-form").get_attribute("data-comparison")
         assert (await page.locator("#prompt").inner_text()).startswith("Human:")

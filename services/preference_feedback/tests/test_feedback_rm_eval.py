@@ -250,14 +250,16 @@ async def test_version_latest_resolves_through_the_registry(
         await registry.register(
             "rm-tiny", "", uri=uri, snapshot_id="snap-1", backbone="tiny", heldout=heldout, registered_by="t"
         )
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
     args = ["eval", "--version", "latest", "--name", "rm-tiny", "--pairs", str(pairs_file)]
     args += [
         "--out",
         str(tmp_path / "out"),
         "--target",
         f"127.0.0.1:{registry_server.port}",
-        "--token",
-        TOKEN,
+        "--token-file",
+        str(token_file),
     ]
     # The CLI runs its own event loop (asyncio.run); the test's loop serves the registry.
     result = await asyncio.to_thread(CliRunner().invoke, app, args)

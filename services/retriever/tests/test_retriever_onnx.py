@@ -44,6 +44,9 @@ def test_vectors_match_sentence_transformers(
     alone = onnx.embed_query(TEXTS[0])
     assert _cos(alone, vectors[0]) >= (1 - 1e-6 if not int8 else 0.99)
     assert onnx.embed_query(TEXTS[0]) == alone and onnx.cache_hits == 1
+    # Both backends read the same tokens (usage of the gateway's /v1/embeddings).
+    assert onnx.count_tokens([*TEXTS, "word " * 1000]) == minilm.count_tokens([*TEXTS, "word " * 1000])
+    assert onnx.count_tokens(["word " * 1000]) == [256]
 
 
 def test_the_export_is_cached_and_versions_tell_backends_apart(

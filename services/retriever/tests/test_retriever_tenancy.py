@@ -113,8 +113,9 @@ async def test_each_tenant_finds_its_own_document_of_the_same_id(service: Retrie
     globex = await service.search("shared", "secret roadmap", 10, SearchMode.SPARSE, {}, tenant="globex")
     assert (acme.hits[0].document_id, acme.hits[0].text.split()[0]) == ("plan", "acme")
     assert (globex.hits[0].document_id, globex.hits[0].text.split()[0]) == ("plan", "globex")
-    # The default tenant (no caller identity) has nothing here.
-    assert (await service.search("shared", "secret roadmap", 10, SearchMode.SPARSE, {})).hits == []
+    # The default tenant (no caller identity) has nothing here: to it the collection does not exist.
+    with pytest.raises(errors.ValidationError, match="unknown collection 'shared'"):
+        await service.search("shared", "secret roadmap", 10, SearchMode.SPARSE, {})
 
 
 async def test_dense_and_hybrid_prefetches_are_scoped_too(dense_service: RetrieverService) -> None:

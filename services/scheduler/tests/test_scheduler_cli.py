@@ -21,6 +21,8 @@ def test_parse_quota_rejects_malformed(bad: str) -> None:
 
 
 def test_unreachable_scheduler_is_one_clear_error() -> None:
-    result = CliRunner().invoke(app, ["list", "--target", "127.0.0.1:1", "--token", "t"])
+    result = CliRunner().invoke(
+        app, ["list", "--target", "127.0.0.1:1"], env={"FORGE_CLI_SCHEDULER_TOKEN": "t"}
+    )
     assert result.exit_code == 1
     assert "UNAVAILABLE" in result.output

@@ -26,6 +26,7 @@ from forge_cli.platform import INFRA, Infra, ServiceSpec
 from forge_cli.supervisor import Component, Paths
 from forge_kit.events import ensure_topics
 from forge_kit.grpckit import check_health
+from forge_kit.paths import private_dir
 from forge_kit.testing.processes import mlflow_healthy, mlflow_server_argv, port_open, tansu_binary
 
 INFRA_TIMEOUT_S = 120.0
@@ -105,7 +106,7 @@ def temporal_component(infra: Infra, paths: Paths) -> Component:
         )
         return await proc.wait() == 0
 
-    paths.temporal_db.parent.mkdir(parents=True, exist_ok=True)
+    private_dir(paths.temporal_db.parent)
     return Component(
         name="temporal",
         argv=[
@@ -176,11 +177,11 @@ async def service_healthy(spec: ServiceSpec) -> bool:
 def service_component(
     spec: ServiceSpec,
     table: Sequence[ServiceSpec],
-    secrets: dict[str, str],
+    secrets: tokens.PlatformSecrets,
     paths: Paths,
     infra: Infra = INFRA,
 ) -> Component:
-    paths.data_dir(spec.name).mkdir(parents=True, exist_ok=True)
+    private_dir(paths.data_dir(spec.name))
 
     async def healthy() -> bool:
         return await service_healthy(spec)
@@ -191,7 +192,15 @@ def service_component(
         marker=spec.module,
         health=healthy,
         ports=(spec.grpc_port, spec.http_port),
-        env=platform.service_env(spec, table, secrets, paths.root, infra),
+        env=platform.service_env(
+            spec,
+            table,
+            secrets.tokens,
+            paths.root,
+            infra,
+            event_keys=secrets.event_keys,
+            generated=secrets.generated,
+        ),
         urls=(spec.grpc_target, spec.http_url),
     )
 
@@ -321,7 +330,10 @@ async def up(
     if problems:
         console.print("[red]platform table is inconsistent:[/] " + "; ".join(problems))
         return 2
-    secrets = tokens.load_or_create(paths.tokens, [s.name for s in table])
+    secrets = tokens.load_platform(paths.tokens, paths.event_keys, paths.generated, table)
+    for name, value in secrets.new.items():
+        # Shown this once; afterwards it is only in the secrets store (mode 0600).
+        console.print(f"generated {name}: [bold]{value}[/] (kept in {paths.generated})", highlight=False)
     paths.objects.mkdir(parents=True, exist_ok=True)
     try:
         with console.status("starting the broker, the Temporal dev server and the MLflow server…"):
@@ -337,7 +349,7 @@ async def up(
     console.print(table_of([*infra_up, *services_up]))
     if not run_main_job:
         return 0
-    return await run_main(context(paths, table, secrets, infra), console)
+    return await run_main(context(paths, table, secrets.tokens, infra), console)
 
 
 async def run_main(ctx: mainjob.MainJobContext, console: Console) -> int:

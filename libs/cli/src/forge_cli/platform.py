@@ -8,7 +8,11 @@ dependency, its author changes one line here.
 How a row becomes environment variables (``<NAME>`` is the caller, ``<T>`` the callee, upper case):
 
 - every service: ``GRPC_PORT``, ``HTTP_PORT``, ``AUTH_TOKEN`` (its own token), ``DATA_DIR``
-  (``var/data/<name>``), ``OBJECT_STORE_URL`` (``var/objects``), ``KAFKA_BOOTSTRAP``, ``LOG_JSON``;
+  (``var/data/<name>``), ``OBJECT_STORE_URL`` (``var/objects``), ``KAFKA_BOOTSTRAP``, ``LOG_JSON``,
+  ``EVENT_SIGNING_KEY`` (its own event key; local copies share their service's) and
+  ``EVENT_VERIFY_KEYS`` (every service's public event key);
+- ``generated``: settings filled with a secret generated for this service and kept in the secrets
+  store (``<name>.<SETTING>``), e.g. the gateway's bootstrap API key;
 - ``grpc("t")``: ``<T>_TARGET=127.0.0.1:<t's gRPC port>`` and ``<T>_TOKEN=<t's token>``;
 - ``http("t")``: ``<T>_URL=http://127.0.0.1:<t's HTTP port>`` and ``<T>_TOKEN=<t's token>``;
 - ``temporal=True``: ``TEMPORAL_TARGET=127.0.0.1:7233``;
@@ -24,11 +28,14 @@ How a row becomes environment variables (``<NAME>`` is the caller, ``<T>`` the c
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
+
+from forge_kit.eventauth import EventSigner
 
 HOST = "127.0.0.1"
 
@@ -65,6 +72,8 @@ class ServiceSpec:
     extra: Mapping[str, str] = field(default_factory=dict)
     local: Mapping[str, str] = field(default_factory=dict)
     instances: int = 1
+    generated: tuple[str, ...] = ()
+    """Settings whose value is a secret generated once for this service (no default exists)."""
     package: str = ""
     """The service this row runs, when the row is a local copy (``trainer_agent_2``)."""
     instance: int = 1
@@ -124,6 +133,7 @@ SERVICES: tuple[ServiceSpec, ...] = (
         grpc_port=50053,
         http_port=8080,
         calls=(http("model_server"), grpc("retriever"), grpc("reranker")),
+        generated=("BOOTSTRAP_API_KEY",),
     ),
     ServiceSpec("eval", grpc_port=50057, http_port=8057, calls=(http("inference_gateway"),)),
     ServiceSpec("preference_feedback", grpc_port=50058, http_port=8058, calls=(http("inference_gateway"),)),
@@ -217,6 +227,9 @@ def declared_keys(spec: ServiceSpec) -> list[str]:
         "OBJECT_STORE_URL",
         "KAFKA_BOOTSTRAP",
         "LOG_JSON",
+        "EVENT_SIGNING_KEY",
+        "EVENT_VERIFY_KEYS",
+        *spec.generated,
     ]
     for call in spec.calls:
         stem = call.target.upper()
@@ -235,8 +248,14 @@ def service_env(
     tokens: Mapping[str, str],
     root: Path,
     infra: Infra = INFRA,
+    *,
+    event_keys: Mapping[str, str],
+    generated: Mapping[str, str],
 ) -> dict[str, str]:
-    """The ``FORGE_<NAME>_*`` variables for ``spec``: exactly :func:`declared_keys`, with values."""
+    """The ``FORGE_<NAME>_*`` variables for ``spec``: exactly :func:`declared_keys`, with values.
+    ``event_keys`` maps each service to its event signing key, ``generated`` each
+    ``<name>.<SETTING>`` of ``generated`` settings to its secret."""
+
     by_name = {s.name: s for s in table}
     var = root / "var"
     values: dict[str, str] = {
@@ -247,7 +266,13 @@ def service_env(
         "OBJECT_STORE_URL": str(var / "objects"),
         "KAFKA_BOOTSTRAP": infra.kafka_bootstrap,
         "LOG_JSON": "true",
+        "EVENT_SIGNING_KEY": event_keys[spec.service],
+        "EVENT_VERIFY_KEYS": json.dumps(
+            {name: EventSigner.from_secret(name, key).public() for name, key in sorted(event_keys.items())}
+        ),
     }
+    for setting in spec.generated:
+        values[setting] = generated[generated_name(spec, setting)]
     for call in spec.calls:
         callee = by_name[call.target]
         stem = call.target.upper()
@@ -263,6 +288,11 @@ def service_env(
     for key, value in {**spec.extra, **spec.local}.items():
         values[key.upper()] = value.replace("{root}", str(root)).replace("{instance}", str(spec.instance))
     return {f"{spec.prefix}{key}": value for key, value in values.items()}
+
+
+def generated_name(spec: ServiceSpec, setting: str) -> str:
+    """The secrets store's name of a ``generated`` setting: ``<service>.<SETTING>``."""
+    return f"{spec.service}.{setting.upper()}"
 
 
 def local_table(table: Iterable[ServiceSpec] = SERVICES) -> tuple[ServiceSpec, ...]:

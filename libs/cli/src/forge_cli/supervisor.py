@@ -21,6 +21,8 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from forge_kit.paths import private_dir
+
 HealthCheck = Callable[[], Awaitable[bool]]
 
 
@@ -45,6 +47,14 @@ class Paths:
     @property
     def tokens(self) -> Path:
         return self.var / "secrets" / "tokens.json"
+
+    @property
+    def event_keys(self) -> Path:
+        return self.var / "secrets" / "event_keys.json"
+
+    @property
+    def generated(self) -> Path:
+        return self.var / "secrets" / "generated.json"
 
     @property
     def objects(self) -> Path:
@@ -149,8 +159,8 @@ START_BANNER = "--- forge: starting"
 
 def spawn(component: Component, paths: Paths) -> int:
     """Start ``component`` detached in its own session; record its pid; return it."""
-    paths.run_dir.mkdir(parents=True, exist_ok=True)
-    paths.log_dir.mkdir(parents=True, exist_ok=True)
+    private_dir(paths.run_dir)
+    private_dir(paths.log_dir)  # logs carry audit entries and request details
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **component.env}
     with open(paths.log_file(component.name), "ab") as log:
         log.write(f"\n{START_BANNER} {component.name} at {time.strftime('%Y-%m-%dT%H:%M:%S%z')}\n".encode())

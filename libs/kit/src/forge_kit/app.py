@@ -6,7 +6,7 @@ are enabled, starts the gRPC and HTTP servers with the kit's defaults, and runs 
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Coroutine, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,14 +16,27 @@ from forge.events.v1 import events_pb2_grpc
 
 from forge_kit import audit
 from forge_kit.db import Database
+from forge_kit.eventauth import EventSigner
 from forge_kit.eventlog import SERVICE_NAME as EVENT_LOG_SERVICE
 from forge_kit.eventlog import EventLogApi
-from forge_kit.events import KafkaPublisher, OutboxRelay
+from forge_kit.events import EventConsumer, Handler, KafkaPublisher, OutboxRelay
 from forge_kit.grpckit import Authenticator, serve, set_default_client_tls
 from forge_kit.http import HttpServer, make_app
 from forge_kit.logs import configure_logging
 from forge_kit.runtime import ServiceParts, run_forever
-from forge_kit.settings import ServiceSettings
+from forge_kit.settings import ServiceSettings, default_secrets
+
+
+def refuse_default_secrets(settings: ServiceSettings) -> None:
+    """Exit with a clear message when ``settings`` hold no service token or a known default
+    secret: a platform started with a credential everyone knows is open to everyone."""
+    problems = default_secrets(settings)
+    if problems:
+        prefix = str(settings.model_config.get("env_prefix") or "")
+        raise SystemExit(
+            f"{settings.service_name} refuses to start: {'; '.join(problems)}. Set the secrets in the "
+            f"environment ({prefix}<SETTING>); `forge up` and `make secrets` generate them."
+        )
 
 
 class ServiceApp:
@@ -33,6 +46,7 @@ class ServiceApp:
         self.settings = settings
         self.name = settings.service_name
         self.log = configure_logging(self.name, settings.log_level, settings.log_json)
+        refuse_default_secrets(settings)
         set_default_client_tls(settings.tls())
         self.db: Database | None = None
         self.publisher: KafkaPublisher | None = None
@@ -59,11 +73,50 @@ class ServiceApp:
         self._serves_event_log = True
         if not self.settings.kafka_enabled:
             return None
-        self.publisher = KafkaPublisher(self.settings.kafka_bootstrap)
-        self.relay = OutboxRelay(self.db, self.publisher, producer=self.name)
+        self.publisher = KafkaPublisher(self.settings.kafka_bootstrap, auth=self.settings.kafka_auth())
+        self.relay = OutboxRelay(self.db, self.publisher, signer=self.require_signer())
         self._background.append(self.relay.run)
         self._on_stop.append(self.publisher.close)
         return self.relay
+
+    def require_signer(self) -> EventSigner:
+        """The service's event signer; a publishing service without a signing key cannot start."""
+        signer = self.settings.event_signer()
+        if signer is None:
+            prefix = str(self.settings.model_config.get("env_prefix") or "")
+            raise RuntimeError(
+                f"{self.name} publishes events but has no signing key: set {prefix}EVENT_SIGNING_KEY "
+                "(`forge up` and `make secrets` generate one per service)"
+            )
+        return signer
+
+    def event_consumer(
+        self,
+        *,
+        group_id: str,
+        topics: Sequence[str],
+        handler: Handler,
+        sources: Mapping[str, Collection[str]] | None = None,
+        **options: int | str,
+    ) -> EventConsumer:
+        """An :class:`EventConsumer` wired to this service's broker, credentials and verify keys,
+        run in the background for the life of the process."""
+        if self.db is None:
+            raise RuntimeError("open_database() first")
+        consumer = EventConsumer(
+            self.db,
+            bootstrap=self.settings.kafka_bootstrap,
+            group_id=group_id,
+            topics=topics,
+            handler=handler,
+            verifier=self.settings.event_verifier(),
+            sources=sources,
+            auth=self.settings.kafka_auth(),
+            **options,  # type: ignore[arg-type]
+        )
+        self.add_background(consumer.run)
+        self.add_on_stop(consumer.stop)
+        return consumer
 
     def add_background(self, factory: Callable[[], Coroutine[Any, Any, None]]) -> None:
         """Run ``factory()`` as a task for the life of the process; its failure stops the process."""
@@ -97,7 +150,7 @@ class ServiceApp:
         service_names = list(service_names)
         if self._serves_event_log and self.db is not None:
             # Whoever publishes events lets consumers catch up from its outbox.
-            log_api = EventLogApi(self.db)
+            log_api = EventLogApi(self.db, signer=settings.event_signer())
             register.append(
                 lambda server: events_pb2_grpc.add_EventLogServiceServicer_to_server(log_api, server)
             )

@@ -3,7 +3,7 @@
 Every gRPC handler that calls :func:`forge_kit.grpckit.require_admin` is audited by the server
 interceptor on its way out — allowed or denied, succeeded or failed — with no code in the
 handler. HTTP admin routes call :func:`record` themselves. An entry is one JSON line appended
-to ``<data_dir>/audit.jsonl`` (flushed and fsynced before the reply leaves, so an acknowledged
+to ``<data_dir>/audit.jsonl`` (mode 0600 in a 0700 folder; flushed and fsynced before the reply leaves, so an acknowledged
 admin action is never missing from the log) and also emitted on the service's log as event
 ``audit``. Values under secret-looking keys are redacted, never written.
 """
@@ -20,6 +20,7 @@ from typing import Any
 import structlog
 
 from forge_kit.logs import redact
+from forge_kit.paths import private_dir, private_file
 
 log = structlog.get_logger("forge.audit")
 
@@ -32,9 +33,7 @@ AUDIT_FILE = "audit.jsonl"
 def configure(data_dir: str | os.PathLike[str]) -> Path:
     """Write audit entries under ``data_dir`` from now on; returns the file's path."""
     global _path
-    folder = Path(data_dir)
-    folder.mkdir(parents=True, exist_ok=True)
-    _path = folder / AUDIT_FILE
+    _path = private_file(private_dir(data_dir) / AUDIT_FILE)
     return _path
 
 
@@ -54,7 +53,7 @@ def record(action: str, actor: str, outcome: str, **details: Any) -> dict[str, A
     }
     if _path is not None:
         line = json.dumps(entry, sort_keys=True, default=str) + "\n"
-        with _lock, open(_path, "a", encoding="utf-8") as handle:
+        with _lock, open(private_file(_path), "a", encoding="utf-8") as handle:
             handle.write(line)
             handle.flush()
             os.fsync(handle.fileno())

@@ -1,9 +1,10 @@
 """Helpers for the ``forge <subcommand>`` apps that service packages contribute.
 
 A subcommand finds its service at ``$FORGE_CLI_<SERVICE>_TARGET`` (or its ``--target``) and its
-token at ``$FORGE_CLI_<SERVICE>_TOKEN``, else in ``var/secrets/tokens.json`` (written by
-``forge up``) under ``$FORGE_ROOT`` or the nearest directory above the working directory that
-has one, else the services' development default.
+token in the file ``--token-file`` names, else at ``$FORGE_CLI_<SERVICE>_TOKEN``, else in
+``var/secrets/tokens.json`` (written by ``forge up``) under ``$FORGE_ROOT`` or the nearest
+directory above the working directory that has one; there is no default token. A token is never a
+command-line value: every local user can read a process's arguments (``ps``).
 """
 
 from __future__ import annotations
@@ -20,14 +21,38 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-DEV_TOKEN = "forge-dev-token"
 TOKEN_FILE = Path("var") / "secrets" / "tokens.json"
 console = Console()
 T = TypeVar("T")
 
 
+def token_option(env: str, what: str, flag: str = "--token-file") -> Any:
+    """A typer option naming a file that holds the token (``-``: standard input); its value, as
+    the command receives it, is the token read from there, else ``$env``'s, else ``""``."""
+
+    def read(value: str | None) -> str:
+        if not value:
+            return os.environ.get(env, "")
+        try:
+            text = typer.get_text_stream("stdin").read() if value == "-" else Path(value).read_text()
+        except OSError as exc:
+            raise typer.BadParameter(f"cannot read the token: {exc.strerror}", param_hint=flag) from None
+        token = text.strip()
+        if not token or "\n" in token:
+            raise typer.BadParameter("the file must hold one token on one line", param_hint=flag)
+        return token
+
+    return typer.Option(
+        flag,
+        callback=read,
+        metavar="FILE",
+        show_default=False,
+        help=f"File holding the {what} ('-': standard input); else ${env}.",
+    )
+
+
 def resolve_token(service: str, explicit: str = "", start: Path | None = None) -> str:
-    """The explicit token, else the token file's entry for ``service``, else the dev default."""
+    """The explicit token, else the token file's entry for ``service``; neither is an error."""
     if explicit:
         return explicit
     roots = [Path(os.environ["FORGE_ROOT"])] if os.environ.get("FORGE_ROOT") else []
@@ -42,7 +67,10 @@ def resolve_token(service: str, explicit: str = "", start: Path | None = None) -
             token = tokens.get(service)
             if isinstance(token, str) and token:
                 return token
-    return DEV_TOKEN
+    raise typer.BadParameter(
+        f"no token for {service}: pass --token, set FORGE_CLI_{service.upper()}_TOKEN, or run `forge up` "
+        f"(it writes {TOKEN_FILE})"
+    )
 
 
 def run_rpc(coro: Coroutine[Any, Any, T]) -> T:

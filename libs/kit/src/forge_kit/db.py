@@ -2,7 +2,8 @@
 
 SQLite (``sqlite+aiosqlite:///var/data/x.db``) is the embedded default; PostgreSQL
 (``postgresql+asyncpg://…``) is chosen by URL alone. Each service keeps its migrations in
-``forge_<service>/migrations`` and calls :meth:`Database.migrate` at start-up.
+``forge_<service>/migrations`` and calls :meth:`Database.migrate` at start-up. A SQLite file is
+created 0600 in a 0700 folder (its WAL and shared-memory files follow its mode).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from sqlalchemy import event
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
 from sqlalchemy.orm import DeclarativeBase
+
+from forge_kit.paths import private_file
 
 
 class Base(DeclarativeBase):
@@ -43,6 +46,10 @@ class Database:
             kwargs["connect_args"] = {"timeout": 30}
         else:
             kwargs.update(pool_size=5, max_overflow=10, pool_pre_ping=True)
+        if url.startswith("sqlite"):
+            database = sa.make_url(url).database
+            if database and database != ":memory:" and Path(database).parent.is_dir():
+                private_file(database)  # before SQLite creates it with the umask's mode
         self.engine: AsyncEngine = create_async_engine(url, **kwargs)
         if url.startswith("sqlite"):
             event.listen(self.engine.sync_engine, "connect", _sqlite_pragmas)

@@ -23,6 +23,11 @@ class ValidationError(ForgeError):
         self.field = field
 
 
+class UnsupportedParameterError(ValidationError):
+    """The request asks for something this server cannot do (``field`` names it); refused rather
+    than silently ignored."""
+
+
 class NotFoundError(ForgeError):
     """The named resource does not exist."""
 

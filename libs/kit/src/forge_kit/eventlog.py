@@ -8,8 +8,10 @@ from its outbox (:class:`EventLogApi`, registered by ``ServiceApp`` whenever the
 and a consumer that must see everything runs :class:`CatchUp` next to its Kafka loop:
 
 1. for each source (producer), read the events after its watermark, page by page, in order;
-2. apply each through the consumer's own path — same handler, same dedupe on event id, same
-   dead-lettering — so an event seen on Kafka and again here is applied once;
+2. apply each through the consumer's own path — same signature check and producer rule, same
+   handler, same dedupe on event id, same dead-lettering — so an event seen on Kafka and again
+   here is applied once, and a source that serves forged rows gets none of them applied (the
+   producer signs each row as it serves it, exactly as its relay signs it for Kafka);
 3. store the new watermark (``forge_catchup_watermarks``) in the database;
 4. sleep until the next round.
 """
@@ -29,7 +31,8 @@ from sqlalchemy.orm import Mapped, mapped_column
 
 from forge_kit import errors
 from forge_kit.db import Base, Database
-from forge_kit.events import HEADER_ID, HEADER_TYPE, EventConsumer, OutboxEvent
+from forge_kit.eventauth import HEADER_KEY_ID, HEADER_SIGNATURE, EventSigner
+from forge_kit.events import HEADER_ID, HEADER_PRODUCER, HEADER_TYPE, EventConsumer, OutboxEvent
 from forge_kit.grpckit import make_channel
 
 log = structlog.get_logger(__name__)
@@ -38,10 +41,14 @@ SERVICE_NAME = events_pb2.DESCRIPTOR.services_by_name["EventLogService"].full_na
 
 
 class EventLogApi(events_pb2_grpc.EventLogServiceServicer):
-    """``ListEvents`` over this service's outbox table."""
+    """``ListEvents`` over this service's outbox table; ``signer`` signs each row served (without
+    one, rows go out unsigned and every consumer drops them)."""
 
-    def __init__(self, db: Database, *, default_page: int = 200, max_page: int = 1000) -> None:
+    def __init__(
+        self, db: Database, *, signer: EventSigner | None, default_page: int = 200, max_page: int = 1000
+    ) -> None:
         self._db = db
+        self._signer = signer
         self._default_page = default_page
         self._max_page = max_page
 
@@ -59,21 +66,27 @@ class EventLogApi(events_pb2_grpc.EventLogServiceServicer):
         rows = rows[:limit]
         topics = set(request.topics)
         return events_pb2.ListEventsResponse(
-            events=[
-                events_pb2.EventRecord(
-                    sequence=row.sequence,
-                    event_id=row.event_id,
-                    topic=row.topic,
-                    event_type=row.event_type,
-                    payload=row.payload,
-                    key=(row.key or b"").decode(errors="replace"),
-                )
-                for row in rows
-                if not topics or row.topic in topics
-            ],
+            events=[self._record(row) for row in rows if not topics or row.topic in topics],
             last_sequence=rows[-1].sequence if rows else request.after_sequence,
             has_more=has_more,
         )
+
+    def _record(self, row: OutboxEvent) -> events_pb2.EventRecord:
+        record = events_pb2.EventRecord(
+            sequence=row.sequence,
+            event_id=row.event_id,
+            topic=row.topic,
+            event_type=row.event_type,
+            payload=row.payload,
+            key=(row.key or b"").decode(errors="replace"),
+        )
+        if self._signer is not None:
+            record.producer = self._signer.producer
+            record.key_id = self._signer.key_id
+            record.signature = self._signer.sign(
+                topic=row.topic, event_type=row.event_type, event_id=row.event_id, payload=row.payload
+            )
+        return record
 
 
 class CatchUpWatermark(Base):
@@ -166,6 +179,9 @@ class CatchUp:
                         headers=[
                             (HEADER_TYPE, record.event_type.encode()),
                             (HEADER_ID, record.event_id.encode()),
+                            (HEADER_PRODUCER, record.producer.encode()),
+                            (HEADER_KEY_ID, record.key_id.encode()),
+                            (HEADER_SIGNATURE, record.signature.encode()),
                         ],
                     )
                     if await self._consumer.handle(replayed):  # type: ignore[arg-type]

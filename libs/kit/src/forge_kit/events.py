@@ -3,7 +3,9 @@
 Every payload is a ``forge.events.v1`` message whose first field is ``EventMeta meta`` (event id,
 time, producer, outbox sequence). On the wire a record's value is the serialised message; its
 headers carry ``forge-event-type`` (the message's full name), ``forge-event-id`` and
-``forge-producer`` so a consumer can decode and dedupe without guessing.
+``forge-producer`` so a consumer can decode and dedupe without guessing, and ``forge-key-id`` and
+``forge-signature`` (:mod:`forge_kit.eventauth`): a consumer drops and counts any record whose
+signature does not verify or whose producer does not own the topic (:data:`OWNERS`, or ``sources``).
 
 Delivery is at least once end to end:
 
@@ -22,7 +24,7 @@ import contextlib
 import datetime as dt
 import random
 import uuid
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
 from typing import Protocol
 
 import sqlalchemy as sa
@@ -38,6 +40,17 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Mapped, mapped_column
 
 from forge_kit.db import Base, Database
+from forge_kit.eventauth import HEADER_ID as HEADER_ID
+from forge_kit.eventauth import HEADER_PRODUCER as HEADER_PRODUCER
+from forge_kit.eventauth import HEADER_TYPE as HEADER_TYPE
+from forge_kit.eventauth import (
+    PLAINTEXT,
+    EventSigner,
+    EventVerifier,
+    KafkaAuth,
+    Rejected,
+    record_rejection,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -53,9 +66,20 @@ TOPICS: dict[str, str] = {
     events_pb2.ModelPromoted.DESCRIPTOR.full_name: "forge.eval.model_promoted.v1",
 }
 
-HEADER_TYPE = "forge-event-type"
-HEADER_ID = "forge-event-id"
-HEADER_PRODUCER = "forge-producer"
+#: The one producer (service name) allowed to publish each event type: the owner of its topic.
+OWNERS: dict[str, str] = {
+    events_pb2.JobStateChanged.DESCRIPTOR.full_name: "scheduler",
+    events_pb2.CheckpointPublished.DESCRIPTOR.full_name: "trainer_agent",
+    events_pb2.TrainingMetrics.DESCRIPTOR.full_name: "trainer_agent",
+    events_pb2.PreferenceRecorded.DESCRIPTOR.full_name: "preference_feedback",
+    events_pb2.RlhfRoundUpdated.DESCRIPTOR.full_name: "preference_feedback",
+    events_pb2.DocumentChanged.DESCRIPTOR.full_name: "retriever",
+    events_pb2.EvalCompleted.DESCRIPTOR.full_name: "eval",
+    events_pb2.ModelPromoted.DESCRIPTOR.full_name: "eval",
+}
+
+#: Topic → the producer that owns it.
+TOPIC_OWNERS: dict[str, str] = {TOPICS[name]: owner for name, owner in OWNERS.items()}
 
 EVENTS_PUBLISHED = Counter("forge_events_published_total", "Events sent to Kafka", ["topic"])
 EVENTS_CONSUMED = Counter("forge_events_consumed_total", "Events handled", ["group", "topic", "outcome"])
@@ -169,10 +193,22 @@ class Publisher(Protocol):
 
 
 class KafkaPublisher:
-    """aiokafka producer with ``acks=all``; idempotence only where the broker supports it."""
+    """aiokafka producer with ``acks=all``; idempotence only where the broker supports it.
 
-    def __init__(self, bootstrap: str, *, idempotent: bool = False, request_timeout_ms: int = 10_000) -> None:
+    ``signer`` signs what :meth:`publish` sends (the relay signs outbox rows itself)."""
+
+    def __init__(
+        self,
+        bootstrap: str,
+        *,
+        signer: EventSigner | None = None,
+        auth: KafkaAuth = PLAINTEXT,
+        idempotent: bool = False,
+        request_timeout_ms: int = 10_000,
+    ) -> None:
         self._bootstrap = bootstrap
+        self.signer = signer
+        self._auth = auth
         self._idempotent = idempotent
         self._timeout_ms = request_timeout_ms
         self._producer: AIOKafkaProducer | None = None
@@ -185,6 +221,7 @@ class KafkaPublisher:
                 enable_idempotence=self._idempotent,
                 request_timeout_ms=self._timeout_ms,
                 linger_ms=5,
+                **self._auth.client_options(),
             )
             try:
                 await producer.start()
@@ -206,16 +243,24 @@ class KafkaPublisher:
             raise
         EVENTS_PUBLISHED.labels(topic).inc()
 
-    async def publish(self, message: Message, *, producer: str, key: str = "") -> Message:
-        """Send an event directly (no database write precedes it)."""
+    async def publish(self, message: Message, *, key: str = "") -> Message:
+        """Send an event directly (no database write precedes it), signed by this publisher's
+        signer, whose name becomes the event's producer."""
+        if self.signer is None:
+            raise RuntimeError("this publisher has no event signer; events must be signed")
         if not message.meta.event_id:  # type: ignore[attr-defined]
-            message.meta.CopyFrom(new_meta(producer))  # type: ignore[attr-defined]
+            message.meta.CopyFrom(new_meta(self.signer.producer))  # type: ignore[attr-defined]
         meta = message.meta  # type: ignore[attr-defined]
+        if meta.producer != self.signer.producer:
+            raise ValueError(
+                f"event names producer {meta.producer!r}, the signer is {self.signer.producer!r}"
+            )
+        topic, payload = topic_for(message), message.SerializeToString()
         await self.send(
-            topic_for(message),
-            message.SerializeToString(),
+            topic,
+            payload,
             key=key.encode() if key else None,
-            headers=_headers(message.DESCRIPTOR.full_name, meta.event_id, meta.producer),
+            headers=self.signer.headers(topic, message.DESCRIPTOR.full_name, meta.event_id, payload),
         )
         return message
 
@@ -225,20 +270,13 @@ class KafkaPublisher:
             await producer.stop()
 
 
-def _headers(event_type: str, event_id: str, producer: str) -> list[tuple[str, bytes]]:
-    return [
-        (HEADER_TYPE, event_type.encode()),
-        (HEADER_ID, event_id.encode()),
-        (HEADER_PRODUCER, producer.encode()),
-    ]
-
-
 class OutboxRelay:
     """Publishes staged outbox rows in sequence order and marks them published.
 
     Started once per service process next to its servers. Rows are kept after publishing for
     ``retention`` so that a consumer which missed them (the local broker keeps nothing across a
-    restart) can be replayed from the owner by sequence number.
+    restart) can be replayed from the owner by sequence number. Each record is signed by
+    ``signer``, whose name is the producer the rows were staged for.
     """
 
     def __init__(
@@ -246,7 +284,7 @@ class OutboxRelay:
         db: Database,
         publisher: Publisher,
         *,
-        producer: str,
+        signer: EventSigner,
         batch_size: int = 100,
         poll_interval_s: float = 0.5,
         max_backoff_s: float = 10.0,
@@ -254,7 +292,7 @@ class OutboxRelay:
     ) -> None:
         self._db = db
         self._publisher = publisher
-        self._producer = producer
+        self._signer = signer
         self._batch_size = batch_size
         self._poll_interval_s = poll_interval_s
         self._max_backoff_s = max_backoff_s
@@ -283,7 +321,7 @@ class OutboxRelay:
                         row.topic,
                         row.payload,
                         key=row.key,
-                        headers=_headers(row.event_type, row.event_id, self._producer),
+                        headers=self._signer.headers(row.topic, row.event_type, row.event_id, row.payload),
                     )
                     row.published_at = _utcnow()
                     sent += 1
@@ -345,6 +383,11 @@ class EventConsumer:
     id is already recorded for this group, else run the handler and record the id; 3. commit the
     offset. A handler that keeps failing (``max_attempts``) sends the record to
     ``forge_dead_letters`` so one bad event cannot stall its partition.
+
+    Before any of that, ``verifier`` authenticates the record's producer, which must own the
+    topic (:data:`TOPIC_OWNERS`) or be listed for it in ``sources``; a record that fails is
+    dropped (not dead-lettered: a forger must not fill the database), counted in
+    ``forge_events_rejected_total`` and logged.
     """
 
     def __init__(
@@ -355,6 +398,9 @@ class EventConsumer:
         group_id: str,
         topics: Sequence[str],
         handler: Handler,
+        verifier: EventVerifier,
+        sources: Mapping[str, Collection[str]] | None = None,
+        auth: KafkaAuth = PLAINTEXT,
         max_attempts: int = 3,
         auto_offset_reset: str = "earliest",
         session_timeout_ms: int = 10_000,
@@ -363,6 +409,16 @@ class EventConsumer:
         self._bootstrap = bootstrap
         self._group_id = group_id
         self._topics = list(topics)
+        self._verifier = verifier
+        self._auth = auth
+        self._allowed: dict[str, frozenset[str]] = {
+            topic: frozenset({TOPIC_OWNERS[topic], *(sources or {}).get(topic, ())})
+            for topic in {*self._topics, *(sources or {})}
+            if topic in TOPIC_OWNERS
+        }
+        missing = sorted({p for allowed in self._allowed.values() for p in allowed} - verifier.producers)
+        if missing:
+            log.warning("consumer.no_verify_key", group=group_id, producers=missing)
         self._handler = handler
         self._max_attempts = max_attempts
         self._auto_offset_reset = auto_offset_reset
@@ -384,6 +440,7 @@ class EventConsumer:
                 auto_offset_reset=self._auto_offset_reset,
                 session_timeout_ms=self._session_timeout_ms,
                 heartbeat_interval_ms=max(100, min(1_000, self._session_timeout_ms // 3)),
+                **self._auth.client_options(),
             )
             try:
                 await consumer.start()
@@ -396,15 +453,34 @@ class EventConsumer:
             self._consumer = consumer
             return
 
+    def authenticate(self, record: ConsumerRecord) -> str:  # type: ignore[type-arg]
+        """The record's producer once its signature verifies and it may publish on the topic;
+        raises :class:`~forge_kit.eventauth.Rejected` otherwise."""
+        raw = dict(record.headers or ())
+        producer = self._verifier.verify(topic=record.topic, headers=raw, payload=record.value or b"")
+        if producer not in self._allowed.get(record.topic, ()):
+            raise Rejected("wrong_producer", f"{producer!r} may not publish on {record.topic}")
+        return producer
+
     async def handle(self, record: ConsumerRecord) -> bool:  # type: ignore[type-arg]
-        """Apply one record; True when the handler ran, False when it was a duplicate."""
+        """Apply one record; True when the handler ran, False when it was a duplicate or rejected."""
         headers = {k: v.decode(errors="replace") for k, v in (record.headers or ())}
         event_type = headers.get(HEADER_TYPE, "")
+        try:
+            producer = self.authenticate(record)
+        except Rejected as exc:
+            record_rejection(self._group_id, record.topic, exc, offset=record.offset, type=event_type[:255])
+            return False
         try:
             event = decode_event(event_type, record.value)
         except Exception as exc:  # noqa: BLE001 - a record nobody can decode must not stall the partition
             log.warning("consumer.undecodable", group=self._group_id, event_type=event_type, error=repr(exc))
             await self._dead_letter(record, event_type, f"undecodable: {exc!r}")
+            return False
+        if event.meta.producer != producer:  # type: ignore[attr-defined]
+            named = str(event.meta.producer)[:64]  # type: ignore[attr-defined]
+            mismatch = Rejected("wrong_producer", f"signed by {producer!r}, payload names {named!r}")
+            record_rejection(self._group_id, record.topic, mismatch, offset=record.offset)
             return False
         event_id = headers.get(HEADER_ID) or event.meta.event_id  # type: ignore[attr-defined]
         for attempt in range(1, self._max_attempts + 1):
@@ -505,10 +581,14 @@ class EventConsumer:
             await consumer.stop()
 
 
-async def ensure_topics(bootstrap: str, topics: Iterable[str] | None = None, partitions: int = 3) -> None:
+async def ensure_topics(
+    bootstrap: str, topics: Iterable[str] | None = None, partitions: int = 3, *, auth: KafkaAuth = PLAINTEXT
+) -> None:
     """Create ``topics`` (default: every Forge topic) if missing."""
     names = list(topics if topics is not None else TOPICS.values())
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=10_000)
+    admin = AIOKafkaAdminClient(
+        bootstrap_servers=bootstrap, request_timeout_ms=10_000, **auth.client_options()
+    )
     await admin.start()
     try:
         existing = set(await admin.list_topics())

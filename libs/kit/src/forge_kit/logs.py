@@ -50,8 +50,18 @@ def configure_logging(service: str, level: str = "INFO", json: bool = True) -> s
         cache_logger_on_first_use=False,
     )
     handler = logging.StreamHandler(sys.stderr)
+    # Standard-library records (uvicorn's "Exception in ASGI application", asyncio's) carry the
+    # exception as an ``exc_info`` tuple: rendered as a traceback text, not the tuple's repr.
     handler.setFormatter(
-        structlog.stdlib.ProcessorFormatter(processors=[*shared, renderer], foreign_pre_chain=shared)
+        structlog.stdlib.ProcessorFormatter(
+            processors=[
+                *shared,
+                structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+                structlog.processors.format_exc_info,
+                renderer,
+            ],
+            foreign_pre_chain=shared,
+        )
     )
     root = logging.getLogger()
     root.handlers[:] = [handler]

@@ -5,10 +5,12 @@ server, as vLLM does, and the gateway in front of it): ``{"error": {"message", "
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from forge_kit import errors
 
@@ -27,19 +29,51 @@ def openai_error(
     return JSONResponse(body, status_code=status, headers=headers)
 
 
+def error_path(body: object, loc: Sequence[int | str], *, missing: bool = False) -> str:
+    """The dotted path of a validation error's location in the request body, without the tags
+    pydantic adds for the member of a union it tried (``prompt.str`` → ``prompt``): an element
+    counts where the body has it, or, for a ``missing`` field, as the last element."""
+    parts: list[str] = []
+    at = body
+    for i, key in enumerate(loc):
+        if isinstance(at, dict) and isinstance(key, str) and (key in at or (missing and i == len(loc) - 1)):
+            parts.append(key)
+            at = at.get(key)
+        elif isinstance(at, list) and isinstance(key, int) and 0 <= key < len(at):
+            parts.append(str(key))
+            at = at[key]
+    return ".".join(parts) or "body"
+
+
 def install_openai_error_handlers(app: FastAPI) -> None:
-    """Map validation (400 naming the field), not found (404), conflicts (409), missing
+    """Map validation (400 naming the field; ``unsupported_parameter`` for a field the server cannot
+    honour), the framework's own 404/405/413, not found (404), conflicts (409), missing
     credentials (401) and overload (429 with Retry-After) to OpenAI errors; anything unexpected
     becomes a 500 without internals. Services add their own handlers for their own errors."""
 
     @app.exception_handler(errors.ValidationError)
     async def _invalid(_: Request, exc: errors.ValidationError) -> JSONResponse:
-        return openai_error(400, exc.message, param=exc.field, code="invalid_value")
+        code = (
+            "unsupported_parameter" if isinstance(exc, errors.UnsupportedParameterError) else "invalid_value"
+        )
+        return openai_error(400, exc.message, param=exc.field, code=code)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # The framework's own refusals (no such route, method not allowed, body too large).
+        codes = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+        message = exc.detail if isinstance(exc.detail, str) else "request refused"
+        headers = dict(exc.headers) if exc.headers else None
+        return openai_error(exc.status_code, message, code=codes.get(exc.status_code), headers=headers)
 
     @app.exception_handler(RequestValidationError)
     async def _malformed(_: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
-        field = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or "body"
+        loc = list(first.get("loc", ()))
+        if loc[:1] == ["body"]:
+            field = error_path(exc.body, loc[1:], missing=first.get("type") == "missing")
+        else:  # a query, path or header parameter: named as FastAPI locates it
+            field = ".".join(str(p) for p in loc) or "body"
         return openai_error(400, f"{field}: {first.get('msg')}", param=field, code="invalid_value")
 
     @app.exception_handler(errors.NotFoundError)

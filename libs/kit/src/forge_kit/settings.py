@@ -9,12 +9,56 @@ prefix but names no field is an error at start-up: a typo must not silently fall
 from __future__ import annotations
 
 import os
-from typing import Any
+import re
+from typing import Any, Literal
 
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from forge_kit.eventauth import EventSigner, EventVerifier, KafkaAuth
 from forge_kit.grpckit import TlsConfig
+from forge_kit.paths import private_dir
+
+#: Secrets that shipped as defaults once, or that anyone would guess; no service runs with one.
+KNOWN_DEFAULT_SECRETS = frozenset(
+    {
+        "forge-dev-token",
+        "forge-dev-key",
+        "forge",
+        "changeme",
+        "change-me",
+        "secret",
+        "password",
+        "admin",
+        "token",
+    }
+)
+_KNOWN_DEFAULT_PATTERN = re.compile(r"^dev-token-[a-z0-9_-]*$")
+
+
+def is_known_default(value: str) -> bool:
+    """True for a secret that is public knowledge: a former default or a ``dev-token-<service>``."""
+    lowered = value.strip().lower()
+    return lowered in KNOWN_DEFAULT_SECRETS or bool(_KNOWN_DEFAULT_PATTERN.fullmatch(lowered))
+
+
+def default_secrets(settings: BaseSettings) -> list[str]:
+    """Why ``settings`` must not run: an empty ``auth_token``, and every secret setting (any
+    ``SecretStr`` field, nested settings included) whose value is a known default."""
+    token = getattr(settings, "auth_token", None)
+    empty = ["auth_token is empty"] if isinstance(token, SecretStr) and not token.get_secret_value() else []
+    return empty + _known_defaults(settings, "")
+
+
+def _known_defaults(settings: BaseSettings, prefix: str) -> list[str]:
+    found: list[str] = []
+    for name in type(settings).model_fields:
+        value = getattr(settings, name)
+        if isinstance(value, SecretStr) and is_known_default(value.get_secret_value()):
+            found.append(f"{prefix}{name} is a known default secret")
+        elif isinstance(value, BaseSettings):
+            found += _known_defaults(value, f"{prefix}{name}.")
+    return found
 
 
 def service_config(service: str) -> SettingsConfigDict:
@@ -67,8 +111,9 @@ class ServiceSettings(ForgeSettings):
     http_port: int = Field(default=0, ge=0, le=65535)
     """HTTP port for health, readiness, metrics and any HTTP API; 0 picks a free port."""
 
-    auth_token: SecretStr = SecretStr("forge-dev-token")
-    """Bearer token callers must present in gRPC metadata / HTTP Authorization."""
+    auth_token: SecretStr = SecretStr("")
+    """Bearer token callers must present in gRPC metadata / HTTP Authorization. No default: a
+    service refuses to start without one, or with a known default (:func:`default_secrets`)."""
 
     default_deadline_s: float = Field(default=30.0, gt=0)
     """Deadline applied to incoming gRPC calls whose caller set none."""
@@ -84,6 +129,29 @@ class ServiceSettings(ForgeSettings):
 
     kafka_enabled: bool = True
     """Publish and consume events; off only for isolated unit runs."""
+
+    kafka_security_protocol: Literal["PLAINTEXT", "SASL_PLAINTEXT", "SASL_SSL", "SSL"] = "PLAINTEXT"
+    """How Kafka clients reach the broker: PLAINTEXT (the local broker) or SASL (compose, Kubernetes)."""
+
+    kafka_sasl_mechanism: Literal["SCRAM-SHA-512", "SCRAM-SHA-256"] = "SCRAM-SHA-512"
+    """SASL mechanism when ``kafka_security_protocol`` is SASL_*."""
+
+    kafka_sasl_username: str = ""
+    """SASL user of this service on the broker (its ACLs name what it may read and write)."""
+
+    kafka_sasl_password: SecretStr = SecretStr("")
+    """SASL password of ``kafka_sasl_username``."""
+
+    kafka_ca_file: str = ""
+    """PEM CA bundle of the broker's certificate when ``kafka_security_protocol`` uses TLS."""
+
+    event_signing_key: SecretStr = SecretStr("")
+    """This service's Ed25519 event signing key (URL-safe base64 of the 32-byte seed); every
+    event it publishes is signed with it. Required when it publishes events with Kafka on."""
+
+    event_verify_keys: dict[str, str] = Field(default_factory=dict)
+    """Producer name → its Ed25519 public key(s) (URL-safe base64, comma separated during a
+    rotation), as JSON; events from anyone else are dropped by this service's consumers."""
 
     redis_url: str = ""
     """Redis URL for cache and rate limits; empty means in-process."""
@@ -115,10 +183,11 @@ class ServiceSettings(ForgeSettings):
         return self
 
     def sqlite_url(self, filename: str) -> str:
-        """The database URL to use: ``database_url`` if set, else ``<data_dir>/<filename>``."""
+        """The database URL to use: ``database_url`` if set, else ``<data_dir>/<filename>``
+        (``data_dir`` made private: 0700)."""
         if self.database_url:
             return self.database_url
-        os.makedirs(self.data_dir, exist_ok=True)
+        private_dir(self.data_dir)
         return f"sqlite+aiosqlite:///{os.path.abspath(os.path.join(self.data_dir, filename))}"
 
     @model_validator(mode="after")
@@ -133,6 +202,37 @@ class ServiceSettings(ForgeSettings):
             if ok and not os.path.isfile(getattr(self, name)):
                 raise ValueError(f"{name}: no such file: {getattr(self, name)}")
         return self
+
+    @model_validator(mode="after")
+    def _event_keys_parse(self) -> ServiceSettings:
+        self.event_signer()
+        self.event_verifier()
+        if self.kafka_security_protocol.startswith("SASL") and not (
+            self.kafka_sasl_username and self.kafka_sasl_password.get_secret_value()
+        ):
+            raise ValueError(
+                f"kafka_security_protocol {self.kafka_security_protocol} needs a SASL username and password"
+            )
+        return self
+
+    def event_signer(self) -> EventSigner | None:
+        """The signer of this service's events, or None when no signing key is set."""
+        secret = self.event_signing_key.get_secret_value()
+        return EventSigner.from_secret(self.service_name, secret) if secret else None
+
+    def event_verifier(self) -> EventVerifier:
+        """Verifies events against ``event_verify_keys``."""
+        return EventVerifier(self.event_verify_keys)
+
+    def kafka_auth(self) -> KafkaAuth:
+        """How this service's Kafka clients authenticate."""
+        return KafkaAuth(
+            security_protocol=self.kafka_security_protocol,
+            sasl_mechanism=self.kafka_sasl_mechanism,
+            username=self.kafka_sasl_username,
+            password=self.kafka_sasl_password.get_secret_value(),
+            ca_file=self.kafka_ca_file,
+        )
 
     def tls(self) -> TlsConfig | None:
         """The mutual-TLS configuration, or None when TLS is off."""

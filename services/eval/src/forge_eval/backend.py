@@ -28,6 +28,8 @@ from typing import Any
 
 import httpx
 
+from forge_kit.paths import private_file
+
 WEIGHT_FILES = ("*.safetensors", "*.bin", "config.json", "generation_config.json")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt", "special_tokens_map.json")
 
@@ -88,8 +90,7 @@ class ResponseCache:
     """A SQLite table of request key → response JSON, safe to share between runs and threads."""
 
     def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        self._conn = sqlite3.connect(private_file(path), check_same_thread=False, isolation_level=None)
         self._conn.execute("PRAGMA journal_mode=WAL")
         self._conn.execute("CREATE TABLE IF NOT EXISTS responses (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
         self._lock = threading.Lock()

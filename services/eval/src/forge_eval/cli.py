@@ -8,8 +8,8 @@ A and the gate decision. Responses are cached (request + model identity) in ``--
 unchanged re-run makes no model calls.
 
 ``register``, ``models``, ``promote``, ``rollback`` and ``history`` call the eval service's
-registry over gRPC at ``$FORGE_CLI_EVAL_TARGET`` (default ``127.0.0.1:50057``) with
-``$FORGE_CLI_EVAL_TOKEN``, else the ``eval`` entry of ``var/secrets/tokens.json`` (the service
+registry over gRPC at ``$FORGE_CLI_EVAL_TARGET`` (default ``127.0.0.1:50057``) with the token in
+``--token-file``, else ``$FORGE_CLI_EVAL_TOKEN``, else the ``eval`` entry of ``var/secrets/tokens.json`` (the service
 token: an admin, who may ``promote --force``).
 """
 
@@ -81,7 +81,7 @@ def run(
     cache: Annotated[Path, typer.Option("--cache", help="Response cache (SQLite).")] = DEFAULT_CACHE,
     no_cache: Annotated[bool, typer.Option("--no-cache", help="Neither read nor write the cache.")] = False,
     token: Annotated[
-        str, typer.Option("--token", envvar="FORGE_CLI_EVAL_ENDPOINT_TOKEN", show_default=False)
+        str, clitools.token_option("FORGE_CLI_EVAL_ENDPOINT_TOKEN", "model endpoint's bearer token")
     ] = "",
     benchmarks_dir: Annotated[
         str, typer.Option("--benchmarks-dir", help="Absolute, or a folder inside FORGE_DATA_DIR.")
@@ -238,10 +238,7 @@ def list_tasks() -> None:
 TargetOption = Annotated[
     str, typer.Option("--target", envvar="FORGE_CLI_EVAL_TARGET", help="Eval service gRPC host:port.")
 ]
-TokenOption = Annotated[
-    str,
-    typer.Option("--token", envvar="FORGE_CLI_EVAL_TOKEN", help="Eval service token.", show_default=False),
-]
+TokenOption = Annotated[str, clitools.token_option("FORGE_CLI_EVAL_TOKEN", "eval service token")]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
 
 

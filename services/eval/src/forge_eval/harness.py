@@ -32,7 +32,7 @@ from forge_eval.backend import (
 )
 from forge_eval.scorers import Scorer, corpus_perplexity, get_scorer
 from forge_eval.tasks import DataRoots, Doc, TaskConfig, build_docs, dataset_hash
-from forge_kit import errors
+from forge_kit import errors, sandbox
 
 SUMMARY = "summary.json"
 ALPHA = 0.05
@@ -200,12 +200,16 @@ async def run_task(
 ) -> TaskRun:
     """Evaluate one task.
 
-    1. Check the scorer fits the task and render the docs (data hashes checked, templates strict);
+    1. Check the scorer fits the task (and, for code execution, that a sandbox can be had: else
+    :class:`~forge_kit.sandbox.SandboxUnavailableError`) and render the docs (data hashes checked, templates strict);
     2. pin the spec (with the perplexity window when documents exceed the model's context);
     3. build every request and run them through the backend (cache first); 4. parse and score
     each doc; 5. summarise with standard errors and intervals.
     """
     scorer = get_scorer(task.scorer.name, task.output_type)
+    if task.output_type == "code_exec":
+        # Before any generation: without a sandbox the model's code is never run.
+        sandbox.check_available()
     docs = build_docs(task, roots, limit=limit, seed=seed, smoke=smoke)
     if not docs:
         raise errors.ValidationError("task.dataset", "selects no examples")

@@ -13,9 +13,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from forge_eval.sandbox import SandboxLimits, run_program
 from forge_eval.tasks import Doc, OutputType
-from forge_kit import errors
+from forge_kit import errors, sandbox
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 _STRICT = re.compile(r"####\s*(-?\d[\d,]*(?:\.\d+)?)")
@@ -103,13 +102,13 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 def _humaneval(doc: Doc, response: dict[str, Any], options: dict[str, Any]) -> list[MetricScore]:
     """Run prompt + completion + the tests in the sandbox for every sample; pass@k per k."""
-    limits = SandboxLimits(timeout_s=float(options.get("timeout_s", 10.0)))
+    limits = sandbox.SandboxLimits(timeout_s=float(options.get("timeout_s", 10.0)))
     record = doc.record
     passed = 0
     statuses = []
     for completion in response["texts"]:
         program = f"{record['prompt']}{completion}\n\n{record['test']}\n\ncheck({record['entry_point']})\n"
-        result = run_program(program, limits)
+        result = sandbox.run_python(program, limits)
         passed += result.passed
         statuses.append(result.status)
     n = len(response["texts"])

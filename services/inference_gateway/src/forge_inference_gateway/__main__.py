@@ -13,6 +13,7 @@ from forge_inference_gateway.admission import Admission
 from forge_inference_gateway.api import GatewayInferenceApi
 from forge_inference_gateway.autoscaling import Autoscaler
 from forge_inference_gateway.config import InferenceGatewaySettings
+from forge_inference_gateway.embeddings import GrpcEmbedder
 from forge_inference_gateway.openai_api import install_gateway_api
 from forge_inference_gateway.rag import GrpcReranker, GrpcRetriever, RagService
 from forge_inference_gateway.response_cache import ResponseCache
@@ -21,7 +22,7 @@ from forge_inference_gateway.service import InferenceGateway
 from forge_inference_gateway.upstream import ModelServerClient
 from forge_kit.app import ServiceApp
 from forge_kit.cache import make_cache
-from forge_kit.events import EventConsumer, topic_for
+from forge_kit.events import topic_for
 
 CONSUMER_GROUP = "inference_gateway"
 
@@ -66,23 +67,21 @@ async def main() -> None:
     )
     rag = RagService(gateway, retriever, reranker, cache, settings.rag_limits())
     app.add_on_stop(retriever.close)
+    embedder = GrpcEmbedder(settings.retriever_target, settings.retriever_token.get_secret_value())
+    app.add_on_stop(embedder.close)
     if reranker is not None:
         app.add_on_stop(reranker.close)
     app.add_background(gateway.run_control_loop)
     app.add_on_stop(gateway.stop)
     if settings.kafka_enabled:
-        consumer = EventConsumer(
-            db,
-            bootstrap=settings.kafka_bootstrap,
+        app.event_consumer(
             group_id=CONSUMER_GROUP,
             topics=[topic_for(events_pb2.ModelPromoted())],
             handler=gateway.apply_model_promoted,
         )
-        app.add_background(consumer.run)
-        app.add_on_stop(consumer.stop)
     app.add_on_stop(cache.close)
     http = app.http_app()
-    install_gateway_api(http, gateway, app.token, rag)
+    install_gateway_api(http, gateway, app.token, rag, embedder)
     await app.run(
         register=[
             lambda s: inference_pb2_grpc.add_InferenceServiceServicer_to_server(

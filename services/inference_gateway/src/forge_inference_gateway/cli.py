@@ -14,6 +14,7 @@ from typing import Annotated
 import typer
 
 from forge_inference_gateway.loadgen import LoadSpec, parse_goodput, run_load
+from forge_kit import clitools
 
 app = typer.Typer(add_completion=False, help="Load and soak scenarios.")
 
@@ -49,7 +50,12 @@ def inference(
         list[str] | None, typer.Option(help="SLOs for goodput, e.g. ttft:500 (repeat, or comma separated)")
     ] = None,
     sweep_rates: Annotated[str, typer.Option(help="Comma-separated rates for throughput_vs_rate.png")] = "",
-    api_key: Annotated[str | None, typer.Option(help="Bearer key (a gateway tenant key)")] = None,
+    api_key: Annotated[
+        str,
+        clitools.token_option(
+            "FORGE_CLI_LOAD_API_KEY", "bearer key (a gateway tenant key)", "--api-key-file"
+        ),
+    ] = "",
     tokenizer: Annotated[
         str | None, typer.Option(help="Model folder whose tokenizer sizes the prompts")
     ] = None,
@@ -72,7 +78,7 @@ def inference(
             range_ratio=range_ratio,
             goodput=parse_goodput(goodput or []),
             sweep_rates=tuple(float(r) for r in sweep_rates.split(",") if r.strip()),
-            api_key=api_key,
+            api_key=api_key or None,
             tokenizer=tokenizer,
             seed=seed,
         )

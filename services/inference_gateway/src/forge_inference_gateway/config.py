@@ -26,14 +26,14 @@ class InferenceGatewaySettings(ServiceSettings):
     """Base URLs of the model-server replicas (Forge ``model_server`` or ``vllm serve``), comma
     separated; more can be added and removed at run time through the admin API."""
 
-    model_server_token: SecretStr = SecretStr("forge-dev-token")
+    model_server_token: SecretStr = SecretStr("")
     """Bearer token the gateway presents to the model servers (vLLM's ``--api-key``)."""
 
     upstream_priority: bool = True
     """Send each request's admission level as vLLM's ``priority`` (0 interactive, 1 batch); turn off
     for a vLLM started without ``--scheduling-policy priority``, which refuses the field."""
 
-    bootstrap_api_key: SecretStr = SecretStr("forge-dev-key")
+    bootstrap_api_key: SecretStr = SecretStr("")
     """API key of the ``default`` tenant, created or re-keyed at start-up; empty: no bootstrap tenant."""
 
     default_rpm_limit: int = Field(default=600, ge=1)
@@ -125,13 +125,13 @@ class InferenceGatewaySettings(ServiceSettings):
     retriever_target: str = "127.0.0.1:50055"
     """``host:port`` of the retriever (``forge.retrieval.v1.RetrieverService``) behind ``/v1/rag/query``."""
 
-    retriever_token: SecretStr = SecretStr("forge-dev-token")
+    retriever_token: SecretStr = SecretStr("")
     """Service token presented to the retriever; the gateway names the caller's tenant in ``forge-tenant``."""
 
     reranker_target: str = "127.0.0.1:50056"
     """``host:port`` of the reranker (``forge.rerank.v1.RerankerService``); empty: RAG keeps retriever order."""
 
-    reranker_token: SecretStr = SecretStr("forge-dev-token")
+    reranker_token: SecretStr = SecretStr("")
     """Service token presented to the reranker."""
 
     rag_timeout_s: float = Field(default=30.0, gt=0)

@@ -25,6 +25,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import Counter
 from pydantic import BaseModel, Field
 
+from forge_inference_gateway.embeddings import GrpcEmbedder, create_embeddings
+from forge_inference_gateway.openai_schema import bearer_scheme, check_generation, install_openapi
 from forge_inference_gateway.rag import RagService
 from forge_inference_gateway.response_cache import CACHE_HEADER
 from forge_inference_gateway.service import PRIORITY_CLASSES, Alias, InferenceGateway, Tenant
@@ -72,9 +74,12 @@ def _bearer(request: Request) -> str:
 
 
 class GatewayRoutes:
-    def __init__(self, gateway: InferenceGateway, rag: RagService | None = None) -> None:
+    def __init__(
+        self, gateway: InferenceGateway, rag: RagService | None = None, embedder: GrpcEmbedder | None = None
+    ) -> None:
         self._gateway = gateway
         self._rag = rag
+        self._embedder = embedder
 
     async def admit(self, request: Request) -> None:
         """Dependency of ``/v1``: authenticate, admit against the tenant's rate limit, remember who."""
@@ -85,8 +90,28 @@ class GatewayRoutes:
     async def list_models(self) -> dict[str, object]:
         return {"object": "list", "data": await self._gateway.list_models()}
 
+    async def retrieve_model(self, model_id: str) -> Response:
+        """``GET /v1/models/{id}`` (the SDK's ``models.retrieve``): the card ``/v1/models`` lists."""
+        for card in await self._gateway.list_models():
+            if card.get("id") == model_id:
+                return JSONResponse(card)
+        return openai_error(
+            404, f"the model `{model_id}` does not exist", param="model", code="model_not_found"
+        )
+
+    async def embeddings(self, request: Request) -> Response:
+        """``POST /v1/embeddings``: the retriever's embedder, for the caller's tenant."""
+        if self._embedder is None:
+            raise errors.NotFoundError("embeddings are not configured on this gateway")
+        raw = _json_body(await request.body())
+        answer = await create_embeddings(self._embedder, request.state.tenant, raw)
+        REQUESTS.labels("/v1/embeddings", "200").inc()
+        return JSONResponse(answer)
+
     async def completions(self, request: Request) -> Response:
-        return await self._forward("/v1/completions", request, _json_body(await request.body()))
+        raw = _json_body(await request.body())
+        check_generation("/v1/completions", raw)
+        return await self._forward("/v1/completions", request, raw)
 
     async def chat_completions(self, request: Request) -> Response:
         """``POST /v1/chat/completions``: relayed to a replica, or, with a ``retrieval`` object,
@@ -95,6 +120,7 @@ class GatewayRoutes:
         raw = _json_body(await request.body())
         if isinstance(raw, dict) and "retrieval" in raw:
             return await self._chat_with_retrieval(request, raw)
+        check_generation("/v1/chat/completions", raw)
         return await self._forward("/v1/chat/completions", request, raw)
 
     async def _chat_with_retrieval(self, request: Request, raw: dict[str, object]) -> Response:
@@ -322,31 +348,41 @@ class AdminRoutes:
 
 
 def install_gateway_api(
-    app: FastAPI, gateway: InferenceGateway, admin_token: str | None, rag: RagService | None = None
+    app: FastAPI,
+    gateway: InferenceGateway,
+    admin_token: str | None,
+    rag: RagService | None = None,
+    embedder: GrpcEmbedder | None = None,
 ) -> None:
-    """Add ``/v1/*`` (``/v1/rag/query`` with ``rag``), ``/admin/v1/*`` and OpenAI-format error handlers."""
-    public = GatewayRoutes(gateway, rag)
-    tenant = [Depends(public.admit)]
+    """Add ``/v1/*`` (``/v1/rag/query`` with ``rag``, ``/v1/embeddings`` with ``embedder``),
+    ``/admin/v1/*`` and OpenAI-format error handlers."""
+    public = GatewayRoutes(gateway, rag, embedder)
+    tenant = [Depends(bearer_scheme), Depends(public.admit)]
     app.add_api_route("/v1/models", public.list_models, methods=["GET"], dependencies=tenant)
+    app.add_api_route(
+        "/v1/models/{model_id:path}", public.retrieve_model, methods=["GET"], dependencies=tenant
+    )
     app.add_api_route("/v1/completions", public.completions, methods=["POST"], dependencies=tenant)
     app.add_api_route("/v1/chat/completions", public.chat_completions, methods=["POST"], dependencies=tenant)
     app.add_api_route("/v1/rag/query", public.rag_query, methods=["POST"], dependencies=tenant)
+    app.add_api_route("/v1/embeddings", public.embeddings, methods=["POST"], dependencies=tenant)
     admin = AdminRoutes(gateway)
-    auth = [Depends(require_token(admin_token))]
-    for path, endpoint, method in (
-        ("/admin/v1/aliases", admin.aliases, "GET"),
-        ("/admin/v1/aliases/{alias}/canary", admin.set_canary, "PUT"),
-        ("/admin/v1/aliases/{alias}/canary", admin.rollback_canary, "DELETE"),
-        ("/admin/v1/tenants", admin.tenants, "GET"),
-        ("/admin/v1/tenants", admin.create_tenant, "POST"),
-        ("/admin/v1/replicas", admin.replicas, "GET"),
-        ("/admin/v1/replicas", admin.add_replica, "POST"),
-        ("/admin/v1/replicas", admin.remove_replica, "DELETE"),
-        ("/admin/v1/autoscaling", admin.autoscaling, "GET"),
+    auth = [Depends(bearer_scheme), Depends(require_token(admin_token))]
+    for path, endpoint, method, status in (
+        ("/admin/v1/aliases", admin.aliases, "GET", 200),
+        ("/admin/v1/aliases/{alias}/canary", admin.set_canary, "PUT", 200),
+        ("/admin/v1/aliases/{alias}/canary", admin.rollback_canary, "DELETE", 200),
+        ("/admin/v1/tenants", admin.tenants, "GET", 200),
+        ("/admin/v1/tenants", admin.create_tenant, "POST", 201),
+        ("/admin/v1/replicas", admin.replicas, "GET", 200),
+        ("/admin/v1/replicas", admin.add_replica, "POST", 201),
+        ("/admin/v1/replicas", admin.remove_replica, "DELETE", 204),
+        ("/admin/v1/autoscaling", admin.autoscaling, "GET", 200),
     ):
-        app.add_api_route(path, endpoint, methods=[method], dependencies=auth)
+        app.add_api_route(path, endpoint, methods=[method], dependencies=auth, status_code=status)
 
     install_openai_error_handlers(app)
+    install_openapi(app)
 
     @app.exception_handler(UpstreamUnavailableError)
     async def _unavailable(_: Request, exc: UpstreamUnavailableError) -> JSONResponse:

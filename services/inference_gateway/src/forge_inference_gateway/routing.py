@@ -358,8 +358,9 @@ class ReplicaPool:
         for url, replica in list(self._replicas.items()):
             if replica.source == "admin" and (url not in wanted or wanted[url] != self._tokens.get(url)):
                 await self.remove(url)
-        for url in wanted.keys() - set(self._replicas):
-            self.add(url, source="admin", token=wanted[url])
+        for url, token in wanted.items():  # in the order given: set order would vary per process
+            if url not in self._replicas:
+                self.add(url, source="admin", token=token)
 
     def has(self, url: str) -> bool:
         return normalize_url(url) in self._replicas

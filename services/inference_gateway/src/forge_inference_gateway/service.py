@@ -295,6 +295,16 @@ class _ReadThrough(Generic[K, V]):
         self._generation += 1
 
 
+#: What a tenant sees of a replica's model card; ``root`` is replaced by the model id.
+PUBLIC_CARD_FIELDS = ("id", "object", "created", "owned_by", "max_model_len", "version", "loaded")
+
+
+def public_card(model_id: str, card: dict[str, object]) -> dict[str, object]:
+    """A replica's ``/v1/models`` card without what only the host should know (paths)."""
+    public = {key: card[key] for key in PUBLIC_CARD_FIELDS if key in card}
+    return {**public, "id": model_id, "root": model_id, "parent": None}
+
+
 class InferenceGateway:
     """Tenants, admission, aliases and forwarding to a pool of model-server replicas."""
 
@@ -608,7 +618,9 @@ class InferenceGateway:
         return self._clock() + budget
 
     async def list_models(self) -> list[dict[str, object]]:
-        """The models the healthy replicas serve, then every alias whose target one of them serves."""
+        """The models the healthy replicas serve, then every alias whose target one of them serves;
+        each card only with the fields in :data:`PUBLIC_CARD_FIELDS` (a replica's ``root`` is its
+        checkpoint's host path: tenants see the model id there)."""
         await self.pool.ensure_known()
         replicas = self.pool.replicas()
         cards: dict[str, dict[str, object]] = {}
@@ -617,7 +629,7 @@ class InferenceGateway:
             if not replica.healthy or replica.cards is None:
                 continue
             for model_id, card in replica.cards.items():
-                cards.setdefault(model_id, card)
+                cards.setdefault(model_id, public_card(model_id, card))
                 ready[model_id] = ready.get(model_id, 0) + 1
         if not cards:
             for replica in replicas:

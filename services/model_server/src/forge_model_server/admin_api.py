@@ -2,7 +2,8 @@
 
 ``POST /admin/v1/models {"name", "path", "version"?}`` serves the Hugging Face folder ``path`` (on
 this machine) as ``name`` from now on; the service token is the bearer. Answers 201 with the model's
-``/v1/models`` entry once it is loaded, 400 naming the field for a bad name, version or folder.
+``/v1/models`` entry and its ``path`` once it is loaded, 400 naming the field for a bad name,
+version or folder.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ def install_admin_api(app: FastAPI, server: ModelServer, token: str) -> None:
 
     async def register_model(body: RegisterModelBody) -> JSONResponse:
         info = await server.register(body.name, body.path, body.version)
-        return JSONResponse(model_card(info, server.is_loaded(info)), status_code=201)
+        # The admin named the folder: the answer may say it (the public listing does not).
+        return JSONResponse({**model_card(info, server.is_loaded(info)), "path": info.path}, status_code=201)
 
     app.add_api_route(
         "/admin/v1/models", register_model, methods=["POST"], dependencies=[Depends(require_token(token))]

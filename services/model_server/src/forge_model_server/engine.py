@@ -25,6 +25,7 @@ from enum import Enum
 import torch
 
 from forge_model_server.llama import BatchLayout, LlamaModel
+from forge_model_server.logits_processors import apply_logits_processors
 from forge_model_server.sampling import Logprob, SamplingParams, logprob_of, sample_rows
 
 
@@ -426,7 +427,8 @@ class EngineCore:
 
         1. Every sequence counts its computed tokens, records prompt logprobs and registers its
            full prompt blocks for prefix caching.
-        2. Those whose last token was computed sample the next one, all in one call.
+        2. Those whose last token was computed sample the next one, all in one call, after the
+           batched logits processors (penalties, ``logit_bias``, ``min_tokens``).
         3. Each of them gets its token, logprobs, text and stop check.
         """
         bs = self.config.block_size
@@ -451,7 +453,15 @@ class EngineCore:
             return []
         # 2. Sample.
         last = logits[torch.tensor([row for _, row in ready])]
-        tokens = sample_rows(last, [seq.params for seq, _ in ready], [seq.generator for seq, _ in ready])
+        params = [seq.params for seq, _ in ready]
+        processed = apply_logits_processors(
+            last,
+            params,
+            [seq.prompt_ids for seq, _ in ready],
+            [seq.output_ids for seq, _ in ready],
+            sorted(self._eos),
+        )
+        tokens = sample_rows(processed, params, [seq.generator for seq, _ in ready])
         # 3. Emit.
         outputs: list[RequestOutput] = []
         for i, ((seq, _), token) in enumerate(zip(ready, tokens, strict=True)):
@@ -489,12 +499,14 @@ class EngineCore:
         params = seq.params
         seq.text = self._detokenize(seq.output_ids)
         finish: str | None = None
-        for stop in params.stop:
+        # Before min_tokens nothing but max_tokens ends the output (vLLM's stop checker).
+        may_stop = len(seq.output_ids) >= params.min_tokens
+        for stop in params.stop if may_stop else ():
             at = seq.text.find(stop)
             if at >= 0:
                 seq.text = seq.text[:at]
                 finish = "stop"
-        if finish is None and token in self._eos and not params.ignore_eos:
+        if finish is None and may_stop and token in self._eos and not params.ignore_eos:
             finish = "stop"
         if finish is None and len(seq.output_ids) >= params.max_tokens:
             finish = "length"

@@ -9,19 +9,24 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
 
 from forge_kit import errors
 from forge_kit.http import require_token
 from forge_kit.openai_errors import install_openai_error_handlers, openai_error
+from forge_kit.openai_protocol import (
+    ChatCompletionBody,
+    CompletionBody,
+    SamplingBody,
+    TokenizeBody,
+    message_text,
+)
+from forge_model_server.sampling_params import chat_requests, completion_requests, merged
 from forge_model_server.service import (
     ChatMessage,
     ChunkStream,
@@ -33,96 +38,6 @@ from forge_model_server.service import (
     ModelServer,
     TokenLogprob,
 )
-
-
-class StreamOptions(BaseModel):
-    include_usage: bool = False
-
-
-class _Sampling(BaseModel):
-    """Fields shared by both endpoints; unknown OpenAI fields are ignored, as vLLM does."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    model: str
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int = 1
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    priority: int = 0
-    top_k: int | None = None
-    prompt_logprobs: int | None = None
-    ignore_eos: bool = False
-
-
-#: Most prompts one ``/v1/completions`` call may carry as a list.
-MAX_PROMPTS = 256
-
-
-class CompletionBody(_Sampling):
-    prompt: str | list[str]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
-    echo: bool = False
-
-
-class ChatMessageBody(BaseModel):
-    role: str
-    content: str
-
-
-class ChatCompletionBody(_Sampling):
-    messages: list[ChatMessageBody]
-    logprobs: bool = False
-    top_logprobs: int | None = None
-    max_completion_tokens: int | None = Field(default=None, description="Newer name of max_tokens.")
-
-
-class TokenizeBody(BaseModel):
-    """vLLM's ``/tokenize`` body: a ``prompt``, or chat ``messages`` rendered with the template."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    model: str
-    prompt: str | None = None
-    messages: list[ChatMessageBody] | None = None
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
-
-
-def _stops(stop: str | list[str] | None) -> list[str]:
-    if stop is None:
-        return []
-    return [stop] if isinstance(stop, str) else list(stop)
-
-
-def _request(body: _Sampling, request_id: str, **kwargs: Any) -> GenerationRequest:
-    if body.n != 1:
-        raise errors.ValidationError("n", "only n=1 is supported")
-    for name in ("temperature", "top_p"):
-        value = getattr(body, name)
-        if value is not None and not math.isfinite(value):
-            raise errors.ValidationError(name, "must be a finite number")
-    generation = GenerationRequest(
-        model=body.model,
-        max_tokens=body.max_tokens,
-        temperature=body.temperature,
-        top_p=body.top_p,
-        seed=body.seed,
-        stop=_stops(body.stop),
-        priority=body.priority,
-        top_k=body.top_k if body.top_k not in (None, -1) else None,
-        prompt_logprobs=body.prompt_logprobs,
-        ignore_eos=body.ignore_eos,
-        **kwargs,
-    )
-    if request_id:
-        generation.request_id = request_id
-    return generation
 
 
 def _usage(last: GenerationChunk | None) -> dict[str, int]:
@@ -199,13 +114,14 @@ def _sse(payload: object) -> bytes:
 
 
 def model_card(model: ModelInfo, loaded: bool) -> dict[str, object]:
-    """A ``/v1/models`` entry as vLLM lists it, plus Forge's ``version`` and ``loaded``."""
+    """A ``/v1/models`` entry as vLLM lists it, plus Forge's ``version`` and ``loaded``; ``root`` is
+    the model id, never the checkpoint's path on this host."""
     return {
         "id": model.id,
         "object": "model",
         "created": model.created,
         "owned_by": "forge",
-        "root": model.path,
+        "root": model.id,
         "parent": None,
         "max_model_len": model.max_context_tokens or None,
         "version": model.version,
@@ -223,57 +139,20 @@ class OpenAIRoutes:
         server = self._server
         return {"object": "list", "data": [model_card(m, server.is_loaded(m)) for m in server.list_models()]}
 
+    async def retrieve_model(self, model_id: str) -> dict[str, object]:
+        """``GET /v1/models/{id}``: the model's card, 404 ``model_not_found`` when not served."""
+        info = self._server.lookup(model_id)
+        return model_card(info, self._server.is_loaded(info))
+
     async def completions(self, body: CompletionBody, request: Request) -> Response:
         if body.echo and body.stream:
             raise errors.ValidationError("echo", "is not supported with stream")
-        request_id = request.headers.get("x-request-id", "")
-        if isinstance(body.prompt, list):
-            return await self._completions_of_list(body, body.prompt, request_id)
-        return await self._respond(self._completion(body, body.prompt, request_id), body, chat=False)
+        request_id = request.headers.get("x-request-id", "") or uuid.uuid4().hex
+        return await self._respond(completion_requests(body, request_id), body, request_id, chat=False)
 
-    @staticmethod
-    def _completion(body: CompletionBody, prompt: str, request_id: str) -> GenerationRequest:
-        generation = _request(body, request_id, prompt=prompt)
-        generation.logprobs = body.logprobs
-        if body.echo and body.logprobs is not None and generation.prompt_logprobs is None:
-            generation.prompt_logprobs = body.logprobs
-        return generation
-
-    async def _completions_of_list(
-        self, body: CompletionBody, prompts: list[str], request_id: str
-    ) -> Response:
-        """A list of prompts, as vLLM takes it: one choice per prompt (``index`` = its position),
-        each sampled as if sent alone (same parameters and seed), all admitted at once so the
-        engine batches them; usage summed. Whole answers only."""
-        if body.stream:
-            raise errors.ValidationError("stream", "is not supported with a list of prompts")
-        if not 1 <= len(prompts) <= MAX_PROMPTS:
-            raise errors.ValidationError(
-                "prompt", f"a list must hold 1 to {MAX_PROMPTS} prompts, got {len(prompts)}"
-            )
-        base = request_id or uuid.uuid4().hex
-        generations = [self._completion(body, prompt, f"{base}-{i}") for i, prompt in enumerate(prompts)]
-        admitted: list[ChunkStream] = []
-        try:
-            # Admit every prompt before any runs to completion: a refusal (bad prompt, full
-            # queue) refuses the whole call, and what was admitted is cancelled.
-            for generation in generations:
-                info, chunks = await self._server.generate(generation)
-                admitted.append(chunks)
-            received = await asyncio.gather(*(_collect(chunks) for chunks in admitted))
-        finally:
-            for chunks in admitted:
-                await chunks.aclose()
-        choices = []
-        for i, (generation, got) in enumerate(zip(generations, received, strict=True)):
-            choice = self._choice(generation, got, chat=False, echo=body.echo)
-            choices.append({**choice, "index": i})
-        usage = [_usage(got[-1] if got else None) for got in received]
-        total = {
-            key: sum(u[key] for u in usage) for key in ("prompt_tokens", "completion_tokens", "total_tokens")
-        }
-        head = {"id": f"cmpl-{base}", "created": int(time.time()), "model": info.id}
-        return JSONResponse({**head, "object": "text_completion", "choices": choices, "usage": total})
+    async def chat_completions(self, body: ChatCompletionBody, request: Request) -> Response:
+        request_id = request.headers.get("x-request-id", "") or uuid.uuid4().hex
+        return await self._respond(chat_requests(body, request_id), body, request_id, chat=True)
 
     @staticmethod
     def _choice(
@@ -294,17 +173,6 @@ class OpenAIRoutes:
             choice["text"] = (generation.prompt or "" if echo else "") + text
         return choice
 
-    async def chat_completions(self, body: ChatCompletionBody, request: Request) -> Response:
-        messages = [ChatMessage(m.role, m.content) for m in body.messages]
-        generation = _request(body, request.headers.get("x-request-id", ""), messages=messages)
-        if body.max_completion_tokens is not None:
-            generation.max_tokens = body.max_completion_tokens
-        if body.logprobs:
-            generation.logprobs = body.top_logprobs or 0
-        elif body.top_logprobs is not None:
-            raise errors.ValidationError("top_logprobs", "needs logprobs: true")
-        return await self._respond(generation, body, chat=True)
-
     async def tokenize(self, body: TokenizeBody) -> dict[str, object]:
         """``POST /tokenize`` as vLLM answers it: the ids generation would feed the model, their
         count and the model's context, so a caller can fit a prompt with the serving tokenizer."""
@@ -316,7 +184,9 @@ class OpenAIRoutes:
                     name, "only true is supported (the prompt as generation sees it)"
                 )
         messages = (
-            [ChatMessage(m.role, m.content) for m in body.messages] if body.messages is not None else None
+            [ChatMessage(m.role, message_text(m, i)) for i, m in enumerate(body.messages)]
+            if body.messages is not None
+            else None
         )
         request = GenerationRequest(model=body.model, prompt=body.prompt, messages=messages)
         info, tokens = self._server.tokenize(request)
@@ -327,55 +197,67 @@ class OpenAIRoutes:
             "token_strs": None,
         }
 
-    async def _respond(self, generation: GenerationRequest, body: _Sampling, *, chat: bool) -> Response:
-        info, chunks = await self._server.generate(generation)
+    async def _respond(
+        self, generations: list[GenerationRequest], body: SamplingBody, request_id: str, *, chat: bool
+    ) -> Response:
+        """Admit every choice before any runs (a refusal refuses the whole call and cancels what
+        was admitted, and the engine batches them), then answer whole or as one merged stream:
+        choice ``i`` is ``generations[i]``, usage summed over them."""
+        admitted: list[ChunkStream] = []
+        try:
+            for generation in generations:
+                info, chunks = await self._server.generate(generation)
+                admitted.append(chunks)
+        except BaseException:
+            for chunks in admitted:
+                await chunks.aclose()
+            raise
         head = {
-            "id": f"{'chatcmpl' if chat else 'cmpl'}-{generation.request_id}",
+            "id": f"{'chatcmpl' if chat else 'cmpl'}-{request_id}",
             "created": int(time.time()),
             "model": info.id,
         }
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(
-                self._stream(head, chunks, chat=chat, include_usage=include_usage),
+                self._stream(head, admitted, chat=chat, include_usage=include_usage),
                 media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Request-Id": generation.request_id},
+                headers={"Cache-Control": "no-cache", "X-Request-Id": request_id},
             )
         try:
-            received = await _collect(chunks)
+            received = await asyncio.gather(*(_collect(chunks) for chunks in admitted))
         finally:
-            await chunks.aclose()
+            for chunks in admitted:
+                await chunks.aclose()
         echo = isinstance(body, CompletionBody) and body.echo
-        choice = self._choice(generation, received, chat=chat, echo=echo)
+        choices = [
+            {**self._choice(generation, got, chat=chat, echo=echo), "index": i}
+            for i, (generation, got) in enumerate(zip(generations, received, strict=True))
+        ]
         obj = "chat.completion" if chat else "text_completion"
-        last = received[-1] if received else None
-        return JSONResponse({**head, "object": obj, "choices": [choice], "usage": _usage(last)})
+        usage = _summed([got[-1] if got else None for got in received])
+        return JSONResponse({**head, "object": obj, "choices": choices, "usage": usage})
 
     async def _stream(
         self,
         head: dict[str, object],
-        chunks: ChunkStream,
+        streams: list[ChunkStream],
         *,
         chat: bool,
         include_usage: bool,
     ) -> AsyncIterator[bytes]:
         obj = "chat.completion.chunk" if chat else "text_completion"
-        last: GenerationChunk | None = None
+        last: list[GenerationChunk | None] = [None] * len(streams)
+        events = merged(streams)
         try:
             if chat:
-                yield _sse(
-                    {
-                        **head,
-                        "object": obj,
-                        "choices": [
-                            {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-                        ],
-                    }
-                )
-            async for chunk in chunks:
-                last = chunk
+                for i in range(len(streams)):
+                    first = {"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                    yield _sse({**head, "object": obj, "choices": [first]})
+            async for i, chunk in events:
+                last[i] = chunk
                 delta: dict[str, object] = {
-                    "index": 0,
+                    "index": i,
                     "finish_reason": chunk.finish_reason,
                     "logprobs": _chat_logprobs([chunk]) if chat else _completion_logprobs([chunk]),
                 }
@@ -387,15 +269,22 @@ class OpenAIRoutes:
                     delta["text"] = chunk.text
                 yield _sse({**head, "object": obj, "choices": [delta]})
             if include_usage:
-                yield _sse({**head, "object": obj, "choices": [], "usage": _usage(last)})
+                yield _sse({**head, "object": obj, "choices": [], "usage": _summed(last)})
         except errors.ForgeError as exc:
             # Headers are gone; the error travels as an event, as vLLM does mid-stream.
             yield _sse(
                 {"error": {"message": exc.message, "type": "server_error", "param": None, "code": None}}
             )
         finally:
-            await chunks.aclose()
+            await events.aclose()
+            for chunks in streams:
+                await chunks.aclose()
         yield b"data: [DONE]\n\n"
+
+
+def _summed(lasts: list[GenerationChunk | None]) -> dict[str, int]:
+    usage = [_usage(last) for last in lasts]
+    return {key: sum(u[key] for u in usage) for key in ("prompt_tokens", "completion_tokens", "total_tokens")}
 
 
 def install_openai_api(app: FastAPI, server: ModelServer, token: str | None) -> None:
@@ -403,6 +292,7 @@ def install_openai_api(app: FastAPI, server: ModelServer, token: str | None) -> 
     routes = OpenAIRoutes(server)
     auth = [Depends(require_token(token))]
     app.add_api_route("/v1/models", routes.list_models, methods=["GET"], dependencies=auth)
+    app.add_api_route("/v1/models/{model_id:path}", routes.retrieve_model, methods=["GET"], dependencies=auth)
     app.add_api_route("/v1/completions", routes.completions, methods=["POST"], dependencies=auth)
     app.add_api_route("/v1/chat/completions", routes.chat_completions, methods=["POST"], dependencies=auth)
     app.add_api_route("/tokenize", routes.tokenize, methods=["POST"], dependencies=auth)

@@ -123,6 +123,11 @@ class AsyncEngine:
         # 1. Tokenize the prompt or the rendered chat.
         field = "messages" if request.messages is not None else "prompt"
         prompt_ids = self.tokenize(request)
+        vocab = self.core.model.config.vocab_size
+        if request.prompt_token_ids is not None and not all(0 <= t < vocab for t in prompt_ids):
+            raise errors.ValidationError(field, f"token ids must be in [0, {vocab}) for this model")
+        if any(not 0 <= t < vocab for t in request.logit_bias):
+            raise errors.ValidationError("logit_bias", f"token ids must be in [0, {vocab}) for this model")
         if not prompt_ids:
             raise errors.ValidationError(field, "is empty after tokenization")
         # 2. Check it fits the context and the KV pool.
@@ -159,6 +164,11 @@ class AsyncEngine:
             logprobs=request.logprobs,
             prompt_logprobs=request.prompt_logprobs,
             ignore_eos=request.ignore_eos,
+            presence_penalty=request.presence_penalty,
+            frequency_penalty=request.frequency_penalty,
+            repetition_penalty=request.repetition_penalty,
+            logit_bias=tuple(sorted(request.logit_bias.items())),
+            min_tokens=min(request.min_tokens, max_tokens),
         )
         seed = request.seed if request.seed is not None else self._rng.randrange(2**63)
         # Client ids may repeat; the engine's own id must not.
@@ -173,6 +183,8 @@ class AsyncEngine:
 
     def tokenize(self, request: GenerationRequest) -> list[int]:
         """The prompt ids :meth:`generate` would admit for ``request`` (the same template and call)."""
+        if request.prompt_token_ids is not None:
+            return list(request.prompt_token_ids)
         return list(self._tokenizer.encode(self._prompt_text(request)))
 
     def _prompt_text(self, request: GenerationRequest) -> str:

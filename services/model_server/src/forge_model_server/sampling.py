@@ -29,6 +29,27 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     """The same for every prompt token after the first; None for none."""
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    """Subtracted once from the logit of every token already generated (vLLM, OpenAI)."""
+    frequency_penalty: float = 0.0
+    """Subtracted from a token's logit once per time it was generated."""
+    repetition_penalty: float = 1.0
+    """Divides positive (multiplies negative) logits of tokens in the prompt or output; 1 is off."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, bias) pairs added to the logits before sampling."""
+    min_tokens: int = 0
+    """Tokens generated before EOS can be sampled or a stop string can end the output."""
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether any of the logits processors (:mod:`logits_processors`) applies to this request."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+            or self.min_tokens
+        )
 
 
 @dataclass(frozen=True)

@@ -137,7 +137,8 @@ class TokenLogprob:
 
 @dataclass
 class GenerationRequest:
-    """One validated generation request; exactly one of ``prompt`` and ``messages`` is set."""
+    """One validated generation request; exactly one of ``prompt``, ``messages`` and
+    ``prompt_token_ids`` is set."""
 
     model: str
     prompt: str | None = None
@@ -155,6 +156,14 @@ class GenerationRequest:
     """The same for the prompt tokens (the eval service's log-likelihood scoring)."""
     ignore_eos: bool = False
     """Keep generating past the end-of-sequence token (vLLM's benchmark sets it for fixed lengths)."""
+    prompt_token_ids: list[int] | None = None
+    """A prompt given as token ids (instead of ``prompt`` or ``messages``)."""
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    """Token id → bias added to its logit (ids checked against the vocabulary by the engine)."""
+    min_tokens: int = 0
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
 
@@ -279,10 +288,13 @@ def validate(request: GenerationRequest) -> None:
     """Reject what no engine could serve, naming the field (OpenAI names: ``max_tokens``, …)."""
     if not request.model.strip():
         raise errors.ValidationError("model", "is required")
-    if request.messages is None and request.prompt is None:
+    given = [x is not None for x in (request.prompt, request.messages, request.prompt_token_ids)]
+    if not any(given):
         raise errors.ValidationError("prompt", "one of prompt or messages is required")
-    if request.messages is not None and request.prompt is not None:
+    if sum(given) > 1:
         raise errors.ValidationError("messages", "give either prompt or messages, not both")
+    if request.prompt_token_ids is not None and not request.prompt_token_ids:
+        raise errors.ValidationError("prompt", "a token-id prompt must not be empty")
     if request.messages is not None:
         if not request.messages:
             raise errors.ValidationError("messages", "must contain at least one message")

@@ -10,9 +10,8 @@ from forge.events.v1 import events_pb2
 from forge.orchestrator.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
 from forge_kit.app import ServiceApp
-from forge_kit.db import Database
 from forge_kit.eventlog import CatchUp, CatchUpSource
-from forge_kit.events import TOPICS, EventConsumer
+from forge_kit.events import TOPICS
 from forge_kit.http import make_app
 from forge_kit.objectstore import ObjectStore
 from forge_orchestrator.activities import SchedulerActivities
@@ -34,7 +33,7 @@ from forge_orchestrator.service import (
 )
 
 
-def add_tracking(app: ServiceApp, db: Database, settings: OrchestratorSettings) -> None:
+def add_tracking(app: ServiceApp, settings: OrchestratorSettings) -> None:
     """The consumer that records training runs in MLflow (its own group, so it neither delays
     nor is delayed by the workflows' consumer)."""
     from forge_orchestrator.tracking import Tracker
@@ -53,16 +52,13 @@ def add_tracking(app: ServiceApp, db: Database, settings: OrchestratorSettings) 
         events_pb2.CheckpointPublished,
         events_pb2.EvalCompleted,
     )
-    consumer = EventConsumer(
-        db,
-        bootstrap=settings.kafka_bootstrap,
+    # The kit's consumer: broker credentials, signature checks and dedupe come with it.
+    app.event_consumer(
         group_id=settings.tracking_consumer_group,
         topics=[TOPICS[m.DESCRIPTOR.full_name] for m in names],
         handler=recorder.handle,
         session_timeout_ms=settings.consumer_session_timeout_ms,
     )
-    app.add_background(consumer.run)
-    app.add_on_stop(consumer.stop)
     app.add_on_stop(jobs.close)
 
 
@@ -71,7 +67,10 @@ async def main() -> None:
     app = ServiceApp(settings)
     db = await app.open_database("orchestrator.db", Path(__file__).parent / "migrations")
     client = await connect_temporal(
-        settings.temporal_target, settings.temporal_namespace, timeout_s=settings.temporal_connect_timeout_s
+        settings.temporal_target,
+        settings.temporal_namespace,
+        timeout_s=settings.temporal_connect_timeout_s,
+        tls=settings.temporal_tls(),
     )
     activities = SchedulerActivities(settings.scheduler_target, settings.scheduler_token.get_secret_value())
     eval_activities = EvalActivities(settings.eval_target, settings.eval_token.get_secret_value())
@@ -103,9 +102,7 @@ async def main() -> None:
                 signaller=signaller,
             ),
         )
-        consumer = EventConsumer(
-            db,
-            bootstrap=settings.kafka_bootstrap,
+        consumer = app.event_consumer(
             group_id=settings.consumer_group,
             topics=[
                 TOPICS[events_pb2.JobStateChanged.DESCRIPTOR.full_name],
@@ -114,8 +111,6 @@ async def main() -> None:
             handler=routers.handle,
             session_timeout_ms=settings.consumer_session_timeout_ms,
         )
-        app.add_background(consumer.run)
-        app.add_on_stop(consumer.stop)
         # The broker may lose job events (the local one keeps nothing across a restart): read
         # them from the scheduler's outbox too; the consumer's dedupe applies each once.
         catch_up = CatchUp(
@@ -132,7 +127,7 @@ async def main() -> None:
         )
         app.add_background(catch_up.run)
         if settings.mlflow_uri:
-            add_tracking(app, db, settings)
+            add_tracking(app, settings)
 
     async def temporal_ready() -> bool:
         return await client.service_client.check_health(timeout=timedelta(seconds=2))

@@ -1,7 +1,7 @@
 """``forge workflows …``: start, inspect and cancel orchestrator workflows.
 
 The orchestrator is found at ``$FORGE_CLI_ORCHESTRATOR_TARGET`` (default ``127.0.0.1:50059``);
-its token is ``$FORGE_CLI_ORCHESTRATOR_TOKEN``, else the ``orchestrator`` entry of
+its token is in the file ``--token-file`` names, else ``$FORGE_CLI_ORCHESTRATOR_TOKEN``, else the ``orchestrator`` entry of
 ``var/secrets/tokens.json`` (written by ``forge up``) under ``$FORGE_ROOT`` or the nearest
 directory above the current one that has it, else the services' development default.
 """
@@ -24,12 +24,7 @@ console = Console()
 TargetOption = Annotated[
     str, typer.Option("--target", envvar="FORGE_CLI_ORCHESTRATOR_TARGET", help="Orchestrator gRPC host:port.")
 ]
-TokenOption = Annotated[
-    str,
-    typer.Option(
-        "--token", envvar="FORGE_CLI_ORCHESTRATOR_TOKEN", help="Orchestrator token.", show_default=False
-    ),
-]
+TokenOption = Annotated[str, clitools.token_option("FORGE_CLI_ORCHESTRATOR_TOKEN", "orchestrator token")]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
 
 

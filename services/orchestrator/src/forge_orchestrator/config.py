@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, model_validator
+from temporalio.service import TLSConfig
 
 from forge_kit.settings import ServiceSettings, service_config
 
-DEV_TOKEN = SecretStr("forge-dev-token")
+NO_TOKEN = SecretStr("")
 
 
 class OrchestratorSettings(ServiceSettings):
@@ -33,6 +36,19 @@ class OrchestratorSettings(ServiceSettings):
 
     temporal_connect_timeout_s: float = Field(default=30.0, gt=0)
     """How long start-up keeps retrying to reach Temporal before giving up."""
+
+    temporal_tls_ca_file: str = ""
+    """PEM CA that signed the Temporal frontend's certificate; with the client certificate and
+    key below, the connection uses mutual TLS (all three or none)."""
+
+    temporal_tls_cert_file: str = ""
+    """PEM client certificate this process presents to Temporal."""
+
+    temporal_tls_key_file: str = ""
+    """PEM private key of ``temporal_tls_cert_file``."""
+
+    temporal_tls_server_name: str = ""
+    """Name to verify in the frontend's certificate when it differs from the target's host."""
 
     consumer_group: str = "orchestrator"
     """Kafka consumer group of the job-event consumer."""
@@ -74,29 +90,55 @@ class OrchestratorSettings(ServiceSettings):
     scheduler_target: str = "127.0.0.1:50051"
     """host:port of the scheduler's gRPC server (activities submit and cancel jobs there)."""
 
-    scheduler_token: SecretStr = DEV_TOKEN
+    scheduler_token: SecretStr = NO_TOKEN
     """Bearer token the scheduler accepts."""
 
     eval_target: str = "127.0.0.1:50057"
     """host:port of the eval service's gRPC server (eval-and-promote workflows)."""
 
-    eval_token: SecretStr = DEV_TOKEN
+    eval_token: SecretStr = NO_TOKEN
     """Bearer token the eval service accepts."""
 
     preference_feedback_target: str = "127.0.0.1:50058"
     """host:port of the preference-feedback gRPC server (RLHF workflows)."""
 
-    preference_feedback_token: SecretStr = DEV_TOKEN
+    preference_feedback_token: SecretStr = NO_TOKEN
     """Bearer token the preference-feedback service accepts."""
 
     inference_gateway_target: str = "127.0.0.1:50053"
     """host:port of the inference gateway's gRPC server (RLHF and eval workflows)."""
 
-    inference_gateway_token: SecretStr = DEV_TOKEN
+    inference_gateway_token: SecretStr = NO_TOKEN
     """Bearer token the inference gateway accepts."""
 
     retriever_target: str = "127.0.0.1:50055"
     """host:port of the retriever's gRPC server (continual pre-training / RAG workflows)."""
 
-    retriever_token: SecretStr = DEV_TOKEN
+    retriever_token: SecretStr = NO_TOKEN
     """Bearer token the retriever accepts."""
+
+    @model_validator(mode="after")
+    def _temporal_tls_all_or_nothing(self) -> OrchestratorSettings:
+        files = {
+            "temporal_tls_ca_file": self.temporal_tls_ca_file,
+            "temporal_tls_cert_file": self.temporal_tls_cert_file,
+            "temporal_tls_key_file": self.temporal_tls_key_file,
+        }
+        if any(files.values()) and not all(files.values()):
+            missing = ", ".join(name for name, value in files.items() if not value)
+            raise ValueError(f"Temporal mutual TLS needs all of {', '.join(files)}; missing: {missing}")
+        for name, value in files.items():
+            if value and not os.path.isfile(value):
+                raise ValueError(f"{name}: no such file: {value}")
+        return self
+
+    def temporal_tls(self) -> TLSConfig | None:
+        """The Temporal client's mutual-TLS configuration, or None for plaintext (local dev server)."""
+        if not self.temporal_tls_ca_file:
+            return None
+        return TLSConfig(
+            server_root_ca_cert=Path(self.temporal_tls_ca_file).read_bytes(),
+            client_cert=Path(self.temporal_tls_cert_file).read_bytes(),
+            client_private_key=Path(self.temporal_tls_key_file).read_bytes(),
+            domain=self.temporal_tls_server_name or None,
+        )

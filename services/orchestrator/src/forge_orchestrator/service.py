@@ -30,7 +30,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowFailureError, WorkflowHandle
 from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
 from temporalio.exceptions import ActivityError, FailureError, WorkflowAlreadyStartedError
-from temporalio.service import RPCError, RPCStatusCode
+from temporalio.service import RPCError, RPCStatusCode, TLSConfig
 from temporalio.worker import Worker
 
 from forge_kit import errors
@@ -461,14 +461,17 @@ class JobEventRouter:
         )
 
 
-async def connect_temporal(target: str, namespace: str, *, timeout_s: float) -> Client:
-    """Connect to Temporal, retrying with jittered backoff for up to ``timeout_s`` (it may be starting)."""
+async def connect_temporal(
+    target: str, namespace: str, *, timeout_s: float, tls: TLSConfig | None = None
+) -> Client:
+    """Connect to Temporal, retrying with jittered backoff for up to ``timeout_s`` (it may be
+    starting); with ``tls``, over mutual TLS."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     delay = 0.2
     while True:
         try:
-            return await Client.connect(target, namespace=namespace)
+            return await Client.connect(target, namespace=namespace, tls=tls or False)
         except RuntimeError as exc:  # the SDK's connection failure
             if loop.time() + delay > deadline:
                 raise RuntimeError(f"Temporal at {target} unreachable for {timeout_s:g}s: {exc}") from exc

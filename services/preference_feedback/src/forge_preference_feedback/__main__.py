@@ -69,7 +69,7 @@ async def main() -> None:
         default_heldout_fraction=settings.default_heldout_fraction,
         policy=policy,
     )
-    log_api = EventLogApi(db)
+    log_api = EventLogApi(db, signer=settings.event_signer())
     http = app.http_app()
     http.include_router(
         rater_ui(

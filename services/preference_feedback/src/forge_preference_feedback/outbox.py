@@ -24,14 +24,8 @@ from aiokafka.errors import KafkaError
 
 from forge_kit.app import ServiceApp
 from forge_kit.db import Database
-from forge_kit.events import (
-    EVENTS_PUBLISHED,
-    HEADER_ID,
-    HEADER_PRODUCER,
-    HEADER_TYPE,
-    KafkaPublisher,
-    OutboxRelay,
-)
+from forge_kit.eventauth import EventSigner
+from forge_kit.events import EVENTS_PUBLISHED, KafkaPublisher, OutboxRelay
 from forge_preference_feedback.store import OUTBOX, Transactions, UnitConnection, utcnow
 
 
@@ -84,18 +78,16 @@ class PipelinedOutboxRelay(OutboxRelay):
         publisher: PipelinedKafkaPublisher,
         transactions: Transactions,
         *,
-        producer: str,
+        signer: EventSigner,
         batch_size: int = 500,
         poll_interval_s: float = 0.5,
         min_interval_s: float = 0.01,
     ) -> None:
-        super().__init__(
-            db, publisher, producer=producer, batch_size=batch_size, poll_interval_s=poll_interval_s
-        )
+        super().__init__(db, publisher, signer=signer, batch_size=batch_size, poll_interval_s=poll_interval_s)
         self._source = db
         self._pipelined = publisher
         self._transactions = transactions
-        self._producer_name = producer
+        self._row_signer = signer
         self._batch = batch_size
         self._min_interval_s = min_interval_s
         self._last_batch_at = 0.0
@@ -125,18 +117,15 @@ class PipelinedOutboxRelay(OutboxRelay):
         if not rows:
             return 0
         # 2. Send them all, then wait for the acknowledgements.
-        producer = self._producer_name.encode()
         acked, error = await self._pipelined.send_batch(
             [
                 Record(
                     r.topic,
                     r.payload,
                     r.key,
-                    [
-                        (HEADER_TYPE, r.event_type.encode()),
-                        (HEADER_ID, r.event_id.encode()),
-                        (HEADER_PRODUCER, producer),
-                    ],
+                    self._row_signer.headers(
+                        topic=r.topic, event_type=r.event_type, event_id=r.event_id, payload=r.payload
+                    ),
                 )
                 for r in rows
             ]
@@ -162,8 +151,8 @@ def enable_pipelined_outbox(
     EventLogService (consumers catch up from the outbox) with its other gRPC services."""
     if not app.settings.kafka_enabled:
         return None
-    publisher = PipelinedKafkaPublisher(app.settings.kafka_bootstrap)
-    relay = PipelinedOutboxRelay(db, publisher, transactions, producer=app.name)
+    publisher = PipelinedKafkaPublisher(app.settings.kafka_bootstrap, auth=app.settings.kafka_auth())
+    relay = PipelinedOutboxRelay(db, publisher, transactions, signer=app.require_signer())
     app.add_background(relay.run)
     app.add_on_stop(publisher.close)
     return relay

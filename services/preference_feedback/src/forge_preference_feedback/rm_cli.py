@@ -50,10 +50,7 @@ TargetOption = Annotated[
     ),
 ]
 TokenOption = Annotated[
-    str,
-    typer.Option(
-        "--token", envvar="FORGE_CLI_PREFERENCE_FEEDBACK_TOKEN", help="Service token.", show_default=False
-    ),
+    str, clitools.token_option("FORGE_CLI_PREFERENCE_FEEDBACK_TOKEN", "preference feedback service token")
 ]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
 

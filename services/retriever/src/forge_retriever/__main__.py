@@ -9,7 +9,7 @@ from forge.events.v1 import events_pb2
 from forge.retrieval.v1 import retrieval_pb2, retrieval_pb2_grpc
 
 from forge_kit.app import ServiceApp
-from forge_kit.events import EventConsumer, topic_for
+from forge_kit.events import topic_for
 from forge_kit.http import make_app
 from forge_retriever.api import RetrieverApi
 from forge_retriever.config import RetrieverSettings
@@ -53,15 +53,13 @@ async def main() -> None:
     )
     await service.reconcile_index()
     if settings.kafka_enabled and settings.consume_document_changes:
-        consumer = EventConsumer(
-            db,
-            bootstrap=settings.kafka_bootstrap,
+        topic = topic_for(events_pb2.DocumentChanged())
+        app.event_consumer(
             group_id=app.name,
-            topics=[topic_for(events_pb2.DocumentChanged())],
+            topics=[topic],
             handler=service.handle_event,
+            sources={topic: settings.document_sources},
         )
-        app.add_background(consumer.run)
-        app.add_on_stop(consumer.stop)
 
     async def index_ready() -> bool:
         return service.index_ready

@@ -10,6 +10,7 @@ from forge.retrieval.v1 import retrieval_pb2, retrieval_pb2_grpc
 
 from forge_kit import errors
 from forge_kit.grpckit import current_principal
+from forge_retriever.embedding import embed_texts
 from forge_retriever.service import DocumentIn, RetrieverService, SearchMode
 from forge_retriever.tenancy import caller_tenant
 
@@ -93,6 +94,20 @@ class RetrieverApi(retrieval_pb2_grpc.RetrieverServiceServicer):
                 )
                 for c in await self._service.list_collections(tenant=_tenant(context))
             ]
+        )
+
+    async def Embed(
+        self, request: retrieval_pb2.EmbedRequest, context: grpc.aio.ServicerContext
+    ) -> retrieval_pb2.EmbedResponse:
+        _tenant(context)  # the caller must act for a tenant, as on every other call
+        result = await embed_texts(self._service.embedder, list(request.texts), request.model)
+        return retrieval_pb2.EmbedResponse(
+            embeddings=[
+                retrieval_pb2.Embedding(vector=vector, token_count=count)
+                for vector, count in zip(result.vectors, result.token_counts, strict=True)
+            ],
+            model=result.model,
+            dimension=result.dimension,
         )
 
 

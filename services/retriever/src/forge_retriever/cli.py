@@ -57,7 +57,7 @@ def retrieval(
         ),
     ] = "127.0.0.1:50056",
     reranker_token: Annotated[
-        str, typer.Option("--reranker-token", envvar="FORGE_CLI_RERANKER_TOKEN", show_default=False)
+        str, clitools.token_option("FORGE_CLI_RERANKER_TOKEN", "reranker token", "--reranker-token-file")
     ] = "",
     rerank_depth: Annotated[
         int,

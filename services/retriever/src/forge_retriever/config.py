@@ -103,6 +103,10 @@ class RetrieverSettings(ServiceSettings):
     consume_document_changes: bool = True
     """Apply other producers' events of ``forge.retrieval.document_changed.v1`` (needs Kafka enabled)."""
 
+    document_sources: list[str] = Field(default_factory=list)
+    """Producers (upstream systems) whose signed ``DocumentChanged`` events are applied; each needs
+    its public key in ``event_verify_keys``. Events from anyone else are dropped and counted."""
+
     source_tenant: str = "default"
     """Tenant that documents arriving through the document-change topic belong to (events name none)."""
 

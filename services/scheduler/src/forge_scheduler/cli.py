@@ -3,7 +3,7 @@
 ``forge cluster``: utilisation, fragmentation, fairness and nodes.
 
 Target: ``--target`` / ``$FORGE_CLI_SCHEDULER_TARGET`` (default ``127.0.0.1:50051``); token:
-``--token`` / ``$FORGE_CLI_SCHEDULER_TOKEN``, else ``var/secrets/tokens.json`` (see
+the file ``--token-file`` names / ``$FORGE_CLI_SCHEDULER_TOKEN``, else ``var/secrets/tokens.json`` (see
 :mod:`forge_kit.clitools`).
 """
 
@@ -28,10 +28,7 @@ RPC_TIMEOUT_S = 15.0
 TargetOption = Annotated[
     str, typer.Option("--target", envvar="FORGE_CLI_SCHEDULER_TARGET", help="Scheduler gRPC host:port.")
 ]
-TokenOption = Annotated[
-    str,
-    typer.Option("--token", envvar="FORGE_CLI_SCHEDULER_TOKEN", help="Scheduler token.", show_default=False),
-]
+TokenOption = Annotated[str, clitools.token_option("FORGE_CLI_SCHEDULER_TOKEN", "scheduler token")]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
 
 

@@ -41,7 +41,7 @@ class TrainerAgentSettings(ServiceSettings):
     scheduler_target: str = "127.0.0.1:50051"
     """host:port of the scheduler's gRPC server (SchedulerService.AgentSession)."""
 
-    scheduler_token: SecretStr = SecretStr("forge-dev-token")
+    scheduler_token: SecretStr = SecretStr("")
     """Bearer token presented to the scheduler."""
 
     register_timeout_s: float = Field(default=10.0, gt=0)

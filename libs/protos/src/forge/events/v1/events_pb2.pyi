@@ -714,6 +714,9 @@ class EventRecord(_message.Message):
     EVENT_TYPE_FIELD_NUMBER: _builtins.int
     PAYLOAD_FIELD_NUMBER: _builtins.int
     KEY_FIELD_NUMBER: _builtins.int
+    PRODUCER_FIELD_NUMBER: _builtins.int
+    KEY_ID_FIELD_NUMBER: _builtins.int
+    SIGNATURE_FIELD_NUMBER: _builtins.int
     sequence: _builtins.int
     """Producer's outbox sequence number."""
     event_id: _builtins.str
@@ -726,6 +729,14 @@ class EventRecord(_message.Message):
     """The serialised event, exactly as published to Kafka."""
     key: _builtins.str
     """Partition key used on Kafka."""
+    producer: _builtins.str
+    """The producer that signed the event (the forge-producer header on Kafka)."""
+    key_id: _builtins.str
+    """Id of the producer's signing key (the forge-key-id header)."""
+    signature: _builtins.str
+    """Ed25519 signature over the event, URL-safe base64 as in the forge-signature header
+    (forge_kit.eventauth).
+    """
     def __init__(
         self,
         *,
@@ -735,10 +746,13 @@ class EventRecord(_message.Message):
         event_type: _builtins.str = ...,
         payload: _builtins.bytes = ...,
         key: _builtins.str = ...,
+        producer: _builtins.str = ...,
+        key_id: _builtins.str = ...,
+        signature: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["event_id", b"event_id", "event_type", b"event_type", "key", b"key", "payload", b"payload", "sequence", b"sequence", "topic", b"topic"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["event_id", b"event_id", "event_type", b"event_type", "key", b"key", "key_id", b"key_id", "payload", b"payload", "producer", b"producer", "sequence", b"sequence", "signature", b"signature", "topic", b"topic"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

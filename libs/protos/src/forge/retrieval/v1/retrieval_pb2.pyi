@@ -437,3 +437,93 @@ class ListCollectionsResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ListCollectionsResponse: _TypeAlias = ListCollectionsResponse  # noqa: Y015
+
+@_typing.final
+class EmbedRequest(_message.Message):
+    """Request of Embed."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TEXTS_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    """Embedding model asked for: the embedder's name or its last path segment; empty for the
+    retriever's own. Another name is NOT_FOUND.
+    """
+    @_builtins.property
+    def texts(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Texts to embed, in order; each is truncated to what the embedder takes."""
+
+    def __init__(
+        self,
+        *,
+        texts: _abc.Iterable[_builtins.str] | None = ...,
+        model: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["model", b"model", "texts", b"texts"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EmbedRequest: _TypeAlias = EmbedRequest  # noqa: Y015
+
+@_typing.final
+class Embedding(_message.Message):
+    """One text's vector."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    VECTOR_FIELD_NUMBER: _builtins.int
+    TOKEN_COUNT_FIELD_NUMBER: _builtins.int
+    token_count: _builtins.int
+    """Tokens of the text the embedder read (after truncation, special tokens included)."""
+    @_builtins.property
+    def vector(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """Unit-length vector of the collection's dimension."""
+
+    def __init__(
+        self,
+        *,
+        vector: _abc.Iterable[_builtins.float] | None = ...,
+        token_count: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["token_count", b"token_count", "vector", b"vector"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Embedding: _TypeAlias = Embedding  # noqa: Y015
+
+@_typing.final
+class EmbedResponse(_message.Message):
+    """Response of Embed."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EMBEDDINGS_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
+    DIMENSION_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    """Name of the embedding model."""
+    dimension: _builtins.int
+    """Length of every vector."""
+    @_builtins.property
+    def embeddings(self) -> _containers.RepeatedCompositeFieldContainer[Global___Embedding]:
+        """One per text, in order."""
+
+    def __init__(
+        self,
+        *,
+        embeddings: _abc.Iterable[Global___Embedding] | None = ...,
+        model: _builtins.str = ...,
+        dimension: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dimension", b"dimension", "embeddings", b"embeddings", "model", b"model"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EmbedResponse: _TypeAlias = EmbedResponse  # noqa: Y015

@@ -55,6 +55,11 @@ class RetrieverServiceStub:
                 request_serializer=forge_dot_retrieval_dot_v1_dot_retrieval__pb2.ListCollectionsRequest.SerializeToString,
                 response_deserializer=forge_dot_retrieval_dot_v1_dot_retrieval__pb2.ListCollectionsResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/forge.retrieval.v1.RetrieverService/Embed',
+                request_serializer=forge_dot_retrieval_dot_v1_dot_retrieval__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=forge_dot_retrieval_dot_v1_dot_retrieval__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class RetrieverServiceServicer:
@@ -89,6 +94,13 @@ class RetrieverServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """Dense vectors of texts from the retriever's own embedder (the gateway's /v1/embeddings).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RetrieverServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -111,6 +123,11 @@ def add_RetrieverServiceServicer_to_server(servicer, server):
                     servicer.ListCollections,
                     request_deserializer=forge_dot_retrieval_dot_v1_dot_retrieval__pb2.ListCollectionsRequest.FromString,
                     response_serializer=forge_dot_retrieval_dot_v1_dot_retrieval__pb2.ListCollectionsResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=forge_dot_retrieval_dot_v1_dot_retrieval__pb2.EmbedRequest.FromString,
+                    response_serializer=forge_dot_retrieval_dot_v1_dot_retrieval__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -222,6 +239,33 @@ class RetrieverService:
             '/forge.retrieval.v1.RetrieverService/ListCollections',
             forge_dot_retrieval_dot_v1_dot_retrieval__pb2.ListCollectionsRequest.SerializeToString,
             forge_dot_retrieval_dot_v1_dot_retrieval__pb2.ListCollectionsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/forge.retrieval.v1.RetrieverService/Embed',
+            forge_dot_retrieval_dot_v1_dot_retrieval__pb2.EmbedRequest.SerializeToString,
+            forge_dot_retrieval_dot_v1_dot_retrieval__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

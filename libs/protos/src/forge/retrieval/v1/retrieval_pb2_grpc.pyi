@@ -41,6 +41,8 @@ class RetrieverServiceStub:
     """Top-k chunks for a query."""
     ListCollections: _grpc.UnaryUnaryMultiCallable[_retrieval_pb2.ListCollectionsRequest, _retrieval_pb2.ListCollectionsResponse]
     """Collections and their sizes."""
+    Embed: _grpc.UnaryUnaryMultiCallable[_retrieval_pb2.EmbedRequest, _retrieval_pb2.EmbedResponse]
+    """Dense vectors of texts from the retriever's own embedder (the gateway's /v1/embeddings)."""
 
 @_typing.type_check_only
 class RetrieverServiceAsyncStub(RetrieverServiceStub):
@@ -55,6 +57,8 @@ class RetrieverServiceAsyncStub(RetrieverServiceStub):
     """Top-k chunks for a query."""
     ListCollections: _aio.UnaryUnaryMultiCallable[_retrieval_pb2.ListCollectionsRequest, _retrieval_pb2.ListCollectionsResponse]  # type: ignore[assignment]
     """Collections and their sizes."""
+    Embed: _aio.UnaryUnaryMultiCallable[_retrieval_pb2.EmbedRequest, _retrieval_pb2.EmbedResponse]  # type: ignore[assignment]
+    """Dense vectors of texts from the retriever's own embedder (the gateway's /v1/embeddings)."""
 
 class RetrieverServiceServicer(metaclass=_abc_1.ABCMeta):
     """The retriever. Called by inference_gateway (Search, for RAG), ingestion tools and the CLI."""
@@ -90,5 +94,13 @@ class RetrieverServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_retrieval_pb2.ListCollectionsResponse, _abc.Awaitable[_retrieval_pb2.ListCollectionsResponse]]:
         """Collections and their sizes."""
+
+    @_abc_1.abstractmethod
+    def Embed(
+        self,
+        request: _retrieval_pb2.EmbedRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_retrieval_pb2.EmbedResponse, _abc.Awaitable[_retrieval_pb2.EmbedResponse]]:
+        """Dense vectors of texts from the retriever's own embedder (the gateway's /v1/embeddings)."""
 
 def add_RetrieverServiceServicer_to_server(servicer: RetrieverServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
