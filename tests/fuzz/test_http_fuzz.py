@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 import schemathesis
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from forge_kit.testing import ServiceProcess
@@ -138,6 +138,13 @@ def test_arbitrary_json_bodies_never_get_a_server_error(gateway: ServiceProcess,
             max_examples=EXAMPLES * 5, deadline=None, database=None, suppress_health_check=list(HealthCheck)
         )
         @given(st.one_of(_json, _near_valid_chat))
+        # Issue 22's inputs that hurt, every run: huge integers, control characters and a megabyte
+        # where a name goes (the gateway echoes the model in a header).
+        @example({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "seed": 2**64})
+        @example({"model": "tiny", "prompt": "hi", "seed": 2**63, "max_tokens": 10**30, "priority": 2**70})
+        @example({"model": "tiny\r\nx-injected: 1", "prompt": "hi"})
+        @example({"model": "ti\x00ny", "messages": [{"role": "user", "content": "hi"}]})
+        @example({"model": "x" * (1 << 20), "prompt": "hi"})
         def fuzz(body: object) -> None:
             response = client.post(path, json=body, headers={"Authorization": f"Bearer {TENANT_KEY}"})
             statuses[response.status_code] += 1
@@ -146,6 +153,35 @@ def test_arbitrary_json_bodies_never_get_a_server_error(gateway: ServiceProcess,
         fuzz()
         assert client.get("/healthz").status_code == 200
     print(f"\n{path}: {sum(statuses.values())} fuzzed bodies: {dict(sorted(statuses.items()))}")
+
+
+_CHAT = b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}]'
+#: Bodies a JSON encoder would not write: Python's ``json`` reads NaN and Infinity literals.
+_NON_FINITE = [
+    _CHAT + f', "{field}": {literal}}}'.encode()
+    for field in ("temperature", "top_p", "max_tokens", "seed")
+    for literal in ("NaN", "Infinity", "-Infinity")
+]
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/rag/query"])
+def test_non_finite_literals_and_oversize_bodies_are_refused(gateway: ServiceProcess, path: str) -> None:
+    """NaN/Infinity literals in every numeric field are 400; a body past the limit is 413, with or
+    without a Content-Length; the gateway stays healthy."""
+    auth = {"Authorization": f"Bearer {TENANT_KEY}", "Content-Type": "application/json"}
+    oversize = _CHAT + b', "x": "' + b"x" * (5 << 20) + b'"}'
+    with httpx.Client(base_url=gateway.http_url, timeout=60) as client:
+        for body in _NON_FINITE:
+            reply = client.post(path, content=body, headers=auth)
+            assert reply.status_code == 400, f"{reply.status_code} for {body!r}: {reply.text[:300]}"
+        assert client.post(path, content=oversize, headers=auth).status_code == 413
+        chunked = client.post(
+            path,
+            content=iter([oversize[i : i + 65536] for i in range(0, len(oversize), 65536)]),
+            headers=auth,
+        )
+        assert chunked.status_code == 413
+        assert client.get("/healthz").status_code == 200
 
 
 FEEDBACK_ADMIN_PASSWORD = "fuzz-admin-password-1"

@@ -355,6 +355,15 @@ async def test_run_suite_pins_the_spec_and_queues_the_run(service: EvalService, 
     assert run.spec["scorer_version"] == "gsm8k-scripted-1" and runner.calls == []
 
 
+async def test_run_suite_refuses_a_seed_the_model_server_would_refuse(service: EvalService) -> None:
+    """The run's seed becomes each request's sampling seed: past 2^63 - 1 it is refused here, not
+    by every request of the run later."""
+    for seed in (2**63, 2**64 - 1):
+        with pytest.raises(errors.ValidationError) as caught:
+            await service.run_suite("gsm8k", "tiny", "1", endpoint="", limit=1, seed=seed, options={})
+        assert caught.value.field == "seed"
+
+
 async def test_run_suite_resolves_an_empty_version_to_the_latest_registered(service: EvalService) -> None:
     await register(service, "1", "2")
     run = await service.run_suite("bbh", "tiny", "", endpoint="", limit=1, seed=0, options={})

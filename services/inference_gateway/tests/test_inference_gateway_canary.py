@@ -6,11 +6,13 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import pytest
 from forge.common.v1 import common_pb2
 from forge.events.v1 import events_pb2
 from prometheus_client import REGISTRY
 
 from forge_inference_gateway.service import InferenceGateway, Tenant
+from forge_kit import errors
 from forge_kit.db import Database
 from forge_kit.events import new_meta
 
@@ -66,6 +68,21 @@ async def test_canary_event_splits_the_production_aliases_stickily_until_rolled_
     await apply(gateway, db, promoted("tiny", "5", "production"))
     assert set(await targets(gateway, tenant, range(100))) == {"tiny:5"}
     assert (await gateway.alias_named("forge-chat")).canary_weight == 0  # type: ignore[union-attr]
+
+
+async def test_an_alias_target_unfit_for_a_header_is_never_stored(
+    gateway: InferenceGateway, db: Database
+) -> None:
+    """The alias's target is echoed in ``x-forge-model``: a promotion event or an admin canary
+    naming a model with CR/LF, NUL or a megabyte of characters is refused, the alias unchanged."""
+    await apply(gateway, db, promoted("tiny", "3", "production"))
+    for name, version in (("tiny\r\nx-injected: 1", "4"), ("tiny", "4\x00"), ("x" * (1 << 20), "")):
+        with pytest.raises(errors.ValidationError):
+            await apply(gateway, db, promoted(name, version, "canary", traffic=10))
+        with pytest.raises(errors.ValidationError):
+            await gateway.set_canary("forge-chat", name, version, 10)
+    alias = await gateway.alias_named("forge-chat")
+    assert alias is not None and (alias.target, alias.canary_weight) == ("tiny:3", 0)
 
 
 async def test_canary_over_real_replicas_via_the_admin_api_with_per_version_metrics(

@@ -121,6 +121,15 @@ def test_cli_starts_and_gets_a_workflow(orchestrator: Any) -> None:
     assert started.exit_code == 0, started.output
     assert '"status": "COMPLETED"' in started.output and '"CANCELLED"' in started.output
 
+    # Past --timeout: one line saying it still runs and how to keep waiting, exit 3; then wait on.
+    running = runner.invoke(cli_app, ["start", "smoke", "--wait", "--timeout", "0"], env=env)
+    assert running.exit_code == 3, running.output
+    assert "still running after 0 s" in running.output and "Traceback" not in running.output
+    workflow_id = running.output.split("workflow ", 1)[1].split()[0]
+    assert f"forge workflows wait {workflow_id} --timeout" in running.output
+    waited = runner.invoke(cli_app, ["wait", workflow_id, "--timeout", "30", "--json"], env=env)
+    assert waited.exit_code == 0 and '"status": "COMPLETED"' in waited.output, waited.output
+
     missing = runner.invoke(cli_app, ["get", "no-such-workflow"], env=env)
     assert missing.exit_code == 1 and "NOT_FOUND" in missing.output
 

@@ -97,7 +97,9 @@ def test_cli_writes_the_contract_summary(tmp_path: Path) -> None:
     )
     assert result.exit_code == 0, result.output
     summary = json.loads((out / "summary.json").read_text())
-    assert list(summary) == ["bm25"]
+    assert list(summary) == ["bm25", "protocol"]
+    assert summary["protocol"]["ignore_identical_ids"] is True
+    assert (out / "bm25.run").is_file()
     assert set(summary["bm25"]) == {"ndcg@10", "recall@100", "p50_ms", "p95_ms"}
     # Both judged queries find their document first: perfect scores.
     assert summary["bm25"]["ndcg@10"] == 1.0 and summary["bm25"]["recall@100"] == 1.0

@@ -205,6 +205,10 @@ def test_killed_run_resumes_to_the_bit_exact_loss_curve_and_exports_for_transfor
         json.loads(line) for line in (tmp_path / "full" / "run" / "metrics.jsonl").read_text().splitlines()
     ]
     assert {"loss", "lr", "grad_norm", "tokens_per_s"} <= set(lines[0])
+    # ... and the loss and learning-rate curves drawn beside it, for the finished and the stopped run.
+    for run in ("full", "resumed"):
+        png = tmp_path / run / "run" / "curves.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # The export loads in plain transformers and gives the trained model's outputs.
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

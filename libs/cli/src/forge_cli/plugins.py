@@ -14,6 +14,8 @@ from typing import Any
 import typer
 from typer.core import TyperGroup
 
+from forge_kit import clitools
+
 # typer >= 0.20 vendors its own click: commands are whatever typer.main.get_command returns,
 # so plugins must be typer.Typer apps (a plain click command would not mix with them).
 Command = Any
@@ -53,6 +55,7 @@ def load_plugin(name: str, eps: EntryPoint | list[EntryPoint]) -> Command:
         eps = eps[0]
     command = _load(name, eps)
     command.name = name
+    command.short_help = one_line(command.help)
     setattr(command, "rich_help_panel", PANEL)  # noqa: B010 - listed apart from built-ins in `forge --help`
     return command
 
@@ -69,23 +72,48 @@ def _load(name: str, ep: EntryPoint) -> Command:
     return command
 
 
+def one_line(text: str | None) -> str:
+    """The first paragraph of a help text on one line (what ``forge --help`` lists)."""
+    return " ".join((text or "").strip().split("\n\n")[0].split())
+
+
 def _merged(name: str, commands: list[Command]) -> Command:
     """One group holding the subcommands of every plugin that claimed ``name``; a plugin that is
-    a single command is added under its own name. The first claim of a subcommand name wins."""
-    group = TyperGroup(name=name, help=" / ".join(c.help.splitlines()[0] for c in commands if c.help))
+    a single command is added under its own name. The first claim of a subcommand name wins.
+
+    Its help is one line: the help of the plugin with the most subcommands, then the names the
+    others add (``Run benchmark tasks, … release gate. Also: retrieval.``)."""
+    group = TyperGroup(name=name)
+    owners: list[tuple[Command, list[str]]] = []
     for command in commands:
-        subcommands = getattr(command, "commands", None)
-        if subcommands is None:
-            group.commands.setdefault(command.name, command)
-            continue
-        for sub_name, sub in subcommands.items():
-            group.commands.setdefault(sub_name, sub)
+        subcommands = getattr(command, "commands", None) or {command.name: command}
+        added = [n for n in subcommands if n not in group.commands]
+        for sub_name in added:
+            group.commands[sub_name] = subcommands[sub_name]
+        owners.append((command, added))
+    primary, _ = max(owners, key=lambda o: len(o[1]))
+    others = [n for command, added in owners if command is not primary for n in added]
+    lead = one_line(primary.help).rstrip(".") or f"forge {name} commands"
+    group.help = group.short_help = f"{lead}. Also: {', '.join(others)}." if others else f"{lead}."
     setattr(group, "rich_help_panel", PANEL)  # noqa: B010
     return group
 
 
 class PluginGroup(TyperGroup):
-    """The root ``forge`` group: built-in commands plus lazily loaded plugin commands."""
+    """The root ``forge`` group: built-in commands plus lazily loaded plugin commands.
+
+    An expected failure escaping any command (a service not up, a refused token, a timeout:
+    :func:`forge_kit.clitools.describe_error`) ends as one line on stderr and exit status 1."""
+
+    def invoke(self, ctx: Any) -> Any:
+        try:
+            return super().invoke(ctx)
+        except Exception as exc:
+            message = clitools.describe_error(exc)
+            if message is None:
+                raise
+            clitools.error_console.print(f"[red]forge: error[/]: {message}", highlight=False, soft_wrap=True)
+            raise typer.Exit(1) from None
 
     def list_commands(self, ctx: Any) -> list[str]:
         builtin = super().list_commands(ctx)

@@ -166,8 +166,14 @@ class ServiceApp:
             max_concurrent_rpcs=max_concurrent_rpcs,
             tls=settings.tls(),
             authenticators=authenticators,
+            max_receive_bytes=settings.grpc_max_receive_bytes,
         )
-        http_server = HttpServer(http or self.http_app(), settings.host, settings.http_port)
+        http_server = HttpServer(
+            http or self.http_app(),
+            settings.host,
+            settings.http_port,
+            max_body_bytes=settings.http_max_body_bytes,
+        )
         await http_server.start()
         await run_forever(
             ServiceParts(

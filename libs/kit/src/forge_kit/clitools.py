@@ -5,24 +5,42 @@ token in the file ``--token-file`` names, else at ``$FORGE_CLI_<SERVICE>_TOKEN``
 ``var/secrets/tokens.json`` (written by ``forge up``) under ``$FORGE_ROOT`` or the nearest
 directory above the working directory that has one; there is no default token. A token is never a
 command-line value: every local user can read a process's arguments (``ps``).
+
+Long-running commands show a :func:`progress` bar on stderr (off with ``--quiet`` or when stderr is
+not a terminal, so JSON on stdout stays clean). An expected failure (a service that is not up, a
+refused token, something not found, a wait that ran out) ends in one line from
+:func:`describe_error` and a non-zero exit, never a traceback.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import os
-from collections.abc import Coroutine, Mapping, Sequence
+import sys
+from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
+import httpx
 import typer
 from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 from rich.table import Table
 
 TOKEN_FILE = Path("var") / "secrets" / "tokens.json"
 console = Console()
+error_console = Console(stderr=True)
 T = TypeVar("T")
 
 
@@ -73,13 +91,77 @@ def resolve_token(service: str, explicit: str = "", start: Path | None = None) -
     )
 
 
+_RPC_HINTS = {
+    grpc.StatusCode.UNAVAILABLE: "is the service up? (`forge status`; `--target` or $FORGE_CLI_<SERVICE>_TARGET)",
+    grpc.StatusCode.UNAUTHENTICATED: "check the token (--token-file, $FORGE_CLI_<SERVICE>_TOKEN or var/secrets/tokens.json)",
+    grpc.StatusCode.DEADLINE_EXCEEDED: "the service did not answer in time; it may be overloaded",
+}
+
+
+def describe_error(exc: BaseException) -> str | None:
+    """One line for an expected failure (a service down or unreachable, a refused token, a
+    resource not found, a wait that ran out); None for anything else, which is a bug to show."""
+    if isinstance(exc, grpc.aio.AioRpcError):
+        hint = _RPC_HINTS.get(exc.code())
+        return f"{exc.code().name}: {exc.details()}" + (f" — {hint}" if hint else "")
+    if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
+        return f"cannot connect to {_url(exc)}: {exc} — is it running?"
+    if isinstance(exc, httpx.TimeoutException):
+        return f"{_url(exc)} did not answer in time"
+    if isinstance(exc, httpx.HTTPStatusError):
+        return f"{exc.request.url} answered HTTP {exc.response.status_code}: {exc.response.text[:200]}"
+    if isinstance(exc, ConnectionRefusedError) or (
+        isinstance(exc, OSError) and exc.errno in (errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH)
+    ):
+        return f"connection refused: {exc} — is the service up? (`forge status`)"
+    if isinstance(exc, TimeoutError):
+        return f"timed out: {exc}" if str(exc) else "timed out"
+    if isinstance(exc, KeyboardInterrupt):
+        return "interrupted"
+    return None
+
+
+def _url(exc: httpx.RequestError) -> str:
+    try:
+        return str(exc.request.url)
+    except RuntimeError:  # raised outside a request: no URL attached
+        return "the server"
+
+
 def run_rpc(coro: Coroutine[Any, Any, T]) -> T:
-    """Run ``coro``; a gRPC error becomes one red line and exit status 1, not a traceback."""
+    """Run ``coro``; an expected error (gRPC status, connection refused, timeout) becomes one red
+    line and exit status 1, not a traceback."""
     try:
         return asyncio.run(coro)
-    except grpc.aio.AioRpcError as exc:
-        console.print(f"[red]{exc.code().name}[/]: {exc.details()}", highlight=False)
+    except Exception as exc:
+        message = describe_error(exc)
+        if message is None:
+            raise
+        error_console.print(f"[red]error[/]: {message}", highlight=False, soft_wrap=True)
         raise typer.Exit(1) from None
+
+
+QuietOption = typer.Option(
+    "--quiet", "-q", help="No progress bar (it is off anyway when stderr is not a terminal)."
+)
+
+
+@contextmanager
+def progress(quiet: bool = False) -> Iterator[Progress]:
+    """A rich progress display on stderr; disabled with ``quiet`` or when stderr is not a TTY
+    (its methods then do nothing), so piped output and JSON on stdout stay clean."""
+    bar = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
+        disable=quiet or not sys.stderr.isatty(),
+        transient=False,
+    )
+    with bar:
+        yield bar
 
 
 def show_record(data: Mapping[str, Any], as_json: bool) -> None:
@@ -106,3 +188,22 @@ def show_rows(rows: Sequence[Mapping[str, Any]], columns: list[str], as_json: bo
     for row in rows:
         table.add_row(*(str(row.get(c, "")) for c in columns))
     console.print(table)
+
+
+@contextmanager
+def stages(total: int, quiet: bool = False) -> Iterator[Callable[[str], None]]:
+    """A :func:`progress` bar over ``total`` named stages: call ``start(name)`` as each begins;
+    the bar shows the stage running and how many are done."""
+    with progress(quiet) as bar:
+        task = bar.add_task("starting", total=total)
+        begun = 0
+
+        def start(name: str) -> None:
+            nonlocal begun
+            if begun:
+                bar.advance(task)
+            begun += 1
+            bar.update(task, description=name)
+
+        yield start
+        bar.update(task, completed=total, description="done")

@@ -39,6 +39,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import Counter, Histogram
 
 from forge_kit import audit, errors
+from forge_kit.limits import DEFAULT_MAX_MESSAGE_BYTES
 
 log = structlog.get_logger(__name__)
 
@@ -412,18 +413,20 @@ async def serve(
     max_concurrent_rpcs: int | None = None,
     tls: TlsConfig | None = None,
     authenticators: Sequence[Authenticator] = (),
+    max_receive_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
 ) -> GrpcServer:
     """Start a gRPC server with health, reflection and the Forge interceptor; mutual TLS when
     ``tls`` is given (a plaintext or certificate-less client is then refused at the handshake).
 
     ``register`` are callables such as ``lambda s: pb2_grpc.add_XServicer_to_server(impl, s)``;
     ``service_names`` are the full names (``forge.scheduler.v1.SchedulerService``) to expose in
-    reflection and health.
+    reflection and health. A request message over ``max_receive_bytes`` is refused with
+    RESOURCE_EXHAUSTED before any handler sees it.
     """
     server = grpc.aio.server(
         interceptors=[ForgeServerInterceptor(service, token, default_deadline_s, authenticators)],
         maximum_concurrent_rpcs=max_concurrent_rpcs,
-        options=[("grpc.so_reuseport", 0)],
+        options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", max_receive_bytes)],
     )
     for add in register:
         add(server)

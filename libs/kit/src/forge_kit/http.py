@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from forge_kit import errors
+from forge_kit.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 
 ReadinessCheck = Callable[[], Awaitable[bool]]
 
@@ -127,11 +128,19 @@ def require_token(token: str | None) -> Callable[[Request], Awaitable[None]]:
 
 
 class HttpServer:
-    """uvicorn running inside the service's event loop; ``port`` is known once started."""
+    """uvicorn running inside the service's event loop; ``port`` is known once started. Request
+    bodies over ``max_body_bytes`` are answered 413 (:class:`forge_kit.limits.BodySizeLimit`)."""
 
-    def __init__(self, app: FastAPI, host: str, port: int) -> None:
+    def __init__(
+        self, app: FastAPI, host: str, port: int, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    ) -> None:
         self._config = uvicorn.Config(
-            app, host=host, port=port, log_config=None, access_log=False, lifespan="off"
+            BodySizeLimit(app, max_body_bytes),
+            host=host,
+            port=port,
+            log_config=None,
+            access_log=False,
+            lifespan="off",
         )
         self._server = uvicorn.Server(self._config)
         self._task: asyncio.Task[None] | None = None

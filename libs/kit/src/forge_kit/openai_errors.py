@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from forge_kit import errors
+from forge_kit.limits import OPENAI_ERRORS_STATE
 
 
 def openai_error(
@@ -49,7 +50,9 @@ def install_openai_error_handlers(app: FastAPI) -> None:
     """Map validation (400 naming the field; ``unsupported_parameter`` for a field the server cannot
     honour), the framework's own 404/405/413, not found (404), conflicts (409), missing
     credentials (401) and overload (429 with Retry-After) to OpenAI errors; anything unexpected
-    becomes a 500 without internals. Services add their own handlers for their own errors."""
+    becomes a 500 without internals. Services add their own handlers for their own errors.
+    The body-size limit of :class:`forge_kit.http.HttpServer` answers this app in the same format."""
+    setattr(app.state, OPENAI_ERRORS_STATE, True)
 
     @app.exception_handler(errors.ValidationError)
     async def _invalid(_: Request, exc: errors.ValidationError) -> JSONResponse:

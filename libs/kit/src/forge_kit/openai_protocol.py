@@ -21,6 +21,7 @@ from pydantic_core import CoreSchema
 from forge_kit import errors
 from forge_kit.modelref import NAME_MAX, VERSION_MAX, ModelRef
 from forge_kit.openai_errors import error_path
+from forge_kit.validate import FiniteFloat, PrintableName, Seed
 
 #: Most choices one request may ask for (``n``).
 MAX_N = 16
@@ -90,10 +91,10 @@ class SamplingBody(BaseModel):
         description="A served model (``name[:version]``) or an alias.",
     )
     max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
+    temperature: FiniteFloat | None = None
+    top_p: FiniteFloat | None = None
     n: int = Field(default=1, ge=1, le=MAX_N, description="Choices to generate.")
-    seed: int | None = None
+    seed: Seed | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -201,7 +202,7 @@ class TokenizeBody(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    model: str
+    model: PrintableName
     prompt: str | None = None
     messages: list[ChatMessageBody] | None = None
     add_special_tokens: bool = True

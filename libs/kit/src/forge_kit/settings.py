@@ -17,6 +17,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from forge_kit.eventauth import EventSigner, EventVerifier, KafkaAuth
 from forge_kit.grpckit import TlsConfig
+from forge_kit.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_MESSAGE_BYTES
 from forge_kit.paths import private_dir
 
 #: Secrets that shipped as defaults once, or that anyone would guess; no service runs with one.
@@ -117,6 +118,12 @@ class ServiceSettings(ForgeSettings):
 
     default_deadline_s: float = Field(default=30.0, gt=0)
     """Deadline applied to incoming gRPC calls whose caller set none."""
+
+    http_max_body_bytes: int = Field(default=DEFAULT_MAX_BODY_BYTES, ge=1024)
+    """Largest HTTP request body accepted; a larger one is answered 413 before it is read."""
+
+    grpc_max_receive_bytes: int = Field(default=DEFAULT_MAX_MESSAGE_BYTES, ge=1024)
+    """Largest gRPC request message accepted (RESOURCE_EXHAUSTED beyond)."""
 
     database_url: str = ""
     """SQLAlchemy async URL; empty means a SQLite file under ``data_dir``."""

@@ -9,8 +9,12 @@ Every single-prompt request is first looked up in a :class:`ResponseCache` keyed
 body **and** the model identity (checkpoint, tokenizer and chat-template hashes): a re-run of an
 unchanged spec makes no model calls, and a different checkpoint served under the same name never
 reads another checkpoint's answers (lm-evaluation-harness #4063). Misses are packed into batches
-of ``batch_size`` prompts and sent with at most ``concurrency`` requests in flight; a retry
-re-sends the same batch and answers are placed by their ``index``, so a retry never counts twice.
+of ``batch_size`` prompts and sent with at most ``concurrency`` requests in flight — a ceiling, not
+a demand: the window adapts to the server (``forge_kit.backoff``: 429/503 halve it and their
+``Retry-After`` pauses every request, successes grow it back), overloads are retried for as long as
+the policy's patience lasts, connection errors and 5xx a few times, and anything else (400, 401,
+404) fails the run at once. A retry re-sends the same batch and answers are placed by their
+``index``, so a retry never counts twice.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from typing import Any
 
 import httpx
 
+from forge_kit.backoff import AIMDLimiter, GaveUp, RetryPolicy, RetryStats, TooLarge, send_with_retries
 from forge_kit.paths import private_file
 
 WEIGHT_FILES = ("*.safetensors", "*.bin", "config.json", "generation_config.json")
@@ -36,6 +41,14 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.tx
 
 class BackendError(Exception):
     """The endpoint cannot answer; the message says why."""
+
+
+class _TooLarge(Exception):
+    """A batch the server refused as overloaded while alone in flight: split it."""
+
+
+_SPLIT_AFTER = 3
+"""Overload answers to a batch sent alone (the window at one request) before it is halved."""
 
 
 @dataclass(frozen=True)
@@ -137,6 +150,13 @@ class CallStats:
     prompts_sent: int = 0
     model_calls: int = 0
     retries: int = 0
+    overloads: int = 0
+    """429/503 answers: each halves the window of requests in flight (once per congestion event)."""
+    batches_split: int = 0
+    """Batches halved because the server refused them as overloaded even alone (a queue smaller
+    than the batch)."""
+    lowest_concurrency: int = 0
+    """The smallest the adaptive window became (the ``concurrency`` asked for when never cut)."""
     per_batch: list[int] = field(default_factory=list)
 
 
@@ -152,7 +172,8 @@ class OpenAIBackend:
         token: str = "",
         batch_size: int = 16,
         concurrency: int = 8,
-        attempts: int = 4,
+        attempts: int = 6,
+        overload_patience_s: float = 900.0,
         timeout_s: float = 120.0,
         transport: httpx.AsyncBaseTransport | None = None,
         rng: random.Random | None = None,
@@ -167,11 +188,17 @@ class OpenAIBackend:
         self.cache = cache
         self.batch_size = batch_size
         self.concurrency = concurrency
-        self.stats = CallStats()
+        self.stats = CallStats(lowest_concurrency=concurrency)
+        self.on_answers: Callable[[int], None] = lambda count: None
+        """Called with the number of requests answered (from the cache or a batch), for progress."""
         self.max_model_len: int | None = None
         """The served model's context in tokens (its card's ``max_model_len``), once known."""
-        self._attempts = attempts
+        self.limiter = AIMDLimiter(concurrency)
+        self._policy = RetryPolicy(attempts=attempts, overload_patience_s=overload_patience_s)
+        self._retry_stats = RetryStats()
         self._batching = True
+        self._batch_cap = batch_size
+        """Prompts per call at most: halved whenever the server refuses a batch even alone."""
         self._rng = rng or random.Random(0)
         self._sleep = sleep
         # One kept-alive connection per request in flight: httpx's default pool (100 connections,
@@ -230,21 +257,34 @@ class OpenAIBackend:
                 self.stats.cache_hits += 1
             else:
                 misses.setdefault(request.batch_key(), []).append(i)
+        cached_here = len(requests) - sum(len(ids) for ids in misses.values())
+        if cached_here:
+            self.on_answers(cached_here)
         batches = [
             ids[start : start + self.batch_size]
             for ids in misses.values()
             for start in range(0, len(ids), self.batch_size)
         ]
-        gate = asyncio.Semaphore(self.concurrency)
 
         async def send(ids: list[int]) -> None:
-            async with gate:
+            if len(ids) > self._batch_cap:  # a batch this large was refused even alone before
+                cap = self._batch_cap
+                await asyncio.gather(*(send(ids[i : i + cap]) for i in range(0, len(ids), cap)))
+                return
+            try:
                 answers = await self._post([requests[i] for i in ids])
+            except _TooLarge:  # more prompts than the server's queue holds: halve the batch
+                self.stats.batches_split += 1
+                half = len(ids) // 2
+                self._batch_cap = min(self._batch_cap, half)
+                await asyncio.gather(send(ids[:half]), send(ids[half:]))
+                return
             if answers is None:  # the endpoint takes one prompt per request: split the batch
                 await asyncio.gather(*(send([i]) for i in ids))
                 return
             for i, answer in zip(ids, answers, strict=True):
                 out[i] = answer
+            self.on_answers(len(ids))
             if self.cache:
                 self.cache.put_many([(keys[i], a) for i, a in zip(ids, answers, strict=True)])
 
@@ -252,10 +292,10 @@ class OpenAIBackend:
         return [o for o in out if o is not None]
 
     async def _post(self, batch: list[Request]) -> list[dict[str, Any]] | None:
-        """One HTTP call for ``batch``, retried on 429/5xx/transport errors with jittered backoff
-        (honouring ``Retry-After``); the answers split back per prompt by choice ``index``. None
-        when the endpoint refuses a list of prompts (400/422; e.g. an endpoint that takes one
-        prompt per request): batching is then switched off for the rest of the run."""
+        """One HTTP call for ``batch`` through the adaptive limiter and retry policy; the answers
+        split back per prompt by choice ``index``. None when the endpoint refuses a list of prompts
+        (400/422; e.g. an endpoint that takes one prompt per request): batching is then switched
+        off for the rest of the run."""
         first = batch[0]
         if len(batch) > 1 and not self._batching:
             return None
@@ -263,32 +303,41 @@ class OpenAIBackend:
         if len(batch) > 1:
             body["prompt"] = [r.body["prompt"] for r in batch]
         n = int(body.get("n", 1))
-        error = ""
-        for attempt in range(1, self._attempts + 1):
+
+        async def call() -> httpx.Response:
             self.stats.model_calls += 1
-            try:
-                response = await self._client.post(first.path, json=body)
-            except httpx.TransportError as exc:
-                error, wait = repr(exc), 0.0
-            else:
-                if response.status_code == 429 or response.status_code >= 500:
-                    error = f"HTTP {response.status_code}: {response.text[:200]}"
-                    wait = float(response.headers.get("retry-after", 0) or 0)
-                elif response.status_code in (400, 422) and len(batch) > 1:
-                    self._batching = False
-                    return None
-                elif response.status_code >= 400:
-                    raise BackendError(
-                        f"model endpoint {self.endpoint} refused {first.path}: HTTP {response.status_code} {response.text[:300]}"
-                    )
-                else:
-                    self.stats.prompts_sent += len(batch)
-                    self.stats.per_batch.append(len(batch))
-                    return _split(response.json(), len(batch), n, self.endpoint)
-            if attempt < self._attempts:
-                self.stats.retries += 1
-                await self._sleep(max(wait, 0.1 * 2**attempt * self._rng.uniform(0.5, 1.0)))
-        raise BackendError(f"model endpoint {self.endpoint} failed {self._attempts} times: {error}")
+            return await self._client.post(first.path, json=body)
+
+        try:
+            response = await send_with_retries(
+                call,
+                self.limiter,
+                policy=self._policy,
+                stats=self._retry_stats,
+                rng=self._rng,
+                sleep=self._sleep,
+                split_after=_SPLIT_AFTER if len(batch) > 1 else None,
+            )
+        except TooLarge:
+            raise _TooLarge from None
+        except GaveUp as exc:
+            raise BackendError(
+                f"model endpoint {self.endpoint} gave up on {first.path}: {exc} (last: {exc.last})"
+            ) from None
+        finally:
+            self.stats.retries = self._retry_stats.retries
+            self.stats.overloads = self._retry_stats.overloads
+            self.stats.lowest_concurrency = max(1, int(self.limiter.lowest))
+        if response.status_code in (400, 422) and len(batch) > 1:
+            self._batching = False
+            return None
+        if response.status_code >= 400:
+            raise BackendError(
+                f"model endpoint {self.endpoint} refused {first.path}: HTTP {response.status_code} {response.text[:300]}"
+            )
+        self.stats.prompts_sent += len(batch)
+        self.stats.per_batch.append(len(batch))
+        return _split(response.json(), len(batch), n, self.endpoint)
 
 
 def _split(payload: dict[str, Any], prompts: int, n: int, endpoint: str) -> list[dict[str, Any]]:

@@ -16,6 +16,7 @@ token: an admin, who may ``promote --force``).
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 from pathlib import Path
@@ -77,7 +78,14 @@ def run(
         bool, typer.Option("--smoke", help="The smoke tier: each task's stratified subset.")
     ] = False,
     batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Prompts per request.")] = 16,
-    concurrency: Annotated[int, typer.Option("--concurrency", min=1, help="Requests in flight.")] = 64,
+    concurrency: Annotated[
+        int,
+        typer.Option(
+            "--concurrency",
+            min=1,
+            help="Most requests in flight; the client adapts below it to the server's 429/503 answers.",
+        ),
+    ] = 64,
     cache: Annotated[Path, typer.Option("--cache", help="Response cache (SQLite).")] = DEFAULT_CACHE,
     no_cache: Annotated[bool, typer.Option("--no-cache", help="Neither read nor write the cache.")] = False,
     token: Annotated[
@@ -89,6 +97,7 @@ def run(
     corpora_dir: Annotated[
         str, typer.Option("--corpora-dir", help="Absolute, or a folder inside FORGE_DATA_DIR.")
     ] = "corpora",
+    quiet: Annotated[bool, clitools.QuietOption] = False,
 ) -> None:
     """Evaluate tasks on a model and write DIR/summary.json, samples and report.md."""
     try:
@@ -109,10 +118,14 @@ def run(
             identity = await backend.identity(checkpoint)
             started = time.perf_counter()
             runs: list[TaskRun] = []
-            for config in configs:
-                runs.append(
-                    await run_task(config, roots, backend, identity, limit=limit, seed=seed, smoke=smoke)
-                )
+            with clitools.progress(quiet) as bar:
+                for config in configs:
+                    step = bar.add_task(f"{config.name}: requests answered", total=None)
+                    backend.on_answers = functools.partial(bar.advance, step)
+                    runs.append(
+                        await run_task(config, roots, backend, identity, limit=limit, seed=seed, smoke=smoke)
+                    )
+                    bar.update(step, total=bar.tasks[step].completed)
             elapsed = time.perf_counter() - started
         finally:
             await backend.aclose()
@@ -123,6 +136,9 @@ def run(
             "prompts_sent": backend.stats.prompts_sent,
             "cache_hits": backend.stats.cache_hits,
             "retries": backend.stats.retries,
+            "overloads": backend.stats.overloads,
+            "lowest_concurrency": backend.stats.lowest_concurrency,
+            "batches_split": backend.stats.batches_split,
         }
         return write_run(
             out,

@@ -21,6 +21,7 @@ from typing import Protocol
 import httpx
 
 from forge_eval.spec import RunSpec
+from forge_kit.backoff import AIMDLimiter, GaveUp, RetryPolicy, send_with_retries
 
 
 class RunnerError(Exception):
@@ -180,7 +181,8 @@ def select_examples(examples: list[Example], limit: int, seed: int) -> list[Exam
 
 class OpenAICompletionsRunner:
     """Scores generation suites through an OpenAI-compatible ``/v1/completions`` endpoint
-    (the gateway, a ``model_server`` replica or vLLM), with bounded concurrency and retries."""
+    (the gateway, a ``model_server`` replica or vLLM), with concurrency that adapts to the server's
+    429/503 answers and retries (``forge_kit.backoff``)."""
 
     def __init__(
         self,
@@ -190,6 +192,7 @@ class OpenAICompletionsRunner:
         timeout_s: float = 60.0,
         concurrency: int = 8,
         attempts: int = 3,
+        overload_patience_s: float = 900.0,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         self._root = benchmarks_root
@@ -197,6 +200,7 @@ class OpenAICompletionsRunner:
         self._timeout_s = timeout_s
         self._concurrency = concurrency
         self._attempts = attempts
+        self._overload_patience_s = overload_patience_s
         self._transport = transport
 
     def supports(self, suite: str) -> bool:
@@ -221,12 +225,11 @@ class OpenAICompletionsRunner:
             base_url=base, headers=headers, timeout=self._timeout_s, transport=self._transport
         ) as client:
             model = await self._served_name(client, base, spec)
-            gate = asyncio.Semaphore(self._concurrency)
+            limiter = AIMDLimiter(self._concurrency)
 
             async def one(example: Example) -> list[ExampleResult]:
                 prompt = prefix + example.prompt
-                async with gate:
-                    output = await self._complete(client, base, model, prompt, spec)
+                output = await self._complete(client, limiter, base, model, prompt, spec)
                 return [
                     ExampleResult(example.id, metric, score, prompt, output, extracted, example.target)
                     for metric, score, extracted in suite.score(output, example.target)
@@ -252,7 +255,13 @@ class OpenAICompletionsRunner:
         )
 
     async def _complete(
-        self, client: httpx.AsyncClient, base: str, model: str, prompt: str, spec: RunSpec
+        self,
+        client: httpx.AsyncClient,
+        limiter: AIMDLimiter,
+        base: str,
+        model: str,
+        prompt: str,
+        spec: RunSpec,
     ) -> str:
         body = {
             "model": model,
@@ -262,17 +271,15 @@ class OpenAICompletionsRunner:
             "top_p": spec.sampling["top_p"],
             "seed": spec.seed,
         }
-        for attempt in range(1, self._attempts + 1):
-            try:
-                response = await client.post("/v1/completions", json=body)
-                if response.status_code < 500 and response.status_code != 429:
-                    response.raise_for_status()
-                    return str(response.json()["choices"][0]["text"])
-                error = f"HTTP {response.status_code}"
-            except httpx.TransportError as exc:
-                error = repr(exc)
-            except (httpx.HTTPStatusError, ValueError, KeyError, IndexError) as exc:
-                raise RunnerError(f"model endpoint {base} refused a completion: {exc!r}") from exc
-            if attempt < self._attempts:
-                await asyncio.sleep(0.2 * 2**attempt * random.uniform(0.5, 1.0))
-        raise RunnerError(f"model endpoint {base} failed {self._attempts} times: {error}")
+        try:
+            response = await send_with_retries(
+                lambda: client.post("/v1/completions", json=body),
+                limiter,
+                policy=RetryPolicy(attempts=self._attempts, overload_patience_s=self._overload_patience_s),
+            )
+            response.raise_for_status()
+            return str(response.json()["choices"][0]["text"])
+        except GaveUp as exc:
+            raise RunnerError(f"model endpoint {base} gave up: {exc} (last: {exc.last})") from None
+        except (httpx.HTTPStatusError, ValueError, KeyError, IndexError) as exc:
+            raise RunnerError(f"model endpoint {base} refused a completion: {exc!r}") from exc

@@ -43,6 +43,7 @@ from forge_kit import errors
 from forge_kit.db import Database
 from forge_kit.events import stage_event
 from forge_kit.modelref import check_name, check_version
+from forge_kit.validate import MAX_URI_CHARS, check_labels, check_seed, check_text
 
 log = structlog.get_logger(__name__)
 EVAL_GATE = Counter(
@@ -237,8 +238,8 @@ class EvalService:
             validate_version("ref.version", version)
         if not uri.strip():
             raise errors.ValidationError("uri", "must not be empty")
-        if any(not key for key in labels):
-            raise errors.ValidationError("labels", "keys must not be empty")
+        check_text("uri", uri, MAX_URI_CHARS)
+        check_labels("labels", labels)
         lineage = lineage or Lineage()
         for field in ("training_run_id", "recipe_hash", "data_hash"):
             if len(getattr(lineage, field)) > 128:
@@ -676,6 +677,7 @@ class EvalService:
         validate_model_name("model.name", name)
         if version:
             validate_version("model.version", version)
+        check_seed("seed", seed)  # it becomes the model server's sampling seed
         tier = tier or "full"
         if tier not in TIERS:
             raise errors.ValidationError("tier", f"must be one of {', '.join(TIERS)}, got {tier!r}")

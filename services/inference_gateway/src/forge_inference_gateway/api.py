@@ -20,6 +20,7 @@ from forge_inference_gateway.service import BOOTSTRAP_TENANT, InferenceGateway, 
 from forge_inference_gateway.upstream import UpstreamError, UpstreamUnavailableError
 from forge_kit import errors
 from forge_kit.modelref import ModelRef
+from forge_kit.validate import check_finite, check_seed
 
 _FINISH = {
     "stop": inference_pb2.FINISH_REASON_STOP,
@@ -50,11 +51,11 @@ def openai_body(request: inference_pb2.GenerateRequest) -> tuple[dict[str, objec
     if request.max_tokens:
         body["max_tokens"] = request.max_tokens
     if request.HasField("temperature"):
-        body["temperature"] = request.temperature
+        body["temperature"] = check_finite("temperature", request.temperature, low=0, high=2)
     if request.HasField("top_p"):
-        body["top_p"] = request.top_p
+        body["top_p"] = check_finite("top_p", request.top_p, low=0, high=1, low_open=True)
     if request.HasField("seed"):
-        body["seed"] = request.seed
+        body["seed"] = check_seed("seed", request.seed)
     if request.stop:
         body["stop"] = list(request.stop)
     body["priority"] = _PRIORITY.get(request.priority, 0)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
 
@@ -60,6 +61,7 @@ def inference(
         str | None, typer.Option(help="Model folder whose tokenizer sizes the prompts")
     ] = None,
     seed: Annotated[int, typer.Option(help="Seed of lengths, prompts and arrivals")] = 0,
+    quiet: Annotated[bool, clitools.QuietOption] = False,
 ) -> None:
     """Drive a server with vLLM's ``bench serve`` method; write ``OUT/results.json`` and the plots."""
     if request_rate is None and max_concurrency is None:
@@ -82,7 +84,13 @@ def inference(
             tokenizer=tokenizer,
             seed=seed,
         )
-        summary = run_load(spec)
+        with clitools.progress(quiet) as bar:
+
+            def phase(name: str, total: int) -> Callable[[], None]:
+                step = bar.add_task(f"requests, {name}", total=total)
+                return lambda: bar.advance(step)
+
+            summary = run_load(spec, phase)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
     typer.echo(json.dumps(summary))

@@ -8,6 +8,7 @@ from forge_inference_gateway.admission import AdmissionPolicy
 from forge_inference_gateway.autoscaling import AutoscalePolicy
 from forge_inference_gateway.rag import RagLimits
 from forge_inference_gateway.routing import RoutingPolicy
+from forge_kit.limits import OPENAI_MAX_BODY_BYTES
 from forge_kit.settings import ServiceSettings, service_config
 
 
@@ -21,6 +22,9 @@ class InferenceGatewaySettings(ServiceSettings):
 
     http_port: int = Field(default=8080, ge=0, le=65535)
     """HTTP port of the public OpenAI-compatible API, the admin API, probes and metrics."""
+
+    http_max_body_bytes: int = Field(default=OPENAI_MAX_BODY_BYTES, ge=1024)
+    """Largest HTTP request body accepted (a long chat fits); 413 in the OpenAI format beyond."""
 
     model_server_url: str = "http://127.0.0.1:8000"
     """Base URLs of the model-server replicas (Forge ``model_server`` or ``vllm serve``), comma

@@ -28,6 +28,7 @@ import json
 import math
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -221,8 +222,10 @@ async def run(
     burstiness: float,
     seed: int,
     api_key: str | None,
+    on_done: Callable[[], None] = lambda: None,
 ) -> tuple[list[RequestResult], float]:
-    """Send the workload on its arrival schedule; return the results and the wall time."""
+    """Send the workload on its arrival schedule; return the results and the wall time.
+    ``on_done`` is called as each request finishes (for a progress bar)."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     gaps = arrival_gaps(len(workload.prompts), rate, burstiness, seed)
@@ -234,9 +237,12 @@ async def run(
 
         async def one(i: int) -> RequestResult:
             if limit is None:
-                return await send(client, model, workload.prompts[i], workload.output_lens[i])
-            async with limit:
-                return await send(client, model, workload.prompts[i], workload.output_lens[i])
+                result = await send(client, model, workload.prompts[i], workload.output_lens[i])
+            else:
+                async with limit:
+                    result = await send(client, model, workload.prompts[i], workload.output_lens[i])
+            on_done()
+            return result
 
         start = time.perf_counter()
         tasks = []
@@ -384,8 +390,11 @@ class LoadSpec:
             raise ValueError("--sweep-rates must all be positive")
 
 
-def run_load(spec: LoadSpec) -> dict[str, Any]:
-    """Run ``spec``, write its results and plots under ``spec.out``, and return the summary."""
+def run_load(
+    spec: LoadSpec, progress: Callable[[str, int], Callable[[], None]] = lambda phase, total: lambda: None
+) -> dict[str, Any]:
+    """Run ``spec``, write its results and plots under ``spec.out``, and return the summary.
+    ``progress(phase, requests)`` returns the callback each finished request of that phase calls."""
     spec.check()
     spec.out.mkdir(parents=True, exist_ok=True)
     workload = make_workload(
@@ -403,6 +412,7 @@ def run_load(spec: LoadSpec) -> dict[str, Any]:
                 spec.burstiness,
                 spec.seed,
                 spec.api_key,
+                progress(f"rate {rate:g}/s" if math.isfinite(rate) else "all at once", len(workload.prompts)),
             )
         )
 

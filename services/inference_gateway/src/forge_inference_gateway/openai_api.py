@@ -34,6 +34,7 @@ from forge_inference_gateway.upstream import StreamBroken, UpstreamError, Upstre
 from forge_kit import errors
 from forge_kit.http import require_token
 from forge_kit.openai_errors import install_openai_error_handlers, openai_error
+from forge_kit.validate import loads_json
 
 REQUESTS = Counter("forge_gateway_requests_total", "Public API requests answered", ["route", "status"])
 #: Request header that keeps a canary split sticky for a session when the body has no ``user``.
@@ -48,7 +49,7 @@ def _sse_error(message: str, type_: str) -> bytes:
 class TenantBody(BaseModel):
     name: str
     priority_class: str = PRIORITY_CLASSES[0]
-    rpm_limit: int | None = None
+    rpm_limit: int | None = Field(default=None, le=10**9)
 
 
 class ModelRefBody(BaseModel):
@@ -219,10 +220,8 @@ class GatewayRoutes:
 
 
 def _json_body(body: bytes) -> object:
-    try:
-        return json.loads(body)
-    except ValueError as exc:
-        raise errors.ValidationError("body", f"malformed JSON: {exc}") from None
+    # Standard JSON only: a NaN or Infinity literal never reaches a numeric field.
+    return loads_json(body)
 
 
 #: What a chat completion with retrieval reports of the RAG path, under ``retrieval``.

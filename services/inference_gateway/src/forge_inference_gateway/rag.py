@@ -54,6 +54,7 @@ from forge_inference_gateway.upstream import UpstreamError, UpstreamUnavailableE
 from forge_kit import errors
 from forge_kit.cache import Cache
 from forge_kit.grpckit import FIELD_METADATA_KEY, make_channel
+from forge_kit.validate import check_finite, check_printable_name
 
 log = structlog.get_logger(__name__)
 
@@ -307,9 +308,7 @@ def parse_query(body: object, limits: RagLimits) -> RagQuery:
     collection = body.get("collection")
     if not isinstance(collection, str) or not collection.strip():
         raise errors.ValidationError("collection", "is required")
-    model = body.get("model")
-    if not isinstance(model, str) or not model.strip():
-        raise errors.ValidationError("model", "is required")
+    model = check_printable_name("model", body.get("model"))
     top_k = _int(body, "top_k", limits.default_top_k, 1, limits.max_top_k)
     top_n = _int(body, "top_n", min(limits.default_top_n, top_k), 1, min(limits.max_top_n, top_k))
     context = _int(body, "max_context_tokens", limits.default_context_tokens, 16, limits.max_context_tokens)
@@ -325,9 +324,7 @@ def parse_query(body: object, limits: RagLimits) -> RagQuery:
         isinstance(k, str) and isinstance(v, str) for k, v in raw_filter.items()
     ):
         raise errors.ValidationError("filter", "must be an object of string keys to string values")
-    timeout = body.get("timeout_s", limits.timeout_s)
-    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
-        raise errors.ValidationError("timeout_s", "must be a positive number of seconds")
+    timeout = check_finite("timeout_s", body.get("timeout_s", limits.timeout_s), low=0, low_open=True)
     return RagQuery(
         query=query.strip(),
         collection=collection.strip(),

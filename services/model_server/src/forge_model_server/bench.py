@@ -32,6 +32,7 @@ import json
 import random
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Annotated, Any, cast, get_args
@@ -40,6 +41,7 @@ import torch
 import typer
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from forge_kit import clitools
 from forge_model_server.engine import EngineConfig, EngineCore
 from forge_model_server.llama import DecodeAttention, LlamaModel
 from forge_model_server.sampling import SamplingParams
@@ -181,8 +183,11 @@ def run_hf(
     return clock.stop(), outputs
 
 
-def engine_bench(bench: EngineBench, model_dir: Path | None = None) -> dict[str, Any]:
-    """1. the engine, 2. static batches, 3. one request at a time; the summary of the three."""
+def engine_bench(
+    bench: EngineBench, model_dir: Path | None = None, stage: Callable[[str], None] = lambda name: None
+) -> dict[str, Any]:
+    """1. the engine, 2. static batches, 3. one request at a time; the summary of the three.
+    ``stage(name)`` is called as each part begins (for a progress bar)."""
     validate(bench)
     before = torch.get_num_threads()
     if bench.threads > 0:
@@ -199,10 +204,13 @@ def engine_bench(bench: EngineBench, model_dir: Path | None = None) -> dict[str,
                     f"{hf.config.max_position_embeddings}",
                     param_hint="--max-prompt",
                 )
+            stage("the engine")
             engine_s, engine_tokens, decode_path = run_engine(
                 folder, requests, bench.max_num_batched_tokens, bench.decode_attention
             )
+            stage("HF generate, static batches")
             static_s, _ = run_hf(hf, requests, bench.hf_batch_size)
+            stage("HF generate, one request at a time")
             sequential_s, sequential_tokens = run_hf(hf, requests, 1)
         threads = torch.get_num_threads()
     finally:
@@ -268,6 +276,7 @@ def engine(
     decode_attention: Annotated[
         str, typer.Option(help="the engine's decode attention: auto, native (the kernel) or torch")
     ] = "auto",
+    quiet: Annotated[bool, clitools.QuietOption] = False,
 ) -> None:
     """Engine throughput against HF generate (static batches, one at a time), same weights."""
     settings = EngineBench(
@@ -284,7 +293,8 @@ def engine(
     )
     if model_dir is not None and not (model_dir / "config.json").is_file():
         raise typer.BadParameter(f"{model_dir} has no config.json", param_hint="--model-dir")
-    summary = engine_bench(settings, model_dir)
+    with clitools.stages(3, quiet) as stage:
+        summary = engine_bench(settings, model_dir, stage)
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     typer.echo(json.dumps(summary))

@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from forge_kit.limits import OPENAI_MAX_BODY_BYTES
 from forge_kit.settings import ServiceSettings, service_config
 
 
@@ -19,6 +20,10 @@ class ModelServerSettings(ServiceSettings):
 
     http_port: int = Field(default=8000, ge=0, le=65535)
     """HTTP port of the OpenAI-compatible API, probes and metrics (vLLM's default port)."""
+
+    http_max_body_bytes: int = Field(default=2 * OPENAI_MAX_BODY_BYTES, ge=1024)
+    """Largest HTTP request body accepted (twice the gateway's, which re-encodes what it relays);
+    413 in the OpenAI format beyond."""
 
     models_dir: str = "var/objects/models"
     """fsspec URL or local path of the model directory: one Hugging Face-format folder per model."""

@@ -189,7 +189,7 @@ class OpenAIRoutes:
             else None
         )
         request = GenerationRequest(model=body.model, prompt=body.prompt, messages=messages)
-        info, tokens = self._server.tokenize(request)
+        info, tokens = await self._server.tokenize(request)
         return {
             "count": len(tokens),
             "max_model_len": info.max_context_tokens or None,

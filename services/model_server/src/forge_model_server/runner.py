@@ -122,7 +122,7 @@ class AsyncEngine:
         """Admit ``request`` now (raising 400/429-class errors) and return its chunk stream."""
         # 1. Tokenize the prompt or the rendered chat.
         field = "messages" if request.messages is not None else "prompt"
-        prompt_ids = self.tokenize(request)
+        prompt_ids = request.tokenized if request.tokenized is not None else self.tokenize(request)
         vocab = self.core.model.config.vocab_size
         if request.prompt_token_ids is not None and not all(0 <= t < vocab for t in prompt_ids):
             raise errors.ValidationError(field, f"token ids must be in [0, {vocab}) for this model")

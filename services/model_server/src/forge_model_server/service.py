@@ -19,6 +19,7 @@ import posixpath
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol
@@ -28,6 +29,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from forge_kit import errors
 from forge_kit.modelref import ModelRef, check_name, check_version
 from forge_kit.objectstore import ObjectStore
+from forge_kit.validate import check_int, check_path, check_printable_name, check_seed
 
 # vLLM's metric names, so dashboards and the gateway's router read Forge replicas and vLLM alike.
 NUM_REQUESTS_RUNNING = Gauge(
@@ -77,6 +79,11 @@ PREFIX_CACHE_HITS = Counter(
 
 FinishReason = Literal["stop", "length", "cancelled"]
 ROLES = ("system", "user", "assistant")
+#: Most stop strings one request may carry (OpenAI allows 4), and the longest.
+MAX_STOPS = 16
+MAX_STOP_CHARS = 256
+#: Bound of a request's ``priority`` either way (vLLM's lower-runs-first integer).
+MAX_PRIORITY = 2**31 - 1
 METADATA_FILE = "forge_model.json"
 MAX_LOGPROBS = 20
 TOKENIZER_FILE = "tokenizer.json"
@@ -165,6 +172,9 @@ class GenerationRequest:
     """Token id → bias added to its logit (ids checked against the vocabulary by the engine)."""
     min_tokens: int = 0
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    tokenized: list[int] | None = None
+    """The prompt's token ids once :class:`ModelServer` has tokenized it (off the event loop);
+    an engine given them does not tokenize again."""
 
 
 @dataclass(frozen=True)
@@ -191,7 +201,8 @@ class Engine(Protocol):
     """
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
-        """Stream chunks for ``request``; the last one carries ``finish_reason``."""
+        """Stream chunks for ``request``; the last one carries ``finish_reason``. The prompt comes
+        tokenized (``request.tokenized``, from :meth:`tokenize` on a worker thread)."""
         ...
 
     def num_waiting(self) -> int:
@@ -200,7 +211,8 @@ class Engine(Protocol):
 
     def tokenize(self, request: GenerationRequest) -> list[int]:
         """The token ids ``generate`` would feed the model for ``request``'s prompt or messages
-        (chat template applied): what ``/tokenize`` counts."""
+        (chat template applied): what ``/tokenize`` counts. Called off the event loop, one call
+        at a time per server."""
         ...
 
 
@@ -307,17 +319,26 @@ def validate(request: GenerationRequest) -> None:
         raise errors.ValidationError("temperature", f"must be between 0 and 2, got {request.temperature}")
     if request.top_p is not None and not (0.0 < request.top_p <= 1.0 and math.isfinite(request.top_p)):
         raise errors.ValidationError("top_p", f"must be in (0, 1], got {request.top_p}")
-    if request.seed is not None and request.seed < 0:
-        raise errors.ValidationError("seed", f"must not be negative, got {request.seed}")
+    check_printable_name("model", request.model)
+    if request.seed is not None:
+        check_seed("seed", request.seed)
+    check_int("priority", request.priority, -MAX_PRIORITY, MAX_PRIORITY)
     if request.top_k is not None and request.top_k < 0:
         raise errors.ValidationError("top_k", f"must not be negative, got {request.top_k}")
     for name in ("logprobs", "prompt_logprobs"):
         value = getattr(request, name)
         if value is not None and not (0 <= value <= MAX_LOGPROBS):
             raise errors.ValidationError(name, f"must be between 0 and {MAX_LOGPROBS}, got {value}")
+    # Every stop string is looked for after every token: their number and length are bounded.
+    if len(request.stop) > MAX_STOPS:
+        raise errors.ValidationError(
+            "stop", f"must hold at most {MAX_STOPS} strings, got {len(request.stop)}"
+        )
     for i, stop in enumerate(request.stop):
         if not stop:
             raise errors.ValidationError(f"stop.{i}", "must not be empty")
+        if len(stop) > MAX_STOP_CHARS:
+            raise errors.ValidationError(f"stop.{i}", f"must be at most {MAX_STOP_CHARS} characters")
 
 
 def checkpoint_info(name: str, path: str, version: str | None) -> ModelInfo:
@@ -330,8 +351,7 @@ def checkpoint_info(name: str, path: str, version: str | None) -> ModelInfo:
             check(value)
         except ValueError as exc:
             raise errors.ValidationError(param, str(exc)) from None
-    if not path:
-        raise errors.ValidationError("path", "is required")
+    check_path("path", path)
     if "://" in path:
         raise errors.ValidationError(
             "path", f"must be a directory on the model server's disk, not a URL: {path}"
@@ -384,6 +404,8 @@ class ModelServer:
         self._loader = loader
         self._drain_timeout_s = drain_timeout_s
         self._engines: dict[str, Engine] = {}
+        # One thread: HF fast tokenizers are not safe to call from several threads at once.
+        self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self._registered: dict[str, ModelInfo] = {}
         self._retiring: set[asyncio.Task[None]] = set()
 
@@ -459,15 +481,23 @@ class ModelServer:
         """
         validate(request)
         info, engine = self.resolve(request.model)
+        if request.tokenized is None:
+            request.tokenized = await self._tokenize(engine, request)
         stream = engine.generate(request)
         return info, ChunkStream(self._run(info, engine, stream), stream)
 
-    def tokenize(self, request: GenerationRequest) -> tuple[ModelInfo, list[int]]:
+    async def tokenize(self, request: GenerationRequest) -> tuple[ModelInfo, list[int]]:
         """The model and the token ids its engine would see for ``request`` (vLLM's ``/tokenize``):
         how a caller such as the gateway measures a prompt with the serving model's tokenizer."""
         validate(request)
         info, engine = self.resolve(request.model)
-        return info, engine.tokenize(request)
+        return info, await self._tokenize(engine, request)
+
+    async def _tokenize(self, engine: Engine, request: GenerationRequest) -> list[int]:
+        """Tokenize on the server's tokenizer thread: a long prompt (megabytes of chat) takes
+        seconds, which on the event loop would stall every other request and probe meanwhile."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenizer_thread, engine.tokenize, request)
 
     async def drain(self, timeout_s: float) -> None:
         """Let every engine finish what it admitted (SIGTERM), refusing new requests meanwhile."""

@@ -41,7 +41,14 @@ def start(
         str, typer.Option("--id", help="Workflow id (idempotent start); generated when empty.")
     ] = "",
     wait: Annotated[bool, typer.Option("--wait", help="Wait until the workflow closes and show it.")] = False,
-    timeout_s: Annotated[float, typer.Option("--timeout", help="Seconds to wait with --wait.")] = 300.0,
+    timeout_s: Annotated[
+        float,
+        typer.Option(
+            "--timeout",
+            min=0.0,
+            help="Seconds to wait with --wait; past it, exit 3 saying how to keep waiting.",
+        ),
+    ] = 300.0,
     target: TargetOption = "127.0.0.1:50059",
     token: TokenOption = "",
     as_json: JsonOption = False,
@@ -59,11 +66,53 @@ def start(
             started = await client.start(workflow_type, data, workflow_id)
             if not wait:
                 return {"workflow_id": started}
-            return response_to_dict(await client.wait(started, timeout_s=timeout_s))
+            return await _wait(client, started, timeout_s)
 
-    result = clitools.run_rpc(go())
+    _show_closed(clitools.run_rpc(go()), wait, as_json)
+
+
+@app.command("wait")
+def wait_for(
+    workflow_id: Annotated[str, typer.Argument(help="Workflow id.")],
+    timeout_s: Annotated[float, typer.Option("--timeout", min=0.0, help="Seconds to wait.")] = 3600.0,
+    target: TargetOption = "127.0.0.1:50059",
+    token: TokenOption = "",
+    as_json: JsonOption = False,
+) -> None:
+    """Wait until a running workflow closes and show how it ended (exit 1 unless COMPLETED,
+    3 when still running at --timeout)."""
+
+    async def go() -> dict[str, Any]:
+        async with OrchestratorClient(target, resolve_token(token)) as client:
+            return await _wait(client, workflow_id, timeout_s)
+
+    _show_closed(clitools.run_rpc(go()), True, as_json)
+
+
+STILL_RUNNING_EXIT = 3
+"""Exit status of ``start --wait`` / ``wait`` when the workflow outlived ``--timeout``."""
+
+
+async def _wait(client: OrchestratorClient, workflow_id: str, timeout_s: float) -> dict[str, Any]:
+    try:
+        return response_to_dict(await client.wait(workflow_id, timeout_s=timeout_s))
+    except TimeoutError:
+        return {"workflow_id": workflow_id, "still_running_after_s": timeout_s}
+
+
+def _show_closed(result: dict[str, Any], waited: bool, as_json: bool) -> None:
+    if "still_running_after_s" in result:
+        wid = result["workflow_id"]
+        typer.secho(
+            f"workflow {wid} is still running after {result['still_running_after_s']:g} s; "
+            f"keep waiting with `forge workflows wait {wid} --timeout SECONDS`, "
+            f"or look at it with `forge workflows get {wid}`",
+            err=True,
+            fg=typer.colors.YELLOW,
+        )
+        raise typer.Exit(STILL_RUNNING_EXIT)
     clitools.show_record(result, as_json)
-    if wait and result.get("status") != "COMPLETED":
+    if waited and result.get("status") != "COMPLETED":
         raise typer.Exit(1)
 
 

@@ -105,6 +105,7 @@ def eval_(
     ] = 0,
     target: TargetOption = "127.0.0.1:50058",
     token: TokenOption = "",
+    quiet: Annotated[bool, clitools.QuietOption] = False,
 ) -> None:
     """Held-out pairwise accuracy of a reward model on a file of pairs, with its 95% Wilson interval."""
     if (checkpoint is None) == (not version):
@@ -123,7 +124,14 @@ def eval_(
         skipped: Counter[str] = Counter()
         try:
             model = RewardModel(checkpoint, max_length=max_length)
-            scores = evaluate(model, read_pairs(pairs, skipped), batch_size=batch_size)
+            with clitools.progress(quiet) as bar:
+                step = bar.add_task("pairs scored", total=None)
+                scores = evaluate(
+                    model,
+                    read_pairs(pairs, skipped),
+                    batch_size=batch_size,
+                    on_scored=lambda count: bar.advance(step, count),
+                )
             details.update(
                 pairs_sha256=file_sha256(pairs), skipped=dict(skipped), max_length=model.max_length
             )

@@ -38,7 +38,7 @@ import hashlib
 import json
 import re
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -246,8 +246,15 @@ class RewardModel:
         return [float(v) for v in logits[:, 0].float().cpu()]
 
 
-def evaluate(model: RewardModel, pairs: Iterator[Pair], *, batch_size: int = 16) -> Scores:
-    """Score every pair: chosen and rejected of ``batch_size`` pairs go in one forward pass."""
+def evaluate(
+    model: RewardModel,
+    pairs: Iterator[Pair],
+    *,
+    batch_size: int = 16,
+    on_scored: Callable[[int], None] = lambda count: None,
+) -> Scores:
+    """Score every pair: chosen and rejected of ``batch_size`` pairs go in one forward pass;
+    ``on_scored`` gets the number of pairs of each batch scored (for a progress bar)."""
     scores = Scores()
     batch: list[Pair] = []
 
@@ -257,6 +264,7 @@ def evaluate(model: RewardModel, pairs: Iterator[Pair], *, batch_size: int = 16)
         scores.chosen.extend(rewards[: len(batch)])
         scores.rejected.extend(rewards[len(batch) :])
         scores.lines.extend(p.line for p in batch)
+        on_scored(len(batch))
         batch.clear()
 
     for pair in pairs:

@@ -33,6 +33,7 @@ from pydantic import BaseModel, Field
 
 from forge_kit import errors
 from forge_kit.paging import MAX_OFFSET
+from forge_kit.validate import FiniteFloat
 from forge_preference_feedback.quality import QualityPolicy
 from forge_preference_feedback.registry import HeldoutAccuracy, RewardModelRegistry, heldout_of
 from forge_preference_feedback.rounds import RlhfRounds
@@ -355,7 +356,7 @@ class PreferenceBody(BaseModel):
     comparison_id: str = Field(max_length=64)
     choice: str = Field(description="A, B, TIE or BOTH_BAD")
     reason: str = ""
-    confidence: float = 1.0
+    confidence: FiniteFloat = 1.0
     next: bool = Field(
         default=False,
         description="also hand the rater their next comparison in the reply, as "
@@ -378,10 +379,10 @@ def comparison_json(row: ComparisonRow | None) -> dict[str, str] | None:
 class HeldoutBody(BaseModel):
     """Held-out pairwise accuracy with its 95 % interval."""
 
-    accuracy: float
-    ci95_low: float
-    ci95_high: float
-    n: int
+    accuracy: FiniteFloat
+    ci95_low: FiniteFloat
+    ci95_high: FiniteFloat
+    n: int = Field(le=2**31 - 1)
     interval: str = Field(default="wilson", description="wilson or bootstrap")
 
 
@@ -394,7 +395,7 @@ class RewardModelBody(BaseModel):
     snapshot_id: str = Field(max_length=128)
     backbone: str = Field(max_length=255)
     heldout: HeldoutBody
-    metrics: dict[str, float] = Field(default_factory=dict)
+    metrics: dict[str, FiniteFloat] = Field(default_factory=dict)
 
 
 class StatusBody(BaseModel):

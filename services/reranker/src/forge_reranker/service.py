@@ -31,6 +31,7 @@ from prometheus_client import Counter
 
 from forge_kit import errors
 from forge_kit.cache import Cache
+from forge_kit.validate import check_finite
 from forge_reranker.config import RerankerSettings
 from forge_reranker.scoring import Scorer
 
@@ -257,6 +258,8 @@ class RerankerService:
                 raise errors.ValidationError(
                     f"passages[{i}].text", f"must be at most {limits.max_passage_chars} characters"
                 )
+            if passage.retrieval_score is not None:
+                check_finite(f"passages[{i}].retrieval_score", passage.retrieval_score)
 
     async def _cached(self, keys: list[str]) -> list[float | None]:
         try:

@@ -18,6 +18,10 @@ from forge_retriever.tenancy import caller_tenant
 #: BM25 alone); SearchResponse has no field for it.
 SEARCH_MODE_METADATA_KEY = "forge-search-mode"
 
+#: Trailing metadata key, ``1`` when the query's embedding saw only its first
+#: ``MAX_DENSE_QUERY_CHARS`` characters (BM25 always scores the whole query).
+DENSE_TRUNCATED_METADATA_KEY = "forge-dense-query-truncated"
+
 _MODES = {
     retrieval_pb2.SEARCH_MODE_UNSPECIFIED: SearchMode.HYBRID,
     retrieval_pb2.SEARCH_MODE_HYBRID: SearchMode.HYBRID,
@@ -64,7 +68,12 @@ class RetrieverApi(retrieval_pb2_grpc.RetrieverServiceServicer):
             dict(request.filter),
             tenant=_tenant(context),
         )
-        context.set_trailing_metadata(((SEARCH_MODE_METADATA_KEY, result.mode.value),))
+        context.set_trailing_metadata(
+            (
+                (SEARCH_MODE_METADATA_KEY, result.mode.value),
+                (DENSE_TRUNCATED_METADATA_KEY, "1" if result.dense_truncated else "0"),
+            )
+        )
         return retrieval_pb2.SearchResponse(
             chunks=[
                 retrieval_pb2.ScoredChunk(

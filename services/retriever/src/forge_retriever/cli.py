@@ -3,9 +3,14 @@
 The app is registered as ``forge.cli`` ``eval``; the forge CLI merges it with the eval service's
 ``forge eval`` commands. ``python -m forge_retriever.cli retrieval …`` runs it directly.
 
-Writes ``OUT/summary.json`` = ``{"<mode>": {"ndcg@10", "recall@100", "p50_ms", "p95_ms"}}`` and
-``OUT/details.json`` (ingestion throughput, settings, published figures) and prints a table beside
-the published numbers. ``hybrid_rerank`` sends the hybrid candidates to a running reranker over gRPC
+Writes ``OUT/summary.json`` = ``{"<mode>": {"ndcg@10", "recall@100", "p50_ms", "p95_ms"}, …,
+"protocol": {…}}`` (``protocol``: whether hits with the query's own id were dropped, as BEIR's
+``ignore_identical_ids`` does by default, ``--keep-identical-ids`` to keep them; per mode the queries
+that failed and those whose embedding was cut; the run files), ``OUT/<mode>.run`` (each mode's
+ranking as a TREC run file: ``qid Q0 docid rank score run_name``, which pytrec_eval or ir_measures
+re-score to the same figures) and ``OUT/details.json`` (ingestion throughput, settings, published
+figures), and prints a table beside the published numbers. Progress (ingestion, then each mode's
+queries) is drawn on stderr when it is a terminal and not ``--quiet``. ``hybrid_rerank`` sends the hybrid candidates to a running reranker over gRPC
 (``--reranker-target``): ``--rerank-depth`` documents for the latency-meeting entry and
 ``--rerank-depth-best`` for ``hybrid_rerank_best``.
 """
@@ -15,13 +20,14 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Annotated
 
 import grpc
 import typer
 from forge.rerank.v1 import rerank_pb2, rerank_pb2_grpc
+from rich.progress import Progress
 
 from forge_kit import clitools
 from forge_kit.grpckit import make_channel
@@ -85,6 +91,14 @@ def retrieval(
             help="Documents ingested afresh and embedded by plain sentence-transformers, to compare (0: skip).",
         ),
     ] = 256,
+    ignore_identical_ids: Annotated[
+        bool,
+        typer.Option(
+            "--ignore-identical-ids/--keep-identical-ids",
+            help="Drop a hit whose id is the query's own before scoring (BEIR's default).",
+        ),
+    ] = True,
+    quiet: Annotated[bool, clitools.QuietOption] = False,
 ) -> None:
     """nDCG@10, recall@100 and per-query latency p50/p95 for each mode on the test split."""
     try:
@@ -94,23 +108,42 @@ def retrieval(
         typer.echo(f"forge eval retrieval: {exc}", err=True)
         raise typer.Exit(2) from exc
     token = clitools.resolve_token("reranker", reranker_token) if "hybrid_rerank" in wanted else ""
-    summary, details = asyncio.run(
-        _run(
-            data,
-            wanted,
-            work or evaluation.default_work_dir(),
-            reranker_target,
-            token,
-            rerank_depth,
-            rerank_depth_best,
-            latency_budget_ms,
-            ingest_sample,
-        )
-    )
     out.mkdir(parents=True, exist_ok=True)
+    with clitools.progress(quiet) as bar:
+        results, details = asyncio.run(
+            _run(
+                data,
+                wanted,
+                work or evaluation.default_work_dir(),
+                reranker_target,
+                token,
+                rerank_depth,
+                rerank_depth_best,
+                latency_budget_ms,
+                ingest_sample,
+                ignore_identical_ids,
+                bar,
+            )
+        )
+    summary: dict[str, object] = {mode: result.as_json() for mode, result in results.items()}
+    for mode, result in results.items():
+        evaluation.write_trec_run(out / f"{mode}.run", result.ranking, f"forge-{mode}")
+    summary["protocol"] = {
+        "ignore_identical_ids": ignore_identical_ids,
+        "split": data.split,
+        "queries": len(data.queries),
+        "failed_queries_score": 0.0,
+        "run_files": {mode: f"{mode}.run" for mode in results},
+        "modes": {mode: result.counts() for mode, result in results.items()},
+    }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     (out / "details.json").write_text(json.dumps(details, indent=2) + "\n")
-    _print_table(data.name, summary, details)
+    _print_table(data.name, results, details, ignore_identical_ids)
+    dead = [mode for mode, result in results.items() if result.failed == len(data.queries)]
+    if dead:
+        first = results[dead[0]].errors[0] if results[dead[0]].errors else ""
+        typer.echo(f"forge eval retrieval: every query of {', '.join(dead)} failed; first: {first}", err=True)
+        raise typer.Exit(1)
 
 
 async def _run(
@@ -123,7 +156,9 @@ async def _run(
     depth_best: int,
     budget_ms: float,
     ingest_sample: int,
-) -> tuple[dict[str, dict[str, float]], dict[str, object]]:
+    ignore_identical_ids: bool = True,
+    bar: Progress | None = None,
+) -> tuple[dict[str, evaluation.ModeResult], dict[str, object]]:
     needs_dense = any(m != "bm25" for m in modes)
     # No query cache: every mode pays for its own query embedding, as a first-time query would.
     settings = RetrieverSettings(
@@ -133,13 +168,13 @@ async def _run(
     ev = evaluation.Evaluator(data, work, embedder, settings)
     await ev.open()
     try:
-        ingest = await ev.ingest(lambda done, total: typer.echo(f"ingested {done}/{total}", err=True))
+        ingest = await ev.ingest(_advance(bar, "ingesting the corpus"))
         typer.echo(
             f"ingestion: {ingest.upserted} of {ingest.documents} documents new, {ingest.chunks} chunks, "
             f"{ingest.seconds:.1f} s ({ingest.docs_per_s:.1f} new documents/s)",
             err=True,
         )
-        summary: dict[str, dict[str, float]] = {}
+        summary: dict[str, evaluation.ModeResult] = {}
         stages: dict[str, dict[str, float]] = {}
         for mode in modes:
             if mode == "hybrid_rerank":
@@ -151,15 +186,31 @@ async def _run(
                     configs = (("hybrid_rerank", depth, budget_ms), ("hybrid_rerank_best", depth_best, None))
                     for name, d, budget in configs:
                         result = await ev.run_mode(
-                            evaluation.SearchMode.HYBRID, rerank=rerank, rerank_depth=d, budget_ms=budget
+                            evaluation.SearchMode.HYBRID,
+                            rerank=rerank,
+                            rerank_depth=d,
+                            budget_ms=budget,
+                            ignore_identical_ids=ignore_identical_ids,
+                            progress=_advance(bar, f"{name} queries"),
                         )
-                        summary[name] = result.as_json()
+                        summary[name] = result
                         stages[name] = {k: round(v, 2) for k, v in result.stages.items()}
             else:
-                result = await ev.run_mode(evaluation.MODES[mode])
-                summary[mode] = result.as_json()
+                result = await ev.run_mode(
+                    evaluation.MODES[mode],
+                    ignore_identical_ids=ignore_identical_ids,
+                    progress=_advance(bar, f"{mode} queries"),
+                )
+                summary[mode] = result
                 stages[mode] = {k: round(v, 2) for k, v in result.stages.items()}
-            typer.echo(f"{mode}: done", err=True)
+            for name in ("hybrid_rerank", "hybrid_rerank_best") if mode == "hybrid_rerank" else (mode,):
+                failed = summary[name]
+                if failed.failed:
+                    typer.echo(
+                        f"{name}: {failed.failed} of {len(data.queries)} queries failed (scored 0); "
+                        f"first: {failed.errors[0]}",
+                        err=True,
+                    )
     finally:
         await ev.close()
     comparison = None
@@ -224,11 +275,33 @@ def grpc_rerank(stub: rerank_pb2_grpc.RerankerServiceAsyncStub) -> evaluation.Re
     return rerank
 
 
-def _print_table(name: str, summary: dict[str, dict[str, float]], details: dict[str, object]) -> None:
+def _advance(bar: Progress | None, description: str) -> Callable[[int, int], None]:
+    """A ``progress(done, total)`` callback drawing one task of ``bar``."""
+    if bar is None:
+        return lambda done, total: None
+    task = bar.add_task(description, total=None)
+
+    def update(done: int, total: int) -> None:
+        bar.update(task, completed=done, total=total)
+
+    return update
+
+
+def _print_table(
+    name: str,
+    results: dict[str, evaluation.ModeResult],
+    details: dict[str, object],
+    ignore_identical_ids: bool,
+) -> None:
     published = evaluation.PUBLISHED.get(name, {})
     typer.echo(f"\n{name}: {details['queries']} test queries, {details['documents']} documents")
+    typer.echo(
+        "hits with the query's own id: "
+        + ("dropped before scoring (BEIR's ignore_identical_ids)" if ignore_identical_ids else "kept")
+    )
     typer.echo(f"{'mode':<20}{'nDCG@10':>9}{'R@100':>8}{'p50 ms':>9}{'p95 ms':>9}   published nDCG@10")
-    for mode, row in summary.items():
+    for mode, result in results.items():
+        row = result.as_json()
         pub = published.get(mode.removesuffix("_best"))
         ref = f"{pub[0]:.4f} ({pub[1]})" if pub else "-"
         typer.echo(

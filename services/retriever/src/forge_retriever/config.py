@@ -54,8 +54,14 @@ class RetrieverSettings(ServiceSettings):
     max_document_chars: int = Field(default=200_000, ge=1)
     """Longest document text accepted, in characters (its event must fit a default 1 MB Kafka record)."""
 
-    max_query_chars: int = Field(default=2048, ge=1)
-    """Longest Search query accepted, in characters."""
+    max_query_chars: int = Field(default=65_536, ge=1)
+    """Longest Search query accepted, in characters. Some retrieval tasks use whole documents as
+    queries (find the counter-argument, the supporting paper): BM25 scores the whole query."""
+
+    max_dense_query_chars: int = Field(default=2048, ge=1)
+    """Characters of a query the dense side embeds (the embedder then reads at most
+    ``embedding_max_tokens`` word pieces of them); a longer query is cut for its embedding only and
+    counted in ``forge_retriever_dense_query_truncated_total``."""
 
     dense_enabled: bool = True
     """Embed chunks and serve DENSE and HYBRID search (off: BM25 only, no model loaded)."""

@@ -9,6 +9,17 @@ so the figures are the service's, latency included (query encoding, index, datab
 Metrics are BEIR's (pytrec_eval): nDCG@10 with linear gains ``rel / log2(rank + 1)`` against the
 ideal ordering of the query's qrels, recall@100 over the qrels with a score above 0. Chunks are
 mapped to documents by their first (best) occurrence. Queries with no relevant document are skipped.
+
+BEIR's protocol, where the figures are compared with published ones:
+
+- ``ignore_identical_ids`` (on by default, as in BEIR's ``EvaluateRetrieval``): a hit whose document
+  id equals the query's own id is dropped before scoring (some BEIR sets put the query document in
+  the corpus); the number dropped is reported.
+- Each mode's ranking is written as a TREC run file (``qid Q0 docid rank score run_name``): the
+  score column is ``N - rank + 1``, so a tool that orders by score (pytrec_eval, ir_measures)
+  reads back exactly the ranking scored here (RRF ties many fused scores).
+- A query that fails (a search or rerank error) never stops the evaluation: it is scored as an
+  empty ranking, counted, and its first errors reported.
 """
 
 from __future__ import annotations
@@ -35,6 +46,7 @@ RERANK_MODES = ("hybrid_rerank", "hybrid_rerank_best")
 MIGRATIONS = Path(__file__).parent / "migrations"
 COLLECTION = "beir"
 _INGEST_BATCH = 256
+_ERRORS_KEPT = 5
 
 #: Published nDCG@10 on the test splits, as the BEIR and MTEB papers report them, by folder name.
 PUBLISHED: dict[str, dict[str, tuple[float, str]]] = {
@@ -93,8 +105,8 @@ def load_beir(folder: Path, split: str = "test") -> BeirDataset:
     corpus: list[DocumentIn] = []
     for n, row in _jsonl(paths["corpus.jsonl"]):
         doc_id, text = str(row.get("_id", "")), str(row.get("text", "") or "")
-        if not doc_id:
-            raise DatasetError(f"corpus.jsonl line {n}: _id missing or empty")
+        if not doc_id or any(c.isspace() for c in doc_id):
+            raise DatasetError(f"corpus.jsonl line {n}: _id missing, empty or with whitespace")
         title = str(row.get("title", "") or "")
         if not text.strip():
             text = title  # BEIR keeps a few title-only documents: index the title as the text
@@ -104,6 +116,8 @@ def load_beir(folder: Path, split: str = "test") -> BeirDataset:
     for n, row in _jsonl(paths["queries.jsonl"]):
         if not row.get("_id") or not str(row.get("text", "")).strip():
             raise DatasetError(f"queries.jsonl line {n}: _id and text must be non-empty")
+        if any(c.isspace() for c in str(row["_id"])):
+            raise DatasetError(f"queries.jsonl line {n}: _id must not hold whitespace (a TREC run names it)")
         queries[str(row["_id"])] = str(row["text"])
     qrels: dict[str, dict[str, int]] = {}
     with open(paths[f"qrels/{split}.tsv"], encoding="utf-8") as f:
@@ -182,6 +196,24 @@ class ModeResult:
     stages: dict[str, float] = field(default_factory=dict)
     """Per-stage latency percentiles (``retrieve_p50_ms`` …) and, reranked, the mean passages
     scored; ``details.json`` carries them (``summary.json`` keeps the contract's four keys)."""
+    ranking: dict[str, list[str]] = field(default_factory=dict)
+    """Each query's documents, best first, as scored (identical ids dropped when asked)."""
+    failed: int = 0
+    """Queries whose search (or rerank) raised: scored as empty rankings."""
+    errors: list[str] = field(default_factory=list)
+    """The first few failures, ``qid: error``."""
+    dense_truncated: int = 0
+    """Queries whose embedding saw only their first ``max_dense_query_chars`` characters."""
+    identical_dropped: int = 0
+    """Hits dropped because their id was the query's own (``ignore_identical_ids``)."""
+
+    def counts(self) -> dict[str, object]:
+        return {
+            "failed_queries": self.failed,
+            "errors": self.errors,
+            "dense_truncated_queries": self.dense_truncated,
+            "identical_ids_dropped": self.identical_dropped,
+        }
 
     def as_json(self) -> dict[str, float]:
         return {
@@ -270,36 +302,60 @@ class Evaluator:
         rerank: Rerank | None = None,
         rerank_depth: int = 0,
         budget_ms: float | None = None,
+        *,
+        ignore_identical_ids: bool = True,
+        progress: Callable[[int, int], None] = lambda done, total: None,
     ) -> ModeResult:
         """Search every query with ``mode``; with ``rerank``, its first ``rerank_depth`` documents
         (best chunk text and score each) are reordered and put before the rest. With ``budget_ms`` the
-        reranker gets what the search left of it as its deadline. Latency covers both stages."""
+        reranker gets what the search left of it as its deadline. Latency covers both stages.
+        A query whose search or rerank fails is scored as an empty ranking and counted."""
         assert self.service is not None, "call open() first"
         ndcgs, recalls, latencies, searched, reranked, scored = [], [], [], [], [], []
-        overran = 0
-        for qid, text in self.dataset.queries.items():
+        overran = failed = truncated = dropped = 0
+        errors: list[str] = []
+        rankings: dict[str, list[str]] = {}
+        total = len(self.dataset.queries)
+        for n, (qid, text) in enumerate(self.dataset.queries.items(), start=1):
             started = self._clock()
-            result = await self.service.search(COLLECTION, text, top_k, mode, {})
-            ranked = documents_of(result.hits)
-            found = self._clock()
-            searched.append((found - started) * 1000.0)
-            if rerank is not None and rerank_depth:
-                best: dict[str, tuple[str, str, float]] = {}
-                for hit in result.hits:
-                    best.setdefault(
-                        hit.document_id,
-                        (hit.document_id, f"{hit.metadata.get('title', '')}\n{hit.text}".strip(), hit.score),
-                    )
-                head = ranked[:rerank_depth]
-                left = None if budget_ms is None else max(0.0, budget_ms / 1000.0 - (found - started))
-                answer = await rerank(text, [best[d] for d in head], left)
-                ranked = answer.ids + [d for d in ranked if d not in set(answer.ids)]
-                reranked.append((self._clock() - found) * 1000.0)
-                scored.append(answer.scored)
-                overran += answer.overran
-            latencies.append((self._clock() - started) * 1000.0)
+            try:
+                result = await self.service.search(COLLECTION, text, top_k, mode, {})
+                ranked = documents_of(result.hits)
+                truncated += result.dense_truncated
+                if ignore_identical_ids:
+                    kept = [d for d in ranked if d != qid]
+                    dropped += len(ranked) - len(kept)
+                    ranked = kept
+                found = self._clock()
+                searched.append((found - started) * 1000.0)
+                if rerank is not None and rerank_depth:
+                    best: dict[str, tuple[str, str, float]] = {}
+                    for hit in result.hits:
+                        best.setdefault(
+                            hit.document_id,
+                            (
+                                hit.document_id,
+                                f"{hit.metadata.get('title', '')}\n{hit.text}".strip(),
+                                hit.score,
+                            ),
+                        )
+                    head = ranked[:rerank_depth]
+                    left = None if budget_ms is None else max(0.0, budget_ms / 1000.0 - (found - started))
+                    answer = await rerank(text, [best[d] for d in head], left)
+                    ranked = answer.ids + [d for d in ranked if d not in set(answer.ids)]
+                    reranked.append((self._clock() - found) * 1000.0)
+                    scored.append(answer.scored)
+                    overran += answer.overran
+                latencies.append((self._clock() - started) * 1000.0)
+            except Exception as exc:  # noqa: BLE001 - one query's failure is counted, never fatal
+                failed += 1
+                if len(errors) < _ERRORS_KEPT:
+                    errors.append(f"{qid}: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}")
+                ranked = []
+            rankings[qid] = ranked
             ndcgs.append(ndcg_at_k(ranked, self.dataset.qrels[qid], 10))
             recalls.append(recall_at_k(ranked, self.dataset.qrels[qid], 100))
+            progress(n, total)
         stages = {"retrieve_p50_ms": percentile(searched, 50), "retrieve_p95_ms": percentile(searched, 95)}
         if reranked:
             stages |= {
@@ -314,7 +370,20 @@ class Evaluator:
             percentile(latencies, 50),
             percentile(latencies, 95),
             stages,
+            rankings,
+            failed,
+            errors,
+            truncated,
+            dropped,
         )
+
+
+def write_trec_run(path: Path, ranking: Mapping[str, Sequence[str]], run_name: str) -> None:
+    """``qid Q0 docid rank score run_name`` lines, ranks from 1, the score ``N - rank + 1``."""
+    with open(path, "w", encoding="utf-8") as f:
+        for qid, docs in ranking.items():
+            for rank, doc in enumerate(docs, start=1):
+                f.write(f"{qid} Q0 {doc} {rank} {len(docs) - rank + 1} {run_name}\n")
 
 
 @dataclass(frozen=True)

@@ -66,6 +66,10 @@ class _PendingPoint:
 
 SEARCHES = Counter("forge_retriever_searches_total", "Searches served", ["requested_mode", "served_mode"])
 CHANGES = Counter("forge_retriever_document_changes_total", "Documents written or removed", ["change"])
+DENSE_TRUNCATED = Counter(
+    "forge_retriever_dense_query_truncated_total",
+    "Queries longer than MAX_DENSE_QUERY_CHARS whose embedding saw only their first characters",
+)
 SOURCE_CHANGES = Counter(
     "forge_retriever_source_changes_total", "Document-change events from the topic, by outcome", ["outcome"]
 )
@@ -134,6 +138,8 @@ class SearchResult:
 
     hits: list[SearchHit]
     mode: SearchMode
+    dense_truncated: bool = False
+    """The dense side embedded only the query's first ``max_dense_query_chars`` characters."""
 
 
 @dataclass(frozen=True)
@@ -553,7 +559,8 @@ class RetrieverService:
         1. Validate; resolve top_k 0 to the default.
         2. Pick the scoring the index can serve: DENSE needs the dense index; HYBRID without it is
            served by BM25 alone and the result says so.
-        3. Encode the query (BM25 terms, embedding through the query cache) and query the index;
+        3. Encode the query (BM25 terms of the whole query; the embedding, through the query cache,
+           of its first ``max_dense_query_chars`` characters, a cut counted) and query the index;
            HYBRID is one index query fusing the dense and sparse candidate lists.
         4. Order equal scores by point id; read the hits' chunks and documents from the database (the
            source of truth; a point the database no longer has is dropped).
@@ -585,11 +592,14 @@ class RetrieverService:
         if mode is SearchMode.HYBRID and not dense_enabled:
             log.info("hybrid search served by BM25 alone: dense index not enabled", collection=collection)
         SEARCHES.labels(mode.value, served.value).inc()
+        truncated = served is not SearchMode.SPARSE and len(query) > self._settings.max_dense_query_chars
+        if truncated:
+            DENSE_TRUNCATED.inc()
         hits = await asyncio.to_thread(
             self._query_index, collection, tenant, query, top_k, served, dict(metadata_filter)
         )
         if not hits:
-            return SearchResult([], served)
+            return SearchResult([], served, truncated)
         # Equal scores are common under RRF (ranks (1, 3) and (3, 1) fuse alike) and the engine
         # orders them differently from process to process: break ties by point id, so the same
         # index answers the same query the same way (SciFact's hybrid nDCG@10 moved by 0.005).
@@ -637,7 +647,7 @@ class RetrieverService:
                     metadata={**row.meta, "title": row.title},
                 )
             )
-        return SearchResult(results, served)
+        return SearchResult(results, served, truncated)
 
     def _query_index(
         self,
@@ -653,7 +663,7 @@ class RetrieverService:
             return self._index.search_sparse(
                 collection, self._encoder.encode_query(query), top_k, metadata_filter, tenant=tenant
             )
-        vector = self._embedder.embed_query(query)
+        vector = self._embedder.embed_query(query[: self._settings.max_dense_query_chars])
         if mode is SearchMode.DENSE:
             return self._index.search_dense(collection, vector, top_k, metadata_filter, tenant=tenant)
         return self._index.search_hybrid(

@@ -36,6 +36,7 @@ from forge_kit import errors
 from forge_kit.db import Database
 from forge_kit.events import stage_event
 from forge_kit.grpckit import Principal, current_principal, require_admin
+from forge_kit.validate import check_finite, check_labels
 from forge_scheduler.hub import AgentHub
 from forge_scheduler.policy import Job, Node, Placement, Priority, never_fits
 from forge_scheduler.store import JobRow, NodeRow, QuotaRow, TeamRow, TeamTokenRow, TeamUsageRow, utcnow
@@ -164,6 +165,7 @@ def validate_spec(spec: scheduler_pb2.JobSpec) -> None:
         raise errors.ValidationError("spec.replicas", "must be at most 1024")
     if not spec.command:
         raise errors.ValidationError("spec.command", "must not be empty")
+    check_labels("spec.labels", spec.labels)
 
 
 def placement_of(spec: scheduler_pb2.JobSpec) -> Placement:
@@ -796,11 +798,15 @@ def master_port(job: JobRow) -> int:
     return 29500 + int.from_bytes(digest[:2], "big") % 1000
 
 
+#: Largest fair-share weight: far beyond any real ratio, and finite (NaN or infinity would
+#: make every share comparison false).
+MAX_QUOTA_WEIGHT = 1e6
+
+
 def _validate_quota(path: str, quota: scheduler_pb2.Quota) -> None:
     if not quota.gpu_type:
         raise errors.ValidationError(f"{path}.gpu_type", "must not be empty")
-    if quota.weight < 0:
-        raise errors.ValidationError(f"{path}.weight", "must not be negative")
+    check_finite(f"{path}.weight", quota.weight, low=0, high=MAX_QUOTA_WEIGHT)
 
 
 def _quota_row(team: str, quota: scheduler_pb2.Quota) -> QuotaRow:

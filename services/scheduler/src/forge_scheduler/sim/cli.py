@@ -9,12 +9,13 @@ from __future__ import annotations
 import json
 import math
 import os
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
+from forge_kit import clitools
 from forge_scheduler.sim.cycle import CycleBench, run_cycle_bench
 from forge_scheduler.sim.replay import (
     POLICIES,
@@ -69,6 +70,7 @@ def replay_cmd(
             help="At most one scheduling cycle per this many simulated seconds (0 = every event).",
         ),
     ] = SimSettings.cycle_interval_s,
+    quiet: Annotated[bool, clitools.QuietOption] = False,
 ) -> None:
     """Replay a trace under each policy; print and write the summary and the plots."""
     names = [p.strip() for p in policies.split(",") if p.strip()]
@@ -92,11 +94,19 @@ def replay_cmd(
         _fail(f"num_gpus: job {too_big.id} asks {too_big.num_gpus} GPUs, more than the {gpus}-GPU cluster")
     pool = workers or min(len(names), os.cpu_count() or 1)
     tasks = [(jobs, name, settings) for name in names]
-    if pool == 1:
-        results = [_run_one(t) for t in tasks]
-    else:
-        with ProcessPoolExecutor(max_workers=pool) as executor:
-            results = list(executor.map(_run_one, tasks))
+    with clitools.progress(quiet) as bar:
+        step = bar.add_task(f"replaying {len(jobs)} jobs", total=len(tasks))
+        if pool == 1:
+            results = []
+            for t in tasks:
+                results.append(_run_one(t))
+                bar.advance(step)
+        else:
+            with ProcessPoolExecutor(max_workers=pool) as executor:
+                futures = [executor.submit(_run_one, t) for t in tasks]
+                for _ in as_completed(futures):
+                    bar.advance(step)
+                results = [f.result() for f in futures]
     summary: dict[str, object] = {
         "policies": {
             r.policy: {

@@ -38,6 +38,7 @@ from typing import Annotated, Any
 
 import typer
 
+from forge_kit import clitools
 from forge_kit.objectstore import ObjectStore
 from forge_kit.paths import resolve_data_path
 from forge_trainer_agent.training import recipes
@@ -45,7 +46,7 @@ from forge_trainer_agent.training.launch import run_group, run_group_sequence
 from forge_trainer_agent.training.train import RunContext, TrainResult, pretrain
 from forge_trainer_agent.training.train import train as run_training
 
-app = typer.Typer(add_completion=False, help="Benchmarks.")
+app = typer.Typer(add_completion=False, help="Training benchmarks: step throughput and the recipe chain.")
 
 
 @app.callback()
@@ -194,27 +195,36 @@ def train(
     ddp_repeats: Annotated[
         int, typer.Option(min=1, help="1-process/2-process pairs; the median is reported")
     ] = 5,
+    quiet: Annotated[bool, clitools.QuietOption] = False,
 ) -> None:
     """Run steps 1-5 of the module docstring and write DIR/summary.json."""
     if not corpus.is_file() or corpus.stat().st_size == 0:
         raise typer.BadParameter(f"{corpus} is missing or empty", param_hint="--corpus")
     out.mkdir(parents=True, exist_ok=True)
     summary: dict[str, Any] = {}
-    with tempfile.TemporaryDirectory(prefix="forge-bench-train-") as tmp:
+    with (
+        tempfile.TemporaryDirectory(prefix="forge-bench-train-") as tmp,
+        clitools.stages(5 if nanogpt_dir is not None else 4, quiet) as stage,
+    ):
         work = Path(tmp)
         cache = work / "tokens"
         if nanogpt_dir is not None:
+            stage("nanoGPT baseline")
             summary["nanogpt"] = run_nanogpt(nanogpt_dir, corpus, work)
             budget_s = summary["nanogpt"]["wall_s"]
+        stage(f"Forge, {budget_s:g} s budget")
         summary["forge"] = forge_quality(budget_s, corpus, work, cache)
         if "nanogpt" in summary:
             summary["val_loss_ratio"] = (
                 summary["forge"]["val_loss_per_char"] / summary["nanogpt"]["val_loss_per_char"]
             )
+        stage("DDP speed-up")
         pairs = ddp_speedup(corpus, work, cache, ddp_steps, ddp_repeats)
         summary["ddp_speedup"] = statistics.median(pairs)
         summary["ddp_speedup_pairs"] = pairs
+        stage("async checkpoint stall")
         summary["async_checkpoint_stall_ratio"] = checkpoint_stall_ratio(corpus, work, cache, 50)
+        stage("FSDP against DDP")
         summary["fsdp"] = fsdp_vs_ddp(corpus, work, cache, ddp_steps)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     typer.echo(json.dumps(summary, indent=2))
@@ -261,15 +271,20 @@ def recipes_bench(
     pretrain_steps: Annotated[int, typer.Option(help="steps of the shakespeare_tiny parent")] = 300,
     steps: Annotated[int, typer.Option(help="steps of each post-training recipe")] = 100,
     mtbf_s: Annotated[float, typer.Option(help="MTBF for the parent's Daly checkpoint interval")] = 60.0,
+    quiet: Annotated[bool, clitools.QuietOption] = False,
 ) -> None:
     """Parent (``shakespeare_tiny``, Daly checkpoint interval) -> ``cpt_scifact``, ``sft_hh``,
     ``reward_hh`` from the parent, ``dpo_hh`` from the SFT model; writes DIR/recipes.json."""
     out.mkdir(parents=True, exist_ok=True)
     summary: dict[str, Any] = {}
-    with tempfile.TemporaryDirectory(prefix="forge-bench-recipes-") as tmp:
+    with (
+        tempfile.TemporaryDirectory(prefix="forge-bench-recipes-") as tmp,
+        clitools.stages(5, quiet) as stage,
+    ):
         work, cache = Path(tmp), Path(tmp) / "tokens"
         short = {"max_steps": str(steps), "eval_interval": str(steps), "log_interval": "10",
                  "optim.warmup_steps": str(max(1, steps // 10))}  # fmt: skip
+        stage("shakespeare_tiny (parent)")
         summary["pretrain"] = _run_recipe(
             "shakespeare_tiny",
             {"max_steps": str(pretrain_steps), "eval_interval": str(pretrain_steps), "log_interval": "10",
@@ -278,10 +293,14 @@ def recipes_bench(
             work, cache,
         )  # fmt: skip
         parent = summary["pretrain"]["export_dir"]
+        stage("cpt_scifact")
         summary["cpt"] = _run_recipe("cpt_scifact", {**short, "init.parent": parent}, work, cache)
+        stage("sft_hh")
         summary["sft"] = _run_recipe("sft_hh", {**short, "init.parent": parent}, work, cache)
+        stage("reward_hh")
         summary["reward"] = _run_recipe("reward_hh", {**short, "init.parent": parent}, work, cache)
         sft_model = summary["sft"]["export_dir"]
+        stage("dpo_hh")
         summary["dpo"] = _run_recipe("dpo_hh", {**short, "init.parent": sft_model}, work, cache)
     for entry in summary.values():
         entry.pop("export_dir")

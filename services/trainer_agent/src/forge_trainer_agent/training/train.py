@@ -21,7 +21,9 @@ What differs per task (data, model, loss, evaluation, export) is an
    Young/Daly interval, re-planned after the first measured save); on a stop request (SIGTERM)
    checkpoint and return ``preempted``;
 6. at the end: final checkpoint, wait for it to publish, export in Hugging Face format (under
-   FSDP from the gathered full state, as the plain model class).
+   FSDP from the gathered full state, as the plain model class); rank 0 draws the loss and
+   learning-rate curves as ``curves.png`` beside ``metrics.jsonl`` (:mod:`curves`), also when the
+   run stops early.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from forge_kit.objectstore import ObjectStore
 from forge_trainer_agent.training import parallel, recipes
 from forge_trainer_agent.training.checkpoint import CheckpointManager, Manifest, optimal_interval_s
 from forge_trainer_agent.training.collectives import all_reduce, barrier
+from forge_trainer_agent.training.curves import plot_curves
 from forge_trainer_agent.training.data import PreparedData, prepare
 from forge_trainer_agent.training.mfu import peak_flops
 from forge_trainer_agent.training.objectives import Objective, StepBatch, build_objective
@@ -395,6 +398,16 @@ def train(config: TrainConfig, ctx: RunContext) -> TrainResult:
         prefetch.close()
         result.checkpoint_stalls_s = list(ckpt.stats.stalls_s)
         metrics.close()
+        if ctx.rank == 0 and (ctx.run_dir / "metrics.jsonl").is_file():
+            _draw_curves(ctx.run_dir / "metrics.jsonl")
+
+
+def _draw_curves(metrics: Path) -> None:
+    """``curves.png`` beside the metrics; a drawing failure is logged, never the run's failure."""
+    try:
+        plot_curves(metrics)
+    except Exception as exc:  # noqa: BLE001 - the picture is a convenience, the metrics are the record
+        log.warning("training curves not drawn", metrics=str(metrics), error=repr(exc))
 
 
 def pretrain(config: TrainConfig, ctx: RunContext) -> TrainResult:
