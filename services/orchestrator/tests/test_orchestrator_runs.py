@@ -144,3 +144,46 @@ async def test_mlflow_ui_shows_the_sweep_parent_with_its_trials(
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     for name in sweep.names:
         assert name in text
+
+
+def test_workflows_show_links_the_runs_of_the_workflow(mlflow_server: MlflowServer) -> None:
+    from forge_orchestrator.cli import mlflow_links
+
+    tracker = Tracker(mlflow_server.url)
+    workflow_id = f"wf-{uuid.uuid4().hex[:8]}"
+    run_id = tracker.ensure_job_run(f"job-{workflow_id}", tags={"forge.workflow_id": workflow_id}, params={})
+    assert mlflow_links(mlflow_server.url, workflow_id) == [tracker.run_url(run_id)]
+    assert mlflow_links(mlflow_server.url, "wf-without-runs") == []
+    assert mlflow_links("http://127.0.0.1:9", workflow_id) == []  # the workflow is shown without them
+
+
+@dataclass
+class StepContext:
+    """What ``forge up`` hands a main-job step, as far as the tracking step reads it."""
+
+    mlflow_url: str
+    results: dict[str, dict[str, object]]
+
+
+@pytest.mark.asyncio
+async def test_main_job_tracking_step_shows_the_closed_run_of_the_train_step(
+    mlflow_server: MlflowServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from forge_orchestrator import main_job_tracking
+    from forge_orchestrator.tracking_consumer import render_loss_curve
+
+    tracker = Tracker(mlflow_server.url)
+    job_id = f"job-{uuid.uuid4().hex[:8]}"
+    run_id = tracker.ensure_job_run(job_id, tags={}, params={"recipe": "tiny", "seed": "0"})
+    tracker.log_metrics(run_id, 10, {"loss": 3.0})
+    ctx = StepContext(mlflow_server.url, {"train": {"job_id": job_id}})
+    monkeypatch.setattr(main_job_tracking, "TRACKING_WAIT_S", 2.0)
+    with pytest.raises(RuntimeError, match="not closed within 2s"):
+        await main_job_tracking.tracking(ctx)
+    tracker.set_terminated(run_id, "FINISHED")
+    assert render_loss_curve({"loss": [(10, 3.0)]}, tmp_path / "loss_curve.png", job_id)
+    tracker.log_artifact(run_id, tmp_path / "loss_curve.png", "plots")
+    result = await main_job_tracking.tracking(ctx)
+    assert result["ok"] is True and result["mlflow_url"] == tracker.run_url(run_id)
+    assert result["loss_steps_logged"] == 1 and result["params"] == {"recipe": "tiny", "seed": "0"}
+    assert result["artifacts"] == ["plots/loss_curve.png"]

@@ -93,7 +93,9 @@ def test_manifest_params_take_config_hash_data_hash_and_seed() -> None:
 
 def test_loss_curve_is_a_png_and_nothing_is_drawn_without_points(tmp_path: Path) -> None:
     path = tmp_path / "curve.png"
-    assert render_loss_curve({"loss": [(1, 3.0), (2, 2.5)], "val_loss": []}, path, "job x")
+    assert render_loss_curve(
+        {"loss": [(1, 3.0), (2, 2.5)], "val_loss": []}, path, "job x", [(1, 1e-3), (2, 5e-4)]
+    )
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5_000
     assert not render_loss_curve({"loss": []}, tmp_path / "none.png", "job y")
     assert not (tmp_path / "none.png").exists()

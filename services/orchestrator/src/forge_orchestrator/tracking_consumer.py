@@ -9,7 +9,7 @@ handler's database writes) and inherits whatever verification the kit's consumer
   from the job (:data:`~forge_orchestrator.tracking.TAG_JOB` …; ``sweep_id``/``trial`` labels
   become the sweep tags and the sweep's parent run its parent) and params (recipe, overrides
   from the job's command, code version). A terminal state closes the run (SUCCEEDED → FINISHED,
-  FAILED → FAILED, CANCELLED → KILLED) and logs the loss curve rendered from the run's metrics.
+  FAILED → FAILED, CANCELLED → KILLED) and logs the loss/LR curve rendered from the run's metrics.
 - ``TrainingMetrics``: the step's values as MLflow metrics at that step, timestamped with the
   event's time (tokens/s and MFU come as the values ``tokens_per_s`` and ``mfu``).
 - ``CheckpointPublished``: the checkpoint's URI (tag ``forge.checkpoint_uri`` and an artifact
@@ -173,8 +173,14 @@ def manifest_params(manifest: Mapping[str, object]) -> dict[str, str]:
     return params
 
 
-def render_loss_curve(series: Mapping[str, Sequence[tuple[int, float]]], path: Path, title: str) -> bool:
-    """A PNG of each series (loss, val_loss, …) against the step; False when there is nothing to draw."""
+def render_loss_curve(
+    series: Mapping[str, Sequence[tuple[int, float]]],
+    path: Path,
+    title: str,
+    lr: Sequence[tuple[int, float]] = (),
+) -> bool:
+    """A PNG of each loss series (``loss``, ``val_loss``) against the step, and the learning rate
+    on a second axis when given; False (and no file) when there is no loss to draw."""
     drawn = {k: v for k, v in series.items() if v}
     if not drawn:
         return False
@@ -190,8 +196,14 @@ def render_loss_curve(series: Mapping[str, Sequence[tuple[int, float]]], path: P
     axes.set_xlabel("step")
     axes.set_ylabel("loss")
     axes.set_title(title[:80])
-    axes.legend()
     axes.grid(alpha=0.3)
+    handles, labels = axes.get_legend_handles_labels()
+    if lr:
+        rate = axes.twinx()
+        (line,) = rate.plot([s for s, _ in lr], [v for _, v in lr], color="grey", linestyle="--", label="lr")
+        rate.set_ylabel("learning rate")
+        handles, labels = [*handles, line], [*labels, "lr"]
+    axes.legend(handles, labels)
     figure.tight_layout()
     figure.savefig(path)
     return True
@@ -292,9 +304,10 @@ class RunRecorder:
     def _finish(self, run_id: str, status: RunStatus, job_id: str) -> None:
         self._tracker.set_terminated(run_id, status)
         series = {name: self._tracker.metric_history(run_id, name) for name in self._curves}
+        lr = self._tracker.metric_history(run_id, "lr")
         with tempfile.TemporaryDirectory(prefix="forge-curve-") as tmp:
             path = Path(tmp) / LOSS_CURVE
-            if render_loss_curve(series, path, f"job {job_id}"):
+            if render_loss_curve(series, path, f"job {job_id}", lr):
                 self._tracker.log_artifact(run_id, path, "plots")
 
     # --- per-step data ---------------------------------------------------------------------------
