@@ -10,6 +10,7 @@ from forge.events.v1 import events_pb2
 from forge.orchestrator.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
 from forge_kit.app import ServiceApp
+from forge_kit.db import Database
 from forge_kit.eventlog import CatchUp, CatchUpSource
 from forge_kit.events import TOPICS
 from forge_kit.http import make_app
@@ -33,7 +34,7 @@ from forge_orchestrator.service import (
 )
 
 
-def add_tracking(app: ServiceApp, settings: OrchestratorSettings) -> None:
+def add_tracking(app: ServiceApp, db: Database, settings: OrchestratorSettings) -> None:
     """The consumer that records training runs in MLflow (its own group, so it neither delays
     nor is delayed by the workflows' consumer)."""
     from forge_orchestrator.tracking import Tracker
@@ -53,13 +54,28 @@ def add_tracking(app: ServiceApp, settings: OrchestratorSettings) -> None:
         events_pb2.EvalCompleted,
     )
     # The kit's consumer: broker credentials, signature checks and dedupe come with it.
-    app.event_consumer(
+    consumer = app.event_consumer(
         group_id=settings.tracking_consumer_group,
         topics=[TOPICS[m.DESCRIPTOR.full_name] for m in names],
         handler=recorder.handle,
         session_timeout_ms=settings.consumer_session_timeout_ms,
     )
     app.add_on_stop(jobs.close)
+    # Job states the broker lost come from the scheduler's outbox, so runs are made and closed
+    # anyway (metrics come only from the broker: the trainer agents are not reachable from here).
+    job_states = [TOPICS[events_pb2.JobStateChanged.DESCRIPTOR.full_name]]
+    scheduler = CatchUpSource(
+        "scheduler", settings.scheduler_target, settings.scheduler_token.get_secret_value()
+    )
+    catch_up = CatchUp(
+        consumer,
+        db,
+        group_id=settings.tracking_consumer_group,
+        topics=job_states,
+        sources=[scheduler],
+        interval_s=settings.catch_up_interval_s,
+    )
+    app.add_background(catch_up.run)
 
 
 async def main() -> None:
@@ -127,7 +143,7 @@ async def main() -> None:
         )
         app.add_background(catch_up.run)
         if settings.mlflow_uri:
-            add_tracking(app, settings)
+            add_tracking(app, db, settings)
 
     async def temporal_ready() -> bool:
         return await client.service_client.check_health(timeout=timedelta(seconds=2))

@@ -273,8 +273,9 @@ class RunRecorder:
             name=_run_name(job),
         )
         row = TrackedRunRow(job_id=job_id, mlflow_run_id=run_id, training_run_id="", final_state="")
+        # Not flushed here: written at the handler's commit, so no database write lock is held
+        # while MLflow is called (a server that is restarting can take minutes to answer).
         session.add(row)
-        await session.flush()
         return row
 
     def _sweep_parent(self, sweep_id: str) -> str:
