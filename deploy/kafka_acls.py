@@ -13,17 +13,29 @@ from forge.events.v1 import events_pb2
 
 from forge_kit.events import OWNERS, TOPICS
 
-#: Consumer groups and the events each consuming service reads (their ``__main__`` wiring).
-CONSUMES: dict[str, tuple[str, tuple[str, ...]]] = {
+#: Consumer groups and the events each consuming service reads in them (their ``__main__`` wiring).
+CONSUMES: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
     "orchestrator": (
-        "orchestrator",
         (
-            events_pb2.JobStateChanged.DESCRIPTOR.full_name,
-            events_pb2.CheckpointPublished.DESCRIPTOR.full_name,
+            "orchestrator",
+            (
+                events_pb2.JobStateChanged.DESCRIPTOR.full_name,
+                events_pb2.CheckpointPublished.DESCRIPTOR.full_name,
+            ),
+        ),
+        # The consumer that records training runs in MLflow (``forge_orchestrator.tracking_consumer``).
+        (
+            "orchestrator-tracking",
+            (
+                events_pb2.JobStateChanged.DESCRIPTOR.full_name,
+                events_pb2.TrainingMetrics.DESCRIPTOR.full_name,
+                events_pb2.CheckpointPublished.DESCRIPTOR.full_name,
+                events_pb2.EvalCompleted.DESCRIPTOR.full_name,
+            ),
         ),
     ),
-    "inference_gateway": ("inference_gateway", (events_pb2.ModelPromoted.DESCRIPTOR.full_name,)),
-    "retriever": ("retriever", (events_pb2.DocumentChanged.DESCRIPTOR.full_name,)),
+    "inference_gateway": (("inference_gateway", (events_pb2.ModelPromoted.DESCRIPTOR.full_name,)),),
+    "retriever": (("retriever", (events_pb2.DocumentChanged.DESCRIPTOR.full_name,)),),
 }
 
 
@@ -34,10 +46,11 @@ def acls(services: list[str]) -> list[tuple[str, str]]:
         for event, owner in sorted(OWNERS.items()):
             if owner == service:
                 grants.append((service, f"--operation Write --operation Describe --topic {TOPICS[event]}"))
-        if service in CONSUMES:
-            group, events = CONSUMES[service]
-            for event in events:
-                grants.append((service, f"--operation Read --operation Describe --topic {TOPICS[event]}"))
+        groups = CONSUMES.get(service, ())
+        read = sorted({TOPICS[event] for _, events in groups for event in events})
+        for topic in read:
+            grants.append((service, f"--operation Read --operation Describe --topic {topic}"))
+        for group, _ in groups:
             grants.append((service, f"--operation Read --group {group}"))
     return grants
 

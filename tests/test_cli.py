@@ -326,6 +326,20 @@ def test_env_wires_targets_urls_and_only_the_callees_tokens() -> None:
     assert "tok-b" not in leaf.values() and "tok-g" not in leaf.values()
 
 
+def test_a_tracking_service_gets_the_mlflow_server() -> None:
+    spec = ServiceSpec("delta", grpc_port=1004, http_port=2004, tracking=True)
+    secrets = {"event_keys": {**EVENT_KEYS, "delta": tokens.new_event_key()}, "generated": {}}
+    table = (*TABLE, spec)
+    env = platform.service_env(
+        spec, table, {**TOKENS, "delta": "tok-d"}, Path("/repo"), Infra(mlflow_port=8123), **secrets
+    )
+    assert env["FORGE_DELTA_MLFLOW_URI"] == "http://127.0.0.1:8123"
+    assert "MLFLOW_URI" in platform.declared_keys(spec)
+    assert "FORGE_GAMMA_MLFLOW_URI" not in platform.service_env(
+        TABLE[2], TABLE, TOKENS, Path("/repo"), **SECRETS
+    )
+
+
 def test_the_real_table_is_consistent() -> None:
     assert platform.validate(platform.SERVICES) == []
     assert {s.name for s in platform.SERVICES} == {
@@ -484,7 +498,12 @@ def fake_platform(
     monkeypatch.setenv(
         "PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path / "pkgs"), os.environ.get("PYTHONPATH")]))
     )
-    infra = Infra(kafka_port=free_port(), temporal_port=free_port(), temporal_ui_port=free_port())
+    infra = Infra(
+        kafka_port=free_port(),
+        temporal_port=free_port(),
+        temporal_ui_port=free_port(),
+        mlflow_port=free_port(),
+    )
     table = (ServiceSpec("fakesvc", grpc_port=free_port(), http_port=free_port()),)
     paths = supervisor.Paths(tmp_path / "root")
     paths.root.mkdir()
@@ -501,7 +520,7 @@ def test_up_twice_restart_after_crash_and_down_leaves_nothing(fake_platform: Any
         return await local.up(paths, table, quiet, run_main_job=False, infra=infra, table=table, timeout_s=60)
 
     assert asyncio.run(up()) == 0, quiet.export_text()
-    pids = {name: supervisor.read_pid(paths, name) for name in ("tansu", "temporal", "fakesvc")}
+    pids = {name: supervisor.read_pid(paths, name) for name in ("tansu", "temporal", "mlflow", "fakesvc")}
     assert all(pids.values())
     assert stat.S_IMODE(paths.tokens.stat().st_mode) == 0o600
     assert "AUTH_TOKEN" not in paths.log_file("fakesvc").read_text()
@@ -529,8 +548,15 @@ def test_up_twice_restart_after_crash_and_down_leaves_nothing(fake_platform: Any
     assert not list(paths.run_dir.glob("*.pid"))
     for pid in live:
         assert pid is not None and not supervisor.group_members(pid)
-    for port in (infra.kafka_port, infra.temporal_port, table[0].grpc_port, table[0].http_port):
+    for port in (
+        infra.kafka_port,
+        infra.temporal_port,
+        infra.mlflow_port,
+        table[0].grpc_port,
+        table[0].http_port,
+    ):
         assert not port_open(port)
+    assert (paths.mlflow_dir / "mlflow.db").exists()
 
 
 @pytest.mark.integration
@@ -606,6 +632,7 @@ def test_forge_command_up_and_down_with_no_services(tmp_path: Path) -> None:
         "FORGE_LOCAL_KAFKA_PORT": str(free_port()),
         "FORGE_LOCAL_TEMPORAL_PORT": str(free_port()),
         "FORGE_LOCAL_TEMPORAL_UI_PORT": str(free_port()),
+        "FORGE_LOCAL_MLFLOW_PORT": str(free_port()),
     }
     forge = [sys.executable, "-c", "from forge_cli.main import app; app()"]
     try:
@@ -617,7 +644,7 @@ def test_forge_command_up_and_down_with_no_services(tmp_path: Path) -> None:
             timeout=120,
         )
         assert up.returncode == 0, up.stdout + up.stderr
-        assert "tansu" in up.stdout and "temporal" in up.stdout
+        assert "tansu" in up.stdout and "temporal" in up.stdout and "mlflow" in up.stdout
         status = subprocess.run(
             [*forge, "status", "--services", "", "--check"],
             env=env,
@@ -631,6 +658,7 @@ def test_forge_command_up_and_down_with_no_services(tmp_path: Path) -> None:
     assert down.returncode == 0, down.stdout + down.stderr
     assert not list((tmp_path / "var" / "run").glob("*.pid"))
     assert not port_open(int(env["FORGE_LOCAL_KAFKA_PORT"]))
+    assert not port_open(int(env["FORGE_LOCAL_MLFLOW_PORT"]))
 
 
 # --- the table against the services' own settings classes ---------------------------------------

@@ -128,3 +128,23 @@ def test_docker_compose_config_accepts_the_file(tmp_path: Path) -> None:
         timeout=60,
     )
     assert result.returncode == 0, result.stderr
+
+
+def test_mlflow_runs_on_postgres_and_the_object_store_for_the_tracking_services(
+    compose: dict[str, Any],
+) -> None:
+    services = compose["services"]
+    mlflow = services["mlflow"]
+    command = mlflow["command"]
+    assert command[command.index("--backend-store-uri") + 1].endswith("@postgres:5432/forge_mlflow")
+    assert command[command.index("--artifacts-destination") + 1].startswith("/var/lib/forge/objects/")
+    assert any(v.startswith("objects:") for v in mlflow["volumes"])
+    assert mlflow["ports"] == ["${FORGE_BIND_ADDR:-127.0.0.1}:8060:5000"]
+    assert "CREATE DATABASE forge_mlflow;" in (ROOT / "deploy" / "postgres" / "init.sql").read_text()
+    for name, spec in FORGE.items():
+        env = services[name]["environment"]
+        if spec.tracking:
+            assert env[f"{spec.prefix}MLFLOW_URI"] == "http://mlflow:5000"
+            assert "mlflow" in services[name]["depends_on"]
+        else:
+            assert f"{spec.prefix}MLFLOW_URI" not in env

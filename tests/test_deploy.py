@@ -183,3 +183,16 @@ def test_alerts_and_dashboard_use_only_metrics_the_services_export() -> None:
     # prometheus_client adds _total to counters and _bucket to histograms on the wire.
     missing = {m for m in used if m not in exported and m.removesuffix("_total") not in exported}
     assert not missing, f"alerts/dashboard reference metrics nobody exports: {missing}"
+
+
+def test_mlflow_runs_on_postgres_and_the_object_store_reachable_only_by_tracking_services() -> None:
+    deployment = _find("Deployment", "mlflow")
+    _find("Service", "mlflow")
+    [container] = deployment["spec"]["template"]["spec"]["containers"]
+    assert container["env"][0]["valueFrom"]["secretKeyRef"] == {"name": "forge-databases", "key": "mlflow"}
+    assert "$(MLFLOW_BACKEND_STORE_URI)" in container["command"]
+    peers = _ingress_peers("mlflow", 5000) or []
+    admitted = {p["podSelector"]["matchLabels"]["app.kubernetes.io/name"] for p in peers}
+    assert admitted == {s.name.replace("_", "-") for s in SERVICES if s.tracking} == {"orchestrator"}
+    config = _find("ConfigMap", "forge-orchestrator-config")["data"]
+    assert config["FORGE_ORCHESTRATOR_MLFLOW_URI"] == "http://mlflow.forge.svc:5000"

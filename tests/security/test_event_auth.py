@@ -390,6 +390,9 @@ def test_broker_acls_let_each_service_write_only_its_own_topics() -> None:
     assert consumed == {
         ("orchestrator", topic_for(events_pb2.JobStateChanged())),
         ("orchestrator", topic_for(events_pb2.CheckpointPublished())),
+        # The orchestrator's tracking consumer (group orchestrator-tracking) records runs in MLflow.
+        ("orchestrator", topic_for(events_pb2.TrainingMetrics())),
+        ("orchestrator", topic_for(events_pb2.EvalCompleted())),
         ("inference_gateway", PROMOTIONS),
         ("retriever", DOCS),
     }

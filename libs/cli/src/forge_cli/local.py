@@ -2,8 +2,8 @@
 
 ``up`` is idempotent: a component whose pid file names a live, healthy process is kept, anything
 else is (re)started, so ``make up`` twice in a row does nothing the second time but re-run the
-main job. Infrastructure comes first (the broker with every topic, then Temporal), because
-services connect to both as they start.
+main job. Infrastructure comes first (the broker with every topic, Temporal and the MLflow
+tracking server), because services connect to them as they start.
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from forge_cli.supervisor import Component, Paths
 from forge_kit.events import ensure_topics
 from forge_kit.grpckit import check_health
 from forge_kit.paths import private_dir
-from forge_kit.testing.processes import port_open, tansu_binary
+from forge_kit.testing.processes import mlflow_healthy, mlflow_server_argv, port_open, tansu_binary
 
-INFRA_TIMEOUT_S = 60.0
+INFRA_TIMEOUT_S = 120.0
 SERVICE_TIMEOUT_S = 180.0
 
 
@@ -133,6 +133,35 @@ def temporal_component(infra: Infra, paths: Paths) -> Component:
     )
 
 
+MLFLOW_MARKER = "mlflow server"
+
+
+def mlflow_component(infra: Infra, paths: Paths) -> Component:
+    """The MLflow tracking server: SQLite store and artifacts under ``var/mlflow``, 127.0.0.1 only."""
+    paths.mlflow_dir.mkdir(parents=True, exist_ok=True)
+
+    async def healthy() -> bool:
+        return port_open(infra.mlflow_port) and await asyncio.to_thread(mlflow_healthy, infra.mlflow_uri)
+
+    return Component(
+        name="mlflow",
+        argv=mlflow_server_argv(
+            infra.mlflow_port,
+            f"sqlite:///{paths.mlflow_dir / 'mlflow.db'}",
+            str(paths.mlflow_dir / "artifacts"),
+            host=platform.HOST,
+        ),
+        marker=MLFLOW_MARKER,
+        health=healthy,
+        ports=(infra.mlflow_port,),
+        urls=(infra.mlflow_uri,),
+    )
+
+
+def infra_components(infra: Infra, paths: Paths) -> list[Component]:
+    return [tansu_component(infra), temporal_component(infra, paths), mlflow_component(infra, paths)]
+
+
 async def service_healthy(spec: ServiceSpec) -> bool:
     """HTTP ``/healthz`` answers 200 and the gRPC health service says SERVING."""
     try:
@@ -190,6 +219,7 @@ def context(
         temporal_target=infra.temporal_target,
         temporal_namespace=infra.temporal_namespace,
         object_store_url=str(paths.objects),
+        mlflow_url=infra.mlflow_uri,
     )
 
 
@@ -306,10 +336,8 @@ async def up(
         console.print(f"generated {name}: [bold]{value}[/] (kept in {paths.generated})", highlight=False)
     paths.objects.mkdir(parents=True, exist_ok=True)
     try:
-        with console.status("starting the broker and the Temporal dev server…"):
-            infra_up = await bring_up(
-                [tansu_component(infra), temporal_component(infra, paths)], paths, INFRA_TIMEOUT_S
-            )
+        with console.status("starting the broker, the Temporal dev server and the MLflow server…"):
+            infra_up = await bring_up(infra_components(infra, paths), paths, INFRA_TIMEOUT_S)
             await ensure_topics(infra.kafka_bootstrap)
         components = [service_component(s, table, secrets, paths, infra) for s in specs]
         with console.status(f"starting {len(components)} services and waiting for their health checks…"):
@@ -347,7 +375,7 @@ async def run_main(ctx: mainjob.MainJobContext, console: Console) -> int:
 
 
 def _markers(specs: Sequence[ServiceSpec]) -> dict[str, str | None]:
-    markers: dict[str, str | None] = {"tansu": "tansu", "temporal": "start-dev"}
+    markers: dict[str, str | None] = {"tansu": "tansu", "temporal": "start-dev", "mlflow": MLFLOW_MARKER}
     markers.update({s.name: s.module for s in specs})
     return markers
 
@@ -381,7 +409,7 @@ def down(paths: Paths, console: Console, table: Sequence[ServiceSpec] = platform
 
 async def status(paths: Paths, specs: Sequence[ServiceSpec], console: Console, infra: Infra = INFRA) -> int:
     """Print each component's pid, liveness and health; 0 when every one is healthy."""
-    components = [tansu_component(infra), temporal_component(infra, paths)]
+    components = infra_components(infra, paths)
     components += [
         Component(s.name, [], s.module, _bound_health(s), urls=(s.grpc_target, s.http_url))
         for s in platform.local_table(specs)

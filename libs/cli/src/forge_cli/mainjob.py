@@ -67,6 +67,8 @@ class MainJobContext:
     temporal_target: str
     temporal_namespace: str
     object_store_url: str
+    mlflow_url: str = ""
+    """The MLflow tracking server (and UI) every training run is recorded in."""
     results: dict[str, Mapping[str, Any]] = field(default_factory=dict)
     """Results of the steps that already ran, by step name."""
 

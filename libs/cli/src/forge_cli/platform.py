@@ -16,6 +16,7 @@ How a row becomes environment variables (``<NAME>`` is the caller, ``<T>`` the c
 - ``grpc("t")``: ``<T>_TARGET=127.0.0.1:<t's gRPC port>`` and ``<T>_TOKEN=<t's token>``;
 - ``http("t")``: ``<T>_URL=http://127.0.0.1:<t's HTTP port>`` and ``<T>_TOKEN=<t's token>``;
 - ``temporal=True``: ``TEMPORAL_TARGET=127.0.0.1:7233``;
+- ``tracking=True``: ``MLFLOW_URI=http://127.0.0.1:8060`` (the MLflow tracking server);
 - ``extra``: literal ``KEY: value`` pairs; ``{root}`` in a value becomes the repository root;
 - ``local``: like ``extra`` but only for ``forge up`` on this machine (not compose or Kubernetes);
   ``{instance}`` in a value becomes the copy's number;
@@ -66,6 +67,8 @@ class ServiceSpec:
     http_port: int
     calls: tuple[Call, ...] = ()
     temporal: bool = False
+    tracking: bool = False
+    """The service records experiments in the platform's MLflow server (``MLFLOW_URI``)."""
     extra: Mapping[str, str] = field(default_factory=dict)
     local: Mapping[str, str] = field(default_factory=dict)
     instances: int = 1
@@ -150,18 +153,24 @@ SERVICES: tuple[ServiceSpec, ...] = (
             grpc("retriever"),
         ),
         temporal=True,
+        tracking=True,
     ),
 )
 
 
 @dataclass(frozen=True)
 class Infra:
-    """Where the local broker and Temporal dev server listen."""
+    """Where the local broker, the Temporal dev server and the MLflow tracking server listen."""
 
     kafka_port: int = 19092
     temporal_port: int = 7233
     temporal_ui_port: int = 8233
     temporal_namespace: str = "default"
+    mlflow_port: int = 8060
+
+    @property
+    def mlflow_uri(self) -> str:
+        return f"http://{HOST}:{self.mlflow_port}"
 
     @property
     def kafka_bootstrap(self) -> str:
@@ -177,7 +186,8 @@ class Infra:
 
     @classmethod
     def from_env(cls) -> Infra:
-        """Defaults, or ``FORGE_LOCAL_KAFKA_PORT`` / ``_TEMPORAL_PORT`` / ``_TEMPORAL_UI_PORT`` when set.
+        """Defaults, or ``FORGE_LOCAL_KAFKA_PORT`` / ``_TEMPORAL_PORT`` / ``_TEMPORAL_UI_PORT`` /
+        ``_MLFLOW_PORT`` when set.
 
         Only for running a second platform beside the usual one (tests); services still read the
         broker and Temporal addresses from the environment ``service_env`` builds.
@@ -187,6 +197,7 @@ class Infra:
             kafka_port=int(env.get("FORGE_LOCAL_KAFKA_PORT", cls.kafka_port)),
             temporal_port=int(env.get("FORGE_LOCAL_TEMPORAL_PORT", cls.temporal_port)),
             temporal_ui_port=int(env.get("FORGE_LOCAL_TEMPORAL_UI_PORT", cls.temporal_ui_port)),
+            mlflow_port=int(env.get("FORGE_LOCAL_MLFLOW_PORT", cls.mlflow_port)),
         )
 
 
@@ -229,6 +240,8 @@ def declared_keys(spec: ServiceSpec) -> list[str]:
         keys += [f"{stem}_TARGET" if call.kind == "grpc" else f"{stem}_URL", f"{stem}_TOKEN"]
     if spec.temporal:
         keys.append("TEMPORAL_TARGET")
+    if spec.tracking:
+        keys.append("MLFLOW_URI")
     keys += [k.upper() for k in (*spec.extra, *spec.local)]
     return keys
 
@@ -274,6 +287,8 @@ def service_env(
         values[f"{stem}_TOKEN"] = tokens[call.target]
     if spec.temporal:
         values["TEMPORAL_TARGET"] = infra.temporal_target
+    if spec.tracking:
+        values["MLFLOW_URI"] = infra.mlflow_uri
     for key, value in {**spec.extra, **spec.local}.items():
         values[key.upper()] = value.replace("{root}", str(root)).replace("{instance}", str(spec.instance))
     return {f"{spec.prefix}{key}": value for key, value in values.items()}

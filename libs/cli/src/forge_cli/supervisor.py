@@ -64,6 +64,11 @@ class Paths:
     def temporal_db(self) -> Path:
         return self.var / "temporal" / "dev.db"
 
+    @property
+    def mlflow_dir(self) -> Path:
+        """The MLflow server's SQLite store (``mlflow.db``) and artifacts (``artifacts/``)."""
+        return self.var / "mlflow"
+
     def pid_file(self, name: str) -> Path:
         return self.run_dir / f"{name}.pid"
 

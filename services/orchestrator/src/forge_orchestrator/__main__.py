@@ -10,9 +10,11 @@ from forge.events.v1 import events_pb2
 from forge.orchestrator.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
 from forge_kit.app import ServiceApp
+from forge_kit.db import Database
 from forge_kit.eventlog import CatchUp, CatchUpSource
 from forge_kit.events import TOPICS
 from forge_kit.http import make_app
+from forge_kit.objectstore import ObjectStore
 from forge_orchestrator.activities import SchedulerActivities
 from forge_orchestrator.api import OrchestratorApi
 from forge_orchestrator.config import OrchestratorSettings
@@ -30,6 +32,50 @@ from forge_orchestrator.service import (
     build_worker,
     connect_temporal,
 )
+
+
+def add_tracking(app: ServiceApp, db: Database, settings: OrchestratorSettings) -> None:
+    """The consumer that records training runs in MLflow (its own group, so it neither delays
+    nor is delayed by the workflows' consumer)."""
+    from forge_orchestrator.tracking import Tracker
+    from forge_orchestrator.tracking_consumer import RunRecorder, SchedulerJobs, git_commit
+
+    jobs = SchedulerJobs(settings.scheduler_target, settings.scheduler_token.get_secret_value())
+    recorder = RunRecorder(
+        Tracker(settings.mlflow_uri, ui_url=settings.mlflow_ui_uri),
+        jobs,
+        objects=ObjectStore(settings.object_store_url),
+        code_version=settings.code_version or git_commit(),
+    )
+    names = (
+        events_pb2.JobStateChanged,
+        events_pb2.TrainingMetrics,
+        events_pb2.CheckpointPublished,
+        events_pb2.EvalCompleted,
+    )
+    # The kit's consumer: broker credentials, signature checks and dedupe come with it.
+    consumer = app.event_consumer(
+        group_id=settings.tracking_consumer_group,
+        topics=[TOPICS[m.DESCRIPTOR.full_name] for m in names],
+        handler=recorder.handle,
+        session_timeout_ms=settings.consumer_session_timeout_ms,
+    )
+    app.add_on_stop(jobs.close)
+    # Job states the broker lost come from the scheduler's outbox, so runs are made and closed
+    # anyway (metrics come only from the broker: the trainer agents are not reachable from here).
+    job_states = [TOPICS[events_pb2.JobStateChanged.DESCRIPTOR.full_name]]
+    scheduler = CatchUpSource(
+        "scheduler", settings.scheduler_target, settings.scheduler_token.get_secret_value()
+    )
+    catch_up = CatchUp(
+        consumer,
+        db,
+        group_id=settings.tracking_consumer_group,
+        topics=job_states,
+        sources=[scheduler],
+        interval_s=settings.catch_up_interval_s,
+    )
+    app.add_background(catch_up.run)
 
 
 async def main() -> None:
@@ -96,6 +142,8 @@ async def main() -> None:
             interval_s=settings.catch_up_interval_s,
         )
         app.add_background(catch_up.run)
+        if settings.mlflow_uri:
+            add_tracking(app, db, settings)
 
     async def temporal_ready() -> bool:
         return await client.service_client.check_health(timeout=timedelta(seconds=2))

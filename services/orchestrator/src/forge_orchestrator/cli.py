@@ -122,15 +122,38 @@ def get(
     run_id: Annotated[str, typer.Option("--run-id", help="Run id; the latest run when empty.")] = "",
     target: TargetOption = "127.0.0.1:50059",
     token: TokenOption = "",
+    mlflow_uri: Annotated[
+        str, typer.Option("--mlflow-uri", envvar="FORGE_CLI_MLFLOW_URI", help="MLflow tracking server URL.")
+    ] = "http://127.0.0.1:8060",
     as_json: JsonOption = False,
 ) -> None:
-    """Show a workflow's status, result, error or progress."""
+    """Show a workflow's status, result, error or progress, and the MLflow pages of its runs."""
 
     async def go() -> dict[str, Any]:
         async with OrchestratorClient(target, resolve_token(token)) as client:
             return response_to_dict(await client.get(workflow_id, run_id))
 
-    clitools.show_record(clitools.run_rpc(go()), as_json)
+    record = clitools.run_rpc(go())
+    links = mlflow_links(mlflow_uri, workflow_id)
+    if links:
+        record["mlflow"] = links[0] if len(links) == 1 else links
+    clitools.show_record(record, as_json)
+
+
+app.command("show", help="Same as `get`.")(get)
+
+
+def mlflow_links(uri: str, workflow_id: str) -> list[str]:
+    """The MLflow pages of the runs a workflow's jobs made; none when MLflow is not reachable."""
+    from forge_orchestrator.runs_cli import tracker_for
+    from forge_orchestrator.tracking import RunFilter
+
+    try:
+        runs = tracker_for(uri).find_runs(RunFilter(workflow_id=workflow_id), max_results=20)
+    except Exception as exc:  # noqa: BLE001 - the workflow is shown either way
+        console.print(f"[yellow]MLflow at {uri} not consulted[/]: {str(exc)[:200]}", highlight=False)
+        return []
+    return [run.url for run in runs]
 
 
 @app.command()

@@ -69,6 +69,20 @@ class OrchestratorSettings(ServiceSettings):
     ``tinyshakespeare_ppl``) keeps ``forge up``'s eval step around a minute on 2 CPU cores;
     ``full`` scores up to ``release_limit`` examples, for deployments with the compute for it."""
 
+    mlflow_uri: str = ""
+    """URL of the MLflow tracking server (``forge up`` runs one); empty: training runs are not
+    tracked and the tracking consumer does not start."""
+
+    mlflow_ui_uri: str = ""
+    """Base URL of the MLflow UI in the run links this service hands out; empty: ``mlflow_uri``."""
+
+    tracking_consumer_group: str = "orchestrator-tracking"
+    """Kafka consumer group of the consumer that records training runs in MLflow."""
+
+    code_version: str = ""
+    """Code version logged with every tracked run; empty: the git commit of the checkout this
+    process runs from, when it runs from one."""
+
     consumer_session_timeout_ms: int = Field(default=10_000, ge=1_000)
     """Kafka group session timeout: how long a dead consumer holds its partitions (and how long
     every group join waits on the local broker)."""

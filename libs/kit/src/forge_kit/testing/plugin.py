@@ -1,8 +1,8 @@
 """pytest fixtures for Forge tests (registered through the ``pytest11`` entry point).
 
 Integration fixtures start real servers once per session: ``kafka_broker`` (Tansu),
-``temporal_server`` (Temporal dev server); ``postgres_url`` makes a fresh database on the
-PostgreSQL at ``FORGE_TEST_POSTGRES`` (default 127.0.0.1:5432) and drops it afterwards;
+``temporal_server`` (Temporal dev server), ``mlflow_server`` (an MLflow tracking server);
+``postgres_url`` makes a fresh database on the PostgreSQL at ``FORGE_TEST_POSTGRES`` (default 127.0.0.1:5432) and drops it afterwards;
 ``redis_url`` points at the Redis at ``FORGE_TEST_REDIS_URL`` (default redis://127.0.0.1:6379/0).
 It also registers the ``integration`` marker (tests that start real servers).
 """
@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from forge_kit.testing.processes import TansuBroker, TemporalDevServer, free_port
+from forge_kit.testing.processes import MlflowServer, TansuBroker, TemporalDevServer, free_port
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -49,6 +49,15 @@ def kafka_broker() -> Iterator[TansuBroker]:
     broker = TansuBroker().start()
     yield broker
     broker.stop()
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowServer]:
+    """A real MLflow tracking server (SQLite backend, artifacts in a temporary folder) for the session."""
+    root = tmp_path_factory.mktemp("mlflow")
+    server = MlflowServer(root, log_path=str(root / "mlflow.log")).start()
+    yield server
+    server.stop()
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""Real servers as subprocesses: the Tansu broker, the Temporal dev server, Forge services.
+"""Real servers as subprocesses: the Tansu broker, the Temporal dev server, MLflow, Forge services.
 
 Used by the pytest fixtures in :mod:`forge_kit.testing.plugin` and by ``forge up``; nothing here
 is a fake — each class starts the real binary and waits until it answers.
@@ -148,6 +148,73 @@ class TansuBroker(_Process):
         )
         assert self.proc is not None
         wait_for_port(self.port, timeout_s, self.proc)
+        return self
+
+
+def mlflow_server_argv(
+    port: int,
+    backend_store_uri: str,
+    artifacts_destination: str,
+    *,
+    host: str = "127.0.0.1",
+    workers: int = 1,
+) -> list[str]:
+    """The command of an MLflow tracking server that serves its own artifacts (clients upload
+    through it, so they need no access to the artifact store): ``forge up`` and tests run this."""
+    return [
+        _bin("mlflow"),
+        "server",
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--workers",
+        str(workers),
+        "--backend-store-uri",
+        backend_store_uri,
+        "--serve-artifacts",
+        "--artifacts-destination",
+        artifacts_destination,
+    ]
+
+
+def mlflow_healthy(url: str, timeout_s: float = 2.0) -> bool:
+    """Whether the MLflow server at ``url`` answers ``/health`` with 200."""
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=timeout_s) as reply:
+            return bool(reply.status == 200)
+    except OSError:
+        return False
+
+
+class MlflowServer(_Process):
+    """A real MLflow tracking server: SQLite backend and artifacts under ``root``."""
+
+    def __init__(self, root: str | Path, port: int | None = None, log_path: str | None = None) -> None:
+        super().__init__(log_path)
+        self.root = Path(root)
+        self.port = port or free_port()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 120.0) -> MlflowServer:
+        self.root.mkdir(parents=True, exist_ok=True)
+        argv = mlflow_server_argv(
+            self.port, f"sqlite:///{self.root / 'mlflow.db'}", str(self.root / "artifacts")
+        )
+        self._spawn(argv, cwd=str(self.root))
+        deadline = time.monotonic() + timeout_s
+        while not mlflow_healthy(self.url):
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"mlflow server exited with {self.proc.returncode} (log: {self._log_path})"
+                )
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError(f"mlflow server not healthy within {timeout_s}s (log: {self._log_path})")
+            time.sleep(0.5)
         return self
 
 
