@@ -1,7 +1,7 @@
 # Forge — the two commands most people need: `make up` and `make test`.
 #
 #   make install   .venv with every package (libs/*, services/*) editable, dev tools, buf
-#   make data      fetch every dataset into FORGE_DATA_DIR (default var/data), checksums pinned;
+#   make data      fetch every dataset into FORGE_DATA_DIR (default var/datasets), checksums pinned;
 #                  from the mirror folder DATA_MIRROR when there is one (../shared/data here)
 #   make up        start the local platform and run its main job (`forge up`)
 #   make down      stop everything `make up` started

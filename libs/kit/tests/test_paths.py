@@ -1,4 +1,4 @@
-"""The data folder: FORGE_DATA_DIR, else var/data in the checkout; relative settings inside it."""
+"""The data folder: FORGE_DATA_DIR, else var/datasets in the checkout; relative settings inside it."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def test_the_data_folder_is_the_setting_else_var_data_of_the_checkout(
     assert data_path("benchmarks", "gsm8k") == tmp_path / "d" / "benchmarks" / "gsm8k"
     monkeypatch.delenv("FORGE_DATA_DIR")
     monkeypatch.chdir(tmp_path)  # outside any checkout: this package's checkout
-    assert data_dir() == REPO / "var" / "data"
+    assert data_dir() == REPO / "var" / "datasets"
 
 
 def test_relative_settings_resolve_inside_the_data_folder_absolute_ones_as_they_are(

@@ -7,7 +7,7 @@ from a mirror folder that holds the same layout; either way a file lands only af
 matched, written to a temporary name and renamed into place, so a failed or tampered transfer
 leaves nothing half-written. Files already present with the pinned checksum are kept.
 
-The data folder is ``$FORGE_DATA_DIR`` when set, else ``var/data`` in the checkout.
+The data folder is ``$FORGE_DATA_DIR`` when set, else ``var/datasets`` in the checkout (apart from the services' own state in ``var/data``).
 """
 
 from __future__ import annotations

@@ -19,13 +19,13 @@ def find_repo_root(start: Path) -> Path | None:
 
 def data_dir() -> Path:
     """The data folder (``forge data fetch`` fills it): ``$FORGE_DATA_DIR`` when set, else
-    ``var/data`` in the checkout of the working directory, else of this package, else under the
-    working directory."""
+    ``var/datasets`` in the checkout of the working directory, else of this package, else under
+    the working directory. (Services keep their own state apart, in ``var/data``.)"""
     setting = os.environ.get(DATA_DIR_ENV, "").strip()
     if setting:
         return Path(setting).expanduser().resolve()
     root = find_repo_root(Path.cwd()) or find_repo_root(Path(__file__).resolve().parent) or Path.cwd()
-    return (root / "var" / "data").resolve()
+    return (root / "var" / "datasets").resolve()
 
 
 def data_path(*parts: str) -> Path:

@@ -118,8 +118,8 @@ class SandboxLaunch:
 
 def dataset_folders() -> list[Path]:
     """The data folder's dataset folders (``corpora``, ``beir``…, from the catalog in
-    :mod:`forge_kit.datasets`), which jobs read; not the data folder itself, which may also hold
-    services' state (``var/data/<service>`` in a checkout)."""
+    :mod:`forge_kit.datasets`), which jobs read; not the data folder itself, which may be set to a
+    folder that also holds other things."""
     root = data_dir()
     tops = {PurePosixPath(d.folder).parts[0] for d in datasets.catalog().values()}
     return [root / top for top in sorted(tops)]
