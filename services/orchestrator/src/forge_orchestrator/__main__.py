@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib
 from datetime import timedelta
 from pathlib import Path
 
@@ -30,6 +31,8 @@ from forge_orchestrator.service import (
     build_worker,
     connect_temporal,
 )
+from forge_orchestrator.sweep.activities import SweepActivities
+from forge_orchestrator.sweep.router import MetricsRouter, TemporalSweepSignaller
 
 
 async def main() -> None:
@@ -44,7 +47,15 @@ async def main() -> None:
     )
     activities = SchedulerActivities(settings.scheduler_target, settings.scheduler_token.get_secret_value())
     eval_activities = EvalActivities(settings.eval_target, settings.eval_token.get_secret_value())
-    app.add_background(build_worker(client, settings.task_queue, activities, eval_activities).run)
+    tracker = (
+        importlib.import_module("forge_orchestrator.tracking").Tracker(settings.tracking_uri)
+        if settings.tracking_uri
+        else None
+    )
+    sweeps = SweepActivities(db.url, tracker)
+    app.add_background(
+        build_worker(client, settings.task_queue, activities, eval_activities, sweep_activities=sweeps).run
+    )
     app.add_on_stop(activities.close)
     app.add_on_stop(eval_activities.close)
     kinds = dict(KINDS)
@@ -71,12 +82,14 @@ async def main() -> None:
                 tier=settings.release_tier,
                 signaller=signaller,
             ),
+            metrics=MetricsRouter(TemporalSweepSignaller(client)),
         )
         consumer = app.event_consumer(
             group_id=settings.consumer_group,
             topics=[
                 TOPICS[events_pb2.JobStateChanged.DESCRIPTOR.full_name],
                 TOPICS[events_pb2.CheckpointPublished.DESCRIPTOR.full_name],
+                TOPICS[events_pb2.TrainingMetrics.DESCRIPTOR.full_name],
             ],
             handler=routers.handle,
             session_timeout_ms=settings.consumer_session_timeout_ms,

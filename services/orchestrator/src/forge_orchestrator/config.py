@@ -73,6 +73,9 @@ class OrchestratorSettings(ServiceSettings):
     """Kafka group session timeout: how long a dead consumer holds its partitions (and how long
     every group join waits on the local broker)."""
 
+    tracking_uri: str = ""
+    """MLflow tracking URI sweeps record their runs at (empty: no tracking)."""
+
     scheduler_target: str = "127.0.0.1:50051"
     """host:port of the scheduler's gRPC server (activities submit and cancel jobs there)."""
 
