@@ -142,6 +142,8 @@ class SweepResult:
     ignored_metrics: int = 0
     budget_exhausted: str = ""
     parent_run_id: str = ""
+    summary: dict[str, Any] = field(default_factory=dict)
+    """What the progress query answers, less the trials (the report reads both)."""
 
 
 def _command(python: str, recipe: str, overrides: dict[str, Any]) -> list[str]:
@@ -355,6 +357,7 @@ class SweepWorkflow:
             ignored_metrics=self._ignored,
             budget_exhausted=self._exhausted,
             parent_run_id=self._parent_run,
+            summary={k: v for k, v in self._summary().items() if k != "trials"},
         )
 
     def _plan_size(self, space: sweepspace.Space) -> int:

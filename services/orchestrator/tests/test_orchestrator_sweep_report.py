@@ -1,0 +1,100 @@
+"""The sweep report from a sweep's state, and the CLI refusing a bad space before any call."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+from typer.testing import CliRunner
+
+from forge_orchestrator.sweep.cli import app, sweep_state
+from forge_orchestrator.sweep.report import (
+    configurations,
+    factor_effects,
+    paired_against_baseline,
+    write_report,
+)
+
+
+def ablation_state() -> dict[str, Any]:
+    """lr in {1e-3, 3e-3} x width in {64, 128} x seeds {1, 2, 3}: lr 3e-3 is better by exactly
+    0.1 on every seed, width only adds seed noise."""
+    rng = random.Random(0)
+    trials = []
+    seed_offset = {1: 0.0, 2: 0.05, 3: -0.03}
+    index = 0
+    for lr in (1e-3, 3e-3):
+        for width in (64, 128):
+            for seed in (1, 2, 3):
+                final = (
+                    2.0
+                    - (0.1 if lr == 3e-3 else 0.0)
+                    + seed_offset[seed]
+                    + rng.uniform(-1e-3, 1e-3) * (width == 128)
+                )
+                trials.append(
+                    {
+                        "index": index,
+                        "params": {"optim.lr": lr, "model.hidden_size": width},
+                        "seed": seed,
+                        "state": "completed",
+                        "final": final,
+                        "values": [[9.0, final + 1], [27.0, final + 0.3], [81.0, final]],
+                    }
+                )
+                index += 1
+    trials.append({"index": index, "params": {"optim.lr": 1e-2, "model.hidden_size": 64}, "seed": 1,
+                   "state": "stopped", "final": None, "stopped_at": 9, "values": [[9.0, 4.0]]})  # fmt: skip
+    return {
+        "name": "abl",
+        "metric": "val_loss",
+        "mode": "min",
+        "rungs": [9, 27],
+        "baseline": {"optim.lr": 1e-3, "model.hidden_size": 64},
+        "trials_by_state": {"completed": 12, "stopped": 1},
+        "best_trial": 3,
+        "best_metric": 1.87,
+        "trials": trials,
+    }
+
+
+def test_configurations_paired_differences_and_factor_importance() -> None:
+    state = ablation_state()
+    rows = configurations(state)
+    assert rows[0]["params"]["optim.lr"] == 3e-3 and rows[0]["completed"] == 3
+    assert all(r["ci_low"] <= r["mean"] <= r["ci_high"] for r in rows if r["completed"])
+    paired = {r["config"]: r for r in paired_against_baseline(state)}
+    better = paired["model.hidden_size=64, optim.lr=0.003"]
+    assert better["pairs"] == 3 and abs(better["delta"] + 0.1) < 1e-9
+    assert abs(better["ci_low"] + 0.1) < 1e-9 and abs(better["ci_high"] + 0.1) < 1e-9
+    same = paired["model.hidden_size=128, optim.lr=0.001"]
+    assert abs(same["delta"]) < 2e-3
+    effects = {e["factor"]: e for e in factor_effects(state)}
+    assert effects["optim.lr"]["eta_squared"] > 0.5 > effects["model.hidden_size"]["eta_squared"]
+
+
+def test_write_report_makes_markdown_and_pngs(tmp_path: Path) -> None:
+    path = write_report(ablation_state(), tmp_path / "r")
+    text = path.read_text()
+    assert "paired on seed" in text and "| optim.lr |" in text and "curves.png" in text
+    for name in ("curves.png", "effects.png"):
+        assert (tmp_path / "r" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_state_from_a_finished_sweep_result() -> None:
+    view = {"workflow_type": "sweep", "status": "COMPLETED",
+            "result": {"summary": {"name": "x", "best_trial": 1}, "trials": [{"index": 1}]}}  # fmt: skip
+    assert sweep_state(view) == {"name": "x", "best_trial": 1, "trials": [{"index": 1}], "step": "done"}
+
+
+def test_cli_refuses_a_bad_space_naming_the_field_before_calling(tmp_path: Path) -> None:
+    space = tmp_path / "bad.yaml"
+    space.write_text(
+        "name: s\nrecipe: smoke\nmetric: {name: val_loss}\nparameters:\n"
+        "  optim.lr: {type: uniform, low: 0.01, high: 0.001}\nbudget: {trials: 2, gpu_hours: 1, max_steps: 9}\n"
+        "team: t\nsampler: random\n"
+    )
+    result = CliRunner().invoke(app, ["start", str(space), "--target", "127.0.0.1:1"])
+    assert result.exit_code != 0
+    assert "parameters.optim.lr.high" in result.output and "empty range" in result.output
