@@ -1,4 +1,5 @@
-"""The sweep report from a sweep's state, and the CLI refusing a bad space before any call."""
+"""The sweep report from a sweep's state, the CLI refusing a bad space before any call, and the
+TrainingMetrics router sending a sweep only its followed metric."""
 
 from __future__ import annotations
 
@@ -6,8 +7,11 @@ import random
 from pathlib import Path
 from typing import Any
 
+from forge.events.v1 import events_pb2
 from typer.testing import CliRunner
 
+from forge_kit.db import Database
+from forge_orchestrator.store import JobEventRow, utcnow
 from forge_orchestrator.sweep.cli import app, sweep_state
 from forge_orchestrator.sweep.report import (
     configurations,
@@ -15,6 +19,8 @@ from forge_orchestrator.sweep.report import (
     paired_against_baseline,
     write_report,
 )
+from forge_orchestrator.sweep.router import MetricsRouter
+from forge_orchestrator.sweep.workflow import TrialMetric
 
 
 def ablation_state() -> dict[str, Any]:
@@ -98,3 +104,49 @@ def test_cli_refuses_a_bad_space_naming_the_field_before_calling(tmp_path: Path)
     result = CliRunner().invoke(app, ["start", str(space), "--target", "127.0.0.1:1"])
     assert result.exit_code != 0
     assert "parameters.optim.lr.high" in result.output and "empty range" in result.output
+
+
+class FakeSweepSignaller:
+    """Stands in for Temporal: which workflow follows which metric, and what was signalled."""
+
+    def __init__(self, followed: dict[str, str]) -> None:
+        self.followed = followed
+        self.described: list[str] = []
+        self.sent: list[tuple[str, TrialMetric]] = []
+
+    async def followed_metric(self, workflow_id: str) -> str:
+        self.described.append(workflow_id)
+        return self.followed.get(workflow_id, "")
+
+    async def trial_metric(self, workflow_id: str, metric: TrialMetric) -> bool:
+        self.sent.append((workflow_id, metric))
+        return True
+
+
+async def test_metrics_router_signals_only_a_sweeps_followed_metric(db: Database) -> None:
+    signaller = FakeSweepSignaller({"sweep-1": "val_loss"})
+    router = MetricsRouter(signaller)
+    async with db.session() as session:
+        for job, workflow in (("j1", "sweep-1"), ("j2", "training-1")):
+            session.add(
+                JobEventRow(
+                    event_id=f"e-{job}",
+                    job_id=job,
+                    workflow_id=workflow,
+                    state="RUNNING",
+                    received_at=utcnow(),
+                )
+            )
+        await session.flush()
+
+        def metrics(job: str, step: int, **values: float) -> events_pb2.TrainingMetrics:
+            event = events_pb2.TrainingMetrics(job_id=job, step=step, values=values)
+            event.meta.event_id = f"{job}-{step}"
+            return event
+
+        await router.handle(metrics("j1", 10, loss=3.0), session)  # no val_loss at this step
+        await router.handle(metrics("j1", 9, loss=3.0, val_loss=2.5), session)
+        await router.handle(metrics("j2", 9, val_loss=2.0), session)  # a training workflow's job
+        await router.handle(metrics("j-unknown", 9, val_loss=1.0), session)  # no workflow started it
+    assert signaller.sent == [("sweep-1", TrialMetric("j1", 9, 2.5, "j1-9"))]
+    assert sorted(signaller.described) == ["sweep-1", "training-1"]  # once each, then remembered
