@@ -21,7 +21,7 @@ import pytest
 from temporalio import activity
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client, WorkflowHandle
-from temporalio.worker import Worker
+from temporalio.worker import Replayer, Worker
 
 from forge_kit import errors
 from forge_kit.testing import TemporalDevServer
@@ -257,6 +257,9 @@ async def test_sweep_survives_worker_restart_failures_and_silent_trials(
         and e.activity_task_scheduled_event_attributes.activity_type.name == "submit_job"
     ]
     assert len(submits) == 4
+    # The recorded history replays deterministically against the workflow code.
+    replayed = await Replayer(workflows=[SweepWorkflow]).replay_workflow(history)
+    assert replayed.replay_failure is None
 
 
 def test_bad_sweeps_are_refused_naming_the_field() -> None:
