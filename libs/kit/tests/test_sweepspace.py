@@ -18,6 +18,7 @@ parameters:
   model.hidden_size: {type: categorical, values: [64, 128]}
 seeds: [1, 2]
 baseline: {optim.lr: 0.01, optim.warmup_steps: 10, model.hidden_size: 64}
+gpu_type: SIM
 budget: {trials: 36, gpu_hours: 2, max_steps: 81}
 early_stopping: {rule: asha, min_steps: 3, eta: 3}
 """

@@ -46,6 +46,7 @@ metric: {name: val_loss, mode: min}
 sampler: grid
 parameters:
   optim.lr: {type: categorical, values: [0.001, 0.002, 0.003, 0.004]}
+gpu_type: SIM
 budget: {trials: 4, gpu_hours: 10, max_steps: 9}
 concurrency: 4
 team: research
@@ -186,7 +187,7 @@ async def test_asha_stops_trials_preemption_resumes_and_forged_metrics_are_ignor
     assert [t.stopped_at for t in result.trials] == [None, 3, 1, 1]
     assert result.ignored_metrics == 2
     assert sorted(scheduler.cancelled) == ["job-1", "job-2", "job-3"]
-    study = optuna.load_study(study_name=sweep_id, storage=f"sqlite:///{tmp_path / 'orchestrator.db'}")
+    study = optuna.load_study(study_name=sweep_id, storage=f"sqlite:///{tmp_path / 'optuna.db'}")
     assert sorted(t.state.name for t in study.trials) == ["COMPLETE", "PRUNED", "PRUNED", "PRUNED"]
     assert study.best_trial.params == {"optim.lr": 0.001}
     assert tracker.runs["job-1"] == {

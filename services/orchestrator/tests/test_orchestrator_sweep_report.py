@@ -98,7 +98,7 @@ def test_cli_refuses_a_bad_space_naming_the_field_before_calling(tmp_path: Path)
     space = tmp_path / "bad.yaml"
     space.write_text(
         "name: s\nrecipe: smoke\nmetric: {name: val_loss}\nparameters:\n"
-        "  optim.lr: {type: uniform, low: 0.01, high: 0.001}\nbudget: {trials: 2, gpu_hours: 1, max_steps: 9}\n"
+        "  optim.lr: {type: uniform, low: 0.01, high: 0.001}\ngpu_type: SIM\nbudget: {trials: 2, gpu_hours: 1, max_steps: 9}\n"
         "team: t\nsampler: random\n"
     )
     result = CliRunner().invoke(app, ["start", str(space), "--target", "127.0.0.1:1"])

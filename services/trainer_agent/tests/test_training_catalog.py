@@ -37,6 +37,7 @@ parameters:
   optim.lr: {type: loguniform, low: 1.0e-3, high: 1.0e-2, grid_points: 2}
   model.num_layers: {type: int, low: 1, high: 2}
 seeds: [1, 2]
+gpu_type: SIM
 budget: {trials: 8, gpu_hours: 1, max_steps: 27}
 early_stopping: {rule: asha, min_steps: 3, eta: 3}
 """
@@ -47,6 +48,6 @@ early_stopping: {rule: asha, min_steps: 3, eta: 3}
         assert config.seed == 2 and config.max_steps == 27 and config.eval_interval == 3
     with pytest.raises(errors.ValidationError) as caught:
         sweepspace.parse(
-            "name: s\nrecipe: smoke\nmetric: {name: pairwise_accuracy}\nparameters: {}\nbudget: {}"
+            "name: s\nrecipe: smoke\nmetric: {name: pairwise_accuracy}\nparameters: {}\ngpu_type: SIM\nbudget: {}"
         )
     assert caught.value.field == "metric.name"

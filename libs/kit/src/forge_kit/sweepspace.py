@@ -19,7 +19,8 @@ A space file (see ``load/sweep/space.yaml``)::
     concurrency: 4
     team: research
     priority_class: preemptible
-    gpus_per_trial: 0
+    gpus_per_trial: 1                    # devices per trial (a training job asks for at least 1)
+    gpu_type: H100                       # device type of the trials (SIM on forge up's agents)
     early_stopping: {rule: asha, min_steps: 9, eta: 3}   # or {rule: median, min_steps, min_trials}
                                                          # or {rule: none}
 
@@ -72,6 +73,7 @@ _TOP = frozenset(
         "team",
         "priority_class",
         "gpus_per_trial",
+        "gpu_type",
         "early_stopping",
         "trial_timeout_s",
         "metrics_timeout_s",
@@ -146,7 +148,8 @@ class Space:
     concurrency: int = 4
     team: str = ""
     priority_class: str = "preemptible"
-    gpus_per_trial: int = 0
+    gpus_per_trial: int = 1
+    gpu_type: str = ""
     early_stopping: EarlyStopping = field(default_factory=EarlyStopping)
     trial_timeout_s: float = 6 * 3600.0
     metrics_timeout_s: float = 1800.0
@@ -408,15 +411,18 @@ def from_dict(data: Mapping[str, Any]) -> Space:
         concurrency=_field(data, "concurrency", "", int, 4),
         team=team,
         priority_class=priority,
-        gpus_per_trial=_field(data, "gpus_per_trial", "", int, 0),
+        gpus_per_trial=_field(data, "gpus_per_trial", "", int, 1),
+        gpu_type=_field(data, "gpu_type", "", str, ...),
         early_stopping=early,
         trial_timeout_s=_number(data, "trial_timeout_s", "", 6 * 3600.0),
         metrics_timeout_s=_number(data, "metrics_timeout_s", "", 1800.0),
     )
     if not 1 <= space.concurrency <= 256:
         raise ValidationError("concurrency", "must be between 1 and 256")
-    if not 0 <= space.gpus_per_trial <= 64:
-        raise ValidationError("gpus_per_trial", "must be between 0 and 64")
+    if not 1 <= space.gpus_per_trial <= 64:
+        raise ValidationError("gpus_per_trial", "must be between 1 and 64 (a training job asks for a device)")
+    if not _NAME.match(space.gpu_type):
+        raise ValidationError("gpu_type", "must be a device type name (letters, digits, '.', '_', '-')")
     if not 1 <= space.trial_timeout_s <= 30 * 86400:
         raise ValidationError("trial_timeout_s", "must be between 1 and 2592000")
     if not 1 <= space.metrics_timeout_s <= 86400:
@@ -463,6 +469,7 @@ def to_dict(space: Space) -> dict[str, Any]:
         "team": space.team,
         "priority_class": space.priority_class,
         "gpus_per_trial": space.gpus_per_trial,
+        "gpu_type": space.gpu_type,
         "early_stopping": {
             "rule": es.rule,
             "min_steps": es.min_steps,

@@ -1,9 +1,11 @@
 """Activities of the sweep workflow: the Optuna study and experiment tracking.
 
-The study lives in the orchestrator's database through Optuna's ``RDBStorage`` (its own tables
-beside the orchestrator's: the SQLite file locally, PostgreSQL in compose), one study per sweep
-named after the sweep's workflow id, so suggestions survive a restart of the orchestrator and
-TPE sees every finished trial. Every call is idempotent: a trial is found again by its
+The study lives in the orchestrator's database through Optuna's ``RDBStorage``, one study per
+sweep named after the sweep's workflow id. Optuna migrates its tables with its own Alembic
+version table, which would collide with the orchestrator's, so it gets a place of its own
+(:func:`study_storage_url`): the schema ``optuna`` of the same PostgreSQL database, or
+``optuna.db`` beside the orchestrator's SQLite file. Suggestions survive a restart of the
+orchestrator and TPE sees every finished trial. Every call is idempotent: a trial is found again by its
 ``forge_index`` user attribute, a finished trial is not told twice.
 
 Tracking goes through a :class:`Tracker` (MLflow, when a tracking URI is configured); without
@@ -15,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 from temporalio import activity
@@ -97,6 +100,20 @@ def sync_url(url: str) -> str:
     return url
 
 
+#: PostgreSQL schema of the Optuna tables.
+SCHEMA = "optuna"
+
+
+def study_storage_url(database_url: str) -> str:
+    """Where sweeps' studies live, given the orchestrator's database URL (see the module)."""
+    url = sync_url(database_url)
+    if url.startswith("sqlite:///"):
+        return "sqlite:///" + str(Path(url.removeprefix("sqlite:///")).with_name("optuna.db"))
+    if url.startswith("postgresql"):
+        return f"{url}{'&' if '?' in url else '?'}options=-csearch_path%3D{SCHEMA}"
+    return url
+
+
 def distributions(space: sweepspace.Space) -> dict[str, Any]:
     import optuna
 
@@ -114,16 +131,27 @@ def distributions(space: sweepspace.Space) -> dict[str, Any]:
 class SweepActivities:
     """Optuna study and tracking calls of sweep workflows (one instance per worker)."""
 
-    def __init__(self, storage_url: str, tracker: Tracker | None = None) -> None:
-        self._url = sync_url(storage_url)
+    def __init__(self, database_url: str, tracker: Tracker | None = None) -> None:
+        self._url = study_storage_url(database_url)
         self._tracker = tracker
         self._storage: Any = None
+
+    def _rdb(self) -> Any:
+        import optuna
+        import sqlalchemy as sa
+
+        if self._storage is None:
+            if self._url.startswith("postgresql"):
+                engine = sa.create_engine(self._url)
+                with engine.begin() as connection:
+                    connection.execute(sa.text(f"CREATE SCHEMA IF NOT EXISTS {SCHEMA}"))
+                engine.dispose()
+            self._storage = optuna.storages.RDBStorage(self._url, engine_kwargs={"pool_pre_ping": True})
+        return self._storage
 
     def _study(self, sweep_id: str, space: sweepspace.Space) -> Any:
         import optuna
 
-        if self._storage is None:
-            self._storage = optuna.storages.RDBStorage(self._url, engine_kwargs={"pool_pre_ping": True})
         sampler: Any
         if space.sampler == "tpe":
             sampler = optuna.samplers.TPESampler(seed=space.seed)
@@ -131,7 +159,7 @@ class SweepActivities:
             sampler = optuna.samplers.RandomSampler(seed=space.seed)
         return optuna.create_study(
             study_name=sweep_id,
-            storage=self._storage,
+            storage=self._rdb(),
             sampler=sampler,
             direction="minimize" if space.mode == "min" else "maximize",
             load_if_exists=True,
@@ -177,9 +205,7 @@ class SweepActivities:
     def _tell(self, params: TellInput) -> bool:
         import optuna
 
-        if self._storage is None:
-            self._storage = optuna.storages.RDBStorage(self._url, engine_kwargs={"pool_pre_ping": True})
-        study = optuna.load_study(study_name=params.sweep_id, storage=self._storage)
+        study = optuna.load_study(study_name=params.sweep_id, storage=self._rdb())
         for trial in study.get_trials(deepcopy=False):
             if trial.user_attrs.get(INDEX_ATTR) != params.index:
                 continue

@@ -432,6 +432,7 @@ class SweepWorkflow:
                 AUTO_EVAL_LABEL: "false",
             },
             gpu_count=space.gpus_per_trial,
+            gpu_type=space.gpu_type,
             checkpointable=True,
             kind="training",
             on_behalf_of=caller.on_behalf_of,
