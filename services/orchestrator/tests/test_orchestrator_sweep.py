@@ -276,3 +276,37 @@ def test_bad_sweeps_are_refused_naming_the_field() -> None:
         assert caught.value.field == field, caught.value
     with pytest.raises(errors.ValidationError, match=r"input\.space\.team"):
         validate_sweep(SweepInput(space=SPACE, team="other"))
+
+
+async def test_lost_nodes_past_the_limit_fail_a_trial_and_spent_gpu_hours_cancel_the_rest(
+    client: Client, tmp_path: Path
+) -> None:
+    """Two lost nodes with max_infra_retries=1 fail trial 0 (its job cancelled); a GPU-hour budget
+    of 2 s of one device runs out while trial 1 runs: it is cancelled and nothing new starts."""
+    space = (
+        SPACE.replace("gpu_hours: 10", "gpu_hours: 0.0006")
+        .replace("early_stopping: {rule: asha, min_steps: 1, eta: 3}", "early_stopping: {rule: none}")
+        .replace("concurrency: 4", "concurrency: 2")
+    )
+    queue = f"sweep-{uuid.uuid4().hex[:8]}"
+    scheduler = FakeScheduler()
+    storage = f"sqlite+aiosqlite:///{tmp_path / 'orchestrator.db'}"
+    async with worker_for(client, queue, scheduler, SweepActivities(storage)):
+        handle = await client.start_workflow(
+            "sweep", SweepInput(space=space, team="research", max_infra_retries=1), id=f"sweep-{uuid.uuid4().hex[:8]}",
+            task_queue=queue, result_type=SweepResult,
+        )  # fmt: skip
+        await until(lambda: asyncio.sleep(0, len(scheduler.submitted) == 2))
+        for _ in range(2):
+            await event(handle, "job-0", "RUNNING")
+            await event(handle, "job-0", "PENDING", reason="node n1 lost")
+        await until(lambda: asyncio.sleep(0, "job-0" in scheduler.cancelled))
+        await event(handle, "job-1", "RUNNING")
+        result = await handle.result()
+    assert result.trials[0].state == "failed" and result.trials[0].infra_retries == 2
+    assert "lost its node 2 times" in result.trials[0].reason
+    assert result.budget_exhausted == "gpu_hours"
+    assert result.trials[1].state == "cancelled" and "GPU-hour budget" in result.trials[1].reason
+    assert result.gpu_hours >= 0.0006
+    # Trial 2 may have started when trial 0 failed (before the budget ran out); none after.
+    assert len(scheduler.submitted) <= 3 and all(t.state != "completed" for t in result.trials)
