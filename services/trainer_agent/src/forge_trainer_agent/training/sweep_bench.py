@@ -212,7 +212,7 @@ def sweep(
         raise typer.BadParameter(f"{space} is not a file", param_hint="--space")
     try:
         parsed = parse(space.read_bytes())
-        for params in parsed.configurations()[:1]:
+        for params in parsed.configurations():  # every trial's recipe, before any training
             _config(parsed, Trial(0, dict(params), parsed.seeds[0] if parsed.seeds else None))
     except (ValidationError, recipes.RecipeError) as exc:
         raise typer.BadParameter(str(exc), param_hint="--space") from None
