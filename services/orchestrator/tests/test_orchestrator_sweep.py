@@ -20,7 +20,7 @@ import optuna
 import pytest
 from temporalio import activity
 from temporalio.api.enums.v1 import EventType
-from temporalio.client import Client, WorkflowHandle
+from temporalio.client import Client, WorkflowFailureError, WorkflowHandle
 from temporalio.worker import Replayer, Worker
 
 from forge_kit import errors
@@ -310,3 +310,25 @@ async def test_lost_nodes_past_the_limit_fail_a_trial_and_spent_gpu_hours_cancel
     assert result.gpu_hours >= 0.0006
     # Trial 2 may have started when trial 0 failed (before the budget ran out); none after.
     assert len(scheduler.submitted) <= 3 and all(t.state != "completed" for t in result.trials)
+
+
+async def test_cancelling_the_sweep_cancels_its_running_trials(client: Client, tmp_path: Path) -> None:
+    queue = f"sweep-{uuid.uuid4().hex[:8]}"
+    scheduler = FakeScheduler()
+    storage = f"sqlite+aiosqlite:///{tmp_path / 'orchestrator.db'}"
+    async with worker_for(client, queue, scheduler, SweepActivities(storage)):
+        handle = await client.start_workflow(
+            "sweep",
+            SweepInput(space=SPACE, team="research"),
+            id=f"sweep-{uuid.uuid4().hex[:8]}",
+            task_queue=queue,
+        )
+        await until(lambda: asyncio.sleep(0, len(scheduler.submitted) == 4))
+        await event(handle, "job-0", "RUNNING")
+        await metric(handle, "job-0", 9, 1.0)
+        await event(handle, "job-0", "SUCCEEDED")
+        await until(lambda: _is(state_of(handle, 0), "completed"))
+        await handle.cancel()
+        with pytest.raises(WorkflowFailureError):
+            await handle.result()
+    assert sorted(scheduler.cancelled) == ["job-1", "job-2", "job-3"]  # not the finished one
