@@ -33,6 +33,7 @@ from typing import Annotated, Any
 
 import typer
 
+from forge_kit import clitools
 from forge_kit.earlystop import Asha
 from forge_kit.errors import ValidationError
 from forge_kit.objectstore import ObjectStore
@@ -124,7 +125,8 @@ def _best(space: Space, trials: list[Trial]) -> Trial | None:
 
 
 def benchmark(space: Space, work: Path, cache: Path, echo: Callable[[str], None] = print) -> dict[str, Any]:
-    """Run the grid, then ASHA, over the same trials; the summary (see the module docstring)."""
+    """Run the grid, then ASHA, over the same trials; the summary (see the module docstring).
+    ``echo`` hears one line as each trial begins (a progress display's stage name)."""
     seeds: list[int | None] = list(space.seeds) or [None]
     configs = space.configurations()
     plan = [(params, seed) for params in configs for seed in seeds]
@@ -134,8 +136,8 @@ def benchmark(space: Space, work: Path, cache: Path, echo: Callable[[str], None]
     grid = [Trial(i, dict(p), s) for i, (p, s) in enumerate(plan)]
     started = time.perf_counter()
     for trial in grid:
+        echo(f"grid trial {trial.index + 1}/{len(grid)}")
         run_trial(space, trial, work / "grid", cache)
-        echo(f"grid {trial.index + 1}/{len(grid)}: {space.metric}={trial.final} ({trial.steps} steps)")
     grid_wall = time.perf_counter() - started
     # 2. ASHA, the same trials in a shuffled arrival order.
     asha_rule = Asha(min_steps=min_steps, eta=ETA, max_steps=space.max_steps, mode=space.mode)  # type: ignore[arg-type]
@@ -148,13 +150,8 @@ def benchmark(space: Space, work: Path, cache: Path, echo: Callable[[str], None]
         def judge(step: int, value: float, name: str = str(trial.index)) -> bool:
             return asha_rule.report(name, step, value) != "stop"
 
+        echo(f"asha trial {n + 1}/{len(asha)}")
         run_trial(space, trial, work / "asha", cache, judge)
-        state = (
-            f"stopped at {trial.stopped_at}"
-            if trial.stopped_at is not None
-            else f"{space.metric}={trial.final}"
-        )
-        echo(f"asha {n + 1}/{len(asha)}: trial {trial.index} {state} ({trial.steps} steps)")
     asha_wall = time.perf_counter() - started
     grid_best, asha_best = _best(space, grid), _best(space, asha)
     if grid_best is None or asha_best is None or grid_best.final is None or asha_best.final is None:
@@ -206,6 +203,7 @@ def benchmark(space: Space, work: Path, cache: Path, echo: Callable[[str], None]
 def sweep(
     space: Annotated[Path, typer.Option(help="space file (YAML, the sweep format)")],
     out: Annotated[Path, typer.Option(help="directory for summary.json")],
+    quiet: Annotated[bool, clitools.QuietOption] = False,
 ) -> None:
     """Grid at full budget vs ASHA (η = 3) over one space: best metric, trial-steps, regret."""
     if not space.is_file():
@@ -219,7 +217,9 @@ def sweep(
     out.mkdir(parents=True, exist_ok=True)
     work = out / "runs"
     shutil.rmtree(work, ignore_errors=True)  # a previous run's checkpoints would be resumed
-    summary = benchmark(parsed, work, out / "cache", echo=typer.echo)
+    trials = len(parsed.configurations()) * max(1, len(parsed.seeds))
+    with clitools.stages(2 * trials, quiet) as stage:
+        summary = benchmark(parsed, work, out / "cache", echo=stage)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     brief = {k: v for k, v in summary.items() if k != "per_trial"}
     typer.echo(json.dumps(brief, indent=2))
