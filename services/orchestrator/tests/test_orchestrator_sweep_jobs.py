@@ -122,7 +122,7 @@ async def test_a_sweep_of_real_training_runs(
     sweeps = SweepActivities(db.url)
     service = OrchestratorService(client, queue)
     async with (
-        build_worker(client, queue, activities, sweep_activities=sweeps),
+        build_worker(client, queue, activities, extra_activities=sweeps.methods()),
         make_channel(scheduler.grpc_target, token=SCHEDULER_TOKEN) as channel,
     ):
         sweep_id, _ = await service.start_workflow("sweep", {"space": SPACE, "team": "sweepers"})

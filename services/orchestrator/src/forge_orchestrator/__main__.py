@@ -54,7 +54,9 @@ async def main() -> None:
     )
     sweeps = SweepActivities(db.url, tracker)
     app.add_background(
-        build_worker(client, settings.task_queue, activities, eval_activities, sweep_activities=sweeps).run
+        build_worker(
+            client, settings.task_queue, activities, eval_activities, extra_activities=sweeps.methods()
+        ).run
     )
     app.add_on_stop(activities.close)
     app.add_on_stop(eval_activities.close)
@@ -82,7 +84,6 @@ async def main() -> None:
                 tier=settings.release_tier,
                 signaller=signaller,
             ),
-            metrics=MetricsRouter(TemporalSweepSignaller(client)),
         )
         consumer = app.event_consumer(
             group_id=settings.consumer_group,
@@ -91,7 +92,7 @@ async def main() -> None:
                 TOPICS[events_pb2.CheckpointPublished.DESCRIPTOR.full_name],
                 TOPICS[events_pb2.TrainingMetrics.DESCRIPTOR.full_name],
             ],
-            handler=routers.handle,
+            handler=MetricsRouter(TemporalSweepSignaller(client), then=routers.handle).handle,
             session_timeout_ms=settings.consumer_session_timeout_ms,
         )
         # The broker may lose job events (the local one keeps nothing across a restart): read

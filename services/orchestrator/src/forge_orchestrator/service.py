@@ -40,8 +40,6 @@ from forge_orchestrator.identity import ADMIN, Caller, authorize_start
 from forge_orchestrator.rlhf import RlhfInput, RlhfWorkflow
 from forge_orchestrator.rlhf_worker import rlhf_task_queue, validate_rlhf
 from forge_orchestrator.store import JobEventRow, utcnow
-from forge_orchestrator.sweep.activities import SweepActivities
-from forge_orchestrator.sweep.router import MetricsRouter
 from forge_orchestrator.sweep.service import sweep_memo, validate_sweep
 from forge_orchestrator.sweep.workflow import SweepInput, SweepWorkflow
 from forge_orchestrator.training import (
@@ -113,7 +111,7 @@ class WorkflowKind:
     validate: Callable[[Any], None]
     queue: Callable[[str], str] = _main_queue
     """Which worker runs it: the main worker's queue, or a separate worker's (``<queue>-rlhf``)."""
-    memo: Callable[[Any], dict[str, str]] | None = None
+    memo: Callable[[Any], dict[str, str]] = lambda _: {}
     """Extra memo entries from the validated input (a sweep's followed metric)."""
 
 
@@ -299,11 +297,7 @@ class OrchestratorService:
                 id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
                 id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
                 rpc_timeout=self._rpc_timeout,
-                memo={
-                    MEMO_CALLER: caller.name,
-                    MEMO_TEAM: caller.team,
-                    **(kind.memo(params) if kind.memo else {}),
-                },
+                memo={MEMO_CALLER: caller.name, MEMO_TEAM: caller.team, **kind.memo(params)},
             )
         except WorkflowAlreadyStartedError:  # closed under this id: report it rather than run it again
             handle = self._client.get_workflow_handle(workflow_id)
@@ -497,12 +491,11 @@ def build_worker(
     activities: SchedulerActivities,
     eval_activities: EvalActivities | None = None,
     workflows: Sequence[type] = WORKFLOWS,
-    sweep_activities: SweepActivities | None = None,
+    extra_activities: Sequence[Callable[..., Any]] = (),
 ) -> Worker:
     """The Temporal worker of this process: every workflow of :data:`KINDS` and their activities."""
     methods: list[Callable[..., Any]] = [activities.ensure_team, activities.submit_job, activities.cancel_job]
-    if sweep_activities is not None:
-        methods += sweep_activities.methods()
+    methods += extra_activities
     if eval_activities is not None:
         methods += [
             eval_activities.register_model,
@@ -605,13 +598,9 @@ class EventRouters:
 
     job_events: JobEventRouter
     checkpoints: CheckpointRouter
-    metrics: MetricsRouter | None = None
 
     async def handle(self, event: Message, session: AsyncSession) -> None:
-        if isinstance(event, events_pb2.TrainingMetrics):
-            if self.metrics is not None:
-                await self.metrics.handle(event, session)
-        elif isinstance(event, events_pb2.JobStateChanged):
+        if isinstance(event, events_pb2.JobStateChanged):
             await self.job_events.handle(event, session)
         elif isinstance(event, events_pb2.CheckpointPublished):
             await self.checkpoints.handle(event, session)

@@ -12,6 +12,7 @@ remembered (a bounded map), so the workflow is described once, not per event.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from datetime import timedelta
 from typing import Protocol
 
@@ -28,6 +29,7 @@ from forge_orchestrator.sweep.workflow import MEMO_METRIC, METRIC_SIGNAL, TrialM
 
 log = structlog.get_logger(__name__)
 _CACHE = 4096
+Handler = Callable[[Message, AsyncSession], Awaitable[None]]
 
 
 class SweepSignaller(Protocol):
@@ -70,8 +72,10 @@ class TemporalSweepSignaller:
 class MetricsRouter:
     """Consumer handler for ``TrainingMetrics`` (see the module docstring)."""
 
-    def __init__(self, signaller: SweepSignaller) -> None:
+    def __init__(self, signaller: SweepSignaller, then: Handler | None = None) -> None:
         self._signaller = signaller
+        self._then = then
+        """The handler of every other event (the consumer's other routers)."""
         self._followed: OrderedDict[str, str] = OrderedDict()
 
     async def _metric_of(self, workflow_id: str) -> str:
@@ -85,7 +89,11 @@ class MetricsRouter:
         return metric
 
     async def handle(self, event: Message, session: AsyncSession) -> None:
-        if not isinstance(event, events_pb2.TrainingMetrics) or not event.job_id:
+        if not isinstance(event, events_pb2.TrainingMetrics):
+            if self._then is not None:
+                await self._then(event, session)
+            return
+        if not event.job_id:
             return
         workflow_id = (
             await session.execute(
