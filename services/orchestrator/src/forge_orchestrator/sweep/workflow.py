@@ -32,7 +32,6 @@ cancels every running trial.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import functools
 import math
@@ -41,7 +40,7 @@ from datetime import timedelta
 from typing import Any
 
 from temporalio import workflow
-from temporalio.exceptions import ApplicationError
+from temporalio.exceptions import ApplicationError, is_cancelled_exception
 
 with workflow.unsafe.imports_passed_through():
     from forge_kit import sweepspace
@@ -337,7 +336,11 @@ class SweepWorkflow:
             )
             # 2-4. Trials.
             await self._loop(params, space, team, caller)
-        except asyncio.CancelledError:
+        except BaseException as exc:
+            # Cancelled while waiting (CancelledError) or inside an activity (an ActivityError
+            # caused by it): cancel the running trials, then end cancelled.
+            if not is_cancelled_exception(exc):
+                raise
             self._step = "cancelled"
             for trial in self._trials:
                 if trial.state in ACTIVE:
