@@ -70,6 +70,10 @@ def test_random_configurations_are_seeded_and_in_range() -> None:
         (("seeds: [1, 2]", "seeds: [1, 1]"), "seeds"),
         (("sampler: grid", "sampler: bayes"), "sampler"),
         (("optim.lr: {type: loguniform", "seed: {type: loguniform"), "parameters.seed"),
+        (
+            ("trials: 36, gpu_hours: 2, max_steps: 81", "trials: 2000, gpu_hours: 2, max_steps: 8100"),
+            "budget.trials",
+        ),
     ],
 )
 def test_bad_spaces_are_refused_naming_the_field(change: tuple[str, str], field: str) -> None:

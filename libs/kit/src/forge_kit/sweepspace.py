@@ -51,6 +51,10 @@ MAX_PARAMETERS = 32
 MAX_VALUES = 256
 MAX_TRIALS = 2000
 MAX_SEEDS = 64
+#: Bound on the sweep workflow's history: about a dozen events per trial plus one signal per
+#: evaluation of its metric must stay well below Temporal's 51,200-event limit per workflow run.
+MAX_HISTORY_EVENTS = 40_000
+EVENTS_PER_TRIAL = 12
 SAMPLERS = ("grid", "random", "tpe")
 RULES = ("asha", "median", "none")
 TYPES = ("categorical", "uniform", "loguniform", "int")
@@ -427,6 +431,16 @@ def from_dict(data: Mapping[str, Any]) -> Space:
         raise ValidationError("trial_timeout_s", "must be between 1 and 2592000")
     if not 1 <= space.metrics_timeout_s <= 86400:
         raise ValidationError("metrics_timeout_s", "must be between 1 and 86400")
+    cadence = overrides.get("eval_interval") or (
+        early.min_steps if early.rule != "none" else entry["keys"].get("eval_interval", {}).get("default", 1)
+    )
+    reports = math.ceil(max_steps / max(1, int(cadence))) + 1
+    if trials * (reports + EVENTS_PER_TRIAL) > MAX_HISTORY_EVENTS:
+        raise ValidationError(
+            "budget.trials",
+            f"{trials} trials reporting {space.metric} {reports} times each would outgrow the sweep's "
+            f"history (at most {MAX_HISTORY_EVENTS} events): fewer trials or a longer eval_interval",
+        )
     if sampler == "grid":
         size = math.prod(len(p.grid()) for p in params) * max(1, len(seeds))
         if size > trials:
