@@ -21,6 +21,7 @@ import pytest
 from temporalio import activity
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client, WorkflowFailureError, WorkflowHandle
+from temporalio.exceptions import ApplicationError
 from temporalio.worker import Replayer, Worker
 
 from forge_kit import errors
@@ -332,3 +333,32 @@ async def test_cancelling_the_sweep_cancels_its_running_trials(client: Client, t
         with pytest.raises(WorkflowFailureError):
             await handle.result()
     assert sorted(scheduler.cancelled) == ["job-1", "job-2", "job-3"]  # not the finished one
+
+
+class RefusingScheduler(FakeScheduler):
+    """Refuses the third submission for good (as the scheduler does a spec it cannot run)."""
+
+    @activity.defn(name="submit_job")
+    async def submit_job(self, params: SubmitJobInput) -> str:
+        if params.request_id.endswith("trial-2"):
+            raise ApplicationError("SubmitJob: INVALID_ARGUMENT: no such gpu_type", non_retryable=True)
+        return await super().submit_job(params)
+
+
+async def test_a_refused_submission_fails_the_sweep_and_cancels_its_jobs(
+    client: Client, tmp_path: Path
+) -> None:
+    queue = f"sweep-{uuid.uuid4().hex[:8]}"
+    scheduler = RefusingScheduler()
+    storage = f"sqlite+aiosqlite:///{tmp_path / 'orchestrator.db'}"
+    async with worker_for(client, queue, scheduler, SweepActivities(storage)):
+        handle = await client.start_workflow(
+            "sweep",
+            SweepInput(space=SPACE, team="research"),
+            id=f"sweep-{uuid.uuid4().hex[:8]}",
+            task_queue=queue,
+        )
+        with pytest.raises(WorkflowFailureError):
+            await handle.result()
+    assert sorted(scheduler.submitted) == ["job-0", "job-1"]
+    assert sorted(scheduler.cancelled) == ["job-0", "job-1"]

@@ -27,11 +27,12 @@ In steps:
 
 The workflow's state is its own (Temporal replays it after a worker restart); every activity is
 idempotent (job submission by request id, the study by trial index). Cancelling the workflow
-cancels every running trial.
+cancels every running trial, and so does its failure (a submission the scheduler refuses).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import math
@@ -336,15 +337,16 @@ class SweepWorkflow:
             )
             # 2-4. Trials.
             await self._loop(params, space, team, caller)
-        except BaseException as exc:
-            # Cancelled while waiting (CancelledError) or inside an activity (an ActivityError
-            # caused by it): cancel the running trials, then end cancelled.
-            if not is_cancelled_exception(exc):
-                raise
-            self._step = "cancelled"
+        except (asyncio.CancelledError, Exception) as exc:
+            # Cancelled (while waiting, or inside an activity: an ActivityError caused by the
+            # cancellation), or failed (a submission the scheduler refuses for good): no trial
+            # job outlives the sweep.
+            cancelled = is_cancelled_exception(exc)
+            self._step = "cancelled" if cancelled else "failed"
             for trial in self._trials:
                 if trial.state in ACTIVE:
-                    await self._finish(trial, "cancelled", "sweep cancelled", cancel=True)
+                    reason = "sweep cancelled" if cancelled else "sweep failed"
+                    await self._finish(trial, "cancelled", reason, cancel=bool(trial.job_id))
             raise
         self._step = "done"
         best = self._best()
