@@ -1,7 +1,8 @@
 """``forge sweep`` against a real orchestrator process (with the real scheduler, broker and
 Temporal): the front door refuses a bad space naming the field before any job exists; a sweep
-starts, its trials wait in the scheduler's queue, ``status`` and ``report`` show it, ``cancel``
-cancels it and its jobs."""
+starts, its trials wait in the scheduler's queue, ``status`` and ``report`` show it, the
+orchestrator is killed and restarted without losing or resubmitting a trial, and ``cancel``
+cancels the sweep and its jobs."""
 
 from __future__ import annotations
 
@@ -85,6 +86,18 @@ def test_sweep_cli_against_the_orchestrator(
     assert (tmp_path / "report" / "report.md").read_text().startswith("# Sweep cli")
     view = asyncio.run(_view(orchestrator, sweep_id))
     job_ids = [t["job_id"] for t in view["progress"]["trials"]]
+    # The orchestrator is SIGKILLed and started again on its data: the sweep is still there with
+    # the same two trials and jobs (none submitted twice), and the new process answers for it.
+    orchestrator.process.kill()
+    orchestrator = start_orchestrator(like=orchestrator)
+    deadline = time.monotonic() + 60
+    while True:
+        view = asyncio.run(_view(orchestrator, sweep_id))
+        if "progress" in view:
+            break
+        assert time.monotonic() < deadline, view
+        time.sleep(0.5)
+    assert [t["job_id"] for t in view["progress"]["trials"]] == job_ids
     cli(orchestrator, "cancel", sweep_id)
     deadline = time.monotonic() + 30
     while True:
