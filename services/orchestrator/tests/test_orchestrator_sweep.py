@@ -187,6 +187,7 @@ async def test_asha_stops_trials_preemption_resumes_and_forged_metrics_are_ignor
     assert result.trials[0].preemptions == 1 and result.trials[0].final == 2.0
     assert [t.stopped_at for t in result.trials] == [None, 3, 1, 1]
     assert result.ignored_metrics == 2
+    assert result.summary["ignored_recent"] == ["unknown job job-forged", "trial 2 is stopped"]
     assert sorted(scheduler.cancelled) == ["job-1", "job-2", "job-3"]
     study = optuna.load_study(study_name=sweep_id, storage=f"sqlite:///{tmp_path / 'optuna.db'}")
     assert sorted(t.state.name for t in study.trials) == ["COMPLETE", "PRUNED", "PRUNED", "PRUNED"]

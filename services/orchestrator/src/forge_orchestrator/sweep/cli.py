@@ -93,6 +93,7 @@ def status(
         "best_params": state.get("best_params"),
         "gpu_hours": f"{state.get('gpu_hours', 0)} of {state.get('gpu_hours_budget', 0)}",
         "ignored_metrics": state.get("ignored_metrics", 0),
+        "ignored_recent": state.get("ignored_recent", []),
     }
     if state.get("parent_run_id"):
         record["tracking_run"] = state["parent_run_id"]

@@ -224,6 +224,7 @@ class SweepWorkflow:
             "baseline": space.baseline if space else {},
             "seeds": list(space.seeds) if space else [],
             "ignored_metrics": self._ignored,
+            "ignored_recent": list(self._ignored_recent),
             "budget_exhausted": self._exhausted,
             "parent_run_id": self._parent_run,
             "trials": [
