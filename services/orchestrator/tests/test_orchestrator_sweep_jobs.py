@@ -27,6 +27,7 @@ from temporalio.client import Client, WorkflowHandle
 
 from forge_kit.db import Database
 from forge_kit.grpckit import make_channel
+from forge_kit.paths import resolve_data_path
 from forge_kit.testing import ServiceProcess, TemporalDevServer
 from forge_orchestrator.activities import SchedulerActivities
 from forge_orchestrator.service import JobEventRouter, OrchestratorService, TemporalSignaller, build_worker
@@ -35,7 +36,15 @@ from forge_orchestrator.sweep.router import MetricsRouter, TemporalSweepSignalle
 from forge_orchestrator.sweep.workflow import SweepResult
 from forge_orchestrator.workflows import PROGRESS_QUERY
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.slow,
+    pytest.mark.timeout(600),
+    pytest.mark.skipif(
+        not resolve_data_path("corpora/tinyshakespeare/input.txt").is_file(),
+        reason="the smoke recipe trains on the tinyshakespeare corpus (forge data fetch)",
+    ),
+]
 SCHEDULER_TOKEN = "scheduler-test-token"  # the session scheduler's token (conftest)
 
 SPACE = """
