@@ -32,12 +32,14 @@ from forge_orchestrator.service import (
     build_worker,
     connect_temporal,
 )
+from forge_orchestrator.sweep.activities import SweepActivities
+from forge_orchestrator.sweep.router import MetricsRouter, TemporalSweepSignaller
+from forge_orchestrator.tracking import Tracker
 
 
 def add_tracking(app: ServiceApp, db: Database, settings: OrchestratorSettings) -> None:
     """The consumer that records training runs in MLflow (its own group, so it neither delays
     nor is delayed by the workflows' consumer)."""
-    from forge_orchestrator.tracking import Tracker
     from forge_orchestrator.tracking_consumer import RunRecorder, SchedulerJobs, git_commit
 
     jobs = SchedulerJobs(settings.scheduler_target, settings.scheduler_token.get_secret_value())
@@ -90,7 +92,14 @@ async def main() -> None:
     )
     activities = SchedulerActivities(settings.scheduler_target, settings.scheduler_token.get_secret_value())
     eval_activities = EvalActivities(settings.eval_target, settings.eval_token.get_secret_value())
-    app.add_background(build_worker(client, settings.task_queue, activities, eval_activities).run)
+    # Sweeps record their parent and trial runs where training runs are tracked (none without MLflow).
+    tracker = Tracker(settings.mlflow_uri, ui_url=settings.mlflow_ui_uri) if settings.mlflow_uri else None
+    sweeps = SweepActivities(db.url, tracker)
+    app.add_background(
+        build_worker(
+            client, settings.task_queue, activities, eval_activities, extra_activities=sweeps.methods()
+        ).run
+    )
     app.add_on_stop(activities.close)
     app.add_on_stop(eval_activities.close)
     kinds = dict(KINDS)
@@ -123,8 +132,9 @@ async def main() -> None:
             topics=[
                 TOPICS[events_pb2.JobStateChanged.DESCRIPTOR.full_name],
                 TOPICS[events_pb2.CheckpointPublished.DESCRIPTOR.full_name],
+                TOPICS[events_pb2.TrainingMetrics.DESCRIPTOR.full_name],
             ],
-            handler=routers.handle,
+            handler=MetricsRouter(TemporalSweepSignaller(client), then=routers.handle).handle,
             session_timeout_ms=settings.consumer_session_timeout_ms,
         )
         # The broker may lose job events (the local one keeps nothing across a restart): read

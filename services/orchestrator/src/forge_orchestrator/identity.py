@@ -33,7 +33,7 @@ from forge_kit.grpckit import Principal, make_channel
 log = structlog.get_logger(__name__)
 
 #: Kinds a team caller may start (for its own team).
-TEAM_KINDS = frozenset({"smoke", "training"})
+TEAM_KINDS = frozenset({"smoke", "training", "sweep"})
 DEFAULT_PYTHON = "python"
 _COMMAND = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,63}$")
 

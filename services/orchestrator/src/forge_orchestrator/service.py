@@ -40,6 +40,8 @@ from forge_orchestrator.identity import ADMIN, Caller, authorize_start
 from forge_orchestrator.rlhf import RlhfInput, RlhfWorkflow
 from forge_orchestrator.rlhf_worker import rlhf_task_queue, validate_rlhf
 from forge_orchestrator.store import JobEventRow, utcnow
+from forge_orchestrator.sweep.service import sweep_memo, validate_sweep
+from forge_orchestrator.sweep.workflow import SweepInput, SweepWorkflow
 from forge_orchestrator.training import (
     AUTO_EVAL_LABEL,
     CHECKPOINT_SIGNAL,
@@ -109,6 +111,8 @@ class WorkflowKind:
     validate: Callable[[Any], None]
     queue: Callable[[str], str] = _main_queue
     """Which worker runs it: the main worker's queue, or a separate worker's (``<queue>-rlhf``)."""
+    memo: Callable[[Any], dict[str, str]] = lambda _: {}
+    """Extra memo entries from the validated input (a sweep's followed metric)."""
 
 
 def validate_train(params: TrainInput) -> None:
@@ -142,6 +146,7 @@ KINDS: dict[str, WorkflowKind] = {
     "eval_and_promote": WorkflowKind(
         "eval_and_promote", EvalAndPromoteWorkflow, EvalAndPromoteInput, validate_eval_and_promote
     ),
+    "sweep": WorkflowKind("sweep", SweepWorkflow, SweepInput, validate_sweep, memo=sweep_memo),
     # Run by the RLHF worker (rlhf_worker.py) on its own queue, with its children.
     "rlhf": WorkflowKind("rlhf", RlhfWorkflow, RlhfInput, validate_rlhf, queue=rlhf_task_queue),
 }
@@ -292,7 +297,7 @@ class OrchestratorService:
                 id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
                 id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
                 rpc_timeout=self._rpc_timeout,
-                memo={MEMO_CALLER: caller.name, MEMO_TEAM: caller.team},
+                memo={MEMO_CALLER: caller.name, MEMO_TEAM: caller.team, **kind.memo(params)},
             )
         except WorkflowAlreadyStartedError:  # closed under this id: report it rather than run it again
             handle = self._client.get_workflow_handle(workflow_id)
@@ -486,9 +491,11 @@ def build_worker(
     activities: SchedulerActivities,
     eval_activities: EvalActivities | None = None,
     workflows: Sequence[type] = WORKFLOWS,
+    extra_activities: Sequence[Callable[..., Any]] = (),
 ) -> Worker:
     """The Temporal worker of this process: every workflow of :data:`KINDS` and their activities."""
     methods: list[Callable[..., Any]] = [activities.ensure_team, activities.submit_job, activities.cancel_job]
+    methods += extra_activities
     if eval_activities is not None:
         methods += [
             eval_activities.register_model,

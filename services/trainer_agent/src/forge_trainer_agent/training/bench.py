@@ -1,6 +1,7 @@
 """``forge bench train [--nanogpt-dir PATH] --out DIR``: the training benchmarks (quality against nanoGPT, DDP speed-up);
 ``forge bench recipes --out DIR``: the post-training recipes on the shared data (see
-:func:`recipes_bench`).
+:func:`recipes_bench`); ``forge bench sweep --space FILE --out DIR``: ASHA against the full grid
+(:mod:`forge_trainer_agent.training.sweep_bench`).
 
 Writes ``DIR/summary.json``::
 
@@ -43,6 +44,7 @@ from forge_kit.objectstore import ObjectStore
 from forge_kit.paths import resolve_data_path
 from forge_trainer_agent.training import recipes
 from forge_trainer_agent.training.launch import run_group, run_group_sequence
+from forge_trainer_agent.training.sweep_bench import sweep as sweep_bench
 from forge_trainer_agent.training.train import RunContext, TrainResult, pretrain
 from forge_trainer_agent.training.train import train as run_training
 
@@ -52,6 +54,9 @@ app = typer.Typer(add_completion=False, help="Training benchmarks: step throughp
 @app.callback()
 def bench() -> None:
     """Benchmarks (``forge bench train``)."""
+
+
+app.command("sweep")(sweep_bench)
 
 
 def _recipe(corpus: Path, **overrides: Any) -> recipes.TrainConfig:

@@ -1,0 +1,78 @@
+"""ASHA's promotion rule and median stopping against hand-worked examples."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from forge_kit.earlystop import Asha, MedianStopping, rungs
+
+
+def test_rungs_are_r_times_powers_of_eta_below_the_full_budget() -> None:
+    assert rungs(1, 3, 27) == [1, 3, 9]
+    assert rungs(9, 3, 243) == [9, 27, 81]
+    assert rungs(5, 2, 41) == [5, 10, 20, 40]
+    with pytest.raises(ValueError):
+        rungs(0, 3, 10)
+
+
+def test_asha_worked_example() -> None:
+    """η = 3, rungs at 1, 3, 9 (full budget 27), minimising. Trials arrive one by one at rung 1:
+
+    a=5.0: n=1, keep max(1, 1//3)=1 → best of {5.0} → continue
+    b=4.0: n=2, keep 1 → best is 4.0 → b continues
+    c=6.0: n=3, keep 1 → best 4.0, 6.0 is not → stop
+    d=4.5: n=4, keep 1 → best 4.0 → stop
+    e=3.0: n=5, keep 1 → best 3.0 → continue
+    f=4.2: n=6, keep 2 → best two {3.0, 4.0} → 4.2 stops
+    g=3.9: n=7, keep 2 → best two {3.0, 3.9} → continue
+    At rung 3: b=3.5 (n=1, continue), e=2.5 (n=2, keep 1, best → continue), g=3.6 (n=3, keep 1:
+    best is 2.5 → stop), a=3.4 (n=4 → keep 1 → stop).
+    """
+    rule = Asha(min_steps=1, eta=3, max_steps=27, mode="min")
+    first = {"a": 5.0, "b": 4.0, "c": 6.0, "d": 4.5, "e": 3.0, "f": 4.2, "g": 3.9}
+    decisions = {t: rule.report(t, 1, v) for t, v in first.items()}
+    assert decisions == {
+        "a": "continue",
+        "b": "continue",
+        "c": "stop",
+        "d": "stop",
+        "e": "continue",
+        "f": "stop",
+        "g": "continue",
+    }
+    second = [("b", 3.5, "continue"), ("e", 2.5, "continue"), ("g", 3.6, "stop"), ("a", 3.4, "stop")]
+    for trial, value, expected in second:
+        assert rule.report(trial, 3, value) == expected, trial
+    assert rule.occupancy() == {1: 7, 3: 4, 9: 0}
+    assert rule.stopped == {"c": 1, "d": 1, "f": 1, "g": 3, "a": 3}
+
+
+def test_asha_ignores_non_rung_steps_repeats_and_stopped_trials() -> None:
+    rule = Asha(min_steps=2, eta=2, max_steps=16, mode="max")
+    assert rule.report("x", 1, 0.5) == "ignore"  # before the first rung
+    assert rule.report("x", 2, 0.5) == "continue"
+    assert rule.report("x", 2, 0.1) == "ignore"  # judged at that rung already
+    assert rule.report("x", 3, 0.9) == "ignore"  # between rungs
+    assert rule.report("y", 2, 0.7) == "continue"  # max mode: 0.7 beats 0.5 (keep 1 of 2)
+    assert rule.report("z", 2, 0.1) == "stop"
+    assert rule.report("z", 4, 0.99) == "ignore"  # stopped trials stay stopped
+
+
+def test_asha_coarse_report_fills_every_rung_passed_and_nan_ranks_last() -> None:
+    rule = Asha(min_steps=1, eta=3, max_steps=27, mode="min")
+    assert rule.report("a", 10, 2.0) == "continue"  # judged at rung 9, recorded at 1, 3, 9
+    assert rule.occupancy() == {1: 1, 3: 1, 9: 1}
+    assert rule.report("b", 1, 1.0) == "continue"
+    assert rule.report("c", 1, math.nan) == "stop"
+
+
+def test_median_stopping_worked_example() -> None:
+    rule = MedianStopping(min_steps=10, min_trials=2, mode="min")
+    assert rule.report("a", 10, 3.0) == "continue"  # no others yet
+    assert rule.report("b", 10, 2.0) == "continue"  # one other
+    assert rule.report("c", 10, 2.8) == "stop"  # median of {3.0, 2.0} = 2.5 < 2.8
+    assert rule.report("d", 10, 2.4) == "continue"  # median of {3.0, 2.0, 2.8} = 2.8
+    assert rule.report("e", 5, 9.0) == "continue"  # before min_steps
+    assert rule.report("c", 20, 0.1) == "ignore"

@@ -1,0 +1,95 @@
+"""Sweep spaces: what a valid file names, and every refusal naming its field."""
+
+from __future__ import annotations
+
+import pytest
+
+from forge_kit import sweepspace
+from forge_kit.errors import ValidationError
+
+BASE = """
+name: s
+recipe: shakespeare_tiny
+metric: {name: val_loss, mode: min}
+sampler: grid
+parameters:
+  optim.lr: {type: loguniform, low: 1.0e-3, high: 1.0e-1, grid_points: 3}
+  optim.warmup_steps: {type: int, low: 0, high: 20, step: 10}
+  model.hidden_size: {type: categorical, values: [64, 128]}
+seeds: [1, 2]
+baseline: {optim.lr: 0.01, optim.warmup_steps: 10, model.hidden_size: 64}
+gpu_type: SIM
+budget: {trials: 36, gpu_hours: 2, max_steps: 81}
+early_stopping: {rule: asha, min_steps: 3, eta: 3}
+"""
+
+
+def test_grid_rungs_and_trial_overrides() -> None:
+    space = sweepspace.parse(BASE)
+    grid = space.grid()
+    assert len(grid) == 18
+    assert sorted({c["optim.lr"] for c in grid}) == [0.001, 0.01, 0.1]  # evenly spaced in log
+    assert sorted({c["optim.warmup_steps"] for c in grid}) == [0, 10, 20]
+    assert space.rungs() == [3, 9, 27]
+    overrides = space.trial_overrides(grid[0], seed=2)
+    assert overrides["max_steps"] == 81 and overrides["eval_interval"] == 3 and overrides["seed"] == 2
+    assert sweepspace.from_dict(sweepspace.to_dict(space)) == space
+
+
+def test_random_configurations_are_seeded_and_in_range() -> None:
+    text = BASE.replace("sampler: grid", "sampler: random").replace(
+        "baseline: {optim.lr: 0.01, optim.warmup_steps: 10, model.hidden_size: 64}\n", ""
+    )
+    first, again = sweepspace.parse(text).configurations(), sweepspace.parse(text).configurations()
+    assert first == again and len(first) == 18  # 36 trials / 2 seeds
+    assert all(1e-3 <= c["optim.lr"] <= 1e-1 and c["optim.warmup_steps"] in (0, 10, 20) for c in first)
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        (("optim.lr:", "optim.lrate:"), "parameters.optim.lrate"),
+        (
+            (
+                "optim.warmup_steps: {type: int, low: 0, high: 20",
+                "optim.warmup_steps: {type: int, low: 20, high: 20",
+            ),
+            "parameters.optim.warmup_steps.high",
+        ),
+        (("values: [64, 128]", "values: []"), "parameters.model.hidden_size.values"),
+        (("low: 1.0e-3", "low: 0"), "parameters.optim.lr.low"),
+        (("trials: 36", "trials: 0"), "budget.trials"),
+        (("trials: 36", "trials: 35"), "budget.trials"),
+        (("gpu_hours: 2", "gpu_hours: 0"), "budget.gpu_hours"),
+        (("max_steps: 81", "max_steps: 0"), "budget.max_steps"),
+        (("name: val_loss", "name: accuracy"), "metric.name"),
+        (("recipe: shakespeare_tiny", "recipe: nope"), "recipe"),
+        (("min_steps: 3", "min_steps: 81"), "early_stopping.min_steps"),
+        (("eta: 3", "eta: 1"), "early_stopping.eta"),
+        (("model.hidden_size: 64}", "model.hidden_size: 96}"), "baseline"),
+        (("seeds: [1, 2]", "seeds: [1, 1]"), "seeds"),
+        (("sampler: grid", "sampler: bayes"), "sampler"),
+        (("optim.lr: {type: loguniform", "seed: {type: loguniform"), "parameters.seed"),
+        (
+            ("trials: 36, gpu_hours: 2, max_steps: 81", "trials: 2000, gpu_hours: 2, max_steps: 8100"),
+            "budget.trials",
+        ),
+    ],
+)
+def test_bad_spaces_are_refused_naming_the_field(change: tuple[str, str], field: str) -> None:
+    with pytest.raises(ValidationError) as caught:
+        sweepspace.parse(BASE.replace(*change))
+    assert caught.value.field == field, caught.value
+
+
+def test_hostile_input_is_refused() -> None:
+    with pytest.raises(ValidationError, match="larger than"):
+        sweepspace.parse("a" * (sweepspace.MAX_FILE_BYTES + 1))
+    with pytest.raises(ValidationError, match="not valid YAML"):
+        sweepspace.parse("name: [unclosed")
+    with pytest.raises(ValidationError) as caught:
+        sweepspace.parse(BASE + "extra: 1\n")
+    assert caught.value.field == "extra"
+    with pytest.raises(ValidationError) as caught:
+        sweepspace.parse(BASE.replace("name: s\n", "name: ../../etc\n"))
+    assert caught.value.field == "name"

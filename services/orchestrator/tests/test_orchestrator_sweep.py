@@ -1,0 +1,365 @@
+"""The sweep workflow on the real Temporal dev server, with the real Optuna study (SQLite under the
+test's tmp dir) and scheduler activities that record what they are asked (no scheduler runs the
+jobs: each job's state changes and metrics are sent as the signals the Kafka consumers send).
+
+Paths: ASHA stopping trials as their metrics arrive (each stopped job cancelled), a preempted trial
+resuming and finishing (not a failure), forged and late metrics ignored, a crashing configuration
+recorded as failed and never resubmitted, a silent trial timed out, and a sweep surviving its
+worker's replacement mid-run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import optuna
+import pytest
+from temporalio import activity
+from temporalio.api.enums.v1 import EventType
+from temporalio.client import Client, WorkflowFailureError, WorkflowHandle
+from temporalio.exceptions import ApplicationError
+from temporalio.worker import Replayer, Worker
+
+from forge_kit import errors
+from forge_kit.testing import TemporalDevServer
+from forge_orchestrator.activities import CancelJobInput, SubmitJobInput
+from forge_orchestrator.sweep.activities import SweepActivities
+from forge_orchestrator.sweep.service import validate_sweep
+from forge_orchestrator.sweep.workflow import (
+    METRIC_SIGNAL,
+    SweepInput,
+    SweepResult,
+    SweepWorkflow,
+    TrialMetric,
+)
+from forge_orchestrator.workflows import JOB_EVENT_SIGNAL, PROGRESS_QUERY, JobEvent
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+SPACE = """
+name: unit
+recipe: smoke
+metric: {name: val_loss, mode: min}
+sampler: grid
+parameters:
+  optim.lr: {type: categorical, values: [0.001, 0.002, 0.003, 0.004]}
+gpu_type: SIM
+budget: {trials: 4, gpu_hours: 10, max_steps: 9}
+concurrency: 4
+team: research
+gpus_per_trial: 1
+early_stopping: {rule: asha, min_steps: 1, eta: 3}
+"""
+
+
+class FakeScheduler:
+    """The scheduler activities' names and types; records submissions and cancellations."""
+
+    def __init__(self) -> None:
+        self.submitted: dict[str, SubmitJobInput] = {}
+        self.cancelled: list[str] = []
+
+    @activity.defn(name="ensure_team")
+    async def ensure_team(self, team: str) -> bool:
+        return False
+
+    @activity.defn(name="submit_job")
+    async def submit_job(self, params: SubmitJobInput) -> str:
+        job_id = f"job-{params.request_id.rsplit('-', 1)[-1]}"
+        self.submitted[job_id] = params
+        return job_id
+
+    @activity.defn(name="cancel_job")
+    async def cancel_job(self, params: CancelJobInput) -> str:
+        self.cancelled.append(params.job_id)
+        return "CANCELLED"
+
+
+class RecordingTracker:
+    def __init__(self) -> None:
+        self.runs: dict[str, dict[str, Any]] = {}
+        self.ended: dict[str, str] = {}
+
+    def ensure_sweep_run(self, sweep_id: str, name: str, params: dict[str, Any]) -> str:
+        self.runs.setdefault("parent", {"tags": {"forge.sweep_id": sweep_id, "forge.role": "sweep"}})
+        return "parent"
+
+    def ensure_job_run(
+        self, job_id: str, *, tags: dict[str, str], params: dict[str, Any], parent_run_id: str | None = None
+    ) -> str:
+        self.runs.setdefault(job_id, {"tags": tags, "parent": parent_run_id})
+        return f"run-{job_id}"
+
+    def set_terminated(self, run_id: str, status: str) -> None:
+        self.ended[run_id] = status
+
+
+def worker_for(client: Client, queue: str, scheduler: FakeScheduler, sweeps: SweepActivities) -> Worker:
+    return Worker(
+        client,
+        task_queue=queue,
+        workflows=[SweepWorkflow],
+        activities=[scheduler.ensure_team, scheduler.submit_job, scheduler.cancel_job, *sweeps.methods()],
+    )
+
+
+async def until(check: Callable[[], Awaitable[bool]], timeout_s: float = 30.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not await check():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not reached")
+        await asyncio.sleep(0.1)
+
+
+async def progress(handle: WorkflowHandle[Any, Any]) -> dict[str, Any]:
+    return dict(await handle.query(PROGRESS_QUERY))
+
+
+async def state_of(handle: WorkflowHandle[Any, Any], index: int) -> str:
+    trials = (await progress(handle))["trials"]
+    return str(trials[index]["state"]) if index < len(trials) else ""
+
+
+async def event(handle: WorkflowHandle[Any, Any], job: str, state: str, reason: str = "") -> None:
+    await handle.signal(JOB_EVENT_SIGNAL, JobEvent(job, state, event_id=uuid.uuid4().hex, reason=reason))
+
+
+async def metric(handle: WorkflowHandle[Any, Any], job: str, step: int, value: float) -> None:
+    await handle.signal(METRIC_SIGNAL, TrialMetric(job, step, value, event_id=uuid.uuid4().hex))
+
+
+@pytest.fixture
+async def client(temporal_server: TemporalDevServer) -> Client:
+    return await Client.connect(temporal_server.target)
+
+
+async def test_asha_stops_trials_preemption_resumes_and_forged_metrics_are_ignored(
+    client: Client, tmp_path: Path
+) -> None:
+    queue = f"sweep-{uuid.uuid4().hex[:8]}"
+    scheduler, tracker = FakeScheduler(), RecordingTracker()
+    storage = f"sqlite+aiosqlite:///{tmp_path / 'orchestrator.db'}"
+    sweeps = SweepActivities(storage, tracker)
+    sweep_id = f"sweep-{uuid.uuid4().hex[:8]}"
+    async with worker_for(client, queue, scheduler, sweeps):
+        handle = await client.start_workflow(
+            "sweep",
+            SweepInput(space=SPACE, team="research"),
+            id=sweep_id,
+            task_queue=queue,
+            result_type=SweepResult,
+        )
+        await until(lambda: asyncio.sleep(0, len(scheduler.submitted) == 4))
+        jobs = [f"job-{i}" for i in range(4)]
+        assert scheduler.submitted["job-2"].priority_class == "preemptible"
+        assert (
+            "--set" in scheduler.submitted["job-2"].command
+            and "optim.lr=0.003" in scheduler.submitted["job-2"].command
+        )
+        for job in jobs:
+            await event(handle, job, "RUNNING")
+        # Rung 1 (eta 3): a=5.0 continues, b=4.0 continues, c=6.0 and d=4.5 stop.
+        for job, value in zip(jobs, (5.0, 4.0, 6.0, 4.5), strict=True):
+            await metric(handle, job, 1, value)
+        await until(lambda: asyncio.sleep(0, sorted(scheduler.cancelled) == ["job-2", "job-3"]))
+        # job-0 is preempted: it waits, resumes (from its checkpoint), reports again.
+        await event(handle, "job-0", "PENDING", reason="preempted by a higher-priority job")
+        await until(lambda: _is(state_of(handle, 0), "preempted"))
+        await event(handle, "job-0", "RUNNING")
+        await metric(handle, "job-0", 3, 3.0)
+        # Forged (unknown job) and late (stopped trial) metrics change nothing.
+        await metric(handle, "job-forged", 3, 0.0)
+        await metric(handle, "job-2", 3, 0.1)
+        await metric(handle, "job-1", 3, 3.5)  # second at rung 3, keep 1: stopped
+        await until(lambda: asyncio.sleep(0, "job-1" in scheduler.cancelled))
+        for job in ("job-1", "job-2", "job-3"):
+            await event(handle, job, "CANCELLED")  # the stopped jobs' ends arrive late
+        await metric(handle, "job-0", 9, 2.0)
+        await event(handle, "job-0", "SUCCEEDED")
+        result = await handle.result()
+    states = {t.index: t.state for t in result.trials}
+    assert states == {0: "completed", 1: "stopped", 2: "stopped", 3: "stopped"}
+    assert result.best_trial == 0 and result.best_metric == 2.0
+    assert result.trials[0].preemptions == 1 and result.trials[0].final == 2.0
+    assert [t.stopped_at for t in result.trials] == [None, 3, 1, 1]
+    assert result.ignored_metrics == 2
+    assert result.summary["ignored_recent"] == ["unknown job job-forged", "trial 2 is stopped"]
+    assert sorted(scheduler.cancelled) == ["job-1", "job-2", "job-3"]
+    study = optuna.load_study(study_name=sweep_id, storage=f"sqlite:///{tmp_path / 'optuna.db'}")
+    assert sorted(t.state.name for t in study.trials) == ["COMPLETE", "PRUNED", "PRUNED", "PRUNED"]
+    assert study.best_trial.params == {"optim.lr": 0.001}
+    assert tracker.runs["job-1"] == {
+        "tags": {"forge.sweep_id": sweep_id, "forge.trial": "1"},
+        "parent": "parent",
+    }
+    assert tracker.ended == {
+        "run-job-0": "FINISHED",
+        "run-job-1": "KILLED",
+        "run-job-2": "KILLED",
+        "run-job-3": "KILLED",
+    }
+
+
+async def _is(state: Awaitable[str], wanted: str) -> bool:
+    return await state == wanted
+
+
+async def test_sweep_survives_worker_restart_failures_and_silent_trials(
+    client: Client, tmp_path: Path
+) -> None:
+    """Worker A submits the trials and is shut down; events arrive while no worker runs; worker B
+    (new activities, same database) finishes the sweep. No trial is submitted twice; a crashing
+    configuration is failed once; a trial that never reports is timed out."""
+    space = SPACE.replace("concurrency: 4", "concurrency: 2").replace(
+        "early_stopping: {rule: asha, min_steps: 1, eta: 3}",
+        "early_stopping: {rule: none}\nmetrics_timeout_s: 2",
+    )
+    queue = f"sweep-{uuid.uuid4().hex[:8]}"
+    storage = f"sqlite+aiosqlite:///{tmp_path / 'orchestrator.db'}"
+    first = FakeScheduler()
+    async with worker_for(client, queue, first, SweepActivities(storage)):
+        handle = await client.start_workflow(
+            "sweep", SweepInput(space=space, team="research"), id=f"sweep-{uuid.uuid4().hex[:8]}", task_queue=queue,
+            result_type=SweepResult,
+        )  # fmt: skip
+        await until(lambda: asyncio.sleep(0, len(first.submitted) == 2))
+    # No worker: job-0 crashes, job-1 finishes.
+    await event(handle, "job-0", "RUNNING")
+    await event(handle, "job-0", "FAILED", reason="exit 1: ZeroDivisionError")
+    await event(handle, "job-1", "RUNNING")
+    await metric(handle, "job-1", 9, 1.5)
+    await event(handle, "job-1", "SUCCEEDED")
+    second = FakeScheduler()
+    async with worker_for(client, queue, second, SweepActivities(storage)):
+        await until(lambda: asyncio.sleep(0, len(second.submitted) == 2))
+        # job-2 runs and reports nothing: timed out after metrics_timeout_s; job-3 completes.
+        await event(handle, "job-2", "RUNNING")
+        await event(handle, "job-3", "RUNNING")
+        await metric(handle, "job-3", 9, 1.2)
+        await event(handle, "job-3", "SUCCEEDED")
+        result = await handle.result()
+    assert sorted(first.submitted) == ["job-0", "job-1"] and sorted(second.submitted) == ["job-2", "job-3"]
+    assert {t.index: t.state for t in result.trials} == {
+        0: "failed",
+        1: "completed",
+        2: "timed_out",
+        3: "completed",
+    }
+    assert "ZeroDivisionError" in result.trials[0].reason and "no val_loss" in result.trials[2].reason
+    assert second.cancelled == ["job-2"]
+    assert result.best_trial == 3
+    history = await handle.fetch_history()
+    submits = [
+        e
+        for e in history.events
+        if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED
+        and e.activity_task_scheduled_event_attributes.activity_type.name == "submit_job"
+    ]
+    assert len(submits) == 4
+    # The recorded history replays deterministically against the workflow code.
+    replayed = await Replayer(workflows=[SweepWorkflow]).replay_workflow(history)
+    assert replayed.replay_failure is None
+
+
+def test_bad_sweeps_are_refused_naming_the_field() -> None:
+    cases = {
+        "input.space.parameters.optim.lrr": SPACE.replace("optim.lr:", "optim.lrr:"),
+        "input.space.metric.name": SPACE.replace("name: val_loss", "name: bleu"),
+        "input.space.budget.trials": SPACE.replace("trials: 4", "trials: 0"),
+        "input.space.parameters.optim.lr.values": SPACE.replace("[0.001, 0.002, 0.003, 0.004]", "[]"),
+    }
+    for field, text in cases.items():
+        with pytest.raises(errors.ValidationError) as caught:
+            validate_sweep(SweepInput(space=text, team="research"))
+        assert caught.value.field == field, caught.value
+    with pytest.raises(errors.ValidationError, match=r"input\.space\.team"):
+        validate_sweep(SweepInput(space=SPACE, team="other"))
+
+
+async def test_lost_nodes_past_the_limit_fail_a_trial_and_spent_gpu_hours_cancel_the_rest(
+    client: Client, tmp_path: Path
+) -> None:
+    """Two lost nodes with max_infra_retries=1 fail trial 0 (its job cancelled); a GPU-hour budget
+    of 2 s of one device runs out while trial 1 runs: it is cancelled and nothing new starts."""
+    space = (
+        SPACE.replace("gpu_hours: 10", "gpu_hours: 0.0006")
+        .replace("early_stopping: {rule: asha, min_steps: 1, eta: 3}", "early_stopping: {rule: none}")
+        .replace("concurrency: 4", "concurrency: 2")
+    )
+    queue = f"sweep-{uuid.uuid4().hex[:8]}"
+    scheduler = FakeScheduler()
+    storage = f"sqlite+aiosqlite:///{tmp_path / 'orchestrator.db'}"
+    async with worker_for(client, queue, scheduler, SweepActivities(storage)):
+        handle = await client.start_workflow(
+            "sweep", SweepInput(space=space, team="research", max_infra_retries=1), id=f"sweep-{uuid.uuid4().hex[:8]}",
+            task_queue=queue, result_type=SweepResult,
+        )  # fmt: skip
+        await until(lambda: asyncio.sleep(0, len(scheduler.submitted) == 2))
+        for _ in range(2):
+            await event(handle, "job-0", "RUNNING")
+            await event(handle, "job-0", "PENDING", reason="node n1 lost")
+        await until(lambda: asyncio.sleep(0, "job-0" in scheduler.cancelled))
+        await event(handle, "job-1", "RUNNING")
+        result = await handle.result()
+    assert result.trials[0].state == "failed" and result.trials[0].infra_retries == 2
+    assert "lost its node 2 times" in result.trials[0].reason
+    assert result.budget_exhausted == "gpu_hours"
+    assert result.trials[1].state == "cancelled" and "GPU-hour budget" in result.trials[1].reason
+    assert result.gpu_hours >= 0.0006
+    # Trial 2 may have started when trial 0 failed (before the budget ran out); none after.
+    assert len(scheduler.submitted) <= 3 and all(t.state != "completed" for t in result.trials)
+
+
+async def test_cancelling_the_sweep_cancels_its_running_trials(client: Client, tmp_path: Path) -> None:
+    queue = f"sweep-{uuid.uuid4().hex[:8]}"
+    scheduler = FakeScheduler()
+    storage = f"sqlite+aiosqlite:///{tmp_path / 'orchestrator.db'}"
+    async with worker_for(client, queue, scheduler, SweepActivities(storage)):
+        handle = await client.start_workflow(
+            "sweep",
+            SweepInput(space=SPACE, team="research"),
+            id=f"sweep-{uuid.uuid4().hex[:8]}",
+            task_queue=queue,
+        )
+        await until(lambda: asyncio.sleep(0, len(scheduler.submitted) == 4))
+        await event(handle, "job-0", "RUNNING")
+        await metric(handle, "job-0", 9, 1.0)
+        await event(handle, "job-0", "SUCCEEDED")
+        await until(lambda: _is(state_of(handle, 0), "completed"))
+        await handle.cancel()
+        with pytest.raises(WorkflowFailureError):
+            await handle.result()
+    assert sorted(scheduler.cancelled) == ["job-1", "job-2", "job-3"]  # not the finished one
+
+
+class RefusingScheduler(FakeScheduler):
+    """Refuses the third submission for good (as the scheduler does a spec it cannot run)."""
+
+    @activity.defn(name="submit_job")
+    async def submit_job(self, params: SubmitJobInput) -> str:
+        if params.request_id.endswith("trial-2"):
+            raise ApplicationError("SubmitJob: INVALID_ARGUMENT: no such gpu_type", non_retryable=True)
+        return await super().submit_job(params)
+
+
+async def test_a_refused_submission_fails_the_sweep_and_cancels_its_jobs(
+    client: Client, tmp_path: Path
+) -> None:
+    queue = f"sweep-{uuid.uuid4().hex[:8]}"
+    scheduler = RefusingScheduler()
+    storage = f"sqlite+aiosqlite:///{tmp_path / 'orchestrator.db'}"
+    async with worker_for(client, queue, scheduler, SweepActivities(storage)):
+        handle = await client.start_workflow(
+            "sweep",
+            SweepInput(space=SPACE, team="research"),
+            id=f"sweep-{uuid.uuid4().hex[:8]}",
+            task_queue=queue,
+        )
+        with pytest.raises(WorkflowFailureError):
+            await handle.result()
+    assert sorted(scheduler.submitted) == ["job-0", "job-1"]
+    assert sorted(scheduler.cancelled) == ["job-0", "job-1"]
