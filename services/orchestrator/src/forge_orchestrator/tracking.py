@@ -349,8 +349,9 @@ class Tracker:
     def list_artifacts(self, run_id: str, path: str | None = None) -> list[str]:
         return [a.path for a in self._client.list_artifacts(run_id, path)]
 
-    def set_terminated(self, run_id: str, status: RunStatus) -> None:
-        """Close the run as FINISHED, FAILED or KILLED (setting it again is harmless)."""
+    def set_terminated(self, run_id: str, status: str) -> None:
+        """Close the run as FINISHED, FAILED or KILLED (:data:`RunStatus`; anything else is a
+        ValueError; setting it again is harmless)."""
         if status not in ("FINISHED", "FAILED", "KILLED"):
             raise ValueError(f"status must be FINISHED, FAILED or KILLED, got {status!r}")
         self._client.set_terminated(run_id, status)
