@@ -61,7 +61,7 @@ def test_import_gate_fails_when_a_service_imports_another(tmp_path: Path) -> Non
         shadow / "forge_scheduler",
         ignore=shutil.ignore_patterns("__pycache__"),
     )
-    (shadow / "forge_scheduler" / "leak.py").write_text("from forge_eval import service  # noqa: F401\n")
+    (shadow / "forge_scheduler" / "leak.py").write_text("from forge_eval import runs  # noqa: F401\n")
     env = {**os.environ, "PYTHONPATH": str(shadow)}
     clean = subprocess.run([str(LINT_IMPORTS)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert clean.returncode == 0, clean.stdout

@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
+from forge_eval.registry import ModelRegistry
 from forge_eval.runner import ExampleResult
-from forge_eval.service import EvalService
+from forge_eval.runs import RunService
 from forge_eval.spec import BenchmarkCatalog, RunSpec
 from forge_kit.db import Database
 from forge_kit.events import OutboxEvent
@@ -60,8 +61,13 @@ def runner() -> ScriptedRunner:
 
 
 @pytest.fixture
-def service(db: Database, catalog: BenchmarkCatalog, runner: ScriptedRunner) -> EvalService:
-    return EvalService(db, catalog, runner, default_endpoint="http://127.0.0.1:9/")
+def registry(db: Database) -> ModelRegistry:
+    return ModelRegistry(db)
+
+
+@pytest.fixture
+def runs(db: Database, catalog: BenchmarkCatalog, runner: ScriptedRunner) -> RunService:
+    return RunService(db, catalog, runner, default_endpoint="http://127.0.0.1:9/")
 
 
 @pytest.fixture
@@ -74,19 +80,19 @@ def outbox(db: Database):  # type: ignore[no-untyped-def]
 
 
 @pytest.fixture
-def run_model(service: EvalService, runner: ScriptedRunner):  # type: ignore[no-untyped-def]
+def run_model(runs: RunService, runner: ScriptedRunner):  # type: ignore[no-untyped-def]
     """Queue and execute a gsm8k run of ``name:version`` whose per-example scores are ``scores``."""
 
     async def run(
         version: str, scores: list[float], *, name: str = "tiny", suite: str = "gsm8k", **kwargs: object
     ) -> str:
         runner.scores[version] = scores
-        queued = await service.run_suite(
+        queued = await runs.run_suite(
             suite, name, version, endpoint="", limit=len(scores), seed=1, options={}, **kwargs
         )  # type: ignore[arg-type]
-        claimed = await service.claim_next_run()
+        claimed = await runs.claim_next_run()
         assert claimed == queued.id
-        await service.execute_run(queued.id)
+        await runs.execute_run(queued.id)
         return queued.id
 
     return run

@@ -15,8 +15,9 @@ from forge.common.v1 import common_pb2
 from forge.eval.v1 import eval_pb2, eval_pb2_grpc
 
 from forge_eval.api import EvalApi, named_tokens
+from forge_eval.registry import ModelRegistry
 from forge_eval.runner import OpenAICompletionsRunner
-from forge_eval.service import EvalService
+from forge_eval.runs import RunService
 from forge_eval.spec import BenchmarkCatalog
 from forge_kit.db import Database
 from forge_kit.grpckit import FIELD_METADATA_KEY, GrpcServer, make_channel
@@ -63,14 +64,14 @@ async def model_endpoint(catalog: BenchmarkCatalog) -> AsyncIterator[str]:
 
 
 @pytest.fixture
-async def eval_service(db: Database, catalog: BenchmarkCatalog) -> EvalService:
-    return EvalService(db, catalog, OpenAICompletionsRunner(catalog.root, timeout_s=5), default_endpoint="")
+async def eval_runs(db: Database, catalog: BenchmarkCatalog) -> RunService:
+    return RunService(db, catalog, OpenAICompletionsRunner(catalog.root, timeout_s=5), default_endpoint="")
 
 
 @pytest.fixture
-async def server(eval_service: EvalService) -> AsyncIterator[GrpcServer]:
-    api = EvalApi(eval_service, max_page_size=100)
-    worker = asyncio.create_task(eval_service.run_worker())
+async def server(db: Database, eval_runs: RunService) -> AsyncIterator[GrpcServer]:
+    api = EvalApi(ModelRegistry(db), eval_runs, max_page_size=100)
+    worker = asyncio.create_task(eval_runs.run_worker())
     async with grpc_test_server(
         eval_pb2_grpc.add_EvalServiceServicer_to_server,
         api,

@@ -8,7 +8,7 @@ import pytest
 from aiokafka import AIOKafkaConsumer
 from forge.events.v1 import events_pb2
 
-from forge_eval.service import EvalService
+from forge_eval.registry import ModelRegistry
 from forge_kit.db import Database
 from forge_kit.events import HEADER_ID, HEADER_TYPE, KafkaPublisher, OutboxRelay, ensure_topics, topic_for
 from forge_kit.testing import eventkeys
@@ -18,16 +18,16 @@ pytestmark = [pytest.mark.asyncio, pytest.mark.integration]
 
 
 async def test_model_promoted_is_relayed_to_kafka(
-    kafka_broker: TansuBroker, service: EvalService, db: Database
+    kafka_broker: TansuBroker, registry: ModelRegistry, db: Database
 ) -> None:
     topic = topic_for(events_pb2.ModelPromoted())
     await ensure_topics(kafka_broker.bootstrap, [topic, topic_for(events_pb2.EvalCompleted())])
-    await service.register_model("tiny", "1", "file:///ckpt/1", {})
-    await service.register_model("tiny", "2", "file:///ckpt/2", {})
-    await service.promote_model(
+    await registry.register_model("tiny", "1", "file:///ckpt/1", {})
+    await registry.register_model("tiny", "2", "file:///ckpt/2", {})
+    await registry.promote_model(
         "tiny", "1", "production", traffic_percent=0, reason="first", force=True, actor="alice"
     )
-    await service.promote_model(
+    await registry.promote_model(
         "tiny", "2", "canary", traffic_percent=10, reason="try it", force=True, actor="alice"
     )
 

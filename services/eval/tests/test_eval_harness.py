@@ -337,7 +337,9 @@ async def test_the_service_runs_a_shipped_task_through_the_harness(
     tmp_path: Path, db: Database, catalog: BenchmarkCatalog, state: EndpointState
 ) -> None:
     """RunSuite → worker → TaskSuiteRunner → harness → stored per-example results and metrics."""
-    from forge_eval.service import SUCCEEDED, EvalService
+    from forge_eval.registry import ModelRegistry
+    from forge_eval.runs import RunService
+    from forge_eval.store.runs import RunStatus
     from forge_eval.task_runner import TaskSuiteRunner
 
     state.models["toy:1"] = state.models["toy"]
@@ -346,29 +348,27 @@ async def test_the_service_runs_a_shipped_task_through_the_harness(
         cache_path=tmp_path / "cache.sqlite",
         transport=httpx.ASGITransport(app=make_app(state)),
     )
-    service = EvalService(db, catalog, runner, default_endpoint="http://toy")
-    await service.register_model("toy", "1", "file:///ckpt/toy", {})
-    queued = await service.run_suite("bbh", "toy", "1", endpoint="", limit=6, seed=2, options={})
+    runs = RunService(db, catalog, runner, default_endpoint="http://toy")
+    await ModelRegistry(db).register_model("toy", "1", "file:///ckpt/toy", {})
+    queued = await runs.run_suite("bbh", "toy", "1", endpoint="", limit=6, seed=2, options={})
     assert queued.spec["scorer_version"].startswith("exact-match-1+task-")
-    assert await service.claim_next_run() == queued.id
-    run = await service.execute_run(queued.id)
-    assert run.status == SUCCEEDED, run.error
-    _, metrics = await service.get_run(queued.id)
+    assert await runs.claim_next_run() == queued.id
+    run = await runs.execute_run(queued.id)
+    assert run.status == RunStatus.SUCCEEDED, run.error
+    _, metrics = await runs.get_run(queued.id)
     assert [m.name for m in metrics] == ["exact_match"] and metrics[0].n == 6
     assert state.prompts == 6
 
 
 def test_service_gate_uses_the_tolerance_and_the_metric_direction() -> None:
-    from forge.eval.v1 import eval_pb2
-
     from forge_eval import stats
-    from forge_eval.service import MetricDelta, verdict_of
+    from forge_eval.gate import MetricDelta, Verdict, verdict_of
 
     drop = stats.PairedResult(0.50, 0.48, -0.02, -0.03, -0.01, 0.01, 1000, "mcnemar")
-    assert verdict_of((MetricDelta("acc", drop),), 0.0) == eval_pb2.VERDICT_WORSE
-    assert verdict_of((MetricDelta("acc", drop),), 0.05) == eval_pb2.VERDICT_NO_DIFFERENCE
+    assert verdict_of((MetricDelta("acc", drop),), 0.0) == Verdict.WORSE
+    assert verdict_of((MetricDelta("acc", drop),), 0.05) == Verdict.NO_DIFFERENCE
     # Fewer bits per byte is better: the same numbers are an improvement there.
-    assert verdict_of((MetricDelta("bits_per_byte", drop),), 0.0) == eval_pb2.VERDICT_BETTER
+    assert verdict_of((MetricDelta("bits_per_byte", drop),), 0.0) == Verdict.BETTER
 
 
 async def test_humaneval_runs_generated_code_in_the_sandbox(backend_factory: BackendFactory) -> None:

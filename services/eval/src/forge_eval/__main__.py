@@ -1,4 +1,5 @@
-"""Eval process: settings → database → benchmark catalog and runner → service → servers + run worker."""
+"""Eval process: settings → database → benchmark catalog and runner → registry and run service →
+servers + run worker."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from forge.eval.v1 import eval_pb2, eval_pb2_grpc
 from forge_eval.api import EvalApi, named_tokens
 from forge_eval.config import EvalSettings
 from forge_eval.endpoints import EndpointRegistry
-from forge_eval.service import EvalService
+from forge_eval.registry import ModelRegistry
+from forge_eval.runs import RunService
 from forge_eval.serving import LocalModelServer
 from forge_eval.task_runner import TaskCatalog, TaskSuiteRunner
 from forge_eval.tasks import DataRoots
@@ -35,13 +37,15 @@ async def main() -> None:
         concurrency=settings.request_concurrency,
     )
     catalog = TaskCatalog(roots)
-    service = EvalService(
+    on_commit = relay.wake if relay else lambda: None
+    registry = ModelRegistry(db, producer=app.name, on_commit=on_commit)
+    runs = RunService(
         db,
         catalog,
         runner,
         default_endpoint=settings.inference_gateway_url,
         producer=app.name,
-        on_commit=relay.wake if relay else lambda: None,
+        on_commit=on_commit,
         run_concurrency=settings.run_concurrency,
         model_host=LocalModelServer(
             settings.model_server_command,
@@ -57,9 +61,9 @@ async def main() -> None:
             }
         ),
     )
-    app.add_background(service.run_worker)
+    app.add_background(runs.run_worker)
     app.log.info("eval.suites", roots=str(roots), suites=catalog.suites())
-    api = EvalApi(service, max_page_size=settings.max_page_size)
+    api = EvalApi(registry, runs, max_page_size=settings.max_page_size)
     await app.run(
         register=[lambda server: eval_pb2_grpc.add_EvalServiceServicer_to_server(api, server)],
         service_names=[eval_pb2.DESCRIPTOR.services_by_name["EvalService"].full_name],

@@ -17,8 +17,10 @@ from forge.common.v1 import common_pb2
 from forge.eval.v1 import eval_pb2, eval_pb2_grpc
 from google.protobuf import timestamp_pb2
 
-from forge_eval.service import EvalService, Lineage, ModelView, StageEventView
-from forge_eval.store import MetricRow, ModelRow, RunRow
+from forge_eval.registry import Lineage, ModelRegistry, ModelView, StageEventView
+from forge_eval.runs import RunService
+from forge_eval.store.registry import ModelRow
+from forge_eval.store.runs import MetricRow, RunRow
 from forge_kit import errors
 from forge_kit.grpckit import Authenticator, Principal, current_principal, timestamp_field
 from forge_kit.paging import decode_page, page_info
@@ -111,7 +113,7 @@ def run_to_proto(run: RunRow, metrics: list[MetricRow]) -> eval_pb2.EvalRun:
         suite=run.suite,
         model=common_pb2.ModelRef(name=run.model_name, version=run.model_version),
         endpoint=run.endpoint,
-        status=run.status,  # type: ignore[arg-type]
+        status=int(run.status),  # type: ignore[arg-type]  # RunStatus keeps the proto's numbers
         metrics=[
             eval_pb2.Metric(name=m.name, value=m.value, ci_low=m.ci_low, ci_high=m.ci_high, n=m.n)
             for m in metrics
@@ -129,10 +131,12 @@ def run_to_proto(run: RunRow, metrics: list[MetricRow]) -> eval_pb2.EvalRun:
 
 
 class EvalApi(eval_pb2_grpc.EvalServiceServicer):
-    """Translates EvalService RPCs to :class:`EvalService` calls."""
+    """Translates EvalService RPCs to calls of the :class:`ModelRegistry` (models, stages, history)
+    and the :class:`RunService` (runs, comparisons)."""
 
-    def __init__(self, service: EvalService, *, max_page_size: int) -> None:
-        self._service = service
+    def __init__(self, registry: ModelRegistry, runs: RunService, *, max_page_size: int) -> None:
+        self._registry = registry
+        self._runs = runs
         self._max_page_size = max_page_size
 
     async def RunSuite(
@@ -140,7 +144,7 @@ class EvalApi(eval_pb2_grpc.EvalServiceServicer):
     ) -> eval_pb2.RunSuiteResponse:
         if not request.HasField("model"):
             raise errors.ValidationError("model", "is required")
-        run = await self._service.run_suite(
+        run = await self._runs.run_suite(
             request.suite,
             request.model.name,
             request.model.version,
@@ -157,14 +161,14 @@ class EvalApi(eval_pb2_grpc.EvalServiceServicer):
     async def GetRun(
         self, request: eval_pb2.GetRunRequest, context: grpc.aio.ServicerContext
     ) -> eval_pb2.GetRunResponse:
-        run, metrics = await self._service.get_run(request.run_id)
+        run, metrics = await self._runs.get_run(request.run_id)
         return eval_pb2.GetRunResponse(run=run_to_proto(run, metrics))
 
     async def ListRuns(
         self, request: eval_pb2.ListRunsRequest, context: grpc.aio.ServicerContext
     ) -> eval_pb2.ListRunsResponse:
         size, offset = decode_page(request.page, max_size=self._max_page_size)
-        runs, total = await self._service.list_runs(
+        runs, total = await self._runs.list_runs(
             request.suite,
             request.model_name,
             size,
@@ -180,7 +184,7 @@ class EvalApi(eval_pb2_grpc.EvalServiceServicer):
     async def CompareRuns(
         self, request: eval_pb2.CompareRunsRequest, context: grpc.aio.ServicerContext
     ) -> eval_pb2.CompareRunsResponse:
-        comparison = await self._service.compare_runs(request.baseline_run_id, request.candidate_run_id)
+        comparison = await self._runs.compare_runs(request.baseline_run_id, request.candidate_run_id)
         return eval_pb2.CompareRunsResponse(
             deltas=[
                 eval_pb2.MetricDelta(
@@ -195,7 +199,7 @@ class EvalApi(eval_pb2_grpc.EvalServiceServicer):
                 )
                 for d in comparison.deltas
             ],
-            verdict=comparison.verdict,  # type: ignore[arg-type]
+            verdict=int(comparison.verdict),  # type: ignore[arg-type]  # Verdict keeps the proto's numbers
             report_path=comparison.report_path,
         )
 
@@ -203,7 +207,7 @@ class EvalApi(eval_pb2_grpc.EvalServiceServicer):
         self, request: eval_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> eval_pb2.ListModelsResponse:
         size, offset = decode_page(request.page, max_size=self._max_page_size)
-        models, total = await self._service.list_models(request.name, request.stage, size, offset)
+        models, total = await self._registry.list_models(request.name, request.stage, size, offset)
         return eval_pb2.ListModelsResponse(
             models=[model_to_proto(m) for m in models], page=page_info(offset, len(models), total)
         )
@@ -219,7 +223,7 @@ class EvalApi(eval_pb2_grpc.EvalServiceServicer):
             if not lineage.parent.name or not lineage.parent.version:
                 raise errors.ValidationError("lineage.parent", "needs a name and a version")
             parent = (lineage.parent.name, lineage.parent.version)
-        view = await self._service.register_model(
+        view = await self._registry.register_model(
             request.ref.name,
             request.ref.version,
             request.uri,
@@ -235,7 +239,7 @@ class EvalApi(eval_pb2_grpc.EvalServiceServicer):
         if not request.HasField("ref"):
             raise errors.ValidationError("ref", "is required")
         actor, admin = _caller()
-        done = await self._service.promote_model(
+        done = await self._registry.promote_model(
             request.ref.name,
             request.ref.version,
             request.stage,
@@ -254,7 +258,7 @@ class EvalApi(eval_pb2_grpc.EvalServiceServicer):
     async def RollbackModel(
         self, request: eval_pb2.RollbackModelRequest, context: grpc.aio.ServicerContext
     ) -> eval_pb2.RollbackModelResponse:
-        done = await self._service.rollback_model(request.stage, request.reason, actor=_caller()[0])
+        done = await self._registry.rollback_model(request.stage, request.reason, actor=_caller()[0])
         assert done.previous is not None
         return eval_pb2.RollbackModelResponse(
             model=model_to_proto(done.model),
@@ -266,7 +270,7 @@ class EvalApi(eval_pb2_grpc.EvalServiceServicer):
         self, request: eval_pb2.ListStageEventsRequest, context: grpc.aio.ServicerContext
     ) -> eval_pb2.ListStageEventsResponse:
         size, offset = decode_page(request.page, max_size=self._max_page_size)
-        events, total = await self._service.list_stage_events(
+        events, total = await self._registry.list_stage_events(
             request.model_name,
             request.model_version,
             request.stage,

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from forge_eval.stats import PairedResult
-from forge_eval.store import MetricRow, RunRow
+from forge_eval.store.runs import MetricRow, RunRow
 
 SMOKE_NOTE = (
     "**Smoke tier**: each task's small stratified subset, for when compute is short. Intervals are "

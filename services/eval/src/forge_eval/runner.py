@@ -1,9 +1,10 @@
 """Running a suite against a model: the ``SuiteRunner`` seam and the OpenAI-compatible runner.
 
-``EvalService`` calls a runner once per run, after marking the run RUNNING, and stores what it
-returns; a runner never touches the database. It raises :class:`RunnerError` with a message a user
-can act on when it cannot score the run (endpoint unreachable, model not served), and the run
-becomes FAILED with that message: a run never reports scores it did not get from the model.
+The run service (:class:`~forge_eval.runs.RunService`) calls a runner once per run, after marking
+the run RUNNING, and stores what it returns; a runner never touches the database. It raises
+:class:`RunnerError` with a message a user can act on when it cannot score the run (endpoint
+unreachable, model not served), and the run becomes FAILED with that message: a run never reports
+scores it did not get from the model.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ class ExampleResult:
 class SuiteRunner(Protocol):
     """Scores a pinned run spec against a model endpoint.
 
-    Called by :class:`forge_eval.service.EvalService`: ``supports`` and ``scorer_version`` when a
+    Called by :class:`forge_eval.runs.RunService`: ``supports`` and ``scorer_version`` when a
     run is requested (both go into validation and the spec hash), ``run`` by the run worker.
     """
 

@@ -51,7 +51,7 @@ class ServedModel:
 class ModelHost(Protocol):
     """Starts a model server for one checkpoint folder.
 
-    Called by :meth:`forge_eval.service.EvalService.execute_run` for a run with ``serve_model``;
+    Called by :meth:`forge_eval.runs.RunService.execute_run` for a run with ``serve_model``;
     the server is up when the context is entered and stopped when it exits, however it exits.
     """
 

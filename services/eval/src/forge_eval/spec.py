@@ -103,7 +103,7 @@ class RunSpec:
 
 
 class SuiteCatalog(Protocol):
-    """Which suites exist and what their data hashes to. Called by ``EvalService.run_suite`` to
+    """Which suites exist and what their data hashes to. Called by ``RunService.run_suite`` to
     validate the suite and pin the content hashes in the run spec."""
 
     @property

@@ -61,7 +61,7 @@ class TaskCatalog:
 
 
 class TaskSuiteRunner:
-    """Runs shipped YAML tasks against an OpenAI-compatible endpoint for :class:`EvalService`."""
+    """Runs shipped YAML tasks against an OpenAI-compatible endpoint for :class:`~forge_eval.runs.RunService`."""
 
     def __init__(
         self,

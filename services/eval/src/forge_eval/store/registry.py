@@ -1,17 +1,20 @@
-"""Eval persistence: registered models, stage history, runs, metrics and per-example results."""
+"""Registry persistence: model versions with their lineage, and the stage events (the audit trail)."""
 
 from __future__ import annotations
 
 import datetime as dt
 
 import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Mapped, mapped_column
 
+from forge_eval.store import utcnow
 from forge_kit.db import Base
 
-
-def utcnow() -> dt.datetime:
-    return dt.datetime.now(dt.UTC).replace(tzinfo=None)
+CANDIDATE, CANARY, PRODUCTION, ARCHIVED = "candidate", "canary", "production", "archived"
+STAGES = (CANDIDATE, CANARY, PRODUCTION, ARCHIVED)
+#: Stages that serve traffic: one holder each, ``ModelPromoted`` on change, rollback possible.
+SERVING = (CANARY, PRODUCTION)
 
 
 class ModelRow(Base):
@@ -63,54 +66,23 @@ class StageEventRow(Base):
     gate_report: Mapped[str] = mapped_column(sa.Text, default="")
 
 
-class RunRow(Base):
-    """An eval run; ``spec`` is the pinned run spec whose canonical JSON ``spec_hash`` hashes."""
-
-    __tablename__ = "eval_runs"
-
-    id: Mapped[str] = mapped_column(sa.String(40), primary_key=True)
-    suite: Mapped[str] = mapped_column(sa.String(64), index=True)
-    model_name: Mapped[str] = mapped_column(sa.String(128), index=True)
-    model_version: Mapped[str] = mapped_column(sa.String(64))
-    endpoint: Mapped[str] = mapped_column(sa.Text, default="")
-    spec: Mapped[dict[str, object]] = mapped_column(sa.JSON)
-    spec_hash: Mapped[str] = mapped_column(sa.String(64), index=True)
-    status: Mapped[int] = mapped_column(sa.Integer, index=True)
-    error: Mapped[str] = mapped_column(sa.Text, default="")
-    example_count: Mapped[int] = mapped_column(sa.Integer, default=0)
-    passed_gate: Mapped[bool] = mapped_column(sa.Boolean, default=False)
-    created_at: Mapped[dt.datetime] = mapped_column(sa.DateTime, default=utcnow, index=True)
-    started_at: Mapped[dt.datetime | None] = mapped_column(sa.DateTime, nullable=True)
-    finished_at: Mapped[dt.datetime | None] = mapped_column(sa.DateTime, nullable=True)
-    tier: Mapped[str] = mapped_column(sa.String(16), default="full")
-    serve_model: Mapped[bool] = mapped_column(sa.Boolean, default=False)
-    """Eval starts a model server from the model's registered checkpoint for the run."""
-    report_path: Mapped[str] = mapped_column(sa.Text, default="")
+async def find_model(session: AsyncSession, name: str, version: str) -> ModelRow | None:
+    return await session.scalar(sa.select(ModelRow).where(ModelRow.name == name, ModelRow.version == version))
 
 
-class MetricRow(Base):
-    """A run's aggregate metric with its 95% interval."""
-
-    __tablename__ = "eval_run_metrics"
-
-    run_id: Mapped[str] = mapped_column(sa.ForeignKey("eval_runs.id", ondelete="CASCADE"), primary_key=True)
-    name: Mapped[str] = mapped_column(sa.String(64), primary_key=True)
-    value: Mapped[float] = mapped_column(sa.Float)
-    ci_low: Mapped[float] = mapped_column(sa.Float)
-    ci_high: Mapped[float] = mapped_column(sa.Float)
-    n: Mapped[int] = mapped_column(sa.Integer)
-
-
-class ExampleRow(Base):
-    """One example's score for one metric, with what the model said (paired comparisons use these)."""
-
-    __tablename__ = "eval_run_examples"
-
-    run_id: Mapped[str] = mapped_column(sa.ForeignKey("eval_runs.id", ondelete="CASCADE"), primary_key=True)
-    example_id: Mapped[str] = mapped_column(sa.String(128), primary_key=True)
-    metric: Mapped[str] = mapped_column(sa.String(64), primary_key=True)
-    score: Mapped[float] = mapped_column(sa.Float)
-    prompt: Mapped[str] = mapped_column(sa.Text, default="")
-    output: Mapped[str] = mapped_column(sa.Text, default="")
-    extracted: Mapped[str] = mapped_column(sa.Text, default="")
-    target: Mapped[str] = mapped_column(sa.Text, default="")
+async def holders(session: AsyncSession) -> dict[str, StageEventRow]:
+    """The current holder row of every serving stage: its newest promotion not rolled back whose
+    model is still in that stage (a canary promoted to production no longer holds canary)."""
+    rows = (
+        await session.scalars(
+            sa.select(StageEventRow)
+            .join(ModelRow, ModelRow.id == StageEventRow.model_id)
+            .where(
+                StageEventRow.action == "promote",
+                StageEventRow.rolled_back.is_(False),
+                StageEventRow.stage == ModelRow.stage,
+            )
+            .order_by(StageEventRow.id)
+        )
+    ).all()
+    return {row.stage: row for row in rows}
