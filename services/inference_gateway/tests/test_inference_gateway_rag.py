@@ -357,7 +357,7 @@ async def rag_gateway(
         install_gateway_api(app, gateway, ADMIN_TOKEN, rag)
         if not keys:  # the gateways of one test share its database
             for name in ("acme", "globex"):
-                keys[name] = (await gateway.create_tenant(name, rpm_limit=1000))[1]
+                keys[name] = (await gateway.tenants.create_tenant(name, rpm_limit=1000))[1]
 
         def client(key: str) -> httpx.AsyncClient:
             transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)

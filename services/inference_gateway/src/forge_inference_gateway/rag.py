@@ -49,7 +49,8 @@ from forge.rerank.v1 import rerank_pb2, rerank_pb2_grpc
 from forge.retrieval.v1 import retrieval_pb2, retrieval_pb2_grpc
 from prometheus_client import Counter, Histogram
 
-from forge_inference_gateway.service import InferenceGateway, Tenant
+from forge_inference_gateway.service import InferenceGateway
+from forge_inference_gateway.tenants import Tenant
 from forge_inference_gateway.upstream import UpstreamError, UpstreamUnavailableError
 from forge_kit import errors
 from forge_kit.cache import Cache
@@ -514,7 +515,7 @@ class RagService:
     async def _cache_key(self, tenant: Tenant, query: RagQuery) -> str | None:
         if self._cache is None or self.limits.cache_ttl_s <= 0 or query.temperature != 0:
             return None
-        target, alias = await self._gateway.resolve_model(query.model)
+        target, alias = await self._gateway.aliases.resolve_model(query.model)
         version = (
             [str(target), alias.canary_target, alias.canary_weight] if alias is not None else [str(target)]
         )
@@ -573,7 +574,7 @@ class RagService:
         ranked, rerank = await self._rerank(query, candidates, plan.deadline)
         RAG_STAGE_SECONDS.labels("rerank").observe(self._clock() - retrieved)
         # 5. Assemble within the token budget.
-        model, _ = await self._gateway.resolve_model(query.model)
+        model, _ = await self._gateway.aliases.resolve_model(query.model)
         target = str(model)
         await self._gateway.pool.ensure_known()
         budget = query.max_context_tokens
