@@ -11,6 +11,7 @@ from forge.common.v1 import common_pb2
 from forge.events.v1 import events_pb2
 from prometheus_client import REGISTRY
 
+from forge_inference_gateway.router import GenerationRequest
 from forge_inference_gateway.service import InferenceGateway
 from forge_inference_gateway.tenants import Tenant
 from forge_kit import errors
@@ -40,7 +41,11 @@ async def apply(gateway: InferenceGateway, db: Database, *events: events_pb2.Mod
 async def targets(gateway: InferenceGateway, tenant: Tenant, users: range) -> list[str]:
     body = {"model": "forge-chat", "prompt": "hi"}
     return [
-        (await gateway.router.route(tenant, "/v1/completions", {**body, "user": f"u{i}"})).target
+        (
+            await gateway.router.route(
+                tenant, "/v1/completions", GenerationRequest.parse({**body, "user": f"u{i}"})
+            )
+        ).target
         for i in users
     ]
 
@@ -58,7 +63,12 @@ async def test_canary_event_splits_the_production_aliases_stickily_until_rolled_
     assert await targets(gateway, tenant, range(1000)) == first  # the same user, the same version
     # Without a user the session header keeps it sticky; without either, the request itself does.
     routed = [
-        await gateway.router.route(tenant, "/v1/completions", {"model": "production", "prompt": "p"}, f"s{i}")
+        await gateway.router.route(
+            tenant,
+            "/v1/completions",
+            GenerationRequest.parse({"model": "production", "prompt": "p"}),
+            f"s{i}",
+        )
         for i in range(200)
     ]
     assert {r.split for r in routed} == {"stable", "canary"}

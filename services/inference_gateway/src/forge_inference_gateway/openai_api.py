@@ -30,6 +30,7 @@ from forge_inference_gateway.embeddings import GrpcEmbedder, create_embeddings
 from forge_inference_gateway.openai_schema import bearer_scheme, check_generation, install_openapi
 from forge_inference_gateway.rag import RagService
 from forge_inference_gateway.response_cache import CACHE_HEADER
+from forge_inference_gateway.router import GenerationRequest
 from forge_inference_gateway.service import InferenceGateway
 from forge_inference_gateway.tenants import PRIORITY_CLASSES, Tenant
 from forge_inference_gateway.upstream import StreamBroken, UpstreamError, UpstreamUnavailableError, error_for
@@ -176,7 +177,10 @@ class GatewayRoutes:
     async def _forward(self, path: str, request: Request, raw: object) -> Response:
         deadline = self._gateway.deadline()
         routed = await self._gateway.router.route(
-            request.state.tenant, path, raw, session_key=request.headers.get(SESSION_HEADER)
+            request.state.tenant,
+            path,
+            GenerationRequest.parse(raw),
+            session_key=request.headers.get(SESSION_HEADER),
         )
         forwarded = await self._gateway.router.forward(routed, deadline)
         if forwarded.chunks is None:

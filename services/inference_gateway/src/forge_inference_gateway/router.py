@@ -63,6 +63,38 @@ UPSTREAM_SECONDS = Histogram(
 
 
 @dataclass(frozen=True)
+class GenerationRequest:
+    """A completion or chat completion body with what routing reads checked once, at the edge
+    (:meth:`parse`); ``body`` goes upstream as sent, its ``model`` resolved."""
+
+    body: dict[str, object]
+    model: str
+    """The ``model`` asked for: an alias or a model reference (``name`` or ``name:version``)."""
+    stream: bool = False
+    priority: int | None = None
+    """The body's ``priority`` (vLLM's meaning: lower runs first); it can only lower the tenant's."""
+    user: str | None = None
+    """The body's ``user`` when it is a non-empty string: what keeps a canary split sticky."""
+
+    @classmethod
+    def parse(cls, raw: object) -> GenerationRequest:
+        """The request, or a ``ValidationError`` naming the first field routing cannot use."""
+        if not isinstance(raw, dict):
+            raise errors.ValidationError("body", "must be a JSON object")
+        model = raw.get("model")
+        if not isinstance(model, str) or not model.strip():
+            raise errors.ValidationError("model", "is required and must be a string")
+        priority = raw.get("priority")
+        if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)):
+            raise errors.ValidationError("priority", "must be an integer (lower runs first)")
+        stream = raw.get("stream", False)
+        if not isinstance(stream, bool):
+            raise errors.ValidationError("stream", "must be a boolean")
+        user = raw.get("user")
+        return cls(raw, model, stream, priority, user if isinstance(user, str) and user else None)
+
+
+@dataclass(frozen=True)
 class Routed:
     """A request ready to go upstream (step 3 of the module docstring)."""
 
@@ -133,34 +165,21 @@ class Router:
         self._attempts = upstream_attempts
         self._clock = clock
 
-    async def route(self, tenant: Tenant, path: str, body: object, session_key: str | None = None) -> Routed:
-        """Step 3: validate what routing needs, resolve the alias (and its canary), set the priority."""
-        if not isinstance(body, dict):
-            raise errors.ValidationError("body", "must be a JSON object")
-        model = body.get("model")
-        if not isinstance(model, str) or not model.strip():
-            raise errors.ValidationError("model", "is required and must be a string")
-        requested = body.get("priority")
-        if requested is not None and (isinstance(requested, bool) or not isinstance(requested, int)):
-            raise errors.ValidationError("priority", "must be an integer (lower runs first)")
-        stream = body.get("stream", False)
-        if not isinstance(stream, bool):
-            raise errors.ValidationError("stream", "must be a boolean")
-        target, alias = await self._aliases.resolve_model(model)
+    async def route(
+        self, tenant: Tenant, path: str, request: GenerationRequest, session_key: str | None = None
+    ) -> Routed:
+        """Step 3: resolve the alias (and its canary), set the priority."""
+        body = request.body
+        target, alias = await self._aliases.resolve_model(request.model)
         split = "direct"
         if alias is not None:
             split = "stable"
             canary = alias.canary
             if canary is not None and alias.canary_weight > 0:
-                user = body.get("user")
-                sticky = (
-                    user
-                    if isinstance(user, str) and user
-                    else session_key or json.dumps(body, sort_keys=True, default=str)
-                )
+                sticky = request.user or session_key or json.dumps(body, sort_keys=True, default=str)
                 if canary_bucket(alias.alias, tenant.id, sticky) < alias.canary_weight:
                     target, split = canary, "canary"
-        level = level_for(tenant.priority_class, requested)
+        level = level_for(tenant.priority_class, request.priority)
         upstream: dict[str, object] = {**body, "model": str(target)}
         upstream.pop("priority", None)
         key = None
@@ -172,14 +191,14 @@ class Router:
         return Routed(
             path=path,
             body=upstream,
-            stream=stream,
+            stream=request.stream,
             model=target,
             split=split,
             level=level,
             prefix=prefix,
             cache_key=key,
             alias=alias.alias if alias else None,
-            requested=model,
+            requested=request.model,
         )
 
     async def forward(self, routed: Routed, deadline: float) -> Forwarded:

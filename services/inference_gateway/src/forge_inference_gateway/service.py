@@ -32,7 +32,7 @@ from forge_inference_gateway.aliases import Aliases
 from forge_inference_gateway.autoscaling import Autoscaler
 from forge_inference_gateway.replicas import Replicas
 from forge_inference_gateway.response_cache import ResponseCache
-from forge_inference_gateway.router import Router
+from forge_inference_gateway.router import GenerationRequest, Router
 from forge_inference_gateway.routing import NoReplicaError, ReplicaPool
 from forge_inference_gateway.tenants import Tenant, Tenants
 from forge_inference_gateway.upstream import UpstreamError, UpstreamUnavailableError, error_for
@@ -188,7 +188,7 @@ class InferenceGateway:
         """Stream an OpenAI request as text pieces then one final chunk (the gRPC API's view), each
         with the model version that answers it."""
         path = "/v1/chat/completions" if chat else "/v1/completions"
-        request = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        request = GenerationRequest.parse({**body, "stream": True, "stream_options": {"include_usage": True}})
         routed = await self.router.route(tenant, path, request)
         forwarded = await self.router.forward(routed, deadline)
         if forwarded.chunks is None:
