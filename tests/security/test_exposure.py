@@ -110,7 +110,7 @@ async def test_model_list_shows_tenants_no_host_path(tmp_path: Path) -> None:
     gateway = InferenceGateway(
         db, InMemoryCache(), pool, responses=ResponseCache(InMemoryCache()), internal_token="admin-token"
     )
-    await gateway.bootstrap("tenant-key")
+    await gateway.tenants.bootstrap("tenant-key")
     app = make_app("inference_gateway")
     install_gateway_api(app, gateway, "admin-token")
     try:

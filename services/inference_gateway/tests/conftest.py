@@ -85,7 +85,7 @@ async def gateway(db: Database, clock: FakeClock, upstream_url: str) -> AsyncIte
         request_timeout_s=10,
         internal_token=ADMIN_TOKEN,
     )
-    await service.bootstrap(API_KEY)
+    await service.tenants.bootstrap(API_KEY)
     yield service
     await pool.close()
 
@@ -459,13 +459,13 @@ async def make_gateway(
 
     async def make(urls: list[str], **kwargs: Any) -> InferenceGateway:
         gateway = build_gateway(db, urls, **kwargs)
-        await gateway.bootstrap(api_key)
+        await gateway.tenants.bootstrap(api_key)
         built.append(gateway)
         return gateway
 
     yield make
     for gateway in built:
-        await gateway.stop()
+        await gateway.replicas.stop()
 
 
 @pytest.fixture

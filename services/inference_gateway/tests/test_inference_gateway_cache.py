@@ -105,7 +105,7 @@ async def test_entries_are_never_shared_across_tenants_or_model_versions(
                 traffic_percent=100,
             )
             async with db.session() as session:
-                await gateway_over.apply_model_promoted(event, session)
+                await gateway_over.aliases.apply_model_promoted(event, session)
             replies = [await client.post("/v1/completions", json=aliased) for _ in range(2)]
             assert [r.headers["x-forge-cache"] for r in replies] == results
             assert replies[0].headers["x-forge-model"] == ("tiny:2" if version else "tiny")

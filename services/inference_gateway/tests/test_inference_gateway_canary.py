@@ -11,7 +11,9 @@ from forge.common.v1 import common_pb2
 from forge.events.v1 import events_pb2
 from prometheus_client import REGISTRY
 
-from forge_inference_gateway.service import InferenceGateway, Tenant
+from forge_inference_gateway.router import GenerationRequest
+from forge_inference_gateway.service import InferenceGateway
+from forge_inference_gateway.tenants import Tenant
 from forge_kit import errors
 from forge_kit.db import Database
 from forge_kit.events import new_meta
@@ -33,20 +35,27 @@ def promoted(
 async def apply(gateway: InferenceGateway, db: Database, *events: events_pb2.ModelPromoted) -> None:
     async with db.session() as session:
         for event in events:
-            await gateway.apply_model_promoted(event, session)
+            await gateway.aliases.apply_model_promoted(event, session)
 
 
 async def targets(gateway: InferenceGateway, tenant: Tenant, users: range) -> list[str]:
     body = {"model": "forge-chat", "prompt": "hi"}
-    return [(await gateway.route(tenant, "/v1/completions", {**body, "user": f"u{i}"})).target for i in users]
+    return [
+        (
+            await gateway.router.route(
+                tenant, "/v1/completions", GenerationRequest.parse({**body, "user": f"u{i}"})
+            )
+        ).target
+        for i in users
+    ]
 
 
 async def test_canary_event_splits_the_production_aliases_stickily_until_rolled_back(
     gateway: InferenceGateway, db: Database, api_key: str
 ) -> None:
-    tenant = await gateway.authenticate(api_key)
+    tenant = await gateway.tenants.authenticate(api_key)
     await apply(gateway, db, promoted("tiny", "3", "production"), promoted("tiny", "4", "canary", traffic=10))
-    aliases = {a.alias: a for a in await gateway.list_aliases()}
+    aliases = {a.alias: a for a in await gateway.aliases.list_aliases()}
     assert (aliases["forge-chat"].canary_target, aliases["forge-chat"].canary_weight) == ("tiny:4", 10)
     assert (aliases["canary"].target, aliases["canary"].canary_weight) == ("tiny:4", 0)
     first = await targets(gateway, tenant, range(1000))
@@ -54,7 +63,12 @@ async def test_canary_event_splits_the_production_aliases_stickily_until_rolled_
     assert await targets(gateway, tenant, range(1000)) == first  # the same user, the same version
     # Without a user the session header keeps it sticky; without either, the request itself does.
     routed = [
-        await gateway.route(tenant, "/v1/completions", {"model": "production", "prompt": "p"}, f"s{i}")
+        await gateway.router.route(
+            tenant,
+            "/v1/completions",
+            GenerationRequest.parse({"model": "production", "prompt": "p"}),
+            f"s{i}",
+        )
         for i in range(200)
     ]
     assert {r.split for r in routed} == {"stable", "canary"}
@@ -67,7 +81,7 @@ async def test_canary_event_splits_the_production_aliases_stickily_until_rolled_
     assert set(await targets(gateway, tenant, range(100))) == {"tiny:3", "tiny:5"}
     await apply(gateway, db, promoted("tiny", "5", "production"))
     assert set(await targets(gateway, tenant, range(100))) == {"tiny:5"}
-    assert (await gateway.alias_named("forge-chat")).canary_weight == 0  # type: ignore[union-attr]
+    assert (await gateway.aliases.alias_named("forge-chat")).canary_weight == 0  # type: ignore[union-attr]
 
 
 async def test_an_alias_target_unfit_for_a_header_is_never_stored(
@@ -80,8 +94,8 @@ async def test_an_alias_target_unfit_for_a_header_is_never_stored(
         with pytest.raises(errors.ValidationError):
             await apply(gateway, db, promoted(name, version, "canary", traffic=10))
         with pytest.raises(errors.ValidationError):
-            await gateway.set_canary("forge-chat", name, version, 10)
-    alias = await gateway.alias_named("forge-chat")
+            await gateway.aliases.set_canary("forge-chat", name, version, 10)
+    alias = await gateway.aliases.alias_named("forge-chat")
     assert alias is not None and (alias.target, alias.canary_weight) == ("tiny:3", 0)
 
 

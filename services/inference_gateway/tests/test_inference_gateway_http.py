@@ -63,7 +63,7 @@ async def test_stream_is_relayed_and_alias_rewritten(
     http: httpx.AsyncClient, recorded: Any, gateway: object, db: object, promoted: object
 ) -> None:
     async with db.session() as session:  # type: ignore[attr-defined]
-        await gateway.apply_model_promoted(promoted("tiny"), session)  # type: ignore[attr-defined,operator]
+        await gateway.aliases.apply_model_promoted(promoted("tiny"), session)  # type: ignore[attr-defined,operator]
     await gateway.pool.refresh()  # type: ignore[attr-defined]  # the control loop's scrape: what it serves
     async with http.stream("POST", CHAT, json={**HI, "model": "forge-chat", "stream": True}) as reply:
         assert reply.status_code == 200
@@ -90,7 +90,7 @@ async def test_an_alias_no_replica_serves_is_404_naming_the_alias(
     """The registry promoted a version the replicas do not serve: the caller learns about the name
     they sent, not the registry's identity behind it."""
     async with db.session() as session:
-        await gateway.apply_model_promoted(promoted("run-4f2e", "step-120"), session)
+        await gateway.aliases.apply_model_promoted(promoted("run-4f2e", "step-120"), session)
     for body in ({**HI, "model": "forge-chat"}, {**HI, "model": "forge-chat", "stream": True}):
         reply = await http.post(CHAT, json=body)
         assert reply.status_code == 404

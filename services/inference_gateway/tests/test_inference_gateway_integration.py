@@ -58,7 +58,7 @@ async def gateway_in_front_of(
     """The gateway app in process, calling the model_server process with ``upstream_token``."""
     pool = ReplicaPool([model_server.http_url], lambda url: ModelServerClient(url, upstream_token))
     gateway = InferenceGateway(db, InMemoryCache(), pool, request_timeout_s=10)
-    await gateway.bootstrap(TENANT_KEY)
+    await gateway.tenants.bootstrap(TENANT_KEY)
     app = make_app("inference_gateway")
     install_gateway_api(app, gateway, GATEWAY_TOKEN)
     transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)

@@ -57,9 +57,9 @@ def model_server(tiny_folder: Path) -> Iterator[ServiceProcess]:
 @pytest.fixture
 async def gateway(model_server: ServiceProcess, db: Database) -> AsyncIterator[InferenceGateway]:
     service = build_gateway(db, [model_server.http_url], request_timeout_s=60)
-    await service.bootstrap(API_KEY)
+    await service.tenants.bootstrap(API_KEY)
     yield service
-    await service.stop()
+    await service.replicas.stop()
 
 
 @pytest.fixture
@@ -162,7 +162,7 @@ async def test_models_retrieve(client: openai.AsyncOpenAI) -> None:
 
 
 async def test_over_the_tenants_rate_is_a_rate_limit_error(gateway: InferenceGateway, base_url: str) -> None:
-    _, key = await gateway.create_tenant("slow", rpm_limit=1)
+    _, key = await gateway.tenants.create_tenant("slow", rpm_limit=1)
     async with openai.AsyncOpenAI(base_url=base_url, api_key=key, max_retries=0) as sdk:
         await sdk.models.list()
         with pytest.raises(openai.RateLimitError) as limited:

@@ -36,7 +36,7 @@ def live_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         db = Database(f"sqlite+aiosqlite:///{db_path}")
         await db.migrate(MIGRATIONS)
         gateway = build_gateway(db, [replica.url], default_rpm_limit=1_000_000)
-        await gateway.bootstrap(API_KEY)
+        await gateway.tenants.bootstrap(API_KEY)
         app = make_app("inference_gateway")
         install_gateway_api(app, gateway, ADMIN_TOKEN)
         server = HttpServer(app, "127.0.0.1", 0)
@@ -46,7 +46,7 @@ def live_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         started.set()
         await stop.wait()
         await server.stop()
-        await gateway.stop()
+        await gateway.replicas.stop()
         await replica.stop()
         await db.dispose()
 

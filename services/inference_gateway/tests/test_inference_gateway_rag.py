@@ -17,18 +17,10 @@ from forge.rerank.v1 import rerank_pb2, rerank_pb2_grpc
 from forge.retrieval.v1 import retrieval_pb2, retrieval_pb2_grpc
 
 from forge_inference_gateway.openai_api import install_gateway_api
-from forge_inference_gateway.rag import (
-    Candidate,
-    GrpcReranker,
-    GrpcRetriever,
-    RagLimits,
-    RagService,
-    RerankAnswer,
-    assemble_context,
-    cited,
-    parse_chat,
-    parse_query,
-)
+from forge_inference_gateway.rag import RagService
+from forge_inference_gateway.rag_clients import Candidate, GrpcReranker, GrpcRetriever, RerankAnswer
+from forge_inference_gateway.rag_context import assemble_context, cited
+from forge_inference_gateway.rag_query import RagLimits, parse_chat, parse_query
 from forge_inference_gateway.service import InferenceGateway
 from forge_kit import errors
 from forge_kit.cache import InMemoryCache
@@ -357,7 +349,7 @@ async def rag_gateway(
         install_gateway_api(app, gateway, ADMIN_TOKEN, rag)
         if not keys:  # the gateways of one test share its database
             for name in ("acme", "globex"):
-                keys[name] = (await gateway.create_tenant(name, rpm_limit=1000))[1]
+                keys[name] = (await gateway.tenants.create_tenant(name, rpm_limit=1000))[1]
 
         def client(key: str) -> httpx.AsyncClient:
             transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)

@@ -283,18 +283,18 @@ async def test_replicas_are_added_and_removed_at_run_time_through_the_admin_api(
         assert [(m["id"], m["ready_replicas"]) for m in models] == [("tiny", 2)]
         # Another gateway replica sharing the store picks the added replica up on its next sync.
         peer = await make_gateway([first.url])
-        await peer.sync_replicas()
+        await peer.replicas.sync_replicas()
         assert [r.url for r in peer.pool.replicas()] == sorted([first.url, second.url])
         reply = await client.delete("/admin/v1/replicas", params={"url": first.url}, headers=admin)
         assert reply.status_code == 409  # configured, not the admin API's to remove
         reply = await client.delete("/admin/v1/replicas", params={"url": second.url}, headers=admin)
         assert reply.status_code == 204
-        await peer.sync_replicas()
+        await peer.replicas.sync_replicas()
         assert [r.url for r in peer.pool.replicas()] == [first.url]
         for i in range(3):
             assert (await _stream(client, {**HI, "prompt": f"q{i}"}))[0] == 200
     assert len(first.bodies) == 3 and second.bodies == []
     # A gateway configured without ``first`` finds no admin-added replica left in the store.
     other = await make_gateway([second.url])
-    await other.sync_replicas()
+    await other.replicas.sync_replicas()
     assert [r.url for r in other.pool.replicas()] == [second.url]

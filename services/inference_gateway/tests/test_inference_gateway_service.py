@@ -11,8 +11,9 @@ import sqlalchemy as sa
 from aiokafka import ConsumerRecord
 from forge.events.v1 import events_pb2
 
-from forge_inference_gateway.service import InferenceGateway, hash_api_key
+from forge_inference_gateway.service import InferenceGateway
 from forge_inference_gateway.store import TenantRow
+from forge_inference_gateway.tenants import hash_api_key
 from forge_kit import errors
 from forge_kit.db import Database
 from forge_kit.events import EventConsumer, topic_for
@@ -21,36 +22,36 @@ from forge_kit.testing import eventkeys
 
 
 async def test_keys_are_stored_as_sha256_only(gateway: InferenceGateway, db: Database) -> None:
-    tenant, key = await gateway.create_tenant("search-app", "batch", rpm_limit=30)
+    tenant, key = await gateway.tenants.create_tenant("search-app", "batch", rpm_limit=30)
     async with db.session() as session:
         row = await session.get(TenantRow, tenant.id)
     assert row is not None and row.key_hash == hashlib.sha256(key.encode()).hexdigest() == hash_api_key(key)
     assert key not in repr(row.__dict__)
-    assert (await gateway.authenticate(key)).name == "search-app"
+    assert (await gateway.tenants.authenticate(key)).name == "search-app"
 
 
 async def test_authentication_rejects_missing_and_wrong_keys(gateway: InferenceGateway, api_key: str) -> None:
-    assert (await gateway.authenticate(api_key)).name == "default"
+    assert (await gateway.tenants.authenticate(api_key)).name == "default"
     for key in ("", "not-a-key"):
         with pytest.raises(errors.UnauthenticatedError):
-            await gateway.authenticate(key)
+            await gateway.tenants.authenticate(key)
 
 
 async def test_service_token_acts_as_default_tenant(gateway: InferenceGateway) -> None:
-    assert (await gateway.authenticate("admin-token")).name == "default"
+    assert (await gateway.tenants.authenticate("admin-token")).name == "default"
 
 
 async def test_bootstrap_is_idempotent_and_rekeys(
     gateway: InferenceGateway, api_key: str, db: Database
 ) -> None:
-    await gateway.bootstrap(api_key)
-    await gateway.bootstrap("rotated-key")
+    await gateway.tenants.bootstrap(api_key)
+    await gateway.tenants.bootstrap("rotated-key")
     async with db.session() as session:
         count = await session.scalar(sa.select(sa.func.count()).select_from(TenantRow))
     assert count == 1
-    assert (await gateway.authenticate("rotated-key")).name == "default"
+    assert (await gateway.tenants.authenticate("rotated-key")).name == "default"
     with pytest.raises(errors.UnauthenticatedError):
-        await gateway.authenticate(api_key)
+        await gateway.tenants.authenticate(api_key)
 
 
 @pytest.mark.parametrize(
@@ -65,52 +66,52 @@ async def test_create_tenant_validates(
     gateway: InferenceGateway, name: str, priority_class: str, rpm: int | None, field: str
 ) -> None:
     with pytest.raises(errors.ValidationError) as caught:
-        await gateway.create_tenant(name, priority_class, rpm)
+        await gateway.tenants.create_tenant(name, priority_class, rpm)
     assert caught.value.field == field
 
 
 async def test_duplicate_tenant_is_refused(gateway: InferenceGateway) -> None:
     with pytest.raises(errors.AlreadyExistsError):
-        await gateway.create_tenant("default")
+        await gateway.tenants.create_tenant("default")
 
 
 async def test_rate_limit_refuses_with_retry_after_and_refills(
     gateway: InferenceGateway, api_key: str, clock: Any
 ) -> None:
-    tenant = await gateway.authenticate(api_key)  # 5 requests per minute
+    tenant = await gateway.tenants.authenticate(api_key)  # 5 requests per minute
     for _ in range(5):
-        await gateway.admit(tenant)
+        await gateway.tenants.admit(tenant)
     with pytest.raises(errors.OverloadedError) as caught:
-        await gateway.admit(tenant)
+        await gateway.tenants.admit(tenant)
     assert caught.value.retry_after_s == pytest.approx(12.0)  # one request every 60/5 s
     clock.now += 12.0
-    await gateway.admit(tenant)
+    await gateway.tenants.admit(tenant)
 
 
 async def test_production_promotion_sets_forge_chat(
     gateway: InferenceGateway, db: Database, promoted: Callable[..., events_pb2.ModelPromoted]
 ) -> None:
     async with db.session() as session:
-        await gateway.apply_model_promoted(promoted("tiny-llama", "3"), session)
-    assert await gateway.resolve_model("forge-chat") == (
+        await gateway.aliases.apply_model_promoted(promoted("tiny-llama", "3"), session)
+    assert await gateway.aliases.resolve_model("forge-chat") == (
         ModelRef("tiny-llama", "3"),
-        (await gateway.list_aliases())[0],
+        (await gateway.aliases.list_aliases())[0],
     )
     async with db.session() as session:
-        await gateway.apply_model_promoted(promoted("tiny-llama", "4"), session)
-        await gateway.apply_model_promoted(promoted("tiny-llama", "5", stage="canary"), session)
-    aliases = {a.alias: (a.target, a.stage) for a in await gateway.list_aliases()}
+        await gateway.aliases.apply_model_promoted(promoted("tiny-llama", "4"), session)
+        await gateway.aliases.apply_model_promoted(promoted("tiny-llama", "5", stage="canary"), session)
+    aliases = {a.alias: (a.target, a.stage) for a in await gateway.aliases.list_aliases()}
     assert aliases == {
         "forge-chat": ("tiny-llama:4", "production"),
         "production": ("tiny-llama:4", "production"),
         "canary": ("tiny-llama:5", "canary"),
     }
-    assert await gateway.resolve_model("tiny-llama") == (ModelRef("tiny-llama"), None)
+    assert await gateway.aliases.resolve_model("tiny-llama") == (ModelRef("tiny-llama"), None)
     # A pinned reference is a model version, never an alias; what is not a reference is refused.
-    assert await gateway.resolve_model("forge-chat:4") == (ModelRef("forge-chat", "4"), None)
+    assert await gateway.aliases.resolve_model("forge-chat:4") == (ModelRef("forge-chat", "4"), None)
     for bad in ("tiny llama", "a/b", "x:", "x\r\nset-cookie: 1"):
         with pytest.raises(errors.ValidationError, match="invalid model") as caught:
-            await gateway.resolve_model(bad)
+            await gateway.aliases.resolve_model(bad)
         assert caught.value.field == "model"
 
 
@@ -119,7 +120,7 @@ async def test_promotion_without_stage_is_rejected(
 ) -> None:
     with pytest.raises(errors.ValidationError):
         async with db.session() as session:
-            await gateway.apply_model_promoted(promoted("tiny", stage=" "), session)
+            await gateway.aliases.apply_model_promoted(promoted("tiny", stage=" "), session)
 
 
 async def test_consumer_applies_a_promotion_once(
@@ -131,7 +132,7 @@ async def test_consumer_applies_a_promotion_once(
         bootstrap="unused:0",
         group_id="inference_gateway",
         topics=[topic_for(event)],
-        handler=gateway.apply_model_promoted,
+        handler=gateway.aliases.apply_model_promoted,
         verifier=eventkeys.verifier(),
     )
     headers = eventkeys.headers_for(event)
@@ -151,18 +152,18 @@ async def test_consumer_applies_a_promotion_once(
     assert await consumer.handle(record) is True
     # A later promotion, then the first event redelivered: the redelivery must not roll back.
     async with db.session() as session:
-        await gateway.apply_model_promoted(promoted("tiny", "2"), session)
+        await gateway.aliases.apply_model_promoted(promoted("tiny", "2"), session)
     assert await consumer.handle(record) is False
-    assert (await gateway.resolve_model("forge-chat"))[0] == ModelRef("tiny", "2")
+    assert (await gateway.aliases.resolve_model("forge-chat"))[0] == ModelRef("tiny", "2")
 
 
 async def test_reads_are_loaded_once_for_concurrent_requests_and_never_after_a_change() -> None:
     import asyncio
 
-    from forge_inference_gateway.service import _ReadThrough
+    from forge_inference_gateway.read_through import ReadThrough
 
     now = [0.0]
-    cache: _ReadThrough[str, int] = _ReadThrough(ttl_s=1.0, clock=lambda: now[0])
+    cache: ReadThrough[str, int] = ReadThrough(ttl_s=1.0, clock=lambda: now[0])
     loads = []
     gate = asyncio.Event()
 

@@ -15,7 +15,8 @@ from forge_inference_gateway.autoscaling import Autoscaler
 from forge_inference_gateway.config import InferenceGatewaySettings
 from forge_inference_gateway.embeddings import GrpcEmbedder
 from forge_inference_gateway.openai_api import install_gateway_api
-from forge_inference_gateway.rag import GrpcReranker, GrpcRetriever, RagService
+from forge_inference_gateway.rag import RagService
+from forge_inference_gateway.rag_clients import GrpcReranker, GrpcRetriever
 from forge_inference_gateway.response_cache import ResponseCache
 from forge_inference_gateway.routing import ReplicaPool
 from forge_inference_gateway.service import InferenceGateway
@@ -58,7 +59,7 @@ async def main() -> None:
         metrics_interval_s=settings.metrics_interval_s,
         replica_sync_s=settings.replica_sync_s,
     )
-    await gateway.bootstrap(settings.bootstrap_api_key.get_secret_value())
+    await gateway.tenants.bootstrap(settings.bootstrap_api_key.get_secret_value())
     retriever = GrpcRetriever(settings.retriever_target, settings.retriever_token.get_secret_value())
     reranker = (
         GrpcReranker(settings.reranker_target, settings.reranker_token.get_secret_value())
@@ -71,13 +72,13 @@ async def main() -> None:
     app.add_on_stop(embedder.close)
     if reranker is not None:
         app.add_on_stop(reranker.close)
-    app.add_background(gateway.run_control_loop)
-    app.add_on_stop(gateway.stop)
+    app.add_background(gateway.replicas.run_control_loop)
+    app.add_on_stop(gateway.replicas.stop)
     if settings.kafka_enabled:
         app.event_consumer(
             group_id=CONSUMER_GROUP,
             topics=[topic_for(events_pb2.ModelPromoted())],
-            handler=gateway.apply_model_promoted,
+            handler=gateway.aliases.apply_model_promoted,
         )
     app.add_on_stop(cache.close)
     http = app.http_app()

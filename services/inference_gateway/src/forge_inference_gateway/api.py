@@ -16,7 +16,8 @@ from forge.common.v1 import common_pb2
 from forge.inference.v1 import inference_pb2, inference_pb2_grpc
 
 from forge_inference_gateway.routing import model_name
-from forge_inference_gateway.service import BOOTSTRAP_TENANT, InferenceGateway, StreamChunk
+from forge_inference_gateway.service import InferenceGateway, StreamChunk
+from forge_inference_gateway.tenants import BOOTSTRAP_TENANT
 from forge_inference_gateway.upstream import UpstreamError, UpstreamUnavailableError
 from forge_kit import errors
 from forge_kit.modelref import ModelRef
@@ -87,10 +88,10 @@ class GatewayInferenceApi(inference_pb2_grpc.InferenceServiceServicer):
     ) -> AsyncIterator[inference_pb2.GenerateResponse]:
         body, chat = openai_body(request)
         try:
-            tenant = await self._gateway.tenant_named(request.tenant or BOOTSTRAP_TENANT)
+            tenant = await self._gateway.tenants.tenant_named(request.tenant or BOOTSTRAP_TENANT)
         except errors.NotFoundError:
             raise errors.ValidationError("tenant", f"unknown tenant {request.tenant!r}") from None
-        await self._gateway.admit(tenant)
+        await self._gateway.tenants.admit(tenant)
         request_id = request.request_id or uuid.uuid4().hex
         deadline = self._gateway.deadline(context.time_remaining())
         try:

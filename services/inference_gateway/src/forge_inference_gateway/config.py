@@ -6,7 +6,7 @@ from pydantic import Field, SecretStr, model_validator
 
 from forge_inference_gateway.admission import AdmissionPolicy
 from forge_inference_gateway.autoscaling import AutoscalePolicy
-from forge_inference_gateway.rag import RagLimits
+from forge_inference_gateway.rag_query import RagLimits
 from forge_inference_gateway.routing import RoutingPolicy
 from forge_kit.limits import OPENAI_MAX_BODY_BYTES
 from forge_kit.settings import ServiceSettings, service_config

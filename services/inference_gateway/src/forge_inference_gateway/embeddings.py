@@ -16,8 +16,8 @@ import struct
 import grpc
 from forge.retrieval.v1 import retrieval_pb2, retrieval_pb2_grpc
 
-from forge_inference_gateway.rag import TENANT_METADATA_KEY, _grpc_error
-from forge_inference_gateway.service import Tenant
+from forge_inference_gateway.rag_clients import TENANT_METADATA_KEY, grpc_error
+from forge_inference_gateway.tenants import Tenant
 from forge_kit import errors
 from forge_kit.grpckit import make_channel
 from forge_kit.openai_protocol import (
@@ -44,7 +44,7 @@ class GrpcEmbedder:
                 request, timeout=self._timeout_s, metadata=((TENANT_METADATA_KEY, tenant),)
             )
         except grpc.aio.AioRpcError as exc:
-            error = _grpc_error("retriever", exc)
+            error = grpc_error("retriever", exc)
             if isinstance(error, errors.ValidationError) and error.field.startswith("texts"):
                 field = "input" + error.field.removeprefix("texts")
                 raise errors.ValidationError(field, error.message.partition(": ")[2]) from None

@@ -25,11 +25,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import Counter
 from pydantic import BaseModel, Field
 
+from forge_inference_gateway.aliases import Alias
 from forge_inference_gateway.embeddings import GrpcEmbedder, create_embeddings
 from forge_inference_gateway.openai_schema import bearer_scheme, check_generation, install_openapi
 from forge_inference_gateway.rag import RagService
 from forge_inference_gateway.response_cache import CACHE_HEADER
-from forge_inference_gateway.service import PRIORITY_CLASSES, Alias, InferenceGateway, Tenant
+from forge_inference_gateway.router import GenerationRequest
+from forge_inference_gateway.service import InferenceGateway
+from forge_inference_gateway.tenants import PRIORITY_CLASSES, Tenant
 from forge_inference_gateway.upstream import StreamBroken, UpstreamError, UpstreamUnavailableError, error_for
 from forge_kit import errors
 from forge_kit.http import require_token
@@ -84,8 +87,8 @@ class GatewayRoutes:
 
     async def admit(self, request: Request) -> None:
         """Dependency of ``/v1``: authenticate, admit against the tenant's rate limit, remember who."""
-        tenant: Tenant = await self._gateway.authenticate(_bearer(request))
-        await self._gateway.admit(tenant)
+        tenant: Tenant = await self._gateway.tenants.authenticate(_bearer(request))
+        await self._gateway.tenants.admit(tenant)
         request.state.tenant = tenant
 
     async def list_models(self) -> dict[str, object]:
@@ -173,10 +176,13 @@ class GatewayRoutes:
 
     async def _forward(self, path: str, request: Request, raw: object) -> Response:
         deadline = self._gateway.deadline()
-        routed = await self._gateway.route(
-            request.state.tenant, path, raw, session_key=request.headers.get(SESSION_HEADER)
+        routed = await self._gateway.router.route(
+            request.state.tenant,
+            path,
+            GenerationRequest.parse(raw),
+            session_key=request.headers.get(SESSION_HEADER),
         )
-        forwarded = await self._gateway.forward(routed, deadline)
+        forwarded = await self._gateway.router.forward(routed, deadline)
         if forwarded.chunks is None:
             return self._relay(path, forwarded.status, forwarded.content, forwarded.headers)
         REQUESTS.labels(path, "200").inc()
@@ -315,35 +321,39 @@ class AdminRoutes:
         self._gateway = gateway
 
     async def aliases(self) -> dict[str, object]:
-        return {"aliases": [_alias_view(a) for a in await self._gateway.list_aliases()]}
+        return {"aliases": [_alias_view(a) for a in await self._gateway.aliases.list_aliases()]}
 
     async def set_canary(self, alias: str, body: CanaryBody) -> dict[str, object]:
-        updated = await self._gateway.set_canary(alias, body.model.name, body.model.version, body.weight)
+        updated = await self._gateway.aliases.set_canary(
+            alias, body.model.name, body.model.version, body.weight
+        )
         return _alias_view(updated)
 
     async def rollback_canary(self, alias: str) -> dict[str, object]:
-        return _alias_view(await self._gateway.rollback_canary(alias))
+        return _alias_view(await self._gateway.aliases.rollback_canary(alias))
 
     async def tenants(self) -> dict[str, object]:
-        return {"tenants": [t.__dict__ for t in await self._gateway.list_tenants()]}
+        return {"tenants": [t.__dict__ for t in await self._gateway.tenants.list_tenants()]}
 
     async def create_tenant(self, body: TenantBody) -> JSONResponse:
-        tenant, api_key = await self._gateway.create_tenant(body.name, body.priority_class, body.rpm_limit)
+        tenant, api_key = await self._gateway.tenants.create_tenant(
+            body.name, body.priority_class, body.rpm_limit
+        )
         return JSONResponse({"tenant": tenant.__dict__, "api_key": api_key}, status_code=201)
 
     async def replicas(self) -> dict[str, object]:
         return {"replicas": [r.view() for r in self._gateway.pool.replicas()]}
 
     async def add_replica(self, body: ReplicaBody) -> JSONResponse:
-        replica = await self._gateway.add_replica(body.url, body.token)
+        replica = await self._gateway.replicas.add_replica(body.url, body.token)
         return JSONResponse(replica.view(), status_code=201)
 
     async def remove_replica(self, url: str) -> Response:
-        await self._gateway.remove_replica(url)
+        await self._gateway.replicas.remove_replica(url)
         return Response(status_code=204)
 
     async def autoscaling(self) -> dict[str, object]:
-        return {"models": [asdict(r) for r in self._gateway.autoscaling()]}
+        return {"models": [asdict(r) for r in self._gateway.autoscaler.publish()]}
 
 
 def install_gateway_api(

@@ -15,7 +15,7 @@
    that budget lasts and keeps the retriever's order for the rest (``rerank.partial``, with how
    many were ``scored``); when it is unavailable, fails, or the deadline is too near to start,
    the retriever's order is kept and the response says so (``rerank.skipped``).
-5. **Assemble** the context (:func:`assemble_context`): drop repeated and overlapping chunk text,
+5. **Assemble** the context (:func:`~forge_inference_gateway.rag_context.assemble_context`): drop repeated and overlapping chunk text,
    keep the reranked order, fit the token budget, number the passages ``[1]..[n]`` and ask for
    citations.
 6. **Generate** through the gateway's own completion path (aliases, canaries, admission, routing,
@@ -29,6 +29,9 @@ characters-per-token ratio, ``rag_chars_per_token`` (default 3) at first and the
 replica's count showed, until the count fits (:meth:`RagService._fit`); the budget is also capped
 by the model's ``max_model_len``. A replica without the route leaves the estimate in place, and
 every response says which under ``context.token_count``.
+
+The parts live beside this module: :mod:`rag_query` (step 1), :mod:`rag_clients` (the retriever
+and reranker, steps 3-4), :mod:`rag_context` (step 5); this one runs them in order.
 """
 
 from __future__ import annotations
@@ -36,34 +39,23 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol
 
-import grpc
 import structlog
-from forge.rerank.v1 import rerank_pb2, rerank_pb2_grpc
-from forge.retrieval.v1 import retrieval_pb2, retrieval_pb2_grpc
 from prometheus_client import Counter, Histogram
 
-from forge_inference_gateway.service import InferenceGateway, Tenant
-from forge_inference_gateway.upstream import UpstreamError, UpstreamUnavailableError
+from forge_inference_gateway.rag_clients import Candidate, Reranker, Retriever
+from forge_inference_gateway.rag_context import Passage, assemble_context, cited
+from forge_inference_gateway.rag_query import RagLimits, RagQuery, parse_chat, parse_query
+from forge_inference_gateway.service import InferenceGateway
+from forge_inference_gateway.tenants import Tenant
 from forge_kit import errors
 from forge_kit.cache import Cache
-from forge_kit.grpckit import FIELD_METADATA_KEY, make_channel
-from forge_kit.validate import check_finite, check_printable_name
 
 log = structlog.get_logger(__name__)
-
-#: gRPC request metadata naming the tenant the gateway acts for (the retriever's ``tenancy.py``).
-TENANT_METADATA_KEY = "forge-tenant"
-_CITATION = re.compile(r"\[(\d+(?:\s*,\s*\d+)*)\]")
-_WORD = re.compile(r"\S+")
-#: Overlap shorter than this many words is coincidence, not a shared chunk boundary.
-_MIN_OVERLAP_WORDS = 5
 
 RAG_REQUESTS = Counter("forge_gateway_rag_requests_total", "RAG queries answered", ["outcome"])
 RAG_STAGE_SECONDS = Histogram(
@@ -72,77 +64,6 @@ RAG_STAGE_SECONDS = Histogram(
     ["stage"],
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30),
 )
-
-
-@dataclass(frozen=True)
-class RagLimits:
-    """Defaults and bounds of a RAG request (from the gateway's settings)."""
-
-    timeout_s: float = 30.0
-    max_query_chars: int = 2048
-    default_top_k: int = 20
-    max_top_k: int = 200
-    default_top_n: int = 5
-    max_top_n: int = 50
-    default_context_tokens: int = 2048
-    max_context_tokens: int = 32768
-    default_max_tokens: int = 256
-    retrieval_timeout_s: float = 2.0
-    rerank_timeout_s: float = 1.0
-    rerank_min_s: float = 0.05
-    answer_reserve_s: float = 2.0
-    chars_per_token: float = 3.0
-    fit_rounds: int = 4
-    cache_ttl_s: float = 60.0
-
-
-@dataclass(frozen=True)
-class RagQuery:
-    """A validated ``POST /v1/rag/query`` body."""
-
-    query: str
-    collection: str
-    model: str
-    top_k: int
-    top_n: int
-    max_context_tokens: int
-    max_tokens: int
-    temperature: float
-    stream: bool
-    filter: dict[str, str]
-    timeout_s: float
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """A retrieved chunk (step 3), in retriever order."""
-
-    document_id: str
-    chunk_id: str
-    text: str
-    score: float
-    metadata: dict[str, str]
-
-
-@dataclass(frozen=True)
-class Passage:
-    """A chunk placed in the context as ``[n]``; ``text`` is what the model saw (overlap trimmed)."""
-
-    n: int
-    document_id: str
-    chunk_id: str
-    text: str
-    score: float
-    metadata: dict[str, str]
-
-    def view(self) -> dict[str, object]:
-        return {
-            "n": self.n,
-            "document_id": self.document_id,
-            "chunk_id": self.chunk_id,
-            "score": self.score,
-            "metadata": self.metadata,
-        }
 
 
 @dataclass
@@ -159,312 +80,6 @@ class RagPlan:
     cached: dict[str, object] | None = None
 
 
-class Retriever(Protocol):
-    """The retriever as the RAG service calls it in step 3, once per query."""
-
-    async def search(self, tenant: str, query: RagQuery, timeout_s: float) -> tuple[list[Candidate], str]:
-        """The top ``query.top_k`` chunks best first, and how they were scored (``hybrid``, ``sparse``)."""
-        ...
-
-
-@dataclass(frozen=True)
-class RerankAnswer:
-    """What the reranker returned: ``order`` is ``(index into candidates, score)`` best first, at
-    most ``top_n``; with ``partial`` only ``scored`` candidates were scored before the deadline
-    and the rest follow in retriever order."""
-
-    order: list[tuple[int, float]]
-    model: str
-    partial: bool = False
-    scored: int = 0
-
-
-class Reranker(Protocol):
-    """The reranker as the RAG service calls it in step 4, once per query with candidates."""
-
-    async def rerank(
-        self, query: str, candidates: Sequence[Candidate], top_n: int, timeout_s: float
-    ) -> RerankAnswer:
-        """The candidates reranked within ``timeout_s`` (the deadline the reranker plans for)."""
-        ...
-
-
-def _metadata(metadata: Iterable[Any] | None, key: str) -> str | None:
-    """The first value of ``key`` in gRPC metadata (``grpc.aio.Metadata`` or a tuple of pairs)."""
-    for item in metadata or ():
-        if item[0] == key:
-            value = item[1]
-            return value.decode() if isinstance(value, bytes) else str(value)
-    return None
-
-
-def _grpc_error(service: str, exc: grpc.aio.AioRpcError) -> Exception:
-    """The domain error a failed retriever/reranker call stands for."""
-    code, details = exc.code(), exc.details() or ""
-    if code is grpc.StatusCode.INVALID_ARGUMENT:
-        field_name = _metadata(exc.trailing_metadata(), FIELD_METADATA_KEY) or "request"
-        prefix = f"{field_name}: "
-        return errors.ValidationError(field_name, details.removeprefix(prefix))
-    if code is grpc.StatusCode.DEADLINE_EXCEEDED:
-        return TimeoutError(f"{service} did not answer within the deadline")
-    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED):
-        return UpstreamUnavailableError(f"{service} unavailable: {details}")
-    if code is grpc.StatusCode.NOT_FOUND:
-        return errors.NotFoundError(details)
-    log.warning("rag.downstream_failed", service=service, code=code.name, details=details)
-    return UpstreamError(f"{service} failed ({code.name})")
-
-
-class GrpcRetriever:
-    """``forge.retrieval.v1.RetrieverService`` with the gateway's service token."""
-
-    def __init__(self, target: str, token: str | None) -> None:
-        self._channel = make_channel(target, token=token, max_attempts=2, initial_backoff_s=0.05)
-        self._stub = retrieval_pb2_grpc.RetrieverServiceStub(self._channel)
-
-    async def search(self, tenant: str, query: RagQuery, timeout_s: float) -> tuple[list[Candidate], str]:
-        request = retrieval_pb2.SearchRequest(
-            collection=query.collection,
-            query=query.query,
-            top_k=query.top_k,
-            mode=retrieval_pb2.SEARCH_MODE_HYBRID,
-            filter=query.filter,
-        )
-        call = self._stub.Search(request, timeout=timeout_s, metadata=((TENANT_METADATA_KEY, tenant),))
-        try:
-            reply = await call
-            trailing = await call.trailing_metadata()
-        except grpc.aio.AioRpcError as exc:
-            raise _grpc_error("retriever", exc) from None
-        mode = _metadata(trailing, "forge-search-mode") or "hybrid"
-        return [
-            Candidate(c.document_id, c.chunk_id, c.text, c.score, dict(c.metadata)) for c in reply.chunks
-        ], mode
-
-    async def close(self) -> None:
-        await self._channel.close(None)
-
-
-class GrpcReranker:
-    """``forge.rerank.v1.RerankerService`` with the gateway's service token."""
-
-    def __init__(self, target: str, token: str | None) -> None:
-        # One quick retry at most: a reranker that is down is skipped, not waited for.
-        self._channel = make_channel(target, token=token, max_attempts=2, initial_backoff_s=0.01)
-        self._stub = rerank_pb2_grpc.RerankerServiceStub(self._channel)
-
-    async def rerank(
-        self, query: str, candidates: Sequence[Candidate], top_n: int, timeout_s: float
-    ) -> RerankAnswer:
-        request = rerank_pb2.RerankRequest(
-            query=query,
-            passages=[
-                rerank_pb2.Passage(id=str(i), text=c.text, retrieval_score=c.score)
-                for i, c in enumerate(candidates)
-            ],
-            top_n=top_n,
-        )
-        try:
-            reply = await self._stub.Rerank(request, timeout=timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            raise _grpc_error("reranker", exc) from None
-        return RerankAnswer(
-            [(int(r.index), float(r.score)) for r in reply.results],
-            reply.model,
-            partial=reply.partial,
-            scored=int(reply.scored),
-        )
-
-    async def close(self) -> None:
-        await self._channel.close(None)
-
-
-# -- step 1: validation --------------------------------------------------------------------------
-
-
-def _int(body: Mapping[str, object], name: str, default: int, low: int, high: int) -> int:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise errors.ValidationError(name, "must be an integer")
-    if not low <= value <= high:
-        raise errors.ValidationError(name, f"must be between {low} and {high}, got {value}")
-    return value
-
-
-def parse_query(body: object, limits: RagLimits) -> RagQuery:
-    """The validated request, or ``ValidationError`` naming the first bad field."""
-    if not isinstance(body, dict):
-        raise errors.ValidationError("body", "must be a JSON object")
-    unknown = set(body) - {f for f in RagQuery.__dataclass_fields__}
-    if unknown:
-        raise errors.ValidationError(sorted(unknown)[0], "unknown field")
-    query = body.get("query")
-    if not isinstance(query, str) or not query.strip():
-        raise errors.ValidationError("query", "is required and must not be empty")
-    if len(query) > limits.max_query_chars:
-        raise errors.ValidationError("query", f"must be at most {limits.max_query_chars} characters")
-    collection = body.get("collection")
-    if not isinstance(collection, str) or not collection.strip():
-        raise errors.ValidationError("collection", "is required")
-    model = check_printable_name("model", body.get("model"))
-    top_k = _int(body, "top_k", limits.default_top_k, 1, limits.max_top_k)
-    top_n = _int(body, "top_n", min(limits.default_top_n, top_k), 1, min(limits.max_top_n, top_k))
-    context = _int(body, "max_context_tokens", limits.default_context_tokens, 16, limits.max_context_tokens)
-    max_tokens = _int(body, "max_tokens", limits.default_max_tokens, 1, 32768)
-    temperature = body.get("temperature", 0.0)
-    if isinstance(temperature, bool) or not isinstance(temperature, int | float) or not 0 <= temperature <= 2:
-        raise errors.ValidationError("temperature", "must be a number between 0 and 2")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise errors.ValidationError("stream", "must be a boolean")
-    raw_filter = body.get("filter") or {}
-    if not isinstance(raw_filter, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in raw_filter.items()
-    ):
-        raise errors.ValidationError("filter", "must be an object of string keys to string values")
-    timeout = check_finite("timeout_s", body.get("timeout_s", limits.timeout_s), low=0, low_open=True)
-    return RagQuery(
-        query=query.strip(),
-        collection=collection.strip(),
-        model=model.strip(),
-        top_k=top_k,
-        top_n=top_n,
-        max_context_tokens=context,
-        max_tokens=max_tokens,
-        temperature=float(temperature),
-        stream=stream,
-        filter=dict(raw_filter),
-        timeout_s=min(float(timeout), limits.timeout_s),
-    )
-
-
-#: What a chat completion's ``retrieval`` object may hold (the RAG query fields it sets).
-CHAT_RETRIEVAL_FIELDS = ("collection", "top_k", "top_n", "filter", "max_context_tokens")
-#: Chat completion fields served together with ``retrieval``.
-_CHAT_FIELDS = {"model", "messages", "max_tokens", "temperature", "stream", "retrieval", "user"}
-
-
-def parse_chat(body: object, limits: RagLimits) -> tuple[RagQuery, list[dict[str, str]]]:
-    """A chat completion with a ``retrieval`` object as a RAG query on its last user message, and
-    the conversation before that message; ``ValidationError`` names the field."""
-    if not isinstance(body, dict):
-        raise errors.ValidationError("body", "must be a JSON object")
-    retrieval = body.get("retrieval")
-    if not isinstance(retrieval, dict):
-        raise errors.ValidationError("retrieval", "must be an object with at least a collection")
-    for name in sorted(set(retrieval) - set(CHAT_RETRIEVAL_FIELDS)):
-        raise errors.ValidationError(f"retrieval.{name}", "unknown field")
-    for name in sorted(set(body) - _CHAT_FIELDS):
-        raise errors.ValidationError(name, "is not supported together with retrieval")
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise errors.ValidationError("messages", "must be a non-empty list")
-    history: list[dict[str, str]] = []
-    for i, message in enumerate(messages):
-        if (
-            not isinstance(message, dict)
-            or not isinstance(message.get("role"), str)
-            or not isinstance(message.get("content"), str)
-        ):
-            raise errors.ValidationError(f"messages[{i}]", "must have a string role and string content")
-        history.append({"role": message["role"], "content": message["content"]})
-    question = history.pop()
-    if question["role"] != "user":
-        raise errors.ValidationError("messages", "the last message must be the user's question")
-    fields = {k: body[k] for k in ("model", "max_tokens", "temperature", "stream") if k in body}
-    try:
-        query = parse_query({**retrieval, **fields, "query": question["content"]}, limits)
-    except errors.ValidationError as exc:
-        if exc.field == "query":
-            raise errors.ValidationError(f"messages[{len(history)}].content", exc.message) from None
-        if exc.field in CHAT_RETRIEVAL_FIELDS:
-            raise errors.ValidationError(f"retrieval.{exc.field}", exc.message) from None
-        raise
-    return query, history
-
-
-# -- step 5: context assembly --------------------------------------------------------------------
-
-
-def _trim_overlap(kept: str, text: str) -> str:
-    """``text`` without the words it shares with ``kept`` at a chunk boundary (either side)."""
-    a, b = kept.split(), text.split()
-    for k in range(min(len(a), len(b)), _MIN_OVERLAP_WORDS - 1, -1):
-        if a[-k:] == b[:k]:  # text continues kept
-            return " ".join(b[k:])
-        if b[-k:] == a[:k]:  # text leads into kept
-            return " ".join(b[:-k])
-    return text
-
-
-PROMPT_HEAD = (
-    "Answer the question using only the numbered passages. Cite the passages you use as [n]. "
-    "If they do not contain the answer, say so.\n\n"
-)
-
-
-def render_prompt(query: str, passages: Sequence[tuple[int, str, str]]) -> str:
-    """The user turn: instructions, ``[n] title: text`` per passage, then the question."""
-    blocks = [f"[{n}] {title + ': ' if title else ''}{text}" for n, title, text in passages]
-    return PROMPT_HEAD + "\n\n".join(blocks) + f"\n\nQuestion: {query}"
-
-
-def assemble_context(
-    query: str,
-    ranked: Sequence[tuple[Candidate, float]],
-    budget_tokens: int,
-    count_tokens: Callable[[str], int],
-) -> tuple[list[Passage], str]:
-    """Numbered passages and the prompt that holds them, within ``budget_tokens``.
-
-    1. In ranked order, drop a chunk already placed (same id or same text) or contained in a
-       placed chunk, and trim the words a chunk shares with a placed chunk of the same document
-       (neighbouring chunks overlap by design);
-    2. add passages while the whole prompt stays within the budget; a passage that does not fit
-       is skipped and smaller ones after it may still fit; the first passage is cut to fit rather
-       than leaving the context empty.
-    """
-    placed: list[Passage] = []
-    seen_ids: set[str] = set()
-    for candidate, score in ranked:
-        if candidate.chunk_id in seen_ids:
-            continue
-        text = " ".join(candidate.text.split())
-        for p in placed:
-            if text in p.text:
-                text = ""
-                break
-            if p.document_id == candidate.document_id:
-                text = _trim_overlap(p.text, text)
-        if not text:
-            continue
-        title = candidate.metadata.get("title", "")
-        trial = [(q.n, q.metadata.get("title", ""), q.text) for q in placed]
-        trial.append((len(placed) + 1, title, text))
-        if count_tokens(render_prompt(query, trial)) > budget_tokens:
-            if placed:
-                continue
-            room = budget_tokens - count_tokens(render_prompt(query, [(1, title, "")]))
-            if room <= 0:
-                break
-            words = text.split()
-            while words and count_tokens(render_prompt(query, [(1, title, " ".join(words))])) > budget_tokens:
-                words = words[: max(0, min(len(words) - 1, int(len(words) * 0.9)))]
-            text = " ".join(words)
-            if not text:
-                break
-        seen_ids.add(candidate.chunk_id)
-        placed.append(
-            Passage(
-                len(placed) + 1, candidate.document_id, candidate.chunk_id, text, score, candidate.metadata
-            )
-        )
-    prompt = render_prompt(query, [(p.n, p.metadata.get("title", ""), p.text) for p in placed])
-    return placed, prompt
-
-
 #: A measured prompt holding at least this fraction of the budget is full enough.
 FIT_LOW = 0.9
 
@@ -472,18 +87,6 @@ FIT_LOW = 0.9
 def _chars_counter(chars_per_token: float) -> Callable[[str], int]:
     """Token count of a text estimated as ``ceil(characters / chars_per_token)``."""
     return lambda text: math.ceil(len(text) / chars_per_token)
-
-
-def cited(answer: str, passages: Sequence[Passage]) -> list[Passage]:
-    """The passages ``answer`` cites as ``[n]`` or ``[n, m]``, in order of first citation."""
-    by_n = {p.n: p for p in passages}
-    out: list[Passage] = []
-    for match in _CITATION.finditer(answer):
-        for part in match.group(1).split(","):
-            p = by_n.get(int(part))
-            if p is not None and p not in out:
-                out.append(p)
-    return out
 
 
 class RagService:
@@ -514,7 +117,7 @@ class RagService:
     async def _cache_key(self, tenant: Tenant, query: RagQuery) -> str | None:
         if self._cache is None or self.limits.cache_ttl_s <= 0 or query.temperature != 0:
             return None
-        target, alias = await self._gateway.resolve_model(query.model)
+        target, alias = await self._gateway.aliases.resolve_model(query.model)
         version = (
             [str(target), alias.canary_target, alias.canary_weight] if alias is not None else [str(target)]
         )
@@ -573,7 +176,7 @@ class RagService:
         ranked, rerank = await self._rerank(query, candidates, plan.deadline)
         RAG_STAGE_SECONDS.labels("rerank").observe(self._clock() - retrieved)
         # 5. Assemble within the token budget.
-        model, _ = await self._gateway.resolve_model(query.model)
+        model, _ = await self._gateway.aliases.resolve_model(query.model)
         target = str(model)
         await self._gateway.pool.ensure_known()
         budget = query.max_context_tokens

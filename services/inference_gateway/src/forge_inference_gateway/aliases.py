@@ -1,0 +1,192 @@
+"""Model aliases and their weighted canaries: what a bare model name resolves to.
+
+Aliases change through ``ModelPromoted`` events (:meth:`Aliases.apply_model_promoted`, the
+consumer's handler), so every gateway replica converges on the registry's decision, and through the
+admin API (canary weight, rollback).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import sqlalchemy as sa
+from forge.events.v1 import events_pb2
+from google.protobuf.message import Message
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from forge_inference_gateway.read_through import ReadThrough
+from forge_inference_gateway.store import ModelAliasRow, utcnow
+from forge_kit import errors
+from forge_kit.db import Database
+from forge_kit.modelref import ModelRef
+
+#: Stage whose model the public alias ``forge-chat`` serves.
+PUBLIC_ALIASES = {"production": "forge-chat"}
+#: A promotion to the key stage becomes a weighted canary of the value stage's aliases.
+CANARY_OF = {"canary": "production"}
+
+
+@dataclass(frozen=True)
+class Alias:
+    alias: str
+    model_name: str
+    model_version: str
+    stage: str
+    updated_at: str
+    canary_name: str = ""
+    canary_version: str = ""
+    canary_weight: int = 0
+
+    @property
+    def model(self) -> ModelRef:
+        """The stable model version the alias names (the registry's identity of it)."""
+        return ModelRef(self.model_name, self.model_version)
+
+    @property
+    def canary(self) -> ModelRef | None:
+        return ModelRef(self.canary_name, self.canary_version) if self.canary_name else None
+
+    @property
+    def target(self) -> str:
+        """The model id sent upstream: ``name``, or ``name:version`` when a version is pinned."""
+        return str(self.model)
+
+    @property
+    def canary_target(self) -> str | None:
+        return str(self.canary) if self.canary is not None else None
+
+
+def _alias(row: ModelAliasRow) -> Alias:
+    return Alias(
+        row.alias,
+        row.model_name,
+        row.model_version,
+        row.stage,
+        row.updated_at.isoformat() + "Z",
+        row.canary_model_name or "",
+        row.canary_model_version or "",
+        row.canary_weight or 0,
+    )
+
+
+def canary_bucket(alias: str, tenant_id: str, sticky: str) -> int:
+    """0-99, fixed for a (alias, tenant, user/session/request): the canary takes buckets below its weight."""
+    digest = hashlib.sha256(f"{alias}\x00{tenant_id}\x00{sticky}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") % 100
+
+
+class Aliases:
+    """The alias table (``model_aliases``), each alias read kept ``ttl_s``."""
+
+    def __init__(
+        self, db: Database, *, ttl_s: float = 1.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._db = db
+        self._cached: ReadThrough[str, Alias | None] = ReadThrough(ttl_s, clock)
+
+    async def apply_model_promoted(self, event: Message, session: AsyncSession) -> None:
+        """Consumer handler of ``ModelPromoted``: the stage (and its public alias) now names the model.
+
+        A promotion to ``canary`` also makes the model the canary of the ``production`` aliases with
+        the event's ``traffic_percent`` (0, or a rollback, stops the split). A promotion to
+        ``production`` of the canary's own model, or a rollback, ends the split (weight 0).
+
+        Runs inside the consumer's transaction, which also records the event id, so a redelivered
+        event is skipped there. An event older than the alias's current state cannot be told apart
+        here; the registry publishes in order per stage (keyed by stage).
+        """
+        assert isinstance(event, events_pb2.ModelPromoted)
+        stage = event.stage.strip()
+        if not stage or not event.model.name:
+            raise errors.ValidationError("stage" if not stage else "model.name", "is required")
+        try:
+            promoted = ModelRef.of(event.model)
+        except ValueError as exc:
+            raise errors.ValidationError("model", str(exc)) from None
+        name, version = promoted.name, promoted.version
+        for alias in (stage, PUBLIC_ALIASES.get(stage)):
+            if alias is None:
+                continue
+            row = await session.get(ModelAliasRow, alias)
+            if row is None:
+                row = ModelAliasRow(
+                    alias=alias, canary_model_name="", canary_model_version="", canary_weight=0
+                )
+                session.add(row)
+            row.model_name = name
+            row.model_version = version
+            row.stage = stage
+            row.source_event_id = event.meta.event_id
+            row.updated_at = utcnow()
+            if event.is_rollback or (row.canary_model_name, row.canary_model_version) == (name, version):
+                row.canary_weight = 0
+        base = CANARY_OF.get(stage)
+        if base is not None:
+            weight = 0 if event.is_rollback else min(100, event.traffic_percent)
+            for alias in (base, PUBLIC_ALIASES.get(base)):
+                row = await session.get(ModelAliasRow, alias) if alias else None
+                if row is None:
+                    continue  # nothing stable to split yet
+                row.canary_model_name, row.canary_model_version = name, version
+                row.canary_weight = weight
+                row.updated_at = utcnow()
+        self._cached.clear()
+
+    async def list_aliases(self) -> list[Alias]:
+        async with self._db.session() as session:
+            rows = (await session.scalars(sa.select(ModelAliasRow).order_by(ModelAliasRow.alias))).all()
+        return [_alias(r) for r in rows]
+
+    async def alias_named(self, alias: str) -> Alias | None:
+        async def load() -> Alias | None:
+            async with self._db.session() as session:
+                row = await session.get(ModelAliasRow, alias)
+            return _alias(row) if row is not None else None
+
+        return await self._cached.get(alias, load)
+
+    async def resolve_model(self, model: str) -> tuple[ModelRef, Alias | None]:
+        """The model version ``model`` names (an alias's stable model, or the model reference
+        itself) and the alias; a :class:`~forge_kit.errors.ValidationError` naming ``model`` when
+        it is neither."""
+        try:
+            ref = ModelRef.parse(model)
+        except ValueError as exc:
+            raise errors.ValidationError("model", str(exc)) from None
+        alias = None if ref.pinned else await self.alias_named(ref.name)
+        return (alias.model, alias) if alias is not None else (ref, None)
+
+    async def set_canary(self, alias: str, name: str, version: str, weight: int) -> Alias:
+        """Admin: send ``weight`` percent of ``alias``'s traffic to ``name[:version]``."""
+        if not name.strip():
+            raise errors.ValidationError("model.name", "is required")
+        try:
+            ModelRef(name, version)
+        except ValueError as exc:
+            raise errors.ValidationError("model", str(exc)) from None
+        if not 0 <= weight <= 100:
+            raise errors.ValidationError("weight", f"must be 0-100, got {weight}")
+        async with self._db.session() as session:
+            row = await session.get(ModelAliasRow, alias)
+            if row is None:
+                raise errors.NotFoundError(f"alias {alias!r} not found")
+            row.canary_model_name, row.canary_model_version, row.canary_weight = name, version, weight
+            row.updated_at = utcnow()
+            result = _alias(row)
+        self._cached.clear()
+        return result
+
+    async def rollback_canary(self, alias: str) -> Alias:
+        """Admin: all of ``alias``'s traffic back to its stable model at once (canary weight 0)."""
+        async with self._db.session() as session:
+            row = await session.get(ModelAliasRow, alias)
+            if row is None:
+                raise errors.NotFoundError(f"alias {alias!r} not found")
+            row.canary_weight = 0
+            row.updated_at = utcnow()
+            result = _alias(row)
+        self._cached.clear()
+        return result
