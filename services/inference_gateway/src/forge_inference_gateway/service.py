@@ -132,11 +132,17 @@ class InferenceGateway:
         replicas = self.pool.replicas()
         cards: dict[str, dict[str, object]] = {}
         ready: dict[str, int] = {}
+        # Every version each name is served at (replicas may serve one name at different
+        # versions, as a canary does): an alias pinned to one of them is listed whichever
+        # replica's card comes first.
+        by_version: dict[tuple[str, str], dict[str, object]] = {}
         for replica in replicas:
             if not replica.healthy or replica.cards is None:
                 continue
             for model_id, card in replica.cards.items():
-                cards.setdefault(model_id, public_card(model_id, card))
+                public = public_card(model_id, card)
+                cards.setdefault(model_id, public)
+                by_version.setdefault((model_id, str(public.get("version") or "")), public)
                 ready[model_id] = ready.get(model_id, 0) + 1
         if not cards:
             for replica in replicas:
@@ -151,6 +157,11 @@ class InferenceGateway:
             found = served.get(alias.model_name)
             if found is None or alias.alias in served:
                 continue
+            if alias.model.pinned and (alias.model_name, alias.model_version) in by_version:
+                found = {
+                    **by_version[(alias.model_name, alias.model_version)],
+                    "ready_replicas": found["ready_replicas"],
+                }
             version = str(found.get("version") or "")
             if alias.model.pinned and version and version != alias.model_version:
                 continue  # the replicas serve another version of the name: the alias cannot answer
