@@ -23,6 +23,7 @@ def _stub_repo(tmp_path: Path) -> Path:
     shutil.copytree(ROOT / "protos", repo / "protos")
     shutil.copytree(ROOT / "scripts", repo / "scripts")
     shutil.copytree(ROOT / "libs" / "protos" / "src", repo / "libs" / "protos" / "src")
+    shutil.copy(ROOT / ".gitignore", repo / ".gitignore")  # bytecode caches are not stubs
     _git(repo, "init", "-q")
     _git(repo, "add", "-A")
     _git(repo, "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "base")

@@ -66,6 +66,11 @@ def configure_logging(service: str, level: str = "INFO", json: bool = True) -> s
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+    # uvicorn's own loggers may have been given handlers of their own (its default log config
+    # does that, and stops propagation): their records, 500s included, go through ours instead.
+    for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
+        logging.getLogger(name).handlers[:] = []
+        logging.getLogger(name).propagate = True
     for noisy in ("aiokafka", "kafka", "temporalio.activity", "uvicorn.access"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
     return structlog.get_logger(service=service)  # type: ignore[no-any-return]
