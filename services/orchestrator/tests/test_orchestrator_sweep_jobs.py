@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import sys
 import uuid
 from pathlib import Path
 from typing import Any
@@ -134,7 +135,11 @@ async def test_a_sweep_of_real_training_runs(
         build_worker(client, queue, activities, extra_activities=sweeps.methods()),
         make_channel(scheduler.grpc_target, token=SCHEDULER_TOKEN) as channel,
     ):
-        sweep_id, _ = await service.start_workflow("sweep", {"space": SPACE, "team": "sweepers"})
+        # This interpreter, by its absolute path (an admin may name one): a bare "python" is
+        # whatever PATH finds first, which need not be the one with the training library.
+        sweep_id, _ = await service.start_workflow(
+            "sweep", {"space": SPACE, "team": "sweepers", "python": sys.executable}
+        )
         handle = client.get_workflow_handle(sweep_id, result_type=SweepResult)
         stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
         agent = Agent(handle, stub, db, client, tmp_path / "runs")
