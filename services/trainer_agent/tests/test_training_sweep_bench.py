@@ -31,6 +31,7 @@ parameters:
 overrides: {checkpoint.interval_steps: 0}
 gpu_type: SIM
 budget: {trials: 3, gpu_hours: 1, max_steps: 9}
+concurrency: 2
 early_stopping: {rule: asha, min_steps: 1, eta: 3}
 """
 
@@ -45,6 +46,7 @@ def test_grid_and_asha_over_one_space(tmp_path: Path) -> None:
     grid = [r for r in rows if r["run"] == "grid"]
     asha = [r for r in rows if r["run"] == "asha"]
     assert summary["rungs"] == [1, 3] and len(grid) == len(asha) == 3
+    assert summary["asha"]["concurrency"] == 2 and sum(summary["asha"]["rung_occupancy"].values()) >= 3
     assert summary["grid"]["trial_steps"] == 27 == sum(r["steps"] for r in grid)
     assert summary["asha"]["trial_steps"] == sum(r["steps"] for r in asha) < 27
     assert summary["asha"]["stopped_early"] == sum(r["stopped_at"] is not None for r in asha) >= 1

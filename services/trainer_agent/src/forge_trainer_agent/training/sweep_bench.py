@@ -11,13 +11,16 @@ Writes ``DIR/summary.json``::
      "per_trial": [{"run", "trial", "params", "seed", "steps", "final", "stopped_at", "curve"}]}
 
 Trials are the space's configurations (:meth:`Space.configurations`) times its seeds (or the
-recipe's seed). The grid runs them in order; ASHA runs them in an order shuffled with the space's
-seed (arrival order matters to an asynchronous rule) and applies
-:class:`forge_kit.earlystop.Asha` — the rule the sweep workflow uses — to the metric as the run
-writes it to ``metrics.jsonl``: a trial judged at a rung stops at its next step, saving its
-checkpoint as a preempted job does. ASHA's best is the best final metric of the trials it let
-finish. Rungs start at ``early_stopping.min_steps`` of the space (``max_steps / 27`` when the
-space has no ASHA rule).
+recipe's seed). The grid runs them one after another, in order. ASHA runs them as the sweep
+workflow does: up to the space's ``concurrency`` trials in flight, taken in an order shuffled with
+the space's seed, advanced in lockstep (:func:`run_interleaved`: each in-flight trial in turn runs
+to its next evaluation, so trials reach a rung at about the time parallel workers would), and
+judged by :class:`forge_kit.earlystop.Asha` — the rule the sweep workflow uses — on the metric as
+the run writes it to ``metrics.jsonl``, in the order they report. A trial judged at a rung stops
+at its next step, saving its checkpoint as a preempted job does; a freed slot takes the next trial.
+ASHA's best is the best final metric of the trials it let finish. Rungs start at
+``early_stopping.min_steps`` of the space (the grace period; ``max_steps / 27`` when the space has
+no ASHA rule).
 """
 
 from __future__ import annotations
@@ -25,12 +28,16 @@ from __future__ import annotations
 import json
 import random
 import shutil
+import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
 
+import numpy as np
+import torch
 import typer
 
 from forge_kit import clitools
@@ -116,6 +123,91 @@ def run_trial(
         trial.final = result.eval_metrics.get(space.metric, trial.curve[-1][1] if trial.curve else None)
 
 
+Judge = Callable[[int, float], bool]
+RunOne = Callable[[Trial, Judge], None]
+Rule = Callable[[int, int, float], bool]
+
+
+class _Turns:
+    """One baton among the in-flight trials' threads: only its holder runs, so the interleaving is
+    the scheduler's alone (deterministic). The process-wide RNGs travel with the baton: a trial's
+    random draws are the ones it would make alone."""
+
+    def __init__(self) -> None:
+        self.cv = threading.Condition()
+        self.turn: int | None = None
+        self.finished: set[int] = set()
+
+    def wait(self, index: int) -> None:
+        with self.cv:
+            self.cv.wait_for(lambda: self.turn == index)
+
+    def release(self, index: int, finished: bool = False) -> None:
+        with self.cv:
+            if finished:
+                self.finished.add(index)
+            self.turn = None
+            self.cv.notify_all()
+
+    def pause(self, index: int) -> None:
+        """Hand the baton back to the scheduler and wait for the next turn."""
+        rng = (torch.get_rng_state(), random.getstate(), np.random.get_state())
+        self.release(index)
+        self.wait(index)
+        torch.set_rng_state(rng[0])
+        random.setstate(rng[1])
+        np.random.set_state(rng[2])
+
+    def give(self, index: int) -> None:
+        """The scheduler's side: let ``index`` run until it pauses or finishes."""
+        with self.cv:
+            self.turn = index
+            self.cv.notify_all()
+            self.cv.wait_for(lambda: self.turn is None)
+
+
+def run_interleaved(trials: list[Trial], concurrency: int, judge: Rule | None, run_one: RunOne) -> None:
+    """Run ``trials`` (in list order) with up to ``concurrency`` in flight, round-robin: each
+    in-flight trial in turn runs until its next metric value, which goes to ``judge(trial.index,
+    step, value)`` (False stops it), then waits for the others. A finished trial's slot goes to the
+    next trial at the next round. ``run_one(trial, on_value)`` trains one trial, calling
+    ``on_value(step, value)`` for each value of the metric and stopping when it returns False."""
+    turns = _Turns()
+    errors: list[BaseException] = []
+
+    def work(trial: Trial) -> None:
+        turns.wait(trial.index)
+
+        def on_value(step: int, value: float) -> bool:
+            go = judge is None or judge(trial.index, step, value)
+            if go:
+                turns.pause(trial.index)
+            return go
+
+        try:
+            run_one(trial, on_value)
+        except BaseException as exc:  # noqa: BLE001 - re-raised by the scheduler
+            errors.append(exc)
+        finally:
+            turns.release(trial.index, finished=True)
+
+    pending = deque(trials)
+    inflight: list[tuple[Trial, threading.Thread]] = []
+    while pending or inflight:
+        while pending and len(inflight) < concurrency:
+            trial = pending.popleft()
+            thread = threading.Thread(target=work, args=(trial,), name=f"trial-{trial.index}", daemon=True)
+            thread.start()
+            inflight.append((trial, thread))
+        for trial, thread in list(inflight):
+            turns.give(trial.index)
+            if trial.index in turns.finished:
+                thread.join()
+                inflight.remove((trial, thread))
+        if errors:
+            raise errors[0]
+
+
 def _best(space: Space, trials: list[Trial]) -> Trial | None:
     done = [t for t in trials if t.final is not None]
     if not done:
@@ -144,14 +236,17 @@ def benchmark(space: Space, work: Path, cache: Path, echo: Callable[[str], None]
     order = list(range(len(plan)))
     random.Random(space.seed).shuffle(order)
     asha = [Trial(i, dict(plan[i][0]), plan[i][1]) for i in order]
+    arrived = iter(range(1, len(asha) + 1))
+
+    def judge(index: int, step: int, value: float) -> bool:
+        return asha_rule.report(str(index), step, value) != "stop"
+
+    def run_one(trial: Trial, on_value: Judge) -> None:
+        echo(f"asha trial {next(arrived)}/{len(asha)}")
+        run_trial(space, trial, work / "asha", cache, on_value)
+
     started = time.perf_counter()
-    for n, trial in enumerate(asha):
-
-        def judge(step: int, value: float, name: str = str(trial.index)) -> bool:
-            return asha_rule.report(name, step, value) != "stop"
-
-        echo(f"asha trial {n + 1}/{len(asha)}")
-        run_trial(space, trial, work / "asha", cache, judge)
+    run_interleaved(asha, space.concurrency, judge, run_one)
     asha_wall = time.perf_counter() - started
     grid_best, asha_best = _best(space, grid), _best(space, asha)
     if grid_best is None or asha_best is None or grid_best.final is None or asha_best.final is None:
@@ -192,6 +287,7 @@ def benchmark(space: Space, work: Path, cache: Path, echo: Callable[[str], None]
             "trial_steps": asha_steps,
             "stopped_early": sum(1 for t in asha if t.stopped_at is not None),
             "rung_occupancy": asha_rule.occupancy(),
+            "concurrency": space.concurrency,
             "wall_s": round(asha_wall, 1),
         },
         "compute_ratio": asha_steps / grid_steps,
