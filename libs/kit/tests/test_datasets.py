@@ -140,6 +140,11 @@ def test_a_mirror_is_copied_with_the_same_checks(tmp_path: Path) -> None:
     root = tmp_path / "data"
     with pytest.raises(DataError, match="no public source"):
         datasets.fetch(["toy"], root=root, known=known)
+    # Fetching everything, such a file is skipped and named, not an error.
+    assert datasets.fetch(root=root, known=known) == [
+        "toy: 0 fetched, 0 already present (6 bytes); skipped a.txt: no public address serves these "
+        "exact bytes (forge data fetch toy --from DIR)"
+    ]
     datasets.fetch(["toy"], root=root, mirror=mirror, known=known)
     assert (root / "sets/toy/a.txt").read_bytes() == b"alpha\n"
     (mirror / "sets/toy/a.txt").write_bytes(b"other\n")

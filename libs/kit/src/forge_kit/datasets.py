@@ -189,9 +189,12 @@ def fetch(
 ) -> list[str]:
     """Bring the named datasets (all for none) into ``root`` (the data folder by default), from
     ``mirror`` when given, else from their public addresses. Returns one line per dataset saying
-    what was done; raises :class:`DataError` naming the first file that could not be had.
-    ``known`` replaces the catalogue (datasets of one's own)."""
+    what was done; raises :class:`DataError` naming the first file that could not be had — except,
+    when fetching everything (no names) without a mirror, files no public address serves with
+    these exact bytes, which are skipped and named in the dataset's line. ``known`` replaces the
+    catalogue (datasets of one's own)."""
     root = root or data_dir()
+    names = list(names)
     datasets = resolve(names, known)
     own_client = client is None
     http = client or httpx.Client(timeout=_DOWNLOAD_TIMEOUT, follow_redirects=True)
@@ -201,6 +204,7 @@ def fetch(
             archives: dict[str, Path] = {}
             for dataset in datasets:
                 fetched = 0
+                skipped: list[str] = []
                 for file in dataset.files:
                     if is_present(dataset, root, file):
                         _world_readable(root / dataset.folder / file.path)  # one fetched as 0600
@@ -218,6 +222,9 @@ def fetch(
                         with _staged(target) as tmp:
                             _download(http, file.url, tmp, label, progress)
                             _check(file, tmp, file.url)
+                    elif not names:
+                        skipped.append(file.path)
+                        continue
                     else:
                         raise DataError(
                             f"{label} has no public source with these exact bytes ({dataset.description}); "
@@ -226,10 +233,14 @@ def fetch(
                     fetched += 1
                     if progress:
                         progress(label, file.size, file.size)
-                kept = len(dataset.files) - fetched
-                lines.append(
-                    f"{dataset.name}: {fetched} fetched, {kept} already present ({dataset.size:,} bytes)"
-                )
+                kept = len(dataset.files) - fetched - len(skipped)
+                line = f"{dataset.name}: {fetched} fetched, {kept} already present ({dataset.size:,} bytes)"
+                if skipped:
+                    line += (
+                        f"; skipped {', '.join(skipped)}: no public address serves these exact bytes "
+                        f"(forge data fetch {dataset.name} --from DIR)"
+                    )
+                lines.append(line)
         if known is None and any(d.folder.startswith("benchmarks/") for d in datasets):
             write_benchmarks_manifest(root)
     finally:

@@ -3,10 +3,11 @@
 After the ``chat`` step has served the trained checkpoint through the gateway, this step runs the
 RAG path end to end on real documents:
 
-1. read a sample of SciFact (``beir/scifact`` in the data folder, BEIR format): the documents judged
+1. read a sample of NFCorpus (``beir/nfcorpus`` in the data folder: BEIR's own files, which
+   ``forge data fetch`` can download as they are): the documents judged
    relevant to its first ``SAMPLE_QUERIES`` test queries, then corpus documents in file order up to
    ``SAMPLE_DOCS`` in all;
-2. upsert them into the collection ``scifact-sample`` through the retriever's gRPC API, for the
+2. upsert them into the collection ``nfcorpus-sample`` through the retriever's gRPC API, for the
    tenant the gateway's key belongs to (``default``), in batches; a second ``forge up`` re-sends
    the same content, which the retriever treats as a no-op;
 3. ask the first sampled query through the gateway's ``POST /v1/rag/query`` (streamed) with the
@@ -37,11 +38,11 @@ from forge_kit.grpckit import make_channel
 from forge_kit.paths import resolve_data_path
 from forge_retriever.evaluation import load_beir
 
-DATASET = "beir/scifact"
-COLLECTION = "scifact-sample"
+DATASET = "beir/nfcorpus"
+COLLECTION = "nfcorpus-sample"
 TENANT = "default"
 """The gateway's bootstrap tenant, which the main job's gateway key belongs to."""
-SAMPLE_QUERIES = 10
+SAMPLE_QUERIES = 3
 SAMPLE_DOCS = 100
 BATCH = 50
 TOP_K, TOP_N, MAX_TOKENS = 20, 3, 48
