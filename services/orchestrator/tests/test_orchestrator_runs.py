@@ -22,6 +22,18 @@ from forge_orchestrator.runs_cli import app
 from forge_orchestrator.tracking import RunFilter, Tracker
 
 pytestmark = [pytest.mark.integration]
+
+
+@pytest.fixture(autouse=True)
+def _cli_settings_stay_in_the_test(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CLI makes MLflow's client give up fast by setting its variables in the process's
+    environment (its own process, when a person runs it). Here it runs in the test process: set
+    them through monkeypatch so they are taken back afterwards, and service processes that later
+    tests start do not inherit a client that stops retrying."""
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+
+
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
