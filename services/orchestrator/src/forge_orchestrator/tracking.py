@@ -42,6 +42,8 @@ TAG_TRIAL = "forge.trial"
 TAG_ROLE = "forge.role"
 TAG_CHECKPOINT = "forge.checkpoint_uri"
 PARENT_TAG = MLFLOW_PARENT_RUN_ID
+#: How long a caller that found only its own new run waits before looking for a twin once more.
+SETTLE_S = 0.5
 
 RunStatus = Literal["FINISHED", "FAILED", "KILLED"]
 
@@ -172,13 +174,16 @@ class Tracker:
             return self._experiment_id
 
     def _one(self, run_filter: RunFilter) -> str:
+        """The oldest matching run: by start time, then run id, so that every caller picks the
+        same one even when two were started in the same millisecond."""
         runs = self._client.search_runs(
             [self.experiment_id()],
             filter_string=run_filter.to_mlflow(),
-            max_results=2,
+            max_results=50,
             order_by=["attributes.start_time ASC"],
         )
-        return runs[0].info.run_id if runs else ""
+        oldest = min(runs, key=lambda r: (r.info.start_time, r.info.run_id), default=None)
+        return oldest.info.run_id if oldest is not None else ""
 
     def find_runs(self, run_filter: RunFilter | None = None, *, max_results: int = 100) -> list[TrackedRun]:
         """Runs matching ``run_filter``, newest first (at most ``max_results``, 1-1000)."""
@@ -271,6 +276,9 @@ class Tracker:
         """After creating ``created``: if another caller made a run for the same thing at the same
         time (the sweep's activity and the tracking consumer may), the oldest one is kept and
         ours is deleted, so every caller ends up with the same run."""
+        # A run another caller created in the same instant may not be visible yet: decide only
+        # once it has had time to appear, so every caller sees the same candidates.
+        time.sleep(SETTLE_S)
         oldest = self._one(run_filter)
         if oldest and oldest != created:
             self._client.delete_run(created)
