@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from forge_kit import errors
-from forge_orchestrator.rlhf import DriftPoint, RlhfInput, drift_stop, reward_gate, rm_version
+from forge_orchestrator.rlhf_round import DriftPoint, RlhfInput, drift_stop, reward_gate, rm_version
 from forge_orchestrator.rlhf_worker import validate_rlhf
 
 

@@ -28,7 +28,9 @@ _GOLD = {"A": Choice.PREFERENCE_CHOICE_A, "B": Choice.PREFERENCE_CHOICE_B}
 
 @dataclass(frozen=True)
 class BatchStats:
-    """Answers to the comparisons of one batch (an online round's queue)."""
+    """Answers to the comparisons of one batch (an online round's queue): ``accepted`` pairs and
+    the ``raters`` who gave them (A or B answers of raters rater quality does not flag), ``answers``
+    of any kind."""
 
     comparisons: int = 0
     accepted: int = 0
@@ -174,7 +176,7 @@ class PreferenceData:
                     await session.execute(
                         sa.select(
                             sa.func.count(),
-                            sa.func.count(sa.distinct(PreferenceRow.rater_id)),
+                            sa.func.count(sa.distinct(sa.case((sa.and_(*accepted), PreferenceRow.rater_id)))),
                             sa.func.coalesce(sa.func.sum(sa.case((sa.and_(*accepted), 1), else_=0)), 0),
                         ).where(mine)
                     )

@@ -123,7 +123,7 @@ class RlhfRoundRow(Base):
     workflow_id: Mapped[str] = mapped_column(sa.String(128), primary_key=True)
     round: Mapped[int] = mapped_column(sa.Integer, primary_key=True)
     status: Mapped[str] = mapped_column(sa.String(16))
-    """``running``, ``completed``, ``stopped`` or ``rejected``."""
+    """``running``, ``completed``, ``stopped``, ``rejected`` or ``stalled``."""
     step: Mapped[str] = mapped_column(sa.String(255), default="")
     snapshot_id: Mapped[str] = mapped_column(sa.String(128), default="")
     reward_model: Mapped[str] = mapped_column(sa.String(200), default="")

@@ -680,7 +680,7 @@ class GetPreferenceStatsResponse(_message.Message):
     batch_answers: _builtins.int
     """Answers of any kind on the batch's comparisons (flagged raters, ties and "both bad" included)."""
     batch_raters: _builtins.int
-    """Distinct raters who answered the batch's comparisons."""
+    """Distinct raters with accepted pairs on the batch's comparisons."""
     @_builtins.property
     def last_recorded_at(self) -> _timestamp_pb2.Timestamp:
         """When the newest accepted pair was recorded (unset when there is none)."""
@@ -897,7 +897,9 @@ class RlhfRound(_message.Message):
     round: _builtins.int
     """Round number within the workflow, from 1."""
     status: _builtins.str
-    """"running", "completed", "stopped" (a drift check ended it) or "rejected" (a gate refused)."""
+    """"running", "completed", "stopped" (a drift check ended it), "rejected" (a gate refused) or
+    "stalled" (raters did not answer in time).
+    """
     step: _builtins.str
     """The step the round is at, e.g. "training reward model"."""
     snapshot_id: _builtins.str
