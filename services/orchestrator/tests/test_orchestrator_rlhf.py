@@ -50,6 +50,7 @@ from forge_orchestrator.eval_activities import EvalActivities
 from forge_orchestrator.main_job import RLHF_SIZES
 from forge_orchestrator.rlhf import RLHF_WORKFLOWS, RlhfInput, RlhfResult
 from forge_orchestrator.rlhf_activities import RlhfActivities
+from forge_orchestrator.rlhf_sampling import RlhfSampler
 from forge_orchestrator.rlhf_worker import build_rlhf_worker, rlhf_task_queue
 from forge_orchestrator.training import AUTO_EVAL_LABEL, CHECKPOINT_SIGNAL, CheckpointInfo
 from forge_orchestrator.workflows import JOB_EVENT_SIGNAL, PROGRESS_QUERY, JobEvent
@@ -318,7 +319,9 @@ async def run_loop(
     workflow_id = f"{queue}-loop"
     agent = Agent(client, scheduler, workflow_id, runs)
     try:
-        async with build_rlhf_worker(client, queue, scheduler_acts, evals, rlhf):
+        async with build_rlhf_worker(
+            client, queue, scheduler_acts, evals, rlhf, RlhfSampler("", "", "", "", "")
+        ):
             handle = await client.start_workflow(
                 "rlhf", params, id=workflow_id, task_queue=rlhf_task_queue(queue), result_type=RlhfResult
             )

@@ -8,7 +8,8 @@ current policy on each through the inference gateway, queue the pairs for raters
 2. **Samples**: two responses per prompt from the current policy through the gateway's gRPC
    ``Generate`` (the same path as every product request, at batch priority), one at each of two
    temperatures, with seeds fixed by the round so a retried activity asks for the same samples.
-   A prompt whose two responses are equal or empty gives no comparison (counted).
+   A prompt whose two responses are equal or empty, or that the gateway refuses (longer than
+   the model's context), gives no comparison (counted by reason).
 3. **Queue**: ``AddComparisons`` to the feedback service under the round's batch, origin
    ``policy``; idempotent per (batch, prompt index), so a retry queues nothing twice. Raters get
    them with the existing overlap, leases and rater-quality controls; seed items with gold
@@ -131,7 +132,9 @@ class RlhfSampler:
         prompt: str,
         t: float,
         seed: int,
-    ) -> tuple[str, str]:
+    ) -> tuple[str, str] | None:
+        """The policy's response and the version that gave it; None when the gateway refuses the
+        prompt itself (INVALID_ARGUMENT: e.g. longer than the model's context)."""
         request = inference_pb2.GenerateRequest(
             model=params.model,
             prompt=prompt,
@@ -153,6 +156,8 @@ class RlhfSampler:
                         else chunk.model.name
                     )
         except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                return None
             raise failed("Generate", exc) from exc
         return "".join(pieces), served
 
@@ -180,10 +185,12 @@ class RlhfSampler:
             async def compare(index: int, prompt: str) -> feedback_pb2.NewComparison | None:
                 base = int.from_bytes(hashlib.sha256(f"{params.seed}:{prompt}".encode()).digest()[:6], "big")
                 async with limit:
-                    (one, by_one), (two, by_two) = await asyncio.gather(
-                        self._sample(stub, params, prompt, params.temperatures[0], base),
-                        self._sample(stub, params, prompt, params.temperatures[1], base + 1),
-                    )
+                    first = await self._sample(stub, params, prompt, params.temperatures[0], base)
+                    second = await self._sample(stub, params, prompt, params.temperatures[1], base + 1)
+                if first is None or second is None:
+                    skipped["refused_by_gateway"] = skipped.get("refused_by_gateway", 0) + 1
+                    return None
+                (one, by_one), (two, by_two) = first, second
                 served.update(s for s in (by_one, by_two) if s)
                 if not one.strip() or not two.strip():
                     skipped["empty_response"] = skipped.get("empty_response", 0) + 1
