@@ -10,7 +10,7 @@ raters as ``policy`` comparisons.
   service's round record. Its queue holds the policy's samples of the pool's prompts: the
   opted-in tenant's prompt is among them, the other tenant's never.
 - ``test_answers_to_the_policy_samples_let_the_round_train``: raters answer the round's
-  comparisons while it waits; once enough are accepted it snapshots and starts training the
+  comparisons (the main job's rule-based rater pool) while it waits; once enough are accepted it snapshots and starts training the
   reward model (the test stops it there: the training path is ``test_orchestrator_rlhf.py``'s).
 """
 
@@ -27,7 +27,6 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from forge.common.v1 import common_pb2
 from forge.feedback.v1 import feedback_pb2, feedback_pb2_grpc
 from temporalio.client import Client
 from temporalio.worker import Replayer
@@ -37,6 +36,7 @@ from forge_kit.testing import ServiceProcess, TemporalDevServer
 from forge_kit.testing.tiny_llama import save_tiny_llama
 from forge_orchestrator.activities import SchedulerActivities
 from forge_orchestrator.eval_activities import EvalActivities
+from forge_orchestrator.main_job_raters import RaterPool
 from forge_orchestrator.rlhf import RLHF_WORKFLOWS, RlhfInput, RlhfResult
 from forge_orchestrator.rlhf_activities import RlhfActivities
 from forge_orchestrator.rlhf_sampling import RlhfSampler
@@ -235,27 +235,6 @@ async def test_a_round_nobody_rates_ends_stalled_with_the_reason(
     await Replayer(workflows=list(RLHF_WORKFLOWS)).replay_workflow(await handle.fetch_history())
 
 
-async def rate_batch(target: str, rater: str) -> int:
-    """``rater`` answers every comparison handed to them: the response with more full stops, else
-    the shorter one (the main job's rule-based raters)."""
-    answered = 0
-    async with make_channel(target, token=FEEDBACK_TOKEN) as channel:
-        stub = feedback_pb2_grpc.PreferenceFeedbackServiceStub(channel)
-        while True:
-            reply = await stub.GetNextComparison(feedback_pb2.GetNextComparisonRequest(rater_id=rater))
-            if not reply.HasField("comparison"):
-                return answered
-            a, b = reply.comparison.response_a.text, reply.comparison.response_b.text
-            a_key, b_key = (a.count("."), -len(a)), (b.count("."), -len(b))
-            choice = common_pb2.PREFERENCE_CHOICE_A if a_key >= b_key else common_pb2.PREFERENCE_CHOICE_B
-            await stub.SubmitPreference(
-                feedback_pb2.SubmitPreferenceRequest(
-                    comparison_id=reply.comparison.id, rater_id=rater, choice=choice, confidence=0.9
-                )
-            )
-            answered += 1
-
-
 async def test_answers_to_the_policy_samples_let_the_round_train(
     worker: tuple[Client, str],
     feedback: tuple[ServiceProcess, Path],
@@ -273,13 +252,20 @@ async def test_answers_to_the_policy_samples_let_the_round_train(
     try:
         while "waiting for raters" not in str((await handle.query(PROGRESS_QUERY))["step"]):
             await asyncio.sleep(0.2)
-        answered = [await rate_batch(feedback[0].grpc_target, rater) for rater in ("ann", "bob")]
-        assert answered[0] >= 2 and answered[1] >= 2
-        for _ in range(300):
-            step = str((await handle.query(PROGRESS_QUERY))["step"])
-            if "training reward model" in step:
-                break
-            await asyncio.sleep(0.2)
+        # The main job's rule-based rater pool answers what the feedback service hands out.
+        pool = RaterPool(feedback[0].grpc_target, FEEDBACK_TOKEN, raters=3, dwell_s=0.0)
+        stop = asyncio.Event()
+        raters = asyncio.create_task(pool.run(stop))
+        try:
+            for _ in range(300):
+                step = str((await handle.query(PROGRESS_QUERY))["step"])
+                if "training reward model" in step:
+                    break
+                await asyncio.sleep(0.2)
+        finally:
+            stop.set()
+            answered = await raters
+        assert answered >= 3 and len(pool.answered) == 3 and not pool.errors
         progress = await handle.query(PROGRESS_QUERY)
         (record,) = progress["rounds"]
         assert "training reward model" in progress["step"], progress

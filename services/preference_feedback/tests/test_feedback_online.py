@@ -109,8 +109,8 @@ async def test_policy_samples_are_queued_once_answered_and_counted_per_batch(
     again = await stub.AddComparisons(request)  # a retried activity adds nothing
     assert (first.added, first.already_present) == (3, 0)
     assert (again.added, again.already_present) == (0, 3)
-    # A rater is handed the seed items first, then the policy samples, through the same RPC;
-    # each sample shows the two responses of the policy in either order.
+    # A rater is handed the policy samples first (the round waits on them), then the seed items,
+    # through the same RPC; each sample shows the two responses of the policy in either order.
     seen: list[feedback_pb2.Comparison] = []
     while True:
         reply = await stub.GetNextComparison(feedback_pb2.GetNextComparisonRequest(rater_id="r1"))
@@ -127,9 +127,9 @@ async def test_policy_samples_are_queued_once_answered_and_counted_per_batch(
             )
         )
     prompts = [c.prompt for c in seen]
-    assert prompts[:2] == ["Human: q0", "Human: q1"]
-    assert sorted(prompts[2:]) == [f"Human: policy prompt {i}\n\nAssistant:" for i in range(3)]
-    for c in seen[2:]:
+    assert prompts[3:] == ["Human: q0", "Human: q1"]
+    assert prompts[:3] == [f"Human: policy prompt {i}\n\nAssistant:" for i in range(3)]
+    for c in seen[:3]:
         n = c.prompt.split()[3]
         assert {c.response_a.text, c.response_b.text} == {
             f"sample at t=0.7 number {n}.",
@@ -198,7 +198,6 @@ async def test_origin_is_shown_to_admins_only(
 ) -> None:
     from forge_preference_feedback.service import NewComparison
 
-    # Only policy samples in the queue from here on: the rater is handed one of them.
     await online_service.add_comparisons(
         BATCH,
         "policy",
@@ -230,13 +229,13 @@ async def test_origin_is_shown_to_admins_only(
     boss = await client.post("/api/v1/sessions", json={"rater_id": "boss", "password": PASSWORD})
     as_admin = {"Authorization": f"Bearer {boss.json()['token']}"}
     rows = (await client.get("/api/v1/comparisons", headers=as_admin)).json()["comparisons"]
-    assert [r["origin"] for r in rows] == ["seed", "seed", "policy"]
-    assert rows[2]["batch"] == BATCH and {rows[2]["model_a"], rows[2]["model_b"]} == {
+    assert [r["origin"] for r in rows] == ["policy", "seed", "seed"]
+    assert rows[0]["batch"] == BATCH and {rows[0]["model_a"], rows[0]["model_b"]} == {
         "policy:1@0.7",
         "policy:1@1.2",
     }
     only = (await client.get("/api/v1/comparisons", params={"origin": "policy"}, headers=as_admin)).json()
-    assert [r["id"] for r in only["comparisons"]] == [rows[2]["id"]]
+    assert [r["id"] for r in only["comparisons"]] == [rows[0]["id"]]
     await client.post("/ui/logout", data={"csrf": hidden(rate, "csrf")})
     page = await client.get("/ui/login")
     await client.post(

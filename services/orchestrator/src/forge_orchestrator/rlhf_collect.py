@@ -60,6 +60,7 @@ class RoundCollection:
                 production_prompts=params.production_prompts,
                 temperatures=list(params.temperatures),
                 max_tokens=params.sample_max_tokens,
+                max_prompt_chars=params.max_prompt_chars,
             ),
             SAMPLING_TIMEOUT,
         )

@@ -48,6 +48,8 @@ class RlhfInput:
     temperatures: list[float] = field(default_factory=lambda: [0.7, 1.3])
     """The two sampling temperatures of a comparison's responses."""
     sample_max_tokens: int = 32
+    max_prompt_chars: int = 2000
+    """Prompts of the pool longer than this are not drawn (a small policy's context is short)."""
     min_policy_pairs: int = 16
     """Accepted preferences on the round's own comparisons before it trains."""
     min_raters: int = 1

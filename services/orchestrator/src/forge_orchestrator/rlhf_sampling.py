@@ -55,6 +55,8 @@ class CollectInput:
     production_prompts: int
     temperatures: list[float] = field(default_factory=lambda: [0.7, 1.3])
     max_tokens: int = 32
+    max_prompt_chars: int = 2000
+    """Longer prompts of either part of the pool are not drawn."""
 
 
 @dataclass
@@ -69,9 +71,9 @@ class CollectResult:
     """The model version the gateway answered with."""
 
 
-def dataset_prompts(path: Path, count: int, seed: int) -> list[str]:
+def dataset_prompts(path: Path, count: int, seed: int, max_chars: int = MAX_PROMPT_CHARS) -> list[str]:
     """``count`` distinct prompts of the first :data:`SCAN_LINES` HH-RLHF lines of ``path``,
-    drawn by ``seed``; unreadable lines and over-long prompts are skipped."""
+    drawn by ``seed``; unreadable lines and prompts over ``max_chars`` are skipped."""
     if count == 0:
         return []
     opener = gzip.open if path.name.endswith(".gz") else open
@@ -85,7 +87,7 @@ def dataset_prompts(path: Path, count: int, seed: int) -> list[str]:
             except (ValueError, KeyError, TypeError):
                 continue
             head, sep, _ = transcript.rpartition(ASSISTANT)
-            if sep and head.strip() and len(head) + len(ASSISTANT) <= MAX_PROMPT_CHARS:
+            if sep and head.strip() and len(head) + len(ASSISTANT) <= min(max_chars, MAX_PROMPT_CHARS):
                 found[head + ASSISTANT] = None
     pool = list(found)
     return random.Random(seed).sample(pool, min(count, len(pool)))
@@ -168,12 +170,16 @@ class RlhfSampler:
             raise ApplicationError("temperatures must hold two values", non_retryable=True)
         path = resolve_data_path(params.dataset)
         try:
-            drawn = await asyncio.to_thread(dataset_prompts, path, params.dataset_prompts, params.seed)
+            drawn = await asyncio.to_thread(
+                dataset_prompts, path, params.dataset_prompts, params.seed, params.max_prompt_chars
+            )
         except FileNotFoundError:
             raise ApplicationError(
                 f"prompt dataset {path} does not exist", type="MissingDataset", non_retryable=True
             ) from None
-        production = await self._production(params.production_prompts)
+        production = [
+            p for p in await self._production(params.production_prompts) if len(p) <= params.max_prompt_chars
+        ]
         prompts = list(dict.fromkeys([*drawn, *production]))
         skipped: dict[str, int] = {}
         served: set[str] = set()

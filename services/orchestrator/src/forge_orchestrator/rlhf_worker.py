@@ -143,6 +143,7 @@ def _validate_online(params: RlhfInput) -> None:
         ("dataset_prompts", 0, 1000),
         ("production_prompts", 0, 1000),
         ("sample_max_tokens", 1, 2048),
+        ("max_prompt_chars", 16, 100_000),
         ("min_policy_pairs", 1, 1_000_000),
         ("min_raters", 1, 1000),
         ("monitor_interval", 0, 100_000),

@@ -181,8 +181,9 @@ class FeedbackService(RaterAccounts, PreferenceData):
         """Queue comparisons made outside the seed data under ``batch`` (an online round's samples
         of the current policy, canary shadow pairs). Which response is shown as A is drawn per
         item, as for seeds; there is no gold answer. Keys already queued in the batch are left as
-        they are (a retried call adds nothing). Raters get them like any other comparison, after
-        the ones queued before (``seq``), with the same overlap and lease rules."""
+        they are (a retried call adds nothing). Raters get them like any other comparison, with the
+        same overlap and lease rules, but ahead of everything queued before (their ``seq`` is below
+        every other): an online round waits on its own samples, the newest batch first."""
         if not _BATCH.match(batch or ""):
             raise errors.ValidationError(
                 "batch", "must be 1-128 letters, digits or '._:/@-', starting with a letter or digit"
@@ -218,11 +219,11 @@ class FeedbackService(RaterAccounts, PreferenceData):
                     )
                 ).all()
             )
-            seq = int(await session.scalar(sa.select(sa.func.max(ComparisonRow.seq))) or 0)
+            fresh = [key for key in wanted if key not in present]
+            seq = int(await session.scalar(sa.select(sa.func.min(ComparisonRow.seq))) or 1) - len(fresh) - 1
             now = self._clock()
-            for key, item in wanted.items():
-                if key in present:
-                    continue
+            for key in fresh:
+                item = wanted[key]
                 seq += 1
                 # A coin per item (seeded by its key, as seeds.arrange does): the side says nothing.
                 one = (item.response_1, item.model_1)
