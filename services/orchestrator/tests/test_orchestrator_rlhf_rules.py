@@ -86,3 +86,11 @@ def test_bad_loop_input_names_the_field(change: dict[str, Any], field: str) -> N
     with pytest.raises(errors.ValidationError) as caught:
         validate_rlhf(loop_input(**change))
     assert caught.value.field == field
+
+
+def test_further_round_gates_run_after_the_accuracy_gate() -> None:
+    good = {"accuracy": 0.9, "ci95_low": 0.8, "ci95_high": 0.95, "n": 100}
+    refuse = lambda summary: "judges length" if "by_length" not in summary else ""  # noqa: E731
+    assert reward_gate(good, gates=(refuse,)) == "judges length"
+    assert reward_gate({**good, "by_length": {}}, gates=(refuse,)) == ""
+    assert reward_gate({**good, "ci95_low": 0.4}, gates=(refuse,)).startswith("held-out pairwise accuracy")

@@ -6,6 +6,7 @@ workflow (``rlhf.py``) stays deterministic and the rules are tested on their own
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -149,15 +150,26 @@ class RlhfResult:
     """Why the loop ended."""
 
 
-def reward_gate(summary: dict[str, Any], chance: float = CHANCE) -> str:
+ROUND_GATES: tuple[Callable[[dict[str, Any]], str], ...] = ()
+"""Further checks of a round's ``forge rm eval`` summary after the accuracy gate, each returning why
+the reward model may not be used (empty when it may): the place for the length-stratified gate
+(accuracy where the preferred reply is the shorter one)."""
+
+
+def reward_gate(
+    summary: dict[str, Any],
+    chance: float = CHANCE,
+    gates: tuple[Callable[[dict[str, Any]], str], ...] = ROUND_GATES,
+) -> str:
     """Why a reward model may not be used (empty when it may): its held-out accuracy must beat
-    ``chance`` significantly, i.e. the 95 % interval's lower end lies above it."""
+    ``chance`` significantly, i.e. the 95 % interval's lower end lies above it; then each of
+    ``gates`` (:data:`ROUND_GATES`) must pass."""
     for key in ("accuracy", "ci95_low", "ci95_high", "n"):
         if key not in summary:
             return f"rm eval summary has no {key!r}"
     low = float(summary["ci95_low"])
     if low > chance:
-        return ""
+        return next((why for why in (gate(summary) for gate in gates) if why), "")
     return (
         f"held-out pairwise accuracy {float(summary['accuracy']):.3f} "
         f"[{low:.3f}, {float(summary['ci95_high']):.3f}] on n={int(summary['n'])} human pairs does not "
