@@ -472,6 +472,12 @@ async def test_a_round_trains_evaluates_optimises_and_hands_over(
         (tmp_path / "work" / workflow_id / "round-1" / "policy-check" / "summary.json").read_text()
     )
     assert check["reward_model"] == record.reward_model_uri and check["reference"] == str(policy)
+    # DPO ran with the over-optimisation monitor every 2 steps (the main job's sizes): the trace the
+    # job wrote is the round's, from the reference point on.
+    monitor = record.training_monitor
+    assert monitor[0]["step"] == 0.0 and monitor[0]["kl"] == 0.0 and len(monitor) >= 2
+    assert [p["step"] for p in monitor] == [2.0 * i for i in range(len(monitor))]
+    assert record.early_stop == "" or record.early_stop.startswith("over-optimisation at step")
     # Handed over: eval-and-promote promoted it (no production model to beat), the round completed.
     assert record.decision == "promoted" and record.status == "completed"
     assert result.policy_uri == record.policy_uri
