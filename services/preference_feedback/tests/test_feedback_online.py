@@ -155,6 +155,7 @@ async def test_policy_samples_are_queued_once_answered_and_counted_per_batch(
         ({"origin": "seed"}, "origin"),
         ({"key": "a b"}, "comparisons[0].key"),
         ({"response_1": ""}, "comparisons[0].response_1"),
+        ({"response_2": "a\x00b"}, "comparisons[0].response_2"),
         ({"prompt": "x" * 20_001}, "comparisons[0].prompt"),
     ],
 )

@@ -204,8 +204,10 @@ class FeedbackService(RaterAccounts, PreferenceData):
                 text = getattr(item, name)
                 if not text.strip() or len(text) > MAX_TEXT:
                     raise errors.ValidationError(f"{where}.{name}", f"must be 1 to {MAX_TEXT} characters")
+                if "\x00" in text:
+                    raise errors.ValidationError(f"{where}.{name}", "must not contain NUL characters")
             for name in ("model_1", "model_2"):
-                if len(getattr(item, name)) > _MODEL_MAX:
+                if len(getattr(item, name)) > _MODEL_MAX or "\x00" in getattr(item, name):
                     raise errors.ValidationError(
                         f"{where}.{name}", f"must be at most {_MODEL_MAX} characters"
                     )
