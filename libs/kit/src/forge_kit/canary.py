@@ -286,13 +286,18 @@ class Analysis:
         return {name: [m.harm_p, m.noninf_p] for name, m in self.metrics.items()}
 
 
-def _arms(name: str, canary: SplitCounts, production: SplitCounts) -> tuple[Arm, Arm, float | None, float | None]:
+def _arms(
+    name: str, canary: SplitCounts, production: SplitCounts
+) -> tuple[Arm, Arm, float | None, float | None]:
     if name == "errors":
         return canary.requests(), production.requests(), None, None
     if name == "empty_answers":
-        return Arm(canary.ok(), min(canary.ok(), int(canary.empty))), Arm(
-            production.ok(), min(production.ok(), int(production.empty))
-        ), None, None
+        return (
+            Arm(canary.ok(), min(canary.ok(), int(canary.empty))),
+            Arm(production.ok(), min(production.ok(), int(production.empty))),
+            None,
+            None,
+        )
     c_hist, p_hist = (canary.ttft, production.ttft) if name == "ttft_p95" else (canary.itl, production.itl)
     bound = quantile_bucket(p_hist, 0.95)
     if bound is None:
@@ -341,11 +346,13 @@ def analyze(
             c_arm.n, c_arm.k, p_arm.n, p_arm.k, round(test.diff, 6), test.harm_p, test.noninf_p, bound, c_p95
         )
         if test.harm_p <= alpha_m:
-            harmed.append(f"{name} (canary {c_arm.rate:.3f} vs production {p_arm.rate:.3f}, p={test.harm_p:.2g})")
+            harmed.append(
+                f"{name} (canary {c_arm.rate:.3f} vs production {p_arm.rate:.3f}, p={test.harm_p:.2g})"
+            )
         elif (c_arm.n or p_arm.n) and test.noninf_p > policy.beta:
             unproven.append(name)
     label = f"{policy.family}@{policy.version}"
-    requests = found["errors"] if "errors" in found else None
+    requests = found.get("errors")
     traffic = min(requests.canary_n, requests.production_n) if requests else 0
     deadline = policy.deadline_s(extensions)
 
@@ -357,7 +364,9 @@ def analyze(
     if paused:
         return outcome("continue", "paused by an operator")
     if traffic >= policy.min_requests and not unproven:
-        return outcome("promote", f"no worse than production on {', '.join(found)} after {traffic} requests per arm")
+        return outcome(
+            "promote", f"no worse than production on {', '.join(found)} after {traffic} requests per arm"
+        )
     if elapsed_s < deadline:
         return outcome("continue", "collecting")
     if traffic < policy.min_requests:
@@ -366,4 +375,6 @@ def analyze(
         why = f"not yet shown no worse on {', '.join(unproven)}"
     if extensions < policy.max_extensions:
         return outcome("extend", f"{why}; window extended by {policy.extension_s:g}s")
-    return outcome(policy.on_inconclusive, f"{why} after {extensions} extension(s); policy says {policy.on_inconclusive}")
+    return outcome(
+        policy.on_inconclusive, f"{why} after {extensions} extension(s); policy says {policy.on_inconclusive}"
+    )

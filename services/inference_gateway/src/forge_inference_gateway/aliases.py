@@ -91,7 +91,8 @@ class Aliases:
         """Consumer handler of ``ModelPromoted``: the stage (and its public alias) now names the model.
 
         A promotion to ``canary`` also makes the model the canary of the ``production`` aliases with
-        the event's ``traffic_percent`` (0, or a rollback, stops the split). A promotion to
+        the event's ``traffic_percent`` (0, or a rollback, stops the split; a canary rollback with
+        no ``previous`` — a guarded canary ended — also drops the ``canary`` alias). A promotion to
         ``production`` of the canary's own model, or a rollback, ends the split (weight 0).
 
         Runs inside the consumer's transaction, which also records the event id, so a redelivered
@@ -107,6 +108,9 @@ class Aliases:
         except ValueError as exc:
             raise errors.ValidationError("model", str(exc)) from None
         name, version = promoted.name, promoted.version
+        if stage in CANARY_OF and event.is_rollback and not event.previous.name:
+            await self._end_canary(session, stage, name, version, event.meta.event_id)
+            return
         for alias in (stage, PUBLIC_ALIASES.get(stage)):
             if alias is None:
                 continue
@@ -133,6 +137,23 @@ class Aliases:
                 row.canary_model_name, row.canary_model_version = name, version
                 row.canary_weight = weight
                 row.updated_at = utcnow()
+        self._cached.clear()
+
+    async def _end_canary(
+        self, session: AsyncSession, stage: str, name: str, version: str, event_id: str
+    ) -> None:
+        """A canary rolled back with nothing to restore (the guarded canary's rollback): the stage
+        alias no longer names it and the aliases it split stop sending it traffic."""
+        row = await session.get(ModelAliasRow, stage)
+        if row is not None and (row.model_name, row.model_version) == (name, version):
+            await session.delete(row)
+        base = CANARY_OF[stage]
+        for alias in (base, PUBLIC_ALIASES.get(base)):
+            split = await session.get(ModelAliasRow, alias) if alias else None
+            if split is not None and (split.canary_model_name, split.canary_model_version) == (name, version):
+                split.canary_weight = 0
+                split.source_event_id = event_id
+                split.updated_at = utcnow()
         self._cached.clear()
 
     async def list_aliases(self) -> list[Alias]:

@@ -312,7 +312,10 @@ class Router:
                 chunks = self._stream(routed, stream, lease, started, deadline)
                 return Forwarded(200, headers, chunks=chunks, model=served)
             lease.release()
-            self._observe_end(routed, status, started)
+            # An alias's version that no replica lists (its replicas crashed) is the version's
+            # failure, not the caller's mistake.
+            missing = status == 404 and routed.alias is not None and replica.serves(routed.target) is not True
+            self._observe_end(routed, "unavailable" if missing else status, started)
             if status == 200 and not _GENERATED.search(content):
                 EMPTY_ANSWERS.labels(routed.target, routed.split).inc()
             retry = status in _RETRY_STATUSES and attempt + 1 < self._attempts
@@ -322,7 +325,7 @@ class Router:
                 continue
             if status == 200 and routed.cache_key and self.responses is not None:
                 await self.responses.put(routed.cache_key, headers.get("content-type", ""), content)
-            if status == 404 and routed.alias is not None and replica.serves(routed.target) is not True:
+            if missing:
                 # The alias names a version this replica does not list: say so of what was asked
                 # (a model it lists but cannot load keeps the replica's own reason).
                 content, headers["content-type"] = not_served_body(routed.requested), "application/json"
