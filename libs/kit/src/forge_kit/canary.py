@@ -286,6 +286,10 @@ class Analysis:
         return {name: [m.harm_p, m.noninf_p] for name, m in self.metrics.items()}
 
 
+def _finite(value: float | None) -> float | None:
+    return value if value is None or math.isfinite(value) else None
+
+
 def _arms(
     name: str, canary: SplitCounts, production: SplitCounts
 ) -> tuple[Arm, Arm, float | None, float | None]:
@@ -343,7 +347,15 @@ def analyze(
             previous=(float(before[0]), float(before[1])),
         )
         found[name] = MetricEvidence(
-            c_arm.n, c_arm.k, p_arm.n, p_arm.k, round(test.diff, 6), test.harm_p, test.noninf_p, bound, c_p95
+            c_arm.n,
+            c_arm.k,
+            p_arm.n,
+            p_arm.k,
+            round(test.diff, 6),
+            test.harm_p,
+            test.noninf_p,
+            _finite(bound),
+            _finite(c_p95),
         )
         if test.harm_p <= alpha_m:
             harmed.append(
