@@ -8,6 +8,7 @@ admin API (canary weight, rollback).
 from __future__ import annotations
 
 import hashlib
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from forge_kit import errors
 from forge_kit.db import Database
 from forge_kit.modelref import ModelRef
 
+_ALIAS = re.compile(r"[a-z0-9][a-z0-9_.-]{0,63}")
 #: Stage whose model the public alias ``forge-chat`` serves.
 PUBLIC_ALIASES = {"production": "forge-chat"}
 #: A promotion to the key stage becomes a weighted canary of the value stage's aliases.
@@ -179,6 +181,31 @@ class Aliases:
             raise errors.ValidationError("model", str(exc)) from None
         alias = None if ref.pinned else await self.alias_named(ref.name)
         return (alias.model, alias) if alias is not None else (ref, None)
+
+    async def set_alias(self, alias: str, name: str, version: str) -> Alias:
+        """Admin: pin ``alias`` to ``name[:version]`` (a deployment without the registry's events,
+        e.g. a benchmark); the registry's next ``ModelPromoted`` for its stage replaces it."""
+        if not _ALIAS.fullmatch(alias):
+            raise errors.ValidationError("alias", "must be 1-64 of a-z, 0-9, '.', '_', '-'")
+        if not name.strip():
+            raise errors.ValidationError("model.name", "is required")
+        try:
+            ModelRef(name, version)
+        except ValueError as exc:
+            raise errors.ValidationError("model", str(exc)) from None
+        async with self._db.session() as session:
+            row = await session.get(ModelAliasRow, alias)
+            if row is None:
+                row = ModelAliasRow(
+                    alias=alias, canary_model_name="", canary_model_version="", canary_weight=0
+                )
+                session.add(row)
+            row.model_name, row.model_version, row.stage = name, version, "admin"
+            row.source_event_id = ""
+            row.updated_at = utcnow()
+            result = _alias(row)
+        self._cached.clear()
+        return result
 
     async def set_canary(self, alias: str, name: str, version: str, weight: int) -> Alias:
         """Admin: send ``weight`` percent of ``alias``'s traffic to ``name[:version]``."""

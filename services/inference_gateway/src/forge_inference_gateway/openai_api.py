@@ -30,7 +30,7 @@ from forge_inference_gateway.embeddings import GrpcEmbedder, create_embeddings
 from forge_inference_gateway.openai_schema import bearer_scheme, check_generation, install_openapi
 from forge_inference_gateway.rag import RagService
 from forge_inference_gateway.response_cache import CACHE_HEADER
-from forge_inference_gateway.router import GenerationRequest
+from forge_inference_gateway.router import MODEL_HEADER, GenerationRequest
 from forge_inference_gateway.service import InferenceGateway
 from forge_inference_gateway.tenants import PRIORITY_CLASSES, Tenant
 from forge_inference_gateway.upstream import StreamBroken, UpstreamError, UpstreamUnavailableError, error_for
@@ -63,6 +63,10 @@ class ModelRefBody(BaseModel):
 class CanaryBody(BaseModel):
     model: ModelRefBody
     weight: int = Field(ge=0, le=100)
+
+
+class AliasBody(BaseModel):
+    model: ModelRefBody
 
 
 class ReplicaBody(BaseModel):
@@ -217,7 +221,8 @@ class GatewayRoutes:
         if status in (401, 403) or (status >= 500 and status != 503):
             REQUESTS.labels(path, "502").inc()
             message = error_for(status, content).message
-            return openai_error(502, message, type_="upstream_error", code="bad_gateway")
+            served = {MODEL_HEADER: headers[MODEL_HEADER]} if MODEL_HEADER in headers else None
+            return openai_error(502, message, type_="upstream_error", code="bad_gateway", headers=served)
         REQUESTS.labels(path, str(status)).inc()
         relayed = dict(headers)
         if status == 503:
@@ -329,6 +334,9 @@ class AdminRoutes:
         )
         return _alias_view(updated)
 
+    async def set_alias(self, alias: str, body: AliasBody) -> dict[str, object]:
+        return _alias_view(await self._gateway.aliases.set_alias(alias, body.model.name, body.model.version))
+
     async def rollback_canary(self, alias: str) -> dict[str, object]:
         return _alias_view(await self._gateway.aliases.rollback_canary(alias))
 
@@ -379,6 +387,7 @@ def install_gateway_api(
     auth = [Depends(bearer_scheme), Depends(require_token(admin_token))]
     for path, endpoint, method, status in (
         ("/admin/v1/aliases", admin.aliases, "GET", 200),
+        ("/admin/v1/aliases/{alias}", admin.set_alias, "PUT", 200),
         ("/admin/v1/aliases/{alias}/canary", admin.set_canary, "PUT", 200),
         ("/admin/v1/aliases/{alias}/canary", admin.rollback_canary, "DELETE", 200),
         ("/admin/v1/tenants", admin.tenants, "GET", 200),

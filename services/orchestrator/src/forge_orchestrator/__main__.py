@@ -95,6 +95,7 @@ async def main() -> None:
     eval_activities = EvalActivities(settings.eval_target, settings.eval_token.get_secret_value())
     canary = CanaryActivities(
         settings.gateway_metrics_urls,
+        default_family=settings.canary_policy,
         policy_dir=Path(settings.canary_policy_dir) if settings.canary_policy_dir else None,
     )
     # Sweeps record their parent and trial runs where training runs are tracked (none without MLflow).

@@ -42,6 +42,14 @@ class Counts:
 
 
 @dataclass
+class PolicyInput:
+    family: str
+    """The workflow input's ``canary_policy``; empty: the default."""
+    model_family: str
+    """The model's name as a family name (the last resort)."""
+
+
+@dataclass
 class SnapshotInput:
     canary: str
     """``name:version`` of the canary, as the gateway labels it."""
@@ -81,9 +89,15 @@ class CanaryActivities:
     """Policy files and gateway metrics for workflows."""
 
     def __init__(
-        self, metrics_urls: Sequence[str] = (), *, policy_dir: Path | None = None, timeout_s: float = 10.0
+        self,
+        metrics_urls: Sequence[str] = (),
+        *,
+        policy_dir: Path | None = None,
+        default_family: str = "",
+        timeout_s: float = 10.0,
     ) -> None:
         self._urls = [u for u in metrics_urls if u]
+        self._default_family = default_family
         self._policy_dir = policy_dir
         self._timeout_s = timeout_s
 
@@ -91,9 +105,11 @@ class CanaryActivities:
         return [self.canary_policy, self.canary_snapshot, self.canary_look]
 
     @activity.defn(name="canary_policy")
-    async def canary_policy(self, family: str) -> dict[str, Any]:
-        """The policy of ``family`` (its file, else ``default.yaml``) as a dict; a bad file is a
-        non-retryable failure naming it."""
+    async def canary_policy(self, params: PolicyInput) -> dict[str, Any]:
+        """The policy as a dict: the input's family, else this process's default family, else the
+        model's name (each: its file, else ``default.yaml``); a bad file is a non-retryable
+        failure naming it."""
+        family = params.family or self._default_family or params.model_family
         try:
             return load_policy(family, self._policy_dir).model_dump()
         except errors.ForgeError as exc:

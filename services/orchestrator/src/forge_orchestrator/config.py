@@ -104,6 +104,10 @@ class OrchestratorSettings(ServiceSettings):
     by the guarded canary's analysis; empty: no gateway is watched and a canary sees no traffic
     (so it is never promoted by the default policy)."""
 
+    canary_policy: str = ""
+    """Canary policy family of eval-and-promote workflows whose input names none; empty: the
+    model's name (``policies/canary/<name>.yaml``, else ``default.yaml``)."""
+
     canary_policy_dir: str = ""
     """Folder of the canary policy files (``<family>.yaml``); empty: ``policies/canary`` of the
     checkout."""

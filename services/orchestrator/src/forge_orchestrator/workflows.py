@@ -23,7 +23,7 @@ with workflow.unsafe.imports_passed_through():
     from forge_kit import errors
     from forge_orchestrator.activities import CancelJobInput, SchedulerActivities, SubmitJobInput
     from forge_orchestrator.canary import CanaryOutcome, guard_canary, policy_family
-    from forge_orchestrator.canary_activities import CanaryActivities
+    from forge_orchestrator.canary_activities import CanaryActivities, PolicyInput
     from forge_orchestrator.eval_activities import (
         Comparison,
         EvalActivities,
@@ -215,7 +215,7 @@ class EvalAndPromoteInput:
     """The canary's share of the production aliases' traffic; 0: the canary policy's."""
     canary_policy: str = ""
     """Policy family (``policies/canary/<family>.yaml``, else ``default.yaml``); empty: the
-    model's name."""
+    orchestrator's ``canary_policy`` setting, else the model's name."""
     poll_s: float = 2.0
     run_timeout_s: float = 3600.0
     tier: str = "full"
@@ -392,7 +392,8 @@ class EvalAndPromoteWorkflow:
             f" vs {result.baseline}: {result.verdict}" if production else ""
         )
         policy: dict[str, Any] = await self._call(
-            CanaryActivities.canary_policy, params.canary_policy or policy_family(params.model_name)
+            CanaryActivities.canary_policy,
+            PolicyInput(params.canary_policy, policy_family(params.model_name)),
         )
         share = params.canary_percent or int(policy["traffic_percent"])
         self._step = "promoting to canary"
