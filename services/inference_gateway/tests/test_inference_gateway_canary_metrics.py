@@ -4,6 +4,7 @@ TTFT and inter-token latency histograms, empty answers; and the canary's end by 
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -88,3 +89,63 @@ async def test_a_guarded_canary_rollback_ends_the_split_and_the_canary_alias(
     aliases = {a.alias: a for a in await gateway.aliases.list_aliases()}
     assert "canary" not in aliases
     assert (aliases["forge-chat"].target, aliases["forge-chat"].canary_weight) == ("tiny:3", 0)
+
+
+@pytest.mark.asyncio
+async def test_shadow_mode_mirrors_without_serving_and_keeps_the_pairs(
+    replicas: Callable[..., Awaitable[Any]],
+    make_gateway: Callable[..., Awaitable[InferenceGateway]],
+    client_for: Any,
+    admin_headers: dict[str, str],
+    db: Database,
+) -> None:
+    stable = await replicas(version="41")
+    candidate = await replicas(version="42")
+    gateway = await make_gateway([stable.url, candidate.url])
+    await gateway.pool.refresh()
+    await apply(gateway, db, promoted("41", "production"))
+
+    def shadow_count() -> float:
+        labels = {"model": "tiny:42", "split": "shadow", "status": "200"}
+        return REGISTRY.get_sample_value("forge_gateway_upstream_requests_total", labels) or 0.0
+
+    before = shadow_count()
+    async with client_for(gateway) as client:
+        for bad, param in (({"model": {"name": "tiny", "version": "42"}, "percent": 101}, "percent"),):
+            reply = await client.put("/admin/v1/aliases/forge-chat/shadow", json=bad, headers=admin_headers)
+            assert reply.status_code == 400 and reply.json()["error"]["param"] == param
+        reply = await client.put(
+            "/admin/v1/aliases/forge-chat/shadow",
+            json={"model": {"name": "tiny", "version": "42"}, "percent": 100},
+            headers=admin_headers,
+        )
+        assert reply.status_code == 200 and reply.json()["shadow"]["percent"] == 100
+        for i in range(4):
+            reply = await client.post(
+                "/v1/completions",
+                json={"model": "forge-chat", "prompt": f"hi {i}", "max_tokens": 2, "user": f"u{i}"},
+            )
+            assert reply.status_code == 200 and reply.headers["x-forge-model"] == "tiny:41"
+        body = {"model": "forge-chat", "prompt": "stream", "max_tokens": 2, "stream": True}
+        async with client.stream("POST", "/v1/completions", json=body) as streamed:
+            await streamed.aread()  # streams are not mirrored
+        for _ in range(100):
+            if shadow_count() - before >= 4 and len(await gateway.shadows.pairs("forge-chat", 0, 50)) >= 4:
+                break
+            await asyncio.sleep(0.05)
+        reply = await client.get("/admin/v1/shadow/pairs?alias=forge-chat&limit=2", headers=admin_headers)
+        page = reply.json()
+        assert reply.status_code == 200 and len(page["pairs"]) == 2
+        rest = await client.get(
+            f"/admin/v1/shadow/pairs?alias=forge-chat&after_id={page['next_after_id']}", headers=admin_headers
+        )
+        pairs = page["pairs"] + rest.json()["pairs"]
+        assert sorted(p["request"]["prompt"] for p in pairs) == [f"hi {i}" for i in range(4)]
+        assert all(p["production"]["model"] == "tiny:41" and p["shadow"]["model"] == "tiny:42" for p in pairs)
+        assert all(p["shadow"]["status"] == "200" and p["shadow"]["answer"] for p in pairs)
+        assert shadow_count() - before == 4
+        assert [b["model"] for b in candidate.bodies] == ["tiny:42"] * 4
+        reply = await client.get("/admin/v1/shadow/pairs?limit=0", headers=admin_headers)
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == "limit"
+        reply = await client.delete("/admin/v1/aliases/forge-chat/shadow", headers=admin_headers)
+        assert reply.status_code == 200 and reply.json()["shadow"] is None

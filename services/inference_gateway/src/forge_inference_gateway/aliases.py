@@ -41,6 +41,17 @@ class Alias:
     canary_name: str = ""
     canary_version: str = ""
     canary_weight: int = 0
+    shadow_name: str = ""
+    shadow_version: str = ""
+    shadow_percent: int = 0
+
+    @property
+    def shadow(self) -> ModelRef | None:
+        return (
+            ModelRef(self.shadow_name, self.shadow_version)
+            if self.shadow_name and self.shadow_percent
+            else None
+        )
 
     @property
     def model(self) -> ModelRef:
@@ -71,6 +82,9 @@ def _alias(row: ModelAliasRow) -> Alias:
         row.canary_model_name or "",
         row.canary_model_version or "",
         row.canary_weight or 0,
+        row.shadow_model_name or "",
+        row.shadow_model_version or "",
+        row.shadow_percent or 0,
     )
 
 
@@ -222,6 +236,28 @@ class Aliases:
             if row is None:
                 raise errors.NotFoundError(f"alias {alias!r} not found")
             row.canary_model_name, row.canary_model_version, row.canary_weight = name, version, weight
+            row.updated_at = utcnow()
+            result = _alias(row)
+        self._cached.clear()
+        return result
+
+    async def set_shadow(self, alias: str, name: str, version: str, percent: int) -> Alias:
+        """Admin: mirror ``percent`` of ``alias``'s stable traffic to ``name[:version]`` without
+        serving its answers (0 stops it)."""
+        if percent and not name.strip():
+            raise errors.ValidationError("model.name", "is required")
+        try:
+            if name:
+                ModelRef(name, version)
+        except ValueError as exc:
+            raise errors.ValidationError("model", str(exc)) from None
+        if not 0 <= percent <= 100:
+            raise errors.ValidationError("percent", f"must be 0-100, got {percent}")
+        async with self._db.session() as session:
+            row = await session.get(ModelAliasRow, alias)
+            if row is None:
+                raise errors.NotFoundError(f"alias {alias!r} not found")
+            row.shadow_model_name, row.shadow_model_version, row.shadow_percent = name, version, percent
             row.updated_at = utcnow()
             result = _alias(row)
         self._cached.clear()

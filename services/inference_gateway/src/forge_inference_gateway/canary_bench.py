@@ -347,10 +347,9 @@ def summarize(runs: dict[str, dict[str, Any]], policy: CanaryPolicy, args: dict[
     deadline = policy.deadline_s(policy.max_extensions)
     for name, run in runs.items():
         pool = [outcome_of(o) for o in run["client"] if o["arm"] == name]
-        reps = [
-            resampled(pool, production_pool, policy, args["rate"], seed)
-            for seed in range(args["repetitions"])
-        ]
+        # Each candidate against the production requests of its own run (the same minutes of load).
+        own = [outcome_of(o) for o in run["client"] if o["arm"] == PRODUCTION]
+        reps = [resampled(pool, own, policy, args["rate"], seed) for seed in range(args["repetitions"])]
         decisions = [d for d, _, _ in reps]
         repetitions[name] = {
             "decisions": {d: decisions.count(d) for d in sorted(set(decisions))},
@@ -410,7 +409,7 @@ def summarize(runs: dict[str, dict[str, Any]], policy: CanaryPolicy, args: dict[
 @app.command()
 def canary(
     out: Annotated[Path, typer.Option(help="Directory for summary.json.")],
-    rate: Annotated[float, typer.Option(min=1, max=200, help="Requests per second, fixed.")] = 16.0,
+    rate: Annotated[float, typer.Option(min=1, max=200, help="Requests per second, fixed.")] = 10.0,
     repetitions: Annotated[int, typer.Option(min=1, max=1000)] = 20,
     policy_family: Annotated[str, typer.Option("--policy", help="Canary policy family.")] = "bench",
     max_tokens: Annotated[int, typer.Option(min=1, max=256)] = 8,

@@ -67,13 +67,18 @@ def fault_replica(
                 {"error": {"message": "injected fault", "type": "server_error"}}, status_code=500
             )
         body["model"] = serves
-        if not body.get("stream"):
-            started = time.perf_counter()
-            reply = await client.post(path, json=body)
-            await asyncio.sleep(slowdown * (time.perf_counter() - started))
-            return Response(reply.content, status_code=reply.status_code, media_type="application/json")
-        upstream_request = client.build_request("POST", path, json=body)
-        reply = await client.send(upstream_request, stream=True)
+        try:
+            if not body.get("stream"):
+                started = time.perf_counter()
+                whole = await client.post(path, json=body)
+                await asyncio.sleep(slowdown * (time.perf_counter() - started))
+                return Response(whole.content, status_code=whole.status_code, media_type="application/json")
+            reply = await client.send(client.build_request("POST", path, json=body), stream=True)
+        except httpx.HTTPError as exc:
+            # The model server itself failed: the replica's failure, as a 502.
+            return JSONResponse(
+                {"error": {"message": f"model server: {exc!r}", "type": "server_error"}}, status_code=502
+            )
         if reply.status_code != 200:
             content = await reply.aread()
             await reply.aclose()

@@ -69,6 +69,11 @@ class AliasBody(BaseModel):
     model: ModelRefBody
 
 
+class ShadowBody(BaseModel):
+    model: ModelRefBody
+    percent: int = Field(ge=0, le=100)
+
+
 class ReplicaBody(BaseModel):
     url: str
     token: str = Field(default="", max_length=512)
@@ -188,6 +193,8 @@ class GatewayRoutes:
         )
         forwarded = await self._gateway.router.forward(routed, deadline)
         if forwarded.chunks is None:
+            if routed.shadow is not None and forwarded.status == 200:
+                self._gateway.shadows.mirror(routed, forwarded)
             return self._relay(path, forwarded.status, forwarded.content, forwarded.headers)
         REQUESTS.labels(path, "200").inc()
         return StreamingResponse(
@@ -318,6 +325,14 @@ def _alias_view(alias: Alias) -> dict[str, object]:
             if alias.canary_name
             else None
         ),
+        "shadow": (
+            {
+                "model": {"name": alias.shadow_name, "version": alias.shadow_version},
+                "percent": alias.shadow_percent,
+            }
+            if alias.shadow is not None
+            else None
+        ),
     }
 
 
@@ -336,6 +351,19 @@ class AdminRoutes:
 
     async def set_alias(self, alias: str, body: AliasBody) -> dict[str, object]:
         return _alias_view(await self._gateway.aliases.set_alias(alias, body.model.name, body.model.version))
+
+    async def set_shadow(self, alias: str, body: ShadowBody) -> dict[str, object]:
+        updated = await self._gateway.aliases.set_shadow(
+            alias, body.model.name, body.model.version, body.percent
+        )
+        return _alias_view(updated)
+
+    async def stop_shadow(self, alias: str) -> dict[str, object]:
+        return _alias_view(await self._gateway.aliases.set_shadow(alias, "", "", 0))
+
+    async def shadow_pairs(self, alias: str = "", after_id: int = 0, limit: int = 100) -> dict[str, object]:
+        pairs = await self._gateway.shadows.pairs(alias, after_id, limit)
+        return {"pairs": pairs, "next_after_id": pairs[-1]["id"] if pairs else after_id}
 
     async def rollback_canary(self, alias: str) -> dict[str, object]:
         return _alias_view(await self._gateway.aliases.rollback_canary(alias))
@@ -390,6 +418,9 @@ def install_gateway_api(
         ("/admin/v1/aliases/{alias}", admin.set_alias, "PUT", 200),
         ("/admin/v1/aliases/{alias}/canary", admin.set_canary, "PUT", 200),
         ("/admin/v1/aliases/{alias}/canary", admin.rollback_canary, "DELETE", 200),
+        ("/admin/v1/aliases/{alias}/shadow", admin.set_shadow, "PUT", 200),
+        ("/admin/v1/aliases/{alias}/shadow", admin.stop_shadow, "DELETE", 200),
+        ("/admin/v1/shadow/pairs", admin.shadow_pairs, "GET", 200),
         ("/admin/v1/tenants", admin.tenants, "GET", 200),
         ("/admin/v1/tenants", admin.create_tenant, "POST", 201),
         ("/admin/v1/replicas", admin.replicas, "GET", 200),

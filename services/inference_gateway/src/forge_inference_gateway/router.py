@@ -135,6 +135,8 @@ class Routed:
     alias: str | None = None
     requested: str = ""
     """The ``model`` the caller sent (an alias or a model id): what errors name."""
+    shadow: ModelRef | None = None
+    """The alias's shadow model when this request is also mirrored there (:mod:`shadow`)."""
 
     @property
     def target(self) -> str:
@@ -197,13 +199,16 @@ class Router:
         body = request.body
         target, alias = await self._aliases.resolve_model(request.model)
         split = "direct"
+        shadow = None
         if alias is not None:
             split = "stable"
             canary = alias.canary
-            if canary is not None and alias.canary_weight > 0:
-                sticky = request.user or session_key or json.dumps(body, sort_keys=True, default=str)
-                if canary_bucket(alias.alias, tenant.id, sticky) < alias.canary_weight:
-                    target, split = canary, "canary"
+            sticky = request.user or session_key or json.dumps(body, sort_keys=True, default=str)
+            if canary is not None and canary_bucket(alias.alias, tenant.id, sticky) < alias.canary_weight:
+                target, split = canary, "canary"
+            mirrored = canary_bucket(f"{alias.alias}\x00shadow", tenant.id, sticky) < alias.shadow_percent
+            if split == "stable" and not request.stream and mirrored:
+                shadow = alias.shadow
         level = level_for(tenant.priority_class, request.priority)
         upstream: dict[str, object] = {**body, "model": str(target)}
         upstream.pop("priority", None)
@@ -224,6 +229,7 @@ class Router:
             cache_key=key,
             alias=alias.alias if alias else None,
             requested=request.model,
+            shadow=shadow,
         )
 
     async def forward(self, routed: Routed, deadline: float) -> Forwarded:
