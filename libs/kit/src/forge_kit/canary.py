@@ -88,8 +88,6 @@ class CanaryPolicy(BaseModel):
     """Chance of rolling back a canary no worse than production (split over the metrics)."""
     beta: float = Field(default=0.05, gt=0, lt=1)
     """Chance of promoting a canary worse by a metric's margin (per metric)."""
-    shadow_percent: int = Field(default=0, ge=0, le=100)
-    """Share of production requests also sent to the candidate, its answers only stored."""
     metrics: dict[Literal["errors", "ttft_p95", "itl_p95", "empty_answers"], MetricPolicy]
 
     def deadline_s(self, extensions: int) -> float:

@@ -26,7 +26,6 @@ import asyncio
 import json
 import random
 import shutil
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -384,7 +383,10 @@ def summarize(runs: dict[str, dict[str, Any]], policy: CanaryPolicy, args: dict[
     }
     return {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "command": " ".join(["forge bench canary", *sys.argv[1:]]) if sys.argv else "forge bench canary",
+        "command": (
+            f"forge bench canary --out {args['out']} --rate {args['rate']:g} --repetitions {args['repetitions']}"
+            f" --policy {policy.family} --seed {args['seed']}"
+        ),
         "policy": policy.model_dump(),
         "rate_rps": args["rate"],
         "max_tokens": args["max_tokens"],
@@ -421,6 +423,7 @@ def canary(
     """Production and three candidates (identical, 5 % errors, +50 % latency) through the gateway."""
     policy = load_policy(policy_family)
     args = {
+        "out": str(out),
         "rate": rate,
         "repetitions": repetitions,
         "max_tokens": max_tokens,
