@@ -647,7 +647,9 @@ class RlhfWorkflow:
         record.step = f"eval and promote: {outcome.decision}"
         canary = outcome.canary
         note = outcome.blocked_reason or (
-            f"canary {canary['decision']} after {canary['decided_after_s']}s: {canary['reason']}" if canary else ""
+            f"canary {canary['decision']} after {canary['decided_after_s']}s: {canary['reason']}"
+            if canary
+            else ""
         )
         await self._end(record, "completed", note)
 
