@@ -165,3 +165,18 @@ def test_policy_files_are_validated(tmp_path: Path) -> None:
     (tmp_path / "default.yaml").write_text(": : :\n")
     with pytest.raises(errors.ValidationError, match=r"default\.yaml"):
         load_policy("other", tmp_path)
+
+
+def test_a_paused_analysis_never_promotes_but_still_rolls_back() -> None:
+    rng = np.random.default_rng(6)
+    production = counts_of(traffic(rng, 400))
+    good = analyze(counts_of(traffic(rng, 400)), production, POLICY, elapsed_s=30, extensions=0)
+    assert good.decision == "promote"
+    paused = analyze(
+        counts_of(traffic(rng, 400)), production, POLICY, elapsed_s=300, extensions=1, paused=True
+    )
+    assert (paused.decision, paused.reason) == ("continue", "paused by an operator")
+    bad = analyze(
+        counts_of(traffic(rng, 400, error=0.2)), production, POLICY, elapsed_s=30, extensions=0, paused=True
+    )
+    assert bad.decision == "rollback"
