@@ -27,7 +27,8 @@ class TrainerAgentSettings(ServiceSettings):
 
     gpus: str = ""
     """Simulated GPUs, e.g. ``H100x8:81559`` or ``A100-80GBx4,L4x2`` (TYPE[xCOUNT][:MEMORY_MB]);
-    when set it replaces detection by nvidia-smi, when empty the node's real GPUs are reported."""
+    when set it replaces detection, when empty the node's real GPUs are reported (NVML, else
+    torch.cuda; ``forge_trainer_agent.gpus``)."""
 
     node_group: str = ""
     """Topology: node group (a block of nodes behind one switch)."""
