@@ -17,8 +17,8 @@ from forge_kit.paths import DATA_DIR_ENV, data_dir
 from forge_trainer_agent.api import TrainerAgentApi
 from forge_trainer_agent.checkpoints import CheckpointAnnouncer, ManifestFinder
 from forge_trainer_agent.config import TrainerAgentSettings
-from forge_trainer_agent.metrics import MetricsStreamer
 from forge_trainer_agent.gpus import node_gpus
+from forge_trainer_agent.metrics import MetricsStreamer
 from forge_trainer_agent.node import NodeInfo
 from forge_trainer_agent.runner import LocalProcessRunner, TorchrunRunner
 from forge_trainer_agent.sandbox import JobSandbox, dataset_folders

@@ -15,6 +15,7 @@ CUDA can. The ``gpus`` setting (simulated GPUs) overrides both: :func:`node_gpus
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -94,10 +95,8 @@ def detect_nvml() -> tuple[GpuInfo, ...] | None:
         log.warning("node.nvml_query_failed", error=str(exc))
         return ()
     finally:
-        try:
+        with contextlib.suppress(pynvml.NVMLError):
             pynvml.nvmlShutdown()
-        except pynvml.NVMLError:
-            pass
 
 
 def _nvlink_peers(pynvml: Any, a: Any, b: Any) -> bool:
@@ -155,17 +154,16 @@ def detect_torch() -> tuple[GpuInfo, ...] | None:
     for index in range(torch.cuda.device_count()):
         props = torch.cuda.get_device_properties(index)
         uuid = str(getattr(props, "uuid", "") or "")
+        domain, bus, device = (getattr(props, f"pci_{part}_id", None) for part in ("domain", "bus", "device"))
         gpus.append(
             GpuInfo(
                 index=index,
                 type=gpu_type_from_name(props.name),
                 memory_mb=int(props.total_memory) // MIB,
                 uuid=f"GPU-{uuid}" if uuid and not uuid.startswith("GPU-") else uuid,
-                pci_bus_id=(
-                    f"{props.pci_domain_id:08X}:{props.pci_bus_id:02X}:{props.pci_device_id:02X}.0"
-                    if hasattr(props, "pci_bus_id")
-                    else ""
-                ),
+                pci_bus_id=f"{domain:08X}:{bus:02X}:{device:02X}.0"
+                if None not in (domain, bus, device)
+                else "",
             )
         )
     return tuple(gpus)
