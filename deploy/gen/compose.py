@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from forge_cli import secretsfile
-from forge_cli.platform import SERVICES
+from forge_cli.platform import SERVICES, Backing
 from forge_cli.secretsfile import required
 
 from .common import (
@@ -17,6 +17,8 @@ from .common import (
     MLFLOW_HEALTHCHECK,
     MLFLOW_LOCAL_PORT,
     MLFLOW_PORT,
+    QDRANT_COMPOSE_URL,
+    QDRANT_IMAGE,
     TLS_DIR,
     UID,
     healthcheck_command,
@@ -200,7 +202,7 @@ def compose() -> dict[str, Any]:
             "restart": "unless-stopped",
         },
         "qdrant": {
-            "image": "qdrant/qdrant:v1.13.4",
+            "image": QDRANT_IMAGE,
             "volumes": ["qdrant-data:/qdrant/storage"],
             # The image has bash but neither curl nor wget.
             "healthcheck": {
@@ -217,8 +219,11 @@ def compose() -> dict[str, Any]:
             kafka="kafka:9092",
             temporal="temporal:7233",
             mlflow=MLFLOW_COMPOSE_URL,
-            database_url=f"postgresql+asyncpg://forge:{required(secretsfile.POSTGRES_PASSWORD)}@postgres:5432/forge_{spec.name}",
-            redis_url="redis://redis:6379/0",
+            backing=Backing(
+                database_url=f"postgresql+asyncpg://forge:{required(secretsfile.POSTGRES_PASSWORD)}@postgres:5432/{{database}}",
+                redis_url="redis://redis:6379/0",
+                qdrant_url=QDRANT_COMPOSE_URL,
+            ),
         )
         for key, variable in secret_env(spec).items():
             # No secret has a default: `make secrets` writes them all into .env (mode 0600).

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from forge_cli.platform import SERVICES, ServiceSpec
+from forge_cli.platform import SERVICES, Backing, ServiceSpec
 
 from .common import (
     DATA_ROOT,
@@ -13,6 +13,7 @@ from .common import (
     MLFLOW_K8S_URL,
     MLFLOW_PORT,
     NAMESPACE,
+    QDRANT_K8S_URL,
     TLS_DIR,
     TORCH_SERVICES,
     UID,
@@ -46,8 +47,11 @@ def k8s_manifests() -> dict[str, list[dict[str, Any]]]:
             kafka="kafka.forge.svc:9092",
             temporal="temporal-frontend.forge.svc:7233",
             mlflow=MLFLOW_K8S_URL,
-            database_url=None,  # from the forge-databases Secret: it carries a password
-            redis_url="redis://redis.forge.svc:6379/0",
+            backing=Backing(
+                database_url=None,  # from the forge-databases Secret: it carries a password
+                redis_url="redis://redis.forge.svc:6379/0",
+                qdrant_url=QDRANT_K8S_URL,
+            ),
             kafka_protocol="SASL_SSL",
         )
         if spec.temporal:
