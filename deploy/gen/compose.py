@@ -8,6 +8,7 @@ from forge_cli import secretsfile
 from forge_cli.platform import SERVICES, Backing
 from forge_cli.secretsfile import required
 
+from . import qdrant
 from .common import (
     BIND,
     DATA_ROOT,
@@ -18,7 +19,6 @@ from .common import (
     MLFLOW_LOCAL_PORT,
     MLFLOW_PORT,
     QDRANT_COMPOSE_URL,
-    QDRANT_IMAGE,
     TLS_DIR,
     UID,
     healthcheck_command,
@@ -201,17 +201,7 @@ def compose() -> dict[str, Any]:
             },
             "restart": "unless-stopped",
         },
-        "qdrant": {
-            "image": QDRANT_IMAGE,
-            "volumes": ["qdrant-data:/qdrant/storage"],
-            # The image has bash but neither curl nor wget.
-            "healthcheck": {
-                "test": ["CMD-SHELL", "bash -c ':> /dev/tcp/127.0.0.1/6333' || exit 1"],
-                "interval": "5s",
-                "timeout": "3s",
-                "retries": 20,
-            },
-        },
+        "qdrant": qdrant.compose_service(),
     }
     for spec in SERVICES:
         env = service_settings(

@@ -7,6 +7,7 @@ from typing import Any
 
 from forge_cli.platform import SERVICES, Backing, ServiceSpec
 
+from . import qdrant
 from .common import (
     DATA_ROOT,
     IMAGE_TAG,
@@ -51,6 +52,8 @@ def k8s_manifests() -> dict[str, list[dict[str, Any]]]:
                 database_url=None,  # from the forge-databases Secret: it carries a password
                 redis_url="redis://redis.forge.svc:6379/0",
                 qdrant_url=QDRANT_K8S_URL,
+                qdrant_shards=qdrant.K8S_LAYOUT["shards"],
+                qdrant_replicas=qdrant.K8S_LAYOUT["replication_factor"],
             ),
             kafka_protocol="SASL_SSL",
         )
@@ -72,6 +75,7 @@ def k8s_manifests() -> dict[str, list[dict[str, Any]]]:
     for spec in SERVICES:
         files[f"{host(spec)}.yaml"] = [_deployment(spec), _service(spec)]
     files["mlflow.yaml"] = mlflow_manifests()
+    files["qdrant.yaml"] = qdrant.k8s_manifests()
     files["network-policies.yaml"] = network_policies()
     files["disruption-budgets.yaml"] = [_disruption_budget(spec) for spec in SERVICES]
     files["autoscaling.yaml"] = autoscalers()
@@ -168,6 +172,7 @@ def network_policies() -> list[dict[str, Any]]:
             },
         }
     )
+    policies.append(qdrant.network_policy(MONITORING_SELECTOR))
     return policies
 
 
@@ -271,6 +276,16 @@ SCALED_SERVICES: dict[str, tuple[int, int, dict[str, Any]]] = {
             "resource": {"name": "cpu", "target": {"type": "Utilization", "averageUtilization": 70}},
         },
     ),
+    # The retriever keeps no index of its own on the Qdrant server backend: replicas share the
+    # Qdrant cluster, and embedding queries is CPU work.
+    "retriever": (
+        2,
+        8,
+        {
+            "type": "Resource",
+            "resource": {"name": "cpu", "target": {"type": "Utilization", "averageUtilization": 70}},
+        },
+    ),
     # Model servers scale on queue depth (vLLM's metric name, exported by model_server and vLLM
     # alike; Prometheus Adapter exposes it as a pods metric without the colon).
     "model_server": (
@@ -318,6 +333,9 @@ def _deployment(spec: ServiceSpec) -> dict[str, Any]:
         f"{spec.prefix}EVENT_SIGNING_KEY": ("forge-event-keys", spec.service),
         f"{spec.prefix}EVENT_VERIFY_KEYS": ("forge-event-keys", "verify-keys"),
         f"{spec.prefix}KAFKA_SASL_PASSWORD": ("forge-kafka-users", spec.service),
+        **(
+            {f"{spec.prefix}QDRANT_API_KEY": qdrant.API_KEY_SECRET} if "QDRANT_URL" in spec.production else {}
+        ),
         **{
             f"{spec.prefix}{s.upper()}": ("forge-generated", f"{spec.service}.{s.upper()}")
             for s in spec.generated

@@ -22,7 +22,8 @@ How a row becomes environment variables (``<NAME>`` is the caller, ``<T>`` the c
   ``{instance}`` in a value becomes the copy's number;
 - ``production``: settings every production-shaped deployment gives the service (Compose,
   Kubernetes, ``forge up --profile prod-like``) on top of its database and Redis
-  (:func:`production_env`); ``{qdrant}`` in a value becomes that deployment's Qdrant URL;
+  (:func:`production_env`); ``{qdrant}``, ``{qdrant_shards}``, ``{qdrant_replicas}`` in a
+  value become that deployment's Qdrant URL and collection layout;
 - ``instances``: how many copies ``forge up`` runs here (two trainer agents stand in for two
   nodes); copy n ≥ 2 is named ``<name>_<n>``, listens on both ports + 10·(n-1) and keeps the
   service's package and settings prefix (:func:`local_table`).
@@ -140,7 +141,17 @@ SERVICES: tuple[ServiceSpec, ...] = (
         "retriever",
         grpc_port=50055,
         http_port=8055,
-        production={"INDEX_BACKEND": "qdrant", "QDRANT_URL": "{qdrant}"},
+        production={
+            "INDEX_BACKEND": "qdrant",
+            "QDRANT_URL": "{qdrant}",
+            "QDRANT_SHARDS": "{qdrant_shards}",
+            "QDRANT_REPLICATION_FACTOR": "{qdrant_replicas}",
+            # docs/DEPLOY.md: int8 copies of the dense vectors in RAM; originals, payloads and
+            # the sparse index memory-mapped from disk.
+            "QDRANT_QUANTIZATION": "int8",
+            "QDRANT_ON_DISK_VECTORS": "true",
+            "QDRANT_ON_DISK_PAYLOAD": "true",
+        },
     ),
     ServiceSpec("reranker", grpc_port=50056, http_port=8056),
     # RAG adds grpc("retriever") and grpc("reranker") here once the gateway's settings declare them.
@@ -315,6 +326,10 @@ class Backing:
     URL comes from elsewhere (a Kubernetes Secret: it carries a password)."""
     redis_url: str
     qdrant_url: str
+    qdrant_shards: int = 1
+    """Shards per collection on the Qdrant server (one node: 1)."""
+    qdrant_replicas: int = 1
+    """Copies of each shard (one node: 1)."""
 
 
 def database_name(spec: ServiceSpec) -> str:
@@ -331,7 +346,11 @@ def production_env(spec: ServiceSpec, backing: Backing) -> dict[str, str]:
     if backing.database_url is not None:
         env["DATABASE_URL"] = backing.database_url.replace("{database}", database_name(spec))
     for key, value in spec.production.items():
-        env[key.upper()] = value.replace("{qdrant}", backing.qdrant_url)
+        env[key.upper()] = (
+            value.replace("{qdrant}", backing.qdrant_url)
+            .replace("{qdrant_shards}", str(backing.qdrant_shards))
+            .replace("{qdrant_replicas}", str(backing.qdrant_replicas))
+        )
     return env
 
 

@@ -19,7 +19,7 @@ from forge_trainer_agent.checkpoints import CheckpointAnnouncer, ManifestFinder
 from forge_trainer_agent.config import TrainerAgentSettings
 from forge_trainer_agent.gpus import node_gpus
 from forge_trainer_agent.metrics import MetricsStreamer
-from forge_trainer_agent.node import NodeInfo
+from forge_trainer_agent.node import ADDRESS_LABEL, NodeInfo
 from forge_trainer_agent.runner import LocalProcessRunner, TorchrunRunner
 from forge_trainer_agent.sandbox import JobSandbox, dataset_folders
 from forge_trainer_agent.service import AgentService
@@ -46,6 +46,7 @@ async def main() -> None:
         node_group=settings.node_group,
         rack=settings.rack,
         nvlink_domain=settings.nvlink_domain,
+        labels={ADDRESS_LABEL: settings.advertise_address} if settings.advertise_address else {},
     )
     db = await app.open_database("trainer_agent.db", Path(__file__).parent / "migrations")
     app.enable_outbox()

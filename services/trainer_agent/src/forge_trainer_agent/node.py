@@ -14,6 +14,8 @@ from forge.scheduler.v1 import scheduler_pb2
 
 from forge_trainer_agent.sandbox import JobIsolation
 
+#: The node label the scheduler reads a node's address from (a multi-node job's MASTER_ADDR).
+ADDRESS_LABEL = "forge.ai/address"
 MAX_GPUS_PER_ENTRY = 256
 _VENDOR_WORDS = {"NVIDIA", "TESLA", "GEFORCE", "QUADRO"}
 _SERIES_WORDS = {"RTX", "GTX"}
