@@ -57,7 +57,8 @@ def test_every_manifest_parses_and_has_kind_and_name() -> None:
 @pytest.mark.parametrize("spec", SERVICES, ids=lambda s: s.name)
 def test_deployment_and_service_match_the_table(spec: Any) -> None:
     name = spec.name.replace("_", "-")
-    deployment = _find("Deployment", name)
+    # Trainer agents run one per GPU node (a DaemonSet); every other service is a Deployment.
+    deployment = _find("DaemonSet" if spec.name == "trainer_agent" else "Deployment", name)
     pod = deployment["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}

@@ -7,7 +7,7 @@ from typing import Any
 
 from forge_cli.platform import SERVICES, Backing, ServiceSpec
 
-from . import qdrant
+from . import gpu, qdrant
 from .common import (
     DATA_ROOT,
     IMAGE_TAG,
@@ -73,7 +73,10 @@ def k8s_manifests() -> dict[str, list[dict[str, Any]]]:
         )
     files["configmap.yaml"] = configmaps
     for spec in SERVICES:
-        files[f"{host(spec)}.yaml"] = [_deployment(spec), _service(spec)]
+        workload = _deployment(spec)
+        if spec.name == "trainer_agent":
+            workload = gpu.agent_daemonset(workload, spec)  # one agent per GPU node
+        files[f"{host(spec)}.yaml"] = [workload, _service(spec)]
     files["mlflow.yaml"] = mlflow_manifests()
     files["qdrant.yaml"] = qdrant.k8s_manifests()
     files["network-policies.yaml"] = network_policies()
@@ -173,6 +176,7 @@ def network_policies() -> list[dict[str, Any]]:
         }
     )
     policies.append(qdrant.network_policy(MONITORING_SELECTOR))
+    policies.append(gpu.agent_peer_policy(by_name()["trainer_agent"]))
     return policies
 
 
