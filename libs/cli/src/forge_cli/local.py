@@ -216,9 +216,16 @@ def service_component(
 
 
 def context(
-    paths: Paths, specs: Sequence[ServiceSpec], secrets: dict[str, str], infra: Infra = INFRA
+    paths: Paths,
+    specs: Sequence[ServiceSpec],
+    secrets: dict[str, str],
+    infra: Infra = INFRA,
+    backing: Backing | None = None,
 ) -> mainjob.MainJobContext:
     """What the main job's steps get to reach the platform."""
+    databases = {}
+    if backing is not None:
+        databases = {s.name: platform.production_env(s, backing).get("DATABASE_URL", "") for s in specs}
     endpoints = {
         s.name: mainjob.ServiceEndpoint(s.name, s.grpc_target, s.http_url, secrets[s.name]) for s in specs
     }
@@ -230,6 +237,7 @@ def context(
         temporal_namespace=infra.temporal_namespace,
         object_store_url=str(paths.objects),
         mlflow_url=infra.mlflow_uri,
+        database_urls={name: url for name, url in databases.items() if url},
     )
 
 
@@ -374,7 +382,7 @@ async def up(
     console.print(table_of([*infra_up, *services_up]))
     if not run_main_job:
         return 0
-    return await run_main(context(paths, table, secrets.tokens, infra), console)
+    return await run_main(context(paths, table, secrets.tokens, infra, backing), console)
 
 
 async def run_main(ctx: mainjob.MainJobContext, console: Console) -> int:
