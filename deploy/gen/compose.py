@@ -8,7 +8,7 @@ from forge_cli import secretsfile
 from forge_cli.platform import SERVICES, Backing
 from forge_cli.secretsfile import required
 
-from . import qdrant
+from . import monitoring, qdrant
 from .common import (
     BIND,
     DATA_ROOT,
@@ -250,7 +250,10 @@ def compose() -> dict[str, Any]:
             },
             "restart": "unless-stopped",
         }
+    services.update(monitoring.compose_services())
     volumes = [
+        "prometheus-data",
+        "grafana-data",
         "postgres-data",
         "kafka-data",
         "qdrant-data",
