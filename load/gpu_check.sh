@@ -39,8 +39,8 @@ if [[ "${1:-}" == "--dry-run" ]]; then
 fi
 OUT="$(realpath -m "${1:-$ROOT/var/gpu-check}")"
 FORGE_PY="${FORGE_PY:-$ROOT/.venv/bin/python}"
-TRAIN_MODULE="forge_trainer_agent.training.run"
-RECIPES_MODULE="forge_trainer_agent.training.recipes"
+TRAIN_MODULE="forge_training.run"
+RECIPES_MODULE="forge_training.recipes"
 RECIPE="shakespeare_tiny"
 VLLM_SPEC="${VLLM_SPEC:-vllm}"
 CONCURRENCY="${CONCURRENCY:-64}"
@@ -161,7 +161,7 @@ if [[ ! -f "$EXPORT/config.json" ]]; then
         corpus_args=(--set "data.corpus=$CORPUS")
     elif ! "$FORGE_PY" -c 'import os, sys
 from forge_kit.paths import resolve_data_path
-from forge_trainer_agent.training.recipes import DEFAULT_CORPUS  # $RECIPES_MODULE
+from forge_training.recipes import DEFAULT_CORPUS  # RECIPES_MODULE
 sys.exit(0 if resolve_data_path(DEFAULT_CORPUS).exists() else 1)'; then
         # No shared corpora here: any English text trains a tokenizer and a model the server can load.
         mkdir -p "$OUT/corpus"
