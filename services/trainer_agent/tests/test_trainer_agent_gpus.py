@@ -19,15 +19,17 @@ import torch
 from forge.common.v1 import common_pb2
 from forge.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 
+from forge_kit.db import Database
 from forge_kit.grpckit import make_channel
 from forge_kit.testing import ServiceProcess, free_port
 from forge_trainer_agent.gpus import Detected, detect_gpus, node_gpus
-from forge_trainer_agent.node import GpuInfo, NodeInfo
+from forge_trainer_agent.node import ADDRESS_LABEL, GpuInfo, NodeInfo
 from forge_trainer_agent.runner import LocalProcessRunner
 from forge_trainer_agent.service import AgentService
 from forge_trainer_agent.session import Backoff, SchedulerSession
 from forge_trainer_agent.store import RunStore
 
+MIGRATIONS = Path(__file__).parents[1] / "src" / "forge_trainer_agent" / "migrations"
 H100_BYTES = 81559 * 1024 * 1024
 
 
@@ -290,3 +292,81 @@ async def test_detected_topology_reaches_the_scheduler_and_jobs_see_exactly_thei
         await asyncio.gather(task, return_exceptions=True)
         await agent.shutdown(grace_s=0)
         await channel.close()
+
+
+@pytest.mark.integration
+async def test_a_two_node_job_rendezvouses_at_the_rank0_agents_advertised_address(
+    scheduler: ServiceProcess, tmp_path: Path
+) -> None:
+    """Two agents (as on two hosts: each advertises its own loopback address) get one gang job of
+    two replicas; each replica's MASTER_ADDR is the rank-0 node's advertised address, and the two
+    processes meet there and all-reduce over gloo, as NCCL does on GPU nodes."""
+    addresses = {"node-a": "127.0.0.2", "node-b": "127.0.0.3"}  # never the default 127.0.0.1
+    code = (
+        "import datetime, json, os, pathlib, sys\n"
+        "import torch, torch.distributed as dist\n"
+        "dist.init_process_group('gloo', timeout=datetime.timedelta(seconds=60))\n"
+        "t = torch.tensor([float(dist.get_rank() + 1)])\n"
+        "dist.all_reduce(t)\n"
+        "out = pathlib.Path(sys.argv[1]) / f'rank{dist.get_rank()}.json'\n"
+        "keys = ('MASTER_ADDR', 'CUDA_VISIBLE_DEVICES', 'WORLD_SIZE')\n"
+        "out.write_text(json.dumps({'sum': t.item(), **{k: os.environ[k] for k in keys}}))\n"
+        "dist.destroy_process_group()\n"
+    )
+    agents, sessions, tasks, dbs = [], [], [], []
+    channel = make_channel(scheduler.grpc_target, token=TOKEN)
+    try:
+        for name, address in addresses.items():
+            db = Database(f"sqlite+aiosqlite:///{tmp_path / f'{name}.db'}")
+            await db.migrate(MIGRATIONS)
+            dbs.append(db)
+            node = NodeInfo(name=name, gpus=node_gpus("H100x1:81559").gpus, labels={ADDRESS_LABEL: address})
+            agent = AgentService(
+                RunStore(db), LocalProcessRunner(), node, runs_dir=tmp_path / name, stop_grace_s=5.0
+            )
+            agents.append(agent)
+            session = SchedulerSession(agent, channel, register_timeout_s=5, backoff=Backoff(0.05, 0.3))
+            sessions.append(session)
+            tasks.append(asyncio.create_task(session.run()))
+        stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
+
+        async def both_ready() -> bool:
+            nodes = (await stub.ListNodes(scheduler_pb2.ListNodesRequest())).nodes
+            ready = {n.name for n in nodes if n.state == scheduler_pb2.NODE_STATE_READY}
+            return set(addresses) <= ready
+
+        await _eventually(both_ready)
+        quota = scheduler_pb2.Quota(gpu_type="H100", guaranteed_gpus=2)
+        await stub.CreateTeam(scheduler_pb2.CreateTeamRequest(name="research", quotas=[quota]))
+        spec = scheduler_pb2.JobSpec(
+            name="ddp",
+            team="research",
+            priority_class="normal",
+            command=[sys.executable, "-c", code, str(tmp_path)],
+            resources=common_pb2.ResourceRequest(gpu_count=1, gpu_type="H100"),
+            replicas=2,
+        )
+        job_id = (await stub.SubmitJob(scheduler_pb2.SubmitJobRequest(spec=spec))).job.id
+
+        async def finished() -> scheduler_pb2.Job | None:
+            job = (await stub.GetJob(scheduler_pb2.GetJobRequest(job_id=job_id))).job
+            return job if job.state in (common_pb2.JOB_STATE_SUCCEEDED, common_pb2.JOB_STATE_FAILED) else None
+
+        job = await _eventually(finished, timeout_s=120)
+        assert job.state == common_pb2.JOB_STATE_SUCCEEDED, job.message
+        rank0 = job.assigned_nodes[0]
+        nodes = {n.node_id: n.name for n in (await stub.ListNodes(scheduler_pb2.ListNodesRequest())).nodes}
+        master = addresses[nodes.get(rank0, rank0)]
+        seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+        assert (
+            seen == [{"sum": 3.0, "MASTER_ADDR": master, "CUDA_VISIBLE_DEVICES": "0", "WORLD_SIZE": "2"}] * 2
+        )
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for agent in agents:
+            await agent.shutdown(grace_s=0)
+        await channel.close()
+        for db in dbs:
+            await db.dispose()
