@@ -270,3 +270,21 @@ def test_prod_like_refuses_malformed_backing_addresses(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="unknown profile"):
         profiles.resolve("staging", tmp_path)
     assert profiles.resolve("prod-like", tmp_path, env={}).root == tmp_path / "var" / "prod-like"
+
+
+def test_make_secrets_fills_every_variable_the_compose_files_require(tmp_path: Path) -> None:
+    """Compose stops on an unset ``${VAR:?…}``: `make secrets` must write each one, GPU profile
+    and monitoring profile included."""
+    import re
+
+    from forge_cli import secretsfile
+
+    secretsfile.write(tmp_path / ".env")
+    written = set(secretsfile.read(tmp_path / ".env"))
+    required = {
+        name
+        for path in (COMPOSE, COMPOSE_GPU)
+        for name in re.findall(r"\$\{([A-Z0-9_]+):\?", path.read_text())
+    }
+    assert {"GRAFANA_ADMIN_PASSWORD", "FORGE_TOKEN_MODEL_SERVER", "POSTGRES_PASSWORD"} <= required
+    assert required - written == set()
