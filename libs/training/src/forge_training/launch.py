@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,6 +76,12 @@ def _worker(rank: int, world_size: int, port: int, jobs: list[tuple[dict[str, An
                 (ctx.run_dir / "result.json").write_text(json.dumps(out))
     finally:
         dist.destroy_process_group()
+    # Every run finished and its result is on disk: leave now rather than through interpreter
+    # teardown, where a native thread still joinable (gloo, the prefetcher) can abort the process
+    # ("terminate called without an active exception") and turn a finished group into a failed one.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_group_sequence(
