@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from tokenizers import Tokenizer
 
-from forge_training import recipes
+from forge_training import recipes, rm_eval
 from forge_training.backbones import minilm_dir
 from forge_training.pairs import (
     PreferencePair,
@@ -137,7 +137,6 @@ TINY = {
 def test_minilm_reward_model_trains_reports_held_out_accuracy_and_forge_rm_eval_agrees(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    rm_eval = pytest.importorskip("forge_preference_feedback.rm_eval")
     run_dir, cache = tmp_path / "run", tmp_path / "cache"
     args = [
         "--recipe",

@@ -3,7 +3,7 @@
 ``forge rm eval (--checkpoint DIR | --version latest) --pairs FILE.jsonl.gz --out OUT`` is the
 benchmark contract: it scores HH-RLHF-format pairs with a Hugging Face reward-model checkpoint
 and writes ``OUT/summary.json`` = ``{"accuracy", "ci95_low", "ci95_high", "n"}`` (Wilson
-interval; see :mod:`.rm_eval`). ``--version`` (a version, ``latest`` or ``active``, with
+interval; see :mod:`forge_training.rm_eval`). ``--version`` (a version, ``latest`` or ``active``, with
 ``--name``) is resolved through the registry over gRPC at ``$FORGE_CLI_PREFERENCE_FEEDBACK_TARGET``
 (default ``127.0.0.1:50058``). ``forge rm list`` / ``register`` / ``set-status`` are the registry
 itself (register and set-status need the service token, i.e. an admin).
@@ -25,14 +25,6 @@ from google.protobuf import json_format
 from forge_kit import clitools
 from forge_kit.grpckit import make_channel
 from forge_kit.modelref import ModelRef
-from forge_preference_feedback.rm_eval import (
-    PairsError,
-    RewardModel,
-    evaluate,
-    file_sha256,
-    read_pairs,
-    write_results,
-)
 
 app = typer.Typer(
     help="Reward models: score checkpoints on preference pairs; the registry.", no_args_is_help=True
@@ -108,6 +100,16 @@ def eval_(
     quiet: Annotated[bool, clitools.QuietOption] = False,
 ) -> None:
     """Held-out pairwise accuracy of a reward model on a file of pairs, with its 95% Wilson interval."""
+    # The training library (the ``rm`` extra) scores; the other commands only talk to the registry.
+    from forge_training.rm_eval import (
+        PairsError,
+        RewardModel,
+        evaluate,
+        file_sha256,
+        read_pairs,
+        write_results,
+    )
+
     if (checkpoint is None) == (not version):
         raise typer.BadParameter(
             "give exactly one of --checkpoint DIR and --version VERSION", param_hint="--checkpoint"
