@@ -16,7 +16,8 @@ from forge_kit.paths import resolve_data_path
 from forge_training import recipes
 from forge_training.data import prepare
 from forge_training.launch import LocalRun, run_group, run_group_sequence
-from forge_training.objectives import evaluate_lm, rank_batches
+from forge_training.objectives.base import rank_batches
+from forge_training.objectives.lm import evaluate_lm
 from forge_training.recipes import RecipeError, TrainConfig
 from forge_training.run import EXIT_BAD_RECIPE, main
 from forge_training.train import RunContext, pretrain

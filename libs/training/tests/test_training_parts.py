@@ -17,12 +17,13 @@ from tokenizers import Tokenizer
 
 from forge_kit.paths import resolve_data_path
 from forge_training import parallel, recipes
+from forge_training.accuracy import wilson_interval
 from forge_training.bench import steady_step_s
 from forge_training.checkpoint import optimal_interval_s
 from forge_training.data import EOT, MixtureSampler, train_tokenizer
 from forge_training.export import hf_tokenizer
 from forge_training.mfu import matmul_params, peak_flops, train_flops_per_token
-from forge_training.objectives import _pad, wilson_interval
+from forge_training.objectives.pairwise import pad_rows
 from forge_training.pairs import (
     CHAT_TEMPLATE,
     Encoded,
@@ -163,7 +164,7 @@ def test_sft_mask_covers_exactly_the_response_tokens(tokenizer: Tokenizer) -> No
     assert pair is not None
     ((chosen,),) = encode_pairs(tokenizer, [pair], 256, end_of_text=True, chosen_only=True)
     short = Encoded((1, 2, 3), 2)
-    micro = _pad([chosen, short], pad_id=tokenizer.token_to_id(EOT), mask_prompt=True)
+    micro = pad_rows([chosen, short], pad_id=tokenizer.token_to_id(EOT), mask_prompt=True)
     labels, ids = micro["labels"][0], micro["input_ids"][0]
     trained = [int(t) for t in labels if t != -100]
     assert tokenizer.decode(trained, skip_special_tokens=False) == " A robin." + EOT

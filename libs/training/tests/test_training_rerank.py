@@ -14,10 +14,10 @@ from transformers import BertConfig, BertForSequenceClassification
 from forge_kit.objectstore import ObjectStore
 from forge_training import recipes
 from forge_training.launch import run_group_sequence
+from forge_training.objectives.rerank import CrossEncoderRanking
 from forge_training.recipes import OptimConfig, RecipeError, RerankConfig
 from forge_training.rerank import (
     Bm25,
-    CrossEncoderRanking,
     build_groups,
     read_dataset,
     split_queries,

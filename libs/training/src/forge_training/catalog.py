@@ -19,7 +19,7 @@ from forge_training import recipes
 
 #: Metrics every run writes per logged step (``train.py``).
 STEP_METRICS = ("loss", "lr", "grad_norm", "tokens_per_s", "mfu")
-#: What each task adds: its per-step figures and its held-out evaluation (``objectives.py``).
+#: What each task adds: its per-step figures and its held-out evaluation (``objectives/``).
 TASK_METRICS: dict[str, tuple[str, ...]] = {
     "pretrain": ("val_loss", "val_ppl"),
     "cpt": ("general_fraction", "val_loss", "val_ppl", "general_val_loss", "general_val_ppl", "forgetting"),
