@@ -9,7 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from forge_kit.jobcmd import JobCommandError, PolicyCheckCommand, TrainCommand, render_value
+from forge_kit.jobcmd import (
+    JobCommandError,
+    PolicyCheckCommand,
+    RewardModelEvalCommand,
+    TrainCommand,
+    render_value,
+)
 
 
 def _run(argv: list[str]) -> subprocess.CompletedProcess[str]:
@@ -73,3 +79,18 @@ def test_a_policy_check_command_reaches_the_program_with_every_flag(tmp_path: Pa
 def test_bad_commands_are_refused_naming_the_field(build: object, field: str) -> None:
     with pytest.raises(JobCommandError, match=field):
         build()  # type: ignore[operator]
+
+
+def test_a_reward_model_eval_command_reaches_the_scorer_with_every_flag(tmp_path: Path) -> None:
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("{not json\n")
+    command = RewardModelEvalCommand(
+        checkpoint=str(tmp_path / "rm"), pairs=str(pairs), out=str(tmp_path / "out"), python=sys.executable
+    )
+    done = _run(command.argv())
+    # The checkpoint folder does not exist: the scorer's own error (exit 2, named), not argparse's.
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith("rm_score:") and "usage:" not in done.stderr
+    assert not (tmp_path / "out" / "summary.json").exists()
+    with pytest.raises(JobCommandError, match="checkpoint"):
+        RewardModelEvalCommand(checkpoint="", pairs="p", out="o")

@@ -1,9 +1,9 @@
 """Typed builders of the commands jobs run on a trainer node.
 
 A service that submits a job says *what* to run (:class:`TrainCommand`,
-:class:`PolicyCheckCommand`) and gets the argument vector from here; none spells another
+:class:`PolicyCheckCommand`, :class:`RewardModelEvalCommand`) and gets the argument vector from here; none spells another
 package's module names or flags. The programs are the training library's
-(``forge_training.run``, ``forge_training.policy_check``), installed beside the trainer agent;
+(``forge_training.run``, ``forge_training.policy_check``, ``forge_training.rm_score``), installed beside the trainer agent;
 its tests parse what these builders produce with the programs' own argument parsers.
 """
 
@@ -17,6 +17,8 @@ TRAIN_MODULE = "forge_training.run"
 """``python -m`` module of a training run (any recipe, any task)."""
 POLICY_CHECK_MODULE = "forge_training.policy_check"
 """``python -m`` module of an RLHF drift check (KL, proxy reward, held-out agreement)."""
+RM_SCORE_MODULE = "forge_training.rm_score"
+"""``python -m`` module scoring preference pairs with a reward-model checkpoint."""
 
 _RECIPE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
@@ -118,3 +120,33 @@ class PolicyCheckCommand:
         for policy in self.policies:
             command += ["--policy", policy]
         return command
+
+
+@dataclass(frozen=True)
+class RewardModelEvalCommand:
+    """``python -m forge_training.rm_score``: held-out pairwise accuracy of a reward-model
+    checkpoint on a pairs file; writes ``<out>/summary.json`` (``accuracy``, ``ci95_low``,
+    ``ci95_high``, ``n``)."""
+
+    checkpoint: str
+    pairs: str
+    out: str
+    python: str = "python"
+
+    def __post_init__(self) -> None:
+        for name in ("checkpoint", "pairs", "out", "python"):
+            if not getattr(self, name):
+                raise JobCommandError(f"{name}: must not be empty")
+
+    def argv(self) -> list[str]:
+        return [
+            self.python,
+            "-m",
+            RM_SCORE_MODULE,
+            "--checkpoint",
+            self.checkpoint,
+            "--pairs",
+            self.pairs,
+            "--out",
+            self.out,
+        ]

@@ -43,7 +43,7 @@ from temporalio.common import RetryPolicy
 from temporalio.exceptions import ApplicationError
 
 with workflow.unsafe.imports_passed_through():
-    from forge_kit.jobcmd import PolicyCheckCommand
+    from forge_kit.jobcmd import PolicyCheckCommand, RewardModelEvalCommand
     from forge_orchestrator.activities import SchedulerActivities, SubmitJobInput
     from forge_orchestrator.rlhf_activities import (
         PairStats,
@@ -475,18 +475,12 @@ class RlhfWorkflow:
             params,
             f"{wid}-r{n}-rm-eval",
             f"rm-eval-r{n}",
-            [
-                params.python,
-                "-m",
-                "forge_preference_feedback.rm_cli",
-                "eval",
-                "--checkpoint",
-                record.reward_model_uri,
-                "--pairs",
-                _join(record.snapshot_uri, "test.jsonl.gz"),
-                "--out",
-                out,
-            ],
+            RewardModelEvalCommand(
+                checkpoint=record.reward_model_uri,
+                pairs=_join(record.snapshot_uri, "test.jsonl.gz"),
+                out=out,
+                python=params.python,
+            ).argv(),
         )
         summary: dict[str, Any] = await self._activity(RlhfActivities.read_json, _join(out, "summary.json"))
         reason = reward_gate(summary)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import tempfile
-from collections import Counter
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -101,14 +100,8 @@ def eval_(
 ) -> None:
     """Held-out pairwise accuracy of a reward model on a file of pairs, with its 95% Wilson interval."""
     # The training library (the ``rm`` extra) scores; the other commands only talk to the registry.
-    from forge_training.rm_eval import (
-        PairsError,
-        RewardModel,
-        evaluate,
-        file_sha256,
-        read_pairs,
-        write_results,
-    )
+    from forge_training.rm_eval import PairsError
+    from forge_training.rm_score import score_pairs
 
     if (checkpoint is None) == (not version):
         raise typer.BadParameter(
@@ -122,22 +115,18 @@ def eval_(
             details["reward_model"] = f"{found.ref.name}:{found.ref.version}"
             details["registered_snapshot_id"] = found.snapshot_id
             checkpoint = _local_copy(found.uri, Path(scratch))
-        details["checkpoint"] = str(checkpoint)
-        skipped: Counter[str] = Counter()
         try:
-            model = RewardModel(checkpoint, max_length=max_length)
             with clitools.progress(quiet) as bar:
                 step = bar.add_task("pairs scored", total=None)
-                scores = evaluate(
-                    model,
-                    read_pairs(pairs, skipped),
+                summary = score_pairs(
+                    checkpoint,
+                    pairs,
+                    out,
                     batch_size=batch_size,
+                    max_length=max_length,
+                    details=details,
                     on_scored=lambda count: bar.advance(step, count),
                 )
-            details.update(
-                pairs_sha256=file_sha256(pairs), skipped=dict(skipped), max_length=model.max_length
-            )
-            summary = write_results(out, scores, details)
         except (PairsError, OSError) as exc:
             typer.echo(f"forge rm eval: {exc}", err=True)
             raise typer.Exit(2) from None
