@@ -29,7 +29,7 @@ def score_pairs(
     batch_size: int = 16,
     max_length: int = 0,
     details: dict[str, Any] | None = None,
-    on_scored: Callable[[int], None] | None = None,
+    on_scored: Callable[[int], None] = lambda count: None,
 ) -> dict[str, float | int]:
     """Score ``pairs`` with the checkpoint and write the results to ``out``; the summary.
     Raises :class:`PairsError` or :class:`OSError` for input that cannot be read."""
