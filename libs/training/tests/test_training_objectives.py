@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from forge_training import recipes
+from forge_training import recipes, schema
 from forge_training.objectives import OBJECTIVES, build_objective
 
 
 def test_every_recipe_task_has_one_registered_objective() -> None:
-    assert set(OBJECTIVES) == set(recipes.TASKS)
+    assert set(OBJECTIVES) == set(schema.TASKS)
     assert all(spec.task == task and spec.summary for task, spec in OBJECTIVES.items())
 
 

@@ -16,7 +16,7 @@ import torch
 from tokenizers import Tokenizer
 
 from forge_kit.paths import resolve_data_path
-from forge_training import parallel, recipes
+from forge_training import parallel, recipes, schema, validation
 from forge_training.accuracy import wilson_interval
 from forge_training.bench import steady_step_s
 from forge_training.checkpoint import optimal_interval_s
@@ -34,7 +34,7 @@ from forge_training.pairs import (
     to_pair,
 )
 from forge_training.prefetch import Prefetcher
-from forge_training.recipes import MetricsConfig, PairsConfig, RecipeError
+from forge_training.schema import MetricsConfig, PairsConfig, RecipeError
 from forge_training.train import TrainResult
 
 HH_ROW = {
@@ -45,7 +45,7 @@ HH_ROW = {
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Tokenizer:
-    text = resolve_data_path(recipes.DEFAULT_CORPUS).read_text(encoding="utf-8")[:20_000]
+    text = resolve_data_path(schema.DEFAULT_CORPUS).read_text(encoding="utf-8")[:20_000]
     return train_tokenizer(text + "User: Assistant: robin bird", 300)
 
 
@@ -258,7 +258,7 @@ def test_missing_inputs_are_refused_before_training(
 ) -> None:
     config = recipes.build(recipe, overrides)
     with pytest.raises(RecipeError, match=re.escape(message)):
-        recipes.validate(config, 1)
+        validation.validate(config, 1)
 
 
 def test_a_corrupt_hugging_face_parent_is_refused(tmp_path: Path) -> None:
@@ -271,11 +271,11 @@ def test_a_corrupt_hugging_face_parent_is_refused(tmp_path: Path) -> None:
     model.save_pretrained(tmp_path / "hf")
     config = recipes.build("sft_hh", {"init.parent": str(tmp_path / "hf")})
     with pytest.raises(RecipeError, match=r"init\.parent: .*tokenizer\.json: missing"):
-        recipes.validate(config, 1)
+        validation.validate(config, 1)
     weights = tmp_path / "hf" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])  # a torn copy
     with pytest.raises(RecipeError, match=r"init\.parent: .*model\.safetensors: corrupt weights"):
-        recipes.validate(config, 1)
+        validation.validate(config, 1)
 
 
 def _params_with_grads(*grads: list[float]) -> list[torch.nn.Parameter]:

@@ -15,7 +15,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from forge_training import recipes
+from forge_training import recipes, schema
 
 #: Metrics every run writes per logged step (``train.py``).
 STEP_METRICS = ("loss", "lr", "grad_norm", "tokens_per_s", "mfu")
@@ -63,7 +63,7 @@ def catalog() -> dict[str, Any]:
                 continue
             try:
                 recipes.build(name, {key: value})
-            except recipes.RecipeError:
+            except schema.RecipeError:
                 continue  # a section this task does not read
             keys[key] = {"type": type(value).__name__, "default": value}
         out[name] = {

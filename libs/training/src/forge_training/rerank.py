@@ -42,7 +42,7 @@ from typing import Any
 
 from forge_kit.paths import resolve_data_path
 from forge_training.data import StepSampler
-from forge_training.recipes import RerankConfig, TrainConfig
+from forge_training.schema import RerankConfig, TrainConfig
 
 _WORD = re.compile(r"\w+")
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from forge_training.objectives import cpt, dpo, pretrain, rerank, reward, sft
 from forge_training.objectives.base import Objective, ObjectiveSpec, StepBatch
-from forge_training.recipes import TrainConfig
+from forge_training.schema import TrainConfig
 
 OBJECTIVES: dict[str, ObjectiveSpec] = {
     spec.task: spec for spec in (pretrain.SPEC, cpt.SPEC, sft.SPEC, reward.SPEC, dpo.SPEC, rerank.SPEC)

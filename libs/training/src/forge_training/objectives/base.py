@@ -24,7 +24,7 @@ from transformers import LlamaForCausalLM, PreTrainedModel
 from forge_training.collectives import barrier
 from forge_training.data import PreparedData
 from forge_training.parents import Parent
-from forge_training.recipes import TrainConfig
+from forge_training.schema import TrainConfig
 
 Micro = dict[str, torch.Tensor]
 

@@ -19,7 +19,7 @@ from forge_training.mfu import train_flops_per_token
 from forge_training.objectives.base import Micro, Objective, ObjectiveSpec, adopt, prepare_rank0_first
 from forge_training.objectives.lm import evaluate_lm, lm_loss_sum
 from forge_training.parents import load_parent
-from forge_training.recipes import TrainConfig
+from forge_training.schema import TrainConfig
 
 
 class ContinualPretraining(Objective):

@@ -13,7 +13,7 @@ from forge_training.mfu import forward_flops_per_token, train_flops_per_token
 from forge_training.objectives.base import Micro, Objective, ObjectiveSpec, adopt, wins
 from forge_training.objectives.pairwise import PreferenceTask, sequence_logps
 from forge_training.parents import Parent
-from forge_training.recipes import TrainConfig
+from forge_training.schema import TrainConfig
 
 
 class DirectPreference(PreferenceTask):

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification, PreTrainedModel
 
-from forge_training.recipes import InitConfig
+from forge_training.schema import InitConfig
 
 
 def encoder_classifier(source: Path, seq_len: int, pad_id: int, init: InitConfig) -> PreTrainedModel:

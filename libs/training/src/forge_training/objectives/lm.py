@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from forge_training.collectives import all_reduce
 from forge_training.data import TokenShards
 from forge_training.objectives.base import Micro, rank_batches, spread
-from forge_training.recipes import TrainConfig
+from forge_training.schema import TrainConfig
 
 
 def lm_batch(split: TokenShards, windows: Sequence[int], seq_len: int) -> Micro:

@@ -22,7 +22,7 @@ from forge_training.data import EOT, StepSampler
 from forge_training.export import export_hf
 from forge_training.objectives.base import Micro, Objective, rank_batches, spread, wins
 from forge_training.parents import Parent, load_parent
-from forge_training.recipes import TrainConfig
+from forge_training.schema import TrainConfig
 
 
 def pad_rows(rows: Sequence[pairdata.Encoded], pad_id: int, mask_prompt: bool) -> Micro:

@@ -16,7 +16,7 @@ from forge_training.export import export_hf
 from forge_training.mfu import train_flops_per_token
 from forge_training.objectives.base import Micro, Objective, ObjectiveSpec, prepare_rank0_first
 from forge_training.objectives.lm import evaluate_lm, lm_batch, lm_loss_sum
-from forge_training.recipes import TrainConfig
+from forge_training.schema import TrainConfig
 
 
 def model_config(config: TrainConfig, vocab_size: int, bos_eos: int) -> LlamaConfig:

@@ -22,7 +22,6 @@ from forge_training.data import StepSampler
 from forge_training.mfu import train_flops_per_token
 from forge_training.objectives.base import Micro, Objective, ObjectiveSpec, rank_batches, spread
 from forge_training.objectives.encoder import encoder_classifier, encoder_head_prefixes, save_encoder
-from forge_training.recipes import TrainConfig
 from forge_training.rerank import (
     Encoded,
     EpochTagged,
@@ -32,6 +31,7 @@ from forge_training.rerank import (
     rerank_data_hash,
     split_queries,
 )
+from forge_training.schema import TrainConfig
 
 
 class CrossEncoderRanking(Objective):

@@ -19,7 +19,7 @@ from forge_training.objectives.base import Micro, Objective, ObjectiveSpec, wins
 from forge_training.objectives.encoder import encoder_classifier, encoder_head_prefixes, save_encoder
 from forge_training.objectives.pairwise import PreferenceTask
 from forge_training.parents import Parent
-from forge_training.recipes import TrainConfig
+from forge_training.schema import TrainConfig
 
 
 class RewardModeling(PreferenceTask):

@@ -17,7 +17,7 @@ from forge_training.mfu import train_flops_per_token
 from forge_training.objectives.base import Micro, Objective, ObjectiveSpec, adopt
 from forge_training.objectives.pairwise import PairTask, pad_rows
 from forge_training.parents import Parent
-from forge_training.recipes import TrainConfig
+from forge_training.schema import TrainConfig
 
 
 class SupervisedFineTuning(PairTask):
