@@ -156,11 +156,29 @@ class RerankConfig:
 
 
 @dataclass(frozen=True)
+class DpoMonitorConfig:
+    """Over-optimisation watched during DPO (``dpo_monitor.py``): off while ``interval`` is 0."""
+
+    interval: int = 0
+    """Score KL, proxy reward and held-out agreement every this many steps."""
+    reward_model: str = ""
+    """The pinned reward model: a Hugging Face sequence-classification folder (same tokenizer)."""
+    window: int = 2
+    """Stop when the proxy reward rose and held-out agreement fell over this many checks."""
+    prompts: int = 8
+    """Held-out prompts sampled at each check."""
+    max_new_tokens: int = 16
+    out: str = ""
+    """Where the trace is written as JSON (a path or object-store URL); empty: not written."""
+
+
+@dataclass(frozen=True)
 class DpoConfig:
     """Direct preference optimisation (sigmoid loss) against the frozen parent."""
 
     beta: float = 0.1
     """Strength of the implicit KL penalty: reward = beta * (log pi - log pi_ref)."""
+    monitor: DpoMonitorConfig = DpoMonitorConfig()
 
 
 @dataclass(frozen=True)

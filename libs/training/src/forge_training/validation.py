@@ -15,9 +15,23 @@ from forge_training.schema import (
     INTERVAL_POLICIES,
     PARALLELISMS,
     TASKS,
+    DpoMonitorConfig,
     RecipeError,
     TrainConfig,
 )
+
+
+def _validate_monitor(monitor: DpoMonitorConfig) -> None:
+    if monitor.interval < 0:
+        raise RecipeError(f"dpo.monitor.interval: must be >= 0, got {monitor.interval}")
+    if not (Path(monitor.reward_model) / "config.json").is_file():
+        raise RecipeError(
+            f"dpo.monitor.reward_model: {monitor.reward_model!r} is not a Hugging Face model folder (no config.json)"
+        )
+    for name, low, high in (("window", 1, 100), ("prompts", 1, 1000), ("max_new_tokens", 1, 1024)):
+        value = getattr(monitor, name)
+        if not low <= value <= high:
+            raise RecipeError(f"dpo.monitor.{name}: must be between {low} and {high}, got {value}")
 
 
 def corpus_files(corpus: str, field_name: str = "data.corpus") -> list[Path]:
@@ -149,6 +163,8 @@ def _validate_task(config: TrainConfig) -> None:
             )
     if config.task == "dpo" and config.dpo.beta <= 0:
         raise RecipeError(f"dpo.beta: must be positive, got {config.dpo.beta}")
+    if config.task == "dpo" and config.dpo.monitor.interval:
+        _validate_monitor(config.dpo.monitor)
     if config.task == "rerank":
         _validate_rerank(config)
     if config.task == "pretrain":

@@ -19,11 +19,12 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import asdict
+from typing import Annotated
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import Depends, FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import Counter
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, StrictBool
 
 from forge_inference_gateway.aliases import Alias
 from forge_inference_gateway.embeddings import GrpcEmbedder, create_embeddings
@@ -53,6 +54,12 @@ class TenantBody(BaseModel):
     name: str
     priority_class: str = PRIORITY_CLASSES[0]
     rpm_limit: int | None = Field(default=None, le=10**9)
+    allow_training: StrictBool = False
+    """Whether the tenant's prompts may be used for training (RLHF prompt pool); off by default."""
+
+
+class TrainingBody(BaseModel):
+    allow_training: StrictBool
 
 
 class ModelRefBody(BaseModel):
@@ -176,10 +183,12 @@ class GatewayRoutes:
 
     async def _forward(self, path: str, request: Request, raw: object) -> Response:
         deadline = self._gateway.deadline()
+        parsed = GenerationRequest.parse(raw)
+        await self._gateway.training_prompts.record(request.state.tenant, parsed.body)
         routed = await self._gateway.router.route(
             request.state.tenant,
             path,
-            GenerationRequest.parse(raw),
+            parsed,
             session_key=request.headers.get(SESSION_HEADER),
         )
         forwarded = await self._gateway.router.forward(routed, deadline)
@@ -337,9 +346,22 @@ class AdminRoutes:
 
     async def create_tenant(self, body: TenantBody) -> JSONResponse:
         tenant, api_key = await self._gateway.tenants.create_tenant(
-            body.name, body.priority_class, body.rpm_limit
+            body.name, body.priority_class, body.rpm_limit, allow_training=body.allow_training
         )
         return JSONResponse({"tenant": tenant.__dict__, "api_key": api_key}, status_code=201)
+
+    async def set_training(self, name: str, body: TrainingBody) -> dict[str, object]:
+        """Opt a tenant in to or out of training on its prompts."""
+        return {"tenant": (await self._gateway.tenants.set_training(name, body.allow_training)).__dict__}
+
+    async def training_prompts(
+        self,
+        after: Annotated[int, Query(ge=0, le=2**62)] = 0,
+        limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    ) -> dict[str, object]:
+        """The RLHF prompt pool's production part: prompts of tenants that allow training."""
+        prompts = await self._gateway.training_prompts.pool(after=after, limit=limit)
+        return {"prompts": [asdict(p) for p in prompts], "next_after": prompts[-1].seq if prompts else after}
 
     async def replicas(self) -> dict[str, object]:
         return {"replicas": [r.view() for r in self._gateway.pool.replicas()]}
@@ -383,6 +405,8 @@ def install_gateway_api(
         ("/admin/v1/aliases/{alias}/canary", admin.rollback_canary, "DELETE", 200),
         ("/admin/v1/tenants", admin.tenants, "GET", 200),
         ("/admin/v1/tenants", admin.create_tenant, "POST", 201),
+        ("/admin/v1/tenants/{name}/training", admin.set_training, "PUT", 200),
+        ("/admin/v1/training-prompts", admin.training_prompts, "GET", 200),
         ("/admin/v1/replicas", admin.replicas, "GET", 200),
         ("/admin/v1/replicas", admin.add_replica, "POST", 201),
         ("/admin/v1/replicas", admin.remove_replica, "DELETE", 204),

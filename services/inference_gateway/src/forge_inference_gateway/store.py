@@ -26,6 +26,24 @@ class TenantRow(Base):
     priority_class: Mapped[str] = mapped_column(sa.String(32))
     rpm_limit: Mapped[int] = mapped_column(sa.Integer)
     created_at: Mapped[dt.datetime] = mapped_column(sa.DateTime, default=utcnow)
+    allow_training: Mapped[bool] = mapped_column(sa.Boolean, default=False, server_default=sa.false())
+    """The tenant allowed its prompts to be used for training (RLHF prompt pool); off by default."""
+
+
+class TrainingPromptRow(Base):
+    """A production prompt of a tenant that allowed training (``TenantRow.allow_training``), for
+    the RLHF prompt pool (``training_prompts.py``); one row per (tenant, prompt text)."""
+
+    __tablename__ = "training_prompts"
+    __table_args__ = (
+        sa.UniqueConstraint("tenant_id", "prompt_hash", name="uq_training_prompts_tenant_hash"),
+    )
+
+    seq: Mapped[int] = mapped_column(sa.Integer, primary_key=True, autoincrement=True)
+    tenant_id: Mapped[str] = mapped_column(sa.ForeignKey("tenants.id"), index=True)
+    prompt_hash: Mapped[str] = mapped_column(sa.String(64))
+    prompt: Mapped[str] = mapped_column(sa.Text)
+    created_at: Mapped[dt.datetime] = mapped_column(sa.DateTime, default=utcnow)
 
 
 class ModelAliasRow(Base):

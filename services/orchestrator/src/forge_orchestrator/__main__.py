@@ -21,6 +21,7 @@ from forge_orchestrator.config import OrchestratorSettings
 from forge_orchestrator.eval_activities import EvalActivities
 from forge_orchestrator.identity import SchedulerAuthenticator
 from forge_orchestrator.rlhf_activities import RlhfActivities
+from forge_orchestrator.rlhf_sampling import RlhfSampler
 from forge_orchestrator.rlhf_worker import RlhfSettings, build_rlhf_worker
 from forge_orchestrator.service import (
     KINDS,
@@ -107,8 +108,15 @@ async def main() -> None:
         rlhf_activities = RlhfActivities(
             settings.preference_feedback_target, settings.preference_feedback_token.get_secret_value()
         )
+        sampler = RlhfSampler(
+            settings.inference_gateway_target,
+            RlhfSettings().gateway_url,
+            settings.inference_gateway_token.get_secret_value(),
+            settings.preference_feedback_target,
+            settings.preference_feedback_token.get_secret_value(),
+        )
         rlhf_worker = build_rlhf_worker(
-            client, settings.task_queue, activities, eval_activities, rlhf_activities
+            client, settings.task_queue, activities, eval_activities, rlhf_activities, sampler
         )
         app.add_background(rlhf_worker.run)
         app.add_on_stop(rlhf_activities.close)

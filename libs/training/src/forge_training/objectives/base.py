@@ -110,6 +110,10 @@ class Objective(ABC):
         """Metrics of the starting model, measured once before the first step of a fresh run."""
         return {}
 
+    def early_stop(self, step: int) -> str:
+        """After step ``step``: why training should stop now (empty: go on). See DPO's monitor."""
+        return ""
+
     def state_dict(self) -> dict[str, Any]:
         """Task state that a resume needs beyond model, optimizer and sampler."""
         return {}
