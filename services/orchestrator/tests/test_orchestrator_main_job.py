@@ -189,3 +189,13 @@ async def test_a_round_that_overruns_is_cancelled_and_the_step_says_where_it_was
     history = await handle.fetch_history()
     assert any(e.HasField("workflow_execution_cancel_requested_event_attributes") for e in history.events)
     await handle.terminate("test done")
+
+
+def test_report_of_a_round_says_what_the_guarded_canary_decided() -> None:
+    why = "canary rolled back (analysis): too little traffic: 0 requests per arm, 15 needed"
+    record = _round(status="completed", decision="rolled_back", reason=why)
+    report = round_report(as_get_workflow_returns_it(dataclasses.asdict(RlhfResult(rounds=[record]))))
+    assert report["outcome"] == f"eval-and-promote: rolled_back ({why})" and report["promoted"] is False
+    record = _round(status="completed", decision="promoted", reason="canary promote after 8.0s: no worse")
+    report = round_report(as_get_workflow_returns_it(dataclasses.asdict(RlhfResult(rounds=[record]))))
+    assert report["outcome"] == "eval-and-promote: promoted (canary promote after 8.0s: no worse)"

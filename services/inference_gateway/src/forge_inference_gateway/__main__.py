@@ -80,6 +80,7 @@ async def main() -> None:
         app.add_on_stop(reranker.close)
     app.add_background(gateway.replicas.run_control_loop)
     app.add_on_stop(gateway.replicas.stop)
+    app.add_on_stop(gateway.shadows.close)
     if settings.kafka_enabled:
         app.event_consumer(
             group_id=CONSUMER_GROUP,

@@ -34,6 +34,7 @@ from forge_inference_gateway.replicas import Replicas
 from forge_inference_gateway.response_cache import ResponseCache
 from forge_inference_gateway.router import GenerationRequest, Router
 from forge_inference_gateway.routing import NoReplicaError, ReplicaPool
+from forge_inference_gateway.shadow import Shadows
 from forge_inference_gateway.tenants import Tenant, Tenants
 from forge_inference_gateway.training_prompts import TrainingPrompts
 from forge_inference_gateway.upstream import UpstreamError, UpstreamUnavailableError, error_for
@@ -120,6 +121,7 @@ class InferenceGateway:
             upstream_attempts=upstream_attempts,
             clock=clock,
         )
+        self.shadows = Shadows(db, self.router)
         self._timeout_s = request_timeout_s
         self._clock = clock
 

@@ -182,7 +182,7 @@ def round_report(result: Mapping[str, Any]) -> dict[str, object]:
         "stopped": f"stopped by the drift check: {reason}",
         "completed": f"eval-and-promote: {decision}" if decision else "completed (not handed over)",
     }.get(status, f"{status}: {reason}")
-    if status == "completed" and decision == "blocked" and reason:
+    if status == "completed" and reason:  # why it was blocked, or the guarded canary's decision
         outcome += f" ({reason})"
     monitor = r.get("training_monitor") or []
     return {

@@ -441,7 +441,13 @@ class RlhfWorkflow(RoundCollection):
             self._accepted.append(record.policy_uri)
             self._policy = record.policy_uri
         record.step = f"eval and promote: {outcome.decision}"
-        await self._end(record, "completed", outcome.blocked_reason)
+        canary = outcome.canary
+        note = outcome.blocked_reason or (
+            f"canary {canary['decision']} after {canary['decided_after_s']}s: {canary['reason']}"
+            if canary
+            else ""
+        )
+        await self._end(record, "completed", note)
 
 
 #: The workflows the RLHF worker runs: the loop and the children it starts.

@@ -18,6 +18,7 @@ from temporalio.worker import Worker
 from forge_kit import errors
 from forge_kit.settings import ForgeSettings, service_config
 from forge_orchestrator.activities import SchedulerActivities
+from forge_orchestrator.canary_activities import CanaryActivities
 from forge_orchestrator.eval_activities import EvalActivities
 from forge_orchestrator.rlhf import RLHF_WORKFLOWS, RlhfInput
 from forge_orchestrator.rlhf_activities import RlhfActivities
@@ -54,6 +55,7 @@ def build_rlhf_worker(
     evals: EvalActivities,
     rlhf: RlhfActivities,
     sampler: RlhfSampler,
+    canary: CanaryActivities | None = None,
 ) -> Worker:
     """A worker on :func:`rlhf_task_queue` (``task_queue``) for the loop, its children and their activities."""
     methods: list[Callable[..., Any]] = [
@@ -66,6 +68,9 @@ def build_rlhf_worker(
         evals.get_run,
         evals.compare_runs,
         evals.promote_model,
+        evals.rollout_state,
+        evals.decide_rollout,
+        *(canary or CanaryActivities()).methods(),
         rlhf.preference_stats,
         rlhf.batch_stats,
         sampler.queue_policy_samples,
