@@ -161,7 +161,7 @@ if [[ ! -f "$EXPORT/config.json" ]]; then
         corpus_args=(--set "data.corpus=$CORPUS")
     elif ! "$FORGE_PY" -c 'import os, sys
 from forge_kit.paths import resolve_data_path
-from forge_training.recipes import DEFAULT_CORPUS  # RECIPES_MODULE
+from forge_training.schema import DEFAULT_CORPUS
 sys.exit(0 if resolve_data_path(DEFAULT_CORPUS).exists() else 1)'; then
         # No shared corpora here: any English text trains a tokenizer and a model the server can load.
         mkdir -p "$OUT/corpus"

@@ -27,8 +27,8 @@ Accuracy is the share of pairs whose chosen response scores above the rejected o
 counting one half (as the trainer's validation does); the 95 % interval is the Wilson score
 interval, which stays inside [0, 1] and is sensible for small n.
 
-``torch`` and ``transformers`` are imported only when a checkpoint is loaded: the service itself
-does not need them (``pip install -e 'services/preference_feedback[rm]'``).
+``torch`` and ``transformers`` are imported only when a checkpoint is loaded: reading pairs needs
+neither (the feedback service's ``forge rm`` commands import this module).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from forge_preference_feedback.quality import wilson_interval
+from forge_training.accuracy import wilson_interval
 
 _TURN = re.compile(r"\n\n(Human|Assistant):")
 _ROLES = {"Human": "user", "Assistant": "assistant"}
