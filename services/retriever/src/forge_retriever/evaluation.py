@@ -37,9 +37,11 @@ from pathlib import Path
 
 from forge_kit.db import Database
 from forge_retriever.config import RetrieverSettings
+from forge_retriever.documents import DocumentIn, SearchHit, SearchMode
 from forge_retriever.embed import Embedder
 from forge_retriever.index import QdrantEdgeIndex
-from forge_retriever.service import DocumentIn, RetrieverService, SearchHit, SearchMode, sparse_encoder
+from forge_retriever.indexing import sparse_encoder
+from forge_retriever.service import RetrieverService
 
 MODES = {"bm25": SearchMode.SPARSE, "dense": SearchMode.DENSE, "hybrid": SearchMode.HYBRID}
 RERANK_MODES = ("hybrid_rerank", "hybrid_rerank_best")
