@@ -41,7 +41,7 @@ from aiokafka import AIOKafkaConsumer
 from aiokafka.errors import KafkaError
 from forge.events.v1 import events_pb2, events_pb2_grpc
 
-from forge_kit.db import Database
+from forge_kit.db import Database, utcnow
 from forge_kit.events import OutboxEvent, ensure_topics, topic_for
 from forge_kit.grpckit import make_channel
 from forge_kit.paths import resolve_data_path
@@ -49,7 +49,7 @@ from forge_kit.testing import eventkeys
 from forge_kit.testing.processes import ServiceProcess, TansuBroker, cpu_seconds
 from forge_preference_feedback.seeds import read_hh_rlhf
 from forge_preference_feedback.service import FeedbackService
-from forge_preference_feedback.store import PreferenceRow, utcnow
+from forge_preference_feedback.store import PreferenceRow
 
 TARGET_PER_S = 500.0
 AUTH_TOKEN = "bench-feedback-token"

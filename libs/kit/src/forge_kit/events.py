@@ -39,7 +39,7 @@ from prometheus_client import Counter, Gauge
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Mapped, mapped_column
 
-from forge_kit.db import Base, Database
+from forge_kit.db import Base, Database, utcnow
 from forge_kit.eventauth import HEADER_ID as HEADER_ID
 from forge_kit.eventauth import HEADER_PRODUCER as HEADER_PRODUCER
 from forge_kit.eventauth import HEADER_TYPE as HEADER_TYPE
@@ -115,10 +115,6 @@ def new_meta(producer: str, sequence: int = 0) -> events_pb2.EventMeta:
     return meta
 
 
-def _utcnow() -> dt.datetime:
-    return dt.datetime.now(dt.UTC).replace(tzinfo=None)
-
-
 class OutboxEvent(Base):
     """An event staged in the producer's database; ``sequence`` orders and names it for replay."""
 
@@ -130,7 +126,7 @@ class OutboxEvent(Base):
     key: Mapped[bytes | None] = mapped_column(sa.LargeBinary, nullable=True)
     event_type: Mapped[str] = mapped_column(sa.String(255))
     payload: Mapped[bytes] = mapped_column(sa.LargeBinary)
-    created_at: Mapped[dt.datetime] = mapped_column(sa.DateTime, default=_utcnow)
+    created_at: Mapped[dt.datetime] = mapped_column(sa.DateTime, default=utcnow)
     published_at: Mapped[dt.datetime | None] = mapped_column(sa.DateTime, nullable=True, index=True)
 
 
@@ -142,7 +138,7 @@ class ProcessedEvent(Base):
     consumer_group: Mapped[str] = mapped_column(sa.String(255), primary_key=True)
     event_id: Mapped[str] = mapped_column(sa.String(64), primary_key=True)
     topic: Mapped[str] = mapped_column(sa.String(255))
-    processed_at: Mapped[dt.datetime] = mapped_column(sa.DateTime, default=_utcnow)
+    processed_at: Mapped[dt.datetime] = mapped_column(sa.DateTime, default=utcnow)
 
 
 class DeadLetter(Base):
@@ -158,7 +154,7 @@ class DeadLetter(Base):
     event_type: Mapped[str] = mapped_column(sa.String(255))
     payload: Mapped[bytes] = mapped_column(sa.LargeBinary)
     error: Mapped[str] = mapped_column(sa.Text)
-    created_at: Mapped[dt.datetime] = mapped_column(sa.DateTime, default=_utcnow)
+    created_at: Mapped[dt.datetime] = mapped_column(sa.DateTime, default=utcnow)
 
 
 async def stage_event(session: AsyncSession, message: Message, *, producer: str, key: str = "") -> Message:
@@ -323,7 +319,7 @@ class OutboxRelay:
                         key=row.key,
                         headers=self._signer.headers(row.topic, row.event_type, row.event_id, row.payload),
                     )
-                    row.published_at = _utcnow()
+                    row.published_at = utcnow()
                     sent += 1
             finally:
                 # Keep the rows that did go out marked, even when a later one failed.
@@ -340,7 +336,7 @@ class OutboxRelay:
 
     async def prune(self) -> int:
         """Delete published rows older than the retention window."""
-        cutoff = _utcnow() - self._retention
+        cutoff = utcnow() - self._retention
         async with self._db.session() as session:
             result = await session.execute(
                 sa.delete(OutboxEvent).where(

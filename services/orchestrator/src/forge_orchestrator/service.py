@@ -34,12 +34,13 @@ from temporalio.service import RPCError, RPCStatusCode, TLSConfig
 from temporalio.worker import Worker
 
 from forge_kit import errors
+from forge_kit.db import utcnow
 from forge_orchestrator.activities import SchedulerActivities, state_name
 from forge_orchestrator.eval_activities import EvalActivities
 from forge_orchestrator.identity import ADMIN, Caller, authorize_start
 from forge_orchestrator.rlhf import RlhfInput, RlhfWorkflow
 from forge_orchestrator.rlhf_worker import rlhf_task_queue, validate_rlhf
-from forge_orchestrator.store import JobEventRow, utcnow
+from forge_orchestrator.store import JobEventRow
 from forge_orchestrator.sweep.service import sweep_memo, validate_sweep
 from forge_orchestrator.sweep.workflow import SweepInput, SweepWorkflow
 from forge_orchestrator.training import (

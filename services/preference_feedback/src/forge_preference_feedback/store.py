@@ -35,7 +35,7 @@ from sqlalchemy import event
 from sqlalchemy.orm import Mapped, mapped_column
 from sqlalchemy.sql.expression import ReturnsRows
 
-from forge_kit.db import Base, Database
+from forge_kit.db import Base, Database, utcnow
 from forge_kit.events import OutboxEvent, new_meta, topic_for
 
 T = TypeVar("T")
@@ -47,10 +47,6 @@ GROUP_COMMIT_UNITS = Histogram(
 GROUP_COMMIT_SECONDS = Histogram(
     "forge_feedback_group_commit_seconds", "Time of one group commit (units and the commit's fsync)"
 )
-
-
-def utcnow() -> dt.datetime:
-    return dt.datetime.now(dt.UTC).replace(tzinfo=None)
 
 
 class ComparisonRow(Base):
