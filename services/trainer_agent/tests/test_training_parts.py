@@ -22,7 +22,7 @@ from forge_trainer_agent.training.checkpoint import optimal_interval_s
 from forge_trainer_agent.training.data import EOT, MixtureSampler, train_tokenizer
 from forge_trainer_agent.training.export import hf_tokenizer
 from forge_trainer_agent.training.mfu import matmul_params, peak_flops, train_flops_per_token
-from forge_trainer_agent.training.objectives import _pad, wilson_interval
+from forge_trainer_agent.training.objectives import _pad
 from forge_trainer_agent.training.pairs import (
     CHAT_TEMPLATE,
     Encoded,
@@ -197,13 +197,6 @@ def test_the_exported_chat_template_renders_like_the_training_data(tokenizer: To
     )
     full = [*messages, {"role": "assistant", "content": pair.chosen}]
     assert hf.apply_chat_template(full, tokenize=False) == render(full)
-
-
-def test_wilson_interval() -> None:
-    low, high = wilson_interval(8, 10)  # a textbook case: 0.80 -> [0.490, 0.943]
-    assert (round(low, 3), round(high, 3)) == (0.490, 0.943)
-    low, high = wilson_interval(0, 20)
-    assert low == 0.0 and 0.0 < high < 0.2
 
 
 # -- bad input ----------------------------------------------------------------------------------

@@ -36,6 +36,7 @@ from transformers import (
     PreTrainedModel,
 )
 
+from forge_kit.stats import wilson_interval
 from forge_trainer_agent.training import pairs as pairdata
 from forge_trainer_agent.training.backbones import BACKBONE_NAMES, backbone_dir
 from forge_trainer_agent.training.collectives import all_reduce, barrier
@@ -97,17 +98,6 @@ def model_config(config: TrainConfig, vocab_size: int, bos_eos: int) -> LlamaCon
         pad_token_id=bos_eos,
         tie_word_embeddings=False,
     )
-
-
-def wilson_interval(successes: float, n: float, z: float = 1.96) -> tuple[float, float]:
-    """The Wilson score interval of a binomial proportion (95 % for ``z`` = 1.96)."""
-    if n <= 0:
-        return 0.0, 1.0
-    p = successes / n
-    denom = 1.0 + z * z / n
-    centre = (p + z * z / (2 * n)) / denom
-    half = z / denom * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
-    return max(0.0, centre - half), min(1.0, centre + half)
 
 
 def wins(margin: torch.Tensor) -> float:

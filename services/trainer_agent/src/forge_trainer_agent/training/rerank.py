@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from transformers import AutoTokenizer, PreTrainedModel
 
 from forge_kit.paths import resolve_data_path
+from forge_kit.stats import wilson_interval
 from forge_trainer_agent.training.backbones import BACKBONE_NAMES, backbone_dir
 from forge_trainer_agent.training.collectives import all_reduce
 from forge_trainer_agent.training.data import StepSampler
@@ -56,7 +57,6 @@ from forge_trainer_agent.training.objectives import (
     rank_batches,
     save_encoder,
     spread,
-    wilson_interval,
 )
 from forge_trainer_agent.training.recipes import RerankConfig, TrainConfig
 
