@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
-import random
 import uuid
 from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
 from typing import Protocol
@@ -39,6 +38,7 @@ from prometheus_client import Counter, Gauge
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Mapped, mapped_column
 
+from forge_kit.backoff import Backoff
 from forge_kit.db import Base, Database, utcnow
 from forge_kit.eventauth import HEADER_ID as HEADER_ID
 from forge_kit.eventauth import HEADER_PRODUCER as HEADER_PRODUCER
@@ -347,21 +347,20 @@ class OutboxRelay:
 
     async def run(self) -> None:
         """Relay forever: drain, then sleep until woken or the poll interval passes."""
-        failures = 0
+        backoff = Backoff(0.4, self._max_backoff_s)
         while True:
             # Cleared before looking, so a wake() during relay_once() is not lost.
             self._wake.clear()
             try:
                 sent = await self.relay_once()
-                failures = 0
+                backoff.reset()
                 OUTBOX_PENDING.set(await self.pending())
                 if sent == self._batch_size:
                     continue
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - the broker being away is expected
-                failures += 1
-                delay = min(self._max_backoff_s, 0.2 * 2 ** min(failures, 10)) * random.uniform(0.5, 1.0)
+                delay = backoff.next_delay()
                 log.warning("outbox.publish_failed", error=repr(exc), retry_in_s=round(delay, 2))
                 await asyncio.sleep(delay)
                 continue
@@ -426,7 +425,7 @@ class EventConsumer:
 
     async def start(self) -> None:
         """Join the group; retries with jittered backoff while the broker is unreachable."""
-        delay = 0.2
+        backoff = Backoff(0.2, 5.0)
         while True:
             consumer = AIOKafkaConsumer(
                 *self._topics,
@@ -443,8 +442,7 @@ class EventConsumer:
             except KafkaError as exc:
                 await consumer.stop()
                 log.warning("consumer.start_failed", group=self._group_id, error=repr(exc))
-                await asyncio.sleep(delay * random.uniform(0.5, 1.0))
-                delay = min(delay * 2, 5.0)
+                await backoff.sleep()
                 continue
             self._consumer = consumer
             return
@@ -479,6 +477,7 @@ class EventConsumer:
             record_rejection(self._group_id, record.topic, mismatch, offset=record.offset)
             return False
         event_id = headers.get(HEADER_ID) or event.meta.event_id  # type: ignore[attr-defined]
+        backoff = Backoff(0.2, 30.0)
         for attempt in range(1, self._max_attempts + 1):
             try:
                 async with self._db.session() as session:
@@ -503,7 +502,7 @@ class EventConsumer:
                 if attempt == self._max_attempts:
                     await self._dead_letter(record, event_type, repr(exc))
                     return False
-                await asyncio.sleep(0.1 * 2**attempt * random.uniform(0.5, 1.0))
+                await backoff.sleep()
         return False
 
     async def _dead_letter(self, record: ConsumerRecord, event_type: str, error: str) -> None:  # type: ignore[type-arg]

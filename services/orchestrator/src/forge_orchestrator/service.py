@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import datetime as dt
-import random
 import re
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -34,6 +33,7 @@ from temporalio.service import RPCError, RPCStatusCode, TLSConfig
 from temporalio.worker import Worker
 
 from forge_kit import errors
+from forge_kit.backoff import Backoff
 from forge_kit.db import utcnow
 from forge_orchestrator.activities import SchedulerActivities, state_name
 from forge_orchestrator.eval_activities import EvalActivities
@@ -474,16 +474,16 @@ async def connect_temporal(
     starting); with ``tls``, over mutual TLS."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
-    delay = 0.2
+    backoff = Backoff(0.2, 5.0)
     while True:
         try:
             return await Client.connect(target, namespace=namespace, tls=tls or False)
         except RuntimeError as exc:  # the SDK's connection failure
+            delay = backoff.next_delay()
             if loop.time() + delay > deadline:
                 raise RuntimeError(f"Temporal at {target} unreachable for {timeout_s:g}s: {exc}") from exc
             log.warning("temporal.connect_failed", target=target, error=str(exc), retry_in_s=round(delay, 2))
-            await asyncio.sleep(delay * random.uniform(0.5, 1.0))
-            delay = min(delay * 2, 5.0)
+            await asyncio.sleep(delay)
 
 
 def build_worker(
