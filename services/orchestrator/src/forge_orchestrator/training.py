@@ -34,13 +34,8 @@ from temporalio.exceptions import ApplicationError
 with workflow.unsafe.imports_passed_through():
     from forge_orchestrator.activities import CancelJobInput, SchedulerActivities, SubmitJobInput
     from forge_orchestrator.identity import ADMIN, Caller
-    from forge_orchestrator.workflows import (
-        ACTIVITY_RETRY,
-        ACTIVITY_TIMEOUT,
-        JOB_EVENT_SIGNAL,
-        PROGRESS_QUERY,
-        JobEvent,
-    )
+    from forge_orchestrator.inbox import JobEventInbox
+    from forge_orchestrator.workflows import ACTIVITY_RETRY, ACTIVITY_TIMEOUT
 
 #: Name of the signal carrying a published checkpoint of the workflow's job.
 CHECKPOINT_SIGNAL = "checkpoint_published"
@@ -108,39 +103,16 @@ def command_of(params: TrainInput) -> list[str]:
 
 
 @workflow.defn(name="training")
-class TrainWorkflow:
+class TrainWorkflow(JobEventInbox):
     def __init__(self) -> None:
-        self._events: list[JobEvent] = []
-        self._event_ids: set[str] = set()
+        super().__init__()
         self._checkpoints: list[CheckpointInfo] = []
-        self._job_id = ""
-        self._step = "starting"
         self._handled = 0
-
-    @workflow.signal(name=JOB_EVENT_SIGNAL)
-    def job_event(self, event: JobEvent) -> None:
-        if event.event_id:
-            if event.event_id in self._event_ids:
-                return
-            self._event_ids.add(event.event_id)
-        self._events.append(event)
 
     @workflow.signal(name=CHECKPOINT_SIGNAL)
     def checkpoint_published(self, checkpoint: CheckpointInfo) -> None:
-        if checkpoint.event_id and checkpoint.event_id in self._event_ids:
-            return
-        self._event_ids.add(checkpoint.event_id)
-        self._checkpoints.append(checkpoint)
-
-    @workflow.query(name=PROGRESS_QUERY)
-    def progress(self) -> dict[str, object]:
-        return {"step": self._step, "job_id": self._job_id, "states_seen": self._states()}
-
-    def _mine(self) -> list[JobEvent]:
-        return [e for e in self._events if e.job_id == self._job_id]
-
-    def _states(self) -> list[str]:
-        return [e.state for e in self._mine()]
+        if self._first_time(checkpoint.event_id):
+            self._checkpoints.append(checkpoint)
 
     @workflow.run
     async def run(self, params: TrainInput) -> TrainResult:

@@ -1,10 +1,8 @@
 """Temporal workflows. Deterministic: time from ``workflow.now()``, ids from ``workflow.uuid4()``,
 every call to another service through an activity (``activities.py``).
 
-Workflows that wait on scheduler jobs receive the job's state changes as the ``job_event`` signal,
-sent by this process's Kafka consumer (``service.JobEventRouter``) for every job labelled with
-the workflow's id. Signals may repeat (at-least-once delivery); each carries its event id and a
-workflow applies an event id once.
+Workflows that wait on scheduler jobs start from :class:`~forge_orchestrator.inbox.JobEventInbox`:
+the ``job_event`` signal, applied once per event id, and the ``progress`` query.
 """
 
 from __future__ import annotations
@@ -32,11 +30,10 @@ with workflow.unsafe.imports_passed_through():
         RunState,
     )
     from forge_orchestrator.identity import ADMIN, Caller
-
-#: Name of the signal carrying a job's state change.
-JOB_EVENT_SIGNAL = "job_event"
-#: Name of the query every workflow answers with a small progress dict.
-PROGRESS_QUERY = "progress"
+    from forge_orchestrator.inbox import JOB_EVENT_SIGNAL as JOB_EVENT_SIGNAL
+    from forge_orchestrator.inbox import PROGRESS_QUERY as PROGRESS_QUERY
+    from forge_orchestrator.inbox import JobEvent as JobEvent
+    from forge_orchestrator.inbox import JobEventInbox
 
 ACTIVITY_TIMEOUT = timedelta(seconds=30)
 ACTIVITY_RETRY = RetryPolicy(
@@ -45,18 +42,6 @@ ACTIVITY_RETRY = RetryPolicy(
     maximum_interval=timedelta(seconds=10),
     maximum_attempts=5,
 )
-
-
-@dataclass
-class JobEvent:
-    """Payload of the ``job_event`` signal."""
-
-    job_id: str
-    state: str
-    """State name without prefix: ``PENDING``, ``RUNNING``, ``CANCELLED`` …"""
-    event_id: str = ""
-    reason: str = ""
-    """The scheduler's reason for the change (a failure's exit code and log tail, a lost node …)."""
 
 
 @dataclass
@@ -83,7 +68,7 @@ class SmokeResult:
 
 
 @workflow.defn(name="smoke")
-class SmokeWorkflow:
+class SmokeWorkflow(JobEventInbox):
     """The platform's smoke job: a job goes through the scheduler and its events come back.
 
     1. ensure the team and submit a no-op job labelled with this workflow's id;
@@ -94,27 +79,6 @@ class SmokeWorkflow:
 
     Cancelling the workflow cancels the job it submitted.
     """
-
-    def __init__(self) -> None:
-        self._events: list[JobEvent] = []
-        self._event_ids: set[str] = set()
-        self._job_id = ""
-        self._step = "starting"
-
-    @workflow.signal(name=JOB_EVENT_SIGNAL)
-    def job_event(self, event: JobEvent) -> None:
-        if event.event_id:
-            if event.event_id in self._event_ids:
-                return
-            self._event_ids.add(event.event_id)
-        self._events.append(event)
-
-    @workflow.query(name=PROGRESS_QUERY)
-    def progress(self) -> dict[str, object]:
-        return {"step": self._step, "job_id": self._job_id, "states_seen": self._states()}
-
-    def _states(self) -> list[str]:
-        return [e.state for e in self._events if e.job_id == self._job_id]
 
     async def _wait_for(self, state: str, timeout_s: float, *alternatives: str) -> None:
         wanted = {state, *alternatives}
