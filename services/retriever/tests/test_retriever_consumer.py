@@ -16,16 +16,9 @@ from aiokafka import ConsumerRecord
 from forge.events.v1 import events_pb2
 
 from forge_kit import errors
+from forge_kit.consumer import EventConsumer
 from forge_kit.db import Database
-from forge_kit.events import (
-    DeadLetter,
-    EventConsumer,
-    KafkaPublisher,
-    OutboxEvent,
-    ensure_topics,
-    new_meta,
-    topic_for,
-)
+from forge_kit.events import DeadLetter, KafkaPublisher, OutboxEvent, ensure_topics, new_meta, topic_for
 from forge_kit.testing import eventkeys
 from forge_kit.testing.processes import TansuBroker
 from forge_retriever.api import document_change_handler

@@ -32,6 +32,7 @@ from sqlalchemy.exc import IntegrityError
 
 from forge_kit import errors
 from forge_kit.db import Database
+from forge_kit.events import stage_event_sync
 from forge_preference_feedback.export import RatedPair, SnapshotManifest, write_snapshot
 from forge_preference_feedback.quality import Label, QualityPolicy, QualityReport, assess_raters
 from forge_preference_feedback.seeds import PreferencePair, arrange, stable_id
@@ -44,7 +45,6 @@ from forge_preference_feedback.store import (
     SessionRow,
     Transactions,
     UnitConnection,
-    stage_event_sync,
     utcnow,
 )
 

@@ -23,20 +23,18 @@ import datetime as dt
 import queue
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, TypeVar, cast
 
 import sqlalchemy as sa
-from google.protobuf.message import Message
 from prometheus_client import Histogram
 from sqlalchemy import event
 from sqlalchemy.orm import Mapped, mapped_column
 from sqlalchemy.sql.expression import ReturnsRows
 
 from forge_kit.db import Base, Database, utcnow
-from forge_kit.events import OutboxEvent, new_meta, topic_for
+from forge_kit.events import INSERT_OUTBOX_EVENT, SET_OUTBOX_PAYLOAD
 
 T = TypeVar("T")
 GROUP_COMMIT_UNITS = Histogram(
@@ -187,7 +185,6 @@ class SessionRow(Base):
 COMPARISONS = cast(sa.Table, ComparisonRow.__table__)
 ASSIGNMENTS = cast(sa.Table, AssignmentRow.__table__)
 PREFERENCES = cast(sa.Table, PreferenceRow.__table__)
-OUTBOX = cast(sa.Table, OutboxEvent.__table__)
 
 
 class HotPath:
@@ -260,10 +257,9 @@ class HotPath:
     count_answer = (
         sa.update(COMPARISONS).where(_c.id == sa.bindparam("cid")).values(answer_count=_c.answer_count + 1)
     )
-    insert_event = sa.insert(OUTBOX).returning(OUTBOX.c.sequence)
-    event_payload = (
-        sa.update(OUTBOX).where(OUTBOX.c.sequence == sa.bindparam("seq")).values(payload=sa.bindparam("body"))
-    )
+    # The kit's stage_event_sync statements, so that staging an event runs precompiled too.
+    insert_event = INSERT_OUTBOX_EVENT
+    event_payload = SET_OUTBOX_PAYLOAD
 
     @classmethod
     def statements(cls) -> list[sa.Executable]:
@@ -609,27 +605,6 @@ class SqliteGroupCommit:
         for job, (ok, value) in zip(batch, outcomes, strict=True):
             with contextlib.suppress(RuntimeError):  # the caller's loop is gone (shutdown)
                 job.future.get_loop().call_soon_threadsafe(_settle, job.future, ok, value)
-
-
-def stage_event_sync(conn: UnitConnection, message: Message, *, producer: str, key: str = "") -> None:
-    """:func:`forge_kit.events.stage_event` on a synchronous connection: the event goes into the
-    outbox in the caller's transaction, its ``meta`` naming the outbox row."""
-    event_id = str(uuid.uuid4())
-    sequence = conn.execute(
-        HotPath.insert_event,
-        {
-            "event_id": event_id,
-            "topic": topic_for(message),
-            "key": key.encode() if key else None,
-            "event_type": message.DESCRIPTOR.full_name,
-            "payload": b"",
-            "created_at": utcnow(),
-        },
-    ).scalar_one()
-    meta = new_meta(producer, sequence=sequence)
-    meta.event_id = event_id
-    message.meta.CopyFrom(meta)  # type: ignore[attr-defined]
-    conn.execute(HotPath.event_payload, {"seq": sequence, "body": message.SerializeToString()})
 
 
 def _sqlite_connect(dbapi_connection: Any, _record: object) -> None:

@@ -133,7 +133,7 @@ def _tenant(context: grpc.aio.ServicerContext) -> str:
 
 
 def document_change_handler(service: RetrieverService) -> Callable[[Message, AsyncSession], Awaitable[None]]:
-    """The document-change consumer's handler (``forge_kit.events.EventConsumer``): the event,
+    """The document-change consumer's handler (``forge_kit.consumer.EventConsumer``): the event,
     read into a ``DocumentChange``, applied inside the consumer's transaction."""
 
     async def handle(event: Message, session: AsyncSession) -> None:
