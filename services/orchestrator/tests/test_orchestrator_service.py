@@ -24,11 +24,10 @@ from forge_kit.events import ProcessedEvent
 from forge_kit.testing import eventkeys
 from forge_orchestrator.api import view_to_proto
 from forge_orchestrator.cli import resolve_token
+from forge_orchestrator.routers import CheckpointRouter, JobEventRouter
 from forge_orchestrator.service import (
     KINDS,
     WORKFLOWS,
-    CheckpointRouter,
-    JobEventRouter,
     OrchestratorService,
     WorkflowView,
     failure_message,

@@ -1,7 +1,7 @@
 """The job-event inbox every workflow that follows scheduler jobs starts from.
 
 Workflows that wait on scheduler jobs receive the job's state changes as the ``job_event`` signal,
-sent by this process's Kafka consumer (``service.JobEventRouter``) for every job labelled with
+sent by this process's Kafka consumer (``routers.JobEventRouter``) for every job labelled with
 the workflow's id. Signals may repeat (at-least-once delivery); each carries its event id and a
 workflow applies an event id once. Deterministic, as workflow code must be.
 """
