@@ -131,7 +131,6 @@ SERVICES: tuple[ServiceSpec, ...] = (
     ServiceSpec("model_server", grpc_port=50054, http_port=8000),
     ServiceSpec("retriever", grpc_port=50055, http_port=8055),
     ServiceSpec("reranker", grpc_port=50056, http_port=8056),
-    # RAG adds grpc("retriever") and grpc("reranker") here once the gateway's settings declare them.
     ServiceSpec(
         "inference_gateway",
         grpc_port=50053,
