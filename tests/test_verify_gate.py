@@ -107,3 +107,8 @@ def test_size_gate_passes_on_the_tree_and_fails_on_an_oversized_file(tmp_path: P
     result = _size_gate(repo)
     assert result.returncode == 1
     assert "within the limit: remove the entry" in result.stderr
+
+
+def test_size_gate_holds_on_this_tree() -> None:
+    result = _size_gate(ROOT)
+    assert result.returncode == 0, result.stderr
