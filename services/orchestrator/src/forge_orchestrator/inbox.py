@@ -1,4 +1,5 @@
-"""The job-event inbox every workflow that follows scheduler jobs starts from.
+"""The base of every workflow that submits a scheduler job and follows it: the job-event inbox,
+the progress query, and submitting and cancelling the job.
 
 Workflows that wait on scheduler jobs receive the job's state changes as the ``job_event`` signal,
 sent by this process's Kafka consumer (``routers.JobEventRouter``) for every job labelled with
@@ -9,13 +10,27 @@ workflow applies an event id once. Deterministic, as workflow code must be.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 
 from temporalio import workflow
+from temporalio.common import RetryPolicy
+
+with workflow.unsafe.imports_passed_through():
+    from forge_orchestrator.activities import CancelJobInput, SchedulerActivities, SubmitJobInput
+    from forge_orchestrator.identity import Caller
 
 #: Name of the signal carrying a job's state change.
 JOB_EVENT_SIGNAL = "job_event"
 #: Name of the query every workflow answers with a small progress dict.
 PROGRESS_QUERY = "progress"
+
+ACTIVITY_TIMEOUT = timedelta(seconds=30)
+ACTIVITY_RETRY = RetryPolicy(
+    initial_interval=timedelta(milliseconds=500),
+    backoff_coefficient=2.0,
+    maximum_interval=timedelta(seconds=10),
+    maximum_attempts=5,
+)
 
 
 @dataclass
@@ -62,3 +77,29 @@ class JobEventInbox:
 
     def _states(self) -> list[str]:
         return [e.state for e in self._mine()]
+
+    async def _submit(self, job: SubmitJobInput, caller: Caller) -> None:
+        """Submit ``job`` and follow it: the team is ensured first for an admin caller (a team
+        caller's team exists; creating teams is an admin's)."""
+        self._step = "submitting"
+        if caller.is_admin:
+            await workflow.execute_activity_method(
+                SchedulerActivities.ensure_team,
+                job.team,
+                start_to_close_timeout=ACTIVITY_TIMEOUT,
+                retry_policy=ACTIVITY_RETRY,
+            )
+        self._job_id = await workflow.execute_activity_method(
+            SchedulerActivities.submit_job,
+            job,
+            start_to_close_timeout=ACTIVITY_TIMEOUT,
+            retry_policy=ACTIVITY_RETRY,
+        )
+
+    async def _cancel_job(self, reason: str) -> None:
+        await workflow.execute_activity_method(
+            SchedulerActivities.cancel_job,
+            CancelJobInput(job_id=self._job_id, reason=reason),
+            start_to_close_timeout=ACTIVITY_TIMEOUT,
+            retry_policy=ACTIVITY_RETRY,
+        )

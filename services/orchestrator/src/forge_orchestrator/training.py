@@ -32,10 +32,9 @@ from temporalio import workflow
 from temporalio.exceptions import ApplicationError
 
 with workflow.unsafe.imports_passed_through():
-    from forge_orchestrator.activities import CancelJobInput, SchedulerActivities, SubmitJobInput
+    from forge_orchestrator.activities import SubmitJobInput
     from forge_orchestrator.identity import ADMIN, Caller
     from forge_orchestrator.inbox import JobEventInbox
-    from forge_orchestrator.workflows import ACTIVITY_RETRY, ACTIVITY_TIMEOUT
 
 #: Name of the signal carrying a published checkpoint of the workflow's job.
 CHECKPOINT_SIGNAL = "checkpoint_published"
@@ -120,15 +119,7 @@ class TrainWorkflow(JobEventInbox):
         info = workflow.info()
         try:
             # 1. Team and job.
-            self._step = "submitting"
             caller = params.caller or ADMIN
-            if caller.is_admin:
-                await workflow.execute_activity_method(
-                    SchedulerActivities.ensure_team,
-                    params.team,
-                    start_to_close_timeout=ACTIVITY_TIMEOUT,
-                    retry_policy=ACTIVITY_RETRY,
-                )
             job = SubmitJobInput(
                 name=params.name,
                 team=params.team,
@@ -143,12 +134,7 @@ class TrainWorkflow(JobEventInbox):
                 kind="training",
                 on_behalf_of=caller.on_behalf_of,
             )
-            self._job_id = await workflow.execute_activity_method(
-                SchedulerActivities.submit_job,
-                job,
-                start_to_close_timeout=ACTIVITY_TIMEOUT,
-                retry_policy=ACTIVITY_RETRY,
-            )
+            await self._submit(job, caller)
             # 2. Follow the job to its end.
             preemptions, infra = await self._follow(params)
             # 3. Its checkpoint.
@@ -167,7 +153,7 @@ class TrainWorkflow(JobEventInbox):
         except asyncio.CancelledError:
             if self._job_id:
                 self._step = "cancelled"
-                await self._cancel("workflow cancelled")
+                await self._cancel_job("workflow cancelled")
             raise
         # 4. Result.
         self._step = "done"
@@ -195,7 +181,7 @@ class TrainWorkflow(JobEventInbox):
                     timeout=timedelta(seconds=max(1.0, left)),
                 )
             except TimeoutError:
-                await self._cancel(f"training did not finish within {params.timeout_s:g}s")
+                await self._cancel_job(f"training did not finish within {params.timeout_s:g}s")
                 raise ApplicationError(
                     f"job {self._job_id} did not succeed within {params.timeout_s:g}s",
                     type="TrainTimeout",
@@ -209,7 +195,7 @@ class TrainWorkflow(JobEventInbox):
                     if "lost" in event.reason:
                         infra += 1
                         if infra > params.max_infra_retries:
-                            await self._cancel("too many infrastructure failures")
+                            await self._cancel_job("too many infrastructure failures")
                             raise ApplicationError(
                                 f"job {self._job_id} lost its node {infra} times (limit "
                                 f"{params.max_infra_retries}): {event.reason}",
@@ -227,11 +213,3 @@ class TrainWorkflow(JobEventInbox):
                         non_retryable=True,
                     )
             self._handled = len(self._mine())
-
-    async def _cancel(self, reason: str) -> None:
-        await workflow.execute_activity_method(
-            SchedulerActivities.cancel_job,
-            CancelJobInput(job_id=self._job_id, reason=reason),
-            start_to_close_timeout=ACTIVITY_TIMEOUT,
-            retry_policy=ACTIVITY_RETRY,
-        )

@@ -14,12 +14,11 @@ from datetime import timedelta
 from typing import Any
 
 from temporalio import workflow
-from temporalio.common import RetryPolicy
 from temporalio.exceptions import ApplicationError
 
 with workflow.unsafe.imports_passed_through():
     from forge_kit import errors
-    from forge_orchestrator.activities import CancelJobInput, SchedulerActivities, SubmitJobInput
+    from forge_orchestrator.activities import SubmitJobInput
     from forge_orchestrator.eval_activities import (
         Comparison,
         EvalActivities,
@@ -30,18 +29,12 @@ with workflow.unsafe.imports_passed_through():
         RunState,
     )
     from forge_orchestrator.identity import ADMIN, Caller
+    from forge_orchestrator.inbox import ACTIVITY_RETRY as ACTIVITY_RETRY
+    from forge_orchestrator.inbox import ACTIVITY_TIMEOUT as ACTIVITY_TIMEOUT
     from forge_orchestrator.inbox import JOB_EVENT_SIGNAL as JOB_EVENT_SIGNAL
     from forge_orchestrator.inbox import PROGRESS_QUERY as PROGRESS_QUERY
     from forge_orchestrator.inbox import JobEvent as JobEvent
     from forge_orchestrator.inbox import JobEventInbox
-
-ACTIVITY_TIMEOUT = timedelta(seconds=30)
-ACTIVITY_RETRY = RetryPolicy(
-    initial_interval=timedelta(milliseconds=500),
-    backoff_coefficient=2.0,
-    maximum_interval=timedelta(seconds=10),
-    maximum_attempts=5,
-)
 
 
 @dataclass
@@ -100,15 +93,7 @@ class SmokeWorkflow(JobEventInbox):
         info = workflow.info()
         try:
             # 1. Team and job.
-            self._step = "submitting"
             caller = params.caller or ADMIN
-            if caller.is_admin:  # a team caller's team exists; creating teams is an admin's
-                await workflow.execute_activity_method(
-                    SchedulerActivities.ensure_team,
-                    params.team,
-                    start_to_close_timeout=ACTIVITY_TIMEOUT,
-                    retry_policy=ACTIVITY_RETRY,
-                )
             job = SubmitJobInput(
                 name=f"smoke-{workflow.uuid4().hex[:8]}",
                 team=params.team,
@@ -117,12 +102,7 @@ class SmokeWorkflow(JobEventInbox):
                 labels={"workflow_id": info.workflow_id},
                 on_behalf_of=caller.on_behalf_of,
             )
-            self._job_id = await workflow.execute_activity_method(
-                SchedulerActivities.submit_job,
-                job,
-                start_to_close_timeout=ACTIVITY_TIMEOUT,
-                retry_policy=ACTIVITY_RETRY,
-            )
+            await self._submit(job, caller)
             # 2. Its PENDING event.
             await self._wait_for("PENDING", params.timeout_s)
             # 3. Hold, cancel, and its CANCELLED event.
@@ -141,14 +121,6 @@ class SmokeWorkflow(JobEventInbox):
         self._step = "done"
         elapsed = (workflow.now() - started).total_seconds()
         return SmokeResult(job_id=self._job_id, states_seen=self._states(), elapsed_s=round(elapsed, 3))
-
-    async def _cancel_job(self, reason: str) -> None:
-        await workflow.execute_activity_method(
-            SchedulerActivities.cancel_job,
-            CancelJobInput(job_id=self._job_id, reason=reason),
-            start_to_close_timeout=ACTIVITY_TIMEOUT,
-            retry_policy=ACTIVITY_RETRY,
-        )
 
 
 EVAL_ACTIVITY_TIMEOUT = timedelta(seconds=60)
