@@ -13,7 +13,6 @@ import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-import sqlalchemy as sa
 import structlog
 
 from forge_kit.db import Database
@@ -22,7 +21,7 @@ from forge_retriever.config import RetrieverSettings
 from forge_retriever.documents import SearchMode
 from forge_retriever.embed import Embedder, bundled_minilm_path
 from forge_retriever.index import Fusion, HybridParams, IndexHit, IndexPoint, VectorIndex
-from forge_retriever.store import ChunkRow, DocumentRow
+from forge_retriever.store import ChunkRow, DocumentRow, chunks_with_documents
 from forge_retriever.text import Bm25Encoder
 
 log = structlog.get_logger(__name__)
@@ -133,15 +132,7 @@ class IndexedChunks:
             async with db.session() as session:
                 rows = (
                     await session.execute(
-                        sa.select(ChunkRow, DocumentRow.title, DocumentRow.meta)
-                        .join(
-                            DocumentRow,
-                            sa.and_(
-                                DocumentRow.collection == ChunkRow.collection,
-                                DocumentRow.tenant == ChunkRow.tenant,
-                                DocumentRow.id == ChunkRow.document_id,
-                            ),
-                        )
+                        chunks_with_documents(ChunkRow, DocumentRow.title, DocumentRow.meta)
                         .where(ChunkRow.collection == collection, ChunkRow.point_id > after)
                         .order_by(ChunkRow.point_id)
                         .limit(_REBUILD_BATCH)

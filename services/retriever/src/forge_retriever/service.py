@@ -50,7 +50,14 @@ from forge_retriever.embed import Embedder
 from forge_retriever.index import IndexPoint, VectorIndex, point_id
 from forge_retriever.indexing import IndexedChunks, PendingPoint, chunker_for
 from forge_retriever.messages import deleted_event, upserted_event
-from forge_retriever.store import ChunkRow, CollectionRow, DocumentRow, SourceVersionRow
+from forge_retriever.store import (
+    ChunkRow,
+    CollectionRow,
+    DocumentRow,
+    SourceVersionRow,
+    chunks_with_documents,
+    collection_counts,
+)
 from forge_retriever.tenancy import DEFAULT_TENANT, validate_tenant
 
 log = structlog.get_logger(__name__)
@@ -416,21 +423,13 @@ class RetrieverService:
         async with self._db.session() as session:
             rows = (
                 await session.execute(
-                    sa.select(
+                    chunks_with_documents(
                         ChunkRow.point_id,
                         ChunkRow.chunk_id,
                         ChunkRow.text,
                         DocumentRow.id,
                         DocumentRow.title,
                         DocumentRow.meta,
-                    )
-                    .join(
-                        DocumentRow,
-                        sa.and_(
-                            DocumentRow.collection == ChunkRow.collection,
-                            DocumentRow.tenant == ChunkRow.tenant,
-                            DocumentRow.id == ChunkRow.document_id,
-                        ),
                     )
                     # The tenant again: the database, not only the index, keeps tenants apart.
                     .where(ChunkRow.point_id.in_([h.point_id for h in hits]), ChunkRow.tenant == tenant)
@@ -477,23 +476,9 @@ class RetrieverService:
         ``tenant=None`` (start-up reconciliation only, never a caller) lists every collection with
         the counts of all tenants together.
         """
-        docs_q = sa.select(DocumentRow.collection, sa.func.count().label("n"))
-        chunks_q = sa.select(ChunkRow.collection, sa.func.count().label("n"))
         if tenant is not None:
             validate_tenant("tenant", tenant)
-            docs_q = docs_q.where(DocumentRow.tenant == tenant)
-            chunks_q = chunks_q.where(ChunkRow.tenant == tenant)
-        docs = docs_q.group_by(DocumentRow.collection).subquery()
-        chunks = chunks_q.group_by(ChunkRow.collection).subquery()
-        stmt = (
-            sa.select(CollectionRow.name, docs.c.n, chunks.c.n)
-            .outerjoin(docs, docs.c.collection == CollectionRow.name)
-            .outerjoin(chunks, chunks.c.collection == CollectionRow.name)
-            .order_by(CollectionRow.name)
-        )
-        if tenant is not None:
-            # Another tenant's collection names are not this tenant's business.
-            stmt = stmt.where(docs.c.n > 0)
+        stmt = collection_counts(tenant)
         async with self._db.session() as session:
             return [
                 CollectionStats(name, int(d or 0), int(c or 0))
