@@ -122,6 +122,21 @@ class IndexedChunks:
             tenant=tenant,
         )
 
+    async def reconcile(self, db: Database, chunk_counts: Mapping[str, int]) -> list[str]:
+        """Drop index collections the database does not have (``chunk_counts``: the database's
+        chunks per collection) and rebuild every one whose point count differs; returns those
+        rebuilt."""
+        for name in await asyncio.to_thread(self.index.collections):
+            if name not in chunk_counts:
+                log.warning("dropping index collection unknown to the database", collection=name)
+                await asyncio.to_thread(self.index.drop, name)
+        rebuilt = []
+        for name, expected in chunk_counts.items():
+            if await asyncio.to_thread(self.index.count, name) != expected:
+                await self.rebuild(db, name)
+                rebuilt.append(name)
+        return rebuilt
+
     async def rebuild(self, db: Database, collection: str) -> None:
         """Drop ``collection`` from the index and write every chunk the database holds for it."""
         log.info("rebuilding index collection from the database", collection=collection)

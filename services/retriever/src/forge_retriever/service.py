@@ -496,15 +496,7 @@ class RetrieverService:
         """
         async with self._write_lock:
             stats = {c.name: c.chunk_count for c in await self.list_collections(tenant=None)}
-            for name in await asyncio.to_thread(self._index.collections):
-                if name not in stats:
-                    log.warning("dropping index collection unknown to the database", collection=name)
-                    await asyncio.to_thread(self._index.drop, name)
-            rebuilt = []
-            for name, expected in stats.items():
-                if await asyncio.to_thread(self._index.count, name) != expected:
-                    await self._chunks.rebuild(self._db, name)
-                    rebuilt.append(name)
+            rebuilt = await self._chunks.reconcile(self._db, stats)
             self.index_ready = True
             return rebuilt
 
