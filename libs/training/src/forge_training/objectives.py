@@ -48,6 +48,7 @@ from forge_training.data import (
     TokenShards,
     prepare,
 )
+from forge_training.dpo_monitor import DpoMonitor
 from forge_training.export import export_hf
 from forge_training.mfu import forward_flops_per_token, train_flops_per_token
 from forge_training.parents import Parent, load_parent
@@ -175,6 +176,10 @@ class Objective(ABC):
     def start(self) -> dict[str, float]:
         """Metrics of the starting model, measured once before the first step of a fresh run."""
         return {}
+
+    def early_stop(self, step: int) -> str:
+        """After step ``step``: why training should stop now (empty: go on). See DPO's monitor."""
+        return ""
 
     def state_dict(self) -> dict[str, Any]:
         """Task state that a resume needs beyond model, optimizer and sampler."""
@@ -741,7 +746,37 @@ class DirectPreference(_PreferenceTask):
         for p in self.reference.parameters():
             p.requires_grad_(False)
         self.beta = self.config.dpo.beta
+        self.monitor: DpoMonitor | None = None
+        watch = self.config.dpo.monitor
+        if watch.interval:
+            # Held-out prompts: those of the pairs DPO does not train on (its validation split).
+            prompts = [rows[0].ids[: rows[0].prompt_len] for rows in self.val_rows[: watch.prompts]]
+            self.monitor = DpoMonitor(
+                reward_model=watch.reward_model,
+                reference=self.reference,
+                prompts=prompts,
+                eos_id=self.pad_id,
+                interval=watch.interval,
+                window=watch.window,
+                max_new_tokens=watch.max_new_tokens,
+                out=watch.out,
+                seed=self.config.seed,
+                write=self.rank == 0,
+            )
         return model
+
+    def start(self) -> dict[str, float]:
+        baseline = self.evaluate()
+        if self.monitor is not None:  # the reference point: KL 0, the starting proxy reward
+            self.monitor.measure(0, self.model, baseline["val_reward_accuracy"])
+        return baseline
+
+    def early_stop(self, step: int) -> str:
+        """Every ``dpo.monitor.interval`` steps: a monitor point; its reason once over-optimisation shows."""
+        if self.monitor is None or not self.monitor.due(step):
+            return ""
+        self.monitor.measure(step, self.model, self.evaluate()["val_reward_accuracy"])
+        return self.monitor.stop_reason
 
     def flops(self, micro: Micro) -> float:
         cfg, width = self.model.config, micro["input_ids"].size(1)

@@ -162,11 +162,29 @@ class RerankConfig:
 
 
 @dataclass(frozen=True)
+class DpoMonitorConfig:
+    """Over-optimisation watched during DPO (``dpo_monitor.py``): off while ``interval`` is 0."""
+
+    interval: int = 0
+    """Score KL, proxy reward and held-out agreement every this many steps."""
+    reward_model: str = ""
+    """The pinned reward model: a Hugging Face sequence-classification folder (same tokenizer)."""
+    window: int = 2
+    """Stop when the proxy reward rose and held-out agreement fell over this many checks."""
+    prompts: int = 8
+    """Held-out prompts sampled at each check."""
+    max_new_tokens: int = 16
+    out: str = ""
+    """Where the trace is written as JSON (a path or object-store URL); empty: not written."""
+
+
+@dataclass(frozen=True)
 class DpoConfig:
     """Direct preference optimisation (sigmoid loss) against the frozen parent."""
 
     beta: float = 0.1
     """Strength of the implicit KL penalty: reward = beta * (log pi - log pi_ref)."""
+    monitor: DpoMonitorConfig = DpoMonitorConfig()
 
 
 @dataclass(frozen=True)
@@ -497,6 +515,19 @@ def from_dict(data: Mapping[str, Any]) -> TrainConfig:
     return config
 
 
+def _validate_monitor(monitor: DpoMonitorConfig) -> None:
+    if monitor.interval < 0:
+        raise RecipeError(f"dpo.monitor.interval: must be >= 0, got {monitor.interval}")
+    if not (Path(monitor.reward_model) / "config.json").is_file():
+        raise RecipeError(
+            f"dpo.monitor.reward_model: {monitor.reward_model!r} is not a Hugging Face model folder (no config.json)"
+        )
+    for name, low, high in (("window", 1, 100), ("prompts", 1, 1000), ("max_new_tokens", 1, 1024)):
+        value = getattr(monitor, name)
+        if not low <= value <= high:
+            raise RecipeError(f"dpo.monitor.{name}: must be between {low} and {high}, got {value}")
+
+
 def corpus_files(corpus: str, field_name: str = "data.corpus") -> list[Path]:
     """The text files of a corpus (a file, ``.txt``/``.jsonl``/``.jsonl.gz``, or a directory of
     ``*.txt``); raises :class:`RecipeError` naming ``field_name`` when there is nothing to read."""
@@ -626,6 +657,8 @@ def _validate_task(config: TrainConfig) -> None:
             )
     if config.task == "dpo" and config.dpo.beta <= 0:
         raise RecipeError(f"dpo.beta: must be positive, got {config.dpo.beta}")
+    if config.task == "dpo" and config.dpo.monitor.interval:
+        _validate_monitor(config.dpo.monitor)
     if config.task == "rerank":
         _validate_rerank(config)
     if config.task == "pretrain":

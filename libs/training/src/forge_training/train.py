@@ -93,6 +93,8 @@ class TrainResult:
     """Model FLOPs utilisation over the whole run (see :mod:`mfu`)."""
     checkpoint_interval_steps: int = 0
     """The interval in force at the end (Young/Daly: as planned from the measured save)."""
+    early_stop: str = ""
+    """Why the objective ended training before ``max_steps`` (DPO's over-optimisation monitor)."""
 
 
 def lr_factor(config: TrainConfig) -> Callable[[int], float]:
@@ -352,6 +354,12 @@ def train(config: TrainConfig, ctx: RunContext) -> TrainResult:
                 result.eval_metrics = objective.evaluate()
                 last.update(result.eval_metrics)
                 metrics.write(step, result.eval_metrics)
+            early = objective.early_stop(step)
+            if early:
+                log.info("train.early_stop", step=step, reason=early)
+                metrics.write(step, {"early_stopped": 1.0})
+                result.early_stop = early
+                break
             if ctx.stop_after_step is not None and step >= ctx.stop_after_step:
                 ckpt.wait()
                 result.outcome, result.step = "stopped", step

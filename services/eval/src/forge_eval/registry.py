@@ -226,6 +226,7 @@ class ModelRegistry:
         force: bool = False,
         actor: str = "",
         admin: bool = True,
+        evidence: str = "",
     ) -> Promotion:
         """Move ``name:version`` to ``stage`` along its lifecycle.
 
@@ -318,6 +319,7 @@ class ModelRegistry:
                 gate_run_id=gate_run_id,
                 forced=forced,
                 gate_report=gate_report,
+                evidence=evidence,
             )
             session.add(event)
             model.stage = stage
@@ -452,6 +454,7 @@ class ModelRegistry:
         gate_run_id: str = "",
         forced: bool = False,
         gate_report: str = "",
+        evidence: str = "",
     ) -> StageEventRow:
         return StageEventRow(
             stage=to_stage,
@@ -466,6 +469,7 @@ class ModelRegistry:
             actor=actor or "anonymous",
             forced=forced,
             gate_report=gate_report,
+            evidence=evidence,
             created_at=self._clock(),
         )
 

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from forge_kit.app import ServiceApp
 from forge_kit.outbox import OutboxRelay, mark_published_statement
-from forge_preference_feedback.store import Transactions, UnitConnection
+from forge_preference_feedback.transactions import Transactions, UnitConnection
 
 BATCH_SIZE = 500
 MIN_INTERVAL_S = 0.01
