@@ -17,7 +17,6 @@ from tokenizers import Tokenizer
 
 from forge_kit.paths import resolve_data_path
 from forge_training import parallel, recipes, schema, validation
-from forge_training.accuracy import wilson_interval
 from forge_training.bench import steady_step_s
 from forge_training.checkpoint import optimal_interval_s
 from forge_training.data import EOT, MixtureSampler, train_tokenizer
@@ -198,13 +197,6 @@ def test_the_exported_chat_template_renders_like_the_training_data(tokenizer: To
     )
     full = [*messages, {"role": "assistant", "content": pair.chosen}]
     assert hf.apply_chat_template(full, tokenize=False) == render(full)
-
-
-def test_wilson_interval() -> None:
-    low, high = wilson_interval(8, 10)  # a textbook case: 0.80 -> [0.490, 0.943]
-    assert (round(low, 3), round(high, 3)) == (0.490, 0.943)
-    low, high = wilson_interval(0, 20)
-    assert low == 0.0 and 0.0 < high < 0.2
 
 
 # -- bad input ----------------------------------------------------------------------------------

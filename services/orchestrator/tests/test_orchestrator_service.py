@@ -18,16 +18,16 @@ from temporalio.client import WorkflowExecutionStatus
 from temporalio.exceptions import ActivityError, ApplicationError, RetryState
 
 from forge_kit import errors
+from forge_kit.consumer import EventConsumer
 from forge_kit.db import Database
-from forge_kit.events import EventConsumer, ProcessedEvent
+from forge_kit.events import ProcessedEvent
 from forge_kit.testing import eventkeys
 from forge_orchestrator.api import view_to_proto
 from forge_orchestrator.cli import resolve_token
+from forge_orchestrator.routers import CheckpointRouter, JobEventRouter
 from forge_orchestrator.service import (
     KINDS,
     WORKFLOWS,
-    CheckpointRouter,
-    JobEventRouter,
     OrchestratorService,
     WorkflowView,
     failure_message,

@@ -23,11 +23,11 @@ from forge.feedback.v1 import feedback_pb2_grpc
 from typer.testing import CliRunner
 
 from forge_kit.grpckit import GrpcServer
+from forge_kit.stats import wilson_interval
 from forge_kit.testing.grpcserver import grpc_test_server
 from forge_preference_feedback.api import FeedbackApi
 from forge_preference_feedback.registry import HeldoutAccuracy, RewardModelRegistry
 from forge_preference_feedback.rm_cli import app
-from forge_training.accuracy import wilson_interval
 from forge_training.rm_eval import fit
 
 if TYPE_CHECKING:

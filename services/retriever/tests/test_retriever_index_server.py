@@ -19,9 +19,10 @@ from qdrant_client import models
 
 from forge_kit.db import Database
 from forge_retriever.config import RetrieverSettings
+from forge_retriever.documents import DocumentIn, SearchMode
 from forge_retriever.index import Fusion, HybridParams, IndexPoint, QdrantEdgeIndex, VectorIndex, point_id
 from forge_retriever.index_server import CollectionLayout, QdrantServerIndex
-from forge_retriever.service import DocumentIn, RetrieverService, SearchMode
+from forge_retriever.service import RetrieverService
 from forge_retriever.text import SparseVector
 
 if TYPE_CHECKING:

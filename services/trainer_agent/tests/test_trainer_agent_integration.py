@@ -14,10 +14,11 @@ from forge.common.v1 import common_pb2
 from forge.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from forge.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 
+from forge_kit.backoff import Backoff
 from forge_kit.grpckit import make_channel
 from forge_kit.testing import ServiceProcess, free_port
 from forge_trainer_agent.service import AgentService
-from forge_trainer_agent.session import Backoff, SchedulerSession
+from forge_trainer_agent.session import SchedulerSession
 
 pytestmark = pytest.mark.integration
 TOKEN = "it-token"

@@ -3,8 +3,6 @@ NVML and torch detection: ``test_trainer_agent_gpus.py``."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 from pydantic import ValidationError
 
@@ -15,7 +13,6 @@ from forge_trainer_agent.node import (
     gpu_type_from_name,
     parse_gpu_spec,
 )
-from forge_trainer_agent.session import Backoff
 
 
 @pytest.mark.parametrize(
@@ -71,15 +68,3 @@ def test_settings_defaults_and_unknown_keys(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setenv("FORGE_TRAINER_AGENT_GPU", "H100x8")
     with pytest.raises(ValidationError, match="FORGE_TRAINER_AGENT_GPU"):
         TrainerAgentSettings()
-
-
-def test_reconnect_backoff_doubles_with_jitter_up_to_the_cap_and_resets() -> None:
-    backoff = Backoff(0.5, 4.0, rng=random.Random(7))
-
-    delays = [backoff.next_delay() for _ in range(6)]
-
-    for delay, cap in zip(delays, [0.5, 1.0, 2.0, 4.0, 4.0, 4.0], strict=True):
-        assert cap / 2 <= delay <= cap
-    assert len(set(delays)) == len(delays), "jittered, not a fixed schedule"
-    backoff.reset()
-    assert backoff.next_delay() <= 0.5

@@ -154,7 +154,6 @@ SERVICES: tuple[ServiceSpec, ...] = (
         },
     ),
     ServiceSpec("reranker", grpc_port=50056, http_port=8056),
-    # RAG adds grpc("retriever") and grpc("reranker") here once the gateway's settings declare them.
     ServiceSpec(
         "inference_gateway",
         grpc_port=50053,

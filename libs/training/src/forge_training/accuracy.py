@@ -7,23 +7,9 @@ A pair counts one when ranked right and one half on a tie (every pair at DPO's s
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-Z95 = 1.959964
-"""The two-sided 95 % normal quantile."""
-
-
-def wilson_interval(successes: float, n: float, z: float = Z95) -> tuple[float, float]:
-    """The Wilson score interval of a binomial proportion; ``successes`` may be fractional (a tie
-    counted as half a success). No observations: [0, 1]."""
-    if n <= 0:
-        return 0.0, 1.0
-    p = successes / n
-    denom = 1.0 + z * z / n
-    centre = (p + z * z / (2 * n)) / denom
-    half = z / denom * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
-    return max(0.0, centre - half), min(1.0, centre + half)
+from forge_kit.stats import wilson_interval
 
 
 @dataclass

@@ -37,6 +37,7 @@ from forge_kit import errors
 from forge_kit.db import Database
 from forge_kit.events import stage_event
 from forge_kit.grpckit import Principal, current_principal, require_admin
+from forge_kit.stats import percentile
 from forge_kit.validate import check_finite, check_labels
 from forge_scheduler.hub import AgentHub
 from forge_scheduler.policy import Job, Node, Placement, Priority, never_fits
@@ -624,8 +625,8 @@ class SchedulerService:
                         pending_jobs=sum(1 for r in rows if r.state == PENDING),
                         running_jobs=sum(1 for r in rows if r.state in ACTIVE),
                         gpus_in_use=in_use,
-                        queue_time_p50_s=_percentile(waits, 0.50),
-                        queue_time_p95_s=_percentile(waits, 0.95),
+                        queue_time_p50_s=percentile(waits, 50),
+                        queue_time_p95_s=percentile(waits, 95),
                         guaranteed_gpus=guaranteed,
                         borrowed_gpus=max(0, in_use - guaranteed),
                         fair_share_gpus=share,
@@ -868,12 +869,3 @@ async def _job(session: AsyncSession, job_id: str) -> JobRow:
     if job is None:
         raise errors.NotFoundError(f"job {job_id!r} not found")
     return job
-
-
-def _percentile(sorted_values: list[float], q: float) -> float:
-    if not sorted_values:
-        return 0.0
-    rank = q * (len(sorted_values) - 1)
-    low = int(rank)
-    high = min(low + 1, len(sorted_values) - 1)
-    return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (rank - low)

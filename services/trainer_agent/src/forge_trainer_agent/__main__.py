@@ -11,6 +11,7 @@ import structlog
 from forge.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 
 from forge_kit.app import ServiceApp
+from forge_kit.backoff import Backoff
 from forge_kit.grpckit import make_channel
 from forge_kit.objectstore import ObjectStore
 from forge_kit.paths import DATA_DIR_ENV, data_dir
@@ -23,7 +24,7 @@ from forge_trainer_agent.node import ADDRESS_LABEL, NodeInfo
 from forge_trainer_agent.runner import LocalProcessRunner, TorchrunRunner
 from forge_trainer_agent.sandbox import JobSandbox, dataset_folders
 from forge_trainer_agent.service import AgentService
-from forge_trainer_agent.session import Backoff, SchedulerSession
+from forge_trainer_agent.session import SchedulerSession
 from forge_trainer_agent.store import RunStore
 
 log = structlog.get_logger(__name__)

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from transformers import AutoTokenizer, PreTrainedModel
 
 from forge_kit.paths import resolve_data_path
-from forge_training.accuracy import wilson_interval
+from forge_kit.stats import wilson_interval
 from forge_training.backbones import BACKBONE_NAMES, backbone_dir
 from forge_training.collectives import all_reduce
 from forge_training.data import StepSampler
