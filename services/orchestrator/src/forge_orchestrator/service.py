@@ -34,6 +34,7 @@ from temporalio.service import RPCError, RPCStatusCode, TLSConfig
 from temporalio.worker import Worker
 
 from forge_kit import errors
+from forge_kit.routing import Routing
 from forge_orchestrator.activities import SchedulerActivities, state_name
 from forge_orchestrator.eval_activities import EvalActivities
 from forge_orchestrator.identity import ADMIN, Caller, authorize_start
@@ -43,7 +44,6 @@ from forge_orchestrator.store import JobEventRow, utcnow
 from forge_orchestrator.sweep.service import sweep_memo, validate_sweep
 from forge_orchestrator.sweep.workflow import SweepInput, SweepWorkflow
 from forge_orchestrator.training import (
-    AUTO_EVAL_LABEL,
     CHECKPOINT_SIGNAL,
     CheckpointInfo,
     TrainInput,
@@ -442,7 +442,8 @@ class JobEventRouter:
     async def handle(self, event: Message, session: AsyncSession) -> None:
         if not isinstance(event, events_pb2.JobStateChanged):
             return
-        workflow_id = event.labels.get("workflow_id", "")
+        routing = Routing.read(event.routing if event.HasField("routing") else None, event.labels)
+        workflow_id = routing.workflow_id
         if not workflow_id:
             return
         state = state_name(event.state)
@@ -452,7 +453,7 @@ class JobEventRouter:
                 job_id=event.job_id,
                 workflow_id=workflow_id,
                 state=state,
-                auto_eval=event.labels.get(AUTO_EVAL_LABEL, "true").lower() != "false",
+                auto_eval=routing.auto_eval,
                 received_at=utcnow(),
             )
         )

@@ -59,4 +59,3 @@ class PolicyConfig:
     @staticmethod
     def multifactor() -> PolicyConfig:
         return PolicyConfig(ordering="multifactor", backfill=True, preemption=False, starvation_s=None)
-

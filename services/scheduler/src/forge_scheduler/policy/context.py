@@ -67,7 +67,9 @@ class CycleContext:
 
     def exhausted(self) -> bool:
         """Nothing more can start or preempt this cycle: the rest only needs its reasons."""
-        return self.general.total_free == 0 and self.pool.total_free == 0 and self.searches >= self.max_searches
+        return (
+            self.general.total_free == 0 and self.pool.total_free == 0 and self.searches >= self.max_searches
+        )
 
     def note(self, entry: Entry, reason: str) -> None:
         """Record ``entry``'s reason (by job id in the result)."""

@@ -62,9 +62,7 @@ def fair_scores(
         dominant = max(
             (held.get((team.name, t), 0) / cap for t, cap in capacity.items() if cap > 0), default=0.0
         )
-        scores[team.name] = (dominant + snap.usage.get(team.name, 0.0) / total_usage) / max(
-            team.weight, 1e-9
-        )
+        scores[team.name] = (dominant + snap.usage.get(team.name, 0.0) / total_usage) / max(team.weight, 1e-9)
     return scores
 
 

@@ -5,7 +5,8 @@ Victims are running jobs past their minimum runtime, not production inference, n
 stopping, holding GPUs. An entry may stop a victim of a lower priority class; of its own class, one
 that borrows quota the entry's team is guaranteed, one of a higher attained-service tier (LAS), or,
 when the entry is starving, one that has attained more service than it; but never, within its
-class, a job that had starved (waited ``starvation_s`` in all) before it started. Cost = GPUs × time since
+class, a job that had starved (waited ``starvation_s`` in all) before it started: that one runs
+to its end unless a higher class needs its GPUs, or it would be stopped and starve again. Cost = GPUs × time since
 the victim's last checkpoint; the cheapest set wins.
 """
 
@@ -101,6 +102,9 @@ def victim_reason(ctx: CycleContext, victim: Victim, entry: Entry, my_tier: int,
         return f"preempted by higher priority {job.priority.name.lower()} job {job.id}"
     if v.priority > job.priority:
         return None
+    starvation_s = ctx.config.starvation_s
+    if starvation_s is not None and waited_before(victim.alloc) >= starvation_s:
+        return None  # it starved before it started: only a higher class may stop it now
     if (
         victim.alloc.borrowed
         and v.team != job.team
@@ -108,9 +112,6 @@ def victim_reason(ctx: CycleContext, victim: Victim, entry: Entry, my_tier: int,
         and ctx.quota.within_guarantee(team, job.gpu_type, job.gpus)
     ):
         return f"borrowed quota reclaimed by team {job.team}"
-    starvation_s = ctx.config.starvation_s
-    if starvation_s is not None and waited_before(victim.alloc) >= starvation_s:
-        return None  # it starved before it started: only a higher class may stop it now
     if ctx.config.las_preemption and victim.tier > my_tier:
         return f"yielded to job {job.id} with less attained service (tier {my_tier} < {victim.tier})"
     if hungry and victim.attained > p.attained_gpu_s:

@@ -65,6 +65,8 @@ class QuotaBook:
 
     def _admit(self, team: Team, job: Job) -> tuple[bool, bool, str]:
         t, need = job.gpu_type, job.tasks * job.gpus_per_task
+        if need == 0:
+            return True, False, ""  # a job without GPUs asks for no quota
         if t != ANY_GPU_TYPE:
             if self.used.get((team.name, t), 0) + need <= team.guaranteed.get(t, 0):
                 return True, False, ""

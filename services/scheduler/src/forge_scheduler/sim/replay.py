@@ -115,9 +115,14 @@ def build_teams(trace: Sequence[TraceJob], gpus: int) -> dict[str, Team]:
     return {n: Team(n, {"gpu": share}, None, 1.0, "all") for n in names}
 
 
-def replay(trace: Sequence[TraceJob], policy: str, settings: SimSettings) -> ReplayResult:
-    """Run one policy over the whole trace; returns its per-job outcomes and samples."""
-    config = replace(POLICIES[policy], explain=False)
+def replay(
+    trace: Sequence[TraceJob], policy: str, settings: SimSettings, config: PolicyConfig | None = None
+) -> ReplayResult:
+    """Run one policy over the whole trace; returns its per-job outcomes and samples.
+
+    ``config`` replaces the named policy's knobs (the name still decides whether the baselines'
+    perfect time limits are given)."""
+    config = replace(config or POLICIES[policy], explain=False)
     engine = PolicyEngine(config)
     nodes = build_cluster(settings)
     teams = build_teams(trace, settings.gpus)
