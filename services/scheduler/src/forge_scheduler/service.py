@@ -20,8 +20,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Iterable
 from typing import TypeVar
 
 import numpy as np
@@ -58,6 +57,7 @@ from forge_scheduler.states import (
 from forge_scheduler.store import JobRow, NodeRow, QuotaRow, TeamRow, TeamUsageRow, utcnow
 from forge_scheduler.teams import TeamsMixin
 from forge_scheduler.validation import placement_of, validate_name, validate_spec
+from forge_scheduler.watches import WatchesMixin
 
 __all__ = [
     "ACTIVE",
@@ -73,16 +73,6 @@ __all__ = [
     "retry_on_conflict",
     "used_gpu_indices",
 ]
-
-
-@dataclass
-class _Watcher:
-    team: str
-    job_ids: frozenset[str]
-    queue: asyncio.Queue[JobRow | None] = field(default_factory=lambda: asyncio.Queue(maxsize=1000))
-
-    def wants(self, job: JobRow) -> bool:
-        return (not self.team or job.team == self.team) and (not self.job_ids or job.id in self.job_ids)
 
 
 log = structlog.get_logger(__name__)
@@ -120,7 +110,7 @@ def _by_admin() -> bool:
     return principal is None or principal.is_admin
 
 
-class SchedulerService(TeamsMixin, NodesMixin):
+class SchedulerService(TeamsMixin, NodesMixin, WatchesMixin):
     """Owns the scheduler's database; every public method is one transaction."""
 
     def __init__(
@@ -138,7 +128,7 @@ class SchedulerService(TeamsMixin, NodesMixin):
         self._clock = clock
         self._on_commit = on_commit
         self._watch_queue_size = watch_queue_size
-        self._watchers: list[_Watcher] = []
+        self._watchers = []
         self.hub = hub or AgentHub()
         self.cluster = ClusterView()
         self._team_tokens: dict[str, str] = {}
@@ -405,43 +395,6 @@ class SchedulerService(TeamsMixin, NodesMixin):
                     )
                 )
         return stats
-
-    # --- watches -----------------------------------------------------------------------------
-
-    async def watch(self, team: str, job_ids: Iterable[str], send_initial: bool) -> AsyncIterator[JobRow]:
-        """Yield matching jobs after every committed change; a watcher too slow to keep up is
-        dropped with RESOURCE_EXHAUSTED rather than letting its queue grow without bound."""
-        watcher = _Watcher(team=team, job_ids=frozenset(job_ids), queue=asyncio.Queue(self._watch_queue_size))
-        self._watchers.append(watcher)
-        try:
-            if send_initial:
-                query = sa.select(JobRow)
-                if team:
-                    query = query.where(JobRow.team == team)
-                if watcher.job_ids:
-                    query = query.where(JobRow.id.in_(watcher.job_ids))
-                async with self._db.session() as session:
-                    for job in (await session.scalars(query.order_by(JobRow.created_at))).all():
-                        yield job
-            while True:
-                update = await watcher.queue.get()
-                if update is None:
-                    raise errors.OverloadedError("watch stream fell behind; reconnect with send_initial")
-                yield update
-        finally:
-            self._watchers.remove(watcher)
-
-    def committed(self, job: JobRow) -> None:
-        self._on_commit()
-        for watcher in list(self._watchers):
-            if not watcher.wants(job):
-                continue
-            try:
-                watcher.queue.put_nowait(job)
-            except asyncio.QueueFull:
-                while not watcher.queue.empty():
-                    watcher.queue.get_nowait()
-                watcher.queue.put_nowait(None)
 
     async def stage_transition(self, session: AsyncSession, job: JobRow, previous: int, reason: str) -> None:
         spec = scheduler_pb2.JobSpec.FromString(job.spec)
