@@ -66,8 +66,9 @@ class PolicyEngine:
         until nothing more can start; the rest get their reasons; jobs without GPUs last."""
         cfg = self.config
         ctx = nominate(cfg, snap, now)
-        with_gpus = [p for p in snap.pending if p.job.gpus]
-        without = [p for p in snap.pending if not p.job.gpus]
+        # gpus_per_task, not the gpus property: this runs over every pending job every cycle
+        without = [p for p in snap.pending if not p.job.gpus_per_task]
+        with_gpus = [p for p in snap.pending if p.job.gpus_per_task] if without else snap.pending
         for p in without:
             place_without_gpus(ctx, Entry(p, -1))
         preemptable = cfg.preemption and bool(snap.running)

@@ -1,8 +1,8 @@
 """Ordering: the pending jobs in the order a cycle considers them.
 
 forge's order is priority class, then starvation (a job that has waited longer than
-``starvation_s`` in all, over every stretch in the queue, goes ahead of its class, the longest
-wait first), then attained-service tier with aging, then the
+``starvation_s`` since it last entered the queue goes ahead of its class, the longest wait
+first), then attained-service tier with aging, then the
 team's weighted dominant share with decayed usage, then waiting time, then job id. The baselines
 sort by submit time (FIFO) or by Slurm's multifactor priority.
 """
@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from forge_scheduler.policy.config import PolicyConfig
-from forge_scheduler.policy.model import Allocation, PendingJob, Snapshot
+from forge_scheduler.policy.model import PendingJob, Snapshot
 
 
 def tier(config: PolicyConfig, attained_gpu_s: float) -> int:
@@ -29,24 +29,9 @@ def effective_tier(config: PolicyConfig, p: PendingJob, now: float) -> int:
     return max(0, tier(config, p.attained_gpu_s) - int(max(0.0, now - p.waiting_since) // config.aging_s))
 
 
-def waited(p: PendingJob, now: float) -> float:
-    """All the time ``p`` has spent waiting since it was submitted, over every stretch in the
-    queue: its age less the time it ran (attained GPU-seconds over its GPUs). No duration needed."""
-    job = p.job
-    ran = p.attained_gpu_s / job.gpus if job.gpus else 0.0
-    return max(0.0, now - job.submit_time - ran)
-
-
-def waited_before(a: Allocation) -> float:
-    """What a running job had waited, in all, when it started (constant while it runs)."""
-    job = a.job
-    ran = a.attained_gpu_s / job.gpus if job.gpus else 0.0
-    return max(0.0, a.start_time - job.submit_time - ran)
-
-
 def starving(config: PolicyConfig, p: PendingJob, now: float) -> bool:
-    """Whether ``p`` has waited, in all, past the starvation threshold."""
-    return config.starvation_s is not None and waited(p, now) >= config.starvation_s
+    """Whether ``p`` has waited past the starvation threshold since it last entered the queue."""
+    return config.starvation_s is not None and now - p.waiting_since >= config.starvation_s
 
 
 def fair_scores(
@@ -102,11 +87,7 @@ def order(
         job = p.job
         since = job.submit_time if p.queued_since is None else p.queued_since
         head = -int(job.priority) * per_priority
-        gpus = job.tasks * job.gpus_per_task
-        wait = now - job.submit_time - (p.attained_gpu_s / gpus if gpus else 0.0)
-        if wait >= starve:
-            since = now - wait  # starving: the longest wait in all goes first
-        else:
+        if now - since < starve:  # a starving job's head is the smallest of its class
             head += 1 + team_rank.get(job.team, unknown)
             attained = p.attained_gpu_s
             if attained >= first:

@@ -4,9 +4,7 @@ cheapest set of them that lets it fit.
 Victims are running jobs past their minimum runtime, not production inference, not already
 stopping, holding GPUs. An entry may stop a victim of a lower priority class; of its own class, one
 that borrows quota the entry's team is guaranteed, one of a higher attained-service tier (LAS), or,
-when the entry is starving, one that has attained more service than it; but never, within its
-class, a job that had starved (waited ``starvation_s`` in all) before it started: that one runs
-to its end unless a higher class needs its GPUs, or it would be stopped and starve again. Cost = GPUs × time since
+when the entry is starving, one that has attained more service than it. Cost = GPUs × time since
 the victim's last checkpoint; the cheapest set wins.
 """
 
@@ -21,7 +19,7 @@ from forge_scheduler.policy.capacity import Slots
 from forge_scheduler.policy.context import CycleContext
 from forge_scheduler.policy.decisions import Entry, EntryStatus, Preemption
 from forge_scheduler.policy.model import ANY_GPU_TYPE, Allocation, Placement, Priority
-from forge_scheduler.policy.order import effective_tier, starving, tier, waited, waited_before
+from forge_scheduler.policy.order import effective_tier, starving, tier
 
 Plan = tuple[list[tuple[Allocation, str]], list[str], bool]
 """(victims with the reason for each, nodes to hold, whether only in-flight stops were needed)."""
@@ -102,9 +100,6 @@ def victim_reason(ctx: CycleContext, victim: Victim, entry: Entry, my_tier: int,
         return f"preempted by higher priority {job.priority.name.lower()} job {job.id}"
     if v.priority > job.priority:
         return None
-    starvation_s = ctx.config.starvation_s
-    if starvation_s is not None and waited_before(victim.alloc) >= starvation_s:
-        return None  # it starved before it started: only a higher class may stop it now
     if (
         victim.alloc.borrowed
         and v.team != job.team
@@ -115,7 +110,7 @@ def victim_reason(ctx: CycleContext, victim: Victim, entry: Entry, my_tier: int,
     if ctx.config.las_preemption and victim.tier > my_tier:
         return f"yielded to job {job.id} with less attained service (tier {my_tier} < {victim.tier})"
     if hungry and victim.attained > p.attained_gpu_s:
-        hours = waited(p, ctx.now) / 3600.0
+        hours = (ctx.now - p.waiting_since) / 3600.0
         return f"yielded to job {job.id}, starving after {hours:.0f} h in the queue"
     return None
 
