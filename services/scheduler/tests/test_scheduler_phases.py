@@ -43,7 +43,7 @@ def test_order_puts_a_starving_job_first_in_its_class_longest_wait_first() -> No
     old = make_pjob("old", "research").gpus(8).submitted(0.0).pending(8 * HOUR, now - 13 * HOUR)
     older = make_pjob("older", "research").gpus(8).submitted(0.0).pending(8 * HOUR, now - 18 * HOUR)
     urgent = make_pjob("urgent", "product").gpus(1).priority("high").submitted(now).pending()
-    config = PolicyConfig()
+    config = replace(PolicyConfig(), starvation_s=12 * HOUR)
     # research holds GPUs, so its fair score puts it after product within a tier
     held = make_pjob("held", "research").gpus(8).running([("n0", 8)])
     ctx = ctx_of(now=now, running=[held])
@@ -125,7 +125,7 @@ def test_preempt_takes_a_higher_tier_victim_and_a_starving_job_one_with_more_ser
     # a tier-3 job (130 GPU-h) has no tier to yield to; starving (13 h back in the queue), it
     # may stop a job of its class with more attained service (first: 160 GPU-h); not starving,
     # or with more service than any victim, it may not (aging off, so the tier stays 3)
-    no_aging = replace(PolicyConfig(), aging_s=1e9)
+    no_aging = replace(PolicyConfig(), aging_s=1e9, starvation_s=12 * HOUR)
     for waited_h, attained_h, expected in ((13, 130, ["first"]), (5, 130, []), (13, 250, [])):
         heavy = make_pjob("heavy", "research").gpus(8).submitted(0.0)
         entry = Entry(heavy.pending(attained_h * HOUR, queued_since=now - waited_h * HOUR), 0)
@@ -183,7 +183,7 @@ def _starves(config: PolicyConfig, hours: int) -> float | None:
 
 def test_a_big_job_that_small_ones_keep_passing_starts_after_the_starvation_threshold() -> None:
     threshold = PolicyConfig.forge().starvation_s
-    assert threshold == 12 * HOUR
-    assert _starves(replace(PolicyConfig.forge(), starvation_s=None), 48) is None  # starves
-    started = _starves(PolicyConfig.forge(), 48)
+    assert threshold == 24 * HOUR
+    assert _starves(replace(PolicyConfig.forge(), starvation_s=None), 72) is None  # starves
+    started = _starves(PolicyConfig.forge(), 72)
     assert started is not None and threshold <= started <= threshold + 600.0

@@ -25,12 +25,14 @@ class PolicyConfig:
     """Within one priority class, a job of a lower tier may preempt one of a higher tier."""
     aging_s: float = 6 * 3600.0
     """Every ``aging_s`` of waiting lifts a job one tier, so nothing starves under small jobs."""
-    starvation_s: float | None = 12 * 3600.0
+    starvation_s: float | None = 24 * 3600.0
     """A job that has waited this long since it last entered the queue is *starving*: it goes
     ahead of every job of its priority class that is not (the longest wait first), so it is the
     head of line that holds the reservation while smaller jobs can no longer pass it, and it may
     preempt jobs of its class that have attained more service than it, whatever their tier.
-    Waiting time is all it needs to know: no duration. ``None``: off (the baselines)."""
+    Waiting time is all it needs to know: no duration. Half the 48-hour bound on a wait, so a
+    starving job has as long again to drain its reservation or preempt its way in. ``None``: off
+    (the baselines)."""
     preemption_grace_s: float = 60.0
     """Time a victim gets to checkpoint before it must stop."""
     max_preemption_searches: int = 8
