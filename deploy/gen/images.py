@@ -9,6 +9,7 @@ from forge_cli.platform import ServiceSpec
 from .common import (
     DATA_ROOT,
     IMAGE_TAG,
+    LIBRARIES,
     MLFLOW_PORT,
     MLFLOW_VERSION,
     RUNTIME_PACKAGES,
@@ -46,8 +47,8 @@ WORKDIR /app
 {torch}
 COPY libs/protos /src/libs/protos
 COPY libs/kit /src/libs/kit
-{runtime_copies}COPY services/{name} /src/services/{name}
-RUN pip install /src/libs/protos /src/libs/kit{runtime_installs} /src/services/{name} \\
+{library_copies}{runtime_copies}COPY services/{name} /src/services/{name}
+RUN pip install /src/libs/protos /src/libs/kit{library_installs}{runtime_installs} /src/services/{name} \\
  && rm -rf /src \\
  && mkdir -p {data_root}/data {data_root}/objects \\
  && chown -R forge:forge {data_root} /app
@@ -68,9 +69,13 @@ CMD ["python", "-m", "{module}"]
 """
 
 TORCH_LAYER = """
-# torch first, CPU build, in its own layer: the default wheel bundles CUDA (gigabytes) these
-# images never use, and torch changes far less often than the code.
-RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+# torch first, in its own layer (it changes far less often than the code). The CPU build by
+# default: the CUDA wheels bundle gigabytes of libraries CPU nodes never use. GPU images:
+#   docker build --build-arg TORCH_VARIANT=cu128 ...   (the GPU profile and DaemonSet use -cuda tags)
+# NVIDIA's container runtime then mounts the driver (compute for CUDA, utility for NVML).
+ARG TORCH_VARIANT=cpu
+ENV NVIDIA_DRIVER_CAPABILITIES=compute,utility
+RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/${TORCH_VARIANT}
 """
 
 
@@ -102,6 +107,8 @@ def dockerfile(spec: ServiceSpec) -> str:
         # Models come with the image or the object store; never from a hub at run time.
         offline="\n    HF_HUB_OFFLINE=1 \\" if heavy else "",
         torch=TORCH_LAYER if heavy else "",
+        library_copies="".join(f"COPY libs/{lib} /src/libs/{lib}\n" for lib in LIBRARIES.get(spec.name, ())),
+        library_installs="".join(f" /src/libs/{lib}" for lib in LIBRARIES.get(spec.name, ())),
         runtime_copies="".join(
             f"COPY services/{p} /src/services/{p}\n" for p in RUNTIME_PACKAGES.get(spec.name, ())
         ),

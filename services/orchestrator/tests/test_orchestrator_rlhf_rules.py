@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from forge_kit import errors
-from forge_orchestrator.rlhf import DriftPoint, RlhfInput, drift_stop, reward_gate, rm_version
+from forge_orchestrator.rlhf_round import DriftPoint, RlhfInput, drift_stop, reward_gate, rm_version
 from forge_orchestrator.rlhf_worker import validate_rlhf
 
 
@@ -86,3 +86,40 @@ def test_bad_loop_input_names_the_field(change: dict[str, Any], field: str) -> N
     with pytest.raises(errors.ValidationError) as caught:
         validate_rlhf(loop_input(**change))
     assert caught.value.field == field
+
+
+def test_further_round_gates_run_after_the_accuracy_gate() -> None:
+    good = {"accuracy": 0.9, "ci95_low": 0.8, "ci95_high": 0.95, "n": 100}
+    refuse = lambda summary: "judges length" if "by_length" not in summary else ""  # noqa: E731
+    assert reward_gate(good, gates=(refuse,)) == "judges length"
+    assert reward_gate({**good, "by_length": {}}, gates=(refuse,)) == ""
+    assert reward_gate({**good, "ci95_low": 0.4}, gates=(refuse,)).startswith("held-out pairwise accuracy")
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"prompt_dataset": "/etc/passwd"}, "input.prompt_dataset"),
+        ({"prompt_dataset": "../../secrets.jsonl"}, "input.prompt_dataset"),
+        ({"prompt_dataset": ""}, "input.prompt_dataset"),
+        ({"sample_model": "two words"}, "input.sample_model"),
+        ({"temperatures": [0.7, 0.7]}, "input.temperatures"),
+        ({"temperatures": [0.7]}, "input.temperatures"),
+        ({"temperatures": [0.7, 9.0]}, "input.temperatures"),
+        ({"dataset_prompts": 5000}, "input.dataset_prompts"),
+        ({"dataset_prompts": 0, "production_prompts": 0}, "input.dataset_prompts"),
+        ({"min_policy_pairs": 0}, "input.min_policy_pairs"),
+        ({"monitor_interval": -1}, "input.monitor_interval"),
+        ({"buffer_timeout_s": 0.0}, "input.buffer_timeout_s"),
+        ({"dpo_overrides": ["dpo.monitor.out=/etc/x"]}, "input.dpo_overrides[0]"),
+    ],
+)
+def test_online_inputs_are_checked_naming_the_field(change: dict[str, Any], field: str) -> None:
+    params = RlhfInput(**{"policy_uri": "/p", "work_uri": "/w", "sample_model": "policy:1", **change})
+    with pytest.raises(errors.ValidationError) as caught:
+        validate_rlhf(params)
+    assert caught.value.field == field
+
+
+def test_a_well_formed_online_input_passes() -> None:
+    validate_rlhf(RlhfInput(policy_uri="/p", work_uri="/w", sample_model="production", monitor_interval=2))

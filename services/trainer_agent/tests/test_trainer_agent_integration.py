@@ -82,6 +82,7 @@ async def test_agent_process_registers_its_gpus_and_goes_not_ready_when_stopped(
         "FORGE_TRAINER_AGENT_NODE_GROUP": "block-a",
         "FORGE_TRAINER_AGENT_RACK": "rack-3",
         "FORGE_TRAINER_AGENT_NVLINK_DOMAIN": "nvl-1",
+        "FORGE_TRAINER_AGENT_ADVERTISE_ADDRESS": "10.1.2.3",
     }
     agent = ServiceProcess("forge_trainer_agent", env=env, log_path=str(tmp_path / "agent.log")).start()
     try:
@@ -92,6 +93,8 @@ async def test_agent_process_registers_its_gpus_and_goes_not_ready_when_stopped(
             "rack-3",
             "nvl-1",
         )
+        # Where multi-node jobs whose rank 0 runs here rendezvous (their MASTER_ADDR).
+        assert node.labels["forge.ai/address"] == "10.1.2.3"
         first_beat = node.last_heartbeat_at.ToNanoseconds()
 
         async with make_channel(agent.grpc_target, token=TOKEN) as channel:

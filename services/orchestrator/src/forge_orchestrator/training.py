@@ -32,6 +32,7 @@ from temporalio import workflow
 from temporalio.exceptions import ApplicationError
 
 with workflow.unsafe.imports_passed_through():
+    from forge_kit.jobcmd import TrainCommand
     from forge_kit.routing import AUTO_EVAL_LABEL as AUTO_EVAL_LABEL  # the older way to say auto_eval
     from forge_orchestrator.activities import CancelJobInput, SchedulerActivities, SubmitJobInput
     from forge_orchestrator.identity import ADMIN, Caller
@@ -76,7 +77,7 @@ class TrainInput:
     gpu_type: str = ""
     priority_class: str = "normal"
     python: str = "python"
-    """Interpreter on the nodes that runs ``forge_trainer_agent.training.run``."""
+    """Interpreter on the nodes that runs the training entry point (:class:`forge_kit.jobcmd.TrainCommand`)."""
     max_infra_retries: int = 3
     """Requeues after a lost node before the workflow gives up (preemptions do not count)."""
     timeout_s: float = 6 * 3600.0
@@ -105,8 +106,7 @@ class TrainResult:
 
 
 def command_of(params: TrainInput) -> list[str]:
-    overrides = [arg for pair in params.overrides for arg in ("--set", pair)]
-    return [params.python, "-m", "forge_trainer_agent.training.run", "--recipe", params.recipe, *overrides]
+    return TrainCommand(params.recipe, tuple(params.overrides), params.python).argv()
 
 
 @workflow.defn(name="training")

@@ -15,7 +15,7 @@ from forge_retriever.api import RetrieverApi
 from forge_retriever.config import RetrieverSettings
 from forge_retriever.embed import embedder_for
 from forge_retriever.index import QdrantEdgeIndex, VectorIndex
-from forge_retriever.index_server import QdrantServerIndex
+from forge_retriever.index_server import CollectionLayout, QdrantServerIndex
 from forge_retriever.service import RetrieverService, sparse_encoder
 
 
@@ -35,6 +35,15 @@ async def main() -> None:
             settings.qdrant_url,
             settings.qdrant_api_key.get_secret_value(),
             prefix=settings.qdrant_collection_prefix,
+            layout=CollectionLayout(
+                shards=settings.qdrant_shards,
+                replication_factor=settings.qdrant_replication_factor,
+                write_consistency_factor=settings.qdrant_write_consistency_factor,
+                on_disk_payload=settings.qdrant_on_disk_payload,
+                on_disk_vectors=settings.qdrant_on_disk_vectors,
+                quantization=settings.qdrant_quantization,
+                oversampling=settings.qdrant_oversampling,
+            ),
             dense_dim=dense_dim,
             dense_version=dense_version,
             sparse_version=sparse_version,

@@ -83,7 +83,16 @@ def team_to_proto(team: TeamView) -> scheduler_pb2.Team:
 
 def node_to_proto(node: NodeRow, used: set[int] | None = None) -> scheduler_pb2.Node:
     gpus = [
-        common_pb2.Gpu(index=int(g["index"]), type=str(g["type"]), memory_mb=int(g["memory_mb"]))
+        common_pb2.Gpu(
+            index=int(g["index"]),
+            type=str(g["type"]),
+            memory_mb=int(g["memory_mb"]),
+            # Rows registered before the agents reported their topology lack these.
+            uuid=str(g.get("uuid", "")),
+            pci_bus_id=str(g.get("pci_bus_id", "")),
+            nvlink_group=int(g.get("nvlink_group", 0)),
+            pcie_group=int(g.get("pcie_group", 0)),
+        )
         for g in node.gpus
     ]
     return scheduler_pb2.Node(
@@ -144,7 +153,10 @@ def quota_from_proto(quota: scheduler_pb2.Quota) -> QuotaSpec:
 def registration_from_proto(request: scheduler_pb2.RegisterNode) -> NodeRegistration:
     return NodeRegistration(
         node_name=request.node_name,
-        gpus=tuple(GpuInfo(g.index, g.type, g.memory_mb) for g in request.gpus),
+        gpus=tuple(
+            GpuInfo(g.index, g.type, g.memory_mb, g.uuid, g.pci_bus_id, g.nvlink_group, g.pcie_group)
+            for g in request.gpus
+        ),
         node_group=request.topology.node_group,
         rack=request.topology.rack,
         nvlink_domain=request.topology.nvlink_domain,

@@ -32,7 +32,18 @@ class NodesMixin:
             if node is None:
                 node = NodeRow(node_id=f"node-{uuid.uuid4().hex[:12]}", name=request.node_name)
                 session.add(node)
-            node.gpus = [{"index": g.index, "type": g.type, "memory_mb": g.memory_mb} for g in request.gpus]
+            node.gpus = [
+                {
+                    "index": g.index,
+                    "type": g.type,
+                    "memory_mb": g.memory_mb,
+                    "uuid": g.uuid,
+                    "pci_bus_id": g.pci_bus_id,
+                    "nvlink_group": g.nvlink_group,
+                    "pcie_group": g.pcie_group,
+                }
+                for g in request.gpus
+            ]
             node.node_group = request.node_group
             node.rack = request.rack
             node.nvlink_domain = request.nvlink_domain

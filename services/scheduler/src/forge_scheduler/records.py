@@ -28,6 +28,10 @@ class GpuInfo:
     index: int
     type: str
     memory_mb: int = 0
+    uuid: str = ""
+    pci_bus_id: str = ""
+    nvlink_group: int = 0
+    pcie_group: int = 0
 
 
 @dataclass(frozen=True)

@@ -22,10 +22,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from forge_kit.jobenv import TERMINATION_LOG_ENV
 from forge_trainer_agent.sandbox import JobSandbox
 
 #: The only variables of the agent's environment a job gets: where programs and the Python code
-#: are, and the locale. Everything else a job sees is its own declared env and its placement.
+#: are, the locale, and the node's collective-communication settings (``NCCL_*``, the gloo and
+#: torchrun network interface: which NIC and fabric this node's jobs talk over, set by the
+#: operator on the agent; docs/DEPLOY.md). Everything else a job sees is its own declared env and
+#: its placement.
 INHERITED_ENV = (
     "PATH",
     "PYTHONPATH",
@@ -35,8 +39,10 @@ INHERITED_ENV = (
     "LANG",
     "LANGUAGE",
     "TZ",
+    "GLOO_SOCKET_IFNAME",
+    "TP_SOCKET_IFNAME",
 )
-INHERITED_ENV_PREFIXES = ("LC_",)
+INHERITED_ENV_PREFIXES = ("LC_", "NCCL_")
 
 
 @dataclass(frozen=True)
@@ -115,26 +121,9 @@ class JobRunner(Protocol):
     async def launch(self, spec: LaunchSpec) -> JobProcess: ...
 
 
-TERMINATION_LOG_ENV = "FORGE_TERMINATION_LOG"
-"""Names the file where a replica may say why it failed (as Kubernetes' ``terminationMessagePath``):
-the agent reports that instead of the log's last lines, which under torchrun are torchrun's own
-failure summary rather than the worker's reason."""
-
-
 def termination_log(log_path: Path) -> Path:
     """The termination-message file of the attempt that logs to ``log_path``."""
     return log_path.with_name(f"{log_path.stem}.termination")
-
-
-def write_termination_message(message: str) -> None:
-    """Called by a job that is about to fail: record ``message`` where the agent will look
-    (``$FORGE_TERMINATION_LOG``; nothing when the job runs outside an agent). The first replica
-    to write wins, as the root cause torchrun reports is the first failure observed."""
-    path = os.environ.get(TERMINATION_LOG_ENV)
-    if not path:
-        return
-    with contextlib.suppress(FileExistsError), open(path, "x", encoding="utf-8") as handle:
-        handle.write(message)
 
 
 def job_environment(spec: LaunchSpec, base: Mapping[str, str]) -> dict[str, str]:
@@ -149,8 +138,10 @@ def job_environment(spec: LaunchSpec, base: Mapping[str, str]) -> dict[str, str]
         FORGE_JOB_ID=spec.job_id,
         FORGE_ATTEMPT=str(spec.attempt),
         FORGE_RUN_DIR=str(spec.run_dir),
-        FORGE_TERMINATION_LOG=str(termination_log(spec.log_path)),
+        **{TERMINATION_LOG_ENV: str(termination_log(spec.log_path))},
         CUDA_VISIBLE_DEVICES=",".join(str(i) for i in spec.gpu_indices),
+        # The agent numbers GPUs as NVML does (PCI bus order); CUDA's default order is fastest first.
+        CUDA_DEVICE_ORDER="PCI_BUS_ID",
         NODE_RANK=str(spec.node_rank),
         NNODES=str(spec.num_nodes),
         RANK=str(spec.node_rank),
@@ -274,7 +265,7 @@ class TorchrunRunner:
 
     torchrun gives each worker its ``RANK``, ``LOCAL_RANK`` and ``WORLD_SIZE``; stopping sends
     SIGTERM to the whole process group, so the workers checkpoint (see
-    :mod:`forge_trainer_agent.training.run`) while torchrun waits for them.
+    :mod:`forge_training.run`) while torchrun waits for them.
     """
 
     def __init__(
