@@ -22,10 +22,11 @@ from temporalio.client import Client
 from temporalio.service import RPCError, RPCStatusCode
 
 from forge_kit.db import utcnow
+from forge_kit.routing import Routing
 from forge_orchestrator.activities import state_name
 from forge_orchestrator.inbox import JOB_EVENT_SIGNAL, JobEvent
 from forge_orchestrator.store import JobEventRow
-from forge_orchestrator.training import AUTO_EVAL_LABEL, CHECKPOINT_SIGNAL, CheckpointInfo
+from forge_orchestrator.training import CHECKPOINT_SIGNAL, CheckpointInfo
 
 log = structlog.get_logger(__name__)
 
@@ -79,7 +80,8 @@ class JobEventRouter:
     async def handle(self, event: Message, session: AsyncSession) -> None:
         if not isinstance(event, events_pb2.JobStateChanged):
             return
-        workflow_id = event.labels.get("workflow_id", "")
+        routing = Routing.read(event.routing if event.HasField("routing") else None, event.labels)
+        workflow_id = routing.workflow_id
         if not workflow_id:
             return
         state = state_name(event.state)
@@ -89,7 +91,7 @@ class JobEventRouter:
                 job_id=event.job_id,
                 workflow_id=workflow_id,
                 state=state,
-                auto_eval=event.labels.get(AUTO_EVAL_LABEL, "true").lower() != "false",
+                auto_eval=routing.auto_eval,
                 received_at=utcnow(),
             )
         )

@@ -33,15 +33,13 @@ from temporalio.exceptions import ApplicationError
 
 with workflow.unsafe.imports_passed_through():
     from forge_kit.jobcmd import TrainCommand
+    from forge_kit.routing import AUTO_EVAL_LABEL as AUTO_EVAL_LABEL  # the older way to say auto_eval
     from forge_orchestrator.activities import SubmitJobInput
     from forge_orchestrator.identity import ADMIN, Caller
     from forge_orchestrator.inbox import JobEventInbox
 
 #: Name of the signal carrying a published checkpoint of the workflow's job.
 CHECKPOINT_SIGNAL = "checkpoint_published"
-#: Job label that keeps the checkpoint router from starting eval-and-promote for the job's
-#: checkpoints (value ``"false"``): set by a caller that evaluates them itself (the RLHF loop).
-AUTO_EVAL_LABEL = "auto_eval"
 TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
 
 
@@ -85,6 +83,10 @@ class TrainInput:
     caller: Caller | None = None
     """Who started the workflow (set by the orchestrator from the caller's token, never by the
     caller); None: an admin (a workflow started before callers were recorded)."""
+    auto_eval: bool = True
+    """Whether the job's checkpoint gets the automatic eval-and-promote; False for a caller that
+    evaluates it itself (the RLHF loop, sweeps). Travels as the job's typed routing hints (an
+    ``AUTO_EVAL_LABEL: "false"`` label in ``labels``, the older way, means the same)."""
 
 
 @dataclass
@@ -126,7 +128,9 @@ class TrainWorkflow(JobEventInbox):
                 command=command_of(params),
                 request_id=f"{info.workflow_id}/{info.run_id}/train",
                 priority_class=params.priority_class,
-                labels={**params.labels, "workflow_id": info.workflow_id, "recipe": params.recipe},
+                labels={**params.labels, "recipe": params.recipe},
+                workflow_id=info.workflow_id,
+                auto_eval=params.auto_eval,
                 gpu_count=params.gpus_per_replica,
                 gpu_type=params.gpu_type,
                 replicas=params.replicas,

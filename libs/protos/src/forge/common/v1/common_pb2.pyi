@@ -285,3 +285,34 @@ class Usage(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Usage: _TypeAlias = Usage  # noqa: Y015
+
+@_typing.final
+class JobRouting(_message.Message):
+    """Typed routing hints of a job: who waits for its state changes and what follows its success.
+    (Older jobs carried these as the free-text labels "workflow_id" and "auto_eval"; readers still
+    fall back to those labels when this is unset.)
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WORKFLOW_ID_FIELD_NUMBER: _builtins.int
+    SKIP_AUTO_EVAL_FIELD_NUMBER: _builtins.int
+    workflow_id: _builtins.str
+    """Workflow that submitted the job and waits for its state changes; empty: none."""
+    skip_auto_eval: _builtins.bool
+    """Do not evaluate the job's checkpoint automatically when it succeeds (the RLHF loop's reward
+    model and policy jobs, sweep trials); false: the orchestrator's automatic evaluation runs.
+    """
+    def __init__(
+        self,
+        *,
+        workflow_id: _builtins.str = ...,
+        skip_auto_eval: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["skip_auto_eval", b"skip_auto_eval", "workflow_id", b"workflow_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___JobRouting: _TypeAlias = JobRouting  # noqa: Y015
