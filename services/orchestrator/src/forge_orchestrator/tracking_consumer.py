@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import shlex
 import subprocess
 import tempfile
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +46,7 @@ from google.protobuf.message import Message
 from prometheus_client import Counter
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from forge_kit.backoff import RetryPolicy
 from forge_kit.grpckit import make_channel
 from forge_kit.objectstore import ObjectStore
 from forge_orchestrator.activities import state_name
@@ -58,6 +61,7 @@ from forge_orchestrator.tracking import (
     RunFilter,
     RunStatus,
     Tracker,
+    unreachable,
 )
 
 log = structlog.get_logger(__name__)
@@ -225,7 +229,12 @@ class RunRecorder:
         objects: ObjectStore | None = None,
         code_version: str = "",
         curves: Sequence[str] = ("loss", "val_loss"),
+        patience_s: float = 3600.0,
+        retry: RetryPolicy | None = None,
     ) -> None:
+        self._patience_s = patience_s
+        self._retry = retry or RetryPolicy(base_s=0.5, cap_s=30.0)
+        self._rng = random.Random()
         self._tracker = tracker
         self._jobs = jobs
         self._objects = objects
@@ -233,7 +242,37 @@ class RunRecorder:
         self._curves = tuple(curves)
 
     async def handle(self, event: Message, session: AsyncSession) -> None:
+        """Apply one event. While the MLflow server is away (:func:`unreachable`: refused, timed
+        out, its client's own retries spent) the same event is tried again with capped, jittered
+        backoff (:class:`forge_kit.backoff.RetryPolicy`) for up to ``patience_s``: the consumer's
+        offset stays where it is and the event is neither dead-lettered nor dropped, so a server
+        restart of any length within the patience loses no metric. Any other error is raised at
+        once (the consumer's own attempts, then its dead letters)."""
         kind = type(event).__name__
+        started = time.monotonic()
+        retry = 0
+        while True:
+            try:
+                await self._apply(event, session, kind)
+                return
+            except Exception as exc:
+                waited = time.monotonic() - started
+                if not unreachable(exc) or waited >= self._patience_s:
+                    raise
+                delay = self._retry.delay(retry, self._rng)
+                retry += 1
+                TRACKING_EVENTS.labels(kind, "mlflow_unavailable").inc()
+                log.warning(
+                    "tracking.mlflow_unavailable",
+                    event_type=kind,
+                    retry=retry,
+                    waited_s=round(waited, 1),
+                    retry_in_s=round(delay, 2),
+                    error=repr(exc)[:300],
+                )
+                await asyncio.sleep(delay)
+
+    async def _apply(self, event: Message, session: AsyncSession, kind: str) -> None:
         if isinstance(event, events_pb2.JobStateChanged):
             outcome = await self._job_state(event, session)
         elif isinstance(event, events_pb2.TrainingMetrics):

@@ -49,6 +49,8 @@ with workflow.unsafe.imports_passed_through():
     from forge_orchestrator.activities import CancelJobInput, SchedulerActivities, SubmitJobInput
     from forge_orchestrator.identity import ADMIN, Caller
     from forge_orchestrator.sweep.activities import (
+        TRACK_RETRY,
+        TRACK_TIMEOUT,
         StudyInput,
         SuggestInput,
         SweepActivities,
@@ -271,8 +273,14 @@ class SweepWorkflow:
         return min(done, key=lambda t: sign * (t.final if t.final is not None else math.inf))
 
     async def _act(self, method: Any, arg: Any) -> Any:
+        tracking = method in (
+            SweepActivities.track_sweep,
+            SweepActivities.track_trial,
+            SweepActivities.track_end,
+        )
+        timeout, retry = (TRACK_TIMEOUT, TRACK_RETRY) if tracking else (ACTIVITY_TIMEOUT, ACTIVITY_RETRY)
         return await workflow.execute_activity_method(
-            method, arg, start_to_close_timeout=ACTIVITY_TIMEOUT, retry_policy=ACTIVITY_RETRY
+            method, arg, start_to_close_timeout=timeout, retry_policy=retry
         )
 
     def _stop_clock(self, trial: Trial) -> None:
