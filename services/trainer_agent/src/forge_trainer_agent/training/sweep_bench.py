@@ -41,7 +41,7 @@ import torch
 import typer
 
 from forge_kit import clitools
-from forge_kit.earlystop import Asha
+from forge_kit.earlystop import AshaPromotion
 from forge_kit.errors import ValidationError
 from forge_kit.objectstore import ObjectStore
 from forge_kit.sweepspace import Space, parse
@@ -102,6 +102,8 @@ def run_trial(
 
     def should_stop() -> bool:
         for step, value in tail.new():
+            if trial.curve and step <= trial.curve[-1][0]:
+                continue  # a resumed trial's earlier lines
             trial.curve.append((step, value))
             if judge is not None and not stop["now"] and not judge(step, value):
                 stop["now"] = True
@@ -119,7 +121,7 @@ def run_trial(
     result = run_training(_config(space, trial), ctx)
     should_stop()  # the final evaluation's line
     trial.steps = result.step
-    if result.outcome == "succeeded":
+    if result.outcome == "succeeded" and result.step >= space.max_steps:
         trial.final = result.eval_metrics.get(space.metric, trial.curve[-1][1] if trial.curve else None)
 
 
@@ -166,12 +168,16 @@ class _Turns:
             self.cv.wait_for(lambda: self.turn is None)
 
 
-def run_interleaved(trials: list[Trial], concurrency: int, judge: Rule | None, run_one: RunOne) -> None:
-    """Run ``trials`` (in list order) with up to ``concurrency`` in flight, round-robin: each
-    in-flight trial in turn runs until its next metric value, which goes to ``judge(trial.index,
-    step, value)`` (False stops it), then waits for the others. A finished trial's slot goes to the
-    next trial at the next round. ``run_one(trial, on_value)`` trains one trial, calling
-    ``on_value(step, value)`` for each value of the metric and stopping when it returns False."""
+def run_interleaved(
+    next_job: Callable[[list[Trial]], Trial | None], concurrency: int, judge: Rule | None, run_one: RunOne
+) -> None:
+    """Run trials with up to ``concurrency`` in flight, round-robin: each in-flight trial in turn
+    runs until its next metric value, which goes to ``judge(trial.index, step, value)`` (False
+    stops it), then waits for the others. A free slot asks ``next_job(in_flight)`` for the next
+    trial to run (a new one, or a paused one to resume; None: nothing now); the run ends when
+    nothing is in flight and ``next_job`` has nothing. ``run_one(trial, on_value)`` trains one
+    trial (resuming it from its checkpoint when it ran before), calling ``on_value(step, value)``
+    for each value of the metric and stopping when it returns False."""
     turns = _Turns()
     errors: list[BaseException] = []
 
@@ -191,14 +197,18 @@ def run_interleaved(trials: list[Trial], concurrency: int, judge: Rule | None, r
         finally:
             turns.release(trial.index, finished=True)
 
-    pending = deque(trials)
     inflight: list[tuple[Trial, threading.Thread]] = []
-    while pending or inflight:
-        while pending and len(inflight) < concurrency:
-            trial = pending.popleft()
+    while True:
+        while len(inflight) < concurrency:
+            trial = next_job([t for t, _ in inflight])
+            if trial is None:
+                break
+            turns.finished.discard(trial.index)
             thread = threading.Thread(target=work, args=(trial,), name=f"trial-{trial.index}", daemon=True)
             thread.start()
             inflight.append((trial, thread))
+        if not inflight:
+            return
         for trial, thread in list(inflight):
             turns.give(trial.index)
             if trial.index in turns.finished:
@@ -232,21 +242,38 @@ def benchmark(space: Space, work: Path, cache: Path, echo: Callable[[str], None]
         run_trial(space, trial, work / "grid", cache)
     grid_wall = time.perf_counter() - started
     # 2. ASHA, the same trials in a shuffled arrival order.
-    asha_rule = Asha(min_steps=min_steps, eta=ETA, max_steps=space.max_steps, mode=space.mode)  # type: ignore[arg-type]
+    asha_rule = AshaPromotion(min_steps=min_steps, eta=ETA, max_steps=space.max_steps, mode=space.mode)  # type: ignore[arg-type]
     order = list(range(len(plan)))
     random.Random(space.seed).shuffle(order)
     asha = [Trial(i, dict(plan[i][0]), plan[i][1]) for i in order]
-    arrived = iter(range(1, len(asha) + 1))
+    by_index = {t.index: t for t in asha}
+    fresh = deque(asha)
+    runs = iter(range(1, 10**9))
+    asha_runs = {"resumed": 0}
 
     def judge(index: int, step: int, value: float) -> bool:
-        return asha_rule.report(str(index), step, value) != "stop"
+        return asha_rule.report(str(index), step, value) != "pause"
+
+    def next_job(inflight: list[Trial]) -> Trial | None:
+        # Rungs no trial can still reach (none left to start, none in flight below) are final.
+        final_below = 0
+        if not fresh:
+            reached = [asha_rule.paused_at(str(t.index)) or 0 for t in inflight]
+            final_below = min([*reached, space.max_steps])
+        promotion = asha_rule.next_promotion(final_below)
+        if promotion is not None:
+            trial = by_index[int(promotion[0])]
+            trial.stopped_at = None
+            asha_runs["resumed"] += 1
+            return trial
+        return fresh.popleft() if fresh else None
 
     def run_one(trial: Trial, on_value: Judge) -> None:
-        echo(f"asha trial {next(arrived)}/{len(asha)}")
+        echo(f"asha run {next(runs)} (trial {trial.index})")
         run_trial(space, trial, work / "asha", cache, on_value)
 
     started = time.perf_counter()
-    run_interleaved(asha, space.concurrency, judge, run_one)
+    run_interleaved(next_job, space.concurrency, judge, run_one)
     asha_wall = time.perf_counter() - started
     grid_best, asha_best = _best(space, grid), _best(space, asha)
     if grid_best is None or asha_best is None or grid_best.final is None or asha_best.final is None:
@@ -285,7 +312,8 @@ def benchmark(space: Space, work: Path, cache: Path, echo: Callable[[str], None]
             "best_metric": asha_best.final,
             "best_trial": asha_best.index,
             "trial_steps": asha_steps,
-            "stopped_early": sum(1 for t in asha if t.stopped_at is not None),
+            "stopped_early": sum(1 for t in asha if t.steps < space.max_steps),
+            "resumed": asha_runs["resumed"],
             "rung_occupancy": asha_rule.occupancy(),
             "concurrency": space.concurrency,
             "wall_s": round(asha_wall, 1),
