@@ -52,7 +52,7 @@ budget: {trials: 4, gpu_hours: 10, max_steps: 9}
 concurrency: 4
 team: research
 gpus_per_trial: 1
-early_stopping: {rule: asha, min_steps: 1, eta: 3}
+early_stopping: {rule: asha, min_steps: 1, eta: 3, form: stopping}
 """
 
 
@@ -215,7 +215,7 @@ async def test_sweep_survives_worker_restart_failures_and_silent_trials(
     (new activities, same database) finishes the sweep. No trial is submitted twice; a crashing
     configuration is failed once; a trial that never reports is timed out."""
     space = SPACE.replace("concurrency: 4", "concurrency: 2").replace(
-        "early_stopping: {rule: asha, min_steps: 1, eta: 3}",
+        "early_stopping: {rule: asha, min_steps: 1, eta: 3, form: stopping}",
         "early_stopping: {rule: none}\nmetrics_timeout_s: 2",
     )
     queue = f"sweep-{uuid.uuid4().hex[:8]}"
@@ -287,7 +287,10 @@ async def test_lost_nodes_past_the_limit_fail_a_trial_and_spent_gpu_hours_cancel
     of 2 s of one device runs out while trial 1 runs: it is cancelled and nothing new starts."""
     space = (
         SPACE.replace("gpu_hours: 10", "gpu_hours: 0.0006")
-        .replace("early_stopping: {rule: asha, min_steps: 1, eta: 3}", "early_stopping: {rule: none}")
+        .replace(
+            "early_stopping: {rule: asha, min_steps: 1, eta: 3, form: stopping}",
+            "early_stopping: {rule: none}",
+        )
         .replace("concurrency: 4", "concurrency: 2")
     )
     queue = f"sweep-{uuid.uuid4().hex[:8]}"

@@ -185,6 +185,11 @@ class AshaPromotion:
         waiting = [r for r in self.rungs if trial in self.recorded[r] and trial not in self.promoted[r]]
         return max(waiting) if waiting else None
 
+    def reached(self, trial: str) -> int:
+        """The highest rung the trial reported at (0: none yet): a trial in flight can still
+        join only the rungs above it."""
+        return max((r for r in self.rungs if trial in self.recorded[r]), default=0)
+
     def occupancy(self) -> dict[int, int]:
         """Trials recorded at each rung."""
         return {rung: len(self.recorded[rung]) for rung in self.rungs}

@@ -66,6 +66,10 @@ from forge_orchestrator.tracking import (
 
 log = structlog.get_logger(__name__)
 
+#: Label of a sweep trial's job that resumes an earlier job of the trial
+#: (``forge_orchestrator.sweep.model.RESUMES_LABEL``).
+RESUMES_LABEL = "resumes_job"
+
 CONSUMER_GROUP = "orchestrator-tracking"
 TRACKING_EVENTS = Counter(
     "forge_orchestrator_tracking_events_total",
@@ -303,9 +307,10 @@ class RunRecorder:
             log.info("tracking.job_skipped", job_id=job_id, known=job is not None)
             return None
         parent = await asyncio.to_thread(self._sweep_parent, job.labels.get("sweep_id", ""))
+        run_of = await self._resumed_job(job) or job_id
         run_id = await asyncio.to_thread(
             self._tracker.ensure_job_run,
-            job_id,
+            run_of,
             tags=job_tags(job),
             params=job_params(job, self._code_version),
             parent_run_id=parent or None,
@@ -316,6 +321,21 @@ class RunRecorder:
         # while MLflow is called (a server that is restarting can take minutes to answer).
         session.add(row)
         return row
+
+    async def _resumed_job(self, job: JobInfo) -> str:
+        """A promoted sweep trial's later job continues the run of the trial's first job (its
+        ``resumes_job`` label), when that job is of the same team, sweep and trial; else ``""``."""
+        first = job.labels.get(RESUMES_LABEL, "")
+        if not first or first == job.job_id or not job.labels.get("sweep_id"):
+            return ""
+        earlier = await self._jobs.get_job(first)
+        same = earlier is not None and earlier.team == job.team
+        for key in ("sweep_id", "trial"):
+            same = same and earlier is not None and earlier.labels.get(key) == job.labels.get(key)
+        if not same:
+            log.warning("tracking.resumes_refused", job_id=job.job_id, resumes=first[:64])
+            return ""
+        return first
 
     def _sweep_parent(self, sweep_id: str) -> str:
         if not sweep_id:

@@ -41,7 +41,7 @@ import torch
 import typer
 
 from forge_kit import clitools
-from forge_kit.earlystop import AshaPromotion
+from forge_kit.earlystop import Asha, AshaPromotion
 from forge_kit.errors import ValidationError
 from forge_kit.objectstore import ObjectStore
 from forge_kit.sweepspace import Space, parse
@@ -242,7 +242,9 @@ def benchmark(space: Space, work: Path, cache: Path, echo: Callable[[str], None]
         run_trial(space, trial, work / "grid", cache)
     grid_wall = time.perf_counter() - started
     # 2. ASHA, the same trials in a shuffled arrival order.
-    asha_rule = AshaPromotion(min_steps=min_steps, eta=ETA, max_steps=space.max_steps, mode=space.mode)  # type: ignore[arg-type]
+    promotion = space.early_stopping.form == "promotion"
+    rule_type = AshaPromotion if promotion else Asha
+    asha_rule = rule_type(min_steps=min_steps, eta=ETA, max_steps=space.max_steps, mode=space.mode)  # type: ignore[arg-type]
     order = list(range(len(plan)))
     random.Random(space.seed).shuffle(order)
     asha = [Trial(i, dict(plan[i][0]), plan[i][1]) for i in order]
@@ -252,13 +254,15 @@ def benchmark(space: Space, work: Path, cache: Path, echo: Callable[[str], None]
     asha_runs = {"resumed": 0}
 
     def judge(index: int, step: int, value: float) -> bool:
-        return asha_rule.report(str(index), step, value) != "pause"
+        return asha_rule.report(str(index), step, value) not in ("pause", "stop")
 
     def next_job(inflight: list[Trial]) -> Trial | None:
+        if not isinstance(asha_rule, AshaPromotion):
+            return fresh.popleft() if fresh else None
         # Rungs no trial can still reach (none left to start, none in flight below) are final.
         final_below = 0
         if not fresh:
-            reached = [asha_rule.paused_at(str(t.index)) or 0 for t in inflight]
+            reached = [asha_rule.reached(str(t.index)) for t in inflight]
             final_below = min([*reached, space.max_steps])
         promotion = asha_rule.next_promotion(final_below)
         if promotion is not None:
