@@ -12,15 +12,19 @@ In steps:
    orchestrator's ``TrainingMetrics`` consumer with (job, step, value)):
    - the early-stopping rule (ASHA or median stopping, :mod:`forge_kit.earlystop`) judges each
      value as it arrives; a trial it stops is cancelled (its job checkpoints on SIGTERM, and
-     nothing deletes that checkpoint) and recorded ``stopped``;
+     nothing deletes that checkpoint) and recorded ``stopped``. Under ASHA's promotion form (the
+     default) a trial at a rung is ``paused`` the same way unless promotable at once; a free slot
+     first resumes the best promotable paused trial (a new job of the trial with ``--run-id`` of
+     its first job, whose checkpoints it continues, labelled ``resumes_job``), then starts a new
+     one; trials still paused when nothing is left to run are recorded ``stopped``;
    - PENDING after it ran: a preemption (the job resumes from its checkpoint when it runs again,
      and the trial is not a failure) or a lost node, an infrastructure failure the scheduler
      retried; past ``max_infra_retries`` the trial is cancelled and recorded ``failed``;
    - FAILED: the configuration's own crash, recorded ``failed`` and never resubmitted;
    - a running trial with no metric for ``metrics_timeout_s``, or any trial past
      ``trial_timeout_s``, is cancelled and recorded ``timed_out``;
-   - a metric for a job that is no trial of this sweep, or for a finished trial, is counted
-     in ``ignored_metrics`` and otherwise ignored;
+   - a metric for a job that is no trial of this sweep, for a finished trial, or from a paused
+     trial's earlier job, is counted in ``ignored_metrics`` and otherwise ignored;
 4. stop starting trials when the budget (trials, GPU-hours) is spent (running ones are
    cancelled when GPU-hours run out); tell the study each configuration's outcome;
 5. return every trial, the best, and the rung occupancy.

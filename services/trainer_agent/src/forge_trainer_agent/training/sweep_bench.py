@@ -1,26 +1,29 @@
 """``forge bench sweep --space FILE --out DIR``: the same space run twice, every configuration at
-full budget (grid) and under ASHA (η = 3), in-process, one trial after another.
+full budget (grid) and under ASHA (η = 3), in-process.
 
 Writes ``DIR/summary.json``::
 
-    {"space", "recipe", "metric", "mode", "rungs", "max_steps",
+    {"space", "recipe", "metric", "mode", "eta", "form", "rungs", "max_steps",
      "grid": {"best_metric", "best_trial", "trial_steps", "wall_s"},
-     "asha": {"best_metric", "best_trial", "trial_steps", "stopped_early", "wall_s"},
+     "asha": {"best_metric", "best_trial", "trial_steps", "stopped_early", "resumed",
+              "rung_occupancy", "concurrency", "wall_s"},
      "compute_ratio",   # asha trial-steps / grid trial-steps
      "regret",          # asha best - grid best (min mode; grid best - asha best for max), metric units
      "per_trial": [{"run", "trial", "params", "seed", "steps", "final", "stopped_at", "curve"}]}
 
 Trials are the space's configurations (:meth:`Space.configurations`) times its seeds (or the
 recipe's seed). The grid runs them one after another, in order. ASHA runs them as the sweep
-workflow does: up to the space's ``concurrency`` trials in flight, taken in an order shuffled with
-the space's seed, advanced in lockstep (:func:`run_interleaved`: each in-flight trial in turn runs
-to its next evaluation, so trials reach a rung at about the time parallel workers would), and
-judged by :class:`forge_kit.earlystop.Asha` — the rule the sweep workflow uses — on the metric as
-the run writes it to ``metrics.jsonl``, in the order they report. A trial judged at a rung stops
-at its next step, saving its checkpoint as a preempted job does; a freed slot takes the next trial.
-ASHA's best is the best final metric of the trials it let finish. Rungs start at
-``early_stopping.min_steps`` of the space (the grace period; ``max_steps / 27`` when the space has
-no ASHA rule).
+workflow does: up to the space's ``concurrency`` trials in flight, new ones taken in an order
+shuffled with the space's seed, advanced in lockstep (:func:`run_interleaved`: each in-flight
+trial in turn runs to its next evaluation, so trials reach a rung at about the time parallel
+workers would), and judged by the rule the sweep workflow uses (:mod:`forge_kit.earlystop`, the
+space's ``early_stopping.form``) on the metric as the run writes it to ``metrics.jsonl``, in the
+order they report. Promotion form (the default): a trial at a rung pauses (it stops at its next
+step, saving its checkpoint, as a cancelled job does) unless promotable at once; a free slot
+first resumes the best promotable paused trial from its checkpoint, then starts a new one.
+Stopping form: a trial judged out stops for good. ASHA's best is the best final metric of the
+trials that reached the full budget. Rungs start at ``early_stopping.min_steps`` of the space
+(the grace period; ``max_steps / 27`` when the space has no ASHA rule).
 """
 
 from __future__ import annotations
@@ -304,6 +307,7 @@ def benchmark(space: Space, work: Path, cache: Path, echo: Callable[[str], None]
         "metric": space.metric,
         "mode": space.mode,
         "eta": ETA,
+        "form": space.early_stopping.form,
         "rungs": asha_rule.rungs,
         "max_steps": space.max_steps,
         "grid": {
