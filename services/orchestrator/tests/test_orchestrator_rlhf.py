@@ -75,7 +75,7 @@ def policy(tmp_path_factory: pytest.TempPathFactory) -> Path:
         [
             sys.executable,
             "-m",
-            "forge_trainer_agent.training.run",
+            "forge_training.run",
             "--recipe",
             "smoke",
             "--run-dir",

@@ -112,7 +112,7 @@ async def test_metrics_sent_while_mlflow_is_down_past_its_client_retries_are_not
             SubmitJobInput(
                 name="tiny-pretrain",
                 team=TEAM,
-                command=[sys.executable, "-m", "forge_trainer_agent.training.run", "--recipe", "smoke"],
+                command=[sys.executable, "-m", "forge_training.run", "--recipe", "smoke"],
                 request_id=uuid.uuid4().hex,
                 labels={"recipe": "smoke"},
                 kind="training",
