@@ -221,6 +221,12 @@ def run_interleaved(
             raise errors[0]
 
 
+def in_order(trials: list[Trial]) -> Callable[[list[Trial]], Trial | None]:
+    """A ``next_job`` for :func:`run_interleaved` that starts ``trials`` in list order, once each."""
+    queue = deque(trials)
+    return lambda _inflight: queue.popleft() if queue else None
+
+
 def _best(space: Space, trials: list[Trial]) -> Trial | None:
     done = [t for t in trials if t.final is not None]
     if not done:
@@ -260,7 +266,7 @@ def benchmark(space: Space, work: Path, cache: Path, echo: Callable[[str], None]
         return asha_rule.report(str(index), step, value) not in ("pause", "stop")
 
     def next_job(inflight: list[Trial]) -> Trial | None:
-        if not isinstance(asha_rule, AshaPromotion):
+        if not isinstance(asha_rule, AshaPromotion):  # the stopping form: new trials only
             return fresh.popleft() if fresh else None
         # Rungs no trial can still reach (none left to start, none in flight below) are final.
         final_below = 0
