@@ -60,7 +60,7 @@ gpu_type: SIM
 budget: {trials: 3, gpu_hours: 1, max_steps: 9}
 concurrency: 1
 team: sweepers
-early_stopping: {rule: asha, min_steps: 1, eta: 3}
+early_stopping: {rule: asha, min_steps: 1, eta: 3, form: stopping}
 """
 
 

@@ -193,13 +193,25 @@ class MetricsConfig:
     Set it from a measured ``torch.mm`` rate for a meaningful CPU MFU."""
 
 
+#: Learning-rate schedules after warmup (``optim.schedule``).
+SCHEDULES = ("cosine", "wsd")
+
+
 @dataclass(frozen=True)
 class OptimConfig:
-    """AdamW with linear warmup then cosine decay to ``min_lr``."""
+    """AdamW with linear warmup, then ``schedule`` down to ``min_lr``."""
 
     lr: float = 1e-3
     min_lr: float = 1e-4
     warmup_steps: int = 100
+    schedule: str = "cosine"
+    """``cosine`` (from the end of warmup to ``max_steps``) or ``wsd`` (warmup-stable-decay: the
+    peak rate until the last ``decay_fraction`` of ``max_steps``, then a cosine down to ``min_lr``).
+    Under ``wsd`` every trial of a sweep trains at its own constant rate up to the decay, so
+    early-stopping rungs before it compare trials by what they learnt, not by where their decay
+    stands."""
+    decay_fraction: float = 0.2
+    """``wsd``: the share of ``max_steps`` spent decaying (0: a constant rate to the end)."""
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.99

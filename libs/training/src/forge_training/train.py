@@ -98,14 +98,20 @@ class TrainResult:
 
 
 def lr_factor(config: TrainConfig) -> Callable[[int], float]:
-    """Multiplier of the peak LR at step ``s``: linear warmup, then cosine down to min_lr."""
+    """Multiplier of the peak LR at step ``s``: linear warmup, then a cosine down to min_lr over
+    the rest (``cosine``) or over the last ``decay_fraction`` of the steps (``wsd``)."""
     o = config.optim
     floor = o.min_lr / o.lr
+    decay_from = o.warmup_steps
+    if o.schedule == "wsd":
+        decay_from = max(o.warmup_steps, config.max_steps - round(o.decay_fraction * config.max_steps))
 
     def factor(step: int) -> float:
         if step < o.warmup_steps:
             return (step + 1) / (o.warmup_steps + 1)
-        progress = min(1.0, (step - o.warmup_steps) / max(1, config.max_steps - o.warmup_steps))
+        if step < decay_from:
+            return 1.0
+        progress = min(1.0, (step - decay_from) / max(1, config.max_steps - decay_from))
         return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
     return factor

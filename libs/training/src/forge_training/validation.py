@@ -14,6 +14,7 @@ from forge_training.schema import (
     ENCODER_TASKS,
     INTERVAL_POLICIES,
     PARALLELISMS,
+    SCHEDULES,
     TASKS,
     DpoMonitorConfig,
     RecipeError,
@@ -112,6 +113,10 @@ def validate(config: TrainConfig, world_size: int) -> None:
         raise RecipeError(f"optim.min_lr/optim.lr: need 0 <= min_lr <= lr and lr > 0, got {o.min_lr}, {o.lr}")
     if o.warmup_steps < 0 or o.warmup_steps >= config.max_steps:
         raise RecipeError(f"optim.warmup_steps: must be in [0, max_steps), got {o.warmup_steps}")
+    if o.schedule not in SCHEDULES:
+        raise RecipeError(f"optim.schedule: one of {', '.join(SCHEDULES)}, got {o.schedule!r}")
+    if not 0.0 <= o.decay_fraction <= 1.0:
+        raise RecipeError(f"optim.decay_fraction: must be in [0, 1], got {o.decay_fraction}")
     if o.grad_clip < 0:
         raise RecipeError(f"optim.grad_clip: must be >= 0, got {o.grad_clip}")
     if config.init.encoder_dropout != -1.0 and not 0.0 <= config.init.encoder_dropout < 1.0:
