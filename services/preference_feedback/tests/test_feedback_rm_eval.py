@@ -97,6 +97,9 @@ PAIRS = [
     {"chosen": "\n\nHuman: question", "rejected": "\n\nHuman: question"},  # no Assistant turn: skipped
 ]
 RIGHT, WRONG, TIES = 5, 2, 3
+# By which reply has more words: preferred-longer rows 3, 6, 9 (right, wrong, tie: 1.5 of 3),
+# preferred-shorter rows 2, 5, 10 (right, right, tie: 2.5 of 3), equal rows 1, 4, 7, 8 (2.5 of 4).
+BY_LENGTH = {"preferred_longer": (1.5, 3), "preferred_shorter": (2.5, 3), "tie": (2.5, 4)}
 
 
 def tiny_reward_model(folder: Path) -> Path:
@@ -174,15 +177,25 @@ def test_eval_writes_the_contract_summary_with_known_accuracy(
     summary = json.loads((out / "summary.json").read_text())
     n = RIGHT + WRONG + TIES
     low, high = wilson_interval(RIGHT + TIES / 2, n)
-    assert set(summary) == {"accuracy", "ci95_low", "ci95_high", "n"}
+    assert set(summary) == {"accuracy", "ci95_low", "ci95_high", "n", "by_length"}
     assert summary["n"] == n and summary["accuracy"] == pytest.approx((RIGHT + TIES / 2) / n)
     assert (summary["ci95_low"], summary["ci95_high"]) == (pytest.approx(low), pytest.approx(high))
+    assert summary["by_length"]["unit"] == "words"
+    for stratum, (wins, count) in BY_LENGTH.items():
+        figures = summary["by_length"][stratum]
+        s_low, s_high = wilson_interval(wins, count)
+        assert figures == {
+            "accuracy": pytest.approx(wins / count),
+            "ci95_low": pytest.approx(s_low),
+            "ci95_high": pytest.approx(s_high),
+            "n": count,
+        }
     details = json.loads((out / "details.json").read_text())
     assert details["interval"] == "wilson" and details["ties"] == TIES
     assert details["skipped"] == {"identical responses": 1, "no final Assistant turn": 1}
     with gzip.open(out / "scores.jsonl.gz", "rt") as handle:
         first = json.loads(handle.readline())
-    assert first["line"] == 1 and first["reward_chosen"] == pytest.approx(8**0.5, rel=1e-3)
+    assert first["line"] == 1 and first["length"] == "tie" and first["reward_chosen"] == pytest.approx(8**0.5, rel=1e-3)
     assert first["reward_rejected"] == pytest.approx(-(8**0.5), rel=1e-3)
 
 

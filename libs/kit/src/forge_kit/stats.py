@@ -147,3 +147,14 @@ def paired_compare(
         p = sign_flip_p(d.tolist(), seed=seed)
         test = "sign-flip"
     return PairedResult(float(b.mean()), float(c.mean()), float(d.mean()), low, high, p, n, test)
+
+
+def wilson_interval(successes: float, n: int, z: float = 1.959964) -> tuple[float, float]:
+    """95% Wilson score interval of a proportion (sensible for small n, unlike the normal one).
+    ``successes`` may be fractional (a tie counted as half a success); ``n`` <= 0 gives NaNs."""
+    if n <= 0:
+        return (float("nan"), float("nan"))
+    p = successes / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return (max(0.0, centre - half), min(1.0, centre + half))
