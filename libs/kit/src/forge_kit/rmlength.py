@@ -88,7 +88,10 @@ def as_summary(by_length: Mapping[str, StratumAccuracy]) -> dict[str, Any]:
 
 
 def length_gate(
-    summary: Mapping[str, Any], *, min_shorter_low: float = MIN_SHORTER_LOW, min_shorter_n: int = MIN_SHORTER_N
+    summary: Mapping[str, Any],
+    *,
+    min_shorter_low: float = MIN_SHORTER_LOW,
+    min_shorter_n: int = MIN_SHORTER_N,
 ) -> str:
     """Why a reward model may not be used on length grounds (empty when it may): in the
     ``by_length`` entry of a ``forge rm eval`` summary, the preferred-shorter stratum needs at

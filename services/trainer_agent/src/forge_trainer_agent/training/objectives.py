@@ -205,11 +205,13 @@ class Objective(ABC):
 # -- bundled encoders under a new one-output head: encoder reward models, cross-encoders ----------
 
 
-def encoder_classifier(source: Path, seq_len: int, pad_id: int, init: InitConfig) -> PreTrainedModel:
-    """``BertForSequenceClassification`` with one label from the encoder folder ``source``: its
-    weights, a new pooler-and-linear head read at ``[CLS]``; ``init.encoder_dropout`` (-1: the
-    encoder's own) and ``init.freeze_embeddings`` applied."""
-    config = BertConfig.from_pretrained(source, num_labels=1)
+def encoder_classifier(
+    source: Path, seq_len: int, pad_id: int, init: InitConfig, labels: int = 1
+) -> PreTrainedModel:
+    """``BertForSequenceClassification`` with ``labels`` outputs (one by default) from the encoder
+    folder ``source``: its weights, a new pooler-and-linear head read at ``[CLS]``;
+    ``init.encoder_dropout`` (-1: the encoder's own) and ``init.freeze_embeddings`` applied."""
+    config = BertConfig.from_pretrained(source, num_labels=labels)
     if seq_len > config.max_position_embeddings:
         raise ValueError(
             f"data.seq_len: {seq_len} exceeds the encoder's {config.max_position_embeddings} positions"
@@ -610,7 +612,7 @@ class RewardModeling(_PreferenceTask):
 
     task = "reward"
     end_of_text = False
-    figure_names = ("accuracy", "margin")
+    figure_names: tuple[str, ...] = ("accuracy", "margin")
 
     def make_model(self, parent: Parent) -> PreTrainedModel:
         backbone = parent.model
@@ -825,7 +827,9 @@ def build_objective(config: TrainConfig, rank: int, world_size: int, cache_dir: 
     if config.task == "sft":
         return SupervisedFineTuning(config, rank, world_size)
     if config.task == "reward" and config.init.backbone != "parent":
-        return EncoderRewardModeling(config, rank, world_size, cache_dir)
+        from forge_trainer_agent.training.lengthdebias import LengthDebiasedRewardModeling  # builds on this
+
+        return LengthDebiasedRewardModeling(config, rank, world_size, cache_dir)
     if config.task == "reward":
         return RewardModeling(config, rank, world_size)
     if config.task == "dpo":

@@ -42,6 +42,8 @@ TASKS = ("pretrain", "cpt", "sft", "reward", "dpo", "rerank")
 ENCODER_TASKS = ("reward", "rerank")
 INTERVAL_POLICIES = ("steps", "young", "daly")
 PARALLELISMS = ("ddp", "fsdp")
+#: ``pairs.length_balance`` values (``reward`` only).
+LENGTH_BALANCES = ("none", "reweight", "subsample")
 
 
 class RecipeError(ValueError):
@@ -129,6 +131,11 @@ class PairsConfig:
     """Drop from training every pair whose opening user turn is also a held-out pair's (HH-RLHF
     has distinct conversations that start alike: 147 of helpful-base's 2,339 pairs share their
     opening with another), so no held-out conversation is even partly trained on."""
+    length_balance: str = "none"
+    """``reward`` only: how training pairs are balanced between those whose chosen reply is the
+    longer one and those where it is the shorter one (lengths in words, :mod:`forge_kit.rmlength`):
+    ``none``, ``reweight`` (each of the two groups carries half of the loss; tied pairs weigh 1)
+    or ``subsample`` (the larger group is cut, seeded, to the size of the smaller)."""
 
 
 @dataclass(frozen=True)
@@ -159,6 +166,21 @@ class RerankConfig:
 
     def names(self) -> list[str]:
         return [n.strip() for n in self.datasets.split(",") if n.strip()]
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    """``reward`` on a bundled encoder: the ODIN length head (Chen et al. 2024, "ODIN:
+    Disentangled Reward Mitigates Hacking in RLHF"), see :mod:`lengthdebias`."""
+
+    length_head: bool = False
+    """Train two scores on the pooled output, quality and length, whose sum is the Bradley-Terry
+    reward; the length score is pushed to correlate with the reply's length, the quality score
+    away from it, and their weight vectors to be orthogonal. Only the quality score is exported."""
+    length_corr_weight: float = 1.0
+    """Weight of ``|corr(quality, length)| - corr(length score, length)`` over each micro-batch."""
+    length_ortho_weight: float = 1.0
+    """Weight of ``|w_quality . w_length|``, the two heads' weight vectors' dot product."""
 
 
 @dataclass(frozen=True)
@@ -231,6 +253,7 @@ class TrainConfig:
     init: InitConfig = field(default_factory=InitConfig)
     mixture: MixtureConfig = field(default_factory=MixtureConfig)
     pairs: PairsConfig = field(default_factory=PairsConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     dpo: DpoConfig = field(default_factory=DpoConfig)
     rerank: RerankConfig = field(default_factory=RerankConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
@@ -412,12 +435,12 @@ RECIPES: dict[str, Callable[[], TrainConfig]] = {
 _NO_CORPUS = ("model", "data.corpus", "data.vocab_size", "data.shard_tokens", "data.text_fields", "mixture")
 #: Keys each task ignores; setting one is refused like an unknown key.
 _UNUSED: dict[str, tuple[str, ...]] = {
-    "pretrain": ("init", "mixture", "pairs", "dpo", "rerank", "optim.head_lr_scale"),
-    "cpt": ("model", "data.vocab_size", "pairs", "dpo", "rerank", "optim.head_lr_scale"),
-    "sft": (*_NO_CORPUS, "dpo", "rerank", "optim.head_lr_scale"),
+    "pretrain": ("init", "mixture", "pairs", "reward", "dpo", "rerank", "optim.head_lr_scale"),
+    "cpt": ("model", "data.vocab_size", "pairs", "reward", "dpo", "rerank", "optim.head_lr_scale"),
+    "sft": (*_NO_CORPUS, "pairs.length_balance", "reward", "dpo", "rerank", "optim.head_lr_scale"),
     "reward": (*_NO_CORPUS, "dpo", "rerank"),
-    "dpo": (*_NO_CORPUS, "rerank", "optim.head_lr_scale"),
-    "rerank": (*_NO_CORPUS, "pairs", "dpo"),
+    "dpo": (*_NO_CORPUS, "pairs.length_balance", "reward", "rerank", "optim.head_lr_scale"),
+    "rerank": (*_NO_CORPUS, "pairs", "reward", "dpo"),
 }
 
 
@@ -618,12 +641,19 @@ def _validate_task(config: TrainConfig) -> None:
         pair_files(config.pairs.path)
         if config.pairs.extra_train:
             pair_files(config.pairs.extra_train, "pairs.extra_train")
+        if config.pairs.length_balance not in LENGTH_BALANCES:
+            raise RecipeError(
+                f"pairs.length_balance: must be one of {', '.join(LENGTH_BALANCES)}, "
+                f"got {config.pairs.length_balance!r}"
+            )
         if config.pairs.max_pairs < 0:
             raise RecipeError(f"pairs.max_pairs: must be >= 0, got {config.pairs.max_pairs}")
         if config.data.seq_len < 8:
             raise RecipeError(
                 f"data.seq_len: prompt and response need at least 8 tokens, got {config.data.seq_len}"
             )
+    if config.task == "reward":
+        _validate_reward(config)
     if config.task == "dpo" and config.dpo.beta <= 0:
         raise RecipeError(f"dpo.beta: must be positive, got {config.dpo.beta}")
     if config.task == "rerank":
@@ -663,6 +693,19 @@ def _validate_task(config: TrainConfig) -> None:
         check_parent(config.init.parent)
     except ParentError as exc:
         raise RecipeError(f"init.parent: {exc}") from None
+
+
+def _validate_reward(config: TrainConfig) -> None:
+    r = config.reward
+    if r.length_corr_weight < 0 or r.length_ortho_weight < 0:
+        raise RecipeError("reward.length_corr_weight / reward.length_ortho_weight: must be >= 0")
+    if r.length_head and config.init.backbone == "parent":
+        raise RecipeError("reward.length_head: needs a bundled encoder (init.backbone), not a parent")
+    if r.length_head and config.micro_batch_size < 2:
+        raise RecipeError(
+            "reward.length_head: the length correlation needs micro-batches of at least 2 pairs, "
+            f"got micro_batch_size={config.micro_batch_size}"
+        )
 
 
 def _validate_rerank(config: TrainConfig) -> None:
