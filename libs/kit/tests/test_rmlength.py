@@ -96,6 +96,10 @@ def test_the_gate_refuses_a_length_detector_and_passes_a_quality_judge() -> None
 
 def test_the_gate_refuses_too_few_shorter_pairs_and_malformed_summaries() -> None:
     few = _summary(_pairs(20, seed=1), "quality")
-    assert "at least 30 are needed" in rmlength.length_gate(few)
+    assert "at least 30 are needed" in rmlength.length_gate(few, min_shorter_n=30)
+    none = {
+        "by_length": {"preferred_shorter": {"accuracy": None, "ci95_low": None, "ci95_high": None, "n": 0}}
+    }
+    assert "only 0 held-out pairs" in rmlength.length_gate(none)
     assert "no 'by_length'" in rmlength.length_gate({"accuracy": 0.7})
     assert "malformed" in rmlength.length_gate({"by_length": {"preferred_shorter": {"n": "x"}}})

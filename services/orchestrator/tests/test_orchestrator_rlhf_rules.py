@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
 import pytest
 
 from forge_kit import errors
-from forge_orchestrator.rlhf import DriftPoint, RlhfInput, drift_stop, reward_gate, rm_version
+from forge_orchestrator.rlhf import DriftPoint, RlhfInput, drift_stop, reward_gate, rm_gate, rm_version
 from forge_orchestrator.rlhf_worker import validate_rlhf
 
 
@@ -86,3 +87,30 @@ def test_bad_loop_input_names_the_field(change: dict[str, Any], field: str) -> N
     with pytest.raises(errors.ValidationError) as caught:
         validate_rlhf(loop_input(**change))
     assert caught.value.field == field
+
+
+def test_the_length_gate_refuses_a_reward_model_that_judges_length() -> None:
+
+    detector = {
+        "accuracy": 0.64,
+        "ci95_low": 0.60,
+        "ci95_high": 0.68,
+        "n": 700,
+        "by_length": {
+            "unit": "words",
+            "preferred_longer": {"accuracy": 0.77, "ci95_low": 0.73, "ci95_high": 0.81, "n": 410},
+            "preferred_shorter": {"accuracy": 0.42, "ci95_low": 0.36, "ci95_high": 0.48, "n": 280},
+            "tie": {"accuracy": 0.5, "ci95_low": 0.24, "ci95_high": 0.76, "n": 10},
+        },
+    }
+    params = loop_input()
+    assert params.rm_length_gate and params.rm_min_shorter_low == 0.5
+    # the overall gate passes it; the round's gate does not
+    assert reward_gate(detector) == ""
+    assert rm_gate(detector, params).startswith("judges length, not quality: accuracy 0.420 [0.360, 0.480]")
+    assert rm_gate(detector, loop_input(rm_length_gate=False)) == ""
+    assert rm_gate(detector, loop_input(rm_min_shorter_low=0.3)) == ""  # configurable
+    judge = json.loads(json.dumps(detector))
+    judge["by_length"]["preferred_shorter"] |= {"accuracy": 0.58, "ci95_low": 0.52, "ci95_high": 0.64}
+    assert rm_gate(judge, params) == ""
+    assert "no 'by_length'" in rm_gate({k: v for k, v in detector.items() if k != "by_length"}, params)

@@ -43,6 +43,7 @@ from temporalio.common import RetryPolicy
 from temporalio.exceptions import ApplicationError
 
 with workflow.unsafe.imports_passed_through():
+    from forge_kit.rmlength import length_gate
     from forge_orchestrator.activities import SchedulerActivities, SubmitJobInput
     from forge_orchestrator.rlhf_activities import (
         PairStats,
@@ -89,6 +90,14 @@ class RlhfInput:
     reward_model_name: str = "rm-rlhf"
     reward_recipe: str = "reward_hh"
     reward_overrides: list[str] = field(default_factory=list)
+    rm_length_gate: bool = True
+    """Also refuse a reward model that judges length, not quality (:func:`forge_kit.rmlength.length_gate`
+    on the held-out pairs whose preferred reply is the shorter one)."""
+    rm_min_shorter_low: float = 0.5
+    """The preferred-shorter accuracy's 95 % interval must lie above this."""
+    rm_min_shorter_n: int = 1
+    """Fewest held-out preferred-shorter pairs the length gate judges on (the interval widens
+    with fewer by itself)."""
     dpo_recipe: str = "dpo_hh"
     dpo_overrides: list[str] = field(default_factory=list)
     kl_budget: float = 20.0
@@ -240,6 +249,19 @@ def reward_gate(summary: dict[str, Any], chance: float = CHANCE) -> str:
         f"held-out pairwise accuracy {float(summary['accuracy']):.3f} "
         f"[{low:.3f}, {float(summary['ci95_high']):.3f}] on n={int(summary['n'])} human pairs does not "
         f"beat {chance:.0%} significantly (the 95% interval reaches {chance:.0%})"
+    )
+
+
+def rm_gate(summary: dict[str, Any], params: RlhfInput) -> str:
+    """Why a round's reward model may not be used (empty when it may): :func:`reward_gate`, then
+    (``params.rm_length_gate``) :func:`forge_kit.rmlength.length_gate` on its held-out pairs whose
+    preferred reply is the shorter one."""
+    if reason := reward_gate(summary):
+        return reason
+    if not params.rm_length_gate:
+        return ""
+    return length_gate(
+        summary, min_shorter_low=params.rm_min_shorter_low, min_shorter_n=params.rm_min_shorter_n
     )
 
 
@@ -488,7 +510,7 @@ class RlhfWorkflow:
             ],
         )
         summary: dict[str, Any] = await self._activity(RlhfActivities.read_json, _join(out, "summary.json"))
-        reason = reward_gate(summary)
+        reason = rm_gate(summary, params)
         record.rm_accuracy = float(summary.get("accuracy", 0.0))
         record.rm_ci95_low = float(summary.get("ci95_low", 0.0))
         record.rm_ci95_high = float(summary.get("ci95_high", 0.0))
