@@ -43,6 +43,10 @@ def test_stratified_accuracy_on_a_worked_example() -> None:
     assert written["unit"] == "words"
     assert written["tie"] == {"accuracy": None, "ci95_low": None, "ci95_high": None, "n": 0}
     assert written["preferred_longer"]["n"] == 10
+    metrics = rmlength.registry_metrics({"by_length": written})
+    assert metrics["heldout_preferred_longer_accuracy"] == 0.8 and metrics["heldout_tie_n"] == 0.0
+    assert "heldout_tie_accuracy" not in metrics and metrics["heldout_preferred_shorter_n"] == 4.0
+    assert rmlength.registry_metrics({"accuracy": 0.6}) == {}
 
 
 def test_mismatched_or_unknown_input_is_refused() -> None:

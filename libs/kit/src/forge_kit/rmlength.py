@@ -88,6 +88,25 @@ def as_summary(by_length: Mapping[str, StratumAccuracy]) -> dict[str, Any]:
     return out
 
 
+def registry_metrics(summary: Mapping[str, Any]) -> dict[str, float]:
+    """The ``by_length`` figures of a ``forge rm eval`` summary as reward-model registry metrics:
+    ``heldout_{stratum}_{accuracy,ci95_low,ci95_high,n}`` (an empty stratum gives only its n;
+    no ``by_length``: nothing)."""
+    by_length = summary.get("by_length")
+    if not isinstance(by_length, Mapping):
+        return {}
+    out: dict[str, float] = {}
+    for name in STRATA:
+        figures = by_length.get(name)
+        if not isinstance(figures, Mapping):
+            continue
+        for key in ("accuracy", "ci95_low", "ci95_high", "n"):
+            value = figures.get(key)
+            if isinstance(value, int | float) and value == value:
+                out[f"heldout_{name}_{key}"] = float(value)
+    return out
+
+
 def length_gate(
     summary: Mapping[str, Any],
     *,

@@ -43,7 +43,7 @@ from temporalio.common import RetryPolicy
 from temporalio.exceptions import ApplicationError
 
 with workflow.unsafe.imports_passed_through():
-    from forge_kit.rmlength import length_gate
+    from forge_kit.rmlength import length_gate, registry_metrics
     from forge_orchestrator.activities import SchedulerActivities, SubmitJobInput
     from forge_orchestrator.rlhf_activities import (
         PairStats,
@@ -529,7 +529,10 @@ class RlhfWorkflow:
                 ci95_low=record.rm_ci95_low,
                 ci95_high=record.rm_ci95_high,
                 n=record.rm_n,
-                metrics={k: float(v) for k, v in trained.checkpoint.metrics.items()},
+                metrics={
+                    **{k: float(v) for k, v in trained.checkpoint.metrics.items()},
+                    **registry_metrics(summary),
+                },
             ),
         )
         figures = {
