@@ -125,6 +125,8 @@ def test_bad_debias_options_are_refused_before_starting(tmp_path: Path) -> None:
         recipes.validate(
             recipes.build("reward_hh_minilm", {"reward.length_head": "true", "micro_batch_size": "1"}), 1
         )
+    with pytest.raises(RecipeError, match=r"pairs\.length_balance: needs a bundled encoder"):
+        recipes.validate(recipes.build("reward_hh", {"pairs.length_balance": "reweight"}), 1)
     with pytest.raises(RecipeError, match="not used by the 'sft' task"):
         recipes.build("sft_hh", {"reward.length_head": "true"})
     with pytest.raises(RecipeError, match="must be >= 0"):

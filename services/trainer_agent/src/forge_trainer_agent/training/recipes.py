@@ -699,8 +699,9 @@ def _validate_reward(config: TrainConfig) -> None:
     r = config.reward
     if r.length_corr_weight < 0 or r.length_ortho_weight < 0:
         raise RecipeError("reward.length_corr_weight / reward.length_ortho_weight: must be >= 0")
-    if r.length_head and config.init.backbone == "parent":
-        raise RecipeError("reward.length_head: needs a bundled encoder (init.backbone), not a parent")
+    if config.init.backbone == "parent" and (r.length_head or config.pairs.length_balance != "none"):
+        key = "reward.length_head" if r.length_head else "pairs.length_balance"
+        raise RecipeError(f"{key}: needs a bundled encoder (init.backbone), not a parent")
     if r.length_head and config.micro_batch_size < 2:
         raise RecipeError(
             "reward.length_head: the length correlation needs micro-batches of at least 2 pairs, "
