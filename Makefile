@@ -50,11 +50,11 @@ install: $(STAMP) $(NPM_STAMP)
 $(STAMP): $(INSTALL_INPUTS)
 	@test -x $(PY) || $(PYTHON_BOOT) -m venv $(VENV)
 	$(PIP) install --quiet -r requirements-dev.txt \
-	  -e libs/protos -e 'libs/kit[testing]' -e libs/cli \
+	  -e libs/protos -e 'libs/kit[testing]' -e libs/cli -e libs/training \
 	  $(addprefix -e ,$(SERVICE_DIRS))
 	@rm -f $(VENV)/.installed-*
 	@touch $@
-	@echo "installed: libs/protos libs/kit libs/cli $(SERVICE_DIRS)"
+	@echo "installed: libs/protos libs/kit libs/cli libs/training $(SERVICE_DIRS)"
 
 $(NPM_STAMP): package.json package-lock.json
 	npm ci --no-audit --no-fund --loglevel=error
@@ -84,7 +84,7 @@ faults: install
 verify: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy libs/kit/src libs/cli/src $(SERVICE_SRC)
+	$(VENV)/bin/mypy libs/kit/src libs/cli/src libs/training/src $(SERVICE_SRC)
 	npx --no-install buf lint protos
 	PYTHON=$(PY) scripts/check_stubs.sh
 	$(VENV)/bin/lint-imports

@@ -93,7 +93,7 @@ if [[ ! -f "$EXPORT/config.json" ]]; then
         corpus_args=(--set "data.corpus=$CORPUS")
     elif ! "$FORGE_PY" -c 'import os, sys
 from forge_kit.paths import resolve_data_path
-from forge_trainer_agent.training.recipes import DEFAULT_CORPUS
+from forge_training.recipes import DEFAULT_CORPUS
 sys.exit(0 if resolve_data_path(DEFAULT_CORPUS).exists() else 1)'; then
         # No shared corpora here: any English text trains a tokenizer and a model the server can load.
         mkdir -p "$OUT/corpus"
@@ -102,7 +102,7 @@ sys.exit(0 if resolve_data_path(DEFAULT_CORPUS).exists() else 1)'; then
         corpus_args=(--set "data.corpus=$OUT/corpus/repository.txt")
     fi
     log "training a ${TRAIN_STEPS}-step model with Forge's trainer"
-    "$FORGE_PY" -m forge_trainer_agent.training.run --recipe shakespeare_tiny \
+    "$FORGE_PY" -m forge_training.run --recipe shakespeare_tiny \
         --set model.hidden_size=256 --set model.intermediate_size=688 --set model.num_heads=4 \
         --set model.num_kv_heads=4 --set data.seq_len=512 --set data.vocab_size=2048 \
         --set "max_steps=$TRAIN_STEPS" --set "eval_interval=$TRAIN_STEPS" \

@@ -24,6 +24,9 @@ TORCH_SERVICES = frozenset(
 # Other services' packages an image carries to run them as subprocesses, never to import them:
 # eval starts a model server per checkpoint for its serve_model runs (``forge_eval.serving``).
 RUNTIME_PACKAGES: dict[str, tuple[str, ...]] = {"eval": ("model_server",)}
+# Shared libraries under libs/ an image carries besides protos and kit (each a dependency in the
+# service's pyproject.toml): the trainer agent's jobs run ``python -m forge_training.run``.
+LIBRARIES: dict[str, tuple[str, ...]] = {"trainer_agent": ("training",)}
 # Services that own a relational database (one PostgreSQL database each in Compose), and the
 # MLflow tracking server's store.
 DATABASES = (*(f"forge_{s.name}" for s in SERVICES), "forge_mlflow")

@@ -9,6 +9,7 @@ from forge_cli.platform import ServiceSpec
 from .common import (
     DATA_ROOT,
     IMAGE_TAG,
+    LIBRARIES,
     MLFLOW_PORT,
     MLFLOW_VERSION,
     RUNTIME_PACKAGES,
@@ -46,8 +47,8 @@ WORKDIR /app
 {torch}
 COPY libs/protos /src/libs/protos
 COPY libs/kit /src/libs/kit
-{runtime_copies}COPY services/{name} /src/services/{name}
-RUN pip install /src/libs/protos /src/libs/kit{runtime_installs} /src/services/{name} \\
+{library_copies}{runtime_copies}COPY services/{name} /src/services/{name}
+RUN pip install /src/libs/protos /src/libs/kit{library_installs}{runtime_installs} /src/services/{name} \\
  && rm -rf /src \\
  && mkdir -p {data_root}/data {data_root}/objects \\
  && chown -R forge:forge {data_root} /app
@@ -102,6 +103,8 @@ def dockerfile(spec: ServiceSpec) -> str:
         # Models come with the image or the object store; never from a hub at run time.
         offline="\n    HF_HUB_OFFLINE=1 \\" if heavy else "",
         torch=TORCH_LAYER if heavy else "",
+        library_copies="".join(f"COPY libs/{lib} /src/libs/{lib}\n" for lib in LIBRARIES.get(spec.name, ())),
+        library_installs="".join(f" /src/libs/{lib}" for lib in LIBRARIES.get(spec.name, ())),
         runtime_copies="".join(
             f"COPY services/{p} /src/services/{p}\n" for p in RUNTIME_PACKAGES.get(spec.name, ())
         ),

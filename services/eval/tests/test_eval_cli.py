@@ -173,3 +173,59 @@ def test_registry_commands_promote_force_and_audit(eval_service: ServiceProcess)
     assert code == 0 and [(e["actor"], e["reason"]) for e in json.loads(out)] == [("alice", "bootstrap")]
     code, out = forge_eval("models", "--stage", "production", "--json")
     assert code == 0 and [(m["model"], m["training_run"]) for m in json.loads(out)] == [("tiny:1", "run-1")]
+
+
+def test_rollout_commands_override_the_canary_audited(eval_service: ServiceProcess) -> None:
+    """``forge eval rollout status|pause|resume|rollback|promote``: each override is audited with
+    who and why, and the canary's state shows it."""
+    runner = CliRunner()
+
+    def forge_eval(*args: str, token: str = "alice-token") -> tuple[int, str]:
+        result = runner.invoke(
+            app, [*args, "--target", eval_service.grpc_target], env={"FORGE_CLI_EVAL_TOKEN": token}
+        )
+        return result.exit_code, result.output
+
+    for version in ("1", "2", "3"):
+        assert forge_eval("register", f"tiny:{version}", "--uri", f"file:///ckpt/{version}")[0] == 0
+    forced = ("--force", "--reason", "bootstrap")
+    assert forge_eval("promote", "tiny:1", "--stage", "production", *forced)[0] == 0
+    assert forge_eval("promote", "tiny:2", "--stage", "canary", "--traffic", "10", *forced)[0] == 0
+
+    code, out = forge_eval("rollout", "pause", "tiny")
+    assert code == 2 and "--reason" in out  # the reason is required
+    code, out = forge_eval("rollout", "pause", "tiny", "--reason", "waiting for the on-call", "--json")
+    assert code == 0 and (json.loads(out)["action"], json.loads(out)["actor"]) == ("pause", "alice")
+    code, out = forge_eval("rollout", "status", "tiny", "--json")
+    status = json.loads(out)
+    assert code == 0 and (status["canary"], status["traffic_percent"], status["paused"]) == (
+        "tiny:2",
+        10,
+        True,
+    )
+    code, out = forge_eval("rollout", "resume", "tiny:2", "--reason", "on-call here", token="ci-token")
+    assert code == 0 and "resume" in out
+    code, out = forge_eval(
+        "rollout", "rollback", "tiny", "--reason", "latency regression seen by hand", "--json"
+    )
+    event = json.loads(out)
+    assert code == 0 and (event["action"], event["from_stage"], event["to_stage"]) == (
+        "rollback",
+        "canary",
+        "archived",
+    )
+    code, out = forge_eval("rollout", "status", "tiny", "--json")
+    assert (
+        json.loads(out)["canary"] == "" and forge_eval("rollout", "rollback", "tiny", "--reason", "x")[0] == 2
+    )
+    code, out = forge_eval("history", "tiny:2", "--json")
+    assert code == 0 and [(e["action"], e["actor"], e["reason"]) for e in json.loads(out)][:3] == [
+        ("rollback", "alice", "canary rolled back: latency regression seen by hand"),
+        ("resume", "ci", "on-call here"),
+        ("pause", "alice", "waiting for the on-call"),
+    ]
+
+    # A canary forced past the gate stays behind it: promoting it to production is refused.
+    assert forge_eval("promote", "tiny:3", "--stage", "canary", "--traffic", "10", *forced)[0] == 0
+    code, out = forge_eval("rollout", "promote", "tiny", "--reason", "looks good")
+    assert code == 1 and "release gate: model tiny:3 has no eval runs" in out

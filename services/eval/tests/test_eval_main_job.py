@@ -63,6 +63,8 @@ def platform(
             "FORGE_ORCHESTRATOR_KAFKA_BOOTSTRAP": kafka_broker.bootstrap,
             "FORGE_ORCHESTRATOR_TEMPORAL_TARGET": temporal_server.target,
             "FORGE_ORCHESTRATOR_TASK_QUEUE": f"main-job-{suffix}",
+            # forge up's canary policy (a window of seconds); no gateway is watched here.
+            "FORGE_ORCHESTRATOR_CANARY_POLICY": "local",
             "FORGE_ORCHESTRATOR_CONSUMER_GROUP": f"main-job-{suffix}",
             "FORGE_ORCHESTRATOR_CONSUMER_SESSION_TIMEOUT_MS": "3000",
             **eventkeys.service_env("orchestrator"),
@@ -130,8 +132,9 @@ async def test_the_trained_checkpoint_is_evaluated_and_promoted(
     platform: tuple[ServiceProcess, ServiceProcess], kafka_broker: TansuBroker, tmp_path: Path
 ) -> None:
     """The first checkpoint has no production model to beat and is promoted; the next one, trained
-    on the corpus, is compared with it on the same documents and replaces it (as a second
-    ``forge up`` does with the model the first one trained)."""
+    on the corpus, is compared with it on the same documents, beats it and goes to canary (as a
+    second ``forge up`` does with the model the first one trained) — where, with no traffic
+    through a gateway in the local policy's window, the guarded canary rolls it back."""
     evals, orchestrator = platform
     [eval_step] = [s for s in mainjob.discover() if s.name == "eval"]
     assert eval_step.order == 60
@@ -172,8 +175,10 @@ async def test_the_trained_checkpoint_is_evaluated_and_promoted(
     assert outcome.ok, outcome.error
     second = outcome.result
     assert second["model"] == "run-8:step-30" and second["baseline"] == "run-7:step-10"
-    assert second["verdict"] == "BETTER" and second["decision"] == "promoted"
-    assert second["promoted_to"] == ["canary", "production"] and second["blocked_reason"] == ""
+    assert second["verdict"] == "BETTER" and second["decision"] == "rolled_back"
+    assert second["promoted_to"] == ["canary"] and "too little traffic" in str(second["blocked_reason"])
+    assert str(second["canary"]).startswith("rollback by analysis after ")
+    assert "0 canary requests (local@1)" in str(second["canary"])
     scores = second["scores"]
     assert isinstance(scores, dict) and scores["bits_per_byte"] < low  # below the random model's interval
     assert "comparison" in Path(str(second["report"])).name
@@ -181,6 +186,6 @@ async def test_the_trained_checkpoint_is_evaluated_and_promoted(
         stub = eval_pb2_grpc.EvalServiceStub(channel)
         production = (await stub.ListModels(eval_pb2.ListModelsRequest(stage="production"))).models
         baseline_runs = (await stub.ListRuns(eval_pb2.ListRunsRequest(model_name="run-7"))).runs
-    assert [(m.ref.name, m.ref.version) for m in production] == [("run-8", "step-30")]
+    assert [(m.ref.name, m.ref.version) for m in production] == [("run-7", "step-10")]
     # production was scored again on the same documents (its answers came from the response cache)
     assert len(baseline_runs) == 2 and {r.example_count for r in baseline_runs} == {6}

@@ -84,7 +84,12 @@ def test_the_document_describes_bodies_security_and_statuses(gateway_schema: sch
 # 400, so "valid data is accepted" is not checked; everything else is.
 
 #: Admin routes that change the replica set or aliases would take the gateway's only replica away.
-_SKIPPED = ("/admin/v1/replicas", "/admin/v1/aliases/{alias}/canary")
+_SKIPPED = (
+    "/admin/v1/replicas",
+    "/admin/v1/aliases/{alias}/canary",
+    "/admin/v1/aliases/{alias}",
+    "/admin/v1/aliases/{alias}/shadow",
+)
 
 
 def _checker(operation: schemathesis.APIOperation, mode: schemathesis.GenerationMode) -> Callable[[], None]:

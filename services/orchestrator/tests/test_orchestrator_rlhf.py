@@ -50,6 +50,7 @@ from forge_orchestrator.eval_activities import EvalActivities
 from forge_orchestrator.main_job import RLHF_SIZES
 from forge_orchestrator.rlhf import RLHF_WORKFLOWS, RlhfInput, RlhfResult
 from forge_orchestrator.rlhf_activities import RlhfActivities
+from forge_orchestrator.rlhf_sampling import RlhfSampler
 from forge_orchestrator.rlhf_worker import build_rlhf_worker, rlhf_task_queue
 from forge_orchestrator.training import AUTO_EVAL_LABEL, CHECKPOINT_SIGNAL, CheckpointInfo
 from forge_orchestrator.workflows import JOB_EVENT_SIGNAL, PROGRESS_QUERY, JobEvent
@@ -75,7 +76,7 @@ def policy(tmp_path_factory: pytest.TempPathFactory) -> Path:
         [
             sys.executable,
             "-m",
-            "forge_trainer_agent.training.run",
+            "forge_training.run",
             "--recipe",
             "smoke",
             "--run-dir",
@@ -318,7 +319,9 @@ async def run_loop(
     workflow_id = f"{queue}-loop"
     agent = Agent(client, scheduler, workflow_id, runs)
     try:
-        async with build_rlhf_worker(client, queue, scheduler_acts, evals, rlhf):
+        async with build_rlhf_worker(
+            client, queue, scheduler_acts, evals, rlhf, RlhfSampler("", "", "", "", "")
+        ):
             handle = await client.start_workflow(
                 "rlhf", params, id=workflow_id, task_queue=rlhf_task_queue(queue), result_type=RlhfResult
             )
@@ -469,6 +472,12 @@ async def test_a_round_trains_evaluates_optimises_and_hands_over(
         (tmp_path / "work" / workflow_id / "round-1" / "policy-check" / "summary.json").read_text()
     )
     assert check["reward_model"] == record.reward_model_uri and check["reference"] == str(policy)
+    # DPO ran with the over-optimisation monitor every 2 steps (the main job's sizes): the trace the
+    # job wrote is the round's, from the reference point on.
+    monitor = record.training_monitor
+    assert monitor[0]["step"] == 0.0 and monitor[0]["kl"] == 0.0 and len(monitor) >= 2
+    assert [p["step"] for p in monitor] == [2.0 * i for i in range(len(monitor))]
+    assert record.early_stop == "" or record.early_stop.startswith("over-optimisation at step")
     # Handed over: eval-and-promote promoted it (no production model to beat), the round completed.
     assert record.decision == "promoted" and record.status == "completed"
     assert result.policy_uri == record.policy_uri

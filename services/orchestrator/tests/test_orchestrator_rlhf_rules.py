@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
-import json
 import math
 from typing import Any
 
 import pytest
 
 from forge_kit import errors
-from forge_orchestrator.rlhf import DriftPoint, RlhfInput, drift_stop, reward_gate, rm_gate, rm_version
+from forge_orchestrator.rlhf_round import (
+    DriftPoint,
+    RlhfInput,
+    drift_stop,
+    reward_gate,
+    rm_version,
+    round_gates,
+)
 from forge_orchestrator.rlhf_worker import validate_rlhf
 
 
@@ -80,6 +86,8 @@ def loop_input(**change: Any) -> RlhfInput:
         ({"overopt_window": 0}, "input.overopt_window"),
         ({"dpo_overrides": ["max_steps=3", "no-equals"]}, "input.dpo_overrides[1]"),
         ({"reward_overrides": ["pairs.path=/elsewhere"]}, "input.reward_overrides[0]"),
+        ({"rm_min_shorter_low": 1.0}, "input.rm_min_shorter_low"),
+        ({"rm_min_shorter_n": 0}, "input.rm_min_shorter_n"),
     ],
 )
 def test_bad_loop_input_names_the_field(change: dict[str, Any], field: str) -> None:
@@ -89,8 +97,44 @@ def test_bad_loop_input_names_the_field(change: dict[str, Any], field: str) -> N
     assert caught.value.field == field
 
 
-def test_the_length_gate_refuses_a_reward_model_that_judges_length() -> None:
+def test_further_round_gates_run_after_the_accuracy_gate() -> None:
+    good = {"accuracy": 0.9, "ci95_low": 0.8, "ci95_high": 0.95, "n": 100}
+    refuse = lambda summary: "judges length" if "by_length" not in summary else ""  # noqa: E731
+    assert reward_gate(good, gates=(refuse,)) == "judges length"
+    assert reward_gate({**good, "by_length": {}}, gates=(refuse,)) == ""
+    assert reward_gate({**good, "ci95_low": 0.4}, gates=(refuse,)).startswith("held-out pairwise accuracy")
 
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"prompt_dataset": "/etc/passwd"}, "input.prompt_dataset"),
+        ({"prompt_dataset": "../../secrets.jsonl"}, "input.prompt_dataset"),
+        ({"prompt_dataset": ""}, "input.prompt_dataset"),
+        ({"sample_model": "two words"}, "input.sample_model"),
+        ({"temperatures": [0.7, 0.7]}, "input.temperatures"),
+        ({"temperatures": [0.7]}, "input.temperatures"),
+        ({"temperatures": [0.7, 9.0]}, "input.temperatures"),
+        ({"dataset_prompts": 5000}, "input.dataset_prompts"),
+        ({"dataset_prompts": 0, "production_prompts": 0}, "input.dataset_prompts"),
+        ({"min_policy_pairs": 0}, "input.min_policy_pairs"),
+        ({"monitor_interval": -1}, "input.monitor_interval"),
+        ({"buffer_timeout_s": 0.0}, "input.buffer_timeout_s"),
+        ({"dpo_overrides": ["dpo.monitor.out=/etc/x"]}, "input.dpo_overrides[0]"),
+    ],
+)
+def test_online_inputs_are_checked_naming_the_field(change: dict[str, Any], field: str) -> None:
+    params = RlhfInput(**{"policy_uri": "/p", "work_uri": "/w", "sample_model": "policy:1", **change})
+    with pytest.raises(errors.ValidationError) as caught:
+        validate_rlhf(params)
+    assert caught.value.field == field
+
+
+def test_a_well_formed_online_input_passes() -> None:
+    validate_rlhf(RlhfInput(policy_uri="/p", work_uri="/w", sample_model="production", monitor_interval=2))
+
+
+def test_a_round_refuses_a_reward_model_that_judges_length() -> None:
     detector = {
         "accuracy": 0.64,
         "ci95_low": 0.60,
@@ -105,12 +149,18 @@ def test_the_length_gate_refuses_a_reward_model_that_judges_length() -> None:
     }
     params = loop_input()
     assert params.rm_length_gate and params.rm_min_shorter_low == 0.5
-    # the overall gate passes it; the round's gate does not
-    assert reward_gate(detector) == ""
-    assert rm_gate(detector, params).startswith("judges length, not quality: accuracy 0.420 [0.360, 0.480]")
-    assert rm_gate(detector, loop_input(rm_length_gate=False)) == ""
-    assert rm_gate(detector, loop_input(rm_min_shorter_low=0.3)) == ""  # configurable
-    judge = json.loads(json.dumps(detector))
-    judge["by_length"]["preferred_shorter"] |= {"accuracy": 0.58, "ci95_low": 0.52, "ci95_high": 0.64}
-    assert rm_gate(judge, params) == ""
-    assert "no 'by_length'" in rm_gate({k: v for k, v in detector.items() if k != "by_length"}, params)
+    assert reward_gate(detector) == ""  # the accuracy gate alone lets it through
+    reason = reward_gate(detector, gates=round_gates(params))
+    assert reason.startswith("judges length, not quality: accuracy 0.420 [0.360, 0.480]")
+    assert reward_gate(detector, gates=round_gates(loop_input(rm_length_gate=False))) == ""
+    assert reward_gate(detector, gates=round_gates(loop_input(rm_min_shorter_low=0.3))) == ""  # configurable
+    judge = {**detector, "by_length": {**detector["by_length"]}}
+    judge["by_length"]["preferred_shorter"] = {
+        "accuracy": 0.58,
+        "ci95_low": 0.52,
+        "ci95_high": 0.64,
+        "n": 280,
+    }
+    assert reward_gate(judge, gates=round_gates(params)) == ""
+    no_strata = {k: v for k, v in detector.items() if k != "by_length"}
+    assert "no 'by_length'" in reward_gate(no_strata, gates=round_gates(params))

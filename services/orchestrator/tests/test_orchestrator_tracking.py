@@ -112,7 +112,7 @@ async def rig(
     await activities.ensure_team(TEAM)
 
     async def submit(labels: dict[str, str], overrides: list[str]) -> str:
-        command = [sys.executable, "-m", "forge_trainer_agent.training.run", "--recipe", labels["recipe"]]
+        command = [sys.executable, "-m", "forge_training.run", "--recipe", labels["recipe"]]
         command += [arg for pair in overrides for arg in ("--set", pair)]
         return await activities.submit_job(
             SubmitJobInput(
@@ -328,7 +328,7 @@ async def test_the_orchestrator_process_tracks_a_job_and_loses_nothing_when_mlfl
             SubmitJobInput(
                 name="tiny-pretrain",
                 team=TEAM,
-                command=["python", "-m", "forge_trainer_agent.training.run", "--recipe", "tiny"],
+                command=["python", "-m", "forge_training.run", "--recipe", "tiny"],
                 request_id=uuid.uuid4().hex,
                 labels={"recipe": "tiny", "workflow_id": f"wf-{suffix}"},
                 kind="training",

@@ -54,7 +54,7 @@ def test_params_and_tags_come_from_the_job() -> None:
     command = [
         "python",
         "-m",
-        "forge_trainer_agent.training.run",
+        "forge_training.run",
         "--recipe",
         "tiny",
         "--set",

@@ -85,7 +85,7 @@ async def test_success_after_a_preemption_returns_the_checkpoint(
     handle, job_id = await start(client, queue, params())
     job = await scheduler_job(scheduler, job_id)
     assert (job.spec.replicas, job.spec.resources.gpu_count, job.spec.checkpointable) == (2, 1, True)
-    assert list(job.spec.command[1:5]) == ["-m", "forge_trainer_agent.training.run", "--recipe", "smoke"]
+    assert list(job.spec.command[1:5]) == ["-m", "forge_training.run", "--recipe", "smoke"]
     assert job.spec.labels["workflow_id"] == handle.id
     await send(handle, job_id, "PENDING", "SCHEDULED", "RUNNING")
     await send(handle, job_id, "PENDING", reason="preempted on node-a (grace over); back in the queue")
@@ -152,7 +152,7 @@ def test_command_runs_the_training_entry_point_with_overrides() -> None:
     assert command_of(params(python="/venv/bin/python")) == [
         "/venv/bin/python",
         "-m",
-        "forge_trainer_agent.training.run",
+        "forge_training.run",
         "--recipe",
         "smoke",
         "--set",

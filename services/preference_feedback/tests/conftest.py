@@ -12,7 +12,7 @@ from forge_kit.db import Database
 from forge_kit.paths import resolve_data_path
 from forge_preference_feedback.registry import RewardModelRegistry
 from forge_preference_feedback.service import FeedbackService
-from forge_preference_feedback.store import AsyncTransactions, SqliteGroupCommit, Transactions
+from forge_preference_feedback.transactions import AsyncTransactions, SqliteGroupCommit, Transactions
 
 MIGRATIONS = Path(__file__).parents[1] / "src" / "forge_preference_feedback" / "migrations"
 HH_RLHF = resolve_data_path("preferences/hh-rlhf")

@@ -15,7 +15,7 @@ from forge_kit.events import topic_for
 from forge_preference_feedback.registry import HeldoutAccuracy, RewardModelRegistry
 from forge_preference_feedback.seeds import read_hh_rlhf
 from forge_preference_feedback.service import FeedbackService
-from forge_preference_feedback.store import AsyncTransactions, UnitConnection, open_transactions
+from forge_preference_feedback.transactions import AsyncTransactions, UnitConnection, open_transactions
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.integration]
 MIGRATIONS = Path(__file__).parents[1] / "src" / "forge_preference_feedback" / "migrations"

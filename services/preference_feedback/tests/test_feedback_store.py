@@ -18,14 +18,8 @@ from prometheus_client import REGISTRY
 from forge_kit.db import Database
 from forge_preference_feedback.seeds import read_hh_rlhf
 from forge_preference_feedback.service import FeedbackService
-from forge_preference_feedback.store import (
-    HotPath,
-    PrecompiledConnection,
-    SessionRow,
-    SqliteGroupCommit,
-    UnitConnection,
-    utcnow,
-)
+from forge_preference_feedback.store import HotPath, SessionRow, utcnow
+from forge_preference_feedback.transactions import PrecompiledConnection, SqliteGroupCommit, UnitConnection
 
 if TYPE_CHECKING:
     from conftest import Clock

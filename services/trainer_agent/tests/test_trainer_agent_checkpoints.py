@@ -25,7 +25,7 @@ JOB = textwrap.dedent(
     """
     import os, torch
     from forge_kit.objectstore import ObjectStore
-    from forge_trainer_agent.training.checkpoint import CheckpointManager
+    from forge_training.checkpoint import CheckpointManager
     store = ObjectStore(os.environ["FORGE_OBJECTS_URL"])
     manager = CheckpointManager(store, os.environ["FORGE_JOB_ID"], async_save=False)
     for step in (10, 20):

@@ -19,7 +19,7 @@ from forge_kit.paths import resolve_data_path
 from forge_kit.testing import free_port
 from forge_trainer_agent.runner import ExitStatus, LaunchSpec, LocalProcessRunner, TorchrunRunner
 from forge_trainer_agent.sandbox import JobIsolation, JobSandbox, dataset_folders
-from forge_trainer_agent.training import recipes
+from forge_training import recipes
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the sandbox drops privileges only from root")
 
@@ -90,7 +90,7 @@ async def test_two_sandboxed_replicas_on_two_agents_train_and_checkpoint_as_the_
     objects = tmp_path / "objects"
     objects.mkdir()
     job_id, port = "job-ddp", free_port()
-    command = (sys.executable, "-m", "forge_trainer_agent.training.run", "--recipe", "smoke",
+    command = (sys.executable, "-m", "forge_training.run", "--recipe", "smoke",
                "--set", f"data.corpus={corpus}", "--set", "threads=1", "--set", "max_steps=4",
                "--set", "eval_interval=4", "--set", "checkpoint.interval_steps=2")  # fmt: skip
     launched = []

@@ -102,7 +102,7 @@ async def test_a_recipe_refused_under_torchrun_is_the_failure_message(
     """torchrun ends the log with its own failure summary; the attempt's message is still the
     worker's reason, from the termination log."""
     agent = AgentService(store, TorchrunRunner(), node, runs_dir=tmp_path / "runs", stop_grace_s=5.0)
-    job = start_job("job-refused", [PY, "-m", "forge_trainer_agent.training.run", "--recipe", "smoke"])
+    job = start_job("job-refused", [PY, "-m", "forge_training.run", "--recipe", "smoke"])
     job.master_addr = ""  # one node: torchrun --standalone
     job.job.spec.command.extend(["--set", "optim.no_such_field=1"])
     try:

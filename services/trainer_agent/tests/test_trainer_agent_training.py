@@ -20,12 +20,12 @@ import torch
 from forge_kit.objectstore import ObjectStore
 from forge_kit.paths import resolve_data_path
 from forge_trainer_agent.runner import LaunchError, LaunchSpec, TorchrunRunner
-from forge_trainer_agent.training import recipes
-from forge_trainer_agent.training.checkpoint import CheckpointManager
-from forge_trainer_agent.training.data import SamplerState, StepSampler, TokenShards, prepare
-from forge_trainer_agent.training.recipes import RecipeError, TrainConfig
-from forge_trainer_agent.training.run import EXIT_BAD_RECIPE, main
-from forge_trainer_agent.training.train import RunContext, lr_factor, pretrain
+from forge_training import recipes
+from forge_training.checkpoint import CheckpointManager
+from forge_training.data import SamplerState, StepSampler, TokenShards, prepare
+from forge_training.recipes import RecipeError, TrainConfig
+from forge_training.run import EXIT_BAD_RECIPE, main
+from forge_training.train import RunContext, lr_factor, pretrain
 
 SHAKESPEARE = resolve_data_path(recipes.DEFAULT_CORPUS)
 
@@ -258,7 +258,7 @@ async def test_torchrun_job_of_two_gloo_workers_trains_like_one_process_and_chec
     checkpoint together and exit 0; a restart on ONE worker (elastic) resumes from it."""
     prepare(tiny(corpus).data, cache_dir)
     run_dir = tmp_path / "job"
-    command = (sys.executable, "-m", "forge_trainer_agent.training.run", "--recipe", "smoke", "--cache-dir", str(cache_dir),
+    command = (sys.executable, "-m", "forge_training.run", "--recipe", "smoke", "--cache-dir", str(cache_dir),
                "--set", f"data.corpus={corpus}", "--set", "max_steps=100000", "--set", "checkpoint.interval_steps=0")  # fmt: skip
     spec = LaunchSpec(
         job_id="job-1",

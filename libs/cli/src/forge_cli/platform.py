@@ -154,6 +154,11 @@ SERVICES: tuple[ServiceSpec, ...] = (
         ),
         temporal=True,
         tracking=True,
+        # The guarded canary watches the gateway's metrics, with the local policy's short window.
+        local={
+            "GATEWAY_METRICS_URLS": '["http://127.0.0.1:8080/metrics"]',
+            "CANARY_POLICY": "local",
+        },
     ),
 )
 

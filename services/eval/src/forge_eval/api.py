@@ -18,6 +18,7 @@ from forge.eval.v1 import eval_pb2, eval_pb2_grpc
 from google.protobuf import timestamp_pb2
 
 from forge_eval.registry import Lineage, ModelRegistry, ModelView, StageEventView
+from forge_eval.rollout import decide_rollout
 from forge_eval.runs import RunService
 from forge_eval.store.registry import ModelRow
 from forge_eval.store.runs import MetricRow, RunRow
@@ -101,6 +102,7 @@ def event_to_proto(view: StageEventView) -> eval_pb2.StageEvent:
         gate_run_id=row.gate_run_id,
         gate_report=row.gate_report,
         created_at=_ts(row.created_at),
+        evidence=row.evidence,
     )
     if view.previous is not None:
         event.previous.CopyFrom(common_pb2.ModelRef(name=view.previous[0], version=view.previous[1]))
@@ -264,6 +266,26 @@ class EvalApi(eval_pb2_grpc.EvalServiceServicer):
             model=model_to_proto(done.model),
             rolled_back=ref_of(done.previous),
             event=event_to_proto(done.event),
+        )
+
+    async def DecideRollout(
+        self, request: eval_pb2.DecideRolloutRequest, context: grpc.aio.ServicerContext
+    ) -> eval_pb2.DecideRolloutResponse:
+        if not request.HasField("ref"):
+            raise errors.ValidationError("ref", "is required")
+        actor, admin = _caller()
+        done = await decide_rollout(
+            self._registry,
+            request.ref.name,
+            request.ref.version,
+            request.decision,
+            request.reason,
+            request.evidence,
+            actor=actor,
+            admin=admin,
+        )
+        return eval_pb2.DecideRolloutResponse(
+            event=event_to_proto(done.event), model=model_to_proto(done.model)
         )
 
     async def ListStageEvents(

@@ -400,7 +400,151 @@ def history(
             "actor": e.actor,
             "forced": "FORCED" if e.forced else "",
             "reason": e.reason,
+            "evidence": evidence_summary(e.evidence),
         }
         for e in reply.events
     ]
-    clitools.show_rows(rows, ["when", "action", "model", "stage", "actor", "forced", "reason"], False)
+    clitools.show_rows(
+        rows, ["when", "action", "model", "stage", "actor", "forced", "reason", "evidence"], False
+    )
+
+
+def evidence_summary(evidence: str) -> str:
+    """A canary decision's evidence in a line: the policy, each metric's canary and production
+    counts with the always-valid p-values (harm / non-inferiority)."""
+    if not evidence:
+        return ""
+    try:
+        data = json.loads(evidence)
+    except ValueError:
+        return "(unreadable)"
+    parts = [f"{data.get('policy', '?')} at {data.get('elapsed_s', '?')}s"]
+    for name, m in (data.get("metrics") or {}).items():
+        parts.append(
+            f"{name} {m['canary_k']}/{m['canary_n']} vs {m['production_k']}/{m['production_n']}"
+            f" p={m['harm_p']:.2g}/{m['noninf_p']:.2g}"
+        )
+    return "; ".join(parts)
+
+
+rollout_app = typer.Typer(
+    help="A guarded canary: its state, and an operator's override (audited: who, when, why).",
+    no_args_is_help=True,
+)
+app.add_typer(rollout_app, name="rollout")
+ReasonOption = Annotated[str, typer.Option("--reason", help="Why (required: it is audited).")]
+
+
+def _canary_of(target: str, token: str, model: str) -> eval_pb2.RegisteredModel | None:
+    """The registered model in canary named by ``model`` (NAME: the family's canary)."""
+    ref = _ref(model)
+    request = eval_pb2.ListModelsRequest(
+        name=ref.name, stage="canary", page=common_pb2.PageRequest(page_size=10)
+    )
+    reply = _call(target, token, lambda stub: stub.ListModels(request, timeout=10))
+    found = [m for m in reply.models if not ref.version or m.ref.version == ref.version]
+    return found[0] if found else None
+
+
+@rollout_app.command("status")
+def rollout_status(
+    model: Annotated[str, typer.Argument(help="NAME or NAME:VERSION.")],
+    limit: Annotated[int, typer.Option("--limit", min=1, max=100)] = 10,
+    target: TargetOption = "127.0.0.1:50057",
+    token: TokenOption = "",
+    as_json: JsonOption = False,
+) -> None:
+    """The model's canary (traffic share, paused or not) and its latest rollout decisions."""
+    ref = _ref(model)
+    canary = _canary_of(target, token, model)
+    request = eval_pb2.ListStageEventsRequest(
+        model_name=ref.name,
+        model_version=canary.ref.version if canary is not None else ref.version,
+        page=common_pb2.PageRequest(page_size=limit),
+    )
+    events = _call(target, token, lambda stub: stub.ListStageEvents(request, timeout=10)).events
+    toggles = [e.action for e in events if e.action in ("pause", "resume")]
+    status: dict[str, Any] = {
+        "canary": f"{canary.ref.name}:{canary.ref.version}" if canary is not None else "",
+        "traffic_percent": canary.traffic_percent if canary is not None else 0,
+        "paused": bool(toggles) and toggles[0] == "pause",
+        "decisions": [
+            {
+                "when": e.created_at.ToDatetime().isoformat(timespec="seconds"),
+                "action": e.action,
+                "model": f"{e.model.name}:{e.model.version}",
+                "actor": e.actor,
+                "reason": e.reason,
+                "evidence": json.loads(e.evidence)
+                if as_json and e.evidence
+                else evidence_summary(e.evidence),
+            }
+            for e in events
+        ],
+    }
+    if as_json:
+        typer.echo(json.dumps(status, indent=2, sort_keys=True))
+        return
+    typer.echo(
+        f"canary: {status['canary'] or '(none)'}  traffic: {status['traffic_percent']}%"
+        + ("  PAUSED" if status["paused"] else "")
+    )
+    clitools.show_rows(status["decisions"], ["when", "action", "model", "actor", "reason", "evidence"], False)
+
+
+def _decide(model: str, decision: str, reason: str, target: str, token: str, as_json: bool) -> None:
+    canary = _canary_of(target, token, model)
+    ref = canary.ref if canary is not None else _ref(model)
+    if not ref.version:
+        raise _fail(f"{model} has no model in canary")
+    request = eval_pb2.DecideRolloutRequest(ref=ref, decision=decision, reason=reason)
+    reply = _call(target, token, lambda stub: stub.DecideRollout(request, timeout=10))
+    clitools.show_record(_dict(reply.event), as_json)
+
+
+@rollout_app.command("promote")
+def rollout_promote(
+    model: Annotated[str, typer.Argument(help="NAME (its canary) or NAME:VERSION.")],
+    reason: ReasonOption,
+    target: TargetOption = "127.0.0.1:50057",
+    token: TokenOption = "",
+    as_json: JsonOption = False,
+) -> None:
+    """Promote the canary to production now (the analysis stops)."""
+    _decide(model, "promote", reason, target, token, as_json)
+
+
+@rollout_app.command("rollback")
+def rollout_rollback(
+    model: Annotated[str, typer.Argument(help="NAME (its canary) or NAME:VERSION.")],
+    reason: ReasonOption,
+    target: TargetOption = "127.0.0.1:50057",
+    token: TokenOption = "",
+    as_json: JsonOption = False,
+) -> None:
+    """Roll the canary back now: its traffic to 0, the model archived (the analysis stops)."""
+    _decide(model, "rollback", reason, target, token, as_json)
+
+
+@rollout_app.command("pause")
+def rollout_pause(
+    model: Annotated[str, typer.Argument(help="NAME (its canary) or NAME:VERSION.")],
+    reason: ReasonOption,
+    target: TargetOption = "127.0.0.1:50057",
+    token: TokenOption = "",
+    as_json: JsonOption = False,
+) -> None:
+    """Hold the canary at its share: the analysis keeps watching but only rolls back, never promotes."""
+    _decide(model, "pause", reason, target, token, as_json)
+
+
+@rollout_app.command("resume")
+def rollout_resume(
+    model: Annotated[str, typer.Argument(help="NAME (its canary) or NAME:VERSION.")],
+    reason: ReasonOption,
+    target: TargetOption = "127.0.0.1:50057",
+    token: TokenOption = "",
+    as_json: JsonOption = False,
+) -> None:
+    """Let a paused analysis decide again."""
+    _decide(model, "resume", reason, target, token, as_json)

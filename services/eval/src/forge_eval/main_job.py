@@ -158,11 +158,22 @@ async def evaluate_checkpoint(ctx: MainJobContext, *, timeout_s: float = STEP_TI
         "baseline": result.get("baseline", ""),
         "promoted_to": list(result.get("promoted_to", [])),
         "blocked_reason": result.get("blocked_reason", ""),
+        "canary": _canary(result.get("canary") or {}),
         "tier": result.get("tier", ""),
         "scores": dict(result.get("metrics", {})),
         "intervals": dict(result.get("intervals", {})),
         "report": result.get("report_path", ""),
     }
+
+
+def _canary(canary: dict[str, object]) -> str:
+    """The guarded canary's decision in a line; empty when there was none (the first model)."""
+    if not canary:
+        return ""
+    return (
+        f"{canary.get('decision')} by {canary.get('decided_by')} after {canary.get('decided_after_s')}s, "
+        f"{canary.get('canary_requests', 0)} canary requests ({canary.get('policy')}): {canary.get('reason')}"
+    )
 
 
 async def step(ctx: MainJobContext) -> dict[str, object]:

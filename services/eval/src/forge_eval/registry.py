@@ -227,6 +227,7 @@ class ModelRegistry:
         force: bool = False,
         actor: str = "",
         admin: bool = True,
+        evidence: str = "",
     ) -> Promotion:
         """Move ``name:version`` to ``stage`` along its lifecycle.
 
@@ -319,6 +320,7 @@ class ModelRegistry:
                 gate_run_id=gate_run_id,
                 forced=forced,
                 gate_report=gate_report,
+                evidence=evidence,
             )
             session.add(event)
             model.stage = stage
@@ -453,6 +455,7 @@ class ModelRegistry:
         gate_run_id: str = "",
         forced: bool = False,
         gate_report: str = "",
+        evidence: str = "",
     ) -> StageEventRow:
         return StageEventRow(
             stage=to_stage,
@@ -467,6 +470,7 @@ class ModelRegistry:
             actor=actor or "anonymous",
             forced=forced,
             gate_report=gate_report,
+            evidence=evidence,
             created_at=self._clock(),
         )
 

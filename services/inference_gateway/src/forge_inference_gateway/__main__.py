@@ -20,6 +20,7 @@ from forge_inference_gateway.rag_clients import GrpcReranker, GrpcRetriever
 from forge_inference_gateway.response_cache import ResponseCache
 from forge_inference_gateway.routing import ReplicaPool
 from forge_inference_gateway.service import InferenceGateway
+from forge_inference_gateway.training_prompts import TrainingPrompts
 from forge_inference_gateway.upstream import ModelServerClient
 from forge_kit.app import ServiceApp
 from forge_kit.cache import make_cache
@@ -58,6 +59,11 @@ async def main() -> None:
         tenant_ttl_s=settings.tenant_cache_ttl_s,
         metrics_interval_s=settings.metrics_interval_s,
         replica_sync_s=settings.replica_sync_s,
+        training_prompts=TrainingPrompts(
+            db,
+            max_chars=settings.training_prompt_max_chars,
+            max_per_tenant=settings.training_prompts_max_per_tenant,
+        ),
     )
     await gateway.tenants.bootstrap(settings.bootstrap_api_key.get_secret_value())
     retriever = GrpcRetriever(settings.retriever_target, settings.retriever_token.get_secret_value())
@@ -74,6 +80,7 @@ async def main() -> None:
         app.add_on_stop(reranker.close)
     app.add_background(gateway.replicas.run_control_loop)
     app.add_on_stop(gateway.replicas.stop)
+    app.add_on_stop(gateway.shadows.close)
     if settings.kafka_enabled:
         app.event_consumer(
             group_id=CONSUMER_GROUP,

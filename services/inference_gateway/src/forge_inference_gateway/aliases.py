@@ -8,6 +8,7 @@ admin API (canary weight, rollback).
 from __future__ import annotations
 
 import hashlib
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from forge_kit import errors
 from forge_kit.db import Database
 from forge_kit.modelref import ModelRef
 
+_ALIAS = re.compile(r"[a-z0-9][a-z0-9_.-]{0,63}")
 #: Stage whose model the public alias ``forge-chat`` serves.
 PUBLIC_ALIASES = {"production": "forge-chat"}
 #: A promotion to the key stage becomes a weighted canary of the value stage's aliases.
@@ -39,6 +41,17 @@ class Alias:
     canary_name: str = ""
     canary_version: str = ""
     canary_weight: int = 0
+    shadow_name: str = ""
+    shadow_version: str = ""
+    shadow_percent: int = 0
+
+    @property
+    def shadow(self) -> ModelRef | None:
+        return (
+            ModelRef(self.shadow_name, self.shadow_version)
+            if self.shadow_name and self.shadow_percent
+            else None
+        )
 
     @property
     def model(self) -> ModelRef:
@@ -69,6 +82,9 @@ def _alias(row: ModelAliasRow) -> Alias:
         row.canary_model_name or "",
         row.canary_model_version or "",
         row.canary_weight or 0,
+        row.shadow_model_name or "",
+        row.shadow_model_version or "",
+        row.shadow_percent or 0,
     )
 
 
@@ -91,7 +107,8 @@ class Aliases:
         """Consumer handler of ``ModelPromoted``: the stage (and its public alias) now names the model.
 
         A promotion to ``canary`` also makes the model the canary of the ``production`` aliases with
-        the event's ``traffic_percent`` (0, or a rollback, stops the split). A promotion to
+        the event's ``traffic_percent`` (0, or a rollback, stops the split; a canary rollback with
+        no ``previous`` — a guarded canary ended — also drops the ``canary`` alias). A promotion to
         ``production`` of the canary's own model, or a rollback, ends the split (weight 0).
 
         Runs inside the consumer's transaction, which also records the event id, so a redelivered
@@ -107,6 +124,9 @@ class Aliases:
         except ValueError as exc:
             raise errors.ValidationError("model", str(exc)) from None
         name, version = promoted.name, promoted.version
+        if stage in CANARY_OF and event.is_rollback and not event.previous.name:
+            await self._end_canary(session, stage, name, version, event.meta.event_id)
+            return
         for alias in (stage, PUBLIC_ALIASES.get(stage)):
             if alias is None:
                 continue
@@ -135,6 +155,23 @@ class Aliases:
                 row.updated_at = utcnow()
         self._cached.clear()
 
+    async def _end_canary(
+        self, session: AsyncSession, stage: str, name: str, version: str, event_id: str
+    ) -> None:
+        """A canary rolled back with nothing to restore (the guarded canary's rollback): the stage
+        alias no longer names it and the aliases it split stop sending it traffic."""
+        row = await session.get(ModelAliasRow, stage)
+        if row is not None and (row.model_name, row.model_version) == (name, version):
+            await session.delete(row)
+        base = CANARY_OF[stage]
+        for alias in (base, PUBLIC_ALIASES.get(base)):
+            split = await session.get(ModelAliasRow, alias) if alias else None
+            if split is not None and (split.canary_model_name, split.canary_model_version) == (name, version):
+                split.canary_weight = 0
+                split.source_event_id = event_id
+                split.updated_at = utcnow()
+        self._cached.clear()
+
     async def list_aliases(self) -> list[Alias]:
         async with self._db.session() as session:
             rows = (await session.scalars(sa.select(ModelAliasRow).order_by(ModelAliasRow.alias))).all()
@@ -159,6 +196,31 @@ class Aliases:
         alias = None if ref.pinned else await self.alias_named(ref.name)
         return (alias.model, alias) if alias is not None else (ref, None)
 
+    async def set_alias(self, alias: str, name: str, version: str) -> Alias:
+        """Admin: pin ``alias`` to ``name[:version]`` (a deployment without the registry's events,
+        e.g. a benchmark); the registry's next ``ModelPromoted`` for its stage replaces it."""
+        if not _ALIAS.fullmatch(alias):
+            raise errors.ValidationError("alias", "must be 1-64 of a-z, 0-9, '.', '_', '-'")
+        if not name.strip():
+            raise errors.ValidationError("model.name", "is required")
+        try:
+            ModelRef(name, version)
+        except ValueError as exc:
+            raise errors.ValidationError("model", str(exc)) from None
+        async with self._db.session() as session:
+            row = await session.get(ModelAliasRow, alias)
+            if row is None:
+                row = ModelAliasRow(
+                    alias=alias, canary_model_name="", canary_model_version="", canary_weight=0
+                )
+                session.add(row)
+            row.model_name, row.model_version, row.stage = name, version, "admin"
+            row.source_event_id = ""
+            row.updated_at = utcnow()
+            result = _alias(row)
+        self._cached.clear()
+        return result
+
     async def set_canary(self, alias: str, name: str, version: str, weight: int) -> Alias:
         """Admin: send ``weight`` percent of ``alias``'s traffic to ``name[:version]``."""
         if not name.strip():
@@ -174,6 +236,28 @@ class Aliases:
             if row is None:
                 raise errors.NotFoundError(f"alias {alias!r} not found")
             row.canary_model_name, row.canary_model_version, row.canary_weight = name, version, weight
+            row.updated_at = utcnow()
+            result = _alias(row)
+        self._cached.clear()
+        return result
+
+    async def set_shadow(self, alias: str, name: str, version: str, percent: int) -> Alias:
+        """Admin: mirror ``percent`` of ``alias``'s stable traffic to ``name[:version]`` without
+        serving its answers (0 stops it)."""
+        if percent and not name.strip():
+            raise errors.ValidationError("model.name", "is required")
+        try:
+            if name:
+                ModelRef(name, version)
+        except ValueError as exc:
+            raise errors.ValidationError("model", str(exc)) from None
+        if not 0 <= percent <= 100:
+            raise errors.ValidationError("percent", f"must be 0-100, got {percent}")
+        async with self._db.session() as session:
+            row = await session.get(ModelAliasRow, alias)
+            if row is None:
+                raise errors.NotFoundError(f"alias {alias!r} not found")
+            row.shadow_model_name, row.shadow_model_version, row.shadow_percent = name, version, percent
             row.updated_at = utcnow()
             result = _alias(row)
         self._cached.clear()

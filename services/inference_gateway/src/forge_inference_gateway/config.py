@@ -43,6 +43,12 @@ class InferenceGatewaySettings(ServiceSettings):
     default_rpm_limit: int = Field(default=600, ge=1)
     """Requests per minute allowed to the bootstrap tenant and to tenants created without a limit."""
 
+    training_prompt_max_chars: int = Field(default=4000, ge=1, le=100_000)
+    """Longest prompt of an opted-in tenant recorded for the RLHF prompt pool; longer ones are skipped."""
+
+    training_prompts_max_per_tenant: int = Field(default=10_000, ge=0, le=10_000_000)
+    """Prompts recorded per opted-in tenant at most; once reached, no more are recorded."""
+
     request_timeout_s: float = Field(default=60.0, gt=0)
     """Deadline of one inference request, end to end, queueing included; what is left of it is
     passed upstream."""

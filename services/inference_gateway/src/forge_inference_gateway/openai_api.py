@@ -19,18 +19,19 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import asdict
+from typing import Annotated
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import Depends, FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import Counter
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, StrictBool
 
 from forge_inference_gateway.aliases import Alias
 from forge_inference_gateway.embeddings import GrpcEmbedder, create_embeddings
 from forge_inference_gateway.openai_schema import bearer_scheme, check_generation, install_openapi
 from forge_inference_gateway.rag import RagService
 from forge_inference_gateway.response_cache import CACHE_HEADER
-from forge_inference_gateway.router import GenerationRequest
+from forge_inference_gateway.router import MODEL_HEADER, GenerationRequest
 from forge_inference_gateway.service import InferenceGateway
 from forge_inference_gateway.tenants import PRIORITY_CLASSES, Tenant
 from forge_inference_gateway.upstream import StreamBroken, UpstreamError, UpstreamUnavailableError, error_for
@@ -53,6 +54,12 @@ class TenantBody(BaseModel):
     name: str
     priority_class: str = PRIORITY_CLASSES[0]
     rpm_limit: int | None = Field(default=None, le=10**9)
+    allow_training: StrictBool = False
+    """Whether the tenant's prompts may be used for training (RLHF prompt pool); off by default."""
+
+
+class TrainingBody(BaseModel):
+    allow_training: StrictBool
 
 
 class ModelRefBody(BaseModel):
@@ -63,6 +70,15 @@ class ModelRefBody(BaseModel):
 class CanaryBody(BaseModel):
     model: ModelRefBody
     weight: int = Field(ge=0, le=100)
+
+
+class AliasBody(BaseModel):
+    model: ModelRefBody
+
+
+class ShadowBody(BaseModel):
+    model: ModelRefBody
+    percent: int = Field(ge=0, le=100)
 
 
 class ReplicaBody(BaseModel):
@@ -176,14 +192,18 @@ class GatewayRoutes:
 
     async def _forward(self, path: str, request: Request, raw: object) -> Response:
         deadline = self._gateway.deadline()
+        parsed = GenerationRequest.parse(raw)
+        await self._gateway.training_prompts.record(request.state.tenant, parsed.body)
         routed = await self._gateway.router.route(
             request.state.tenant,
             path,
-            GenerationRequest.parse(raw),
+            parsed,
             session_key=request.headers.get(SESSION_HEADER),
         )
         forwarded = await self._gateway.router.forward(routed, deadline)
         if forwarded.chunks is None:
+            if routed.shadow is not None and forwarded.status == 200:
+                self._gateway.shadows.mirror(routed, forwarded)
             return self._relay(path, forwarded.status, forwarded.content, forwarded.headers)
         REQUESTS.labels(path, "200").inc()
         return StreamingResponse(
@@ -217,7 +237,8 @@ class GatewayRoutes:
         if status in (401, 403) or (status >= 500 and status != 503):
             REQUESTS.labels(path, "502").inc()
             message = error_for(status, content).message
-            return openai_error(502, message, type_="upstream_error", code="bad_gateway")
+            served = {MODEL_HEADER: headers[MODEL_HEADER]} if MODEL_HEADER in headers else None
+            return openai_error(502, message, type_="upstream_error", code="bad_gateway", headers=served)
         REQUESTS.labels(path, str(status)).inc()
         relayed = dict(headers)
         if status == 503:
@@ -313,6 +334,14 @@ def _alias_view(alias: Alias) -> dict[str, object]:
             if alias.canary_name
             else None
         ),
+        "shadow": (
+            {
+                "model": {"name": alias.shadow_name, "version": alias.shadow_version},
+                "percent": alias.shadow_percent,
+            }
+            if alias.shadow is not None
+            else None
+        ),
     }
 
 
@@ -329,6 +358,22 @@ class AdminRoutes:
         )
         return _alias_view(updated)
 
+    async def set_alias(self, alias: str, body: AliasBody) -> dict[str, object]:
+        return _alias_view(await self._gateway.aliases.set_alias(alias, body.model.name, body.model.version))
+
+    async def set_shadow(self, alias: str, body: ShadowBody) -> dict[str, object]:
+        updated = await self._gateway.aliases.set_shadow(
+            alias, body.model.name, body.model.version, body.percent
+        )
+        return _alias_view(updated)
+
+    async def stop_shadow(self, alias: str) -> dict[str, object]:
+        return _alias_view(await self._gateway.aliases.set_shadow(alias, "", "", 0))
+
+    async def shadow_pairs(self, alias: str = "", after_id: int = 0, limit: int = 100) -> dict[str, object]:
+        pairs = await self._gateway.shadows.pairs(alias, after_id, limit)
+        return {"pairs": pairs, "next_after_id": pairs[-1]["id"] if pairs else after_id}
+
     async def rollback_canary(self, alias: str) -> dict[str, object]:
         return _alias_view(await self._gateway.aliases.rollback_canary(alias))
 
@@ -337,9 +382,22 @@ class AdminRoutes:
 
     async def create_tenant(self, body: TenantBody) -> JSONResponse:
         tenant, api_key = await self._gateway.tenants.create_tenant(
-            body.name, body.priority_class, body.rpm_limit
+            body.name, body.priority_class, body.rpm_limit, allow_training=body.allow_training
         )
         return JSONResponse({"tenant": tenant.__dict__, "api_key": api_key}, status_code=201)
+
+    async def set_training(self, name: str, body: TrainingBody) -> dict[str, object]:
+        """Opt a tenant in to or out of training on its prompts."""
+        return {"tenant": (await self._gateway.tenants.set_training(name, body.allow_training)).__dict__}
+
+    async def training_prompts(
+        self,
+        after: Annotated[int, Query(ge=0, le=2**62)] = 0,
+        limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    ) -> dict[str, object]:
+        """The RLHF prompt pool's production part: prompts of tenants that allow training."""
+        prompts = await self._gateway.training_prompts.pool(after=after, limit=limit)
+        return {"prompts": [asdict(p) for p in prompts], "next_after": prompts[-1].seq if prompts else after}
 
     async def replicas(self) -> dict[str, object]:
         return {"replicas": [r.view() for r in self._gateway.pool.replicas()]}
@@ -379,10 +437,16 @@ def install_gateway_api(
     auth = [Depends(bearer_scheme), Depends(require_token(admin_token))]
     for path, endpoint, method, status in (
         ("/admin/v1/aliases", admin.aliases, "GET", 200),
+        ("/admin/v1/aliases/{alias}", admin.set_alias, "PUT", 200),
         ("/admin/v1/aliases/{alias}/canary", admin.set_canary, "PUT", 200),
         ("/admin/v1/aliases/{alias}/canary", admin.rollback_canary, "DELETE", 200),
+        ("/admin/v1/aliases/{alias}/shadow", admin.set_shadow, "PUT", 200),
+        ("/admin/v1/aliases/{alias}/shadow", admin.stop_shadow, "DELETE", 200),
+        ("/admin/v1/shadow/pairs", admin.shadow_pairs, "GET", 200),
         ("/admin/v1/tenants", admin.tenants, "GET", 200),
         ("/admin/v1/tenants", admin.create_tenant, "POST", 201),
+        ("/admin/v1/tenants/{name}/training", admin.set_training, "PUT", 200),
+        ("/admin/v1/training-prompts", admin.training_prompts, "GET", 200),
         ("/admin/v1/replicas", admin.replicas, "GET", 200),
         ("/admin/v1/replicas", admin.add_replica, "POST", 201),
         ("/admin/v1/replicas", admin.remove_replica, "DELETE", 204),

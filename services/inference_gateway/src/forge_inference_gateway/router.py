@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
@@ -30,8 +31,14 @@ from forge_inference_gateway.response_cache import (
 )
 from forge_inference_gateway.routing import NoReplicaError, ReplicaPool
 from forge_inference_gateway.tenants import Tenant
-from forge_inference_gateway.upstream import StreamReply, UpstreamUnavailableError, not_served_body
+from forge_inference_gateway.upstream import (
+    StreamBroken,
+    StreamReply,
+    UpstreamUnavailableError,
+    not_served_body,
+)
 from forge_kit import errors
+from forge_kit.canary import LATENCY_BUCKETS
 from forge_kit.modelref import ModelRef
 
 #: Response header naming the model version that served the request (a canary split shows here).
@@ -43,7 +50,9 @@ _RELAYED_HEADERS = ("content-type", "retry-after", "x-request-id")
 
 UPSTREAM_REQUESTS = Counter(
     "forge_gateway_upstream_requests_total",
-    "Requests answered by a model version (split: stable or canary of an alias, or direct)",
+    "Requests answered by a model version (split: stable or canary of an alias, or direct); status "
+    "is the upstream's HTTP status, ``cached``, ``timeout`` (deadline passed), ``unavailable`` (no "
+    "replica could take it) or ``broken`` (a stream cut mid-answer)",
     ["model", "split", "status"],
 )
 
@@ -51,7 +60,14 @@ TTFT = Histogram(
     "forge_gateway_time_to_first_token_seconds",
     "From sending upstream to the first streamed bytes, per model version",
     ["model", "split"],
-    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30),
+    buckets=LATENCY_BUCKETS,
+)
+
+ITL = Histogram(
+    "forge_gateway_inter_token_latency_seconds",
+    "Mean gap between a stream's chunks after the first, one observation per stream",
+    ["model", "split"],
+    buckets=LATENCY_BUCKETS,
 )
 
 UPSTREAM_SECONDS = Histogram(
@@ -60,6 +76,15 @@ UPSTREAM_SECONDS = Histogram(
     ["model", "split"],
     buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60),
 )
+
+EMPTY_ANSWERS = Counter(
+    "forge_gateway_empty_answers_total",
+    "Successful answers with no generated text (the canary analysis's online quality proxy)",
+    ["model", "split"],
+)
+
+#: Generated text in a completion or chat answer (or stream chunk): a non-empty ``text``/``content``.
+_GENERATED = re.compile(rb'"(?:text|content)"\s*:\s*"[^"]')
 
 
 @dataclass(frozen=True)
@@ -110,6 +135,8 @@ class Routed:
     alias: str | None = None
     requested: str = ""
     """The ``model`` the caller sent (an alias or a model id): what errors name."""
+    shadow: ModelRef | None = None
+    """The alias's shadow model when this request is also mirrored there (:mod:`shadow`)."""
 
     @property
     def target(self) -> str:
@@ -172,13 +199,16 @@ class Router:
         body = request.body
         target, alias = await self._aliases.resolve_model(request.model)
         split = "direct"
+        shadow = None
         if alias is not None:
             split = "stable"
             canary = alias.canary
-            if canary is not None and alias.canary_weight > 0:
-                sticky = request.user or session_key or json.dumps(body, sort_keys=True, default=str)
-                if canary_bucket(alias.alias, tenant.id, sticky) < alias.canary_weight:
-                    target, split = canary, "canary"
+            sticky = request.user or session_key or json.dumps(body, sort_keys=True, default=str)
+            if canary is not None and canary_bucket(alias.alias, tenant.id, sticky) < alias.canary_weight:
+                target, split = canary, "canary"
+            mirrored = canary_bucket(f"{alias.alias}\x00shadow", tenant.id, sticky) < alias.shadow_percent
+            if split == "stable" and not request.stream and mirrored:
+                shadow = alias.shadow
         level = level_for(tenant.priority_class, request.priority)
         upstream: dict[str, object] = {**body, "model": str(target)}
         upstream.pop("priority", None)
@@ -199,9 +229,23 @@ class Router:
             cache_key=key,
             alias=alias.alias if alias else None,
             requested=request.model,
+            shadow=shadow,
         )
 
     async def forward(self, routed: Routed, deadline: float) -> Forwarded:
+        """Step 4 (:meth:`_forward`), with a request that gets no answer counted against its model
+        version and split: ``timeout`` past the deadline, ``unavailable`` when no replica could
+        take it (a crashed canary replica shows here, not as missing traffic)."""
+        try:
+            return await self._forward(routed, deadline)
+        except TimeoutError:
+            UPSTREAM_REQUESTS.labels(routed.target, routed.split, "timeout").inc()
+            raise
+        except UpstreamUnavailableError:
+            UPSTREAM_REQUESTS.labels(routed.target, routed.split, "unavailable").inc()
+            raise
+
+    async def _forward(self, routed: Routed, deadline: float) -> Forwarded:
         """Step 4: the cached answer, or the upstream's through a replica slot.
 
         1. a deterministic request found in the response cache is answered from it;
@@ -271,10 +315,15 @@ class Router:
             )
             if stream is not None and status == 200:
                 # 4. A stream holds its slot until it ends.
-                chunks = self._stream(routed, stream, lease, started)
+                chunks = self._stream(routed, stream, lease, started, deadline)
                 return Forwarded(200, headers, chunks=chunks, model=served)
             lease.release()
-            self._observe_end(routed, status, started)
+            # An alias's version that no replica lists (its replicas crashed) is the version's
+            # failure, not the caller's mistake.
+            missing = status == 404 and routed.alias is not None and replica.serves(routed.target) is not True
+            self._observe_end(routed, "unavailable" if missing else status, started)
+            if status == 200 and not _GENERATED.search(content):
+                EMPTY_ANSWERS.labels(routed.target, routed.split).inc()
             retry = status in _RETRY_STATUSES and attempt + 1 < self._attempts
             if retry and self.pool.candidates(routed.target, exclude | {replica.url}):
                 exclude = exclude | {replica.url}
@@ -282,7 +331,7 @@ class Router:
                 continue
             if status == 200 and routed.cache_key and self.responses is not None:
                 await self.responses.put(routed.cache_key, headers.get("content-type", ""), content)
-            if status == 404 and routed.alias is not None and replica.serves(routed.target) is not True:
+            if missing:
                 # The alias names a version this replica does not list: say so of what was asked
                 # (a model it lists but cannot load keeps the replica's own reason).
                 content, headers["content-type"] = not_served_body(routed.requested), "application/json"
@@ -291,33 +340,49 @@ class Router:
         raise last_error
 
     async def _stream(
-        self, routed: Routed, response: StreamReply, lease: Lease, started: float
+        self, routed: Routed, response: StreamReply, lease: Lease, started: float, deadline: float
     ) -> AsyncGenerator[bytes, None]:
-        """Relay a stream's bytes; measure its first token; keep it for the cache if it completes."""
+        """Relay a stream's bytes; measure its first token and the gaps between its events; keep
+        it for the cache if it completes. A stream that ends early is ``broken`` when the model
+        server cut it, ``timeout`` past the deadline, else 499 (the client went away)."""
         keep = bytearray() if routed.cache_key and self.responses is not None else None
-        first = True
-        completed = False
+        first_at: float | None = None
+        events = 0
+        generated = False
+        status = "499"
         try:
             async for chunk in response.aiter_bytes():
-                if first:
-                    first = False
-                    ttft = self._clock() - started
+                if first_at is None:
+                    first_at = self._clock()
+                    ttft = first_at - started
                     TTFT.labels(routed.target, routed.split).observe(ttft)
                     self.autoscaler.observe(routed.target, ttft)
+                events += chunk.count(b"data:")
+                generated = generated or _GENERATED.search(chunk) is not None
                 if keep is not None:
                     keep.extend(chunk)
                     if self.responses is not None and len(keep) > self.responses.max_bytes:
                         keep = None  # too large to cache: stop holding it
                 yield chunk
-            completed = True
+            status = "200"
+        except StreamBroken:
+            status = "broken"
+            raise
         finally:
             await response.aclose()
             lease.release()
-            self._observe_end(routed, 200 if completed else 499, started)
+            if status == "499" and self._clock() >= deadline:
+                status = "timeout"
+            self._observe_end(routed, status, started)
+            if status == "200":
+                if first_at is not None and events > 2:  # the last event is [DONE]
+                    ITL.labels(routed.target, routed.split).observe((self._clock() - first_at) / (events - 2))
+                if not generated:
+                    EMPTY_ANSWERS.labels(routed.target, routed.split).inc()
         if keep is not None and self.responses is not None and complete_stream(bytes(keep)):
             await self.responses.put(routed.cache_key or "", "text/event-stream", bytes(keep))
 
-    def _observe_end(self, routed: Routed, status: int, started: float) -> None:
+    def _observe_end(self, routed: Routed, status: int | str, started: float) -> None:
         UPSTREAM_REQUESTS.labels(routed.target, routed.split, str(status)).inc()
         UPSTREAM_SECONDS.labels(routed.target, routed.split).observe(self._clock() - started)
 

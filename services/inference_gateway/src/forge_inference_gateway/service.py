@@ -34,7 +34,9 @@ from forge_inference_gateway.replicas import Replicas
 from forge_inference_gateway.response_cache import ResponseCache
 from forge_inference_gateway.router import GenerationRequest, Router
 from forge_inference_gateway.routing import NoReplicaError, ReplicaPool
+from forge_inference_gateway.shadow import Shadows
 from forge_inference_gateway.tenants import Tenant, Tenants
+from forge_inference_gateway.training_prompts import TrainingPrompts
 from forge_inference_gateway.upstream import UpstreamError, UpstreamUnavailableError, error_for
 from forge_kit.cache import Cache
 from forge_kit.db import Database
@@ -83,9 +85,12 @@ class InferenceGateway:
         tenant_ttl_s: float = 5.0,
         metrics_interval_s: float = 0.5,
         replica_sync_s: float = 5.0,
+        training_prompts: TrainingPrompts | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.pool = pool
+        self.training_prompts = training_prompts or TrainingPrompts(db)
+        """Records the prompts of tenants that allow training (the RLHF prompt pool)."""
         self.admission = admission or Admission(pool, clock=clock)
         self.autoscaler = autoscaler or Autoscaler(self.admission, clock=clock)
         self.responses = responses
@@ -116,6 +121,7 @@ class InferenceGateway:
             upstream_attempts=upstream_attempts,
             clock=clock,
         )
+        self.shadows = Shadows(db, self.router)
         self._timeout_s = request_timeout_s
         self._clock = clock
 
@@ -200,6 +206,7 @@ class InferenceGateway:
         with the model version that answers it."""
         path = "/v1/chat/completions" if chat else "/v1/completions"
         request = GenerationRequest.parse({**body, "stream": True, "stream_options": {"include_usage": True}})
+        await self.training_prompts.record(tenant, body)
         routed = await self.router.route(tenant, path, request)
         forwarded = await self.router.forward(routed, deadline)
         if forwarded.chunks is None:

@@ -26,6 +26,24 @@ class TenantRow(Base):
     priority_class: Mapped[str] = mapped_column(sa.String(32))
     rpm_limit: Mapped[int] = mapped_column(sa.Integer)
     created_at: Mapped[dt.datetime] = mapped_column(sa.DateTime, default=utcnow)
+    allow_training: Mapped[bool] = mapped_column(sa.Boolean, default=False, server_default=sa.false())
+    """The tenant allowed its prompts to be used for training (RLHF prompt pool); off by default."""
+
+
+class TrainingPromptRow(Base):
+    """A production prompt of a tenant that allowed training (``TenantRow.allow_training``), for
+    the RLHF prompt pool (``training_prompts.py``); one row per (tenant, prompt text)."""
+
+    __tablename__ = "training_prompts"
+    __table_args__ = (
+        sa.UniqueConstraint("tenant_id", "prompt_hash", name="uq_training_prompts_tenant_hash"),
+    )
+
+    seq: Mapped[int] = mapped_column(sa.Integer, primary_key=True, autoincrement=True)
+    tenant_id: Mapped[str] = mapped_column(sa.ForeignKey("tenants.id"), index=True)
+    prompt_hash: Mapped[str] = mapped_column(sa.String(64))
+    prompt: Mapped[str] = mapped_column(sa.Text)
+    created_at: Mapped[dt.datetime] = mapped_column(sa.DateTime, default=utcnow)
 
 
 class ModelAliasRow(Base):
@@ -43,6 +61,30 @@ class ModelAliasRow(Base):
     canary_model_name: Mapped[str] = mapped_column(sa.String(255), default="")
     canary_model_version: Mapped[str] = mapped_column(sa.String(255), default="")
     canary_weight: Mapped[int] = mapped_column(sa.Integer, default=0)
+    shadow_model_name: Mapped[str] = mapped_column(sa.String(255), default="", server_default="")
+    shadow_model_version: Mapped[str] = mapped_column(sa.String(255), default="", server_default="")
+    shadow_percent: Mapped[int] = mapped_column(sa.Integer, default=0, server_default="0")
+    """Share of the alias's stable traffic also sent to the shadow model, its answer only stored."""
+
+
+class ShadowPairRow(Base):
+    """A production request mirrored to the shadow model: both answers (for raters), the shadow's
+    status and latency. ``request`` is the body as sent (JSON, cut to a bound)."""
+
+    __tablename__ = "shadow_pairs"
+
+    id: Mapped[int] = mapped_column(sa.Integer, primary_key=True, autoincrement=True)
+    alias: Mapped[str] = mapped_column(sa.String(255), index=True)
+    path: Mapped[str] = mapped_column(sa.String(64))
+    request: Mapped[str] = mapped_column(sa.Text)
+    production_model: Mapped[str] = mapped_column(sa.String(255))
+    production_status: Mapped[int] = mapped_column(sa.Integer)
+    production_answer: Mapped[str] = mapped_column(sa.Text)
+    shadow_model: Mapped[str] = mapped_column(sa.String(255))
+    shadow_status: Mapped[str] = mapped_column(sa.String(16))
+    shadow_answer: Mapped[str] = mapped_column(sa.Text)
+    shadow_ms: Mapped[float] = mapped_column(sa.Float)
+    created_at: Mapped[dt.datetime] = mapped_column(sa.DateTime, default=utcnow)
 
 
 class UpstreamReplicaRow(Base):

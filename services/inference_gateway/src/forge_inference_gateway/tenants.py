@@ -1,4 +1,5 @@
-"""Tenants: their API keys (stored as SHA-256 only), priority classes and per-minute rate limits."""
+"""Tenants: their API keys (stored as SHA-256 only), priority classes, per-minute rate limits and
+whether they allow their prompts to be used for training (off unless the tenant opts in)."""
 
 from __future__ import annotations
 
@@ -39,10 +40,18 @@ class Tenant:
     name: str
     priority_class: str
     rpm_limit: int
+    allow_training: bool = False
+    """Its prompts may be recorded for the RLHF prompt pool (``training_prompts.py``)."""
 
 
 def _tenant(row: TenantRow) -> Tenant:
-    return Tenant(id=row.id, name=row.name, priority_class=row.priority_class, rpm_limit=row.rpm_limit)
+    return Tenant(
+        id=row.id,
+        name=row.name,
+        priority_class=row.priority_class,
+        rpm_limit=row.rpm_limit,
+        allow_training=bool(row.allow_training),
+    )
 
 
 class Tenants:
@@ -90,9 +99,15 @@ class Tenants:
         return _tenant(row)
 
     async def create_tenant(
-        self, name: str, priority_class: str = "interactive", rpm_limit: int | None = None
+        self,
+        name: str,
+        priority_class: str = "interactive",
+        rpm_limit: int | None = None,
+        *,
+        allow_training: bool = False,
     ) -> tuple[Tenant, str]:
-        """A new tenant and its API key; the key is shown this once and only its hash is kept."""
+        """A new tenant and its API key; the key is shown this once and only its hash is kept.
+        Its prompts are used for training only when ``allow_training`` says so (off by default)."""
         if not _NAME.match(name):
             raise errors.ValidationError("name", "lower-case letters, digits and '-', at most 63 characters")
         if priority_class not in PRIORITY_CLASSES:
@@ -109,9 +124,21 @@ class Tenants:
                 key_hash=hash_api_key(api_key),
                 priority_class=priority_class,
                 rpm_limit=rpm_limit or self._default_rpm,
+                allow_training=allow_training,
             )
             session.add(row)
         return _tenant(row), api_key
+
+    async def set_training(self, name: str, allowed: bool) -> Tenant:
+        """Opt the tenant in to (or out of) training on its prompts. Opting out also keeps the
+        prompts recorded before out of the pool (``TrainingPrompts.pool`` reads the flag)."""
+        async with self._db.session() as session:
+            row = await session.scalar(sa.select(TenantRow).where(TenantRow.name == name))
+            if row is None:
+                raise errors.NotFoundError(f"tenant {name!r} not found")
+            row.allow_training = allowed
+        self._cached.clear()
+        return _tenant(row)
 
     async def list_tenants(self) -> list[Tenant]:
         async with self._db.session() as session:

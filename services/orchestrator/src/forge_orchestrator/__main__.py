@@ -17,10 +17,12 @@ from forge_kit.http import make_app
 from forge_kit.objectstore import ObjectStore
 from forge_orchestrator.activities import SchedulerActivities
 from forge_orchestrator.api import OrchestratorApi
+from forge_orchestrator.canary_activities import CanaryActivities
 from forge_orchestrator.config import OrchestratorSettings
 from forge_orchestrator.eval_activities import EvalActivities
 from forge_orchestrator.identity import SchedulerAuthenticator
 from forge_orchestrator.rlhf_activities import RlhfActivities
+from forge_orchestrator.rlhf_sampling import RlhfSampler
 from forge_orchestrator.rlhf_worker import RlhfSettings, build_rlhf_worker
 from forge_orchestrator.service import (
     KINDS,
@@ -92,12 +94,22 @@ async def main() -> None:
     )
     activities = SchedulerActivities(settings.scheduler_target, settings.scheduler_token.get_secret_value())
     eval_activities = EvalActivities(settings.eval_target, settings.eval_token.get_secret_value())
+    canary = CanaryActivities(
+        settings.gateway_metrics_urls,
+        default_family=settings.canary_policy,
+        policy_dir=Path(settings.canary_policy_dir) if settings.canary_policy_dir else None,
+    )
     # Sweeps record their parent and trial runs where training runs are tracked (none without MLflow).
     tracker = Tracker(settings.mlflow_uri, ui_url=settings.mlflow_ui_uri) if settings.mlflow_uri else None
     sweeps = SweepActivities(db.url, tracker)
     app.add_background(
         build_worker(
-            client, settings.task_queue, activities, eval_activities, extra_activities=sweeps.methods()
+            client,
+            settings.task_queue,
+            activities,
+            eval_activities,
+            extra_activities=sweeps.methods(),
+            canary=canary,
         ).run
     )
     app.add_on_stop(activities.close)
@@ -107,8 +119,15 @@ async def main() -> None:
         rlhf_activities = RlhfActivities(
             settings.preference_feedback_target, settings.preference_feedback_token.get_secret_value()
         )
+        sampler = RlhfSampler(
+            settings.inference_gateway_target,
+            RlhfSettings().gateway_url,
+            settings.inference_gateway_token.get_secret_value(),
+            settings.preference_feedback_target,
+            settings.preference_feedback_token.get_secret_value(),
+        )
         rlhf_worker = build_rlhf_worker(
-            client, settings.task_queue, activities, eval_activities, rlhf_activities
+            client, settings.task_queue, activities, eval_activities, rlhf_activities, sampler, canary
         )
         app.add_background(rlhf_worker.run)
         app.add_on_stop(rlhf_activities.close)

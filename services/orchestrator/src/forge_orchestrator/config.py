@@ -99,6 +99,19 @@ class OrchestratorSettings(ServiceSettings):
     eval_token: SecretStr = NO_TOKEN
     """Bearer token the eval service accepts."""
 
+    gateway_metrics_urls: list[str] = Field(default_factory=list)
+    """The inference gateway replicas' ``/metrics`` URLs (JSON list in the environment), summed
+    by the guarded canary's analysis; empty: no gateway is watched and a canary sees no traffic
+    (so it is never promoted by the default policy)."""
+
+    canary_policy: str = ""
+    """Canary policy family of eval-and-promote workflows whose input names none; empty: the
+    model's name (``policies/canary/<name>.yaml``, else ``default.yaml``)."""
+
+    canary_policy_dir: str = ""
+    """Folder of the canary policy files (``<family>.yaml``); empty: ``policies/canary`` of the
+    checkout."""
+
     preference_feedback_target: str = "127.0.0.1:50058"
     """host:port of the preference-feedback gRPC server (RLHF workflows)."""
 

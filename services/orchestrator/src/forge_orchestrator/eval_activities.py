@@ -106,6 +106,25 @@ class PromoteInput:
     reason: str
 
 
+@dataclass
+class RolloutState:
+    """A canary's registry state: its stage now and whether an operator paused its analysis."""
+
+    stage: str
+    paused: bool = False
+    actor: str = ""
+    """Who moved it out of canary, when it left (an operator's override)."""
+    reason: str = ""
+
+
+@dataclass
+class DecisionInput:
+    model: ModelId
+    decision: str
+    reason: str
+    evidence: str = ""
+
+
 class EvalActivities:
     """Eval calls for workflows; the channel opens on first use, in the worker's event loop."""
 
@@ -230,3 +249,38 @@ class EvalActivities:
             raise failed("PromoteModel", exc) from exc
         previous = reply.previous
         return str(ModelRef.of(previous)) if previous.name else ""
+
+    @activity.defn(name="eval_rollout_state")
+    async def rollout_state(self, model: ModelId) -> RolloutState:
+        """The model's stage and, from its newest audit events, whether it is paused and who
+        took it out of canary."""
+        request = eval_pb2.ListStageEventsRequest(
+            model_name=model.name, model_version=model.version, page=common_pb2.PageRequest(page_size=50)
+        )
+        try:
+            reply = await self._stub().ListStageEvents(request, timeout=self._rpc_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise failed("ListStageEvents", exc) from exc
+        events = list(reply.events)
+        if not events:
+            return RolloutState(stage="")
+        newest = events[0]
+        toggles = [e.action for e in events if e.action in ("pause", "resume")]
+        return RolloutState(
+            stage=newest.to_stage,
+            paused=bool(toggles) and toggles[0] == "pause",
+            actor=newest.actor,
+            reason=newest.reason,
+        )
+
+    @activity.defn(name="eval_decide_rollout")
+    async def decide_rollout(self, params: DecisionInput) -> str:
+        """Record a canary decision with its evidence (promote and rollback move the model)."""
+        request = eval_pb2.DecideRolloutRequest(
+            ref=params.model.ref(), decision=params.decision, reason=params.reason, evidence=params.evidence
+        )
+        try:
+            reply = await self._stub().DecideRollout(request, timeout=self._rpc_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise failed("DecideRollout", exc) from exc
+        return str(reply.event.event_id)

@@ -1,40 +1,45 @@
-"""The RLHF workflow: rounds of reward-model retraining and policy optimisation on human preferences.
+"""The RLHF workflow: rounds of preference collection on the current policy's own samples,
+reward-model retraining and policy optimisation.
 
 ``rlhf`` (:class:`RlhfWorkflow`), each round in numbered steps:
 
-1. **buffer**: wait (durable timers between polls) until at least ``min_new_pairs`` accepted
-   pairs — A or B answers of raters that rater quality does not flag — were recorded after the
-   previous round's snapshot;
-2. **snapshot**: the feedback service exports the accepted pairs as an immutable, content-hashed
-   snapshot (flagged raters' labels left out, with the reasons) with a held-out split;
+1. **preferences** (:mod:`.rlhf_collect`): online, sample the current policy (``sample_model``,
+   through the inference gateway) on prompts of the prompt pool — a dataset plus production
+   prompts of tenants that allowed training — and queue the pairs for raters, then wait for
+   ``min_policy_pairs`` accepted preferences on them; offline (no ``sample_model``), wait for
+   ``min_new_pairs`` accepted pairs since the previous snapshot. Raters who do not answer before
+   the deadline end the round ``stalled`` with the counts;
+2. **snapshot**: the feedback service exports every accepted pair so far as an immutable,
+   content-hashed snapshot (flagged raters' labels left out, with the reasons) with a held-out
+   split;
 3. **reward model**: train it as a job through the ``training`` workflow (a child; the
    ``reward_hh`` recipe on the snapshot's training split, from the reference policy);
 4. **gate**: ``forge rm eval`` on the snapshot's held-out human pairs (a job through the
    ``rlhf_job`` child workflow), then register the version with its accuracy, Wilson interval
-   and snapshot. Unless the interval's lower end is above 50 % the version is retired and the
-   loop stops, with the reason recorded; otherwise it becomes the active version, and the
-   round is pinned to it;
+   and snapshot. Unless :func:`~.rlhf_round.reward_gate` passes, the version is retired and the
+   loop stops, with the reason recorded; otherwise it becomes the active version, and the round
+   is pinned to it;
 5. **policy round**: DPO (``dpo_hh``) on the snapshot's training pairs from the current policy
-   against it as the frozen reference, through the ``training`` workflow; then a drift check
-   job scores the policies of the loop so far against the original reference under the pinned
-   reward model: KL, proxy reward and held-out human agreement (``policy_check``). The round
-   stops — its checkpoint is not handed on — when the KL exceeds ``kl_budget``, or when the
-   proxy reward rose over the last ``overopt_window`` checkpoints while held-out agreement fell
-   (proxy reward is logged against sqrt(KL), as Gao et al. 2022 plot it);
+   against it as the frozen reference, through the ``training`` workflow. With
+   ``monitor_interval`` K, the trainer scores KL to the reference, the proxy reward of the
+   policy's samples under the pinned reward model and held-out human agreement every K steps
+   **during** training and stops early when over-optimisation shows (proxy reward up, held-out
+   agreement down); the trace is the round's ``training_monitor``. Then a drift check job scores
+   the loop's policies against the original reference (``policy_check``); the round stops — its
+   checkpoint is not handed on — when the KL exceeds ``kl_budget`` or over-optimisation shows
+   across checkpoints;
 6. **hand over**: the checkpoint goes to the ``eval_and_promote`` workflow (a child); when it is
    promoted the next round starts from it.
 
 Every step is visible: the ``progress`` query (the current round and every round so far), the
 workflow's log, and the round's row in the feedback service (``RecordRlhfRound``, the admin page
-``/ui/admin/rlhf``). The loop ends after ``max_rounds`` rounds, at a refused gate or a drift stop.
+``/ui/admin/rlhf``). The loop ends after ``max_rounds`` rounds, at a stalled wait, a refused gate
+or a drift stop.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
-import re
-from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -43,15 +48,28 @@ from temporalio.common import RetryPolicy
 from temporalio.exceptions import ApplicationError
 
 with workflow.unsafe.imports_passed_through():
-    from forge_kit.rmlength import length_gate, registry_metrics
-    from forge_orchestrator.activities import SchedulerActivities, SubmitJobInput
+    from forge_kit.rmlength import registry_metrics
     from forge_orchestrator.rlhf_activities import (
-        PairStats,
         RegisterRewardModelInput,
         RewardModelStatusInput,
         RlhfActivities,
         RoundReportInput,
         SnapshotInfo,
+    )
+    from forge_orchestrator.rlhf_collect import FEEDBACK_TIMEOUT, RoundCollection
+    from forge_orchestrator.rlhf_job import JobInput, JobResult, JobWorkflow
+    from forge_orchestrator.rlhf_round import (
+        CHANCE,
+        POINT_KEYS,
+        DriftPoint,
+        RlhfInput,
+        RlhfResult,
+        RoundRecord,
+        drift_stop,
+        join,
+        reward_gate,
+        rm_version,
+        round_gates,
     )
     from forge_orchestrator.training import AUTO_EVAL_LABEL, TrainInput, TrainResult, TrainWorkflow
     from forge_orchestrator.workflows import (
@@ -63,251 +81,11 @@ with workflow.unsafe.imports_passed_through():
         EvalAndPromoteWorkflow,
     )
 
-FEEDBACK_TIMEOUT = timedelta(minutes=5)
-"""Exports and rater-quality passes scan every preference; they get longer than plain calls."""
-CHANCE = 0.5
-
-
-@dataclass
-class RlhfInput:
-    """Input of the RLHF workflow."""
-
-    policy_uri: str
-    """The reference policy (a Hugging Face folder, e.g. an SFT checkpoint): the first round starts
-    from it, reward models are initialised from it and drift is measured against it."""
-    work_uri: str
-    """Shared folder (path or object-store URL) where the round's evaluation jobs write results."""
-    team: str = "rlhf"
-    min_new_pairs: int = 64
-    """Accepted pairs recorded since the previous round's snapshot before a round starts."""
-    poll_s: float = 30.0
-    """First wait between two counts while buffering; it doubles up to ``max_poll_s``."""
-    max_poll_s: float = 600.0
-    """Longest wait between two counts (bounds the history: a week of buffering is ~1,000 polls)."""
-    buffer_timeout_s: float = 7 * 86400.0
-    """How long one round may wait for enough new pairs before the workflow gives up."""
-    heldout_fraction: float = 0.1
-    reward_model_name: str = "rm-rlhf"
-    reward_recipe: str = "reward_hh"
-    reward_overrides: list[str] = field(default_factory=list)
-    rm_length_gate: bool = True
-    """Also refuse a reward model that judges length, not quality (:func:`forge_kit.rmlength.length_gate`
-    on the held-out pairs whose preferred reply is the shorter one)."""
-    rm_min_shorter_low: float = 0.5
-    """The preferred-shorter accuracy's 95 % interval must lie above this."""
-    rm_min_shorter_n: int = 1
-    """Fewest held-out preferred-shorter pairs the length gate judges on (the interval widens
-    with fewer by itself)."""
-    dpo_recipe: str = "dpo_hh"
-    dpo_overrides: list[str] = field(default_factory=list)
-    kl_budget: float = 20.0
-    """Nats per response: a round whose policy is further from the reference than this stops."""
-    overopt_window: int = 2
-    """Stop when the proxy reward rose and held-out agreement fell over this many successive
-    checkpoints (the reference counts as the first point)."""
-    check_max_prompts: int = 32
-    check_max_new_tokens: int = 24
-    max_rounds: int = 1
-    python: str = "python"
-    """Interpreter on the nodes (it runs the trainer and the feedback package's evaluations)."""
-    gpus_per_replica: int = 1
-    gpu_type: str = ""
-    job_timeout_s: float = 6 * 3600.0
-    checkpoint_wait_s: float = 120.0
-    promote: bool = True
-    """Hand each accepted checkpoint to ``eval_and_promote`` (step 6)."""
-    model_name: str = "policy-rlhf"
-    promote_suite: str = EvalAndPromoteInput.suite
-    """Suite of the hand-over; by default eval-and-promote's own (held-out perplexity)."""
-    promote_limit: int = 50
-    promote_tier: str = "smoke"
-    promote_endpoint: str = ""
-
-
-@dataclass
-class DriftPoint:
-    """One checkpoint's drift figures against the original reference, under the pinned RM."""
-
-    policy: str
-    kl: float
-    sqrt_kl: float
-    proxy_reward: float
-    heldout_agreement: float
-
-
-@dataclass
-class RoundRecord:
-    round: int
-    status: str = "running"
-    """``running``, ``completed``, ``stopped`` (drift) or ``rejected`` (a gate refused)."""
-    step: str = "buffering"
-    new_pairs: int = 0
-    snapshot_id: str = ""
-    snapshot_uri: str = ""
-    train_pairs: int = 0
-    test_pairs: int = 0
-    excluded_raters: dict[str, str] = field(default_factory=dict)
-    reward_model: str = ""
-    reward_model_uri: str = ""
-    rm_accuracy: float = 0.0
-    rm_ci95_low: float = 0.0
-    rm_ci95_high: float = 0.0
-    rm_n: int = 0
-    policy_uri: str = ""
-    drift: list[DriftPoint] = field(default_factory=list)
-    """Reference first, then the loop's policies up to this round's, under this round's RM."""
-    reason: str = ""
-    eval_workflow_id: str = ""
-    decision: str = ""
-    """``promoted`` or ``blocked`` (by eval-and-promote); empty when not handed on."""
-
-
-@dataclass
-class RlhfResult:
-    rounds: list[RoundRecord] = field(default_factory=list)
-    policy_uri: str = ""
-    """The policy the loop ended with (the last promoted one, else the reference)."""
-    ended: str = ""
-    """Why the loop ended."""
-
-
-@dataclass
-class JobInput:
-    """A non-training job run to completion (``rlhf_job``); its outputs go where its command says."""
-
-    team: str
-    name: str
-    command: list[str]
-    kind: str = "eval"
-    gpu_count: int = 1
-    gpu_type: str = ""
-    timeout_s: float = 3600.0
-    max_infra_retries: int = 3
-
-
-@dataclass
-class JobResult:
-    job_id: str
-    states_seen: list[str] = field(default_factory=list)
-
-
-@workflow.defn(name="rlhf_job")
-class JobWorkflow(TrainWorkflow):
-    """Submit one job and follow it to SUCCEEDED exactly as the training workflow does (the same
-    ``job_event`` signal, requeue accounting and fail-fast), without waiting for a checkpoint."""
-
-    @workflow.run
-    async def run(self, params: JobInput) -> JobResult:  # type: ignore[override]
-        info = workflow.info()
-        self._step = "submitting"
-        await workflow.execute_activity_method(
-            SchedulerActivities.ensure_team,
-            params.team,
-            start_to_close_timeout=ACTIVITY_TIMEOUT,
-            retry_policy=ACTIVITY_RETRY,
-        )
-        self._job_id = await workflow.execute_activity_method(
-            SchedulerActivities.submit_job,
-            SubmitJobInput(
-                name=params.name,
-                team=params.team,
-                command=params.command,
-                request_id=f"{info.workflow_id}/{info.run_id}/job",
-                labels={"workflow_id": info.workflow_id},
-                gpu_count=params.gpu_count,
-                gpu_type=params.gpu_type,
-                kind=params.kind,
-            ),
-            start_to_close_timeout=ACTIVITY_TIMEOUT,
-            retry_policy=ACTIVITY_RETRY,
-        )
-        follow = TrainInput(
-            team=params.team,
-            recipe=params.name,
-            timeout_s=params.timeout_s,
-            max_infra_retries=params.max_infra_retries,
-        )
-        try:
-            await self._follow(follow)
-        except BaseException:
-            self._step = "failed"
-            raise
-        self._step = "done"
-        return JobResult(job_id=self._job_id, states_seen=self._states())
-
-
-def reward_gate(summary: dict[str, Any], chance: float = CHANCE) -> str:
-    """Why a reward model may not be used (empty when it may): its held-out accuracy must beat
-    ``chance`` significantly, i.e. the 95 % interval's lower end lies above it."""
-    for key in ("accuracy", "ci95_low", "ci95_high", "n"):
-        if key not in summary:
-            return f"rm eval summary has no {key!r}"
-    low = float(summary["ci95_low"])
-    if low > chance:
-        return ""
-    return (
-        f"held-out pairwise accuracy {float(summary['accuracy']):.3f} "
-        f"[{low:.3f}, {float(summary['ci95_high']):.3f}] on n={int(summary['n'])} human pairs does not "
-        f"beat {chance:.0%} significantly (the 95% interval reaches {chance:.0%})"
-    )
-
-
-def rm_gate(summary: dict[str, Any], params: RlhfInput) -> str:
-    """Why a round's reward model may not be used (empty when it may): :func:`reward_gate`, then
-    (``params.rm_length_gate``) :func:`forge_kit.rmlength.length_gate` on its held-out pairs whose
-    preferred reply is the shorter one."""
-    if reason := reward_gate(summary):
-        return reason
-    if not params.rm_length_gate:
-        return ""
-    return length_gate(
-        summary, min_shorter_low=params.rm_min_shorter_low, min_shorter_n=params.rm_min_shorter_n
-    )
-
-
-def drift_stop(points: list[DriftPoint], kl_budget: float, window: int) -> str:
-    """Why the newest point ends the round (empty when it does not).
-
-    1. KL budget: the newest policy is more than ``kl_budget`` nats from the reference.
-    2. Over-optimisation: over the last ``window`` steps (``window + 1`` points) the proxy reward
-       rose at every step while held-out human agreement fell at every step.
-    """
-    if not points:
-        return ""
-    newest = points[-1]
-    if newest.kl > kl_budget:
-        return f"KL to the reference {newest.kl:.3f} nats exceeds the budget {kl_budget:g}"
-    if window >= 1 and len(points) > window:
-        tail = points[-(window + 1) :]
-        steps = list(itertools.pairwise(tail))
-        if all(b.proxy_reward > a.proxy_reward for a, b in steps) and all(
-            b.heldout_agreement < a.heldout_agreement for a, b in steps
-        ):
-            trace = ", ".join(
-                f"sqrt(KL)={p.sqrt_kl:.3f}: proxy {p.proxy_reward:.3f}, agreement {p.heldout_agreement:.3f}"
-                for p in tail
-            )
-            return (
-                f"over-optimisation: proxy reward rose while held-out human agreement fell over the last "
-                f"{window} checkpoint(s) ({trace})"
-            )
-    return ""
-
-
-_VERSION_CHARS = re.compile(r"[^A-Za-z0-9._-]")
-
-
-def rm_version(workflow_id: str, round_number: int) -> str:
-    """A registry version unique to the round (so a retried registration finds its own)."""
-    return f"{_VERSION_CHARS.sub('-', workflow_id)[:48]}.r{round_number}"
-
-
-def _join(base: str, *parts: str) -> str:
-    return "/".join([base.rstrip("/"), *parts])
+__all__ = ["RLHF_WORKFLOWS", "RlhfInput", "RlhfResult", "RlhfWorkflow"]
 
 
 @workflow.defn(name="rlhf")
-class RlhfWorkflow:
+class RlhfWorkflow(RoundCollection):
     def __init__(self) -> None:
         self._rounds: list[RoundRecord] = []
         self._policy = ""
@@ -363,12 +141,20 @@ class RlhfWorkflow:
             self._rounds.append(record)
             await self._report(record)
             try:
-                # 1. Buffer.
-                stats = await self._buffer(params, watermark, record)
-                record.new_pairs = stats.accepted_since
+                # 1. Preferences: the policy's own samples rated (online), or whatever arrives.
+                if params.sample_model:
+                    if not await self._collect(params, record):
+                        ended = record.reason
+                        break
+                else:
+                    stats = await self._buffer(params, watermark, record)
+                    if stats is None:
+                        ended = record.reason
+                        break
+                    record.new_pairs = stats.accepted_since
                 # 2. Snapshot.
                 record.step = "exporting snapshot"
-                await self._report(record, new_pairs=float(stats.accepted_since))
+                await self._report(record, new_pairs=float(record.new_pairs))
                 snapshot: SnapshotInfo = await self._activity(
                     RlhfActivities.export_snapshot, params.heldout_fraction, FEEDBACK_TIMEOUT
                 )
@@ -410,29 +196,6 @@ class RlhfWorkflow:
     async def _end(self, record: RoundRecord, status: str, reason: str, **metrics: float) -> None:
         record.status, record.reason = status, reason
         await self._report(record, **metrics)
-
-    async def _buffer(self, params: RlhfInput, watermark: str, record: RoundRecord) -> PairStats:
-        deadline = workflow.now() + timedelta(seconds=params.buffer_timeout_s)
-        poll = params.poll_s
-        while True:
-            stats: PairStats = await self._activity(
-                RlhfActivities.preference_stats, watermark, FEEDBACK_TIMEOUT
-            )
-            record.new_pairs = stats.accepted_since
-            record.step = f"buffering ({stats.accepted_since}/{params.min_new_pairs} new accepted pairs)"
-            self._step = f"round {record.round}: {record.step}"
-            if stats.accepted_since >= params.min_new_pairs:
-                return stats
-            if workflow.now() >= deadline:
-                await self._end(
-                    record,
-                    "rejected",
-                    f"only {stats.accepted_since} new accepted pairs within {params.buffer_timeout_s:g}s "
-                    f"(need {params.min_new_pairs})",
-                )
-                raise ApplicationError(record.reason, type="BufferTimeout", non_retryable=True)
-            await workflow.sleep(timedelta(seconds=poll))
-            poll = min(poll * 2, max(params.max_poll_s, params.poll_s))
 
     def _train(self, params: RlhfInput, name: str, recipe: str, overrides: list[str]) -> TrainInput:
         return TrainInput(
@@ -480,7 +243,7 @@ class RlhfWorkflow:
                 params.reward_recipe,
                 [
                     f"init.parent={params.policy_uri}",
-                    f"pairs.path={_join(record.snapshot_uri, 'train.jsonl.gz')}",
+                    f"pairs.path={join(record.snapshot_uri, 'train.jsonl.gz')}",
                     *params.reward_overrides,
                 ],
             ),
@@ -491,7 +254,7 @@ class RlhfWorkflow:
         record.reward_model_uri = trained.checkpoint.uri
         record.step = "evaluating reward model on held-out human pairs"
         await self._report(record)
-        out = _join(params.work_uri, wid, f"round-{n}", "rm-eval")
+        out = join(params.work_uri, wid, f"round-{n}", "rm-eval")
         await self._job(
             params,
             f"{wid}-r{n}-rm-eval",
@@ -504,13 +267,13 @@ class RlhfWorkflow:
                 "--checkpoint",
                 record.reward_model_uri,
                 "--pairs",
-                _join(record.snapshot_uri, "test.jsonl.gz"),
+                join(record.snapshot_uri, "test.jsonl.gz"),
                 "--out",
                 out,
             ],
         )
-        summary: dict[str, Any] = await self._activity(RlhfActivities.read_json, _join(out, "summary.json"))
-        reason = rm_gate(summary, params)
+        summary: dict[str, Any] = await self._activity(RlhfActivities.read_json, join(out, "summary.json"))
+        reason = reward_gate(summary, gates=round_gates(params))
         record.rm_accuracy = float(summary.get("accuracy", 0.0))
         record.rm_ci95_low = float(summary.get("ci95_low", 0.0))
         record.rm_ci95_high = float(summary.get("ci95_high", 0.0))
@@ -554,10 +317,26 @@ class RlhfWorkflow:
         await self._report(record, **figures)
         return False
 
+    @staticmethod
+    def _monitor_overrides(params: RlhfInput, record: RoundRecord, out: str) -> list[str]:
+        """The DPO job's in-training over-optimisation monitor (off without ``monitor_interval``):
+        every K steps, KL and proxy reward under the round's pinned reward model, held-out
+        agreement on the pairs DPO holds out; the trace goes to ``out``."""
+        if not params.monitor_interval:
+            return []
+        return [
+            f"dpo.monitor.interval={params.monitor_interval}",
+            f"dpo.monitor.reward_model={record.reward_model_uri}",
+            f"dpo.monitor.window={params.overopt_window}",
+            f"dpo.monitor.max_new_tokens={params.check_max_new_tokens}",
+            f"dpo.monitor.out={out}",
+        ]
+
     async def _policy_round(self, params: RlhfInput, record: RoundRecord) -> bool:
         """Step 5; True when a drift check stopped the round."""
         wid = workflow.info().workflow_id
         n = record.round
+        monitor = join(params.work_uri, wid, f"round-{n}", "dpo-monitor.json")
         record.step = f"DPO against {self._policy} (pinned to {record.reward_model})"
         await self._report(record)
         trained: TrainResult = await workflow.execute_child_workflow(
@@ -568,7 +347,8 @@ class RlhfWorkflow:
                 params.dpo_recipe,
                 [
                     f"init.parent={self._policy}",
-                    f"pairs.path={_join(record.snapshot_uri, 'train.jsonl.gz')}",
+                    f"pairs.path={join(record.snapshot_uri, 'train.jsonl.gz')}",
+                    *self._monitor_overrides(params, record, monitor),
                     *params.dpo_overrides,
                 ],
             ),
@@ -577,9 +357,20 @@ class RlhfWorkflow:
         )
         assert trained.checkpoint is not None
         record.policy_uri = trained.checkpoint.uri
-        record.step = "drift check"
+        if params.monitor_interval:
+            trace: dict[str, Any] = await self._activity(RlhfActivities.read_json, monitor)
+            record.training_monitor = [
+                {k: float(v) for k, v in p.items() if isinstance(v, int | float)}
+                for p in trace.get("points", [])
+            ]
+            record.early_stop = str(trace.get("early_stop", ""))
+            if record.early_stop:
+                workflow.logger.info("rlhf round %d: DPO stopped early: %s", n, record.early_stop)
+        record.step = "drift check" + (
+            f" (DPO stopped early: {record.early_stop})" if record.early_stop else ""
+        )
         await self._report(record)
-        out = _join(params.work_uri, wid, f"round-{n}", "policy-check")
+        out = join(params.work_uri, wid, f"round-{n}", "policy-check")
         policies = [*self._accepted[-params.overopt_window :], record.policy_uri]
         command = [
             params.python,
@@ -590,7 +381,7 @@ class RlhfWorkflow:
             "--reward-model",
             record.reward_model_uri,
             "--pairs",
-            _join(record.snapshot_uri, "test.jsonl.gz"),
+            join(record.snapshot_uri, "test.jsonl.gz"),
             "--out",
             out,
             "--max-prompts",
@@ -603,7 +394,7 @@ class RlhfWorkflow:
         for policy in policies:
             command += ["--policy", policy]
         await self._job(params, f"{wid}-r{n}-check", f"policy-check-r{n}", command)
-        summary: dict[str, Any] = await self._activity(RlhfActivities.read_json, _join(out, "summary.json"))
+        summary: dict[str, Any] = await self._activity(RlhfActivities.read_json, join(out, "summary.json"))
         reference = DriftPoint(
             policy=params.policy_uri,
             kl=0.0,
@@ -611,7 +402,7 @@ class RlhfWorkflow:
             proxy_reward=float(summary["reference_proxy_reward"]),
             heldout_agreement=CHANCE,
         )
-        record.drift = [reference, *(DriftPoint(**{k: p[k] for k in _POINT_KEYS}) for p in summary["points"])]
+        record.drift = [reference, *(DriftPoint(**{k: p[k] for k in POINT_KEYS}) for p in summary["points"])]
         for point in record.drift:
             workflow.logger.info(
                 "rlhf round %d drift: sqrt(KL)=%.4f proxy_reward=%.4f heldout_agreement=%.3f (%s)",
@@ -670,10 +461,14 @@ class RlhfWorkflow:
             self._accepted.append(record.policy_uri)
             self._policy = record.policy_uri
         record.step = f"eval and promote: {outcome.decision}"
-        await self._end(record, "completed", outcome.blocked_reason)
+        canary = outcome.canary
+        note = outcome.blocked_reason or (
+            f"canary {canary['decision']} after {canary['decided_after_s']}s: {canary['reason']}"
+            if canary
+            else ""
+        )
+        await self._end(record, "completed", note)
 
-
-_POINT_KEYS = ("policy", "kl", "sqrt_kl", "proxy_reward", "heldout_agreement")
 
 #: The workflows the RLHF worker runs: the loop and the children it starts.
 RLHF_WORKFLOWS: tuple[type, ...] = (RlhfWorkflow, JobWorkflow, TrainWorkflow, EvalAndPromoteWorkflow)

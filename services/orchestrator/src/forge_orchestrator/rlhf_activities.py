@@ -43,6 +43,16 @@ class PairStats:
 
 
 @dataclass
+class BatchStats:
+    """Answers to an online round's comparisons (one batch of the feedback service)."""
+
+    comparisons: int
+    accepted: int
+    answers: int
+    raters: int
+
+
+@dataclass
 class SnapshotInfo:
     snapshot_id: str
     uri: str
@@ -132,6 +142,21 @@ class RlhfActivities:
             accepted_since=reply.accepted_since if since else reply.accepted_pairs,
             last_recorded_at=_iso(reply.last_recorded_at),
             excluded_raters=dict(reply.excluded_raters),
+        )
+
+    @activity.defn(name="rlhf_batch_stats")
+    async def batch_stats(self, batch: str) -> BatchStats:
+        """Comparisons queued under ``batch``, their accepted pairs, answers and raters."""
+        request = feedback_pb2.GetPreferenceStatsRequest(batch=batch)
+        try:
+            reply = await self._stub().GetPreferenceStats(request, timeout=self._rpc_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise failed("GetPreferenceStats", exc) from exc
+        return BatchStats(
+            comparisons=reply.batch_comparisons,
+            accepted=reply.batch_accepted,
+            answers=reply.batch_answers,
+            raters=reply.batch_raters,
         )
 
     @activity.defn(name="rlhf_export_snapshot")

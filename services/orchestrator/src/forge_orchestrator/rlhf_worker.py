@@ -9,6 +9,7 @@ id (the job's ``workflow_id`` label), whatever their queue.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import PurePosixPath
 from typing import Any
 
 from temporalio.client import Client
@@ -17,9 +18,11 @@ from temporalio.worker import Worker
 from forge_kit import errors
 from forge_kit.settings import ForgeSettings, service_config
 from forge_orchestrator.activities import SchedulerActivities
+from forge_orchestrator.canary_activities import CanaryActivities
 from forge_orchestrator.eval_activities import EvalActivities
 from forge_orchestrator.rlhf import RLHF_WORKFLOWS, RlhfInput
 from forge_orchestrator.rlhf_activities import RlhfActivities
+from forge_orchestrator.rlhf_sampling import RlhfSampler
 from forge_orchestrator.workflows import TIERS
 
 
@@ -34,6 +37,12 @@ class RlhfSettings(ForgeSettings):
     enabled: bool = True
     """Run the RLHF worker in the orchestrator process; when off, StartWorkflow refuses ``rlhf``."""
 
+    gateway_url: str = "http://127.0.0.1:8080"
+    """HTTP address of the inference gateway (``forge up``'s by default), whose admin API lists the
+    production part of the prompt pool (prompts of tenants that allow training), called with the
+    orchestrator's ``inference_gateway_token``; empty: online rounds draw dataset prompts only.
+    Samples go through the gateway's gRPC API (``inference_gateway_target``)."""
+
 
 def rlhf_task_queue(task_queue: str) -> str:
     return f"{task_queue}-rlhf"
@@ -45,6 +54,8 @@ def build_rlhf_worker(
     scheduler: SchedulerActivities,
     evals: EvalActivities,
     rlhf: RlhfActivities,
+    sampler: RlhfSampler,
+    canary: CanaryActivities | None = None,
 ) -> Worker:
     """A worker on :func:`rlhf_task_queue` (``task_queue``) for the loop, its children and their activities."""
     methods: list[Callable[..., Any]] = [
@@ -57,7 +68,12 @@ def build_rlhf_worker(
         evals.get_run,
         evals.compare_runs,
         evals.promote_model,
+        evals.rollout_state,
+        evals.decide_rollout,
+        *(canary or CanaryActivities()).methods(),
         rlhf.preference_stats,
+        rlhf.batch_stats,
+        sampler.queue_policy_samples,
         rlhf.export_snapshot,
         rlhf.register_reward_model,
         rlhf.set_reward_model_status,
@@ -85,8 +101,13 @@ def validate_rlhf(params: RlhfInput) -> None:
         raise errors.ValidationError("input.min_new_pairs", "must be between 1 and 10000000")
     if not 0.1 <= params.poll_s <= params.max_poll_s <= 86400:
         raise errors.ValidationError("input.poll_s", "need 0.1 <= poll_s <= max_poll_s <= 86400")
+    _validate_online(params)
     if not 0.0 < params.heldout_fraction < 1.0:
         raise errors.ValidationError("input.heldout_fraction", "must be in (0, 1)")
+    if not 0.0 <= params.rm_min_shorter_low < 1.0:
+        raise errors.ValidationError("input.rm_min_shorter_low", "must be in [0, 1)")
+    if params.rm_min_shorter_n < 1:
+        raise errors.ValidationError("input.rm_min_shorter_n", "must be at least 1")
     if not params.kl_budget > 0:
         raise errors.ValidationError("input.kl_budget", "must be positive (nats per response)")
     if not 1 <= params.overopt_window <= 100:
@@ -98,9 +119,10 @@ def validate_rlhf(params: RlhfInput) -> None:
             key = pair.partition("=")[0]
             if "=" not in pair or not key:
                 raise errors.ValidationError(f"input.{name}[{i}]", "must be KEY=VALUE")
-            if key in ("init.parent", "pairs.path"):
+            if key in ("init.parent", "pairs.path") or key.startswith("dpo.monitor."):
                 raise errors.ValidationError(
-                    f"input.{name}[{i}]", f"{key} is set by the loop (the policy and the round's snapshot)"
+                    f"input.{name}[{i}]",
+                    f"{key} is set by the loop (the policy, the round's snapshot, the monitor)",
                 )
     if not 1 <= params.check_max_prompts <= 10_000:
         raise errors.ValidationError("input.check_max_prompts", "must be between 1 and 10000")
@@ -110,3 +132,40 @@ def validate_rlhf(params: RlhfInput) -> None:
         raise errors.ValidationError("input.promote_suite", "must name the suite of the hand-over")
     if params.promote_tier not in TIERS:
         raise errors.ValidationError("input.promote_tier", f"must be one of {', '.join(TIERS)}")
+
+
+def _validate_online(params: RlhfInput) -> None:
+    """The online round's inputs: sizes in range, the dataset a relative path inside the data folder."""
+    if len(params.sample_model) > 255 or any(c.isspace() for c in params.sample_model):
+        raise errors.ValidationError(
+            "input.sample_model", "must be a model name without spaces, at most 255 characters"
+        )
+    dataset = PurePosixPath(params.prompt_dataset)
+    if (
+        not params.prompt_dataset
+        or dataset.is_absolute()
+        or ".." in dataset.parts
+        or "\\" in params.prompt_dataset
+    ):
+        raise errors.ValidationError("input.prompt_dataset", "must be a relative path inside the data folder")
+    for name, low, high in (
+        ("dataset_prompts", 0, 1000),
+        ("production_prompts", 0, 1000),
+        ("sample_max_tokens", 1, 2048),
+        ("max_prompt_chars", 16, 100_000),
+        ("min_policy_pairs", 1, 1_000_000),
+        ("min_raters", 1, 1000),
+        ("monitor_interval", 0, 100_000),
+    ):
+        if not low <= getattr(params, name) <= high:
+            raise errors.ValidationError(f"input.{name}", f"must be between {low} and {high}")
+    if params.sample_model and params.dataset_prompts + params.production_prompts == 0:
+        raise errors.ValidationError(
+            "input.dataset_prompts", "an online round needs prompts from some part of the pool"
+        )
+    if len(params.temperatures) != 2 or not all(0.0 <= t <= 2.0 for t in params.temperatures):
+        raise errors.ValidationError("input.temperatures", "must be two temperatures in [0, 2]")
+    if params.temperatures[0] == params.temperatures[1]:
+        raise errors.ValidationError("input.temperatures", "must differ (the two samples of a comparison)")
+    if not 1.0 <= params.buffer_timeout_s <= 30 * 86400:
+        raise errors.ValidationError("input.buffer_timeout_s", "must be between 1 s and 30 days")

@@ -35,6 +35,7 @@ from temporalio.worker import Worker
 
 from forge_kit import errors
 from forge_orchestrator.activities import SchedulerActivities, state_name
+from forge_orchestrator.canary_activities import CanaryActivities
 from forge_orchestrator.eval_activities import EvalActivities
 from forge_orchestrator.identity import ADMIN, Caller, authorize_start
 from forge_orchestrator.rlhf import RlhfInput, RlhfWorkflow
@@ -492,8 +493,10 @@ def build_worker(
     eval_activities: EvalActivities | None = None,
     workflows: Sequence[type] = WORKFLOWS,
     extra_activities: Sequence[Callable[..., Any]] = (),
+    canary: CanaryActivities | None = None,
 ) -> Worker:
-    """The Temporal worker of this process: every workflow of :data:`KINDS` and their activities."""
+    """The Temporal worker of this process: every workflow of :data:`KINDS` and their activities
+    (``canary`` None: a guarded canary watches no gateway, so it sees no traffic)."""
     methods: list[Callable[..., Any]] = [activities.ensure_team, activities.submit_job, activities.cancel_job]
     methods += extra_activities
     if eval_activities is not None:
@@ -504,6 +507,9 @@ def build_worker(
             eval_activities.get_run,
             eval_activities.compare_runs,
             eval_activities.promote_model,
+            eval_activities.rollout_state,
+            eval_activities.decide_rollout,
+            *(canary or CanaryActivities()).methods(),
         ]
     return Worker(client, task_queue=task_queue, workflows=list(workflows), activities=methods)
 

@@ -78,7 +78,7 @@ class TrainInput:
     gpu_type: str = ""
     priority_class: str = "normal"
     python: str = "python"
-    """Interpreter on the nodes that runs ``forge_trainer_agent.training.run``."""
+    """Interpreter on the nodes that runs ``forge_training.run``."""
     max_infra_retries: int = 3
     """Requeues after a lost node before the workflow gives up (preemptions do not count)."""
     timeout_s: float = 6 * 3600.0
@@ -104,7 +104,7 @@ class TrainResult:
 
 def command_of(params: TrainInput) -> list[str]:
     overrides = [arg for pair in params.overrides for arg in ("--set", pair)]
-    return [params.python, "-m", "forge_trainer_agent.training.run", "--recipe", params.recipe, *overrides]
+    return [params.python, "-m", "forge_training.run", "--recipe", params.recipe, *overrides]
 
 
 @workflow.defn(name="training")

@@ -22,6 +22,8 @@ from temporalio.exceptions import ApplicationError
 with workflow.unsafe.imports_passed_through():
     from forge_kit import errors
     from forge_orchestrator.activities import CancelJobInput, SchedulerActivities, SubmitJobInput
+    from forge_orchestrator.canary import CanaryOutcome, guard_canary, policy_family
+    from forge_orchestrator.canary_activities import CanaryActivities, PolicyInput
     from forge_orchestrator.eval_activities import (
         Comparison,
         EvalActivities,
@@ -209,7 +211,11 @@ class EvalAndPromoteInput:
     endpoint: str = ""
     """OpenAI-compatible endpoint serving both models; empty: a model server eval starts for each
     model's checkpoint (``serve_model``), or eval's default endpoint (the gateway) without it."""
-    canary_percent: int = 10
+    canary_percent: int = 0
+    """The canary's share of the production aliases' traffic; 0: the canary policy's."""
+    canary_policy: str = ""
+    """Policy family (``policies/canary/<family>.yaml``, else ``default.yaml``); empty: the
+    orchestrator's ``canary_policy`` setting, else the model's name."""
     poll_s: float = 2.0
     run_timeout_s: float = 3600.0
     tier: str = "full"
@@ -229,6 +235,10 @@ class EvalAndPromoteInput:
             raise errors.ValidationError(
                 "input.tier", f"must be one of {', '.join(TIERS)}, got {self.tier!r}"
             )
+        if self.canary_policy and policy_family(self.canary_policy) != self.canary_policy:
+            raise errors.ValidationError(
+                "input.canary_policy", "must be 1-64 of a-z, 0-9, '.', '_', '-' (a policy file's name)"
+            )
 
 
 @dataclass
@@ -247,7 +257,9 @@ class EvalAndPromoteResult:
     report_path: str = ""
     """The comparison report when compared with production, else the candidate run's report."""
     decision: str = ""
-    """``promoted`` or ``blocked``."""
+    """``promoted``, ``blocked`` (by the eval comparison) or ``rolled_back`` (by the canary)."""
+    canary: dict[str, Any] = field(default_factory=dict)
+    """The guarded canary's decision, reason, timing, traffic and evidence (JSON)."""
 
 
 @workflow.defn(name="eval_and_promote")
@@ -262,17 +274,20 @@ class EvalAndPromoteWorkflow:
     3. wait for the runs (durable timers between polls); a failed run fails the workflow;
     4. compare with production: WORSE blocks the release and returns the reason and report;
        otherwise
-    5. promote to ``canary`` (with its traffic share), then to ``production``, each through eval's
-       release gate, which publishes ``ModelPromoted`` for the gateway.
+    5. promote to ``canary`` through eval's release gate (``ModelPromoted`` tells the gateway) at
+       the canary policy's traffic share, and guard it (:mod:`forge_orchestrator.canary`): the
+       analysis of live traffic against production promotes it to ``production`` or rolls it
+       back. The first model (no production to compare with) goes straight on to production.
     """
 
     def __init__(self) -> None:
         self._step = "starting"
         self._runs: dict[str, str] = {}
+        self._canary = CanaryOutcome()
 
     @workflow.query(name=PROGRESS_QUERY)
     def progress(self) -> dict[str, object]:
-        return {"step": self._step, "runs": dict(self._runs)}
+        return {"step": self._step, "runs": dict(self._runs), "canary": dict(self._canary.progress)}
 
     async def _call(self, method: Callable[..., Awaitable[Any]], *args: object) -> Any:
         return await workflow.execute_activity_method(
@@ -372,17 +387,42 @@ class EvalAndPromoteWorkflow:
                 result.decision = "blocked"
                 self._step = "blocked"
                 return result
-        # 5. Canary, then production.
-        for stage, share in (("canary", params.canary_percent), ("production", 100)):
-            self._step = f"promoting to {stage}"
-            reason = f"eval run {candidate_run}" + (
-                f" vs {result.baseline}: {result.verdict}" if production else ""
-            )
+        # 5. Canary, guarded; then production.
+        reason = f"eval run {candidate_run}" + (
+            f" vs {result.baseline}: {result.verdict}" if production else ""
+        )
+        policy: dict[str, Any] = await self._call(
+            CanaryActivities.canary_policy,
+            PolicyInput(params.canary_policy, policy_family(params.model_name)),
+        )
+        share = params.canary_percent or int(policy["traffic_percent"])
+        self._step = "promoting to canary"
+        await self._call(
+            EvalActivities.promote_model,
+            PromoteInput(model=candidate, stage="canary", traffic_percent=share, reason=reason),
+        )
+        result.promoted_to.append("canary")
+        if production is None:
+            self._step = "promoting to production"
             await self._call(
                 EvalActivities.promote_model,
-                PromoteInput(model=candidate, stage=stage, traffic_percent=share, reason=reason),
+                PromoteInput(
+                    model=candidate, stage="production", traffic_percent=100, reason=f"{reason}; first model"
+                ),
             )
-            result.promoted_to.append(stage)
-        result.decision = "promoted"
-        self._step = "done"
+            result.promoted_to.append("production")
+            result.decision = "promoted"
+            self._step = "done"
+            return result
+        self._step = "canary analysis"
+        self._canary.traffic_percent = share
+        outcome = await guard_canary(self._call, candidate, production, policy, self._canary)
+        result.canary = {k: v for k, v in vars(outcome).items() if k != "progress"}
+        if outcome.decision == "promote":
+            result.promoted_to.append("production")
+            result.decision = "promoted"
+        else:
+            result.decision = "rolled_back"
+            result.blocked_reason = f"canary rolled back ({outcome.decided_by}): {outcome.reason}"
+        self._step = f"done: canary {outcome.decision}"
         return result

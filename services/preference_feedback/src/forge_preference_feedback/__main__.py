@@ -24,7 +24,7 @@ from forge_preference_feedback.registry import RewardModelRegistry
 from forge_preference_feedback.rounds import RlhfRounds
 from forge_preference_feedback.seeds import read_hh_rlhf
 from forge_preference_feedback.service import FeedbackService
-from forge_preference_feedback.store import open_transactions
+from forge_preference_feedback.transactions import open_transactions
 from forge_preference_feedback.web import rater_api, rater_ui
 
 

@@ -16,7 +16,7 @@ from forge_kit.paging import decode_page, page_info
 from forge_preference_feedback.quality import QualityPolicy
 from forge_preference_feedback.registry import HeldoutAccuracy, RewardModelRegistry, heldout_of
 from forge_preference_feedback.rounds import RlhfRounds, RoundReport, round_fields
-from forge_preference_feedback.service import FeedbackService, StoredSnapshot
+from forge_preference_feedback.service import FeedbackService, NewComparison, StoredSnapshot
 from forge_preference_feedback.store import ComparisonRow, RewardModelRow, RlhfRoundRow
 
 STATUS_TO_PROTO = {
@@ -132,15 +132,30 @@ class FeedbackApi(feedback_pb2_grpc.PreferenceFeedbackServiceServicer):
     ) -> feedback_pb2.GetPreferenceStatsResponse:
         since = timestamp_field(request, "since")
         since = since.replace(tzinfo=None) if since is not None else None  # the store's naive UTC
-        stats = await self._service.preference_stats(since, self._policy)
+        stats = await self._service.preference_stats(since, self._policy, batch=request.batch)
         reply = feedback_pb2.GetPreferenceStatsResponse(
             accepted_pairs=stats.accepted,
             accepted_since=stats.accepted_since,
             excluded_raters={k: "; ".join(v) for k, v in stats.excluded_raters.items()},
+            batch_comparisons=stats.batch.comparisons,
+            batch_accepted=stats.batch.accepted,
+            batch_answers=stats.batch.answers,
+            batch_raters=stats.batch.raters,
         )
         if stats.last_recorded_at is not None:
             reply.last_recorded_at.CopyFrom(_ts(stats.last_recorded_at))
         return reply
+
+    async def AddComparisons(
+        self, request: feedback_pb2.AddComparisonsRequest, context: grpc.aio.ServicerContext
+    ) -> feedback_pb2.AddComparisonsResponse:
+        require_admin("AddComparisons")
+        items = [
+            NewComparison(c.key, c.prompt, c.response_1, c.model_1, c.response_2, c.model_2)
+            for c in request.comparisons
+        ]
+        added = await self._service.add_comparisons(request.batch, request.origin, items)
+        return feedback_pb2.AddComparisonsResponse(added=added.added, already_present=added.already_present)
 
     async def ExportSnapshot(
         self, request: feedback_pb2.ExportSnapshotRequest, context: grpc.aio.ServicerContext

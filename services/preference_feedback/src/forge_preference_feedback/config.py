@@ -49,7 +49,7 @@ class FeedbackSettings(ServiceSettings):
     """SQLite: commit the rating hot path's units in groups on one writer thread (one transaction,
     a savepoint each); false runs each unit as its own transaction on the async engine (slower;
     for comparison and diagnosis). PostgreSQL always runs a concurrent transaction per unit, which
-    measured faster there than group commit (``store.AsyncTransactions``)."""
+    measured faster there than group commit (``transactions.AsyncTransactions``)."""
 
     session_cache_s: float = Field(default=5.0, ge=0)
     """How long a checked session is remembered in-process (0: check the database on every call);

@@ -3,8 +3,9 @@
 1. Seed comparisons (idempotent; what ``forge feedback seed`` does, into the ``forge up`` data
    folder): first the **full-stop rule** set, then HH-RLHF as it is. The rule set is HH-RLHF
    helpful-base pairs in which exactly one final response ends with a full stop, that one marked
-   as the preferred side (source ``hh-rlhf/full-stop-rule``). It is the data of the RLHF round
-   the orchestrator's ``rlhf`` step runs: a preference a tiny CPU reward model learns in seconds
+   as the preferred side (source ``hh-rlhf/full-stop-rule``). With the policy samples the
+   orchestrator's online ``rlhf`` step has raters answer, it is the data of that round's reward
+   model (its snapshot holds every accepted pair): a preference a tiny CPU reward model learns in seconds
    from a hundred pairs, where real HH-RLHF labels need thousands (the same data the
    orchestrator's RLHF tests use). Seeded first, so a fresh database hands it out first.
 2. As rater ``mainjob``, take comparisons with GetNextComparison and answer them with
@@ -43,7 +44,7 @@ RATER = "mainjob"
 RULE_SOURCE = "helpful-base/test.jsonl.gz"
 RULE_NAME = "full-stop-rule"
 RULE_LIMIT = 200
-#: Accepted pairs the simulated raters top the service up to (the RLHF step's round needs 100).
+#: Accepted pairs the simulated raters top the service up to (the seed part of the RLHF step's snapshot).
 TARGET_ACCEPTED = 144
 SIM_RATERS = 12
 #: Seconds a simulated rater spends on an item; above the service's 3 s "too fast" threshold.

@@ -26,7 +26,8 @@ from forge_kit.app import ServiceApp
 from forge_kit.db import Database
 from forge_kit.eventauth import EventSigner
 from forge_kit.events import EVENTS_PUBLISHED, KafkaPublisher, OutboxRelay
-from forge_preference_feedback.store import OUTBOX, Transactions, UnitConnection, utcnow
+from forge_preference_feedback.store import OUTBOX, utcnow
+from forge_preference_feedback.transactions import Transactions, UnitConnection
 
 
 @dataclass(frozen=True)

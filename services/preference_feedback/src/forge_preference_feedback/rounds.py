@@ -26,7 +26,7 @@ from forge_kit.events import stage_event
 from forge_kit.modelref import ModelRef
 from forge_preference_feedback.store import RlhfRoundRow, utcnow
 
-ROUND_STATUSES = ("running", "completed", "stopped", "rejected")
+ROUND_STATUSES = ("running", "completed", "stopped", "rejected", "stalled")
 ENDED = frozenset({"completed", "stopped", "rejected"})
 _WORKFLOW = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 

@@ -1,6 +1,7 @@
-"""Preference feedback domain logic: seeding comparisons, handing them to raters, recording
-preferences, rater accounts, rater quality and training snapshots (the reward-model registry is
-:mod:`.registry`).
+"""Preference feedback domain logic: seeding comparisons, queueing comparisons of an online RLHF
+round (the policy's own samples) or of canary shadow traffic, handing them to raters and recording
+preferences. Rater accounts are :mod:`.accounts`, rater quality, counts and snapshots
+:mod:`.data`, the reward-model registry :mod:`.registry`.
 
 A preference is written with its ``PreferenceRecorded`` event in one transaction (the outbox), so
 no answer is lost while the broker is away.
@@ -8,66 +9,60 @@ no answer is lost while the broker is away.
 
 from __future__ import annotations
 
-import asyncio
 import datetime as dt
-import hashlib
 import math
+import random
 import re
 import secrets
-import shutil
 import uuid
-from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from itertools import islice
-from pathlib import Path
 
 import sqlalchemy as sa
 from argon2 import PasswordHasher
-from argon2.exceptions import InvalidHashError, VerificationError
 from forge.common.v1 import common_pb2
 from forge.events.v1 import events_pb2
 from sqlalchemy.exc import IntegrityError
 
 from forge_kit import errors
 from forge_kit.db import Database
-from forge_preference_feedback.export import RatedPair, SnapshotManifest, write_snapshot
-from forge_preference_feedback.quality import Label, QualityPolicy, QualityReport, assess_raters
+from forge_preference_feedback.accounts import RaterAccounts, Session, validate_rater
+from forge_preference_feedback.data import PreferenceData, PreferenceStats, StoredSnapshot
 from forge_preference_feedback.seeds import PreferencePair, arrange, stable_id
 from forge_preference_feedback.store import (
-    AsyncTransactions,
     ComparisonRow,
     HotPath,
     PreferenceRow,
-    RaterRow,
-    SessionRow,
-    Transactions,
-    UnitConnection,
     stage_event_sync,
     utcnow,
 )
+from forge_preference_feedback.transactions import AsyncTransactions, Transactions, UnitConnection
+
+__all__ = [
+    "FeedbackService",
+    "NewComparison",
+    "PreferenceStats",
+    "Progress",
+    "SeedResult",
+    "Session",
+    "StoredSnapshot",
+    "validate_rater",
+]
 
 Choice = common_pb2.PreferenceChoice
 CHOICES = frozenset(v for v in Choice.values() if v != Choice.PREFERENCE_CHOICE_UNSPECIFIED)
 MAX_RATIONALE = 4000
-_RATER = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,127}$")
-SESSION_CACHE_MAX = 10_000
-MIN_PASSWORD = 8
-MAX_PASSWORD = 256
 UI_VERSION_MAX = 32
-# Quality labels: the proto's choices A, B, TIE, BOTH_BAD as 0..3.
-QUALITY_CLASSES = 4
-_GOLD = {"A": Choice.PREFERENCE_CHOICE_A, "B": Choice.PREFERENCE_CHOICE_B}
-
-
-@dataclass(frozen=True)
-class Session:
-    """A live login: who, whether they are an admin, and the CSRF token their forms must carry."""
-
-    rater_id: str
-    is_admin: bool
-    csrf_token: str
+ORIGINS = ("policy", "shadow")
+"""Origins of queued comparisons besides ``seed`` (the seeded data sets)."""
+MAX_NEW_COMPARISONS = 1000
+MAX_TEXT = 20_000
+"""Longest prompt or response a queued comparison may hold (characters)."""
+_BATCH = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@-]{0,127}$")
+_KEY = re.compile(r"^[A-Za-z0-9._:/@-]{1,100}$")
+_MODEL_MAX = 255
 
 
 @dataclass(frozen=True)
@@ -79,25 +74,6 @@ class Progress:
 
 
 @dataclass(frozen=True)
-class PreferenceStats:
-    """Accepted pairs (A or B answers of raters not flagged): in all and recorded after ``since``."""
-
-    accepted: int
-    accepted_since: int
-    last_recorded_at: dt.datetime | None
-    excluded_raters: dict[str, list[str]]
-
-
-@dataclass(frozen=True)
-class StoredSnapshot:
-    """A snapshot in the snapshot folder: where it is, what it holds, and whether this call wrote it."""
-
-    path: Path
-    manifest: SnapshotManifest
-    created: bool
-
-
-@dataclass(frozen=True)
 class SeedResult:
     """Outcome of a seed: comparisons added now and those that were already there."""
 
@@ -105,17 +81,22 @@ class SeedResult:
     already_present: int
 
 
-def validate_rater(field: str, value: str) -> None:
-    if not value:
-        raise errors.ValidationError(field, "must not be empty")
-    if not _RATER.match(value):
-        raise errors.ValidationError(
-            field, "must be letters, digits, '.', '_', '@' or '-', at most 128 characters"
-        )
+@dataclass(frozen=True)
+class NewComparison:
+    """A comparison to queue (:meth:`FeedbackService.add_comparisons`): two responses to one
+    prompt, with who wrote each."""
+
+    key: str
+    prompt: str
+    response_1: str
+    model_1: str
+    response_2: str
+    model_2: str
 
 
-class FeedbackService:
-    """Owns the feedback database; every public method is one transaction."""
+class FeedbackService(RaterAccounts, PreferenceData):
+    """Owns the feedback database; every public method is one transaction. Accounts and sessions
+    are :class:`~.accounts.RaterAccounts`, quality, counts and snapshots :class:`~.data.PreferenceData`."""
 
     def __init__(
         self,
@@ -188,6 +169,86 @@ class FeedbackService:
                         response_b_text=shown.response_b,
                         response_b_model=pair.source,
                         gold_choice=shown.gold,
+                        origin="seed",
+                        created_at=now,
+                    )
+                )
+        return SeedResult(added=len(wanted) - len(present), already_present=len(present))
+
+    async def add_comparisons(
+        self, batch: str, origin: str, items: Sequence[NewComparison], *, rng_seed: int = 0
+    ) -> SeedResult:
+        """Queue comparisons made outside the seed data under ``batch`` (an online round's samples
+        of the current policy, canary shadow pairs). Which response is shown as A is drawn per
+        item, as for seeds; there is no gold answer. Keys already queued in the batch are left as
+        they are (a retried call adds nothing). Raters get them like any other comparison, with the
+        same overlap and lease rules, but ahead of everything queued before (their ``seq`` is below
+        every other): an online round waits on its own samples, the newest batch first."""
+        if not _BATCH.match(batch or ""):
+            raise errors.ValidationError(
+                "batch", "must be 1-128 letters, digits or '._:/@-', starting with a letter or digit"
+            )
+        if origin not in ORIGINS:
+            raise errors.ValidationError("origin", f"must be one of {', '.join(ORIGINS)}")
+        if not 1 <= len(items) <= MAX_NEW_COMPARISONS:
+            raise errors.ValidationError("comparisons", f"must hold 1 to {MAX_NEW_COMPARISONS} comparisons")
+        keys: set[str] = set()
+        for i, item in enumerate(items):
+            where = f"comparisons[{i}]"
+            if not _KEY.match(item.key):
+                raise errors.ValidationError(f"{where}.key", "must be 1-100 letters, digits or '._:/@-'")
+            if item.key in keys:
+                raise errors.ValidationError(f"{where}.key", f"{item.key!r} appears twice")
+            keys.add(item.key)
+            for name in ("prompt", "response_1", "response_2"):
+                text = getattr(item, name)
+                if not text.strip() or len(text) > MAX_TEXT:
+                    raise errors.ValidationError(f"{where}.{name}", f"must be 1 to {MAX_TEXT} characters")
+                if "\x00" in text:
+                    raise errors.ValidationError(f"{where}.{name}", "must not contain NUL characters")
+            for name in ("model_1", "model_2"):
+                if len(getattr(item, name)) > _MODEL_MAX or "\x00" in getattr(item, name):
+                    raise errors.ValidationError(
+                        f"{where}.{name}", f"must be at most {_MODEL_MAX} characters"
+                    )
+        source = f"{origin}:{batch}"
+        wanted = {f"{source}/{item.key}": item for item in items}
+        async with self._db.session() as session:
+            present = set(
+                (
+                    await session.scalars(
+                        sa.select(ComparisonRow.source_key).where(ComparisonRow.source_key.in_(list(wanted)))
+                    )
+                ).all()
+            )
+            fresh = [key for key in wanted if key not in present]
+            seq = int(await session.scalar(sa.select(sa.func.min(ComparisonRow.seq))) or 1) - len(fresh) - 1
+            now = self._clock()
+            for key in fresh:
+                item = wanted[key]
+                seq += 1
+                # A coin per item (seeded by its key, as seeds.arrange does): the side says nothing.
+                one = (item.response_1, item.model_1)
+                two = (item.response_2, item.model_2)
+                (a, a_model), (b, b_model) = (
+                    (one, two) if random.Random(f"{rng_seed}:{key}").random() < 0.5 else (two, one)
+                )
+                session.add(
+                    ComparisonRow(
+                        id=stable_id("cmp", key),
+                        seq=seq,
+                        source=source[:128],
+                        source_key=key,
+                        prompt=item.prompt,
+                        response_a_id=stable_id("rsp", key, "a"),
+                        response_a_text=a,
+                        response_a_model=a_model,
+                        response_b_id=stable_id("rsp", key, "b"),
+                        response_b_text=b,
+                        response_b_model=b_model,
+                        gold_choice="",
+                        origin=origin,
+                        batch=batch,
                         created_at=now,
                     )
                 )
@@ -381,228 +442,3 @@ class FeedbackService:
                 or 0
             )
         return Progress(answered=done, remaining=open_)
-
-    # --- rater accounts and sessions ------------------------------------------------------------
-
-    async def create_rater(self, rater_id: str, password: str, *, is_admin: bool = False) -> RaterRow:
-        """Add a rater account; the password is stored only as an Argon2id hash."""
-        validate_rater("rater_id", rater_id)
-        if not MIN_PASSWORD <= len(password) <= MAX_PASSWORD:
-            raise errors.ValidationError(
-                "password", f"must be {MIN_PASSWORD} to {MAX_PASSWORD} characters long"
-            )
-        row = RaterRow(
-            id=rater_id,
-            password_hash=await asyncio.to_thread(self._hasher.hash, password),
-            is_admin=is_admin,
-            created_at=self._clock(),
-        )
-        async with self._db.session() as session:
-            if await session.get(RaterRow, rater_id) is not None:
-                raise errors.AlreadyExistsError(f"rater {rater_id!r} already exists")
-            session.add(row)
-        return row
-
-    async def login(self, rater_id: str, password: str) -> tuple[str, Session]:
-        """Check the password and open a session; returns the cookie token (shown once, stored
-        hashed) and the session. A wrong name and a wrong password give the same error.
-
-        Argon2 is deliberately slow (tens of milliseconds); it runs on a worker thread so that
-        a login does not stall every other request on the event loop."""
-        async with self._db.session() as session:
-            rater = await session.get(RaterRow, rater_id) if _RATER.match(rater_id or "") else None
-        if rater is None and not self._dummy_hash:
-            # Verified against when the rater does not exist, so a miss costs as much as a hit.
-            self._dummy_hash = await asyncio.to_thread(self._hasher.hash, "not-a-password")
-        try:
-            await asyncio.to_thread(
-                self._hasher.verify, rater.password_hash if rater else self._dummy_hash, password
-            )
-        except (VerificationError, InvalidHashError):
-            rater = None
-        if rater is None:
-            raise errors.UnauthenticatedError("unknown rater or wrong password")
-        token, now = self._new_token(), self._clock()
-        row = SessionRow(
-            token_hash=_token_hash(token),
-            rater_id=rater.id,
-            csrf_token=secrets.token_urlsafe(32),
-            created_at=now,
-            expires_at=now + self._session_ttl,
-        )
-        async with self._db.session() as session:
-            session.add(row)
-        return token, Session(rater.id, rater.is_admin, row.csrf_token)
-
-    async def session_for(self, token: str) -> Session | None:
-        """The live session of a cookie token, or None (unknown, expired or logged out).
-
-        Every API call and page asks this, so a live session is remembered in this process for
-        ``session_cache`` (never past its expiry): a logout takes effect at once in the process
-        that handled it and within ``session_cache`` in any other replica."""
-        if not token:
-            return None
-        token_hash, now = _token_hash(token), self._clock()
-        cached = self._sessions.get(token_hash)
-        if cached is not None and cached[1] > now:
-            return cached[0]
-        found = await self._tx.run(partial(self._session_for, token_hash=token_hash, now=now))
-        if found is None:
-            self._sessions.pop(token_hash, None)
-            return None
-        live, expires_at = found
-        if self._session_cache > dt.timedelta(0):
-            if len(self._sessions) >= SESSION_CACHE_MAX:
-                self._sessions.pop(next(iter(self._sessions)))
-            self._sessions[token_hash] = (live, min(expires_at, now + self._session_cache))
-        return live
-
-    @staticmethod
-    def _session_for(
-        conn: UnitConnection, *, token_hash: str, now: dt.datetime
-    ) -> tuple[Session, dt.datetime] | None:
-        row = conn.execute(
-            sa.select(SessionRow.rater_id, SessionRow.csrf_token, SessionRow.expires_at, RaterRow.is_admin)
-            .join(RaterRow, RaterRow.id == SessionRow.rater_id)
-            .where(SessionRow.token_hash == token_hash, SessionRow.expires_at > now)
-        ).first()
-        return (Session(row.rater_id, row.is_admin, row.csrf_token), row.expires_at) if row else None
-
-    async def logout(self, token: str) -> None:
-        token_hash = _token_hash(token)
-        self._sessions.pop(token_hash, None)
-        async with self._db.session() as session:
-            await session.execute(sa.delete(SessionRow).where(SessionRow.token_hash == token_hash))
-
-    # --- rater quality ------------------------------------------------------------------------
-
-    async def rater_quality(self, policy: QualityPolicy = QualityPolicy()) -> QualityReport:
-        """Quality of every rater over all preferences recorded so far (see :mod:`.quality`)."""
-        async with self._db.session() as session:
-            rows = (
-                await session.execute(
-                    sa.select(
-                        PreferenceRow.comparison_id,
-                        PreferenceRow.rater_id,
-                        PreferenceRow.choice,
-                        PreferenceRow.created_at,
-                        PreferenceRow.shown_at,
-                    )
-                )
-            ).all()
-            golds = (
-                await session.execute(
-                    sa.select(ComparisonRow.id, ComparisonRow.gold_choice).where(
-                        ComparisonRow.id.in_({r.comparison_id for r in rows}), ComparisonRow.gold_choice != ""
-                    )
-                )
-            ).all()
-        labels = [
-            Label(
-                r.comparison_id,
-                r.rater_id,
-                r.choice - 1,
-                (r.created_at - r.shown_at).total_seconds() if r.shown_at else float("nan"),
-            )
-            for r in rows
-        ]
-        gold = {g.id: _GOLD[g.gold_choice] - 1 for g in golds if g.gold_choice in _GOLD}
-        return assess_raters(labels, QUALITY_CLASSES, gold, policy)
-
-    async def preference_stats(
-        self, since: dt.datetime | None = None, policy: QualityPolicy = QualityPolicy()
-    ) -> PreferenceStats:
-        """How many accepted pairs there are, and how many were recorded after ``since``: the
-        pairs a snapshot would hold (flagged raters' labels, ties and "both bad" left out)."""
-        report = await self.rater_quality(policy)
-        flagged = report.flagged()
-        accepted: list[sa.ColumnElement[bool]] = [
-            PreferenceRow.choice.in_([Choice.PREFERENCE_CHOICE_A, Choice.PREFERENCE_CHOICE_B])
-        ]
-        if flagged:
-            accepted.append(PreferenceRow.rater_id.not_in(list(flagged)))
-        newer = PreferenceRow.created_at > since if since is not None else sa.false()
-        async with self._db.session() as session:
-            total, fresh, last = (
-                await session.execute(
-                    sa.select(
-                        sa.func.count(),
-                        sa.func.coalesce(sa.func.sum(sa.case((newer, 1), else_=0)), 0),
-                        sa.func.max(PreferenceRow.created_at),
-                    ).where(*accepted)
-                )
-            ).one()
-        return PreferenceStats(int(total), int(fresh), last, flagged)
-
-    async def export_to_store(
-        self, root: Path, *, heldout_fraction: float = 0.1, policy: QualityPolicy = QualityPolicy()
-    ) -> StoredSnapshot:
-        """Export a snapshot into ``root/<snapshot id>``. The id is a digest of the data, so the
-        same data is one folder: a snapshot already there is returned (``created`` False) and the
-        fresh copy discarded; a folder is never overwritten."""
-        root.mkdir(parents=True, exist_ok=True)
-        pending = root / f".pending-{uuid.uuid4().hex}"
-        manifest = await self.export_snapshot(pending, heldout_fraction=heldout_fraction, policy=policy)
-        final = root / manifest.snapshot_id
-        try:
-            pending.rename(final)
-        except OSError:  # the same data was exported before: keep the first copy
-            if not (final / "manifest.json").is_file():
-                raise
-            shutil.rmtree(pending, ignore_errors=True)
-            return StoredSnapshot(final, manifest, created=False)
-        return StoredSnapshot(final, manifest, created=True)
-
-    async def export_snapshot(
-        self, out: Path, *, heldout_fraction: float = 0.1, policy: QualityPolicy = QualityPolicy()
-    ) -> SnapshotManifest:
-        """Write the accepted A/B pairs as a training snapshot (see :mod:`.export`).
-
-        1. Assess the raters; flagged raters' labels are excluded, with the reasons in the manifest.
-        2. Ties and "both bad" carry no preference between the two responses and are left out
-           (counted). 3. Everything else is written with its rater's weight.
-        """
-        # 1.
-        report = await self.rater_quality(policy)
-        excluded_raters = report.flagged()
-        weights = {q.rater: q.weight for q in report.raters}
-        # 2-3.
-        excluded: Counter[str] = Counter()
-        pairs: list[RatedPair] = []
-        async with self._db.session() as session:
-            rows = (
-                await session.execute(
-                    sa.select(PreferenceRow, ComparisonRow)
-                    .join(ComparisonRow, ComparisonRow.id == PreferenceRow.comparison_id)
-                    .order_by(PreferenceRow.created_at, PreferenceRow.id)
-                )
-            ).all()
-        for pref, comparison in rows:
-            if pref.choice not in (Choice.PREFERENCE_CHOICE_A, Choice.PREFERENCE_CHOICE_B):
-                excluded["tie_or_both_bad"] += 1
-                continue
-            a, b = comparison.response_a_text, comparison.response_b_text
-            chosen, rejected = (a, b) if pref.choice == Choice.PREFERENCE_CHOICE_A else (b, a)
-            pairs.append(
-                RatedPair(
-                    pref.id,
-                    comparison.id,
-                    pref.rater_id,
-                    comparison.prompt,
-                    chosen,
-                    rejected,
-                    pref.created_at.isoformat(),
-                )
-            )
-        return write_snapshot(
-            pairs,
-            out,
-            heldout_fraction=heldout_fraction,
-            excluded_raters=excluded_raters,
-            excluded=excluded,
-            weights=weights,
-        )
-
-
-def _token_hash(token: str) -> str:
-    return hashlib.sha256(token.encode()).hexdigest()

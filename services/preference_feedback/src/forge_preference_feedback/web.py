@@ -25,7 +25,7 @@ from collections.abc import Awaitable, Callable
 from importlib import resources
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Form, Request
+from fastapi import APIRouter, Form, Query, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from forge.common.v1 import common_pb2
 from jinja2 import Environment, PackageLoader, select_autoescape
@@ -228,6 +228,7 @@ def rater_ui(
                 session=session,
                 report=report,
                 models=models,
+                origins=await service.comparison_origins(),
                 policy=policy,
                 heldout_of=heldout_of,
             )
@@ -365,7 +366,8 @@ class PreferenceBody(BaseModel):
 
 
 def comparison_json(row: ComparisonRow | None) -> dict[str, str] | None:
-    """A comparison as the rater API shows it (None when nothing is left for the rater)."""
+    """A comparison as the rater API shows it (None when nothing is left for the rater): the
+    same fields whatever its origin, so a rater cannot tell policy samples from seed data."""
     if row is None:
         return None
     return {
@@ -373,6 +375,19 @@ def comparison_json(row: ComparisonRow | None) -> dict[str, str] | None:
         "prompt": row.prompt,
         "response_a": row.response_a_text,
         "response_b": row.response_b_text,
+    }
+
+
+def admin_comparison_json(row: ComparisonRow) -> dict[str, object]:
+    """A comparison as admins see it: the rater's fields plus where it comes from."""
+    return {
+        **(comparison_json(row) or {}),
+        "origin": row.origin,
+        "batch": row.batch,
+        "source": row.source,
+        "model_a": row.response_a_model,
+        "model_b": row.response_b_model,
+        "answers": row.answer_count,
     }
 
 
@@ -433,6 +448,19 @@ def rater_api(
     async def next_comparison(request: Request) -> dict[str, object]:
         session = await bearer(request)
         return {"comparison": comparison_json(await service.next_comparison(session.rater_id))}
+
+    @router.get("/comparisons")
+    async def list_comparisons(
+        request: Request,
+        origin: Annotated[str, Query(max_length=16)] = "",
+        batch: Annotated[str, Query(max_length=128)] = "",
+        limit: Annotated[int, Query(ge=1, le=500)] = 50,
+        offset: Annotated[int, Query(ge=0, le=10_000_000)] = 0,
+    ) -> dict[str, object]:
+        """Comparisons with their origin (seed data, policy samples, shadow pairs): admins only."""
+        await admin(request, "the comparisons' origins")
+        rows = await service.list_comparisons(origin=origin, batch=batch, limit=limit, offset=offset)
+        return {"comparisons": [admin_comparison_json(r) for r in rows]}
 
     @router.post("/preferences")
     async def submit(body: PreferenceBody, request: Request) -> dict[str, object]:

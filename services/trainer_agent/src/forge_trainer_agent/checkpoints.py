@@ -46,7 +46,7 @@ class ManifestFinder:
         self._store = store
 
     def latest(self, job_id: str) -> Published | None:
-        from forge_trainer_agent.training.checkpoint import CheckpointManager  # torch: import late
+        from forge_training.checkpoint import CheckpointManager  # torch: import late
 
         manifest = CheckpointManager(self._store, job_id, async_save=False).latest_manifest()
         if manifest is None:

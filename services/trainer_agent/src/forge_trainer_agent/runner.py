@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from forge_kit.jobenv import TERMINATION_LOG_ENV
 from forge_trainer_agent.sandbox import JobSandbox
 
 #: The only variables of the agent's environment a job gets: where programs and the Python code
@@ -115,26 +116,9 @@ class JobRunner(Protocol):
     async def launch(self, spec: LaunchSpec) -> JobProcess: ...
 
 
-TERMINATION_LOG_ENV = "FORGE_TERMINATION_LOG"
-"""Names the file where a replica may say why it failed (as Kubernetes' ``terminationMessagePath``):
-the agent reports that instead of the log's last lines, which under torchrun are torchrun's own
-failure summary rather than the worker's reason."""
-
-
 def termination_log(log_path: Path) -> Path:
     """The termination-message file of the attempt that logs to ``log_path``."""
     return log_path.with_name(f"{log_path.stem}.termination")
-
-
-def write_termination_message(message: str) -> None:
-    """Called by a job that is about to fail: record ``message`` where the agent will look
-    (``$FORGE_TERMINATION_LOG``; nothing when the job runs outside an agent). The first replica
-    to write wins, as the root cause torchrun reports is the first failure observed."""
-    path = os.environ.get(TERMINATION_LOG_ENV)
-    if not path:
-        return
-    with contextlib.suppress(FileExistsError), open(path, "x", encoding="utf-8") as handle:
-        handle.write(message)
 
 
 def job_environment(spec: LaunchSpec, base: Mapping[str, str]) -> dict[str, str]:
@@ -149,7 +133,7 @@ def job_environment(spec: LaunchSpec, base: Mapping[str, str]) -> dict[str, str]
         FORGE_JOB_ID=spec.job_id,
         FORGE_ATTEMPT=str(spec.attempt),
         FORGE_RUN_DIR=str(spec.run_dir),
-        FORGE_TERMINATION_LOG=str(termination_log(spec.log_path)),
+        **{TERMINATION_LOG_ENV: str(termination_log(spec.log_path))},
         CUDA_VISIBLE_DEVICES=",".join(str(i) for i in spec.gpu_indices),
         NODE_RANK=str(spec.node_rank),
         NNODES=str(spec.num_nodes),
@@ -274,7 +258,7 @@ class TorchrunRunner:
 
     torchrun gives each worker its ``RANK``, ``LOCAL_RANK`` and ``WORLD_SIZE``; stopping sends
     SIGTERM to the whole process group, so the workers checkpoint (see
-    :mod:`forge_trainer_agent.training.run`) while torchrun waits for them.
+    :mod:`forge_training.run`) while torchrun waits for them.
     """
 
     def __init__(

@@ -40,7 +40,8 @@ class ModelRow(Base):
 class StageEventRow(Base):
     """One registry change, append-only: the audit trail and the rollback stack.
 
-    ``action`` is ``register``, ``promote``, ``archive`` or ``rollback``; ``stage`` is the stage the
+    ``action`` is ``register``, ``promote``, ``archive`` or ``rollback``, or a guarded canary's
+    ``extend``, ``pause`` or ``resume`` (with its analysis's ``evidence``, JSON); ``stage`` is the stage the
     model moved to and ``from_stage`` the one it left. A serving stage's holder is the newest
     ``promote`` row of the stage not yet ``rolled_back`` whose model is still in that stage; a
     rollback marks the holder's rows rolled back and writes a ``rollback`` row naming the model it
@@ -64,6 +65,7 @@ class StageEventRow(Base):
     actor: Mapped[str] = mapped_column(sa.String(128), default="")
     forced: Mapped[bool] = mapped_column(sa.Boolean, default=False)
     gate_report: Mapped[str] = mapped_column(sa.Text, default="")
+    evidence: Mapped[str] = mapped_column(sa.Text, default="")
 
 
 async def find_model(session: AsyncSession, name: str, version: str) -> ModelRow | None:

@@ -95,7 +95,7 @@ class SweepInput:
     team: str = ""
     """Team the trials are submitted for (the space's ``team``, which must agree when set)."""
     python: str = "python"
-    """Interpreter on the nodes that runs ``forge_trainer_agent.training.run``."""
+    """Interpreter on the nodes that runs ``forge_training.run``."""
     final_metric_wait_s: float = 60.0
     """How long a succeeded trial waits for its value at the full budget (it travels on another
     topic than the job's end) before its last value counts."""
@@ -159,7 +159,7 @@ def _command(python: str, recipe: str, overrides: dict[str, Any]) -> list[str]:
             else str(value)
         )
         args += ["--set", f"{key}={rendered}"]
-    return [python, "-m", "forge_trainer_agent.training.run", "--recipe", recipe, *args]
+    return [python, "-m", "forge_training.run", "--recipe", recipe, *args]
 
 
 @workflow.defn(name="sweep")

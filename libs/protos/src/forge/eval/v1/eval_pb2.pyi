@@ -973,6 +973,7 @@ class StageEvent(_message.Message):
     GATE_RUN_ID_FIELD_NUMBER: _builtins.int
     GATE_REPORT_FIELD_NUMBER: _builtins.int
     CREATED_AT_FIELD_NUMBER: _builtins.int
+    EVIDENCE_FIELD_NUMBER: _builtins.int
     event_id: _builtins.int
     """Sequence number."""
     action: _builtins.str
@@ -993,6 +994,8 @@ class StageEvent(_message.Message):
     """The eval run whose passing gate allowed the promotion; empty if none."""
     gate_report: _builtins.str
     """JSON: the gate's state when forced (the model's runs and their comparison with production)."""
+    evidence: _builtins.str
+    """JSON: a canary decision's evidence (the analysis's metrics, p-values and policy); empty if none."""
     @_builtins.property
     def model(self) -> _common_pb2.ModelRef:
         """Model whose stage changed."""
@@ -1021,14 +1024,81 @@ class StageEvent(_message.Message):
         gate_run_id: _builtins.str = ...,
         gate_report: _builtins.str = ...,
         created_at: _timestamp_pb2.Timestamp | None = ...,
+        evidence: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "model", b"model", "previous", b"previous"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "actor", b"actor", "created_at", b"created_at", "event_id", b"event_id", "forced", b"forced", "from_stage", b"from_stage", "gate_report", b"gate_report", "gate_run_id", b"gate_run_id", "model", b"model", "previous", b"previous", "reason", b"reason", "to_stage", b"to_stage", "traffic_percent", b"traffic_percent"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "actor", b"actor", "created_at", b"created_at", "event_id", b"event_id", "evidence", b"evidence", "forced", b"forced", "from_stage", b"from_stage", "gate_report", b"gate_report", "gate_run_id", b"gate_run_id", "model", b"model", "previous", b"previous", "reason", b"reason", "to_stage", b"to_stage", "traffic_percent", b"traffic_percent"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___StageEvent: _TypeAlias = StageEvent  # noqa: Y015
+
+@_typing.final
+class DecideRolloutRequest(_message.Message):
+    """Request of DecideRollout."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REF_FIELD_NUMBER: _builtins.int
+    DECISION_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    EVIDENCE_FIELD_NUMBER: _builtins.int
+    decision: _builtins.str
+    """"promote", "rollback", "extend", "pause" or "resume"."""
+    reason: _builtins.str
+    """Why (required: it is audited)."""
+    evidence: _builtins.str
+    """JSON object: the evidence behind the decision (at most 64 KiB); empty for none."""
+    @_builtins.property
+    def ref(self) -> _common_pb2.ModelRef:
+        """The model in canary."""
+
+    def __init__(
+        self,
+        *,
+        ref: _common_pb2.ModelRef | None = ...,
+        decision: _builtins.str = ...,
+        reason: _builtins.str = ...,
+        evidence: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ref", b"ref"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decision", b"decision", "evidence", b"evidence", "reason", b"reason", "ref", b"ref"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DecideRolloutRequest: _TypeAlias = DecideRolloutRequest  # noqa: Y015
+
+@_typing.final
+class DecideRolloutResponse(_message.Message):
+    """Response of DecideRollout."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EVENT_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def event(self) -> Global___StageEvent:
+        """The audit record of the decision."""
+
+    @_builtins.property
+    def model(self) -> Global___RegisteredModel:
+        """The model after it."""
+
+    def __init__(
+        self,
+        *,
+        event: Global___StageEvent | None = ...,
+        model: Global___RegisteredModel | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "model", b"model"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "model", b"model"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DecideRolloutResponse: _TypeAlias = DecideRolloutResponse  # noqa: Y015
 
 @_typing.final
 class ListStageEventsRequest(_message.Message):

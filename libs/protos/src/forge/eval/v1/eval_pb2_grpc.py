@@ -80,6 +80,11 @@ class EvalServiceStub:
                 request_serializer=forge_dot_eval_dot_v1_dot_eval__pb2.ListStageEventsRequest.SerializeToString,
                 response_deserializer=forge_dot_eval_dot_v1_dot_eval__pb2.ListStageEventsResponse.FromString,
                 _registered_method=True)
+        self.DecideRollout = channel.unary_unary(
+                '/forge.eval.v1.EvalService/DecideRollout',
+                request_serializer=forge_dot_eval_dot_v1_dot_eval__pb2.DecideRolloutRequest.SerializeToString,
+                response_deserializer=forge_dot_eval_dot_v1_dot_eval__pb2.DecideRolloutResponse.FromString,
+                _registered_method=True)
 
 
 class EvalServiceServicer:
@@ -151,6 +156,15 @@ class EvalServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DecideRollout(self, request, context):
+        """A guarded canary's decision, by its analysis or by an operator (audited, with its evidence):
+        "promote" (canary -> production), "rollback" (canary traffic to 0, the model archived),
+        "extend", "pause" or "resume". Publishes ModelPromoted for promote and rollback.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EvalServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -198,6 +212,11 @@ def add_EvalServiceServicer_to_server(servicer, server):
                     servicer.ListStageEvents,
                     request_deserializer=forge_dot_eval_dot_v1_dot_eval__pb2.ListStageEventsRequest.FromString,
                     response_serializer=forge_dot_eval_dot_v1_dot_eval__pb2.ListStageEventsResponse.SerializeToString,
+            ),
+            'DecideRollout': grpc.unary_unary_rpc_method_handler(
+                    servicer.DecideRollout,
+                    request_deserializer=forge_dot_eval_dot_v1_dot_eval__pb2.DecideRolloutRequest.FromString,
+                    response_serializer=forge_dot_eval_dot_v1_dot_eval__pb2.DecideRolloutResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -444,6 +463,33 @@ class EvalService:
             '/forge.eval.v1.EvalService/ListStageEvents',
             forge_dot_eval_dot_v1_dot_eval__pb2.ListStageEventsRequest.SerializeToString,
             forge_dot_eval_dot_v1_dot_eval__pb2.ListStageEventsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DecideRollout(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/forge.eval.v1.EvalService/DecideRollout',
+            forge_dot_eval_dot_v1_dot_eval__pb2.DecideRolloutRequest.SerializeToString,
+            forge_dot_eval_dot_v1_dot_eval__pb2.DecideRolloutResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -54,6 +54,11 @@ class EvalServiceStub:
     """Put the previous holder of a stage back. Publishes ModelPromoted with is_rollback."""
     ListStageEvents: _grpc.UnaryUnaryMultiCallable[_eval_pb2.ListStageEventsRequest, _eval_pb2.ListStageEventsResponse]
     """The registry's audit trail: registrations, promotions, archivals and rollbacks, newest first."""
+    DecideRollout: _grpc.UnaryUnaryMultiCallable[_eval_pb2.DecideRolloutRequest, _eval_pb2.DecideRolloutResponse]
+    """A guarded canary's decision, by its analysis or by an operator (audited, with its evidence):
+    "promote" (canary -> production), "rollback" (canary traffic to 0, the model archived),
+    "extend", "pause" or "resume". Publishes ModelPromoted for promote and rollback.
+    """
 
 @_typing.type_check_only
 class EvalServiceAsyncStub(EvalServiceStub):
@@ -81,6 +86,11 @@ class EvalServiceAsyncStub(EvalServiceStub):
     """Put the previous holder of a stage back. Publishes ModelPromoted with is_rollback."""
     ListStageEvents: _aio.UnaryUnaryMultiCallable[_eval_pb2.ListStageEventsRequest, _eval_pb2.ListStageEventsResponse]  # type: ignore[assignment]
     """The registry's audit trail: registrations, promotions, archivals and rollbacks, newest first."""
+    DecideRollout: _aio.UnaryUnaryMultiCallable[_eval_pb2.DecideRolloutRequest, _eval_pb2.DecideRolloutResponse]  # type: ignore[assignment]
+    """A guarded canary's decision, by its analysis or by an operator (audited, with its evidence):
+    "promote" (canary -> production), "rollback" (canary traffic to 0, the model archived),
+    "extend", "pause" or "resume". Publishes ModelPromoted for promote and rollback.
+    """
 
 class EvalServiceServicer(metaclass=_abc_1.ABCMeta):
     """Eval and model registry. Called by the orchestrator (eval-and-promote, RLHF), the CLI and ops."""
@@ -159,5 +169,16 @@ class EvalServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_eval_pb2.ListStageEventsResponse, _abc.Awaitable[_eval_pb2.ListStageEventsResponse]]:
         """The registry's audit trail: registrations, promotions, archivals and rollbacks, newest first."""
+
+    @_abc_1.abstractmethod
+    def DecideRollout(
+        self,
+        request: _eval_pb2.DecideRolloutRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_eval_pb2.DecideRolloutResponse, _abc.Awaitable[_eval_pb2.DecideRolloutResponse]]:
+        """A guarded canary's decision, by its analysis or by an operator (audited, with its evidence):
+        "promote" (canary -> production), "rollback" (canary traffic to 0, the model archived),
+        "extend", "pause" or "resume". Publishes ModelPromoted for promote and rollback.
+        """
 
 def add_EvalServiceServicer_to_server(servicer: EvalServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -614,6 +614,9 @@ class GetPreferenceStatsRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     SINCE_FIELD_NUMBER: _builtins.int
+    BATCH_FIELD_NUMBER: _builtins.int
+    batch: _builtins.str
+    """Also count the accepted pairs, answers and raters of this batch (AddComparisons); empty: none."""
     @_builtins.property
     def since(self) -> _timestamp_pb2.Timestamp:
         """Count accepted pairs recorded strictly after this time too; unset: only the totals."""
@@ -622,10 +625,11 @@ class GetPreferenceStatsRequest(_message.Message):
         self,
         *,
         since: _timestamp_pb2.Timestamp | None = ...,
+        batch: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["since", b"since"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["since", b"since"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch", "since", b"since"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -661,10 +665,22 @@ class GetPreferenceStatsResponse(_message.Message):
     ACCEPTED_SINCE_FIELD_NUMBER: _builtins.int
     LAST_RECORDED_AT_FIELD_NUMBER: _builtins.int
     EXCLUDED_RATERS_FIELD_NUMBER: _builtins.int
+    BATCH_COMPARISONS_FIELD_NUMBER: _builtins.int
+    BATCH_ACCEPTED_FIELD_NUMBER: _builtins.int
+    BATCH_ANSWERS_FIELD_NUMBER: _builtins.int
+    BATCH_RATERS_FIELD_NUMBER: _builtins.int
     accepted_pairs: _builtins.int
     """Accepted pairs in all (A or B answers of raters not flagged by rater quality)."""
     accepted_since: _builtins.int
     """Of those, recorded after `since`."""
+    batch_comparisons: _builtins.int
+    """Comparisons queued under `batch`."""
+    batch_accepted: _builtins.int
+    """Accepted pairs on the batch's comparisons."""
+    batch_answers: _builtins.int
+    """Answers of any kind on the batch's comparisons (flagged raters, ties and "both bad" included)."""
+    batch_raters: _builtins.int
+    """Distinct raters with accepted pairs on the batch's comparisons."""
     @_builtins.property
     def last_recorded_at(self) -> _timestamp_pb2.Timestamp:
         """When the newest accepted pair was recorded (unset when there is none)."""
@@ -680,10 +696,14 @@ class GetPreferenceStatsResponse(_message.Message):
         accepted_since: _builtins.int = ...,
         last_recorded_at: _timestamp_pb2.Timestamp | None = ...,
         excluded_raters: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        batch_comparisons: _builtins.int = ...,
+        batch_accepted: _builtins.int = ...,
+        batch_answers: _builtins.int = ...,
+        batch_raters: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["last_recorded_at", b"last_recorded_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted_pairs", b"accepted_pairs", "accepted_since", b"accepted_since", "excluded_raters", b"excluded_raters", "last_recorded_at", b"last_recorded_at"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted_pairs", b"accepted_pairs", "accepted_since", b"accepted_since", "batch_accepted", b"batch_accepted", "batch_answers", b"batch_answers", "batch_comparisons", b"batch_comparisons", "batch_raters", b"batch_raters", "excluded_raters", b"excluded_raters", "last_recorded_at", b"last_recorded_at"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -877,7 +897,9 @@ class RlhfRound(_message.Message):
     round: _builtins.int
     """Round number within the workflow, from 1."""
     status: _builtins.str
-    """"running", "completed", "stopped" (a drift check ended it) or "rejected" (a gate refused)."""
+    """"running", "completed", "stopped" (a drift check ended it), "rejected" (a gate refused) or
+    "stalled" (raters did not answer in time).
+    """
     step: _builtins.str
     """The step the round is at, e.g. "training reward model"."""
     snapshot_id: _builtins.str
@@ -1030,3 +1052,107 @@ class ListRlhfRoundsResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ListRlhfRoundsResponse: _TypeAlias = ListRlhfRoundsResponse  # noqa: Y015
+
+@_typing.final
+class NewComparison(_message.Message):
+    """One comparison to queue: a prompt and two responses, in the order given (the service shuffles
+    which is shown as A).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEY_FIELD_NUMBER: _builtins.int
+    PROMPT_FIELD_NUMBER: _builtins.int
+    RESPONSE_1_FIELD_NUMBER: _builtins.int
+    MODEL_1_FIELD_NUMBER: _builtins.int
+    RESPONSE_2_FIELD_NUMBER: _builtins.int
+    MODEL_2_FIELD_NUMBER: _builtins.int
+    key: _builtins.str
+    """Unique within the batch (e.g. the prompt's index); a repeated key is left as it was."""
+    prompt: _builtins.str
+    """Prompt, as the responses continued it."""
+    response_1: _builtins.str
+    """First response."""
+    model_1: _builtins.str
+    """Who wrote the first response ("model:version@temperature", a model id)."""
+    response_2: _builtins.str
+    """Second response."""
+    model_2: _builtins.str
+    """Who wrote the second response."""
+    def __init__(
+        self,
+        *,
+        key: _builtins.str = ...,
+        prompt: _builtins.str = ...,
+        response_1: _builtins.str = ...,
+        model_1: _builtins.str = ...,
+        response_2: _builtins.str = ...,
+        model_2: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "model_1", b"model_1", "model_2", b"model_2", "prompt", b"prompt", "response_1", b"response_1", "response_2", b"response_2"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NewComparison: _TypeAlias = NewComparison  # noqa: Y015
+
+@_typing.final
+class AddComparisonsRequest(_message.Message):
+    """Request of AddComparisons."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BATCH_FIELD_NUMBER: _builtins.int
+    ORIGIN_FIELD_NUMBER: _builtins.int
+    COMPARISONS_FIELD_NUMBER: _builtins.int
+    batch: _builtins.str
+    """Batch the comparisons belong to, e.g. "<workflow id>/r<round>"; letters, digits and ._:/@-."""
+    origin: _builtins.str
+    """Where they come from: "policy" (samples of the current policy) or "shadow" (canary shadow
+    pairs).
+    """
+    @_builtins.property
+    def comparisons(self) -> _containers.RepeatedCompositeFieldContainer[Global___NewComparison]:
+        """At most 1000 per call."""
+
+    def __init__(
+        self,
+        *,
+        batch: _builtins.str = ...,
+        origin: _builtins.str = ...,
+        comparisons: _abc.Iterable[Global___NewComparison] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch", "comparisons", b"comparisons", "origin", b"origin"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AddComparisonsRequest: _TypeAlias = AddComparisonsRequest  # noqa: Y015
+
+@_typing.final
+class AddComparisonsResponse(_message.Message):
+    """Response of AddComparisons."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ADDED_FIELD_NUMBER: _builtins.int
+    ALREADY_PRESENT_FIELD_NUMBER: _builtins.int
+    added: _builtins.int
+    """Comparisons queued by this call."""
+    already_present: _builtins.int
+    """Comparisons of this batch that were already queued (a retry)."""
+    def __init__(
+        self,
+        *,
+        added: _builtins.int = ...,
+        already_present: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["added", b"added", "already_present", b"already_present"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AddComparisonsResponse: _TypeAlias = AddComparisonsResponse  # noqa: Y015

@@ -86,6 +86,11 @@ class PreferenceFeedbackServiceStub:
                 request_serializer=forge_dot_feedback_dot_v1_dot_feedback__pb2.ListRlhfRoundsRequest.SerializeToString,
                 response_deserializer=forge_dot_feedback_dot_v1_dot_feedback__pb2.ListRlhfRoundsResponse.FromString,
                 _registered_method=True)
+        self.AddComparisons = channel.unary_unary(
+                '/forge.feedback.v1.PreferenceFeedbackService/AddComparisons',
+                request_serializer=forge_dot_feedback_dot_v1_dot_feedback__pb2.AddComparisonsRequest.SerializeToString,
+                response_deserializer=forge_dot_feedback_dot_v1_dot_feedback__pb2.AddComparisonsResponse.FromString,
+                _registered_method=True)
 
 
 class PreferenceFeedbackServiceServicer:
@@ -169,6 +174,15 @@ class PreferenceFeedbackServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AddComparisons(self, request, context):
+        """Queue comparisons made outside the seed data (an online RLHF round's samples of the current
+        policy, canary shadow pairs) under a batch; idempotent per (batch, key). Raters see them as
+        any other comparison; only admins see their origin. Admins only.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PreferenceFeedbackServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -221,6 +235,11 @@ def add_PreferenceFeedbackServiceServicer_to_server(servicer, server):
                     servicer.ListRlhfRounds,
                     request_deserializer=forge_dot_feedback_dot_v1_dot_feedback__pb2.ListRlhfRoundsRequest.FromString,
                     response_serializer=forge_dot_feedback_dot_v1_dot_feedback__pb2.ListRlhfRoundsResponse.SerializeToString,
+            ),
+            'AddComparisons': grpc.unary_unary_rpc_method_handler(
+                    servicer.AddComparisons,
+                    request_deserializer=forge_dot_feedback_dot_v1_dot_feedback__pb2.AddComparisonsRequest.FromString,
+                    response_serializer=forge_dot_feedback_dot_v1_dot_feedback__pb2.AddComparisonsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -495,6 +514,33 @@ class PreferenceFeedbackService:
             '/forge.feedback.v1.PreferenceFeedbackService/ListRlhfRounds',
             forge_dot_feedback_dot_v1_dot_feedback__pb2.ListRlhfRoundsRequest.SerializeToString,
             forge_dot_feedback_dot_v1_dot_feedback__pb2.ListRlhfRoundsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AddComparisons(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/forge.feedback.v1.PreferenceFeedbackService/AddComparisons',
+            forge_dot_feedback_dot_v1_dot_feedback__pb2.AddComparisonsRequest.SerializeToString,
+            forge_dot_feedback_dot_v1_dot_feedback__pb2.AddComparisonsResponse.FromString,
             options,
             channel_credentials,
             insecure,

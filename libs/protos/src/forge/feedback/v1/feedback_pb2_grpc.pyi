@@ -66,6 +66,11 @@ class PreferenceFeedbackServiceStub:
     """
     ListRlhfRounds: _grpc.UnaryUnaryMultiCallable[_feedback_pb2.ListRlhfRoundsRequest, _feedback_pb2.ListRlhfRoundsResponse]
     """RLHF rounds, most recently updated first."""
+    AddComparisons: _grpc.UnaryUnaryMultiCallable[_feedback_pb2.AddComparisonsRequest, _feedback_pb2.AddComparisonsResponse]
+    """Queue comparisons made outside the seed data (an online RLHF round's samples of the current
+    policy, canary shadow pairs) under a batch; idempotent per (batch, key). Raters see them as
+    any other comparison; only admins see their origin. Admins only.
+    """
 
 @_typing.type_check_only
 class PreferenceFeedbackServiceAsyncStub(PreferenceFeedbackServiceStub):
@@ -105,6 +110,11 @@ class PreferenceFeedbackServiceAsyncStub(PreferenceFeedbackServiceStub):
     """
     ListRlhfRounds: _aio.UnaryUnaryMultiCallable[_feedback_pb2.ListRlhfRoundsRequest, _feedback_pb2.ListRlhfRoundsResponse]  # type: ignore[assignment]
     """RLHF rounds, most recently updated first."""
+    AddComparisons: _aio.UnaryUnaryMultiCallable[_feedback_pb2.AddComparisonsRequest, _feedback_pb2.AddComparisonsResponse]  # type: ignore[assignment]
+    """Queue comparisons made outside the seed data (an online RLHF round's samples of the current
+    policy, canary shadow pairs) under a batch; idempotent per (batch, key). Raters see them as
+    any other comparison; only admins see their origin. Admins only.
+    """
 
 class PreferenceFeedbackServiceServicer(metaclass=_abc_1.ABCMeta):
     """Preference feedback. Called by the rater web UI (comparisons, preferences) and the
@@ -201,5 +211,16 @@ class PreferenceFeedbackServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_feedback_pb2.ListRlhfRoundsResponse, _abc.Awaitable[_feedback_pb2.ListRlhfRoundsResponse]]:
         """RLHF rounds, most recently updated first."""
+
+    @_abc_1.abstractmethod
+    def AddComparisons(
+        self,
+        request: _feedback_pb2.AddComparisonsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_feedback_pb2.AddComparisonsResponse, _abc.Awaitable[_feedback_pb2.AddComparisonsResponse]]:
+        """Queue comparisons made outside the seed data (an online RLHF round's samples of the current
+        policy, canary shadow pairs) under a batch; idempotent per (batch, key). Raters see them as
+        any other comparison; only admins see their origin. Admins only.
+        """
 
 def add_PreferenceFeedbackServiceServicer_to_server(servicer: PreferenceFeedbackServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

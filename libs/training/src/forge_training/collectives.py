@@ -1,0 +1,27 @@
+"""The few collectives the training loop needs, no-ops in a single process."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from forge_training.shm_allreduce import SharedMemoryAllReduce
+
+
+def barrier(world_size: int) -> None:
+    if world_size > 1:
+        dist.barrier()
+
+
+def all_reduce(
+    values: list[float], world_size: int, op: str = "sum", shared: SharedMemoryAllReduce | None = None
+) -> list[float]:
+    """Element-wise sum (or max) of ``values`` over all ranks, in float64; a sum goes through
+    ``shared`` when given (ranks on one host)."""
+    if world_size == 1:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64)
+    if shared is not None and op == "sum":
+        return [float(v) for v in shared.all_reduce_(t).tolist()]
+    dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+    return [float(v) for v in t.tolist()]

@@ -1,0 +1,321 @@
+"""``forge bench sweep --space FILE --out DIR``: the same space run twice, every configuration at
+full budget (grid) and under ASHA (η = 3), in-process, one trial after another.
+
+Writes ``DIR/summary.json``::
+
+    {"space", "recipe", "metric", "mode", "rungs", "max_steps",
+     "grid": {"best_metric", "best_trial", "trial_steps", "wall_s"},
+     "asha": {"best_metric", "best_trial", "trial_steps", "stopped_early", "wall_s"},
+     "compute_ratio",   # asha trial-steps / grid trial-steps
+     "regret",          # asha best - grid best (min mode; grid best - asha best for max), metric units
+     "per_trial": [{"run", "trial", "params", "seed", "steps", "final", "stopped_at", "curve"}]}
+
+Trials are the space's configurations (:meth:`Space.configurations`) times its seeds (or the
+recipe's seed). The grid runs them one after another, in order. ASHA runs them as the sweep
+workflow does: up to the space's ``concurrency`` trials in flight, taken in an order shuffled with
+the space's seed, advanced in lockstep (:func:`run_interleaved`: each in-flight trial in turn runs
+to its next evaluation, so trials reach a rung at about the time parallel workers would), and
+judged by :class:`forge_kit.earlystop.Asha` — the rule the sweep workflow uses — on the metric as
+the run writes it to ``metrics.jsonl``, in the order they report. A trial judged at a rung stops
+at its next step, saving its checkpoint as a preempted job does; a freed slot takes the next trial.
+ASHA's best is the best final metric of the trials it let finish. Rungs start at
+``early_stopping.min_steps`` of the space (the grace period; ``max_steps / 27`` when the space has
+no ASHA rule).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any
+
+import numpy as np
+import torch
+import typer
+
+from forge_kit import clitools
+from forge_kit.earlystop import Asha
+from forge_kit.errors import ValidationError
+from forge_kit.objectstore import ObjectStore
+from forge_kit.sweepspace import Space, parse
+from forge_training import recipes
+from forge_training.train import RunContext
+from forge_training.train import train as run_training
+
+ETA = 3
+
+
+@dataclass
+class Trial:
+    index: int
+    params: dict[str, Any]
+    seed: int | None
+    steps: int = 0
+    final: float | None = None
+    stopped_at: int | None = None
+    curve: list[tuple[int, float]] = field(default_factory=list)
+
+
+class _MetricTail:
+    """Reads new lines of a run's ``metrics.jsonl`` as the run appends them."""
+
+    def __init__(self, path: Path, metric: str) -> None:
+        self._path, self._metric, self._offset = path, metric, 0
+
+    def new(self) -> list[tuple[int, float]]:
+        if not self._path.exists():
+            return []
+        with self._path.open("rb") as f:
+            f.seek(self._offset)
+            chunk = f.read()
+        end = chunk.rfind(b"\n") + 1
+        self._offset += end
+        out = []
+        for line in chunk[:end].splitlines():
+            row = json.loads(line)
+            if self._metric in row:
+                out.append((int(row["step"]), float(row[self._metric])))
+        return out
+
+
+def _config(space: Space, trial: Trial) -> recipes.TrainConfig:
+    overrides = space.trial_overrides(trial.params, trial.seed)
+    config = recipes.build(space.recipe, overrides)
+    recipes.validate(config, 1)
+    return config
+
+
+def run_trial(
+    space: Space, trial: Trial, root: Path, cache: Path, judge: Callable[[int, float], bool] | None = None
+) -> None:
+    """Train one trial; ``judge(step, value)`` → False stops it (at its next step)."""
+    run_dir = root / f"t{trial.index:03d}"
+    tail = _MetricTail(run_dir / "metrics.jsonl", space.metric)
+    stop = {"now": False}
+
+    def should_stop() -> bool:
+        for step, value in tail.new():
+            trial.curve.append((step, value))
+            if judge is not None and not stop["now"] and not judge(step, value):
+                stop["now"] = True
+                trial.stopped_at = step
+        return stop["now"]
+
+    ctx = RunContext(
+        run_id=f"t{trial.index}",
+        run_dir=run_dir,
+        store=ObjectStore(str(run_dir / "objects")),
+        cache_dir=cache,
+        should_stop=should_stop,
+        export=False,
+    )
+    result = run_training(_config(space, trial), ctx)
+    should_stop()  # the final evaluation's line
+    trial.steps = result.step
+    if result.outcome == "succeeded":
+        trial.final = result.eval_metrics.get(space.metric, trial.curve[-1][1] if trial.curve else None)
+
+
+Judge = Callable[[int, float], bool]
+RunOne = Callable[[Trial, Judge], None]
+Rule = Callable[[int, int, float], bool]
+
+
+class _Turns:
+    """One baton among the in-flight trials' threads: only its holder runs, so the interleaving is
+    the scheduler's alone (deterministic). The process-wide RNGs travel with the baton: a trial's
+    random draws are the ones it would make alone."""
+
+    def __init__(self) -> None:
+        self.cv = threading.Condition()
+        self.turn: int | None = None
+        self.finished: set[int] = set()
+
+    def wait(self, index: int) -> None:
+        with self.cv:
+            self.cv.wait_for(lambda: self.turn == index)
+
+    def release(self, index: int, finished: bool = False) -> None:
+        with self.cv:
+            if finished:
+                self.finished.add(index)
+            self.turn = None
+            self.cv.notify_all()
+
+    def pause(self, index: int) -> None:
+        """Hand the baton back to the scheduler and wait for the next turn."""
+        rng = (torch.get_rng_state(), random.getstate(), np.random.get_state())
+        self.release(index)
+        self.wait(index)
+        torch.set_rng_state(rng[0])
+        random.setstate(rng[1])
+        np.random.set_state(rng[2])
+
+    def give(self, index: int) -> None:
+        """The scheduler's side: let ``index`` run until it pauses or finishes."""
+        with self.cv:
+            self.turn = index
+            self.cv.notify_all()
+            self.cv.wait_for(lambda: self.turn is None)
+
+
+def run_interleaved(trials: list[Trial], concurrency: int, judge: Rule | None, run_one: RunOne) -> None:
+    """Run ``trials`` (in list order) with up to ``concurrency`` in flight, round-robin: each
+    in-flight trial in turn runs until its next metric value, which goes to ``judge(trial.index,
+    step, value)`` (False stops it), then waits for the others. A finished trial's slot goes to the
+    next trial at the next round. ``run_one(trial, on_value)`` trains one trial, calling
+    ``on_value(step, value)`` for each value of the metric and stopping when it returns False."""
+    turns = _Turns()
+    errors: list[BaseException] = []
+
+    def work(trial: Trial) -> None:
+        turns.wait(trial.index)
+
+        def on_value(step: int, value: float) -> bool:
+            go = judge is None or judge(trial.index, step, value)
+            if go:
+                turns.pause(trial.index)
+            return go
+
+        try:
+            run_one(trial, on_value)
+        except BaseException as exc:  # noqa: BLE001 - re-raised by the scheduler
+            errors.append(exc)
+        finally:
+            turns.release(trial.index, finished=True)
+
+    pending = deque(trials)
+    inflight: list[tuple[Trial, threading.Thread]] = []
+    while pending or inflight:
+        while pending and len(inflight) < concurrency:
+            trial = pending.popleft()
+            thread = threading.Thread(target=work, args=(trial,), name=f"trial-{trial.index}", daemon=True)
+            thread.start()
+            inflight.append((trial, thread))
+        for trial, thread in list(inflight):
+            turns.give(trial.index)
+            if trial.index in turns.finished:
+                thread.join()
+                inflight.remove((trial, thread))
+        if errors:
+            raise errors[0]
+
+
+def _best(space: Space, trials: list[Trial]) -> Trial | None:
+    done = [t for t in trials if t.final is not None]
+    if not done:
+        return None
+    pick = min if space.mode == "min" else max
+    return pick(done, key=lambda t: t.final if t.final is not None else 0.0)
+
+
+def benchmark(space: Space, work: Path, cache: Path, echo: Callable[[str], None] = print) -> dict[str, Any]:
+    """Run the grid, then ASHA, over the same trials; the summary (see the module docstring).
+    ``echo`` hears one line as each trial begins (a progress display's stage name)."""
+    seeds: list[int | None] = list(space.seeds) or [None]
+    configs = space.configurations()
+    plan = [(params, seed) for params in configs for seed in seeds]
+    min_steps = space.early_stopping.min_steps if space.early_stopping.rule == "asha" else 0
+    min_steps = min_steps or max(1, space.max_steps // ETA**3)
+    # 1. Grid: every trial at full budget.
+    grid = [Trial(i, dict(p), s) for i, (p, s) in enumerate(plan)]
+    started = time.perf_counter()
+    for trial in grid:
+        echo(f"grid trial {trial.index + 1}/{len(grid)}")
+        run_trial(space, trial, work / "grid", cache)
+    grid_wall = time.perf_counter() - started
+    # 2. ASHA, the same trials in a shuffled arrival order.
+    asha_rule = Asha(min_steps=min_steps, eta=ETA, max_steps=space.max_steps, mode=space.mode)  # type: ignore[arg-type]
+    order = list(range(len(plan)))
+    random.Random(space.seed).shuffle(order)
+    asha = [Trial(i, dict(plan[i][0]), plan[i][1]) for i in order]
+    arrived = iter(range(1, len(asha) + 1))
+
+    def judge(index: int, step: int, value: float) -> bool:
+        return asha_rule.report(str(index), step, value) != "stop"
+
+    def run_one(trial: Trial, on_value: Judge) -> None:
+        echo(f"asha trial {next(arrived)}/{len(asha)}")
+        run_trial(space, trial, work / "asha", cache, on_value)
+
+    started = time.perf_counter()
+    run_interleaved(asha, space.concurrency, judge, run_one)
+    asha_wall = time.perf_counter() - started
+    grid_best, asha_best = _best(space, grid), _best(space, asha)
+    if grid_best is None or asha_best is None or grid_best.final is None or asha_best.final is None:
+        raise RuntimeError("no trial finished: nothing to compare")
+    grid_steps, asha_steps = sum(t.steps for t in grid), sum(t.steps for t in asha)
+    sign = 1.0 if space.mode == "min" else -1.0
+    rows = [
+        {
+            "run": run,
+            "trial": t.index,
+            "params": t.params,
+            "seed": t.seed,
+            "steps": t.steps,
+            "final": t.final,
+            "stopped_at": t.stopped_at,
+            "curve": t.curve,
+        }
+        for run, trials in (("grid", grid), ("asha", asha))
+        for t in trials
+    ]
+    return {
+        "space": space.name,
+        "recipe": space.recipe,
+        "metric": space.metric,
+        "mode": space.mode,
+        "eta": ETA,
+        "rungs": asha_rule.rungs,
+        "max_steps": space.max_steps,
+        "grid": {
+            "best_metric": grid_best.final,
+            "best_trial": grid_best.index,
+            "trial_steps": grid_steps,
+            "wall_s": round(grid_wall, 1),
+        },
+        "asha": {
+            "best_metric": asha_best.final,
+            "best_trial": asha_best.index,
+            "trial_steps": asha_steps,
+            "stopped_early": sum(1 for t in asha if t.stopped_at is not None),
+            "rung_occupancy": asha_rule.occupancy(),
+            "concurrency": space.concurrency,
+            "wall_s": round(asha_wall, 1),
+        },
+        "compute_ratio": asha_steps / grid_steps,
+        "regret": sign * (asha_best.final - grid_best.final),
+        "per_trial": rows,
+    }
+
+
+def sweep(
+    space: Annotated[Path, typer.Option(help="space file (YAML, the sweep format)")],
+    out: Annotated[Path, typer.Option(help="directory for summary.json")],
+    quiet: Annotated[bool, clitools.QuietOption] = False,
+) -> None:
+    """Grid at full budget vs ASHA (η = 3) over one space: best metric, trial-steps, regret."""
+    if not space.is_file():
+        raise typer.BadParameter(f"{space} is not a file", param_hint="--space")
+    try:
+        parsed = parse(space.read_bytes())
+        for params in parsed.configurations():  # every trial's recipe, before any training
+            _config(parsed, Trial(0, dict(params), parsed.seeds[0] if parsed.seeds else None))
+    except (ValidationError, recipes.RecipeError) as exc:
+        raise typer.BadParameter(str(exc), param_hint="--space") from None
+    out.mkdir(parents=True, exist_ok=True)
+    work = out / "runs"
+    shutil.rmtree(work, ignore_errors=True)  # a previous run's checkpoints would be resumed
+    trials = len(parsed.configurations()) * max(1, len(parsed.seeds))
+    with clitools.stages(2 * trials, quiet) as stage:
+        summary = benchmark(parsed, work, out / "cache", echo=stage)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    brief = {k: v for k, v in summary.items() if k != "per_trial"}
+    typer.echo(json.dumps(brief, indent=2))

@@ -1,0 +1,68 @@
+"""``forge bench sweep`` end to end on a tiny space: both runs, the summary's figures consistent
+with its per-trial rows, and a space the recipe refuses rejected before any training."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from forge_kit.paths import resolve_data_path
+from forge_training import recipes
+from forge_training.bench import app
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not resolve_data_path(recipes.DEFAULT_CORPUS).is_file(), reason="needs the tinyshakespeare corpus"
+    ),
+]
+
+SPACE = """
+name: tiny
+recipe: smoke
+metric: {name: val_loss, mode: min}
+sampler: grid
+seed: 3
+parameters:
+  optim.lr: {type: categorical, values: [0.003, 0.001, 0.0005]}
+overrides: {checkpoint.interval_steps: 0}
+gpu_type: SIM
+budget: {trials: 3, gpu_hours: 1, max_steps: 9}
+concurrency: 2
+early_stopping: {rule: asha, min_steps: 1, eta: 3}
+"""
+
+
+def test_grid_and_asha_over_one_space(tmp_path: Path) -> None:
+    space = tmp_path / "space.yaml"
+    space.write_text(SPACE)
+    result = CliRunner().invoke(app, ["sweep", "--space", str(space), "--out", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    rows = summary["per_trial"]
+    grid = [r for r in rows if r["run"] == "grid"]
+    asha = [r for r in rows if r["run"] == "asha"]
+    assert summary["rungs"] == [1, 3] and len(grid) == len(asha) == 3
+    assert summary["asha"]["concurrency"] == 2 and sum(summary["asha"]["rung_occupancy"].values()) >= 3
+    assert summary["grid"]["trial_steps"] == 27 == sum(r["steps"] for r in grid)
+    assert summary["asha"]["trial_steps"] == sum(r["steps"] for r in asha) < 27
+    assert summary["asha"]["stopped_early"] == sum(r["stopped_at"] is not None for r in asha) >= 1
+    assert summary["compute_ratio"] == summary["asha"]["trial_steps"] / summary["grid"]["trial_steps"]
+    assert summary["grid"]["best_metric"] == min(r["final"] for r in grid)
+    assert summary["regret"] == pytest.approx(summary["asha"]["best_metric"] - summary["grid"]["best_metric"])
+    # A trial ASHA let finish ends where the same configuration ended in the grid (deterministic).
+    finals = {r["trial"]: r["final"] for r in grid}
+    assert all(r["final"] == finals[r["trial"]] for r in asha if r["final"] is not None)
+
+
+def test_a_space_the_recipe_refuses_is_rejected_before_training(tmp_path: Path) -> None:
+    space = tmp_path / "space.yaml"
+    space.write_text(
+        SPACE.replace("[0.003, 0.001, 0.0005]", "[0.003, 0.00001]").replace("trials: 3", "trials: 2")
+    )
+    result = CliRunner().invoke(app, ["sweep", "--space", str(space), "--out", str(tmp_path / "out")])
+    assert result.exit_code != 0
+    assert "min_lr" in result.output and not (tmp_path / "out" / "summary.json").exists()

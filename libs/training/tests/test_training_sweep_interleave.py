@@ -1,0 +1,100 @@
+"""The sweep benchmark's ASHA side runs trials as a parallel sweep does: up to ``concurrency`` in
+flight, advanced in lockstep, judged by the kit's ASHA rule in the order they report. A fake
+trainer replays scripted curves, so the schedule and the promotions are exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from forge_kit.earlystop import Asha
+from forge_training.sweep_bench import Judge, Trial, run_interleaved
+
+# val_loss at steps 1, 3, 9 (rungs 1 and 3 of min_steps 1, eta 3, max_steps 9). Trial 0 leads at
+# step 1 and ends worst; trial 3 is last at step 1, already best at step 3, and best at the end.
+CURVES = {
+    0: [(1, 4.0), (3, 3.9), (9, 3.8)],
+    1: [(1, 4.2), (3, 3.6), (9, 3.3)],
+    2: [(1, 4.3), (3, 3.7), (9, 3.4)],
+    3: [(1, 4.4), (3, 3.5), (9, 3.1)],
+    4: [(1, 4.1), (3, 3.8), (9, 3.5)],
+    5: [(1, 4.5), (3, 3.95), (9, 3.6)],
+}
+
+
+def _run(concurrency: int, grace: int = 1) -> tuple[list[tuple[int, int]], list[Trial], Asha]:
+    """Replay ``CURVES`` (the points at multiples of ``grace``) through the interleaved schedule and
+    the kit's ASHA rule with rungs from ``grace``; (reports in order, trials, the rule)."""
+    reports: list[tuple[int, int]] = []
+    trials = [Trial(i, {}, None) for i in CURVES]
+    rule = Asha(min_steps=grace, eta=3, max_steps=9)
+
+    def judge(index: int, step: int, value: float) -> bool:
+        reports.append((index, step))
+        return rule.report(str(index), step, value) != "stop"
+
+    def run_one(trial: Trial, on_value: Judge) -> None:
+        for step, value in CURVES[trial.index]:
+            if step % grace:
+                continue
+            trial.steps = step
+            trial.curve.append((step, value))
+            if not on_value(step, value):
+                trial.stopped_at, trial.steps = step, step + 1
+                return
+        trial.final = trial.curve[-1][1]
+
+    run_interleaved(trials, concurrency, judge, run_one)
+    return reports, trials, rule
+
+
+def test_in_flight_trials_report_rung_by_rung_and_a_freed_slot_takes_the_next_trial() -> None:
+    reports, trials, rule = _run(concurrency=3)
+    # Trials 0-2 reach rung 1 together; 1 and 2 lose to 0 there and free their slots, which
+    # trials 3 and 4 take at the next round, while 0 goes on to rung 3.
+    assert reports[:3] == [(0, 1), (1, 1), (2, 1)]
+    assert reports[3:6] == [(0, 3), (3, 1), (4, 1)]
+    # One after another, trial 0 would run to its end before trial 1 reports at all.
+    sequential, _, _ = _run(concurrency=1)
+    assert sequential[:3] == [(0, 1), (0, 3), (0, 9)]
+    # Both schedules feed the same rule; at equal step speed each rung sees trials arrive in the
+    # order they started, so the decisions agree (the rule is asynchronous by design).
+    assert {t.index: t.stopped_at for t in trials} == {t.index: t.stopped_at for t in _run(1)[1]}
+    assert rule.occupancy() == {1: 6, 3: 1}
+
+
+def test_a_rung_before_the_ranking_settles_stops_the_winner_and_a_grace_period_keeps_it() -> None:
+    _, trials, _ = _run(concurrency=3, grace=1)
+    finished = {t.index: t.final for t in trials if t.final is not None}
+    assert 3 not in finished and trials[3].stopped_at == 1  # stopped at step 1, last there
+    _, trials, rule = _run(concurrency=3, grace=3)  # one rung, at step 3, where trial 3 leads
+    finished = {t.index: t.final for t in trials if t.final is not None}
+    assert min(finished.values()) == 3.1 and rule.rungs == [3]
+    assert sum(t.steps for t in trials) < 9 * len(trials)
+
+
+def test_a_failing_trial_is_raised_and_nothing_hangs() -> None:
+    trials = [Trial(i, {}, None) for i in range(3)]
+
+    def run_one(trial: Trial, on_value: Judge) -> None:
+        on_value(1, 1.0)
+        if trial.index == 1:
+            raise RuntimeError("diverged")
+        on_value(2, 1.0)
+
+    with pytest.raises(RuntimeError, match="diverged"):
+        run_interleaved(trials, 3, None, run_one)
+
+
+def test_each_trial_draws_the_random_numbers_it_would_draw_alone() -> None:
+    def draws(trial: Trial, on_value: Judge) -> None:
+        torch.manual_seed(trial.index)
+        for step in range(3):
+            trial.curve.append((step, float(torch.rand(1))))
+            on_value(step, 0.0)
+
+    alone = [Trial(i, {}, None) for i in range(2)]
+    run_interleaved(alone, 1, None, draws)
+    together = [Trial(i, {}, None) for i in range(2)]
+    run_interleaved(together, 2, None, draws)
+    assert [t.curve for t in together] == [t.curve for t in alone]

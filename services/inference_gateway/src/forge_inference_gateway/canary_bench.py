@@ -1,0 +1,455 @@
+"""``forge bench canary --out DIR``: the guarded canary's analysis on live traffic through the gateway.
+
+Real: one model_server process serves a random tiny Llama; four replicas in front of it
+(:mod:`forge_inference_gateway.fault_replica`, in this process, so every model takes the same extra
+hop) serve that checkpoint as ``prod`` (production) and ``identical`` unchanged, as ``errors``
+(5 % of requests answered 500) and as ``slow`` (every piece of an answer held back so TTFT and
+inter-token latency take 1.5x); a gateway process routes to the four. The alias ``forge-chat`` names ``prod``; each candidate in turn becomes its canary at
+the policy's share (``policies/canary/bench.yaml``), sticky per ``user``. Streamed completions
+arrive at a fixed rate; every ``interval_s`` the gateway's ``/metrics`` are read and
+:func:`forge_kit.canary.analyze` (the orchestrator's analysis) decides, until ``promote`` or
+``rollback`` or the window (with its extensions) ends.
+
+Resampled: the false-rollback rate over ``--repetitions`` seeded repetitions replays the same
+sequential analysis (same policy, rate, share and looks) on per-request outcomes drawn with
+replacement from those the client recorded in the real run of each candidate and of production
+(status, TTFT, mean inter-token gap; a 5xx the gateway relays as 502 stays an error).
+
+Writes ``DIR/summary.json``: ``candidates.{identical,errors,slow}.{decision,decided_after_s,
+requests_seen}`` from the real runs, ``false_rollback_rate`` (identical candidate, resampled) and
+every figure behind them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Annotated, Any
+
+import httpx
+import numpy as np
+import typer
+
+from forge_inference_gateway.fault_replica import fault_replica
+from forge_kit.canary import (
+    CanaryPolicy,
+    Outcome,
+    SplitCounts,
+    analyze,
+    counts_of,
+    load_policy,
+    parse_metrics,
+)
+from forge_kit.http import HttpServer
+from forge_kit.testing import ServiceProcess
+
+TOKEN = "bench-canary-token"
+API_KEY = "bench-canary-key"
+PRODUCTION = "prod"
+CANDIDATES: dict[str, dict[str, float]] = {
+    "identical": {},
+    "errors": {"error_rate": 0.05},
+    "slow": {"slowdown": 0.5},
+}
+WORDS = [
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "a",
+    "lazy",
+    "dog",
+    "while",
+    "seven",
+    "wise",
+    "owls",
+    "watch",
+    "from",
+    "an",
+    "old",
+    "oak",
+]
+
+app = typer.Typer(add_completion=False, help="Benchmarks (canary).")
+
+
+@app.callback()
+def bench() -> None:
+    """Benchmarks (``forge bench canary``)."""
+
+
+@dataclass
+class Sent:
+    arm: str
+    status: str
+    ttft_s: float | None
+    itl_s: float | None
+    at_s: float
+
+
+async def send(client: httpx.AsyncClient, user: str, prompt: str, max_tokens: int, t0: float) -> Sent:
+    body = {
+        "model": "forge-chat",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "user": user,
+    }
+    started = time.perf_counter()
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as reply:
+            arm = reply.headers.get("x-forge-model", "")
+            if reply.status_code != 200:
+                await reply.aread()
+                return Sent(arm, str(reply.status_code), None, None, started - t0)
+            first: float | None = None
+            events = 0
+            async for line in reply.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                if '"error"' in line:
+                    return Sent(arm, "broken", None, None, started - t0)
+                events += 1
+                if first is None:
+                    first = time.perf_counter()
+            end = time.perf_counter()
+    except httpx.HTTPError:
+        return Sent("", "unavailable", None, None, started - t0)
+    ttft = (first - started) if first is not None else None
+    itl = (end - first) / (events - 1) if first is not None and events > 1 else None
+    return Sent(arm, "200", ttft, itl, started - t0)
+
+
+async def scrape(client: httpx.AsyncClient, candidate: str) -> tuple[SplitCounts, SplitCounts]:
+    text = (await client.get("/metrics")).text
+    counts = parse_metrics(text, [(candidate, "canary"), (PRODUCTION, "stable")])
+    return counts[(candidate, "canary")], counts[(PRODUCTION, "stable")]
+
+
+async def real_run(
+    gateway: str, candidate: str, policy: CanaryPolicy, rate: float, max_tokens: int, seed: int
+) -> dict[str, Any]:
+    """One candidate as canary under fixed-rate traffic until the analysis decides."""
+    admin = {"Authorization": f"Bearer {TOKEN}"}
+    async with httpx.AsyncClient(base_url=gateway, headers=admin, timeout=30) as control:
+        reply = await control.put(
+            "/admin/v1/aliases/forge-chat/canary",
+            json={"model": {"name": candidate}, "weight": policy.traffic_percent},
+        )
+        reply.raise_for_status()
+        start_c, start_p = await scrape(control, candidate)
+        rng = random.Random(seed)
+        sent: list[asyncio.Task[Sent]] = []
+        limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
+        async with httpx.AsyncClient(
+            base_url=gateway, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60, limits=limits
+        ) as traffic:
+            t0 = time.perf_counter()
+            stop = asyncio.Event()
+
+            async def drive() -> None:
+                i = 0
+                while not stop.is_set():
+                    due = t0 + i / rate
+                    await asyncio.sleep(max(0.0, due - time.perf_counter()))
+                    prompt = " ".join(rng.choice(WORDS) for _ in range(12))
+                    user = f"user-{rng.randrange(1_000_000)}"
+                    sent.append(asyncio.create_task(send(traffic, user, prompt, max_tokens, t0)))
+                    i += 1
+
+            driver = asyncio.create_task(drive())
+            previous: dict[str, list[float]] = {}
+            extensions, looks = 0, 0
+            result = None
+            while True:
+                await asyncio.sleep(max(0.0, t0 + (looks + 1) * policy.interval_s - time.perf_counter()))
+                looks += 1
+                now_c, now_p = await scrape(control, candidate)
+                elapsed = time.perf_counter() - t0
+                result = analyze(
+                    now_c.minus(start_c),
+                    now_p.minus(start_p),
+                    policy,
+                    elapsed_s=elapsed,
+                    extensions=extensions,
+                    previous=previous,
+                )
+                previous = result.p_values()
+                if result.decision == "extend":
+                    extensions += 1
+                elif result.decision != "continue":
+                    break
+            stop.set()
+            await driver
+            outcomes = await asyncio.gather(*sent)
+        await control.delete("/admin/v1/aliases/forge-chat/canary")
+    errors = result.metrics["errors"]
+    return {
+        "decision": result.decision,
+        "decided_after_s": result.elapsed_s,
+        "requests_seen": errors.canary_n,
+        "production_requests_seen": errors.production_n,
+        "reason": result.reason,
+        "looks": looks,
+        "extensions": extensions,
+        "evidence": result.evidence(),
+        "client": [asdict(o) for o in outcomes],
+    }
+
+
+def outcome_of(sent: dict[str, Any]) -> Outcome:
+    return Outcome(sent["status"], sent["ttft_s"], sent["itl_s"], False)
+
+
+def resampled(
+    canary: list[Outcome], production: list[Outcome], policy: CanaryPolicy, rate: float, seed: int
+) -> tuple[str, float, int]:
+    """The sequential analysis replayed on outcomes drawn with replacement (see module docstring)."""
+    rng = np.random.default_rng(seed)
+    share = policy.traffic_percent / 100
+    c_all: list[Outcome] = []
+    p_all: list[Outcome] = []
+    previous: dict[str, list[float]] = {}
+    extensions, t = 0, 0.0
+    while True:
+        t += policy.interval_s
+        arrivals = rng.poisson(rate * policy.interval_s)
+        to_canary = int(rng.binomial(arrivals, share))
+        c_all += [canary[i] for i in rng.integers(0, len(canary), to_canary)]
+        p_all += [production[i] for i in rng.integers(0, len(production), arrivals - to_canary)]
+        result = analyze(
+            counts_of(c_all), counts_of(p_all), policy, elapsed_s=t, extensions=extensions, previous=previous
+        )
+        previous = result.p_values()
+        if result.decision == "extend":
+            extensions += 1
+        elif result.decision != "continue":
+            return result.decision, round(t, 3), len(c_all)
+
+
+def start_model_server(models: Path, work: Path, threads: int) -> ServiceProcess:
+    return ServiceProcess(
+        "forge_model_server",
+        env={
+            "FORGE_MODEL_SERVER_GRPC_PORT": "0",
+            "FORGE_MODEL_SERVER_HTTP_PORT": "0",
+            "FORGE_MODEL_SERVER_AUTH_TOKEN": TOKEN,
+            "FORGE_MODEL_SERVER_MODELS_DIR": str(models),
+            "FORGE_MODEL_SERVER_KAFKA_ENABLED": "false",
+            "FORGE_MODEL_SERVER_TORCH_THREADS": str(threads),
+            "FORGE_MODEL_SERVER_LOG_LEVEL": "WARNING",
+        },
+        cwd=str(work),
+        log_path=str(work / "model_server.log"),
+    ).start(180)
+
+
+def start_gateway(replicas: list[str], work: Path) -> ServiceProcess:
+    return ServiceProcess(
+        "forge_inference_gateway",
+        env={
+            "FORGE_INFERENCE_GATEWAY_GRPC_PORT": "0",
+            "FORGE_INFERENCE_GATEWAY_HTTP_PORT": "0",
+            "FORGE_INFERENCE_GATEWAY_AUTH_TOKEN": TOKEN,
+            "FORGE_INFERENCE_GATEWAY_DATA_DIR": str(work / "gateway"),
+            "FORGE_INFERENCE_GATEWAY_KAFKA_ENABLED": "false",
+            "FORGE_INFERENCE_GATEWAY_MODEL_SERVER_URL": ",".join(replicas),
+            "FORGE_INFERENCE_GATEWAY_MODEL_SERVER_TOKEN": TOKEN,
+            "FORGE_INFERENCE_GATEWAY_BOOTSTRAP_API_KEY": API_KEY,
+            "FORGE_INFERENCE_GATEWAY_DEFAULT_RPM_LIMIT": "100000000",
+            "FORGE_INFERENCE_GATEWAY_RESPONSE_CACHE_TTL_S": "0",
+            "FORGE_INFERENCE_GATEWAY_LOG_LEVEL": "WARNING",
+        },
+        cwd=str(work),
+        log_path=str(work / "gateway.log"),
+    ).start(60)
+
+
+async def wait_routable(gateway: str, models: list[str]) -> None:
+    """Until the gateway lists every model (its replicas scraped) and each answers once."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    async with httpx.AsyncClient(base_url=gateway, headers=headers, timeout=60) as client:
+        for _ in range(300):
+            listed = {m["id"] for m in (await client.get("/v1/models")).json()["data"]}
+            if set(models) <= listed:
+                break
+            await asyncio.sleep(0.2)
+        for model in models:
+            for _ in range(3):
+                body = {"model": model, "prompt": "to be", "max_tokens": 4, "temperature": 0}
+                await client.post("/v1/completions", json=body)
+
+
+async def run_bench(out: Path, policy: CanaryPolicy, args: dict[str, Any]) -> dict[str, Any]:
+    from forge_kit.testing.tiny_llama import save_tiny_llama
+
+    work = Path(tempfile.mkdtemp(prefix="canary-bench-"))
+    models = work / "models"
+    save_tiny_llama(models / PRODUCTION, seed=args["seed"], hidden=args["hidden"], layers=args["layers"])
+    server = start_model_server(models, work, args["threads"])
+    wrappers: list[HttpServer] = []
+    gateway_process: ServiceProcess | None = None
+    try:
+        for name, faults in {PRODUCTION: {}, **CANDIDATES}.items():
+            app = fault_replica(
+                server.http_url, name=name, serves=PRODUCTION, token=TOKEN, seed=args["seed"], **faults
+            )
+            wrapper = HttpServer(app, "127.0.0.1", 0)
+            await wrapper.start()
+            wrappers.append(wrapper)
+        replica_urls = [f"http://127.0.0.1:{w.port}" for w in wrappers]
+        gateway_process = start_gateway(replica_urls, work)
+        gateway = gateway_process.http_url
+        async with httpx.AsyncClient(base_url=gateway, headers={"Authorization": f"Bearer {TOKEN}"}) as admin:
+            (
+                await admin.put("/admin/v1/aliases/forge-chat", json={"model": {"name": PRODUCTION}})
+            ).raise_for_status()
+        await wait_routable(gateway, [PRODUCTION, *CANDIDATES])
+        runs: dict[str, dict[str, Any]] = {}
+        for i, name in enumerate(CANDIDATES):
+            typer.echo(f"canary {name}: fixed {args['rate']:g} req/s through the gateway …", err=True)
+            runs[name] = await real_run(
+                gateway, name, policy, args["rate"], args["max_tokens"], args["seed"] + i
+            )
+            typer.echo(
+                f"  {runs[name]['decision']} after {runs[name]['decided_after_s']:.1f}s, "
+                f"{runs[name]['requests_seen']} canary requests ({runs[name]['reason']})",
+                err=True,
+            )
+    finally:
+        if gateway_process is not None:
+            gateway_process.stop()
+        for wrapper in wrappers:
+            await wrapper.stop()
+        server.stop()
+    shutil.rmtree(work, ignore_errors=True)
+    return runs
+
+
+def summarize(runs: dict[str, dict[str, Any]], policy: CanaryPolicy, args: dict[str, Any]) -> dict[str, Any]:
+    production_pool = [
+        outcome_of(o) for run in runs.values() for o in run["client"] if o["arm"] == PRODUCTION
+    ]
+    candidates: dict[str, Any] = {}
+    repetitions: dict[str, Any] = {}
+    deadline = policy.deadline_s(policy.max_extensions)
+    for name, run in runs.items():
+        pool = [outcome_of(o) for o in run["client"] if o["arm"] == name]
+        # Each candidate against the production requests of its own run (the same minutes of load).
+        own = [outcome_of(o) for o in run["client"] if o["arm"] == PRODUCTION]
+        reps = [resampled(pool, own, policy, args["rate"], seed) for seed in range(args["repetitions"])]
+        decisions = [d for d, _, _ in reps]
+        repetitions[name] = {
+            "decisions": {d: decisions.count(d) for d in sorted(set(decisions))},
+            "decided_after_s_median": float(np.median([t for _, t, _ in reps])),
+            "requests_seen_median": float(np.median([n for _, _, n in reps])),
+        }
+        client = [o for o in run["client"] if o["arm"] == name]
+        ttft = [o["ttft_s"] for o in client if o["ttft_s"] is not None]
+        itl = [o["itl_s"] for o in client if o["itl_s"] is not None]
+        candidates[name] = {
+            "decision": run["decision"],
+            "decided_after_s": run["decided_after_s"],
+            "requests_seen": run["requests_seen"],
+            "production_requests_seen": run["production_requests_seen"],
+            "reason": run["reason"],
+            "within_window": run["decided_after_s"] <= deadline,
+            "client_error_rate": round(sum(o["status"] != "200" for o in client) / max(1, len(client)), 4),
+            "client_ttft_p95_ms": round(1000 * float(np.percentile(ttft, 95)), 2) if ttft else None,
+            "client_itl_p95_ms": round(1000 * float(np.percentile(itl, 95)), 2) if itl else None,
+            "evidence": run["evidence"],
+        }
+    p_ttft = [o.ttft_s for o in production_pool if o.ttft_s is not None]
+    p_itl = [o.itl_s for o in production_pool if o.itl_s is not None]
+    identical = repetitions["identical"]["decisions"]
+    false_rollback = identical.get("rollback", 0) / args["repetitions"]
+    met = {
+        "identical_promoted": candidates["identical"]["decision"] == "promote",
+        "errors_rolled_back": candidates["errors"]["decision"] == "rollback",
+        "slow_rolled_back": candidates["slow"]["decision"] == "rollback",
+        "within_window": all(c["within_window"] for c in candidates.values()),
+        "false_rollback_rate_at_most_0.05": false_rollback <= 0.05,
+    }
+    return {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "command": (
+            f"forge bench canary --out {args['out']} --rate {args['rate']:g} --repetitions {args['repetitions']}"
+            f" --policy {policy.family} --seed {args['seed']}"
+        ),
+        "policy": policy.model_dump(),
+        "rate_rps": args["rate"],
+        "max_tokens": args["max_tokens"],
+        "candidates": candidates,
+        "false_rollback_rate": false_rollback,
+        "repetitions": {
+            "n": args["repetitions"],
+            "method": "sequential analysis replayed on per-request outcomes resampled (with replacement) "
+            "from the real run's client records of each arm; Poisson arrivals at rate_rps, canary share "
+            "binomial at the policy's traffic_percent",
+            **repetitions,
+        },
+        "production": {
+            "requests": len(production_pool),
+            "client_ttft_p95_ms": round(1000 * float(np.percentile(p_ttft, 95)), 2) if p_ttft else None,
+            "client_itl_p95_ms": round(1000 * float(np.percentile(p_itl, 95)), 2) if p_itl else None,
+        },
+        "targets_met": met,
+    }
+
+
+@app.command()
+def canary(
+    out: Annotated[Path, typer.Option(help="Directory for summary.json.")],
+    rate: Annotated[float, typer.Option(min=1, max=200, help="Requests per second, fixed.")] = 10.0,
+    repetitions: Annotated[int, typer.Option(min=1, max=1000)] = 20,
+    policy_family: Annotated[str, typer.Option("--policy", help="Canary policy family.")] = "bench",
+    max_tokens: Annotated[int, typer.Option(min=1, max=256)] = 8,
+    threads: Annotated[int, typer.Option(min=1, max=64, help="Model server torch threads.")] = 1,
+    hidden: Annotated[int, typer.Option(min=16, max=1024)] = 64,
+    layers: Annotated[int, typer.Option(min=1, max=16)] = 2,
+    seed: int = 0,
+) -> None:
+    """Production and three candidates (identical, 5 % errors, +50 % latency) through the gateway."""
+    policy = load_policy(policy_family)
+    args = {
+        "out": str(out),
+        "rate": rate,
+        "repetitions": repetitions,
+        "max_tokens": max_tokens,
+        "threads": threads,
+        "hidden": hidden,
+        "layers": layers,
+        "seed": seed,
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    runs = asyncio.run(run_bench(out, policy, args))
+    summary = summarize(runs, policy, args)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True))
+    typer.echo(
+        json.dumps(
+            {
+                "candidates": {
+                    k: {f: v[f] for f in ("decision", "decided_after_s", "requests_seen")}
+                    for k, v in summary["candidates"].items()
+                },
+                "false_rollback_rate": summary["false_rollback_rate"],
+                "targets_met": summary["targets_met"],
+            },
+            indent=2,
+        )
+    )
+
+
+if __name__ == "__main__":
+    app()
