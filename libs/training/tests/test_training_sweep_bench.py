@@ -10,13 +10,13 @@ import pytest
 from typer.testing import CliRunner
 
 from forge_kit.paths import resolve_data_path
-from forge_training import recipes
+from forge_training import schema
 from forge_training.bench import app
 
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(
-        not resolve_data_path(recipes.DEFAULT_CORPUS).is_file(), reason="needs the tinyshakespeare corpus"
+        not resolve_data_path(schema.DEFAULT_CORPUS).is_file(), reason="needs the tinyshakespeare corpus"
     ),
 ]
 

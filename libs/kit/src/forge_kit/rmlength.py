@@ -57,8 +57,10 @@ class StratumAccuracy:
     def of(cls, wins: float, n: int) -> StratumAccuracy:
         if n < 0 or not 0 <= wins <= n:
             raise ValueError(f"wins must lie in [0, n], got wins={wins}, n={n}")
+        if not n:
+            return cls(float("nan"), float("nan"), float("nan"), 0)
         low, high = wilson_interval(wins, n)
-        return cls(wins / n if n else float("nan"), low, high, n)
+        return cls(wins / n, low, high, n)
 
 
 def stratified_accuracy(

@@ -35,13 +35,10 @@ from forge_kit import rmlength
 from forge_training import pairs as pairdata
 from forge_training.collectives import all_reduce
 from forge_training.data import StepSampler
-from forge_training.objectives import (
-    EncoderRewardModeling,
-    Micro,
-    encoder_classifier,
-    wins,
-)
-from forge_training.recipes import TrainConfig
+from forge_training.objectives.base import Micro, wins
+from forge_training.objectives.encoder import encoder_classifier
+from forge_training.objectives.reward import EncoderRewardModeling
+from forge_training.schema import TrainConfig
 
 QUALITY, LENGTH = 0, 1
 """Rows of the two-output classifier of an ODIN model."""

@@ -45,7 +45,7 @@ from forge_kit.earlystop import Asha
 from forge_kit.errors import ValidationError
 from forge_kit.objectstore import ObjectStore
 from forge_kit.sweepspace import Space, parse
-from forge_training import recipes
+from forge_training import recipes, schema, validation
 from forge_training.train import RunContext
 from forge_training.train import train as run_training
 
@@ -85,10 +85,10 @@ class _MetricTail:
         return out
 
 
-def _config(space: Space, trial: Trial) -> recipes.TrainConfig:
+def _config(space: Space, trial: Trial) -> schema.TrainConfig:
     overrides = space.trial_overrides(trial.params, trial.seed)
     config = recipes.build(space.recipe, overrides)
-    recipes.validate(config, 1)
+    validation.validate(config, 1)
     return config
 
 
@@ -308,7 +308,7 @@ def sweep(
         parsed = parse(space.read_bytes())
         for params in parsed.configurations():  # every trial's recipe, before any training
             _config(parsed, Trial(0, dict(params), parsed.seeds[0] if parsed.seeds else None))
-    except (ValidationError, recipes.RecipeError) as exc:
+    except (ValidationError, schema.RecipeError) as exc:
         raise typer.BadParameter(str(exc), param_hint="--space") from None
     out.mkdir(parents=True, exist_ok=True)
     work = out / "runs"

@@ -42,7 +42,7 @@ import structlog
 import torch
 
 from forge_kit.objectstore import ObjectStore
-from forge_training import parallel, recipes
+from forge_training import parallel, schema, validation
 from forge_training.checkpoint import CheckpointManager, Manifest, optimal_interval_s
 from forge_training.collectives import all_reduce, barrier
 from forge_training.curves import plot_curves
@@ -50,7 +50,7 @@ from forge_training.data import PreparedData, prepare
 from forge_training.mfu import peak_flops
 from forge_training.objectives import Objective, StepBatch, build_objective
 from forge_training.prefetch import Prefetcher
-from forge_training.recipes import TrainConfig
+from forge_training.schema import TrainConfig
 from forge_training.shm_allreduce import SharedMemoryAllReduce
 
 log = structlog.get_logger(__name__)
@@ -151,7 +151,7 @@ class _SavePlan:
     """When to checkpoint: every ``interval_steps`` (``steps``), or (``young``/``daly``) first at
     ``interval_steps`` after the start, then every interval planned from the measured save."""
 
-    def __init__(self, config: recipes.CheckpointConfig, first_step: int) -> None:
+    def __init__(self, config: schema.CheckpointConfig, first_step: int) -> None:
         self.config = config
         self.interval = config.interval_steps
         self.next_step = first_step + config.interval_steps
@@ -204,7 +204,7 @@ def _train_step(
 
 
 def param_groups(
-    model: torch.nn.Module, optim: recipes.OptimConfig, head_prefixes: Sequence[str] = ()
+    model: torch.nn.Module, optim: schema.OptimConfig, head_prefixes: Sequence[str] = ()
 ) -> list[dict[str, Any]]:
     """AdamW groups of the trainable parameters: weight decay on matrices only (not on biases and
     norms); a fresh head (names starting with one of ``head_prefixes``) at ``optim.head_lr_scale``
@@ -230,7 +230,7 @@ def param_groups(
 def train(config: TrainConfig, ctx: RunContext) -> TrainResult:
     """Run (or resume) ``config``; steps 1-6 of the module docstring."""
     # 1. Validate.
-    recipes.validate(config, ctx.world_size)
+    validation.validate(config, ctx.world_size)
     if config.threads:
         torch.set_num_threads(config.threads)
     started = ctx.clock()
@@ -421,7 +421,7 @@ def _draw_curves(metrics: Path) -> None:
 def pretrain(config: TrainConfig, ctx: RunContext) -> TrainResult:
     """:func:`train` for a ``pretrain`` recipe (refuses the other tasks, which need a parent)."""
     if config.task != "pretrain":
-        raise recipes.RecipeError(f"task: pretrain() runs the 'pretrain' task, got {config.task!r}")
+        raise schema.RecipeError(f"task: pretrain() runs the 'pretrain' task, got {config.task!r}")
     return train(config, ctx)
 
 

@@ -48,6 +48,7 @@ from temporalio.common import RetryPolicy
 from temporalio.exceptions import ApplicationError
 
 with workflow.unsafe.imports_passed_through():
+    from forge_kit.jobcmd import PolicyCheckCommand, RewardModelEvalCommand
     from forge_kit.rmlength import registry_metrics
     from forge_orchestrator.rlhf_activities import (
         RegisterRewardModelInput,
@@ -259,18 +260,12 @@ class RlhfWorkflow(RoundCollection):
             params,
             f"{wid}-r{n}-rm-eval",
             f"rm-eval-r{n}",
-            [
-                params.python,
-                "-m",
-                "forge_preference_feedback.rm_cli",
-                "eval",
-                "--checkpoint",
-                record.reward_model_uri,
-                "--pairs",
-                join(record.snapshot_uri, "test.jsonl.gz"),
-                "--out",
-                out,
-            ],
+            RewardModelEvalCommand(
+                checkpoint=record.reward_model_uri,
+                pairs=join(record.snapshot_uri, "test.jsonl.gz"),
+                out=out,
+                python=params.python,
+            ).argv(),
         )
         summary: dict[str, Any] = await self._activity(RlhfActivities.read_json, join(out, "summary.json"))
         reason = reward_gate(summary, gates=round_gates(params))
@@ -372,27 +367,17 @@ class RlhfWorkflow(RoundCollection):
         await self._report(record)
         out = join(params.work_uri, wid, f"round-{n}", "policy-check")
         policies = [*self._accepted[-params.overopt_window :], record.policy_uri]
-        command = [
-            params.python,
-            "-m",
-            "forge_preference_feedback.policy_check",
-            "--reference",
-            params.policy_uri,
-            "--reward-model",
-            record.reward_model_uri,
-            "--pairs",
-            join(record.snapshot_uri, "test.jsonl.gz"),
-            "--out",
-            out,
-            "--max-prompts",
-            str(params.check_max_prompts),
-            "--max-new-tokens",
-            str(params.check_max_new_tokens),
-            "--seed",
-            str(n),
-        ]
-        for policy in policies:
-            command += ["--policy", policy]
+        command = PolicyCheckCommand(
+            reference=params.policy_uri,
+            reward_model=record.reward_model_uri,
+            pairs=join(record.snapshot_uri, "test.jsonl.gz"),
+            out=out,
+            policies=policies,
+            max_prompts=params.check_max_prompts,
+            max_new_tokens=params.check_max_new_tokens,
+            seed=n,
+            python=params.python,
+        ).argv()
         await self._job(params, f"{wid}-r{n}-check", f"policy-check-r{n}", command)
         summary: dict[str, Any] = await self._activity(RlhfActivities.read_json, join(out, "summary.json"))
         reference = DriftPoint(

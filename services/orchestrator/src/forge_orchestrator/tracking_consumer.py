@@ -1,6 +1,6 @@
 """Training runs into MLflow, from the platform's Kafka events (consumer group ``orchestrator-tracking``).
 
-:class:`RunRecorder` is the handler of a kit :class:`~forge_kit.events.EventConsumer`, so each
+:class:`RunRecorder` is the handler of a kit :class:`~forge_kit.consumer.EventConsumer`, so each
 event is applied once per group (its id is recorded in ``forge_processed_events`` with the
 handler's database writes) and inherits whatever verification the kit's consumer does.
 

@@ -46,6 +46,7 @@ from temporalio.exceptions import ApplicationError, is_cancelled_exception
 with workflow.unsafe.imports_passed_through():
     from forge_kit import sweepspace
     from forge_kit.earlystop import Asha, MedianStopping
+    from forge_kit.jobcmd import TrainCommand
     from forge_orchestrator.activities import CancelJobInput, SchedulerActivities, SubmitJobInput
     from forge_orchestrator.identity import ADMIN, Caller
     from forge_orchestrator.sweep.activities import (
@@ -95,7 +96,7 @@ class SweepInput:
     team: str = ""
     """Team the trials are submitted for (the space's ``team``, which must agree when set)."""
     python: str = "python"
-    """Interpreter on the nodes that runs ``forge_training.run``."""
+    """Interpreter on the nodes that runs the training entry point (:class:`forge_kit.jobcmd.TrainCommand`)."""
     final_metric_wait_s: float = 60.0
     """How long a succeeded trial waits for its value at the full budget (it travels on another
     topic than the job's end) before its last value counts."""
@@ -149,17 +150,7 @@ class SweepResult:
 
 
 def _command(python: str, recipe: str, overrides: dict[str, Any]) -> list[str]:
-    args: list[str] = []
-    for key, value in overrides.items():
-        rendered = (
-            ("true" if value else "false")
-            if isinstance(value, bool)
-            else repr(value)
-            if isinstance(value, float)
-            else str(value)
-        )
-        args += ["--set", f"{key}={rendered}"]
-    return [python, "-m", "forge_training.run", "--recipe", recipe, *args]
+    return TrainCommand.with_values(recipe, overrides, python).argv()
 
 
 @workflow.defn(name="sweep")

@@ -30,8 +30,8 @@ given by which reply is longer (``by_length``: preferred-longer, preferred-short
 lengths in words; see :mod:`forge_kit.rmlength`), so a reward model that only learned "longer is
 better" shows as one.
 
-``torch`` and ``transformers`` are imported only when a checkpoint is loaded: the service itself
-does not need them (``pip install -e 'services/preference_feedback[rm]'``).
+``torch`` and ``transformers`` are imported only when a checkpoint is loaded: reading pairs needs
+neither (the feedback service's ``forge rm`` commands import this module).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from forge_kit import rmlength
-from forge_preference_feedback.quality import wilson_interval
+from forge_kit.stats import wilson_interval
 
 _TURN = re.compile(r"\n\n(Human|Assistant):")
 _ROLES = {"Human": "user", "Assistant": "assistant"}
