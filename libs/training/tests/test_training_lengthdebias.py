@@ -18,7 +18,7 @@ import torch
 
 from forge_kit import rmlength
 from forge_training import lengthdebias as ld
-from forge_training import recipes
+from forge_training import recipes, rm_eval, validation
 from forge_training.recipes import RecipeError
 from forge_training.run import EXIT_BAD_RECIPE, main
 
@@ -120,17 +120,17 @@ def test_odin_penalty_rewards_a_length_head_and_punishes_a_length_quality_score(
 
 def test_bad_debias_options_are_refused_before_starting(tmp_path: Path) -> None:
     with pytest.raises(RecipeError, match=r"pairs\.length_balance: must be one of"):
-        recipes.validate(recipes.build("reward_hh_minilm", {"pairs.length_balance": "yes"}), 1)
+        validation.validate(recipes.build("reward_hh_minilm", {"pairs.length_balance": "yes"}), 1)
     with pytest.raises(RecipeError, match=r"reward\.length_head: the length correlation"):
-        recipes.validate(
+        validation.validate(
             recipes.build("reward_hh_minilm", {"reward.length_head": "true", "micro_batch_size": "1"}), 1
         )
     with pytest.raises(RecipeError, match=r"pairs\.length_balance: needs a bundled encoder"):
-        recipes.validate(recipes.build("reward_hh", {"pairs.length_balance": "reweight"}), 1)
+        validation.validate(recipes.build("reward_hh", {"pairs.length_balance": "reweight"}), 1)
     with pytest.raises(RecipeError, match="not used by the 'sft' task"):
         recipes.build("sft_hh", {"reward.length_head": "true"})
     with pytest.raises(RecipeError, match="must be >= 0"):
-        recipes.validate(recipes.build("reward_hh_minilm", {"reward.length_corr_weight": "-1"}), 1)
+        validation.validate(recipes.build("reward_hh_minilm", {"reward.length_corr_weight": "-1"}), 1)
     args = ["--recipe", "reward_hh_minilm", "--run-dir", str(tmp_path), "--set", "pairs.length_balance=x"]
     assert main(args) == EXIT_BAD_RECIPE
 
@@ -154,7 +154,6 @@ TINY = {
 def test_an_odin_run_exports_its_quality_head_as_a_one_label_reward_model(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    rm_eval = pytest.importorskip("forge_preference_feedback.rm_eval")
     from transformers import BertForSequenceClassification
 
     run_dir = tmp_path / "run"
