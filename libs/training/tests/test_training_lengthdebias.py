@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from forge_kit import rmlength
-from forge_training import lengthdebias as ld
 from forge_training import recipes, rm_eval, validation
+from forge_training.objectives import lengthdebias as ld
 from forge_training.recipes import RecipeError
 from forge_training.run import EXIT_BAD_RECIPE, main
 

@@ -165,7 +165,7 @@ class RerankConfig:
 @dataclass(frozen=True)
 class RewardConfig:
     """``reward`` on a bundled encoder: the ODIN length head (Chen et al. 2024, "ODIN:
-    Disentangled Reward Mitigates Hacking in RLHF"), see :mod:`forge_training.lengthdebias`."""
+    Disentangled Reward Mitigates Hacking in RLHF"), see :mod:`forge_training.objectives.lengthdebias`."""
 
     length_head: bool = False
     """Train two scores on the pooled output, quality and length, whose sum is the Bradley-Terry

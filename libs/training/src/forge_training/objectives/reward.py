@@ -15,7 +15,7 @@ from transformers import LlamaConfig, LlamaForSequenceClassification, PreTrained
 from forge_training import pairs as pairdata
 from forge_training.backbones import BACKBONE_NAMES, backbone_dir
 from forge_training.mfu import train_flops_per_token
-from forge_training.objectives.base import Micro, Objective, ObjectiveSpec, wins
+from forge_training.objectives.base import Micro, Objective, wins
 from forge_training.objectives.encoder import encoder_classifier, encoder_head_prefixes, save_encoder
 from forge_training.objectives.pairwise import PreferenceTask
 from forge_training.parents import Parent
@@ -125,16 +125,3 @@ class EncoderRewardModeling(RewardModeling):
             truncation_side="left",
             chat_template=pairdata.ENCODER_CHAT_TEMPLATE,
         )
-
-
-def build(config: TrainConfig, rank: int, world_size: int, cache_dir: Path) -> Objective:
-    if config.init.backbone != "parent":
-        from forge_training.lengthdebias import LengthDebiasedRewardModeling  # builds on this module
-
-        return LengthDebiasedRewardModeling(config, rank, world_size, cache_dir)
-    return RewardModeling(config, rank, world_size)
-
-
-SPEC = ObjectiveSpec(
-    "reward", build, "a scalar-head reward model (the parent's backbone or a bundled encoder)"
-)

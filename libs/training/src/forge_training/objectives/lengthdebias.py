@@ -35,9 +35,9 @@ from forge_kit import rmlength
 from forge_training import pairs as pairdata
 from forge_training.collectives import all_reduce
 from forge_training.data import StepSampler
-from forge_training.objectives.base import Micro, wins
+from forge_training.objectives.base import Micro, Objective, ObjectiveSpec, wins
 from forge_training.objectives.encoder import encoder_classifier
-from forge_training.objectives.reward import EncoderRewardModeling
+from forge_training.objectives.reward import EncoderRewardModeling, RewardModeling
 from forge_training.schema import TrainConfig
 
 QUALITY, LENGTH = 0, 1
@@ -278,3 +278,17 @@ def _classifier(module: torch.nn.Module) -> torch.nn.Linear:
     head = inner.classifier
     assert isinstance(head, torch.nn.Linear)
     return head
+
+
+def build(config: TrainConfig, rank: int, world_size: int, cache_dir: Path) -> Objective:
+    """A ``reward`` objective: :class:`LengthDebiasedRewardModeling` on a bundled encoder (the
+    plain encoder reward model when neither debias option is set), else the parent's
+    :class:`~.reward.RewardModeling`."""
+    if config.init.backbone != "parent":
+        return LengthDebiasedRewardModeling(config, rank, world_size, cache_dir)
+    return RewardModeling(config, rank, world_size)
+
+
+SPEC = ObjectiveSpec(
+    "reward", build, "a scalar-head reward model (the parent's backbone or a bundled encoder)"
+)
