@@ -24,6 +24,10 @@ from forge.orchestrator.v1 import orchestrator_pb2
 from forge_orchestrator.client import OrchestratorClient, response_to_dict, status_name
 from forge_orchestrator.tracking import Tracker
 
+#: The train step's team: its quota (set by that step) covers the two simulated GPUs of
+#: ``forge up``'s agents, so the trials are placed as soon as a GPU is free.
+TEAM = "main-job"
+
 #: How long the sweep may take (six trials of 45 steps, two at a time, on a shared 2-core host).
 SWEEP_WAIT_S = 240.0
 
@@ -47,7 +51,7 @@ overrides:
 gpu_type: SIM
 budget: {trials: 6, gpu_hours: 1, max_steps: 45}
 concurrency: 2
-team: research
+team: main-job
 early_stopping: {rule: asha, min_steps: 5, eta: 3}
 """
 
@@ -83,7 +87,7 @@ async def sweep(ctx: MainJobContext) -> dict[str, object]:
     sweep_id = f"main-job-sweep-{uuid.uuid4().hex[:8]}"
     started = time.monotonic()
     async with OrchestratorClient(endpoint.grpc_target, endpoint.token) as client:
-        await client.start("sweep", {"space": SPACE, "team": "research"}, sweep_id)
+        await client.start("sweep", {"space": SPACE, "team": TEAM}, sweep_id)
         reply = await client.wait(sweep_id, timeout_s=SWEEP_WAIT_S)
     if reply.status != orchestrator_pb2.WORKFLOW_STATUS_COMPLETED:
         raise RuntimeError(
