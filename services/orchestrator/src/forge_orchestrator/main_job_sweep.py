@@ -14,6 +14,7 @@ It needs ``ctx.endpoint("orchestrator")`` and, for the link, ``ctx.mlflow_url``.
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 import uuid
 from collections.abc import Mapping
@@ -87,7 +88,9 @@ async def sweep(ctx: MainJobContext) -> dict[str, object]:
     sweep_id = f"main-job-sweep-{uuid.uuid4().hex[:8]}"
     started = time.monotonic()
     async with OrchestratorClient(endpoint.grpc_target, endpoint.token) as client:
-        await client.start("sweep", {"space": SPACE, "team": TEAM}, sweep_id)
+        # The agents run on this machine, in this environment: a bare ``python`` is whatever the job
+        # sandbox's PATH finds first, if anything.
+        await client.start("sweep", {"space": SPACE, "team": TEAM, "python": sys.executable}, sweep_id)
         reply = await client.wait(sweep_id, timeout_s=SWEEP_WAIT_S)
     if reply.status != orchestrator_pb2.WORKFLOW_STATUS_COMPLETED:
         raise RuntimeError(
