@@ -159,6 +159,8 @@ def rlhf_input(ctx: MainJobContext) -> dict[str, object]:
     return {
         "policy_uri": uri,
         "sample_model": served,
+        # Pairs the gateway mirrored to a shadow of the product alias join the raters' queue.
+        "shadow_alias": PUBLIC_MODEL,
         "work_uri": f"{ctx.object_store_url.rstrip('/')}/rlhf",
         "team": TEAM,
         "gpu_type": GPU_TYPE,
