@@ -69,6 +69,7 @@ class TrafficReport:
     """Requests that failed, by HTTP status (or the error's class)."""
     seconds: float = 0.0
     note: str = ""
+    first_error: str = ""
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -79,6 +80,7 @@ class TrafficReport:
             "failed": dict(self.failed),
             "seconds": round(self.seconds, 1),
             **({"note": self.note} if self.note else {}),
+            **({"first_error": self.first_error} if self.first_error else {}),
         }
 
 
@@ -228,14 +230,15 @@ async def _serve_and_drive(
                             user=f"main-job-canary-{report.sent}",
                             max_tokens=openai.omit if small else MAX_TOKENS,
                         )
-                    except openai.APIStatusError as exc:
-                        key = str(exc.status_code)
-                        report.failed[key] = report.failed.get(key, 0) + 1
-                        continue
                     except openai.APIError as exc:
-                        key = type(exc).__name__
+                        key = (
+                            str(exc.status_code)
+                            if isinstance(exc, openai.APIStatusError)
+                            else type(exc).__name__
+                        )
                         report.failed[key] = report.failed.get(key, 0) + 1
-                        await asyncio.sleep(0.2)
+                        report.first_error = report.first_error or f"{key}: {exc}"[:300]
+                        await asyncio.sleep(0.2)  # a failing gateway is not hammered
                         continue
                     by = raw.headers.get(MODEL_HEADER, "") or "unknown"
                     report.answered_by[by] = report.answered_by.get(by, 0) + 1
