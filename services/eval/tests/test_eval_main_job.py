@@ -98,6 +98,8 @@ def platform(
                 "FORGE_INFERENCE_GATEWAY_KAFKA_BOOTSTRAP": kafka_broker.bootstrap,
                 "FORGE_INFERENCE_GATEWAY_MODEL_SERVER_URL": server.http_url,
                 "FORGE_INFERENCE_GATEWAY_MODEL_SERVER_TOKEN": SERVER_TOKEN,
+                # the default tenant, as whom the platform's own token (the steps') chats
+                "FORGE_INFERENCE_GATEWAY_BOOTSTRAP_API_KEY": "main-job-default-key",
                 "FORGE_INFERENCE_GATEWAY_RESPONSE_CACHE_TTL_S": "0",
                 **eventkeys.service_env("inference_gateway"),
             },
@@ -273,7 +275,7 @@ async def test_the_trained_checkpoint_is_evaluated_and_promoted(
         isinstance(sent, dict) and sent["canary"] == "run-9:step-30" and sent["production"] == "run-7:step-10"
     )
     answered = sent["answered_by"]
-    assert set(answered) == {"run-9:step-30", "run-7:step-10"}, sent  # the sticky split by user
+    assert set(answered) == {"run-9:step-30", "run-7:step-10"}, f"{sent}"  # the sticky split by user
     assert third["decision"] == "promoted" and third["promoted_to"] == ["canary", "production"], third
     assert str(third["canary"]).startswith("promote by analysis after ")
     evidence = third["canary_evidence"]

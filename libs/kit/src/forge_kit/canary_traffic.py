@@ -10,7 +10,8 @@ the main job nobody else chats, so the steps that hand a model to eval-and-promo
    machine, and make sure the gateway routes to that server (``POST /admin/v1/replicas``);
 3. chat with the production alias through the gateway with the ``openai`` SDK, a new ``user``
    per request (the gateway's split is sticky per user, so about the canary's share of users
-   reach it), ``concurrency`` at a time, until the registry no longer holds that model in
+   reach it), ``concurrency`` at a time and at most ``rate_per_s`` a second (under the gateway
+   tenant's per-minute limit), until the registry no longer holds that model in
    ``canary`` (the analysis decided), ``stop`` is set or ``max_requests`` were sent.
 
 :func:`canary_summary` turns an eval-and-promote result's ``canary`` entry (its decision and the
@@ -151,6 +152,7 @@ async def serve_and_drive(
     concurrency: int = 4,
     poll_s: float = 1.0,
     max_requests: int = 2000,
+    rate_per_s: float = 5.0,
 ) -> TrafficReport:
     """Steps 1-3 of the module docstring; returns when the canary decided or ``stop`` is set. A
     registry, model server or gateway that fails ends the traffic with the reason in ``note``
@@ -168,6 +170,7 @@ async def serve_and_drive(
             concurrency,
             poll_s,
             max_requests,
+            rate_per_s,
             report,
         )
     except (RuntimeError, httpx.HTTPError, grpc.aio.AioRpcError) as exc:
@@ -186,6 +189,7 @@ async def _serve_and_drive(
     concurrency: int,
     poll_s: float,
     max_requests: int,
+    rate_per_s: float,
     report: TrafficReport,
 ) -> TrafficReport:
     async with make_channel(registry_target, token=registry_token) as channel:
@@ -219,9 +223,14 @@ async def _serve_and_drive(
         async with openai.AsyncOpenAI(
             base_url=f"{gateway.url.rstrip('/')}/v1", api_key=gateway.token, max_retries=0, timeout=HTTP_S
         ) as sdk:
+            gap, next_at = 1.0 / max(rate_per_s, 0.01), [time.monotonic()]
 
             async def chat() -> None:
                 while not (stop.is_set() or decided.is_set()) and report.sent < max_requests:
+                    now = time.monotonic()
+                    wait, next_at[0] = next_at[0] - now, max(now, next_at[0]) + gap
+                    if wait > 0:
+                        await asyncio.sleep(wait)
                     report.sent += 1
                     try:
                         raw = await sdk.chat.completions.with_raw_response.create(
