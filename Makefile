@@ -9,7 +9,8 @@
 #   make test      every test, in one pytest run
 #   make fuzz      hypothesis-generated requests against every RPC (1000 per RPC; no INTERNAL allowed)
 #   make faults    fault injection: kill -9 / restart each component under load, count what survived
-#   make verify    the gate: ruff, ruff format, mypy, buf lint, stub freshness, import contracts
+#   make verify    the gate: ruff, ruff format, mypy, buf lint, stub freshness, import contracts,
+#                  no source file over 600 lines (scripts/check_file_sizes.py)
 #   make load      the load suite: every scenario once, checked against load/thresholds.toml
 #   make soak      30 minutes of mixed traffic: memory flat and error rate steady (SOAK_MINUTES=30)
 #   make bench     the same as make load
@@ -88,6 +89,7 @@ verify: install
 	npx --no-install buf lint protos
 	PYTHON=$(PY) scripts/check_stubs.sh
 	$(VENV)/bin/lint-imports
+	$(PY) scripts/check_file_sizes.py
 	@echo "verify: all checks passed"
 
 load: install

@@ -24,6 +24,7 @@ from forge_cli.platform import SERVICES
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 # deploy/ is not a package: its modules are imported from the folder itself.
 import kafka_acls
+from gen import gpu, monitoring
 from gen.common import DATABASES, HEADER, KAFKA_ADMIN_LISTENER, ROOT
 from gen.compose import compose
 from gen.images import MLFLOW_DOCKERFILE, dockerfile
@@ -37,6 +38,7 @@ __all__ = [
     "alert_rules",
     "compose",
     "dockerfile",
+    "gpu",
     "grafana_dashboard",
     "k8s_manifests",
     "main",
@@ -68,10 +70,25 @@ def rendered() -> dict[Path, str]:
         COMPOSE_FILE: _dump([compose()]),
         PROMETHEUS_FILE: _dump([prometheus()]),
         PROMETHEUS_FILE.parent / "alerts.yml": _dump([alert_rules()]),
-        ROOT / "deploy" / "grafana" / "forge-overview.json": json.dumps(grafana_dashboard(), indent=2) + "\n",
+        ROOT / "deploy" / "grafana" / "provisioning" / "datasources" / "prometheus.yml": _dump(
+            [monitoring.GRAFANA_DATASOURCES]
+        ),
+        ROOT / "deploy" / "grafana" / "provisioning" / "dashboards" / "forge.yml": _dump(
+            [monitoring.GRAFANA_DASHBOARD_PROVIDERS]
+        ),
+        PROMETHEUS_FILE.parent / "alerts.test.yml": _dump([monitoring.ALERT_TESTS]),
         ROOT / "deploy" / "mlflow" / "Dockerfile": MLFLOW_DOCKERFILE,
     }
+    files.update(
+        {
+            ROOT / "deploy" / "grafana" / "dashboards" / name: json.dumps(board, indent=2) + "\n"
+            for name, board in monitoring.dashboards().items()
+        }
+    )
     files.update({K8S_DIR / name: _dump(docs) for name, docs in k8s_manifests().items()})
+    files.update({ROOT / "deploy" / "k8s-gpu" / name: _dump(docs) for name, docs in gpu.overlay().items()})
+    files[ROOT / "docker-compose.gpu.yml"] = _dump([gpu.compose_gpu()])
+    files[PROMETHEUS_FILE.parent / "adapter-rules.yaml"] = _dump([gpu.ADAPTER_RULES])
     files.update({ROOT / "services" / spec.name / "Dockerfile": dockerfile(spec) for spec in SERVICES})
     users = sorted({spec.service for spec in SERVICES})
     files[ROOT / "deploy" / "kafka" / "setup.sh"] = kafka_acls.setup_script(users, HEADER)

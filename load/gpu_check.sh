@@ -1,16 +1,24 @@
 #!/usr/bin/env bash
-# The GPU check of the inference path: a checkpoint Forge trained and exported, served by
-# `vllm serve`, driven through Forge's inference gateway with `forge load inference`.
+# The GPU check of the production path: the trainer agent's GPU detection, a checkpoint Forge
+# trained and exported, one training step of it on the GPU, served by `vllm serve`, driven
+# through Forge's inference gateway with `forge load inference`.
 #
 #   load/gpu_check.sh [OUT_DIR]            (default: var/gpu-check)
+#   load/gpu_check.sh --dry-run            (no GPU needed: checks every file and tool it would use)
 #
 # Run from anywhere inside the repository, on a machine with an NVIDIA GPU. It:
+#   0. asks the trainer agent's detection (NVML through nvidia-ml-py) for the node's GPUs, their
+#      memory and NVLink/PCIe groups, as the agent registers them with the scheduler;
 #   1. makes the Forge environment (`make install`, unless .venv exists) and a separate one for
 #      vLLM (var/gpu-check/vllm-venv: vLLM pins its own torch, Forge pins torch==2.13.0);
 #   2. trains a small Llama with Forge's trainer (the `shakespeare_tiny` recipe at head_dim 64, a
-#      shape every vLLM attention backend takes) and takes its Hugging Face export;
+#      shape every vLLM attention backend takes) and takes its Hugging Face export; then runs one
+#      optimizer step of that export on the GPU (CUDA torch of the vLLM environment) and serves
+#      the result, so the served weights went through a GPU training step;
 #   3. serves that folder with `vllm serve` (priority scheduling, an API key) and waits for /health;
-#   4. starts the gateway with that vLLM server as its only replica and waits until it lists the model;
+#   4. starts the gateway with that vLLM server as its only replica (its model-server URL and
+#      token, exactly as the Compose GPU profile and the Kubernetes GPU overlay set them) and
+#      waits until it lists the model;
 #   5. runs `forge load inference` directly against vLLM and through the gateway (same workload,
 #      fixed concurrency), then a Poisson request-rate sweep through the gateway;
 #   6. prints the figures side by side (and the gateway's added latency) and leaves every
@@ -19,10 +27,21 @@
 #   VLLM_SPEC (vllm)  CONCURRENCY (64)  NUM_PROMPTS (1000)  INPUT_LEN (128)  OUTPUT_LEN (64)
 #   RATES (16,64,256)  SWEEP_PROMPTS (300)  TRAIN_STEPS (100)  VLLM_PORT (18000)  GATEWAY_PORT (18080)
 #   CORPUS (the recipe's corpus; else the repository's Markdown files are the training text)
+#   FORGE_PY (.venv/bin/python: the Forge environment's interpreter)
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+SCRIPT="$(realpath "${BASH_SOURCE[0]}")"
+DRY_RUN=0
+if [[ "${1:-}" == "--dry-run" ]]; then
+    DRY_RUN=1
+    shift
+fi
 OUT="$(realpath -m "${1:-$ROOT/var/gpu-check}")"
+FORGE_PY="${FORGE_PY:-$ROOT/.venv/bin/python}"
+TRAIN_MODULE="forge_training.run"
+RECIPES_MODULE="forge_training.recipes"
+RECIPE="shakespeare_tiny"
 VLLM_SPEC="${VLLM_SPEC:-vllm}"
 CONCURRENCY="${CONCURRENCY:-64}"
 NUM_PROMPTS="${NUM_PROMPTS:-1000}"
@@ -63,17 +82,66 @@ wait_for() {
     done
 }
 
-mkdir -p "$OUT"
 cd "$ROOT"
+
+# --dry-run: every file, module and tool the real run uses, checked without a GPU.
+if ((DRY_RUN)); then
+    checks=0
+    check() {  # check WHAT COMMAND...: run COMMAND quietly; fail naming WHAT
+        local what=$1
+        shift
+        "$@" >/dev/null 2>&1 || die "dry run: $what"
+        checks=$((checks + 1))
+        log "ok: $what"
+    }
+    for tool in curl python3 make; do
+        check "tool $tool on PATH" command -v "$tool"
+    done
+    check "the Forge interpreter $FORGE_PY" test -x "$FORGE_PY"
+    check "python3 can make the vLLM environment (venv)" python3 -c "import venv, ensurepip"
+    for module in "$TRAIN_MODULE" "$RECIPES_MODULE" forge_trainer_agent.gpus pynvml \
+        forge_inference_gateway forge_inference_gateway.cli forge_kit.paths forge_cli.main transformers; do
+        check "module $module" "$FORGE_PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('$module') is None)"
+    done
+    check "recipe $RECIPE in the catalogue" "$FORGE_PY" -c "import sys
+from $RECIPES_MODULE import RECIPES
+sys.exit('$RECIPE' not in RECIPES)"
+    check "trainer accepts the command line" "$FORGE_PY" -m "$TRAIN_MODULE" --help
+    check "forge load inference accepts its options" "$FORGE_PY" -c \
+        "from forge_cli.main import app; app(['load', 'inference', '--help'])"
+    check "the agent's GPU detection runs (none here is fine)" "$FORGE_PY" -c \
+        "from forge_trainer_agent.gpus import detect_gpus; detect_gpus()"
+    check "the GPU training step's program compiles" "$FORGE_PY" -c "compile(open('$SCRIPT').read().split('# <gpu-step>')[-2], 'gpu-step', 'exec')"
+    check "the report's program compiles" "$FORGE_PY" -c "compile(open('$SCRIPT').read().split('# <report>')[-2], 'report', 'exec')"
+    for file in docker-compose.gpu.yml deploy/k8s-gpu/vllm.yaml deploy/k8s-gpu/kustomization.yaml; do
+        check "deployment file $file" test -s "$ROOT/$file"
+    done
+    check "this script parses" bash -n "$SCRIPT"
+    log "dry run: $checks checks passed; on a GPU machine run: load/gpu_check.sh"
+    exit 0
+fi
+
+mkdir -p "$OUT"
 command -v nvidia-smi >/dev/null || die "no nvidia-smi: this check needs an NVIDIA GPU"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 
 # 1. Environments.
-if [[ ! -x .venv/bin/python ]]; then
+if [[ ! -x "$FORGE_PY" ]]; then
     log "making the Forge environment (make install)"
     make install >"$OUT/install.log" 2>&1 || die "make install (see $OUT/install.log)"
 fi
-FORGE_PY="$ROOT/.venv/bin/python"
+
+# 0. The trainer agent's own view of this node (what it registers with the scheduler).
+"$FORGE_PY" - <<'PY' | tee "$OUT/agent-gpus.txt" || die "the agent's GPU detection found no GPU through NVML"
+import sys
+from forge_trainer_agent.gpus import detect_gpus
+
+found = detect_gpus()
+print(f"agent detection: {len(found.gpus)} GPU(s) via {found.source}")
+for g in found.gpus:
+    print(f"  {g.index}: {g.type} {g.memory_mb} MiB {g.pci_bus_id} nvlink_group={g.nvlink_group} pcie_group={g.pcie_group}")
+sys.exit(0 if found.source == "nvml" and found.gpus else 1)
+PY
 VLLM_VENV="$OUT/vllm-venv"
 if [[ ! -x "$VLLM_VENV/bin/vllm" ]]; then
     log "installing $VLLM_SPEC into $VLLM_VENV"
@@ -93,7 +161,7 @@ if [[ ! -f "$EXPORT/config.json" ]]; then
         corpus_args=(--set "data.corpus=$CORPUS")
     elif ! "$FORGE_PY" -c 'import os, sys
 from forge_kit.paths import resolve_data_path
-from forge_training.recipes import DEFAULT_CORPUS
+from forge_training.schema import DEFAULT_CORPUS
 sys.exit(0 if resolve_data_path(DEFAULT_CORPUS).exists() else 1)'; then
         # No shared corpora here: any English text trains a tokenizer and a model the server can load.
         mkdir -p "$OUT/corpus"
@@ -102,7 +170,7 @@ sys.exit(0 if resolve_data_path(DEFAULT_CORPUS).exists() else 1)'; then
         corpus_args=(--set "data.corpus=$OUT/corpus/repository.txt")
     fi
     log "training a ${TRAIN_STEPS}-step model with Forge's trainer"
-    "$FORGE_PY" -m forge_training.run --recipe shakespeare_tiny \
+    "$FORGE_PY" -m "$TRAIN_MODULE" --recipe "$RECIPE" \
         --set model.hidden_size=256 --set model.intermediate_size=688 --set model.num_heads=4 \
         --set model.num_kv_heads=4 --set data.seq_len=512 --set data.vocab_size=2048 \
         --set "max_steps=$TRAIN_STEPS" --set "eval_interval=$TRAIN_STEPS" \
@@ -114,9 +182,44 @@ sys.exit(0 if resolve_data_path(DEFAULT_CORPUS).exists() else 1)'; then
 fi
 log "checkpoint: $EXPORT ($(tail -n 1 "$OUT/train.log" 2>/dev/null | cut -c1-200))"
 
+# 2b. One optimizer step of the export on the GPU; the result is what vLLM serves.
+SERVED="$OUT/served"
+log "one training step of the export on the GPU"
+"$VLLM_VENV/bin/python" - "$EXPORT" "$SERVED" >"$OUT/gpu-step.log" 2>&1 <<'PY' || die "the GPU training step (see $OUT/gpu-step.log)"
+# <gpu-step>
+import json, shutil, sys, time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+src, dst = Path(sys.argv[1]), Path(sys.argv[2])
+assert torch.cuda.is_available(), "CUDA is not available to torch"
+device = torch.device("cuda")
+model = AutoModelForCausalLM.from_pretrained(src, torch_dtype=torch.bfloat16).to(device)
+tokenizer = AutoTokenizer.from_pretrained(src)
+text = "To be, or not to be, that is the question. " * 32
+batch = tokenizer([text] * 8, return_tensors="pt", truncation=True, max_length=256).to(device)
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+model.train()
+torch.cuda.synchronize()
+started = time.perf_counter()
+loss = model(**batch, labels=batch["input_ids"]).loss
+loss.backward()
+optimizer.step()
+torch.cuda.synchronize()
+elapsed = time.perf_counter() - started
+shutil.rmtree(dst, ignore_errors=True)
+model.save_pretrained(dst)
+tokenizer.save_pretrained(dst)
+print(json.dumps({"device": torch.cuda.get_device_name(0), "loss": float(loss), "step_s": round(elapsed, 4)}))
+# <gpu-step>
+PY
+log "GPU step: $(tail -n 1 "$OUT/gpu-step.log")"
+
 # 3. vLLM serving the export.
 log "starting vllm serve on :$VLLM_PORT"
-"$VLLM_VENV/bin/vllm" serve "$EXPORT" --served-model-name "$MODEL" --port "$VLLM_PORT" \
+"$VLLM_VENV/bin/vllm" serve "$SERVED" --served-model-name "$MODEL" --port "$VLLM_PORT" \
     --host 127.0.0.1 --api-key "$SERVER_KEY" --scheduling-policy priority \
     --max-model-len 512 --enable-prefix-caching >"$OUT/vllm.log" 2>&1 &
 PIDS+=($!)
@@ -150,7 +253,7 @@ load() {  # load NAME BASE_URL KEY ARGS...
     local name=$1 url=$2 key=$3
     shift 3
     log "forge load inference: $name"
-    FORGE_CLI_LOAD_API_KEY="$key" "$ROOT/.venv/bin/forge" load inference --base-url "$url" --model "$MODEL" \
+    FORGE_CLI_LOAD_API_KEY="$key" "$(dirname "$FORGE_PY")/forge" load inference --base-url "$url" --model "$MODEL" \
         --num-prompts "$NUM_PROMPTS" --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" \
         --tokenizer "$EXPORT" --out "$OUT/$name" "$@" >"$OUT/$name.log" 2>&1 \
         || die "forge load inference $name (see $OUT/$name.log)"
@@ -163,6 +266,7 @@ load sweep "http://127.0.0.1:$GATEWAY_PORT" "$TENANT_KEY" --request-rate "${RATE
 
 # 6. Figures.
 "$FORGE_PY" - "$OUT" "$CONCURRENCY" <<'PY'
+# <report>
 import json
 import sys
 from pathlib import Path
@@ -172,6 +276,8 @@ runs = {name: json.loads((out / name / "results.json").read_text()) for name in 
 keys = ["completed", "failed", "request_throughput", "output_throughput"]
 keys += [f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el") for s in ("median", "p99")]
 print(f"\nvLLM {(out / 'vllm-version.txt').read_text().strip()} on {(out / 'gpu.txt').read_text().strip()}")
+print((out / "agent-gpus.txt").read_text().strip())
+print("GPU training step:", (out / "gpu-step.log").read_text().strip().splitlines()[-1])
 print(f"closed loop of {concurrency} streams")
 print(f"{'':24}{'direct':>14}{'gateway':>14}{'added':>12}")
 for key in keys:
@@ -192,4 +298,5 @@ if sweep.exists():
             f"p99 E2EL {row.get('p99_e2el_ms', 0):.1f} ms, failed {row.get('failed')}"
         )
 print(f"\nresults, plots and logs: {out}")
+# <report>
 PY

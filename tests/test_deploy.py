@@ -57,7 +57,8 @@ def test_every_manifest_parses_and_has_kind_and_name() -> None:
 @pytest.mark.parametrize("spec", SERVICES, ids=lambda s: s.name)
 def test_deployment_and_service_match_the_table(spec: Any) -> None:
     name = spec.name.replace("_", "-")
-    deployment = _find("Deployment", name)
+    # Trainer agents run one per GPU node (a DaemonSet); every other service is a Deployment.
+    deployment = _find("DaemonSet" if spec.name == "trainer_agent" else "Deployment", name)
     pod = deployment["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
@@ -173,8 +174,12 @@ def test_alerts_and_dashboard_use_only_metrics_the_services_export() -> None:
     for path in [*ROOT.glob("libs/kit/src/**/*.py"), *ROOT.glob("services/*/src/**/*.py")]:
         exported |= set(re.findall(r'"((?:forge_|vllm:)[a-z_]+)"', path.read_text()))
     rules = yaml.safe_load((ROOT / "deploy" / "prometheus" / "alerts.yml").read_text())["groups"][0]["rules"]
-    dashboard = json.loads((ROOT / "deploy" / "grafana" / "forge-overview.json").read_text())
-    expressions = [r["expr"] for r in rules] + [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    boards = [
+        json.loads(p.read_text()) for p in sorted((ROOT / "deploy" / "grafana" / "dashboards").glob("*.json"))
+    ]
+    assert len(boards) >= 4
+    expressions = [r["expr"] for r in rules]
+    expressions += [t["expr"] for board in boards for p in board["panels"] for t in p["targets"]]
     used = {
         re.sub(r"_(bucket|sum|count)$", "", m)
         for expr in expressions
@@ -196,3 +201,75 @@ def test_mlflow_runs_on_postgres_and_the_object_store_reachable_only_by_tracking
     assert admitted == {s.name.replace("_", "-") for s in SERVICES if s.tracking} == {"orchestrator"}
     config = _find("ConfigMap", "forge-orchestrator-config")["data"]
     assert config["FORGE_ORCHESTRATOR_MLFLOW_URI"] == "http://mlflow.forge.svc:5000"
+
+
+PROMETHEUS = ROOT / "deploy" / "prometheus"
+
+
+def test_alert_rules_pass_promtool_unit_tests() -> None:
+    """deploy/prometheus/alerts.test.yml: each alert fires on its series and not below threshold."""
+    import shutil
+    import subprocess
+
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool is not installed (Debian package prometheus; .ci/run installs it)")
+    checked = subprocess.run(
+        [promtool, "check", "rules", "alerts.yml"], cwd=PROMETHEUS, capture_output=True, text=True
+    )
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    tested = subprocess.run(
+        [promtool, "test", "rules", "alerts.test.yml"], cwd=PROMETHEUS, capture_output=True, text=True
+    )
+    assert tested.returncode == 0, tested.stdout + tested.stderr
+    tests = yaml.safe_load((PROMETHEUS / "alerts.test.yml").read_text())["tests"]
+    covered = {t["alertname"] for test in tests for t in test["alert_rule_test"]}
+    assert {
+        "ForgeGatewayShedding",
+        "ForgeServiceDown",
+        "ForgeTrainingCheckpointStall",
+        "ForgeRagRetrieveSlow",
+    } <= covered
+
+
+def test_the_dashboards_have_the_gateway_training_and_rag_panels() -> None:
+    import json
+
+    boards = {
+        p.stem: json.loads(p.read_text()) for p in (ROOT / "deploy" / "grafana" / "dashboards").glob("*.json")
+    }
+    exprs = {
+        name: " ".join(t["expr"] for p in b["panels"] for t in p["targets"]) for name, b in boards.items()
+    }
+    for metric in (
+        "forge_gateway_time_to_first_token_seconds",
+        "vllm:inter_token_latency_seconds",
+        "forge_gateway_shed_total",
+        "forge_gateway_queue_wait_seconds",
+    ):
+        assert metric in exprs["forge-gateway"], metric
+    assert "by (le, priority)" in exprs["forge-gateway"]
+    for metric in ('"loss"', '"tokens_per_s"', '"mfu"', '"checkpoint_save_s"'):
+        assert metric in exprs["forge-training"], metric
+    for stage in ("retrieve", "rerank", "assemble"):
+        assert f'stage="{stage}"' in exprs["forge-rag"], stage
+    assert 'result="hit"' in exprs["forge-rag"]
+    assert all(p["datasource"]["uid"] == "prometheus" for b in boards.values() for p in b["panels"])
+
+
+def test_compose_monitoring_profile_is_provisioned_from_deploy() -> None:
+    services = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+    for name in ("prometheus", "grafana"):
+        assert services[name]["profiles"] == ["monitoring"]
+        for volume in services[name]["volumes"]:
+            source = volume.split(":")[0]
+            if source.startswith("./"):
+                assert (ROOT / source).exists(), volume
+    assert services["grafana"]["environment"]["GF_SECURITY_ADMIN_PASSWORD"].startswith(
+        "${GRAFANA_ADMIN_PASSWORD:?"
+    )
+    datasource = yaml.safe_load((ROOT / "deploy/grafana/provisioning/datasources/prometheus.yml").read_text())
+    assert datasource["datasources"][0]["uid"] == "prometheus"
+    assert datasource["datasources"][0]["url"] == "http://prometheus:9090"
+    provider = yaml.safe_load((ROOT / "deploy/grafana/provisioning/dashboards/forge.yml").read_text())
+    assert provider["providers"][0]["options"]["path"] == "/var/lib/grafana/dashboards"

@@ -5,9 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 from forge_cli import secretsfile
-from forge_cli.platform import SERVICES
+from forge_cli.platform import SERVICES, Backing
 from forge_cli.secretsfile import required
 
+from . import monitoring, qdrant
 from .common import (
     BIND,
     DATA_ROOT,
@@ -17,6 +18,7 @@ from .common import (
     MLFLOW_HEALTHCHECK,
     MLFLOW_LOCAL_PORT,
     MLFLOW_PORT,
+    QDRANT_COMPOSE_URL,
     TLS_DIR,
     UID,
     healthcheck_command,
@@ -199,17 +201,7 @@ def compose() -> dict[str, Any]:
             },
             "restart": "unless-stopped",
         },
-        "qdrant": {
-            "image": "qdrant/qdrant:v1.13.4",
-            "volumes": ["qdrant-data:/qdrant/storage"],
-            # The image has bash but neither curl nor wget.
-            "healthcheck": {
-                "test": ["CMD-SHELL", "bash -c ':> /dev/tcp/127.0.0.1/6333' || exit 1"],
-                "interval": "5s",
-                "timeout": "3s",
-                "retries": 20,
-            },
-        },
+        "qdrant": qdrant.compose_service(),
     }
     for spec in SERVICES:
         env = service_settings(
@@ -217,8 +209,11 @@ def compose() -> dict[str, Any]:
             kafka="kafka:9092",
             temporal="temporal:7233",
             mlflow=MLFLOW_COMPOSE_URL,
-            database_url=f"postgresql+asyncpg://forge:{required(secretsfile.POSTGRES_PASSWORD)}@postgres:5432/forge_{spec.name}",
-            redis_url="redis://redis:6379/0",
+            backing=Backing(
+                database_url=f"postgresql+asyncpg://forge:{required(secretsfile.POSTGRES_PASSWORD)}@postgres:5432/{{database}}",
+                redis_url="redis://redis:6379/0",
+                qdrant_url=QDRANT_COMPOSE_URL,
+            ),
         )
         for key, variable in secret_env(spec).items():
             # No secret has a default: `make secrets` writes them all into .env (mode 0600).
@@ -255,7 +250,10 @@ def compose() -> dict[str, Any]:
             },
             "restart": "unless-stopped",
         }
+    services.update(monitoring.compose_services())
     volumes = [
+        "prometheus-data",
+        "grafana-data",
         "postgres-data",
         "kafka-data",
         "qdrant-data",

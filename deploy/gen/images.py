@@ -69,9 +69,13 @@ CMD ["python", "-m", "{module}"]
 """
 
 TORCH_LAYER = """
-# torch first, CPU build, in its own layer: the default wheel bundles CUDA (gigabytes) these
-# images never use, and torch changes far less often than the code.
-RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+# torch first, in its own layer (it changes far less often than the code). The CPU build by
+# default: the CUDA wheels bundle gigabytes of libraries CPU nodes never use. GPU images:
+#   docker build --build-arg TORCH_VARIANT=cu128 ...   (the GPU profile and DaemonSet use -cuda tags)
+# NVIDIA's container runtime then mounts the driver (compute for CUDA, utility for NVML).
+ARG TORCH_VARIANT=cpu
+ENV NVIDIA_DRIVER_CAPABILITIES=compute,utility
+RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/${TORCH_VARIANT}
 """
 
 

@@ -5,14 +5,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from forge_cli.platform import SERVICES, ServiceSpec
+from forge_cli.platform import SERVICES, Backing, ServiceSpec
 
+from . import gpu, qdrant
 from .common import (
     DATA_ROOT,
     IMAGE_TAG,
     MLFLOW_K8S_URL,
     MLFLOW_PORT,
     NAMESPACE,
+    QDRANT_K8S_URL,
     TLS_DIR,
     TORCH_SERVICES,
     UID,
@@ -46,8 +48,13 @@ def k8s_manifests() -> dict[str, list[dict[str, Any]]]:
             kafka="kafka.forge.svc:9092",
             temporal="temporal-frontend.forge.svc:7233",
             mlflow=MLFLOW_K8S_URL,
-            database_url=None,  # from the forge-databases Secret: it carries a password
-            redis_url="redis://redis.forge.svc:6379/0",
+            backing=Backing(
+                database_url=None,  # from the forge-databases Secret: it carries a password
+                redis_url="redis://redis.forge.svc:6379/0",
+                qdrant_url=QDRANT_K8S_URL,
+                qdrant_shards=qdrant.K8S_LAYOUT["shards"],
+                qdrant_replicas=qdrant.K8S_LAYOUT["replication_factor"],
+            ),
             kafka_protocol="SASL_SSL",
         )
         if spec.temporal:
@@ -66,8 +73,12 @@ def k8s_manifests() -> dict[str, list[dict[str, Any]]]:
         )
     files["configmap.yaml"] = configmaps
     for spec in SERVICES:
-        files[f"{host(spec)}.yaml"] = [_deployment(spec), _service(spec)]
+        workload = _deployment(spec)
+        if spec.name == "trainer_agent":
+            workload = gpu.agent_daemonset(workload, spec)  # one agent per GPU node
+        files[f"{host(spec)}.yaml"] = [workload, _service(spec)]
     files["mlflow.yaml"] = mlflow_manifests()
+    files["qdrant.yaml"] = qdrant.k8s_manifests()
     files["network-policies.yaml"] = network_policies()
     files["disruption-budgets.yaml"] = [_disruption_budget(spec) for spec in SERVICES]
     files["autoscaling.yaml"] = autoscalers()
@@ -164,6 +175,8 @@ def network_policies() -> list[dict[str, Any]]:
             },
         }
     )
+    policies.append(qdrant.network_policy(MONITORING_SELECTOR))
+    policies.append(gpu.agent_peer_policy(by_name()["trainer_agent"]))
     return policies
 
 
@@ -267,6 +280,16 @@ SCALED_SERVICES: dict[str, tuple[int, int, dict[str, Any]]] = {
             "resource": {"name": "cpu", "target": {"type": "Utilization", "averageUtilization": 70}},
         },
     ),
+    # The retriever keeps no index of its own on the Qdrant server backend: replicas share the
+    # Qdrant cluster, and embedding queries is CPU work.
+    "retriever": (
+        2,
+        8,
+        {
+            "type": "Resource",
+            "resource": {"name": "cpu", "target": {"type": "Utilization", "averageUtilization": 70}},
+        },
+    ),
     # Model servers scale on queue depth (vLLM's metric name, exported by model_server and vLLM
     # alike; Prometheus Adapter exposes it as a pods metric without the colon).
     "model_server": (
@@ -314,6 +337,9 @@ def _deployment(spec: ServiceSpec) -> dict[str, Any]:
         f"{spec.prefix}EVENT_SIGNING_KEY": ("forge-event-keys", spec.service),
         f"{spec.prefix}EVENT_VERIFY_KEYS": ("forge-event-keys", "verify-keys"),
         f"{spec.prefix}KAFKA_SASL_PASSWORD": ("forge-kafka-users", spec.service),
+        **(
+            {f"{spec.prefix}QDRANT_API_KEY": qdrant.API_KEY_SECRET} if "QDRANT_URL" in spec.production else {}
+        ),
         **{
             f"{spec.prefix}{s.upper()}": ("forge-generated", f"{spec.service}.{s.upper()}")
             for s in spec.generated

@@ -41,7 +41,8 @@ from aiokafka import AIOKafkaConsumer
 from aiokafka.errors import KafkaError
 from forge.events.v1 import events_pb2, events_pb2_grpc
 
-from forge_kit.db import Database
+from forge_kit.backoff import Backoff
+from forge_kit.db import Database, utcnow
 from forge_kit.events import OutboxEvent, ensure_topics, topic_for
 from forge_kit.grpckit import make_channel
 from forge_kit.paths import resolve_data_path
@@ -49,7 +50,7 @@ from forge_kit.testing import eventkeys
 from forge_kit.testing.processes import ServiceProcess, TansuBroker, cpu_seconds
 from forge_preference_feedback.seeds import read_hh_rlhf
 from forge_preference_feedback.service import FeedbackService
-from forge_preference_feedback.store import PreferenceRow, utcnow
+from forge_preference_feedback.store import PreferenceRow
 
 TARGET_PER_S = 500.0
 AUTH_TOKEN = "bench-feedback-token"
@@ -94,7 +95,8 @@ async def call(
 ) -> Any:
     """One request, retried (bounded, jittered) on a dropped connection, 429 or 5xx; a retried
     POST carries the same answer, so the service records it once. Returns the JSON body."""
-    for attempt in range(20):
+    backoff = Backoff(0.05, 1.0, jitter=(0.5, 1.5), rng=rng)
+    for _ in range(20):
         try:
             async with client.request(method, path, **kwargs) as reply:
                 if reply.status < 500 and reply.status != 429:
@@ -106,7 +108,7 @@ async def call(
         except aiohttp.ClientError as exc:
             reason = f"{type(exc).__name__}: {exc}"[:120]
         tally.retries[reason] += 1
-        await asyncio.sleep(min(1.0, 0.05 * 2**attempt) * rng.uniform(0.5, 1.5))
+        await backoff.sleep()
     raise Failed(f"{method} {path} failed 20 times")
 
 

@@ -45,9 +45,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import numpy as np
 
 from forge_inference_gateway.loadgen import RequestResult, make_workload, run, send
+from forge_kit.stats import percentile
 from forge_kit.testing import ServiceProcess
 from forge_kit.testing.processes import cpu_seconds
 
@@ -134,8 +134,7 @@ def start_gateway(
 
 
 def percentiles(values: list[float]) -> dict[str, float]:
-    arr = np.array(values) if values else np.zeros(1)
-    stats = {f"p{p}": float(np.percentile(arr, p)) for p in (50, 90, 99)}
+    stats = {f"p{p}": percentile(values, p) for p in (50, 90, 99)}
     return stats | {"n": len(values)}
 
 

@@ -8,12 +8,12 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
+from forge_kit.stats import percentile
 
 
 def percentile_ms(values: list[float], q: float) -> float:
     """The ``q``-th percentile of ``values`` (seconds) in milliseconds; NaN when there are none."""
-    return float(np.percentile(np.asarray(values), q) * 1000) if values else math.nan
+    return percentile(values, q, empty=math.nan) * 1000
 
 
 def rss_mib(pid: int) -> float:

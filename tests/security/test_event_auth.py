@@ -28,18 +28,11 @@ from forge.retrieval.v1 import retrieval_pb2, retrieval_pb2_grpc
 from google.protobuf.message import Message
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from forge_kit.consumer import EventConsumer
 from forge_kit.db import Base, Database
 from forge_kit.eventauth import HEADER_SIGNATURE, EventSigner
 from forge_kit.eventlog import CatchUp, CatchUpSource
-from forge_kit.events import (
-    HEADER_ID,
-    HEADER_PRODUCER,
-    HEADER_TYPE,
-    EventConsumer,
-    ensure_topics,
-    new_meta,
-    topic_for,
-)
+from forge_kit.events import HEADER_ID, HEADER_PRODUCER, HEADER_TYPE, ensure_topics, new_meta, topic_for
 from forge_kit.grpckit import make_channel, serve
 from forge_kit.testing import ServiceProcess, TansuBroker, eventkeys, free_port
 

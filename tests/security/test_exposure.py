@@ -150,8 +150,9 @@ async def test_another_tenants_collection_answers_like_a_missing_one(tmp_path: P
     status and message pattern as a collection nobody has (the gateway's RAG path relays it)."""
     from forge_kit import errors
     from forge_retriever.config import RetrieverSettings
+    from forge_retriever.documents import DocumentIn, SearchMode
     from forge_retriever.index import QdrantEdgeIndex
-    from forge_retriever.service import DocumentIn, RetrieverService, SearchMode
+    from forge_retriever.service import RetrieverService
 
     db = Database(f"sqlite+aiosqlite:///{tmp_path / 'retriever.db'}")
     await db.migrate(Path(__import__("forge_retriever").__file__).parent / "migrations")

@@ -12,8 +12,8 @@ import sqlalchemy as sa
 from google.protobuf.message import Message
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from forge_kit.consumer import EventConsumer
 from forge_kit.db import Database
-from forge_kit.events import EventConsumer
 from forge_kit.testing import eventkeys
 
 

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse
 
 from forge_kit.backoff import (
     AIMDLimiter,
+    Backoff,
     GaveUp,
     RetryPolicy,
     RetryStats,
@@ -191,3 +192,35 @@ def test_retry_after_reads_seconds_and_dates_and_caps_them() -> None:
     now = time.time()
     date = email.utils.formatdate(now + 30, usegmt=True)
     assert parse_retry_after(date, now=now) == pytest.approx(30, abs=1.5)
+
+
+def test_backoff_doubles_with_jitter_up_to_the_cap_and_resets() -> None:
+    backoff = Backoff(0.5, 4.0, rng=random.Random(7))
+
+    delays = [backoff.next_delay() for _ in range(6)]
+
+    for delay, cap in zip(delays, [0.5, 1.0, 2.0, 4.0, 4.0, 4.0], strict=True):
+        assert cap / 2 <= delay <= cap
+    assert len(set(delays)) == len(delays), "jittered, not a fixed schedule"
+    assert backoff.failures == 6
+    backoff.reset()
+    assert backoff.failures == 0 and backoff.next_delay() <= 0.5
+
+
+def test_backoff_jitter_range_and_bad_arguments() -> None:
+    backoff = Backoff(0.1, 1.0, jitter=(0.5, 1.5), rng=random.Random(1))
+    delays = [backoff.next_delay() for _ in range(200)]
+    assert all(0.05 <= d <= 1.5 for d in delays) and max(delays) > 1.0
+    with pytest.raises(ValueError, match="initial_s"):
+        Backoff(0.0, 1.0)
+    with pytest.raises(ValueError, match="initial_s"):
+        Backoff(2.0, 1.0)
+    with pytest.raises(ValueError, match="jitter"):
+        Backoff(0.1, 1.0, jitter=(1.0, 0.5))
+
+
+async def test_backoff_sleep_waits_the_delay_it_returns() -> None:
+    backoff = Backoff(0.01, 0.02, rng=random.Random(3))
+    started = time.monotonic()
+    waited = await backoff.sleep()
+    assert 0.005 <= waited <= 0.01 and time.monotonic() - started >= waited * 0.9

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from forge_kit.earlystop import Asha, MedianStopping, rungs
+from forge_kit.earlystop import Asha, AshaPromotion, MedianStopping, rungs
 
 
 def test_rungs_are_r_times_powers_of_eta_below_the_full_budget() -> None:
@@ -76,3 +76,54 @@ def test_median_stopping_worked_example() -> None:
     assert rule.report("d", 10, 2.4) == "continue"  # median of {3.0, 2.0, 2.8} = 2.8
     assert rule.report("e", 5, 9.0) == "continue"  # before min_steps
     assert rule.report("c", 20, 0.1) == "ignore"
+
+
+def test_asha_promotion_form_worked_example() -> None:
+    """Li et al. 2020, Algorithm 2: η = 3, rungs 1, 3, 9 (full budget 27), minimising. Trials reach
+    rung 1 one by one; after each, its worker asks for a promotion before a new trial starts.
+
+    a=5.0: n=1, top 1//3=0 → pause; no promotion.      b=4.0: n=2, top 0 → pause; none.
+    c=6.0: n=3, top 1 = {b}: c pauses; the free worker resumes b (rung 1 → 3).
+    d=4.5: n=4, top 1 = {b}, promoted already → pause; none.
+    e=3.0: n=5, top 1 = {e} → continue at once.
+    f=4.2: n=6, top 2 = {e, b} → pause; none (both promoted).
+    g=3.9: n=7, top 2 = {e, g} → continue at once.
+    At rung 3: b=3.5 (n=1 → pause), e=2.5 (n=2 → pause), g=3.6 (n=3, top 1 = {e}: g pauses,
+    e is resumed to rung 9). No trial is left to start: once nothing is in flight under rung 3,
+    rung 1 (top max(1, 7//3) = 2, both promoted) gives nothing, and rung 9 (n=0) neither.
+    """
+    rule = AshaPromotion(min_steps=1, eta=3, max_steps=27, mode="min")
+    arrivals = [("a", 5.0), ("b", 4.0), ("c", 6.0), ("d", 4.5), ("e", 3.0), ("f", 4.2), ("g", 3.9)]
+    decisions, promotions = {}, {}
+    for trial, value in arrivals:
+        decisions[trial] = rule.report(trial, 1, value)
+        if decisions[trial] == "pause":
+            promotions[trial] = rule.next_promotion()
+    assert decisions == {
+        "a": "pause",
+        "b": "pause",
+        "c": "pause",
+        "d": "pause",
+        "e": "continue",
+        "f": "pause",
+        "g": "continue",
+    }
+    assert promotions == {"a": None, "b": None, "c": ("b", 1), "d": None, "f": None}
+    assert [rule.report(t, 3, v) for t, v in (("b", 3.5), ("e", 2.5), ("g", 3.6))] == ["pause"] * 3
+    assert rule.next_promotion() == ("e", 3)
+    assert rule.paused_at("g") == 3 and rule.paused_at("a") == 1 and rule.paused_at("e") is None
+    assert rule.next_promotion(final_below=3) is None
+    assert rule.report("e", 9, 2.0) == "pause"  # alone at rung 9: 1 // 3 = 0
+    assert rule.next_promotion() is None
+    assert rule.next_promotion(final_below=9) == ("e", 9)  # nothing else can come: it goes on
+    assert rule.occupancy() == {1: 7, 3: 3, 9: 1}
+
+
+def test_asha_promotion_a_diverged_trial_ranks_last_and_a_forgotten_one_frees_its_place() -> None:
+    rule = AshaPromotion(min_steps=2, eta=2, max_steps=8, mode="max")
+    assert rule.report("x", 1, 0.5) == "ignore"
+    assert rule.report("x", 2, float("nan")) == "pause"
+    assert rule.report("y", 2, 0.1) == "continue"  # n=2, top 1: 0.1 beats NaN
+    assert rule.report("x", 2, 0.9) == "ignore"  # judged there already
+    rule.forget("y")
+    assert rule.next_promotion(final_below=2) == ("x", 2)

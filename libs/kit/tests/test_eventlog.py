@@ -17,10 +17,12 @@ from forge.events.v1 import events_pb2, events_pb2_grpc
 from google.protobuf.message import Message
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from forge_kit.consumer import EventConsumer
 from forge_kit.db import Base, Database
 from forge_kit.eventlog import CatchUp, CatchUpSource, CatchUpWatermark, EventLogApi
-from forge_kit.events import EventConsumer, KafkaPublisher, OutboxRelay, ensure_topics, stage_event, topic_for
+from forge_kit.events import KafkaPublisher, ensure_topics, stage_event, topic_for
 from forge_kit.grpckit import FIELD_METADATA_KEY, GrpcServer, make_channel, serve
+from forge_kit.outbox import OutboxRelay
 from forge_kit.testing import TansuBroker, eventkeys
 
 TOKEN = "eventlog-token"

@@ -18,20 +18,20 @@ from forge.events.v1 import events_pb2
 from google.protobuf.message import Message
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from forge_kit.consumer import EventConsumer
 from forge_kit.db import Base, Database
 from forge_kit.events import (
     HEADER_TYPE,
     DeadLetter,
-    EventConsumer,
     KafkaPublisher,
     OutboxEvent,
-    OutboxRelay,
     ProcessedEvent,
     decode_event,
     ensure_topics,
     stage_event,
     topic_for,
 )
+from forge_kit.outbox import OutboxRelay
 from forge_kit.testing import TansuBroker, eventkeys
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]

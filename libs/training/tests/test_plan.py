@@ -9,11 +9,12 @@ import pytest
 from typer.testing import CliRunner
 
 from forge_training import plan as P
-from forge_training.plan import GIB, ParallelConfig, PlanError, PlanRequest, Recompute
+from forge_training import plan_cost, plan_spec
 from forge_training.plan_cli import app
+from forge_training.plan_spec import GIB, ParallelConfig, PlanError, PlanRequest, Recompute
 
-LLAMA_70B = P.MODEL_PRESETS["llama-70b"]
-A100_80 = P.GPU_PRESETS["a100-80gb"]
+LLAMA_70B = plan_spec.MODEL_PRESETS["llama-70b"]
+A100_80 = plan_spec.GPU_PRESETS["a100-80gb"]
 
 
 def request(**overrides: object) -> PlanRequest:
@@ -48,7 +49,7 @@ def config(
     ],
 )
 def test_preset_parameter_counts(name: str, params: int) -> None:
-    assert P.param_count(P.MODEL_PRESETS[name]) == params
+    assert plan_spec.param_count(plan_spec.MODEL_PRESETS[name]) == params
 
 
 @pytest.mark.parametrize(
@@ -66,16 +67,16 @@ def test_preset_parameter_counts(name: str, params: int) -> None:
     ],
 )
 def test_model_state_bytes(params: float, dp: int, zero: int, total: float) -> None:
-    assert sum(P.model_state_bytes(params, dp, zero)) == pytest.approx(total)
+    assert sum(plan_cost.model_state_bytes(params, dp, zero)) == pytest.approx(total)
 
 
 def test_model_state_split_by_zero_stage() -> None:
-    assert P.model_state_bytes(1e9, 4, 0) == (2e9, 2e9, 12e9)
-    assert P.model_state_bytes(1e9, 4, 1) == (2e9, 2e9, 3e9)
-    assert P.model_state_bytes(1e9, 4, 2) == (2e9, 0.5e9, 3e9)
-    assert P.model_state_bytes(1e9, 4, 3) == (0.5e9, 0.5e9, 3e9)
+    assert plan_cost.model_state_bytes(1e9, 4, 0) == (2e9, 2e9, 12e9)
+    assert plan_cost.model_state_bytes(1e9, 4, 1) == (2e9, 2e9, 3e9)
+    assert plan_cost.model_state_bytes(1e9, 4, 2) == (2e9, 0.5e9, 3e9)
+    assert plan_cost.model_state_bytes(1e9, 4, 3) == (0.5e9, 0.5e9, 3e9)
     with pytest.raises(PlanError) as err:
-        P.model_state_bytes(1e9, 4, 4)
+        plan_cost.model_state_bytes(1e9, 4, 4)
     assert err.value.field == "zero"
 
 
@@ -95,27 +96,29 @@ def test_model_state_split_by_zero_stage() -> None:
     ],
 )
 def test_korthikanti_activation_per_layer(tp: int, sp: bool, recompute: Recompute, expected: int) -> None:
-    got = P.activation_bytes_per_layer(2048, 1, 12288, 96, tp=tp, sequence_parallel=sp, recompute=recompute)
+    got = plan_cost.activation_bytes_per_layer(
+        2048, 1, 12288, 96, tp=tp, sequence_parallel=sp, recompute=recompute
+    )
     assert got == pytest.approx(expected)
 
 
 def test_activation_scales_with_micro_batch_and_in_flight_micro_batches() -> None:
-    one = P.activation_bytes_per_layer(
+    one = plan_cost.activation_bytes_per_layer(
         4096, 1, 8192, 64, tp=8, sequence_parallel=True, recompute=Recompute.NONE
     )
-    two = P.activation_bytes_per_layer(
+    two = plan_cost.activation_bytes_per_layer(
         4096, 2, 8192, 64, tp=8, sequence_parallel=True, recompute=Recompute.NONE
     )
     assert two == pytest.approx(2 * one)
-    assert P.in_flight_micro_batches(pp=8, stage=0, m=128) == 8
-    assert P.in_flight_micro_batches(pp=8, stage=7, m=128) == 1
-    assert P.in_flight_micro_batches(pp=8, stage=0, m=3) == 3
+    assert plan_cost.in_flight_micro_batches(pp=8, stage=0, m=128) == 8
+    assert plan_cost.in_flight_micro_batches(pp=8, stage=7, m=128) == 1
+    assert plan_cost.in_flight_micro_batches(pp=8, stage=0, m=3) == 3
 
 
 def test_ring_collectives() -> None:
-    assert P.ring_allreduce_bytes(8, 1e9) == pytest.approx(1.75e9)
-    assert P.ring_allgather_bytes(8, 1e9) == pytest.approx(0.875e9)
-    assert P.ring_allreduce_bytes(1, 1e9) == 0
+    assert plan_cost.ring_allreduce_bytes(8, 1e9) == pytest.approx(1.75e9)
+    assert plan_cost.ring_allgather_bytes(8, 1e9) == pytest.approx(0.875e9)
+    assert plan_cost.ring_allreduce_bytes(1, 1e9) == 0
 
 
 @pytest.mark.parametrize(
@@ -129,7 +132,7 @@ def test_ring_collectives() -> None:
     ],
 )
 def test_dp_comm_bytes(zero: int, m: int, per_mb: float, per_step: float) -> None:
-    got = P.dp_comm_bytes(1e9, dp=8, zero=zero, m=m)
+    got = plan_cost.dp_comm_bytes(1e9, dp=8, zero=zero, m=m)
     assert got == pytest.approx((per_mb, per_step))
 
 
@@ -138,25 +141,25 @@ def test_comm_volume_for_70b_tp8_pp8_dp8() -> None:
     req = request()
     cfg = config(8, 8, 8, zero=1, recompute=Recompute.SELECTIVE, m=128)
     # last stage: 10 × (855,638,016/8 + 16,384) + 32000·8192/8 + 8192 parameters
-    assert P.stage_params(LLAMA_70B, 8, 8, 7) == 1_102_487_552
-    assert P.stage_params(LLAMA_70B, 8, 8, 0) == 1_102_479_360
-    comm = P.comm_volume(req, cfg)
+    assert plan_cost.stage_params(LLAMA_70B, 8, 8, 7) == 1_102_487_552
+    assert plan_cost.stage_params(LLAMA_70B, 8, 8, 0) == 1_102_479_360
+    comm = plan_cost.comm_volume(req, cfg)
     assert comm.tp_bytes == pytest.approx(10 * 128 * 4 * 1.75 * 67_108_864)  # 601.3 GB
     assert comm.pp_bytes == pytest.approx(2 * 128 * 67_108_864 / 8)
     assert comm.dp_bytes == pytest.approx(3.5 * 1_102_487_552)
     assert (comm.tp_link, comm.pp_link, comm.dp_link) == ("intra", "inter", "inter")
-    full = P.comm_volume(req, replace(cfg, recompute=Recompute.FULL))
+    full = plan_cost.comm_volume(req, replace(cfg, recompute=Recompute.FULL))
     assert full.tp_bytes == pytest.approx(comm.tp_bytes * 6 / 4)
 
 
 def test_model_flops_per_token() -> None:
     # 6 × (32 × 202,383,360 + 32000 × 4096) + 12 × 32 × 4096 × 2048
-    assert P.model_flops_per_token(P.MODEL_PRESETS["llama-7b"], 2048) == 42_865_262_592
-    model = P.MODEL_PRESETS["llama-7b"]
-    assert P.recompute_flops_per_token(model, 2048, Recompute.NONE) == 0
-    assert P.recompute_flops_per_token(model, 2048, Recompute.SELECTIVE) == 4 * 32 * 4096 * 2048
+    assert plan_cost.model_flops_per_token(plan_spec.MODEL_PRESETS["llama-7b"], 2048) == 42_865_262_592
+    model = plan_spec.MODEL_PRESETS["llama-7b"]
+    assert plan_cost.recompute_flops_per_token(model, 2048, Recompute.NONE) == 0
+    assert plan_cost.recompute_flops_per_token(model, 2048, Recompute.SELECTIVE) == 4 * 32 * 4096 * 2048
     assert (
-        P.recompute_flops_per_token(model, 2048, Recompute.FULL)
+        plan_cost.recompute_flops_per_token(model, 2048, Recompute.FULL)
         == 2 * 32 * 202_383_360 + 4 * 32 * 4096 * 2048
     )
 
@@ -164,13 +167,13 @@ def test_model_flops_per_token() -> None:
 def test_step_time_parts_and_bubble() -> None:
     req = request()
     cfg = config(8, 8, 8, zero=1, recompute=Recompute.SELECTIVE, m=128)
-    t = P.step_time(req, cfg, P.comm_volume(req, cfg))
-    assert P.pipeline_bubble_fraction(8, 128) == pytest.approx(7 / 128)
+    t = plan_cost.step_time(req, cfg, plan_cost.comm_volume(req, cfg))
+    assert plan_cost.pipeline_bubble_fraction(8, 128) == pytest.approx(7 / 128)
     slot = (t.compute_s + t.tp_comm_s + t.pp_comm_s) / 128
     assert t.bubble_s == pytest.approx(7 * slot)
     assert t.total_s == pytest.approx(t.compute_s + t.bubble_s + t.tp_comm_s + t.pp_comm_s + t.dp_exposed_s)
     # compute: 4M tokens × FLOPs/token over 512 GPUs at 50% of 312 TFLOP/s
-    flops = 1024 * 4096 * (P.model_flops_per_token(LLAMA_70B, 4096) + 4 * 80 * 8192 * 4096)
+    flops = 1024 * 4096 * (plan_cost.model_flops_per_token(LLAMA_70B, 4096) + 4 * 80 * 8192 * 4096)
     assert t.compute_s == pytest.approx(flops / 512 / (312e12 * 0.5))
     assert 0 < t.mfu < 0.5
 
@@ -180,10 +183,12 @@ def test_dp_traffic_hides_behind_backward_or_whole_micro_batch(zero: int, hidden
     """ZeRO-2 reduce-scatters during backward (2/3 of a micro-batch); ZeRO-3 gathers span all of it."""
     req = request()
     cfg = config(8, 1, 64, zero=zero, recompute=Recompute.NONE, m=16)
-    compute_mb = P.step_time(req, cfg, P.comm_volume(req, replace(cfg, dp=1))).compute_s / 16
+    compute_mb = plan_cost.step_time(req, cfg, plan_cost.comm_volume(req, replace(cfg, dp=1))).compute_s / 16
     bandwidth = A100_80.inter_node_bw * req.link_efficiency
-    traffic = P.CommVolume(0.0, 0.0, 16 * 0.9 * compute_mb * bandwidth, 0.0, "intra", "inter", "inter")
-    t = P.step_time(req, cfg, traffic)
+    traffic = plan_cost.CommVolume(
+        0.0, 0.0, 16 * 0.9 * compute_mb * bandwidth, 0.0, "intra", "inter", "inter"
+    )
+    t = plan_cost.step_time(req, cfg, traffic)
     assert t.dp_comm_s == pytest.approx(16 * 0.9 * compute_mb)
     assert t.dp_exposed_s == pytest.approx(16 * max(0.0, 0.9 - hidden_behind) * compute_mb)
 
@@ -199,22 +204,22 @@ def test_dp_traffic_hides_behind_backward_or_whole_micro_batch(zero: int, hidden
     ],
 )
 def test_parse_count(text: str, binary: bool, value: int) -> None:
-    assert P.parse_count(text, field="x", binary=binary) == value
+    assert plan_spec.parse_count(text, field="x", binary=binary) == value
 
 
 @pytest.mark.parametrize("text", ["0", "-4M", "four", "4X", ""])
 def test_parse_count_refuses(text: str) -> None:
     with pytest.raises(PlanError) as err:
-        P.parse_count(text, field="global_batch_tokens", binary=True)
+        plan_spec.parse_count(text, field="global_batch_tokens", binary=True)
     assert err.value.field == "global_batch_tokens"
 
 
 def test_model_from_parameter_count_is_llama_shaped() -> None:
-    model = P.resolve_model("7B")
+    model = plan_spec.resolve_model("7B")
     assert model.hidden == 4096 and model.heads == 32 and model.ffn == 11008
     assert model.layers % 4 == 0
-    assert P.param_count(model) == pytest.approx(7e9, rel=0.1)
-    assert P.resolve_model("70B", layers=80).layers == 80
+    assert plan_spec.param_count(model) == pytest.approx(7e9, rel=0.1)
+    assert plan_spec.resolve_model("70B", layers=80).layers == 80
 
 
 # ----------------------------------------------------------------------------------------------- search
@@ -249,7 +254,7 @@ def test_70b_on_512_a100_finds_a_config_that_fits() -> None:
     ],
 )
 def test_layout_rejection(model: str, tp: int, pp: int, dp: int, reason: str | None) -> None:
-    rejection = P.layout_rejection(request(model=P.MODEL_PRESETS[model]), tp, pp, dp)
+    rejection = P.layout_rejection(request(model=plan_spec.MODEL_PRESETS[model]), tp, pp, dp)
     assert (rejection.reason if rejection else None) == reason
     gqa = replace(LLAMA_70B, kv_heads=4)
     kv = P.layout_rejection(request(model=gqa), 8, 1, 64)
@@ -285,14 +290,16 @@ def test_headroom_bounds_the_chosen_memory() -> None:
 
 def test_recompute_only_when_memory_requires_it() -> None:
     # 7B on 64 H200: plenty of memory, so no recompute (it only adds FLOPs)
-    result = P.plan(request(model=P.MODEL_PRESETS["llama-7b"], gpu=P.GPU_PRESETS["h200"], gpus=64))
+    result = P.plan(
+        request(model=plan_spec.MODEL_PRESETS["llama-7b"], gpu=plan_spec.GPU_PRESETS["h200"], gpus=64)
+    )
     assert result.best.config.recompute is Recompute.NONE
     assert result.best.activations_by_recompute["none"] > result.best.activations_by_recompute["selective"]
 
 
 def test_nothing_fits_names_gpus_and_the_closest_miss() -> None:
     with pytest.raises(PlanError) as err:
-        P.plan(request(gpus=8, gpu=P.GPU_PRESETS["a100-40gb"]))
+        P.plan(request(gpus=8, gpu=plan_spec.GPU_PRESETS["a100-40gb"]))
     assert err.value.field == "gpus"
     assert "closest" in err.value.message and "GiB" in err.value.message
 

@@ -9,7 +9,7 @@ from importlib import resources
 import pytest
 
 from forge_kit import errors, sweepspace
-from forge_training import catalog, recipes
+from forge_training import catalog, recipes, schema
 
 
 def test_shipped_catalogue_is_up_to_date() -> None:
@@ -22,7 +22,7 @@ def test_shipped_catalogue_is_up_to_date() -> None:
 def test_catalogue_keys_are_accepted_overrides_and_unused_sections_are_not_listed() -> None:
     entry = catalog.catalog()["sft_hh"]
     assert "optim.lr" in entry["keys"] and "model.hidden_size" not in entry["keys"]
-    with pytest.raises(recipes.RecipeError):
+    with pytest.raises(schema.RecipeError):
         recipes.build("sft_hh", {"model.hidden_size": 64})
     assert "val_loss" in catalog.catalog()["shakespeare_tiny"]["metrics"]
 

@@ -19,8 +19,8 @@ import pytest
 
 from forge_kit.objectstore import ObjectStore
 from forge_kit.paths import resolve_data_path
-from forge_training import recipes
-from forge_training.recipes import RecipeError
+from forge_training import recipes, schema, validation
+from forge_training.schema import RecipeError
 from forge_training.train import RunContext, train
 
 HH = resolve_data_path("preferences/hh-rlhf/helpful-base/test.jsonl.gz")
@@ -55,7 +55,7 @@ def _write(path: Path, rows: list[dict[str, Any]]) -> Path:
 def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("overopt")
     corpus = root / "shakespeare.txt"
-    corpus.write_text(resolve_data_path(recipes.DEFAULT_CORPUS).read_text(encoding="utf-8")[:40_000])
+    corpus.write_text(resolve_data_path(schema.DEFAULT_CORPUS).read_text(encoding="utf-8")[:40_000])
     parent = train(
         recipes.build("smoke", {"data.corpus": str(corpus), "max_steps": "3", "threads": "1"}),
         _ctx(root, "parent"),
@@ -87,7 +87,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {"root": root, "parent": parent, "human": human, "hacked": hacked, "rm": rm}
 
 
-def dpo(setup: dict[str, Path], **extra: str) -> recipes.TrainConfig:
+def dpo(setup: dict[str, Path], **extra: str) -> schema.TrainConfig:
     return recipes.build(
         "dpo_hh",
         {
@@ -121,7 +121,7 @@ def test_dpo_stops_early_when_the_proxy_reward_rises_while_held_out_agreement_fa
             "dpo.monitor.out": str(trace_path),
         },
     )
-    recipes.validate(config, 1)
+    validation.validate(config, 1)
     result = train(config, _ctx(tmp_path, "dpo"))
     trace = json.loads(trace_path.read_text())
     points = trace["points"]
@@ -163,4 +163,4 @@ def test_a_monitor_without_a_reward_model_is_refused(setup: dict[str, Path], tmp
         ),
     ):
         with pytest.raises(RecipeError, match=field):
-            recipes.validate(dpo(setup, **extra), 1)
+            validation.validate(dpo(setup, **extra), 1)

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from tokenizers import Tokenizer
 
-from forge_training import recipes
+from forge_training import recipes, rm_eval, validation
 from forge_training.backbones import minilm_dir
 from forge_training.pairs import (
     PreferencePair,
@@ -29,8 +29,8 @@ from forge_training.pairs import (
     to_pair,
     transcript,
 )
-from forge_training.recipes import PairsConfig, RecipeError
 from forge_training.run import EXIT_BAD_RECIPE, main
+from forge_training.schema import PairsConfig, RecipeError
 
 
 @pytest.fixture(scope="module")
@@ -103,15 +103,15 @@ def test_held_out_pairs_are_never_trained_on_not_even_their_openings(tmp_path: P
 def test_a_bundled_backbone_is_refused_where_it_cannot_run() -> None:
     config = recipes.build("reward_hh_minilm")
     assert config.task == "reward" and config.init.backbone == "minilm"
-    recipes.validate(config, 1)  # no parent needed
+    validation.validate(config, 1)  # no parent needed
     with pytest.raises(RecipeError, match=r"init\.parent: the 'minilm' backbone brings its own weights"):
-        recipes.validate(recipes.build("reward_hh_minilm", {"init.parent": "/tmp/x"}), 1)
+        validation.validate(recipes.build("reward_hh_minilm", {"init.parent": "/tmp/x"}), 1)
     with pytest.raises(RecipeError, match=r"init\.backbone: only the reward and rerank tasks"):
-        recipes.validate(recipes.build("sft_hh", {"init.backbone": "minilm"}), 1)
+        validation.validate(recipes.build("sft_hh", {"init.backbone": "minilm"}), 1)
     with pytest.raises(RecipeError, match=r"init\.backbone: must be one of parent, minilm"):
-        recipes.validate(recipes.build("reward_hh_minilm", {"init.backbone": "bert-huge"}), 1)
+        validation.validate(recipes.build("reward_hh_minilm", {"init.backbone": "bert-huge"}), 1)
     with pytest.raises(RecipeError, match=r"pairs\.extra_train: '/nonexistent' does not exist"):
-        recipes.validate(recipes.build("reward_hh_minilm", {"pairs.extra_train": "/nonexistent"}), 1)
+        validation.validate(recipes.build("reward_hh_minilm", {"pairs.extra_train": "/nonexistent"}), 1)
     with pytest.raises(RecipeError, match=r"model\.hidden_size: not used by the 'reward' task"):
         recipes.build("reward_hh_minilm", {"model.hidden_size": "64"})
 
@@ -137,7 +137,6 @@ TINY = {
 def test_minilm_reward_model_trains_reports_held_out_accuracy_and_forge_rm_eval_agrees(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    rm_eval = pytest.importorskip("forge_preference_feedback.rm_eval")
     run_dir, cache = tmp_path / "run", tmp_path / "cache"
     args = [
         "--recipe",

@@ -13,15 +13,16 @@ import pytest
 
 from forge_kit.objectstore import ObjectStore
 from forge_kit.paths import resolve_data_path
-from forge_training import recipes
+from forge_training import recipes, schema, validation
 from forge_training.data import prepare
 from forge_training.launch import LocalRun, run_group, run_group_sequence
-from forge_training.objectives import evaluate_lm, rank_batches
-from forge_training.recipes import RecipeError, TrainConfig
+from forge_training.objectives.base import rank_batches
+from forge_training.objectives.lm import evaluate_lm
 from forge_training.run import EXIT_BAD_RECIPE, main
+from forge_training.schema import RecipeError, TrainConfig
 from forge_training.train import RunContext, pretrain
 
-SHAKESPEARE = resolve_data_path(recipes.DEFAULT_CORPUS)
+SHAKESPEARE = resolve_data_path(schema.DEFAULT_CORPUS)
 KILL_AT = 7  # after the step-5 checkpoint: the resume redoes steps 6 and 7
 
 
@@ -133,7 +134,7 @@ def test_unknown_parallelism_is_refused_before_any_worker_starts(
 ) -> None:
     bad = smoke(corpus, "zero3")
     with pytest.raises(RecipeError, match=r"parallelism: must be one of ddp, fsdp, got 'zero3'"):
-        recipes.validate(bad, 2)
+        validation.validate(bad, 2)
     with pytest.raises(RecipeError, match="parallelism"):
         run_group(bad, 2, tmp_path / "group", cache_dir=tmp_path / "cache")
     assert not (tmp_path / "group").exists() and not (tmp_path / "cache").exists()

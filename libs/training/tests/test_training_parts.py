@@ -16,13 +16,13 @@ import torch
 from tokenizers import Tokenizer
 
 from forge_kit.paths import resolve_data_path
-from forge_training import parallel, recipes
+from forge_training import parallel, recipes, schema, validation
 from forge_training.bench import steady_step_s
 from forge_training.checkpoint import optimal_interval_s
 from forge_training.data import EOT, MixtureSampler, train_tokenizer
 from forge_training.export import hf_tokenizer
 from forge_training.mfu import matmul_params, peak_flops, train_flops_per_token
-from forge_training.objectives import _pad, wilson_interval
+from forge_training.objectives.pairwise import pad_rows
 from forge_training.pairs import (
     CHAT_TEMPLATE,
     Encoded,
@@ -33,7 +33,7 @@ from forge_training.pairs import (
     to_pair,
 )
 from forge_training.prefetch import Prefetcher
-from forge_training.recipes import MetricsConfig, PairsConfig, RecipeError
+from forge_training.schema import MetricsConfig, PairsConfig, RecipeError
 from forge_training.train import TrainResult
 
 HH_ROW = {
@@ -44,7 +44,7 @@ HH_ROW = {
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Tokenizer:
-    text = resolve_data_path(recipes.DEFAULT_CORPUS).read_text(encoding="utf-8")[:20_000]
+    text = resolve_data_path(schema.DEFAULT_CORPUS).read_text(encoding="utf-8")[:20_000]
     return train_tokenizer(text + "User: Assistant: robin bird", 300)
 
 
@@ -163,7 +163,7 @@ def test_sft_mask_covers_exactly_the_response_tokens(tokenizer: Tokenizer) -> No
     assert pair is not None
     ((chosen,),) = encode_pairs(tokenizer, [pair], 256, end_of_text=True, chosen_only=True)
     short = Encoded((1, 2, 3), 2)
-    micro = _pad([chosen, short], pad_id=tokenizer.token_to_id(EOT), mask_prompt=True)
+    micro = pad_rows([chosen, short], pad_id=tokenizer.token_to_id(EOT), mask_prompt=True)
     labels, ids = micro["labels"][0], micro["input_ids"][0]
     trained = [int(t) for t in labels if t != -100]
     assert tokenizer.decode(trained, skip_special_tokens=False) == " A robin." + EOT
@@ -197,13 +197,6 @@ def test_the_exported_chat_template_renders_like_the_training_data(tokenizer: To
     )
     full = [*messages, {"role": "assistant", "content": pair.chosen}]
     assert hf.apply_chat_template(full, tokenize=False) == render(full)
-
-
-def test_wilson_interval() -> None:
-    low, high = wilson_interval(8, 10)  # a textbook case: 0.80 -> [0.490, 0.943]
-    assert (round(low, 3), round(high, 3)) == (0.490, 0.943)
-    low, high = wilson_interval(0, 20)
-    assert low == 0.0 and 0.0 < high < 0.2
 
 
 # -- bad input ----------------------------------------------------------------------------------
@@ -257,7 +250,7 @@ def test_missing_inputs_are_refused_before_training(
 ) -> None:
     config = recipes.build(recipe, overrides)
     with pytest.raises(RecipeError, match=re.escape(message)):
-        recipes.validate(config, 1)
+        validation.validate(config, 1)
 
 
 def test_a_corrupt_hugging_face_parent_is_refused(tmp_path: Path) -> None:
@@ -270,11 +263,11 @@ def test_a_corrupt_hugging_face_parent_is_refused(tmp_path: Path) -> None:
     model.save_pretrained(tmp_path / "hf")
     config = recipes.build("sft_hh", {"init.parent": str(tmp_path / "hf")})
     with pytest.raises(RecipeError, match=r"init\.parent: .*tokenizer\.json: missing"):
-        recipes.validate(config, 1)
+        validation.validate(config, 1)
     weights = tmp_path / "hf" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])  # a torn copy
     with pytest.raises(RecipeError, match=r"init\.parent: .*model\.safetensors: corrupt weights"):
-        recipes.validate(config, 1)
+        validation.validate(config, 1)
 
 
 def _params_with_grads(*grads: list[float]) -> list[torch.nn.Parameter]:

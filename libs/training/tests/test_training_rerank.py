@@ -12,17 +12,17 @@ import pytest
 from transformers import BertConfig, BertForSequenceClassification
 
 from forge_kit.objectstore import ObjectStore
-from forge_training import recipes
+from forge_training import recipes, validation
 from forge_training.launch import run_group_sequence
-from forge_training.recipes import OptimConfig, RecipeError, RerankConfig
+from forge_training.objectives.rerank import CrossEncoderRanking
 from forge_training.rerank import (
     Bm25,
-    CrossEncoderRanking,
     build_groups,
     read_dataset,
     split_queries,
 )
 from forge_training.run import EXIT_BAD_RECIPE, main
+from forge_training.schema import OptimConfig, RecipeError, RerankConfig
 from forge_training.train import RunContext, param_groups, train
 
 DOCS = {
@@ -160,7 +160,7 @@ def test_the_recipe_is_validated_before_anything_starts(tmp_path: Path) -> None:
     write_beir(tmp_path)
     config = recipes.build("rerank_beir_minilm", tiny(tmp_path))
     assert config.task == "rerank" and config.init.backbone == "minilm"
-    recipes.validate(config, 1)
+    validation.validate(config, 1)
     bad = {
         "rerank.datasets": ("tiny,missing", r"rerank\.datasets: '.*missing' has no corpus\.jsonl"),
         "rerank.negative_depth": ("0", r"rerank\.negative_depth: must be positive"),
@@ -170,7 +170,7 @@ def test_the_recipe_is_validated_before_anything_starts(tmp_path: Path) -> None:
     }
     for key, (value, message) in bad.items():
         with pytest.raises(RecipeError, match=message):
-            recipes.validate(recipes.build("rerank_beir_minilm", tiny(tmp_path, **{key: value})), 1)
+            validation.validate(recipes.build("rerank_beir_minilm", tiny(tmp_path, **{key: value})), 1)
     with pytest.raises(RecipeError, match=r"pairs\.path: not used by the 'rerank' task"):
         recipes.build("rerank_beir_minilm", {"pairs.path": "/x"})
     with pytest.raises(RecipeError, match=r"rerank\.negatives: not used by the 'reward' task"):

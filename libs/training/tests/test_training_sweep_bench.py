@@ -10,13 +10,13 @@ import pytest
 from typer.testing import CliRunner
 
 from forge_kit.paths import resolve_data_path
-from forge_training import recipes
+from forge_training import schema
 from forge_training.bench import app
 
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(
-        not resolve_data_path(recipes.DEFAULT_CORPUS).is_file(), reason="needs the tinyshakespeare corpus"
+        not resolve_data_path(schema.DEFAULT_CORPUS).is_file(), reason="needs the tinyshakespeare corpus"
     ),
 ]
 
@@ -45,7 +45,7 @@ def test_grid_and_asha_over_one_space(tmp_path: Path) -> None:
     rows = summary["per_trial"]
     grid = [r for r in rows if r["run"] == "grid"]
     asha = [r for r in rows if r["run"] == "asha"]
-    assert summary["rungs"] == [1, 3] and len(grid) == len(asha) == 3
+    assert summary["rungs"] == [1, 3] and len(grid) == len(asha) == 3 and summary["form"] == "promotion"
     assert summary["asha"]["concurrency"] == 2 and sum(summary["asha"]["rung_occupancy"].values()) >= 3
     assert summary["grid"]["trial_steps"] == 27 == sum(r["steps"] for r in grid)
     assert summary["asha"]["trial_steps"] == sum(r["steps"] for r in asha) < 27

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from forge_kit.earlystop import Asha
-from forge_training.sweep_bench import Judge, Trial, run_interleaved
+from forge_kit.earlystop import Asha, AshaPromotion
+from forge_training.sweep_bench import Judge, Trial, in_order, run_interleaved
 
 # val_loss at steps 1, 3, 9 (rungs 1 and 3 of min_steps 1, eta 3, max_steps 9). Trial 0 leads at
 # step 1 and ends worst; trial 3 is last at step 1, already best at step 3, and best at the end.
@@ -44,7 +44,7 @@ def _run(concurrency: int, grace: int = 1) -> tuple[list[tuple[int, int]], list[
                 return
         trial.final = trial.curve[-1][1]
 
-    run_interleaved(trials, concurrency, judge, run_one)
+    run_interleaved(in_order(trials), concurrency, judge, run_one)
     return reports, trials, rule
 
 
@@ -83,7 +83,7 @@ def test_a_failing_trial_is_raised_and_nothing_hangs() -> None:
         on_value(2, 1.0)
 
     with pytest.raises(RuntimeError, match="diverged"):
-        run_interleaved(trials, 3, None, run_one)
+        run_interleaved(in_order(trials), 3, None, run_one)
 
 
 def test_each_trial_draws_the_random_numbers_it_would_draw_alone() -> None:
@@ -94,7 +94,47 @@ def test_each_trial_draws_the_random_numbers_it_would_draw_alone() -> None:
             on_value(step, 0.0)
 
     alone = [Trial(i, {}, None) for i in range(2)]
-    run_interleaved(alone, 1, None, draws)
+    run_interleaved(in_order(alone), 1, None, draws)
     together = [Trial(i, {}, None) for i in range(2)]
-    run_interleaved(together, 2, None, draws)
+    run_interleaved(in_order(together), 2, None, draws)
     assert [t.curve for t in together] == [t.curve for t in alone]
+
+
+def test_the_promotion_form_resumes_paused_trials_and_spends_fewer_steps_than_the_stopping_form() -> None:
+    """One rung, at step 3 (values 0: 3.9, 1: 3.6, 2: 3.7, 3: 3.5, 4: 3.8, 5: 3.95). Stopping form:
+    0 and 1 go on (first at the rung; best of two), 2 stops, 3 goes on (best of four), 4 and 5 stop:
+    three trials to the end, 3 x 9 + 3 x 4 = 39 steps. Promotion form: a trial pauses at step 3
+    unless it is in the top n // 3 of its rung: 0 and 1 pause (too few values), 2 pauses and its
+    slot resumes 1 (best of three), 3 goes on at once (best of four), 4 and 5 pause: two trials to
+    the end, 2 x 9 + 4 x 4 = 34 steps, the same winner."""
+    _, stopping, _ = _run(concurrency=3, grace=3)
+    assert sum(t.steps for t in stopping) == 39
+    rule = AshaPromotion(min_steps=3, eta=3, max_steps=9)
+    trials = [Trial(i, {}, None) for i in CURVES]
+    by_index = {t.index: t for t in trials}
+    fresh = in_order(trials)
+    runs: list[int] = []
+
+    def next_job(inflight: list[Trial]) -> Trial | None:
+        final_below = 9 if not any(t.steps == 0 for t in trials) and not inflight else 0
+        promoted = rule.next_promotion(final_below)
+        return by_index[int(promoted[0])] if promoted else fresh(inflight)
+
+    def run_one(trial: Trial, on_value: Judge) -> None:
+        runs.append(trial.index)
+        for step, value in CURVES[trial.index]:
+            if step % 3 or step <= trial.steps:
+                continue  # a resumed trial goes on from its checkpoint
+            trial.curve.append((step, value))
+            trial.steps = step
+            if not on_value(step, value):
+                trial.steps = step + 1
+                return
+        trial.final = trial.curve[-1][1]
+
+    run_interleaved(
+        next_job, 3, lambda i, step, value: rule.report(str(i), step, value) not in ("pause", "stop"), run_one
+    )
+    assert {t.index for t in trials if t.final is not None} == {1, 3}
+    assert min(t.final for t in trials if t.final is not None) == 3.1
+    assert sum(t.steps for t in trials) == 34 and sorted(runs) == [0, 1, 1, 2, 3, 4, 5]

@@ -17,16 +17,16 @@ import torch
 
 from forge_kit.objectstore import ObjectStore
 from forge_kit.paths import resolve_data_path
-from forge_training import recipes
+from forge_training import recipes, schema, validation
 from forge_training.checkpoint import Manifest, optimal_interval_s
 from forge_training.launch import run_group_sequence
 from forge_training.mfu import train_flops_per_token
 from forge_training.pairs import encode_pairs, load_pairs
-from forge_training.recipes import RecipeError, TrainConfig
 from forge_training.run import EXIT_BAD_RECIPE, main
+from forge_training.schema import RecipeError, TrainConfig
 from forge_training.train import RunContext, TrainResult, train
 
-SHAKESPEARE = resolve_data_path(recipes.DEFAULT_CORPUS)
+SHAKESPEARE = resolve_data_path(schema.DEFAULT_CORPUS)
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +36,7 @@ def corpora(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     general = root / "shakespeare.txt"
     general.write_text(SHAKESPEARE.read_text(encoding="utf-8")[:40_000], encoding="utf-8")
     domain = root / "scifact.jsonl"
-    with open(resolve_data_path(recipes.SCIFACT_CORPUS), encoding="utf-8") as handle:
+    with open(resolve_data_path(schema.SCIFACT_CORPUS), encoding="utf-8") as handle:
         domain.write_text("".join(next(handle) for _ in range(80)), encoding="utf-8")
     return {"general": general, "domain": domain}
 
@@ -348,7 +348,7 @@ def test_a_corrupt_manifest_parent_and_a_missing_one_are_refused_before_anything
     shard.write_bytes(shard.read_bytes()[:-10] + b"0123456789")
     config = recipes.build("dpo_hh", {"init.parent": str(manifest)})
     with pytest.raises(RecipeError, match=r"init\.parent: .*checksum mismatch"):
-        recipes.validate(config, 1)
+        validation.validate(config, 1)
     run_dir = tmp_path / "run"
     code = main(
         ["--recipe", "sft_hh", "--set", f"init.parent={tmp_path / 'nope'}", "--run-dir", str(run_dir)]
@@ -362,4 +362,4 @@ def test_a_reward_model_is_not_accepted_as_a_policy_parent(parent: dict[str, Pat
     result: TrainResult = train(config, _ctx(tmp_path, run_id="rm", export=False))
     manifest = tmp_path / "objects" / "checkpoints" / "rm" / f"step-{result.step:08d}" / "manifest.json"
     with pytest.raises(RecipeError, match=r"init\.parent: .*is a 'reward' checkpoint"):
-        recipes.validate(recipes.build("dpo_hh", {"init.parent": str(manifest)}), 1)
+        validation.validate(recipes.build("dpo_hh", {"init.parent": str(manifest)}), 1)

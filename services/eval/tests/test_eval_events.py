@@ -10,7 +10,8 @@ from forge.events.v1 import events_pb2
 
 from forge_eval.registry import ModelRegistry
 from forge_kit.db import Database
-from forge_kit.events import HEADER_ID, HEADER_TYPE, KafkaPublisher, OutboxRelay, ensure_topics, topic_for
+from forge_kit.events import HEADER_ID, HEADER_TYPE, KafkaPublisher, ensure_topics, topic_for
+from forge_kit.outbox import OutboxRelay
 from forge_kit.testing import eventkeys
 from forge_kit.testing.processes import TansuBroker
 

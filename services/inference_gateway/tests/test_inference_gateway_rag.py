@@ -15,6 +15,7 @@ import httpx
 import pytest
 from forge.rerank.v1 import rerank_pb2, rerank_pb2_grpc
 from forge.retrieval.v1 import retrieval_pb2, retrieval_pb2_grpc
+from prometheus_client import REGISTRY
 
 from forge_inference_gateway.openai_api import install_gateway_api
 from forge_inference_gateway.rag import RagService
@@ -372,10 +373,18 @@ def _body(**kw: Any) -> dict[str, Any]:
 @pytest.mark.integration
 async def test_rag_answers_with_numbered_passages_of_the_callers_tenant_only(rag_gateway: Any) -> None:
     keys, client = await rag_gateway()
+
+    def stage_count(stage: str) -> float:
+        return REGISTRY.get_sample_value("forge_gateway_rag_stage_seconds_count", {"stage": stage}) or 0.0
+
+    stages = ("retrieve", "rerank", "assemble", "generate")
+    before = {stage: stage_count(stage) for stage in stages}
     async with client(keys["acme"]) as acme, client(keys["globex"]) as globex:
         reply = await acme.post("/v1/rag/query", json=_body(top_n=2))
         assert reply.status_code == 200, reply.text
         result = reply.json()
+        # Each stage's latency is observed once (the dashboard's RAG panels read these).
+        assert {stage: stage_count(stage) - before[stage] for stage in stages} == dict.fromkeys(stages, 1.0)
         assert result["answer"] and result["model"] == "llama"
         assert result["usage"]["completion_tokens"] > 0
         assert result["rerank"]["applied"] is True and result["rerank"]["model"]

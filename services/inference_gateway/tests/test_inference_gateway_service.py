@@ -15,8 +15,9 @@ from forge_inference_gateway.service import InferenceGateway
 from forge_inference_gateway.store import TenantRow
 from forge_inference_gateway.tenants import hash_api_key
 from forge_kit import errors
+from forge_kit.consumer import EventConsumer
 from forge_kit.db import Database
-from forge_kit.events import EventConsumer, topic_for
+from forge_kit.events import topic_for
 from forge_kit.modelref import ModelRef
 from forge_kit.testing import eventkeys
 

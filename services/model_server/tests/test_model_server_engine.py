@@ -9,9 +9,10 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
-from forge_model_server import llama
+from forge_model_server import paged_plan
 from forge_model_server.engine import EngineConfig, EngineCore, RequestOutput
-from forge_model_server.llama import BatchLayout, DecodeAttention, LlamaModel
+from forge_model_server.llama import DecodeAttention, LlamaModel
+from forge_model_server.paged_plan import BatchLayout
 from forge_model_server.sampling import SamplingParams
 
 PROMPTS = [
@@ -85,13 +86,13 @@ def random_ids(n: int, seed: int) -> torch.Tensor:
     return torch.randint(0, 300, (n,), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("explicit_scores_max", [llama.EXPLICIT_SCORES_MAX, 0], ids=["explicit", "sdpa"])
+@pytest.mark.parametrize("explicit_scores_max", [paged_plan.EXPLICIT_SCORES_MAX, 0], ids=["explicit", "sdpa"])
 def test_paged_forward_matches_transformers_logits(
     tiny_llama: Path, hf_model: LlamaForCausalLM, monkeypatch: pytest.MonkeyPatch, explicit_scores_max: int
 ) -> None:
     """Two sequences in one step, scattered blocks, one of them prefilled in two chunks; prefill
     attention with explicit scores, and through SDPA (the path of large chunks)."""
-    monkeypatch.setattr(llama, "EXPLICIT_SCORES_MAX", explicit_scores_max)
+    monkeypatch.setattr(paged_plan, "EXPLICIT_SCORES_MAX", explicit_scores_max)
     bs = 4
     model = LlamaModel.load(tiny_llama, num_blocks=16, block_size=bs)
     a, b = random_ids(11, 3), random_ids(6, 4)

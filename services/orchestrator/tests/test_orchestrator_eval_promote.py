@@ -20,12 +20,8 @@ from forge_kit.http import HttpServer
 from forge_kit.testing import ServiceProcess, TemporalDevServer
 from forge_orchestrator.activities import SchedulerActivities
 from forge_orchestrator.eval_activities import EvalActivities
-from forge_orchestrator.service import (
-    CheckpointRouter,
-    build_worker,
-    parse_input,
-    validate_eval_and_promote,
-)
+from forge_orchestrator.routers import CheckpointRouter
+from forge_orchestrator.service import build_worker, parse_input, validate_eval_and_promote
 from forge_orchestrator.workflows import EvalAndPromoteInput, EvalAndPromoteResult
 
 EVAL_TOKEN = "eval-test-token"

@@ -18,16 +18,16 @@ from temporalio.client import WorkflowExecutionStatus
 from temporalio.exceptions import ActivityError, ApplicationError, RetryState
 
 from forge_kit import errors
+from forge_kit.consumer import EventConsumer
 from forge_kit.db import Database
-from forge_kit.events import EventConsumer, ProcessedEvent
+from forge_kit.events import ProcessedEvent
 from forge_kit.testing import eventkeys
 from forge_orchestrator.api import view_to_proto
 from forge_orchestrator.cli import resolve_token
+from forge_orchestrator.routers import CheckpointRouter, JobEventRouter
 from forge_orchestrator.service import (
     KINDS,
     WORKFLOWS,
-    CheckpointRouter,
-    JobEventRouter,
     OrchestratorService,
     WorkflowView,
     failure_message,
@@ -215,6 +215,25 @@ async def test_checkpoints_of_other_workflow_jobs_are_evaluated(db: Database) ->
     assert [owner for owner, _ in signaller.checkpoints] == ["rlhf-1-r1-dpo"]
     [(kind, data, workflow_id)] = starter.started
     assert (kind, workflow_id, data["uri"]) == ("eval_and_promote", "eval-job-7-step-10", "/runs/job-7/hf")
+
+
+async def test_typed_routing_hints_route_without_labels(db: Database) -> None:
+    """A job submitted with typed routing (``JobRouting``) and no routing labels reaches its
+    workflow and, with ``skip_auto_eval``, starts no eval."""
+    signaller, starter = RecordingSignaller(), RecordingStarter()
+    job = events_pb2.JobStateChanged(job_id="job-8", team="rlhf", state=common_pb2.JOB_STATE_RUNNING)
+    job.meta.event_id = "ev-typed"
+    job.routing.workflow_id = "rlhf-2-r1-dpo"
+    job.routing.skip_auto_eval = True
+    checkpoint = events_pb2.CheckpointPublished(job_id="job-8", run_id="job-8", step=3, uri="/runs/job-8/hf")
+    checkpoint.meta.event_id = "ev-ckpt-8"
+    router = CheckpointRouter(starter, suite="tinyshakespeare_ppl", limit=5, signaller=signaller)
+    async with db.session() as session:
+        await JobEventRouter(signaller).handle(job, session)
+    async with db.session() as session:
+        await router.handle(checkpoint, session)
+    assert [owner for owner, _ in signaller.checkpoints] == ["rlhf-2-r1-dpo"]
+    assert starter.started == []
 
 
 def test_the_rlhf_loop_labels_its_training_jobs_and_only_the_rlhf_worker_runs_it() -> None:

@@ -52,7 +52,7 @@ budget: {trials: 4, gpu_hours: 10, max_steps: 9}
 concurrency: 4
 team: research
 gpus_per_trial: 1
-early_stopping: {rule: asha, min_steps: 1, eta: 3}
+early_stopping: {rule: asha, min_steps: 1, eta: 3, form: stopping}
 """
 
 
@@ -215,7 +215,7 @@ async def test_sweep_survives_worker_restart_failures_and_silent_trials(
     (new activities, same database) finishes the sweep. No trial is submitted twice; a crashing
     configuration is failed once; a trial that never reports is timed out."""
     space = SPACE.replace("concurrency: 4", "concurrency: 2").replace(
-        "early_stopping: {rule: asha, min_steps: 1, eta: 3}",
+        "early_stopping: {rule: asha, min_steps: 1, eta: 3, form: stopping}",
         "early_stopping: {rule: none}\nmetrics_timeout_s: 2",
     )
     queue = f"sweep-{uuid.uuid4().hex[:8]}"
@@ -287,7 +287,10 @@ async def test_lost_nodes_past_the_limit_fail_a_trial_and_spent_gpu_hours_cancel
     of 2 s of one device runs out while trial 1 runs: it is cancelled and nothing new starts."""
     space = (
         SPACE.replace("gpu_hours: 10", "gpu_hours: 0.0006")
-        .replace("early_stopping: {rule: asha, min_steps: 1, eta: 3}", "early_stopping: {rule: none}")
+        .replace(
+            "early_stopping: {rule: asha, min_steps: 1, eta: 3, form: stopping}",
+            "early_stopping: {rule: none}",
+        )
         .replace("concurrency: 4", "concurrency: 2")
     )
     queue = f"sweep-{uuid.uuid4().hex[:8]}"
@@ -363,3 +366,76 @@ async def test_a_refused_submission_fails_the_sweep_and_cancels_its_jobs(
             await handle.result()
     assert sorted(scheduler.submitted) == ["job-0", "job-1"]
     assert sorted(scheduler.cancelled) == ["job-0", "job-1"]
+
+
+class ResumingScheduler(FakeScheduler):
+    """Job ids ``job-<trial>`` for a trial's first job, ``job-<trial>-<n>`` for its later ones."""
+
+    @activity.defn(name="submit_job")
+    async def submit_job(self, params: SubmitJobInput) -> str:
+        job_id = "job-" + params.request_id.rsplit("/trial-", 1)[-1]
+        self.submitted[job_id] = params
+        return job_id
+
+
+async def test_asha_promotion_form_pauses_at_rungs_and_resumes_promoted_trials_from_their_checkpoints(
+    client: Client, tmp_path: Path
+) -> None:
+    """η = 3, rungs 1 and 3 (full budget 9), two slots, four configurations:
+
+    rung 1: t0=5.0 (n=1, top 0: pause; t2 starts), t1=4.0 (n=2: pause; t3 starts), t2=6.0 (n=3,
+    top 1 = {t1}: t2 pauses, t1 is resumed as job-1-1), t3=3.0 (n=4, top 1 = {t3}: goes on);
+    rung 3: t1=3.5 (n=1: pause; nothing promotable while t3 may still come), t3=2.5 (n=2: pause;
+    nothing can reach rung 3 any more, so its best, t3, is resumed as job-3-1 and finishes).
+    """
+    space = SPACE.replace("concurrency: 4", "concurrency: 2").replace(", form: stopping", "")
+    queue = f"sweep-{uuid.uuid4().hex[:8]}"
+    scheduler, tracker = ResumingScheduler(), RecordingTracker()
+    sweeps = SweepActivities(f"sqlite+aiosqlite:///{tmp_path / 'orchestrator.db'}", tracker)
+    submitted = lambda *jobs: asyncio.sleep(0, all(j in scheduler.submitted for j in jobs))  # noqa: E731
+    async with worker_for(client, queue, scheduler, sweeps):
+        handle = await client.start_workflow(
+            "sweep",
+            SweepInput(space=space, team="research"),
+            id=f"sweep-{uuid.uuid4().hex[:8]}",
+            task_queue=queue,
+            result_type=SweepResult,
+        )
+        await until(lambda: submitted("job-0", "job-1"))
+        for job, value, starts in (
+            ("job-0", 5.0, "job-2"),
+            ("job-1", 4.0, "job-3"),
+            ("job-2", 6.0, "job-1-1"),
+        ):
+            await event(handle, job, "RUNNING")
+            await metric(handle, job, 1, value)
+            await until(lambda starts=starts: submitted(starts))  # type: ignore[misc]
+        await event(handle, "job-3", "RUNNING")
+        await metric(handle, "job-3", 1, 3.0)
+        resumed = scheduler.submitted["job-1-1"]
+        assert resumed.command[-2:] == ["--run-id", "job-1"] and resumed.labels["resumes_job"] == "job-1"
+        await metric(handle, "job-1", 2, 0.1)  # a late value of the trial's paused job: ignored
+        await event(handle, "job-1", "CANCELLED")  # the paused job's end: changes nothing
+        await event(handle, "job-1-1", "RUNNING")
+        await metric(handle, "job-1-1", 3, 3.5)
+        await until(lambda: _is(state_of(handle, 1), "paused"))
+        assert (await progress(handle))["trials_by_state"] == {"paused": 3, "running": 1}
+        await metric(handle, "job-3", 3, 2.5)
+        await until(lambda: submitted("job-3-1"))
+        await event(handle, "job-3-1", "RUNNING")
+        await metric(handle, "job-3-1", 9, 2.0)
+        await event(handle, "job-3-1", "SUCCEEDED")
+        result = await handle.result()
+    assert {t.index: t.state for t in result.trials} == {
+        0: "stopped",
+        1: "stopped",
+        2: "stopped",
+        3: "completed",
+    }
+    assert [t.stopped_at for t in result.trials] == [1, 3, 1, None]
+    assert result.best_trial == 3 and result.best_metric == 2.0
+    assert sorted(scheduler.submitted) == ["job-0", "job-1", "job-1-1", "job-2", "job-3", "job-3-1"]
+    assert sorted(scheduler.cancelled) == ["job-0", "job-1", "job-1-1", "job-2", "job-3"]
+    assert result.ignored_metrics == 1 and result.summary["rung_occupancy"] == {"1": 4, "3": 2}
+    assert sorted(tracker.runs) == ["job-0", "job-1", "job-2", "job-3", "parent"]  # one run per trial
+    assert tracker.ended["run-job-3"] == "FINISHED" and tracker.ended["run-job-1"] == "KILLED"

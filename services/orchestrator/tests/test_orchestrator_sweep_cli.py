@@ -36,7 +36,7 @@ gpu_type: SIM
 budget: {trials: 2, gpu_hours: 1, max_steps: 9}
 concurrency: 2
 team: sweep-cli
-early_stopping: {rule: asha, min_steps: 1, eta: 3}
+early_stopping: {rule: asha, min_steps: 1, eta: 3, form: stopping}
 """
 
 

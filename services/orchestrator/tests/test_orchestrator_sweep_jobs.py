@@ -31,7 +31,8 @@ from forge_kit.grpckit import make_channel
 from forge_kit.paths import resolve_data_path
 from forge_kit.testing import ServiceProcess, TemporalDevServer
 from forge_orchestrator.activities import SchedulerActivities
-from forge_orchestrator.service import JobEventRouter, OrchestratorService, TemporalSignaller, build_worker
+from forge_orchestrator.routers import JobEventRouter, TemporalSignaller
+from forge_orchestrator.service import OrchestratorService, build_worker
 from forge_orchestrator.sweep.activities import SweepActivities, study_storage_url
 from forge_orchestrator.sweep.router import MetricsRouter, TemporalSweepSignaller
 from forge_orchestrator.sweep.workflow import SweepResult
@@ -59,7 +60,7 @@ gpu_type: SIM
 budget: {trials: 3, gpu_hours: 1, max_steps: 9}
 concurrency: 1
 team: sweepers
-early_stopping: {rule: asha, min_steps: 1, eta: 3}
+early_stopping: {rule: asha, min_steps: 1, eta: 3, form: stopping}
 """
 
 

@@ -26,8 +26,9 @@ import sqlalchemy as sa
 from forge.common.v1 import common_pb2
 from forge.events.v1 import events_pb2
 
+from forge_kit.consumer import EventConsumer
 from forge_kit.db import Database
-from forge_kit.events import TOPICS, EventConsumer, KafkaPublisher, ProcessedEvent, ensure_topics, new_meta
+from forge_kit.events import TOPICS, KafkaPublisher, ProcessedEvent, ensure_topics, new_meta
 from forge_kit.objectstore import ObjectStore
 from forge_kit.testing import MlflowServer, ServiceProcess, TansuBroker, TemporalDevServer, eventkeys
 from forge_orchestrator.activities import SchedulerActivities, SubmitJobInput

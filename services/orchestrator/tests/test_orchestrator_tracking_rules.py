@@ -3,6 +3,7 @@ loss curve; and two callers racing to make one job's run end up with the same ru
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from forge_orchestrator.tracking import (
 )
 from forge_orchestrator.tracking_consumer import (
     JobInfo,
+    RunRecorder,
     job_params,
     job_tags,
     manifest_params,
@@ -129,3 +131,29 @@ def test_two_callers_racing_for_one_jobs_run_end_with_the_same_run(mlflow_server
         ids = list(pool.map(ensure, range(4)))
     assert len(set(ids)) == 1
     assert [r.run_id for r in tracker.find_runs(RunFilter(job_id=job_id))] == [ids[0]]
+
+
+class Jobs:
+    """A job directory over a dict (the scheduler's answers, as :class:`SchedulerJobs` gives them)."""
+
+    def __init__(self, *jobs: JobInfo) -> None:
+        self.jobs = {j.job_id: j for j in jobs}
+
+    async def get_job(self, job_id: str) -> JobInfo | None:
+        return self.jobs.get(job_id)
+
+
+def test_a_resumed_trial_job_continues_its_first_jobs_run_only_within_its_own_sweep_and_trial() -> None:
+    labels = {"recipe": "tiny", "sweep_id": "sw-1", "trial": "2"}
+    first = JobInfo("job-a", "research", "t2", dict(labels))
+    resumed = JobInfo("job-b", "research", "t2", {**labels, "resumes_job": "job-a"})
+    other_trial = JobInfo("job-c", "research", "t3", {**labels, "trial": "3", "resumes_job": "job-a"})
+    other_team = JobInfo("job-d", "intruders", "t2", {**labels, "resumes_job": "job-a"})
+    no_sweep = JobInfo("job-e", "research", "x", {"recipe": "tiny", "resumes_job": "job-a"})
+    recorder = RunRecorder(Tracker("http://127.0.0.1:1"), Jobs(first, resumed, other_trial, other_team))
+    found = {
+        j.job_id: asyncio.run(recorder._resumed_job(j)) for j in (resumed, other_trial, other_team, no_sweep)
+    }
+    assert found == {"job-b": "job-a", "job-c": "", "job-d": "", "job-e": ""}
+    unknown = JobInfo("job-f", "research", "t2", {**labels, "resumes_job": "job-gone"})
+    assert asyncio.run(recorder._resumed_job(unknown)) == ""

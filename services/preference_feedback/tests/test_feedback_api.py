@@ -14,8 +14,9 @@ from forge.events.v1 import events_pb2
 from forge.feedback.v1 import feedback_pb2, feedback_pb2_grpc
 
 from forge_kit.db import Database
-from forge_kit.events import KafkaPublisher, OutboxRelay, ensure_topics, topic_for
+from forge_kit.events import KafkaPublisher, ensure_topics, topic_for
 from forge_kit.grpckit import FIELD_METADATA_KEY, GrpcServer, Principal, make_channel
+from forge_kit.outbox import OutboxRelay
 from forge_kit.testing import eventkeys
 from forge_kit.testing.grpcserver import grpc_test_server
 from forge_kit.testing.processes import TansuBroker

@@ -29,15 +29,19 @@ MIGRATIONS = Path(__file__).parents[1] / "src" / "forge_preference_feedback" / "
 TOKEN = "main-job-token"
 
 
+@pytest.mark.parametrize("store", ["sqlite", "postgres"])
 async def test_step_seeds_and_posts_each_preference_once(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, store: str, request: pytest.FixtureRequest
 ) -> None:
+    """``sqlite``: `make up`'s layout; ``postgres``: `forge up --profile prod-like`, where the service's
+    store is a PostgreSQL database the step must seed (the context names its URL)."""
     monkeypatch.setattr(main_job, "TARGET_ACCEPTED", 8)
     monkeypatch.setattr(main_job, "SIM_RATERS", 2)
     monkeypatch.setattr(main_job, "DWELL_S", 0.0)
     folder = tmp_path / "var" / "data" / "preference_feedback"
     folder.mkdir(parents=True)
-    db = Database(f"sqlite+aiosqlite:///{folder / 'preference_feedback.db'}")
+    url = request.getfixturevalue("postgres_url") if store == "postgres" else ""
+    db = Database(url or f"sqlite+aiosqlite:///{folder / 'preference_feedback.db'}")
     await db.migrate(MIGRATIONS)
     api = FeedbackApi(FeedbackService(db), RewardModelRegistry(db), max_page_size=10)
     server = await serve(
@@ -50,7 +54,11 @@ async def test_step_seeds_and_posts_each_preference_once(
         default_deadline_s=5,
     )
     endpoint = SimpleNamespace(grpc_target=f"127.0.0.1:{server.port}", token=TOKEN)
-    ctx = SimpleNamespace(root=tmp_path, endpoint=lambda name: endpoint)
+    ctx = SimpleNamespace(
+        root=tmp_path,
+        endpoint=lambda name: endpoint,
+        database_urls={"preference_feedback": url} if url else {},
+    )
     try:
         first = await step(ctx)
         again = await step(ctx)

@@ -11,9 +11,10 @@ import pytest
 from forge_kit.db import Database
 from forge_kit.paths import resolve_data_path
 from forge_retriever.config import RetrieverSettings
+from forge_retriever.documents import DocumentIn
 from forge_retriever.embed import SentenceTransformerEmbedder
 from forge_retriever.index import QdrantEdgeIndex
-from forge_retriever.service import DocumentIn, RetrieverService
+from forge_retriever.service import RetrieverService
 
 MIGRATIONS = Path(__file__).parents[1] / "src" / "forge_retriever" / "migrations"
 # The data folder (`forge data fetch scifact`); the BEIR copies are never copied into the repo.

@@ -16,19 +16,15 @@ from aiokafka import ConsumerRecord
 from forge.events.v1 import events_pb2
 
 from forge_kit import errors
+from forge_kit.consumer import EventConsumer
 from forge_kit.db import Database
-from forge_kit.events import (
-    DeadLetter,
-    EventConsumer,
-    KafkaPublisher,
-    OutboxEvent,
-    ensure_topics,
-    new_meta,
-    topic_for,
-)
+from forge_kit.events import DeadLetter, KafkaPublisher, OutboxEvent, ensure_topics, new_meta, topic_for
 from forge_kit.testing import eventkeys
 from forge_kit.testing.processes import TansuBroker
-from forge_retriever.service import ChangeOutcome, DocumentIn, RetrieverService, SearchMode
+from forge_retriever.api import document_change_handler
+from forge_retriever.documents import ChangeOutcome, DocumentIn, SearchMode
+from forge_retriever.messages import document_change
+from forge_retriever.service import RetrieverService
 from forge_retriever.store import DocumentRow
 from forge_retriever.tenancy import DEFAULT_TENANT
 
@@ -81,7 +77,7 @@ def consumer(db: Database, service: RetrieverService, bootstrap: str = "unused:0
         bootstrap=bootstrap,
         group_id="retriever",
         topics=[TOPIC],
-        handler=service.handle_event,
+        handler=document_change_handler(service),
         verifier=eventkeys.verifier([*eventkeys.PRODUCERS, "cms"]),
         sources={TOPIC: ["cms"]},
         max_attempts=1,
@@ -108,7 +104,7 @@ async def found(
 
 async def apply(db: Database, service: RetrieverService, event: events_pb2.DocumentChanged) -> ChangeOutcome:
     async with db.session() as session:
-        return await service.apply_document_changed(event, session)
+        return await service.apply_document_change(document_change(event), session)
 
 
 async def test_upsert_and_delete_from_the_topic_are_searchable_and_not_republished(

@@ -9,9 +9,10 @@ import pytest
 
 from forge_kit.db import Database
 from forge_retriever.config import RetrieverSettings
+from forge_retriever.documents import DocumentIn, SearchMode
 from forge_retriever.embed import SentenceTransformerEmbedder
 from forge_retriever.index import Fusion, HybridParams, IndexPoint, QdrantEdgeIndex, point_id
-from forge_retriever.service import DocumentIn, RetrieverService, SearchMode
+from forge_retriever.service import RetrieverService
 from forge_retriever.tenancy import DEFAULT_TENANT
 from forge_retriever.text import SparseVector
 

@@ -53,8 +53,6 @@ def test_ndcg_and_recall_match_hand_computed_values() -> None:
     assert evaluation.ndcg_at_k(["c", "a"], relevant, k=1) == 0.0
     assert evaluation.recall_at_k(["c", "a"], relevant, k=100) == 0.5  # "z" (score 0) is not relevant
     assert evaluation.recall_at_k(["c", "a"], relevant, k=1) == 0.0
-    assert evaluation.percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
-    assert evaluation.percentile([5.0], 95) == 5.0
 
 
 def test_load_beir_keeps_judged_queries_and_names_bad_lines(tmp_path: Path) -> None:
@@ -126,7 +124,10 @@ async def test_ingestion_is_compared_with_plain_sentence_transformers(
     assert figures["documents"] == 3
     assert figures["service_docs_per_s"] > 0 and figures["sentence_transformers_docs_per_s"] > 0
     assert figures["service_over_sentence_transformers"] == pytest.approx(
-        comparison.service_docs_per_s / comparison.sentence_transformers_docs_per_s, rel=1e-2
+        # Rounded to 3 decimals: off by at most 5e-4, which is more than 1 % of a small ratio.
+        comparison.service_docs_per_s / comparison.sentence_transformers_docs_per_s,
+        rel=1e-2,
+        abs=5e-4,
     )
 
 

@@ -15,12 +15,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+from qdrant_client import models
 
 from forge_kit.db import Database
 from forge_retriever.config import RetrieverSettings
+from forge_retriever.documents import DocumentIn, SearchMode
 from forge_retriever.index import Fusion, HybridParams, IndexPoint, QdrantEdgeIndex, VectorIndex, point_id
-from forge_retriever.index_server import QdrantServerIndex
-from forge_retriever.service import DocumentIn, RetrieverService, SearchMode
+from forge_retriever.index_server import CollectionLayout, QdrantServerIndex
+from forge_retriever.service import RetrieverService
 from forge_retriever.text import SparseVector
 
 if TYPE_CHECKING:
@@ -58,10 +60,28 @@ def _points() -> list[IndexPoint]:
     ]
 
 
-@pytest.fixture
-def pair(tmp_path: Path) -> Iterator[tuple[VectorIndex, VectorIndex]]:
+#: The layout docs/DEPLOY.md sizes for 100M documents (Kubernetes' retriever settings).
+PRODUCTION = CollectionLayout(
+    shards=12,
+    replication_factor=2,
+    write_consistency_factor=1,
+    on_disk_payload=True,
+    on_disk_vectors=True,
+    quantization="int8",
+    oversampling=2.0,
+)
+
+
+@pytest.fixture(params=["default-layout", "production-layout"])
+def pair(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[tuple[VectorIndex, VectorIndex]]:
+    """Edge and the server backend on the same points; every behaviour below is checked with the
+    default layout and with the production one (quantized dense search with rescoring, on-disk
+    vectors and payload: requests the server must accept)."""
+    layout = PRODUCTION if request.param == "production-layout" else CollectionLayout()
     edge = QdrantEdgeIndex(tmp_path / "edge", dense_dim=3, dense_version="synthetic")
-    server = QdrantServerIndex.connect(f"local:{tmp_path / 'qdrant'}", dense_dim=3, dense_version="synthetic")
+    server = QdrantServerIndex.connect(
+        f"local:{tmp_path / 'qdrant'}", dense_dim=3, dense_version="synthetic", layout=layout
+    )
     for idx in (edge, server):
         idx.upsert("c", _points())
     yield edge, server
@@ -130,6 +150,65 @@ def test_deletes_counts_drop_and_schema(pair: tuple[VectorIndex, VectorIndex], t
         assert other.collections() == []
     finally:
         other.close()
+
+
+def test_the_layout_is_what_the_server_is_asked_to_create(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Local mode ignores shards, replication and quantization: what reaches a server is the
+    create_collection request, recorded here on its way through to the real client."""
+    server = QdrantServerIndex.connect(
+        f"local:{tmp_path / 'qdrant'}", dense_dim=3, dense_version="synthetic", layout=PRODUCTION
+    )
+    client = server._client
+    sent: list[dict[str, object]] = []
+    create = client.create_collection
+
+    def recording(name: str, **kwargs: object) -> bool:
+        sent.append(kwargs)
+        return create(name, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(client, "create_collection", recording)
+    try:
+        server.upsert("c", _points())
+        [request] = sent
+        assert (
+            request["shard_number"],
+            request["replication_factor"],
+            request["write_consistency_factor"],
+        ) == (
+            12,
+            2,
+            1,
+        )
+        assert request["on_disk_payload"] is True
+        quantization = request["quantization_config"]
+        assert isinstance(quantization, models.ScalarQuantization)
+        assert quantization.scalar.type == models.ScalarType.INT8 and quantization.scalar.always_ram
+        # Local mode keeps the on-disk flags of the vectors: the originals are memory-mapped.
+        params = client.get_collection("forge_c").config.params
+        assert params.vectors["dense"].on_disk is True  # type: ignore[index]
+        assert params.sparse_vectors["bm25"].index.on_disk is True  # type: ignore[index, union-attr]
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize(
+    ("layout", "complaint"),
+    [
+        ({"quantization": "pq"}, "quantization"),
+        ({"replication_factor": 1, "write_consistency_factor": 2}, "write_consistency_factor"),
+        ({"shards": 0}, "shards"),
+    ],
+)
+def test_an_impossible_layout_is_refused(layout: dict[str, object], complaint: str) -> None:
+    with pytest.raises(ValueError, match=complaint):
+        CollectionLayout(**layout)  # type: ignore[arg-type]
+
+
+def test_settings_refuse_more_write_acks_than_replicas() -> None:
+    with pytest.raises(ValueError, match="qdrant_write_consistency_factor"):
+        RetrieverSettings(kafka_enabled=False, qdrant_replication_factor=1, qdrant_write_consistency_factor=2)
 
 
 def test_bad_url_is_refused() -> None:

@@ -17,7 +17,8 @@ from forge_kit import errors
 from forge_retriever import evaluation
 from forge_retriever.cli import app
 from forge_retriever.config import RetrieverSettings
-from forge_retriever.service import DocumentIn, RetrieverService, SearchMode
+from forge_retriever.documents import DocumentIn, SearchMode
+from forge_retriever.service import RetrieverService
 
 FILLER = "Sediment cores record the climate of past glacial periods in fine layers. "
 

@@ -14,8 +14,10 @@ from forge_kit import errors
 from forge_kit.db import Database
 from forge_kit.events import OutboxEvent
 from forge_retriever.config import RetrieverSettings
+from forge_retriever.documents import DocumentIn, SearchMode
 from forge_retriever.index import QdrantEdgeIndex
-from forge_retriever.service import DocumentIn, RetrieverService, SearchMode, sparse_encoder
+from forge_retriever.indexing import sparse_encoder
+from forge_retriever.service import RetrieverService
 from forge_retriever.store import ChunkRow
 
 if TYPE_CHECKING:

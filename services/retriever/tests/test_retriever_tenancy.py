@@ -30,8 +30,9 @@ from forge_kit.grpckit import (
 )
 from forge_retriever.api import RetrieverApi
 from forge_retriever.config import RetrieverSettings
+from forge_retriever.documents import DocumentIn, SearchMode
 from forge_retriever.index import QdrantEdgeIndex, point_id
-from forge_retriever.service import DocumentIn, RetrieverService, SearchMode
+from forge_retriever.service import RetrieverService
 from forge_retriever.store import ChunkRow, DocumentRow
 from forge_retriever.tenancy import DEFAULT_TENANT, TENANT_METADATA_KEY, caller_tenant
 

@@ -15,13 +15,15 @@ from forge.scheduler.v1 import scheduler_pb2
 from forge_kit import errors
 from forge_kit.db import Database
 from forge_kit.events import OutboxEvent
+from forge_scheduler.api import command_to_proto, registration_from_proto, report_from_proto
 from forge_scheduler.policy import PolicyConfig
+from forge_scheduler.records import QuotaSpec, ReplicaReport
 from forge_scheduler.scheduling import SchedulingLoop, decayed_usage
 from forge_scheduler.service import SchedulerService
 
 pytestmark = pytest.mark.asyncio
 S = common_pb2.JobState
-H100 = scheduler_pb2.Quota(gpu_type="H100", guaranteed_gpus=8, borrow_limit=8, weight=1)
+H100 = QuotaSpec(gpu_type="H100", guaranteed_gpus=8, borrow_limit=8, weight=1)
 GRACE_S = 30.0
 
 
@@ -62,7 +64,7 @@ def register(name: str, gpus: int = 4, group: str = "g0") -> scheduler_pb2.Regis
 async def with_nodes(sched: SchedulerService, *nodes: scheduler_pb2.RegisterNode) -> dict[str, asyncio.Queue]:
     queues = {}
     for node in nodes:
-        await sched.register_node(node)
+        await sched.register_node(registration_from_proto(node))
         queues[node.node_name] = sched.hub.open(node.node_name)
     return queues
 
@@ -70,12 +72,12 @@ async def with_nodes(sched: SchedulerService, *nodes: scheduler_pb2.RegisterNode
 def drain(queue: asyncio.Queue) -> list[scheduler_pb2.AgentSessionResponse]:
     out = []
     while not queue.empty():
-        out.append(queue.get_nowait())
+        out.append(command_to_proto(queue.get_nowait()))
     return out
 
 
-def report(job_id: str, state: int) -> scheduler_pb2.JobStatusUpdate:
-    return scheduler_pb2.JobStatusUpdate(job_id=job_id, state=state)  # type: ignore[arg-type]
+def report(job_id: str, state: int) -> ReplicaReport:
+    return report_from_proto(scheduler_pb2.JobStatusUpdate(job_id=job_id, state=state))  # type: ignore[arg-type]
 
 
 async def test_gang_across_two_nodes_starts_runs_and_succeeds(
@@ -147,7 +149,7 @@ async def test_job_that_can_never_fit_is_refused_at_submit_and_nothing_is_writte
 
 
 async def test_pending_job_gets_a_reason_in_words(sched: SchedulerService, loop: SchedulingLoop) -> None:
-    await sched.create_team("research", "", [scheduler_pb2.Quota(gpu_type="H100", guaranteed_gpus=16)])
+    await sched.create_team("research", "", [QuotaSpec(gpu_type="H100", guaranteed_gpus=16)])
     await sched.create_team("small", "", [])
     await with_nodes(sched, register("node-a", 4, "g0"), register("node-b", 4, "g1"))
     first = await sched.submit_job(make_job("first").gpus(4).build())
@@ -196,10 +198,8 @@ async def test_lost_node_requeues_its_jobs_and_cancels_the_other_replicas(
 async def test_production_inference_preempts_preemptible_work_within_a_cycle_and_grace(
     sched: SchedulerService, loop: SchedulingLoop, clock: Clock
 ) -> None:
-    await sched.create_team(
-        "research", "", [scheduler_pb2.Quota(gpu_type="H100", guaranteed_gpus=0, borrow_limit=64)]
-    )
-    await sched.create_team("serving", "", [scheduler_pb2.Quota(gpu_type="H100", guaranteed_gpus=4)])
+    await sched.create_team("research", "", [QuotaSpec(gpu_type="H100", guaranteed_gpus=0, borrow_limit=64)])
+    await sched.create_team("serving", "", [QuotaSpec(gpu_type="H100", guaranteed_gpus=4)])
     queues = await with_nodes(sched, register("node-a"), register("node-b"))
     flood = []
     for i in range(8):
@@ -265,11 +265,13 @@ async def test_reconnecting_agent_gets_starts_it_missed(
     sched: SchedulerService, loop: SchedulingLoop
 ) -> None:
     await sched.create_team("research", "", [H100])
-    await sched.register_node(register("node-a"))  # no session open: the StartJob is dropped
+    await sched.register_node(
+        registration_from_proto(register("node-a"))
+    )  # no session open: the StartJob is dropped
     job = await sched.submit_job(make_job().gpus(2).build())
     await loop.cycle()
     [missed] = await sched.outstanding_starts("node-a", [])
-    assert missed.start_job.job.id == job.id and list(missed.start_job.gpu_indices) == [0, 1]
+    assert missed.job.id == job.id and missed.gpu_indices == (0, 1)
 
 
 async def test_cpu_only_job_runs_on_the_least_busy_node(

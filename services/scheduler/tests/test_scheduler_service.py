@@ -12,10 +12,11 @@ from forge.scheduler.v1 import scheduler_pb2
 from forge_kit import errors
 from forge_kit.db import Database
 from forge_kit.events import OutboxEvent
+from forge_scheduler.records import QuotaSpec
 from forge_scheduler.service import SchedulerService
 
 pytestmark = pytest.mark.asyncio
-H100 = scheduler_pb2.Quota(gpu_type="H100", guaranteed_gpus=8, borrow_limit=8, weight=1)
+H100 = QuotaSpec(gpu_type="H100", guaranteed_gpus=8, borrow_limit=8, weight=1)
 
 
 async def test_submit_queues_job_and_stages_event(service: SchedulerService, db: Database) -> None:
@@ -84,9 +85,7 @@ async def test_teams_and_quotas(service: SchedulerService) -> None:
     await service.create_team("research", "Research", [H100])
     with pytest.raises(errors.AlreadyExistsError):
         await service.create_team("research", "", [])
-    team = await service.set_quota(
-        "research", scheduler_pb2.Quota(gpu_type="H100", guaranteed_gpus=16, weight=2)
-    )
+    team = await service.set_quota("research", QuotaSpec(gpu_type="H100", guaranteed_gpus=16, weight=2))
     assert [(q.gpu_type, q.guaranteed_gpus, q.weight) for q in team.quotas] == [("H100", 16, 2.0)]
     with pytest.raises(errors.NotFoundError):
         await service.set_quota("nobody", H100)

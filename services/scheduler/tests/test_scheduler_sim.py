@@ -105,15 +105,24 @@ def test_cli_replay_writes_the_contract(tmp_path: Path) -> None:
     summary = json.loads((out / "summary.json").read_text())
     assert set(summary["policies"]) == {"forge", "fifo", "fifo-backfill", "multifactor"}
     for figures in summary["policies"].values():
+        queue_keys = {"p95_queue_s", "p99_queue_s", "max_queue_s", "p99_wait_s", "max_wait_s"}
         assert set(figures) == {
             "avg_jct_s",
-            "p95_queue_s",
+            *queue_keys,
+            "queue_by_team",
             "utilization",
             "makespan_s",
             "jain_index",
             "fragmentation",
         }
         assert 0 < figures["utilization"] <= 1
+        assert figures["p95_queue_s"] <= figures["p99_queue_s"] <= figures["max_queue_s"]
+        assert figures["max_queue_s"] <= figures["max_wait_s"]
+        assert set(figures["queue_by_team"]) == {"x", "y"}
+        for team in figures["queue_by_team"].values():
+            assert set(team) == queue_keys
+            assert team["max_queue_s"] <= figures["max_queue_s"]
+        assert max(t["max_wait_s"] for t in figures["queue_by_team"].values()) == figures["max_wait_s"]
     assert set(summary["lower_bounds"]) == {"mean_duration_s", "capacity_relaxation_s"}
     assert (out / "utilization.png").stat().st_size > 0
     assert (out / "queue_by_team_forge.png").stat().st_size > 0

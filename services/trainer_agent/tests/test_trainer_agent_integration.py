@@ -14,10 +14,11 @@ from forge.common.v1 import common_pb2
 from forge.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from forge.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 
+from forge_kit.backoff import Backoff
 from forge_kit.grpckit import make_channel
 from forge_kit.testing import ServiceProcess, free_port
 from forge_trainer_agent.service import AgentService
-from forge_trainer_agent.session import Backoff, SchedulerSession
+from forge_trainer_agent.session import SchedulerSession
 
 pytestmark = pytest.mark.integration
 TOKEN = "it-token"
@@ -82,6 +83,7 @@ async def test_agent_process_registers_its_gpus_and_goes_not_ready_when_stopped(
         "FORGE_TRAINER_AGENT_NODE_GROUP": "block-a",
         "FORGE_TRAINER_AGENT_RACK": "rack-3",
         "FORGE_TRAINER_AGENT_NVLINK_DOMAIN": "nvl-1",
+        "FORGE_TRAINER_AGENT_ADVERTISE_ADDRESS": "10.1.2.3",
     }
     agent = ServiceProcess("forge_trainer_agent", env=env, log_path=str(tmp_path / "agent.log")).start()
     try:
@@ -92,6 +94,8 @@ async def test_agent_process_registers_its_gpus_and_goes_not_ready_when_stopped(
             "rack-3",
             "nvl-1",
         )
+        # Where multi-node jobs whose rank 0 runs here rendezvous (their MASTER_ADDR).
+        assert node.labels["forge.ai/address"] == "10.1.2.3"
         first_beat = node.last_heartbeat_at.ToNanoseconds()
 
         async with make_channel(agent.grpc_target, token=TOKEN) as channel:

@@ -1,8 +1,7 @@
-"""Reading the node's GPUs (nvidia-smi output, the ``gpus`` setting) and the agent's settings."""
+"""Reading the node's GPUs (device names, the ``gpus`` setting) and the agent's settings;
+NVML and torch detection: ``test_trainer_agent_gpus.py``."""
 
 from __future__ import annotations
-
-import random
 
 import pytest
 from pydantic import ValidationError
@@ -13,35 +12,7 @@ from forge_trainer_agent.node import (
     GpuSpecError,
     gpu_type_from_name,
     parse_gpu_spec,
-    parse_nvidia_smi,
 )
-from forge_trainer_agent.session import Backoff
-
-# `nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader,nounits` on an 8 x H100 SXM node.
-H100_NODE = """\
-0, NVIDIA H100 80GB HBM3, 81559
-1, NVIDIA H100 80GB HBM3, 81559
-2, NVIDIA H100 80GB HBM3, 81559
-3, NVIDIA H100 80GB HBM3, 81559
-4, NVIDIA H100 80GB HBM3, 81559
-5, NVIDIA H100 80GB HBM3, 81559
-6, NVIDIA H100 80GB HBM3, 81559
-7, NVIDIA H100 80GB HBM3, 81559
-"""
-
-
-def test_nvidia_smi_output_of_an_h100_node() -> None:
-    gpus = parse_nvidia_smi(H100_NODE)
-
-    assert gpus == tuple(GpuInfo(index=i, type="H100", memory_mb=81559) for i in range(8))
-
-
-def test_nvidia_smi_mixed_names_unknown_memory_and_blank_lines() -> None:
-    output = "1, NVIDIA A100-SXM4-80GB, 81920\n\n0, Tesla V100-SXM2-16GB, [N/A]\r\n2, NVIDIA GeForce RTX 4090, 24564\n"
-
-    gpus = parse_nvidia_smi(output)
-
-    assert gpus == (GpuInfo(0, "V100", 0), GpuInfo(1, "A100", 81920), GpuInfo(2, "RTX-4090", 24564))
 
 
 @pytest.mark.parametrize(
@@ -56,19 +27,6 @@ def test_nvidia_smi_mixed_names_unknown_memory_and_blank_lines() -> None:
 )
 def test_gpu_type_from_marketing_name(name: str, expected: str) -> None:
     assert gpu_type_from_name(name) == expected
-
-
-@pytest.mark.parametrize(
-    ("output", "complaint"),
-    [
-        ("0, NVIDIA H100 80GB HBM3\n", "line 1: expected 'index, name, memory.total'"),
-        ("0, NVIDIA H100, 81559\nGPU-1, NVIDIA H100, 81559\n", "line 2: index 'GPU-1' is not a number"),
-        ("0, NVIDIA H100, 81559\n0, NVIDIA H100, 81559\n", "an index twice"),
-    ],
-)
-def test_unreadable_nvidia_smi_output_is_an_error_not_a_missing_gpu(output: str, complaint: str) -> None:
-    with pytest.raises(GpuSpecError, match=complaint):
-        parse_nvidia_smi(output)
 
 
 @pytest.mark.parametrize(
@@ -110,15 +68,3 @@ def test_settings_defaults_and_unknown_keys(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setenv("FORGE_TRAINER_AGENT_GPU", "H100x8")
     with pytest.raises(ValidationError, match="FORGE_TRAINER_AGENT_GPU"):
         TrainerAgentSettings()
-
-
-def test_reconnect_backoff_doubles_with_jitter_up_to_the_cap_and_resets() -> None:
-    backoff = Backoff(0.5, 4.0, rng=random.Random(7))
-
-    delays = [backoff.next_delay() for _ in range(6)]
-
-    for delay, cap in zip(delays, [0.5, 1.0, 2.0, 4.0, 4.0, 4.0], strict=True):
-        assert cap / 2 <= delay <= cap
-    assert len(set(delays)) == len(delays), "jittered, not a fixed schedule"
-    backoff.reset()
-    assert backoff.next_delay() <= 0.5

@@ -19,7 +19,7 @@ from forge_kit.paths import resolve_data_path
 from forge_kit.testing import free_port
 from forge_trainer_agent.runner import ExitStatus, LaunchSpec, LocalProcessRunner, TorchrunRunner
 from forge_trainer_agent.sandbox import JobIsolation, JobSandbox, dataset_folders
-from forge_training import recipes
+from forge_training import schema
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the sandbox drops privileges only from root")
 
@@ -85,7 +85,7 @@ async def test_two_sandboxed_replicas_on_two_agents_train_and_checkpoint_as_the_
     corpus = tmp_path / "data" / "shakespeare.txt"
     corpus.parent.mkdir()
     corpus.write_text(
-        resolve_data_path(recipes.DEFAULT_CORPUS).read_text(encoding="utf-8")[:40_000], encoding="utf-8"
+        resolve_data_path(schema.DEFAULT_CORPUS).read_text(encoding="utf-8")[:40_000], encoding="utf-8"
     )
     objects = tmp_path / "objects"
     objects.mkdir()

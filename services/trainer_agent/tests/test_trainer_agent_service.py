@@ -336,11 +336,26 @@ def test_job_environment_keeps_the_agents_secrets_out_and_placement_authoritativ
         master_port=29500,
         run_dir=tmp_path,
     )
-    base = {"PATH": "/usr/bin", "FORGE_TRAINER_AGENT_AUTH_TOKEN": "secret", "FORGE_READY_FILE": "/tmp/r"}
+    base = {
+        "PATH": "/usr/bin",
+        "FORGE_TRAINER_AGENT_AUTH_TOKEN": "secret",
+        "FORGE_READY_FILE": "/tmp/r",
+        # The operator's fabric settings on the agent reach every job (multi-node NCCL, gloo).
+        "NCCL_SOCKET_IFNAME": "eth1",
+        "NCCL_IB_HCA": "mlx5",
+        "GLOO_SOCKET_IFNAME": "eth1",
+        "CUDA_DEVICE_ORDER": "FASTEST_FIRST",
+    }
 
     env = job_environment(spec, base)
 
     assert env["CUDA_VISIBLE_DEVICES"] == "4,5" and env["LR"] == "3e-4" and env["PATH"] == "/usr/bin"
+    assert env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"  # the agent's (NVML's) numbering, not the job's
+    assert (env["NCCL_SOCKET_IFNAME"], env["NCCL_IB_HCA"], env["GLOO_SOCKET_IFNAME"]) == (
+        "eth1",
+        "mlx5",
+        "eth1",
+    )
     assert "FORGE_TRAINER_AGENT_AUTH_TOKEN" not in env and "FORGE_READY_FILE" not in env
     assert (env["FORGE_JOB_ID"], env["FORGE_ATTEMPT"], env["NODE_RANK"], env["NNODES"]) == (
         "job-e",

@@ -20,14 +20,14 @@ import torch
 from forge_kit.objectstore import ObjectStore
 from forge_kit.paths import resolve_data_path
 from forge_trainer_agent.runner import LaunchError, LaunchSpec, TorchrunRunner
-from forge_training import recipes
+from forge_training import recipes, schema, validation
 from forge_training.checkpoint import CheckpointManager
 from forge_training.data import SamplerState, StepSampler, TokenShards, prepare
-from forge_training.recipes import RecipeError, TrainConfig
 from forge_training.run import EXIT_BAD_RECIPE, main
+from forge_training.schema import RecipeError, TrainConfig
 from forge_training.train import RunContext, lr_factor, pretrain
 
-SHAKESPEARE = resolve_data_path(recipes.DEFAULT_CORPUS)
+SHAKESPEARE = resolve_data_path(schema.DEFAULT_CORPUS)
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +72,7 @@ def test_overrides_apply_with_types_and_unknown_keys_are_refused() -> None:
         recipes.build("shakespeare_tiny", {"model.num_layers": "two"})
     with pytest.raises(RecipeError, match="recipe: unknown recipe 'nope'"):
         recipes.build("nope")
-    assert recipes.from_dict(config.to_dict()) == config
+    assert schema.from_dict(config.to_dict()) == config
 
 
 @pytest.mark.parametrize(
@@ -98,7 +98,7 @@ def test_impossible_configs_are_refused_with_the_field(
 ) -> None:
     config = recipes.build("shakespeare_tiny", overrides)
     with pytest.raises(RecipeError, match=re.escape(message)):
-        recipes.validate(config, world_size)
+        validation.validate(config, world_size)
 
 
 def test_empty_corpus_is_refused_and_the_cli_exits_before_training(

@@ -21,8 +21,8 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-from forge_cli import mainjob, platform, supervisor, tokens
-from forge_cli.platform import INFRA, Infra, ServiceSpec
+from forge_cli import mainjob, platform, profiles, supervisor, tokens
+from forge_cli.platform import INFRA, Backing, Infra, ServiceSpec
 from forge_cli.supervisor import Component, Paths
 from forge_kit.events import ensure_topics
 from forge_kit.grpckit import check_health
@@ -136,8 +136,9 @@ def temporal_component(infra: Infra, paths: Paths) -> Component:
 MLFLOW_MARKER = "mlflow server"
 
 
-def mlflow_component(infra: Infra, paths: Paths) -> Component:
-    """The MLflow tracking server: SQLite store and artifacts under ``var/mlflow``, 127.0.0.1 only."""
+def mlflow_component(infra: Infra, paths: Paths, store: str = "") -> Component:
+    """The MLflow tracking server: ``store`` (default SQLite under ``var/mlflow``), artifacts
+    under ``var/mlflow``, 127.0.0.1 only."""
     paths.mlflow_dir.mkdir(parents=True, exist_ok=True)
 
     async def healthy() -> bool:
@@ -147,7 +148,7 @@ def mlflow_component(infra: Infra, paths: Paths) -> Component:
         name="mlflow",
         argv=mlflow_server_argv(
             infra.mlflow_port,
-            f"sqlite:///{paths.mlflow_dir / 'mlflow.db'}",
+            store or f"sqlite:///{paths.mlflow_dir / 'mlflow.db'}",
             str(paths.mlflow_dir / "artifacts"),
             host=platform.HOST,
         ),
@@ -158,8 +159,12 @@ def mlflow_component(infra: Infra, paths: Paths) -> Component:
     )
 
 
-def infra_components(infra: Infra, paths: Paths) -> list[Component]:
-    return [tansu_component(infra), temporal_component(infra, paths), mlflow_component(infra, paths)]
+def infra_components(infra: Infra, paths: Paths, mlflow_store: str = "") -> list[Component]:
+    return [
+        tansu_component(infra),
+        temporal_component(infra, paths),
+        mlflow_component(infra, paths, mlflow_store),
+    ]
 
 
 async def service_healthy(spec: ServiceSpec) -> bool:
@@ -180,8 +185,21 @@ def service_component(
     secrets: tokens.PlatformSecrets,
     paths: Paths,
     infra: Infra = INFRA,
+    backing: Backing | None = None,
 ) -> Component:
+    """``spec`` as a process; ``backing``: production-shaped settings on top (``--profile prod-like``)."""
     private_dir(paths.data_dir(spec.name))
+    env = platform.service_env(
+        spec,
+        table,
+        secrets.tokens,
+        paths.root,
+        infra,
+        event_keys=secrets.event_keys,
+        generated=secrets.generated,
+    )
+    if backing is not None:
+        env.update({f"{spec.prefix}{k}": v for k, v in platform.production_env(spec, backing).items()})
 
     async def healthy() -> bool:
         return await service_healthy(spec)
@@ -192,23 +210,22 @@ def service_component(
         marker=spec.module,
         health=healthy,
         ports=(spec.grpc_port, spec.http_port),
-        env=platform.service_env(
-            spec,
-            table,
-            secrets.tokens,
-            paths.root,
-            infra,
-            event_keys=secrets.event_keys,
-            generated=secrets.generated,
-        ),
+        env=env,
         urls=(spec.grpc_target, spec.http_url),
     )
 
 
 def context(
-    paths: Paths, specs: Sequence[ServiceSpec], secrets: dict[str, str], infra: Infra = INFRA
+    paths: Paths,
+    specs: Sequence[ServiceSpec],
+    secrets: dict[str, str],
+    infra: Infra = INFRA,
+    backing: Backing | None = None,
 ) -> mainjob.MainJobContext:
     """What the main job's steps get to reach the platform."""
+    databases = {}
+    if backing is not None:
+        databases = {s.name: platform.production_env(s, backing).get("DATABASE_URL", "") for s in specs}
     endpoints = {
         s.name: mainjob.ServiceEndpoint(s.name, s.grpc_target, s.http_url, secrets[s.name]) for s in specs
     }
@@ -220,6 +237,7 @@ def context(
         temporal_namespace=infra.temporal_namespace,
         object_store_url=str(paths.objects),
         mlflow_url=infra.mlflow_uri,
+        database_urls={name: url for name, url in databases.items() if url},
     )
 
 
@@ -321,11 +339,21 @@ async def up(
     timeout_s: float = SERVICE_TIMEOUT_S,
     infra: Infra = INFRA,
     table: Sequence[ServiceSpec] = platform.SERVICES,
+    profile: profiles.Profile | None = None,
 ) -> int:
     """Bring ``specs`` (rows of ``table``) up, print them, run the main job; 0 only if all worked.
-    Rows with ``instances`` > 1 start that many local copies."""
+    Rows with ``instances`` > 1 start that many local copies. A ``profile`` moves the rows to its
+    ports and infrastructure and gives them its backing services (``forge up --profile``)."""
     table = platform.local_table(table)
     specs = platform.local_table(specs)
+    backing = None
+    if profile is not None:
+        table, specs, infra, backing = (
+            profile.table(table),
+            profile.table(specs),
+            profile.infra,
+            profile.backing,
+        )
     problems = platform.validate(table)
     if problems:
         console.print("[red]platform table is inconsistent:[/] " + "; ".join(problems))
@@ -336,20 +364,25 @@ async def up(
         console.print(f"generated {name}: [bold]{value}[/] (kept in {paths.generated})", highlight=False)
     paths.objects.mkdir(parents=True, exist_ok=True)
     try:
+        if profile is not None and profile.backing is not None:
+            created = await profiles.ensure_databases(profile, table)
+            if created:
+                console.print(f"created PostgreSQL databases: {', '.join(created)}", highlight=False)
         with console.status("starting the broker, the Temporal dev server and the MLflow server…"):
-            infra_up = await bring_up(infra_components(infra, paths), paths, INFRA_TIMEOUT_S)
+            mlflow_store = profile.mlflow_store if profile is not None else ""
+            infra_up = await bring_up(infra_components(infra, paths, mlflow_store), paths, INFRA_TIMEOUT_S)
             await ensure_topics(infra.kafka_bootstrap)
-        components = [service_component(s, table, secrets, paths, infra) for s in specs]
+        components = [service_component(s, table, secrets, paths, infra, backing) for s in specs]
         with console.status(f"starting {len(components)} services and waiting for their health checks…"):
             services_up = await bring_up(components, paths, timeout_s)
-    except UpFailed as exc:
+    except (UpFailed, profiles.BackingUnavailable) as exc:
         console.print(f"[red]forge up failed:[/]\n{exc}")
         console.print("Components that did start are left running: `forge status`, `forge down`.")
         return 1
     console.print(table_of([*infra_up, *services_up]))
     if not run_main_job:
         return 0
-    return await run_main(context(paths, table, secrets.tokens, infra), console)
+    return await run_main(context(paths, table, secrets.tokens, infra, backing), console)
 
 
 async def run_main(ctx: mainjob.MainJobContext, console: Console) -> int:
@@ -408,7 +441,8 @@ def down(paths: Paths, console: Console, table: Sequence[ServiceSpec] = platform
 
 
 async def status(paths: Paths, specs: Sequence[ServiceSpec], console: Console, infra: Infra = INFRA) -> int:
-    """Print each component's pid, liveness and health; 0 when every one is healthy."""
+    """Print each component's pid, liveness and health; 0 when every one is healthy (``specs`` on
+    the ports they run on: a profile's, :meth:`profiles.Profile.table`)."""
     components = infra_components(infra, paths)
     components += [
         Component(s.name, [], s.module, _bound_health(s), urls=(s.grpc_target, s.http_url))

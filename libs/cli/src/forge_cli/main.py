@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from forge_cli import data, local, platform
+from forge_cli import data, local, platform, profiles
 from forge_cli.plugins import PluginGroup
 from forge_cli.supervisor import Paths
 
@@ -31,6 +31,23 @@ ServicesOption = Annotated[
 ]
 
 
+ProfileOption = Annotated[
+    str,
+    typer.Option(
+        "--profile",
+        help="dev: embedded stand-ins (make up). prod-like: PostgreSQL, Redis and the Qdrant backend, "
+        "with the environment the Compose file sets; state under var/prod-like, ports +100.",
+    ),
+]
+
+
+def _profile(name: str) -> profiles.Profile:
+    try:
+        return profiles.resolve(name, local.find_root())
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--profile") from None
+
+
 def _specs(services: str | None) -> tuple[platform.ServiceSpec, ...]:
     try:
         return platform.select(None if services is None else services.split(","))
@@ -47,30 +64,31 @@ def up(
     timeout: Annotated[float, typer.Option(help="Seconds to wait for each service's health checks.")] = (
         local.SERVICE_TIMEOUT_S
     ),
+    profile: ProfileOption = "dev",
 ) -> None:
     """Start the broker, Temporal and every service (only what is not running), then run the main job."""
-    paths = Paths(local.find_root())
+    chosen = _profile(profile)
     specs = _specs(services)
     code = asyncio.run(
-        local.up(
-            paths, specs, console, run_main_job=main_job, timeout_s=timeout, infra=platform.Infra.from_env()
-        )
+        local.up(Paths(chosen.root), specs, console, run_main_job=main_job, timeout_s=timeout, profile=chosen)
     )
     raise typer.Exit(code)
 
 
 @app.command()
-def down() -> None:
+def down(profile: ProfileOption = "dev") -> None:
     """Stop every process `forge up` started (services, Temporal, the broker); leave none behind."""
-    raise typer.Exit(local.down(Paths(local.find_root()), console))
+    raise typer.Exit(local.down(Paths(_profile(profile).root), console))
 
 
 @app.command()
 def status(
     services: ServicesOption = None,
     check: Annotated[bool, typer.Option("--check", help="Exit 1 unless every component is healthy.")] = False,
+    profile: ProfileOption = "dev",
 ) -> None:
     """Show each component's pid, whether it is alive and whether its health checks pass."""
-    paths = Paths(local.find_root())
-    code = asyncio.run(local.status(paths, _specs(services), console, infra=platform.Infra.from_env()))
+    chosen = _profile(profile)
+    specs = chosen.table(_specs(services))
+    code = asyncio.run(local.status(Paths(chosen.root), specs, console, infra=chosen.infra))
     raise typer.Exit(code if check else 0)

@@ -71,6 +71,10 @@ class MainJobContext:
     """The MLflow tracking server (and UI) every training run is recorded in."""
     results: dict[str, Mapping[str, Any]] = field(default_factory=dict)
     """Results of the steps that already ran, by step name."""
+    database_urls: Mapping[str, str] = field(default_factory=dict)
+    """Services whose database is a server (``forge up --profile prod-like``), by name: a step
+    that seeds a service's store directly uses this URL; a service not listed keeps SQLite in
+    its data folder."""
 
     def endpoint(self, name: str) -> ServiceEndpoint:
         """The endpoint of service ``name``; a clear error when the platform has no such service."""

@@ -20,6 +20,10 @@ How a row becomes environment variables (``<NAME>`` is the caller, ``<T>`` the c
 - ``extra``: literal ``KEY: value`` pairs; ``{root}`` in a value becomes the repository root;
 - ``local``: like ``extra`` but only for ``forge up`` on this machine (not compose or Kubernetes);
   ``{instance}`` in a value becomes the copy's number;
+- ``production``: settings every production-shaped deployment gives the service (Compose,
+  Kubernetes, ``forge up --profile prod-like``) on top of its database and Redis
+  (:func:`production_env`); ``{qdrant}``, ``{qdrant_shards}``, ``{qdrant_replicas}`` in a
+  value become that deployment's Qdrant URL and collection layout;
 - ``instances``: how many copies ``forge up`` runs here (two trainer agents stand in for two
   nodes); copy n ≥ 2 is named ``<name>_<n>``, listens on both ports + 10·(n-1) and keeps the
   service's package and settings prefix (:func:`local_table`).
@@ -71,6 +75,8 @@ class ServiceSpec:
     """The service records experiments in the platform's MLflow server (``MLFLOW_URI``)."""
     extra: Mapping[str, str] = field(default_factory=dict)
     local: Mapping[str, str] = field(default_factory=dict)
+    production: Mapping[str, str] = field(default_factory=dict)
+    """Settings of production-shaped deployments only (see :func:`production_env`)."""
     instances: int = 1
     generated: tuple[str, ...] = ()
     """Settings whose value is a secret generated once for this service (no default exists)."""
@@ -129,9 +135,25 @@ SERVICES: tuple[ServiceSpec, ...] = (
         },
     ),
     ServiceSpec("model_server", grpc_port=50054, http_port=8000),
-    ServiceSpec("retriever", grpc_port=50055, http_port=8055),
+    # In production the index lives on a Qdrant server (retriever replicas share it); `make up`
+    # keeps the embedded Qdrant Edge.
+    ServiceSpec(
+        "retriever",
+        grpc_port=50055,
+        http_port=8055,
+        production={
+            "INDEX_BACKEND": "qdrant",
+            "QDRANT_URL": "{qdrant}",
+            "QDRANT_SHARDS": "{qdrant_shards}",
+            "QDRANT_REPLICATION_FACTOR": "{qdrant_replicas}",
+            # docs/DEPLOY.md: int8 copies of the dense vectors in RAM; originals, payloads and
+            # the sparse index memory-mapped from disk.
+            "QDRANT_QUANTIZATION": "int8",
+            "QDRANT_ON_DISK_VECTORS": "true",
+            "QDRANT_ON_DISK_PAYLOAD": "true",
+        },
+    ),
     ServiceSpec("reranker", grpc_port=50056, http_port=8056),
-    # RAG adds grpc("retriever") and grpc("reranker") here once the gateway's settings declare them.
     ServiceSpec(
         "inference_gateway",
         grpc_port=50053,
@@ -247,7 +269,7 @@ def declared_keys(spec: ServiceSpec) -> list[str]:
         keys.append("TEMPORAL_TARGET")
     if spec.tracking:
         keys.append("MLFLOW_URI")
-    keys += [k.upper() for k in (*spec.extra, *spec.local)]
+    keys += [k.upper() for k in (*spec.extra, *spec.local, *spec.production)]
     return keys
 
 
@@ -297,6 +319,60 @@ def service_env(
     for key, value in {**spec.extra, **spec.local}.items():
         values[key.upper()] = value.replace("{root}", str(root)).replace("{instance}", str(spec.instance))
     return {f"{spec.prefix}{key}": value for key, value in values.items()}
+
+
+@dataclass(frozen=True)
+class Backing:
+    """Where a production-shaped deployment's backing services are, as its services reach them."""
+
+    database_url: str | None
+    """Each service's own database: ``{database}`` becomes :func:`database_name`; None when the
+    URL comes from elsewhere (a Kubernetes Secret: it carries a password)."""
+    redis_url: str
+    qdrant_url: str
+    qdrant_shards: int = 1
+    """Shards per collection on the Qdrant server (one node: 1)."""
+    qdrant_replicas: int = 1
+    """Copies of each shard (one node: 1)."""
+
+
+def database_name(spec: ServiceSpec) -> str:
+    """The PostgreSQL database of a row (a local copy gets its own: ``forge_trainer_agent_2``)."""
+    return f"forge_{spec.name}"
+
+
+def production_env(spec: ServiceSpec, backing: Backing) -> dict[str, str]:
+    """Settings (without prefix) a production-shaped deployment adds to the table's wiring: the
+    service's database, Redis, and the row's ``production`` settings. The Compose file and the
+    Kubernetes manifests (``deploy/generate.py``) and ``forge up --profile prod-like`` are all
+    built from this one function, so what they set cannot drift apart."""
+    env = {"REDIS_URL": backing.redis_url}
+    if backing.database_url is not None:
+        env["DATABASE_URL"] = backing.database_url.replace("{database}", database_name(spec))
+    for key, value in spec.production.items():
+        env[key.upper()] = (
+            value.replace("{qdrant}", backing.qdrant_url)
+            .replace("{qdrant_shards}", str(backing.qdrant_shards))
+            .replace("{qdrant_replicas}", str(backing.qdrant_replicas))
+        )
+    return env
+
+
+#: Settings containers get that ``forge up`` has no counterpart for: the listen address, and the
+#: transport security of the broker and Temporal (the local stand-ins run without SASL and TLS).
+CONTAINER_ONLY = frozenset(
+    {
+        "HOST",
+        "KAFKA_SECURITY_PROTOCOL",
+        "KAFKA_SASL_MECHANISM",
+        "KAFKA_SASL_USERNAME",
+        "KAFKA_SASL_PASSWORD",
+        "TEMPORAL_TLS_CA_FILE",
+        "TEMPORAL_TLS_CERT_FILE",
+        "TEMPORAL_TLS_KEY_FILE",
+        "TEMPORAL_TLS_SERVER_NAME",
+    }
+)
 
 
 def generated_name(spec: ServiceSpec, setting: str) -> str:

@@ -37,6 +37,8 @@ VERIFY_KEYS = "FORGE_EVENT_VERIFY_KEYS"
 #: Where the Temporal certificates live, relative to the env file's directory (the repository).
 TEMPORAL_TLS_DIR = Path("var") / "secrets" / "temporal-tls"
 POSTGRES_PASSWORD = "POSTGRES_PASSWORD"
+#: Grafana's admin password (the Compose monitoring profile).
+GRAFANA_ADMIN_PASSWORD = "GRAFANA_ADMIN_PASSWORD"
 
 
 def token_var(service: str) -> str:
@@ -62,7 +64,7 @@ def required(name: str) -> str:
 
 def variables(table: Iterable[ServiceSpec] = SERVICES) -> dict[str, str]:
     """Every secret variable the Compose file references -> what kind of value it holds."""
-    kinds: dict[str, str] = {POSTGRES_PASSWORD: "password"}
+    kinds: dict[str, str] = {POSTGRES_PASSWORD: "password", GRAFANA_ADMIN_PASSWORD: "password"}
     for spec in table:
         kinds[token_var(spec.name)] = "token"
         kinds[event_key_var(spec.service)] = "event_key"

@@ -15,14 +15,16 @@ from fastapi import FastAPI
 from forge.events.v1 import events_pb2_grpc
 
 from forge_kit import audit
+from forge_kit.consumer import EventConsumer, Handler
 from forge_kit.db import Database
 from forge_kit.eventauth import EventSigner
 from forge_kit.eventlog import SERVICE_NAME as EVENT_LOG_SERVICE
 from forge_kit.eventlog import EventLogApi
-from forge_kit.events import EventConsumer, Handler, KafkaPublisher, OutboxRelay
+from forge_kit.events import KafkaPublisher
 from forge_kit.grpckit import Authenticator, serve, set_default_client_tls
 from forge_kit.http import HttpServer, make_app
 from forge_kit.logs import configure_logging
+from forge_kit.outbox import MarkPublished, OutboxRelay
 from forge_kit.runtime import ServiceParts, run_forever
 from forge_kit.settings import ServiceSettings, default_secrets
 
@@ -66,15 +68,30 @@ class ServiceApp:
         self._on_stop.append(self.db.dispose)
         return self.db
 
-    def enable_outbox(self) -> OutboxRelay | None:
-        """Relay the database's outbox to Kafka in the background (when Kafka is enabled)."""
+    def enable_outbox(
+        self,
+        *,
+        batch_size: int = 100,
+        min_interval_s: float = 0.0,
+        mark_published: MarkPublished | None = None,
+    ) -> OutboxRelay | None:
+        """Relay the database's outbox to Kafka in the background (when Kafka is enabled) and
+        serve the EventLogService, from which consumers catch up on the outbox. The arguments
+        tune the relay (:class:`forge_kit.outbox.OutboxRelay`)."""
         if self.db is None:
             raise RuntimeError("open_database() first")
         self._serves_event_log = True
         if not self.settings.kafka_enabled:
             return None
         self.publisher = KafkaPublisher(self.settings.kafka_bootstrap, auth=self.settings.kafka_auth())
-        self.relay = OutboxRelay(self.db, self.publisher, signer=self.require_signer())
+        self.relay = OutboxRelay(
+            self.db,
+            self.publisher,
+            signer=self.require_signer(),
+            batch_size=batch_size,
+            min_interval_s=min_interval_s,
+            mark_published=mark_published,
+        )
         self._background.append(self.relay.run)
         self._on_stop.append(self.publisher.close)
         return self.relay

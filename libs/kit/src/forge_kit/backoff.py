@@ -1,4 +1,8 @@
-"""Calling a model server that may say "slow down": adaptive concurrency and retries.
+"""Backing off between retries, and calling a model server that may say "slow down".
+
+:class:`Backoff` is the one capped, jittered exponential delay every retry loop in Forge sleeps
+(the outbox relay and the consumer while Kafka is away, a handler's retries, the orchestrator
+waiting for Temporal, the node agent reconnecting to the scheduler).
 
 Every Forge HTTP client that sends many requests to a model server (the eval harness and backend)
 goes through :func:`send_with_retries` with one :class:`AIMDLimiter` per endpoint:
@@ -31,6 +35,50 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 import httpx
+
+
+class Backoff:
+    """Capped exponential backoff with jitter: the n-th delay (from 0) is uniform in
+    [``jitter[0]``·cap, ``jitter[1]``·cap] where cap = min(``max_s``, ``initial_s``·2^n), so
+    clients that lost the same server spread out instead of returning together."""
+
+    def __init__(
+        self,
+        initial_s: float,
+        max_s: float,
+        *,
+        jitter: tuple[float, float] = (0.5, 1.0),
+        rng: random.Random | None = None,
+    ) -> None:
+        if not 0 < initial_s <= max_s:
+            raise ValueError(f"need 0 < initial_s <= max_s; got {initial_s=} {max_s=}")
+        if not 0 <= jitter[0] <= jitter[1]:
+            raise ValueError(f"need 0 <= jitter low <= jitter high; got {jitter=}")
+        self._initial_s, self._max_s = initial_s, max_s
+        self._jitter = jitter
+        self._rng = rng or random.Random()
+        self._failures = 0
+
+    @property
+    def failures(self) -> int:
+        """Delays handed out since the last :meth:`reset`."""
+        return self._failures
+
+    def next_delay(self) -> float:
+        cap = min(self._max_s, self._initial_s * 2 ** min(self._failures, 30))
+        self._failures += 1
+        return self._rng.uniform(cap * self._jitter[0], cap * self._jitter[1])
+
+    async def sleep(self) -> float:
+        """Sleep the next delay; returns it."""
+        delay = self.next_delay()
+        await asyncio.sleep(delay)
+        return delay
+
+    def reset(self) -> None:
+        """After a success: the next failure waits the initial delay again."""
+        self._failures = 0
+
 
 OVERLOAD_STATUSES = frozenset({429, 503})
 """The server is busy: shrink the window and wait (honouring ``Retry-After``)."""

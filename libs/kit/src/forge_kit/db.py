@@ -9,6 +9,7 @@ created 0600 in a 0700 folder (its WAL and shared-memory files follow its mode).
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -22,6 +23,11 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 from sqlalchemy.orm import DeclarativeBase
 
 from forge_kit.paths import private_file
+
+
+def utcnow() -> dt.datetime:
+    """Now in UTC, naive: what every service's ``DateTime`` columns hold (SQLite keeps no zone)."""
+    return dt.datetime.now(dt.UTC).replace(tzinfo=None)
 
 
 class Base(DeclarativeBase):

@@ -12,6 +12,15 @@ measured against fewer competitors (the first one always continues), which is th
 never idling a worker. This is the stopping form of ASHA that Optuna's ``SuccessiveHalvingPruner``
 and Ray Tune's ``ASHAScheduler`` implement.
 
+**ASHA, promotion form** (:class:`AshaPromotion`, Algorithm 2 of the paper): a trial that
+reaches a rung *pauses* there (its job checkpoints and ends) unless it is promotable at once; a
+free worker first resumes the best promotable paused trial of the highest rung that has one (in
+the top ``n // η`` of its rung's ``n`` values and not promoted yet), and only then starts a new
+configuration. No trial goes on for lack of competitors, so the first arrivals at a rung cost
+nothing extra; the price is a resumption from a checkpoint. With a finite set of configurations,
+once none is left to start and no trial can still reach a rung, that rung promotes its top
+``max(1, n // η)``: the sweep always ends with at least one trial at the full budget.
+
 **Median stopping** (Golovin et al. 2017, Google Vizier): from ``min_steps`` on, a trial whose
 value at a reported step is worse than the median of the other trials' values at that step is
 stopped, once at least ``min_trials`` others have reported there.
@@ -25,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 Mode = Literal["min", "max"]
-Decision = Literal["continue", "stop", "ignore"]
+Decision = Literal["continue", "stop", "ignore", "pause"]
 #: Bound on rungs: η ≥ 2 and max_steps below 10^9 give fewer than 30.
 MAX_RUNGS = 64
 
@@ -108,6 +117,90 @@ class Asha:
         for values in self.recorded.values():
             values.pop(trial, None)
         self.stopped.pop(trial, None)
+
+
+@dataclass
+class AshaPromotion:
+    """ASHA's promotion form over one sweep (see the module docstring). :meth:`report` records a
+    trial's value at a rung and says ``continue`` (promotable now) or ``pause``;
+    :meth:`next_promotion` names the paused trial a free worker should resume."""
+
+    min_steps: int
+    eta: int
+    max_steps: int
+    mode: Mode = "min"
+    recorded: dict[int, dict[str, float]] = field(default_factory=dict)
+    """Rung budget → trial → the value it reported there."""
+    promoted: dict[int, list[str]] = field(default_factory=dict)
+    """Rung budget → trials promoted out of it, in order."""
+    rungs: list[int] = field(init=False, default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.rungs = rungs(self.min_steps, self.eta, self.max_steps)
+        for rung in self.rungs:
+            self.recorded.setdefault(rung, {})
+            self.promoted.setdefault(rung, [])
+
+    def report(self, trial: str, step: int, value: float) -> Decision:
+        """The trial's metric at ``step``: ``ignore`` off a new rung; at one, ``continue`` when
+        the trial is promotable there at once (it is then promoted), else ``pause``."""
+        due = [r for r in self.rungs if r <= step and trial not in self.recorded[r]]
+        if not due:
+            return "ignore"
+        if not _valid(value) or math.isinf(value):
+            value = math.inf if self.mode == "min" else -math.inf
+        for r in due:
+            self.recorded[r][trial] = value
+            if r != max(due):
+                self.promoted[r].append(trial)  # a coarse report passed it
+        rung = max(due)
+        if trial in self._candidates(rung, final=False):
+            self.promoted[rung].append(trial)
+            return "continue"
+        return "pause"
+
+    def _candidates(self, rung: int, final: bool) -> list[str]:
+        """Trials of ``rung`` in its top ``n // eta`` (``max(1, n // eta)`` when ``final``), best
+        first, not promoted yet."""
+        values = self.recorded[rung]
+        keep = len(values) // self.eta
+        if final:
+            keep = max(1, keep)
+        ranked = sorted(values, key=lambda t: values[t], reverse=self.mode == "max")[:keep]
+        return [t for t in ranked if t not in self.promoted[rung]]
+
+    def next_promotion(self, final_below: int = 0) -> tuple[str, int] | None:
+        """The paused trial to resume and the rung it leaves, highest rung first; None when none
+        is promotable. ``final_below``: rungs at or below this budget can gain no more trials
+        (none left to start and none in flight under them), so they promote at least one."""
+        for rung in reversed(self.rungs):
+            found = self._candidates(rung, final=rung <= final_below)
+            if found:
+                self.promoted[rung].append(found[0])
+                return found[0], rung
+        return None
+
+    def paused_at(self, trial: str) -> int | None:
+        """The rung a trial waits at (recorded there, not promoted out of it), if any."""
+        waiting = [r for r in self.rungs if trial in self.recorded[r] and trial not in self.promoted[r]]
+        return max(waiting) if waiting else None
+
+    def reached(self, trial: str) -> int:
+        """The highest rung the trial reported at (0: none yet): a trial in flight can still
+        join only the rungs above it."""
+        return max((r for r in self.rungs if trial in self.recorded[r]), default=0)
+
+    def occupancy(self) -> dict[int, int]:
+        """Trials recorded at each rung."""
+        return {rung: len(self.recorded[rung]) for rung in self.rungs}
+
+    def forget(self, trial: str) -> None:
+        """Drop a trial's records (a failed trial whose values should not judge others)."""
+        for values in self.recorded.values():
+            values.pop(trial, None)
+        for out in self.promoted.values():
+            if trial in out:
+                out.remove(trial)
 
 
 @dataclass

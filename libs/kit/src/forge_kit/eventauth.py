@@ -18,7 +18,7 @@ A verifier answers with the authenticated producer or raises :class:`Rejected` w
 ``unsigned`` (no signature or key id), ``unknown_key`` (a key id no configured producer owns),
 ``wrong_producer`` (the key belongs to another producer than the header names),
 ``bad_signature`` (the bytes were altered, or signed with another key) or ``malformed``. Which
-producers a topic accepts is the consumer's decision (:class:`forge_kit.events.EventConsumer`).
+producers a topic accepts is the consumer's decision (:class:`forge_kit.consumer.EventConsumer`).
 """
 
 from __future__ import annotations

@@ -30,9 +30,10 @@ from forge.events.v1 import events_pb2, events_pb2_grpc
 from sqlalchemy.orm import Mapped, mapped_column
 
 from forge_kit import errors
+from forge_kit.consumer import EventConsumer
 from forge_kit.db import Base, Database
 from forge_kit.eventauth import HEADER_KEY_ID, HEADER_SIGNATURE, EventSigner
-from forge_kit.events import HEADER_ID, HEADER_PRODUCER, HEADER_TYPE, EventConsumer, OutboxEvent
+from forge_kit.events import HEADER_ID, HEADER_PRODUCER, HEADER_TYPE, OutboxEvent
 from forge_kit.grpckit import make_channel
 
 log = structlog.get_logger(__name__)

@@ -1,4 +1,5 @@
-"""Statistics of evaluations and experiments: means with bootstrap intervals and paired comparisons.
+"""Statistics of evaluations and experiments: means with bootstrap intervals, paired comparisons,
+the Wilson interval of a proportion and percentiles.
 
 Comparisons are paired on example ids, as both runs of a comparable spec score the same examples:
 the difference of means gets a seeded paired-bootstrap interval, and its p-value comes from an
@@ -16,6 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 
 CONFIDENCE = 0.95
+Z95 = 1.959964
+"""The standard normal's 97.5th percentile: a two-sided 95 % interval is ±``Z95`` errors."""
 _CHUNK = 512
 
 
@@ -147,3 +150,32 @@ def paired_compare(
         p = sign_flip_p(d.tolist(), seed=seed)
         test = "sign-flip"
     return PairedResult(float(b.mean()), float(c.mean()), float(d.mean()), low, high, p, n, test)
+
+
+def wilson_interval(successes: float, n: float, z: float = Z95) -> tuple[float, float]:
+    """The Wilson score interval of a binomial proportion (95 % for the default ``z``), sensible
+    for small ``n`` unlike the normal one. ``successes`` may be fractional (a tie counted as half a
+    success) and so may ``n`` (counts summed across processes).
+
+    With no trials nothing is known: the interval is the whole of [0, 1] — the limit of the
+    formula as ``n`` goes to 0, and the answer under which no threshold is wrongly met.
+    """
+    if n <= 0:
+        return 0.0, 1.0
+    if not 0 <= successes <= n * (1 + 1e-9):  # sums of floats may overshoot n by a rounding
+        raise ValueError(f"successes must be between 0 and n; got {successes=} {n=}")
+    p = min(1.0, successes / n)
+    denom = 1.0 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z / denom * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def percentile(values: Sequence[float], q: float, *, empty: float = 0.0) -> float:
+    """The ``q``-th percentile (0-100) of ``values``, interpolated linearly between the closest
+    ranks (numpy's default); ``empty`` when there are no values."""
+    if not 0 <= q <= 100:
+        raise ValueError(f"q must be between 0 and 100; got {q}")
+    if len(values) == 0:
+        return empty
+    return float(np.percentile(np.asarray(values, dtype=float), q))

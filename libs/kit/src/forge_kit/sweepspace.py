@@ -22,6 +22,9 @@ A space file (see ``load/sweep/space.yaml``)::
     gpus_per_trial: 1                    # devices per trial (a training job asks for at least 1)
     gpu_type: H100                       # device type of the trials (SIM on forge up's agents)
     early_stopping: {rule: asha, min_steps: 9, eta: 3}   # or {rule: median, min_steps, min_trials}
+                                                         # ASHA's form: promotion (default: a
+                                                         # trial pauses at a rung until promoted)
+                                                         # or stopping (form: stopping)
                                                          # or {rule: none}
 
 Everything is checked before any job exists; a :class:`~forge_kit.errors.ValidationError` names
@@ -57,6 +60,8 @@ MAX_HISTORY_EVENTS = 40_000
 EVENTS_PER_TRIAL = 12
 SAMPLERS = ("grid", "random", "tpe")
 RULES = ("asha", "median", "none")
+#: ASHA's forms (``early_stopping.form``).
+ASHA_FORMS = ("promotion", "stopping")
 TYPES = ("categorical", "uniform", "loguniform", "int")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _TEAM = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -132,6 +137,9 @@ class EarlyStopping:
     min_steps: int = 1
     eta: int = 3
     min_trials: int = 3
+    form: str = "promotion"
+    """ASHA's form (:mod:`forge_kit.earlystop`): ``promotion`` (pause at a rung, resumed when
+    promoted) or ``stopping`` (go on or stop at once)."""
 
 
 @dataclass(frozen=True)
@@ -283,7 +291,7 @@ def _early_stopping(data: Any, max_steps: int) -> EarlyStopping:
         return EarlyStopping()
     if not isinstance(data, Mapping):
         raise ValidationError("early_stopping", "must be a mapping with a rule")
-    unknown = sorted(set(data) - {"rule", "min_steps", "eta", "min_trials"})
+    unknown = sorted(set(data) - {"rule", "min_steps", "eta", "min_trials", "form"})
     if unknown:
         raise ValidationError(f"early_stopping.{unknown[0]}", "is not an early-stopping field")
     rule = _field(data, "rule", "early_stopping.", str, "none")
@@ -298,7 +306,10 @@ def _early_stopping(data: Any, max_steps: int) -> EarlyStopping:
         raise ValidationError("early_stopping.eta", "must be between 2 and 100")
     if not 1 <= min_trials <= 1000:
         raise ValidationError("early_stopping.min_trials", "must be between 1 and 1000")
-    return EarlyStopping(rule, min_steps, eta, min_trials)
+    form = _field(data, "form", "early_stopping.", str, "promotion")
+    if form not in ASHA_FORMS:
+        raise ValidationError("early_stopping.form", f"must be one of {', '.join(ASHA_FORMS)}")
+    return EarlyStopping(rule, min_steps, eta, min_trials, form)
 
 
 def parse(text: str | bytes) -> Space:
@@ -489,6 +500,7 @@ def to_dict(space: Space) -> dict[str, Any]:
             "min_steps": es.min_steps,
             "eta": es.eta,
             "min_trials": es.min_trials,
+            "form": es.form,
         },
         "trial_timeout_s": space.trial_timeout_s,
         "metrics_timeout_s": space.metrics_timeout_s,

@@ -42,7 +42,7 @@ import typer
 from forge_kit import clitools
 from forge_kit.objectstore import ObjectStore
 from forge_kit.paths import resolve_data_path
-from forge_training import recipes
+from forge_training import recipes, schema
 from forge_training.launch import run_group, run_group_sequence
 from forge_training.sweep_bench import sweep as sweep_bench
 from forge_training.train import RunContext, TrainResult, pretrain
@@ -59,7 +59,7 @@ def bench() -> None:
 app.command("sweep")(sweep_bench)
 
 
-def _recipe(corpus: Path, **overrides: Any) -> recipes.TrainConfig:
+def _recipe(corpus: Path, **overrides: Any) -> schema.TrainConfig:
     return dataclasses.replace(recipes.build("shakespeare_tiny", {"data.corpus": str(corpus)}), **overrides)
 
 
@@ -195,7 +195,7 @@ def train(
     out: Annotated[Path, typer.Option(help="directory for summary.json")],
     nanogpt_dir: Annotated[Path | None, typer.Option(help="a checkout of karpathy/nanoGPT")] = None,
     budget_s: Annotated[float, typer.Option(help="wall-clock budget without nanoGPT")] = 180.0,
-    corpus: Annotated[Path, typer.Option(help="training corpus")] = resolve_data_path(recipes.DEFAULT_CORPUS),
+    corpus: Annotated[Path, typer.Option(help="training corpus")] = resolve_data_path(schema.DEFAULT_CORPUS),
     ddp_steps: Annotated[int, typer.Option(help="steps per DDP throughput run")] = 40,
     ddp_repeats: Annotated[
         int, typer.Option(min=1, help="1-process/2-process pairs; the median is reported")

@@ -15,11 +15,11 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from forge_training import recipes
+from forge_training import recipes, schema
 
 #: Metrics every run writes per logged step (``train.py``).
 STEP_METRICS = ("loss", "lr", "grad_norm", "tokens_per_s", "mfu")
-#: What each task adds: its per-step figures and its held-out evaluation (``objectives.py``).
+#: What each task adds: its per-step figures and its held-out evaluation (``objectives/``).
 TASK_METRICS: dict[str, tuple[str, ...]] = {
     "pretrain": ("val_loss", "val_ppl"),
     "cpt": ("general_fraction", "val_loss", "val_ppl", "general_val_loss", "general_val_ppl", "forgetting"),
@@ -63,7 +63,7 @@ def catalog() -> dict[str, Any]:
                 continue
             try:
                 recipes.build(name, {key: value})
-            except recipes.RecipeError:
+            except schema.RecipeError:
                 continue  # a section this task does not read
             keys[key] = {"type": type(value).__name__, "default": value}
         out[name] = {

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from forge_kit.objectstore import ObjectStore
-from forge_training import recipes
+from forge_training import schema, validation
 from forge_training.train import RunContext, train
 
 
@@ -36,7 +36,7 @@ def free_port() -> int:
 class LocalRun:
     """One run of :func:`run_group_sequence`."""
 
-    config: recipes.TrainConfig
+    config: schema.TrainConfig
     run_dir: Path
     objects: str = ""
     """Object store URL (default ``<run_dir>/objects``); runs sharing one resume each other."""
@@ -59,7 +59,7 @@ def _worker(rank: int, world_size: int, port: int, jobs: list[tuple[dict[str, An
                 export=run["export"],
                 stop_after_step=run.get("stop_after_step"),
             )
-            result = train(recipes.from_dict(config), ctx)
+            result = train(schema.from_dict(config), ctx)
             if rank == 0:
                 out = {
                     "outcome": result.outcome,
@@ -85,7 +85,7 @@ def _worker(rank: int, world_size: int, port: int, jobs: list[tuple[dict[str, An
 
 
 def run_group_sequence(
-    runs: Sequence[tuple[recipes.TrainConfig, Path] | LocalRun],
+    runs: Sequence[tuple[schema.TrainConfig, Path] | LocalRun],
     world_size: int,
     *,
     cache_dir: Path,
@@ -96,7 +96,7 @@ def run_group_sequence(
     rank 0's result figures of each. Every config is validated before any process starts."""
     local = [r if isinstance(r, LocalRun) else LocalRun(*r) for r in runs]
     for run in local:
-        recipes.validate(run.config, world_size)
+        validation.validate(run.config, world_size)
     jobs = [
         (
             run.config.to_dict(),
@@ -121,7 +121,7 @@ def run_group_sequence(
 
 
 def run_group(
-    config: recipes.TrainConfig,
+    config: schema.TrainConfig,
     world_size: int,
     run_dir: Path,
     *,
@@ -131,7 +131,7 @@ def run_group(
     export: bool = False,
 ) -> dict[str, Any]:
     """Train ``config`` on ``world_size`` local processes; rank 0's result figures."""
-    recipes.validate(config, world_size)
+    validation.validate(config, world_size)
     run = {
         "run_id": run_id,
         "run_dir": str(run_dir),

@@ -7,7 +7,7 @@ attention scores and their weighted sum, ``2 x 2 d T`` per layer forward (non-ca
 as PaLM and Megatron count it). A forward-only pass (DPO's reference model) is a third of that.
 
 The peak is per process: a configured figure, else the dense bf16 peak of a known GPU, else on
-CPU ``cpu_peak_flops_per_thread`` x torch's intra-op threads (see :class:`recipes.MetricsConfig`).
+CPU ``cpu_peak_flops_per_thread`` x torch's intra-op threads (see :class:`schema.MetricsConfig`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import re
 import torch
 from transformers import PreTrainedConfig
 
-from forge_training.recipes import MetricsConfig
+from forge_training.schema import MetricsConfig
 
 #: Dense bf16 peak FLOP/s by GPU name (vendor data sheets, as torchtitan tabulates them); the
 #: more specific names come first.

@@ -8,7 +8,7 @@ A parent is one of:
   object-store URL: every file is checked against the manifest's sha256, the manifest's meta
   carries the model config and the task, rank 0's shard the weights and the tokenizer.
 
-:func:`check_parent` is what :func:`recipes.validate` runs before any worker starts;
+:func:`check_parent` is what :func:`validation.validate` runs before any worker starts;
 :func:`load_parent` is what each rank runs to build its model.
 """
 

@@ -17,7 +17,9 @@ from rich.console import Console
 from rich.table import Table
 
 from forge_training import plan as planner
-from forge_training.plan import GIB, Candidate, Plan, PlanError, PlanRequest
+from forge_training import plan_cost, plan_spec
+from forge_training.plan import Candidate, Plan
+from forge_training.plan_spec import GIB, PlanError, PlanRequest
 
 app = typer.Typer(add_completion=False, help="Parallelism planner.")
 
@@ -34,7 +36,7 @@ def plan_cmd(
         str,
         typer.Option(
             "--model",
-            help=f"Preset ({', '.join(planner.MODEL_PRESETS)}) or a parameter count such as 7B or 1.3e9.",
+            help=f"Preset ({', '.join(plan_spec.MODEL_PRESETS)}) or a parameter count such as 7B or 1.3e9.",
         ),
     ],
     gpus: Annotated[int, typer.Option("--gpus", help="Number of GPUs.")],
@@ -43,7 +45,7 @@ def plan_cmd(
         str,
         typer.Option(
             "--gpu-type",
-            help=f"{', '.join(g.name for g in planner.GPU_PRESETS.values())} or custom (with the four GPU figures).",
+            help=f"{', '.join(g.name for g in plan_spec.GPU_PRESETS.values())} or custom (with the four GPU figures).",
         ),
     ] = "A100-80GB",
     global_batch_tokens: Annotated[
@@ -56,13 +58,13 @@ def plan_cmd(
     micro_batch: Annotated[int, typer.Option("--micro-batch", help="Sequences per micro-batch.")] = 1,
     mfu: Annotated[
         float, typer.Option("--mfu", help="Fraction of peak FLOP/s the kernels sustain.")
-    ] = planner.DEFAULT_MFU,
+    ] = plan_spec.DEFAULT_MFU,
     headroom: Annotated[
         float, typer.Option("--headroom", help="Fraction of GPU memory to leave free.")
-    ] = planner.DEFAULT_HEADROOM,
+    ] = plan_spec.DEFAULT_HEADROOM,
     link_efficiency: Annotated[
         float, typer.Option("--link-efficiency", help="Fraction of nominal link bandwidth collectives reach.")
-    ] = planner.DEFAULT_LINK_EFFICIENCY,
+    ] = plan_spec.DEFAULT_LINK_EFFICIENCY,
     sequence_parallel: Annotated[
         bool,
         typer.Option(
@@ -89,10 +91,10 @@ def plan_cmd(
 ) -> None:
     """Propose tp / pp / dp and a ZeRO stage; print memory per GPU and communication per step."""
     try:
-        spec = planner.resolve_model(
+        spec = plan_spec.resolve_model(
             model, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, ffn=ffn, vocab=vocab
         )
-        gpu = planner.resolve_gpu(
+        gpu = plan_spec.resolve_gpu(
             gpu_type,
             memory_gib=gpu_memory_gib,
             tflops=gpu_tflops,
@@ -103,9 +105,9 @@ def plan_cmd(
         tokens = (
             None
             if global_batch_tokens is None
-            else planner.parse_count(global_batch_tokens, field="global_batch_tokens", binary=True)
+            else plan_spec.parse_count(global_batch_tokens, field="global_batch_tokens", binary=True)
         )
-        seqs = planner.global_batch_seqs(seq_len, tokens=tokens, seqs=global_batch_seqs)
+        seqs = plan_spec.global_batch_seqs(seq_len, tokens=tokens, seqs=global_batch_seqs)
         request = PlanRequest(
             model=spec,
             gpu=gpu,
@@ -143,7 +145,7 @@ def render(result: Plan, console: Console) -> None:
     """The plan as rich tables: summary, memory, communication, alternatives, rejections."""
     req, best = result.request, result.best
     cfg = best.config
-    params = planner.param_count(req.model)
+    params = plan_spec.param_count(req.model)
     console.print(
         f"[bold]{req.model.name}[/] ({params / 1e9:.2f}B params, {req.model.layers} layers, h={req.model.hidden}, "
         f"{req.model.heads} heads / {req.model.kv_heads} KV) on {req.gpus} × {req.gpu.name} "
@@ -195,8 +197,8 @@ def render(result: Plan, console: Console) -> None:
     acts.add_column("total GiB", justify="right")
     acts.add_column("fits")
     non_act = best.memory.total - best.memory.activations
-    for mode in planner.Recompute:
-        per_layer = planner.activation_bytes_per_layer(
+    for mode in plan_spec.Recompute:
+        per_layer = plan_cost.activation_bytes_per_layer(
             req.seq_len,
             cfg.micro_batch,
             req.model.hidden,
@@ -225,7 +227,7 @@ def render(result: Plan, console: Console) -> None:
     t = best.time
     comm.add_row(
         "tensor", str(cfg.tp), best.comm.tp_link if cfg.tp > 1 else "-", _gb(best.comm.tp_bytes), f"{t.tp_comm_s:.2f}",
-        f"{planner.tp_collectives_per_layer(cfg.recompute)} all-reduces of 2sbh per layer per micro-batch",
+        f"{plan_cost.tp_collectives_per_layer(cfg.recompute)} all-reduces of 2sbh per layer per micro-batch",
     )  # fmt: skip
     comm.add_row(
         "pipeline", str(cfg.pp), best.comm.pp_link if cfg.pp > 1 else "-", _gb(best.comm.pp_bytes), f"{t.pp_comm_s:.2f}",

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from forge_kit.jobenv import write_termination_message
 from forge_kit.objectstore import ObjectStore
-from forge_training import recipes
+from forge_training import recipes, schema, validation
 from forge_training.train import RunContext, train
 
 EXIT_BAD_RECIPE = 2
@@ -39,7 +39,7 @@ def parse_overrides(pairs: list[str]) -> dict[str, str]:
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key:
-            raise recipes.RecipeError(f"--set: expected KEY=VALUE, got {pair!r}")
+            raise schema.RecipeError(f"--set: expected KEY=VALUE, got {pair!r}")
         out[key] = value
     return out
 
@@ -59,8 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     # 1. Refuse a bad recipe before anything starts.
     try:
         config = recipes.build(args.recipe, parse_overrides(args.set))
-        recipes.validate(config, world_size)
-    except recipes.RecipeError as exc:
+        validation.validate(config, world_size)
+    except schema.RecipeError as exc:
         print(f"recipe refused: {exc}", file=sys.stderr)
         write_termination_message(f"recipe refused: {exc}")
         return EXIT_BAD_RECIPE

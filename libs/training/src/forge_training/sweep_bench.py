@@ -1,26 +1,29 @@
 """``forge bench sweep --space FILE --out DIR``: the same space run twice, every configuration at
-full budget (grid) and under ASHA (η = 3), in-process, one trial after another.
+full budget (grid) and under ASHA (η = 3), in-process.
 
 Writes ``DIR/summary.json``::
 
-    {"space", "recipe", "metric", "mode", "rungs", "max_steps",
+    {"space", "recipe", "metric", "mode", "eta", "form", "rungs", "max_steps",
      "grid": {"best_metric", "best_trial", "trial_steps", "wall_s"},
-     "asha": {"best_metric", "best_trial", "trial_steps", "stopped_early", "wall_s"},
+     "asha": {"best_metric", "best_trial", "trial_steps", "stopped_early", "resumed",
+              "rung_occupancy", "concurrency", "wall_s"},
      "compute_ratio",   # asha trial-steps / grid trial-steps
      "regret",          # asha best - grid best (min mode; grid best - asha best for max), metric units
      "per_trial": [{"run", "trial", "params", "seed", "steps", "final", "stopped_at", "curve"}]}
 
 Trials are the space's configurations (:meth:`Space.configurations`) times its seeds (or the
 recipe's seed). The grid runs them one after another, in order. ASHA runs them as the sweep
-workflow does: up to the space's ``concurrency`` trials in flight, taken in an order shuffled with
-the space's seed, advanced in lockstep (:func:`run_interleaved`: each in-flight trial in turn runs
-to its next evaluation, so trials reach a rung at about the time parallel workers would), and
-judged by :class:`forge_kit.earlystop.Asha` — the rule the sweep workflow uses — on the metric as
-the run writes it to ``metrics.jsonl``, in the order they report. A trial judged at a rung stops
-at its next step, saving its checkpoint as a preempted job does; a freed slot takes the next trial.
-ASHA's best is the best final metric of the trials it let finish. Rungs start at
-``early_stopping.min_steps`` of the space (the grace period; ``max_steps / 27`` when the space has
-no ASHA rule).
+workflow does: up to the space's ``concurrency`` trials in flight, new ones taken in an order
+shuffled with the space's seed, advanced in lockstep (:func:`run_interleaved`: each in-flight
+trial in turn runs to its next evaluation, so trials reach a rung at about the time parallel
+workers would), and judged by the rule the sweep workflow uses (:mod:`forge_kit.earlystop`, the
+space's ``early_stopping.form``) on the metric as the run writes it to ``metrics.jsonl``, in the
+order they report. Promotion form (the default): a trial at a rung pauses (it stops at its next
+step, saving its checkpoint, as a cancelled job does) unless promotable at once; a free slot
+first resumes the best promotable paused trial from its checkpoint, then starts a new one.
+Stopping form: a trial judged out stops for good. ASHA's best is the best final metric of the
+trials that reached the full budget. Rungs start at ``early_stopping.min_steps`` of the space
+(the grace period; ``max_steps / 27`` when the space has no ASHA rule).
 """
 
 from __future__ import annotations
@@ -41,11 +44,11 @@ import torch
 import typer
 
 from forge_kit import clitools
-from forge_kit.earlystop import Asha
+from forge_kit.earlystop import Asha, AshaPromotion
 from forge_kit.errors import ValidationError
 from forge_kit.objectstore import ObjectStore
 from forge_kit.sweepspace import Space, parse
-from forge_training import recipes
+from forge_training import recipes, schema, validation
 from forge_training.train import RunContext
 from forge_training.train import train as run_training
 
@@ -85,10 +88,10 @@ class _MetricTail:
         return out
 
 
-def _config(space: Space, trial: Trial) -> recipes.TrainConfig:
+def _config(space: Space, trial: Trial) -> schema.TrainConfig:
     overrides = space.trial_overrides(trial.params, trial.seed)
     config = recipes.build(space.recipe, overrides)
-    recipes.validate(config, 1)
+    validation.validate(config, 1)
     return config
 
 
@@ -102,6 +105,8 @@ def run_trial(
 
     def should_stop() -> bool:
         for step, value in tail.new():
+            if trial.curve and step <= trial.curve[-1][0]:
+                continue  # a resumed trial's earlier lines
             trial.curve.append((step, value))
             if judge is not None and not stop["now"] and not judge(step, value):
                 stop["now"] = True
@@ -119,7 +124,7 @@ def run_trial(
     result = run_training(_config(space, trial), ctx)
     should_stop()  # the final evaluation's line
     trial.steps = result.step
-    if result.outcome == "succeeded":
+    if result.outcome == "succeeded" and result.step >= space.max_steps:
         trial.final = result.eval_metrics.get(space.metric, trial.curve[-1][1] if trial.curve else None)
 
 
@@ -166,12 +171,16 @@ class _Turns:
             self.cv.wait_for(lambda: self.turn is None)
 
 
-def run_interleaved(trials: list[Trial], concurrency: int, judge: Rule | None, run_one: RunOne) -> None:
-    """Run ``trials`` (in list order) with up to ``concurrency`` in flight, round-robin: each
-    in-flight trial in turn runs until its next metric value, which goes to ``judge(trial.index,
-    step, value)`` (False stops it), then waits for the others. A finished trial's slot goes to the
-    next trial at the next round. ``run_one(trial, on_value)`` trains one trial, calling
-    ``on_value(step, value)`` for each value of the metric and stopping when it returns False."""
+def run_interleaved(
+    next_job: Callable[[list[Trial]], Trial | None], concurrency: int, judge: Rule | None, run_one: RunOne
+) -> None:
+    """Run trials with up to ``concurrency`` in flight, round-robin: each in-flight trial in turn
+    runs until its next metric value, which goes to ``judge(trial.index, step, value)`` (False
+    stops it), then waits for the others. A free slot asks ``next_job(in_flight)`` for the next
+    trial to run (a new one, or a paused one to resume; None: nothing now); the run ends when
+    nothing is in flight and ``next_job`` has nothing. ``run_one(trial, on_value)`` trains one
+    trial (resuming it from its checkpoint when it ran before), calling ``on_value(step, value)``
+    for each value of the metric and stopping when it returns False."""
     turns = _Turns()
     errors: list[BaseException] = []
 
@@ -191,14 +200,18 @@ def run_interleaved(trials: list[Trial], concurrency: int, judge: Rule | None, r
         finally:
             turns.release(trial.index, finished=True)
 
-    pending = deque(trials)
     inflight: list[tuple[Trial, threading.Thread]] = []
-    while pending or inflight:
-        while pending and len(inflight) < concurrency:
-            trial = pending.popleft()
+    while True:
+        while len(inflight) < concurrency:
+            trial = next_job([t for t, _ in inflight])
+            if trial is None:
+                break
+            turns.finished.discard(trial.index)
             thread = threading.Thread(target=work, args=(trial,), name=f"trial-{trial.index}", daemon=True)
             thread.start()
             inflight.append((trial, thread))
+        if not inflight:
+            return
         for trial, thread in list(inflight):
             turns.give(trial.index)
             if trial.index in turns.finished:
@@ -206,6 +219,12 @@ def run_interleaved(trials: list[Trial], concurrency: int, judge: Rule | None, r
                 inflight.remove((trial, thread))
         if errors:
             raise errors[0]
+
+
+def in_order(trials: list[Trial]) -> Callable[[list[Trial]], Trial | None]:
+    """A ``next_job`` for :func:`run_interleaved` that starts ``trials`` in list order, once each."""
+    queue = deque(trials)
+    return lambda _inflight: queue.popleft() if queue else None
 
 
 def _best(space: Space, trials: list[Trial]) -> Trial | None:
@@ -232,21 +251,42 @@ def benchmark(space: Space, work: Path, cache: Path, echo: Callable[[str], None]
         run_trial(space, trial, work / "grid", cache)
     grid_wall = time.perf_counter() - started
     # 2. ASHA, the same trials in a shuffled arrival order.
-    asha_rule = Asha(min_steps=min_steps, eta=ETA, max_steps=space.max_steps, mode=space.mode)  # type: ignore[arg-type]
+    promotion = space.early_stopping.form == "promotion"
+    rule_type = AshaPromotion if promotion else Asha
+    asha_rule = rule_type(min_steps=min_steps, eta=ETA, max_steps=space.max_steps, mode=space.mode)  # type: ignore[arg-type]
     order = list(range(len(plan)))
     random.Random(space.seed).shuffle(order)
     asha = [Trial(i, dict(plan[i][0]), plan[i][1]) for i in order]
-    arrived = iter(range(1, len(asha) + 1))
+    by_index = {t.index: t for t in asha}
+    fresh = deque(asha)
+    runs = iter(range(1, 10**9))
+    asha_runs = {"resumed": 0}
 
     def judge(index: int, step: int, value: float) -> bool:
-        return asha_rule.report(str(index), step, value) != "stop"
+        return asha_rule.report(str(index), step, value) not in ("pause", "stop")
+
+    def next_job(inflight: list[Trial]) -> Trial | None:
+        if not isinstance(asha_rule, AshaPromotion):  # the stopping form: new trials only
+            return fresh.popleft() if fresh else None
+        # Rungs no trial can still reach (none left to start, none in flight below) are final.
+        final_below = 0
+        if not fresh:
+            reached = [asha_rule.reached(str(t.index)) for t in inflight]
+            final_below = min([*reached, space.max_steps])
+        promotion = asha_rule.next_promotion(final_below)
+        if promotion is not None:
+            trial = by_index[int(promotion[0])]
+            trial.stopped_at = None
+            asha_runs["resumed"] += 1
+            return trial
+        return fresh.popleft() if fresh else None
 
     def run_one(trial: Trial, on_value: Judge) -> None:
-        echo(f"asha trial {next(arrived)}/{len(asha)}")
+        echo(f"asha run {next(runs)} (trial {trial.index})")
         run_trial(space, trial, work / "asha", cache, on_value)
 
     started = time.perf_counter()
-    run_interleaved(asha, space.concurrency, judge, run_one)
+    run_interleaved(next_job, space.concurrency, judge, run_one)
     asha_wall = time.perf_counter() - started
     grid_best, asha_best = _best(space, grid), _best(space, asha)
     if grid_best is None or asha_best is None or grid_best.final is None or asha_best.final is None:
@@ -273,6 +313,7 @@ def benchmark(space: Space, work: Path, cache: Path, echo: Callable[[str], None]
         "metric": space.metric,
         "mode": space.mode,
         "eta": ETA,
+        "form": space.early_stopping.form,
         "rungs": asha_rule.rungs,
         "max_steps": space.max_steps,
         "grid": {
@@ -285,7 +326,8 @@ def benchmark(space: Space, work: Path, cache: Path, echo: Callable[[str], None]
             "best_metric": asha_best.final,
             "best_trial": asha_best.index,
             "trial_steps": asha_steps,
-            "stopped_early": sum(1 for t in asha if t.stopped_at is not None),
+            "stopped_early": sum(1 for t in asha if t.steps < space.max_steps),
+            "resumed": asha_runs["resumed"],
             "rung_occupancy": asha_rule.occupancy(),
             "concurrency": space.concurrency,
             "wall_s": round(asha_wall, 1),
@@ -308,7 +350,7 @@ def sweep(
         parsed = parse(space.read_bytes())
         for params in parsed.configurations():  # every trial's recipe, before any training
             _config(parsed, Trial(0, dict(params), parsed.seeds[0] if parsed.seeds else None))
-    except (ValidationError, recipes.RecipeError) as exc:
+    except (ValidationError, schema.RecipeError) as exc:
         raise typer.BadParameter(str(exc), param_hint="--space") from None
     out.mkdir(parents=True, exist_ok=True)
     work = out / "runs"

@@ -42,7 +42,7 @@ import structlog
 import torch
 
 from forge_kit.objectstore import ObjectStore
-from forge_training import parallel, recipes
+from forge_training import parallel, schema, validation
 from forge_training.checkpoint import CheckpointManager, Manifest, optimal_interval_s
 from forge_training.collectives import all_reduce, barrier
 from forge_training.curves import plot_curves
@@ -50,7 +50,7 @@ from forge_training.data import PreparedData, prepare
 from forge_training.mfu import peak_flops
 from forge_training.objectives import Objective, StepBatch, build_objective
 from forge_training.prefetch import Prefetcher
-from forge_training.recipes import TrainConfig
+from forge_training.schema import TrainConfig
 from forge_training.shm_allreduce import SharedMemoryAllReduce
 
 log = structlog.get_logger(__name__)
@@ -98,14 +98,20 @@ class TrainResult:
 
 
 def lr_factor(config: TrainConfig) -> Callable[[int], float]:
-    """Multiplier of the peak LR at step ``s``: linear warmup, then cosine down to min_lr."""
+    """Multiplier of the peak LR at step ``s``: linear warmup, then a cosine down to min_lr over
+    the rest (``cosine``) or over the last ``decay_fraction`` of the steps (``wsd``)."""
     o = config.optim
     floor = o.min_lr / o.lr
+    decay_from = o.warmup_steps
+    if o.schedule == "wsd":
+        decay_from = max(o.warmup_steps, config.max_steps - round(o.decay_fraction * config.max_steps))
 
     def factor(step: int) -> float:
         if step < o.warmup_steps:
             return (step + 1) / (o.warmup_steps + 1)
-        progress = min(1.0, (step - o.warmup_steps) / max(1, config.max_steps - o.warmup_steps))
+        if step < decay_from:
+            return 1.0
+        progress = min(1.0, (step - decay_from) / max(1, config.max_steps - decay_from))
         return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
     return factor
@@ -151,7 +157,7 @@ class _SavePlan:
     """When to checkpoint: every ``interval_steps`` (``steps``), or (``young``/``daly``) first at
     ``interval_steps`` after the start, then every interval planned from the measured save."""
 
-    def __init__(self, config: recipes.CheckpointConfig, first_step: int) -> None:
+    def __init__(self, config: schema.CheckpointConfig, first_step: int) -> None:
         self.config = config
         self.interval = config.interval_steps
         self.next_step = first_step + config.interval_steps
@@ -204,7 +210,7 @@ def _train_step(
 
 
 def param_groups(
-    model: torch.nn.Module, optim: recipes.OptimConfig, head_prefixes: Sequence[str] = ()
+    model: torch.nn.Module, optim: schema.OptimConfig, head_prefixes: Sequence[str] = ()
 ) -> list[dict[str, Any]]:
     """AdamW groups of the trainable parameters: weight decay on matrices only (not on biases and
     norms); a fresh head (names starting with one of ``head_prefixes``) at ``optim.head_lr_scale``
@@ -230,7 +236,7 @@ def param_groups(
 def train(config: TrainConfig, ctx: RunContext) -> TrainResult:
     """Run (or resume) ``config``; steps 1-6 of the module docstring."""
     # 1. Validate.
-    recipes.validate(config, ctx.world_size)
+    validation.validate(config, ctx.world_size)
     if config.threads:
         torch.set_num_threads(config.threads)
     started = ctx.clock()
@@ -421,7 +427,7 @@ def _draw_curves(metrics: Path) -> None:
 def pretrain(config: TrainConfig, ctx: RunContext) -> TrainResult:
     """:func:`train` for a ``pretrain`` recipe (refuses the other tasks, which need a parent)."""
     if config.task != "pretrain":
-        raise recipes.RecipeError(f"task: pretrain() runs the 'pretrain' task, got {config.task!r}")
+        raise schema.RecipeError(f"task: pretrain() runs the 'pretrain' task, got {config.task!r}")
     return train(config, ctx)
 
 

@@ -22,7 +22,6 @@ from forge.events.v1 import events_pb2
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from forge_eval.gate import gate_check
-from forge_eval.store import utcnow
 from forge_eval.store.registry import (
     ARCHIVED,
     CANARY,
@@ -37,7 +36,7 @@ from forge_eval.store.registry import (
 )
 from forge_eval.store.runs import RunRow
 from forge_kit import errors
-from forge_kit.db import Database
+from forge_kit.db import Database, utcnow
 from forge_kit.events import stage_event
 from forge_kit.modelref import check_name, check_version
 from forge_kit.validate import MAX_URI_CHARS, check_labels, check_text

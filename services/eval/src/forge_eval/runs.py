@@ -31,7 +31,6 @@ from forge_eval.registry import validate_model_name, validate_version
 from forge_eval.runner import ExampleResult, RunnerError, SuiteRunner
 from forge_eval.serving import ModelHost, ModelServerError, local_checkpoint
 from forge_eval.spec import RunSpec, SuiteCatalog, normalize_options
-from forge_eval.store import utcnow
 from forge_eval.store.registry import ModelRow, find_model
 from forge_eval.store.runs import (
     ExampleRow,
@@ -43,7 +42,7 @@ from forge_eval.store.runs import (
     status_name,
 )
 from forge_kit import errors
-from forge_kit.db import Database
+from forge_kit.db import Database, utcnow
 from forge_kit.events import stage_event
 from forge_kit.validate import check_seed
 

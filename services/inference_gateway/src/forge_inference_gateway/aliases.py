@@ -19,9 +19,9 @@ from google.protobuf.message import Message
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from forge_inference_gateway.read_through import ReadThrough
-from forge_inference_gateway.store import ModelAliasRow, utcnow
+from forge_inference_gateway.store import ModelAliasRow
 from forge_kit import errors
-from forge_kit.db import Database
+from forge_kit.db import Database, utcnow
 from forge_kit.modelref import ModelRef
 
 _ALIAS = re.compile(r"[a-z0-9][a-z0-9_.-]{0,63}")

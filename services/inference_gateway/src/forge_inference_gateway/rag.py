@@ -174,7 +174,8 @@ class RagService:
         RAG_STAGE_SECONDS.labels("retrieve").observe(retrieved - started)
         # 4. Rerank, or keep the retriever's order and say why.
         ranked, rerank = await self._rerank(query, candidates, plan.deadline)
-        RAG_STAGE_SECONDS.labels("rerank").observe(self._clock() - retrieved)
+        reranked = self._clock()
+        RAG_STAGE_SECONDS.labels("rerank").observe(reranked - retrieved)
         # 5. Assemble within the token budget.
         model, _ = await self._gateway.aliases.resolve_model(query.model)
         target = str(model)
@@ -192,6 +193,7 @@ class RagService:
             query.query, ranked, budget, target, plan.deadline
         )
         plan.messages = [*history, {"role": "user", "content": prompt}]
+        RAG_STAGE_SECONDS.labels("assemble").observe(self._clock() - reranked)
         plan.report = {
             "retrieval": {"mode": mode, "candidates": len(candidates), "top_k": query.top_k},
             "rerank": rerank,

@@ -8,11 +8,7 @@ import datetime as dt
 import sqlalchemy as sa
 from sqlalchemy.orm import Mapped, mapped_column
 
-from forge_kit.db import Base
-
-
-def utcnow() -> dt.datetime:
-    return dt.datetime.now(dt.UTC).replace(tzinfo=None)
+from forge_kit.db import Base, utcnow
 
 
 class TenantRow(Base):

@@ -24,8 +24,9 @@ from enum import Enum
 
 import torch
 
-from forge_model_server.llama import BatchLayout, LlamaModel
+from forge_model_server.llama import LlamaModel
 from forge_model_server.logits_processors import apply_logits_processors
+from forge_model_server.paged_plan import BatchLayout
 from forge_model_server.sampling import Logprob, SamplingParams, logprob_of, sample_rows
 
 

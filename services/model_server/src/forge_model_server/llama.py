@@ -18,6 +18,7 @@ all tokens. Attention writes the new keys and values into their cache slots, the
   one: a first chunk causally on its own new keys, a later chunk on its context gathered from its
   blocks.
 
+Which path each sequence takes is planned once per step (:mod:`.paged_plan`); this module runs it.
 The arithmetic follows ``modeling_llama`` (RMSNorm in float32, rotate-half RoPE, GQA, SwiGLU) so the
 logits match transformers on the same weights; a test holds it to that.
 """
@@ -36,6 +37,16 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from forge_model_server.kernels import KernelUnavailableError, PagedDecodeAttention, paged_decode_attention
+from forge_model_server.paged_plan import (
+    BatchLayout,
+    BlockRun,
+    CacheShape,
+    DecodePlan,
+    KernelDecode,
+    Plan,
+    Prefill,
+    plan_step,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -114,39 +125,6 @@ class LlamaConfig:
         )
 
 
-#: Decode attention reads a run of pool blocks in place while the run spans at most this many times
-#: the blocks it needs; a sparser one is gathered (one read, one write and a second read of each).
-IN_PLACE_MAX_SPAN = 3
-#: Blocks nobody in the step needs that a run may skip over: reading a few idle blocks costs less
-#: than the extra products of one more run.
-IN_PLACE_MAX_HOLE = 8
-#: Runs shorter than this are gathered, and at most this many runs are read in place per step.
-IN_PLACE_MIN_RUN = 4
-IN_PLACE_MAX_RUNS = 16
-#: A prefill chunk whose scores ([heads, chunk, context] floats) fit this many is attended with
-#: explicit matmuls and softmax: 2-2.5x faster than ``scaled_dot_product_attention`` on CPU, which
-#: runs its math fallback there for GQA and masks (measured); a larger one uses SDPA, which tiles.
-EXPLICIT_SCORES_MAX = 1 << 22
-
-
-@dataclass(frozen=True)
-class BatchLayout:
-    """Where each token of one step comes from and goes to; built by the engine, read by the model.
-
-    ``positions`` and ``slots`` (``block * block_size + offset`` in the cache) are per flat token;
-    ``query_start`` splits the flat tokens by sequence; ``context_lens`` is how many positions each
-    sequence sees after this step; ``block_tables`` lists each sequence's cache blocks in position
-    order (at least enough for its context).
-    """
-
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    slots: torch.Tensor
-    query_start: list[int]
-    context_lens: list[int]
-    block_tables: list[list[int]]
-
-
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x32 = x.to(torch.float32)
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
@@ -205,70 +183,6 @@ class _Layer:
         )
 
 
-@dataclass(frozen=True)
-class _BlockRun:
-    """Cache blocks one pair of decode products reads: the pool range ``start:stop`` in place, or
-    the listed ``blocks`` gathered into a buffer."""
-
-    start: int = 0
-    stop: int = 0
-    blocks: torch.Tensor | None = None
-
-    @property
-    def size(self) -> int:
-        return self.stop - self.start if self.blocks is None else int(self.blocks.shape[0])
-
-
-@dataclass(frozen=True)
-class _DecodePlan:
-    """The step's single-token sequences: their flat rows, the block runs they read and, for every
-    block of those runs in order, its owner (the decode row) and the additive mask of its slots
-    (``[blocks, kv_heads, groups, block_size]``: 0, or -inf beyond the owner's context). A block
-    nobody in the step reads is masked whole and lent to row 0, where it adds exactly nothing.
-    Built once per step, read by every layer."""
-
-    rows: torch.Tensor
-    runs: list[_BlockRun]
-    owner: torch.Tensor
-    bias: torch.Tensor
-
-
-@dataclass(frozen=True)
-class _KernelDecode:
-    """The step's single-token sequences for the native kernel: their flat rows, block tables
-    (``[seqs, max_blocks]`` int32, padded with block 0) and context lengths (int32)."""
-
-    rows: torch.Tensor
-    block_tables: torch.Tensor
-    context_lens: torch.Tensor
-
-
-@dataclass(frozen=True)
-class _Prefill:
-    """A sequence computing a chunk of several tokens: its flat rows, context, blocks and causal
-    mask (``[chunk, context]``, True where a query may look), and that mask as the additive bias
-    of the explicit path (``[groups * chunk, context]``; None when SDPA runs), built once per step
-    for every layer. A first chunk (``fresh``) attends only to its own new keys; a later one
-    gathers its context."""
-
-    start: int
-    end: int
-    context: int
-    blocks: torch.Tensor
-    mask: torch.Tensor
-    bias: torch.Tensor | None
-
-    @property
-    def fresh(self) -> bool:
-        return self.context == self.end - self.start
-
-
-@dataclass(frozen=True)
-class _Plan:
-    decode: _DecodePlan | _KernelDecode | None
-    prefill: list[_Prefill]
-
-
 class _Scratch:
     """Gather buffers kept across steps: a new tensor of tens of MB per layer and step is fresh
     memory the kernel must fault in, which made a gather 6x slower (measured)."""
@@ -320,6 +234,7 @@ class LlamaModel:
         self.k_cache = torch.zeros(shape, dtype=dtype)
         self.v_cache = torch.zeros(shape, dtype=dtype)
         self._scratch = _Scratch(dtype)
+        self._shape = CacheShape(c.num_heads, c.num_kv_heads, block_size, dtype)
         self._kernel = _decode_kernel(decode_attention, dtype)
 
     @property
@@ -364,7 +279,7 @@ class LlamaModel:
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = emb.cos().to(x.dtype)[:, None, :]
         sin = emb.sin().to(x.dtype)[:, None, :]
-        plan = self._plan(batch)
+        plan = plan_step(batch, self._shape, native=self._kernel is not None)
         # Row of each (token, kv head) in a layer's cache seen as [block * kv_head * slot, dim].
         blocks = torch.div(batch.slots, self.block_size, rounding_mode="floor")
         heads = torch.arange(c.num_kv_heads)
@@ -392,111 +307,11 @@ class LlamaModel:
 
     # -- attention ------------------------------------------------------------------------------
 
-    def _plan(self, batch: BatchLayout) -> _Plan:
-        """Split the step's sequences into decoding ones (attend together) and prefilling ones."""
-        bs, c = self.block_size, self.config
-        groups = c.num_heads // c.num_kv_heads
-        decode: list[tuple[int, int, list[int]]] = []
-        prefill: list[_Prefill] = []
-        for i, ctx in enumerate(batch.context_lens):
-            start, end = batch.query_start[i], batch.query_start[i + 1]
-            table = batch.block_tables[i][: -(-ctx // bs)]
-            if end - start == 1:
-                decode.append((start, ctx, table))
-                continue
-            n = end - start
-            mask = torch.ones(n, ctx, dtype=torch.bool).tril(diagonal=ctx - n)  # query i is at ctx - n + i
-            bias = None
-            if c.num_heads * n * ctx <= EXPLICIT_SCORES_MAX:
-                bias = torch.zeros(n, ctx, dtype=self.k_cache.dtype).masked_fill_(~mask, float("-inf"))
-                bias = bias.repeat(groups, 1) if groups > 1 else bias
-            prefill.append(_Prefill(start, end, ctx, torch.tensor(table, dtype=torch.long), mask, bias))
-        if not decode:
-            return _Plan(None, prefill)
-        if self._kernel is None:
-            return _Plan(self._decode_plan(decode), prefill)
-        width = max(len(table) for _, _, table in decode)
-        return _Plan(
-            _KernelDecode(
-                rows=torch.tensor([row for row, _, _ in decode]),
-                block_tables=torch.tensor(
-                    [table + [0] * (width - len(table)) for _, _, table in decode], dtype=torch.int32
-                ),
-                context_lens=torch.tensor([ctx for _, ctx, _ in decode], dtype=torch.int32),
-            ),
-            prefill,
-        )
-
-    def _decode_plan(self, seqs: list[tuple[int, int, list[int]]]) -> _DecodePlan:
-        """Which blocks the decoding sequences read, and how (see the module docstring).
-
-        1. List (block, owner, valid slots) for every block of every sequence; a block already
-           listed for another sequence (a shared prefix) is gathered for the later ones.
-        2. Cut the sorted blocks into runs at holes of more than ``IN_PLACE_MAX_HOLE`` blocks;
-           the longest dense runs are read in place, every other block is gathered.
-        """
-        bs, c = self.block_size, self.config
-        # 1. Every block with its owner and valid slots.
-        entries: list[tuple[int, int, int]] = []
-        for i, (_, ctx, table) in enumerate(seqs):
-            last = len(table) - 1
-            entries += [(block, i, bs) for block in table[:last]]
-            entries.append((table[last], i, ctx - last * bs))
-        gathered: list[tuple[int, int, int]] = []
-        if len({e[0] for e in entries}) < len(entries):
-            seen: set[int] = set()
-            unique: list[tuple[int, int, int]] = []
-            for entry in entries:
-                (gathered if entry[0] in seen else unique).append(entry)
-                seen.add(entry[0])
-            entries = unique
-        # 2. Runs.
-        entries.sort()
-        runs: list[list[tuple[int, int, int]]] = [[entries[0]]]
-        for entry in entries[1:]:
-            if entry[0] - runs[-1][-1][0] > IN_PLACE_MAX_HOLE + 1:
-                runs.append([])
-            runs[-1].append(entry)
-        dense = [
-            r
-            for r in runs
-            if len(r) >= IN_PLACE_MIN_RUN and r[-1][0] + 1 - r[0][0] <= IN_PLACE_MAX_SPAN * len(r)
-        ]
-        dense = sorted(dense, key=len, reverse=True)[:IN_PLACE_MAX_RUNS]
-        chosen = {id(r) for r in dense}
-        gathered += [e for r in runs if id(r) not in chosen for e in r]
-        plan_runs: list[_BlockRun] = []
-        owners: list[int] = []
-        limits: list[int] = []
-        for run in dense:
-            lo, hi = run[0][0], run[-1][0] + 1
-            run_owners, run_limits = [0] * (hi - lo), [0] * (hi - lo)
-            for block, owner, limit in run:
-                run_owners[block - lo], run_limits[block - lo] = owner, limit
-            plan_runs.append(_BlockRun(start=lo, stop=hi))
-            owners += run_owners
-            limits += run_limits
-        if gathered:
-            plan_runs.append(_BlockRun(blocks=torch.tensor([e[0] for e in gathered])))
-            owners += [e[1] for e in gathered]
-            limits += [e[2] for e in gathered]
-        invalid = torch.arange(bs)[None, :] >= torch.tensor(limits)[:, None]
-        bias = torch.zeros(len(owners), 1, 1, bs, dtype=self.k_cache.dtype).masked_fill_(
-            invalid[:, None, None, :], float("-inf")
-        )
-        groups = c.num_heads // c.num_kv_heads
-        return _DecodePlan(
-            rows=torch.tensor([row for row, _, _ in seqs]),
-            runs=plan_runs,
-            owner=torch.tensor(owners),
-            bias=bias.expand(-1, c.num_kv_heads, groups, -1).contiguous(),
-        )
-
     def _attend(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: _Plan
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan
     ) -> torch.Tensor:
         out = torch.empty_like(q)
-        if isinstance(plan.decode, _KernelDecode) and self._kernel is not None:
+        if isinstance(plan.decode, KernelDecode) and self._kernel is not None:
             d = plan.decode
             queries = q.index_select(0, d.rows)
             attended = torch.empty_like(queries)
@@ -510,7 +325,7 @@ class LlamaModel:
                 self.config.head_dim**-0.5,
             )
             out.index_copy_(0, d.rows, attended)
-        elif isinstance(plan.decode, _DecodePlan):
+        elif isinstance(plan.decode, DecodePlan):
             rows = plan.decode.rows
             out.index_copy_(0, rows, self._decode_attention(layer, q.index_select(0, rows), plan.decode))
         for seq in plan.prefill:
@@ -518,14 +333,14 @@ class LlamaModel:
             out[span] = self._prefill_attention(layer, q[span], k[span], v[span], seq)
         return out
 
-    def _run_blocks(self, cache: torch.Tensor, run: _BlockRun, key: str) -> torch.Tensor:
+    def _run_blocks(self, cache: torch.Tensor, run: BlockRun, key: str) -> torch.Tensor:
         """``[blocks, kv_heads, block_size, head_dim]`` of one run: a view, or a gathered copy."""
         if run.blocks is None:
             return cache[run.start : run.stop]
         out = self._scratch.get(key, (run.size, *cache.shape[1:]))
         return torch.index_select(cache, 0, run.blocks, out=out)
 
-    def _decode_attention(self, layer: int, q: torch.Tensor, plan: _DecodePlan) -> torch.Tensor:
+    def _decode_attention(self, layer: int, q: torch.Tensor, plan: DecodePlan) -> torch.Tensor:
         """One query token per sequence against its blocks, all sequences in the same products.
 
         1. Scores: per block, its owner's (pre-scaled) queries x the block's keys plus the block's
@@ -574,7 +389,7 @@ class LlamaModel:
         return out.div_(total[..., None]).view(n, c.num_heads, dim)
 
     def _prefill_attention(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: _Prefill
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: Prefill
     ) -> torch.Tensor:
         """Causal attention of one chunk: on its own new keys when it is the first chunk, else on
         its context gathered from the cache. GQA without copying KV heads: the query heads of one
@@ -597,7 +412,7 @@ class LlamaModel:
         o = torch.bmm(torch.softmax(scores, dim=-1), values)
         return o.view(kv, groups, n, dim).permute(2, 0, 1, 3).reshape(n, c.num_heads, dim)
 
-    def _gather_context(self, cache: torch.Tensor, seq: _Prefill, key: str) -> torch.Tensor:
+    def _gather_context(self, cache: torch.Tensor, seq: Prefill, key: str) -> torch.Tensor:
         """``[kv_heads, context, head_dim]`` of one sequence, copied block by block from the cache
         (gathered along the cache's contiguous block axis: a gather across its head axis made torch
         copy the whole layer first)."""

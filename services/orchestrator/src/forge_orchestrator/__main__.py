@@ -24,16 +24,8 @@ from forge_orchestrator.identity import SchedulerAuthenticator
 from forge_orchestrator.rlhf_activities import RlhfActivities
 from forge_orchestrator.rlhf_sampling import RlhfSampler
 from forge_orchestrator.rlhf_worker import RlhfSettings, build_rlhf_worker
-from forge_orchestrator.service import (
-    KINDS,
-    CheckpointRouter,
-    EventRouters,
-    JobEventRouter,
-    OrchestratorService,
-    TemporalSignaller,
-    build_worker,
-    connect_temporal,
-)
+from forge_orchestrator.routers import CheckpointRouter, EventRouters, JobEventRouter, TemporalSignaller
+from forge_orchestrator.service import KINDS, OrchestratorService, build_worker, connect_temporal
 from forge_orchestrator.sweep.activities import SweepActivities
 from forge_orchestrator.sweep.router import MetricsRouter, TemporalSweepSignaller
 from forge_orchestrator.tracking import Tracker

@@ -17,6 +17,8 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from forge_kit.grpckit import make_channel
+from forge_kit.jobstate import JobState
+from forge_kit.routing import AUTO_EVAL_LABEL, WORKFLOW_ID_LABEL, Routing
 
 #: Status codes that a retry cannot change.
 PERMANENT = frozenset(
@@ -32,9 +34,10 @@ PERMANENT = frozenset(
 )
 
 
-def state_name(state: int) -> str:
-    """``JOB_STATE_CANCELLED`` → ``"CANCELLED"``: the names workflows and their results use."""
-    return common_pb2.JobState.Name(state).removeprefix("JOB_STATE_")  # type: ignore[arg-type]
+def state_name(state: int) -> JobState:
+    """``JOB_STATE_CANCELLED`` → ``JobState.CANCELLED`` (a ``str``, ``"CANCELLED"``): the names
+    workflows and their results use."""
+    return JobState.from_proto(state)
 
 
 @dataclass
@@ -56,6 +59,12 @@ class SubmitJobInput:
     on_behalf_of: str = ""
     """The team whose rights the submission acts with (a team caller's workflow); empty: the
     orchestrator's own (an admin caller's workflow)."""
+    workflow_id: str = ""
+    """The workflow that waits for the job's events (typed routing; a ``workflow_id`` label, the
+    older way, is read as the same)."""
+    auto_eval: bool = True
+    """Whether the job's success triggers the automatic evaluation (an ``auto_eval=false`` label,
+    the older way, is read as False)."""
 
 
 @dataclass
@@ -108,12 +117,21 @@ class SchedulerActivities:
     @activity.defn(name="submit_job")
     async def submit_job(self, params: SubmitJobInput) -> str:
         """Submit the job; returns its id."""
+        legacy = Routing.read(None, params.labels)
+        routing = Routing(params.workflow_id or legacy.workflow_id, params.auto_eval and legacy.auto_eval)
+        # The labels mirror the typed hints for readers that predate them (rolling upgrades).
+        labels = dict(params.labels)
+        if routing.workflow_id:
+            labels[WORKFLOW_ID_LABEL] = routing.workflow_id
+        if not routing.auto_eval:
+            labels[AUTO_EVAL_LABEL] = "false"
         spec = scheduler_pb2.JobSpec(
             name=params.name,
             team=params.team,
             priority_class=params.priority_class,
             command=params.command,
-            labels=params.labels,
+            labels=labels,
+            routing=routing.to_proto(),
             resources=common_pb2.ResourceRequest(gpu_count=params.gpu_count, gpu_type=params.gpu_type),
             replicas=params.replicas,
             checkpointable=params.checkpointable,

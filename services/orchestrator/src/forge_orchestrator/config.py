@@ -119,13 +119,14 @@ class OrchestratorSettings(ServiceSettings):
     """Bearer token the preference-feedback service accepts."""
 
     inference_gateway_target: str = "127.0.0.1:50053"
-    """host:port of the inference gateway's gRPC server (RLHF and eval workflows)."""
+    """host:port of the inference gateway's gRPC server (the RLHF round samples the policy there)."""
 
     inference_gateway_token: SecretStr = NO_TOKEN
     """Bearer token the inference gateway accepts."""
 
     retriever_target: str = "127.0.0.1:50055"
-    """host:port of the retriever's gRPC server (continual pre-training / RAG workflows)."""
+    """host:port of the retriever's gRPC server (wired by the platform table; no workflow calls it
+    yet)."""
 
     retriever_token: SecretStr = NO_TOKEN
     """Bearer token the retriever accepts."""

@@ -48,6 +48,8 @@ from temporalio.common import RetryPolicy
 from temporalio.exceptions import ApplicationError
 
 with workflow.unsafe.imports_passed_through():
+    from forge_kit.jobcmd import PolicyCheckCommand, RewardModelEvalCommand
+    from forge_kit.rmlength import registry_metrics
     from forge_orchestrator.rlhf_activities import (
         RegisterRewardModelInput,
         RewardModelStatusInput,
@@ -68,6 +70,7 @@ with workflow.unsafe.imports_passed_through():
         join,
         reward_gate,
         rm_version,
+        round_gates,
     )
     from forge_orchestrator.training import AUTO_EVAL_LABEL, TrainInput, TrainResult, TrainWorkflow
     from forge_orchestrator.workflows import (
@@ -257,21 +260,15 @@ class RlhfWorkflow(RoundCollection):
             params,
             f"{wid}-r{n}-rm-eval",
             f"rm-eval-r{n}",
-            [
-                params.python,
-                "-m",
-                "forge_preference_feedback.rm_cli",
-                "eval",
-                "--checkpoint",
-                record.reward_model_uri,
-                "--pairs",
-                join(record.snapshot_uri, "test.jsonl.gz"),
-                "--out",
-                out,
-            ],
+            RewardModelEvalCommand(
+                checkpoint=record.reward_model_uri,
+                pairs=join(record.snapshot_uri, "test.jsonl.gz"),
+                out=out,
+                python=params.python,
+            ).argv(),
         )
         summary: dict[str, Any] = await self._activity(RlhfActivities.read_json, join(out, "summary.json"))
-        reason = reward_gate(summary)
+        reason = reward_gate(summary, gates=round_gates(params))
         record.rm_accuracy = float(summary.get("accuracy", 0.0))
         record.rm_ci95_low = float(summary.get("ci95_low", 0.0))
         record.rm_ci95_high = float(summary.get("ci95_high", 0.0))
@@ -290,7 +287,10 @@ class RlhfWorkflow(RoundCollection):
                 ci95_low=record.rm_ci95_low,
                 ci95_high=record.rm_ci95_high,
                 n=record.rm_n,
-                metrics={k: float(v) for k, v in trained.checkpoint.metrics.items()},
+                metrics={
+                    **{k: float(v) for k, v in trained.checkpoint.metrics.items()},
+                    **registry_metrics(summary),
+                },
             ),
         )
         figures = {
@@ -367,27 +367,17 @@ class RlhfWorkflow(RoundCollection):
         await self._report(record)
         out = join(params.work_uri, wid, f"round-{n}", "policy-check")
         policies = [*self._accepted[-params.overopt_window :], record.policy_uri]
-        command = [
-            params.python,
-            "-m",
-            "forge_preference_feedback.policy_check",
-            "--reference",
-            params.policy_uri,
-            "--reward-model",
-            record.reward_model_uri,
-            "--pairs",
-            join(record.snapshot_uri, "test.jsonl.gz"),
-            "--out",
-            out,
-            "--max-prompts",
-            str(params.check_max_prompts),
-            "--max-new-tokens",
-            str(params.check_max_new_tokens),
-            "--seed",
-            str(n),
-        ]
-        for policy in policies:
-            command += ["--policy", policy]
+        command = PolicyCheckCommand(
+            reference=params.policy_uri,
+            reward_model=record.reward_model_uri,
+            pairs=join(record.snapshot_uri, "test.jsonl.gz"),
+            out=out,
+            policies=policies,
+            max_prompts=params.check_max_prompts,
+            max_new_tokens=params.check_max_new_tokens,
+            seed=n,
+            python=params.python,
+        ).argv()
         await self._job(params, f"{wid}-r{n}-check", f"policy-check-r{n}", command)
         summary: dict[str, Any] = await self._activity(RlhfActivities.read_json, join(out, "summary.json"))
         reference = DriftPoint(

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
-    from forge_orchestrator.activities import SchedulerActivities, SubmitJobInput
+    from forge_orchestrator.activities import SubmitJobInput
+    from forge_orchestrator.identity import ADMIN
     from forge_orchestrator.training import TrainInput, TrainWorkflow
-    from forge_orchestrator.workflows import ACTIVITY_RETRY, ACTIVITY_TIMEOUT
 
 
 @dataclass
@@ -41,28 +41,17 @@ class JobWorkflow(TrainWorkflow):
     @workflow.run
     async def run(self, params: JobInput) -> JobResult:  # type: ignore[override]
         info = workflow.info()
-        self._step = "submitting"
-        await workflow.execute_activity_method(
-            SchedulerActivities.ensure_team,
-            params.team,
-            start_to_close_timeout=ACTIVITY_TIMEOUT,
-            retry_policy=ACTIVITY_RETRY,
+        job = SubmitJobInput(
+            name=params.name,
+            team=params.team,
+            command=params.command,
+            request_id=f"{info.workflow_id}/{info.run_id}/job",
+            labels={"workflow_id": info.workflow_id},
+            gpu_count=params.gpu_count,
+            gpu_type=params.gpu_type,
+            kind=params.kind,
         )
-        self._job_id = await workflow.execute_activity_method(
-            SchedulerActivities.submit_job,
-            SubmitJobInput(
-                name=params.name,
-                team=params.team,
-                command=params.command,
-                request_id=f"{info.workflow_id}/{info.run_id}/job",
-                labels={"workflow_id": info.workflow_id},
-                gpu_count=params.gpu_count,
-                gpu_type=params.gpu_type,
-                kind=params.kind,
-            ),
-            start_to_close_timeout=ACTIVITY_TIMEOUT,
-            retry_policy=ACTIVITY_RETRY,
-        )
+        await self._submit(job, ADMIN)  # the RLHF loop acts as the admin: the team is ensured
         follow = TrainInput(
             team=params.team,
             recipe=params.name,

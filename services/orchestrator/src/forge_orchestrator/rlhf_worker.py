@@ -106,6 +106,10 @@ def validate_rlhf(params: RlhfInput) -> None:
     _validate_online(params)
     if not 0.0 < params.heldout_fraction < 1.0:
         raise errors.ValidationError("input.heldout_fraction", "must be in (0, 1)")
+    if not 0.0 <= params.rm_min_shorter_low < 1.0:
+        raise errors.ValidationError("input.rm_min_shorter_low", "must be in [0, 1)")
+    if params.rm_min_shorter_n < 1:
+        raise errors.ValidationError("input.rm_min_shorter_n", "must be at least 1")
     if not params.kl_budget > 0:
         raise errors.ValidationError("input.kl_budget", "must be positive (nats per response)")
     if not 1 <= params.overopt_window <= 100:

@@ -24,9 +24,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+import requests
 import structlog
 from mlflow.entities import Metric, Param, RunTag
-from mlflow.exceptions import MlflowException
+from mlflow.exceptions import MlflowException, RestException
 from mlflow.tracking import MlflowClient
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID, MLFLOW_RUN_NAME
 
@@ -363,6 +364,30 @@ class Tracker:
         if status not in ("FINISHED", "FAILED", "KILLED"):
             raise ValueError(f"status must be FINISHED, FAILED or KILLED, got {status!r}")
         self._client.set_terminated(run_id, status)
+
+
+def unreachable(exc: BaseException) -> bool:
+    """Did a call fail because the server is away (refused connection, timeout, retries spent,
+    a 5xx from it or a proxy before it), rather than because it refused the request? Only the
+    first is worth waiting out: the same request succeeds once the server is back."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, ConnectionError | TimeoutError | requests.exceptions.RequestException):
+            return True
+        if isinstance(current, RestException):
+            if current.error_code == "TEMPORARILY_UNAVAILABLE":
+                return True
+        elif isinstance(current, MlflowException):
+            text = str(current.message)
+            if text.startswith("API request to") and any(
+                mark in text
+                for mark in ("failed with exception", "failed with timeout", "failed with error code 5")
+            ):
+                return True
+        current = current.__cause__ or current.__context__
+    return False
 
 
 def differing_params(runs: Sequence[TrackedRun]) -> dict[str, list[str]]:

@@ -1,6 +1,6 @@
 """Training runs into MLflow, from the platform's Kafka events (consumer group ``orchestrator-tracking``).
 
-:class:`RunRecorder` is the handler of a kit :class:`~forge_kit.events.EventConsumer`, so each
+:class:`RunRecorder` is the handler of a kit :class:`~forge_kit.consumer.EventConsumer`, so each
 event is applied once per group (its id is recorded in ``forge_processed_events`` with the
 handler's database writes) and inherits whatever verification the kit's consumer does.
 
@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import shlex
 import subprocess
 import tempfile
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +46,7 @@ from google.protobuf.message import Message
 from prometheus_client import Counter
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from forge_kit.backoff import RetryPolicy
 from forge_kit.grpckit import make_channel
 from forge_kit.objectstore import ObjectStore
 from forge_orchestrator.activities import state_name
@@ -58,9 +61,14 @@ from forge_orchestrator.tracking import (
     RunFilter,
     RunStatus,
     Tracker,
+    unreachable,
 )
 
 log = structlog.get_logger(__name__)
+
+#: Label of a sweep trial's job that resumes an earlier job of the trial
+#: (``forge_orchestrator.sweep.model.RESUMES_LABEL``).
+RESUMES_LABEL = "resumes_job"
 
 CONSUMER_GROUP = "orchestrator-tracking"
 TRACKING_EVENTS = Counter(
@@ -225,7 +233,12 @@ class RunRecorder:
         objects: ObjectStore | None = None,
         code_version: str = "",
         curves: Sequence[str] = ("loss", "val_loss"),
+        patience_s: float = 3600.0,
+        retry: RetryPolicy | None = None,
     ) -> None:
+        self._patience_s = patience_s
+        self._retry = retry or RetryPolicy(base_s=0.5, cap_s=30.0)
+        self._rng = random.Random()
         self._tracker = tracker
         self._jobs = jobs
         self._objects = objects
@@ -233,7 +246,37 @@ class RunRecorder:
         self._curves = tuple(curves)
 
     async def handle(self, event: Message, session: AsyncSession) -> None:
+        """Apply one event. While the MLflow server is away (:func:`unreachable`: refused, timed
+        out, its client's own retries spent) the same event is tried again with capped, jittered
+        backoff (:class:`forge_kit.backoff.RetryPolicy`) for up to ``patience_s``: the consumer's
+        offset stays where it is and the event is neither dead-lettered nor dropped, so a server
+        restart of any length within the patience loses no metric. Any other error is raised at
+        once (the consumer's own attempts, then its dead letters)."""
         kind = type(event).__name__
+        started = time.monotonic()
+        retry = 0
+        while True:
+            try:
+                await self._apply(event, session, kind)
+                return
+            except Exception as exc:
+                waited = time.monotonic() - started
+                if not unreachable(exc) or waited >= self._patience_s:
+                    raise
+                delay = self._retry.delay(retry, self._rng)
+                retry += 1
+                TRACKING_EVENTS.labels(kind, "mlflow_unavailable").inc()
+                log.warning(
+                    "tracking.mlflow_unavailable",
+                    event_type=kind,
+                    retry=retry,
+                    waited_s=round(waited, 1),
+                    retry_in_s=round(delay, 2),
+                    error=repr(exc)[:300],
+                )
+                await asyncio.sleep(delay)
+
+    async def _apply(self, event: Message, session: AsyncSession, kind: str) -> None:
         if isinstance(event, events_pb2.JobStateChanged):
             outcome = await self._job_state(event, session)
         elif isinstance(event, events_pb2.TrainingMetrics):
@@ -264,9 +307,10 @@ class RunRecorder:
             log.info("tracking.job_skipped", job_id=job_id, known=job is not None)
             return None
         parent = await asyncio.to_thread(self._sweep_parent, job.labels.get("sweep_id", ""))
+        run_of = await self._resumed_job(job) or job_id
         run_id = await asyncio.to_thread(
             self._tracker.ensure_job_run,
-            job_id,
+            run_of,
             tags=job_tags(job),
             params=job_params(job, self._code_version),
             parent_run_id=parent or None,
@@ -277,6 +321,21 @@ class RunRecorder:
         # while MLflow is called (a server that is restarting can take minutes to answer).
         session.add(row)
         return row
+
+    async def _resumed_job(self, job: JobInfo) -> str:
+        """A promoted sweep trial's later job continues the run of the trial's first job (its
+        ``resumes_job`` label), when that job is of the same team, sweep and trial; else ``""``."""
+        first = job.labels.get(RESUMES_LABEL, "")
+        if not first or first == job.job_id or not job.labels.get("sweep_id"):
+            return ""
+        earlier = await self._jobs.get_job(first)
+        same = earlier is not None and earlier.team == job.team
+        for key in ("sweep_id", "trial"):
+            same = same and earlier is not None and earlier.labels.get(key) == job.labels.get(key)
+        if not same:
+            log.warning("tracking.resumes_refused", job_id=job.job_id, resumes=first[:64])
+            return ""
+        return first
 
     def _sweep_parent(self, sweep_id: str) -> str:
         if not sweep_id:

@@ -32,21 +32,14 @@ from temporalio import workflow
 from temporalio.exceptions import ApplicationError
 
 with workflow.unsafe.imports_passed_through():
-    from forge_orchestrator.activities import CancelJobInput, SchedulerActivities, SubmitJobInput
+    from forge_kit.jobcmd import TrainCommand
+    from forge_kit.routing import AUTO_EVAL_LABEL as AUTO_EVAL_LABEL  # the older way to say auto_eval
+    from forge_orchestrator.activities import SubmitJobInput
     from forge_orchestrator.identity import ADMIN, Caller
-    from forge_orchestrator.workflows import (
-        ACTIVITY_RETRY,
-        ACTIVITY_TIMEOUT,
-        JOB_EVENT_SIGNAL,
-        PROGRESS_QUERY,
-        JobEvent,
-    )
+    from forge_orchestrator.inbox import JobEventInbox
 
 #: Name of the signal carrying a published checkpoint of the workflow's job.
 CHECKPOINT_SIGNAL = "checkpoint_published"
-#: Job label that keeps the checkpoint router from starting eval-and-promote for the job's
-#: checkpoints (value ``"false"``): set by a caller that evaluates them itself (the RLHF loop).
-AUTO_EVAL_LABEL = "auto_eval"
 TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
 
 
@@ -78,7 +71,7 @@ class TrainInput:
     gpu_type: str = ""
     priority_class: str = "normal"
     python: str = "python"
-    """Interpreter on the nodes that runs ``forge_training.run``."""
+    """Interpreter on the nodes that runs the training entry point (:class:`forge_kit.jobcmd.TrainCommand`)."""
     max_infra_retries: int = 3
     """Requeues after a lost node before the workflow gives up (preemptions do not count)."""
     timeout_s: float = 6 * 3600.0
@@ -90,6 +83,10 @@ class TrainInput:
     caller: Caller | None = None
     """Who started the workflow (set by the orchestrator from the caller's token, never by the
     caller); None: an admin (a workflow started before callers were recorded)."""
+    auto_eval: bool = True
+    """Whether the job's checkpoint gets the automatic eval-and-promote; False for a caller that
+    evaluates it itself (the RLHF loop, sweeps). Travels as the job's typed routing hints (an
+    ``AUTO_EVAL_LABEL: "false"`` label in ``labels``, the older way, means the same)."""
 
 
 @dataclass
@@ -103,44 +100,20 @@ class TrainResult:
 
 
 def command_of(params: TrainInput) -> list[str]:
-    overrides = [arg for pair in params.overrides for arg in ("--set", pair)]
-    return [params.python, "-m", "forge_training.run", "--recipe", params.recipe, *overrides]
+    return TrainCommand(params.recipe, tuple(params.overrides), params.python).argv()
 
 
 @workflow.defn(name="training")
-class TrainWorkflow:
+class TrainWorkflow(JobEventInbox):
     def __init__(self) -> None:
-        self._events: list[JobEvent] = []
-        self._event_ids: set[str] = set()
+        super().__init__()
         self._checkpoints: list[CheckpointInfo] = []
-        self._job_id = ""
-        self._step = "starting"
         self._handled = 0
-
-    @workflow.signal(name=JOB_EVENT_SIGNAL)
-    def job_event(self, event: JobEvent) -> None:
-        if event.event_id:
-            if event.event_id in self._event_ids:
-                return
-            self._event_ids.add(event.event_id)
-        self._events.append(event)
 
     @workflow.signal(name=CHECKPOINT_SIGNAL)
     def checkpoint_published(self, checkpoint: CheckpointInfo) -> None:
-        if checkpoint.event_id and checkpoint.event_id in self._event_ids:
-            return
-        self._event_ids.add(checkpoint.event_id)
-        self._checkpoints.append(checkpoint)
-
-    @workflow.query(name=PROGRESS_QUERY)
-    def progress(self) -> dict[str, object]:
-        return {"step": self._step, "job_id": self._job_id, "states_seen": self._states()}
-
-    def _mine(self) -> list[JobEvent]:
-        return [e for e in self._events if e.job_id == self._job_id]
-
-    def _states(self) -> list[str]:
-        return [e.state for e in self._mine()]
+        if self._first_time(checkpoint.event_id):
+            self._checkpoints.append(checkpoint)
 
     @workflow.run
     async def run(self, params: TrainInput) -> TrainResult:
@@ -148,22 +121,16 @@ class TrainWorkflow:
         info = workflow.info()
         try:
             # 1. Team and job.
-            self._step = "submitting"
             caller = params.caller or ADMIN
-            if caller.is_admin:
-                await workflow.execute_activity_method(
-                    SchedulerActivities.ensure_team,
-                    params.team,
-                    start_to_close_timeout=ACTIVITY_TIMEOUT,
-                    retry_policy=ACTIVITY_RETRY,
-                )
             job = SubmitJobInput(
                 name=params.name,
                 team=params.team,
                 command=command_of(params),
                 request_id=f"{info.workflow_id}/{info.run_id}/train",
                 priority_class=params.priority_class,
-                labels={**params.labels, "workflow_id": info.workflow_id, "recipe": params.recipe},
+                labels={**params.labels, "recipe": params.recipe},
+                workflow_id=info.workflow_id,
+                auto_eval=params.auto_eval,
                 gpu_count=params.gpus_per_replica,
                 gpu_type=params.gpu_type,
                 replicas=params.replicas,
@@ -171,12 +138,7 @@ class TrainWorkflow:
                 kind="training",
                 on_behalf_of=caller.on_behalf_of,
             )
-            self._job_id = await workflow.execute_activity_method(
-                SchedulerActivities.submit_job,
-                job,
-                start_to_close_timeout=ACTIVITY_TIMEOUT,
-                retry_policy=ACTIVITY_RETRY,
-            )
+            await self._submit(job, caller)
             # 2. Follow the job to its end.
             preemptions, infra = await self._follow(params)
             # 3. Its checkpoint.
@@ -195,7 +157,7 @@ class TrainWorkflow:
         except asyncio.CancelledError:
             if self._job_id:
                 self._step = "cancelled"
-                await self._cancel("workflow cancelled")
+                await self._cancel_job("workflow cancelled")
             raise
         # 4. Result.
         self._step = "done"
@@ -223,7 +185,7 @@ class TrainWorkflow:
                     timeout=timedelta(seconds=max(1.0, left)),
                 )
             except TimeoutError:
-                await self._cancel(f"training did not finish within {params.timeout_s:g}s")
+                await self._cancel_job(f"training did not finish within {params.timeout_s:g}s")
                 raise ApplicationError(
                     f"job {self._job_id} did not succeed within {params.timeout_s:g}s",
                     type="TrainTimeout",
@@ -237,7 +199,7 @@ class TrainWorkflow:
                     if "lost" in event.reason:
                         infra += 1
                         if infra > params.max_infra_retries:
-                            await self._cancel("too many infrastructure failures")
+                            await self._cancel_job("too many infrastructure failures")
                             raise ApplicationError(
                                 f"job {self._job_id} lost its node {infra} times (limit "
                                 f"{params.max_infra_retries}): {event.reason}",
@@ -255,11 +217,3 @@ class TrainWorkflow:
                         non_retryable=True,
                     )
             self._handled = len(self._mine())
-
-    async def _cancel(self, reason: str) -> None:
-        await workflow.execute_activity_method(
-            SchedulerActivities.cancel_job,
-            CancelJobInput(job_id=self._job_id, reason=reason),
-            start_to_close_timeout=ACTIVITY_TIMEOUT,
-            retry_policy=ACTIVITY_RETRY,
-        )

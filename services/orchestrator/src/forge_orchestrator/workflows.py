@@ -1,10 +1,8 @@
 """Temporal workflows. Deterministic: time from ``workflow.now()``, ids from ``workflow.uuid4()``,
 every call to another service through an activity (``activities.py``).
 
-Workflows that wait on scheduler jobs receive the job's state changes as the ``job_event`` signal,
-sent by this process's Kafka consumer (``service.JobEventRouter``) for every job labelled with
-the workflow's id. Signals may repeat (at-least-once delivery); each carries its event id and a
-workflow applies an event id once.
+Workflows that wait on scheduler jobs start from :class:`~forge_orchestrator.inbox.JobEventInbox`:
+the ``job_event`` signal, applied once per event id, and the ``progress`` query.
 """
 
 from __future__ import annotations
@@ -16,12 +14,11 @@ from datetime import timedelta
 from typing import Any
 
 from temporalio import workflow
-from temporalio.common import RetryPolicy
 from temporalio.exceptions import ApplicationError
 
 with workflow.unsafe.imports_passed_through():
     from forge_kit import errors
-    from forge_orchestrator.activities import CancelJobInput, SchedulerActivities, SubmitJobInput
+    from forge_orchestrator.activities import SubmitJobInput
     from forge_orchestrator.canary import CanaryOutcome, guard_canary, policy_family
     from forge_orchestrator.canary_activities import CanaryActivities, PolicyInput
     from forge_orchestrator.eval_activities import (
@@ -34,31 +31,12 @@ with workflow.unsafe.imports_passed_through():
         RunState,
     )
     from forge_orchestrator.identity import ADMIN, Caller
-
-#: Name of the signal carrying a job's state change.
-JOB_EVENT_SIGNAL = "job_event"
-#: Name of the query every workflow answers with a small progress dict.
-PROGRESS_QUERY = "progress"
-
-ACTIVITY_TIMEOUT = timedelta(seconds=30)
-ACTIVITY_RETRY = RetryPolicy(
-    initial_interval=timedelta(milliseconds=500),
-    backoff_coefficient=2.0,
-    maximum_interval=timedelta(seconds=10),
-    maximum_attempts=5,
-)
-
-
-@dataclass
-class JobEvent:
-    """Payload of the ``job_event`` signal."""
-
-    job_id: str
-    state: str
-    """State name without prefix: ``PENDING``, ``RUNNING``, ``CANCELLED`` …"""
-    event_id: str = ""
-    reason: str = ""
-    """The scheduler's reason for the change (a failure's exit code and log tail, a lost node …)."""
+    from forge_orchestrator.inbox import ACTIVITY_RETRY as ACTIVITY_RETRY
+    from forge_orchestrator.inbox import ACTIVITY_TIMEOUT as ACTIVITY_TIMEOUT
+    from forge_orchestrator.inbox import JOB_EVENT_SIGNAL as JOB_EVENT_SIGNAL
+    from forge_orchestrator.inbox import PROGRESS_QUERY as PROGRESS_QUERY
+    from forge_orchestrator.inbox import JobEvent as JobEvent
+    from forge_orchestrator.inbox import JobEventInbox
 
 
 @dataclass
@@ -85,7 +63,7 @@ class SmokeResult:
 
 
 @workflow.defn(name="smoke")
-class SmokeWorkflow:
+class SmokeWorkflow(JobEventInbox):
     """The platform's smoke job: a job goes through the scheduler and its events come back.
 
     1. ensure the team and submit a no-op job labelled with this workflow's id;
@@ -96,27 +74,6 @@ class SmokeWorkflow:
 
     Cancelling the workflow cancels the job it submitted.
     """
-
-    def __init__(self) -> None:
-        self._events: list[JobEvent] = []
-        self._event_ids: set[str] = set()
-        self._job_id = ""
-        self._step = "starting"
-
-    @workflow.signal(name=JOB_EVENT_SIGNAL)
-    def job_event(self, event: JobEvent) -> None:
-        if event.event_id:
-            if event.event_id in self._event_ids:
-                return
-            self._event_ids.add(event.event_id)
-        self._events.append(event)
-
-    @workflow.query(name=PROGRESS_QUERY)
-    def progress(self) -> dict[str, object]:
-        return {"step": self._step, "job_id": self._job_id, "states_seen": self._states()}
-
-    def _states(self) -> list[str]:
-        return [e.state for e in self._events if e.job_id == self._job_id]
 
     async def _wait_for(self, state: str, timeout_s: float, *alternatives: str) -> None:
         wanted = {state, *alternatives}
@@ -138,15 +95,7 @@ class SmokeWorkflow:
         info = workflow.info()
         try:
             # 1. Team and job.
-            self._step = "submitting"
             caller = params.caller or ADMIN
-            if caller.is_admin:  # a team caller's team exists; creating teams is an admin's
-                await workflow.execute_activity_method(
-                    SchedulerActivities.ensure_team,
-                    params.team,
-                    start_to_close_timeout=ACTIVITY_TIMEOUT,
-                    retry_policy=ACTIVITY_RETRY,
-                )
             job = SubmitJobInput(
                 name=f"smoke-{workflow.uuid4().hex[:8]}",
                 team=params.team,
@@ -155,12 +104,7 @@ class SmokeWorkflow:
                 labels={"workflow_id": info.workflow_id},
                 on_behalf_of=caller.on_behalf_of,
             )
-            self._job_id = await workflow.execute_activity_method(
-                SchedulerActivities.submit_job,
-                job,
-                start_to_close_timeout=ACTIVITY_TIMEOUT,
-                retry_policy=ACTIVITY_RETRY,
-            )
+            await self._submit(job, caller)
             # 2. Its PENDING event.
             await self._wait_for("PENDING", params.timeout_s)
             # 3. Hold, cancel, and its CANCELLED event.
@@ -179,14 +123,6 @@ class SmokeWorkflow:
         self._step = "done"
         elapsed = (workflow.now() - started).total_seconds()
         return SmokeResult(job_id=self._job_id, states_seen=self._states(), elapsed_s=round(elapsed, 3))
-
-    async def _cancel_job(self, reason: str) -> None:
-        await workflow.execute_activity_method(
-            SchedulerActivities.cancel_job,
-            CancelJobInput(job_id=self._job_id, reason=reason),
-            start_to_close_timeout=ACTIVITY_TIMEOUT,
-            retry_policy=ACTIVITY_RETRY,
-        )
 
 
 EVAL_ACTIVITY_TIMEOUT = timedelta(seconds=60)

@@ -8,13 +8,10 @@ import datetime as dt
 from pathlib import Path
 
 import uvloop
-from forge.events.v1 import events_pb2_grpc
 from forge.feedback.v1 import feedback_pb2, feedback_pb2_grpc
 
 from forge_kit import errors
 from forge_kit.app import ServiceApp
-from forge_kit.eventlog import SERVICE_NAME as EVENT_LOG_SERVICE
-from forge_kit.eventlog import EventLogApi
 from forge_kit.paths import resolve_data_path
 from forge_preference_feedback.api import FeedbackApi
 from forge_preference_feedback.config import FeedbackSettings
@@ -34,8 +31,7 @@ async def main() -> None:
     db = await app.open_database("preference_feedback.db", Path(__file__).parent / "migrations")
     transactions = open_transactions(db, group_commit=settings.group_commit)
     app.add_on_stop(transactions.close)
-    # This service's own pipelined relay (outbox.py), not ServiceApp.enable_outbox's.
-    relay = enable_pipelined_outbox(app, db, transactions)
+    relay = enable_pipelined_outbox(app, transactions)
     service = FeedbackService(
         db,
         producer=app.name,
@@ -69,7 +65,6 @@ async def main() -> None:
         default_heldout_fraction=settings.default_heldout_fraction,
         policy=policy,
     )
-    log_api = EventLogApi(db, signer=settings.event_signer())
     http = app.http_app()
     http.include_router(
         rater_ui(
@@ -85,13 +80,8 @@ async def main() -> None:
     await app.run(
         register=[
             lambda server: feedback_pb2_grpc.add_PreferenceFeedbackServiceServicer_to_server(api, server),
-            # Consumers catch up from this service's outbox (what ServiceApp.enable_outbox registers).
-            lambda server: events_pb2_grpc.add_EventLogServiceServicer_to_server(log_api, server),
         ],
-        service_names=[
-            feedback_pb2.DESCRIPTOR.services_by_name["PreferenceFeedbackService"].full_name,
-            EVENT_LOG_SERVICE,
-        ],
+        service_names=[feedback_pb2.DESCRIPTOR.services_by_name["PreferenceFeedbackService"].full_name],
         http=http,
     )
 

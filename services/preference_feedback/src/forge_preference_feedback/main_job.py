@@ -122,7 +122,10 @@ async def step(ctx: Any) -> dict[str, object]:
     # 1. Seed: the rule set first, then HH-RLHF.
     endpoint = ctx.endpoint("preference_feedback")
     settings = FeedbackSettings(data_dir=str(ctx.root / "var" / "data" / "preference_feedback"))
-    database_url = settings.sqlite_url("preference_feedback.db")
+    # The service's own store: PostgreSQL under `forge up --profile prod-like`, else its SQLite file.
+    database_url = ctx.database_urls.get("preference_feedback") or settings.sqlite_url(
+        "preference_feedback.db"
+    )
     hh = resolve_data_path(DEFAULT_SOURCE)
     rule_dir = await asyncio.to_thread(
         write_rule_seed, hh / RULE_SOURCE, Path(settings.data_dir) / "seeds", RULE_LIMIT

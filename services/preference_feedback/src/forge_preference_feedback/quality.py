@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from forge_kit.stats import wilson_interval
+
 
 @dataclass(frozen=True)
 class Label:
@@ -223,17 +225,6 @@ class QualityReport:
 
     def flagged(self) -> dict[str, list[str]]:
         return {r.rater: r.reasons for r in self.raters if r.flagged}
-
-
-def wilson_interval(successes: float, n: int, z: float = 1.959964) -> tuple[float, float]:
-    """95% Wilson score interval of a proportion (sensible for small n, unlike the normal one).
-    ``successes`` may be fractional (a tie counted as half a success)."""
-    if n <= 0:
-        return (float("nan"), float("nan"))
-    p = successes / n
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return (max(0.0, centre - half), min(1.0, centre + half))
 
 
 def _nan_median(values: Sequence[float]) -> float:

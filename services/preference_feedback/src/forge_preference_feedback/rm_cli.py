@@ -3,7 +3,7 @@
 ``forge rm eval (--checkpoint DIR | --version latest) --pairs FILE.jsonl.gz --out OUT`` is the
 benchmark contract: it scores HH-RLHF-format pairs with a Hugging Face reward-model checkpoint
 and writes ``OUT/summary.json`` = ``{"accuracy", "ci95_low", "ci95_high", "n"}`` (Wilson
-interval; see :mod:`.rm_eval`). ``--version`` (a version, ``latest`` or ``active``, with
+interval; see :mod:`forge_training.rm_eval`). ``--version`` (a version, ``latest`` or ``active``, with
 ``--name``) is resolved through the registry over gRPC at ``$FORGE_CLI_PREFERENCE_FEEDBACK_TARGET``
 (default ``127.0.0.1:50058``). ``forge rm list`` / ``register`` / ``set-status`` are the registry
 itself (register and set-status need the service token, i.e. an admin).
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import tempfile
-from collections import Counter
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -22,17 +21,9 @@ from forge.common.v1 import common_pb2
 from forge.feedback.v1 import feedback_pb2, feedback_pb2_grpc
 from google.protobuf import json_format
 
-from forge_kit import clitools
+from forge_kit import clitools, rmlength
 from forge_kit.grpckit import make_channel
 from forge_kit.modelref import ModelRef
-from forge_preference_feedback.rm_eval import (
-    PairsError,
-    RewardModel,
-    evaluate,
-    file_sha256,
-    read_pairs,
-    write_results,
-)
 
 app = typer.Typer(
     help="Reward models: score checkpoints on preference pairs; the registry.", no_args_is_help=True
@@ -108,6 +99,10 @@ def eval_(
     quiet: Annotated[bool, clitools.QuietOption] = False,
 ) -> None:
     """Held-out pairwise accuracy of a reward model on a file of pairs, with its 95% Wilson interval."""
+    # The training library (the ``rm`` extra) scores; the other commands only talk to the registry.
+    from forge_training.rm_eval import PairsError
+    from forge_training.rm_score import score_pairs
+
     if (checkpoint is None) == (not version):
         raise typer.BadParameter(
             "give exactly one of --checkpoint DIR and --version VERSION", param_hint="--checkpoint"
@@ -120,22 +115,18 @@ def eval_(
             details["reward_model"] = f"{found.ref.name}:{found.ref.version}"
             details["registered_snapshot_id"] = found.snapshot_id
             checkpoint = _local_copy(found.uri, Path(scratch))
-        details["checkpoint"] = str(checkpoint)
-        skipped: Counter[str] = Counter()
         try:
-            model = RewardModel(checkpoint, max_length=max_length)
             with clitools.progress(quiet) as bar:
                 step = bar.add_task("pairs scored", total=None)
-                scores = evaluate(
-                    model,
-                    read_pairs(pairs, skipped),
+                summary = score_pairs(
+                    checkpoint,
+                    pairs,
+                    out,
                     batch_size=batch_size,
+                    max_length=max_length,
+                    details=details,
                     on_scored=lambda count: bar.advance(step, count),
                 )
-            details.update(
-                pairs_sha256=file_sha256(pairs), skipped=dict(skipped), max_length=model.max_length
-            )
-            summary = write_results(out, scores, details)
         except (PairsError, OSError) as exc:
             typer.echo(f"forge rm eval: {exc}", err=True)
             raise typer.Exit(2) from None
@@ -164,12 +155,26 @@ def list_(
                 "model": f"{m.ref.name}:{m.ref.version}",
                 "status": status,
                 "accuracy": f"{h.accuracy:.3f} [{h.ci95_low:.3f}, {h.ci95_high:.3f}] n={h.n}" if h.n else "-",
+                "shorter-preferred": _stratum(m.metrics, "preferred_shorter"),
                 "snapshot": m.snapshot_id,
                 "backbone": m.backbone,
                 "uri": m.uri,
             }
         )
-    clitools.show_rows(rows, ["model", "status", "accuracy", "snapshot", "backbone", "uri"], False)
+    clitools.show_rows(
+        rows, ["model", "status", "accuracy", "shorter-preferred", "snapshot", "backbone", "uri"], False
+    )
+
+
+def _stratum(metrics: Any, name: str) -> str:
+    """``acc [low, high] n=N`` of a length group from a version's metrics, ``-`` when absent."""
+    key = f"heldout_{name}_"
+    if f"{key}accuracy" not in metrics:
+        return "-"
+    return (
+        f"{metrics[key + 'accuracy']:.3f} [{metrics[key + 'ci95_low']:.3f}, "
+        f"{metrics[key + 'ci95_high']:.3f}] n={int(metrics[key + 'n'])}"
+    )
 
 
 @app.command()
@@ -186,7 +191,8 @@ def register(
     token: TokenOption = "",
     as_json: JsonOption = False,
 ) -> None:
-    """Register an immutable version with its held-out accuracy (from `forge rm eval`)."""
+    """Register an immutable version with its held-out accuracy (from `forge rm eval`); the
+    accuracy by which reply is longer goes into its metrics (``heldout_preferred_shorter_accuracy``, …)."""
     try:
         figures = json.loads(summary.read_text())
         heldout = feedback_pb2.PairwiseAccuracy(
@@ -196,6 +202,7 @@ def register(
             n=int(figures["n"]),
             interval="wilson",
         )
+        by_length = rmlength.registry_metrics(figures)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise typer.BadParameter(
             f"not a `forge rm eval` summary.json: {exc!r}", param_hint="--summary"
@@ -206,6 +213,7 @@ def register(
         snapshot_id=snapshot_id,
         backbone=backbone,
         heldout=heldout,
+        metrics=by_length,
     )
     reply = _call(target, token, lambda stub: stub.RegisterRewardModel(request, timeout=10))
     clitools.show_record(_dict(reply.reward_model), as_json)

@@ -28,6 +28,7 @@ from sqlalchemy.exc import IntegrityError
 
 from forge_kit import errors
 from forge_kit.db import Database
+from forge_kit.events import stage_event_sync
 from forge_preference_feedback.accounts import RaterAccounts, Session, validate_rater
 from forge_preference_feedback.data import PreferenceData, PreferenceStats, StoredSnapshot
 from forge_preference_feedback.seeds import PreferencePair, arrange, stable_id
@@ -35,7 +36,6 @@ from forge_preference_feedback.store import (
     ComparisonRow,
     HotPath,
     PreferenceRow,
-    stage_event_sync,
     utcnow,
 )
 from forge_preference_feedback.transactions import AsyncTransactions, Transactions, UnitConnection

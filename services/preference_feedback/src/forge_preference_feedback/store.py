@@ -6,19 +6,13 @@
 from __future__ import annotations
 
 import datetime as dt
-import uuid
-from typing import Any, cast
+from typing import cast
 
 import sqlalchemy as sa
-from google.protobuf.message import Message
 from sqlalchemy.orm import Mapped, mapped_column
 
-from forge_kit.db import Base
-from forge_kit.events import OutboxEvent, new_meta, topic_for
-
-
-def utcnow() -> dt.datetime:
-    return dt.datetime.now(dt.UTC).replace(tzinfo=None)
+from forge_kit.db import Base, utcnow
+from forge_kit.events import INSERT_OUTBOX_EVENT, SET_OUTBOX_PAYLOAD
 
 
 class ComparisonRow(Base):
@@ -163,7 +157,6 @@ class SessionRow(Base):
 COMPARISONS = cast(sa.Table, ComparisonRow.__table__)
 ASSIGNMENTS = cast(sa.Table, AssignmentRow.__table__)
 PREFERENCES = cast(sa.Table, PreferenceRow.__table__)
-OUTBOX = cast(sa.Table, OutboxEvent.__table__)
 
 
 class HotPath:
@@ -236,33 +229,11 @@ class HotPath:
     count_answer = (
         sa.update(COMPARISONS).where(_c.id == sa.bindparam("cid")).values(answer_count=_c.answer_count + 1)
     )
-    insert_event = sa.insert(OUTBOX).returning(OUTBOX.c.sequence)
-    event_payload = (
-        sa.update(OUTBOX).where(OUTBOX.c.sequence == sa.bindparam("seq")).values(payload=sa.bindparam("body"))
-    )
+    # The kit's stage_event_sync statements, so that staging an event runs precompiled too.
+    insert_event = INSERT_OUTBOX_EVENT
+    event_payload = SET_OUTBOX_PAYLOAD
 
     @classmethod
     def statements(cls) -> list[sa.Executable]:
         """Every statement above (what :class:`PrecompiledConnection` compiles once)."""
         return [v for k, v in vars(cls).items() if not k.startswith("_") and isinstance(v, sa.Executable)]
-
-
-def stage_event_sync(conn: Any, message: Message, *, producer: str, key: str = "") -> None:
-    """:func:`forge_kit.events.stage_event` on a synchronous connection: the event goes into the
-    outbox in the caller's transaction, its ``meta`` naming the outbox row."""
-    event_id = str(uuid.uuid4())
-    sequence = conn.execute(
-        HotPath.insert_event,
-        {
-            "event_id": event_id,
-            "topic": topic_for(message),
-            "key": key.encode() if key else None,
-            "event_type": message.DESCRIPTOR.full_name,
-            "payload": b"",
-            "created_at": utcnow(),
-        },
-    ).scalar_one()
-    meta = new_meta(producer, sequence=sequence)
-    meta.event_id = event_id
-    message.meta.CopyFrom(meta)  # type: ignore[attr-defined]
-    conn.execute(HotPath.event_payload, {"seq": sequence, "body": message.SerializeToString()})

@@ -11,12 +11,13 @@ from forge.retrieval.v1 import retrieval_pb2, retrieval_pb2_grpc
 from forge_kit.app import ServiceApp
 from forge_kit.events import topic_for
 from forge_kit.http import make_app
-from forge_retriever.api import RetrieverApi
+from forge_retriever.api import RetrieverApi, document_change_handler
 from forge_retriever.config import RetrieverSettings
 from forge_retriever.embed import embedder_for
 from forge_retriever.index import QdrantEdgeIndex, VectorIndex
-from forge_retriever.index_server import QdrantServerIndex
-from forge_retriever.service import RetrieverService, sparse_encoder
+from forge_retriever.index_server import CollectionLayout, QdrantServerIndex
+from forge_retriever.indexing import sparse_encoder
+from forge_retriever.service import RetrieverService
 
 
 async def main() -> None:
@@ -35,6 +36,15 @@ async def main() -> None:
             settings.qdrant_url,
             settings.qdrant_api_key.get_secret_value(),
             prefix=settings.qdrant_collection_prefix,
+            layout=CollectionLayout(
+                shards=settings.qdrant_shards,
+                replication_factor=settings.qdrant_replication_factor,
+                write_consistency_factor=settings.qdrant_write_consistency_factor,
+                on_disk_payload=settings.qdrant_on_disk_payload,
+                on_disk_vectors=settings.qdrant_on_disk_vectors,
+                quantization=settings.qdrant_quantization,
+                oversampling=settings.qdrant_oversampling,
+            ),
             dense_dim=dense_dim,
             dense_version=dense_version,
             sparse_version=sparse_version,
@@ -57,7 +67,7 @@ async def main() -> None:
         app.event_consumer(
             group_id=app.name,
             topics=[topic],
-            handler=service.handle_event,
+            handler=document_change_handler(service),
             sources={topic: settings.document_sources},
         )
 

@@ -1,17 +1,25 @@
-"""gRPC servicer of ``forge.retrieval.v1.RetrieverService``: translation only.
+"""gRPC servicer of ``forge.retrieval.v1.RetrieverService`` and the document-change consumer's
+handler: translation only, between the protos and the service's dataclasses.
 
 The tenant of every call comes from the caller (``tenancy.caller_tenant``), never from the request.
 """
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
 import grpc
+from forge.events.v1 import events_pb2
 from forge.retrieval.v1 import retrieval_pb2, retrieval_pb2_grpc
+from google.protobuf.message import Message
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from forge_kit import errors
 from forge_kit.grpckit import current_principal
+from forge_retriever.documents import DocumentIn, SearchMode
 from forge_retriever.embedding import embed_texts
-from forge_retriever.service import DocumentIn, RetrieverService, SearchMode
+from forge_retriever.messages import document_change
+from forge_retriever.service import RetrieverService
 from forge_retriever.tenancy import caller_tenant
 
 #: Trailing metadata key telling how a Search was scored (``sparse`` for a HYBRID request served by
@@ -122,3 +130,15 @@ class RetrieverApi(retrieval_pb2_grpc.RetrieverServiceServicer):
 
 def _tenant(context: grpc.aio.ServicerContext) -> str:
     return caller_tenant(current_principal(), context.invocation_metadata() or ())
+
+
+def document_change_handler(service: RetrieverService) -> Callable[[Message, AsyncSession], Awaitable[None]]:
+    """The document-change consumer's handler (``forge_kit.consumer.EventConsumer``): the event,
+    read into a ``DocumentChange``, applied inside the consumer's transaction."""
+
+    async def handle(event: Message, session: AsyncSession) -> None:
+        if not isinstance(event, events_pb2.DocumentChanged):
+            raise errors.ValidationError("event", f"{event.DESCRIPTOR.full_name} is not a DocumentChanged")
+        await service.apply_document_change(document_change(event), session)
+
+    return handle

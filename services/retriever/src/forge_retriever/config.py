@@ -106,6 +106,29 @@ class RetrieverSettings(ServiceSettings):
     qdrant_collection_prefix: str = "forge_"
     """Prefix of the Qdrant collections this retriever owns on a shared server."""
 
+    qdrant_shards: int = Field(default=1, ge=1, le=1024)
+    """Shards of each collection the retriever creates on the server (docs/DEPLOY.md: sizing)."""
+
+    qdrant_replication_factor: int = Field(default=1, ge=1, le=16)
+    """Copies of each shard on different Qdrant nodes (2 survives the loss of one node)."""
+
+    qdrant_write_consistency_factor: int = Field(default=1, ge=1, le=16)
+    """Replicas that must acknowledge a write; at most ``qdrant_replication_factor``."""
+
+    qdrant_on_disk_payload: bool = True
+    """Keep payloads (tenant, document id, metadata terms) on disk; their keyword indexes stay in RAM."""
+
+    qdrant_on_disk_vectors: bool = False
+    """Keep the original dense vectors (and the sparse index) memory-mapped on disk: with
+    quantization on, RAM holds only the quantized copies, and the originals rescore the top hits."""
+
+    qdrant_quantization: Literal["none", "int8", "binary"] = "none"
+    """Quantized copy of the dense vectors kept in RAM: scalar int8 (4x smaller) or binary (32x)."""
+
+    qdrant_oversampling: float = Field(default=2.0, ge=1.0, le=16.0)
+    """With quantization: candidates fetched per result from the quantized vectors before
+    rescoring them with the originals."""
+
     consume_document_changes: bool = True
     """Apply other producers' events of ``forge.retrieval.document_changed.v1`` (needs Kafka enabled)."""
 
@@ -129,6 +152,8 @@ class RetrieverSettings(ServiceSettings):
             raise ValueError("default_top_k must not exceed max_top_k")
         if self.index_backend == "qdrant" and not self.qdrant_url:
             raise ValueError("index_backend=qdrant needs qdrant_url")
+        if self.qdrant_write_consistency_factor > self.qdrant_replication_factor:
+            raise ValueError("qdrant_write_consistency_factor must not exceed qdrant_replication_factor")
         Bm25Encoder(self.bm25_k1, self.bm25_b, self.bm25_avg_len, self.bm25_language)  # unknown language
         try:
             validate_tenant("source_tenant", self.source_tenant)

@@ -36,10 +36,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from forge_kit.db import Database
+from forge_kit.stats import percentile
 from forge_retriever.config import RetrieverSettings
+from forge_retriever.documents import DocumentIn, SearchHit, SearchMode
 from forge_retriever.embed import Embedder
 from forge_retriever.index import QdrantEdgeIndex
-from forge_retriever.service import DocumentIn, RetrieverService, SearchHit, SearchMode, sparse_encoder
+from forge_retriever.indexing import sparse_encoder
+from forge_retriever.service import RetrieverService
 
 MODES = {"bm25": SearchMode.SPARSE, "dense": SearchMode.DENSE, "hybrid": SearchMode.HYBRID}
 RERANK_MODES = ("hybrid_rerank", "hybrid_rerank_best")
@@ -165,16 +168,6 @@ def recall_at_k(ranked: Sequence[str], relevant: Mapping[str, int], k: int = 100
     """Share of the relevant documents (score > 0) among the first ``k``."""
     wanted = {d for d, s in relevant.items() if s > 0}
     return len(wanted.intersection(ranked[:k])) / len(wanted) if wanted else 0.0
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The ``q``-th percentile (0-100), linear interpolation between closest ranks."""
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100.0
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
 def documents_of(hits: Sequence[SearchHit]) -> list[str]:

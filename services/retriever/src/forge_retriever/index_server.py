@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from qdrant_client import QdrantClient, models
@@ -35,6 +36,48 @@ from forge_retriever.text import SparseVector
 _UPSERT_BATCH = 256
 
 
+@dataclass(frozen=True)
+class CollectionLayout:
+    """How the collections this index creates are laid out on the server (docs/DEPLOY.md sizes
+    them for 100M documents). qdrant-client's local mode accepts and ignores all of it."""
+
+    shards: int = 1
+    replication_factor: int = 1
+    write_consistency_factor: int = 1
+    on_disk_payload: bool = True
+    on_disk_vectors: bool = False
+    quantization: str = "none"  # "none", "int8" or "binary"
+    oversampling: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.quantization not in ("none", "int8", "binary"):
+            raise ValueError(f"quantization must be none, int8 or binary, not {self.quantization!r}")
+        if not 1 <= self.write_consistency_factor <= self.replication_factor:
+            raise ValueError("write_consistency_factor must be between 1 and replication_factor")
+        if self.shards < 1:
+            raise ValueError("shards must be at least 1")
+
+    def quantization_config(self) -> models.QuantizationConfig | None:
+        """The quantized copy kept in RAM (``always_ram``) while the originals may sit on disk."""
+        if self.quantization == "int8":
+            return models.ScalarQuantization(
+                scalar=models.ScalarQuantizationConfig(
+                    type=models.ScalarType.INT8, quantile=0.99, always_ram=True
+                )
+            )
+        if self.quantization == "binary":
+            return models.BinaryQuantization(binary=models.BinaryQuantizationConfig(always_ram=True))
+        return None
+
+    def search_params(self) -> models.SearchParams | None:
+        """Dense queries over quantized vectors rescore an oversampled candidate list."""
+        if self.quantization == "none":
+            return None
+        return models.SearchParams(
+            quantization=models.QuantizationSearchParams(rescore=True, oversampling=self.oversampling)
+        )
+
+
 class QdrantServerIndex:
     """``VectorIndex`` on a Qdrant server (or qdrant-client's local mode): see the module docstring."""
 
@@ -47,9 +90,11 @@ class QdrantServerIndex:
         *,
         prefix: str = "forge_",
         local: bool = False,
+        layout: CollectionLayout | None = None,
     ) -> None:
         self._client = client
         self._prefix = prefix
+        self._layout = layout or CollectionLayout()
         self._dense_dim = dense_dim
         self.dense_enabled = dense_dim is not None
         self._schema: dict[str, Any] = {
@@ -102,15 +147,28 @@ class QdrantServerIndex:
         # Absent, or of another schema (another model, or built BM25-only): start it afresh.
         if self._client.collection_exists(name):
             self._client.delete_collection(name)
+        layout = self._layout
         dense = (
-            {DENSE_VECTOR: models.VectorParams(size=self._dense_dim, distance=models.Distance.COSINE)}
+            {
+                DENSE_VECTOR: models.VectorParams(
+                    size=self._dense_dim, distance=models.Distance.COSINE, on_disk=layout.on_disk_vectors
+                )
+            }
             if self._dense_dim is not None
             else {}
+        )
+        sparse = models.SparseVectorParams(
+            modifier=models.Modifier.IDF, index=models.SparseIndexParams(on_disk=layout.on_disk_vectors)
         )
         self._client.create_collection(
             name,
             vectors_config=dense,
-            sparse_vectors_config={SPARSE_VECTOR: models.SparseVectorParams(modifier=models.Modifier.IDF)},
+            sparse_vectors_config={SPARSE_VECTOR: sparse},
+            shard_number=layout.shards,
+            replication_factor=layout.replication_factor,
+            write_consistency_factor=layout.write_consistency_factor,
+            on_disk_payload=layout.on_disk_payload,
+            quantization_config=layout.quantization_config() if self._dense_dim is not None else None,
             metadata={"forge_schema": self._schema},
         )
         for field in () if self._local else ("tenant", "document_id", "meta"):
@@ -212,6 +270,7 @@ class QdrantServerIndex:
             using=DENSE_VECTOR,
             limit=limit,
             flt=_filter(tenant, metadata_filter),
+            params=self._layout.search_params(),
         )
 
     def search_hybrid(
@@ -228,7 +287,15 @@ class QdrantServerIndex:
         self._require_dense()
         flt = _filter(tenant, metadata_filter)
         candidates = max(limit, params.candidates)
-        prefetch = [models.Prefetch(query=list(dense), using=DENSE_VECTOR, limit=candidates, filter=flt)]
+        prefetch = [
+            models.Prefetch(
+                query=list(dense),
+                using=DENSE_VECTOR,
+                limit=candidates,
+                filter=flt,
+                params=self._layout.search_params(),
+            )
+        ]
         if sparse:
             prefetch.append(
                 models.Prefetch(query=_sparse(sparse), using=SPARSE_VECTOR, limit=candidates, filter=flt)
@@ -253,6 +320,7 @@ class QdrantServerIndex:
         limit: int,
         flt: models.Filter,
         prefetch: list[models.Prefetch] | None = None,
+        params: models.SearchParams | None = None,
     ) -> list[IndexHit]:
         with self._guard:
             if not self._exists(collection):
@@ -263,6 +331,7 @@ class QdrantServerIndex:
                 using=using,
                 prefetch=prefetch,
                 query_filter=flt,
+                search_params=params,
                 limit=limit,
                 with_payload=["document_id"],
             )

@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import datetime as dt
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.orm import Mapped, mapped_column
 
-from forge_kit.db import Base
-
-
-def utcnow() -> dt.datetime:
-    return dt.datetime.now(dt.UTC).replace(tzinfo=None)
+from forge_kit.db import Base, utcnow
 
 
 class CollectionRow(Base):
@@ -85,3 +82,37 @@ class SourceVersionRow(Base):
     producer: Mapped[str] = mapped_column(sa.String(255))
     version: Mapped[int] = mapped_column(sa.BigInteger)
     applied_at: Mapped[dt.datetime] = mapped_column(sa.DateTime, default=utcnow)
+
+
+def chunks_with_documents(*columns: Any) -> sa.Select[Any]:
+    """``columns`` of every chunk joined with its document (same collection, tenant and id)."""
+    return sa.select(*columns).join(
+        DocumentRow,
+        sa.and_(
+            DocumentRow.collection == ChunkRow.collection,
+            DocumentRow.tenant == ChunkRow.tenant,
+            DocumentRow.id == ChunkRow.document_id,
+        ),
+    )
+
+
+def collection_counts(tenant: str | None) -> sa.Select[Any]:
+    """(name, documents, chunks) of each collection holding ``tenant``'s documents, counting that
+    tenant's only; ``tenant=None``: every collection, all tenants together."""
+    docs_q = sa.select(DocumentRow.collection, sa.func.count().label("n"))
+    chunks_q = sa.select(ChunkRow.collection, sa.func.count().label("n"))
+    if tenant is not None:
+        docs_q = docs_q.where(DocumentRow.tenant == tenant)
+        chunks_q = chunks_q.where(ChunkRow.tenant == tenant)
+    docs = docs_q.group_by(DocumentRow.collection).subquery()
+    chunks = chunks_q.group_by(ChunkRow.collection).subquery()
+    stmt = (
+        sa.select(CollectionRow.name, docs.c.n, chunks.c.n)
+        .outerjoin(docs, docs.c.collection == CollectionRow.name)
+        .outerjoin(chunks, chunks.c.collection == CollectionRow.name)
+        .order_by(CollectionRow.name)
+    )
+    if tenant is not None:
+        # Another tenant's collection names are not this tenant's business.
+        stmt = stmt.where(docs.c.n > 0)
+    return stmt

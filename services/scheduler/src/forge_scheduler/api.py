@@ -1,4 +1,8 @@
-"""gRPC servicer of ``forge.scheduler.v1.SchedulerService``: translation only."""
+"""gRPC servicer of ``forge.scheduler.v1.SchedulerService``: translation only.
+
+Every translation between gRPC messages and the domain's values lives here: jobs, teams, nodes
+and figures out; quotas, node registrations and replica reports in; agent commands out.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +19,18 @@ from google.protobuf import json_format, timestamp_pb2
 from forge_kit import errors
 from forge_kit.grpckit import SERVICE_PRINCIPAL, current_principal, require_admin
 from forge_kit.paging import decode_page, page_info
-from forge_scheduler.service import PENDING, ClusterView, QueueStats, SchedulerService, TeamView
+from forge_scheduler.commands import AgentCommand, CancelJob, PreemptJob, StartJob
+from forge_scheduler.records import (
+    ClusterView,
+    GpuInfo,
+    NodeRegistration,
+    QueueStats,
+    QuotaSpec,
+    ReplicaReport,
+    TeamView,
+)
+from forge_scheduler.service import SchedulerService
+from forge_scheduler.states import PENDING
 from forge_scheduler.store import JobRow, NodeRow
 
 log = structlog.get_logger(__name__)
@@ -68,7 +83,16 @@ def team_to_proto(team: TeamView) -> scheduler_pb2.Team:
 
 def node_to_proto(node: NodeRow, used: set[int] | None = None) -> scheduler_pb2.Node:
     gpus = [
-        common_pb2.Gpu(index=int(g["index"]), type=str(g["type"]), memory_mb=int(g["memory_mb"]))
+        common_pb2.Gpu(
+            index=int(g["index"]),
+            type=str(g["type"]),
+            memory_mb=int(g["memory_mb"]),
+            # Rows registered before the agents reported their topology lack these.
+            uuid=str(g.get("uuid", "")),
+            pci_bus_id=str(g.get("pci_bus_id", "")),
+            nvlink_group=int(g.get("nvlink_group", 0)),
+            pcie_group=int(g.get("pcie_group", 0)),
+        )
         for g in node.gpus
     ]
     return scheduler_pb2.Node(
@@ -120,6 +144,67 @@ def cluster_to_proto(c: ClusterView) -> scheduler_pb2.GetClusterStatsResponse:
         last_cycle_ms=c.last_cycle_ms,
         last_cycle_at=_ts(c.last_cycle_at),
     )
+
+
+def quota_from_proto(quota: scheduler_pb2.Quota) -> QuotaSpec:
+    return QuotaSpec(quota.gpu_type, quota.guaranteed_gpus, quota.borrow_limit, quota.weight)
+
+
+def registration_from_proto(request: scheduler_pb2.RegisterNode) -> NodeRegistration:
+    return NodeRegistration(
+        node_name=request.node_name,
+        gpus=tuple(
+            GpuInfo(g.index, g.type, g.memory_mb, g.uuid, g.pci_bus_id, g.nvlink_group, g.pcie_group)
+            for g in request.gpus
+        ),
+        node_group=request.topology.node_group,
+        rack=request.topology.rack,
+        nvlink_domain=request.topology.nvlink_domain,
+        labels=dict(request.labels),
+        running_job_ids=tuple(request.running_job_ids),
+        job_isolation=json_format.MessageToDict(request.job_isolation)
+        if request.HasField("job_isolation")
+        else None,
+    )
+
+
+def report_from_proto(update: scheduler_pb2.JobStatusUpdate) -> ReplicaReport:
+    return ReplicaReport(
+        job_id=update.job_id,
+        state=update.state,
+        message=update.message,
+        last_checkpoint_at=update.last_checkpoint_at.ToDatetime()
+        if update.HasField("last_checkpoint_at")
+        else None,
+    )
+
+
+def command_to_proto(command: AgentCommand) -> scheduler_pb2.AgentSessionResponse:
+    """The message an agent session sends for a domain command."""
+    if isinstance(command, StartJob):
+        return scheduler_pb2.AgentSessionResponse(
+            start_job=scheduler_pb2.StartJob(
+                job=job_to_proto(command.job),
+                gpu_indices=list(command.gpu_indices),
+                node_rank=command.node_rank,
+                num_nodes=command.num_nodes,
+                master_addr=command.master_addr,
+                master_port=command.master_port,
+                attempt=command.attempt,
+                submitted_by_admin=command.submitted_by_admin,
+            )
+        )
+    if isinstance(command, PreemptJob):
+        return scheduler_pb2.AgentSessionResponse(
+            preempt_job=scheduler_pb2.PreemptJob(
+                job_id=command.job_id, reason=command.reason, grace_seconds=command.grace_seconds
+            )
+        )
+    if isinstance(command, CancelJob):
+        return scheduler_pb2.AgentSessionResponse(
+            cancel_job=scheduler_pb2.CancelJob(job_id=command.job_id, reason=command.reason)
+        )
+    raise TypeError(f"unknown agent command {command!r}")
 
 
 class SchedulerApi(scheduler_pb2_grpc.SchedulerServiceServicer):
@@ -191,7 +276,7 @@ class SchedulerApi(scheduler_pb2_grpc.SchedulerServiceServicer):
         self, request: scheduler_pb2.CreateTeamRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.CreateTeamResponse:
         team = await self._service.create_team(
-            request.name, request.display_name, request.quotas, request.cohort
+            request.name, request.display_name, [quota_from_proto(q) for q in request.quotas], request.cohort
         )
         return scheduler_pb2.CreateTeamResponse(team=team_to_proto(team))
 
@@ -215,7 +300,7 @@ class SchedulerApi(scheduler_pb2_grpc.SchedulerServiceServicer):
         if not request.HasField("quota"):
             raise errors.ValidationError("quota", "is required")
         return scheduler_pb2.SetQuotaResponse(
-            team=team_to_proto(await self._service.set_quota(request.team, request.quota))
+            team=team_to_proto(await self._service.set_quota(request.team, quota_from_proto(request.quota)))
         )
 
     async def GetQueueStats(
@@ -250,7 +335,7 @@ class SchedulerApi(scheduler_pb2_grpc.SchedulerServiceServicer):
             raise errors.ValidationError(
                 "register_node", "the first message of a session must be register_node"
             )
-        node = await self._service.register_node(first.register_node)
+        node = await self._service.register_node(registration_from_proto(first.register_node))
         log.info("agent.registered", node=node.name, node_id=node.node_id, gpus=len(node.gpus))
         commands = self._service.hub.open(node.name)
         reader = asyncio.create_task(self._read_agent(node.name, request_iterator))
@@ -263,12 +348,12 @@ class SchedulerApi(scheduler_pb2_grpc.SchedulerServiceServicer):
             for command in await self._service.outstanding_starts(
                 node.name, first.register_node.running_job_ids
             ):
-                yield command
+                yield command_to_proto(command)
             while True:
                 next_command = asyncio.ensure_future(commands.get())
                 done, _ = await asyncio.wait({next_command, reader}, return_when=asyncio.FIRST_COMPLETED)
                 if next_command in done:
-                    yield next_command.result()
+                    yield command_to_proto(next_command.result())
                     continue
                 next_command.cancel()
                 reader.result()  # the agent hung up (or broke the protocol: raises)
@@ -287,6 +372,6 @@ class SchedulerApi(scheduler_pb2_grpc.SchedulerServiceServicer):
             if kind == "heartbeat":
                 await self._service.heartbeat(node_name, message.heartbeat.running_job_ids)
             elif kind == "job_status_update":
-                await self._service.update_job_status(node_name, message.job_status_update)
+                await self._service.update_job_status(node_name, report_from_proto(message.job_status_update))
             else:
                 raise errors.ValidationError("message", f"{kind} is only valid as the first message")

@@ -21,6 +21,7 @@ from google.protobuf import json_format
 
 from forge_kit import clitools
 from forge_kit.grpckit import make_channel
+from forge_kit.jobstate import JobState
 
 app = typer.Typer(help="Submit and manage jobs, teams and quotas on the scheduler.", no_args_is_help=True)
 RPC_TIMEOUT_S = 15.0
@@ -44,7 +45,7 @@ def _job_row(job: scheduler_pb2.Job) -> dict[str, Any]:
         "team": job.spec.team,
         "priority": job.spec.priority_class,
         "gpus": f"{max(1, job.spec.replicas)}x{job.spec.resources.gpu_count} {job.spec.resources.gpu_type}".strip(),
-        "state": common_pb2.JobState.Name(job.state).removeprefix("JOB_STATE_"),
+        "state": JobState.from_proto(job.state).value,
         "message": job.message,
     }
 
@@ -270,7 +271,7 @@ def queue(
             jobs = await stub.ListJobs(
                 scheduler_pb2.ListJobsRequest(
                     team=team,
-                    states=[common_pb2.JOB_STATE_PENDING],
+                    states=[JobState.PENDING.proto],
                     page=common_pb2.PageRequest(page_size=limit),
                 ),
                 timeout=RPC_TIMEOUT_S,

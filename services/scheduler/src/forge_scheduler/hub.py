@@ -1,4 +1,6 @@
-"""Open agent sessions by node name: how the scheduler sends StartJob / PreemptJob / CancelJob.
+"""Open agent sessions by node name: how the scheduler sends StartJob / PreemptJob / CancelJob
+(the domain commands of :mod:`forge_scheduler.commands`; the session's handler in
+:mod:`forge_scheduler.api` turns each into its message).
 
 Each ``AgentSession`` stream registers one bounded queue here; the stream's handler drains it.
 A command for a node without a session is dropped (``send`` returns False): the node is then
@@ -11,11 +13,12 @@ from __future__ import annotations
 import asyncio
 
 import structlog
-from forge.scheduler.v1 import scheduler_pb2
+
+from forge_scheduler.commands import AgentCommand
 
 log = structlog.get_logger(__name__)
 
-Command = scheduler_pb2.AgentSessionResponse
+Command = AgentCommand
 
 
 class AgentHub:
@@ -41,7 +44,7 @@ class AgentHub:
     def send(self, node: str, command: Command) -> bool:
         queue = self._queues.get(node)
         if queue is None:
-            log.warning("agent.command_dropped", node=node, command=command.WhichOneof("message"))
+            log.warning("agent.command_dropped", node=node, command=type(command).__name__)
             return False
         try:
             queue.put_nowait(command)

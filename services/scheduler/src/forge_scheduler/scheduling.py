@@ -10,7 +10,8 @@
 4. run :meth:`PolicyEngine.cycle` (pure; in a worker thread so the event loop keeps serving);
 5. apply, in one transaction: each start takes concrete GPU indices on its nodes and moves the
    job to SCHEDULED; each preemption records its deadline; each pending job gets its reason
-   and, for the reservation, an estimated start; jobs without GPUs go to the least busy node;
+   and, for the reservation, an estimated start (jobs without GPUs are placed by the same cycle,
+   on the least busy nodes);
 6. after the commit, send StartJob / PreemptJob / CancelJob to the agents, publish the cluster
    figures (utilisation, fragmentation, fairness) to Prometheus and to ``GetClusterStats``.
 
@@ -30,11 +31,12 @@ from dataclasses import dataclass, field
 
 import sqlalchemy as sa
 import structlog
-from forge.scheduler.v1 import scheduler_pb2
 from prometheus_client import Gauge, Histogram
 from sqlalchemy.orm.exc import StaleDataError
 
+from forge_scheduler.commands import AgentCommand, CancelJob, PreemptJob, node_addresses, start_command
 from forge_scheduler.gcpause import collector_paused
+from forge_scheduler.nodes import holding_jobs, used_gpu_indices
 from forge_scheduler.policy import (
     Allocation,
     CycleResult,
@@ -45,21 +47,10 @@ from forge_scheduler.policy import (
     Team,
 )
 from forge_scheduler.policy import metrics as policy_metrics
-from forge_scheduler.service import (
-    ACTIVE,
-    CANCELLED,
-    PENDING,
-    SCHEDULED,
-    ClusterView,
-    SchedulerService,
-    epoch,
-    holding_jobs,
-    node_addresses,
-    policy_job,
-    policy_node,
-    start_command,
-    used_gpu_indices,
-)
+from forge_scheduler.policy_view import epoch, policy_job, policy_node
+from forge_scheduler.records import ClusterView
+from forge_scheduler.service import SchedulerService
+from forge_scheduler.states import ACTIVE, CANCELLED, NODE_NOT_READY, NODE_READY, PENDING, SCHEDULED
 from forge_scheduler.store import JobRow, NodeRow, QuotaRow, TeamRow, TeamUsageRow
 
 log = structlog.get_logger(__name__)
@@ -184,8 +175,8 @@ class SchedulingLoop:
             if not lost:
                 return
             for row in nodes:
-                if row.name in lost and row.state == scheduler_pb2.NodeState.NODE_STATE_READY:
-                    row.state = scheduler_pb2.NodeState.NODE_STATE_NOT_READY
+                if row.name in lost and row.state == NODE_READY:
+                    row.state = NODE_NOT_READY
                     log.warning("scheduler.node_lost", node=row.name)
             for job in (await session.scalars(holding_jobs())).all():
                 if job.draining:
@@ -205,12 +196,7 @@ class SchedulingLoop:
         for job in changed:
             service.committed(job)
         for node, job_id in cancels:
-            service.hub.send(
-                node,
-                scheduler_pb2.AgentSessionResponse(
-                    cancel_job=scheduler_pb2.CancelJob(job_id=job_id, reason="a node of the job was lost")
-                ),
-            )
+            service.hub.send(node, CancelJob(job_id, "a node of the job was lost"))
 
     # --- 2. snapshot ---------------------------------------------------------------------------
 
@@ -219,9 +205,7 @@ class SchedulingLoop:
         async with service.db.session() as session:
             node_rows = (
                 await session.scalars(
-                    sa.select(NodeRow)
-                    .where(NodeRow.state == scheduler_pb2.NodeState.NODE_STATE_READY)
-                    .order_by(NodeRow.name)
+                    sa.select(NodeRow).where(NodeRow.state == NODE_READY).order_by(NodeRow.name)
                 )
             ).all()
             team_rows = (await session.scalars(sa.select(TeamRow))).all()
@@ -283,7 +267,7 @@ class SchedulingLoop:
         ready = {n.name for n in nodes}
         running = []
         for job in held:
-            if job.state not in ACTIVE or not job.slots or job.gpus_per_replica == 0:
+            if job.state not in ACTIVE or not job.slots:
                 continue
             slots = tuple(
                 (str(node), job.gpus_per_replica) for node in job.assigned_nodes if str(node) in ready
@@ -309,7 +293,6 @@ class SchedulingLoop:
                 queued_since=epoch(job.queued_at) if job.queued_at else None,
             )
             for job in pending_rows
-            if job.gpus_per_replica > 0
         ]
         snap = Snapshot(nodes=nodes, teams=teams, pending=pending, running=running, usage=usage)
         return snap, _Rows(
@@ -322,7 +305,7 @@ class SchedulingLoop:
 
     async def _apply(self, result: CycleResult, rows: _Rows, now: dt.datetime, report: CycleReport) -> None:
         service = self._service
-        commands: list[tuple[str, scheduler_pb2.AgentSessionResponse]] = []
+        commands: list[tuple[str, AgentCommand]] = []
         changed: list[JobRow] = []
         starts = {s.job_id: s for s in result.starts}
         victims = {p.job_id: p for p in result.preemptions}
@@ -330,10 +313,6 @@ class SchedulingLoop:
             held = (await session.scalars(holding_jobs())).all()
             used = used_gpu_indices(held)
             addresses = await node_addresses(session)
-            busy = {
-                name: sum(1 for j in held if j.state in ACTIVE and name in (j.assigned_nodes or []))
-                for name in rows.nodes
-            }
             for job_id, start in starts.items():
                 job = await session.get(JobRow, job_id)
                 if job is None or job.state != PENDING:
@@ -349,28 +328,6 @@ class SchedulingLoop:
                 ]
                 changed.append(job)
                 report.started.append(job.id)
-            # Jobs without GPUs need no policy: the least busy ready node takes them.
-            for job in rows.pending.values():
-                if job.gpus_per_replica > 0 or not rows.nodes:
-                    continue
-                fresh = await session.get(JobRow, job.id)
-                if fresh is None or fresh.state != PENDING:
-                    continue
-                chosen = sorted(rows.nodes, key=lambda n: (busy.get(n, 0), n))[: fresh.replicas]
-                if len(chosen) < fresh.replicas:
-                    fresh.pending_reason = f"waiting for {fresh.replicas} ready nodes; {len(chosen)} ready"
-                    continue
-                for name in chosen:
-                    busy[name] = busy.get(name, 0) + 1
-                slots = [[name, []] for name in chosen]
-                self._start(fresh, slots, chosen, False)
-                await service.stage_transition(session, fresh, PENDING, fresh.message)
-                commands += [
-                    (name, start_command(fresh, name, addresses.get(chosen[0], "127.0.0.1")))
-                    for name in chosen
-                ]
-                changed.append(fresh)
-                report.started.append(fresh.id)
             for job_id, preemption in victims.items():
                 job = await session.get(JobRow, job_id)
                 if job is None or job.state not in ACTIVE or job.preempt_by is not None:
@@ -379,16 +336,7 @@ class SchedulingLoop:
                 job.message = f"preempting: {preemption.reason}"
                 grace = max(0, round(preemption.stop_by - epoch(now)))
                 for node in sorted({str(n) for n, _ in job.slots or []}):
-                    commands.append(
-                        (
-                            node,
-                            scheduler_pb2.AgentSessionResponse(
-                                preempt_job=scheduler_pb2.PreemptJob(
-                                    job_id=job.id, reason=preemption.reason, grace_seconds=grace
-                                )
-                            ),
-                        )
-                    )
+                    commands.append((node, PreemptJob(job.id, preemption.reason, grace)))
                 report.preempted.append(job.id)
             reservation = result.reservation
             for job_id, reason in result.reasons.items():
@@ -442,10 +390,13 @@ class SchedulingLoop:
         self, snap: Snapshot, result: CycleResult, rows: _Rows, seconds: float, now: dt.datetime
     ) -> None:
         total = sum(n.gpus for n in snap.nodes)
-        started = {s.job_id: s for s in result.starts}
+        # jobs without GPUs hold none: the figures are about GPUs
+        starts = {s.job_id for s in result.starts}
+        started = {s.job_id: s for s in result.starts if any(gpus for _, gpus in s.slots)}
+        running = [a for a in snap.running if a.job.gpus]
         allocation: dict[str, float] = {}
         free = {n.name: n.gpus for n in snap.nodes}
-        for alloc in snap.running:
+        for alloc in running:
             allocation[alloc.job.team] = allocation.get(alloc.job.team, 0) + alloc.job.gpus
             for node, gpus in alloc.slots:
                 free[node] = free.get(node, 0) - gpus
@@ -456,7 +407,7 @@ class SchedulingLoop:
             allocation[job.team] = allocation.get(job.team, 0) + job.gpus_per_replica * job.replicas
             for node, gpus in start.slots:
                 free[node] = free.get(node, 0) - gpus
-        waiting = [p for p in snap.pending if p.job.id not in started]
+        waiting = [p for p in snap.pending if p.job.gpus and p.job.id not in started]
         demand = dict(allocation)
         for p in waiting:
             demand[p.job.team] = demand.get(p.job.team, 0) + p.job.gpus
@@ -476,8 +427,8 @@ class SchedulingLoop:
             jain_index=jain,
             share_deviation_gpus=deviation,
             ready_nodes=len(snap.nodes),
-            pending_jobs=sum(1 for j in rows.pending.values() if j.id not in started),
-            running_jobs=len(snap.running) + len(started),
+            pending_jobs=sum(1 for j in rows.pending.values() if j.id not in starts),
+            running_jobs=len(running) + len(started),
             largest_free_block=max(group_free.values(), default=0),
             last_cycle_ms=seconds * 1000,
             last_cycle_at=now,
@@ -487,7 +438,7 @@ class SchedulingLoop:
         UTILIZATION.set(self._service.cluster.utilization)
         FRAGMENTED.set(fragmented)
         JAIN.set(jain)
-        PREEMPTIONS.set(sum(1 for a in snap.running if a.preempting) + len(result.preemptions))
+        PREEMPTIONS.set(sum(1 for a in running if a.preempting) + len(result.preemptions))
         pending_by_team: dict[str, int] = {}
         for job in rows.pending.values():
             if job.id not in started:

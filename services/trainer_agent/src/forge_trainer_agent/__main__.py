@@ -11,18 +11,20 @@ import structlog
 from forge.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 
 from forge_kit.app import ServiceApp
+from forge_kit.backoff import Backoff
 from forge_kit.grpckit import make_channel
 from forge_kit.objectstore import ObjectStore
 from forge_kit.paths import DATA_DIR_ENV, data_dir
 from forge_trainer_agent.api import TrainerAgentApi
 from forge_trainer_agent.checkpoints import CheckpointAnnouncer, ManifestFinder
 from forge_trainer_agent.config import TrainerAgentSettings
+from forge_trainer_agent.gpus import node_gpus
 from forge_trainer_agent.metrics import MetricsStreamer
-from forge_trainer_agent.node import NodeInfo, detect_gpus, parse_gpu_spec
+from forge_trainer_agent.node import ADDRESS_LABEL, NodeInfo
 from forge_trainer_agent.runner import LocalProcessRunner, TorchrunRunner
 from forge_trainer_agent.sandbox import JobSandbox, dataset_folders
 from forge_trainer_agent.service import AgentService
-from forge_trainer_agent.session import Backoff, SchedulerSession
+from forge_trainer_agent.session import SchedulerSession
 from forge_trainer_agent.store import RunStore
 
 log = structlog.get_logger(__name__)
@@ -31,12 +33,21 @@ log = structlog.get_logger(__name__)
 async def main() -> None:
     settings = TrainerAgentSettings()
     app = ServiceApp(settings)
+    detected = await asyncio.to_thread(node_gpus, settings.gpus)
+    log.info(
+        "agent.gpus",
+        source=detected.source,
+        count=len(detected.gpus),
+        types=sorted({g.type for g in detected.gpus}),
+        nvlink_groups=sorted({g.nvlink_group for g in detected.gpus} - {0}),
+    )
     node = NodeInfo(
         name=settings.node_name,
-        gpus=parse_gpu_spec(settings.gpus) if settings.gpus else detect_gpus(),
+        gpus=detected.gpus,
         node_group=settings.node_group,
         rack=settings.rack,
         nvlink_domain=settings.nvlink_domain,
+        labels={ADDRESS_LABEL: settings.advertise_address} if settings.advertise_address else {},
     )
     db = await app.open_database("trainer_agent.db", Path(__file__).parent / "migrations")
     app.enable_outbox()

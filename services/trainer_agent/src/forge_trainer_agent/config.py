@@ -27,7 +27,8 @@ class TrainerAgentSettings(ServiceSettings):
 
     gpus: str = ""
     """Simulated GPUs, e.g. ``H100x8:81559`` or ``A100-80GBx4,L4x2`` (TYPE[xCOUNT][:MEMORY_MB]);
-    when set it replaces detection by nvidia-smi, when empty the node's real GPUs are reported."""
+    when set it replaces detection, when empty the node's real GPUs are reported (NVML, else
+    torch.cuda; ``forge_trainer_agent.gpus``)."""
 
     node_group: str = ""
     """Topology: node group (a block of nodes behind one switch)."""
@@ -37,6 +38,12 @@ class TrainerAgentSettings(ServiceSettings):
 
     nvlink_domain: str = ""
     """Topology: NVLink domain."""
+
+    advertise_address: str = Field(default="", max_length=253, pattern=r"^[A-Za-z0-9.:-]*$")
+    """Address other nodes reach this node's jobs at: a multi-node job's rendezvous (torchrun's
+    c10d store, NCCL's bootstrap) listens on its rank-0 node, and the scheduler hands this address
+    to every replica as ``MASTER_ADDR`` (node label ``forge.ai/address``). Empty: 127.0.0.1, every
+    agent on one host (``forge up``). Kubernetes sets the pod IP; Compose the service name."""
 
     scheduler_target: str = "127.0.0.1:50051"
     """host:port of the scheduler's gRPC server (SchedulerService.AgentSession)."""

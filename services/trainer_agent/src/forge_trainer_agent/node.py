@@ -1,27 +1,21 @@
 """What this node is: its name, its GPUs and where it sits in the network.
 
-GPUs come from ``nvidia-smi`` when it is installed, or from the ``gpus`` setting, which describes
-simulated GPUs (tests, CPU-only clusters) and overrides detection when set.
+GPUs come from NVML or ``torch.cuda`` (``forge_trainer_agent.gpus``), or from the ``gpus`` setting,
+which describes simulated GPUs (tests, CPU-only clusters) and overrides detection when set.
 """
 
 from __future__ import annotations
 
 import re
-import shutil
-import subprocess
 from dataclasses import dataclass, field
 
-import structlog
 from forge.common.v1 import common_pb2
 from forge.scheduler.v1 import scheduler_pb2
 
 from forge_trainer_agent.sandbox import JobIsolation
 
-log = structlog.get_logger(__name__)
-
-#: The query the agent runs; ``parse_nvidia_smi`` reads its output.
-NVIDIA_SMI_QUERY = ["--query-gpu=index,name,memory.total", "--format=csv,noheader,nounits"]
-
+#: The node label the scheduler reads a node's address from (a multi-node job's MASTER_ADDR).
+ADDRESS_LABEL = "forge.ai/address"
 MAX_GPUS_PER_ENTRY = 256
 _VENDOR_WORDS = {"NVIDIA", "TESLA", "GEFORCE", "QUADRO"}
 _SERIES_WORDS = {"RTX", "GTX"}
@@ -35,9 +29,23 @@ class GpuInfo:
     index: int
     type: str
     memory_mb: int
+    uuid: str = ""
+    pci_bus_id: str = ""
+    nvlink_group: int = 0
+    """GPUs of the node with the same non-zero group reach each other over NVLink; 0: no peer."""
+    pcie_group: int = 0
+    """GPUs of the node with the same non-zero group share a PCIe host bridge; 0: unknown."""
 
     def to_proto(self) -> common_pb2.Gpu:
-        return common_pb2.Gpu(index=self.index, type=self.type, memory_mb=self.memory_mb)
+        return common_pb2.Gpu(
+            index=self.index,
+            type=self.type,
+            memory_mb=self.memory_mb,
+            uuid=self.uuid,
+            pci_bus_id=self.pci_bus_id,
+            nvlink_group=self.nvlink_group,
+            pcie_group=self.pcie_group,
+        )
 
 
 @dataclass(frozen=True)
@@ -60,7 +68,7 @@ class NodeInfo:
 
 
 class GpuSpecError(ValueError):
-    """A GPU description (setting or nvidia-smi output) that cannot be read."""
+    """A GPU description (the ``gpus`` setting, a device name) that cannot be read."""
 
 
 def gpu_type_from_name(name: str) -> str:
@@ -75,33 +83,6 @@ def gpu_type_from_name(name: str) -> str:
     if not words:
         raise GpuSpecError(f"GPU name {name!r} names no model")
     return words[0]
-
-
-def parse_nvidia_smi(output: str) -> tuple[GpuInfo, ...]:
-    """Read the output of ``nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader,nounits``.
-
-    Each line is ``<index>, <name>, <memory MiB>``; memory may be ``[N/A]`` (reported as 0).
-    A line that is not in this form is an error rather than a GPU silently left out.
-    """
-    gpus = []
-    for number, raw in enumerate(output.splitlines(), start=1):
-        line = raw.strip()
-        if not line:
-            continue
-        parts = [p.strip() for p in line.split(",")]
-        if len(parts) != 3:
-            raise GpuSpecError(
-                f"nvidia-smi line {number}: expected 'index, name, memory.total', got {line!r}"
-            )
-        index, name, memory = parts
-        if not index.isdigit():
-            raise GpuSpecError(f"nvidia-smi line {number}: index {index!r} is not a number")
-        memory_mb = int(memory) if memory.isdigit() else 0
-        gpus.append(GpuInfo(index=int(index), type=gpu_type_from_name(name), memory_mb=memory_mb))
-    indices = [g.index for g in gpus]
-    if len(set(indices)) != len(indices):
-        raise GpuSpecError(f"nvidia-smi reported an index twice: {indices}")
-    return tuple(sorted(gpus, key=lambda g: g.index))
 
 
 def parse_gpu_spec(spec: str) -> tuple[GpuInfo, ...]:
@@ -126,21 +107,3 @@ def parse_gpu_spec(spec: str) -> tuple[GpuInfo, ...]:
         first = len(gpus)
         gpus.extend(GpuInfo(index=first + i, type=match["type"], memory_mb=memory_mb) for i in range(count))
     return tuple(gpus)
-
-
-def detect_gpus(nvidia_smi: str = "nvidia-smi", timeout_s: float = 10.0) -> tuple[GpuInfo, ...]:
-    """The GPUs ``nvidia-smi`` reports; none when it is missing or cannot talk to a driver."""
-    binary = shutil.which(nvidia_smi)
-    if binary is None:
-        return ()
-    try:
-        done = subprocess.run(
-            [binary, *NVIDIA_SMI_QUERY], capture_output=True, text=True, timeout=timeout_s, check=False
-        )
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        log.warning("node.nvidia_smi_failed", error=str(exc))
-        return ()
-    if done.returncode != 0:
-        log.warning("node.nvidia_smi_failed", exit_code=done.returncode, stderr=done.stderr.strip()[-500:])
-        return ()
-    return parse_nvidia_smi(done.stdout)

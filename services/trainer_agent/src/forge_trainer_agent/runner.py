@@ -26,7 +26,10 @@ from forge_kit.jobenv import TERMINATION_LOG_ENV
 from forge_trainer_agent.sandbox import JobSandbox
 
 #: The only variables of the agent's environment a job gets: where programs and the Python code
-#: are, and the locale. Everything else a job sees is its own declared env and its placement.
+#: are, the locale, and the node's collective-communication settings (``NCCL_*``, the gloo and
+#: torchrun network interface: which NIC and fabric this node's jobs talk over, set by the
+#: operator on the agent; docs/DEPLOY.md). Everything else a job sees is its own declared env and
+#: its placement.
 INHERITED_ENV = (
     "PATH",
     "PYTHONPATH",
@@ -36,8 +39,10 @@ INHERITED_ENV = (
     "LANG",
     "LANGUAGE",
     "TZ",
+    "GLOO_SOCKET_IFNAME",
+    "TP_SOCKET_IFNAME",
 )
-INHERITED_ENV_PREFIXES = ("LC_",)
+INHERITED_ENV_PREFIXES = ("LC_", "NCCL_")
 
 
 @dataclass(frozen=True)
@@ -135,6 +140,8 @@ def job_environment(spec: LaunchSpec, base: Mapping[str, str]) -> dict[str, str]
         FORGE_RUN_DIR=str(spec.run_dir),
         **{TERMINATION_LOG_ENV: str(termination_log(spec.log_path))},
         CUDA_VISIBLE_DEVICES=",".join(str(i) for i in spec.gpu_indices),
+        # The agent numbers GPUs as NVML does (PCI bus order); CUDA's default order is fastest first.
+        CUDA_DEVICE_ORDER="PCI_BUS_ID",
         NODE_RANK=str(spec.node_rank),
         NNODES=str(spec.num_nodes),
         RANK=str(spec.node_rank),

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import random
 import time
 from collections.abc import Callable
 from typing import Any, cast
@@ -24,6 +23,7 @@ from forge.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from google.protobuf import timestamp_pb2
 from prometheus_client import Counter, Gauge
 
+from forge_kit.backoff import Backoff
 from forge_trainer_agent.service import AgentService
 
 log = structlog.get_logger(__name__)
@@ -42,24 +42,6 @@ EOF: object = cast(Any, grpc.aio).EOF
 
 class SessionError(Exception):
     """The scheduler broke the session protocol (e.g. no RegisterAck)."""
-
-
-class Backoff:
-    """Capped exponential backoff with jitter: the n-th delay is uniform in [cap/2, cap], where
-    cap = min(max_s, initial_s * 2**n), so agents that lost the same scheduler spread out."""
-
-    def __init__(self, initial_s: float, max_s: float, rng: random.Random | None = None) -> None:
-        self._initial_s, self._max_s = initial_s, max_s
-        self._rng = rng or random.Random()
-        self._failures = 0
-
-    def next_delay(self) -> float:
-        cap = min(self._max_s, self._initial_s * 2 ** min(self._failures, 30))
-        self._failures += 1
-        return self._rng.uniform(cap / 2, cap)
-
-    def reset(self) -> None:
-        self._failures = 0
 
 
 class SchedulerSession:

@@ -15,14 +15,10 @@ import sqlalchemy as sa
 from forge.common.v1 import common_pb2
 from sqlalchemy.orm import Mapped, mapped_column
 
-from forge_kit.db import Base, Database
+from forge_kit.db import Base, Database, utcnow
 
 JobState = common_pb2.JobState
 ACTIVE_STATES = (JobState.JOB_STATE_SCHEDULED, JobState.JOB_STATE_RUNNING)
-
-
-def utcnow() -> dt.datetime:
-    return dt.datetime.now(dt.UTC).replace(tzinfo=None)
 
 
 class RunRow(Base):

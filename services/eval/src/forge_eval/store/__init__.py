@@ -5,9 +5,3 @@ both to register them.
 """
 
 from __future__ import annotations
-
-import datetime as dt
-
-
-def utcnow() -> dt.datetime:
-    return dt.datetime.now(dt.UTC).replace(tzinfo=None)

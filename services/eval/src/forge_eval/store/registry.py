@@ -8,8 +8,7 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Mapped, mapped_column
 
-from forge_eval.store import utcnow
-from forge_kit.db import Base
+from forge_kit.db import Base, utcnow
 
 CANDIDATE, CANARY, PRODUCTION, ARCHIVED = "candidate", "canary", "production", "archived"
 STAGES = (CANDIDATE, CANARY, PRODUCTION, ARCHIVED)

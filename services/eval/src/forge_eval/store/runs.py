@@ -10,9 +10,8 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Mapped, mapped_column
 
-from forge_eval.store import utcnow
 from forge_kit import errors
-from forge_kit.db import Base
+from forge_kit.db import Base, utcnow
 
 
 class RunStatus(enum.IntEnum):

@@ -17,10 +17,12 @@ from __future__ import annotations
 import asyncio
 import math
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Protocol
 
 from temporalio import activity
+from temporalio.common import RetryPolicy
 from temporalio.exceptions import ApplicationError
 
 from forge_kit import sweepspace
@@ -38,6 +40,18 @@ class Tracker(Protocol):
     ) -> str: ...
 
     def set_terminated(self, run_id: str, status: str) -> None: ...
+
+
+#: The tracking activities (``sweep_track_*``) outwait an MLflow server that is away: tried again
+#: without limit (every 30 s at most), each try long enough for the MLflow client's own retries.
+#: The sweep waits on them rather than failing, and its trials keep running meanwhile.
+TRACK_TIMEOUT = timedelta(minutes=3)
+TRACK_RETRY = RetryPolicy(
+    initial_interval=timedelta(seconds=1),
+    backoff_coefficient=2.0,
+    maximum_interval=timedelta(seconds=30),
+    maximum_attempts=0,
+)
 
 
 @dataclass

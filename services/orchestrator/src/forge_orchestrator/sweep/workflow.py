@@ -12,15 +12,19 @@ In steps:
    orchestrator's ``TrainingMetrics`` consumer with (job, step, value)):
    - the early-stopping rule (ASHA or median stopping, :mod:`forge_kit.earlystop`) judges each
      value as it arrives; a trial it stops is cancelled (its job checkpoints on SIGTERM, and
-     nothing deletes that checkpoint) and recorded ``stopped``;
+     nothing deletes that checkpoint) and recorded ``stopped``. Under ASHA's promotion form (the
+     default) a trial at a rung is ``paused`` the same way unless promotable at once; a free slot
+     first resumes the best promotable paused trial (a new job of the trial with ``--run-id`` of
+     its first job, whose checkpoints it continues, labelled ``resumes_job``), then starts a new
+     one; trials still paused when nothing is left to run are recorded ``stopped``;
    - PENDING after it ran: a preemption (the job resumes from its checkpoint when it runs again,
      and the trial is not a failure) or a lost node, an infrastructure failure the scheduler
      retried; past ``max_infra_retries`` the trial is cancelled and recorded ``failed``;
    - FAILED: the configuration's own crash, recorded ``failed`` and never resubmitted;
    - a running trial with no metric for ``metrics_timeout_s``, or any trial past
      ``trial_timeout_s``, is cancelled and recorded ``timed_out``;
-   - a metric for a job that is no trial of this sweep, or for a finished trial, is counted
-     in ``ignored_metrics`` and otherwise ignored;
+   - a metric for a job that is no trial of this sweep, for a finished trial, or from a paused
+     trial's earlier job, is counted in ``ignored_metrics`` and otherwise ignored;
 4. stop starting trials when the budget (trials, GPU-hours) is spent (running ones are
    cancelled when GPU-hours run out); tell the study each configuration's outcome;
 5. return every trial, the best, and the rung occupancy.
@@ -36,7 +40,6 @@ import asyncio
 import contextlib
 import functools
 import math
-from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -45,10 +48,12 @@ from temporalio.exceptions import ApplicationError, is_cancelled_exception
 
 with workflow.unsafe.imports_passed_through():
     from forge_kit import sweepspace
-    from forge_kit.earlystop import Asha, MedianStopping
+    from forge_kit.earlystop import Asha, AshaPromotion, MedianStopping
     from forge_orchestrator.activities import CancelJobInput, SchedulerActivities, SubmitJobInput
     from forge_orchestrator.identity import ADMIN, Caller
     from forge_orchestrator.sweep.activities import (
+        TRACK_RETRY,
+        TRACK_TIMEOUT,
         StudyInput,
         SuggestInput,
         SweepActivities,
@@ -56,6 +61,19 @@ with workflow.unsafe.imports_passed_through():
         TrackEndInput,
         TrackSweepInput,
         TrackTrialInput,
+    )
+    from forge_orchestrator.sweep.model import (
+        ACTIVE,
+        MEMO_METRIC,
+        METRIC_SIGNAL,
+        RESUMES_LABEL,
+        SWEEP_LABEL,
+        TRIAL_LABEL,
+        SweepInput,
+        SweepResult,
+        Trial,
+        TrialMetric,
+        trial_command,
     )
     from forge_orchestrator.training import AUTO_EVAL_LABEL
     from forge_orchestrator.workflows import (
@@ -66,100 +84,8 @@ with workflow.unsafe.imports_passed_through():
         JobEvent,
     )
 
-#: Signal carrying one value of a trial's metric.
-METRIC_SIGNAL = "trial_metric"
-#: Memo key holding the name of the metric a sweep follows (read by the metrics consumer).
-MEMO_METRIC = "forge_sweep_metric"
-#: Job labels naming a trial's sweep and index (the tracking consumer files its MLflow run under
-#: the sweep's parent run by them).
-SWEEP_LABEL = "sweep_id"
-TRIAL_LABEL = "trial"
-ACTIVE = ("pending", "running", "preempted", "finishing")
+__all__ = ["MEMO_METRIC", "METRIC_SIGNAL", "SweepInput", "SweepResult", "SweepWorkflow", "TrialMetric"]
 _MAX_IGNORED_KEPT = 20
-
-
-@dataclass
-class TrialMetric:
-    """Payload of ``trial_metric``: the followed metric of a trial's job at ``step``."""
-
-    job_id: str
-    step: int
-    value: float
-    event_id: str = ""
-
-
-@dataclass
-class SweepInput:
-    space: str
-    """The space file's text (YAML; see :mod:`forge_kit.sweepspace`)."""
-    team: str = ""
-    """Team the trials are submitted for (the space's ``team``, which must agree when set)."""
-    python: str = "python"
-    """Interpreter on the nodes that runs ``forge_training.run``."""
-    final_metric_wait_s: float = 60.0
-    """How long a succeeded trial waits for its value at the full budget (it travels on another
-    topic than the job's end) before its last value counts."""
-    max_infra_retries: int = 3
-    """Lost nodes per trial before it is given up (preemptions do not count)."""
-    caller: Caller | None = None
-    """Who started the sweep (set by the orchestrator from the caller's token); None: an admin."""
-
-
-@dataclass
-class Trial:
-    index: int
-    config: int
-    """Configuration index (trials of one configuration differ by seed)."""
-    params: dict[str, Any]
-    seed: int | None = None
-    job_id: str = ""
-    state: str = "pending"
-    """pending, running, preempted, finishing (succeeded, final value not yet seen), completed,
-    stopped, failed, timed_out, cancelled."""
-    reason: str = ""
-    values: list[list[float]] = field(default_factory=list)
-    """[step, value] of the followed metric, in arrival order."""
-    final: float | None = None
-    stopped_at: int | None = None
-    preemptions: int = 0
-    infra_retries: int = 0
-    submitted_at: float = 0.0
-    running_since: float | None = None
-    last_metric_at: float | None = None
-    finishing_since: float | None = None
-    gpu_seconds: float = 0.0
-    run_id: str = ""
-
-
-@dataclass
-class SweepResult:
-    name: str
-    metric: str
-    mode: str
-    rungs: list[int]
-    trials: list[Trial]
-    best_trial: int | None = None
-    best_metric: float | None = None
-    gpu_hours: float = 0.0
-    ignored_metrics: int = 0
-    budget_exhausted: str = ""
-    parent_run_id: str = ""
-    summary: dict[str, Any] = field(default_factory=dict)
-    """What the progress query answers, less the trials (the report reads both)."""
-
-
-def _command(python: str, recipe: str, overrides: dict[str, Any]) -> list[str]:
-    args: list[str] = []
-    for key, value in overrides.items():
-        rendered = (
-            ("true" if value else "false")
-            if isinstance(value, bool)
-            else repr(value)
-            if isinstance(value, float)
-            else str(value)
-        )
-        args += ["--set", f"{key}={rendered}"]
-    return [python, "-m", "forge_training.run", "--recipe", recipe, *args]
 
 
 @workflow.defn(name="sweep")
@@ -173,7 +99,7 @@ class SweepWorkflow:
         self._ignored = 0
         self._ignored_recent: list[str] = []
         self._space: sweepspace.Space | None = None
-        self._rule: Asha | MedianStopping | None = None
+        self._rule: Asha | AshaPromotion | MedianStopping | None = None
         self._step = "starting"
         self._exhausted = ""
         self._parent_run = ""
@@ -208,7 +134,7 @@ class SweepWorkflow:
         by_state: dict[str, int] = {}
         for t in self._trials:
             by_state[t.state] = by_state.get(t.state, 0) + 1
-        occupancy = self._rule.occupancy() if isinstance(self._rule, Asha) else {}
+        occupancy = self._rule.occupancy() if isinstance(self._rule, Asha | AshaPromotion) else {}
         return {
             "name": space.name if space else "",
             "metric": space.metric if space else "",
@@ -271,8 +197,14 @@ class SweepWorkflow:
         return min(done, key=lambda t: sign * (t.final if t.final is not None else math.inf))
 
     async def _act(self, method: Any, arg: Any) -> Any:
+        tracking = method in (
+            SweepActivities.track_sweep,
+            SweepActivities.track_trial,
+            SweepActivities.track_end,
+        )
+        timeout, retry = (TRACK_TIMEOUT, TRACK_RETRY) if tracking else (ACTIVITY_TIMEOUT, ACTIVITY_RETRY)
         return await workflow.execute_activity_method(
-            method, arg, start_to_close_timeout=ACTIVITY_TIMEOUT, retry_policy=ACTIVITY_RETRY
+            method, arg, start_to_close_timeout=timeout, retry_policy=retry
         )
 
     def _stop_clock(self, trial: Trial) -> None:
@@ -300,7 +232,7 @@ class SweepWorkflow:
         assert self._space is not None
         if config in self._told or len(trials) < max(1, len(self._space.seeds)):
             return
-        if any(t.state in ACTIVE for t in trials):
+        if any(t.state in (*ACTIVE, "paused") for t in trials):
             return
         self._told.add(config)
         finals = [t.final for t in trials if t.state == "completed" and t.final is not None]
@@ -320,7 +252,8 @@ class SweepWorkflow:
         self._space = space
         es = space.early_stopping
         if es.rule == "asha":
-            self._rule = Asha(es.min_steps, es.eta, space.max_steps, space.mode)  # type: ignore[arg-type]
+            form = AshaPromotion if es.form == "promotion" else Asha
+            self._rule = form(es.min_steps, es.eta, space.max_steps, space.mode)  # type: ignore[arg-type]
         elif es.rule == "median":
             self._rule = MedianStopping(es.min_steps, es.min_trials, space.mode)  # type: ignore[arg-type]
         self._final_wait_s = params.final_metric_wait_s
@@ -347,7 +280,7 @@ class SweepWorkflow:
             cancelled = is_cancelled_exception(exc)
             self._step = "cancelled" if cancelled else "failed"
             for trial in self._trials:
-                if trial.state in ACTIVE:
+                if trial.state in (*ACTIVE, "paused"):
                     reason = "sweep cancelled" if cancelled else "sweep failed"
                     await self._finish(trial, "cancelled", reason, cancel=bool(trial.job_id))
             raise
@@ -384,14 +317,18 @@ class SweepWorkflow:
             if not self._exhausted and self._gpu_seconds() >= space.gpu_hours * 3600.0:
                 self._exhausted = "gpu_hours"
                 for trial in self._trials:
-                    if trial.state in ACTIVE:
-                        await self._finish(trial, "cancelled", "GPU-hour budget spent", cancel=True)
-            # Launch.
-            while (
-                not self._exhausted
-                and len(self._trials) < total
-                and sum(t.state in ACTIVE for t in self._trials) < space.concurrency
-            ):
+                    if trial.state in (*ACTIVE, "paused"):
+                        await self._finish(
+                            trial, "cancelled", "GPU-hour budget spent", cancel=trial.state != "paused"
+                        )
+            # Launch: a promotion out of a pause first (ASHA's promotion form), then a new trial.
+            while not self._exhausted and sum(t.state in ACTIVE for t in self._trials) < space.concurrency:
+                promoted = self._promotion(total)
+                if promoted is not None:
+                    await self._submit(promoted, params, space, team, caller)
+                    continue
+                if len(self._trials) >= total:
+                    break
                 index = len(self._trials)
                 config, seed = divmod(index, len(seeds))[0], seeds[index % len(seeds)]
                 if index % len(seeds) == 0:
@@ -404,6 +341,11 @@ class SweepWorkflow:
                     chosen = dict(self._trials[index - 1].params)
                 await self._submit(Trial(index, config, chosen, seed), params, space, team, caller)
             if not any(t.state in ACTIVE for t in self._trials):
+                for trial in self._trials:  # paused at a rung and never promoted
+                    if trial.state == "paused":
+                        await self._finish(
+                            trial, "stopped", f"asha: not promoted past step {trial.stopped_at}"
+                        )
                 return
             # Wait for news, or the next deadline.
             self._step = (
@@ -427,11 +369,16 @@ class SweepWorkflow:
     ) -> None:
         info = workflow.info()
         overrides = space.trial_overrides(trial.params, trial.seed)
+        command = trial_command(params.python, space.recipe, overrides)
+        resumes = {RESUMES_LABEL: trial.first_job_id} if trial.first_job_id else {}
+        if trial.first_job_id:  # a promoted trial: its checkpoints are under its first job's id
+            command += ["--run-id", trial.first_job_id]
         job = SubmitJobInput(
             name=f"{space.name}-t{trial.index}"[:128],
             team=team,
-            command=_command(params.python, space.recipe, overrides),
-            request_id=f"{info.workflow_id}/{info.run_id}/trial-{trial.index}",
+            command=command,
+            request_id=f"{info.workflow_id}/{info.run_id}/trial-{trial.index}"
+            + (f"-{trial.jobs}" if trial.jobs else ""),
             priority_class=space.priority_class,
             labels={
                 "workflow_id": info.workflow_id,
@@ -439,6 +386,7 @@ class SweepWorkflow:
                 SWEEP_LABEL: info.workflow_id,
                 TRIAL_LABEL: str(trial.index),
                 AUTO_EVAL_LABEL: "false",
+                **resumes,
             },
             gpu_count=space.gpus_per_trial,
             gpu_type=space.gpu_type,
@@ -447,8 +395,14 @@ class SweepWorkflow:
             on_behalf_of=caller.on_behalf_of,
         )
         trial.submitted_at = self._now()
+        trial.jobs += 1
+        trial.state, trial.stopped_at, trial.last_metric_at = "pending", None, None
+        if trial.first_job_id:
+            trial.job_id = await self._act(SchedulerActivities.submit_job, job)
+            self._by_job[trial.job_id] = trial.index
+            return
         self._trials.append(trial)
-        trial.job_id = await self._act(SchedulerActivities.submit_job, job)
+        trial.job_id = trial.first_job_id = await self._act(SchedulerActivities.submit_job, job)
         self._by_job[trial.job_id] = trial.index
         trial.run_id = await self._act(
             SweepActivities.track_trial,
@@ -460,6 +414,19 @@ class SweepWorkflow:
                 {k: str(v) for k, v in overrides.items()},
             ),
         )
+
+    def _promotion(self, total: int) -> Trial | None:
+        """The paused trial a free slot resumes (:meth:`AshaPromotion.next_promotion`); rungs no
+        trial can still reach (none left to start, none in flight below) promote at least one."""
+        if not isinstance(self._rule, AshaPromotion):
+            return None
+        assert self._space is not None
+        final_below = 0
+        if len(self._trials) >= total:
+            reached = [self._rule.reached(str(t.index)) for t in self._trials if t.state in ACTIVE]
+            final_below = min([*reached, self._space.max_steps])
+        found = self._rule.next_promotion(final_below)
+        return self._trials[int(found[0])] if found is not None else None
 
     def _next_deadline(self, space: sweepspace.Space) -> float:
         now = self._now()
@@ -510,8 +477,8 @@ class SweepWorkflow:
         if index is None:
             return
         trial = self._trials[index]
-        if trial.state not in ACTIVE:
-            return  # a stopped or timed-out trial's CANCELLED, or a late duplicate
+        if trial.state not in ACTIVE or event.job_id != trial.job_id:
+            return  # a stopped, paused or timed-out trial's CANCELLED, or a late duplicate
         if event.state in ("SCHEDULED", "RUNNING"):
             if trial.running_since is None:
                 trial.running_since = self._now()
@@ -569,8 +536,8 @@ class SweepWorkflow:
             self._ignore(f"unknown job {metric.job_id[:64]}")
             return
         trial = self._trials[index]
-        if trial.state not in ACTIVE:
-            self._ignore(f"trial {index} is {trial.state}")
+        if trial.state not in ACTIVE or metric.job_id != trial.job_id:
+            self._ignore(f"trial {index} is {trial.state if trial.state not in ACTIVE else 'on a later job'}")
             return
         value = float(metric.value)
         assert self._space is not None
@@ -589,7 +556,13 @@ class SweepWorkflow:
                 trial.running_since = self._now()
         if self._rule is None or metric.step >= self._space.max_steps:
             return
-        if self._rule.report(str(index), metric.step, value) == "stop":
+        decision = self._rule.report(str(index), metric.step, value)
+        if decision == "pause":  # its job checkpoints on SIGTERM; a promotion resumes it
+            trial.stopped_at = metric.step
+            self._stop_clock(trial)
+            trial.state = "paused"
+            await self._act(SchedulerActivities.cancel_job, CancelJobInput(trial.job_id, "paused at a rung"))
+        elif decision == "stop":
             trial.stopped_at = metric.step
             await self._finish(
                 trial, "stopped", f"{self._space.early_stopping.rule} at step {metric.step}", cancel=True

@@ -4,14 +4,9 @@ The live service and the simulator call the very same :class:`~.engine.PolicyEng
 with a :class:`~.model.Snapshot`; what they do with the returned decisions is theirs.
 """
 
-from forge_scheduler.policy.engine import (
-    CycleResult,
-    PolicyConfig,
-    PolicyEngine,
-    Preemption,
-    Start,
-    never_fits,
-)
+from forge_scheduler.policy.config import PolicyConfig
+from forge_scheduler.policy.decisions import CycleResult, Entry, EntryStatus, Preemption, Reservation, Start
+from forge_scheduler.policy.engine import PolicyEngine, never_fits
 from forge_scheduler.policy.model import (
     Allocation,
     Job,
@@ -27,6 +22,8 @@ from forge_scheduler.policy.usage import UsageLedger
 __all__ = [
     "Allocation",
     "CycleResult",
+    "Entry",
+    "EntryStatus",
     "Job",
     "Node",
     "PendingJob",
@@ -35,6 +32,7 @@ __all__ = [
     "PolicyEngine",
     "Preemption",
     "Priority",
+    "Reservation",
     "Snapshot",
     "Start",
     "Team",

@@ -37,11 +37,28 @@ def _fail(message: str) -> None:
     raise typer.Exit(2)
 
 
-def _p95(values: list[float]) -> float:
+def _quantile(values: list[float], q: float) -> float:
+    """The value at rank ``q`` (0..1) of ``values``, nearest rank; 0 for none."""
     if not values:
         return 0.0
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(0.95 * (len(ordered) - 1) + 0.5))]
+    return ordered[min(len(ordered) - 1, int(q * (len(ordered) - 1) + 0.5))]
+
+
+def _p95(values: list[float]) -> float:
+    return _quantile(values, 0.95)
+
+
+def _queue_figures(queue: list[float], waits: list[float]) -> dict[str, float]:
+    """Queue time to the first start (p95, p99, max) and time pending in all, over every stretch
+    in the queue (p99, max): a preempted job waits again."""
+    return {
+        "p95_queue_s": _p95(queue),
+        "p99_queue_s": _quantile(queue, 0.99),
+        "max_queue_s": max(queue, default=0.0),
+        "p99_wait_s": _quantile(waits, 0.99),
+        "max_wait_s": max(waits, default=0.0),
+    }
 
 
 def _run_one(args: tuple[list[TraceJob], str, SimSettings]) -> ReplayResult:
@@ -111,7 +128,14 @@ def replay_cmd(
         "policies": {
             r.policy: {
                 "avg_jct_s": sum(r.jct.values()) / len(r.jct),
-                "p95_queue_s": _p95(list(r.queue.values())),
+                **_queue_figures(list(r.queue.values()), [r.total_wait.get(j, 0.0) for j in r.queue]),
+                "queue_by_team": {
+                    team: _queue_figures(
+                        [q for job_id, q in r.queue.items() if r.team_of[job_id] == team],
+                        [r.total_wait.get(j, 0.0) for j in r.queue if r.team_of[j] == team],
+                    )
+                    for team in sorted(set(r.team_of.values()))
+                },
                 "utilization": r.utilization,
                 "makespan_s": r.makespan_s,
                 "jain_index": r.jain_index,

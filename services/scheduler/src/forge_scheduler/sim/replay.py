@@ -69,6 +69,11 @@ class ReplayResult:
     policy: str
     jct: dict[str, float] = field(default_factory=dict)
     queue: dict[str, float] = field(default_factory=dict)
+    """Seconds from submit to the first start."""
+    longest_wait: dict[str, float] = field(default_factory=dict)
+    """The longest single stretch each job spent pending (submit or preemption to a start)."""
+    total_wait: dict[str, float] = field(default_factory=dict)
+    """All the time each job spent pending, over every stretch."""
     team_of: dict[str, str] = field(default_factory=dict)
     makespan_s: float = 0.0
     utilization: float = 0.0
@@ -110,9 +115,14 @@ def build_teams(trace: Sequence[TraceJob], gpus: int) -> dict[str, Team]:
     return {n: Team(n, {"gpu": share}, None, 1.0, "all") for n in names}
 
 
-def replay(trace: Sequence[TraceJob], policy: str, settings: SimSettings) -> ReplayResult:
-    """Run one policy over the whole trace; returns its per-job outcomes and samples."""
-    config = replace(POLICIES[policy], explain=False)
+def replay(
+    trace: Sequence[TraceJob], policy: str, settings: SimSettings, config: PolicyConfig | None = None
+) -> ReplayResult:
+    """Run one policy over the whole trace; returns its per-job outcomes and samples.
+
+    ``config`` replaces the named policy's knobs (the name still decides whether the baselines'
+    perfect time limits are given)."""
+    config = replace(config or POLICIES[policy], explain=False)
     engine = PolicyEngine(config)
     nodes = build_cluster(settings)
     teams = build_teams(trace, settings.gpus)
@@ -248,7 +258,10 @@ def replay(trace: Sequence[TraceJob], policy: str, settings: SimSettings) -> Rep
             for start in decision.starts:
                 sj = jobs[start.job_id]
                 pending.pop(start.job_id)
-                wait_start.pop(start.job_id, None)
+                waited = now - wait_start.pop(start.job_id, now)
+                if waited > result.longest_wait.get(start.job_id, -1.0):
+                    result.longest_wait[start.job_id] = waited
+                result.total_wait[start.job_id] = result.total_wait.get(start.job_id, 0.0) + waited
                 if sj.first_start is None:
                     sj.first_start = now
                 running[start.job_id] = Allocation(

@@ -24,27 +24,29 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x66orge/common/v1/common.proto\x12\x0f\x66orge.common.v1\"4\n\x0bPageRequest\x12\x11\n\tpage_size\x18\x01 \x01(\r\x12\x12\n\npage_token\x18\x02 \x01(\t\"7\n\x08PageInfo\x12\x17\n\x0fnext_page_token\x18\x01 \x01(\t\x12\x12\n\ntotal_size\x18\x02 \x01(\x04\"]\n\x0fResourceRequest\x12\x11\n\tgpu_count\x18\x01 \x01(\r\x12\x10\n\x08gpu_type\x18\x02 \x01(\t\x12\x12\n\ncpu_millis\x18\x03 \x01(\r\x12\x11\n\tmemory_mb\x18\x04 \x01(\x04\"5\n\x03Gpu\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04type\x18\x02 \x01(\t\x12\x11\n\tmemory_mb\x18\x03 \x01(\x04\")\n\x08ModelRef\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r*\xcd\x01\n\x08JobState\x12\x19\n\x15JOB_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11JOB_STATE_PENDING\x10\x01\x12\x17\n\x13JOB_STATE_SCHEDULED\x10\x02\x12\x15\n\x11JOB_STATE_RUNNING\x10\x03\x12\x17\n\x13JOB_STATE_PREEMPTED\x10\x04\x12\x17\n\x13JOB_STATE_SUCCEEDED\x10\x05\x12\x14\n\x10JOB_STATE_FAILED\x10\x06\x12\x17\n\x13JOB_STATE_CANCELLED\x10\x07*\xa2\x01\n\x10PreferenceChoice\x12!\n\x1dPREFERENCE_CHOICE_UNSPECIFIED\x10\x00\x12\x17\n\x13PREFERENCE_CHOICE_A\x10\x01\x12\x17\n\x13PREFERENCE_CHOICE_B\x10\x02\x12\x19\n\x15PREFERENCE_CHOICE_TIE\x10\x03\x12\x1e\n\x1aPREFERENCE_CHOICE_BOTH_BAD\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x66orge/common/v1/common.proto\x12\x0f\x66orge.common.v1\"4\n\x0bPageRequest\x12\x11\n\tpage_size\x18\x01 \x01(\r\x12\x12\n\npage_token\x18\x02 \x01(\t\"7\n\x08PageInfo\x12\x17\n\x0fnext_page_token\x18\x01 \x01(\t\x12\x12\n\ntotal_size\x18\x02 \x01(\x04\"]\n\x0fResourceRequest\x12\x11\n\tgpu_count\x18\x01 \x01(\r\x12\x10\n\x08gpu_type\x18\x02 \x01(\t\x12\x12\n\ncpu_millis\x18\x03 \x01(\r\x12\x11\n\tmemory_mb\x18\x04 \x01(\x04\"\x81\x01\n\x03Gpu\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04type\x18\x02 \x01(\t\x12\x11\n\tmemory_mb\x18\x03 \x01(\x04\x12\x0c\n\x04uuid\x18\x04 \x01(\t\x12\x12\n\npci_bus_id\x18\x05 \x01(\t\x12\x14\n\x0cnvlink_group\x18\x06 \x01(\r\x12\x12\n\npcie_group\x18\x07 \x01(\r\")\n\x08ModelRef\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"9\n\nJobRouting\x12\x13\n\x0bworkflow_id\x18\x01 \x01(\t\x12\x16\n\x0eskip_auto_eval\x18\x02 \x01(\x08*\xcd\x01\n\x08JobState\x12\x19\n\x15JOB_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11JOB_STATE_PENDING\x10\x01\x12\x17\n\x13JOB_STATE_SCHEDULED\x10\x02\x12\x15\n\x11JOB_STATE_RUNNING\x10\x03\x12\x17\n\x13JOB_STATE_PREEMPTED\x10\x04\x12\x17\n\x13JOB_STATE_SUCCEEDED\x10\x05\x12\x14\n\x10JOB_STATE_FAILED\x10\x06\x12\x17\n\x13JOB_STATE_CANCELLED\x10\x07*\xa2\x01\n\x10PreferenceChoice\x12!\n\x1dPREFERENCE_CHOICE_UNSPECIFIED\x10\x00\x12\x17\n\x13PREFERENCE_CHOICE_A\x10\x01\x12\x17\n\x13PREFERENCE_CHOICE_B\x10\x02\x12\x19\n\x15PREFERENCE_CHOICE_TIE\x10\x03\x12\x1e\n\x1aPREFERENCE_CHOICE_BOTH_BAD\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'forge.common.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_JOBSTATE']._serialized_start=413
-  _globals['_JOBSTATE']._serialized_end=618
-  _globals['_PREFERENCECHOICE']._serialized_start=621
-  _globals['_PREFERENCECHOICE']._serialized_end=783
+  _globals['_JOBSTATE']._serialized_start=549
+  _globals['_JOBSTATE']._serialized_end=754
+  _globals['_PREFERENCECHOICE']._serialized_start=757
+  _globals['_PREFERENCECHOICE']._serialized_end=919
   _globals['_PAGEREQUEST']._serialized_start=49
   _globals['_PAGEREQUEST']._serialized_end=101
   _globals['_PAGEINFO']._serialized_start=103
   _globals['_PAGEINFO']._serialized_end=158
   _globals['_RESOURCEREQUEST']._serialized_start=160
   _globals['_RESOURCEREQUEST']._serialized_end=253
-  _globals['_GPU']._serialized_start=255
-  _globals['_GPU']._serialized_end=308
-  _globals['_MODELREF']._serialized_start=310
-  _globals['_MODELREF']._serialized_end=351
-  _globals['_USAGE']._serialized_start=353
-  _globals['_USAGE']._serialized_end=410
+  _globals['_GPU']._serialized_start=256
+  _globals['_GPU']._serialized_end=385
+  _globals['_MODELREF']._serialized_start=387
+  _globals['_MODELREF']._serialized_end=428
+  _globals['_USAGE']._serialized_start=430
+  _globals['_USAGE']._serialized_end=487
+  _globals['_JOBROUTING']._serialized_start=489
+  _globals['_JOBROUTING']._serialized_end=546
 # @@protoc_insertion_point(module_scope)

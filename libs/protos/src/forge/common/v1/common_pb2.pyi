@@ -193,22 +193,42 @@ class Gpu(_message.Message):
     INDEX_FIELD_NUMBER: _builtins.int
     TYPE_FIELD_NUMBER: _builtins.int
     MEMORY_MB_FIELD_NUMBER: _builtins.int
+    UUID_FIELD_NUMBER: _builtins.int
+    PCI_BUS_ID_FIELD_NUMBER: _builtins.int
+    NVLINK_GROUP_FIELD_NUMBER: _builtins.int
+    PCIE_GROUP_FIELD_NUMBER: _builtins.int
     index: _builtins.int
     """Device index on the node (CUDA ordinal)."""
     type: _builtins.str
     """GPU type, e.g. "H100"; compared with ResourceRequest.gpu_type."""
     memory_mb: _builtins.int
     """Device memory in MiB."""
+    uuid: _builtins.str
+    """The device's UUID as NVML reports it ("GPU-…"); empty when not detected (simulated GPUs)."""
+    pci_bus_id: _builtins.str
+    """PCI bus id ("00000000:1B:00.0"); empty when not detected."""
+    nvlink_group: _builtins.int
+    """GPUs of this node with the same non-zero group reach each other over NVLink (direct or through
+    NVSwitch, NVML's P2P NVLink status); 0: no NVLink peer.
+    """
+    pcie_group: _builtins.int
+    """GPUs of this node with the same non-zero group sit under one PCIe host bridge (NVML's common
+    ancestor at most HOSTBRIDGE); 0: unknown.
+    """
     def __init__(
         self,
         *,
         index: _builtins.int = ...,
         type: _builtins.str = ...,
         memory_mb: _builtins.int = ...,
+        uuid: _builtins.str = ...,
+        pci_bus_id: _builtins.str = ...,
+        nvlink_group: _builtins.int = ...,
+        pcie_group: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["index", b"index", "memory_mb", b"memory_mb", "type", b"type"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["index", b"index", "memory_mb", b"memory_mb", "nvlink_group", b"nvlink_group", "pci_bus_id", b"pci_bus_id", "pcie_group", b"pcie_group", "type", b"type", "uuid", b"uuid"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -265,3 +285,34 @@ class Usage(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Usage: _TypeAlias = Usage  # noqa: Y015
+
+@_typing.final
+class JobRouting(_message.Message):
+    """Typed routing hints of a job: who waits for its state changes and what follows its success.
+    (Older jobs carried these as the free-text labels "workflow_id" and "auto_eval"; readers still
+    fall back to those labels when this is unset.)
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WORKFLOW_ID_FIELD_NUMBER: _builtins.int
+    SKIP_AUTO_EVAL_FIELD_NUMBER: _builtins.int
+    workflow_id: _builtins.str
+    """Workflow that submitted the job and waits for its state changes; empty: none."""
+    skip_auto_eval: _builtins.bool
+    """Do not evaluate the job's checkpoint automatically when it succeeds (the RLHF loop's reward
+    model and policy jobs, sweep trials); false: the orchestrator's automatic evaluation runs.
+    """
+    def __init__(
+        self,
+        *,
+        workflow_id: _builtins.str = ...,
+        skip_auto_eval: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["skip_auto_eval", b"skip_auto_eval", "workflow_id", b"workflow_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___JobRouting: _TypeAlias = JobRouting  # noqa: Y015

@@ -123,6 +123,7 @@ class JobStateChanged(_message.Message):
     REASON_FIELD_NUMBER: _builtins.int
     NODE_NAMES_FIELD_NUMBER: _builtins.int
     LABELS_FIELD_NUMBER: _builtins.int
+    ROUTING_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """Job id."""
     team: _builtins.str
@@ -147,6 +148,10 @@ class JobStateChanged(_message.Message):
     def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """Labels from the job spec (workflows find their jobs by these)."""
 
+    @_builtins.property
+    def routing(self) -> _common_pb2.JobRouting:
+        """The job spec's routing hints (which workflow waits for this event, automatic evaluation)."""
+
     def __init__(
         self,
         *,
@@ -159,10 +164,11 @@ class JobStateChanged(_message.Message):
         reason: _builtins.str = ...,
         node_names: _abc.Iterable[_builtins.str] | None = ...,
         labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        routing: _common_pb2.JobRouting | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["meta", b"meta"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["meta", b"meta", "routing", b"routing"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_id", b"job_id", "labels", b"labels", "meta", b"meta", "name", b"name", "node_names", b"node_names", "previous_state", b"previous_state", "reason", b"reason", "state", b"state", "team", b"team"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_id", b"job_id", "labels", b"labels", "meta", b"meta", "name", b"name", "node_names", b"node_names", "previous_state", b"previous_state", "reason", b"reason", "routing", b"routing", "state", b"state", "team", b"team"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

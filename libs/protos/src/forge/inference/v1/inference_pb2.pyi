@@ -106,7 +106,10 @@ Global___ChatMessage: _TypeAlias = ChatMessage  # noqa: Y015
 
 @_typing.final
 class RagOptions(_message.Message):
-    """Retrieval options for a RAG request."""
+    """Retrieval options for a RAG request over gRPC. Not served yet: the gateway refuses a
+    GenerateRequest that sets them (INVALID_ARGUMENT naming `rag`); RAG is served over HTTP,
+    POST /v1/rag/query.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -222,7 +225,7 @@ class GenerateRequest(_message.Message):
 
     @_builtins.property
     def rag(self) -> Global___RagOptions:
-        """When set, retrieve context from a collection and answer with citations (RAG)."""
+        """Reserved for RAG over gRPC; not served yet: a request that sets it is refused."""
 
     def __init__(
         self,
@@ -292,7 +295,7 @@ class GenerateResponse(_message.Message):
 
     @_builtins.property
     def citations(self) -> _containers.RepeatedCompositeFieldContainer[Global___Citation]:
-        """Context used by a RAG request; set on the first chunk only."""
+        """Context used by a RAG request; always empty until RagOptions are served."""
 
     def __init__(
         self,

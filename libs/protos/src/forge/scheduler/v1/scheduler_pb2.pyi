@@ -178,6 +178,7 @@ class JobSpec(_message.Message):
     MIN_RUNTIME_SECONDS_FIELD_NUMBER: _builtins.int
     CHECKPOINTABLE_FIELD_NUMBER: _builtins.int
     CHECKPOINT_INTERVAL_SECONDS_FIELD_NUMBER: _builtins.int
+    ROUTING_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Human-readable name, e.g. "llama-tiny-pretrain"."""
     team: _builtins.str
@@ -220,6 +221,10 @@ class JobSpec(_message.Message):
     def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """Free-form labels, e.g. workflow_id; copied into JobStateChanged events."""
 
+    @_builtins.property
+    def routing(self) -> _common_pb2.JobRouting:
+        """Typed routing hints, copied onto every JobStateChanged of the job."""
+
     def __init__(
         self,
         *,
@@ -240,10 +245,11 @@ class JobSpec(_message.Message):
         min_runtime_seconds: _builtins.int = ...,
         checkpointable: _builtins.bool = ...,
         checkpoint_interval_seconds: _builtins.int = ...,
+        routing: _common_pb2.JobRouting | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["resources", b"resources"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["resources", b"resources", "routing", b"routing"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_interval_seconds", b"checkpoint_interval_seconds", "checkpointable", b"checkpointable", "command", b"command", "env", b"env", "image", b"image", "kind", b"kind", "labels", b"labels", "max_runtime_seconds", b"max_runtime_seconds", "min_runtime_seconds", b"min_runtime_seconds", "name", b"name", "placement", b"placement", "preemptible", b"preemptible", "priority_class", b"priority_class", "replicas", b"replicas", "resources", b"resources", "same_node_group", b"same_node_group", "team", b"team"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_interval_seconds", b"checkpoint_interval_seconds", "checkpointable", b"checkpointable", "command", b"command", "env", b"env", "image", b"image", "kind", b"kind", "labels", b"labels", "max_runtime_seconds", b"max_runtime_seconds", "min_runtime_seconds", b"min_runtime_seconds", "name", b"name", "placement", b"placement", "preemptible", b"preemptible", "priority_class", b"priority_class", "replicas", b"replicas", "resources", b"resources", "routing", b"routing", "same_node_group", b"same_node_group", "team", b"team"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

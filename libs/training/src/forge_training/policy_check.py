@@ -1,6 +1,6 @@
 """Drift and over-optimisation figures of policy checkpoints against their reference, for RLHF.
 
-``python -m forge_preference_feedback.policy_check --reference DIR --reward-model DIR --pairs
+``python -m forge_training.policy_check --reference DIR --reward-model DIR --pairs
 FILE --out OUT --policy DIR [--policy DIR ...]`` writes ``OUT/summary.json`` with, per policy:
 
 - ``kl``: KL(policy ‖ reference) per response, estimated on responses the policy samples for
@@ -15,7 +15,7 @@ FILE --out OUT --policy DIR [--policy DIR ...]`` writes ``OUT/summary.json`` wit
 
 Gao et al. (2022) plot the gold reward against ``sqrt(KL)``; held-out human agreement plays the
 gold reward here: a proxy reward that rises while agreement falls is over-optimisation.
-Needs the ``rm`` extra (torch, transformers); run as a job on a trainer node.
+Needs torch and transformers; run as a job on a trainer node.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from forge_preference_feedback.rm_eval import Pair, PairsError, RewardModel, fit, read_pairs
+from forge_training.rm_eval import Pair, PairsError, RewardModel, fit, read_pairs
 
 
 class CausalLm:
@@ -191,7 +191,7 @@ def _ids(lm: CausalLm, response: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="forge_preference_feedback.policy_check")
+    parser = argparse.ArgumentParser(prog="forge_training.policy_check")
     parser.add_argument("--policy", type=Path, action="append", required=True, help="policy HF folder")
     parser.add_argument("--reference", type=Path, required=True, help="reference policy HF folder")
     parser.add_argument("--reward-model", type=Path, required=True, help="reward-model HF folder")

@@ -1,0 +1,261 @@
+"""Refusing a recipe configuration that cannot run, before any worker starts: heads not dividing
+the hidden size, a global batch the world size cannot split, a missing or empty corpus or pair
+set, a parent checkpoint that is missing or corrupt; each :class:`~forge_training.schema.RecipeError`
+names the field.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from forge_kit.paths import resolve_data_path
+from forge_training.backbones import BACKBONES, backbone_dir
+from forge_training.schema import (
+    ENCODER_TASKS,
+    INTERVAL_POLICIES,
+    LENGTH_BALANCES,
+    PARALLELISMS,
+    SCHEDULES,
+    TASKS,
+    DpoMonitorConfig,
+    RecipeError,
+    TrainConfig,
+)
+
+
+def _validate_monitor(monitor: DpoMonitorConfig) -> None:
+    if monitor.interval < 0:
+        raise RecipeError(f"dpo.monitor.interval: must be >= 0, got {monitor.interval}")
+    if not (Path(monitor.reward_model) / "config.json").is_file():
+        raise RecipeError(
+            f"dpo.monitor.reward_model: {monitor.reward_model!r} is not a Hugging Face model folder (no config.json)"
+        )
+    for name, low, high in (("window", 1, 100), ("prompts", 1, 1000), ("max_new_tokens", 1, 1024)):
+        value = getattr(monitor, name)
+        if not low <= value <= high:
+            raise RecipeError(f"dpo.monitor.{name}: must be between {low} and {high}, got {value}")
+
+
+def corpus_files(corpus: str, field_name: str = "data.corpus") -> list[Path]:
+    """The text files of a corpus (a file, ``.txt``/``.jsonl``/``.jsonl.gz``, or a directory of
+    ``*.txt``); raises :class:`RecipeError` naming ``field_name`` when there is nothing to read."""
+    path = resolve_data_path(corpus)
+    if path.is_dir():
+        files = sorted(p for p in path.glob("*.txt") if p.is_file())
+    elif path.is_file():
+        files = [path]
+    else:
+        raise RecipeError(f"{field_name}: {corpus!r} does not exist")
+    if not files or all(p.stat().st_size == 0 for p in files):
+        raise RecipeError(f"{field_name}: {corpus!r} is empty")
+    return files
+
+
+def pair_files(path: str, field_name: str = "pairs.path") -> list[Path]:
+    """The ``.jsonl``/``.jsonl.gz`` files of a pair set; :class:`RecipeError` names ``field_name``."""
+    root = resolve_data_path(path)
+    if root.is_dir():
+        files = sorted(p for p in root.rglob("*") if p.is_file() and p.name.endswith((".jsonl", ".jsonl.gz")))
+    elif root.is_file():
+        files = [root]
+    else:
+        raise RecipeError(f"{field_name}: {path!r} does not exist")
+    if not files or all(p.stat().st_size == 0 for p in files):
+        raise RecipeError(f"{field_name}: {path!r} holds no non-empty .jsonl or .jsonl.gz file")
+    return files
+
+
+def validate(config: TrainConfig, world_size: int) -> None:
+    """Refuse a configuration that cannot run on ``world_size`` ranks; names the field."""
+    m, d, o, c = config.model, config.data, config.optim, config.checkpoint
+    positive = {
+        "model.hidden_size": m.hidden_size,
+        "model.intermediate_size": m.intermediate_size,
+        "model.num_layers": m.num_layers,
+        "model.num_heads": m.num_heads,
+        "model.num_kv_heads": m.num_kv_heads,
+        "data.seq_len": d.seq_len,
+        "data.shard_tokens": d.shard_tokens,
+        "global_batch_size": config.global_batch_size,
+        "micro_batch_size": config.micro_batch_size,
+        "max_steps": config.max_steps,
+        "eval_batches": config.eval_batches,
+        "log_interval": config.log_interval,
+        "eval_interval": config.eval_interval,
+        "checkpoint.keep_last": c.keep_last,
+    }
+    for key, value in positive.items():
+        if value <= 0:
+            raise RecipeError(f"{key}: must be positive, got {value}")
+    if world_size <= 0:
+        raise RecipeError(f"world_size: must be positive, got {world_size}")
+    if m.hidden_size % m.num_heads:
+        raise RecipeError(f"model.num_heads: {m.num_heads} does not divide model.hidden_size {m.hidden_size}")
+    if (m.hidden_size // m.num_heads) % 2:
+        raise RecipeError(
+            "model.hidden_size / model.num_heads: the head dimension must be even for rotary embeddings"
+        )
+    if m.num_heads % m.num_kv_heads:
+        raise RecipeError(
+            f"model.num_kv_heads: {m.num_kv_heads} does not divide model.num_heads {m.num_heads}"
+        )
+    if d.vocab_size < 257 or d.vocab_size > 65535:
+        raise RecipeError(
+            f"data.vocab_size: must be in [257, 65535] (byte alphabet + merges, uint16 shards), got {d.vocab_size}"
+        )
+    if not 0.0 < d.val_fraction < 1.0:
+        raise RecipeError(f"data.val_fraction: must be in (0, 1), got {d.val_fraction}")
+    if config.global_batch_size % (world_size * config.micro_batch_size):
+        raise RecipeError(
+            f"global_batch_size: {config.global_batch_size} is not divisible by world_size {world_size} "
+            f"x micro_batch_size {config.micro_batch_size}"
+        )
+    if o.lr <= 0 or o.min_lr < 0 or o.min_lr > o.lr:
+        raise RecipeError(f"optim.min_lr/optim.lr: need 0 <= min_lr <= lr and lr > 0, got {o.min_lr}, {o.lr}")
+    if o.warmup_steps < 0 or o.warmup_steps >= config.max_steps:
+        raise RecipeError(f"optim.warmup_steps: must be in [0, max_steps), got {o.warmup_steps}")
+    if o.schedule not in SCHEDULES:
+        raise RecipeError(f"optim.schedule: one of {', '.join(SCHEDULES)}, got {o.schedule!r}")
+    if not 0.0 <= o.decay_fraction <= 1.0:
+        raise RecipeError(f"optim.decay_fraction: must be in [0, 1], got {o.decay_fraction}")
+    if o.grad_clip < 0:
+        raise RecipeError(f"optim.grad_clip: must be >= 0, got {o.grad_clip}")
+    if config.init.encoder_dropout != -1.0 and not 0.0 <= config.init.encoder_dropout < 1.0:
+        raise RecipeError(f"init.encoder_dropout: must be -1 or in [0, 1), got {config.init.encoder_dropout}")
+    if o.head_lr_scale <= 0:
+        raise RecipeError(f"optim.head_lr_scale: must be positive, got {o.head_lr_scale}")
+    if c.interval_steps < 0:
+        raise RecipeError(f"checkpoint.interval_steps: must be >= 0, got {c.interval_steps}")
+    if c.interval_policy not in INTERVAL_POLICIES:
+        raise RecipeError(
+            f"checkpoint.interval_policy: must be one of {', '.join(INTERVAL_POLICIES)}, got {c.interval_policy!r}"
+        )
+    if c.interval_policy != "steps":
+        if c.mtbf_s <= 0:
+            raise RecipeError(f"checkpoint.mtbf_s: must be positive with the {c.interval_policy!r} policy")
+        if c.interval_steps <= 0:
+            raise RecipeError("checkpoint.interval_steps: must be positive (the first, measured save)")
+    if config.parallelism not in PARALLELISMS:
+        raise RecipeError(
+            f"parallelism: must be one of {', '.join(PARALLELISMS)}, got {config.parallelism!r}"
+        )
+    if d.prefetch_batches < 0:
+        raise RecipeError(f"data.prefetch_batches: must be >= 0, got {d.prefetch_batches}")
+    if config.metrics.peak_flops < 0 or config.metrics.cpu_peak_flops_per_thread <= 0:
+        raise RecipeError("metrics.peak_flops / metrics.cpu_peak_flops_per_thread: must be positive")
+    _validate_task(config)
+
+
+def _validate_reward(config: TrainConfig) -> None:
+    r = config.reward
+    if r.length_corr_weight < 0 or r.length_ortho_weight < 0:
+        raise RecipeError("reward.length_corr_weight / reward.length_ortho_weight: must be >= 0")
+    if config.init.backbone == "parent" and (r.length_head or config.pairs.length_balance != "none"):
+        key = "reward.length_head" if r.length_head else "pairs.length_balance"
+        raise RecipeError(f"{key}: needs a bundled encoder (init.backbone), not a parent")
+    if r.length_head and config.micro_batch_size < 2:
+        raise RecipeError(
+            "reward.length_head: the length correlation needs micro-batches of at least 2 pairs, "
+            f"got micro_batch_size={config.micro_batch_size}"
+        )
+
+
+def _validate_task(config: TrainConfig) -> None:
+    """The task's own inputs: corpora, pair files, the parent checkpoint."""
+    if config.task not in TASKS:
+        raise RecipeError(f"task: must be one of {', '.join(TASKS)}, got {config.task!r}")
+    if config.task in ("pretrain", "cpt"):
+        corpus_files(config.data.corpus)
+    if config.task == "cpt":
+        mix = config.mixture
+        if not 0.0 < mix.general_fraction < 1.0:
+            raise RecipeError(f"mixture.general_fraction: must be in (0, 1), got {mix.general_fraction}")
+        corpus_files(mix.general_corpus, "mixture.general_corpus")
+    if config.task in ("sft", "reward", "dpo"):
+        pair_files(config.pairs.path)
+        if config.pairs.extra_train:
+            pair_files(config.pairs.extra_train, "pairs.extra_train")
+        if config.pairs.length_balance not in LENGTH_BALANCES:
+            raise RecipeError(
+                f"pairs.length_balance: must be one of {', '.join(LENGTH_BALANCES)}, "
+                f"got {config.pairs.length_balance!r}"
+            )
+        if config.pairs.max_pairs < 0:
+            raise RecipeError(f"pairs.max_pairs: must be >= 0, got {config.pairs.max_pairs}")
+        if config.data.seq_len < 8:
+            raise RecipeError(
+                f"data.seq_len: prompt and response need at least 8 tokens, got {config.data.seq_len}"
+            )
+    if config.task == "reward":
+        _validate_reward(config)
+    if config.task == "dpo" and config.dpo.beta <= 0:
+        raise RecipeError(f"dpo.beta: must be positive, got {config.dpo.beta}")
+    if config.task == "dpo" and config.dpo.monitor.interval:
+        _validate_monitor(config.dpo.monitor)
+    if config.task == "rerank":
+        _validate_rerank(config)
+    if config.task == "pretrain":
+        return
+    backbone = config.init.backbone
+    if backbone not in BACKBONES:
+        raise RecipeError(f"init.backbone: must be one of {', '.join(BACKBONES)}, got {backbone!r}")
+    if backbone == "parent" and config.task == "rerank":
+        raise RecipeError(
+            "init.backbone: the 'rerank' task trains a bundled encoder (e.g. minilm), not a parent"
+        )
+    if backbone != "parent":
+        if config.task not in ENCODER_TASKS:
+            raise RecipeError(
+                f"init.backbone: only the {' and '.join(ENCODER_TASKS)} tasks start from a bundled encoder, "
+                f"not {config.task!r}"
+            )
+        if config.init.parent:
+            raise RecipeError(
+                f"init.parent: the {backbone!r} backbone brings its own weights and tokenizer; leave it empty"
+            )
+        try:
+            backbone_dir(backbone)
+        except (FileNotFoundError, ValueError) as exc:
+            raise RecipeError(f"init.backbone: {exc}") from None
+        return
+    if not config.init.parent:
+        raise RecipeError(
+            f"init.parent: the {config.task!r} task starts from a parent checkpoint "
+            "(a Hugging Face directory or a Forge manifest.json); none given"
+        )
+    from forge_training.parents import ParentError, check_parent  # torch: import late
+
+    try:
+        check_parent(config.init.parent)
+    except ParentError as exc:
+        raise RecipeError(f"init.parent: {exc}") from None
+
+
+def _validate_rerank(config: TrainConfig) -> None:
+    r = config.rerank
+    for key, value in {
+        "rerank.groups_per_dataset": r.groups_per_dataset,
+        "rerank.negatives": r.negatives,
+        "rerank.negative_depth": r.negative_depth,
+    }.items():
+        if value <= 0:
+            raise RecipeError(f"{key}: must be positive, got {value}")
+    if r.negative_depth < r.negatives:
+        raise RecipeError(
+            f"rerank.negative_depth: {r.negative_depth} cannot yield {r.negatives} negatives (rerank.negatives)"
+        )
+    if r.positive_depth < 0:
+        raise RecipeError(f"rerank.positive_depth: must be >= 0, got {r.positive_depth}")
+    if config.data.seq_len < 16:
+        raise RecipeError(
+            f"data.seq_len: a query and a passage need at least 16 tokens, got {config.data.seq_len}"
+        )
+    if not r.names():
+        raise RecipeError("rerank.datasets: names no dataset")
+    for name in r.names():
+        folder = resolve_data_path(r.root) / name
+        for part in ("corpus.jsonl", "queries.jsonl", "qrels/train.tsv"):
+            if not (folder / part).is_file():
+                raise RecipeError(
+                    f"rerank.datasets: {str(folder)!r} has no {part} (a BEIR folder with a train split)"
+                )

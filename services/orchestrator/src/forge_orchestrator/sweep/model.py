@@ -1,0 +1,102 @@
+"""The ``sweep`` workflow's signals, inputs, trials and result (plain data: Temporal carries them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from forge_kit.jobcmd import TrainCommand
+from forge_orchestrator.identity import Caller
+
+#: Signal carrying one value of a trial's metric.
+METRIC_SIGNAL = "trial_metric"
+#: Memo key holding the name of the metric a sweep follows (read by the metrics consumer).
+MEMO_METRIC = "forge_sweep_metric"
+#: Job labels naming a trial's sweep and index (the tracking consumer files its MLflow run under
+#: the sweep's parent run by them).
+SWEEP_LABEL = "sweep_id"
+TRIAL_LABEL = "trial"
+#: Label of a promoted trial's job: the first job of the trial, whose checkpoints it resumes
+#: (``--run-id``) and whose MLflow run it continues.
+RESUMES_LABEL = "resumes_job"
+ACTIVE = ("pending", "running", "preempted", "finishing")
+
+
+@dataclass
+class TrialMetric:
+    """Payload of ``trial_metric``: the followed metric of a trial's job at ``step``."""
+
+    job_id: str
+    step: int
+    value: float
+    event_id: str = ""
+
+
+@dataclass
+class SweepInput:
+    space: str
+    """The space file's text (YAML; see :mod:`forge_kit.sweepspace`)."""
+    team: str = ""
+    """Team the trials are submitted for (the space's ``team``, which must agree when set)."""
+    python: str = "python"
+    """Interpreter on the nodes that runs the training entry point (:class:`forge_kit.jobcmd.TrainCommand`)."""
+    final_metric_wait_s: float = 60.0
+    """How long a succeeded trial waits for its value at the full budget (it travels on another
+    topic than the job's end) before its last value counts."""
+    max_infra_retries: int = 3
+    """Lost nodes per trial before it is given up (preemptions do not count)."""
+    caller: Caller | None = None
+    """Who started the sweep (set by the orchestrator from the caller's token); None: an admin."""
+
+
+@dataclass
+class Trial:
+    index: int
+    config: int
+    """Configuration index (trials of one configuration differ by seed)."""
+    params: dict[str, Any]
+    seed: int | None = None
+    job_id: str = ""
+    state: str = "pending"
+    """pending, running, preempted, finishing (succeeded, final value not yet seen), paused (at
+    a rung, ASHA's promotion form: its job ended with a checkpoint; promoted, it runs again as a
+    new job resuming it), completed, stopped, failed, timed_out, cancelled."""
+    reason: str = ""
+    values: list[list[float]] = field(default_factory=list)
+    """[step, value] of the followed metric, in arrival order."""
+    final: float | None = None
+    stopped_at: int | None = None
+    preemptions: int = 0
+    infra_retries: int = 0
+    submitted_at: float = 0.0
+    running_since: float | None = None
+    last_metric_at: float | None = None
+    finishing_since: float | None = None
+    gpu_seconds: float = 0.0
+    run_id: str = ""
+    first_job_id: str = ""
+    """The trial's first job: every later job of the trial resumes its checkpoints."""
+    jobs: int = 0
+    """Jobs submitted for the trial (one more per promotion out of a pause)."""
+
+
+@dataclass
+class SweepResult:
+    name: str
+    metric: str
+    mode: str
+    rungs: list[int]
+    trials: list[Trial]
+    best_trial: int | None = None
+    best_metric: float | None = None
+    gpu_hours: float = 0.0
+    ignored_metrics: int = 0
+    budget_exhausted: str = ""
+    parent_run_id: str = ""
+    summary: dict[str, Any] = field(default_factory=dict)
+    """What the progress query answers, less the trials (the report reads both)."""
+
+
+def trial_command(python: str, recipe: str, overrides: dict[str, Any]) -> list[str]:
+    """The command line of one trial's job (:class:`forge_kit.jobcmd.TrainCommand`)."""
+    return TrainCommand.with_values(recipe, overrides, python).argv()
