@@ -56,6 +56,11 @@ class RlhfInput:
     """Accepted preferences on the round's own comparisons before it trains."""
     min_raters: int = 1
     """Distinct raters (not flagged by rater quality) who must have answered the round's comparisons."""
+    shadow_alias: str = ""
+    """The gateway alias whose canary shadow pairs (:mod:`.rlhf_shadow`) the round also queues for
+    raters, when that alias has a shadow; empty: ``sample_model`` when it is an alias name."""
+    shadow_pairs: int = 100
+    """Shadow pairs read per round, at most (1-500); 0: none."""
     # --- training ---
     heldout_fraction: float = 0.1
     reward_model_name: str = "rm-rlhf"
@@ -124,6 +129,8 @@ class RoundRecord:
     """Online rounds: prompts drawn by part of the pool (``dataset``, ``production``)."""
     queued: int = 0
     """Online rounds: comparisons of the policy's samples queued for raters."""
+    shadow_queued: int = 0
+    """Online rounds: comparisons of canary shadow pairs queued under the same batch."""
     new_pairs: int = 0
     snapshot_id: str = ""
     snapshot_uri: str = ""
