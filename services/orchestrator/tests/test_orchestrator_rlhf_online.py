@@ -20,6 +20,7 @@ raters as ``policy`` comparisons.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sqlite3
 import sys
 import uuid
@@ -33,6 +34,7 @@ import pytest
 from forge.feedback.v1 import feedback_pb2, feedback_pb2_grpc
 from temporalio.client import Client
 from temporalio.exceptions import ApplicationError
+from temporalio.service import RPCError
 from temporalio.worker import Replayer
 
 from forge_kit.grpckit import make_channel
@@ -261,22 +263,26 @@ async def test_answers_to_the_policy_samples_let_the_round_train(
         pool = RaterPool(feedback[0].grpc_target, FEEDBACK_TOKEN, raters=3, dwell_s=0.0)
         stop = asyncio.Event()
         raters = asyncio.create_task(pool.run(stop))
+        # Once the answers are in, the round leaves the wait for the reward-model job. With no
+        # agent here it moves on (and may end) soon after, so the test reads the first progress
+        # past the wait rather than expecting to catch one step.
+        progress: dict[str, Any] = {}
         try:
-            for _ in range(300):
-                step = str((await handle.query(PROGRESS_QUERY))["step"])
-                if "training reward model" in step:
+            for _ in range(600):
+                progress = await handle.query(PROGRESS_QUERY)
+                if "waiting for raters" not in str(progress["step"]):
                     break
-                await asyncio.sleep(0.2)
+                await asyncio.sleep(0.1)
         finally:
             stop.set()
             answered = await raters
         assert answered >= 3 and len(pool.answered) == 3 and not pool.errors
-        progress = await handle.query(PROGRESS_QUERY)
         (record,) = progress["rounds"]
-        assert "training reward model" in progress["step"], progress
-        assert record["status"] == "running" and record["new_pairs"] >= 3 and record["snapshot_id"]
+        assert record["status"] != "stalled", progress
+        assert record["new_pairs"] >= 3 and record["snapshot_id"], progress
     finally:
-        await handle.terminate("test: the training path is test_orchestrator_rlhf.py's")
+        with contextlib.suppress(RPCError):  # already ended by itself
+            await handle.terminate("test: the training path is test_orchestrator_rlhf.py's")
 
 
 async def test_canary_shadow_pairs_are_queued_once_with_origin_shadow(
