@@ -8,7 +8,8 @@ rung at step 100), waits until a trial has sent its first ``val_loss``, and then
 
 1. kill -9s the orchestrator process and starts it again in place;
 2. kills the MLflow server and starts it again after a few seconds away;
-3. restarts the broker (memory storage: it comes back empty).
+3. stops the broker and starts it again after a few seconds (memory storage: it comes back
+   empty; what was staged meanwhile waits in the services' outboxes).
 
 Afterwards it counts end to end:
 
@@ -38,6 +39,7 @@ from typing import Any
 
 import pytest
 from fault_platform import (
+    AGENT_TOKEN,
     ORCHESTRATOR_TOKEN,
     SCHEDULER_TOKEN,
     Platform,
@@ -104,6 +106,8 @@ def sweep_platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SweepPl
             orchestrator_env={
                 "FORGE_ORCHESTRATOR_MLFLOW_URI": mlflow.url,
                 "FORGE_ORCHESTRATOR_OBJECT_STORE_URL": str(root / "objects"),
+                # Metrics the broker lost are read again from the agent's outbox.
+                "FORGE_ORCHESTRATOR_TRAINER_AGENT_TOKEN": AGENT_TOKEN,
             },
         )
     except BaseException:
@@ -116,6 +120,11 @@ def sweep_platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SweepPl
         agent.stop()
         stop_platform(platform)
         mlflow.stop()
+
+
+def lines_on_node(root: Path) -> int:
+    """Metric lines every job on the node has written so far."""
+    return sum(len(p.read_text().splitlines()) for p in (root / NODE / "runs").glob("*/metrics.jsonl"))
 
 
 def written(root: Path, job_id: str) -> list[dict[str, Any]]:
@@ -157,6 +166,7 @@ async def run_sweep_through(sp: SweepPlatform, name: str, fault: Callable[[], fl
                 break
             assert time.monotonic() < deadline, f"no trial metric before the fault: {progress}"
             await asyncio.sleep(0.3)
+    before = lines_on_node(platform.root)
     recovery_s = await asyncio.to_thread(fault)
     # The orchestrator may be the one restarted: a new channel for the wait.
     async with make_channel(platform.orchestrator.grpc_target, token=ORCHESTRATOR_TOKEN) as och:
@@ -170,6 +180,9 @@ async def run_sweep_through(sp: SweepPlatform, name: str, fault: Callable[[], fl
     assert got.status == orchestrator_pb2.WORKFLOW_STATUS_COMPLETED, got.error
     result = json_format.MessageToDict(got.result)
     result["recovery_s"] = recovery_s
+    # The fault came mid-sweep: the trials went on writing metrics after it.
+    result["lines_after_fault"] = lines_on_node(platform.root) - before
+    assert result["lines_after_fault"] > 0
     result["workflow_id"] = started.workflow_id
     return result
 
@@ -229,7 +242,8 @@ async def assert_nothing_lost(sp: SweepPlatform, result: dict[str, Any], name: s
     steps = sum(c["loss"] + c["val_loss"] for c in counts.values())
     print(
         f"\nfault {name} mid-sweep: recovered in {result['recovery_s']:.1f}s; trials {states}; "
-        f"{steps} metric steps in MLflow = written; ignored metrics {result.get('ignored_metrics', 0)}; "
+        f"{steps} metric steps in MLflow = written ({result['lines_after_fault']} lines written after "
+        f"the fault); ignored metrics {result.get('ignored_metrics', 0)}; "
         f"dead letters 0"
     )
 
@@ -270,6 +284,7 @@ async def test_broker_restart_mid_sweep_loses_no_metric(sweep_platform: SweepPla
     def restart_broker() -> float:
         broker.stop()
         stopped = time.monotonic()
+        time.sleep(3)  # away for a while: the agent stages metrics meanwhile
         broker.start()
         asyncio.run(ensure_topics(broker.bootstrap))
         return time.monotonic() - stopped
