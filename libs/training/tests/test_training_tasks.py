@@ -132,6 +132,24 @@ def test_continual_pretraining_from_a_manifest_logs_forgetting_and_resumes_exact
     # Killed after step 3 (checkpoint at 2, prefetch 3 steps ahead) and resumed: the same curve.
     killed = train(config, _ctx(tmp_path / "resumed", stop_after_step=3))
     assert killed.outcome == "stopped"
+    # Another run started from the killed one's newest checkpoint (a sweep trial promoted after a
+    # pause): the same curve from there on, its checkpoints under its own id, the source untouched.
+    store = ObjectStore(str(tmp_path / "resumed" / "objects"))
+    before = sorted(store.list("checkpoints/run"))
+    promoted = train(
+        config,
+        RunContext(
+            run_id="promoted",
+            run_dir=tmp_path / "promoted" / "run",
+            store=store,
+            cache_dir=tmp_path / "promoted" / "cache",
+            resume_from="run",
+        ),
+    )
+    assert sorted(promoted.losses) == [3, 4, 5, 6]
+    assert all(loss == full.losses[step] for step, loss in promoted.losses.items())
+    assert sorted(store.list("checkpoints/run")) == before
+    assert any("/step-00000006/" in key for key in store.list("checkpoints/promoted"))
     resumed = train(config, _ctx(tmp_path / "resumed"))
     assert sorted(resumed.losses) == [3, 4, 5, 6]
     for step, loss in resumed.losses.items():

@@ -2,7 +2,12 @@
 ``CheckpointPublished`` on the broker; the real orchestrator (a process) routes it to an
 eval-and-promote workflow on the Temporal dev server; the real eval service (a process) runs the
 release suite on a model server it starts from the checkpoint; the step, found through the
-``forge.main_job`` entry points as ``forge up`` finds it, waits for that workflow and reports it."""
+``forge.main_job`` entry points as ``forge up`` finds it, waits for that workflow and reports it.
+
+The platform also has a model server and an inference gateway (processes) that follows eval's
+``ModelPromoted`` events, whose metrics the orchestrator's guarded canary watches: a step that is
+not told about them sends no traffic and its canary is rolled back; a step that is serves the
+canary and chats through the gateway, and the canary is promoted on that evidence."""
 
 from __future__ import annotations
 
@@ -27,6 +32,8 @@ from forge_kit.testing import ServiceProcess, TansuBroker, TemporalDevServer, ev
 from forge_kit.testing.processes import free_port
 
 EVAL_TOKEN = "eval-main-job-token"
+SERVER_TOKEN = "model-server-main-job-token"
+GATEWAY_TOKEN = "gateway-main-job-token"
 ORCHESTRATOR_TOKEN = "orchestrator-main-job-token"
 #: The release suite of this test: held-out tinyshakespeare perplexity, 6 documents, each scored in
 #: windows that fit the checkpoint's 32-token context.
@@ -36,23 +43,70 @@ RELEASE = {"RELEASE_SUITE": "tinyshakespeare_ppl", "RELEASE_LIMIT": "6"}
 @pytest.fixture(scope="module")
 def platform(
     kafka_broker: TansuBroker, temporal_server: TemporalDevServer, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[ServiceProcess, ServiceProcess]]:
-    """The eval service and an orchestrator whose consumer routes checkpoints to eval-and-promote."""
+) -> Iterator[dict[str, ServiceProcess]]:
+    """The eval service (publishing ``ModelPromoted``), an empty model server, a gateway in front
+    of it following the promotions, and an orchestrator whose consumer routes checkpoints to
+    eval-and-promote and whose guarded canary reads the gateway's metrics."""
     asyncio.run(ensure_topics(kafka_broker.bootstrap))
     data = tmp_path_factory.mktemp("main-job")
-    evals = ServiceProcess(
-        "forge_eval",
-        env={
-            "FORGE_EVAL_GRPC_PORT": "0",
-            "FORGE_EVAL_HTTP_PORT": "0",
-            "FORGE_EVAL_DATA_DIR": str(data / "eval"),
-            "FORGE_EVAL_KAFKA_ENABLED": "false",
-            "FORGE_EVAL_AUTH_TOKEN": EVAL_TOKEN,
-            "FORGE_EVAL_RESPONSE_CACHE_PATH": str(data / "eval" / "cache.sqlite"),
-        },
-        log_path=str(data / "eval.log"),
-    ).start()
     suffix = data.name[-8:]
+    (data / "models").mkdir()
+    started: list[ServiceProcess] = []
+
+    def start(process: ServiceProcess) -> ServiceProcess:
+        started.append(process)
+        return process.start(60)
+
+    evals = start(
+        ServiceProcess(
+            "forge_eval",
+            env={
+                "FORGE_EVAL_GRPC_PORT": "0",
+                "FORGE_EVAL_HTTP_PORT": "0",
+                "FORGE_EVAL_DATA_DIR": str(data / "eval"),
+                "FORGE_EVAL_KAFKA_BOOTSTRAP": kafka_broker.bootstrap,
+                **eventkeys.service_env("eval"),
+                "FORGE_EVAL_AUTH_TOKEN": EVAL_TOKEN,
+                "FORGE_EVAL_RESPONSE_CACHE_PATH": str(data / "eval" / "cache.sqlite"),
+            },
+            log_path=str(data / "eval.log"),
+        )
+    )
+    server = start(
+        ServiceProcess(
+            "forge_model_server",
+            env={
+                "FORGE_MODEL_SERVER_GRPC_PORT": "0",
+                "FORGE_MODEL_SERVER_HTTP_PORT": "0",
+                "FORGE_MODEL_SERVER_AUTH_TOKEN": SERVER_TOKEN,
+                "FORGE_MODEL_SERVER_MODELS_DIR": str(data / "models"),
+                "FORGE_MODEL_SERVER_KAFKA_ENABLED": "false",
+                "FORGE_MODEL_SERVER_TORCH_THREADS": "1",
+            },
+            cwd=str(data),
+            log_path=str(data / "model_server.log"),
+        )
+    )
+    gateway = start(
+        ServiceProcess(
+            "forge_inference_gateway",
+            env={
+                "FORGE_INFERENCE_GATEWAY_GRPC_PORT": "0",
+                "FORGE_INFERENCE_GATEWAY_HTTP_PORT": "0",
+                "FORGE_INFERENCE_GATEWAY_AUTH_TOKEN": GATEWAY_TOKEN,
+                "FORGE_INFERENCE_GATEWAY_DATA_DIR": str(data / "gateway"),
+                "FORGE_INFERENCE_GATEWAY_KAFKA_BOOTSTRAP": kafka_broker.bootstrap,
+                "FORGE_INFERENCE_GATEWAY_MODEL_SERVER_URL": server.http_url,
+                "FORGE_INFERENCE_GATEWAY_MODEL_SERVER_TOKEN": SERVER_TOKEN,
+                # the default tenant, as whom the platform's own token (the steps') chats
+                "FORGE_INFERENCE_GATEWAY_BOOTSTRAP_API_KEY": "main-job-default-key",
+                "FORGE_INFERENCE_GATEWAY_RESPONSE_CACHE_TTL_S": "0",
+                **eventkeys.service_env("inference_gateway"),
+            },
+            cwd=str(data),
+            log_path=str(data / "gateway.log"),
+        )
+    )
     orchestrator = ServiceProcess(
         "forge_orchestrator",
         env={
@@ -63,8 +117,9 @@ def platform(
             "FORGE_ORCHESTRATOR_KAFKA_BOOTSTRAP": kafka_broker.bootstrap,
             "FORGE_ORCHESTRATOR_TEMPORAL_TARGET": temporal_server.target,
             "FORGE_ORCHESTRATOR_TASK_QUEUE": f"main-job-{suffix}",
-            # forge up's canary policy (a window of seconds); no gateway is watched here.
+            # forge up's canary policy (a window of seconds) on the gateway's metrics.
             "FORGE_ORCHESTRATOR_CANARY_POLICY": "local",
+            "FORGE_ORCHESTRATOR_GATEWAY_METRICS_URLS": f'["{gateway.http_url}/metrics"]',
             "FORGE_ORCHESTRATOR_CONSUMER_GROUP": f"main-job-{suffix}",
             "FORGE_ORCHESTRATOR_CONSUMER_SESSION_TIMEOUT_MS": "3000",
             **eventkeys.service_env("orchestrator"),
@@ -76,24 +131,36 @@ def platform(
         log_path=str(data / "orchestrator.log"),
     )
     try:
-        orchestrator.start()
-        yield evals, orchestrator
+        start(orchestrator)
+        yield {
+            "eval": evals,
+            "orchestrator": orchestrator,
+            "model_server": server,
+            "inference_gateway": gateway,
+        }
     finally:
-        orchestrator.stop()
-        evals.stop()
+        for process in reversed(started):
+            process.stop()
+
+
+TOKENS = {
+    "eval": EVAL_TOKEN,
+    "orchestrator": ORCHESTRATOR_TOKEN,
+    "model_server": SERVER_TOKEN,
+    "inference_gateway": GATEWAY_TOKEN,
+}
 
 
 def context(
-    evals: ServiceProcess, orchestrator: ServiceProcess, results: dict[str, dict[str, object]]
+    platform: dict[str, ServiceProcess], results: dict[str, dict[str, object]], *, traffic: bool = False
 ) -> MainJobContext:
-    def endpoint(name: str, process: ServiceProcess, token: str) -> ServiceEndpoint:
-        return ServiceEndpoint(name, process.grpc_target, process.http_url, token)
-
+    """The step's context: eval and the orchestrator, and with ``traffic`` the model server and
+    the gateway too (a platform without them sends the canary no traffic)."""
+    names = [*TOKENS] if traffic else ["eval", "orchestrator"]
     return MainJobContext(
         root=Path.cwd(),
         services={
-            "eval": endpoint("eval", evals, EVAL_TOKEN),
-            "orchestrator": endpoint("orchestrator", orchestrator, ORCHESTRATOR_TOKEN),
+            n: ServiceEndpoint(n, platform[n].grpc_target, platform[n].http_url, TOKENS[n]) for n in names
         },
         kafka_bootstrap="",
         temporal_target="",
@@ -129,13 +196,14 @@ async def publish_checkpoint(bootstrap: str, run_id: str, step: int, checkpoint:
 
 @pytest.mark.integration
 async def test_the_trained_checkpoint_is_evaluated_and_promoted(
-    platform: tuple[ServiceProcess, ServiceProcess], kafka_broker: TansuBroker, tmp_path: Path
+    platform: dict[str, ServiceProcess], kafka_broker: TansuBroker, tmp_path: Path
 ) -> None:
     """The first checkpoint has no production model to beat and is promoted; the next one, trained
     on the corpus, is compared with it on the same documents, beats it and goes to canary (as a
     second ``forge up`` does with the model the first one trained) — where, with no traffic
-    through a gateway in the local policy's window, the guarded canary rolls it back."""
-    evals, orchestrator = platform
+    through the gateway in the local policy's window, the guarded canary rolls it back; the one
+    after, with the step chatting through the gateway, is promoted by the canary."""
+    evals = platform["eval"]
     [eval_step] = [s for s in mainjob.discover() if s.name == "eval"]
     assert eval_step.order == 60
 
@@ -143,7 +211,7 @@ async def test_the_trained_checkpoint_is_evaluated_and_promoted(
     train = await publish_checkpoint(kafka_broker.bootstrap, "run-7", 10, checkpoint)
     started = time.monotonic()
     [outcome] = await mainjob.run(
-        [eval_step], context(evals, orchestrator, {"train": train}), Console(file=io.StringIO())
+        [eval_step], context(platform, {"train": train}), Console(file=io.StringIO())
     )
     assert outcome.ok, outcome.error
     assert time.monotonic() - started < eval_step.timeout_s
@@ -170,7 +238,7 @@ async def test_the_trained_checkpoint_is_evaluated_and_promoted(
     trained = train_tiny_checkpoint(make_tiny_checkpoint(tmp_path / "run-8" / "hf", context=32), steps=30)
     train = await publish_checkpoint(kafka_broker.bootstrap, "run-8", 30, trained)
     [outcome] = await mainjob.run(
-        [eval_step], context(evals, orchestrator, {"train": train}), Console(file=io.StringIO())
+        [eval_step], context(platform, {"train": train}), Console(file=io.StringIO())
     )
     assert outcome.ok, outcome.error
     second = outcome.result
@@ -178,7 +246,9 @@ async def test_the_trained_checkpoint_is_evaluated_and_promoted(
     assert second["verdict"] == "BETTER" and second["decision"] == "rolled_back"
     assert second["promoted_to"] == ["canary"] and "too little traffic" in str(second["blocked_reason"])
     assert str(second["canary"]).startswith("rollback by analysis after ")
-    assert "0 canary requests (local@1)" in str(second["canary"])
+    assert "0 canary requests (local@2)" in str(second["canary"])
+    assert second["canary_traffic"] == "no gateway in this platform"
+    assert second["canary_evidence"]["requests"] == {"canary": 0, "production": 0}
     scores = second["scores"]
     assert isinstance(scores, dict) and scores["bits_per_byte"] < low  # below the random model's interval
     assert "comparison" in Path(str(second["report"])).name
@@ -189,3 +259,29 @@ async def test_the_trained_checkpoint_is_evaluated_and_promoted(
     assert [(m.ref.name, m.ref.version) for m in production] == [("run-7", "step-10")]
     # production was scored again on the same documents (its answers came from the response cache)
     assert len(baseline_runs) == 2 and {r.example_count for r in baseline_runs} == {6}
+
+    # A third checkpoint, trained: to canary again, and now the step serves it and chats through
+    # the gateway (a new user per request) until the analysis decides: promoted on the evidence.
+    trained = train_tiny_checkpoint(make_tiny_checkpoint(tmp_path / "run-9" / "hf", context=32), steps=30)
+    train = await publish_checkpoint(kafka_broker.bootstrap, "run-9", 30, trained)
+    [outcome] = await mainjob.run(
+        [eval_step], context(platform, {"train": train}, traffic=True), Console(file=io.StringIO())
+    )
+    assert outcome.ok, outcome.error
+    third = outcome.result
+    assert third["model"] == "run-9:step-30" and third["verdict"] == "BETTER", third
+    sent = third["canary_traffic"]
+    assert (
+        isinstance(sent, dict) and sent["canary"] == "run-9:step-30" and sent["production"] == "run-7:step-10"
+    )
+    answered = sent["answered_by"]
+    assert set(answered) == {"run-9:step-30", "run-7:step-10"}, f"{sent}"  # the sticky split by user
+    assert third["decision"] == "promoted" and third["promoted_to"] == ["canary", "production"], third
+    assert str(third["canary"]).startswith("promote by analysis after ")
+    evidence = third["canary_evidence"]
+    assert evidence["requests"]["canary"] >= 15 and evidence["requests"]["production"] >= 15
+    assert evidence["p_values"]["errors"]["noninf_p"] <= 0.05  # the local policy's beta
+    async with make_channel(evals.grpc_target, token=EVAL_TOKEN) as channel:
+        stub = eval_pb2_grpc.EvalServiceStub(channel)
+        production = (await stub.ListModels(eval_pb2.ListModelsRequest(stage="production"))).models
+    assert [(m.ref.name, m.ref.version) for m in production] == [("run-9", "step-30")]

@@ -32,9 +32,12 @@ DONE = {"train": {"checkpoint_uri": CHECKPOINT}, "chat": {"trained_model": "main
 
 
 def context(tmp_path: Path, results: dict[str, Any], target: str = "127.0.0.1:1") -> Any:
-    endpoint = SimpleNamespace(grpc_target=target, token=TOKEN)
+    endpoint = SimpleNamespace(grpc_target=target, http_url="http://127.0.0.1:1", token=TOKEN)
     return SimpleNamespace(
-        results=results, object_store_url=str(tmp_path / "objects"), endpoint=lambda name: endpoint
+        results=results,
+        object_store_url=str(tmp_path / "objects"),
+        root=tmp_path,
+        endpoint=lambda name: endpoint,
     )
 
 

@@ -4,14 +4,15 @@ exists, is small enough for ``forge up`` and has rungs to stop trials at; its ta
 from __future__ import annotations
 
 from forge_kit import sweepspace
-from forge_orchestrator.main_job_sweep import SPACE, _trial_row, sweep
+from forge_orchestrator.main_job import TEAM as TRAIN_TEAM
+from forge_orchestrator.main_job_sweep import SPACE, TEAM, _trial_row, sweep
 from forge_orchestrator.sweep.service import validate_sweep
 from forge_orchestrator.sweep.workflow import SweepInput
 
 
 def test_the_space_passes_the_api_checks_and_has_rungs_to_stop_trials_at() -> None:
     space = sweepspace.parse(SPACE)
-    validate_sweep(SweepInput(space=SPACE, team="research"))  # what the orchestrator checks
+    validate_sweep(SweepInput(space=SPACE, team=TEAM))  # what the orchestrator checks
     assert space.recipe == "shakespeare_tiny" and space.early_stopping.rule == "asha"
     assert space.early_stopping.form == "promotion" and space.rungs() == [5, 15]
     assert len(space.configurations()) == 6 and space.max_steps * 6 <= 300
@@ -23,3 +24,9 @@ def test_trial_rows_say_where_a_trial_stopped_or_how_it_ended() -> None:
     done = {"params": {"optim.lr": 0.004}, "state": "completed", "final": 4.12345}
     assert _trial_row(stopped) == "hidden_size=64, lr=0.016: stopped at step 5"
     assert _trial_row(done) == "lr=0.004: completed, val_loss 4.123"
+
+
+def test_the_sweep_runs_as_the_train_steps_team_whose_quota_covers_the_agents_gpus() -> None:
+    # A team without a quota (guarantee 0, borrowing 0) would leave every trial queued.
+    assert TEAM == TRAIN_TEAM
+    assert sweepspace.parse(SPACE).team == TEAM

@@ -9,6 +9,9 @@ raters as ``policy`` comparisons.
   ``stalled`` at its deadline (not hung), with the counts, in the result and in the feedback
   service's round record. Its queue holds the policy's samples of the pool's prompts: the
   opted-in tenant's prompt is among them, the other tenant's never.
+- ``test_canary_shadow_pairs_are_queued_once_with_origin_shadow``: the gateway mirrors an
+  alias's requests to its shadow; the shadow-pairs activity queues the stored pairs as ``shadow``
+  comparisons, nothing while the alias has no shadow, each pair once (cursor and keys).
 - ``test_answers_to_the_policy_samples_let_the_round_train``: raters answer the round's
   comparisons (the main job's rule-based rater pool) while it waits; once enough are accepted it snapshots and starts training the
   reward model (the test stops it there: the training path is ``test_orchestrator_rlhf.py``'s).
@@ -29,6 +32,7 @@ import openai
 import pytest
 from forge.feedback.v1 import feedback_pb2, feedback_pb2_grpc
 from temporalio.client import Client
+from temporalio.exceptions import ApplicationError
 from temporalio.worker import Replayer
 
 from forge_kit.grpckit import make_channel
@@ -40,6 +44,7 @@ from forge_orchestrator.main_job_raters import RaterPool
 from forge_orchestrator.rlhf import RLHF_WORKFLOWS, RlhfInput, RlhfResult
 from forge_orchestrator.rlhf_activities import RlhfActivities
 from forge_orchestrator.rlhf_sampling import RlhfSampler
+from forge_orchestrator.rlhf_shadow import ShadowInput, ShadowPairs
 from forge_orchestrator.rlhf_worker import build_rlhf_worker, rlhf_task_queue
 from forge_orchestrator.workflows import PROGRESS_QUERY
 
@@ -272,3 +277,63 @@ async def test_answers_to_the_policy_samples_let_the_round_train(
         assert record["status"] == "running" and record["new_pairs"] >= 3 and record["snapshot_id"]
     finally:
         await handle.terminate("test: the training path is test_orchestrator_rlhf.py's")
+
+
+async def test_canary_shadow_pairs_are_queued_once_with_origin_shadow(
+    gateway: ServiceProcess, feedback: tuple[ServiceProcess, Path]
+) -> None:
+    admin = {"Authorization": f"Bearer {GATEWAY_TOKEN}"}
+    shadows = ShadowPairs(gateway.http_url, GATEWAY_TOKEN, feedback[0].grpc_target, FEEDBACK_TOKEN)
+    alias, batch = "tiny-shadowed", "shadow-test/r1"
+    async with httpx.AsyncClient(base_url=gateway.http_url, headers=admin, timeout=30) as http:
+        made = await http.put(f"/admin/v1/aliases/{alias}", json={"model": {"name": "tiny"}})
+        assert made.status_code == 200, made.text
+        # No shadow on the alias: nothing to queue.
+        none = await shadows.queue_shadow_pairs(ShadowInput(batch, alias))
+        assert (none.shadowed, none.queued, none.next_after_id) == (False, 0, 0)
+        shadow = await http.put(
+            f"/admin/v1/aliases/{alias}/shadow", json={"model": {"name": "tiny"}, "percent": 100}
+        )
+        assert shadow.status_code == 200, shadow.text
+        async with openai.AsyncOpenAI(
+            base_url=f"{gateway.http_url}/v1", api_key=DEFAULT_KEY, max_retries=2, timeout=60
+        ) as sdk:
+            for n in range(6):
+                reply = await sdk.chat.completions.create(
+                    model=alias,
+                    messages=[{"role": "user", "content": f"Tell me about the sea, number {n}."}],
+                    max_tokens=8,
+                    temperature=1.0,
+                    user=f"shadow-user-{n}",
+                )
+                assert reply.choices[0].message.content is not None
+        for _ in range(120):  # the mirror runs after each answer went back
+            stored = (await http.get("/admin/v1/shadow/pairs", params={"alias": alias})).json()["pairs"]
+            if len(stored) == 6:
+                break
+            await asyncio.sleep(0.5)
+        assert len(stored) == 6
+
+    first = await shadows.queue_shadow_pairs(ShadowInput(batch, alias, limit=100))
+    assert first.shadowed and first.next_after_id == stored[-1]["id"]
+    assert first.queued >= 1 and first.queued + sum(first.skipped.values()) == 6, first
+    rows = [r for r in queued(feedback[1]) if r[0] == "shadow"]
+    assert len(rows) == first.queued and {r[1] for r in rows} == {batch}
+    assert all(
+        r[2].startswith("\n\nHuman: Tell me about the sea") and r[2].endswith("\n\nAssistant:") for r in rows
+    )
+    assert all(sum(m.endswith("@shadow") for m in (r[3], r[4])) == 1 for r in rows)  # one answer each
+    # From the cursor: nothing new; from the start again: the same keys, nothing queued twice.
+    again = await shadows.queue_shadow_pairs(ShadowInput(batch, alias, after_id=first.next_after_id))
+    assert again.queued == 0 and again.next_after_id == first.next_after_id
+    replay = await shadows.queue_shadow_pairs(ShadowInput(batch, alias))
+    assert replay.queued == first.queued
+    assert len([r for r in queued(feedback[1]) if r[0] == "shadow"]) == first.queued
+    # Hostile input is refused before anything is read.
+    for bad in (
+        ShadowInput(batch, "../admin"),
+        ShadowInput(batch, alias, limit=0),
+        ShadowInput(batch, alias, -1),
+    ):
+        with pytest.raises(ApplicationError):
+            await shadows.queue_shadow_pairs(bad)

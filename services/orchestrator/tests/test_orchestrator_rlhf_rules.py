@@ -8,7 +8,14 @@ from typing import Any
 import pytest
 
 from forge_kit import errors
-from forge_orchestrator.rlhf_round import DriftPoint, RlhfInput, drift_stop, reward_gate, rm_version
+from forge_orchestrator.rlhf_round import (
+    DriftPoint,
+    RlhfInput,
+    drift_stop,
+    reward_gate,
+    rm_version,
+    round_gates,
+)
 from forge_orchestrator.rlhf_worker import validate_rlhf
 
 
@@ -79,6 +86,8 @@ def loop_input(**change: Any) -> RlhfInput:
         ({"overopt_window": 0}, "input.overopt_window"),
         ({"dpo_overrides": ["max_steps=3", "no-equals"]}, "input.dpo_overrides[1]"),
         ({"reward_overrides": ["pairs.path=/elsewhere"]}, "input.reward_overrides[0]"),
+        ({"rm_min_shorter_low": 1.0}, "input.rm_min_shorter_low"),
+        ({"rm_min_shorter_n": 0}, "input.rm_min_shorter_n"),
     ],
 )
 def test_bad_loop_input_names_the_field(change: dict[str, Any], field: str) -> None:
@@ -123,3 +132,35 @@ def test_online_inputs_are_checked_naming_the_field(change: dict[str, Any], fiel
 
 def test_a_well_formed_online_input_passes() -> None:
     validate_rlhf(RlhfInput(policy_uri="/p", work_uri="/w", sample_model="production", monitor_interval=2))
+
+
+def test_a_round_refuses_a_reward_model_that_judges_length() -> None:
+    detector = {
+        "accuracy": 0.64,
+        "ci95_low": 0.60,
+        "ci95_high": 0.68,
+        "n": 700,
+        "by_length": {
+            "unit": "words",
+            "preferred_longer": {"accuracy": 0.77, "ci95_low": 0.73, "ci95_high": 0.81, "n": 410},
+            "preferred_shorter": {"accuracy": 0.42, "ci95_low": 0.36, "ci95_high": 0.48, "n": 280},
+            "tie": {"accuracy": 0.5, "ci95_low": 0.24, "ci95_high": 0.76, "n": 10},
+        },
+    }
+    params = loop_input()
+    assert params.rm_length_gate and params.rm_min_shorter_low == 0.5
+    assert reward_gate(detector) == ""  # the accuracy gate alone lets it through
+    reason = reward_gate(detector, gates=round_gates(params))
+    assert reason.startswith("judges length, not quality: accuracy 0.420 [0.360, 0.480]")
+    assert reward_gate(detector, gates=round_gates(loop_input(rm_length_gate=False))) == ""
+    assert reward_gate(detector, gates=round_gates(loop_input(rm_min_shorter_low=0.3))) == ""  # configurable
+    judge = {**detector, "by_length": {**detector["by_length"]}}
+    judge["by_length"]["preferred_shorter"] = {
+        "accuracy": 0.58,
+        "ci95_low": 0.52,
+        "ci95_high": 0.64,
+        "n": 280,
+    }
+    assert reward_gate(judge, gates=round_gates(params)) == ""
+    no_strata = {k: v for k, v in detector.items() if k != "by_length"}
+    assert "no 'by_length'" in reward_gate(no_strata, gates=round_gates(params))

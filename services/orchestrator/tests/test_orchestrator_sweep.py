@@ -413,7 +413,7 @@ async def test_asha_promotion_form_pauses_at_rungs_and_resumes_promoted_trials_f
         await event(handle, "job-3", "RUNNING")
         await metric(handle, "job-3", 1, 3.0)
         resumed = scheduler.submitted["job-1-1"]
-        assert resumed.command[-2:] == ["--run-id", "job-1"] and resumed.labels["resumes_job"] == "job-1"
+        assert resumed.command[-2:] == ["--resume-from", "job-1"] and resumed.labels["resumes_job"] == "job-1"
         await metric(handle, "job-1", 2, 0.1)  # a late value of the trial's paused job: ignored
         await event(handle, "job-1", "CANCELLED")  # the paused job's end: changes nothing
         await event(handle, "job-1-1", "RUNNING")

@@ -97,6 +97,9 @@ PAIRS = [
     {"chosen": "\n\nHuman: question", "rejected": "\n\nHuman: question"},  # no Assistant turn: skipped
 ]
 RIGHT, WRONG, TIES = 5, 2, 3
+# By which reply has more words: preferred-longer rows 3, 6, 9 (right, wrong, tie: 1.5 of 3),
+# preferred-shorter rows 2, 5, 10 (right, right, tie: 2.5 of 3), equal rows 1, 4, 7, 8 (2.5 of 4).
+BY_LENGTH = {"preferred_longer": (1.5, 3), "preferred_shorter": (2.5, 3), "tie": (2.5, 4)}
 
 
 def tiny_reward_model(folder: Path) -> Path:
@@ -174,15 +177,29 @@ def test_eval_writes_the_contract_summary_with_known_accuracy(
     summary = json.loads((out / "summary.json").read_text())
     n = RIGHT + WRONG + TIES
     low, high = wilson_interval(RIGHT + TIES / 2, n)
-    assert set(summary) == {"accuracy", "ci95_low", "ci95_high", "n"}
+    assert set(summary) == {"accuracy", "ci95_low", "ci95_high", "n", "by_length"}
     assert summary["n"] == n and summary["accuracy"] == pytest.approx((RIGHT + TIES / 2) / n)
     assert (summary["ci95_low"], summary["ci95_high"]) == (pytest.approx(low), pytest.approx(high))
+    assert summary["by_length"]["unit"] == "words"
+    for stratum, (wins, count) in BY_LENGTH.items():
+        figures = summary["by_length"][stratum]
+        s_low, s_high = wilson_interval(wins, count)
+        assert figures == {
+            "accuracy": pytest.approx(wins / count),
+            "ci95_low": pytest.approx(s_low),
+            "ci95_high": pytest.approx(s_high),
+            "n": count,
+        }
     details = json.loads((out / "details.json").read_text())
     assert details["interval"] == "wilson" and details["ties"] == TIES
     assert details["skipped"] == {"identical responses": 1, "no final Assistant turn": 1}
     with gzip.open(out / "scores.jsonl.gz", "rt") as handle:
         first = json.loads(handle.readline())
-    assert first["line"] == 1 and first["reward_chosen"] == pytest.approx(8**0.5, rel=1e-3)
+    assert (
+        first["line"] == 1
+        and first["length"] == "tie"
+        and first["reward_chosen"] == pytest.approx(8**0.5, rel=1e-3)
+    )
     assert first["reward_rejected"] == pytest.approx(-(8**0.5), rel=1e-3)
 
 
@@ -269,6 +286,22 @@ async def test_version_latest_resolves_through_the_registry(
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["n"] == RIGHT + WRONG + TIES
     missing = await asyncio.to_thread(CliRunner().invoke, app, [*args[:4], "other", *args[5:]])
     assert missing.exit_code == 1 and "NOT_FOUND" in missing.output
+    # Registering from that summary records the accuracy by which reply is longer with the version.
+    target = ["--target", f"127.0.0.1:{registry_server.port}", "--token-file", str(token_file)]
+    summary_file = str(tmp_path / "out" / "summary.json")
+    register = ["register", "rm-tiny", "--uri", f"file://{checkpoint}", "--snapshot", "snap-2"]
+    register += ["--backbone", "tiny", "--summary", summary_file, "--json", *target]
+    result = await asyncio.to_thread(CliRunner().invoke, app, register)
+    assert result.exit_code == 0, result.output
+    row = await registry.get("rm-tiny", "3")
+    wins, count = BY_LENGTH["preferred_shorter"]
+    assert row.metrics["heldout_preferred_shorter_accuracy"] == pytest.approx(wins / count)
+    assert row.metrics["heldout_preferred_shorter_n"] == count
+    assert row.metrics["heldout_preferred_shorter_ci95_low"] == pytest.approx(wilson_interval(wins, count)[0])
+    listed = await asyncio.to_thread(
+        CliRunner().invoke, app, ["list", "--name", "rm-tiny", *target], env={"COLUMNS": "250"}
+    )
+    assert listed.exit_code == 0 and f"{wins / count:.3f} [" in listed.output
 
 
 # -- an encoder (BERT) reward model ------------------------------------------------------------

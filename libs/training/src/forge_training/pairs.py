@@ -109,6 +109,8 @@ def pairs_hash(config: PairsConfig, seed: int, val_fraction: float) -> str:
         for path in pair_files(config.extra_train, "pairs.extra_train") if config.extra_train else []:
             h.update(path.read_bytes())
         h.update(f"/extra:{bool(config.extra_train)}/exclude:{config.exclude_shared_openings}".encode())
+    if config.length_balance != "none":
+        h.update(f"/length_balance:{config.length_balance}".encode())
     return h.hexdigest()[:16]
 
 

@@ -25,7 +25,10 @@ it has none, the same template with no end-of-sequence token) renders the prompt
 
 Accuracy is the share of pairs whose chosen response scores above the rejected one, a tie
 counting one half (as the trainer's validation does); the 95 % interval is the Wilson score
-interval, which stays inside [0, 1] and is sensible for small n.
+interval, which stays inside [0, 1] and is sensible for small n. The same accuracy is also
+given by which reply is longer (``by_length``: preferred-longer, preferred-shorter and tied pairs,
+lengths in words; see :mod:`forge_kit.rmlength`), so a reward model that only learned "longer is
+better" shows as one.
 
 ``torch`` and ``transformers`` are imported only when a checkpoint is loaded: reading pairs needs
 neither (the feedback service's ``forge rm`` commands import this module).
@@ -43,6 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from forge_kit import rmlength
 from forge_kit.stats import wilson_interval
 
 _TURN = re.compile(r"\n\n(Human|Assistant):")
@@ -137,6 +141,8 @@ class Scores:
     chosen: list[float] = field(default_factory=list)
     rejected: list[float] = field(default_factory=list)
     lines: list[int] = field(default_factory=list)
+    strata: list[str] = field(default_factory=list)
+    """Per pair, which reply is longer (one of :data:`forge_kit.rmlength.STRATA`)."""
 
     @property
     def n(self) -> int:
@@ -148,13 +154,21 @@ class Scores:
             1.0 if c > r else 0.5 if c == r else 0.0 for c, r in zip(self.chosen, self.rejected, strict=True)
         )
 
-    def summary(self) -> dict[str, float | int]:
-        """``{"accuracy", "ci95_low", "ci95_high", "n"}`` (Wilson interval)."""
+    def summary(self) -> dict[str, Any]:
+        """``{"accuracy", "ci95_low", "ci95_high", "n", "by_length"}`` (Wilson intervals;
+        ``by_length`` as :func:`forge_kit.rmlength.as_summary` writes it)."""
         if not self.n:
             raise PairsError("--pairs: no scorable pair in the file")
         wins = self.wins()
         low, high = wilson_interval(wins, self.n)
-        return {"accuracy": wins / self.n, "ci95_low": low, "ci95_high": high, "n": self.n}
+        by_length = rmlength.stratified_accuracy(self.strata, self.chosen, self.rejected)
+        return {
+            "accuracy": wins / self.n,
+            "ci95_low": low,
+            "ci95_high": high,
+            "n": self.n,
+            "by_length": rmlength.as_summary(by_length),
+        }
 
 
 class RewardModel:
@@ -264,6 +278,7 @@ def evaluate(
         scores.chosen.extend(rewards[: len(batch)])
         scores.rejected.extend(rewards[len(batch) :])
         scores.lines.extend(p.line for p in batch)
+        scores.strata.extend(rmlength.stratum(p.chosen, p.rejected) for p in batch)
         on_scored(len(batch))
         batch.clear()
 
@@ -284,7 +299,7 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def write_results(out: Path, scores: Scores, details: dict[str, Any]) -> dict[str, float | int]:
+def write_results(out: Path, scores: Scores, details: dict[str, Any]) -> dict[str, Any]:
     """``summary.json`` (the benchmark contract), ``details.json`` (how it was computed) and
     ``scores.jsonl.gz`` (every pair's two rewards), each written to a temporary name first."""
     summary = scores.summary()
@@ -297,8 +312,8 @@ def write_results(out: Path, scores: Scores, details: dict[str, Any]) -> dict[st
         "mean_margin": sum(margins) / len(margins),
     }
     rows = "".join(
-        json.dumps({"line": line, "reward_chosen": c, "reward_rejected": r}) + "\n"
-        for line, c, r in zip(scores.lines, scores.chosen, scores.rejected, strict=True)
+        json.dumps({"line": line, "reward_chosen": c, "reward_rejected": r, "length": s}) + "\n"
+        for line, c, r, s in zip(scores.lines, scores.chosen, scores.rejected, scores.strata, strict=True)
     )
     for name, data in (
         ("scores.jsonl.gz", gzip.compress(rows.encode(), mtime=0)),

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import sys
 from pathlib import Path
@@ -44,12 +45,29 @@ def parse_overrides(pairs: list[str]) -> dict[str, str]:
     return out
 
 
+_RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+def _run_id(value: str) -> str:
+    """A run id as the object store's key names it: no separators, no parent references."""
+    if value and not _RUN_ID.fullmatch(value):
+        raise argparse.ArgumentTypeError(f"{value!r}: 1-128 letters, digits, '.', '_' or '-'")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="forge_training.run")
     parser.add_argument("--recipe", required=True, help=f"one of {', '.join(sorted(recipes.RECIPES))}")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="recipe override")
     parser.add_argument("--run-dir", type=Path, default=Path(os.environ.get("FORGE_RUN_DIR", ".")))
     parser.add_argument("--run-id", default=os.environ.get("FORGE_JOB_ID", "local"))
+    parser.add_argument(
+        "--resume-from",
+        default="",
+        type=_run_id,
+        help="a run id whose newest checkpoint this run starts from when it has none of its own "
+        "(read only: this run checkpoints under --run-id)",
+    )
     parser.add_argument("--objects", default=os.environ.get("FORGE_OBJECTS_URL", ""), help="object store URL")
     parser.add_argument(
         "--cache-dir", type=Path, default=None, help="token shard cache (default: <run dir>/data)"
@@ -85,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
             rank=rank,
             world_size=world_size,
             should_stop=lambda: stop["requested"],
+            resume_from=args.resume_from or None,
         )
         try:
             result = train(config, ctx)

@@ -36,6 +36,8 @@ TASKS = ("pretrain", "cpt", "sft", "reward", "dpo", "rerank")
 ENCODER_TASKS = ("reward", "rerank")
 INTERVAL_POLICIES = ("steps", "young", "daly")
 PARALLELISMS = ("ddp", "fsdp")
+#: ``pairs.length_balance`` values (``reward`` only).
+LENGTH_BALANCES = ("none", "reweight", "subsample")
 
 
 class RecipeError(ValueError):
@@ -123,6 +125,11 @@ class PairsConfig:
     """Drop from training every pair whose opening user turn is also a held-out pair's (HH-RLHF
     has distinct conversations that start alike: 147 of helpful-base's 2,339 pairs share their
     opening with another), so no held-out conversation is even partly trained on."""
+    length_balance: str = "none"
+    """``reward`` only: how training pairs are balanced between those whose chosen reply is the
+    longer one and those where it is the shorter one (lengths in words, :mod:`forge_kit.rmlength`):
+    ``none``, ``reweight`` (each of the two groups carries half of the loss; tied pairs weigh 1)
+    or ``subsample`` (the larger group is cut, seeded, to the size of the smaller)."""
 
 
 @dataclass(frozen=True)
@@ -153,6 +160,21 @@ class RerankConfig:
 
     def names(self) -> list[str]:
         return [n.strip() for n in self.datasets.split(",") if n.strip()]
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    """``reward`` on a bundled encoder: the ODIN length head (Chen et al. 2024, "ODIN:
+    Disentangled Reward Mitigates Hacking in RLHF"), see :mod:`forge_training.objectives.lengthdebias`."""
+
+    length_head: bool = False
+    """Train two scores on the pooled output, quality and length, whose sum is the Bradley-Terry
+    reward; the length score is pushed to correlate with the reply's length, the quality score
+    away from it, and their weight vectors to be orthogonal. Only the quality score is exported."""
+    length_corr_weight: float = 1.0
+    """Weight of ``|corr(quality, length)| - corr(length score, length)`` over each micro-batch."""
+    length_ortho_weight: float = 1.0
+    """Weight of ``|w_quality . w_length|``, the two heads' weight vectors' dot product."""
 
 
 @dataclass(frozen=True)
@@ -255,6 +277,7 @@ class TrainConfig:
     init: InitConfig = field(default_factory=InitConfig)
     mixture: MixtureConfig = field(default_factory=MixtureConfig)
     pairs: PairsConfig = field(default_factory=PairsConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     dpo: DpoConfig = field(default_factory=DpoConfig)
     rerank: RerankConfig = field(default_factory=RerankConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
@@ -295,12 +318,12 @@ class TrainConfig:
 _NO_CORPUS = ("model", "data.corpus", "data.vocab_size", "data.shard_tokens", "data.text_fields", "mixture")
 #: Keys each task ignores; setting one is refused like an unknown key.
 _UNUSED: dict[str, tuple[str, ...]] = {
-    "pretrain": ("init", "mixture", "pairs", "dpo", "rerank", "optim.head_lr_scale"),
-    "cpt": ("model", "data.vocab_size", "pairs", "dpo", "rerank", "optim.head_lr_scale"),
-    "sft": (*_NO_CORPUS, "dpo", "rerank", "optim.head_lr_scale"),
+    "pretrain": ("init", "mixture", "pairs", "reward", "dpo", "rerank", "optim.head_lr_scale"),
+    "cpt": ("model", "data.vocab_size", "pairs", "reward", "dpo", "rerank", "optim.head_lr_scale"),
+    "sft": (*_NO_CORPUS, "pairs.length_balance", "reward", "dpo", "rerank", "optim.head_lr_scale"),
     "reward": (*_NO_CORPUS, "dpo", "rerank"),
-    "dpo": (*_NO_CORPUS, "rerank", "optim.head_lr_scale"),
-    "rerank": (*_NO_CORPUS, "pairs", "dpo"),
+    "dpo": (*_NO_CORPUS, "pairs.length_balance", "reward", "rerank", "optim.head_lr_scale"),
+    "rerank": (*_NO_CORPUS, "pairs", "reward", "dpo"),
 }
 
 

@@ -72,6 +72,10 @@ class RunContext:
     stop_after_step: int | None = None
     """Return right after this step without saving (tests and benchmarks simulate a kill)."""
     export: bool = True
+    resume_from: str | None = None
+    """Another run's id whose newest checkpoint starts this run when it has none of its own (a
+    sweep trial promoted after a pause continues its paused job's state); read only: this run
+    checkpoints under ``run_id``."""
 
 
 @dataclass
@@ -270,14 +274,18 @@ def train(config: TrainConfig, ctx: RunContext) -> TrainResult:
     metrics = _Metrics(ctx.run_dir / "metrics.jsonl", ctx.rank, started, ctx.clock)
     # 4. Resume, or measure the starting point.
     step = 0
+    source = ckpt
     manifest = ckpt.latest_manifest()
+    if manifest is None and ctx.resume_from and ctx.resume_from != ctx.run_id:
+        source = CheckpointManager(ctx.store, ctx.resume_from, rank=ctx.rank, world_size=ctx.world_size)
+        manifest = source.latest_manifest()
     if manifest is not None:
-        main = ckpt.load_shard(manifest, 0)
+        main = source.load_shard(manifest, 0)
         parallel.load_state(model, optimizer, main["model"], main["optimizer"], sharded)
         scheduler.load_state_dict(main["scheduler"])
         objective.sampler.load_state_dict(main["sampler"])
         objective.load_state_dict(main.get("objective", {}))
-        own = ckpt.load_shard(manifest, ctx.rank) if ctx.rank < manifest.world_size else main
+        own = source.load_shard(manifest, ctx.rank) if ctx.rank < manifest.world_size else main
         _set_rng_state(own["rng"])
         step = int(main["step"])
         ckpt.last_published = manifest

@@ -13,6 +13,7 @@ from forge_training.backbones import BACKBONES, backbone_dir
 from forge_training.schema import (
     ENCODER_TASKS,
     INTERVAL_POLICIES,
+    LENGTH_BALANCES,
     PARALLELISMS,
     SCHEDULES,
     TASKS,
@@ -145,6 +146,20 @@ def validate(config: TrainConfig, world_size: int) -> None:
     _validate_task(config)
 
 
+def _validate_reward(config: TrainConfig) -> None:
+    r = config.reward
+    if r.length_corr_weight < 0 or r.length_ortho_weight < 0:
+        raise RecipeError("reward.length_corr_weight / reward.length_ortho_weight: must be >= 0")
+    if config.init.backbone == "parent" and (r.length_head or config.pairs.length_balance != "none"):
+        key = "reward.length_head" if r.length_head else "pairs.length_balance"
+        raise RecipeError(f"{key}: needs a bundled encoder (init.backbone), not a parent")
+    if r.length_head and config.micro_batch_size < 2:
+        raise RecipeError(
+            "reward.length_head: the length correlation needs micro-batches of at least 2 pairs, "
+            f"got micro_batch_size={config.micro_batch_size}"
+        )
+
+
 def _validate_task(config: TrainConfig) -> None:
     """The task's own inputs: corpora, pair files, the parent checkpoint."""
     if config.task not in TASKS:
@@ -160,12 +175,19 @@ def _validate_task(config: TrainConfig) -> None:
         pair_files(config.pairs.path)
         if config.pairs.extra_train:
             pair_files(config.pairs.extra_train, "pairs.extra_train")
+        if config.pairs.length_balance not in LENGTH_BALANCES:
+            raise RecipeError(
+                f"pairs.length_balance: must be one of {', '.join(LENGTH_BALANCES)}, "
+                f"got {config.pairs.length_balance!r}"
+            )
         if config.pairs.max_pairs < 0:
             raise RecipeError(f"pairs.max_pairs: must be >= 0, got {config.pairs.max_pairs}")
         if config.data.seq_len < 8:
             raise RecipeError(
                 f"data.seq_len: prompt and response need at least 8 tokens, got {config.data.seq_len}"
             )
+    if config.task == "reward":
+        _validate_reward(config)
     if config.task == "dpo" and config.dpo.beta <= 0:
         raise RecipeError(f"dpo.beta: must be positive, got {config.dpo.beta}")
     if config.task == "dpo" and config.dpo.monitor.interval:

@@ -8,8 +8,12 @@ decision, the candidate's scores with their intervals, and the report's path:
 1. check the train step's result;
 2. find the checkpoint in eval's registry (the workflow registers it first thing, with its own id
    as the label ``workflow_id``) by its uri among the models named after the run;
-3. poll the workflow through the orchestrator's GetWorkflow until it closes;
-4. return what it decided; a workflow that failed fails the step with its error.
+3. poll the workflow through the orchestrator's GetWorkflow until it closes; meanwhile, when the
+   platform has a model server and a gateway, :func:`forge_kit.canary_traffic.serve_and_drive`
+   serves the candidate once it reaches ``canary`` and chats with ``forge-chat`` through the
+   gateway with distinct users, so the guarded canary decides on traffic;
+4. return what it decided, with the canary's evidence (requests per arm, p-values) and the
+   traffic sent; a workflow that failed fails the step with its error.
 
 The step never imports the CLI or another service: ``ctx`` is described by local protocols, and
 the orchestrator is reached through its generated stubs.
@@ -29,6 +33,7 @@ from forge.eval.v1 import eval_pb2, eval_pb2_grpc
 from forge.orchestrator.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 from google.protobuf import json_format
 
+from forge_kit.canary_traffic import Http, canary_summary, serve_and_drive
 from forge_kit.grpckit import make_channel
 from forge_kit.modelref import ModelRef
 
@@ -40,6 +45,8 @@ STEP_TIMEOUT_S = 240.0
 POLL_S = 0.5
 #: The keys the training step's result must have.
 TRAIN_KEYS = ("checkpoint_id", "checkpoint_uri", "run_id")
+#: The gateway's production alias the canary splits.
+PUBLIC_MODEL = "forge-chat"
 
 
 class Endpoint(Protocol):
@@ -47,11 +54,17 @@ class Endpoint(Protocol):
     def grpc_target(self) -> str: ...
 
     @property
+    def http_url(self) -> str: ...
+
+    @property
     def token(self) -> str: ...
 
 
 class MainJobContext(Protocol):
     """The part of ``forge_cli.mainjob.MainJobContext`` this step uses."""
+
+    @property
+    def root(self) -> Path: ...
 
     @property
     def results(self) -> Mapping[str, Mapping[str, Any]]: ...
@@ -122,7 +135,64 @@ async def evaluate_checkpoint(ctx: MainJobContext, *, timeout_s: float = STEP_TI
             await asyncio.sleep(POLL_S)
     ref = str(ModelRef.of(model.ref))
     workflow_id = model.labels.get("workflow_id") or f"eval-{model.ref.name}-{model.ref.version}"[:80]
-    # 3. The workflow, until it closes.
+    # 3. The workflow, until it closes; traffic for its canary meanwhile.
+    stop = asyncio.Event()
+    traffic = _canary_traffic(ctx, eval_endpoint, stop)
+    try:
+        reply = await _wait(orchestrator, workflow_id, ref, deadline, timeout_s)
+    finally:
+        stop.set()
+    sent = await traffic if traffic is not None else None
+    # 4. Its decision.
+    if reply.status != orchestrator_pb2.WORKFLOW_STATUS_COMPLETED:
+        status = orchestrator_pb2.WorkflowStatus.Name(reply.status).removeprefix("WORKFLOW_STATUS_")
+        raise StepError(
+            f"eval-and-promote workflow {workflow_id} of {ref} ended {status}: {reply.error or 'no error given'}"
+        )
+    result = json_format.MessageToDict(reply.result)
+    canary = result.get("canary") or {}
+    return {
+        "ok": True,
+        "checkpoint_id": checkpoint_id,
+        "model": ref,
+        "workflow_id": workflow_id,
+        "decision": result.get("decision", ""),
+        "verdict": result.get("verdict") or "no production model to compare with",
+        "baseline": result.get("baseline", ""),
+        "promoted_to": list(result.get("promoted_to", [])),
+        "blocked_reason": result.get("blocked_reason", ""),
+        "canary": _canary(canary),
+        "canary_evidence": canary_summary(canary),
+        "canary_traffic": sent.as_dict() if sent is not None else "no gateway in this platform",
+        "tier": result.get("tier", ""),
+        "scores": dict(result.get("metrics", {})),
+        "intervals": dict(result.get("intervals", {})),
+        "report": result.get("report_path", ""),
+    }
+
+
+def _canary_traffic(ctx: MainJobContext, registry: Endpoint, stop: asyncio.Event) -> asyncio.Task[Any] | None:
+    """The traffic task for the canary, when the platform has a model server and a gateway."""
+    try:
+        server, gateway = ctx.endpoint("model_server"), ctx.endpoint("inference_gateway")
+    except KeyError:
+        return None
+    return asyncio.create_task(
+        serve_and_drive(
+            registry.grpc_target,
+            registry.token,
+            Http(server.http_url, server.token),
+            Http(gateway.http_url, gateway.token),
+            alias=PUBLIC_MODEL,
+            root=ctx.root,
+            stop=stop,
+        )
+    )
+
+
+async def _wait(
+    orchestrator: Endpoint, workflow_id: str, ref: str, deadline: float, timeout_s: float
+) -> orchestrator_pb2.GetWorkflowResponse:
     async with make_channel(orchestrator.grpc_target, token=orchestrator.token) as channel:
         workflows = orchestrator_pb2_grpc.OrchestratorServiceStub(channel)
         while True:
@@ -135,35 +205,12 @@ async def evaluate_checkpoint(ctx: MainJobContext, *, timeout_s: float = STEP_TI
                     raise
                 reply = None
             if reply is not None and reply.status != orchestrator_pb2.WORKFLOW_STATUS_RUNNING:
-                break
+                return reply
             if time.monotonic() > deadline:
                 raise StepError(
                     f"eval-and-promote workflow {workflow_id} of {ref} still running after {timeout_s:g}s"
                 )
             await asyncio.sleep(POLL_S)
-    # 4. Its decision.
-    if reply.status != orchestrator_pb2.WORKFLOW_STATUS_COMPLETED:
-        status = orchestrator_pb2.WorkflowStatus.Name(reply.status).removeprefix("WORKFLOW_STATUS_")
-        raise StepError(
-            f"eval-and-promote workflow {workflow_id} of {ref} ended {status}: {reply.error or 'no error given'}"
-        )
-    result = json_format.MessageToDict(reply.result)
-    return {
-        "ok": True,
-        "checkpoint_id": checkpoint_id,
-        "model": ref,
-        "workflow_id": workflow_id,
-        "decision": result.get("decision", ""),
-        "verdict": result.get("verdict") or "no production model to compare with",
-        "baseline": result.get("baseline", ""),
-        "promoted_to": list(result.get("promoted_to", [])),
-        "blocked_reason": result.get("blocked_reason", ""),
-        "canary": _canary(result.get("canary") or {}),
-        "tier": result.get("tier", ""),
-        "scores": dict(result.get("metrics", {})),
-        "intervals": dict(result.get("intervals", {})),
-        "report": result.get("report_path", ""),
-    }
 
 
 def _canary(canary: dict[str, object]) -> str:

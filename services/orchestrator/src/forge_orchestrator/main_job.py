@@ -19,11 +19,13 @@ import asyncio
 import sys
 import uuid
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, Protocol
 
 from forge.orchestrator.v1 import orchestrator_pb2
 from google.protobuf import json_format
 
+from forge_kit.canary_traffic import Http, canary_summary, serve_and_drive
 from forge_orchestrator.client import OrchestratorClient, status_name
 from forge_orchestrator.main_job_raters import RaterPool
 
@@ -34,6 +36,9 @@ SMOKE_WAIT_S = 90.0
 class Endpoint(Protocol):
     @property
     def grpc_target(self) -> str: ...
+
+    @property
+    def http_url(self) -> str: ...
 
     @property
     def token(self) -> str: ...
@@ -47,6 +52,9 @@ class MainJobContext(Protocol):
 
     @property
     def object_store_url(self) -> str: ...
+
+    @property
+    def root(self) -> Path: ...
 
     def endpoint(self, name: str) -> Endpoint: ...
 
@@ -82,6 +90,8 @@ smoke.timeout_s = SMOKE_WAIT_S + 30  # type: ignore[attr-defined]
 #: eval-and-promote, which starts a model server and scores ``tinyshakespeare_ppl`` (see
 #: ``forge_eval.main_job``). The margin is for a small machine shared with other work.
 RLHF_WAIT_S = 720.0
+#: The gateway's production alias, which the canary splits.
+PUBLIC_MODEL = "forge-chat"
 #: The train step's team, whose quota covers the two simulated GPUs of ``forge up``'s agents.
 TEAM = "main-job"
 GPU_TYPE = "SIM"
@@ -149,6 +159,8 @@ def rlhf_input(ctx: MainJobContext) -> dict[str, object]:
     return {
         "policy_uri": uri,
         "sample_model": served,
+        # Pairs the gateway mirrored to a shadow of the product alias join the raters' queue.
+        "shadow_alias": PUBLIC_MODEL,
         "work_uri": f"{ctx.object_store_url.rstrip('/')}/rlhf",
         "team": TEAM,
         "gpu_type": GPU_TYPE,
@@ -232,7 +244,9 @@ async def rlhf(ctx: MainJobContext) -> dict[str, object]:
     4. wait for it (cancelled when it overruns);
     5. report the round: the policy samples and their answers, reward-model accuracy with its
        interval, the monitor's last check, KL to the reference, the drift figures, and whether
-       the policy was promoted. A stalled wait, a refused reward model or a drift stop is a
+       the policy was promoted: the guarded canary's decision with its evidence (requests per
+       arm, p-values) and the chat traffic this step sent it (from the moment a model holds
+       ``canary`` until the analysis moves it, a new ``user`` per request). A stalled wait, a refused reward model or a drift stop is a
        genuine outcome and is reported as such; a failed workflow fails the step.
     """
     # 1.
@@ -240,12 +254,28 @@ async def rlhf(ctx: MainJobContext) -> dict[str, object]:
     endpoint = ctx.endpoint("orchestrator")
     feedback = ctx.endpoint("preference_feedback")
     pool = RaterPool(feedback.grpc_target, feedback.token)
-    stop = asyncio.Event()
+    stop, canary_done = asyncio.Event(), asyncio.Event()
+    registry, server, gateway = (
+        ctx.endpoint("eval"),
+        ctx.endpoint("model_server"),
+        ctx.endpoint("inference_gateway"),
+    )
     async with OrchestratorClient(endpoint.grpc_target, endpoint.token) as client:
         # 2.
         workflow_id = await client.start("rlhf", data, workflow_id=f"main-job-rlhf-{uuid.uuid4().hex[:8]}")
         # 3.
         raters = asyncio.create_task(pool.run(stop))
+        traffic = asyncio.create_task(
+            serve_and_drive(
+                registry.grpc_target,
+                registry.token,
+                Http(server.http_url, server.token),
+                Http(gateway.http_url, gateway.token),
+                alias=PUBLIC_MODEL,
+                root=ctx.root,
+                stop=canary_done,
+            )
+        )
         watcher = asyncio.create_task(_stop_raters_when_collected(client, workflow_id, stop))
         # 4.
         try:
@@ -259,8 +289,12 @@ async def rlhf(ctx: MainJobContext) -> dict[str, object]:
             ) from None
         finally:
             stop.set()
+            canary_done.set()
             watcher.cancel()
             answers = await raters
+            sent = await traffic
+        result = json_format.MessageToDict(reply.result)
+        canary = await _canary_of(client, result)
     if reply.status != orchestrator_pb2.WORKFLOW_STATUS_COMPLETED:
         raise RlhfStepError(
             f"rlhf workflow {workflow_id} ended {status_name(reply.status)}: {reply.error or 'no error given'}"
@@ -270,12 +304,25 @@ async def rlhf(ctx: MainJobContext) -> dict[str, object]:
     return {
         "ok": True,
         "workflow_id": workflow_id,
-        **round_report(json_format.MessageToDict(reply.result)),
+        **round_report(result),
+        "canary": canary_summary(canary)
+        or "no canary (the round handed nothing over, or nothing ran before it)",
+        "canary_traffic": sent.as_dict(),
         "rater_answers": answers,
         "raters": len(pool.answered),
         "elapsed_s": round(elapsed, 1),
         "page": "/ui/admin/rlhf on the preference-feedback service",
     }
+
+
+async def _canary_of(client: OrchestratorClient, result: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The guarded canary's entry of the round's eval-and-promote result (empty: none ran)."""
+    rounds = result.get("rounds") or []
+    eval_id = str(rounds[-1].get("eval_workflow_id") or "") if rounds else ""
+    if not eval_id:
+        return {}
+    reply = await client.get(eval_id)
+    return dict(json_format.MessageToDict(reply.result).get("canary") or {})
 
 
 #: Steps of the round during which the raters are needed.

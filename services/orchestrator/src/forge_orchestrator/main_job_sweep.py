@@ -14,6 +14,7 @@ It needs ``ctx.endpoint("orchestrator")`` and, for the link, ``ctx.mlflow_url``.
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 import uuid
 from collections.abc import Mapping
@@ -23,6 +24,10 @@ from forge.orchestrator.v1 import orchestrator_pb2
 
 from forge_orchestrator.client import OrchestratorClient, response_to_dict, status_name
 from forge_orchestrator.tracking import Tracker
+
+#: The train step's team: its quota (set by that step) covers the two simulated GPUs of
+#: ``forge up``'s agents, so the trials are placed as soon as a GPU is free.
+TEAM = "main-job"
 
 #: How long the sweep may take (six trials of 45 steps, two at a time, on a shared 2-core host).
 SWEEP_WAIT_S = 240.0
@@ -47,7 +52,7 @@ overrides:
 gpu_type: SIM
 budget: {trials: 6, gpu_hours: 1, max_steps: 45}
 concurrency: 2
-team: research
+team: main-job
 early_stopping: {rule: asha, min_steps: 5, eta: 3}
 """
 
@@ -83,7 +88,9 @@ async def sweep(ctx: MainJobContext) -> dict[str, object]:
     sweep_id = f"main-job-sweep-{uuid.uuid4().hex[:8]}"
     started = time.monotonic()
     async with OrchestratorClient(endpoint.grpc_target, endpoint.token) as client:
-        await client.start("sweep", {"space": SPACE, "team": "research"}, sweep_id)
+        # The agents run on this machine, in this environment: a bare ``python`` is whatever the job
+        # sandbox's PATH finds first, if anything.
+        await client.start("sweep", {"space": SPACE, "team": TEAM, "python": sys.executable}, sweep_id)
         reply = await client.wait(sweep_id, timeout_s=SWEEP_WAIT_S)
     if reply.status != orchestrator_pb2.WORKFLOW_STATUS_COMPLETED:
         raise RuntimeError(

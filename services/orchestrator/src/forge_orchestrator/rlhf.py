@@ -49,6 +49,7 @@ from temporalio.exceptions import ApplicationError
 
 with workflow.unsafe.imports_passed_through():
     from forge_kit.jobcmd import PolicyCheckCommand, RewardModelEvalCommand
+    from forge_kit.rmlength import registry_metrics
     from forge_orchestrator.rlhf_activities import (
         RegisterRewardModelInput,
         RewardModelStatusInput,
@@ -69,6 +70,7 @@ with workflow.unsafe.imports_passed_through():
         join,
         reward_gate,
         rm_version,
+        round_gates,
     )
     from forge_orchestrator.training import AUTO_EVAL_LABEL, TrainInput, TrainResult, TrainWorkflow
     from forge_orchestrator.workflows import (
@@ -266,7 +268,7 @@ class RlhfWorkflow(RoundCollection):
             ).argv(),
         )
         summary: dict[str, Any] = await self._activity(RlhfActivities.read_json, join(out, "summary.json"))
-        reason = reward_gate(summary)
+        reason = reward_gate(summary, gates=round_gates(params))
         record.rm_accuracy = float(summary.get("accuracy", 0.0))
         record.rm_ci95_low = float(summary.get("ci95_low", 0.0))
         record.rm_ci95_high = float(summary.get("ci95_high", 0.0))
@@ -285,7 +287,10 @@ class RlhfWorkflow(RoundCollection):
                 ci95_low=record.rm_ci95_low,
                 ci95_high=record.rm_ci95_high,
                 n=record.rm_n,
-                metrics={k: float(v) for k, v in trained.checkpoint.metrics.items()},
+                metrics={
+                    **{k: float(v) for k, v in trained.checkpoint.metrics.items()},
+                    **registry_metrics(summary),
+                },
             ),
         )
         figures = {

@@ -2,6 +2,8 @@
 
 - **Online** (``sample_model`` set): sample the current policy on the prompt pool through the
   gateway and queue the pairs for raters (``rlhf_queue_policy_samples``, :mod:`.rlhf_sampling`),
+  with the canary shadow pairs of the policy's alias when it has a shadow
+  (``rlhf_queue_shadow_pairs``, :mod:`.rlhf_shadow`; a cursor keeps each pair to one round),
   then wait, with durable timers between polls, until the round's own comparisons have
   ``min_policy_pairs`` accepted preferences from at least ``min_raters`` raters that rater
   quality does not flag. The wait has a deadline (``buffer_timeout_s``): raters who do not answer
@@ -21,6 +23,7 @@ with workflow.unsafe.imports_passed_through():
     from forge_orchestrator.rlhf_activities import BatchStats, PairStats, RlhfActivities
     from forge_orchestrator.rlhf_round import RlhfInput, RoundRecord, round_batch, stall_reason
     from forge_orchestrator.rlhf_sampling import CollectInput, CollectResult, RlhfSampler
+    from forge_orchestrator.rlhf_shadow import ShadowInput, ShadowPairs, ShadowResult, alias_name
 
 FEEDBACK_TIMEOUT = timedelta(minutes=5)
 """Exports and rater-quality passes scan every preference; they get longer than plain calls."""
@@ -31,6 +34,8 @@ class RoundCollection:
     """The collection step; the workflow provides ``_activity``, ``_report``, ``_end`` and ``_step``."""
 
     _step: str
+    _shadow_after_id: int = 0
+    """The cursor of the canary shadow pairs queued so far (pairs after it are new)."""
 
     async def _activity(self, method: Any, arg: Any, timeout: timedelta = ...) -> Any:  # pragma: no cover
         raise NotImplementedError
@@ -66,12 +71,22 @@ class RoundCollection:
         )
         record.prompts = {"dataset": collected.dataset_prompts, "production": collected.production_prompts}
         record.queued = collected.queued
+        alias = params.shadow_alias or alias_name(params.sample_model)
+        if params.shadow_pairs and alias and workflow.patched("rlhf-shadow-pairs"):
+            shadow: ShadowResult = await self._activity(
+                ShadowPairs.queue_shadow_pairs,
+                ShadowInput(record.batch, alias, self._shadow_after_id, params.shadow_pairs),
+            )
+            self._shadow_after_id = shadow.next_after_id
+            record.shadow_queued = shadow.queued
+            record.queued += shadow.queued
         figures = {
             "dataset_prompts": float(collected.dataset_prompts),
             "production_prompts": float(collected.production_prompts),
-            "queued": float(collected.queued),
+            "queued": float(record.queued),
+            "shadow_queued": float(record.shadow_queued),
         }
-        if collected.queued == 0:
+        if record.queued == 0:
             await self._end(
                 record,
                 "stalled",

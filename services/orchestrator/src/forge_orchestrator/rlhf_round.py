@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from forge_kit.overoptimisation import overoptimised
+from forge_kit.rmlength import length_gate
 from forge_orchestrator.workflows import EvalAndPromoteInput
 
 CHANCE = 0.5
@@ -55,11 +56,23 @@ class RlhfInput:
     """Accepted preferences on the round's own comparisons before it trains."""
     min_raters: int = 1
     """Distinct raters (not flagged by rater quality) who must have answered the round's comparisons."""
+    shadow_alias: str = ""
+    """The gateway alias whose canary shadow pairs (:mod:`.rlhf_shadow`) the round also queues for
+    raters, when that alias has a shadow; empty: ``sample_model`` when it is an alias name."""
+    shadow_pairs: int = 100
+    """Shadow pairs read per round, at most (1-500); 0: none."""
     # --- training ---
     heldout_fraction: float = 0.1
     reward_model_name: str = "rm-rlhf"
     reward_recipe: str = "reward_hh"
     reward_overrides: list[str] = field(default_factory=list)
+    rm_length_gate: bool = True
+    """Also refuse a reward model that judges length, not quality (:func:`round_gates`)."""
+    rm_min_shorter_low: float = 0.5
+    """The length gate: the 95 % interval of the accuracy on held-out pairs whose preferred reply
+    is the shorter one must lie above this."""
+    rm_min_shorter_n: int = 1
+    """The length gate judges on at least this many such pairs (the interval widens with fewer)."""
     dpo_recipe: str = "dpo_hh"
     dpo_overrides: list[str] = field(default_factory=list)
     monitor_interval: int = 0
@@ -116,6 +129,8 @@ class RoundRecord:
     """Online rounds: prompts drawn by part of the pool (``dataset``, ``production``)."""
     queued: int = 0
     """Online rounds: comparisons of the policy's samples queued for raters."""
+    shadow_queued: int = 0
+    """Online rounds: comparisons of canary shadow pairs queued under the same batch."""
     new_pairs: int = 0
     snapshot_id: str = ""
     snapshot_uri: str = ""
@@ -153,7 +168,21 @@ class RlhfResult:
 ROUND_GATES: tuple[Callable[[dict[str, Any]], str], ...] = ()
 """Further checks of a round's ``forge rm eval`` summary after the accuracy gate, each returning why
 the reward model may not be used (empty when it may): the place for the length-stratified gate
-(accuracy where the preferred reply is the shorter one)."""
+(accuracy where the preferred reply is the shorter one, :func:`round_gates`)."""
+
+
+def round_gates(params: RlhfInput) -> tuple[Callable[[dict[str, Any]], str], ...]:
+    """The gates of ``params``' rounds after the accuracy gate: with ``rm_length_gate``,
+    :func:`forge_kit.rmlength.length_gate` at ``rm_min_shorter_low`` / ``rm_min_shorter_n``."""
+    if not params.rm_length_gate:
+        return ROUND_GATES
+
+    def by_length(summary: dict[str, Any]) -> str:
+        return length_gate(
+            summary, min_shorter_low=params.rm_min_shorter_low, min_shorter_n=params.rm_min_shorter_n
+        )
+
+    return (*ROUND_GATES, by_length)
 
 
 def reward_gate(

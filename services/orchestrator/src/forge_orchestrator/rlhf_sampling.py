@@ -36,6 +36,7 @@ from temporalio.exceptions import ApplicationError
 from forge_kit.grpckit import make_channel
 from forge_kit.paths import resolve_data_path
 from forge_orchestrator.activities import failed
+from forge_orchestrator.rlhf_shadow import ShadowPairs
 
 ASSISTANT = "\n\nAssistant:"
 MAX_PROMPT_CHARS = 4000
@@ -112,6 +113,8 @@ class RlhfSampler:
         self._feedback_target = feedback_target
         self._feedback_token = feedback_token
         self._rpc_timeout_s = rpc_timeout_s
+        self.shadows = ShadowPairs(gateway_url, gateway_token, feedback_target, feedback_token)
+        """The shadow-pairs activity, on the same gateway and feedback service."""
 
     async def _production(self, count: int) -> list[str]:
         if count == 0 or not self._gateway_url:

@@ -23,6 +23,7 @@ from forge_orchestrator.eval_activities import EvalActivities
 from forge_orchestrator.rlhf import RLHF_WORKFLOWS, RlhfInput
 from forge_orchestrator.rlhf_activities import RlhfActivities
 from forge_orchestrator.rlhf_sampling import RlhfSampler
+from forge_orchestrator.rlhf_shadow import MAX_PAIRS, alias_name
 from forge_orchestrator.workflows import TIERS
 
 
@@ -74,6 +75,7 @@ def build_rlhf_worker(
         rlhf.preference_stats,
         rlhf.batch_stats,
         sampler.queue_policy_samples,
+        sampler.shadows.queue_shadow_pairs,
         rlhf.export_snapshot,
         rlhf.register_reward_model,
         rlhf.set_reward_model_status,
@@ -104,6 +106,10 @@ def validate_rlhf(params: RlhfInput) -> None:
     _validate_online(params)
     if not 0.0 < params.heldout_fraction < 1.0:
         raise errors.ValidationError("input.heldout_fraction", "must be in (0, 1)")
+    if not 0.0 <= params.rm_min_shorter_low < 1.0:
+        raise errors.ValidationError("input.rm_min_shorter_low", "must be in [0, 1)")
+    if params.rm_min_shorter_n < 1:
+        raise errors.ValidationError("input.rm_min_shorter_n", "must be at least 1")
     if not params.kl_budget > 0:
         raise errors.ValidationError("input.kl_budget", "must be positive (nats per response)")
     if not 1 <= params.overopt_window <= 100:
@@ -136,6 +142,12 @@ def _validate_online(params: RlhfInput) -> None:
         raise errors.ValidationError(
             "input.sample_model", "must be a model name without spaces, at most 255 characters"
         )
+    if params.shadow_alias and not alias_name(params.shadow_alias):
+        raise errors.ValidationError(
+            "input.shadow_alias", "must be 1-64 of a-z, 0-9, '.', '_', '-' (an alias)"
+        )
+    if not 0 <= params.shadow_pairs <= MAX_PAIRS:
+        raise errors.ValidationError("input.shadow_pairs", f"must be between 0 and {MAX_PAIRS}")
     dataset = PurePosixPath(params.prompt_dataset)
     if (
         not params.prompt_dataset

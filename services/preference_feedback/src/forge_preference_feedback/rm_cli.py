@@ -21,7 +21,7 @@ from forge.common.v1 import common_pb2
 from forge.feedback.v1 import feedback_pb2, feedback_pb2_grpc
 from google.protobuf import json_format
 
-from forge_kit import clitools
+from forge_kit import clitools, rmlength
 from forge_kit.grpckit import make_channel
 from forge_kit.modelref import ModelRef
 
@@ -155,12 +155,26 @@ def list_(
                 "model": f"{m.ref.name}:{m.ref.version}",
                 "status": status,
                 "accuracy": f"{h.accuracy:.3f} [{h.ci95_low:.3f}, {h.ci95_high:.3f}] n={h.n}" if h.n else "-",
+                "shorter-preferred": _stratum(m.metrics, "preferred_shorter"),
                 "snapshot": m.snapshot_id,
                 "backbone": m.backbone,
                 "uri": m.uri,
             }
         )
-    clitools.show_rows(rows, ["model", "status", "accuracy", "snapshot", "backbone", "uri"], False)
+    clitools.show_rows(
+        rows, ["model", "status", "accuracy", "shorter-preferred", "snapshot", "backbone", "uri"], False
+    )
+
+
+def _stratum(metrics: Any, name: str) -> str:
+    """``acc [low, high] n=N`` of a length group from a version's metrics, ``-`` when absent."""
+    key = f"heldout_{name}_"
+    if f"{key}accuracy" not in metrics:
+        return "-"
+    return (
+        f"{metrics[key + 'accuracy']:.3f} [{metrics[key + 'ci95_low']:.3f}, "
+        f"{metrics[key + 'ci95_high']:.3f}] n={int(metrics[key + 'n'])}"
+    )
 
 
 @app.command()
@@ -177,7 +191,8 @@ def register(
     token: TokenOption = "",
     as_json: JsonOption = False,
 ) -> None:
-    """Register an immutable version with its held-out accuracy (from `forge rm eval`)."""
+    """Register an immutable version with its held-out accuracy (from `forge rm eval`); the
+    accuracy by which reply is longer goes into its metrics (``heldout_preferred_shorter_accuracy``, …)."""
     try:
         figures = json.loads(summary.read_text())
         heldout = feedback_pb2.PairwiseAccuracy(
@@ -187,6 +202,7 @@ def register(
             n=int(figures["n"]),
             interval="wilson",
         )
+        by_length = rmlength.registry_metrics(figures)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise typer.BadParameter(
             f"not a `forge rm eval` summary.json: {exc!r}", param_hint="--summary"
@@ -197,6 +213,7 @@ def register(
         snapshot_id=snapshot_id,
         backbone=backbone,
         heldout=heldout,
+        metrics=by_length,
     )
     reply = _call(target, token, lambda stub: stub.RegisterRewardModel(request, timeout=10))
     clitools.show_record(_dict(reply.reward_model), as_json)

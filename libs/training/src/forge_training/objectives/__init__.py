@@ -13,7 +13,7 @@ the eval interval and ``export`` at the end.
 | :mod:`.pretrain` | ``pretrain`` |
 | :mod:`.cpt` | ``cpt`` |
 | :mod:`.sft` | ``sft`` |
-| :mod:`.reward` | ``reward`` (on the parent's backbone or a bundled encoder) |
+| :mod:`.reward`, :mod:`.lengthdebias` | ``reward`` (on the parent's backbone or a bundled encoder; the registry entry and the length debiasing are :mod:`.lengthdebias`'s) |
 | :mod:`.dpo` | ``dpo`` |
 | :mod:`.rerank` | ``rerank`` |
 
@@ -26,12 +26,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from forge_training.objectives import cpt, dpo, pretrain, rerank, reward, sft
+from forge_training.objectives import cpt, dpo, lengthdebias, pretrain, rerank, sft
 from forge_training.objectives.base import Objective, ObjectiveSpec, StepBatch
 from forge_training.schema import TrainConfig
 
 OBJECTIVES: dict[str, ObjectiveSpec] = {
-    spec.task: spec for spec in (pretrain.SPEC, cpt.SPEC, sft.SPEC, reward.SPEC, dpo.SPEC, rerank.SPEC)
+    spec.task: spec for spec in (pretrain.SPEC, cpt.SPEC, sft.SPEC, lengthdebias.SPEC, dpo.SPEC, rerank.SPEC)
 }
 """Every task's registry entry, by task name."""
 

@@ -13,11 +13,13 @@ from transformers import AutoTokenizer, BertConfig, BertForSequenceClassificatio
 from forge_training.schema import InitConfig
 
 
-def encoder_classifier(source: Path, seq_len: int, pad_id: int, init: InitConfig) -> PreTrainedModel:
-    """``BertForSequenceClassification`` with one label from the encoder folder ``source``: its
-    weights, a new pooler-and-linear head read at ``[CLS]``; ``init.encoder_dropout`` (-1: the
-    encoder's own) and ``init.freeze_embeddings`` applied."""
-    config = BertConfig.from_pretrained(source, num_labels=1)
+def encoder_classifier(
+    source: Path, seq_len: int, pad_id: int, init: InitConfig, labels: int = 1
+) -> PreTrainedModel:
+    """``BertForSequenceClassification`` with ``labels`` outputs (one by default) from the encoder
+    folder ``source``: its weights, a new pooler-and-linear head read at ``[CLS]``;
+    ``init.encoder_dropout`` (-1: the encoder's own) and ``init.freeze_embeddings`` applied."""
+    config = BertConfig.from_pretrained(source, num_labels=labels)
     if seq_len > config.max_position_embeddings:
         raise ValueError(
             f"data.seq_len: {seq_len} exceeds the encoder's {config.max_position_embeddings} positions"

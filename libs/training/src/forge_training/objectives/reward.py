@@ -15,7 +15,7 @@ from transformers import LlamaConfig, LlamaForSequenceClassification, PreTrained
 from forge_training import pairs as pairdata
 from forge_training.backbones import BACKBONE_NAMES, backbone_dir
 from forge_training.mfu import train_flops_per_token
-from forge_training.objectives.base import Micro, Objective, ObjectiveSpec, wins
+from forge_training.objectives.base import Micro, Objective, wins
 from forge_training.objectives.encoder import encoder_classifier, encoder_head_prefixes, save_encoder
 from forge_training.objectives.pairwise import PreferenceTask
 from forge_training.parents import Parent
@@ -30,7 +30,7 @@ class RewardModeling(PreferenceTask):
 
     task = "reward"
     end_of_text = False
-    figure_names = ("accuracy", "margin")
+    figure_names: tuple[str, ...] = ("accuracy", "margin")
     accuracy_name, margin_name = "pairwise_accuracy", "val_margin"
 
     def make_model(self, parent: Parent) -> PreTrainedModel:
@@ -125,14 +125,3 @@ class EncoderRewardModeling(RewardModeling):
             truncation_side="left",
             chat_template=pairdata.ENCODER_CHAT_TEMPLATE,
         )
-
-
-def build(config: TrainConfig, rank: int, world_size: int, cache_dir: Path) -> Objective:
-    if config.init.backbone != "parent":
-        return EncoderRewardModeling(config, rank, world_size, cache_dir)
-    return RewardModeling(config, rank, world_size)
-
-
-SPEC = ObjectiveSpec(
-    "reward", build, "a scalar-head reward model (the parent's backbone or a bundled encoder)"
-)

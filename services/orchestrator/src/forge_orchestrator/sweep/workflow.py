@@ -371,8 +371,10 @@ class SweepWorkflow:
         overrides = space.trial_overrides(trial.params, trial.seed)
         command = trial_command(params.python, space.recipe, overrides)
         resumes = {RESUMES_LABEL: trial.first_job_id} if trial.first_job_id else {}
-        if trial.first_job_id:  # a promoted trial: its checkpoints are under its first job's id
-            command += ["--run-id", trial.first_job_id]
+        if trial.first_job_id:
+            # A promoted trial: a new job that starts from its paused job's newest checkpoint (read
+            # only: a job writes only under its own id) and continues its first job's MLflow run.
+            command += ["--resume-from", trial.job_id]
         job = SubmitJobInput(
             name=f"{space.name}-t{trial.index}"[:128],
             team=team,
