@@ -23,6 +23,7 @@ from forge_kit.testing import ServiceProcess, TansuBroker, TemporalDevServer, ev
 
 SCHEDULER_TOKEN = "faults-scheduler-token"
 ORCHESTRATOR_TOKEN = "faults-orchestrator-token"
+AGENT_TOKEN = "faults-agent-token"
 
 
 class PrivatePostgres:
@@ -145,7 +146,9 @@ def wait_ready(process: ServiceProcess, timeout_s: float = 60.0) -> None:
     raise TimeoutError(f"{process.module} not ready in {timeout_s}s")
 
 
-def start_platform(root: Path, scheduler_env: dict[str, str] | None = None) -> Platform:
+def start_platform(
+    root: Path, scheduler_env: dict[str, str] | None = None, orchestrator_env: dict[str, str] | None = None
+) -> Platform:
     broker = TansuBroker(log_path=str(root / "tansu.log")).start()
     asyncio.run(ensure_topics(broker.bootstrap))
     temporal = TemporalDevServer(
@@ -179,6 +182,7 @@ def start_platform(root: Path, scheduler_env: dict[str, str] | None = None) -> P
             "FORGE_ORCHESTRATOR_SCHEDULER_TARGET": f"127.0.0.1:{scheduler_ports[0]}",
             "FORGE_ORCHESTRATOR_SCHEDULER_TOKEN": SCHEDULER_TOKEN,
             **eventkeys.service_env("orchestrator"),
+            **(orchestrator_env or {}),
         },
         log_path=str(root / "orchestrator.log"),
     ).start()
@@ -190,6 +194,42 @@ def start_platform(root: Path, scheduler_env: dict[str, str] | None = None) -> P
 def stop_platform(platform: Platform) -> None:
     for component in (platform.orchestrator, platform.scheduler, platform.temporal, platform.broker):
         component.stop()  # type: ignore[attr-defined]
+
+
+def agent_process(platform: Platform, name: str, gpus: str = "SIMx1") -> ServiceProcess:
+    """A trainer agent (node ``name``, simulated GPUs) on ports of its own, its data under the
+    platform's root, checkpoints in the shared object store ``root/objects``."""
+    root = platform.root
+    return ServiceProcess(
+        "forge_trainer_agent",
+        env={
+            "FORGE_TRAINER_AGENT_GRPC_PORT": str(free_port()),
+            "FORGE_TRAINER_AGENT_HTTP_PORT": str(free_port()),
+            "FORGE_TRAINER_AGENT_AUTH_TOKEN": AGENT_TOKEN,
+            "FORGE_TRAINER_AGENT_DATA_DIR": str(root / name),
+            "FORGE_TRAINER_AGENT_OBJECT_STORE_URL": str(root / "objects"),
+            "FORGE_TRAINER_AGENT_KAFKA_BOOTSTRAP": platform.broker.bootstrap,
+            "FORGE_TRAINER_AGENT_SCHEDULER_TARGET": platform.scheduler.grpc_target,
+            "FORGE_TRAINER_AGENT_SCHEDULER_TOKEN": SCHEDULER_TOKEN,
+            "FORGE_TRAINER_AGENT_NODE_NAME": name,
+            "FORGE_TRAINER_AGENT_GPUS": gpus,
+            "FORGE_TRAINER_AGENT_RECONNECT_MAX_S": "2",
+            **eventkeys.service_env("trainer_agent"),
+        },
+        log_path=str(root / f"{name}.log"),
+    )
+
+
+def dead_letters(*databases: Path) -> list[tuple[str, str]]:
+    """(consumer group, error) of every dead-lettered event in these SQLite databases."""
+    found: list[tuple[str, str]] = []
+    for path in databases:
+        with sqlite3.connect(path) as conn:
+            tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+            if "forge_dead_letters" in tables:
+                rows = conn.execute("SELECT consumer_group, error FROM forge_dead_letters")
+                found += [(str(a), str(b)) for a, b in rows]
+    return found
 
 
 def model_server_process(root: Path, name: str, token: str) -> ServiceProcess:

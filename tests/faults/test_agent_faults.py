@@ -25,41 +25,24 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from fault_platform import Platform, start_platform, stop_platform, wait_ready
+from fault_platform import (
+    ORCHESTRATOR_TOKEN,
+    SCHEDULER_TOKEN,
+    Platform,
+    agent_process,
+    start_platform,
+    stop_platform,
+    wait_ready,
+)
 from forge.common.v1 import common_pb2
 from forge.orchestrator.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 from forge.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from google.protobuf import json_format, struct_pb2
 
 from forge_kit.grpckit import make_channel
-from forge_kit.testing import ServiceProcess, eventkeys, free_port
+from forge_kit.testing import ServiceProcess
 
 pytestmark = [pytest.mark.integration, pytest.mark.faults_full, pytest.mark.timeout(600)]
-SCHEDULER_TOKEN = "faults-scheduler-token"
-ORCHESTRATOR_TOKEN = "faults-orchestrator-token"
-AGENT_TOKEN = "faults-agent-token"
-
-
-def agent_process(platform: Platform, name: str) -> ServiceProcess:
-    root = platform.root
-    return ServiceProcess(
-        "forge_trainer_agent",
-        env={
-            "FORGE_TRAINER_AGENT_GRPC_PORT": str(free_port()),
-            "FORGE_TRAINER_AGENT_HTTP_PORT": str(free_port()),
-            "FORGE_TRAINER_AGENT_AUTH_TOKEN": AGENT_TOKEN,
-            "FORGE_TRAINER_AGENT_DATA_DIR": str(root / name),
-            "FORGE_TRAINER_AGENT_OBJECT_STORE_URL": str(root / "objects"),
-            "FORGE_TRAINER_AGENT_KAFKA_BOOTSTRAP": platform.broker.bootstrap,
-            "FORGE_TRAINER_AGENT_SCHEDULER_TARGET": platform.scheduler.grpc_target,
-            "FORGE_TRAINER_AGENT_SCHEDULER_TOKEN": SCHEDULER_TOKEN,
-            "FORGE_TRAINER_AGENT_NODE_NAME": name,
-            "FORGE_TRAINER_AGENT_GPUS": "SIMx1",
-            "FORGE_TRAINER_AGENT_RECONNECT_MAX_S": "2",
-            **eventkeys.service_env("trainer_agent"),
-        },
-        log_path=str(root / f"{name}.log"),
-    )
 
 
 @pytest.fixture(scope="module")

@@ -160,6 +160,46 @@ async def test_an_unreachable_owner_is_skipped_not_fatal(consumer_db: Database) 
     assert await loop.run_once() == 0
 
 
+@pytest.mark.asyncio
+async def test_discovered_sources_are_read_each_round_and_a_failed_discovery_is_not_fatal(
+    producer_db: Database, consumer_db: Database, owner: GrpcServer
+) -> None:
+    """Producers that come and go (one trainer agent per node) are named at each round."""
+    recorder = Recorder()
+    consumer = EventConsumer(
+        consumer_db,
+        bootstrap="127.0.0.1:1",
+        group_id="g",
+        topics=[JOBS],
+        handler=recorder,
+        verifier=eventkeys.verifier(),
+    )
+    found: list[CatchUpSource] = []
+    fail = False
+
+    async def discover() -> list[CatchUpSource]:
+        if fail:
+            raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata())
+        return found
+
+    loop = CatchUp(
+        consumer, consumer_db, group_id="g", topics=[JOBS], sources=[], discover=discover, page_size=2
+    )
+    await stage_jobs(producer_db, ["j1", "j2"])
+    assert await loop.run_once() == 0  # nobody found yet
+    found.append(CatchUpSource(producer="agent@node-a", target=f"127.0.0.1:{owner.port}", token=TOKEN))
+    assert await loop.run_once() == 2
+    fail = True
+    await stage_jobs(producer_db, ["j3"])
+    assert await loop.run_once() == 0
+    fail = False
+    assert await loop.run_once() == 1
+    assert recorder.applied == ["j1", "j2", "j3"]
+    async with consumer_db.session() as session:
+        mark = await session.get(CatchUpWatermark, ("g", "agent@node-a"))
+    assert mark is not None and mark.sequence == 3
+
+
 @pytest.mark.integration
 @pytest.mark.timeout(90)
 @pytest.mark.asyncio

@@ -17,11 +17,11 @@ from forge.events.v1 import events_pb2
 from mlflow.exceptions import MlflowException, RestException
 
 from forge_kit.backoff import RetryPolicy
+from forge_kit.consumer import EventConsumer
 from forge_kit.db import Database
 from forge_kit.events import (
     TOPICS,
     DeadLetter,
-    EventConsumer,
     KafkaPublisher,
     ProcessedEvent,
     ensure_topics,

@@ -76,3 +76,29 @@ async def test_a_running_jobs_metrics_become_events_and_gauges(
     assert all(e.run_id.startswith("run-") for e in events)
     await agent.shutdown(grace_s=0)
     assert ("job-m", "loss") not in TRAINING_METRIC._metrics  # series dropped when the run ended
+
+
+async def test_an_eval_line_read_apart_from_its_steps_log_line_is_still_published(
+    db: Database, tmp_path: Path
+) -> None:
+    """The loop logs step N, evaluates, then writes step N's ``val_loss`` on a line of its own: a
+    poll between the two must not drop the eval line as a replay of step N (a sweep following
+    ``val_loss`` would never see it)."""
+    path = tmp_path / "metrics.jsonl"
+    streamer = MetricsStreamer(db, producer="trainer_agent")
+    cursor = _Cursor()
+    path.write_text('{"step": 50, "loss": 4.0}\n')
+    assert await streamer.publish_new("job-e", "run-e", path, cursor) == 1
+    with path.open("a") as handle:
+        handle.write('{"step": 50, "val_loss": 4.2}\n')
+    assert await streamer.publish_new("job-e", "run-e", path, cursor) == 1
+    # The same step and names again (a replay), or an earlier step: not published twice.
+    with path.open("a") as handle:
+        handle.write('{"step": 50, "val_loss": 4.2}\n{"step": 49, "loss": 4.1}\n{"step": 51, "loss": 3.9}\n')
+    assert await streamer.publish_new("job-e", "run-e", path, cursor) == 1
+    events = await staged(db)
+    assert [(e.step, sorted(e.values)) for e in events] == [
+        (50, ["loss"]),
+        (50, ["val_loss"]),
+        (51, ["loss"]),
+    ]

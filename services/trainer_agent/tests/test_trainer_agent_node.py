@@ -68,3 +68,15 @@ def test_settings_defaults_and_unknown_keys(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setenv("FORGE_TRAINER_AGENT_GPU", "H100x8")
     with pytest.raises(ValidationError, match="FORGE_TRAINER_AGENT_GPU"):
         TrainerAgentSettings()
+
+
+def test_the_node_names_where_its_outbox_is_read_on_a_fixed_port_only() -> None:
+    from forge_trainer_agent.__main__ import node_labels
+    from forge_trainer_agent.config import TrainerAgentSettings
+    from forge_trainer_agent.node import ADDRESS_LABEL, EVENT_LOG_LABEL
+
+    local = node_labels(TrainerAgentSettings(grpc_port=50052))
+    assert local == {EVENT_LOG_LABEL: "127.0.0.1:50052"}
+    remote = node_labels(TrainerAgentSettings(grpc_port=50052, advertise_address="10.0.0.7"))
+    assert remote == {ADDRESS_LABEL: "10.0.0.7", EVENT_LOG_LABEL: "10.0.0.7:50052"}
+    assert node_labels(TrainerAgentSettings(grpc_port=0)) == {}  # an ephemeral port is not known yet

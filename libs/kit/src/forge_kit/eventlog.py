@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -121,7 +121,9 @@ class _Replayed:
 
 
 class CatchUp:
-    """Applies, through ``consumer``, every event of ``sources`` on ``topics`` it has not seen."""
+    """Applies, through ``consumer``, every event of ``sources`` on ``topics`` it has not seen;
+    ``discover``, when given, names more sources at each round (producers that come and go, such
+    as one trainer agent per node)."""
 
     def __init__(
         self,
@@ -134,6 +136,7 @@ class CatchUp:
         interval_s: float = 30.0,
         page_size: int = 200,
         rpc_timeout_s: float = 10.0,
+        discover: Callable[[], Awaitable[Sequence[CatchUpSource]]] | None = None,
     ) -> None:
         self._consumer = consumer
         self._db = db
@@ -143,6 +146,7 @@ class CatchUp:
         self._interval_s = interval_s
         self._page_size = page_size
         self._rpc_timeout_s = rpc_timeout_s
+        self._discover = discover
 
     async def _watermark(self, producer: str) -> int:
         async with self._db.session() as session:
@@ -196,7 +200,13 @@ class CatchUp:
     async def run_once(self) -> int:
         """One round over every source; a source that is down is skipped until the next round."""
         applied = 0
-        for source in self._sources:
+        sources = list(self._sources)
+        if self._discover is not None:
+            try:
+                sources += await self._discover()
+            except grpc.aio.AioRpcError as exc:
+                log.warning("catchup.discovery_unavailable", group=self._group_id, error=exc.code().name)
+        for source in sources:
             try:
                 applied += await self.catch_up(source)
             except grpc.aio.AioRpcError as exc:

@@ -16,6 +16,7 @@ from forge_kit.events import TOPICS
 from forge_kit.http import make_app
 from forge_kit.objectstore import ObjectStore
 from forge_orchestrator.activities import SchedulerActivities
+from forge_orchestrator.agent_logs import AgentEventLogs
 from forge_orchestrator.api import OrchestratorApi
 from forge_orchestrator.canary_activities import CanaryActivities
 from forge_orchestrator.config import OrchestratorSettings
@@ -29,6 +30,25 @@ from forge_orchestrator.service import KINDS, OrchestratorService, build_worker,
 from forge_orchestrator.sweep.activities import SweepActivities
 from forge_orchestrator.sweep.router import MetricsRouter, TemporalSweepSignaller
 from forge_orchestrator.tracking import Tracker
+
+
+def catch_up_topics(settings: OrchestratorSettings) -> list[str]:
+    """Topics read again from the producers' outboxes: job events, and metrics when the agents'
+    outboxes may be read (``trainer_agent_token``)."""
+    names = [events_pb2.JobStateChanged.DESCRIPTOR.full_name]
+    if settings.trainer_agent_token.get_secret_value():
+        names.append(events_pb2.TrainingMetrics.DESCRIPTOR.full_name)
+    return [TOPICS[name] for name in names]
+
+
+def agent_logs(app: ServiceApp, settings: OrchestratorSettings) -> AgentEventLogs | None:
+    """The trainer agents' outboxes as catch-up sources (None without ``trainer_agent_token``)."""
+    token = settings.trainer_agent_token.get_secret_value()
+    if not token:
+        return None
+    logs = AgentEventLogs(settings.scheduler_target, settings.scheduler_token.get_secret_value(), token)
+    app.add_on_stop(logs.close)
+    return logs
 
 
 def add_tracking(app: ServiceApp, db: Database, settings: OrchestratorSettings) -> None:
@@ -58,8 +78,7 @@ def add_tracking(app: ServiceApp, db: Database, settings: OrchestratorSettings) 
     )
     app.add_on_stop(jobs.close)
     # Job states the broker lost come from the scheduler's outbox, so runs are made and closed
-    # anyway (metrics come only from the broker: the trainer agents are not reachable from here).
-    job_states = [TOPICS[events_pb2.JobStateChanged.DESCRIPTOR.full_name]]
+    # anyway; metrics from the trainer agents' outboxes when this process may read them.
     scheduler = CatchUpSource(
         "scheduler", settings.scheduler_target, settings.scheduler_token.get_secret_value()
     )
@@ -67,9 +86,10 @@ def add_tracking(app: ServiceApp, db: Database, settings: OrchestratorSettings) 
         consumer,
         db,
         group_id=settings.tracking_consumer_group,
-        topics=job_states,
+        topics=catch_up_topics(settings),
         sources=[scheduler],
         interval_s=settings.catch_up_interval_s,
+        discover=agent_logs(app, settings),
     )
     app.add_background(catch_up.run)
 
@@ -148,13 +168,15 @@ async def main() -> None:
             handler=MetricsRouter(TemporalSweepSignaller(client), then=routers.handle).handle,
             session_timeout_ms=settings.consumer_session_timeout_ms,
         )
-        # The broker may lose job events (the local one keeps nothing across a restart): read
-        # them from the scheduler's outbox too; the consumer's dedupe applies each once.
+        # The broker may lose events (the local one keeps nothing across a restart): read job
+        # events from the scheduler's outbox too, and trials' metrics from the agents'; the
+        # consumer's dedupe applies each once.
         catch_up = CatchUp(
             consumer,
             db,
             group_id=settings.consumer_group,
-            topics=[TOPICS[events_pb2.JobStateChanged.DESCRIPTOR.full_name]],
+            topics=catch_up_topics(settings),
+            discover=agent_logs(app, settings),
             sources=[
                 CatchUpSource(
                     "scheduler", settings.scheduler_target, settings.scheduler_token.get_secret_value()

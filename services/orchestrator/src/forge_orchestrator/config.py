@@ -93,6 +93,10 @@ class OrchestratorSettings(ServiceSettings):
     scheduler_token: SecretStr = NO_TOKEN
     """Bearer token the scheduler accepts."""
 
+    trainer_agent_token: SecretStr = NO_TOKEN
+    """Bearer token the trainer agents accept; set, the consumers also read each agent's outbox
+    (node label ``forge.ai/event-log``) for the training metrics the broker lost."""
+
     eval_target: str = "127.0.0.1:50057"
     """host:port of the eval service's gRPC server (eval-and-promote workflows)."""
 

@@ -20,7 +20,7 @@ from forge_trainer_agent.checkpoints import CheckpointAnnouncer, ManifestFinder
 from forge_trainer_agent.config import TrainerAgentSettings
 from forge_trainer_agent.gpus import node_gpus
 from forge_trainer_agent.metrics import MetricsStreamer
-from forge_trainer_agent.node import ADDRESS_LABEL, NodeInfo
+from forge_trainer_agent.node import ADDRESS_LABEL, EVENT_LOG_LABEL, NodeInfo
 from forge_trainer_agent.runner import LocalProcessRunner, TorchrunRunner
 from forge_trainer_agent.sandbox import JobSandbox, dataset_folders
 from forge_trainer_agent.service import AgentService
@@ -28,6 +28,15 @@ from forge_trainer_agent.session import SchedulerSession
 from forge_trainer_agent.store import RunStore
 
 log = structlog.get_logger(__name__)
+
+
+def node_labels(settings: TrainerAgentSettings) -> dict[str, str]:
+    """The address jobs' rendezvous listen at and, on a fixed port, where this agent's outbox is
+    read (the metrics it published are not lost with a broker that forgets them)."""
+    labels = {ADDRESS_LABEL: settings.advertise_address} if settings.advertise_address else {}
+    if settings.grpc_port:
+        labels[EVENT_LOG_LABEL] = f"{settings.advertise_address or '127.0.0.1'}:{settings.grpc_port}"
+    return labels
 
 
 async def main() -> None:
@@ -47,7 +56,7 @@ async def main() -> None:
         node_group=settings.node_group,
         rack=settings.rack,
         nvlink_domain=settings.nvlink_domain,
-        labels={ADDRESS_LABEL: settings.advertise_address} if settings.advertise_address else {},
+        labels=node_labels(settings),
     )
     db = await app.open_database("trainer_agent.db", Path(__file__).parent / "migrations")
     app.enable_outbox()

@@ -3,7 +3,7 @@
 The training loop (rank 0) appends one JSON object per logged step to
 ``<run dir>/metrics.jsonl``. :class:`MetricsStreamer` follows that file for every live attempt on
 this node: each new complete line becomes one ``TrainingMetrics`` event, staged in the outbox in
-one transaction per batch (so Kafka gets each step once, in order, even across a broker restart),
+one transaction per batch (so Kafka gets each line once, in order, even across a broker restart),
 and the latest value of each metric is exported as ``forge_trainer_agent_training_metric``.
 A partial last line (the writer is mid-append) is left for the next poll.
 """
@@ -38,6 +38,8 @@ METRICS_FILE = "metrics.jsonl"
 class _Cursor:
     offset: int = 0
     last_step: int = -1
+    sent_at_last_step: frozenset[str] = frozenset()
+    """Names already published at ``last_step`` (the loop writes a step's eval on a line of its own)."""
 
 
 def read_new_records(path: Path, cursor: _Cursor) -> list[dict[str, float]]:
@@ -94,17 +96,26 @@ class MetricsStreamer:
 
     async def publish_new(self, job_id: str, run_id: str, path: Path, cursor: _Cursor) -> int:
         records = await asyncio.to_thread(read_new_records, path, cursor)
-        # A restarted attempt appends to the same file: steps at or before the last one sent
-        # were published by the earlier attempt (or are being replayed after a resume).
-        fresh = [r for r in records if int(r["step"]) > cursor.last_step]
+        # Steps before the last one sent, and names already sent at it, are replays (a resumed
+        # run writing steps again); other names at the last step are its eval line, written
+        # after the step's log line and possibly read by a later poll.
+        fresh = []
+        last, sent = cursor.last_step, cursor.sent_at_last_step
+        for record in records:
+            step = int(record.pop("step"))
+            names = frozenset(record)
+            if step < last or (step == last and names <= sent):
+                continue
+            sent = sent | names if step == last else names
+            last = step
+            fresh.append((step, record))
         if not fresh:
             return 0
         async with self._db.session() as session:
-            for record in fresh:
-                step = int(record.pop("step"))
+            for step, record in fresh:
                 event = events_pb2.TrainingMetrics(job_id=job_id, run_id=run_id, step=step, values=record)
                 await stage_event(session, event, producer=self._producer, key=job_id)
                 for name, value in record.items():
                     TRAINING_METRIC.labels(job_id, name).set(value)
-                cursor.last_step = step
+        cursor.last_step, cursor.sent_at_last_step = last, sent
         return len(fresh)

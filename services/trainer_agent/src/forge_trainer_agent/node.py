@@ -16,6 +16,9 @@ from forge_trainer_agent.sandbox import JobIsolation
 
 #: The node label the scheduler reads a node's address from (a multi-node job's MASTER_ADDR).
 ADDRESS_LABEL = "forge.ai/address"
+EVENT_LOG_LABEL = "forge.ai/event-log"
+"""Node label: host:port of the agent's gRPC server, where consumers read its outbox
+(``EventLogService``) for events the broker lost."""
 MAX_GPUS_PER_ENTRY = 256
 _VENDOR_WORDS = {"NVIDIA", "TESLA", "GEFORCE", "QUADRO"}
 _SERIES_WORDS = {"RTX", "GTX"}
