@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -176,10 +177,12 @@ SERVICES: tuple[ServiceSpec, ...] = (
         ),
         temporal=True,
         tracking=True,
-        # The guarded canary watches the gateway's metrics, with the local policy's short window.
+        # The guarded canary watches the gateway's metrics, with the local policy's short window;
+        # online RLHF rounds read the production prompt pool from the gateway's admin API.
         local={
-            "GATEWAY_METRICS_URLS": '["http://127.0.0.1:8080/metrics"]',
+            "GATEWAY_METRICS_URLS": '["{http:inference_gateway}/metrics"]',
             "CANARY_POLICY": "local",
+            "INFERENCE_GATEWAY_URL": "{http:inference_gateway}",
         },
     ),
 )
@@ -246,6 +249,11 @@ def validate(table: Iterable[ServiceSpec]) -> list[str]:
             if call.target == spec.name:
                 problems.append(f"{spec.name} calls itself")
     return problems
+
+
+#: ``{http:<service>}`` in a row's ``extra``/``local`` value: that service's HTTP address in this
+#: table (so a profile that moves the ports moves the reference too).
+_HTTP_REF = re.compile(r"\{http:([a-z_0-9]+)\}")
 
 
 def declared_keys(spec: ServiceSpec) -> list[str]:
@@ -317,7 +325,8 @@ def service_env(
     if spec.tracking:
         values["MLFLOW_URI"] = infra.mlflow_uri
     for key, value in {**spec.extra, **spec.local}.items():
-        values[key.upper()] = value.replace("{root}", str(root)).replace("{instance}", str(spec.instance))
+        value = value.replace("{root}", str(root)).replace("{instance}", str(spec.instance))
+        values[key.upper()] = _HTTP_REF.sub(lambda m: by_name[m.group(1)].http_url, value)
     return {f"{spec.prefix}{key}": value for key, value in values.items()}
 
 

@@ -133,7 +133,7 @@ async def main() -> None:
         )
         sampler = RlhfSampler(
             settings.inference_gateway_target,
-            RlhfSettings().gateway_url,
+            settings.inference_gateway_url or RlhfSettings().gateway_url,
             settings.inference_gateway_token.get_secret_value(),
             settings.preference_feedback_target,
             settings.preference_feedback_token.get_secret_value(),

@@ -128,6 +128,10 @@ class OrchestratorSettings(ServiceSettings):
     inference_gateway_token: SecretStr = NO_TOKEN
     """Bearer token the inference gateway accepts."""
 
+    inference_gateway_url: str = ""
+    """HTTP address of the inference gateway (its admin API: the production prompt pool and shadow
+    pairs of online RLHF rounds, with ``inference_gateway_token``); empty: ``FORGE_RLHF_GATEWAY_URL``."""
+
     retriever_target: str = "127.0.0.1:50055"
     """host:port of the retriever's gRPC server (wired by the platform table; no workflow calls it
     yet)."""
