@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from forge_kit import sweepspace
 from forge_orchestrator.main_job import TEAM as TRAIN_TEAM
+from forge_orchestrator.main_job import rlhf
 from forge_orchestrator.main_job_sweep import SPACE, TEAM, _trial_row, sweep
 from forge_orchestrator.sweep.service import validate_sweep
 from forge_orchestrator.sweep.workflow import SweepInput
@@ -16,7 +17,9 @@ def test_the_space_passes_the_api_checks_and_has_rungs_to_stop_trials_at() -> No
     assert space.recipe == "shakespeare_tiny" and space.early_stopping.rule == "asha"
     assert space.early_stopping.form == "promotion" and space.rungs() == [5, 15]
     assert len(space.configurations()) == 6 and space.max_steps * 6 <= 300
-    assert sweep.order == 50  # type: ignore[attr-defined]
+    # Last: the automatic eval-and-promote of the train step's checkpoint watches its canary while
+    # the eval step drives traffic; a sweep in between would let that window pass unwatched.
+    assert sweep.order > rlhf.order  # type: ignore[attr-defined]
 
 
 def test_trial_rows_say_where_a_trial_stopped_or_how_it_ended() -> None:

@@ -1,4 +1,6 @@
-"""The main job's ``sweep`` step (order 50, after ``tracking``): a small ASHA sweep end to end.
+"""The main job's ``sweep`` step (order 90, the last: the steps before it watch the train step's
+canary window, which a sweep in between would let pass without traffic): a small ASHA sweep end
+to end.
 
 Six trials of the tiny pre-training recipe (learning rate × width, 45 steps each, rungs at 5 and
 15 steps) go through the real ``sweep`` workflow: the orchestrator checks the space, the trials
@@ -120,5 +122,5 @@ async def sweep(ctx: MainJobContext) -> dict[str, object]:
     }
 
 
-sweep.order = 50  # type: ignore[attr-defined]
+sweep.order = 90  # type: ignore[attr-defined]
 sweep.timeout_s = SWEEP_WAIT_S + 30  # type: ignore[attr-defined]
