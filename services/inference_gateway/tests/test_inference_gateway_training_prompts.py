@@ -114,6 +114,16 @@ async def test_the_opt_in_api_refuses_bad_input(
     ).status_code == 400
     for params in ({"limit": 0}, {"limit": 5000}, {"after": -1}):
         assert (await admin.get("/admin/v1/training-prompts", params=params)).status_code == 400, params
+    # A parameter the route does not declare (a misspelt limit) is refused, naming it, on every
+    # admin route: not ignored.
+    for path, params in (
+        ("/admin/v1/training-prompts", {"limt": "5"}),
+        ("/admin/v1/shadow/pairs", {"alias": "forge-chat", "after": "3"}),
+        ("/admin/v1/tenants", {"x": "1"}),
+    ):
+        reply = await admin.get(path, params=params)
+        assert reply.status_code == 400 and "unknown parameter" in reply.text, (path, reply.text)
+    assert (await admin.get("/admin/v1/training-prompts", params={"limit": "5"})).status_code == 200
     async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as anonymous:
         assert (await anonymous.get("/admin/v1/training-prompts")).status_code == 401
         tenant_key = {"Authorization": "Bearer tenant-key"}

@@ -263,14 +263,15 @@ async def test_answers_to_the_policy_samples_let_the_round_train(
         pool = RaterPool(feedback[0].grpc_target, FEEDBACK_TOKEN, raters=3, dwell_s=0.0)
         stop = asyncio.Event()
         raters = asyncio.create_task(pool.run(stop))
-        # Once the answers are in, the round leaves the wait for the reward-model job. With no
-        # agent here it moves on (and may end) soon after, so the test reads the first progress
-        # past the wait rather than expecting to catch one step.
+        # Once the answers are in, the round leaves the wait, exports a snapshot and goes on to
+        # the reward-model job. With no agent here it moves on (and may end) soon after, so the
+        # test reads the first progress past the wait with its snapshot rather than one step.
         progress: dict[str, Any] = {}
         try:
             for _ in range(600):
                 progress = await handle.query(PROGRESS_QUERY)
-                if "waiting for raters" not in str(progress["step"]):
+                rounds = progress["rounds"]
+                if "waiting for raters" not in str(progress["step"]) and rounds and rounds[0]["snapshot_id"]:
                     break
                 await asyncio.sleep(0.1)
         finally:

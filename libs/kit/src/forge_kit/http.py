@@ -11,6 +11,7 @@ import contextlib
 import math
 import secrets
 from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -34,6 +35,25 @@ def _error(
 
 
 NO_OTEL = {"tracing": False, "metrics": False, "logs": False, "operation_spans": False}
+
+
+def _query_names(dependant: Any) -> set[str]:
+    names = {param.alias for param in dependant.query_params}
+    for sub in dependant.dependencies:
+        names |= _query_names(sub)
+    return names
+
+
+async def reject_unknown_query(request: Request) -> None:
+    """A route dependency: a query parameter the route does not declare is refused (400, naming
+    it) rather than ignored, so a misspelt ``limit`` or ``after`` never pages with the default."""
+    dependant = getattr(request.scope.get("route"), "dependant", None)
+    if dependant is None:
+        return
+    unknown = sorted(set(request.query_params) - _query_names(dependant))
+    if unknown:
+        shown = ", ".join(repr(name[:64]) for name in unknown[:5])
+        raise errors.ValidationError("query", f"unknown parameter(s): {shown}")
 
 
 def make_app(

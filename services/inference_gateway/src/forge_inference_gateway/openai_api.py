@@ -36,7 +36,7 @@ from forge_inference_gateway.service import InferenceGateway
 from forge_inference_gateway.tenants import PRIORITY_CLASSES, Tenant
 from forge_inference_gateway.upstream import StreamBroken, UpstreamError, UpstreamUnavailableError, error_for
 from forge_kit import errors
-from forge_kit.http import require_token
+from forge_kit.http import reject_unknown_query, require_token
 from forge_kit.openai_errors import install_openai_error_handlers, openai_error
 from forge_kit.validate import loads_json
 
@@ -434,7 +434,9 @@ def install_gateway_api(
     app.add_api_route("/v1/rag/query", public.rag_query, methods=["POST"], dependencies=tenant)
     app.add_api_route("/v1/embeddings", public.embeddings, methods=["POST"], dependencies=tenant)
     admin = AdminRoutes(gateway)
-    auth = [Depends(bearer_scheme), Depends(require_token(admin_token))]
+    # Admin routes refuse query parameters they do not declare (the public /v1 routes stay as
+    # lenient as OpenAI's own API).
+    auth = [Depends(bearer_scheme), Depends(require_token(admin_token)), Depends(reject_unknown_query)]
     for path, endpoint, method, status in (
         ("/admin/v1/aliases", admin.aliases, "GET", 200),
         ("/admin/v1/aliases/{alias}", admin.set_alias, "PUT", 200),
