@@ -116,7 +116,9 @@ def test_help_shows_one_line_per_command_group() -> None:
         if len(entry_points) > 1:
             assert "Also: " in lines[group], lines[group]
     assert lines["eval"] == "Run benchmark tasks, compare runs and apply the release gate. Also: retrieval."
-    assert lines["bench"] == "Training benchmarks: step throughput and the recipe chain. Also: canary, engine."
+    assert (
+        lines["bench"] == "Training benchmarks: step throughput and the recipe chain. Also: canary, engine."
+    )
 
 
 def test_a_merged_group_is_described_by_the_plugin_with_most_commands() -> None:
