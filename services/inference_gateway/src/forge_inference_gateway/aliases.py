@@ -231,15 +231,11 @@ class Aliases:
             raise errors.ValidationError("model", str(exc)) from None
         if not 0 <= weight <= 100:
             raise errors.ValidationError("weight", f"must be 0-100, got {weight}")
-        async with self._db.session() as session:
-            row = await session.get(ModelAliasRow, alias)
-            if row is None:
-                raise errors.NotFoundError(f"alias {alias!r} not found")
+
+        def apply(row: ModelAliasRow) -> None:
             row.canary_model_name, row.canary_model_version, row.canary_weight = name, version, weight
-            row.updated_at = utcnow()
-            result = _alias(row)
-        self._cached.clear()
-        return result
+
+        return await self._update(alias, apply)
 
     async def set_shadow(self, alias: str, name: str, version: str, percent: int) -> Alias:
         """Admin: mirror ``percent`` of ``alias``'s stable traffic to ``name[:version]`` without
@@ -253,23 +249,27 @@ class Aliases:
             raise errors.ValidationError("model", str(exc)) from None
         if not 0 <= percent <= 100:
             raise errors.ValidationError("percent", f"must be 0-100, got {percent}")
-        async with self._db.session() as session:
-            row = await session.get(ModelAliasRow, alias)
-            if row is None:
-                raise errors.NotFoundError(f"alias {alias!r} not found")
+
+        def apply(row: ModelAliasRow) -> None:
             row.shadow_model_name, row.shadow_model_version, row.shadow_percent = name, version, percent
-            row.updated_at = utcnow()
-            result = _alias(row)
-        self._cached.clear()
-        return result
+
+        return await self._update(alias, apply)
 
     async def rollback_canary(self, alias: str) -> Alias:
         """Admin: all of ``alias``'s traffic back to its stable model at once (canary weight 0)."""
+
+        def apply(row: ModelAliasRow) -> None:
+            row.canary_weight = 0
+
+        return await self._update(alias, apply)
+
+    async def _update(self, alias: str, apply: Callable[[ModelAliasRow], None]) -> Alias:
+        """Change ``alias``'s row in one transaction (404 when there is none) and drop the cache."""
         async with self._db.session() as session:
             row = await session.get(ModelAliasRow, alias)
             if row is None:
                 raise errors.NotFoundError(f"alias {alias!r} not found")
-            row.canary_weight = 0
+            apply(row)
             row.updated_at = utcnow()
             result = _alias(row)
         self._cached.clear()

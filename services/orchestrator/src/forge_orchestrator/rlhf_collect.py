@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from datetime import timedelta
 from typing import Any
 
@@ -37,16 +38,17 @@ class RoundCollection:
     _shadow_after_id: int = 0
     """The cursor of the canary shadow pairs queued so far (pairs after it are new)."""
 
-    async def _activity(self, method: Any, arg: Any, timeout: timedelta = ...) -> Any:  # pragma: no cover
-        raise NotImplementedError
+    @abstractmethod
+    async def _activity(self, method: Any, arg: Any, timeout: timedelta = ...) -> Any:
+        """Run an activity (the workflow's retry and timeout policy)."""
 
-    async def _report(self, record: RoundRecord, **metrics: float) -> None:  # pragma: no cover
-        raise NotImplementedError
+    @abstractmethod
+    async def _report(self, record: RoundRecord, **metrics: float) -> None:
+        """Record the round's progress."""
 
-    async def _end(
-        self, record: RoundRecord, status: str, reason: str, **metrics: float
-    ) -> None:  # pragma: no cover
-        raise NotImplementedError
+    @abstractmethod
+    async def _end(self, record: RoundRecord, status: str, reason: str, **metrics: float) -> None:
+        """End the round with ``status`` and ``reason``."""
 
     async def _collect(self, params: RlhfInput, record: RoundRecord) -> bool:
         """Online step 1; False when the round stalled (recorded as such)."""
