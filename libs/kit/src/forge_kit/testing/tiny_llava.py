@@ -22,7 +22,7 @@ CHAT_TEMPLATE = (
     "{% if message['content'] is string %}{{ message['content'] }}"
     "{% else %}{% for part in message['content'] %}"
     "{% if part['type'] == 'image' %}<image>{% else %}{{ part['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}\n{% endfor %}"
+    "{% endfor %}{% endif %}{{ '\\n' }}{% endfor %}"
     "{% if add_generation_prompt %}assistant:{% endif %}"
 )
 
@@ -93,7 +93,7 @@ def save_tiny_llava(
     config = LlavaConfig(
         vision_config=vision,
         text_config=text,
-        image_token_id=image_token_id,
+        image_token_index=image_token_id,
         image_seq_length=(image_size // patch_size) ** 2,
         vision_feature_layer=-1,
         vision_feature_select_strategy="default",
