@@ -67,6 +67,7 @@ def save_tiny_llava(
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>")
     tokenizer.chat_template = CHAT_TEMPLATE
     image_token_id = bpe.token_to_id(IMAGE_TOKEN)
+    assert image_token_id is not None
     torch.manual_seed(seed)
     text = LlamaConfig(
         vocab_size=bpe.get_vocab_size(),
