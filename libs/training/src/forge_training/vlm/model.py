@@ -143,6 +143,13 @@ def build_vlm(
     return model, tok
 
 
+def text_config(model: LlavaForConditionalGeneration) -> LlamaConfig:
+    config = model.config.text_config
+    if not isinstance(config, LlamaConfig):
+        raise ValueError(f"the VLM's language model is {type(config).__name__}, not a Llama")
+    return config
+
+
 def image_spec(model: LlavaForConditionalGeneration) -> ImageSpec:
     vision = model.config.vision_config
     size = vision.image_size if isinstance(vision, CLIPVisionConfig) else None
