@@ -48,6 +48,22 @@ class ImageBytes:
         return cls(data, hashlib.sha256(data).hexdigest())
 
 
+_MAGIC = (
+    (b"\x89PNG\r\n\x1a\n", "image/png"),
+    (b"\xff\xd8\xff", "image/jpeg"),
+    (b"GIF87a", "image/gif"),
+    (b"GIF89a", "image/gif"),
+)
+
+
+def image_mime(data: bytes) -> str:
+    """The media type of an encoded image from its first bytes (``application/octet-stream`` when
+    none of :data:`IMAGE_FORMATS` is recognised)."""
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "image/webp"
+    return next((mime for magic, mime in _MAGIC if data.startswith(magic)), "application/octet-stream")
+
+
 def decode_data_uri(url: str, *, max_bytes: int = MAX_IMAGE_BYTES) -> bytes:
     """The bytes of a base64 ``data:`` URI of an image; :class:`ImageError` when it is not one,
     or when its payload is (or would decode to) more than ``max_bytes``."""
