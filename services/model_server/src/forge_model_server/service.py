@@ -280,7 +280,7 @@ class ModelDirectory:
         meta = self._read_json(f"{folder}/{METADATA_FILE}")
         files = [str(p) for p in self._store.fs.ls(folder, detail=False)]
         weights = tuple(sorted(posixpath.basename(p) for p in files if p.endswith(".safetensors")))
-        context = config.get("max_position_embeddings")
+        context = _context_of(config)
         try:
             created = int(self._store.fs.modified(config_path).timestamp())
         except (NotImplementedError, OSError, AttributeError):
@@ -308,6 +308,14 @@ class ModelDirectory:
             if info is not None and (not ref.version or ref.version == info.version):
                 return info
         raise ModelNotFoundError(model, [m.name for m in self.list()])
+
+
+def _context_of(config: Mapping[str, object]) -> object:
+    """``max_position_embeddings`` of a config, or of its language model's (a LLaVA's ``text_config``)."""
+    text = config.get("text_config")
+    return config.get("max_position_embeddings") or (
+        text.get("max_position_embeddings") if isinstance(text, dict) else None
+    )
 
 
 def _parsed(model: str) -> ModelRef | None:
@@ -398,7 +406,7 @@ def checkpoint_info(name: str, path: str, version: str | None) -> ModelInfo:
         raise errors.ValidationError(
             "path", f"has an unreadable config.json or {METADATA_FILE}: {exc}"
         ) from exc
-    context = data.get("max_position_embeddings") if isinstance(data, dict) else None
+    context = _context_of(data) if isinstance(data, dict) else None
     return ModelInfo(
         name=name,
         version=version
