@@ -349,3 +349,38 @@ async def test_image_urls_fetched_only_when_allowed_and_never_internal(models: P
             await server.drain(0)
             await http.stop()
         await host.stop()
+
+
+async def test_preempted_image_requests_are_recomputed_from_their_pixels(
+    models: Path, reference: Any
+) -> None:
+    """A pool too small for three image requests at once: some are preempted (their image
+    embeddings dropped with their blocks) and recomputed later; every answer is still the one
+    transformers gives."""
+    http, server = await _serve(
+        models, engine=EngineConfig(num_blocks=20, block_size=4, max_num_batched_tokens=64)
+    )
+    try:
+        async with openai.AsyncOpenAI(
+            base_url=f"http://127.0.0.1:{http.port}/v1", api_key=TOKEN, max_retries=0, timeout=120
+        ) as client:
+            images = [_image(20 + i) for i in range(3)]
+            replies = await asyncio.gather(
+                *(
+                    client.chat.completions.create(
+                        model="llava", messages=_chat(_data_uri(_encoded(im))), max_tokens=8, temperature=0
+                    )
+                    for im in images
+                )
+            )
+            engine = server._engines["llava"]
+            assert isinstance(engine, AsyncEngine)
+            preemptions = engine.core.stats.num_preemptions
+    finally:
+        await server.drain(0)
+        await http.stop()
+    tokenizer = reference[2]
+    for reply, image in zip(replies, images, strict=True):
+        want = tokenizer.decode(_hf_greedy(reference, image, QUESTION, 8), skip_special_tokens=True)
+        assert reply.choices[0].message.content == want
+    assert preemptions > 0
