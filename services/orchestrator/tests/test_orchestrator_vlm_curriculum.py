@@ -84,6 +84,7 @@ async def test_each_stage_starts_from_the_previous_stages_manifest(
         stages=["vlm_align", "vlm_interleave"],
         parent="/models/lm/hf",
         overrides={"vlm_interleave": ["max_steps=5"]},
+        gpu_type="H100",
     )
     handle = await client.start_workflow(
         "vlm_curriculum", params, id=wid, task_queue=queue, result_type=VlmCurriculumResult
@@ -111,9 +112,10 @@ async def test_each_stage_starts_from_the_previous_stages_manifest(
         ({"stages": ["bad recipe"]}, "input.stages[0]"),
         ({"overrides": {"other": ["a=1"]}}, "input.overrides.other"),
         ({"overrides": {"vlm_align": ["init.parent=x"]}}, "input.overrides.vlm_align[0]"),
+        ({"gpu_type": ""}, "input.gpu_type"),
     ],
 )
 def test_bad_curriculum_input_names_the_field(change: dict[str, Any], field: str) -> None:
     with pytest.raises(errors.ValidationError) as caught:
-        validate_vlm_curriculum(VlmCurriculumInput(**{"team": "research", **change}))
+        validate_vlm_curriculum(VlmCurriculumInput(**{"team": "research", "gpu_type": "H100", **change}))
     assert caught.value.field == field

@@ -40,7 +40,7 @@ class VlmCurriculumInput:
     """``init.parent`` of the first stage (empty: the first stage needs none, as ``vlm_world_lm``)."""
     overrides: dict[str, list[str]] = field(default_factory=dict)
     """Per recipe, its ``key=value`` overrides (``init.parent`` is set here)."""
-    gpus_per_replica: int = 0
+    gpus_per_replica: int = 1
     gpu_type: str = ""
     python: str = "python"
     stage_timeout_s: float = 6 * 3600.0
@@ -67,6 +67,12 @@ class VlmCurriculumResult:
     """The last stage's Hugging Face export."""
 
 
+def job_name(index: int, recipe: str) -> str:
+    """The scheduler's job name of stage ``index``: lowercase letters, digits and '-'."""
+    cleaned = "".join(c if c.isalnum() else "-" for c in recipe.lower())
+    return f"vlm-{index}-{cleaned}"[:63].rstrip("-")
+
+
 def validate_vlm_curriculum(params: VlmCurriculumInput) -> None:
     if not params.team:
         raise errors.ValidationError("input.team", "must not be empty")
@@ -88,8 +94,10 @@ def validate_vlm_curriculum(params: VlmCurriculumInput) -> None:
                     f"input.overrides.{recipe}[{i}]",
                     "init.parent is set by the curriculum (use input.parent)",
                 )
-    if not 0 <= params.gpus_per_replica <= 64:
-        raise errors.ValidationError("input.gpus_per_replica", "must be between 0 and 64")
+    if not 1 <= params.gpus_per_replica <= 64:
+        raise errors.ValidationError("input.gpus_per_replica", "must be between 1 and 64")
+    if not params.gpu_type:
+        raise errors.ValidationError("input.gpu_type", "must name the GPU type of the stages' jobs")
     if not 1 <= params.stage_timeout_s <= 30 * 86400:
         raise errors.ValidationError("input.stage_timeout_s", "must be between 1 and 2592000")
 
@@ -118,7 +126,7 @@ class VlmCurriculumWorkflow:
             train = TrainInput(
                 team=params.team,
                 recipe=recipe,
-                name=f"vlm-{recipe}",
+                name=job_name(i, recipe),
                 overrides=overrides,
                 gpus_per_replica=params.gpus_per_replica,
                 gpu_type=params.gpu_type,
