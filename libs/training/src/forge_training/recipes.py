@@ -167,7 +167,7 @@ def vlm_world_lm() -> TrainConfig:
     speaks the world's language before it sees an image, as a real VLM's LM has read the web."""
     return TrainConfig(
         name="vlm_world_lm",
-        model=ModelConfig(hidden_size=64, intermediate_size=172, num_layers=2, num_heads=4, num_kv_heads=4),
+        model=ModelConfig(hidden_size=64, intermediate_size=172, num_layers=3, num_heads=4, num_kv_heads=4),
         data=DataConfig(corpus=VLM_WORLD_TEXT, vocab_size=512, seq_len=64),
         optim=OptimConfig(lr=3e-3, min_lr=3e-4, warmup_steps=30),
         checkpoint=CheckpointConfig(interval_steps=200, keep_last=2),
@@ -180,7 +180,7 @@ def vlm_world_lm() -> TrainConfig:
     )
 
 
-def _vlm(name: str, stage: str, lr: float, max_steps: int, seq_len: int, **vlm: object) -> TrainConfig:
+def _vlm(name: str, stage: str, lr: float, max_steps: int, seq_len: int, batch: int = 16, **vlm: object) -> TrainConfig:
     return TrainConfig(
         name=name,
         task="vlm",
@@ -188,7 +188,7 @@ def _vlm(name: str, stage: str, lr: float, max_steps: int, seq_len: int, **vlm: 
         data=DataConfig(seq_len=seq_len, prefetch_batches=2),
         optim=OptimConfig(lr=lr, min_lr=lr / 10, warmup_steps=20, weight_decay=0.0),
         checkpoint=CheckpointConfig(interval_steps=200, keep_last=2),
-        global_batch_size=16,
+        global_batch_size=batch,
         micro_batch_size=16,
         max_steps=max_steps,
         eval_interval=max_steps,
@@ -201,7 +201,7 @@ def vlm_align() -> TrainConfig:
     """VLM stage 1 (LLaVA's feature alignment): captions of the synthetic world; only the MLP
     projector trains, the (fresh) CLIP vision tower and the parent LM stay frozen. Parent: a
     causal LM (``vlm_world_lm``'s export)."""
-    return _vlm("vlm_align", "align", lr=2e-3, max_steps=300, seq_len=64)
+    return _vlm("vlm_align", "align", lr=2e-3, max_steps=150, seq_len=64, batch=32)
 
 
 def vlm_interleave() -> TrainConfig:
@@ -213,7 +213,7 @@ def vlm_interleave() -> TrainConfig:
 def vlm_instruct() -> TrainConfig:
     """VLM stage 3: instruction tuning on VQA chats (train question templates) and caption
     chats; loss on the reply; everything trains. Parent: stage 2's VLM."""
-    return _vlm("vlm_instruct", "instruct", lr=5e-4, max_steps=400, seq_len=80)
+    return _vlm("vlm_instruct", "instruct", lr=1e-3, max_steps=250, seq_len=80, batch=32)
 
 
 def vlm_joint() -> TrainConfig:

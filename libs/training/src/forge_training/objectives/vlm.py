@@ -34,7 +34,14 @@ from forge_kit.paths import resolve_data_path
 from forge_training.collectives import all_reduce, barrier
 from forge_training.data import MixtureSampler, PreparedData, TokenShards, prepare
 from forge_training.mfu import train_flops_per_token
-from forge_training.objectives.base import Micro, Objective, ObjectiveSpec, prepare_rank0_first, rank_batches
+from forge_training.objectives.base import (
+    Micro,
+    Objective,
+    ObjectiveSpec,
+    StepBatch,
+    prepare_rank0_first,
+    rank_batches,
+)
 from forge_training.parents import load_parent
 from forge_training.schema import DataConfig, RecipeError, TrainConfig, VlmConfig
 from forge_training.vlm.dataset import WorldSize, write_world
@@ -183,6 +190,18 @@ class VisionLanguage(Objective):
     def _refuse(self, exc: ItemError) -> None:
         self.refused += 1
         log.warning("vlm.item_refused", item=exc.item, reason=exc.reason)
+
+    def draw(self) -> StepBatch:
+        """As :meth:`Objective.draw`, with the step's items grouped by source before they are cut
+        into micro-batches: a micro-batch pads to its longest row, and a 40-token chat beside a
+        200-token document would be mostly padding. The step's items are the same either way."""
+        items = sorted(self.sampler.next_step(self.rank, self.world_size), key=lambda item: item[0])
+        position = self.sampler.state_dict()
+        mb = self.config.micro_batch_size
+        micro = [self.collate(items[i : i + mb]) for i in range(0, len(items), mb)]
+        units = sum(self.units(m) for m in micro)
+        tokens = sum(float(m["attention_mask"].sum()) for m in micro)
+        return StepBatch(micro, units, tokens, sum(self.flops(m) for m in micro), position)
 
     def collate(self, items: Sequence[Any]) -> Micro:
         rows = self._rows(items)

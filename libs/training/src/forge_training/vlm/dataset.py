@@ -10,7 +10,7 @@ Layout of :func:`write_world`'s output folder (every part a pure function of the
     eval/val/        chats on train templates, unseen scenes (selection, never held-out data)
     eval/held_out/   chats on held-out templates, unseen scenes (the benchmark's VQA set)
     eval/captions/   caption chats on unseen scenes (the caption metric)
-    world.json   what was written (seed, counts, image size) and a content hash
+    world.json   what was written (seed, generator version, counts, image size) and a content hash
 
 Training scenes come from ``seed``; evaluation scenes from different seeds, so no evaluated
 scene is trained on.
@@ -66,7 +66,7 @@ def _hash(folder: Path) -> str:
 def write_world(out: Path, seed: int, size: WorldSize) -> dict[str, object]:
     """Write the world to ``out`` (skipped when ``out/world.json`` already records the same seed
     and sizes); returns the ``world.json`` record."""
-    record: dict[str, object] = {"seed": seed, **asdict(size)}
+    record: dict[str, object] = {"seed": seed, "version": world.VERSION, **asdict(size)}
     marker = out / "world.json"
     if marker.is_file():
         existing = json.loads(marker.read_text())

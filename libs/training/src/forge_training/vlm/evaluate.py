@@ -58,13 +58,13 @@ def answer(
         ids[i, width - len(r) :] = torch.tensor(r)
         mask[i, width - len(r) :] = 1
     flat = [preprocess(b, encoder.spec) for imgs in images for b in imgs]
-    pixels = torch.stack(flat) if flat else None
+    extra = {"pixel_values": torch.stack(flat)} if flat else {}  # none at all: text only
     was_training = model.training
     model.eval()
     out = model.generate(
         input_ids=ids,
         attention_mask=mask,
-        pixel_values=pixels,
+        **extra,
         max_new_tokens=max_new_tokens,
         do_sample=False,
         eos_token_id=pad,

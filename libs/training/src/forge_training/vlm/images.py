@@ -68,6 +68,19 @@ class ImageSpec:
         return cls(int(size["height"]), (mean[0], mean[1], mean[2]), (std[0], std[1], std[2]))
 
 
+def sniff(data: bytes) -> str | None:
+    """The format of ``data`` by its magic bytes (one of :data:`FORMATS`), or ``None``."""
+    if data.startswith(b"\x89PNG\r\n\x1a\n"):
+        return "PNG"
+    if data.startswith(b"\xff\xd8\xff"):
+        return "JPEG"
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "WEBP"
+    if data[:6] in (b"GIF87a", b"GIF89a"):
+        return "GIF"
+    return None
+
+
 def decode(data: bytes, max_bytes: int = MAX_BYTES, max_pixels: int = MAX_PIXELS) -> Image.Image:
     """The RGB image in ``data``; :class:`ImageError` if it is empty, too large, of a format not
     in :data:`FORMATS`, or corrupt."""
@@ -75,20 +88,27 @@ def decode(data: bytes, max_bytes: int = MAX_BYTES, max_pixels: int = MAX_PIXELS
         raise ImageError("empty image")
     if len(data) > max_bytes:
         raise ImageError(f"image of {len(data)} bytes is over the {max_bytes}-byte limit")
+    kind = sniff(data)
+    if kind is None:
+        raise ImageError(f"not an image in a supported format ({', '.join(FORMATS)})")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            image = Image.open(io.BytesIO(data), formats=list(FORMATS))
+            image = Image.open(io.BytesIO(data), formats=[kind])
             width, height = image.size
             if width * height > max_pixels:
                 raise ImageError(f"image of {width}x{height} pixels is over the {max_pixels}-pixel limit")
             image.load()
     except ImageError:
         raise
-    except Image.UnidentifiedImageError:
-        raise ImageError(f"not an image in a supported format ({', '.join(FORMATS)})") from None
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombWarning) as exc:
-        raise ImageError(f"corrupt image ({exc})") from None
+    except (
+        Image.UnidentifiedImageError,
+        OSError,
+        SyntaxError,
+        ValueError,
+        Image.DecompressionBombWarning,
+    ) as exc:
+        raise ImageError(f"corrupt {kind} image ({exc})") from None
     if width <= 0 or height <= 0:
         raise ImageError(f"image of {width}x{height} pixels")
     return image.convert("RGB")

@@ -119,6 +119,7 @@ def build_vlm(
     text_config = LlamaConfig.from_dict(lm.config.to_dict())
     vocab = max(tok.get_vocab_size(), text_config.vocab_size)
     text_config.vocab_size = vocab
+    text_config.architectures = ["LlamaForCausalLM"]  # what vLLM builds the language model as
     config = LlavaConfig(
         vision_config=vision.config(),
         text_config=text_config,

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image, ImageDraw
 
+#: Bumped whenever rendering, text or sampling changes, so cached worlds are rewritten.
+VERSION = 2
 SHAPES = ("circle", "square", "triangle")
 COLOURS: dict[str, tuple[int, int, int]] = {
     "red": (220, 40, 40),
@@ -74,8 +76,7 @@ class Thing:
 @dataclass(frozen=True)
 class Scene:
     things: tuple[Thing, ...]
-    jitter: tuple[tuple[int, int], ...]
-    """Per object, a pixel offset (in a 32-pixel canvas) so renders are not all alike."""
+    """In cell order; each object centred in its cell."""
 
 
 @dataclass(frozen=True)
@@ -100,8 +101,7 @@ def make_scene(rng: np.random.Generator) -> Scene:
         )
         for p, c in sorted(zip(pairs, cells, strict=True), key=lambda pc: int(pc[1]))
     )
-    jitter = tuple((int(rng.integers(-1, 2)), int(rng.integers(-1, 2))) for _ in things)
-    return Scene(things, jitter)
+    return Scene(things)
 
 
 def scenes(seed: int, count: int) -> list[Scene]:
@@ -116,10 +116,10 @@ def render(scene: Scene, size: int = 32) -> Image.Image:
     image = Image.new("RGB", (big, big), BACKGROUND)
     draw = ImageDraw.Draw(image)
     half = big // 2
-    for thing, (dx, dy) in zip(scene.things, scene.jitter, strict=True):
-        radius = (0.40 if thing.size == "big" else 0.22) * half
-        cx = (thing.cell % 2) * half + half / 2 + dx * size / 32 * 4
-        cy = (thing.cell // 2) * half + half / 2 + dy * size / 32 * 4
+    for thing in scene.things:
+        radius = (0.42 if thing.size == "big" else 0.28) * half
+        cx = (thing.cell % 2) * half + half / 2
+        cy = (thing.cell // 2) * half + half / 2
         box = (cx - radius, cy - radius, cx + radius, cy + radius)
         fill = COLOURS[thing.colour]
         if thing.shape == "circle":
