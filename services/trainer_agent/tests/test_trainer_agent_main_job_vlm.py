@@ -51,6 +51,11 @@ def test_the_step_needs_the_train_steps_checkpoint(tmp_path: Path) -> None:
     assert language_parent(ctx) == tmp_path / "var/run/hf"
     run = training_input(language_parent(ctx))
     assert run["recipe"] == "vlm_joint" and f"init.parent={tmp_path / 'var/run/hf'}" in run["overrides"]
+    # The overrides are ones the recipe takes (the workflow's job would fail on an unknown key).
+    from forge_training.recipes import build
+
+    config = build("vlm_joint", dict(o.split("=", 1) for o in run["overrides"]))
+    assert config.max_steps == 40 and not config.vlm.from_scratch
 
 
 def test_the_scene_is_generated_deterministically() -> None:

@@ -6,7 +6,8 @@ every text step): a chat completion with an image, through the gateway, about a 
    and VQA chats of the synthetic shapes world, text replay) on one simulated GPU, its language
    model initialised from the ``train`` step's checkpoint, for :data:`MAX_STEPS` steps — a run
    sized for the main job's minutes, not for accuracy (the curriculum's figures are
-   ``forge bench vlm``'s); the trainer exports it as a LLaVA folder.
+   ``forge bench vlm``'s; ``vlm.from_scratch=false``: the LM keeps the parent's weights); the
+   trainer exports it as a LLaVA folder.
 2. **Serve** it: load the folder into the model server (``POST /admin/v1/models`` as
    :data:`MODEL_NAME` at ``step-<n>``), make sure the gateway routes to that model server, and
    wait until the gateway's ``/v1/models`` lists it.
@@ -96,6 +97,8 @@ def training_input(parent: Path) -> dict[str, Any]:
             f"eval_interval={MAX_STEPS}",
             f"checkpoint.interval_steps={MAX_STEPS}",
             "vlm.eval_items=8",
+            # The recipe's baseline trains from scratch; here the train step's LM gives its weights.
+            "vlm.from_scratch=false",
         ],
         "replicas": 1,
         "gpus_per_replica": 1,
