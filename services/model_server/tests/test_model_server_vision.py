@@ -384,3 +384,14 @@ async def test_preempted_image_requests_are_recomputed_from_their_pixels(
         want = tokenizer.decode(_hf_greedy(reference, image, QUESTION, 8), skip_special_tokens=True)
         assert reply.choices[0].message.content == want
     assert preemptions > 0
+
+
+def test_a_llava_folder_without_its_image_processor_is_refused_naming_it(llava: Path, tmp_path: Path) -> None:
+    from forge_model_server.service import ModelInfo, ModelNotLoadedError
+
+    folder = tmp_path / "no-processor"
+    shutil.copytree(llava, folder)
+    (folder / "preprocessor_config.json").unlink()
+    loader = HFEngineLoader(EngineConfig(num_blocks=8, block_size=8), max_waiting=1)
+    with pytest.raises(ModelNotLoadedError, match=r"preprocessor_config\.json"):
+        loader(ModelInfo("no-processor", "", str(folder), 0, 0, ("model.safetensors",)))

@@ -436,6 +436,7 @@ class HFEngineLoader:
             ValueError,
             KeyError,
             TypeError,
+            AttributeError,
         ) as exc:
             raise ModelNotLoadedError(model.name, f"cannot load {folder}: {exc}") from exc
         eos = set(llama.config.eos_token_ids)
