@@ -274,6 +274,9 @@ async def test_text_only_model_and_placeholder_mismatch_are_refused(
             model="llava", messages=[{"role": "user", "content": "look: <image>"}], max_tokens=4
         )
     assert typed.value.param == "messages" and "placeholder" in typed.value.message
+    with pytest.raises(openai.BadRequestError) as completion:  # the same through /v1/completions
+        await client.completions.create(model="llava", prompt="look: <image>", max_tokens=4)
+    assert completion.value.param == "prompt" and "placeholder" in completion.value.message
     # Text-only chats still work on the vision model.
     plain = await client.chat.completions.create(
         model="llava", messages=[{"role": "user", "content": QUESTION}], max_tokens=4, temperature=0

@@ -231,7 +231,8 @@ class AsyncEngine:
         found = ids.count(layout.image_token_id)
         if found != len(images):
             raise errors.ValidationError(
-                "messages", f"the prompt holds {found} image placeholders for {len(images)} images"
+                "messages" if request.messages is not None else "prompt",
+                f"the prompt holds {found} image placeholders for {len(images)} images",
             )
         request.prepared_images = [self._pixels(image) for image in images]
         expanded: list[int] = []
