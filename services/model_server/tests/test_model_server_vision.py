@@ -398,3 +398,39 @@ def test_a_llava_folder_without_its_image_processor_is_refused_naming_it(llava: 
     loader = HFEngineLoader(EngineConfig(num_blocks=8, block_size=8), max_waiting=1)
     with pytest.raises(ModelNotLoadedError, match=r"preprocessor_config\.json"):
         loader(ModelInfo("no-processor", "", str(folder), 0, 0, ("model.safetensors",)))
+
+
+def test_one_step_encodes_every_new_image_in_one_batch(llava: Path, reference: Any) -> None:
+    """Three image requests admitted together: their first step runs the vision tower once, on
+    all three images, and each prompt's placeholders get its own image (greedy = transformers)."""
+    from forge_kit.images import ImageBytes
+    from forge_model_server.sampling import SamplingParams
+    from forge_model_server.service import ChatMessage, GenerationRequest, ImageInput, ModelInfo
+
+    engine = HFEngineLoader(EngineConfig(num_blocks=64, block_size=8), max_waiting=8)(
+        ModelInfo("llava", "", str(llava), 0, 0, ("model.safetensors",))
+    )
+    core = engine.core
+    assert core.encode is not None
+    encode, batches = core.encode, []
+
+    def recording(pixels: list[torch.Tensor]) -> list[torch.Tensor]:
+        batches.append(len(pixels))
+        return encode(pixels)
+
+    core.encode = recording
+    images = [_image(40 + i) for i in range(3)]
+    for i, image in enumerate(images):
+        data = ImageBytes.of(_encoded(image))
+        part = ImageInput("messages.0.content.1", data.data, data.sha256)
+        request = GenerationRequest(model="llava", messages=[ChatMessage("user", QUESTION, (QUESTION, part))])
+        ids = engine.tokenize(request)
+        spans = engine._image_spans(request, ids)
+        core.add_request(f"r{i}", ids, SamplingParams(max_tokens=6, temperature=0.0), seed=0, images=spans)
+    produced: dict[str, list[int]] = {f"r{i}": [] for i in range(3)}
+    while core.has_work():
+        for out in core.step():
+            produced[out.request_id] += out.token_ids
+    assert batches == [3]
+    for i, image in enumerate(images):
+        assert produced[f"r{i}"] == _hf_greedy(reference, image, QUESTION, 6)
