@@ -11,6 +11,7 @@ token ids, token-id prompts) belong to the engine that knows the vocabulary.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, GetJsonSchemaHandler, model_validator
@@ -21,7 +22,7 @@ from pydantic_core import CoreSchema
 from forge_kit import errors
 from forge_kit.modelref import NAME_MAX, VERSION_MAX, ModelRef
 from forge_kit.openai_errors import error_path
-from forge_kit.validate import FiniteFloat, PrintableName, Seed
+from forge_kit.validate import MAX_URI_CHARS, FiniteFloat, PrintableName, Seed
 
 #: Most choices one request may ask for (``n``).
 MAX_N = 16
@@ -31,6 +32,8 @@ MAX_LOGIT_BIAS = 300
 MAX_EMBEDDING_INPUTS = 256
 #: Most characters of one embedding input.
 MAX_EMBEDDING_CHARS = 8192
+#: Most ``image_url`` parts in one chat message.
+MAX_IMAGES_PER_MESSAGE = 16
 
 BodyT = TypeVar("BodyT", bound=BaseModel)
 _WORD = r"[A-Za-z0-9][A-Za-z0-9._-]"
@@ -233,21 +236,58 @@ def parse(model: type[BodyT], raw: object) -> BodyT:
 
 
 def message_text(message: ChatMessageBody, index: int) -> str:
-    """A message's text: a string as is, a list of parts joined with newlines (as vLLM joins
-    them); an image part is refused, naming it, since no served model reads images."""
+    """A message's text: a string as is, a list of text parts joined with newlines (as vLLM joins
+    them); an image part is refused, naming it (for the callers that take text only)."""
+    texts = []
+    for part in message_parts(message, index):
+        if isinstance(part, ImageRef):
+            raise errors.ValidationError(part.param, "image parts are not supported here")
+        texts.append(part)
+    return "\n".join(texts)
+
+
+@dataclass(frozen=True)
+class ImageRef:
+    """An ``image_url`` part of a chat message: where it is (``messages.0.content.1``) and its URL
+    (a ``data:`` URI or an http(s) address), checked for form only."""
+
+    param: str
+    url: str
+
+
+def message_parts(message: ChatMessageBody, index: int) -> list[str | ImageRef]:
+    """A message's content in order: texts, and the images as :class:`ImageRef` (form checked:
+    a ``data:image/…`` URI, or an http(s) URL of at most :data:`MAX_URI_CHARS` characters)."""
     content = message.content
     if content is None:
-        return ""
+        return []
     if isinstance(content, str):
-        return content
-    texts = []
+        return [content]
+    parts: list[str | ImageRef] = []
     for j, part in enumerate(content):
-        if isinstance(part, ImagePart):
+        if isinstance(part, TextPart):
+            parts.append(part.text)
+            continue
+        param, url = f"messages.{index}.content.{j}", part.image_url.url
+        scheme = url.split(":", 1)[0].lower() if ":" in url else ""
+        if scheme == "data":
+            if not url[5:].lower().startswith("image/"):
+                raise errors.ValidationError(param, "a data URI must hold an image (data:image/...)")
+        elif scheme in ("http", "https"):
+            if len(url) > MAX_URI_CHARS:
+                raise errors.ValidationError(
+                    param, f"an image URL must be at most {MAX_URI_CHARS} characters"
+                )
+        else:
             raise errors.ValidationError(
-                f"messages.{index}.content.{j}", "image parts are not supported: no served model reads images"
+                param, "image_url.url must be a data:image/... URI or an http(s) URL"
             )
-        texts.append(part.text)
-    return "\n".join(texts)
+        parts.append(ImageRef(param, url))
+    if sum(isinstance(p, ImageRef) for p in parts) > MAX_IMAGES_PER_MESSAGE:
+        raise errors.ValidationError(
+            f"messages.{index}.content", f"at most {MAX_IMAGES_PER_MESSAGE} images per message"
+        )
+    return parts
 
 
 def refuse_unsupported(fields: dict[str, Any]) -> None:

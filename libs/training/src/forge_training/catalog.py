@@ -36,6 +36,7 @@ TASK_METRICS: dict[str, tuple[str, ...]] = {
         "rank_accuracy", "reciprocal_rank", "val_loss", "val_rank_accuracy", "val_rank_accuracy_low",
         "val_rank_accuracy_high", "val_mrr",
     ),
+    "vlm": ("val_loss", "val_ppl", "val_vqa_accuracy", "refused_items"),
 }  # fmt: skip
 
 

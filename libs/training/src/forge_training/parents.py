@@ -56,7 +56,7 @@ def _is_manifest(ref: str) -> bool:
     return ref.rstrip("/").endswith("manifest.json")
 
 
-def _open_manifest(ref: str) -> tuple[CheckpointManager, Manifest]:
+def _open_manifest(ref: str, tasks: tuple[str, ...] = CAUSAL_TASKS) -> tuple[CheckpointManager, Manifest]:
     match = _MANIFEST.search(ref)
     if match is None:
         raise ParentError(
@@ -71,8 +71,9 @@ def _open_manifest(ref: str) -> tuple[CheckpointManager, Manifest]:
     except CheckpointError as exc:
         raise ParentError(f"{ref!r} is not a usable checkpoint: {exc}") from None
     task = manifest.meta.get("task", "pretrain")
-    if task not in CAUSAL_TASKS:
-        raise ParentError(f"{ref!r} is a {task!r} checkpoint, not a causal language model")
+    if task not in tasks:
+        what = "a causal language model" if tasks == CAUSAL_TASKS else f"one of {', '.join(tasks)}"
+        raise ParentError(f"{ref!r} is a {task!r} checkpoint, not {what}")
     if not isinstance(manifest.meta.get("model_config"), dict):
         raise ParentError(f"{ref!r} carries no model_config in its meta (written by an older Forge)")
     return manager, manifest

@@ -17,6 +17,7 @@ from forge_training.schema import (
     DEFAULT_CORPUS,
     HH_RLHF,
     SCIFACT_CORPUS,
+    VLM_WORLD_TEXT,
     CheckpointConfig,
     DataConfig,
     InitConfig,
@@ -26,6 +27,7 @@ from forge_training.schema import (
     PairsConfig,
     RecipeError,
     TrainConfig,
+    VlmConfig,
 )
 
 
@@ -159,6 +161,68 @@ def rerank_beir_minilm() -> TrainConfig:
     )
 
 
+def vlm_world_lm() -> TrainConfig:
+    """The VLM curriculum's language model: a tiny Llama pre-trained on the synthetic visual
+    world's text (captions, descriptions, train-template questions with answers), so the LM
+    speaks the world's language before it sees an image, as a real VLM's LM has read the web."""
+    return TrainConfig(
+        name="vlm_world_lm",
+        model=ModelConfig(hidden_size=64, intermediate_size=172, num_layers=3, num_heads=4, num_kv_heads=4),
+        data=DataConfig(corpus=VLM_WORLD_TEXT, vocab_size=512, seq_len=64),
+        optim=OptimConfig(lr=3e-3, min_lr=3e-4, warmup_steps=30),
+        checkpoint=CheckpointConfig(interval_steps=200, keep_last=2),
+        global_batch_size=16,
+        micro_batch_size=16,
+        max_steps=600,
+        eval_interval=300,
+        eval_batches=8,
+        log_interval=20,
+    )
+
+
+def _vlm(name: str, stage: str, lr: float, max_steps: int, seq_len: int, batch: int = 16, **vlm: object) -> TrainConfig:
+    return TrainConfig(
+        name=name,
+        task="vlm",
+        vlm=VlmConfig(stage=stage, **vlm),  # type: ignore[arg-type]
+        data=DataConfig(seq_len=seq_len, prefetch_batches=2),
+        optim=OptimConfig(lr=lr, min_lr=lr / 10, warmup_steps=20, weight_decay=0.0),
+        checkpoint=CheckpointConfig(interval_steps=200, keep_last=2),
+        global_batch_size=batch,
+        micro_batch_size=16,
+        max_steps=max_steps,
+        eval_interval=max_steps,
+        eval_batches=4,
+        log_interval=20,
+    )
+
+
+def vlm_align() -> TrainConfig:
+    """VLM stage 1 (LLaVA's feature alignment): captions of the synthetic world; only the MLP
+    projector trains, the (fresh) CLIP vision tower and the parent LM stay frozen. Parent: a
+    causal LM (``vlm_world_lm``'s export)."""
+    return _vlm("vlm_align", "align", lr=2e-3, max_steps=150, seq_len=64, batch=32)
+
+
+def vlm_interleave() -> TrainConfig:
+    """VLM stage 2: interleaved documents (text, image, text, ...) with 20 % text-only replay of
+    the world's text; everything trains. Parent: stage 1's VLM."""
+    return _vlm("vlm_interleave", "interleave", lr=1e-3, max_steps=400, seq_len=240)
+
+
+def vlm_instruct() -> TrainConfig:
+    """VLM stage 3: instruction tuning on VQA chats (train question templates) and caption
+    chats; loss on the reply; everything trains. Parent: stage 2's VLM."""
+    return _vlm("vlm_instruct", "instruct", lr=1e-3, max_steps=250, seq_len=80, batch=32)
+
+
+def vlm_joint() -> TrainConfig:
+    """One-stage joint training from scratch, the curriculum's baseline: captions, documents and
+    chats (1:1:2) with 20 % text replay, every weight fresh (the parent LM gives only the
+    tokenizer and the shapes)."""
+    return _vlm("vlm_joint", "joint", lr=2e-3, max_steps=1700, seq_len=240, from_scratch=True)
+
+
 RECIPES: dict[str, Callable[[], TrainConfig]] = {
     "shakespeare_tiny": shakespeare_tiny,
     "smoke": smoke,
@@ -168,6 +232,11 @@ RECIPES: dict[str, Callable[[], TrainConfig]] = {
     "reward_hh_minilm": reward_hh_minilm,
     "dpo_hh": dpo_hh,
     "rerank_beir_minilm": rerank_beir_minilm,
+    "vlm_world_lm": vlm_world_lm,
+    "vlm_align": vlm_align,
+    "vlm_interleave": vlm_interleave,
+    "vlm_instruct": vlm_instruct,
+    "vlm_joint": vlm_joint,
 }
 
 

@@ -28,10 +28,13 @@ DEFAULT_CORPUS = "corpora/tinyshakespeare/input.txt"
 SCIFACT_CORPUS = "beir/scifact/corpus.jsonl"
 #: Anthropic HH-RLHF chosen/rejected pairs (helpful-base and harmless-base test splits).
 HH_RLHF = "preferences/hh-rlhf"
+#: The synthetic visual world's plain text (``python -m forge_training.vlm.dataset
+#: $FORGE_DATA_DIR/vlm/world-0`` writes it; the VLM stages generate the same world in their cache).
+VLM_WORLD_TEXT = "vlm/world-0/text.txt"
 #: BEIR datasets (corpus.jsonl, queries.jsonl, qrels/{train,dev,test}.tsv per folder).
 BEIR = "beir"
 
-TASKS = ("pretrain", "cpt", "sft", "reward", "dpo", "rerank")
+TASKS = ("pretrain", "cpt", "sft", "reward", "dpo", "rerank", "vlm")
 #: Tasks that may start from a bundled encoder (``init.backbone``) instead of a parent.
 ENCODER_TASKS = ("reward", "rerank")
 INTERVAL_POLICIES = ("steps", "young", "daly")
@@ -215,6 +218,39 @@ class MetricsConfig:
     Set it from a measured ``torch.mm`` rate for a meaningful CPU MFU."""
 
 
+#: ``vlm.stage`` values: the curriculum's three stages and one-stage joint training.
+VLM_STAGES = ("align", "interleave", "instruct", "joint")
+
+
+@dataclass(frozen=True)
+class VlmConfig:
+    """A vision-language run (``vlm``, see :mod:`forge_training.objectives.vlm`)."""
+
+    stage: str = "align"
+    """``align`` (captions; only the projector trains; parent: a causal LM), ``interleave``
+    (documents plus ``text_replay`` of text-only windows; all trains; parent: a VLM), ``instruct``
+    (VQA and caption chats; all trains; parent: a VLM) or ``joint`` (all sources at once; parent:
+    a causal LM, whose tokenizer and shape are kept; with ``from_scratch`` its weights are not)."""
+    world: str = "synthetic"
+    """``synthetic`` (the generated world, written to the cache dir) or a folder of the same layout
+    (``captions/``, ``documents/``, ``chats/`` shards, ``text.txt``, ``eval/val/``)."""
+    world_seed: int = 0
+    image_size: int = 32
+    patch_size: int = 8
+    vision_hidden_size: int = 64
+    vision_layers: int = 2
+    vision_heads: int = 2
+    text_replay: float = 0.2
+    """``interleave``: share of text-only sequences in a batch (``joint``: of its mixture)."""
+    joint_weights: str = "captions:1,documents:1,chats:2"
+    """``joint``: sampling weights of the image sources (text gets ``text_replay``)."""
+    from_scratch: bool = False
+    """``joint``: initialise every weight afresh (the parent gives only the tokenizer and shape)."""
+    eval_items: int = 64
+    """Held-in validation chats (train templates, unseen scenes) scored by generation each eval."""
+    max_new_tokens: int = 8
+
+
 #: Learning-rate schedules after warmup (``optim.schedule``).
 SCHEDULES = ("cosine", "wsd")
 
@@ -281,6 +317,7 @@ class TrainConfig:
     dpo: DpoConfig = field(default_factory=DpoConfig)
     rerank: RerankConfig = field(default_factory=RerankConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    vlm: VlmConfig = field(default_factory=VlmConfig)
     global_batch_size: int = 12
     micro_batch_size: int = 12
     max_steps: int = 2000
@@ -324,7 +361,10 @@ _UNUSED: dict[str, tuple[str, ...]] = {
     "reward": (*_NO_CORPUS, "dpo", "rerank"),
     "dpo": (*_NO_CORPUS, "pairs.length_balance", "reward", "rerank", "optim.head_lr_scale"),
     "rerank": (*_NO_CORPUS, "pairs", "reward", "dpo"),
+    "vlm": (*_NO_CORPUS, "pairs", "reward", "dpo", "rerank", "optim.head_lr_scale"),
 }
+for _task in [t for t in _UNUSED if t != "vlm"]:  # text tasks ignore the vision-language section
+    _UNUSED[_task] = (*_UNUSED[_task], "vlm")
 
 
 def refuse_unused(config: TrainConfig, key: str) -> None:

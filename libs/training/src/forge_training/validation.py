@@ -17,6 +17,7 @@ from forge_training.schema import (
     PARALLELISMS,
     SCHEDULES,
     TASKS,
+    VLM_STAGES,
     DpoMonitorConfig,
     RecipeError,
     TrainConfig,
@@ -194,6 +195,9 @@ def _validate_task(config: TrainConfig) -> None:
         _validate_monitor(config.dpo.monitor)
     if config.task == "rerank":
         _validate_rerank(config)
+    if config.task == "vlm":
+        _validate_vlm(config)
+        return
     if config.task == "pretrain":
         return
     backbone = config.init.backbone
@@ -259,3 +263,36 @@ def _validate_rerank(config: TrainConfig) -> None:
                 raise RecipeError(
                     f"rerank.datasets: {str(folder)!r} has no {part} (a BEIR folder with a train split)"
                 )
+
+
+def _validate_vlm(config: TrainConfig) -> None:
+    v = config.vlm
+    if v.stage not in VLM_STAGES:
+        raise RecipeError(f"vlm.stage: must be one of {', '.join(VLM_STAGES)}, got {v.stage!r}")
+    if v.image_size <= 0 or v.patch_size <= 0 or v.image_size % v.patch_size:
+        raise RecipeError(f"vlm.patch_size: {v.patch_size} must divide vlm.image_size {v.image_size}")
+    if v.vision_hidden_size % v.vision_heads or min(v.vision_layers, v.vision_heads, v.eval_items) <= 0:
+        raise RecipeError(
+            "vlm.vision_heads: must divide vlm.vision_hidden_size (layers, heads, eval_items positive)"
+        )
+    if not 0.0 <= v.text_replay < 1.0:
+        raise RecipeError(f"vlm.text_replay: must be in [0, 1), got {v.text_replay}")
+    if v.stage == "interleave" and v.text_replay <= 0:
+        raise RecipeError("vlm.text_replay: the interleave stage mixes text-only replay; must be > 0")
+    if v.from_scratch and v.stage != "joint":
+        raise RecipeError("vlm.from_scratch: only the joint stage trains from scratch")
+    if v.world != "synthetic" and not resolve_data_path(v.world).is_dir():
+        raise RecipeError(f"vlm.world: {v.world!r} is not a folder (or 'synthetic')")
+    if config.data.seq_len < 2 * (v.image_size // v.patch_size) ** 2:
+        raise RecipeError(f"data.seq_len: {config.data.seq_len} leaves no room beside an image's tokens")
+    if not config.init.parent:
+        raise RecipeError(
+            "init.parent: the 'vlm' task starts from a causal LM (align, joint) or a VLM; none given"
+        )
+    from forge_training.parents import ParentError, check_parent  # torch: import late
+    from forge_training.vlm.parent import check_vlm_parent
+
+    try:
+        (check_parent if v.stage in ("align", "joint") else check_vlm_parent)(config.init.parent)
+    except ParentError as exc:
+        raise RecipeError(f"init.parent: {exc}") from None

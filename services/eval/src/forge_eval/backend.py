@@ -20,6 +20,7 @@ the policy's patience lasts, connection errors and 5xx a few times, and anything
 from __future__ import annotations
 
 import asyncio
+import base64
 import hashlib
 import json
 import random
@@ -33,9 +34,17 @@ from typing import Any
 import httpx
 
 from forge_kit.backoff import AIMDLimiter, GaveUp, RetryPolicy, RetryStats, TooLarge, send_with_retries
+from forge_kit.images import image_mime
 from forge_kit.paths import private_file
 
-WEIGHT_FILES = ("*.safetensors", "*.bin", "config.json", "generation_config.json")
+WEIGHT_FILES = (
+    "*.safetensors",
+    "*.bin",
+    "config.json",
+    "generation_config.json",
+    # A vision-language checkpoint's image preprocessing decides its answers as much as its weights.
+    "preprocessor_config.json",
+)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt", "special_tokens_map.json")
 
 
@@ -356,7 +365,11 @@ def _split(payload: dict[str, Any], prompts: int, n: int, endpoint: str) -> list
 # --- request builders and response readers -----------------------------------------------------
 
 
-def generate_request(model: str, prompt: str, gen: dict[str, Any], seed: int, *, chat: bool) -> Request:
+def generate_request(
+    model: str, prompt: str, gen: dict[str, Any], seed: int, *, chat: bool, image: bytes = b""
+) -> Request:
+    """A completion, or a one-message chat; with ``image``, the message is an ``image_url`` part
+    (a base64 data URI) then the prompt's text part."""
     body: dict[str, Any] = {
         "model": model,
         "max_tokens": gen["max_tokens"],
@@ -367,6 +380,10 @@ def generate_request(model: str, prompt: str, gen: dict[str, Any], seed: int, *,
     }
     if gen["stop"]:
         body["stop"] = list(gen["stop"])
+    if chat and image:
+        url = f"data:{image_mime(image)};base64,{base64.b64encode(image).decode()}"
+        content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": prompt}]
+        return Request("/v1/chat/completions", {**body, "messages": [{"role": "user", "content": content}]})
     if chat:
         return Request("/v1/chat/completions", {**body, "messages": [{"role": "user", "content": prompt}]})
     return Request("/v1/completions", {**body, "prompt": prompt})

@@ -30,7 +30,7 @@ from forge_eval.backend import (
     rolling_loglikelihood,
     texts,
 )
-from forge_eval.scorers import Scorer, corpus_perplexity, get_scorer
+from forge_eval.scorers import Scorer, corpus_bleu4, corpus_perplexity, get_scorer
 from forge_eval.tasks import DataRoots, Doc, TaskConfig, build_docs, dataset_hash
 from forge_kit import errors, sandbox
 
@@ -83,6 +83,7 @@ def task_spec(
         "seed": seed,
         "smoke": smoke,
         "window_bytes": window_bytes,
+        **({"images_sha256": _sha([[d.id, d.image_sha256] for d in docs])} if task.template.image else {}),
     }
 
 
@@ -118,7 +119,11 @@ def _requests(
     document longer than the model's context, one per window)."""
     gen = task.generation.model_dump()
     if task.output_type in ("generate_until", "code_exec"):
-        return [[generate_request(model, d.prompt, gen, seed, chat=task.chat)] for d in docs]
+        send = task.images == "send"
+        return [
+            [generate_request(model, d.prompt, gen, seed, chat=task.chat, image=d.image if send else b"")]
+            for d in docs
+        ]
     if task.output_type == "multiple_choice":
         return [[logprob_request(model, d.prompt + c) for c in d.choices] for d in docs]
     return [[logprob_request(model, w) for w in windows(d.prompt, window_bytes)] for d in docs]
@@ -185,6 +190,8 @@ def summarize(samples: Sequence[dict[str, Any]], scorer: Scorer, seed: int) -> d
     }
     if scorer.output_type == "loglikelihood_rolling" and samples:
         out["corpus"] = corpus_perplexity([s["response"] for s in samples])
+    if scorer.name == "caption_bleu4" and samples:
+        out["corpus"] = corpus_bleu4(samples)
     return out
 
 

@@ -68,6 +68,42 @@ def _exact_match(doc: Doc, response: dict[str, Any], options: dict[str, Any]) ->
     return [MetricScore("exact_match", float(answer == doc.target.strip()), answer)]
 
 
+def _vlm_metrics() -> Any:
+    """The VLM metrics of the training library (one copy: ``forge_training.vlm.metrics``, pure
+    Python), imported on use: only the image tasks need it (``pip install forge-eval[vlm]``)."""
+    try:
+        from forge_training.vlm import metrics
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        raise errors.ValidationError(
+            "task.scorer.name", f"the VLM scorers need forge-training (forge-eval[vlm]): {exc}"
+        ) from None
+    return metrics
+
+
+def _first_line(response: dict[str, Any]) -> str:
+    return str(response["texts"][0]).strip().split("\n")[0].strip()
+
+
+def _vqa(doc: Doc, response: dict[str, Any], options: dict[str, Any]) -> list[MetricScore]:
+    """VQA exact match: the first line of the answer equals the target after
+    ``forge_training.vlm.metrics.normalise`` (case, punctuation and articles dropped)."""
+    answer = _first_line(response)
+    return [MetricScore("vqa_exact_match", _vlm_metrics().exact_match(answer, doc.target), answer)]
+
+
+def _caption(doc: Doc, response: dict[str, Any], options: dict[str, Any]) -> list[MetricScore]:
+    """Caption BLEU-4 of the first line against the reference caption, per caption with add-one
+    smoothing (``sentence_bleu4``); the corpus BLEU-4 is in the summary's ``corpus``."""
+    answer = _first_line(response)
+    return [MetricScore("bleu4", _vlm_metrics().sentence_bleu4(answer, doc.target), answer)]
+
+
+def corpus_bleu4(samples: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """Corpus BLEU-4 (Papineni et al.) of the extracted captions against their targets."""
+    captions = [str(s["extracted"].get("bleu4", "")) for s in samples]
+    return {"bleu4": _vlm_metrics().bleu4(captions, [str(s["target"]) for s in samples])}
+
+
 def _multiple_choice(doc: Doc, response: dict[str, Any], options: dict[str, Any]) -> list[MetricScore]:
     """acc: the choice of highest log-likelihood; acc_norm: per byte of the continuation
     (lm-evaluation-harness's definitions)."""
@@ -135,6 +171,15 @@ SCORERS: dict[str, Scorer] = {
             "exact_match",
             _exact_match,
         ),
+        Scorer(
+            "vqa_exact_match",
+            "vqa-exact-match-1",
+            "generate_until",
+            {"vqa_exact_match": True},
+            "vqa_exact_match",
+            _vqa,
+        ),
+        Scorer("caption_bleu4", "caption-bleu4-1", "generate_until", {"bleu4": True}, "bleu4", _caption),
         Scorer(
             "multiple_choice_loglikelihood",
             "mc-loglik-1",

@@ -28,6 +28,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from forge_kit import errors
+from forge_kit.images import MAX_IMAGE_BYTES
 
 OutputType = Literal["generate_until", "multiple_choice", "loglikelihood_rolling", "code_exec"]
 Root = Literal["benchmarks", "corpora"]
@@ -70,6 +71,11 @@ class TemplateConfig(_Strict):
     fewshot_target: str = Field(default="", description="a shot's answer; defaults to target")
     choices: tuple[str, ...] = Field(default=(), description="multiple choice continuations")
     gold: str = Field(default="", description="multiple choice: the index of the right choice")
+    image: str = Field(
+        default="",
+        description="an image sent with the prompt (a chat image_url part): its path relative to "
+        "the dataset root, e.g. 'vlm_shapes/{{ image }}' (PNG, JPEG, WebP or GIF)",
+    )
 
 
 class GenerationConfig(_Strict):
@@ -111,6 +117,10 @@ class TaskConfig(_Strict):
     fewshot: FewShotConfig = FewShotConfig()
     template: TemplateConfig
     chat: bool = Field(default=False, description="send as a chat message instead of plain text")
+    images: Literal["send", "drop"] = Field(
+        default="send",
+        description="drop: the text-only control, the same prompts without their images",
+    )
     generation: GenerationConfig = GenerationConfig()
     scorer: ScorerConfig
     gate: GateConfig = GateConfig()
@@ -122,6 +132,8 @@ class TaskConfig(_Strict):
             raise ValueError("template.choices and template.gold are required for multiple_choice")
         if self.dataset.format == "csv" and not self.dataset.columns:
             raise ValueError("dataset.columns is required for csv")
+        if self.template.image and (not self.chat or self.output_type != "generate_until"):
+            raise ValueError("template.image needs chat: true and output_type generate_until")
         return self
 
 
@@ -136,6 +148,9 @@ class Doc:
     gold: int = -1
     record: dict[str, Any] = field(default_factory=dict)
     shots: tuple[str, ...] = ()
+    image: bytes = b""
+    """The example's image (encoded file bytes), when the task has ``template.image``."""
+    image_sha256: str = ""
 
 
 @dataclass(frozen=True)
@@ -278,6 +293,23 @@ def _render(template: str, record: dict[str, Any], field_name: str) -> str:
         raise errors.ValidationError(field_name, f"template error: {exc}") from None
 
 
+def _image(roots: DataRoots, task: TaskConfig, record: dict[str, Any], doc_id: str) -> bytes:
+    """The bytes of an example's image: a file inside the dataset's root, at most
+    :data:`forge_kit.images.MAX_IMAGE_BYTES`; a path outside the root is refused."""
+    base = roots.of(task.dataset.root).resolve()
+    rel = _render(task.template.image, record, "task.template.image").strip()
+    path = (base / rel).resolve()
+    if not path.is_relative_to(base):
+        raise errors.ValidationError("task.template.image", f"{doc_id}: {rel!r} is outside {base}")
+    if not path.is_file():
+        raise errors.ValidationError("task.template.image", f"{doc_id}: no image file {rel!r} under {base}")
+    if path.stat().st_size > MAX_IMAGE_BYTES:
+        raise errors.ValidationError(
+            "task.template.image", f"{doc_id}: {rel!r} is over {MAX_IMAGE_BYTES} bytes"
+        )
+    return path.read_bytes()
+
+
 def select(
     records: list[dict[str, Any]], limit: int, seed: int, stratify_by: str = ""
 ) -> list[dict[str, Any]]:
@@ -350,6 +382,7 @@ def build_docs(
                     "task.template.gold", f"{doc_id}: {raw_gold!r} is not a choice index"
                 )
             gold = int(raw_gold)
+        image = _image(roots, task, r, doc_id) if t.image else b""
         docs.append(
             Doc(
                 id=doc_id,
@@ -359,6 +392,8 @@ def build_docs(
                 gold=gold,
                 record=r,
                 shots=shots,
+                image=image,
+                image_sha256=hashlib.sha256(image).hexdigest() if image else "",
             )
         )
     ids = [d.id for d in docs]

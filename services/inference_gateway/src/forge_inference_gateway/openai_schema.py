@@ -1,8 +1,10 @@
 """The public API's request checks and its OpenAPI document.
 
 Generation bodies are checked against the kit's OpenAI request models before routing (400 naming
-the field, ``unsupported_parameter`` for what no replica can honour, an image part refused), so a
-client learns what is wrong without a round trip to a replica; the body goes upstream as sent.
+the field, ``unsupported_parameter`` for what no replica can honour, an ``image_url`` part that is
+neither a ``data:image/…`` URI nor an http(s) URL), so a client learns what is wrong without a
+round trip to a replica; the body goes upstream as sent, images included (whether the model reads
+images, and the image itself, the model server checks: its 400 comes back as it is).
 
 The OpenAPI document describes what the routes really take and answer, so code generators work:
 the request bodies (the routes read raw JSON, so FastAPI cannot infer them), the bearer scheme,
@@ -25,7 +27,7 @@ from forge_kit.openai_protocol import (
     EmbeddingBody,
     ErrorBody,
     check_sampling,
-    message_text,
+    message_parts,
     parse,
 )
 
@@ -86,7 +88,7 @@ def check_generation(path: str, raw: object) -> None:
     if path == "/v1/chat/completions":
         chat = parse(ChatCompletionBody, raw)
         for i, message in enumerate(chat.messages):
-            message_text(message, i)
+            message_parts(message, i)
         check_sampling(chat)
     else:
         check_sampling(parse(CompletionBody, raw))

@@ -22,6 +22,7 @@ from prometheus_client import Counter, Histogram
 from forge_inference_gateway.admission import Admission, Lease, level_for
 from forge_inference_gateway.aliases import Aliases, canary_bucket
 from forge_inference_gateway.autoscaling import Autoscaler
+from forge_inference_gateway.metering import TAIL_BYTES, meter
 from forge_inference_gateway.response_cache import (
     CACHE_HEADER,
     ResponseCache,
@@ -324,6 +325,8 @@ class Router:
             self._observe_end(routed, "unavailable" if missing else status, started)
             if status == 200 and not _GENERATED.search(content):
                 EMPTY_ANSWERS.labels(routed.target, routed.split).inc()
+            if status == 200:
+                meter(str(served), content)
             retry = status in _RETRY_STATUSES and attempt + 1 < self._attempts
             if retry and self.pool.candidates(routed.target, exclude | {replica.url}):
                 exclude = exclude | {replica.url}
@@ -346,6 +349,7 @@ class Router:
         it for the cache if it completes. A stream that ends early is ``broken`` when the model
         server cut it, ``timeout`` past the deadline, else 499 (the client went away)."""
         keep = bytearray() if routed.cache_key and self.responses is not None else None
+        tail = b""
         first_at: float | None = None
         events = 0
         generated = False
@@ -359,6 +363,7 @@ class Router:
                     self.autoscaler.observe(routed.target, ttft)
                 events += chunk.count(b"data:")
                 generated = generated or _GENERATED.search(chunk) is not None
+                tail = (tail + chunk)[-TAIL_BYTES:]
                 if keep is not None:
                     keep.extend(chunk)
                     if self.responses is not None and len(keep) > self.responses.max_bytes:
@@ -379,6 +384,7 @@ class Router:
                     ITL.labels(routed.target, routed.split).observe((self._clock() - first_at) / (events - 2))
                 if not generated:
                     EMPTY_ANSWERS.labels(routed.target, routed.split).inc()
+                meter(str(routed.model), tail)
         if keep is not None and self.responses is not None and complete_stream(bytes(keep)):
             await self.responses.put(routed.cache_key or "", "text/event-stream", bytes(keep))
 

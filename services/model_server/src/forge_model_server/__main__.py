@@ -10,10 +10,12 @@ from forge.inference.v1 import inference_pb2, inference_pb2_grpc
 from forge_kit.app import ServiceApp
 from forge_kit.http import make_app
 from forge_kit.objectstore import ObjectStore
+from forge_kit.safe_fetch import parse_networks
 from forge_model_server.admin_api import install_admin_api
 from forge_model_server.api import InferenceApi
 from forge_model_server.config import ModelServerSettings
 from forge_model_server.engine import EngineConfig
+from forge_model_server.image_inputs import ImagePolicy
 from forge_model_server.openai_api import install_openai_api
 from forge_model_server.runner import HFEngineLoader
 from forge_model_server.service import ModelDirectory, ModelServer
@@ -36,6 +38,14 @@ async def main() -> None:
         engine_config,
         max_waiting=settings.max_waiting_requests,
         decode_attention=settings.decode_attention,
+        max_image_pixels=settings.image_max_pixels,
+    )
+    images = ImagePolicy(
+        max_bytes=settings.image_max_bytes,
+        max_images=settings.image_max_per_request,
+        fetch_urls=settings.image_url_fetch,
+        url_timeout_s=settings.image_url_timeout_s,
+        allowed_networks=parse_networks(settings.image_url_allowed_networks),
     )
     server = ModelServer(ModelDirectory(store), loader=loader, drain_timeout_s=settings.drain_timeout_s)
     # Runs after both servers stopped accepting and let their open calls finish.
@@ -45,7 +55,7 @@ async def main() -> None:
         return await asyncio.to_thread(lambda: bool(store.fs.isdir(store.root)))
 
     http = make_app(app.name, readiness={"models_dir": directory_readable})
-    install_openai_api(http, server, app.token)
+    install_openai_api(http, server, app.token, images)
     install_admin_api(http, server, app.token)
     server.list_models()  # metric series of every model exist from the first scrape
     await app.run(

@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from forge_kit.images import MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS
 from forge_kit.limits import OPENAI_MAX_BODY_BYTES
 from forge_kit.settings import ServiceSettings, service_config
 
@@ -51,6 +52,25 @@ class ModelServerSettings(ServiceSettings):
 
     torch_threads: int = Field(default=0, ge=0)
     """Intra-op threads of the forward pass; 0 keeps torch's default (one per core)."""
+
+    image_max_bytes: int = Field(default=MAX_IMAGE_BYTES, ge=1024)
+    """Largest encoded image (a decoded data: URI or a download) one ``image_url`` part may carry."""
+
+    image_max_pixels: int = Field(default=MAX_IMAGE_PIXELS, ge=1)
+    """Largest image (width x height), checked on its header before any pixel is decoded."""
+
+    image_max_per_request: int = Field(default=8, ge=0)
+    """Most images one chat request may carry."""
+
+    image_url_fetch: bool = False
+    """Fetch http(s) ``image_url``s (public addresses only, no redirect to another host, no
+    credentials); off: only data: URIs are taken."""
+
+    image_url_timeout_s: float = Field(default=10.0, gt=0, le=120)
+    """Time limit of one image download."""
+
+    image_url_allowed_networks: list[str] = Field(default_factory=list)
+    """CIDRs that image URLs may reach although not public (an internal image store); empty by default."""
 
     decode_attention: Literal["auto", "native", "torch"] = "auto"
     """Decode attention over the paged KV cache: ``native`` is the one-pass C++ kernel (built on first

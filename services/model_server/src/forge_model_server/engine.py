@@ -19,6 +19,7 @@ import heapq
 import itertools
 from collections import OrderedDict
 from collections.abc import Callable
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -26,6 +27,15 @@ import torch
 
 from forge_model_server.llama import LlamaModel
 from forge_model_server.logits_processors import apply_logits_processors
+from forge_model_server.multimodal import (
+    Encode,
+    ImageSlice,
+    ImageSpan,
+    block_hashes,
+    embed_rows,
+    release_computed,
+    step_images,
+)
 from forge_model_server.paged_plan import BatchLayout
 from forge_model_server.sampling import Logprob, SamplingParams, logprob_of, sample_rows
 
@@ -112,6 +122,7 @@ class Sequence:
     num_registered: int = 0
     logprobs: list[Logprob] = field(default_factory=list)
     prompt_logprobs: list[Logprob | None] = field(default_factory=list)
+    images: list[ImageSpan] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -162,6 +173,7 @@ class StepInput:
     layout: BatchLayout
     logit_rows: torch.Tensor
     rows: dict[tuple[int, int], int]
+    images: tuple[ImageSlice, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -196,8 +208,11 @@ class EngineCore:
         config: EngineConfig,
         detokenize: Detokenize,
         eos_token_ids: tuple[int, ...] = (),
+        encode: Encode | None = None,
     ) -> None:
         self.model = model
+        self.encode = encode
+        """The vision encoder of a vision-language model (:mod:`.multimodal`); None: text only."""
         self.config = config
         self.pool = BlockPool(config.num_blocks)
         self.stats = EngineStats()
@@ -218,11 +233,14 @@ class EngineCore:
         *,
         seed: int,
         priority: int = 0,
+        images: Seq[ImageSpan] = (),
     ) -> Sequence:
         """Queue a request; one that could never fit the pool is refused, or it would wait forever."""
         if request_id in self._by_id:
             raise ValueError(f"request id {request_id} is already in the engine")
         need = self.blocks_needed(len(prompt_ids) + params.max_tokens)
+        if images and self.encode is None:
+            raise ValueError(f"request {request_id} has images; this model reads none")
         if need > self.config.num_blocks:
             raise ValueError(
                 f"request {request_id} needs {need} KV blocks; the pool has {self.config.num_blocks}"
@@ -235,11 +253,10 @@ class EngineCore:
             priority=priority,
             arrival=next(self._arrivals),
             generator=torch.Generator().manual_seed(seed),
+            images=list(images),
         )
-        parent = 0
-        for start in range(0, len(prompt_ids) - len(prompt_ids) % bs, bs):
-            parent = hash((parent, tuple(prompt_ids[start : start + bs])))
-            seq.block_hashes.append(parent)
+        # Image pieces are part of a block's key: equal placeholders, different images, no sharing.
+        seq.block_hashes = block_hashes(prompt_ids, bs, seq.images)
         self.waiting.append(seq)
         self._by_id[request_id] = seq
         return seq
@@ -390,11 +407,14 @@ class EngineCore:
         tables: list[list[int]] = []
         rows: dict[tuple[int, int], int] = {}
         logit_rows: list[int] = []
+        images: list[ImageSlice] = []
         for k, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens, strict=True)):
             start, end = seq.num_computed, seq.num_computed + n
             first = len(ids)
             table = seq.block_table
             ids += seq.token_ids(start, end)
+            if seq.images:
+                images += step_images(seq.images, start, end, first)
             positions += range(start, end)
             slots += [table[pos // bs] * bs + pos % bs for pos in range(start, end)]
             if seq.params.prompt_logprobs is not None:
@@ -417,11 +437,15 @@ class EngineCore:
             context_lens=context_lens,
             block_tables=tables,
         )
-        return StepInput(layout, torch.tensor(logit_rows, dtype=torch.long), rows)
+        return StepInput(layout, torch.tensor(logit_rows, dtype=torch.long), rows, tuple(images))
 
     def execute(self, inputs: StepInput) -> torch.Tensor:
-        """The batched forward; pure with respect to the scheduler, so it may run on a thread."""
-        return self.model.forward(inputs.layout, inputs.logit_rows)
+        """The batched forward; pure with respect to the scheduler, so it may run on a thread. The
+        step's new images are encoded first, in one batch, and fill their placeholder rows."""
+        embeds = None
+        if inputs.images and self.encode is not None:
+            embeds = embed_rows(inputs.images, self.encode)
+        return self.model.forward(inputs.layout, inputs.logit_rows, embeds)
 
     def update(self, batch: ScheduledBatch, inputs: StepInput, logits: torch.Tensor) -> list[RequestOutput]:
         """Advance each sequence: record prompt logprobs, sample, check the stops, free blocks.
@@ -441,6 +465,7 @@ class EngineCore:
                 continue  # aborted while the forward ran
             start = seq.num_computed
             seq.num_computed += n
+            release_computed(seq.images, seq.num_computed)
             self._prompt_logprobs(seq, k, start, n, rows, logits)
             while (
                 seq.num_registered < len(seq.block_hashes)

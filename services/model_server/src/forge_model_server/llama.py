@@ -269,12 +269,24 @@ class LlamaModel:
         )
 
     @torch.inference_mode()
-    def forward(self, batch: BatchLayout, logit_rows: torch.Tensor) -> torch.Tensor:
-        """Run the step; return float32 logits for the flat token rows in ``logit_rows``."""
+    def forward(
+        self,
+        batch: BatchLayout,
+        logit_rows: torch.Tensor,
+        embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Run the step; return float32 logits for the flat token rows in ``logit_rows``.
+        ``embeds`` (flat rows, vectors) replaces those rows' token embeddings: a vision-language
+        model's image embeddings at its placeholder tokens."""
         c = self.config
         n_tokens = batch.input_ids.shape[0]
         q_width, kv_width = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        x = F.embedding(batch.input_ids, self._embed)
+        if embeds is None:
+            x = F.embedding(batch.input_ids, self._embed)
+        else:
+            # A placeholder id may lie past the text vocabulary: its row is overwritten anyway.
+            x = F.embedding(batch.input_ids.clamp(max=c.vocab_size - 1), self._embed)
+            x = x.index_copy(0, embeds[0], embeds[1].to(x.dtype))
         freqs = batch.positions.float()[:, None] * self._inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = emb.cos().to(x.dtype)[:, None, :]

@@ -26,6 +26,7 @@ from forge_kit.openai_protocol import (
     TokenizeBody,
     message_text,
 )
+from forge_model_server.image_inputs import ImagePolicy, chat_messages
 from forge_model_server.sampling_params import chat_requests, completion_requests, merged
 from forge_model_server.service import (
     ChatMessage,
@@ -43,7 +44,10 @@ from forge_model_server.service import (
 def _usage(last: GenerationChunk | None) -> dict[str, int]:
     prompt = last.prompt_tokens if last else 0
     completion = last.completion_tokens if last else 0
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    if last is not None and last.image_tokens:
+        usage["image_tokens"] = last.image_tokens
+    return usage
 
 
 def _completion_logprobs(
@@ -132,8 +136,9 @@ def model_card(model: ModelInfo, loaded: bool) -> dict[str, object]:
 class OpenAIRoutes:
     """Builds the OpenAI routes on a FastAPI app around one :class:`ModelServer`."""
 
-    def __init__(self, server: ModelServer) -> None:
+    def __init__(self, server: ModelServer, images: ImagePolicy | None = None) -> None:
         self._server = server
+        self._images = images or ImagePolicy()
 
     async def list_models(self) -> dict[str, object]:
         server = self._server
@@ -152,7 +157,8 @@ class OpenAIRoutes:
 
     async def chat_completions(self, body: ChatCompletionBody, request: Request) -> Response:
         request_id = request.headers.get("x-request-id", "") or uuid.uuid4().hex
-        return await self._respond(chat_requests(body, request_id), body, request_id, chat=True)
+        messages = await chat_messages(body.messages, self._images)
+        return await self._respond(chat_requests(body, request_id, messages), body, request_id, chat=True)
 
     @staticmethod
     def _choice(
@@ -282,14 +288,25 @@ class OpenAIRoutes:
         yield b"data: [DONE]\n\n"
 
 
-def _summed(lasts: list[GenerationChunk | None]) -> dict[str, int]:
+def _summed(lasts: list[GenerationChunk | None]) -> dict[str, object]:
+    """The usage of a call: summed over its choices; ``prompt_tokens_details.image_tokens`` (of
+    ``prompt_tokens``, the positions images filled) when the prompt held images."""
     usage = [_usage(last) for last in lasts]
-    return {key: sum(u[key] for u in usage) for key in ("prompt_tokens", "completion_tokens", "total_tokens")}
+    out: dict[str, object] = {
+        key: sum(u[key] for u in usage) for key in ("prompt_tokens", "completion_tokens", "total_tokens")
+    }
+    images = sum(u.get("image_tokens", 0) for u in usage)
+    if images:
+        out["prompt_tokens_details"] = {"image_tokens": images}
+    return out
 
 
-def install_openai_api(app: FastAPI, server: ModelServer, token: str | None) -> None:
-    """Add ``/v1/*`` (bearer ``token`` when set), ``/health`` and OpenAI-format error handlers."""
-    routes = OpenAIRoutes(server)
+def install_openai_api(
+    app: FastAPI, server: ModelServer, token: str | None, images: ImagePolicy | None = None
+) -> None:
+    """Add ``/v1/*`` (bearer ``token`` when set), ``/health`` and OpenAI-format error handlers;
+    ``images`` says which image parts chat requests may carry."""
+    routes = OpenAIRoutes(server, images)
     auth = [Depends(require_token(token))]
     app.add_api_route("/v1/models", routes.list_models, methods=["GET"], dependencies=auth)
     app.add_api_route("/v1/models/{model_id:path}", routes.retrieve_model, methods=["GET"], dependencies=auth)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import random
 import time
 from collections.abc import AsyncIterator, Callable
@@ -20,26 +21,45 @@ from pathlib import Path
 from typing import Any
 
 from forge_kit import errors
+from forge_kit.images import MAX_IMAGE_PIXELS, ImageError, open_image
 from forge_model_server import service
 from forge_model_server.engine import EngineConfig, EngineCore, RequestOutput
 from forge_model_server.kernels import KernelUnavailableError
 from forge_model_server.llama import DecodeAttention, LlamaModel, UnsupportedModelError
+from forge_model_server.multimodal import ImageSpan
 from forge_model_server.sampling import Logprob, SamplingParams
 from forge_model_server.service import (
     GenerationChunk,
     GenerationRequest,
+    ImageInput,
     ModelInfo,
     ModelNotLoadedError,
     TokenLogprob,
 )
+from forge_model_server.vision import VisionEncoder, is_llava, load_llava
 
 Clock = Callable[[], float]
 
 
-def fallback_chat_prompt(messages: list[service.ChatMessage]) -> str:
-    """The chat format of a model whose tokenizer config has no ``chat_template``."""
-    lines = [f"{m.role}: {m.content}\n" for m in messages]
+def fallback_chat_prompt(messages: list[service.ChatMessage], image_token: str = "") -> str:
+    """The chat format of a model whose tokenizer config has no ``chat_template`` (an image part
+    is its placeholder token, parts joined with newlines)."""
+
+    def content(m: service.ChatMessage) -> str:
+        if not m.parts:
+            return m.content
+        return "\n".join(image_token if isinstance(p, ImageInput) else p for p in m.parts)
+
+    lines = [f"{m.role}: {content(m)}\n" for m in messages]
     return "".join(lines) + "assistant:"
+
+
+def _template_message(m: service.ChatMessage) -> dict[str, object]:
+    """A message as chat templates take it: an image part is ``{"type": "image"}``."""
+    if not m.parts:
+        return {"role": m.role, "content": m.content}
+    parts = [{"type": "image"} if isinstance(p, ImageInput) else {"type": "text", "text": p} for p in m.parts]
+    return {"role": m.role, "content": parts}
 
 
 @dataclass
@@ -48,6 +68,7 @@ class _Tracked:
     arrived: float
     first_prompt_id: int
     last_token: float | None = None
+    image_tokens: int = 0
 
 
 class _RequestStream:
@@ -77,7 +98,7 @@ class _RequestStream:
         if item.finish_reason is not None:
             self._done = True
             self._engine._release(self._request_id, finished=True)
-        return self._engine._chunk(item, self._tracked.first_prompt_id)
+        return self._engine._chunk(item, self._tracked)
 
     async def aclose(self) -> None:
         if not self._done:
@@ -98,9 +119,13 @@ class AsyncEngine:
         max_waiting: int,
         clock: Clock = time.monotonic,
         rng: random.Random | None = None,
+        vision: VisionEncoder | None = None,
+        max_image_pixels: int = MAX_IMAGE_PIXELS,
     ) -> None:
         self.name = name
         self.core = core
+        self.vision = vision
+        self._max_image_pixels = max_image_pixels
         self._tokenizer = tokenizer
         self._max_model_len = max_model_len
         self._max_waiting = max_waiting
@@ -117,6 +142,11 @@ class AsyncEngine:
 
     def num_waiting(self) -> int:
         return len(self.core.waiting)
+
+    @property
+    def accepts_images(self) -> bool:
+        """Whether this model reads images (a vision-language checkpoint)."""
+        return self.vision is not None
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         """Admit ``request`` now (raising 400/429-class errors) and return its chunk stream."""
@@ -173,8 +203,13 @@ class AsyncEngine:
         seed = request.seed if request.seed is not None else self._rng.randrange(2**63)
         # Client ids may repeat; the engine's own id must not.
         engine_id = f"{request.request_id}#{next(self._ids)}"
-        self.core.add_request(engine_id, prompt_ids, params, seed=seed, priority=request.priority)
-        tracked = _Tracked(asyncio.Queue(), self._clock(), prompt_ids[0])
+        images = self._image_spans(request, prompt_ids)
+        self.core.add_request(
+            engine_id, prompt_ids, params, seed=seed, priority=request.priority, images=images
+        )
+        tracked = _Tracked(
+            asyncio.Queue(), self._clock(), prompt_ids[0], image_tokens=sum(i.length for i in images)
+        )
         self._tracked[engine_id] = tracked
         self._ensure_loop()
         self._wake.set()
@@ -182,22 +217,76 @@ class AsyncEngine:
         return self._stream(engine_id, tracked)
 
     def tokenize(self, request: GenerationRequest) -> list[int]:
-        """The prompt ids :meth:`generate` would admit for ``request`` (the same template and call)."""
+        """The prompt ids :meth:`generate` would admit for ``request`` (the same template and call).
+        With images: each ``<image>`` token of the rendered chat becomes ``image_seq_length``
+        placeholders, and the images are decoded and preprocessed (``request.prepared_images``),
+        here on the tokenizer thread; a corrupt, oversized or unsupported one is a 400 naming it."""
         if request.prompt_token_ids is not None:
             return list(request.prompt_token_ids)
-        return list(self._tokenizer.encode(self._prompt_text(request)))
+        ids = list(self._tokenizer.encode(self._prompt_text(request)))
+        if self.vision is None:
+            return ids
+        images = request.images
+        layout = self.vision.layout
+        found = ids.count(layout.image_token_id)
+        if found != len(images):
+            raise errors.ValidationError(
+                "messages" if request.messages is not None else "prompt",
+                f"the prompt holds {found} image placeholders for {len(images)} images",
+            )
+        request.prepared_images = [self._pixels(image) for image in images]
+        expanded: list[int] = []
+        for token in ids:
+            expanded += [token] * (layout.image_seq_length if token == layout.image_token_id else 1)
+        return expanded
+
+    def _pixels(self, image: ImageInput) -> Any:
+        assert self.vision is not None
+        try:
+            decoded = open_image(image.data, max_pixels=self._max_image_pixels)
+        except ImageError as exc:
+            raise errors.ValidationError(image.param, f"the image {exc}") from None
+        return self.vision.preprocess(decoded)
+
+    def _image_spans(self, request: GenerationRequest, prompt_ids: list[int]) -> list[ImageSpan]:
+        """Where each preprocessed image sits in the prompt: its runs of placeholder tokens."""
+        images = request.images
+        if self.vision is None:
+            return []
+        layout = self.vision.layout
+        placeholders = prompt_ids.count(layout.image_token_id)
+        if placeholders != len(images) * layout.image_seq_length:
+            field = "messages" if request.messages is not None else "prompt"
+            raise errors.ValidationError(
+                field,
+                f"holds {placeholders} image placeholder tokens; {len(images)} images fill "
+                f"{len(images) * layout.image_seq_length}",
+            )
+        if not images:
+            return []
+        if request.prepared_images is None:  # tokenized elsewhere: preprocess now
+            request.prepared_images = [self._pixels(image) for image in images]
+        spans, at = [], 0
+        for image, pixels in zip(images, request.prepared_images, strict=True):
+            at = prompt_ids.index(layout.image_token_id, at)
+            spans.append(ImageSpan(at, layout.image_seq_length, image.sha256, pixels))
+            at += layout.image_seq_length
+        return spans
 
     def _prompt_text(self, request: GenerationRequest) -> str:
         if request.messages is None:
             return request.prompt or ""
         if getattr(self._tokenizer, "chat_template", None):
             rendered = self._tokenizer.apply_chat_template(
-                [{"role": m.role, "content": m.content} for m in request.messages],
+                [_template_message(m) for m in request.messages],
                 tokenize=False,
                 add_generation_prompt=True,
             )
             return str(rendered)
-        return fallback_chat_prompt(request.messages)
+        token = ""
+        if self.vision is not None:
+            token = str(self._tokenizer.convert_ids_to_tokens(self.vision.layout.image_token_id))
+        return fallback_chat_prompt(request.messages, token)
 
     def _stream(self, request_id: str, tracked: _Tracked) -> _RequestStream:
         return _RequestStream(self, request_id, tracked)
@@ -210,7 +299,8 @@ class AsyncEngine:
             service.NUM_REQUESTS_WAITING.labels(self.name).set(len(self.core.waiting))
             service.KV_CACHE_USAGE.labels(self.name).set(self.core.pool.usage())
 
-    def _chunk(self, out: RequestOutput, first_prompt_id: int) -> GenerationChunk:
+    def _chunk(self, out: RequestOutput, tracked: _Tracked) -> GenerationChunk:
+        first_prompt_id = tracked.first_prompt_id
         prompt_lps = None
         if out.prompt_logprobs is not None:
             first = TokenLogprob(str(self._tokenizer.decode([first_prompt_id])), first_prompt_id, None)
@@ -223,6 +313,7 @@ class AsyncEngine:
             completion_tokens=out.completion_tokens,
             logprobs=tuple(self._token_logprob(lp) for lp in out.logprobs),
             prompt_logprobs=prompt_lps,
+            image_tokens=tracked.image_tokens if out.finish_reason is not None else 0,
         )
 
     def _token_logprob(self, lp: Logprob) -> TokenLogprob:
@@ -312,9 +403,11 @@ class HFEngineLoader:
         clock: Clock = time.monotonic,
         rng: random.Random | None = None,
         decode_attention: DecodeAttention = "auto",
+        max_image_pixels: int = MAX_IMAGE_PIXELS,
     ) -> None:
         self._config = config
         self._decode_attention = decode_attention
+        self._max_image_pixels = max_image_pixels
         self._max_waiting = max_waiting
         self._clock = clock
         self._rng = rng or random.Random()
@@ -330,12 +423,12 @@ class HFEngineLoader:
         try:
             from transformers import PreTrainedTokenizerFast
 
-            llama = LlamaModel.load(
-                folder,
-                num_blocks=self._config.num_blocks,
-                block_size=self._config.block_size,
-                decode_attention=self._decode_attention,
-            )
+            sizes = {"num_blocks": self._config.num_blocks, "block_size": self._config.block_size}
+            vision: VisionEncoder | None = None
+            if is_llava(json.loads((folder / "config.json").read_text())):
+                llama, vision = load_llava(folder, **sizes, decode_attention=self._decode_attention)
+            else:
+                llama = LlamaModel.load(folder, **sizes, decode_attention=self._decode_attention)
             tokenizer = PreTrainedTokenizerFast.from_pretrained(str(folder))
         except (
             UnsupportedModelError,
@@ -344,6 +437,7 @@ class HFEngineLoader:
             ValueError,
             KeyError,
             TypeError,
+            AttributeError,
         ) as exc:
             raise ModelNotLoadedError(model.name, f"cannot load {folder}: {exc}") from exc
         eos = set(llama.config.eos_token_ids)
@@ -354,6 +448,7 @@ class HFEngineLoader:
             self._config,
             lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True)),
             tuple(sorted(eos)),
+            encode=vision.encode if vision is not None else None,
         )
         return AsyncEngine(
             model.name,
@@ -363,4 +458,6 @@ class HFEngineLoader:
             max_waiting=self._max_waiting,
             clock=self._clock,
             rng=self._rng,
+            vision=vision,
+            max_image_pixels=self._max_image_pixels,
         )

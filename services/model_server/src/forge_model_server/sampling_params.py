@@ -105,8 +105,13 @@ def completion_requests(body: CompletionBody, request_id: str) -> list[Generatio
     return out
 
 
-def chat_requests(body: ChatCompletionBody, request_id: str) -> list[GenerationRequest]:
-    messages = [ChatMessage(m.role, message_text(m, i)) for i, m in enumerate(body.messages)]
+def chat_requests(
+    body: ChatCompletionBody, request_id: str, messages: list[ChatMessage] | None = None
+) -> list[GenerationRequest]:
+    """One request per choice; ``messages`` are the body's with their images read
+    (:mod:`.image_inputs`), else the body's texts (an image part refused)."""
+    if messages is None:
+        messages = [ChatMessage(m.role, message_text(m, i)) for i, m in enumerate(body.messages)]
     generation = generation_request(body, request_id, messages=messages)
     if body.max_completion_tokens is not None:
         generation.max_tokens = body.max_completion_tokens

@@ -22,7 +22,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from prometheus_client import Counter, Gauge, Histogram
 
@@ -124,9 +124,21 @@ class ModelInfo:
 
 
 @dataclass(frozen=True)
+class ImageInput:
+    """An image of a chat message, as received: ``param`` names its part (``messages.0.content.1``)."""
+
+    param: str
+    data: bytes
+    sha256: str
+
+
+@dataclass(frozen=True)
 class ChatMessage:
     role: str
     content: str
+    """The text (text parts joined with newlines)."""
+    parts: tuple[str | ImageInput, ...] = ()
+    """Texts and images in order, when the message holds images (empty otherwise)."""
 
 
 @dataclass(frozen=True)
@@ -175,6 +187,14 @@ class GenerationRequest:
     tokenized: list[int] | None = None
     """The prompt's token ids once :class:`ModelServer` has tokenized it (off the event loop);
     an engine given them does not tokenize again."""
+    prepared_images: list[Any] | None = None
+    """A vision engine's preprocessed images (pixel values), made with ``tokenized``."""
+
+    @property
+    def images(self) -> list[ImageInput]:
+        """The images of the messages, in order."""
+        parts = (p for m in self.messages or () for p in m.parts)
+        return [p for p in parts if isinstance(p, ImageInput)]
 
 
 @dataclass(frozen=True)
@@ -189,6 +209,8 @@ class GenerationChunk:
     logprobs: tuple[TokenLogprob, ...] = ()
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None
     """Set on the first chunk when asked for: one entry per prompt token (the first unscored)."""
+    image_tokens: int = 0
+    """Of ``prompt_tokens``, the placeholder positions the images filled (on the last chunk)."""
 
 
 class Engine(Protocol):
@@ -258,7 +280,7 @@ class ModelDirectory:
         meta = self._read_json(f"{folder}/{METADATA_FILE}")
         files = [str(p) for p in self._store.fs.ls(folder, detail=False)]
         weights = tuple(sorted(posixpath.basename(p) for p in files if p.endswith(".safetensors")))
-        context = config.get("max_position_embeddings")
+        context = _context_of(config)
         try:
             created = int(self._store.fs.modified(config_path).timestamp())
         except (NotImplementedError, OSError, AttributeError):
@@ -286,6 +308,14 @@ class ModelDirectory:
             if info is not None and (not ref.version or ref.version == info.version):
                 return info
         raise ModelNotFoundError(model, [m.name for m in self.list()])
+
+
+def _context_of(config: Mapping[str, object]) -> object:
+    """``max_position_embeddings`` of a config, or of its language model's (a LLaVA's ``text_config``)."""
+    text = config.get("text_config")
+    return config.get("max_position_embeddings") or (
+        text.get("max_position_embeddings") if isinstance(text, dict) else None
+    )
 
 
 def _parsed(model: str) -> ModelRef | None:
@@ -376,7 +406,7 @@ def checkpoint_info(name: str, path: str, version: str | None) -> ModelInfo:
         raise errors.ValidationError(
             "path", f"has an unreadable config.json or {METADATA_FILE}: {exc}"
         ) from exc
-    context = data.get("max_position_embeddings") if isinstance(data, dict) else None
+    context = _context_of(data) if isinstance(data, dict) else None
     return ModelInfo(
         name=name,
         version=version
@@ -481,6 +511,11 @@ class ModelServer:
         """
         validate(request)
         info, engine = self.resolve(request.model)
+        images = request.images
+        if images and not getattr(engine, "accepts_images", False):
+            raise errors.ValidationError(
+                images[0].param, f"the model `{info.name}` is text-only: it does not read images"
+            )
         if request.tokenized is None:
             request.tokenized = await self._tokenize(engine, request)
         stream = engine.generate(request)

@@ -40,6 +40,11 @@ from forge_orchestrator.training import (
     TrainInput,
     TrainWorkflow,
 )
+from forge_orchestrator.vlm_curriculum import (
+    VlmCurriculumInput,
+    VlmCurriculumWorkflow,
+    validate_vlm_curriculum,
+)
 from forge_orchestrator.workflows import (
     PROGRESS_QUERY,
     EvalAndPromoteInput,
@@ -136,6 +141,9 @@ KINDS: dict[str, WorkflowKind] = {
         "eval_and_promote", EvalAndPromoteWorkflow, EvalAndPromoteInput, validate_eval_and_promote
     ),
     "sweep": WorkflowKind("sweep", SweepWorkflow, SweepInput, validate_sweep, memo=sweep_memo),
+    "vlm_curriculum": WorkflowKind(
+        "vlm_curriculum", VlmCurriculumWorkflow, VlmCurriculumInput, validate_vlm_curriculum
+    ),
     # Run by the RLHF worker (rlhf_worker.py) on its own queue, with its children.
     "rlhf": WorkflowKind("rlhf", RlhfWorkflow, RlhfInput, validate_rlhf, queue=rlhf_task_queue),
 }

@@ -16,6 +16,7 @@ the eval interval and ``export`` at the end.
 | :mod:`.reward`, :mod:`.lengthdebias` | ``reward`` (on the parent's backbone or a bundled encoder; the registry entry and the length debiasing are :mod:`.lengthdebias`'s) |
 | :mod:`.dpo` | ``dpo`` |
 | :mod:`.rerank` | ``rerank`` |
+| :mod:`.vlm` | ``vlm`` (a vision-language curriculum stage; data and model in :mod:`forge_training.vlm`) |
 
 Shared parts: :mod:`.base` (the interface, evaluation sets), :mod:`.lm` (language modelling),
 :mod:`.pairwise` (prompt/response tasks and the one pairwise evaluation), :mod:`.encoder`
@@ -26,12 +27,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from forge_training.objectives import cpt, dpo, lengthdebias, pretrain, rerank, sft
+from forge_training.objectives import cpt, dpo, lengthdebias, pretrain, rerank, sft, vlm
 from forge_training.objectives.base import Objective, ObjectiveSpec, StepBatch
 from forge_training.schema import TrainConfig
 
 OBJECTIVES: dict[str, ObjectiveSpec] = {
-    spec.task: spec for spec in (pretrain.SPEC, cpt.SPEC, sft.SPEC, lengthdebias.SPEC, dpo.SPEC, rerank.SPEC)
+    spec.task: spec
+    for spec in (pretrain.SPEC, cpt.SPEC, sft.SPEC, lengthdebias.SPEC, dpo.SPEC, rerank.SPEC, vlm.SPEC)
 }
 """Every task's registry entry, by task name."""
 

@@ -1,0 +1,228 @@
+"""A synthetic visual world: scenes of coloured shapes rendered with Pillow, their captions,
+interleaved documents describing several scenes, VQA chats and the world's plain text.
+
+A scene puts 1-4 objects into distinct cells of a 2 x 2 grid (``top left`` ... ``bottom right``);
+each object has a shape (circle, square, triangle), a colour (six) and a size (small, big), and no
+two objects share both shape and colour. Everything is a pure function of a seed: the same seed
+gives the same scenes, bytes, captions and questions (numpy's ``default_rng`` and Pillow's
+deterministic rasteriser; PNG written without timestamps).
+
+Questions come from templates of four types (colour, shape, count, position). Each type has
+**train** templates and **held-out** templates: the held-out ones recombine phrasings the train
+ones use for other types (``Tell me ...`` is trained on shapes, held out on colours), so a model
+is tested on wordings it never saw with the same meaning. Held-out templates are used only for
+evaluation (:func:`vqa_items` with ``held_out=True``), never for training or model selection.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+
+import numpy as np
+from PIL import Image, ImageDraw
+
+#: Bumped whenever rendering, text or sampling changes, so cached worlds are rewritten.
+VERSION = 2
+SHAPES = ("circle", "square", "triangle")
+COLOURS: dict[str, tuple[int, int, int]] = {
+    "red": (220, 40, 40),
+    "green": (40, 180, 60),
+    "blue": (50, 80, 230),
+    "yellow": (235, 215, 40),
+    "purple": (150, 60, 190),
+    "white": (245, 245, 245),
+}
+SIZES = ("small", "big")
+CELLS = ("top left", "top right", "bottom left", "bottom right")
+NUMBERS = ("zero", "one", "two", "three", "four")
+BACKGROUND = (30, 30, 30)
+
+#: Question templates by type: (train, held-out). Placeholders: {shape}, {colour}, {pos}.
+TEMPLATES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "colour": (
+        ("What colour is the {shape}?", "Which colour does the {shape} have?"),
+        ("Tell me the colour of the {shape}.",),
+    ),
+    "shape": (
+        ("Tell me the shape in the {pos}.", "Which shape is in the {pos}?"),
+        ("What shape is in the {pos}?",),
+    ),
+    "count": (
+        ("How many shapes are there?", "Count the shapes."),
+        ("How many shapes does the picture show?",),
+    ),
+    "position": (
+        ("Where is the {colour} {shape}?", "In which corner is the {colour} {shape}?"),
+        ("Tell me where the {colour} {shape} is.",),
+    ),
+}
+QUESTION_TYPES = tuple(TEMPLATES)
+#: The captioning instruction of the chat data (a train template; evaluation uses the same).
+DESCRIBE = "Describe the picture."
+
+
+@dataclass(frozen=True)
+class Thing:
+    shape: str
+    colour: str
+    size: str
+    cell: int
+
+    def phrase(self) -> str:
+        return f"a {self.size} {self.colour} {self.shape} in the {CELLS[self.cell]}"
+
+
+@dataclass(frozen=True)
+class Scene:
+    things: tuple[Thing, ...]
+    """In cell order; each object centred in its cell."""
+
+
+@dataclass(frozen=True)
+class Question:
+    qtype: str
+    template: str
+    question: str
+    answer: str
+
+
+def make_scene(rng: np.random.Generator) -> Scene:
+    n = int(rng.integers(1, 5))
+    cells = rng.permutation(4)[:n]
+    pairs = rng.permutation(len(SHAPES) * len(COLOURS))[:n]
+    colours = list(COLOURS)
+    things = tuple(
+        Thing(
+            SHAPES[int(p) % len(SHAPES)],
+            colours[int(p) // len(SHAPES)],
+            SIZES[int(rng.integers(0, 2))],
+            int(c),
+        )
+        for p, c in sorted(zip(pairs, cells, strict=True), key=lambda pc: int(pc[1]))
+    )
+    return Scene(things)
+
+
+def scenes(seed: int, count: int) -> list[Scene]:
+    """``count`` scenes drawn from ``seed`` (the same list for the same arguments)."""
+    rng = np.random.default_rng([seed, 0x5CE])
+    return [make_scene(rng) for _ in range(count)]
+
+
+def render(scene: Scene, size: int = 32) -> Image.Image:
+    """The scene as an RGB image of ``size`` x ``size`` (drawn at 4x and downsampled)."""
+    big = size * 4
+    image = Image.new("RGB", (big, big), BACKGROUND)
+    draw = ImageDraw.Draw(image)
+    half = big // 2
+    for thing in scene.things:
+        radius = (0.42 if thing.size == "big" else 0.28) * half
+        cx = (thing.cell % 2) * half + half / 2
+        cy = (thing.cell // 2) * half + half / 2
+        box = (cx - radius, cy - radius, cx + radius, cy + radius)
+        fill = COLOURS[thing.colour]
+        if thing.shape == "circle":
+            draw.ellipse(box, fill=fill)
+        elif thing.shape == "square":
+            draw.rectangle(box, fill=fill)
+        else:
+            draw.polygon(
+                [(cx, cy - radius), (cx - radius, cy + radius), (cx + radius, cy + radius)], fill=fill
+            )
+    return image.resize((size, size), Image.Resampling.BOX)
+
+
+def png(image: Image.Image) -> bytes:
+    out = io.BytesIO()
+    image.save(out, format="PNG", optimize=False)
+    return out.getvalue()
+
+
+def caption(scene: Scene) -> str:
+    """One sentence naming every object, in cell order."""
+    count = NUMBERS[len(scene.things)]
+    noun = "shape" if len(scene.things) == 1 else "shapes"
+    return f"{count} {noun}: " + ", ".join(t.phrase() for t in scene.things) + "."
+
+
+def description(scene: Scene) -> str:
+    """Sentences for a document: the count, then one sentence per object."""
+    noun = "shape" if len(scene.things) == 1 else "shapes"
+    head = f"It shows {NUMBERS[len(scene.things)]} {noun}."
+    return " ".join(
+        [head, *(f"The {t.colour} {t.shape} is {t.size} and in the {CELLS[t.cell]}." for t in scene.things)]
+    )
+
+
+def _fill(template: str, thing: Thing | None) -> str:
+    if thing is None:
+        return template
+    return template.format(shape=thing.shape, colour=thing.colour, pos=CELLS[thing.cell])
+
+
+def question(scene: Scene, qtype: str, template: str, rng: np.random.Generator) -> Question | None:
+    """A question of ``qtype`` about ``scene`` phrased by ``template``, with its answer; ``None``
+    when the scene cannot answer it unambiguously (a colour question needs a shape seen once)."""
+    things = scene.things
+    if qtype == "count":
+        return Question(qtype, template, template, NUMBERS[len(things)])
+    if qtype == "colour":
+        unique = [t for t in things if sum(u.shape == t.shape for u in things) == 1]
+        if not unique:
+            return None
+        thing = unique[int(rng.integers(0, len(unique)))]
+        return Question(qtype, template, _fill(template, thing), thing.colour)
+    thing = things[int(rng.integers(0, len(things)))]
+    answer = thing.shape if qtype == "shape" else CELLS[thing.cell]
+    return Question(qtype, template, _fill(template, thing), answer)
+
+
+def vqa_items(seed: int, count: int, held_out: bool, size: int = 32) -> list[tuple[Scene, Question]]:
+    """``count`` (scene, question) pairs, question types in turn, templates drawn from the train
+    set (``held_out=False``) or only from the held-out set."""
+    rng = np.random.default_rng([seed, 0x0A, int(held_out)])
+    out: list[tuple[Scene, Question]] = []
+    while len(out) < count:
+        scene = make_scene(rng)
+        qtype = QUESTION_TYPES[len(out) % len(QUESTION_TYPES)]
+        pool = TEMPLATES[qtype][1 if held_out else 0]
+        q = question(scene, qtype, pool[int(rng.integers(0, len(pool)))], rng)
+        if q is not None:
+            out.append((scene, q))
+    return out
+
+
+def chat(text: str, answer: str) -> list[dict[str, object]]:
+    """A one-turn VQA chat in the OpenAI content-part shape: image, then the question."""
+    return [
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]},
+        {"role": "assistant", "content": answer},
+    ]
+
+
+def document(group: list[Scene]) -> list[dict[str, object]]:
+    """An interleaved document: text, image, text, ... (segments ``{"text"}`` / ``{"image": i}``)."""
+    ordinals = ("first", "second", "third", "fourth")
+    segments: list[dict[str, object]] = [{"text": f"Here are {NUMBERS[len(group)]} pictures."}]
+    for i, scene in enumerate(group):
+        segments.append({"text": f" The {ordinals[i]} picture:"})
+        segments.append({"image": i})
+        segments.append({"text": " " + description(scene)})
+    return segments
+
+
+def world_text(seed: int, count: int) -> str:
+    """Plain text of the world for pre-training the language model (captions, descriptions and
+    train-template questions with answers, one paragraph each; no held-out template)."""
+    rng = np.random.default_rng([seed, 0x7E])
+    paragraphs = []
+    for scene in scenes(seed, count):
+        paragraphs.append(f"The picture shows {caption(scene)}")
+        paragraphs.append(description(scene))
+        qtype = QUESTION_TYPES[int(rng.integers(0, len(QUESTION_TYPES)))]
+        pool = TEMPLATES[qtype][0]
+        q = question(scene, qtype, pool[int(rng.integers(0, len(pool)))], rng)
+        if q is not None:
+            paragraphs.append(f"User: {q.question}\nAssistant: {q.answer}")
+    return "\n\n".join(paragraphs) + "\n"

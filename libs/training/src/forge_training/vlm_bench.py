@@ -1,0 +1,247 @@
+"""``forge bench vlm --out DIR``: the three-stage curriculum against one-stage joint training
+from scratch at equal total compute, on the synthetic visual world, scored on held-out question
+templates (see ``load/vlm/README.md``).
+
+1. The world (:mod:`forge_training.vlm.dataset`) is written once into ``DIR/cache``.
+2. **Curriculum**: ``vlm_world_lm`` (a tiny Llama pre-trained on the world's text), then
+   ``vlm_align`` -> ``vlm_interleave`` -> ``vlm_instruct``, each ``init.parent`` the previous
+   run's export; every run through the ordinary loop (checkpoints, ``metrics.jsonl``).
+3. **Joint**: ``vlm_joint`` (every source mixed, every weight fresh; the LM gives only the
+   tokenizer and shapes) with ``max_steps`` set so that it processes as many tokens as the whole
+   curriculum did, LM pre-training included (tokens = real text and image positions the model
+   reads; frozen-stage tokens count in full, so joint gets at least the curriculum's FLOPs).
+4. **Evaluation** of both exports on ``eval/held_out`` (held-out templates, unseen scenes; never
+   used before this point): exact match with its Wilson 95 % interval, the paired difference
+   (``forge_kit.stats.paired_compare``: bootstrap interval, McNemar p), the text-only control
+   (the same questions without the image; ``text_only_accuracy`` is the higher of the two
+   models'), and caption BLEU-4 on ``eval/captions``.
+
+``DIR/summary.json``: ``curriculum`` and ``joint`` (``vqa_accuracy``, ``ci95``,
+``caption_metric``, ``train_s``, ...), ``text_only_accuracy``, ``curriculum_vs_joint``
+(``delta``, paired ``ci95``, ``p_value``), ``targets`` and the run details.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from forge_kit.objectstore import ObjectStore
+from forge_kit.stats import paired_compare
+from forge_training import recipes
+from forge_training.objectives.vlm import stage_sources, world_folder
+from forge_training.train import RunContext, TrainResult, train
+from forge_training.vlm import metrics
+from forge_training.vlm.dataset import WorldSize, write_world
+from forge_training.vlm.evaluate import Scored, score_chats
+from forge_training.vlm.model import LoadedVlm, load_vlm
+from forge_training.vlm.shards import ShardReader, shard_files
+from forge_training.vlm.tokens import SequenceEncoder
+
+STAGES = ("vlm_align", "vlm_interleave", "vlm_instruct")
+
+
+def _run(name: str, overrides: dict[str, Any], work: Path, cache: Path) -> tuple[TrainResult, float]:
+    config = recipes.build(name, overrides)
+    ctx = RunContext(
+        run_id=name, run_dir=work / name, store=ObjectStore(str(work / "objects")), cache_dir=cache
+    )
+    started = time.perf_counter()
+    result = train(config, ctx)
+    if result.outcome != "succeeded" or result.export_dir is None:
+        raise RuntimeError(f"{name}: {result.outcome} at step {result.step}")
+    return result, time.perf_counter() - started
+
+
+def _tokens(result: TrainResult) -> float:
+    return result.tokens_per_s * result.wall_s
+
+
+def _scaled(name: str, scale: float) -> int:
+    return max(4, round(recipes.build(name).max_steps * scale))
+
+
+def mean_tokens_per_step(name: str, loaded: LoadedVlm, folder: Path, probe: int = 200) -> float:
+    """Real tokens per step of recipe ``name``'s mixture: each source's mean sequence length over
+    ``probe`` evenly spread items, weighted by its share, times the global batch."""
+    config = recipes.build(name)
+    enc = SequenceEncoder(
+        loaded.tokenizer, loaded.image_token_id, loaded.image_seq_length, loaded.spec, config.data.seq_len
+    )
+    per_sequence = 0.0
+    for source, weight in stage_sources(config.vlm).items():
+        if source == "text":
+            per_sequence += weight * config.data.seq_len
+            continue
+        reader = ShardReader(shard_files(folder / source))
+        step = max(1, len(reader) // probe)
+        lengths = []
+        for i in range(0, len(reader), step):
+            try:
+                lengths.append(min(len(enc.encode(reader.read(i), reader.name(i)).ids), config.data.seq_len))
+            except ValueError:
+                continue
+        per_sequence += weight * sum(lengths) / max(len(lengths), 1)
+    return per_sequence * config.global_batch_size
+
+
+def evaluate_model(
+    loaded: LoadedVlm, folder: Path, seq_len: int, max_new_tokens: int = 8
+) -> dict[str, Scored]:
+    enc = SequenceEncoder(
+        loaded.tokenizer, loaded.image_token_id, loaded.image_seq_length, loaded.spec, seq_len
+    )
+    held = ShardReader(shard_files(folder / "eval" / "held_out"))
+    caps = ShardReader(shard_files(folder / "eval" / "captions"))
+    held_samples, bad = held.read_many(range(len(held)))
+    cap_samples, bad_caps = caps.read_many(range(len(caps)))
+    if bad or bad_caps:
+        raise RuntimeError(f"unreadable evaluation items: {[str(e) for e in bad + bad_caps]}")
+    model = loaded.model
+    return {
+        "vqa": score_chats(model, enc, held_samples, max_new_tokens=max_new_tokens),
+        "text_only": score_chats(model, enc, held_samples, with_image=False, max_new_tokens=max_new_tokens),
+        "captions": score_chats(model, enc, cap_samples, captions=True, max_new_tokens=40),
+    }
+
+
+def _arm(scored: dict[str, Scored], train_s: float, tokens: float, steps: dict[str, int]) -> dict[str, Any]:
+    vqa = scored["vqa"]
+    acc, (low, high) = metrics.vqa_accuracy(vqa.predictions, vqa.references)
+    text_acc, _ = metrics.vqa_accuracy(scored["text_only"].predictions, scored["text_only"].references)
+    caps = scored["captions"]
+    return {
+        "vqa_accuracy": acc,
+        "ci95": [low, high],
+        "caption_metric": metrics.bleu4(caps.predictions, caps.references),
+        "caption_metric_name": "BLEU-4 (corpus, one reference)",
+        "train_s": train_s,
+        "train_tokens": tokens,
+        "steps": steps,
+        "vqa_by_type": metrics.accuracy_by(vqa.groups, vqa.scores),
+        "text_only_accuracy": text_acc,
+        "examples": [
+            {"reference": r, "prediction": p}
+            for p, r in list(zip(vqa.predictions, vqa.references, strict=True))[:8]
+        ],
+        "caption_examples": [
+            {"reference": r, "prediction": p}
+            for p, r in list(zip(caps.predictions, caps.references, strict=True))[:3]
+        ],
+    }
+
+
+def benchmark(out: Path, scale: float = 1.0, seed: int = 0, echo: Any = print) -> dict[str, Any]:
+    work, cache = out / "work", out / "cache"
+    lm_name = "vlm_world_lm"
+    world_cfg = recipes.build("vlm_align").vlm
+    folder = world_folder(world_cfg, cache)
+    write_world(folder, world_cfg.world_seed, WorldSize(image_size=world_cfg.image_size))
+    overrides: dict[str, Any] = {"data.corpus": str(folder / "text.txt"), "seed": seed}
+    steps = {lm_name: _scaled(lm_name, scale)}
+    lm, lm_s = _run(
+        lm_name,
+        {**overrides, "max_steps": steps[lm_name], "optim.warmup_steps": min(30, steps[lm_name] // 4)},
+        work,
+        cache,
+    )
+    echo(f"{lm_name}: {lm.step} steps in {lm_s:.0f}s, val_loss {lm.val_loss:.3f}")
+    parent, curriculum_s, curriculum_tokens = str(lm.export_dir), lm_s, _tokens(lm)
+    results: dict[str, dict[str, float]] = {lm_name: {"wall_s": lm_s, **lm.eval_metrics}}
+    for name in STAGES:
+        steps[name] = _scaled(name, scale)
+        stage_over = {
+            "init.parent": parent,
+            "seed": seed,
+            "max_steps": steps[name],
+            "optim.warmup_steps": min(20, steps[name] // 4),
+        }
+        result, wall = _run(name, stage_over, work, cache)
+        echo(f"{name}: {result.step} steps in {wall:.0f}s, {result.eval_metrics}")
+        parent, curriculum_s, curriculum_tokens = (
+            str(result.export_dir),
+            curriculum_s + wall,
+            curriculum_tokens + _tokens(result),
+        )
+        results[name] = {"wall_s": wall, **result.eval_metrics}
+    curriculum = load_vlm(Path(parent))
+    joint_steps = math.ceil(curriculum_tokens / mean_tokens_per_step("vlm_joint", curriculum, folder))
+    steps_joint = {"vlm_joint": joint_steps}
+    joint_over = {
+        "init.parent": str(lm.export_dir),
+        "seed": seed,
+        "max_steps": joint_steps,
+        "optim.warmup_steps": min(20, joint_steps // 4),
+    }
+    joint_result, joint_s = _run("vlm_joint", joint_over, work, cache)
+    echo(f"vlm_joint: {joint_result.step} steps in {joint_s:.0f}s, {joint_result.eval_metrics}")
+    results["vlm_joint"] = {"wall_s": joint_s, **joint_result.eval_metrics}
+    assert joint_result.export_dir is not None
+    joint = load_vlm(joint_result.export_dir)
+    seq_len = recipes.build("vlm_instruct").data.seq_len
+    eval_start = time.perf_counter()
+    scored_c = evaluate_model(curriculum, folder, seq_len)
+    scored_j = evaluate_model(joint, folder, seq_len)
+    eval_s = time.perf_counter() - eval_start
+    arm_c = _arm(scored_c, curriculum_s, curriculum_tokens, steps)
+    arm_j = _arm(scored_j, joint_s, _tokens(joint_result), steps_joint)
+    paired = paired_compare(scored_j["vqa"].scores, scored_c["vqa"].scores, seed=seed)
+    text_only = max(arm_c["text_only_accuracy"], arm_j["text_only_accuracy"])
+    summary: dict[str, Any] = {
+        "curriculum": arm_c,
+        "joint": arm_j,
+        "text_only_accuracy": text_only,
+        "curriculum_vs_joint": {
+            "delta": paired.delta,
+            "ci95": [paired.ci_low, paired.ci_high],
+            "p_value": paired.p_value,
+            "test": paired.test,
+            "n": paired.n,
+        },
+        "targets": {
+            "curriculum_beats_joint": paired.ci_low > 0,
+            "both_beat_text_only_by_20_points": min(arm_c["vqa_accuracy"], arm_j["vqa_accuracy"]) - text_only
+            >= 0.20,
+        },
+        "compute": {
+            "unit": "real tokens processed (text + image positions), frozen stages counted in full",
+            "curriculum_tokens": curriculum_tokens,
+            "joint_tokens": _tokens(joint_result),
+        },
+        "runs": results,
+        "eval_s": eval_s,
+        "eval_items": len(scored_c["vqa"].scores),
+        "scale": scale,
+        "seed": seed,
+        "load_average": list(os.getloadavg()),
+        "cpus": os.cpu_count(),
+    }
+    return summary
+
+
+def vlm(
+    out: Annotated[Path, typer.Option("--out", help="Folder for summary.json, the runs and the world")],
+    scale: Annotated[float, typer.Option(help="Multiply every recipe's max_steps (1: the benchmark)")] = 1.0,
+    seed: Annotated[int, typer.Option(help="Training seed of every run")] = 0,
+) -> None:
+    """Curriculum (LM -> align -> interleave -> instruct) against joint training at equal compute."""
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    summary = benchmark(out, scale, seed, echo=typer.echo)
+    summary["total_s"] = time.perf_counter() - started
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    keys = ("vqa_accuracy", "ci95", "caption_metric", "train_s")
+    typer.echo(
+        json.dumps(
+            {k: summary[k] for k in ("text_only_accuracy", "curriculum_vs_joint", "targets")}, indent=2
+        )
+    )
+    typer.echo(
+        json.dumps({arm: {k: summary[arm][k] for k in keys} for arm in ("curriculum", "joint")}, indent=2)
+    )
