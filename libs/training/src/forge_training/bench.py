@@ -43,6 +43,7 @@ from forge_kit import clitools
 from forge_kit.objectstore import ObjectStore
 from forge_kit.paths import resolve_data_path
 from forge_training import recipes, schema
+from forge_training.cpt_bench import cpt as cpt_bench
 from forge_training.launch import run_group, run_group_sequence
 from forge_training.sweep_bench import sweep as sweep_bench
 from forge_training.train import RunContext, TrainResult, pretrain
@@ -57,6 +58,7 @@ def bench() -> None:
 
 
 app.command("sweep")(sweep_bench)
+app.command("cpt")(cpt_bench)
 
 
 def _recipe(corpus: Path, **overrides: Any) -> schema.TrainConfig:
@@ -311,3 +313,7 @@ def recipes_bench(
         entry.pop("export_dir")
     (out / "recipes.json").write_text(json.dumps(summary, indent=2))
     typer.echo(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    app()
