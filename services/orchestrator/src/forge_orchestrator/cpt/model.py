@@ -59,8 +59,8 @@ class CptInput:
     search_fraction: float = 0.25
     """Each search run's budget as a share of the final run's."""
     early_stopping: str = "asha"
-    """Within each replay fraction's sweep over peak LRs: ``asha`` (η = 3, first rung at a third
-    of the search budget), ``median`` or ``none``."""
+    """Within each replay fraction's sweep over peak LRs: ``asha`` (stopping form, η = 3, first
+    rung at a third of the search budget), ``median`` (from a third, at least 2 trials) or ``none``."""
     recipe: str = "cpt_scifact"
     overrides: dict[str, str] = field(default_factory=dict)
     """Fixed recipe overrides of every run (``eval_batches``, ``data.seq_len`` …), typed by the
@@ -170,7 +170,7 @@ def space_of(params: CptInput, workflow_id: str, index: int, fraction: float, st
     min_steps = max(1, steps // 3)
     es: dict[str, Any] = {"rule": params.early_stopping}
     if params.early_stopping == "asha":
-        es.update(min_steps=min_steps, eta=3)
+        es.update(min_steps=min_steps, eta=3, form="stopping")  # as forge bench cpt runs it
     elif params.early_stopping == "median":
         es.update(min_steps=min_steps, min_trials=2)
     fixed = fixed_overrides(params)
