@@ -28,11 +28,16 @@ TINY = ["--parent-steps", "12", "--search-steps", "6", "--final-steps", "6", "--
         "--fractions", "0.1,0.5", "--lrs", "1e-3,3e-3", "--quiet"]  # fmt: skip
 
 
-def test_search_curve_final_run_and_chosen_checkpoint(tmp_path: Path) -> None:
-    out = tmp_path / "out"
+@pytest.fixture(scope="module")
+def chosen(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("cpt") / "out"
     result = CliRunner().invoke(app, ["cpt", "--out", str(out), "--max-forgetting", "10", *TINY])
     assert result.exit_code == 0, result.output
-    summary = json.loads((out / "summary.json").read_text())
+    return out
+
+
+def test_search_curve_final_run_and_chosen_checkpoint(chosen: Path) -> None:
+    summary = json.loads((chosen / "summary.json").read_text())
     search = [r for r in summary["curve"] if r["stage"] == "search"]
     final = [r for r in summary["curve"] if r["stage"] == "final"]
     assert {(r["general_fraction"], r["lr"]) for r in search} <= {
@@ -50,24 +55,23 @@ def test_search_curve_final_run_and_chosen_checkpoint(tmp_path: Path) -> None:
     assert summary["outcome"] == "chosen" and summary["chosen"]["label"] in {
         r["label"] for r in summary["curve"]
     }
-    assert (summary["mixture"]["general_fraction"], summary["mixture"]["lr"]) == (
-        final[0]["general_fraction"],
-        final[0]["lr"],
-    )
-    assert (out / "mixture.md").read_text().count("| search |") == len(search)
-    assert (out / "mixture.png").read_bytes()[:4] == b"\x89PNG"
+    mixture = (summary["mixture"]["general_fraction"], summary["mixture"]["lr"])
+    assert mixture == (final[0]["general_fraction"], final[0]["lr"])
+    assert (chosen / "mixture.md").read_text().count("| search |") == len(search)
+    assert (chosen / "mixture.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_no_admissible_mixture_ends_before_the_final_run(tmp_path: Path) -> None:
+def test_no_admissible_mixture_ends_before_the_final_run(chosen: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
-    result = CliRunner().invoke(
-        app, ["cpt", "--out", str(out), "--max-forgetting", "0", "--min-domain-gain", "5", *TINY]
-    )
+    args = ["cpt", "--out", str(out), "--parent", str(chosen / "runs" / "parent" / "hf"), *TINY]
+    args += ["--fractions", "0.5", "--lrs", "1e-3", "--max-forgetting", "0", "--min-domain-gain", "5"]
+    result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     summary = json.loads((out / "summary.json").read_text())
     assert summary["outcome"] == "none_admissible" and summary["chosen"] is None
     assert "no checkpoint meets the rule" in summary["reason"]
     assert not [r for r in summary["curve"] if r["stage"] == "final"] and "final" not in summary
+    assert not (out / "runs" / "parent").exists()  # the given parent was used
 
 
 def test_bad_options_are_refused_before_training(tmp_path: Path) -> None:

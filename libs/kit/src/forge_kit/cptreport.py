@@ -14,6 +14,29 @@ def _ci(values: list[float]) -> str:
     return f"[{values[0]:.4f}, {values[1]:.4f}]"
 
 
+def _runs(summary: dict[str, Any]) -> list[str]:
+    """The search's runs (early-stopped ones included), the final run and the hand-over."""
+    lines: list[str] = []
+    search = summary.get("search") or {}
+    if search.get("trials"):
+        lines += ["", f"Search runs ({search.get('steps')} steps each):", ""]
+        for t in search["trials"]:
+            end = (
+                f"stopped early at step {t['stopped_at']}" if t.get("stopped_at") is not None else "completed"
+            )
+            value = f", domain val_loss {t['val_loss']:.4f}" if t.get("val_loss") is not None else ""
+            lines.append(
+                f"- replay {t['general_fraction']:g}, peak LR {t['lr']:g}: {t['steps']} steps, {end}{value}"
+            )
+    if search.get("sweeps"):
+        lines += ["", f"Search sweeps ({search.get('steps')} steps per run): {', '.join(search['sweeps'])}"]
+    for key in ("final", "handover"):
+        if summary.get(key):
+            pairs = ", ".join(f"{k} {v}" for k, v in summary[key].items())
+            lines += ["", f"{key.capitalize()}: {pairs}."]
+    return lines
+
+
 def markdown(summary: dict[str, Any], *, png: str = "mixture.png") -> str:
     """The mixture curve as a table, the Pareto front, the rule and the chosen point with why."""
     base = summary.get("base", {})
@@ -25,7 +48,7 @@ def markdown(summary: dict[str, Any], *, png: str = "mixture.png") -> str:
         "checkpoint's, each with the 95 % interval of the paired difference (the same documents scored "
         "by both models).",
         "",
-        f"Base: `{base.get('label', base.get('uri', ''))}` - domain loss {base.get('domain_loss', float('nan')):.4f}, "
+        f"Base: `{base.get('uri', base.get('label', ''))}` - domain loss {base.get('domain_loss', float('nan')):.4f}, "
         f"general loss {base.get('general_loss', float('nan')):.4f}.",
         "",
         f"Rule: {summary['rule']['text']}.",
@@ -47,9 +70,7 @@ def markdown(summary: dict[str, Any], *, png: str = "mixture.png") -> str:
         lines.append(f"**Chosen**: {summary['reason']}.")
     else:
         lines.append(f"**Nothing chosen**: {summary['reason']}.")
-    for key in ("search", "final", "handover"):
-        if summary.get(key):
-            lines += ["", f"{key.capitalize()}: `{summary[key]}`"]
+    lines += _runs(summary)
     lines += ["", f"![mixture curve and Pareto front]({png})", ""]
     return "\n".join(lines)
 

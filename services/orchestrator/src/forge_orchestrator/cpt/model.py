@@ -77,7 +77,8 @@ class CptInput:
     eval_limit: int = 50
     eval_tier: str = "full"
     eval_seed: int = 0
-    eval_poll_s: float = 2.0
+    eval_poll_s: float = 10.0
+    """Seconds between polls of an eval run (each poll is a few history events)."""
     eval_timeout_s: float = 3600.0
     checkpoint_wait_s: float = 120.0
     """How long a finished run waits for its published checkpoint."""

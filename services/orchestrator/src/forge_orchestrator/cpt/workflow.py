@@ -25,7 +25,8 @@ of general data; data-mixing laws — fit the mixture on short runs):
 8. **Hand-over**: a child ``eval_and_promote`` for the chosen checkpoint on the domain suite
    (``promote``), its lineage's parent the base.
 
-Cancelling the workflow cancels its children (their jobs with them).
+Cancelling, failing or terminating the workflow cancels its sweeps and final run (their jobs
+with them: ``REQUEST_CANCEL``).
 """
 
 from __future__ import annotations
@@ -229,6 +230,7 @@ class CptWorkflow:
                     ),
                     id=f"{wid}-f{i}",
                     memo={MEMO_METRIC: "val_loss"},
+                    parent_close_policy=workflow.ParentClosePolicy.REQUEST_CANCEL,
                 )
             )
         sweeps: list[SweepResult] = list(await asyncio.gather(*children))
@@ -290,6 +292,7 @@ class CptWorkflow:
                     auto_eval=False,
                 ),
                 id=result.final_workflow_id,
+                parent_close_policy=workflow.ParentClosePolicy.REQUEST_CANCEL,
             )
             if trained.checkpoint is None or not trained.checkpoint.uri:
                 raise ApplicationError(
