@@ -25,11 +25,11 @@ from temporalio import activity
 from temporalio.client import Client, WorkflowHandle
 from temporalio.worker import Worker
 
-from forge_kit import errors, stats
-from forge_kit.testing import TemporalDevServer
+from forge_kit import cptmix, errors, stats
+from forge_kit.testing import MlflowServer, TemporalDevServer
 from forge_orchestrator.activities import CancelJobInput, SubmitJobInput
 from forge_orchestrator.canary_activities import CanaryActivities
-from forge_orchestrator.cpt.activities import CptActivities
+from forge_orchestrator.cpt.activities import CptActivities, ReportInput
 from forge_orchestrator.cpt.workflow import CptWorkflow
 from forge_orchestrator.eval_activities import (
     Comparison,
@@ -39,9 +39,11 @@ from forge_orchestrator.eval_activities import (
     RunInput,
     RunState,
 )
+from forge_orchestrator.identity import Caller
 from forge_orchestrator.service import OrchestratorService
 from forge_orchestrator.sweep.activities import SweepActivities
 from forge_orchestrator.sweep.workflow import METRIC_SIGNAL, SweepWorkflow, TrialMetric
+from forge_orchestrator.tracking import PARENT_TAG, Tracker
 from forge_orchestrator.training import CHECKPOINT_SIGNAL, CheckpointInfo, TrainWorkflow
 from forge_orchestrator.workflows import JOB_EVENT_SIGNAL, PROGRESS_QUERY, EvalAndPromoteWorkflow, JobEvent
 
@@ -321,3 +323,48 @@ async def test_bad_inputs_are_refused_at_start_naming_the_field(
     with pytest.raises(errors.ValidationError) as exc:
         await OrchestratorService(client, "unused").start_workflow("cpt", data)
     assert exc.value.field == field
+
+
+async def test_a_team_token_may_not_start_it(temporal_server: TemporalDevServer, tmp_path: Path) -> None:
+    client = await Client.connect(temporal_server.target)
+    team = Caller("research-bot", "team", "research")
+    with pytest.raises(errors.PermissionDeniedError, match="cpt workflows need an admin token"):
+        await OrchestratorService(client, "unused").start_workflow("cpt", cpt_input(tmp_path), caller=team)
+
+
+async def test_the_report_lands_in_mlflow_with_the_curve_files_and_sweeps_under_it(
+    mlflow_server: MlflowServer, tmp_path: Path
+) -> None:
+    tracker = Tracker(mlflow_server.url)
+    wid = f"cpt-{uuid.uuid4().hex[:8]}"
+    sweep_run = tracker.ensure_sweep_run(f"{wid}-f0", "a fraction's sweep", {})
+    rng = np.random.default_rng(0)
+    base = rng.normal(2.0, 0.3, 40).tolist()
+    points = [
+        cptmix.paired_point(
+            f"search f={f}", f, 1e-3, 3, base_domain=base, domain=[x - 0.3 * (1 - f) for x in base],
+            base_general=base, general=[x + 0.1 * (1 - 3 * f) + rng.normal(0, 0.01) for x in base],
+        )
+        for f in (0.05, 0.25)
+    ]  # fmt: skip
+    summary = cptmix.summary(
+        points, cptmix.Rule(max_forgetting=0.06), {"label": "base"}, units="bits per byte"
+    )
+    params = ReportInput(
+        wid, str(tmp_path / "reports"), summary, {"base": "/models/base"}, [sweep_run, ""], 1_700_000_000_000
+    )
+    out = await CptActivities(tracker).report(params)
+    again = await CptActivities(tracker).report(params)  # a retried activity: the same run
+    assert out.run_id and again.run_id == out.run_id and out.run_url.endswith(out.run_id)
+    run = tracker.get_run(out.run_id)
+    assert run.status == "FINISHED" and run.params["base"] == "/models/base"
+    assert run.params["outcome"] == "chosen" and "f=0.25" in run.params["reason"]
+    assert sorted(tracker.list_artifacts(out.run_id, "cpt")) == [
+        "cpt/mixture.md",
+        "cpt/mixture.png",
+        "cpt/summary.json",
+    ]
+    gains = tracker.metric_history(out.run_id, "domain_gain")
+    assert [step for step, _ in gains] == [0, 1] and gains[1][1] == pytest.approx(0.225, abs=1e-6)
+    assert tracker.get_run(sweep_run).tags[PARENT_TAG] == out.run_id
+    assert Path(out.markdown).parent == tmp_path / "reports" / wid

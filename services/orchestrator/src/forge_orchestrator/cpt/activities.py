@@ -40,6 +40,8 @@ class ReportInput:
     params: dict[str, str] = field(default_factory=dict)
     sweep_runs: list[str] = field(default_factory=list)
     """MLflow parent runs of the child sweeps (empty ids are skipped)."""
+    time_ms: int = 0
+    """The metrics' timestamp (the workflow's clock), so a retried activity logs nothing twice."""
 
 
 @dataclass
@@ -73,12 +75,17 @@ class CptActivities:
         assert tracker is not None
         summary = params.summary
         run_id = tracker.ensure_sweep_run(params.workflow_id, f"cpt {params.workflow_id}", params.params)
+        stamp = params.time_ms or None
         tracker.set_tags(run_id, {TAG_ROLE: "sweep", TAG_WORKFLOW: params.workflow_id, "forge.kind": "cpt"})
         for step, row in enumerate(summary.get("curve", [])):
-            tracker.log_metrics(run_id, step, {k: float(row[k]) for k in CURVE_METRICS if k in row})
+            values = {k: float(row[k]) for k in CURVE_METRICS if k in row}
+            tracker.log_metrics(run_id, step, values, timestamp_ms=stamp)
         chosen = summary.get("chosen") or {}
         tracker.log_metrics(
-            run_id, 0, {f"chosen_{k}": float(chosen[k]) for k in CURVE_METRICS if k in chosen}
+            run_id,
+            0,
+            {f"chosen_{k}": float(chosen[k]) for k in CURVE_METRICS if k in chosen},
+            timestamp_ms=stamp,
         )
         tracker.log_params(
             run_id, {"outcome": summary.get("outcome", ""), "reason": summary.get("reason", "")}

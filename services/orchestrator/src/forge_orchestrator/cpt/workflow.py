@@ -353,6 +353,7 @@ class CptWorkflow:
                     "search": repr(params.search),
                 },
                 sweep_runs=[s.parent_run_id for s in sweeps],
+                time_ms=int(workflow.now().timestamp() * 1000),
             ),
             start_to_close_timeout=TRACK_TIMEOUT,
             retry_policy=TRACK_RETRY,
