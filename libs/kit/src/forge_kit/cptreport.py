@@ -30,6 +30,8 @@ def _runs(summary: dict[str, Any]) -> list[str]:
             )
     if search.get("sweeps"):
         lines += ["", f"Search sweeps ({search.get('steps')} steps per run): {', '.join(search['sweeps'])}"]
+    if search.get("unmeasured"):
+        lines += ["", f"Completed but not measured: {'; '.join(search['unmeasured'])}."]
     for key in ("final", "handover"):
         if summary.get(key):
             pairs = ", ".join(f"{k} {v}" for k, v in summary[key].items())

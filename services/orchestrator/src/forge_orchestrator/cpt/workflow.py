@@ -117,8 +117,7 @@ class CptWorkflow:
             RegisterInput(
                 model=model,
                 uri=uri,
-                labels={"workflow_id": workflow.info().workflow_id},
-                recipe_hash=params.recipe,
+                labels={"workflow_id": workflow.info().workflow_id, "recipe": params.recipe},
                 parent=parent,
             ),
         )
@@ -199,11 +198,12 @@ class CptWorkflow:
         except Exception as exc:  # noqa: BLE001 - the API checked it; an old or forged input
             raise ApplicationError(f"bad input: {exc}", type="BadInput", non_retryable=True) from None
         wid = workflow.info().workflow_id
+        tag = wid.replace(":", "_")  # model versions take no ':'
         caller = params.caller or ADMIN
         search_steps, final_steps = budgets(params)
         # 1. The base.
         self._step = "measuring the base"
-        base = await self._start(params, ModelId(params.model_name, f"{wid}.base"), params.base, "")
+        base = await self._start(params, ModelId(params.model_name, f"{tag}.base"), params.base, "")
         base_states = {s: await self._wait(params, r) for s, r in base.runs.items()}
         base_row = {
             "label": "base",
@@ -237,12 +237,17 @@ class CptWorkflow:
         # 3. Measure every completed search run.
         self._step = "measuring the search runs"
         started: list[tuple[_Measured, str, float, float, int, str]] = []
+        unmeasured: list[str] = []
         for i, (fraction, swept) in enumerate(zip(params.search.general_fractions, sweeps, strict=True)):
             for trial in swept.trials:
+                lr = float(trial.params["optim.lr"])
+                if trial.state == "completed" and not trial.checkpoint_uri:
+                    unmeasured.append(
+                        f"f={fraction:g} lr={lr:g}: no checkpoint within {params.checkpoint_wait_s:g}s"
+                    )
                 if trial.state != "completed" or not trial.checkpoint_uri:
                     continue
-                lr = float(trial.params["optim.lr"])
-                model = ModelId(params.model_name, f"{wid}.f{i}-t{trial.index}")
+                model = ModelId(params.model_name, f"{tag}.f{i}-t{trial.index}")
                 measured = await self._start(params, model, trial.checkpoint_uri, str(base.model))
                 started.append(
                     (
@@ -301,7 +306,7 @@ class CptWorkflow:
             self._step = "measuring the final run"
             uri = trained.checkpoint.uri
             measured = await self._start(
-                params, ModelId(params.model_name, f"{wid}.final"), uri, str(base.model)
+                params, ModelId(params.model_name, f"{tag}.final"), uri, str(base.model)
             )
             self._points.append(
                 await self._point(
@@ -324,7 +329,7 @@ class CptWorkflow:
             name=wid,
             units=f"eval {METRIC}",
             mixture=dict(self._mixture),
-            search={"steps": search_steps, "sweeps": list(self._sweeps)},
+            search={"steps": search_steps, "sweeps": list(self._sweeps), "unmeasured": unmeasured},
             final={"steps": final_steps, "workflow_id": result.final_workflow_id}
             if result.final_workflow_id
             else {},
@@ -382,7 +387,6 @@ class CptWorkflow:
                     poll_s=params.eval_poll_s,
                     run_timeout_s=params.eval_timeout_s,
                     tier=params.promote_tier,
-                    recipe_hash=params.recipe,
                     parent=str(base.model),
                 ),
                 id=handover_id,
