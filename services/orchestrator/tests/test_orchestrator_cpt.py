@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import pytest
 from temporalio import activity
-from temporalio.client import Client, WorkflowHandle
+from temporalio.client import Client, WorkflowExecutionStatus, WorkflowFailureError, WorkflowHandle
 from temporalio.worker import Worker
 
 from forge_kit import cptmix, errors, stats
@@ -211,6 +211,19 @@ def cpt_input(tmp_path: Path, **rule: Any) -> dict[str, Any]:
     }
 
 
+def worker_for(
+    client: Client, queue: str, scheduler: FakeScheduler, evals: RecordingEval, tmp_path: Path
+) -> Worker:
+    sweeps = SweepActivities(f"sqlite+aiosqlite:///{tmp_path / 'orchestrator.db'}", None)
+    return Worker(
+        client,
+        task_queue=queue,
+        workflows=[CptWorkflow, SweepWorkflow, TrainWorkflow, EvalAndPromoteWorkflow],
+        activities=[scheduler.ensure_team, scheduler.submit_job, scheduler.cancel_job, *sweeps.methods(),
+                    *evals.methods(), *CptActivities(None).methods(), *CanaryActivities().methods()],
+    )  # fmt: skip
+
+
 async def run_cpt(
     temporal_server: TemporalDevServer, tmp_path: Path, data: dict[str, Any]
 ) -> tuple[dict[str, Any], FakeScheduler, RecordingEval]:
@@ -218,17 +231,9 @@ async def run_cpt(
     queue = f"cpt-{uuid.uuid4().hex[:8]}"
     scheduler = FakeScheduler()
     evals = RecordingEval(scheduler)
-    sweeps = SweepActivities(f"sqlite+aiosqlite:///{tmp_path / 'orchestrator.db'}", None)
-    worker = Worker(
-        client,
-        task_queue=queue,
-        workflows=[CptWorkflow, SweepWorkflow, TrainWorkflow, EvalAndPromoteWorkflow],
-        activities=[scheduler.ensure_team, scheduler.submit_job, scheduler.cancel_job, *sweeps.methods(),
-                    *evals.methods(), *CptActivities(None).methods(), *CanaryActivities().methods()],
-    )  # fmt: skip
     service = OrchestratorService(client, queue)
     stop = asyncio.Event()
-    async with worker:
+    async with worker_for(client, queue, scheduler, evals, tmp_path):
         driver = asyncio.create_task(drive(client, scheduler, stop))
         # The API's start path: what `forge workflows start cpt --input '{…}'` sends.
         workflow_id, _ = await service.start_workflow("cpt", data)
@@ -236,6 +241,36 @@ async def run_cpt(
         stop.set()
         await driver
     return result, scheduler, evals
+
+
+async def test_cancelling_it_cancels_its_sweeps_and_their_jobs(
+    temporal_server: TemporalDevServer, tmp_path: Path
+) -> None:
+    client = await Client.connect(temporal_server.target)
+    queue = f"cpt-{uuid.uuid4().hex[:8]}"
+    scheduler = FakeScheduler()
+    evals = RecordingEval(scheduler)
+    service = OrchestratorService(client, queue)
+    async with worker_for(client, queue, scheduler, evals, tmp_path):
+        workflow_id, _ = await service.start_workflow("cpt", cpt_input(tmp_path))
+        for _ in range(300):  # both sweeps submitted both their trials; no job ever runs
+            if len(scheduler.submitted) == 4:
+                break
+            await asyncio.sleep(0.1)
+        assert len(scheduler.submitted) == 4
+        await service.cancel_workflow(workflow_id, "changed my mind")
+        with pytest.raises(WorkflowFailureError):
+            await client.get_workflow_handle(workflow_id).result()
+        for _ in range(300):
+            if sorted(scheduler.cancelled) == sorted(scheduler.submitted):
+                break
+            await asyncio.sleep(0.1)
+        for i in range(2):
+            sweep = client.get_workflow_handle(f"{workflow_id}-f{i}")
+            with pytest.raises(WorkflowFailureError):  # cancelled, once its trials are
+                await sweep.result()
+            assert (await sweep.describe()).status == WorkflowExecutionStatus.CANCELED
+    assert sorted(scheduler.cancelled) == sorted(scheduler.submitted)
 
 
 async def test_search_stops_early_the_rule_picks_the_mixture_and_checkpoint_and_hands_over(
