@@ -21,7 +21,7 @@ GENERATED = {"vlm_shapes_vqa", "vlm_shapes_vqa_text_only", "vlm_shapes_caption"}
 
 
 def test_every_shipped_task_loads_and_pins_its_data() -> None:
-    assert set(shipped_tasks()) == {"gsm8k", "mmlu", "bbh", "humaneval", "tinyshakespeare_ppl"} | GENERATED
+    assert set(shipped_tasks()) == {"gsm8k", "mmlu", "bbh", "humaneval", "tinyshakespeare_ppl", "scifact_ppl"} | GENERATED
     for name in shipped_tasks():
         task = load_task(name)
         assert task.dataset.sha256, f"{name} pins no dataset hash"
@@ -132,8 +132,19 @@ def test_scorer_must_fit_the_output_type(tmp_path: Path) -> None:
 
 def test_the_service_catalog_is_the_shipped_tasks_with_their_data_hashes() -> None:
     catalog = TaskCatalog(ROOTS)
-    assert catalog.suites() == ["bbh", "gsm8k", "humaneval", "mmlu", "tinyshakespeare_ppl"]
+    assert catalog.suites() == ["bbh", "gsm8k", "humaneval", "mmlu", "scifact_ppl", "tinyshakespeare_ppl"]
     hashes = catalog.dataset_hashes("gsm8k")
     assert hashes["benchmarks/gsm8k/test.jsonl"].startswith("3730d312f6e34405")
     assert hashes["benchmarks/gsm8k/train.jsonl"].startswith("17f347dc51477c50")
     assert list(catalog.dataset_hashes("tinyshakespeare_ppl")) == ["corpora/tinyshakespeare/input.txt"]
+
+
+def test_scifact_ppl_scores_the_held_out_tail_of_the_abstracts_as_the_trainer_reads_them() -> None:
+    task = load_task("scifact_ppl")
+    every = load_records(ROOTS, task.dataset.model_copy(update={"slice": (0.0, 1.0)}))
+    tail = load_records(ROOTS, task.dataset)
+    assert len(every) == 5183 and len(tail) == len(every) - int(len(every) * 0.9)
+    assert [r["_id"] for r in tail] == [r["_id"] for r in every[int(len(every) * 0.9) :]]
+    docs = build_docs(task, ROOTS, limit=3, seed=0)
+    first = tail[docs[0].record["_index"]]
+    assert docs[0].id == f"scifact:{first['_id']}" and docs[0].prompt == f"{first['title']}\n{first['text']}"

@@ -44,6 +44,7 @@ from forge_kit import clitools
 from forge_kit.objectstore import ObjectStore
 from forge_kit.paths import resolve_data_path
 from forge_training import recipes, schema
+from forge_training.cpt_bench import cpt as cpt_bench
 from forge_training.launch import run_group, run_group_sequence
 from forge_training.sweep_bench import sweep as sweep_bench
 from forge_training.train import RunContext, TrainResult, pretrain
@@ -60,6 +61,7 @@ def bench() -> None:
 
 app.command("sweep")(sweep_bench)
 app.command("vlm")(vlm_bench)
+app.command("cpt")(cpt_bench)
 
 
 def _recipe(corpus: Path, **overrides: Any) -> schema.TrainConfig:

@@ -49,7 +49,9 @@ class DatasetConfig(_Strict):
     records_key: str = Field(default="", description="json: the key holding the list of records")
     columns: tuple[str, ...] = Field(default=(), description="csv: column names (files have no header)")
     chunk_chars: int = Field(default=2048, ge=16, description="text: characters per document")
-    slice: tuple[float, float] = Field(default=(0.0, 1.0), description="text: fraction of the file")
+    slice: tuple[float, float] = Field(
+        default=(0.0, 1.0), description="text: fraction of the file; other formats: of each file's records"
+    )
 
 
 class FewShotConfig(_Strict):
@@ -245,6 +247,14 @@ def load_records(
 
 
 def _read(path: Path, ds: DatasetConfig, field_name: str) -> list[dict[str, Any]]:
+    records = _read_all(path, ds, field_name)
+    if ds.format == "text" or tuple(ds.slice) == (0.0, 1.0):
+        return records
+    lo, hi = (int(len(records) * f) for f in ds.slice)  # a held-out tail, as a corpus's split
+    return records[lo:hi]
+
+
+def _read_all(path: Path, ds: DatasetConfig, field_name: str) -> list[dict[str, Any]]:
     if ds.format in ("jsonl", "jsonl.gz"):
         text = gzip.decompress(path.read_bytes()).decode() if ds.format == "jsonl.gz" else path.read_text()
         return [json.loads(line) for line in text.splitlines() if line.strip()]

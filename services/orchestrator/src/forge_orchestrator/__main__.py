@@ -20,6 +20,7 @@ from forge_orchestrator.agent_logs import AgentEventLogs
 from forge_orchestrator.api import OrchestratorApi
 from forge_orchestrator.canary_activities import CanaryActivities
 from forge_orchestrator.config import OrchestratorSettings
+from forge_orchestrator.cpt.activities import CptActivities
 from forge_orchestrator.eval_activities import EvalActivities
 from forge_orchestrator.identity import SchedulerAuthenticator
 from forge_orchestrator.rlhf_activities import RlhfActivities
@@ -120,7 +121,7 @@ async def main() -> None:
             settings.task_queue,
             activities,
             eval_activities,
-            extra_activities=sweeps.methods(),
+            extra_activities=[*sweeps.methods(), *CptActivities(tracker).methods()],
             canary=canary,
         ).run
     )

@@ -94,6 +94,8 @@ class Comparison:
     deltas: dict[str, float] = field(default_factory=dict)
     p_values: dict[str, float] = field(default_factory=dict)
     report_path: str = ""
+    intervals: dict[str, list[float]] = field(default_factory=dict)
+    """Per metric, the interval ``[low, high]`` of candidate - baseline (paired bootstrap)."""
 
 
 @dataclass
@@ -232,6 +234,7 @@ class EvalActivities:
             deltas={d.name: d.delta for d in reply.deltas},
             p_values={d.name: d.p_value for d in reply.deltas},
             report_path=reply.report_path,
+            intervals={d.name: [d.ci_low, d.ci_high] for d in reply.deltas},
         )
 
     @activity.defn(name="eval_promote_model")

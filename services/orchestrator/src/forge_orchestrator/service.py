@@ -30,6 +30,8 @@ from forge_kit import errors
 from forge_kit.backoff import Backoff
 from forge_orchestrator.activities import SchedulerActivities
 from forge_orchestrator.canary_activities import CanaryActivities
+from forge_orchestrator.cpt.model import CptInput, validate_cpt
+from forge_orchestrator.cpt.workflow import CptWorkflow
 from forge_orchestrator.eval_activities import EvalActivities
 from forge_orchestrator.identity import ADMIN, Caller, authorize_start
 from forge_orchestrator.rlhf import RlhfInput, RlhfWorkflow
@@ -144,6 +146,7 @@ KINDS: dict[str, WorkflowKind] = {
     "vlm_curriculum": WorkflowKind(
         "vlm_curriculum", VlmCurriculumWorkflow, VlmCurriculumInput, validate_vlm_curriculum
     ),
+    "cpt": WorkflowKind("cpt", CptWorkflow, CptInput, validate_cpt),
     # Run by the RLHF worker (rlhf_worker.py) on its own queue, with its children.
     "rlhf": WorkflowKind("rlhf", RlhfWorkflow, RlhfInput, validate_rlhf, queue=rlhf_task_queue),
 }
@@ -181,6 +184,14 @@ def _coerce(path: str, hint: Any, value: object) -> object:
             raise errors.ValidationError(path, "must be an object")
         _, item = get_args(hint)
         return {str(k): _coerce(f"{path}.{k}", item, v) for k, v in value.items()}
+    if origin is tuple and get_args(hint)[1:] == (Ellipsis,):
+        if not isinstance(value, list):
+            raise errors.ValidationError(path, "must be a list")
+        return tuple(_coerce(f"{path}[{i}]", get_args(hint)[0], v) for i, v in enumerate(value))
+    if dataclasses.is_dataclass(hint) and isinstance(hint, type):  # a nested section (cpt's rule)
+        if not isinstance(value, dict):
+            raise errors.ValidationError(path, "must be an object")
+        return parse_input(hint, value, path)
     raise errors.ValidationError(path, f"has an unsupported type {hint!r}")
 
 

@@ -177,6 +177,32 @@ class EvalAndPromoteInput:
             )
 
 
+async def wait_eval_run(
+    call: Callable[..., Awaitable[Any]], run_id: str, poll_s: float, timeout_s: float, seen: dict[str, str]
+) -> RunState:
+    """Poll eval run ``run_id`` on durable timers until it ends (its status kept in ``seen``); a
+    failed, cancelled or late run fails the workflow. For workflows that run eval suites."""
+    deadline = workflow.now() + timedelta(seconds=timeout_s)
+    while True:
+        state: RunState = await call(EvalActivities.get_run, run_id)
+        seen[run_id] = state.status
+        if state.finished:
+            if state.status != "SUCCEEDED":
+                raise ApplicationError(
+                    f"eval run {run_id} {state.status}: {state.error}",
+                    type="EvalRunFailed",
+                    non_retryable=True,
+                )
+            return state
+        if workflow.now() >= deadline:
+            raise ApplicationError(
+                f"eval run {run_id} not finished within {timeout_s:g}s",
+                type="EvalRunTimeout",
+                non_retryable=True,
+            )
+        await workflow.sleep(timedelta(seconds=poll_s))
+
+
 @dataclass
 class EvalAndPromoteResult:
     candidate_run_id: str
@@ -234,25 +260,7 @@ class EvalAndPromoteWorkflow:
         )
 
     async def _wait_run(self, run_id: str, params: EvalAndPromoteInput) -> RunState:
-        deadline = workflow.now() + timedelta(seconds=params.run_timeout_s)
-        while True:
-            state: RunState = await self._call(EvalActivities.get_run, run_id)
-            self._runs[run_id] = state.status
-            if state.finished:
-                if state.status != "SUCCEEDED":
-                    raise ApplicationError(
-                        f"eval run {run_id} {state.status}: {state.error}",
-                        type="EvalRunFailed",
-                        non_retryable=True,
-                    )
-                return state
-            if workflow.now() >= deadline:
-                raise ApplicationError(
-                    f"eval run {run_id} not finished within {params.run_timeout_s:g}s",
-                    type="EvalRunTimeout",
-                    non_retryable=True,
-                )
-            await workflow.sleep(timedelta(seconds=params.poll_s))
+        return await wait_eval_run(self._call, run_id, params.poll_s, params.run_timeout_s, self._runs)
 
     @workflow.run
     async def run(self, params: EvalAndPromoteInput) -> EvalAndPromoteResult:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import threading
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -149,19 +150,23 @@ class SweepActivities:
         self._url = study_storage_url(database_url)
         self._tracker = tracker
         self._storage: Any = None
+        # Sweeps started together (the cpt workflow's, one per replay fraction) would each create
+        # the storage and race on Optuna's migration of a fresh database.
+        self._storage_lock = threading.Lock()
 
     def _rdb(self) -> Any:
         import optuna
         import sqlalchemy as sa
 
-        if self._storage is None:
-            if self._url.startswith("postgresql"):
-                engine = sa.create_engine(self._url)
-                with engine.begin() as connection:
-                    connection.execute(sa.text(f"CREATE SCHEMA IF NOT EXISTS {SCHEMA}"))
-                engine.dispose()
-            self._storage = optuna.storages.RDBStorage(self._url, engine_kwargs={"pool_pre_ping": True})
-        return self._storage
+        with self._storage_lock:
+            if self._storage is None:
+                if self._url.startswith("postgresql"):
+                    engine = sa.create_engine(self._url)
+                    with engine.begin() as connection:
+                        connection.execute(sa.text(f"CREATE SCHEMA IF NOT EXISTS {SCHEMA}"))
+                    engine.dispose()
+                self._storage = optuna.storages.RDBStorage(self._url, engine_kwargs={"pool_pre_ping": True})
+            return self._storage
 
     def _study(self, sweep_id: str, space: sweepspace.Space) -> Any:
         import optuna

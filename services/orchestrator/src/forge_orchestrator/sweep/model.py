@@ -47,6 +47,10 @@ class SweepInput:
     """Lost nodes per trial before it is given up (preemptions do not count)."""
     caller: Caller | None = None
     """Who started the sweep (set by the orchestrator from the caller's token); None: an admin."""
+    checkpoint_wait_s: float = 0.0
+    """How long a succeeded trial waits for its published checkpoint (``checkpoint_published``,
+    its Hugging Face export) before it completes without one; 0: it does not wait (a caller that
+    evaluates the trials' checkpoints, such as the ``cpt`` workflow, sets it)."""
 
 
 @dataclass
@@ -78,6 +82,10 @@ class Trial:
     """The trial's first job: every later job of the trial resumes its checkpoints."""
     jobs: int = 0
     """Jobs submitted for the trial (one more per promotion out of a pause)."""
+    checkpoint_uri: str = ""
+    """The newest published checkpoint of the trial's jobs (its Hugging Face export), when one
+    arrived (signal ``checkpoint_published``)."""
+    checkpoint_step: int = -1
 
 
 @dataclass

@@ -75,7 +75,7 @@ with workflow.unsafe.imports_passed_through():
         TrialMetric,
         trial_command,
     )
-    from forge_orchestrator.training import AUTO_EVAL_LABEL
+    from forge_orchestrator.training import AUTO_EVAL_LABEL, CHECKPOINT_SIGNAL, CheckpointInfo
     from forge_orchestrator.workflows import (
         ACTIVITY_RETRY,
         ACTIVITY_TIMEOUT,
@@ -105,6 +105,8 @@ class SweepWorkflow:
         self._parent_run = ""
         self._told: set[int] = set()
         self._final_wait_s = 60.0
+        self._checkpoint_wait = False
+        self._checkpoints = 0
 
     # Signals and query.
 
@@ -123,6 +125,21 @@ class SweepWorkflow:
                 return
             self._seen.add(metric.event_id)
         self._inbox.append(metric)
+
+    @workflow.signal(name=CHECKPOINT_SIGNAL)
+    def checkpoint_published(self, checkpoint: CheckpointInfo) -> None:
+        """A trial job's checkpoint: the trial keeps its newest (state only: old histories replay)."""
+        if checkpoint.event_id:
+            if checkpoint.event_id in self._seen:
+                return
+            self._seen.add(checkpoint.event_id)
+        index = self._by_job.get(checkpoint.job_id)
+        if index is None or not checkpoint.uri:
+            return
+        trial = self._trials[index]
+        if checkpoint.step >= trial.checkpoint_step:
+            trial.checkpoint_uri, trial.checkpoint_step = checkpoint.uri, checkpoint.step
+            self._checkpoints += 1
 
     @workflow.query(name=PROGRESS_QUERY)
     def progress(self) -> dict[str, Any]:
@@ -256,7 +273,8 @@ class SweepWorkflow:
             self._rule = form(es.min_steps, es.eta, space.max_steps, space.mode)  # type: ignore[arg-type]
         elif es.rule == "median":
             self._rule = MedianStopping(es.min_steps, es.min_trials, space.mode)  # type: ignore[arg-type]
-        self._final_wait_s = params.final_metric_wait_s
+        self._final_wait_s = max(params.final_metric_wait_s, params.checkpoint_wait_s)
+        self._checkpoint_wait = params.checkpoint_wait_s > 0
         caller = params.caller or ADMIN
         team = params.team or space.team or caller.team
         try:
@@ -313,6 +331,7 @@ class SweepWorkflow:
         total = self._plan_size(space)
         done = 0
         while True:
+            checkpoints = self._checkpoints
             # Budget: GPU-hours spent stops everything.
             if not self._exhausted and self._gpu_seconds() >= space.gpu_hours * 3600.0:
                 self._exhausted = "gpu_hours"
@@ -353,7 +372,8 @@ class SweepWorkflow:
             )
             with contextlib.suppress(TimeoutError):
                 await workflow.wait_condition(
-                    functools.partial(self._news, done), timeout=timedelta(seconds=self._next_deadline(space))
+                    functools.partial(self._news, done, checkpoints),
+                    timeout=timedelta(seconds=self._next_deadline(space)),
                 )
             while done < len(self._inbox):  # in arrival order; handling may await activities
                 item = self._inbox[done]
@@ -363,6 +383,9 @@ class SweepWorkflow:
                 else:
                     await self._on_metric(item)
             await self._check_timeouts(space)
+            for trial in self._trials:  # a checkpoint that arrived after the final value
+                if trial.state == "finishing" and self._ready(trial):
+                    await self._complete(trial)
 
     async def _submit(
         self, trial: Trial, params: SweepInput, space: sweepspace.Space, team: str, caller: Caller
@@ -467,8 +490,13 @@ class SweepWorkflow:
                     t, "timed_out", f"no {space.metric} for {space.metrics_timeout_s:g}s", cancel=True
                 )
 
-    def _news(self, handled: int) -> bool:
-        return len(self._inbox) > handled
+    def _news(self, handled: int, checkpoints: int = 0) -> bool:
+        return len(self._inbox) > handled or (self._checkpoint_wait and self._checkpoints > checkpoints)
+
+    def _ready(self, trial: Trial) -> bool:
+        """A finishing trial has its value at the full budget (and its checkpoint, when waited for)."""
+        has_checkpoint = not self._checkpoint_wait or bool(trial.checkpoint_uri)
+        return self._final_value(trial) is not None and has_checkpoint
 
     def _ignore(self, what: str) -> None:
         self._ignored += 1
@@ -508,7 +536,7 @@ class SweepWorkflow:
             self._stop_clock(trial)
             trial.state = "finishing"
             trial.finishing_since = self._now()
-            if self._final_value(trial) is not None:
+            if self._ready(trial):
                 await self._complete(trial)
         elif event.state == "FAILED":
             await self._finish(trial, "failed", event.reason or "the job failed")
@@ -549,7 +577,7 @@ class SweepWorkflow:
         trial.values.append([float(metric.step), value])
         trial.last_metric_at = self._now()
         if trial.state == "finishing":
-            if metric.step >= self._space.max_steps:
+            if self._ready(trial):
                 await self._complete(trial)
             return
         if trial.state == "pending" or trial.state == "preempted":
