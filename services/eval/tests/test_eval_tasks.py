@@ -21,7 +21,10 @@ GENERATED = {"vlm_shapes_vqa", "vlm_shapes_vqa_text_only", "vlm_shapes_caption"}
 
 
 def test_every_shipped_task_loads_and_pins_its_data() -> None:
-    assert set(shipped_tasks()) == {"gsm8k", "mmlu", "bbh", "humaneval", "tinyshakespeare_ppl", "scifact_ppl"} | GENERATED
+    assert (
+        set(shipped_tasks())
+        == {"gsm8k", "mmlu", "bbh", "humaneval", "tinyshakespeare_ppl", "scifact_ppl"} | GENERATED
+    )
     for name in shipped_tasks():
         task = load_task(name)
         assert task.dataset.sha256, f"{name} pins no dataset hash"
