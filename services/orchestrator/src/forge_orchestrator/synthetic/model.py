@@ -46,10 +46,13 @@ class SyntheticInput:
     seed: int = 0
     policy: str = "majority"
     """When a problem's verified solutions disagree: ``majority`` keeps the majority answer, ``drop`` drops it."""
-    dedup_threshold: float = 0.8
-    """Estimated Jaccard similarity (MinHash) above which two problems are near-duplicates."""
+    dedup_threshold: float = 0.9
+    """Jaccard similarity (MinHash, word 3-grams; numbers count) from which a question is a
+    near-duplicate of an earlier one (template problems share most of their wording)."""
     decontaminate: bool = True
     """Drop problems near-duplicate to any eval benchmark's test split."""
+    contamination_threshold: float = 0.5
+    """Jaccard similarity from which a problem counts as a copy of a benchmark text."""
     samples: int = 8
     """Answers the student samples per problem for its pass rate."""
     band_low: float = 0.2
@@ -140,6 +143,7 @@ def validate_synthetic(params: SyntheticInput) -> None:
     if params.policy not in POLICIES:
         raise errors.ValidationError("input.policy", f"must be one of {', '.join(POLICIES)}")
     _check_range("dedup_threshold", params.dedup_threshold, 0.05, 1.0)
+    _check_range("contamination_threshold", params.contamination_threshold, 0.05, 1.0)
     _check_range("samples", params.samples, 1, 16)
     if not 0.0 <= params.band_low <= params.band_high <= 1.0:
         raise errors.ValidationError("input.band_low", "need 0 <= band_low <= band_high <= 1")
@@ -151,7 +155,7 @@ def validate_synthetic(params: SyntheticInput) -> None:
         key = pair.partition("=")[0]
         if "=" not in pair or not key:
             raise errors.ValidationError(f"input.sft_overrides[{i}]", "must be KEY=VALUE")
-        if key in ("init.parent", "sft.path", "data.path"):
+        if key in ("init.parent", "pairs.path"):
             raise errors.ValidationError(f"input.sft_overrides[{i}]", f"{key} is set by the workflow")
     _check_range("heldout_problems", params.heldout_problems, 1, 10_000)
     _check_range("gpus", params.gpus, 0, 64)

@@ -200,6 +200,7 @@ class SyntheticWorkflow:
             [
                 ("policy", params.policy),
                 ("dedup-threshold", repr(params.dedup_threshold)),
+                ("contamination-threshold", repr(params.contamination_threshold)),
                 ("decontaminate", "true" if params.decontaminate else "false"),
                 ("student", params.student_uri),
             ],

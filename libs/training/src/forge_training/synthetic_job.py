@@ -1,0 +1,175 @@
+"""The jobs of the synthetic-data workflow: one stage over the run's folder per call.
+
+The orchestrator's ``synthetic`` workflow (``services/orchestrator/.../synthetic/workflow.py``)
+submits each stage as a scheduler job (:class:`forge_kit.jobcmd.SyntheticStageCommand`); the
+stage reads and writes files in ``--work`` (the run's folder, shared with the orchestrator) and
+writes ``<stage>.json`` last, its summary, which the workflow reads back. A stage re-run over the
+same folder writes the same files.
+
+- ``curate``: ``problems.jsonl`` (the teacher's problems, :mod:`~forge_training.synthetic.problems`
+  format) → verified (:class:`~forge_training.synthetic.verify.Verifier`, ``--policy``), deduplicated
+  within the set and decontaminated against every eval benchmark's test split
+  (:mod:`~forge_training.synthetic.dedup`) → ``curated.jsonl`` and the student's prompts
+  ``prompts.jsonl`` (``{"id", "prompt"}``). An unreadable line is dropped with its reason.
+- ``band``: ``curated.jsonl`` and the student's samples ``samples.jsonl`` (written by the
+  workflow's sampling activity through the platform) → pass rates, their histogram and the band
+  ``[--low, --high]`` (:mod:`~forge_training.synthetic.difficulty`, with a student that replays the
+  recorded samples); a non-empty band is written as the versioned dataset
+  (:mod:`~forge_training.synthetic.dataset`: token shards, the SFT file, content hash, lineage).
+- ``heldout``: problems of ``--templates`` (held out of training; the programmatic writer, so
+  their answers are exact) answered greedily by ``--base`` and ``--tuned``: accuracy with its
+  Wilson interval for each, and the paired difference with its bootstrap interval.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from forge_training.synthetic.problems import Problem
+
+MAX_LINE_CHARS = 64 * 1024
+
+
+def _write(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` atomically (temporary name, then rename)."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def _summary(work: Path, stage: str, data: dict[str, Any]) -> None:
+    _write(work / f"{stage}.json", json.dumps(data, indent=2, sort_keys=True))
+
+
+def read_problems(path: Path) -> tuple[list[Problem], dict[str, int]]:
+    """The problems of a JSON-lines file; lines that are not problems are counted by reason."""
+    problems: list[Problem] = []
+    bad: dict[str, int] = {}
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        try:
+            if len(line) > MAX_LINE_CHARS:
+                raise ValueError("line too long")
+            problems.append(Problem.from_json(json.loads(line)))
+        except (ValueError, TypeError) as exc:
+            reason = f"unreadable: {type(exc).__name__}"
+            bad[reason] = bad.get(reason, 0) + 1
+    return problems, bad
+
+
+def default_tasks_dir() -> Path:
+    """The eval service's task files: ``$FORGE_EVAL_TASKS_DIR``, else the checkout's."""
+    configured = os.environ.get("FORGE_EVAL_TASKS_DIR", "")
+    if configured:
+        return Path(configured)
+    return Path(__file__).resolve().parents[4] / "services" / "eval" / "src" / "forge_eval" / "tasks"
+
+
+# --- curate --------------------------------------------------------------------------------------
+
+
+def curate(work: Path, args: argparse.Namespace) -> dict[str, Any]:
+    from forge_kit.paths import data_path
+    from forge_training.synthetic.dedup import Decontaminator, benchmark_sources, dedup
+    from forge_training.synthetic.difficulty import student_prompt
+    from forge_training.synthetic.verify import Verifier
+
+    problems, unreadable = read_problems(work / "problems.jsonl")
+    report = Verifier(args.policy).verify(problems)
+    decontaminator = None
+    skipped: dict[str, str] = {}
+    if args.decontaminate == "true":
+        sources, skipped = benchmark_sources(Path(args.eval_tasks or default_tasks_dir()), data_path())
+        decontaminator = Decontaminator(sources, threshold=args.contamination_threshold)
+    deduped = dedup(report.kept, decontaminator, within_threshold=args.dedup_threshold)
+    rows = [
+        {"problem": v.problem.to_json(), "answer": v.answer, "solutions": [s.text for s in v.solutions]}
+        for v in deduped.kept
+    ]
+    _write(work / "curated.jsonl", "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows))
+    prompts = [{"id": v.problem.id, "prompt": student_prompt(v.problem.question)} for v in deduped.kept]
+    _write(work / "prompts.jsonl", "".join(json.dumps(p) + "\n" for p in prompts))
+    verify_counts = report.counts()
+    if unreadable:
+        verify_counts["unreadable"] = unreadable
+    examples = [{"id": d.problem.id, "reason": d.reason} for d in report.dropped[:20]]
+    examples += [{"id": v.problem.id, "reason": why} for v, why in deduped.removed[:20]]
+    return {
+        "verify": verify_counts,
+        "dedup": {**deduped.counts(), "decontaminated_against": sorted(decontaminator.indexes) if decontaminator else [],
+                  "skipped_tasks": skipped},
+        "kept": len(deduped.kept),
+        "removed_examples": examples,
+    }  # fmt: skip
+
+
+# --- held-out evaluation -------------------------------------------------------------------------
+
+
+def heldout(work: Path, args: argparse.Namespace) -> dict[str, Any]:
+    from forge_kit.stats import paired_compare, wilson_interval
+    from forge_training.synthetic.difficulty import HFStudent, student_prompt
+    from forge_training.synthetic.problems import ProgrammaticTeacher, templates
+    from forge_training.synthetic.verify import grade
+
+    chosen = templates([t for t in args.templates.split(",") if t])
+    writer = ProgrammaticTeacher(seed=args.seed, error_rate=0.0)
+    problems = [writer.write(chosen[i % len(chosen)], i, 1) for i in range(args.problems)]
+    prompts = [student_prompt(p.question) for p in problems]
+    out: dict[str, Any] = {"problems": len(problems), "templates": [t.id for t in chosen]}
+    scores: dict[str, list[float]] = {}
+    for side in ("base", "tuned"):
+        student = HFStudent(getattr(args, side), max_new_tokens=args.max_new_tokens, temperature=0.0)
+        answers = student.sample(prompts, 1)
+        scores[side] = [float(grade(a[0], p.reference)) for a, p in zip(answers, problems, strict=True)]
+        right = sum(scores[side])
+        low, high = wilson_interval(right, len(problems))
+        out[side] = {"accuracy": right / len(problems), "ci95": [low, high], "n": len(problems)}
+    compared = paired_compare(scores["base"], scores["tuned"])
+    out["delta"] = {"value": compared.delta, "ci95": [compared.ci_low, compared.ci_high]}
+    return out
+
+
+STAGES = {"curate": curate, "heldout": heldout}
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="One stage of the synthetic-data workflow.")
+    parser.add_argument("stage", choices=["curate", "band", "heldout"])
+    parser.add_argument("--work", required=True, help="The run's folder (shared with the orchestrator).")
+    parser.add_argument("--policy", default="majority", choices=["majority", "drop"])
+    parser.add_argument("--dedup-threshold", type=float, default=0.9)
+    parser.add_argument("--contamination-threshold", type=float, default=0.5)
+    parser.add_argument("--decontaminate", default="true", choices=["true", "false"])
+    parser.add_argument(
+        "--eval-tasks", default="", help="The eval service's task folder (default: the checkout's)."
+    )
+    parser.add_argument(
+        "--student", default="", help="The student's checkpoint (its tokenizer writes the shards)."
+    )
+    parser.add_argument("--low", type=float, default=0.2)
+    parser.add_argument("--high", type=float, default=0.8)
+    parser.add_argument("--base", default="")
+    parser.add_argument("--tuned", default="")
+    parser.add_argument("--templates", default="")
+    parser.add_argument("--problems", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    args = parser.parse_args(argv)
+    work = Path(args.work)
+    if not work.is_dir():
+        sys.exit(f"--work {work} is not a folder")
+    summary = STAGES[args.stage](work, args)
+    _summary(work, args.stage, summary)
+    print(json.dumps({k: v for k, v in summary.items() if k != "removed_examples"}, sort_keys=True))
+
+
+if __name__ == "__main__":
+    main()
