@@ -77,8 +77,9 @@ def default_tasks_dir() -> Path:
 
 def curate(work: Path, args: argparse.Namespace) -> dict[str, Any]:
     from forge_kit.paths import data_path
+    from forge_training.synthetic.dataset import problems_jsonl
     from forge_training.synthetic.dedup import Decontaminator, benchmark_sources, dedup
-    from forge_training.synthetic.difficulty import student_prompt
+    from forge_training.synthetic.difficulty import prompt_of
     from forge_training.synthetic.verify import Verifier
 
     problems, unreadable = read_problems(work / "problems.jsonl")
@@ -89,12 +90,8 @@ def curate(work: Path, args: argparse.Namespace) -> dict[str, Any]:
         sources, skipped = benchmark_sources(Path(args.eval_tasks or default_tasks_dir()), data_path())
         decontaminator = Decontaminator(sources, threshold=args.contamination_threshold)
     deduped = dedup(report.kept, decontaminator, within_threshold=args.dedup_threshold)
-    rows = [
-        {"problem": v.problem.to_json(), "answer": v.answer, "solutions": [s.text for s in v.solutions]}
-        for v in deduped.kept
-    ]
-    _write(work / "curated.jsonl", "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows))
-    prompts = [{"id": v.problem.id, "prompt": student_prompt(v.problem.question)} for v in deduped.kept]
+    _write(work / "curated.jsonl", problems_jsonl(deduped.kept))
+    prompts = [{"id": v.problem.id, "prompt": prompt_of(v.problem.question)} for v in deduped.kept]
     _write(work / "prompts.jsonl", "".join(json.dumps(p) + "\n" for p in prompts))
     verify_counts = report.counts()
     if unreadable:
@@ -110,34 +107,143 @@ def curate(work: Path, args: argparse.Namespace) -> dict[str, Any]:
     }  # fmt: skip
 
 
+# --- band and dataset ----------------------------------------------------------------------------
+
+
+class RecordedStudent:
+    """The :class:`~forge_training.synthetic.difficulty.Student` whose answers were sampled through
+    the platform (the workflow's sampling activity, at the student's OpenAI-compatible endpoint)
+    and recorded in ``samples.jsonl``: it replays them, prompt by prompt."""
+
+    def __init__(self, name: str, recorded: dict[str, list[str]]) -> None:
+        self.name = name
+        self._recorded = recorded
+
+    def sample(
+        self, prompts: Sequence[str], n: int, *, temperature: float, max_new_tokens: int, seed: int
+    ) -> list[list[str]]:
+        out = []
+        for prompt in prompts:
+            got = self._recorded[prompt]
+            if len(got) != n:
+                raise ValueError(f"{len(got)} recorded samples of a prompt, {n} asked for")
+            out.append(list(got))
+        return out
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    data = json.loads(path.read_text())
+    return data if isinstance(data, dict) else {}
+
+
+def read_curated(path: Path) -> list[Any]:
+    """The verified problems ``curate`` kept (:func:`~forge_training.synthetic.dataset.problem_record` rows)."""
+    from forge_training.synthetic.verify import Verified
+
+    items = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            problem = Problem.from_json(row)
+            kept = set(row["kept_solutions"])
+            solutions = tuple(s for s in problem.solutions if s.text in kept)
+            items.append(Verified(problem, str(row["answer"]), solutions, ()))
+    return items
+
+
+def band(work: Path, args: argparse.Namespace) -> dict[str, Any]:
+    from tokenizers import Tokenizer
+
+    from forge_training.synthetic.dataset import LINEAGE_FILE, write_dataset
+    from forge_training.synthetic.difficulty import EmptyBandError, band_filter, pass_rates, prompt_of
+
+    items = read_curated(work / "curated.jsonl")
+    samples: dict[str, list[str]] = {}
+    for line in (work / "samples.jsonl").read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            samples[str(row["id"])] = [str(c) for c in row["completions"]]
+    # A problem the student could not be asked (refused by its endpoint) has no pass rate.
+    sampled = [v for v in items if v.problem.id in samples]
+    n = len(samples[sampled[0].problem.id]) if sampled else 0
+    counts: dict[str, Any] = {"in": len(items), "unsampled": len(items) - len(sampled), "samples": n}
+    if not sampled:
+        return {"histogram": {}, "counts": {**counts, "kept": 0}, "dataset": {}}
+    student = RecordedStudent(
+        args.student, {prompt_of(v.problem.question): samples[v.problem.id] for v in sampled}
+    )
+    rates = pass_rates(student, sampled, n, temperature=1.0, max_new_tokens=0, seed=0)
+    try:
+        result = band_filter(sampled, rates, args.low, args.high)
+    except EmptyBandError as exc:
+        below = sum(r < args.low for r in rates)
+        return {
+            "histogram": exc.histogram,
+            "counts": {**counts, "kept": 0, "below_band": below, "above_band": len(rates) - below},
+            "dataset": {},
+        }
+    lineage = {
+        "run": _read_json(work / "run.json"),
+        "stages": {
+            "generate": _read_json(work / "generate.json"),
+            "curate": {k: v for k, v in _read_json(work / "curate.json").items() if k != "removed_examples"},
+            "student": _read_json(work / "sample.json"),
+            "band": {**counts, **result.counts()},
+        },
+    }
+    tokenizer = Tokenizer.from_file(str(Path(args.student) / "tokenizer.json"))
+    written = write_dataset(work / "dataset", result.kept, lineage, tokenizer=tokenizer)
+    return {
+        "histogram": result.histogram,
+        "counts": {**counts, **{k: v for k, v in result.counts().items() if k != "histogram"}},
+        "dataset": {
+            "uri": str(written.root),
+            "content_hash": written.content_hash,
+            "problems": written.problems,
+            "sft_rows": written.sft_rows,
+            "tokens": written.tokens,
+            "lineage": str(written.root / LINEAGE_FILE),
+        },
+        "sft_overrides": [f"pairs.path={written.root / 'sft.jsonl'}"],
+    }
+
+
 # --- held-out evaluation -------------------------------------------------------------------------
 
 
 def heldout(work: Path, args: argparse.Namespace) -> dict[str, Any]:
     from forge_kit.stats import paired_compare, wilson_interval
-    from forge_training.synthetic.difficulty import HFStudent, student_prompt
+    from forge_training.synthetic.difficulty import HFStudent, prompt_of
     from forge_training.synthetic.problems import ProgrammaticTeacher, templates
     from forge_training.synthetic.verify import grade
 
     chosen = templates([t for t in args.templates.split(",") if t])
     writer = ProgrammaticTeacher(seed=args.seed, error_rate=0.0)
     problems = [writer.write(chosen[i % len(chosen)], i, 1) for i in range(args.problems)]
-    prompts = [student_prompt(p.question) for p in problems]
+    prompts = [prompt_of(p.question) for p in problems]
     out: dict[str, Any] = {"problems": len(problems), "templates": [t.id for t in chosen]}
     scores: dict[str, list[float]] = {}
     for side in ("base", "tuned"):
-        student = HFStudent(getattr(args, side), max_new_tokens=args.max_new_tokens, temperature=0.0)
-        answers = student.sample(prompts, 1)
+        student = HFStudent(Path(getattr(args, side)))
+        answers = student.sample(
+            prompts, 1, temperature=0.0, max_new_tokens=args.max_new_tokens, seed=args.seed
+        )
         scores[side] = [float(grade(a[0], p.reference)) for a, p in zip(answers, problems, strict=True)]
         right = sum(scores[side])
         low, high = wilson_interval(right, len(problems))
-        out[side] = {"accuracy": right / len(problems), "ci95": [low, high], "n": len(problems)}
+        out[side] = {
+            "accuracy": right / len(problems),
+            "ci95": [round(low, 6), round(high, 6)],
+            "n": len(problems),
+        }
     compared = paired_compare(scores["base"], scores["tuned"])
     out["delta"] = {"value": compared.delta, "ci95": [compared.ci_low, compared.ci_high]}
     return out
 
 
-STAGES = {"curate": curate, "heldout": heldout}
+STAGES = {"curate": curate, "band": band, "heldout": heldout}
 
 
 def main(argv: Sequence[str] | None = None) -> None:

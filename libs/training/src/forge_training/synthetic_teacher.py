@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hmac
 import time
 import uuid
@@ -63,8 +64,8 @@ def answer(teacher: ProgrammaticTeacher, content: str, n: int) -> list[str]:
     name, seed, number = _split_id(problem.id)
     if name not in TEMPLATES or seed != teacher.seed or number is None:
         raise _bad(f"problem.id {problem.id[:80]!r} is not a problem this teacher wrote")
-    written = teacher.write(TEMPLATES[name], number, n)
-    return [tp.solution_answer(tp.TeacherSolution(s.text, s.program or None)) for s in written.solutions]
+    solved = teacher.write(TEMPLATES[name], number, n)
+    return [tp.solution_answer(tp.TeacherSolution(s.text, s.program or None)) for s in solved.solutions]
 
 
 def _split_id(problem_id: str) -> tuple[str, int | None, int | None]:
@@ -106,7 +107,9 @@ def build_app(teacher: ProgrammaticTeacher, *, model: str = DEFAULT_MODEL, token
             raise errors.ValidationError("body", "is not JSON") from None
         body = parse(ChatCompletionBody, raw)
         if body.model != model:
-            return openai_error(404, f"model {body.model!r} is not served here (only {model!r})", code="model_not_found")
+            return openai_error(
+                404, f"model {body.model!r} is not served here (only {model!r})", code="model_not_found"
+            )
         if body.stream:
             raise errors.UnsupportedParameterError("stream", "is not supported by the teacher")
         users = [i for i, m in enumerate(body.messages) if m.role == "user"]
@@ -148,13 +151,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=8071)
     parser.add_argument("--model", default=DEFAULT_MODEL, help="The model name it answers to.")
     parser.add_argument("--seed", type=int, default=0, help="The teacher's seed (problem ids carry it).")
-    parser.add_argument("--error-rate", type=float, default=0.2, help="Share of solutions with a planted error.")
+    parser.add_argument(
+        "--error-rate", type=float, default=0.2, help="Share of solutions with a planted error."
+    )
     parser.add_argument("--token-file", default="", help="File holding the bearer token requests must carry.")
     args = parser.parse_args(argv)
-    try:
+    with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(_serve(args))
-    except KeyboardInterrupt:
-        pass
 
 
 if __name__ == "__main__":

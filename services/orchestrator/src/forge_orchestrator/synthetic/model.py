@@ -60,7 +60,7 @@ class SyntheticInput:
     """Problems whose pass rate lies in [band_low, band_high] are kept."""
     student_max_tokens: int = 96
     student_temperature: float = 1.0
-    recipe: str = "sft_synthetic"
+    recipe: str = "sft_hh"
     """The SFT recipe (the training catalogue's); its data path and parent are set by the workflow."""
     sft_overrides: list[str] = field(default_factory=list)
     heldout_problems: int = 32

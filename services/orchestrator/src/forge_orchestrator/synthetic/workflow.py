@@ -166,6 +166,8 @@ class SyntheticWorkflow:
             TrackInput(wid, name=f"synthetic-{wid}", params={k: str(v) for k, v in params_view.items()}),
         )
         result.run_id, result.run_url = run.get("run_id", ""), run.get("url", "")
+        # The run's parameters beside its files: the dataset's lineage starts from them.
+        await self._act(SyntheticActivities.write_summary, WriteInput(join(work, "run.json"), params_view))
         # 2. Generate.
         self._step = "generate (teacher)"
         generated: GenerateResult = await self._act(
