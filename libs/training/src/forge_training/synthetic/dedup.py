@@ -79,7 +79,7 @@ def _records(path: Path, ds: Mapping[str, Any]) -> Iterator[dict[str, Any]]:
     elif fmt == "csv":
         columns = list(ds.get("columns") or [])
         for row in csv.reader(io.StringIO(text)):
-            yield dict(zip(columns, row, strict=False)) if columns else dict(enumerate(row))
+            yield dict(zip(columns, row, strict=False)) if columns else {str(i): v for i, v in enumerate(row)}
     else:
         raise ValueError(f"{path}: format {fmt!r} is not read for decontamination")
 
