@@ -463,7 +463,9 @@ def _run_steps(steps: Sequence[Step], slip: tuple[int, int] | None) -> list[tupl
     for i, step in enumerate(steps):
         phrase, expr, value = step(values)
         if slip is not None and slip[0] == i:
-            value += slip[1]
+            value = (
+                value + slip[1] if value + slip[1] != 0 else value - slip[1]
+            )  # never 0: a later step may divide
         values.append(value)
         out.append((phrase, expr, value))
     return out
