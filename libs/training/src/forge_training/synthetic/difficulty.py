@@ -32,7 +32,9 @@ class Student(Protocol):
     """The model being taught. Called by :func:`pass_rates` (and the workflow's difficulty
     activity) with a batch of prompts; returns ``n`` completions per prompt, in prompt order."""
 
-    name: str
+    @property
+    def name(self) -> str:
+        """What the lineage records as the student."""
 
     def sample(
         self, prompts: Sequence[str], n: int, *, temperature: float, max_new_tokens: int, seed: int

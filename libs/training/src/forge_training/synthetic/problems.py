@@ -385,7 +385,9 @@ class Teacher(Protocol):
     the synthetic-data workflow's generate activity) once per problem; ``index`` makes the call
     deterministic where the teacher can be. Raises :class:`TeacherError` for unusable output."""
 
-    name: str
+    @property
+    def name(self) -> str:
+        """What the lineage records as the teacher."""
 
     def write(self, template: Template, index: int, k: int) -> Problem: ...
 
