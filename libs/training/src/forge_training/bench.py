@@ -1,7 +1,8 @@
 """``forge bench train [--nanogpt-dir PATH] --out DIR``: the training benchmarks (quality against nanoGPT, DDP speed-up);
 ``forge bench recipes --out DIR``: the post-training recipes on the shared data (see
 :func:`recipes_bench`); ``forge bench sweep --space FILE --out DIR``: ASHA against the full grid
-(:mod:`forge_training.sweep_bench`).
+(:mod:`forge_training.sweep_bench`); ``forge bench synthetic --out DIR``: difficulty-filtered
+synthetic data against unfiltered at equal tokens (:mod:`forge_training.synthetic.bench`).
 
 Writes ``DIR/summary.json``::
 
@@ -45,6 +46,7 @@ from forge_kit.paths import resolve_data_path
 from forge_training import recipes, schema
 from forge_training.launch import run_group, run_group_sequence
 from forge_training.sweep_bench import sweep as sweep_bench
+from forge_training.synthetic.bench import synthetic as synthetic_bench
 from forge_training.train import RunContext, TrainResult, pretrain
 from forge_training.train import train as run_training
 
@@ -57,6 +59,7 @@ def bench() -> None:
 
 
 app.command("sweep")(sweep_bench)
+app.command("synthetic")(synthetic_bench)
 
 
 def _recipe(corpus: Path, **overrides: Any) -> schema.TrainConfig:
@@ -311,3 +314,7 @@ def recipes_bench(
         entry.pop("export_dir")
     (out / "recipes.json").write_text(json.dumps(summary, indent=2))
     typer.echo(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    app()
