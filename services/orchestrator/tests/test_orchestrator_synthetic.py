@@ -263,6 +263,9 @@ async def test_a_tiny_run_generates_verifies_filters_versions_trains_and_evaluat
     assert 0 < generated["problems"] <= 12 and result.teacher["failed_calls"] == 0
     verify, dedup, band = result.stages["verify"], result.stages["dedup"], result.stages["band"]
     print(json.dumps({"verify": verify, "dedup": dedup, "band": band, "histogram": result.histogram}))
+    # The teacher planted errors (error rate 0.3): the verifier caught some solutions.
+    assert sum(n for status, n in verify["solutions_by_status"].items() if status != "ok") > 0
+    assert verify["problems"] == generated["problems"] and dedup["in"] == verify["kept"]
     assert sum(result.histogram.values()) == result.stages["student"]["sampled"] > 0
     assert band["kept"] > 0
     dataset = result.dataset

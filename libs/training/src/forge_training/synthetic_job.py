@@ -64,19 +64,12 @@ def read_problems(path: Path) -> tuple[list[Problem], dict[str, int]]:
     return problems, bad
 
 
-def default_tasks_dir() -> Path:
-    """The eval service's task files: ``$FORGE_EVAL_TASKS_DIR``, else the checkout's."""
-    configured = os.environ.get("FORGE_EVAL_TASKS_DIR", "")
-    if configured:
-        return Path(configured)
-    return Path(__file__).resolve().parents[4] / "services" / "eval" / "src" / "forge_eval" / "tasks"
-
-
 # --- curate --------------------------------------------------------------------------------------
 
 
 def curate(work: Path, args: argparse.Namespace) -> dict[str, Any]:
     from forge_kit.paths import data_path
+    from forge_training.synthetic.bench import default_tasks_dir
     from forge_training.synthetic.dataset import problems_jsonl
     from forge_training.synthetic.dedup import Decontaminator, benchmark_sources, dedup
     from forge_training.synthetic.difficulty import prompt_of
