@@ -13,6 +13,8 @@ for the SFT job, the published checkpoint.
 - ``test_an_empty_band_ends_the_run_with_the_histogram``: the random student solves nothing, so
   the [0.2, 0.8] band is empty: the run ends ``empty_band`` with a clear message and the pass-rate
   histogram (in the result and in MLflow), and no SFT job is submitted;
+- ``test_the_recorded_empty_band_history_replays``: a history recorded by the empty-band test
+  (``FORGE_RECORD_HISTORIES=1``) replays against the current workflow code;
 - ``test_a_teacher_that_answers_garbage_ends_the_run_with_the_counts``: every teacher answer is
   malformed JSON: the calls are retried and counted, and the run ends ``no_problems`` — it does
   not crash, and no job is submitted.
@@ -33,7 +35,7 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from forge.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
-from temporalio.client import Client, WorkflowHandle
+from temporalio.client import Client, WorkflowHandle, WorkflowHistory
 from temporalio.service import RPCError
 from temporalio.worker import Replayer
 
@@ -52,6 +54,7 @@ from forge_training.synthetic.problems import ProgrammaticTeacher
 from forge_training.synthetic_teacher import build_app
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio, pytest.mark.timeout(900)]
+HISTORIES = Path(__file__).parent / "histories"
 SCHEDULER_TOKEN = "scheduler-test-token"  # the session scheduler's token (conftest)
 STUDENT_TOKEN = "student-test-token"
 MATH = (
@@ -205,7 +208,12 @@ async def run_workflow(
                 serving.cancel()
             progress = await handle.query(PROGRESS_QUERY)
             assert progress["step"] == f"done: {result.outcome}"
-        await Replayer(workflows=list(SYNTHETIC_WORKFLOWS)).replay_workflow(await handle.fetch_history())
+        history = await handle.fetch_history()
+        await Replayer(workflows=list(SYNTHETIC_WORKFLOWS)).replay_workflow(history)
+        if os.environ.get("FORGE_RECORD_HISTORIES") == "1":
+            (HISTORIES / f"synthetic-{params.band_low:g}-{params.band_high:g}.json").write_text(
+                history.to_json()
+            )
     finally:
         await scheduler_acts.close()
     return result, workflow_id, agent
@@ -333,3 +341,17 @@ async def test_a_teacher_that_answers_garbage_ends_the_run_with_the_counts(
     assert result.teacher["malformed"] == 2 == len(calls) and result.teacher["failed_calls"] == 1
     assert "the teacher gave no usable problem" in result.message and "malformed answer" in result.message
     assert mlflow_run(tracker, workflow_id).tags["forge.outcome"] == "no_problems"
+
+
+async def test_the_recorded_empty_band_history_replays() -> None:
+    data = json.loads((HISTORIES / "synthetic-empty-band.json").read_text())
+    # Child workflow ids derive from the workflow's: replay under the id it was recorded with.
+    child = next(
+        e["startChildWorkflowExecutionInitiatedEventAttributes"]["workflowId"]
+        for e in data["events"]
+        if "startChildWorkflowExecutionInitiatedEventAttributes" in e
+    )
+    history = WorkflowHistory.from_json(child.removesuffix("-curate"), data)
+    assert len(history.events) > 30  # tracking, the teacher, two stage jobs, the student, the record
+    result = await Replayer(workflows=list(SYNTHETIC_WORKFLOWS)).replay_workflow(history)
+    assert result.replay_failure is None

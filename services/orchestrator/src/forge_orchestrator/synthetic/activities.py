@@ -14,8 +14,10 @@ with; an input that names another endpoint is called without one.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
+from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
@@ -134,6 +136,29 @@ class Endpoint:
         return self.token if url.rstrip("/") == self.url.rstrip("/") else ""
 
 
+HEARTBEAT_S = 30.0
+
+
+@contextlib.asynccontextmanager
+async def heartbeating(every_s: float = HEARTBEAT_S) -> AsyncIterator[None]:
+    """Heartbeat every ``every_s`` while the body runs: a slow teacher or student (long timeouts,
+    Retry-After waits) never looks like a dead worker, and a dead worker is seen within the
+    workflow's heartbeat timeout."""
+
+    async def beat() -> None:
+        while True:
+            activity.heartbeat()
+            await asyncio.sleep(every_s)
+
+    task = asyncio.create_task(beat())
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
 def _seed(*parts: object) -> int:
     digest = hashlib.sha256(":".join(str(p) for p in parts).encode()).digest()
     return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
@@ -215,11 +240,11 @@ class SyntheticActivities:
                 for problem in found:
                     async with limit:
                         solutions = await client.solutions(problem, params.k, _seed(params.seed, problem.id))
-                    activity.heartbeat(problem.id)
                     rows.append(_record(template, batch, problem, solutions))
                 return rows
 
-            batches = await asyncio.gather(*(one(*call) for call in calls))
+            async with heartbeating():
+                batches = await asyncio.gather(*(one(*call) for call in calls))
         rows = [row for batch in batches for row in batch]
         kept = [row for row in rows if row["solutions"]]
         body = "".join(json.dumps(row, sort_keys=True) + "\n" for row in kept).encode()
@@ -284,7 +309,6 @@ class SyntheticActivities:
                         ) from None
                     failed[reason] = failed.get(reason, 0) + 1
                     return None
-            activity.heartbeat(row["id"])
             texts = [c.text or "" for c in sorted(reply.choices, key=lambda c: c.index)]
             if len(texts) != params.n:
                 failed["wrong_choice_count"] = failed.get("wrong_choice_count", 0) + 1
@@ -292,7 +316,8 @@ class SyntheticActivities:
             return {"id": row["id"], "completions": texts}
 
         try:
-            results = await asyncio.gather(*(one(row) for row in prompts))
+            async with heartbeating():
+                results = await asyncio.gather(*(one(row) for row in prompts))
         finally:
             await client.close()
         rows = [r for r in results if r is not None]

@@ -63,7 +63,7 @@ with workflow.unsafe.imports_passed_through():
 
 __all__ = ["SYNTHETIC_WORKFLOWS", "SyntheticInput", "SyntheticResult", "SyntheticWorkflow"]
 
-#: The teacher and the student may take long; their activities heartbeat at every problem.
+#: The teacher and the student may take long; their activities heartbeat every 30 s while they run.
 LONG_ACTIVITY = timedelta(hours=6)
 HEARTBEAT = timedelta(minutes=5)
 #: Tracking outwaits an MLflow server that is away (as the sweep's does), within a bound.
