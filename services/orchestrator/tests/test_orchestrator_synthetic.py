@@ -288,7 +288,7 @@ async def test_a_tiny_run_generates_verifies_filters_versions_trains_and_evaluat
     assert run.tags["forge.dataset_hash"] == dataset["content_hash"]
     assert run.params["problems"] == "12" and run.metrics["stage/band/kept"] == band["kept"]
     artifacts = tracker.list_artifacts(run.run_id)
-    assert "summary.json" in artifacts and "lineage.json" in artifacts
+    assert {"summary.json", "lineage.json", "pass_rates.png"} <= set(artifacts)
     assert result.run_id == run.run_id and result.run_url.endswith(run.run_id)
 
 
@@ -317,6 +317,7 @@ async def test_an_empty_band_ends_the_run_with_the_histogram(
     run = mlflow_run(tracker, workflow_id)
     assert run.status == "FINISHED" and run.tags["forge.outcome"] == "empty_band"
     assert "pass-rate histogram" in run.tags["forge.reason"]
+    assert {"summary.json", "pass_rates.png"} <= set(tracker.list_artifacts(run.run_id))
     assert sum(v for k, v in run.metrics.items() if k.startswith("pass_rate/")) == sum(
         result.histogram.values()
     )

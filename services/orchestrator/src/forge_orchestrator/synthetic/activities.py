@@ -17,8 +17,10 @@ import asyncio
 import contextlib
 import hashlib
 import json
+import tempfile
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 import openai
@@ -105,6 +107,9 @@ class TrackInput:
     """Files to upload (paths on this host)."""
     status: str = ""
     """``FINISHED``, ``FAILED`` or ``KILLED`` closes the run; empty leaves it open."""
+    histogram: dict[str, int] = field(default_factory=dict)
+    """Problems per pass-rate bin: drawn as the artifact ``pass_rates.png`` (with the band)."""
+    band: list[float] = field(default_factory=list)
 
 
 class Tracker(Protocol):
@@ -386,6 +391,11 @@ class SyntheticActivities:
                 tracker.log_metrics(run_id, 0, dict(params.metrics))
             for path in params.artifacts:
                 tracker.log_artifact(run_id, path)
+            if params.histogram:
+                with tempfile.TemporaryDirectory() as folder:
+                    chart = Path(folder) / "pass_rates.png"
+                    draw_histogram(params.histogram, params.band, chart, params.workflow_id)
+                    tracker.log_artifact(run_id, str(chart))
             if params.status:
                 tracker.set_terminated(run_id, params.status)
             return {"run_id": run_id, "url": tracker.run_url(run_id)}
@@ -394,6 +404,27 @@ class SyntheticActivities:
 
     def methods(self) -> list[Any]:
         return [self.generate, self.sample_student, self.read_summary, self.write_summary, self.track]
+
+
+def draw_histogram(histogram: dict[str, int], band: list[float], path: Path, title: str) -> None:
+    """A bar per pass-rate bin, the band's bounds as dashed lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(7, 4), dpi=100)
+    axes = figure.subplots()
+    lows = [float(label.split("-")[0]) for label in histogram]
+    width = (lows[1] - lows[0]) if len(lows) > 1 else 1.0
+    axes.bar(lows, list(histogram.values()), width=width * 0.9, align="edge")
+    for bound in band:
+        axes.axvline(bound, color="grey", linestyle="--")
+    axes.set_xlabel("student pass rate")
+    axes.set_ylabel("problems")
+    axes.set_title(f"pass rates: {title}"[:80])
+    figure.tight_layout()
+    figure.savefig(path)
 
 
 def _record(

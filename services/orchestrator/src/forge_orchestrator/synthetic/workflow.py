@@ -337,6 +337,8 @@ class SyntheticWorkflow:
                 tags=tags,
                 artifacts=artifacts,
                 status="FINISHED",
+                histogram=result.histogram,
+                band=[params.band_low, params.band_high],
             ),
         )
         self._step = f"done: {outcome}"
