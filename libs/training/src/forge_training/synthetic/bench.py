@@ -73,8 +73,9 @@ class BenchConfig:
     max_new_tokens: int = 64
     hidden_size: int = 96
     num_layers: int = 3
-    seq_len: int = 128
-    vocab_size: int = 512
+    seq_len: int = 192
+    sft_seq_len: int = 256
+    vocab_size: int = 260
     batch: int = 16
     sft_lr: float = 5e-4
 
@@ -263,7 +264,7 @@ def run_bench(cfg: BenchConfig, out: Path, tasks_dir: Path, log: Any = print) ->
         model, figures = _train(
             "sft_hh",
             {
-                "init.parent": student_dir, "pairs.path": path, "data.seq_len": cfg.seq_len,
+                "init.parent": student_dir, "pairs.path": path, "data.seq_len": cfg.sft_seq_len,
                 "data.val_fraction": 0.02, "global_batch_size": cfg.batch, "micro_batch_size": cfg.batch,
                 "max_steps": steps, "optim.lr": cfg.sft_lr, "optim.min_lr": cfg.sft_lr / 10,
                 "optim.warmup_steps": min(10, steps), "eval_interval": steps, "eval_batches": 1,
