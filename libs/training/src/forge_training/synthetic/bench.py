@@ -60,7 +60,7 @@ SUBSETS = ("unfiltered", "band", "easy", "hard")
 class BenchConfig:
     seed: int = 0
     pretrain_problems: int = 4000
-    pretrain_steps: int = 700
+    pretrain_steps: int = 600
     problems: int = 1200
     k: int = 4
     error_rate: float = 0.2
@@ -68,7 +68,7 @@ class BenchConfig:
     samples: int = 8
     lo: float = 0.2
     hi: float = 0.8
-    sft_tokens: int = 60_000
+    sft_tokens: int = 150_000
     held_out: int = 1200
     max_new_tokens: int = 64
     hidden_size: int = 96
