@@ -267,7 +267,7 @@ def run_bench(cfg: BenchConfig, out: Path, tasks_dir: Path, log: Any = print) ->
                 "init.parent": student_dir, "pairs.path": path, "data.seq_len": cfg.sft_seq_len,
                 "data.val_fraction": 0.02, "global_batch_size": cfg.batch, "micro_batch_size": cfg.batch,
                 "max_steps": steps, "optim.lr": cfg.sft_lr, "optim.min_lr": cfg.sft_lr / 10,
-                "optim.warmup_steps": min(10, steps), "eval_interval": steps, "eval_batches": 1,
+                "optim.warmup_steps": min(10, steps - 1), "eval_interval": steps, "eval_batches": 1,
                 "log_interval": 50, "checkpoint.interval_steps": 0, "seed": cfg.seed,
             },
             work / "sft" / name / "run",
