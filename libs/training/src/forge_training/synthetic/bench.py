@@ -60,7 +60,7 @@ SUBSETS = ("unfiltered", "band", "easy", "hard")
 class BenchConfig:
     seed: int = 0
     pretrain_problems: int = 4000
-    pretrain_steps: int = 700
+    pretrain_steps: int = 600
     problems: int = 1200
     k: int = 4
     error_rate: float = 0.2
@@ -68,13 +68,14 @@ class BenchConfig:
     samples: int = 8
     lo: float = 0.2
     hi: float = 0.8
-    sft_tokens: int = 60_000
+    sft_tokens: int = 150_000
     held_out: int = 1200
     max_new_tokens: int = 64
     hidden_size: int = 96
     num_layers: int = 3
-    seq_len: int = 128
-    vocab_size: int = 512
+    seq_len: int = 192
+    sft_seq_len: int = 256
+    vocab_size: int = 260
     batch: int = 16
     sft_lr: float = 5e-4
 
@@ -263,10 +264,10 @@ def run_bench(cfg: BenchConfig, out: Path, tasks_dir: Path, log: Any = print) ->
         model, figures = _train(
             "sft_hh",
             {
-                "init.parent": student_dir, "pairs.path": path, "data.seq_len": cfg.seq_len,
+                "init.parent": student_dir, "pairs.path": path, "data.seq_len": cfg.sft_seq_len,
                 "data.val_fraction": 0.02, "global_batch_size": cfg.batch, "micro_batch_size": cfg.batch,
                 "max_steps": steps, "optim.lr": cfg.sft_lr, "optim.min_lr": cfg.sft_lr / 10,
-                "optim.warmup_steps": min(10, steps), "eval_interval": steps, "eval_batches": 1,
+                "optim.warmup_steps": min(10, steps - 1), "eval_interval": steps, "eval_batches": 1,
                 "log_interval": 50, "checkpoint.interval_steps": 0, "seed": cfg.seed,
             },
             work / "sft" / name / "run",

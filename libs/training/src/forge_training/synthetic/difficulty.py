@@ -48,16 +48,20 @@ def prompt_of(question: str) -> str:
 
 class HFStudent:
     """A local causal LM: prompts left-padded into batches of ``batch_size`` rows (prompts x n),
-    sampled at ``temperature`` (greedy at 0), stopped at end-of-text, one seed per batch."""
+    cut from the left to ``max_prompt_tokens``, sampled at ``temperature`` (greedy at 0), stopped
+    at end-of-text, one seed per batch."""
 
-    def __init__(self, path: Path, *, batch_size: int = 256, threads: int | None = None) -> None:
+    def __init__(
+        self, path: Path, *, batch_size: int = 256, max_prompt_tokens: int = 512, threads: int | None = None
+    ) -> None:
         self.name = str(path)
         self.tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path))
         self.tokenizer.padding_side = "left"
+        self.tokenizer.truncation_side = "left"  # a long prompt keeps its end (the question's ask)
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = EOT
         self.model = AutoModelForCausalLM.from_pretrained(str(path)).eval()
-        self.max_len = int(getattr(self.model.config, "max_position_embeddings", 2048))
+        self.max_prompt_tokens = max_prompt_tokens
         self.batch_size = batch_size
         if threads:
             torch.set_num_threads(threads)
@@ -77,7 +81,7 @@ class HFStudent:
                 return_tensors="pt",
                 padding=True,
                 truncation=True,
-                max_length=max(1, self.max_len - max_new_tokens),
+                max_length=self.max_prompt_tokens,
             )
             torch.manual_seed(seed * 1_000_003 + b)
             out = self.model.generate(

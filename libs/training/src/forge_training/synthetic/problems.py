@@ -395,13 +395,16 @@ class Teacher(Protocol):
 @dataclass(frozen=True)
 class ProgrammaticTeacher:
     """The programmatic teacher (see the module docstring); ``pot_rate``: the share of solutions
-    that carry a program-of-thought."""
+    that carry a program-of-thought; ``phrases``: each step line opens with its words
+    (``Walkers: 20*3/4 = <<20*3/4=15>>15.``) or, by default, is the calculation alone
+    (``20*3/4 = <<20*3/4=15>>15``: short enough for a tiny student)."""
 
     seed: int = 0
     error_rate: float = 0.2
     error_kinds: tuple[str, ...] = ERROR_KINDS
     pot_rate: float = 0.25
     levels: tuple[int, ...] = (1, 2, 3)
+    phrases: bool = False
     name: str = "programmatic-v1"
 
     def __post_init__(self) -> None:
@@ -437,7 +440,8 @@ class ProgrammaticTeacher:
         if planted == "arithmetic":
             steps = _run_steps(draft.steps, (r.randrange(len(draft.steps)), _slip(r)))
         lines = [
-            f"{phrase}: {expr} = <<{expr}={format_number(v)}>>{format_number(v)}."
+            f"{phrase + ': ' if self.phrases else ''}{expr} = <<{expr}={format_number(v)}>>{format_number(v)}"
+            + ("." if self.phrases else "")
             for phrase, expr, v in steps
         ]
         answer = format_number(steps[-1][2])
