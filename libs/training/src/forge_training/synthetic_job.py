@@ -219,7 +219,9 @@ def heldout(work: Path, args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"problems": len(problems), "templates": [t.id for t in chosen]}
     scores: dict[str, list[float]] = {}
     for side in ("base", "tuned"):
-        student = HFStudent(Path(getattr(args, side)))
+        folder = Path(getattr(args, side))
+        context = int(json.loads((folder / "config.json").read_text()).get("max_position_embeddings", 2048))
+        student = HFStudent(folder, max_prompt_tokens=max(16, context - args.max_new_tokens))
         answers = student.sample(
             prompts, 1, temperature=0.0, max_new_tokens=args.max_new_tokens, seed=args.seed
         )
