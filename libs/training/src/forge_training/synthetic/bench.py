@@ -61,7 +61,7 @@ class BenchConfig:
     seed: int = 0
     pretrain_problems: int = 4000
     pretrain_steps: int = 600
-    problems: int = 1200
+    problems: int = 1000
     k: int = 4
     error_rate: float = 0.2
     pot_rate: float = 0.1
@@ -69,7 +69,7 @@ class BenchConfig:
     lo: float = 0.2
     hi: float = 0.8
     sft_tokens: int = 150_000
-    held_out: int = 1200
+    held_out: int = 1000
     max_new_tokens: int = 64
     hidden_size: int = 96
     num_layers: int = 3

@@ -147,7 +147,7 @@ def _n(v: Fraction) -> str:
 
 
 def _mag(level: int) -> int:
-    return {1: 9, 2: 40, 3: 400}.get(level, 9)
+    return {1: 5, 2: 15, 3: 60}.get(level, 5)
 
 
 _NAMES = ("Ana", "Ben", "Cara", "Dev", "Eli", "Fay", "Gus", "Hana", "Ivo", "Jun", "Kim", "Leo")
