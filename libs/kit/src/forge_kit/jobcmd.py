@@ -3,7 +3,8 @@
 A service that submits a job says *what* to run (:class:`TrainCommand`,
 :class:`PolicyCheckCommand`, :class:`RewardModelEvalCommand`) and gets the argument vector from here; none spells another
 package's module names or flags. The programs are the training library's
-(``forge_training.run``, ``forge_training.policy_check``, ``forge_training.rm_score``), installed beside the trainer agent;
+(``forge_training.run``, ``forge_training.policy_check``, ``forge_training.rm_score``,
+``forge_training.synthetic_job``), installed beside the trainer agent;
 its tests parse what these builders produce with the programs' own argument parsers.
 """
 
@@ -19,6 +20,9 @@ POLICY_CHECK_MODULE = "forge_training.policy_check"
 """``python -m`` module of an RLHF drift check (KL, proxy reward, held-out agreement)."""
 RM_SCORE_MODULE = "forge_training.rm_score"
 """``python -m`` module scoring preference pairs with a reward-model checkpoint."""
+SYNTHETIC_MODULE = "forge_training.synthetic_job"
+"""``python -m`` module of one stage of the synthetic-data workflow (curate, band, heldout)."""
+SYNTHETIC_STAGES = ("curate", "band", "heldout")
 
 _RECIPE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
@@ -150,3 +154,35 @@ class RewardModelEvalCommand:
             "--out",
             self.out,
         ]
+
+
+_OPTION = re.compile(r"^[a-z][a-z0-9-]{0,63}$")
+
+
+@dataclass(frozen=True)
+class SyntheticStageCommand:
+    """``python -m forge_training.synthetic_job STAGE --work DIR [--option value ...]``: one stage
+    of the synthetic-data workflow over the run's folder; writes ``DIR/<stage>.json``."""
+
+    stage: str
+    work: str
+    options: Sequence[tuple[str, str]] = field(default_factory=tuple)
+    """(option name without dashes, value) pairs, in order."""
+    python: str = "python"
+
+    def __post_init__(self) -> None:
+        if self.stage not in SYNTHETIC_STAGES:
+            raise JobCommandError(f"stage: must be one of {', '.join(SYNTHETIC_STAGES)}, got {self.stage!r}")
+        for name in ("work", "python"):
+            if not getattr(self, name):
+                raise JobCommandError(f"{name}: must not be empty")
+        object.__setattr__(self, "options", tuple((str(k), str(v)) for k, v in self.options))
+        for key, _ in self.options:
+            if not _OPTION.match(key):
+                raise JobCommandError(f"options: {key!r} is not an option name")
+
+    def argv(self) -> list[str]:
+        command = [self.python, "-m", SYNTHETIC_MODULE, self.stage, "--work", self.work]
+        for key, value in self.options:
+            command += [f"--{key}", value]
+        return command

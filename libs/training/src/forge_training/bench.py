@@ -3,6 +3,8 @@
 :func:`recipes_bench`); ``forge bench sweep --space FILE --out DIR``: ASHA against the full grid
 (:mod:`forge_training.sweep_bench`); ``forge bench vlm --out DIR``: the VLM curriculum against
 joint training (:mod:`forge_training.vlm_bench`).
+(:mod:`forge_training.sweep_bench`); ``forge bench synthetic --out DIR``: difficulty-filtered
+synthetic data against unfiltered at equal tokens (:mod:`forge_training.synthetic.bench`).
 
 Writes ``DIR/summary.json``::
 
@@ -47,6 +49,7 @@ from forge_training import recipes, schema
 from forge_training.cpt_bench import cpt as cpt_bench
 from forge_training.launch import run_group, run_group_sequence
 from forge_training.sweep_bench import sweep as sweep_bench
+from forge_training.synthetic.bench import synthetic as synthetic_bench
 from forge_training.train import RunContext, TrainResult, pretrain
 from forge_training.train import train as run_training
 from forge_training.vlm_bench import vlm as vlm_bench
@@ -62,6 +65,7 @@ def bench() -> None:
 app.command("sweep")(sweep_bench)
 app.command("vlm")(vlm_bench)
 app.command("cpt")(cpt_bench)
+app.command("synthetic")(synthetic_bench)
 
 
 def _recipe(corpus: Path, **overrides: Any) -> schema.TrainConfig:

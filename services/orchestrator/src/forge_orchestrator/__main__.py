@@ -30,6 +30,7 @@ from forge_orchestrator.routers import CheckpointRouter, EventRouters, JobEventR
 from forge_orchestrator.service import KINDS, OrchestratorService, build_worker, connect_temporal
 from forge_orchestrator.sweep.activities import SweepActivities
 from forge_orchestrator.sweep.router import MetricsRouter, TemporalSweepSignaller
+from forge_orchestrator.synthetic.worker import SyntheticSettings, build_synthetic_worker, endpoints
 from forge_orchestrator.tracking import Tracker
 
 
@@ -146,6 +147,18 @@ async def main() -> None:
         app.add_on_stop(rlhf_activities.close)
     else:
         del kinds["rlhf"]
+    synthetic = SyntheticSettings()
+    if synthetic.enabled:
+        teacher, student = endpoints(
+            synthetic,
+            settings.inference_gateway_url or RlhfSettings().gateway_url,
+            settings.inference_gateway_token.get_secret_value(),
+        )
+        app.add_background(
+            build_synthetic_worker(client, settings.task_queue, activities, teacher, student, tracker).run
+        )
+    else:
+        del kinds["synthetic"]
     workflows = OrchestratorService(client, settings.task_queue, kinds=kinds)
     if settings.kafka_enabled:
         signaller = TemporalSignaller(client)

@@ -38,6 +38,9 @@ from forge_orchestrator.rlhf import RlhfInput, RlhfWorkflow
 from forge_orchestrator.rlhf_worker import rlhf_task_queue, validate_rlhf
 from forge_orchestrator.sweep.service import sweep_memo, validate_sweep
 from forge_orchestrator.sweep.workflow import SweepInput, SweepWorkflow
+from forge_orchestrator.synthetic.model import SyntheticInput, validate_synthetic
+from forge_orchestrator.synthetic.worker import synthetic_task_queue
+from forge_orchestrator.synthetic.workflow import SyntheticWorkflow
 from forge_orchestrator.training import (
     TrainInput,
     TrainWorkflow,
@@ -149,6 +152,10 @@ KINDS: dict[str, WorkflowKind] = {
     "cpt": WorkflowKind("cpt", CptWorkflow, CptInput, validate_cpt),
     # Run by the RLHF worker (rlhf_worker.py) on its own queue, with its children.
     "rlhf": WorkflowKind("rlhf", RlhfWorkflow, RlhfInput, validate_rlhf, queue=rlhf_task_queue),
+    # Run by the synthetic-data worker (synthetic/worker.py) on its own queue, with its children.
+    "synthetic": WorkflowKind(
+        "synthetic", SyntheticWorkflow, SyntheticInput, validate_synthetic, queue=synthetic_task_queue
+    ),
 }
 
 #: Every workflow class the main worker runs (the kinds started on the main queue).

@@ -246,6 +246,20 @@ class Tracker:
         self.log_params(run_id, params)
         return run_id
 
+    def ensure_workflow_run(
+        self, workflow_id: str, role: str, name: str, params: Mapping[str, object]
+    ) -> str:
+        """The run of a workflow that is not one job (the ``synthetic`` workflow): tags
+        ``forge.workflow_id`` and ``forge.role=<role>``, created on first call; params logged once."""
+        filter_value(workflow_id, "workflow id")
+        found = RunFilter(workflow_id=workflow_id, role=role)
+        run_id = self._one(found)
+        if not run_id:
+            tags = {TAG_ROLE: role, TAG_WORKFLOW: workflow_id}
+            run_id = self._settle(found, self._create(name or f"{role}-{workflow_id}", tags))
+        self.log_params(run_id, params)
+        return run_id
+
     def ensure_job_run(
         self,
         job_id: str,
