@@ -29,6 +29,7 @@ trials that reached the full budget. Rungs start at ``early_stopping.min_steps``
 from __future__ import annotations
 
 import json
+import math
 import random
 import shutil
 import threading
@@ -48,7 +49,7 @@ from forge_kit.earlystop import Asha, AshaPromotion
 from forge_kit.errors import ValidationError
 from forge_kit.objectstore import ObjectStore
 from forge_kit.sweepspace import COOLDOWN_PREFIX, Space, parse
-from forge_training import recipes, schema, validation
+from forge_training import cooldown, recipes, schema, validation
 from forge_training.train import RunContext
 from forge_training.train import train as run_training
 
@@ -263,6 +264,42 @@ def _best(space: Space, trials: list[Trial]) -> Trial | None:
         return None
     pick = min if space.mode == "min" else max
     return pick(done, key=lambda t: t.final if t.final is not None else 0.0)
+
+
+def replayer(
+    space: Space,
+    curves: dict[int, list[tuple[int, float]]],
+    rung_values: dict[int, dict[int, float]] | None = None,
+) -> RunOne:
+    """A ``run_one`` for :func:`run_asha` that replays recorded values instead of training: trial
+    ``i`` reports ``curves[i]`` (its metric by step, up to ``max_steps``) and, under ``rung_eval:
+    cooldown``, ``rung_values[i][rung]`` after each rung, whose branch costs the steps the trainer
+    would take (:func:`forge_training.cooldown.branch_steps`). A paused or stopped trial costs one
+    step more, as a trained one does (it stops at its next step); a resumed one goes on from there."""
+    cooled = space.early_stopping.rung_eval == "cooldown"
+
+    def run_one(trial: Trial, on_value: Judge) -> None:
+        config = recipes.build(space.recipe, space.trial_overrides(trial.params, trial.seed))
+        branches = cooldown.branch_steps(config) if cooled else {}
+        done = trial.curve[-1][0] if trial.curve else 0  # a resumed trial's last report
+        for step, value in curves[trial.index]:
+            if step <= done:
+                continue
+            trial.curve.append((step, value))
+            judged: float | None = value
+            if step in branches:
+                trial.branch_steps += branches[step]
+                judged = (rung_values or {}).get(trial.index, {}).get(step)
+                trial.rung_values.append((step, judged if judged is not None else math.nan))
+            elif cooled:
+                judged = None
+            if step < space.max_steps and not on_value(step, judged):
+                trial.stopped_at, trial.steps = step, step + 1 + trial.branch_steps
+                return
+        trial.steps = space.max_steps + trial.branch_steps
+        trial.final = trial.curve[-1][1] if trial.curve and trial.curve[-1][0] == space.max_steps else None
+
+    return run_one
 
 
 def run_asha(
