@@ -42,7 +42,7 @@ def test_random_configurations_are_seeded_and_in_range() -> None:
     )
     first, again = sweepspace.parse(text).configurations(), sweepspace.parse(text).configurations()
     assert first == again and len(first) == 18  # 36 trials / 2 seeds
-    assert all(1e-3 <= c["optim.lr"] <= 1e-1 and c["optim.warmup_steps"] in (0, 10, 20) for c in first)
+    assert all(1e-3 <= float(c["optim.lr"]) <= 1e-1 and c["optim.warmup_steps"] in (0, 10, 20) for c in first)
 
 
 @pytest.mark.parametrize(

@@ -3,13 +3,23 @@ full budget (grid) and under ASHA (η = 3), in-process.
 
 Writes ``DIR/summary.json``::
 
-    {"space", "recipe", "metric", "mode", "eta", "form", "rungs", "max_steps",
-     "grid": {"best_metric", "best_trial", "trial_steps", "wall_s"},
-     "asha": {"best_metric", "best_trial", "trial_steps", "stopped_early", "resumed",
+    {"space", "recipe", "metric", "mode", "eta", "form", "rung_eval", "cooldown_fraction", "rungs",
+     "max_steps",
+     "grid": {"best_metric", "best_trial", "trial_steps", "wall_s", "reused"},
+     "asha": {"best_metric", "best_trial", "trial_steps", "branch_steps", "stopped_early", "resumed",
               "rung_occupancy", "concurrency", "wall_s"},
      "compute_ratio",   # asha trial-steps / grid trial-steps
      "regret",          # asha best - grid best (min mode; grid best - asha best for max), metric units
-     "per_trial": [{"run", "trial", "params", "seed", "steps", "final", "stopped_at", "curve"}]}
+     "per_trial": [{"run", "trial", "params", "seed", "steps", "final", "stopped_at", "curve",
+                    "branch_steps", "rung_values"}]}
+
+Under ``early_stopping.rung_eval: cooldown`` the ASHA trials take a cooldown branch at each rung
+(:mod:`forge_training.cooldown`) and the rule judges the rungs on the branches' values
+(``rung_values``); a trial's ``steps`` include its branches' (``branch_steps``). The grid's trials
+take none. A grid trial's record (steps, final value, curve) is kept in ``DIR/grid-cache`` under
+the hash of its resolved recipe and the metric, and a later run over a space with that trial
+reads it instead of training it again (``grid.reused``; ``--fresh-grid`` trains every one):
+the record holds as long as the training code and data are those that made it.
 
 Trials are the space's configurations (:meth:`Space.configurations`) times its seeds (or the
 recipe's seed). The grid runs them one after another, in order. ASHA runs them as the sweep
@@ -35,7 +45,7 @@ import shutil
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
@@ -303,7 +313,7 @@ def replayer(
 
 
 def run_asha(
-    space: Space, plan: list[tuple[dict[str, Any], int | None]], min_steps: int, run_one: RunOne
+    space: Space, plan: Sequence[tuple[Mapping[str, Any], int | None]], min_steps: int, run_one: RunOne
 ) -> tuple[list[Trial], Asha | AshaPromotion, int]:
     """ASHA (η = :data:`ETA`, rungs from ``min_steps``, the space's form) over ``plan`` (the
     trials' parameters and seeds), new trials taken in an order shuffled with the space's seed,
