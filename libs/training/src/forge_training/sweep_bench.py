@@ -358,19 +358,26 @@ def run_asha(
 
 
 def benchmark(
-    space: Space, work: Path, cache: Path, echo: Callable[[str], None] = print, grid_cache: Path | None = None
+    space: Space,
+    work: Path,
+    cache: Path,
+    echo: Callable[[str], None] = print,
+    grid_cache: Path | None = None,
+    run_grid: bool = True,
 ) -> dict[str, Any]:
     """Run the grid, then ASHA, over the same trials; the summary (see the module docstring).
     ``echo`` hears one line as each trial begins (a progress display's stage name).
     ``grid_cache``: a folder of grid trials' records (steps, final value, curve) by the hash of
-    the trial's resolved recipe; a trial with a record there is not trained again."""
+    the trial's resolved recipe; a trial with a record there is not trained again.
+    ``run_grid`` False: ASHA only; ``grid`` then says so, ``compute_ratio`` divides by the steps
+    of every trial at the full budget and ``regret`` is None."""
     seeds: list[int | None] = list(space.seeds) or [None]
     configs = space.configurations()
     plan = [(params, seed) for params in configs for seed in seeds]
     min_steps = space.early_stopping.min_steps if space.early_stopping.rule == "asha" else 0
     min_steps = min_steps or max(1, space.max_steps // ETA**3)
     # 1. Grid: every trial at full budget (or its record from an earlier run of the same config).
-    grid = [Trial(i, dict(p), s) for i, (p, s) in enumerate(plan)]
+    grid = [Trial(i, dict(p), s) for i, (p, s) in enumerate(plan)] if run_grid else []
     started = time.perf_counter()
     reused = 0
     for trial in grid:
@@ -403,9 +410,14 @@ def benchmark(
     asha, asha_rule, resumed = run_asha(space, plan, min_steps, run_one)
     asha_wall = time.perf_counter() - started
     grid_best, asha_best = _best(space, grid), _best(space, asha)
-    if grid_best is None or asha_best is None or grid_best.final is None or asha_best.final is None:
+    if (
+        (run_grid and (grid_best is None or grid_best.final is None))
+        or asha_best is None
+        or asha_best.final is None
+    ):
         raise RuntimeError("no trial finished: nothing to compare")
-    grid_steps, asha_steps = sum(t.steps for t in grid), sum(t.steps for t in asha)
+    grid_steps = sum(t.steps for t in grid) if run_grid else len(plan) * space.max_steps
+    asha_steps = sum(t.steps for t in asha)
     sign = 1.0 if space.mode == "min" else -1.0
     rows = [
         {
@@ -442,20 +454,24 @@ def benchmark(
             "trial_steps": grid_steps,
             "wall_s": round(grid_wall, 1),
             "reused": reused,
-        },
+        }
+        if grid_best is not None
+        else {"skipped": True, "trial_steps": grid_steps},
         "asha": {
             "best_metric": asha_best.final,
             "best_trial": asha_best.index,
             "trial_steps": asha_steps,
             "branch_steps": sum(t.branch_steps for t in asha),
-            "stopped_early": sum(1 for t in asha if t.steps < space.max_steps),
+            "stopped_early": sum(1 for t in asha if t.final is None),
             "resumed": resumed,
             "rung_occupancy": asha_rule.occupancy(),
             "concurrency": space.concurrency,
             "wall_s": round(asha_wall, 1),
         },
         "compute_ratio": asha_steps / grid_steps,
-        "regret": sign * (asha_best.final - grid_best.final),
+        "regret": sign * (asha_best.final - grid_best.final)
+        if grid_best and grid_best.final is not None
+        else None,
         "per_trial": rows,
     }
 
@@ -466,6 +482,9 @@ def sweep(
     quiet: Annotated[bool, clitools.QuietOption] = False,
     fresh_grid: Annotated[
         bool, typer.Option(help="train every grid trial again (default: reuse DIR/grid-cache records)")
+    ] = False,
+    asha_only: Annotated[
+        bool, typer.Option(help="skip the grid: no regret; compute_ratio against every trial at full budget")
     ] = False,
 ) -> None:
     """Grid at full budget vs ASHA (η = 3) over one space: best metric, trial-steps, regret."""
@@ -482,9 +501,11 @@ def sweep(
     work = out / "runs"
     shutil.rmtree(work, ignore_errors=True)  # a previous run's checkpoints would be resumed
     trials = len(parsed.configurations()) * max(1, len(parsed.seeds))
-    with clitools.stages(2 * trials, quiet) as stage:
+    with clitools.stages(trials if asha_only else 2 * trials, quiet) as stage:
         grid_cache = None if fresh_grid else out / "grid-cache"
-        summary = benchmark(parsed, work, out / "cache", echo=stage, grid_cache=grid_cache)
+        summary = benchmark(
+            parsed, work, out / "cache", echo=stage, grid_cache=grid_cache, run_grid=not asha_only
+        )
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     brief = {k: v for k, v in summary.items() if k != "per_trial"}
     typer.echo(json.dumps(brief, indent=2))
