@@ -26,7 +26,7 @@ A space file (see ``load/sweep/space.yaml``)::
                                                          # trial pauses at a rung until promoted)
                                                          # or stopping (form: stopping);
                                                          # rung_eval: cooldown (and
-                                                         # cooldown_fraction, default 0.2)
+                                                         # cooldown_fraction, default 0.1)
                                                          # judges each rung on the metric
                                                          # after a cooldown branch
                                                          # or {rule: none}
@@ -156,7 +156,9 @@ class EarlyStopping:
     """``value``: rungs compare the metric as reported; ``cooldown``: as reported after a branch
     that decays the rate to zero over ``cooldown_fraction`` of the steps so far (the trial then
     goes on from before the branch; its steps count as the trial's)."""
-    cooldown_fraction: float = 0.2
+    cooldown_fraction: float = 0.1
+    """Branch length as a share of the steps so far: its steps count against the sweep's compute
+    (0.1 and 0.2 measured in load/sweep/RESULTS.md)."""
 
 
 @dataclass(frozen=True)
@@ -342,7 +344,7 @@ def _early_stopping(data: Any, max_steps: int) -> EarlyStopping:
         raise ValidationError(
             "early_stopping.rung_eval", "cooldown evaluations are taken at ASHA's rungs only"
         )
-    fraction = _number(data, "cooldown_fraction", "early_stopping.", 0.2)
+    fraction = _number(data, "cooldown_fraction", "early_stopping.", 0.1)
     if "cooldown_fraction" in data and rung_eval != "cooldown":
         raise ValidationError("early_stopping.cooldown_fraction", "applies only with rung_eval: cooldown")
     if not 0.0 < fraction <= 1.0:
