@@ -127,3 +127,27 @@ def test_asha_promotion_a_diverged_trial_ranks_last_and_a_forgotten_one_frees_it
     assert rule.report("x", 2, 0.9) == "ignore"  # judged there already
     rule.forget("y")
     assert rule.next_promotion(final_below=2) == ("x", 2)
+
+
+# val_loss of the 12 configurations of load/sweep/space-lr-wd.yaml at step 27 (lr 0.0005, 0.0015,
+# 0.0045, 0.0135 x weight decay 0, 0.1, 0.3), as the runs report it and after a 3-step cooldown
+# branch (RESULTS.md, 2026-12-05). Configurations 3-5 (lr 0.0015) end best at step 243.
+OWN_27 = [5.3527, 5.3530, 5.3535, 5.2083, 5.2084, 5.2086, 5.0714, 5.0714, 5.0740, 5.2769, 5.2064, 5.2532]
+COOLED_27 = [5.3259, 5.3261, 5.3267, 5.1730, 5.1732, 5.1735, 5.0181, 5.0174, 5.0230, 5.2609, 5.1811, 5.2344]
+
+
+@pytest.mark.parametrize(("values", "fourth"), [(OWN_27, "10"), (COOLED_27, "3")])
+def test_a_full_rung_promotes_its_top_third_whatever_the_value_measures(
+    values: list[float], fourth: str
+) -> None:
+    """The rule is the same for both rung evaluations; the values decide. Rung 27 of 12 keeps 4:
+    the three lr 0.0045 configurations, then a near tie for fourth place, lost by lr 0.0015 on the
+    run's own values (by 0.002) and won after the cooldown branch (by 0.008)."""
+    rule = AshaPromotion(min_steps=27, eta=3, max_steps=243)
+    # Best first: no arrival is ever in the top third of its rung at once (each pauses).
+    order = sorted(range(len(values)), key=lambda t: values[t])
+    assert {rule.report(str(t), 27, values[t]) for t in order} == {"pause"}
+    promoted = []
+    while (found := rule.next_promotion(final_below=27)) is not None:
+        promoted.append(found[0])
+    assert sorted(promoted) == sorted(["6", "7", "8", fourth])

@@ -42,7 +42,7 @@ def test_random_configurations_are_seeded_and_in_range() -> None:
     )
     first, again = sweepspace.parse(text).configurations(), sweepspace.parse(text).configurations()
     assert first == again and len(first) == 18  # 36 trials / 2 seeds
-    assert all(1e-3 <= c["optim.lr"] <= 1e-1 and c["optim.warmup_steps"] in (0, 10, 20) for c in first)
+    assert all(1e-3 <= float(c["optim.lr"]) <= 1e-1 and c["optim.warmup_steps"] in (0, 10, 20) for c in first)
 
 
 @pytest.mark.parametrize(
@@ -74,12 +74,55 @@ def test_random_configurations_are_seeded_and_in_range() -> None:
             ("trials: 36, gpu_hours: 2, max_steps: 81", "trials: 2000, gpu_hours: 2, max_steps: 8100"),
             "budget.trials",
         ),
+        (("eta: 3}", "eta: 3, rung_eval: anneal}"), "early_stopping.rung_eval"),
+        (
+            ("eta: 3}", "eta: 3, rung_eval: cooldown, cooldown_fraction: 0}"),
+            "early_stopping.cooldown_fraction",
+        ),
+        (
+            ("eta: 3}", "eta: 3, rung_eval: cooldown, cooldown_fraction: 1.5}"),
+            "early_stopping.cooldown_fraction",
+        ),
+        (("eta: 3}", "eta: 3, cooldown_fraction: 0.2}"), "early_stopping.cooldown_fraction"),
+        (
+            ("rule: asha, min_steps: 3, eta: 3}", "rule: median, min_steps: 3, rung_eval: cooldown}"),
+            "early_stopping.rung_eval",
+        ),
+        (("name: val_loss", "name: loss"), None),  # with rung_eval: cooldown below
     ],
 )
-def test_bad_spaces_are_refused_naming_the_field(change: tuple[str, str], field: str) -> None:
+def test_bad_spaces_are_refused_naming_the_field(change: tuple[str, str], field: str | None) -> None:
+    text = BASE.replace(*change)
+    if field is None:  # a training figure: fine to follow, but no cooldown branch reports it
+        sweepspace.parse(text)
+        text, field = text.replace("eta: 3}", "eta: 3, rung_eval: cooldown}"), "early_stopping.rung_eval"
     with pytest.raises(ValidationError) as caught:
-        sweepspace.parse(BASE.replace(*change))
+        sweepspace.parse(text)
     assert caught.value.field == field, caught.value
+
+
+def test_cooldown_rung_evaluations_become_the_trials_branch_keys() -> None:
+    space = sweepspace.parse(BASE.replace("eta: 3}", "eta: 3, rung_eval: cooldown, cooldown_fraction: 0.15}"))
+    es = space.early_stopping
+    assert (es.rung_eval, es.cooldown_fraction) == ("cooldown", 0.15)
+    overrides = space.trial_overrides(space.grid()[0], seed=1)
+    assert overrides["rung_cooldown.fraction"] == 0.15 and overrides["rung_cooldown.min_steps"] == 3
+    assert overrides["rung_cooldown.eta"] == 3 and overrides["eval_interval"] == 3
+    # A trial no rung judges (the benchmark's grid) takes no branches.
+    assert not any(
+        k.startswith("rung_cooldown.") for k in space.trial_overrides(space.grid()[0], branches=False)
+    )
+    assert sweepspace.from_dict(sweepspace.to_dict(space)) == space
+    plain = sweepspace.parse(BASE)
+    assert plain.early_stopping.rung_eval == "value"
+    assert not any(k.startswith("rung_cooldown.") for k in plain.trial_overrides(plain.grid()[0]))
+    with pytest.raises(ValidationError) as caught:  # the rule sets the branch keys, not the space
+        sweepspace.parse(
+            BASE.replace("eta: 3}", "eta: 3, rung_eval: cooldown}").replace(
+                "seeds: [1, 2]", "overrides: {rung_cooldown.fraction: 0.5}\nseeds: [1, 2]"
+            )
+        )
+    assert caught.value.field == "overrides.rung_cooldown.fraction"
 
 
 def test_hostile_input_is_refused() -> None:

@@ -66,3 +66,35 @@ def test_a_space_the_recipe_refuses_is_rejected_before_training(tmp_path: Path) 
     result = CliRunner().invoke(app, ["sweep", "--space", str(space), "--out", str(tmp_path / "out")])
     assert result.exit_code != 0
     assert "min_lr" in result.output and not (tmp_path / "out" / "summary.json").exists()
+
+
+def test_cooldown_rungs_grid_records_and_an_asha_only_run(tmp_path: Path) -> None:
+    """Under ``rung_eval: cooldown`` every ASHA trial pays its branches (in its steps) and the rule
+    records the branch values; a second run over the same ``--out`` reads the grid's records
+    instead of training the grid again, and ends with the same figures."""
+    space = tmp_path / "space.yaml"
+    space.write_text(SPACE.replace("eta: 3}", "eta: 3, rung_eval: cooldown, cooldown_fraction: 0.5}"))
+    out = tmp_path / "out"
+    runs = []
+    for extra in ([], [], ["--asha-only"]):
+        result = CliRunner().invoke(
+            app, ["sweep", "--space", str(space), "--out", str(out), "--quiet", *extra]
+        )
+        assert result.exit_code == 0, result.output
+        runs.append(json.loads((out / "summary.json").read_text()))
+    first, again, alone = runs
+    assert first["rung_eval"] == "cooldown" and first["cooldown_fraction"] == 0.5
+    asha = [r for r in first["per_trial"] if r["run"] == "asha"]
+    # Rungs 1 and 3 of 9 steps: branches of ceil(0.5 x 1) = 1 and ceil(0.5 x 3) = 2 steps.
+    assert all(r["branch_steps"] == sum({1: 1, 3: 2}[s] for s, _ in r["rung_values"]) for r in asha)
+    assert all(r["rung_values"] and r["steps"] >= r["branch_steps"] + 2 for r in asha)
+    assert first["asha"]["branch_steps"] == sum(r["branch_steps"] for r in asha) >= 3
+    assert first["asha"]["trial_steps"] == sum(r["steps"] for r in asha)
+    grid = [r for r in first["per_trial"] if r["run"] == "grid"]
+    assert all(r["branch_steps"] == 0 and r["rung_values"] == [] for r in grid)  # no branches in the grid
+    assert first["grid"]["reused"] == 0 and again["grid"]["reused"] == 3
+    same = ("best_metric", "trial_steps")
+    assert {k: again["grid"][k] for k in same} == {k: first["grid"][k] for k in same}
+    assert (again["compute_ratio"], again["regret"]) == (first["compute_ratio"], first["regret"])
+    assert alone["grid"] == {"skipped": True, "trial_steps": 27} and alone["regret"] is None
+    assert alone["asha"]["trial_steps"] == first["asha"]["trial_steps"]

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from forge_kit.earlystop import Asha, AshaPromotion
-from forge_training.sweep_bench import Judge, Trial, in_order, run_interleaved
+from forge_kit.sweepspace import parse
+from forge_training.sweep_bench import Judge, Trial, in_order, replayer, run_asha, run_interleaved
 
 # val_loss at steps 1, 3, 9 (rungs 1 and 3 of min_steps 1, eta 3, max_steps 9). Trial 0 leads at
 # step 1 and ends worst; trial 3 is last at step 1, already best at step 3, and best at the end.
@@ -138,3 +139,41 @@ def test_the_promotion_form_resumes_paused_trials_and_spends_fewer_steps_than_th
     assert {t.index for t in trials if t.final is not None} == {1, 3}
     assert min(t.final for t in trials if t.final is not None) == 3.1
     assert sum(t.steps for t in trials) == 34 and sorted(runs) == [0, 1, 1, 2, 3, 4, 5]
+
+
+COOLED_SPACE = """
+name: replay
+recipe: smoke
+metric: {name: val_loss, mode: min}
+sampler: grid
+seed: 0
+parameters:
+  optim.lr: {type: categorical, values: [0.001, 0.002, 0.003, 0.004, 0.005, 0.006]}
+gpu_type: SIM
+budget: {trials: 6, gpu_hours: 1, max_steps: 9}
+concurrency: 1
+early_stopping: {rule: asha, min_steps: 3, eta: 3, rung_eval: cooldown, cooldown_fraction: 0.5}
+"""
+
+
+def test_cooldown_rungs_judge_the_branch_values_and_count_the_branch_steps() -> None:
+    """One rung, at step 3 (a branch of ceil(0.5 x 3) = 2 steps). By the run's own values trial 3
+    is last at step 3 (its high rate's noise) and never promoted; after the branch it is first,
+    and it is the one that ends best. Every trial pays its branch: 6 x 2 steps on top of the run's."""
+    plain = {0: 3.5, 1: 3.6, 2: 3.7, 3: 3.95, 4: 3.8, 5: 3.9}
+    final = {0: 3.6, 1: 3.4, 2: 3.5, 3: 3.1, 4: 3.3, 5: 3.7}
+    curves = {i: [(3, plain[i]), (9, final[i])] for i in plain}
+    cooled = {0: {3: 3.8}, 1: {3: 3.5}, 2: {3: 3.6}, 3: {3: 3.0}, 4: {3: 3.7}, 5: {3: 3.9}}
+    space = parse(COOLED_SPACE)
+    plan = [(params, None) for params in space.configurations()]
+    plain_space = parse(COOLED_SPACE.replace(", rung_eval: cooldown, cooldown_fraction: 0.5", ""))
+    by_value, _, _ = run_asha(plain_space, plan, 3, replayer(plain_space, curves))
+    assert 3 not in {t.index for t in by_value if t.final is not None}
+    assert all(t.branch_steps == 0 for t in by_value)
+    by_branch, rule, _ = run_asha(space, plan, 3, replayer(space, curves, cooled))
+    finished = {t.index: t.final for t in by_branch if t.final is not None}
+    assert min(finished.values()) == 3.1 and 3 in finished
+    assert rule.recorded[3] == {str(i): v[3] for i, v in cooled.items()}  # the branch values only
+    assert all(t.branch_steps == 2 and t.rung_values == [(3, cooled[t.index][3])] for t in by_branch)
+    own = sum(9 if t.final is not None else 4 for t in by_branch)  # a paused trial stops at step 4
+    assert sum(t.steps for t in by_branch) == own + 6 * 2

@@ -439,3 +439,46 @@ async def test_asha_promotion_form_pauses_at_rungs_and_resumes_promoted_trials_f
     assert result.ignored_metrics == 1 and result.summary["rung_occupancy"] == {"1": 4, "3": 2}
     assert sorted(tracker.runs) == ["job-0", "job-1", "job-2", "job-3", "parent"]  # one run per trial
     assert tracker.ended["run-job-3"] == "FINISHED" and tracker.ended["run-job-1"] == "KILLED"
+
+
+async def test_cooldown_rungs_are_judged_on_the_branch_values_only(client: Client, tmp_path: Path) -> None:
+    """``rung_eval: cooldown`` (stopping form, rungs 1 and 3): every trial's job runs with the
+    branch keys; at rung 1 job-1's own value (1.0) would make it the best, but its value after the
+    branch (4.0) is what ASHA compares, and it stops behind job-0 (3.0)."""
+    space = SPACE.replace("form: stopping}", "form: stopping, rung_eval: cooldown, cooldown_fraction: 0.5}")
+    space = space.replace("concurrency: 4", "concurrency: 2")
+    queue = f"sweep-{uuid.uuid4().hex[:8]}"
+    scheduler = FakeScheduler()
+    sweeps = SweepActivities(f"sqlite+aiosqlite:///{tmp_path / 'orchestrator.db'}", RecordingTracker())
+    async with worker_for(client, queue, scheduler, sweeps):
+        handle = await client.start_workflow(
+            "sweep",
+            SweepInput(space=space, team="research"),
+            id=f"sweep-{uuid.uuid4().hex[:8]}",
+            task_queue=queue,
+            result_type=SweepResult,
+        )
+        await until(lambda: asyncio.sleep(0, len(scheduler.submitted) == 2))
+        command = scheduler.submitted["job-0"].command
+        assert "rung_cooldown.fraction=0.5" in command and "rung_cooldown.min_steps=1" in command
+        for job in ("job-0", "job-1"):
+            await event(handle, job, "RUNNING")
+        await metric(handle, "job-0", 1, 5.0)
+        await cooled(handle, "job-0", 1, 3.0)
+        await metric(handle, "job-1", 1, 1.0)  # the run's own value: no decision
+        await until(lambda: _is(state_of(handle, 1), "running"))
+        assert scheduler.cancelled == []
+        await cooled(handle, "job-1", 1, 4.0)
+        await until(lambda: asyncio.sleep(0, scheduler.cancelled == ["job-1"]))
+        trials = (await progress(handle))["trials"]
+        assert trials[1]["state"] == "stopped" and trials[1]["values"] == [[1.0, 1.0]]
+        assert trials[1]["rung_values"] == [[1.0, 4.0]] and trials[0]["rung_values"] == [[1.0, 3.0]]
+        await handle.cancel()
+        with pytest.raises(WorkflowFailureError):
+            await handle.result()
+
+
+async def cooled(handle: WorkflowHandle[Any, Any], job: str, step: int, value: float) -> None:
+    await handle.signal(
+        METRIC_SIGNAL, TrialMetric(job, step, value, event_id=uuid.uuid4().hex, cooldown=True)
+    )

@@ -148,5 +148,11 @@ async def test_metrics_router_signals_only_a_sweeps_followed_metric(db: Database
         await router.handle(metrics("j1", 9, loss=3.0, val_loss=2.5), session)
         await router.handle(metrics("j2", 9, val_loss=2.0), session)  # a training workflow's job
         await router.handle(metrics("j-unknown", 9, val_loss=1.0), session)  # no workflow started it
-    assert signaller.sent == [("sweep-1", TrialMetric("j1", 9, 2.5, "j1-9"))]
+        # A rung's cooldown branch (its own metrics line): signalled flagged, under its own event id.
+        await router.handle(metrics("j1", 3, cooldown_val_loss=2.7, cooldown_steps=1.0), session)
+        await router.handle(metrics("j2", 3, cooldown_val_loss=2.0), session)
+    assert signaller.sent == [
+        ("sweep-1", TrialMetric("j1", 9, 2.5, "j1-9")),
+        ("sweep-1", TrialMetric("j1", 3, 2.7, "j1-3/cooldown", cooldown=True)),
+    ]
     assert sorted(signaller.described) == ["sweep-1", "training-1"]  # once each, then remembered

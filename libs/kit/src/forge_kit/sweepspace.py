@@ -24,7 +24,11 @@ A space file (see ``load/sweep/space.yaml``)::
     early_stopping: {rule: asha, min_steps: 9, eta: 3}   # or {rule: median, min_steps, min_trials}
                                                          # ASHA's form: promotion (default: a
                                                          # trial pauses at a rung until promoted)
-                                                         # or stopping (form: stopping)
+                                                         # or stopping (form: stopping);
+                                                         # rung_eval: cooldown (and
+                                                         # cooldown_fraction, default 0.1)
+                                                         # judges each rung on the metric
+                                                         # after a cooldown branch
                                                          # or {rule: none}
 
 Everything is checked before any job exists; a :class:`~forge_kit.errors.ValidationError` names
@@ -62,6 +66,14 @@ SAMPLERS = ("grid", "random", "tpe")
 RULES = ("asha", "median", "none")
 #: ASHA's forms (``early_stopping.form``).
 ASHA_FORMS = ("promotion", "stopping")
+#: What ASHA compares at a rung (``early_stopping.rung_eval``): the metric as the trial reports
+#: it, or after a cooldown branch (``forge_training.cooldown``).
+RUNG_EVALS = ("value", "cooldown")
+#: Prefix of a figure measured after a rung's cooldown branch (``cooldown_val_loss``), as the
+#: training loop writes it and the sweep follows it.
+COOLDOWN_PREFIX = "cooldown_"
+#: Per-step training figures: no evaluation, so no cooldown branch reports them.
+_STEP_FIGURES = ("loss", "lr", "grad_norm", "tokens_per_s", "mfu")
 TYPES = ("categorical", "uniform", "loguniform", "int")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _TEAM = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -140,6 +152,13 @@ class EarlyStopping:
     form: str = "promotion"
     """ASHA's form (:mod:`forge_kit.earlystop`): ``promotion`` (pause at a rung, resumed when
     promoted) or ``stopping`` (go on or stop at once)."""
+    rung_eval: str = "value"
+    """``value``: rungs compare the metric as reported; ``cooldown``: as reported after a branch
+    that decays the rate to zero over ``cooldown_fraction`` of the steps so far (the trial then
+    goes on from before the branch; its steps count as the trial's)."""
+    cooldown_fraction: float = 0.1
+    """Branch length as a share of the steps so far: its steps count against the sweep's compute
+    (0.1 and 0.2 measured in load/sweep/RESULTS.md)."""
 
 
 @dataclass(frozen=True)
@@ -189,12 +208,20 @@ class Space:
         count = max(1, self.trials // max(1, len(self.seeds)))
         return [{p.key: p.sample(rng) for p in self.parameters} for _ in range(count)]
 
-    def trial_overrides(self, params: Mapping[str, Value], seed: int | None = None) -> dict[str, Value]:
+    def trial_overrides(
+        self, params: Mapping[str, Value], seed: int | None = None, *, branches: bool = True
+    ) -> dict[str, Value]:
         """Every override of one trial: the fixed ones, the budget, the metric's cadence, the
-        sampled parameters and the seed."""
+        rungs' cooldown branches (``rung_eval: cooldown``, unless ``branches`` is False: a trial
+        that no rung judges), the sampled parameters and the seed."""
         out: dict[str, Value] = {"max_steps": self.max_steps}
-        if self.early_stopping.rule != "none" and "eval_interval" not in self.overrides:
-            out["eval_interval"] = self.early_stopping.min_steps
+        es = self.early_stopping
+        if es.rule != "none" and "eval_interval" not in self.overrides:
+            out["eval_interval"] = es.min_steps
+        if branches and es.rule == "asha" and es.rung_eval == "cooldown":
+            out["rung_cooldown.fraction"] = es.cooldown_fraction
+            out["rung_cooldown.min_steps"] = es.min_steps
+            out["rung_cooldown.eta"] = es.eta
         out.update(self.overrides)
         out.update(params)
         if seed is not None:
@@ -291,7 +318,8 @@ def _early_stopping(data: Any, max_steps: int) -> EarlyStopping:
         return EarlyStopping()
     if not isinstance(data, Mapping):
         raise ValidationError("early_stopping", "must be a mapping with a rule")
-    unknown = sorted(set(data) - {"rule", "min_steps", "eta", "min_trials", "form"})
+    known = {"rule", "min_steps", "eta", "min_trials", "form", "rung_eval", "cooldown_fraction"}
+    unknown = sorted(set(data) - known)
     if unknown:
         raise ValidationError(f"early_stopping.{unknown[0]}", "is not an early-stopping field")
     rule = _field(data, "rule", "early_stopping.", str, "none")
@@ -309,7 +337,19 @@ def _early_stopping(data: Any, max_steps: int) -> EarlyStopping:
     form = _field(data, "form", "early_stopping.", str, "promotion")
     if form not in ASHA_FORMS:
         raise ValidationError("early_stopping.form", f"must be one of {', '.join(ASHA_FORMS)}")
-    return EarlyStopping(rule, min_steps, eta, min_trials, form)
+    rung_eval = _field(data, "rung_eval", "early_stopping.", str, "value")
+    if rung_eval not in RUNG_EVALS:
+        raise ValidationError("early_stopping.rung_eval", f"must be one of {', '.join(RUNG_EVALS)}")
+    if rung_eval == "cooldown" and rule != "asha":
+        raise ValidationError(
+            "early_stopping.rung_eval", "cooldown evaluations are taken at ASHA's rungs only"
+        )
+    fraction = _number(data, "cooldown_fraction", "early_stopping.", 0.1)
+    if "cooldown_fraction" in data and rung_eval != "cooldown":
+        raise ValidationError("early_stopping.cooldown_fraction", "applies only with rung_eval: cooldown")
+    if not 0.0 < fraction <= 1.0:
+        raise ValidationError("early_stopping.cooldown_fraction", "must be in (0, 1]")
+    return EarlyStopping(rule, min_steps, eta, min_trials, form, rung_eval, fraction)
 
 
 def parse(text: str | bytes) -> Space:
@@ -400,6 +440,18 @@ def from_dict(data: Mapping[str, Any]) -> Space:
         missing = sorted(set(raw_params) - set(baseline))[0]
         raise ValidationError(f"baseline.{missing}", "the baseline names a value for every parameter")
     early = _early_stopping(data.get("early_stopping"), max_steps)
+    if early.rung_eval == "cooldown":
+        if "rung_cooldown.fraction" not in key_types:
+            raise ValidationError("early_stopping.rung_eval", f"{recipe} takes no cooldown branches")
+        if metric_name in _STEP_FIGURES:
+            raise ValidationError(
+                "early_stopping.rung_eval",
+                f"{metric_name} is a training figure, not an evaluation a branch reports",
+            )
+        for where, keys in (("parameters", raw_params), ("overrides", overrides)):
+            taken = sorted(str(k) for k in keys if str(k).startswith("rung_cooldown."))
+            if taken:
+                raise ValidationError(f"{where}.{taken[0]}", "is set by early_stopping.rung_eval")
     eval_every = overrides.get("eval_interval")
     if early.rule != "none" and isinstance(eval_every, int) and early.min_steps % eval_every:
         raise ValidationError("overrides.eval_interval", "must divide early_stopping.min_steps")
@@ -501,6 +553,11 @@ def to_dict(space: Space) -> dict[str, Any]:
             "eta": es.eta,
             "min_trials": es.min_trials,
             "form": es.form,
+            **(
+                {"rung_eval": es.rung_eval, "cooldown_fraction": es.cooldown_fraction}
+                if es.rung_eval != "value"
+                else {}
+            ),
         },
         "trial_timeout_s": space.trial_timeout_s,
         "metrics_timeout_s": space.metrics_timeout_s,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections import deque
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
@@ -26,7 +27,8 @@ class Prefetcher(Generic[T]):
 
     Called by the training loop: :meth:`next` once per step, :meth:`close` when the loop leaves
     (also early, on a stop); an exception in ``produce`` is raised by the :meth:`next` that would
-    have returned its item.
+    have returned its item. :meth:`peek` shows the next items without handing them out (a
+    cooldown branch trains on them; the loop then trains on them again).
     """
 
     def __init__(self, produce: Callable[[], T], count: int, depth: int) -> None:
@@ -35,6 +37,7 @@ class Prefetcher(Generic[T]):
         self._depth = depth
         self._stop = threading.Event()
         self._queue: queue.Queue[T | _Failure] = queue.Queue(maxsize=max(1, depth))
+        self._ahead: deque[T] = deque()
         self._thread: threading.Thread | None = None
         if depth > 0 and count > 0:
             self._thread = threading.Thread(
@@ -57,16 +60,27 @@ class Prefetcher(Generic[T]):
             if self._stop.is_set() or isinstance(item, _Failure):
                 return
 
-    def next(self) -> T:
-        if self._remaining <= 0:
-            raise StopIteration("the prefetcher has handed out every item")
-        self._remaining -= 1
+    def _take(self) -> T:
         if self._thread is None:
             return self._produce()
         item = self._queue.get()
         if isinstance(item, _Failure):
             raise item.error
         return item
+
+    def next(self) -> T:
+        if self._remaining <= 0:
+            raise StopIteration("the prefetcher has handed out every item")
+        self._remaining -= 1
+        return self._ahead.popleft() if self._ahead else self._take()
+
+    def peek(self, count: int) -> list[T]:
+        """The next ``count`` items (fewer when fewer are left), which :meth:`next` still hands
+        out, in order."""
+        count = min(count, self._remaining)
+        while len(self._ahead) < count:
+            self._ahead.append(self._take())
+        return list(self._ahead)[:count]
 
     def close(self) -> None:
         """Stop reading ahead and wait for the thread (it may be blocked on a full queue)."""

@@ -299,6 +299,21 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True)
+class RungCooldownConfig:
+    """Evaluations after a cooldown branch at a sweep's rungs (:mod:`forge_training.cooldown`):
+    at each step ``min_steps · eta^k`` below ``max_steps``, decay the rate linearly to zero over
+    ``ceil(fraction · step)`` steps from the current state, log the evaluation as ``cooldown_*``,
+    and go on from the state before the branch."""
+
+    fraction: float = 0.0
+    """Branch length as a share of the steps so far (0: no branches)."""
+    min_steps: int = 0
+    """The first rung's step."""
+    eta: int = 3
+    """Rung spacing (each rung ``eta`` times the previous one)."""
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     """One pre-training run. ``global_batch_size`` sequences per optimizer step are split over
     ``world_size`` ranks and ``grad_accum_steps`` micro-batches of ``micro_batch_size``."""
@@ -318,6 +333,7 @@ class TrainConfig:
     rerank: RerankConfig = field(default_factory=RerankConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     vlm: VlmConfig = field(default_factory=VlmConfig)
+    rung_cooldown: RungCooldownConfig = field(default_factory=RungCooldownConfig)
     global_batch_size: int = 12
     micro_batch_size: int = 12
     max_steps: int = 2000

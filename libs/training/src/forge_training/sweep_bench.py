@@ -3,13 +3,23 @@ full budget (grid) and under ASHA (η = 3), in-process.
 
 Writes ``DIR/summary.json``::
 
-    {"space", "recipe", "metric", "mode", "eta", "form", "rungs", "max_steps",
-     "grid": {"best_metric", "best_trial", "trial_steps", "wall_s"},
-     "asha": {"best_metric", "best_trial", "trial_steps", "stopped_early", "resumed",
+    {"space", "recipe", "metric", "mode", "eta", "form", "rung_eval", "cooldown_fraction", "rungs",
+     "max_steps",
+     "grid": {"best_metric", "best_trial", "trial_steps", "wall_s", "reused"},
+     "asha": {"best_metric", "best_trial", "trial_steps", "branch_steps", "stopped_early", "resumed",
               "rung_occupancy", "concurrency", "wall_s"},
      "compute_ratio",   # asha trial-steps / grid trial-steps
      "regret",          # asha best - grid best (min mode; grid best - asha best for max), metric units
-     "per_trial": [{"run", "trial", "params", "seed", "steps", "final", "stopped_at", "curve"}]}
+     "per_trial": [{"run", "trial", "params", "seed", "steps", "final", "stopped_at", "curve",
+                    "branch_steps", "rung_values"}]}
+
+Under ``early_stopping.rung_eval: cooldown`` the ASHA trials take a cooldown branch at each rung
+(:mod:`forge_training.cooldown`) and the rule judges the rungs on the branches' values
+(``rung_values``); a trial's ``steps`` include its branches' (``branch_steps``). The grid's trials
+take none. A grid trial's record (steps, final value, curve) is kept in ``DIR/grid-cache`` under
+the hash of its resolved recipe and the metric, and a later run over a space with that trial
+reads it instead of training it again (``grid.reused``; ``--fresh-grid`` trains every one):
+the record holds as long as the training code and data are those that made it.
 
 Trials are the space's configurations (:meth:`Space.configurations`) times its seeds (or the
 recipe's seed). The grid runs them one after another, in order. ASHA runs them as the sweep
@@ -29,12 +39,13 @@ trials that reached the full budget. Rungs start at ``early_stopping.min_steps``
 from __future__ import annotations
 
 import json
+import math
 import random
 import shutil
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
@@ -47,8 +58,8 @@ from forge_kit import clitools
 from forge_kit.earlystop import Asha, AshaPromotion
 from forge_kit.errors import ValidationError
 from forge_kit.objectstore import ObjectStore
-from forge_kit.sweepspace import Space, parse
-from forge_training import recipes, schema, validation
+from forge_kit.sweepspace import COOLDOWN_PREFIX, Space, parse
+from forge_training import cooldown, recipes, schema, validation
 from forge_training.train import RunContext
 from forge_training.train import train as run_training
 
@@ -61,18 +72,24 @@ class Trial:
     params: dict[str, Any]
     seed: int | None
     steps: int = 0
+    """Optimizer steps the trial cost: its own and its cooldown branches'."""
     final: float | None = None
     stopped_at: int | None = None
     curve: list[tuple[int, float]] = field(default_factory=list)
+    branch_steps: int = 0
+    rung_values: list[tuple[int, float]] = field(default_factory=list)
+    """The metric after each cooldown branch (``rung_eval: cooldown``)."""
 
 
 class _MetricTail:
-    """Reads new lines of a run's ``metrics.jsonl`` as the run appends them."""
+    """Reads new lines of a run's ``metrics.jsonl`` as the run appends them: (step, the metric or
+    None, its cooldown value or None) for each line with either."""
 
     def __init__(self, path: Path, metric: str) -> None:
         self._path, self._metric, self._offset = path, metric, 0
+        self._cooled = COOLDOWN_PREFIX + metric
 
-    def new(self) -> list[tuple[int, float]]:
+    def new(self) -> list[tuple[int, float | None, float | None]]:
         if not self._path.exists():
             return []
         with self._path.open("rb") as f:
@@ -80,34 +97,56 @@ class _MetricTail:
             chunk = f.read()
         end = chunk.rfind(b"\n") + 1
         self._offset += end
-        out = []
+        out: list[tuple[int, float | None, float | None]] = []
         for line in chunk[:end].splitlines():
             row = json.loads(line)
-            if self._metric in row:
-                out.append((int(row["step"]), float(row[self._metric])))
+            plain, cooled = row.get(self._metric), row.get(self._cooled)
+            if plain is not None or cooled is not None:
+                out.append(
+                    (
+                        int(row["step"]),
+                        None if plain is None else float(plain),
+                        None if cooled is None else float(cooled),
+                    )
+                )
         return out
 
 
-def _config(space: Space, trial: Trial) -> schema.TrainConfig:
-    overrides = space.trial_overrides(trial.params, trial.seed)
+def _config(space: Space, trial: Trial, branches: bool = True) -> schema.TrainConfig:
+    overrides = space.trial_overrides(trial.params, trial.seed, branches=branches)
     config = recipes.build(space.recipe, overrides)
     validation.validate(config, 1)
     return config
 
 
 def run_trial(
-    space: Space, trial: Trial, root: Path, cache: Path, judge: Callable[[int, float], bool] | None = None
+    space: Space,
+    trial: Trial,
+    root: Path,
+    cache: Path,
+    judge: Callable[[int, float | None], bool] | None = None,
 ) -> None:
-    """Train one trial; ``judge(step, value)`` → False stops it (at its next step)."""
+    """Train one trial; ``judge(step, value)`` → False stops it (at its next step). ``value`` is
+    what the rule compares at ``step`` (the metric, or under ``rung_eval: cooldown`` its value
+    after the rung's branch), or None at an evaluation the rule does not judge."""
+    cooled_rungs = space.early_stopping.rung_eval == "cooldown" and judge is not None
     run_dir = root / f"t{trial.index:03d}"
     tail = _MetricTail(run_dir / "metrics.jsonl", space.metric)
     stop = {"now": False}
 
     def should_stop() -> bool:
-        for step, value in tail.new():
-            if trial.curve and step <= trial.curve[-1][0]:
-                continue  # a resumed trial's earlier lines
-            trial.curve.append((step, value))
+        for step, plain, cooled in tail.new():
+            if plain is not None:
+                if trial.curve and step <= trial.curve[-1][0]:
+                    continue  # a resumed trial's earlier lines
+                trial.curve.append((step, plain))
+            if cooled is not None:
+                if trial.rung_values and step <= trial.rung_values[-1][0]:
+                    continue
+                trial.rung_values.append((step, cooled))
+            value = cooled if cooled_rungs else plain
+            if cooled_rungs and cooled is None and step in space.rungs():
+                continue  # the branch's line follows; the rule judges that
             if judge is not None and not stop["now"] and not judge(step, value):
                 stop["now"] = True
                 trial.stopped_at = step
@@ -121,14 +160,15 @@ def run_trial(
         should_stop=should_stop,
         export=False,
     )
-    result = run_training(_config(space, trial), ctx)
+    result = run_training(_config(space, trial, branches=judge is not None), ctx)
     should_stop()  # the final evaluation's line
-    trial.steps = result.step
+    trial.branch_steps += result.branch_steps
+    trial.steps = result.step + trial.branch_steps
     if result.outcome == "succeeded" and result.step >= space.max_steps:
         trial.final = result.eval_metrics.get(space.metric, trial.curve[-1][1] if trial.curve else None)
 
 
-Judge = Callable[[int, float], bool]
+Judge = Callable[[int, float | None], bool]
 RunOne = Callable[[Trial, Judge], None]
 Rule = Callable[[int, int, float], bool]
 
@@ -180,15 +220,16 @@ def run_interleaved(
     trial to run (a new one, or a paused one to resume; None: nothing now); the run ends when
     nothing is in flight and ``next_job`` has nothing. ``run_one(trial, on_value)`` trains one
     trial (resuming it from its checkpoint when it ran before), calling ``on_value(step, value)``
-    for each value of the metric and stopping when it returns False."""
+    for each evaluation (``value`` None where the rule judges nothing: a turn all the same) and
+    stopping when it returns False."""
     turns = _Turns()
     errors: list[BaseException] = []
 
     def work(trial: Trial) -> None:
         turns.wait(trial.index)
 
-        def on_value(step: int, value: float) -> bool:
-            go = judge is None or judge(trial.index, step, value)
+        def on_value(step: int, value: float | None) -> bool:
+            go = judge is None or value is None or judge(trial.index, step, value)
             if go:
                 turns.pause(trial.index)
             return go
@@ -235,32 +276,63 @@ def _best(space: Space, trials: list[Trial]) -> Trial | None:
     return pick(done, key=lambda t: t.final if t.final is not None else 0.0)
 
 
-def benchmark(space: Space, work: Path, cache: Path, echo: Callable[[str], None] = print) -> dict[str, Any]:
-    """Run the grid, then ASHA, over the same trials; the summary (see the module docstring).
-    ``echo`` hears one line as each trial begins (a progress display's stage name)."""
-    seeds: list[int | None] = list(space.seeds) or [None]
-    configs = space.configurations()
-    plan = [(params, seed) for params in configs for seed in seeds]
-    min_steps = space.early_stopping.min_steps if space.early_stopping.rule == "asha" else 0
-    min_steps = min_steps or max(1, space.max_steps // ETA**3)
-    # 1. Grid: every trial at full budget.
-    grid = [Trial(i, dict(p), s) for i, (p, s) in enumerate(plan)]
-    started = time.perf_counter()
-    for trial in grid:
-        echo(f"grid trial {trial.index + 1}/{len(grid)}")
-        run_trial(space, trial, work / "grid", cache)
-    grid_wall = time.perf_counter() - started
-    # 2. ASHA, the same trials in a shuffled arrival order.
+def replayer(
+    space: Space,
+    curves: dict[int, list[tuple[int, float]]],
+    rung_values: dict[int, dict[int, float]] | None = None,
+) -> RunOne:
+    """A ``run_one`` for :func:`run_asha` that replays recorded values instead of training: trial
+    ``i`` reports ``curves[i]`` (its metric by step, up to ``max_steps``) and, under ``rung_eval:
+    cooldown``, ``rung_values[i][rung]`` after each rung, whose branch costs the steps the trainer
+    would take (:func:`forge_training.cooldown.branch_steps`). A paused or stopped trial costs one
+    step more, as a trained one does (it stops at its next step); a resumed one goes on from there."""
+    cooled = space.early_stopping.rung_eval == "cooldown"
+
+    def run_one(trial: Trial, on_value: Judge) -> None:
+        config = recipes.build(space.recipe, space.trial_overrides(trial.params, trial.seed))
+        branches = cooldown.branch_steps(config) if cooled else {}
+        done = trial.curve[-1][0] if trial.curve else 0  # a resumed trial's last report
+        for step, value in curves[trial.index]:
+            if step <= done:
+                continue
+            trial.curve.append((step, value))
+            judged: float | None = value
+            if step in branches:
+                trial.branch_steps += branches[step]
+                judged = (rung_values or {}).get(trial.index, {}).get(step)
+                trial.rung_values.append((step, judged if judged is not None else math.nan))
+            elif cooled:
+                judged = None
+            if step < space.max_steps and not on_value(step, judged):
+                trial.stopped_at, trial.steps = step, step + 1 + trial.branch_steps
+                return
+        trial.steps = space.max_steps + trial.branch_steps
+        trial.final = trial.curve[-1][1] if trial.curve and trial.curve[-1][0] == space.max_steps else None
+
+    return run_one
+
+
+def run_asha(
+    space: Space, plan: Sequence[tuple[Mapping[str, Any], int | None]], min_steps: int, run_one: RunOne
+) -> tuple[list[Trial], Asha | AshaPromotion, int]:
+    """ASHA (η = :data:`ETA`, rungs from ``min_steps``, the space's form) over ``plan`` (the
+    trials' parameters and seeds), new trials taken in an order shuffled with the space's seed,
+    ``space.concurrency`` in flight (:func:`run_interleaved`); ``run_one`` trains (or replays) one
+    trial. Returns the trials (in that order), the rule, and the number of resumptions."""
     promotion = space.early_stopping.form == "promotion"
     rule_type = AshaPromotion if promotion else Asha
-    asha_rule = rule_type(min_steps=min_steps, eta=ETA, max_steps=space.max_steps, mode=space.mode)  # type: ignore[arg-type]
+    asha_rule: Asha | AshaPromotion = rule_type(
+        min_steps=min_steps,
+        eta=ETA,
+        max_steps=space.max_steps,
+        mode=space.mode,  # type: ignore[arg-type]
+    )
     order = list(range(len(plan)))
     random.Random(space.seed).shuffle(order)
     asha = [Trial(i, dict(plan[i][0]), plan[i][1]) for i in order]
     by_index = {t.index: t for t in asha}
     fresh = deque(asha)
-    runs = iter(range(1, 10**9))
-    asha_runs = {"resumed": 0}
+    resumed = [0]
 
     def judge(index: int, step: int, value: float) -> bool:
         return asha_rule.report(str(index), step, value) not in ("pause", "stop")
@@ -273,25 +345,79 @@ def benchmark(space: Space, work: Path, cache: Path, echo: Callable[[str], None]
         if not fresh:
             reached = [asha_rule.reached(str(t.index)) for t in inflight]
             final_below = min([*reached, space.max_steps])
-        promotion = asha_rule.next_promotion(final_below)
-        if promotion is not None:
-            trial = by_index[int(promotion[0])]
+        promoted = asha_rule.next_promotion(final_below)
+        if promoted is not None:
+            trial = by_index[int(promoted[0])]
             trial.stopped_at = None
-            asha_runs["resumed"] += 1
+            resumed[0] += 1
             return trial
         return fresh.popleft() if fresh else None
+
+    run_interleaved(next_job, space.concurrency, judge, run_one)
+    return asha, asha_rule, resumed[0]
+
+
+def benchmark(
+    space: Space,
+    work: Path,
+    cache: Path,
+    echo: Callable[[str], None] = print,
+    grid_cache: Path | None = None,
+    run_grid: bool = True,
+) -> dict[str, Any]:
+    """Run the grid, then ASHA, over the same trials; the summary (see the module docstring).
+    ``echo`` hears one line as each trial begins (a progress display's stage name).
+    ``grid_cache``: a folder of grid trials' records (steps, final value, curve) by the hash of
+    the trial's resolved recipe; a trial with a record there is not trained again.
+    ``run_grid`` False: ASHA only; ``grid`` then says so, ``compute_ratio`` divides by the steps
+    of every trial at the full budget and ``regret`` is None."""
+    seeds: list[int | None] = list(space.seeds) or [None]
+    configs = space.configurations()
+    plan = [(params, seed) for params in configs for seed in seeds]
+    min_steps = space.early_stopping.min_steps if space.early_stopping.rule == "asha" else 0
+    min_steps = min_steps or max(1, space.max_steps // ETA**3)
+    # 1. Grid: every trial at full budget (or its record from an earlier run of the same config).
+    grid = [Trial(i, dict(p), s) for i, (p, s) in enumerate(plan)] if run_grid else []
+    started = time.perf_counter()
+    reused = 0
+    for trial in grid:
+        echo(f"grid trial {trial.index + 1}/{len(grid)}")
+        record = (
+            None
+            if grid_cache is None
+            else grid_cache / f"{_config(space, trial, False).recipe_hash()}-{space.metric}.json"
+        )
+        if record is not None and record.is_file():
+            kept = json.loads(record.read_text())
+            trial.steps, trial.final = int(kept["steps"]), kept["final"]
+            trial.curve = [(int(s), float(v)) for s, v in kept["curve"]]
+            reused += 1
+            continue
+        run_trial(space, trial, work / "grid", cache)
+        if record is not None and trial.final is not None:
+            record.parent.mkdir(parents=True, exist_ok=True)
+            kept_now = {"steps": trial.steps, "final": trial.final, "curve": trial.curve}
+            record.write_text(json.dumps({"params": trial.params, "seed": trial.seed, **kept_now}))
+    grid_wall = time.perf_counter() - started
+    # 2. ASHA, the same trials in a shuffled arrival order.
+    runs = iter(range(1, 10**9))
 
     def run_one(trial: Trial, on_value: Judge) -> None:
         echo(f"asha run {next(runs)} (trial {trial.index})")
         run_trial(space, trial, work / "asha", cache, on_value)
 
     started = time.perf_counter()
-    run_interleaved(next_job, space.concurrency, judge, run_one)
+    asha, asha_rule, resumed = run_asha(space, plan, min_steps, run_one)
     asha_wall = time.perf_counter() - started
     grid_best, asha_best = _best(space, grid), _best(space, asha)
-    if grid_best is None or asha_best is None or grid_best.final is None or asha_best.final is None:
+    if (
+        (run_grid and (grid_best is None or grid_best.final is None))
+        or asha_best is None
+        or asha_best.final is None
+    ):
         raise RuntimeError("no trial finished: nothing to compare")
-    grid_steps, asha_steps = sum(t.steps for t in grid), sum(t.steps for t in asha)
+    grid_steps = sum(t.steps for t in grid) if run_grid else len(plan) * space.max_steps
+    asha_steps = sum(t.steps for t in asha)
     sign = 1.0 if space.mode == "min" else -1.0
     rows = [
         {
@@ -303,6 +429,8 @@ def benchmark(space: Space, work: Path, cache: Path, echo: Callable[[str], None]
             "final": t.final,
             "stopped_at": t.stopped_at,
             "curve": t.curve,
+            "branch_steps": t.branch_steps,
+            "rung_values": t.rung_values,
         }
         for run, trials in (("grid", grid), ("asha", asha))
         for t in trials
@@ -314,6 +442,10 @@ def benchmark(space: Space, work: Path, cache: Path, echo: Callable[[str], None]
         "mode": space.mode,
         "eta": ETA,
         "form": space.early_stopping.form,
+        "rung_eval": space.early_stopping.rung_eval,
+        "cooldown_fraction": space.early_stopping.cooldown_fraction
+        if space.early_stopping.rung_eval == "cooldown"
+        else None,
         "rungs": asha_rule.rungs,
         "max_steps": space.max_steps,
         "grid": {
@@ -321,19 +453,25 @@ def benchmark(space: Space, work: Path, cache: Path, echo: Callable[[str], None]
             "best_trial": grid_best.index,
             "trial_steps": grid_steps,
             "wall_s": round(grid_wall, 1),
-        },
+            "reused": reused,
+        }
+        if grid_best is not None
+        else {"skipped": True, "trial_steps": grid_steps},
         "asha": {
             "best_metric": asha_best.final,
             "best_trial": asha_best.index,
             "trial_steps": asha_steps,
-            "stopped_early": sum(1 for t in asha if t.steps < space.max_steps),
-            "resumed": asha_runs["resumed"],
+            "branch_steps": sum(t.branch_steps for t in asha),
+            "stopped_early": sum(1 for t in asha if t.final is None),
+            "resumed": resumed,
             "rung_occupancy": asha_rule.occupancy(),
             "concurrency": space.concurrency,
             "wall_s": round(asha_wall, 1),
         },
         "compute_ratio": asha_steps / grid_steps,
-        "regret": sign * (asha_best.final - grid_best.final),
+        "regret": sign * (asha_best.final - grid_best.final)
+        if grid_best and grid_best.final is not None
+        else None,
         "per_trial": rows,
     }
 
@@ -342,6 +480,12 @@ def sweep(
     space: Annotated[Path, typer.Option(help="space file (YAML, the sweep format)")],
     out: Annotated[Path, typer.Option(help="directory for summary.json")],
     quiet: Annotated[bool, clitools.QuietOption] = False,
+    fresh_grid: Annotated[
+        bool, typer.Option(help="train every grid trial again (default: reuse DIR/grid-cache records)")
+    ] = False,
+    asha_only: Annotated[
+        bool, typer.Option(help="skip the grid: no regret; compute_ratio against every trial at full budget")
+    ] = False,
 ) -> None:
     """Grid at full budget vs ASHA (η = 3) over one space: best metric, trial-steps, regret."""
     if not space.is_file():
@@ -349,15 +493,19 @@ def sweep(
     try:
         parsed = parse(space.read_bytes())
         for params in parsed.configurations():  # every trial's recipe, before any training
-            _config(parsed, Trial(0, dict(params), parsed.seeds[0] if parsed.seeds else None))
+            for branches in (False, True):
+                _config(parsed, Trial(0, dict(params), parsed.seeds[0] if parsed.seeds else None), branches)
     except (ValidationError, schema.RecipeError) as exc:
         raise typer.BadParameter(str(exc), param_hint="--space") from None
     out.mkdir(parents=True, exist_ok=True)
     work = out / "runs"
     shutil.rmtree(work, ignore_errors=True)  # a previous run's checkpoints would be resumed
     trials = len(parsed.configurations()) * max(1, len(parsed.seeds))
-    with clitools.stages(2 * trials, quiet) as stage:
-        summary = benchmark(parsed, work, out / "cache", echo=stage)
+    with clitools.stages(trials if asha_only else 2 * trials, quiet) as stage:
+        grid_cache = None if fresh_grid else out / "grid-cache"
+        summary = benchmark(
+            parsed, work, out / "cache", echo=stage, grid_cache=grid_cache, run_grid=not asha_only
+        )
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     brief = {k: v for k, v in summary.items() if k != "per_trial"}
     typer.echo(json.dumps(brief, indent=2))

@@ -18,8 +18,9 @@ What differs per task (data, model, loss, evaluation, export) is an
    sync only on the last), sum the step's loss units and figures over the ranks, divide the
    gradients by the global units and clip (the global norm, over shards under FSDP), step, log loss, figures,
    tokens/s and MFU; evaluate and checkpoint on their intervals (a fixed step count or the
-   Young/Daly interval, re-planned after the first measured save); on a stop request (SIGTERM)
-   checkpoint and return ``preempted``;
+   Young/Daly interval, re-planned after the first measured save); at a ``rung_cooldown`` step,
+   evaluate after a cooldown branch and go on from the state before it (:mod:`cooldown`); on a
+   stop request (SIGTERM) checkpoint and return ``preempted``;
 6. at the end: final checkpoint, wait for it to publish, export in Hugging Face format (under
    FSDP from the gathered full state, as the plain model class); rank 0 draws the loss and
    learning-rate curves as ``curves.png`` beside ``metrics.jsonl`` (:mod:`curves`), also when the
@@ -42,7 +43,7 @@ import structlog
 import torch
 
 from forge_kit.objectstore import ObjectStore
-from forge_training import parallel, schema, validation
+from forge_training import cooldown, parallel, schema, validation
 from forge_training.checkpoint import CheckpointManager, Manifest, optimal_interval_s
 from forge_training.collectives import all_reduce, barrier
 from forge_training.curves import plot_curves
@@ -99,6 +100,8 @@ class TrainResult:
     """The interval in force at the end (Young/Daly: as planned from the measured save)."""
     early_stop: str = ""
     """Why the objective ended training before ``max_steps`` (DPO's over-optimisation monitor)."""
+    branch_steps: int = 0
+    """Optimizer steps of this run's cooldown branches (:mod:`cooldown`), not in ``step``."""
 
 
 def lr_factor(config: TrainConfig) -> Callable[[int], float]:
@@ -330,6 +333,15 @@ def train(config: TrainConfig, ctx: RunContext) -> TrainResult:
     window_tokens, window_flops, window_start = 0.0, 0.0, ctx.clock()
     loop_start, total_tokens, total_flops, steps_run = window_start, 0.0, 0.0, 0
     last: dict[str, float] = {}
+    branches = cooldown.branch_steps(config)
+
+    def branch_step(batch: StepBatch) -> None:
+        _train_step(objective, module, batch, ctx.world_size)
+        units = all_reduce([batch.units], ctx.world_size, shared=shared)[0]
+        parallel.clip_grad_norm(trainable, o.grad_clip, scale=1.0 / max(units, 1.0))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
     try:
         # 5. Steps.
         while step < config.max_steps:
@@ -368,6 +380,12 @@ def train(config: TrainConfig, ctx: RunContext) -> TrainResult:
                 result.eval_metrics = objective.evaluate()
                 last.update(result.eval_metrics)
                 metrics.write(step, result.eval_metrics)
+            if step in branches:
+                ahead = prefetch.peek(branches[step])
+                cooled = cooldown.run_branch(model, optimizer, ahead, branch_step, objective.evaluate)
+                result.branch_steps += len(ahead)
+                figures_cd = {cooldown.PREFIX + k: v for k, v in cooled.items()}
+                metrics.write(step, {**figures_cd, cooldown.STEPS_KEY: len(ahead)})
             early = objective.early_stop(step)
             if early:
                 log.info("train.early_stop", step=step, reason=early)

@@ -119,6 +119,15 @@ def validate(config: TrainConfig, world_size: int) -> None:
         raise RecipeError(f"optim.schedule: one of {', '.join(SCHEDULES)}, got {o.schedule!r}")
     if not 0.0 <= o.decay_fraction <= 1.0:
         raise RecipeError(f"optim.decay_fraction: must be in [0, 1], got {o.decay_fraction}")
+    rc = config.rung_cooldown
+    if not 0.0 <= rc.fraction <= 1.0:
+        raise RecipeError(f"rung_cooldown.fraction: must be in [0, 1], got {rc.fraction}")
+    if rc.fraction > 0 and not 1 <= rc.min_steps < config.max_steps:
+        raise RecipeError(
+            f"rung_cooldown.min_steps: must be in [1, max_steps) with a fraction, got {rc.min_steps}"
+        )
+    if not 2 <= rc.eta <= 100:
+        raise RecipeError(f"rung_cooldown.eta: must be in [2, 100], got {rc.eta}")
     if o.grad_clip < 0:
         raise RecipeError(f"optim.grad_clip: must be >= 0, got {o.grad_clip}")
     if config.init.encoder_dropout != -1.0 and not 0.0 <= config.init.encoder_dropout < 1.0:

@@ -30,6 +30,8 @@ class TrialMetric:
     step: int
     value: float
     event_id: str = ""
+    cooldown: bool = False
+    """The value after a rung's cooldown branch (``cooldown_<metric>``), not the run's own."""
 
 
 @dataclass
@@ -68,6 +70,8 @@ class Trial:
     reason: str = ""
     values: list[list[float]] = field(default_factory=list)
     """[step, value] of the followed metric, in arrival order."""
+    rung_values: list[list[float]] = field(default_factory=list)
+    """[step, value] of the metric after each rung's cooldown branch (``rung_eval: cooldown``)."""
     final: float | None = None
     stopped_at: int | None = None
     preemptions: int = 0

@@ -4,7 +4,8 @@ A metrics event names its job; the job's workflow is known from the job's record
 ``JobStateChanged`` events (``job_events``, written by the job-event router when the job
 started). Only a workflow started as a sweep carries the followed metric's name in its memo
 (:data:`MEMO_METRIC`); for one, the event's value of that metric, if it has one, is signalled
-as ``trial_metric`` (job, step, value, event id). Other workflows get nothing, and a sweep gets
+as ``trial_metric`` (job, step, value, event id), and so is its value after a rung's cooldown
+branch (``cooldown_<metric>``, flagged ``cooldown``). Other workflows get nothing, and a sweep gets
 one signal per evaluation rather than one per logged step. What each workflow follows is
 remembered (a bounded map), so the workflow is described once, not per event.
 """
@@ -24,6 +25,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from temporalio.client import Client
 from temporalio.service import RPCError, RPCStatusCode
 
+from forge_kit.sweepspace import COOLDOWN_PREFIX
 from forge_orchestrator.store import JobEventRow
 from forge_orchestrator.sweep.workflow import MEMO_METRIC, METRIC_SIGNAL, TrialMetric
 
@@ -103,19 +105,23 @@ class MetricsRouter:
         if not workflow_id:
             return
         metric = await self._metric_of(workflow_id)
-        value = event.values.get(metric) if metric else None
-        if value is None:
+        if not metric:
             return
-        delivered = await self._signaller.trial_metric(
-            workflow_id,
-            TrialMetric(
-                job_id=event.job_id, step=int(event.step), value=float(value), event_id=event.meta.event_id
-            ),
-        )
-        log.info(
-            "trial_metric.routed",
-            workflow_id=workflow_id,
-            job_id=event.job_id,
-            step=event.step,
-            delivered=delivered,
-        )
+        for key, cooled in ((metric, False), (COOLDOWN_PREFIX + metric, True)):
+            value = event.values.get(key)
+            if value is None:
+                continue
+            # One event id per signal: the workflow drops a repeated id as a duplicate delivery.
+            event_id = event.meta.event_id + ("/cooldown" if cooled and event.meta.event_id else "")
+            delivered = await self._signaller.trial_metric(
+                workflow_id,
+                TrialMetric(event.job_id, int(event.step), float(value), event_id=event_id, cooldown=cooled),
+            )
+            log.info(
+                "trial_metric.routed",
+                workflow_id=workflow_id,
+                job_id=event.job_id,
+                step=event.step,
+                cooldown=cooled,
+                delivered=delivered,
+            )

@@ -11,7 +11,8 @@ In steps:
 3. follow each trial's job events (``job_event``) and its metric (``trial_metric``, sent by the
    orchestrator's ``TrainingMetrics`` consumer with (job, step, value)):
    - the early-stopping rule (ASHA or median stopping, :mod:`forge_kit.earlystop`) judges each
-     value as it arrives; a trial it stops is cancelled (its job checkpoints on SIGTERM, and
+     value as it arrives (under ``early_stopping.rung_eval: cooldown``, ASHA judges the values
+     each trial reports after its rungs' cooldown branches, ``cooldown`` signals, instead); a trial it stops is cancelled (its job checkpoints on SIGTERM, and
      nothing deletes that checkpoint) and recorded ``stopped``. Under ASHA's promotion form (the
      default) a trial at a rung is ``paused`` the same way unless promotable at once; a free slot
      first resumes the best promotable paused trial (a new job of the trial with ``--run-id`` of
@@ -157,6 +158,7 @@ class SweepWorkflow:
             "metric": space.metric if space else "",
             "mode": space.mode if space else "",
             "rungs": space.rungs() if space else [],
+            "rung_eval": space.early_stopping.rung_eval if space else "",
             "max_steps": space.max_steps if space else 0,
             "trials_by_state": by_state,
             "rung_occupancy": {str(k): v for k, v in occupancy.items()},
@@ -185,6 +187,7 @@ class SweepWorkflow:
                     "stopped_at": t.stopped_at,
                     "preemptions": t.preemptions,
                     "values": t.values,
+                    "rung_values": t.rung_values,
                     "run_id": t.run_id,
                 }
                 for t in self._trials
@@ -574,8 +577,14 @@ class SweepWorkflow:
         if metric.step < 0 or metric.step > self._space.max_steps:
             self._ignore(f"trial {index}: step {metric.step} outside the budget")
             return
-        trial.values.append([float(metric.step), value])
         trial.last_metric_at = self._now()
+        cooled_rungs = self._space.early_stopping.rung_eval == "cooldown"
+        if metric.cooldown:
+            trial.rung_values.append([float(metric.step), value])
+            if not cooled_rungs or trial.state == "finishing":
+                return  # a branch the sweep did not ask for judges nothing
+        else:
+            trial.values.append([float(metric.step), value])
         if trial.state == "finishing":
             if self._ready(trial):
                 await self._complete(trial)
@@ -584,8 +593,8 @@ class SweepWorkflow:
             trial.state = "running"
             if trial.running_since is None:
                 trial.running_since = self._now()
-        if self._rule is None or metric.step >= self._space.max_steps:
-            return
+        if self._rule is None or metric.step >= self._space.max_steps or cooled_rungs != metric.cooldown:
+            return  # under rung_eval: cooldown, only the branches' values are judged
         decision = self._rule.report(str(index), metric.step, value)
         if decision == "pause":  # its job checkpoints on SIGTERM; a promotion resumes it
             trial.stopped_at = metric.step
