@@ -83,7 +83,10 @@ def test_random_configurations_are_seeded_and_in_range() -> None:
             ("eta: 3}", "eta: 3, rung_eval: cooldown, cooldown_fraction: 1.5}"),
             "early_stopping.cooldown_fraction",
         ),
-        (("eta: 3}", "eta: 3, cooldown_fraction: 0.2}"), "early_stopping.cooldown_fraction"),
+        (
+            ("eta: 3}", "eta: 3, rung_eval: value, cooldown_fraction: 0.2}"),
+            "early_stopping.cooldown_fraction",
+        ),
         (
             ("rule: asha, min_steps: 3, eta: 3}", "rule: median, min_steps: 3, rung_eval: cooldown}"),
             "early_stopping.rung_eval",
@@ -136,3 +139,30 @@ def test_hostile_input_is_refused() -> None:
     with pytest.raises(ValidationError) as caught:
         sweepspace.parse(BASE.replace("name: s\n", "name: ../../etc\n"))
     assert caught.value.field == "name"
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        (None, "value"),  # the recipe's cosine schedule: rungs already see a decaying rate
+        ("overrides: {optim.schedule: wsd}\n", "cooldown"),  # held peak rate: judged after a branch
+    ],
+)
+def test_auto_rung_eval_follows_the_trials_schedule(change: str | None, expected: str) -> None:
+    text = BASE if change is None else BASE + change
+    space = sweepspace.parse(text)
+    assert space.early_stopping.rung_eval == expected
+    branch = "rung_cooldown.fraction" in space.trial_overrides(space.configurations()[0])
+    assert branch is (expected == "cooldown")
+
+
+def test_auto_rung_eval_with_a_swept_schedule_and_an_explicit_choice() -> None:
+    swept = BASE.replace(
+        "parameters:\n", "parameters:\n  optim.schedule: {type: categorical, values: [cosine, wsd]}\n"
+    ).replace("baseline:", "# baseline:").replace("trials: 36,", "trials: 72,")
+    assert sweepspace.parse(swept).early_stopping.rung_eval == "cooldown"
+    pinned = swept.replace("eta: 3}", "eta: 3, rung_eval: value}")
+    assert sweepspace.parse(pinned).early_stopping.rung_eval == "value"
+    # a training figure is never judged after a branch, whatever the schedule
+    figure = swept.replace("name: val_loss", "name: loss")
+    assert sweepspace.parse(figure).early_stopping.rung_eval == "value"

@@ -28,7 +28,10 @@ A space file (see ``load/sweep/space.yaml``)::
                                                          # rung_eval: cooldown (and
                                                          # cooldown_fraction, default 0.1)
                                                          # judges each rung on the metric
-                                                         # after a cooldown branch
+                                                         # after a cooldown branch; value on
+                                                         # the metric as reported; auto (the
+                                                         # default) cooldown for trials whose
+                                                         # schedule holds the peak rate (wsd)
                                                          # or {rule: none}
 
 Everything is checked before any job exists; a :class:`~forge_kit.errors.ValidationError` names
@@ -43,7 +46,7 @@ import math
 import random
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cache
 from importlib import resources
 from typing import Any
@@ -67,8 +70,12 @@ RULES = ("asha", "median", "none")
 #: ASHA's forms (``early_stopping.form``).
 ASHA_FORMS = ("promotion", "stopping")
 #: What ASHA compares at a rung (``early_stopping.rung_eval``): the metric as the trial reports
-#: it, or after a cooldown branch (``forge_training.cooldown``).
-RUNG_EVALS = ("value", "cooldown")
+#: it, after a cooldown branch (``forge_training.cooldown``), or ``auto`` (the default): a
+#: cooldown where a trial's schedule holds its peak rate until a late decay, the value otherwise.
+RUNG_EVALS = ("auto", "value", "cooldown")
+#: Schedules (``optim.schedule``) that keep the peak rate until a final decay: a rung's value is
+#: taken at the peak rate, where larger rates lead, so ``auto`` judges such trials after a branch.
+HOLD_PEAK_SCHEDULES = ("wsd",)
 #: Prefix of a figure measured after a rung's cooldown branch (``cooldown_val_loss``), as the
 #: training loop writes it and the sweep follows it.
 COOLDOWN_PREFIX = "cooldown_"
@@ -155,7 +162,8 @@ class EarlyStopping:
     rung_eval: str = "value"
     """``value``: rungs compare the metric as reported; ``cooldown``: as reported after a branch
     that decays the rate to zero over ``cooldown_fraction`` of the steps so far (the trial then
-    goes on from before the branch; its steps count as the trial's)."""
+    goes on from before the branch; its steps count as the trial's). A parsed space holds the
+    resolved choice (``auto`` in the file becomes one of the two, :func:`resolve_rung_eval`)."""
     cooldown_fraction: float = 0.1
     """Branch length as a share of the steps so far: its steps count against the sweep's compute
     (0.1 and 0.2 measured in load/sweep/RESULTS.md)."""
@@ -337,7 +345,7 @@ def _early_stopping(data: Any, max_steps: int) -> EarlyStopping:
     form = _field(data, "form", "early_stopping.", str, "promotion")
     if form not in ASHA_FORMS:
         raise ValidationError("early_stopping.form", f"must be one of {', '.join(ASHA_FORMS)}")
-    rung_eval = _field(data, "rung_eval", "early_stopping.", str, "value")
+    rung_eval = _field(data, "rung_eval", "early_stopping.", str, "auto")
     if rung_eval not in RUNG_EVALS:
         raise ValidationError("early_stopping.rung_eval", f"must be one of {', '.join(RUNG_EVALS)}")
     if rung_eval == "cooldown" and rule != "asha":
@@ -345,11 +353,41 @@ def _early_stopping(data: Any, max_steps: int) -> EarlyStopping:
             "early_stopping.rung_eval", "cooldown evaluations are taken at ASHA's rungs only"
         )
     fraction = _number(data, "cooldown_fraction", "early_stopping.", 0.1)
-    if "cooldown_fraction" in data and rung_eval != "cooldown":
-        raise ValidationError("early_stopping.cooldown_fraction", "applies only with rung_eval: cooldown")
+    if "cooldown_fraction" in data and (rung_eval == "value" or rule != "asha"):
+        raise ValidationError(
+            "early_stopping.cooldown_fraction", "applies only with rung_eval: cooldown or auto under asha"
+        )
     if not 0.0 < fraction <= 1.0:
         raise ValidationError("early_stopping.cooldown_fraction", "must be in (0, 1]")
     return EarlyStopping(rule, min_steps, eta, min_trials, form, rung_eval, fraction)
+
+
+def _schedules(entry: Mapping[str, Any], params: list[Parameter], overrides: Mapping[str, Value]) -> set[str]:
+    """Every ``optim.schedule`` a trial of the space can run: the swept values, else the
+    override, else the recipe's default."""
+    for p in params:
+        if p.key == "optim.schedule":
+            return {str(v) for v in p.grid()}
+    if "optim.schedule" in overrides:
+        return {str(overrides["optim.schedule"])}
+    default = entry["keys"].get("optim.schedule", {}).get("default")
+    return {str(default)} if default is not None else set()
+
+
+def resolve_rung_eval(rule: str, metric: str, key_types: Mapping[str, str], schedules: set[str]) -> str:
+    """What ``rung_eval: auto`` means for a space: ``cooldown`` when ASHA judges an evaluation
+    metric of a recipe that takes branches and some trial's schedule holds its peak rate until a
+    late decay (:data:`HOLD_PEAK_SCHEDULES`: at a rung such trials are compared at their peak
+    rates, where the larger rates lead — the short-horizon bias measured in load/sweep/RESULTS.md);
+    ``value`` otherwise (under a cosine schedule the rate is already decaying at every rung)."""
+    if (
+        rule == "asha"
+        and "rung_cooldown.fraction" in key_types
+        and metric not in _STEP_FIGURES
+        and schedules & set(HOLD_PEAK_SCHEDULES)
+    ):
+        return "cooldown"
+    return "value"
 
 
 def parse(text: str | bytes) -> Space:
@@ -440,6 +478,9 @@ def from_dict(data: Mapping[str, Any]) -> Space:
         missing = sorted(set(raw_params) - set(baseline))[0]
         raise ValidationError(f"baseline.{missing}", "the baseline names a value for every parameter")
     early = _early_stopping(data.get("early_stopping"), max_steps)
+    if early.rung_eval == "auto":
+        resolved = resolve_rung_eval(early.rule, metric_name, key_types, _schedules(entry, params, overrides))
+        early = replace(early, rung_eval=resolved)
     if early.rung_eval == "cooldown":
         if "rung_cooldown.fraction" not in key_types:
             raise ValidationError("early_stopping.rung_eval", f"{recipe} takes no cooldown branches")
@@ -553,11 +594,9 @@ def to_dict(space: Space) -> dict[str, Any]:
             "eta": es.eta,
             "min_trials": es.min_trials,
             "form": es.form,
-            **(
-                {"rung_eval": es.rung_eval, "cooldown_fraction": es.cooldown_fraction}
-                if es.rung_eval != "value"
-                else {}
-            ),
+            # the resolved choice, never ``auto``: a reloaded space judges rungs as it did
+            "rung_eval": es.rung_eval,
+            **({"cooldown_fraction": es.cooldown_fraction} if es.rung_eval == "cooldown" else {}),
         },
         "trial_timeout_s": space.trial_timeout_s,
         "metrics_timeout_s": space.metrics_timeout_s,
