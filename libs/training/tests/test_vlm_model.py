@@ -222,7 +222,7 @@ def test_curriculum_stages_chain_train_and_resume(tmp_path: Path) -> None:
     )  # stage 1 trains the projector only
     inter = run("vlm_interleave", "inter", **{"init.parent": str(aligned), **vlm_over})
     manifest = tmp_path / "objects" / "checkpoints" / "inter" / "step-00000004" / "manifest.json"
-    assert load_vlm_parent(str(manifest)).model.config.image_seq_length == 16
+    assert load_vlm_parent(str(manifest)).model.config.image_seq_length == 4  # 32 px, 16 px patches
     # Stage 3 killed after step 2 and restarted: it resumes from its checkpoint.
     over = {**tiny, "init.parent": str(inter), **vlm_over, "checkpoint.interval_steps": 2}
     config = recipes.build("vlm_instruct", over)
