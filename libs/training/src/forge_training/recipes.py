@@ -180,7 +180,9 @@ def vlm_world_lm() -> TrainConfig:
     )
 
 
-def _vlm(name: str, stage: str, lr: float, max_steps: int, seq_len: int, batch: int = 16, **vlm: object) -> TrainConfig:
+def _vlm(
+    name: str, stage: str, lr: float, max_steps: int, seq_len: int, batch: int = 16, **vlm: object
+) -> TrainConfig:
     return TrainConfig(
         name=name,
         task="vlm",
