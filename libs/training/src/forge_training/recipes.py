@@ -215,7 +215,7 @@ def vlm_interleave() -> TrainConfig:
 def vlm_instruct() -> TrainConfig:
     """VLM stage 3: instruction tuning on VQA chats (train question templates) and caption
     chats; loss on the reply; everything trains. Parent: stage 2's VLM."""
-    return _vlm("vlm_instruct", "instruct", lr=1e-3, max_steps=250, seq_len=80, batch=32)
+    return _vlm("vlm_instruct", "instruct", lr=1e-3, max_steps=600, seq_len=80, batch=32)
 
 
 def vlm_joint() -> TrainConfig:
