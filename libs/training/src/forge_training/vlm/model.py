@@ -75,7 +75,7 @@ class VisionShape:
     """The vision tower's shape (a ``CLIPVisionConfig``)."""
 
     image_size: int = 32
-    patch_size: int = 8
+    patch_size: int = 16
     hidden_size: int = 64
     intermediate_size: int = 128
     num_layers: int = 2
