@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 from PIL import Image
+from safetensors import safe_open
 from tokenizers import Tokenizer
 from transformers import AutoProcessor, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -161,6 +162,15 @@ def test_export_reloads_equal_and_matches_the_hf_processor(vlm: tuple, tmp_path:
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["architectures"] == ["LlavaForConditionalGeneration"]
     assert config["image_token_index"] == model.config.image_token_id
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as handle:
+        prefixes = {".".join(k.split(".")[:2]) for k in handle.keys()}  # noqa: SIM118 - safe_open is not iterable
+    assert prefixes == {
+        "vision_tower.vision_model",
+        "multi_modal_projector.linear_1",
+        "multi_modal_projector.linear_2",
+        "language_model.model",
+        "language_model.lm_head",
+    }
     loaded = load_vlm(tmp_path)
     rows = [
         enc.encode(

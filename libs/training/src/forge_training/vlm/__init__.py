@@ -10,9 +10,11 @@ Contract with serving (model server, gateway, eval service) — what an exported
   ``llama``, ``architectures: ["LlamaForCausalLM"]``) initialised from a Forge causal-LM parent. Features are the last
   encoder layer's (``vision_feature_layer: -1``, before ``post_layernorm``) with CLS dropped
   (``vision_feature_select_strategy: "default"``).
-- **Weights** (``model.safetensors``; transformers 5.25 writes the legacy LLaVA names):
+- **Weights** (``model.safetensors``, the names of published LLaVA-1.5 checkpoints):
   ``vision_tower.vision_model.*``, ``multi_modal_projector.linear_1/linear_2.*``,
-  ``language_model.model.*`` (the Llama body) and ``language_model.lm_head.weight``. Loaded, the
+  ``language_model.model.*`` (the Llama body) and ``language_model.lm_head.weight``
+  (transformers 5.25 writes ``vision_tower.*`` without ``vision_model``; :func:`model.export_vlm`
+  renames it, and transformers loads either). Loaded, the
   module names are ``model.vision_tower.*``, ``model.multi_modal_projector.*``,
   ``model.language_model.*`` and ``lm_head.*`` (transformers maps them).
 - **Image token**: the tokenizer (``tokenizer.json``, Forge's byte-level BPE of the parent with
