@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 from PIL import Image
+from safetensors import safe_open
 from tokenizers import Tokenizer
 from transformers import AutoProcessor, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -161,6 +162,15 @@ def test_export_reloads_equal_and_matches_the_hf_processor(vlm: tuple, tmp_path:
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["architectures"] == ["LlavaForConditionalGeneration"]
     assert config["image_token_index"] == model.config.image_token_id
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as handle:
+        prefixes = {".".join(k.split(".")[:2]) for k in handle.keys()}  # noqa: SIM118 - safe_open is not iterable
+    assert prefixes == {
+        "vision_tower.vision_model",
+        "multi_modal_projector.linear_1",
+        "multi_modal_projector.linear_2",
+        "language_model.model",
+        "language_model.lm_head",
+    }
     loaded = load_vlm(tmp_path)
     rows = [
         enc.encode(
@@ -222,7 +232,7 @@ def test_curriculum_stages_chain_train_and_resume(tmp_path: Path) -> None:
     )  # stage 1 trains the projector only
     inter = run("vlm_interleave", "inter", **{"init.parent": str(aligned), **vlm_over})
     manifest = tmp_path / "objects" / "checkpoints" / "inter" / "step-00000004" / "manifest.json"
-    assert load_vlm_parent(str(manifest)).model.config.image_seq_length == 16
+    assert load_vlm_parent(str(manifest)).model.config.image_seq_length == 4  # 32 px, 16 px patches
     # Stage 3 killed after step 2 and restarted: it resumes from its checkpoint.
     over = {**tiny, "init.parent": str(inter), **vlm_over, "checkpoint.interval_steps": 2}
     config = recipes.build("vlm_instruct", over)

@@ -180,7 +180,9 @@ def vlm_world_lm() -> TrainConfig:
     )
 
 
-def _vlm(name: str, stage: str, lr: float, max_steps: int, seq_len: int, batch: int = 16, **vlm: object) -> TrainConfig:
+def _vlm(
+    name: str, stage: str, lr: float, max_steps: int, seq_len: int, batch: int = 16, **vlm: object
+) -> TrainConfig:
     return TrainConfig(
         name=name,
         task="vlm",
@@ -213,7 +215,7 @@ def vlm_interleave() -> TrainConfig:
 def vlm_instruct() -> TrainConfig:
     """VLM stage 3: instruction tuning on VQA chats (train question templates) and caption
     chats; loss on the reply; everything trains. Parent: stage 2's VLM."""
-    return _vlm("vlm_instruct", "instruct", lr=1e-3, max_steps=250, seq_len=80, batch=32)
+    return _vlm("vlm_instruct", "instruct", lr=1e-3, max_steps=600, seq_len=80, batch=32)
 
 
 def vlm_joint() -> TrainConfig:

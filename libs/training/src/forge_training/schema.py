@@ -236,7 +236,8 @@ class VlmConfig:
     (``captions/``, ``documents/``, ``chats/`` shards, ``text.txt``, ``eval/val/``)."""
     world_seed: int = 0
     image_size: int = 32
-    patch_size: int = 8
+    patch_size: int = 16
+    """One patch per cell of the world's 2 x 2 grid: a 4-token image (see ``load/vlm/README.md``)."""
     vision_hidden_size: int = 64
     vision_layers: int = 2
     vision_heads: int = 2

@@ -92,15 +92,15 @@ def mean_tokens_per_step(name: str, loaded: LoadedVlm, folder: Path, probe: int 
 
 
 def evaluate_model(
-    loaded: LoadedVlm, folder: Path, seq_len: int, max_new_tokens: int = 8
+    loaded: LoadedVlm, folder: Path, seq_len: int, limit: int = 0, max_new_tokens: int = 8
 ) -> dict[str, Scored]:
     enc = SequenceEncoder(
         loaded.tokenizer, loaded.image_token_id, loaded.image_seq_length, loaded.spec, seq_len
     )
     held = ShardReader(shard_files(folder / "eval" / "held_out"))
     caps = ShardReader(shard_files(folder / "eval" / "captions"))
-    held_samples, bad = held.read_many(range(len(held)))
-    cap_samples, bad_caps = caps.read_many(range(len(caps)))
+    held_samples, bad = held.read_many(range(min(limit or len(held), len(held))))
+    cap_samples, bad_caps = caps.read_many(range(min(limit or len(caps), len(caps))))
     if bad or bad_caps:
         raise RuntimeError(f"unreadable evaluation items: {[str(e) for e in bad + bad_caps]}")
     model = loaded.model
@@ -137,7 +137,9 @@ def _arm(scored: dict[str, Scored], train_s: float, tokens: float, steps: dict[s
     }
 
 
-def benchmark(out: Path, scale: float = 1.0, seed: int = 0, echo: Any = print) -> dict[str, Any]:
+def benchmark(
+    out: Path, scale: float = 1.0, seed: int = 0, eval_limit: int = 0, echo: Any = print
+) -> dict[str, Any]:
     work, cache = out / "work", out / "cache"
     lm_name = "vlm_world_lm"
     world_cfg = recipes.build("vlm_align").vlm
@@ -186,8 +188,8 @@ def benchmark(out: Path, scale: float = 1.0, seed: int = 0, echo: Any = print) -
     joint = load_vlm(joint_result.export_dir)
     seq_len = recipes.build("vlm_instruct").data.seq_len
     eval_start = time.perf_counter()
-    scored_c = evaluate_model(curriculum, folder, seq_len)
-    scored_j = evaluate_model(joint, folder, seq_len)
+    scored_c = evaluate_model(curriculum, folder, seq_len, eval_limit)
+    scored_j = evaluate_model(joint, folder, seq_len, eval_limit)
     eval_s = time.perf_counter() - eval_start
     arm_c = _arm(scored_c, curriculum_s, curriculum_tokens, steps)
     arm_j = _arm(scored_j, joint_s, _tokens(joint_result), steps_joint)
@@ -229,11 +231,12 @@ def vlm(
     out: Annotated[Path, typer.Option("--out", help="Folder for summary.json, the runs and the world")],
     scale: Annotated[float, typer.Option(help="Multiply every recipe's max_steps (1: the benchmark)")] = 1.0,
     seed: Annotated[int, typer.Option(help="Training seed of every run")] = 0,
+    eval_limit: Annotated[int, typer.Option(help="Score only the first N evaluation items (0: all)")] = 0,
 ) -> None:
     """Curriculum (LM -> align -> interleave -> instruct) against joint training at equal compute."""
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    summary = benchmark(out, scale, seed, echo=typer.echo)
+    summary = benchmark(out, scale, seed, eval_limit, echo=typer.echo)
     summary["total_s"] = time.perf_counter() - started
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     keys = ("vqa_accuracy", "ci95", "caption_metric", "train_s")

@@ -4,14 +4,17 @@ Contract with serving (model server, gateway, eval service) — what an exported
 
 - **Model**: transformers' ``LlavaForConditionalGeneration`` (``config.json``: ``model_type:
   "llava"``, ``architectures: ["LlavaForConditionalGeneration"]``): a ``CLIPVisionModel`` tower
-  (``vision_config``, ``clip_vision_model``: patch embedding + ViT; ``image_size`` e.g. 32,
-  ``patch_size`` 8), the two-layer GELU MLP ``multi_modal_projector``, and a Llama text model
-  (``text_config``, ``llama``) initialised from a Forge causal-LM parent. Features are the last
+  (``vision_config``, ``clip_vision_model``: patch embedding + ViT; the recipes' ``image_size``
+  32 and ``patch_size`` 16, one patch per cell of the synthetic world's 2 x 2 grid), the
+  two-layer GELU MLP ``multi_modal_projector``, and a Llama text model (``text_config``,
+  ``llama``, ``architectures: ["LlamaForCausalLM"]``) initialised from a Forge causal-LM parent. Features are the last
   encoder layer's (``vision_feature_layer: -1``, before ``post_layernorm``) with CLS dropped
   (``vision_feature_select_strategy: "default"``).
-- **Weights** (``model.safetensors``; transformers 5.25 writes the legacy LLaVA names):
+- **Weights** (``model.safetensors``, the names of published LLaVA-1.5 checkpoints):
   ``vision_tower.vision_model.*``, ``multi_modal_projector.linear_1/linear_2.*``,
-  ``language_model.model.*`` (the Llama body) and ``language_model.lm_head.weight``. Loaded, the
+  ``language_model.model.*`` (the Llama body) and ``language_model.lm_head.weight``
+  (transformers 5.25 writes ``vision_tower.*`` without ``vision_model``; :func:`model.export_vlm`
+  renames it, and transformers loads either). Loaded, the
   module names are ``model.vision_tower.*``, ``model.multi_modal_projector.*``,
   ``model.language_model.*`` and ``lm_head.*`` (transformers maps them).
 - **Image token**: the tokenizer (``tokenizer.json``, Forge's byte-level BPE of the parent with

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 from tokenizers import AddedToken, Tokenizer
 from transformers import (
     CLIPVisionConfig,
@@ -75,7 +76,7 @@ class VisionShape:
     """The vision tower's shape (a ``CLIPVisionConfig``)."""
 
     image_size: int = 32
-    patch_size: int = 8
+    patch_size: int = 16
     hidden_size: int = 64
     intermediate_size: int = 128
     num_layers: int = 2
@@ -166,6 +167,7 @@ def export_vlm(model: PreTrainedModel, tokenizer: Tokenizer, spec: ImageSpec, ou
     expands ``<image>`` to ``image_seq_length`` tokens)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
+    _stock_vision_names(out_dir)
     hf = hf_tokenizer(tokenizer, CHAT_TEMPLATE)
     hf.save_pretrained(out_dir)
     (out_dir / "preprocessor_config.json").write_text(json.dumps(spec.preprocessor_config(), indent=2) + "\n")
@@ -180,6 +182,29 @@ def export_vlm(model: PreTrainedModel, tokenizer: Tokenizer, spec: ImageSpec, ou
     (out_dir / "processor_config.json").write_text(json.dumps(processor, indent=2) + "\n")
     (out_dir / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     return out_dir
+
+
+def _stock_vision_names(out_dir: Path) -> None:
+    """Rename ``vision_tower.X`` (what transformers 5 writes) to ``vision_tower.vision_model.X``,
+    the names of every published LLaVA-1.5 checkpoint, which vLLM's loader maps; transformers
+    reads either."""
+    index = out_dir / "model.safetensors.index.json"
+    for path in sorted(out_dir.glob("*.safetensors")):
+        tensors = load_file(path)
+        renamed = {_stock_name(k): v for k, v in tensors.items()}
+        if renamed.keys() != tensors.keys():
+            save_file(renamed, path, metadata={"format": "pt"})
+    if index.is_file():
+        data = json.loads(index.read_text())
+        data["weight_map"] = {_stock_name(k): v for k, v in data["weight_map"].items()}
+        index.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def _stock_name(key: str) -> str:
+    prefix = "vision_tower."
+    if key.startswith(prefix) and not key.startswith(prefix + "vision_model."):
+        return prefix + "vision_model." + key[len(prefix) :]
+    return key
 
 
 @dataclass
