@@ -157,9 +157,13 @@ def test_auto_rung_eval_follows_the_trials_schedule(change: str | None, expected
 
 
 def test_auto_rung_eval_with_a_swept_schedule_and_an_explicit_choice() -> None:
-    swept = BASE.replace(
-        "parameters:\n", "parameters:\n  optim.schedule: {type: categorical, values: [cosine, wsd]}\n"
-    ).replace("baseline:", "# baseline:").replace("trials: 36,", "trials: 72,")
+    swept = (
+        BASE.replace(
+            "parameters:\n", "parameters:\n  optim.schedule: {type: categorical, values: [cosine, wsd]}\n"
+        )
+        .replace("baseline:", "# baseline:")
+        .replace("trials: 36,", "trials: 72,")
+    )
     assert sweepspace.parse(swept).early_stopping.rung_eval == "cooldown"
     pinned = swept.replace("eta: 3}", "eta: 3, rung_eval: value}")
     assert sweepspace.parse(pinned).early_stopping.rung_eval == "value"

@@ -28,8 +28,8 @@ import numpy as np
 import numpy.typing as npt
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from forge_training.datafiles import corpus_files
 from forge_training.schema import DataConfig
-from forge_training.validation import corpus_files
 
 TOKENIZER_FILE = "tokenizer.json"
 INDEX_FILE = "index.json"

@@ -34,8 +34,8 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from forge_training.data import EOT
+from forge_training.datafiles import pair_files
 from forge_training.schema import PairsConfig
-from forge_training.validation import pair_files
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}"

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from forge_kit.paths import resolve_data_path
 from forge_training.backbones import BACKBONES, backbone_dir
+from forge_training.datafiles import corpus_files, pair_files
 from forge_training.schema import (
     ENCODER_TASKS,
     INTERVAL_POLICIES,
@@ -35,35 +36,6 @@ def _validate_monitor(monitor: DpoMonitorConfig) -> None:
         value = getattr(monitor, name)
         if not low <= value <= high:
             raise RecipeError(f"dpo.monitor.{name}: must be between {low} and {high}, got {value}")
-
-
-def corpus_files(corpus: str, field_name: str = "data.corpus") -> list[Path]:
-    """The text files of a corpus (a file, ``.txt``/``.jsonl``/``.jsonl.gz``, or a directory of
-    ``*.txt``); raises :class:`RecipeError` naming ``field_name`` when there is nothing to read."""
-    path = resolve_data_path(corpus)
-    if path.is_dir():
-        files = sorted(p for p in path.glob("*.txt") if p.is_file())
-    elif path.is_file():
-        files = [path]
-    else:
-        raise RecipeError(f"{field_name}: {corpus!r} does not exist")
-    if not files or all(p.stat().st_size == 0 for p in files):
-        raise RecipeError(f"{field_name}: {corpus!r} is empty")
-    return files
-
-
-def pair_files(path: str, field_name: str = "pairs.path") -> list[Path]:
-    """The ``.jsonl``/``.jsonl.gz`` files of a pair set; :class:`RecipeError` names ``field_name``."""
-    root = resolve_data_path(path)
-    if root.is_dir():
-        files = sorted(p for p in root.rglob("*") if p.is_file() and p.name.endswith((".jsonl", ".jsonl.gz")))
-    elif root.is_file():
-        files = [root]
-    else:
-        raise RecipeError(f"{field_name}: {path!r} does not exist")
-    if not files or all(p.stat().st_size == 0 for p in files):
-        raise RecipeError(f"{field_name}: {path!r} holds no non-empty .jsonl or .jsonl.gz file")
-    return files
 
 
 def validate(config: TrainConfig, world_size: int) -> None:
