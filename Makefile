@@ -63,6 +63,7 @@ $(NPM_STAMP): package.json package-lock.json
 
 data: install
 	$(VENV)/bin/forge data fetch --quiet $(if $(DATA_MIRROR),--from $(DATA_MIRROR))
+	$(VENV)/bin/python -m forge_eval.vlm_data  # the vlm_shapes_* eval tasks' data, generated (deterministic)
 
 up: install data
 	$(VENV)/bin/forge up
