@@ -50,6 +50,7 @@ def test_long_conversations_are_cut_from_the_left_so_the_final_response_survives
     tokenizer: Tokenizer,
 ) -> None:
     cls_id, sep_id = tokenizer.token_to_id("[CLS]"), tokenizer.token_to_id("[SEP]")
+    assert cls_id is not None and sep_id is not None
     early = " ".join(["weather"] * 60)
     pair = _pair(f"tell me about {early}", "it rains", "what is a good dog", "a beagle is friendly", "no")
     ((chosen, rejected),) = encode_pairs_for_encoder(tokenizer, [pair], 24, cls_id, sep_id)
