@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from forge_kit import rmlength
 from forge_training import rm_residual, rm_score
 from forge_training.backbones import minilm_dir
 from forge_training.objectives.encoder import encoder_classifier, save_encoder
@@ -117,6 +118,10 @@ def test_a_residualised_checkpoint_scores_the_raw_reward_less_the_term_fitted_on
     assert details["length_adjust"]["slope"] == adjust.slope
     assert json.loads((tmp_path / "before" / "details.json").read_text())["length_adjust"] is None
     assert before["n"] == after["n"] == 10
+    # The by-length figures the RLHF round's gate reads (rm_length_gate) are the corrected reward's.
+    corrected = rmlength.stratified_accuracy(scored.strata, scored.chosen, scored.rejected)
+    assert after["by_length"] == rmlength.as_summary(corrected)
+    assert isinstance(rmlength.length_gate(after), str)
     # A training file that cannot be read leaves the checkpoint as it was.
     (checkpoint / LENGTH_ADJUST_FILE).unlink()
     assert rm_residual.main(["--checkpoint", str(checkpoint), "--train-pairs", str(tmp_path / "none")]) == 2
