@@ -26,6 +26,7 @@ from forge_training.pairs import (
     load_pairs,
     opening,
     render,
+    split_extra,
     to_pair,
     transcript,
 )
@@ -49,6 +50,7 @@ def test_long_conversations_are_cut_from_the_left_so_the_final_response_survives
     tokenizer: Tokenizer,
 ) -> None:
     cls_id, sep_id = tokenizer.token_to_id("[CLS]"), tokenizer.token_to_id("[SEP]")
+    assert cls_id is not None and sep_id is not None
     early = " ".join(["weather"] * 60)
     pair = _pair(f"tell me about {early}", "it rains", "what is a good dog", "a beagle is friendly", "no")
     ((chosen, rejected),) = encode_pairs_for_encoder(tokenizer, [pair], 24, cls_id, sep_id)
@@ -98,6 +100,35 @@ def test_held_out_pairs_are_never_trained_on_not_even_their_openings(tmp_path: P
     from_extra = [p for p in g_train if p.prompt[-1][1] == "another question"]
     assert len(from_extra) == 20 - len(held_openings)  # extra pairs train, unless they open like held-out
     assert all(to_pair(json.loads(line)) is not None for line in main_file.read_text().splitlines())
+
+
+def test_a_held_out_share_of_the_extra_pairs_is_never_trained_on(tmp_path: Path) -> None:
+    main_file, extra = tmp_path / "helpful.jsonl", tmp_path / "harmless.jsonl"
+    for path, tag, n in ((main_file, "help", 40), (extra, "harm", 50)):
+        pairs = [_pair(f"{tag} opening {i % 25}", "sure", f"q {i}", f"yes {i}", f"no {i}") for i in range(n)]
+        path.write_text(
+            "".join(json.dumps({"chosen": transcript(p, p.chosen), "rejected": transcript(p, p.rejected)}) + "\n"
+                    for p in pairs)
+        )  # fmt: skip
+    all_extra = PairsConfig(path=str(main_file), extra_train=str(extra), exclude_shared_openings=True)
+    split = PairsConfig(
+        path=str(main_file), extra_train=str(extra), exclude_shared_openings=True, extra_val_fraction=0.4
+    )
+    trainable, held = split_extra(split, seed=3)
+    assert len(held) == 20 and len(trainable) == 30 and not set(trainable) & set(held)
+    assert split_extra(split, seed=3) == (trainable, held)  # seeded
+    assert split_extra(all_extra, seed=3) == (split_extra(all_extra, seed=3)[0], [])
+    train, val = load_pairs(split, seed=3, val_fraction=0.25)
+    assert val == load_pairs(all_extra, seed=3, val_fraction=0.25)[1]  # the main held-out set stays
+    held_openings = {opening(p) for p in [*val, *held]}
+    assert not set(train) & set(held) and not {opening(p) for p in train} & held_openings
+    assert any(p.prompt[0][1].startswith("harm") for p in train)  # the rest of the extra pairs train
+    assert len(train) < len(load_pairs(all_extra, seed=3, val_fraction=0.25)[0])
+    with pytest.raises(RecipeError, match=r"pairs\.extra_val_fraction: needs pairs\.extra_train"):
+        validation.validate(recipes.build("reward_hh_minilm", {"pairs.extra_val_fraction": "0.5"}), 1)
+    bad = {"pairs.extra_train": str(extra), "pairs.extra_val_fraction": "1.0"}
+    with pytest.raises(RecipeError, match=r"pairs\.extra_val_fraction: must be in \[0, 1\)"):
+        validation.validate(recipes.build("reward_hh_minilm", bad), 1)
 
 
 def test_a_bundled_backbone_is_refused_where_it_cannot_run() -> None:
@@ -168,6 +199,8 @@ def test_minilm_reward_model_trains_reports_held_out_accuracy_and_forge_rm_eval_
     held_file = cache / "held_out_pairs.jsonl"
     written = [to_pair(json.loads(line)) for line in held_file.read_text().splitlines()]
     assert written == held_out and not {opening(p) for p in train} & {opening(p) for p in held_out}
+    trained = [to_pair(json.loads(line)) for line in (cache / "train_pairs.jsonl").read_text().splitlines()]
+    assert trained == train  # the file a length correction is fitted on (rm_residual)
     # forge rm eval on the export: BERT-aware (wraps [CLS] ... [SEP], cuts from the left, 48
     # tokens, the exported template), the same ids as training, the same held-out accuracy.
     export = Path(summary["export_dir"])

@@ -111,6 +111,8 @@ def pairs_hash(config: PairsConfig, seed: int, val_fraction: float) -> str:
         h.update(f"/extra:{bool(config.extra_train)}/exclude:{config.exclude_shared_openings}".encode())
     if config.length_balance != "none":
         h.update(f"/length_balance:{config.length_balance}".encode())
+    if config.extra_val_fraction:
+        h.update(f"/extra_val:{config.extra_val_fraction}".encode())
     return h.hexdigest()[:16]
 
 
@@ -129,14 +131,31 @@ def opening(pair: PreferencePair) -> str:
     return pair.prompt[0][1]
 
 
+def split_extra(config: PairsConfig, seed: int) -> tuple[list[PreferencePair], list[PreferencePair]]:
+    """The ``extra_train`` pairs as (trainable, held out): all of them trainable when
+    ``extra_val_fraction`` is 0, else shuffled by ``seed`` and the last ``extra_val_fraction`` of
+    them (at least one) held out. Neither list is filtered against the main held-out set here."""
+    if not config.extra_train:
+        return [], []
+    extra = _usable(pair_files(config.extra_train, "pairs.extra_train"))
+    if not config.extra_val_fraction:
+        return extra, []
+    order = np.random.default_rng([seed, 0xE7A5]).permutation(len(extra))
+    extra = [extra[int(i)] for i in order]
+    held_out = max(1, int(len(extra) * config.extra_val_fraction))
+    if len(extra) - held_out < 1:
+        raise ValueError(f"pairs.extra_train: {len(extra)} usable pairs, too few to hold out {held_out}")
+    return extra[:-held_out], extra[-held_out:]
+
+
 def load_pairs(
     config: PairsConfig, seed: int, val_fraction: float
 ) -> tuple[list[PreferencePair], list[PreferencePair]]:
     """Usable pairs of every file of ``path``, shuffled by ``seed``, cut to ``max_pairs``; the last
     ``val_fraction`` of them is held out, the rest trained on. With ``exclude_shared_openings``
-    training pairs that open like a held-out pair are dropped; ``extra_train`` pairs (never held
-    out, never opening like a held-out pair) are appended to training. Raises ValueError when too
-    few are left."""
+    training pairs that open like a held-out pair (of ``path``, or of ``extra_train``'s held-out
+    share, :func:`split_extra`) are dropped; ``extra_train`` pairs (never held out, never opening
+    like a held-out pair) are appended to training. Raises ValueError when too few are left."""
     pairs = _usable(pair_files(config.path))
     order = np.random.default_rng([seed, 0x9A1B]).permutation(len(pairs))
     pairs = [pairs[int(i)] for i in order]
@@ -149,13 +168,13 @@ def load_pairs(
         )
     train, val = pairs[:-held_out], pairs[-held_out:]
     if config.exclude_shared_openings or config.extra_train:
+        extra, extra_held = split_extra(config, seed)
+        held = set(val) | set(extra_held)
         seen = {opening(p) for p in val}
-        held = set(val)
         if config.exclude_shared_openings:
-            train = [p for p in train if opening(p) not in seen]
-        if config.extra_train:
-            extra = _usable(pair_files(config.extra_train, "pairs.extra_train"))
-            train += [p for p in extra if p not in held and opening(p) not in seen]
+            seen |= {opening(p) for p in extra_held}
+            train = [p for p in train if opening(p) not in seen and p not in held]
+        train += [p for p in extra if p not in held and opening(p) not in seen]
         if not train:
             raise ValueError(f"pairs.path: no training pair is left beside the {len(val)} held out")
     return train, val

@@ -28,7 +28,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from forge_training.rm_eval import Pair, PairsError, RewardModel, fit, read_pairs
+from forge_training.rm_eval import Pair, PairsError, RewardModel, read_pairs
 
 
 class CausalLm:
@@ -109,11 +109,7 @@ def _kl_along(policy: CausalLm, ref: CausalLm, prompt: list[int], response: list
 
 
 def _reward(rm: RewardModel, messages: tuple[tuple[str, str], ...], response: str) -> float:
-    def ids(text: str) -> list[int]:
-        return list(rm.tokenizer(text, add_special_tokens=False)["input_ids"])
-
-    prompt, (tokens,) = fit(ids(rm.render_prompt(messages)), [ids(" " + response)], rm.max_length)
-    return rm.score([prompt + tokens])[0]
+    return rm.reward(messages, response)
 
 
 def _samples(lm: CausalLm, pairs: list[Pair], seed: int) -> list[tuple[list[int], list[int], str]]:

@@ -30,6 +30,11 @@ given by which reply is longer (``by_length``: preferred-longer, preferred-short
 lengths in words; see :mod:`forge_kit.rmlength`), so a reward model that only learned "longer is
 better" shows as one.
 
+A checkpoint folder may hold ``length_adjust.json`` (:class:`LengthAdjust`, written by
+:mod:`forge_training.rm_residual`): the reward is then the model's score less ``slope x log(1 +
+words in the response)``, a length term fitted on the model's training pairs only; every score
+this module gives (pairs, :meth:`RewardModel.reward`) is the adjusted one.
+
 ``torch`` and ``transformers`` are imported only when a checkpoint is loaded: reading pairs needs
 neither (the feedback service's ``forge rm`` commands import this module).
 """
@@ -39,6 +44,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
+import math
 import re
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -56,6 +62,61 @@ INTERVAL = "wilson"
 
 class PairsError(ValueError):
     """A pairs file that cannot be read; the message names the line and the field."""
+
+
+LENGTH_ADJUST_FILE = "length_adjust.json"
+_ADJUST_MAX_BYTES = 64 << 10
+
+
+def length_feature(response: str) -> float:
+    """The length term's variable: ``log(1 + words)`` of a response (:func:`forge_kit.rmlength.words`)."""
+    return math.log1p(rmlength.words(response))
+
+
+@dataclass(frozen=True)
+class LengthAdjust:
+    """A post-hoc length correction of a reward model: ``reward - slope x`` :func:`length_feature`
+    (``slope`` fitted by least squares of the raw reward on the feature over the training pairs'
+    replies, so the corrected reward is uncorrelated with it there). ``fitted_on`` names the pairs
+    (sha256 of their file) and ``n`` counts the replies."""
+
+    slope: float
+    intercept: float
+    n: int
+    fitted_on: str
+    feature: str = "log1p_words"
+
+    def apply(self, reward: float, response: str) -> float:
+        return reward - self.slope * length_feature(response)
+
+    @classmethod
+    def read(cls, folder: Path) -> LengthAdjust | None:
+        """The folder's ``length_adjust.json``, None when it has none; PairsError when unusable."""
+        path = folder / LENGTH_ADJUST_FILE
+        if not path.is_file():
+            return None
+        if path.stat().st_size > _ADJUST_MAX_BYTES:
+            raise PairsError(f"--checkpoint: {path} is over {_ADJUST_MAX_BYTES} bytes")
+        try:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+            made = cls(float(raw["slope"]), float(raw["intercept"]), int(raw["n"]), str(raw["fitted_on"]),
+                       str(raw["feature"]))  # fmt: skip
+        except (ValueError, KeyError, TypeError) as exc:
+            raise PairsError(f"--checkpoint: {path} is not a length adjustment ({exc})") from None
+        if (
+            made.feature != "log1p_words"
+            or not math.isfinite(made.slope)
+            or not math.isfinite(made.intercept)
+        ):
+            raise PairsError(f"--checkpoint: {path}: feature must be log1p_words and slope finite")
+        return made
+
+    def write(self, folder: Path) -> Path:
+        path = folder / LENGTH_ADJUST_FILE
+        partial = folder / f".{LENGTH_ADJUST_FILE}.partial"
+        partial.write_text(json.dumps(self.__dict__, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        partial.replace(path)
+        return path
 
 
 @dataclass(frozen=True)
@@ -174,7 +235,10 @@ class Scores:
 class RewardModel:
     """A Hugging Face reward-model checkpoint on CPU (or ``device``), ready to score pairs."""
 
-    def __init__(self, checkpoint: Path, *, device: str = "cpu", max_length: int = 0) -> None:
+    def __init__(
+        self, checkpoint: Path, *, device: str = "cpu", max_length: int = 0, raw: bool = False
+    ) -> None:
+        """``raw``: ignore the checkpoint's ``length_adjust.json`` (to fit one)."""
         import torch
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -183,6 +247,7 @@ class RewardModel:
                 f"--checkpoint: {checkpoint} has no config.json (not a Hugging Face model folder)"
             )
         self._torch = torch
+        self.length_adjust = None if raw else LengthAdjust.read(checkpoint)
         self.tokenizer = AutoTokenizer.from_pretrained(checkpoint)
         self.model = AutoModelForSequenceClassification.from_pretrained(checkpoint).to(device).eval()
         self.device = device
@@ -246,8 +311,19 @@ class RewardModel:
         )
         return prompt + good, prompt + bad
 
+    def reward(self, messages: tuple[tuple[str, str], ...], response: str) -> float:
+        """The reward of one ``response`` to the conversation ``messages``, encoded as a pair's
+        reply is (:meth:`encode`) and adjusted (:meth:`adjusted`)."""
+        (ids, _) = self.encode(Pair(0, messages, response, response))
+        return self.adjusted(self.score([ids])[0], response)
+
+    def adjusted(self, score: float, response: str) -> float:
+        """The reward of ``response`` from the model's raw ``score`` of it (see :class:`LengthAdjust`)."""
+        return score if self.length_adjust is None else self.length_adjust.apply(score, response)
+
     def score(self, sequences: list[list[int]]) -> list[float]:
-        """The reward of each token sequence (right-padded into one batch)."""
+        """The raw score of each token sequence (right-padded into one batch): the reward before
+        :meth:`adjusted`."""
         torch = self._torch
         width = max(len(s) for s in sequences)
         ids = torch.full((len(sequences), width), self.pad_id, dtype=torch.long)
@@ -275,8 +351,12 @@ def evaluate(
     def flush() -> None:
         encoded = [model.encode(p) for p in batch]
         rewards = model.score([e[0] for e in encoded] + [e[1] for e in encoded])
-        scores.chosen.extend(rewards[: len(batch)])
-        scores.rejected.extend(rewards[len(batch) :])
+        scores.chosen.extend(
+            model.adjusted(r, p.chosen) for r, p in zip(rewards[: len(batch)], batch, strict=True)
+        )
+        scores.rejected.extend(
+            model.adjusted(r, p.rejected) for r, p in zip(rewards[len(batch) :], batch, strict=True)
+        )
         scores.lines.extend(p.line for p in batch)
         scores.strata.extend(rmlength.stratum(p.chosen, p.rejected) for p in batch)
         on_scored(len(batch))

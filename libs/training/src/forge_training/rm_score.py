@@ -42,6 +42,7 @@ def score_pairs(
         "pairs_sha256": file_sha256(pairs),
         "skipped": dict(skipped),
         "max_length": model.max_length,
+        "length_adjust": None if model.length_adjust is None else dict(model.length_adjust.__dict__),
     }
     return write_results(out, scores, recorded)
 

@@ -124,6 +124,11 @@ class PairsConfig:
     extra_train: str = ""
     """More pairs for training only (a file or a directory, like ``path``; empty: none). They are
     never held out, and one whose opening user turn is also a held-out pair's is dropped."""
+    extra_val_fraction: float = 0.0
+    """Hold out this share of the ``extra_train`` pairs (shuffled by ``seed``, the last ones) from
+    training, so that another collection round is both trained on and evaluated on pairs never
+    seen: the encoder reward model writes them to ``<cache dir>/held_out_extra_pairs.jsonl``.
+    Under ``exclude_shared_openings`` no training pair opens like one of them either."""
     exclude_shared_openings: bool = False
     """Drop from training every pair whose opening user turn is also a held-out pair's (HH-RLHF
     has distinct conversations that start alike: 147 of helpful-base's 2,339 pairs share their

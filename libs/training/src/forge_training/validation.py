@@ -157,6 +157,12 @@ def _validate_task(config: TrainConfig) -> None:
         pair_files(config.pairs.path)
         if config.pairs.extra_train:
             pair_files(config.pairs.extra_train, "pairs.extra_train")
+        if not 0.0 <= config.pairs.extra_val_fraction < 1.0:
+            raise RecipeError(
+                f"pairs.extra_val_fraction: must be in [0, 1), got {config.pairs.extra_val_fraction}"
+            )
+        if config.pairs.extra_val_fraction and not config.pairs.extra_train:
+            raise RecipeError("pairs.extra_val_fraction: needs pairs.extra_train (the pairs to hold out)")
         if config.pairs.length_balance not in LENGTH_BALANCES:
             raise RecipeError(
                 f"pairs.length_balance: must be one of {', '.join(LENGTH_BALANCES)}, "

@@ -75,11 +75,16 @@ class EncoderRewardModeling(RewardModeling):
     Wilson interval are :class:`RewardModeling`'s.
 
     Rank 0 writes the held-out pairs to ``<cache dir>/held_out_pairs.jsonl`` (HH-RLHF format), the
-    file to score the export with (``forge rm eval --pairs``); the export carries the tokenizer
+    file to score the export with (``forge rm eval --pairs``), and with ``pairs.extra_val_fraction``
+    the held-out share of ``pairs.extra_train`` to ``held_out_extra_pairs.jsonl``, and the pairs it
+    trains on (before any ``pairs.length_balance``) to ``train_pairs.jsonl``, the file
+    :mod:`forge_training.rm_residual` fits a length correction on; the export carries the tokenizer
     with ``truncation_side="left"``, ``model_max_length = data.seq_len`` and
     :data:`pairs.ENCODER_CHAT_TEMPLATE`, so ``forge rm eval`` encodes pairs as training did."""
 
     HELD_OUT_FILE = "held_out_pairs.jsonl"
+    HELD_OUT_EXTRA_FILE = "held_out_extra_pairs.jsonl"
+    TRAIN_FILE = "train_pairs.jsonl"
 
     def __init__(self, config: TrainConfig, rank: int, world_size: int, cache_dir: Path) -> None:
         Objective.__init__(self, config, rank, world_size)  # no parent: not PairTask.__init__
@@ -100,6 +105,10 @@ class EncoderRewardModeling(RewardModeling):
         )
         if rank == 0:
             self.held_out_file = pairdata.write_pairs(cache_dir / self.HELD_OUT_FILE, self.val_pairs)
+            pairdata.write_pairs(cache_dir / self.TRAIN_FILE, self.train_pairs)
+            if config.pairs.extra_val_fraction:
+                _, extra_held = pairdata.split_extra(config.pairs, config.seed)
+                pairdata.write_pairs(cache_dir / self.HELD_OUT_EXTRA_FILE, extra_held)
         self.model = encoder_classifier(self.source, seq_len, self.pad_id, config.init)
 
     def make_model(self, parent: Parent) -> PreTrainedModel:  # pragma: no cover - no parent here
