@@ -29,7 +29,14 @@ PREPROCESSOR_FILE = "preprocessor_config.json"
 #: Weight-name prefixes of the three parts, as transformers 4.x/5.x save them (either layout).
 _LANGUAGE = (("language_model.model.", "model."), ("model.language_model.", "model."))
 _LM_HEAD = ("language_model.lm_head.weight", "lm_head.weight")
-_TOWER = ("vision_tower.", "model.vision_tower.")
+#: The tower as published LLaVA checkpoints name it (a ``CLIPVisionModel``: ``vision_model.…``)
+#: or as transformers 5 writes it (the bare transformer); the longer prefixes are tried first.
+_TOWER = (
+    "vision_tower.vision_model.",
+    "model.vision_tower.vision_model.",
+    "vision_tower.",
+    "model.vision_tower.",
+)
 _PROJECTOR = ("multi_modal_projector.", "model.multi_modal_projector.")
 
 

@@ -10,27 +10,20 @@ was wrong; callers prefix it with the item it came from.
 
 from __future__ import annotations
 
-import io
-import warnings
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from PIL import Image
 
-#: Formats Pillow may decode (``Image.open``'s ``formats``); anything else is refused.
-FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
-#: Largest encoded image accepted (bytes).
+from forge_kit.images import MAX_IMAGE_PIXELS as MAX_PIXELS
+from forge_kit.images import ImageError, open_image
+
+#: Largest encoded image accepted in a shard (bytes).
 MAX_BYTES = 8 * 1024 * 1024
-#: Largest decoded image accepted (pixels), checked from the header before decoding.
-MAX_PIXELS = 4096 * 4096
 #: CLIP's normalisation, the default of a new vision tower.
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
-
-
-class ImageError(ValueError):
-    """An image that cannot be used; the message says why."""
 
 
 @dataclass(frozen=True)
@@ -68,50 +61,20 @@ class ImageSpec:
         return cls(int(size["height"]), (mean[0], mean[1], mean[2]), (std[0], std[1], std[2]))
 
 
-def sniff(data: bytes) -> str | None:
-    """The format of ``data`` by its magic bytes (one of :data:`FORMATS`), or ``None``."""
-    if data.startswith(b"\x89PNG\r\n\x1a\n"):
-        return "PNG"
-    if data.startswith(b"\xff\xd8\xff"):
-        return "JPEG"
-    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
-        return "WEBP"
-    if data[:6] in (b"GIF87a", b"GIF89a"):
-        return "GIF"
-    return None
-
-
 def decode(data: bytes, max_bytes: int = MAX_BYTES, max_pixels: int = MAX_PIXELS) -> Image.Image:
-    """The RGB image in ``data``; :class:`ImageError` if it is empty, too large, of a format not
-    in :data:`FORMATS`, or corrupt."""
+    """The RGB image in ``data``; :class:`ImageError` if it is empty, over ``max_bytes``, of a
+    format not in :data:`FORMATS`, over ``max_pixels``, or corrupt. The decoding and its checks are
+    the kit's (:func:`forge_kit.images.open_image`, what the model server runs on a request's
+    image), so training and serving refuse the same images."""
     if not data:
         raise ImageError("empty image")
     if len(data) > max_bytes:
         raise ImageError(f"image of {len(data)} bytes is over the {max_bytes}-byte limit")
-    kind = sniff(data)
-    if kind is None:
-        raise ImageError(f"not an image in a supported format ({', '.join(FORMATS)})")
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            image = Image.open(io.BytesIO(data), formats=[kind])
-            width, height = image.size
-            if width * height > max_pixels:
-                raise ImageError(f"image of {width}x{height} pixels is over the {max_pixels}-pixel limit")
-            image.load()
-    except ImageError:
-        raise
-    except (
-        Image.UnidentifiedImageError,
-        OSError,
-        SyntaxError,
-        ValueError,
-        Image.DecompressionBombWarning,
-    ) as exc:
-        raise ImageError(f"corrupt {kind} image ({exc})") from None
-    if width <= 0 or height <= 0:
-        raise ImageError(f"image of {width}x{height} pixels")
-    return image.convert("RGB")
+        image: Image.Image = open_image(data, max_pixels=max_pixels)
+    except ImageError as exc:
+        raise ImageError(f"image {exc}") from None
+    return image
 
 
 def preprocess(data: bytes | Image.Image, spec: ImageSpec) -> torch.Tensor:
