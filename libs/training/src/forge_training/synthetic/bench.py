@@ -60,7 +60,7 @@ SUBSETS = ("unfiltered", "band", "easy", "hard")
 class BenchConfig:
     seed: int = 0
     pretrain_problems: int = 4000
-    pretrain_steps: int = 600
+    pretrain_steps: int = 1200
     problems: int = 1000
     k: int = 4
     error_rate: float = 0.2
