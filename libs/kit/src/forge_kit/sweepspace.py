@@ -363,8 +363,7 @@ def _early_stopping(data: Any, max_steps: int) -> EarlyStopping:
 
 
 def _schedules(entry: Mapping[str, Any], params: list[Parameter], overrides: Mapping[str, Value]) -> set[str]:
-    """Every ``optim.schedule`` a trial of the space can run: the swept values, else the
-    override, else the recipe's default."""
+    """Every ``optim.schedule`` of the space's trials: swept, else overridden, else the default."""
     for p in params:
         if p.key == "optim.schedule":
             return {str(v) for v in p.grid()}
@@ -375,11 +374,9 @@ def _schedules(entry: Mapping[str, Any], params: list[Parameter], overrides: Map
 
 
 def resolve_rung_eval(rule: str, metric: str, key_types: Mapping[str, str], schedules: set[str]) -> str:
-    """What ``rung_eval: auto`` means for a space: ``cooldown`` when ASHA judges an evaluation
-    metric of a recipe that takes branches and some trial's schedule holds its peak rate until a
-    late decay (:data:`HOLD_PEAK_SCHEDULES`: at a rung such trials are compared at their peak
-    rates, where the larger rates lead — the short-horizon bias measured in load/sweep/RESULTS.md);
-    ``value`` otherwise (under a cosine schedule the rate is already decaying at every rung)."""
+    """``rung_eval: auto`` for a space: ``cooldown`` when ASHA judges an evaluation of a recipe
+    that takes branches and some trial's schedule is in :data:`HOLD_PEAK_SCHEDULES` (compared at
+    their peak rates, larger rates lead: load/sweep/RESULTS.md), else ``value``."""
     if (
         rule == "asha"
         and "rung_cooldown.fraction" in key_types

@@ -187,7 +187,9 @@ def benchmark(
             trial = Trial(index, dict(params), None)
             echo(f"search: replay {fraction:g}, peak LR {params['optim.lr']:g}")
 
-            def judge(step: int, value: float, i: int = index, es: Asha = rule_es) -> bool:
+            def judge(step: int, value: float | None, i: int = index, es: Asha = rule_es) -> bool:
+                if value is None:  # an evaluation no rung judges
+                    return True
                 return step >= search_steps or es.report(str(i), step, value) != "stop"
 
             run_trial(space, trial, work / "search", cache, judge)

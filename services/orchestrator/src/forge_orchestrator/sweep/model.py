@@ -91,6 +91,15 @@ class Trial:
     arrived (signal ``checkpoint_published``)."""
     checkpoint_step: int = -1
 
+    #: What the progress query and the report show of a trial.
+    SUMMARY_FIELDS = (
+        "index", "config", "params", "seed", "job_id", "state", "reason", "final", "stopped_at",
+        "preemptions", "values", "rung_values", "run_id",
+    )  # fmt: skip
+
+    def summary(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.SUMMARY_FIELDS}
+
 
 @dataclass
 class SweepResult:

@@ -11,13 +11,12 @@ In steps:
 3. follow each trial's job events (``job_event``) and its metric (``trial_metric``, sent by the
    orchestrator's ``TrainingMetrics`` consumer with (job, step, value)):
    - the early-stopping rule (ASHA or median stopping, :mod:`forge_kit.earlystop`) judges each
-     value as it arrives (under ``early_stopping.rung_eval: cooldown``, ASHA judges the values
-     each trial reports after its rungs' cooldown branches, ``cooldown`` signals, instead); a trial it stops is cancelled (its job checkpoints on SIGTERM, and
-     nothing deletes that checkpoint) and recorded ``stopped``. Under ASHA's promotion form (the
-     default) a trial at a rung is ``paused`` the same way unless promotable at once; a free slot
-     first resumes the best promotable paused trial (a new job of the trial with ``--run-id`` of
-     its first job, whose checkpoints it continues, labelled ``resumes_job``), then starts a new
-     one; trials still paused when nothing is left to run are recorded ``stopped``;
+     value as it arrives (or, under ``rung_eval: cooldown``, each value after a rung's cooldown
+     branch); a stopped trial is cancelled (its job checkpoints on SIGTERM) and recorded
+     ``stopped``. Under ASHA's promotion form a trial at a rung is ``paused`` so unless
+     promotable at once; a free slot first resumes the best promotable paused trial (a new job
+     from its first job's checkpoints, labelled ``resumes_job``), then starts a new one;
+     trials still paused when nothing is left to run are recorded ``stopped``;
    - PENDING after it ran: a preemption (the job resumes from its checkpoint when it runs again,
      and the trial is not a failure) or a lost node, an infrastructure failure the scheduler
      retried; past ``max_infra_retries`` the trial is cancelled and recorded ``failed``;
@@ -174,24 +173,7 @@ class SweepWorkflow:
             "ignored_recent": list(self._ignored_recent),
             "budget_exhausted": self._exhausted,
             "parent_run_id": self._parent_run,
-            "trials": [
-                {
-                    "index": t.index,
-                    "config": t.config,
-                    "params": t.params,
-                    "seed": t.seed,
-                    "job_id": t.job_id,
-                    "state": t.state,
-                    "reason": t.reason,
-                    "final": t.final,
-                    "stopped_at": t.stopped_at,
-                    "preemptions": t.preemptions,
-                    "values": t.values,
-                    "rung_values": t.rung_values,
-                    "run_id": t.run_id,
-                }
-                for t in self._trials
-            ],
+            "trials": [t.summary() for t in self._trials],
         }
 
     # Helpers.
