@@ -59,8 +59,8 @@ SUBSETS = ("unfiltered", "band", "easy", "hard")
 @dataclass(frozen=True)
 class BenchConfig:
     seed: int = 0
-    pretrain_problems: int = 4000
-    pretrain_steps: int = 1200
+    pretrain_problems: int = 16000
+    pretrain_steps: int = 1600
     problems: int = 1000
     k: int = 4
     error_rate: float = 0.2
@@ -73,7 +73,7 @@ class BenchConfig:
     max_new_tokens: int = 64
     hidden_size: int = 96
     num_layers: int = 3
-    seq_len: int = 192
+    seq_len: int = 256
     sft_seq_len: int = 256
     vocab_size: int = 260
     batch: int = 16
