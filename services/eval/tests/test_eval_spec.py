@@ -83,7 +83,8 @@ def test_bad_options_name_the_field(options: dict[str, str], field: str, words: 
 
 
 def test_real_benchmarks_are_found_and_match_the_manifest(catalog: BenchmarkCatalog) -> None:
-    assert catalog.suites() == ["bbh", "gsm8k", "humaneval", "mmlu"]
+    # vlm_shapes is generated, not fetched (`make data` runs `python -m forge_eval.vlm_data`)
+    assert catalog.suites() == ["bbh", "gsm8k", "humaneval", "mmlu", "vlm_shapes"]
     hashes = catalog.dataset_hashes("gsm8k")
     assert set(hashes) == {"gsm8k/test.jsonl", "gsm8k/test_socratic.jsonl", "gsm8k/train.jsonl"}
     assert hashes["gsm8k/test.jsonl"].startswith("3730d312f6e34405")  # pinned in MANIFEST.tsv

@@ -15,6 +15,7 @@ to MLflow's limits, and filter values are checked before they reach a search str
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 import threading
@@ -45,6 +46,8 @@ TAG_CHECKPOINT = "forge.checkpoint_uri"
 PARENT_TAG = MLFLOW_PARENT_RUN_ID
 #: How long a caller that found only its own new run waits before looking for a twin once more.
 SETTLE_S = 0.5
+#: A run younger than this may still be removed as a duplicate by its creator's rivals.
+YOUNG_RUN_S = 5.0
 
 RunStatus = Literal["FINISHED", "FAILED", "KILLED"]
 
@@ -174,9 +177,9 @@ class Tracker:
                     self._experiment_id = str(found.experiment_id)
             return self._experiment_id
 
-    def _one(self, run_filter: RunFilter) -> str:
-        """The oldest matching run: by start time, then run id, so that every caller picks the
-        same one even when two were started in the same millisecond."""
+    def _oldest(self, run_filter: RunFilter) -> tuple[str, int]:
+        """The oldest matching run and its start time (ms): by start time, then run id, so that
+        every caller picks the same one even when two were started in the same millisecond."""
         runs = self._client.search_runs(
             [self.experiment_id()],
             filter_string=run_filter.to_mlflow(),
@@ -184,7 +187,20 @@ class Tracker:
             order_by=["attributes.start_time ASC"],
         )
         oldest = min(runs, key=lambda r: (r.info.start_time, r.info.run_id), default=None)
-        return oldest.info.run_id if oldest is not None else ""
+        return (oldest.info.run_id, int(oldest.info.start_time or 0)) if oldest is not None else ("", 0)
+
+    def _one(self, run_filter: RunFilter) -> str:
+        return self._oldest(run_filter)[0]
+
+    def _found(self, run_filter: RunFilter) -> str:
+        """The run to use when one exists: a run created in the last seconds may still lose to a
+        rival created in the same instant (:meth:`_settle`), so a young one is looked up again
+        once the creators have settled."""
+        run_id, started = self._oldest(run_filter)
+        if run_id and time.time() * 1000 - started < YOUNG_RUN_S * 1000:
+            time.sleep(2 * SETTLE_S)
+            run_id = self._one(run_filter) or run_id
+        return run_id
 
     def find_runs(self, run_filter: RunFilter | None = None, *, max_results: int = 100) -> list[TrackedRun]:
         """Runs matching ``run_filter``, newest first (at most ``max_results``, 1-1000)."""
@@ -239,7 +255,7 @@ class Tracker:
         """The sweep's parent run (created on first call); its params are logged once."""
         filter_value(sweep_id, "sweep id")
         found = RunFilter(sweep_id=sweep_id, role="sweep")
-        run_id = self._one(found)
+        run_id = self._found(found)
         if not run_id:
             tags = {TAG_ROLE: "sweep", TAG_SWEEP: sweep_id}
             run_id = self._settle(found, self._create(name or f"sweep-{sweep_id}", tags))
@@ -253,7 +269,7 @@ class Tracker:
         ``forge.workflow_id`` and ``forge.role=<role>``, created on first call; params logged once."""
         filter_value(workflow_id, "workflow id")
         found = RunFilter(workflow_id=workflow_id, role=role)
-        run_id = self._one(found)
+        run_id = self._found(found)
         if not run_id:
             tags = {TAG_ROLE: role, TAG_WORKFLOW: workflow_id}
             run_id = self._settle(found, self._create(name or f"{role}-{workflow_id}", tags))
@@ -273,7 +289,7 @@ class Tracker:
         and params not yet there (a param already logged keeps its first value) and the parent
         when the run has none."""
         filter_value(job_id, "job id")
-        run_id = self._one(RunFilter(job_id=job_id))
+        run_id = self._found(RunFilter(job_id=job_id))
         all_tags = {**tags, TAG_JOB: job_id}
         if parent_run_id:
             all_tags[PARENT_TAG] = parent_run_id
@@ -295,8 +311,14 @@ class Tracker:
         # once it has had time to appear, so every caller sees the same candidates.
         time.sleep(SETTLE_S)
         oldest = self._one(run_filter)
+        if oldest == created:
+            # On a loaded server a rival's run can appear later than that, older than ours (its
+            # start time is its caller's clock): confirm once more before keeping ours.
+            time.sleep(SETTLE_S)
+            oldest = self._one(run_filter)
         if oldest and oldest != created:
-            self._client.delete_run(created)
+            with contextlib.suppress(MlflowException):  # a rival may have removed it already
+                self._client.delete_run(created)
             log.info("tracking.duplicate_run_removed", kept=oldest, removed=created)
             return oldest
         return created
@@ -328,7 +350,7 @@ class Tracker:
             try:
                 self._client.log_batch(run_id, params=new[start : start + 100])
             except MlflowException as exc:
-                if exc.error_code != "INVALID_PARAMETER_VALUE":
+                if not _param_taken(exc):
                     raise
                 # Another caller logged some of them in between: log the rest one by one.
                 conflicts += self._log_params_one_by_one(run_id, new[start : start + 100])
@@ -340,7 +362,7 @@ class Tracker:
             try:
                 self._client.log_batch(run_id, params=[param])
             except MlflowException as exc:
-                if exc.error_code != "INVALID_PARAMETER_VALUE":
+                if not _param_taken(exc):
                     raise
                 conflicts.append(param.key)
         if conflicts:
@@ -409,3 +431,13 @@ def differing_params(runs: Sequence[TrackedRun]) -> dict[str, list[str]]:
     keys = sorted({k for r in runs for k in r.params})
     table = {k: [r.params.get(k, "") for r in runs] for k in keys}
     return {k: values for k, values in table.items() if len(set(values)) > 1}
+
+
+def _param_taken(exc: MlflowException) -> bool:
+    """Whether logging a param failed because the run has it already: MLflow's own check, or the
+    store's unique key when another caller inserted it in the same instant (SQLite's
+    ``UNIQUE constraint failed``, PostgreSQL's ``duplicate key``)."""
+    text = str(exc)
+    return exc.error_code == "INVALID_PARAMETER_VALUE" or (
+        "params" in text and ("UNIQUE constraint failed" in text or "duplicate key" in text)
+    )
