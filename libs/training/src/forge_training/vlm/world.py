@@ -8,10 +8,14 @@ gives the same scenes, bytes, captions and questions (numpy's ``default_rng`` an
 deterministic rasteriser; PNG written without timestamps).
 
 Questions come from templates of four types (colour, shape, count, position). Each type has
-**train** templates and **held-out** templates: the held-out ones recombine phrasings the train
-ones use for other types (``Tell me ...`` is trained on shapes, held out on colours), so a model
-is tested on wordings it never saw with the same meaning. Held-out templates are used only for
+**held-out** templates (:data:`HELD_OUT`, one a type) that recombine phrasings other types use,
+so a model is tested on wordings it never saw with the same meaning; they are used only for
 evaluation (:func:`vqa_items` with ``held_out=True``), never for training or model selection.
+The train side is many paraphrases (:data:`CORES`: 12 wordings a type, questions and requests,
+synonyms and word orders, crossed with :data:`FRAMES`), filtered so that none equals, contains or
+is contained in a held-out template; two cores a type are kept out of training as **dev**
+templates (:data:`DEV_TEMPLATES`) for the ``eval/val`` set, so model selection measures
+generalisation to unseen wordings without the held-out ones.
 """
 
 from __future__ import annotations
@@ -271,10 +275,8 @@ def vqa_items(
     while len(out) < count:
         scene = make_scene(rng)
         qtype = QUESTION_TYPES[len(out) % len(QUESTION_TYPES)]
-        if held_out:
-            pool = TEMPLATES[qtype][1]
-        else:
-            pool = DEV_TEMPLATES[qtype] if dev else TEMPLATES[qtype][0]
+        train_pool = DEV_TEMPLATES[qtype] if dev else TEMPLATES[qtype][0]
+        pool = TEMPLATES[qtype][1] if held_out else train_pool
         q = question(scene, qtype, pool[int(rng.integers(0, len(pool)))], rng)
         if q is not None:
             out.append((scene, q))
