@@ -41,8 +41,16 @@ def test_world_is_a_function_of_its_seed(tmp_path: Path) -> None:
 
 
 def test_templates_split_and_answers_follow_the_scene() -> None:
-    for train, held in world.TEMPLATES.values():
-        assert not set(train) & set(held)
+    norm = world._norm
+    all_held_norm = [norm(t) for _, h in world.TEMPLATES.values() for t in h]
+    for qtype, (train, held) in world.TEMPLATES.items():
+        dev = world.DEV_TEMPLATES[qtype]
+        assert len(train) >= 30 and len(dev) >= 4 and held == world.HELD_OUT[qtype]
+        assert not set(train) & set(held) and not set(dev) & set(held) and not set(train) & set(dev)
+        for text in train + dev:  # no paraphrase duplicates or wraps a held-out wording
+            assert not any(h in norm(text) or norm(text) in h for h in all_held_norm), text
+    dev_items = world.vqa_items(0, 40, held_out=False, dev=True)
+    assert {q.template for _, q in dev_items} <= {t for d in world.DEV_TEMPLATES.values() for t in d}
     held_out = world.vqa_items(0, 40, held_out=True)
     trained = world.vqa_items(0, 40, held_out=False)
     all_held = {t for _, h in world.TEMPLATES.values() for t in h}

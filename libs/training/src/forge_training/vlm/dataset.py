@@ -7,7 +7,8 @@ Layout of :func:`write_world`'s output folder (every part a pure function of the
     documents/   interleaved documents of 2-3 scenes                         (stage 2)
     chats/       VQA chats on train templates + "Describe the picture."     (stage 3)
     text.txt     the world's plain text (captions, descriptions, train-template Q&A)
-    eval/val/        chats on train templates, unseen scenes (selection, never held-out data)
+    eval/val/        chats on dev templates (train-side wordings never trained on), unseen scenes
+                     (model selection; never held-out data)
     eval/held_out/   chats on held-out templates, unseen scenes (the benchmark's VQA set)
     eval/captions/   caption chats on unseen scenes (the caption metric)
     world.json   what was written (seed, generator version, counts, image size) and a content hash
@@ -97,8 +98,9 @@ def write_world(out: Path, seed: int, size: WorldSize) -> dict[str, object]:
     (out / "text.txt").write_text(world.world_text(seed + 4, size.text_scenes), encoding="utf-8")
     eval_seed = seed + 1_000_003
     for name, held_out in (("val", False), ("held_out", True)):
+        items = world.vqa_items(eval_seed, size.eval_items, held_out=held_out, dev=not held_out)
         with ShardWriter(out / "eval" / name, name, per) as w:
-            for i, (scene, q) in enumerate(world.vqa_items(eval_seed, size.eval_items, held_out=held_out)):
+            for i, (scene, q) in enumerate(items):
                 meta = {"qtype": q.qtype, "template": q.template}
                 w.write(chat_sample(f"e{i:07d}", scene, q.question, q.answer, px, meta))
     with ShardWriter(out / "eval" / "captions", "captions", per) as w:

@@ -8,22 +8,27 @@ gives the same scenes, bytes, captions and questions (numpy's ``default_rng`` an
 deterministic rasteriser; PNG written without timestamps).
 
 Questions come from templates of four types (colour, shape, count, position). Each type has
-**train** templates and **held-out** templates: the held-out ones recombine phrasings the train
-ones use for other types (``Tell me ...`` is trained on shapes, held out on colours), so a model
-is tested on wordings it never saw with the same meaning. Held-out templates are used only for
+**held-out** templates (:data:`HELD_OUT`, one a type) that recombine phrasings other types use,
+so a model is tested on wordings it never saw with the same meaning; they are used only for
 evaluation (:func:`vqa_items` with ``held_out=True``), never for training or model selection.
+The train side is many paraphrases (:data:`CORES`: 12 wordings a type, questions and requests,
+synonyms and word orders, crossed with :data:`FRAMES`), filtered so that none equals, contains or
+is contained in a held-out template; two cores a type are kept out of training as **dev**
+templates (:data:`DEV_TEMPLATES`) for the ``eval/val`` set, so model selection measures
+generalisation to unseen wordings without the held-out ones.
 """
 
 from __future__ import annotations
 
 import io
+import re
 from dataclasses import dataclass
 
 import numpy as np
 from PIL import Image, ImageDraw
 
 #: Bumped whenever rendering, text or sampling changes, so cached worlds are rewritten.
-VERSION = 2
+VERSION = 3
 SHAPES = ("circle", "square", "triangle")
 COLOURS: dict[str, tuple[int, int, int]] = {
     "red": (220, 40, 40),
@@ -38,25 +43,106 @@ CELLS = ("top left", "top right", "bottom left", "bottom right")
 NUMBERS = ("zero", "one", "two", "three", "four")
 BACKGROUND = (30, 30, 30)
 
-#: Question templates by type: (train, held-out). Placeholders: {shape}, {colour}, {pos}.
-TEMPLATES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+#: Held-out question templates by type: evaluation only (``eval/held_out``), never trained on or
+#: used for choices. Placeholders: {shape}, {colour}, {pos}.
+HELD_OUT: dict[str, tuple[str, ...]] = {
+    "colour": ("Tell me the colour of the {shape}.",),
+    "shape": ("What shape is in the {pos}?",),
+    "count": ("How many shapes does the picture show?",),
+    "position": ("Tell me where the {colour} {shape} is.",),
+}
+#: Core wordings of each type, each written as a question (``?``) or a request (``.``); the train
+#: and dev templates are these crossed with :data:`FRAMES` (instruction-template diversity as in
+#: LLaVA / InstructBLIP), so no type owns a sentence frame.
+CORES: dict[str, tuple[str, ...]] = {
     "colour": (
-        ("What colour is the {shape}?", "Which colour does the {shape} have?"),
-        ("Tell me the colour of the {shape}.",),
+        "What colour is the {shape}?",
+        "Which colour does the {shape} have?",
+        "What is the colour of the {shape}?",
+        "What color is the {shape}?",
+        "Which colour is the {shape}?",
+        "The {shape} is which colour?",
+        "Name the colour of the {shape}.",
+        "Say which colour the {shape} has.",
+        "Give the colour of the {shape}.",
+        "State the color of the {shape}.",
+        "Tell me which colour the {shape} has.",
+        "Identify the colour of the {shape}.",
     ),
     "shape": (
-        ("Tell me the shape in the {pos}.", "Which shape is in the {pos}?"),
-        ("What shape is in the {pos}?",),
+        "Which shape is in the {pos}?",
+        "What is the shape in the {pos}?",
+        "What kind of shape is in the {pos}?",
+        "Which shape sits in the {pos}?",
+        "In the {pos}, which shape is there?",
+        "What is drawn in the {pos}?",
+        "Tell me the shape in the {pos}.",
+        "Name the shape in the {pos}.",
+        "Say which shape is in the {pos}.",
+        "Give the shape in the {pos}.",
+        "Identify the shape found in the {pos}.",
+        "State the kind of shape in the {pos}.",
     ),
     "count": (
-        ("How many shapes are there?", "Count the shapes."),
-        ("How many shapes does the picture show?",),
+        "How many shapes are there?",
+        "How many shapes are in the picture?",
+        "How many objects can you see?",
+        "What is the number of shapes?",
+        "How many shapes are shown?",
+        "How many things are in the image?",
+        "Count the shapes.",
+        "Tell me how many shapes there are.",
+        "Say how many objects the image has.",
+        "Give the number of shapes.",
+        "State the count of objects.",
+        "Count the objects in the image.",
     ),
     "position": (
-        ("Where is the {colour} {shape}?", "In which corner is the {colour} {shape}?"),
-        ("Tell me where the {colour} {shape} is.",),
+        "Where is the {colour} {shape}?",
+        "In which corner is the {colour} {shape}?",
+        "Which corner has the {colour} {shape}?",
+        "Where can the {colour} {shape} be found?",
+        "What is the position of the {colour} {shape}?",
+        "Where does the {colour} {shape} sit?",
+        "Name the corner of the {colour} {shape}.",
+        "Say where the {colour} {shape} is.",
+        "Give the position of the {colour} {shape}.",
+        "Tell me the corner with the {colour} {shape}.",
+        "State where the {colour} {shape} is located.",
+        "Identify the corner holding the {colour} {shape}.",
     ),
 }
+#: Sentence frames around a core: ``{q}`` is the core as written.
+FRAMES = ("{q}", "Look at the picture. {q}", "Question: {q}", "{q} Answer briefly.")
+
+
+def _norm(text: str) -> str:
+    return " ".join(re.sub(r"[^a-z{} ]", " ", text.lower()).split())
+
+
+def _split(qtype: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(train, dev) templates of ``qtype``: every core in every frame, minus any that equals,
+    contains or is contained in a held-out template of any type (after lower-casing and dropping
+    punctuation). Dev holds two whole cores (cores 4 and 11, every frame) out of training, so
+    model selection sees unseen wordings without ever reading the held-out templates."""
+    held = [_norm(t) for ts in HELD_OUT.values() for t in ts]
+    train: list[str] = []
+    dev: list[str] = []
+    for i, core in enumerate(CORES[qtype]):
+        for frame in FRAMES:
+            text = frame.format(q=core)
+            n = _norm(text)
+            if not any(h in n or n in h for h in held):
+                (dev if i in (4, 11) else train).append(text)
+    return tuple(train), tuple(dev)
+
+
+#: Question templates by type: (train, held-out).
+TEMPLATES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    qtype: (_split(qtype)[0], HELD_OUT[qtype]) for qtype in HELD_OUT
+}
+#: Dev templates by type: unseen in training, used for the ``eval/val`` set (model selection).
+DEV_TEMPLATES: dict[str, tuple[str, ...]] = {qtype: _split(qtype)[1] for qtype in HELD_OUT}
 QUESTION_TYPES = tuple(TEMPLATES)
 #: The captioning instruction of the chat data (a train template; evaluation uses the same).
 DESCRIBE = "Describe the picture."
@@ -178,15 +264,19 @@ def question(scene: Scene, qtype: str, template: str, rng: np.random.Generator) 
     return Question(qtype, template, _fill(template, thing), answer)
 
 
-def vqa_items(seed: int, count: int, held_out: bool, size: int = 32) -> list[tuple[Scene, Question]]:
+def vqa_items(
+    seed: int, count: int, held_out: bool, size: int = 32, dev: bool = False
+) -> list[tuple[Scene, Question]]:
     """``count`` (scene, question) pairs, question types in turn, templates drawn from the train
-    set (``held_out=False``) or only from the held-out set."""
+    set (``held_out=False``), the dev set (``dev=True``: train-side wordings never trained on) or
+    only from the held-out set."""
     rng = np.random.default_rng([seed, 0x0A, int(held_out)])
     out: list[tuple[Scene, Question]] = []
     while len(out) < count:
         scene = make_scene(rng)
         qtype = QUESTION_TYPES[len(out) % len(QUESTION_TYPES)]
-        pool = TEMPLATES[qtype][1 if held_out else 0]
+        train_pool = DEV_TEMPLATES[qtype] if dev else TEMPLATES[qtype][0]
+        pool = TEMPLATES[qtype][1] if held_out else train_pool
         q = question(scene, qtype, pool[int(rng.integers(0, len(pool)))], rng)
         if q is not None:
             out.append((scene, q))
