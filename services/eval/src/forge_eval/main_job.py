@@ -23,9 +23,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import grpc
 from forge.common.v1 import common_pb2
@@ -35,6 +34,7 @@ from google.protobuf import json_format
 
 from forge_kit.canary_traffic import Http, canary_summary, serve_and_drive
 from forge_kit.grpckit import make_channel
+from forge_kit.mainjob import Endpoint, MainJobContext
 from forge_kit.modelref import ModelRef
 
 #: How long the step waits for the workflow: the release runs (``tinyshakespeare_ppl``, smoke
@@ -47,29 +47,6 @@ POLL_S = 0.5
 TRAIN_KEYS = ("checkpoint_id", "checkpoint_uri", "run_id")
 #: The gateway's production alias the canary splits.
 PUBLIC_MODEL = "forge-chat"
-
-
-class Endpoint(Protocol):
-    @property
-    def grpc_target(self) -> str: ...
-
-    @property
-    def http_url(self) -> str: ...
-
-    @property
-    def token(self) -> str: ...
-
-
-class MainJobContext(Protocol):
-    """The part of ``forge_cli.mainjob.MainJobContext`` this step uses."""
-
-    @property
-    def root(self) -> Path: ...
-
-    @property
-    def results(self) -> Mapping[str, Mapping[str, Any]]: ...
-
-    def endpoint(self, name: str) -> Endpoint: ...
 
 
 class StepError(RuntimeError):

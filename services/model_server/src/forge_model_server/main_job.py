@@ -27,10 +27,9 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import grpc
 import httpx
@@ -38,6 +37,7 @@ from forge.common.v1 import common_pb2
 from forge.eval.v1 import eval_pb2, eval_pb2_grpc
 
 from forge_kit.grpckit import make_channel
+from forge_kit.mainjob import Endpoint, MainJobContext
 from forge_kit.modelref import ModelRef
 
 #: The product name: the gateway's alias of whatever the registry holds in production.
@@ -51,29 +51,6 @@ SHORT_QUESTION = "Speak."
 MAX_TOKENS = 32
 WAIT_GATEWAY_S = 45.0
 HTTP_S = 60.0
-
-
-class Endpoint(Protocol):
-    @property
-    def http_url(self) -> str: ...
-
-    @property
-    def grpc_target(self) -> str: ...
-
-    @property
-    def token(self) -> str: ...
-
-
-class MainJobContext(Protocol):
-    """The part of ``forge_cli.mainjob.MainJobContext`` this step uses."""
-
-    @property
-    def root(self) -> Path: ...
-
-    @property
-    def results(self) -> Mapping[str, Mapping[str, Any]]: ...
-
-    def endpoint(self, name: str) -> Endpoint: ...
 
 
 class ChatStepError(RuntimeError):

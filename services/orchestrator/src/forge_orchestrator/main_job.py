@@ -19,44 +19,18 @@ import asyncio
 import sys
 import uuid
 from collections.abc import Mapping
-from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from forge.orchestrator.v1 import orchestrator_pb2
 from google.protobuf import json_format
 
 from forge_kit.canary_traffic import Http, canary_summary, serve_and_drive
+from forge_kit.mainjob import MainJobContext
 from forge_orchestrator.client import OrchestratorClient, status_name
 from forge_orchestrator.main_job_raters import RaterPool
 
 #: How long the smoke workflow may take before the step gives up waiting on it.
 SMOKE_WAIT_S = 90.0
-
-
-class Endpoint(Protocol):
-    @property
-    def grpc_target(self) -> str: ...
-
-    @property
-    def http_url(self) -> str: ...
-
-    @property
-    def token(self) -> str: ...
-
-
-class MainJobContext(Protocol):
-    """The part of ``forge_cli.mainjob.MainJobContext`` these steps use."""
-
-    @property
-    def results(self) -> Mapping[str, Mapping[str, Any]]: ...
-
-    @property
-    def object_store_url(self) -> str: ...
-
-    @property
-    def root(self) -> Path: ...
-
-    def endpoint(self, name: str) -> Endpoint: ...
 
 
 async def smoke(ctx: MainJobContext) -> dict[str, object]:

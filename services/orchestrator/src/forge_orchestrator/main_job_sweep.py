@@ -20,10 +20,11 @@ import sys
 import time
 import uuid
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Any
 
 from forge.orchestrator.v1 import orchestrator_pb2
 
+from forge_kit.mainjob import MainJobContext
 from forge_orchestrator.client import OrchestratorClient, response_to_dict, status_name
 from forge_orchestrator.tracking import Tracker
 
@@ -57,21 +58,6 @@ concurrency: 2
 team: main-job
 early_stopping: {rule: asha, min_steps: 5, eta: 3}
 """
-
-
-class Endpoint(Protocol):
-    @property
-    def grpc_target(self) -> str: ...
-
-    @property
-    def token(self) -> str: ...
-
-
-class MainJobContext(Protocol):
-    @property
-    def mlflow_url(self) -> str: ...
-
-    def endpoint(self, name: str) -> Endpoint: ...
 
 
 def _trial_row(trial: Mapping[str, Any]) -> str:

@@ -10,22 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping
-from typing import Any, Protocol
 
+from forge_kit.mainjob import MainJobContext
 from forge_orchestrator.tracking import RunFilter, Tracker
 
 #: How long the run may take to show up closed after the train step returned.
 TRACKING_WAIT_S = 120.0
 SHOWN_PARAMS = ("recipe", "overrides", "config_hash", "data_hash", "seed", "code_version")
-
-
-class MainJobContext(Protocol):
-    @property
-    def results(self) -> Mapping[str, Mapping[str, Any]]: ...
-
-    @property
-    def mlflow_url(self) -> str: ...
 
 
 async def tracking(ctx: MainJobContext) -> dict[str, object]:

@@ -27,14 +27,14 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import httpx
 from forge.retrieval.v1 import retrieval_pb2, retrieval_pb2_grpc
 
 from forge_kit.grpckit import make_channel
+from forge_kit.mainjob import Endpoint, MainJobContext
 from forge_kit.paths import resolve_data_path
 from forge_retriever.evaluation import load_beir
 
@@ -48,26 +48,6 @@ BATCH = 50
 TOP_K, TOP_N, MAX_TOKENS = 20, 3, 48
 RPC_S = 120.0
 HTTP_S = 120.0
-
-
-class Endpoint(Protocol):
-    @property
-    def grpc_target(self) -> str: ...
-
-    @property
-    def http_url(self) -> str: ...
-
-    @property
-    def token(self) -> str: ...
-
-
-class MainJobContext(Protocol):
-    """The part of ``forge_cli.mainjob.MainJobContext`` this step uses."""
-
-    @property
-    def results(self) -> Mapping[str, Mapping[str, Any]]: ...
-
-    def endpoint(self, name: str) -> Endpoint: ...
 
 
 class RagStepError(RuntimeError):

@@ -21,7 +21,7 @@ import asyncio
 import sys
 import time
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import grpc
 from forge.orchestrator.v1 import orchestrator_pb2, orchestrator_pb2_grpc
@@ -29,6 +29,7 @@ from forge.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from google.protobuf import json_format, struct_pb2
 
 from forge_kit.grpckit import make_channel
+from forge_kit.mainjob import Endpoint, MainJobContext
 
 TEAM = "main-job"
 GPU_TYPE = "SIM"
@@ -40,20 +41,6 @@ PROMPT = "ROMEO:"
 WAIT_NODES_S = 60.0
 WAIT_TRAIN_S = 420.0
 RPC_S = 15.0
-
-
-class Endpoint(Protocol):
-    @property
-    def grpc_target(self) -> str: ...
-
-    @property
-    def token(self) -> str: ...
-
-
-class MainJobContext(Protocol):
-    """The part of ``forge_cli.mainjob.MainJobContext`` this step uses."""
-
-    def endpoint(self, name: str) -> Endpoint: ...
 
 
 async def train(ctx: MainJobContext) -> dict[str, object]:

@@ -27,13 +27,13 @@ import asyncio
 import base64
 import sys
 import time
-from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import httpx
 import openai
 
+from forge_kit.mainjob import Endpoint, MainJobContext
 from forge_trainer_agent.main_job import GPU_TYPE, TEAM, _run_workflow
 
 RECIPE = "vlm_joint"
@@ -44,29 +44,6 @@ MODEL_HEADER = "x-forge-model"
 SCENE_SEED = 7
 WAIT_GATEWAY_S = 45.0
 HTTP_S = 120.0
-
-
-class Endpoint(Protocol):
-    @property
-    def http_url(self) -> str: ...
-
-    @property
-    def grpc_target(self) -> str: ...
-
-    @property
-    def token(self) -> str: ...
-
-
-class MainJobContext(Protocol):
-    """The part of ``forge_cli.mainjob.MainJobContext`` this step uses."""
-
-    @property
-    def root(self) -> Path: ...
-
-    @property
-    def results(self) -> Mapping[str, Mapping[str, Any]]: ...
-
-    def endpoint(self, name: str) -> Endpoint: ...
 
 
 class VlmStepError(RuntimeError):
