@@ -34,7 +34,6 @@ def teacher_items(n: int) -> list[Verified]:
     return [Verified(p, p.reference, p.solutions, ("ok",)) for p in problems]
 
 
-@pytest.mark.skipif(not GSM8K_TEST.is_file(), reason="needs the GSM8K benchmark data")
 def test_paraphrased_gsm8k_test_problem_is_removed_and_counted(tmp_path: Path) -> None:
     tasks = tmp_path / "tasks"
     tasks.mkdir()

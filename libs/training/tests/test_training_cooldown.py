@@ -9,15 +9,10 @@ from pathlib import Path
 import pytest
 
 from forge_kit.objectstore import ObjectStore
-from forge_kit.paths import resolve_data_path
 from forge_training import cooldown, recipes, schema
 from forge_training.prefetch import Prefetcher
 from forge_training.train import RunContext, TrainResult, train
 from forge_training.validation import validate
-
-needs_corpus = pytest.mark.skipif(
-    not resolve_data_path(schema.DEFAULT_CORPUS).is_file(), reason="needs the tinyshakespeare corpus"
-)
 
 
 def _run(tmp_path: Path, name: str, **overrides: object) -> tuple[TrainResult, list[dict[str, float]]]:
@@ -34,7 +29,6 @@ def _run(tmp_path: Path, name: str, **overrides: object) -> tuple[TrainResult, l
     return result, [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-@needs_corpus
 def test_branches_at_rungs_are_logged_counted_and_leave_the_run_unchanged(tmp_path: Path) -> None:
     plain, plain_lines = _run(tmp_path, "plain")
     cooled, lines = _run(

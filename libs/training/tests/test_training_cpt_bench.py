@@ -9,20 +9,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from forge_kit.paths import resolve_data_path
-from forge_training import schema
 from forge_training.bench import app
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        not (
-            resolve_data_path(schema.DEFAULT_CORPUS).is_file()
-            and resolve_data_path(schema.SCIFACT_CORPUS).is_file()
-        ),
-        reason="needs the tinyshakespeare and SciFact corpora",
-    ),
-]
+pytestmark = [pytest.mark.slow]
 
 TINY = ["--parent-steps", "12", "--search-steps", "6", "--final-steps", "6", "--windows", "24",
         "--fractions", "0.1,0.5", "--lrs", "1e-3,3e-3", "--quiet"]  # fmt: skip
