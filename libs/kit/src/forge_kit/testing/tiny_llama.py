@@ -7,12 +7,56 @@ one. torch, tokenizers and transformers are imported on call: the kit itself doe
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Any
+
+EOT = "<|endoftext|>"
 
 DEFAULT_CORPUS = (
     "To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer. " * 8,
 )
+
+
+def train_bpe(corpus: Iterable[str], vocab_size: int, special_tokens: Sequence[str] = ()) -> Any:
+    """A byte-level BPE ``tokenizers.Tokenizer`` of ``vocab_size`` trained on ``corpus``, with
+    ``<|endoftext|>`` and ``special_tokens`` (each also registered as an added special token)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOT, *special_tokens],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator(list(corpus), trainer)
+    if special_tokens:
+        bpe.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special_tokens])
+    return bpe
+
+
+def llama_config(
+    vocab_size: int, hidden: int, layers: int, context: int, eos_token_id: int, initializer_range: float
+) -> Any:
+    """The tiny Llama's ``LlamaConfig``: 4 heads over 2 KV heads, no BOS, untied embeddings."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=context,
+        eos_token_id=eos_token_id,
+        bos_token_id=None,
+        tie_word_embeddings=False,
+        initializer_range=initializer_range,
+    )
 
 
 def save_tiny_llama(
@@ -32,35 +76,15 @@ def save_tiny_llama(
     ``initializer_range``) and save both into ``folder``; ``chat_template`` goes into the
     tokenizer config."""
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    bpe.train_from_iterator(list(corpus), trainer)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>")
+    bpe = train_bpe(corpus, vocab_size)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=EOT)
     if chat_template is not None:
         tokenizer.chat_template = chat_template
     torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=bpe.get_vocab_size(),
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=context,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
-        tie_word_embeddings=False,
-        initializer_range=initializer_range,
+    config = llama_config(
+        bpe.get_vocab_size(), hidden, layers, context, tokenizer.eos_token_id, initializer_range
     )
     folder.mkdir(parents=True, exist_ok=True)
     LlamaForCausalLM(config).eval().save_pretrained(folder)

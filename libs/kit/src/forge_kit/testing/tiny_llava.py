@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from pathlib import Path
 
-from forge_kit.testing.tiny_llama import DEFAULT_CORPUS
+from forge_kit.testing.tiny_llama import DEFAULT_CORPUS, EOT, llama_config, train_bpe
 
 IMAGE_TOKEN = "<image>"
 #: Each message: ``<role>: `` then its parts (an image part is ``<image>``, a text part its text), a
@@ -43,45 +43,21 @@ def save_tiny_llava(
     heads over 2 KV heads; 2-layer CLIP tower of width 32 on ``image_size`` pixels in
     ``patch_size`` patches) and save model, tokenizer and image processor into ``folder``."""
     import torch
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import (
         CLIPImageProcessor,
         CLIPVisionConfig,
-        LlamaConfig,
         LlavaConfig,
         LlavaForConditionalGeneration,
         PreTrainedTokenizerFast,
     )
 
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=["<|endoftext|>", IMAGE_TOKEN],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    bpe.train_from_iterator(list(corpus), trainer)
-    bpe.add_special_tokens([AddedToken(IMAGE_TOKEN, special=True, normalized=False)])
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>")
+    bpe = train_bpe(corpus, vocab_size, [IMAGE_TOKEN])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=EOT)
     tokenizer.chat_template = CHAT_TEMPLATE
     image_token_id = bpe.token_to_id(IMAGE_TOKEN)
     assert image_token_id is not None
     torch.manual_seed(seed)
-    text = LlamaConfig(
-        vocab_size=bpe.get_vocab_size(),
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=context,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
-        tie_word_embeddings=False,
-        initializer_range=initializer_range,
-    )
+    text = llama_config(bpe.get_vocab_size(), hidden, 2, context, tokenizer.eos_token_id, initializer_range)
     vision = CLIPVisionConfig(
         hidden_size=32,
         intermediate_size=64,
