@@ -84,6 +84,38 @@ async def test_canary_event_splits_the_production_aliases_stickily_until_rolled_
     assert (await gateway.aliases.alias_named("forge-chat")).canary_weight == 0  # type: ignore[union-attr]
 
 
+async def test_events_of_different_stages_arriving_out_of_order_do_not_undo_a_later_promotion(
+    gateway: InferenceGateway, db: Database, api_key: str
+) -> None:
+    """The registry keys its events by stage, so a canary event may arrive after later production
+    events: the aliases end as the registry's order of changes says, not as they arrived."""
+    tenant = await gateway.tenants.authenticate(api_key)
+    canary_a, production_a, production_c = (
+        promoted("run-a", "1", "canary", traffic=10),
+        promoted("run-a", "1", "production"),
+        promoted("run-c", "1", "production"),
+    )
+    for seconds, event in enumerate((canary_a, production_a, production_c)):
+        event.meta.occurred_at.FromSeconds(1_700_000_000 + seconds)
+    # In the registry's order: no split is left (run-a's canary ended when it became production).
+    await apply(gateway, db, production_a, production_c, canary_a)
+    alias = await gateway.aliases.alias_named("forge-chat")
+    assert alias is not None and (alias.target, alias.canary_weight) == ("run-c:1", 0)
+    assert set(await targets(gateway, tenant, range(200))) == {"run-c:1"}
+    # A stale production event (redelivered late) does not move production back either.
+    await apply(gateway, db, production_a)
+    assert set(await targets(gateway, tenant, range(50))) == {"run-c:1"}
+    # A canary promoted after the current stable splits it, and a newer production ends the split.
+    canary_d = promoted("run-d", "1", "canary", traffic=50)
+    canary_d.meta.occurred_at.FromSeconds(1_700_000_010)
+    await apply(gateway, db, canary_d)
+    assert set(await targets(gateway, tenant, range(100))) == {"run-c:1", "run-d:1"}
+    production_e = promoted("run-e", "1", "production")
+    production_e.meta.occurred_at.FromSeconds(1_700_000_020)
+    await apply(gateway, db, production_e)
+    assert set(await targets(gateway, tenant, range(100))) == {"run-e:1"}
+
+
 async def test_an_alias_target_unfit_for_a_header_is_never_stored(
     gateway: InferenceGateway, db: Database
 ) -> None:

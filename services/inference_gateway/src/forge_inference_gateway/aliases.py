@@ -72,6 +72,12 @@ class Alias:
         return str(self.canary) if self.canary is not None else None
 
 
+def _occurred_ns(event: events_pb2.ModelPromoted) -> int:
+    """When the registry made the change (``meta.occurred_at``, ns); 0 when the event has none."""
+    stamp = event.meta.occurred_at
+    return stamp.seconds * 1_000_000_000 + stamp.nanos
+
+
 def _alias(row: ModelAliasRow) -> Alias:
     return Alias(
         row.alias,
@@ -109,11 +115,14 @@ class Aliases:
         A promotion to ``canary`` also makes the model the canary of the ``production`` aliases with
         the event's ``traffic_percent`` (0, or a rollback, stops the split; a canary rollback with
         no ``previous`` — a guarded canary ended — also drops the ``canary`` alias). A promotion to
-        ``production`` of the canary's own model, or a rollback, ends the split (weight 0).
+        ``production`` ends the split (weight 0): the canary was measured against the stable it
+        replaced.
 
         Runs inside the consumer's transaction, which also records the event id, so a redelivered
-        event is skipped there. An event older than the alias's current state cannot be told apart
-        here; the registry publishes in order per stage (keyed by stage).
+        event is skipped there. The registry publishes in order per stage (keyed by stage), so
+        events of different stages may arrive out of order: each row keeps the ``occurred_at`` of
+        the event that set its stable model and of the one that set its split, and an older event
+        changes neither (a canary promoted before the current stable does not split it).
         """
         assert isinstance(event, events_pb2.ModelPromoted)
         stage = event.stage.strip()
@@ -124,8 +133,9 @@ class Aliases:
         except ValueError as exc:
             raise errors.ValidationError("model", str(exc)) from None
         name, version = promoted.name, promoted.version
+        at = _occurred_ns(event)
         if stage in CANARY_OF and event.is_rollback and not event.previous.name:
-            await self._end_canary(session, stage, name, version, event.meta.event_id)
+            await self._end_canary(session, stage, name, version, event.meta.event_id, at)
             return
         for alias in (stage, PUBLIC_ALIASES.get(stage)):
             if alias is None:
@@ -136,13 +146,16 @@ class Aliases:
                     alias=alias, canary_model_name="", canary_model_version="", canary_weight=0
                 )
                 session.add(row)
+            elif at < (row.source_at_ns or 0):
+                continue  # a later promotion of this stage is already applied
             row.model_name = name
             row.model_version = version
             row.stage = stage
             row.source_event_id = event.meta.event_id
+            row.source_at_ns = at
             row.updated_at = utcnow()
-            if event.is_rollback or (row.canary_model_name, row.canary_model_version) == (name, version):
-                row.canary_weight = 0
+            if stage in CANARY_OF.values() and at >= (row.canary_at_ns or 0):
+                row.canary_weight, row.canary_at_ns = 0, at
         base = CANARY_OF.get(stage)
         if base is not None:
             weight = 0 if event.is_rollback else min(100, event.traffic_percent)
@@ -150,24 +163,31 @@ class Aliases:
                 row = await session.get(ModelAliasRow, alias) if alias else None
                 if row is None:
                     continue  # nothing stable to split yet
+                if at < max(row.source_at_ns or 0, row.canary_at_ns or 0):
+                    continue  # promoted before the stable it would split, or a later split decided
                 row.canary_model_name, row.canary_model_version = name, version
-                row.canary_weight = weight
+                row.canary_weight, row.canary_at_ns = weight, at
                 row.updated_at = utcnow()
         self._cached.clear()
 
     async def _end_canary(
-        self, session: AsyncSession, stage: str, name: str, version: str, event_id: str
+        self, session: AsyncSession, stage: str, name: str, version: str, event_id: str, at: int
     ) -> None:
         """A canary rolled back with nothing to restore (the guarded canary's rollback): the stage
         alias no longer names it and the aliases it split stop sending it traffic."""
         row = await session.get(ModelAliasRow, stage)
-        if row is not None and (row.model_name, row.model_version) == (name, version):
+        if (
+            row is not None
+            and (row.model_name, row.model_version) == (name, version)
+            and at >= (row.source_at_ns or 0)
+        ):
             await session.delete(row)
         base = CANARY_OF[stage]
         for alias in (base, PUBLIC_ALIASES.get(base)):
             split = await session.get(ModelAliasRow, alias) if alias else None
             if split is not None and (split.canary_model_name, split.canary_model_version) == (name, version):
                 split.canary_weight = 0
+                split.canary_at_ns = max(split.canary_at_ns or 0, at)
                 split.source_event_id = event_id
                 split.updated_at = utcnow()
         self._cached.clear()
@@ -215,7 +235,7 @@ class Aliases:
                 )
                 session.add(row)
             row.model_name, row.model_version, row.stage = name, version, "admin"
-            row.source_event_id = ""
+            row.source_event_id, row.source_at_ns = "", 0
             row.updated_at = utcnow()
             result = _alias(row)
         self._cached.clear()

@@ -61,6 +61,10 @@ class ModelAliasRow(Base):
     shadow_model_version: Mapped[str] = mapped_column(sa.String(255), default="", server_default="")
     shadow_percent: Mapped[int] = mapped_column(sa.Integer, default=0, server_default="0")
     """Share of the alias's stable traffic also sent to the shadow model, its answer only stored."""
+    source_at_ns: Mapped[int] = mapped_column(sa.BigInteger, default=0, server_default="0")
+    """``occurred_at`` (ns) of the event that set the stable model (0: set by an admin)."""
+    canary_at_ns: Mapped[int] = mapped_column(sa.BigInteger, default=0, server_default="0")
+    """``occurred_at`` (ns) of the event that last set or ended the canary split."""
 
 
 class ShadowPairRow(Base):
