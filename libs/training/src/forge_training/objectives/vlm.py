@@ -46,7 +46,14 @@ from forge_training.parents import load_parent
 from forge_training.schema import DataConfig, RecipeError, TrainConfig, VlmConfig
 from forge_training.vlm.dataset import WorldSize, write_world
 from forge_training.vlm.evaluate import score_chats
-from forge_training.vlm.model import VisionShape, build_vlm, export_vlm, image_spec, text_config
+from forge_training.vlm.model import (
+    VisionShape,
+    build_vlm,
+    export_vlm,
+    image_spec,
+    init_vision_positions,
+    text_config,
+)
 from forge_training.vlm.parent import load_vlm_parent
 from forge_training.vlm.shards import ItemError, ShardReader, shard_files
 from forge_training.vlm.tokens import Encoded, SequenceEncoder, collate, encode_batch
@@ -140,6 +147,7 @@ class VisionLanguage(Objective):
             model, tok = build_vlm(parent.model, parent.tokenizer(), shape)
             if v.from_scratch:
                 model = LlavaForConditionalGeneration(model.config)
+                init_vision_positions(model)
         else:
             loaded = load_vlm_parent(config.init.parent)
             model, tok = loaded.model, loaded.tokenizer
