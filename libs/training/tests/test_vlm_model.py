@@ -252,6 +252,14 @@ def test_curriculum_stages_chain_train_and_resume(tmp_path: Path) -> None:
     fresh = sincos_positions(2, joint_table.weight.size(1))
     assert torch.allclose(joint_table.weight[1:], fresh, atol=0.05)  # from scratch: the same table
     inter = run("vlm_interleave", "inter", **{"init.parent": str(aligned), **vlm_over})
+    tower_after = load_vlm_parent(str(inter)).model.model.vision_tower.state_dict()
+    tower_before = after.model.vision_tower.state_dict()
+    assert all(torch.equal(tower_after[k], tower_before[k]) for k in tower_before)  # frozen tower
+    unfrozen = run(
+        "vlm_interleave", "inter_tv", **{"init.parent": str(aligned), **vlm_over, "vlm.train_vision": True}
+    )
+    moved = load_vlm_parent(str(unfrozen)).model.model.vision_tower.state_dict()
+    assert not all(torch.equal(moved[k], tower_before[k]) for k in tower_before)
     manifest = tmp_path / "objects" / "checkpoints" / "inter" / "step-00000004" / "manifest.json"
     assert load_vlm_parent(str(manifest)).model.config.image_seq_length == 4  # 32 px, 16 px patches
     # Stage 3 killed after step 2 and restarted: it resumes from its checkpoint.

@@ -4,9 +4,11 @@
 | stage | parent | data | trains |
 |---|---|---|---|
 | ``align`` | causal LM | captions | the projector (vision tower and LM frozen) |
-| ``interleave`` | VLM | interleaved documents + ``text_replay`` text-only windows | everything |
-| ``instruct`` | VLM | VQA and caption chats (loss on the reply) | everything |
-| ``joint`` | causal LM (``from_scratch``: tokenizer and shape only) | all of the above mixed | everything |
+| ``interleave`` | VLM | interleaved documents + ``text_replay`` text-only windows | projector + LM |
+| ``instruct`` | VLM | VQA and caption chats (loss on the reply) | projector + LM |
+| ``joint`` | causal LM (``from_scratch``: tokenizer and shape only) | all of the above mixed | projector + LM |
+
+The vision tower trains only with ``vlm.train_vision`` (off by default, as LLaVA keeps CLIP frozen).
 
 Batches: each slot's source is drawn by :class:`~forge_training.data.MixtureSampler` (seeded by
 step, per-source epoch permutations; its state is the resume point). A sample that cannot be
@@ -154,9 +156,11 @@ class VisionLanguage(Objective):
         text = text_config(model)
         text.max_position_embeddings = max(text.max_position_embeddings, config.data.seq_len)
         model.train()
-        if v.stage == "align":
-            for name, p in model.named_parameters():
+        for name, p in model.named_parameters():
+            if v.stage == "align":
                 p.requires_grad = "multi_modal_projector" in name
+            elif name.startswith("model.vision_tower."):
+                p.requires_grad = v.train_vision
         return model, tok
 
     def _text(self, folder: Path, cache_dir: Path, tokenizer: Tokenizer) -> PreparedData:
