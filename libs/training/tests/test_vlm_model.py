@@ -31,6 +31,7 @@ from forge_training.vlm.model import (
     image_spec,
     load_vlm,
     render_chat,
+    sincos_positions,
 )
 from forge_training.vlm.parent import load_vlm_parent
 from forge_training.vlm.shards import Sample
@@ -199,6 +200,22 @@ def test_export_reloads_equal_and_matches_the_hf_processor(vlm: tuple, tmp_path:
     assert torch.allclose(out["pixel_values"][0], preprocess(_png(2), loaded.spec), atol=1e-6)
 
 
+def test_vision_positions_start_as_large_as_patches_and_tell_cells_apart(vlm: tuple) -> None:
+    _, model, _, enc = vlm
+    emb = model.model.vision_tower.embeddings
+    table = emb.position_embedding.weight.detach()
+    assert torch.equal(table[1:], sincos_positions(2, SHAPE.hidden_size)) and not table[0].any()
+    pixels = preprocess(_png(0), enc.spec)[None]
+    with torch.no_grad():
+        patches = emb.patch_embedding(pixels).flatten(2).transpose(1, 2)[0]
+    gaps = torch.cdist(table[1:], table[1:])
+    # every pair of cells apart by at least a third of a patch embedding's norm (CLIP's own
+    # std-0.02 init: a few per cent), so the projected patches say where they are
+    assert gaps[~torch.eye(4, dtype=torch.bool)].min() > patches.norm(dim=-1).mean() / 3
+    with pytest.raises(ValueError, match="multiple of 4"):
+        sincos_positions(2, 30)
+
+
 def test_curriculum_stages_chain_train_and_resume(tmp_path: Path) -> None:
     folder = tmp_path / "world"
     write_world(
@@ -230,7 +247,19 @@ def test_curriculum_stages_chain_train_and_resume(tmp_path: Path) -> None:
     assert torch.equal(
         after.lm_head.weight[:-1], frozen_lm.lm_head.weight
     )  # stage 1 trains the projector only
+    joint = run("vlm_joint", "joint", **{"init.parent": str(lm), **vlm_over})
+    joint_table = load_vlm_parent(str(joint)).model.model.vision_tower.embeddings.position_embedding
+    fresh = sincos_positions(2, joint_table.weight.size(1))
+    assert torch.allclose(joint_table.weight[1:], fresh, atol=0.05)  # from scratch: the same table
     inter = run("vlm_interleave", "inter", **{"init.parent": str(aligned), **vlm_over})
+    tower_after = load_vlm_parent(str(inter)).model.model.vision_tower.state_dict()
+    tower_before = after.model.vision_tower.state_dict()
+    assert all(torch.equal(tower_after[k], tower_before[k]) for k in tower_before)  # frozen tower
+    unfrozen = run(
+        "vlm_interleave", "inter_tv", **{"init.parent": str(aligned), **vlm_over, "vlm.train_vision": True}
+    )
+    moved = load_vlm_parent(str(unfrozen)).model.model.vision_tower.state_dict()
+    assert not all(torch.equal(moved[k], tower_before[k]) for k in tower_before)
     manifest = tmp_path / "objects" / "checkpoints" / "inter" / "step-00000004" / "manifest.json"
     assert load_vlm_parent(str(manifest)).model.config.image_seq_length == 4  # 32 px, 16 px patches
     # Stage 3 killed after step 2 and restarted: it resumes from its checkpoint.

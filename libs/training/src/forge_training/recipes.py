@@ -208,20 +208,21 @@ def vlm_align() -> TrainConfig:
 
 def vlm_interleave() -> TrainConfig:
     """VLM stage 2: interleaved documents (text, image, text, ...) with 20 % text-only replay of
-    the world's text; everything trains. Parent: stage 1's VLM."""
+    the world's text; the projector and the LM train (the vision tower stays frozen). Parent:
+    stage 1's VLM."""
     return _vlm("vlm_interleave", "interleave", lr=1e-3, max_steps=400, seq_len=240)
 
 
 def vlm_instruct() -> TrainConfig:
     """VLM stage 3: instruction tuning on VQA chats (train question templates) and caption
-    chats; loss on the reply; everything trains. Parent: stage 2's VLM."""
+    chats; loss on the reply; the projector and the LM train. Parent: stage 2's VLM."""
     return _vlm("vlm_instruct", "instruct", lr=1e-3, max_steps=600, seq_len=80, batch=32)
 
 
 def vlm_joint() -> TrainConfig:
     """One-stage joint training from scratch, the curriculum's baseline: captions, documents and
     chats (1:1:2) with 20 % text replay, every weight fresh (the parent LM gives only the
-    tokenizer and the shapes)."""
+    tokenizer and the shapes); the fresh vision tower stays frozen, as in the curriculum."""
     return _vlm("vlm_joint", "joint", lr=2e-3, max_steps=1700, seq_len=240, from_scratch=True)
 
 

@@ -252,6 +252,11 @@ class VlmConfig:
     """``joint``: sampling weights of the image sources (text gets ``text_replay``)."""
     from_scratch: bool = False
     """``joint``: initialise every weight afresh (the parent gives only the tokenizer and shape)."""
+    train_vision: bool = False
+    """Whether the vision tower trains (``interleave``, ``instruct``, ``joint``; ``align`` trains
+    only the projector). Off: the tower stays as the parent (or the fresh init) made it, as
+    LLaVA keeps its CLIP encoder frozen in every stage; trained at the LM's learning rate, this
+    small tower lost most of the colour and shape content of its patches."""
     eval_items: int = 64
     """Held-in validation chats (train templates, unseen scenes) scored by generation each eval."""
     max_new_tokens: int = 8

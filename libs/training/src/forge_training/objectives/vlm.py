@@ -4,9 +4,11 @@
 | stage | parent | data | trains |
 |---|---|---|---|
 | ``align`` | causal LM | captions | the projector (vision tower and LM frozen) |
-| ``interleave`` | VLM | interleaved documents + ``text_replay`` text-only windows | everything |
-| ``instruct`` | VLM | VQA and caption chats (loss on the reply) | everything |
-| ``joint`` | causal LM (``from_scratch``: tokenizer and shape only) | all of the above mixed | everything |
+| ``interleave`` | VLM | interleaved documents + ``text_replay`` text-only windows | projector + LM |
+| ``instruct`` | VLM | VQA and caption chats (loss on the reply) | projector + LM |
+| ``joint`` | causal LM (``from_scratch``: tokenizer and shape only) | all of the above mixed | projector + LM |
+
+The vision tower trains only with ``vlm.train_vision`` (off by default, as LLaVA keeps CLIP frozen).
 
 Batches: each slot's source is drawn by :class:`~forge_training.data.MixtureSampler` (seeded by
 step, per-source epoch permutations; its state is the resume point). A sample that cannot be
@@ -46,7 +48,14 @@ from forge_training.parents import load_parent
 from forge_training.schema import DataConfig, RecipeError, TrainConfig, VlmConfig
 from forge_training.vlm.dataset import WorldSize, write_world
 from forge_training.vlm.evaluate import score_chats
-from forge_training.vlm.model import VisionShape, build_vlm, export_vlm, image_spec, text_config
+from forge_training.vlm.model import (
+    VisionShape,
+    build_vlm,
+    export_vlm,
+    image_spec,
+    init_vision_positions,
+    text_config,
+)
 from forge_training.vlm.parent import load_vlm_parent
 from forge_training.vlm.shards import ItemError, ShardReader, shard_files
 from forge_training.vlm.tokens import Encoded, SequenceEncoder, collate, encode_batch
@@ -140,15 +149,18 @@ class VisionLanguage(Objective):
             model, tok = build_vlm(parent.model, parent.tokenizer(), shape)
             if v.from_scratch:
                 model = LlavaForConditionalGeneration(model.config)
+                init_vision_positions(model)
         else:
             loaded = load_vlm_parent(config.init.parent)
             model, tok = loaded.model, loaded.tokenizer
         text = text_config(model)
         text.max_position_embeddings = max(text.max_position_embeddings, config.data.seq_len)
         model.train()
-        if v.stage == "align":
-            for name, p in model.named_parameters():
+        for name, p in model.named_parameters():
+            if v.stage == "align":
                 p.requires_grad = "multi_modal_projector" in name
+            elif name.startswith("model.vision_tower."):
+                p.requires_grad = v.train_vision
         return model, tok
 
     def _text(self, folder: Path, cache_dir: Path, tokenizer: Tokenizer) -> PreparedData:

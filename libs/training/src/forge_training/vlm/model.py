@@ -1,12 +1,13 @@
 """The vision-language model: transformers' ``LlavaForConditionalGeneration`` = a
 ``CLIPVisionModel`` tower (patch embedding + ViT), its two-layer MLP ``multi_modal_projector``,
 and a Llama language model, built from a Forge causal-LM parent; its tokenizer (the parent's
-with ``<image>`` added), chat template, export and loading.
+with ``<image>`` added; the tower's position table initialised with fixed 2-D sin-cos), chat template, export and loading.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,6 +100,39 @@ class VisionShape:
         return (self.image_size // self.patch_size) ** 2
 
 
+def sincos_positions(grid: int, dim: int) -> torch.Tensor:
+    """The fixed 2-D sin-cos position table of ViT/MAE for a ``grid`` x ``grid`` patch grid,
+    ``[grid * grid, dim]`` in raster order (half the channels encode the row, half the column; each
+    half sin and cos of ``position * pi * 10000^(-k/F)``). Coordinates are in units of pi so that the
+    cells of a small grid (2 x 2 here) differ in the fastest channels by a vector of about the norm
+    of a patch embedding; with MAE's integer coordinates they would barely differ."""
+    if dim % 4:
+        raise ValueError(f"the vision hidden size must be a multiple of 4 for 2-D sin-cos, got {dim}")
+    freqs = dim // 4
+    omega = math.pi * 10000.0 ** (-torch.arange(freqs, dtype=torch.float64) / freqs)
+    rows, cols = torch.meshgrid(torch.arange(grid), torch.arange(grid), indexing="ij")
+
+    def axis(pos: torch.Tensor) -> torch.Tensor:
+        angles = pos.reshape(-1, 1).double() * omega[None]
+        return torch.cat([angles.sin(), angles.cos()], dim=1)
+
+    return torch.cat([axis(rows), axis(cols)], dim=1).float()
+
+
+def init_vision_positions(model: LlavaForConditionalGeneration) -> None:
+    """Set the vision tower's patch position embeddings to :func:`sincos_positions` (the class
+    token's row to zero). CLIP's own init draws the table with std 0.02 (norm ~0.15 a patch)
+    against patch embeddings of norm ~5 for a normalised image, so a fresh tower (frozen in
+    stage 1; no pre-trained CLIP here) hands the LM patches that hardly say where they are; a
+    pre-trained CLIP's table is as large as its patch embeddings. Used for every fresh VLM."""
+    embeddings = model.model.vision_tower.embeddings
+    table = embeddings.position_embedding.weight
+    grid = round(math.sqrt(table.size(0) - 1))
+    with torch.no_grad():
+        table[0].zero_()
+        table[1:].copy_(sincos_positions(grid, table.size(1)))
+
+
 def with_image_token(tokenizer: Tokenizer) -> tuple[Tokenizer, int]:
     """A copy of ``tokenizer`` with ``<image>`` as a special token, and its id."""
     tok = Tokenizer.from_str(tokenizer.to_str())
@@ -132,6 +166,7 @@ def build_vlm(
         tie_word_embeddings=False,
     )
     model = LlavaForConditionalGeneration(config)
+    init_vision_positions(model)
     state = {k: v.clone() for k, v in lm.state_dict().items()}
     for key in ("model.embed_tokens.weight", "lm_head.weight"):
         old = state[key]
