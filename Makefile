@@ -6,7 +6,7 @@
 #   make up        start the local platform and run its main job (`forge up`)
 #   make down      stop everything `make up` started
 #   make status    pid, liveness and health of each component
-#   make test      every test, in one pytest run
+#   make test      every test: each test folder a pytest process, TEST_JOBS=3 at a time
 #   make fuzz      hypothesis-generated requests against every RPC (1000 per RPC; no INTERNAL allowed)
 #   make faults    fault injection: kill -9 / restart each component under load, count what survived
 #   make verify    the gate: ruff, ruff format, mypy, buf lint, stub freshness, import contracts,
@@ -38,6 +38,9 @@ STAMP := $(VENV)/.installed-$(INSTALL_HASH)
 NPM_STAMP := node_modules/.installed-$(shell sha256sum package-lock.json | cut -c1-16)
 
 PYTEST_TIMEOUT ?= 300
+# Test folders run side by side, each in its own pytest process (scripts/run_tests.py): much of
+# the suite waits on processes and workflows rather than computing.
+TEST_JOBS ?= 3
 # A local copy of the public datasets, laid out as FORGE_DATA_DIR is; without one they are downloaded.
 DATA_MIRROR ?= $(wildcard ../shared/data)
 
@@ -75,7 +78,7 @@ status: install
 	$(VENV)/bin/forge status
 
 test: install data
-	$(VENV)/bin/pytest -q --timeout=$(PYTEST_TIMEOUT) -m "not faults_full" libs services tests
+	$(PY) scripts/run_tests.py -j $(TEST_JOBS) libs services tests -- -q --timeout=$(PYTEST_TIMEOUT) -m "not faults_full"
 
 fuzz: install
 	FORGE_FUZZ_EXAMPLES=$${FORGE_FUZZ_EXAMPLES:-1000} FORGE_FUZZ_TIMEOUT_S=7200 $(VENV)/bin/pytest -q -s --timeout=7200 tests/fuzz

@@ -50,7 +50,9 @@ class Overloaded:
             self.in_flight += 1
             self.peak = max(self.peak, self.in_flight)
             try:
-                await asyncio.sleep(0.02)
+                # Long enough that retries overlap here even on a machine too busy to send them
+                # promptly (the window's cuts need refusals, in rounds of several in flight).
+                await asyncio.sleep(0.1)
             finally:
                 self.in_flight -= 1
             self.served += 1

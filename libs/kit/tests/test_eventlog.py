@@ -76,13 +76,18 @@ async def stage_jobs(db: Database, job_ids: list[str]) -> None:
 
 
 class Recorder:
-    """Handler that records the job ids it applies."""
+    """Handler that records the job ids it applies: once its unit of work commits. A call whose
+    transaction rolls back applied nothing (the Kafka path and catch-up racing on one event: the
+    loser's processed-events row collides with the winner's, and its retry sees a duplicate)."""
 
     def __init__(self) -> None:
         self.applied: list[str] = []
 
     async def __call__(self, event: Message, session: AsyncSession) -> None:
-        self.applied.append(getattr(event, "job_id", "") or getattr(event, "document_id", ""))
+        applied = getattr(event, "job_id", "") or getattr(event, "document_id", "")
+        sa.event.listen(
+            session.sync_session, "after_commit", lambda _: self.applied.append(applied), once=True
+        )
 
 
 def catch_up(

@@ -4,6 +4,7 @@ paired measurements, the rule's mixture and checkpoint (or its clear refusal), a
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -52,6 +53,9 @@ def test_search_curve_final_run_and_chosen_checkpoint(chosen: Path) -> None:
 
 def test_no_admissible_mixture_ends_before_the_final_run(chosen: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
+    # The corpora as the first run tokenised them with this parent (the cache is keyed by the
+    # text, the settings and the tokenizer): what a second bench from the same parent reuses.
+    shutil.copytree(chosen / "cache", out / "cache")
     args = ["cpt", "--out", str(out), "--parent", str(chosen / "runs" / "parent" / "hf"), *TINY]
     args += ["--fractions", "0.5", "--lrs", "1e-3", "--max-forgetting", "0", "--min-domain-gain", "5"]
     result = CliRunner().invoke(app, args)

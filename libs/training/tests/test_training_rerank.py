@@ -7,6 +7,7 @@ import json
 import math
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 from transformers import BertConfig, BertForSequenceClassification
@@ -229,18 +230,36 @@ def test_the_loop_overfits_a_few_groups_well_below_chance(tmp_path: Path) -> Non
     assert [m["rank_accuracy"] for m in metrics if m.get("step", 0) >= 22 and "loss" in m] == [1.0, 1.0, 1.0]
 
 
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, dict[str, Any]]]:
+    """The DDP and the FSDP run of 2 processes, one after the other on one gloo group (one
+    start-up of the spawned processes): parallelism -> (the folder, rank 0's figures)."""
+    root = tmp_path_factory.mktemp("rerank-gloo")
+    write_beir(root)
+    configs = [recipes.build("rerank_beir_minilm", _without_dropout(root, p)) for p in ("ddp", "fsdp")]
+    doubles = run_group_sequence(
+        [(c, root / f"two-{c.parallelism}") for c in configs], 2, cache_dir=root / "cache"
+    )
+    return {c.parallelism: (root, d) for c, d in zip(configs, doubles, strict=True)}
+
+
+def _without_dropout(root: Path, parallelism: str) -> dict[str, str]:
+    return tiny(root, **{"init.encoder_dropout": "0", "parallelism": parallelism})
+
+
 @pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
-def test_two_gloo_processes_train_the_cross_encoder_like_one(tmp_path: Path, parallelism: str) -> None:
+def test_two_gloo_processes_train_the_cross_encoder_like_one(
+    two_processes: dict[str, tuple[Path, dict[str, Any]]], tmp_path: Path, parallelism: str
+) -> None:
     """Data parallel: 2 processes with a group each per step match 1 process with both, step by
     step and on the held-out figures (the groups are split by rank and the sums all-reduced);
     without dropout, whose masks each process draws from its own generator. FSDP shards the
     encoder's blocks (its frozen embeddings included) and trains the same."""
-    write_beir(tmp_path)
-    overrides = tiny(tmp_path, **{"init.encoder_dropout": "0", "parallelism": parallelism})
-    config = recipes.build("rerank_beir_minilm", overrides)
-    (double,) = run_group_sequence([(config, tmp_path / "two")], 2, cache_dir=tmp_path / "cache")
+    root, double = two_processes[parallelism]
+    config = recipes.build("rerank_beir_minilm", _without_dropout(root, parallelism))
+    assert double["outcome"] == "succeeded" and sorted(double["losses"]) == [1, 2]
     ctx = RunContext(run_id="one", run_dir=tmp_path / "one", store=ObjectStore(str(tmp_path / "o1")),
-                     cache_dir=tmp_path / "cache", export=False)  # fmt: skip
+                     cache_dir=root / "cache", export=False)  # fmt: skip
     single = train(config, ctx)
     for step in (1, 2):
         assert double["losses"][step] == pytest.approx(single.losses[step], rel=1e-4), step

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import io
+import shutil
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -57,7 +59,10 @@ def platform(
         started.append(process)
         return process.start(60)
 
-    evals = start(
+    # Eval and the model server need nothing of each other: they start at the same time.
+    pool = ThreadPoolExecutor(2)
+    starting_eval = pool.submit(
+        start,
         ServiceProcess(
             "forge_eval",
             env={
@@ -70,9 +75,10 @@ def platform(
                 "FORGE_EVAL_RESPONSE_CACHE_PATH": str(data / "eval" / "cache.sqlite"),
             },
             log_path=str(data / "eval.log"),
-        )
+        ),
     )
-    server = start(
+    starting_server = pool.submit(
+        start,
         ServiceProcess(
             "forge_model_server",
             env={
@@ -85,8 +91,10 @@ def platform(
             },
             cwd=str(data),
             log_path=str(data / "model_server.log"),
-        )
+        ),
     )
+    evals, server = starting_eval.result(), starting_server.result()
+    pool.shutdown()
     gateway = start(
         ServiceProcess(
             "forge_inference_gateway",
@@ -208,6 +216,14 @@ async def test_the_trained_checkpoint_is_evaluated_and_promoted(
     assert eval_step.order == 60
 
     checkpoint = make_tiny_checkpoint(tmp_path / "run-7" / "hf", context=32)
+    # The next runs' trained checkpoint trains here while the platform evaluates this one.
+    training = asyncio.create_task(
+        asyncio.to_thread(
+            lambda: train_tiny_checkpoint(
+                make_tiny_checkpoint(tmp_path / "run-8" / "hf", context=32), steps=30
+            )
+        )
+    )
     train = await publish_checkpoint(kafka_broker.bootstrap, "run-7", 10, checkpoint)
     started = time.monotonic()
     [outcome] = await mainjob.run(
@@ -235,7 +251,7 @@ async def test_the_trained_checkpoint_is_evaluated_and_promoted(
     )
 
     # The next run's checkpoint, trained: compared with production (run-7) and promoted over it.
-    trained = train_tiny_checkpoint(make_tiny_checkpoint(tmp_path / "run-8" / "hf", context=32), steps=30)
+    trained = await training
     train = await publish_checkpoint(kafka_broker.bootstrap, "run-8", 30, trained)
     [outcome] = await mainjob.run(
         [eval_step], context(platform, {"train": train}), Console(file=io.StringIO())
@@ -262,7 +278,8 @@ async def test_the_trained_checkpoint_is_evaluated_and_promoted(
 
     # A third checkpoint, trained: to canary again, and now the step serves it and chats through
     # the gateway (a new user per request) until the analysis decides: promoted on the evidence.
-    trained = train_tiny_checkpoint(make_tiny_checkpoint(tmp_path / "run-9" / "hf", context=32), steps=30)
+    # (the same seeded training as run-8's, so a copy of its files)
+    trained = Path(shutil.copytree(trained, tmp_path / "run-9" / "hf"))
     train = await publish_checkpoint(kafka_broker.bootstrap, "run-9", 30, trained)
     [outcome] = await mainjob.run(
         [eval_step], context(platform, {"train": train}, traffic=True), Console(file=io.StringIO())

@@ -42,6 +42,8 @@ class Queue:
         self.max_prompts = 0
         self.largest_admitted = 0
         self.bodies: Counter[str] = Counter()
+        #: The ``Retry-After`` of a 429, in seconds: every refusal pauses the client's new requests.
+        self.retry_after = "1"
 
 
 def _serve(queue: Queue) -> FastAPI:
@@ -61,7 +63,7 @@ def _serve(queue: Queue) -> FastAPI:
             return JSONResponse(
                 {"error": {"message": "queue full", "type": "overloaded"}},
                 status_code=429,
-                headers={"Retry-After": "1"},
+                headers={"Retry-After": queue.retry_after},
             )
         queue.in_flight += 1
         queue.peak = max(queue.peak, queue.in_flight)
@@ -148,6 +150,9 @@ def test_a_batch_larger_than_the_servers_queue_is_halved_until_it_fits(
 ) -> None:
     url, queue = server
     queue.max_prompts = 3  # 16-prompt batches are refused even alone: only halving gets through
+    # Each halving follows refusals while alone in flight, each paused for Retry-After: a short
+    # pause keeps the dozens of them to seconds (the pause itself is the test above's).
+    queue.retry_after = "0.1"
     code, output, out = _run(url, tmp_path, 4)
     assert code == 0, output
     calls = json.loads((out / "summary.json").read_text())["calls"]
