@@ -110,13 +110,19 @@ def reward_hh_minilm() -> TrainConfig:
     away from what helpful-base rewards. Micro-batches of 2 pairs keep padding low (a batch pads
     to its longest sequence); 16 pairs per step. The new head (pooler and classifier) learns 20x
     faster than the encoder (``optim.head_lr_scale``, as the reranker's cross-encoder), which
-    held out better than 1x (``load/training/RESULTS.md``)."""
+    held out better than 1x (``load/training/RESULTS.md``). Pairs are length-balanced
+    (``pairs.length_balance=reweight``: the pairs whose chosen reply is the shorter weigh as much
+    in all as those whose chosen reply is the longer), the debiasing that kept overall held-out
+    accuracy within 0.02 of the unbalanced recipe's while judging fewer pairs by length alone
+    (``load/feedback/RESULTS.md`` compares it with ODIN's length head and a post-hoc correction)."""
     return TrainConfig(
         name="reward_hh_minilm",
         task="reward",
         init=InitConfig(backbone="minilm"),
         data=DataConfig(seq_len=256, val_fraction=0.3),
-        pairs=PairsConfig(path=f"{HH_RLHF}/helpful-base", exclude_shared_openings=True),
+        pairs=PairsConfig(
+            path=f"{HH_RLHF}/helpful-base", exclude_shared_openings=True, length_balance="reweight"
+        ),
         optim=OptimConfig(lr=8e-5, min_lr=8e-6, warmup_steps=25, weight_decay=0.01, head_lr_scale=20.0),
         checkpoint=CheckpointConfig(interval_steps=50, keep_last=2),
         global_batch_size=16,
