@@ -213,9 +213,9 @@ def run_bench(
         "skipped": skipped,
     }
     log("pass rates")
-    student = difficulty.HFStudent(student_dir)
+    sampler = difficulty.HFStudent(student_dir)
     rates = difficulty.pass_rates(
-        student, deduped.kept, cfg.samples, temperature=1.0, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed
+        sampler, deduped.kept, cfg.samples, temperature=1.0, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed
     )
     band = difficulty.band_filter(deduped.kept, rates, cfg.lo, cfg.hi)
     stages["difficulty"] = {**band.counts(), "samples": cfg.samples, "temperature": 1.0}

@@ -359,8 +359,13 @@ TEMPLATES: dict[str, Template] = {
     )
 }  # fmt: skip
 TRAIN_TEMPLATES = tuple(t for t in TEMPLATES.values() if t.split == "train")
+_WORDED = {
+    "add_sub": _add_sub, "percent_off": _percent_off, "ratio_share": _ratio_share, "linear_eq": _linear,
+    "unit_price": _unit_price, "fraction_rest": _fraction_rest, "fraction_sum": _fraction_sum,
+    "shop_change": _shop,
+}  # fmt: skip
 DEV_TEMPLATES = tuple(
-    dataclasses.replace(t, id=f"{t.id}_dev", make=functools.partial(t.make, pool="dev"))
+    dataclasses.replace(t, id=f"{t.id}_dev", make=functools.partial(_WORDED[t.id], pool="dev"))
     for t in TRAIN_TEMPLATES
 )
 """The TRAIN templates with their DEV wordings (:mod:`~forge_training.synthetic.wordings`): problems

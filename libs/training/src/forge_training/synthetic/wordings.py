@@ -21,8 +21,10 @@ import string
 
 ASK_FIRST = 0.2
 DEV_FRAMES = 2
-HELD_OUT_NOUNS = ("bus", "people", "lamp", "painter", "paint", "litres", "tins", "machine", "toys", "farm")
-HELD_OUT_NOUNS += ("sheep", "animals", "pick")
+HELD_OUT_NOUNS: tuple[str, ...] = (
+    "bus", "people", "lamp", "painter", "paint", "litres", "tins", "machine", "toys", "farm", "sheep",
+    "animals", "pick",
+)  # fmt: skip
 
 NAMES = (
     "Ana", "Ben", "Cara", "Dev", "Eli", "Fay", "Gus", "Hana", "Ivo", "Jun", "Kim", "Leo", "Mia", "Noor",
