@@ -47,7 +47,8 @@ def run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     (data / "benchmarks" / "copy").mkdir(parents=True)
     tasks.mkdir()
     rows = [
-        {"question": problems[3].question},
+        # a problem with no planted error, so that verification keeps it for dedup to remove
+        {"question": next(p for p in problems if not any(s.planted for s in p.solutions)).question},
         {"question": "An unrelated question about trains and their schedules."},
     ]
     (data / "benchmarks" / "copy" / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -44,6 +44,7 @@ from forge_kit.stats import paired_compare, wilson_interval
 from forge_training import recipes
 from forge_training.synthetic import dataset, dedup, difficulty
 from forge_training.synthetic.problems import (
+    DEV_TEMPLATES,
     HELD_OUT_TEMPLATES,
     TRAIN_TEMPLATES,
     ProgrammaticTeacher,
@@ -61,7 +62,7 @@ class BenchConfig:
     seed: int = 0
     pretrain_problems: int = 16000
     pretrain_steps: int = 1600
-    problems: int = 1000
+    problems: int = 3000
     k: int = 4
     error_rate: float = 0.2
     pot_rate: float = 0.1
@@ -70,6 +71,7 @@ class BenchConfig:
     hi: float = 0.8
     sft_tokens: int = 150_000
     held_out: int = 1000
+    dev: int = 480
     max_new_tokens: int = 64
     hidden_size: int = 96
     num_layers: int = 3
@@ -109,7 +111,8 @@ def _train(recipe: str, overrides: dict[str, Any], root: Path, cache: Path) -> t
 def pretrain_student(cfg: BenchConfig, verifier: Verifier, work: Path) -> tuple[Path, dict[str, Any]]:
     """Step 1: the corpus of verified teacher text and the pre-trained tiny Llama's export."""
     teacher = ProgrammaticTeacher(seed=cfg.seed + 1000, error_rate=cfg.error_rate, pot_rate=0.0)
-    written = generate(teacher, TRAIN_TEMPLATES, cfg.pretrain_problems, 1)
+    # k = 3: with one solution a planted wrong final answer is the only readable one and is kept
+    written = generate(teacher, TRAIN_TEMPLATES, cfg.pretrain_problems, 3)
     kept = verifier.verify(written.problems).kept
     corpus = work / "pretrain" / "corpus.txt"
     corpus.parent.mkdir(parents=True, exist_ok=True)
@@ -178,15 +181,22 @@ def _wrong_kept(items: list[Verified]) -> int:
     return wrong
 
 
-def run_bench(cfg: BenchConfig, out: Path, tasks_dir: Path, log: Any = print) -> dict[str, Any]:
+def run_bench(
+    cfg: BenchConfig, out: Path, tasks_dir: Path, log: Any = print, student: Path | None = None
+) -> dict[str, Any]:
+    """The benchmark; ``student``: an export of an earlier run's step 1 (same config) to start from
+    instead of pre-training again."""
     started = time.perf_counter()
     work = out / "work"
     work.mkdir(parents=True, exist_ok=True)
     verifier = Verifier("majority")
     stages: dict[str, Any] = {}
     # 1. The student.
-    log("pre-training the student")
-    student_dir, stages["pretrain"] = pretrain_student(cfg, verifier, work)
+    if student is None:
+        log("pre-training the student")
+        student_dir, stages["pretrain"] = pretrain_student(cfg, verifier, work)
+    else:
+        student_dir, stages["pretrain"] = student, {"reused": str(student)}
     # 2. The data set: generate, verify, dedup, difficulty.
     log("generating and verifying")
     teacher = ProgrammaticTeacher(seed=cfg.seed, error_rate=cfg.error_rate, pot_rate=cfg.pot_rate)
@@ -203,9 +213,9 @@ def run_bench(cfg: BenchConfig, out: Path, tasks_dir: Path, log: Any = print) ->
         "skipped": skipped,
     }
     log("pass rates")
-    student = difficulty.HFStudent(student_dir)
+    sampler = difficulty.HFStudent(student_dir)
     rates = difficulty.pass_rates(
-        student, deduped.kept, cfg.samples, temperature=1.0, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed
+        sampler, deduped.kept, cfg.samples, temperature=1.0, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed
     )
     band = difficulty.band_filter(deduped.kept, rates, cfg.lo, cfg.hi)
     stages["difficulty"] = {**band.counts(), "samples": cfg.samples, "temperature": 1.0}
@@ -244,15 +254,24 @@ def run_bench(cfg: BenchConfig, out: Path, tasks_dir: Path, log: Any = print) ->
         "kept": len(held),
         "wrong_kept": _wrong_kept(held),
     }
+    # DEV wordings of the TRAIN templates (never trained on): the selection set.
+    dev_teacher = ProgrammaticTeacher(seed=cfg.seed + 3000, error_rate=cfg.error_rate, pot_rate=cfg.pot_rate)
+    dev = verifier.verify(generate(dev_teacher, DEV_TEMPLATES, cfg.dev, cfg.k).problems).kept
+    stages["dev"] = {"problems": cfg.dev, "kept": len(dev)}
     log("evaluating the base student")
     scores: dict[str, list[float]] = {"base": evaluate(student_dir, held, cfg)}
-    subsets: dict[str, Any] = {"base": _accuracy(scores["base"])}
+    dev_scores: dict[str, list[float]] = {"base": evaluate(student_dir, dev, cfg)}
+    subsets: dict[str, Any] = {"base": {**_accuracy(scores["base"]), "dev": _accuracy(dev_scores["base"])}}
     for name in SUBSETS:
         idx = members[name]
         rows, tokens = equal_token_rows(
             [all_rows[i] for i in idx], [all_tokens[i] for i in idx], cfg.sft_tokens, cfg.seed
         )
-        entry: dict[str, Any] = {"problems": len(idx), "rows": len(rows), "tokens": tokens}
+        distinct = len({r["chosen"] for r in rows})
+        entry: dict[str, Any] = {
+            "problems": len(idx), "rows": len(rows), "tokens": tokens, "distinct": distinct,
+            "repeats": round(len(rows) / distinct, 2) if distinct else None,
+        }  # fmt: skip
         steps = (len(rows) - max(1, int(len(rows) * 0.02))) // cfg.batch
         if steps < 1:
             subsets[name] = {**entry, "accuracy": None, "ci95": None, "skipped": "too few rows for one step"}
@@ -274,7 +293,11 @@ def run_bench(cfg: BenchConfig, out: Path, tasks_dir: Path, log: Any = print) ->
             work / "cache",
         )  # fmt: skip
         scores[name] = evaluate(model, held, cfg)
-        subsets[name] = {**entry, "steps": steps, **_accuracy(scores[name]), "train": figures}
+        dev_scores[name] = evaluate(model, dev, cfg)
+        subsets[name] = {
+            **entry, "steps": steps, **_accuracy(scores[name]), "dev": _accuracy(dev_scores[name]),
+            "train": figures,
+        }  # fmt: skip
     summary: dict[str, Any] = {"subsets": subsets, "stages": stages, "config": dataclasses.asdict(cfg)}
     if "band" in scores and "unfiltered" in scores:
         paired = paired_compare(scores["unfiltered"], scores["band"], seed=cfg.seed)
@@ -282,6 +305,11 @@ def run_bench(cfg: BenchConfig, out: Path, tasks_dir: Path, log: Any = print) ->
             "delta": paired.delta, "ci95": [paired.ci_low, paired.ci_high], "p_value": paired.p_value,
             "test": paired.test, "n": paired.n,
             "target_met": paired.ci_low > 0,
+        }  # fmt: skip
+        dev_paired = paired_compare(dev_scores["unfiltered"], dev_scores["band"], seed=cfg.seed)
+        summary["band_vs_unfiltered_dev"] = {
+            "delta": dev_paired.delta, "ci95": [dev_paired.ci_low, dev_paired.ci_high],
+            "p_value": dev_paired.p_value, "n": dev_paired.n,
         }  # fmt: skip
     summary["wall_s"] = round(time.perf_counter() - started, 1)
     return summary
@@ -294,6 +322,10 @@ def synthetic(
         Path | None, typer.Option(help="the eval service's task folder (default: this checkout's)")
     ] = None,
     quick: Annotated[bool, typer.Option(help="a few-minute run with small counts (a smoke test)")] = False,
+    student: Annotated[
+        Path | None,
+        typer.Option(help="an earlier run's pre-trained student (DIR/work/pretrain/run/…/export)"),
+    ] = None,
 ) -> None:
     """Synthetic reasoning data: the 20-80 % band against unfiltered, easy and hard subsets at equal
     tokens, on problems from held-out templates (see load/synthetic/README.md)."""
@@ -305,12 +337,17 @@ def synthetic(
             pretrain_steps=60,
             problems=120,
             held_out=60,
+            dev=40,
             sft_tokens=8000,
             samples=4,
         )
     out.mkdir(parents=True, exist_ok=True)
     summary = run_bench(
-        cfg, out, tasks_dir or default_tasks_dir(), log=lambda m: typer.echo(f"== {m}", err=True)
+        cfg,
+        out,
+        tasks_dir or default_tasks_dir(),
+        log=lambda m: typer.echo(f"== {m}", err=True),
+        student=student,
     )
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     typer.echo(

@@ -7,7 +7,9 @@ program-of-thought (a Python snippet printing the answer, run in the sandbox by 
 
 Templates are generators ``(rng, level) -> Draft`` with an id, a topic and a split: the TRAIN
 templates write the data set, the HELD-OUT templates (the same skills, worded differently) only
-the evaluation problems. ``level`` (1-3) sets the size of the numbers and so the difficulty.
+the evaluation problems. A TRAIN template words each problem with one of its many paraphrased
+TRAIN wordings (:mod:`~forge_training.synthetic.wordings`); :data:`DEV_TEMPLATES` are the same
+templates with their DEV wordings (never trained on, for selecting settings). ``level`` (1-3) sets the size of the numbers and so the difficulty.
 
 :class:`ProgrammaticTeacher` is this machine's teacher: a program, not a model. It writes each
 problem's ``k`` solutions and, with probability ``error_rate`` per solution, plants one error
@@ -19,6 +21,8 @@ for measuring the verifier; the verifier never reads it. Output is a pure functi
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import random
 import re
@@ -26,6 +30,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from fractions import Fraction
 from typing import Any, Literal, Protocol
+
+from forge_training.synthetic import wordings
 
 Split = Literal["train", "held_out"]
 ERROR_KINDS = ("arithmetic", "final", "malformed")
@@ -150,18 +156,12 @@ def _mag(level: int) -> int:
     return {1: 5, 2: 15, 3: 60}.get(level, 5)
 
 
-_NAMES = ("Ana", "Ben", "Cara", "Dev", "Eli", "Fay", "Gus", "Hana", "Ivo", "Jun", "Kim", "Leo")
-_ITEMS = ("apples", "marbles", "stickers", "books", "cards", "shells", "coins", "pens")
-
-
-def _add_sub(r: random.Random, level: int) -> Draft:
+def _add_sub(r: random.Random, level: int, pool: str = "train") -> Draft:
     m = _mag(level)
-    name, item = r.choice(_NAMES), r.choice(_ITEMS)
     a, b = r.randint(2, m), r.randint(2, m)
     c = r.randint(1, a + b - 1)
     return Draft(
-        f"{name} has {a} {item}. {name} gets {b} more and then gives away {c}. "
-        f"How many {item} does {name} have now?",
+        wordings.question("add_sub", pool, r, a=a, b=b, c=c),
         (
             lambda v: ("After getting more", f"{a}+{b}", Fraction(a + b)),
             lambda v: ("After giving away", f"{_n(v[0])}-{c}", v[0] - c),
@@ -169,12 +169,12 @@ def _add_sub(r: random.Random, level: int) -> Draft:
     )
 
 
-def _percent_off(r: random.Random, level: int) -> Draft:
+def _percent_off(r: random.Random, level: int, pool: str = "train") -> Draft:
     m = _mag(level)
     pct = r.choice((10, 20, 25, 50) if level == 1 else (5, 10, 15, 20, 25, 30, 40, 50, 75))
     price = 4 * r.randint(1, m) * (5 if pct in (5, 15) else 1)
     return Draft(
-        f"A coat costs ${price}. It is on sale for {pct}% off. What is the sale price in dollars?",
+        wordings.question("percent_off", pool, r, price=price, pct=pct),
         (
             lambda v: ("The discount is", f"{price}*{pct}/100", Fraction(price * pct, 100)),
             lambda v: ("The sale price is", f"{price}-{_n(v[0])}", price - v[0]),
@@ -182,27 +182,26 @@ def _percent_off(r: random.Random, level: int) -> Draft:
     )
 
 
-def _ratio_share(r: random.Random, level: int) -> Draft:
+def _ratio_share(r: random.Random, level: int, pool: str = "train") -> Draft:
     x, y = r.randint(1, 3 + level), r.randint(1, 3 + level)
     unit = r.randint(2, _mag(level))
     total = unit * (x + y)
-    a, b = r.sample(_NAMES, 2)
     return Draft(
-        f"{a} and {b} share {total} {r.choice(_ITEMS)} in the ratio {x}:{y}. How many does {a} get?",
+        wordings.question("ratio_share", pool, r, total=total, x=x, y=y),
         (
             lambda v: ("The parts are", f"{x}+{y}", Fraction(x + y)),
             lambda v: ("One part is", f"{total}/{_n(v[0])}", total / v[0]),
-            lambda v: (f"{a} gets", f"{_n(v[1])}*{x}", v[1] * x),
+            lambda v: ("The first part is", f"{_n(v[1])}*{x}", v[1] * x),
         ),
     )
 
 
-def _linear(r: random.Random, level: int) -> Draft:
+def _linear(r: random.Random, level: int, pool: str = "train") -> Draft:
     m = _mag(level)
     a, x, b = r.randint(2, 2 + 3 * level), r.randint(1, m), r.randint(1, m)
     c = a * x + b
     return Draft(
-        f"Solve for x: {a}x + {b} = {c}.",
+        wordings.question("linear_eq", pool, r, a=a, b=b, c=c),
         (
             lambda v: ("Subtract", f"{c}-{b}", Fraction(c - b)),
             lambda v: ("Divide", f"{_n(v[0])}/{a}", v[0] / a),
@@ -210,11 +209,10 @@ def _linear(r: random.Random, level: int) -> Draft:
     )
 
 
-def _unit_price(r: random.Random, level: int) -> Draft:
+def _unit_price(r: random.Random, level: int, pool: str = "train") -> Draft:
     n, unit, k = r.randint(2, 4 + level), r.randint(1, _mag(level)), r.randint(2, 3 + 3 * level)
-    item = r.choice(_ITEMS)
     return Draft(
-        f"{n} {item} cost ${n * unit}. How many dollars do {k} {item} cost?",
+        wordings.question("unit_price", pool, r, n=n, total=n * unit, k=k),
         (
             lambda v: ("One costs", f"{n * unit}/{n}", Fraction(unit)),
             lambda v: (f"{k} cost", f"{_n(v[0])}*{k}", v[0] * k),
@@ -222,12 +220,12 @@ def _unit_price(r: random.Random, level: int) -> Draft:
     )
 
 
-def _fraction_rest(r: random.Random, level: int) -> Draft:
+def _fraction_rest(r: random.Random, level: int, pool: str = "train") -> Draft:
     q = r.choice((2, 3, 4, 5) if level == 1 else (3, 4, 5, 6, 8))
     p = r.randint(1, q - 1)
     n = q * r.randint(1, _mag(level))
     return Draft(
-        f"A class has {n} students. {p}/{q} of them walk to school. How many do not walk?",
+        wordings.question("fraction_rest", pool, r, n=n, p=p, q=q),
         (
             lambda v: ("Walkers", f"{n}*{p}/{q}", Fraction(n * p, q)),
             lambda v: ("Not walking", f"{n}-{_n(v[0])}", n - v[0]),
@@ -235,23 +233,22 @@ def _fraction_rest(r: random.Random, level: int) -> Draft:
     )
 
 
-def _fraction_sum(r: random.Random, level: int) -> Draft:
+def _fraction_sum(r: random.Random, level: int, pool: str = "train") -> Draft:
     a, b = r.randint(1, 2 + 2 * level), r.randint(2, 3 + 2 * level)
     c, d = r.randint(1, 2 + 2 * level), r.randint(2, 3 + 2 * level)
     return Draft(
-        f"What is {a}/{b} + {c}/{d}?",
+        wordings.question("fraction_sum", pool, r, a=a, b=b, c=c, d=d),
         (lambda v: ("The sum is", f"{a}/{b}+{c}/{d}", Fraction(a, b) + Fraction(c, d)),),
     )
 
 
-def _shop(r: random.Random, level: int) -> Draft:
+def _shop(r: random.Random, level: int, pool: str = "train") -> Draft:
     m = _mag(level)
     packs, per, price = r.randint(2, 3 + level), r.randint(2, 6), r.randint(1, m)
     cost = packs * price
     paid = cost + r.randint(0, m)
     return Draft(
-        f"Each pack has {per} pens and costs ${price}. Sam buys {packs} packs and pays with ${paid}. "
-        "How much change does Sam get in dollars?",
+        wordings.question("shop_change", pool, r, per=per, price=price, packs=packs, paid=paid),
         (
             lambda v: ("The packs cost", f"{packs}*{price}", Fraction(cost)),
             lambda v: ("The change is", f"{paid}-{_n(v[0])}", paid - v[0]),
@@ -362,6 +359,17 @@ TEMPLATES: dict[str, Template] = {
     )
 }  # fmt: skip
 TRAIN_TEMPLATES = tuple(t for t in TEMPLATES.values() if t.split == "train")
+_WORDED = {
+    "add_sub": _add_sub, "percent_off": _percent_off, "ratio_share": _ratio_share, "linear_eq": _linear,
+    "unit_price": _unit_price, "fraction_rest": _fraction_rest, "fraction_sum": _fraction_sum,
+    "shop_change": _shop,
+}  # fmt: skip
+DEV_TEMPLATES = tuple(
+    dataclasses.replace(t, id=f"{t.id}_dev", make=functools.partial(_WORDED[t.id], pool="dev"))
+    for t in TRAIN_TEMPLATES
+)
+"""The TRAIN templates with their DEV wordings (:mod:`~forge_training.synthetic.wordings`): problems
+of the same skills worded as nothing trained on is, for selecting settings; not in ``TEMPLATES``."""
 HELD_OUT_TEMPLATES = tuple(t for t in TEMPLATES.values() if t.split == "held_out")
 
 
