@@ -15,7 +15,6 @@ what was in flight.
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from pathlib import Path
 
@@ -25,11 +24,12 @@ from forge.common.v1 import common_pb2
 from forge.eval.v1 import eval_pb2, eval_pb2_grpc
 
 from forge_kit.grpckit import make_channel
+from forge_kit.paths import data_dir
 from forge_kit.testing import ServiceProcess, free_port, tiny_llama
 
 pytestmark = [pytest.mark.integration, pytest.mark.faults_full, pytest.mark.timeout(300)]
 TOKEN = "faults-eval-token"
-SHARED = Path(os.environ.get("FORGE_TEST_DATA", Path(__file__).resolve().parents[3] / "shared" / "data"))
+DATA = data_dir()
 DOCUMENTS = 24
 CONCURRENCY = 4
 
@@ -47,8 +47,8 @@ def eval_process(root: Path, name: str, endpoint: str, endpoint_token: str) -> S
             # The model server is eval's model endpoint here: its token is sent only there.
             "FORGE_EVAL_INFERENCE_GATEWAY_URL": endpoint,
             "FORGE_EVAL_INFERENCE_GATEWAY_TOKEN": endpoint_token,
-            "FORGE_EVAL_CORPORA_DIR": str(SHARED / "corpora"),
-            "FORGE_EVAL_BENCHMARKS_DIR": str(SHARED / "benchmarks"),
+            "FORGE_EVAL_CORPORA_DIR": str(DATA / "corpora"),
+            "FORGE_EVAL_BENCHMARKS_DIR": str(DATA / "benchmarks"),
             "FORGE_EVAL_REQUEST_CONCURRENCY": str(CONCURRENCY),
             "FORGE_EVAL_REQUEST_BATCH_SIZE": "1",  # one prompt per call: the kill lands between answers
         },

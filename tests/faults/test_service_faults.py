@@ -33,11 +33,12 @@ from google.protobuf.message import Message
 
 from forge_kit.events import ensure_topics, topic_for
 from forge_kit.grpckit import make_channel
+from forge_kit.paths import data_dir
 from forge_kit.testing import ServiceProcess, TansuBroker, eventkeys, free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.faults_full, pytest.mark.timeout(300)]
 TOKEN = "faults-retriever-token"
-SHARED = Path(os.environ.get("FORGE_TEST_DATA", Path(__file__).resolve().parents[3] / "shared" / "data"))
+DATA = data_dir()
 DOCUMENTS = 240
 BATCH = 8
 WRITERS = 3
@@ -236,7 +237,7 @@ async def test_preference_feedback_kill_loses_no_preference(tmp_path: Path) -> N
         "FORGE_PREFERENCE_FEEDBACK_HTTP_PORT": str(free_port()),
         "FORGE_PREFERENCE_FEEDBACK_DATA_DIR": str(data),
         "FORGE_PREFERENCE_FEEDBACK_AUTH_TOKEN": TOKEN,
-        "FORGE_PREFERENCE_FEEDBACK_SEED_DIR": str(SHARED / "preferences" / "hh-rlhf"),
+        "FORGE_PREFERENCE_FEEDBACK_SEED_DIR": str(DATA / "preferences" / "hh-rlhf"),
         "FORGE_PREFERENCE_FEEDBACK_SEED_LIMIT": "40",
         "FORGE_PREFERENCE_FEEDBACK_OVERLAP_K": str(FEEDBACK_RATERS),
     }

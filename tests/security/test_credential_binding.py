@@ -15,7 +15,6 @@ Real service processes (eval, inference gateway), real HTTP.
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -29,11 +28,12 @@ from forge.common.v1 import common_pb2
 from forge.eval.v1 import eval_pb2, eval_pb2_grpc
 
 from forge_kit.grpckit import make_channel
+from forge_kit.paths import data_dir
 from forge_kit.testing import ServiceProcess, free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
-SHARED = Path(os.environ.get("FORGE_TEST_DATA", Path(__file__).resolve().parents[3] / "shared" / "data"))
+DATA = data_dir()
 EVAL_TOKEN = "eval-service-token"
 EVAL_USER_TOKEN = "eval-user-token"
 GATEWAY_KEY = "gateway-key-issued-to-eval"
@@ -120,8 +120,8 @@ def eval_service(tmp_path: Path, listen: Callable[[], Listener]) -> Iterator[tup
             "FORGE_EVAL_USER_TOKENS": json.dumps({"ci": EVAL_USER_TOKEN}),
             "FORGE_EVAL_INFERENCE_GATEWAY_URL": gateway.url,
             "FORGE_EVAL_INFERENCE_GATEWAY_TOKEN": GATEWAY_KEY,
-            "FORGE_EVAL_CORPORA_DIR": str(SHARED / "corpora"),
-            "FORGE_EVAL_BENCHMARKS_DIR": str(SHARED / "benchmarks"),
+            "FORGE_EVAL_CORPORA_DIR": str(DATA / "corpora"),
+            "FORGE_EVAL_BENCHMARKS_DIR": str(DATA / "benchmarks"),
         },
         log_path=str(tmp_path / "eval.log"),
     ).start(90)

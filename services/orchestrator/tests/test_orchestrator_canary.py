@@ -31,6 +31,7 @@ from temporalio.client import Client
 from forge_kit.canary import LATENCY_BUCKETS
 from forge_kit.grpckit import make_channel
 from forge_kit.http import HttpServer
+from forge_kit.paths import data_dir
 from forge_kit.testing import ServiceProcess, TemporalDevServer
 from forge_orchestrator.activities import SchedulerActivities
 from forge_orchestrator.canary_activities import CanaryActivities
@@ -39,7 +40,7 @@ from forge_orchestrator.service import build_worker
 from forge_orchestrator.workflows import EvalAndPromoteInput, EvalAndPromoteResult
 
 EVAL_TOKEN = "eval-canary-token"
-BENCHMARKS = Path(__file__).resolve().parents[3].parent / "shared" / "data" / "benchmarks"
+BENCHMARKS = data_dir() / "benchmarks"
 POLICY = """family: tiny
 version: 3
 traffic_percent: 25

@@ -17,6 +17,7 @@ from temporalio.client import Client
 
 from forge_kit.grpckit import make_channel
 from forge_kit.http import HttpServer
+from forge_kit.paths import data_dir
 from forge_kit.testing import ServiceProcess, TemporalDevServer
 from forge_orchestrator.activities import SchedulerActivities
 from forge_orchestrator.eval_activities import EvalActivities
@@ -25,7 +26,7 @@ from forge_orchestrator.service import build_worker, parse_input, validate_eval_
 from forge_orchestrator.workflows import EvalAndPromoteInput, EvalAndPromoteResult
 
 EVAL_TOKEN = "eval-test-token"
-BENCHMARKS = Path(__file__).resolve().parents[3].parent / "shared" / "data" / "benchmarks"
+BENCHMARKS = data_dir() / "benchmarks"
 
 
 def gsm8k_answers() -> dict[str, str]:

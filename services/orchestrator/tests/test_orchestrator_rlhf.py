@@ -44,6 +44,7 @@ from temporalio.worker import Replayer
 
 from forge_kit.grpckit import make_channel
 from forge_kit.http import HttpServer
+from forge_kit.paths import data_dir
 from forge_kit.testing import ServiceProcess, TemporalDevServer
 from forge_orchestrator.activities import SchedulerActivities
 from forge_orchestrator.eval_activities import EvalActivities
@@ -59,8 +60,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 SCHEDULER_TOKEN = "scheduler-test-token"  # the session scheduler's token (conftest)
 FEEDBACK_TOKEN = "feedback-test-token"
 EVAL_TOKEN = "eval-test-token"
-SHARED = Path(__file__).resolve().parents[3].parent / "shared" / "data"
-HH = SHARED / "preferences" / "hh-rlhf"
+DATA = data_dir()
+HH = DATA / "preferences" / "hh-rlhf"
 PAIR_SETTINGS = ["optim.warmup_steps=2", "eval_batches=2", "eval_interval=100", "checkpoint.interval_steps=0"]
 CHOICE = {"A": common_pb2.PREFERENCE_CHOICE_A, "B": common_pb2.PREFERENCE_CHOICE_B}
 FLIP = {"A": "B", "B": "A"}
@@ -283,7 +284,7 @@ def eval_service(tmp_path: Path) -> Iterator[ServiceProcess]:
             "FORGE_EVAL_DATA_DIR": str(data),
             "FORGE_EVAL_KAFKA_ENABLED": "false",
             "FORGE_EVAL_AUTH_TOKEN": EVAL_TOKEN,
-            "FORGE_EVAL_BENCHMARKS_DIR": str(SHARED / "benchmarks"),
+            "FORGE_EVAL_BENCHMARKS_DIR": str(DATA / "benchmarks"),
         },
         log_path=str(data / "eval.log"),
     ).start()

@@ -38,6 +38,7 @@ from temporalio.service import RPCError
 from temporalio.worker import Replayer
 
 from forge_kit.grpckit import make_channel
+from forge_kit.paths import data_dir
 from forge_kit.testing import ServiceProcess, TemporalDevServer
 from forge_kit.testing.tiny_llama import save_tiny_llama
 from forge_orchestrator.activities import SchedulerActivities
@@ -56,7 +57,7 @@ FEEDBACK_TOKEN = "feedback-test-token"
 GATEWAY_TOKEN = "gateway-test-token"
 UPSTREAM_TOKEN = "upstream-test-token"
 DEFAULT_KEY = "default-tenant-key"
-HH = Path(__file__).resolve().parents[3].parent / "shared" / "data" / "preferences" / "hh-rlhf"
+HH = data_dir() / "preferences" / "hh-rlhf"
 OPTED_IN = "Explain how tides work, briefly."
 NOT_OPTED_IN = "Our confidential launch plan is"
 
