@@ -34,9 +34,7 @@ def dev_eval(export: Path, folder: Path, limit: int = 400) -> dict[str, Any]:
     """Exact-match accuracy of ``export`` on ``eval/val`` (dev templates), overall and by type."""
     loaded = load_vlm(export)
     seq_len = recipes.build("vlm_instruct").data.seq_len
-    enc = SequenceEncoder(
-        loaded.tokenizer, loaded.image_token_id, loaded.image_seq_length, loaded.spec, seq_len
-    )
+    enc = SequenceEncoder.of(loaded, seq_len)
     reader = ShardReader(shard_files(folder / "eval" / "val"))
     samples, _ = reader.read_many(range(min(limit, len(reader))))
     scored = score_chats(loaded.model, enc, samples)

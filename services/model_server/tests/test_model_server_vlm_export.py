@@ -58,9 +58,7 @@ async def test_exported_vlm_served_equals_training_side_generate(exported: Path)
     from forge_training.vlm.tokens import SequenceEncoder
 
     loaded = vlm.load_vlm(exported)
-    encoder = SequenceEncoder(
-        loaded.tokenizer, loaded.image_token_id, loaded.image_seq_length, loaded.spec, 512
-    )
+    encoder = SequenceEncoder.of(loaded, 512)
     loader = HFEngineLoader(EngineConfig(num_blocks=64, block_size=8), max_waiting=8)
     server = ModelServer(ModelDirectory(ObjectStore(str(exported.parent))), loader=loader)
     app = make_app("model_server")

@@ -71,9 +71,7 @@ def mean_tokens_per_step(name: str, loaded: LoadedVlm, folder: Path, probe: int 
     """Real tokens per step of recipe ``name``'s mixture: each source's mean sequence length over
     ``probe`` evenly spread items, weighted by its share, times the global batch."""
     config = recipes.build(name)
-    enc = SequenceEncoder(
-        loaded.tokenizer, loaded.image_token_id, loaded.image_seq_length, loaded.spec, config.data.seq_len
-    )
+    enc = SequenceEncoder.of(loaded, config.data.seq_len)
     per_sequence = 0.0
     for source, weight in stage_sources(config.vlm).items():
         if source == "text":
@@ -94,9 +92,7 @@ def mean_tokens_per_step(name: str, loaded: LoadedVlm, folder: Path, probe: int 
 def evaluate_model(
     loaded: LoadedVlm, folder: Path, seq_len: int, limit: int = 0, max_new_tokens: int = 8
 ) -> dict[str, Scored]:
-    enc = SequenceEncoder(
-        loaded.tokenizer, loaded.image_token_id, loaded.image_seq_length, loaded.spec, seq_len
-    )
+    enc = SequenceEncoder.of(loaded, seq_len)
     held = ShardReader(shard_files(folder / "eval" / "held_out"))
     caps = ShardReader(shard_files(folder / "eval" / "captions"))
     held_samples, bad = held.read_many(range(min(limit or len(held), len(held))))

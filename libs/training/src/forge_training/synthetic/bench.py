@@ -181,6 +181,15 @@ def _wrong_kept(items: list[Verified]) -> int:
     return wrong
 
 
+def _band_vs_unfiltered(scores: dict[str, list[float]], seed: int) -> dict[str, Any]:
+    """The band's per-problem scores against unfiltered's on the same problems, paired."""
+    paired = paired_compare(scores["unfiltered"], scores["band"], seed=seed)
+    return {
+        "delta": paired.delta, "ci95": [paired.ci_low, paired.ci_high], "p_value": paired.p_value,
+        "test": paired.test, "n": paired.n,
+    }  # fmt: skip
+
+
 def run_bench(
     cfg: BenchConfig, out: Path, tasks_dir: Path, log: Any = print, student: Path | None = None
 ) -> dict[str, Any]:
@@ -300,17 +309,9 @@ def run_bench(
         }  # fmt: skip
     summary: dict[str, Any] = {"subsets": subsets, "stages": stages, "config": dataclasses.asdict(cfg)}
     if "band" in scores and "unfiltered" in scores:
-        paired = paired_compare(scores["unfiltered"], scores["band"], seed=cfg.seed)
-        summary["band_vs_unfiltered"] = {
-            "delta": paired.delta, "ci95": [paired.ci_low, paired.ci_high], "p_value": paired.p_value,
-            "test": paired.test, "n": paired.n,
-            "target_met": paired.ci_low > 0,
-        }  # fmt: skip
-        dev_paired = paired_compare(dev_scores["unfiltered"], dev_scores["band"], seed=cfg.seed)
-        summary["band_vs_unfiltered_dev"] = {
-            "delta": dev_paired.delta, "ci95": [dev_paired.ci_low, dev_paired.ci_high],
-            "p_value": dev_paired.p_value, "n": dev_paired.n,
-        }  # fmt: skip
+        held_out = _band_vs_unfiltered(scores, cfg.seed)
+        summary["band_vs_unfiltered"] = {**held_out, "target_met": held_out["ci95"][0] > 0}
+        summary["band_vs_unfiltered_dev"] = _band_vs_unfiltered(dev_scores, cfg.seed)
     summary["wall_s"] = round(time.perf_counter() - started, 1)
     return summary
 

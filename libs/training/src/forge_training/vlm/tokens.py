@@ -20,7 +20,7 @@ from tokenizers import Tokenizer
 
 from forge_training.data import EOT
 from forge_training.vlm.images import ImageError, ImageSpec, preprocess
-from forge_training.vlm.model import IMAGE_TOKEN, content_text, render_chat
+from forge_training.vlm.model import IMAGE_TOKEN, LoadedVlm, content_text, render_chat
 from forge_training.vlm.shards import ItemError, Sample
 
 IGNORE = -100
@@ -48,6 +48,11 @@ class SequenceEncoder:
         if eot is None:
             raise ValueError(f"the tokenizer has no {EOT} token")
         self.eot = int(eot)
+
+    @classmethod
+    def of(cls, loaded: LoadedVlm, seq_len: int) -> SequenceEncoder:
+        """The encoder of a loaded VLM export: its tokenizer, image token, image length and spec."""
+        return cls(loaded.tokenizer, loaded.image_token_id, loaded.image_seq_length, loaded.spec, seq_len)
 
     def text_ids(self, text: str) -> list[int]:
         return list(self.tok.encode(text, add_special_tokens=False).ids)
