@@ -85,7 +85,8 @@ async def test_trials_wait_for_their_checkpoints_and_keep_the_newest(
     async with worker:
         handle = await client.start_workflow(
             SweepWorkflow.run,
-            SweepInput(space=SPACE, team="research", final_metric_wait_s=1, checkpoint_wait_s=8),
+            # The wait outlasts the checks below on a busy machine (three test folders at once).
+            SweepInput(space=SPACE, team="research", final_metric_wait_s=1, checkpoint_wait_s=20),
             id=f"keep-{uuid.uuid4().hex[:8]}",
             task_queue=queue,
         )
