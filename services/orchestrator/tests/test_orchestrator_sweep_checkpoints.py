@@ -90,11 +90,12 @@ async def test_trials_wait_for_their_checkpoints_and_keep_the_newest(
             id=f"keep-{uuid.uuid4().hex[:8]}",
             task_queue=queue,
         )
-        for _ in range(100):
+        for _ in range(600):  # both submitted (slow on a busy machine: optuna's study, tracking)
             if len(scheduler.submitted) == 2:
                 break
             await asyncio.sleep(0.1)
         jobs = sorted(scheduler.submitted)
+        assert len(jobs) == 2
         for job in jobs:
             await signal(handle, JOB_EVENT_SIGNAL, JobEvent(job, "RUNNING", event_id=f"{job}-r"))
             await signal(handle, METRIC_SIGNAL, TrialMetric(job, 3, 1.0, event_id=f"{job}-m"))
@@ -104,7 +105,7 @@ async def test_trials_wait_for_their_checkpoints_and_keep_the_newest(
         await signal(handle, CHECKPOINT_SIGNAL, CheckpointInfo(first, first, 3, "/ckpt/new", event_id="c1"))
         await signal(handle, CHECKPOINT_SIGNAL, CheckpointInfo(first, first, 1, "/ckpt/old", event_id="c2"))
         await signal(handle, CHECKPOINT_SIGNAL, CheckpointInfo("job-x", "job-x", 3, "/ckpt/x", event_id="c3"))
-        for _ in range(50):
+        for _ in range(150):
             if (await trials(handle))[0]["state"] == "completed":
                 break
             await asyncio.sleep(0.1)
