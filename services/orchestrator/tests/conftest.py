@@ -175,7 +175,7 @@ async def wait_for_workflow(
     stub: orchestrator_pb2_grpc.OrchestratorServiceAsyncStub,
     workflow_id: str,
     until: Callable[[orchestrator_pb2.GetWorkflowResponse], bool],
-    timeout_s: float = 30.0,
+    timeout_s: float = 60.0,
 ) -> orchestrator_pb2.GetWorkflowResponse:
     """Poll GetWorkflow until ``until(reply)``; fails the test with the last reply on timeout."""
     deadline = time.monotonic() + timeout_s
