@@ -36,7 +36,7 @@ def start(job: scheduler_pb2.StartJob) -> scheduler_pb2.AgentSessionResponse:
     return scheduler_pb2.AgentSessionResponse(start_job=job)
 
 
-async def wait_for_log(path: str, text: str, timeout_s: float = 10.0) -> None:
+async def wait_for_log(path: str, text: str, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if os.path.exists(path) and text in Path(path).read_text():
