@@ -112,7 +112,7 @@ async def test_the_reserve_keeps_slots_for_interactive_while_batch_fills_the_res
         await asyncio.sleep(0.01)
         assert not waiting_batch.done()
     interactive[1].release()
-    lease = await asyncio.wait_for(waiting_batch, 1)
+    lease = await asyncio.wait_for(waiting_batch, 30)
     lease.release()
     batch[1].release()
 
@@ -158,7 +158,7 @@ async def test_saturation_sheds_batch_with_429_and_retry_after_while_interactive
         assert gateway.admission.queued_by_level("tiny") == [0, 2]
         # A second interactive one queues; it displaces the newest batch waiter, never the reverse.
         second = asyncio.create_task(interactive.post("/v1/completions", json={**body, "prompt": "z"}))
-        displaced = await asyncio.wait_for(batch_calls[2], 5)
+        displaced = await asyncio.wait_for(batch_calls[2], 30)
         assert displaced.status_code == 429
         upstream.release()
         replies = await asyncio.gather(first, second, *batch_calls[:2])

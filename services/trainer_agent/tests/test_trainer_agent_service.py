@@ -312,7 +312,7 @@ async def test_recover_stops_an_orphan_of_a_previous_agent_and_fails_its_run(
 
         await agent.recover()
 
-        assert orphan.wait(timeout=5) == -9
+        assert orphan.wait(timeout=30) == -9
         assert bystander.poll() is None, "a process not started for the job is never signalled"
         for job_id in ("job-orphan", "job-bystander"):
             row = await store.get(job_id, 1)
