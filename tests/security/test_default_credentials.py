@@ -66,7 +66,7 @@ def test_gateway_started_like_forge_up_rejects_the_old_bootstrap_key(tmp_path: P
         "forge_inference_gateway", env=env, cwd=str(tmp_path), log_path=str(tmp_path / "gateway.log")
     ).start(60)
     try:
-        with httpx.Client(base_url=gateway.http_url, timeout=5) as client:
+        with httpx.Client(base_url=gateway.http_url, timeout=30) as client:
             for guess in (*KNOWN, "default", "forge"):
                 reply = client.get("/v1/models", headers={"Authorization": f"Bearer {guess}"})
                 assert reply.status_code == 401, (guess, reply.text)

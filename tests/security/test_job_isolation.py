@@ -20,8 +20,7 @@ import contextlib
 import json
 import os
 import sys
-import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +31,7 @@ from typer.testing import CliRunner
 
 from forge_cli import tokens
 from forge_kit.grpckit import make_channel
-from forge_kit.testing import ServiceProcess, free_port
+from forge_kit.testing import ServiceProcess, eventually, free_port
 from forge_scheduler.cli import cluster_app
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the agent isolates jobs only when it runs as root")
@@ -71,17 +70,6 @@ found["own_env"] = sorted(k for k in os.environ if "TOKEN" in k or k.startswith(
 found["greeting"] = os.environ.get("JOB_GREETING")
 print("ATTACK " + json.dumps(found), flush=True)
 """
-
-
-async def eventually(probe: Callable[[], Awaitable[Any]], timeout_s: float = 60.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        result = await probe()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout_s}s")
-        await asyncio.sleep(0.1)
 
 
 class Platform:

@@ -124,7 +124,7 @@ async def refused(
     return caught.value
 
 
-async def job_of(platform: Platform, workflow_id: str, timeout_s: float = 30) -> scheduler_pb2.Job:
+async def job_of(platform: Platform, workflow_id: str, timeout_s: float = 60) -> scheduler_pb2.Job:
     """The job the scheduler received from ``workflow_id`` (any team)."""
     deadline = time.monotonic() + timeout_s
     async with make_channel(platform.scheduler.grpc_target, token=SCHEDULER_TOKEN) as channel:

@@ -94,15 +94,15 @@ async def test_every_request_completes_against_a_server_that_says_slow_down(
 
 async def test_retry_after_pauses_every_request(overloaded: tuple[str, Overloaded]) -> None:
     url, server = overloaded
-    server.retry_after = "1"
+    server.retry_after = "2"
     limiter = AIMDLimiter(64)
     async with httpx.AsyncClient(base_url=url, timeout=10) as client:
         await asyncio.gather(*(send_with_retries(lambda: client.post("/work"), limiter) for _ in range(12)))
     first_refusal = min(server.refused_at)
-    # Requests sent after the first 429 came back wait its Retry-After (a little slack for the
-    # requests that were already on the wire when the refusal was written).
-    later = [t for t in server.arrived_at if t > first_refusal + 0.2]
-    assert later and min(later) >= first_refusal + 0.9
+    # Requests sent after the first 429 came back wait its Retry-After (slack, half of it, for
+    # the requests already on the wire when the refusal was written: late on a loaded machine).
+    later = [t for t in server.arrived_at if t > first_refusal + 1.0]
+    assert later and min(later) >= first_refusal + 1.9
 
 
 async def test_a_bad_request_is_returned_at_once(overloaded: tuple[str, Overloaded]) -> None:

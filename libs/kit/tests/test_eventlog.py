@@ -23,7 +23,7 @@ from forge_kit.eventlog import CatchUp, CatchUpSource, CatchUpWatermark, EventLo
 from forge_kit.events import KafkaPublisher, ensure_topics, stage_event, topic_for
 from forge_kit.grpckit import FIELD_METADATA_KEY, GrpcServer, make_channel, serve
 from forge_kit.outbox import OutboxRelay
-from forge_kit.testing import TansuBroker, eventkeys
+from forge_kit.testing import TansuBroker, eventkeys, eventually
 
 TOKEN = "eventlog-token"
 JOBS = topic_for(events_pb2.JobStateChanged())
@@ -254,9 +254,7 @@ async def test_events_the_broker_lost_in_a_restart_are_recovered_from_the_owner(
             await OutboxRelay(producer_db, publisher, signer=eventkeys.signer("scheduler")).relay_once()
         finally:
             await publisher.close()
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and "after-restart" not in recorder.applied:
-            await asyncio.sleep(0.1)
+        await eventually(lambda: "after-restart" in recorder.applied, what="the new event over Kafka")
         assert await loop.run_once() == 0
         assert recorder.applied.count("after-restart") == 1
     finally:

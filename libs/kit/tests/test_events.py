@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -32,21 +31,12 @@ from forge_kit.events import (
     topic_for,
 )
 from forge_kit.outbox import OutboxRelay
-from forge_kit.testing import TansuBroker, eventkeys
+from forge_kit.testing import TansuBroker, eventkeys, eventually
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]  # a wait is up to 60 s on a loaded machine
 
 TOPIC = topic_for(events_pb2.JobStateChanged())
 HERE = Path(__file__).parent
-
-
-async def eventually(check: Callable[[], Awaitable[bool]], timeout_s: float = 20.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if await check():
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what or check}")
 
 
 @pytest_asyncio.fixture

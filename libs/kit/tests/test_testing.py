@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from forge_kit.testing import TemporalDevServer, free_port, wait_for_port
+from forge_kit.testing import TemporalDevServer, eventually, free_port, wait_for_port
 from forge_kit.testing.processes import port_open
 
 
@@ -23,6 +23,25 @@ def test_wait_for_port_times_out_on_a_closed_port() -> None:
     with pytest.raises(TimeoutError, match=str(port := free_port())):
         wait_for_port(port, timeout_s=0.2)
     assert time.monotonic() - started < 2
+
+
+async def test_eventually_returns_the_first_truthy_value_of_a_sync_or_async_probe() -> None:
+    calls: list[int] = []
+
+    def sync_probe() -> list[int]:
+        calls.append(1)
+        return calls if len(calls) == 3 else []
+
+    async def async_probe() -> str:
+        return "ready"
+
+    assert await eventually(sync_probe, interval_s=0) == [1, 1, 1]
+    assert await eventually(async_probe) == "ready"
+
+
+async def test_eventually_fails_loudly_with_what_it_waited_for() -> None:
+    with pytest.raises(AssertionError, match=r"not within 0.1s: the door to open \(last: 0\)"):
+        await eventually(lambda: 0, timeout_s=0.1, what="the door to open")
 
 
 def test_plugin_is_registered_through_the_entry_point(pytestconfig: pytest.Config) -> None:

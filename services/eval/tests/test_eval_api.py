@@ -22,6 +22,7 @@ from forge_eval.spec import BenchmarkCatalog
 from forge_kit.db import Database
 from forge_kit.grpckit import FIELD_METADATA_KEY, GrpcServer, make_channel
 from forge_kit.http import HttpServer
+from forge_kit.testing import eventually
 from forge_kit.testing.grpcserver import grpc_test_server
 from forge_kit.testing.processes import free_port
 
@@ -93,12 +94,12 @@ async def stub(server: GrpcServer) -> AsyncIterator[eval_pb2_grpc.EvalServiceStu
 
 
 async def wait_finished(stub: eval_pb2_grpc.EvalServiceStub, run_id: str) -> eval_pb2.EvalRun:
-    for _ in range(500):
+    async def finished() -> eval_pb2.EvalRun | None:
         run = (await stub.GetRun(eval_pb2.GetRunRequest(run_id=run_id))).run
-        if run.status in (eval_pb2.RUN_STATUS_SUCCEEDED, eval_pb2.RUN_STATUS_FAILED):
-            return run
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"run {run_id} did not finish")
+        return run if run.status in (eval_pb2.RUN_STATUS_SUCCEEDED, eval_pb2.RUN_STATUS_FAILED) else None
+
+    run: eval_pb2.EvalRun = await eventually(finished, interval_s=0.02, what=f"run {run_id} to finish")
+    return run
 
 
 def ref(version: str) -> common_pb2.ModelRef:

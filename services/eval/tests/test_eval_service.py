@@ -21,6 +21,7 @@ from forge_eval.store.registry import ModelRow, StageEventRow
 from forge_eval.store.runs import ExampleRow, RunRow, RunStatus
 from forge_kit import errors
 from forge_kit.db import Database
+from forge_kit.testing import eventually
 
 pytestmark = pytest.mark.asyncio
 Outbox = Any
@@ -530,11 +531,14 @@ async def test_worker_recovers_runs_left_running(runs: RunService, runner: Any) 
     import asyncio
 
     worker = asyncio.create_task(runs.run_worker())  # a new process: the RUNNING run is re-queued
-    for _ in range(200):
-        if (await runs.get_run(run.id))[0].status == RunStatus.SUCCEEDED:
-            break
-        await asyncio.sleep(0.01)
-    worker.cancel()
+
+    async def succeeded() -> bool:
+        return (await runs.get_run(run.id))[0].status == RunStatus.SUCCEEDED
+
+    try:
+        await eventually(succeeded, interval_s=0.01, what="the re-queued run to succeed")
+    finally:
+        worker.cancel()
     await asyncio.gather(worker, return_exceptions=True)
     assert (await runs.get_run(run.id))[0].status == RunStatus.SUCCEEDED
 

@@ -77,9 +77,9 @@ async def test_queued_requests_count_and_the_admin_api_reports_the_signal(
     gateway = await make_gateway([upstream.url], policy=RoutingPolicy(max_inflight=2))
     gateway.autoscaler.policy = AutoscalePolicy(target_per_replica=2.0, max_replicas=16)
     await gateway.pool.refresh()
-    leases = [await gateway.admission.acquire("tiny", 0, [], time.monotonic() + 5) for _ in range(2)]
+    leases = [await gateway.admission.acquire("tiny", 0, [], time.monotonic() + 60) for _ in range(2)]
     # Two hold the replica's slots, and four more wait at the gateway.
-    waiting = [gateway.admission.acquire("tiny", 1, [], time.monotonic() + 5) for _ in range(4)]
+    waiting = [gateway.admission.acquire("tiny", 1, [], time.monotonic() + 60) for _ in range(4)]
     tasks = [asyncio.create_task(w) for w in waiting]
     await asyncio.sleep(0.01)
     async with client_for(gateway) as client:

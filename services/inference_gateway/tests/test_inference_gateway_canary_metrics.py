@@ -4,7 +4,6 @@ TTFT and inter-token latency histograms, empty answers; and the canary's end by 
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -17,6 +16,7 @@ from forge_inference_gateway.service import InferenceGateway
 from forge_kit.canary import parse_metrics
 from forge_kit.db import Database
 from forge_kit.events import new_meta
+from forge_kit.testing import eventually
 
 
 def promoted(
@@ -129,10 +129,11 @@ async def test_shadow_mode_mirrors_without_serving_and_keeps_the_pairs(
         body = {"model": "forge-chat", "prompt": "stream", "max_tokens": 2, "stream": True}
         async with client.stream("POST", "/v1/completions", json=body) as streamed:
             await streamed.aread()  # streams are not mirrored
-        for _ in range(100):
-            if shadow_count() - before >= 4 and len(await gateway.shadows.pairs("forge-chat", 0, 50)) >= 4:
-                break
-            await asyncio.sleep(0.05)
+
+        async def mirrored() -> bool:
+            return shadow_count() - before >= 4 and len(await gateway.shadows.pairs("forge-chat", 0, 50)) >= 4
+
+        await eventually(mirrored, what="the 4 non-streamed requests mirrored to the shadow and stored")
         reply = await client.get("/admin/v1/shadow/pairs?alias=forge-chat&limit=2", headers=admin_headers)
         page = reply.json()
         assert reply.status_code == 200 and len(page["pairs"]) == 2

@@ -147,7 +147,7 @@ def test_promotion_event_updates_the_alias_of_a_running_gateway(
 
         asyncio.run(publish())
         admin = {"Authorization": f"Bearer {GATEWAY_TOKEN}"}
-        with httpx.Client(base_url=gateway.http_url, timeout=5) as client:
+        with httpx.Client(base_url=gateway.http_url, timeout=30) as client:
             assert client.get("/admin/v1/aliases").status_code == 401
             deadline = time.monotonic() + 30
             aliases: dict[str, object] = {}

@@ -55,7 +55,7 @@ def model_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Ser
 
 def served_requests(proc: ServiceProcess) -> float:
     """Requests the replica finished, from its own vLLM counter."""
-    text = httpx.get(f"{proc.http_url}/metrics", timeout=5).text
+    text = httpx.get(f"{proc.http_url}/metrics", timeout=30).text
     return sum(
         float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()

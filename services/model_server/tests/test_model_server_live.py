@@ -20,6 +20,7 @@ from forge_kit import errors
 from forge_kit.grpckit import make_channel, serve
 from forge_kit.http import make_app
 from forge_kit.objectstore import ObjectStore
+from forge_kit.testing import eventually
 from forge_model_server.api import InferenceApi
 from forge_model_server.engine import EngineConfig
 from forge_model_server.openai_api import install_openai_api
@@ -141,8 +142,10 @@ async def test_disconnect_returns_every_block(server: ModelServer) -> None:
     await chunks.aclose()  # the client went away mid-stream
     _, unstarted = await server.generate(request)
     await unstarted.aclose()  # ... or before the first token
-    await asyncio.sleep(0.05)
-    assert engine.core.pool.num_free() == engine.core.config.num_blocks and not engine.core.has_work()
+    await eventually(
+        lambda: engine.core.pool.num_free() == engine.core.config.num_blocks and not engine.core.has_work(),
+        what="every KV block back and no work left",
+    )
 
 
 async def test_metrics_follow_the_engine(http: httpx.AsyncClient) -> None:
@@ -323,9 +326,5 @@ async def test_a_list_with_one_prompt_too_long_is_refused_whole(
     assert reply.status_code == 400, reply.text
     engine = server.resolve("tiny")[1]
     core = engine.core  # type: ignore[attr-defined]
-    for _ in range(50):
-        if not core.running and not core.waiting:
-            break
-        await asyncio.sleep(0.02)
-    assert not core.running and not core.waiting
+    await eventually(lambda: not core.running and not core.waiting, what="the admitted prompts cancelled")
     assert core.pool.usage() == 0

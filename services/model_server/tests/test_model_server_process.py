@@ -41,7 +41,7 @@ def process(tmp_path: Path, tiny_llama: Path) -> Iterator[ServiceProcess]:
 
 def test_process_serves_probes_models_and_grpc(process: ServiceProcess) -> None:
     auth = {"Authorization": f"Bearer {TOKEN}"}
-    with httpx.Client(base_url=process.http_url, timeout=5) as client:
+    with httpx.Client(base_url=process.http_url, timeout=60) as client:
         assert client.get("/readyz").status_code == 200
         assert "vllm:num_requests_waiting" in client.get("/metrics").text
         assert [m["id"] for m in client.get("/v1/models", headers=auth).json()["data"]] == ["llama", "tiny"]

@@ -80,7 +80,7 @@ class Orchestrator:
             return [(str(a), str(b)) for a, b in rows]
 
     async def settled_job_events(
-        self, workflow_id: str, state: str, timeout_s: float = 10
+        self, workflow_id: str, state: str, timeout_s: float = 60
     ) -> list[tuple[str, str]]:
         """``job_events`` once a row in ``state`` is there. The consumer signals the workflow inside
         the unit of work that records the event, so a workflow can finish just before its last
@@ -175,7 +175,7 @@ async def wait_for_workflow(
     stub: orchestrator_pb2_grpc.OrchestratorServiceAsyncStub,
     workflow_id: str,
     until: Callable[[orchestrator_pb2.GetWorkflowResponse], bool],
-    timeout_s: float = 30.0,
+    timeout_s: float = 60.0,
 ) -> orchestrator_pb2.GetWorkflowResponse:
     """Poll GetWorkflow until ``until(reply)``; fails the test with the last reply on timeout."""
     deadline = time.monotonic() + timeout_s

@@ -24,7 +24,8 @@ from forge_orchestrator.api import OrchestratorApi
 from forge_orchestrator.service import OrchestratorService, build_worker
 from forge_orchestrator.workflows import JOB_EVENT_SIGNAL, JobEvent
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
+# Each wait below is up to 60 s on a loaded machine; a test makes up to four.
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 TOKEN = "api-test-token"
 Stub: TypeAlias = "orchestrator_pb2_grpc.OrchestratorServiceAsyncStub"
 
@@ -172,7 +173,7 @@ async def test_missing_job_event_fails_the_workflow_with_a_clear_error(
     stub: Stub, poll_workflow: Any
 ) -> None:
     workflow_id = await _start(stub, timeout_s=1)
-    reply = await poll_workflow(stub, workflow_id, _closed, timeout_s=20)
+    reply = await poll_workflow(stub, workflow_id, _closed, timeout_s=60)
     assert reply.status == orchestrator_pb2.WORKFLOW_STATUS_FAILED
     assert "no PENDING event for job job-" in reply.error and "within 1s" in reply.error
     assert reply.HasField("closed_at") and not reply.HasField("result")
@@ -181,16 +182,16 @@ async def test_missing_job_event_fails_the_workflow_with_a_clear_error(
 async def test_cancel_workflow_cancels_its_job(
     stub: Stub, scheduler_stub: scheduler_pb2_grpc.SchedulerServiceAsyncStub, poll_workflow: Any
 ) -> None:
-    workflow_id = await _start(stub, timeout_s=30)
+    workflow_id = await _start(stub, timeout_s=600)
     waiting = await poll_workflow(
-        stub, workflow_id, lambda r: _step(r) == "waiting for PENDING", timeout_s=20
+        stub, workflow_id, lambda r: _step(r) == "waiting for PENDING", timeout_s=60
     )
     job_id = waiting.progress.fields["job_id"].string_value
     job = (await scheduler_stub.GetJob(scheduler_pb2.GetJobRequest(job_id=job_id))).job
     assert job.state == common_pb2.JOB_STATE_PENDING
 
     await stub.CancelWorkflow(orchestrator_pb2.CancelWorkflowRequest(workflow_id=workflow_id, reason="test"))
-    reply = await poll_workflow(stub, workflow_id, _closed, timeout_s=20)
+    reply = await poll_workflow(stub, workflow_id, _closed, timeout_s=60)
 
     assert reply.status == orchestrator_pb2.WORKFLOW_STATUS_CANCELLED
     job = (await scheduler_stub.GetJob(scheduler_pb2.GetJobRequest(job_id=job_id))).job
@@ -200,9 +201,9 @@ async def test_cancel_workflow_cancels_its_job(
 
 
 async def test_repeated_signals_are_applied_once(stub: Stub, client: Client, poll_workflow: Any) -> None:
-    workflow_id = await _start(stub, timeout_s=30)
+    workflow_id = await _start(stub, timeout_s=600)
     waiting = await poll_workflow(
-        stub, workflow_id, lambda r: _step(r) == "waiting for PENDING", timeout_s=20
+        stub, workflow_id, lambda r: _step(r) == "waiting for PENDING", timeout_s=60
     )
     job_id = waiting.progress.fields["job_id"].string_value
     handle = client.get_workflow_handle(workflow_id)
@@ -214,10 +215,10 @@ async def test_repeated_signals_are_applied_once(stub: Stub, client: Client, pol
     await handle.signal(JOB_EVENT_SIGNAL, pending)
     await handle.signal(JOB_EVENT_SIGNAL, pending)  # redelivered
     await poll_workflow(
-        stub, workflow_id, lambda r: _step(r) == "waiting for CANCELLED or SUCCEEDED", timeout_s=20
+        stub, workflow_id, lambda r: _step(r) == "waiting for CANCELLED or SUCCEEDED", timeout_s=60
     )
     await handle.signal(JOB_EVENT_SIGNAL, JobEvent(job_id=job_id, state="CANCELLED", event_id="ev-2"))
-    reply = await poll_workflow(stub, workflow_id, _closed, timeout_s=20)
+    reply = await poll_workflow(stub, workflow_id, _closed, timeout_s=60)
 
     assert reply.status == orchestrator_pb2.WORKFLOW_STATUS_COMPLETED, reply.error
     assert json_format.MessageToDict(reply.result) == {

@@ -26,7 +26,7 @@ from temporalio.client import Client, WorkflowExecutionStatus, WorkflowFailureEr
 from temporalio.worker import Worker
 
 from forge_kit import cptmix, errors, stats
-from forge_kit.testing import MlflowServer, TemporalDevServer
+from forge_kit.testing import MlflowServer, TemporalDevServer, eventually
 from forge_orchestrator.activities import CancelJobInput, SubmitJobInput
 from forge_orchestrator.canary_activities import CanaryActivities
 from forge_orchestrator.cpt.activities import CptActivities, ReportInput
@@ -188,12 +188,11 @@ async def drive(client: Client, scheduler: FakeScheduler, stop: asyncio.Event) -
 
 
 async def _taken(handle: WorkflowHandle[Any, Any], trial: str, step: int) -> None:
-    for _ in range(300):
+    async def taken() -> bool:
         t = (await handle.query(PROGRESS_QUERY))["trials"][int(trial)]
-        if any(s >= step for s, _ in t["values"]) or t["state"] not in ("pending", "running"):
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"trial {trial} never took step {step}")
+        return any(s >= step for s, _ in t["values"]) or t["state"] not in ("pending", "running")
+
+    await eventually(taken, what=f"trial {trial} to take step {step}")
 
 
 def cpt_input(tmp_path: Path, **rule: Any) -> dict[str, Any]:
@@ -253,18 +252,16 @@ async def test_cancelling_it_cancels_its_sweeps_and_their_jobs(
     service = OrchestratorService(client, queue)
     async with worker_for(client, queue, scheduler, evals, tmp_path):
         workflow_id, _ = await service.start_workflow("cpt", cpt_input(tmp_path))
-        for _ in range(300):  # both sweeps submitted both their trials; no job ever runs
-            if len(scheduler.submitted) == 4:
-                break
-            await asyncio.sleep(0.1)
-        assert len(scheduler.submitted) == 4
+        # Both sweeps submitted both their trials; no job ever runs.
+        await eventually(
+            lambda: len(scheduler.submitted) == 4, what="both sweeps to submit both their trials"
+        )
         await service.cancel_workflow(workflow_id, "changed my mind")
         with pytest.raises(WorkflowFailureError):
             await client.get_workflow_handle(workflow_id).result()
-        for _ in range(300):
-            if sorted(scheduler.cancelled) == sorted(scheduler.submitted):
-                break
-            await asyncio.sleep(0.1)
+        await eventually(
+            lambda: sorted(scheduler.cancelled) == sorted(scheduler.submitted), what="every job cancelled"
+        )
         for i in range(2):
             sweep = client.get_workflow_handle(f"{workflow_id}-f{i}")
             with pytest.raises(WorkflowFailureError):  # cancelled, once its trials are

@@ -27,7 +27,7 @@ from forge_orchestrator.cli import app as cli_app
 from forge_orchestrator.main_job import smoke
 from forge_orchestrator.service import WORKFLOWS
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
 
 @pytest.fixture
@@ -56,7 +56,7 @@ async def test_smoke_workflow_end_to_end(
     started = await stub.StartWorkflow(orchestrator_pb2.StartWorkflowRequest(workflow_type="smoke"))
     assert started.workflow_id.startswith("smoke-") and started.run_id
 
-    reply = await poll_workflow(stub, started.workflow_id, _completed, timeout_s=30)
+    reply = await poll_workflow(stub, started.workflow_id, _completed, timeout_s=90)
 
     assert orchestrator_pb2.WorkflowStatus.Name(reply.status) == "WORKFLOW_STATUS_COMPLETED", reply.error
     result = json_format.MessageToDict(reply.result)
@@ -67,8 +67,12 @@ async def test_smoke_workflow_end_to_end(
     job = (await scheduler_stub.GetJob(scheduler_pb2.GetJobRequest(job_id=result["job_id"]))).job
     assert job.state == common_pb2.JOB_STATE_CANCELLED
     assert job.spec.labels["workflow_id"] == started.workflow_id and job.spec.name.startswith("smoke-")
-    # The orchestrator recorded both events it routed (its own database).
-    assert orchestrator.job_events(started.workflow_id) == [(job.id, "PENDING"), (job.id, "CANCELLED")]
+    # The orchestrator recorded both events it routed (its own database; the last row commits
+    # just after the signal that let the workflow finish).
+    assert await orchestrator.settled_job_events(started.workflow_id, "CANCELLED") == [
+        (job.id, "PENDING"),
+        (job.id, "CANCELLED"),
+    ]
 
     # The recorded history replays against the current workflow code (determinism).
     client = await Client.connect(temporal_server.target)

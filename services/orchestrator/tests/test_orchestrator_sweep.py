@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,7 @@ from temporalio.exceptions import ApplicationError
 from temporalio.worker import Replayer, Worker
 
 from forge_kit import errors
-from forge_kit.testing import TemporalDevServer
+from forge_kit.testing import TemporalDevServer, eventually
 from forge_orchestrator.activities import CancelJobInput, SubmitJobInput
 from forge_orchestrator.sweep.activities import SweepActivities
 from forge_orchestrator.sweep.service import validate_sweep
@@ -107,14 +107,6 @@ def worker_for(client: Client, queue: str, scheduler: FakeScheduler, sweeps: Swe
     )
 
 
-async def until(check: Callable[[], Awaitable[bool]], timeout_s: float = 30.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not await check():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError("condition not reached")
-        await asyncio.sleep(0.1)
-
-
 async def progress(handle: WorkflowHandle[Any, Any]) -> dict[str, Any]:
     return dict(await handle.query(PROGRESS_QUERY))
 
@@ -153,7 +145,7 @@ async def test_asha_stops_trials_preemption_resumes_and_forged_metrics_are_ignor
             task_queue=queue,
             result_type=SweepResult,
         )
-        await until(lambda: asyncio.sleep(0, len(scheduler.submitted) == 4))
+        await eventually(lambda: asyncio.sleep(0, len(scheduler.submitted) == 4))
         jobs = [f"job-{i}" for i in range(4)]
         assert scheduler.submitted["job-2"].priority_class == "preemptible"
         assert (
@@ -165,17 +157,17 @@ async def test_asha_stops_trials_preemption_resumes_and_forged_metrics_are_ignor
         # Rung 1 (eta 3): a=5.0 continues, b=4.0 continues, c=6.0 and d=4.5 stop.
         for job, value in zip(jobs, (5.0, 4.0, 6.0, 4.5), strict=True):
             await metric(handle, job, 1, value)
-        await until(lambda: asyncio.sleep(0, sorted(scheduler.cancelled) == ["job-2", "job-3"]))
+        await eventually(lambda: asyncio.sleep(0, sorted(scheduler.cancelled) == ["job-2", "job-3"]))
         # job-0 is preempted: it waits, resumes (from its checkpoint), reports again.
         await event(handle, "job-0", "PENDING", reason="preempted by a higher-priority job")
-        await until(lambda: _is(state_of(handle, 0), "preempted"))
+        await eventually(lambda: _is(state_of(handle, 0), "preempted"))
         await event(handle, "job-0", "RUNNING")
         await metric(handle, "job-0", 3, 3.0)
         # Forged (unknown job) and late (stopped trial) metrics change nothing.
         await metric(handle, "job-forged", 3, 0.0)
         await metric(handle, "job-2", 3, 0.1)
         await metric(handle, "job-1", 3, 3.5)  # second at rung 3, keep 1: stopped
-        await until(lambda: asyncio.sleep(0, "job-1" in scheduler.cancelled))
+        await eventually(lambda: asyncio.sleep(0, "job-1" in scheduler.cancelled))
         for job in ("job-1", "job-2", "job-3"):
             await event(handle, job, "CANCELLED")  # the stopped jobs' ends arrive late
         await metric(handle, "job-0", 9, 2.0)
@@ -226,7 +218,7 @@ async def test_sweep_survives_worker_restart_failures_and_silent_trials(
             "sweep", SweepInput(space=space, team="research"), id=f"sweep-{uuid.uuid4().hex[:8]}", task_queue=queue,
             result_type=SweepResult,
         )  # fmt: skip
-        await until(lambda: asyncio.sleep(0, len(first.submitted) == 2))
+        await eventually(lambda: asyncio.sleep(0, len(first.submitted) == 2))
     # No worker: job-0 crashes, job-1 finishes.
     await event(handle, "job-0", "RUNNING")
     await event(handle, "job-0", "FAILED", reason="exit 1: ZeroDivisionError")
@@ -235,7 +227,7 @@ async def test_sweep_survives_worker_restart_failures_and_silent_trials(
     await event(handle, "job-1", "SUCCEEDED")
     second = FakeScheduler()
     async with worker_for(client, queue, second, SweepActivities(storage)):
-        await until(lambda: asyncio.sleep(0, len(second.submitted) == 2))
+        await eventually(lambda: asyncio.sleep(0, len(second.submitted) == 2))
         # job-2 runs and reports nothing: timed out after metrics_timeout_s; job-3 completes.
         await event(handle, "job-2", "RUNNING")
         await event(handle, "job-3", "RUNNING")
@@ -301,11 +293,11 @@ async def test_lost_nodes_past_the_limit_fail_a_trial_and_spent_gpu_hours_cancel
             "sweep", SweepInput(space=space, team="research", max_infra_retries=1), id=f"sweep-{uuid.uuid4().hex[:8]}",
             task_queue=queue, result_type=SweepResult,
         )  # fmt: skip
-        await until(lambda: asyncio.sleep(0, len(scheduler.submitted) == 2))
+        await eventually(lambda: asyncio.sleep(0, len(scheduler.submitted) == 2))
         for _ in range(2):
             await event(handle, "job-0", "RUNNING")
             await event(handle, "job-0", "PENDING", reason="node n1 lost")
-        await until(lambda: asyncio.sleep(0, "job-0" in scheduler.cancelled))
+        await eventually(lambda: asyncio.sleep(0, "job-0" in scheduler.cancelled))
         await event(handle, "job-1", "RUNNING")
         result = await handle.result()
     assert result.trials[0].state == "failed" and result.trials[0].infra_retries == 2
@@ -328,11 +320,11 @@ async def test_cancelling_the_sweep_cancels_its_running_trials(client: Client, t
             id=f"sweep-{uuid.uuid4().hex[:8]}",
             task_queue=queue,
         )
-        await until(lambda: asyncio.sleep(0, len(scheduler.submitted) == 4))
+        await eventually(lambda: asyncio.sleep(0, len(scheduler.submitted) == 4))
         await event(handle, "job-0", "RUNNING")
         await metric(handle, "job-0", 9, 1.0)
         await event(handle, "job-0", "SUCCEEDED")
-        await until(lambda: _is(state_of(handle, 0), "completed"))
+        await eventually(lambda: _is(state_of(handle, 0), "completed"))
         await handle.cancel()
         with pytest.raises(WorkflowFailureError):
             await handle.result()
@@ -401,7 +393,7 @@ async def test_asha_promotion_form_pauses_at_rungs_and_resumes_promoted_trials_f
             task_queue=queue,
             result_type=SweepResult,
         )
-        await until(lambda: submitted("job-0", "job-1"))
+        await eventually(lambda: submitted("job-0", "job-1"))
         for job, value, starts in (
             ("job-0", 5.0, "job-2"),
             ("job-1", 4.0, "job-3"),
@@ -409,7 +401,7 @@ async def test_asha_promotion_form_pauses_at_rungs_and_resumes_promoted_trials_f
         ):
             await event(handle, job, "RUNNING")
             await metric(handle, job, 1, value)
-            await until(lambda starts=starts: submitted(starts))  # type: ignore[misc]
+            await eventually(lambda starts=starts: submitted(starts))  # type: ignore[misc]
         await event(handle, "job-3", "RUNNING")
         await metric(handle, "job-3", 1, 3.0)
         resumed = scheduler.submitted["job-1-1"]
@@ -418,10 +410,10 @@ async def test_asha_promotion_form_pauses_at_rungs_and_resumes_promoted_trials_f
         await event(handle, "job-1", "CANCELLED")  # the paused job's end: changes nothing
         await event(handle, "job-1-1", "RUNNING")
         await metric(handle, "job-1-1", 3, 3.5)
-        await until(lambda: _is(state_of(handle, 1), "paused"))
+        await eventually(lambda: _is(state_of(handle, 1), "paused"))
         assert (await progress(handle))["trials_by_state"] == {"paused": 3, "running": 1}
         await metric(handle, "job-3", 3, 2.5)
-        await until(lambda: submitted("job-3-1"))
+        await eventually(lambda: submitted("job-3-1"))
         await event(handle, "job-3-1", "RUNNING")
         await metric(handle, "job-3-1", 9, 2.0)
         await event(handle, "job-3-1", "SUCCEEDED")
@@ -458,7 +450,7 @@ async def test_cooldown_rungs_are_judged_on_the_branch_values_only(client: Clien
             task_queue=queue,
             result_type=SweepResult,
         )
-        await until(lambda: asyncio.sleep(0, len(scheduler.submitted) == 2))
+        await eventually(lambda: asyncio.sleep(0, len(scheduler.submitted) == 2))
         command = scheduler.submitted["job-0"].command
         assert "rung_cooldown.fraction=0.5" in command and "rung_cooldown.min_steps=1" in command
         for job in ("job-0", "job-1"):
@@ -466,10 +458,10 @@ async def test_cooldown_rungs_are_judged_on_the_branch_values_only(client: Clien
         await metric(handle, "job-0", 1, 5.0)
         await cooled(handle, "job-0", 1, 3.0)
         await metric(handle, "job-1", 1, 1.0)  # the run's own value: no decision
-        await until(lambda: _is(state_of(handle, 1), "running"))
+        await eventually(lambda: _is(state_of(handle, 1), "running"))
         assert scheduler.cancelled == []
         await cooled(handle, "job-1", 1, 4.0)
-        await until(lambda: asyncio.sleep(0, scheduler.cancelled == ["job-1"]))
+        await eventually(lambda: asyncio.sleep(0, scheduler.cancelled == ["job-1"]))
         trials = (await progress(handle))["trials"]
         assert trials[1]["state"] == "stopped" and trials[1]["values"] == [[1.0, 1.0]]
         assert trials[1]["rung_values"] == [[1.0, 4.0]] and trials[0]["rung_values"] == [[1.0, 3.0]]

@@ -8,7 +8,6 @@ checkpoint of a job that is no trial, or an older one, changes nothing.
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 from pathlib import Path
 from typing import Any
@@ -18,14 +17,14 @@ from temporalio import activity
 from temporalio.client import Client, WorkflowHandle
 from temporalio.worker import Worker
 
-from forge_kit.testing import TemporalDevServer
+from forge_kit.testing import TemporalDevServer, eventually
 from forge_orchestrator.activities import CancelJobInput, SubmitJobInput
 from forge_orchestrator.sweep.activities import SweepActivities
 from forge_orchestrator.sweep.workflow import METRIC_SIGNAL, SweepInput, SweepWorkflow, TrialMetric
 from forge_orchestrator.training import CHECKPOINT_SIGNAL, CheckpointInfo
 from forge_orchestrator.workflows import JOB_EVENT_SIGNAL, PROGRESS_QUERY, JobEvent
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
 SPACE = """
 name: keep
@@ -69,6 +68,15 @@ async def trials(handle: WorkflowHandle[Any, Any]) -> list[dict[str, Any]]:
     return list((await handle.query(PROGRESS_QUERY))["trials"])
 
 
+async def _first_completed(handle: WorkflowHandle[Any, Any]) -> list[dict[str, Any]] | None:
+    now = await trials(handle)
+    return now if now[0]["state"] == "completed" else None
+
+
+#: How long the test may take, after the second trial ended, to see the first one complete.
+CHECK_S = 15
+
+
 async def test_trials_wait_for_their_checkpoints_and_keep_the_newest(
     temporal_server: TemporalDevServer, tmp_path: Path
 ) -> None:
@@ -85,17 +93,14 @@ async def test_trials_wait_for_their_checkpoints_and_keep_the_newest(
     async with worker:
         handle = await client.start_workflow(
             SweepWorkflow.run,
-            # The wait outlasts the checks below on a busy machine (three test folders at once).
-            SweepInput(space=SPACE, team="research", final_metric_wait_s=1, checkpoint_wait_s=20),
+            # The wait outlasts the checks below (at most CHECK_S) on a busy machine.
+            SweepInput(space=SPACE, team="research", final_metric_wait_s=1, checkpoint_wait_s=CHECK_S + 15),
             id=f"keep-{uuid.uuid4().hex[:8]}",
             task_queue=queue,
         )
-        for _ in range(600):  # both submitted (slow on a busy machine: optuna's study, tracking)
-            if len(scheduler.submitted) == 2:
-                break
-            await asyncio.sleep(0.1)
+        # Both submitted (slow on a busy machine: optuna's study, tracking).
+        await eventually(lambda: len(scheduler.submitted) == 2, what="both trials' submissions")
         jobs = sorted(scheduler.submitted)
-        assert len(jobs) == 2
         for job in jobs:
             await signal(handle, JOB_EVENT_SIGNAL, JobEvent(job, "RUNNING", event_id=f"{job}-r"))
             await signal(handle, METRIC_SIGNAL, TrialMetric(job, 3, 1.0, event_id=f"{job}-m"))
@@ -105,11 +110,9 @@ async def test_trials_wait_for_their_checkpoints_and_keep_the_newest(
         await signal(handle, CHECKPOINT_SIGNAL, CheckpointInfo(first, first, 3, "/ckpt/new", event_id="c1"))
         await signal(handle, CHECKPOINT_SIGNAL, CheckpointInfo(first, first, 1, "/ckpt/old", event_id="c2"))
         await signal(handle, CHECKPOINT_SIGNAL, CheckpointInfo("job-x", "job-x", 3, "/ckpt/x", event_id="c3"))
-        for _ in range(150):
-            if (await trials(handle))[0]["state"] == "completed":
-                break
-            await asyncio.sleep(0.1)
-        now = await trials(handle)
+        now = await eventually(
+            lambda: _first_completed(handle), timeout_s=CHECK_S, what="the first trial to complete"
+        )
         assert now[0]["state"] == "completed" and now[1]["state"] == "finishing"  # still waiting
         result = await handle.result()
     by_job = {t.job_id: t for t in result.trials}

@@ -4,7 +4,6 @@ path â€” success after a preemption, the job's own failure, repeated node loss â
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -17,7 +16,7 @@ from temporalio.worker import Worker
 
 from forge_kit import errors
 from forge_kit.grpckit import make_channel
-from forge_kit.testing import ServiceProcess, TemporalDevServer
+from forge_kit.testing import ServiceProcess, TemporalDevServer, eventually
 from forge_orchestrator.activities import SchedulerActivities
 from forge_orchestrator.service import build_worker, validate_train
 from forge_orchestrator.training import CHECKPOINT_SIGNAL, CheckpointInfo, TrainInput, TrainResult, command_of
@@ -58,12 +57,11 @@ async def start(client: Client, queue: str, data: TrainInput) -> tuple[WorkflowH
     handle = await client.start_workflow(
         "training", data, id=f"{queue}-{uuid.uuid4().hex[:6]}", task_queue=queue, result_type=TrainResult
     )
-    for _ in range(100):
-        progress = await handle.query(PROGRESS_QUERY)
-        if progress["job_id"]:
-            return handle, str(progress["job_id"])
-        await asyncio.sleep(0.1)
-    raise AssertionError("the workflow submitted no job")
+
+    async def job_id() -> str:
+        return str((await handle.query(PROGRESS_QUERY))["job_id"])
+
+    return handle, await eventually(job_id, interval_s=0.1, what="the workflow to submit its job")
 
 
 async def send(handle: WorkflowHandle[Any, Any], job_id: str, *states: str, reason: str = "") -> None:

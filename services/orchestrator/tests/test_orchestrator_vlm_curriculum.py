@@ -4,7 +4,6 @@ the next stage's job must start from the previous stage's manifest."""
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -16,7 +15,7 @@ from temporalio.worker import Worker
 
 from forge_kit import errors
 from forge_kit.grpckit import make_channel
-from forge_kit.testing import ServiceProcess, TemporalDevServer
+from forge_kit.testing import ServiceProcess, TemporalDevServer, eventually
 from forge_orchestrator.activities import SchedulerActivities
 from forge_orchestrator.service import build_worker
 from forge_orchestrator.training import CHECKPOINT_SIGNAL, CheckpointInfo
@@ -40,15 +39,13 @@ async def worker(
 
 
 async def _child_job(client: Client, child_id: str) -> str:
-    for _ in range(200):
+    async def job_id() -> str:
         try:
-            progress = await client.get_workflow_handle(child_id).query(PROGRESS_QUERY)
-            if progress["job_id"]:
-                return str(progress["job_id"])
+            return str((await client.get_workflow_handle(child_id).query(PROGRESS_QUERY))["job_id"])
         except Exception:  # noqa: BLE001 - the child may not exist yet
-            pass
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"{child_id} submitted no job")
+            return ""
+
+    return await eventually(job_id, interval_s=0.1, what=f"{child_id} to submit its job")
 
 
 async def _finish(client: Client, child_id: str, job_id: str, step: int, preempt: bool = False) -> None:

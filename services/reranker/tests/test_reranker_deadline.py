@@ -155,7 +155,10 @@ async def test_a_partial_answer_blends_the_scored_passages_and_keeps_the_rest_in
 @pytest.fixture
 async def slow_stub() -> AsyncIterator[rerank_pb2_grpc.RerankerServiceStub]:
     service = RerankerService(
-        MeteredScorer(0.05), InMemoryCache(), settings(cross_encoder_batch_size=1, deadline_margin_ms=20)
+        # A margin for the reply that a loaded machine keeps (scoring a passage takes 50 ms).
+        MeteredScorer(0.05),
+        InMemoryCache(),
+        settings(cross_encoder_batch_size=1, deadline_margin_ms=300),
     )
     await service.warm_up(1, "passage 0")
     server: GrpcServer

@@ -13,6 +13,7 @@ from forge.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 from forge_kit.db import Database
 from forge_kit.grpckit import FIELD_METADATA_KEY, GrpcServer, make_channel
+from forge_kit.testing import eventually
 from forge_kit.testing.grpcserver import grpc_test_server
 from forge_scheduler.api import SchedulerApi
 from forge_scheduler.scheduling import SchedulingLoop
@@ -98,18 +99,17 @@ async def test_agent_session_receives_start_and_reports_job(
     ack = await call.read()
     assert ack.register_ack.node_id.startswith("node-")
     job = (await stub.SubmitJob(scheduler_pb2.SubmitJobRequest(spec=make_job().gpus(1).build()))).job
-    command = await asyncio.wait_for(call.read(), 5)
+    command = await asyncio.wait_for(call.read(), 30)
     assert command.start_job.job.id == job.id and list(command.start_job.gpu_indices) == [0]
     update = scheduler_pb2.JobStatusUpdate(job_id=job.id, state=common_pb2.JOB_STATE_RUNNING)
     await call.write(scheduler_pb2.AgentSessionRequest(job_status_update=update))
-    for _ in range(50):
-        if (
-            await stub.GetJob(scheduler_pb2.GetJobRequest(job_id=job.id))
-        ).job.state == common_pb2.JOB_STATE_RUNNING:
-            break
-        await asyncio.sleep(0.05)
-    got = (await stub.GetJob(scheduler_pb2.GetJobRequest(job_id=job.id))).job
-    assert got.state == common_pb2.JOB_STATE_RUNNING and got.attempt == 1
+
+    async def running() -> scheduler_pb2.Job | None:
+        got = (await stub.GetJob(scheduler_pb2.GetJobRequest(job_id=job.id))).job
+        return got if got.state == common_pb2.JOB_STATE_RUNNING else None
+
+    got = await eventually(running, what="the job to be RUNNING")
+    assert got.attempt == 1
     nodes = await stub.ListNodes(scheduler_pb2.ListNodesRequest())
     assert [(n.name, n.state, n.free_gpus) for n in nodes.nodes] == [
         ("node-a", scheduler_pb2.NODE_STATE_READY, 0)
@@ -117,12 +117,12 @@ async def test_agent_session_receives_start_and_reports_job(
     cluster = await stub.GetClusterStats(scheduler_pb2.GetClusterStatsRequest())
     assert (cluster.total_gpus, cluster.allocated_gpus, cluster.utilization) == (1, 1, 1.0)
     await call.done_writing()
-    for _ in range(50):
+
+    async def not_ready() -> bool:
         nodes = await stub.ListNodes(scheduler_pb2.ListNodesRequest())
-        if nodes.nodes[0].state == scheduler_pb2.NODE_STATE_NOT_READY:
-            break
-        await asyncio.sleep(0.05)
-    assert nodes.nodes[0].state == scheduler_pb2.NODE_STATE_NOT_READY
+        return nodes.nodes[0].state == scheduler_pb2.NODE_STATE_NOT_READY
+
+    await eventually(not_ready, what="the node to be NOT_READY once its session ended")
 
 
 async def test_team_tokens_act_only_for_their_team(

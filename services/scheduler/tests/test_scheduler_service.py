@@ -100,7 +100,7 @@ async def test_watch_sends_initial_state_then_changes(service: SchedulerService)
     pending = asyncio.ensure_future(anext(stream))
     await asyncio.sleep(0)
     await service.cancel_job(job.id, "stop")
-    changed = await asyncio.wait_for(pending, 2)
+    changed = await asyncio.wait_for(pending, 30)
     assert changed.state == common_pb2.JOB_STATE_CANCELLED
     await stream.aclose()
 

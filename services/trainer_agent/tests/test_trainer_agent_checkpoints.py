@@ -4,7 +4,6 @@ writes checkpoint manifests with the training runtime's CheckpointManager, and o
 
 from __future__ import annotations
 
-import asyncio
 import sys
 import textwrap
 from pathlib import Path
@@ -15,6 +14,7 @@ from forge.events.v1 import events_pb2
 from forge_kit.db import Database
 from forge_kit.events import OutboxEvent
 from forge_kit.objectstore import ObjectStore
+from forge_kit.testing import eventually
 from forge_trainer_agent.checkpoints import CheckpointAnnouncer, ManifestFinder
 from forge_trainer_agent.node import NodeInfo
 from forge_trainer_agent.runner import LocalProcessRunner
@@ -65,11 +65,13 @@ async def test_finished_job_announces_its_newest_complete_checkpoint_once(
         command = start_job("job-ckpt", [sys.executable, "-c", JOB])
         await agent.start_job(command)
         job_id = command.job.id
-        for _ in range(400):
+
+        async def finished() -> bool:
             runs, _ = await agent.list_runs(job_id, 10, 0)
-            if runs and runs[0].finished_at is not None:
-                break
-            await asyncio.sleep(0.05)
+            return bool(runs) and runs[0].finished_at is not None
+
+        # The job imports torch: slow on a loaded machine.
+        await eventually(finished, timeout_s=120, what="the checkpointing job to finish")
     finally:
         await agent.shutdown(grace_s=0)
     [run] = (await agent.list_runs(job_id, 10, 0))[0]

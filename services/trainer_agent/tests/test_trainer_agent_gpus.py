@@ -7,11 +7,9 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
 
 import pynvml
 import pytest
@@ -21,7 +19,7 @@ from forge.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 from forge_kit.db import Database
 from forge_kit.grpckit import make_channel
-from forge_kit.testing import ServiceProcess, free_port
+from forge_kit.testing import ServiceProcess, eventually, free_port
 from forge_trainer_agent.gpus import Detected, detect_gpus, node_gpus
 from forge_trainer_agent.node import ADDRESS_LABEL, GpuInfo, NodeInfo
 from forge_trainer_agent.runner import LocalProcessRunner
@@ -212,15 +210,6 @@ def scheduler(tmp_path: Path) -> Iterator[ServiceProcess]:
     process.stop()
 
 
-async def _eventually(probe: Any, timeout_s: float = 20.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while not (result := await probe()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout_s}s")
-        await asyncio.sleep(0.1)
-    return result
-
-
 @pytest.mark.integration
 async def test_detected_topology_reaches_the_scheduler_and_jobs_see_exactly_their_gpus(
     monkeypatch: pytest.MonkeyPatch, scheduler: ServiceProcess, store: RunStore, tmp_path: Path
@@ -249,7 +238,7 @@ async def test_detected_topology_reaches_the_scheduler_and_jobs_see_exactly_thei
                 (n for n in nodes if n.name == "gpu-node" and n.state == scheduler_pb2.NODE_STATE_READY), None
             )
 
-        listed = await _eventually(registered)
+        listed = await eventually(registered)
         assert [(g.index, g.type, g.memory_mb, g.nvlink_group, g.pcie_group) for g in listed.gpus] == [
             (0, "H100", 81559, 1, 1),
             (1, "H100", 81559, 1, 1),
@@ -275,7 +264,7 @@ async def test_detected_topology_reaches_the_scheduler_and_jobs_see_exactly_thei
             return all((tmp_path / f"{j}.json").exists() for j in jobs)
 
         try:
-            await _eventually(both_reported)
+            await eventually(both_reported)
         except AssertionError:
             states = [(await stub.GetJob(scheduler_pb2.GetJobRequest(job_id=j))).job for j in jobs]
             raise AssertionError([(j.state, j.message, j.pending_reason) for j in states]) from None
@@ -335,7 +324,7 @@ async def test_a_two_node_job_rendezvouses_at_the_rank0_agents_advertised_addres
             ready = {n.name for n in nodes if n.state == scheduler_pb2.NODE_STATE_READY}
             return set(addresses) <= ready
 
-        await _eventually(both_ready)
+        await eventually(both_ready)
         quota = scheduler_pb2.Quota(gpu_type="H100", guaranteed_gpus=2)
         await stub.CreateTeam(scheduler_pb2.CreateTeamRequest(name="research", quotas=[quota]))
         spec = scheduler_pb2.JobSpec(
@@ -352,7 +341,7 @@ async def test_a_two_node_job_rendezvouses_at_the_rank0_agents_advertised_addres
             job = (await stub.GetJob(scheduler_pb2.GetJobRequest(job_id=job_id))).job
             return job if job.state in (common_pb2.JOB_STATE_SUCCEEDED, common_pb2.JOB_STATE_FAILED) else None
 
-        job = await _eventually(finished, timeout_s=120)
+        job = await eventually(finished, timeout_s=120)
         assert job.state == common_pb2.JOB_STATE_SUCCEEDED, job.message
         rank0 = job.assigned_nodes[0]
         nodes = {n.node_id: n.name for n in (await stub.ListNodes(scheduler_pb2.ListNodesRequest())).nodes}

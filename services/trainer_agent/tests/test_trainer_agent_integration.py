@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import sys
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -16,24 +15,12 @@ from forge.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 
 from forge_kit.backoff import Backoff
 from forge_kit.grpckit import make_channel
-from forge_kit.testing import ServiceProcess, free_port
+from forge_kit.testing import ServiceProcess, eventually, free_port
 from forge_trainer_agent.service import AgentService
 from forge_trainer_agent.session import SchedulerSession
 
 pytestmark = pytest.mark.integration
 TOKEN = "it-token"
-
-
-async def eventually(probe: Callable[[], Awaitable[Any]], timeout_s: float = 15.0) -> Any:
-    """Poll ``probe`` until it returns something truthy."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        result = await probe()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout_s}s")
-        await asyncio.sleep(0.05)
 
 
 @pytest.fixture
@@ -108,7 +95,7 @@ async def test_agent_process_registers_its_gpus_and_goes_not_ready_when_stopped(
             beat = await node_named(scheduler_stub, "node-it", scheduler_pb2.NODE_STATE_READY)()
             return beat is not None and beat.last_heartbeat_at.ToNanoseconds() > first_beat
 
-        await eventually(heartbeat_after_registration, timeout_s=5)
+        await eventually(heartbeat_after_registration, what="a heartbeat after the registration")
     finally:
         agent.stop()
 

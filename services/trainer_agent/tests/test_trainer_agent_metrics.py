@@ -3,7 +3,6 @@ Prometheus while the run lives, each step once, partial lines left for the next 
 
 from __future__ import annotations
 
-import asyncio
 import json
 import sys
 from pathlib import Path
@@ -14,6 +13,7 @@ from forge.events.v1 import events_pb2
 
 from forge_kit.db import Database
 from forge_kit.events import OutboxEvent
+from forge_kit.testing import eventually
 from forge_trainer_agent.metrics import TRAINING_METRIC, MetricsStreamer, _Cursor, read_new_records
 from forge_trainer_agent.node import NodeInfo
 from forge_trainer_agent.runner import LocalProcessRunner
@@ -63,10 +63,11 @@ async def test_a_running_jobs_metrics_become_events_and_gauges(
         "    time.sleep(0.2)\n"
     )
     await agent.start_job(start_job("job-m", [sys.executable, "-c", script]))
-    for _ in range(100):
-        if len(await staged(db)) == 3 and not agent.running_job_ids():
-            break
-        await asyncio.sleep(0.05)
+
+    async def done() -> bool:
+        return len(await staged(db)) == 3 and not agent.running_job_ids()
+
+    await eventually(done, what="the job to end with its 3 metrics staged")
     events = await staged(db)
     assert [(e.job_id, e.step, e.values["loss"]) for e in events] == [
         ("job-m", 1, 5.0),

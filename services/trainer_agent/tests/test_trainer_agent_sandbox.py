@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from forge_kit.paths import resolve_data_path
-from forge_kit.testing import free_port
+from forge_kit.testing import eventually, free_port
 from forge_trainer_agent.runner import ExitStatus, LaunchSpec, LocalProcessRunner, TorchrunRunner
 from forge_trainer_agent.sandbox import JobIsolation, JobSandbox, dataset_folders
 from forge_training import schema
@@ -62,10 +62,7 @@ async def test_stop_reaches_the_job_in_the_sandbox_which_exits_in_its_grace(tmp_
                       log_path=run_dir / "attempt-1.log")  # fmt: skip
     runner = LocalProcessRunner(sandbox=sandbox(tmp_path))
     proc = await runner.launch(spec)
-    for _ in range(300):
-        if (run_dir / "ready").exists():
-            break
-        await asyncio.sleep(0.05)
+    await eventually((run_dir / "ready").exists, what="the job to install its SIGTERM handler")
     status = await proc.stop(grace_s=20)
     assert status == ExitStatus(code=3), (run_dir / "attempt-1.log").read_text()
     assert (run_dir / "saved").read_text() == "65534"
@@ -156,10 +153,7 @@ async def test_the_jobs_environment_never_reaches_the_processes_that_run_as_root
                       log_path=run_dir / "attempt-1.log")  # fmt: skip
     proc = await LocalProcessRunner(sandbox=sandbox(tmp_path)).launch(spec)
     try:
-        for _ in range(300):
-            if (run_dir / "env").exists():
-                break
-            await asyncio.sleep(0.05)
+        await eventually((run_dir / "env").exists, what="the job to write its environment")
         assert (run_dir / "env").read_text() == "/nonexistent/evil.so"
         launcher = Path(f"/proc/{proc.pid}")
         assert launcher.stat().st_uid == 0

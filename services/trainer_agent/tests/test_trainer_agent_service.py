@@ -36,7 +36,7 @@ def start(job: scheduler_pb2.StartJob) -> scheduler_pb2.AgentSessionResponse:
     return scheduler_pb2.AgentSessionResponse(start_job=job)
 
 
-async def wait_for_log(path: str, text: str, timeout_s: float = 10.0) -> None:
+async def wait_for_log(path: str, text: str, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if os.path.exists(path) and text in Path(path).read_text():
@@ -312,7 +312,7 @@ async def test_recover_stops_an_orphan_of_a_previous_agent_and_fails_its_run(
 
         await agent.recover()
 
-        assert orphan.wait(timeout=5) == -9
+        assert orphan.wait(timeout=30) == -9
         assert bystander.poll() is None, "a process not started for the job is never signalled"
         for job_id in ("job-orphan", "job-bystander"):
             row = await store.get(job_id, 1)

@@ -1,4 +1,5 @@
-"""Test helpers: free ports, the real local broker and Temporal dev server, service processes."""
+"""Test helpers: free ports, the real local broker and Temporal dev server, service processes,
+waiting for a condition."""
 
 from forge_kit.testing.processes import (
     MlflowServer,
@@ -8,5 +9,14 @@ from forge_kit.testing.processes import (
     free_port,
     wait_for_port,
 )
+from forge_kit.testing.waiting import eventually
 
-__all__ = ["MlflowServer", "ServiceProcess", "TansuBroker", "TemporalDevServer", "free_port", "wait_for_port"]
+__all__ = [
+    "MlflowServer",
+    "ServiceProcess",
+    "TansuBroker",
+    "TemporalDevServer",
+    "eventually",
+    "free_port",
+    "wait_for_port",
+]
