@@ -81,6 +81,9 @@ def units(paths: list[str]) -> list[tuple[str, list[str]]]:
     out: list[tuple[str, list[str]]] = []
     for path in paths:
         folder = ROOT / path
+        if path.rstrip("/") in SPLIT:  # one package's tests folder, named on its own
+            out += _folder(path.rstrip("/"))
+            continue
         nested = sorted(p for p in folder.glob("*/tests") if p.is_dir())
         if nested:  # libs/, services/: one unit per package's tests
             out += [u for p in nested for u in _folder(str(p.relative_to(ROOT)))]
