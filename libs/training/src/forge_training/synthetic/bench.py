@@ -12,16 +12,18 @@
    hi``), ``easy`` (``> hi``), ``hard`` (``< lo``). Each is written as an ``sft.jsonl`` of exactly
    ``sft_tokens`` tokens or fewer by less than one conversation (rows drawn in seeded shuffled
    passes, repeated as needed), and the student is fine-tuned on it by the ``sft`` task for one
-   pass over its rows: same tokens, same recipe.
+   pass over its rows, ``sft_seeds`` times (training seeds ``seed``, ``seed + 1``, …): same
+   tokens, same recipe.
 4. **Held-out evaluation**: ``held_out`` problems from the HELD-OUT templates (other wordings of
    the same skills, never trained on), verified like the rest; every fine-tuned student answers
-   each greedily; accuracy with its 95 % Wilson interval, and band minus unfiltered over the same
-   problems with a paired bootstrap interval (:func:`forge_kit.stats.paired_compare`).
+   each greedily; a subset's score on a problem is the mean over its seeds; accuracy with its 95 %
+   interval (Wilson's for one seed, else a bootstrap over problems), and band minus unfiltered over
+   the same problems with a paired bootstrap interval (:func:`forge_kit.stats.paired_compare`).
 
 ``DIR/summary.json``: ``subsets.{unfiltered,band,easy,hard}`` (``problems``, ``rows``, ``tokens``,
-``steps``, ``accuracy``, ``ci95``), ``base`` (the student before fine-tuning),
-``band_vs_unfiltered`` (``delta``, paired ``ci95``, ``p_value``), ``stages`` (counts at every
-stage), ``config``, ``wall_s``.
+``steps``, ``accuracy``, ``ci95``, per-seed ``seeds``), ``base`` (the student before fine-tuning),
+``band_vs_unfiltered`` (``delta``, paired ``ci95``, ``p_value``, per-seed deltas ``seeds``),
+``stages`` (counts at every stage), ``config``, ``wall_s``.
 """
 
 from __future__ import annotations
