@@ -64,7 +64,7 @@ class BenchConfig:
     seed: int = 0
     pretrain_problems: int = 16000
     pretrain_steps: int = 1600
-    problems: int = 3000
+    problems: int = 6000
     k: int = 4
     error_rate: float = 0.2
     pot_rate: float = 0.1
