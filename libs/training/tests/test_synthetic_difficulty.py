@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from forge_training.data import EOT, train_tokenizer
 from forge_training.export import export_hf
@@ -131,3 +131,17 @@ def test_hf_student_samples_from_the_softmax(tmp_path: Path) -> None:
             counts[r[0] if r else eot] += 1
         assert float((counts / 4000 - probs).abs().max()) < 0.03
         assert float(probs.max()) > 0.1  # the check has something to see
+
+
+def test_hf_student_other_architectures_sample_through_generate(tmp_path: Path) -> None:
+    tok = train_tokenizer("User: what is 2+3?\nAssistant: 2+3 = 5.\n#### 5\n" * 20, 300)
+    config = GPT2Config(vocab_size=tok.get_vocab_size(), n_embd=16, n_layer=1, n_head=2, n_positions=64)
+    export_hf(GPT2LMHeadModel(config), tok, tmp_path)
+    student = difficulty.HFStudent(tmp_path, batch_size=4)
+    assert student.model.config.model_type == "gpt2"
+    prompts = [difficulty.prompt_of("what is 2+3?"), difficulty.prompt_of("what is 20+30 and more?")]
+    a = student.sample(prompts, 3, temperature=1.0, max_new_tokens=6, seed=1)
+    assert a == student.sample(prompts, 3, temperature=1.0, max_new_tokens=6, seed=1)
+    assert [len(x) for x in a] == [3, 3]
+    greedy = student.sample(prompts, 2, temperature=0.0, max_new_tokens=6, seed=9)
+    assert greedy[0][0] == greedy[0][1]

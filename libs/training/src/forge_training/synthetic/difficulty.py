@@ -50,8 +50,9 @@ def prompt_of(question: str) -> str:
 
 class HFStudent:
     """A local causal LM: prompts left-padded into batches of about ``batch_size`` rows (prompts x
-    n), cut from the left to ``max_prompt_tokens``, sampled at ``temperature`` (greedy at 0) by a
-    key/value-cached loop of forward passes, each row stopped at end-of-text, one seed per batch."""
+    n), cut from the left to ``max_prompt_tokens``, sampled at ``temperature`` (greedy at 0), each
+    row stopped at end-of-text, one seed per batch: Llama-architecture models (Forge exports) by a
+    key/value-cached loop (:meth:`sample`), other architectures by Hugging Face ``generate``."""
 
     def __init__(
         self, path: Path, *, batch_size: int = 256, max_prompt_tokens: int = 512, threads: int | None = None
@@ -79,6 +80,8 @@ class HFStudent:
         if n < 1:
             raise ValueError(f"n must be at least 1, got {n}")
         eot = self.tokenizer.convert_tokens_to_ids(EOT)
+        if getattr(self.model.config, "model_type", None) != "llama":
+            return self._generate(prompts, n, temperature, max_new_tokens, seed, eot)
         per_batch = max(1, self.batch_size // n)
         texts: list[str] = []
         for b, start in enumerate(range(0, len(prompts), per_batch)):
@@ -86,6 +89,36 @@ class HFStudent:
                 list(prompts[start : start + per_batch]), n, temperature, max_new_tokens, seed, b, eot
             )
             texts += self.tokenizer.batch_decode(ids, skip_special_tokens=True)
+        return [texts[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+    def _generate(
+        self, prompts: Sequence[str], n: int, temperature: float, max_new_tokens: int, seed: int, eot: int
+    ) -> list[list[str]]:
+        """Other architectures: Hugging Face ``generate`` on batches of ``batch_size`` rows."""
+        rows = [p for p in prompts for _ in range(n)]
+        texts: list[str] = []
+        for b, start in enumerate(range(0, len(rows), self.batch_size)):
+            batch = self.tokenizer(
+                rows[start : start + self.batch_size],
+                return_tensors="pt",
+                padding=True,
+                truncation=True,
+                max_length=self.max_prompt_tokens,
+            )
+            torch.manual_seed(seed * 1_000_003 + b)
+            out = self.model.generate(
+                **batch,
+                do_sample=temperature > 0,
+                temperature=temperature if temperature > 0 else None,
+                top_k=0 if temperature > 0 else None,
+                top_p=None,
+                max_new_tokens=max_new_tokens,
+                eos_token_id=eot,
+                pad_token_id=eot,
+            )
+            texts += self.tokenizer.batch_decode(
+                out[:, batch["input_ids"].size(1) :], skip_special_tokens=True
+            )
         return [texts[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     def _decode(
