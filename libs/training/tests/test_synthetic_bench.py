@@ -38,7 +38,7 @@ def test_bench_module_runs_the_synthetic_command() -> None:
         capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
-    assert "--out" in out.stdout and "--quick" in out.stdout and "--sft-seeds" in out.stdout
+    assert all(o in out.stdout for o in ("--out", "--quick", "--sft-seeds", "--problems"))
 
 
 def test_scores_over_fine_tuning_seeds_are_averaged_per_problem() -> None:

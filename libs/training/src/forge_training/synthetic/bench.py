@@ -367,6 +367,9 @@ def synthetic(
         Path | None,
         typer.Option(help="an earlier run's pre-trained student (DIR/work/pretrain/run/…/export)"),
     ] = None,
+    problems: Annotated[
+        int, typer.Option(help="size of the pool the subsets are drawn from (problems written)")
+    ] = BenchConfig.problems,
     sft_seeds: Annotated[
         int,
         typer.Option(help="fine-tunes per subset (training seeds seed, seed+1, …); scores are their mean"),
@@ -376,7 +379,7 @@ def synthetic(
     tokens, on problems from held-out templates (see load/synthetic/README.md)."""
     if sft_seeds < 1:
         raise typer.BadParameter(f"--sft-seeds must be at least 1, got {sft_seeds}")
-    cfg = BenchConfig(seed=seed, sft_seeds=sft_seeds)
+    cfg = BenchConfig(seed=seed, sft_seeds=sft_seeds, problems=problems)
     if quick:
         cfg = dataclasses.replace(
             cfg,
