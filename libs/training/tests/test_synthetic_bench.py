@@ -6,7 +6,13 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from forge_training.synthetic.bench import default_tasks_dir, equal_token_rows
+from forge_training.synthetic.bench import (
+    _accuracy,
+    _band_vs_unfiltered,
+    default_tasks_dir,
+    equal_token_rows,
+    seed_means,
+)
 
 
 def test_equal_token_rows_fill_the_budget_by_repeating() -> None:
@@ -32,4 +38,20 @@ def test_bench_module_runs_the_synthetic_command() -> None:
         capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
-    assert "--out" in out.stdout and "--quick" in out.stdout
+    assert all(o in out.stdout for o in ("--out", "--quick", "--sft-seeds", "--problems"))
+
+
+def test_scores_over_fine_tuning_seeds_are_averaged_per_problem() -> None:
+    runs = [[1.0, 0.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]]
+    means = seed_means(runs)
+    assert means == [1.0, 1 / 3, 1 / 3, 0.0]
+    one = _accuracy(runs[0])
+    assert one["interval"] == "wilson" and one["accuracy"] == 0.5 and one["n"] == 4
+    avg = _accuracy(means * 50, seed=1)
+    assert avg["interval"] == "bootstrap" and abs(avg["accuracy"] - 5 / 12) < 1e-12
+    assert avg["ci95"][0] < avg["accuracy"] < avg["ci95"][1]
+    # averaged scores are not 0/1: the paired comparison falls back from McNemar to sign flips
+    paired = _band_vs_unfiltered({"unfiltered": [0.0] * 200, "band": means * 50}, seed=0)
+    assert paired["test"] == "sign-flip" and paired["ci95"][0] > 0
+    binary = _band_vs_unfiltered({"unfiltered": [0.0] * 4, "band": runs[0]}, seed=0)
+    assert binary["test"] == "mcnemar"

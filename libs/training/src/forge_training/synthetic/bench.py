@@ -12,16 +12,18 @@
    hi``), ``easy`` (``> hi``), ``hard`` (``< lo``). Each is written as an ``sft.jsonl`` of exactly
    ``sft_tokens`` tokens or fewer by less than one conversation (rows drawn in seeded shuffled
    passes, repeated as needed), and the student is fine-tuned on it by the ``sft`` task for one
-   pass over its rows: same tokens, same recipe.
+   pass over its rows, ``sft_seeds`` times (training seeds ``seed``, ``seed + 1``, …): same
+   tokens, same recipe.
 4. **Held-out evaluation**: ``held_out`` problems from the HELD-OUT templates (other wordings of
    the same skills, never trained on), verified like the rest; every fine-tuned student answers
-   each greedily; accuracy with its 95 % Wilson interval, and band minus unfiltered over the same
-   problems with a paired bootstrap interval (:func:`forge_kit.stats.paired_compare`).
+   each greedily; a subset's score on a problem is the mean over its seeds; accuracy with its 95 %
+   interval (Wilson's for one seed, else a bootstrap over problems), and band minus unfiltered over
+   the same problems with a paired bootstrap interval (:func:`forge_kit.stats.paired_compare`).
 
 ``DIR/summary.json``: ``subsets.{unfiltered,band,easy,hard}`` (``problems``, ``rows``, ``tokens``,
-``steps``, ``accuracy``, ``ci95``), ``base`` (the student before fine-tuning),
-``band_vs_unfiltered`` (``delta``, paired ``ci95``, ``p_value``), ``stages`` (counts at every
-stage), ``config``, ``wall_s``.
+``steps``, ``accuracy``, ``ci95``, per-seed ``seeds``), ``base`` (the student before fine-tuning),
+``band_vs_unfiltered`` (``delta``, paired ``ci95``, ``p_value``, per-seed deltas ``seeds``),
+``stages`` (counts at every stage), ``config``, ``wall_s``.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from tokenizers import Tokenizer
 
 from forge_kit.objectstore import ObjectStore
 from forge_kit.paths import data_dir
-from forge_kit.stats import paired_compare, wilson_interval
+from forge_kit.stats import mean_estimate, paired_compare, wilson_interval
 from forge_training import recipes
 from forge_training.synthetic import dataset, dedup, difficulty
 from forge_training.synthetic.problems import (
@@ -62,7 +64,7 @@ class BenchConfig:
     seed: int = 0
     pretrain_problems: int = 16000
     pretrain_steps: int = 1600
-    problems: int = 3000
+    problems: int = 6000
     k: int = 4
     error_rate: float = 0.2
     pot_rate: float = 0.1
@@ -80,6 +82,7 @@ class BenchConfig:
     vocab_size: int = 260
     batch: int = 16
     sft_lr: float = 5e-4
+    sft_seeds: int = 3
 
 
 def default_tasks_dir() -> Path:
@@ -167,9 +170,29 @@ def evaluate(model: Path, held: list[Verified], cfg: BenchConfig) -> list[float]
     return [float(grade(c[0], v.answer)) for c, v in zip(out, held, strict=True)]
 
 
-def _accuracy(scores: list[float]) -> dict[str, Any]:
-    low, high = wilson_interval(sum(scores), len(scores))
-    return {"accuracy": sum(scores) / len(scores), "ci95": [low, high], "n": len(scores)}
+def _accuracy(scores: list[float], seed: int = 0) -> dict[str, Any]:
+    """Mean score with its 95 % interval: Wilson's when every score is 0/1 (one model), else a
+    seeded bootstrap over problems (scores averaged over fine-tuning seeds)."""
+    if all(s in (0.0, 1.0) for s in scores):
+        low, high = wilson_interval(sum(scores), len(scores))
+        return {
+            "accuracy": sum(scores) / len(scores),
+            "ci95": [low, high],
+            "n": len(scores),
+            "interval": "wilson",
+        }
+    est = mean_estimate(scores, seed=seed)
+    return {
+        "accuracy": est.value,
+        "ci95": [est.ci_low, est.ci_high],
+        "n": len(scores),
+        "interval": "bootstrap",
+    }
+
+
+def seed_means(per_seed: list[list[float]]) -> list[float]:
+    """Each problem's score averaged over the fine-tuning seeds (``per_seed[j][i]``: seed j, problem i)."""
+    return [sum(col) / len(col) for col in zip(*per_seed, strict=True)]
 
 
 def _wrong_kept(items: list[Verified]) -> int:
@@ -288,30 +311,47 @@ def run_bench(
         path = work / "sft" / name / "sft.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        log(f"fine-tuning on {name}: {len(rows)} rows, {tokens} tokens, {steps} steps")
-        model, figures = _train(
-            "sft_hh",
-            {
-                "init.parent": student_dir, "pairs.path": path, "data.seq_len": cfg.sft_seq_len,
-                "data.val_fraction": 0.02, "global_batch_size": cfg.batch, "micro_batch_size": cfg.batch,
-                "max_steps": steps, "optim.lr": cfg.sft_lr, "optim.min_lr": cfg.sft_lr / 10,
-                "optim.warmup_steps": min(10, steps - 1), "eval_interval": steps, "eval_batches": 1,
-                "log_interval": 50, "checkpoint.interval_steps": 0, "seed": cfg.seed,
-            },
-            work / "sft" / name / "run",
-            work / "cache",
-        )  # fmt: skip
-        scores[name] = evaluate(model, held, cfg)
-        dev_scores[name] = evaluate(model, dev, cfg)
+        held_runs: list[list[float]] = []
+        dev_runs: list[list[float]] = []
+        per_seed: list[dict[str, Any]] = []
+        for j in range(cfg.sft_seeds):
+            sft_seed = cfg.seed + j
+            log(f"fine-tuning on {name} (seed {sft_seed}): {len(rows)} rows, {tokens} tokens, {steps} steps")
+            run_dir = work / "sft" / name / ("run" if j == 0 else f"run-seed{sft_seed}")
+            model, figures = _train(
+                "sft_hh",
+                {
+                    "init.parent": student_dir, "pairs.path": path, "data.seq_len": cfg.sft_seq_len,
+                    "data.val_fraction": 0.02, "global_batch_size": cfg.batch, "micro_batch_size": cfg.batch,
+                    "max_steps": steps, "optim.lr": cfg.sft_lr, "optim.min_lr": cfg.sft_lr / 10,
+                    "optim.warmup_steps": min(10, steps - 1), "eval_interval": steps, "eval_batches": 1,
+                    "log_interval": 50, "checkpoint.interval_steps": 0, "seed": sft_seed,
+                },
+                run_dir,
+                work / "cache",
+            )  # fmt: skip
+            held_runs.append(evaluate(model, held, cfg))
+            dev_runs.append(evaluate(model, dev, cfg))
+            per_seed.append({
+                "seed": sft_seed, "accuracy": sum(held_runs[-1]) / len(held), "dev_accuracy":
+                sum(dev_runs[-1]) / len(dev), "train": figures,
+            })  # fmt: skip
+        scores[name] = seed_means(held_runs)
+        dev_scores[name] = seed_means(dev_runs)
         subsets[name] = {
-            **entry, "steps": steps, **_accuracy(scores[name]), "dev": _accuracy(dev_scores[name]),
-            "train": figures,
+            **entry, "steps": steps, **_accuracy(scores[name], cfg.seed),
+            "dev": _accuracy(dev_scores[name], cfg.seed), "train": per_seed[0]["train"], "seeds": per_seed,
         }  # fmt: skip
     summary: dict[str, Any] = {"subsets": subsets, "stages": stages, "config": dataclasses.asdict(cfg)}
     if "band" in scores and "unfiltered" in scores:
         held_out = _band_vs_unfiltered(scores, cfg.seed)
         summary["band_vs_unfiltered"] = {**held_out, "target_met": held_out["ci95"][0] > 0}
         summary["band_vs_unfiltered_dev"] = _band_vs_unfiltered(dev_scores, cfg.seed)
+        for key, field in (("band_vs_unfiltered", "accuracy"), ("band_vs_unfiltered_dev", "dev_accuracy")):
+            summary[key]["seeds"] = [
+                b[field] - u[field]
+                for b, u in zip(subsets["band"]["seeds"], subsets["unfiltered"]["seeds"], strict=True)
+            ]
     summary["wall_s"] = round(time.perf_counter() - started, 1)
     return summary
 
@@ -327,10 +367,19 @@ def synthetic(
         Path | None,
         typer.Option(help="an earlier run's pre-trained student (DIR/work/pretrain/run/…/export)"),
     ] = None,
+    problems: Annotated[
+        int, typer.Option(help="size of the pool the subsets are drawn from (problems written)")
+    ] = BenchConfig.problems,
+    sft_seeds: Annotated[
+        int,
+        typer.Option(help="fine-tunes per subset (training seeds seed, seed+1, …); scores are their mean"),
+    ] = BenchConfig.sft_seeds,
 ) -> None:
     """Synthetic reasoning data: the 20-80 % band against unfiltered, easy and hard subsets at equal
     tokens, on problems from held-out templates (see load/synthetic/README.md)."""
-    cfg = BenchConfig(seed=seed)
+    if sft_seeds < 1:
+        raise typer.BadParameter(f"--sft-seeds must be at least 1, got {sft_seeds}")
+    cfg = BenchConfig(seed=seed, sft_seeds=sft_seeds, problems=problems)
     if quick:
         cfg = dataclasses.replace(
             cfg,
