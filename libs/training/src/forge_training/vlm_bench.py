@@ -260,13 +260,18 @@ def benchmark(
     out: Path, scale: float = 1.0, seeds: tuple[int, ...] = (0,), eval_limit: int = 0, echo: Any = print
 ) -> dict[str, Any]:
     """Train and score both arms for each training seed (one seed: runs in ``out/work``; several:
-    ``out/seed-N/work``, the world shared in ``out/cache``) and summarise them: with several
+    ``out/seed-N/work`` and that seed's own ``out/seed-N/summary.json``, the world shared in
+    ``out/cache``) and summarise them: with several
     seeds each arm's item scores are averaged over the seeds before the paired comparison (the
     bootstrap resamples items; the seeds' spread is in ``per_seed``)."""
     runs = []
     for seed in seeds:
         work = out / "work" if len(seeds) == 1 else out / f"seed-{seed}" / "work"
         runs.append(train_seed(work, out / "cache", scale, seed, eval_limit, echo))
+        if len(seeds) > 1:  # each seed's own summary as soon as it is done
+            (work.parent / "summary.json").write_text(
+                json.dumps(summarise(runs[-1:], scale), indent=2) + "\n"
+            )
     return summarise(runs, scale)
 
 

@@ -3,7 +3,7 @@
 
 | stage | parent | data | trains |
 |---|---|---|---|
-| ``align`` | causal LM | captions | the projector (vision tower and LM frozen) |
+| ``align`` | causal LM | captions | the projector (vision tower and LM frozen); with ``vlm.align_lm`` the LM too |
 | ``interleave`` | VLM | interleaved documents + ``text_replay`` text-only windows | projector + LM |
 | ``instruct`` | VLM | VQA and caption chats (loss on the reply) | projector + LM |
 | ``joint`` | causal LM (``from_scratch``: tokenizer and shape only) | all of the above mixed | projector + LM |
@@ -157,7 +157,7 @@ class VisionLanguage(Objective):
         text.max_position_embeddings = max(text.max_position_embeddings, config.data.seq_len)
         model.train()
         for name, p in model.named_parameters():
-            if v.stage == "align":
+            if v.stage == "align" and not v.align_lm:
                 p.requires_grad = "multi_modal_projector" in name
             elif name.startswith("model.vision_tower."):
                 p.requires_grad = v.train_vision
