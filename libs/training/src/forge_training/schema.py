@@ -250,6 +250,9 @@ class VlmConfig:
     vision_heads: int = 2
     text_replay: float = 0.2
     """``interleave``: share of text-only sequences in a batch (``joint``: of its mixture)."""
+    caption_replay: float = 0.0
+    """``interleave``: share of stage 1's caption samples in a batch (the documents get the rest
+    after ``text_replay``), so that the stage keeps what the alignment learnt."""
     joint_weights: str = "captions:1,documents:1,chats:2"
     """``joint``: sampling weights of the image sources (text gets ``text_replay``)."""
     from_scratch: bool = False

@@ -4,7 +4,7 @@
 | stage | parent | data | trains |
 |---|---|---|---|
 | ``align`` | causal LM | captions | the projector (vision tower and LM frozen); with ``vlm.align_lm`` the LM too |
-| ``interleave`` | VLM | interleaved documents + ``text_replay`` text-only windows | projector + LM |
+| ``interleave`` | VLM | interleaved documents + ``text_replay`` text-only windows (+ ``caption_replay`` captions) | projector + LM |
 | ``instruct`` | VLM | VQA and caption chats (loss on the reply) | projector + LM |
 | ``joint`` | causal LM (``from_scratch``: tokenizer and shape only) | all of the above mixed | projector + LM |
 
@@ -78,7 +78,8 @@ def stage_sources(v: VlmConfig) -> dict[str, float]:
     if v.stage == "align":
         return {"captions": 1.0}
     if v.stage == "interleave":
-        return {"documents": 1.0 - v.text_replay, TEXT: v.text_replay}
+        out = {"documents": 1.0 - v.text_replay - v.caption_replay, TEXT: v.text_replay}
+        return {**out, "captions": v.caption_replay} if v.caption_replay > 0 else out
     if v.stage == "instruct":
         return {"chats": 1.0}
     weights: dict[str, float] = {}
