@@ -18,7 +18,9 @@ templates (see ``load/vlm/README.md``).
 
 ``DIR/summary.json``: ``curriculum`` and ``joint`` (``vqa_accuracy``, ``ci95``,
 ``caption_metric``, ``train_s``, ...), ``text_only_accuracy``, ``curriculum_vs_joint``
-(``delta``, paired ``ci95``, ``p_value``), ``targets`` and the run details.
+(``delta``, paired ``ci95``, ``p_value``), ``targets`` and the run details. With ``--seeds``
+(e.g. ``0,1,2``) steps 2-4 run once per training seed and each arm's per-item scores are
+averaged over the seeds before the comparison; every seed's own figures are in ``per_seed``.
 """
 
 from __future__ import annotations
