@@ -4,6 +4,8 @@ set), by question type.
 
 ``python -m load.vlm.dev_runs OUT SPEC``: ``SPEC`` is JSON, a list of ``[tag, recipe, overrides,
 parent_tag]`` (``parent_tag`` null for the world LM); results go to ``OUT/reg.json`` and stdout.
+A ``vlm_joint`` entry whose overrides hold ``"match": [tags of a chain]`` gets ``max_steps`` so
+that it reads as many tokens as those runs did together, as the benchmark sizes it.
 Example (the curriculum chain of RESULTS.md's run 5 dev figures)::
 
     python -m load.vlm.dev_runs /tmp/vlmdev '[["lm","vlm_world_lm",{},null],
@@ -13,6 +15,7 @@ Example (the curriculum chain of RESULTS.md's run 5 dev figures)::
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -25,7 +28,7 @@ from forge_training.vlm.evaluate import score_chats
 from forge_training.vlm.model import load_vlm
 from forge_training.vlm.shards import ShardReader, shard_files
 from forge_training.vlm.tokens import SequenceEncoder
-from forge_training.vlm_bench import _run, _tokens
+from forge_training.vlm_bench import _run, _tokens, mean_tokens_per_step
 
 SCORED = ("vlm_instruct", "vlm_joint")
 
@@ -51,6 +54,11 @@ def main(out: Path, spec: list[list[Any]]) -> dict[str, Any]:
     reg: dict[str, Any] = json.loads(reg_path.read_text()) if reg_path.exists() else {}
     for tag, name, overrides, parent in spec:
         over = {"seed": 0, **overrides}
+        match = over.pop("match", None)
+        if match:
+            tokens = sum(reg[t]["tokens"] for t in match)
+            per_step = mean_tokens_per_step(name, load_vlm(Path(reg[match[-1]]["export"])), folder)
+            over["max_steps"] = math.ceil(tokens / per_step)
         if name == "vlm_world_lm":
             over.setdefault("data.corpus", str(folder / "text.txt"))
         if parent:

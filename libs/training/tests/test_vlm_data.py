@@ -13,7 +13,11 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
+from forge_training import recipes
 from forge_training.data import MixtureSampler, train_tokenizer
+from forge_training.objectives.vlm import stage_sources
+from forge_training.schema import RecipeError
+from forge_training.validation import validate
 from forge_training.vlm import world
 from forge_training.vlm.dataset import WorldSize, write_world
 from forge_training.vlm.images import ImageError, ImageSpec, decode, preprocess
@@ -189,3 +193,13 @@ def test_world_folder_layout(tmp_path: Path) -> None:
     templates = {held.read(i).meta["template"] for i in range(len(held))}
     assert templates <= {t for _, h in world.TEMPLATES.values() for t in h}
     assert np.mean([len(held.read(i).images) for i in range(len(held))]) == 1.0
+
+
+def test_stage_sources_mix_text_and_caption_replay_into_the_interleave_stage() -> None:
+    plain = stage_sources(recipes.build("vlm_interleave").vlm)
+    assert plain == pytest.approx({"documents": 0.8, "text": 0.2})
+    replay = recipes.build("vlm_interleave", {"vlm.caption_replay": 0.2, "init.parent": "x"})
+    assert stage_sources(replay.vlm) == pytest.approx({"documents": 0.6, "text": 0.2, "captions": 0.2})
+    too_much = recipes.build("vlm_interleave", {"vlm.caption_replay": 0.8, "init.parent": "x"})
+    with pytest.raises(RecipeError, match="caption_replay"):
+        validate(too_much, 1)

@@ -241,15 +241,22 @@ def test_curriculum_stages_chain_train_and_resume(tmp_path: Path) -> None:
     vlm_over = {"vlm.world": str(folder), "vlm.eval_items": 4, "vlm.max_new_tokens": 3}
     with pytest.raises(RecipeError, match=r"init\.parent"):
         validate(recipes.build("vlm_interleave", {"init.parent": str(lm), **vlm_over}), 1)
-    aligned = run("vlm_align", "align", **{"init.parent": str(lm), **vlm_over})
+    projector_only = run(
+        "vlm_align", "align_p", **{"init.parent": str(lm), **vlm_over, "vlm.align_lm": False}
+    )
     frozen_lm = LlamaForCausalLM.from_pretrained(lm)
+    after_p = load_vlm_parent(str(projector_only)).model
+    assert torch.equal(after_p.lm_head.weight[:-1], frozen_lm.lm_head.weight)  # LLaVA's stage 1
+    aligned = run("vlm_align", "align", **{"init.parent": str(lm), **vlm_over})
     after = load_vlm_parent(str(aligned)).model
-    assert torch.equal(
-        after.lm_head.weight[:-1], frozen_lm.lm_head.weight
-    )  # stage 1 trains the projector only
+    assert not torch.equal(after.lm_head.weight[:-1], frozen_lm.lm_head.weight)  # the recipe: LM too
+    assert torch.equal(  # the tower frozen either way
+        after.model.vision_tower.embeddings.patch_embedding.weight,
+        after_p.model.vision_tower.embeddings.patch_embedding.weight,
+    )
     joint = run("vlm_joint", "joint", **{"init.parent": str(lm), **vlm_over})
     joint_table = load_vlm_parent(str(joint)).model.model.vision_tower.embeddings.position_embedding
-    fresh = sincos_positions(2, joint_table.weight.size(1))
+    fresh = sincos_positions(4, joint_table.weight.size(1))
     assert torch.allclose(joint_table.weight[1:], fresh, atol=0.05)  # from scratch: the same table
     inter = run("vlm_interleave", "inter", **{"init.parent": str(aligned), **vlm_over})
     tower_after = load_vlm_parent(str(inter)).model.model.vision_tower.state_dict()
@@ -261,7 +268,7 @@ def test_curriculum_stages_chain_train_and_resume(tmp_path: Path) -> None:
     moved = load_vlm_parent(str(unfrozen)).model.model.vision_tower.state_dict()
     assert not all(torch.equal(moved[k], tower_before[k]) for k in tower_before)
     manifest = tmp_path / "objects" / "checkpoints" / "inter" / "step-00000004" / "manifest.json"
-    assert load_vlm_parent(str(manifest)).model.config.image_seq_length == 4  # 32 px, 16 px patches
+    assert load_vlm_parent(str(manifest)).model.config.image_seq_length == 16  # 32 px, 8 px patches
     # Stage 3 killed after step 2 and restarted: it resumes from its checkpoint.
     over = {**tiny, "init.parent": str(inter), **vlm_over, "checkpoint.interval_steps": 2}
     config = recipes.build("vlm_instruct", over)

@@ -206,10 +206,13 @@ def _vlm(
 
 
 def vlm_align() -> TrainConfig:
-    """VLM stage 1 (LLaVA's feature alignment): captions of the synthetic world; only the MLP
-    projector trains, the (fresh) CLIP vision tower and the parent LM stay frozen. Parent: a
-    causal LM (``vlm_world_lm``'s export)."""
-    return _vlm("vlm_align", "align", lr=2e-3, max_steps=150, seq_len=64, batch=32)
+    """VLM stage 1 (feature alignment): captions of the synthetic world; the MLP projector and
+    the parent LM train (``vlm.align_lm``), the (fresh) CLIP vision tower stays frozen. LLaVA
+    trains only the projector here, but this 3-layer LM, frozen, never learns to read the
+    projected patches (its caption words for colour, shape and size stay at chance however long
+    the stage); trained with them for 600 steps it names all three. Parent: a causal LM
+    (``vlm_world_lm``'s export)."""
+    return _vlm("vlm_align", "align", lr=2e-3, max_steps=600, seq_len=64, batch=32, align_lm=True)
 
 
 def vlm_interleave() -> TrainConfig:

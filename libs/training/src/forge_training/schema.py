@@ -241,17 +241,26 @@ class VlmConfig:
     (``captions/``, ``documents/``, ``chats/`` shards, ``text.txt``, ``eval/val/``)."""
     world_seed: int = 0
     image_size: int = 32
-    patch_size: int = 16
-    """One patch per cell of the world's 2 x 2 grid: a 4-token image (see ``load/vlm/README.md``)."""
+    patch_size: int = 8
+    """8-pixel patches: a 16-token image, each object of the world's 2 x 2 grid over 4 patches,
+    so a patch sees an object's corner or edge, which tells the shapes apart (see
+    ``load/vlm/README.md``; with one 16-pixel patch per cell no model read the shape)."""
     vision_hidden_size: int = 64
     vision_layers: int = 2
     vision_heads: int = 2
     text_replay: float = 0.2
     """``interleave``: share of text-only sequences in a batch (``joint``: of its mixture)."""
+    caption_replay: float = 0.0
+    """``interleave``: share of stage 1's caption samples in a batch (the documents get the rest
+    after ``text_replay``), so that the stage keeps what the alignment learnt."""
     joint_weights: str = "captions:1,documents:1,chats:2"
     """``joint``: sampling weights of the image sources (text gets ``text_replay``)."""
     from_scratch: bool = False
     """``joint``: initialise every weight afresh (the parent gives only the tokenizer and shape)."""
+    align_lm: bool = False
+    """``align``: the language model trains too, at the stage's rate (off: only the projector,
+    LLaVA's stage 1). A small LM that has only read text does not learn to read a frozen
+    projector's soft tokens, so the curriculum's caption stage aligns both."""
     train_vision: bool = False
     """Whether the vision tower trains (``interleave``, ``instruct``, ``joint``; ``align`` trains
     only the projector). Off: the tower stays as the parent (or the fresh init) made it, as

@@ -264,6 +264,10 @@ def _validate_vlm(config: TrainConfig) -> None:
         )
     if not 0.0 <= v.text_replay < 1.0:
         raise RecipeError(f"vlm.text_replay: must be in [0, 1), got {v.text_replay}")
+    if not 0.0 <= v.caption_replay < 1.0 - v.text_replay:
+        raise RecipeError(
+            f"vlm.caption_replay: must be in [0, 1 - text_replay), got {v.caption_replay} with text_replay {v.text_replay}"
+        )
     if v.stage == "interleave" and v.text_replay <= 0:
         raise RecipeError("vlm.text_replay: the interleave stage mixes text-only replay; must be > 0")
     if v.from_scratch and v.stage != "joint":

@@ -18,7 +18,9 @@ templates (see ``load/vlm/README.md``).
 
 ``DIR/summary.json``: ``curriculum`` and ``joint`` (``vqa_accuracy``, ``ci95``,
 ``caption_metric``, ``train_s``, ...), ``text_only_accuracy``, ``curriculum_vs_joint``
-(``delta``, paired ``ci95``, ``p_value``), ``targets`` and the run details.
+(``delta``, paired ``ci95``, ``p_value``), ``targets`` and the run details. With ``--seeds``
+(e.g. ``0,1,2``) steps 2-4 run once per training seed and each arm's per-item scores are
+averaged over the seeds before the comparison; every seed's own figures are in ``per_seed``.
 """
 
 from __future__ import annotations
@@ -27,13 +29,14 @@ import json
 import math
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
 from forge_kit.objectstore import ObjectStore
-from forge_kit.stats import paired_compare
+from forge_kit.stats import paired_compare, wilson_interval
 from forge_training import recipes
 from forge_training.objectives.vlm import stage_sources, world_folder
 from forge_training.train import RunContext, TrainResult, train
@@ -133,10 +136,43 @@ def _arm(scored: dict[str, Scored], train_s: float, tokens: float, steps: dict[s
     }
 
 
-def benchmark(
-    out: Path, scale: float = 1.0, seed: int = 0, eval_limit: int = 0, echo: Any = print
-) -> dict[str, Any]:
-    work, cache = out / "work", out / "cache"
+def _paired(joint: list[float], curriculum: list[float], seed: int) -> dict[str, Any]:
+    paired = paired_compare(joint, curriculum, seed=seed)
+    return {
+        "delta": paired.delta,
+        "ci95": [paired.ci_low, paired.ci_high],
+        "p_value": paired.p_value,
+        "test": paired.test,
+        "n": paired.n,
+    }
+
+
+@dataclass
+class SeedRun:
+    """One training seed's two arms: their scored evaluations and summaries."""
+
+    seed: int
+    scored: dict[str, dict[str, Scored]]
+    arms: dict[str, dict[str, Any]]
+    runs: dict[str, dict[str, float]]
+    eval_s: float
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "seed": self.seed,
+            **self.arms,
+            "curriculum_vs_joint": _paired(
+                self.scored["joint"]["vqa"].scores, self.scored["curriculum"]["vqa"].scores, self.seed
+            ),
+            "runs": self.runs,
+        }
+
+
+def train_seed(
+    work: Path, cache: Path, scale: float, seed: int, eval_limit: int, echo: Any = print
+) -> SeedRun:
+    """Both arms trained with training seed ``seed`` (runs in ``work``, the world in ``cache``)
+    and evaluated."""
     lm_name = "vlm_world_lm"
     world_cfg = recipes.build("vlm_align").vlm
     folder = world_folder(world_cfg, cache)
@@ -149,7 +185,7 @@ def benchmark(
         work,
         cache,
     )
-    echo(f"{lm_name}: {lm.step} steps in {lm_s:.0f}s, val_loss {lm.val_loss:.3f}")
+    echo(f"seed {seed}: {lm_name}: {lm.step} steps in {lm_s:.0f}s, val_loss {lm.val_loss:.3f}")
     parent, curriculum_s, curriculum_tokens = str(lm.export_dir), lm_s, _tokens(lm)
     results: dict[str, dict[str, float]] = {lm_name: {"wall_s": lm_s, **lm.eval_metrics}}
     for name in STAGES:
@@ -161,7 +197,7 @@ def benchmark(
             "optim.warmup_steps": min(20, steps[name] // 4),
         }
         result, wall = _run(name, stage_over, work, cache)
-        echo(f"{name}: {result.step} steps in {wall:.0f}s, {result.eval_metrics}")
+        echo(f"seed {seed}: {name}: {result.step} steps in {wall:.0f}s, {result.eval_metrics}")
         parent, curriculum_s, curriculum_tokens = (
             str(result.export_dir),
             curriculum_s + wall,
@@ -170,7 +206,6 @@ def benchmark(
         results[name] = {"wall_s": wall, **result.eval_metrics}
     curriculum = load_vlm(Path(parent))
     joint_steps = math.ceil(curriculum_tokens / mean_tokens_per_step("vlm_joint", curriculum, folder))
-    steps_joint = {"vlm_joint": joint_steps}
     joint_over = {
         "init.parent": str(lm.export_dir),
         "seed": seed,
@@ -178,61 +213,124 @@ def benchmark(
         "optim.warmup_steps": min(20, joint_steps // 4),
     }
     joint_result, joint_s = _run("vlm_joint", joint_over, work, cache)
-    echo(f"vlm_joint: {joint_result.step} steps in {joint_s:.0f}s, {joint_result.eval_metrics}")
+    echo(f"seed {seed}: vlm_joint: {joint_result.step} steps in {joint_s:.0f}s, {joint_result.eval_metrics}")
     results["vlm_joint"] = {"wall_s": joint_s, **joint_result.eval_metrics}
     assert joint_result.export_dir is not None
     joint = load_vlm(joint_result.export_dir)
     seq_len = recipes.build("vlm_instruct").data.seq_len
     eval_start = time.perf_counter()
-    scored_c = evaluate_model(curriculum, folder, seq_len, eval_limit)
-    scored_j = evaluate_model(joint, folder, seq_len, eval_limit)
-    eval_s = time.perf_counter() - eval_start
-    arm_c = _arm(scored_c, curriculum_s, curriculum_tokens, steps)
-    arm_j = _arm(scored_j, joint_s, _tokens(joint_result), steps_joint)
-    paired = paired_compare(scored_j["vqa"].scores, scored_c["vqa"].scores, seed=seed)
+    scored = {
+        "curriculum": evaluate_model(curriculum, folder, seq_len, eval_limit),
+        "joint": evaluate_model(joint, folder, seq_len, eval_limit),
+    }
+    arms = {
+        "curriculum": _arm(scored["curriculum"], curriculum_s, curriculum_tokens, steps),
+        "joint": _arm(scored["joint"], joint_s, _tokens(joint_result), {"vlm_joint": joint_steps}),
+    }
+    return SeedRun(seed, scored, arms, results, time.perf_counter() - eval_start)
+
+
+def _mean_arm(name: str, seeds: list[SeedRun]) -> dict[str, Any]:
+    """One arm over the seeds: accuracy of the per-item mean score (its Wilson interval over the
+    items, with fractional successes), mean BLEU-4 and text-only accuracy, summed time and tokens."""
+    per_item = _item_means([s.scored[name]["vqa"].scores for s in seeds])
+    hits, n = sum(per_item), len(per_item)
+    first = seeds[0].arms[name]
+    return {
+        **first,
+        "vqa_accuracy": hits / n if n else math.nan,
+        "ci95": list(wilson_interval(hits, n)),
+        "caption_metric": _mean([s.arms[name]["caption_metric"] for s in seeds]),
+        "train_s": sum(s.arms[name]["train_s"] for s in seeds),
+        "train_tokens": sum(s.arms[name]["train_tokens"] for s in seeds),
+        "steps": {str(s.seed): s.arms[name]["steps"] for s in seeds} if len(seeds) > 1 else first["steps"],
+        "vqa_by_type": metrics.accuracy_by(seeds[0].scored[name]["vqa"].groups, per_item),
+        "text_only_accuracy": _mean([s.arms[name]["text_only_accuracy"] for s in seeds]),
+    }
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def _item_means(scores: list[list[float]]) -> list[float]:
+    """Per item, the mean of its scores across seeds (the same items in the same order)."""
+    return [_mean(list(item)) for item in zip(*scores, strict=True)]
+
+
+def benchmark(
+    out: Path, scale: float = 1.0, seeds: tuple[int, ...] = (0,), eval_limit: int = 0, echo: Any = print
+) -> dict[str, Any]:
+    """Train and score both arms for each training seed (one seed: runs in ``out/work``; several:
+    ``out/seed-N/work`` and that seed's own ``out/seed-N/summary.json``, the world shared in
+    ``out/cache``) and summarise them: with several
+    seeds each arm's item scores are averaged over the seeds before the paired comparison (the
+    bootstrap resamples items; the seeds' spread is in ``per_seed``)."""
+    runs = []
+    for seed in seeds:
+        work = out / "work" if len(seeds) == 1 else out / f"seed-{seed}" / "work"
+        runs.append(train_seed(work, out / "cache", scale, seed, eval_limit, echo))
+        if len(seeds) > 1:  # each seed's own summary as soon as it is done
+            (work.parent / "summary.json").write_text(
+                json.dumps(summarise(runs[-1:], scale), indent=2) + "\n"
+            )
+    return summarise(runs, scale)
+
+
+def summarise(runs: list[SeedRun], scale: float = 1.0) -> dict[str, Any]:
+    """``summary.json`` of one or more seeds' runs (see :func:`benchmark`)."""
+    seeds = [r.seed for r in runs]
+    arm_c, arm_j = _mean_arm("curriculum", runs), _mean_arm("joint", runs)
+    curriculum_vs_joint = _paired(
+        _item_means([r.scored["joint"]["vqa"].scores for r in runs]),
+        _item_means([r.scored["curriculum"]["vqa"].scores for r in runs]),
+        seeds[0],
+    )
     text_only = max(arm_c["text_only_accuracy"], arm_j["text_only_accuracy"])
-    summary: dict[str, Any] = {
+    return {
         "curriculum": arm_c,
         "joint": arm_j,
         "text_only_accuracy": text_only,
-        "curriculum_vs_joint": {
-            "delta": paired.delta,
-            "ci95": [paired.ci_low, paired.ci_high],
-            "p_value": paired.p_value,
-            "test": paired.test,
-            "n": paired.n,
-        },
+        "curriculum_vs_joint": curriculum_vs_joint,
         "targets": {
-            "curriculum_beats_joint": paired.ci_low > 0,
+            "curriculum_beats_joint": curriculum_vs_joint["ci95"][0] > 0,
             "both_beat_text_only_by_20_points": min(arm_c["vqa_accuracy"], arm_j["vqa_accuracy"]) - text_only
             >= 0.20,
         },
         "compute": {
             "unit": "real tokens processed (text + image positions), frozen stages counted in full",
-            "curriculum_tokens": curriculum_tokens,
-            "joint_tokens": _tokens(joint_result),
+            "curriculum_tokens": arm_c["train_tokens"],
+            "joint_tokens": arm_j["train_tokens"],
         },
-        "runs": results,
-        "eval_s": eval_s,
-        "eval_items": len(scored_c["vqa"].scores),
+        "per_seed": [r.summary() for r in runs] if len(runs) > 1 else [],
+        "runs": runs[0].runs if len(runs) == 1 else {str(r.seed): r.runs for r in runs},
+        "eval_s": sum(r.eval_s for r in runs),
+        "eval_items": len(runs[0].scored["curriculum"]["vqa"].scores),
         "scale": scale,
-        "seed": seed,
+        "seed": seeds[0],
+        "seeds": list(seeds),
         "load_average": list(os.getloadavg()),
         "cpus": os.cpu_count(),
     }
-    return summary
 
 
 def vlm(
     out: Annotated[Path, typer.Option("--out", help="Folder for summary.json, the runs and the world")],
     scale: Annotated[float, typer.Option(help="Multiply every recipe's max_steps (1: the benchmark)")] = 1.0,
     seed: Annotated[int, typer.Option(help="Training seed of every run")] = 0,
+    seeds: Annotated[
+        str,
+        typer.Option(
+            help="Several training seeds, comma-separated (e.g. 0,1,2): each arm averaged over them"
+        ),
+    ] = "",
     eval_limit: Annotated[int, typer.Option(help="Score only the first N evaluation items (0: all)")] = 0,
 ) -> None:
     """Curriculum (LM -> align -> interleave -> instruct) against joint training at equal compute."""
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    summary = benchmark(out, scale, seed, eval_limit, echo=typer.echo)
+    chosen = tuple(int(x) for x in seeds.split(",") if x.strip()) if seeds else (seed,)
+    summary = benchmark(out, scale, chosen, eval_limit, echo=typer.echo)
     summary["total_s"] = time.perf_counter() - started
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     keys = ("vqa_accuracy", "ci95", "caption_metric", "train_s")

@@ -3,8 +3,8 @@
 
 | stage | parent | data | trains |
 |---|---|---|---|
-| ``align`` | causal LM | captions | the projector (vision tower and LM frozen) |
-| ``interleave`` | VLM | interleaved documents + ``text_replay`` text-only windows | projector + LM |
+| ``align`` | causal LM | captions | the projector (vision tower and LM frozen); with ``vlm.align_lm`` the LM too |
+| ``interleave`` | VLM | interleaved documents + ``text_replay`` text-only windows (+ ``caption_replay`` captions) | projector + LM |
 | ``instruct`` | VLM | VQA and caption chats (loss on the reply) | projector + LM |
 | ``joint`` | causal LM (``from_scratch``: tokenizer and shape only) | all of the above mixed | projector + LM |
 
@@ -78,7 +78,8 @@ def stage_sources(v: VlmConfig) -> dict[str, float]:
     if v.stage == "align":
         return {"captions": 1.0}
     if v.stage == "interleave":
-        return {"documents": 1.0 - v.text_replay, TEXT: v.text_replay}
+        out = {"documents": 1.0 - v.text_replay - v.caption_replay, TEXT: v.text_replay}
+        return {**out, "captions": v.caption_replay} if v.caption_replay > 0 else out
     if v.stage == "instruct":
         return {"chats": 1.0}
     weights: dict[str, float] = {}
@@ -157,7 +158,7 @@ class VisionLanguage(Objective):
         text.max_position_embeddings = max(text.max_position_embeddings, config.data.seq_len)
         model.train()
         for name, p in model.named_parameters():
-            if v.stage == "align":
+            if v.stage == "align" and not v.align_lm:
                 p.requires_grad = "multi_modal_projector" in name
             elif name.startswith("model.vision_tower."):
                 p.requires_grad = v.train_vision

@@ -5,7 +5,7 @@ Contract with serving (model server, gateway, eval service) — what an exported
 - **Model**: transformers' ``LlavaForConditionalGeneration`` (``config.json``: ``model_type:
   "llava"``, ``architectures: ["LlavaForConditionalGeneration"]``): a ``CLIPVisionModel`` tower
   (``vision_config``, ``clip_vision_model``: patch embedding + ViT; the recipes' ``image_size``
-  32 and ``patch_size`` 16, one patch per cell of the synthetic world's 2 x 2 grid), the
+  32 and ``patch_size`` 8, 16 patches, 4 per cell of the synthetic world's 2 x 2 grid), the
   two-layer GELU MLP ``multi_modal_projector``, and a Llama text model (``text_config``,
   ``llama``, ``architectures: ["LlamaForCausalLM"]``) initialised from a Forge causal-LM parent. Features are the last
   encoder layer's (``vision_feature_layer: -1``, before ``post_layernorm``) with CLS dropped

@@ -104,7 +104,7 @@ def sincos_positions(grid: int, dim: int) -> torch.Tensor:
     """The fixed 2-D sin-cos position table of ViT/MAE for a ``grid`` x ``grid`` patch grid,
     ``[grid * grid, dim]`` in raster order (half the channels encode the row, half the column; each
     half sin and cos of ``position * pi * 10000^(-k/F)``). Coordinates are in units of pi so that the
-    cells of a small grid (2 x 2 here) differ in the fastest channels by a vector of about the norm
+    cells of a small grid (4 x 4 here) differ in the fastest channels by a vector of about the norm
     of a patch embedding; with MAE's integer coordinates they would barely differ."""
     if dim % 4:
         raise ValueError(f"the vision hidden size must be a multiple of 4 for 2-D sin-cos, got {dim}")
