@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
-import pytest
+from pathlib import Path
+from typing import Any
 
+import pytest
+from typer.testing import CliRunner
+
+from forge_training import vlm_bench
+from forge_training.bench import app
 from forge_training.vlm.evaluate import Scored
 from forge_training.vlm_bench import SeedRun, _arm, summarise
 
@@ -59,3 +65,21 @@ def test_several_seeds_average_each_item_before_the_paired_comparison() -> None:
     assert s["per_seed"][0]["joint"]["vqa_accuracy"] == 0.5
     low, high = s["curriculum"]["ci95"]
     assert low < 7 / 8 < high
+
+
+def test_the_cli_trains_three_seeds_unless_told_one(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    asked: list[tuple[int, ...]] = []
+
+    def record(out: Path, scale: float, seeds: tuple[int, ...], eval_limit: int, echo: Any) -> dict[str, Any]:
+        asked.append(seeds)
+        return summarise(
+            [_seed(s, ["red", "circle", "two", "top left"], ["red", "x", "two", "x"]) for s in seeds]
+        )
+
+    monkeypatch.setattr(vlm_bench, "benchmark", record)
+    runner = CliRunner()
+    for args, seeds in (([], (0, 1, 2)), (["--seed", "4"], (4,)), (["--seeds", "5,6"], (5, 6))):
+        result = runner.invoke(app, ["vlm", "--out", str(tmp_path / "out"), *args])
+        assert result.exit_code == 0, result.output
+        assert asked[-1] == seeds
+    assert runner.invoke(app, ["vlm", "--out", str(tmp_path / "out"), "--seeds", ","]).exit_code != 0
