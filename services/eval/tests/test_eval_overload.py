@@ -173,10 +173,10 @@ def test_a_bad_request_fails_the_run_at_once(server: tuple[str, Queue], tmp_path
 
 
 def test_default_settings_complete_against_the_real_model_server(tmp_path: Path) -> None:
-    """The platform's own ``forge_model_server`` (a tiny checkpoint), its waiting queue cut to
-    four prompts: the default 64 requests of 16 prompts overrun it, and the run still scores every
-    item. (Whether a batch also has to be halved depends on how fast the server drains its queue
-    at that moment; the halving itself is held by the scripted-queue tests above.)"""
+    """The platform's own ``forge_model_server`` (a tiny checkpoint), its batch cut to four
+    sequences and its waiting queue to four prompts: a request of the default 16 prompts cannot be
+    admitted even alone (at most eight fit), so the server says "slow down" whatever the machine's
+    speed, and the run still scores every item."""
     from tiny_checkpoint import make_tiny_checkpoint
 
     from forge_kit.testing import ServiceProcess
@@ -203,6 +203,7 @@ def test_default_settings_complete_against_the_real_model_server(tmp_path: Path)
             "FORGE_MODEL_SERVER_KAFKA_ENABLED": "false",
             "FORGE_MODEL_SERVER_TORCH_THREADS": "1",
             "FORGE_MODEL_SERVER_MAX_WAITING_REQUESTS": "4",
+            "FORGE_MODEL_SERVER_MAX_NUM_SEQS": "4",
         },
         cwd=str(tmp_path),
         log_path=str(tmp_path / "model_server.log"),
