@@ -256,11 +256,19 @@ def _flaky_binder(tmp_path: Path, failure: str) -> supervisor.Component:
     )  # fmt: skip
 
 
-def test_a_service_whose_port_was_taken_at_bind_is_started_again(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "failure",
+    [
+        "RuntimeError: Failed to bind to address 127.0.0.1:50054",
+        # Temporal's dev server, when a free port it picked for an internal service was taken
+        "panic: failed assigning ephemeral port: listen tcp 127.0.0.1:41235: bind: address in use",
+    ],
+)
+def test_a_service_whose_port_was_taken_at_bind_is_started_again(tmp_path: Path, failure: str) -> None:
     """Forge's ports lie in Linux's ephemeral range: another process's outgoing connection can
     hold one at the moment a service binds. That start is retried; any other exit is not."""
     paths = supervisor.Paths(tmp_path)
-    binder = _flaky_binder(tmp_path, "RuntimeError: Failed to bind to address 127.0.0.1:50054")
+    binder = _flaky_binder(tmp_path, failure)
     (started,) = asyncio.run(local.bring_up([binder], paths, timeout_s=30))
     try:
         assert supervisor.is_running(started.pid, "forge_binder_test")

@@ -254,8 +254,10 @@ class Started:
 #: What a server's log says when another socket held its port at the moment it bound (lower case).
 #: The platform's default ports (50051-50059, 8050-8059) lie inside Linux's ephemeral range
 #: (32768-60999), so any process's outgoing connection — Temporal's dev server opens dozens at
-#: start — can hold one for a while; seen once in a `make up` right after a test run.
-BIND_FAILURES = ("failed to bind to address", "address already in use")
+#: start — can hold one for a while; seen once in a `make up` right after a test run. Temporal's
+#: dev server also picks free ports for its internal services and panics with "failed assigning
+#: ephemeral port" when one was taken before it bound it (seen with test folders side by side).
+BIND_FAILURES = ("failed to bind to address", "address already in use", "failed assigning ephemeral port")
 BIND_RETRY_S = 2.0
 
 

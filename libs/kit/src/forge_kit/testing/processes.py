@@ -260,9 +260,21 @@ class TemporalDevServer(_Process):
         if self.db_file:
             Path(self.db_file).parent.mkdir(parents=True, exist_ok=True)
             argv += ["--db-filename", self.db_file]
-        self._spawn(argv)
-        assert self.proc is not None
-        wait_for_port(self.port, timeout_s, self.proc)
+        # The dev server picks free ports for its internal services and exits when another
+        # process took one before it bound it: start it again (its own ports are ours).
+        for attempt in range(3):
+            self._spawn(argv)
+            assert self.proc is not None
+            try:
+                wait_for_port(self.port, timeout_s, self.proc)
+                return self
+            except RuntimeError:
+                if attempt == 2:
+                    raise
+                if self._log is not None:
+                    self._log.close()
+                    self._log = None
+                time.sleep(1.0)
         return self
 
 
