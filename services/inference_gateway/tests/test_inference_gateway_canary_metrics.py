@@ -148,5 +148,8 @@ async def test_shadow_mode_mirrors_without_serving_and_keeps_the_pairs(
         assert [b["model"] for b in candidate.bodies] == ["tiny:42"] * 4
         reply = await client.get("/admin/v1/shadow/pairs?limit=0", headers=admin_headers)
         assert reply.status_code == 400 and reply.json()["error"]["param"] == "limit"
+        for after_id in (-1, 2**63):  # beyond the 64-bit id column: a clear 400, not a 500
+            reply = await client.get(f"/admin/v1/shadow/pairs?after_id={after_id}", headers=admin_headers)
+            assert reply.status_code == 400 and reply.json()["error"]["param"] == "after_id"
         reply = await client.delete("/admin/v1/aliases/forge-chat/shadow", headers=admin_headers)
         assert reply.status_code == 200 and reply.json()["shadow"] is None

@@ -147,8 +147,8 @@ class Shadows:
 
     async def pairs(self, alias: str, after_id: int, limit: int) -> list[dict[str, Any]]:
         """Stored pairs after ``after_id``, oldest first (``alias`` empty: every alias's)."""
-        if after_id < 0:
-            raise errors.ValidationError("after_id", "must be >= 0")
+        if not 0 <= after_id < 2**63:  # the id column is a 64-bit integer
+            raise errors.ValidationError("after_id", "must be >= 0 and < 2**63")
         if not 1 <= limit <= MAX_PAGE:
             raise errors.ValidationError("limit", f"must be 1-{MAX_PAGE}")
         query = sa.select(ShadowPairRow).where(ShadowPairRow.id > after_id)
