@@ -7,6 +7,7 @@ import math
 import numpy as np
 import pytest
 
+from forge_kit import stats
 from forge_kit.stats import Z95, percentile, wilson_interval
 
 
@@ -62,3 +63,18 @@ def test_percentile_rejects_a_fraction_for_a_percent() -> None:
         percentile([1.0], 101)
     with pytest.raises(ValueError, match="between 0 and 100"):
         percentile([1.0], -0.5)
+
+
+def test_item_means_average_each_example_over_runs_and_paired_summary_names_the_figures() -> None:
+    assert stats.item_means([[1.0, 0.0, 1.0], [0.0, 0.0, 1.0]]) == [0.5, 0.0, 1.0]
+    with pytest.raises(ValueError):
+        stats.item_means([[1.0, 0.0], [1.0]])
+    result = stats.paired_compare([0.0, 1.0, 0.0, 0.0], [1.0, 1.0, 1.0, 0.0], seed=0)
+    summary = result.summary()
+    assert summary == {
+        "delta": result.delta,
+        "ci95": [result.ci_low, result.ci_high],
+        "p_value": result.p_value,
+        "test": "mcnemar",
+        "n": 4,
+    }

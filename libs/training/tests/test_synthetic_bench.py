@@ -6,12 +6,12 @@ from __future__ import annotations
 import subprocess
 import sys
 
+from forge_kit.stats import item_means
 from forge_training.synthetic.bench import (
     _accuracy,
     _band_vs_unfiltered,
     default_tasks_dir,
     equal_token_rows,
-    seed_means,
 )
 
 
@@ -43,7 +43,7 @@ def test_bench_module_runs_the_synthetic_command() -> None:
 
 def test_scores_over_fine_tuning_seeds_are_averaged_per_problem() -> None:
     runs = [[1.0, 0.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]]
-    means = seed_means(runs)
+    means = item_means(runs)
     assert means == [1.0, 1 / 3, 1 / 3, 0.0]
     one = _accuracy(runs[0])
     assert one["interval"] == "wilson" and one["accuracy"] == 0.5 and one["n"] == 4

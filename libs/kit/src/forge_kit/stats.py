@@ -13,6 +13,7 @@ import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -44,6 +45,17 @@ class PairedResult:
     p_value: float
     n: int
     test: str
+
+    def summary(self) -> dict[str, Any]:
+        """The figures a benchmark's summary.json reports: ``delta``, ``ci95``, ``p_value``,
+        ``test``, ``n``."""
+        return {
+            "delta": self.delta,
+            "ci95": [self.ci_low, self.ci_high],
+            "p_value": self.p_value,
+            "test": self.test,
+            "n": self.n,
+        }
 
 
 def _bootstrap_means(values: np.ndarray, resamples: int, seed: int) -> np.ndarray:
@@ -121,6 +133,12 @@ def standard_error(scores: Sequence[float]) -> float:
     if len(values) < 2:
         return 0.0
     return float(values.std(ddof=1) / math.sqrt(len(values)))
+
+
+def item_means(runs: Sequence[Sequence[float]]) -> list[float]:
+    """Each example's score averaged over several runs (``runs[j][i]``: run j, example i; the same
+    examples in the same order), e.g. one model trained with several seeds."""
+    return [sum(scores) / len(scores) for scores in zip(*runs, strict=True)]
 
 
 def paired_compare(

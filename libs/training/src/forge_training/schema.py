@@ -262,8 +262,8 @@ class VlmConfig:
     LLaVA's stage 1). A small LM that has only read text does not learn to read a frozen
     projector's soft tokens, so the curriculum's caption stage aligns both."""
     train_vision: bool = False
-    """Whether the vision tower trains (``interleave``, ``instruct``, ``joint``; ``align`` trains
-    only the projector). Off: the tower stays as the parent (or the fresh init) made it, as
+    """Whether the vision tower trains (``interleave``, ``instruct``, ``joint``; ``align`` never
+    trains it). Off: the tower stays as the parent (or the fresh init) made it, as
     LLaVA keeps its CLIP encoder frozen in every stage; trained at the LM's learning rate, this
     small tower lost most of the colour and shape content of its patches."""
     eval_items: int = 64

@@ -37,7 +37,7 @@ from typing import Annotated, Any
 import typer
 
 from forge_kit.objectstore import ObjectStore
-from forge_kit.stats import paired_compare, wilson_interval
+from forge_kit.stats import item_means, paired_compare, wilson_interval
 from forge_training import recipes
 from forge_training.objectives.vlm import stage_sources, world_folder
 from forge_training.train import RunContext, TrainResult, train
@@ -137,17 +137,6 @@ def _arm(scored: dict[str, Scored], train_s: float, tokens: float, steps: dict[s
     }
 
 
-def _paired(joint: list[float], curriculum: list[float], seed: int) -> dict[str, Any]:
-    paired = paired_compare(joint, curriculum, seed=seed)
-    return {
-        "delta": paired.delta,
-        "ci95": [paired.ci_low, paired.ci_high],
-        "p_value": paired.p_value,
-        "test": paired.test,
-        "n": paired.n,
-    }
-
-
 @dataclass
 class SeedRun:
     """One training seed's two arms: their scored evaluations and summaries."""
@@ -162,9 +151,9 @@ class SeedRun:
         return {
             "seed": self.seed,
             **self.arms,
-            "curriculum_vs_joint": _paired(
-                self.scored["joint"]["vqa"].scores, self.scored["curriculum"]["vqa"].scores, self.seed
-            ),
+            "curriculum_vs_joint": paired_compare(
+                self.scored["joint"]["vqa"].scores, self.scored["curriculum"]["vqa"].scores, seed=self.seed
+            ).summary(),
             "runs": self.runs,
         }
 
@@ -234,7 +223,7 @@ def train_seed(
 def _mean_arm(name: str, seeds: list[SeedRun]) -> dict[str, Any]:
     """One arm over the seeds: accuracy of the per-item mean score (its Wilson interval over the
     items, with fractional successes), mean BLEU-4 and text-only accuracy, summed time and tokens."""
-    per_item = _item_means([s.scored[name]["vqa"].scores for s in seeds])
+    per_item = item_means([s.scored[name]["vqa"].scores for s in seeds])
     hits, n = sum(per_item), len(per_item)
     first = seeds[0].arms[name]
     return {
@@ -252,11 +241,6 @@ def _mean_arm(name: str, seeds: list[SeedRun]) -> dict[str, Any]:
 
 def _mean(values: list[float]) -> float:
     return sum(values) / len(values)
-
-
-def _item_means(scores: list[list[float]]) -> list[float]:
-    """Per item, the mean of its scores across seeds (the same items in the same order)."""
-    return [_mean(list(item)) for item in zip(*scores, strict=True)]
 
 
 def benchmark(
@@ -282,11 +266,11 @@ def summarise(runs: list[SeedRun], scale: float = 1.0) -> dict[str, Any]:
     """``summary.json`` of one or more seeds' runs (see :func:`benchmark`)."""
     seeds = [r.seed for r in runs]
     arm_c, arm_j = _mean_arm("curriculum", runs), _mean_arm("joint", runs)
-    curriculum_vs_joint = _paired(
-        _item_means([r.scored["joint"]["vqa"].scores for r in runs]),
-        _item_means([r.scored["curriculum"]["vqa"].scores for r in runs]),
-        seeds[0],
-    )
+    curriculum_vs_joint = paired_compare(
+        item_means([r.scored["joint"]["vqa"].scores for r in runs]),
+        item_means([r.scored["curriculum"]["vqa"].scores for r in runs]),
+        seed=seeds[0],
+    ).summary()
     text_only = max(arm_c["text_only_accuracy"], arm_j["text_only_accuracy"])
     return {
         "curriculum": arm_c,

@@ -42,7 +42,7 @@ from tokenizers import Tokenizer
 
 from forge_kit.objectstore import ObjectStore
 from forge_kit.paths import data_dir
-from forge_kit.stats import mean_estimate, paired_compare, wilson_interval
+from forge_kit.stats import item_means, mean_estimate, paired_compare, wilson_interval
 from forge_training import recipes
 from forge_training.synthetic import dataset, dedup, difficulty
 from forge_training.synthetic.problems import (
@@ -190,11 +190,6 @@ def _accuracy(scores: list[float], seed: int = 0) -> dict[str, Any]:
     }
 
 
-def seed_means(per_seed: list[list[float]]) -> list[float]:
-    """Each problem's score averaged over the fine-tuning seeds (``per_seed[j][i]``: seed j, problem i)."""
-    return [sum(col) / len(col) for col in zip(*per_seed, strict=True)]
-
-
 def _wrong_kept(items: list[Verified]) -> int:
     """Kept problems whose verified answer differs from the teacher's own (verifier errors)."""
     wrong = 0
@@ -206,11 +201,7 @@ def _wrong_kept(items: list[Verified]) -> int:
 
 def _band_vs_unfiltered(scores: dict[str, list[float]], seed: int) -> dict[str, Any]:
     """The band's per-problem scores against unfiltered's on the same problems, paired."""
-    paired = paired_compare(scores["unfiltered"], scores["band"], seed=seed)
-    return {
-        "delta": paired.delta, "ci95": [paired.ci_low, paired.ci_high], "p_value": paired.p_value,
-        "test": paired.test, "n": paired.n,
-    }  # fmt: skip
+    return paired_compare(scores["unfiltered"], scores["band"], seed=seed).summary()
 
 
 def run_bench(
@@ -336,8 +327,8 @@ def run_bench(
                 "seed": sft_seed, "accuracy": sum(held_runs[-1]) / len(held), "dev_accuracy":
                 sum(dev_runs[-1]) / len(dev), "train": figures,
             })  # fmt: skip
-        scores[name] = seed_means(held_runs)
-        dev_scores[name] = seed_means(dev_runs)
+        scores[name] = item_means(held_runs)
+        dev_scores[name] = item_means(dev_runs)
         subsets[name] = {
             **entry, "steps": steps, **_accuracy(scores[name], cfg.seed),
             "dev": _accuracy(dev_scores[name], cfg.seed), "train": per_seed[0]["train"], "seeds": per_seed,
