@@ -20,7 +20,9 @@ def all_reduce(
     ``shared`` when given (ranks on one host)."""
     if world_size == 1:
         return list(values)
-    t = torch.tensor(values, dtype=torch.float64)
+    # NCCL reduces GPU tensors only: on GPU ranks the figures travel on the rank's current device.
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    t = torch.tensor(values, dtype=torch.float64, device=device)
     if shared is not None and op == "sum":
         return [float(v) for v in shared.all_reduce_(t).tolist()]
     dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)

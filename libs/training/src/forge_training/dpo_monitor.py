@@ -76,21 +76,23 @@ class DpoMonitor:
 
     @torch.no_grad()
     def _sample(self, policy: PreTrainedModel, prompt: list[int], index: int) -> list[int]:
+        # Sampled on the CPU whatever the policy's device: the same draws on a GPU and a CPU.
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
-        ids = torch.tensor([prompt])
+        device = next(policy.parameters()).device
+        ids = torch.tensor([prompt], device=device)
         response: list[int] = []
         for _ in range(self.max_new_tokens):
-            logits = policy(input_ids=ids, use_cache=False).logits[0, -1].float()
+            logits = policy(input_ids=ids, use_cache=False).logits[0, -1].float().cpu()
             token = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=generator))
             response.append(token)
             if token == self.eos_id:
                 break
-            ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
+            ids = torch.cat([ids, torch.tensor([[token]], device=device)], dim=1)
         return response
 
     @torch.no_grad()
     def _kl(self, policy: PreTrainedModel, prompt: list[int], response: list[int]) -> float:
-        ids = torch.tensor([prompt + response])
+        ids = torch.tensor([prompt + response], device=next(policy.parameters()).device)
         start = len(prompt) - 1
         p = torch.log_softmax(policy(input_ids=ids, use_cache=False).logits[0, start:-1].float(), -1)
         q = torch.log_softmax(self.reference(input_ids=ids, use_cache=False).logits[0, start:-1].float(), -1)
@@ -105,7 +107,8 @@ class DpoMonitor:
         for index, prompt in enumerate(self.prompts):
             response = self._sample(policy, prompt, index)
             kls.append(self._kl(policy, prompt, response))
-            score = self.reward(input_ids=torch.tensor([prompt + response])).logits
+            reward_ids = torch.tensor([prompt + response], device=next(self.reward.parameters()).device)
+            score = self.reward(input_ids=reward_ids).logits
             rewards.append(float(score.reshape(-1)[0]))
         if was_training:
             policy.train()

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -51,6 +52,7 @@ def _worker(rank: int, world_size: int, port: int, jobs: list[tuple[dict[str, An
         for config, run in jobs:
             ctx = RunContext(
                 run_id=run["run_id"],
+                device=torch.device("cpu"),  # a gloo group of CPU processes
                 run_dir=Path(run["run_dir"]),
                 store=ObjectStore(run["objects"]),
                 cache_dir=Path(run["cache_dir"]),

@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
@@ -44,16 +45,21 @@ _GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)
 _SCATTER = StateDictOptions(full_state_dict=True)
 
 
-def shard(model: PreTrainedModel, parallelism: str, world_size: int) -> bool:
+def shard(
+    model: PreTrainedModel, parallelism: str, world_size: int, device: torch.device | None = None
+) -> bool:
     """Apply ``fully_shard`` to every transformer block (a decoder's ``layers``, an encoder's
     ``encoder.layer``) and then the root when ``parallelism`` is ``fsdp`` on several ranks (in
-    place: the model's class becomes ``FSDP<class>``); whether it did. Call before the optimizer
-    is built: it must hold the sharded parameters."""
+    place: the model's class becomes ``FSDP<class>``); whether it did. The mesh is one dimension
+    over the ranks on ``device``'s type (default: the CPU), and ``fully_shard`` moves each rank's
+    shards there, so a GPU rank never holds more than its shards on the GPU. Call before the
+    optimizer is built: it must hold the sharded parameters."""
     if parallelism != "fsdp" or world_size == 1:
         return False
+    mesh = init_device_mesh((device or torch.device("cpu")).type, (world_size,))
     for layer in transformer_blocks(model):
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return True
 
 
@@ -80,7 +86,8 @@ def replicate(
     through it (CPU ranks on one host) instead of the backend; the averaged gradients are the same."""
     if world_size == 1 or sharded:
         return model
-    ddp = DistributedDataParallel(model)
+    device = next(model.parameters()).device
+    ddp = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
     if shared is not None:
         ddp.register_comm_hook(None, shared.ddp_hook)
     return ddp

@@ -39,6 +39,10 @@ TASKS = ("pretrain", "cpt", "sft", "reward", "dpo", "rerank", "vlm")
 ENCODER_TASKS = ("reward", "rerank")
 INTERVAL_POLICIES = ("steps", "young", "daly")
 PARALLELISMS = ("ddp", "fsdp")
+#: ``precision`` values (see :mod:`forge_training.precision`).
+PRECISIONS = ("fp32", "bf16", "fp16")
+#: ``device`` values (see :mod:`forge_training.device`).
+DEVICES = ("auto", "cpu", "cuda")
 #: ``pairs.length_balance`` values (``reward`` only).
 LENGTH_BALANCES = ("none", "reweight", "subsample")
 
@@ -373,6 +377,17 @@ class TrainConfig:
     """torch intra-op threads per process (0: torch's default). One by default: OpenMP threads
     that outnumber the free cores slow a step down many times when other jobs hold the cores;
     data parallelism uses the cores instead."""
+    device: str = "auto"
+    """Where each rank trains: ``auto`` (``cuda:LOCAL_RANK`` when the job was given GPUs, else the
+    CPU), ``cpu``, or ``cuda`` (refuse to start without a GPU). See :mod:`device`."""
+    precision: str = "fp32"
+    """``fp32``; ``bf16`` (autocast forward passes, fp32 master weights and reductions); or
+    ``fp16`` (autocast with loss scaling; not with ``fsdp``). See :mod:`precision`."""
+    activation_checkpointing: bool = False
+    """Recompute each transformer block's activations in the backward pass (less memory, about a
+    third more compute)."""
+    compile: bool = False
+    """``torch.compile`` each transformer block (torchtitan's regional compilation)."""
 
     def grad_accum_steps(self, world_size: int) -> int:
         return self.global_batch_size // (world_size * self.micro_batch_size)

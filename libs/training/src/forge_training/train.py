@@ -6,29 +6,36 @@ What differs per task (data, model, loss, evaluation, export) is an
 
 :func:`train` runs these steps:
 
-1. validate the recipe for this world size (before any work);
+1. validate the recipe for this world size (before any work); pick the rank's device
+   (:mod:`device`: ``cuda:LOCAL_RANK`` when the job has GPUs, else the CPU);
 2. build the objective from the seed: data (rank 0 prepares token shards first), model (from
-   scratch or from ``init.parent``), sampler; under FSDP shard the model now (the optimizer must
-   hold the sharded parameters);
+   scratch or from ``init.parent``), sampler; apply activation checkpointing and
+   ``torch.compile`` when asked (:mod:`precision`); under FSDP shard the model now over a mesh of
+   the device's type (the optimizer must hold the sharded parameters); move the model to the device;
 3. build optimizer and schedule;
 4. resume from the newest complete checkpoint, if any (model, optimizer, schedule, RNG, sampler
    position, task state); on a fresh run log the starting model's metrics (step 0); under DDP wrap
    the model now;
-5. for each step: take this rank's prefetched batch, forward/backward per micro-batch (gradient
-   sync only on the last), sum the step's loss units and figures over the ranks, divide the
-   gradients by the global units and clip (the global norm, over shards under FSDP), step, log loss, figures,
-   tokens/s and MFU; evaluate and checkpoint on their intervals (a fixed step count or the
-   Young/Daly interval, re-planned after the first measured save); at a ``rung_cooldown`` step,
-   evaluate after a cooldown branch and go on from the state before it (:mod:`cooldown`); on a
-   stop request (SIGTERM) checkpoint and return ``preempted``;
+5. for each step: take this rank's prefetched batch (pinned by the prefetch thread on a GPU rank,
+   copied without blocking), forward (under autocast for ``bf16``/``fp16``) and backward (the
+   loss scaled for ``fp16``) per micro-batch (gradient sync only on the last), sum the step's
+   loss units and figures over the ranks, divide the gradients by the global units (unscaled
+   first under ``fp16``) and clip (the global norm, over shards under FSDP), step, log loss,
+   figures, tokens/s, MFU and the GPU memory high-water mark; evaluate (under the same autocast)
+   and checkpoint on their intervals (a fixed step count or the Young/Daly interval, re-planned
+   after the first measured save); at a ``rung_cooldown`` step, evaluate after a cooldown branch
+   and go on from the state before it (:mod:`cooldown`); on a stop request (SIGTERM) checkpoint
+   and return ``preempted``;
 6. at the end: final checkpoint, wait for it to publish, export in Hugging Face format (under
    FSDP from the gathered full state, as the plain model class); rank 0 draws the loss and
    learning-rate curves as ``curves.png`` beside ``metrics.jsonl`` (:mod:`curves`), also when the
-   run stops early.
+   run stops early. A CUDA out-of-memory error leaves as :class:`device.CudaOutOfMemory` with
+   the figures the planner takes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -43,7 +50,8 @@ import structlog
 import torch
 
 from forge_kit.objectstore import ObjectStore
-from forge_training import cooldown, parallel, schema, validation
+from forge_training import cooldown, parallel, precision, schema, validation
+from forge_training import device as placement
 from forge_training.checkpoint import CheckpointManager, Manifest, optimal_interval_s
 from forge_training.collectives import all_reduce, barrier
 from forge_training.curves import plot_curves
@@ -73,6 +81,8 @@ class RunContext:
     stop_after_step: int | None = None
     """Return right after this step without saving (tests and benchmarks simulate a kill)."""
     export: bool = True
+    device: torch.device | None = None
+    """The rank's device (default: :func:`device.select` of the recipe's ``device``)."""
     resume_from: str | None = None
     """Another run's id whose newest checkpoint starts this run when it has none of its own (a
     sweep trial promoted after a pause continues its paused job's state); read only: this run
@@ -102,6 +112,8 @@ class TrainResult:
     """Why the objective ended training before ``max_steps`` (DPO's over-optimisation monitor)."""
     branch_steps: int = 0
     """Optimizer steps of this run's cooldown branches (:mod:`cooldown`), not in ``step``."""
+    memory: dict[str, float] = field(default_factory=dict)
+    """This rank's GPU memory high-water marks (:func:`device.memory_figures`; none on a CPU)."""
 
 
 def lr_factor(config: TrainConfig) -> Callable[[int], float]:
@@ -124,17 +136,22 @@ def lr_factor(config: TrainConfig) -> Callable[[int], float]:
     return factor
 
 
-def _rng_state() -> dict[str, Any]:
+def _rng_state(dev: torch.device) -> dict[str, Any]:
     py = random.getstate()
     np_state: tuple[Any, ...] = tuple(np.random.get_state())
-    return {
+    state = {
         "torch": torch.get_rng_state(),
         "python": [py[0], list(py[1]), py[2]],
         "numpy": [np_state[0], torch.from_numpy(np.asarray(np_state[1]).copy()), *np_state[2:]],
     }
+    cuda = placement.rng_state(dev)
+    if cuda is not None:
+        state["cuda"] = cuda
+    return state
 
 
-def _set_rng_state(state: dict[str, Any]) -> None:
+def _set_rng_state(state: dict[str, Any], dev: torch.device) -> None:
+    placement.set_rng_state(state.get("cuda"), dev)
     torch.set_rng_state(state["torch"])
     py = state["python"]
     random.setstate((py[0], tuple(py[1]), py[2]))
@@ -197,20 +214,28 @@ class _SavePlan:
 
 
 def _train_step(
-    objective: Objective, module: torch.nn.Module, batch: StepBatch, world_size: int
+    objective: Objective,
+    module: torch.nn.Module,
+    batch: StepBatch,
+    world_size: int,
+    dev: torch.device,
+    amp: precision.Amp,
 ) -> tuple[float, list[float]]:
     """Forward/backward every micro-batch; returns this rank's loss sum and figure sums. Each
     micro-batch's summed loss is scaled by the world size, so after the gradient average over
     ranks (DDP's all-reduce, FSDP's reduce-scatter) the gradients are the *sum* over the global
     batch; the loop divides them by the step's global loss units when clipping, once those have
     travelled with the step's figures (one collective a step instead of a second one up front).
-    Gradients sync on the last micro-batch only."""
+    Gradients sync on the last micro-batch only. Each micro-batch goes to ``dev`` (asynchronously,
+    from the pinned memory the prefetch thread put it in) and runs forward under ``amp``'s autocast."""
     loss_sum, figures = 0.0, [0.0] * len(objective.figure_names)
     last = len(batch.micro) - 1
     for i, micro in enumerate(batch.micro):
+        micro = placement.to_device(micro, dev)
         with parallel.gradient_sync(module, enabled=i == last):
-            loss, figs = objective.loss(module, micro)
-            (loss * world_size).backward()
+            with amp.autocast():
+                loss, figs = objective.loss(module, micro)
+            amp.backward(loss * world_size)
         loss_sum += float(loss.detach())
         figures = [a + b for a, b in zip(figures, figs, strict=True)]
     return loss_sum, figures
@@ -247,6 +272,8 @@ def train(config: TrainConfig, ctx: RunContext) -> TrainResult:
     if config.threads:
         torch.set_num_threads(config.threads)
     started = ctx.clock()
+    dev = ctx.device or placement.select(config.device)
+    placement.bind(dev)
     # 2. Objective: data, model, sampler.
     torch.manual_seed(config.seed)
     random.seed(config.seed)
@@ -254,7 +281,10 @@ def train(config: TrainConfig, ctx: RunContext) -> TrainResult:
     objective = build_objective(config, ctx.rank, ctx.world_size, ctx.cache_dir)
     model = objective.model
     plain_class = type(model)
-    sharded = parallel.shard(model, config.parallelism, ctx.world_size)
+    precision.prepare_kernels(model, config.activation_checkpointing, config.compile)
+    sharded = parallel.shard(model, config.parallelism, ctx.world_size, dev)
+    objective.to(dev)
+    amp = precision.Amp(config.precision, dev)
     # 3. Optimizer and schedule.
     o = config.optim
     # The fused kernel (CPU and CUDA) updates every tensor in one pass: 4 ms a step against 13 ms
@@ -288,18 +318,19 @@ def train(config: TrainConfig, ctx: RunContext) -> TrainResult:
         scheduler.load_state_dict(main["scheduler"])
         objective.sampler.load_state_dict(main["sampler"])
         objective.load_state_dict(main.get("objective", {}))
+        amp.load_state_dict(main.get("scaler", {}))
         own = source.load_shard(manifest, ctx.rank) if ctx.rank < manifest.world_size else main
-        _set_rng_state(own["rng"])
+        _set_rng_state(own["rng"], dev)
         step = int(main["step"])
         ckpt.last_published = manifest
         log.info("train.resumed", step=step, manifest=manifest.key, from_world_size=manifest.world_size)
     else:
-        baseline = objective.start()
+        with amp.autocast():
+            baseline = objective.start()
         if baseline:
             metrics.write(0, baseline)
     position = objective.sampler.state_dict()
-    device = next(model.parameters()).device
-    shared = SharedMemoryAllReduce.create(device) if config.shared_memory_allreduce else None
+    shared = SharedMemoryAllReduce.create(dev) if config.shared_memory_allreduce else None
     module = parallel.replicate(model, sharded, ctx.world_size, shared)
     meta = {
         "recipe": config.name,
@@ -313,7 +344,7 @@ def train(config: TrainConfig, ctx: RunContext) -> TrainResult:
         meta["init_parent"] = config.init.parent
 
     def save(at: int, figures: dict[str, float]) -> None:
-        state: dict[str, Any] = {"step": at, "rng": _rng_state()}
+        state: dict[str, Any] = {"step": at, "rng": _rng_state(dev)}
         full = parallel.full_state(model, optimizer, sharded, ctx.rank)
         if full is not None:
             state.update(
@@ -323,30 +354,41 @@ def train(config: TrainConfig, ctx: RunContext) -> TrainResult:
                 sampler=position,
                 objective=objective.state_dict(),
                 tokenizer=objective.tokenizer_json,
+                scaler=amp.state_dict(),
             )
         ckpt.save(at, state, {**meta, "metrics": figures})
 
     result = TrainResult(outcome="succeeded", step=step)
     plan = _SavePlan(config.checkpoint, step)
-    peak = peak_flops(config.metrics, next(model.parameters()).device) * ctx.world_size
-    prefetch = Prefetcher(objective.draw, count=config.max_steps - step, depth=config.data.prefetch_batches)
+    peak = peak_flops(config.metrics, dev)
+    if peak is None:
+        log.warning("mfu.unknown_peak", device=placement.device_name(dev), hint="set metrics.peak_flops")
+    else:
+        peak *= ctx.world_size
+    draw = objective.draw if dev.type != "cuda" else lambda: _pinned(objective.draw(), dev)
+    prefetch = Prefetcher(draw, count=config.max_steps - step, depth=config.data.prefetch_batches)
     window_tokens, window_flops, window_start = 0.0, 0.0, ctx.clock()
     loop_start, total_tokens, total_flops, steps_run = window_start, 0.0, 0.0, 0
     last: dict[str, float] = {}
     branches = cooldown.branch_steps(config)
 
+    def evaluate() -> dict[str, float]:
+        with amp.autocast():
+            return objective.evaluate()
+
     def branch_step(batch: StepBatch) -> None:
-        _train_step(objective, module, batch, ctx.world_size)
+        _train_step(objective, module, batch, ctx.world_size, dev, amp)
         units = all_reduce([batch.units], ctx.world_size, shared=shared)[0]
+        amp.unscale(optimizer)
         parallel.clip_grad_norm(trainable, o.grad_clip, scale=1.0 / max(units, 1.0))
-        optimizer.step()
+        amp.step(optimizer)
         optimizer.zero_grad(set_to_none=True)
 
     try:
         # 5. Steps.
         while step < config.max_steps:
             batch = prefetch.next()
-            loss_sum, figures = _train_step(objective, module, batch, ctx.world_size)
+            loss_sum, figures = _train_step(objective, module, batch, ctx.world_size, dev, amp)
             # One small collective a step, for the loss units, the figures and the preemption
             # flag together: a gloo all-reduce of a few floats costs milliseconds on loopback,
             # latency, not bandwidth; through shared memory, microseconds (load/training/RESULTS.md).
@@ -356,9 +398,10 @@ def train(config: TrainConfig, ctx: RunContext) -> TrainResult:
                 ctx.world_size,
                 shared=shared,
             )
+            amp.unscale(optimizer)
             grad_norm = parallel.clip_grad_norm(trainable, o.grad_clip, scale=1.0 / max(units, 1.0))
             lr = scheduler.get_last_lr()[0]
-            optimizer.step()
+            amp.step(optimizer)
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             step, steps_run, position = step + 1, steps_run + 1, batch.position
@@ -373,16 +416,18 @@ def train(config: TrainConfig, ctx: RunContext) -> TrainResult:
                 now = ctx.clock()
                 elapsed = max(now - window_start, 1e-9)
                 last["tokens_per_s"] = window_tokens / elapsed
-                last["mfu"] = window_flops / elapsed / peak
+                if peak is not None:
+                    last["mfu"] = window_flops / elapsed / peak
+                last.update(placement.memory_figures(dev))
                 window_tokens, window_flops, window_start = 0.0, 0.0, now
                 metrics.write(step, last)
             if step % config.eval_interval == 0 or step == config.max_steps:
-                result.eval_metrics = objective.evaluate()
+                result.eval_metrics = evaluate()
                 last.update(result.eval_metrics)
                 metrics.write(step, result.eval_metrics)
             if step in branches:
                 ahead = prefetch.peek(branches[step])
-                cooled = cooldown.run_branch(model, optimizer, ahead, branch_step, objective.evaluate)
+                cooled = cooldown.run_branch(model, optimizer, ahead, branch_step, evaluate)
                 result.branch_steps += len(ahead)
                 figures_cd = {cooldown.PREFIX + k: v for k, v in cooled.items()}
                 metrics.write(step, {**figures_cd, cooldown.STEPS_KEY: len(ahead)})
@@ -415,7 +460,7 @@ def train(config: TrainConfig, ctx: RunContext) -> TrainResult:
         # 6. Final checkpoint and export.
         elapsed = ctx.clock() - loop_start
         if not result.eval_metrics:
-            result.eval_metrics = objective.evaluate()
+            result.eval_metrics = evaluate()
             last.update(result.eval_metrics)
         if ckpt.last_published is None or ckpt.last_published.step != step:
             save(step, last)
@@ -423,7 +468,8 @@ def train(config: TrainConfig, ctx: RunContext) -> TrainResult:
         result.step = step
         result.wall_s = elapsed
         result.tokens_per_s = total_tokens / max(elapsed, 1e-9)
-        result.mfu = total_flops / max(elapsed, 1e-9) / peak if steps_run else None
+        result.mfu = total_flops / max(elapsed, 1e-9) / peak if steps_run and peak is not None else None
+        result.memory = placement.memory_figures(dev)
         result.val_loss = result.eval_metrics.get("val_loss")
         if result.val_loss is not None and objective.chars_per_token:
             result.val_loss_per_char = result.val_loss / objective.chars_per_token
@@ -434,12 +480,22 @@ def train(config: TrainConfig, ctx: RunContext) -> TrainResult:
                 result.export_dir = objective.export(ctx.run_dir / "hf", exported)
         barrier(ctx.world_size)
         return result
+    except BaseException as exc:
+        if placement.is_out_of_memory(exc):
+            report = placement.oom_report(exc, config, dev, ctx.rank, ctx.world_size, model.config)
+            raise placement.CudaOutOfMemory(report) from exc
+        raise
     finally:
         prefetch.close()
         result.checkpoint_stalls_s = list(ckpt.stats.stalls_s)
         metrics.close()
         if ctx.rank == 0 and (ctx.run_dir / "metrics.jsonl").is_file():
             _draw_curves(ctx.run_dir / "metrics.jsonl")
+
+
+def _pinned(batch: StepBatch, dev: torch.device) -> StepBatch:
+    """``batch`` with its micro-batches in page-locked memory (the prefetch thread's work)."""
+    return dataclasses.replace(batch, micro=[placement.pin(m, dev) for m in batch.micro])
 
 
 def _draw_curves(metrics: Path) -> None:

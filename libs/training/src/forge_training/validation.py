@@ -12,10 +12,12 @@ from forge_kit.paths import resolve_data_path
 from forge_training.backbones import BACKBONES, backbone_dir
 from forge_training.datafiles import corpus_files, pair_files
 from forge_training.schema import (
+    DEVICES,
     ENCODER_TASKS,
     INTERVAL_POLICIES,
     LENGTH_BALANCES,
     PARALLELISMS,
+    PRECISIONS,
     SCHEDULES,
     TASKS,
     VLM_STAGES,
@@ -121,6 +123,14 @@ def validate(config: TrainConfig, world_size: int) -> None:
         raise RecipeError(
             f"parallelism: must be one of {', '.join(PARALLELISMS)}, got {config.parallelism!r}"
         )
+    if config.precision not in PRECISIONS:
+        raise RecipeError(f"precision: must be one of {', '.join(PRECISIONS)}, got {config.precision!r}")
+    if config.precision == "fp16" and config.parallelism == "fsdp" and world_size > 1:
+        raise RecipeError(
+            "precision: fp16 needs loss scaling, which fsdp's sharded gradients do not take; use bf16"
+        )
+    if config.device not in DEVICES:
+        raise RecipeError(f"device: must be one of {', '.join(DEVICES)}, got {config.device!r}")
     if d.prefetch_batches < 0:
         raise RecipeError(f"data.prefetch_batches: must be >= 0, got {d.prefetch_batches}")
     if config.metrics.peak_flops < 0 or config.metrics.cpu_peak_flops_per_thread <= 0:

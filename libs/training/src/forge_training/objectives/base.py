@@ -121,6 +121,12 @@ class Objective(ABC):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         return None
 
+    def to(self, device: torch.device) -> None:
+        """Move the trained model (and any other model the task runs, as DPO's reference) to
+        ``device``; the loop calls it once, after sharding."""
+        module: torch.nn.Module = self.model
+        module.to(device)
+
     def model_meta(self) -> dict[str, Any]:
         return {"task": self.task, "model_config": self.model.config.to_dict()}
 

@@ -58,6 +58,12 @@ class DirectPreference(PreferenceTask):
             )
         return model
 
+    def to(self, device: torch.device) -> None:
+        super().to(device)
+        self.reference.to(device)
+        if self.monitor is not None:
+            self.monitor.reward.to(device)
+
     def start(self) -> dict[str, float]:
         baseline = self.evaluate()
         if self.monitor is not None:  # the reference point: KL 0, the starting proxy reward

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from forge_training.collectives import all_reduce
 from forge_training.data import TokenShards
+from forge_training.device import on_model_device
 from forge_training.objectives.base import Micro, rank_batches, spread
 from forge_training.schema import TrainConfig
 
@@ -38,7 +39,7 @@ def evaluate_lm(
     model.eval()
     total, tokens = 0.0, 0.0
     for batch, counts in rank_batches(windows, rank, world_size, config.micro_batch_size):
-        micro = lm_batch(split, batch, seq_len)
+        micro = on_model_device(lm_batch(split, batch, seq_len), model)
         loss = float(lm_loss_sum(model, micro))
         if counts:
             total += loss

@@ -19,6 +19,7 @@ from forge_training import pairs as pairdata
 from forge_training.accuracy import PairwiseTally
 from forge_training.collectives import all_reduce
 from forge_training.data import EOT, StepSampler
+from forge_training.device import on_model_device
 from forge_training.export import export_hf
 from forge_training.objectives.base import Micro, Objective, rank_batches, spread, wins
 from forge_training.parents import Parent, load_parent
@@ -99,7 +100,10 @@ class PairTask(Objective):
         """This rank's held-out micro-batches, each with whether it counts (see :func:`rank_batches`)."""
         every = spread(len(self.val_rows), self.config.eval_batches * self.config.micro_batch_size)
         batches = rank_batches(every, self.rank, self.world_size, self.config.micro_batch_size)
-        return [(self.collate(items, self.val_rows), counts) for items, counts in batches]
+        return [
+            (on_model_device(self.collate(items, self.val_rows), self.model), counts)
+            for items, counts in batches
+        ]
 
     @abstractmethod
     def collate(

@@ -19,6 +19,7 @@ from forge_kit.stats import wilson_interval
 from forge_training.backbones import BACKBONE_NAMES, backbone_dir
 from forge_training.collectives import all_reduce
 from forge_training.data import StepSampler
+from forge_training.device import on_model_device
 from forge_training.mfu import train_flops_per_token
 from forge_training.objectives.base import Micro, Objective, ObjectiveSpec, rank_batches, spread
 from forge_training.objectives.encoder import encoder_classifier, encoder_head_prefixes, save_encoder
@@ -146,7 +147,7 @@ class CrossEncoderRanking(Objective):
 
     def loss(self, module: torch.nn.Module, micro: Micro) -> tuple[torch.Tensor, list[float]]:
         scores = self.scores(module, micro)
-        target = torch.zeros(scores.size(0), dtype=torch.long)
+        target = torch.zeros(scores.size(0), dtype=torch.long, device=scores.device)
         return F.cross_entropy(scores, target, reduction="sum"), self._figures(scores.detach())
 
     @torch.no_grad()
@@ -156,10 +157,10 @@ class CrossEncoderRanking(Objective):
         self.model.eval()
         sums = [0.0, 0.0, 0.0, 0.0]  # loss, first, reciprocal rank, groups
         for items, counts in batches:
-            scores = self.scores(self.model, self.collate(items, self.val_rows))
+            scores = self.scores(self.model, on_model_device(self.collate(items, self.val_rows), self.model))
             if not counts:
                 continue
-            target = torch.zeros(scores.size(0), dtype=torch.long)
+            target = torch.zeros(scores.size(0), dtype=torch.long, device=scores.device)
             first, reciprocal = self._figures(scores)
             sums = [
                 sums[0] + float(F.cross_entropy(scores, target, reduction="sum")),

@@ -35,6 +35,7 @@ from transformers import LlavaForConditionalGeneration, PreTrainedModel
 from forge_kit.paths import resolve_data_path
 from forge_training.collectives import all_reduce, barrier
 from forge_training.data import MixtureSampler, PreparedData, TokenShards, prepare
+from forge_training.device import on_model_device
 from forge_training.mfu import train_flops_per_token
 from forge_training.objectives.base import (
     Micro,
@@ -256,7 +257,7 @@ class VisionLanguage(Objective):
         ):
             samples, _ = self.val.read_many(batch)
             rows, _ = encode_batch(self.encoder, [(s, s.key) for s in samples])
-            micro = collate(rows, self.encoder.eot)
+            micro = on_model_device(collate(rows, self.encoder.eot), self.model)
             loss, _ = self.loss(self.model, micro)
             scored = score_chats(
                 self.model, self.encoder, samples, max_new_tokens=self.config.vlm.max_new_tokens

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from transformers import LlavaForConditionalGeneration
 
+from forge_training.device import on_model_device
 from forge_training.vlm import metrics
 from forge_training.vlm.images import preprocess
 from forge_training.vlm.model import content_text
@@ -61,10 +62,9 @@ def answer(
     extra = {"pixel_values": torch.stack(flat)} if flat else {}  # none at all: text only
     was_training = model.training
     model.eval()
+    inputs = on_model_device({"input_ids": ids, "attention_mask": mask, **extra}, model)
     out = model.generate(
-        input_ids=ids,
-        attention_mask=mask,
-        **extra,
+        **inputs,
         max_new_tokens=max_new_tokens,
         do_sample=False,
         eos_token_id=pad,
