@@ -24,7 +24,8 @@ def test_the_dry_run_finds_everything_the_gpu_check_uses() -> None:
     done = _dry_run(sys.executable)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "ok: module forge_trainer_agent.gpus" in done.stderr
-    assert "ok: the GPU training step's program compiles" in done.stderr
+    assert "ok: the trainer takes the check's settings (DDP and FSDP on 2 ranks, bf16)" in done.stderr
+    assert "ok: the planner predicts the check's shape" in done.stderr
     assert "checks passed" in done.stderr
 
 
