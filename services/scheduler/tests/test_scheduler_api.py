@@ -141,7 +141,7 @@ async def test_team_tokens_act_only_for_their_team(
         await team.CancelJob(scheduler_pb2.CancelJobRequest(job_id=mine.id))
         denied = [
             team.SubmitJob(scheduler_pb2.SubmitJobRequest(spec=make_job("x", team="vision").build())),
-            team.CancelJob(scheduler_pb2.CancelJobRequest(job_id=theirs.id)),
+            team.ListJobs(scheduler_pb2.ListJobsRequest(team="vision")),
             team.SetQuota(
                 scheduler_pb2.SetQuotaRequest(team="research", quota=scheduler_pb2.Quota(gpu_type="H100"))
             ),
@@ -152,10 +152,16 @@ async def test_team_tokens_act_only_for_their_team(
             with pytest.raises(grpc.aio.AioRpcError) as caught:
                 await call
             assert caught.value.code() == grpc.StatusCode.PERMISSION_DENIED, caught.value.details()
-        # reads stay open to every authenticated caller
-        assert (
-            await team.GetJob(scheduler_pb2.GetJobRequest(job_id=theirs.id))
-        ).job.state == common_pb2.JOB_STATE_PENDING
+        # another team's job answers as a missing one; listing shows the own team's only
+        for hidden in (
+            team.GetJob(scheduler_pb2.GetJobRequest(job_id=theirs.id)),
+            team.CancelJob(scheduler_pb2.CancelJobRequest(job_id=theirs.id)),
+        ):
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await hidden
+            assert caught.value.code() == grpc.StatusCode.NOT_FOUND, caught.value.details()
+        listed = await team.ListJobs(scheduler_pb2.ListJobsRequest())
+        assert [j.spec.name for j in listed.jobs] == ["mine"]
     # nothing was half-written by the refusals
     jobs = await stub.ListJobs(scheduler_pb2.ListJobsRequest(team="vision"))
     assert [(j.spec.name, j.state) for j in jobs.jobs] == [("theirs", common_pb2.JOB_STATE_PENDING)]

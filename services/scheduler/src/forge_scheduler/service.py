@@ -57,7 +57,7 @@ from forge_scheduler.states import (
 from forge_scheduler.store import JobRow, NodeRow, QuotaRow, TeamRow, TeamUsageRow
 from forge_scheduler.teams import TeamsMixin
 from forge_scheduler.validation import placement_of, validate_name, validate_spec
-from forge_scheduler.watches import WatchesMixin
+from forge_scheduler.watches import WatchesMixin, visible_team
 
 __all__ = [
     "ACTIVE",
@@ -102,6 +102,14 @@ def authorize_team(team: str, action: str) -> None:
     principal = current_principal()
     if principal is not None and not principal.is_admin and principal.team != team:
         raise errors.PermissionDeniedError(f"{principal.name} may not {action} jobs of team {team!r}")
+
+
+def _visible(job: JobRow) -> JobRow:
+    """``job``, unless the caller is another team's token: then NOT_FOUND, as a missing job."""
+    principal = current_principal()
+    if principal is not None and not principal.is_admin and principal.team != job.team:
+        raise errors.NotFoundError(f"job {job.id!r} not found")
+    return job
 
 
 def _by_admin() -> bool:
@@ -216,12 +224,14 @@ class SchedulerService(TeamsMixin, NodesMixin, WatchesMixin):
             raise errors.ConflictError(f"job can never be placed on this cluster: {reason}")
 
     async def get_job(self, job_id: str) -> JobRow:
+        """The job; another team's job answers NOT_FOUND to a team token, as a missing one does."""
         async with self._db.session() as session:
-            return await _job(session, job_id)
+            return _visible(await _job(session, job_id))
 
     async def list_jobs(
         self, team: str, states: Iterable[int], page_size: int, offset: int
     ) -> tuple[list[JobRow], int]:
+        team = visible_team(team)
         query = sa.select(JobRow)
         if team:
             query = query.where(JobRow.team == team)
@@ -245,7 +255,7 @@ class SchedulerService(TeamsMixin, NodesMixin, WatchesMixin):
     async def _cancel_job(self, job_id: str, reason: str) -> JobRow:
         async with self._db.session() as session:
             job = await _job(session, job_id)
-            authorize_team(job.team, "cancel")
+            _visible(job)
             if job.state in TERMINAL:
                 return job
             previous = job.state

@@ -10,6 +10,7 @@ import sqlalchemy as sa
 
 from forge_kit import errors
 from forge_kit.db import Database
+from forge_kit.grpckit import current_principal
 from forge_scheduler.store import JobRow
 
 
@@ -21,6 +22,17 @@ class _Watcher:
 
     def wants(self, job: JobRow) -> bool:
         return (not self.team or job.team == self.team) and (not self.job_ids or job.id in self.job_ids)
+
+
+def visible_team(team: str) -> str:
+    """The team filter a read may use: a team token reads its own team's jobs only (an empty
+    filter means its team; another team's is PERMISSION_DENIED); an admin any team, or all."""
+    principal = current_principal()
+    if principal is None or principal.is_admin:
+        return team
+    if team and team != principal.team:
+        raise errors.PermissionDeniedError(f"{principal.name} may not read jobs of team {team!r}")
+    return principal.team
 
 
 class WatchesMixin:
@@ -36,6 +48,7 @@ class WatchesMixin:
     async def watch(self, team: str, job_ids: Iterable[str], send_initial: bool) -> AsyncIterator[JobRow]:
         """Yield matching jobs after every committed change; a watcher too slow to keep up is
         dropped with RESOURCE_EXHAUSTED rather than letting its queue grow without bound."""
+        team = visible_team(team)
         watcher = _Watcher(team=team, job_ids=frozenset(job_ids), queue=asyncio.Queue(self._watch_queue_size))
         self._watchers.append(watcher)
         try:
