@@ -21,6 +21,7 @@ from forge_kit.testing import ServiceProcess, TemporalDevServer
 from forge_kit.testing.grpcserver import grpc_test_server
 from forge_orchestrator.activities import SchedulerActivities
 from forge_orchestrator.api import OrchestratorApi
+from forge_orchestrator.grant import StartGuard, grant_key
 from forge_orchestrator.service import OrchestratorService, build_worker
 from forge_orchestrator.workflows import JOB_EVENT_SIGNAL, JobEvent
 
@@ -41,9 +42,11 @@ async def server(
 ) -> AsyncIterator[GrpcServer]:
     task_queue = f"api-test-{uuid.uuid4().hex[:8]}"
     activities = SchedulerActivities(scheduler.grpc_target, scheduler_token)
-    api = OrchestratorApi(OrchestratorService(client, task_queue))
+    # The service's pairing: the front door signs each start, the worker's guard checks it.
+    key = grant_key(TOKEN)
+    api = OrchestratorApi(OrchestratorService(client, task_queue, grant_key=key))
     async with (
-        build_worker(client, task_queue, activities),
+        build_worker(client, task_queue, activities, guard=StartGuard(client, key, [task_queue])),
         grpc_test_server(
             orchestrator_pb2_grpc.add_OrchestratorServiceServicer_to_server,
             api,

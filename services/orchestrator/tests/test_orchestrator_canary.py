@@ -175,6 +175,7 @@ class Rig:
             SchedulerActivities("127.0.0.1:1", "unused"),
             EvalActivities(self.eval_target, EVAL_TOKEN),
             canary=CanaryActivities([self.metrics_url], policy_dir=self.policies),
+            guard=None,
         )
 
     def params(self, version: str) -> EvalAndPromoteInput:

@@ -130,7 +130,7 @@ async def test_good_candidate_is_promoted_and_a_regression_is_blocked(
             run_timeout_s=120,
         )
 
-    async with build_worker(client, queue, scheduler, evals):
+    async with build_worker(client, queue, scheduler, evals, guard=None):
         good: EvalAndPromoteResult = await client.execute_workflow(
             "eval_and_promote",
             params("good"),

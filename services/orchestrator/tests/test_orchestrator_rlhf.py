@@ -321,7 +321,7 @@ async def run_loop(
     agent = Agent(client, scheduler, workflow_id, runs)
     try:
         async with build_rlhf_worker(
-            client, queue, scheduler_acts, evals, rlhf, RlhfSampler("", "", "", "", "")
+            client, queue, scheduler_acts, evals, rlhf, RlhfSampler("", "", "", "", ""), guard=None
         ):
             handle = await client.start_workflow(
                 "rlhf", params, id=workflow_id, task_queue=rlhf_task_queue(queue), result_type=RlhfResult

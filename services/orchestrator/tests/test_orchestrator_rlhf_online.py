@@ -191,7 +191,7 @@ async def worker(
         gateway.grpc_target, gateway.http_url, GATEWAY_TOKEN, feedback[0].grpc_target, FEEDBACK_TOKEN
     )
     try:
-        async with build_rlhf_worker(client, queue, acts, evals, rlhf, sampler):
+        async with build_rlhf_worker(client, queue, acts, evals, rlhf, sampler, guard=None):
             yield client, queue
     finally:
         for closer in (acts.close, evals.close, rlhf.close):

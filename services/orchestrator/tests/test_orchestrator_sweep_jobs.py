@@ -133,7 +133,7 @@ async def test_a_sweep_of_real_training_runs(
     sweeps = SweepActivities(db.url)
     service = OrchestratorService(client, queue)
     async with (
-        build_worker(client, queue, activities, extra_activities=sweeps.methods()),
+        build_worker(client, queue, activities, extra_activities=sweeps.methods(), guard=None),
         make_channel(scheduler.grpc_target, token=SCHEDULER_TOKEN) as channel,
     ):
         # This interpreter, by its absolute path (an admin may name one): a bare "python" is

@@ -193,6 +193,7 @@ async def run_workflow(
             Endpoint(teacher),
             Endpoint(f"{student.http_url}/v1", STUDENT_TOKEN),
             tracker,
+            guard=None,
         ):
             handle = await client.start_workflow(
                 "synthetic",

@@ -33,7 +33,7 @@ async def worker(
     client = await Client.connect(temporal_server.target)
     queue = f"train-{uuid.uuid4().hex[:8]}"
     activities = SchedulerActivities(scheduler.grpc_target, SCHEDULER_TOKEN)
-    running: Worker = build_worker(client, queue, activities)
+    running: Worker = build_worker(client, queue, activities, guard=None)
     async with running:
         yield client, queue
     await activities.close()

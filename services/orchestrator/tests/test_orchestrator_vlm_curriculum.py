@@ -32,7 +32,7 @@ async def worker(
     client = await Client.connect(temporal_server.target)
     queue = f"vlm-{uuid.uuid4().hex[:8]}"
     activities = SchedulerActivities(scheduler.grpc_target, SCHEDULER_TOKEN)
-    async with build_worker(client, queue, activities) as running:
+    async with build_worker(client, queue, activities, guard=None) as running:
         assert isinstance(running, Worker)
         yield client, queue
     await activities.close()

@@ -22,15 +22,21 @@ from forge_orchestrator.canary_activities import CanaryActivities
 from forge_orchestrator.config import OrchestratorSettings
 from forge_orchestrator.cpt.activities import CptActivities
 from forge_orchestrator.eval_activities import EvalActivities
+from forge_orchestrator.grant import StartGuard, grant_key
 from forge_orchestrator.identity import SchedulerAuthenticator
 from forge_orchestrator.rlhf_activities import RlhfActivities
 from forge_orchestrator.rlhf_sampling import RlhfSampler
-from forge_orchestrator.rlhf_worker import RlhfSettings, build_rlhf_worker
+from forge_orchestrator.rlhf_worker import RlhfSettings, build_rlhf_worker, rlhf_task_queue
 from forge_orchestrator.routers import CheckpointRouter, EventRouters, JobEventRouter, TemporalSignaller
 from forge_orchestrator.service import KINDS, OrchestratorService, build_worker, connect_temporal
 from forge_orchestrator.sweep.activities import SweepActivities
 from forge_orchestrator.sweep.router import MetricsRouter, TemporalSweepSignaller
-from forge_orchestrator.synthetic.worker import SyntheticSettings, build_synthetic_worker, endpoints
+from forge_orchestrator.synthetic.worker import (
+    SyntheticSettings,
+    build_synthetic_worker,
+    endpoints,
+    synthetic_task_queue,
+)
 from forge_orchestrator.tracking import Tracker
 
 
@@ -106,6 +112,15 @@ async def main() -> None:
         timeout_s=settings.temporal_connect_timeout_s,
         tls=settings.temporal_tls(),
     )
+    # Workflows act only when the front door started them (or a parent it started): its grant,
+    # signed with a key from this service's own token, is checked before every activity.
+    key = grant_key(settings.auth_token.get_secret_value())
+    queues = [
+        settings.task_queue,
+        rlhf_task_queue(settings.task_queue),
+        synthetic_task_queue(settings.task_queue),
+    ]
+    guard = StartGuard(client, key, queues)
     activities = SchedulerActivities(settings.scheduler_target, settings.scheduler_token.get_secret_value())
     eval_activities = EvalActivities(settings.eval_target, settings.eval_token.get_secret_value())
     canary = CanaryActivities(
@@ -124,6 +139,7 @@ async def main() -> None:
             eval_activities,
             extra_activities=[*sweeps.methods(), *CptActivities(tracker).methods()],
             canary=canary,
+            guard=guard,
         ).run
     )
     app.add_on_stop(activities.close)
@@ -141,7 +157,14 @@ async def main() -> None:
             settings.preference_feedback_token.get_secret_value(),
         )
         rlhf_worker = build_rlhf_worker(
-            client, settings.task_queue, activities, eval_activities, rlhf_activities, sampler, canary
+            client,
+            settings.task_queue,
+            activities,
+            eval_activities,
+            rlhf_activities,
+            sampler,
+            canary,
+            guard=guard,
         )
         app.add_background(rlhf_worker.run)
         app.add_on_stop(rlhf_activities.close)
@@ -155,11 +178,13 @@ async def main() -> None:
             settings.inference_gateway_token.get_secret_value(),
         )
         app.add_background(
-            build_synthetic_worker(client, settings.task_queue, activities, teacher, student, tracker).run
+            build_synthetic_worker(
+                client, settings.task_queue, activities, teacher, student, tracker, guard=guard
+            ).run
         )
     else:
         del kinds["synthetic"]
-    workflows = OrchestratorService(client, settings.task_queue, kinds=kinds)
+    workflows = OrchestratorService(client, settings.task_queue, kinds=kinds, grant_key=key)
     if settings.kafka_enabled:
         signaller = TemporalSignaller(client)
         routers = EventRouters(

@@ -5,6 +5,9 @@ The orchestrator accepts its own service token (an admin) and, through
 workflow carries its starter as a :class:`Caller` in its input (so replays see the same identity)
 and submits jobs with that caller's rights: a team caller's jobs go to the scheduler as its team's
 submission (``on_behalf_of``), never as the orchestrator's admin.
+The input alone proves nothing (anyone who reaches Temporal can write one): the front door also
+signs a grant over it, and the workers act only for workflows whose grant holds
+(:mod:`forge_orchestrator.grant`).
 
 :func:`authorize_start` is the front door's rule:
 

@@ -13,7 +13,7 @@ from pathlib import PurePosixPath
 from typing import Any
 
 from temporalio.client import Client
-from temporalio.worker import Worker
+from temporalio.worker import Interceptor, Worker
 
 from forge_kit import errors
 from forge_kit.settings import ForgeSettings, service_config
@@ -57,6 +57,8 @@ def build_rlhf_worker(
     rlhf: RlhfActivities,
     sampler: RlhfSampler,
     canary: CanaryActivities | None = None,
+    *,
+    guard: Interceptor | None,
 ) -> Worker:
     """A worker on :func:`rlhf_task_queue` (``task_queue``) for the loop, its children and their activities."""
     methods: list[Callable[..., Any]] = [
@@ -83,7 +85,11 @@ def build_rlhf_worker(
         rlhf.read_json,
     ]
     return Worker(
-        client, task_queue=rlhf_task_queue(task_queue), workflows=list(RLHF_WORKFLOWS), activities=methods
+        client,
+        task_queue=rlhf_task_queue(task_queue),
+        workflows=list(RLHF_WORKFLOWS),
+        activities=methods,
+        interceptors=[guard] if guard is not None else [],
     )
 
 

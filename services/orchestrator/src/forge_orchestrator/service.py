@@ -24,7 +24,7 @@ from temporalio.client import Client, WorkflowExecutionStatus, WorkflowFailureEr
 from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
 from temporalio.exceptions import ActivityError, FailureError, WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode, TLSConfig
-from temporalio.worker import Worker
+from temporalio.worker import Interceptor, Worker
 
 from forge_kit import errors
 from forge_kit.backoff import Backoff
@@ -33,6 +33,7 @@ from forge_orchestrator.canary_activities import CanaryActivities
 from forge_orchestrator.cpt.model import CptInput, validate_cpt
 from forge_orchestrator.cpt.workflow import CptWorkflow
 from forge_orchestrator.eval_activities import EvalActivities
+from forge_orchestrator.grant import MEMO_GRANT, sign
 from forge_orchestrator.identity import ADMIN, Caller, authorize_start
 from forge_orchestrator.rlhf import RlhfInput, RlhfWorkflow
 from forge_orchestrator.rlhf_worker import rlhf_task_queue, validate_rlhf
@@ -260,13 +261,16 @@ def failure_message(exc: BaseException) -> str:
 class OrchestratorService:
     """Starts workflows on their kind's task queue (derived from ``task_queue``) and reports on
     them; every call is one or two Temporal RPCs. ``kinds`` are the workflows this deployment
-    runs (the RLHF kind only where its worker is enabled)."""
+    runs (the RLHF kind only where its worker is enabled). With ``grant_key`` every start carries
+    a grant signed with it (:mod:`forge_orchestrator.grant`), without which the workers'
+    :class:`~forge_orchestrator.grant.StartGuard` lets the workflow do nothing."""
 
     def __init__(
         self,
         client: Client,
         task_queue: str,
         *,
+        grant_key: bytes | None = None,
         kinds: Mapping[str, WorkflowKind] = KINDS,
         rpc_timeout_s: float = 10.0,
         query_timeout_s: float = 2.0,
@@ -274,6 +278,7 @@ class OrchestratorService:
         self._client = client
         self._task_queue = task_queue
         self._kinds = kinds
+        self._grant_key = grant_key
         self._rpc_timeout = timedelta(seconds=rpc_timeout_s)
         self._query_timeout = timedelta(seconds=query_timeout_s)
 
@@ -303,6 +308,10 @@ class OrchestratorService:
         if "caller" in {f.name for f in dataclasses.fields(params)}:
             params = dataclasses.replace(params, caller=caller)
         workflow_id = workflow_id or f"{kind.name}-{uuid.uuid4().hex[:12]}"
+        memo: dict[str, Any] = {MEMO_CALLER: caller.name, MEMO_TEAM: caller.team, **kind.memo(params)}
+        if self._grant_key is not None:
+            payloads = await self._client.data_converter.encode([params])
+            memo[MEMO_GRANT] = sign(self._grant_key, kind.name, workflow_id, payloads, caller)
         try:
             handle: WorkflowHandle[Any, Any] = await self._client.start_workflow(
                 kind.name,
@@ -312,7 +321,7 @@ class OrchestratorService:
                 id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
                 id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
                 rpc_timeout=self._rpc_timeout,
-                memo={MEMO_CALLER: caller.name, MEMO_TEAM: caller.team, **kind.memo(params)},
+                memo=memo,
             )
         except WorkflowAlreadyStartedError:  # closed under this id: report it rather than run it again
             handle = self._client.get_workflow_handle(workflow_id)
@@ -435,9 +444,13 @@ def build_worker(
     workflows: Sequence[type] = WORKFLOWS,
     extra_activities: Sequence[Callable[..., Any]] = (),
     canary: CanaryActivities | None = None,
+    *,
+    guard: Interceptor | None,
 ) -> Worker:
     """The Temporal worker of this process: every workflow of :data:`KINDS` and their activities
-    (``canary`` None: a guarded canary watches no gateway, so it sees no traffic)."""
+    (``canary`` None: a guarded canary watches no gateway, so it sees no traffic). ``guard``: the
+    :class:`~forge_orchestrator.grant.StartGuard` the service runs with (None only in tests that
+    start workflows on Temporal directly)."""
     methods: list[Callable[..., Any]] = [activities.ensure_team, activities.submit_job, activities.cancel_job]
     methods += extra_activities
     if eval_activities is not None:
@@ -452,4 +465,10 @@ def build_worker(
             eval_activities.decide_rollout,
             *(canary or CanaryActivities()).methods(),
         ]
-    return Worker(client, task_queue=task_queue, workflows=list(workflows), activities=methods)
+    return Worker(
+        client,
+        task_queue=task_queue,
+        workflows=list(workflows),
+        activities=methods,
+        interceptors=[guard] if guard is not None else [],
+    )

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from temporalio.client import Client
-from temporalio.worker import Worker
+from temporalio.worker import Interceptor, Worker
 
 from forge_kit.settings import ForgeSettings, service_config
 from forge_orchestrator.activities import SchedulerActivities
@@ -64,6 +64,8 @@ def build_synthetic_worker(
     teacher: Endpoint,
     student: Endpoint,
     tracker: Tracker | None = None,
+    *,
+    guard: Interceptor | None,
 ) -> Worker:
     """A worker on :func:`synthetic_task_queue` (``task_queue``) for the workflow, its children and activities."""
     synthetic = SyntheticActivities(teacher, student, tracker)
@@ -78,4 +80,5 @@ def build_synthetic_worker(
         task_queue=synthetic_task_queue(task_queue),
         workflows=list(SYNTHETIC_WORKFLOWS),
         activities=methods,
+        interceptors=[guard] if guard is not None else [],
     )
