@@ -182,6 +182,54 @@ def test_every_other_http_server_has_the_limit_too(
         assert reply.json()["error"]["code"] == "request_too_large"
 
 
+# -- nesting ---------------------------------------------------------------------------------------
+
+#: The report's body: 100,000 levels of arrays (Python's parser recursed until RecursionError: 500).
+DEEP = 100_000
+
+
+def _deep_chat() -> bytes:
+    return b'{"model": "llama", "messages": ' + b"[" * DEEP + b"]" * DEEP + b"}"
+
+
+@pytest.mark.parametrize("target", ["gateway", "model_server"])
+def test_a_100000_level_nested_body_is_400_naming_the_limit(
+    target: str, request: pytest.FixtureRequest
+) -> None:
+    process: ServiceProcess = request.getfixturevalue(target)
+    key = TENANT_KEY if target == "gateway" else MODEL_SERVER_TOKEN
+    headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+    for content in (_deep_chat(), iter([_deep_chat()])):  # with a length, and chunked
+        reply = httpx.post(
+            f"{process.http_url}/v1/chat/completions", content=content, headers=headers, timeout=60
+        )
+        error = _assert_openai_error(reply, 400)
+        assert "deeper than 64 levels" in str(error["message"]), error
+    # Nesting inside strings is text, not structure.
+    reply = httpx.post(
+        f"{process.http_url}/v1/chat/completions",
+        content=json.dumps(_chat(messages=[{"role": "user", "content": "[" * 5000}])).encode(),
+        headers=headers,
+        timeout=60,
+    )
+    assert reply.status_code != 400 or "levels" not in reply.text, reply.text[:300]
+    assert httpx.get(f"{process.http_url}/healthz", timeout=10).status_code == 200
+
+
+def test_every_other_http_server_refuses_deep_json_too(
+    scheduler: ServiceProcess, eval_service: ServiceProcess
+) -> None:
+    for process in (scheduler, eval_service):
+        reply = httpx.post(
+            f"{process.http_url}/healthz",
+            content=b"[" * DEEP + b"]" * DEEP,
+            headers={"Content-Type": "application/json"},
+            timeout=60,
+        )
+        assert reply.status_code == 400, reply.text[:300]
+        assert "deeper than 64 levels" in reply.json()["error"]["message"]
+
+
 # -- tokenization off the event loop --------------------------------------------------------------
 
 

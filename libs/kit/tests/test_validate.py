@@ -20,6 +20,7 @@ from forge_kit.validate import (
     check_printable_name,
     check_seed,
     check_text,
+    json_depth_error,
     loads_json,
 )
 
@@ -120,3 +121,16 @@ def test_the_pydantic_types_hold_the_same_rules() -> None:
     ):
         with pytest.raises(ValidationError):
             _Body(**bad)  # type: ignore[arg-type]
+
+
+def test_json_nested_past_the_limit_is_refused_naming_it() -> None:
+    deep = "[" * 100_000 + "]" * 100_000
+    assert "deeper than 64 levels" in json_depth_error(deep)
+    assert json_depth_error("[" * 64 + "]" * 64) == ""
+    assert json_depth_error('{"a":' * 65 + "1" + "}" * 65) != ""
+    # Brackets inside strings (escaped quotes included) are text, not nesting.
+    assert json_depth_error('{"text": "' + "[{" * 5000 + '\\" [[ "}') == ""
+    for body in (deep, "[" * 65 + "]" * 65):
+        with pytest.raises(errors.ValidationError, match="deeper than 64 levels"):
+            loads_json(body)
+    assert loads_json("[" * 64 + "]" * 64) is not None

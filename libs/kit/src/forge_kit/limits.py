@@ -4,7 +4,9 @@ A body announced larger than the limit (``Content-Length``) is refused before an
 app; a body without a length (``Transfer-Encoding: chunked``) is read up to the limit and refused as
 soon as it passes it. Before answering, what is left of a refused body is read and dropped for a
 bounded time and size (nginx's lingering close): a client still sending then reads the 413 instead
-of a connection reset. Refused means 413 with a JSON error: the OpenAI format on servers that speak that
+of a connection reset. A JSON body (a JSON content type, or none) that nests arrays and objects
+deeper than :data:`forge_kit.validate.MAX_JSON_DEPTH` is answered 400 naming the limit before any
+parser sees it. Refused means 413 (400) with a JSON error: the OpenAI format on servers that speak that
 protocol (:func:`forge_kit.openai_errors.install_openai_error_handlers` marks them), the kit's own
 ``{"error": {"code", "message"}}`` elsewhere.
 """
@@ -16,6 +18,8 @@ import json
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from forge_kit.validate import json_depth_error
 
 #: gRPC's own default receive limit, set explicitly so each service can size it
 #: (settings: ``grpc_max_receive_bytes``).
@@ -51,21 +55,30 @@ class BodySizeLimit:
             await self.app(scope, receive, send)
             return
         length = _content_length(scope)
-        if length is not None:
-            if length > self.max_bytes:
-                if length <= self._drain_bytes:
-                    await self._drain(receive, 0)
-                await self._refuse(send)
-                return
+        if length is not None and length > self.max_bytes:
+            if length <= self._drain_bytes:
+                await self._drain(receive, 0)
+            await self._refuse(send)
+            return
+        json_like = _may_be_json(scope)
+        if length is not None and not json_like:
             await self.app(scope, receive, send)
             return
-        # No length: read the whole body (it is at most max_bytes) and replay it to the app.
+        # Read the whole body (it is at most max_bytes) and replay it to the app: a body without
+        # a length is counted as it comes; a JSON body is checked for its nesting first.
         try:
             messages = await self._read_bounded(receive)
         except _TooLarge:
             await self._drain(receive, self.max_bytes)
             await self._refuse(send)
             return
+        if json_like:
+            why = json_depth_error(
+                b"".join(m.get("body", b"") for m in messages if m["type"] == "http.request")
+            )
+            if why:
+                await self._answer(send, 400, "invalid_argument", why)
+                return
         replay = iter(messages)
 
         async def replayed() -> Message:
@@ -102,22 +115,20 @@ class BodySizeLimit:
 
     async def _refuse(self, send: Send) -> None:
         message = f"request body is larger than this server's limit of {self.max_bytes} bytes"
+        await self._answer(send, 413, "request_too_large", message)
+
+    async def _answer(self, send: Send, status: int, code: str, message: str) -> None:
         state = getattr(self._state_of, "state", None)
         error: dict[str, object]
         if getattr(state, OPENAI_ERRORS_STATE, False):
-            error = {
-                "message": message,
-                "type": "invalid_request_error",
-                "param": None,
-                "code": "request_too_large",
-            }
+            error = {"message": message, "type": "invalid_request_error", "param": None, "code": code}
         else:
-            error = {"code": "request_too_large", "message": message}
+            error = {"code": code, "message": message}
         body = json.dumps({"error": error}).encode()
         await send(
             {
                 "type": "http.response.start",
-                "status": 413,
+                "status": status,
                 "headers": [
                     (b"content-type", b"application/json"),
                     (b"content-length", str(len(body)).encode()),
@@ -126,6 +137,14 @@ class BodySizeLimit:
             }
         )
         await send({"type": "http.response.body", "body": body})
+
+
+def _may_be_json(scope: Scope) -> bool:
+    """Whether an app may parse the body as JSON: a JSON content type, or none at all."""
+    for name, value in scope.get("headers", ()):
+        if name == b"content-type":
+            return b"json" in value.lower()
+    return scope.get("method", "GET") not in ("GET", "HEAD")
 
 
 def _content_length(scope: Scope) -> int | None:

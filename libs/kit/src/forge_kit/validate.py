@@ -14,6 +14,7 @@ import re
 from collections.abc import Mapping
 from typing import Annotated
 
+import numpy as np
 from pydantic import Field, StringConstraints
 
 from forge_kit import errors
@@ -139,14 +140,45 @@ def check_labels(
     return labels
 
 
-def loads_json(data: bytes | str, field: str = "body") -> object:
+#: How deeply arrays and objects may nest in a JSON body (a deeper one is a 400): Python's parser
+#: recurses per level, so a 100,000-level body would otherwise end in ``RecursionError``.
+MAX_JSON_DEPTH = 64
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+#: Every byte but the four brackets (``bytes.translate`` deletes them).
+_NOT_BRACKETS = bytes(c for c in range(256) if c not in b"[]{}")
+
+
+def json_depth_error(data: bytes | str, max_depth: int = MAX_JSON_DEPTH) -> str:
+    """Why ``data`` nests arrays and objects deeper than ``max_depth`` ("" when it does not),
+    without parsing it: strings are dropped, and the running depth over the brackets left is
+    summed with numpy (linear, C speed: tens of milliseconds for 4 MiB of brackets)."""
+    raw = data.encode() if isinstance(data, str) else data
+    if raw.count(b"[") + raw.count(b"{") <= max_depth:
+        return ""
+    brackets = np.frombuffer(_JSON_STRING.sub(b"", raw).translate(None, _NOT_BRACKETS), dtype=np.uint8)
+    # "[" 0x5B and "{" 0x7B have bit 1 set, "]" 0x5D and "}" 0x7D do not: +1 / -1.
+    steps = ((brackets >> 1) & 1).astype(np.int8) * 2 - 1
+    if int(np.cumsum(steps, dtype=np.int32).max(initial=0)) <= max_depth:
+        return ""
+    return f"JSON nests arrays and objects deeper than {max_depth} levels"
+
+
+def loads_json(data: bytes | str, field: str = "body", max_depth: int = MAX_JSON_DEPTH) -> object:
     """Parse JSON as the standard defines it: Python's ``json`` also takes ``NaN``, ``Infinity``
-    and ``-Infinity``, which no other JSON parser does and no numeric field should receive."""
+    and ``-Infinity``, which no other JSON parser does and no numeric field should receive.
+    Arrays and objects nested deeper than ``max_depth`` are refused, naming the limit."""
 
     def no_constant(name: str) -> object:
         raise errors.ValidationError(field, f"is not standard JSON: {name} is not a number")
 
+    too_deep = json_depth_error(data, max_depth)
+    if too_deep:
+        raise errors.ValidationError(field, too_deep)
     try:
         return json.loads(data, parse_constant=no_constant)
+    except RecursionError:  # not reached after the check above; never a 500 regardless
+        raise errors.ValidationError(
+            field, f"JSON nests arrays and objects deeper than {max_depth} levels"
+        ) from None
     except ValueError as exc:
         raise errors.ValidationError(field, f"malformed JSON: {exc}") from None
