@@ -309,10 +309,12 @@ class RetrieverService:
         1. Skip the retriever's own events: they record writes it has already made.
         2. Validate as UpsertDocuments/DeleteDocuments do; a bad event raises ``ValidationError``
            (the consumer dead-letters it rather than stall the partition).
-        3. Skip a version at or below the newest applied to this document (version 0: unversioned,
-           always applied).
+        3. Skip a version at or below the newest applied to this document; an unversioned change
+           (version 0) that happened before the newest applied one (the events' signed
+           ``occurred_at``): a replayed old event cannot resurrect a deleted document.
         4. Upsert or delete without staging an event (the topic already carries this change).
-        5. Record the version, kept after a delete so that a late upsert cannot resurrect it.
+        5. Record the version and event time, kept after a delete so that a late upsert cannot
+           resurrect it.
         """
         if change.producer == self._producer:
             SOURCE_CHANGES.labels(ChangeOutcome.OWN.value).inc()
@@ -330,7 +332,7 @@ class RetrieverService:
             validate_document("document", doc, self._settings.max_document_chars)
         async with self._write_lock:
             held = await session.get(SourceVersionRow, (collection, tenant, change.document_id))
-            if held is not None and change.version and change.version <= held.version:
+            if held is not None and _is_stale(change, held):
                 SOURCE_CHANGES.labels(ChangeOutcome.STALE.value).inc()
                 return ChangeOutcome.STALE
             if upsert:
@@ -345,6 +347,8 @@ class RetrieverService:
             # An unversioned event never lowers the mark a versioned one set.
             held.version = max(held.version, change.version)
             held.producer, held.applied_at = change.producer, utcnow()
+            if change.occurred_at is not None:
+                held.occurred_at = max(held.occurred_at or 0.0, change.occurred_at)
             await session.flush()
         outcome = ChangeOutcome.APPLIED if changed else ChangeOutcome.UNCHANGED
         SOURCE_CHANGES.labels(outcome.value).inc()
@@ -522,3 +526,15 @@ class RetrieverService:
         )
         if held is None:
             raise errors.ValidationError("collection", f"unknown collection {name!r}")
+
+
+def _is_stale(change: DocumentChange, held: SourceVersionRow) -> bool:
+    """Whether ``change`` is older than what was applied to its document: by version, or, for
+    an unversioned change, by when it happened."""
+    if change.version:
+        return change.version <= held.version
+    return (
+        change.occurred_at is not None
+        and held.occurred_at is not None
+        and change.occurred_at < held.occurred_at
+    )

@@ -71,7 +71,9 @@ class SourceVersionRow(Base):
     """The newest upstream ``DocumentChanged`` version applied to a document (kept after a delete).
 
     Upstream events arrive at least once and, across partitions or a replay, out of order; one
-    older than this is ignored, so a late update cannot resurrect or roll back a document.
+    older than this is ignored, so a late update cannot resurrect or roll back a document. An
+    unversioned change is judged by when it happened instead (``occurred_at``, the newest applied
+    change's signed event time): an older one is a replay of an old genuine event.
     """
 
     __tablename__ = "source_versions"
@@ -82,6 +84,7 @@ class SourceVersionRow(Base):
     producer: Mapped[str] = mapped_column(sa.String(255))
     version: Mapped[int] = mapped_column(sa.BigInteger)
     applied_at: Mapped[dt.datetime] = mapped_column(sa.DateTime, default=utcnow)
+    occurred_at: Mapped[float | None] = mapped_column(sa.Float, nullable=True)
 
 
 def chunks_with_documents(*columns: Any) -> sa.Select[Any]:
