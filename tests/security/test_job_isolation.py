@@ -8,9 +8,14 @@ walks every ``/proc/<pid>/environ`` for tokens, reads the secrets file and the a
 writes outside its run directory and lists the processes it can see. Every attempt must fail,
 while the job's own declared environment is there.
 
-Where the node cannot isolate jobs (``job_sandbox`` pointing at a missing binary), the agent says
-so to the scheduler (``forge cluster`` shows it) and refuses the team's job with the reason; a job
-an admin submitted still runs.
+Where the node cannot isolate jobs (``job_sandbox`` pointing at a missing binary), the agent does
+not start unless an operator opted in. Turned off explicitly (``job_sandbox`` empty), the agent
+says so to the scheduler (``forge cluster`` shows it) and refuses the team's job with the reason;
+a job an admin submitted still runs.
+
+A job placed on one node has its own network namespace: nothing listening on the host —
+Temporal, PostgreSQL, Redis, the scheduler, the agent's own ports, any other local listener —
+answers it, while its own loopback works (its replicas' rendezvous).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import asyncio
 import contextlib
 import json
 import os
+import socket
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,7 +37,7 @@ from typer.testing import CliRunner
 
 from forge_cli import tokens
 from forge_kit.grpckit import make_channel
-from forge_kit.testing import ServiceProcess, eventually, free_port
+from forge_kit.testing import ServiceProcess, TemporalDevServer, eventually, free_port
 from forge_scheduler.cli import cluster_app
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the agent isolates jobs only when it runs as root")
@@ -187,9 +193,9 @@ def isolated(tmp_path: Path) -> Iterator[Platform]:
 
 @pytest.fixture
 def unisolated(tmp_path: Path) -> Iterator[Platform]:
-    platform = Platform(
-        tmp_path, {"FORGE_TRAINER_AGENT_JOB_SANDBOX": str(tmp_path / "no-such-bwrap")}
-    ).start()
+    # Isolation turned off explicitly: the only way an agent runs without it (besides
+    # allow_unisolated_jobs); an agent that merely cannot isolate refuses to start.
+    platform = Platform(tmp_path, {"FORGE_TRAINER_AGENT_JOB_SANDBOX": ""}).start()
     yield platform
     platform.stop()
 
@@ -235,7 +241,7 @@ async def test_a_team_job_reaches_no_secret_of_its_agent(isolated: Platform) -> 
 async def test_a_node_that_cannot_isolate_refuses_team_jobs_and_says_so(unisolated: Platform) -> None:
     node = await unisolated.node()
     assert not node.job_isolation.isolated
-    assert "no-such-bwrap not found" in node.job_isolation.detail
+    assert "turned off" in node.job_isolation.detail
     shown = await asyncio.to_thread(
         CliRunner().invoke,
         cluster_app,
@@ -269,3 +275,70 @@ async def test_a_node_that_cannot_isolate_refuses_team_jobs_and_says_so(unisolat
         unisolated.secrets["scheduler"], "research", [sys.executable, "-c", "pass"], {}
     )
     assert admin_job.state == common_pb2.JOB_STATE_SUCCEEDED, admin_job.message
+
+
+PROBE = r"""
+import json, socket, sys
+found = {}
+for target in sys.argv[1:]:
+    host, port = target.rsplit(":", 1)
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+        found[target] = "connected"
+    except OSError as exc:
+        found[target] = type(exc).__name__
+own = socket.socket()
+own.bind(("127.0.0.1", 0))
+own.listen()
+socket.create_connection(own.getsockname(), timeout=5).close()
+found["own loopback"] = "connected"
+print("PROBE " + json.dumps(found), flush=True)
+"""
+
+
+async def test_a_team_job_reaches_no_port_on_the_host(
+    isolated: Platform, temporal_server: TemporalDevServer
+) -> None:
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    targets = {
+        "temporal": temporal_server.target,
+        "postgresql": "127.0.0.1:5432",
+        "redis": "127.0.0.1:6379",
+        "scheduler": isolated.scheduler.grpc_target,
+        "scheduler http": isolated.scheduler.http_url.removeprefix("http://"),
+        "agent": isolated.agent.grpc_target,
+        "agent http": isolated.agent.http_url.removeprefix("http://"),
+        "a host listener": f"127.0.0.1:{listener.getsockname()[1]}",
+    }
+    token = await isolated.team_token("research")
+    try:
+        job = await isolated.run_job(token, "research", [sys.executable, "-c", PROBE, *targets.values()], {})
+    finally:
+        listener.close()
+    log = isolated.job_log(job.id)
+    with contextlib.suppress(OSError):
+        (Path("/dev/shm") / f"forge-job-{job.id}").rmdir()
+    assert job.state == common_pb2.JOB_STATE_SUCCEEDED, f"{job.message}\n{log}"
+    found = json.loads(next(x for x in log.splitlines() if x.startswith("PROBE ")).removeprefix("PROBE "))
+    reached = {name: t for name, t in targets.items() if found[t] == "connected"}
+    assert reached == {}, f"a job reached host ports: {reached}"
+    assert found["own loopback"] == "connected"
+
+
+def test_an_agent_that_cannot_isolate_does_not_start_unless_told(tmp_path: Path) -> None:
+    platform = Platform(tmp_path, {"FORGE_TRAINER_AGENT_JOB_SANDBOX": str(tmp_path / "no-such-bwrap")})
+    platform.scheduler.start()
+    platform.agent.env["FORGE_TRAINER_AGENT_SCHEDULER_TARGET"] = platform.scheduler.grpc_target
+    try:
+        with pytest.raises(RuntimeError, match="exited"):
+            platform.agent.start(60)
+        log = (tmp_path / "agent.log").read_text()
+        assert "jobs cannot be isolated here" in log and "no-such-bwrap not found" in log, log[-2000:]
+        # Opted in explicitly: it starts, and says loudly that jobs are not isolated.
+        platform.agent.env["FORGE_TRAINER_AGENT_ALLOW_UNISOLATED_JOBS"] = "true"
+        platform.agent.start(60)
+        assert "JOBS ARE NOT ISOLATED" in (tmp_path / "agent.log").read_text()
+    finally:
+        platform.stop()

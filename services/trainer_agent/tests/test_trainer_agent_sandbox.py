@@ -177,3 +177,25 @@ def test_jobs_read_the_datasets_but_not_the_data_folder_itself(
     plan = sandbox(tmp_path, read_paths=[str(p) for p in folders]).plan(tmp_path / "run", "job-d")
     assert tmp_path / "data" / "corpora" in plan.read_only
     assert not any(p == tmp_path / "data" or p == tmp_path / "data" / "scheduler" for p in plan.read_only)
+
+
+def test_a_job_on_one_node_gets_a_network_of_its_own(tmp_path: Path) -> None:
+    """One node: only its own loopback (collectives told to use it); spread over nodes, or with
+    an object store over the network: the host's network."""
+    box = sandbox(tmp_path)
+    one = box.plan(tmp_path / "run", "job-n")
+    assert one.private_network
+    assert not box.plan(tmp_path / "run", "job-n", num_nodes=2).private_network
+    assert (
+        not sandbox(tmp_path, objects_root="s3://bucket/forge")
+        .plan(tmp_path / "run", "job-n")
+        .private_network
+    )
+    launch = box.launch(one, ["true"], {"NCCL_SOCKET_IFNAME": "eth0", "JOB": "x"}, 3, 4)
+    assert "--unshare-net" in launch.args.decode().split("\0")
+    assert "NCCL_SOCKET_IFNAME=lo" in launch.script.decode() and "JOB=x" in launch.script.decode()
+    spread = box.launch(
+        box.plan(tmp_path / "run", "job-n", 2), ["true"], {"NCCL_SOCKET_IFNAME": "eth0"}, 3, 4
+    )
+    assert "--unshare-net" not in spread.args.decode().split("\0")
+    assert "NCCL_SOCKET_IFNAME=eth0" in spread.script.decode()

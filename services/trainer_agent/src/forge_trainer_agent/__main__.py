@@ -74,12 +74,23 @@ async def main() -> None:
     isolation = dataclasses.replace(checked, allows_unisolated=settings.allow_unisolated_jobs)
     if isolation.isolated:
         log.info("agent.job_isolation", isolated=True, detail=isolation.detail)
+    elif settings.job_sandbox and not settings.allow_unisolated_jobs:
+        # Secure by default: a node meant to isolate jobs that cannot does not start at all.
+        log.error("agent.job_isolation", isolated=False, detail=isolation.detail, starting=False)
+        raise SystemExit(
+            f"trainer agent: jobs cannot be isolated here ({isolation.detail}); run the agent as "
+            "root with Debian's bubblewrap installed (make install installs it as root), or opt in: "
+            "FORGE_TRAINER_AGENT_JOB_SANDBOX='' (admins' jobs only, unisolated) or "
+            "FORGE_TRAINER_AGENT_ALLOW_UNISOLATED_JOBS=true (every job, unisolated)"
+        )
     else:
-        log.warning(
+        runs = "EVERY job" if settings.allow_unisolated_jobs else "jobs submitted by admins only"
+        log.error(
             "agent.job_isolation",
             isolated=False,
             detail=isolation.detail,
-            runs="every job" if settings.allow_unisolated_jobs else "jobs submitted by admins only",
+            runs=runs,
+            warning=f"JOBS ARE NOT ISOLATED on this node (operator's choice): {runs} run as the agent's user",
         )
     used = sandbox if isolation.isolated else None
     # Jobs find the datasets where the agent does, whatever their working directory.

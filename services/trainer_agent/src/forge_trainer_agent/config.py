@@ -75,8 +75,9 @@ class TrainerAgentSettings(ServiceSettings):
 
     job_sandbox: str = "/usr/bin/bwrap"
     """The bubblewrap binary jobs run in (Debian package ``bubblewrap``); empty turns job
-    isolation off. Without it (or when the agent is not root) jobs are not isolated: the agent
-    says so at start-up and to the scheduler, and runs only jobs that admins submitted unless
+    isolation off (an explicit choice: the agent then says so loudly at start-up and to the
+    scheduler, and runs only jobs that admins submitted unless ``allow_unisolated_jobs`` is set).
+    Set but unusable (missing, or the agent is not root), the agent refuses to start unless
     ``allow_unisolated_jobs`` is set."""
 
     job_uid: int = Field(default=65534, ge=1, le=2**31 - 1)

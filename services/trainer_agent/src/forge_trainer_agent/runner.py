@@ -235,7 +235,7 @@ class LocalProcessRunner:
             raise LaunchError(f"command not found: {spec.command[0]!r}", exit_code=127)
         try:
             sandbox.prepare(spec.run_dir, spec.job_id)
-            plan = sandbox.plan(spec.run_dir, spec.job_id)
+            plan = sandbox.plan(spec.run_dir, spec.job_id, spec.num_nodes)
             with (
                 open(spec.log_path, "ab") as log,
                 sandbox.started_by(plan, spec.command, env, spec.node_rank) as (

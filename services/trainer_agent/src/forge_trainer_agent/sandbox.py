@@ -23,8 +23,11 @@ What the job sees of the host filesystem is an allow-list:
 
 The processes that run as root (bubblewrap, ``setpriv``) get an empty environment; the job's
 variables are set by a script bound into the sandbox and run after the privileges are dropped.
-The network is the host's (torchrun's rendezvous, the object store and the scheduler are reached
-over loopback). ``bwrap`` ignores SIGTERM (through ``env --ignore-signal``) so that stopping a job
+A job placed on one node gets its own network namespace (``--unshare-net``): its replicas and
+torchrun's rendezvous meet on its own loopback, and nothing listening on the host (Temporal, the
+broker, PostgreSQL, Redis, the services) can be reached. A job spread over several nodes, or
+one on a node whose object store is reached over the network, keeps the host's network (its
+replicas meet there). ``bwrap`` ignores SIGTERM (through ``env --ignore-signal``) so that stopping a job
 — SIGTERM to its process group — reaches the job, which checkpoints while the sandbox waits; the
 job's own command gets SIGTERM's default action back.
 
@@ -56,6 +59,8 @@ from forge_kit.paths import data_dir
 #: Host directories of the system a program needs (read-only); the others are symlinks or absent.
 SYSTEM_DIRS = ("usr", "etc")
 SYSTEM_LINKS = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
+#: Variables naming the network interface of collectives: ``lo`` inside a private network.
+NETWORK_INTERFACE_ENV = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME")
 #: Tools the sandbox chain uses, from util-linux and coreutils.
 SETPRIV = "/usr/bin/setpriv"
 ENV = "/usr/bin/env"
@@ -103,6 +108,10 @@ class SandboxPlan:
     writable: tuple[Path, ...]
     shm_dir: Path | None
     devices: tuple[Path, ...]
+    private_network: bool = True
+    """Its own network namespace (only its own loopback): every replica of a job on one node.
+    False for a job spread over several nodes (its replicas meet over the host's network) and
+    where the object store is reached over the network."""
 
 
 @dataclass(frozen=True)
@@ -181,6 +190,7 @@ class JobSandbox:
         self._shm_root = shm_root
         objects = Path(objects_root).resolve() if objects_root and "://" not in objects_root else None
         self._objects = objects
+        self._remote_objects = bool(objects_root) and objects is None
         private_paths = [Path(p).resolve() for p in private]
         self._code = [*code_paths(private_paths), *([objects] if objects else [])]
         self._read_patterns = [p for p in read_paths if p]
@@ -231,7 +241,8 @@ class JobSandbox:
 
     # --- per replica -------------------------------------------------------------------------
 
-    def plan(self, run_dir: Path, job_id: str) -> SandboxPlan:
+    def plan(self, run_dir: Path, job_id: str, num_nodes: int = 1) -> SandboxPlan:
+        """The sandbox of a replica of ``job_id`` (placed on ``num_nodes`` nodes in all)."""
         run_dir = run_dir.resolve()
         matched = [Path(m).resolve() for pattern in self._read_patterns for m in glob.glob(pattern)]
         read_only = _outermost([*self._code, *(p for p in matched if p.is_dir())])
@@ -240,7 +251,8 @@ class JobSandbox:
             writable.append(self._objects / "checkpoints" / job_id)
         shm = self._shm_root / f"forge-job-{job_id}" if self._shm_root.is_dir() else None
         devices = tuple(Path(p) for p in sorted(glob.glob("/dev/nvidia*")) if not os.path.isdir(p))
-        return SandboxPlan(run_dir, job_id, read_only, tuple(writable), shm, devices)
+        private_network = num_nodes <= 1 and not self._remote_objects
+        return SandboxPlan(run_dir, job_id, read_only, tuple(writable), shm, devices, private_network)
 
     def prepare(self, run_dir: Path, job_id: str) -> None:
         """Create the replica's writable directories, owned by the job user."""
@@ -309,6 +321,10 @@ class JobSandbox:
         if any("\0" in arg for arg in command):
             raise ValueError("a command argument holds a NUL character")
         args = ["--unshare-pid", "--unshare-ipc", "--unshare-cgroup-try", "--die-with-parent"]
+        if plan.private_network:
+            # Only its own loopback: no Temporal, broker, database or service port of the host.
+            args += ["--unshare-net"]
+            env = {**env, **{k: "lo" for k in NETWORK_INTERFACE_ENV if k in env}}
         for name in SYSTEM_DIRS:
             if os.path.isdir(f"/{name}"):
                 args += ["--ro-bind", f"/{name}", f"/{name}"]
