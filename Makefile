@@ -1,6 +1,7 @@
 # Forge — the two commands most people need: `make up` and `make test`.
 #
-#   make install   .venv with every package (libs/*, services/*) editable, dev tools, buf
+#   make install   .venv with every package (libs/*, services/*) editable, dev tools, buf; bubblewrap
+#                  (installed as root when missing, else the command to run is printed)
 #   make data      fetch every dataset into FORGE_DATA_DIR (default var/datasets), checksums pinned;
 #                  from the mirror folder DATA_MIRROR when there is one (../shared/data here)
 #   make up        start the local platform and run its main job (`forge up`)
@@ -44,12 +45,16 @@ TEST_JOBS ?= 3
 # A local copy of the public datasets, laid out as FORGE_DATA_DIR is; without one they are downloaded.
 DATA_MIRROR ?= $(wildcard ../shared/data)
 
-.PHONY: help install data up down status test fuzz faults verify load soak bench gen secrets clean
+.PHONY: help install sandbox data up down status test fuzz faults verify load soak bench gen secrets clean
 
 help:
 	@sed -n 's/^#   //p' Makefile
 
-install: $(STAMP) $(NPM_STAMP)
+install: sandbox $(STAMP) $(NPM_STAMP)
+
+# Debian's bubblewrap for the job and code sandboxes: installed as root, else the command to run.
+sandbox:
+	@scripts/ensure_sandbox.sh
 
 $(STAMP): $(INSTALL_INPUTS)
 	@test -x $(PY) || $(PYTHON_BOOT) -m venv $(VENV)

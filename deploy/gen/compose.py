@@ -18,6 +18,7 @@ from .common import (
     MLFLOW_HEALTHCHECK,
     MLFLOW_LOCAL_PORT,
     MLFLOW_PORT,
+    PRIVATE_BIND,
     QDRANT_COMPOSE_URL,
     TLS_DIR,
     UID,
@@ -172,7 +173,7 @@ def compose() -> dict[str, Any]:
             },
             "volumes": tls_mounts("ca.pem", "ui.pem", "ui.key"),
             "depends_on": {"temporal": healthy},
-            "ports": [f"{BIND}:8233:8080"],
+            "ports": [f"{PRIVATE_BIND}:8233:8080"],
             "healthcheck": {
                 "test": ["CMD-SHELL", "wget -q -O /dev/null http://127.0.0.1:8080/ || exit 1"],
                 "interval": "10s",
@@ -190,7 +191,7 @@ def compose() -> dict[str, Any]:
             ),
             "depends_on": {"postgres": healthy},
             # The UI has no login of its own: like every port, published on loopback by default.
-            "ports": [f"{BIND}:{MLFLOW_LOCAL_PORT}:{MLFLOW_PORT}"],
+            "ports": [f"{PRIVATE_BIND}:{MLFLOW_LOCAL_PORT}:{MLFLOW_PORT}"],
             "volumes": [f"objects:{DATA_ROOT}/objects"],
             "healthcheck": {
                 "test": MLFLOW_HEALTHCHECK,

@@ -8,7 +8,7 @@ from forge_cli import secretsfile
 from forge_cli.platform import SERVICES
 from forge_cli.secretsfile import required
 
-from .common import BIND, host
+from .common import BIND, PRIVATE_BIND, host
 
 PROMETHEUS_IMAGE = "prom/prometheus:v3.5.0"
 GRAFANA_IMAGE = "grafana/grafana:12.1.1"
@@ -62,7 +62,7 @@ def compose_services() -> dict[str, Any]:
                 "./deploy/prometheus/alerts.yml:/etc/prometheus/alerts.yml:ro",
                 "prometheus-data:/prometheus",
             ],
-            "ports": [f"{BIND}:{PROMETHEUS_PORT}:{PROMETHEUS_PORT}"],
+            "ports": [f"{PRIVATE_BIND}:{PROMETHEUS_PORT}:{PROMETHEUS_PORT}"],
             "healthcheck": {
                 "test": [
                     "CMD",

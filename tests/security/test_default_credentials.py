@@ -20,14 +20,18 @@ from typing import Any
 import httpx
 import pytest
 import yaml
+from rich.console import Console
+from typer.testing import CliRunner
 
-from forge_cli import platform, secretsfile, tlscerts, tokens
+from forge_cli import local, platform, secretsfile, tlscerts, tokens
+from forge_cli.main import app
 from forge_cli.platform import ServiceSpec
 from forge_cli.supervisor import Paths
 from forge_kit.testing import ServiceProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 KNOWN = ["forge-dev-key", "forge-dev-token", "dev-token-inference-gateway"]
+BOOTSTRAP = "inference_gateway.BOOTSTRAP_API_KEY"
 
 
 def _forge_up_env(paths: Paths, name: str) -> tuple[dict[str, str], tokens.PlatformSecrets]:
@@ -171,8 +175,11 @@ def test_compose_publishes_ports_on_loopback_only() -> None:
         for port in service.get("ports", [])
     ]
     assert published, "nothing is published at all?"
+    unauthenticated = {"temporal-ui", "mlflow", "prometheus"}
     for name, port in published:
-        assert port.startswith("${FORGE_BIND_ADDR:-127.0.0.1}:"), (name, port)
+        # What answers without authentication stays on loopback whatever FORGE_BIND_ADDR says.
+        bind = "127.0.0.1:" if name in unauthenticated else "${FORGE_BIND_ADDR:-127.0.0.1}:"
+        assert port.startswith(bind), (name, port)
     assert "ports" not in COMPOSE["services"]["kafka"]
 
 
@@ -244,3 +251,38 @@ def test_make_secrets_writes_a_private_env_file_covering_every_reference(tmp_pat
     assert secretsfile.write(env_file) == {}  # shown once; kept afterwards
     assert secretsfile.read(env_file) == values
     assert ".env" in (ROOT / ".gitignore").read_text().splitlines()
+
+
+def test_forge_up_never_prints_the_bootstrap_key_and_forge_keys_shows_it(tmp_path: Path) -> None:
+    """The key lands in a 0600 file, not in terminal scrollback or CI logs; ``forge keys show``
+    prints it (alone) on request, and only to whoever can read that file."""
+    paths = Paths(tmp_path)
+    secrets = tokens.load_platform(paths.tokens, paths.event_keys, paths.generated, platform.SERVICES)
+    key = secrets.generated[BOOTSTRAP]
+    console = Console(record=True, width=300)
+    local.announce_generated(console, secrets.new, paths.generated)
+    said = console.export_text()
+    assert BOOTSTRAP in said and "forge keys show" in said and key not in said
+    assert stat.S_IMODE(paths.generated.stat().st_mode) == 0o600
+
+    env = {**_clean_environ(), "FORGE_ROOT": str(tmp_path)}
+    shown = CliRunner().invoke(app, ["keys", "show"], env=env)
+    assert shown.exit_code == 0 and shown.stdout.strip() == key, shown.output
+    listed = CliRunner().invoke(app, ["keys", "list"], env=env)
+    assert listed.exit_code == 0 and listed.stdout.split() == [BOOTSTRAP] and key not in listed.output
+    missing = CliRunner().invoke(app, ["keys", "show", "nope.X"], env=env)
+    assert missing.exit_code == 1 and key not in missing.output
+    # make secrets (Compose) names the generated key without printing it either.
+    env_file = tmp_path / "compose" / ".env"
+    env_file.parent.mkdir()
+    run = subprocess.run(
+        [sys.executable, "-m", "forge_cli.secretsfile", str(env_file)],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=_clean_environ(),
+    )
+    written = secretsfile.read(env_file)
+    gateway = next(s for s in platform.SERVICES if s.name == "inference_gateway")
+    value = written[secretsfile.generated_var(gateway, "BOOTSTRAP_API_KEY")]
+    assert value and value not in run.stdout and "generated" in run.stdout

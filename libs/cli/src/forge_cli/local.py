@@ -13,7 +13,7 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +35,16 @@ SERVICE_TIMEOUT_S = 180.0
 
 class UpFailed(RuntimeError):
     """A component did not come up; the message says which and shows its log tail."""
+
+
+def announce_generated(console: Console, new: Mapping[str, str], path: Path) -> None:
+    """Name each secret generated just now, never its value (terminal scrollback, CI logs): it
+    is in the secrets store (mode 0600) and ``forge keys show NAME`` prints it on request."""
+    for name in new:
+        console.print(
+            f"generated {name} (kept in {path}, mode 0600; show it with: forge keys show {name})",
+            highlight=False,
+        )
 
 
 def find_root(start: Path | None = None) -> Path:
@@ -361,9 +371,7 @@ async def up(
         console.print("[red]platform table is inconsistent:[/] " + "; ".join(problems))
         return 2
     secrets = tokens.load_platform(paths.tokens, paths.event_keys, paths.generated, table)
-    for name, value in secrets.new.items():
-        # Shown this once; afterwards it is only in the secrets store (mode 0600).
-        console.print(f"generated {name}: [bold]{value}[/] (kept in {paths.generated})", highlight=False)
+    announce_generated(console, secrets.new, paths.generated)
     paths.objects.mkdir(parents=True, exist_ok=True)
     try:
         if profile is not None and profile.backing is not None:

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from forge_cli import data, local, platform, profiles
+from forge_cli import data, keys, local, platform, profiles
 from forge_cli.plugins import PluginGroup
 from forge_cli.supervisor import Paths
 
@@ -21,6 +21,7 @@ app = typer.Typer(
 )
 console = Console()
 app.add_typer(data.app, name="data")
+app.add_typer(keys.app, name="keys")
 
 ServicesOption = Annotated[
     str | None,

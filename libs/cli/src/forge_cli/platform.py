@@ -367,11 +367,14 @@ def production_env(spec: ServiceSpec, backing: Backing) -> dict[str, str]:
     return env
 
 
-#: Settings containers get that ``forge up`` has no counterpart for: the listen address, and the
-#: transport security of the broker and Temporal (the local stand-ins run without SASL and TLS).
+#: Settings containers get that ``forge up`` has no counterpart for: the listen address, the
+#: transport security of the broker and Temporal (the local stand-ins run without SASL and TLS),
+#: and the agents' job isolation, off in images that run them unprivileged (``forge up``'s run
+#: as root and isolate jobs).
 CONTAINER_ONLY = frozenset(
     {
         "HOST",
+        "JOB_SANDBOX",
         "KAFKA_SECURITY_PROTOCOL",
         "KAFKA_SASL_MECHANISM",
         "KAFKA_SASL_USERNAME",

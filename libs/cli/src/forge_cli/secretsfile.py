@@ -9,7 +9,7 @@ and refuses to start without. This module writes that file (mode 0600, never com
   ``FORGE_EVENT_VERIFY_KEYS``: every service's public key (derived, rewritten on every run);
 - ``FORGE_KAFKA_PASSWORD_<SERVICE>``: each service's SASL/SCRAM password on the broker;
 - ``FORGE_SECRET_<SERVICE>_<SETTING>``: the table's ``generated`` settings (the gateway's
-  bootstrap API key), printed once when created;
+  bootstrap API key), named (never printed) when created;
 - ``POSTGRES_PASSWORD``.
 
 It also writes Temporal's mutual-TLS CA and certificates into ``var/secrets/temporal-tls/`` next
@@ -88,7 +88,7 @@ def read(path: Path) -> dict[str, str]:
 
 def write(path: Path, table: Iterable[ServiceSpec] = SERVICES) -> dict[str, str]:
     """Fill ``path`` with every secret of ``table``, keeping existing ones; returns the newly
-    created values that must be shown once (API keys)."""
+    created values whose names are shown (API keys)."""
     rows = list(table)
     values = read(path)
     shown: dict[str, str] = {}
@@ -116,8 +116,9 @@ def main(argv: list[str]) -> int:
     path = Path(argv[0] if argv else ".env")
     shown = write(path)
     tlscerts.write(path.resolve().parent / TEMPORAL_TLS_DIR)
-    for name, value in shown.items():
-        print(f"{name}={value}  (shown once; kept in {path}, mode 0600)")
+    for name in shown:
+        # Never printed (scrollback, CI logs): read it from the file when needed.
+        print(f"generated {name} (kept in {path}, mode 0600; show it with: grep ^{name}= {path})")
     print(f"secrets in {path} (mode 0600)")
     return 0
 

@@ -64,7 +64,7 @@ class PlatformSecrets:
     event_keys: dict[str, str]
     generated: dict[str, str]
     new: dict[str, str]
-    """Generated secrets created by this call (``<service>.<SETTING>``): shown once, then only in
+    """Generated secrets created by this call (``<service>.<SETTING>``): named (never printed), then only in
     the secrets store."""
 
 
