@@ -153,8 +153,9 @@ async def test_the_jobs_environment_never_reaches_the_processes_that_run_as_root
                       log_path=run_dir / "attempt-1.log")  # fmt: skip
     proc = await LocalProcessRunner(sandbox=sandbox(tmp_path)).launch(spec)
     try:
-        await eventually((run_dir / "env").exists, what="the job to write its environment")
-        assert (run_dir / "env").read_text() == "/nonexistent/evil.so"
+        # Read once written: open() makes the file before write() fills it (seen empty under load).
+        written = lambda: (run_dir / "env").exists() and (run_dir / "env").read_text()  # noqa: E731
+        assert await eventually(written, what="the job to write its environment") == "/nonexistent/evil.so"
         launcher = Path(f"/proc/{proc.pid}")
         assert launcher.stat().st_uid == 0
         environ = launcher.joinpath("environ").read_bytes().split(b"\0")
