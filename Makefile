@@ -9,7 +9,9 @@
 #   make status    pid, liveness and health of each component
 #   make test      every test: each test folder a pytest process, TEST_JOBS=3 at a time
 #   make fuzz      hypothesis-generated requests against every RPC (1000 per RPC; no INTERNAL allowed)
-#   make faults    fault injection: kill -9 / restart each component under load, count what survived
+#   make faults    fault injection: kill -9 / restart each component, partitions, slow links, a full
+#                  disk, a paused process, under load; histories checked (the quick scenarios)
+#   make faults-long  the fault scenarios of minutes (a 60 s broker partition, ...)
 #   make verify    the gate: ruff, ruff format, mypy, buf lint, stub freshness, import contracts,
 #                  no source file over 600 lines (scripts/check_file_sizes.py)
 #   make load      the load suite: every scenario once, checked against load/thresholds.toml
@@ -45,7 +47,7 @@ TEST_JOBS ?= 3
 # A local copy of the public datasets, laid out as FORGE_DATA_DIR is; without one they are downloaded.
 DATA_MIRROR ?= $(wildcard ../shared/data)
 
-.PHONY: help install sandbox data up down status test fuzz faults verify load soak bench gen secrets clean
+.PHONY: help install sandbox data up down status test fuzz faults faults-long verify load soak bench gen secrets clean
 
 help:
 	@sed -n 's/^#   //p' Makefile
@@ -89,7 +91,10 @@ fuzz: install
 	FORGE_FUZZ_EXAMPLES=$${FORGE_FUZZ_EXAMPLES:-1000} FORGE_FUZZ_TIMEOUT_S=7200 $(VENV)/bin/pytest -q -s --timeout=7200 tests/fuzz
 
 faults: install
-	$(VENV)/bin/pytest -q -s --timeout=$(PYTEST_TIMEOUT) tests/faults
+	$(VENV)/bin/pytest -q -s --timeout=$(PYTEST_TIMEOUT) -m "not faults_long" tests/faults
+
+faults-long: install
+	$(VENV)/bin/pytest -q -s --timeout=1200 -m faults_long tests/faults
 
 verify: install
 	$(VENV)/bin/ruff check .

@@ -6,6 +6,12 @@ this package translate them, so a route never builds a status code by hand.
 
 from __future__ import annotations
 
+import errno
+
+STORAGE_FULL_MESSAGE = "storage is full: the request was not recorded; retry once space is freed"
+_SQLITE_FULL = 13  # sqlite3.SQLITE_FULL: "database or disk is full"
+_POSTGRES_DISK_FULL = "53100"  # SQLSTATE disk_full
+
 
 class ForgeError(Exception):
     """Base class of errors a caller can act on."""
@@ -54,3 +60,27 @@ class UnauthenticatedError(ForgeError):
 
 class PermissionDeniedError(ForgeError):
     """The caller is authenticated but may not do this (another team's job, an admin action)."""
+
+
+def storage_full(exc: BaseException) -> bool:
+    """Whether ``exc``, or an error it was raised from, says the disk is full: ``ENOSPC`` or
+    ``EDQUOT`` from the OS, ``SQLITE_FULL`` from SQLite, ``disk_full`` (53100) from PostgreSQL
+    (through SQLAlchemy's wrapper or not). Transports answer these with a clear "storage is
+    full" (HTTP 507, gRPC ``RESOURCE_EXHAUSTED``) instead of a bare internal error."""
+    seen: set[int] = set()
+    found: BaseException | None = exc
+    while found is not None and id(found) not in seen:
+        seen.add(id(found))
+        if isinstance(found, OSError) and found.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if getattr(found, "sqlite_errorcode", None) == _SQLITE_FULL:
+            return True
+        if getattr(found, "sqlstate", None) == _POSTGRES_DISK_FULL:
+            return True
+        orig = getattr(found, "orig", None)  # SQLAlchemy's DBAPIError wraps the driver's error
+        found = (
+            orig
+            if isinstance(orig, BaseException) and id(orig) not in seen
+            else (found.__cause__ or found.__context__)
+        )
+    return False

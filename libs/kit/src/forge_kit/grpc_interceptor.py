@@ -8,8 +8,8 @@
 2. applies the default deadline when the caller set none, and records the effective deadline
    (:data:`current_deadline`) so that downstream calls made while handling inherit what is left;
 3. maps domain errors (:mod:`forge_kit.errors`) to status codes — ``INVALID_ARGUMENT`` naming the
-   field, ``NOT_FOUND``, ``RESOURCE_EXHAUSTED`` — and anything else to ``INTERNAL`` without leaking
-   internals;
+   field, ``NOT_FOUND``, ``RESOURCE_EXHAUSTED`` (also for a full disk) — and anything else to
+   ``INTERNAL`` without leaking internals;
 4. counts and times the call in Prometheus, logs it, and audits the admin actions it asked for.
 
 Handlers and callers use these through :mod:`forge_kit.grpckit`, which re-exports the public names.
@@ -148,6 +148,8 @@ def _status_for(exc: BaseException) -> tuple[grpc.StatusCode, str, tuple[tuple[s
     if isinstance(exc, grpc.aio.AioRpcError) and exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
         # A downstream call ran out of the deadline it inherited from this call.
         return grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded", ()
+    if errors.storage_full(exc):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, errors.STORAGE_FULL_MESSAGE, ()
     return grpc.StatusCode.INTERNAL, "internal error", ()
 
 

@@ -129,6 +129,8 @@ def make_app(
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, exc: Exception) -> JSONResponse:
+        if errors.storage_full(exc):
+            return _error(507, "insufficient_storage", errors.STORAGE_FULL_MESSAGE)
         return _error(500, "internal", "internal error")
 
     return app

@@ -122,11 +122,18 @@ class _Process:
 
 
 class TansuBroker(_Process):
-    """The Kafka-compatible Tansu broker, memory storage, on a fixed port (restartable in place)."""
+    """The Kafka-compatible Tansu broker, memory storage, on a fixed port (restartable in place).
 
-    def __init__(self, port: int | None = None, log_path: str | None = None) -> None:
+    ``advertised_port`` is the port clients are told to use after bootstrapping (default: its
+    own): the fault suite points it at a proxy in front of the broker, so every connection a
+    client makes passes through the proxy."""
+
+    def __init__(
+        self, port: int | None = None, log_path: str | None = None, advertised_port: int | None = None
+    ) -> None:
         super().__init__(log_path)
         self.port = port or free_port()
+        self.advertised_port = advertised_port or self.port
 
     @property
     def bootstrap(self) -> str:
@@ -141,7 +148,7 @@ class TansuBroker(_Process):
                 "--listener-url",
                 url,
                 "--advertised-listener-url",
-                url,
+                f"tcp://127.0.0.1:{self.advertised_port}",
                 "--storage-engine",
                 "memory://tansu/",
             ]
