@@ -195,6 +195,42 @@ async def test_lost_node_requeues_its_jobs_and_cancels_the_other_replicas(
     assert await sched.used_gpus() == {}
 
 
+async def test_after_a_failed_cycle_nodes_get_a_full_timeout_before_they_are_lost(
+    sched: SchedulerService, loop: SchedulingLoop, clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by the fault suite (scheduler ↔ PostgreSQL partition): heartbeats that arrive while
+    the database is away are not recorded, so once it is back every node looks silent for as long
+    as the outage and the first cycle requeued a job whose node had finished it: it ran twice."""
+    await sched.create_team("research", "", [H100])
+    queues = await with_nodes(sched, register("node-a"))
+    job = await sched.submit_job(make_job().gpus(4).build())
+    await loop.cycle()
+    await sched.update_job_status("node-a", report(job.id, S.JOB_STATE_RUNNING))
+    drain(queues["node-a"])
+    # The database goes away: the running loop's cycles fail (as asyncpg's would, cut off).
+    real_snapshot = loop._snapshot
+    broken = asyncio.Event()
+
+    async def unreachable(now: dt.datetime) -> object:
+        broken.set()
+        raise ConnectionResetError("database unreachable")
+
+    monkeypatch.setattr(loop, "_snapshot", unreachable)
+    running = asyncio.create_task(loop.run())
+    loop.wake()
+    await asyncio.wait_for(broken.wait(), 10)
+    running.cancel()
+    await asyncio.gather(running, return_exceptions=True)
+    monkeypatch.setattr(loop, "_snapshot", real_snapshot)
+    clock.advance(20)  # node-a's heartbeats of the outage went unrecorded: it looks silent 20 s
+
+    assert (await loop.cycle()).requeued == []  # a full timeout, from now, to be heard from
+    clock.advance(10)
+    assert (await loop.cycle()).requeued == []
+    clock.advance(6)  # still silent 15 s after the database came back: lost
+    assert (await loop.cycle()).requeued == [job.id]
+
+
 async def test_production_inference_preempts_preemptible_work_within_a_cycle_and_grace(
     sched: SchedulerService, loop: SchedulingLoop, clock: Clock
 ) -> None:

@@ -108,6 +108,10 @@ class SchedulingLoop:
         self._lock = asyncio.Lock()
         self._changed = asyncio.Event()
         service.on_change(self._changed.set)
+        self._failed = False
+        """A cycle failed (its database away, say) since the last one that ran."""
+        self._expire_from: dt.datetime | None = None
+        """No node is called lost before this: the heartbeats of a database outage went unrecorded."""
 
     def wake(self) -> None:
         self._changed.set()
@@ -128,6 +132,7 @@ class SchedulingLoop:
                 log.info("scheduler.cycle_conflict")
                 self._changed.set()
             except Exception:
+                self._failed = True
                 log.exception("scheduler.cycle_failed")
 
     async def cycle(self) -> CycleReport:
@@ -135,8 +140,17 @@ class SchedulingLoop:
             started = time.perf_counter()
             report = CycleReport()
             now = self._service.now()
+            if self._failed:
+                # While cycles failed, heartbeats could not be recorded either (they are writes to
+                # the same database): the nodes' last_heartbeat_at is as old as the outage, not as
+                # their silence. Each gets a full loss timeout, from now, to be heard from again;
+                # requeueing at once would run a job twice whose node finished it meanwhile.
+                self._failed = False
+                self._expire_from = now + dt.timedelta(seconds=self._node_lost_after_s)
+                log.warning("scheduler.recovered", nodes_judged_from=self._expire_from.isoformat())
             # 1. Lost nodes.
-            await self._expire_lost_nodes(now, report)
+            if self._expire_from is None or now >= self._expire_from:
+                await self._expire_lost_nodes(now, report)
             # 2.-3. Snapshot and usage.
             snap, rows = await self._snapshot(now)
             # 4. Policy.
