@@ -208,5 +208,9 @@ class NetNamespace:
 
     def delete(self) -> None:
         subprocess.run(["ip", "link", "del", self.host_if], capture_output=True, timeout=30)
-        subprocess.run(["ip", "route", "del", "unreachable", self.subnet, "metric", "4000"], capture_output=True, timeout=30)
+        subprocess.run(
+            ["ip", "route", "del", "unreachable", self.subnet, "metric", "4000"],
+            capture_output=True,
+            timeout=30,
+        )
         subprocess.run(["ip", "netns", "del", self.name], capture_output=True, timeout=30)
