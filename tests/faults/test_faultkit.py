@@ -90,6 +90,38 @@ async def test_partitions_one_way_and_both_then_heal(link: FaultProxy) -> None:
 
 
 @pytest.mark.asyncio
+async def test_what_a_sender_sent_before_dying_behind_a_partition_never_arrives() -> None:
+    received: list[bytes] = []
+
+    async def sink(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        received.append(await reader.read())
+        writer.close()
+
+    server = await asyncio.start_server(sink, "127.0.0.1", 0)
+    proxy = FaultProxy(("127.0.0.1", server.sockets[0].getsockname()[1]), name="sink").start()
+    try:
+        _, alive = await asyncio.open_connection("127.0.0.1", proxy.port)
+        _, dying = await asyncio.open_connection("127.0.0.1", proxy.port)
+        await asyncio.sleep(0.3)  # both reach the service before the partition
+        proxy.partition("up")
+        alive.write(b"retransmitted")
+        dying.write(b"never-arrives")
+        await asyncio.gather(alive.drain(), dying.drain())
+        dying.transport.abort()  # the sender dies while cut off
+        await asyncio.sleep(0.5)
+        proxy.heal()
+        alive.write_eof()
+        deadline = time.monotonic() + 5
+        while len(received) < 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert sorted(received) == [b"", b"retransmitted"]
+        alive.close()
+    finally:
+        proxy.stop()
+        server.close()
+
+
+@pytest.mark.asyncio
 async def test_resets_refuse_connections(link: FaultProxy) -> None:
     link.configure(reset=1.0)
     reader, writer = await asyncio.open_connection("127.0.0.1", link.port)

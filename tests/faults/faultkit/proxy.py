@@ -16,7 +16,9 @@ proxy dials the service) and change what the link does while traffic flows:
   connections accepted meanwhile reach the service only once "up" is open again. Bytes held back
   fill bounded queues, then the kernel's buffers, so senders block as across a real partition.
   :meth:`heal` opens everything (``reset=True`` also cuts the held connections, as a long
-  partition's TCP retransmission give-up would).
+  partition's TCP retransmission give-up would). Bytes held for a sender that closed or died
+  during the partition are never delivered (nobody is left to retransmit them): that connection
+  is reset at the heal.
 
 Settings change at runtime from any thread (:meth:`configure`); every connection reads them for
 each chunk. Traffic stays on 127.0.0.1.
@@ -228,7 +230,10 @@ class FaultProxy:
         """Read chunks, stamp each with when the faults let it arrive, deliver in order."""
         queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue(QUEUE_CHUNKS)
 
+        sender_gone = False  # the sender closed or died while this direction was cut off
+
         async def read() -> None:
+            nonlocal sender_gone
             last = 0.0
             try:
                 while data := await reader.read(CHUNK):
@@ -243,17 +248,21 @@ class FaultProxy:
                     await queue.put((last, data))
             except (ConnectionError, OSError):
                 pass
+            sender_gone = not self._open[direction].is_set()
             await queue.put((0.0, b""))
 
         async def deliver() -> None:
             free_at = 0.0
             while True:
                 due, data = await queue.get()
+                await self._open[direction].wait()
                 if not data:
+                    if sender_gone:
+                        writer.transport.abort()
+                        return
                     with contextlib.suppress(ConnectionError, OSError, RuntimeError):
                         writer.write_eof()
                     return
-                await self._open[direction].wait()
                 bps = self._faults.bandwidth_bps
                 if bps:
                     due = max(due, free_at)
@@ -262,6 +271,12 @@ class FaultProxy:
                 if wait > 0:
                     await asyncio.sleep(wait)
                 await self._open[direction].wait()  # a partition that began while waiting
+                if sender_gone:
+                    # What a sender that died behind a partition had sent never arrives (no one
+                    # is left to retransmit it): the connection is reset, nothing delivered.
+                    self.stats.resets += 1
+                    writer.transport.abort()
+                    return
                 writer.write(data)
                 if direction == "up":
                     self.stats.bytes_up += len(data)
