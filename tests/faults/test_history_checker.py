@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from faultkit.history import History, check_aliases, check_jobs, check_writes, verdict
+from faultkit.history import History, check_aliases, check_copies, check_jobs, check_writes, verdict
 
 
 def acked(history: History, process: str, key: str, f: str = "write") -> None:
@@ -82,3 +82,15 @@ def test_a_fail_must_say_why_and_histories_round_trip(tmp_path: Path) -> None:
     acked(h, "c1", "p2")
     h.dump(tmp_path / "history.jsonl")
     assert History.load(tmp_path / "history.jsonl").ops == h.ops
+
+
+def test_a_copy_missing_or_repeating_what_the_source_holds_is_named() -> None:
+    """A consumer's view against the owner's database: a row whose writer never heard back must
+    flow on all the same, and a redelivery must not be applied twice."""
+    h = History()
+    h.info(h.invoke("c1", "write", "p1"), "timeout")  # applied, the client never knew
+    acked(h, "c1", "p2")
+    source = {"p1": 1, "p2": 1, "p3": 1}
+    copy = {"p2": 2, "p3": 1}
+    result = verdict(h, check_copies(source, copy, what="the consumer"))
+    assert result.kinds() == {"lost-in-copy": ["p1"], "duplicated-in-copy": ["p2"]}
