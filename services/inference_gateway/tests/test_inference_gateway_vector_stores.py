@@ -6,14 +6,20 @@ failed upload loses nothing already stored."""
 
 from __future__ import annotations
 
+import asyncio
 import io
+import json
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
+import typer
+from typer.testing import CliRunner, Result
 
+from forge_inference_gateway.admin_cli import rag_app, tenants_app
 from forge_inference_gateway.document_index import GrpcDocumentIndex
 from forge_inference_gateway.openai_api import install_gateway_api
 from forge_inference_gateway.rag import RagService
@@ -232,3 +238,63 @@ async def test_limits_answer_4xx_and_a_failed_upload_loses_nothing(platform: Pla
         assert long_query.status_code == 400 and long_query.json()["error"]["param"] == "query"
         unknown = await http.post(f"/vector_stores/{store.id}/search", json={"query": "a", "rank": 1})
         assert unknown.status_code == 400, unknown.text
+
+
+@pytest.mark.integration
+async def test_forge_tenants_and_forge_rag_manage_keys_and_documents(
+    platform: Platform, tmp_path: Path
+) -> None:
+    base_url, _ = await platform()
+    url = base_url.removesuffix("/v1")
+    runner = CliRunner()
+
+    async def forge(app: typer.Typer, *args: str, key: str = "") -> Result:
+        env = {
+            "FORGE_CLI_GATEWAY_URL": url,
+            "FORGE_CLI_INFERENCE_GATEWAY_TOKEN": ADMIN_TOKEN,
+            "FORGE_CLI_RAG_API_KEY": key,
+        }
+        return await asyncio.to_thread(runner.invoke, app, list(args), env=env)
+
+    made = await forge(
+        tenants_app, "create-key", "acme", "--name", "loader", "--scope", "rag:read", "--scope", "rag:write"
+    )
+    assert made.exit_code == 0, made.output
+    loader = made.output.strip()
+    reader = (
+        await forge(tenants_app, "create-key", "acme", "--name", "reader", "--scope", "rag:read")
+    ).output.strip()
+
+    store = await forge(rag_app, "create-store", "kb", key=loader)
+    assert store.exit_code == 0, store.output
+    store_id = store.output.strip()
+    doc = tmp_path / "zebras.md"
+    doc.write_text(FILES["zebras.md"])
+    uploaded = await forge(rag_app, "upload", store_id, str(doc), "--json", key=loader)
+    assert uploaded.exit_code == 0 and '"completed"' in uploaded.output, uploaded.output
+    found = await forge(rag_app, "search", store_id, "zebra stripes", "--json", key=reader)
+    assert found.exit_code == 0 and "zebras.md" in found.output, found.output
+
+    # A key without rag:write cannot upload, through the SDK as through the CLI.
+    async with sdk(base_url, reader) as read_only:
+        with pytest.raises(openai.PermissionDeniedError):
+            await read_only.files.create(file=("x.txt", b"text"), purpose="assistants")
+    refused = await forge(rag_app, "create-store", "other", key=reader)
+    assert refused.exit_code == 1 and "403" in refused.output
+
+    keys = await forge(tenants_app, "keys", "acme", "--json")
+    listed = {k["name"]: k for k in json.loads(keys.output)}
+    assert listed["loader"]["usage"]["documents"] == 1 and listed["loader"]["scopes"] == [
+        "rag:read",
+        "rag:write",
+    ]
+    assert loader not in keys.output and reader not in keys.output
+
+    rotated = await forge(tenants_app, "rotate-key", "acme", "loader", "--overlap", "0")
+    assert rotated.exit_code == 0
+    assert (await forge(rag_app, "stores", key=loader)).exit_code == 1  # the old secret stopped at once
+    assert (await forge(rag_app, "stores", key=rotated.output.strip())).exit_code == 0
+    assert (await forge(tenants_app, "revoke-key", "acme", "reader")).exit_code == 0
+    assert (await forge(rag_app, "stores", key=reader)).exit_code == 1
+    audit = json.loads((await forge(tenants_app, "audit", "acme", "--json")).output)
+    assert [e["action"] for e in audit] == ["adopted", "created", "created", "rotated", "created", "revoked"]
