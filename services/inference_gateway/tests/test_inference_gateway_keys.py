@@ -172,3 +172,27 @@ async def test_usage_is_counted_per_key_in_the_api_and_the_metrics(app_client: h
     assert mine["usage"]["requests"] == 4  # three lists and this read itself
     assert mine["last_used_at"] is not None
     assert counted() - before == 4
+
+
+async def test_the_openapi_document_has_the_schemas_of_documents_and_keys(
+    app_client: httpx.AsyncClient,
+) -> None:
+    doc = (await app_client.get("/openapi.json")).json()
+
+    def ref(schema: dict[str, object]) -> str:
+        return str(schema.get("$ref", "")).rsplit("/", 1)[-1]
+
+    create = doc["paths"]["/v1/vector_stores"]["post"]
+    assert ref(create["requestBody"]["content"]["application/json"]["schema"]) == "VectorStoreCreate"
+    assert ref(create["responses"]["200"]["content"]["application/json"]["schema"]) == "VectorStoreOut"
+    assert {"400", "401", "403", "404", "413"} <= set(create["responses"])
+    upload = doc["paths"]["/v1/files"]["post"]
+    assert "multipart/form-data" in upload["requestBody"]["content"]
+    status = doc["components"]["schemas"]["VectorStoreFileOut"]["properties"]["status"]
+    assert status["enum"] == ["in_progress", "completed", "failed"]
+    search = doc["paths"]["/v1/vector_stores/{store_id}/search"]["post"]
+    assert ref(search["responses"]["200"]["content"]["application/json"]["schema"]) == "SearchPage"
+    rag = doc["components"]["schemas"]["RagQueryBody"]
+    assert "model" in rag["required"] and "vector_store_id" in rag["properties"]
+    issued = doc["paths"]["/admin/v1/tenants/{name}/keys"]["post"]["responses"]["201"]
+    assert ref(issued["content"]["application/json"]["schema"]) == "KeyIssued"

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import pytest
 
 from forge_inference_gateway.document_index import GrpcDocumentIndex
@@ -143,3 +144,9 @@ async def test_every_quickstart_block_runs_against_a_live_platform(
     assert "all-MiniLM-L6-v2" in everything or "minilm" in everything.lower(), everything
     assert "bad request: 400" in everything and "unauthenticated: 401" in everything
     assert re.search(r"^1 file-\w+ ", everything, re.M), everything  # a passage from an uploaded file
+    # What the key did is counted against it: requests, the tokens of chats and answers, documents.
+    async with httpx.AsyncClient(headers={"Authorization": f"Bearer {live['FORGE_API_KEY']}"}) as http:
+        keys = (await http.get(live["FORGE_BASE_URL"] + "/keys")).json()["data"]
+    assert [k["name"] for k in keys] == ["primary"] and keys[0]["prefix"] == live["FORGE_API_KEY"][:10]
+    usage = keys[0]["usage"]
+    assert usage["requests"] >= 10 and usage["tokens"] > 0 and usage["documents"] == 4, usage

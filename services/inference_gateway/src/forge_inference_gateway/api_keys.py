@@ -9,9 +9,9 @@ Who calls what:
   audit.
 
 A tenant's first key — the one ``POST /admin/v1/tenants`` shows once, or the bootstrap key — lives
-on the tenant row and has every scope. The first time an admin manages the tenant's keys it is
-adopted into the key table as ``primary`` (same secret, so nothing breaks), and from then on it
-rotates, expires and is revoked like any other. The bootstrap key is configuration: a gateway
+on the tenant row and has every scope. On its first use, or the first time an admin manages the
+tenant's keys, it is adopted into the key table as ``primary`` (same secret, so nothing breaks),
+and from then on it is counted, rotates, expires and is revoked like any other. The bootstrap key is configuration: a gateway
 started with ``bootstrap_api_key`` set re-keys the ``default`` tenant with it.
 
 Expiry is checked on every request against the clock; a revocation applies at once on the replica
@@ -148,8 +148,10 @@ class ApiKeys:
                     )
                 ).first()
             if found is None:
-                # The service token, or a tenant's first key not adopted yet: every scope.
-                return await self._tenants.authenticate(api_key), KeyGrant("", FULL)
+                # The service token (every scope, no key of its own), or a tenant's first key,
+                # adopted now so that its use is counted like any other key's.
+                tenant = await self._tenants.authenticate(api_key)
+                return tenant, KeyGrant(await self._adopt_on_first_use(api_key) or "", FULL)
             row, tenant_row = found
             if row.revoked_at is not None:
                 raise errors.UnauthenticatedError("this API key was revoked")
@@ -204,20 +206,36 @@ class ApiKeys:
             raise errors.NotFoundError(f"tenant {name!r} not found")
         return row  # type: ignore[no-any-return]
 
-    async def _adopt(self, session: object, tenant: TenantRow, actor: str) -> None:
-        """Move the tenant's first key into the key table as ``primary`` (same secret)."""
+    async def _adopt_on_first_use(self, api_key: str) -> str | None:
+        """Adopt the tenant key ``api_key`` is (None: it is no tenant's key, or was adopted by
+        another replica at the same moment — the next lookup finds that row)."""
+        try:
+            async with self._db.session() as session:
+                tenant = await session.scalar(
+                    sa.select(TenantRow).where(TenantRow.key_hash == hash_api_key(api_key))
+                )
+                if tenant is None:
+                    return None
+                return await self._adopt(session, tenant, "first use", api_key[:PREFIX_CHARS])
+        except sa.exc.IntegrityError:
+            return None
+
+    async def _adopt(self, session: object, tenant: TenantRow, actor: str, prefix: str = "") -> str | None:
+        """Move the tenant's first key into the key table as ``primary`` (same secret); its id, or
+        None when the tenant already has a ``primary``."""
         held = await session.scalar(  # type: ignore[attr-defined]
             sa.select(ApiKeyRow.id).where(ApiKeyRow.tenant_id == tenant.id, ApiKeyRow.name == PRIMARY)
         )
         if held is not None or await session.scalar(  # type: ignore[attr-defined]
             sa.select(ApiKeyRow.id).where(ApiKeyRow.key_hash == tenant.key_hash)
         ):
-            return
-        row = self._new_row(tenant.id, PRIMARY, FULL, tenant.key_hash, "", None)
+            return None
+        row = self._new_row(tenant.id, PRIMARY, FULL, tenant.key_hash, prefix, None)
         session.add(row)  # type: ignore[attr-defined]
         # The tenant row keeps a hash no secret has, so the key answers only through its new row.
         tenant.key_hash = hash_api_key(new_api_key())
         self._audit(session, tenant.id, row.id, "adopted", actor, {"name": PRIMARY})
+        return row.id
 
     def _new_row(
         self,
