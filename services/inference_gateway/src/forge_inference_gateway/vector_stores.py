@@ -381,6 +381,12 @@ class VectorStores:
             item = await session.get(VectorStoreItemRow, (store_id, file_id))
             if item is not None and item.status == "in_progress":
                 item.status, item.error_code, item.error_message = status, code, message[:2000]
+        if item is None and status == "completed":
+            # Detached (or its store deleted) while it was being indexed: take it out again.
+            try:
+                await self._index.delete(tenant.name, store_id, [file_id], self.limits.index_timeout_s)
+            except (TimeoutError, errors.ForgeError, UpstreamError) as exc:
+                log.warning("vector_store.orphan_left", store=store_id, file=file_id, error=str(exc))
 
     async def resume(self) -> int:
         """Index again what was ``in_progress`` when the gateway stopped (at start-up); how many."""
