@@ -146,13 +146,14 @@ async def test_revoked_and_expired_keys_fail_and_every_change_is_audited(
     assert missing.status_code == 404
 
     audit = (await app_client.get("/admin/v1/tenants/acme/audit", headers=ADMIN)).json()["events"]
-    assert [(e["action"], e["key_id"]) for e in audit][1:] == [
+    assert [(e["action"], e["key_id"]) for e in audit][2:] == [
         ("created", ci_id),
         ("created", spare_id),
         ("revoked", spare_id),
     ]
-    assert audit[0]["action"] == "adopted" and all(e["actor"] == "admin" for e in audit)
-    assert audit[1]["detail"]["expires_in_s"] == 10
+    assert [e["action"] for e in audit[:2]] == ["tenant.created", "adopted"]
+    assert all(e["actor"] == "admin" for e in audit) and audit[0]["detail"]["rpm_limit"] == 1000
+    assert audit[2]["detail"]["expires_in_s"] == 10
 
 
 async def test_usage_is_counted_per_key_in_the_api_and_the_metrics(app_client: httpx.AsyncClient) -> None:

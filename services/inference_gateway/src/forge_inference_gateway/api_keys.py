@@ -424,6 +424,14 @@ class ApiKeys:
             ).all()
         return [self._view(r) for r in rows]
 
+    async def note(
+        self, tenant_name: str, action: str, detail: dict[str, object], *, actor: str = "admin"
+    ) -> None:
+        """Audit a change to the tenant itself (``tenant.created``, ``tenant.training``)."""
+        async with self._db.session() as session:
+            tenant = await self._tenant_row(session, tenant_name)
+            self._audit(session, tenant.id, "", action, actor, detail)
+
     async def audit(self, tenant_name: str, after: int = 0, limit: int = 100) -> list[dict[str, object]]:
         async with self._db.session() as session:
             tenant = await self._tenant_row(session, tenant_name)

@@ -430,11 +430,22 @@ class AdminRoutes:
         tenant, api_key = await self._gateway.tenants.create_tenant(
             body.name, body.priority_class, body.rpm_limit, allow_training=body.allow_training
         )
+        await self._gateway.keys.note(
+            tenant.name,
+            "tenant.created",
+            {
+                "priority_class": tenant.priority_class,
+                "rpm_limit": tenant.rpm_limit,
+                "allow_training": tenant.allow_training,
+            },
+        )
         return JSONResponse({"tenant": tenant.__dict__, "api_key": api_key}, status_code=201)
 
     async def set_training(self, name: str, body: TrainingBody) -> dict[str, object]:
         """Opt a tenant in to or out of training on its prompts."""
-        return {"tenant": (await self._gateway.tenants.set_training(name, body.allow_training)).__dict__}
+        tenant = await self._gateway.tenants.set_training(name, body.allow_training)
+        await self._gateway.keys.note(name, "tenant.training", {"allow_training": body.allow_training})
+        return {"tenant": tenant.__dict__}
 
     async def training_prompts(
         self,
