@@ -116,7 +116,7 @@ class ApiKeys:
         self._db = db
         self._tenants = tenants
         self._now = now
-        self._cached: ReadThrough[str, tuple[Tenant, KeyGrant]] = ReadThrough(ttl_s, monotonic)
+        self._cached: ReadThrough[str, tuple[str, KeyGrant]] = ReadThrough(ttl_s, monotonic)
         self._pending: dict[str, list[int]] = {}
         self._last_used: dict[str, float] = {}
 
@@ -138,11 +138,12 @@ class ApiKeys:
             raise errors.UnauthenticatedError("missing API key: send Authorization: Bearer <key>")
         key_hash = hash_api_key(api_key)
 
-        async def load() -> tuple[Tenant, KeyGrant]:
+        async def load() -> tuple[str, KeyGrant]:
+            """The key's tenant name ("": resolve the secret through the tenants) and grant."""
             async with self._db.session() as session:
                 found = (
                     await session.execute(
-                        sa.select(ApiKeyRow, TenantRow)
+                        sa.select(ApiKeyRow, TenantRow.name)
                         .join(TenantRow, TenantRow.id == ApiKeyRow.tenant_id)
                         .where(ApiKeyRow.key_hash == key_hash)
                     )
@@ -151,17 +152,19 @@ class ApiKeys:
                 # The service token (every scope, no key of its own), or a tenant's first key,
                 # adopted now so that its use is counted like any other key's.
                 tenant = await self._tenants.authenticate(api_key)
-                return tenant, KeyGrant(await self._adopt_on_first_use(api_key) or "", FULL)
-            row, tenant_row = found
+                adopted = await self._adopt_on_first_use(api_key)
+                return (tenant.name, KeyGrant(adopted, FULL)) if adopted else ("", KeyGrant("", FULL))
+            row, tenant_name = found
             if row.revoked_at is not None:
                 raise errors.UnauthenticatedError("this API key was revoked")
             expires = row.expires_at.replace(tzinfo=dt.UTC).timestamp() if row.expires_at else None
-            tenant = await self._tenants.tenant_named(tenant_row.name)
-            return tenant, KeyGrant(row.id, frozenset(row.scopes.split()), expires)
+            return tenant_name, KeyGrant(row.id, frozenset(row.scopes.split()), expires)
 
-        tenant, grant = await self._cached.get(key_hash, load)
+        name, grant = await self._cached.get(key_hash, load)
         if grant.expires_at is not None and grant.expires_at <= self._now():
             raise errors.UnauthenticatedError("this API key has expired")
+        # The tenant itself (limits, training opt-in) as the tenants' own cache holds it now.
+        tenant = await (self._tenants.tenant_named(name) if name else self._tenants.authenticate(api_key))
         return tenant, grant
 
     def record(
