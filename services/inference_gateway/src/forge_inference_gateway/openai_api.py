@@ -179,7 +179,9 @@ class GatewayRoutes:
             request.state.record(tokens=_tokens(answer))
             return JSONResponse(_chat_completion(answer, created), headers=cache)
         return StreamingResponse(
-            self._rag_events(_chat_chunks(self._rag.stream(plan), created), plan.deadline),
+            self._rag_events(
+                _chat_chunks(self._rag.stream(plan), created), plan.deadline, request.state.record
+            ),
             media_type="text/event-stream",
             headers=cache | {"Cache-Control": "no-cache"},
         )
@@ -198,16 +200,20 @@ class GatewayRoutes:
             return JSONResponse(result, headers=cache)
         REQUESTS.labels("/v1/rag/query", "200").inc()
         return StreamingResponse(
-            self._rag_events(self._rag.stream(plan), plan.deadline),
+            self._rag_events(self._rag.stream(plan), plan.deadline, request.state.record),
             media_type="text/event-stream",
             headers=cache | {"Cache-Control": "no-cache"},
         )
 
     @staticmethod
-    async def _rag_events(events: AsyncIterator[dict[str, object]], deadline: float) -> AsyncIterator[bytes]:
+    async def _rag_events(
+        events: AsyncIterator[dict[str, object]], deadline: float, record: Callable[..., None]
+    ) -> AsyncIterator[bytes]:
         try:
             async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
                 async for event in events:
+                    if "usage" in event:  # the last event: the whole answer's usage
+                        record(tokens=_tokens(event))
                     yield f"data: {json.dumps(event)}\n\n".encode()
             yield b"data: [DONE]\n\n"
         except TimeoutError:
@@ -301,7 +307,10 @@ def _metered(content: bytes) -> int:
 
 
 def _tokens(result: Mapping[str, object]) -> int:
-    """Prompt plus completion tokens of a RAG answer."""
+    """Prompt plus completion tokens a RAG answer spent (none when it was replayed from the cache)."""
+    report = result.get("retrieval")
+    if result.get("cached") is True or (isinstance(report, dict) and report.get("cached") is True):
+        return 0
     return _usage(result)["total_tokens"]
 
 
