@@ -76,7 +76,7 @@ async def assert_item_layout(page: Any, width: int, height: int) -> None:
     for button in BUTTONS:
         b = await box(page, button)
         assert (
-            0 <= b["y"] and b["y"] + b["height"] <= height and 0 <= b["x"] and b["x"] + b["width"] <= width
+            b["y"] >= 0 and b["y"] + b["height"] <= height and b["x"] >= 0 and b["x"] + b["width"] <= width
         ), (
             button,
             b,
