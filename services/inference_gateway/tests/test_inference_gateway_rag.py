@@ -26,6 +26,7 @@ from forge_inference_gateway.service import InferenceGateway
 from forge_kit import errors
 from forge_kit.cache import InMemoryCache
 from forge_kit.http import make_app
+from forge_kit.limits import RAG_MAX_QUERY_CHARS
 from forge_kit.testing import ServiceProcess, free_port, tiny_llama
 from forge_kit.testing.grpcserver import grpc_test_server
 
@@ -521,7 +522,9 @@ async def test_rag_bad_input_is_400_and_a_retriever_down_is_503(rag_gateway: Any
     async with client(keys["acme"]) as acme:
         for body, field in [
             (_body(query="   "), "query"),
-            (_body(query="z" * 3000), "query"),
+            (_body(query="z" * (RAG_MAX_QUERY_CHARS + 1)), "query"),
+            # Within the RAG path's query limit, but more than this model's context can hold.
+            (_body(query="z " * 3000), "max_context_tokens"),
             (_body(top_k=0), "top_k"),
             (_body(top_k=5, top_n=9), "top_n"),
             (_body(collection="no-such-collection"), "collection"),

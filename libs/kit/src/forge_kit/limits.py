@@ -24,6 +24,13 @@ from forge_kit.validate import json_depth_error
 #: gRPC's own default receive limit, set explicitly so each service can size it
 #: (settings: ``grpc_max_receive_bytes``).
 DEFAULT_MAX_MESSAGE_BYTES = 4 << 20
+#: The longest query, in characters, anywhere on the RAG path: the retriever's Search, the
+#: reranker's Rerank and the gateway's ``/v1/rag/query`` and vector-store search all default to it
+#: (settings ``max_query_chars`` / ``rag_max_query_chars``). Whole documents are queries in some
+#: retrieval tasks (find the counter-argument); the dense side embeds only the first
+#: ``max_dense_query_chars`` of one, the cross-encoder reads what fits its window, and the gateway
+#: refuses a question its model's context cannot hold (400 naming ``max_context_tokens``).
+RAG_MAX_QUERY_CHARS = 65_536
 #: The default most bytes of one request body (settings: ``http_max_body_bytes``).
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 #: The default of the OpenAI-compatible servers: a long chat's prompt fits (the model server takes

@@ -13,6 +13,7 @@ from forge_inference_gateway.admission import Admission
 from forge_inference_gateway.api import GatewayInferenceApi
 from forge_inference_gateway.autoscaling import Autoscaler
 from forge_inference_gateway.config import InferenceGatewaySettings
+from forge_inference_gateway.document_index import GrpcDocumentIndex
 from forge_inference_gateway.embeddings import GrpcEmbedder
 from forge_inference_gateway.openai_api import install_gateway_api
 from forge_inference_gateway.rag import RagService
@@ -22,6 +23,7 @@ from forge_inference_gateway.routing import ReplicaPool
 from forge_inference_gateway.service import InferenceGateway
 from forge_inference_gateway.training_prompts import TrainingPrompts
 from forge_inference_gateway.upstream import ModelServerClient
+from forge_inference_gateway.vector_stores import VectorStores
 from forge_kit.app import ServiceApp
 from forge_kit.cache import make_cache
 from forge_kit.events import topic_for
@@ -76,9 +78,16 @@ async def main() -> None:
     app.add_on_stop(retriever.close)
     embedder = GrpcEmbedder(settings.retriever_target, settings.retriever_token.get_secret_value())
     app.add_on_stop(embedder.close)
+    index = GrpcDocumentIndex(settings.retriever_target, settings.retriever_token.get_secret_value())
+    stores = VectorStores(db, index, settings.document_limits())
+    await stores.resume()
+    app.add_on_stop(index.close)
+    app.add_on_stop(stores.close)
     if reranker is not None:
         app.add_on_stop(reranker.close)
     app.add_background(gateway.replicas.run_control_loop)
+    app.add_background(gateway.keys.run_flush_loop)
+    app.add_on_stop(gateway.keys.flush)
     app.add_on_stop(gateway.replicas.stop)
     app.add_on_stop(gateway.shadows.close)
     if settings.kafka_enabled:
@@ -89,7 +98,7 @@ async def main() -> None:
         )
     app.add_on_stop(cache.close)
     http = app.http_app()
-    install_gateway_api(http, gateway, app.token, rag, embedder)
+    install_gateway_api(http, gateway, app.token, rag, embedder, stores)
     await app.run(
         register=[
             lambda s: inference_pb2_grpc.add_InferenceServiceServicer_to_server(

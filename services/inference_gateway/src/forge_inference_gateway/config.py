@@ -8,7 +8,8 @@ from forge_inference_gateway.admission import AdmissionPolicy
 from forge_inference_gateway.autoscaling import AutoscalePolicy
 from forge_inference_gateway.rag_query import RagLimits
 from forge_inference_gateway.routing import RoutingPolicy
-from forge_kit.limits import OPENAI_MAX_BODY_BYTES
+from forge_inference_gateway.vector_stores import DocumentLimits
+from forge_kit.limits import OPENAI_MAX_BODY_BYTES, RAG_MAX_QUERY_CHARS
 from forge_kit.settings import ServiceSettings, service_config
 
 
@@ -159,8 +160,10 @@ class InferenceGatewaySettings(ServiceSettings):
     rag_answer_reserve_s: float = Field(default=2.0, ge=0)
     """Part of the deadline that reranking never eats into: it is kept for generating the answer."""
 
-    rag_max_query_chars: int = Field(default=2048, ge=1)
-    """Longest RAG query, in characters."""
+    rag_max_query_chars: int = Field(default=RAG_MAX_QUERY_CHARS, ge=1)
+    """Longest RAG query (``/v1/rag/query``, a chat's last message with ``retrieval``, a vector-store
+    search), in characters: the RAG path's one limit, ``forge_kit.limits.RAG_MAX_QUERY_CHARS``,
+    which the retriever and the reranker take too."""
 
     rag_default_top_k: int = Field(default=20, ge=1)
     """Chunks retrieved when the request gives no ``top_k``."""
@@ -191,6 +194,27 @@ class InferenceGatewaySettings(ServiceSettings):
     rag_cache_ttl_s: float = Field(default=60.0, ge=0)
     """How long a greedy RAG answer is replayed for the same tenant, collection, query, parameters
     and model version; 0 turns the RAG cache off."""
+
+    docs_max_vector_stores: int = Field(default=100, ge=1)
+    """Vector stores one tenant may hold (``POST /v1/vector_stores``); 403 ``quota_exceeded`` beyond."""
+
+    docs_max_documents: int = Field(default=10_000, ge=1)
+    """Documents (attached files and upserted texts) one tenant may hold over all its stores."""
+
+    docs_max_bytes: int = Field(default=100 << 20, ge=1)
+    """Bytes one tenant may store: uploaded files plus upserted texts (UTF-8)."""
+
+    docs_max_file_bytes: int = Field(default=1 << 20, ge=1)
+    """Largest file ``POST /v1/files`` takes (413 beyond); keep it under ``http_max_body_bytes``."""
+
+    docs_max_batch_documents: int = Field(default=100, ge=1, le=1000)
+    """Documents one ``POST /v1/vector_stores/{id}/documents`` may carry (the retriever takes 1,000)."""
+
+    docs_max_batch_bytes: int = Field(default=2 << 20, ge=1)
+    """Text bytes one ``POST /v1/vector_stores/{id}/documents`` may carry (413 beyond)."""
+
+    docs_index_timeout_s: float = Field(default=120.0, gt=0)
+    """Deadline of one retriever write (a file's indexing, a batch, a delete)."""
 
     @model_validator(mode="after")
     def _ranges(self) -> InferenceGatewaySettings:
@@ -238,6 +262,19 @@ class InferenceGatewaySettings(ServiceSettings):
             answer_reserve_s=self.rag_answer_reserve_s,
             chars_per_token=self.rag_chars_per_token,
             cache_ttl_s=self.rag_cache_ttl_s,
+        )
+
+    def document_limits(self) -> DocumentLimits:
+        return DocumentLimits(
+            max_vector_stores=self.docs_max_vector_stores,
+            max_documents=self.docs_max_documents,
+            max_bytes=self.docs_max_bytes,
+            max_file_bytes=self.docs_max_file_bytes,
+            max_batch_documents=self.docs_max_batch_documents,
+            max_batch_bytes=self.docs_max_batch_bytes,
+            max_query_chars=self.rag_max_query_chars,
+            index_timeout_s=self.docs_index_timeout_s,
+            search_timeout_s=max(self.rag_retrieval_timeout_s, 10.0),
         )
 
     def admission_policy(self) -> AdmissionPolicy:

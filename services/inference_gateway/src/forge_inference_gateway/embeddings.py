@@ -11,7 +11,10 @@ for by default); ``dimensions`` only as the model's own. Usage counts the tokens
 from __future__ import annotations
 
 import base64
+import math
 import struct
+import time
+from collections.abc import Callable
 
 import grpc
 from forge.retrieval.v1 import retrieval_pb2, retrieval_pb2_grpc
@@ -28,6 +31,9 @@ from forge_kit.openai_protocol import (
     refuse_unsupported,
 )
 
+#: Seconds before a retriever that could not embed is asked for the model card again.
+CARD_RETRY_S = 60.0
+
 
 class GrpcEmbedder:
     """The retriever's ``Embed`` with the gateway's service token."""
@@ -36,6 +42,32 @@ class GrpcEmbedder:
         self._channel = make_channel(target, token=token, max_attempts=2, initial_backoff_s=0.05)
         self._stub = retrieval_pb2_grpc.RetrieverServiceStub(self._channel)
         self._timeout_s = timeout_s
+        self._card: dict[str, object] | None = None
+        self._card_checked = -math.inf
+
+    async def card(
+        self, tenant: str, clock: Callable[[], float] = time.monotonic
+    ) -> dict[str, object] | None:
+        """The embedding model's ``/v1/models`` card (``type`` ``embedding``, its dimension), learnt
+        from one short ``Embed`` and kept; None while the retriever cannot embed (asked again a
+        minute later)."""
+        if self._card is not None or clock() - self._card_checked < CARD_RETRY_S:
+            return self._card
+        self._card_checked = clock()
+        request = retrieval_pb2.EmbedRequest(texts=["model card"])
+        try:
+            reply = await self._stub.Embed(request, timeout=2.0, metadata=((TENANT_METADATA_KEY, tenant),))
+        except grpc.aio.AioRpcError:
+            return None
+        self._card = {
+            "id": reply.model,
+            "object": "model",
+            "created": 0,
+            "owned_by": "forge",
+            "type": "embedding",
+            "dimension": int(reply.dimension),
+        }
+        return self._card
 
     async def embed(self, tenant: str, texts: list[str], model: str) -> retrieval_pb2.EmbedResponse:
         request = retrieval_pb2.EmbedRequest(texts=texts, model=model)

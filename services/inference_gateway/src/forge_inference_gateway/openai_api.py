@@ -13,13 +13,14 @@ that served it in ``x-forge-model``; a deterministic request says ``x-forge-cach
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import math
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from dataclasses import asdict
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -28,13 +29,17 @@ from pydantic import BaseModel, Field, StrictBool
 
 from forge_inference_gateway.aliases import Alias
 from forge_inference_gateway.embeddings import GrpcEmbedder, create_embeddings
+from forge_inference_gateway.key_api import install_key_api, require_scope
+from forge_inference_gateway.metering import TAIL_BYTES, usage_of
 from forge_inference_gateway.openai_schema import bearer_scheme, check_generation, install_openapi
 from forge_inference_gateway.rag import RagService
 from forge_inference_gateway.response_cache import CACHE_HEADER
 from forge_inference_gateway.router import MODEL_HEADER, GenerationRequest
 from forge_inference_gateway.service import InferenceGateway
-from forge_inference_gateway.tenants import PRIORITY_CLASSES, Tenant
+from forge_inference_gateway.tenants import PRIORITY_CLASSES
 from forge_inference_gateway.upstream import StreamBroken, UpstreamError, UpstreamUnavailableError, error_for
+from forge_inference_gateway.vector_store_api import install_vector_store_api, name_store
+from forge_inference_gateway.vector_stores import VectorStores
 from forge_kit import errors
 from forge_kit.http import reject_unknown_query, require_token
 from forge_kit.openai_errors import install_openai_error_handlers, openai_error
@@ -95,24 +100,38 @@ def _bearer(request: Request) -> str:
 
 class GatewayRoutes:
     def __init__(
-        self, gateway: InferenceGateway, rag: RagService | None = None, embedder: GrpcEmbedder | None = None
+        self,
+        gateway: InferenceGateway,
+        rag: RagService | None = None,
+        embedder: GrpcEmbedder | None = None,
+        stores: VectorStores | None = None,
     ) -> None:
         self._gateway = gateway
         self._rag = rag
         self._embedder = embedder
+        self._stores = stores
 
     async def admit(self, request: Request) -> None:
         """Dependency of ``/v1``: authenticate, admit against the tenant's rate limit, remember who."""
-        tenant: Tenant = await self._gateway.tenants.authenticate(_bearer(request))
+        tenant, grant = await self._gateway.keys.authenticate(_bearer(request))
         await self._gateway.tenants.admit(tenant)
         request.state.tenant = tenant
+        request.state.key = grant
+        self._gateway.keys.record(tenant, grant, requests=1)
+        request.state.record = functools.partial(self._gateway.keys.record, tenant, grant)
 
-    async def list_models(self) -> dict[str, object]:
-        return {"object": "list", "data": await self._gateway.list_models()}
+    async def _models(self, tenant: str) -> list[dict[str, object]]:
+        """The replicas' models and aliases, then the embedding model (``type`` ``embedding``)."""
+        cards = await self._gateway.list_models()
+        embedding = await self._embedder.card(tenant) if self._embedder is not None else None
+        return [*cards, embedding] if embedding is not None else cards
 
-    async def retrieve_model(self, model_id: str) -> Response:
+    async def list_models(self, request: Request) -> dict[str, object]:
+        return {"object": "list", "data": await self._models(request.state.tenant.name)}
+
+    async def retrieve_model(self, request: Request, model_id: str) -> Response:
         """``GET /v1/models/{id}`` (the SDK's ``models.retrieve``): the card ``/v1/models`` lists."""
-        for card in await self._gateway.list_models():
+        for card in await self._models(request.state.tenant.name):
             if card.get("id") == model_id:
                 return JSONResponse(card)
         return openai_error(
@@ -125,6 +144,9 @@ class GatewayRoutes:
             raise errors.NotFoundError("embeddings are not configured on this gateway")
         raw = _json_body(await request.body())
         answer = await create_embeddings(self._embedder, request.state.tenant, raw)
+        usage = answer.get("usage")
+        if isinstance(usage, dict):
+            request.state.record(tokens=int(usage.get("total_tokens") or usage.get("prompt_tokens") or 0))
         REQUESTS.labels("/v1/embeddings", "200").inc()
         return JSONResponse(answer)
 
@@ -146,14 +168,20 @@ class GatewayRoutes:
     async def _chat_with_retrieval(self, request: Request, raw: dict[str, object]) -> Response:
         if self._rag is None:
             raise errors.NotFoundError("retrieval is not configured on this gateway")
-        plan = await self._rag.prepare_chat(request.state.tenant, raw)
+        await require_scope("rag:read")(request)
+        named = await name_store(self._stores, request.state.tenant, raw, "retrieval")
+        plan = await self._rag.prepare_chat(request.state.tenant, named)
         cache = {CACHE_HEADER: "hit" if plan.cached is not None else "miss"}
         created = int(time.time())
         REQUESTS.labels("/v1/chat/completions", "200").inc()
         if not plan.query.stream:
-            return JSONResponse(_chat_completion(await self._rag.answer(plan), created), headers=cache)
+            answer = await self._rag.answer(plan)
+            request.state.record(tokens=_tokens(answer))
+            return JSONResponse(_chat_completion(answer, created), headers=cache)
         return StreamingResponse(
-            self._rag_events(_chat_chunks(self._rag.stream(plan), created), plan.deadline),
+            self._rag_events(
+                _chat_chunks(self._rag.stream(plan), created), plan.deadline, request.state.record
+            ),
             media_type="text/event-stream",
             headers=cache | {"Cache-Control": "no-cache"},
         )
@@ -162,24 +190,30 @@ class GatewayRoutes:
         """``POST /v1/rag/query``: JSON answer, or SSE ``rag.answer.delta`` events then ``rag.answer``."""
         if self._rag is None:
             raise errors.NotFoundError("retrieval is not configured on this gateway")
-        plan = await self._rag.prepare(request.state.tenant, _json_body(await request.body()))
+        body = await name_store(self._stores, request.state.tenant, _json_body(await request.body()))
+        plan = await self._rag.prepare(request.state.tenant, body)
         cache = {CACHE_HEADER: "hit" if plan.cached is not None else "miss"}
         if not plan.query.stream:
             result = await self._rag.answer(plan)
+            request.state.record(tokens=_tokens(result))
             REQUESTS.labels("/v1/rag/query", "200").inc()
             return JSONResponse(result, headers=cache)
         REQUESTS.labels("/v1/rag/query", "200").inc()
         return StreamingResponse(
-            self._rag_events(self._rag.stream(plan), plan.deadline),
+            self._rag_events(self._rag.stream(plan), plan.deadline, request.state.record),
             media_type="text/event-stream",
             headers=cache | {"Cache-Control": "no-cache"},
         )
 
     @staticmethod
-    async def _rag_events(events: AsyncIterator[dict[str, object]], deadline: float) -> AsyncIterator[bytes]:
+    async def _rag_events(
+        events: AsyncIterator[dict[str, object]], deadline: float, record: Callable[..., None]
+    ) -> AsyncIterator[bytes]:
         try:
             async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
                 async for event in events:
+                    if "usage" in event:  # the last event: the whole answer's usage
+                        record(tokens=_tokens(event))
                     yield f"data: {json.dumps(event)}\n\n".encode()
             yield b"data: [DONE]\n\n"
         except TimeoutError:
@@ -204,10 +238,12 @@ class GatewayRoutes:
         if forwarded.chunks is None:
             if routed.shadow is not None and forwarded.status == 200:
                 self._gateway.shadows.mirror(routed, forwarded)
+            if forwarded.status == 200:
+                request.state.record(tokens=_metered(forwarded.content))
             return self._relay(path, forwarded.status, forwarded.content, forwarded.headers)
         REQUESTS.labels(path, "200").inc()
         return StreamingResponse(
-            self._relay_stream(forwarded.chunks, deadline),
+            self._relay_stream(forwarded.chunks, deadline, request.state.record),
             status_code=200,
             media_type="text/event-stream",
             headers={k: v for k, v in forwarded.headers.items() if k != "content-type"}
@@ -215,13 +251,18 @@ class GatewayRoutes:
         )
 
     @staticmethod
-    async def _relay_stream(chunks: AsyncGenerator[bytes, None], deadline: float) -> AsyncIterator[bytes]:
+    async def _relay_stream(
+        chunks: AsyncGenerator[bytes, None], deadline: float, record: Callable[..., None]
+    ) -> AsyncIterator[bytes]:
         # The upstream connection is closed when this generator ends for any reason, including
         # the client going away (Starlette cancels it), which cancels the request upstream.
+        tail = b""
         try:
             async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
                 async for chunk in chunks:
+                    tail = (tail + chunk)[-TAIL_BYTES:]
                     yield chunk
+            record(tokens=_metered(tail))
         except TimeoutError:
             yield _sse_error("deadline exceeded", "timeout")
         except StreamBroken as exc:
@@ -257,6 +298,20 @@ _RETRIEVAL_REPORT = ("passages", "citations", "retrieval", "rerank", "context", 
 
 def _chat_id(result: Mapping[str, object]) -> str:
     return "chatcmpl-" + str(result.get("id", "")).removeprefix("rag-")
+
+
+def _metered(content: bytes) -> int:
+    """Prompt plus completion tokens an answer's (or a stream tail's) usage reports."""
+    usage = usage_of(content)
+    return usage.get("prompt", 0) + usage.get("completion", 0)
+
+
+def _tokens(result: Mapping[str, object]) -> int:
+    """Prompt plus completion tokens a RAG answer spent (none when it was replayed from the cache)."""
+    report = result.get("retrieval")
+    if result.get("cached") is True or (isinstance(report, dict) and report.get("cached") is True):
+        return 0
+    return _usage(result)["total_tokens"]
 
 
 def _usage(result: Mapping[str, object]) -> dict[str, int]:
@@ -384,11 +439,22 @@ class AdminRoutes:
         tenant, api_key = await self._gateway.tenants.create_tenant(
             body.name, body.priority_class, body.rpm_limit, allow_training=body.allow_training
         )
+        await self._gateway.keys.note(
+            tenant.name,
+            "tenant.created",
+            {
+                "priority_class": tenant.priority_class,
+                "rpm_limit": tenant.rpm_limit,
+                "allow_training": tenant.allow_training,
+            },
+        )
         return JSONResponse({"tenant": tenant.__dict__, "api_key": api_key}, status_code=201)
 
     async def set_training(self, name: str, body: TrainingBody) -> dict[str, object]:
         """Opt a tenant in to or out of training on its prompts."""
-        return {"tenant": (await self._gateway.tenants.set_training(name, body.allow_training)).__dict__}
+        tenant = await self._gateway.tenants.set_training(name, body.allow_training)
+        await self._gateway.keys.note(name, "tenant.training", {"allow_training": body.allow_training})
+        return {"tenant": tenant.__dict__}
 
     async def training_prompts(
         self,
@@ -420,19 +486,32 @@ def install_gateway_api(
     admin_token: str | None,
     rag: RagService | None = None,
     embedder: GrpcEmbedder | None = None,
+    stores: VectorStores | None = None,
 ) -> None:
-    """Add ``/v1/*`` (``/v1/rag/query`` with ``rag``, ``/v1/embeddings`` with ``embedder``),
-    ``/admin/v1/*`` and OpenAI-format error handlers."""
-    public = GatewayRoutes(gateway, rag, embedder)
+    """Add ``/v1/*`` (``/v1/rag/query`` with ``rag``, ``/v1/embeddings`` with ``embedder``,
+    ``/v1/files`` and ``/v1/vector_stores`` with ``stores``), ``/admin/v1/*`` and OpenAI-format
+    error handlers."""
+    public = GatewayRoutes(gateway, rag, embedder, stores)
     tenant = [Depends(bearer_scheme), Depends(public.admit)]
+
+    def scoped(scope: str) -> list[Any]:
+        return [*tenant, Depends(require_scope(scope))]
+
     app.add_api_route("/v1/models", public.list_models, methods=["GET"], dependencies=tenant)
     app.add_api_route(
         "/v1/models/{model_id:path}", public.retrieve_model, methods=["GET"], dependencies=tenant
     )
-    app.add_api_route("/v1/completions", public.completions, methods=["POST"], dependencies=tenant)
-    app.add_api_route("/v1/chat/completions", public.chat_completions, methods=["POST"], dependencies=tenant)
-    app.add_api_route("/v1/rag/query", public.rag_query, methods=["POST"], dependencies=tenant)
-    app.add_api_route("/v1/embeddings", public.embeddings, methods=["POST"], dependencies=tenant)
+    inference = scoped("inference")
+    app.add_api_route("/v1/completions", public.completions, methods=["POST"], dependencies=inference)
+    app.add_api_route(
+        "/v1/chat/completions", public.chat_completions, methods=["POST"], dependencies=inference
+    )
+    app.add_api_route("/v1/rag/query", public.rag_query, methods=["POST"], dependencies=scoped("rag:read"))
+    app.add_api_route(
+        "/v1/embeddings", public.embeddings, methods=["POST"], dependencies=scoped("embeddings")
+    )
+    if stores is not None:
+        install_vector_store_api(app, stores, read=scoped("rag:read"), write=scoped("rag:write"))
     admin = AdminRoutes(gateway)
     # Admin routes refuse query parameters they do not declare (the public /v1 routes stay as
     # lenient as OpenAI's own API).
@@ -455,6 +534,7 @@ def install_gateway_api(
         ("/admin/v1/autoscaling", admin.autoscaling, "GET", 200),
     ):
         app.add_api_route(path, endpoint, methods=[method], dependencies=auth, status_code=status)
+    install_key_api(app, gateway.keys, tenant, auth)
 
     install_openai_error_handlers(app)
     install_openapi(app)

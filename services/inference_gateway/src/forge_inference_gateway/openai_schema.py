@@ -21,6 +21,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.security import HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field
 
+from forge_kit.limits import RAG_MAX_QUERY_CHARS
 from forge_kit.openai_protocol import (
     ChatCompletionBody,
     CompletionBody,
@@ -42,8 +43,18 @@ class RagQueryBody(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    query: str = Field(min_length=1, description="The question; whitespace-only is refused.")
-    collection: str = Field(min_length=1)
+    query: str = Field(
+        min_length=1,
+        max_length=RAG_MAX_QUERY_CHARS,
+        description="The question; whitespace-only is refused. At most the gateway's"
+        " rag_max_query_chars (65,536 by default), the one query limit of the RAG path.",
+    )
+    collection: str | None = Field(
+        default=None, min_length=1, description="A retriever collection; give this or vector_store_id."
+    )
+    vector_store_id: str | None = Field(
+        default=None, min_length=1, description="One of the caller's vector stores (/v1/vector_stores)."
+    )
     model: str = Field(min_length=1, description="The model (or alias) that writes the answer.")
     top_k: int | None = Field(default=None, ge=1, description="Chunks retrieved.")
     top_n: int | None = Field(default=None, ge=1, description="Chunks kept after reranking (at most top_k).")
@@ -65,7 +76,8 @@ REQUEST_BODIES: dict[tuple[str, str], type[BaseModel]] = {
 
 _DESCRIPTIONS = {
     "400": "Invalid request: `error.param` names the field.",
-    "401": "Missing or invalid bearer token.",
+    "401": "Missing, invalid, expired or revoked bearer token.",
+    "403": "The key lacks the route's scope, or a tenant limit would be passed (code quota_exceeded).",
     "404": "No such model, collection or resource.",
     "409": "Conflicts with the resource's current state.",
     "413": "Request body too large.",
@@ -74,9 +86,12 @@ _DESCRIPTIONS = {
     "503": "No replica available; see Retry-After.",
     "504": "Deadline exceeded.",
 }
-_GENERATION = ("400", "401", "404", "413", "429", "502", "503", "504")
+_GENERATION = ("400", "401", "403", "404", "413", "429", "502", "503", "504")
 _ERRORS_BY_PREFIX = (
     ("/v1/models", ("401", "404", "429", "502", "503")),
+    ("/v1/keys", ("401", "429")),
+    ("/v1/files", ("400", "401", "403", "404", "413", "429", "503")),
+    ("/v1/vector_stores", ("400", "401", "403", "404", "413", "429", "503", "504")),
     ("/v1/embeddings", ("400", "401", "404", "413", "429", "502", "503", "504")),
     ("/v1/", _GENERATION),
     ("/admin/", ("400", "401", "404", "409", "413")),

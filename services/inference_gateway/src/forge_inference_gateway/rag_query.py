@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from forge_kit import errors
+from forge_kit.limits import RAG_MAX_QUERY_CHARS
 from forge_kit.validate import check_finite, check_printable_name
 
 
@@ -15,7 +16,7 @@ class RagLimits:
     """Defaults and bounds of a RAG request (from the gateway's settings)."""
 
     timeout_s: float = 30.0
-    max_query_chars: int = 2048
+    max_query_chars: int = RAG_MAX_QUERY_CHARS
     default_top_k: int = 20
     max_top_k: int = 200
     default_top_n: int = 5

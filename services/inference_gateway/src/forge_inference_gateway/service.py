@@ -29,6 +29,7 @@ import structlog
 
 from forge_inference_gateway.admission import Admission
 from forge_inference_gateway.aliases import Aliases
+from forge_inference_gateway.api_keys import ApiKeys
 from forge_inference_gateway.autoscaling import Autoscaler
 from forge_inference_gateway.replicas import Replicas
 from forge_inference_gateway.response_cache import ResponseCache
@@ -102,6 +103,8 @@ class InferenceGateway:
             ttl_s=tenant_ttl_s,
             clock=clock,
         )
+        self.keys = ApiKeys(db, self.tenants, ttl_s=tenant_ttl_s, monotonic=clock)
+        """The tenants' API keys: scopes, expiry, rotation, revocation, usage."""
         self.aliases = Aliases(db, ttl_s=alias_ttl_s, clock=clock)
         self.replicas = Replicas(
             db,

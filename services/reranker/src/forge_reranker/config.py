@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from forge_kit.limits import RAG_MAX_QUERY_CHARS
 from forge_kit.settings import ServiceSettings, service_config
 
 
@@ -23,8 +24,9 @@ class RerankerSettings(ServiceSettings):
     max_passages: int = Field(default=256, ge=1)
     """Most passages one Rerank call may carry."""
 
-    max_query_chars: int = Field(default=2048, ge=1)
-    """Longest query accepted, in characters."""
+    max_query_chars: int = Field(default=RAG_MAX_QUERY_CHARS, ge=1)
+    """Longest query accepted, in characters: the RAG path's one limit
+    (``forge_kit.limits.RAG_MAX_QUERY_CHARS``), so whatever the retriever searched can be reranked."""
 
     max_passage_chars: int = Field(default=20_000, ge=1)
     """Longest passage accepted, in characters."""

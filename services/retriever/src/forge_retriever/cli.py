@@ -144,6 +144,20 @@ def retrieval(
         first = results[dead[0]].errors[0] if results[dead[0]].errors else ""
         typer.echo(f"forge eval retrieval: every query of {', '.join(dead)} failed; first: {first}", err=True)
         raise typer.Exit(1)
+    # A rerank mode where no query was reranked measured the retriever, not the reranker.
+    unranked = [
+        mode
+        for mode, result in results.items()
+        if result.rerank_fallbacks and result.rerank_fallbacks + result.failed == len(data.queries)
+    ]
+    if unranked:
+        first = results[unranked[0]].errors[-1] if results[unranked[0]].errors else ""
+        typer.echo(
+            f"forge eval retrieval: every query of {', '.join(unranked)} fell back to the retrieval order"
+            f" (the reranker refused or failed); last: {first}",
+            err=True,
+        )
+        raise typer.Exit(1)
 
 
 async def _run(
@@ -209,6 +223,12 @@ async def _run(
                     typer.echo(
                         f"{name}: {failed.failed} of {len(data.queries)} queries failed (scored 0); "
                         f"first: {failed.errors[0]}",
+                        err=True,
+                    )
+                if failed.rerank_fallbacks:
+                    typer.echo(
+                        f"{name}: {failed.rerank_fallbacks} of {len(data.queries)} queries kept the retrieval"
+                        " order (the reranker refused, failed or timed out)",
                         err=True,
                     )
     finally:

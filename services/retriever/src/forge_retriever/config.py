@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field, SecretStr, model_validator
 
 from forge_kit import errors
+from forge_kit.limits import RAG_MAX_QUERY_CHARS
 from forge_kit.settings import ServiceSettings, service_config
 from forge_retriever.tenancy import validate_tenant
 from forge_retriever.text import Bm25Encoder
@@ -54,8 +55,9 @@ class RetrieverSettings(ServiceSettings):
     max_document_chars: int = Field(default=200_000, ge=1)
     """Longest document text accepted, in characters (its event must fit a default 1 MB Kafka record)."""
 
-    max_query_chars: int = Field(default=65_536, ge=1)
-    """Longest Search query accepted, in characters. Some retrieval tasks use whole documents as
+    max_query_chars: int = Field(default=RAG_MAX_QUERY_CHARS, ge=1)
+    """Longest Search query accepted, in characters: the RAG path's one limit
+    (``forge_kit.limits.RAG_MAX_QUERY_CHARS``). Some retrieval tasks use whole documents as
     queries (find the counter-argument, the supporting paper): BM25 scores the whole query."""
 
     max_dense_query_chars: int = Field(default=2048, ge=1)

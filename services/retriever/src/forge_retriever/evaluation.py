@@ -18,8 +18,10 @@ BEIR's protocol, where the figures are compared with published ones:
 - Each mode's ranking is written as a TREC run file (``qid Q0 docid rank score run_name``): the
   score column is ``N - rank + 1``, so a tool that orders by score (pytrec_eval, ir_measures)
   reads back exactly the ranking scored here (RRF ties many fused scores).
-- A query that fails (a search or rerank error) never stops the evaluation: it is scored as an
-  empty ranking, counted, and its first errors reported.
+- A query that fails (a search error) never stops the evaluation: it is scored as an empty
+  ranking, counted, and its first errors reported. A rerank that is refused (a query past the
+  reranker's limit), fails or times out keeps the retriever's order for that query, as the
+  gateway's RAG path does, and is counted as a rerank fallback.
 """
 
 from __future__ import annotations
@@ -199,6 +201,8 @@ class ModeResult:
     """Queries whose embedding saw only their first ``max_dense_query_chars`` characters."""
     identical_dropped: int = 0
     """Hits dropped because their id was the query's own (``ignore_identical_ids``)."""
+    rerank_fallbacks: int = 0
+    """Queries whose rerank was refused, failed or timed out: scored in the retriever's order."""
 
     def counts(self) -> dict[str, object]:
         return {
@@ -206,6 +210,7 @@ class ModeResult:
             "errors": self.errors,
             "dense_truncated_queries": self.dense_truncated,
             "identical_ids_dropped": self.identical_dropped,
+            "rerank_fallbacks": self.rerank_fallbacks,
         }
 
     def as_json(self) -> dict[str, float]:
@@ -302,10 +307,12 @@ class Evaluator:
         """Search every query with ``mode``; with ``rerank``, its first ``rerank_depth`` documents
         (best chunk text and score each) are reordered and put before the rest. With ``budget_ms`` the
         reranker gets what the search left of it as its deadline. Latency covers both stages.
-        A query whose search or rerank fails is scored as an empty ranking and counted."""
+        A query whose search fails is scored as an empty ranking and counted; one whose rerank is
+        refused, fails or times out keeps the retriever's order, as the gateway's RAG path does,
+        and is counted in ``rerank_fallbacks``."""
         assert self.service is not None, "call open() first"
         ndcgs, recalls, latencies, searched, reranked, scored = [], [], [], [], [], []
-        overran = failed = truncated = dropped = 0
+        overran = failed = truncated = dropped = fallbacks = 0
         errors: list[str] = []
         rankings: dict[str, list[str]] = {}
         total = len(self.dataset.queries)
@@ -334,11 +341,20 @@ class Evaluator:
                         )
                     head = ranked[:rerank_depth]
                     left = None if budget_ms is None else max(0.0, budget_ms / 1000.0 - (found - started))
-                    answer = await rerank(text, [best[d] for d in head], left)
-                    ranked = answer.ids + [d for d in ranked if d not in set(answer.ids)]
-                    reranked.append((self._clock() - found) * 1000.0)
-                    scored.append(answer.scored)
-                    overran += answer.overran
+                    try:
+                        answer = await rerank(text, [best[d] for d in head], left)
+                    except Exception as exc:  # noqa: BLE001 - a refused or failed rerank keeps the order
+                        fallbacks += 1
+                        if len(errors) < _ERRORS_KEPT:
+                            reason = " ".join(str(exc).split())[:300]
+                            errors.append(
+                                f"{qid}: rerank fell back to the retrieval order: {type(exc).__name__}: {reason}"
+                            )
+                    else:
+                        ranked = answer.ids + [d for d in ranked if d not in set(answer.ids)]
+                        reranked.append((self._clock() - found) * 1000.0)
+                        scored.append(answer.scored)
+                        overran += answer.overran
                 latencies.append((self._clock() - started) * 1000.0)
             except Exception as exc:  # noqa: BLE001 - one query's failure is counted, never fatal
                 failed += 1
@@ -368,6 +384,7 @@ class Evaluator:
             errors,
             truncated,
             dropped,
+            fallbacks,
         )
 
 
