@@ -26,6 +26,7 @@ from forge_kit.openai_protocol import (
     CompletionBody,
     EmbeddingBody,
     ErrorBody,
+    TokenizeBody,
     check_sampling,
     message_parts,
     parse,
@@ -61,6 +62,7 @@ REQUEST_BODIES: dict[tuple[str, str], type[BaseModel]] = {
     ("/v1/chat/completions", "post"): ChatCompletionBody,
     ("/v1/embeddings", "post"): EmbeddingBody,
     ("/v1/rag/query", "post"): RagQueryBody,
+    ("/tokenize", "post"): TokenizeBody,
 }
 
 _DESCRIPTIONS = {
@@ -79,6 +81,7 @@ _ERRORS_BY_PREFIX = (
     ("/v1/models", ("401", "404", "429", "502", "503")),
     ("/v1/embeddings", ("400", "401", "404", "413", "429", "502", "503", "504")),
     ("/v1/", _GENERATION),
+    ("/tokenize", _GENERATION),
     ("/admin/", ("400", "401", "404", "409", "413")),
 )
 
