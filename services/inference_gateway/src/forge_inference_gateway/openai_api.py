@@ -139,9 +139,11 @@ class GatewayRoutes:
     # sends no ``model``, and ``forge eval``'s context/continuation split). Nothing is recorded.
 
     async def _with_model(self, raw: object) -> dict[str, object]:
-        """``raw`` with ``model`` set: as sent, or the one model (not alias) the replicas serve."""
+        """``raw`` (without ``stream``) with ``model`` set: as sent, or the one model (not an
+        alias) the replicas serve."""
         if not isinstance(raw, dict):
             raise errors.ValidationError("body", "must be a JSON object")
+        raw = {k: v for k, v in raw.items() if k != "stream"}  # these answers are never streamed
         if raw.get("model") is not None:
             return raw
         models = sorted({str(c["id"]) for c in await self._gateway.list_models() if "alias_of" not in c})
@@ -153,13 +155,13 @@ class GatewayRoutes:
         """``POST /tokenize``: the served model's token ids for a prompt."""
         raw = await self._with_model(_json_body(await request.body()))
         parse(TokenizeBody, raw)
-        return await self._forward("/tokenize", request, raw, record=False)
+        return _route_missing("/tokenize", await self._forward("/tokenize", request, raw, record=False))
 
     async def detokenize(self, request: Request) -> Response:
         """``POST /detokenize``: the text of token ids."""
         raw = await self._with_model(_json_body(await request.body()))
         parse(DetokenizeBody, raw)
-        return await self._forward("/detokenize", request, raw, record=False)
+        return _route_missing("/detokenize", await self._forward("/detokenize", request, raw, record=False))
 
     async def tokenizer_info(
         self, request: Request, model: Annotated[str | None, Query(max_length=256)] = None
@@ -169,7 +171,7 @@ class GatewayRoutes:
         routed = await self._gateway.router.route(request.state.tenant, "/tokenizer_info", GenerationRequest.parse(raw))
         reply = await self._gateway.tokenizer_info(routed.target, self._gateway.deadline())
         headers = {MODEL_HEADER: routed.target, "content-type": reply.headers.get("content-type", "application/json")}
-        return self._relay("/tokenizer_info", reply.status_code, reply.content, headers)
+        return _route_missing("/tokenizer_info", self._relay("/tokenizer_info", reply.status_code, reply.content, headers))
 
     async def chat_completions(self, request: Request) -> Response:
         """``POST /v1/chat/completions``: relayed to a replica, or, with a ``retrieval`` object,
@@ -283,6 +285,22 @@ class GatewayRoutes:
         if status == 503:
             relayed.setdefault("retry-after", "1")
         return Response(content=content, status_code=status, headers=relayed)
+
+
+def _route_missing(path: str, answer: Response) -> Response:
+    """A replica's 404 that is not an OpenAI error is its server lacking ``path`` (vLLM answers
+    ``/tokenizer_info`` only with ``--enable-tokenizer-info-endpoint``): said so, in the OpenAI
+    error format."""
+    if answer.status_code != 404 or not isinstance(answer.body, bytes):
+        return answer
+    try:
+        error = json.loads(answer.body).get("error")
+    except (ValueError, AttributeError):
+        error = None
+    if isinstance(error, dict):
+        return answer
+    message = f"the model server serving this model does not answer {path}"
+    return openai_error(404, message, type_="not_found_error", code="route_not_found")
 
 
 def _json_body(body: bytes) -> object:

@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from forge_kit.openai_protocol import (
     ChatCompletionBody,
     CompletionBody,
+    DetokenizeBody,
     EmbeddingBody,
     ErrorBody,
     TokenizeBody,
@@ -63,6 +64,7 @@ REQUEST_BODIES: dict[tuple[str, str], type[BaseModel]] = {
     ("/v1/embeddings", "post"): EmbeddingBody,
     ("/v1/rag/query", "post"): RagQueryBody,
     ("/tokenize", "post"): TokenizeBody,
+    ("/detokenize", "post"): DetokenizeBody,
 }
 
 _DESCRIPTIONS = {
@@ -81,7 +83,8 @@ _ERRORS_BY_PREFIX = (
     ("/v1/models", ("401", "404", "429", "502", "503")),
     ("/v1/embeddings", ("400", "401", "404", "413", "429", "502", "503", "504")),
     ("/v1/", _GENERATION),
-    ("/tokenize", _GENERATION),
+    ("/tokenize", _GENERATION),  # and /tokenizer_info
+    ("/detokenize", _GENERATION),
     ("/admin/", ("400", "401", "404", "409", "413")),
 )
 
