@@ -195,9 +195,11 @@ async def test_reflection_v1_lists_and_describes_services(running: Running) -> N
 
         replies = [reply async for reply in info(requests(), timeout=5)]
     names = [s.name for s in replies[0].list_services_response.service]
-    assert {SERVICE_NAME, "grpc.reflection.v1.ServerReflection", "grpc.reflection.v1alpha.ServerReflection"} <= set(
-        names
-    )
+    assert {
+        SERVICE_NAME,
+        "grpc.reflection.v1.ServerReflection",
+        "grpc.reflection.v1alpha.ServerReflection",
+    } <= set(names)
     described = [
         descriptor_pb2.FileDescriptorProto.FromString(raw)
         for reply in replies[1:]

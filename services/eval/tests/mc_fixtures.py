@@ -9,12 +9,48 @@ import json
 from pathlib import Path
 
 TRUTHFUL = [
-    ("What is 5 \u2212 7?", ["\u22122", "2", "12", "\u221212"], [1, 0, 0, 0], ["\u22122", "minus two", "2", "12"], [1, 1, 0, 0]),
-    ("Where is the Caf\u00e9 de Flore?", ["Paris", "Berlin", "Z\u00fcrich"], [1, 0, 0], ["In Paris", "On the Left Bank", "In Berlin"], [1, 1, 0]),
-    ("Which emoji means yes?", ["\U0001f44d", "\U0001f44e", "\U0001f600\U0001f600"], [1, 0, 0], ["\U0001f44d", "thumbs up", "\U0001f44e"], [1, 1, 0]),
-    ("\u4e2d\u6587\u662f\u4ec0\u4e48\uff1f", ["\u4e00\u79cd\u8bed\u8a00", "a fish", "\u65e5\u672c\u8a9e"], [1, 0, 0], ["\u4e00\u79cd\u8bed\u8a00", "Chinese", "a fish", "a river"], [1, 1, 0, 0]),
-    ("To be, or not to be?", ["that is the question", "no", "na\u00efve r\u00e9sum\u00e9"], [1, 0, 0], ["that is the question", "Hamlet asks it", "no"], [1, 1, 0]),
-    ("How cold is \u221240\u00b0?", ["as cold in \u00b0F", "warm", "hot"], [1, 0, 0], ["as cold in \u00b0F", "very cold", "warm"], [1, 1, 0]),
+    (
+        "What is 5 \u2212 7?",
+        ["\u22122", "2", "12", "\u221212"],
+        [1, 0, 0, 0],
+        ["\u22122", "minus two", "2", "12"],
+        [1, 1, 0, 0],
+    ),
+    (
+        "Where is the Caf\u00e9 de Flore?",
+        ["Paris", "Berlin", "Z\u00fcrich"],
+        [1, 0, 0],
+        ["In Paris", "On the Left Bank", "In Berlin"],
+        [1, 1, 0],
+    ),
+    (
+        "Which emoji means yes?",
+        ["\U0001f44d", "\U0001f44e", "\U0001f600\U0001f600"],
+        [1, 0, 0],
+        ["\U0001f44d", "thumbs up", "\U0001f44e"],
+        [1, 1, 0],
+    ),
+    (
+        "\u4e2d\u6587\u662f\u4ec0\u4e48\uff1f",
+        ["\u4e00\u79cd\u8bed\u8a00", "a fish", "\u65e5\u672c\u8a9e"],
+        [1, 0, 0],
+        ["\u4e00\u79cd\u8bed\u8a00", "Chinese", "a fish", "a river"],
+        [1, 1, 0, 0],
+    ),
+    (
+        "To be, or not to be?",
+        ["that is the question", "no", "na\u00efve r\u00e9sum\u00e9"],
+        [1, 0, 0],
+        ["that is the question", "Hamlet asks it", "no"],
+        [1, 1, 0],
+    ),
+    (
+        "How cold is \u221240\u00b0?",
+        ["as cold in \u00b0F", "warm", "hot"],
+        [1, 0, 0],
+        ["as cold in \u00b0F", "very cold", "warm"],
+        [1, 1, 0],
+    ),
 ]
 
 ARC = [
@@ -117,15 +153,15 @@ def write_lm_eval_tasks(folder: Path, data: dict[str, Path]) -> list[str]:
 
     specs = {
         "l_mc1": dataset(data["truthful"])
-        + "output_type: multiple_choice\ndoc_to_text: \"Q: {{question}}\\nA:\"\ndoc_to_target: 0\n"
-        + "doc_to_choice: \"{{mc1_targets.choices}}\"\nmetric_list:\n  - metric: acc\n  - metric: acc_norm\n",
+        + 'output_type: multiple_choice\ndoc_to_text: "Q: {{question}}\\nA:"\ndoc_to_target: 0\n'
+        + 'doc_to_choice: "{{mc1_targets.choices}}"\nmetric_list:\n  - metric: acc\n  - metric: acc_norm\n',
         "l_mc2": dataset(data["truthful"])
-        + "output_type: multiple_choice\ndoc_to_text: \"Q: {{question}}\\nA:\"\ndoc_to_target: 0\n"
-        + "doc_to_choice: \"{{mc2_targets.choices}}\"\nprocess_results: !function mc_utils.process_results_mc2\n"
+        + 'output_type: multiple_choice\ndoc_to_text: "Q: {{question}}\\nA:"\ndoc_to_target: 0\n'
+        + 'doc_to_choice: "{{mc2_targets.choices}}"\nprocess_results: !function mc_utils.process_results_mc2\n'
         + "metric_list:\n  - metric: acc\n",
         "l_arc": dataset(data["arc"])
-        + "output_type: multiple_choice\ndoc_to_text: \"Question: {{question}}\\nAnswer:\"\n"
-        + "doc_to_target: \"{{choices.label.index(answerKey)}}\"\ndoc_to_choice: \"{{choices.text}}\"\n"
+        + 'output_type: multiple_choice\ndoc_to_text: "Question: {{question}}\\nAnswer:"\n'
+        + 'doc_to_target: "{{choices.label.index(answerKey)}}"\ndoc_to_choice: "{{choices.text}}"\n'
         + "metric_list:\n  - metric: acc\n  - metric: acc_norm\n",
     }
     for name, body in specs.items():

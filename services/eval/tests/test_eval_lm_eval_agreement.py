@@ -196,4 +196,6 @@ async def test_lm_eval_local_completions_with_defaults_agrees_with_forge_eval(
             assert got == pytest.approx(lls, abs=1e-4), (forge_name, mine["id"])
             for ours_metric, their_metric in metrics.items():
                 assert mine["scores"][ours_metric] == pytest.approx(float(other[their_metric]), abs=1e-6)
-    print(f"{endpoint}: forge eval vs lm-eval local-completions: {equal} of {compared} log-likelihoods equal (1e-6)")
+    print(
+        f"{endpoint}: forge eval vs lm-eval local-completions: {equal} of {compared} log-likelihoods equal (1e-6)"
+    )

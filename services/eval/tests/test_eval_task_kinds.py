@@ -11,13 +11,20 @@ import re
 from pathlib import Path
 
 import pytest
-from test_eval_harness import CORPUS_GOOD, BackendFactory, backend_factory, roots, state  # noqa: F401
+import test_eval_harness
+from eval_ngram_endpoint import NGramModel
+from test_eval_harness import CORPUS_GOOD, BackendFactory
 
 from forge_eval.harness import run_task
 from forge_eval.tasks import DataRoots, build_docs, load_task
 from forge_kit import errors
 
-from eval_ngram_endpoint import NGramModel
+# The harness tests' fixtures: the n-gram endpoint, its backend and the data roots.
+roots, state, backend_factory = (
+    test_eval_harness.roots,
+    test_eval_harness.state,
+    test_eval_harness.backend_factory,
+)
 
 ROWS = [
     {"q": "the cat sat on the", "options": ["mat", "hat", "log", "mat."], "right": [0, 3]},
@@ -50,7 +57,9 @@ def argmax(values: list[float]) -> int:
 async def test_per_example_choices_with_several_right_answers(
     tmp_path: Path, roots: DataRoots, backend_factory: BackendFactory
 ) -> None:
-    task = load_task(str(write(tmp_path, "toy_choices", MC + "scorer: {name: multiple_choice_loglikelihood}\n")))
+    task = load_task(
+        str(write(tmp_path, "toy_choices", MC + "scorer: {name: multiple_choice_loglikelihood}\n"))
+    )
     backend = backend_factory()
     result = await run_task(task, roots, backend, await backend.identity())
     model = NGramModel(CORPUS_GOOD)
@@ -106,10 +115,22 @@ async def test_generation_scored_by_regex_against_several_references(
 @pytest.mark.parametrize(
     ("body", "field"),
     [
-        (MC.replace("{{ right }}", "{{ [0, 9] }}") + "scorer: {name: multiple_choice_loglikelihood}\n", "task.template.gold"),
-        (MC.replace("'{{ options }}'", "'{{ [] }}'") + "scorer: {name: multiple_choice_loglikelihood}\n", "task.template.choices"),
-        ("output_type: generate_until\ntemplate: {prompt: '{{ q }}'}\nscorer: {name: regex_match, options: {regex: '(['}}\n", "task.scorer.options.regex"),
-        ("output_type: generate_until\ntemplate: {prompt: '{{ q }}'}\nscorer: {name: regex_match, options: {regex: '(a)', group: 2}}\n", "task.scorer.options.group"),
+        (
+            MC.replace("{{ right }}", "{{ [0, 9] }}") + "scorer: {name: multiple_choice_loglikelihood}\n",
+            "task.template.gold",
+        ),
+        (
+            MC.replace("'{{ options }}'", "'{{ [] }}'") + "scorer: {name: multiple_choice_loglikelihood}\n",
+            "task.template.choices",
+        ),
+        (
+            "output_type: generate_until\ntemplate: {prompt: '{{ q }}'}\nscorer: {name: regex_match, options: {regex: '(['}}\n",
+            "task.scorer.options.regex",
+        ),
+        (
+            "output_type: generate_until\ntemplate: {prompt: '{{ q }}'}\nscorer: {name: regex_match, options: {regex: '(a)', group: 2}}\n",
+            "task.scorer.options.group",
+        ),
     ],
 )
 async def test_bad_tasks_are_refused_before_any_model_call(

@@ -23,7 +23,16 @@ GENERATED = {"vlm_shapes_vqa", "vlm_shapes_vqa_text_only", "vlm_shapes_caption"}
 def test_every_shipped_task_loads_and_pins_its_data() -> None:
     assert (
         set(shipped_tasks())
-        == {"gsm8k", "mmlu", "mmlu_cloze", "bbh", "bbh_cot", "humaneval", "tinyshakespeare_ppl", "scifact_ppl"}
+        == {
+            "gsm8k",
+            "mmlu",
+            "mmlu_cloze",
+            "bbh",
+            "bbh_cot",
+            "humaneval",
+            "tinyshakespeare_ppl",
+            "scifact_ppl",
+        }
         | GENERATED
     )
     for name in shipped_tasks():

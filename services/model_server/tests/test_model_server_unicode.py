@@ -132,7 +132,8 @@ async def test_echo_of_a_token_id_prompt_without_logprobs_returns_its_text(
     tokenizer, _ = reference
     ids = tokenizer.encode(TEXTS[3])
     reply = await http.post(
-        "/v1/completions", json={"model": "tiny", "prompt": ids, "echo": True, "max_tokens": 1, "temperature": 0}
+        "/v1/completions",
+        json={"model": "tiny", "prompt": ids, "echo": True, "max_tokens": 1, "temperature": 0},
     )
     assert reply.status_code == 200, reply.text
     choice = reply.json()["choices"][0]
@@ -147,7 +148,9 @@ async def test_a_harness_gets_the_served_tokenizer_without_its_files(
     host path in what they or ``/v1/models`` say."""
     tokenizer, _ = reference
     for text in TEXTS:
-        ids = (await http.post("/tokenize", json={"prompt": text, "add_special_tokens": False})).json()["tokens"]
+        ids = (await http.post("/tokenize", json={"prompt": text, "add_special_tokens": False})).json()[
+            "tokens"
+        ]
         assert ids == tokenizer.encode(text, add_special_tokens=False)
         back = await http.post("/detokenize", json={"tokens": ids})
         assert back.status_code == 200 and back.json()["prompt"] == text

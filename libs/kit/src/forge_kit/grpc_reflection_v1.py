@@ -58,4 +58,6 @@ def enable_reflection(service_names: Sequence[str], server: grpc.aio.Server) -> 
             request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
             response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
         )
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, {"ServerReflectionInfo": handler}),))
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(name, {"ServerReflectionInfo": handler}),)
+        )

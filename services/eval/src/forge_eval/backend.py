@@ -282,7 +282,12 @@ class OpenAIBackend:
 
         try:
             response = await send_with_retries(
-                call, self.limiter, policy=self._policy, stats=self._retry_stats, rng=self._rng, sleep=self._sleep
+                call,
+                self.limiter,
+                policy=self._policy,
+                stats=self._retry_stats,
+                rng=self._rng,
+                sleep=self._sleep,
             )
         except (GaveUp, TooLarge) as exc:
             raise BackendError(f"model endpoint {self.endpoint} gave up on /tokenize: {exc}") from None
@@ -507,7 +512,9 @@ def _prompt_logprobs(
     )
 
 
-def continuation_loglikelihood(response: dict[str, Any], context_tokens: int, whole_tokens: int) -> dict[str, Any]:
+def continuation_loglikelihood(
+    response: dict[str, Any], context_tokens: int, whole_tokens: int
+) -> dict[str, Any]:
     """Sum of the logprobs of the echoed prompt's tokens ``context_tokens`` … ``whole_tokens``
     (the continuation's, located by count as lm-evaluation-harness does) and whether each was
     the greedy choice."""

@@ -139,7 +139,9 @@ async def _choice_requests(
     """Every choice of every doc (after ``delimiter``) as a token-id logprob request, split into
     context and continuation by the served model's tokenizer as lm-evaluation-harness splits them."""
     pairs = [[Continuation.split(d.prompt, delimiter + c) for c in d.choices] for d in docs]
-    texts_needed = sorted({t for ps in pairs for p in ps for t in (p.context, p.context + p.continuation) if t})
+    texts_needed = sorted(
+        {t for ps in pairs for p in ps for t in (p.context, p.context + p.continuation) if t}
+    )
     tokens = dict(zip(texts_needed, await backend.tokenize(texts_needed, identity), strict=True))
     per_doc, spans = [], []
     for ps in pairs:

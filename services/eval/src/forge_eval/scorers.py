@@ -155,14 +155,20 @@ def _regex_options(options: dict[str, Any]) -> tuple[re.Pattern[str], int, str]:
     pattern has groups, else 0) and which match is read (``first`` or ``last``)."""
     pattern = options.get("regex")
     if not isinstance(pattern, str) or not pattern or len(pattern) > 500:
-        raise errors.ValidationError("task.scorer.options.regex", "a regular expression of 1 to 500 characters is required")
+        raise errors.ValidationError(
+            "task.scorer.options.regex", "a regular expression of 1 to 500 characters is required"
+        )
     try:
         compiled = re.compile(pattern, re.IGNORECASE if options.get("ignore_case") else 0)
     except re.error as exc:
-        raise errors.ValidationError("task.scorer.options.regex", f"is not a valid regular expression: {exc}") from None
+        raise errors.ValidationError(
+            "task.scorer.options.regex", f"is not a valid regular expression: {exc}"
+        ) from None
     group = options.get("group", 1 if compiled.groups else 0)
     if not isinstance(group, int) or isinstance(group, bool) or not 0 <= group <= compiled.groups:
-        raise errors.ValidationError("task.scorer.options.group", f"must be a group of the regex (0 to {compiled.groups})")
+        raise errors.ValidationError(
+            "task.scorer.options.group", f"must be a group of the regex (0 to {compiled.groups})"
+        )
     which = options.get("match", "first")
     if which not in ("first", "last"):
         raise errors.ValidationError("task.scorer.options.match", "must be 'first' or 'last'")

@@ -168,10 +168,17 @@ class GatewayRoutes:
     ) -> Response:
         """``GET /tokenizer_info``: the model's special tokens and chat template."""
         raw = await self._with_model({"model": model})
-        routed = await self._gateway.router.route(request.state.tenant, "/tokenizer_info", GenerationRequest.parse(raw))
+        routed = await self._gateway.router.route(
+            request.state.tenant, "/tokenizer_info", GenerationRequest.parse(raw)
+        )
         reply = await self._gateway.tokenizer_info(routed.target, self._gateway.deadline())
-        headers = {MODEL_HEADER: routed.target, "content-type": reply.headers.get("content-type", "application/json")}
-        return _route_missing("/tokenizer_info", self._relay("/tokenizer_info", reply.status_code, reply.content, headers))
+        headers = {
+            MODEL_HEADER: routed.target,
+            "content-type": reply.headers.get("content-type", "application/json"),
+        }
+        return _route_missing(
+            "/tokenizer_info", self._relay("/tokenizer_info", reply.status_code, reply.content, headers)
+        )
 
     async def chat_completions(self, request: Request) -> Response:
         """``POST /v1/chat/completions``: relayed to a replica, or, with a ``retrieval`` object,

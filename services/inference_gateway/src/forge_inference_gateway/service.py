@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import json
 import time
-from urllib.parse import urlencode
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from urllib.parse import urlencode
 
 import structlog
 
@@ -187,7 +187,9 @@ class InferenceGateway:
         """vLLM's ``GET /tokenizer_info`` of the model ``target`` from a healthy replica serving it."""
         for replica in self.pool.candidates(target):
             try:
-                return await replica.client.request("GET", f"/tokenizer_info?{urlencode({'model': target})}", deadline)
+                return await replica.client.request(
+                    "GET", f"/tokenizer_info?{urlencode({'model': target})}", deadline
+                )
             except UpstreamUnavailableError as exc:
                 self.pool.report_failure(replica, exc)
         raise NoReplicaError(f"no healthy replica serves {target}", self.pool.retry_after_s())

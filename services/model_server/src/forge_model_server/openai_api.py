@@ -26,7 +26,6 @@ from forge_kit.openai_protocol import (
 )
 from forge_model_server.image_inputs import ImagePolicy, chat_messages
 from forge_model_server.sampling_params import chat_requests, completion_requests, merged
-from forge_model_server.tokenizer_api import install_tokenizer_api
 from forge_model_server.service import (
     ChunkStream,
     GenerationChunk,
@@ -37,6 +36,7 @@ from forge_model_server.service import (
     ModelServer,
     TokenLogprob,
 )
+from forge_model_server.tokenizer_api import install_tokenizer_api
 
 
 def _usage(last: GenerationChunk | None) -> dict[str, int]:
@@ -254,9 +254,15 @@ class OpenAIRoutes:
                     yield _sse({**head, "object": obj, "choices": [first]})
             async for i, chunk in events:
                 last[i] = chunk
-                logprobs = _chat_logprobs([chunk]) if chat else _completion_logprobs([chunk], offset=offsets[i])
+                logprobs = (
+                    _chat_logprobs([chunk]) if chat else _completion_logprobs([chunk], offset=offsets[i])
+                )
                 offsets[i] += sum(len(lp.token) for lp in chunk.logprobs)
-                delta: dict[str, object] = {"index": i, "finish_reason": chunk.finish_reason, "logprobs": logprobs}
+                delta: dict[str, object] = {
+                    "index": i,
+                    "finish_reason": chunk.finish_reason,
+                    "logprobs": logprobs,
+                }
                 if chunk.prompt_logprobs is not None:
                     delta["prompt_logprobs"] = _prompt_logprobs([chunk])
                 if chat:

@@ -230,7 +230,9 @@ class AsyncEngine:
         here on the tokenizer thread; a corrupt, oversized or unsupported one is a 400 naming it."""
         if request.prompt_token_ids is not None:
             return list(request.prompt_token_ids)
-        ids = list(self._tokenizer.encode(self._prompt_text(request), add_special_tokens=request.add_special_tokens))
+        ids = list(
+            self._tokenizer.encode(self._prompt_text(request), add_special_tokens=request.add_special_tokens)
+        )
         if self.vision is None:
             return ids
         images = request.images
@@ -351,7 +353,9 @@ class AsyncEngine:
             finish_reason=out.finish_reason,  # type: ignore[arg-type]
             prompt_tokens=out.prompt_tokens,
             completion_tokens=out.completion_tokens,
-            logprobs=tuple(self._token_logprob(lp, text) for lp, text in zip(out.logprobs, texts, strict=True)),
+            logprobs=tuple(
+                self._token_logprob(lp, text) for lp, text in zip(out.logprobs, texts, strict=True)
+            ),
             prompt_logprobs=prompt_lps,
             image_tokens=tracked.image_tokens if out.finish_reason is not None else 0,
         )

@@ -62,7 +62,9 @@ class TokenizerRoutes:
                 "add_generation_prompt", "only true is supported (the prompt as generation sees it)"
             )
         if not body.add_special_tokens and body.messages is not None:
-            raise errors.ValidationError("add_special_tokens", "false is supported for a prompt, not messages")
+            raise errors.ValidationError(
+                "add_special_tokens", "false is supported for a prompt, not messages"
+            )
         messages = (
             [ChatMessage(m.role, message_text(m, i)) for i, m in enumerate(body.messages)]
             if body.messages is not None
