@@ -63,9 +63,20 @@ ARC = [
 ]
 
 
+QA = [
+    ("To be, or not", "to be"),
+    ("What is 5 \u2212 7?", "\u22122"),
+    ("Caf\u00e9 or tea?", "tea"),
+    ("\u4e2d\u6587\u662f\u4ec0\u4e48\uff1f", "\u8bed\u8a00"),
+    ("My lord, the king", "is dead"),
+]
+
+
 def write_data(folder: Path) -> dict[str, Path]:
-    """The JSONL files under ``folder``: ``truthful`` and ``arc``."""
+    """The JSONL files under ``folder``: ``truthful``, ``arc`` and ``qa`` (generative)."""
     folder.mkdir(parents=True, exist_ok=True)
+    qa = folder / "qa.jsonl"
+    qa.write_text("".join(json.dumps({"q": q, "a": a}, ensure_ascii=False) + "\n" for q, a in QA))
     truthful = folder / "truthful.jsonl"
     truthful.write_text(
         "".join(
@@ -97,7 +108,7 @@ def write_data(folder: Path) -> dict[str, Path]:
             for i, (q, texts, key) in enumerate(ARC)
         )
     )
-    return {"truthful": truthful, "arc": arc}
+    return {"truthful": truthful, "arc": arc, "qa": qa}
 
 
 def write_forge_tasks(folder: Path) -> dict[str, Path]:
@@ -122,6 +133,12 @@ def write_forge_tasks(folder: Path) -> dict[str, Path]:
         + "  gold: '{{ choices.label.index(answerKey) }}'\n"
         + "scorer: {name: multiple_choice_loglikelihood}\n",
     }
+    tasks["t_chat"] = (
+        "output_type: generate_until\nchat: true\ndataset: {path: mc/qa.jsonl}\n"
+        + "template: {prompt: '{{ q }}', target: '{{ a }}'}\n"
+        + 'generation: {max_tokens: 8, stop: ["\\n"]}\n'
+        + "scorer: {name: regex_match, options: {regex: '(\\S+)'}}\n"
+    )
     folder.mkdir(parents=True, exist_ok=True)
     out = {}
     for name, body in tasks.items():
@@ -167,3 +184,16 @@ def write_lm_eval_tasks(folder: Path, data: dict[str, Path]) -> list[str]:
     for name, body in specs.items():
         (folder / f"{name}.yaml").write_text(f"task: {name}\n{body}")
     return list(specs)
+
+
+def write_lm_eval_chat_task(folder: Path, data: dict[str, Path]) -> str:
+    """The generative ``t_chat`` task as lm-evaluation-harness YAML (sent as chat messages)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "l_chat.yaml").write_text(
+        "task: l_chat\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+        f"    test: {data['qa']}\ntest_split: test\noutput_type: generate_until\n"
+        "doc_to_text: '{{q}}'\ndoc_to_target: '{{a}}'\n"
+        'generation_kwargs: {until: ["\\n"], max_gen_toks: 8, do_sample: false, temperature: 0}\n'
+        "metric_list:\n  - metric: exact_match\n"
+    )
+    return "l_chat"

@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 import pytest
-from mc_fixtures import write_data, write_forge_tasks, write_lm_eval_tasks
+from mc_fixtures import write_data, write_forge_tasks, write_lm_eval_chat_task, write_lm_eval_tasks
 from tiny_checkpoint import make_tiny_checkpoint
 
 from forge_eval.backend import Continuation, OpenAIBackend
@@ -126,6 +126,8 @@ async def test_every_loglikelihood_equals_transformers(served: Served) -> None:
     compared = equal = 0
     for task, rows in samples.items():
         for sample in rows:
+            if not sample["choices"]:
+                continue  # the generative task
             for choice, got in zip(sample["choices"], sample["response"]["choices"], strict=True):
                 want = transformers_loglikelihood(model, tokenizer, sample["prompt"], " " + choice)
                 compared += 1
@@ -156,6 +158,14 @@ def test_a_served_name_gives_harnesses_its_tokenizer_and_no_host_path(served: Se
             assert refused.status_code == 400 and refused.json()["error"]["param"].startswith("tokens")
 
 
+def offline(monkeypatch: pytest.MonkeyPatch, served: Served, token: str) -> None:
+    """lm-eval's key (its API models read OPENAI_API_KEY) and datasets read from local files."""
+    monkeypatch.setenv("OPENAI_API_KEY", token)
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(served.root / "hf-datasets"))
+
+
 @pytest.mark.parametrize("endpoint", ["model_server", "gateway"])
 async def test_lm_eval_local_completions_with_defaults_agrees_with_forge_eval(
     served: Served, monkeypatch: pytest.MonkeyPatch, endpoint: str
@@ -164,10 +174,7 @@ async def test_lm_eval_local_completions_with_defaults_agrees_with_forge_eval(
     from lm_eval.tasks import TaskManager
 
     url, token = served.endpoint(endpoint)
-    monkeypatch.setenv("OPENAI_API_KEY", token)
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_DATASETS_CACHE", str(served.root / "hf-datasets"))
+    offline(monkeypatch, served, token)
     names = write_lm_eval_tasks(served.root / "lm_eval_tasks", write_data(served.root / "lm_eval_data"))
     results = lm_eval.simple_evaluate(
         model="local-completions",
@@ -198,4 +205,35 @@ async def test_lm_eval_local_completions_with_defaults_agrees_with_forge_eval(
                 assert mine["scores"][ours_metric] == pytest.approx(float(other[their_metric]), abs=1e-6)
     print(
         f"{endpoint}: forge eval vs lm-eval local-completions: {equal} of {compared} log-likelihoods equal (1e-6)"
+    )
+
+
+@pytest.mark.parametrize("endpoint", ["model_server", "gateway"])
+async def test_lm_eval_local_chat_completions_agrees_with_forge_eval(
+    served: Served, monkeypatch: pytest.MonkeyPatch, endpoint: str
+) -> None:
+    """A generative task sent as chat (lm-eval's ``local-chat-completions``, which needs its
+    ``apply_chat_template``): the same greedy answers as ``forge eval``'s chat task."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    url, token = served.endpoint(endpoint)
+    offline(monkeypatch, served, token)
+    folder = served.root / "lm_eval_chat"
+    name = write_lm_eval_chat_task(folder, write_data(served.root / "lm_eval_data"))
+    results = lm_eval.simple_evaluate(
+        model="local-chat-completions",
+        model_args={"model": "tiny", "base_url": f"{url}/v1/chat/completions"},
+        tasks=[name],
+        task_manager=TaskManager(include_path=str(folder)),
+        apply_chat_template=True,
+        log_samples=True,
+    )
+    assert results is not None
+    theirs = sorted(results["samples"][name], key=lambda s: s["doc_id"])
+    ours = (await forge_samples(served, endpoint))["t_chat"]
+    assert [s["response"]["texts"][0] for s in ours] == [s["resps"][0][0] for s in theirs]
+    assert any(s["response"]["texts"][0] for s in ours)
+    print(
+        f"{endpoint}: forge eval vs lm-eval local-chat-completions: {len(ours)} of {len(theirs)} answers equal"
     )
