@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import test_eval_harness
-from eval_ngram_endpoint import NGramModel
+from eval_ngram_endpoint import EndpointState, NGramModel, make_app
 from test_eval_harness import CORPUS_GOOD, BackendFactory
 
 from forge_eval.harness import run_task
@@ -157,3 +157,36 @@ def test_shipped_tasks_with_per_example_choices_and_several_references_render() 
     lettered = [d for d in cot if d.target.startswith("(")]
     assert lettered and all(d.targets == (d.target, d.target.strip("()")) for d in lettered)
     assert all(d.targets[0] == d.target for d in cot)
+
+
+async def test_an_endpoint_that_cannot_tokenize_fails_the_run_before_scoring(
+    tmp_path: Path, roots: DataRoots, state: EndpointState
+) -> None:
+    """Multiple choice needs the served tokenizer (``/tokenize``, as vLLM serves it): without it
+    the run stops with a message naming the route, and no log-likelihood is guessed."""
+    import httpx
+    from fastapi import Request
+    from fastapi.responses import JSONResponse
+    from starlette.middleware.base import RequestResponseEndpoint
+    from starlette.responses import Response
+
+    from forge_eval.backend import BackendError, OpenAIBackend
+
+    app = make_app(state)
+
+    @app.middleware("http")
+    async def no_tokenize(request: Request, call_next: RequestResponseEndpoint) -> Response:
+        if request.url.path == "/tokenize":
+            return JSONResponse({"detail": "Not Found"}, status_code=404)
+        return await call_next(request)
+
+    task = load_task(
+        str(write(tmp_path, "toy_untokenized", MC + "scorer: {name: multiple_choice_loglikelihood}\n"))
+    )
+    backend = OpenAIBackend("http://toy", "toy", transport=httpx.ASGITransport(app=app))
+    try:
+        with pytest.raises(BackendError, match="/tokenize"):
+            await run_task(task, roots, backend, await backend.identity())
+    finally:
+        await backend.aclose()
+    assert state.completion_requests == 0
