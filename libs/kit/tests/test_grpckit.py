@@ -174,6 +174,44 @@ async def test_reflection_lists_the_service(running: Running) -> None:
 
 
 @pytest.mark.asyncio
+async def test_reflection_v1_lists_and_describes_services(running: Running) -> None:
+    """A v1-only client (grpcurl's first choice): the same messages under ``grpc.reflection.v1``;
+    it lists the services, both reflection versions among them, and can describe v1 itself."""
+    from google.protobuf import descriptor_pb2
+
+    async with grpc.aio.insecure_channel(running.target) as channel:
+        info = channel.stream_stream(
+            "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+            request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+            response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+        )
+
+        async def requests() -> AsyncIterator[reflection_pb2.ServerReflectionRequest]:
+            yield reflection_pb2.ServerReflectionRequest(list_services="")
+            yield reflection_pb2.ServerReflectionRequest(
+                file_containing_symbol="grpc.reflection.v1.ServerReflection"
+            )
+            yield reflection_pb2.ServerReflectionRequest(file_containing_symbol=SERVICE_NAME)
+
+        replies = [reply async for reply in info(requests(), timeout=5)]
+    names = [s.name for s in replies[0].list_services_response.service]
+    assert {
+        SERVICE_NAME,
+        "grpc.reflection.v1.ServerReflection",
+        "grpc.reflection.v1alpha.ServerReflection",
+    } <= set(names)
+    described = [
+        descriptor_pb2.FileDescriptorProto.FromString(raw)
+        for reply in replies[1:]
+        for raw in reply.file_descriptor_response.file_descriptor_proto
+    ]
+    packages = {d.package for d in described}
+    assert "grpc.reflection.v1" in packages and SERVICE_NAME.rsplit(".", 1)[0] in packages
+    v1 = next(d for d in described if d.package == "grpc.reflection.v1")
+    assert v1.service[0].method[0].input_type == ".grpc.reflection.v1.ServerReflectionRequest"
+
+
+@pytest.mark.asyncio
 async def test_calls_need_the_bearer_token(running: Running) -> None:
     async with grpc.aio.insecure_channel(running.target) as channel:
         assert (await rpc_error(channel, "hi", timeout=5)).code() is grpc.StatusCode.UNAUTHENTICATED

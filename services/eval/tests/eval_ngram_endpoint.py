@@ -1,11 +1,12 @@
 """A real, tiny language model behind an OpenAI-compatible HTTP app, for the eval tests.
 
 The model is a character trigram model with add-k smoothing trained on a text given by the test:
-every token is one character, so ``text_offset`` is the character index, and every logprob the app
-returns is computed from the model's counts — the tests check the harness against
-:meth:`NGramModel.logprob` computed directly, not against canned numbers. The app speaks the vLLM
-dialect of ``/v1/completions``: a string or a list of prompts, ``n``, ``stop``, ``seed``, and
-``echo`` + ``logprobs`` for prompt logprobs (the first token has ``None``).
+every token is one character (its id is the code point), so ``text_offset`` is the character
+index, and every logprob the app returns is computed from the model's counts — the tests check the
+harness against :meth:`NGramModel.logprob` computed directly, not against canned numbers. The app
+speaks the vLLM dialect of ``/v1/completions``: a string, token ids or a list of either as the
+prompt, ``n``, ``stop``, ``seed``, and ``echo`` + ``logprobs`` for prompt logprobs (the first token
+has ``None``); and ``POST /tokenize``.
 """
 
 from __future__ import annotations
@@ -113,6 +114,15 @@ def _echo_logprobs(model: NGramModel, text: str) -> dict[str, Any]:
     return {"tokens": tokens, "token_logprobs": values, "text_offset": offsets, "top_logprobs": top}
 
 
+def prompt_texts(prompt: Any) -> list[str]:
+    """The prompts of a body as texts: a string, token ids (code points), or a list of either."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if prompt and all(isinstance(t, int) for t in prompt):
+        return ["".join(map(chr, prompt))]
+    return [p if isinstance(p, str) else "".join(map(chr, p)) for p in prompt]
+
+
 def make_app(state: EndpointState) -> FastAPI:
     app = FastAPI()
 
@@ -142,11 +152,11 @@ def make_app(state: EndpointState) -> FastAPI:
         model = state.models.get(body.get("model", ""))
         if model is None:
             return JSONResponse({"error": {"message": "unknown model"}}, status_code=404)
-        if state.single_prompt_only and isinstance(body["prompt"], list):
+        prompts = prompt_texts(body["prompt"])
+        if state.single_prompt_only and len(prompts) > 1:
             return JSONResponse(
-                {"error": {"message": "prompt must be a string", "param": "prompt"}}, status_code=422
+                {"error": {"message": "one prompt per request", "param": "prompt"}}, status_code=422
             )
-        prompts = body["prompt"] if isinstance(body["prompt"], list) else [body["prompt"]]
         too_long = [
             p
             for p in prompts
@@ -170,6 +180,14 @@ def make_app(state: EndpointState) -> FastAPI:
                 choices.append(choice)
         # Answer out of order, as a batching server may: the client must place choices by index.
         return JSONResponse({"object": "text_completion", "model": body["model"], "choices": choices[::-1]})
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> JSONResponse:
+        body = await request.json()
+        if body.get("model") not in state.models:
+            return JSONResponse({"error": {"message": "unknown model"}}, status_code=404)
+        tokens = [ord(c) for c in body["prompt"]]
+        return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": state.max_model_len})
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> JSONResponse:

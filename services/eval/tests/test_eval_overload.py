@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 import uvicorn
-from eval_ngram_endpoint import EndpointState, NGramModel, make_app
+from eval_ngram_endpoint import EndpointState, NGramModel, make_app, prompt_texts
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.middleware.base import BaseHTTPMiddleware, RequestResponseEndpoint
@@ -54,8 +54,7 @@ def _serve(queue: Queue) -> FastAPI:
             return await call_next(request)
         body = await request.body()
         queue.bodies[hashlib.sha256(body).hexdigest()] += 1
-        prompt = json.loads(body).get("prompt")
-        prompts = len(prompt) if isinstance(prompt, list) else 1
+        prompts = len(prompt_texts(json.loads(body).get("prompt")))
         if queue.refuse_all:
             return JSONResponse({"error": {"message": "bad prompt", "param": "prompt"}}, status_code=400)
         if queue.in_flight >= queue.capacity or (queue.max_prompts and prompts > queue.max_prompts):

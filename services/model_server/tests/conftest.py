@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import functools
 import json
+import sys
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
@@ -20,6 +21,9 @@ from forge_model_server.service import (
     ModelInfo,
     ModelServer,
 )
+
+# Test modules share helpers by importing each other (test_model_server_live's live server).
+sys.path.insert(0, str(Path(__file__).parent))
 
 TOKEN = "test-token"
 

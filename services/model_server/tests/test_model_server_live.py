@@ -260,7 +260,11 @@ async def test_tokenize_counts_what_generation_feeds_the_model(http: httpx.Async
         ({"model": "tiny"}, "prompt"),
         ({"model": "tiny", "prompt": "a", "messages": [{"role": "user", "content": "a"}]}, "messages"),
         ({"model": "tiny", "messages": [{"role": "robot", "content": "a"}]}, "messages.0.role"),
-        ({"model": "tiny", "prompt": "a", "add_special_tokens": False}, "add_special_tokens"),
+        (
+            {"model": "tiny", "messages": [{"role": "user", "content": "a"}], "add_special_tokens": False},
+            "add_special_tokens",
+        ),
+        ({"model": "tiny", "prompt": "a", "add_generation_prompt": False}, "add_generation_prompt"),
         ({"model": "", "prompt": "a"}, "model"),
     ],
 )

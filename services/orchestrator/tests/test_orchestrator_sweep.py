@@ -83,6 +83,7 @@ class RecordingTracker:
     def __init__(self) -> None:
         self.runs: dict[str, dict[str, Any]] = {}
         self.ended: dict[str, str] = {}
+        self.metrics: dict[str, dict[str, float]] = {}
 
     def ensure_sweep_run(self, sweep_id: str, name: str, params: dict[str, Any]) -> str:
         self.runs.setdefault("parent", {"tags": {"forge.sweep_id": sweep_id, "forge.role": "sweep"}})
@@ -96,6 +97,10 @@ class RecordingTracker:
 
     def set_terminated(self, run_id: str, status: str) -> None:
         self.ended[run_id] = status
+
+    def log_metrics(self, run_id: str, step: int, metrics: dict[str, float]) -> int:
+        self.metrics.setdefault(run_id, {}).update(metrics)
+        return len(metrics)
 
 
 def worker_for(client: Client, queue: str, scheduler: FakeScheduler, sweeps: SweepActivities) -> Worker:
@@ -193,6 +198,14 @@ async def test_asha_stops_trials_preemption_resumes_and_forged_metrics_are_ignor
         "run-job-1": "KILLED",
         "run-job-2": "KILLED",
         "run-job-3": "KILLED",
+        "parent": "FINISHED",  # the sweep's own run is closed too, with its summary
+    }
+    assert tracker.metrics["parent"] == {
+        "best_metric": result.best_metric,
+        "best_trial": 0.0,
+        "gpu_hours": result.gpu_hours,
+        "trials_completed": 1.0,
+        "trials_stopped": 3.0,
     }
 
 
@@ -286,9 +299,9 @@ async def test_lost_nodes_past_the_limit_fail_a_trial_and_spent_gpu_hours_cancel
         .replace("concurrency: 4", "concurrency: 2")
     )
     queue = f"sweep-{uuid.uuid4().hex[:8]}"
-    scheduler = FakeScheduler()
+    scheduler, tracker = FakeScheduler(), RecordingTracker()
     storage = f"sqlite+aiosqlite:///{tmp_path / 'orchestrator.db'}"
-    async with worker_for(client, queue, scheduler, SweepActivities(storage)):
+    async with worker_for(client, queue, scheduler, SweepActivities(storage, tracker)):
         handle = await client.start_workflow(
             "sweep", SweepInput(space=space, team="research", max_infra_retries=1), id=f"sweep-{uuid.uuid4().hex[:8]}",
             task_queue=queue, result_type=SweepResult,
@@ -311,9 +324,9 @@ async def test_lost_nodes_past_the_limit_fail_a_trial_and_spent_gpu_hours_cancel
 
 async def test_cancelling_the_sweep_cancels_its_running_trials(client: Client, tmp_path: Path) -> None:
     queue = f"sweep-{uuid.uuid4().hex[:8]}"
-    scheduler = FakeScheduler()
+    scheduler, tracker = FakeScheduler(), RecordingTracker()
     storage = f"sqlite+aiosqlite:///{tmp_path / 'orchestrator.db'}"
-    async with worker_for(client, queue, scheduler, SweepActivities(storage)):
+    async with worker_for(client, queue, scheduler, SweepActivities(storage, tracker)):
         handle = await client.start_workflow(
             "sweep",
             SweepInput(space=SPACE, team="research"),
@@ -329,6 +342,8 @@ async def test_cancelling_the_sweep_cancels_its_running_trials(client: Client, t
         with pytest.raises(WorkflowFailureError):
             await handle.result()
     assert sorted(scheduler.cancelled) == ["job-1", "job-2", "job-3"]  # not the finished one
+    assert tracker.ended["parent"] == "KILLED"  # the sweep's run is closed when it is cancelled
+    assert tracker.metrics["parent"]["trials_completed"] == 1.0
 
 
 class RefusingScheduler(FakeScheduler):
@@ -345,9 +360,9 @@ async def test_a_refused_submission_fails_the_sweep_and_cancels_its_jobs(
     client: Client, tmp_path: Path
 ) -> None:
     queue = f"sweep-{uuid.uuid4().hex[:8]}"
-    scheduler = RefusingScheduler()
+    scheduler, tracker = RefusingScheduler(), RecordingTracker()
     storage = f"sqlite+aiosqlite:///{tmp_path / 'orchestrator.db'}"
-    async with worker_for(client, queue, scheduler, SweepActivities(storage)):
+    async with worker_for(client, queue, scheduler, SweepActivities(storage, tracker)):
         handle = await client.start_workflow(
             "sweep",
             SweepInput(space=SPACE, team="research"),
@@ -358,6 +373,7 @@ async def test_a_refused_submission_fails_the_sweep_and_cancels_its_jobs(
             await handle.result()
     assert sorted(scheduler.submitted) == ["job-0", "job-1"]
     assert sorted(scheduler.cancelled) == ["job-0", "job-1"]
+    assert tracker.ended["parent"] == "FAILED"  # and when it fails
 
 
 class ResumingScheduler(FakeScheduler):

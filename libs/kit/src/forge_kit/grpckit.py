@@ -1,7 +1,8 @@
 """gRPC server and client kit.
 
 Server side, :func:`serve` starts a ``grpc.aio`` server with the standard health service,
-reflection and :class:`~forge_kit.grpc_interceptor.ForgeServerInterceptor`, which authenticates
+reflection (v1 and v1alpha, :mod:`forge_kit.grpc_reflection_v1`) and
+:class:`~forge_kit.grpc_interceptor.ForgeServerInterceptor`, which authenticates
 every call (:func:`current_principal`), applies and propagates its deadline, maps domain errors
 to status codes and counts, logs and audits it (:mod:`forge_kit.grpc_interceptor`; its public
 names are re-exported here, where handlers import them).
@@ -23,7 +24,6 @@ import grpc
 import structlog
 from grpc_health.v1 import _async as health_aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from forge_kit import errors
 from forge_kit.grpc_interceptor import FIELD_METADATA_KEY as FIELD_METADATA_KEY
@@ -35,6 +35,7 @@ from forge_kit.grpc_interceptor import current_deadline as current_deadline
 from forge_kit.grpc_interceptor import current_principal as current_principal
 from forge_kit.grpc_interceptor import remaining_deadline as remaining_deadline
 from forge_kit.grpc_interceptor import require_admin as require_admin
+from forge_kit.grpc_reflection_v1 import enable_reflection
 from forge_kit.limits import DEFAULT_MAX_MESSAGE_BYTES
 
 log = structlog.get_logger(__name__)
@@ -133,7 +134,7 @@ async def serve(
     health_servicer = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = list(service_names)
-    reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    enable_reflection([*names, health.SERVICE_NAME], server)
     address = f"{host}:{port}"
     bound = (
         server.add_secure_port(address, tls.server_credentials())

@@ -200,16 +200,31 @@ class EmbeddingBody(BaseModel):
     user: str | None = None
 
 
+#: Most token ids one ``/detokenize`` call may carry.
+MAX_DETOKENIZE_TOKENS = 1 << 17
+
+
 class TokenizeBody(BaseModel):
-    """vLLM's ``/tokenize`` body: a ``prompt``, or chat ``messages`` rendered with the template."""
+    """vLLM's ``/tokenize`` body: a ``prompt``, or chat ``messages`` rendered with the template.
+    Without ``model``, the one model served (as vLLM, which serves one, reads it: what
+    lm-evaluation-harness's remote tokenizer sends)."""
 
     model_config = ConfigDict(extra="ignore")
 
-    model: PrintableName
+    model: PrintableName | None = None
     prompt: str | None = None
     messages: list[ChatMessageBody] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+
+
+class DetokenizeBody(BaseModel):
+    """vLLM's ``/detokenize`` body: token ids to decode; ``model`` as in :class:`TokenizeBody`."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: PrintableName | None = None
+    tokens: list[TokenId] = Field(max_length=MAX_DETOKENIZE_TOKENS)
 
 
 class ErrorDetail(BaseModel):

@@ -1,9 +1,12 @@
 """The model backend: any OpenAI-compatible endpoint (the gateway, a ``model_server``, vLLM).
 
 Generation goes to ``/v1/completions`` (or ``/v1/chat/completions`` for chat tasks);
-log-likelihoods come from prompt logprobs as vLLM returns them: ``echo: true, logprobs: 1,
-max_tokens: 1`` gives ``tokens``, ``token_logprobs`` and ``text_offset`` for the prompt, and the
-continuation's tokens are those whose span reaches past the context's characters.
+log-likelihoods come from prompt logprobs as vLLM returns them, located by tokens as
+lm-evaluation-harness locates them: the context and context + continuation are tokenized by the
+served model's own tokenizer (``POST /tokenize``, vLLM's route, on the model server and the
+gateway), the whole is sent as a token-id prompt with ``echo: true, logprobs: 1, max_tokens: 1``,
+and the continuation's log-likelihood is the sum over the tokens after the context's count —
+never an offset into decoded text.
 
 Every single-prompt request is first looked up in a :class:`ResponseCache` keyed by the request
 body **and** the model identity (checkpoint, tokenizer and chat-template hashes): a re-run of an
@@ -249,6 +252,55 @@ class OpenAIBackend:
         declared = json.dumps({k: card.get(k) for k in ("id", "root", "version")}, sort_keys=True)
         return ModelIdentity(self.model, hashlib.sha256(declared.encode()).hexdigest(), "", "", "declared")
 
+    async def tokenize(self, prompts: Sequence[str], identity: ModelIdentity) -> list[list[int]]:
+        """The served model's token ids of each prompt (``POST /tokenize``, as vLLM answers it),
+        through the cache (keyed by the model identity, like every answer) and the retry policy."""
+        out: list[list[int] | None] = [None] * len(prompts)
+        unique = sorted(set(prompts))
+        keys = {p: Request("/tokenize", {"model": self.model, "prompt": p}).key(identity) for p in unique}
+        known: dict[str, list[int]] = {}
+        for prompt in unique:
+            cached = self.cache.get(keys[prompt]) if self.cache else None
+            if cached is not None:
+                known[prompt] = list(cached["tokens"])
+        gate = asyncio.Semaphore(self.concurrency)
+
+        async def one(prompt: str) -> None:
+            async with gate:
+                known[prompt] = await self._tokenize_one(prompt)
+            if self.cache:
+                self.cache.put_many([(keys[prompt], {"tokens": known[prompt]})])
+
+        await asyncio.gather(*(one(p) for p in unique if p not in known))
+        for i, prompt in enumerate(prompts):
+            out[i] = known[prompt]
+        return [o for o in out if o is not None]
+
+    async def _tokenize_one(self, prompt: str) -> list[int]:
+        async def call() -> httpx.Response:
+            return await self._client.post("/tokenize", json={"model": self.model, "prompt": prompt})
+
+        try:
+            response = await send_with_retries(
+                call,
+                self.limiter,
+                policy=self._policy,
+                stats=self._retry_stats,
+                rng=self._rng,
+                sleep=self._sleep,
+            )
+        except (GaveUp, TooLarge) as exc:
+            raise BackendError(f"model endpoint {self.endpoint} gave up on /tokenize: {exc}") from None
+        if response.status_code >= 400:
+            raise BackendError(
+                f"model endpoint {self.endpoint} cannot tokenize for {self.model!r} (it must serve "
+                f"POST /tokenize, as vLLM does): HTTP {response.status_code} {response.text[:300]}"
+            )
+        tokens = response.json().get("tokens")
+        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+            raise BackendError(f"model endpoint {self.endpoint} answered /tokenize without token ids")
+        return tokens
+
     async def run(self, requests: Sequence[Request], identity: ModelIdentity) -> list[dict[str, Any]]:
         """One response per request, in order.
 
@@ -389,12 +441,45 @@ def generate_request(
     return Request("/v1/completions", {**body, "prompt": prompt})
 
 
-def logprob_request(model: str, text: str) -> Request:
-    """Prompt logprobs for ``text`` (vLLM: echo the prompt, one generated token, top-1 logprobs)."""
+def logprob_request(model: str, prompt: str | list[int]) -> Request:
+    """Prompt logprobs for ``prompt`` (vLLM: echo the prompt, one generated token, top-1 logprobs;
+    lm-evaluation-harness's ``local-completions`` body)."""
     return Request(
         "/v1/completions",
-        {"model": model, "prompt": text, "max_tokens": 1, "temperature": 0.0, "echo": True, "logprobs": 1},
+        {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0.0, "echo": True, "logprobs": 1},
     )
+
+
+@dataclass(frozen=True)
+class Continuation:
+    """A (context, continuation) pair in tokens, as lm-evaluation-harness splits it: the
+    context's trailing whitespace moves to the continuation, ``whole`` is the tokenization of
+    context + continuation and its tokens from ``context_tokens`` on are the continuation's."""
+
+    context: str
+    continuation: str
+
+    @classmethod
+    def split(cls, context: str, continuation: str) -> Continuation:
+        spaces = len(context) - len(context.rstrip())
+        if spaces:
+            context, continuation = context[:-spaces], context[-spaces:] + continuation
+        return cls(context, continuation)
+
+
+def continuation_requests(
+    model: str, pairs: Sequence[Continuation], tokens: dict[str, list[int]]
+) -> list[tuple[Request, int, int]]:
+    """Per pair: its logprob request, the context's token count and the prompt's. The prompt is
+    the context's tokens then the whole's beyond that count (lm-evaluation-harness's
+    ``context_enc + continuation_enc``); ``tokens`` maps each context and each context +
+    continuation to its token ids."""
+    out = []
+    for pair in pairs:
+        context = tokens[pair.context] if pair.context else []
+        prompt = context + tokens[pair.context + pair.continuation][len(context) :]
+        out.append((logprob_request(model, prompt), len(context), len(prompt)))
+    return out
 
 
 def texts(response: dict[str, Any]) -> list[str]:
@@ -427,20 +512,28 @@ def _prompt_logprobs(
     )
 
 
-def continuation_loglikelihood(response: dict[str, Any], context: str, continuation: str) -> dict[str, Any]:
-    """Sum of the logprobs of the tokens covering ``continuation`` and whether each was the
-    greedy choice; a token straddling the boundary counts with the continuation."""
-    prompt = context + continuation
-    _, values, offsets, top = _prompt_logprobs(response, prompt)
-    ends = [*offsets[1:], len(prompt)]
-    picked = [i for i, end in enumerate(ends) if end > len(context)]
+def continuation_loglikelihood(
+    response: dict[str, Any], context_tokens: int, whole_tokens: int
+) -> dict[str, Any]:
+    """Sum of the logprobs of the echoed prompt's tokens ``context_tokens`` … ``whole_tokens``
+    (the continuation's, located by count as lm-evaluation-harness does) and whether each was
+    the greedy choice."""
+    logprobs = response["choices"][0].get("logprobs") or {}
+    values, top = logprobs.get("token_logprobs"), logprobs.get("top_logprobs")
+    if not isinstance(values, list) or len(values) < whole_tokens:
+        raise BackendError(
+            "the endpoint returned no prompt logprobs (token_logprobs for every prompt token); it must "
+            "support echo=true with logprobs and token-id prompts on /v1/completions, as vLLM does"
+        )
+    top = top if isinstance(top, list) and len(top) >= whole_tokens else [None] * whole_tokens
+    picked = range(max(1, context_tokens), whole_tokens)
     if not picked or any(values[i] is None for i in picked):
-        raise BackendError(f"no scored tokens cover the continuation {continuation!r}")
+        raise BackendError("no scored tokens cover the continuation")
     greedy = all(
-        not isinstance(top[i], dict) or not top[i] or float(values[i] or 0.0) >= max(top[i].values()) - 1e-6
+        not isinstance(top[i], dict) or not top[i] or float(values[i]) >= max(top[i].values()) - 1e-6
         for i in picked
     )
-    return {"logprob": sum(float(values[i] or 0.0) for i in picked), "greedy": greedy, "tokens": len(picked)}
+    return {"logprob": sum(float(values[i]) for i in picked), "greedy": greedy, "tokens": len(picked)}
 
 
 def rolling_loglikelihood(response: dict[str, Any], text: str) -> dict[str, Any]:

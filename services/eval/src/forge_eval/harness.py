@@ -21,10 +21,12 @@ from typing import Any
 
 from forge_eval import stats
 from forge_eval.backend import (
+    Continuation,
     ModelIdentity,
     OpenAIBackend,
     Request,
     continuation_loglikelihood,
+    continuation_requests,
     generate_request,
     logprob_request,
     rolling_loglikelihood,
@@ -124,23 +126,41 @@ def _requests(
             [generate_request(model, d.prompt, gen, seed, chat=task.chat, image=d.image if send else b"")]
             for d in docs
         ]
-    if task.output_type == "multiple_choice":
-        return [[logprob_request(model, d.prompt + c) for c in d.choices] for d in docs]
     return [[logprob_request(model, w) for w in windows(d.prompt, window_bytes)] for d in docs]
 
 
-def _parse(task: TaskConfig, doc: Doc, raw: list[dict[str, Any]], window_bytes: int = 0) -> dict[str, Any]:
+Spans = list[list[tuple[int, int]]]
+"""Per doc and choice: the context's token count and the prompt's (the continuation between)."""
+
+
+async def _choice_requests(
+    docs: Sequence[Doc], backend: OpenAIBackend, identity: ModelIdentity, delimiter: str = ""
+) -> tuple[list[list[Request]], Spans]:
+    """Every choice of every doc (after ``delimiter``) as a token-id logprob request, split into
+    context and continuation by the served model's tokenizer as lm-evaluation-harness splits them."""
+    pairs = [[Continuation.split(d.prompt, delimiter + c) for c in d.choices] for d in docs]
+    texts_needed = sorted(
+        {t for ps in pairs for p in ps for t in (p.context, p.context + p.continuation) if t}
+    )
+    tokens = dict(zip(texts_needed, await backend.tokenize(texts_needed, identity), strict=True))
+    per_doc, spans = [], []
+    for ps in pairs:
+        planned = continuation_requests(backend.model, ps, tokens)
+        per_doc.append([r for r, _, _ in planned])
+        spans.append([(context, whole) for _, context, whole in planned])
+    return per_doc, spans
+
+
+def _parse(
+    task: TaskConfig, doc: Doc, raw: list[dict[str, Any]], spans: list[tuple[int, int]], window_bytes: int = 0
+) -> dict[str, Any]:
     """The scorer's input from the raw responses of one doc; a windowed document's
     log-likelihood, tokens, bytes and words are the sums over its windows (each window's first
     token is unscored: it has no context)."""
     if task.output_type in ("generate_until", "code_exec"):
         return {"texts": texts(raw[0])}
     if task.output_type == "multiple_choice":
-        return {
-            "choices": [
-                continuation_loglikelihood(r, doc.prompt, c) for r, c in zip(raw, doc.choices, strict=True)
-            ]
-        }
+        return {"choices": [continuation_loglikelihood(r, *span) for r, span in zip(raw, spans, strict=True)]}
     parts = [rolling_loglikelihood(r, w) for r, w in zip(raw, windows(doc.prompt, window_bytes), strict=True)]
     if len(parts) == 1:
         return parts[0]
@@ -155,6 +175,8 @@ def _score(task: TaskConfig, scorer: Scorer, doc: Doc, response: dict[str, Any])
         "target": doc.target,
         "choices": list(doc.choices),
         "gold": doc.gold,
+        **({"golds": list(doc.golds)} if len(doc.golds) > 1 else {}),
+        **({"targets": list(doc.targets)} if doc.targets else {}),
         "record": doc.record,
         "shots": list(doc.shots),
         "response": response,
@@ -214,6 +236,7 @@ async def run_task(
     each doc; 5. summarise with standard errors and intervals.
     """
     scorer = get_scorer(task.scorer.name, task.output_type)
+    scorer.check(dict(task.scorer.options))
     if task.output_type == "code_exec":
         # Before any generation: without a sandbox the model's code is never run.
         sandbox.check_available()
@@ -224,14 +247,17 @@ async def run_task(
     spec = task_spec(
         task, roots, docs, identity, scorer, limit=limit, seed=seed, smoke=smoke, window_bytes=window
     )
-    per_doc = _requests(task, docs, backend.model, seed, window)
+    if task.output_type == "multiple_choice":
+        per_doc, spans = await _choice_requests(docs, backend, identity, task.template.delimiter)
+    else:
+        per_doc, spans = _requests(task, docs, backend.model, seed, window), [[] for _ in docs]
     flat = [r for rs in per_doc for r in rs]
     answers = await backend.run(flat, identity)
     samples, at = [], 0
-    for doc, rs in zip(docs, per_doc, strict=True):
+    for doc, rs, span in zip(docs, per_doc, spans, strict=True):
         raw = answers[at : at + len(rs)]
         at += len(rs)
-        samples.append(_score(task, scorer, doc, _parse(task, doc, raw, window)))
+        samples.append(_score(task, scorer, doc, _parse(task, doc, raw, span, window)))
     return TaskRun(
         task.name,
         spec,
@@ -262,7 +288,15 @@ def rescore_task(
     samples = []
     for s in old_samples:
         doc = Doc(
-            s["id"], s["prompt"], s["target"], tuple(s["choices"]), s["gold"], s["record"], tuple(s["shots"])
+            s["id"],
+            s["prompt"],
+            s["target"],
+            tuple(s["choices"]),
+            s["gold"],
+            s["record"],
+            tuple(s["shots"]),
+            golds=tuple(s.get("golds", ())),
+            targets=tuple(s.get("targets", ())),
         )
         samples.append(_score(task, scorer, doc, s["response"]))
     spec = {**old_spec, "task": new_config, "scorer": {"name": scorer.name, "version": scorer.version}}

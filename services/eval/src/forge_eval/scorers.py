@@ -39,6 +39,12 @@ class Scorer:
     higher_is_better: Mapping[str, bool]
     primary: str
     fn: Callable[[Doc, dict[str, Any], dict[str, Any]], list[MetricScore]]
+    check_options: Callable[[dict[str, Any]], None] | None = None
+    """Refuses bad ``task.scorer.options`` before any model call (ValidationError naming them)."""
+
+    def check(self, options: dict[str, Any]) -> None:
+        if self.check_options is not None:
+            self.check_options(options)
 
     def score(self, doc: Doc, response: dict[str, Any], options: dict[str, Any]) -> list[MetricScore]:
         return self.fn(doc, response, options)
@@ -104,17 +110,92 @@ def corpus_bleu4(samples: Sequence[Mapping[str, Any]]) -> dict[str, float]:
     return {"bleu4": _vlm_metrics().bleu4(captions, [str(s["target"]) for s in samples])}
 
 
+def _golds(doc: Doc) -> tuple[int, ...]:
+    return doc.golds or (doc.gold,)
+
+
 def _multiple_choice(doc: Doc, response: dict[str, Any], options: dict[str, Any]) -> list[MetricScore]:
-    """acc: the choice of highest log-likelihood; acc_norm: per byte of the continuation
-    (lm-evaluation-harness's definitions)."""
+    """lm-evaluation-harness's definitions (ties go to the first choice): acc, the choice of
+    highest log-likelihood is a right one; acc_norm, the same per character of the choice;
+    acc_bytes, per UTF-8 byte (the task's ``delimiter`` counted in neither)."""
     lls = [float(c["logprob"]) for c in response["choices"]]
-    best = max(range(len(lls)), key=lambda i: (lls[i], -i))
-    norm = [ll / max(1, len(c.encode())) for ll, c in zip(lls, doc.choices, strict=True)]
-    best_norm = max(range(len(norm)), key=lambda i: (norm[i], -i))
+    golds = _golds(doc)
+
+    def picked(lengths: list[int]) -> int:
+        values = [ll / max(1, n) for ll, n in zip(lls, lengths, strict=True)]
+        return max(range(len(values)), key=lambda i: (values[i], -i))
+
+    best = picked([1] * len(lls))
+    best_norm = picked([len(c) for c in doc.choices])
+    best_bytes = picked([len(c.encode()) for c in doc.choices])
     return [
-        MetricScore("acc", float(best == doc.gold), doc.choices[best].strip()),
-        MetricScore("acc_norm", float(best_norm == doc.gold), doc.choices[best_norm].strip()),
+        MetricScore("acc", float(best in golds), doc.choices[best].strip()),
+        MetricScore("acc_norm", float(best_norm in golds), doc.choices[best_norm].strip()),
+        MetricScore("acc_bytes", float(best_bytes in golds), doc.choices[best_bytes].strip()),
     ]
+
+
+def _mc2(doc: Doc, response: dict[str, Any], options: dict[str, Any]) -> list[MetricScore]:
+    """TruthfulQA's MC2: the probability mass of the right choices among all choices
+    (lm-evaluation-harness's ``truthfulqa_mc2``: ``sum p_true / sum p``)."""
+    lls = [float(c["logprob"]) for c in response["choices"]]
+    top = max(lls)
+    mass = [math.exp(ll - top) for ll in lls]
+    golds = _golds(doc)
+    value = sum(mass[i] for i in golds) / sum(mass)
+    return [MetricScore("mc2", value, f"{value:.6f}")]
+
+
+#: Characters of a generation a regex is applied to at most.
+MAX_EXTRACT_CHARS = 20_000
+
+
+def _regex_options(options: dict[str, Any]) -> tuple[re.Pattern[str], int, str]:
+    """The ``regex`` (required, at most 500 characters), its ``group`` (default: 1 when the
+    pattern has groups, else 0) and which match is read (``first`` or ``last``)."""
+    pattern = options.get("regex")
+    if not isinstance(pattern, str) or not pattern or len(pattern) > 500:
+        raise errors.ValidationError(
+            "task.scorer.options.regex", "a regular expression of 1 to 500 characters is required"
+        )
+    try:
+        compiled = re.compile(pattern, re.IGNORECASE if options.get("ignore_case") else 0)
+    except re.error as exc:
+        raise errors.ValidationError(
+            "task.scorer.options.regex", f"is not a valid regular expression: {exc}"
+        ) from None
+    group = options.get("group", 1 if compiled.groups else 0)
+    if not isinstance(group, int) or isinstance(group, bool) or not 0 <= group <= compiled.groups:
+        raise errors.ValidationError(
+            "task.scorer.options.group", f"must be a group of the regex (0 to {compiled.groups})"
+        )
+    which = options.get("match", "first")
+    if which not in ("first", "last"):
+        raise errors.ValidationError("task.scorer.options.match", "must be 'first' or 'last'")
+    return compiled, group, which
+
+
+def _check_regex(options: dict[str, Any]) -> None:
+    _regex_options(options)
+
+
+def _normalise(text: str, options: dict[str, Any]) -> str:
+    text = text.strip().rstrip(".")
+    return text.lower() if options.get("ignore_case") else text
+
+
+def _regex_match(doc: Doc, response: dict[str, Any], options: dict[str, Any]) -> list[MetricScore]:
+    """The answer the regex extracts from the generation (its first or last match, the group
+    asked for; empty when none) equals any reference (``template.targets``, else the target),
+    both stripped of spaces and a final full stop."""
+    compiled, group, which = _regex_options(options)
+    found = list(compiled.finditer(str(response["texts"][0])[:MAX_EXTRACT_CHARS]))
+    answer = ""
+    if found:
+        answer = (found[0] if which == "first" else found[-1]).group(group) or ""
+    references = doc.targets or (doc.target,)
+    hit = any(_normalise(answer, options) == _normalise(r, options) for r in references) if found else False
+    return [MetricScore("exact_match", float(hit), answer)]
 
 
 def _perplexity(doc: Doc, response: dict[str, Any], options: dict[str, Any]) -> list[MetricScore]:
@@ -182,11 +263,21 @@ SCORERS: dict[str, Scorer] = {
         Scorer("caption_bleu4", "caption-bleu4-1", "generate_until", {"bleu4": True}, "bleu4", _caption),
         Scorer(
             "multiple_choice_loglikelihood",
-            "mc-loglik-1",
+            "mc-loglik-2",
             "multiple_choice",
-            {"acc": True, "acc_norm": True},
+            {"acc": True, "acc_norm": True, "acc_bytes": True},
             "acc",
             _multiple_choice,
+        ),
+        Scorer("multiple_choice_mc2", "mc2-1", "multiple_choice", {"mc2": True}, "mc2", _mc2),
+        Scorer(
+            "regex_match",
+            "regex-match-1",
+            "generate_until",
+            {"exact_match": True},
+            "exact_match",
+            _regex_match,
+            _check_regex,
         ),
         Scorer(
             "perplexity",

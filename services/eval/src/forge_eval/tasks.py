@@ -9,6 +9,7 @@ references a field the records lack are all refused before any model call, namin
 
 from __future__ import annotations
 
+import ast
 import csv
 import functools
 import gzip
@@ -71,8 +72,31 @@ class TemplateConfig(_Strict):
     prompt: str
     target: str = ""
     fewshot_target: str = Field(default="", description="a shot's answer; defaults to target")
-    choices: tuple[str, ...] = Field(default=(), description="multiple choice continuations")
-    gold: str = Field(default="", description="multiple choice: the index of the right choice")
+    choices: tuple[str, ...] | str = Field(
+        default=(),
+        description="multiple choice continuations: a list of templates (the same choices for every "
+        "example), or one template rendering a list (per-example choices, lm-evaluation-harness's "
+        "doc_to_choice), e.g. '{{ mc1_targets.choices }}'",
+    )
+    choice: str = Field(
+        default="",
+        description="a template over each choice (``choice``, and the record's fields), e.g. "
+        "' {{ choice }}'; the choice as it is when empty",
+    )
+    delimiter: str = Field(
+        default="",
+        description="multiple choice: put between the prompt and each choice, outside the choice "
+        "(lm-evaluation-harness's target_delimiter, ' '): acc_norm's length does not count it",
+    )
+    gold: str = Field(
+        default="",
+        description="multiple choice: the index of the right choice, or a list of indices when "
+        "several are right (e.g. '{{ choices.label.index(answerKey) }}')",
+    )
+    targets: str = Field(
+        default="",
+        description="generation: a template rendering a list of reference answers (any one matches)",
+    )
     image: str = Field(
         default="",
         description="an image sent with the prompt (a chat image_url part): its path relative to "
@@ -153,6 +177,10 @@ class Doc:
     image: bytes = b""
     """The example's image (encoded file bytes), when the task has ``template.image``."""
     image_sha256: str = ""
+    golds: tuple[int, ...] = ()
+    """Every right choice (``gold`` is the first); several when the task's ``gold`` is a list."""
+    targets: tuple[str, ...] = ()
+    """Reference answers of a generative task with ``template.targets``; any one matches."""
 
 
 @dataclass(frozen=True)
@@ -320,6 +348,50 @@ def _image(roots: DataRoots, task: TaskConfig, record: dict[str, Any], doc_id: s
     return path.read_bytes()
 
 
+#: Longest rendering of a list-valued template read back as a list.
+MAX_LIST_CHARS = 1 << 20
+
+
+def _listed(template: str, record: dict[str, Any], field_name: str, doc_id: str) -> tuple[str, ...]:
+    """A template that renders a list (lm-evaluation-harness's doc_to_choice reading: the
+    rendering is a Python literal), as strings; a single value is a list of one."""
+    text = _render(template, record, field_name).strip()
+    if len(text) > MAX_LIST_CHARS:
+        raise errors.ValidationError(field_name, f"{doc_id}: renders over {MAX_LIST_CHARS} characters")
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError, MemoryError, RecursionError):
+        value = text
+    items = value if isinstance(value, list | tuple) else [value]
+    if not items or not all(isinstance(v, str | int | float) and not isinstance(v, bool) for v in items):
+        raise errors.ValidationError(field_name, f"{doc_id}: {text[:80]!r} is not a non-empty list of values")
+    return tuple(str(v) for v in items)
+
+
+def _choices(t: TemplateConfig, record: dict[str, Any], doc_id: str) -> tuple[str, ...]:
+    """An example's choices: each fixed template rendered, or the list one template renders, each
+    then through ``template.choice``."""
+    field_name = "task.template.choices"
+    if isinstance(t.choices, str):
+        raw = _listed(t.choices, record, field_name, doc_id)
+    else:
+        raw = tuple(_render(c, record, field_name) for c in t.choices)
+    if not t.choice:
+        return raw
+    return tuple(_render(t.choice, {**record, "choice": c}, "task.template.choice") for c in raw)
+
+
+def _golds(t: TemplateConfig, record: dict[str, Any], doc_id: str, count: int) -> tuple[int, ...]:
+    """The right choices' indices: one, or a list of them."""
+    golds = _listed(t.gold, record, "task.template.gold", doc_id)
+    bad = [g for g in golds if not g.lstrip("-").isdigit() or not 0 <= int(g) < count]
+    if bad:
+        raise errors.ValidationError(
+            "task.template.gold", f"{doc_id}: {bad[0]!r} is not a choice index (0 to {count - 1})"
+        )
+    return tuple(dict.fromkeys(int(g) for g in golds))
+
+
 def select(
     records: list[dict[str, Any]], limit: int, seed: int, stratify_by: str = ""
 ) -> list[dict[str, Any]]:
@@ -383,15 +455,8 @@ def build_docs(
             picked = rng.sample(range(len(candidates)), min(task.fewshot.num, len(candidates)))
             shots = tuple(shot_text(candidates[i]) for i in picked)
         prefix = "".join(s + task.fewshot.separator for s in shots)
-        choices = tuple(_render(c, r, "task.template.choices") for c in t.choices)
-        gold = -1
-        if choices:
-            raw_gold = _render(t.gold, r, "task.template.gold").strip()
-            if not raw_gold.lstrip("-").isdigit() or not 0 <= int(raw_gold) < len(choices):
-                raise errors.ValidationError(
-                    "task.template.gold", f"{doc_id}: {raw_gold!r} is not a choice index"
-                )
-            gold = int(raw_gold)
+        choices = _choices(t, r, doc_id)
+        golds = _golds(t, r, doc_id, len(choices)) if choices else ()
         image = _image(roots, task, r, doc_id) if t.image else b""
         docs.append(
             Doc(
@@ -399,7 +464,9 @@ def build_docs(
                 prompt=prefix + _render(t.prompt, r, "task.template.prompt"),
                 target=_render(t.target, r, "task.template.target") if t.target else "",
                 choices=choices,
-                gold=gold,
+                gold=golds[0] if golds else -1,
+                golds=golds,
+                targets=_listed(t.targets, r, "task.template.targets", doc_id) if t.targets else (),
                 record=r,
                 shots=shots,
                 image=image,

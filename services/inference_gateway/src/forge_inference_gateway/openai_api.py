@@ -43,6 +43,7 @@ from forge_inference_gateway.vector_stores import VectorStores
 from forge_kit import errors
 from forge_kit.http import reject_unknown_query, require_token
 from forge_kit.openai_errors import install_openai_error_handlers, openai_error
+from forge_kit.openai_protocol import DetokenizeBody, TokenizeBody, parse
 from forge_kit.validate import loads_json
 
 REQUESTS = Counter("forge_gateway_requests_total", "Public API requests answered", ["route", "status"])
@@ -155,6 +156,52 @@ class GatewayRoutes:
         check_generation("/v1/completions", raw)
         return await self._forward("/v1/completions", request, raw)
 
+    # vLLM's tokenizer routes, answered by a replica serving the model: what a harness needs of a
+    # served name's tokenizer without its files (lm-evaluation-harness's remote tokenizer, which
+    # sends no ``model``, and ``forge eval``'s context/continuation split). Nothing is recorded.
+
+    async def _with_model(self, raw: object) -> dict[str, object]:
+        """``raw`` (without ``stream``) with ``model`` set: as sent, or the one model (not an
+        alias) the replicas serve."""
+        if not isinstance(raw, dict):
+            raise errors.ValidationError("body", "must be a JSON object")
+        raw = {k: v for k, v in raw.items() if k != "stream"}  # these answers are never streamed
+        if raw.get("model") is not None:
+            return raw
+        models = sorted({str(c["id"]) for c in await self._gateway.list_models() if "alias_of" not in c})
+        if len(models) != 1:
+            raise errors.ValidationError("model", f"is required: this gateway serves {len(models)} models")
+        return {**raw, "model": models[0]}
+
+    async def tokenize(self, request: Request) -> Response:
+        """``POST /tokenize``: the served model's token ids for a prompt."""
+        raw = await self._with_model(_json_body(await request.body()))
+        parse(TokenizeBody, raw)
+        return _route_missing("/tokenize", await self._forward("/tokenize", request, raw, record=False))
+
+    async def detokenize(self, request: Request) -> Response:
+        """``POST /detokenize``: the text of token ids."""
+        raw = await self._with_model(_json_body(await request.body()))
+        parse(DetokenizeBody, raw)
+        return _route_missing("/detokenize", await self._forward("/detokenize", request, raw, record=False))
+
+    async def tokenizer_info(
+        self, request: Request, model: Annotated[str | None, Query(max_length=256)] = None
+    ) -> Response:
+        """``GET /tokenizer_info``: the model's special tokens and chat template."""
+        raw = await self._with_model({"model": model})
+        routed = await self._gateway.router.route(
+            request.state.tenant, "/tokenizer_info", GenerationRequest.parse(raw)
+        )
+        reply = await self._gateway.tokenizer_info(routed.target, self._gateway.deadline())
+        headers = {
+            MODEL_HEADER: routed.target,
+            "content-type": reply.headers.get("content-type", "application/json"),
+        }
+        return _route_missing(
+            "/tokenizer_info", self._relay("/tokenizer_info", reply.status_code, reply.content, headers)
+        )
+
     async def chat_completions(self, request: Request) -> Response:
         """``POST /v1/chat/completions``: relayed to a replica, or, with a ``retrieval`` object,
         answered over the tenant's documents (the RAG path on the last user message) in the chat
@@ -224,10 +271,11 @@ class GatewayRoutes:
             if isinstance(events, AsyncGenerator):
                 await events.aclose()
 
-    async def _forward(self, path: str, request: Request, raw: object) -> Response:
+    async def _forward(self, path: str, request: Request, raw: object, *, record: bool = True) -> Response:
         deadline = self._gateway.deadline()
         parsed = GenerationRequest.parse(raw)
-        await self._gateway.training_prompts.record(request.state.tenant, parsed.body)
+        if record:
+            await self._gateway.training_prompts.record(request.state.tenant, parsed.body)
         routed = await self._gateway.router.route(
             request.state.tenant,
             path,
@@ -285,6 +333,22 @@ class GatewayRoutes:
         if status == 503:
             relayed.setdefault("retry-after", "1")
         return Response(content=content, status_code=status, headers=relayed)
+
+
+def _route_missing(path: str, answer: Response) -> Response:
+    """A replica's 404 that is not an OpenAI error is its server lacking ``path`` (vLLM answers
+    ``/tokenizer_info`` only with ``--enable-tokenizer-info-endpoint``): said so, in the OpenAI
+    error format."""
+    if answer.status_code != 404 or not isinstance(answer.body, bytes):
+        return answer
+    try:
+        error = json.loads(answer.body).get("error")
+    except (ValueError, AttributeError):
+        error = None
+    if isinstance(error, dict):
+        return answer
+    message = f"the model server serving this model does not answer {path}"
+    return openai_error(404, message, type_="not_found_error", code="route_not_found")
 
 
 def _json_body(body: bytes) -> object:
@@ -506,6 +570,9 @@ def install_gateway_api(
     app.add_api_route(
         "/v1/chat/completions", public.chat_completions, methods=["POST"], dependencies=inference
     )
+    app.add_api_route("/tokenize", public.tokenize, methods=["POST"], dependencies=inference)
+    app.add_api_route("/detokenize", public.detokenize, methods=["POST"], dependencies=inference)
+    app.add_api_route("/tokenizer_info", public.tokenizer_info, methods=["GET"], dependencies=inference)
     app.add_api_route("/v1/rag/query", public.rag_query, methods=["POST"], dependencies=scoped("rag:read"))
     app.add_api_route(
         "/v1/embeddings", public.embeddings, methods=["POST"], dependencies=scoped("embeddings")

@@ -25,8 +25,10 @@ from forge_kit.limits import RAG_MAX_QUERY_CHARS
 from forge_kit.openai_protocol import (
     ChatCompletionBody,
     CompletionBody,
+    DetokenizeBody,
     EmbeddingBody,
     ErrorBody,
+    TokenizeBody,
     check_sampling,
     message_parts,
     parse,
@@ -72,6 +74,8 @@ REQUEST_BODIES: dict[tuple[str, str], type[BaseModel]] = {
     ("/v1/chat/completions", "post"): ChatCompletionBody,
     ("/v1/embeddings", "post"): EmbeddingBody,
     ("/v1/rag/query", "post"): RagQueryBody,
+    ("/tokenize", "post"): TokenizeBody,
+    ("/detokenize", "post"): DetokenizeBody,
 }
 
 _DESCRIPTIONS = {
@@ -94,6 +98,8 @@ _ERRORS_BY_PREFIX = (
     ("/v1/vector_stores", ("400", "401", "403", "404", "413", "429", "503", "504")),
     ("/v1/embeddings", ("400", "401", "404", "413", "429", "502", "503", "504")),
     ("/v1/", _GENERATION),
+    ("/tokenize", _GENERATION),  # and /tokenizer_info
+    ("/detokenize", _GENERATION),
     ("/admin/", ("400", "401", "404", "409", "413")),
 )
 

@@ -24,6 +24,7 @@ import json
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from urllib.parse import urlencode
 
 import structlog
 
@@ -38,7 +39,7 @@ from forge_inference_gateway.routing import NoReplicaError, ReplicaPool
 from forge_inference_gateway.shadow import Shadows
 from forge_inference_gateway.tenants import Tenant, Tenants
 from forge_inference_gateway.training_prompts import TrainingPrompts
-from forge_inference_gateway.upstream import UpstreamError, UpstreamUnavailableError, error_for
+from forge_inference_gateway.upstream import Reply, UpstreamError, UpstreamUnavailableError, error_for
 from forge_kit.cache import Cache
 from forge_kit.db import Database
 from forge_kit.modelref import ModelRef
@@ -184,6 +185,17 @@ class InferenceGateway:
                 entry["canary"] = {"model": alias.canary_target, "weight": alias.canary_weight}
             listed.append(entry)
         return listed
+
+    async def tokenizer_info(self, target: str, deadline: float) -> Reply:
+        """vLLM's ``GET /tokenizer_info`` of the model ``target`` from a healthy replica serving it."""
+        for replica in self.pool.candidates(target):
+            try:
+                return await replica.client.request(
+                    "GET", f"/tokenizer_info?{urlencode({'model': target})}", deadline
+                )
+            except UpstreamUnavailableError as exc:
+                self.pool.report_failure(replica, exc)
+        raise NoReplicaError(f"no healthy replica serves {target}", self.pool.retry_after_s())
 
     async def count_tokens(self, target: str, messages: list[dict[str, str]], deadline: float) -> int | None:
         """Prompt tokens of chat ``messages`` for the model ``target``, counted by a replica that

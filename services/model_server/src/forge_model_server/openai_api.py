@@ -23,13 +23,10 @@ from forge_kit.openai_protocol import (
     ChatCompletionBody,
     CompletionBody,
     SamplingBody,
-    TokenizeBody,
-    message_text,
 )
 from forge_model_server.image_inputs import ImagePolicy, chat_messages
 from forge_model_server.sampling_params import chat_requests, completion_requests, merged
 from forge_model_server.service import (
-    ChatMessage,
     ChunkStream,
     GenerationChunk,
     GenerationRequest,
@@ -39,6 +36,7 @@ from forge_model_server.service import (
     ModelServer,
     TokenLogprob,
 )
+from forge_model_server.tokenizer_api import install_tokenizer_api
 
 
 def _usage(last: GenerationChunk | None) -> dict[str, int]:
@@ -54,7 +52,10 @@ def _completion_logprobs(
     chunks: list[GenerationChunk], *, echo: bool = False, offset: int = 0
 ) -> dict[str, object] | None:
     """The legacy completions ``logprobs`` object (tokens, token_logprobs, top_logprobs, text_offset);
-    with ``echo`` the prompt's tokens come first, the first of them unscored, as vLLM answers."""
+    with ``echo`` the prompt's tokens come first, the first of them unscored, as vLLM answers.
+    Each token is its share of the decoded text (the runner's incremental detokenization), so
+    ``text_offset`` — ``offset`` plus the lengths of the tokens before — is a character offset
+    into the returned text."""
     lps: list[TokenLogprob] = []
     if echo:
         lps += next((list(c.prompt_logprobs) for c in chunks if c.prompt_logprobs is not None), [])
@@ -106,6 +107,15 @@ def _prompt_logprobs(chunks: list[GenerationChunk]) -> list[dict[str, dict[str, 
             entries.setdefault(token, {"logprob": value, "rank": rank, "decoded_token": token})
         out.append(entries)
     return out
+
+
+def _echoed(generation: GenerationRequest, chunks: list[GenerationChunk]) -> str:
+    """The prompt as an echo returns it: the text sent, or a token-id prompt decoded (its
+    tokens' pieces, which join to the decoded text)."""
+    if generation.prompt is not None:
+        return generation.prompt
+    first = next((c.prompt_logprobs for c in chunks if c.prompt_logprobs is not None), ())
+    return "".join(lp.token for lp in first)
 
 
 async def _collect(chunks: ChunkStream) -> list[GenerationChunk]:
@@ -167,41 +177,22 @@ class OpenAIRoutes:
         """One whole answer's choice (index 0): text or message, finish reason, logprobs."""
         last = received[-1] if received else None
         text = "".join(chunk.text for chunk in received)
+        logprobs: dict[str, object] | None = None
+        if chat:
+            logprobs = _chat_logprobs(received)
+        elif generation.logprobs is not None:
+            logprobs = _completion_logprobs(received, echo=echo)
         choice: dict[str, object] = {
             "index": 0,
             "finish_reason": last.finish_reason if last else None,
-            "logprobs": _chat_logprobs(received) if chat else _completion_logprobs(received, echo=echo),
+            "logprobs": logprobs,
             "prompt_logprobs": _prompt_logprobs(received),
         }
         if chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
-            choice["text"] = (generation.prompt or "" if echo else "") + text
+            choice["text"] = (_echoed(generation, received) if echo else "") + text
         return choice
-
-    async def tokenize(self, body: TokenizeBody) -> dict[str, object]:
-        """``POST /tokenize`` as vLLM answers it: the ids generation would feed the model, their
-        count and the model's context, so a caller can fit a prompt with the serving tokenizer."""
-        # Only what generation does can be counted: the ids of any other rendering would not be
-        # the prompt the model sees.
-        for name in ("add_special_tokens", "add_generation_prompt"):
-            if not getattr(body, name):
-                raise errors.ValidationError(
-                    name, "only true is supported (the prompt as generation sees it)"
-                )
-        messages = (
-            [ChatMessage(m.role, message_text(m, i)) for i, m in enumerate(body.messages)]
-            if body.messages is not None
-            else None
-        )
-        request = GenerationRequest(model=body.model, prompt=body.prompt, messages=messages)
-        info, tokens = await self._server.tokenize(request)
-        return {
-            "count": len(tokens),
-            "max_model_len": info.max_context_tokens or None,
-            "tokens": tokens,
-            "token_strs": None,
-        }
 
     async def _respond(
         self, generations: list[GenerationRequest], body: SamplingBody, request_id: str, *, chat: bool
@@ -254,6 +245,7 @@ class OpenAIRoutes:
     ) -> AsyncIterator[bytes]:
         obj = "chat.completion.chunk" if chat else "text_completion"
         last: list[GenerationChunk | None] = [None] * len(streams)
+        offsets = [0] * len(streams)
         events = merged(streams)
         try:
             if chat:
@@ -262,10 +254,14 @@ class OpenAIRoutes:
                     yield _sse({**head, "object": obj, "choices": [first]})
             async for i, chunk in events:
                 last[i] = chunk
+                logprobs = (
+                    _chat_logprobs([chunk]) if chat else _completion_logprobs([chunk], offset=offsets[i])
+                )
+                offsets[i] += sum(len(lp.token) for lp in chunk.logprobs)
                 delta: dict[str, object] = {
                     "index": i,
                     "finish_reason": chunk.finish_reason,
-                    "logprobs": _chat_logprobs([chunk]) if chat else _completion_logprobs([chunk]),
+                    "logprobs": logprobs,
                 }
                 if chunk.prompt_logprobs is not None:
                     delta["prompt_logprobs"] = _prompt_logprobs([chunk])
@@ -312,7 +308,7 @@ def install_openai_api(
     app.add_api_route("/v1/models/{model_id:path}", routes.retrieve_model, methods=["GET"], dependencies=auth)
     app.add_api_route("/v1/completions", routes.completions, methods=["POST"], dependencies=auth)
     app.add_api_route("/v1/chat/completions", routes.chat_completions, methods=["POST"], dependencies=auth)
-    app.add_api_route("/tokenize", routes.tokenize, methods=["POST"], dependencies=auth)
+    install_tokenizer_api(app, server, auth)
 
     @app.get("/health", include_in_schema=False)
     async def health() -> Response:

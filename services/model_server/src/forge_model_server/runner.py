@@ -23,6 +23,7 @@ from typing import Any
 from forge_kit import errors
 from forge_kit.images import MAX_IMAGE_PIXELS, ImageError, open_image
 from forge_model_server import service
+from forge_model_server.detokenize import IncrementalDecoder, token_pieces
 from forge_model_server.engine import EngineConfig, EngineCore, RequestOutput
 from forge_model_server.kernels import KernelUnavailableError
 from forge_model_server.llama import DecodeAttention, LlamaModel, UnsupportedModelError
@@ -66,7 +67,9 @@ def _template_message(m: service.ChatMessage) -> dict[str, object]:
 class _Tracked:
     queue: asyncio.Queue[RequestOutput | BaseException]
     arrived: float
-    first_prompt_id: int
+    prompt_ids: list[int]
+    output_text: IncrementalDecoder
+    """Each generated token's share of the text (:mod:`.detokenize`), for its logprob entry."""
     last_token: float | None = None
     image_tokens: int = 0
 
@@ -208,7 +211,11 @@ class AsyncEngine:
             engine_id, prompt_ids, params, seed=seed, priority=request.priority, images=images
         )
         tracked = _Tracked(
-            asyncio.Queue(), self._clock(), prompt_ids[0], image_tokens=sum(i.length for i in images)
+            asyncio.Queue(),
+            self._clock(),
+            prompt_ids,
+            IncrementalDecoder(self._decode),
+            image_tokens=sum(i.length for i in images),
         )
         self._tracked[engine_id] = tracked
         self._ensure_loop()
@@ -223,7 +230,9 @@ class AsyncEngine:
         here on the tokenizer thread; a corrupt, oversized or unsupported one is a 400 naming it."""
         if request.prompt_token_ids is not None:
             return list(request.prompt_token_ids)
-        ids = list(self._tokenizer.encode(self._prompt_text(request)))
+        ids = list(
+            self._tokenizer.encode(self._prompt_text(request), add_special_tokens=request.add_special_tokens)
+        )
         if self.vision is None:
             return ids
         images = request.images
@@ -299,30 +308,66 @@ class AsyncEngine:
             service.NUM_REQUESTS_WAITING.labels(self.name).set(len(self.core.waiting))
             service.KV_CACHE_USAGE.labels(self.name).set(self.core.pool.usage())
 
+    def _decode(self, ids: list[int]) -> str:
+        return str(self._tokenizer.decode(ids))
+
+    def detokenize(self, ids: list[int]) -> str:
+        """The text of ``ids`` (vLLM's ``/detokenize``), special tokens included."""
+        vocab = self.core.model.config.vocab_size
+        if not all(0 <= t < vocab for t in ids):
+            raise errors.ValidationError("tokens", f"token ids must be in [0, {vocab}) for this model")
+        return self._decode(ids)
+
+    def tokenizer_info(self) -> dict[str, Any]:
+        """vLLM's ``/tokenizer_info``: the special tokens, the chat template and the context (no
+        ``name_or_path``: the checkpoint's place on this host stays here)."""
+        tok = self._tokenizer
+        return {
+            "tokenizer_class": type(tok).__name__,
+            "eos_token": tok.eos_token,
+            "bos_token": tok.bos_token,
+            "pad_token": tok.pad_token,
+            "unk_token": tok.unk_token,
+            "chat_template": getattr(tok, "chat_template", None),
+            "model_max_length": self._max_model_len,
+            "vocab_size": self.core.model.config.vocab_size,
+        }
+
     def _chunk(self, out: RequestOutput, tracked: _Tracked) -> GenerationChunk:
-        first_prompt_id = tracked.first_prompt_id
+        """The chunk of one step's output. Each logprob entry's ``token`` is that token's share of
+        the decoded text (:mod:`.detokenize`): pieces join to the text, so offsets counted from
+        them are character offsets even where one character spans several byte tokens."""
         prompt_lps = None
         if out.prompt_logprobs is not None:
-            first = TokenLogprob(str(self._tokenizer.decode([first_prompt_id])), first_prompt_id, None)
-            prompt_lps = tuple(first if lp is None else self._token_logprob(lp) for lp in out.prompt_logprobs)
+            pieces = token_pieces(self._decode, tracked.prompt_ids)
+            prompt_lps = tuple(
+                TokenLogprob(piece, token_id, None) if lp is None else self._token_logprob(lp, piece)
+                for lp, piece, token_id in zip(out.prompt_logprobs, pieces, tracked.prompt_ids, strict=True)
+            )
+        texts = [tracked.output_text.push(lp.token_id) for lp in out.logprobs]
+        if texts and out.finish_reason is not None:
+            texts[-1] += tracked.output_text.flush()
         return GenerationChunk(
             text=out.text,
             token_ids=out.token_ids,
             finish_reason=out.finish_reason,  # type: ignore[arg-type]
             prompt_tokens=out.prompt_tokens,
             completion_tokens=out.completion_tokens,
-            logprobs=tuple(self._token_logprob(lp) for lp in out.logprobs),
+            logprobs=tuple(
+                self._token_logprob(lp, text) for lp, text in zip(out.logprobs, texts, strict=True)
+            ),
             prompt_logprobs=prompt_lps,
             image_tokens=tracked.image_tokens if out.finish_reason is not None else 0,
         )
 
-    def _token_logprob(self, lp: Logprob) -> TokenLogprob:
-        decode = self._tokenizer.decode
+    def _token_logprob(self, lp: Logprob, text: str) -> TokenLogprob:
+        """``lp`` with ``text``, its token's share of the decoded text; the alternatives decoded
+        alone (as vLLM gives them)."""
         return TokenLogprob(
-            token=decode([lp.token_id]),
+            token=text,
             token_id=lp.token_id,
             logprob=lp.logprob,
-            top=tuple((decode([t]), v) for t, v in lp.top),
+            top=tuple((self._decode([t]), v) for t, v in lp.top),
         )
 
     # -- the loop ---------------------------------------------------------------------------------

@@ -88,8 +88,6 @@ def completion_requests(body: CompletionBody, request_id: str) -> list[Generatio
         raise errors.ValidationError(
             "n", f"{len(prompts)} prompts x n={body.n} exceed {MAX_CHOICES} choices in one call"
         )
-    if body.echo and any(not isinstance(p, str) for p in prompts):
-        raise errors.ValidationError("echo", "is not supported with a token-id prompt")
     out = []
     for i, prompt in enumerate(prompts):
         kwargs: dict[str, Any] = (
@@ -101,6 +99,9 @@ def completion_requests(body: CompletionBody, request_id: str) -> list[Generatio
         generation.logprobs = body.logprobs
         if body.echo and body.logprobs is not None and generation.prompt_logprobs is None:
             generation.prompt_logprobs = body.logprobs
+        elif body.echo and generation.prompt is None and generation.prompt_logprobs is None:
+            # An echoed token-id prompt's text is its tokens' pieces, which come with its logprobs.
+            generation.prompt_logprobs = 0
         out += choices(generation, body.n)
     return out
 

@@ -177,6 +177,8 @@ class GenerationRequest:
     """Keep generating past the end-of-sequence token (vLLM's benchmark sets it for fixed lengths)."""
     prompt_token_ids: list[int] | None = None
     """A prompt given as token ids (instead of ``prompt`` or ``messages``)."""
+    add_special_tokens: bool = True
+    """False: a text prompt without the tokens its tokenizer adds around it (``/tokenize``)."""
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0

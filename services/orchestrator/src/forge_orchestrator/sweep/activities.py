@@ -42,6 +42,8 @@ class Tracker(Protocol):
 
     def set_terminated(self, run_id: str, status: str) -> None: ...
 
+    def log_metrics(self, run_id: str, step: int, metrics: dict[str, float]) -> int: ...
+
 
 #: The tracking activities (``sweep_track_*``) outwait an MLflow server that is away: tried again
 #: without limit (every 30 s at most), each try long enough for the MLflow client's own retries.
@@ -102,6 +104,8 @@ class TrackEndInput:
     run_id: str
     status: str
     """``FINISHED``, ``KILLED`` (stopped early, cancelled) or ``FAILED``."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """Logged (at step 0) before the run is closed: the sweep's summary on its parent run."""
 
 
 def sync_url(url: str) -> str:
@@ -267,9 +271,13 @@ class SweepActivities:
 
     @activity.defn(name="sweep_track_end")
     async def track_end(self, params: TrackEndInput) -> None:
+        """Close a trial's run, or the sweep's parent run with its summary metrics."""
         if self._tracker is None or not params.run_id:
             return
-        await asyncio.to_thread(self._tracker.set_terminated, params.run_id, params.status)
+        tracker = self._tracker
+        if params.metrics:
+            await asyncio.to_thread(tracker.log_metrics, params.run_id, 0, dict(params.metrics))
+        await asyncio.to_thread(tracker.set_terminated, params.run_id, params.status)
 
     def methods(self) -> list[Any]:
         return [

@@ -121,3 +121,14 @@ class SweepResult:
 def trial_command(python: str, recipe: str, overrides: dict[str, Any]) -> list[str]:
     """The command line of one trial's job (:class:`forge_kit.jobcmd.TrainCommand`)."""
     return TrainCommand.with_values(recipe, overrides, python).argv()
+
+
+def run_metrics(summary: dict[str, Any]) -> dict[str, float]:
+    """The numbers of a sweep's summary that its MLflow parent run keeps when it is closed: the
+    best value and trial, GPU-hours, and trials per end state (``trials_completed``, …)."""
+    out = {f"trials_{state}": float(n) for state, n in summary.get("trials_by_state", {}).items()}
+    for key in ("best_metric", "best_trial", "gpu_hours"):
+        value = summary.get(key)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            out[key] = float(value)
+    return out

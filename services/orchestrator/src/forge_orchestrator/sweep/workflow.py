@@ -73,6 +73,7 @@ with workflow.unsafe.imports_passed_through():
         SweepResult,
         Trial,
         TrialMetric,
+        run_metrics,
         trial_command,
     )
     from forge_orchestrator.training import AUTO_EVAL_LABEL, CHECKPOINT_SIGNAL, CheckpointInfo
@@ -209,6 +210,12 @@ class SweepWorkflow:
             method, arg, start_to_close_timeout=timeout, retry_policy=retry
         )
 
+    async def _close_run(self, status: str) -> None:
+        """Close the parent run with its status and summary (not in histories from before)."""
+        if self._parent_run and workflow.patched("sweep-parent-run-closed"):
+            metrics = run_metrics(self._summary())
+            await self._act(SweepActivities.track_end, TrackEndInput(self._parent_run, status, metrics))
+
     def _stop_clock(self, trial: Trial) -> None:
         assert self._space is not None
         if trial.running_since is not None:
@@ -286,8 +293,10 @@ class SweepWorkflow:
                 if trial.state in (*ACTIVE, "paused"):
                     reason = "sweep cancelled" if cancelled else "sweep failed"
                     await self._finish(trial, "cancelled", reason, cancel=bool(trial.job_id))
+            await self._close_run("KILLED" if cancelled else "FAILED")
             raise
         self._step = "done"
+        await self._close_run("FINISHED")
         best = self._best()
         return SweepResult(
             name=space.name,
