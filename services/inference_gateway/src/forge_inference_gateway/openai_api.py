@@ -17,7 +17,6 @@ import functools
 import json
 import math
 import time
-import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from dataclasses import asdict
 from typing import Annotated, Any
@@ -33,6 +32,7 @@ from forge_inference_gateway.key_api import install_key_api, require_scope
 from forge_inference_gateway.metering import TAIL_BYTES, usage_of
 from forge_inference_gateway.openai_schema import bearer_scheme, check_generation, install_openapi
 from forge_inference_gateway.rag import RagService
+from forge_inference_gateway.rag_chat import chat_chunks, chat_completion, rag_tokens
 from forge_inference_gateway.response_cache import CACHE_HEADER
 from forge_inference_gateway.router import MODEL_HEADER, GenerationRequest
 from forge_inference_gateway.service import InferenceGateway
@@ -223,11 +223,11 @@ class GatewayRoutes:
         REQUESTS.labels("/v1/chat/completions", "200").inc()
         if not plan.query.stream:
             answer = await self._rag.answer(plan)
-            request.state.record(tokens=_tokens(answer))
-            return JSONResponse(_chat_completion(answer, created), headers=cache)
+            request.state.record(tokens=rag_tokens(answer))
+            return JSONResponse(chat_completion(answer, created), headers=cache)
         return StreamingResponse(
             self._rag_events(
-                _chat_chunks(self._rag.stream(plan), created), plan.deadline, request.state.record
+                chat_chunks(self._rag.stream(plan), created), plan.deadline, request.state.record
             ),
             media_type="text/event-stream",
             headers=cache | {"Cache-Control": "no-cache"},
@@ -242,7 +242,7 @@ class GatewayRoutes:
         cache = {CACHE_HEADER: "hit" if plan.cached is not None else "miss"}
         if not plan.query.stream:
             result = await self._rag.answer(plan)
-            request.state.record(tokens=_tokens(result))
+            request.state.record(tokens=rag_tokens(result))
             REQUESTS.labels("/v1/rag/query", "200").inc()
             return JSONResponse(result, headers=cache)
         REQUESTS.labels("/v1/rag/query", "200").inc()
@@ -260,7 +260,7 @@ class GatewayRoutes:
             async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
                 async for event in events:
                     if "usage" in event:  # the last event: the whole answer's usage
-                        record(tokens=_tokens(event))
+                        record(tokens=rag_tokens(event))
                     yield f"data: {json.dumps(event)}\n\n".encode()
             yield b"data: [DONE]\n\n"
         except TimeoutError:
@@ -356,87 +356,10 @@ def _json_body(body: bytes) -> object:
     return loads_json(body)
 
 
-#: What a chat completion with retrieval reports of the RAG path, under ``retrieval``.
-_RETRIEVAL_REPORT = ("passages", "citations", "retrieval", "rerank", "context", "timings_ms", "cached")
-
-
-def _chat_id(result: Mapping[str, object]) -> str:
-    return "chatcmpl-" + str(result.get("id", "")).removeprefix("rag-")
-
-
 def _metered(content: bytes) -> int:
     """Prompt plus completion tokens an answer's (or a stream tail's) usage reports."""
     usage = usage_of(content)
     return usage.get("prompt", 0) + usage.get("completion", 0)
-
-
-def _tokens(result: Mapping[str, object]) -> int:
-    """Prompt plus completion tokens a RAG answer spent (none when it was replayed from the cache)."""
-    report = result.get("retrieval")
-    if result.get("cached") is True or (isinstance(report, dict) and report.get("cached") is True):
-        return 0
-    return _usage(result)["total_tokens"]
-
-
-def _usage(result: Mapping[str, object]) -> dict[str, int]:
-    raw = result.get("usage")
-    usage = {k: int(v) for k, v in raw.items() if isinstance(v, int)} if isinstance(raw, dict) else {}
-    usage["total_tokens"] = usage.get("prompt_tokens", 0) + usage.get("completion_tokens", 0)
-    return usage
-
-
-def _chat_completion(result: Mapping[str, object], created: int) -> dict[str, object]:
-    """A RAG answer as an OpenAI ``chat.completion``."""
-    return {
-        "id": _chat_id(result),
-        "object": "chat.completion",
-        "created": created,
-        "model": result.get("model"),
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": result.get("answer", "")},
-                "finish_reason": result.get("finish_reason", "stop"),
-            }
-        ],
-        "usage": _usage(result),
-        "retrieval": {k: result[k] for k in _RETRIEVAL_REPORT if k in result},
-    }
-
-
-async def _chat_chunks(
-    events: AsyncIterator[dict[str, object]], created: int
-) -> AsyncIterator[dict[str, object]]:
-    """RAG stream events as ``chat.completion.chunk`` events: the answer's pieces as content
-    deltas, then a last chunk with the finish reason, the usage and the retrieval report."""
-    chunk_id, first = "chatcmpl-" + uuid.uuid4().hex[:16], True
-    try:
-        async for event in events:
-            if event.get("object") == "rag.answer.delta":
-                delta: dict[str, object] = {"content": event.get("delta", "")}
-                if first:
-                    delta["role"], first = "assistant", False
-                choice = {"index": 0, "delta": delta, "finish_reason": None}
-                yield {
-                    "id": chunk_id,
-                    "object": "chat.completion.chunk",
-                    "created": created,
-                    "choices": [choice],
-                }
-                continue
-            whole = _chat_completion(event, created)
-            yield {
-                "id": chunk_id,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": whole["model"],
-                "choices": [{"index": 0, "delta": {}, "finish_reason": event.get("finish_reason", "stop")}],
-                "usage": whole["usage"],
-                "retrieval": whole["retrieval"],
-            }
-    finally:
-        if isinstance(events, AsyncGenerator):
-            await events.aclose()
 
 
 def _alias_view(alias: Alias) -> dict[str, object]:
