@@ -142,6 +142,24 @@ async def load(base_url: str, key: str, workload: loadgen.Workload, concurrency:
     }
 
 
+async def first_event_ms(client: httpx.AsyncClient, prompt: str, max_tokens: int) -> float:
+    """Milliseconds from sending a streamed completion to its first event with a choice (its
+    text may still be empty: a byte-level tokenizer's first token can be half a character)."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+            "ignore_eos": True, "stream": True}  # fmt: skip
+    started = time.perf_counter()
+    first: float | None = None
+    async with client.stream("POST", "/v1/completions", json=body) as reply:
+        if reply.status_code != 200:
+            raise RuntimeError(f"{client.base_url}: HTTP {reply.status_code} {(await reply.aread())[:200]!r}")
+        async for line in reply.aiter_lines():
+            if first is None and line.startswith("data: {") and json.loads(line[6:]).get("choices"):
+                first = time.perf_counter()
+    if first is None:
+        raise RuntimeError(f"{client.base_url}: a stream without a choice")
+    return (first - started) * 1000
+
+
 async def paired_ttft(direct: str, gateway: str, prompts: list[str], max_tokens: int) -> dict[str, Any]:
     """Step 2: each prompt to vLLM directly and through the gateway, back to back."""
     ttft: dict[str, list[float]] = {"direct": [], "gateway": []}
@@ -152,10 +170,7 @@ async def paired_ttft(direct: str, gateway: str, prompts: list[str], max_tokens:
         for i, prompt in enumerate(prompts):
             order = [("direct", d), ("gateway", g)]
             for name, client in order if i % 2 == 0 else order[::-1]:
-                result = await loadgen.send(client, MODEL, prompt, max_tokens)
-                if not result.success:
-                    raise RuntimeError(f"{name}: {result.error}")
-                ttft[name].append(result.ttft * 1000)
+                ttft[name].append(await first_event_ms(client, prompt, max_tokens))
     gaps = [b - a for a, b in zip(ttft["direct"], ttft["gateway"], strict=True)]
     return {
         "pairs": len(prompts),
@@ -198,7 +213,11 @@ async def run_bench(args: dict[str, Any], work: Path) -> dict[str, Any]:
         gateway = start_gateway(vllm.url, work)
         await wait_listed(gateway.http_url, API_KEY)
         targets["vllm_via_gateway"] = await load(gateway.http_url, API_KEY, workload, args["max_concurrency"])
-        overhead = await paired_ttft(vllm.url, gateway.http_url, workload.prompts[: args["pairs"]], 4)
+        # Prompts of their own: none the load phase sent.
+        fresh = loadgen.make_workload(
+            args["pairs"], args["input_len"], 8, 0.0, args["seed"] + 1, str(models / MODEL)
+        )
+        overhead = await paired_ttft(vllm.url, gateway.http_url, fresh.prompts, 8)
     finally:
         if gateway is not None:
             gateway.stop()
@@ -255,7 +274,7 @@ def serving(
         "input_len": input_len,
         "output_len": output_len,
         "max_concurrency": max_concurrency,
-        "pairs": min(pairs, num_prompts),
+        "pairs": pairs,
         "hidden": hidden,
         "layers": layers,
         "heads": heads,
