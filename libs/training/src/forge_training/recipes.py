@@ -38,10 +38,12 @@ def shakespeare_tiny() -> TrainConfig:
 
 
 def smoke() -> TrainConfig:
-    """A few seconds of training, for tests and for checking a node end to end."""
+    """A few seconds of training, for tests and for checking a node end to end. One head of 64:
+    the smallest head size vLLM's CPU attention serves (it refuses 16), so the main job's model
+    is served by vLLM."""
     return TrainConfig(
         name="smoke",
-        model=ModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=2),
+        model=ModelConfig(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=1, num_kv_heads=1),
         data=DataConfig(vocab_size=300, seq_len=32),
         optim=OptimConfig(lr=3e-3, min_lr=3e-4, warmup_steps=2),
         checkpoint=CheckpointConfig(interval_steps=5, keep_last=2),

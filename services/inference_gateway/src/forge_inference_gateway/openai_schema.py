@@ -21,6 +21,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.security import HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field
 
+from forge_kit import errors
 from forge_kit.limits import RAG_MAX_QUERY_CHARS
 from forge_kit.openai_protocol import (
     ChatCompletionBody,
@@ -104,15 +105,26 @@ _ERRORS_BY_PREFIX = (
 )
 
 
+#: Below this temperature sampling is greedy (vLLM's ``_SAMPLING_EPS``).
+GREEDY_TEMPERATURE = 1e-5
+
+
 def check_generation(path: str, raw: object) -> None:
-    """Refuse a generation body the kit's model refuses (the body itself is forwarded as sent)."""
+    """Refuse a generation body the kit's model refuses (the body itself is forwarded as sent),
+    and what vLLM refuses that Forge's engine would answer: several greedy choices (identical
+    by definition), so that both engines behind the gateway refuse the same requests."""
+    body: ChatCompletionBody | CompletionBody
     if path == "/v1/chat/completions":
-        chat = parse(ChatCompletionBody, raw)
-        for i, message in enumerate(chat.messages):
+        body = parse(ChatCompletionBody, raw)
+        for i, message in enumerate(body.messages):
             message_parts(message, i)
-        check_sampling(chat)
     else:
-        check_sampling(parse(CompletionBody, raw))
+        body = parse(CompletionBody, raw)
+    check_sampling(body)
+    if body.n > 1 and body.temperature is not None and body.temperature < GREEDY_TEMPERATURE:
+        raise errors.ValidationError(
+            "n", f"must be 1 when using greedy sampling (temperature 0), got {body.n}"
+        )
 
 
 def _schema_ref(components: dict[str, Any], model: type[BaseModel]) -> dict[str, str]:

@@ -38,6 +38,7 @@ from forge_inference_gateway.upstream import (
     UpstreamUnavailableError,
     not_served_body,
 )
+from forge_inference_gateway.upstream_errors import conform_error
 from forge_kit import errors
 from forge_kit.canary import LATENCY_BUCKETS
 from forge_kit.modelref import ModelRef
@@ -338,6 +339,12 @@ class Router:
                 # The alias names a version this replica does not list: say so of what was asked
                 # (a model it lists but cannot load keeps the replica's own reason).
                 content, headers["content-type"] = not_served_body(routed.requested), "application/json"
+            elif 400 <= status < 500:
+                # Whichever engine refused, the caller sees one shape (upstream_errors).
+                content, headers["content-type"] = (
+                    conform_error(status, content, routed.body),
+                    "application/json",
+                )
             return Forwarded(status, headers, content=content, model=served)
         assert last_error is not None
         raise last_error

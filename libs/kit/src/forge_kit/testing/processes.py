@@ -1,4 +1,5 @@
-"""Real servers as subprocesses: the Tansu broker, the Temporal dev server, MLflow, Forge services.
+"""Real servers as subprocesses: the Tansu broker, the Temporal dev server, MLflow, Forge services,
+vLLM.
 
 Used by the pytest fixtures in :mod:`forge_kit.testing.plugin` and by ``forge up``; nothing here
 is a fake — each class starts the real binary and waits until it answers.
@@ -17,7 +18,10 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
-from typing import IO
+from typing import IO, TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from forge_kit.vllm import VllmLaunch
 
 
 def free_port() -> int:
@@ -365,3 +369,30 @@ class ServiceProcess(_Process):
                 pass
             time.sleep(0.05)
         raise TimeoutError(f"{self.module} /healthz did not answer")
+
+
+class VllmServer(_Process):
+    """A real vLLM OpenAI-compatible server (:class:`forge_kit.vllm.VllmLaunch`), from vLLM's own
+    environment. ``start()`` returns once it serves its model (start-up takes a minute or more on
+    two cores)."""
+
+    def __init__(self, launch: VllmLaunch, log_path: str | None = None) -> None:
+        super().__init__(log_path)
+        self.launch = launch
+
+    @property
+    def url(self) -> str:
+        return self.launch.url
+
+    def start(self, timeout_s: float = 300.0) -> VllmServer:
+        from forge_kit.vllm import wait_ready
+
+        self._spawn(self.launch.argv(), env=self.launch.env(), cwd=str(self.launch.model_dir))
+        proc = self.proc
+        assert proc is not None
+        try:
+            wait_ready(self.launch, timeout_s, alive=lambda: proc.poll() is None)
+        except BaseException:
+            self.stop()
+            raise
+        return self

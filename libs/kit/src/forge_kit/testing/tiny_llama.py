@@ -39,9 +39,17 @@ def train_bpe(corpus: Iterable[str], vocab_size: int, special_tokens: Sequence[s
 
 
 def llama_config(
-    vocab_size: int, hidden: int, layers: int, context: int, eos_token_id: int, initializer_range: float
+    vocab_size: int,
+    hidden: int,
+    layers: int,
+    context: int,
+    eos_token_id: int,
+    initializer_range: float,
+    heads: int = 4,
+    kv_heads: int = 2,
 ) -> Any:
-    """The tiny Llama's ``LlamaConfig``: 4 heads over 2 KV heads, no BOS, untied embeddings."""
+    """The tiny Llama's ``LlamaConfig``: ``heads`` over ``kv_heads`` KV heads, no BOS, untied
+    embeddings."""
     from transformers import LlamaConfig
 
     return LlamaConfig(
@@ -49,8 +57,8 @@ def llama_config(
         hidden_size=hidden,
         intermediate_size=2 * hidden,
         num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=context,
         eos_token_id=eos_token_id,
         bos_token_id=None,
@@ -70,11 +78,14 @@ def save_tiny_llama(
     seed: int = 0,
     chat_template: str | None = None,
     initializer_range: float = 0.02,
+    heads: int = 4,
+    kv_heads: int = 2,
 ) -> Path:
     """Train a BPE tokenizer of ``vocab_size`` on ``corpus``, build a random Llama (``layers`` x
-    ``hidden``, 4 heads over 2 KV heads, ``context`` positions, no BOS token, weights drawn with
-    ``initializer_range``) and save both into ``folder``; ``chat_template`` goes into the
-    tokenizer config."""
+    ``hidden``, ``heads`` over ``kv_heads`` KV heads, ``context`` positions, no BOS token, weights
+    drawn with ``initializer_range``) and save both into ``folder``; ``chat_template`` goes into
+    the tokenizer config. vLLM's CPU attention serves a head size (``hidden / heads``) of 64, not
+    the default's 16."""
     import torch
     from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -84,7 +95,14 @@ def save_tiny_llama(
         tokenizer.chat_template = chat_template
     torch.manual_seed(seed)
     config = llama_config(
-        bpe.get_vocab_size(), hidden, layers, context, tokenizer.eos_token_id, initializer_range
+        bpe.get_vocab_size(),
+        hidden,
+        layers,
+        context,
+        tokenizer.eos_token_id,
+        initializer_range,
+        heads,
+        kv_heads,
     )
     folder.mkdir(parents=True, exist_ok=True)
     LlamaForCausalLM(config).eval().save_pretrained(folder)
