@@ -8,7 +8,9 @@ adding a replica the gateway already routes to, or removing one it does not, is 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 import httpx
@@ -76,7 +78,7 @@ class DeployActivities:
         self._probe_timeout_s = probe_timeout_s
         self._channel: grpc.aio.Channel | None = None
 
-    def methods(self) -> list[object]:
+    def methods(self) -> list[Callable[..., Any]]:
         return [self.deploy_observe, self.deploy_route, self.deploy_autoscale]
 
     def _stub(self) -> scheduler_pb2_grpc.SchedulerServiceAsyncStub:
