@@ -12,6 +12,9 @@ One deployment's life, through the orchestrator's gRPC API and the gateway's Ope
    by the other), its job ends FAILED and a replacement is placed and routed;
 4. undeploy: every replica leaves the gateway's pool, its job is cancelled, its process is gone,
    and the workflow ends.
+
+An autoscaled deployment follows the gateway's desired replica count (its load signal over the
+replicas' ``vllm:num_requests_waiting`` and running): up under load, down once it has been idle.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import asyncio
 import os
 import signal
 import sys
+import threading
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -86,6 +90,9 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess
         "FORGE_INFERENCE_GATEWAY_MODEL_SERVER_URL": f"http://127.0.0.1:{free_port()}",
         "FORGE_INFERENCE_GATEWAY_BOOTSTRAP_API_KEY": TENANT_KEY,
         "FORGE_INFERENCE_GATEWAY_RESPONSE_CACHE_TTL_S": "0",
+        # Autoscaling by load alone: one replica per two requests waiting or running.
+        "FORGE_INFERENCE_GATEWAY_AUTOSCALE_TARGET_PER_REPLICA": "2",
+        "FORGE_INFERENCE_GATEWAY_AUTOSCALE_TTFT_SLO_S": "600",
     }
     process = ServiceProcess(
         "forge_inference_gateway", env=env, cwd=str(root), log_path=str(root / "gateway.log")
@@ -117,6 +124,7 @@ def orchestrator(
         "FORGE_ORCHESTRATOR_INFERENCE_GATEWAY_TOKEN": GATEWAY_TOKEN,
         "FORGE_ORCHESTRATOR_DEPLOY_FORGE_PYTHON": sys.executable,
         "FORGE_ORCHESTRATOR_DEPLOY_POLL_S": "0.5",
+        "FORGE_ORCHESTRATOR_DEPLOY_SCALE_DOWN_DELAY_S": "5",
     }
     process = ServiceProcess("forge_orchestrator", env=env, log_path=str(root / "orchestrator.log")).start(90)
     yield process
@@ -309,3 +317,66 @@ async def test_deploy_scale_kill_and_undeploy_on_real_replicas(
     with pytest.raises(grpc.aio.AioRpcError) as gone:
         await stub.ScaleDeployment(orchestrator_pb2.ScaleDeploymentRequest(name=name, replicas=1), timeout=30)
     assert gone.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def _load(gateway: ServiceProcess, stop: threading.Event, errors: list[str], served: list[int]) -> None:
+    """Chats through the gateway, one after another, until ``stop``."""
+    with openai.OpenAI(
+        base_url=f"{gateway.http_url}/v1", api_key=TENANT_KEY, max_retries=0, timeout=120
+    ) as sdk:
+        while not stop.is_set():
+            try:
+                sdk.chat.completions.create(
+                    model="tiny",
+                    messages=[{"role": "user", "content": "To be"}],
+                    max_tokens=200,
+                    temperature=1.0,
+                )
+                served.append(1)
+            except openai.OpenAIError as exc:
+                errors.append(repr(exc))
+
+
+async def test_an_autoscaled_deployment_follows_the_gateway_load_signal(
+    stubs: tuple[
+        orchestrator_pb2_grpc.OrchestratorServiceAsyncStub, scheduler_pb2_grpc.SchedulerServiceAsyncStub
+    ],
+    gateway: ServiceProcess,
+    models: Path,
+) -> None:
+    stub, _ = stubs
+    name = f"auto-{uuid.uuid4().hex[:6]}"
+    await stub.Deploy(orchestrator_pb2.DeployRequest(spec=_spec(models, name, autoscale=True)), timeout=30)
+
+    async def shape(desired: int, ready: int) -> orchestrator_pb2.Deployment | None:
+        d = await _deployment(stub, name)
+        ok = d.desired_replicas == desired and d.ready_replicas == ready and len(d.replicas) == ready
+        return d if ok else None
+
+    await eventually(lambda: shape(1, 1), timeout_s=WAIT_S, interval_s=0.5, what="one ready replica")
+    stop, errors, served = threading.Event(), [], []
+    workers = [threading.Thread(target=_load, args=(gateway, stop, errors, served)) for _ in range(8)]
+    for worker in workers:
+        worker.start()
+    try:
+        scaled = await eventually(
+            lambda: shape(2, 2), timeout_s=WAIT_S, interval_s=0.5, what="scaled up to 2"
+        )
+        # Checked under load: once idle, the surplus replica is drained after the delay.
+        assert _pool(gateway) == {r.endpoint for r in scaled.replicas}
+    finally:
+        stop.set()
+        for worker in workers:
+            await asyncio.to_thread(worker.join, 180)
+    assert "autoscaled up to 2" in scaled.message or scaled.state == "ready"
+    assert served and not errors, errors[:3]
+    idle = await eventually(
+        lambda: shape(1, 1), timeout_s=WAIT_S, interval_s=0.5, what="scaled down to 1 when idle"
+    )
+    assert _pool(gateway) == {idle.replicas[0].endpoint}
+    await stub.Undeploy(orchestrator_pb2.UndeployRequest(name=name), timeout=30)
+
+    async def undeployed() -> bool:
+        return (await _deployment(stub, name)).state == "undeployed"
+
+    await eventually(undeployed, timeout_s=WAIT_S, interval_s=0.5, what="the deployment undeployed")

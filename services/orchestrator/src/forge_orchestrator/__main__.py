@@ -246,6 +246,7 @@ async def main() -> None:
         forge_python=settings.deploy_forge_python,
         vllm_python=settings.deploy_vllm_python,
         poll_s=settings.deploy_poll_s,
+        scale_down_delay_s=settings.deploy_scale_down_delay_s,
     )
     api = OrchestratorApi(workflows, deployments)
     # Team tokens are the scheduler's: it says whom a presented token acts for.

@@ -142,6 +142,9 @@ class OrchestratorSettings(ServiceSettings):
     deploy_poll_s: float = Field(default=2.0, ge=0.1, le=60)
     """Reconcile period of deployment workflows."""
 
+    deploy_scale_down_delay_s: float = Field(default=60.0, ge=0, le=86400)
+    """How long an autoscaled deployment's gateway signal must stay lower before replicas are drained."""
+
     retriever_target: str = "127.0.0.1:50055"
     """host:port of the retriever's gRPC server (wired by the platform table; no workflow calls it
     yet)."""

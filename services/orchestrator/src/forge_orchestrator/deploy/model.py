@@ -70,6 +70,10 @@ class DeploymentInput:
     """Interpreter of vLLM's environment on the nodes (the ``vllm`` engine)."""
     poll_s: float = 2.0
     """Reconcile period."""
+    scale_down_delay_s: float = 60.0
+    """With ``autoscale``: how long the gateway's count must stay below the current one before
+    replicas are drained (scaling up is immediate), so a lull does not drain a replica a burst
+    will need again."""
     ready_timeout_s: float = 600.0
     """A replica that runs but does not answer for this long is replaced."""
 

@@ -62,11 +62,13 @@ class DeploymentService:
         forge_python: str = "python",
         vllm_python: str = ".venv-vllm/bin/python",
         poll_s: float = 2.0,
+        scale_down_delay_s: float = 60.0,
         rpc_timeout_s: float = 10.0,
     ) -> None:
         self._client = client
         self._task_queue = task_queue
         self._forge_python, self._vllm_python, self._poll_s = forge_python, vllm_python, poll_s
+        self._scale_down_delay_s = scale_down_delay_s
         self._rpc_timeout = timedelta(seconds=rpc_timeout_s)
 
     def _handle(self, name: str) -> WorkflowHandle[Any, Any]:
@@ -95,6 +97,7 @@ class DeploymentService:
             forge_python=self._forge_python,
             vllm_python=self._vllm_python,
             poll_s=self._poll_s,
+            scale_down_delay_s=self._scale_down_delay_s,
         )
         try:
             await self._client.start_workflow(

@@ -9,7 +9,8 @@ A reconcile loop, every ``poll_s`` or at once on a signal:
    answers within ``ready_timeout_s`` is cancelled; an ended replica (crashed, ``kill -9``,
    node lost) is dropped, and step 4 places its replacement;
 3. with ``autoscale``, desired = the gateway's desired replica count for the model (it counts the
-   replicas' ``vllm:num_requests_waiting`` and running and its own queue), within min and max;
+   replicas' ``vllm:num_requests_waiting`` and running and its own queue), within min and max:
+   at once when it is higher, once it has stayed lower for ``scale_down_delay_s`` when lower;
 4. place or drain: fewer live replicas than desired → submit replica jobs (``JOB_KIND_INFERENCE``,
    priority class ``production``: the scheduler places them on the inference pool first, never
    holds them back by quota, never preempts them for training); more → drain the surplus,
@@ -77,6 +78,7 @@ class DeploymentWorkflow:
         self._state = "deploying"
         self._message = ""
         self._drain_at: dict[str, float] = {}
+        self._low_since = 0.0
 
     @workflow.signal(name=SCALE_SIGNAL)
     def scale(self, replicas: int) -> None:
@@ -176,7 +178,7 @@ class DeploymentWorkflow:
             wanted = await self._call("deploy_autoscale", spec.model, int)
             assert isinstance(wanted, int)
             if wanted >= 0:
-                self._desired = max(spec.min_replicas, min(spec.max_replicas, wanted))
+                self._autoscale(spec, max(spec.min_replicas, min(spec.max_replicas, wanted)), now)
         target = 0 if self._undeploying else self._desired
         live = [r for r in self._replicas if r.state != "draining"]
         for _ in range(target - len(live)):
@@ -199,6 +201,19 @@ class DeploymentWorkflow:
             self._state = "undeploying"
         else:
             self._state = "ready" if ready >= target else "deploying"
+
+    def _autoscale(self, spec: DeploymentInput, wanted: int, now: float) -> None:
+        if wanted >= self._desired:
+            self._low_since = 0.0
+            if wanted > self._desired:
+                self._message = f"autoscaled up to {wanted} replicas"
+            self._desired = wanted
+        elif not self._low_since:
+            self._low_since = now
+        elif now - self._low_since >= spec.scale_down_delay_s:
+            self._low_since = 0.0
+            self._desired = wanted
+            self._message = f"autoscaled down to {wanted} replicas"
 
     async def _follow(
         self,
