@@ -277,18 +277,36 @@ async def test_deploy_scale_kill_and_undeploy_on_real_replicas(
     endpoints = {r.endpoint for r in both.replicas}
     assert len(endpoints) == 2 and _pool(gateway) == endpoints
 
-    # 3. kill -9 of one replica: out of the pool, the other serves, a replacement is placed.
+    # 3. kill -9 of one replica under load: out of the pool, the other serves, a replacement is
+    # placed; a request in flight on it gets a clear error (the gateway retries connection failures
+    # on another replica; a reply cut short is not retried, it may have had effects).
     victim = both.replicas[0]
     pids = _pids_of(victim.job_id)
     assert pids, f"no process of {victim.job_id}"
-    for pid in pids:
-        os.kill(pid, signal.SIGKILL)
-    await eventually(
-        lambda: victim.endpoint not in _pool(gateway),
-        timeout_s=60,
-        interval_s=0.2,
-        what="the killed replica out of the pool",
-    )
+    stop, errors, served = threading.Event(), [], []
+    workers = [threading.Thread(target=_load, args=(gateway, stop, errors, served)) for _ in range(4)]
+    for worker in workers:
+        worker.start()
+    try:
+        await eventually(lambda: len(served) >= 4, timeout_s=120, interval_s=0.2, what="load flowing")
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        await eventually(
+            lambda: victim.endpoint not in _pool(gateway),
+            timeout_s=60,
+            interval_s=0.2,
+            what="the killed replica out of the pool",
+        )
+        after_kill = len(served)
+        await eventually(
+            lambda: len(served) >= after_kill + 4, timeout_s=120, interval_s=0.2, what="load served on"
+        )
+    finally:
+        stop.set()
+        for worker in workers:
+            await asyncio.to_thread(worker.join, 180)
+    print(f"kill -9 under load: {len(served)} served, {len(errors)} errors: {errors[:5]}")
+    assert all(e.split(" ", 1)[0] in ("502", "503", "504") and len(e) > 4 for e in errors), errors[:5]
     assert await asyncio.to_thread(_chat, gateway)
     killed = (await scheduler.GetJob(scheduler_pb2.GetJobRequest(job_id=victim.job_id), timeout=30)).job
     assert killed.state == common_pb2.JOB_STATE_FAILED
@@ -333,6 +351,8 @@ def _load(gateway: ServiceProcess, stop: threading.Event, errors: list[str], ser
                     temperature=1.0,
                 )
                 served.append(1)
+            except openai.APIStatusError as exc:
+                errors.append(f"{exc.status_code} {exc.message}")
             except openai.OpenAIError as exc:
                 errors.append(repr(exc))
 
