@@ -247,6 +247,7 @@ async def main() -> None:
         vllm_python=settings.deploy_vllm_python,
         poll_s=settings.deploy_poll_s,
         scale_down_delay_s=settings.deploy_scale_down_delay_s,
+        grant_key=key,
     )
     api = OrchestratorApi(workflows, deployments)
     # Team tokens are the scheduler's: it says whom a presented token acts for.

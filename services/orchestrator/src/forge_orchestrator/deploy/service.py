@@ -27,8 +27,9 @@ from forge_orchestrator.deploy.model import (
     DeploymentStatus,
     validate_deployment,
 )
-from forge_orchestrator.deploy.workflow import DeploymentWorkflow
+from forge_orchestrator.grant import MEMO_GRANT, sign
 from forge_orchestrator.identity import Caller
+from forge_orchestrator.service import MEMO_CALLER, MEMO_TEAM
 
 #: Fields a caller sets; the rest (credential, interpreters) are the service's.
 _CALLER_FIELDS = (
@@ -63,12 +64,16 @@ class DeploymentService:
         vllm_python: str = ".venv-vllm/bin/python",
         poll_s: float = 2.0,
         scale_down_delay_s: float = 60.0,
+        grant_key: bytes | None = None,
         rpc_timeout_s: float = 10.0,
     ) -> None:
         self._client = client
         self._task_queue = task_queue
         self._forge_python, self._vllm_python, self._poll_s = forge_python, vllm_python, poll_s
         self._scale_down_delay_s = scale_down_delay_s
+        self._grant_key = grant_key
+        """Signs each deployment's start grant (:mod:`forge_orchestrator.grant`): without one its
+        activities are refused."""
         self._rpc_timeout = timedelta(seconds=rpc_timeout_s)
 
     def _handle(self, name: str) -> WorkflowHandle[Any, Any]:
@@ -99,11 +104,19 @@ class DeploymentService:
             poll_s=self._poll_s,
             scale_down_delay_s=self._scale_down_delay_s,
         )
+        args: list[object] = [spec, None]
+        memo: dict[str, Any] = {MEMO_CALLER: caller.name, MEMO_TEAM: caller.team}
+        if self._grant_key is not None:
+            payloads = await self._client.data_converter.encode(args)
+            memo[MEMO_GRANT] = sign(
+                self._grant_key, WORKFLOW_TYPE, WORKFLOW_PREFIX + spec.name, payloads, caller
+            )
         try:
             await self._client.start_workflow(
-                DeploymentWorkflow.run,
-                args=[spec, None],
+                WORKFLOW_TYPE,
+                args=args,
                 id=WORKFLOW_PREFIX + spec.name,
+                memo=memo,
                 task_queue=self._task_queue,
                 id_conflict_policy=WorkflowIDConflictPolicy.FAIL,
                 id_reuse_policy=WorkflowIDReusePolicy.ALLOW_DUPLICATE,
