@@ -23,3 +23,17 @@ def write_termination_message(message: str) -> None:
         return
     with contextlib.suppress(FileExistsError), open(path, "x", encoding="utf-8") as handle:
         handle.write(message)
+
+
+SERVE_PORT_ENV = "FORGE_SERVE_PORT"
+"""A serving job's (``JOB_KIND_INFERENCE``) port, assigned by the agent that runs it."""
+
+SERVE_PORT_PLACEHOLDER = "{serve_port}"
+"""Written in a serving job's command arguments or environment values, replaced by the agent with
+the port it assigned (e.g. ``--port {serve_port}``), so an engine that takes its port only as a
+flag or a setting of its own needs no wrapper."""
+
+
+def with_serve_port(values: list[str], port: int) -> list[str]:
+    """``values`` with every :data:`SERVE_PORT_PLACEHOLDER` replaced by ``port``."""
+    return [v.replace(SERVE_PORT_PLACEHOLDER, str(port)) for v in values]

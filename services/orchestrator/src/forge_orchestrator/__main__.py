@@ -21,6 +21,8 @@ from forge_orchestrator.api import OrchestratorApi
 from forge_orchestrator.canary_activities import CanaryActivities
 from forge_orchestrator.config import OrchestratorSettings
 from forge_orchestrator.cpt.activities import CptActivities
+from forge_orchestrator.deploy.activities import DeployActivities
+from forge_orchestrator.deploy.service import DeploymentService
 from forge_orchestrator.eval_activities import EvalActivities
 from forge_orchestrator.grant import StartGuard, grant_key
 from forge_orchestrator.identity import SchedulerAuthenticator
@@ -131,13 +133,21 @@ async def main() -> None:
     # Sweeps record their parent and trial runs where training runs are tracked (none without MLflow).
     tracker = Tracker(settings.mlflow_uri, ui_url=settings.mlflow_ui_uri) if settings.mlflow_uri else None
     sweeps = SweepActivities(db.url, tracker)
+    gateway_token = settings.inference_gateway_token.get_secret_value()
+    deploys = DeployActivities(
+        settings.scheduler_target,
+        settings.scheduler_token.get_secret_value(),
+        settings.inference_gateway_url or RlhfSettings().gateway_url,
+        gateway_token,
+    )
+    app.add_on_stop(deploys.close)
     app.add_background(
         build_worker(
             client,
             settings.task_queue,
             activities,
             eval_activities,
-            extra_activities=[*sweeps.methods(), *CptActivities(tracker).methods()],
+            extra_activities=[*sweeps.methods(), *CptActivities(tracker).methods(), *deploys.methods()],
             canary=canary,
             guard=guard,
         ).run
@@ -230,7 +240,16 @@ async def main() -> None:
     async def temporal_ready() -> bool:
         return await client.service_client.check_health(timeout=timedelta(seconds=2))
 
-    api = OrchestratorApi(workflows)
+    deployments = DeploymentService(
+        client,
+        settings.task_queue,
+        forge_python=settings.deploy_forge_python,
+        vllm_python=settings.deploy_vllm_python,
+        poll_s=settings.deploy_poll_s,
+        scale_down_delay_s=settings.deploy_scale_down_delay_s,
+        grant_key=key,
+    )
+    api = OrchestratorApi(workflows, deployments)
     # Team tokens are the scheduler's: it says whom a presented token acts for.
     callers = SchedulerAuthenticator(settings.scheduler_target)
     app.add_on_stop(callers.close)

@@ -65,6 +65,8 @@ class SubmitJobInput:
     auto_eval: bool = True
     """Whether the job's success triggers the automatic evaluation (an ``auto_eval=false`` label,
     the older way, is read as False)."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Environment variables of the job's command."""
 
 
 @dataclass
@@ -130,6 +132,7 @@ class SchedulerActivities:
             team=params.team,
             priority_class=params.priority_class,
             command=params.command,
+            env=params.env,
             labels=labels,
             routing=routing.to_proto(),
             resources=common_pb2.ResourceRequest(gpu_count=params.gpu_count, gpu_type=params.gpu_type),

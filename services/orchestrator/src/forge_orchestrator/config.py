@@ -132,6 +132,19 @@ class OrchestratorSettings(ServiceSettings):
     """HTTP address of the inference gateway (its admin API: the production prompt pool and shadow
     pairs of online RLHF rounds, with ``inference_gateway_token``); empty: ``FORGE_RLHF_GATEWAY_URL``."""
 
+    deploy_forge_python: str = Field(default="python", min_length=1, max_length=1024)
+    """Interpreter of Forge's environment on the nodes: the ``forge`` engine's replicas run
+    ``<it> -m forge_model_server``."""
+
+    deploy_vllm_python: str = Field(default=".venv-vllm/bin/python", min_length=1, max_length=1024)
+    """Interpreter of vLLM's own environment on the nodes (the ``vllm`` engine's replicas)."""
+
+    deploy_poll_s: float = Field(default=2.0, ge=0.1, le=60)
+    """Reconcile period of deployment workflows."""
+
+    deploy_scale_down_delay_s: float = Field(default=60.0, ge=0, le=86400)
+    """How long an autoscaled deployment's gateway signal must stay lower before replicas are drained."""
+
     retriever_target: str = "127.0.0.1:50055"
     """host:port of the retriever's gRPC server (wired by the platform table; no workflow calls it
     yet)."""

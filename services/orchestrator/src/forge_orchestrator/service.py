@@ -32,6 +32,7 @@ from forge_orchestrator.activities import SchedulerActivities
 from forge_orchestrator.canary_activities import CanaryActivities
 from forge_orchestrator.cpt.model import CptInput, validate_cpt
 from forge_orchestrator.cpt.workflow import CptWorkflow
+from forge_orchestrator.deploy.workflow import DeploymentWorkflow
 from forge_orchestrator.eval_activities import EvalActivities
 from forge_orchestrator.grant import MEMO_GRANT, sign
 from forge_orchestrator.identity import ADMIN, Caller, authorize_start
@@ -160,7 +161,10 @@ KINDS: dict[str, WorkflowKind] = {
 }
 
 #: Every workflow class the main worker runs (the kinds started on the main queue).
-WORKFLOWS: tuple[type, ...] = tuple(k.workflow for k in KINDS.values() if k.queue is _main_queue)
+WORKFLOWS: tuple[type, ...] = (
+    *(k.workflow for k in KINDS.values() if k.queue is _main_queue),
+    DeploymentWorkflow,
+)
 
 
 def _coerce(path: str, hint: Any, value: object) -> object:

@@ -60,6 +60,9 @@ def job_to_proto(job: JobRow, queue_position: int = 0) -> scheduler_pb2.Job:
         estimated_start=_ts(job.estimated_start) if pending else None,
         attempt=job.attempt or 0,
         pending_reason=(job.pending_reason or "") if pending else "",
+        endpoints=[
+            (job.endpoints or {})[node] for node, _ in (job.slots or []) if (job.endpoints or {}).get(node)
+        ],
     )
 
 
@@ -173,6 +176,7 @@ def report_from_proto(update: scheduler_pb2.JobStatusUpdate) -> ReplicaReport:
         job_id=update.job_id,
         state=update.state,
         message=update.message,
+        endpoint=update.endpoint,
         last_checkpoint_at=update.last_checkpoint_at.ToDatetime()
         if update.HasField("last_checkpoint_at")
         else None,

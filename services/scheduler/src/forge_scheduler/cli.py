@@ -327,9 +327,12 @@ def cluster(
     token: TokenOption = "",
     as_json: JsonOption = False,
 ) -> None:
-    """Figures of the last scheduling cycle and every node with its free GPUs."""
+    """Figures of the last scheduling cycle, every node with its free GPUs, and the serving
+    replicas (running inference jobs) with the URL each serves on."""
 
-    async def go() -> tuple[scheduler_pb2.GetClusterStatsResponse, list[scheduler_pb2.Node]]:
+    async def go() -> tuple[
+        scheduler_pb2.GetClusterStatsResponse, list[scheduler_pb2.Node], list[scheduler_pb2.Job]
+    ]:
         channel, stub = _stub(target, token)
         async with channel:
             stats = await stub.GetClusterStats(scheduler_pb2.GetClusterStatsRequest(), timeout=RPC_TIMEOUT_S)
@@ -337,9 +340,27 @@ def cluster(
                 scheduler_pb2.ListNodesRequest(page=common_pb2.PageRequest(page_size=500)),
                 timeout=RPC_TIMEOUT_S,
             )
-            return stats, list(nodes.nodes)
+            running = await stub.ListJobs(
+                scheduler_pb2.ListJobsRequest(
+                    states=[common_pb2.JOB_STATE_RUNNING], page=common_pb2.PageRequest(page_size=500)
+                ),
+                timeout=RPC_TIMEOUT_S,
+            )
+            return stats, list(nodes.nodes), list(running.jobs)
 
-    stats, nodes = clitools.run_rpc(go())
+    stats, nodes, running = clitools.run_rpc(go())
+    serving = [
+        {
+            "job": j.id,
+            "deployment": j.spec.labels.get("deployment", ""),
+            "team": j.spec.team,
+            "node": ",".join(j.assigned_nodes),
+            "gpus": f"{max(1, j.spec.replicas)}x{j.spec.resources.gpu_count}",
+            "endpoint": ",".join(j.endpoints),
+        }
+        for j in running
+        if j.spec.kind == scheduler_pb2.JOB_KIND_INFERENCE
+    ]
     summary = json_format.MessageToDict(stats, always_print_fields_with_no_presence=True)
     rows = [
         {
@@ -354,10 +375,13 @@ def cluster(
         for n in nodes
     ]
     if as_json:
-        typer.echo(json.dumps({"cluster": summary, "nodes": rows}, indent=2))
+        typer.echo(json.dumps({"cluster": summary, "nodes": rows, "serving": serving}, indent=2))
         return
     clitools.show_record(summary, False)
     clitools.show_rows(rows, ["node", "state", "group", "gpus", "free", "jobs", "isolation"], False, "nodes")
+    clitools.show_rows(
+        serving, ["job", "deployment", "team", "node", "gpus", "endpoint"], False, "serving replicas"
+    )
 
 
 def _isolation(node: scheduler_pb2.Node) -> str:

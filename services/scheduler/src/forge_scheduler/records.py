@@ -59,6 +59,8 @@ class ReplicaReport:
     message: str = ""
     last_checkpoint_at: dt.datetime | None = None
     """Naive UTC."""
+    endpoint: str = ""
+    """A serving replica's URL, with RUNNING."""
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import re
 import uuid
 from collections.abc import Awaitable, Callable, Iterable
 from typing import TypeVar
@@ -116,6 +117,10 @@ def _by_admin() -> bool:
     """Whether the caller is an admin (a service token), or no authentication is in force."""
     principal = current_principal()
     return principal is None or principal.is_admin
+
+
+#: A serving replica's URL as an agent reports it: http(s), a host name or address, a port.
+ENDPOINT = re.compile(r"https?://[A-Za-z0-9.:\[\]-]{1,253}:[0-9]{1,5}")
 
 
 class SchedulerService(TeamsMixin, NodesMixin, WatchesMixin):
@@ -282,6 +287,7 @@ class SchedulerService(TeamsMixin, NodesMixin, WatchesMixin):
             job.draining = [*(job.draining or []), *live]
         job.slots = None
         job.replica_states = None
+        job.endpoints = None
         job.preempt_by = None
         return sorted({node for node, _ in live})
 
@@ -320,6 +326,8 @@ class SchedulerService(TeamsMixin, NodesMixin, WatchesMixin):
             job.replica_states = states
             previous = job.state
             detail = update.message or f"reported by {node_name}"
+            if update.state == RUNNING and ENDPOINT.fullmatch(update.endpoint):
+                job.endpoints = {**(job.endpoints or {}), node_name: update.endpoint}
             if update.state == RUNNING:
                 if job.state != RUNNING:
                     job.state = RUNNING

@@ -71,6 +71,9 @@ class JobRow(Base):
     draining: Mapped[list[list[Any]] | None] = mapped_column(sa.JSON, nullable=True)
     """Replicas of an earlier placement still stopping (``[node, [gpu indices]]``): their GPUs stay
     taken until the agent reports the replica ended or the node is lost."""
+    endpoints: Mapped[dict[str, str] | None] = mapped_column(sa.JSON, nullable=True)
+    """While placed, serving jobs: the URL each running replica serves on, by node (its agent's
+    RUNNING report)."""
     borrowed: Mapped[bool] = mapped_column(sa.Boolean, default=False)
     submitted_by_admin: Mapped[bool] = mapped_column(sa.Boolean, default=False, server_default=sa.false())
     """An admin principal (not a team token) submitted it; StartJob carries it to the agent."""

@@ -107,6 +107,7 @@ async def main() -> None:
         announcer=CheckpointAnnouncer(db, objects, ManifestFinder(objects), producer=app.name),
         objects_url=objects.root_url,
         metrics=MetricsStreamer(db, producer=app.name),
+        advertise_address=settings.advertise_address or "127.0.0.1",
     )
     await service.recover()
     channel = make_channel(settings.scheduler_target, token=settings.scheduler_token.get_secret_value())

@@ -15,6 +15,7 @@ import datetime as dt
 import os
 import re
 import signal
+import socket
 import uuid
 from collections import deque
 from collections.abc import Callable, Coroutine
@@ -28,6 +29,7 @@ from forge.scheduler.v1 import scheduler_pb2
 from prometheus_client import Counter, Gauge
 
 from forge_kit import errors
+from forge_kit.jobenv import SERVE_PORT_ENV, with_serve_port
 from forge_trainer_agent.checkpoints import CheckpointAnnouncer
 from forge_trainer_agent.metrics import MetricsStreamer
 from forge_trainer_agent.node import NodeInfo
@@ -96,7 +98,14 @@ class _Active:
     """Publishes the run's training metrics while it lives (rank 0 writes them)."""
 
 
-def _report(row: RunRow) -> StatusReport:
+def free_port(host: str = "") -> int:
+    """A TCP port free on this node now (the kernel's pick), for a serving replica to listen on."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def _report(row: RunRow, endpoint: str = "") -> StatusReport:
     update = scheduler_pb2.JobStatusUpdate(
         job_id=row.job_id,
         state=row.state,  # type: ignore[arg-type]
@@ -105,6 +114,7 @@ def _report(row: RunRow) -> StatusReport:
         exit_code=NO_EXIT_CODE
         if row.exit_code is None and row.state not in (SCHEDULED, RUNNING)
         else row.exit_code or 0,
+        endpoint=endpoint if row.state == RUNNING else "",
     )
     return StatusReport(job_id=row.job_id, attempt=row.attempt, version=row.version, update=update)
 
@@ -157,8 +167,14 @@ class AgentService:
         announcer: CheckpointAnnouncer | None = None,
         objects_url: str = "",
         metrics: MetricsStreamer | None = None,
+        advertise_address: str = "127.0.0.1",
+        ports: Callable[[], int] = free_port,
     ) -> None:
         self.node = node
+        self._advertise = advertise_address
+        self._ports = ports
+        self._endpoints: dict[str, str] = {}
+        """Serving jobs' URLs, by job id, while their attempt lives (the RUNNING report's)."""
         self._announcer = announcer
         self._metrics = metrics
         self._objects_url = objects_url
@@ -202,7 +218,7 @@ class AgentService:
         if self._resync:
             self._resync = False
             self._outbound.clear()
-            return [_report(row) for row in await self._store.unreported()]
+            return [self._report(row) for row in await self._store.unreported()]
         taken = list(self._outbound)
         self._outbound.clear()
         return [
@@ -216,6 +232,9 @@ class AgentService:
         key = (report.job_id, report.attempt)
         self._reported[key] = max(self._reported.get(key, 0), report.version)
         await self._store.mark_reported(report.job_id, report.attempt, report.version)
+
+    def _report(self, row: RunRow) -> StatusReport:
+        return _report(row, self._endpoints.get(row.job_id, ""))
 
     def _emit(self, report: StatusReport) -> None:
         if len(self._outbound) >= self._outbound_limit:
@@ -316,10 +335,19 @@ class AgentService:
             return
         # Jobs write checkpoints to the agent's object store unless they name another one.
         env = {"FORGE_OBJECTS_URL": self._objects_url, **spec.env} if self._objects_url else dict(spec.env)
+        argv = list(spec.command)
+        endpoint = ""
+        if spec.kind == scheduler_pb2.JOB_KIND_INFERENCE:
+            # A serving replica listens on a port this node assigns; its URL goes to the scheduler.
+            port = self._ports()
+            argv = with_serve_port(argv, port)
+            env = dict(zip(env, with_serve_port(list(env.values()), port), strict=True))
+            env[SERVE_PORT_ENV] = str(port)
+            endpoint = f"http://{self._advertise}:{port}"
         launch = LaunchSpec(
             job_id=job_id,
             attempt=attempt,
-            command=tuple(spec.command),
+            command=tuple(argv),
             env=env,
             gpu_indices=tuple(command.gpu_indices),
             node_rank=command.node_rank,
@@ -342,6 +370,8 @@ class AgentService:
             gpu_indices=frozenset(command.gpu_indices),
         )
         self._active[job_id] = active
+        if endpoint:
+            self._endpoints[job_id] = endpoint
         RUNS_ACTIVE.set(len(self._active))
         row = await self._store.update(
             job_id,
@@ -349,9 +379,9 @@ class AgentService:
             state=RUNNING,
             pid=process.pid,
             started_at=self._clock(),
-            message=f"running as pid {process.pid}",
+            message=f"running as pid {process.pid}" + (f", serving on {endpoint}" if endpoint else ""),
         )
-        self._emit(_report(row))
+        self._emit(self._report(row))
         log.info(
             "agent.job_started",
             job_id=job_id,
@@ -404,6 +434,7 @@ class AgentService:
         finally:
             if self._active.get(active.job_id) is active:
                 del self._active[active.job_id]
+                self._endpoints.pop(active.job_id, None)
             RUNS_ACTIVE.set(len(self._active))
             active.done.set()
 
@@ -439,7 +470,7 @@ class AgentService:
             state=state_name,
             exit_code=exit_code,
         )
-        self._emit(_report(row))
+        self._emit(self._report(row))
 
     # --- queries -----------------------------------------------------------------------------
 

@@ -22,31 +22,60 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from forge.common.v1 import common_pb2 as forge_dot_common_dot_v1_dot_common__pb2
 from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n(forge/orchestrator/v1/orchestrator.proto\x12\x15\x66orge.orchestrator.v1\x1a\x1cgoogle/protobuf/struct.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"j\n\x14StartWorkflowRequest\x12\x15\n\rworkflow_type\x18\x01 \x01(\t\x12&\n\x05input\x18\x02 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x13\n\x0bworkflow_id\x18\x03 \x01(\t\"<\n\x15StartWorkflowResponse\x12\x13\n\x0bworkflow_id\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\"9\n\x12GetWorkflowRequest\x12\x13\n\x0bworkflow_id\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\"\xca\x02\n\x13GetWorkflowResponse\x12\x13\n\x0bworkflow_id\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x15\n\rworkflow_type\x18\x03 \x01(\t\x12\x35\n\x06status\x18\x04 \x01(\x0e\x32%.forge.orchestrator.v1.WorkflowStatus\x12\'\n\x06result\x18\x05 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12)\n\x08progress\x18\x07 \x01(\x0b\x32\x17.google.protobuf.Struct\x12.\n\nstarted_at\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12-\n\tclosed_at\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"<\n\x15\x43\x61ncelWorkflowRequest\x12\x13\n\x0bworkflow_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x18\n\x16\x43\x61ncelWorkflowResponse*\x8d\x02\n\x0eWorkflowStatus\x12\x1f\n\x1bWORKFLOW_STATUS_UNSPECIFIED\x10\x00\x12\x1b\n\x17WORKFLOW_STATUS_RUNNING\x10\x01\x12\x1d\n\x19WORKFLOW_STATUS_COMPLETED\x10\x02\x12\x1a\n\x16WORKFLOW_STATUS_FAILED\x10\x03\x12\x1d\n\x19WORKFLOW_STATUS_CANCELLED\x10\x04\x12\x1e\n\x1aWORKFLOW_STATUS_TERMINATED\x10\x05\x12\x1d\n\x19WORKFLOW_STATUS_TIMED_OUT\x10\x06\x12$\n WORKFLOW_STATUS_CONTINUED_AS_NEW\x10\x07\x32\xd6\x02\n\x13OrchestratorService\x12j\n\rStartWorkflow\x12+.forge.orchestrator.v1.StartWorkflowRequest\x1a,.forge.orchestrator.v1.StartWorkflowResponse\x12\x64\n\x0bGetWorkflow\x12).forge.orchestrator.v1.GetWorkflowRequest\x1a*.forge.orchestrator.v1.GetWorkflowResponse\x12m\n\x0e\x43\x61ncelWorkflow\x12,.forge.orchestrator.v1.CancelWorkflowRequest\x1a-.forge.orchestrator.v1.CancelWorkflowResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n(forge/orchestrator/v1/orchestrator.proto\x12\x15\x66orge.orchestrator.v1\x1a\x1c\x66orge/common/v1/common.proto\x1a\x1cgoogle/protobuf/struct.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"j\n\x14StartWorkflowRequest\x12\x15\n\rworkflow_type\x18\x01 \x01(\t\x12&\n\x05input\x18\x02 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x13\n\x0bworkflow_id\x18\x03 \x01(\t\"<\n\x15StartWorkflowResponse\x12\x13\n\x0bworkflow_id\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\"9\n\x12GetWorkflowRequest\x12\x13\n\x0bworkflow_id\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\"\xca\x02\n\x13GetWorkflowResponse\x12\x13\n\x0bworkflow_id\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x15\n\rworkflow_type\x18\x03 \x01(\t\x12\x35\n\x06status\x18\x04 \x01(\x0e\x32%.forge.orchestrator.v1.WorkflowStatus\x12\'\n\x06result\x18\x05 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12)\n\x08progress\x18\x07 \x01(\x0b\x32\x17.google.protobuf.Struct\x12.\n\nstarted_at\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12-\n\tclosed_at\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"<\n\x15\x43\x61ncelWorkflowRequest\x12\x13\n\x0bworkflow_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x18\n\x16\x43\x61ncelWorkflowResponse\"\x98\x02\n\x0e\x44\x65ploymentSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04team\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x11\n\tmodel_dir\x18\x04 \x01(\t\x12-\n\x06\x65ngine\x18\x05 \x01(\x0e\x32\x1d.forge.orchestrator.v1.Engine\x12\x14\n\x0cmin_replicas\x18\x06 \x01(\r\x12\x14\n\x0cmax_replicas\x18\x07 \x01(\r\x12\x33\n\tresources\x18\x08 \x01(\x0b\x32 .forge.common.v1.ResourceRequest\x12\x13\n\x0b\x65ngine_args\x18\t \x03(\t\x12\x10\n\x08replicas\x18\n \x01(\r\x12\x11\n\tautoscale\x18\x0b \x01(\x08\"R\n\x11\x44\x65ploymentReplica\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x03 \x01(\t\x12\x0c\n\x04node\x18\x04 \x01(\t\"\xcf\x01\n\nDeployment\x12\x33\n\x04spec\x18\x01 \x01(\x0b\x32%.forge.orchestrator.v1.DeploymentSpec\x12\x18\n\x10\x64\x65sired_replicas\x18\x02 \x01(\r\x12\x16\n\x0eready_replicas\x18\x03 \x01(\r\x12:\n\x08replicas\x18\x04 \x03(\x0b\x32(.forge.orchestrator.v1.DeploymentReplica\x12\r\n\x05state\x18\x05 \x01(\t\x12\x0f\n\x07message\x18\x06 \x01(\t\"D\n\rDeployRequest\x12\x33\n\x04spec\x18\x01 \x01(\x0b\x32%.forge.orchestrator.v1.DeploymentSpec\"G\n\x0e\x44\x65ployResponse\x12\x35\n\ndeployment\x18\x01 \x01(\x0b\x32!.forge.orchestrator.v1.Deployment\"$\n\x14GetDeploymentRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"N\n\x15GetDeploymentResponse\x12\x35\n\ndeployment\x18\x01 \x01(\x0b\x32!.forge.orchestrator.v1.Deployment\"\x18\n\x16ListDeploymentsRequest\"Q\n\x17ListDeploymentsResponse\x12\x36\n\x0b\x64\x65ployments\x18\x01 \x03(\x0b\x32!.forge.orchestrator.v1.Deployment\"8\n\x16ScaleDeploymentRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08replicas\x18\x02 \x01(\r\"P\n\x17ScaleDeploymentResponse\x12\x35\n\ndeployment\x18\x01 \x01(\x0b\x32!.forge.orchestrator.v1.Deployment\"\x1f\n\x0fUndeployRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x12\n\x10UndeployResponse*\x8d\x02\n\x0eWorkflowStatus\x12\x1f\n\x1bWORKFLOW_STATUS_UNSPECIFIED\x10\x00\x12\x1b\n\x17WORKFLOW_STATUS_RUNNING\x10\x01\x12\x1d\n\x19WORKFLOW_STATUS_COMPLETED\x10\x02\x12\x1a\n\x16WORKFLOW_STATUS_FAILED\x10\x03\x12\x1d\n\x19WORKFLOW_STATUS_CANCELLED\x10\x04\x12\x1e\n\x1aWORKFLOW_STATUS_TERMINATED\x10\x05\x12\x1d\n\x19WORKFLOW_STATUS_TIMED_OUT\x10\x06\x12$\n WORKFLOW_STATUS_CONTINUED_AS_NEW\x10\x07*C\n\x06\x45ngine\x12\x16\n\x12\x45NGINE_UNSPECIFIED\x10\x00\x12\x10\n\x0c\x45NGINE_FORGE\x10\x01\x12\x0f\n\x0b\x45NGINE_VLLM\x10\x02\x32\xda\x06\n\x13OrchestratorService\x12j\n\rStartWorkflow\x12+.forge.orchestrator.v1.StartWorkflowRequest\x1a,.forge.orchestrator.v1.StartWorkflowResponse\x12\x64\n\x0bGetWorkflow\x12).forge.orchestrator.v1.GetWorkflowRequest\x1a*.forge.orchestrator.v1.GetWorkflowResponse\x12m\n\x0e\x43\x61ncelWorkflow\x12,.forge.orchestrator.v1.CancelWorkflowRequest\x1a-.forge.orchestrator.v1.CancelWorkflowResponse\x12U\n\x06\x44\x65ploy\x12$.forge.orchestrator.v1.DeployRequest\x1a%.forge.orchestrator.v1.DeployResponse\x12j\n\rGetDeployment\x12+.forge.orchestrator.v1.GetDeploymentRequest\x1a,.forge.orchestrator.v1.GetDeploymentResponse\x12p\n\x0fListDeployments\x12-.forge.orchestrator.v1.ListDeploymentsRequest\x1a..forge.orchestrator.v1.ListDeploymentsResponse\x12p\n\x0fScaleDeployment\x12-.forge.orchestrator.v1.ScaleDeploymentRequest\x1a..forge.orchestrator.v1.ScaleDeploymentResponse\x12[\n\x08Undeploy\x12&.forge.orchestrator.v1.UndeployRequest\x1a\'.forge.orchestrator.v1.UndeployResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'forge.orchestrator.v1.orchestrator_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_WORKFLOWSTATUS']._serialized_start=781
-  _globals['_WORKFLOWSTATUS']._serialized_end=1050
-  _globals['_STARTWORKFLOWREQUEST']._serialized_start=130
-  _globals['_STARTWORKFLOWREQUEST']._serialized_end=236
-  _globals['_STARTWORKFLOWRESPONSE']._serialized_start=238
-  _globals['_STARTWORKFLOWRESPONSE']._serialized_end=298
-  _globals['_GETWORKFLOWREQUEST']._serialized_start=300
-  _globals['_GETWORKFLOWREQUEST']._serialized_end=357
-  _globals['_GETWORKFLOWRESPONSE']._serialized_start=360
-  _globals['_GETWORKFLOWRESPONSE']._serialized_end=690
-  _globals['_CANCELWORKFLOWREQUEST']._serialized_start=692
-  _globals['_CANCELWORKFLOWREQUEST']._serialized_end=752
-  _globals['_CANCELWORKFLOWRESPONSE']._serialized_start=754
-  _globals['_CANCELWORKFLOWRESPONSE']._serialized_end=778
-  _globals['_ORCHESTRATORSERVICE']._serialized_start=1053
-  _globals['_ORCHESTRATORSERVICE']._serialized_end=1395
+  _globals['_WORKFLOWSTATUS']._serialized_start=1951
+  _globals['_WORKFLOWSTATUS']._serialized_end=2220
+  _globals['_ENGINE']._serialized_start=2222
+  _globals['_ENGINE']._serialized_end=2289
+  _globals['_STARTWORKFLOWREQUEST']._serialized_start=160
+  _globals['_STARTWORKFLOWREQUEST']._serialized_end=266
+  _globals['_STARTWORKFLOWRESPONSE']._serialized_start=268
+  _globals['_STARTWORKFLOWRESPONSE']._serialized_end=328
+  _globals['_GETWORKFLOWREQUEST']._serialized_start=330
+  _globals['_GETWORKFLOWREQUEST']._serialized_end=387
+  _globals['_GETWORKFLOWRESPONSE']._serialized_start=390
+  _globals['_GETWORKFLOWRESPONSE']._serialized_end=720
+  _globals['_CANCELWORKFLOWREQUEST']._serialized_start=722
+  _globals['_CANCELWORKFLOWREQUEST']._serialized_end=782
+  _globals['_CANCELWORKFLOWRESPONSE']._serialized_start=784
+  _globals['_CANCELWORKFLOWRESPONSE']._serialized_end=808
+  _globals['_DEPLOYMENTSPEC']._serialized_start=811
+  _globals['_DEPLOYMENTSPEC']._serialized_end=1091
+  _globals['_DEPLOYMENTREPLICA']._serialized_start=1093
+  _globals['_DEPLOYMENTREPLICA']._serialized_end=1175
+  _globals['_DEPLOYMENT']._serialized_start=1178
+  _globals['_DEPLOYMENT']._serialized_end=1385
+  _globals['_DEPLOYREQUEST']._serialized_start=1387
+  _globals['_DEPLOYREQUEST']._serialized_end=1455
+  _globals['_DEPLOYRESPONSE']._serialized_start=1457
+  _globals['_DEPLOYRESPONSE']._serialized_end=1528
+  _globals['_GETDEPLOYMENTREQUEST']._serialized_start=1530
+  _globals['_GETDEPLOYMENTREQUEST']._serialized_end=1566
+  _globals['_GETDEPLOYMENTRESPONSE']._serialized_start=1568
+  _globals['_GETDEPLOYMENTRESPONSE']._serialized_end=1646
+  _globals['_LISTDEPLOYMENTSREQUEST']._serialized_start=1648
+  _globals['_LISTDEPLOYMENTSREQUEST']._serialized_end=1672
+  _globals['_LISTDEPLOYMENTSRESPONSE']._serialized_start=1674
+  _globals['_LISTDEPLOYMENTSRESPONSE']._serialized_end=1755
+  _globals['_SCALEDEPLOYMENTREQUEST']._serialized_start=1757
+  _globals['_SCALEDEPLOYMENTREQUEST']._serialized_end=1813
+  _globals['_SCALEDEPLOYMENTRESPONSE']._serialized_start=1815
+  _globals['_SCALEDEPLOYMENTRESPONSE']._serialized_end=1895
+  _globals['_UNDEPLOYREQUEST']._serialized_start=1897
+  _globals['_UNDEPLOYREQUEST']._serialized_end=1928
+  _globals['_UNDEPLOYRESPONSE']._serialized_start=1930
+  _globals['_UNDEPLOYRESPONSE']._serialized_end=1948
+  _globals['_ORCHESTRATORSERVICE']._serialized_start=2292
+  _globals['_ORCHESTRATORSERVICE']._serialized_end=3150
 # @@protoc_insertion_point(module_scope)

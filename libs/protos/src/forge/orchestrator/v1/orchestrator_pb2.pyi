@@ -3,10 +3,13 @@
 isort:skip_file
 Long-running Temporal workflows: training, eval-and-promote, RLHF, sweeps."""
 
+from collections import abc as _abc
+from forge.common.v1 import common_pb2 as _common_pb2
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf import struct_pb2 as _struct_pb2
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
+from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 import builtins as _builtins
 import sys
@@ -62,6 +65,30 @@ WORKFLOW_STATUS_TIMED_OUT: WorkflowStatus.ValueType  # 6
 WORKFLOW_STATUS_CONTINUED_AS_NEW: WorkflowStatus.ValueType  # 7
 """Continued as a new run; see run_id of the newest run."""
 Global___WorkflowStatus: _TypeAlias = WorkflowStatus  # noqa: Y015
+
+class _Engine:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _EngineEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Engine.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    ENGINE_UNSPECIFIED: _Engine.ValueType  # 0
+    """Not set; treated as FORGE."""
+    ENGINE_FORGE: _Engine.ValueType  # 1
+    """Forge's own model server (services/model_server)."""
+    ENGINE_VLLM: _Engine.ValueType  # 2
+    """vLLM's OpenAI-compatible server, run with the interpreter of its own environment."""
+
+class Engine(_Engine, metaclass=_EngineEnumTypeWrapper):
+    """Serving engine a deployment's replicas run."""
+
+ENGINE_UNSPECIFIED: Engine.ValueType  # 0
+"""Not set; treated as FORGE."""
+ENGINE_FORGE: Engine.ValueType  # 1
+"""Forge's own model server (services/model_server)."""
+ENGINE_VLLM: Engine.ValueType  # 2
+"""vLLM's OpenAI-compatible server, run with the interpreter of its own environment."""
+Global___Engine: _TypeAlias = Engine  # noqa: Y015
 
 @_typing.final
 class StartWorkflowRequest(_message.Message):
@@ -251,3 +278,381 @@ class CancelWorkflowResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___CancelWorkflowResponse: _TypeAlias = CancelWorkflowResponse  # noqa: Y015
+
+@_typing.final
+class DeploymentSpec(_message.Message):
+    """What a user asks to serve. The replicas serve the model under its name; the gateway routes it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    TEAM_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
+    MODEL_DIR_FIELD_NUMBER: _builtins.int
+    ENGINE_FIELD_NUMBER: _builtins.int
+    MIN_REPLICAS_FIELD_NUMBER: _builtins.int
+    MAX_REPLICAS_FIELD_NUMBER: _builtins.int
+    RESOURCES_FIELD_NUMBER: _builtins.int
+    ENGINE_ARGS_FIELD_NUMBER: _builtins.int
+    REPLICAS_FIELD_NUMBER: _builtins.int
+    AUTOSCALE_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """Deployment name (DNS label, e.g. "tiny-chat"); its driver workflow is "deployment-<name>"."""
+    team: _builtins.str
+    """Team charged for the replicas (its quota and fair share, as any job)."""
+    model: _builtins.str
+    """Model served: "name" or "name:version"; clients ask the gateway for "name"."""
+    model_dir: _builtins.str
+    """Hugging Face-format model folder on the nodes; for the FORGE engine its last component must
+    be the model's name (the model server names a model after its folder).
+    """
+    engine: Global___Engine.ValueType
+    """Engine."""
+    min_replicas: _builtins.int
+    """Fewest replicas; the autoscaler and ScaleDeployment never go below it. 0 means 1."""
+    max_replicas: _builtins.int
+    """Most replicas. 0 means min_replicas."""
+    replicas: _builtins.int
+    """Replicas to start with; 0 means min_replicas."""
+    autoscale: _builtins.bool
+    """Follow the gateway's desired replica count for the model (its vllm:num_requests_waiting and
+    running load), within min and max.
+    """
+    @_builtins.property
+    def resources(self) -> _common_pb2.ResourceRequest:
+        """Resources per replica."""
+
+    @_builtins.property
+    def engine_args(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Extra engine arguments: vLLM command-line flags ("--max-model-len=512"); for FORGE, model
+        server settings as "key=value" ("max_num_seqs=8").
+        """
+
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        team: _builtins.str = ...,
+        model: _builtins.str = ...,
+        model_dir: _builtins.str = ...,
+        engine: Global___Engine.ValueType = ...,
+        min_replicas: _builtins.int = ...,
+        max_replicas: _builtins.int = ...,
+        resources: _common_pb2.ResourceRequest | None = ...,
+        engine_args: _abc.Iterable[_builtins.str] | None = ...,
+        replicas: _builtins.int = ...,
+        autoscale: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["resources", b"resources"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["autoscale", b"autoscale", "engine", b"engine", "engine_args", b"engine_args", "max_replicas", b"max_replicas", "min_replicas", b"min_replicas", "model", b"model", "model_dir", b"model_dir", "name", b"name", "replicas", b"replicas", "resources", b"resources", "team", b"team"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeploymentSpec: _TypeAlias = DeploymentSpec  # noqa: Y015
+
+@_typing.final
+class DeploymentReplica(_message.Message):
+    """One replica of a deployment: a scheduler job."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    ENDPOINT_FIELD_NUMBER: _builtins.int
+    NODE_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    """Scheduler job id."""
+    state: _builtins.str
+    """"pending" (queued or starting), "ready" (in the gateway's pool), "draining" (out of the pool,
+    stopping) or "failed" (ended; a replacement is placed).
+    """
+    endpoint: _builtins.str
+    """URL its agent reported for it; empty until it runs."""
+    node: _builtins.str
+    """Node it runs on; empty until placed."""
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+        state: _builtins.str = ...,
+        endpoint: _builtins.str = ...,
+        node: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["endpoint", b"endpoint", "job_id", b"job_id", "node", b"node", "state", b"state"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeploymentReplica: _TypeAlias = DeploymentReplica  # noqa: Y015
+
+@_typing.final
+class Deployment(_message.Message):
+    """A deployment as its driver sees it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SPEC_FIELD_NUMBER: _builtins.int
+    DESIRED_REPLICAS_FIELD_NUMBER: _builtins.int
+    READY_REPLICAS_FIELD_NUMBER: _builtins.int
+    REPLICAS_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    desired_replicas: _builtins.int
+    """Replicas the driver aims for."""
+    ready_replicas: _builtins.int
+    """Replicas in the gateway's pool."""
+    state: _builtins.str
+    """"deploying", "ready", "undeploying" or "undeployed"."""
+    message: _builtins.str
+    """Latest event in words, e.g. "replica j-12 failed: killed by SIGKILL; placing a replacement"."""
+    @_builtins.property
+    def spec(self) -> Global___DeploymentSpec:
+        """What was deployed."""
+
+    @_builtins.property
+    def replicas(self) -> _containers.RepeatedCompositeFieldContainer[Global___DeploymentReplica]:
+        """Its replicas, oldest first."""
+
+    def __init__(
+        self,
+        *,
+        spec: Global___DeploymentSpec | None = ...,
+        desired_replicas: _builtins.int = ...,
+        ready_replicas: _builtins.int = ...,
+        replicas: _abc.Iterable[Global___DeploymentReplica] | None = ...,
+        state: _builtins.str = ...,
+        message: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["spec", b"spec"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["desired_replicas", b"desired_replicas", "message", b"message", "ready_replicas", b"ready_replicas", "replicas", b"replicas", "spec", b"spec", "state", b"state"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Deployment: _TypeAlias = Deployment  # noqa: Y015
+
+@_typing.final
+class DeployRequest(_message.Message):
+    """Request of Deploy."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SPEC_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def spec(self) -> Global___DeploymentSpec:
+        """The deployment."""
+
+    def __init__(
+        self,
+        *,
+        spec: Global___DeploymentSpec | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["spec", b"spec"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["spec", b"spec"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeployRequest: _TypeAlias = DeployRequest  # noqa: Y015
+
+@_typing.final
+class DeployResponse(_message.Message):
+    """Response of Deploy."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DEPLOYMENT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def deployment(self) -> Global___Deployment:
+        """The deployment as it starts."""
+
+    def __init__(
+        self,
+        *,
+        deployment: Global___Deployment | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["deployment", b"deployment"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deployment", b"deployment"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeployResponse: _TypeAlias = DeployResponse  # noqa: Y015
+
+@_typing.final
+class GetDeploymentRequest(_message.Message):
+    """Request of GetDeployment."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """Deployment name."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetDeploymentRequest: _TypeAlias = GetDeploymentRequest  # noqa: Y015
+
+@_typing.final
+class GetDeploymentResponse(_message.Message):
+    """Response of GetDeployment."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DEPLOYMENT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def deployment(self) -> Global___Deployment:
+        """The deployment."""
+
+    def __init__(
+        self,
+        *,
+        deployment: Global___Deployment | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["deployment", b"deployment"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deployment", b"deployment"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetDeploymentResponse: _TypeAlias = GetDeploymentResponse  # noqa: Y015
+
+@_typing.final
+class ListDeploymentsRequest(_message.Message):
+    """Request of ListDeployments."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListDeploymentsRequest: _TypeAlias = ListDeploymentsRequest  # noqa: Y015
+
+@_typing.final
+class ListDeploymentsResponse(_message.Message):
+    """Response of ListDeployments."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DEPLOYMENTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def deployments(self) -> _containers.RepeatedCompositeFieldContainer[Global___Deployment]:
+        """Live deployments by name."""
+
+    def __init__(
+        self,
+        *,
+        deployments: _abc.Iterable[Global___Deployment] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deployments", b"deployments"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListDeploymentsResponse: _TypeAlias = ListDeploymentsResponse  # noqa: Y015
+
+@_typing.final
+class ScaleDeploymentRequest(_message.Message):
+    """Request of ScaleDeployment."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    REPLICAS_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """Deployment name."""
+    replicas: _builtins.int
+    """Desired replicas; must be within the deployment's min and max."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        replicas: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "replicas", b"replicas"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ScaleDeploymentRequest: _TypeAlias = ScaleDeploymentRequest  # noqa: Y015
+
+@_typing.final
+class ScaleDeploymentResponse(_message.Message):
+    """Response of ScaleDeployment."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DEPLOYMENT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def deployment(self) -> Global___Deployment:
+        """The deployment as the driver took the request."""
+
+    def __init__(
+        self,
+        *,
+        deployment: Global___Deployment | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["deployment", b"deployment"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deployment", b"deployment"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ScaleDeploymentResponse: _TypeAlias = ScaleDeploymentResponse  # noqa: Y015
+
+@_typing.final
+class UndeployRequest(_message.Message):
+    """Request of Undeploy."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """Deployment name."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UndeployRequest: _TypeAlias = UndeployRequest  # noqa: Y015
+
+@_typing.final
+class UndeployResponse(_message.Message):
+    """Response of Undeploy."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UndeployResponse: _TypeAlias = UndeployResponse  # noqa: Y015

@@ -51,6 +51,31 @@ class OrchestratorServiceStub:
                 request_serializer=forge_dot_orchestrator_dot_v1_dot_orchestrator__pb2.CancelWorkflowRequest.SerializeToString,
                 response_deserializer=forge_dot_orchestrator_dot_v1_dot_orchestrator__pb2.CancelWorkflowResponse.FromString,
                 _registered_method=True)
+        self.Deploy = channel.unary_unary(
+                '/forge.orchestrator.v1.OrchestratorService/Deploy',
+                request_serializer=forge_dot_orchestrator_dot_v1_dot_orchestrator__pb2.DeployRequest.SerializeToString,
+                response_deserializer=forge_dot_orchestrator_dot_v1_dot_orchestrator__pb2.DeployResponse.FromString,
+                _registered_method=True)
+        self.GetDeployment = channel.unary_unary(
+                '/forge.orchestrator.v1.OrchestratorService/GetDeployment',
+                request_serializer=forge_dot_orchestrator_dot_v1_dot_orchestrator__pb2.GetDeploymentRequest.SerializeToString,
+                response_deserializer=forge_dot_orchestrator_dot_v1_dot_orchestrator__pb2.GetDeploymentResponse.FromString,
+                _registered_method=True)
+        self.ListDeployments = channel.unary_unary(
+                '/forge.orchestrator.v1.OrchestratorService/ListDeployments',
+                request_serializer=forge_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ListDeploymentsRequest.SerializeToString,
+                response_deserializer=forge_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ListDeploymentsResponse.FromString,
+                _registered_method=True)
+        self.ScaleDeployment = channel.unary_unary(
+                '/forge.orchestrator.v1.OrchestratorService/ScaleDeployment',
+                request_serializer=forge_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ScaleDeploymentRequest.SerializeToString,
+                response_deserializer=forge_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ScaleDeploymentResponse.FromString,
+                _registered_method=True)
+        self.Undeploy = channel.unary_unary(
+                '/forge.orchestrator.v1.OrchestratorService/Undeploy',
+                request_serializer=forge_dot_orchestrator_dot_v1_dot_orchestrator__pb2.UndeployRequest.SerializeToString,
+                response_deserializer=forge_dot_orchestrator_dot_v1_dot_orchestrator__pb2.UndeployResponse.FromString,
+                _registered_method=True)
 
 
 class OrchestratorServiceServicer:
@@ -79,6 +104,44 @@ class OrchestratorServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Deploy(self, request, context):
+        """Create a model deployment: its driver workflow places its replicas through the scheduler as
+        inference jobs and adds each to the gateway's replica pool once it answers. Idempotent for an
+        identical spec; ALREADY_EXISTS when a live deployment of that name has another spec.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetDeployment(self, request, context):
+        """One deployment: its spec, desired replicas and each replica's job, endpoint and state.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListDeployments(self, request, context):
+        """Live deployments (those whose driver runs), by name.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ScaleDeployment(self, request, context):
+        """Set a deployment's desired replicas (within its min and max).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Undeploy(self, request, context):
+        """Remove a deployment: each replica is drained (out of the gateway's pool, then stopped) and
+        its driver ends.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_OrchestratorServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -96,6 +159,31 @@ def add_OrchestratorServiceServicer_to_server(servicer, server):
                     servicer.CancelWorkflow,
                     request_deserializer=forge_dot_orchestrator_dot_v1_dot_orchestrator__pb2.CancelWorkflowRequest.FromString,
                     response_serializer=forge_dot_orchestrator_dot_v1_dot_orchestrator__pb2.CancelWorkflowResponse.SerializeToString,
+            ),
+            'Deploy': grpc.unary_unary_rpc_method_handler(
+                    servicer.Deploy,
+                    request_deserializer=forge_dot_orchestrator_dot_v1_dot_orchestrator__pb2.DeployRequest.FromString,
+                    response_serializer=forge_dot_orchestrator_dot_v1_dot_orchestrator__pb2.DeployResponse.SerializeToString,
+            ),
+            'GetDeployment': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetDeployment,
+                    request_deserializer=forge_dot_orchestrator_dot_v1_dot_orchestrator__pb2.GetDeploymentRequest.FromString,
+                    response_serializer=forge_dot_orchestrator_dot_v1_dot_orchestrator__pb2.GetDeploymentResponse.SerializeToString,
+            ),
+            'ListDeployments': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListDeployments,
+                    request_deserializer=forge_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ListDeploymentsRequest.FromString,
+                    response_serializer=forge_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ListDeploymentsResponse.SerializeToString,
+            ),
+            'ScaleDeployment': grpc.unary_unary_rpc_method_handler(
+                    servicer.ScaleDeployment,
+                    request_deserializer=forge_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ScaleDeploymentRequest.FromString,
+                    response_serializer=forge_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ScaleDeploymentResponse.SerializeToString,
+            ),
+            'Undeploy': grpc.unary_unary_rpc_method_handler(
+                    servicer.Undeploy,
+                    request_deserializer=forge_dot_orchestrator_dot_v1_dot_orchestrator__pb2.UndeployRequest.FromString,
+                    response_serializer=forge_dot_orchestrator_dot_v1_dot_orchestrator__pb2.UndeployResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -181,6 +269,141 @@ class OrchestratorService:
             '/forge.orchestrator.v1.OrchestratorService/CancelWorkflow',
             forge_dot_orchestrator_dot_v1_dot_orchestrator__pb2.CancelWorkflowRequest.SerializeToString,
             forge_dot_orchestrator_dot_v1_dot_orchestrator__pb2.CancelWorkflowResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Deploy(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/forge.orchestrator.v1.OrchestratorService/Deploy',
+            forge_dot_orchestrator_dot_v1_dot_orchestrator__pb2.DeployRequest.SerializeToString,
+            forge_dot_orchestrator_dot_v1_dot_orchestrator__pb2.DeployResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetDeployment(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/forge.orchestrator.v1.OrchestratorService/GetDeployment',
+            forge_dot_orchestrator_dot_v1_dot_orchestrator__pb2.GetDeploymentRequest.SerializeToString,
+            forge_dot_orchestrator_dot_v1_dot_orchestrator__pb2.GetDeploymentResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListDeployments(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/forge.orchestrator.v1.OrchestratorService/ListDeployments',
+            forge_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ListDeploymentsRequest.SerializeToString,
+            forge_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ListDeploymentsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ScaleDeployment(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/forge.orchestrator.v1.OrchestratorService/ScaleDeployment',
+            forge_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ScaleDeploymentRequest.SerializeToString,
+            forge_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ScaleDeploymentResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Undeploy(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/forge.orchestrator.v1.OrchestratorService/Undeploy',
+            forge_dot_orchestrator_dot_v1_dot_orchestrator__pb2.UndeployRequest.SerializeToString,
+            forge_dot_orchestrator_dot_v1_dot_orchestrator__pb2.UndeployResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -41,6 +41,21 @@ class OrchestratorServiceStub:
     """Status, progress and result of a workflow."""
     CancelWorkflow: _grpc.UnaryUnaryMultiCallable[_orchestrator_pb2.CancelWorkflowRequest, _orchestrator_pb2.CancelWorkflowResponse]
     """Request cancellation of a workflow; it cancels the jobs and runs it started."""
+    Deploy: _grpc.UnaryUnaryMultiCallable[_orchestrator_pb2.DeployRequest, _orchestrator_pb2.DeployResponse]
+    """Create a model deployment: its driver workflow places its replicas through the scheduler as
+    inference jobs and adds each to the gateway's replica pool once it answers. Idempotent for an
+    identical spec; ALREADY_EXISTS when a live deployment of that name has another spec.
+    """
+    GetDeployment: _grpc.UnaryUnaryMultiCallable[_orchestrator_pb2.GetDeploymentRequest, _orchestrator_pb2.GetDeploymentResponse]
+    """One deployment: its spec, desired replicas and each replica's job, endpoint and state."""
+    ListDeployments: _grpc.UnaryUnaryMultiCallable[_orchestrator_pb2.ListDeploymentsRequest, _orchestrator_pb2.ListDeploymentsResponse]
+    """Live deployments (those whose driver runs), by name."""
+    ScaleDeployment: _grpc.UnaryUnaryMultiCallable[_orchestrator_pb2.ScaleDeploymentRequest, _orchestrator_pb2.ScaleDeploymentResponse]
+    """Set a deployment's desired replicas (within its min and max)."""
+    Undeploy: _grpc.UnaryUnaryMultiCallable[_orchestrator_pb2.UndeployRequest, _orchestrator_pb2.UndeployResponse]
+    """Remove a deployment: each replica is drained (out of the gateway's pool, then stopped) and
+    its driver ends.
+    """
 
 @_typing.type_check_only
 class OrchestratorServiceAsyncStub(OrchestratorServiceStub):
@@ -55,6 +70,21 @@ class OrchestratorServiceAsyncStub(OrchestratorServiceStub):
     """Status, progress and result of a workflow."""
     CancelWorkflow: _aio.UnaryUnaryMultiCallable[_orchestrator_pb2.CancelWorkflowRequest, _orchestrator_pb2.CancelWorkflowResponse]  # type: ignore[assignment]
     """Request cancellation of a workflow; it cancels the jobs and runs it started."""
+    Deploy: _aio.UnaryUnaryMultiCallable[_orchestrator_pb2.DeployRequest, _orchestrator_pb2.DeployResponse]  # type: ignore[assignment]
+    """Create a model deployment: its driver workflow places its replicas through the scheduler as
+    inference jobs and adds each to the gateway's replica pool once it answers. Idempotent for an
+    identical spec; ALREADY_EXISTS when a live deployment of that name has another spec.
+    """
+    GetDeployment: _aio.UnaryUnaryMultiCallable[_orchestrator_pb2.GetDeploymentRequest, _orchestrator_pb2.GetDeploymentResponse]  # type: ignore[assignment]
+    """One deployment: its spec, desired replicas and each replica's job, endpoint and state."""
+    ListDeployments: _aio.UnaryUnaryMultiCallable[_orchestrator_pb2.ListDeploymentsRequest, _orchestrator_pb2.ListDeploymentsResponse]  # type: ignore[assignment]
+    """Live deployments (those whose driver runs), by name."""
+    ScaleDeployment: _aio.UnaryUnaryMultiCallable[_orchestrator_pb2.ScaleDeploymentRequest, _orchestrator_pb2.ScaleDeploymentResponse]  # type: ignore[assignment]
+    """Set a deployment's desired replicas (within its min and max)."""
+    Undeploy: _aio.UnaryUnaryMultiCallable[_orchestrator_pb2.UndeployRequest, _orchestrator_pb2.UndeployResponse]  # type: ignore[assignment]
+    """Remove a deployment: each replica is drained (out of the gateway's pool, then stopped) and
+    its driver ends.
+    """
 
 class OrchestratorServiceServicer(metaclass=_abc_1.ABCMeta):
     """Workflow front door. Called by the CLI and users; returns at once, progress is watched with
@@ -84,5 +114,50 @@ class OrchestratorServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_orchestrator_pb2.CancelWorkflowResponse, _abc.Awaitable[_orchestrator_pb2.CancelWorkflowResponse]]:
         """Request cancellation of a workflow; it cancels the jobs and runs it started."""
+
+    @_abc_1.abstractmethod
+    def Deploy(
+        self,
+        request: _orchestrator_pb2.DeployRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_orchestrator_pb2.DeployResponse, _abc.Awaitable[_orchestrator_pb2.DeployResponse]]:
+        """Create a model deployment: its driver workflow places its replicas through the scheduler as
+        inference jobs and adds each to the gateway's replica pool once it answers. Idempotent for an
+        identical spec; ALREADY_EXISTS when a live deployment of that name has another spec.
+        """
+
+    @_abc_1.abstractmethod
+    def GetDeployment(
+        self,
+        request: _orchestrator_pb2.GetDeploymentRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_orchestrator_pb2.GetDeploymentResponse, _abc.Awaitable[_orchestrator_pb2.GetDeploymentResponse]]:
+        """One deployment: its spec, desired replicas and each replica's job, endpoint and state."""
+
+    @_abc_1.abstractmethod
+    def ListDeployments(
+        self,
+        request: _orchestrator_pb2.ListDeploymentsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_orchestrator_pb2.ListDeploymentsResponse, _abc.Awaitable[_orchestrator_pb2.ListDeploymentsResponse]]:
+        """Live deployments (those whose driver runs), by name."""
+
+    @_abc_1.abstractmethod
+    def ScaleDeployment(
+        self,
+        request: _orchestrator_pb2.ScaleDeploymentRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_orchestrator_pb2.ScaleDeploymentResponse, _abc.Awaitable[_orchestrator_pb2.ScaleDeploymentResponse]]:
+        """Set a deployment's desired replicas (within its min and max)."""
+
+    @_abc_1.abstractmethod
+    def Undeploy(
+        self,
+        request: _orchestrator_pb2.UndeployRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_orchestrator_pb2.UndeployResponse, _abc.Awaitable[_orchestrator_pb2.UndeployResponse]]:
+        """Remove a deployment: each replica is drained (out of the gateway's pool, then stopped) and
+        its driver ends.
+        """
 
 def add_OrchestratorServiceServicer_to_server(servicer: OrchestratorServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

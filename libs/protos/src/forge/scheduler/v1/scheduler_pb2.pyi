@@ -274,6 +274,7 @@ class Job(_message.Message):
     ESTIMATED_START_FIELD_NUMBER: _builtins.int
     ATTEMPT_FIELD_NUMBER: _builtins.int
     PENDING_REASON_FIELD_NUMBER: _builtins.int
+    ENDPOINTS_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Job id assigned by the scheduler."""
     state: _common_pb2.JobState.ValueType
@@ -312,6 +313,12 @@ class Job(_message.Message):
     def estimated_start(self) -> _timestamp_pb2.Timestamp:
         """While PENDING: when the scheduler expects it to start, if it can tell (the reservation)."""
 
+    @_builtins.property
+    def endpoints(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Serving jobs (JOB_KIND_INFERENCE): the URL each running replica serves its HTTP API on, as its
+        agent reported it (e.g. "http://10.0.0.5:41234"), in rank order; empty until one reports.
+        """
+
     def __init__(
         self,
         *,
@@ -328,10 +335,11 @@ class Job(_message.Message):
         estimated_start: _timestamp_pb2.Timestamp | None = ...,
         attempt: _builtins.int = ...,
         pending_reason: _builtins.str = ...,
+        endpoints: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "estimated_start", b"estimated_start", "finished_at", b"finished_at", "spec", b"spec", "started_at", b"started_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["assigned_nodes", b"assigned_nodes", "attempt", b"attempt", "created_at", b"created_at", "estimated_start", b"estimated_start", "finished_at", b"finished_at", "id", b"id", "message", b"message", "pending_reason", b"pending_reason", "preemption_count", b"preemption_count", "queue_position", b"queue_position", "spec", b"spec", "started_at", b"started_at", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["assigned_nodes", b"assigned_nodes", "attempt", b"attempt", "created_at", b"created_at", "endpoints", b"endpoints", "estimated_start", b"estimated_start", "finished_at", b"finished_at", "id", b"id", "message", b"message", "pending_reason", b"pending_reason", "preemption_count", b"preemption_count", "queue_position", b"queue_position", "spec", b"spec", "started_at", b"started_at", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1523,6 +1531,7 @@ class JobStatusUpdate(_message.Message):
     PROGRESS_FIELD_NUMBER: _builtins.int
     EXIT_CODE_FIELD_NUMBER: _builtins.int
     LAST_CHECKPOINT_AT_FIELD_NUMBER: _builtins.int
+    ENDPOINT_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """Job id."""
     state: _common_pb2.JobState.ValueType
@@ -1535,6 +1544,10 @@ class JobStatusUpdate(_message.Message):
     """Fraction done in [0, 1], if known."""
     exit_code: _builtins.int
     """Process exit code, for terminal states."""
+    endpoint: _builtins.str
+    """Serving jobs (JOB_KIND_INFERENCE), with RUNNING: the URL of the replica's HTTP API, on the
+    port the agent assigned it ("http://ADVERTISE_ADDRESS:PORT"); empty otherwise.
+    """
     @_builtins.property
     def last_checkpoint_at(self) -> _timestamp_pb2.Timestamp:
         """When the replica last wrote a complete checkpoint; unset if never (bounds preemption cost)."""
@@ -1549,10 +1562,11 @@ class JobStatusUpdate(_message.Message):
         progress: _builtins.float = ...,
         exit_code: _builtins.int = ...,
         last_checkpoint_at: _timestamp_pb2.Timestamp | None = ...,
+        endpoint: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["last_checkpoint_at", b"last_checkpoint_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["exit_code", b"exit_code", "job_id", b"job_id", "last_checkpoint_at", b"last_checkpoint_at", "message", b"message", "progress", b"progress", "state", b"state", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["endpoint", b"endpoint", "exit_code", b"exit_code", "job_id", b"job_id", "last_checkpoint_at", b"last_checkpoint_at", "message", b"message", "progress", b"progress", "state", b"state", "step", b"step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
