@@ -48,7 +48,7 @@ from temporalio.exceptions import ApplicationError, is_cancelled_exception
 
 with workflow.unsafe.imports_passed_through():
     from forge_kit import sweepspace
-    from forge_kit.earlystop import Asha, AshaPromotion, MedianStopping
+    from forge_kit.earlystop import Asha, AshaPromotion, Guarded, MedianStopping
     from forge_orchestrator.activities import CancelJobInput, SchedulerActivities, SubmitJobInput
     from forge_orchestrator.identity import ADMIN, Caller
     from forge_orchestrator.sweep.activities import (
@@ -75,6 +75,7 @@ with workflow.unsafe.imports_passed_through():
         TrialMetric,
         run_metrics,
         trial_command,
+        trust_of,
     )
     from forge_orchestrator.training import AUTO_EVAL_LABEL, CHECKPOINT_SIGNAL, CheckpointInfo
     from forge_orchestrator.workflows import (
@@ -174,6 +175,7 @@ class SweepWorkflow:
             "ignored_recent": list(self._ignored_recent),
             "budget_exhausted": self._exhausted,
             "parent_run_id": self._parent_run,
+            "trust": trust_of(space, self._trials) if space else {},
             "trials": [t.summary() for t in self._trials],
         }
 
@@ -260,8 +262,8 @@ class SweepWorkflow:
             raise ApplicationError(f"bad space: {exc}", type="BadSpace", non_retryable=True) from None
         self._space = space
         es = space.early_stopping
-        if es.rule == "asha":
-            form = AshaPromotion if es.form == "promotion" else Asha
+        if es.rule in ("asha", "guarded"):
+            form = Guarded if es.rule == "guarded" else AshaPromotion if es.form == "promotion" else Asha
             self._rule = form(es.min_steps, es.eta, space.max_steps, space.mode)  # type: ignore[arg-type]
         elif es.rule == "median":
             self._rule = MedianStopping(es.min_steps, es.min_trials, space.mode)  # type: ignore[arg-type]
