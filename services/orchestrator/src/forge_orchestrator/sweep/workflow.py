@@ -10,13 +10,12 @@ In steps:
    the grid, or from the study's sampler (random, TPE) through an activity;
 3. follow each trial's job events (``job_event``) and its metric (``trial_metric``, sent by the
    orchestrator's ``TrainingMetrics`` consumer with (job, step, value)):
-   - the early-stopping rule (ASHA or median stopping, :mod:`forge_kit.earlystop`) judges each
-     value as it arrives (or, under ``rung_eval: cooldown``, each value after a rung's cooldown
-     branch); a stopped trial is cancelled (its job checkpoints on SIGTERM) and recorded
-     ``stopped``. Under ASHA's promotion form a trial at a rung is ``paused`` so unless
-     promotable at once; a free slot first resumes the best promotable paused trial (a new job
-     from its first job's checkpoints, labelled ``resumes_job``), then starts a new one;
-     trials still paused when nothing is left to run are recorded ``stopped``;
+   - the early-stopping rule (guarded, ASHA or median, :mod:`forge_kit.earlystop`) judges each
+     value as it arrives (under ``rung_eval: cooldown``, each value after a rung's branch); a
+     stopped trial is cancelled (its job checkpoints on SIGTERM) and recorded ``stopped``. Under
+     the promotion form (guarded, ASHA's default) a trial at a rung is ``paused`` unless promotable
+     at once; a free slot first resumes the best promotable paused trial (a new job from its first
+     job's checkpoints, ``resumes_job``), then starts a new one; still paused at the end: ``stopped``;
    - PENDING after it ran: a preemption (the job resumes from its checkpoint when it runs again,
      and the trial is not a failure) or a lost node, an infrastructure failure the scheduler
      retried; past ``max_infra_retries`` the trial is cancelled and recorded ``failed``;
@@ -175,7 +174,7 @@ class SweepWorkflow:
             "ignored_recent": list(self._ignored_recent),
             "budget_exhausted": self._exhausted,
             "parent_run_id": self._parent_run,
-            "trust": trust_of(space, self._trials) if space else {},
+            "trust": trust_of(space, self._trials) if space else {},  # how far the rungs hold
             "trials": [t.summary() for t in self._trials],
         }
 
