@@ -221,14 +221,21 @@ def trust_line(trust: Mapping[str, Any]) -> str:
     correlations with the final values of the trials that finished; the stops within the noise."""
     parts = [
         f"rung {rung}: Spearman {_num(row.get('spearman'))}, Kendall {_num(row.get('kendall'))}"
-        f" over {row.get('finished', 0)} finished"
-        for rung, row in (trust.get("rungs") or {}).items()
+        f" over {int(row.get('finished') or 0)} finished"
+        for rung, row in _by_rung(trust)
     ]
     parts.append(
-        f"{trust.get('stopped_within_noise', 0)} of {trust.get('stopped', 0)} stopped trials within the noise"
-        f" of the rung's best (2·√2·σ, σ = {_num(trust.get('noise'))})"
+        f"{int(trust.get('stopped_within_noise') or 0)} of {int(trust.get('stopped') or 0)} stopped trials"
+        f" within the noise of the rung's best (2·√2·σ, σ = {_num(trust.get('noise'))})"
     )
     return "; ".join(parts)
+
+
+def _by_rung(trust: Mapping[str, Any]) -> list[tuple[str, Mapping[str, Any]]]:
+    """The trust rows by rung, in step order (a state read back through the API may hold its
+    keys in another order, and its counts as floats)."""
+    rows = (trust.get("rungs") or {}).items()
+    return sorted(((str(k), v) for k, v in rows), key=lambda kv: float(kv[0]))
 
 
 def write_report(state: Mapping[str, Any], out: Path) -> Path:
@@ -285,13 +292,13 @@ def write_report(state: Mapping[str, Any], out: Path) -> Path:
             "| rung | finished | Spearman ρ | Kendall τ |",
             "|---|---|---|---|",
         ]
-        for rung, row in (trust.get("rungs") or {}).items():
+        for rung, row in _by_rung(trust):
             lines.append(
-                f"| {rung} | {row.get('finished', 0)} | {_num(row.get('spearman'))} | {_num(row.get('kendall'))} |"
+                f"| {rung} | {int(row.get('finished') or 0)} | {_num(row.get('spearman'))} | {_num(row.get('kendall'))} |"
             )
         lines += [
             "",
-            f"Stopped within the noise: {trust.get('stopped_within_noise', 0)} of {trust.get('stopped', 0)}"
+            f"Stopped within the noise: {int(trust.get('stopped_within_noise') or 0)} of {int(trust.get('stopped') or 0)}"
             f" (margin {_num(trust.get('margin'))}, σ = {_num(trust.get('noise'))}).",
         ]
     lines += [
