@@ -98,3 +98,67 @@ def test_cooldown_rungs_grid_records_and_an_asha_only_run(tmp_path: Path) -> Non
     assert (again["compute_ratio"], again["regret"]) == (first["compute_ratio"], first["regret"])
     assert alone["grid"] == {"skipped": True, "trial_steps": 27} and alone["regret"] is None
     assert alone["asha"]["trial_steps"] == first["asha"]["trial_steps"]
+
+
+def test_several_spaces_worst_figures_and_the_guarded_default(tmp_path: Path) -> None:
+    """Two spaces in one run: each one's summary under ``spaces/<name>``, the worst regret and
+    compute ratio over them; the second names no early-stopping setting (the guarded rule, rungs
+    1 and 3 of 9) and reads the grid records the first wrote (same trials, same cadence)."""
+    first, second = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    first.write_text(SPACE)
+    second.write_text(
+        SPACE.replace("name: tiny", "name: tiny-guarded").replace(
+            "early_stopping: {rule: asha, min_steps: 1, eta: 3}", "early_stopping: {}"
+        )
+    )
+    out = tmp_path / "out"
+    args = ["sweep", "--space", str(first), "--space", str(second), "--out", str(out), "--quiet"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    summary = json.loads((out / "summary.json").read_text())
+    spaces = summary["spaces"]
+    assert sorted(spaces) == ["tiny", "tiny-guarded"] and "per_trial" not in spaces["tiny"]
+    assert spaces["tiny"]["rule"] == "asha" and spaces["tiny-guarded"]["rule"] == "guarded"
+    assert spaces["tiny-guarded"]["rungs"] == [1, 3] and spaces["tiny-guarded"]["grid"]["reused"] == 3
+    worst = summary["worst"]
+    assert worst["regret"] == max(s["regret"] for s in spaces.values())
+    assert worst["compute_ratio"] == max(s["compute_ratio"] for s in spaces.values())
+    assert spaces[worst["compute_ratio_space"]]["compute_ratio"] == worst["compute_ratio"]
+    for name, brief in spaces.items():
+        full = json.loads((out / "spaces" / name / "summary.json").read_text())
+        assert full["per_trial"] and full["compute_ratio"] == brief["compute_ratio"]
+        trust = brief["trust"]
+        finished = sum(r["final"] is not None for r in full["per_trial"] if r["run"] == "asha")
+        assert set(trust["rungs"]) == {str(r) for r in brief["rungs"]}
+        assert all(row["finished"] == finished for row in trust["rungs"].values())
+        assert trust["stopped"] == brief["asha"]["stopped_early"]
+        assert 0 <= trust["stopped_within_noise"] <= trust["stopped"]
+
+
+def test_drawn_spaces_are_seeded_valid_and_refused_without_a_seed(tmp_path: Path) -> None:
+    from forge_kit.sweepspace import from_dict
+    from forge_training.sweep_cli import random_spaces
+
+    drawn = random_spaces(10, 1)
+    assert drawn == random_spaces(10, 1) and drawn != random_spaces(10, 2)
+    spaces = [from_dict(d) for d in drawn]
+    assert len({s.name for s in spaces}) == 10
+    for space in spaces:
+        assert len(space.configurations()) == 12 and space.max_steps == 243
+        assert space.early_stopping.rule == "guarded" and space.rungs() == [9, 27, 81]
+        assert space.parameters[0].key == "optim.lr" and space.overrides["optim.schedule"] in (
+            "cosine",
+            "wsd",
+        )
+    runner = CliRunner()
+    refused = runner.invoke(app, ["sweep", "--random-spaces", "3", "--out", str(tmp_path / "o")])
+    assert refused.exit_code != 0 and "--seed" in refused.output
+    space = tmp_path / "a.yaml"
+    space.write_text(SPACE)
+    twice = runner.invoke(
+        app, ["sweep", "--space", str(space), "--space", str(space), "--out", str(tmp_path / "o")]
+    )
+    assert twice.exit_code != 0 and "share a name" in twice.output
+    many = runner.invoke(app, ["sweep", "--random-spaces", "65", "--seed", "1", "--out", str(tmp_path / "o")])
+    assert many.exit_code != 0 and "at most 64" in many.output
+    assert not (tmp_path / "o" / "summary.json").exists()

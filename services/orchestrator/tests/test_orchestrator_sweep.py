@@ -200,13 +200,19 @@ async def test_asha_stops_trials_preemption_resumes_and_forged_metrics_are_ignor
         "run-job-3": "KILLED",
         "parent": "FINISHED",  # the sweep's own run is closed too, with its summary
     }
-    assert tracker.metrics["parent"] == {
+    parent = tracker.metrics["parent"]
+    assert {
+        k: parent[k] for k in ("best_metric", "best_trial", "gpu_hours", "trials_completed", "trials_stopped")
+    } == {
         "best_metric": result.best_metric,
         "best_trial": 0.0,
         "gpu_hours": result.gpu_hours,
         "trials_completed": 1.0,
         "trials_stopped": 3.0,
     }
+    # and how far the rungs could be trusted (one trial finished: no rank correlation to log)
+    assert parent["stopped"] == 3.0 and 0 <= parent["stopped_within_noise"] <= 3
+    assert not any(k.startswith("rung_") for k in parent)
 
 
 async def _is(state: Awaitable[str], wanted: str) -> bool:
@@ -490,3 +496,58 @@ async def cooled(handle: WorkflowHandle[Any, Any], job: str, step: int, value: f
     await handle.signal(
         METRIC_SIGNAL, TrialMetric(job, step, value, event_id=uuid.uuid4().hex, cooldown=True)
     )
+
+
+async def test_the_guarded_default_waits_for_a_settled_ranking_and_reports_its_trust(
+    client: Client, tmp_path: Path
+) -> None:
+    """``early_stopping: {}``: the guarded rule, rungs 1 and 3 of 9 (a 27th and a 9th of the
+    budget, at least 1). Every trial goes on past rung 1 (no ranking to compare with yet). At
+    rung 3, t0 (3.0) and t1 (3.6) wait (under three trials at both rungs); t2 (4.5) makes three:
+    t0 is the top third, and t1 and t2, 0.6 and 1.5 behind and further behind than at rung 1
+    (no catch-up to carry on), are not protected: t0 is resumed and finishes, t1 and t2 end
+    stopped. The parent run gets the sweep's figures."""
+    space = SPACE.replace(
+        "early_stopping: {rule: asha, min_steps: 1, eta: 3, form: stopping}", "early_stopping: {}"
+    )
+    space = space.replace("0.001, 0.002, 0.003, 0.004", "0.001, 0.002, 0.003").replace(
+        "trials: 4", "trials: 3"
+    )
+    queue = f"sweep-{uuid.uuid4().hex[:8]}"
+    scheduler, tracker = ResumingScheduler(), RecordingTracker()
+    sweeps = SweepActivities(f"sqlite+aiosqlite:///{tmp_path / 'orchestrator.db'}", tracker)
+    submitted = lambda *jobs: asyncio.sleep(0, all(j in scheduler.submitted for j in jobs))  # noqa: E731
+    curves = {"job-0": [5.0, 4.0, 3.0], "job-1": [5.5, 4.6, 3.6], "job-2": [6.0, 5.0, 4.5]}
+    async with worker_for(client, queue, scheduler, sweeps):
+        handle = await client.start_workflow(
+            "sweep",
+            SweepInput(space=space, team="research"),
+            id=f"sweep-{uuid.uuid4().hex[:8]}",
+            task_queue=queue,
+            result_type=SweepResult,
+        )
+        await eventually(lambda: submitted("job-0", "job-1", "job-2"))
+        for job in curves:
+            await event(handle, job, "RUNNING")
+        for step in (1, 2, 3):
+            for job, values in curves.items():
+                await metric(handle, job, step, values[step - 1])
+            if step == 1:
+                await eventually(lambda: _is(state_of(handle, 2), "running"))
+                assert scheduler.cancelled == []  # nothing waits at the first rung
+        await eventually(lambda: submitted("job-0-1"))
+        assert (await progress(handle))["trials_by_state"] == {"paused": 2, "pending": 1}
+        await event(handle, "job-0-1", "RUNNING")
+        await metric(handle, "job-0-1", 9, 2.5)
+        await event(handle, "job-0-1", "SUCCEEDED")
+        result = await handle.result()
+    assert [t.state for t in result.trials] == ["completed", "stopped", "stopped"]
+    assert [t.stopped_at for t in result.trials] == [None, 3, 3] and result.best_metric == 2.5
+    assert result.rungs == [1, 3] and result.summary["rung_occupancy"] == {"1": 3, "3": 3}
+    trust = result.summary["trust"]
+    assert trust["stopped"] == 2 and trust["stopped_within_noise"] == 0
+    assert trust["rungs"]["3"] == {"finished": 1, "spearman": None, "kendall": None}  # one: no ranking
+    logged = tracker.metrics["parent"]
+    assert logged["best_metric"] == 2.5 and logged["stopped"] == 2.0 and logged["stopped_within_noise"] == 0.0
+    assert logged["trials_completed"] == 1.0 and logged["trials_stopped"] == 2.0
+    assert tracker.ended["parent"] == "FINISHED"

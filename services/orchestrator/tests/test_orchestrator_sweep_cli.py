@@ -81,6 +81,9 @@ def test_sweep_cli_against_the_orchestrator(
         assert time.monotonic() < deadline, status
         time.sleep(0.5)
     assert status["rung_occupancy"] == {"1": 0, "3": 0} and status["best_trial"] is None
+    # how far the rungs can be trusted: nothing finished or stopped yet, so nothing to say
+    assert status["rung_trust"].startswith("rung 1: Spearman –, Kendall – over 0 finished")
+    assert "0 of 0 stopped trials within the noise" in status["rung_trust"]
     assert "trials" in cli(orchestrator, "status", sweep_id)
     cli(orchestrator, "report", sweep_id, "--out", str(tmp_path / "report"))
     assert (tmp_path / "report" / "report.md").read_text().startswith("# Sweep cli")

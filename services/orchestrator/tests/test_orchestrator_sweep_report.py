@@ -11,12 +11,14 @@ from forge.events.v1 import events_pb2
 from typer.testing import CliRunner
 
 from forge_kit.db import Database, utcnow
+from forge_kit.earlystop import rung_trust
 from forge_orchestrator.store import JobEventRow
 from forge_orchestrator.sweep.cli import app, sweep_state
 from forge_orchestrator.sweep.report import (
     configurations,
     factor_effects,
     paired_against_baseline,
+    trust_line,
     write_report,
 )
 from forge_orchestrator.sweep.router import MetricsRouter
@@ -86,6 +88,26 @@ def test_write_report_makes_markdown_and_pngs(tmp_path: Path) -> None:
     assert "paired on seed" in text and "| optim.lr |" in text and "curves.png" in text
     for name in ("curves.png", "effects.png"):
         assert (tmp_path / "r" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_report_and_status_say_how_far_the_rungs_can_be_trusted(tmp_path: Path) -> None:
+    """The trust figures of the ablation's trials (every completed one ranks at rung 27 as at the
+    end: its value there is its final + 0.3, so ρ = τ = 1; the stopped one was 4.0 at rung 9,
+    far behind the best there) in the report's table and in the status line."""
+    state = ablation_state()
+    trials = state["trials"]
+    state["trust"] = rung_trust(
+        {str(t["index"]): [(int(s), v) for s, v in t["values"]] for t in trials},
+        {str(t["index"]): t["final"] for t in trials if t["state"] == "completed"},
+        {str(t["index"]): t["stopped_at"] for t in trials if t["state"] == "stopped"},
+        state["rungs"],
+    )
+    assert state["trust"]["rungs"]["27"] == {"finished": 12, "spearman": 1.0, "kendall": 1.0}
+    text = write_report(state, tmp_path / "r").read_text()
+    assert "## How far the rungs can be trusted" in text and "| 27 | 12 | 1 | 1 |" in text
+    assert "Stopped within the noise: 0 of 1" in text
+    line = trust_line(state["trust"])
+    assert "rung 27: Spearman 1, Kendall 1 over 12 finished" in line and "0 of 1 stopped" in line
 
 
 def test_state_from_a_finished_sweep_result() -> None:

@@ -1,6 +1,7 @@
-"""Early-stopping rules of hyperparameter sweeps: ASHA and median stopping.
+"""Early-stopping rules of hyperparameter sweeps: the guarded rule (the default), ASHA and
+median stopping; and how far a sweep's rungs could be trusted (:func:`rung_trust`).
 
-Both are pure and deterministic (no clock, no I/O), so a Temporal workflow can hold one in its
+All are pure and deterministic (no clock, no I/O), so a Temporal workflow can hold one in its
 state and replay it, and the sweep benchmark runs the very same rule in-process.
 
 **ASHA** (asynchronous successive halving, Li et al. 2020): rungs at budgets ``r, rη, rη², …``
@@ -21,6 +22,20 @@ nothing extra; the price is a resumption from a checkpoint. With a finite set of
 once none is left to start and no trial can still reach a rung, that rung promotes its top
 ``max(1, n // η)``: the sweep always ends with at least one trial at the full budget.
 
+**Guarded** (:class:`Guarded`, the default of a space's ``early_stopping``): ASHA's promotion
+form with guards against successive halving's short-horizon bias (a configuration that leads
+early, typically a high learning rate, is not the one that leads at the end of the schedule),
+so that it needs no hand-picked first rung: its rungs are a 27th, a 9th and a third of the
+budget (:func:`default_min_steps`). Nothing stops at the first rung (it is where the ranking is
+first measured). From the second on, a rung promotes its top ``n // η`` and also every trial
+still catching up on the leader: its gap to the leader, less the ground it has gained on the
+leader since the rung before (per unit of log step, carried on to the full budget: a lower rate
+still descending fast), is not positive. Two more guards are settings, off by default (the
+replays of load/sweep/RESULTS.md priced them out): a noise margin (``z · √2 · σ``,
+:func:`curve_noise`) and a settled ranking (every trial promoted while Kendall's τ between the
+rung and the rung before is under ``settled_tau``). The guards only ever promote more than
+ASHA would.
+
 **Median stopping** (Golovin et al. 2017, Google Vizier): from ``min_steps`` on, a trial whose
 value at a reported step is worse than the median of the other trials' values at that step is
 stopped, once at least ``min_trials`` others have reported there.
@@ -31,7 +46,7 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 Mode = Literal["min", "max"]
 Decision = Literal["continue", "stop", "ignore", "pause"]
@@ -236,3 +251,230 @@ class MedianStopping:
         for values in self.recorded.values():
             values.pop(trial, None)
         self.stopped.pop(trial, None)
+
+
+def default_min_steps(max_steps: int, eta: int = 3) -> int:
+    """The first rung of a rule with no ``min_steps``: ``max_steps / eta³`` (9 of 243 steps), so
+    the rungs are ``max_steps / eta³``, ``/ eta²`` and ``/ eta`` (9, 27, 81 of 243)."""
+    return max(1, max_steps // eta**3)
+
+
+def _ranks(values: list[float]) -> list[float]:
+    """Average ranks (ties share the mean of their places)."""
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    out = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            out[order[k]] = (i + j) / 2.0
+        i = j + 1
+    return out
+
+
+def kendall_tau(xs: list[float], ys: list[float]) -> float:
+    """Kendall's τ-b of paired values (NaN under 2 pairs or with a constant side). Pure Python:
+    a workflow's rule calls it, and rungs hold at most a few thousand trials."""
+    n = len(xs)
+    concordant = discordant = ties_x = ties_y = 0
+    for i in range(n):
+        for j in range(i + 1, n):
+            dx, dy = xs[i] - xs[j], ys[i] - ys[j]
+            if dx == 0 and dy == 0:
+                continue
+            if dx == 0:
+                ties_x += 1
+            elif dy == 0:
+                ties_y += 1
+            elif (dx > 0) == (dy > 0):
+                concordant += 1
+            else:
+                discordant += 1
+    denominator = math.sqrt((concordant + discordant + ties_x) * (concordant + discordant + ties_y))
+    return (concordant - discordant) / denominator if denominator > 0 else math.nan
+
+
+def spearman_rho(xs: list[float], ys: list[float]) -> float:
+    """Spearman's ρ of paired values (NaN under 2 pairs or with a constant side)."""
+    if len(xs) < 2:
+        return math.nan
+    rx, ry = _ranks(xs), _ranks(ys)
+    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
+    sxy = sum((a - mx) * (b - my) for a, b in zip(rx, ry, strict=True))
+    sxx, syy = sum((a - mx) ** 2 for a in rx), sum((b - my) ** 2 for b in ry)
+    return sxy / math.sqrt(sxx * syy) if sxx > 0 and syy > 0 else math.nan
+
+
+def curve_noise(curves: list[list[tuple[int, float]]]) -> float:
+    """The evaluation noise the curves show: per curve, the root mean square of its second
+    differences over ``√6`` (the standard deviation of independent noise on a locally straight
+    curve; curvature only adds to it, so the estimate errs large), the median over curves with
+    at least three points (0.0 when none has)."""
+    per_curve: list[float] = []
+    for curve in curves:
+        ys = [v for _, v in curve if _valid(v) and not math.isinf(v)]
+        if len(ys) < 3:
+            continue
+        second = [ys[i - 1] - 2 * ys[i] + ys[i + 1] for i in range(1, len(ys) - 1)]
+        per_curve.append(math.sqrt(sum(d * d for d in second) / len(second) / 6.0))
+    return statistics.median(per_curve) if per_curve else 0.0
+
+
+@dataclass
+class Guarded(AshaPromotion):
+    """ASHA's promotion form with guards against its short-horizon bias (see the module
+    docstring). A rung promotes its top ``n // eta`` as ASHA does, and besides them:
+
+    - *every* trial while the ranking there has not settled: Kendall's τ between the values at
+      this rung and at the rung before it, over the trials recorded at both (at least
+      ``min_pairs``), is under ``settled_tau`` (the first rung has none before it, so it always
+      promotes all: it is where the ranking is first measured);
+    - a trial the leader of the rung does not clearly beat: its gap to the leader, less the
+      catch-up its own curve shows (the gap it closed since the rung before, per unit of log
+      step, carried on to ``max_steps``), is within ``z · √2 · σ``, σ the evaluation noise of
+      the trials' curves (:func:`curve_noise`).
+
+    By default (``settled_tau`` -1, ``z`` 0) only the catch-up guard is on. It needs every
+    evaluation of a trial, not only the rungs' (:meth:`report` keeps them)."""
+
+    z: float = 0.0
+    """Noise margin in units of √2·σ (0: none; 2 measured, RESULTS.md 2026-12-06: too costly)."""
+    settled_tau: float = -1.0
+    """τ a rung's ranking needs before anything stops there (-1: any; 0.6 measured: the
+    rankings of the recorded spaces never reached it, so every trial ran to the end)."""
+    min_pairs: int = 3
+    project: float = 1.0
+    """How much of the catch-up to carry on (0: none; 1: the whole log-step distance left)."""
+    unsettled_keep: float = 1.0
+    """Share of a rung (best first) promoted while its ranking has not settled."""
+    history: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    """Trial → (step, value) of every evaluation it reported, in step order."""
+
+    def report(self, trial: str, step: int, value: float) -> Decision:
+        clean = (
+            value
+            if _valid(value) and not math.isinf(value)
+            else (math.inf if self.mode == "min" else -math.inf)
+        )
+        kept = self.history.setdefault(trial, [])
+        if not kept or step > kept[-1][0]:
+            kept.append((step, clean))
+        return super().report(trial, step, value)
+
+    def _sign(self) -> float:
+        return 1.0 if self.mode == "min" else -1.0
+
+    def settled(self, rung: int) -> bool | None:
+        """Is the ranking at ``rung`` the ranking at the rung before it (τ ≥ ``settled_tau``)?
+        None: too few trials at both to say (under ``min_pairs``)."""
+        index = self.rungs.index(rung)
+        if index == 0:
+            return False
+        before, here = self.recorded[self.rungs[index - 1]], self.recorded[rung]
+        both = [t for t in here if t in before and math.isfinite(here[t]) and math.isfinite(before[t])]
+        if len(both) < self.min_pairs:
+            return None
+        tau = kendall_tau([before[t] for t in both], [here[t] for t in both])
+        return not math.isnan(tau) and tau >= self.settled_tau
+
+    def noise(self, rung: int) -> float:
+        """σ of the curves of the trials recorded at ``rung``, up to it."""
+        return curve_noise(
+            [[(s, v) for s, v in self.history.get(t, []) if s <= rung] for t in self.recorded[rung]]
+        )
+
+    def _value_at(self, trial: str, step: int) -> float | None:
+        for s, v in self.history.get(trial, []):
+            if s == step:
+                return v
+        return None
+
+    def protected(self, trial: str, rung: int, leader: str, sigma: float) -> bool:
+        """Does the leader of ``rung`` fail to clearly beat ``trial`` (see the class docstring)?"""
+        values, sign = self.recorded[rung], self._sign()
+        gap = sign * (values[trial] - values[leader])
+        if not math.isfinite(gap):
+            return False
+        margin = self.z * math.sqrt(2.0) * sigma
+        index = self.rungs.index(rung)
+        if self.project and index > 0:
+            before = self.rungs[index - 1]
+            mine, theirs = self._value_at(trial, before), self._value_at(leader, before)
+            if mine is not None and theirs is not None and math.isfinite(sign * (mine - theirs)):
+                closed = sign * (mine - theirs) - gap  # > 0: the trial gained on the leader
+                per_log = closed / math.log(rung / before)
+                gap -= self.project * max(0.0, per_log) * math.log(self.max_steps / rung)
+        return gap <= margin
+
+    def _candidates(self, rung: int, final: bool) -> list[str]:
+        values = self.recorded[rung]
+        keep = len(values) // self.eta
+        if final:
+            keep = max(1, keep)
+        ranked = sorted(values, key=lambda t: self._sign() * values[t])
+        chosen = set(ranked[:keep])
+        settled = self.settled(rung) if ranked else True
+        if settled is None:  # too few trials to say yet: they wait, unless none can come
+            chosen = set(ranked) if final else set()
+        elif not settled:  # the ranking is still moving: every trial goes on (or a share)
+            chosen = set(ranked[: max(keep, math.ceil(self.unsettled_keep * len(ranked)))])
+        elif ranked:
+            sigma = self.noise(rung)
+            chosen |= {t for t in ranked[keep:] if self.protected(t, rung, ranked[0], sigma)}
+        return [t for t in ranked if t in chosen and t not in self.promoted[rung]]
+
+
+def _at(curve: list[tuple[int, float]], step: int) -> float | None:
+    """A curve's value at ``step`` (the first one reported at or past it)."""
+    for s, v in curve:
+        if s >= step:
+            return v
+    return None
+
+
+def _or_none(value: float) -> float | None:
+    return None if math.isnan(value) else round(value, 4)
+
+
+def rung_trust(
+    curves: dict[str, list[tuple[int, float]]],
+    finals: dict[str, float],
+    stopped: dict[str, int],
+    rungs_: list[int],
+    mode: Mode = "min",
+    z: float = 2.0,
+) -> dict[str, Any]:
+    """How far a sweep's rungs can be trusted, from what it saw: per rung, the rank correlation
+    (Spearman's ρ, Kendall's τ) between the values at the rung and the final values of the
+    trials that finished (``finals``); the evaluation noise σ of the curves (:func:`curve_noise`);
+    and how many of the ``stopped`` trials (trial → the rung it ended at) were, at that rung,
+    within ``z · √2 · σ`` of the best value recorded there: stops the data could not justify.
+    ``curves``: trial → (step, value) as the rule judged them."""
+    sign = 1.0 if mode == "min" else -1.0
+    sigma = curve_noise(list(curves.values()))
+    margin = z * math.sqrt(2.0) * sigma
+    per_rung: dict[str, Any] = {}
+    for rung in rungs_:
+        pairs = [(_at(curves.get(t, []), rung), f) for t, f in finals.items()]
+        xs = [x for x, f in pairs if x is not None and math.isfinite(x) and math.isfinite(f)]
+        ys = [f for x, f in pairs if x is not None and math.isfinite(x) and math.isfinite(f)]
+        per_rung[str(rung)] = {
+            "finished": len(xs),
+            "spearman": _or_none(spearman_rho(xs, ys)),
+            "kendall": _or_none(kendall_tau(xs, ys)),
+        }
+    close = 0
+    for trial, rung in stopped.items():
+        mine = _at(curves.get(trial, []), rung)
+        there = [v for c in curves.values() if (v := _at(c, rung)) is not None and math.isfinite(v)]
+        if mine is not None and there and sign * (mine - min(there, key=lambda v: sign * v)) <= margin:
+            close += 1
+    return {
+        "noise": round(sigma, 5),
+        "margin": round(margin, 5),
+        "rungs": per_rung,
+        "stopped": len(stopped),
+        "stopped_within_noise": close,
+    }

@@ -21,18 +21,10 @@ A space file (see ``load/sweep/space.yaml``)::
     priority_class: preemptible
     gpus_per_trial: 1                    # devices per trial (a training job asks for at least 1)
     gpu_type: H100                       # device type of the trials (SIM on forge up's agents)
-    early_stopping: {rule: asha, min_steps: 9, eta: 3}   # or {rule: median, min_steps, min_trials}
-                                                         # ASHA's form: promotion (default: a
-                                                         # trial pauses at a rung until promoted)
-                                                         # or stopping (form: stopping);
-                                                         # rung_eval: cooldown (and
-                                                         # cooldown_fraction, default 0.1)
-                                                         # judges each rung on the metric
-                                                         # after a cooldown branch; value on
-                                                         # the metric as reported; auto (the
-                                                         # default) cooldown for trials whose
-                                                         # schedule holds the peak rate (wsd)
-                                                         # or {rule: none}
+    early_stopping: {}                   # the guarded rule (forge_kit.earlystop), rungs at
+                                         # max_steps / 27, / 9, / 3; or {rule: asha, min_steps,
+                                         # eta, form: promotion|stopping, rung_eval: auto|value|
+                                         # cooldown, cooldown_fraction}, median or none
 
 Everything is checked before any job exists; a :class:`~forge_kit.errors.ValidationError` names
 the offending field (``parameters.optim.lr.low``, ``budget.trials`` …).
@@ -53,7 +45,7 @@ from typing import Any
 
 import yaml
 
-from forge_kit.earlystop import rungs
+from forge_kit.earlystop import default_min_steps, rungs
 from forge_kit.errors import ValidationError
 
 MAX_FILE_BYTES = 256 * 1024
@@ -66,7 +58,9 @@ MAX_SEEDS = 64
 MAX_HISTORY_EVENTS = 40_000
 EVENTS_PER_TRIAL = 12
 SAMPLERS = ("grid", "random", "tpe")
-RULES = ("asha", "median", "none")
+RULES = ("guarded", "asha", "median", "none")
+RUNG_RULES = ("guarded", "asha")  # rules that judge trials at rungs
+DEFAULT_RULE = "guarded"  # the rule of an ``early_stopping`` mapping that names none
 #: ASHA's forms (``early_stopping.form``).
 ASHA_FORMS = ("promotion", "stopping")
 #: What ASHA compares at a rung (``early_stopping.rung_eval``): the metric as the trial reports
@@ -200,7 +194,7 @@ class Space:
 
     def rungs(self) -> list[int]:
         es = self.early_stopping
-        return rungs(es.min_steps, es.eta, self.max_steps) if es.rule == "asha" else []
+        return rungs(es.min_steps, es.eta, self.max_steps) if es.rule in RUNG_RULES else []
 
     def grid(self) -> list[dict[str, Value]]:
         """Every configuration of the grid, in a fixed order (the last parameter fastest)."""
@@ -226,7 +220,7 @@ class Space:
         es = self.early_stopping
         if es.rule != "none" and "eval_interval" not in self.overrides:
             out["eval_interval"] = es.min_steps
-        if branches and es.rule == "asha" and es.rung_eval == "cooldown":
+        if branches and es.rule in RUNG_RULES and es.rung_eval == "cooldown":
             out["rung_cooldown.fraction"] = es.cooldown_fraction
             out["rung_cooldown.min_steps"] = es.min_steps
             out["rung_cooldown.eta"] = es.eta
@@ -330,10 +324,11 @@ def _early_stopping(data: Any, max_steps: int) -> EarlyStopping:
     unknown = sorted(set(data) - known)
     if unknown:
         raise ValidationError(f"early_stopping.{unknown[0]}", "is not an early-stopping field")
-    rule = _field(data, "rule", "early_stopping.", str, "none")
+    rule = _field(data, "rule", "early_stopping.", str, DEFAULT_RULE)
     if rule not in RULES:
         raise ValidationError("early_stopping.rule", f"must be one of {', '.join(RULES)}")
-    min_steps = _field(data, "min_steps", "early_stopping.", int, 1 if rule == "none" else ...)
+    default_min = {"none": 1, "guarded": default_min_steps(max_steps)}.get(rule, ...)
+    min_steps = _field(data, "min_steps", "early_stopping.", int, default_min)
     eta = _field(data, "eta", "early_stopping.", int, 3)
     min_trials = _field(data, "min_trials", "early_stopping.", int, 3)
     if rule != "none" and not 1 <= min_steps < max_steps:
@@ -345,17 +340,22 @@ def _early_stopping(data: Any, max_steps: int) -> EarlyStopping:
     form = _field(data, "form", "early_stopping.", str, "promotion")
     if form not in ASHA_FORMS:
         raise ValidationError("early_stopping.form", f"must be one of {', '.join(ASHA_FORMS)}")
+    if form != "promotion" and rule == "guarded":
+        raise ValidationError(
+            "early_stopping.form", "the guarded rule pauses trials at rungs (promotion form) only"
+        )
     rung_eval = _field(data, "rung_eval", "early_stopping.", str, "auto")
     if rung_eval not in RUNG_EVALS:
         raise ValidationError("early_stopping.rung_eval", f"must be one of {', '.join(RUNG_EVALS)}")
-    if rung_eval == "cooldown" and rule != "asha":
+    if rung_eval == "cooldown" and rule not in RUNG_RULES:
         raise ValidationError(
-            "early_stopping.rung_eval", "cooldown evaluations are taken at ASHA's rungs only"
+            "early_stopping.rung_eval", "cooldown evaluations are taken at the rungs of asha or guarded only"
         )
     fraction = _number(data, "cooldown_fraction", "early_stopping.", 0.1)
-    if "cooldown_fraction" in data and (rung_eval == "value" or rule != "asha"):
+    if "cooldown_fraction" in data and (rung_eval == "value" or rule not in RUNG_RULES):
         raise ValidationError(
-            "early_stopping.cooldown_fraction", "applies only with rung_eval: cooldown or auto under asha"
+            "early_stopping.cooldown_fraction",
+            "applies only with rung_eval: cooldown or auto under asha or guarded",
         )
     if not 0.0 < fraction <= 1.0:
         raise ValidationError("early_stopping.cooldown_fraction", "must be in (0, 1]")
@@ -378,7 +378,7 @@ def resolve_rung_eval(rule: str, metric: str, key_types: Mapping[str, str], sche
     that takes branches and some trial's schedule is in :data:`HOLD_PEAK_SCHEDULES` (compared at
     their peak rates, larger rates lead: load/sweep/RESULTS.md), else ``value``."""
     if (
-        rule == "asha"
+        rule in RUNG_RULES
         and "rung_cooldown.fraction" in key_types
         and metric not in _STEP_FIGURES
         and schedules & set(HOLD_PEAK_SCHEDULES)

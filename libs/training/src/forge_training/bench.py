@@ -48,7 +48,7 @@ from forge_kit.paths import resolve_data_path
 from forge_training import recipes, schema
 from forge_training.cpt_bench import cpt as cpt_bench
 from forge_training.launch import run_group, run_group_sequence
-from forge_training.sweep_bench import sweep as sweep_bench
+from forge_training.sweep_cli import sweep as sweep_bench
 from forge_training.synthetic.bench import synthetic as synthetic_bench
 from forge_training.train import RunContext, TrainResult, pretrain
 from forge_training.train import train as run_training

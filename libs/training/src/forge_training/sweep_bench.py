@@ -1,10 +1,13 @@
 """``forge bench sweep --space FILE --out DIR``: the same space run twice, every configuration at
-full budget (grid) and under ASHA (η = 3), in-process.
+full budget (grid) and under early stopping (η = 3: the space's rule, ``guarded`` or ASHA; the
+summary's ``asha`` key names this side whatever the rule), in-process. Several spaces and drawn
+ones: :mod:`forge_training.sweep_cli`.
 
 Writes ``DIR/summary.json``::
 
-    {"space", "recipe", "metric", "mode", "eta", "form", "rung_eval", "cooldown_fraction", "rungs",
-     "max_steps",
+    {"space", "recipe", "metric", "mode", "eta", "rule", "form", "rung_eval", "cooldown_fraction",
+     "rungs", "max_steps",
+     "trust",           # forge_kit.earlystop.rung_trust of the early-stopping side's trials
      "grid": {"best_metric", "best_trial", "trial_steps", "wall_s", "reused"},
      "asha": {"best_metric", "best_trial", "trial_steps", "branch_steps", "stopped_early", "resumed",
               "rung_occupancy", "concurrency", "wall_s"},
@@ -41,24 +44,20 @@ from __future__ import annotations
 import json
 import math
 import random
-import shutil
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
 import numpy as np
 import torch
-import typer
 
-from forge_kit import clitools
-from forge_kit.earlystop import Asha, AshaPromotion
-from forge_kit.errors import ValidationError
+from forge_kit.earlystop import Asha, AshaPromotion, Guarded, rung_trust
 from forge_kit.objectstore import ObjectStore
-from forge_kit.sweepspace import COOLDOWN_PREFIX, Space, parse
+from forge_kit.sweepspace import COOLDOWN_PREFIX, Space
 from forge_training import cooldown, recipes, schema, validation
 from forge_training.train import RunContext
 from forge_training.train import train as run_training
@@ -312,21 +311,42 @@ def replayer(
     return run_one
 
 
-def run_asha(
-    space: Space, plan: Sequence[tuple[Mapping[str, Any], int | None]], min_steps: int, run_one: RunOne
-) -> tuple[list[Trial], Asha | AshaPromotion, int]:
-    """ASHA (η = :data:`ETA`, rungs from ``min_steps``, the space's form) over ``plan`` (the
-    trials' parameters and seeds), new trials taken in an order shuffled with the space's seed,
-    ``space.concurrency`` in flight (:func:`run_interleaved`); ``run_one`` trains (or replays) one
-    trial. Returns the trials (in that order), the rule, and the number of resumptions."""
-    promotion = space.early_stopping.form == "promotion"
-    rule_type = AshaPromotion if promotion else Asha
-    asha_rule: Asha | AshaPromotion = rule_type(
-        min_steps=min_steps,
-        eta=ETA,
-        max_steps=space.max_steps,
-        mode=space.mode,  # type: ignore[arg-type]
+def trust(space: Space, trials: Sequence[Trial], rungs: list[int]) -> dict[str, Any]:
+    """:func:`forge_kit.earlystop.rung_trust` of the early-stopping side's trials, on the values
+    its rule judged (the cooldown branches' under ``rung_eval: cooldown``)."""
+    cooled = space.early_stopping.rung_eval == "cooldown"
+    return rung_trust(
+        {str(t.index): list(t.rung_values if cooled else t.curve) for t in trials},
+        {str(t.index): t.final for t in trials if t.final is not None},
+        {str(t.index): t.stopped_at for t in trials if t.final is None and t.stopped_at is not None},
+        rungs,
+        space.mode,  # type: ignore[arg-type]
     )
+
+
+def make_rule(space: Space, min_steps: int) -> Asha | AshaPromotion:
+    """The rule the space names (η = :data:`ETA`, rungs from ``min_steps``): ``guarded``
+    (:class:`Guarded`), else ASHA in the space's form (a space with no ASHA-like rule: promotion)."""
+    mode = space.mode
+    if space.early_stopping.rule == "guarded":
+        return Guarded(min_steps=min_steps, eta=ETA, max_steps=space.max_steps, mode=mode)  # type: ignore[arg-type]
+    rule_type = AshaPromotion if space.early_stopping.form == "promotion" else Asha
+    return rule_type(min_steps=min_steps, eta=ETA, max_steps=space.max_steps, mode=mode)  # type: ignore[arg-type]
+
+
+def run_asha(
+    space: Space,
+    plan: Sequence[tuple[Mapping[str, Any], int | None]],
+    min_steps: int,
+    run_one: RunOne,
+    rule: Asha | AshaPromotion | None = None,
+) -> tuple[list[Trial], Asha | AshaPromotion, int]:
+    """The early-stopping side (``rule``, by default :func:`make_rule`'s for the space) over
+    ``plan`` (the trials' parameters and seeds), new trials taken in an order shuffled with the
+    space's seed, ``space.concurrency`` in flight (:func:`run_interleaved`); ``run_one`` trains (or
+    replays) one trial. Returns the trials (in that order), the rule, and the number of
+    resumptions."""
+    asha_rule = rule if rule is not None else make_rule(space, min_steps)
     order = list(range(len(plan)))
     random.Random(space.seed).shuffle(order)
     asha = [Trial(i, dict(plan[i][0]), plan[i][1]) for i in order]
@@ -357,6 +377,48 @@ def run_asha(
     return asha, asha_rule, resumed[0]
 
 
+def grid_trials(
+    space: Space,
+    plan: Sequence[tuple[Mapping[str, Any], int | None]],
+    work: Path,
+    cache: Path,
+    grid_cache: Path | None,
+    echo: Callable[[str], None] = print,
+    reverse: bool = False,
+) -> tuple[list[Trial], int]:
+    """Every trial of ``plan`` at the full budget, one after another; a trial with a record in
+    ``grid_cache`` (by the hash of its resolved recipe and the metric) is read, not trained, and
+    a trained one's record is written there (``reverse``: the last trial first, so that a second
+    process can share one grid's records). Returns the trials and how many were read."""
+    grid = [Trial(i, dict(p), s) for i, (p, s) in enumerate(plan)]
+    reused = 0
+    for trial in reversed(grid) if reverse else grid:
+        echo(f"grid trial {trial.index + 1}/{len(grid)}")
+        record = (
+            None
+            if grid_cache is None
+            else grid_cache / f"{_config(space, trial, False).recipe_hash()}-{space.metric}.json"
+        )
+        if record is not None and record.is_file():
+            kept = json.loads(record.read_text())
+            trial.steps, trial.final = int(kept["steps"]), kept["final"]
+            trial.curve = [(int(s), float(v)) for s, v in kept["curve"]]
+            trial.rung_values = [(int(s), float(v)) for s, v in kept.get("rung_values", [])]
+            reused += 1
+            continue
+        run_trial(space, trial, work / "grid", cache)
+        if record is not None and trial.final is not None:
+            record.parent.mkdir(parents=True, exist_ok=True)
+            kept_now = {
+                "steps": trial.steps,
+                "final": trial.final,
+                "curve": trial.curve,
+                "rung_values": trial.rung_values,
+            }
+            record.write_text(json.dumps({"params": trial.params, "seed": trial.seed, **kept_now}))
+    return grid, reused
+
+
 def benchmark(
     space: Space,
     work: Path,
@@ -374,30 +436,11 @@ def benchmark(
     seeds: list[int | None] = list(space.seeds) or [None]
     configs = space.configurations()
     plan = [(params, seed) for params in configs for seed in seeds]
-    min_steps = space.early_stopping.min_steps if space.early_stopping.rule == "asha" else 0
+    min_steps = space.early_stopping.min_steps if space.early_stopping.rule in ("asha", "guarded") else 0
     min_steps = min_steps or max(1, space.max_steps // ETA**3)
     # 1. Grid: every trial at full budget (or its record from an earlier run of the same config).
-    grid = [Trial(i, dict(p), s) for i, (p, s) in enumerate(plan)] if run_grid else []
     started = time.perf_counter()
-    reused = 0
-    for trial in grid:
-        echo(f"grid trial {trial.index + 1}/{len(grid)}")
-        record = (
-            None
-            if grid_cache is None
-            else grid_cache / f"{_config(space, trial, False).recipe_hash()}-{space.metric}.json"
-        )
-        if record is not None and record.is_file():
-            kept = json.loads(record.read_text())
-            trial.steps, trial.final = int(kept["steps"]), kept["final"]
-            trial.curve = [(int(s), float(v)) for s, v in kept["curve"]]
-            reused += 1
-            continue
-        run_trial(space, trial, work / "grid", cache)
-        if record is not None and trial.final is not None:
-            record.parent.mkdir(parents=True, exist_ok=True)
-            kept_now = {"steps": trial.steps, "final": trial.final, "curve": trial.curve}
-            record.write_text(json.dumps({"params": trial.params, "seed": trial.seed, **kept_now}))
+    grid, reused = grid_trials(space, plan, work, cache, grid_cache, echo) if run_grid else ([], 0)
     grid_wall = time.perf_counter() - started
     # 2. ASHA, the same trials in a shuffled arrival order.
     runs = iter(range(1, 10**9))
@@ -441,6 +484,7 @@ def benchmark(
         "metric": space.metric,
         "mode": space.mode,
         "eta": ETA,
+        "rule": "guarded" if isinstance(asha_rule, Guarded) else "asha",
         "form": space.early_stopping.form,
         "rung_eval": space.early_stopping.rung_eval,
         "cooldown_fraction": space.early_stopping.cooldown_fraction
@@ -468,44 +512,10 @@ def benchmark(
             "concurrency": space.concurrency,
             "wall_s": round(asha_wall, 1),
         },
+        "trust": trust(space, asha, asha_rule.rungs),
         "compute_ratio": asha_steps / grid_steps,
         "regret": sign * (asha_best.final - grid_best.final)
         if grid_best and grid_best.final is not None
         else None,
         "per_trial": rows,
     }
-
-
-def sweep(
-    space: Annotated[Path, typer.Option(help="space file (YAML, the sweep format)")],
-    out: Annotated[Path, typer.Option(help="directory for summary.json")],
-    quiet: Annotated[bool, clitools.QuietOption] = False,
-    fresh_grid: Annotated[
-        bool, typer.Option(help="train every grid trial again (default: reuse DIR/grid-cache records)")
-    ] = False,
-    asha_only: Annotated[
-        bool, typer.Option(help="skip the grid: no regret; compute_ratio against every trial at full budget")
-    ] = False,
-) -> None:
-    """Grid at full budget vs ASHA (η = 3) over one space: best metric, trial-steps, regret."""
-    if not space.is_file():
-        raise typer.BadParameter(f"{space} is not a file", param_hint="--space")
-    try:
-        parsed = parse(space.read_bytes())
-        for params in parsed.configurations():  # every trial's recipe, before any training
-            for branches in (False, True):
-                _config(parsed, Trial(0, dict(params), parsed.seeds[0] if parsed.seeds else None), branches)
-    except (ValidationError, schema.RecipeError) as exc:
-        raise typer.BadParameter(str(exc), param_hint="--space") from None
-    out.mkdir(parents=True, exist_ok=True)
-    work = out / "runs"
-    shutil.rmtree(work, ignore_errors=True)  # a previous run's checkpoints would be resumed
-    trials = len(parsed.configurations()) * max(1, len(parsed.seeds))
-    with clitools.stages(trials if asha_only else 2 * trials, quiet) as stage:
-        grid_cache = None if fresh_grid else out / "grid-cache"
-        summary = benchmark(
-            parsed, work, out / "cache", echo=stage, grid_cache=grid_cache, run_grid=not asha_only
-        )
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    brief = {k: v for k, v in summary.items() if k != "per_trial"}
-    typer.echo(json.dumps(brief, indent=2))

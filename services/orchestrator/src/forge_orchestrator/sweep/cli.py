@@ -17,7 +17,7 @@ from rich.console import Console
 from forge_kit import clitools, errors, sweepspace
 from forge_orchestrator.cli import JsonOption, TargetOption, TokenOption, resolve_token
 from forge_orchestrator.client import OrchestratorClient, response_to_dict
-from forge_orchestrator.sweep.report import write_report
+from forge_orchestrator.sweep.report import trust_line, write_report
 
 app = typer.Typer(help="Hyperparameter sweeps and ablations.", no_args_is_help=True)
 console = Console()
@@ -95,6 +95,8 @@ def status(
         "ignored_metrics": state.get("ignored_metrics", 0),
         "ignored_recent": state.get("ignored_recent", []),
     }
+    if state.get("trust"):
+        record["rung_trust"] = trust_line(state["trust"])
     if state.get("parent_run_id"):
         record["tracking_run"] = state["parent_run_id"]
     clitools.show_record(record, as_json)

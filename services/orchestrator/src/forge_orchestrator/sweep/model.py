@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from forge_kit.earlystop import rung_trust
 from forge_kit.jobcmd import TrainCommand
+from forge_kit.sweepspace import Space
 from forge_orchestrator.identity import Caller
 
 #: Signal carrying one value of a trial's metric.
@@ -118,6 +120,20 @@ class SweepResult:
     """What the progress query answers, less the trials (the report reads both)."""
 
 
+def trust_of(space: Space, trials: list[Trial]) -> dict[str, Any]:
+    """How far the sweep's rungs could be trusted (:func:`forge_kit.earlystop.rung_trust`), on
+    the values its rule judged (the branches' under ``rung_eval: cooldown``)."""
+    if not space.rungs():
+        return {}
+    cooled = space.early_stopping.rung_eval == "cooldown"
+    curves = {str(t.index): [(int(s), v) for s, v in (t.rung_values if cooled else t.values)] for t in trials}
+    finals = {str(t.index): t.final for t in trials if t.state == "completed" and t.final is not None}
+    stopped = {
+        str(t.index): t.stopped_at for t in trials if t.state == "stopped" and t.stopped_at is not None
+    }
+    return rung_trust(curves, finals, stopped, space.rungs(), space.mode)  # type: ignore[arg-type]
+
+
 def trial_command(python: str, recipe: str, overrides: dict[str, Any]) -> list[str]:
     """The command line of one trial's job (:class:`forge_kit.jobcmd.TrainCommand`)."""
     return TrainCommand.with_values(recipe, overrides, python).argv()
@@ -125,10 +141,20 @@ def trial_command(python: str, recipe: str, overrides: dict[str, Any]) -> list[s
 
 def run_metrics(summary: dict[str, Any]) -> dict[str, float]:
     """The numbers of a sweep's summary that its MLflow parent run keeps when it is closed: the
-    best value and trial, GPU-hours, and trials per end state (``trials_completed``, …)."""
+    best value and trial, GPU-hours, trials per end state (``trials_completed``, …), and the
+    rungs' trust (``rung_<r>_spearman``, ``rung_<r>_kendall``, ``noise``, ``stopped``,
+    ``stopped_within_noise``)."""
     out = {f"trials_{state}": float(n) for state, n in summary.get("trials_by_state", {}).items()}
     for key in ("best_metric", "best_trial", "gpu_hours"):
         value = summary.get(key)
         if isinstance(value, int | float) and not isinstance(value, bool):
             out[key] = float(value)
+    trust = summary.get("trust") or {}  # how far the rungs could be trusted (trust_of)
+    for rung, row in trust.get("rungs", {}).items():
+        for name in ("spearman", "kendall"):
+            if row.get(name) is not None:
+                out[f"rung_{rung}_{name}"] = float(row[name])
+    for name in ("noise", "stopped", "stopped_within_noise"):
+        if name in trust:
+            out[name] = float(trust[name])
     return out

@@ -216,6 +216,28 @@ def _num(value: Any) -> str:
     return "–" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.4g}"
 
 
+def trust_line(trust: Mapping[str, Any]) -> str:
+    """One line of the rungs' trust (:func:`forge_kit.earlystop.rung_trust`): per rung, the rank
+    correlations with the final values of the trials that finished; the stops within the noise."""
+    parts = [
+        f"rung {rung}: Spearman {_num(row.get('spearman'))}, Kendall {_num(row.get('kendall'))}"
+        f" over {int(row.get('finished') or 0)} finished"
+        for rung, row in _by_rung(trust)
+    ]
+    parts.append(
+        f"{int(trust.get('stopped_within_noise') or 0)} of {int(trust.get('stopped') or 0)} stopped trials"
+        f" within the noise of the rung's best (2·√2·σ, σ = {_num(trust.get('noise'))})"
+    )
+    return "; ".join(parts)
+
+
+def _by_rung(trust: Mapping[str, Any]) -> list[tuple[str, Mapping[str, Any]]]:
+    """The trust rows by rung, in step order (a state read back through the API may hold its
+    keys in another order, and its counts as floats)."""
+    rows = (trust.get("rungs") or {}).items()
+    return sorted(((str(k), v) for k, v in rows), key=lambda kv: float(kv[0]))
+
+
 def write_report(state: Mapping[str, Any], out: Path) -> Path:
     """Write ``report.md``, ``curves.png`` and ``effects.png`` under ``out``; returns the Markdown."""
     out.mkdir(parents=True, exist_ok=True)
@@ -256,6 +278,29 @@ def write_report(state: Mapping[str, Any], out: Path) -> Path:
             lines.append(
                 f"| {r['config']} | {r['pairs']} | {_num(r['delta'])} | [{_num(r['ci_low'])}, {_num(r['ci_high'])}] | {_num(r['p_value'])} |"
             )
+    trust = state.get("trust") or {}
+    if trust:
+        lines += [
+            "",
+            "## How far the rungs can be trusted",
+            "",
+            "Rank correlation between each rung's values and the final values of the trials that"
+            " finished (a low one: the early ranking was not the final one, and trials stopped at"
+            " that rung may have been good), and the stopped trials that were, when stopped, within"
+            " the noise of the rung's best.",
+            "",
+            "| rung | finished | Spearman ρ | Kendall τ |",
+            "|---|---|---|---|",
+        ]
+        for rung, row in _by_rung(trust):
+            lines.append(
+                f"| {rung} | {int(row.get('finished') or 0)} | {_num(row.get('spearman'))} | {_num(row.get('kendall'))} |"
+            )
+        lines += [
+            "",
+            f"Stopped within the noise: {int(trust.get('stopped_within_noise') or 0)} of {int(trust.get('stopped') or 0)}"
+            f" (margin {_num(trust.get('margin'))}, σ = {_num(trust.get('noise'))}).",
+        ]
     lines += [
         "",
         "## Factors (one-way ANOVA over completed trials; p by permutation)",

@@ -10,13 +10,12 @@ In steps:
    the grid, or from the study's sampler (random, TPE) through an activity;
 3. follow each trial's job events (``job_event``) and its metric (``trial_metric``, sent by the
    orchestrator's ``TrainingMetrics`` consumer with (job, step, value)):
-   - the early-stopping rule (ASHA or median stopping, :mod:`forge_kit.earlystop`) judges each
-     value as it arrives (or, under ``rung_eval: cooldown``, each value after a rung's cooldown
-     branch); a stopped trial is cancelled (its job checkpoints on SIGTERM) and recorded
-     ``stopped``. Under ASHA's promotion form a trial at a rung is ``paused`` so unless
-     promotable at once; a free slot first resumes the best promotable paused trial (a new job
-     from its first job's checkpoints, labelled ``resumes_job``), then starts a new one;
-     trials still paused when nothing is left to run are recorded ``stopped``;
+   - the early-stopping rule (guarded, ASHA or median, :mod:`forge_kit.earlystop`) judges each
+     value as it arrives (under ``rung_eval: cooldown``, each value after a rung's branch); a
+     stopped trial is cancelled (its job checkpoints on SIGTERM) and recorded ``stopped``. Under
+     the promotion form (guarded, ASHA's default) a trial at a rung is ``paused`` unless promotable
+     at once; a free slot first resumes the best promotable paused trial (a new job from its first
+     job's checkpoints, ``resumes_job``), then starts a new one; still paused at the end: ``stopped``;
    - PENDING after it ran: a preemption (the job resumes from its checkpoint when it runs again,
      and the trial is not a failure) or a lost node, an infrastructure failure the scheduler
      retried; past ``max_infra_retries`` the trial is cancelled and recorded ``failed``;
@@ -48,7 +47,7 @@ from temporalio.exceptions import ApplicationError, is_cancelled_exception
 
 with workflow.unsafe.imports_passed_through():
     from forge_kit import sweepspace
-    from forge_kit.earlystop import Asha, AshaPromotion, MedianStopping
+    from forge_kit.earlystop import Asha, AshaPromotion, Guarded, MedianStopping
     from forge_orchestrator.activities import CancelJobInput, SchedulerActivities, SubmitJobInput
     from forge_orchestrator.identity import ADMIN, Caller
     from forge_orchestrator.sweep.activities import (
@@ -75,6 +74,7 @@ with workflow.unsafe.imports_passed_through():
         TrialMetric,
         run_metrics,
         trial_command,
+        trust_of,
     )
     from forge_orchestrator.training import AUTO_EVAL_LABEL, CHECKPOINT_SIGNAL, CheckpointInfo
     from forge_orchestrator.workflows import (
@@ -174,6 +174,7 @@ class SweepWorkflow:
             "ignored_recent": list(self._ignored_recent),
             "budget_exhausted": self._exhausted,
             "parent_run_id": self._parent_run,
+            "trust": trust_of(space, self._trials) if space else {},  # how far the rungs hold
             "trials": [t.summary() for t in self._trials],
         }
 
@@ -260,8 +261,8 @@ class SweepWorkflow:
             raise ApplicationError(f"bad space: {exc}", type="BadSpace", non_retryable=True) from None
         self._space = space
         es = space.early_stopping
-        if es.rule == "asha":
-            form = AshaPromotion if es.form == "promotion" else Asha
+        if es.rule in ("asha", "guarded"):
+            form = Guarded if es.rule == "guarded" else AshaPromotion if es.form == "promotion" else Asha
             self._rule = form(es.min_steps, es.eta, space.max_steps, space.mode)  # type: ignore[arg-type]
         elif es.rule == "median":
             self._rule = MedianStopping(es.min_steps, es.min_trials, space.mode)  # type: ignore[arg-type]

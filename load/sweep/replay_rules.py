@@ -1,0 +1,118 @@
+"""Replay candidate early-stopping rules on recorded grid curves (``record_grid.py``'s
+``OUT/grid-cache``: an evaluation every 9 steps and a cooldown branch at 9, 27, 81) through the
+bench's own scheduler (``run_asha`` with ``replayer``: no training), and print each rule's compute
+ratio and regret per space, then the worst over the spaces.
+
+    python load/sweep/replay_rules.py \\
+        --space load/sweep/space-lr-beta2-ffn.yaml --records /tmp/rec/beta2/grid-cache \\
+        --space load/sweep/space-lr-wd.yaml --records /tmp/rec/wd/grid-cache
+
+A rule's rungs must lie on the records' evaluation cadence (and its cooldown rungs on theirs) to
+replay faithfully. (RESULTS.md, 2026-12-06.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from forge_kit.earlystop import Asha, AshaPromotion, Guarded
+from forge_kit.sweepspace import Space, parse
+from forge_training.sweep_bench import ETA, replayer, run_asha, trust
+
+#: name → (rule, first rung, Guarded's settings)
+CANDIDATES: dict[str, tuple[str, int, dict[str, Any]]] = {
+    "asha-27": ("asha", 27, {}),
+    "asha-9": ("asha", 9, {}),
+    "guarded": ("guarded", 9, {}),  # the defaults: catch-up guard only
+    "guarded-noproject": ("guarded", 9, {"project": 0.0}),  # no guard: ASHA with a free first rung
+    "guarded-project0.5": ("guarded", 9, {"project": 0.5}),
+    "guarded-z1": ("guarded", 9, {"z": 1.0}),
+    "guarded-z2": ("guarded", 9, {"z": 2.0}),
+    "guarded-z2-tau0.2": ("guarded", 9, {"z": 2.0, "settled_tau": 0.2}),
+    "guarded-z2-tau0.4": ("guarded", 9, {"z": 2.0, "settled_tau": 0.4}),
+    "guarded-z2-tau0.6": ("guarded", 9, {"z": 2.0, "settled_tau": 0.6}),  # the first design
+    "guarded-z2-tau0.6-half": ("guarded", 9, {"z": 2.0, "settled_tau": 0.6, "unsettled_keep": 0.5}),
+}
+
+
+Loaded = tuple[
+    list[dict[str, Any]], dict[int, list[tuple[int, float]]], dict[int, dict[int, float]], list[float]
+]
+
+
+def load(space: Space, records: Path, partial: bool = False) -> Loaded:
+    """The configurations, their curves, cooldown values by rung and finals, in the space's
+    order (``partial``: only the configurations recorded so far; else a missing one is a
+    KeyError)."""
+    kept = [json.loads(p.read_text()) for p in sorted(records.glob("*.json"))]
+    by_params = {json.dumps(r["params"], sort_keys=True): r for r in kept}
+    configs = [p for p in space.configurations() if not partial or json.dumps(p, sort_keys=True) in by_params]
+    chosen = [by_params[json.dumps(p, sort_keys=True)] for p in configs]
+    curves = {i: [(int(s), float(v)) for s, v in r["curve"]] for i, r in enumerate(chosen)}
+    cooled = {i: {int(s): float(v) for s, v in r.get("rung_values", [])} for i, r in enumerate(chosen)}
+    return configs, curves, cooled, [float(r["final"]) for r in chosen]
+
+
+def replay(space: Space, records: Path, name: str, partial: bool = False) -> dict[str, Any]:
+    rule_name, first, settings = CANDIDATES[name]
+    configs, curves, cooled, finals = load(space, records, partial)
+    es = dataclasses.replace(space.early_stopping, rule=rule_name, min_steps=first)
+    variant = dataclasses.replace(space, early_stopping=es)
+    mode = space.mode
+    rule: Asha | AshaPromotion
+    if rule_name == "guarded":
+        rule = Guarded(min_steps=first, eta=ETA, max_steps=space.max_steps, mode=mode, **settings)  # type: ignore[arg-type]
+    else:
+        rule = AshaPromotion(min_steps=first, eta=ETA, max_steps=space.max_steps, mode=mode)  # type: ignore[arg-type]
+    plan = [(p, None) for p in configs]
+    trials, rule, resumed = run_asha(variant, plan, first, replayer(variant, curves, cooled), rule)
+    sign = 1.0 if mode == "min" else -1.0
+    done = [t for t in trials if t.final is not None]
+    best = min(done, key=lambda t: sign * (t.final or 0.0))
+    grid_best = min(finals, key=lambda v: sign * v)
+    grid_steps = len(finals) * space.max_steps
+    return {
+        "space": space.name,
+        "rule": name,
+        "rung_eval": space.early_stopping.rung_eval,
+        "rungs": rule.rungs,
+        "compute_ratio": round(sum(t.steps for t in trials) / grid_steps, 3),
+        "regret": round(sign * ((best.final or 0.0) - grid_best), 4),
+        "best_trial": best.index,
+        "finished": len(done),
+        "rung_occupancy": rule.occupancy(),
+        "resumed": resumed,
+        "trust": trust(variant, trials, rule.rungs),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--space", type=Path, action="append", required=True)
+    parser.add_argument("--records", type=Path, action="append", required=True, help="grid-cache folders")
+    parser.add_argument(
+        "--rules", default=",".join(CANDIDATES), help="comma-separated, of: " + ", ".join(CANDIDATES)
+    )
+    parser.add_argument("--partial", action="store_true", help="replay the configurations recorded so far")
+    args = parser.parse_args()
+    if len(args.space) != len(args.records):
+        parser.error("one --records per --space")
+    worst: dict[str, dict[str, float]] = {}
+    for path, records in zip(args.space, args.records, strict=True):
+        space = parse(path.read_bytes())
+        for name in args.rules.split(","):
+            line = replay(space, records, name, args.partial)
+            print(json.dumps(line), flush=True)
+            w = worst.setdefault(name, {"regret": 0.0, "compute_ratio": 0.0})
+            w["regret"] = max(w["regret"], line["regret"])
+            w["compute_ratio"] = max(w["compute_ratio"], line["compute_ratio"])
+    for name, w in worst.items():
+        print(json.dumps({"worst": name, **w}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
