@@ -135,3 +135,41 @@ def test_the_server_module_is_what_vllm_runs() -> None:
         timeout=120,
     )
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_engine_flags_as_a_user_writes_them_become_the_checked_arguments() -> None:
+    from forge_kit.vllm import parse_engine_flags, server_argv
+
+    args = parse_engine_flags(
+        ["--max-num-seqs=32", "--max-model-len", "512", "--enforce-eager", "--no-enable-prefix-caching"]
+    )
+    assert args == {
+        "max_num_seqs": 32,
+        "max_model_len": 512,
+        "enforce_eager": True,
+        "enable_prefix_caching": False,
+    }
+    argv = server_argv("py", "/m", "tiny", "0.0.0.0", "{serve_port}", args)
+    assert argv[argv.index("--port") + 1] == "{serve_port}"
+    assert argv[argv.index("--max-num-seqs") : argv.index("--max-num-seqs") + 2] == ["--max-num-seqs", "32"]
+    assert "--enforce-eager" in argv and "--no-enable-prefix-caching" in argv
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--trust-remote-code"], "not an engine argument"),
+        (["--chat-template=/etc/shadow"], "not an engine argument"),
+        (["--host", "0.0.0.0"], "not an engine argument"),
+        (["--max-num-seqs"], "needs a value"),
+        (["--max-num-seqs=many"], "is not a int"),
+        (["--enforce-eager=yes"], "takes no value"),
+        (["32"], "is not a --flag"),
+        (["--dtype=int4"], "engine_args.dtype"),
+    ],
+)
+def test_engine_flags_outside_the_allowlist_are_refused(flags: list[str], says: str) -> None:
+    from forge_kit.vllm import parse_engine_flags
+
+    with pytest.raises(LaunchError, match=says):
+        parse_engine_flags(flags)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import re
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -85,20 +85,7 @@ class VllmLaunch:
             raise LaunchError(f"model_dir: {self.model_dir} holds no config.json")
         if not 1 <= self.kv_cache_gib <= 1024 or not 0 <= self.threads <= 1024:
             raise LaunchError("kv_cache_gib: 1..1024 and threads: 0..1024")
-        for key, value in self.engine_args.items():
-            kind = ENGINE_ARGS.get(key)
-            if kind is None:
-                raise LaunchError(
-                    f"engine_args.{key}: not an engine argument Forge sets ({', '.join(ENGINE_ARGS)})"
-                )
-            if kind is float and isinstance(value, int) and not isinstance(value, bool):
-                value = float(value)
-            if type(value) is not kind:
-                raise LaunchError(f"engine_args.{key}: {value!r} is not a {kind.__name__}")
-            if kind is int and not 0 <= int(value) <= 1 << 20:
-                raise LaunchError(f"engine_args.{key}: {value} is out of range")
-            if key == "dtype" and value not in _DTYPES:
-                raise LaunchError(f"engine_args.dtype: one of {', '.join(_DTYPES)}")
+        check_engine_args(self.engine_args)
 
     @property
     def url(self) -> str:
@@ -106,48 +93,128 @@ class VllmLaunch:
 
     def argv(self) -> list[str]:
         """The server's command line."""
-        args = [
-            self.python or str(vllm_python()),
-            "-m",
-            SERVER_MODULE,
-            "--model",
-            str(self.model_dir),
-            "--served-model-name",
-            self.served_name,
-            "--host",
-            self.host,
-            "--port",
-            str(self.port),
-            "--disable-uvicorn-access-log",
-        ]
-        for key, value in self.engine_args.items():
-            flag = "--" + key.replace("_", "-")
-            if isinstance(value, bool):
-                args.append(flag if value else f"--no-{flag[2:]}")
-            else:
-                args += [flag, str(value)]
-        return args
+        python = self.python or str(vllm_python())
+        return server_argv(
+            python, str(self.model_dir), self.served_name, self.host, str(self.port), self.engine_args
+        )
 
     def env(self, base: Mapping[str, str] | None = None) -> dict[str, str]:
         """The server's environment: ``base`` (default this process's) with vLLM's settings."""
-        env = dict(os.environ if base is None else base)
-        # Settings of Forge's own environment mean nothing to vLLM's interpreter.
-        for name in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME"):
-            env.pop(name, None)
-        env.update(
-            VLLM_CPU_KVCACHE_SPACE=str(self.kv_cache_gib),
-            VLLM_CPU_OMP_THREADS_BIND="nobind",
-            VLLM_NO_USAGE_STATS="1",
-            DO_NOT_TRACK="1",
-            HF_HUB_OFFLINE="1",
-            TRANSFORMERS_OFFLINE="1",
+        return server_env(
+            os.environ if base is None else base,
+            kv_cache_gib=self.kv_cache_gib,
+            threads=self.threads,
+            api_key=self.api_key,
         )
-        if self.threads:
-            env["OMP_NUM_THREADS"] = str(self.threads)
-        env.pop("VLLM_API_KEY", None)
-        if self.api_key:
-            env["VLLM_API_KEY"] = self.api_key
-        return env
+
+
+EngineArgs = Mapping[str, str | int | float | bool]
+
+
+def check_engine_args(engine_args: EngineArgs) -> None:
+    """Refuse a key outside :data:`ENGINE_ARGS`, a value of the wrong type, or one out of range."""
+    for key, value in engine_args.items():
+        kind = ENGINE_ARGS.get(key)
+        if kind is None:
+            raise LaunchError(
+                f"engine_args.{key}: not an engine argument Forge sets ({', '.join(ENGINE_ARGS)})"
+            )
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if type(value) is not kind:
+            raise LaunchError(f"engine_args.{key}: {value!r} is not a {kind.__name__}")
+        if kind is int and not 0 <= int(value) <= 1 << 20:
+            raise LaunchError(f"engine_args.{key}: {value} is out of range")
+        if key == "dtype" and value not in _DTYPES:
+            raise LaunchError(f"engine_args.dtype: one of {', '.join(_DTYPES)}")
+
+
+def parse_engine_flags(flags: Sequence[str]) -> dict[str, str | int | float | bool]:
+    """vLLM flags as a user writes them (``--max-num-seqs=32``, ``--max-num-seqs 32``,
+    ``--enforce-eager``, ``--no-enable-prefix-caching``) as checked :data:`ENGINE_ARGS`."""
+    args: dict[str, str | int | float | bool] = {}
+    i = 0
+    while i < len(flags):
+        flag = flags[i]
+        if not flag.startswith("--"):
+            raise LaunchError(f"engine_args[{i}]: {flag!r} is not a --flag")
+        name, eq, value = flag[2:].partition("=")
+        key = name.replace("-", "_")
+        negated = key.startswith("no_") and ENGINE_ARGS.get(key[3:]) is bool
+        kind = bool if negated else ENGINE_ARGS.get(key)
+        if kind is None:
+            raise LaunchError(
+                f"engine_args[{i}]: --{name} is not an engine argument Forge sets "
+                f"({', '.join('--' + k.replace('_', '-') for k in ENGINE_ARGS)})"
+            )
+        if kind is bool:
+            if eq:
+                raise LaunchError(f"engine_args[{i}]: --{name} takes no value")
+            args[key[3:] if negated else key] = not negated
+            i += 1
+            continue
+        if not eq:
+            if i + 1 >= len(flags) or flags[i + 1].startswith("--"):
+                raise LaunchError(f"engine_args[{i}]: --{name} needs a value")
+            value, i = flags[i + 1], i + 1
+        try:
+            args[key] = kind(value)
+        except ValueError:
+            raise LaunchError(f"engine_args[{i}]: --{name}: {value!r} is not a {kind.__name__}") from None
+        i += 1
+    check_engine_args(args)
+    return args
+
+
+def server_argv(
+    python: str, model_dir: str, served_name: str, host: str, port: str, engine_args: EngineArgs
+) -> list[str]:
+    """The command line of one vLLM server (``port`` may be a placeholder its starter fills)."""
+    args = [
+        python,
+        "-m",
+        SERVER_MODULE,
+        "--model",
+        model_dir,
+        "--served-model-name",
+        served_name,
+        "--host",
+        host,
+        "--port",
+        port,
+        "--disable-uvicorn-access-log",
+    ]
+    for key, value in engine_args.items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            args.append(flag if value else f"--no-{flag[2:]}")
+        else:
+            args += [flag, str(value)]
+    return args
+
+
+def server_env(
+    base: Mapping[str, str], *, kv_cache_gib: int = 1, threads: int = 0, api_key: str = ""
+) -> dict[str, str]:
+    """``base`` with vLLM's settings; the API key travels here, never in argv (where ``ps`` shows it)."""
+    env = dict(base)
+    # Settings of Forge's own environment mean nothing to vLLM's interpreter.
+    for name in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME"):
+        env.pop(name, None)
+    env.update(
+        VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib),
+        VLLM_CPU_OMP_THREADS_BIND="nobind",
+        VLLM_NO_USAGE_STATS="1",
+        DO_NOT_TRACK="1",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+    )
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    env.pop("VLLM_API_KEY", None)
+    if api_key:
+        env["VLLM_API_KEY"] = api_key
+    return env
 
 
 def vllm_python(root: Path | None = None) -> Path:

@@ -7,9 +7,10 @@ engine's OpenAI-compatible server on the port the agent assigns (:data:`SERVE_PO
 - ``forge``: this repository's model server, ``python -m forge_model_server``, serving the model
   folder's parent directory (it names a model after its folder, so the folder must carry the
   model's name); engine arguments are its settings, ``key=value``.
-- ``vllm``: ``python -m vllm.entrypoints.openai.api_server --model DIR --port P
-  --served-model-name NAME`` run by the interpreter of vLLM's own environment; engine arguments
-  are vLLM flags.
+- ``vllm``: vLLM's OpenAI-compatible server (:func:`forge_kit.vllm.server_argv`) run by the
+  interpreter of vLLM's own environment; engine arguments are the vLLM flags Forge allows
+  (:data:`forge_kit.vllm.ENGINE_ARGS`: nothing that runs code or reads files from outside the
+  model folder), and the replica's credential travels in ``VLLM_API_KEY``, not argv.
 
 Each replica is sent a credential of its own deployment (``replica_token``): the engine requires
 it, the gateway presents it.
@@ -21,7 +22,7 @@ import posixpath
 import re
 from dataclasses import dataclass, field
 
-from forge_kit import errors
+from forge_kit import errors, vllm
 from forge_kit.jobenv import SERVE_PORT_PLACEHOLDER
 from forge_kit.modelref import ModelRef
 
@@ -38,11 +39,9 @@ MAX_ENGINE_ARGS = 64
 
 _NAME = re.compile(r"^[a-z0-9]([a-z0-9-]{0,50}[a-z0-9])?$")
 _FORGE_SETTING = re.compile(r"^[a-z][a-z0-9_]{0,63}=[\x21-\x7e]{0,256}$")
-_VLLM_ARG = re.compile(r"^--[a-z][a-z0-9-]{0,63}(=[\x21-\x7e]{0,256})?$|^[\x21-\x7e]{1,256}$")
 _PATH = re.compile(r"^/[\x21-\x7e]{1,1023}$")
 #: Settings the deployment sets itself: where the replica listens, what it serves, its credential.
 _FORGE_RESERVED = {"http_port", "grpc_port", "models_dir", "auth_token", "kafka_enabled"}
-_VLLM_RESERVED = ("--port", "--host", "--model", "--served-model-name", "--api-key")
 
 
 @dataclass
@@ -113,6 +112,11 @@ def validate_deployment(spec: DeploymentInput) -> None:
         raise errors.ValidationError("spec.engine_args", f"must be at most {MAX_ENGINE_ARGS}")
     for i, arg in enumerate(spec.engine_args):
         _check_arg(f"spec.engine_args[{i}]", spec.engine, arg)
+    if spec.engine == "vllm":
+        try:
+            vllm.parse_engine_flags(spec.engine_args)
+        except vllm.LaunchError as exc:
+            raise errors.ValidationError("spec.engine_args", str(exc)) from None
 
 
 def _check_arg(path: str, engine: str, arg: str) -> None:
@@ -123,11 +127,6 @@ def _check_arg(path: str, engine: str, arg: str) -> None:
             raise errors.ValidationError(path, "must be a model server setting, key=value")
         if arg.split("=", 1)[0] in _FORGE_RESERVED:
             raise errors.ValidationError(path, f"{arg.split('=', 1)[0]} is set by the deployment")
-        return
-    if not _VLLM_ARG.match(arg):
-        raise errors.ValidationError(path, "must be a vLLM flag (--name or --name=value) or its value")
-    if arg.split("=", 1)[0] in _VLLM_RESERVED:
-        raise errors.ValidationError(path, f"{arg.split('=', 1)[0]} is set by the deployment")
 
 
 @dataclass(frozen=True)
@@ -140,23 +139,11 @@ def replica_command(spec: DeploymentInput) -> ReplicaCommand:
     """What one replica runs (see the module docstring)."""
     name = ModelRef.parse(spec.model).name
     if spec.engine == "vllm":
-        command = [
-            spec.vllm_python,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            spec.model_dir,
-            "--served-model-name",
-            name,
-            "--host",
-            "0.0.0.0",
-            "--port",
-            SERVE_PORT_PLACEHOLDER,
-            "--api-key",
-            spec.replica_token,
-            *spec.engine_args,
-        ]
-        return ReplicaCommand(command, {"VLLM_CPU_OMP_THREADS_BIND": "nobind"})
+        args = vllm.parse_engine_flags(spec.engine_args)
+        command = vllm.server_argv(
+            spec.vllm_python, spec.model_dir, name, "0.0.0.0", SERVE_PORT_PLACEHOLDER, args
+        )
+        return ReplicaCommand(command, vllm.server_env({}, api_key=spec.replica_token))
     env = {f"FORGE_MODEL_SERVER_{k.upper()}": v for k, v in (a.split("=", 1) for a in spec.engine_args)}
     env.update(
         FORGE_MODEL_SERVER_HTTP_PORT=SERVE_PORT_PLACEHOLDER,
