@@ -117,7 +117,8 @@ def test_help_shows_one_line_per_command_group() -> None:
             assert "Also: " in lines[group], lines[group]
     assert lines["eval"] == "Run benchmark tasks, compare runs and apply the release gate. Also: retrieval."
     assert (
-        lines["bench"] == "Training benchmarks: step throughput and the recipe chain. Also: canary, engine."
+        lines["bench"]
+        == "Training benchmarks: step throughput and the recipe chain. Also: canary, serving, engine."
     )
 
 

@@ -343,10 +343,11 @@ def test_mfu_is_model_flops_per_second_over_the_configured_peak(
     result = train(config, _ctx(tmp_path, export=False))
     from transformers import LlamaConfig
 
-    vocab = 300
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=2)  # fmt: skip
-    per_token = train_flops_per_token(cfg, vocab, 32)
+    m, vocab = config.model, config.data.vocab_size
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
+                      num_hidden_layers=m.num_layers, num_attention_heads=m.num_heads,
+                      num_key_value_heads=m.num_kv_heads)  # fmt: skip
+    per_token = train_flops_per_token(cfg, vocab, config.data.seq_len)
     for line in (ln for ln in _metrics(tmp_path) if "mfu" in ln):
         assert line["mfu"] == pytest.approx(line["tokens_per_s"] * per_token / 1e9, rel=1e-9)
     assert result.mfu is not None and result.mfu > 0
