@@ -35,24 +35,34 @@ async def db(tmp_path: Path) -> AsyncIterator[Database]:
 
 
 @pytest.fixture(scope="session")
+def start_scheduler(kafka_broker: TansuBroker) -> Callable[[Path], ServiceProcess]:
+    """Starts a real scheduler with its data in the given folder, publishing its job events to the
+    session's broker (the caller stops it)."""
+    asyncio.run(ensure_topics(kafka_broker.bootstrap))
+
+    def start(data: Path) -> ServiceProcess:
+        return ServiceProcess(
+            "forge_scheduler",
+            env={
+                "FORGE_SCHEDULER_GRPC_PORT": "0",
+                "FORGE_SCHEDULER_HTTP_PORT": "0",
+                "FORGE_SCHEDULER_DATA_DIR": str(data),
+                "FORGE_SCHEDULER_KAFKA_BOOTSTRAP": kafka_broker.bootstrap,
+                "FORGE_SCHEDULER_AUTH_TOKEN": SCHEDULER_TOKEN,
+                **eventkeys.service_env("scheduler"),
+            },
+            log_path=str(data / "scheduler.log"),
+        ).start()
+
+    return start
+
+
+@pytest.fixture(scope="session")
 def scheduler(
-    kafka_broker: TansuBroker, tmp_path_factory: pytest.TempPathFactory
+    start_scheduler: Callable[[Path], ServiceProcess], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServiceProcess]:
     """The real scheduler, publishing its job events to the session's broker."""
-    asyncio.run(ensure_topics(kafka_broker.bootstrap))
-    data = tmp_path_factory.mktemp("scheduler")
-    process = ServiceProcess(
-        "forge_scheduler",
-        env={
-            "FORGE_SCHEDULER_GRPC_PORT": "0",
-            "FORGE_SCHEDULER_HTTP_PORT": "0",
-            "FORGE_SCHEDULER_DATA_DIR": str(data),
-            "FORGE_SCHEDULER_KAFKA_BOOTSTRAP": kafka_broker.bootstrap,
-            "FORGE_SCHEDULER_AUTH_TOKEN": SCHEDULER_TOKEN,
-            **eventkeys.service_env("scheduler"),
-        },
-        log_path=str(data / "scheduler.log"),
-    ).start()
+    process = start_scheduler(tmp_path_factory.mktemp("scheduler"))
     yield process
     process.stop()
 

@@ -25,7 +25,7 @@ import signal
 import sys
 import threading
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -54,6 +54,17 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("models")
     save_tiny_llama(root / "tiny", initializer_range=0.2)
     return root / "tiny"
+
+
+@pytest.fixture(scope="module")
+def scheduler(
+    start_scheduler: Callable[[Path], ServiceProcess], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServiceProcess]:
+    """A scheduler of this module's own: its serving node (``SERVE`` GPUs) stays registered after
+    the module, and on the session's scheduler it would make every later ``SIM`` job unplaceable."""
+    process = start_scheduler(tmp_path_factory.mktemp("scheduler"))
+    yield process
+    process.stop()
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +101,10 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess
         "FORGE_INFERENCE_GATEWAY_MODEL_SERVER_URL": f"http://127.0.0.1:{free_port()}",
         "FORGE_INFERENCE_GATEWAY_BOOTSTRAP_API_KEY": TENANT_KEY,
         "FORGE_INFERENCE_GATEWAY_RESPONSE_CACHE_TTL_S": "0",
+        # A replica busy on a loaded 2-core machine can take over the default 1 s to answer a
+        # scrape; these tests are about placement and scaling, not ejection of slow replicas
+        # (a killed replica still leaves at once: its connections are refused).
+        "FORGE_INFERENCE_GATEWAY_SCRAPE_TIMEOUT_S": "10",
         # Autoscaling by load alone: one replica per two requests waiting or running.
         "FORGE_INFERENCE_GATEWAY_AUTOSCALE_TARGET_PER_REPLICA": "2",
         "FORGE_INFERENCE_GATEWAY_AUTOSCALE_TTFT_SLO_S": "600",
