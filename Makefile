@@ -9,7 +9,8 @@
 #   make up        start the local platform and run its main job (`forge up`)
 #   make down      stop everything `make up` started
 #   make status    pid, liveness and health of each component
-#   make test      every test: each test folder a pytest process, TEST_JOBS=3 at a time
+#   make test      every test: each test folder a pytest process, TEST_JOBS=3 at a time; installs
+#                  Chromium, libfaketime and promtool for the tests that drive them (as root)
 #   make fuzz      hypothesis-generated requests against every RPC (1000 per RPC; no INTERNAL allowed)
 #   make faults    fault injection: kill -9 / restart each component, partitions, slow links, a full
 #                  disk, a paused process, under load; histories checked (the quick scenarios)
@@ -58,7 +59,7 @@ TEST_JOBS ?= 3
 # A local copy of the public datasets, laid out as FORGE_DATA_DIR is; without one they are downloaded.
 DATA_MIRROR ?= $(wildcard ../shared/data)
 
-.PHONY: help install sandbox data up down status test fuzz faults faults-long verify load soak bench gen secrets clean
+.PHONY: help install sandbox test-tools data up down status test fuzz faults faults-long verify load soak bench gen secrets clean
 
 help:
 	@sed -n 's/^#   //p' Makefile
@@ -68,6 +69,11 @@ install: sandbox $(STAMP) $(NPM_STAMP) $(VLLM_STAMP)
 # Debian's bubblewrap for the job and code sandboxes: installed as root, else the command to run.
 sandbox:
 	@scripts/ensure_sandbox.sh
+
+# Debian's Chromium, libfaketime and promtool for the tests that drive them: installed as root, else
+# the command to run is printed and those tests skip.
+test-tools:
+	@scripts/ensure_test_tools.sh
 
 $(STAMP): $(INSTALL_INPUTS)
 	@test -x $(PY) || $(PYTHON_BOOT) -m venv $(VENV)
@@ -104,16 +110,16 @@ down:
 status: install
 	$(VENV)/bin/forge status
 
-test: install data
+test: install data test-tools
 	$(PY) scripts/run_tests.py -j $(TEST_JOBS) libs services tests -- -q --timeout=$(PYTEST_TIMEOUT) -m "not faults_full"
 
 fuzz: install
 	FORGE_FUZZ_EXAMPLES=$${FORGE_FUZZ_EXAMPLES:-1000} FORGE_FUZZ_TIMEOUT_S=7200 $(VENV)/bin/pytest -q -s --timeout=7200 tests/fuzz
 
-faults: install
+faults: install test-tools
 	$(VENV)/bin/pytest -q -s --timeout=$(PYTEST_TIMEOUT) -m "not faults_long" tests/faults
 
-faults-long: install
+faults-long: install test-tools
 	$(VENV)/bin/pytest -q -s --timeout=1200 -m faults_long tests/faults
 
 verify: install

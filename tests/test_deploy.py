@@ -213,7 +213,7 @@ def test_alert_rules_pass_promtool_unit_tests() -> None:
 
     promtool = shutil.which("promtool")
     if promtool is None:
-        pytest.skip("promtool is not installed (Debian package prometheus; .ci/run installs it)")
+        pytest.skip("promtool is not installed (Debian package prometheus; `make test` installs it as root)")
     checked = subprocess.run(
         [promtool, "check", "rules", "alerts.yml"], cwd=PROMETHEUS, capture_output=True, text=True
     )

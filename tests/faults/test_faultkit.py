@@ -205,7 +205,7 @@ def test_a_sized_mount_fills_and_drains(mount: SizedMount) -> None:
 
 def test_libfaketime_moves_the_wall_clock_only() -> None:
     if faketime_library() is None:
-        pytest.skip("libfaketime is not installed (apt-get install faketime; .ci/run does)")
+        pytest.skip("libfaketime is not installed (apt-get install faketime; `make test` does as root)")
     code = "import time; print(time.time(), time.monotonic())"
     true_wall, true_mono = time.time(), time.monotonic()
     done = subprocess.run(

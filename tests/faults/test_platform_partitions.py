@@ -243,7 +243,7 @@ async def test_broker_restart_during_a_database_partition(rig: Rig) -> None:
 @pytest.mark.asyncio
 async def test_orchestrator_clock_ten_minutes_ahead(rig: Rig) -> None:
     if faketime_library() is None:
-        pytest.skip("libfaketime is not installed (apt-get install faketime; .ci/run does)")
+        pytest.skip("libfaketime is not installed (apt-get install faketime; `make test` does as root)")
     orchestrator = rig.platform.orchestrator
     skew = clock_env(load_scenario("orchestrator_clock_ahead"), "orchestrator")
     plain = dict(orchestrator.env)
