@@ -25,6 +25,7 @@ import signal
 import sys
 import threading
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
@@ -368,8 +369,10 @@ def _load(gateway: ServiceProcess, stop: threading.Event, errors: list[str], ser
                 served.append(1)
             except openai.APIStatusError as exc:
                 errors.append(f"{exc.status_code} {exc.message}")
+                stop.wait(0.2)  # a client backs off on a refusal rather than spin on it
             except openai.OpenAIError as exc:
                 errors.append(repr(exc))
+                stop.wait(0.2)
 
 
 async def test_an_autoscaled_deployment_follows_the_gateway_load_signal(
@@ -404,12 +407,13 @@ async def test_an_autoscaled_deployment_follows_the_gateway_load_signal(
         for worker in workers:
             await asyncio.to_thread(worker.join, 180)
     assert "autoscaled up to 2" in scaled.message or scaled.state == "ready"
-    # Served throughout; what was refused was refused clearly. (Not "no errors": on a loaded
-    # 2-core machine the gateway has been seen answering 503 "no healthy model-server replica"
-    # for a few requests while a replica was being added: a known defect, in the closing note.)
-    print(f"autoscale under load: {len(served)} served, {len(errors)} refused: {errors[:3]}")
-    assert served, errors[:3]
-    assert all(e.split(" ", 1)[0] in ("502", "503", "504") and len(e) > 4 for e in errors), errors[:3]
+    # Served throughout: a replica busy on loaded cores that misses the orchestrator's probes
+    # stays in the pool (it once left on the first miss, and the load then got 4,758 refusals to
+    # 137 answers). What was refused was refused clearly.
+    kinds = Counter(e[:60] for e in errors)
+    print(f"autoscale under load: {len(served)} served, {len(errors)} refused: {kinds.most_common(5)}")
+    assert len(served) > 10 * len(errors), kinds.most_common(5)
+    assert all(e.split(" ", 1)[0] in ("502", "503", "504") and len(e) > 4 for e in errors), kinds
     idle = await eventually(
         lambda: shape(1, 1), timeout_s=WAIT_S, interval_s=0.5, what="scaled down to 1 when idle"
     )

@@ -167,6 +167,9 @@ class Replica:
     node: str = ""
     running_since: float = 0.0
     """Workflow time it was first seen running (0: not yet); bounds the wait for its health."""
+    silent_since: float = 0.0
+    """Workflow time a ready replica first missed a probe in the current run of misses (0: it
+    answered the last one); it leaves the pool once that lasts ``UNANSWERED_S``."""
 
 
 @dataclass

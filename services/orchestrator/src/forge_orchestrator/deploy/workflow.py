@@ -4,8 +4,11 @@ A reconcile loop, every ``poll_s`` or at once on a signal:
 
 1. observe: each replica job's state and endpoint from the scheduler, and whether it answers
    ``/v1/models`` listing the model (``deploy_observe``);
-2. route: a replica that runs and answers goes into the gateway's replica pool; one that stops
-   answering, is preempted back to the queue or ends leaves it at once; one that runs but never
+2. route: a replica that runs and answers goes into the gateway's replica pool; one that is
+   preempted back to the queue or ends leaves it at once, one that stops answering once it has not
+   answered for ``UNANSWERED_S`` (a replica busy generating on loaded cores can miss a probe or two:
+   the gateway's own ejection covers short hiccups, and taking the deployment's last replica out of
+   the pool on one missed probe turns load into refusals); one that runs but never
    answers within ``ready_timeout_s`` is cancelled; an ended replica (crashed, ``kill -9``,
    node lost) is dropped, and step 4 places its replacement;
 3. with ``autoscale``, desired = the gateway's desired replica count for the model (it counts the
@@ -52,6 +55,9 @@ _ENDED = frozenset({"SUCCEEDED", "FAILED", "CANCELLED", "GONE"})
 #: How long a replica out of the gateway's pool keeps running before it is stopped: the other
 #: gateway replicas re-read the pool within this (their ``replica_sync_s``).
 DRAIN_S = 5.0
+#: How long a ready replica whose job still runs may leave the orchestrator's probes unanswered
+#: before it is taken out of the gateway's pool.
+UNANSWERED_S = 30.0
 
 
 @dataclass
@@ -236,9 +242,15 @@ class DeploymentWorkflow:
             return
         if replica.state == "draining":
             return
+        if replica.state == "ready" and healthy:
+            replica.silent_since = 0.0
+        elif replica.state == "ready" and endpoint == replica.endpoint:
+            replica.silent_since = replica.silent_since or now
+            if now - replica.silent_since < UNANSWERED_S:
+                return
         if replica.state == "ready" and (not healthy or endpoint != replica.endpoint):
             await self._call("deploy_route", RouteInput(replica.endpoint, add=False))
-            replica.state = "pending"
+            replica.state, replica.silent_since = "pending", 0.0
             self._message = f"replica {replica.job_id} left the pool ({state}: {message})"
         if healthy and replica.state != "ready":
             await self._call("deploy_route", RouteInput(endpoint, spec.replica_token, add=True))
