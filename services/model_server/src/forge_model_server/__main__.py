@@ -58,6 +58,7 @@ async def main() -> None:
     install_openai_api(http, server, app.token, images)
     install_admin_api(http, server, app.token)
     server.list_models()  # metric series of every model exist from the first scrape
+    await server.preload(settings.preload)
     await app.run(
         register=[
             lambda s: inference_pb2_grpc.add_InferenceServiceServicer_to_server(InferenceApi(server), s)

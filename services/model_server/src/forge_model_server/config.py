@@ -76,3 +76,8 @@ class ModelServerSettings(ServiceSettings):
     """Decode attention over the paged KV cache: ``native`` is the one-pass C++ kernel (built on first
     use with the compiler found here; loading a model fails, naming why, where it cannot be built), ``torch`` batched
     matmuls, ``auto`` the kernel where it builds and torch elsewhere (with a warning)."""
+
+    preload: list[str] = Field(default_factory=list, max_length=16)
+    """Models (names of the model directory's folders) loaded at start-up, before the servers
+    answer, as vLLM loads its model: a deployment's replica sets its model here, so the replica
+    is ready to serve once it answers. Empty: each model loads on its first request."""

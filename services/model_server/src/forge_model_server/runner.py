@@ -22,7 +22,7 @@ from typing import Any
 
 from forge_kit import errors
 from forge_kit.images import MAX_IMAGE_PIXELS, ImageError, open_image
-from forge_model_server import service
+from forge_model_server import metrics, service
 from forge_model_server.detokenize import IncrementalDecoder, token_pieces
 from forge_model_server.engine import EngineConfig, EngineCore, RequestOutput
 from forge_model_server.kernels import KernelUnavailableError
@@ -220,7 +220,7 @@ class AsyncEngine:
         self._tracked[engine_id] = tracked
         self._ensure_loop()
         self._wake.set()
-        service.NUM_REQUESTS_WAITING.labels(self.name).set(len(self.core.waiting))
+        metrics.NUM_REQUESTS_WAITING.labels(self.name).set(len(self.core.waiting))
         return self._stream(engine_id, tracked)
 
     def tokenize(self, request: GenerationRequest) -> list[int]:
@@ -305,8 +305,8 @@ class AsyncEngine:
         self._tracked.pop(request_id, None)
         if not finished:
             self.core.abort(request_id)
-            service.NUM_REQUESTS_WAITING.labels(self.name).set(len(self.core.waiting))
-            service.KV_CACHE_USAGE.labels(self.name).set(self.core.pool.usage())
+            metrics.NUM_REQUESTS_WAITING.labels(self.name).set(len(self.core.waiting))
+            metrics.KV_CACHE_USAGE.labels(self.name).set(self.core.pool.usage())
 
     def _decode(self, ids: list[int]) -> str:
         return str(self._tokenizer.decode(ids))
@@ -400,9 +400,9 @@ class AsyncEngine:
                     if tracked is None:
                         continue
                     if tracked.last_token is None:
-                        service.TIME_TO_FIRST_TOKEN.labels(self.name).observe(now - tracked.arrived)
+                        metrics.TIME_TO_FIRST_TOKEN.labels(self.name).observe(now - tracked.arrived)
                     else:
-                        service.INTER_TOKEN_LATENCY.labels(self.name).observe(now - tracked.last_token)
+                        metrics.INTER_TOKEN_LATENCY.labels(self.name).observe(now - tracked.last_token)
                     tracked.last_token = now
                     tracked.queue.put_nowait(out)
                 # 5. Gauges and counters in vLLM's names.
@@ -416,12 +416,12 @@ class AsyncEngine:
     def _publish_metrics(self) -> None:
         stats = self.core.stats
         preemptions, queries, hits = self._last_stats
-        service.NUM_PREEMPTIONS.labels(self.name).inc(stats.num_preemptions - preemptions)
-        service.PREFIX_CACHE_QUERIES.labels(self.name).inc(stats.prefix_queries - queries)
-        service.PREFIX_CACHE_HITS.labels(self.name).inc(stats.prefix_hits - hits)
+        metrics.NUM_PREEMPTIONS.labels(self.name).inc(stats.num_preemptions - preemptions)
+        metrics.PREFIX_CACHE_QUERIES.labels(self.name).inc(stats.prefix_queries - queries)
+        metrics.PREFIX_CACHE_HITS.labels(self.name).inc(stats.prefix_hits - hits)
         self._last_stats = (stats.num_preemptions, stats.prefix_queries, stats.prefix_hits)
-        service.NUM_REQUESTS_WAITING.labels(self.name).set(len(self.core.waiting))
-        service.KV_CACHE_USAGE.labels(self.name).set(self.core.pool.usage())
+        metrics.NUM_REQUESTS_WAITING.labels(self.name).set(len(self.core.waiting))
+        metrics.KV_CACHE_USAGE.labels(self.name).set(self.core.pool.usage())
 
     async def drain(self, timeout_s: float) -> None:
         """Refuse new requests, let admitted ones finish within ``timeout_s``, then stop the loop."""

@@ -24,58 +24,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-from prometheus_client import Counter, Gauge, Histogram
+import structlog
 
 from forge_kit import errors
 from forge_kit.modelref import ModelRef, check_name, check_version
 from forge_kit.objectstore import ObjectStore
 from forge_kit.validate import check_int, check_path, check_printable_name, check_seed
-
-# vLLM's metric names, so dashboards and the gateway's router read Forge replicas and vLLM alike.
-NUM_REQUESTS_RUNNING = Gauge(
-    "vllm:num_requests_running", "Number of requests in model execution batches.", ["model_name"]
-)
-NUM_REQUESTS_WAITING = Gauge(
-    "vllm:num_requests_waiting", "Number of requests waiting to be processed.", ["model_name"]
-)
-REQUEST_SUCCESS = Counter(
-    "vllm:request_success", "Count of successfully processed requests.", ["model_name", "finished_reason"]
-)
-PROMPT_TOKENS = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", ["model_name"])
-GENERATION_TOKENS = Counter(
-    "vllm:generation_tokens", "Number of generation tokens processed.", ["model_name"]
-)
-E2E_LATENCY = Histogram(
-    "vllm:e2e_request_latency_seconds",
-    "Histogram of end to end request latency in seconds.",
-    ["model_name"],
-    buckets=(0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0),
+from forge_model_server.metrics import (
+    E2E_LATENCY,
+    GENERATION_TOKENS,
+    NUM_REQUESTS_RUNNING,
+    NUM_REQUESTS_WAITING,
+    PROMPT_TOKENS,
+    REQUEST_SUCCESS,
 )
 
-TIME_TO_FIRST_TOKEN = Histogram(
-    "vllm:time_to_first_token_seconds",
-    "Histogram of time to first token in seconds.",
-    ["model_name"],
-    buckets=(0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0),
-)
-INTER_TOKEN_LATENCY = Histogram(
-    "vllm:inter_token_latency_seconds",
-    "Histogram of inter-token latency in seconds.",
-    ["model_name"],
-    buckets=(0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5),
-)
-KV_CACHE_USAGE = Gauge(
-    "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", ["model_name"]
-)
-NUM_PREEMPTIONS = Counter(
-    "vllm:num_preemptions", "Cumulative number of preemption from the engine.", ["model_name"]
-)
-PREFIX_CACHE_QUERIES = Counter(
-    "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.", ["model_name"]
-)
-PREFIX_CACHE_HITS = Counter(
-    "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", ["model_name"]
-)
+log = structlog.get_logger(__name__)
 
 FinishReason = Literal["stop", "length", "cancelled"]
 ROLES = ("system", "user", "assistant")
@@ -439,6 +403,7 @@ class ModelServer:
         # One thread: HF fast tokenizers are not safe to call from several threads at once.
         self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self._registered: dict[str, ModelInfo] = {}
+        self._loading: dict[str, asyncio.Lock] = {}
         self._retiring: set[asyncio.Task[None]] = set()
 
     def list_models(self) -> list[ModelInfo]:
@@ -466,13 +431,39 @@ class ModelServer:
             raise ModelNotFoundError(model, [m.name for m in self.list_models()]) from None
 
     def resolve(self, model: str) -> tuple[ModelInfo, Engine]:
-        """The model and its engine, loading the engine on first use."""
+        """The model and its engine, loading the engine on first use (here, on the caller's
+        thread: the event loop calls :meth:`load` instead)."""
         info = self.lookup(model)
         engine = self._engines.get(info.name)
         if engine is None:
             engine = self._loader(info)
             self._engines[info.name] = engine
         return info, engine
+
+    async def load(self, model: str) -> tuple[ModelInfo, Engine]:
+        """:meth:`resolve` for the event loop: a first load (weights, and the native kernel's build
+        on a machine that has not built it, a minute or more on loaded cores) runs on a worker
+        thread, one per model at a time, so ``/metrics``, ``/health`` and other models keep
+        answering meanwhile."""
+        info = self.lookup(model)
+        engine = self._engines.get(info.name)
+        if engine is not None:
+            return info, engine
+        lock = self._loading.setdefault(info.name, asyncio.Lock())
+        async with lock:
+            engine = self._engines.get(info.name)
+            if engine is None:
+                engine = await asyncio.to_thread(self._loader, info)
+                self._engines[info.name] = engine
+        return info, engine
+
+    async def preload(self, models: list[str]) -> None:
+        """Load ``models`` now (at start-up, before the servers answer), as vLLM loads its model
+        before it serves: the first request then pays no load, and a replica that answers its
+        health check can serve."""
+        for model in models:
+            info, _ = await self.load(model)
+            log.info("model.preloaded", model=info.id)
 
     async def register(self, name: str, path: str, version: str | None = None) -> ModelInfo:
         """Admin: serve the Hugging Face folder ``path`` (on this machine) as ``name``.
@@ -512,7 +503,7 @@ class ModelServer:
         stream. Closing the stream, started or not, cancels the request in the engine.
         """
         validate(request)
-        info, engine = self.resolve(request.model)
+        info, engine = await self.load(request.model)
         images = request.images
         if images and not getattr(engine, "accepts_images", False):
             raise errors.ValidationError(
@@ -527,7 +518,7 @@ class ModelServer:
         """The model and the token ids its engine would see for ``request`` (vLLM's ``/tokenize``):
         how a caller such as the gateway measures a prompt with the serving model's tokenizer."""
         validate(request)
-        info, engine = self.resolve(request.model)
+        info, engine = await self.load(request.model)
         return info, await self._tokenize(engine, request)
 
     async def _tokenize(self, engine: Engine, request: GenerationRequest) -> list[int]:

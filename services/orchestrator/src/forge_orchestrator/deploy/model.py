@@ -18,6 +18,7 @@ it, the gateway presents it.
 
 from __future__ import annotations
 
+import json
 import posixpath
 import re
 from dataclasses import dataclass, field
@@ -152,6 +153,8 @@ def replica_command(spec: DeploymentInput) -> ReplicaCommand:
         FORGE_MODEL_SERVER_MODELS_DIR=posixpath.dirname(spec.model_dir.rstrip("/")),
         FORGE_MODEL_SERVER_AUTH_TOKEN=spec.replica_token,
         FORGE_MODEL_SERVER_KAFKA_ENABLED="false",
+        # Loaded before it answers, as vLLM does: a replica that answers its probe can serve.
+        FORGE_MODEL_SERVER_PRELOAD=json.dumps([posixpath.basename(spec.model_dir.rstrip("/"))]),
     )
     return ReplicaCommand([spec.forge_python, "-m", "forge_model_server"], env)
 
