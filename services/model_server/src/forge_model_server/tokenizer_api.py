@@ -47,8 +47,8 @@ class TokenizerRoutes:
             raise errors.ValidationError("model", f"is required: this server serves {len(served)} models")
         return served[0]
 
-    def _shared(self, model: str | None) -> tuple[str, SharedTokenizer]:
-        info, engine = self._server.resolve(self._model(model))
+    async def _shared(self, model: str | None) -> tuple[str, SharedTokenizer]:
+        info, engine = await self._server.load(self._model(model))
         if not isinstance(engine, SharedTokenizer):
             raise errors.NotFoundError(f"the engine of {info.id} does not share its tokenizer")
         return info.id, engine
@@ -85,13 +85,13 @@ class TokenizerRoutes:
         }
 
     async def detokenize(self, body: DetokenizeBody) -> dict[str, object]:
-        _, engine = self._shared(body.model)
+        _, engine = await self._shared(body.model)
         return {"prompt": engine.detokenize(list(body.tokens))}
 
     async def tokenizer_info(
         self, model: str | None = Query(default=None, max_length=256)
     ) -> dict[str, object]:
-        _, engine = self._shared(model)
+        _, engine = await self._shared(model)
         return engine.tokenizer_info()
 
 
