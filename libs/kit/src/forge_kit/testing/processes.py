@@ -328,9 +328,11 @@ class ServiceProcess(_Process):
         deadline = time.monotonic() + timeout_s
         while not os.path.exists(self._ready_file):
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.module} exited with {self.proc.returncode} during start-up")
+                raise RuntimeError(
+                    f"{self.module} exited with {self.proc.returncode} during start-up{self._log_tail()}"
+                )
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.module} not ready within {timeout_s}s")
+                raise TimeoutError(f"{self.module} not ready within {timeout_s}s{self._log_tail()}")
             time.sleep(0.05)
         with open(self._ready_file) as handle:
             ports = json.load(handle)
@@ -340,6 +342,14 @@ class ServiceProcess(_Process):
         if self.http_port:
             self.wait_http_healthy(deadline - time.monotonic())
         return self
+
+    def _log_tail(self, chars: int = 3000) -> str:
+        """The end of the process's log, for a start-up failure's message (CI keeps no files)."""
+        if not self._log_path or not os.path.exists(self._log_path):
+            return ""
+        with open(self._log_path, "rb") as handle:
+            handle.seek(max(0, os.path.getsize(self._log_path) - chars))
+            return "; its log ends:\n" + handle.read().decode(errors="replace")
 
     def wait_grpc_healthy(self, timeout_s: float) -> None:
         import grpc
