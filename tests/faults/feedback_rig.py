@@ -24,13 +24,13 @@ from pathlib import Path
 import httpx
 from fault_platform import wait_ready
 from faultkit.history import History
-from faultkit.proxy import FaultProxy
 from forge.events.v1 import events_pb2
 from test_service_faults import announced
 
 from forge_kit.events import ensure_topics
 from forge_kit.paths import data_dir
 from forge_kit.testing import ServiceProcess, TansuBroker, eventkeys, free_port
+from forge_kit.testing.fault_proxy import FaultProxy
 
 TOKEN = "faults-feedback-token"
 PASSWORD = "faults-rater-password"

@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 from faultkit.host import NetNamespace, SizedMount, faketime_library, paused, skewed_clock_env
-from faultkit.proxy import FaultProxy, LinkFaults
 from faultkit.scenario import Scenario, Targets, load_scenarios, run_timeline
+
+from forge_kit.testing.fault_proxy import FaultProxy, LinkFaults
 
 pytestmark = [pytest.mark.faults_full, pytest.mark.timeout(120)]
 

@@ -27,11 +27,11 @@ import openai
 import pytest
 from fault_platform import model_server_process, wait_ready
 from faultkit.history import History, check_writes, verdict
-from faultkit.proxy import FaultProxy
 from faultkit.scenario import Targets, load_scenario, run_timeline
 from test_gateway_faults import ADMIN, TOKEN, gateway_process, upstream_settled
 
 from forge_kit.testing import tiny_llama
+from forge_kit.testing.fault_proxy import FaultProxy
 
 pytestmark = [pytest.mark.integration, pytest.mark.faults_long, pytest.mark.timeout(600)]
 DEADLINE_S = 8.0

@@ -44,7 +44,6 @@ from fault_platform import (
 )
 from faultkit.history import History, Verdict, check_copies, check_jobs, check_writes, verdict
 from faultkit.host import faketime_library
-from faultkit.proxy import FaultProxy
 from faultkit.scenario import Targets, clock_env, load_scenario, run_timeline
 from forge.common.v1 import common_pb2
 from forge.orchestrator.v1 import orchestrator_pb2, orchestrator_pb2_grpc
@@ -53,6 +52,7 @@ from google.protobuf import json_format, struct_pb2
 from forge_kit.events import ensure_topics
 from forge_kit.grpckit import make_channel
 from forge_kit.testing import ServiceProcess
+from forge_kit.testing.fault_proxy import FaultProxy
 
 pytestmark = [pytest.mark.integration, pytest.mark.faults_full, pytest.mark.timeout(420)]
 PACE_S = 0.6

@@ -1,3 +1,4 @@
-"""The fault harness: a fault-injecting TCP proxy (``proxy``), host faults — pause, full disk,
+"""The fault harness: host faults — pause, full disk,
 clock skew, network namespaces (``host``), YAML scenarios (``scenario``) and the history checker
-(``history``)."""
+(``history``). The fault-injecting TCP proxy is
+:mod:`forge_kit.testing.fault_proxy`."""

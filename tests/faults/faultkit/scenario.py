@@ -9,7 +9,7 @@
         - {fault: kill, target: feedback, at_s: 8}
 
 A scenario is a list of faults, each on a named ``target`` the test provides (a
-:class:`~faultkit.proxy.FaultProxy` link, or a :class:`Process` for ``pause``/``kill``, or a
+:class:`~forge_kit.testing.fault_proxy.FaultProxy` link, or a :class:`Process` for ``pause``/``kill``, or a
 :class:`~faultkit.host.SizedMount` for ``disk_full``), starting ``at_s`` seconds after the
 scenario starts and healed ``for_s`` later (``kill`` is instantaneous: the test's ``restart``
 brings the process back ``for_s`` later, if given). ``clock_skew`` (``offset_s``) is applied
@@ -29,8 +29,9 @@ from typing import Literal, Protocol
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from forge_kit.testing.fault_proxy import FaultProxy
+
 from .host import SizedMount, pause, resume, skewed_clock_env
-from .proxy import FaultProxy
 
 SCENARIOS = Path(__file__).resolve().parent.parent / "scenarios.yaml"
 FaultKind = Literal[
