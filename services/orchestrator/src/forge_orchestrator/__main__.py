@@ -22,6 +22,7 @@ from forge_orchestrator.canary_activities import CanaryActivities
 from forge_orchestrator.config import OrchestratorSettings
 from forge_orchestrator.cpt.activities import CptActivities
 from forge_orchestrator.deploy.activities import DeployActivities
+from forge_orchestrator.deploy.promotion import PromotionActivities, promotion_serving
 from forge_orchestrator.deploy.service import DeploymentService
 from forge_orchestrator.eval_activities import EvalActivities
 from forge_orchestrator.grant import StartGuard, grant_key
@@ -141,6 +142,21 @@ async def main() -> None:
         gateway_token,
     )
     app.add_on_stop(deploys.close)
+    deployments = DeploymentService(
+        client,
+        settings.task_queue,
+        forge_python=settings.deploy_forge_python,
+        vllm_python=settings.deploy_vllm_python,
+        poll_s=settings.deploy_poll_s,
+        scale_down_delay_s=settings.deploy_scale_down_delay_s,
+        grant_key=key,
+    )
+    promotions = PromotionActivities(
+        deployments,
+        promotion_serving(settings),
+        gateway_url=settings.inference_gateway_url or RlhfSettings().gateway_url,
+        gateway_token=gateway_token,
+    )
     app.add_background(
         build_worker(
             client,
@@ -150,6 +166,7 @@ async def main() -> None:
             extra_activities=[*sweeps.methods(), *CptActivities(tracker).methods(), *deploys.methods()],
             canary=canary,
             guard=guard,
+            promotions=promotions,
         ).run
     )
     app.add_on_stop(activities.close)
@@ -240,15 +257,6 @@ async def main() -> None:
     async def temporal_ready() -> bool:
         return await client.service_client.check_health(timeout=timedelta(seconds=2))
 
-    deployments = DeploymentService(
-        client,
-        settings.task_queue,
-        forge_python=settings.deploy_forge_python,
-        vllm_python=settings.deploy_vllm_python,
-        poll_s=settings.deploy_poll_s,
-        scale_down_delay_s=settings.deploy_scale_down_delay_s,
-        grant_key=key,
-    )
     api = OrchestratorApi(workflows, deployments)
     # Team tokens are the scheduler's: it says whom a presented token acts for.
     callers = SchedulerAuthenticator(settings.scheduler_target)

@@ -145,12 +145,47 @@ class OrchestratorSettings(ServiceSettings):
     deploy_scale_down_delay_s: float = Field(default=60.0, ge=0, le=86400)
     """How long an autoscaled deployment's gateway signal must stay lower before replicas are drained."""
 
+    promote_deploy: bool = False
+    """Promotions roll replicas: eval-and-promote deploys the candidate (``promote_deploy_*``) and
+    waits for its replicas before the canary split, and undeploys the version that lost."""
+
+    promote_deploy_engine: Literal["forge", "vllm"] = "forge"
+    """Engine of a promoted version's deployment."""
+
+    promote_deploy_team: str = Field(default="serving", min_length=1, max_length=52)
+    """Team whose inference pool a promoted version's replicas are placed in."""
+
+    promote_deploy_gpu_type: str = Field(default="", max_length=64)
+    """GPU type each replica asks for (required with ``promote_deploy``)."""
+
+    promote_deploy_gpu_count: int = Field(default=1, ge=1, le=64)
+    """GPUs per replica."""
+
+    promote_deploy_replicas: int = Field(default=1, ge=1, le=64)
+    """Replicas of a promoted version."""
+
+    promote_deploy_engine_args: list[str] = Field(default_factory=list, max_length=64)
+    """Engine arguments of each replica (as ``forge serve deploy --arg``)."""
+
+    promote_deploy_dir: str = ""
+    """Where a ``forge``-engine version's model folder is laid out (nodes must see the same
+    path); empty: ``<data_dir>/promoted``."""
+
+    promote_deploy_ready_timeout_s: float = Field(default=900.0, gt=0, le=86400)
+    """How long a promotion waits for the candidate's replicas before it is blocked."""
+
     retriever_target: str = "127.0.0.1:50055"
     """host:port of the retriever's gRPC server (wired by the platform table; no workflow calls it
     yet)."""
 
     retriever_token: SecretStr = NO_TOKEN
     """Bearer token the retriever accepts."""
+
+    @model_validator(mode="after")
+    def _promote_deploy_placeable(self) -> OrchestratorSettings:
+        if self.promote_deploy and not self.promote_deploy_gpu_type:
+            raise ValueError("promote_deploy needs promote_deploy_gpu_type (the GPU type replicas ask for)")
+        return self
 
     @model_validator(mode="after")
     def _temporal_tls_all_or_nothing(self) -> OrchestratorSettings:

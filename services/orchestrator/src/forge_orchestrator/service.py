@@ -32,6 +32,7 @@ from forge_orchestrator.activities import SchedulerActivities
 from forge_orchestrator.canary_activities import CanaryActivities
 from forge_orchestrator.cpt.model import CptInput, validate_cpt
 from forge_orchestrator.cpt.workflow import CptWorkflow
+from forge_orchestrator.deploy.promotion import PromotionActivities
 from forge_orchestrator.deploy.workflow import DeploymentWorkflow
 from forge_orchestrator.eval_activities import EvalActivities
 from forge_orchestrator.grant import MEMO_GRANT, sign
@@ -450,9 +451,11 @@ def build_worker(
     canary: CanaryActivities | None = None,
     *,
     guard: Interceptor | None,
+    promotions: PromotionActivities | None = None,
 ) -> Worker:
     """The Temporal worker of this process: every workflow of :data:`KINDS` and their activities
-    (``canary`` None: a guarded canary watches no gateway, so it sees no traffic). ``guard``: the
+    (``canary`` None: a guarded canary watches no gateway, so it sees no traffic; ``promotions``
+    None: promotions roll no replicas). ``guard``: the
     :class:`~forge_orchestrator.grant.StartGuard` the service runs with (None only in tests that
     start workflows on Temporal directly)."""
     methods: list[Callable[..., Any]] = [activities.ensure_team, activities.submit_job, activities.cancel_job]
@@ -468,6 +471,7 @@ def build_worker(
             eval_activities.rollout_state,
             eval_activities.decide_rollout,
             *(canary or CanaryActivities()).methods(),
+            *(promotions or PromotionActivities()).methods(),
         ]
     return Worker(
         client,

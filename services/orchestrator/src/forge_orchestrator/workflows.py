@@ -21,6 +21,7 @@ with workflow.unsafe.imports_passed_through():
     from forge_orchestrator.activities import SubmitJobInput
     from forge_orchestrator.canary import CanaryOutcome, guard_canary, policy_family
     from forge_orchestrator.canary_activities import CanaryActivities, PolicyInput
+    from forge_orchestrator.deploy.rollout import drain_version, serve_version
     from forge_orchestrator.eval_activities import (
         Comparison,
         EvalActivities,
@@ -219,9 +220,19 @@ class EvalAndPromoteResult:
     report_path: str = ""
     """The comparison report when compared with production, else the candidate run's report."""
     decision: str = ""
-    """``promoted``, ``blocked`` (by the eval comparison) or ``rolled_back`` (by the canary)."""
+    """``promoted``, ``blocked`` (by the eval comparison, or its replicas not ready in time) or
+    ``rolled_back`` (by the canary)."""
     canary: dict[str, Any] = field(default_factory=dict)
     """The guarded canary's decision, reason, timing, traffic and evidence (JSON)."""
+    deployment: str = ""
+    """The deployment serving the candidate (empty: promotions roll no replicas here)."""
+    drained: list[str] = field(default_factory=list)
+    """Deployments of the losing version that were drained and undeployed."""
+
+
+#: ``workflow.patched`` marker of the promotion's replica steps (histories from before it replay
+#: without them).
+ROLL_REPLICAS = "eval-and-promote-rolls-replicas"
 
 
 @workflow.defn(name="eval_and_promote")
@@ -236,10 +247,15 @@ class EvalAndPromoteWorkflow:
     3. wait for the runs (durable timers between polls); a failed run fails the workflow;
     4. compare with production: WORSE blocks the release and returns the reason and report;
        otherwise
-    5. promote to ``canary`` through eval's release gate (``ModelPromoted`` tells the gateway) at
+    5. where promotions roll replicas (:mod:`forge_orchestrator.deploy.rollout`), deploy the
+       candidate and wait until its replicas are in the gateway's pool (not ready in time: blocked,
+       and its deployment undeployed);
+    6. promote to ``canary`` through eval's release gate (``ModelPromoted`` tells the gateway) at
        the canary policy's traffic share, and guard it (:mod:`forge_orchestrator.canary`): the
        analysis of live traffic against production promotes it to ``production`` or rolls it
-       back. The first model (no production to compare with) goes straight on to production.
+       back. The first model (no production to compare with) goes straight on to production;
+    7. the loser (the rolled-back candidate, or the production model it replaced) is drained
+       once the gateway no longer routes to it, and its deployment undeployed.
     """
 
     def __init__(self) -> None:
@@ -331,7 +347,22 @@ class EvalAndPromoteWorkflow:
                 result.decision = "blocked"
                 self._step = "blocked"
                 return result
-        # 5. Canary, guarded; then production.
+        # 5. Replicas of the candidate, ready before any traffic is split to it.
+        rolling = False
+        if workflow.patched(ROLL_REPLICAS):
+            self._step = "deploying the candidate"
+            served = await serve_version(self._call, str(candidate), params.uri, params.poll_s)
+            result.deployment, rolling = served.deployment, bool(served.deployment)
+            if rolling and not served.ready:
+                result.blocked_reason = (
+                    f"the candidate's replicas ({served.deployment}) were not ready within "
+                    f"{served.ready_timeout_s:g}s: {served.message}"
+                )
+                result.decision = "blocked"
+                result.drained = await drain_version(self._call, str(candidate), params.poll_s)
+                self._step = "blocked"
+                return result
+        # 6. Canary, guarded; then production.
         reason = f"eval run {candidate_run}" + (
             f" vs {result.baseline}: {result.verdict}" if production else ""
         )
@@ -368,5 +399,10 @@ class EvalAndPromoteWorkflow:
         else:
             result.decision = "rolled_back"
             result.blocked_reason = f"canary rolled back ({outcome.decided_by}): {outcome.reason}"
+        # 7. The loser's replicas drained.
+        if rolling:
+            self._step = "draining the replaced version"
+            loser = production if outcome.decision == "promote" else candidate
+            result.drained = await drain_version(self._call, str(loser), params.poll_s)
         self._step = f"done: canary {outcome.decision}"
         return result

@@ -1,0 +1,465 @@
+"""Promotion rolls replicas, on real processes: the scheduler, a trainer agent (simulated ``SERVE``
+GPUs), the eval service and the inference gateway on the session's Kafka broker (``ModelPromoted``
+reaches the gateway as in production), the orchestrator with ``promote_deploy`` on (its
+``eval_and_promote`` and ``deployment`` workflows on the Temporal dev server), and Forge's model
+server on tiny Llamas, started by the agent as each version's replica jobs.
+
+1. the first version of ``tiny`` is deployed (its replica placed by the scheduler) before it is
+   promoted, and then serves ``forge-chat``;
+2. the second version's replica is placed and in the gateway's pool before the canary split names
+   it (sampled while the workflow deploys it); during the analysis the split sends the canary's
+   share of ``forge-chat`` to that replica, and the first version's replica serves the rest;
+3. an operator rolls the canary back: the workflow drains the second version — its replica
+   leaves the pool, its job is cancelled, its process is gone — and ``forge-chat`` is all first
+   version again;
+4. a third version, promoted by an operator during its canary: the first version (the production
+   it replaced) is drained the same way, and the third serves all of ``forge-chat``.
+
+The canary analysis is kept from deciding on its own (a window far longer than the test, more
+requests than it sends) so each outcome is the operator's, and known.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import FastAPI
+from forge.common.v1 import common_pb2
+from forge.eval.v1 import eval_pb2, eval_pb2_grpc
+from forge.orchestrator.v1 import orchestrator_pb2, orchestrator_pb2_grpc
+from forge.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
+from google.protobuf import json_format, struct_pb2
+
+from forge_kit.grpckit import make_channel
+from forge_kit.http import HttpServer
+from forge_kit.paths import data_dir
+from forge_kit.testing import ServiceProcess, TansuBroker, TemporalDevServer, eventkeys, eventually
+from forge_kit.testing.processes import free_port
+from forge_kit.testing.tiny_llama import save_tiny_llama
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.asyncio, pytest.mark.timeout(900)]
+SCHEDULER_TOKEN = "scheduler-test-token"  # the session scheduler's token (conftest)
+ORCHESTRATOR_TOKEN = "orchestrator-promote-token"
+GATEWAY_TOKEN = "gateway-promote-token"
+EVAL_TOKEN = "eval-promote-token"
+TENANT_KEY = "promote-tenant-key"
+BENCHMARKS = data_dir() / "benchmarks"
+WAIT_S = 300.0
+VERSIONS = ("v1", "v2", "v3")
+#: The analysis never decides within the test: each canary's end is an operator's.
+POLICY = """family: tiny
+version: 1
+traffic_percent: 50
+window_s: 3600
+interval_s: 1
+extension_s: 1
+max_extensions: 0
+min_requests: 1000000
+alpha: 0.05
+beta: 0.05
+metrics:
+  errors: {margin: 0.05, harm_margin: 0.0, tau: 0.10}
+"""
+
+
+def answering_endpoint() -> FastAPI:
+    """Eval's endpoint: every version answers each GSM8K question right, so each passes the gate."""
+    answers = {}
+    for line in (BENCHMARKS / "gsm8k" / "test.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        answers[row["question"]] = row["answer"].split("####")[-1].strip()
+    app = FastAPI()
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": f"tiny:{v}"} for v in VERSIONS]}
+
+    @app.post("/v1/completions")
+    async def completions(body: dict[str, Any]) -> dict[str, Any]:
+        prompts = body["prompt"] if isinstance(body["prompt"], list) else [body["prompt"]]
+        choices = []
+        for i, prompt in enumerate(prompts):
+            found = [(prompt.rfind(q), a) for q, a in answers.items() if q in prompt]
+            text = f" Let me think.\n#### {max(found)[1]}" if found else " I don't know."
+            choices.append({"index": i, "text": text, "finish_reason": "stop"})
+        return {"object": "text_completion", "choices": choices}
+
+    return app
+
+
+@pytest.fixture(scope="module")
+def platform(
+    start_scheduler: Any,
+    kafka_broker: TansuBroker,
+    temporal_server: TemporalDevServer,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[dict[str, Any]]:
+    root = tmp_path_factory.mktemp("promotion")
+    (root / "policies").mkdir()
+    (root / "policies" / "tiny.yaml").write_text(POLICY)
+    for i, version in enumerate(VERSIONS):
+        save_tiny_llama(root / "checkpoints" / version, seed=i, initializer_range=0.2)
+    started: list[ServiceProcess] = []
+
+    def start(process: ServiceProcess, timeout_s: float = 90) -> ServiceProcess:
+        started.append(process)
+        return process.start(timeout_s)
+
+    try:
+        # A scheduler of this module's own: its SERVE node must not linger on the session's.
+        scheduler = start_scheduler(root / "scheduler")
+        started.append(scheduler)
+        suffix = uuid.uuid4().hex[:8]
+        start(
+            ServiceProcess(
+                "forge_trainer_agent",
+                env={
+                    "FORGE_TRAINER_AGENT_GRPC_PORT": "0",
+                    "FORGE_TRAINER_AGENT_HTTP_PORT": "0",
+                    "FORGE_TRAINER_AGENT_DATA_DIR": str(root / "agent"),
+                    "FORGE_TRAINER_AGENT_KAFKA_ENABLED": "false",
+                    "FORGE_TRAINER_AGENT_AUTH_TOKEN": SCHEDULER_TOKEN,
+                    "FORGE_TRAINER_AGENT_SCHEDULER_TARGET": scheduler.grpc_target,
+                    "FORGE_TRAINER_AGENT_SCHEDULER_TOKEN": SCHEDULER_TOKEN,
+                    "FORGE_TRAINER_AGENT_NODE_NAME": f"promote-node-{suffix[:6]}",
+                    "FORGE_TRAINER_AGENT_GPUS": "SERVEx3",
+                    "FORGE_TRAINER_AGENT_JOB_SANDBOX": "",
+                    "FORGE_TRAINER_AGENT_STOP_GRACE_S": "10",
+                },
+                log_path=str(root / "agent.log"),
+            )
+        )
+        evals = start(
+            ServiceProcess(
+                "forge_eval",
+                env={
+                    "FORGE_EVAL_GRPC_PORT": "0",
+                    "FORGE_EVAL_HTTP_PORT": "0",
+                    "FORGE_EVAL_DATA_DIR": str(root / "eval"),
+                    "FORGE_EVAL_KAFKA_BOOTSTRAP": kafka_broker.bootstrap,
+                    **eventkeys.service_env("eval"),
+                    "FORGE_EVAL_AUTH_TOKEN": EVAL_TOKEN,
+                    "FORGE_EVAL_BENCHMARKS_DIR": str(BENCHMARKS),
+                },
+                log_path=str(root / "eval.log"),
+            )
+        )
+        gateway = start(
+            ServiceProcess(
+                "forge_inference_gateway",
+                env={
+                    "FORGE_INFERENCE_GATEWAY_GRPC_PORT": "0",
+                    "FORGE_INFERENCE_GATEWAY_HTTP_PORT": "0",
+                    "FORGE_INFERENCE_GATEWAY_AUTH_TOKEN": GATEWAY_TOKEN,
+                    "FORGE_INFERENCE_GATEWAY_DATA_DIR": str(root / "gateway"),
+                    "FORGE_INFERENCE_GATEWAY_KAFKA_BOOTSTRAP": kafka_broker.bootstrap,
+                    **eventkeys.service_env("inference_gateway"),
+                    # The setting needs one URL: a port nothing listens on, so only deployments serve.
+                    "FORGE_INFERENCE_GATEWAY_MODEL_SERVER_URL": f"http://127.0.0.1:{free_port()}",
+                    "FORGE_INFERENCE_GATEWAY_BOOTSTRAP_API_KEY": TENANT_KEY,
+                    "FORGE_INFERENCE_GATEWAY_RESPONSE_CACHE_TTL_S": "0",
+                    "FORGE_INFERENCE_GATEWAY_SCRAPE_TIMEOUT_S": "10",
+                },
+                cwd=str(root),
+                log_path=str(root / "gateway.log"),
+            )
+        )
+        orchestrator = start(
+            ServiceProcess(
+                "forge_orchestrator",
+                env={
+                    "FORGE_ORCHESTRATOR_GRPC_PORT": "0",
+                    "FORGE_ORCHESTRATOR_HTTP_PORT": "0",
+                    "FORGE_ORCHESTRATOR_AUTH_TOKEN": ORCHESTRATOR_TOKEN,
+                    "FORGE_ORCHESTRATOR_DATA_DIR": str(root / "orchestrator"),
+                    "FORGE_ORCHESTRATOR_KAFKA_ENABLED": "false",
+                    "FORGE_ORCHESTRATOR_TEMPORAL_TARGET": temporal_server.target,
+                    "FORGE_ORCHESTRATOR_TASK_QUEUE": f"forge-promote-{suffix}",
+                    "FORGE_ORCHESTRATOR_SCHEDULER_TARGET": scheduler.grpc_target,
+                    "FORGE_ORCHESTRATOR_SCHEDULER_TOKEN": SCHEDULER_TOKEN,
+                    "FORGE_ORCHESTRATOR_EVAL_TARGET": evals.grpc_target,
+                    "FORGE_ORCHESTRATOR_EVAL_TOKEN": EVAL_TOKEN,
+                    "FORGE_ORCHESTRATOR_INFERENCE_GATEWAY_URL": gateway.http_url,
+                    "FORGE_ORCHESTRATOR_INFERENCE_GATEWAY_TOKEN": GATEWAY_TOKEN,
+                    "FORGE_ORCHESTRATOR_GATEWAY_METRICS_URLS": f'["{gateway.http_url}/metrics"]',
+                    "FORGE_ORCHESTRATOR_CANARY_POLICY_DIR": str(root / "policies"),
+                    "FORGE_ORCHESTRATOR_DEPLOY_FORGE_PYTHON": sys.executable,
+                    "FORGE_ORCHESTRATOR_DEPLOY_POLL_S": "0.5",
+                    "FORGE_ORCHESTRATOR_PROMOTE_DEPLOY": "true",
+                    "FORGE_ORCHESTRATOR_PROMOTE_DEPLOY_TEAM": "serving",
+                    "FORGE_ORCHESTRATOR_PROMOTE_DEPLOY_GPU_TYPE": "SERVE",
+                    # Torch's decode attention: each replica (a HOME of its own) would otherwise
+                    # build the C++ kernel on its first request, over a minute on loaded cores.
+                    "FORGE_ORCHESTRATOR_PROMOTE_DEPLOY_ENGINE_ARGS": (
+                        '["torch_threads=1", "num_kv_blocks=64", "decode_attention=torch"]'
+                    ),
+                    "FORGE_ORCHESTRATOR_PROMOTE_DEPLOY_DIR": str(root / "promoted"),
+                    "FORGE_ORCHESTRATOR_PROMOTE_DEPLOY_READY_TIMEOUT_S": str(WAIT_S),
+                },
+                log_path=str(root / "orchestrator.log"),
+            )
+        )
+        yield {
+            "root": root,
+            "scheduler": scheduler,
+            "eval": evals,
+            "gateway": gateway,
+            "orchestrator": orchestrator,
+        }
+    finally:
+        for process in reversed(started):
+            process.stop()
+
+
+@pytest.fixture
+async def endpoint() -> AsyncIterator[str]:
+    server = HttpServer(answering_endpoint(), "127.0.0.1", 0)
+    await server.start()
+    yield f"http://127.0.0.1:{server.port}"
+    await server.stop()
+
+
+class Rig:
+    """The platform's clients, in the test's event loop."""
+
+    def __init__(self, platform: dict[str, Any], endpoint: str, channels: list[Any]) -> None:
+        self.root: Path = platform["root"]
+        self.gateway: ServiceProcess = platform["gateway"]
+        self.endpoint = endpoint
+        self.orchestrator = orchestrator_pb2_grpc.OrchestratorServiceStub(channels[0])
+        self.scheduler = scheduler_pb2_grpc.SchedulerServiceStub(channels[1])
+        self.eval = eval_pb2_grpc.EvalServiceStub(channels[2])
+        self.admin = httpx.AsyncClient(
+            base_url=self.gateway.http_url, headers={"Authorization": f"Bearer {GATEWAY_TOKEN}"}, timeout=30
+        )
+        self.api = httpx.AsyncClient(
+            base_url=self.gateway.http_url, headers={"Authorization": f"Bearer {TENANT_KEY}"}, timeout=120
+        )
+
+    async def release(self, version: str) -> str:
+        """Start eval-and-promote of ``tiny:version`` through the orchestrator's front door."""
+        params = {
+            "model_name": "tiny",
+            "model_version": version,
+            "uri": str(self.root / "checkpoints" / version),
+            "suite": "gsm8k",
+            "limit": 4,
+            "endpoint": self.endpoint,
+            "canary_policy": "tiny",
+            "poll_s": 0.5,
+            "run_timeout_s": 300,
+        }
+        reply = await self.orchestrator.StartWorkflow(
+            orchestrator_pb2.StartWorkflowRequest(
+                workflow_type="eval_and_promote",
+                input=json_format.ParseDict(params, struct_pb2.Struct()),
+                workflow_id=f"promote-{version}-{uuid.uuid4().hex[:6]}",
+            ),
+            timeout=30,
+        )
+        return str(reply.workflow_id)
+
+    async def workflow(self, workflow_id: str) -> orchestrator_pb2.GetWorkflowResponse:
+        return await self.orchestrator.GetWorkflow(
+            orchestrator_pb2.GetWorkflowRequest(workflow_id=workflow_id), timeout=30
+        )
+
+    async def result(self, workflow_id: str) -> dict[str, Any]:
+        async def done() -> dict[str, Any] | None:
+            reply = await self.workflow(workflow_id)
+            if reply.status == orchestrator_pb2.WORKFLOW_STATUS_RUNNING:
+                return None
+            assert reply.status == orchestrator_pb2.WORKFLOW_STATUS_COMPLETED, reply.error
+            return json_format.MessageToDict(reply.result)
+
+        return await eventually(done, timeout_s=WAIT_S, interval_s=0.5, what=f"{workflow_id} to end")
+
+    async def step(self, workflow_id: str) -> str:
+        reply = await self.workflow(workflow_id)
+        return str(json_format.MessageToDict(reply.progress).get("step", ""))
+
+    async def deployment(self, name: str) -> orchestrator_pb2.Deployment | None:
+        listed = await self.orchestrator.ListDeployments(
+            orchestrator_pb2.ListDeploymentsRequest(), timeout=30
+        )
+        return next((d for d in listed.deployments if d.spec.name == name), None)
+
+    async def pool(self) -> set[str]:
+        reply = await self.admin.get("/admin/v1/replicas")
+        reply.raise_for_status()
+        return {r["url"] for r in reply.json()["replicas"] if r.get("source") == "admin"}
+
+    async def split(self) -> tuple[str, str, int]:
+        """``forge-chat``'s stable model, its canary and the canary's weight."""
+        reply = await self.admin.get("/admin/v1/aliases")
+        reply.raise_for_status()
+        for alias in reply.json()["aliases"]:
+            if alias["alias"] == "forge-chat":
+                stable = f"{alias['model']['name']}:{alias['model']['version']}"
+                canary = alias.get("canary") or {}
+                split = canary.get("model") or {}
+                name = f"{split['name']}:{split['version']}" if split else ""
+                return stable, name, int(canary.get("weight") or 0)
+        return "", "", 0
+
+    async def split_is(self, stable: str, canary: tuple[str, int] | None = None) -> bool:
+        now_stable, now_canary, weight = await self.split()
+        return now_stable == stable and (canary is None or (now_canary, weight) == canary)
+
+    async def served_by(self, requests: int) -> Counter[str]:
+        """Which model version answered each of ``requests`` chats (distinct users: the split is
+        sticky per user)."""
+        seen: Counter[str] = Counter()
+        for i in range(requests):
+            body = {
+                "model": "forge-chat",
+                "messages": [{"role": "user", "content": "To be, or not"}],
+                "max_tokens": 2,
+                "user": f"user-{uuid.uuid4().hex}-{i}",
+            }
+            reply = await self.api.post("/v1/chat/completions", json=body)
+            assert reply.status_code == 200, reply.text
+            seen[reply.headers.get("x-forge-model", "")] += 1
+        return seen
+
+    async def routed_to(self, url: str) -> float:
+        """Requests the gateway sent to the replica at ``url`` (its ``forge_gateway_routed_total``)."""
+        text = (await self.admin.get("/metrics")).text
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith("forge_gateway_routed_total{") and f'replica="{url}"' in line:
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+    async def decide(self, version: str, decision: str) -> None:
+        await self.eval.DecideRollout(
+            eval_pb2.DecideRolloutRequest(
+                ref=common_pb2.ModelRef(name="tiny", version=version),
+                decision=decision,
+                reason=f"operator {decision} in the promotion test",
+            ),
+            timeout=30,
+        )
+
+
+@pytest.fixture
+async def rig(platform: dict[str, Any], endpoint: str) -> AsyncIterator[Rig]:
+    async with (
+        make_channel(platform["orchestrator"].grpc_target, token=ORCHESTRATOR_TOKEN) as o,
+        make_channel(platform["scheduler"].grpc_target, token=SCHEDULER_TOKEN) as s,
+        make_channel(platform["eval"].grpc_target, token=EVAL_TOKEN) as e,
+    ):
+        rig = Rig(platform, endpoint, [o, s, e])
+        yield rig
+        await rig.admin.aclose()
+        await rig.api.aclose()
+
+
+def _pids_of(job_id: str) -> list[int]:
+    """Processes started for ``job_id`` (the agent puts FORGE_JOB_ID in their environment)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"FORGE_JOB_ID={job_id}".encode() in environ:
+            found.append(int(entry.name))
+    return found
+
+
+async def _ready_replica(rig: Rig, deployment: str) -> orchestrator_pb2.DeploymentReplica:
+    async def ready() -> orchestrator_pb2.DeploymentReplica | None:
+        d = await rig.deployment(deployment)
+        return d.replicas[0] if d is not None and d.ready_replicas == 1 else None
+
+    return await eventually(ready, timeout_s=WAIT_S, interval_s=0.5, what=f"{deployment} ready")
+
+
+async def _drained(rig: Rig, deployment: str, replica: orchestrator_pb2.DeploymentReplica) -> None:
+    """``deployment``'s replica is out of the pool, its job cancelled, its process gone and the
+    deployment ended."""
+
+    async def gone() -> bool:
+        job = (await rig.scheduler.GetJob(scheduler_pb2.GetJobRequest(job_id=replica.job_id), timeout=30)).job
+        return (
+            replica.endpoint not in await rig.pool()
+            and job.state == common_pb2.JOB_STATE_CANCELLED
+            and not _pids_of(replica.job_id)
+            and await rig.deployment(deployment) is None
+        )
+
+    await eventually(gone, timeout_s=WAIT_S, interval_s=0.5, what=f"{deployment} drained")
+
+
+async def _canary_split_waits_for_replicas(rig: Rig, workflow_id: str, version: str) -> None:
+    """Until the workflow analyses the canary: whenever the gateway splits ``forge-chat`` to the
+    version, its deployment has its replica ready in the gateway's pool."""
+    deployment = f"tiny-{version}"
+    sampled_before_split = 0
+
+    async def analysing() -> bool:
+        nonlocal sampled_before_split
+        _, canary, weight = await rig.split()
+        d = await rig.deployment(deployment)
+        if canary == f"tiny:{version}" and weight:
+            assert d is not None and d.ready_replicas == 1, "traffic split before the replica was ready"
+            assert {r.endpoint for r in d.replicas} <= await rig.pool()
+        else:
+            sampled_before_split += 1
+        return await rig.step(workflow_id) == "canary analysis"
+
+    await eventually(analysing, timeout_s=WAIT_S, interval_s=0.3, what=f"tiny:{version} in canary")
+    assert sampled_before_split > 0
+
+
+async def test_promotion_rolls_replicas_and_rollback_or_promotion_drains_the_loser(rig: Rig) -> None:
+    # 1. The first version: deployed, then straight to production.
+    first = await rig.result(await rig.release("v1"))
+    assert first["decision"] == "promoted" and first["promoted_to"] == ["canary", "production"]
+    assert first["deployment"] == "tiny-v1"
+    v1 = await _ready_replica(rig, "tiny-v1")
+    await eventually(lambda: rig.split_is("tiny:v1"), timeout_s=WAIT_S, what="forge-chat to name tiny:v1")
+    assert await rig.served_by(4) == Counter({"tiny:v1": 4})
+
+    # 2. The second version: its replica ready before the split names it, then it takes its share.
+    second = await rig.release("v2")
+    await _canary_split_waits_for_replicas(rig, second, "v2")
+    v2 = await _ready_replica(rig, "tiny-v2")
+    assert {v1.endpoint, v2.endpoint} <= await rig.pool() and v1.endpoint != v2.endpoint
+    await eventually(
+        lambda: rig.split_is("tiny:v1", ("tiny:v2", 50)), timeout_s=WAIT_S, what="forge-chat split to tiny:v2"
+    )
+    before = await rig.routed_to(v2.endpoint)
+    seen = await rig.served_by(40)
+    assert set(seen) == {"tiny:v1", "tiny:v2"} and 8 <= seen["tiny:v2"] <= 32, seen
+    assert await rig.routed_to(v2.endpoint) - before >= seen["tiny:v2"]
+
+    # 3. An operator rolls the canary back: the second version is drained.
+    await rig.decide("v2", "rollback")
+    rolled = await rig.result(second)
+    assert rolled["decision"] == "rolled_back" and rolled["drained"] == ["tiny-v2"]
+    await _drained(rig, "tiny-v2", v2)
+    assert await rig.served_by(12) == Counter({"tiny:v1": 12})
+
+    # 4. A third version promoted by an operator: the production it replaced is drained.
+    third = await rig.release("v3")
+    await _canary_split_waits_for_replicas(rig, third, "v3")
+    v3 = await _ready_replica(rig, "tiny-v3")
+    await rig.decide("v3", "promote")
+    promoted = await rig.result(third)
+    assert promoted["decision"] == "promoted" and promoted["promoted_to"] == ["canary", "production"]
+    assert promoted["drained"] == ["tiny-v1"]
+    await _drained(rig, "tiny-v1", v1)
+    assert v3.endpoint in await rig.pool()
+    assert await rig.served_by(12) == Counter({"tiny:v3": 12})
