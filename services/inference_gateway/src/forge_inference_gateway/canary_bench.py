@@ -1,14 +1,25 @@
 """``forge bench canary --out DIR``: the guarded canary's analysis on live traffic through the gateway.
 
-Real: one model_server process serves a random tiny Llama; four replicas in front of it
-(:mod:`forge_inference_gateway.fault_replica`, in this process, so every model takes the same extra
-hop) serve that checkpoint as ``prod`` (production) and ``identical`` unchanged, as ``errors``
-(5 % of requests answered 500) and as ``slow`` (every piece of an answer held back so TTFT and
-inter-token latency take 1.5x); a gateway process routes to the four. The alias ``forge-chat`` names ``prod``; each candidate in turn becomes its canary at
-the policy's share (``policies/canary/bench.yaml``), sticky per ``user``. Streamed completions
-arrive at a fixed rate; every ``interval_s`` the gateway's ``/metrics`` are read and
-:func:`forge_kit.canary.analyze` (the orchestrator's analysis) decides, until ``promote`` or
-``rollback`` or the window (with its extensions) ends.
+Real: each model is a replica of its own, a model_server process serving a random tiny Llama
+(the same weights for all four), behind the same kind of front (:mod:`forge_inference_gateway.
+fault_replica`, in this process, so every model takes the same extra hop): ``prod`` (production)
+and ``identical`` unchanged, ``errors`` (5 % of requests answered 500) and ``slow``, whose front
+reaches its model server through a delaying TCP proxy (:class:`forge_kit.testing.fault_proxy.
+FaultProxy`): every chunk each way arrives later, so each request's TTFT at the client grows by
+``--slowdown`` (0.5) x production's client TTFT p95 under the run's load (measured first, with
+the identical candidate: a delay sized on an idle replica vanished in the spread of a loaded
+one). A gateway process routes to the four. The alias ``forge-chat`` names ``prod``.
+
+1. preflight: the injected faults must reach the client before any rule is judged. Requests for
+   each candidate and for ``prod`` take turns at the run's fixed rate (pinned by name, through
+   the gateway); a faulty
+   candidate whose faults are not measurable at the client (``slow``: its TTFT median not above
+   production's by half the injected delay; ``errors``: no more errors than production) is
+   reported ``arms_not_different`` and not judged;
+2. each candidate in turn becomes the canary at the policy's share (``policies/canary/bench.yaml``),
+   sticky per ``user``. Streamed completions arrive at a fixed rate; every ``interval_s`` the
+   gateway's ``/metrics`` are read and :func:`forge_kit.canary.analyze` (the orchestrator's
+   analysis) decides, until ``promote`` or ``rollback`` or the window (with its extensions) ends.
 
 Resampled: the false-rollback rate over ``--repetitions`` seeded repetitions replays the same
 sequential analysis (same policy, rate, share and looks) on per-request outcomes drawn with
@@ -16,8 +27,8 @@ replacement from those the client recorded in the real run of each candidate and
 (status, TTFT, mean inter-token gap; a 5xx the gateway relays as 502 stays an error).
 
 Writes ``DIR/summary.json``: ``candidates.{identical,errors,slow}.{decision,decided_after_s,
-requests_seen}`` from the real runs, ``false_rollback_rate`` (identical candidate, resampled) and
-every figure behind them.
+requests_seen}`` from the real runs (with each one's ``preflight``), ``false_rollback_rate``
+(identical candidate, resampled) and every figure behind them.
 """
 
 from __future__ import annotations
@@ -32,6 +43,7 @@ from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any
+from urllib.parse import urlsplit
 
 import httpx
 import numpy as np
@@ -49,6 +61,7 @@ from forge_kit.canary import (
 )
 from forge_kit.http import HttpServer
 from forge_kit.testing import ServiceProcess
+from forge_kit.testing.fault_proxy import FaultProxy
 
 TOKEN = "bench-canary-token"
 API_KEY = "bench-canary-key"
@@ -56,8 +69,13 @@ PRODUCTION = "prod"
 CANDIDATES: dict[str, dict[str, float]] = {
     "identical": {},
     "errors": {"error_rate": 0.05},
-    "slow": {"slowdown": 0.5},
+    "slow": {},
 }
+IDENTICAL = "identical"
+#: The candidate whose replica is reached through the delaying proxy.
+SLOW = "slow"
+#: Requests per arm in a candidate's preflight (at 5 % injected errors, 0 of 100 has p = 0.006).
+PREFLIGHT_REQUESTS = 100
 WORDS = [
     "the",
     "quick",
@@ -96,9 +114,11 @@ class Sent:
     at_s: float
 
 
-async def send(client: httpx.AsyncClient, user: str, prompt: str, max_tokens: int, t0: float) -> Sent:
+async def send(
+    client: httpx.AsyncClient, user: str, prompt: str, max_tokens: int, t0: float, model: str = "forge-chat"
+) -> Sent:
     body = {
-        "model": "forge-chat",
+        "model": model,
         "prompt": prompt,
         "max_tokens": max_tokens,
         "temperature": 0.0,
@@ -238,7 +258,7 @@ def resampled(
             return result.decision, round(t, 3), len(c_all)
 
 
-def start_model_server(models: Path, work: Path, threads: int) -> ServiceProcess:
+def start_model_server(models: Path, work: Path, threads: int, name: str) -> ServiceProcess:
     return ServiceProcess(
         "forge_model_server",
         env={
@@ -251,7 +271,7 @@ def start_model_server(models: Path, work: Path, threads: int) -> ServiceProcess
             "FORGE_MODEL_SERVER_LOG_LEVEL": "WARNING",
         },
         cwd=str(work),
-        log_path=str(work / "model_server.log"),
+        log_path=str(work / f"model_server-{name}.log"),
     ).start(180)
 
 
@@ -269,6 +289,8 @@ def start_gateway(replicas: list[str], work: Path) -> ServiceProcess:
             "FORGE_INFERENCE_GATEWAY_BOOTSTRAP_API_KEY": API_KEY,
             "FORGE_INFERENCE_GATEWAY_DEFAULT_RPM_LIMIT": "100000000",
             "FORGE_INFERENCE_GATEWAY_RESPONSE_CACHE_TTL_S": "0",
+            # The slow replica's scrapes cross the delaying proxy too: no ejection for that.
+            "FORGE_INFERENCE_GATEWAY_SCRAPE_TIMEOUT_S": "10",
             "FORGE_INFERENCE_GATEWAY_LOG_LEVEL": "WARNING",
         },
         cwd=str(work),
@@ -291,37 +313,128 @@ async def wait_routable(gateway: str, models: list[str]) -> None:
                 await client.post("/v1/completions", json=body)
 
 
-async def run_bench(out: Path, policy: CanaryPolicy, args: dict[str, Any]) -> dict[str, Any]:
+async def measure(
+    gateway: str, arms: list[str], n: int, rate: float, max_tokens: int, seed: int
+) -> dict[str, list[Sent]]:
+    """``n`` streamed requests per arm, pinned by model name, the arms taking turns at ``rate``
+    requests/s in all (a canary run's load, split as the policy's 50 % splits it)."""
+    rng = random.Random(seed)
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
+    async with httpx.AsyncClient(base_url=gateway, headers=headers, timeout=60, limits=limits) as client:
+        t0 = time.perf_counter()
+        tasks: list[tuple[str, asyncio.Task[Sent]]] = []
+        for i in range(n * len(arms)):
+            await asyncio.sleep(max(0.0, t0 + i / rate - time.perf_counter()))
+            arm = arms[i % len(arms)]
+            prompt = " ".join(rng.choice(WORDS) for _ in range(12))
+            user = f"pre-{rng.randrange(10**6)}"
+            tasks.append((arm, asyncio.create_task(send(client, user, prompt, max_tokens, t0, arm))))
+        sent = await asyncio.gather(*(task for _, task in tasks))
+    out: dict[str, list[Sent]] = {arm: [] for arm in arms}
+    for (arm, _), one in zip(tasks, sent, strict=True):
+        out[arm].append(one)
+    return out
+
+
+def _ttft_ms(sent: list[Sent], q: float) -> float | None:
+    ttft = [s.ttft_s for s in sent if s.ttft_s is not None]
+    return round(1000 * float(np.percentile(ttft, q)), 2) if ttft else None
+
+
+def _error_rate(sent: list[Sent]) -> float:
+    return round(sum(s.status != "200" for s in sent) / max(1, len(sent)), 4)
+
+
+def preflight(name: str, candidate: list[Sent], production: list[Sent], injected_ms: float) -> dict[str, Any]:
+    """Whether ``name``'s injected fault is measurable at the client (step 1 of the module docstring)."""
+    c50, p50 = _ttft_ms(candidate, 50), _ttft_ms(production, 50)
+    c_err, p_err = _error_rate(candidate), _error_rate(production)
+    if name == SLOW:
+        differs = c50 is not None and p50 is not None and c50 - p50 >= injected_ms / 2
+    elif CANDIDATES[name].get("error_rate"):
+        differs = c_err > p_err
+    else:
+        differs = None  # nothing injected: nothing that must differ
+    return {
+        "requests_per_arm": len(candidate),
+        "candidate_ttft_p50_ms": c50,
+        "production_ttft_p50_ms": p50,
+        "candidate_error_rate": c_err,
+        "production_error_rate": p_err,
+        "injected_ttft_ms": round(injected_ms, 2) if name == SLOW else 0.0,
+        "arms_differ": differs,
+    }
+
+
+async def run_bench(out: Path, policy: CanaryPolicy, args: dict[str, Any]) -> dict[str, dict[str, Any]]:
     from forge_kit.testing.tiny_llama import save_tiny_llama
 
     work = Path(tempfile.mkdtemp(prefix="canary-bench-"))
-    models = work / "models"
-    save_tiny_llama(models / PRODUCTION, seed=args["seed"], hidden=args["hidden"], layers=args["layers"])
-    server = start_model_server(models, work, args["threads"])
+    servers: dict[str, ServiceProcess] = {}
     wrappers: list[HttpServer] = []
+    proxy: FaultProxy | None = None
     gateway_process: ServiceProcess | None = None
+    runs: dict[str, dict[str, Any]] = {}
     try:
-        for name, faults in {PRODUCTION: {}, **CANDIDATES}.items():
+        # Every model a replica of its own, the same weights in each.
+        for name in (PRODUCTION, *CANDIDATES):
+            save_tiny_llama(
+                work / name / name, seed=args["seed"], hidden=args["hidden"], layers=args["layers"]
+            )
+            servers[name] = start_model_server(work / name, work, args["threads"], name)
+        upstream = urlsplit(servers[SLOW].http_url)
+        proxy = FaultProxy((upstream.hostname or "127.0.0.1", upstream.port or 80), name=SLOW).start()
+        for name in (PRODUCTION, *CANDIDATES):
+            server = f"http://{proxy.address}" if name == SLOW else servers[name].http_url
             app = fault_replica(
-                server.http_url, name=name, serves=PRODUCTION, token=TOKEN, seed=args["seed"], **faults
+                server, name=name, serves=name, token=TOKEN, seed=args["seed"], **CANDIDATES.get(name, {})
             )
             wrapper = HttpServer(app, "127.0.0.1", 0)
             await wrapper.start()
             wrappers.append(wrapper)
-        replica_urls = [f"http://127.0.0.1:{w.port}" for w in wrappers]
-        gateway_process = start_gateway(replica_urls, work)
+        gateway_process = start_gateway([f"http://127.0.0.1:{w.port}" for w in wrappers], work)
         gateway = gateway_process.http_url
         async with httpx.AsyncClient(base_url=gateway, headers={"Authorization": f"Bearer {TOKEN}"}) as admin:
             (
                 await admin.put("/admin/v1/aliases/forge-chat", json={"model": {"name": PRODUCTION}})
             ).raise_for_status()
         await wait_routable(gateway, [PRODUCTION, *CANDIDATES])
-        runs: dict[str, dict[str, Any]] = {}
+        # Calibration, which is also the identical candidate's preflight: production's client TTFT
+        # p95 with the fixed-rate traffic split between two replicas, as in a canary run; the slow
+        # candidate's delay is a share of it.
+        calibration = await measure(
+            gateway,
+            [IDENTICAL, PRODUCTION],
+            PREFLIGHT_REQUESTS,
+            args["rate"],
+            args["max_tokens"],
+            args["seed"],
+        )
+        injected_ms = args["slowdown"] * (_ttft_ms(calibration[PRODUCTION], 95) or 0.0)
+        # Each chunk is held once each way: the request going up, then the first answer coming down.
+        proxy.configure(latency_s=injected_ms / 2000)
         for i, name in enumerate(CANDIDATES):
+            arms = calibration
+            if name != IDENTICAL:
+                arms = await measure(
+                    gateway,
+                    [name, PRODUCTION],
+                    PREFLIGHT_REQUESTS,
+                    args["rate"],
+                    args["max_tokens"],
+                    args["seed"] + 100 + i,
+                )
+            check = preflight(name, arms[name], arms[PRODUCTION], injected_ms)
+            typer.echo(f"preflight {name}: {json.dumps(check)}", err=True)
+            if check["arms_differ"] is False:
+                runs[name] = {"decision": "arms_not_different", "preflight": check, "client": []}
+                continue
             typer.echo(f"canary {name}: fixed {args['rate']:g} req/s through the gateway …", err=True)
             runs[name] = await real_run(
                 gateway, name, policy, args["rate"], args["max_tokens"], args["seed"] + i
             )
+            runs[name]["preflight"] = check
             typer.echo(
                 f"  {runs[name]['decision']} after {runs[name]['decided_after_s']:.1f}s, "
                 f"{runs[name]['requests_seen']} canary requests ({runs[name]['reason']})",
@@ -332,7 +445,10 @@ async def run_bench(out: Path, policy: CanaryPolicy, args: dict[str, Any]) -> di
             gateway_process.stop()
         for wrapper in wrappers:
             await wrapper.stop()
-        server.stop()
+        if proxy is not None:
+            proxy.stop()
+        for process in servers.values():
+            process.stop()
     shutil.rmtree(work, ignore_errors=True)
     return runs
 
@@ -345,6 +461,16 @@ def summarize(runs: dict[str, dict[str, Any]], policy: CanaryPolicy, args: dict[
     repetitions: dict[str, Any] = {}
     deadline = policy.deadline_s(policy.max_extensions)
     for name, run in runs.items():
+        if not run["client"]:
+            # Not judged: the injected fault did not reach the client (the preflight says how far).
+            candidates[name] = {
+                "decision": run["decision"],
+                "decided_after_s": None,
+                "requests_seen": 0,
+                "within_window": False,
+                "preflight": run["preflight"],
+            }
+            continue
         pool = [outcome_of(o) for o in run["client"] if o["arm"] == name]
         # Each candidate against the production requests of its own run (the same minutes of load).
         own = [outcome_of(o) for o in run["client"] if o["arm"] == PRODUCTION]
@@ -358,6 +484,7 @@ def summarize(runs: dict[str, dict[str, Any]], policy: CanaryPolicy, args: dict[
         client = [o for o in run["client"] if o["arm"] == name]
         ttft = [o["ttft_s"] for o in client if o["ttft_s"] is not None]
         itl = [o["itl_s"] for o in client if o["itl_s"] is not None]
+        own_ttft = [o["ttft_s"] for o in run["client"] if o["arm"] == PRODUCTION and o["ttft_s"] is not None]
         candidates[name] = {
             "decision": run["decision"],
             "decided_after_s": run["decided_after_s"],
@@ -368,24 +495,29 @@ def summarize(runs: dict[str, dict[str, Any]], policy: CanaryPolicy, args: dict[
             "client_error_rate": round(sum(o["status"] != "200" for o in client) / max(1, len(client)), 4),
             "client_ttft_p95_ms": round(1000 * float(np.percentile(ttft, 95)), 2) if ttft else None,
             "client_itl_p95_ms": round(1000 * float(np.percentile(itl, 95)), 2) if itl else None,
+            "production_client_ttft_p95_ms": (
+                round(1000 * float(np.percentile(own_ttft, 95)), 2) if own_ttft else None
+            ),
+            "preflight": run["preflight"],
             "evidence": run["evidence"],
         }
     p_ttft = [o.ttft_s for o in production_pool if o.ttft_s is not None]
     p_itl = [o.itl_s for o in production_pool if o.itl_s is not None]
-    identical = repetitions["identical"]["decisions"]
+    identical = repetitions.get("identical", {}).get("decisions", {})
     false_rollback = identical.get("rollback", 0) / args["repetitions"]
     met = {
         "identical_promoted": candidates["identical"]["decision"] == "promote",
         "errors_rolled_back": candidates["errors"]["decision"] == "rollback",
         "slow_rolled_back": candidates["slow"]["decision"] == "rollback",
         "within_window": all(c["within_window"] for c in candidates.values()),
+        "faults_reached_client": all(c["preflight"]["arms_differ"] is not False for c in candidates.values()),
         "false_rollback_rate_at_most_0.05": false_rollback <= 0.05,
     }
     return {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "command": (
             f"forge bench canary --out {args['out']} --rate {args['rate']:g} --repetitions {args['repetitions']}"
-            f" --policy {policy.family} --seed {args['seed']}"
+            f" --policy {policy.family} --seed {args['seed']} --slowdown {args['slowdown']:g}"
         ),
         "policy": policy.model_dump(),
         "rate_rps": args["rate"],
@@ -418,9 +550,12 @@ def canary(
     threads: Annotated[int, typer.Option(min=1, max=64, help="Model server torch threads.")] = 1,
     hidden: Annotated[int, typer.Option(min=16, max=1024)] = 64,
     layers: Annotated[int, typer.Option(min=1, max=16)] = 2,
+    slowdown: Annotated[
+        float, typer.Option(min=0.05, max=10, help="The slow candidate's added TTFT, x production's p95.")
+    ] = 0.5,
     seed: int = 0,
 ) -> None:
-    """Production and three candidates (identical, 5 % errors, +50 % latency) through the gateway."""
+    """Production and three candidates (identical, 5 % errors, +50 % TTFT) on replicas of their own."""
     policy = load_policy(policy_family)
     args = {
         "out": str(out),
@@ -431,6 +566,7 @@ def canary(
         "hidden": hidden,
         "layers": layers,
         "seed": seed,
+        "slowdown": slowdown,
     }
     out.mkdir(parents=True, exist_ok=True)
     runs = asyncio.run(run_bench(out, policy, args))

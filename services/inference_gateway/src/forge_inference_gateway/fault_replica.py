@@ -1,12 +1,12 @@
 """A fault-injecting replica: an OpenAI-compatible front for a real model server that serves one
-of its models under another name, with injected errors or added latency (``forge bench canary``'s
-bad candidates).
+of its models under another name, with injected errors (``forge bench canary``'s replicas, each
+behind one, so every model takes the same extra hop).
 
-* ``error_rate``: that share of generation requests (seeded draws) is answered HTTP 500 at once;
-* ``slowdown``: every piece of an answer is held back by ``slowdown`` x the time the model server
-  took to produce it (the first streamed bytes by ``slowdown`` x TTFT, each later chunk by
-  ``slowdown`` x its gap), so TTFT, inter-token latency and the whole answer take
-  ``1 + slowdown`` times as long.
+* ``error_rate``: that share of generation requests (seeded draws) is answered HTTP 500 at once.
+
+Latency is not injected here (a delay scaled to the model server's own time per chunk was a small
+part of what the client waits, and never showed there): ``forge bench canary`` puts a
+delaying TCP proxy between the front and the slow candidate's model server instead.
 
 Everything else (``/v1/models`` lists only ``name``; ``/metrics`` and ``/health`` are the model
 server's) passes through, so the gateway routes, scrapes and health-checks it like any replica.
@@ -14,9 +14,7 @@ server's) passes through, so the gateway routes, scrapes and health-checks it li
 
 from __future__ import annotations
 
-import asyncio
 import random
-import time
 from collections.abc import AsyncIterator
 
 import httpx
@@ -31,12 +29,11 @@ def fault_replica(
     serves: str,
     token: str = "",
     error_rate: float = 0.0,
-    slowdown: float = 0.0,
     seed: int = 0,
 ) -> FastAPI:
     """The app: requests for ``name`` go to ``upstream``'s model ``serves``, with the faults."""
-    if not 0 <= error_rate <= 1 or slowdown < 0:
-        raise ValueError("error_rate must be in [0, 1] and slowdown >= 0")
+    if not 0 <= error_rate <= 1:
+        raise ValueError("error_rate must be in [0, 1]")
     rng = random.Random(seed)
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     client = httpx.AsyncClient(base_url=upstream, headers=headers, timeout=httpx.Timeout(120.0))
@@ -69,9 +66,7 @@ def fault_replica(
         body["model"] = serves
         try:
             if not body.get("stream"):
-                started = time.perf_counter()
                 whole = await client.post(path, json=body)
-                await asyncio.sleep(slowdown * (time.perf_counter() - started))
                 return Response(whole.content, status_code=whole.status_code, media_type="application/json")
             reply = await client.send(client.build_request("POST", path, json=body), stream=True)
         except httpx.HTTPError as exc:
@@ -85,12 +80,8 @@ def fault_replica(
             return Response(content, status_code=reply.status_code, media_type="application/json")
 
         async def relay() -> AsyncIterator[bytes]:
-            last = time.perf_counter()
             try:
                 async for chunk in reply.aiter_raw():
-                    now = time.perf_counter()
-                    await asyncio.sleep(slowdown * (now - last))
-                    last = time.perf_counter()
                     yield chunk
             finally:
                 await reply.aclose()

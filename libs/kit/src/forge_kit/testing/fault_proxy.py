@@ -97,6 +97,7 @@ class FaultProxy:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._open: dict[str, asyncio.Event] = {}
         self._writers: set[asyncio.StreamWriter] = set()
+        self._connections: set[asyncio.Task[None]] = set()
         self._ready = threading.Event()
         self._stopping: asyncio.Event | None = None
         self._thread: threading.Thread | None = None
@@ -197,10 +198,18 @@ class FaultProxy:
             await self._stopping.wait()
             server.close()
             self._cut_all()
+            # Let the cut connections end on their own, not be cancelled by the loop's shutdown
+            # (which logs each as an error nobody retrieved).
+            if self._connections:
+                await asyncio.wait(self._connections, timeout=2)
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.stats.connections += 1
         self._writers.add(writer)
+        task = asyncio.current_task()
+        if task is not None:
+            self._connections.add(task)
+            task.add_done_callback(self._connections.discard)
         try:
             if self._random.random() < self._faults.reset:
                 self.stats.resets += 1
