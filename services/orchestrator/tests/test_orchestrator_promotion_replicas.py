@@ -197,7 +197,7 @@ def platform(
                     "FORGE_ORCHESTRATOR_PROMOTE_DEPLOY_TEAM": "serving",
                     "FORGE_ORCHESTRATOR_PROMOTE_DEPLOY_GPU_TYPE": "SERVE",
                     # Torch's decode attention: each replica (a HOME of its own) would otherwise
-                    # build the C++ kernel on its first request, over a minute on loaded cores.
+                    # build the C++ kernel before it answers, over a minute on loaded cores.
                     "FORGE_ORCHESTRATOR_PROMOTE_DEPLOY_ENGINE_ARGS": (
                         '["torch_threads=1", "num_kv_blocks=64", "decode_attention=torch"]'
                     ),
