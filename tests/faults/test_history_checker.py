@@ -6,7 +6,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from faultkit.history import History, check_aliases, check_copies, check_jobs, check_writes, verdict
+from faultkit.history import (
+    History,
+    check_aliases,
+    check_copies,
+    check_jobs,
+    check_resumes,
+    check_writes,
+    verdict,
+)
 
 
 def acked(history: History, process: str, key: str, f: str = "write") -> None:
@@ -94,3 +102,15 @@ def test_a_copy_missing_or_repeating_what_the_source_holds_is_named() -> None:
     copy = {"p2": 2, "p3": 1}
     result = verdict(h, check_copies(source, copy, what="the consumer"))
     assert result.kinds() == {"lost-in-copy": ["p1"], "duplicated-in-copy": ["p2"]}
+
+
+def test_a_resume_from_a_torn_or_older_checkpoint_is_named() -> None:
+    h = History()
+    steps = {"run": {10: "complete", 20: "complete", 30: "torn"}}
+    h.ok(h.invoke("job", "resume", "run"), 20)
+    assert verdict(h, check_resumes(h, "resume", steps)).valid
+    h.ok(h.invoke("job", "resume", "run"), 30)
+    h.ok(h.invoke("job", "resume", "run"), 10)
+    h.info(h.invoke("job", "resume", "run"), "started from step 0")
+    result = verdict(h, check_resumes(h, "resume", steps))
+    assert result.kinds() == {"bad-resume": ["run"], "stale-resume": ["run"], "lost-progress": ["run"]}

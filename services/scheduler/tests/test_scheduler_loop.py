@@ -337,3 +337,33 @@ async def test_failed_replica_fails_the_job_and_cancels_the_rest(
     assert failed.state == S.JOB_STATE_FAILED and "node-a failed" in failed.message
     [cancel] = drain(queues["node-b"])
     assert cancel.cancel_job.job_id == job.id
+
+
+async def test_a_node_heard_from_after_it_was_lost_is_told_to_stop_what_was_requeued(
+    sched: SchedulerService, loop: SchedulingLoop, clock: Clock
+) -> None:
+    """Found by the fault suite (trainer agent ↔ scheduler partition past the loss timeout): the
+    cut-off agent ran its job on while the scheduler requeued it onto another node; heard from
+    again, it was told nothing and the job ran to success on both nodes."""
+    await sched.create_team("research", "", [H100])
+    queues = await with_nodes(sched, register("node-a"), register("node-b"))
+    job = await sched.submit_job(make_job().gpus(4).build())
+    await loop.cycle()
+    [first] = (await sched.get_job(job.id)).assigned_nodes
+    other = "node-b" if first == "node-a" else "node-a"
+    await sched.update_job_status(first, report(job.id, S.JOB_STATE_RUNNING))
+    assert await sched.stale_runs(first, [job.id]) == []  # placed there: not stale
+    clock.advance(10)
+    await sched.heartbeat(other, [])
+    clock.advance(10)  # the first node silent for 20 s > 15 s: lost, the job requeued
+    assert (await loop.cycle()).requeued == [job.id]
+    await sched.heartbeat(other, [])
+    await loop.cycle()
+    assert (await sched.get_job(job.id)).assigned_nodes == [other]
+    for queue in queues.values():
+        drain(queue)
+
+    # The lost node is heard from again, its agent still running the job.
+    [stop] = await sched.stale_runs(first, [job.id, "job-unknown-here"])
+    assert stop.job_id == job.id and "gave up on this replica" in stop.reason
+    assert await sched.stale_runs(other, [job.id]) == []

@@ -223,5 +223,36 @@ def check_aliases(history: History, f: str, aliases: Mapping[str, str]) -> list[
     return anomalies
 
 
+def check_resumes(history: History, f: str, checkpoints: Mapping[str, Mapping[int, str]]) -> list[Anomaly]:
+    """Resumes ``f`` (keyed by run, the ``ok`` value the step resumed from) against what the
+    store held when each started: ``checkpoints`` — run → step → ``complete`` (manifest and every
+    file as listed), ``torn`` (no manifest) or ``corrupt: …`` (a manifest its files belie).
+
+    * ``bad-resume``: resumed from a step that was not a complete checkpoint;
+    * ``stale-resume``: resumed from an older step than the newest complete one;
+    * ``lost-progress``: started afresh (no ``ok``) although a complete checkpoint was there.
+    """
+    anomalies: list[Anomaly] = []
+    for key, ops in sorted(_by_key(history.of(f)).items()):
+        steps = checkpoints.get(key, {})
+        newest = max((s for s, state in steps.items() if state == "complete"), default=None)
+        for op in ops:
+            if op.type != "ok":
+                if op.type != "invoke" and newest is not None:
+                    anomalies.append(Anomaly("lost-progress", key, f"complete step {newest} not used", (op,)))
+                continue
+            chosen = int(op.value)
+            state = steps.get(chosen, "absent")
+            if state != "complete":
+                anomalies.append(Anomaly("bad-resume", key, f"resumed from step {chosen}, {state}", (op,)))
+            elif newest is not None and chosen < newest:
+                anomalies.append(
+                    Anomaly(
+                        "stale-resume", key, f"resumed from step {chosen}, newest complete {newest}", (op,)
+                    )
+                )
+    return anomalies
+
+
 def verdict(history: History, *anomaly_lists: list[Anomaly]) -> Verdict:
     return Verdict(len(history.ops), [a for found in anomaly_lists for a in found])

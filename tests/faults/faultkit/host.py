@@ -88,8 +88,9 @@ class SizedMount:
         stat = os.statvfs(self.path)
         return stat.f_bavail * stat.f_frsize
 
-    def fill(self) -> int:
-        """Write a file until the disk is full; returns the bytes it took."""
+    def fill(self, leave_bytes: int = 0) -> int:
+        """Write a file until the disk is full, then give ``leave_bytes`` back (a disk that fills
+        partway through the next large write); returns the bytes it took."""
         written = 0
         fd = os.open(self._filler, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         try:
@@ -102,6 +103,9 @@ class SizedMount:
                         if exc.errno != errno.ENOSPC:
                             raise
                         break
+            if leave_bytes:
+                written = max(0, written - leave_bytes)
+                os.ftruncate(fd, written)
         finally:
             os.close(fd)
         return written

@@ -55,6 +55,7 @@ class Fault(BaseModel):
     bandwidth_bps: int = Field(default=0, ge=0)
     reset_on_heal: bool = False  # partition: cut the held connections when it heals
     offset_s: float = Field(default=0.0, ge=-86400, le=86400)  # clock_skew
+    free_bytes: int = Field(default=0, ge=0)  # disk_full: left free, so a large write fills it midway
 
     @model_validator(mode="after")
     def _complete(self) -> Fault:
@@ -182,7 +183,7 @@ async def run_timeline(scenario: Scenario, targets: Targets) -> list[Applied]:
             heal = lambda: link.heal(reset=fault.reset_on_heal)  # noqa: E731
         elif fault.fault == "disk_full":
             mount = (targets.mounts or {})[fault.target]
-            await asyncio.to_thread(mount.fill)
+            await asyncio.to_thread(mount.fill, fault.free_bytes)
             heal = mount.drain
         elif fault.fault == "pause":
             pid = (targets.processes or {})[fault.target].pid

@@ -33,6 +33,7 @@ from typing import Any
 import structlog
 import torch
 
+from forge_kit import errors
 from forge_kit.objectstore import ObjectStore
 
 log = structlog.get_logger(__name__)
@@ -215,6 +216,8 @@ class CheckpointManager:
             self._thread = None
         if self._error is not None:
             error, self._error = self._error, None
+            if isinstance(error, CheckpointError):
+                raise error
             raise CheckpointError(f"background checkpoint save failed: {error!r}") from error
 
     def _write_guarded(self, step: int, snapshot: dict[str, Any], meta: dict[str, Any]) -> None:
@@ -224,6 +227,20 @@ class CheckpointManager:
             self._error = exc
 
     def _write(self, step: int, snapshot: dict[str, Any], meta: dict[str, Any]) -> None:
+        """:meth:`_upload`; a failure names the step and the newest checkpoint left to resume."""
+        try:
+            self._upload(step, snapshot, meta)
+        except CheckpointError:
+            raise
+        except Exception as exc:
+            what = "storage is full" if errors.storage_full(exc) else type(exc).__name__
+            kept = self.last_published  # rank 0 publishes, so only rank 0 knows it
+            newest = (
+                f"; the newest complete checkpoint is step {kept.step}" if kept and self.rank == 0 else ""
+            )
+            raise CheckpointError(f"checkpoint of step {step} not written ({what}: {exc}){newest}") from exc
+
+    def _upload(self, step: int, snapshot: dict[str, Any], meta: dict[str, Any]) -> None:
         """1. serialise; 2. upload the shard, then its part record; 3. rank 0 publishes."""
         started = self.clock()
         # 1. Serialise.

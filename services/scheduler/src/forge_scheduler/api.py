@@ -330,9 +330,11 @@ class SchedulerApi(scheduler_pb2_grpc.SchedulerServiceServicer):
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[scheduler_pb2.AgentSessionResponse]:
         """1. Read RegisterNode (only the service token may register nodes); 2. acknowledge with
-        the node id and re-send StartJob commands the node missed; 3. until the agent hangs up,
-        apply its heartbeats and job reports while forwarding the scheduler's commands; 4. mark
-        the node NOT_READY (the scheduling loop requeues its jobs if it stays away)."""
+        the node id, re-send StartJob commands the node missed and cancel the replicas it still
+        runs that the scheduler gave up on (``stale_runs``); 3. until the agent hangs up, apply its
+        heartbeats (each checked for stale replicas too) and job reports while forwarding the
+        scheduler's commands; 4. mark the node NOT_READY (the scheduling loop requeues its jobs if
+        it stays away)."""
         require_admin("AgentSession")
         first = await anext(aiter(request_iterator), None)
         if first is None or first.WhichOneof("message") != "register_node":
@@ -342,17 +344,21 @@ class SchedulerApi(scheduler_pb2_grpc.SchedulerServiceServicer):
         node = await self._service.register_node(registration_from_proto(first.register_node))
         log.info("agent.registered", node=node.name, node_id=node.node_id, gpus=len(node.gpus))
         commands = self._service.hub.open(node.name)
-        reader = asyncio.create_task(self._read_agent(node.name, request_iterator))
+        told: set[str] = set()  # stale replicas this session already told to stop
+        reader = asyncio.create_task(self._read_agent(node.name, request_iterator, told))
         try:
             yield scheduler_pb2.AgentSessionResponse(
                 register_ack=scheduler_pb2.RegisterAck(
                     node_id=node.node_id, heartbeat_interval_seconds=self._heartbeat_interval_s
                 )
             )
-            for command in await self._service.outstanding_starts(
-                node.name, first.register_node.running_job_ids
-            ):
+            running = first.register_node.running_job_ids
+            for command in await self._service.outstanding_starts(node.name, running):
                 yield command_to_proto(command)
+            for cancel in await self._service.stale_runs(node.name, running):
+                told.add(cancel.job_id)
+                log.warning("agent.stale_replica", node=node.name, job_id=cancel.job_id)
+                yield command_to_proto(cancel)
             while True:
                 next_command = asyncio.ensure_future(commands.get())
                 done, _ = await asyncio.wait({next_command, reader}, return_when=asyncio.FIRST_COMPLETED)
@@ -369,12 +375,22 @@ class SchedulerApi(scheduler_pb2_grpc.SchedulerServiceServicer):
             log.info("agent.disconnected", node=node.name)
 
     async def _read_agent(
-        self, node_name: str, request_iterator: AsyncIterator[scheduler_pb2.AgentSessionRequest]
+        self,
+        node_name: str,
+        request_iterator: AsyncIterator[scheduler_pb2.AgentSessionRequest],
+        told: set[str],
     ) -> None:
         async for message in request_iterator:
             kind = message.WhichOneof("message")
             if kind == "heartbeat":
-                await self._service.heartbeat(node_name, message.heartbeat.running_job_ids)
+                running = message.heartbeat.running_job_ids
+                await self._service.heartbeat(node_name, running)
+                # A session that outlived a loss timeout (a partition that healed without
+                # breaking the connection) still runs what the scheduler requeued meanwhile.
+                for cancel in await self._service.stale_runs(node_name, set(running) - told):
+                    told.add(cancel.job_id)
+                    log.warning("agent.stale_replica", node=node_name, job_id=cancel.job_id)
+                    self._service.hub.send(node_name, cancel)
             elif kind == "job_status_update":
                 await self._service.update_job_status(node_name, report_from_proto(message.job_status_update))
             else:

@@ -10,7 +10,7 @@ import sqlalchemy as sa
 
 from forge_kit import errors
 from forge_kit.db import Database
-from forge_scheduler.commands import StartJob, node_addresses, start_command
+from forge_scheduler.commands import CancelJob, StartJob, node_addresses, start_command
 from forge_scheduler.records import NodeRegistration
 from forge_scheduler.states import NODE_NOT_READY, NODE_READY, SCHEDULED
 from forge_scheduler.store import JobRow, NodeRow
@@ -67,6 +67,27 @@ class NodesMixin:
                 for job in jobs
                 if job.id not in running and any(node == node_name for node, _ in (job.slots or []))
             ]
+
+    async def stale_runs(self, node_name: str, running: Iterable[str]) -> list[CancelJob]:
+        """CancelJob for each job the node's agent says it runs where the scheduler no longer
+        has it: a node given up on (silent past the loss timeout, its jobs requeued, maybe onto
+        other nodes) that is heard from again still runs them, and left alone they would run
+        twice. Asked when an agent registers and with every heartbeat. A replica still stopping
+        there (draining) is left to end; a job the scheduler does not know is left alone."""
+        running = set(running)
+        if not running:
+            return []
+        async with self._db.session() as session:
+            rows = (await session.scalars(sa.select(JobRow).where(JobRow.id.in_(running)))).all()
+        stale = []
+        for job in sorted(rows, key=lambda j: j.id):
+            held = {str(node) for node, _ in [*(job.slots or []), *(job.draining or [])]}
+            if node_name not in held:
+                why = job.message or "no longer placed on this node"
+                stale.append(
+                    CancelJob(job.id, f"the scheduler gave up on this replica on {node_name}: {why}")
+                )
+        return stale
 
     async def heartbeat(self, node_name: str, running_job_ids: Iterable[str]) -> None:
         async with self._db.session() as session:
