@@ -74,7 +74,9 @@ def upstream_url() -> str:
 @pytest.fixture
 async def gateway(db: Database, clock: FakeClock, upstream_url: str) -> AsyncIterator[InferenceGateway]:
     pool = ReplicaPool(
-        [upstream_url], lambda url: ModelServerClient(url, "upstream-token"), RoutingPolicy(eject_base_s=1.0)
+        [upstream_url] if upstream_url else [],  # "": none configured, as MODEL_SERVER_URL=""
+        lambda url: ModelServerClient(url, "upstream-token"),
+        RoutingPolicy(eject_base_s=1.0),
     )
     service = InferenceGateway(
         db,

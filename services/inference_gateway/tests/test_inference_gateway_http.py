@@ -133,6 +133,44 @@ class TestUpstreamDown:
             assert reply.json()["error"]["code"] == "unavailable"
 
 
+class TestNoConfiguredReplica:
+    """``MODEL_SERVER_URL`` empty: the pool holds only what the admin API adds (a deployment's
+    replicas once they answer)."""
+
+    @pytest.fixture
+    def upstream_url(self) -> str:
+        return ""
+
+    async def test_an_empty_pool_serves_nothing_clearly_until_a_replica_is_added(
+        self, http: httpx.AsyncClient, recorded: Any, clock: Any
+    ) -> None:
+        admin = {"Authorization": "Bearer admin-token"}
+
+        async def refused_clearly() -> None:
+            clock.now += 60  # a fresh minute of the tenant's 5 requests
+            assert (await http.get("/v1/models")).json() == {"object": "list", "data": []}
+            card = await http.get("/v1/models/tiny")
+            assert card.status_code == 404 and card.json()["error"]["code"] == "model_not_found"
+            for body in (HI, {**HI, "stream": True}):
+                reply = await http.post(CHAT, json=body)
+                assert reply.status_code == 503 and reply.headers["retry-after"] == "1"
+                error = reply.json()["error"]
+                assert error["code"] == "unavailable", error
+                assert "'tiny'" in error["message"] and "replica pool is empty" in error["message"]
+
+        await refused_clearly()
+        added = await http.post("/admin/v1/replicas", json={"url": recorded.url}, headers=admin)
+        assert added.status_code == 201, added.text
+        clock.now += 60
+        assert [m["id"] for m in (await http.get("/v1/models")).json()["data"]] == ["tiny"]
+        async with http.stream("POST", CHAT, json={**HI, "stream": True}) as reply:
+            assert reply.status_code == 200
+            assert b"".join([c async for c in reply.aiter_raw()]) == recorded.sse
+        removed = await http.delete("/admin/v1/replicas", params={"url": recorded.url}, headers=admin)
+        assert removed.status_code == 204
+        await refused_clearly()
+
+
 async def test_admin_bad_input_is_400_naming_the_field(http: httpx.AsyncClient) -> None:
     admin = {"Authorization": "Bearer admin-token"}
     for method, path, kwargs, field in (

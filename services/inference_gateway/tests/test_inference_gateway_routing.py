@@ -12,8 +12,10 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
+import pydantic
 import pytest
 
+from forge_inference_gateway.config import InferenceGatewaySettings
 from forge_inference_gateway.routing import (
     Load,
     NoReplicaError,
@@ -177,6 +179,18 @@ def test_replica_urls_are_validated() -> None:
         assert caught.value.field == "url"
     with pytest.raises(errors.AlreadyExistsError):
         pool.add(URLS[0] + "/")
+
+
+def test_configured_replicas_may_be_none_and_each_url_is_checked_at_start() -> None:
+    assert InferenceGatewaySettings(model_server_url="").replica_urls() == []
+    both = InferenceGatewaySettings(model_server_url=f" {URLS[0]}, {URLS[1]}/ ,")
+    assert both.replica_urls() == [URLS[0], f"{URLS[1]}/"]
+    with pytest.raises(pydantic.ValidationError, match="model_server_url: must be http"):
+        InferenceGatewaySettings(model_server_url=f"{URLS[0]},ftp://x")
+    empty = make_pool(urls=[])
+    with pytest.raises(NoReplicaError, match="replica pool is empty") as caught:
+        empty.pick("tiny", 0, [])
+    assert caught.value.retry_after_s == 1.0
 
 
 async def test_added_replicas_get_their_own_token_and_a_new_client_when_it_changes() -> None:

@@ -39,7 +39,6 @@ from forge.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 from forge_kit.grpckit import make_channel
 from forge_kit.testing import ServiceProcess, TemporalDevServer, eventually
-from forge_kit.testing.processes import free_port
 from forge_kit.testing.tiny_llama import save_tiny_llama
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.asyncio, pytest.mark.timeout(900)]
@@ -98,8 +97,8 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess
         "FORGE_INFERENCE_GATEWAY_AUTH_TOKEN": GATEWAY_TOKEN,
         "FORGE_INFERENCE_GATEWAY_DATA_DIR": str(root / "data"),
         "FORGE_INFERENCE_GATEWAY_KAFKA_ENABLED": "false",
-        # The setting needs one URL: a port nothing listens on, so only the deployment serves.
-        "FORGE_INFERENCE_GATEWAY_MODEL_SERVER_URL": f"http://127.0.0.1:{free_port()}",
+        # No configured replica: the pool is what the deployments add.
+        "FORGE_INFERENCE_GATEWAY_MODEL_SERVER_URL": "",
         "FORGE_INFERENCE_GATEWAY_BOOTSTRAP_API_KEY": TENANT_KEY,
         "FORGE_INFERENCE_GATEWAY_RESPONSE_CACHE_TTL_S": "0",
         # A replica busy on a loaded 2-core machine can take over the default 1 s to answer a

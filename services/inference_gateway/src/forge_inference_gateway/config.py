@@ -7,8 +7,9 @@ from pydantic import Field, SecretStr, model_validator
 from forge_inference_gateway.admission import AdmissionPolicy
 from forge_inference_gateway.autoscaling import AutoscalePolicy
 from forge_inference_gateway.rag_query import RagLimits
-from forge_inference_gateway.routing import RoutingPolicy
+from forge_inference_gateway.routing import RoutingPolicy, normalize_url
 from forge_inference_gateway.vector_stores import DocumentLimits
+from forge_kit import errors
 from forge_kit.limits import OPENAI_MAX_BODY_BYTES, RAG_MAX_QUERY_CHARS
 from forge_kit.settings import ServiceSettings, service_config
 
@@ -29,7 +30,8 @@ class InferenceGatewaySettings(ServiceSettings):
 
     model_server_url: str = "http://127.0.0.1:8000"
     """Base URLs of the model-server replicas (Forge ``model_server`` or ``vllm serve``), comma
-    separated; more can be added and removed at run time through the admin API."""
+    separated; more can be added and removed at run time through the admin API. Empty: none
+    configured, the pool holds only what the admin API adds (a deployment's replicas)."""
 
     model_server_token: SecretStr = SecretStr("")
     """Bearer token the gateway presents to the model servers (vLLM's ``--api-key``)."""
@@ -222,8 +224,11 @@ class InferenceGatewaySettings(ServiceSettings):
             raise ValueError("autoscale_min_replicas must not exceed autoscale_max_replicas")
         if self.eject_base_s > self.eject_max_s:
             raise ValueError("eject_base_s must not exceed eject_max_s")
-        if not self.replica_urls():
-            raise ValueError("model_server_url: give at least one model-server URL")
+        for url in self.replica_urls():
+            try:
+                normalize_url(url)
+            except errors.ValidationError as exc:
+                raise ValueError(f"model_server_url: {exc.message.removeprefix('url: ')}") from None
         return self
 
     def replica_urls(self) -> list[str]:

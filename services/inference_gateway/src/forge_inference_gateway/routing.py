@@ -11,7 +11,8 @@ picker and SGLang's cache-aware router do:
 
 1. candidates: healthy replicas that serve the model (its name, and its version when one is
    pinned); when none lists it, the healthy replicas whose models are not known yet, then any
-   healthy replica (whose 404 then reaches the caller unchanged);
+   healthy replica (whose 404 then reaches the caller unchanged); none at all — every replica
+   ejected, or an empty pool (none configured, none added yet) — is :class:`NoReplicaError` (503);
 2. room: a replica takes a request while its estimated load is under ``max_inflight``, and a
    request below the top priority only while it is under ``max_inflight * (1 - reserve)`` — the
    rest is held for interactive traffic — and its KV cache is under ``kv_high``;
@@ -396,7 +397,18 @@ class ReplicaPool:
     def check_servable(self, target: str, exclude: frozenset[str] = frozenset()) -> None:
         """Raise :class:`NoReplicaError` when no healthy replica is left that could take ``target``."""
         if not self.candidates(target, exclude):
-            raise NoReplicaError(f"no healthy model-server replica for {target!r}", self.retry_after_s())
+            raise self.no_replica(target)
+
+    def no_replica(self, target: str) -> NoReplicaError:
+        """Why nothing can take ``target`` now: every replica is ejected (or already tried), or the
+        pool is empty — none configured, and no deployment has added a ready replica yet."""
+        if not self._replicas:
+            return NoReplicaError(
+                f"no model-server replica serves {target!r}: the gateway's replica pool is empty "
+                "(a deployment adds its replicas once they answer)",
+                self.retry_after_s(),
+            )
+        return NoReplicaError(f"no healthy model-server replica for {target!r}", self.retry_after_s())
 
     def pick(
         self, target: str, level: int, prefix: list[bytes], exclude: frozenset[str] = frozenset()
@@ -408,7 +420,7 @@ class ReplicaPool:
         """
         candidates = self.candidates(target, exclude)
         if not candidates:
-            raise NoReplicaError(f"no healthy model-server replica for {target!r}", self.retry_after_s())
+            raise self.no_replica(target)
         policy = self.policy
         room = [r for r in candidates if r.has_room(level, policy)]
         if not room:

@@ -137,7 +137,9 @@ class InferenceGateway:
     async def list_models(self) -> list[dict[str, object]]:
         """The models the healthy replicas serve, then every alias whose target one of them serves;
         each card only with the fields in :data:`PUBLIC_CARD_FIELDS` (a replica's ``root`` is its
-        checkpoint's host path: tenants see the model id there)."""
+        checkpoint's host path: tenants see the model id there). An empty pool (no replica
+        configured, none added yet) serves nothing: an empty list; a pool whose every replica is
+        unreachable is :class:`NoReplicaError`."""
         await self.pool.ensure_known()
         replicas = self.pool.replicas()
         cards: dict[str, dict[str, object]] = {}
@@ -159,7 +161,7 @@ class InferenceGateway:
                 error = replica.models_error or replica.last_error
                 if error is not None:
                     raise error
-            if not any(r.healthy for r in replicas):
+            if replicas and not any(r.healthy for r in replicas):
                 raise NoReplicaError("no healthy model-server replica", self.pool.retry_after_s())
         served = {model_id: {**card, "ready_replicas": ready[model_id]} for model_id, card in cards.items()}
         listed = list(served.values())
@@ -195,7 +197,7 @@ class InferenceGateway:
                 )
             except UpstreamUnavailableError as exc:
                 self.pool.report_failure(replica, exc)
-        raise NoReplicaError(f"no healthy replica serves {target}", self.pool.retry_after_s())
+        raise self.pool.no_replica(target)
 
     async def count_tokens(self, target: str, messages: list[dict[str, str]], deadline: float) -> int | None:
         """Prompt tokens of chat ``messages`` for the model ``target``, counted by a replica that
