@@ -46,6 +46,7 @@ def test_argv_and_env(model_dir: Path) -> None:
     assert argv[argv.index("--port") + 1] == "8123" and argv[argv.index("--host") + 1] == "127.0.0.1"
     assert argv[argv.index("--max-num-seqs") + 1] == "8" and argv[argv.index("--dtype") + 1] == "float32"
     assert "--enforce-eager" in argv and "--no-enable-prefix-caching" in argv
+    assert argv[argv.index("--scheduling-policy") + 1] == "priority"  # the gateway sends priorities
     assert "s3cret" not in " ".join(argv)  # the key is not shown to `ps`
     env = launch.env({"PATH": "/bin", "PYTHONPATH": "/forge/src", "VLLM_API_KEY": "stale"})
     assert env["VLLM_API_KEY"] == "s3cret" and "PYTHONPATH" not in env and env["PATH"] == "/bin"

@@ -183,6 +183,11 @@ def server_argv(
         "--port",
         port,
         "--disable-uvicorn-access-log",
+        # Forge's gateway sends each request's admission level as ``priority`` (batch: 1); vLLM's
+        # default first-come-first-served queue ignores it (0.32.0 accepts the field and serves
+        # batch and interactive requests in arrival order; its docs say it refuses them).
+        "--scheduling-policy",
+        "priority",
     ]
     for key, value in engine_args.items():
         flag = "--" + key.replace("_", "-")

@@ -37,8 +37,9 @@ class InferenceGatewaySettings(ServiceSettings):
     """Bearer token the gateway presents to the model servers (vLLM's ``--api-key``)."""
 
     upstream_priority: bool = True
-    """Send each request's admission level as vLLM's ``priority`` (0 interactive, 1 batch); turn off
-    for a vLLM started without ``--scheduling-policy priority``, which refuses the field."""
+    """Send each request's admission level as vLLM's ``priority`` (0 interactive, 1 batch), which a
+    vLLM started with ``--scheduling-policy priority`` schedules by (Forge starts it so); turn off for
+    an engine that refuses the field (vLLM 0.32.0 without the policy accepts it and ignores it)."""
 
     bootstrap_api_key: SecretStr = SecretStr("")
     """API key of the ``default`` tenant, created or re-keyed at start-up; empty: no bootstrap tenant."""
