@@ -116,8 +116,12 @@ test: install data test-tools
 fuzz: install
 	FORGE_FUZZ_EXAMPLES=$${FORGE_FUZZ_EXAMPLES:-1000} FORGE_FUZZ_TIMEOUT_S=7200 $(VENV)/bin/pytest -q -s --timeout=7200 tests/fuzz
 
+# Fault scenarios that live beside what they exercise (one copy of the test): kill -9 of a vLLM
+# replica of a deployment under load.
+FAULTS_ELSEWHERE := services/orchestrator/tests/test_orchestrator_vllm_deployment.py::test_kill_9_of_a_vllm_replica_under_load
+
 faults: install test-tools
-	$(VENV)/bin/pytest -q -s --timeout=$(PYTEST_TIMEOUT) -m "not faults_long" tests/faults
+	$(VENV)/bin/pytest -q -s --timeout=$(PYTEST_TIMEOUT) -m "not faults_long" tests/faults $(FAULTS_ELSEWHERE)
 
 faults-long: install test-tools
 	$(VENV)/bin/pytest -q -s --timeout=1200 -m faults_long tests/faults

@@ -406,6 +406,7 @@ async def test_kill_9_of_a_vllm_replica_under_load(
     try:
         await eventually(lambda: len(load.served) >= 8, timeout_s=300, interval_s=0.2, what="load flowing")
         # 1. kill -9 of every process of one replica (vLLM's API server and its engine core).
+        in_flight = _replicas(gateway)[victim.endpoint]["in_flight"]
         killed_at = time.monotonic()
         _kill(pids)
         # 2. The gateway stops routing to it: ejected on refused connections, then taken out of
@@ -453,8 +454,9 @@ async def test_kill_9_of_a_vllm_replica_under_load(
     kinds = Counter(e[:70] for _, e in load.errors)
     print(
         f"\nfault vllm-replica kill -9 under load ({len(workers)} chat clients, 2 vLLM replicas): "
-        f"out of routing in {ejected_s:.2f}s, out of the pool in {removed_at - killed_at:.1f}s, "
-        f"replacement ready in {replaced_at - killed_at:.1f}s; {len(load.served)} served "
+        f"{in_flight} requests in flight on it at the kill; out of routing in {ejected_s:.2f}s, "
+        f"out of the pool in {removed_at - killed_at:.1f}s, replacement ready in "
+        f"{replaced_at - killed_at:.1f}s; {len(load.served)} served "
         f"({load.served_between(killed_at, replaced_at)} by the survivor alone), "
         f"{len(load.errors)} refused: {kinds.most_common(5)}"
     )
