@@ -11,10 +11,11 @@ serving a random Llama with one head of 64 (a head size vLLM's CPU attention ser
    by vLLM, a batch tenant's request too (sent upstream with ``priority`` 1), and a model nothing
    serves is the SDK's ``NotFoundError`` (404 ``model_not_found``).
 2. ``test_kill_9_of_a_vllm_replica_under_load`` (a ``make faults`` scenario; ``faults_full``, so
-   ``make test`` leaves it out): scaled to two replicas, chats flowing through the gateway, every
-   process of one replica is killed with SIGKILL. The gateway stops routing to it (ejected, then
-   out of the pool), the survivor serves on, every refusal is a clear 502/503/504, the killed job
-   ends FAILED and the deployment places a replacement that is routed and serves. Prints one
+   ``make test`` leaves it out): a deployment of two replicas, chats flowing through the gateway,
+   every process of one replica is killed with SIGKILL. The gateway stops routing to it (ejected,
+   then out of the pool), the survivor serves on, every refusal is a clear 502/503/504 and none
+   comes once it left the pool, the killed job ends FAILED and the deployment places a
+   replacement that is routed and serves. Prints one
    ``fault ...`` line with the figures (``load/faults/RESULTS.md``).
 
 Start-up of a vLLM replica is 60-75 s on an idle 2-core machine and minutes on a loaded one: the
