@@ -32,9 +32,10 @@ ROOT = Path(__file__).resolve().parents[1]
 EXPECTED_S = {
     "libs/training/tests": 300,
     "services/eval/tests": 220,
-    "services/orchestrator/tests [1/3]": 400,
-    "services/orchestrator/tests [2/3]": 300,
-    "services/orchestrator/tests [3/3]": 250,
+    "services/orchestrator/tests [1/4]": 400,
+    "services/orchestrator/tests [2/4]": 300,
+    "services/orchestrator/tests [3/4]": 400,
+    "services/orchestrator/tests [4/4]": 250,
     "tests": 150,
     "services/inference_gateway/tests": 120,
     "tests/security": 100,
@@ -47,7 +48,8 @@ EXPECTED_S = {
 
 
 #: Folders long enough to be split: each listed group of modules is a unit of its own, and the
-#: folder's other modules one more. (The RLHF rounds and the synthetic runs train for minutes.)
+#: folder's other modules one more. (The RLHF rounds and the synthetic runs train for minutes;
+#: deployments start model servers and vLLM, a minute or more each.)
 SPLIT = {
     "services/orchestrator/tests": [
         ["test_orchestrator_rlhf.py", "test_orchestrator_rlhf_online.py"],
@@ -56,6 +58,7 @@ SPLIT = {
             "test_orchestrator_sweep_cli.py",
             "test_orchestrator_sweep_jobs.py",
         ],
+        ["test_orchestrator_deployments.py", "test_orchestrator_vllm_deployment.py"],
     ],
 }
 
