@@ -153,7 +153,7 @@ async def failure_of(client: Client, workflow_id: str) -> str:
 
 
 def training_input(python: str, **extra: object) -> dict[str, object]:
-    return {"team": "team-a", "recipe": "tiny", "gpu_type": "SIM", "python": python, **extra}
+    return {"team": "team-a", "recipe": "smoke", "gpu_type": "SIM", "python": python, **extra}
 
 
 def cli_start_as_nobody(platform: Platform, workflow_id: str, data: dict[str, object]) -> None:
@@ -234,7 +234,7 @@ async def test_a_copied_grant_or_a_foreign_parent_gives_no_rights(platform: Plat
     async with make_channel(platform.orchestrator.grpc_target, token=platform.team_token) as channel:
         stub = orchestrator_pb2_grpc.OrchestratorServiceStub(channel)
         payload = struct_pb2.Struct()
-        payload.update({"team": "team-a", "recipe": "tiny", "gpu_type": "SIM"})
+        payload.update({"team": "team-a", "recipe": "smoke", "gpu_type": "SIM"})
         genuine = await stub.StartWorkflow(
             orchestrator_pb2.StartWorkflowRequest(workflow_type="training", input=payload), timeout=30
         )

@@ -142,7 +142,7 @@ async def test_a_team_token_cannot_start_work_for_another_team(
     as_team_a: orchestrator_pb2_grpc.OrchestratorServiceAsyncStub,
 ) -> None:
     for kind in ("training", "smoke"):
-        extra = {"recipe": "tiny", "gpu_type": "SIM"} if kind == "training" else {}
+        extra = {"recipe": "smoke", "gpu_type": "SIM"} if kind == "training" else {}
         error = await refused(as_team_a, start(kind, team="team-b", **extra))
         assert error.code() == grpc.StatusCode.PERMISSION_DENIED, error.details()
         assert "team-a" in (error.details() or "")
@@ -152,7 +152,7 @@ async def test_a_team_token_cannot_choose_executables_paths_or_its_identity(
     as_team_a: orchestrator_pb2_grpc.OrchestratorServiceAsyncStub,
 ) -> None:
     error = await refused(
-        as_team_a, start("training", team="team-a", recipe="tiny", gpu_type="SIM", python="/bin/sh")
+        as_team_a, start("training", team="team-a", recipe="smoke", gpu_type="SIM", python="/bin/sh")
     )
     assert error.code() == grpc.StatusCode.PERMISSION_DENIED and "needs an admin" in (error.details() or "")
     error = await refused(
@@ -168,7 +168,7 @@ async def test_a_team_token_cannot_choose_executables_paths_or_its_identity(
         start(
             "training",
             team="team-b",
-            recipe="tiny",
+            recipe="smoke",
             gpu_type="SIM",
             caller={"name": "service", "role": "admin", "team": ""},
         ),
@@ -182,7 +182,7 @@ async def test_a_team_tokens_training_job_reaches_the_scheduler_as_its_teams(
     as_admin: orchestrator_pb2_grpc.OrchestratorServiceAsyncStub,
 ) -> None:
     started = await as_team_a.StartWorkflow(
-        start("training", team="team-a", recipe="tiny", gpu_type="SIM"), timeout=30
+        start("training", team="team-a", recipe="smoke", gpu_type="SIM"), timeout=30
     )
     job = await job_of(platform, started.workflow_id)
     assert job.spec.team == "team-a"
@@ -191,7 +191,8 @@ async def test_a_team_tokens_training_job_reaches_the_scheduler_as_its_teams(
     mine = await as_team_a.GetWorkflow(orchestrator_pb2.GetWorkflowRequest(workflow_id=started.workflow_id))
     assert mine.workflow_type == "training"
     theirs = await as_admin.StartWorkflow(
-        start("training", team="team-b", recipe="tiny", gpu_type="SIM", python="/usr/bin/python3"), timeout=30
+        start("training", team="team-b", recipe="smoke", gpu_type="SIM", python="/usr/bin/python3"),
+        timeout=30,
     )
     assert (await job_of(platform, theirs.workflow_id)).spec.command[0] == "/usr/bin/python3"
     for call in (
@@ -207,7 +208,7 @@ async def test_a_team_tokens_training_job_reaches_the_scheduler_as_its_teams(
             orchestrator_pb2.StartWorkflowRequest(
                 workflow_type="training",
                 workflow_id=theirs.workflow_id,
-                input=start("training", team="team-a", recipe="tiny", gpu_type="SIM").input,
+                input=start("training", team="team-a", recipe="smoke", gpu_type="SIM").input,
             ),
             timeout=30,
         )
@@ -220,7 +221,7 @@ async def test_a_relative_interpreter_is_refused_for_everyone(
     as_admin: orchestrator_pb2_grpc.OrchestratorServiceAsyncStub,
 ) -> None:
     error = await refused(
-        as_admin, start("training", team="team-b", recipe="tiny", gpu_type="SIM", python=".venv/bin/python")
+        as_admin, start("training", team="team-b", recipe="smoke", gpu_type="SIM", python=".venv/bin/python")
     )
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "absolute path" in (error.details() or "")

@@ -26,7 +26,7 @@ from temporalio.exceptions import ActivityError, FailureError, WorkflowAlreadySt
 from temporalio.service import RPCError, RPCStatusCode, TLSConfig
 from temporalio.worker import Interceptor, Worker
 
-from forge_kit import errors
+from forge_kit import errors, recipecatalog
 from forge_kit.backoff import Backoff
 from forge_orchestrator.activities import SchedulerActivities
 from forge_orchestrator.canary_activities import CanaryActivities
@@ -122,9 +122,8 @@ def validate_train(params: TrainInput) -> None:
         raise errors.ValidationError("input.recipe", "must be 1-128 letters, digits, '.', '_' or '-'")
     if not params.team:
         raise errors.ValidationError("input.team", "must not be empty")
-    for i, pair in enumerate(params.overrides):
-        if "=" not in pair or pair.startswith("="):
-            raise errors.ValidationError(f"input.overrides[{i}]", "must be KEY=VALUE")
+    # The job's own rules from the catalogue: a typo is refused here, not on a node after queueing.
+    recipecatalog.check_overrides(params.recipe, params.overrides, "input.overrides", "input.recipe")
     if not 1 <= params.replicas <= 1024:
         raise errors.ValidationError("input.replicas", "must be between 1 and 1024")
     if not 0 <= params.gpus_per_replica <= 64:
@@ -217,10 +216,20 @@ def parse_input(cls: type, data: Mapping[str, object], path: str = "input") -> A
         raise errors.ValidationError(
             f"{path}.{unknown[0]}", f"is not a field of {cls.__name__} ({', '.join(sorted(fields))})"
         )
+    missing = [
+        f.name
+        for f in dataclasses.fields(cls)
+        if f.init
+        and f.name not in data
+        and f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING
+    ]
+    if missing:
+        raise errors.ValidationError(f"{path}.{missing[0]}", "required")
     values = {name: _coerce(f"{path}.{name}", hints[name], value) for name, value in data.items()}
     try:
         return cls(**values)
-    except TypeError as exc:  # a required field is missing
+    except TypeError as exc:  # a check of the dataclass's own
         raise errors.ValidationError(path, str(exc)) from None
 
 

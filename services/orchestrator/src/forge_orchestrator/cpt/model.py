@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from forge_kit import cptmix, errors, sweepspace
+from forge_kit import cptmix, errors, recipecatalog, sweepspace
 from forge_orchestrator.identity import Caller
 
 EARLY_STOPPING = ("asha", "median", "none")
@@ -117,7 +117,7 @@ class CptResult:
 
 def steps_for(params: CptInput, tokens: int) -> int:
     """Optimizer steps that train on ``tokens`` tokens with the recipe's batch and sequence."""
-    keys = sweepspace.recipe_catalog()[params.recipe]["keys"]
+    keys = recipecatalog.recipe_keys(params.recipe, "input.recipe")
     over = typed_overrides(params)
     batch = int(over.get("global_batch_size", keys["global_batch_size"]["default"]))
     seq = int(over.get("data.seq_len", keys["data.seq_len"]["default"]))
@@ -131,28 +131,16 @@ def budgets(params: CptInput) -> tuple[int, int]:
 
 
 def typed_overrides(params: CptInput) -> dict[str, Any]:
-    """``overrides`` as the catalogue types them (``int``, ``float``, ``bool``, ``str``)."""
-    catalog = sweepspace.recipe_catalog()
-    if params.recipe not in catalog:
-        raise errors.ValidationError("input.recipe", f"unknown recipe {params.recipe!r}")
-    keys = catalog[params.recipe]["keys"]
+    """``overrides`` as the catalogue types them (``int``, ``float``, ``bool``, ``str``), parsed
+    as the job parses them (:mod:`forge_kit.recipecatalog`)."""
+    recipecatalog.recipe_keys(params.recipe, "input.recipe")
     out: dict[str, Any] = {}
     for key, raw in params.overrides.items():
         path = f"input.overrides.{key[:80]}"
-        if key not in keys:
-            raise errors.ValidationError(path, f"is not an override key of {params.recipe}")
+        kind = recipecatalog.check_key(params.recipe, key, path)
         if key in OWN_KEYS:
             raise errors.ValidationError(path, "is set by the workflow (base, corpora, search space, budget)")
-        kind = keys[key]["type"]
-        try:
-            if kind == "bool":
-                if raw not in ("true", "false"):
-                    raise ValueError(raw)
-                out[key] = raw == "true"
-            else:
-                out[key] = {"int": int, "float": float}.get(kind, str)(raw)
-        except ValueError:
-            raise errors.ValidationError(path, f"must be a {kind}, got {raw[:80]!r}") from None
+        out[key] = recipecatalog.parse_value(kind, raw, path)
     return out
 
 
