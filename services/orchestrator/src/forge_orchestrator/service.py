@@ -37,8 +37,8 @@ from forge_orchestrator.deploy.workflow import DeploymentWorkflow
 from forge_orchestrator.eval_activities import EvalActivities
 from forge_orchestrator.grant import MEMO_GRANT, sign
 from forge_orchestrator.identity import ADMIN, Caller, authorize_start
-from forge_orchestrator.rlhf import RlhfInput, RlhfWorkflow
-from forge_orchestrator.rlhf_worker import rlhf_task_queue, validate_rlhf
+from forge_orchestrator.rlhf.worker import rlhf_task_queue, validate_rlhf
+from forge_orchestrator.rlhf.workflow import RlhfInput, RlhfWorkflow
 from forge_orchestrator.sweep.service import sweep_memo, validate_sweep
 from forge_orchestrator.sweep.workflow import SweepInput, SweepWorkflow
 from forge_orchestrator.synthetic.model import SyntheticInput, validate_synthetic
@@ -152,7 +152,7 @@ KINDS: dict[str, WorkflowKind] = {
         "vlm_curriculum", VlmCurriculumWorkflow, VlmCurriculumInput, validate_vlm_curriculum
     ),
     "cpt": WorkflowKind("cpt", CptWorkflow, CptInput, validate_cpt),
-    # Run by the RLHF worker (rlhf_worker.py) on its own queue, with its children.
+    # Run by the RLHF worker (rlhf/worker.py) on its own queue, with its children.
     "rlhf": WorkflowKind("rlhf", RlhfWorkflow, RlhfInput, validate_rlhf, queue=rlhf_task_queue),
     # Run by the synthetic-data worker (synthetic/worker.py) on its own queue, with its children.
     "synthetic": WorkflowKind(

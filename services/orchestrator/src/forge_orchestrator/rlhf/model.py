@@ -1,6 +1,6 @@
 """What an RLHF loop is given and what it records of each round, and the rules it decides by:
 the reward-model gate, the drift stop, the version names. Plain data and pure functions, so the
-workflow (``rlhf.py``) stays deterministic and the rules are tested on their own.
+workflow (``workflow.py``) stays deterministic and the rules are tested on their own.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ class RlhfInput:
     min_raters: int = 1
     """Distinct raters (not flagged by rater quality) who must have answered the round's comparisons."""
     shadow_alias: str = ""
-    """The gateway alias whose canary shadow pairs (:mod:`.rlhf_shadow`) the round also queues for
+    """The gateway alias whose canary shadow pairs (:mod:`.shadow`) the round also queues for
     raters, when that alias has a shadow; empty: ``sample_model`` when it is an alias name."""
     shadow_pairs: int = 100
     """Shadow pairs read per round, at most (1-500); 0: none."""

@@ -20,10 +20,10 @@ from forge_kit.settings import ForgeSettings, service_config
 from forge_orchestrator.activities import SchedulerActivities
 from forge_orchestrator.canary_activities import CanaryActivities
 from forge_orchestrator.eval_activities import EvalActivities
-from forge_orchestrator.rlhf import RLHF_WORKFLOWS, RlhfInput
-from forge_orchestrator.rlhf_activities import RlhfActivities
-from forge_orchestrator.rlhf_sampling import RlhfSampler
-from forge_orchestrator.rlhf_shadow import MAX_PAIRS, alias_name
+from forge_orchestrator.rlhf.activities import RlhfActivities
+from forge_orchestrator.rlhf.sampling import RlhfSampler
+from forge_orchestrator.rlhf.shadow import MAX_PAIRS, alias_name
+from forge_orchestrator.rlhf.workflow import RLHF_WORKFLOWS, RlhfInput
 from forge_orchestrator.workflows import TIERS
 
 
