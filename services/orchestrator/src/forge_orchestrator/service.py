@@ -26,7 +26,8 @@ from temporalio.exceptions import ActivityError, FailureError, WorkflowAlreadySt
 from temporalio.service import RPCError, RPCStatusCode, TLSConfig
 from temporalio.worker import Interceptor, Worker
 
-from forge_kit import errors, recipecatalog
+from forge_experiments import recipecatalog
+from forge_kit import errors
 from forge_kit.backoff import Backoff
 from forge_orchestrator.activities import SchedulerActivities
 from forge_orchestrator.canary_activities import CanaryActivities

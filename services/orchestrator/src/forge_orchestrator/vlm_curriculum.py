@@ -23,7 +23,8 @@ from temporalio import workflow
 from temporalio.common import RetryPolicy
 
 with workflow.unsafe.imports_passed_through():
-    from forge_kit import errors, recipecatalog
+    from forge_experiments import recipecatalog
+    from forge_kit import errors
     from forge_kit.routing import AUTO_EVAL_LABEL
     from forge_orchestrator.identity import Caller
     from forge_orchestrator.training import TrainInput, TrainResult, TrainWorkflow

@@ -1,7 +1,7 @@
 """The ``cpt`` workflow's input, result and checks (plain data: Temporal carries them).
 
-The search space and the selection rule are :class:`forge_kit.cptmix.SearchSpace` and
-:class:`forge_kit.cptmix.Rule`, the ones ``forge bench cpt`` uses.
+The search space and the selection rule are :class:`forge_experiments.cptmix.SearchSpace` and
+:class:`forge_experiments.cptmix.Rule`, the ones ``forge bench cpt`` uses.
 """
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from forge_kit import cptmix, errors, recipecatalog, sweepspace
+from forge_experiments import cptmix, recipecatalog, sweepspace
+from forge_kit import errors
 from forge_orchestrator.identity import Caller
 
 EARLY_STOPPING = ("asha", "median", "none")
@@ -132,7 +133,7 @@ def budgets(params: CptInput) -> tuple[int, int]:
 
 def typed_overrides(params: CptInput) -> dict[str, Any]:
     """``overrides`` as the catalogue types them (``int``, ``float``, ``bool``, ``str``), parsed
-    as the job parses them (:mod:`forge_kit.recipecatalog`)."""
+    as the job parses them (:mod:`forge_experiments.recipecatalog`)."""
     recipecatalog.recipe_keys(params.recipe, "input.recipe")
     out: dict[str, Any] = {}
     for key, raw in params.overrides.items():
@@ -155,7 +156,7 @@ def fixed_overrides(params: CptInput) -> dict[str, Any]:
 
 
 def space_of(params: CptInput, workflow_id: str, index: int, fraction: float, steps: int) -> dict[str, Any]:
-    """The sweep space of replay fraction ``index`` (:func:`forge_kit.cptmix.sweep_space`)."""
+    """The sweep space of replay fraction ``index`` (:func:`forge_experiments.cptmix.sweep_space`)."""
     min_steps = max(1, steps // 3)
     es: dict[str, Any] = {"rule": params.early_stopping}
     if params.early_stopping == "asha":

@@ -10,8 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from forge_kit.overoptimisation import overoptimised
-from forge_kit.rmlength import length_gate
+from forge_experiments.overoptimisation import overoptimised
+from forge_experiments.rmlength import length_gate
 from forge_orchestrator.workflows import EvalAndPromoteInput
 
 CHANCE = 0.5
@@ -173,7 +173,7 @@ the reward model may not be used (empty when it may): the place for the length-s
 
 def round_gates(params: RlhfInput) -> tuple[Callable[[dict[str, Any]], str], ...]:
     """The gates of ``params``' rounds after the accuracy gate: with ``rm_length_gate``,
-    :func:`forge_kit.rmlength.length_gate` at ``rm_min_shorter_low`` / ``rm_min_shorter_n``."""
+    :func:`forge_experiments.rmlength.length_gate` at ``rm_min_shorter_low`` / ``rm_min_shorter_n``."""
     if not params.rm_length_gate:
         return ROUND_GATES
 

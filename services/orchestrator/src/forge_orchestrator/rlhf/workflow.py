@@ -48,8 +48,8 @@ from temporalio.common import RetryPolicy
 from temporalio.exceptions import ApplicationError
 
 with workflow.unsafe.imports_passed_through():
+    from forge_experiments.rmlength import registry_metrics
     from forge_kit.jobcmd import PolicyCheckCommand, RewardModelEvalCommand
-    from forge_kit.rmlength import registry_metrics
     from forge_orchestrator.rlhf.activities import (
         RegisterRewardModelInput,
         RewardModelStatusInput,

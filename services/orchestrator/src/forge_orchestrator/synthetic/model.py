@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Any
 
-from forge_kit import errors, recipecatalog
+from forge_experiments import recipecatalog
+from forge_kit import errors
 from forge_orchestrator.identity import Caller
 
 #: Outcomes of a run: trained (the whole pipeline), or an early end that says why.

@@ -3,7 +3,7 @@
 A space file (see ``load/sweep/space.yaml``)::
 
     name: lr-width                       # 1-64 letters, digits, '.', '_', '-'
-    recipe: shakespeare_tiny             # a recipe of the catalogue (forge_kit/recipes.json)
+    recipe: shakespeare_tiny             # a recipe of the catalogue (forge_experiments/recipes.json)
     metric: {name: val_loss, mode: min}  # a metric the recipe emits
     sampler: grid                        # grid | random | tpe
     seed: 0                              # sampler seed
@@ -21,7 +21,7 @@ A space file (see ``load/sweep/space.yaml``)::
     priority_class: preemptible
     gpus_per_trial: 1                    # devices per trial (a training job asks for at least 1)
     gpu_type: H100                       # device type of the trials (SIM on forge up's agents)
-    early_stopping: {}                   # the guarded rule (forge_kit.earlystop), rungs at
+    early_stopping: {}                   # the guarded rule (forge_experiments.earlystop), rungs at
                                          # max_steps / 27, / 9, / 3; or {rule: asha, min_steps,
                                          # eta, form: promotion|stopping, rung_eval: auto|value|
                                          # cooldown, cooldown_fraction}, median or none
@@ -42,9 +42,9 @@ from typing import Any
 
 import yaml
 
-from forge_kit.earlystop import default_min_steps, rungs
+from forge_experiments.earlystop import default_min_steps, rungs
+from forge_experiments.recipecatalog import recipe_catalog
 from forge_kit.errors import ValidationError
-from forge_kit.recipecatalog import recipe_catalog
 
 MAX_FILE_BYTES = 256 * 1024
 MAX_PARAMETERS = 32
@@ -143,7 +143,7 @@ class EarlyStopping:
     eta: int = 3
     min_trials: int = 3
     form: str = "promotion"
-    """ASHA's form (:mod:`forge_kit.earlystop`): ``promotion`` (pause at a rung, resumed when
+    """ASHA's form (:mod:`forge_experiments.earlystop`): ``promotion`` (pause at a rung, resumed when
     promoted) or ``stopping`` (go on or stop at once)."""
     rung_eval: str = "value"
     """``value``: rungs compare the metric as reported; ``cooldown``: as reported after a branch
