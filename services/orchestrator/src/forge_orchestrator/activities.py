@@ -18,7 +18,7 @@ from temporalio.exceptions import ApplicationError
 
 from forge_kit.grpckit import LazyChannel
 from forge_kit.jobstate import JobState
-from forge_kit.routing import AUTO_EVAL_LABEL, WORKFLOW_ID_LABEL, Routing
+from forge_orchestrator.routing import AUTO_EVAL_LABEL, WORKFLOW_ID_LABEL, Routing
 
 #: Status codes that a retry cannot change.
 PERMANENT = frozenset(

@@ -25,8 +25,8 @@ from temporalio.common import RetryPolicy
 with workflow.unsafe.imports_passed_through():
     from forge_experiments import recipecatalog
     from forge_kit import errors
-    from forge_kit.routing import AUTO_EVAL_LABEL
     from forge_orchestrator.identity import Caller
+    from forge_orchestrator.routing import AUTO_EVAL_LABEL
     from forge_orchestrator.training import TrainInput, TrainResult, TrainWorkflow
 
 DEFAULT_STAGES = ["vlm_world_lm", "vlm_align", "vlm_interleave", "vlm_instruct"]
