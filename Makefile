@@ -78,11 +78,11 @@ test-tools:
 $(STAMP): $(INSTALL_INPUTS)
 	@test -x $(PY) || $(PYTHON_BOOT) -m venv $(VENV)
 	$(PIP) install --quiet -r requirements-dev.txt \
-	  -e libs/protos -e 'libs/kit[testing]' -e libs/cli -e libs/training \
+	  -e libs/protos -e 'libs/kit[testing]' -e libs/experiments -e libs/cli -e libs/training \
 	  $(addprefix -e ,$(SERVICE_DIRS))
 	@rm -f $(VENV)/.installed-*
 	@touch $@
-	@echo "installed: libs/protos libs/kit libs/cli libs/training $(SERVICE_DIRS)"
+	@echo "installed: libs/protos libs/kit libs/experiments libs/cli libs/training $(SERVICE_DIRS)"
 
 $(VLLM_STAMP): $(VLLM_REQUIREMENTS)
 	@test -x $(VLLM_VENV)/bin/python || $(PYTHON_BOOT) -m venv $(VLLM_VENV)
@@ -129,7 +129,7 @@ faults-long: install test-tools
 verify: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy libs/kit/src libs/cli/src libs/training/src $(SERVICE_SRC)
+	$(VENV)/bin/mypy libs/kit/src libs/experiments/src libs/cli/src libs/training/src $(SERVICE_SRC)
 	npx --no-install buf lint protos
 	PYTHON=$(PY) scripts/check_stubs.sh
 	$(VENV)/bin/lint-imports

@@ -25,8 +25,14 @@ TORCH_SERVICES = frozenset(
 # eval starts a model server per checkpoint for its serve_model runs (``forge_eval.serving``).
 RUNTIME_PACKAGES: dict[str, tuple[str, ...]] = {"eval": ("model_server",)}
 # Shared libraries under libs/ an image carries besides protos and kit (each a dependency in the
-# service's pyproject.toml): the trainer agent's jobs run ``python -m forge_training.run``.
-LIBRARIES: dict[str, tuple[str, ...]] = {"trainer_agent": ("training",)}
+# service's pyproject.toml): the trainer agent's jobs run ``python -m forge_training.run``, which
+# builds on the experiment science, as the orchestrator, eval and the feedback service do.
+LIBRARIES: dict[str, tuple[str, ...]] = {
+    "trainer_agent": ("experiments", "training"),
+    "orchestrator": ("experiments",),
+    "eval": ("experiments",),
+    "preference_feedback": ("experiments",),
+}
 # Services that own a relational database (one PostgreSQL database each in Compose), and the
 # MLflow tracking server's store.
 DATABASES = (*(f"forge_{s.name}" for s in SERVICES), "forge_mlflow")

@@ -15,8 +15,8 @@ import json
 import shutil
 from pathlib import Path
 
+from forge_experiments.sweepspace import COOLDOWN_PREFIX, parse
 from forge_kit.objectstore import ObjectStore
-from forge_kit.sweepspace import COOLDOWN_PREFIX, parse
 from forge_training import recipes
 from forge_training.train import RunContext, train
 

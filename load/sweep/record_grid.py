@@ -17,7 +17,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from forge_kit.sweepspace import parse
+from forge_experiments.sweepspace import parse
 from forge_training.sweep_bench import grid_trials
 
 

@@ -19,8 +19,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from forge_kit.earlystop import Asha, AshaPromotion, Guarded
-from forge_kit.sweepspace import Space, parse
+from forge_experiments.earlystop import Asha, AshaPromotion, Guarded
+from forge_experiments.sweepspace import Space, parse
 from forge_training.sweep_bench import ETA, replayer, run_asha, trust
 
 #: name → (rule, first rung, Guarded's settings)

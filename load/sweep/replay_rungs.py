@@ -15,7 +15,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from forge_kit.sweepspace import parse
+from forge_experiments.sweepspace import parse
 from forge_training.sweep_bench import replayer, run_asha
 
 

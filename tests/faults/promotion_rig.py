@@ -27,7 +27,7 @@ from forge.common.v1 import common_pb2
 from forge.eval.v1 import eval_pb2, eval_pb2_grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-from forge_kit.canary import LATENCY_BUCKETS
+from forge_experiments.canary import LATENCY_BUCKETS
 from forge_kit.events import ensure_topics
 from forge_kit.grpckit import make_channel
 from forge_kit.http import HttpServer

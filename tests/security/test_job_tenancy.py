@@ -2,7 +2,7 @@
 only. Before, ``GetJob`` and ``ListJobs`` had no team check: team A read team B's job spec in
 full, its ``env`` (``HF_TOKEN``…) included, and listed every team's jobs.
 
-Team A's token, against a real scheduler process holding jobs of teams A and B:
+Team A's token, against a real scheduler process (``conftest.py``) holding jobs of teams A and B:
 
 - ``GetJob`` and ``CancelJob`` of B's job answer NOT_FOUND, as a job that does not exist;
 - ``ListJobs`` lists A's jobs only (asked for B's: PERMISSION_DENIED);
@@ -13,8 +13,7 @@ Team A's token, against a real scheduler process holding jobs of teams A and B:
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
+from collections.abc import AsyncIterator
 
 import grpc
 import pytest
@@ -26,26 +25,7 @@ from forge_kit.testing import ServiceProcess
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
-ADMIN = "tenancy-scheduler-token"
 SECRET = "hf_team_b_secret_value_0123456789"
-
-
-@pytest.fixture(scope="module")
-def scheduler(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
-    root: Path = tmp_path_factory.mktemp("tenancy")
-    process = ServiceProcess(
-        "forge_scheduler",
-        env={
-            "FORGE_SCHEDULER_GRPC_PORT": "0",
-            "FORGE_SCHEDULER_HTTP_PORT": "0",
-            "FORGE_SCHEDULER_DATA_DIR": str(root / "scheduler"),
-            "FORGE_SCHEDULER_KAFKA_ENABLED": "false",
-            "FORGE_SCHEDULER_AUTH_TOKEN": ADMIN,
-        },
-        log_path=str(root / "scheduler.log"),
-    ).start(90)
-    yield process
-    process.stop()
 
 
 def spec(team: str, name: str, env: dict[str, str]) -> scheduler_pb2.JobSpec:
@@ -59,26 +39,11 @@ def spec(team: str, name: str, env: dict[str, str]) -> scheduler_pb2.JobSpec:
     )
 
 
-@pytest.fixture(scope="module")
-def tokens(scheduler: ServiceProcess) -> dict[str, str]:
-    async def setup() -> dict[str, str]:
-        async with make_channel(scheduler.grpc_target, token=ADMIN) as channel:
-            stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
-            issued = {}
-            for team in ("team-a", "team-b"):
-                await stub.CreateTeam(scheduler_pb2.CreateTeamRequest(name=team), timeout=10)
-                reply = await stub.IssueTeamToken(scheduler_pb2.IssueTeamTokenRequest(team=team), timeout=10)
-                issued[team] = reply.token
-            return issued
-
-    return asyncio.run(setup())
-
-
 @pytest.fixture
 async def as_team_a(
-    scheduler: ServiceProcess, tokens: dict[str, str]
+    scheduler: ServiceProcess, team_tokens: dict[str, str]
 ) -> AsyncIterator[scheduler_pb2_grpc.SchedulerServiceAsyncStub]:
-    async with make_channel(scheduler.grpc_target, token=tokens["team-a"]) as channel:
+    async with make_channel(scheduler.grpc_target, token=team_tokens["team-a"]) as channel:
         yield scheduler_pb2_grpc.SchedulerServiceStub(channel)
 
 
@@ -90,13 +55,14 @@ async def submit(target: str, token: str, job: scheduler_pb2.JobSpec) -> schedul
 
 async def test_team_a_cannot_see_or_touch_team_bs_jobs(
     scheduler: ServiceProcess,
-    tokens: dict[str, str],
+    scheduler_token: str,
+    team_tokens: dict[str, str],
     as_team_a: scheduler_pb2_grpc.SchedulerServiceAsyncStub,
 ) -> None:
     theirs = await submit(
-        scheduler.grpc_target, tokens["team-b"], spec("team-b", "b-job", {"HF_TOKEN": SECRET})
+        scheduler.grpc_target, team_tokens["team-b"], spec("team-b", "b-job", {"HF_TOKEN": SECRET})
     )
-    mine = await submit(scheduler.grpc_target, tokens["team-a"], spec("team-a", "a-job", {"MINE": "1"}))
+    mine = await submit(scheduler.grpc_target, team_tokens["team-a"], spec("team-a", "a-job", {"MINE": "1"}))
 
     for call in (
         as_team_a.GetJob(scheduler_pb2.GetJobRequest(job_id=theirs.id), timeout=10),
@@ -125,15 +91,17 @@ async def test_team_a_cannot_see_or_touch_team_bs_jobs(
                 return
 
     reader = asyncio.create_task(read())
-    await submit(scheduler.grpc_target, tokens["team-b"], spec("team-b", "b-later", {"HF_TOKEN": SECRET}))
-    await submit(scheduler.grpc_target, tokens["team-a"], spec("team-a", "a-later", {}))
+    await submit(
+        scheduler.grpc_target, team_tokens["team-b"], spec("team-b", "b-later", {"HF_TOKEN": SECRET})
+    )
+    await submit(scheduler.grpc_target, team_tokens["team-a"], spec("team-a", "a-later", {}))
     await asyncio.wait_for(reader, timeout=60)
     watch.cancel()
     assert {j.spec.team for j in seen} == {"team-a"}, [j.spec.name for j in seen]
     assert all(SECRET not in str(j) for j in seen)
 
     # B's job is untouched, and the admin sees both teams' jobs.
-    async with make_channel(scheduler.grpc_target, token=ADMIN) as channel:
+    async with make_channel(scheduler.grpc_target, token=scheduler_token) as channel:
         admin = scheduler_pb2_grpc.SchedulerServiceStub(channel)
         got = (await admin.GetJob(scheduler_pb2.GetJobRequest(job_id=theirs.id), timeout=10)).job
         assert got.state == common_pb2.JOB_STATE_PENDING and got.spec.env["HF_TOKEN"] == SECRET

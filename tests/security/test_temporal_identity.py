@@ -28,7 +28,6 @@ import shutil
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -49,14 +48,15 @@ from forge_kit.testing import ServiceProcess, TemporalDevServer, eventually
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
-SCHEDULER_TOKEN = "temporal-identity-scheduler-token"
-ORCHESTRATOR_TOKEN = "temporal-identity-orchestrator-token"
 NOBODY = 65534
 
 
 @dataclass
 class Platform:
+    """The suite's services (``conftest.py``) as the attacks below use them."""
+
     scheduler: ServiceProcess
+    scheduler_token: str
     orchestrator: ServiceProcess
     temporal: TemporalDevServer
     queue: str
@@ -66,53 +66,23 @@ class Platform:
 
 @pytest.fixture(scope="module")
 def platform(
-    temporal_server: TemporalDevServer, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Platform]:
-    root = tmp_path_factory.mktemp("temporal-identity")
-    root.chmod(0o755)
-    scheduler = ServiceProcess(
-        "forge_scheduler",
-        env={
-            "FORGE_SCHEDULER_GRPC_PORT": "0",
-            "FORGE_SCHEDULER_HTTP_PORT": "0",
-            "FORGE_SCHEDULER_DATA_DIR": str(root / "scheduler"),
-            "FORGE_SCHEDULER_KAFKA_ENABLED": "false",
-            "FORGE_SCHEDULER_AUTH_TOKEN": SCHEDULER_TOKEN,
-        },
-        log_path=str(root / "scheduler.log"),
-    ).start(90)
-    queue = f"temporal-identity-{uuid.uuid4().hex[:8]}"
-    orchestrator = ServiceProcess(
-        "forge_orchestrator",
-        env={
-            "FORGE_ORCHESTRATOR_GRPC_PORT": "0",
-            "FORGE_ORCHESTRATOR_HTTP_PORT": "0",
-            "FORGE_ORCHESTRATOR_AUTH_TOKEN": ORCHESTRATOR_TOKEN,
-            "FORGE_ORCHESTRATOR_DATA_DIR": str(root / "orchestrator"),
-            "FORGE_ORCHESTRATOR_KAFKA_ENABLED": "false",
-            "FORGE_ORCHESTRATOR_TEMPORAL_TARGET": temporal_server.target,
-            "FORGE_ORCHESTRATOR_TASK_QUEUE": queue,
-            "FORGE_ORCHESTRATOR_SCHEDULER_TARGET": scheduler.grpc_target,
-            "FORGE_ORCHESTRATOR_SCHEDULER_TOKEN": SCHEDULER_TOKEN,
-        },
-        log_path=str(root / "orchestrator.log"),
+    scheduler: ServiceProcess,
+    scheduler_token: str,
+    team_tokens: dict[str, str],
+    orchestrator: ServiceProcess,
+    orchestrator_queue: str,
+    temporal_server: TemporalDevServer,
+    security_root: Path,
+) -> Platform:
+    return Platform(
+        scheduler,
+        scheduler_token,
+        orchestrator,
+        temporal_server,
+        orchestrator_queue,
+        security_root,
+        team_tokens["team-a"],
     )
-    try:
-        orchestrator.start(90)
-        token = asyncio.run(_team(scheduler))
-        yield Platform(scheduler, orchestrator, temporal_server, queue, root, token)
-    finally:
-        orchestrator.stop()
-        scheduler.stop()
-
-
-async def _team(scheduler: ServiceProcess) -> str:
-    async with make_channel(scheduler.grpc_target, token=SCHEDULER_TOKEN) as channel:
-        stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
-        await stub.CreateTeam(scheduler_pb2.CreateTeamRequest(name="team-a"), timeout=10)
-        return (
-            await stub.IssueTeamToken(scheduler_pb2.IssueTeamTokenRequest(team="team-a"), timeout=10)
-        ).token
 
 
 def evil_program(platform: Platform) -> tuple[Path, Path]:
@@ -125,7 +95,7 @@ def evil_program(platform: Platform) -> tuple[Path, Path]:
 
 
 async def scheduler_jobs_of(platform: Platform, workflow_id: str) -> list[scheduler_pb2.Job]:
-    async with make_channel(platform.scheduler.grpc_target, token=SCHEDULER_TOKEN) as channel:
+    async with make_channel(platform.scheduler.grpc_target, token=platform.scheduler_token) as channel:
         stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
         jobs = (await stub.ListJobs(scheduler_pb2.ListJobsRequest(), timeout=10)).jobs
     return [j for j in jobs if j.spec.labels.get("workflow_id") == workflow_id]
@@ -153,7 +123,7 @@ async def failure_of(client: Client, workflow_id: str) -> str:
 
 
 def training_input(python: str, **extra: object) -> dict[str, object]:
-    return {"team": "team-a", "recipe": "tiny", "gpu_type": "SIM", "python": python, **extra}
+    return {"team": "team-a", "recipe": "smoke", "gpu_type": "SIM", "python": python, **extra}
 
 
 def cli_start_as_nobody(platform: Platform, workflow_id: str, data: dict[str, object]) -> None:
@@ -234,7 +204,7 @@ async def test_a_copied_grant_or_a_foreign_parent_gives_no_rights(platform: Plat
     async with make_channel(platform.orchestrator.grpc_target, token=platform.team_token) as channel:
         stub = orchestrator_pb2_grpc.OrchestratorServiceStub(channel)
         payload = struct_pb2.Struct()
-        payload.update({"team": "team-a", "recipe": "tiny", "gpu_type": "SIM"})
+        payload.update({"team": "team-a", "recipe": "smoke", "gpu_type": "SIM"})
         genuine = await stub.StartWorkflow(
             orchestrator_pb2.StartWorkflowRequest(workflow_type="training", input=payload), timeout=30
         )

@@ -13,16 +13,14 @@ A team token issued by the scheduler (team-a) calls the orchestrator:
 An admin may choose the team and an absolute interpreter; nobody may pass a relative one (a job
 runs in its own folder on the node, where ``.venv/bin/python`` does not exist).
 
-Real scheduler and orchestrator processes, real Temporal dev server.
+Real scheduler and orchestrator processes (``conftest.py``), real Temporal dev server.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-import uuid
-from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
 
 import grpc
 import pytest
@@ -32,81 +30,24 @@ from forge.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from google.protobuf import struct_pb2
 
 from forge_kit.grpckit import make_channel
-from forge_kit.testing import ServiceProcess, TemporalDevServer
+from forge_kit.testing import ServiceProcess
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
-SCHEDULER_TOKEN = "identity-scheduler-token"
-ORCHESTRATOR_TOKEN = "identity-orchestrator-token"
-
-
-@dataclass
-class Platform:
-    scheduler: ServiceProcess
-    orchestrator: ServiceProcess
-    team_a_token: str
-
-
-@pytest.fixture(scope="module")
-def platform(
-    temporal_server: TemporalDevServer, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Platform]:
-    root = tmp_path_factory.mktemp("identity")
-    scheduler = ServiceProcess(
-        "forge_scheduler",
-        env={
-            "FORGE_SCHEDULER_GRPC_PORT": "0",
-            "FORGE_SCHEDULER_HTTP_PORT": "0",
-            "FORGE_SCHEDULER_DATA_DIR": str(root / "scheduler"),
-            "FORGE_SCHEDULER_KAFKA_ENABLED": "false",
-            "FORGE_SCHEDULER_AUTH_TOKEN": SCHEDULER_TOKEN,
-        },
-        log_path=str(root / "scheduler.log"),
-    ).start(90)
-    suffix = uuid.uuid4().hex[:8]
-    orchestrator = ServiceProcess(
-        "forge_orchestrator",
-        env={
-            "FORGE_ORCHESTRATOR_GRPC_PORT": "0",
-            "FORGE_ORCHESTRATOR_HTTP_PORT": "0",
-            "FORGE_ORCHESTRATOR_AUTH_TOKEN": ORCHESTRATOR_TOKEN,
-            "FORGE_ORCHESTRATOR_DATA_DIR": str(root / "orchestrator"),
-            "FORGE_ORCHESTRATOR_KAFKA_ENABLED": "false",
-            "FORGE_ORCHESTRATOR_TEMPORAL_TARGET": temporal_server.target,
-            "FORGE_ORCHESTRATOR_TASK_QUEUE": f"identity-{suffix}",
-            "FORGE_ORCHESTRATOR_SCHEDULER_TARGET": scheduler.grpc_target,
-            "FORGE_ORCHESTRATOR_SCHEDULER_TOKEN": SCHEDULER_TOKEN,
-        },
-        log_path=str(root / "orchestrator.log"),
-    )
-    try:
-        orchestrator.start(90)
-        token = asyncio.run(_teams(scheduler))
-        yield Platform(scheduler, orchestrator, token)
-    finally:
-        orchestrator.stop()
-        scheduler.stop()
-
-
-async def _teams(scheduler: ServiceProcess) -> str:
-    """Teams a and b; a token for team-a."""
-    async with make_channel(scheduler.grpc_target, token=SCHEDULER_TOKEN) as channel:
-        stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
-        for team in ("team-a", "team-b"):
-            await stub.CreateTeam(scheduler_pb2.CreateTeamRequest(name=team), timeout=10)
-        reply = await stub.IssueTeamToken(scheduler_pb2.IssueTeamTokenRequest(team="team-a"), timeout=10)
-    return reply.token
-
 
 @pytest.fixture
-async def as_team_a(platform: Platform) -> AsyncIterator[orchestrator_pb2_grpc.OrchestratorServiceAsyncStub]:
-    async with make_channel(platform.orchestrator.grpc_target, token=platform.team_a_token) as channel:
+async def as_team_a(
+    orchestrator: ServiceProcess, team_tokens: dict[str, str]
+) -> AsyncIterator[orchestrator_pb2_grpc.OrchestratorServiceAsyncStub]:
+    async with make_channel(orchestrator.grpc_target, token=team_tokens["team-a"]) as channel:
         yield orchestrator_pb2_grpc.OrchestratorServiceStub(channel)
 
 
 @pytest.fixture
-async def as_admin(platform: Platform) -> AsyncIterator[orchestrator_pb2_grpc.OrchestratorServiceAsyncStub]:
-    async with make_channel(platform.orchestrator.grpc_target, token=ORCHESTRATOR_TOKEN) as channel:
+async def as_admin(
+    orchestrator: ServiceProcess, orchestrator_token: str
+) -> AsyncIterator[orchestrator_pb2_grpc.OrchestratorServiceAsyncStub]:
+    async with make_channel(orchestrator.grpc_target, token=orchestrator_token) as channel:
         yield orchestrator_pb2_grpc.OrchestratorServiceStub(channel)
 
 
@@ -124,10 +65,12 @@ async def refused(
     return caught.value
 
 
-async def job_of(platform: Platform, workflow_id: str, timeout_s: float = 60) -> scheduler_pb2.Job:
-    """The job the scheduler received from ``workflow_id`` (any team)."""
+async def job_of(
+    scheduler: ServiceProcess, token: str, workflow_id: str, timeout_s: float = 60
+) -> scheduler_pb2.Job:
+    """The job the scheduler received from ``workflow_id`` (any team), asked with the admin ``token``."""
     deadline = time.monotonic() + timeout_s
-    async with make_channel(platform.scheduler.grpc_target, token=SCHEDULER_TOKEN) as channel:
+    async with make_channel(scheduler.grpc_target, token=token) as channel:
         stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
         while True:
             jobs = (await stub.ListJobs(scheduler_pb2.ListJobsRequest(), timeout=10)).jobs
@@ -142,7 +85,7 @@ async def test_a_team_token_cannot_start_work_for_another_team(
     as_team_a: orchestrator_pb2_grpc.OrchestratorServiceAsyncStub,
 ) -> None:
     for kind in ("training", "smoke"):
-        extra = {"recipe": "tiny", "gpu_type": "SIM"} if kind == "training" else {}
+        extra = {"recipe": "smoke", "gpu_type": "SIM"} if kind == "training" else {}
         error = await refused(as_team_a, start(kind, team="team-b", **extra))
         assert error.code() == grpc.StatusCode.PERMISSION_DENIED, error.details()
         assert "team-a" in (error.details() or "")
@@ -152,7 +95,7 @@ async def test_a_team_token_cannot_choose_executables_paths_or_its_identity(
     as_team_a: orchestrator_pb2_grpc.OrchestratorServiceAsyncStub,
 ) -> None:
     error = await refused(
-        as_team_a, start("training", team="team-a", recipe="tiny", gpu_type="SIM", python="/bin/sh")
+        as_team_a, start("training", team="team-a", recipe="smoke", gpu_type="SIM", python="/bin/sh")
     )
     assert error.code() == grpc.StatusCode.PERMISSION_DENIED and "needs an admin" in (error.details() or "")
     error = await refused(
@@ -168,7 +111,7 @@ async def test_a_team_token_cannot_choose_executables_paths_or_its_identity(
         start(
             "training",
             team="team-b",
-            recipe="tiny",
+            recipe="smoke",
             gpu_type="SIM",
             caller={"name": "service", "role": "admin", "team": ""},
         ),
@@ -177,23 +120,27 @@ async def test_a_team_token_cannot_choose_executables_paths_or_its_identity(
 
 
 async def test_a_team_tokens_training_job_reaches_the_scheduler_as_its_teams(
-    platform: Platform,
+    scheduler: ServiceProcess,
+    scheduler_token: str,
     as_team_a: orchestrator_pb2_grpc.OrchestratorServiceAsyncStub,
     as_admin: orchestrator_pb2_grpc.OrchestratorServiceAsyncStub,
 ) -> None:
     started = await as_team_a.StartWorkflow(
-        start("training", team="team-a", recipe="tiny", gpu_type="SIM"), timeout=30
+        start("training", team="team-a", recipe="smoke", gpu_type="SIM"), timeout=30
     )
-    job = await job_of(platform, started.workflow_id)
+    job = await job_of(scheduler, scheduler_token, started.workflow_id)
     assert job.spec.team == "team-a"
     assert job.spec.command[0] == "python"
     # Its own workflow is visible to it; the admin's workflow for team-b is not.
     mine = await as_team_a.GetWorkflow(orchestrator_pb2.GetWorkflowRequest(workflow_id=started.workflow_id))
     assert mine.workflow_type == "training"
     theirs = await as_admin.StartWorkflow(
-        start("training", team="team-b", recipe="tiny", gpu_type="SIM", python="/usr/bin/python3"), timeout=30
+        start("training", team="team-b", recipe="smoke", gpu_type="SIM", python="/usr/bin/python3"),
+        timeout=30,
     )
-    assert (await job_of(platform, theirs.workflow_id)).spec.command[0] == "/usr/bin/python3"
+    assert (await job_of(scheduler, scheduler_token, theirs.workflow_id)).spec.command[
+        0
+    ] == "/usr/bin/python3"
     for call in (
         as_team_a.GetWorkflow(orchestrator_pb2.GetWorkflowRequest(workflow_id=theirs.workflow_id)),
         as_team_a.CancelWorkflow(orchestrator_pb2.CancelWorkflowRequest(workflow_id=theirs.workflow_id)),
@@ -207,7 +154,7 @@ async def test_a_team_tokens_training_job_reaches_the_scheduler_as_its_teams(
             orchestrator_pb2.StartWorkflowRequest(
                 workflow_type="training",
                 workflow_id=theirs.workflow_id,
-                input=start("training", team="team-a", recipe="tiny", gpu_type="SIM").input,
+                input=start("training", team="team-a", recipe="smoke", gpu_type="SIM").input,
             ),
             timeout=30,
         )
@@ -220,13 +167,15 @@ async def test_a_relative_interpreter_is_refused_for_everyone(
     as_admin: orchestrator_pb2_grpc.OrchestratorServiceAsyncStub,
 ) -> None:
     error = await refused(
-        as_admin, start("training", team="team-b", recipe="tiny", gpu_type="SIM", python=".venv/bin/python")
+        as_admin, start("training", team="team-b", recipe="smoke", gpu_type="SIM", python=".venv/bin/python")
     )
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "absolute path" in (error.details() or "")
 
 
-async def test_the_scheduler_holds_an_on_behalf_of_submission_to_that_team(platform: Platform) -> None:
+async def test_the_scheduler_holds_an_on_behalf_of_submission_to_that_team(
+    scheduler: ServiceProcess, scheduler_token: str, team_tokens: dict[str, str]
+) -> None:
     spec = scheduler_pb2.JobSpec(
         name="x",
         team="team-b",
@@ -234,8 +183,8 @@ async def test_the_scheduler_holds_an_on_behalf_of_submission_to_that_team(platf
         command=["true"],
         resources=common_pb2.ResourceRequest(gpu_count=0),
     )
-    for token in (SCHEDULER_TOKEN, platform.team_a_token):
-        async with make_channel(platform.scheduler.grpc_target, token=token) as channel:
+    for token in (scheduler_token, team_tokens["team-a"]):
+        async with make_channel(scheduler.grpc_target, token=token) as channel:
             stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
             with pytest.raises(grpc.aio.AioRpcError) as caught:
                 await stub.SubmitJob(
@@ -244,10 +193,10 @@ async def test_the_scheduler_holds_an_on_behalf_of_submission_to_that_team(platf
             assert caught.value.code() == grpc.StatusCode.PERMISSION_DENIED, caught.value.details()
             caller = await stub.GetCaller(scheduler_pb2.GetCallerRequest(), timeout=10)
             assert (caller.role, caller.team) == (
-                ("admin", "") if token == SCHEDULER_TOKEN else ("team", "team-a")
+                ("admin", "") if token == scheduler_token else ("team", "team-a")
             )
     # The orchestrator's own use: its admin token, on behalf of the job's team.
-    async with make_channel(platform.scheduler.grpc_target, token=SCHEDULER_TOKEN) as channel:
+    async with make_channel(scheduler.grpc_target, token=scheduler_token) as channel:
         stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
         reply = await stub.SubmitJob(
             scheduler_pb2.SubmitJobRequest(spec=spec, on_behalf_of="team-b"), timeout=10

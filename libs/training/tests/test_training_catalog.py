@@ -8,14 +8,15 @@ from importlib import resources
 
 import pytest
 
-from forge_kit import errors, sweepspace
+from forge_experiments import sweepspace
+from forge_kit import errors
 from forge_training import catalog, recipes, schema
 
 
 def test_shipped_catalogue_is_up_to_date() -> None:
-    shipped = json.loads(resources.files("forge_kit").joinpath("recipes.json").read_text())
+    shipped = json.loads(resources.files("forge_experiments").joinpath("recipes.json").read_text())
     assert shipped == json.loads(catalog.rendered()), (
-        "forge_kit/recipes.json is stale: run python -m forge_training.catalog --write"
+        "forge_experiments/recipes.json is stale: run python -m forge_training.catalog --write"
     )
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from forge_kit import rmlength
+from forge_experiments import rmlength
 from forge_training import recipes, rm_eval, validation
 from forge_training.objectives import lengthdebias as ld
 from forge_training.recipes import RecipeError

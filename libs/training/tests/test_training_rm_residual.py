@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from forge_kit import rmlength
+from forge_experiments import rmlength
 from forge_training import rm_residual, rm_score
 from forge_training.backbones import minilm_dir
 from forge_training.objectives.encoder import encoder_classifier, save_encoder

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from forge_kit.earlystop import Asha, AshaPromotion
-from forge_kit.sweepspace import parse
+from forge_experiments.earlystop import Asha, AshaPromotion
+from forge_experiments.sweepspace import parse
 from forge_training.sweep_bench import Judge, Trial, in_order, replayer, run_asha, run_interleaved
 
 # val_loss at steps 1, 3, 9 (rungs 1 and 3 of min_steps 1, eta 3, max_steps 9). Trial 0 leads at

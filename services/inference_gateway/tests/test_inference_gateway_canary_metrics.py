@@ -12,8 +12,8 @@ from forge.common.v1 import common_pb2
 from forge.events.v1 import events_pb2
 from prometheus_client import REGISTRY, generate_latest
 
+from forge_experiments.canary import parse_metrics
 from forge_inference_gateway.service import InferenceGateway
-from forge_kit.canary import parse_metrics
 from forge_kit.db import Database
 from forge_kit.events import new_meta
 from forge_kit.testing import eventually

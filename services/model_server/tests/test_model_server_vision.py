@@ -24,12 +24,12 @@ from PIL import Image
 
 from forge_kit.http import HttpServer, make_app
 from forge_kit.objectstore import ObjectStore
-from forge_kit.safe_fetch import parse_networks
 from forge_kit.testing.tiny_llava import save_tiny_llava
 from forge_model_server.engine import EngineConfig
 from forge_model_server.image_inputs import ImagePolicy
 from forge_model_server.openai_api import install_openai_api
 from forge_model_server.runner import AsyncEngine, HFEngineLoader
+from forge_model_server.safe_fetch import parse_networks
 from forge_model_server.service import ModelDirectory, ModelServer
 
 TOKEN = "vision-token"

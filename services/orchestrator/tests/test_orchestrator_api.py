@@ -125,6 +125,51 @@ async def test_invalid_start_names_the_field(stub: Stub, request_fields: dict[st
     assert (FIELD_METADATA_KEY, field) in tuple(caught.value.trailing_metadata() or ())
 
 
+@pytest.mark.parametrize(
+    ("values", "field", "message"),
+    [
+        # A missing field answers by name, not with the dataclass's TypeError.
+        ({"recipe": "smoke"}, "input.team", "input.team: required"),
+        ({"team": "t"}, "input.recipe", "input.recipe: required"),
+        ({"team": "t", "recipe": "smok"}, "input.recipe", "did you mean 'smoke'?"),
+        # A misspelled override key: refused before anything is queued, with the nearest key.
+        (
+            {"team": "t", "recipe": "smoke", "overrides": ["max_steps=5", "optim.lrr=1e-3"]},
+            "input.overrides[1]",
+            "'optim.lrr' is not an override key of smoke; did you mean 'optim.lr'?",
+        ),
+        # A key the recipe's task does not read (reward models' section on a pre-training run).
+        ({"team": "t", "recipe": "smoke", "overrides": ["reward.margin=1"]}, "input.overrides[0]", "smoke"),
+        (
+            {"team": "t", "recipe": "smoke", "overrides": ["max_steps=ten"]},
+            "input.overrides[0]",
+            "must be an int",
+        ),
+        (
+            {"team": "t", "recipe": "smoke", "overrides": ["compile=maybe"]},
+            "input.overrides[0]",
+            "must be a bool",
+        ),
+    ],
+)
+async def test_a_training_typo_is_refused_at_the_door(
+    stub: Stub, values: dict[str, Any], field: str, message: str
+) -> None:
+    workflow_id = f"training-typo-{uuid.uuid4().hex[:8]}"
+    request = orchestrator_pb2.StartWorkflowRequest(
+        workflow_type="training", workflow_id=workflow_id, input=_input(gpu_type="SIM", **values)
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await stub.StartWorkflow(request)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert caught.value.details().startswith(f"{field}:") and message in caught.value.details()
+    assert (FIELD_METADATA_KEY, field) in tuple(caught.value.trailing_metadata() or ())
+    # Nothing was started, so no job was queued.
+    with pytest.raises(grpc.aio.AioRpcError) as absent:
+        await stub.GetWorkflow(orchestrator_pb2.GetWorkflowRequest(workflow_id=workflow_id))
+    assert absent.value.code() == grpc.StatusCode.NOT_FOUND
+
+
 async def test_a_run_id_that_is_not_one_is_refused_by_field(stub: Stub) -> None:
     """Found by fuzzing: Temporal's own refusal of the run id surfaced as INTERNAL."""
     with pytest.raises(grpc.aio.AioRpcError) as caught:

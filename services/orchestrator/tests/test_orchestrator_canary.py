@@ -28,9 +28,9 @@ from forge.eval.v1 import eval_pb2, eval_pb2_grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from temporalio.client import Client
 
-from forge_kit.canary import LATENCY_BUCKETS
 from forge_kit.grpckit import make_channel
 from forge_kit.http import HttpServer
+from forge_kit.latency import LATENCY_BUCKETS
 from forge_kit.paths import data_dir
 from forge_kit.testing import ServiceProcess, TemporalDevServer, eventually
 from forge_orchestrator.activities import SchedulerActivities

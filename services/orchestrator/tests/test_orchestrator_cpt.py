@@ -25,7 +25,8 @@ from temporalio import activity
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowFailureError, WorkflowHandle
 from temporalio.worker import Worker
 
-from forge_kit import cptmix, errors, stats
+from forge_experiments import cptmix
+from forge_kit import errors, stats
 from forge_kit.testing import MlflowServer, TemporalDevServer, eventually
 from forge_orchestrator.activities import CancelJobInput, SubmitJobInput
 from forge_orchestrator.canary_activities import CanaryActivities

@@ -22,8 +22,8 @@ from forge_kit.testing.grpcserver import grpc_test_server
 from forge_orchestrator import main_job
 from forge_orchestrator.api import OrchestratorApi
 from forge_orchestrator.main_job import RlhfStepError, rlhf, rlhf_input, round_report
-from forge_orchestrator.rlhf_round import DriftPoint, RlhfInput, RlhfResult, RoundRecord
-from forge_orchestrator.rlhf_worker import validate_rlhf
+from forge_orchestrator.rlhf.model import DriftPoint, RlhfInput, RlhfResult, RoundRecord
+from forge_orchestrator.rlhf.worker import validate_rlhf
 from forge_orchestrator.service import OrchestratorService, parse_input
 
 TOKEN = "main-job-test-token"

@@ -49,10 +49,10 @@ from forge_kit.testing import ServiceProcess, TemporalDevServer
 from forge_orchestrator.activities import SchedulerActivities
 from forge_orchestrator.eval_activities import EvalActivities
 from forge_orchestrator.main_job import RLHF_SIZES
-from forge_orchestrator.rlhf import RLHF_WORKFLOWS, RlhfInput, RlhfResult
-from forge_orchestrator.rlhf_activities import RlhfActivities
-from forge_orchestrator.rlhf_sampling import RlhfSampler
-from forge_orchestrator.rlhf_worker import build_rlhf_worker, rlhf_task_queue
+from forge_orchestrator.rlhf.activities import RlhfActivities
+from forge_orchestrator.rlhf.sampling import RlhfSampler
+from forge_orchestrator.rlhf.worker import build_rlhf_worker, rlhf_task_queue
+from forge_orchestrator.rlhf.workflow import RLHF_WORKFLOWS, RlhfInput, RlhfResult
 from forge_orchestrator.training import AUTO_EVAL_LABEL, CHECKPOINT_SIGNAL, CheckpointInfo
 from forge_orchestrator.workflows import JOB_EVENT_SIGNAL, PROGRESS_QUERY, JobEvent
 

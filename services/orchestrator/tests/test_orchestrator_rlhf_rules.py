@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from forge_kit import errors
-from forge_orchestrator.rlhf_round import (
+from forge_orchestrator.rlhf.model import (
     DriftPoint,
     RlhfInput,
     drift_stop,
@@ -16,7 +16,7 @@ from forge_orchestrator.rlhf_round import (
     rm_version,
     round_gates,
 )
-from forge_orchestrator.rlhf_worker import validate_rlhf
+from forge_orchestrator.rlhf.worker import validate_rlhf
 
 
 def point(kl: float, proxy: float, agreement: float) -> DriftPoint:

@@ -237,7 +237,7 @@ async def test_typed_routing_hints_route_without_labels(db: Database) -> None:
 
 
 def test_the_rlhf_loop_labels_its_training_jobs_and_only_the_rlhf_worker_runs_it() -> None:
-    from forge_orchestrator.rlhf import RlhfInput, RlhfWorkflow
+    from forge_orchestrator.rlhf.workflow import RlhfInput, RlhfWorkflow
 
     train = RlhfWorkflow()._train(RlhfInput(policy_uri="/p", work_uri="/w"), "dpo-r1", "dpo_hh", [])
     assert train.labels == {AUTO_EVAL_LABEL: "false"}

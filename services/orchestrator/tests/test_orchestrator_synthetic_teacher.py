@@ -27,7 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from temporalio.testing import ActivityEnvironment
 
-from forge_kit import teacher_protocol as tp
+from forge_experiments import teacher_protocol as tp
 from forge_kit.http import HttpServer
 from forge_orchestrator.synthetic.activities import Endpoint, GenerateInput, SyntheticActivities
 from forge_orchestrator.synthetic.teacher import TeacherClient

@@ -26,8 +26,8 @@ from forge_cli.platform import INFRA, Backing, Infra, ServiceSpec
 from forge_cli.supervisor import Component, Paths
 from forge_kit.events import ensure_topics
 from forge_kit.grpckit import check_health
+from forge_kit.localinfra import mlflow_healthy, mlflow_server_argv, port_open, tansu_binary
 from forge_kit.paths import private_dir
-from forge_kit.testing.processes import mlflow_healthy, mlflow_server_argv, port_open, tansu_binary
 
 INFRA_TIMEOUT_S = 120.0
 SERVICE_TIMEOUT_S = 180.0

@@ -1,5 +1,7 @@
-"""Shared building blocks for Forge services.
+"""The service chassis every Forge package builds on.
 
-Each module is one concern: ``settings``, ``grpckit``, ``kafka`` (events and the transactional
-outbox), ``db``, ``cache``, ``objectstore``, ``http``, ``logs``, ``errors`` and ``testing``.
+Each module is one concern: ``settings``, ``grpckit``, ``events``, ``outbox`` and ``consumer``,
+``db``, ``cache``, ``objectstore``, ``http``, ``logs``, ``errors``, ``localinfra`` (how the local
+broker and MLflow are launched) and ``testing``. Experiment science lives in
+:mod:`forge_experiments`, training in :mod:`forge_training`.
 """

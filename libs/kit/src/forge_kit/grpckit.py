@@ -285,6 +285,28 @@ def make_channel(
     return grpc.aio.insecure_channel(target, options=options, interceptors=interceptors)
 
 
+class LazyChannel:
+    """A :func:`make_channel` channel opened on first use, so that it belongs to the event loop
+    that uses it (a Temporal worker's, a consumer's), not the one that built its owner; an
+    activity class or a client holds one and calls :meth:`get` per call and :meth:`close` once
+    at shutdown (idempotent; a later :meth:`get` opens a new channel)."""
+
+    def __init__(self, target: str, token: str | None) -> None:
+        self._target = target
+        self._token = token
+        self._channel: grpc.aio.Channel | None = None
+
+    def get(self) -> grpc.aio.Channel:
+        if self._channel is None:
+            self._channel = make_channel(self._target, token=self._token)
+        return self._channel
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            channel, self._channel = self._channel, None
+            await channel.close(None)
+
+
 async def check_health(target: str, timeout_s: float = 2.0, tls: TlsConfig | None = None) -> bool:
     """True when the server at ``target`` answers the standard health check with SERVING."""
     tls = tls or _default_client_tls

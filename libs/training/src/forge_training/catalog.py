@@ -1,5 +1,5 @@
 """The recipe catalogue: every recipe's override keys (with type and default) and the metric
-names its runs emit, written to ``libs/kit/src/forge_kit/recipes.json``.
+names its runs emit, written to ``libs/experiments/src/forge_experiments/recipes.json``.
 
 Other services (the orchestrator's sweeps) check a search space against that file rather than
 importing this package; ``python -m forge_training.catalog --write`` regenerates it
@@ -81,7 +81,7 @@ def rendered() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    target = Path(str(resources.files("forge_kit").joinpath("recipes.json")))
+    target = Path(str(resources.files("forge_experiments").joinpath("recipes.json")))
     if args == ["--write"]:
         target.write_text(rendered())
         print(f"wrote {target}")

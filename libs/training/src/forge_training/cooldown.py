@@ -33,8 +33,8 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from forge_kit.earlystop import rungs
-from forge_kit.sweepspace import COOLDOWN_PREFIX as PREFIX
+from forge_experiments.earlystop import rungs
+from forge_experiments.sweepspace import COOLDOWN_PREFIX as PREFIX
 from forge_training.schema import TrainConfig
 
 __all__ = ["PREFIX", "STEPS_KEY", "branch_steps", "run_branch"]

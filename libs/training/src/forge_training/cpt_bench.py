@@ -7,17 +7,17 @@ Steps (the ``cpt`` workflow's, with the eval service replaced by per-window loss
 1. **Parent**: the tiny pre-training recipe (``shakespeare_tiny``) for ``--parent-steps`` (or
    ``--parent DIR``, a Hugging Face folder).
 2. **Mixture search**: for each replay fraction, the peak LRs as a sweep
-   (:func:`forge_kit.cptmix.sweep_space`, checked by :mod:`forge_kit.sweepspace` as the workflow's
+   (:func:`forge_experiments.cptmix.sweep_space`, checked by :mod:`forge_experiments.sweepspace` as the workflow's
    are) of ``cpt_scifact`` runs of ``--search-steps`` steps, LR re-warmed over
    ``--warmup-fraction`` of the run and re-decayed (cosine) to ``--min-lr``, run one after another
    (:func:`forge_training.sweep_bench.run_trial`) under ASHA's stopping form
-   (:class:`forge_kit.earlystop.Asha`, η = 3, first rung at a third of the budget) on the domain
+   (:class:`forge_experiments.earlystop.Asha`, η = 3, first rung at a third of the budget) on the domain
    ``val_loss``.
 3. **Measurement**: the base and every search run that reached the budget are scored on the same
    ``--windows`` held-out windows of the domain corpus (SciFact) and of the general corpus
    (Shakespeare), each window's mean next-token loss in nats; forgetting and domain gain get the
-   95 % paired-bootstrap interval of the per-window differences (:func:`forge_kit.cptmix.paired_point`).
-4. **Mixture choice**: the rule (:class:`forge_kit.cptmix.Rule`: ``--max-forgetting``,
+   95 % paired-bootstrap interval of the per-window differences (:func:`forge_experiments.cptmix.paired_point`).
+4. **Mixture choice**: the rule (:class:`forge_experiments.cptmix.Rule`: ``--max-forgetting``,
    ``--bound``) over the search points; no admissible point ends the run there
    (``outcome: none_admissible``, with the reason).
 5. **Final run** at the chosen mixture for ``--final-steps``, a checkpoint every third of it; each
@@ -47,8 +47,9 @@ import torch
 import torch.nn.functional as F
 import typer
 
-from forge_kit import clitools, cptmix, cptreport, sweepspace
-from forge_kit.earlystop import Asha
+from forge_experiments import cptmix, cptreport, sweepspace
+from forge_experiments.earlystop import Asha
+from forge_kit import clitools
 from forge_kit.errors import ValidationError
 from forge_kit.objectstore import ObjectStore
 from forge_training import recipes, schema

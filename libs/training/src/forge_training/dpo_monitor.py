@@ -13,7 +13,7 @@ the policy being trained:
 
 Samples use a fixed seed per prompt, so successive points differ only by the policy. When over
 the last ``window`` measurements the proxy reward rose at every step while held-out agreement fell
-at every step (:func:`forge_kit.overoptimisation.overoptimised`), training stops early with the
+at every step (:func:`forge_experiments.overoptimisation.overoptimised`), training stops early with the
 reason. The trace goes to ``out`` (a path or object-store URL) as JSON after every point.
 """
 
@@ -28,8 +28,8 @@ from typing import Any
 import torch
 from transformers import AutoModelForSequenceClassification, PreTrainedModel
 
+from forge_experiments.overoptimisation import overoptimised
 from forge_kit.objectstore import ObjectStore
-from forge_kit.overoptimisation import overoptimised
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ Accuracy is the share of pairs whose chosen response scores above the rejected o
 counting one half (as the trainer's validation does); the 95 % interval is the Wilson score
 interval, which stays inside [0, 1] and is sensible for small n. The same accuracy is also
 given by which reply is longer (``by_length``: preferred-longer, preferred-shorter and tied pairs,
-lengths in words; see :mod:`forge_kit.rmlength`), so a reward model that only learned "longer is
+lengths in words; see :mod:`forge_experiments.rmlength`), so a reward model that only learned "longer is
 better" shows as one.
 
 A checkpoint folder may hold ``length_adjust.json`` (:class:`LengthAdjust`, written by
@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from forge_kit import rmlength
+from forge_experiments import rmlength
 from forge_kit.stats import wilson_interval
 
 _TURN = re.compile(r"\n\n(Human|Assistant):")
@@ -69,7 +69,7 @@ _ADJUST_MAX_BYTES = 64 << 10
 
 
 def length_feature(response: str) -> float:
-    """The length term's variable: ``log(1 + words)`` of a response (:func:`forge_kit.rmlength.words`)."""
+    """The length term's variable: ``log(1 + words)`` of a response (:func:`forge_experiments.rmlength.words`)."""
     return math.log1p(rmlength.words(response))
 
 
@@ -203,7 +203,7 @@ class Scores:
     rejected: list[float] = field(default_factory=list)
     lines: list[int] = field(default_factory=list)
     strata: list[str] = field(default_factory=list)
-    """Per pair, which reply is longer (one of :data:`forge_kit.rmlength.STRATA`)."""
+    """Per pair, which reply is longer (one of :data:`forge_experiments.rmlength.STRATA`)."""
 
     @property
     def n(self) -> int:
@@ -217,7 +217,7 @@ class Scores:
 
     def summary(self) -> dict[str, Any]:
         """``{"accuracy", "ci95_low", "ci95_high", "n", "by_length"}`` (Wilson intervals;
-        ``by_length`` as :func:`forge_kit.rmlength.as_summary` writes it)."""
+        ``by_length`` as :func:`forge_experiments.rmlength.as_summary` writes it)."""
         if not self.n:
             raise PairsError("--pairs: no scorable pair in the file")
         wins = self.wins()

@@ -139,7 +139,7 @@ class PairsConfig:
     opening with another), so no held-out conversation is even partly trained on."""
     length_balance: str = "none"
     """``reward`` only: how training pairs are balanced between those whose chosen reply is the
-    longer one and those where it is the shorter one (lengths in words, :mod:`forge_kit.rmlength`):
+    longer one and those where it is the shorter one (lengths in words, :mod:`forge_experiments.rmlength`):
     ``none``, ``reweight`` (each of the two groups carries half of the loss; tied pairs weigh 1)
     or ``subsample`` (the larger group is cut, seeded, to the size of the smaller)."""
 

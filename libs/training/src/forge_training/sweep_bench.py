@@ -7,7 +7,7 @@ Writes ``DIR/summary.json``::
 
     {"space", "recipe", "metric", "mode", "eta", "rule", "form", "rung_eval", "cooldown_fraction",
      "rungs", "max_steps",
-     "trust",           # forge_kit.earlystop.rung_trust of the early-stopping side's trials
+     "trust",           # forge_experiments.earlystop.rung_trust of the early-stopping side's trials
      "grid": {"best_metric", "best_trial", "trial_steps", "wall_s", "reused"},
      "asha": {"best_metric", "best_trial", "trial_steps", "branch_steps", "stopped_early", "resumed",
               "rung_occupancy", "concurrency", "wall_s"},
@@ -29,7 +29,7 @@ recipe's seed). The grid runs them one after another, in order. ASHA runs them a
 workflow does: up to the space's ``concurrency`` trials in flight, new ones taken in an order
 shuffled with the space's seed, advanced in lockstep (:func:`run_interleaved`: each in-flight
 trial in turn runs to its next evaluation, so trials reach a rung at about the time parallel
-workers would), and judged by the rule the sweep workflow uses (:mod:`forge_kit.earlystop`, the
+workers would), and judged by the rule the sweep workflow uses (:mod:`forge_experiments.earlystop`, the
 space's ``early_stopping.form``) on the metric as the run writes it to ``metrics.jsonl``, in the
 order they report. Promotion form (the default): a trial at a rung pauses (it stops at its next
 step, saving its checkpoint, as a cancelled job does) unless promotable at once; a free slot
@@ -55,9 +55,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from forge_kit.earlystop import Asha, AshaPromotion, Guarded, rung_trust
+from forge_experiments.earlystop import Asha, AshaPromotion, Guarded, rung_trust
+from forge_experiments.sweepspace import COOLDOWN_PREFIX, Space
 from forge_kit.objectstore import ObjectStore
-from forge_kit.sweepspace import COOLDOWN_PREFIX, Space
 from forge_training import cooldown, recipes, schema, validation
 from forge_training.train import RunContext
 from forge_training.train import train as run_training
@@ -312,7 +312,7 @@ def replayer(
 
 
 def trust(space: Space, trials: Sequence[Trial], rungs: list[int]) -> dict[str, Any]:
-    """:func:`forge_kit.earlystop.rung_trust` of the early-stopping side's trials, on the values
+    """:func:`forge_experiments.earlystop.rung_trust` of the early-stopping side's trials, on the values
     its rule judged (the cooldown branches' under ``rung_eval: cooldown``)."""
     cooled = space.early_stopping.rung_eval == "cooldown"
     return rung_trust(

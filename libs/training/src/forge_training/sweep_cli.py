@@ -22,9 +22,9 @@ from typing import Annotated, Any
 import typer
 import yaml
 
+from forge_experiments.sweepspace import Space, from_dict, parse
 from forge_kit import clitools
 from forge_kit.errors import ValidationError
-from forge_kit.sweepspace import Space, from_dict, parse
 from forge_training import schema
 from forge_training.sweep_bench import Trial, _config, benchmark
 

@@ -1,8 +1,8 @@
 """The programmatic teacher behind an OpenAI-compatible ``/v1/chat/completions`` endpoint.
 
 This is a stand-in. In production the synthetic-data workflow's teacher is vLLM serving a strong
-model, prompted with :data:`forge_kit.teacher_protocol.SYSTEM_PROMPT`; on a machine with no such
-model this server answers the same requests (:mod:`forge_kit.teacher_protocol`: JSON in the
+model, prompted with :data:`forge_experiments.teacher_protocol.SYSTEM_PROMPT`; on a machine with no such
+model this server answers the same requests (:mod:`forge_experiments.teacher_protocol`: JSON in the
 messages) from the seed templates of :mod:`forge_training.synthetic.problems`, with the
 programmatic teacher's configurable error rate, so that verification has something to catch.
 
@@ -32,8 +32,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from forge_experiments import teacher_protocol as tp
 from forge_kit import errors
-from forge_kit import teacher_protocol as tp
 from forge_kit.http import HttpServer, make_app
 from forge_kit.openai_errors import install_openai_error_handlers, openai_error
 from forge_kit.openai_protocol import ChatCompletionBody, message_text, parse

@@ -9,7 +9,7 @@ decision, the candidate's scores with their intervals, and the report's path:
 2. find the checkpoint in eval's registry (the workflow registers it first thing, with its own id
    as the label ``workflow_id``) by its uri among the models named after the run;
 3. poll the workflow through the orchestrator's GetWorkflow until it closes; meanwhile, when the
-   platform has a model server and a gateway, :func:`forge_kit.canary_traffic.serve_and_drive`
+   platform has a model server and a gateway, :func:`forge_experiments.canary_traffic.serve_and_drive`
    serves the candidate once it reaches ``canary`` and chats with ``forge-chat`` through the
    gateway with distinct users, so the guarded canary decides on traffic;
 4. return what it decided, with the canary's evidence (requests per arm, p-values) and the
@@ -32,7 +32,7 @@ from forge.eval.v1 import eval_pb2, eval_pb2_grpc
 from forge.orchestrator.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 from google.protobuf import json_format
 
-from forge_kit.canary_traffic import Http, canary_summary, serve_and_drive
+from forge_experiments.canary_traffic import Http, canary_summary, serve_and_drive
 from forge_kit.grpckit import make_channel
 from forge_kit.mainjob import Endpoint, MainJobContext
 from forge_kit.modelref import ModelRef

@@ -5,7 +5,7 @@ Why here and not in the workflow: the server must live exactly as long as the ru
 it, and the run executes in this process. It is started after the run is claimed, health-checked
 (ready file, ``/readyz``, the model listed by ``/v1/models``) and stopped in a ``finally`` — on
 success, failure or cancellation — and it dies with this process too (``PR_SET_PDEATHSIG``, set by
-:mod:`forge_kit.spawn` in the child, never by Python code between fork and exec), so no server
+:mod:`forge_eval.spawn` in the child, never by Python code between fork and exec), so no server
 outlives its run. Each server gets a fresh random bearer token that only this run knows.
 """
 
@@ -28,7 +28,7 @@ from typing import Protocol
 
 import httpx
 
-from forge_kit import spawn
+from forge_eval import spawn
 
 #: The file the model server reads a model's version from (its folder name is the model's name).
 VERSION_FILE = "forge_model.json"

@@ -18,7 +18,7 @@ one). A gateway process routes to the four. The alias ``forge-chat`` names ``pro
    reported ``arms_not_different`` and not judged;
 2. each candidate in turn becomes the canary at the policy's share (``policies/canary/bench.yaml``),
    sticky per ``user``. Streamed completions arrive at a fixed rate; every ``interval_s`` the
-   gateway's ``/metrics`` are read and :func:`forge_kit.canary.analyze` (the orchestrator's
+   gateway's ``/metrics`` are read and :func:`forge_experiments.canary.analyze` (the orchestrator's
    analysis) decides, until ``promote`` or ``rollback`` or the window (with its extensions) ends.
 
 Resampled: the false-rollback rate over ``--repetitions`` seeded repetitions replays the same
@@ -49,8 +49,7 @@ import httpx
 import numpy as np
 import typer
 
-from forge_inference_gateway.fault_replica import fault_replica
-from forge_kit.canary import (
+from forge_experiments.canary import (
     CanaryPolicy,
     Outcome,
     SplitCounts,
@@ -59,6 +58,7 @@ from forge_kit.canary import (
     load_policy,
     parse_metrics,
 )
+from forge_inference_gateway.fault_replica import fault_replica
 from forge_kit.http import HttpServer
 from forge_kit.testing import ServiceProcess
 from forge_kit.testing.fault_proxy import FaultProxy

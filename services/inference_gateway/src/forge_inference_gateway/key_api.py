@@ -13,7 +13,7 @@ from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from forge_inference_gateway.api_keys import MAX_LIFETIME_S, MAX_OVERLAP_S, SCOPES, ApiKeys
+from forge_inference_gateway.api_keys import MAX_LIFETIME_S, MAX_OVERLAP_S, SCOPES, ApiKeys, KeyView
 from forge_kit import errors
 
 
@@ -45,29 +45,15 @@ class KeyRotate(BaseModel):
     """How long the old key keeps working after the new one is issued."""
 
 
-class KeyOut(BaseModel):
-    id: str
-    name: str
-    prefix: str
-    scopes: list[str]
-    state: str
-    created_at: str
-    expires_at: str | None
-    revoked_at: str | None
-    last_used_at: str | None
-    rotated_from: str
-    usage: dict[str, int]
-
-
 class KeyIssued(BaseModel):
-    key: KeyOut
+    key: KeyView
     api_key: str
     """The secret, shown this once."""
 
 
 class KeyList(BaseModel):
     object: str = "list"
-    data: list[KeyOut]
+    data: list[KeyView]
 
 
 class AuditOut(BaseModel):
@@ -118,7 +104,7 @@ def install_key_api(app: FastAPI, keys: ApiKeys, tenant: Sequence[Any], admin: S
         ("/admin/v1/tenants/{name}/keys", routes.list_keys, "GET", 200, KeyList),
         ("/admin/v1/tenants/{name}/keys", routes.create_key, "POST", 201, KeyIssued),
         ("/admin/v1/tenants/{name}/keys/{key_id}/rotate", routes.rotate_key, "POST", 201, KeyIssued),
-        ("/admin/v1/tenants/{name}/keys/{key_id}", routes.revoke_key, "DELETE", 200, KeyOut),
+        ("/admin/v1/tenants/{name}/keys/{key_id}", routes.revoke_key, "DELETE", 200, KeyView),
         ("/admin/v1/tenants/{name}/audit", routes.audit, "GET", 200, AuditOut),
     ):
         app.add_api_route(

@@ -40,7 +40,7 @@ from forge_inference_gateway.upstream import (
 )
 from forge_inference_gateway.upstream_errors import conform_error
 from forge_kit import errors
-from forge_kit.canary import LATENCY_BUCKETS
+from forge_kit.latency import LATENCY_BUCKETS
 from forge_kit.modelref import ModelRef
 
 #: Response header naming the model version that served the request (a canary split shows here).

@@ -27,9 +27,9 @@ from forge_orchestrator.deploy.service import DeploymentService
 from forge_orchestrator.eval_activities import EvalActivities
 from forge_orchestrator.grant import StartGuard, grant_key
 from forge_orchestrator.identity import SchedulerAuthenticator
-from forge_orchestrator.rlhf_activities import RlhfActivities
-from forge_orchestrator.rlhf_sampling import RlhfSampler
-from forge_orchestrator.rlhf_worker import RlhfSettings, build_rlhf_worker, rlhf_task_queue
+from forge_orchestrator.rlhf.activities import RlhfActivities
+from forge_orchestrator.rlhf.sampling import RlhfSampler
+from forge_orchestrator.rlhf.worker import RlhfSettings, build_rlhf_worker, rlhf_task_queue
 from forge_orchestrator.routers import CheckpointRouter, EventRouters, JobEventRouter, TemporalSignaller
 from forge_orchestrator.service import KINDS, OrchestratorService, build_worker, connect_temporal
 from forge_orchestrator.sweep.activities import SweepActivities

@@ -16,9 +16,9 @@ from forge.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from forge_kit.grpckit import make_channel
+from forge_kit.grpckit import LazyChannel
 from forge_kit.jobstate import JobState
-from forge_kit.routing import AUTO_EVAL_LABEL, WORKFLOW_ID_LABEL, Routing
+from forge_orchestrator.routing import AUTO_EVAL_LABEL, WORKFLOW_ID_LABEL, Routing
 
 #: Status codes that a retry cannot change.
 PERMANENT = frozenset(
@@ -88,20 +88,14 @@ class SchedulerActivities:
     it belongs to the worker's event loop."""
 
     def __init__(self, target: str, token: str, *, rpc_timeout_s: float = 10.0) -> None:
-        self._target = target
-        self._token = token
         self._rpc_timeout_s = rpc_timeout_s
-        self._channel: grpc.aio.Channel | None = None
+        self._channel = LazyChannel(target, token)
 
     def _stub(self) -> scheduler_pb2_grpc.SchedulerServiceAsyncStub:
-        if self._channel is None:
-            self._channel = make_channel(self._target, token=self._token)
-        return scheduler_pb2_grpc.SchedulerServiceStub(self._channel)
+        return scheduler_pb2_grpc.SchedulerServiceStub(self._channel.get())
 
     async def close(self) -> None:
-        if self._channel is not None:
-            channel, self._channel = self._channel, None
-            await channel.close(None)
+        await self._channel.close()
 
     @activity.defn(name="ensure_team")
     async def ensure_team(self, team: str) -> bool:

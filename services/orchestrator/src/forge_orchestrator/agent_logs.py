@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import re
 
-import grpc
 import structlog
 from forge.common.v1 import common_pb2
 from forge.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 from forge_kit.eventlog import CatchUpSource
-from forge_kit.grpckit import make_channel
+from forge_kit.grpckit import LazyChannel
 
 log = structlog.get_logger(__name__)
 
@@ -44,15 +43,11 @@ class AgentEventLogs:
     """Called by :class:`forge_kit.eventlog.CatchUp` each round: one source per labelled node."""
 
     def __init__(self, scheduler_target: str, scheduler_token: str, agent_token: str) -> None:
-        self._target = scheduler_target
-        self._token = scheduler_token
         self._agent_token = agent_token
-        self._channel: grpc.aio.Channel | None = None
+        self._channel = LazyChannel(scheduler_target, scheduler_token)
 
     async def __call__(self) -> list[CatchUpSource]:
-        if self._channel is None:
-            self._channel = make_channel(self._target, token=self._token)
-        stub = scheduler_pb2_grpc.SchedulerServiceStub(self._channel)
+        stub = scheduler_pb2_grpc.SchedulerServiceStub(self._channel.get())
         sources: dict[str, CatchUpSource] = {}
         token = ""
         for _ in range(MAX_PAGES):
@@ -69,6 +64,4 @@ class AgentEventLogs:
         return list(sources.values())
 
     async def close(self) -> None:
-        if self._channel is not None:
-            await self._channel.close(grace=None)
-            self._channel = None
+        await self._channel.close()

@@ -1,5 +1,5 @@
 """Activities of the guarded canary (:mod:`forge_orchestrator.canary`): its policy file, the
-gateway's metrics, and one look of the sequential analysis (:func:`forge_kit.canary.analyze`).
+gateway's metrics, and one look of the sequential analysis (:func:`forge_experiments.canary.analyze`).
 
 The gateway's ``/metrics`` (every replica's, summed) are read over HTTP; ``gateway_metrics_urls``
 empty means there is no gateway to watch, so the canary sees no traffic (and is never promoted by
@@ -18,15 +18,15 @@ import httpx
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from forge_experiments.canary import CanaryPolicy, SplitCounts, analyze, load_policy, parse_metrics
 from forge_kit import errors
-from forge_kit.canary import CanaryPolicy, SplitCounts, analyze, load_policy, parse_metrics
 
 MAX_METRICS_BYTES = 16 * 1024 * 1024
 
 
 @dataclass
 class Counts:
-    """:class:`~forge_kit.canary.SplitCounts` as Temporal's JSON carries it."""
+    """:class:`~forge_experiments.canary.SplitCounts` as Temporal's JSON carries it."""
 
     statuses: dict[str, float] = field(default_factory=dict)
     ttft: dict[str, float] = field(default_factory=dict)
@@ -79,7 +79,7 @@ class Look:
     """``promote``, ``rollback``, ``extend`` or ``continue``."""
     reason: str
     evidence: str
-    """JSON: the analysis (:meth:`forge_kit.canary.Analysis.evidence`)."""
+    """JSON: the analysis (:meth:`forge_experiments.canary.Analysis.evidence`)."""
     p_values: dict[str, list[float]] = field(default_factory=dict)
     canary_requests: int = 0
     production_requests: int = 0

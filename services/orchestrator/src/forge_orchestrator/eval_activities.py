@@ -14,7 +14,7 @@ from forge.eval.v1 import eval_pb2, eval_pb2_grpc
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from forge_kit.grpckit import make_channel
+from forge_kit.grpckit import LazyChannel
 from forge_kit.modelref import ModelRef
 from forge_orchestrator.activities import failed
 
@@ -131,20 +131,14 @@ class EvalActivities:
     """Eval calls for workflows; the channel opens on first use, in the worker's event loop."""
 
     def __init__(self, target: str, token: str, *, rpc_timeout_s: float = 15.0) -> None:
-        self._target = target
-        self._token = token
         self._rpc_timeout_s = rpc_timeout_s
-        self._channel: grpc.aio.Channel | None = None
+        self._channel = LazyChannel(target, token)
 
     def _stub(self) -> eval_pb2_grpc.EvalServiceAsyncStub:
-        if self._channel is None:
-            self._channel = make_channel(self._target, token=self._token)
-        return eval_pb2_grpc.EvalServiceStub(self._channel)
+        return eval_pb2_grpc.EvalServiceStub(self._channel.get())
 
     async def close(self) -> None:
-        if self._channel is not None:
-            channel, self._channel = self._channel, None
-            await channel.close(None)
+        await self._channel.close()
 
     @activity.defn(name="eval_register_model")
     async def register_model(self, params: RegisterInput) -> bool:

@@ -20,7 +20,6 @@ signs a grant over it, and the workers act only for workflows whose grant holds
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import re
 import time
@@ -31,7 +30,7 @@ import structlog
 from forge.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 from forge_kit import errors
-from forge_kit.grpckit import Principal, make_channel
+from forge_kit.grpckit import LazyChannel, Principal
 
 log = structlog.get_logger(__name__)
 
@@ -127,14 +126,12 @@ class SchedulerAuthenticator:
         rpc_timeout_s: float = 5.0,
         max_entries: int = 10_000,
     ) -> None:
-        self._target = target
         self._ttl_s = ttl_s
         self._negative_ttl_s = negative_ttl_s
         self._rpc_timeout_s = rpc_timeout_s
         self._max_entries = max_entries
         self._cache: dict[str, tuple[float, Principal | None]] = {}
-        self._channel: grpc.aio.Channel | None = None
-        self._lock = asyncio.Lock()
+        self._channel = LazyChannel(target, None)
 
     async def __call__(self, token: str) -> Principal | None:
         key = hashlib.sha256(token.encode()).hexdigest()
@@ -152,10 +149,7 @@ class SchedulerAuthenticator:
         return principal
 
     async def _ask(self, token: str) -> Principal | None:
-        async with self._lock:
-            if self._channel is None:
-                self._channel = make_channel(self._target, token=None)
-        stub = scheduler_pb2_grpc.SchedulerServiceStub(self._channel)
+        stub = scheduler_pb2_grpc.SchedulerServiceStub(self._channel.get())
         try:
             reply = await stub.GetCaller(
                 scheduler_pb2.GetCallerRequest(),
@@ -173,6 +167,4 @@ class SchedulerAuthenticator:
         return None
 
     async def close(self) -> None:
-        if self._channel is not None:
-            channel, self._channel = self._channel, None
-            await channel.close(None)
+        await self._channel.close()

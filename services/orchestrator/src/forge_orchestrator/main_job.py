@@ -24,7 +24,7 @@ from typing import Any
 from forge.orchestrator.v1 import orchestrator_pb2
 from google.protobuf import json_format
 
-from forge_kit.canary_traffic import Http, canary_summary, serve_and_drive
+from forge_experiments.canary_traffic import Http, canary_summary, serve_and_drive
 from forge_kit.mainjob import MainJobContext
 from forge_orchestrator.client import OrchestratorClient, status_name
 from forge_orchestrator.main_job_raters import RaterPool

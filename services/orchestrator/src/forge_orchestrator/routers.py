@@ -22,9 +22,9 @@ from temporalio.client import Client
 from temporalio.service import RPCError, RPCStatusCode
 
 from forge_kit.db import utcnow
-from forge_kit.routing import Routing
 from forge_orchestrator.activities import state_name
 from forge_orchestrator.inbox import JOB_EVENT_SIGNAL, JobEvent
+from forge_orchestrator.routing import Routing
 from forge_orchestrator.store import JobEventRow
 from forge_orchestrator.training import CHECKPOINT_SIGNAL, CheckpointInfo
 

@@ -26,6 +26,7 @@ from temporalio.exceptions import ActivityError, FailureError, WorkflowAlreadySt
 from temporalio.service import RPCError, RPCStatusCode, TLSConfig
 from temporalio.worker import Interceptor, Worker
 
+from forge_experiments import recipecatalog
 from forge_kit import errors
 from forge_kit.backoff import Backoff
 from forge_orchestrator.activities import SchedulerActivities
@@ -37,8 +38,8 @@ from forge_orchestrator.deploy.workflow import DeploymentWorkflow
 from forge_orchestrator.eval_activities import EvalActivities
 from forge_orchestrator.grant import MEMO_GRANT, sign
 from forge_orchestrator.identity import ADMIN, Caller, authorize_start
-from forge_orchestrator.rlhf import RlhfInput, RlhfWorkflow
-from forge_orchestrator.rlhf_worker import rlhf_task_queue, validate_rlhf
+from forge_orchestrator.rlhf.worker import rlhf_task_queue, validate_rlhf
+from forge_orchestrator.rlhf.workflow import RlhfInput, RlhfWorkflow
 from forge_orchestrator.sweep.service import sweep_memo, validate_sweep
 from forge_orchestrator.sweep.workflow import SweepInput, SweepWorkflow
 from forge_orchestrator.synthetic.model import SyntheticInput, validate_synthetic
@@ -122,9 +123,8 @@ def validate_train(params: TrainInput) -> None:
         raise errors.ValidationError("input.recipe", "must be 1-128 letters, digits, '.', '_' or '-'")
     if not params.team:
         raise errors.ValidationError("input.team", "must not be empty")
-    for i, pair in enumerate(params.overrides):
-        if "=" not in pair or pair.startswith("="):
-            raise errors.ValidationError(f"input.overrides[{i}]", "must be KEY=VALUE")
+    # The job's own rules from the catalogue: a typo is refused here, not on a node after queueing.
+    recipecatalog.check_overrides(params.recipe, params.overrides, "input.overrides", "input.recipe")
     if not 1 <= params.replicas <= 1024:
         raise errors.ValidationError("input.replicas", "must be between 1 and 1024")
     if not 0 <= params.gpus_per_replica <= 64:
@@ -153,7 +153,7 @@ KINDS: dict[str, WorkflowKind] = {
         "vlm_curriculum", VlmCurriculumWorkflow, VlmCurriculumInput, validate_vlm_curriculum
     ),
     "cpt": WorkflowKind("cpt", CptWorkflow, CptInput, validate_cpt),
-    # Run by the RLHF worker (rlhf_worker.py) on its own queue, with its children.
+    # Run by the RLHF worker (rlhf/worker.py) on its own queue, with its children.
     "rlhf": WorkflowKind("rlhf", RlhfWorkflow, RlhfInput, validate_rlhf, queue=rlhf_task_queue),
     # Run by the synthetic-data worker (synthetic/worker.py) on its own queue, with its children.
     "synthetic": WorkflowKind(
@@ -217,10 +217,20 @@ def parse_input(cls: type, data: Mapping[str, object], path: str = "input") -> A
         raise errors.ValidationError(
             f"{path}.{unknown[0]}", f"is not a field of {cls.__name__} ({', '.join(sorted(fields))})"
         )
+    missing = [
+        f.name
+        for f in dataclasses.fields(cls)
+        if f.init
+        and f.name not in data
+        and f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING
+    ]
+    if missing:
+        raise errors.ValidationError(f"{path}.{missing[0]}", "required")
     values = {name: _coerce(f"{path}.{name}", hints[name], value) for name, value in data.items()}
     try:
         return cls(**values)
-    except TypeError as exc:  # a required field is missing
+    except TypeError as exc:  # a check of the dataclass's own
         raise errors.ValidationError(path, str(exc)) from None
 
 

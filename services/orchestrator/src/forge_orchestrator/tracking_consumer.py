@@ -47,7 +47,7 @@ from prometheus_client import Counter
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from forge_kit.backoff import RetryPolicy
-from forge_kit.grpckit import make_channel
+from forge_kit.grpckit import LazyChannel
 from forge_kit.objectstore import ObjectStore
 from forge_orchestrator.activities import state_name
 from forge_orchestrator.store import TrackedRunRow
@@ -108,15 +108,11 @@ class SchedulerJobs:
     )
 
     def __init__(self, target: str, token: str, *, rpc_timeout_s: float = 10.0) -> None:
-        self._target = target
-        self._token = token
         self._timeout = rpc_timeout_s
-        self._channel: grpc.aio.Channel | None = None
+        self._channel = LazyChannel(target, token)
 
     async def get_job(self, job_id: str) -> JobInfo | None:
-        if self._channel is None:
-            self._channel = make_channel(self._target, token=self._token)
-        stub = scheduler_pb2_grpc.SchedulerServiceStub(self._channel)
+        stub = scheduler_pb2_grpc.SchedulerServiceStub(self._channel.get())
         try:
             reply = await stub.GetJob(scheduler_pb2.GetJobRequest(job_id=job_id), timeout=self._timeout)
         except grpc.aio.AioRpcError as exc:
@@ -134,9 +130,7 @@ class SchedulerJobs:
         )
 
     async def close(self) -> None:
-        if self._channel is not None:
-            channel, self._channel = self._channel, None
-            await channel.close(None)
+        await self._channel.close()
 
 
 def overrides_of(command: Sequence[str]) -> list[str]:

@@ -33,10 +33,12 @@ from temporalio.exceptions import ApplicationError
 
 with workflow.unsafe.imports_passed_through():
     from forge_kit.jobcmd import TrainCommand
-    from forge_kit.routing import AUTO_EVAL_LABEL as AUTO_EVAL_LABEL  # the older way to say auto_eval
     from forge_orchestrator.activities import SubmitJobInput
     from forge_orchestrator.identity import ADMIN, Caller
     from forge_orchestrator.inbox import JobEventInbox
+    from forge_orchestrator.routing import (
+        AUTO_EVAL_LABEL as AUTO_EVAL_LABEL,
+    )  # the older way to say auto_eval
 
 #: Name of the signal carrying a published checkpoint of the workflow's job.
 CHECKPOINT_SIGNAL = "checkpoint_published"

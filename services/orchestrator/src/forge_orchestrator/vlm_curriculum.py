@@ -23,9 +23,10 @@ from temporalio import workflow
 from temporalio.common import RetryPolicy
 
 with workflow.unsafe.imports_passed_through():
+    from forge_experiments import recipecatalog
     from forge_kit import errors
-    from forge_kit.routing import AUTO_EVAL_LABEL
     from forge_orchestrator.identity import Caller
+    from forge_orchestrator.routing import AUTO_EVAL_LABEL
     from forge_orchestrator.training import TrainInput, TrainResult, TrainWorkflow
 
 DEFAULT_STAGES = ["vlm_world_lm", "vlm_align", "vlm_interleave", "vlm_instruct"]
@@ -83,6 +84,7 @@ def validate_vlm_curriculum(params: VlmCurriculumInput) -> None:
             raise errors.ValidationError(
                 f"input.stages[{i}]", "must be 1-128 letters, digits, '.', '_' or '-'"
             )
+        recipecatalog.recipe_keys(recipe, f"input.stages[{i}]")
     for recipe, pairs in params.overrides.items():
         if recipe not in params.stages:
             raise errors.ValidationError(f"input.overrides.{recipe}", "is not one of input.stages")
@@ -94,6 +96,7 @@ def validate_vlm_curriculum(params: VlmCurriculumInput) -> None:
                     f"input.overrides.{recipe}[{i}]",
                     "init.parent is set by the curriculum (use input.parent)",
                 )
+        recipecatalog.check_overrides(recipe, pairs, f"input.overrides.{recipe}", "input.stages")
     if not 1 <= params.gpus_per_replica <= 64:
         raise errors.ValidationError("input.gpus_per_replica", "must be between 1 and 64")
     if not params.gpu_type:

@@ -21,7 +21,8 @@ from forge.common.v1 import common_pb2
 from forge.feedback.v1 import feedback_pb2, feedback_pb2_grpc
 from google.protobuf import json_format
 
-from forge_kit import clitools, rmlength
+from forge_experiments import rmlength
+from forge_kit import clitools
 from forge_kit.grpckit import make_channel
 from forge_kit.modelref import ModelRef
 

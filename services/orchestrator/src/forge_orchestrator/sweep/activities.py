@@ -26,7 +26,7 @@ from temporalio import activity
 from temporalio.common import RetryPolicy
 from temporalio.exceptions import ApplicationError
 
-from forge_kit import sweepspace
+from forge_experiments import sweepspace
 
 INDEX_ATTR = "forge_index"
 

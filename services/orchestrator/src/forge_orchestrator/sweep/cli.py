@@ -14,7 +14,8 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
-from forge_kit import clitools, errors, sweepspace
+from forge_experiments import sweepspace
+from forge_kit import clitools, errors
 from forge_orchestrator.cli import JsonOption, TargetOption, TokenOption, resolve_token
 from forge_orchestrator.client import OrchestratorClient, response_to_dict
 from forge_orchestrator.sweep.report import trust_line, write_report

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from forge_kit.earlystop import rung_trust
+from forge_experiments.earlystop import rung_trust
+from forge_experiments.sweepspace import Space
 from forge_kit.jobcmd import TrainCommand
-from forge_kit.sweepspace import Space
 from forge_orchestrator.identity import Caller
 
 #: Signal carrying one value of a trial's metric.
@@ -39,7 +39,7 @@ class TrialMetric:
 @dataclass
 class SweepInput:
     space: str
-    """The space file's text (YAML; see :mod:`forge_kit.sweepspace`)."""
+    """The space file's text (YAML; see :mod:`forge_experiments.sweepspace`)."""
     team: str = ""
     """Team the trials are submitted for (the space's ``team``, which must agree when set)."""
     python: str = "python"
@@ -121,7 +121,7 @@ class SweepResult:
 
 
 def trust_of(space: Space, trials: list[Trial]) -> dict[str, Any]:
-    """How far the sweep's rungs could be trusted (:func:`forge_kit.earlystop.rung_trust`), on
+    """How far the sweep's rungs could be trusted (:func:`forge_experiments.earlystop.rung_trust`), on
     the values its rule judged (the branches' under ``rung_eval: cooldown``)."""
     if not space.rungs():
         return {}

@@ -25,7 +25,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from temporalio.client import Client
 from temporalio.service import RPCError, RPCStatusCode
 
-from forge_kit.sweepspace import COOLDOWN_PREFIX
+from forge_experiments.sweepspace import COOLDOWN_PREFIX
 from forge_orchestrator.store import JobEventRow
 from forge_orchestrator.sweep.workflow import MEMO_METRIC, METRIC_SIGNAL, TrialMetric
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from forge_kit import errors, sweepspace
+from forge_experiments import sweepspace
+from forge_kit import errors
 from forge_orchestrator.sweep.workflow import MEMO_METRIC, SweepInput
 
 

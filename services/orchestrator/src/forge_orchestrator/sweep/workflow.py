@@ -2,7 +2,7 @@
 
 In steps:
 
-1. parse the space (:mod:`forge_kit.sweepspace`; the API refused a bad one before starting),
+1. parse the space (:mod:`forge_experiments.sweepspace`; the API refused a bad one before starting),
    create its Optuna study, and (when tracking is configured) the sweep's parent run;
 2. keep up to ``concurrency`` trials running. Each trial is a checkpointable job of the space's
    priority class (preemptible by default) submitted with the caller's rights, running the
@@ -10,7 +10,7 @@ In steps:
    the grid, or from the study's sampler (random, TPE) through an activity;
 3. follow each trial's job events (``job_event``) and its metric (``trial_metric``, sent by the
    orchestrator's ``TrainingMetrics`` consumer with (job, step, value)):
-   - the early-stopping rule (guarded, ASHA or median, :mod:`forge_kit.earlystop`) judges each
+   - the early-stopping rule (guarded, ASHA or median, :mod:`forge_experiments.earlystop`) judges each
      value as it arrives (under ``rung_eval: cooldown``, each value after a rung's branch); a
      stopped trial is cancelled (its job checkpoints on SIGTERM) and recorded ``stopped``. Under
      the promotion form (guarded, ASHA's default) a trial at a rung is ``paused`` unless promotable
@@ -46,8 +46,8 @@ from temporalio import workflow
 from temporalio.exceptions import ApplicationError, is_cancelled_exception
 
 with workflow.unsafe.imports_passed_through():
-    from forge_kit import sweepspace
-    from forge_kit.earlystop import Asha, AshaPromotion, Guarded, MedianStopping
+    from forge_experiments import sweepspace
+    from forge_experiments.earlystop import Asha, AshaPromotion, Guarded, MedianStopping
     from forge_orchestrator.activities import CancelJobInput, SchedulerActivities, SubmitJobInput
     from forge_orchestrator.identity import ADMIN, Caller
     from forge_orchestrator.sweep.activities import (

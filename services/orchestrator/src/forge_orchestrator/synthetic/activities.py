@@ -27,7 +27,7 @@ import openai
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from forge_kit import teacher_protocol as tp
+from forge_experiments import teacher_protocol as tp
 from forge_kit.objectstore import ObjectStore
 from forge_orchestrator.synthetic.teacher import TeacherClient
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Any
 
+from forge_experiments import recipecatalog
 from forge_kit import errors
 from forge_orchestrator.identity import Caller
 
@@ -157,6 +158,7 @@ def validate_synthetic(params: SyntheticInput) -> None:
             raise errors.ValidationError(f"input.sft_overrides[{i}]", "must be KEY=VALUE")
         if key in ("init.parent", "pairs.path"):
             raise errors.ValidationError(f"input.sft_overrides[{i}]", f"{key} is set by the workflow")
+    recipecatalog.check_overrides(params.recipe, params.sft_overrides, "input.sft_overrides", "input.recipe")
     _check_range("heldout_problems", params.heldout_problems, 1, 10_000)
     _check_range("gpus", params.gpus, 0, 64)
     _check_range("job_timeout_s", params.job_timeout_s, 1, 30 * 86400)

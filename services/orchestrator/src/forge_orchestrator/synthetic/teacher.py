@@ -1,6 +1,6 @@
 """The teacher client: problems and k solutions per problem from any OpenAI-compatible endpoint.
 
-The format of the exchange (JSON in the chat messages) is :mod:`forge_kit.teacher_protocol`. In
+The format of the exchange (JSON in the chat messages) is :mod:`forge_experiments.teacher_protocol`. In
 production the endpoint is vLLM serving a strong model; on a machine without one it is the
 training library's programmatic teacher (``python -m forge_training.synthetic_teacher``), which
 writes problems from templates and worked solutions with a configurable error rate.
@@ -30,7 +30,7 @@ from typing import Any
 
 import openai
 
-from forge_kit import teacher_protocol as tp
+from forge_experiments import teacher_protocol as tp
 from forge_kit.backoff import Backoff, parse_retry_after
 
 MAX_REASONS = 20

@@ -47,7 +47,7 @@ from temporalio.exceptions import is_cancelled_exception
 
 with workflow.unsafe.imports_passed_through():
     from forge_kit.jobcmd import SyntheticStageCommand
-    from forge_orchestrator.rlhf_job import JobInput, JobResult, JobWorkflow
+    from forge_orchestrator.rlhf.job import JobInput, JobResult, JobWorkflow
     from forge_orchestrator.synthetic.activities import (
         GenerateInput,
         GenerateResult,

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from forge_kit import cptmix, cptreport, sweepspace
+from forge_experiments import cptmix, cptreport, sweepspace
 from forge_kit.errors import ValidationError
 
 

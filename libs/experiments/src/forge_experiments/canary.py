@@ -16,7 +16,7 @@ The inputs are the inference gateway's own Prometheus metrics, labelled by model
   answers with no generated text (no rater feedback reaches the gateway, so a cheap proxy stands
   in for thumbs up/down).
 
-Each metric is a rate compared with :func:`forge_kit.sequential.compare_rates` (always-valid
+Each metric is a rate compared with :func:`forge_experiments.sequential.compare_rates` (always-valid
 p-values, so looking after every analysis interval costs no extra false alarms). The thresholds
 live in a policy file per model family (``policies/canary/<family>.yaml``), never in code.
 """
@@ -35,8 +35,9 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from forge_experiments.sequential import Arm, compare_rates
 from forge_kit import errors
-from forge_kit.sequential import Arm, compare_rates
+from forge_kit.latency import LATENCY_BUCKETS
 
 METRICS = ("errors", "ttft_p95", "itl_p95", "empty_answers")
 DECISIONS = ("promote", "rollback", "extend", "continue")
@@ -47,9 +48,6 @@ EMPTY_METRIC = "forge_gateway_empty_answers"
 #: Statuses that are the model's failure; other non-2xx statuses are left out of the error rate.
 ERROR_STATUSES = frozenset({"timeout", "unavailable", "broken"})
 NOT_COUNTED = frozenset({"cached", "499"})
-#: The gateway's latency buckets: 1.15x apart from 2 ms to about 60 s, fine enough to tell a
-#: canary's p95 from production's.
-LATENCY_BUCKETS = tuple(round(0.002 * 1.15**i, 6) for i in range(75))
 _FAMILY = re.compile(r"[a-z0-9][a-z0-9_.-]{0,63}")
 MAX_POLICY_BYTES = 64 * 1024
 

@@ -1,9 +1,9 @@
 """Step 1 of an RLHF round, the preferences it trains on (part of :class:`~.rlhf.RlhfWorkflow`).
 
 - **Online** (``sample_model`` set): sample the current policy on the prompt pool through the
-  gateway and queue the pairs for raters (``rlhf_queue_policy_samples``, :mod:`.rlhf_sampling`),
+  gateway and queue the pairs for raters (``rlhf_queue_policy_samples``, :mod:`.sampling`),
   with the canary shadow pairs of the policy's alias when it has a shadow
-  (``rlhf_queue_shadow_pairs``, :mod:`.rlhf_shadow`; a cursor keeps each pair to one round),
+  (``rlhf_queue_shadow_pairs``, :mod:`.shadow`; a cursor keeps each pair to one round),
   then wait, with durable timers between polls, until the round's own comparisons have
   ``min_policy_pairs`` accepted preferences from at least ``min_raters`` raters that rater
   quality does not flag. The wait has a deadline (``buffer_timeout_s``): raters who do not answer
@@ -21,10 +21,10 @@ from typing import Any
 from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
-    from forge_orchestrator.rlhf_activities import BatchStats, PairStats, RlhfActivities
-    from forge_orchestrator.rlhf_round import RlhfInput, RoundRecord, round_batch, stall_reason
-    from forge_orchestrator.rlhf_sampling import CollectInput, CollectResult, RlhfSampler
-    from forge_orchestrator.rlhf_shadow import ShadowInput, ShadowPairs, ShadowResult, alias_name
+    from forge_orchestrator.rlhf.activities import BatchStats, PairStats, RlhfActivities
+    from forge_orchestrator.rlhf.model import RlhfInput, RoundRecord, round_batch, stall_reason
+    from forge_orchestrator.rlhf.sampling import CollectInput, CollectResult, RlhfSampler
+    from forge_orchestrator.rlhf.shadow import ShadowInput, ShadowPairs, ShadowResult, alias_name
 
 FEEDBACK_TIMEOUT = timedelta(minutes=5)
 """Exports and rater-quality passes scan every preference; they get longer than plain calls."""

@@ -134,7 +134,7 @@ def sweep_space(
     gpus_per_trial: int = 1,
     priority_class: str = "preemptible",
 ) -> dict[str, Any]:
-    """The sweep space (:mod:`forge_kit.sweepspace`'s format) that searches the peak LRs at one
+    """The sweep space (:mod:`forge_experiments.sweepspace`'s format) that searches the peak LRs at one
     replay fraction: the domain ``val_loss`` is its metric, so early stopping compares learning
     rates at the same fraction and never stops a run for replaying more general data."""
     return {

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from forge_kit import rmlength
+from forge_experiments import rmlength
 from forge_kit.stats import wilson_interval
 
 

@@ -36,7 +36,7 @@ from temporalio.exceptions import ApplicationError
 from forge_kit.grpckit import make_channel
 from forge_kit.paths import resolve_data_path
 from forge_orchestrator.activities import failed
-from forge_orchestrator.rlhf_shadow import ShadowPairs
+from forge_orchestrator.rlhf.shadow import ShadowPairs
 
 ASSISTANT = "\n\nAssistant:"
 MAX_PROMPT_CHARS = 4000

@@ -15,15 +15,16 @@ from typing import Any
 from temporalio.client import Client
 from temporalio.worker import Interceptor, Worker
 
+from forge_experiments import recipecatalog
 from forge_kit import errors
 from forge_kit.settings import ForgeSettings, service_config
 from forge_orchestrator.activities import SchedulerActivities
 from forge_orchestrator.canary_activities import CanaryActivities
 from forge_orchestrator.eval_activities import EvalActivities
-from forge_orchestrator.rlhf import RLHF_WORKFLOWS, RlhfInput
-from forge_orchestrator.rlhf_activities import RlhfActivities
-from forge_orchestrator.rlhf_sampling import RlhfSampler
-from forge_orchestrator.rlhf_shadow import MAX_PAIRS, alias_name
+from forge_orchestrator.rlhf.activities import RlhfActivities
+from forge_orchestrator.rlhf.sampling import RlhfSampler
+from forge_orchestrator.rlhf.shadow import MAX_PAIRS, alias_name
+from forge_orchestrator.rlhf.workflow import RLHF_WORKFLOWS, RlhfInput
 from forge_orchestrator.workflows import TIERS
 
 
@@ -132,6 +133,10 @@ def validate_rlhf(params: RlhfInput) -> None:
                     f"input.{name}[{i}]",
                     f"{key} is set by the loop (the policy, the round's snapshot, the monitor)",
                 )
+        recipe = "reward_recipe" if name == "reward_overrides" else "dpo_recipe"
+        recipecatalog.check_overrides(
+            getattr(params, recipe), getattr(params, name), f"input.{name}", f"input.{recipe}"
+        )
     if not 1 <= params.check_max_prompts <= 10_000:
         raise errors.ValidationError("input.check_max_prompts", "must be between 1 and 10000")
     if not 1 <= params.check_max_new_tokens <= 4096:

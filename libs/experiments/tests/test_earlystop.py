@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from forge_kit.earlystop import Asha, AshaPromotion, MedianStopping, rungs
+from forge_experiments.earlystop import Asha, AshaPromotion, MedianStopping, rungs
 
 
 def test_rungs_are_r_times_powers_of_eta_below_the_full_budget() -> None:

@@ -19,7 +19,7 @@ from forge.feedback.v1 import feedback_pb2, feedback_pb2_grpc
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from forge_kit.grpckit import make_channel
+from forge_kit.grpckit import LazyChannel
 from forge_kit.modelref import ModelRef
 from forge_kit.objectstore import ObjectStore
 from forge_orchestrator.activities import failed
@@ -112,20 +112,14 @@ class RlhfActivities:
     channel opens on first use, in the worker's event loop."""
 
     def __init__(self, feedback_target: str, token: str, *, rpc_timeout_s: float = 60.0) -> None:
-        self._target = feedback_target
-        self._token = token
         self._rpc_timeout_s = rpc_timeout_s
-        self._channel: grpc.aio.Channel | None = None
+        self._channel = LazyChannel(feedback_target, token)
 
     def _stub(self) -> feedback_pb2_grpc.PreferenceFeedbackServiceAsyncStub:
-        if self._channel is None:
-            self._channel = make_channel(self._target, token=self._token)
-        return feedback_pb2_grpc.PreferenceFeedbackServiceStub(self._channel)
+        return feedback_pb2_grpc.PreferenceFeedbackServiceStub(self._channel.get())
 
     async def close(self) -> None:
-        if self._channel is not None:
-            channel, self._channel = self._channel, None
-            await channel.close(None)
+        await self._channel.close()
 
     @activity.defn(name="rlhf_preference_stats")
     async def preference_stats(self, since: str) -> PairStats:

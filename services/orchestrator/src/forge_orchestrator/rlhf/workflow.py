@@ -3,7 +3,7 @@ reward-model retraining and policy optimisation.
 
 ``rlhf`` (:class:`RlhfWorkflow`), each round in numbered steps:
 
-1. **preferences** (:mod:`.rlhf_collect`): online, sample the current policy (``sample_model``,
+1. **preferences** (:mod:`.collect`): online, sample the current policy (``sample_model``,
    through the inference gateway) on prompts of the prompt pool — a dataset plus production
    prompts of tenants that allowed training — and queue the pairs for raters, then wait for
    ``min_policy_pairs`` accepted preferences on them; offline (no ``sample_model``), wait for
@@ -16,7 +16,7 @@ reward-model retraining and policy optimisation.
    ``reward_hh`` recipe on the snapshot's training split, from the reference policy);
 4. **gate**: ``forge rm eval`` on the snapshot's held-out human pairs (a job through the
    ``rlhf_job`` child workflow), then register the version with its accuracy, Wilson interval
-   and snapshot. Unless :func:`~.rlhf_round.reward_gate` passes, the version is retired and the
+   and snapshot. Unless :func:`~.model.reward_gate` passes, the version is retired and the
    loop stops, with the reason recorded; otherwise it becomes the active version, and the round
    is pinned to it;
 5. **policy round**: DPO (``dpo_hh``) on the snapshot's training pairs from the current policy
@@ -48,18 +48,18 @@ from temporalio.common import RetryPolicy
 from temporalio.exceptions import ApplicationError
 
 with workflow.unsafe.imports_passed_through():
+    from forge_experiments.rmlength import registry_metrics
     from forge_kit.jobcmd import PolicyCheckCommand, RewardModelEvalCommand
-    from forge_kit.rmlength import registry_metrics
-    from forge_orchestrator.rlhf_activities import (
+    from forge_orchestrator.rlhf.activities import (
         RegisterRewardModelInput,
         RewardModelStatusInput,
         RlhfActivities,
         RoundReportInput,
         SnapshotInfo,
     )
-    from forge_orchestrator.rlhf_collect import FEEDBACK_TIMEOUT, RoundCollection
-    from forge_orchestrator.rlhf_job import JobInput, JobResult, JobWorkflow
-    from forge_orchestrator.rlhf_round import (
+    from forge_orchestrator.rlhf.collect import FEEDBACK_TIMEOUT, RoundCollection
+    from forge_orchestrator.rlhf.job import JobInput, JobResult, JobWorkflow
+    from forge_orchestrator.rlhf.model import (
         CHANCE,
         POINT_KEYS,
         DriftPoint,

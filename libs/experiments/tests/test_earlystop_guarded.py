@@ -8,7 +8,14 @@ import math
 
 import pytest
 
-from forge_kit.earlystop import Guarded, curve_noise, default_min_steps, kendall_tau, rung_trust, spearman_rho
+from forge_experiments.earlystop import (
+    Guarded,
+    curve_noise,
+    default_min_steps,
+    kendall_tau,
+    rung_trust,
+    spearman_rho,
+)
 
 
 def _feed(rule: Guarded, curves: dict[str, list[float]]) -> dict[str, str]:

@@ -9,7 +9,7 @@ output, or SIGABRT after gRPC's ``epoll_wait error: Bad file descriptor``). Inst
 runs :func:`command`'s argument vector: a fresh interpreter of this module sets the limits and the
 parent-death signal on itself and then execs the real command. Both survive ``execve``.
 
-``python -m forge_kit.spawn [--parent PID] [--rlimit NAME=SOFT:HARD ...] -- COMMAND ...``
+``python -m forge_eval.spawn [--parent PID] [--rlimit NAME=SOFT:HARD ...] -- COMMAND ...``
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def command(
     :mod:`resource`'s ``RLIMIT_*`` without the prefix)."""
     if not argv:
         raise ValueError("argv is empty")
-    args = [sys.executable, "-m", "forge_kit.spawn"]
+    args = [sys.executable, "-m", "forge_eval.spawn"]
     if die_with_parent and sys.platform.startswith("linux"):
         args += ["--parent", str(os.getpid())]
     for name, (soft, hard) in (rlimits or {}).items():
@@ -62,7 +62,7 @@ def _limit(text: str) -> tuple[int, int, int]:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m forge_kit.spawn", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m forge_eval.spawn", description=__doc__)
     parser.add_argument("--parent", type=int, help="exit with SIGTERM when this process does")
     parser.add_argument("--rlimit", type=_limit, action="append", default=[], metavar="NAME=SOFT:HARD")
     parser.add_argument("command", nargs=argparse.REMAINDER)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from forge_kit import sweepspace
+from forge_experiments import sweepspace
 from forge_kit.errors import ValidationError
 
 BASE = """

@@ -1,4 +1,4 @@
-"""The continual pre-training report (:func:`forge_kit.cptmix.summary`) as Markdown and PNG.
+"""The continual pre-training report (:func:`forge_experiments.cptmix.summary`) as Markdown and PNG.
 
 Written by the orchestrator's ``cpt`` workflow (an activity; also an MLflow artifact) and by
 ``forge bench cpt``. matplotlib, a dependency of both, is imported only to draw.

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from forge_kit import teacher_protocol as tp
+from forge_experiments import teacher_protocol as tp
 
 
 def test_requests_and_answers_round_trip() -> None:

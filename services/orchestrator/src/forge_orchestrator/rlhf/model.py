@@ -1,6 +1,6 @@
 """What an RLHF loop is given and what it records of each round, and the rules it decides by:
 the reward-model gate, the drift stop, the version names. Plain data and pure functions, so the
-workflow (``rlhf.py``) stays deterministic and the rules are tested on their own.
+workflow (``workflow.py``) stays deterministic and the rules are tested on their own.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from forge_kit.overoptimisation import overoptimised
-from forge_kit.rmlength import length_gate
+from forge_experiments.overoptimisation import overoptimised
+from forge_experiments.rmlength import length_gate
 from forge_orchestrator.workflows import EvalAndPromoteInput
 
 CHANCE = 0.5
@@ -57,7 +57,7 @@ class RlhfInput:
     min_raters: int = 1
     """Distinct raters (not flagged by rater quality) who must have answered the round's comparisons."""
     shadow_alias: str = ""
-    """The gateway alias whose canary shadow pairs (:mod:`.rlhf_shadow`) the round also queues for
+    """The gateway alias whose canary shadow pairs (:mod:`.shadow`) the round also queues for
     raters, when that alias has a shadow; empty: ``sample_model`` when it is an alias name."""
     shadow_pairs: int = 100
     """Shadow pairs read per round, at most (1-500); 0: none."""
@@ -173,7 +173,7 @@ the reward model may not be used (empty when it may): the place for the length-s
 
 def round_gates(params: RlhfInput) -> tuple[Callable[[dict[str, Any]], str], ...]:
     """The gates of ``params``' rounds after the accuracy gate: with ``rm_length_gate``,
-    :func:`forge_kit.rmlength.length_gate` at ``rm_min_shorter_low`` / ``rm_min_shorter_n``."""
+    :func:`forge_experiments.rmlength.length_gate` at ``rm_min_shorter_low`` / ``rm_min_shorter_n``."""
     if not params.rm_length_gate:
         return ROUND_GATES
 

@@ -1,4 +1,4 @@
-"""forge_kit.spawn: limits and the parent-death signal are set in the child, then the command runs."""
+"""forge_eval.spawn: limits and the parent-death signal are set in the child, then the command runs."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from forge_kit import spawn
+from forge_eval import spawn
 
 
 def test_the_command_runs_under_the_limits_with_its_own_arguments() -> None:
@@ -30,7 +30,7 @@ def test_the_child_dies_with_its_parent(tmp_path) -> None:
     pid_file = tmp_path / "child.pid"
     # The parent (a short Python) starts a long sleeper through spawn and exits at once.
     parent = (
-        "import subprocess, sys; from forge_kit import spawn; "
+        "import subprocess, sys; from forge_eval import spawn; "
         f"p = subprocess.Popen(spawn.command(['sh', '-c', 'echo $$ > {pid_file}; exec sleep 60'],"
         " die_with_parent=True)); "
         "import time\n"
@@ -59,7 +59,7 @@ def _alive(pid: int) -> bool:
 def test_an_orphan_does_not_start() -> None:
     """A parent already gone before the child tied itself to it: the command never runs."""
     result = subprocess.run(
-        [sys.executable, "-m", "forge_kit.spawn", "--parent", "1", "--", "echo", "ran"],
+        [sys.executable, "-m", "forge_eval.spawn", "--parent", "1", "--", "echo", "ran"],
         capture_output=True,
         text=True,
     )

@@ -7,9 +7,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from forge_experiments.canary import CanaryPolicy, Outcome, analyze, counts_of, load_policy
+from forge_experiments.sequential import Arm, compare_rates, mixture_lr
 from forge_kit import errors
-from forge_kit.canary import CanaryPolicy, Outcome, analyze, counts_of, load_policy
-from forge_kit.sequential import Arm, compare_rates, mixture_lr
 
 REPS = 600
 LOOKS = 60
