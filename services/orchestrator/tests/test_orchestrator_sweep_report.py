@@ -14,6 +14,7 @@ from forge_experiments.earlystop import rung_trust
 from forge_kit.db import Database, utcnow
 from forge_orchestrator.store import JobEventRow
 from forge_orchestrator.sweep.cli import app, sweep_state
+from forge_orchestrator.sweep.model import run_metrics
 from forge_orchestrator.sweep.report import (
     configurations,
     factor_effects,
@@ -90,10 +91,11 @@ def test_write_report_makes_markdown_and_pngs(tmp_path: Path) -> None:
         assert (tmp_path / "r" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_the_report_and_status_say_how_far_the_rungs_can_be_trusted(tmp_path: Path) -> None:
+def test_the_report_status_and_parent_run_say_how_far_the_rungs_can_be_trusted(tmp_path: Path) -> None:
     """The trust figures of the ablation's trials (every completed one ranks at rung 27 as at the
     end: its value there is its final + 0.3, so ρ = τ = 1; the stopped one was 4.0 at rung 9,
-    far behind the best there) in the report's table and in the status line."""
+    far behind the best there) in the report's table, in the status line and in the metrics the
+    sweep's MLflow parent run is closed with."""
     state = ablation_state()
     trials = state["trials"]
     state["trust"] = rung_trust(
@@ -108,6 +110,10 @@ def test_the_report_and_status_say_how_far_the_rungs_can_be_trusted(tmp_path: Pa
     assert "Stopped within the noise: 0 of 1" in text
     line = trust_line(state["trust"])
     assert "rung 27: Spearman 1, Kendall 1 over 12 finished" in line and "0 of 1 stopped" in line
+    logged = run_metrics(state)
+    assert logged["rung_27_spearman"] == 1.0 and logged["rung_27_kendall"] == 1.0
+    assert logged["stopped"] == 1.0 and logged["stopped_within_noise"] == 0.0
+    assert logged["noise"] == state["trust"]["noise"]
 
 
 def test_state_from_a_finished_sweep_result() -> None:

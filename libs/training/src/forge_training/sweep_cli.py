@@ -6,8 +6,10 @@ One space: ``DIR/summary.json`` is that space's summary (``compute_ratio``, ``re
 ``asha.*``, ``trust``, ``per_trial`` …). Several: each space's summary goes to
 ``DIR/spaces/<name>/summary.json`` and ``DIR/summary.json`` holds ``spaces.<name>`` (each summary
 without ``per_trial``) and ``worst``: the largest ``regret`` and ``compute_ratio`` over the spaces
-and the spaces that gave them. Drawn spaces are written to ``DIR/spaces/<name>.yaml`` first, so a
-run can be repeated space by space. Grid records (``DIR/grid-cache``) are shared by the spaces.
+and the spaces that gave them; a space's own summary is written as soon as that space is done, so
+a run cut short keeps the spaces it measured. Drawn spaces are written to
+``DIR/spaces/<name>.yaml`` first, so a run can be repeated space by space. Grid records
+(``DIR/grid-cache``) are shared by the spaces.
 """
 
 from __future__ import annotations
@@ -159,14 +161,16 @@ def sweep(
             summaries[one.name] = benchmark(
                 one, work, out / "cache", echo=stage, grid_cache=grid_cache, run_grid=not asha_only
             )
+            if len(parsed) > 1:
+                (out / "spaces" / one.name).mkdir(parents=True, exist_ok=True)
+                (out / "spaces" / one.name / "summary.json").write_text(
+                    json.dumps(summaries[one.name], indent=2)
+                )
     if len(parsed) == 1:
         summary = summaries[names[0]]
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
         typer.echo(json.dumps(_brief(summary), indent=2))
         return
-    for name, one_summary in summaries.items():
-        (out / "spaces" / name).mkdir(parents=True, exist_ok=True)
-        (out / "spaces" / name / "summary.json").write_text(json.dumps(one_summary, indent=2))
     regrets = {n: s["regret"] for n, s in summaries.items() if s["regret"] is not None}
     ratios = {n: s["compute_ratio"] for n, s in summaries.items()}
     worst_regret = max(regrets, key=lambda n: regrets[n]) if regrets else None
