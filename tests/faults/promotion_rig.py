@@ -22,7 +22,6 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse
-from faultkit.proxy import FaultProxy
 from forge.common.v1 import common_pb2
 from forge.eval.v1 import eval_pb2, eval_pb2_grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -33,6 +32,7 @@ from forge_kit.grpckit import make_channel
 from forge_kit.http import HttpServer
 from forge_kit.paths import data_dir
 from forge_kit.testing import ServiceProcess, TansuBroker, TemporalDevServer, eventkeys, free_port
+from forge_kit.testing.fault_proxy import FaultProxy
 
 EVAL_TOKEN = "faults-promo-eval-token"
 GATEWAY_TOKEN = "faults-promo-gateway-token"

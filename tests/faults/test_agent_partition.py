@@ -33,7 +33,6 @@ from dataclasses import dataclass
 import pytest
 from fault_platform import SCHEDULER_TOKEN, Platform, agent_process, start_platform, stop_platform, wait_ready
 from faultkit.history import History, check_jobs, verdict
-from faultkit.proxy import FaultProxy
 from faultkit.scenario import Targets, load_scenario, run_timeline
 from forge.common.v1 import common_pb2
 from forge.events.v1 import events_pb2
@@ -41,6 +40,7 @@ from forge.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 from forge_kit.grpckit import make_channel
 from forge_kit.testing import ServiceProcess
+from forge_kit.testing.fault_proxy import FaultProxy
 
 pytestmark = [pytest.mark.integration, pytest.mark.faults_full, pytest.mark.timeout(420)]
 NODES = ("node-a", "node-b")
