@@ -32,6 +32,7 @@ from forge_orchestrator.activities import CancelJobInput, SubmitJobInput
 from forge_orchestrator.canary_activities import CanaryActivities
 from forge_orchestrator.cpt.activities import CptActivities, ReportInput
 from forge_orchestrator.cpt.workflow import CptWorkflow
+from forge_orchestrator.deploy.promotion import PromotionActivities
 from forge_orchestrator.eval_activities import (
     Comparison,
     ModelId,
@@ -220,7 +221,8 @@ def worker_for(
         task_queue=queue,
         workflows=[CptWorkflow, SweepWorkflow, TrainWorkflow, EvalAndPromoteWorkflow],
         activities=[scheduler.ensure_team, scheduler.submit_job, scheduler.cancel_job, *sweeps.methods(),
-                    *evals.methods(), *CptActivities(None).methods(), *CanaryActivities().methods()],
+                    *evals.methods(), *CptActivities(None).methods(), *CanaryActivities().methods(),
+                    *PromotionActivities().methods()],
     )  # fmt: skip
 
 

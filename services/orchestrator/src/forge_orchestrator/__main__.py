@@ -191,6 +191,7 @@ async def main() -> None:
             rlhf_activities,
             sampler,
             canary,
+            promotions,
             guard=guard,
         )
         app.add_background(rlhf_worker.run)

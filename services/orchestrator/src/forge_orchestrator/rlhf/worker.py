@@ -20,6 +20,7 @@ from forge_kit import errors
 from forge_kit.settings import ForgeSettings, service_config
 from forge_orchestrator.activities import SchedulerActivities
 from forge_orchestrator.canary_activities import CanaryActivities
+from forge_orchestrator.deploy.promotion import PromotionActivities
 from forge_orchestrator.eval_activities import EvalActivities
 from forge_orchestrator.rlhf.activities import RlhfActivities
 from forge_orchestrator.rlhf.sampling import RlhfSampler
@@ -58,6 +59,7 @@ def build_rlhf_worker(
     rlhf: RlhfActivities,
     sampler: RlhfSampler,
     canary: CanaryActivities | None = None,
+    promotions: PromotionActivities | None = None,
     *,
     guard: Interceptor | None,
 ) -> Worker:
@@ -75,6 +77,8 @@ def build_rlhf_worker(
         evals.rollout_state,
         evals.decide_rollout,
         *(canary or CanaryActivities()).methods(),
+        # A round's eval_and_promote child rolls replicas as the main queue's does (deploy/rollout).
+        *(promotions or PromotionActivities()).methods(),
         rlhf.preference_stats,
         rlhf.batch_stats,
         sampler.queue_policy_samples,
