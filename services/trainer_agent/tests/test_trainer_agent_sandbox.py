@@ -11,6 +11,7 @@ import os
 import signal
 import sys
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -46,6 +47,15 @@ def test_the_probe_reports_isolation_and_a_missing_bwrap(tmp_path: Path) -> None
     assert not JobIsolation(False, "x", allows_unisolated=True).refusal(submitted_by_admin=False)
     with pytest.raises(ValueError, match="root"):
         JobSandbox(bwrap="/usr/bin/bwrap", uid=0, gid=0)
+
+
+def test_agents_starting_together_each_probe_their_own_sandbox(tmp_path: Path) -> None:
+    # `forge up` starts its agents at once; probes sharing one /dev/shm folder removed it under
+    # each other ("Can't find source path /dev/shm/forge-job-probe").
+    probes = [sandbox(tmp_path / str(i)) for i in range(4)]
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        results = list(pool.map(lambda s: s.check(), probes * 3))
+    assert all(r.isolated for r in results), [r.detail for r in results if not r.isolated]
 
 
 async def test_stop_reaches_the_job_in_the_sandbox_which_exits_in_its_grace(tmp_path: Path) -> None:

@@ -47,6 +47,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -203,25 +204,28 @@ class JobSandbox:
         problem = self._missing()
         if problem:
             return JobIsolation(False, problem, self.uid, self.gid)
+        # A probe id of its own: agents on one host probe at once, and a shared id shares the
+        # probe's /dev/shm folder, which the first to finish removes under the others.
+        probe_id = f"probe-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         with tempfile.TemporaryDirectory(prefix="forge-sandbox-probe-") as tmp:
             run_dir = Path(tmp) / "probe"
-            self.prepare(run_dir, "probe")
+            self.prepare(run_dir, probe_id)
             probe = ["/usr/bin/test", "-w", str(run_dir)]
             try:
-                with self.started_by(self.plan(run_dir, "probe"), probe, {}) as (argv, fds):
+                with self.started_by(self.plan(run_dir, probe_id), probe, {}) as (argv, fds):
                     done = subprocess.run(
                         argv,
                         capture_output=True,
                         text=True,
                         timeout=PROBE_TIMEOUT_S,
                         check=False,
-                        env=self.launcher_env("probe"),
+                        env=self.launcher_env(probe_id),
                         pass_fds=fds,
                     )
             except (OSError, subprocess.TimeoutExpired) as exc:
                 return JobIsolation(False, f"the probe sandbox did not run: {exc}", self.uid, self.gid)
             finally:
-                self.release(run_dir, "probe")
+                self.release(run_dir, probe_id)
         if done.returncode != 0:
             reason = done.stderr.strip()[-300:] or f"exit code {done.returncode}"
             return JobIsolation(False, f"the probe sandbox failed: {reason}", self.uid, self.gid)
