@@ -27,7 +27,7 @@ A job placed on one node gets its own network namespace (``--unshare-net``): its
 torchrun's rendezvous meet on its own loopback, and nothing listening on the host (Temporal, the
 broker, PostgreSQL, Redis, the services) can be reached. A job spread over several nodes, or
 one on a node whose object store is reached over the network, keeps the host's network (its
-replicas meet there). ``bwrap`` ignores SIGTERM (through ``env --ignore-signal``) so that stopping a job
+replicas meet there), as does a serving replica (the gateway reaches it at its assigned port). ``bwrap`` ignores SIGTERM (through ``env --ignore-signal``) so that stopping a job
 — SIGTERM to its process group — reaches the job, which checkpoints while the sandbox waits; the
 job's own command gets SIGTERM's default action back.
 
@@ -110,8 +110,9 @@ class SandboxPlan:
     devices: tuple[Path, ...]
     private_network: bool = True
     """Its own network namespace (only its own loopback): every replica of a job on one node.
-    False for a job spread over several nodes (its replicas meet over the host's network) and
-    where the object store is reached over the network."""
+    False for a job spread over several nodes (its replicas meet over the host's network), for a
+    serving replica (the gateway reaches it at the port the agent assigned) and where the object
+    store is reached over the network."""
 
 
 @dataclass(frozen=True)
@@ -241,8 +242,9 @@ class JobSandbox:
 
     # --- per replica -------------------------------------------------------------------------
 
-    def plan(self, run_dir: Path, job_id: str, num_nodes: int = 1) -> SandboxPlan:
-        """The sandbox of a replica of ``job_id`` (placed on ``num_nodes`` nodes in all)."""
+    def plan(self, run_dir: Path, job_id: str, num_nodes: int = 1, *, serving: bool = False) -> SandboxPlan:
+        """The sandbox of a replica of ``job_id`` (placed on ``num_nodes`` nodes in all; ``serving``:
+        a serving replica, which clients reach on the host's network)."""
         run_dir = run_dir.resolve()
         matched = [Path(m).resolve() for pattern in self._read_patterns for m in glob.glob(pattern)]
         read_only = _outermost([*self._code, *(p for p in matched if p.is_dir())])
@@ -251,7 +253,7 @@ class JobSandbox:
             writable.append(self._objects / "checkpoints" / job_id)
         shm = self._shm_root / f"forge-job-{job_id}" if self._shm_root.is_dir() else None
         devices = tuple(Path(p) for p in sorted(glob.glob("/dev/nvidia*")) if not os.path.isdir(p))
-        private_network = num_nodes <= 1 and not self._remote_objects
+        private_network = num_nodes <= 1 and not self._remote_objects and not serving
         return SandboxPlan(run_dir, job_id, read_only, tuple(writable), shm, devices, private_network)
 
     def prepare(self, run_dir: Path, job_id: str) -> None:
