@@ -141,6 +141,17 @@ async def serve(platform: dict[str, Endpoint], model: ModelRef, folder: Path) ->
             headers={"Authorization": f"Bearer {gateway.token}"},
         )
         assert reply.status_code in (201, 409), reply.text
+        # The gateway reads a replica's models every MODELS_REFRESH_S: until then it knows no version.
+        deadline = asyncio.get_running_loop().time() + 45
+        while True:
+            listed = await client.get(
+                f"{gateway.http_url}/v1/models", headers={"Authorization": f"Bearer {gateway.token}"}
+            )
+            cards = {c.get("id"): c.get("version") for c in listed.json().get("data", [])}
+            if cards.get(model.name) == model.version:
+                return
+            assert asyncio.get_running_loop().time() < deadline, f"the gateway never listed {model}: {cards}"
+            await asyncio.sleep(0.3)
 
 
 async def ask(
