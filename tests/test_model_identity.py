@@ -2,21 +2,23 @@
 
 The registry (eval, a process) registers a trained checkpoint and promotes it to canary and
 production; its ``ModelPromoted`` events travel through a real broker to the gateway (a process),
-which moves ``canary``, ``production`` and ``forge-chat``; the main job's ``chat`` step serves the
-checkpoint on the model server (a process) and routes the gateway to it. Then a client nobody here
-wrote — the official ``openai`` SDK — asks for the product names, and each answer says in
-``x-forge-model`` which version served it. A production model nobody serves answers 404 naming
-what the caller asked for, and the next run of the chat step serves it.
+which moves ``canary``, ``production`` and ``forge-chat``; a replica (here Forge's model server,
+a process; in ``forge up`` the main job's vLLM deployment) serves the checkpoint under that
+identity and the gateway routes to it. Then a client nobody here wrote — the official ``openai``
+SDK — asks for the product names, and each answer says in ``x-forge-model`` which version served
+it. A production model nobody serves answers 404 naming what the caller asked for, and once a
+replica serves it, forge-chat answers with it.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 from forge.common.v1 import common_pb2
@@ -27,7 +29,6 @@ from forge_kit.grpckit import make_channel
 from forge_kit.modelref import ModelRef
 from forge_kit.testing import ServiceProcess, TansuBroker, eventkeys
 from forge_kit.testing.tiny_llama import save_tiny_llama
-from forge_model_server.main_job import chat
 
 pytestmark = pytest.mark.integration
 
@@ -43,18 +44,6 @@ class Endpoint:
     http_url: str
     grpc_target: str
     token: str
-
-
-@dataclass
-class Context:
-    """What ``forge_cli.mainjob.MainJobContext`` gives a step, for the services started here."""
-
-    root: Path
-    services: Mapping[str, Endpoint]
-    results: dict[str, Mapping[str, Any]] = field(default_factory=dict)
-
-    def endpoint(self, name: str) -> Endpoint:
-        return self.services[name]
 
 
 @pytest.fixture
@@ -134,6 +123,37 @@ async def register_and_promote(
             )
 
 
+async def serve(platform: dict[str, Endpoint], model: ModelRef, folder: Path) -> None:
+    """Serve ``folder`` on the model server under the registry's identity of it, and make sure the
+    gateway routes there (409: it does already)."""
+    server, gateway = platform["model_server"], platform["inference_gateway"]
+    async with httpx.AsyncClient(timeout=60) as client:
+        body = {"name": model.name, "path": str(folder), "version": model.version}
+        reply = await client.post(
+            f"{server.http_url}/admin/v1/models",
+            json=body,
+            headers={"Authorization": f"Bearer {server.token}"},
+        )
+        assert reply.status_code == 201, reply.text
+        reply = await client.post(
+            f"{gateway.http_url}/admin/v1/replicas",
+            json={"url": server.http_url, "token": server.token},
+            headers={"Authorization": f"Bearer {gateway.token}"},
+        )
+        assert reply.status_code in (201, 409), reply.text
+        # The gateway reads a replica's models every MODELS_REFRESH_S: until then it knows no version.
+        deadline = asyncio.get_running_loop().time() + 45
+        while True:
+            listed = await client.get(
+                f"{gateway.http_url}/v1/models", headers={"Authorization": f"Bearer {gateway.token}"}
+            )
+            cards = {c.get("id"): c.get("version") for c in listed.json().get("data", [])}
+            if cards.get(model.name) == model.version:
+                return
+            assert asyncio.get_running_loop().time() < deadline, f"the gateway never listed {model}: {cards}"
+            await asyncio.sleep(0.3)
+
+
 async def ask(
     client: openai.AsyncOpenAI, model: str, *, stream: bool = False, max_tokens: int | None = 8
 ) -> tuple[str, str, int]:
@@ -174,18 +194,7 @@ async def test_the_product_names_answer_with_the_version_the_registry_promoted(
     trained = save_tiny_llama(tmp_path / "checkpoints" / "run-7f3a" / "hf", chat_template=CHAT_TEMPLATE)
     model = ModelRef("run-7f3a", "step-120")
     await register_and_promote(platform["eval"], model, str(trained), ("canary", "production"))
-    ctx = Context(
-        tmp_path,
-        platform,
-        {
-            # Relative to the repository root, as the train step may report it.
-            "train": {"checkpoint_uri": "checkpoints/run-7f3a/hf", "run_id": "run-7f3a", "step": 120},
-            "eval": {"model": str(model), "promoted_to": ["canary", "production"]},
-        },
-    )
-    # The main job's chat step: it serves the checkpoint under the registry's identity.
-    result = await chat(ctx)
-    assert result["ok"] is True, result
+    await serve(platform, model, trained)
     client = openai.AsyncOpenAI(
         base_url=f"{platform['inference_gateway'].http_url}/v1", api_key=TENANT_KEY, max_retries=0
     )
@@ -196,12 +205,6 @@ async def test_the_product_names_answer_with_the_version_the_registry_promoted(
                 served_by, text, tokens = await ask(client, name, stream=stream)
                 assert served_by == "run-7f3a:step-120", (name, stream)
                 assert isinstance(text, str) and tokens >= 1, (name, stream)
-        # The step reports the product name and the version that answered it.
-        assert (result["served_model"], result["served_by"], result["production"]) == (
-            "forge-chat",
-            "run-7f3a:step-120",
-            "run-7f3a:step-120",
-        )
         # /v1/models lists the aliases a tenant may use, at the version they name, and the models.
         listed = {m.id: m for m in (await client.models.list()).data}
         assert {"forge-chat", "production", "canary", "run-7f3a"} <= set(listed)
@@ -223,10 +226,7 @@ async def test_the_product_names_answer_with_the_version_the_registry_promoted(
             assert asyncio.get_running_loop().time() < deadline, "forge-chat never moved to run-9c1d"
             await asyncio.sleep(0.3)
 
-        # The chat step again, as after a `make up` whose checkpoint eval blocked: it serves what the
-        # registry holds in production too (a checkpoint folder of an earlier run), and forge-chat answers.
-        ctx.results["eval"] = {"model": str(model), "promoted_to": []}
-        again = await chat(ctx)
-        assert again["ok"] is True and again["served_by"] == "run-9c1d:step-40", again
+        # Once a replica serves it, forge-chat answers with it; the earlier model is still there.
+        await serve(platform, newer, second)
         assert (await ask(client, "forge-chat", max_tokens=None))[0] == "run-9c1d:step-40"
         assert (await ask(client, "run-7f3a"))[0] == "run-7f3a:step-120"

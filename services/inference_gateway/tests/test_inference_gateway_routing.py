@@ -22,6 +22,7 @@ from forge_inference_gateway.routing import (
     Replica,
     ReplicaPool,
     RoutingPolicy,
+    fold_versions,
     parse_load,
 )
 from forge_inference_gateway.service import InferenceGateway
@@ -123,6 +124,20 @@ def test_only_replicas_serving_the_version_are_candidates() -> None:
     assert str(r2.answering(ModelRef("tiny", "4"))) == "tiny:4"
     assert str(r3.answering(ModelRef("other"))) == "other"
     assert r1.served("huge") is None and r1.serves("not a model") is False
+
+
+def test_a_vllm_replica_answering_to_name_and_version_serves_that_version_only() -> None:
+    """vLLM's cards have no version: a deployment serves ``tiny`` also as ``tiny:4``."""
+    vllm = {"tiny": {"id": "tiny", "owned_by": "vllm"}, "tiny:4": {"id": "tiny:4", "owned_by": "vllm"}}
+    assert fold_versions(vllm) == {"tiny": {"id": "tiny", "owned_by": "vllm", "version": "4"}}
+    # A card that has a version, or a name:version with no name card, stays as it is.
+    forge = {"tiny": {"id": "tiny", "version": "3"}, "tiny:4": {"id": "tiny:4"}, "x:1": {"id": "x:1"}}
+    assert fold_versions(forge) == forge
+    pool = make_pool()
+    r1, r2, _ = pool.replicas()
+    r1.cards, r2.cards = fold_versions(vllm), fold_versions({"tiny": {"id": "tiny"}, "tiny:3": {}})
+    assert [r.url for r in pool.candidates("tiny:4")] == [r1.url]
+    assert [r.url for r in pool.candidates("tiny:3")] == [r2.url]
 
 
 def test_prefix_affinity_keeps_a_shared_prompt_on_one_replica_until_it_is_too_busy() -> None:

@@ -30,8 +30,11 @@ def test_a_vllm_replica_runs_the_kits_command_with_its_credential_out_of_argv() 
     argv = replica.command
     assert argv[:3] == [spec.vllm_python, "-m", "vllm.entrypoints.openai.api_server"]
     assert argv[argv.index("--port") + 1] == SERVE_PORT_PLACEHOLDER
-    assert argv[argv.index("--served-model-name") + 1] == "tiny"
+    # Its name, and its pinned version as the gateway sends it upstream.
+    assert argv[argv.index("--served-model-name") + 1 : argv.index("--host")] == ["tiny", "tiny:3"]
     assert "--enforce-eager" in argv and argv[argv.index("--max-num-seqs") + 1] == "8"
+    # The gateway sends admission levels as vLLM's priority.
+    assert argv[argv.index("--scheduling-policy") + 1] == "priority"
     assert not any("s3cret-token" in arg for arg in argv)
     assert replica.env["VLLM_API_KEY"] == "s3cret-token"
 

@@ -191,12 +191,18 @@ def test_jobs_read_the_datasets_but_not_the_data_folder_itself(
 
 
 def test_a_job_on_one_node_gets_a_network_of_its_own(tmp_path: Path) -> None:
-    """One node: only its own loopback (collectives told to use it); spread over nodes, or with
-    an object store over the network: the host's network."""
+    """One node: only its own loopback (collectives told to use it); spread over nodes, serving,
+    or with an object store over the network: the host's network."""
     box = sandbox(tmp_path)
     one = box.plan(tmp_path / "run", "job-n")
     assert one.private_network
     assert not box.plan(tmp_path / "run", "job-n", num_nodes=2).private_network
+    # A serving replica: the gateway reaches it at the port the agent assigned; it reads /sys
+    # (vLLM's CPU worker runs lscpu), which other jobs without GPUs do not see.
+    serving = box.plan(tmp_path / "run", "job-n", serving=True)
+    assert not serving.private_network
+    assert "/sys" in box.launch(serving, ["true"], {}, 3, 4).args.decode().split("\0")
+    assert "/sys" not in box.launch(one, ["true"], {}, 3, 4).args.decode().split("\0")
     assert (
         not sandbox(tmp_path, objects_root="s3://bucket/forge")
         .plan(tmp_path / "run", "job-n")

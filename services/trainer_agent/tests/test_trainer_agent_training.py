@@ -250,6 +250,23 @@ def test_torchrun_runner_builds_standalone_and_rendezvous_commands(tmp_path: Pat
         runner.command(dataclasses.replace(one, num_nodes=2))
 
 
+async def test_a_serving_replica_runs_its_command_itself_not_under_torchrun(tmp_path: Path) -> None:
+    """An engine's server is no torch worker: under the torchrun runner it still runs as is."""
+    runner = TorchrunRunner(torchrun=("/bin/false",))  # what a torchrun-wrapped job would run
+    spec = LaunchSpec(
+        job_id="serve",
+        attempt=1,
+        command=("/bin/sh", "-c", "echo serving on 8123"),
+        run_dir=tmp_path / "run",
+        log_path=tmp_path / "serve.log",
+        serving=True,
+    )
+    assert (await (await runner.launch(spec)).wait()).code == 0
+    assert "serving on 8123" in (tmp_path / "serve.log").read_text()
+    trained = dataclasses.replace(spec, serving=False, log_path=tmp_path / "train.log")
+    assert (await (await runner.launch(trained)).wait()).code != 0
+
+
 @pytest.mark.integration
 async def test_torchrun_job_of_two_gloo_workers_trains_like_one_process_and_checkpoints_on_sigterm(
     corpus: Path, cache_dir: Path, tmp_path: Path

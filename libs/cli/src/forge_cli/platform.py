@@ -19,12 +19,13 @@ How a row becomes environment variables (``<NAME>`` is the caller, ``<T>`` the c
 - ``tracking=True``: ``MLFLOW_URI=http://127.0.0.1:8060`` (the MLflow tracking server);
 - ``extra``: literal ``KEY: value`` pairs; ``{root}`` in a value becomes the repository root;
 - ``local``: like ``extra`` but only for ``forge up`` on this machine (not compose or Kubernetes);
-  ``{instance}`` in a value becomes the copy's number;
+  ``{instance}`` in a value becomes the copy's number, ``{checkout}`` the checkout this CLI runs
+  from (where ``make install`` built ``.venv-vllm``; ``{root}`` is a profile's state root);
 - ``production``: settings every production-shaped deployment gives the service (Compose,
   Kubernetes, ``forge up --profile prod-like``) on top of its database and Redis
   (:func:`production_env`); ``{qdrant}``, ``{qdrant_shards}``, ``{qdrant_replicas}`` in a
   value become that deployment's Qdrant URL and collection layout;
-- ``instances``: how many copies ``forge up`` runs here (two trainer agents stand in for two
+- ``instances``: how many copies ``forge up`` runs here (three trainer agents stand in for three
   nodes); copy n ≥ 2 is named ``<name>_<n>``, listens on both ports + 10·(n-1) and keeps the
   service's package and settings prefix (:func:`local_table`).
 """
@@ -41,6 +42,7 @@ from pathlib import Path
 from typing import Literal
 
 from forge_kit.eventauth import EventSigner
+from forge_kit.paths import find_repo_root
 
 HOST = "127.0.0.1"
 
@@ -116,22 +118,24 @@ class ServiceSpec:
 # ---------------------------------------------------------------------------------------------
 SERVICES: tuple[ServiceSpec, ...] = (
     ServiceSpec("scheduler", grpc_port=50051, http_port=8051),
-    # Two agents on this machine stand in for two nodes of one GPU each (simulated), so the main
-    # job can schedule one torchrun job across them.
+    # Three agents on this machine stand in for three nodes of one GPU each (simulated): the main
+    # job schedules one torchrun job across two of them, and its model's vLLM replica, placed by
+    # the scheduler like any job, holds one GPU while training goes on beside it.
     ServiceSpec(
         "trainer_agent",
         grpc_port=50052,
         http_port=8052,
         calls=(grpc("scheduler"),),
-        instances=2,
+        instances=3,
         local={
             "NODE_NAME": "local-node-{instance}",
             "GPUS": "SIMx1",
             "NODE_GROUP": "local",
             "RUNNER": "torchrun",
             # Jobs run sandboxed: besides the datasets they read the exports of earlier jobs on
-            # either agent and preference snapshots; the rlhf workflow's jobs write objects/rlhf.
-            "JOB_READ_PATHS": "{root}/var/data/trainer_agent*/runs,{root}/var/data/preference_feedback/snapshots",
+            # any agent and preference snapshots, and vLLM's environment (a deployment's
+            # replicas); the rlhf workflow's jobs write objects/rlhf.
+            "JOB_READ_PATHS": "{root}/var/data/trainer_agent*/runs,{root}/var/data/preference_feedback/snapshots,{checkout}/.venv-vllm",
             "JOB_WRITE_PATHS": "{root}/var/objects/rlhf",
         },
     ),
@@ -183,6 +187,8 @@ SERVICES: tuple[ServiceSpec, ...] = (
             "GATEWAY_METRICS_URLS": '["{http:inference_gateway}/metrics"]',
             "CANARY_POLICY": "local",
             "INFERENCE_GATEWAY_URL": "{http:inference_gateway}",
+            # The agents run on this machine: vLLM replicas start from this checkout's environment.
+            "DEPLOY_VLLM_PYTHON": "{checkout}/.venv-vllm/bin/python",
         },
     ),
 )
@@ -326,6 +332,7 @@ def service_env(
         values["MLFLOW_URI"] = infra.mlflow_uri
     for key, value in {**spec.extra, **spec.local}.items():
         value = value.replace("{root}", str(root)).replace("{instance}", str(spec.instance))
+        value = value.replace("{checkout}", str(find_repo_root(Path(__file__).resolve().parent) or root))
         values[key.upper()] = _HTTP_REF.sub(lambda m: by_name[m.group(1)].http_url, value)
     return {f"{spec.prefix}{key}": value for key, value in values.items()}
 

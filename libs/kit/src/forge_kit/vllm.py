@@ -167,9 +167,20 @@ def parse_engine_flags(flags: Sequence[str]) -> dict[str, str | int | float | bo
 
 
 def server_argv(
-    python: str, model_dir: str, served_name: str, host: str, port: str, engine_args: EngineArgs
+    python: str,
+    model_dir: str,
+    served_name: str,
+    host: str,
+    port: str,
+    engine_args: EngineArgs,
+    also_served_as: Sequence[str] = (),
 ) -> list[str]:
-    """The command line of one vLLM server (``port`` may be a placeholder its starter fills)."""
+    """The command line of one vLLM server (``port`` may be a placeholder its starter fills).
+    ``also_served_as``: more names requests may use (a model's ``name:version``, which the gateway
+    sends upstream for a pinned version); ``/v1/models`` lists each, ``served_name`` first."""
+    for name in (served_name, *also_served_as):
+        if not _NAME.match(name):
+            raise LaunchError(f"served_name: {name!r} is not a model name")
     args = [
         python,
         "-m",
@@ -178,6 +189,7 @@ def server_argv(
         model_dir,
         "--served-model-name",
         served_name,
+        *also_served_as,
         "--host",
         host,
         "--port",

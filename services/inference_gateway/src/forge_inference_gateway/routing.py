@@ -535,7 +535,7 @@ class ReplicaPool:
             data = payload.get("data") if isinstance(payload, dict) else None
             if not isinstance(data, list):
                 raise ValueError("no data list")
-            cards = {str(c["id"]): dict(c) for c in data if isinstance(c, dict) and "id" in c}
+            cards = fold_versions({str(c["id"]): dict(c) for c in data if isinstance(c, dict) and "id" in c})
         except ValueError:
             raise UpstreamUnavailableError(f"/v1/models of {replica.url} is not a model list") from None
         replica.cards = cards
@@ -545,6 +545,24 @@ class ReplicaPool:
     async def close(self) -> None:
         for replica in self._replicas.values():
             await replica.client.close()
+
+
+def fold_versions(cards: dict[str, dict[str, object]]) -> dict[str, dict[str, object]]:
+    """A replica's ``/v1/models`` cards by model name. vLLM's cards carry no version: a vLLM replica
+    of a pinned version answers to ``name:version`` as well as ``name`` (a deployment serves it
+    under both), so that card's version goes onto the name's card, and the ``name:version`` card
+    is not listed apart."""
+    out = dict(cards)
+    for model_id in cards:
+        try:
+            ref = ModelRef.parse(model_id)
+        except ValueError:
+            continue
+        named = out.get(ref.name)
+        if ref.version and named is not None and not named.get("version"):
+            out[ref.name] = {**named, "version": ref.version}
+            del out[model_id]
+    return out
 
 
 def normalize_url(url: str) -> str:

@@ -1,9 +1,9 @@
 """The ``train`` step of the platform main job (entry-point group ``forge.main_job``).
 
-``forge up`` starts two trainer agents on this machine (one simulated GPU each, standing in for
-two nodes). This step:
+``forge up`` starts three trainer agents on this machine (one simulated GPU each, standing in for
+three nodes: the training job takes two, the main job's vLLM replica one). This step:
 
-1. waits until both agents' nodes are registered and ready in the scheduler;
+1. waits until at least two agents' nodes are registered and ready in the scheduler;
 2. makes sure the ``main-job`` team has a quota for their GPUs (an admin action);
 3. starts the orchestrator's ``train`` workflow: it submits one job of two replicas × one GPU —
    the scheduler's gang placement puts one replica on each node, each agent launches its replica

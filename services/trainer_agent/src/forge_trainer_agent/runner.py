@@ -60,6 +60,10 @@ class LaunchSpec:
     master_port: int = 0
     run_dir: Path = Path(".")
     log_path: Path = Path("job.log")
+    serving: bool = False
+    """A serving replica (``JOB_KIND_INFERENCE``): an engine's server, not a torch worker, so it
+    never runs under torchrun, and clients reach it on the host's network at the port the agent
+    assigned."""
 
 
 @dataclass(frozen=True)
@@ -235,7 +239,7 @@ class LocalProcessRunner:
             raise LaunchError(f"command not found: {spec.command[0]!r}", exit_code=127)
         try:
             sandbox.prepare(spec.run_dir, spec.job_id)
-            plan = sandbox.plan(spec.run_dir, spec.job_id, spec.num_nodes)
+            plan = sandbox.plan(spec.run_dir, spec.job_id, spec.num_nodes, serving=spec.serving)
             with (
                 open(spec.log_path, "ab") as log,
                 sandbox.started_by(plan, spec.command, env, spec.node_rank) as (
@@ -300,6 +304,8 @@ class TorchrunRunner:
     async def launch(self, spec: LaunchSpec) -> LocalProcess:
         if not spec.command:
             raise LaunchError("the job has no command", exit_code=127)
+        if spec.serving:
+            return await self._local.launch(spec)
         wrapped = LaunchSpec(
             job_id=spec.job_id,
             attempt=spec.attempt,

@@ -27,7 +27,8 @@ A job placed on one node gets its own network namespace (``--unshare-net``): its
 torchrun's rendezvous meet on its own loopback, and nothing listening on the host (Temporal, the
 broker, PostgreSQL, Redis, the services) can be reached. A job spread over several nodes, or
 one on a node whose object store is reached over the network, keeps the host's network (its
-replicas meet there). ``bwrap`` ignores SIGTERM (through ``env --ignore-signal``) so that stopping a job
+replicas meet there), as does a serving replica (the gateway reaches it at its assigned port;
+it also reads ``/sys``, as GPU jobs do, for vLLM's ``lscpu``). ``bwrap`` ignores SIGTERM (through ``env --ignore-signal``) so that stopping a job
 — SIGTERM to its process group — reaches the job, which checkpoints while the sandbox waits; the
 job's own command gets SIGTERM's default action back.
 
@@ -111,8 +112,12 @@ class SandboxPlan:
     devices: tuple[Path, ...]
     private_network: bool = True
     """Its own network namespace (only its own loopback): every replica of a job on one node.
-    False for a job spread over several nodes (its replicas meet over the host's network) and
-    where the object store is reached over the network."""
+    False for a job spread over several nodes (its replicas meet over the host's network), for a
+    serving replica (the gateway reaches it at the port the agent assigned) and where the object
+    store is reached over the network."""
+    serving: bool = False
+    """A serving replica: besides the host's network it reads ``/sys`` (vLLM's CPU worker learns
+    the cores it may use from ``lscpu``, which reads ``/sys/devices/system``), as GPU jobs do."""
 
 
 @dataclass(frozen=True)
@@ -245,8 +250,9 @@ class JobSandbox:
 
     # --- per replica -------------------------------------------------------------------------
 
-    def plan(self, run_dir: Path, job_id: str, num_nodes: int = 1) -> SandboxPlan:
-        """The sandbox of a replica of ``job_id`` (placed on ``num_nodes`` nodes in all)."""
+    def plan(self, run_dir: Path, job_id: str, num_nodes: int = 1, *, serving: bool = False) -> SandboxPlan:
+        """The sandbox of a replica of ``job_id`` (placed on ``num_nodes`` nodes in all; ``serving``:
+        a serving replica, which clients reach on the host's network)."""
         run_dir = run_dir.resolve()
         matched = [Path(m).resolve() for pattern in self._read_patterns for m in glob.glob(pattern)]
         read_only = _outermost([*self._code, *(p for p in matched if p.is_dir())])
@@ -255,8 +261,10 @@ class JobSandbox:
             writable.append(self._objects / "checkpoints" / job_id)
         shm = self._shm_root / f"forge-job-{job_id}" if self._shm_root.is_dir() else None
         devices = tuple(Path(p) for p in sorted(glob.glob("/dev/nvidia*")) if not os.path.isdir(p))
-        private_network = num_nodes <= 1 and not self._remote_objects
-        return SandboxPlan(run_dir, job_id, read_only, tuple(writable), shm, devices, private_network)
+        private_network = num_nodes <= 1 and not self._remote_objects and not serving
+        return SandboxPlan(
+            run_dir, job_id, read_only, tuple(writable), shm, devices, private_network, serving
+        )
 
     def prepare(self, run_dir: Path, job_id: str) -> None:
         """Create the replica's writable directories, owned by the job user."""
@@ -341,7 +349,7 @@ class JobSandbox:
         args += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--tmpfs", "/tmp"]
         for device in plan.devices:
             args += ["--dev-bind", str(device), str(device)]
-        if plan.devices and os.path.isdir("/sys"):
+        if (plan.devices or plan.serving) and os.path.isdir("/sys"):
             args += ["--ro-bind", "/sys", "/sys"]
         if plan.shm_dir is not None:
             args += ["--bind", str(plan.shm_dir), "/dev/shm"]

@@ -356,6 +356,7 @@ class AgentService:
             master_port=command.master_port,
             run_dir=run_dir,
             log_path=Path(row.log_path),
+            serving=spec.kind == scheduler_pb2.JOB_KIND_INFERENCE,
         )
         try:
             process = await self._runner.launch(launch)

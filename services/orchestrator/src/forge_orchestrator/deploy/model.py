@@ -138,11 +138,16 @@ class ReplicaCommand:
 
 def replica_command(spec: DeploymentInput) -> ReplicaCommand:
     """What one replica runs (see the module docstring)."""
-    name = ModelRef.parse(spec.model).name
+    ref = ModelRef.parse(spec.model)
+    name = ref.name
     if spec.engine == "vllm":
-        args = vllm.parse_engine_flags(spec.engine_args)
+        # The gateway sends each request's admission level as ``priority`` (batch work such as RLHF
+        # sampling is 1), which vLLM refuses unless it schedules by priority.
+        args = {**vllm.parse_engine_flags(spec.engine_args), "scheduling_policy": "priority"}
+        # The gateway sends a pinned version upstream as ``name:version``: the replica answers to it.
+        pinned = [str(ref)] if ref.version else []
         command = vllm.server_argv(
-            spec.vllm_python, spec.model_dir, name, "0.0.0.0", SERVE_PORT_PLACEHOLDER, args
+            spec.vllm_python, spec.model_dir, name, "0.0.0.0", SERVE_PORT_PLACEHOLDER, args, pinned
         )
         return ReplicaCommand(command, vllm.server_env({}, api_key=spec.replica_token))
     env = {f"FORGE_MODEL_SERVER_{k.upper()}": v for k, v in (a.split("=", 1) for a in spec.engine_args)}

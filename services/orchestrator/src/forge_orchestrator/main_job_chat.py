@@ -1,33 +1,33 @@
-"""The ``chat`` step of the platform main job (entry-point group ``forge.main_job``).
+"""The ``chat`` step of the platform main job (order 70, after ``serve`` and ``eval``).
 
-After the ``train`` step has exported a checkpoint in Hugging Face format and the ``eval`` step has
-seen its eval-and-promote workflow register it in eval's model registry and promote it (or block
-it), this step makes the product name answer:
+The ``serve`` step deployed the trained checkpoint on vLLM; the ``eval`` step saw the
+eval-and-promote workflow register it in eval's model registry and promote it (or block it). This
+step makes the product name answer from vLLM replicas the scheduler placed:
 
-1. takes the trained folder from ``ctx.results["train"]["checkpoint_uri"]`` and its registry
+1. takes the trained folder and the ``serve`` step's deployment, and the checkpoint's registry
    identity (a :class:`~forge_kit.modelref.ModelRef`) from ``ctx.results["eval"]["model"]``
    (fails clearly without them);
-2. asks the registry (eval's ``ListModels``) which models hold the serving stages (``canary``,
-   ``production``) and where their checkpoints are;
-3. loads each into the platform's model server under its registry name and version
-   (``POST /admin/v1/models``): the gateway's aliases, moved by ``ModelPromoted``, name models by
-   that identity, so the replica must serve them under it;
-4. makes sure the gateway routes to that model server (``POST /admin/v1/replicas``; already
-   there is fine) and waits until the gateway's ``/v1/models`` lists ``forge-chat`` at the
-   version production holds;
+2. asks the registry (eval's ``ListModels``) which model holds ``production`` and where its
+   checkpoint is;
+3. when production is another model (an earlier run's, or an earlier checkpoint of this one that
+   the canary kept), deploys it too (``main-job-production``, vLLM); when production is the
+   trained model, undeploys that one if an earlier run left it;
+4. waits until every deployment it needs has a ready replica (in the gateway's pool) and the
+   gateway's ``/v1/models`` lists ``forge-chat`` at the version production holds;
 5. sends one streaming chat completion to ``forge-chat`` through the gateway and reports the
-   streamed text, the version that answered (``x-forge-model``), the time to its first token
-   and the token count.
+   streamed text, the version that answered (``x-forge-model``), the time to its first token, the
+   token count, and how many requests production's vLLM replica finished meanwhile (its
+   ``vllm:request_success_total``), which says that vLLM answered.
 
-The step never imports the CLI or another service, only their contracts (HTTP, eval's gRPC stubs).
+The step never imports the CLI or another service, only their contracts (HTTP, gRPC stubs).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,45 +39,31 @@ from forge.eval.v1 import eval_pb2, eval_pb2_grpc
 from forge_kit.grpckit import make_channel
 from forge_kit.mainjob import Endpoint, MainJobContext
 from forge_kit.modelref import ModelRef
+from forge_orchestrator.main_job_serve import (
+    DEPLOYMENT,
+    Deployments,
+    Servable,
+    describe,
+    spec_of,
+    trained_export,
+)
 
 #: The product name: the gateway's alias of whatever the registry holds in production.
 PUBLIC_MODEL = "forge-chat"
-#: The registry's serving stages, loaded in this order (a later one wins a name they share).
-STAGES = ("canary", "production")
+#: The deployment of production's model when it is not the trained one.
+PRODUCTION_DEPLOYMENT = "main-job-production"
 MODEL_HEADER = "x-forge-model"
 QUESTION = "Good morrow, what news?"
 SHORT_QUESTION = "Speak."
-"""For a model whose context is too small for the question in a chat format (the main job's)."""
+"""For a model whose context is too small for the question in a chat format."""
 MAX_TOKENS = 32
-WAIT_GATEWAY_S = 45.0
+WAIT_GATEWAY_S = 60.0
 HTTP_S = 60.0
+_FINISHED = re.compile(r"^vllm:request_success_total(?:\{[^}]*\})?\s+([0-9.eE+-]+)$", re.MULTILINE)
 
 
 class ChatStepError(RuntimeError):
     """A part of the chat step failed; the message says which and what the service answered."""
-
-
-@dataclass(frozen=True)
-class Servable:
-    """A checkpoint folder on this machine and the registry identity it is served under."""
-
-    model: ModelRef
-    path: Path
-    why: str
-    """``trained``, or the registry stage it holds."""
-
-
-def trained_checkpoint(ctx: MainJobContext) -> Path:
-    """The Hugging Face folder the ``train`` step exported (absolute)."""
-    train = ctx.results.get("train") or {}
-    uri = train.get("checkpoint_uri")
-    if not uri:
-        raise ChatStepError(
-            "no trained checkpoint to serve: the `train` step's result has no checkpoint_uri "
-            f"(steps that ran: {', '.join(ctx.results) or 'none'})"
-        )
-    path = Path(str(uri).removeprefix("file://"))
-    return path if path.is_absolute() else ctx.root / path
 
 
 def registered_model(ctx: MainJobContext) -> ModelRef:
@@ -104,57 +90,68 @@ def local_folder(uri: str, root: Path) -> Path | None:
     return path if (path / "config.json").is_file() else None
 
 
-async def stage_holders(ctx: MainJobContext) -> dict[str, tuple[ModelRef, str]]:
-    """Per serving stage, the model the registry says holds it and its checkpoint uri."""
+async def production_holder(ctx: MainJobContext) -> tuple[ModelRef, str] | None:
+    """The model the registry holds in ``production`` and its checkpoint uri (None: no model)."""
     registry = ctx.endpoint("eval")
-    holders: dict[str, tuple[ModelRef, str]] = {}
     async with make_channel(registry.grpc_target, token=registry.token) as channel:
         stub = eval_pb2_grpc.EvalServiceStub(channel)
-        for stage in STAGES:
-            request = eval_pb2.ListModelsRequest(stage=stage, page=common_pb2.PageRequest(page_size=1))
-            try:
-                reply = await stub.ListModels(request, timeout=10)
-            except grpc.aio.AioRpcError as exc:
-                raise ChatStepError(
-                    f"asking eval's registry for the {stage} model: {exc.details()}"
-                ) from None
-            if reply.models:
-                holders[stage] = (ModelRef.of(reply.models[0].ref), reply.models[0].uri)
-    return holders
+        request = eval_pb2.ListModelsRequest(stage="production", page=common_pb2.PageRequest(page_size=1))
+        try:
+            reply = await stub.ListModels(request, timeout=10)
+        except grpc.aio.AioRpcError as exc:
+            raise ChatStepError(f"asking eval's registry for the production model: {exc.details()}") from None
+    if not reply.models:
+        return None
+    return ModelRef.of(reply.models[0].ref), reply.models[0].uri
 
 
 async def chat(ctx: MainJobContext) -> dict[str, object]:
-    # 1. The checkpoint and its registry identity.
-    trained = Servable(registered_model(ctx), trained_checkpoint(ctx), "trained")
-    # 2. What the registry serves.
-    holders = await stage_holders(ctx)
-    servables = {trained.model: trained}
-    skipped = []
-    for stage, (model, uri) in holders.items():
-        folder = trained.path if model == trained.model else local_folder(uri, ctx.root)
-        if folder is None:
-            skipped.append(f"{stage} {model} ({uri}: not a folder on this machine)")
-            continue
-        servables[model] = Servable(model, folder, stage)
-    production = holders.get("production", (trained.model, ""))[0]
-    server, gateway = ctx.endpoint("model_server"), ctx.endpoint("inference_gateway")
-    async with httpx.AsyncClient(timeout=HTTP_S) as client:
-        # 3. Each under its registry name and version.
-        contexts = {}
-        for item in servables.values():
-            contexts[item.model] = await _load(client, server, item)
-        # The main job's model has a tiny context (32 tokens): there, leave max_tokens out and the
-        # server answers with what room the prompt leaves (vLLM's rule), instead of a 400.
-        context = contexts.get(production) or 0
-        small = 0 < context < 4 * MAX_TOKENS
-        max_tokens, question = (None, SHORT_QUESTION) if small else (MAX_TOKENS, QUESTION)
-        # 4. The gateway routes to that model server and lists forge-chat at production's version.
-        alias = PUBLIC_MODEL if "production" in holders else str(trained.model)
-        waited = await _register_with_gateway(
-            client, gateway, server.http_url, server.token, alias, production
+    # 1. The trained checkpoint, its deployment and its registry identity.
+    trained = trained_export(ctx)
+    if not (ctx.results.get("serve") or {}).get("deployment"):
+        raise ChatStepError(
+            "the trained model has no deployment: the `serve` step's result has none "
+            f"(steps that ran: {', '.join(ctx.results) or 'none'})"
         )
+    registered = registered_model(ctx)
+    if registered != trained.model:
+        raise ChatStepError(f"the registry names the trained checkpoint {registered}, not {trained.model}")
+    # 2. Production.
+    holder = await production_holder(ctx)
+    production, not_served = trained.model, ""
+    needed = {DEPLOYMENT: trained}
+    if holder is not None and holder[0] != trained.model:
+        folder = local_folder(holder[1], ctx.root)
+        if folder is None:
+            not_served = f"production {holder[0]} ({holder[1]}: not a folder on this machine)"
+        else:
+            production = holder[0]
+            needed[PRODUCTION_DEPLOYMENT] = Servable(production, folder, "production")
+    orchestrator, gateway = ctx.endpoint("orchestrator"), ctx.endpoint("inference_gateway")
+    async with Deployments(orchestrator.grpc_target, orchestrator.token) as deployments:
+        # 3. Production's own deployment, or none.
+        if PRODUCTION_DEPLOYMENT in needed:
+            await deployments.ensure(spec_of(PRODUCTION_DEPLOYMENT, needed[PRODUCTION_DEPLOYMENT]))
+        else:
+            await deployments.remove(PRODUCTION_DEPLOYMENT)
+        # 4. Ready replicas, and forge-chat at production's version in the gateway.
+        started = time.monotonic()
+        ready = await asyncio.gather(*(deployments.wait_ready(name) for name in needed))
+        waited_ready = time.monotonic() - started
+    serving = ready[-1]
+    replica = next(r for r in serving.replicas if r.state == "ready")
+    alias = PUBLIC_MODEL if holder is not None and not not_served else str(trained.model)
+    async with httpx.AsyncClient(timeout=HTTP_S) as client:
+        card, waited_gateway = await _wait_listed(client, gateway, alias, production)
+        context = card.get("max_model_len")
+        # A model with a tiny context: leave max_tokens out and the server answers with what room
+        # the prompt leaves (vLLM's rule), instead of a 400.
+        small = isinstance(context, int) and 0 < context < 4 * MAX_TOKENS
+        max_tokens, question = (None, SHORT_QUESTION) if small else (MAX_TOKENS, QUESTION)
         # 5. One streamed chat completion through the gateway, to the product name.
+        before = await _finished(client, replica.endpoint)
         streamed = await stream_chat(client, gateway, alias, question, max_tokens)
+        after = await _finished(client, replica.endpoint)
     return {
         "ok": streamed["completion_tokens"] > 0
         and streamed["finish_reason"] is not None
@@ -163,29 +160,19 @@ async def chat(ctx: MainJobContext) -> dict[str, object]:
         "served_model": alias,
         "trained_model": str(trained.model),
         "production": str(production),
-        "served": sorted(f"{m} ({s.why})" for m, s in servables.items()),
-        "not_served": skipped,
+        "deployments": [describe(d) for d in ready],
+        "not_served": not_served,
         "checkpoint": str(trained.path),
-        "gateway_saw_model_after_s": round(waited, 2),
+        "waited_for_replicas_s": round(waited_ready, 1),
+        "gateway_saw_model_after_s": round(waited_gateway, 2),
+        "vllm_requests_finished": after - before if before is not None and after is not None else None,
         "question": question,
         **streamed,
     }
 
 
 chat.order = 70  # type: ignore[attr-defined]
-chat.timeout_s = 180.0  # type: ignore[attr-defined]
-
-
-async def _load(client: httpx.AsyncClient, server: Endpoint, item: Servable) -> int | None:
-    """Serve ``item`` on the model server under its registry identity; its context length."""
-    reply = await client.post(
-        f"{server.http_url}/admin/v1/models",
-        json={"name": item.model.name, "path": str(item.path), "version": item.model.version},
-        headers=_bearer(server.token),
-    )
-    _expect(reply, {201}, f"loading {item.path} into the model server as {item.model}")
-    context = reply.json().get("max_model_len")
-    return context if isinstance(context, int) else None
+chat.timeout_s = 600.0  # type: ignore[attr-defined]
 
 
 def _bearer(token: str) -> dict[str, str]:
@@ -197,29 +184,29 @@ def _expect(reply: httpx.Response, statuses: set[int], doing: str) -> None:
         raise ChatStepError(f"{doing}: HTTP {reply.status_code}: {reply.text[:500]}")
 
 
-async def _register_with_gateway(
-    client: httpx.AsyncClient,
-    gateway: Endpoint,
-    replica_url: str,
-    replica_token: str,
-    model: str,
-    version_of: ModelRef,
-) -> float:
-    """Add the model server to the gateway's replicas with the token it accepts (409: it is there
-    already) and wait until the gateway's ``/v1/models`` lists ``model`` (an alias, moved there by
-    ``ModelPromoted``, or a model) at the version of ``version_of``; seconds waited."""
-    admin = f"{gateway.http_url}/admin/v1/replicas"
-    reply = await client.post(
-        admin, json={"url": replica_url, "token": replica_token}, headers=_bearer(gateway.token)
-    )
-    _expect(reply, {201, 409}, f"adding {replica_url} to the gateway's replicas")
+async def _finished(client: httpx.AsyncClient, replica_url: str) -> int | None:
+    """Requests the vLLM replica at ``replica_url`` has finished (its ``/metrics``); None when it
+    does not say."""
+    try:
+        reply = await client.get(f"{replica_url}/metrics")
+    except httpx.HTTPError:
+        return None
+    values = _FINISHED.findall(reply.text) if reply.status_code == 200 else []
+    return int(sum(float(v) for v in values)) if values else None
+
+
+async def _wait_listed(
+    client: httpx.AsyncClient, gateway: Endpoint, model: str, version_of: ModelRef
+) -> tuple[dict[str, Any], float]:
+    """Wait until the gateway's ``/v1/models`` lists ``model`` (an alias, moved there by
+    ``ModelPromoted``, or a model) at the version of ``version_of``; its card and seconds waited."""
     started = time.monotonic()
     while True:
         reply = await client.get(f"{gateway.http_url}/v1/models", headers=_bearer(gateway.token))
         if reply.status_code == 200:
-            listed = {str(m.get("id")): str(m.get("version") or "") for m in reply.json().get("data", [])}
-            if listed.get(model) == version_of.version:
-                return time.monotonic() - started
+            for card in reply.json().get("data", []):
+                if card.get("id") == model and str(card.get("version") or "") == version_of.version:
+                    return card, time.monotonic() - started
         if time.monotonic() - started > WAIT_GATEWAY_S:
             raise ChatStepError(
                 f"the gateway did not list {model} at {version_of} within {WAIT_GATEWAY_S:.0f}s "
@@ -237,8 +224,7 @@ async def stream_chat(
 ) -> dict[str, Any]:
     """One streamed chat completion: the model version that answered (``x-forge-model``), its text,
     the time to its first token's event, the token events received and the completion tokens the
-    usage reports. ``max_tokens`` None: as many as
-    the model's context leaves after the prompt."""
+    usage reports. ``max_tokens`` None: as many as the model's context leaves after the prompt."""
     body: dict[str, Any] = {
         "model": model,
         "messages": [{"role": "user", "content": question}],
@@ -271,7 +257,7 @@ async def stream_chat(
             usage = event.get("usage") or usage
             for choice in event.get("choices", []):
                 delta = choice.get("delta", {})
-                if "role" in delta:
+                if "role" in delta and not delta.get("content"):
                     continue  # the opening event, before any token
                 # The first token's event, even when its text is held back or it is the end token.
                 ttft = time.monotonic() - started if ttft is None else ttft
