@@ -356,7 +356,9 @@ class AgentService:
             master_port=command.master_port,
             run_dir=run_dir,
             log_path=Path(row.log_path),
-            serving=spec.kind == scheduler_pb2.JOB_KIND_INFERENCE,
+            # The host's network only for a replica an admin (the orchestrator's deployments)
+            # submitted: a team's own inference job keeps the private network of any team job.
+            serving=spec.kind == scheduler_pb2.JOB_KIND_INFERENCE and command.submitted_by_admin,
         )
         try:
             process = await self._runner.launch(launch)
