@@ -58,3 +58,15 @@ def test_promotions_roll_replicas_only_when_configured(tmp_path: Path) -> None:
     )
     assert serving is not None and serving.gpu_type == "SERVE" and serving.engine == "forge"
     assert serving.layout_dir == str(tmp_path / "promoted")
+
+
+def test_replica_interpreters_are_absolute_or_looked_up_on_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Replicas start in their own run folders: a relative interpreter would name nothing there.
+    monkeypatch.chdir(tmp_path)
+    settings = OrchestratorSettings()
+    assert settings.deploy_vllm_python == str(tmp_path / ".venv-vllm" / "bin" / "python")
+    assert settings.deploy_forge_python == "python"
+    absolute = OrchestratorSettings(deploy_vllm_python="/opt/vllm/bin/python")
+    assert absolute.deploy_vllm_python == "/opt/vllm/bin/python"

@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from temporalio.service import TLSConfig
 
 from forge_kit.settings import ServiceSettings, service_config
@@ -137,7 +137,9 @@ class OrchestratorSettings(ServiceSettings):
     ``<it> -m forge_model_server``."""
 
     deploy_vllm_python: str = Field(default=".venv-vllm/bin/python", min_length=1, max_length=1024)
-    """Interpreter of vLLM's own environment on the nodes (the ``vllm`` engine's replicas)."""
+    """Interpreter of vLLM's own environment on the nodes (the ``vllm`` engine's replicas). A
+    relative path (here and in ``deploy_forge_python``) is taken from the orchestrator's working
+    directory: replicas start in their own run folders, where it would name nothing."""
 
     deploy_poll_s: float = Field(default=2.0, ge=0.1, le=60)
     """Reconcile period of deployment workflows."""
@@ -180,6 +182,12 @@ class OrchestratorSettings(ServiceSettings):
 
     retriever_token: SecretStr = NO_TOKEN
     """Bearer token the retriever accepts."""
+
+    @field_validator("deploy_forge_python", "deploy_vllm_python")
+    @classmethod
+    def _absolute_interpreter(cls, value: str) -> str:
+        # A bare name ("python") is looked up on the node's PATH; a relative path is made absolute.
+        return os.path.abspath(value) if "/" in value and not os.path.isabs(value) else value
 
     @model_validator(mode="after")
     def _promote_deploy_placeable(self) -> OrchestratorSettings:
