@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from forge_cli.platform import SERVICES
+from forge_kit.testing.requires import missing
 
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "deploy" / "k8s"
@@ -213,7 +214,7 @@ def test_alert_rules_pass_promtool_unit_tests() -> None:
 
     promtool = shutil.which("promtool")
     if promtool is None:
-        pytest.skip("promtool is not installed (Debian package prometheus; `make test` installs it as root)")
+        missing("promtool is not installed (Debian package prometheus; `make test` installs it as root)")
     checked = subprocess.run(
         [promtool, "check", "rules", "alerts.yml"], cwd=PROMETHEUS, capture_output=True, text=True
     )

@@ -37,6 +37,7 @@ from faultkit.host import SizedMount
 from faultkit.scenario import Targets, load_scenario, run_timeline
 
 from forge_kit.paths import data_dir
+from forge_kit.testing.requires import missing
 
 pytestmark = [pytest.mark.integration, pytest.mark.faults_full, pytest.mark.timeout(300)]
 RUN_ID = "ckpt-full"
@@ -50,7 +51,7 @@ STEP_DIR = re.compile(r"^step-(\d{8})$")
 @pytest.fixture
 def disk(tmp_path: Path) -> Iterator[SizedMount]:
     if why := SizedMount.available():
-        pytest.skip(why)
+        missing(why)
     mount = SizedMount(tmp_path / "objects", DISK_BYTES).mount()
     try:
         yield mount

@@ -18,6 +18,7 @@ from faultkit.host import NetNamespace, SizedMount, faketime_library, paused, sk
 from faultkit.scenario import Scenario, Targets, load_scenarios, run_timeline
 
 from forge_kit.testing.fault_proxy import FaultProxy, LinkFaults
+from forge_kit.testing.requires import missing
 
 pytestmark = [pytest.mark.faults_full, pytest.mark.timeout(120)]
 
@@ -188,7 +189,7 @@ def test_sigstop_pauses_a_process() -> None:
 @pytest.fixture
 def mount(tmp_path: Path) -> Iterator[SizedMount]:
     if why := SizedMount.available():
-        pytest.skip(why)
+        missing(why)
     sized = SizedMount(tmp_path / "disk", 4 << 20).mount()
     yield sized
     sized.unmount()
@@ -206,7 +207,7 @@ def test_a_sized_mount_fills_and_drains(mount: SizedMount) -> None:
 
 def test_libfaketime_moves_the_wall_clock_only() -> None:
     if faketime_library() is None:
-        pytest.skip("libfaketime is not installed (apt-get install faketime; `make test` does as root)")
+        missing("libfaketime is not installed (apt-get install faketime; `make test` does as root)")
     code = "import time; print(time.time(), time.monotonic())"
     true_wall, true_mono = time.time(), time.monotonic()
     done = subprocess.run(
@@ -220,7 +221,7 @@ def test_libfaketime_moves_the_wall_clock_only() -> None:
 @pytest.fixture
 def namespace() -> Iterator[NetNamespace]:
     if why := NetNamespace.available():
-        pytest.skip(why)
+        missing(why)
     made = NetNamespace("kit", 7).create()
     yield made
     made.delete()

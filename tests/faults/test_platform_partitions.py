@@ -53,6 +53,7 @@ from forge_kit.events import ensure_topics
 from forge_kit.grpckit import make_channel
 from forge_kit.testing import ServiceProcess
 from forge_kit.testing.fault_proxy import FaultProxy
+from forge_kit.testing.requires import missing
 
 pytestmark = [pytest.mark.integration, pytest.mark.faults_full, pytest.mark.timeout(420)]
 PACE_S = 0.6
@@ -72,7 +73,7 @@ class Rig:
 @pytest.fixture(scope="module")
 def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
     if not PrivatePostgres.available():
-        pytest.skip("PostgreSQL's initdb/pg_ctl are not installed")
+        missing("PostgreSQL's initdb/pg_ctl are not installed")
     root = Path(tmp_path_factory.mktemp("faults-partitions"))
     postgres = PrivatePostgres()
     link: FaultProxy | None = None
@@ -243,7 +244,7 @@ async def test_broker_restart_during_a_database_partition(rig: Rig) -> None:
 @pytest.mark.asyncio
 async def test_orchestrator_clock_ten_minutes_ahead(rig: Rig) -> None:
     if faketime_library() is None:
-        pytest.skip("libfaketime is not installed (apt-get install faketime; `make test` does as root)")
+        missing("libfaketime is not installed (apt-get install faketime; `make test` does as root)")
     orchestrator = rig.platform.orchestrator
     skew = clock_env(load_scenario("orchestrator_clock_ahead"), "orchestrator")
     plain = dict(orchestrator.env)

@@ -50,6 +50,7 @@ from promotion_rig import (
 )
 
 from forge_kit.grpckit import make_channel
+from forge_kit.testing.requires import missing
 
 pytestmark = [pytest.mark.integration, pytest.mark.faults_long, pytest.mark.timeout(600)]
 #: (version, canary error rate, traffic on): the releases of each scenario, in order.
@@ -60,7 +61,7 @@ SLACK_S = 30.0  # a loaded 2-core machine stretches every look; a skewed clock w
 @pytest.fixture
 async def rig(tmp_path: Path) -> AsyncIterator[PromotionRig]:
     if faketime_library() is None:
-        pytest.skip("libfaketime is not installed (apt-get install faketime; `make test` does as root)")
+        missing("libfaketime is not installed (apt-get install faketime; `make test` does as root)")
     skew = clock_env(load_scenario("canary_clock_ahead"), "orchestrator")
     started = await start_rig(tmp_path, skew)
     feeder = asyncio.create_task(started.metrics.run())
