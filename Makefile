@@ -16,7 +16,9 @@
 #                  disk, a paused process, under load; histories checked (the quick scenarios)
 #   make faults-long  the fault scenarios of minutes (a 60 s broker partition, ...)
 #   make verify    the gate: ruff, ruff format, mypy, buf lint, stub freshness, import contracts,
-#                  no source file over 600 lines (scripts/check_file_sizes.py)
+#                  no source file over 600 lines (scripts/check_file_sizes.py), every forge_kit
+#                  module used by two packages or more (scripts/check_kit_users.py), docs/ARCHITECTURE.md
+#                  naming the imports the code makes (scripts/check_architecture.py)
 #   make load      the load suite: every scenario once, checked against load/thresholds.toml
 #   make soak      30 minutes of mixed traffic: memory flat and error rate steady (SOAK_MINUTES=30)
 #   make bench     the same as make load
@@ -134,6 +136,8 @@ verify: install
 	PYTHON=$(PY) scripts/check_stubs.sh
 	$(VENV)/bin/lint-imports
 	$(PY) scripts/check_file_sizes.py
+	$(PY) scripts/check_kit_users.py
+	$(PY) scripts/check_architecture.py
 	@echo "verify: all checks passed"
 
 load: install

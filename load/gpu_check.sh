@@ -279,8 +279,8 @@ import os
 import sys
 from pathlib import Path
 
-from forge_training import plan as planner
-from forge_training import plan_spec
+from forge_training.plan import planner
+from forge_training.plan import spec as plan_spec
 
 #: The planner's GPU preset for the name nvidia-smi reports (None: no preset, no prediction).
 PRESETS = (("H200", "h200"), ("H100", "h100-80gb"), ("L40S", "l40s"))

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import argparse
 import fnmatch
-import subprocess
 import sys
 from pathlib import Path
+
+from repofiles import repo_files
 
 ROOT = Path(__file__).resolve().parent.parent
 ALLOWLIST = Path("scripts") / "file_size_allowlist.txt"
@@ -40,21 +41,13 @@ GENERATED = ("*_pb2.py", "*_pb2_grpc.py", "*_pb2*.py")
 
 def source_files(root: Path) -> list[str]:
     """Tracked and untracked-but-not-ignored files under the source roots, as repo-relative paths."""
-    listed = subprocess.run(
-        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
-        cwd=root,
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout.splitlines()
-    return sorted(
+    return [
         path
-        for path in set(listed)
+        for path in repo_files(root)
         if any(fnmatch.fnmatch(path, pattern + "*") for pattern in ROOTS)
         and path.endswith(SOURCE_SUFFIXES)
         and not any(fnmatch.fnmatch(Path(path).name, g) for g in GENERATED)
-        and (root / path).is_file()
-    )
+    ]
 
 
 def line_count(path: Path) -> int:

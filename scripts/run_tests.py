@@ -30,7 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 #: Rough seconds of each unit alone on the 2-core reference machine: only their order matters
 #: (the longest start first, so no long unit is left to run alone at the end).
 EXPECTED_S = {
-    "libs/training/tests": 300,
+    "libs/training/tests [1/2]": 250,
+    "libs/training/tests [2/2]": 300,
     "services/eval/tests": 220,
     "services/orchestrator/tests [1/4]": 400,
     "services/orchestrator/tests [2/4]": 300,
@@ -49,8 +50,10 @@ EXPECTED_S = {
 
 #: Folders long enough to be split: each listed group of modules is a unit of its own, and the
 #: folder's other modules one more. (The RLHF rounds and the synthetic runs train for minutes;
-#: deployments start model servers and vLLM, a minute or more each.)
+#: deployments start model servers and vLLM, a minute or more each; the training exports' vLLM
+#: tests train every recipe a step and load each export in vLLM.)
 SPLIT = {
+    "libs/training/tests": [["test_training_vllm_export.py", "test_training_vllm_recipes.py"]],
     "services/orchestrator/tests": [
         ["test_orchestrator_rlhf.py", "test_orchestrator_rlhf_online.py"],
         [

@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 
 from forge_cli import plugins
 from forge_cli.main import app
+from forge_kit import clitools
 from forge_kit.testing.processes import free_port
 
 runner = CliRunner()
@@ -116,10 +117,35 @@ def test_help_shows_one_line_per_command_group() -> None:
         if len(entry_points) > 1:
             assert "Also: " in lines[group], lines[group]
     assert lines["eval"] == "Run benchmark tasks, compare runs and apply the release gate. Also: retrieval."
-    assert (
-        lines["bench"]
-        == "Training benchmarks: step throughput and the recipe chain. Also: canary, serving, engine."
-    )
+    assert lines["bench"] == "Benchmarks: one a package declares in the entry-point group forge.bench."
+
+
+def test_forge_bench_lists_every_benchmark_a_package_declares() -> None:
+    """``forge bench`` is built from the ``forge.bench`` entry points of the installed packages
+    (training, the gateway, the model server), none of them imported by the CLI itself."""
+    result = runner.invoke(app, ["bench", "--help"], env={"COLUMNS": "400"}, terminal_width=400)
+    assert result.exit_code == 0, result.output
+    listed = {line.strip("│ ").split(None, 1)[0]: line for line in result.output.splitlines() if "│ " in line}
+    expected = {"train", "recipes", "sweep", "cpt", "vlm", "synthetic", "canary", "serving", "engine"}
+    assert expected <= set(listed), result.output
+    assert not [name for name in expected if "broken plugin" in listed[name]], result.output
+    assert set(clitools.group_entry_points(clitools.BENCH_GROUP)) >= expected
+
+
+def test_a_benchmark_that_fails_to_import_is_a_stub_and_the_others_still_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    eps = {
+        "ok": EntryPoint("ok", "forge_kit.clitools:one_line_for_test", clitools.BENCH_GROUP),
+        "gone": EntryPoint("gone", "forge_no_such_package.bench:run", clitools.BENCH_GROUP),
+    }
+    monkeypatch.setattr(clitools, "one_line_for_test", lambda: print("benchmarked"), raising=False)
+    monkeypatch.setattr(clitools, "group_entry_points", lambda group, distribution=None: eps)
+    result = runner.invoke(app, ["bench", "ok"])
+    assert result.exit_code == 0 and "benchmarked" in result.output, result.output
+    broken = runner.invoke(app, ["bench", "gone"])
+    assert broken.exit_code == 1
+    assert "cannot load forge_no_such_package.bench:run" in broken.output
 
 
 def test_a_merged_group_is_described_by_the_plugin_with_most_commands() -> None:

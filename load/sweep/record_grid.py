@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from forge_experiments.sweepspace import parse
-from forge_training.sweep_bench import grid_trials
+from forge_training.bench.sweep import grid_trials
 
 
 def main() -> None:

@@ -16,8 +16,8 @@ import argparse
 import json
 from pathlib import Path
 
-from forge_kit.sweepspace import parse
-from forge_training.sweep_bench import Trial, _config
+from forge_experiments.sweepspace import parse
+from forge_training.bench.sweep import Trial, _config
 
 
 def main() -> None:

@@ -8,7 +8,9 @@ ratio and regret per space, then the worst over the spaces.
         --space load/sweep/space-lr-wd.yaml --records /tmp/rec/wd/grid-cache
 
 A rule's rungs must lie on the records' evaluation cadence (and its cooldown rungs on theirs) to
-replay faithfully. (RESULTS.md, 2026-12-06.)
+replay faithfully. A bench run's own ``DIR/grid-cache`` (an evaluation every ``max_steps / 27``, no
+branches) replays a space whose rungs judge the value (``rung_eval`` resolved to ``value``: every
+schedule but ``wsd``). (RESULTS.md, 2026-12-06.)
 """
 
 from __future__ import annotations
@@ -21,21 +23,17 @@ from typing import Any
 
 from forge_experiments.earlystop import Asha, AshaPromotion, Guarded
 from forge_experiments.sweepspace import Space, parse
-from forge_training.sweep_bench import ETA, replayer, run_asha, trust
+from forge_training.bench.sweep import ETA, replayer, run_asha, trust
 
 #: name → (rule, first rung, Guarded's settings)
 CANDIDATES: dict[str, tuple[str, int, dict[str, Any]]] = {
     "asha-27": ("asha", 27, {}),
     "asha-9": ("asha", 9, {}),
-    "guarded": ("guarded", 9, {}),  # the defaults: catch-up guard only
-    "guarded-noproject": ("guarded", 9, {"project": 0.0}),  # no guard: ASHA with a free first rung
-    "guarded-project0.5": ("guarded", 9, {"project": 0.5}),
-    "guarded-z1": ("guarded", 9, {"z": 1.0}),
-    "guarded-z2": ("guarded", 9, {"z": 2.0}),
-    "guarded-z2-tau0.2": ("guarded", 9, {"z": 2.0, "settled_tau": 0.2}),
-    "guarded-z2-tau0.4": ("guarded", 9, {"z": 2.0, "settled_tau": 0.4}),
-    "guarded-z2-tau0.6": ("guarded", 9, {"z": 2.0, "settled_tau": 0.6}),  # the first design
-    "guarded-z2-tau0.6-half": ("guarded", 9, {"z": 2.0, "settled_tau": 0.6, "unsettled_keep": 0.5}),
+    "guarded": ("guarded", 9, {}),  # the default: front + runners-up by deficit, one rate down at the last
+    "guarded-value": ("guarded", 9, {"runners": "value"}),  # top third by value + front (before #42's fix)
+    "guarded-front": ("guarded", 9, {"last": "front"}),  # the rate front at every rung
+    "guarded-catchup": ("guarded", 9, {"last": "catchup"}),
+    "guarded-none": ("guarded", 9, {"last": "none"}),  # top third only at the last rung
 }
 
 

@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 
 from forge_experiments.sweepspace import parse
-from forge_training.sweep_bench import replayer, run_asha
+from forge_training.bench.sweep import replayer, run_asha
 
 
 def main() -> None:

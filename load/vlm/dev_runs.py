@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from forge_training import recipes
+from forge_training.bench.vlm import _run, _tokens, mean_tokens_per_step
 from forge_training.objectives.vlm import world_folder
 from forge_training.vlm import metrics
 from forge_training.vlm.dataset import WorldSize, write_world
@@ -28,7 +29,6 @@ from forge_training.vlm.evaluate import score_chats
 from forge_training.vlm.model import load_vlm
 from forge_training.vlm.shards import ShardReader, shard_files
 from forge_training.vlm.tokens import SequenceEncoder
-from forge_training.vlm_bench import _run, _tokens, mean_tokens_per_step
 
 SCORED = ("vlm_instruct", "vlm_joint")
 

@@ -15,7 +15,7 @@ import json
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -29,7 +29,7 @@ from google.protobuf.message import Message
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from forge_kit.consumer import EventConsumer
-from forge_kit.db import Base, Database
+from forge_kit.db import Database
 from forge_kit.eventauth import HEADER_SIGNATURE, EventSigner
 from forge_kit.eventlog import CatchUp, CatchUpSource
 from forge_kit.events import HEADER_ID, HEADER_PRODUCER, HEADER_TYPE, ensure_topics, new_meta, topic_for
@@ -287,15 +287,6 @@ class _ForgingEventLog(events_pb2_grpc.EventLogServiceServicer):
         return events_pb2.ListEventsResponse(
             events=rows, last_sequence=rows[-1].sequence if rows else request.after_sequence, has_more=False
         )
-
-
-@pytest.fixture
-async def db(tmp_path: Path) -> AsyncIterator[Database]:
-    database = Database(f"sqlite+aiosqlite:///{tmp_path / 'consumer.db'}")
-    async with database.engine.begin() as conn:
-        await conn.run_sync(Base.metadata.create_all)
-    yield database
-    await database.dispose()
 
 
 async def test_catch_up_applies_no_forged_outbox_row(db: Database) -> None:

@@ -21,9 +21,10 @@ from forge_kit.consumer import EventConsumer
 from forge_kit.db import Base, Database
 from forge_kit.eventlog import CatchUp, CatchUpSource, CatchUpWatermark, EventLogApi
 from forge_kit.events import KafkaPublisher, ensure_topics, stage_event, topic_for
-from forge_kit.grpckit import FIELD_METADATA_KEY, GrpcServer, make_channel, serve
+from forge_kit.grpckit import FIELD_METADATA_KEY, GrpcServer, make_channel
 from forge_kit.outbox import OutboxRelay
 from forge_kit.testing import TansuBroker, eventkeys, eventually
+from forge_kit.testing.grpcserver import grpc_test_server
 
 TOKEN = "eventlog-token"
 JOBS = topic_for(events_pb2.JobStateChanged())
@@ -54,17 +55,14 @@ async def consumer_db(tmp_path: Path) -> AsyncIterator[Database]:
 @pytest_asyncio.fixture
 async def owner(producer_db: Database) -> AsyncIterator[GrpcServer]:
     api = EventLogApi(producer_db, signer=eventkeys.signer("scheduler"), default_page=2, max_page=50)
-    server = await serve(
-        service="producer",
-        register=[lambda s: events_pb2_grpc.add_EventLogServiceServicer_to_server(api, s)],
-        service_names=["forge.events.v1.EventLogService"],
-        host="127.0.0.1",
-        port=0,
+    async with grpc_test_server(
+        events_pb2_grpc.add_EventLogServiceServicer_to_server,
+        api,
+        "forge.events.v1.EventLogService",
         token=TOKEN,
-        default_deadline_s=5,
-    )
-    yield server
-    await server.stop(0)
+        service="producer",
+    ) as server:
+        yield server
 
 
 async def stage_jobs(db: Database, job_ids: list[str]) -> None:

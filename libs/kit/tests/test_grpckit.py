@@ -56,6 +56,8 @@ class Reranker(rerank_pb2_grpc.RerankerServiceServicer):
             raise errors.NotFoundError("job j-1 not found")
         if query == "overloaded":
             raise errors.OverloadedError("queue full", retry_after_s=2.5)
+        if query == "unanswered":
+            raise errors.UnavailableError("the store did not answer; retry", retry_after_s=1.5)
         if query == "bug":
             raise RuntimeError("password=hunter2 in a stack trace")
         if query == "slow":  # far past every deadline the tests set: only a deadline ends it
@@ -240,11 +242,14 @@ async def test_domain_errors_map_to_status_codes(running: Running) -> None:
     async with make_channel(running.target, token=TOKEN) as channel:
         missing = await rpc_error(channel, "missing")
         overloaded = await rpc_error(channel, "overloaded")
+        unanswered = await rpc_error(channel, "unanswered")
         bug = await rpc_error(channel, "bug")
     assert missing.code() is grpc.StatusCode.NOT_FOUND
     assert "j-1" in (missing.details() or "")
     assert overloaded.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
     assert ("retry-after-ms", "2500") in tuple(overloaded.trailing_metadata() or ())
+    assert unanswered.code() is grpc.StatusCode.UNAVAILABLE
+    assert ("retry-after-ms", "1500") in tuple(unanswered.trailing_metadata() or ())
     assert bug.code() is grpc.StatusCode.INTERNAL
     assert "hunter2" not in (bug.details() or "")
     assert "password" not in (bug.details() or "")

@@ -39,6 +39,10 @@ def build(ready: dict[str, bool], raising: bool = False) -> httpx.AsyncClient:
     async def busy() -> None:
         raise errors.OverloadedError("queue full", retry_after_s=1.2)
 
+    @app.get("/unanswered")
+    async def unanswered() -> None:
+        raise errors.UnavailableError("Temporal did not answer; retry", retry_after_s=2.0)
+
     @app.get("/missing")
     async def missing() -> None:
         raise errors.NotFoundError("job j-1 not found")
@@ -108,6 +112,9 @@ async def test_domain_errors_become_json_statuses(client: httpx.AsyncClient) -> 
     assert busy.headers["Retry-After"] == "2"
     assert (await client.get("/missing")).status_code == 404
     assert (await client.get("/conflict")).status_code == 409
+    unanswered = await client.get("/unanswered")
+    assert unanswered.status_code == 503 and unanswered.headers["Retry-After"] == "2"
+    assert unanswered.json()["error"]["code"] == "unavailable"
 
 
 @pytest.mark.asyncio

@@ -64,6 +64,13 @@ def test_an_empty_version_formats_as_the_bare_name() -> None:
         ("-tiny", "invalid model name '-tiny'"),
         ("tiny:.hidden", "invalid model version '.hidden'"),
         ("tiny model", "invalid model name 'tiny model'"),
+        (" tiny", "invalid model name ' tiny'"),
+        ("tiny ", "invalid model name 'tiny '"),
+        ("tiny:3 ", "invalid model version '3 '"),
+        ("tiny: 3", "invalid model version ' 3'"),
+        ("\ttiny", "invalid model name"),
+        ("   ", "invalid model name '   '"),
+        ("::", "invalid model name ''"),
         ("tiny\r\nx-evil: 1", "invalid model name"),
         ("tïny", "invalid model name 'tïny'"),
         ("a" * (NAME_MAX + 1), f"at most {NAME_MAX}"),
@@ -106,3 +113,10 @@ def test_matches_leaves_an_open_version_open() -> None:
     assert not ModelRef("tiny", "3").matches(served)
     assert ModelRef("tiny", "3").matches(ModelRef("tiny"))
     assert not ModelRef("other").matches(served)
+
+
+def test_the_longest_valid_reference_is_accepted_and_one_more_character_is_not() -> None:
+    longest = "n" * NAME_MAX + ":" + "v" * VERSION_MAX
+    assert len(longest) == TEXT_MAX and ModelRef.parse(longest) == ModelRef("n" * NAME_MAX, "v" * VERSION_MAX)
+    with pytest.raises(ValueError, match=f"longer than {TEXT_MAX}"):
+        ModelRef.parse(longest + "v")

@@ -7,11 +7,10 @@ import asyncio
 import datetime as dt
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
-import pytest_asyncio
 import sqlalchemy as sa
 from aiokafka import AIOKafkaConsumer
 from aiokafka.errors import KafkaError
@@ -33,15 +32,6 @@ from forge_kit.testing import TansuBroker, eventkeys
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 
 TOPIC = topic_for(events_pb2.JobStateChanged())
-
-
-@pytest_asyncio.fixture
-async def db(tmp_path: Path) -> AsyncIterator[Database]:
-    database = Database(f"sqlite+aiosqlite:///{tmp_path / 'outbox.db'}")
-    async with database.engine.begin() as connection:
-        await connection.run_sync(Base.metadata.create_all)
-    yield database
-    await database.dispose()
 
 
 async def stage(db: Database, job_id: str, state: int = 2) -> events_pb2.JobStateChanged:

@@ -71,6 +71,7 @@ def test_argv_and_env(model_dir: Path) -> None:
         ({"engine_args": {"max_num_seqs": True}}, "engine_args.max_num_seqs"),
         ({"engine_args": {"max_num_seqs": -1}}, "engine_args.max_num_seqs"),
         ({"engine_args": {"dtype": "int4"}}, "engine_args.dtype"),
+        ({"engine_args": {"model_impl": "terratorch"}}, "engine_args.model_impl"),
     ],
 )
 def test_refused_launches_name_the_field(model_dir: Path, change: dict[str, object], field: str) -> None:
@@ -154,6 +155,11 @@ def test_engine_flags_as_a_user_writes_them_become_the_checked_arguments() -> No
     assert argv[argv.index("--port") + 1] == "{serve_port}"
     assert argv[argv.index("--max-num-seqs") : argv.index("--max-num-seqs") + 2] == ["--max-num-seqs", "32"]
     assert "--enforce-eager" in argv and "--no-enable-prefix-caching" in argv
+    # A LLaVA export is served by vLLM's Transformers backend (see the module's docstring).
+    impl = parse_engine_flags(["--model-impl", "transformers"])
+    assert impl == {"model_impl": "transformers"}
+    argv = server_argv("py", "/m", "vlm", "127.0.0.1", "8000", impl)
+    assert argv[argv.index("--model-impl") + 1] == "transformers"
 
 
 @pytest.mark.parametrize(
@@ -167,6 +173,7 @@ def test_engine_flags_as_a_user_writes_them_become_the_checked_arguments() -> No
         (["--enforce-eager=yes"], "takes no value"),
         (["32"], "is not a --flag"),
         (["--dtype=int4"], "engine_args.dtype"),
+        (["--model-impl", "../plugin"], "engine_args.model_impl"),
     ],
 )
 def test_engine_flags_outside_the_allowlist_are_refused(flags: list[str], says: str) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from forge_kit.jobcmd import (
+from forge_experiments.jobcmd import (
     JobCommandError,
     PolicyCheckCommand,
     RewardModelEvalCommand,

@@ -8,10 +8,11 @@ from dataclasses import replace
 import pytest
 from typer.testing import CliRunner
 
-from forge_training import plan as P
-from forge_training import plan_cost, plan_spec
-from forge_training.plan_cli import app
-from forge_training.plan_spec import GIB, ParallelConfig, PlanError, PlanRequest, Recompute
+from forge_training.plan import cost as plan_cost
+from forge_training.plan import planner as P
+from forge_training.plan import spec as plan_spec
+from forge_training.plan.cli import app
+from forge_training.plan.spec import GIB, ParallelConfig, PlanError, PlanRequest, Recompute
 
 LLAMA_70B = plan_spec.MODEL_PRESETS["llama-70b"]
 A100_80 = plan_spec.GPU_PRESETS["a100-80gb"]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from forge_kit.jobcmd import JobCommandError, SyntheticStageCommand
+from forge_experiments.jobcmd import JobCommandError, SyntheticStageCommand
 from forge_kit.testing.tiny_llama import save_tiny_llama
 from forge_training import synthetic_job
 from forge_training.synthetic.problems import ProgrammaticTeacher, dumps, templates

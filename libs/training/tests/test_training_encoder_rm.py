@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from tokenizers import Tokenizer
 
-from forge_training import recipes, rm_eval, validation
+from forge_training import recipes, validation
 from forge_training.backbones import minilm_dir
 from forge_training.pairs import (
     PreferencePair,
@@ -30,6 +30,7 @@ from forge_training.pairs import (
     to_pair,
     transcript,
 )
+from forge_training.rm import eval as rm_eval
 from forge_training.run import EXIT_BAD_RECIPE, main
 from forge_training.schema import PairsConfig, RecipeError
 

@@ -17,9 +17,10 @@ import pytest
 import torch
 
 from forge_experiments import rmlength
-from forge_training import recipes, rm_eval, validation
+from forge_training import recipes, validation
 from forge_training.objectives import lengthdebias as ld
 from forge_training.recipes import RecipeError
+from forge_training.rm import eval as rm_eval
 from forge_training.run import EXIT_BAD_RECIPE, main
 
 

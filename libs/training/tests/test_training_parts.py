@@ -17,7 +17,7 @@ from tokenizers import Tokenizer
 
 from forge_kit.paths import resolve_data_path
 from forge_training import parallel, recipes, schema, validation
-from forge_training.bench import steady_step_s
+from forge_training.bench.train import steady_step_s
 from forge_training.checkpoint import optimal_interval_s
 from forge_training.data import EOT, MixtureSampler, train_tokenizer
 from forge_training.export import hf_tokenizer
@@ -27,6 +27,7 @@ from forge_training.pairs import (
     CHAT_TEMPLATE,
     Encoded,
     encode_pairs,
+    fit,
     load_pairs,
     parse_transcript,
     render,
@@ -314,3 +315,17 @@ def test_the_benchmark_calibrates_on_the_probes_last_window_not_its_first_steps(
     assert steady_step_s(metrics, probe) == pytest.approx(0.1)
     metrics.write_text(json.dumps({"step": 0, "val_loss": 6.2}) + "\n")  # no window logged
     assert steady_step_s(metrics, probe) == pytest.approx(0.12)
+
+
+@pytest.mark.parametrize("max_len", range(0, 13))
+def test_the_pairwise_cut_never_exceeds_max_len_and_keeps_the_latest_prompt_tokens(max_len: int) -> None:
+    """The one truncation rule of training and of ``forge rm eval``: prompt + each response fits
+    in ``max_len`` (no room left means no prompt at all, not the whole of it), the prompt loses
+    its oldest tokens first, a response its end."""
+    prompt, responses = [1, 2, 3, 4, 5, 6], [[10, 11, 12, 13], [20, 21]]
+    cut, kept = fit(prompt, responses, max_len)
+    assert all(len(cut) + len(r) <= max_len for r in kept)
+    assert cut == prompt[len(prompt) - len(cut) :]
+    assert all(r == whole[: len(r)] for r, whole in zip(kept, responses, strict=True))
+    if max_len == 0:
+        assert (cut, kept) == ([], [[], []])

@@ -1,4 +1,4 @@
-"""The post-hoc length-decorrelated reward (:mod:`forge_training.rm_residual`).
+"""The post-hoc length-decorrelated reward (:mod:`forge_training.rm.residual`).
 
 A least-squares length term fitted on a reward model's training pairs is written beside the
 checkpoint; every score read from that folder is then the raw score less the term, so the
@@ -19,11 +19,12 @@ import pytest
 import torch
 
 from forge_experiments import rmlength
-from forge_training import rm_residual, rm_score
 from forge_training.backbones import minilm_dir
 from forge_training.objectives.encoder import encoder_classifier, save_encoder
 from forge_training.pairs import ENCODER_CHAT_TEMPLATE, PreferencePair, write_pairs
-from forge_training.rm_eval import (
+from forge_training.rm import residual as rm_residual
+from forge_training.rm import score as rm_score
+from forge_training.rm.eval import (
     LENGTH_ADJUST_FILE,
     LengthAdjust,
     PairsError,

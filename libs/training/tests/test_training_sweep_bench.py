@@ -137,7 +137,7 @@ def test_several_spaces_worst_figures_and_the_guarded_default(tmp_path: Path) ->
 
 def test_drawn_spaces_are_seeded_valid_and_refused_without_a_seed(tmp_path: Path) -> None:
     from forge_experiments.sweepspace import from_dict
-    from forge_training.sweep_cli import random_spaces
+    from forge_training.bench.sweep_cli import random_spaces
 
     drawn = random_spaces(10, 1)
     assert drawn == random_spaces(10, 1) and drawn != random_spaces(10, 2)

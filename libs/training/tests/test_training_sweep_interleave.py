@@ -9,7 +9,7 @@ import torch
 
 from forge_experiments.earlystop import Asha, AshaPromotion
 from forge_experiments.sweepspace import parse
-from forge_training.sweep_bench import Judge, Trial, in_order, replayer, run_asha, run_interleaved
+from forge_training.bench.sweep import Judge, Trial, in_order, replayer, run_asha, run_interleaved
 
 # val_loss at steps 1, 3, 9 (rungs 1 and 3 of min_steps 1, eta 3, max_steps 9). Trial 0 leads at
 # step 1 and ends worst; trial 3 is last at step 1, already best at step 3, and best at the end.

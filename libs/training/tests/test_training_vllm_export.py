@@ -5,7 +5,8 @@ server, and vLLM's greedy output equals ``transformers`` ``generate`` token for 
 completions and for a chat; and every recipe that chooses a model shape chooses one vLLM's
 attention serves.
 
-The one vLLM start of this test folder (a minute or more on two cores)."""
+One vLLM server start (a minute or more on two cores); `test_training_vllm_recipes.py` loads
+every recipe's export in vLLM."""
 
 from __future__ import annotations
 

@@ -8,10 +8,10 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from forge_training import vlm_bench
 from forge_training.bench import app
+from forge_training.bench import vlm as vlm_bench
+from forge_training.bench.vlm import SeedRun, _arm, summarise
 from forge_training.vlm.evaluate import Scored
-from forge_training.vlm_bench import SeedRun, _arm, summarise
 
 REFS = ["red", "circle", "two", "top left"]
 GROUPS = ["colour", "shape", "count", "position"]

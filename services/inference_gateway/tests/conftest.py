@@ -22,8 +22,8 @@ from forge.events.v1 import events_pb2
 
 from forge_inference_gateway.admission import Admission, AdmissionPolicy
 from forge_inference_gateway.openai_api import install_gateway_api
+from forge_inference_gateway.replica_pool import ReplicaPool, RoutingPolicy
 from forge_inference_gateway.response_cache import ResponseCache
-from forge_inference_gateway.routing import ReplicaPool, RoutingPolicy
 from forge_inference_gateway.service import InferenceGateway
 from forge_inference_gateway.upstream import ModelServerClient
 from forge_kit.cache import Cache, InMemoryCache
@@ -47,11 +47,9 @@ class FakeClock:
 
 
 @pytest.fixture
-async def db(tmp_path: Path) -> AsyncIterator[Database]:
-    database = Database(f"sqlite+aiosqlite:///{tmp_path / 'gateway.db'}")
-    await database.migrate(MIGRATIONS)
-    yield database
-    await database.dispose()
+def db_migrations() -> Path:
+    """This service's migrations, for forge_kit.testing's ``db`` fixture."""
+    return MIGRATIONS
 
 
 @pytest.fixture
@@ -105,6 +103,38 @@ async def http(gateway: InferenceGateway) -> AsyncIterator[httpx.AsyncClient]:
         timeout=15,
     ) as client:
         yield client
+
+
+def model_promoted(
+    name: str,
+    version: str,
+    stage: str = "production",
+    *,
+    traffic: int = 100,
+    previous: str = "",
+    rollback: bool = False,
+) -> events_pb2.ModelPromoted:
+    """A ModelPromoted event of ``name:version`` to ``stage`` (``previous``: the version it replaces)."""
+    event = events_pb2.ModelPromoted(
+        meta=new_meta("eval"),
+        model=common_pb2.ModelRef(name=name, version=version),
+        stage=stage,
+        traffic_percent=traffic,
+        is_rollback=rollback,
+        reason="test",
+    )
+    if previous:
+        event.previous.CopyFrom(common_pb2.ModelRef(name=name, version=previous))
+    return event
+
+
+async def apply_promotions(
+    gateway: InferenceGateway, db: Database, *events: events_pb2.ModelPromoted
+) -> None:
+    """Apply ``events`` to the gateway's aliases as its event consumer does, in one transaction."""
+    async with db.session() as session:
+        for event in events:
+            await gateway.aliases.apply_model_promoted(event, session)
 
 
 @pytest.fixture

@@ -10,12 +10,14 @@ from typing import Any
 import pytest
 
 from forge_inference_gateway.admission import Admission, AdmissionPolicy, Lease, level_for
-from forge_inference_gateway.routing import ReplicaPool, RoutingPolicy
+from forge_inference_gateway.replica_pool import ReplicaPool, RoutingPolicy
 from forge_inference_gateway.service import InferenceGateway
 from forge_inference_gateway.upstream import ModelServerClient
 from forge_kit import errors
+from forge_kit.modelref import ModelRef
 
 INTERACTIVE, BATCH = 0, 1
+TINY = ModelRef("tiny")
 
 
 def test_the_tenant_class_is_a_floor_the_request_can_only_lower() -> None:
@@ -40,17 +42,17 @@ def far() -> float:
 
 
 async def queued(admission: Admission, level: int) -> asyncio.Task[Lease]:
-    task = asyncio.create_task(admission.acquire("tiny", level, [], far()))
+    task = asyncio.create_task(admission.acquire(TINY, level, [], far()))
     await asyncio.sleep(0)
     return task
 
 
 async def test_interactive_goes_before_batch_that_queued_earlier() -> None:
     admission = make_admission(max_inflight=1, max_queue=8)
-    lease = await admission.acquire("tiny", BATCH, [], far())
+    lease = await admission.acquire(TINY, BATCH, [], far())
     pending = {"batch-1": await queued(admission, BATCH), "batch-2": await queued(admission, BATCH)}
     pending["interactive"] = await queued(admission, INTERACTIVE)
-    assert admission.queued_by_level("tiny") == [1, 2]
+    assert admission.queued_by_level(TINY) == [1, 2]
     order = []
     while pending:
         lease.release()  # the freed slot goes to the queue's head
@@ -64,7 +66,7 @@ async def test_interactive_goes_before_batch_that_queued_earlier() -> None:
 
 async def test_a_full_queue_sheds_the_newest_batch_request_for_an_interactive_one() -> None:
     admission = make_admission(max_inflight=1, max_queue=2)
-    running = await admission.acquire("tiny", BATCH, [], far())
+    running = await admission.acquire(TINY, BATCH, [], far())
     old_batch, new_batch = await queued(admission, BATCH), await queued(admission, BATCH)
     interactive = await queued(admission, INTERACTIVE)
     with pytest.raises(errors.OverloadedError) as caught:
@@ -73,39 +75,39 @@ async def test_a_full_queue_sheds_the_newest_batch_request_for_an_interactive_on
     assert not old_batch.done() and not interactive.done()
     # Full of one interactive and one batch: another batch request is refused at once ...
     with pytest.raises(errors.OverloadedError):
-        await admission.acquire("tiny", BATCH, [], far())
+        await admission.acquire(TINY, BATCH, [], far())
     # ... and another interactive one takes the batch request's place.
     second = await queued(admission, INTERACTIVE)
     with pytest.raises(errors.OverloadedError):
         await old_batch
-    assert admission.queued_by_level("tiny") == [2, 0]
+    assert admission.queued_by_level(TINY) == [2, 0]
     # Only interactive requests are left: now the newest of them is the one refused.
     with pytest.raises(errors.OverloadedError) as caught:
-        await admission.acquire("tiny", INTERACTIVE, [], far())
+        await admission.acquire(TINY, INTERACTIVE, [], far())
     assert "interactive request shed" in caught.value.message
     running.release()
     (await interactive).release()
     (await second).release()
-    assert admission.in_flight("tiny") == 0 and admission.queued("tiny") == 0
+    assert admission.in_flight(TINY) == 0 and admission.queued(TINY) == 0
 
 
 async def test_a_waiter_past_its_deadline_leaves_the_queue() -> None:
     admission = make_admission(max_inflight=1, max_queue=4)
-    running = await admission.acquire("tiny", INTERACTIVE, [], far())
+    running = await admission.acquire(TINY, INTERACTIVE, [], far())
     with pytest.raises(TimeoutError):
-        await admission.acquire("tiny", INTERACTIVE, [], time.monotonic() + 0.05)
-    assert admission.queued("tiny") == 0
+        await admission.acquire(TINY, INTERACTIVE, [], time.monotonic() + 0.05)
+    assert admission.queued(TINY) == 0
     running.release()
-    (await admission.acquire("tiny", INTERACTIVE, [], far())).release()
+    (await admission.acquire(TINY, INTERACTIVE, [], far())).release()
 
 
 async def test_the_reserve_keeps_slots_for_interactive_while_batch_fills_the_rest() -> None:
     admission = make_admission(max_inflight=4, max_queue=16, reserve=0.5)
-    batch = [await admission.acquire("tiny", BATCH, [], far()) for _ in range(2)]
+    batch = [await admission.acquire(TINY, BATCH, [], far()) for _ in range(2)]
     waiting_batch = await queued(admission, BATCH)
     # Interactive arrivals skip the queued batch request: there is room for them alone.
-    interactive = [await admission.acquire("tiny", INTERACTIVE, [], far()) for _ in range(2)]
-    assert not waiting_batch.done() and admission.in_flight("tiny") == 4
+    interactive = [await admission.acquire(TINY, INTERACTIVE, [], far()) for _ in range(2)]
+    assert not waiting_batch.done() and admission.in_flight(TINY) == 4
     # Batch runs only while the replica's load is under half its slots, whoever holds them.
     for held in (batch[0], interactive[0]):
         held.release()
@@ -144,7 +146,7 @@ async def test_saturation_sheds_batch_with_429_and_retry_after_while_interactive
     async with client_for(gateway, batch_key) as batch, client_for(gateway) as interactive:
         # One batch request runs (its half of the replica), two wait, the fourth is shed.
         batch_calls = [asyncio.create_task(batch.post("/v1/completions", json=body)) for _ in range(3)]
-        while gateway.admission.queued("tiny") < 2:
+        while gateway.admission.queued(TINY) < 2:
             await asyncio.sleep(0.01)
         shed = await batch.post("/v1/completions", json=body)
         assert shed.status_code == 429 and shed.headers["retry-after"] == "4"
@@ -155,7 +157,7 @@ async def test_saturation_sheds_batch_with_429_and_retry_after_while_interactive
         first = asyncio.create_task(interactive.post("/v1/completions", json={**body, "prompt": "y"}))
         while upstream.running < 2:
             await asyncio.sleep(0.01)
-        assert gateway.admission.queued_by_level("tiny") == [0, 2]
+        assert gateway.admission.queued_by_level(TINY) == [0, 2]
         # A second interactive one queues; it displaces the newest batch waiter, never the reverse.
         second = asyncio.create_task(interactive.post("/v1/completions", json={**body, "prompt": "z"}))
         displaced = await asyncio.wait_for(batch_calls[2], 30)

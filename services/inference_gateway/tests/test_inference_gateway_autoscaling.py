@@ -11,9 +11,10 @@ from prometheus_client import REGISTRY
 
 from forge_inference_gateway.admission import Admission, AdmissionPolicy
 from forge_inference_gateway.autoscaling import AutoscalePolicy, Autoscaler
-from forge_inference_gateway.routing import Load, ReplicaPool, RoutingPolicy
+from forge_inference_gateway.replica_pool import Load, ReplicaPool, RoutingPolicy
 from forge_inference_gateway.service import InferenceGateway
 from forge_inference_gateway.upstream import ModelServerClient
+from forge_kit.modelref import ModelRef
 
 
 class Clock:
@@ -57,9 +58,9 @@ def test_a_slow_first_token_asks_for_more_replicas_until_the_window_forgets_it()
     clock = Clock()
     _, _, autoscaler = scaler(clock)
     for _ in range(9):
-        autoscaler.observe("tiny:3", 5.0)  # every version counts toward the model
+        autoscaler.observe(ModelRef("tiny", "3"), 5.0)  # every version counts toward the model
     assert autoscaler.recommend("tiny").by_latency is None  # too few samples to act on
-    autoscaler.observe("tiny", 5.0)
+    autoscaler.observe(ModelRef("tiny"), 5.0)
     rec = autoscaler.recommend("tiny")
     # 2 replicas at p99 5 s against a 2 s SLO: ceil(2 * 5 / 2) = 5.
     assert (rec.ttft_p99_s, rec.by_latency, rec.desired_replicas) == (5.0, 5, 5)
@@ -77,9 +78,11 @@ async def test_queued_requests_count_and_the_admin_api_reports_the_signal(
     gateway = await make_gateway([upstream.url], policy=RoutingPolicy(max_inflight=2))
     gateway.autoscaler.policy = AutoscalePolicy(target_per_replica=2.0, max_replicas=16)
     await gateway.pool.refresh()
-    leases = [await gateway.admission.acquire("tiny", 0, [], time.monotonic() + 60) for _ in range(2)]
+    leases = [
+        await gateway.admission.acquire(ModelRef("tiny"), 0, [], time.monotonic() + 60) for _ in range(2)
+    ]
     # Two hold the replica's slots, and four more wait at the gateway.
-    waiting = [gateway.admission.acquire("tiny", 1, [], time.monotonic() + 60) for _ in range(4)]
+    waiting = [gateway.admission.acquire(ModelRef("tiny"), 1, [], time.monotonic() + 60) for _ in range(4)]
     tasks = [asyncio.create_task(w) for w in waiting]
     await asyncio.sleep(0.01)
     async with client_for(gateway) as client:

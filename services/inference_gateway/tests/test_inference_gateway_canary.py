@@ -7,8 +7,6 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
-from forge.common.v1 import common_pb2
-from forge.events.v1 import events_pb2
 from prometheus_client import REGISTRY
 
 from forge_inference_gateway.router import GenerationRequest
@@ -16,26 +14,9 @@ from forge_inference_gateway.service import InferenceGateway
 from forge_inference_gateway.tenants import Tenant
 from forge_kit import errors
 from forge_kit.db import Database
-from forge_kit.events import new_meta
 
-
-def promoted(
-    name: str, version: str, stage: str, traffic: int = 100, rollback: bool = False
-) -> events_pb2.ModelPromoted:
-    return events_pb2.ModelPromoted(
-        meta=new_meta("eval"),
-        model=common_pb2.ModelRef(name=name, version=version),
-        stage=stage,
-        traffic_percent=traffic,
-        is_rollback=rollback,
-        reason="test",
-    )
-
-
-async def apply(gateway: InferenceGateway, db: Database, *events: events_pb2.ModelPromoted) -> None:
-    async with db.session() as session:
-        for event in events:
-            await gateway.aliases.apply_model_promoted(event, session)
+from .conftest import apply_promotions as apply
+from .conftest import model_promoted as promoted
 
 
 async def targets(gateway: InferenceGateway, tenant: Tenant, users: range) -> list[str]:
@@ -59,7 +40,8 @@ async def test_canary_event_splits_the_production_aliases_stickily_until_rolled_
     assert (aliases["forge-chat"].canary_target, aliases["forge-chat"].canary_weight) == ("tiny:4", 10)
     assert (aliases["canary"].target, aliases["canary"].canary_weight) == ("tiny:4", 0)
     first = await targets(gateway, tenant, range(1000))
-    assert 70 <= first.count("tiny:4") <= 130 and set(first) == {"tiny:3", "tiny:4"}
+    # The tenant id is random per run, so the count is Binomial(1000, 0.1): 48-152 is 5.5 sigma.
+    assert 48 <= first.count("tiny:4") <= 152 and set(first) == {"tiny:3", "tiny:4"}
     assert await targets(gateway, tenant, range(1000)) == first  # the same user, the same version
     # Without a user the session header keeps it sticky; without either, the request itself does.
     routed = [

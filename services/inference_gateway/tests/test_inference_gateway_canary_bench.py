@@ -8,7 +8,7 @@ from dataclasses import asdict
 from typing import Any
 
 from forge_experiments.canary import load_policy
-from forge_inference_gateway.canary_bench import PRODUCTION, Sent, preflight, summarize
+from forge_inference_gateway.bench.canary import PRODUCTION, Sent, preflight, summarize
 
 
 def _arm(arm: str, ttft_ms: float, n: int = 50, errors: int = 0) -> list[Sent]:

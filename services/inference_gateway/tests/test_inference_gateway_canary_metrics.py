@@ -4,38 +4,22 @@ TTFT and inter-token latency histograms, empty answers; and the canary's end by 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
-from forge.common.v1 import common_pb2
-from forge.events.v1 import events_pb2
 from prometheus_client import REGISTRY, generate_latest
 
 from forge_experiments.canary import parse_metrics
 from forge_inference_gateway.service import InferenceGateway
 from forge_kit.db import Database
-from forge_kit.events import new_meta
 from forge_kit.testing import eventually
 
+from .conftest import apply_promotions as apply
+from .conftest import model_promoted
 
-def promoted(
-    version: str, stage: str, traffic: int = 100, rollback: bool = False
-) -> events_pb2.ModelPromoted:
-    return events_pb2.ModelPromoted(
-        meta=new_meta("eval"),
-        model=common_pb2.ModelRef(name="tiny", version=version),
-        stage=stage,
-        traffic_percent=traffic,
-        is_rollback=rollback,
-        reason="test",
-    )
-
-
-async def apply(gateway: InferenceGateway, db: Database, *events: events_pb2.ModelPromoted) -> None:
-    async with db.session() as session:
-        for event in events:
-            await gateway.aliases.apply_model_promoted(event, session)
+promoted = functools.partial(model_promoted, "tiny")
 
 
 @pytest.mark.asyncio

@@ -11,7 +11,8 @@ from forge.inference.v1 import inference_pb2, inference_pb2_grpc
 
 from forge_inference_gateway.api import GatewayInferenceApi
 from forge_inference_gateway.service import InferenceGateway
-from forge_kit.grpckit import FIELD_METADATA_KEY, GrpcServer, make_channel, serve
+from forge_kit.grpckit import FIELD_METADATA_KEY, GrpcServer, make_channel
+from forge_kit.testing.grpcserver import grpc_test_server
 
 TOKEN = "grpc-token"
 
@@ -23,21 +24,14 @@ def upstream_url(recorded: Any) -> str:
 
 @pytest.fixture
 async def server(gateway: InferenceGateway) -> AsyncIterator[GrpcServer]:
-    started = await serve(
-        service="inference_gateway",
-        register=[
-            lambda s: inference_pb2_grpc.add_InferenceServiceServicer_to_server(
-                GatewayInferenceApi(gateway), s
-            )
-        ],
-        service_names=["forge.inference.v1.InferenceService"],
-        host="127.0.0.1",
-        port=0,
+    async with grpc_test_server(
+        inference_pb2_grpc.add_InferenceServiceServicer_to_server,
+        GatewayInferenceApi(gateway),
+        "forge.inference.v1.InferenceService",
         token=TOKEN,
-        default_deadline_s=5,
-    )
-    yield started
-    await started.stop(0)
+        service="inference_gateway",
+    ) as started:
+        yield started
 
 
 @pytest.fixture

@@ -8,6 +8,7 @@ from typing import Any
 import httpx
 import pytest
 
+from forge_kit.modelref import ModelRef
 from forge_kit.testing import free_port
 
 CHAT = "/v1/chat/completions"
@@ -205,4 +206,4 @@ async def test_a_replica_without_tokenize_leaves_the_count_to_the_caller(gateway
     """The recorded replica has no ``/tokenize`` (404): no count, so RAG keeps its estimate."""
     await gateway.pool.ensure_known()
     messages = [{"role": "user", "content": "hello"}]
-    assert await gateway.count_tokens("tiny", messages, gateway.deadline()) is None
+    assert await gateway.count_tokens(ModelRef("tiny"), messages, gateway.deadline()) is None

@@ -27,6 +27,7 @@ from forge_kit import errors
 from forge_kit.cache import InMemoryCache
 from forge_kit.http import make_app
 from forge_kit.limits import RAG_MAX_QUERY_CHARS
+from forge_kit.modelref import ModelRef
 from forge_kit.testing import ServiceProcess, free_port, tiny_llama
 from forge_kit.testing.grpcserver import grpc_test_server
 
@@ -165,7 +166,9 @@ class _CountingGateway:
         self.calls = 0
         self.times_out_after = times_out_after
 
-    async def count_tokens(self, target: str, messages: list[dict[str, str]], deadline: float) -> int | None:
+    async def count_tokens(
+        self, target: ModelRef, messages: list[dict[str, str]], deadline: float
+    ) -> int | None:
         self.calls += 1
         if self.times_out_after is not None and self.calls > self.times_out_after:
             raise TimeoutError("deadline exceeded waiting for the model server")
@@ -177,26 +180,26 @@ async def test_fitting_corrects_the_estimate_with_the_replicas_count() -> None:
     # The estimate (1 token per 50 characters) says everything fits; counted in words it does not.
     counted = _CountingGateway(counts=True)
     rag = RagService(counted, None, None, None, RagLimits(chars_per_token=50.0))  # type: ignore[arg-type]
-    passages, prompt, tokens, method = await rag._fit("q", ranked, 150, "m", float("inf"))
+    passages, prompt, tokens, method = await rag._fit("q", ranked, 150, ModelRef("m"), float("inf"))
     assert method.startswith("measured") and tokens == len(prompt.split()) <= 150
     # Head and question are about 27 words, each passage 61: one or two passages fit.
     assert tokens >= 85 and 1 <= len(passages) <= 2 and counted.calls <= 4
     # No replica counts: the estimate stands, and says so.
     rag = RagService(_CountingGateway(counts=False), None, None, None, RagLimits(chars_per_token=50.0))  # type: ignore[arg-type]
-    passages, prompt, tokens, method = await rag._fit("q", ranked, 150, "m", float("inf"))
+    passages, prompt, tokens, method = await rag._fit("q", ranked, 150, ModelRef("m"), float("inf"))
     assert method.startswith("estimated") and len(passages) == 4 and tokens == -(-len(prompt) // 50)
     # The count overruns its own 2 s: the estimate stands, as when no replica counts — also after
     # a first count that overshot (a 504 for the whole query before).
     for after in (0, 1):
         slow = _CountingGateway(counts=True, times_out_after=after)
         rag = RagService(slow, None, None, None, RagLimits(chars_per_token=50.0))  # type: ignore[arg-type]
-        passages, prompt, tokens, method = await rag._fit("q", ranked, 150, "m", float("inf"))
+        passages, prompt, tokens, method = await rag._fit("q", ranked, 150, ModelRef("m"), float("inf"))
         assert method.startswith("estimated") and method.endswith("in time") and len(passages) == 4
         assert slow.calls == after + 1
     # Not even the instructions fit the model's count: 400 naming the budget.
     rag = RagService(_CountingGateway(counts=True), None, None, None, RagLimits(chars_per_token=50.0))  # type: ignore[arg-type]
     with pytest.raises(errors.ValidationError) as raised:
-        await rag._fit("q", ranked, 10, "m", float("inf"))
+        await rag._fit("q", ranked, 10, ModelRef("m"), float("inf"))
     assert raised.value.field == "max_context_tokens"
 
 

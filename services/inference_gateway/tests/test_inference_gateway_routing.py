@@ -16,7 +16,7 @@ import pydantic
 import pytest
 
 from forge_inference_gateway.config import InferenceGatewaySettings
-from forge_inference_gateway.routing import (
+from forge_inference_gateway.replica_pool import (
     Load,
     NoReplicaError,
     Replica,
@@ -55,6 +55,7 @@ def test_parse_load_sums_queues_and_takes_the_fullest_kv_cache() -> None:
     assert parse_load("") == Load()
 
 
+TINY = ModelRef("tiny")
 URLS = ["http://r1.test", "http://r2.test", "http://r3.test"]
 
 
@@ -89,7 +90,7 @@ def test_least_loaded_replica_wins_counting_what_was_sent_since_the_scrape() -> 
     with_state(r1, waiting=2, running=4)
     with_state(r2, running=1)
     with_state(r3, running=3, kv=0.1)
-    picks = [pool.pick("tiny", 0, []) for _ in range(4)]
+    picks = [pool.pick(TINY, 0, []) for _ in range(4)]
     # Scores are load/8 + KV use: r2 wins until what this gateway sent it since the scrape
     # (3 more) outweighs r3's 3/8 + 0.1.
     assert [p.replica.url if p else None for p in picks] == [r2.url, r2.url, r2.url, r3.url]
@@ -99,14 +100,14 @@ def test_least_loaded_replica_wins_counting_what_was_sent_since_the_scrape() -> 
 def test_batch_stops_at_the_interactive_reserve_and_a_full_kv_cache() -> None:
     pool = make_pool(RoutingPolicy(max_inflight=4, reserve=0.5), urls=URLS[:1])
     (replica,) = pool.replicas()
-    assert pool.pick("tiny", 1, []) and pool.pick("tiny", 1, [])
-    assert pool.pick("tiny", 1, []) is None  # batch may use 2 of 4 slots
-    assert pool.pick("tiny", 0, []) and pool.pick("tiny", 0, [])
-    assert pool.pick("tiny", 0, []) is None
+    assert pool.pick(TINY, 1, []) and pool.pick(TINY, 1, [])
+    assert pool.pick(TINY, 1, []) is None  # batch may use 2 of 4 slots
+    assert pool.pick(TINY, 0, []) and pool.pick(TINY, 0, [])
+    assert pool.pick(TINY, 0, []) is None
     pool.release(replica)
     with_state(replica, kv=0.97)
-    assert pool.pick("tiny", 1, []) is None
-    assert pool.pick("tiny", 0, []) is not None
+    assert pool.pick(TINY, 1, []) is None
+    assert pool.pick(TINY, 0, []) is not None
 
 
 def test_only_replicas_serving_the_version_are_candidates() -> None:
@@ -115,15 +116,15 @@ def test_only_replicas_serving_the_version_are_candidates() -> None:
     with_state(r1, models={"tiny": "3"})
     with_state(r2, models={"tiny": "4"})
     with_state(r3, models={"other": ""})
-    assert [r.url for r in pool.candidates("tiny:4")] == [r2.url]
-    assert {r.url for r in pool.candidates("tiny")} == {r1.url, r2.url}
+    assert [r.url for r in pool.candidates(ModelRef("tiny", "4"))] == [r2.url]
+    assert {r.url for r in pool.candidates(TINY)} == {r1.url, r2.url}
     # Nobody serves it: any healthy replica, whose 404 reaches the caller.
-    assert len(pool.candidates("huge")) == 3
+    assert len(pool.candidates(ModelRef("huge"))) == 3
     # The version that answers: a pinned one as asked, else the one the replica lists.
     assert str(r1.answering(ModelRef("tiny"))) == "tiny:3"
     assert str(r2.answering(ModelRef("tiny", "4"))) == "tiny:4"
     assert str(r3.answering(ModelRef("other"))) == "other"
-    assert r1.served("huge") is None and r1.serves("not a model") is False
+    assert r1.served("huge") is None and r1.serves(ModelRef("huge")) is False
 
 
 def test_a_vllm_replica_answering_to_name_and_version_serves_that_version_only() -> None:
@@ -136,24 +137,24 @@ def test_a_vllm_replica_answering_to_name_and_version_serves_that_version_only()
     pool = make_pool()
     r1, r2, _ = pool.replicas()
     r1.cards, r2.cards = fold_versions(vllm), fold_versions({"tiny": {"id": "tiny"}, "tiny:3": {}})
-    assert [r.url for r in pool.candidates("tiny:4")] == [r1.url]
-    assert [r.url for r in pool.candidates("tiny:3")] == [r2.url]
+    assert [r.url for r in pool.candidates(ModelRef("tiny", "4"))] == [r1.url]
+    assert [r.url for r in pool.candidates(ModelRef("tiny", "3"))] == [r2.url]
 
 
 def test_prefix_affinity_keeps_a_shared_prompt_on_one_replica_until_it_is_too_busy() -> None:
     pool = make_pool(RoutingPolicy(max_inflight=8, affinity_slack=0.25, block_chars=16))
     system = "You are a terse assistant. Answer in one line. " * 4
-    first = pool.pick("tiny", 0, pool.prefixes.keys(system + "Q: one?"))
+    first = pool.pick(TINY, 0, pool.prefixes.keys(system + "Q: one?"))
     assert first is not None and first.reason == "least_load"
     home = first.replica
-    follow = pool.pick("tiny", 0, pool.prefixes.keys(system + "Q: two?"))
+    follow = pool.pick(TINY, 0, pool.prefixes.keys(system + "Q: two?"))
     assert follow is not None and (follow.replica, follow.reason) == (home, "prefix")
     # A different prompt goes by load; the shared one stays home while home is within the slack
     # (2/8 of a replica) of the least loaded, then spills over.
-    other = pool.pick("tiny", 0, pool.prefixes.keys("Translate to French: " * 8))
+    other = pool.pick(TINY, 0, pool.prefixes.keys("Translate to French: " * 8))
     assert other is not None and other.replica is not home
     home.inflight += 1
-    spill = pool.pick("tiny", 0, pool.prefixes.keys(system + "Q: three?"))
+    spill = pool.pick(TINY, 0, pool.prefixes.keys(system + "Q: three?"))
     assert spill is not None and spill.replica is not home and spill.reason == "least_load"
     # The spill-over replica now holds the prefix too; both are affine from here on.
     assert set(pool.prefixes.matches(pool.prefixes.keys(system))) == {home.url, spill.replica.url}
@@ -173,17 +174,17 @@ def test_failures_eject_with_doubling_back_off_and_success_restores() -> None:
     assert r1.healthy
     pool.report_failure(r1, down)
     assert not r1.healthy and r1.ejected_until == 102.0
-    assert [r.url for r in pool.candidates("tiny")] == [r2.url]
+    assert [r.url for r in pool.candidates(TINY)] == [r2.url]
     pool.report_failure(r1, down)  # a failed probe after the back-off
     pool.report_failure(r1, down)
     assert r1.ejected_until == 105.0  # 2 → 4 → capped at 5
     pool.report_failure(r2, down)
     pool.report_failure(r2, down)
     with pytest.raises(NoReplicaError) as caught:
-        pool.pick("tiny", 0, [])
+        pool.pick(TINY, 0, [])
     assert caught.value.retry_after_s == pytest.approx(2.0)  # r2's probe is the soonest
     pool.report_success(r1)
-    assert r1.healthy and r1.failures == 0 and pool.pick("tiny", 0, []) is not None
+    assert r1.healthy and r1.failures == 0 and pool.pick(TINY, 0, []) is not None
 
 
 def test_replica_urls_are_validated() -> None:
@@ -204,7 +205,7 @@ def test_configured_replicas_may_be_none_and_each_url_is_checked_at_start() -> N
         InferenceGatewaySettings(model_server_url=f"{URLS[0]},ftp://x")
     empty = make_pool(urls=[])
     with pytest.raises(NoReplicaError, match="replica pool is empty") as caught:
-        empty.pick("tiny", 0, [])
+        empty.pick(TINY, 0, [])
     assert caught.value.retry_after_s == 1.0
 
 

@@ -11,7 +11,8 @@ import httpx
 import pytest
 from forge.inference.v1 import inference_pb2, inference_pb2_grpc
 
-from forge_kit.grpckit import FIELD_METADATA_KEY, GrpcServer, make_channel, serve
+from forge_kit.grpckit import FIELD_METADATA_KEY, GrpcServer, make_channel
+from forge_kit.testing.grpcserver import grpc_test_server
 from forge_model_server.api import InferenceApi
 from forge_model_server.service import ModelServer
 
@@ -141,19 +142,14 @@ async def test_completion_non_streaming(
 
 @pytest.fixture
 async def grpc_server(server: ModelServer) -> AsyncIterator[GrpcServer]:
-    started = await serve(
-        service="model_server",
-        register=[
-            lambda s: inference_pb2_grpc.add_InferenceServiceServicer_to_server(InferenceApi(server), s)
-        ],
-        service_names=["forge.inference.v1.InferenceService"],
-        host="127.0.0.1",
-        port=0,
+    async with grpc_test_server(
+        inference_pb2_grpc.add_InferenceServiceServicer_to_server,
+        InferenceApi(server),
+        "forge.inference.v1.InferenceService",
         token=TOKEN,
-        default_deadline_s=5,
-    )
-    yield started
-    await started.stop(0)
+        service="model_server",
+    ) as started:
+        yield started
 
 
 @pytest.fixture
@@ -211,26 +207,19 @@ async def test_grpc_generate_streams_engine_chunks(
     scripted_server: ModelServer, make_model: Callable[..., Path]
 ) -> None:
     make_model("tiny", version="2")
-    started = await serve(
-        service="model_server",
-        register=[
-            lambda s: inference_pb2_grpc.add_InferenceServiceServicer_to_server(
-                InferenceApi(scripted_server), s
-            )
-        ],
-        service_names=["forge.inference.v1.InferenceService"],
-        host="127.0.0.1",
-        port=0,
-        token=TOKEN,
-        default_deadline_s=5,
-    )
-    try:
-        async with make_channel(f"127.0.0.1:{started.port}", token=TOKEN) as channel:
-            stub = inference_pb2_grpc.InferenceServiceStub(channel)
-            request = inference_pb2.GenerateRequest(model="tiny", prompt="hi", request_id="r-1")
-            chunks = [c async for c in stub.Generate(request, timeout=5)]
-    finally:
-        await started.stop(0)
+    async with (
+        grpc_test_server(
+            inference_pb2_grpc.add_InferenceServiceServicer_to_server,
+            InferenceApi(scripted_server),
+            "forge.inference.v1.InferenceService",
+            token=TOKEN,
+            service="model_server",
+        ) as started,
+        make_channel(f"127.0.0.1:{started.port}", token=TOKEN) as channel,
+    ):
+        stub = inference_pb2_grpc.InferenceServiceStub(channel)
+        request = inference_pb2.GenerateRequest(model="tiny", prompt="hi", request_id="r-1")
+        chunks = [c async for c in stub.Generate(request, timeout=5)]
     assert "".join(c.text_delta for c in chunks) == "To be, or not to be"
     assert chunks[-1].finish_reason == inference_pb2.FINISH_REASON_LENGTH
     assert chunks[-1].usage.completion_tokens == 3 and chunks[0].request_id == "r-1"

@@ -185,3 +185,34 @@ def test_a_built_kernel_loads_without_a_compiler_and_a_missing_one_is_named(tmp_
     loaded = subprocess.run([sys.executable, "-c", LOAD], env=no_compiler, capture_output=True, text=True)
     assert loaded.returncode == 0, loaded.stderr
     assert "forge.paged_decode_attention" in loaded.stdout
+
+
+@pytest.mark.parametrize("rows", [1, 32, 513])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_packed_linear_gives_f_linear_up_to_rounding(rows: int, with_bias: bool) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(96, 64, generator=gen)
+    bias = torch.randn(96, generator=gen) if with_bias else None
+    x = torch.randn(rows, 128, generator=gen)[:, ::2]  # a strided view, as a fused output's slice is
+    linear = kernels.Linear(weight, bias)
+    assert (linear.weight is None) == torch.backends.mkldnn.is_available()  # packed where oneDNN is
+    torch.testing.assert_close(linear(x), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+
+
+def test_linear_of_a_dtype_onednn_does_not_pack_is_f_linear() -> None:
+    weight, x = torch.randn(8, 4, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64)
+    linear = kernels.Linear(weight, None)
+    assert linear.weight is weight
+    assert torch.equal(linear(x), F.linear(x, weight))
+
+
+def test_bfloat16_linear_works_with_or_without_onednn_bf16() -> None:
+    """A CPU without oneDNN's bf16 path (AVX2 only) refuses to pack a bf16 weight: Linear then
+    keeps it for ``F.linear``; where the path exists it packs. Same result either way."""
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(32, 16, generator=gen).to(torch.bfloat16)
+    x = torch.randn(5, 16, generator=gen).to(torch.bfloat16)
+    linear = kernels.Linear(weight, None)
+    packs = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert (linear.weight is None) == packs
+    torch.testing.assert_close(linear(x), F.linear(x, weight), rtol=2e-2, atol=2e-2)

@@ -17,10 +17,11 @@ from prometheus_client import REGISTRY
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 from forge_kit import errors
-from forge_kit.grpckit import make_channel, serve
+from forge_kit.grpckit import make_channel
 from forge_kit.http import make_app
 from forge_kit.objectstore import ObjectStore
 from forge_kit.testing import eventually
+from forge_kit.testing.grpcserver import grpc_test_server
 from forge_model_server.api import InferenceApi
 from forge_model_server.engine import EngineConfig
 from forge_model_server.openai_api import install_openai_api
@@ -182,27 +183,22 @@ async def test_drain_finishes_admitted_requests_and_refuses_new_ones(server: Mod
 
 async def test_full_queue_is_resource_exhausted_over_grpc(models: Path) -> None:
     server = live_server(models, max_waiting=0)
-    started = await serve(
-        service="model_server",
-        register=[
-            lambda s: inference_pb2_grpc.add_InferenceServiceServicer_to_server(InferenceApi(server), s)
-        ],
-        service_names=["forge.inference.v1.InferenceService"],
-        host="127.0.0.1",
-        port=0,
-        token=TOKEN,
-        default_deadline_s=5,
-    )
-    try:
-        async with make_channel(f"127.0.0.1:{started.port}", token=TOKEN) as channel:
-            stub = inference_pb2_grpc.InferenceServiceStub(channel)
-            with pytest.raises(grpc.aio.AioRpcError) as caught:
-                async for _ in stub.Generate(
-                    inference_pb2.GenerateRequest(model="tiny", prompt=PROMPT), timeout=5
-                ):
-                    pass
-    finally:
-        await started.stop(0)
+    async with (
+        grpc_test_server(
+            inference_pb2_grpc.add_InferenceServiceServicer_to_server,
+            InferenceApi(server),
+            "forge.inference.v1.InferenceService",
+            token=TOKEN,
+            service="model_server",
+        ) as started,
+        make_channel(f"127.0.0.1:{started.port}", token=TOKEN) as channel,
+    ):
+        stub = inference_pb2_grpc.InferenceServiceStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            async for _ in stub.Generate(
+                inference_pb2.GenerateRequest(model="tiny", prompt=PROMPT), timeout=5
+            ):
+                pass
     assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 

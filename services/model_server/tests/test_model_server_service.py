@@ -10,6 +10,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from forge_kit import errors
+from forge_kit.modelref import ModelRef
 from forge_model_server.service import (
     ChatMessage,
     GenerationRequest,
@@ -37,12 +38,20 @@ def test_directory_lists_model_folders_with_version_and_context(
 
 def test_get_by_name_and_by_name_version(directory: ModelDirectory, make_model: Callable[..., Path]) -> None:
     make_model("tiny", version="3")
-    assert directory.get("tiny").version == "3"
-    assert directory.get("tiny:3").name == "tiny"
+    assert directory.get(ModelRef("tiny")).version == "3"
+    assert directory.get(ModelRef("tiny", "3")).name == "tiny"
     with pytest.raises(ModelNotFoundError, match=r"`tiny:4` does not exist \(served models: tiny\)"):
-        directory.get("tiny:4")
-    with pytest.raises(ModelNotFoundError):
-        directory.get("../tiny")
+        directory.get(ModelRef("tiny", "4"))
+
+
+def test_lookup_parses_the_model_once_and_refuses_what_names_no_model(
+    server: ModelServer, make_model: Callable[..., Path]
+) -> None:
+    make_model("tiny", version="3")
+    assert server.lookup("tiny:3").name == "tiny" and server.lookup("tiny").version == "3"
+    for text in ("../tiny", "tiny:", "tiny:3:4", " tiny", "", "t" * 129, "tiny:4"):
+        with pytest.raises(ModelNotFoundError, match=r"does not exist \(served models: tiny\)"):
+            server.lookup(text)
 
 
 @pytest.mark.parametrize(

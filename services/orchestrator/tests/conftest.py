@@ -1,5 +1,7 @@
 """Fixtures of the orchestrator tests: a migrated database, and for integration tests the real
-scheduler and orchestrator started as processes next to the session's broker and Temporal server."""
+scheduler and orchestrator started as processes next to the session's broker and Temporal server,
+and where deployments place replicas: a trainer agent with ``SERVE`` GPUs and a gateway whose pool
+is what they add."""
 
 from __future__ import annotations
 
@@ -15,7 +17,6 @@ import pytest
 from forge.orchestrator.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 from forge.scheduler.v1 import scheduler_pb2_grpc
 
-from forge_kit.db import Database
 from forge_kit.events import ensure_topics
 from forge_kit.grpckit import make_channel
 from forge_kit.testing import ServiceProcess, TansuBroker, TemporalDevServer, eventkeys
@@ -27,11 +28,9 @@ ORCHESTRATOR_TOKEN = "orchestrator-test-token"
 
 
 @pytest.fixture
-async def db(tmp_path: Path) -> AsyncIterator[Database]:
-    database = Database(f"sqlite+aiosqlite:///{tmp_path / 'orchestrator.db'}")
-    await database.migrate(MIGRATIONS)
-    yield database
-    await database.dispose()
+def db_migrations() -> Path:
+    """This service's migrations, for forge_kit.testing's ``db`` fixture."""
+    return MIGRATIONS
 
 
 @pytest.fixture(scope="session")
@@ -53,6 +52,85 @@ def start_scheduler(kafka_broker: TansuBroker) -> Callable[[Path], ServiceProces
             },
             log_path=str(data / "scheduler.log"),
         ).start()
+
+    return start
+
+
+def _started(process: ServiceProcess, timeout_s: float) -> ServiceProcess:
+    """``process`` started, or stopped (not left running) when it does not get ready."""
+    try:
+        return process.start(timeout_s)
+    except BaseException:
+        process.stop()
+        raise
+
+
+@pytest.fixture(scope="session")
+def start_serving_agent() -> Callable[..., ServiceProcess]:
+    """Starts a real trainer agent with ``gpus`` simulated ``SERVE`` GPUs on ``scheduler``, where
+    deployments place their replicas (``JOB_KIND_INFERENCE`` jobs it runs as processes); its
+    events go nowhere (Kafka off). Give it a scheduler of the module's own: a ``SERVE`` node left
+    on the session's scheduler would take jobs that ask no GPU. The caller stops it."""
+
+    def start(scheduler: ServiceProcess, data: Path, *, gpus: int, node: str) -> ServiceProcess:
+        process = ServiceProcess(
+            "forge_trainer_agent",
+            env={
+                "FORGE_TRAINER_AGENT_GRPC_PORT": "0",
+                "FORGE_TRAINER_AGENT_HTTP_PORT": "0",
+                "FORGE_TRAINER_AGENT_DATA_DIR": str(data),
+                "FORGE_TRAINER_AGENT_KAFKA_ENABLED": "false",
+                "FORGE_TRAINER_AGENT_AUTH_TOKEN": SCHEDULER_TOKEN,
+                "FORGE_TRAINER_AGENT_SCHEDULER_TARGET": scheduler.grpc_target,
+                "FORGE_TRAINER_AGENT_SCHEDULER_TOKEN": SCHEDULER_TOKEN,
+                "FORGE_TRAINER_AGENT_NODE_NAME": f"{node}-{uuid.uuid4().hex[:6]}",
+                "FORGE_TRAINER_AGENT_GPUS": f"SERVEx{gpus}",
+                "FORGE_TRAINER_AGENT_JOB_SANDBOX": "",
+                "FORGE_TRAINER_AGENT_STOP_GRACE_S": "10",
+            },
+            log_path=str(data / "agent.log"),
+        )
+        return _started(process, 60)
+
+    return start
+
+
+@pytest.fixture(scope="session")
+def start_serving_gateway() -> Callable[..., ServiceProcess]:
+    """Starts a real inference gateway with no configured replica: its pool is what deployments
+    add. It consumes ``ModelPromoted`` from ``broker`` when one is given (Kafka off otherwise);
+    ``settings`` are more of its settings by name (``autoscale_target_per_replica="2"``). The
+    caller stops it."""
+
+    def start(
+        data: Path, *, token: str, tenant_key: str, broker: TansuBroker | None = None, **settings: str
+    ) -> ServiceProcess:
+        events = (
+            {
+                "FORGE_INFERENCE_GATEWAY_KAFKA_BOOTSTRAP": broker.bootstrap,
+                **eventkeys.service_env("inference_gateway"),
+            }
+            if broker is not None
+            else {"FORGE_INFERENCE_GATEWAY_KAFKA_ENABLED": "false"}
+        )
+        env = {
+            "FORGE_INFERENCE_GATEWAY_GRPC_PORT": "0",
+            "FORGE_INFERENCE_GATEWAY_HTTP_PORT": "0",
+            "FORGE_INFERENCE_GATEWAY_AUTH_TOKEN": token,
+            "FORGE_INFERENCE_GATEWAY_DATA_DIR": str(data / "data"),
+            **events,
+            "FORGE_INFERENCE_GATEWAY_MODEL_SERVER_URL": "",
+            "FORGE_INFERENCE_GATEWAY_BOOTSTRAP_API_KEY": tenant_key,
+            "FORGE_INFERENCE_GATEWAY_RESPONSE_CACHE_TTL_S": "0",
+            # A replica busy on loaded cores can take seconds to answer a scrape (the default
+            # allows 1 s); a killed one still leaves at once (its connections are refused).
+            "FORGE_INFERENCE_GATEWAY_SCRAPE_TIMEOUT_S": "10",
+            **{f"FORGE_INFERENCE_GATEWAY_{name.upper()}": value for name, value in settings.items()},
+        }
+        process = ServiceProcess(
+            "forge_inference_gateway", env=env, cwd=str(data), log_path=str(data / "gateway.log")
+        )
+        return _started(process, 60)
 
     return start
 
@@ -133,12 +211,7 @@ def _spawn(
             **eventkeys.service_env("orchestrator"),
         }
     process = ServiceProcess("forge_orchestrator", env=env, log_path=str(data / "orchestrator.log"))
-    try:
-        process.start()
-    except BaseException:
-        process.stop()
-        raise
-    return Orchestrator(process, env, data)
+    return Orchestrator(_started(process, 60), env, data)
 
 
 @pytest.fixture

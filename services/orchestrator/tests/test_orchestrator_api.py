@@ -22,8 +22,8 @@ from forge_kit.testing.grpcserver import grpc_test_server
 from forge_orchestrator.activities import SchedulerActivities
 from forge_orchestrator.api import OrchestratorApi
 from forge_orchestrator.grant import StartGuard, grant_key
+from forge_orchestrator.inbox import JOB_EVENT_SIGNAL, JobEvent
 from forge_orchestrator.service import OrchestratorService, build_worker
-from forge_orchestrator.workflows import JOB_EVENT_SIGNAL, JobEvent
 
 # Each wait below is up to 60 s on a loaded machine; a test makes up to four.
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]

@@ -29,11 +29,12 @@ from forge_experiments import cptmix
 from forge_kit import errors, stats
 from forge_kit.testing import MlflowServer, TemporalDevServer, eventually
 from forge_orchestrator.activities import CancelJobInput, SubmitJobInput
-from forge_orchestrator.canary_activities import CanaryActivities
 from forge_orchestrator.cpt.activities import CptActivities, ReportInput
 from forge_orchestrator.cpt.workflow import CptWorkflow
 from forge_orchestrator.deploy.promotion import PromotionActivities
-from forge_orchestrator.eval_activities import (
+from forge_orchestrator.identity import Caller
+from forge_orchestrator.inbox import JOB_EVENT_SIGNAL, PROGRESS_QUERY, JobEvent
+from forge_orchestrator.promote.activities import (
     Comparison,
     ModelId,
     PromoteInput,
@@ -41,13 +42,14 @@ from forge_orchestrator.eval_activities import (
     RunInput,
     RunState,
 )
-from forge_orchestrator.identity import Caller
+from forge_orchestrator.promote.canary_activities import CanaryActivities
+from forge_orchestrator.promote.workflow import EvalAndPromoteWorkflow
 from forge_orchestrator.service import OrchestratorService
 from forge_orchestrator.sweep.activities import SweepActivities
 from forge_orchestrator.sweep.workflow import METRIC_SIGNAL, SweepWorkflow, TrialMetric
 from forge_orchestrator.tracking import PARENT_TAG, Tracker
-from forge_orchestrator.training import CHECKPOINT_SIGNAL, CheckpointInfo, TrainWorkflow
-from forge_orchestrator.workflows import JOB_EVENT_SIGNAL, PROGRESS_QUERY, EvalAndPromoteWorkflow, JobEvent
+from forge_orchestrator.training.model import CHECKPOINT_SIGNAL, CheckpointInfo
+from forge_orchestrator.training.workflow import TrainWorkflow
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -94,7 +96,7 @@ def overrides_of(sub: SubmitJobInput) -> dict[str, str]:
 
 class RecordingEval:
     """Eval's registry, runs and comparisons for the workflow's activities (names and types as
-    :class:`forge_orchestrator.eval_activities.EvalActivities`)."""
+    :class:`forge_orchestrator.promote.activities.EvalActivities`)."""
 
     def __init__(self, scheduler: FakeScheduler) -> None:
         self.scheduler = scheduler

@@ -68,50 +68,28 @@ def scheduler(
 
 
 @pytest.fixture(scope="module")
-def agent(scheduler: ServiceProcess, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
-    root = tmp_path_factory.mktemp("agent")
-    env = {
-        "FORGE_TRAINER_AGENT_GRPC_PORT": "0",
-        "FORGE_TRAINER_AGENT_HTTP_PORT": "0",
-        "FORGE_TRAINER_AGENT_DATA_DIR": str(root),
-        "FORGE_TRAINER_AGENT_KAFKA_ENABLED": "false",
-        "FORGE_TRAINER_AGENT_AUTH_TOKEN": SCHEDULER_TOKEN,
-        "FORGE_TRAINER_AGENT_SCHEDULER_TARGET": scheduler.grpc_target,
-        "FORGE_TRAINER_AGENT_SCHEDULER_TOKEN": SCHEDULER_TOKEN,
-        "FORGE_TRAINER_AGENT_NODE_NAME": f"serve-node-{uuid.uuid4().hex[:6]}",
-        "FORGE_TRAINER_AGENT_GPUS": "SERVEx2",
-        "FORGE_TRAINER_AGENT_JOB_SANDBOX": "",
-        "FORGE_TRAINER_AGENT_STOP_GRACE_S": "10",
-    }
-    process = ServiceProcess("forge_trainer_agent", env=env, log_path=str(root / "agent.log")).start(60)
+def agent(
+    start_serving_agent: Callable[..., ServiceProcess],
+    scheduler: ServiceProcess,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[ServiceProcess]:
+    process = start_serving_agent(scheduler, tmp_path_factory.mktemp("agent"), gpus=2, node="serve-node")
     yield process
     process.stop()
 
 
 @pytest.fixture(scope="module")
-def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
-    root = tmp_path_factory.mktemp("gateway")
-    env = {
-        "FORGE_INFERENCE_GATEWAY_GRPC_PORT": "0",
-        "FORGE_INFERENCE_GATEWAY_HTTP_PORT": "0",
-        "FORGE_INFERENCE_GATEWAY_AUTH_TOKEN": GATEWAY_TOKEN,
-        "FORGE_INFERENCE_GATEWAY_DATA_DIR": str(root / "data"),
-        "FORGE_INFERENCE_GATEWAY_KAFKA_ENABLED": "false",
-        # No configured replica: the pool is what the deployments add.
-        "FORGE_INFERENCE_GATEWAY_MODEL_SERVER_URL": "",
-        "FORGE_INFERENCE_GATEWAY_BOOTSTRAP_API_KEY": TENANT_KEY,
-        "FORGE_INFERENCE_GATEWAY_RESPONSE_CACHE_TTL_S": "0",
-        # A replica busy on a loaded 2-core machine can take over the default 1 s to answer a
-        # scrape; these tests are about placement and scaling, not ejection of slow replicas
-        # (a killed replica still leaves at once: its connections are refused).
-        "FORGE_INFERENCE_GATEWAY_SCRAPE_TIMEOUT_S": "10",
+def gateway(
+    start_serving_gateway: Callable[..., ServiceProcess], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServiceProcess]:
+    process = start_serving_gateway(
+        tmp_path_factory.mktemp("gateway"),
+        token=GATEWAY_TOKEN,
+        tenant_key=TENANT_KEY,
         # Autoscaling by load alone: one replica per two requests waiting or running.
-        "FORGE_INFERENCE_GATEWAY_AUTOSCALE_TARGET_PER_REPLICA": "2",
-        "FORGE_INFERENCE_GATEWAY_AUTOSCALE_TTFT_SLO_S": "600",
-    }
-    process = ServiceProcess(
-        "forge_inference_gateway", env=env, cwd=str(root), log_path=str(root / "gateway.log")
-    ).start(60)
+        autoscale_target_per_replica="2",
+        autoscale_ttft_slo_s="600",
+    )
     yield process
     process.stop()
 

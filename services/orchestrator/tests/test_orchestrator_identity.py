@@ -8,7 +8,7 @@ from forge_kit import errors
 from forge_kit.grpckit import Principal
 from forge_orchestrator.identity import ADMIN, Caller, authorize_start, caller_of, validate_python
 from forge_orchestrator.rlhf.workflow import RlhfInput
-from forge_orchestrator.training import TrainInput
+from forge_orchestrator.training.model import TrainInput
 
 TEAM_A = Caller(name="team:a", role="team", team="a")
 

@@ -1,17 +1,27 @@
 """What a promotion deploys: the deployment's name for a version, and the model folder laid out so
-the ``forge`` engine lists the version (the gateway routes ``name:version`` by it)."""
+the ``forge`` engine lists the version (the gateway routes ``name:version`` by it); and which
+``ModelPromoted`` events start a ``promotion_rollout`` workflow, with what input."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
+from forge.common.v1 import common_pb2
+from forge.events.v1 import events_pb2
 
+from forge_kit import errors
 from forge_kit.modelref import ModelRef
 from forge_orchestrator.config import OrchestratorSettings
 from forge_orchestrator.deploy.model import DeploymentInput, validate_deployment
+from forge_orchestrator.deploy.promoted import PromotionRolloutInput, validate_promotion_rollout
 from forge_orchestrator.deploy.promotion import deployment_name, lay_out, promotion_serving
+from forge_orchestrator.routers import PromotionRouter
+from forge_orchestrator.service import KINDS, parse_input
+from forge_orchestrator.synthetic.model import SyntheticInput, validate_synthetic
+from forge_orchestrator.synthetic.workflow import student_ref
 
 
 def test_deployment_names_are_valid_and_distinct_per_version() -> None:
@@ -70,3 +80,105 @@ def test_replica_interpreters_are_absolute_or_looked_up_on_path(
     assert settings.deploy_forge_python == "python"
     absolute = OrchestratorSettings(deploy_vllm_python="/opt/vllm/bin/python")
     assert absolute.deploy_vllm_python == "/opt/vllm/bin/python"
+
+
+class RecordingStarter:
+    """The :class:`~forge_orchestrator.routers.WorkflowStarter` seam, recording what it starts."""
+
+    def __init__(self) -> None:
+        self.started: list[tuple[str, dict[str, object], str]] = []
+
+    async def start_workflow(
+        self, workflow_type: str, data: Mapping[str, object], workflow_id: str = ""
+    ) -> tuple[str, str]:
+        self.started.append((workflow_type, dict(data), workflow_id))
+        return workflow_id, "run"
+
+
+def _promoted(
+    stage: str, version: str, previous: str = "", *, rollback: bool = False
+) -> events_pb2.ModelPromoted:
+    event = events_pb2.ModelPromoted(
+        model=common_pb2.ModelRef(name="tiny", version=version), stage=stage, is_rollback=rollback
+    )
+    if previous:
+        event.previous.CopyFrom(common_pb2.ModelRef(name="tiny", version=previous))
+    event.meta.event_id = f"ev-{stage}-{version}"
+    return event
+
+
+async def test_every_serving_promotion_starts_one_rollout_named_after_its_event() -> None:
+    starter = RecordingStarter()
+    router = PromotionRouter(starter, poll_s=0.5)
+    await router.handle(_promoted("production", "v1", "v0", rollback=True), session=None)  # type: ignore[arg-type]
+    await router.handle(_promoted("canary", "v2"), session=None)  # type: ignore[arg-type]
+    await router.handle(_promoted("archived", "v3"), session=None)  # type: ignore[arg-type]
+    assert starter.started == [
+        (
+            "promotion_rollout",
+            {
+                "model": "tiny:v1",
+                "stage": "production",
+                "previous": "tiny:v0",
+                "is_rollback": True,
+                "event_id": "ev-production-v1",
+                "poll_s": 0.5,
+            },
+            "promotion-rollout-ev-production-v1",
+        ),
+        (
+            "promotion_rollout",
+            {
+                "model": "tiny:v2",
+                "stage": "canary",
+                "previous": "",
+                "is_rollback": False,
+                "event_id": "ev-canary-v2",
+                "poll_s": 0.5,
+            },
+            "promotion-rollout-ev-canary-v2",
+        ),
+    ]
+    # What the router starts is a valid input of the workflow kind it names.
+    for kind, data, _ in starter.started:
+        KINDS[kind].validate(parse_input(KINDS[kind].input, data))
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"model": ""}, "input.model"),
+        ({"model": "tiny:"}, "input.model"),
+        ({"previous": "a b"}, "input.previous"),
+        ({"stage": "archived"}, "input.stage"),
+        ({"event_id": "x" * 61}, "input.event_id"),
+        ({"poll_s": 0.0}, "input.poll_s"),
+    ],
+)
+def test_a_rollout_input_is_checked_naming_the_field(change: dict[str, object], field: str) -> None:
+    params = PromotionRolloutInput(**{"model": "tiny:v1", "stage": "production", **change})  # type: ignore[arg-type]
+    with pytest.raises(errors.ValidationError) as caught:
+        validate_promotion_rollout(params)
+    assert caught.value.field == field
+
+
+def test_a_synthetic_run_deploys_its_student_as_a_version_of_its_own(tmp_path: Path) -> None:
+    """The synthetic workflow's student: the input's model name, pinned to a version derived from
+    the workflow id (two runs never share a deployment), a valid deployment name and layout."""
+    first, second = student_ref("student", "synthetic-a"), student_ref("student:v3", "synthetic-b")
+    assert first.name == second.name == "student" and first.version != second.version
+    assert first == student_ref("student", "synthetic-a") and first.version.startswith("synthetic-")
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text("{}")
+    folder = lay_out(tmp_path / "promoted", first, checkpoint)
+    assert json.loads((folder / "forge_model.json").read_text()) == {"version": first.version}
+    spec = DeploymentInput(
+        deployment_name(first), "serving", str(first), str(folder), replicas=1, gpu_type="SERVE"
+    )
+    validate_deployment(spec)
+    assert spec.name == f"student-{first.version}"
+    params = SyntheticInput("t", "/w", "/s", "a:b:c", templates=["add_sub"], heldout_templates=["bus_stop"])
+    with pytest.raises(errors.ValidationError) as caught:
+        validate_synthetic(params)
+    assert caught.value.field == "input.student_model"

@@ -13,7 +13,12 @@ server on tiny Llamas, started by the agent as each version's replica jobs.
    leaves the pool, its job is cancelled, its process is gone — and ``forge-chat`` is all first
    version again;
 4. a third version, promoted by an operator during its canary: the first version (the production
-   it replaced) is drained the same way, and the third serves all of ``forge-chat``.
+   it replaced) is drained the same way, and the third serves all of ``forge-chat``;
+5. promotions made outside ``eval_and_promote`` roll replicas too (the orchestrator consumes
+   ``ModelPromoted``): an operator's ``forge eval rollback production`` brings the first version
+   back, whose replica is placed again while the third version is drained; an operator's ``forge
+   eval promote`` of a fourth version straight to production (forced: it has no eval run) places
+   its replica and drains the first version.
 
 The canary analysis is kept from deciding on its own (a window far longer than the test, more
 requests than it sends) so each outcome is the operator's, and known.
@@ -21,6 +26,7 @@ requests than it sends) so each outcome is the operator's, and known.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
 import uuid
@@ -38,14 +44,14 @@ from forge.orchestrator.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 from forge.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from google.protobuf import json_format, struct_pb2
 
+from forge_experiments.canary_traffic import Http, serve_and_drive
 from forge_kit.grpckit import make_channel
 from forge_kit.http import HttpServer
 from forge_kit.paths import data_dir
 from forge_kit.testing import ServiceProcess, TansuBroker, TemporalDevServer, eventkeys, eventually
-from forge_kit.testing.processes import free_port
 from forge_kit.testing.tiny_llama import save_tiny_llama
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.asyncio, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.asyncio, pytest.mark.timeout(1200)]
 SCHEDULER_TOKEN = "scheduler-test-token"  # the session scheduler's token (conftest)
 ORCHESTRATOR_TOKEN = "orchestrator-promote-token"
 GATEWAY_TOKEN = "gateway-promote-token"
@@ -53,7 +59,7 @@ EVAL_TOKEN = "eval-promote-token"
 TENANT_KEY = "promote-tenant-key"
 BENCHMARKS = data_dir() / "benchmarks"
 WAIT_S = 300.0
-VERSIONS = ("v1", "v2", "v3")
+VERSIONS = ("v1", "v2", "v3", "v4", "v5")
 #: The analysis never decides within the test: each canary's end is an operator's.
 POLICY = """family: tiny
 version: 1
@@ -98,6 +104,8 @@ def answering_endpoint() -> FastAPI:
 @pytest.fixture(scope="module")
 def platform(
     start_scheduler: Any,
+    start_serving_agent: Any,
+    start_serving_gateway: Any,
     kafka_broker: TansuBroker,
     temporal_server: TemporalDevServer,
     tmp_path_factory: pytest.TempPathFactory,
@@ -106,7 +114,8 @@ def platform(
     (root / "policies").mkdir()
     (root / "policies" / "tiny.yaml").write_text(POLICY)
     for i, version in enumerate(VERSIONS):
-        save_tiny_llama(root / "checkpoints" / version, seed=i, initializer_range=0.2)
+        # v5 has v4's weights: scored on the same documents, it ties with production (v4).
+        save_tiny_llama(root / "checkpoints" / version, seed=min(i, 3), initializer_range=0.2)
     started: list[ServiceProcess] = []
 
     def start(process: ServiceProcess, timeout_s: float = 90) -> ServiceProcess:
@@ -118,25 +127,11 @@ def platform(
         scheduler = start_scheduler(root / "scheduler")
         started.append(scheduler)
         suffix = uuid.uuid4().hex[:8]
-        start(
-            ServiceProcess(
-                "forge_trainer_agent",
-                env={
-                    "FORGE_TRAINER_AGENT_GRPC_PORT": "0",
-                    "FORGE_TRAINER_AGENT_HTTP_PORT": "0",
-                    "FORGE_TRAINER_AGENT_DATA_DIR": str(root / "agent"),
-                    "FORGE_TRAINER_AGENT_KAFKA_ENABLED": "false",
-                    "FORGE_TRAINER_AGENT_AUTH_TOKEN": SCHEDULER_TOKEN,
-                    "FORGE_TRAINER_AGENT_SCHEDULER_TARGET": scheduler.grpc_target,
-                    "FORGE_TRAINER_AGENT_SCHEDULER_TOKEN": SCHEDULER_TOKEN,
-                    "FORGE_TRAINER_AGENT_NODE_NAME": f"promote-node-{suffix[:6]}",
-                    "FORGE_TRAINER_AGENT_GPUS": "SERVEx3",
-                    "FORGE_TRAINER_AGENT_JOB_SANDBOX": "",
-                    "FORGE_TRAINER_AGENT_STOP_GRACE_S": "10",
-                },
-                log_path=str(root / "agent.log"),
-            )
+        started.append(start_serving_agent(scheduler, root / "agent", gpus=3, node="promote-node"))
+        gateway = start_serving_gateway(
+            root / "gateway", token=GATEWAY_TOKEN, tenant_key=TENANT_KEY, broker=kafka_broker
         )
+        started.append(gateway)
         evals = start(
             ServiceProcess(
                 "forge_eval",
@@ -148,28 +143,12 @@ def platform(
                     **eventkeys.service_env("eval"),
                     "FORGE_EVAL_AUTH_TOKEN": EVAL_TOKEN,
                     "FORGE_EVAL_BENCHMARKS_DIR": str(BENCHMARKS),
+                    "FORGE_EVAL_RESPONSE_CACHE_PATH": str(root / "eval" / "cache.sqlite"),
+                    # Release runs without an endpoint score the versions' replicas through it.
+                    "FORGE_EVAL_INFERENCE_GATEWAY_URL": gateway.http_url,
+                    "FORGE_EVAL_INFERENCE_GATEWAY_TOKEN": TENANT_KEY,
                 },
                 log_path=str(root / "eval.log"),
-            )
-        )
-        gateway = start(
-            ServiceProcess(
-                "forge_inference_gateway",
-                env={
-                    "FORGE_INFERENCE_GATEWAY_GRPC_PORT": "0",
-                    "FORGE_INFERENCE_GATEWAY_HTTP_PORT": "0",
-                    "FORGE_INFERENCE_GATEWAY_AUTH_TOKEN": GATEWAY_TOKEN,
-                    "FORGE_INFERENCE_GATEWAY_DATA_DIR": str(root / "gateway"),
-                    "FORGE_INFERENCE_GATEWAY_KAFKA_BOOTSTRAP": kafka_broker.bootstrap,
-                    **eventkeys.service_env("inference_gateway"),
-                    # The setting needs one URL: a port nothing listens on, so only deployments serve.
-                    "FORGE_INFERENCE_GATEWAY_MODEL_SERVER_URL": f"http://127.0.0.1:{free_port()}",
-                    "FORGE_INFERENCE_GATEWAY_BOOTSTRAP_API_KEY": TENANT_KEY,
-                    "FORGE_INFERENCE_GATEWAY_RESPONSE_CACHE_TTL_S": "0",
-                    "FORGE_INFERENCE_GATEWAY_SCRAPE_TIMEOUT_S": "10",
-                },
-                cwd=str(root),
-                log_path=str(root / "gateway.log"),
             )
         )
         orchestrator = start(
@@ -180,7 +159,10 @@ def platform(
                     "FORGE_ORCHESTRATOR_HTTP_PORT": "0",
                     "FORGE_ORCHESTRATOR_AUTH_TOKEN": ORCHESTRATOR_TOKEN,
                     "FORGE_ORCHESTRATOR_DATA_DIR": str(root / "orchestrator"),
-                    "FORGE_ORCHESTRATOR_KAFKA_ENABLED": "false",
+                    # It consumes ModelPromoted: every promotion, whoever made it, rolls replicas.
+                    "FORGE_ORCHESTRATOR_KAFKA_BOOTSTRAP": kafka_broker.bootstrap,
+                    "FORGE_ORCHESTRATOR_CONSUMER_GROUP": f"orchestrator-{suffix}",
+                    **eventkeys.service_env("orchestrator"),
                     "FORGE_ORCHESTRATOR_TEMPORAL_TARGET": temporal_server.target,
                     "FORGE_ORCHESTRATOR_TASK_QUEUE": f"forge-promote-{suffix}",
                     "FORGE_ORCHESTRATOR_SCHEDULER_TARGET": scheduler.grpc_target,
@@ -237,6 +219,7 @@ class Rig:
         self.orchestrator = orchestrator_pb2_grpc.OrchestratorServiceStub(channels[0])
         self.scheduler = scheduler_pb2_grpc.SchedulerServiceStub(channels[1])
         self.eval = eval_pb2_grpc.EvalServiceStub(channels[2])
+        self.eval_target: str = platform["eval"].grpc_target
         self.admin = httpx.AsyncClient(
             base_url=self.gateway.http_url, headers={"Authorization": f"Bearer {GATEWAY_TOKEN}"}, timeout=30
         )
@@ -244,7 +227,7 @@ class Rig:
             base_url=self.gateway.http_url, headers={"Authorization": f"Bearer {TENANT_KEY}"}, timeout=120
         )
 
-    async def release(self, version: str) -> str:
+    async def release(self, version: str, **change: Any) -> str:
         """Start eval-and-promote of ``tiny:version`` through the orchestrator's front door."""
         params = {
             "model_name": "tiny",
@@ -253,6 +236,7 @@ class Rig:
             "suite": "gsm8k",
             "limit": 4,
             "endpoint": self.endpoint,
+            **change,
             "canary_policy": "tiny",
             "poll_s": 0.5,
             "run_timeout_s": 300,
@@ -338,6 +322,34 @@ class Rig:
             if line.startswith("forge_gateway_routed_total{") and f'replica="{url}"' in line:
                 total += float(line.rsplit(" ", 1)[1])
         return total
+
+    async def rollback_production(self) -> None:
+        """``forge eval rollback production``."""
+        await self.eval.RollbackModel(
+            eval_pb2.RollbackModelRequest(
+                stage="production", reason="operator rollback in the promotion test"
+            ),
+            timeout=30,
+        )
+
+    async def promote_directly(self, version: str) -> None:
+        """``forge eval register`` and ``forge eval promote --stage production --force``."""
+        await self.eval.RegisterModel(
+            eval_pb2.RegisterModelRequest(
+                ref=common_pb2.ModelRef(name="tiny", version=version),
+                uri=str(self.root / "checkpoints" / version),
+            ),
+            timeout=30,
+        )
+        await self.eval.PromoteModel(
+            eval_pb2.PromoteModelRequest(
+                ref=common_pb2.ModelRef(name="tiny", version=version),
+                stage="production",
+                reason="operator promotion in the promotion test",
+                force=True,
+            ),
+            timeout=30,
+        )
 
     async def decide(self, version: str, decision: str) -> None:
         await self.eval.DecideRollout(
@@ -463,3 +475,71 @@ async def test_promotion_rolls_replicas_and_rollback_or_promotion_drains_the_los
     await _drained(rig, "tiny-v1", v1)
     assert v3.endpoint in await rig.pool()
     assert await rig.served_by(12) == Counter({"tiny:v3": 12})
+
+    # 5. Promotions made outside eval-and-promote: a production rollback restores the first version,
+    # whose replica is placed again, and drains the third.
+    await rig.rollback_production()
+    v1_again = await _ready_replica(rig, "tiny-v1")
+    assert v1_again.job_id != v1.job_id
+    await _drained(rig, "tiny-v3", v3)
+    await eventually(lambda: rig.split_is("tiny:v1"), timeout_s=WAIT_S, what="forge-chat back to tiny:v1")
+    assert await rig.served_by(8) == Counter({"tiny:v1": 8})
+    # An operator's direct promotion of a fourth version to production: placed, and the first drained.
+    await rig.promote_directly("v4")
+    v4 = await _ready_replica(rig, "tiny-v4")
+    await _drained(rig, "tiny-v1", v1_again)
+    assert v4.endpoint in await rig.pool()
+    assert await rig.served_by(8) == Counter({"tiny:v4": 8})
+
+
+async def test_release_runs_score_each_versions_replicas_through_the_gateway(rig: Rig) -> None:
+    """With no endpoint, a release is scored on replicas, not on a model server eval starts: the
+    candidate's deployment is ready before its run, and both runs (the candidate's and
+    production's, v4 from the test before) go through the gateway pinned by ``name:version``, on
+    the same documents with the same spec; the main job's canary traffic reaches both versions'
+    replicas without loading anything."""
+    assert await rig.split_is("tiny:v4")
+    v4 = await _ready_replica(rig, "tiny-v4")
+    before = await rig.routed_to(v4.endpoint)
+    release = await rig.release("v5", endpoint="", suite="tinyshakespeare_ppl", limit=2, canary_percent=50)
+    await _canary_split_waits_for_replicas(rig, release, "v5")
+    v5 = await _ready_replica(rig, "tiny-v5")
+    runs = {}
+    for version in ("v5", "v4"):
+        listed = await rig.eval.ListRuns(eval_pb2.ListRunsRequest(model_name="tiny", model_version=version))
+        [run] = [r for r in listed.runs if r.suite == "tinyshakespeare_ppl"]
+        runs[version] = run
+    for run in runs.values():
+        assert run.status == eval_pb2.RUN_STATUS_SUCCEEDED and not run.serve_model
+        assert run.endpoint.rstrip("/") == rig.gateway.http_url and run.example_count == 2
+    assert runs["v5"].spec_hash != "" and runs["v5"].metrics and runs["v4"].metrics
+    scores = {v: {m.name: m.value for m in run.metrics} for v, run in runs.items()}
+    assert scores["v5"] == pytest.approx(scores["v4"], rel=1e-4)  # the same weights, the same documents
+    # Each run reached its own version's replica through the gateway.
+    routed = [
+        line
+        for line in (await rig.admin.get("/metrics")).text.splitlines()
+        if line.startswith("forge_gateway_routed_total{")
+    ]
+    seen = f"v5 {v5.endpoint}, v4 {v4.endpoint} (before {before}): " + " | ".join(routed)
+    assert await rig.routed_to(v5.endpoint) > 0, seen
+    assert await rig.routed_to(v4.endpoint) > before, seen
+    # The main job's canary traffic: the gateway answers both versions from their deployments,
+    # so it loads nothing anywhere (no model server is given) and chats through the split.
+    sent = await serve_and_drive(
+        rig.eval_target,
+        EVAL_TOKEN,
+        None,
+        Http(rig.gateway.http_url, TENANT_KEY),
+        alias="forge-chat",
+        root=rig.root,
+        stop=asyncio.Event(),
+        max_requests=24,
+        rate_per_s=20.0,
+    )
+    assert (sent.canary, sent.production, sent.served, sent.note) == ("tiny:v5", "tiny:v4", [], "")
+    assert set(sent.answered_by) == {"tiny:v5", "tiny:v4"} and not sent.failed, sent.as_dict()
+    await rig.decide("v5", "rollback")
+    rolled = await rig.result(release)
+    assert rolled["decision"] == "rolled_back" and rolled["drained"] == ["tiny-v5"]
+    await _drained(rig, "tiny-v5", v5)

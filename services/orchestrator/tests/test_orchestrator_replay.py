@@ -19,7 +19,8 @@ from temporalio.workflow import NondeterminismError
 
 from forge_orchestrator.activities import CancelJobInput, SchedulerActivities
 from forge_orchestrator.service import WORKFLOWS
-from forge_orchestrator.workflows import SmokeInput, SmokeResult, SmokeWorkflow
+from forge_orchestrator.smoke.model import SmokeInput, SmokeResult
+from forge_orchestrator.smoke.workflow import SmokeWorkflow
 
 
 def _history(histories_dir: Path) -> WorkflowHistory:

@@ -47,14 +47,15 @@ from forge_kit.http import HttpServer
 from forge_kit.paths import data_dir
 from forge_kit.testing import ServiceProcess, TemporalDevServer
 from forge_orchestrator.activities import SchedulerActivities
-from forge_orchestrator.eval_activities import EvalActivities
+from forge_orchestrator.inbox import JOB_EVENT_SIGNAL, PROGRESS_QUERY, JobEvent
 from forge_orchestrator.main_job import RLHF_SIZES
+from forge_orchestrator.promote.activities import EvalActivities
 from forge_orchestrator.rlhf.activities import RlhfActivities
 from forge_orchestrator.rlhf.sampling import RlhfSampler
 from forge_orchestrator.rlhf.worker import build_rlhf_worker, rlhf_task_queue
 from forge_orchestrator.rlhf.workflow import RLHF_WORKFLOWS, RlhfInput, RlhfResult
-from forge_orchestrator.training import AUTO_EVAL_LABEL, CHECKPOINT_SIGNAL, CheckpointInfo
-from forge_orchestrator.workflows import JOB_EVENT_SIGNAL, PROGRESS_QUERY, JobEvent
+from forge_orchestrator.routing import AUTO_EVAL_LABEL
+from forge_orchestrator.training.model import CHECKPOINT_SIGNAL, CheckpointInfo
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 SCHEDULER_TOKEN = "scheduler-test-token"  # the session scheduler's token (conftest)
@@ -168,6 +169,12 @@ async def rate(feedback: Feedback, rater: str, count: int, *, adversarial: bool 
             )
             answered += 1
     return answered
+
+
+async def preference_stats(feedback: Feedback) -> feedback_pb2.GetPreferenceStatsResponse:
+    async with make_channel(feedback.process.grpc_target, token=FEEDBACK_TOKEN) as channel:
+        stub = feedback_pb2_grpc.PreferenceFeedbackServiceStub(channel)
+        return await stub.GetPreferenceStats(feedback_pb2.GetPreferenceStatsRequest())
 
 
 async def rounds_of(feedback: Feedback, workflow_id: str) -> list[feedback_pb2.RlhfRound]:
@@ -371,9 +378,10 @@ async def test_a_reward_model_that_does_not_beat_chance_stops_the_loop(
 ) -> None:
     feedback = start_feedback(tmp_path / "feedback", HH, limit=40)
     try:
-        # Too few pairs at first: the loop counts 10 and buffers. Its next count comes 20 s later,
-        # by when every rater below has answered, so the snapshot holds all of them (with short
-        # polls a count between bob's last answer and mallory's first took a round without her).
+        # Too few pairs at first: the loop counts 10 and buffers. Mallory answers before bob and is
+        # flagged at once (her answers contradict alice's on the same comparisons), so the accepted
+        # count reaches the loop's 80 only with bob's last answer, whenever the loop counts: the
+        # snapshot holds every answer below.
         assert await rate(feedback, "alice", 10) == 10
         buffering = asyncio.Event()
         loop = asyncio.create_task(
@@ -382,7 +390,7 @@ async def test_a_reward_model_that_does_not_beat_chance_stops_the_loop(
                 scheduler,
                 feedback,
                 "127.0.0.1:1",
-                loop_input(policy, tmp_path / "work", min_new_pairs=60, poll_s=20.0, max_poll_s=20.0),
+                loop_input(policy, tmp_path / "work", min_new_pairs=80, poll_s=5.0, max_poll_s=10.0),
                 tmp_path / "runs",
                 buffering=buffering,
             )
@@ -390,8 +398,10 @@ async def test_a_reward_model_that_does_not_beat_chance_stops_the_loop(
         await asyncio.wait_for(buffering.wait(), timeout=60)
         assert not loop.done()
         await rate(feedback, "alice", 30)
-        await rate(feedback, "bob", 40)
         assert await rate(feedback, "mallory", 15, adversarial=True) == 15
+        stats = await preference_stats(feedback)
+        assert (stats.accepted_pairs, set(stats.excluded_raters)) == (40, {"mallory"})
+        await rate(feedback, "bob", 40)
         result, workflow_id, agent = await loop
         [record] = result.rounds
         registered = await reward_model(feedback, record.reward_model)

@@ -42,14 +42,14 @@ from forge_kit.paths import data_dir
 from forge_kit.testing import ServiceProcess, TemporalDevServer
 from forge_kit.testing.tiny_llama import save_tiny_llama
 from forge_orchestrator.activities import SchedulerActivities
-from forge_orchestrator.eval_activities import EvalActivities
+from forge_orchestrator.inbox import PROGRESS_QUERY
 from forge_orchestrator.main_job_raters import RaterPool
+from forge_orchestrator.promote.activities import EvalActivities
 from forge_orchestrator.rlhf.activities import RlhfActivities
 from forge_orchestrator.rlhf.sampling import RlhfSampler
 from forge_orchestrator.rlhf.shadow import ShadowInput, ShadowPairs
 from forge_orchestrator.rlhf.worker import build_rlhf_worker, rlhf_task_queue
 from forge_orchestrator.rlhf.workflow import RLHF_WORKFLOWS, RlhfInput, RlhfResult
-from forge_orchestrator.workflows import PROGRESS_QUERY
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio, pytest.mark.timeout(600)]
 SCHEDULER_TOKEN = "scheduler-test-token"  # the session scheduler's token (conftest)

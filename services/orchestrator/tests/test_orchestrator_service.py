@@ -24,7 +24,9 @@ from forge_kit.events import ProcessedEvent
 from forge_kit.testing import eventkeys
 from forge_orchestrator.api import view_to_proto
 from forge_orchestrator.cli import resolve_token
+from forge_orchestrator.inbox import JobEvent
 from forge_orchestrator.routers import CheckpointRouter, JobEventRouter
+from forge_orchestrator.routing import AUTO_EVAL_LABEL
 from forge_orchestrator.service import (
     KINDS,
     WORKFLOWS,
@@ -32,11 +34,11 @@ from forge_orchestrator.service import (
     WorkflowView,
     failure_message,
     parse_input,
-    validate_smoke,
 )
+from forge_orchestrator.smoke.model import SmokeInput
+from forge_orchestrator.smoke.service import validate_smoke
 from forge_orchestrator.store import JobEventRow
-from forge_orchestrator.training import AUTO_EVAL_LABEL, CheckpointInfo, TrainInput
-from forge_orchestrator.workflows import JobEvent, SmokeInput
+from forge_orchestrator.training.model import CheckpointInfo, TrainInput
 
 TOPIC = "forge.scheduler.job_state_changed.v1"
 
@@ -251,7 +253,7 @@ def test_the_rlhf_loop_labels_its_training_jobs_and_only_the_rlhf_worker_runs_it
     [({"workflow_id": "x"}, "input.labels.workflow_id"), ({"": "x"}, "input.labels.")],
 )
 def test_training_labels_may_not_replace_the_routing_labels(labels: dict[str, str], field: str) -> None:
-    from forge_orchestrator.service import validate_train
+    from forge_orchestrator.training.service import validate_train
 
     with pytest.raises(errors.ValidationError) as caught:
         validate_train(TrainInput(team="t", recipe="smoke", labels=labels))

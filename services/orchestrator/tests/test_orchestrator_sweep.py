@@ -27,6 +27,7 @@ from temporalio.worker import Replayer, Worker
 from forge_kit import errors
 from forge_kit.testing import TemporalDevServer, eventually
 from forge_orchestrator.activities import CancelJobInput, SubmitJobInput
+from forge_orchestrator.inbox import JOB_EVENT_SIGNAL, PROGRESS_QUERY, JobEvent
 from forge_orchestrator.sweep.activities import SweepActivities
 from forge_orchestrator.sweep.service import validate_sweep
 from forge_orchestrator.sweep.workflow import (
@@ -36,7 +37,6 @@ from forge_orchestrator.sweep.workflow import (
     SweepWorkflow,
     TrialMetric,
 )
-from forge_orchestrator.workflows import JOB_EVENT_SIGNAL, PROGRESS_QUERY, JobEvent
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -498,15 +498,16 @@ async def cooled(handle: WorkflowHandle[Any, Any], job: str, step: int, value: f
     )
 
 
-async def test_the_guarded_default_waits_for_a_settled_ranking_and_reports_its_trust(
+async def test_the_guarded_default_keeps_the_rate_front_of_a_complete_rung_and_reports_its_trust(
     client: Client, tmp_path: Path
 ) -> None:
     """``early_stopping: {}``: the guarded rule, rungs 1 and 3 of 9 (a 27th and a 9th of the
     budget, at least 1). Every trial goes on past rung 1 (no ranking to compare with yet). At
-    rung 3, t0 (3.0) and t1 (3.6) wait (under three trials at both rungs); t2 (4.5) makes three:
-    t0 is the top third, and t1 and t2, 0.6 and 1.5 behind and further behind than at rung 1
-    (no catch-up to carry on), are not protected: t0 is resumed and finishes, t1 and t2 end
-    stopped. The parent run gets the sweep's figures."""
+    rung 3 every trial waits until the rung is complete (no trial can still reach it): then t1
+    (rate 0.002, 3.0) is the top third, and t0 (the lowest rate, 3.6) is on the rate front (no
+    lower rate beats it), while t2 (0.003, 4.5) is beaten by lower rates: t1 and t0 are resumed,
+    t2 ends stopped. t0, behind at rung 3, finishes first (2.4 against 2.5): the trust report
+    says rung 3 ranked the finishers in reverse. The parent run gets the sweep's figures."""
     space = SPACE.replace(
         "early_stopping: {rule: asha, min_steps: 1, eta: 3, form: stopping}", "early_stopping: {}"
     )
@@ -517,7 +518,7 @@ async def test_the_guarded_default_waits_for_a_settled_ranking_and_reports_its_t
     scheduler, tracker = ResumingScheduler(), RecordingTracker()
     sweeps = SweepActivities(f"sqlite+aiosqlite:///{tmp_path / 'orchestrator.db'}", tracker)
     submitted = lambda *jobs: asyncio.sleep(0, all(j in scheduler.submitted for j in jobs))  # noqa: E731
-    curves = {"job-0": [5.0, 4.0, 3.0], "job-1": [5.5, 4.6, 3.6], "job-2": [6.0, 5.0, 4.5]}
+    curves = {"job-0": [5.5, 4.6, 3.6], "job-1": [5.0, 4.0, 3.0], "job-2": [6.0, 5.0, 4.5]}
     async with worker_for(client, queue, scheduler, sweeps):
         handle = await client.start_workflow(
             "sweep",
@@ -535,19 +536,20 @@ async def test_the_guarded_default_waits_for_a_settled_ranking_and_reports_its_t
             if step == 1:
                 await eventually(lambda: _is(state_of(handle, 2), "running"))
                 assert scheduler.cancelled == []  # nothing waits at the first rung
-        await eventually(lambda: submitted("job-0-1"))
-        assert (await progress(handle))["trials_by_state"] == {"paused": 2, "pending": 1}
-        await event(handle, "job-0-1", "RUNNING")
-        await metric(handle, "job-0-1", 9, 2.5)
-        await event(handle, "job-0-1", "SUCCEEDED")
+        await eventually(lambda: submitted("job-1-1", "job-0-1"))
+        assert (await progress(handle))["trials_by_state"] == {"paused": 1, "pending": 2}
+        for job, final in (("job-0-1", 2.4), ("job-1-1", 2.5)):
+            await event(handle, job, "RUNNING")
+            await metric(handle, job, 9, final)
+            await event(handle, job, "SUCCEEDED")
         result = await handle.result()
-    assert [t.state for t in result.trials] == ["completed", "stopped", "stopped"]
-    assert [t.stopped_at for t in result.trials] == [None, 3, 3] and result.best_metric == 2.5
+    assert [t.state for t in result.trials] == ["completed", "completed", "stopped"]
+    assert [t.stopped_at for t in result.trials] == [None, None, 3] and result.best_metric == 2.4
     assert result.rungs == [1, 3] and result.summary["rung_occupancy"] == {"1": 3, "3": 3}
     trust = result.summary["trust"]
-    assert trust["stopped"] == 2 and trust["stopped_within_noise"] == 0
-    assert trust["rungs"]["3"] == {"finished": 1, "spearman": None, "kendall": None}  # one: no ranking
+    assert trust["stopped"] == 1 and trust["stopped_within_noise"] == 0
+    assert trust["rungs"]["3"] == {"finished": 2, "spearman": -1.0, "kendall": -1.0}
     logged = tracker.metrics["parent"]
-    assert logged["best_metric"] == 2.5 and logged["stopped"] == 2.0 and logged["stopped_within_noise"] == 0.0
-    assert logged["trials_completed"] == 1.0 and logged["trials_stopped"] == 2.0
+    assert logged["best_metric"] == 2.4 and logged["stopped"] == 1.0 and logged["stopped_within_noise"] == 0.0
+    assert logged["trials_completed"] == 2.0 and logged["trials_stopped"] == 1.0
     assert tracker.ended["parent"] == "FINISHED"

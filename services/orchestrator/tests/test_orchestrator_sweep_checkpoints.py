@@ -19,10 +19,10 @@ from temporalio.worker import Worker
 
 from forge_kit.testing import TemporalDevServer, eventually
 from forge_orchestrator.activities import CancelJobInput, SubmitJobInput
+from forge_orchestrator.inbox import JOB_EVENT_SIGNAL, PROGRESS_QUERY, JobEvent
 from forge_orchestrator.sweep.activities import SweepActivities
 from forge_orchestrator.sweep.workflow import METRIC_SIGNAL, SweepInput, SweepWorkflow, TrialMetric
-from forge_orchestrator.training import CHECKPOINT_SIGNAL, CheckpointInfo
-from forge_orchestrator.workflows import JOB_EVENT_SIGNAL, PROGRESS_QUERY, JobEvent
+from forge_orchestrator.training.model import CHECKPOINT_SIGNAL, CheckpointInfo
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 

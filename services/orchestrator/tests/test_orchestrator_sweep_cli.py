@@ -19,8 +19,8 @@ from forge.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from typer.testing import CliRunner
 
 from forge_kit.grpckit import make_channel
+from forge_kit.orchestrator_client import OrchestratorClient
 from forge_kit.testing import ServiceProcess
-from forge_orchestrator.client import OrchestratorClient
 from forge_orchestrator.sweep.cli import app
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(180)]
@@ -113,7 +113,7 @@ def test_sweep_cli_against_the_orchestrator(
 
 
 async def _view(orchestrator: Any, sweep_id: str) -> dict[str, Any]:
-    from forge_orchestrator.client import response_to_dict
+    from forge_kit.orchestrator_client import response_to_dict
 
     async with OrchestratorClient(orchestrator.target, orchestrator.token) as client:
         return response_to_dict(await client.get(sweep_id))

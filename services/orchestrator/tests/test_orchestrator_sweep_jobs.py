@@ -31,12 +31,12 @@ from forge_kit.grpckit import make_channel
 from forge_kit.paths import resolve_data_path
 from forge_kit.testing import ServiceProcess, TemporalDevServer
 from forge_orchestrator.activities import SchedulerActivities
+from forge_orchestrator.inbox import PROGRESS_QUERY
 from forge_orchestrator.routers import JobEventRouter, TemporalSignaller
 from forge_orchestrator.service import OrchestratorService, build_worker
 from forge_orchestrator.sweep.activities import SweepActivities, study_storage_url
 from forge_orchestrator.sweep.router import MetricsRouter, TemporalSweepSignaller
 from forge_orchestrator.sweep.workflow import SweepResult
-from forge_orchestrator.workflows import PROGRESS_QUERY
 
 pytestmark = [
     pytest.mark.integration,

@@ -1,9 +1,18 @@
 """The ``synthetic`` workflow on real processes: the Temporal dev server, the scheduler (with the
-session's broker), the programmatic teacher served over HTTP, a model server serving the student,
-and an MLflow tracking server. The workflow's jobs really run: the test plays the trainer agent
-and the Kafka consumer (as ``test_orchestrator_rlhf.py`` does): it runs each job the scheduler
-holds for the workflow's children with the job's own command, then signals the job's events and,
-for the SFT job, the published checkpoint.
+session's broker), the programmatic teacher served over HTTP, the inference gateway, and an MLflow
+tracking server. The workflow's jobs really run: the test plays the trainer agent and the Kafka
+consumer (as ``test_orchestrator_rlhf.py`` does): it runs each job the scheduler holds for the
+workflow's children with the job's own command, then signals the job's events and, for the SFT
+job, the published checkpoint.
+
+The student is sampled through the gateway, served by a deployment's replica as promotions deploy
+a version (``promote_deploy`` on: the synthetic worker's promotion activities start the
+``deployment`` workflow, which runs on the main queue's worker here): the replica is a
+``JOB_KIND_INFERENCE`` job that a real trainer agent starts (Forge's engine on the tiny student),
+in the gateway's pool only while the student is sampled, and drained after. Replicas are placed by
+a scheduler of the module's own, with the agent's ``SERVE`` node: on the session's scheduler that
+node would also take the stage jobs (they ask no GPU) that the test plays. Each run checks, from
+the gateway's pool and its ``forge_gateway_routed_total``, that the replica served every sample.
 
 - ``test_a_tiny_run_generates_verifies_filters_versions_trains_and_evaluates``: every stage on a
   tiny configuration (band [0, 1] keeps what the random student fails); the counts agree from
@@ -17,20 +26,23 @@ for the SFT job, the published checkpoint.
   (``FORGE_RECORD_HISTORIES=1``) replays against the current workflow code;
 - ``test_a_teacher_that_answers_garbage_ends_the_run_with_the_counts``: every teacher answer is
   malformed JSON: the calls are retried and counted, and the run ends ``no_problems`` — it does
-  not crash, and no job is submitted.
+  not crash, no job is submitted and no student is deployed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import re
 import sys
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -44,19 +56,25 @@ from forge_kit.http import HttpServer
 from forge_kit.testing import MlflowServer, ServiceProcess, TemporalDevServer
 from forge_kit.testing.tiny_llama import save_tiny_llama
 from forge_orchestrator.activities import SchedulerActivities
+from forge_orchestrator.deploy.activities import DeployActivities
+from forge_orchestrator.deploy.promotion import PromotionActivities, PromotionServing
+from forge_orchestrator.deploy.service import DeploymentService
+from forge_orchestrator.deploy.workflow import DeploymentWorkflow
+from forge_orchestrator.inbox import JOB_EVENT_SIGNAL, PROGRESS_QUERY, JobEvent
+from forge_orchestrator.service import build_worker
 from forge_orchestrator.synthetic.activities import Endpoint
 from forge_orchestrator.synthetic.worker import build_synthetic_worker, synthetic_task_queue
 from forge_orchestrator.synthetic.workflow import SYNTHETIC_WORKFLOWS, SyntheticInput, SyntheticResult
 from forge_orchestrator.tracking import RunFilter, Tracker
-from forge_orchestrator.training import CHECKPOINT_SIGNAL, CheckpointInfo
-from forge_orchestrator.workflows import JOB_EVENT_SIGNAL, PROGRESS_QUERY, JobEvent
+from forge_orchestrator.training.model import CHECKPOINT_SIGNAL, CheckpointInfo
 from forge_training.synthetic.problems import ProgrammaticTeacher
 from forge_training.synthetic_teacher import build_app
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio, pytest.mark.timeout(900)]
 HISTORIES = Path(__file__).parent / "histories"
 SCHEDULER_TOKEN = "scheduler-test-token"  # the session scheduler's token (conftest)
-STUDENT_TOKEN = "student-test-token"
+GATEWAY_TOKEN = "synthetic-gateway-token"
+TENANT_KEY = "synthetic-tenant-key"
 MATH = (
     "Ana has 12 apples and buys 7 more. 12 + 7 = 19. #### 19\n"
     "A pen costs 3 dollars; 5 pens cost 3 * 5 = 15 dollars. #### 15\n"
@@ -64,22 +82,68 @@ MATH = (
 
 
 @pytest.fixture(scope="module")
-def student(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, ServiceProcess]]:
-    """A random tiny Llama (512 positions, a tokenizer that has seen digits) and a model server
-    serving it as ``student``."""
+def student(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random tiny Llama (512 positions, a tokenizer that has seen digits): the student."""
     root = tmp_path_factory.mktemp("student")
-    folder = save_tiny_llama(root / "models" / "student", corpus=[MATH], context=512, vocab_size=320)
-    env = {
-        "FORGE_MODEL_SERVER_GRPC_PORT": "0",
-        "FORGE_MODEL_SERVER_HTTP_PORT": "0",
-        "FORGE_MODEL_SERVER_AUTH_TOKEN": STUDENT_TOKEN,
-        "FORGE_MODEL_SERVER_MODELS_DIR": str(root / "models"),
-        "FORGE_MODEL_SERVER_KAFKA_ENABLED": "false",
-        "FORGE_MODEL_SERVER_TORCH_THREADS": "1",
-    }
-    proc = ServiceProcess("forge_model_server", env=env, cwd=str(root), log_path=str(root / "log")).start(120)
-    yield folder, proc
-    proc.stop()
+    return save_tiny_llama(root / "student", corpus=[MATH], context=512, vocab_size=320)
+
+
+@pytest.fixture(scope="module")
+def serving(
+    start_scheduler: Any,
+    start_serving_agent: Any,
+    start_serving_gateway: Any,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[dict[str, Any]]:
+    """Where replicas run: a scheduler of the module's own, a trainer agent with one ``SERVE``
+    GPU, and the inference gateway, whose pool holds only what deployments add."""
+    root = tmp_path_factory.mktemp("serving")
+    started: list[ServiceProcess] = []
+    try:
+        scheduler = start_scheduler(root / "scheduler")
+        started.append(scheduler)
+        started.append(start_serving_agent(scheduler, root / "agent", gpus=1, node="synthetic-serve"))
+        gateway = start_serving_gateway(root / "gateway", token=GATEWAY_TOKEN, tenant_key=TENANT_KEY)
+        started.append(gateway)
+        yield {"root": root, "scheduler": scheduler, "gateway": gateway}
+    finally:
+        for process in reversed(started):
+            process.stop()
+
+
+class PoolWatch:
+    """The deployments' replicas in the gateway's pool, as seen every 0.3 s while a run goes on."""
+
+    def __init__(self, gateway: ServiceProcess) -> None:
+        self._url = gateway.http_url
+        self.seen: set[str] = set()
+        self.before: dict[str, float] = {}
+
+    async def _get(self, path: str) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {GATEWAY_TOKEN}"}
+        async with httpx.AsyncClient(base_url=self._url, headers=headers, timeout=30) as admin:
+            return await admin.get(path)
+
+    async def pool(self) -> set[str]:
+        reply = await self._get("/admin/v1/replicas")
+        reply.raise_for_status()
+        return {r["url"] for r in reply.json()["replicas"] if r.get("source") == "admin"}
+
+    async def watch(self) -> None:
+        while True:
+            self.seen |= await self.pool()
+            await asyncio.sleep(0.3)
+
+    async def routed(self) -> dict[str, float]:
+        """``forge_gateway_routed_total`` by replica, since :meth:`watch` started (the gateway
+        outlives a run)."""
+        text = (await self._get("/metrics")).text
+        out: dict[str, float] = {}
+        for m in re.finditer(r"^forge_gateway_routed_total\{([^}]*)\} (\S+)$", text, re.MULTILINE):
+            replica = re.search(r'replica="([^"]*)"', m.group(1))
+            if replica:
+                out[replica.group(1)] = out.get(replica.group(1), 0.0) + float(m.group(2))
+        return {k: v - self.before.get(k, 0.0) for k, v in out.items() if v > self.before.get(k, 0.0)}
 
 
 async def serve(app: FastAPI) -> AsyncIterator[str]:
@@ -175,25 +239,59 @@ async def run_workflow(
     temporal: TemporalDevServer,
     scheduler: ServiceProcess,
     teacher: str,
-    student: ServiceProcess,
+    serving: dict[str, Any],
     tracker: Tracker,
     params: SyntheticInput,
     runs: Path,
-) -> tuple[SyntheticResult, str, Agent]:
+) -> tuple[SyntheticResult, str, Agent, PoolWatch]:
     client = await Client.connect(temporal.target)
     queue = f"synthetic-{uuid.uuid4().hex[:8]}"
+    gateway: ServiceProcess = serving["gateway"]
     scheduler_acts = SchedulerActivities(scheduler.grpc_target, SCHEDULER_TOKEN)
+    # The deployment workflows' activities reach the scheduler their replicas are placed by.
+    replica_acts = SchedulerActivities(serving["scheduler"].grpc_target, SCHEDULER_TOKEN)
+    deploys = DeployActivities(
+        serving["scheduler"].grpc_target, SCHEDULER_TOKEN, gateway.http_url, GATEWAY_TOKEN
+    )
+    deployments = DeploymentService(client, queue, forge_python=sys.executable, poll_s=0.5)
+    promotions = PromotionActivities(
+        deployments,
+        PromotionServing(
+            team="serving",
+            gpu_type="SERVE",
+            # Torch's decode attention: no C++ kernel to build before the replica answers.
+            engine_args=("torch_threads=1", "num_kv_blocks=64", "decode_attention=torch"),
+            layout_dir=str(serving["root"] / "promoted"),
+            ready_timeout_s=240.0,
+        ),
+        gateway_url=gateway.http_url,
+        gateway_token=GATEWAY_TOKEN,
+    )
     workflow_id = f"{queue}-run"
     agent = Agent(client, scheduler, workflow_id, runs)
+    pool = PoolWatch(gateway)
+    pool.before = await pool.routed()
+    watching = asyncio.create_task(pool.watch())
     try:
-        async with build_synthetic_worker(
-            client,
-            queue,
-            scheduler_acts,
-            Endpoint(teacher),
-            Endpoint(f"{student.http_url}/v1", STUDENT_TOKEN),
-            tracker,
-            guard=None,
+        async with (
+            build_worker(
+                client,
+                queue,
+                replica_acts,
+                workflows=[DeploymentWorkflow],
+                extra_activities=deploys.methods(),
+                guard=None,
+            ),
+            build_synthetic_worker(
+                client,
+                queue,
+                scheduler_acts,
+                Endpoint(teacher),
+                Endpoint(f"{gateway.http_url}/v1", TENANT_KEY),
+                tracker,
+                promotions,
+                guard=None,
+            ),
         ):
             handle = await client.start_workflow(
                 "synthetic",
@@ -202,11 +300,11 @@ async def run_workflow(
                 task_queue=synthetic_task_queue(queue),
                 result_type=SyntheticResult,
             )
-            serving = asyncio.create_task(agent.serve())
+            serving_jobs = asyncio.create_task(agent.serve())
             try:
                 result: SyntheticResult = await handle.result()
             finally:
-                serving.cancel()
+                serving_jobs.cancel()
             progress = await handle.query(PROGRESS_QUERY)
             assert progress["step"] == f"done: {result.outcome}"
         history = await handle.fetch_history()
@@ -216,8 +314,26 @@ async def run_workflow(
                 history.to_json()
             )
     finally:
+        watching.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watching
         await scheduler_acts.close()
-    return result, workflow_id, agent
+        await replica_acts.close()
+        await deploys.close()
+    return result, workflow_id, agent, pool
+
+
+async def assert_served_by_a_replica(result: SyntheticResult, pool: PoolWatch) -> None:
+    """The student's samples came from its deployment's one replica, drained once they were in."""
+    student = result.stages["student"]
+    assert student["model"].startswith("student:synthetic-") and student["deployment"], student
+    assert student["drained"] == [student["deployment"]]
+    [replica] = pool.seen  # the deployment's replica was in the gateway's pool
+    assert await pool.pool() == set()  # and left it: drained
+    routed = await pool.routed()
+    # One request a prompt, each routed to the replica (the gateway has no other).
+    assert routed.get(replica, 0) >= student["prompts"] > 0, routed
+    assert sum(routed.values()) == routed[replica], routed
 
 
 def tiny_input(student: Path, work: Path, **change: Any) -> SyntheticInput:
@@ -255,15 +371,15 @@ async def test_a_tiny_run_generates_verifies_filters_versions_trains_and_evaluat
     temporal_server: TemporalDevServer,
     scheduler: ServiceProcess,
     mlflow_server: MlflowServer,
-    student: tuple[Path, ServiceProcess],
+    student: Path,
+    serving: dict[str, Any],
     teacher_url: str,
     tmp_path: Path,
 ) -> None:
-    folder, server = student
     tracker = Tracker(mlflow_server.url)
-    params = tiny_input(folder, tmp_path / "work")
-    result, workflow_id, agent = await run_workflow(
-        temporal_server, scheduler, teacher_url, server, tracker, params, tmp_path / "runs"
+    params = tiny_input(student, tmp_path / "work")
+    result, workflow_id, agent, pool = await run_workflow(
+        temporal_server, scheduler, teacher_url, serving, tracker, params, tmp_path / "runs"
     )
     print(f"\nsynthetic run: {json.dumps(result.stages, default=str)}\n{result.message}")
     assert result.outcome == "trained", (result.message, agent.logs)
@@ -276,6 +392,7 @@ async def test_a_tiny_run_generates_verifies_filters_versions_trains_and_evaluat
     assert sum(n for status, n in verify["solutions_by_status"].items() if status != "ok") > 0
     assert verify["problems"] == generated["problems"] and dedup["in"] == verify["kept"]
     assert sum(result.histogram.values()) == result.stages["student"]["sampled"] > 0
+    await assert_served_by_a_replica(result, pool)
     assert band["kept"] > 0
     dataset = result.dataset
     assert len(dataset["content_hash"]) == 64 and dataset["tokens"] > 0
@@ -297,21 +414,22 @@ async def test_an_empty_band_ends_the_run_with_the_histogram(
     temporal_server: TemporalDevServer,
     scheduler: ServiceProcess,
     mlflow_server: MlflowServer,
-    student: tuple[Path, ServiceProcess],
+    student: Path,
+    serving: dict[str, Any],
     teacher_url: str,
     tmp_path: Path,
 ) -> None:
-    folder, server = student
     tracker = Tracker(mlflow_server.url)
-    params = tiny_input(folder, tmp_path / "work", band_low=0.2, band_high=0.8, problems=8)
-    result, workflow_id, agent = await run_workflow(
-        temporal_server, scheduler, teacher_url, server, tracker, params, tmp_path / "runs"
+    params = tiny_input(student, tmp_path / "work", band_low=0.2, band_high=0.8, problems=8)
+    result, workflow_id, agent, pool = await run_workflow(
+        temporal_server, scheduler, teacher_url, serving, tracker, params, tmp_path / "runs"
     )
     print(f"\n{result.message}")
     assert result.outcome == "empty_band", (result.message, agent.logs)
     assert set(agent.ran) == {"curate", "band"}  # no SFT, no eval
     assert "no problem has a pass rate in [0.2, 0.8] over 4 samples" in result.message
     assert sum(result.histogram.values()) == result.stages["student"]["sampled"] > 0
+    await assert_served_by_a_replica(result, pool)
     for label, count in result.histogram.items():
         assert f"{label}: {count}" in result.message
     assert not result.dataset and not result.checkpoint_uri
@@ -328,18 +446,19 @@ async def test_a_teacher_that_answers_garbage_ends_the_run_with_the_counts(
     temporal_server: TemporalDevServer,
     scheduler: ServiceProcess,
     mlflow_server: MlflowServer,
-    student: tuple[Path, ServiceProcess],
+    student: Path,
+    serving: dict[str, Any],
     tmp_path: Path,
 ) -> None:
-    folder, server = student
     tracker = Tracker(mlflow_server.url)
     calls: list[int] = []
-    params = tiny_input(folder, tmp_path / "work", problems=3, teacher_attempts=2, templates=["add_sub"])
+    params = tiny_input(student, tmp_path / "work", problems=3, teacher_attempts=2, templates=["add_sub"])
     async for url in serve(garbage_teacher(calls)):
-        result, workflow_id, agent = await run_workflow(
-            temporal_server, scheduler, url, server, tracker, params, tmp_path / "runs"
+        result, workflow_id, agent, pool = await run_workflow(
+            temporal_server, scheduler, url, serving, tracker, params, tmp_path / "runs"
         )
     assert result.outcome == "no_problems" and not agent.ran
+    assert not pool.seen and "student" not in result.stages  # no student deployed
     assert result.teacher["malformed"] == 2 == len(calls) and result.teacher["failed_calls"] == 1
     assert "the teacher gave no usable problem" in result.message and "malformed answer" in result.message
     assert mlflow_run(tracker, workflow_id).tags["forge.outcome"] == "no_problems"

@@ -18,9 +18,16 @@ from forge_kit import errors
 from forge_kit.grpckit import make_channel
 from forge_kit.testing import ServiceProcess, TemporalDevServer, eventually
 from forge_orchestrator.activities import SchedulerActivities
-from forge_orchestrator.service import build_worker, validate_train
-from forge_orchestrator.training import CHECKPOINT_SIGNAL, CheckpointInfo, TrainInput, TrainResult, command_of
-from forge_orchestrator.workflows import JOB_EVENT_SIGNAL, PROGRESS_QUERY, JobEvent
+from forge_orchestrator.inbox import JOB_EVENT_SIGNAL, PROGRESS_QUERY, JobEvent
+from forge_orchestrator.service import build_worker
+from forge_orchestrator.training.model import (
+    CHECKPOINT_SIGNAL,
+    CheckpointInfo,
+    TrainInput,
+    TrainResult,
+    command_of,
+)
+from forge_orchestrator.training.service import validate_train
 
 pytestmark = [pytest.mark.integration]
 SCHEDULER_TOKEN = "scheduler-test-token"  # the session scheduler's token (conftest)

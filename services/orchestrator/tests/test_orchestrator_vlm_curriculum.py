@@ -17,10 +17,10 @@ from forge_kit import errors
 from forge_kit.grpckit import make_channel
 from forge_kit.testing import ServiceProcess, TemporalDevServer, eventually
 from forge_orchestrator.activities import SchedulerActivities
+from forge_orchestrator.inbox import JOB_EVENT_SIGNAL, PROGRESS_QUERY, JobEvent
 from forge_orchestrator.service import build_worker
-from forge_orchestrator.training import CHECKPOINT_SIGNAL, CheckpointInfo
+from forge_orchestrator.training.model import CHECKPOINT_SIGNAL, CheckpointInfo
 from forge_orchestrator.vlm_curriculum import VlmCurriculumInput, VlmCurriculumResult, validate_vlm_curriculum
-from forge_orchestrator.workflows import JOB_EVENT_SIGNAL, PROGRESS_QUERY, JobEvent
 
 SCHEDULER_TOKEN = "scheduler-test-token"  # the session scheduler's token (conftest)
 

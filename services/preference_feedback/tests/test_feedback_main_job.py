@@ -15,7 +15,7 @@ import sqlalchemy as sa
 from forge.feedback.v1 import feedback_pb2_grpc
 
 from forge_kit.db import Database
-from forge_kit.grpckit import serve
+from forge_kit.testing.grpcserver import grpc_test_server
 from forge_preference_feedback import main_job
 from forge_preference_feedback.api import FeedbackApi
 from forge_preference_feedback.main_job import PREFERENCES, RATER, RULE_LIMIT, SEED_LIMIT, step
@@ -44,26 +44,21 @@ async def test_step_seeds_and_posts_each_preference_once(
     db = Database(url or f"sqlite+aiosqlite:///{folder / 'preference_feedback.db'}")
     await db.migrate(MIGRATIONS)
     api = FeedbackApi(FeedbackService(db), RewardModelRegistry(db), max_page_size=10)
-    server = await serve(
-        service="preference_feedback",
-        register=[lambda s: feedback_pb2_grpc.add_PreferenceFeedbackServiceServicer_to_server(api, s)],
-        service_names=["forge.feedback.v1.PreferenceFeedbackService"],
-        host="127.0.0.1",
-        port=0,
+    async with grpc_test_server(
+        feedback_pb2_grpc.add_PreferenceFeedbackServiceServicer_to_server,
+        api,
+        "forge.feedback.v1.PreferenceFeedbackService",
         token=TOKEN,
-        default_deadline_s=5,
-    )
-    endpoint = SimpleNamespace(grpc_target=f"127.0.0.1:{server.port}", token=TOKEN)
-    ctx = SimpleNamespace(
-        root=tmp_path,
-        endpoint=lambda name: endpoint,
-        database_urls={"preference_feedback": url} if url else {},
-    )
-    try:
+        service="preference_feedback",
+    ) as server:
+        endpoint = SimpleNamespace(grpc_target=f"127.0.0.1:{server.port}", token=TOKEN)
+        ctx = SimpleNamespace(
+            root=tmp_path,
+            endpoint=lambda name: endpoint,
+            database_urls={"preference_feedback": url} if url else {},
+        )
         first = await step(ctx)
         again = await step(ctx)
-    finally:
-        await server.stop(0)
     # The rule set's pairs that are usable comparisons (a few HH lines are not, e.g. mismatched turns).
     rule_dir = tmp_path / "var" / "data" / "preference_feedback" / "seeds" / main_job.RULE_NAME
     usable = sum(1 for _ in read_hh_rlhf(rule_dir))

@@ -200,7 +200,7 @@ async def test_every_exported_pair_reads_back_as_a_pair_with_its_prompt(
 ) -> None:
     from collections import Counter
 
-    from forge_training.rm_eval import read_pairs
+    from forge_training.rm.eval import read_pairs
 
     stored = await rated.export_to_store(tmp_path / "snapshots", heldout_fraction=0.25)
     skipped: Counter[str] = Counter()

@@ -28,7 +28,7 @@ from forge_kit.testing.grpcserver import grpc_test_server
 from forge_preference_feedback.api import FeedbackApi
 from forge_preference_feedback.registry import HeldoutAccuracy, RewardModelRegistry
 from forge_preference_feedback.rm_cli import app
-from forge_training.rm_eval import fit
+from forge_training.pairs import fit
 
 if TYPE_CHECKING:
     from forge_preference_feedback.service import FeedbackService
@@ -355,7 +355,7 @@ def tiny_bert_reward_model(folder: Path, model_max_length: int) -> Path:
 
 
 def test_an_encoder_checkpoint_is_read_at_cls_with_the_end_of_each_transcript_kept(tmp_path: Path) -> None:
-    from forge_training.rm_eval import RewardModel
+    from forge_training.rm.eval import RewardModel
 
     folder = tiny_bert_reward_model(tmp_path / "bert", model_max_length=12)
     model = RewardModel(folder)
@@ -394,7 +394,7 @@ def read_pairs_from(rows: list[dict[str, str]], folder: Path) -> list[Any]:
     """``rows`` written to ``folder/pairs.jsonl`` and read back as scorable pairs."""
     from collections import Counter
 
-    from forge_training.rm_eval import read_pairs
+    from forge_training.rm.eval import read_pairs
 
     path = folder / "pairs.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))

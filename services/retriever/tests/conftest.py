@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import csv
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,11 +61,9 @@ def settings(tmp_path: Path) -> RetrieverSettings:
 
 
 @pytest.fixture
-async def db(tmp_path: Path) -> AsyncIterator[Database]:
-    database = Database(f"sqlite+aiosqlite:///{tmp_path / 'retriever.db'}")
-    await database.migrate(MIGRATIONS)
-    yield database
-    await database.dispose()
+def db_migrations() -> Path:
+    """This service's migrations, for forge_kit.testing's ``db`` fixture."""
+    return MIGRATIONS
 
 
 @pytest.fixture

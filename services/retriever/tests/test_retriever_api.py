@@ -9,7 +9,8 @@ import grpc
 import pytest
 from forge.retrieval.v1 import retrieval_pb2, retrieval_pb2_grpc
 
-from forge_kit.grpckit import FIELD_METADATA_KEY, GrpcServer, check_health, make_channel, serve
+from forge_kit.grpckit import FIELD_METADATA_KEY, GrpcServer, check_health, make_channel
+from forge_kit.testing.grpcserver import grpc_test_server
 from forge_retriever.api import SEARCH_MODE_METADATA_KEY, RetrieverApi
 from forge_retriever.service import RetrieverService
 
@@ -23,19 +24,14 @@ Stub = retrieval_pb2_grpc.RetrieverServiceStub
 
 @pytest.fixture
 async def server(service: RetrieverService) -> AsyncIterator[GrpcServer]:
-    started = await serve(
-        service="retriever",
-        register=[
-            lambda s: retrieval_pb2_grpc.add_RetrieverServiceServicer_to_server(RetrieverApi(service), s)
-        ],
-        service_names=["forge.retrieval.v1.RetrieverService"],
-        host="127.0.0.1",
-        port=0,
+    async with grpc_test_server(
+        retrieval_pb2_grpc.add_RetrieverServiceServicer_to_server,
+        RetrieverApi(service),
+        "forge.retrieval.v1.RetrieverService",
         token=TOKEN,
-        default_deadline_s=5,
-    )
-    yield started
-    await started.stop(0)
+        service="retriever",
+    ) as started:
+        yield started
 
 
 @pytest.fixture

@@ -9,7 +9,8 @@ import grpc
 import pytest
 from forge.retrieval.v1 import retrieval_pb2, retrieval_pb2_grpc
 
-from forge_kit.grpckit import FIELD_METADATA_KEY, serve
+from forge_kit.grpckit import FIELD_METADATA_KEY
+from forge_kit.testing.grpcserver import grpc_test_server
 from forge_retriever.api import RetrieverApi
 from forge_retriever.embed import SentenceTransformerEmbedder
 from forge_retriever.embedding import MAX_TEXTS
@@ -21,20 +22,18 @@ METADATA = (("authorization", f"Bearer {TOKEN}"), ("forge-tenant", "acme"))
 
 
 async def _stub(service: RetrieverService) -> AsyncIterator[retrieval_pb2_grpc.RetrieverServiceStub]:
-    server = await serve(
-        service="retriever",
-        register=[
-            lambda s: retrieval_pb2_grpc.add_RetrieverServiceServicer_to_server(RetrieverApi(service), s)
-        ],
-        service_names=["forge.retrieval.v1.RetrieverService"],
-        host="127.0.0.1",
-        port=0,
-        token=TOKEN,
-        default_deadline_s=30,
-    )
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+    async with (
+        grpc_test_server(
+            retrieval_pb2_grpc.add_RetrieverServiceServicer_to_server,
+            RetrieverApi(service),
+            "forge.retrieval.v1.RetrieverService",
+            token=TOKEN,
+            service="retriever",
+            default_deadline_s=30,
+        ) as server,
+        grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel,
+    ):
         yield retrieval_pb2_grpc.RetrieverServiceStub(channel)
-    await server.stop(0)
 
 
 @pytest.fixture

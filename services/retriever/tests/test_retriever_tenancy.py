@@ -26,8 +26,8 @@ from forge_kit.grpckit import (
     GrpcServer,
     Principal,
     make_channel,
-    serve,
 )
+from forge_kit.testing.grpcserver import grpc_test_server
 from forge_retriever.api import RetrieverApi
 from forge_retriever.config import RetrieverSettings
 from forge_retriever.documents import DocumentIn, SearchMode
@@ -214,19 +214,14 @@ def test_caller_tenant_comes_from_identity() -> None:
 
 @pytest.fixture
 async def server(service: RetrieverService) -> AsyncIterator[GrpcServer]:
-    started = await serve(
-        service="retriever",
-        register=[
-            lambda s: retrieval_pb2_grpc.add_RetrieverServiceServicer_to_server(RetrieverApi(service), s)
-        ],
-        service_names=["forge.retrieval.v1.RetrieverService"],
-        host="127.0.0.1",
-        port=0,
+    async with grpc_test_server(
+        retrieval_pb2_grpc.add_RetrieverServiceServicer_to_server,
+        RetrieverApi(service),
+        "forge.retrieval.v1.RetrieverService",
         token=TOKEN,
-        default_deadline_s=5,
-    )
-    yield started
-    await started.stop(0)
+        service="retriever",
+    ) as started:
+        yield started
 
 
 @pytest.mark.integration

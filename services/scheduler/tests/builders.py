@@ -5,6 +5,9 @@ from __future__ import annotations
 from forge.common.v1 import common_pb2
 from forge.scheduler.v1 import scheduler_pb2
 
+from forge_scheduler.jobspec import JobSpec
+from forge_scheduler.messages import spec_from_proto
+
 
 class JobBuilder:
     def __init__(self, name: str, team: str) -> None:
@@ -33,9 +36,14 @@ class JobBuilder:
         return self
 
     def build(self) -> scheduler_pb2.JobSpec:
+        """The API's message (for tests through gRPC)."""
         spec = scheduler_pb2.JobSpec()
         spec.CopyFrom(self._spec)
         return spec
+
+    def record(self) -> JobSpec:
+        """The domain's record, as the API builds it from :meth:`build` (for tests of the service)."""
+        return spec_from_proto(self.build())
 
 
 def make_job(name: str = "train-llama", team: str = "research") -> JobBuilder:

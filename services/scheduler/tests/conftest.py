@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -15,11 +14,9 @@ MIGRATIONS = Path(__file__).parents[1] / "src" / "forge_scheduler" / "migrations
 
 
 @pytest.fixture
-async def db(tmp_path: Path) -> AsyncIterator[Database]:
-    database = Database(f"sqlite+aiosqlite:///{tmp_path / 'scheduler.db'}")
-    await database.migrate(MIGRATIONS)
-    yield database
-    await database.dispose()
+def db_migrations() -> Path:
+    """This service's migrations, for forge_kit.testing's ``db`` fixture."""
+    return MIGRATIONS
 
 
 @pytest.fixture

@@ -34,7 +34,7 @@ async def server(db: Database) -> AsyncIterator[GrpcServer]:
         "forge.scheduler.v1.SchedulerService",
         token=TOKEN,
         service="scheduler",
-        authenticators=[service.authenticate],
+        authenticators=[service.teams.authenticate],
     ) as started:
         yield started
     loop.cancel()

@@ -16,6 +16,7 @@ from forge_kit import errors
 from forge_kit.db import Database
 from forge_kit.events import OutboxEvent
 from forge_scheduler.api import command_to_proto, registration_from_proto, report_from_proto
+from forge_scheduler.messages import spec_from_proto
 from forge_scheduler.policy import PolicyConfig
 from forge_scheduler.records import QuotaSpec, ReplicaReport
 from forge_scheduler.scheduling import SchedulingLoop, decayed_usage
@@ -64,7 +65,7 @@ def register(name: str, gpus: int = 4, group: str = "g0") -> scheduler_pb2.Regis
 async def with_nodes(sched: SchedulerService, *nodes: scheduler_pb2.RegisterNode) -> dict[str, asyncio.Queue]:
     queues = {}
     for node in nodes:
-        await sched.register_node(registration_from_proto(node))
+        await sched.nodes.register_node(registration_from_proto(node))
         queues[node.node_name] = sched.hub.open(node.node_name)
     return queues
 
@@ -83,9 +84,9 @@ def report(job_id: str, state: int) -> ReplicaReport:
 async def test_gang_across_two_nodes_starts_runs_and_succeeds(
     sched: SchedulerService, loop: SchedulingLoop
 ) -> None:
-    await sched.create_team("research", "", [H100])
+    await sched.teams.create_team("research", "", [H100])
     queues = await with_nodes(sched, register("node-a"), register("node-b"))
-    job = await sched.submit_job(make_job().gpus(4).replicas(2).build())
+    job = await sched.submit_job(make_job().gpus(4).replicas(2).record())
 
     cycle = await loop.cycle()
 
@@ -110,16 +111,16 @@ async def test_gang_across_two_nodes_starts_runs_and_succeeds(
     await sched.update_job_status("node-b", report(job.id, S.JOB_STATE_SUCCEEDED))
     done = await sched.get_job(job.id)
     assert done.state == S.JOB_STATE_SUCCEEDED and done.slots is None
-    assert await sched.used_gpus() == {}
+    assert await sched.nodes.used_gpus() == {}
 
 
 async def test_replicas_failing_at_once_free_every_gpu(sched: SchedulerService, loop: SchedulingLoop) -> None:
     """Both replicas' reports processed side by side (each agent has its own stream): each read
     the job before the other committed, and the later commit put back a replica the earlier had
     freed, so its GPUs stayed draining and the next gang never started."""
-    await sched.create_team("research", "", [H100])
+    await sched.teams.create_team("research", "", [H100])
     queues = await with_nodes(sched, register("node-a"), register("node-b"))
-    job = await sched.submit_job(make_job().gpus(4).replicas(2).build())
+    job = await sched.submit_job(make_job().gpus(4).replicas(2).record())
     await loop.cycle()
     for name in queues:
         await sched.update_job_status(name, report(job.id, S.JOB_STATE_RUNNING))
@@ -130,18 +131,18 @@ async def test_replicas_failing_at_once_free_every_gpu(sched: SchedulerService, 
 
     failed = await sched.get_job(job.id)
     assert failed.state == S.JOB_STATE_FAILED and failed.draining is None
-    assert await sched.used_gpus() == {}
-    again = await sched.submit_job(make_job("again").gpus(4).replicas(2).build())
+    assert await sched.nodes.used_gpus() == {}
+    again = await sched.submit_job(make_job("again").gpus(4).replicas(2).record())
     assert (await loop.cycle()).started == [again.id]
 
 
 async def test_job_that_can_never_fit_is_refused_at_submit_and_nothing_is_written(
     sched: SchedulerService, db: Database
 ) -> None:
-    await sched.create_team("research", "", [H100])
+    await sched.teams.create_team("research", "", [H100])
     await with_nodes(sched, register("node-a", 4, "g0"), register("node-b", 4, "g1"))
     with pytest.raises(errors.ConflictError, match="can never be placed"):
-        await sched.submit_job(make_job().gpus(4).replicas(2).same_node_group().build())
+        await sched.submit_job(make_job().gpus(4).replicas(2).same_node_group().record())
     async with db.session() as session:
         assert await session.scalar(sa.select(sa.func.count()).select_from(OutboxEvent)) == 0
     jobs, total = await sched.list_jobs("", [], 10, 0)
@@ -149,12 +150,12 @@ async def test_job_that_can_never_fit_is_refused_at_submit_and_nothing_is_writte
 
 
 async def test_pending_job_gets_a_reason_in_words(sched: SchedulerService, loop: SchedulingLoop) -> None:
-    await sched.create_team("research", "", [QuotaSpec(gpu_type="H100", guaranteed_gpus=16)])
-    await sched.create_team("small", "", [])
+    await sched.teams.create_team("research", "", [QuotaSpec(gpu_type="H100", guaranteed_gpus=16)])
+    await sched.teams.create_team("small", "", [])
     await with_nodes(sched, register("node-a", 4, "g0"), register("node-b", 4, "g1"))
-    first = await sched.submit_job(make_job("first").gpus(4).build())
+    first = await sched.submit_job(make_job("first").gpus(4).record())
     await loop.cycle()
-    waiting = await sched.submit_job(make_job("second").gpus(4).replicas(2).build())
+    waiting = await sched.submit_job(make_job("second").gpus(4).replicas(2).record())
     await loop.cycle()
     job = await sched.get_job(waiting.id)
     assert job.state == S.JOB_STATE_PENDING
@@ -162,7 +163,7 @@ async def test_pending_job_gets_a_reason_in_words(sched: SchedulerService, loop:
     assert (await sched.get_job(first.id)).state == S.JOB_STATE_SCHEDULED
     assert sched.cluster.queue_positions.get(waiting.id) == 1
     assert sched.cluster.total_gpus == 8 and sched.cluster.allocated_gpus == 4
-    over = await sched.submit_job(make_job("over", team="small").gpus(1).build())
+    over = await sched.submit_job(make_job("over", team="small").gpus(1).record())
     await loop.cycle()
     assert (await sched.get_job(over.id)).pending_reason.startswith("team quota exhausted")
 
@@ -170,15 +171,15 @@ async def test_pending_job_gets_a_reason_in_words(sched: SchedulerService, loop:
 async def test_lost_node_requeues_its_jobs_and_cancels_the_other_replicas(
     sched: SchedulerService, loop: SchedulingLoop, clock: Clock
 ) -> None:
-    await sched.create_team("research", "", [H100])
+    await sched.teams.create_team("research", "", [H100])
     queues = await with_nodes(sched, register("node-a"), register("node-b"))
-    job = await sched.submit_job(make_job().gpus(4).replicas(2).build())
+    job = await sched.submit_job(make_job().gpus(4).replicas(2).record())
     await loop.cycle()
     for name in queues:
         await sched.update_job_status(name, report(job.id, S.JOB_STATE_RUNNING))
         drain(queues[name])
     clock.advance(10)
-    await sched.heartbeat("node-b", [job.id])
+    await sched.nodes.heartbeat("node-b", [job.id])
     clock.advance(10)  # node-a silent for 20 s > 15 s
 
     cycle = await loop.cycle()
@@ -190,9 +191,9 @@ async def test_lost_node_requeues_its_jobs_and_cancels_the_other_replicas(
     [cancel] = drain(queues["node-b"])
     assert cancel.cancel_job.job_id == job.id
     # node-b's replica still holds its GPUs until its agent says it stopped
-    assert (await sched.used_gpus()) == {"node-b": {0, 1, 2, 3}}
+    assert (await sched.nodes.used_gpus()) == {"node-b": {0, 1, 2, 3}}
     await sched.update_job_status("node-b", report(job.id, S.JOB_STATE_CANCELLED))
-    assert await sched.used_gpus() == {}
+    assert await sched.nodes.used_gpus() == {}
 
 
 async def test_after_a_failed_cycle_nodes_get_a_full_timeout_before_they_are_lost(
@@ -201,9 +202,9 @@ async def test_after_a_failed_cycle_nodes_get_a_full_timeout_before_they_are_los
     """Found by the fault suite (scheduler ↔ PostgreSQL partition): heartbeats that arrive while
     the database is away are not recorded, so once it is back every node looks silent for as long
     as the outage and the first cycle requeued a job whose node had finished it: it ran twice."""
-    await sched.create_team("research", "", [H100])
+    await sched.teams.create_team("research", "", [H100])
     queues = await with_nodes(sched, register("node-a"))
-    job = await sched.submit_job(make_job().gpus(4).build())
+    job = await sched.submit_job(make_job().gpus(4).record())
     await loop.cycle()
     await sched.update_job_status("node-a", report(job.id, S.JOB_STATE_RUNNING))
     drain(queues["node-a"])
@@ -234,14 +235,16 @@ async def test_after_a_failed_cycle_nodes_get_a_full_timeout_before_they_are_los
 async def test_production_inference_preempts_preemptible_work_within_a_cycle_and_grace(
     sched: SchedulerService, loop: SchedulingLoop, clock: Clock
 ) -> None:
-    await sched.create_team("research", "", [QuotaSpec(gpu_type="H100", guaranteed_gpus=0, borrow_limit=64)])
-    await sched.create_team("serving", "", [QuotaSpec(gpu_type="H100", guaranteed_gpus=4)])
+    await sched.teams.create_team(
+        "research", "", [QuotaSpec(gpu_type="H100", guaranteed_gpus=0, borrow_limit=64)]
+    )
+    await sched.teams.create_team("serving", "", [QuotaSpec(gpu_type="H100", guaranteed_gpus=4)])
     queues = await with_nodes(sched, register("node-a"), register("node-b"))
     flood = []
     for i in range(8):
         spec = make_job(f"sweep-{i}").gpus(1).priority("preemptible").build()
         spec.checkpointable = True
-        flood.append(await sched.submit_job(spec))
+        flood.append(await sched.submit_job(spec_from_proto(spec)))
     await loop.cycle()
     for job in flood:
         placed = await sched.get_job(job.id)
@@ -250,8 +253,10 @@ async def test_production_inference_preempts_preemptible_work_within_a_cycle_and
         drain(q)
     clock.advance(600)
     for name in queues:
-        await sched.heartbeat(name, [])
-    prod = await sched.submit_job(make_job("llm-pool", team="serving").gpus(4).priority("production").build())
+        await sched.nodes.heartbeat(name, [])
+    prod = await sched.submit_job(
+        make_job("llm-pool", team="serving").gpus(4).priority("production").record()
+    )
 
     cycle = await loop.cycle()
 
@@ -262,7 +267,7 @@ async def test_production_inference_preempts_preemptible_work_within_a_cycle_and
     assert len({v.assigned_nodes[0] for v in victims}) == 1, "victims free one whole node"
     clock.advance(GRACE_S)
     for name in queues:
-        await sched.heartbeat(name, [])
+        await sched.nodes.heartbeat(name, [])
     for victim in victims:
         await sched.update_job_status(victim.assigned_nodes[0], report(victim.id, S.JOB_STATE_PREEMPTED))
     cycle = await loop.cycle()
@@ -274,49 +279,49 @@ async def test_production_inference_preempts_preemptible_work_within_a_cycle_and
 
 async def test_restart_loses_no_job_placement_or_usage(db: Database, clock: Clock) -> None:
     first = SchedulerService(db, clock=clock)
-    await first.create_team("research", "", [H100])
+    await first.teams.create_team("research", "", [H100])
     await with_nodes(first, register("node-a"))
-    running = await first.submit_job(make_job("running").gpus(4).build())
+    running = await first.submit_job(make_job("running").gpus(4).record())
     clock.advance(1)
-    queued = await first.submit_job(make_job("queued").gpus(4).build())
+    queued = await first.submit_job(make_job("queued").gpus(4).record())
     no_las = PolicyConfig(las_preemption=False)
     await SchedulingLoop(first, no_las).cycle()
     await first.update_job_status("node-a", report(running.id, S.JOB_STATE_RUNNING))
     clock.advance(3600)
-    await first.heartbeat("node-a", [running.id])
+    await first.nodes.heartbeat("node-a", [running.id])
     await SchedulingLoop(first, no_las).cycle()
 
     second = SchedulerService(db, clock=clock)  # a new process on the same database
     assert (await second.get_job(running.id)).state == S.JOB_STATE_RUNNING
     assert (await second.get_job(queued.id)).state == S.JOB_STATE_PENDING
-    assert await second.used_gpus() == {"node-a": {0, 1, 2, 3}}
+    assert await second.nodes.used_gpus() == {"node-a": {0, 1, 2, 3}}
     [stats] = await second.queue_stats("research")
     assert stats.decayed_usage_gpu_hours == pytest.approx(decayed_usage(0, 4, 3600, 7 * 86400) / 3600)
     assert stats.decayed_usage_gpu_hours > 3.9
     # the agent reconnects and is sent nothing twice for a job it still runs
-    assert await second.outstanding_starts("node-a", [running.id]) == []
+    assert await second.nodes.outstanding_starts("node-a", [running.id]) == []
 
 
 async def test_reconnecting_agent_gets_starts_it_missed(
     sched: SchedulerService, loop: SchedulingLoop
 ) -> None:
-    await sched.create_team("research", "", [H100])
-    await sched.register_node(
+    await sched.teams.create_team("research", "", [H100])
+    await sched.nodes.register_node(
         registration_from_proto(register("node-a"))
     )  # no session open: the StartJob is dropped
-    job = await sched.submit_job(make_job().gpus(2).build())
+    job = await sched.submit_job(make_job().gpus(2).record())
     await loop.cycle()
-    [missed] = await sched.outstanding_starts("node-a", [])
+    [missed] = await sched.nodes.outstanding_starts("node-a", [])
     assert missed.job.id == job.id and missed.gpu_indices == (0, 1)
 
 
 async def test_cpu_only_job_runs_on_the_least_busy_node(
     sched: SchedulerService, loop: SchedulingLoop
 ) -> None:
-    await sched.create_team("research", "", [])
+    await sched.teams.create_team("research", "", [])
     queues = await with_nodes(sched, register("node-a"), register("node-b"))
-    one = await sched.submit_job(make_job("one").build())
-    two = await sched.submit_job(make_job("two").build())
+    one = await sched.submit_job(make_job("one").record())
+    two = await sched.submit_job(make_job("two").record())
     await loop.cycle()
     nodes = {(await sched.get_job(j.id)).assigned_nodes[0] for j in (one, two)}
     assert nodes == {"node-a", "node-b"}
@@ -326,9 +331,9 @@ async def test_cpu_only_job_runs_on_the_least_busy_node(
 async def test_failed_replica_fails_the_job_and_cancels_the_rest(
     sched: SchedulerService, loop: SchedulingLoop
 ) -> None:
-    await sched.create_team("research", "", [H100])
+    await sched.teams.create_team("research", "", [H100])
     queues = await with_nodes(sched, register("node-a"), register("node-b"))
-    job = await sched.submit_job(make_job().gpus(4).replicas(2).build())
+    job = await sched.submit_job(make_job().gpus(4).replicas(2).record())
     await loop.cycle()
     for q in queues.values():
         drain(q)
@@ -345,25 +350,25 @@ async def test_a_node_heard_from_after_it_was_lost_is_told_to_stop_what_was_requ
     """Found by the fault suite (trainer agent ↔ scheduler partition past the loss timeout): the
     cut-off agent ran its job on while the scheduler requeued it onto another node; heard from
     again, it was told nothing and the job ran to success on both nodes."""
-    await sched.create_team("research", "", [H100])
+    await sched.teams.create_team("research", "", [H100])
     queues = await with_nodes(sched, register("node-a"), register("node-b"))
-    job = await sched.submit_job(make_job().gpus(4).build())
+    job = await sched.submit_job(make_job().gpus(4).record())
     await loop.cycle()
     [first] = (await sched.get_job(job.id)).assigned_nodes
     other = "node-b" if first == "node-a" else "node-a"
     await sched.update_job_status(first, report(job.id, S.JOB_STATE_RUNNING))
-    assert await sched.stale_runs(first, [job.id]) == []  # placed there: not stale
+    assert await sched.nodes.stale_runs(first, [job.id]) == []  # placed there: not stale
     clock.advance(10)
-    await sched.heartbeat(other, [])
+    await sched.nodes.heartbeat(other, [])
     clock.advance(10)  # the first node silent for 20 s > 15 s: lost, the job requeued
     assert (await loop.cycle()).requeued == [job.id]
-    await sched.heartbeat(other, [])
+    await sched.nodes.heartbeat(other, [])
     await loop.cycle()
     assert (await sched.get_job(job.id)).assigned_nodes == [other]
     for queue in queues.values():
         drain(queue)
 
     # The lost node is heard from again, its agent still running the job.
-    [stop] = await sched.stale_runs(first, [job.id, "job-unknown-here"])
+    [stop] = await sched.nodes.stale_runs(first, [job.id, "job-unknown-here"])
     assert stop.job_id == job.id and "gave up on this replica" in stop.reason
-    assert await sched.stale_runs(other, [job.id]) == []
+    assert await sched.nodes.stale_runs(other, [job.id]) == []

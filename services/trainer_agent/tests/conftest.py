@@ -27,11 +27,9 @@ ReportsUntil = Callable[..., Awaitable[list[StatusReport]]]
 
 
 @pytest.fixture
-async def db(tmp_path: Path) -> AsyncIterator[Database]:
-    database = Database(f"sqlite+aiosqlite:///{tmp_path / 'trainer_agent.db'}")
-    await database.migrate(MIGRATIONS)
-    yield database
-    await database.dispose()
+def db_migrations() -> Path:
+    """This service's migrations, for forge_kit.testing's ``db`` fixture."""
+    return MIGRATIONS
 
 
 @pytest.fixture

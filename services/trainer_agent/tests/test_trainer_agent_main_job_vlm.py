@@ -1,30 +1,38 @@
-"""The main job's ``vlm`` step: its inputs, and its serve-and-ask half against real model_server
-and gateway processes (the training half is the platform's ``training`` workflow, as the ``train``
-step runs it; here a tiny random LLaVA stands in for the trained folder): the folder is loaded
-under its name and version, the gateway routes to it, and a chat completion with a generated
-scene as an ``image_url`` part comes back from that version with the image counted in its usage."""
+"""The main job's ``vlm`` step: its inputs, and its serve-and-ask half against real scheduler,
+trainer agent, gateway and orchestrator processes (the training half is the platform's
+``training`` workflow, as the ``train`` step runs it; here a tiny random LLaVA stands in for the
+trained folder): the folder is deployed under its name and version (Forge's engine, one replica
+placed by the scheduler and started by the agent), the gateway routes to it, a chat completion
+with a generated scene as an ``image_url`` part comes back from that version with the image
+counted in its usage, and the deployment is undeployed."""
 
 from __future__ import annotations
 
+import sys
+import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
+from forge.orchestrator.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
-from forge_kit.testing import ServiceProcess
+from forge_kit.grpckit import make_channel
+from forge_kit.testing import ServiceProcess, TemporalDevServer, eventually
 from forge_kit.testing.tiny_llava import save_tiny_llava
 from forge_trainer_agent.main_job_vlm import (
     VlmStepError,
+    deploy_and_ask,
     language_parent,
     scene_question,
-    serve_and_ask,
     training_input,
 )
 
 pytest.importorskip("forge_training.vlm.world")
-SERVER_TOKEN = "vlm-step-server"
+SCHEDULER_TOKEN = "vlm-step-scheduler"
+ORCHESTRATOR_TOKEN = "vlm-step-orchestrator"
 GATEWAY_TOKEN = "vlm-step-gateway"
 
 
@@ -65,38 +73,68 @@ def test_the_scene_is_generated_deterministically() -> None:
 
 
 @pytest.fixture
-def platform(tmp_path: Path) -> Iterator[tuple[Endpoint, Endpoint]]:
+def platform(tmp_path: Path, temporal_server: TemporalDevServer) -> Iterator[tuple[Endpoint, Endpoint]]:
+    """The scheduler, a trainer agent with one simulated GPU, the gateway (no replica of its own)
+    and the orchestrator, whose ``deployment`` workflow runs the VLM's replica."""
     started: list[ServiceProcess] = []
     try:
 
         def start(name: str, env: dict[str, str]) -> ServiceProcess:
             prefix = f"FORGE_{name.upper()}_"
-            full = {
-                prefix + k: v
-                for k, v in {"GRPC_PORT": "0", "HTTP_PORT": "0", "KAFKA_ENABLED": "false", **env}.items()
+            base = {
+                "GRPC_PORT": "0",
+                "HTTP_PORT": "0",
+                "KAFKA_ENABLED": "false",
+                "DATA_DIR": str(tmp_path / name),
             }
             proc = ServiceProcess(
-                f"forge_{name}", env=full, cwd=str(tmp_path), log_path=str(tmp_path / f"{name}.log")
+                f"forge_{name}",
+                env={prefix + k: v for k, v in {**base, **env}.items()},
+                cwd=str(tmp_path),
+                log_path=str(tmp_path / f"{name}.log"),
             ).start(90)
             started.append(proc)
             return proc
 
-        (tmp_path / "models").mkdir()
-        server = start(
-            "model_server",
-            {"AUTH_TOKEN": SERVER_TOKEN, "MODELS_DIR": str(tmp_path / "models"), "TORCH_THREADS": "1"},
+        scheduler = start("scheduler", {"AUTH_TOKEN": SCHEDULER_TOKEN})
+        start(
+            "trainer_agent",
+            {
+                "AUTH_TOKEN": SCHEDULER_TOKEN,
+                "SCHEDULER_TARGET": scheduler.grpc_target,
+                "SCHEDULER_TOKEN": SCHEDULER_TOKEN,
+                "NODE_NAME": f"vlm-node-{uuid.uuid4().hex[:6]}",
+                "GPUS": "SIMx1",
+                "JOB_SANDBOX": "",
+                "STOP_GRACE_S": "10",
+            },
         )
         gateway = start(
             "inference_gateway",
             {
                 "AUTH_TOKEN": GATEWAY_TOKEN,
-                "DATA_DIR": str(tmp_path / "gateway"),
+                "MODEL_SERVER_URL": "",
                 "MODELS_REFRESH_S": "1",
                 "BOOTSTRAP_API_KEY": "vlm-step-tenant",
+                "SCRAPE_TIMEOUT_S": "10",
+            },
+        )
+        orchestrator = start(
+            "orchestrator",
+            {
+                "AUTH_TOKEN": ORCHESTRATOR_TOKEN,
+                "TEMPORAL_TARGET": temporal_server.target,
+                "TASK_QUEUE": f"vlm-step-{uuid.uuid4().hex[:8]}",
+                "SCHEDULER_TARGET": scheduler.grpc_target,
+                "SCHEDULER_TOKEN": SCHEDULER_TOKEN,
+                "INFERENCE_GATEWAY_URL": gateway.http_url,
+                "INFERENCE_GATEWAY_TOKEN": GATEWAY_TOKEN,
+                "DEPLOY_FORGE_PYTHON": sys.executable,
+                "DEPLOY_POLL_S": "0.5",
             },
         )
         yield (
-            Endpoint(server.http_url, server.grpc_target, SERVER_TOKEN),
+            Endpoint(orchestrator.http_url, orchestrator.grpc_target, ORCHESTRATOR_TOKEN),
             Endpoint(gateway.http_url, gateway.grpc_target, GATEWAY_TOKEN),
         )
     finally:
@@ -104,12 +142,36 @@ def platform(tmp_path: Path) -> Iterator[tuple[Endpoint, Endpoint]]:
             proc.stop()
 
 
-async def test_serve_and_ask_through_the_gateway(platform: tuple[Endpoint, Endpoint], tmp_path: Path) -> None:
-    server, gateway = platform
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+async def test_deploy_and_ask_through_the_gateway(
+    platform: tuple[Endpoint, Endpoint], tmp_path: Path
+) -> None:
+    """The VLM is a deployment's replica (Forge's engine, placed by the scheduler, started by the
+    agent), asked through the gateway, and undeployed after; the trained folder is not touched."""
+    orchestrator, gateway = platform
     folder = save_tiny_llava(tmp_path / "trained" / "hf")
-    result = await serve_and_ask(server, gateway, folder, "shapes-vlm", "step-40")
+    before = sorted(p.name for p in folder.iterdir())
+    result = await deploy_and_ask(
+        orchestrator, gateway, folder, "step-40", layout_root=tmp_path / "served", team="main-job"
+    )
     assert result["ok"] is True, result
     assert result["served_by"] == "shapes-vlm:step-40" and result["image_tokens"] == 16
     assert (
         int(str(result["prompt_tokens"])) > 16 and result["expected"] and isinstance(result["correct"], bool)
     )
+    assert str(result["deployment"]).startswith("main-job-vlm (engine forge): replica job-")
+    assert sorted(p.name for p in folder.iterdir()) == before
+    async with make_channel(orchestrator.grpc_target, token=ORCHESTRATOR_TOKEN) as channel:
+        stub = orchestrator_pb2_grpc.OrchestratorServiceStub(channel)
+
+        async def gone() -> bool:
+            try:
+                reply = await stub.GetDeployment(
+                    orchestrator_pb2.GetDeploymentRequest(name="main-job-vlm"), timeout=10
+                )
+            except grpc.aio.AioRpcError as exc:
+                return exc.code() == grpc.StatusCode.NOT_FOUND
+            return reply.deployment.state == "undeployed"
+
+        await eventually(gone, timeout_s=120, interval_s=1.0, what="main-job-vlm undeployed")

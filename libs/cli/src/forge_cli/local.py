@@ -26,7 +26,7 @@ from forge_cli.platform import INFRA, Backing, Infra, ServiceSpec
 from forge_cli.supervisor import Component, Paths
 from forge_kit.events import ensure_topics
 from forge_kit.grpckit import check_health
-from forge_kit.localinfra import mlflow_healthy, mlflow_server_argv, port_open, tansu_binary
+from forge_kit.localinfra import mlflow_healthy, mlflow_server_argv, port_open, tansu_broker_argv
 from forge_kit.paths import private_dir
 
 INFRA_TIMEOUT_S = 120.0
@@ -73,25 +73,15 @@ def _executable(name: str) -> str:
 
 
 def tansu_component(infra: Infra) -> Component:
-    url = f"tcp://{platform.HOST}:{infra.kafka_port}"
-    binary = tansu_binary()
+    argv = tansu_broker_argv(f"tcp://{platform.HOST}:{infra.kafka_port}")
 
     async def healthy() -> bool:
         return port_open(infra.kafka_port)
 
     return Component(
         name="tansu",
-        argv=[
-            binary,
-            "broker",
-            "--listener-url",
-            url,
-            "--advertised-listener-url",
-            url,
-            "--storage-engine",
-            "memory://tansu/",
-        ],
-        marker=Path(binary).name,
+        argv=argv,
+        marker=Path(argv[0]).name,
         health=healthy,
         ports=(infra.kafka_port,),
         urls=(f"kafka://{infra.kafka_bootstrap}",),
@@ -375,9 +365,15 @@ async def up(
     paths.objects.mkdir(parents=True, exist_ok=True)
     try:
         if profile is not None and profile.backing is not None:
-            created = await profiles.ensure_databases(profile, table)
-            if created:
-                console.print(f"created PostgreSQL databases: {', '.join(created)}", highlight=False)
+            dbs = await profiles.ensure_databases(profile, table)
+            if dbs.created:
+                console.print(f"created PostgreSQL databases: {', '.join(dbs.created)}", highlight=False)
+            if dbs.reset:
+                console.print(
+                    f"reset PostgreSQL databases whose state folder ({profile.root}) was gone: "
+                    f"{', '.join(dbs.reset)}; the profile's Redis keys were cleared too",
+                    highlight=False,
+                )
         with console.status("starting the broker, the Temporal dev server and the MLflow server…"):
             mlflow_store = profile.mlflow_store if profile is not None else ""
             infra_up = await bring_up(infra_components(infra, paths, mlflow_store), paths, INFRA_TIMEOUT_S)

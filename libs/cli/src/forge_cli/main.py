@@ -11,6 +11,7 @@ from rich.console import Console
 from forge_cli import data, keys, local, platform, profiles
 from forge_cli.plugins import PluginGroup
 from forge_cli.supervisor import Paths
+from forge_kit import clitools
 
 app = typer.Typer(
     cls=PluginGroup,
@@ -22,6 +23,14 @@ app = typer.Typer(
 console = Console()
 app.add_typer(data.app, name="data")
 app.add_typer(keys.app, name="keys")
+app.add_typer(
+    typer.Typer(
+        cls=clitools.EntryPointGroup,
+        help="Benchmarks: one a package declares in the entry-point group forge.bench.",
+        no_args_is_help=True,
+    ),
+    name="bench",
+)
 
 ServicesOption = Annotated[
     str | None,

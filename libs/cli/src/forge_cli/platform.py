@@ -133,9 +133,13 @@ SERVICES: tuple[ServiceSpec, ...] = (
             "NODE_GROUP": "local",
             "RUNNER": "torchrun",
             # Jobs run sandboxed: besides the datasets they read the exports of earlier jobs on
-            # any agent and preference snapshots, and vLLM's environment (a deployment's
-            # replicas); the rlhf workflow's jobs write objects/rlhf.
-            "JOB_READ_PATHS": "{root}/var/data/trainer_agent*/runs,{root}/var/data/preference_feedback/snapshots,{checkout}/.venv-vllm",
+            # any agent and preference snapshots, vLLM's environment (a deployment's replicas)
+            # and the folder the main job's vlm step lays its version out in (links to an export,
+            # for its Forge-engine replica); the rlhf workflow's jobs write objects/rlhf.
+            "JOB_READ_PATHS": (
+                "{root}/var/data/trainer_agent*/runs,{root}/var/data/preference_feedback/snapshots,"
+                "{checkout}/.venv-vllm,{root}/var/data/main-job/vlm"
+            ),
             "JOB_WRITE_PATHS": "{root}/var/objects/rlhf",
         },
     ),
@@ -187,8 +191,18 @@ SERVICES: tuple[ServiceSpec, ...] = (
             "GATEWAY_METRICS_URLS": '["{http:inference_gateway}/metrics"]',
             "CANARY_POLICY": "local",
             "INFERENCE_GATEWAY_URL": "{http:inference_gateway}",
-            # The agents run on this machine: vLLM replicas start from this checkout's environment.
+            # The agents run on this machine: replicas start from this checkout's environments
+            # (vLLM's own; Forge's for the ``forge`` engine, e.g. the main job's VLM).
             "DEPLOY_VLLM_PYTHON": "{checkout}/.venv-vllm/bin/python",
+            "DEPLOY_FORGE_PYTHON": "{checkout}/.venv/bin/python",
+            # Every promotion (the main job's eval and rlhf steps, `forge eval promote`, a rollback)
+            # starts the version's vLLM replicas on the agents' simulated GPUs, in the main job's
+            # team, and drains the version that lost.
+            "PROMOTE_DEPLOY": "true",
+            "PROMOTE_DEPLOY_ENGINE": "vllm",
+            "PROMOTE_DEPLOY_TEAM": "main-job",
+            "PROMOTE_DEPLOY_GPU_TYPE": "SIM",
+            "PROMOTE_DEPLOY_ENGINE_ARGS": '["--max-num-seqs", "16"]',
         },
     ),
 )

@@ -33,20 +33,6 @@ def plugin_entry_points(group: str = GROUP) -> dict[str, list[EntryPoint]]:
     return found
 
 
-def _broken_command(name: str, ep: EntryPoint, exc: BaseException) -> Command:
-    message = f"cannot load {ep.value} ({ep.dist.name if ep.dist else 'unknown package'}): {exc!r}"
-    stub = typer.Typer(add_completion=False)
-
-    @stub.command(
-        name=name, help=f"(broken plugin) {message}", short_help=f"(broken plugin: {type(exc).__name__})"
-    )
-    def explain() -> None:
-        typer.echo(f"forge {name}: {message}", err=True)
-        raise typer.Exit(1)
-
-    return typer.main.get_command(stub)
-
-
 def load_plugin(name: str, eps: EntryPoint | list[EntryPoint]) -> Command:
     """Import the plugin(s) registered as ``name`` and turn them into one command."""
     if isinstance(eps, list):
@@ -68,7 +54,7 @@ def _load(name: str, ep: EntryPoint) -> Command:
             raise TypeError(f"{ep.value} is a {type(obj).__name__}, not a typer.Typer")
         command = typer.main.get_command(obj)
     except Exception as exc:  # noqa: BLE001 - any import-time failure becomes a stub command
-        command = _broken_command(name, ep, exc)
+        command = clitools.broken_command(name, ep, exc)
     return command
 
 

@@ -7,7 +7,8 @@
   :func:`forge_cli.platform.production_env`, the very function the Compose file and the
   Kubernetes manifests are generated from, so the two cannot drift. It runs beside a ``dev``
   platform: its state is under ``var/prod-like/var/``, its ports are the table's plus
-  :data:`PROD_LIKE_PORT_OFFSET`, its databases are named ``prodlike_forge_<service>``.
+  :data:`PROD_LIKE_PORT_OFFSET`, its databases are named ``prodlike_forge_<service>`` and are
+  paired with its state folder (:func:`pair_databases`).
 
 Where PostgreSQL, Redis and Qdrant are: ``FORGE_PROD_LIKE_POSTGRES`` (``user@host:port``,
 default ``postgres@127.0.0.1:5432``), ``FORGE_PROD_LIKE_REDIS_URL`` (default
@@ -21,11 +22,16 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import secrets
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from forge_cli.platform import INFRA, Backing, Infra, ServiceSpec, database_name
+
+if TYPE_CHECKING:
+    import asyncpg
 
 PROFILES = ("dev", "prod-like")
 PROD_LIKE_PORT_OFFSET = 100
@@ -108,31 +114,133 @@ class BackingUnavailable(RuntimeError):
     """The profile's PostgreSQL server cannot be reached or refuses to create a database."""
 
 
-async def ensure_databases(profile: Profile, rows: Iterable[ServiceSpec]) -> list[str]:
-    """Create the profile's missing databases on its PostgreSQL server; the names created."""
+#: The file under a profile's state root that pairs it with its databases (a random id; each
+#: database's comment carries the same id and the root's path).
+STATE_ID_FILE = Path("var") / "state-id"
+_TAG = "forge-state"
+
+
+@dataclass(frozen=True)
+class Databases:
+    """What :func:`ensure_databases` did."""
+
+    created: list[str]
+    reset: list[str]
+    """Databases dropped and created again: their state folder was gone (see :func:`pair_databases`)."""
+
+
+async def ensure_databases(profile: Profile, rows: Iterable[ServiceSpec]) -> Databases:
+    """The profile's databases, created where missing and paired with its state folder
+    (:func:`pair_databases`); where stale ones were reset, the profile's Redis keys go too."""
     names = profile.databases(rows)
     if not names:
-        return []
+        return Databases([], [])
     import asyncpg
 
     try:
-        return await _create_missing(f"postgresql://{profile.postgres}/postgres", names)
+        done = await pair_databases(f"postgresql://{profile.postgres}/postgres", names, profile.root)
     except (OSError, asyncpg.PostgresError) as exc:
         raise BackingUnavailable(f"PostgreSQL at {profile.postgres}: {exc}") from exc
+    if done.reset and profile.backing is not None:
+        await clear_redis(profile.backing.redis_url)
+    return done
 
 
-async def _create_missing(admin_url: str, names: list[str]) -> list[str]:
+async def pair_databases(admin_url: str, names: list[str], root: Path) -> Databases:
+    """Create the databases ``names`` that are missing, paired with the state folder ``root``.
+
+    A platform's state is in two places, its folder (checkpoints, datasets, logs) and its
+    databases, whose rows name files in the folder. Each database's comment records the folder and
+    a random id kept in ``root/var/state-id``. A database that is not paired with this folder
+    (the folder was removed, as on a fresh clone, or the database was made before pairing) names
+    files that no longer exist: it is dropped and created empty, and listed in ``reset``. So is
+    one paired with another checkout's folder whose platform is stopped (one PostgreSQL holds one
+    prod-like state; the last checkout started owns it). One that another checkout's platform is
+    connected to is refused (:class:`BackingUnavailable`), nothing dropped.
+    """
     import asyncpg
 
+    state_id = _read_id(root)
+    fresh = not state_id
+    if fresh:
+        state_id = secrets.token_hex(8)
+    tag = f"{_TAG} {state_id} {root.resolve()}"
     conn = await asyncpg.connect(admin_url)
     try:
-        existing = {r["datname"] for r in await conn.fetch("SELECT datname FROM pg_database")}
+        rows = await conn.fetch(
+            "SELECT datname, shobj_description(oid, 'pg_database') AS tag FROM pg_database"
+        )
+        existing = {r["datname"]: r["tag"] or "" for r in rows}
+        stale = []
+        for name in names:
+            theirs = _parse_tag(existing.get(name, ""))
+            if name not in existing or (not fresh and theirs is not None and theirs[0] == state_id):
+                continue
+            if theirs is not None and theirs[1] != root.resolve() and await _in_use(conn, name):
+                raise BackingUnavailable(
+                    f"database {name} is in use by the platform at {theirs[1]}, not {root}: stop "
+                    "that platform (forge down there), or point FORGE_PROD_LIKE_POSTGRES at "
+                    "another server"
+                )
+            stale.append(name)
+        # Names come from the platform table and a fixed prefix, never from input.
+        for name in stale:
+            await conn.execute(f'DROP DATABASE "{name}" WITH (FORCE)')
         created = []
         for name in names:
-            if name not in existing:
-                # Names come from the platform table and a fixed prefix, never from input.
+            if name not in existing or name in stale:
                 await conn.execute(f'CREATE DATABASE "{name}"')
-                created.append(name)
-        return created
+                if name not in stale:
+                    created.append(name)
+            quoted = tag.replace("'", "''")
+            await conn.execute(f"COMMENT ON DATABASE \"{name}\" IS '{quoted}'")
     finally:
         await conn.close()
+    if fresh:
+        marker = root / STATE_ID_FILE
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text(state_id + "\n")
+    return Databases(created, stale)
+
+
+async def _in_use(conn: asyncpg.Connection, name: str) -> bool:
+    """Whether a session other than ``conn`` is connected to the database ``name``."""
+    count = await conn.fetchval(
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = $1 AND pid <> pg_backend_pid()", name
+    )
+    return count > 0
+
+
+def _parse_tag(tag: str) -> tuple[str, Path] | None:
+    """(state id, state folder) of a database's comment; None for a database without them."""
+    parts = tag.split(" ", 2)
+    return (parts[1], Path(parts[2])) if len(parts) == 3 and parts[0] == _TAG else None
+
+
+def _read_id(root: Path) -> str:
+    """The state id kept in the folder ``root``; empty when there is none."""
+    try:
+        return (root / STATE_ID_FILE).read_text().strip()
+    except OSError:
+        return ""
+
+
+async def clear_redis(url: str, prefix: str = "forge:") -> int:
+    """Delete the keys under ``prefix`` in the Redis database at ``url``; how many. The services'
+    caches there hold answers of the models a reset database named."""
+    import redis.asyncio as redis
+
+    client = redis.from_url(url)
+    try:
+        deleted = 0
+        batch: list[bytes] = []
+        async for key in client.scan_iter(match=f"{prefix}*", count=500):
+            batch.append(key)
+            if len(batch) >= 500:
+                deleted += await client.delete(*batch)
+                batch = []
+        if batch:
+            deleted += await client.delete(*batch)
+        return deleted
+    finally:
+        await client.aclose()

@@ -5,9 +5,15 @@ the main job nobody else chats, so the steps that hand a model to eval-and-promo
 ``rlhf``) run :func:`serve_and_drive` beside their wait:
 
 1. poll eval's registry until a model holds ``canary`` while another holds ``production``;
-2. load both, under their registry name and version, into the platform's model server
-   (``POST /admin/v1/models``; already loaded is fine) when their checkpoints are folders on this
-   machine, and make sure the gateway routes to that server (``POST /admin/v1/replicas``);
+2. make sure the gateway answers both by ``name:version`` (a one-token completion each; direct
+   requests, outside the split the analysis counts): where promotions roll replicas
+   (``forge up``), each version's deployment already serves it (eval-and-promote makes the
+   candidate's replicas ready before the split names it), so nothing is started here. Only a
+   platform whose promotions deploy nothing (``model_server`` given, and a version the gateway
+   does not answer at once) has both loaded, under their registry name and version, into its
+   model server (``POST /admin/v1/models``; already loaded is fine) when their checkpoints are
+   folders on this machine, routed by the gateway (``POST /admin/v1/replicas``); with no model
+   server, the gateway is given ``SERVED_WAIT_S`` to answer both;
 3. chat with the production alias through the gateway with the ``openai`` SDK, a new ``user``
    per request (the gateway's split is sticky per user, so about the canary's share of users
    reach it), ``concurrency`` at a time and at most ``rate_per_s`` a second (under the gateway
@@ -45,6 +51,9 @@ QUESTION = "Speak."
 SMALL_CONTEXT = 128
 MAX_TOKENS = 16
 HTTP_S = 60.0
+#: How long step 2 waits for the gateway to answer both versions when there is no model server
+#: to load them into.
+SERVED_WAIT_S = 20.0
 
 
 @dataclass(frozen=True)
@@ -62,7 +71,8 @@ class TrafficReport:
     canary: str = ""
     production: str = ""
     served: list[str] = field(default_factory=list)
-    """Models loaded into the model server for the canary (``name:version``)."""
+    """Models loaded into the model server for the canary (``name:version``); empty when the
+    gateway answered both from their deployments' replicas."""
     sent: int = 0
     answered_by: dict[str, int] = field(default_factory=dict)
     """Answers per model version (the gateway's ``x-forge-model``)."""
@@ -76,6 +86,7 @@ class TrafficReport:
         return {
             "canary": self.canary,
             "production": self.production,
+            "served_by": "the model server" if self.served else "the versions' deployments",
             "sent": self.sent,
             "answered_by": dict(self.answered_by),
             "failed": dict(self.failed),
@@ -102,6 +113,49 @@ def _folder(uri: str, root: Path) -> Path | None:
 
 def _bearer(token: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"}
+
+
+async def _answers(http: httpx.AsyncClient, gateway: Http, ref: ModelRef) -> bool:
+    """Whether the gateway answers a one-token completion of ``ref`` (``name:version``) from it."""
+    try:
+        reply = await http.post(
+            f"{gateway.url}/v1/completions",
+            json={"model": str(ref), "prompt": QUESTION, "max_tokens": 1},
+            headers=_bearer(gateway.token),
+        )
+    except httpx.HTTPError:
+        return False
+    return reply.status_code == 200 and reply.headers.get(MODEL_HEADER, "") == str(ref)
+
+
+async def _answered(
+    http: httpx.AsyncClient,
+    gateway: Http,
+    models: list[eval_pb2.RegisteredModel],
+    wait_s: float,
+    stop: asyncio.Event,
+) -> bool:
+    """Step 2: whether the gateway answers every one of ``models``, waiting up to ``wait_s``."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        if all([await _answers(http, gateway, ModelRef.of(m.ref)) for m in models]):
+            return True
+        if stop.is_set() or time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(1.0)
+
+
+async def _context(http: httpx.AsyncClient, gateway: Http, models: list[eval_pb2.RegisteredModel]) -> int:
+    """The smallest context the gateway's cards of ``models`` declare (0: unknown)."""
+    names = {n for m in models for n in (m.ref.name, str(ModelRef.of(m.ref)))}
+    reply = await http.get(f"{gateway.url}/v1/models", headers=_bearer(gateway.token))
+    cards = reply.json().get("data", []) if reply.status_code == 200 else []
+    lengths = [
+        c["max_model_len"]
+        for c in cards
+        if isinstance(c, dict) and c.get("id") in names and isinstance(c.get("max_model_len"), int)
+    ]
+    return min((n for n in lengths if n > 0), default=0)
 
 
 async def _serve(
@@ -143,7 +197,7 @@ async def _serve(
 async def serve_and_drive(
     registry_target: str,
     registry_token: str,
-    model_server: Http,
+    model_server: Http | None,
     gateway: Http,
     *,
     alias: str,
@@ -181,7 +235,7 @@ async def serve_and_drive(
 async def _serve_and_drive(
     registry_target: str,
     registry_token: str,
-    model_server: Http,
+    model_server: Http | None,
     gateway: Http,
     alias: str,
     root: Path,
@@ -208,7 +262,17 @@ async def _serve_and_drive(
         started = time.monotonic()
         async with httpx.AsyncClient(timeout=HTTP_S) as http:
             # 2.
-            report.served, context = await _serve(http, model_server, gateway, [production, canary], root)
+            models = [production, canary]
+            # With a model server to fall back on, no wait: the analysis' window runs already.
+            if await _answered(http, gateway, models, 0.0 if model_server else SERVED_WAIT_S, stop):
+                context = await _context(http, gateway, models)
+            elif model_server is not None:
+                report.served, context = await _serve(http, model_server, gateway, models, root)
+            else:
+                report.note = "the gateway does not answer " + " and ".join(
+                    str(ModelRef.of(m.ref)) for m in models
+                )
+                return report
         small = 0 < context < SMALL_CONTEXT
         decided = asyncio.Event()
 

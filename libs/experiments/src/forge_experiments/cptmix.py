@@ -2,7 +2,7 @@
 measurements against the base model and the domain-gain / forgetting Pareto front.
 
 Pure logic shared by the orchestrator's ``cpt`` workflow and ``forge bench cpt``
-(:mod:`forge_training.cpt_bench`), so both search and choose alike:
+(:mod:`forge_training.bench.cpt`), so both search and choose alike:
 
 - :class:`SearchSpace`: replay fractions (``mixture.general_fraction``) x peak learning rates, with
   the schedule of Ibrahim et al. 2024 ("Simple and Scalable Strategies to Continually Pre-train

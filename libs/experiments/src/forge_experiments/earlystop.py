@@ -23,18 +23,34 @@ once none is left to start and no trial can still reach a rung, that rung promot
 ``max(1, n // η)``: the sweep always ends with at least one trial at the full budget.
 
 **Guarded** (:class:`Guarded`, the default of a space's ``early_stopping``): ASHA's promotion
-form with guards against successive halving's short-horizon bias (a configuration that leads
-early, typically a high learning rate, is not the one that leads at the end of the schedule),
-so that it needs no hand-picked first rung: its rungs are a 27th, a 9th and a third of the
-budget (:func:`default_min_steps`). Nothing stops at the first rung (it is where the ranking is
-first measured). From the second on, a rung promotes its top ``n // η`` and also every trial
-still catching up on the leader: its gap to the leader, less the ground it has gained on the
-leader since the rung before (per unit of log step, carried on to the full budget: a lower rate
-still descending fast), is not positive. Two more guards are settings, off by default (the
-replays of load/sweep/RESULTS.md priced them out): a noise margin (``z · √2 · σ``,
-:func:`curve_noise`) and a settled ranking (every trial promoted while Kendall's τ between the
-rung and the rung before is under ``settled_tau``). The guards only ever promote more than
-ASHA would.
+form hedged against successive halving's short-horizon bias (a configuration that leads early,
+typically a higher learning rate, is not the one that leads at the end of the schedule), so that
+it needs no hand-picked first rung: its rungs are a 27th, a 9th and a third of the budget
+(:func:`default_min_steps`). Nothing stops at the first rung (it is where the ranking is first
+measured). Every later rung decides once it is complete (no trial can still reach it: none left
+to start, none in flight below it, none promoted towards it), and a free worker is served from
+the lowest rung that has a promotion (Algorithm 2 serves the highest), so each rung decides once,
+on all its trials, and what it promotes does not depend on the order the trials arrived in.
+
+A complete rung before the last promotes its *rate front* (each trial better there than every
+trial of a lower, or its own, learning rate) and fills ASHA's other ``max(1, n // η) - 1``
+places by *deficit* (how far a trial is behind the best other trial of no larger rate), at most
+``n - n // η`` in all. The rationale: the best step size only falls as the horizon grows (Wu et
+al. 2018, short-horizon bias; Bjorck et al. 2024, optimal rates across token horizons), so a
+trial beaten by one of no larger rate will not overtake it by the full budget, while the best
+trial of a lower rate than the leader's may. The same bias makes a value comparison *across*
+rates at an early rung favour the higher rate, so ASHA's top third by value spends its places on
+the second trials of the highest rates; measured against the trials of no larger rate, a trial's
+deficit is free of its rate's early lead, and the places go to the runners-up least resolved from
+a trial they could still overtake, whatever their rate (the other factor, β2 or width, has no
+known horizon trend, so a small gap within a rate at an early rung settles nothing).
+Without rates the deficit is the gap to the leader and the rule is ASHA on complete rungs. At the
+last rung the hedge narrows to the leader and the front's next lower rate below the leader's,
+ASHA's other places again by deficit among the trials off the front. The cap
+``n - n // η`` (every deciding rung stops at least a third) and the
+last rung's ``n // η + 1`` bound the trials run to the full budget: with 12 configurations, at
+most 8 past the second rung and 3 to the end (0.47 of the grid's steps with the cooldown
+branches of ``wsd``, 0.43 without).
 
 **Median stopping** (Golovin et al. 2017, Google Vizier): from ``min_steps`` on, a trial whose
 value at a reported step is worse than the median of the other trials' values at that step is
@@ -324,33 +340,44 @@ def curve_noise(curves: list[list[tuple[int, float]]]) -> float:
 
 @dataclass
 class Guarded(AshaPromotion):
-    """ASHA's promotion form with guards against its short-horizon bias (see the module
-    docstring). A rung promotes its top ``n // eta`` as ASHA does, and besides them:
+    """ASHA's promotion form hedged against its short-horizon bias (see the module docstring).
 
-    - *every* trial while the ranking there has not settled: Kendall's τ between the values at
-      this rung and at the rung before it, over the trials recorded at both (at least
-      ``min_pairs``), is under ``settled_tau`` (the first rung has none before it, so it always
-      promotes all: it is where the ranking is first measured);
-    - a trial the leader of the rung does not clearly beat: its gap to the leader, less the
-      catch-up its own curve shows (the gap it closed since the rung before, per unit of log
-      step, carried on to ``max_steps``), is within ``z · √2 · σ``, σ the evaluation noise of
-      the trials' curves (:func:`curve_noise`).
+    - The first rung promotes every trial at once: it is where the ranking is first measured.
+    - Every later rung decides only once it is complete (no trial can still reach it:
+      ``next_promotion``'s ``final_below`` and :meth:`arriving`), lower rungs first, so what it
+      promotes depends on the values there, not on the order in which the trials arrived.
+    - A complete rung before the last promotes its *rate front*: every trial that beats all
+      trials of a lower learning rate (and its own rate's others) there. The optimal step size
+      only falls as the horizon grows (the short-horizon bias: Wu et al. 2018; Bjorck et al.
+      2024), so a trial beaten at a rung by one of no larger rate will not overtake it, while
+      one ahead of every lower rate may still be the best at the full budget. ASHA's other
+      ``max(1, n // eta) - 1`` places go by :meth:`deficit` (``runners``), at most
+      ``n - n // eta`` trials in all (see the module docstring for why). Trials of no known
+      rate (:meth:`describe`) form one group: the rule is then ASHA on complete rungs.
+    - ``last``: what the last rung adds to its top ``max(1, n // eta)``: ``front`` (the rate
+      front, as earlier rungs), ``next`` (the best trial of the next lower rate than the
+      leader's: one step down the front), ``catchup`` (front members whose gap to the leader,
+      less the ground they gained on it since the rung before per unit of log step carried on
+      to ``max_steps``, is not positive) or ``none``.
+    """
 
-    By default (``settled_tau`` -1, ``z`` 0) only the catch-up guard is on. It needs every
-    evaluation of a trial, not only the rungs' (:meth:`report` keeps them)."""
-
-    z: float = 0.0
-    """Noise margin in units of √2·σ (0: none; 2 measured, RESULTS.md 2026-12-06: too costly)."""
-    settled_tau: float = -1.0
-    """τ a rung's ranking needs before anything stops there (-1: any; 0.6 measured: the
-    rankings of the recorded spaces never reached it, so every trial ran to the end)."""
-    min_pairs: int = 3
-    project: float = 1.0
-    """How much of the catch-up to carry on (0: none; 1: the whole log-step distance left)."""
-    unsettled_keep: float = 1.0
-    """Share of a rung (best first) promoted while its ranking has not settled."""
+    rate_key: str = "optim.lr"
+    """The parameter that sets the step size (a trial's value of it: :meth:`describe`)."""
+    last: Literal["front", "next", "catchup", "none"] = "next"
+    runners: Literal["deficit", "value"] = "deficit"
+    """How a rung fills ASHA's ``max(1, n // eta)`` places past the leader: ``deficit`` (the
+    trials off the front least behind a trial of no larger rate; before the last rung the front
+    first and at most ``n - n // eta`` in all) or ``value`` (the best overall)."""
+    rates: dict[str, float] = field(default_factory=dict)
+    """Trial → its learning rate (trials with none are one group)."""
     history: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
-    """Trial → (step, value) of every evaluation it reported, in step order."""
+    """Trial → (step, value) of every judged evaluation it reported, in step order."""
+
+    def describe(self, trial: str, params: dict[str, Any]) -> None:
+        """Record a trial's parameters (before it reports): its rate, if it has one."""
+        rate = params.get(self.rate_key)
+        if isinstance(rate, int | float) and not isinstance(rate, bool) and math.isfinite(rate):
+            self.rates[trial] = float(rate)
 
     def report(self, trial: str, step: int, value: float) -> Decision:
         clean = (
@@ -363,27 +390,36 @@ class Guarded(AshaPromotion):
             kept.append((step, clean))
         return super().report(trial, step, value)
 
-    def _sign(self) -> float:
-        return 1.0 if self.mode == "min" else -1.0
+    def _key(self, value: float) -> float:
+        return value if self.mode == "min" else -value
 
-    def settled(self, rung: int) -> bool | None:
-        """Is the ranking at ``rung`` the ranking at the rung before it (τ ≥ ``settled_tau``)?
-        None: too few trials at both to say (under ``min_pairs``)."""
+    def front(self, rung: int) -> list[str]:
+        """The rung's rate front: trials better there than every trial of a lower rate and
+        than the others of their own rate (ties: the earlier-named trial), lowest rate first."""
+        values = self.recorded[rung]
+        by_rate = sorted(values, key=lambda t: (self.rates.get(t, math.inf), self._key(values[t]), t))
+        out: list[str] = []
+        best = math.inf
+        for trial in by_rate:
+            if self._key(values[trial]) < best:
+                out.append(trial)
+                best = self._key(values[trial])
+        return out
+
+    def _catching_up(self, trial: str, leader: str, rung: int) -> bool:
+        """Is ``trial``'s projected gap to ``leader`` at ``max_steps`` not positive?"""
         index = self.rungs.index(rung)
-        if index == 0:
+        values = self.recorded[rung]
+        gap = self._key(values[trial]) - self._key(values[leader])
+        if index == 0 or not math.isfinite(gap):
             return False
-        before, here = self.recorded[self.rungs[index - 1]], self.recorded[rung]
-        both = [t for t in here if t in before and math.isfinite(here[t]) and math.isfinite(before[t])]
-        if len(both) < self.min_pairs:
-            return None
-        tau = kendall_tau([before[t] for t in both], [here[t] for t in both])
-        return not math.isnan(tau) and tau >= self.settled_tau
-
-    def noise(self, rung: int) -> float:
-        """σ of the curves of the trials recorded at ``rung``, up to it."""
-        return curve_noise(
-            [[(s, v) for s, v in self.history.get(t, []) if s <= rung] for t in self.recorded[rung]]
-        )
+        before = self.rungs[index - 1]
+        mine, theirs = self._value_at(trial, before), self._value_at(leader, before)
+        if mine is None or theirs is None or not math.isfinite(self._key(mine) - self._key(theirs)):
+            return False
+        closed = self._key(mine) - self._key(theirs) - gap  # > 0: it gained on the leader
+        per_log = closed / math.log(rung / before)
+        return gap - max(0.0, per_log) * math.log(self.max_steps / rung) <= 0.0
 
     def _value_at(self, trial: str, step: int) -> float | None:
         for s, v in self.history.get(trial, []):
@@ -391,39 +427,79 @@ class Guarded(AshaPromotion):
                 return v
         return None
 
-    def protected(self, trial: str, rung: int, leader: str, sigma: float) -> bool:
-        """Does the leader of ``rung`` fail to clearly beat ``trial`` (see the class docstring)?"""
-        values, sign = self.recorded[rung], self._sign()
-        gap = sign * (values[trial] - values[leader])
-        if not math.isfinite(gap):
-            return False
-        margin = self.z * math.sqrt(2.0) * sigma
-        index = self.rungs.index(rung)
-        if self.project and index > 0:
-            before = self.rungs[index - 1]
-            mine, theirs = self._value_at(trial, before), self._value_at(leader, before)
-            if mine is not None and theirs is not None and math.isfinite(sign * (mine - theirs)):
-                closed = sign * (mine - theirs) - gap  # > 0: the trial gained on the leader
-                per_log = closed / math.log(rung / before)
-                gap -= self.project * max(0.0, per_log) * math.log(self.max_steps / rung)
-        return gap <= margin
+    def deficit(self, trial: str, rung: int) -> float:
+        """How far ``trial`` is behind, at ``rung``, the best other trial of no larger rate (below
+        zero: ahead of them all, a front member; -inf: no such trial). With no rates: the gap
+        to the best other trial."""
+        values = self.recorded[rung]
+        rate = self.rates.get(trial, math.inf)
+        others = [
+            self._key(v) for t, v in values.items() if t != trial and self.rates.get(t, math.inf) <= rate
+        ]
+        return self._key(values[trial]) - min(others) if others else -math.inf
+
+    def chosen(self, rung: int) -> set[str]:
+        """What the complete ``rung`` promotes (see the class docstring)."""
+        values = self.recorded[rung]
+        ranked = sorted(values, key=lambda t: (self._key(values[t]), t))
+        if not ranked:
+            return set()
+        keep = max(1, len(ranked) // self.eta)
+        out = set(ranked[:keep])
+        front = self.front(rung)
+        if self.runners == "deficit":
+            rest = sorted((t for t in ranked if t not in front), key=lambda t: (self.deficit(t, rung), t))
+            if rung != self.rungs[-1]:
+                by_value = sorted(front, key=lambda t: (self._key(values[t]), t))
+                return set((by_value + rest[: keep - 1])[: max(keep, len(ranked) - keep)])
+            out = {ranked[0], *rest[: keep - 1]}
+        if rung != self.rungs[-1] or self.last == "front":
+            return out | set(front)
+        leader = ranked[0]
+        below = [
+            t for t in front if t != leader and self.rates.get(t, math.inf) < self.rates.get(leader, math.inf)
+        ]
+        if self.last == "next" and below:
+            out.add(below[-1])
+        elif self.last == "catchup":
+            out |= {t for t in below if self._catching_up(t, leader, rung)}
+        return out
+
+    def next_promotion(self, final_below: int = 0) -> tuple[str, int] | None:
+        """The paused trial to resume and the rung it leaves, the *lowest* rung with one first
+        (ASHA's Algorithm 2 serves the highest: a rung that decides once must wait for every
+        trial a lower rung still promotes, or it decides on part of its trials and again when
+        the rest arrive, and promotes the union). A rung is complete when it is at or below
+        ``final_below`` (none left to start, none in flight below it: the caller's view) and no
+        trial is on its way to it (:meth:`arriving`): a trial the rule promoted counts as on its
+        way whether or not the caller has started it yet."""
+        for rung in self.rungs:
+            found = self._candidates(rung, final=rung <= final_below and not self.arriving(rung))
+            if found:
+                self.promoted[rung].append(found[0])
+                return found[0], rung
+        return None
+
+    def arriving(self, rung: int) -> bool:
+        """Can a trial still reach ``rung`` from below: one promoted out of a lower rung and not
+        yet recorded at the rung above that one?"""
+        for lower, upper in zip(self.rungs, self.rungs[1:], strict=False):
+            if upper > rung:
+                break
+            if any(t not in self.recorded[upper] for t in self.promoted[lower]):
+                return True
+        return False
 
     def _candidates(self, rung: int, final: bool) -> list[str]:
         values = self.recorded[rung]
-        keep = len(values) // self.eta
-        if final:
-            keep = max(1, keep)
-        ranked = sorted(values, key=lambda t: self._sign() * values[t])
-        chosen = set(ranked[:keep])
-        settled = self.settled(rung) if ranked else True
-        if settled is None:  # too few trials to say yet: they wait, unless none can come
-            chosen = set(ranked) if final else set()
-        elif not settled:  # the ranking is still moving: every trial goes on (or a share)
-            chosen = set(ranked[: max(keep, math.ceil(self.unsettled_keep * len(ranked)))])
-        elif ranked:
-            sigma = self.noise(rung)
-            chosen |= {t for t in ranked[keep:] if self.protected(t, rung, ranked[0], sigma)}
-        return [t for t in ranked if t in chosen and t not in self.promoted[rung]]
+        if rung == self.rungs[0]:
+            chosen = set(values)
+        elif not final:
+            return []  # a rung decides once complete: no arrival order matters
+        else:
+            chosen = self.chosen(rung)
+        ranked = sorted(chosen, key=lambda t: (self._key(values[t]), t))
+        return [t for t in ranked if t not in self.promoted[rung]]
 
 
 def _at(curve: list[tuple[int, float]], step: int) -> float | None:

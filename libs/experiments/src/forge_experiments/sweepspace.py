@@ -21,8 +21,9 @@ A space file (see ``load/sweep/space.yaml``)::
     priority_class: preemptible
     gpus_per_trial: 1                    # devices per trial (a training job asks for at least 1)
     gpu_type: H100                       # device type of the trials (SIM on forge up's agents)
-    early_stopping: {}                   # the guarded rule (forge_experiments.earlystop), rungs at
-                                         # max_steps / 27, / 9, / 3; or {rule: asha, min_steps,
+    early_stopping: {}                   # the guarded rule (forge_experiments.earlystop: complete
+                                         # rungs, learning-rate front), rungs at max_steps / 27,
+                                         # / 9, / 3; or {rule: asha, min_steps,
                                          # eta, form: promotion|stopping, rung_eval: auto|value|
                                          # cooldown, cooldown_fraction}, median or none
 

@@ -10,6 +10,9 @@ Long-running commands show a :func:`progress` bar on stderr (off with ``--quiet`
 not a terminal, so JSON on stdout stays clean). An expected failure (a service that is not up, a
 refused token, something not found, a wait that ran out) ends in one line from
 :func:`describe_error` and a non-zero exit, never a traceback.
+
+Benchmarks plug into ``forge bench`` through the entry-point group ``forge.bench``
+(:class:`EntryPointGroup`): ``name = "package.module:function"`` in a package's pyproject.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import os
 import sys
 from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from importlib.metadata import EntryPoint, entry_points
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -37,6 +41,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 from rich.table import Table
+from typer.core import TyperGroup
 
 TOKEN_FILE = Path("var") / "secrets" / "tokens.json"
 console = Console()
@@ -207,3 +212,71 @@ def stages(total: int, quiet: bool = False) -> Iterator[Callable[[str], None]]:
 
         yield start
         bar.update(task, completed=total, description="done")
+
+
+BENCH_GROUP = "forge.bench"
+
+
+def broken_command(name: str, ep: EntryPoint, exc: BaseException) -> Any:
+    """A command standing for an entry point that failed to load: it says why and exits 1, so one
+    broken plugin never takes the whole command (or its ``--help``) down."""
+    message = f"cannot load {ep.value} ({ep.dist.name if ep.dist else 'unknown package'}): {exc!r}"
+    stub = typer.Typer(add_completion=False)
+
+    @stub.command(
+        name=name, help=f"(broken plugin) {message}", short_help=f"(broken plugin: {type(exc).__name__})"
+    )
+    def explain() -> None:
+        typer.echo(f"forge {name}: {message}", err=True)
+        raise typer.Exit(1)
+
+    return typer.main.get_command(stub)
+
+
+def group_entry_points(group: str, distribution: str | None = None) -> dict[str, EntryPoint]:
+    """The entry points of ``group`` by name (of one distribution only when it is named); the
+    first claim of a name, by the value's order, wins."""
+    found: dict[str, EntryPoint] = {}
+    for ep in sorted(entry_points(group=group), key=lambda e: (e.name, e.value)):
+        if distribution is None or (ep.dist is not None and ep.dist.name == distribution):
+            found.setdefault(ep.name, ep)
+    return found
+
+
+def entry_point_command(name: str, ep: EntryPoint) -> Any:
+    """The command an entry point names: a ``typer.Typer`` app, or a function typer turns into one
+    command called ``name``. Imported only now (a benchmark may import torch)."""
+    try:
+        obj = ep.load()
+        app = obj if isinstance(obj, typer.Typer) else typer.Typer(add_completion=False)
+        if app is not obj:
+            if not callable(obj):
+                raise TypeError(f"{ep.value} is a {type(obj).__name__}, neither a typer.Typer nor a function")
+            app.command(name=name)(obj)
+        command = typer.main.get_command(app)
+        command.name = name
+    except Exception as exc:  # noqa: BLE001 - any import-time failure becomes a stub command
+        command = broken_command(name, ep, exc)
+    return command
+
+
+class EntryPointGroup(TyperGroup):
+    """A command group whose subcommands are the entry points of :attr:`group` (of
+    :attr:`distribution` only, when set), each imported only when it runs or a help lists it.
+
+    ``forge bench`` is one (``forge.bench``: every package declares its benchmarks there, the CLI
+    imports none of them); ``python -m forge_training.bench`` is another, limited to the training
+    library's own."""
+
+    group = BENCH_GROUP
+    distribution: str | None = None
+
+    def list_commands(self, ctx: Any) -> list[str]:
+        return sorted({*super().list_commands(ctx), *group_entry_points(self.group, self.distribution)})
+
+    def get_command(self, ctx: Any, cmd_name: str) -> Any:
+        builtin = super().get_command(ctx, cmd_name)
+        if builtin is not None:
+            return builtin
+        ep = group_entry_points(self.group, self.distribution).get(cmd_name)
+        return entry_point_command(cmd_name, ep) if ep is not None else None

@@ -54,6 +54,15 @@ class OverloadedError(ForgeError):
         self.retry_after_s = retry_after_s
 
 
+class UnavailableError(ForgeError):
+    """A system this one depends on did not answer in time (e.g. Temporal under load); nothing was
+    changed, and the same request may be sent again; ``retry_after_s`` suggests when."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 class UnauthenticatedError(ForgeError):
     """The caller presented no valid credentials."""
 

@@ -8,7 +8,8 @@
 2. applies the default deadline when the caller set none, and records the effective deadline
    (:data:`current_deadline`) so that downstream calls made while handling inherit what is left;
 3. maps domain errors (:mod:`forge_kit.errors`) to status codes — ``INVALID_ARGUMENT`` naming the
-   field, ``NOT_FOUND``, ``RESOURCE_EXHAUSTED`` (also for a full disk) — and anything else to
+   field, ``NOT_FOUND``, ``RESOURCE_EXHAUSTED`` (also for a full disk), ``UNAVAILABLE`` for a dependency
+   that did not answer — and anything else to
    ``INTERNAL`` without leaking internals;
 4. counts and times the call in Prometheus, logs it, and audits the admin actions it asked for.
 
@@ -139,6 +140,9 @@ def _status_for(exc: BaseException) -> tuple[grpc.StatusCode, str, tuple[tuple[s
     if isinstance(exc, errors.OverloadedError):
         retry = (("retry-after-ms", str(int(exc.retry_after_s * 1000))),)
         return grpc.StatusCode.RESOURCE_EXHAUSTED, exc.message, retry
+    if isinstance(exc, errors.UnavailableError):
+        retry = (("retry-after-ms", str(int(exc.retry_after_s * 1000))),)
+        return grpc.StatusCode.UNAVAILABLE, exc.message, retry
     if isinstance(exc, errors.UnauthenticatedError):
         return grpc.StatusCode.UNAUTHENTICATED, exc.message, ()
     if isinstance(exc, errors.PermissionDeniedError):

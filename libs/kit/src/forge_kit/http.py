@@ -119,6 +119,11 @@ def make_app(
         retry = str(max(1, math.ceil(exc.retry_after_s)))
         return _error(429, "resource_exhausted", exc.message, headers={"Retry-After": retry})
 
+    @app.exception_handler(errors.UnavailableError)
+    async def _unavailable(_: Request, exc: errors.UnavailableError) -> JSONResponse:
+        retry = str(max(1, math.ceil(exc.retry_after_s)))
+        return _error(503, "unavailable", exc.message, headers={"Retry-After": retry})
+
     @app.exception_handler(errors.UnauthenticatedError)
     async def _unauthenticated(_: Request, exc: errors.UnauthenticatedError) -> JSONResponse:
         return _error(401, "unauthenticated", exc.message, headers={"WWW-Authenticate": "Bearer"})

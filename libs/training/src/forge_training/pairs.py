@@ -210,16 +210,18 @@ class Encoded:
     prompt_len: int
 
 
-def _fit(prompt: list[int], responses: list[list[int]], max_len: int) -> tuple[list[int], list[list[int]]]:
-    """Keep the whole of each response if it fits, else at most half of ``max_len`` of it; cut the
-    prompt from the left (the latest turns matter most) to what is left."""
+def fit(prompt: list[int], responses: list[list[int]], max_len: int) -> tuple[list[int], list[list[int]]]:
+    """The pairwise truncation rule, the one training (:func:`encode_pairs`) and scoring
+    (:mod:`forge_training.rm.eval`) share: keep the whole of each response if it fits, else at
+    most half of ``max_len`` of it; cut the prompt from the left (the latest turns matter most) to
+    what is left, which may be nothing (``prompt[-0:]`` would be the whole prompt)."""
     longest = max(len(r) for r in responses)
     if len(prompt) + longest <= max_len:
         return prompt, responses
     keep = max(max_len // 2, max_len - len(prompt))
     responses = [r[:keep] for r in responses]
     room = max_len - max(len(r) for r in responses)
-    return prompt[-room:], responses
+    return (prompt[-room:] if room > 0 else []), responses
 
 
 def encode_pairs(
@@ -237,7 +239,7 @@ def encode_pairs(
     out = []
     for i in range(len(pairs)):
         responses = [goods[i].ids + tail] + ([] if chosen_only else [bads[i].ids + tail])
-        prompt, responses = _fit(list(prompts[i].ids), responses, max_len)
+        prompt, responses = fit(list(prompts[i].ids), responses, max_len)
         out.append(tuple(Encoded(tuple(prompt + r), len(prompt)) for r in responses))
     return out
 

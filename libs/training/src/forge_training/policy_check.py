@@ -28,7 +28,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from forge_training.rm_eval import Pair, PairsError, RewardModel, read_pairs
+from forge_training.rm.eval import Pair, PairsError, RewardModel, read_pairs
 
 
 class CausalLm:

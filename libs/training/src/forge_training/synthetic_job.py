@@ -1,7 +1,7 @@
 """The jobs of the synthetic-data workflow: one stage over the run's folder per call.
 
 The orchestrator's ``synthetic`` workflow (``services/orchestrator/.../synthetic/workflow.py``)
-submits each stage as a scheduler job (:class:`forge_kit.jobcmd.SyntheticStageCommand`); the
+submits each stage as a scheduler job (:class:`forge_experiments.jobcmd.SyntheticStageCommand`); the
 stage reads and writes files in ``--work`` (the run's folder, shared with the orchestrator) and
 writes ``<stage>.json`` last, its summary, which the workflow reads back. A stage re-run over the
 same folder writes the same files.

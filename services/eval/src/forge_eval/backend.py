@@ -78,6 +78,12 @@ class ModelIdentity:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()
 
 
+def declared_identity(model: str, version: object, root: object = None) -> ModelIdentity:
+    """The identity of a model known only by its card: its id, root and version."""
+    declared = json.dumps({"id": model, "root": root, "version": version}, sort_keys=True)
+    return ModelIdentity(model, hashlib.sha256(declared.encode()).hexdigest(), "", "", "declared")
+
+
 def _hash_files(paths: Sequence[Path], base: Path) -> str:
     digest = hashlib.sha256()
     for path in sorted(paths):
@@ -204,6 +210,8 @@ class OpenAIBackend:
         self.on_answers: Callable[[int], None] = lambda count: None
         """Called with the number of requests answered (from the cache or a batch), for progress."""
         self.max_model_len: int | None = None
+        self.served_version = ""
+        """The version the served model's card declares (empty: it declares none)."""
         """The served model's context in tokens (its card's ``max_model_len``), once known."""
         self.limiter = AIMDLimiter(concurrency)
         self._policy = RetryPolicy(attempts=attempts, overload_patience_s=overload_patience_s)
@@ -245,12 +253,12 @@ class OpenAIBackend:
             )
         context = card.get("max_model_len")
         self.max_model_len = context if isinstance(context, int) and context > 0 else None
+        self.served_version = str(card.get("version") or "")
         root = card.get("root")
         folder = checkpoint or (Path(root) if isinstance(root, str) and Path(root).is_dir() else None)
         if folder is not None:
             return identity_from_checkpoint(self.model, folder)
-        declared = json.dumps({k: card.get(k) for k in ("id", "root", "version")}, sort_keys=True)
-        return ModelIdentity(self.model, hashlib.sha256(declared.encode()).hexdigest(), "", "", "declared")
+        return declared_identity(self.model, card.get("version"), card.get("root"))
 
     async def tokenize(self, prompts: Sequence[str], identity: ModelIdentity) -> list[list[int]]:
         """The served model's token ids of each prompt (``POST /tokenize``, as vLLM answers it),

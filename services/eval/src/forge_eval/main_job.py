@@ -9,39 +9,45 @@ decision, the candidate's scores with their intervals, and the report's path:
 2. find the checkpoint in eval's registry (the workflow registers it first thing, with its own id
    as the label ``workflow_id``) by its uri among the models named after the run;
 3. poll the workflow through the orchestrator's GetWorkflow until it closes; meanwhile, when the
-   platform has a model server and a gateway, :func:`forge_experiments.canary_traffic.serve_and_drive`
-   serves the candidate once it reaches ``canary`` and chats with ``forge-chat`` through the
-   gateway with distinct users, so the guarded canary decides on traffic;
+   platform has a gateway, :func:`forge_experiments.canary_traffic.serve_and_drive` waits until
+   the gateway answers the candidate once it reaches ``canary`` (from its deployment's replicas;
+   loaded into the platform's model server only where promotions deploy nothing) and chats with
+   ``forge-chat`` through the gateway with distinct users, so the guarded canary decides on
+   traffic;
 4. return what it decided, with the canary's evidence (requests per arm, p-values) and the
    traffic sent; a workflow that failed fails the step with its error.
 
-The step never imports the CLI or another service: ``ctx`` is described by local protocols, and
-the orchestrator is reached through its generated stubs.
+The step never imports the CLI or another service: ``ctx`` is the kit's
+:class:`~forge_kit.mainjob.MainJobContext`, and the orchestrator is reached through the kit's
+:class:`~forge_kit.orchestrator_client.OrchestratorClient`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from pathlib import Path
 from typing import Any
 
-import grpc
 from forge.common.v1 import common_pb2
 from forge.eval.v1 import eval_pb2, eval_pb2_grpc
-from forge.orchestrator.v1 import orchestrator_pb2, orchestrator_pb2_grpc
+from forge.orchestrator.v1 import orchestrator_pb2
 from google.protobuf import json_format
 
 from forge_experiments.canary_traffic import Http, canary_summary, serve_and_drive
 from forge_kit.grpckit import make_channel
 from forge_kit.mainjob import Endpoint, MainJobContext
 from forge_kit.modelref import ModelRef
+from forge_kit.orchestrator_client import OrchestratorClient, status_name
 
 #: How long the step waits for the workflow: the release runs (``tinyshakespeare_ppl``, smoke
-#: tier: 20 documents in the trained model's 512-token windows) plus starting a model server per
-#: model; a second ``forge up`` also re-scores production, from the response cache. The margin is
-#: for a small machine shared with other work.
-STEP_TIMEOUT_S = 240.0
+#: tier: 20 documents in the trained model's 512-token windows) plus, where promotions roll
+#: replicas (``forge up``), the trained model's vLLM replica starting before they score it
+#: (420 s, the serve step's allowance: 60-75 s on an idle 2-core machine, up to 345 s measured
+#: on a loaded one); a second ``forge up`` also re-scores production, from the response cache.
+#: The margin is for a small machine shared with other work.
+STEP_TIMEOUT_S = 660.0
 POLL_S = 0.5
 #: The keys the training step's result must have.
 TRAIN_KEYS = ("checkpoint_id", "checkpoint_uri", "run_id")
@@ -116,15 +122,26 @@ async def evaluate_checkpoint(ctx: MainJobContext, *, timeout_s: float = STEP_TI
     stop = asyncio.Event()
     traffic = _canary_traffic(ctx, eval_endpoint, stop)
     try:
-        reply = await _wait(orchestrator, workflow_id, ref, deadline, timeout_s)
+        async with OrchestratorClient(orchestrator.grpc_target, orchestrator.token) as workflows:
+            # NOT_FOUND: not visible yet; UNAVAILABLE, DEADLINE_EXCEEDED: not answered this time.
+            reply = await workflows.wait(
+                workflow_id,
+                timeout_s=max(0.0, deadline - time.monotonic()),
+                poll_s=POLL_S,
+                until_visible=True,
+            )
+    except TimeoutError:
+        raise StepError(
+            f"eval-and-promote workflow {workflow_id} of {ref} still running after {timeout_s:g}s"
+        ) from None
     finally:
         stop.set()
     sent = await traffic if traffic is not None else None
     # 4. Its decision.
     if reply.status != orchestrator_pb2.WORKFLOW_STATUS_COMPLETED:
-        status = orchestrator_pb2.WorkflowStatus.Name(reply.status).removeprefix("WORKFLOW_STATUS_")
         raise StepError(
-            f"eval-and-promote workflow {workflow_id} of {ref} ended {status}: {reply.error or 'no error given'}"
+            f"eval-and-promote workflow {workflow_id} of {ref} ended {status_name(reply.status)}: "
+            f"{reply.error or 'no error given'}"
         )
     result = json_format.MessageToDict(reply.result)
     canary = result.get("canary") or {}
@@ -149,45 +166,27 @@ async def evaluate_checkpoint(ctx: MainJobContext, *, timeout_s: float = STEP_TI
 
 
 def _canary_traffic(ctx: MainJobContext, registry: Endpoint, stop: asyncio.Event) -> asyncio.Task[Any] | None:
-    """The traffic task for the canary, when the platform has a model server and a gateway."""
+    """The traffic task for the canary, when the platform has a gateway (and a model server it
+    loads the versions into only where their deployments do not serve them)."""
     try:
-        server, gateway = ctx.endpoint("model_server"), ctx.endpoint("inference_gateway")
+        gateway = ctx.endpoint("inference_gateway")
     except KeyError:
         return None
+    server: Http | None = None
+    with contextlib.suppress(KeyError):
+        found = ctx.endpoint("model_server")
+        server = Http(found.http_url, found.token)
     return asyncio.create_task(
         serve_and_drive(
             registry.grpc_target,
             registry.token,
-            Http(server.http_url, server.token),
+            server,
             Http(gateway.http_url, gateway.token),
             alias=PUBLIC_MODEL,
             root=ctx.root,
             stop=stop,
         )
     )
-
-
-async def _wait(
-    orchestrator: Endpoint, workflow_id: str, ref: str, deadline: float, timeout_s: float
-) -> orchestrator_pb2.GetWorkflowResponse:
-    async with make_channel(orchestrator.grpc_target, token=orchestrator.token) as channel:
-        workflows = orchestrator_pb2_grpc.OrchestratorServiceStub(channel)
-        while True:
-            try:
-                reply = await workflows.GetWorkflow(
-                    orchestrator_pb2.GetWorkflowRequest(workflow_id=workflow_id), timeout=10
-                )
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() != grpc.StatusCode.NOT_FOUND:
-                    raise
-                reply = None
-            if reply is not None and reply.status != orchestrator_pb2.WORKFLOW_STATUS_RUNNING:
-                return reply
-            if time.monotonic() > deadline:
-                raise StepError(
-                    f"eval-and-promote workflow {workflow_id} of {ref} still running after {timeout_s:g}s"
-                )
-            await asyncio.sleep(POLL_S)
 
 
 def _canary(canary: dict[str, object]) -> str:

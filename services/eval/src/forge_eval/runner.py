@@ -51,6 +51,18 @@ class ExampleResult:
     target: str = ""
 
 
+def pinned_model(spec: RunSpec, served_version: str) -> str:
+    """What a run asks an endpoint for when it lists the model by name only, declaring
+    ``served_version``: the bare name when it declares no version (it knows no other), else
+    ``name:version``, whichever version its card shows — the gateway lists one card per name even
+    when replicas serve several versions of it (a canary), and routes ``name:version`` to that
+    version's replicas only; an endpoint that does not serve the version refuses the requests, so
+    a run scores the version its spec pins, or fails."""
+    if not spec.model_version or not served_version:
+        return spec.model_name
+    return f"{spec.model_name}:{spec.model_version}"
+
+
 class SuiteRunner(Protocol):
     """Scores a pinned run spec against a model endpoint.
 
@@ -243,14 +255,16 @@ class OpenAICompletionsRunner:
         try:
             response = await client.get("/v1/models")
             response.raise_for_status()
-            served = [str(m.get("id", "")) for m in response.json().get("data", [])]
+            cards = {str(m.get("id", "")): m for m in response.json().get("data", [])}
         except (httpx.HTTPError, ValueError, AttributeError) as exc:
             raise RunnerError(
                 f"model endpoint {base} is unreachable or not OpenAI-compatible: {exc!r}"
             ) from exc
-        for name in (f"{spec.model_name}:{spec.model_version}", spec.model_name):
-            if name in served:
-                return name
+        served = list(cards)
+        if f"{spec.model_name}:{spec.model_version}" in cards:
+            return f"{spec.model_name}:{spec.model_version}"
+        if spec.model_name in cards:
+            return pinned_model(spec, str(cards[spec.model_name].get("version") or ""))
         raise RunnerError(
             f"model endpoint {base} does not serve {spec.model_name}:{spec.model_version} (it serves {served})"
         )

@@ -23,9 +23,9 @@ from typing import Any
 
 import httpx
 
-from forge_eval.backend import BackendError, OpenAIBackend, ResponseCache
+from forge_eval.backend import BackendError, OpenAIBackend, ResponseCache, declared_identity
 from forge_eval.harness import run_task
-from forge_eval.runner import ExampleResult, RunnerError
+from forge_eval.runner import ExampleResult, RunnerError, pinned_model
 from forge_eval.scorers import get_scorer
 from forge_eval.spec import OPTIONS, RunSpec
 from forge_eval.tasks import DataRoots, TaskConfig, dataset_hash, load_task, shipped_tasks
@@ -124,6 +124,11 @@ class TaskSuiteRunner:
             except BackendError:
                 backend.model = spec.model_name
                 identity = await backend.identity()
+                backend.model = pinned_model(spec, backend.served_version)
+                if backend.model != spec.model_name and backend.served_version != spec.model_version:
+                    # The card shows another version of the name: the answers are the pinned
+                    # version's, so is the identity that keys them in the cache.
+                    identity = declared_identity(backend.model, spec.model_version)
             result = await run_task(
                 task,
                 self._roots,

@@ -26,8 +26,9 @@ from dataclasses import dataclass, field
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from forge_inference_gateway.routing import Replica, ReplicaPool
+from forge_inference_gateway.replica_pool import Replica, ReplicaPool
 from forge_kit import errors
+from forge_kit.modelref import ModelRef
 
 #: Admission classes, best first; a tenant's class is the best level its requests can get.
 LEVELS = ("interactive", "batch")
@@ -78,7 +79,9 @@ class _Waiter:
 class Lease:
     """A slot on one replica for one request; :meth:`release` (idempotent) gives it back."""
 
-    def __init__(self, admission: Admission, model: str, replica: Replica, level: int, reason: str) -> None:
+    def __init__(
+        self, admission: Admission, model: ModelRef, replica: Replica, level: int, reason: str
+    ) -> None:
         self._admission = admission
         self.model = model
         self.replica = replica
@@ -110,29 +113,29 @@ class Admission:
         self.pool = pool
         self.policy = policy or AdmissionPolicy()
         self._clock = clock
-        self._queues: dict[str, list[_Waiter]] = {}
-        self._in_flight: dict[str, int] = {}
+        self._queues: dict[ModelRef, list[_Waiter]] = {}
+        self._in_flight: dict[ModelRef, int] = {}
         self._seq = itertools.count()
         pool.subscribe(self.pump)
 
-    def queued(self, model: str) -> int:
+    def queued(self, model: ModelRef) -> int:
         return len(self._queues.get(model, ()))
 
-    def queued_by_level(self, model: str) -> list[int]:
+    def queued_by_level(self, model: ModelRef) -> list[int]:
         counts = [0] * len(LEVELS)
         for waiter in self._queues.get(model, ()):
             counts[waiter.level] += 1
         return counts
 
-    def in_flight(self, model: str) -> int:
+    def in_flight(self, model: ModelRef) -> int:
         return self._in_flight.get(model, 0)
 
-    def models(self) -> set[str]:
+    def models(self) -> set[ModelRef]:
         return {m for m, q in self._queues.items() if q} | {m for m, n in self._in_flight.items() if n}
 
     async def acquire(
         self,
-        model: str,
+        model: ModelRef,
         level: int,
         prefix: list[bytes],
         deadline: float,
@@ -144,7 +147,7 @@ class Admission:
            replica has room for its priority, take the slot at once;
         2. otherwise queue, shedding the worst waiter when the queue is over its bound (429);
         3. wait for :meth:`pump` to hand over a slot, or for the deadline (``TimeoutError``).
-        Raises :class:`~forge_inference_gateway.routing.NoReplicaError` when no healthy replica can
+        Raises :class:`~forge_inference_gateway.replica_pool.NoReplicaError` when no healthy replica can
         serve the model at all.
         """
         arrived = self._clock()
@@ -165,9 +168,9 @@ class Admission:
         if len(queue) > self.policy.max_queue:
             worst = max(queue, key=lambda w: (w.level, w.seq))
             queue.remove(worst)
-            SHED.labels(model, LEVELS[worst.level]).inc()
+            SHED.labels(str(model), LEVELS[worst.level]).inc()
             shed = errors.OverloadedError(
-                f"model {model!r} is saturated: {LEVELS[worst.level]} request shed "
+                f"model {str(model)!r} is saturated: {LEVELS[worst.level]} request shed "
                 f"({self.policy.max_queue} waiting)",
                 self.policy.retry_after_s,
             )
@@ -185,7 +188,7 @@ class Admission:
             if waiter.future.done() and not waiter.future.cancelled() and waiter.future.exception() is None:
                 waiter.future.result().release()  # handed over just as the deadline passed
             self._drop(model, waiter)
-            raise TimeoutError(f"deadline exceeded waiting for a {model!r} replica") from None
+            raise TimeoutError(f"deadline exceeded waiting for a {str(model)!r} replica") from None
         except asyncio.CancelledError:
             if waiter.future.done() and not waiter.future.cancelled() and waiter.future.exception() is None:
                 waiter.future.result().release()
@@ -217,23 +220,23 @@ class Admission:
             if changed:
                 self._publish(model)
 
-    def _lease(self, model: str, replica: Replica, level: int, reason: str) -> Lease:
+    def _lease(self, model: ModelRef, replica: Replica, level: int, reason: str) -> Lease:
         self._in_flight[model] = self._in_flight.get(model, 0) + 1
-        IN_FLIGHT.labels(model).set(self._in_flight[model])
+        IN_FLIGHT.labels(str(model)).set(self._in_flight[model])
         return Lease(self, model, replica, level, reason)
 
     def _release(self, lease: Lease) -> None:
         self._in_flight[lease.model] -= 1
-        IN_FLIGHT.labels(lease.model).set(self._in_flight[lease.model])
+        IN_FLIGHT.labels(str(lease.model)).set(self._in_flight[lease.model])
         self.pool.release(lease.replica)
         self.pump()
 
-    def _drop(self, model: str, waiter: _Waiter) -> None:
+    def _drop(self, model: ModelRef, waiter: _Waiter) -> None:
         queue = self._queues.get(model, [])
         if waiter in queue:
             queue.remove(waiter)
             self._publish(model)
 
-    def _publish(self, model: str) -> None:
+    def _publish(self, model: ModelRef) -> None:
         for level, count in enumerate(self.queued_by_level(model)):
-            QUEUE_DEPTH.labels(model, LEVELS[level]).set(count)
+            QUEUE_DEPTH.labels(str(model), LEVELS[level]).set(count)

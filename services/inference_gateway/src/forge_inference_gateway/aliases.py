@@ -44,6 +44,18 @@ class Alias:
     shadow_name: str = ""
     shadow_version: str = ""
     shadow_percent: int = 0
+    previous_name: str = ""
+    previous_version: str = ""
+
+    @property
+    def previous(self) -> ModelRef | None:
+        """The stable model version the alias named before :attr:`model` (None: none, or the
+        same): the router keeps sending it the alias's traffic while no replica serves the new
+        one yet (:meth:`~forge_inference_gateway.replica_pool.ReplicaPool.serving`)."""
+        if not self.previous_name:
+            return None
+        previous = ModelRef(self.previous_name, self.previous_version)
+        return None if previous == self.model else previous
 
     @property
     def shadow(self) -> ModelRef | None:
@@ -91,7 +103,16 @@ def _alias(row: ModelAliasRow) -> Alias:
         row.shadow_model_name or "",
         row.shadow_model_version or "",
         row.shadow_percent or 0,
+        row.previous_model_name or "",
+        row.previous_model_version or "",
     )
+
+
+def _set_stable(row: ModelAliasRow, name: str, version: str) -> None:
+    """Point ``row`` at ``name:version``, remembering the model it named before (when another)."""
+    if row.model_name and (row.model_name, row.model_version or "") != (name, version):
+        row.previous_model_name, row.previous_model_version = row.model_name, row.model_version or ""
+    row.model_name, row.model_version = name, version
 
 
 def canary_bucket(alias: str, tenant_id: str, sticky: str) -> int:
@@ -116,7 +137,11 @@ class Aliases:
         the event's ``traffic_percent`` (0, or a rollback, stops the split; a canary rollback with
         no ``previous`` — a guarded canary ended — also drops the ``canary`` alias). A promotion to
         ``production`` ends the split (weight 0): the canary was measured against the stable it
-        replaced.
+        replaced; when the version promoted is the canary itself, the split forgets it and the
+        ``canary`` alias, which named it, is dropped (the registry's canary stage is empty now).
+
+        Each alias remembers the stable model it named before (``previous``), which the router
+        keeps serving while no replica serves the new one yet.
 
         Runs inside the consumer's transaction, which also records the event id, so a redelivered
         event is skipped there. The registry publishes in order per stage (keyed by stage), so
@@ -137,6 +162,8 @@ class Aliases:
         if stage in CANARY_OF and event.is_rollback and not event.previous.name:
             await self._end_canary(session, stage, name, version, event.meta.event_id, at)
             return
+        if stage in CANARY_OF and await self._promoted_after(session, CANARY_OF[stage], name, version, at):
+            return  # arrived after its own promotion to production: the canary stage is empty
         for alias in (stage, PUBLIC_ALIASES.get(stage)):
             if alias is None:
                 continue
@@ -148,14 +175,18 @@ class Aliases:
                 session.add(row)
             elif at < (row.source_at_ns or 0):
                 continue  # a later promotion of this stage is already applied
-            row.model_name = name
-            row.model_version = version
+            _set_stable(row, name, version)
             row.stage = stage
             row.source_event_id = event.meta.event_id
             row.source_at_ns = at
             row.updated_at = utcnow()
             if stage in CANARY_OF.values() and at >= (row.canary_at_ns or 0):
                 row.canary_weight, row.canary_at_ns = 0, at
+                if (row.canary_model_name, row.canary_model_version) == (name, version):
+                    row.canary_model_name, row.canary_model_version = "", ""
+        for canary_stage, base_stage in CANARY_OF.items():
+            if base_stage == stage:
+                await self._drop_stage_alias(session, canary_stage, name, version, at)
         base = CANARY_OF.get(stage)
         if base is not None:
             weight = 0 if event.is_rollback else min(100, event.traffic_percent)
@@ -175,13 +206,7 @@ class Aliases:
     ) -> None:
         """A canary rolled back with nothing to restore (the guarded canary's rollback): the stage
         alias no longer names it and the aliases it split stop sending it traffic."""
-        row = await session.get(ModelAliasRow, stage)
-        if (
-            row is not None
-            and (row.model_name, row.model_version) == (name, version)
-            and at >= (row.source_at_ns or 0)
-        ):
-            await session.delete(row)
+        await self._drop_stage_alias(session, stage, name, version, at)
         base = CANARY_OF[stage]
         for alias in (base, PUBLIC_ALIASES.get(base)):
             split = await session.get(ModelAliasRow, alias) if alias else None
@@ -191,6 +216,27 @@ class Aliases:
                 split.source_event_id = event_id
                 split.updated_at = utcnow()
         self._cached.clear()
+
+    @staticmethod
+    async def _promoted_after(session: AsyncSession, base: str, name: str, version: str, at: int) -> bool:
+        """Whether ``base``'s alias names ``name:version`` by an event later than ``at``."""
+        row = await session.get(ModelAliasRow, base)
+        return (
+            row is not None
+            and (row.model_name, row.model_version) == (name, version)
+            and (row.source_at_ns or 0) > at
+        )
+
+    @staticmethod
+    async def _drop_stage_alias(session: AsyncSession, stage: str, name: str, version: str, at: int) -> None:
+        """Delete the alias of ``stage`` if it still names ``name:version`` and no later event set it."""
+        row = await session.get(ModelAliasRow, stage)
+        if (
+            row is not None
+            and (row.model_name, row.model_version) == (name, version)
+            and at >= (row.source_at_ns or 0)
+        ):
+            await session.delete(row)
 
     async def list_aliases(self) -> list[Alias]:
         async with self._db.session() as session:
@@ -234,7 +280,8 @@ class Aliases:
                     alias=alias, canary_model_name="", canary_model_version="", canary_weight=0
                 )
                 session.add(row)
-            row.model_name, row.model_version, row.stage = name, version, "admin"
+            _set_stable(row, name, version)
+            row.stage = "admin"
             row.source_event_id, row.source_at_ns = "", 0
             row.updated_at = utcnow()
             result = _alias(row)

@@ -15,7 +15,6 @@ import grpc
 from forge.common.v1 import common_pb2
 from forge.inference.v1 import inference_pb2, inference_pb2_grpc
 
-from forge_inference_gateway.routing import model_name
 from forge_inference_gateway.service import InferenceGateway, StreamChunk
 from forge_inference_gateway.tenants import BOOTSTRAP_TENANT
 from forge_inference_gateway.upstream import UpstreamError, UpstreamUnavailableError
@@ -116,13 +115,13 @@ class GatewayInferenceApi(inference_pb2_grpc.InferenceServiceServicer):
         for card in cards:
             if "alias_of" not in card:
                 continue
-            stable = model_name(str(card["alias_of"]))
+            stable = ModelRef.parse(str(card["alias_of"])).name
             aliases.setdefault(stable, []).append(str(card["id"]))
             canary = card.get("canary")
             if isinstance(canary, dict):
                 weight = int(canary["weight"])
                 traffic[stable] = min(traffic.get(stable, 100), 100 - weight)
-                canary_name = model_name(str(canary["model"]))
+                canary_name = ModelRef.parse(str(canary["model"])).name
                 aliases.setdefault(canary_name, []).append(str(card["id"]))
                 traffic[canary_name] = max(traffic.get(canary_name, 0), weight)
         models = []

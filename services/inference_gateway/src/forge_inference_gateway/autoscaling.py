@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from prometheus_client import Gauge
 
 from forge_inference_gateway.admission import Admission
-from forge_inference_gateway.routing import model_name
+from forge_kit.modelref import ModelRef
 
 DESIRED = Gauge(
     "forge_gateway_desired_replicas", "Model-server replicas the gateway asks for, per model", ["model"]
@@ -80,9 +80,9 @@ class Autoscaler:
         self._clock = clock
         self._ttft: dict[str, deque[tuple[float, float]]] = {}
 
-    def observe(self, target: str, ttft_s: float) -> None:
-        """A time to first token of a request routed to ``target`` (``name`` or ``name:version``)."""
-        samples = self._ttft.setdefault(model_name(target), deque(maxlen=10_000))
+    def observe(self, target: ModelRef, ttft_s: float) -> None:
+        """A time to first token of a request routed to ``target`` (every version counts toward its name)."""
+        samples = self._ttft.setdefault(target.name, deque(maxlen=10_000))
         samples.append((self._clock(), ttft_s))
 
     def _p99(self, model: str) -> tuple[float | None, int]:
@@ -100,15 +100,15 @@ class Autoscaler:
     def models(self) -> set[str]:
         pool = self._admission.pool
         served = {name for r in pool.replicas() if r.cards for name in r.cards}
-        routed = {model_name(target) for target in self._admission.models()}
+        routed = {target.name for target in self._admission.models()}
         return served | routed | {m for m, s in self._ttft.items() if s}
 
     def recommend(self, model: str) -> Recommendation:
         """Steps 1-3 of the module docstring for ``model``."""
         policy = self.policy
         admission = self._admission
-        replicas = [r for r in admission.pool.replicas() if r.healthy and r.serves(model)]
-        targets = [t for t in admission.models() if model_name(t) == model]
+        replicas = [r for r in admission.pool.replicas() if r.healthy and r.served(model) is not None]
+        targets = [t for t in admission.models() if t.name == model]
         queued = sum(admission.queued(t) for t in targets)
         demand = queued + sum(r.estimated_load() for r in replicas)
         by_load = math.ceil(demand / policy.target_per_replica)

@@ -193,7 +193,7 @@ class GatewayRoutes:
         routed = await self._gateway.router.route(
             request.state.tenant, "/tokenizer_info", GenerationRequest.parse(raw)
         )
-        reply = await self._gateway.tokenizer_info(routed.target, self._gateway.deadline())
+        reply = await self._gateway.tokenizer_info(routed.model, self._gateway.deadline())
         headers = {
             MODEL_HEADER: routed.target,
             "content-type": reply.headers.get("content-type", "application/json"),

@@ -47,6 +47,7 @@ from dataclasses import asdict, dataclass, field
 import structlog
 from prometheus_client import Counter, Histogram
 
+from forge_inference_gateway.aliases import Alias
 from forge_inference_gateway.rag_clients import Candidate, Reranker, Retriever
 from forge_inference_gateway.rag_context import Passage, assemble_context, cited
 from forge_inference_gateway.rag_query import RagLimits, RagQuery, parse_chat, parse_query
@@ -54,6 +55,7 @@ from forge_inference_gateway.service import InferenceGateway
 from forge_inference_gateway.tenants import Tenant
 from forge_kit import errors
 from forge_kit.cache import Cache
+from forge_kit.modelref import ModelRef
 
 log = structlog.get_logger(__name__)
 
@@ -114,10 +116,11 @@ class RagService:
             raise TimeoutError("deadline exceeded")
         return left
 
-    async def _cache_key(self, tenant: Tenant, query: RagQuery) -> str | None:
+    def _cache_key(
+        self, tenant: Tenant, query: RagQuery, target: ModelRef, alias: Alias | None
+    ) -> str | None:
         if self._cache is None or self.limits.cache_ttl_s <= 0 or query.temperature != 0:
             return None
-        target, alias = await self._gateway.aliases.resolve_model(query.model)
         version = (
             [str(target), alias.canary_target, alias.canary_weight] if alias is not None else [str(target)]
         )
@@ -159,8 +162,9 @@ class RagService:
         """Steps 2-5 for a validated query."""
         plan = RagPlan(query, tenant, self._gateway.deadline(query.timeout_s))
         started = self._clock()
-        # 2. Cache.
-        plan.cache_key = None if history else await self._cache_key(tenant, query)
+        # 2. Cache (keyed by the model version ``model`` resolves to now, and its canary split).
+        model, alias = await self._gateway.router.resolve(query.model)
+        plan.cache_key = None if history else self._cache_key(tenant, query, model, alias)
         if plan.cache_key is not None and self._cache is not None:
             hit = await self._cache.get(plan.cache_key)
             if hit is not None:
@@ -177,8 +181,6 @@ class RagService:
         reranked = self._clock()
         RAG_STAGE_SECONDS.labels("rerank").observe(reranked - retrieved)
         # 5. Assemble within the token budget.
-        model, _ = await self._gateway.aliases.resolve_model(query.model)
-        target = str(model)
         await self._gateway.pool.ensure_known()
         budget = query.max_context_tokens
         model_len = self._model_context(model.name)
@@ -190,7 +192,7 @@ class RagService:
                     field_name, f"leaves no room for context in the model's {model_len}-token window"
                 )
         plan.passages, prompt, tokens, method = await self._fit(
-            query.query, ranked, budget, target, plan.deadline
+            query.query, ranked, budget, model, plan.deadline
         )
         plan.messages = [*history, {"role": "user", "content": prompt}]
         RAG_STAGE_SECONDS.labels("assemble").observe(self._clock() - reranked)
@@ -211,7 +213,12 @@ class RagService:
         return plan
 
     async def _fit(
-        self, query: str, ranked: list[tuple[Candidate, float]], budget: int, target: str, deadline: float
+        self,
+        query: str,
+        ranked: list[tuple[Candidate, float]],
+        budget: int,
+        target: ModelRef,
+        deadline: float,
     ) -> tuple[list[Passage], str, int, str]:
         """Step 5: passages and prompt within ``budget`` tokens of the serving model, the prompt's
         token count, and how it was counted.
@@ -237,7 +244,7 @@ class RagService:
                 # A count slower than its 2 s (a replica's first /tokenize on a busy machine) is
                 # a replica that did not count: the best prompt so far, or the estimate, stands.
                 # The request's own deadline is checked again before the answer.
-                log.info("rag.token_count_timed_out", target=target)
+                log.info("rag.token_count_timed_out", target=str(target))
                 timed_out = True
                 break
             if measured is None:

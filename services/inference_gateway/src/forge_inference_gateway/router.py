@@ -1,10 +1,10 @@
 """The request path: steps 3 and 4 of a request, after the tenant is known and admitted.
 
-3. :meth:`Router.route`: resolve ``model`` through the alias table, splitting an alias's traffic
-   to its canary by a sticky hash of the user (or session, or the request), and give the request
+3. :meth:`Router.route`: resolve ``model`` through the alias table (an alias's previous model
+   while no replica serves its new one yet), splitting an alias's traffic to its canary by a sticky hash of the user (or session, or the request), and give the request
    its priority level (the tenant's class, lowered by the request's ``priority``);
 4. :meth:`Router.forward`: answer a deterministic request from the response cache, or take a slot
-   on a replica (:mod:`admission`; :mod:`routing` picks the replica) — queueing in priority order,
+   on a replica (:mod:`admission`; :mod:`replica_pool` picks the replica) — queueing in priority order,
    shed with 429 when the model's queue is full — and send it there with what is left of the
    deadline, trying another replica when one cannot be reached or is full.
 """
@@ -20,9 +20,10 @@ from dataclasses import dataclass, field
 from prometheus_client import Counter, Histogram
 
 from forge_inference_gateway.admission import Admission, Lease, level_for
-from forge_inference_gateway.aliases import Aliases, canary_bucket
+from forge_inference_gateway.aliases import Alias, Aliases, canary_bucket
 from forge_inference_gateway.autoscaling import Autoscaler
 from forge_inference_gateway.metering import TAIL_BYTES, meter
+from forge_inference_gateway.replica_pool import NoReplicaError, ReplicaPool
 from forge_inference_gateway.response_cache import (
     CACHE_HEADER,
     ResponseCache,
@@ -30,7 +31,6 @@ from forge_inference_gateway.response_cache import (
     complete_stream,
     is_deterministic,
 )
-from forge_inference_gateway.routing import NoReplicaError, ReplicaPool
 from forge_inference_gateway.tenants import Tenant
 from forge_inference_gateway.upstream import (
     StreamBroken,
@@ -194,12 +194,22 @@ class Router:
         self._attempts = upstream_attempts
         self._clock = clock
 
+    async def resolve(self, model: str) -> tuple[ModelRef, Alias | None]:
+        """The model version ``model`` sends its stable traffic to, and its alias: an alias's
+        model, or the one it named before while no replica serves the new one yet
+        (:meth:`ReplicaPool.serving`); a model reference itself."""
+        target, alias = await self._aliases.resolve_model(model)
+        if alias is not None:
+            target = self.pool.serving(alias.model, alias.previous)
+        return target, alias
+
     async def route(
         self, tenant: Tenant, path: str, request: GenerationRequest, session_key: str | None = None
     ) -> Routed:
-        """Step 3: resolve the alias (and its canary), set the priority."""
+        """Step 3: resolve the alias (its new version once a replica serves it; its canary), set
+        the priority."""
         body = request.body
-        target, alias = await self._aliases.resolve_model(request.model)
+        target, alias = await self.resolve(request.model)
         split = "direct"
         shadow = None
         if alias is not None:
@@ -277,7 +287,7 @@ class Router:
             # 2. A slot.
             try:
                 lease = await self.admission.acquire(
-                    routed.target, routed.level, routed.prefix, deadline, exclude
+                    routed.model, routed.level, routed.prefix, deadline, exclude
                 )
             except NoReplicaError:
                 if last_error is None:
@@ -322,14 +332,14 @@ class Router:
             lease.release()
             # An alias's version that no replica lists (its replicas crashed) is the version's
             # failure, not the caller's mistake.
-            missing = status == 404 and routed.alias is not None and replica.serves(routed.target) is not True
+            missing = status == 404 and routed.alias is not None and replica.serves(routed.model) is not True
             self._observe_end(routed, "unavailable" if missing else status, started)
             if status == 200 and not _GENERATED.search(content):
                 EMPTY_ANSWERS.labels(routed.target, routed.split).inc()
             if status == 200:
                 meter(str(served), content)
             retry = status in _RETRY_STATUSES and attempt + 1 < self._attempts
-            if retry and self.pool.candidates(routed.target, exclude | {replica.url}):
+            if retry and self.pool.candidates(routed.model, exclude | {replica.url}):
                 exclude = exclude | {replica.url}
                 last_error = UpstreamUnavailableError(f"replica {replica.url} is full")
                 continue
@@ -367,7 +377,7 @@ class Router:
                     first_at = self._clock()
                     ttft = first_at - started
                     TTFT.labels(routed.target, routed.split).observe(ttft)
-                    self.autoscaler.observe(routed.target, ttft)
+                    self.autoscaler.observe(routed.model, ttft)
                 events += chunk.count(b"data:")
                 generated = generated or _GENERATED.search(chunk) is not None
                 tail = (tail + chunk)[-TAIL_BYTES:]

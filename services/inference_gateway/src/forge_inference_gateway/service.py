@@ -10,7 +10,7 @@ A request goes through these steps, in the HTTP routes and the gRPC servicer ali
    (:mod:`aliases`), splitting an alias's traffic to its canary, and give the request its priority
    level;
 4. :meth:`Router.forward <router.Router.forward>`: answer from the response cache, or take a slot on
-   a replica (:mod:`admission`, :mod:`routing`) and send it there with what is left of the deadline.
+   a replica (:mod:`admission`, :mod:`replica_pool`) and send it there with what is left of the deadline.
 
 :class:`InferenceGateway` builds the parts — :attr:`~InferenceGateway.tenants`,
 :attr:`~InferenceGateway.aliases`, :attr:`~InferenceGateway.replicas` (membership and the control
@@ -32,10 +32,10 @@ from forge_inference_gateway.admission import Admission
 from forge_inference_gateway.aliases import Aliases
 from forge_inference_gateway.api_keys import ApiKeys
 from forge_inference_gateway.autoscaling import Autoscaler
+from forge_inference_gateway.replica_pool import NoReplicaError, ReplicaPool
 from forge_inference_gateway.replicas import Replicas
 from forge_inference_gateway.response_cache import ResponseCache
 from forge_inference_gateway.router import GenerationRequest, Router
-from forge_inference_gateway.routing import NoReplicaError, ReplicaPool
 from forge_inference_gateway.shadow import Shadows
 from forge_inference_gateway.tenants import Tenant, Tenants
 from forge_inference_gateway.training_prompts import TrainingPrompts
@@ -135,7 +135,8 @@ class InferenceGateway:
         return self._clock() + budget
 
     async def list_models(self) -> list[dict[str, object]]:
-        """The models the healthy replicas serve, then every alias whose target one of them serves;
+        """The models the healthy replicas serve, then every alias whose target one of them serves
+        (the model it routes to now: see :meth:`ReplicaPool.serving`);
         each card only with the fields in :data:`PUBLIC_CARD_FIELDS` (a replica's ``root`` is its
         checkpoint's host path: tenants see the model id there). An empty pool (no replica
         configured, none added yet) serves nothing: an empty list; a pool whose every replica is
@@ -166,44 +167,45 @@ class InferenceGateway:
         served = {model_id: {**card, "ready_replicas": ready[model_id]} for model_id, card in cards.items()}
         listed = list(served.values())
         for alias in await self.aliases.list_aliases():
-            found = served.get(alias.model_name)
+            # What the alias answers with now: its model, or the one before while none serves it.
+            model = self.pool.serving(alias.model, alias.previous)
+            found = served.get(model.name)
             if found is None or alias.alias in served:
                 continue
-            if alias.model.pinned and (alias.model_name, alias.model_version) in by_version:
-                found = {
-                    **by_version[(alias.model_name, alias.model_version)],
-                    "ready_replicas": found["ready_replicas"],
-                }
+            if model.pinned and (model.name, model.version) in by_version:
+                found = {**by_version[(model.name, model.version)], "ready_replicas": found["ready_replicas"]}
             version = str(found.get("version") or "")
-            if alias.model.pinned and version and version != alias.model_version:
+            if model.pinned and version and version != model.version:
                 continue  # the replicas serve another version of the name: the alias cannot answer
             entry: dict[str, object] = {
                 **found,
                 "id": alias.alias,
-                "alias_of": alias.target,
-                "version": alias.model_version or version,
+                "alias_of": str(model),
+                "version": model.version or version,
             }
             if alias.canary_target and alias.canary_weight:
                 entry["canary"] = {"model": alias.canary_target, "weight": alias.canary_weight}
             listed.append(entry)
         return listed
 
-    async def tokenizer_info(self, target: str, deadline: float) -> Reply:
+    async def tokenizer_info(self, target: ModelRef, deadline: float) -> Reply:
         """vLLM's ``GET /tokenizer_info`` of the model ``target`` from a healthy replica serving it."""
         for replica in self.pool.candidates(target):
             try:
                 return await replica.client.request(
-                    "GET", f"/tokenizer_info?{urlencode({'model': target})}", deadline
+                    "GET", f"/tokenizer_info?{urlencode({'model': str(target)})}", deadline
                 )
             except UpstreamUnavailableError as exc:
                 self.pool.report_failure(replica, exc)
         raise self.pool.no_replica(target)
 
-    async def count_tokens(self, target: str, messages: list[dict[str, str]], deadline: float) -> int | None:
+    async def count_tokens(
+        self, target: ModelRef, messages: list[dict[str, str]], deadline: float
+    ) -> int | None:
         """Prompt tokens of chat ``messages`` for the model ``target``, counted by a replica that
         serves it with its own tokenizer and chat template (vLLM's ``POST /tokenize``); None when
         no healthy replica answers the route (the caller then estimates)."""
-        body = {"model": target, "messages": messages}
+        body = {"model": str(target), "messages": messages}
         for replica in self.pool.candidates(target):
             try:
                 reply = await replica.client.request("POST", "/tokenize", deadline, body)

@@ -65,6 +65,10 @@ class ModelAliasRow(Base):
     """``occurred_at`` (ns) of the event that set the stable model (0: set by an admin)."""
     canary_at_ns: Mapped[int] = mapped_column(sa.BigInteger, default=0, server_default="0")
     """``occurred_at`` (ns) of the event that last set or ended the canary split."""
+    previous_model_name: Mapped[str] = mapped_column(sa.String(255), default="", server_default="")
+    previous_model_version: Mapped[str] = mapped_column(sa.String(255), default="", server_default="")
+    """The stable model the alias named before this one: routed to while no replica serves the new
+    one yet (:meth:`ReplicaPool.serving`)."""
 
 
 class ShadowPairRow(Base):

@@ -50,8 +50,13 @@ class ModelServerSettings(ServiceSettings):
     drain_timeout_s: float = Field(default=30.0, ge=0)
     """On SIGTERM, how long admitted requests may run to completion before they are cancelled."""
 
-    torch_threads: int = Field(default=0, ge=0)
-    """Intra-op threads of the forward pass; 0 keeps torch's default (one per core)."""
+    torch_threads: int = Field(default=1, ge=0)
+    """Intra-op threads of the forward pass; 0 keeps torch's default (one per core). One by
+    default: after each multi-threaded op torch's OpenMP workers spin for a while, taking cores
+    from the step's serial Python and from the event loop that streams the answers, and a worker
+    that another process preempts stalls every op (on 2 shared cores two threads made the engine
+    several times slower, see ``load/inference/RESULTS.md``). Give a replica with cores of its
+    own as many threads."""
 
     image_max_bytes: int = Field(default=MAX_IMAGE_BYTES, ge=1024)
     """Largest encoded image (a decoded data: URI or a download) one ``image_url`` part may carry."""

@@ -2,7 +2,7 @@
 
 One call runs every scheduled token of every sequence in the step as one flat batch: the
 projections (q/k/v fused into one weight, gate/up into another) and the MLP are single matmuls over
-all tokens. Attention writes the new keys and values into their cache slots, then:
+all tokens, on weights packed once at load (:class:`~forge_model_server.kernels.Linear`). Attention writes the new keys and values into their cache slots, then:
 
 - **decoding sequences** (one new token each) read the cache where it lies, as PagedAttention
   does: by default through the native kernel of :mod:`.kernels` (one pass over each sequence's
@@ -36,7 +36,12 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from forge_model_server.kernels import KernelUnavailableError, PagedDecodeAttention, paged_decode_attention
+from forge_model_server.kernels import (
+    KernelUnavailableError,
+    Linear,
+    PagedDecodeAttention,
+    paged_decode_attention,
+)
 from forge_model_server.paged_plan import (
     BatchLayout,
     BlockRun,
@@ -141,15 +146,11 @@ class _Layer:
     """One decoder layer's weights, with q/k/v and gate/up each fused into one matmul."""
 
     input_norm: torch.Tensor
-    qkv: torch.Tensor
-    qkv_bias: torch.Tensor | None
-    o: torch.Tensor
-    o_bias: torch.Tensor | None
+    qkv: Linear
+    o: Linear
     post_norm: torch.Tensor
-    gate_up: torch.Tensor
-    gate_up_bias: torch.Tensor | None
-    down: torch.Tensor
-    down_bias: torch.Tensor | None
+    gate_up: Linear
+    down: Linear
 
     @classmethod
     def fuse(cls, w: dict[str, torch.Tensor], prefix: str) -> _Layer:
@@ -171,15 +172,11 @@ class _Layer:
         )
         return cls(
             input_norm=w[f"{prefix}input_layernorm.weight"],
-            qkv=weight(*attn),
-            qkv_bias=bias(*attn),
-            o=w[f"{prefix}self_attn.o_proj.weight"],
-            o_bias=w.get(f"{prefix}self_attn.o_proj.bias"),
+            qkv=Linear(weight(*attn), bias(*attn)),
+            o=Linear(w[f"{prefix}self_attn.o_proj.weight"], w.get(f"{prefix}self_attn.o_proj.bias")),
             post_norm=w[f"{prefix}post_attention_layernorm.weight"],
-            gate_up=weight(*mlp),
-            gate_up_bias=bias(*mlp),
-            down=w[f"{prefix}mlp.down_proj.weight"],
-            down_bias=w.get(f"{prefix}mlp.down_proj.bias"),
+            gate_up=Linear(weight(*mlp), bias(*mlp)),
+            down=Linear(w[f"{prefix}mlp.down_proj.weight"], w.get(f"{prefix}mlp.down_proj.bias")),
         )
 
 
@@ -222,7 +219,7 @@ class LlamaModel:
             raise UnsupportedModelError(f"weights missing from the checkpoint: {', '.join(missing[:5])}")
         self._embed = w["model.embed_tokens.weight"]
         self._norm = w["model.norm.weight"]
-        self._lm_head = w.get("lm_head.weight", self._embed)
+        self._lm_head = Linear(w.get("lm_head.weight", self._embed), None)
         self._layers = [_Layer.fuse(w, f"model.layers.{i}.") for i in range(config.num_layers)]
         c = config
         self._inv_freq = 1.0 / (
@@ -301,7 +298,7 @@ class LlamaModel:
         write_rows = write_rows.view(-1)
         for layer, w in enumerate(self._layers):
             h = _rms_norm(x, w.input_norm, c.rms_norm_eps)
-            qkv = F.linear(h, w.qkv, w.qkv_bias)
+            qkv = w.qkv(h)
             # q and k are adjacent in the fused output: one rotation for both.
             qk = qkv[:, : q_width + kv_width].view(n_tokens, c.num_heads + c.num_kv_heads, c.head_dim)
             qk = qk * cos + _rotate_half(qk) * sin
@@ -310,12 +307,12 @@ class LlamaModel:
             self.k_cache[layer].view(-1, c.head_dim).index_copy_(0, write_rows, k.reshape(-1, c.head_dim))
             self.v_cache[layer].view(-1, c.head_dim).index_copy_(0, write_rows, v.reshape(-1, c.head_dim))
             attn = self._attend(layer, q, k, v, plan)
-            x = x + F.linear(attn.view(n_tokens, q_width), w.o, w.o_bias)
+            x = x + w.o(attn.view(n_tokens, q_width))
             h = _rms_norm(x, w.post_norm, c.rms_norm_eps)
-            gate, up = F.linear(h, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, w.down, w.down_bias)
+            gate, up = w.gate_up(h).chunk(2, dim=-1)
+            x = x + w.down(F.silu(gate) * up)
         x = _rms_norm(x[logit_rows], self._norm, c.rms_norm_eps)
-        return F.linear(x, self._lm_head).float()
+        return self._lm_head(x).float()
 
     # -- attention ------------------------------------------------------------------------------
 

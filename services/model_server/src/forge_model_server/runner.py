@@ -16,6 +16,7 @@ import json
 import random
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -137,6 +138,10 @@ class AsyncEngine:
         self._tracked: dict[str, _Tracked] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        # Every forward on the same thread: torch's OpenMP team belongs to the thread that calls
+        # it, so the default executor's several threads each kept a team of their own (spinning
+        # for the cores between steps).
+        self._forward_thread = ThreadPoolExecutor(1, thread_name_prefix=f"forward-{name}")
         self._draining = False
         self._last_stats = (0, 0, 0)
         self._ids = itertools.count()
@@ -392,7 +397,9 @@ class AsyncEngine:
                     continue
                 inputs = self.core.prepare(batch)
                 # 3. One batched forward; the HTTP server keeps serving meanwhile.
-                logits = await asyncio.to_thread(self.core.execute, inputs)
+                logits = await asyncio.get_running_loop().run_in_executor(
+                    self._forward_thread, self.core.execute, inputs
+                )
                 # 4. Sample, stop, free, and hand each request its output.
                 now = self._clock()
                 for out in self.core.update(batch, inputs, logits):
@@ -435,6 +442,7 @@ class AsyncEngine:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        self._forward_thread.shutdown(wait=False)
 
 
 class HFEngineLoader:

@@ -266,14 +266,12 @@ class ModelDirectory:
         folders = sorted(str(e["name"]) for e in entries if e.get("type") == "directory")
         return [info for folder in folders if (info := self._info(folder)) is not None]
 
-    def get(self, model: str) -> ModelInfo:
-        """The model named ``model`` or ``name:version``; :class:`ModelNotFoundError` otherwise."""
-        ref = _parsed(model)
-        if ref is not None:  # a valid name is a single folder name: no '/', never '..'
-            info = self._info(f"{self._store.root}/{ref.name}")
-            if info is not None and (not ref.version or ref.version == info.version):
-                return info
-        raise ModelNotFoundError(model, [m.name for m in self.list()])
+    def get(self, ref: ModelRef) -> ModelInfo:
+        """The model ``ref`` names (its version when pinned); :class:`ModelNotFoundError` otherwise."""
+        info = self._info(f"{self._store.root}/{ref.name}")  # a valid name: one folder, never '..'
+        if info is not None and (not ref.version or ref.version == info.version):
+            return info
+        raise ModelNotFoundError(str(ref), [m.name for m in self.list()])
 
 
 def _context_of(config: Mapping[str, object]) -> object:
@@ -420,15 +418,18 @@ class ModelServer:
         return model.name in self._engines
 
     def lookup(self, model: str) -> ModelInfo:
-        """The model named ``model`` or ``name:version``, registered ones first."""
+        """The model named ``model`` or ``name:version``, registered ones first; ``model`` is
+        parsed here once (a text that is no model reference names no model)."""
         ref = _parsed(model)
-        info = self._registered.get(ref.name) if ref is not None else None
-        if ref is not None and info is not None and (not ref.version or ref.version == info.version):
-            return info
-        try:
-            return self._directory.get(model)
-        except ModelNotFoundError:
-            raise ModelNotFoundError(model, [m.name for m in self.list_models()]) from None
+        if ref is not None:
+            info = self._registered.get(ref.name)
+            if info is not None and (not ref.version or ref.version == info.version):
+                return info
+            try:
+                return self._directory.get(ref)
+            except ModelNotFoundError:
+                pass
+        raise ModelNotFoundError(model, [m.name for m in self.list_models()])
 
     def resolve(self, model: str) -> tuple[ModelInfo, Engine]:
         """The model and its engine, loading the engine on first use (here, on the caller's

@@ -18,19 +18,25 @@ from forge_kit.objectstore import ObjectStore
 from forge_orchestrator.activities import SchedulerActivities
 from forge_orchestrator.agent_logs import AgentEventLogs
 from forge_orchestrator.api import OrchestratorApi
-from forge_orchestrator.canary_activities import CanaryActivities
 from forge_orchestrator.config import OrchestratorSettings
 from forge_orchestrator.cpt.activities import CptActivities
 from forge_orchestrator.deploy.activities import DeployActivities
 from forge_orchestrator.deploy.promotion import PromotionActivities, promotion_serving
 from forge_orchestrator.deploy.service import DeploymentService
-from forge_orchestrator.eval_activities import EvalActivities
 from forge_orchestrator.grant import StartGuard, grant_key
 from forge_orchestrator.identity import SchedulerAuthenticator
+from forge_orchestrator.promote.activities import EvalActivities
+from forge_orchestrator.promote.canary_activities import CanaryActivities
 from forge_orchestrator.rlhf.activities import RlhfActivities
 from forge_orchestrator.rlhf.sampling import RlhfSampler
 from forge_orchestrator.rlhf.worker import RlhfSettings, build_rlhf_worker, rlhf_task_queue
-from forge_orchestrator.routers import CheckpointRouter, EventRouters, JobEventRouter, TemporalSignaller
+from forge_orchestrator.routers import (
+    CheckpointRouter,
+    EventRouters,
+    JobEventRouter,
+    PromotionRouter,
+    TemporalSignaller,
+)
 from forge_orchestrator.service import KINDS, OrchestratorService, build_worker, connect_temporal
 from forge_orchestrator.sweep.activities import SweepActivities
 from forge_orchestrator.sweep.router import MetricsRouter, TemporalSweepSignaller
@@ -151,9 +157,10 @@ async def main() -> None:
         scale_down_delay_s=settings.deploy_scale_down_delay_s,
         grant_key=key,
     )
+    serving = promotion_serving(settings)
     promotions = PromotionActivities(
         deployments,
-        promotion_serving(settings),
+        serving,
         gateway_url=settings.inference_gateway_url or RlhfSettings().gateway_url,
         gateway_token=gateway_token,
     )
@@ -205,9 +212,17 @@ async def main() -> None:
             settings.inference_gateway_url or RlhfSettings().gateway_url,
             settings.inference_gateway_token.get_secret_value(),
         )
+        # The student is deployed for its sampling only where it is sampled through the gateway.
         app.add_background(
             build_synthetic_worker(
-                client, settings.task_queue, activities, teacher, student, tracker, guard=guard
+                client,
+                settings.task_queue,
+                activities,
+                teacher,
+                student,
+                tracker,
+                None if synthetic.student_url else promotions,
+                guard=guard,
             ).run
         )
     else:
@@ -224,14 +239,18 @@ async def main() -> None:
                 tier=settings.release_tier,
                 signaller=signaller,
             ),
+            # Every ModelPromoted rolls replicas where promotions deploy (deploy/promoted.py).
+            promotions=PromotionRouter(workflows, poll_s=settings.deploy_poll_s) if serving else None,
         )
+        topics = [
+            events_pb2.JobStateChanged.DESCRIPTOR.full_name,
+            events_pb2.CheckpointPublished.DESCRIPTOR.full_name,
+            events_pb2.TrainingMetrics.DESCRIPTOR.full_name,
+            *([events_pb2.ModelPromoted.DESCRIPTOR.full_name] if serving else []),
+        ]
         consumer = app.event_consumer(
             group_id=settings.consumer_group,
-            topics=[
-                TOPICS[events_pb2.JobStateChanged.DESCRIPTOR.full_name],
-                TOPICS[events_pb2.CheckpointPublished.DESCRIPTOR.full_name],
-                TOPICS[events_pb2.TrainingMetrics.DESCRIPTOR.full_name],
-            ],
+            topics=[TOPICS[name] for name in topics],
             handler=MetricsRouter(TemporalSweepSignaller(client), then=routers.handle).handle,
             session_timeout_ms=settings.consumer_session_timeout_ms,
         )

@@ -16,7 +16,7 @@ import typer
 from rich.console import Console
 
 from forge_kit import clitools
-from forge_orchestrator.client import OrchestratorClient, response_to_dict
+from forge_kit.orchestrator_client import OrchestratorClient, response_to_dict
 
 app = typer.Typer(help="Start, inspect and cancel orchestrator workflows.", no_args_is_help=True)
 console = Console()

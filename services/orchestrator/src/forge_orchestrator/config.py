@@ -149,7 +149,8 @@ class OrchestratorSettings(ServiceSettings):
 
     promote_deploy: bool = False
     """Promotions roll replicas: eval-and-promote deploys the candidate (``promote_deploy_*``) and
-    waits for its replicas before the canary split, and undeploys the version that lost."""
+    waits for its replicas before the canary split, and undeploys the version that lost. The
+    ``synthetic`` workflow's student is deployed the same way while it is sampled through the gateway."""
 
     promote_deploy_engine: Literal["forge", "vllm"] = "forge"
     """Engine of a promoted version's deployment."""

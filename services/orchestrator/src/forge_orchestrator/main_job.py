@@ -21,12 +21,13 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
+import grpc
 from forge.orchestrator.v1 import orchestrator_pb2
 from google.protobuf import json_format
 
 from forge_experiments.canary_traffic import Http, canary_summary, serve_and_drive
 from forge_kit.mainjob import MainJobContext
-from forge_orchestrator.client import OrchestratorClient, status_name
+from forge_kit.orchestrator_client import RETRIED_WHILE_WAITING, OrchestratorClient, status_name
 from forge_orchestrator.main_job_raters import RaterPool
 
 #: How long the smoke workflow may take before the step gives up waiting on it.
@@ -61,9 +62,11 @@ smoke.timeout_s = SMOKE_WAIT_S + 30  # type: ignore[attr-defined]
 # --- one small RLHF round ---------------------------------------------------------------------
 
 #: How long the round may take: reward-model and DPO jobs (which wait for the agents' polls), then
-#: eval-and-promote, which starts a model server and scores ``tinyshakespeare_ppl`` (see
-#: ``forge_eval.main_job``). The margin is for a small machine shared with other work.
-RLHF_WAIT_S = 720.0
+#: eval-and-promote, which, where promotions roll replicas (``forge up``), deploys the policy on
+#: vLLM (allowed 420 s to start, as the serve step's replica is) before it scores
+#: ``tinyshakespeare_ppl`` through the gateway (see ``forge_eval.main_job``). The margin is for a
+#: small machine shared with other work.
+RLHF_WAIT_S = 1140.0
 #: The gateway's production alias, which the canary splits.
 PUBLIC_MODEL = "forge-chat"
 #: The train step's team, whose quota covers the two simulated GPUs of ``forge up``'s agents.
@@ -309,7 +312,12 @@ async def _stop_raters_when_collected(
     """Set ``stop`` once the round no longer waits for preferences (it trains, or it ended)."""
     while not stop.is_set():
         await asyncio.sleep(2.0)
-        reply = await client.get(workflow_id)
+        try:
+            reply = await client.get(workflow_id)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in RETRIED_WHILE_WAITING:
+                continue
+            raise
         step = reply.progress.fields["step"].string_value if reply.HasField("progress") else "starting"
         if reply.status != orchestrator_pb2.WORKFLOW_STATUS_RUNNING or not any(
             s in step for s in _COLLECTING

@@ -4,14 +4,17 @@ The ``serve`` step deployed the trained checkpoint on vLLM; the ``eval`` step sa
 eval-and-promote workflow register it in eval's model registry and promote it (or block it). This
 step makes the product name answer from vLLM replicas the scheduler placed:
 
-1. takes the trained folder and the ``serve`` step's deployment, and the checkpoint's registry
-   identity (a :class:`~forge_kit.modelref.ModelRef`) from ``ctx.results["eval"]["model"]``
-   (fails clearly without them);
+1. takes the trained folder and the ``serve`` step's deployment (deployed again as
+   ``main-job-chat`` when eval-and-promote made that deployment for its release runs and
+   undeployed it on blocking the release), and the checkpoint's registry identity (a
+   :class:`~forge_kit.modelref.ModelRef`) from ``ctx.results["eval"]["model"]`` (fails clearly
+   without them);
 2. asks the registry (eval's ``ListModels``) which model holds ``production`` and where its
    checkpoint is;
 3. when production is another model (an earlier run's, or an earlier checkpoint of this one that
-   the canary kept), deploys it too (``main-job-production``, vLLM); when production is the
-   trained model, undeploys that one if an earlier run left it;
+   the canary kept), it needs replicas too: the deployment its promotion made (``forge up``'s
+   promotions roll replicas), else its own (``main-job-production``, vLLM); otherwise
+   ``main-job-production`` is undeployed if an earlier run left it;
 4. waits until every deployment it needs has a ready replica (in the gateway's pool) and the
    gateway's ``/v1/models`` lists ``forge-chat`` at the version production holds;
 5. sends one streaming chat completion to ``forge-chat`` through the gateway and reports the
@@ -35,12 +38,14 @@ import grpc
 import httpx
 from forge.common.v1 import common_pb2
 from forge.eval.v1 import eval_pb2, eval_pb2_grpc
+from forge.orchestrator.v1 import orchestrator_pb2
 
 from forge_kit.grpckit import make_channel
 from forge_kit.mainjob import Endpoint, MainJobContext
 from forge_kit.modelref import ModelRef
 from forge_orchestrator.main_job_serve import (
     DEPLOYMENT,
+    DeploymentGoneError,
     Deployments,
     Servable,
     describe,
@@ -108,7 +113,8 @@ async def production_holder(ctx: MainJobContext) -> tuple[ModelRef, str] | None:
 async def chat(ctx: MainJobContext) -> dict[str, object]:
     # 1. The trained checkpoint, its deployment and its registry identity.
     trained = trained_export(ctx)
-    if not (ctx.results.get("serve") or {}).get("deployment"):
+    served_as = (ctx.results.get("serve") or {}).get("deployment")
+    if not served_as:
         raise ChatStepError(
             "the trained model has no deployment: the `serve` step's result has none "
             f"(steps that ran: {', '.join(ctx.results) or 'none'})"
@@ -119,24 +125,37 @@ async def chat(ctx: MainJobContext) -> dict[str, object]:
     # 2. Production.
     holder = await production_holder(ctx)
     production, not_served = trained.model, ""
-    needed = {DEPLOYMENT: trained}
+    other: Servable | None = None
     if holder is not None and holder[0] != trained.model:
         folder = local_folder(holder[1], ctx.root)
         if folder is None:
             not_served = f"production {holder[0]} ({holder[1]}: not a folder on this machine)"
         else:
             production = holder[0]
-            needed[PRODUCTION_DEPLOYMENT] = Servable(production, folder, "production")
+            other = Servable(production, folder, "production")
     orchestrator, gateway = ctx.endpoint("orchestrator"), ctx.endpoint("inference_gateway")
     async with Deployments(orchestrator.grpc_target, orchestrator.token) as deployments:
-        # 3. Production's own deployment, or none.
-        if PRODUCTION_DEPLOYMENT in needed:
-            await deployments.ensure(spec_of(PRODUCTION_DEPLOYMENT, needed[PRODUCTION_DEPLOYMENT]))
+        # The trained model's deployment; gone when eval-and-promote made it for its release
+        # runs and undeployed it on blocking the release: the trained model is deployed again.
+        if await deployments.get(str(served_as)) is None:
+            served_as = DEPLOYMENT
+            await deployments.ensure(spec_of(DEPLOYMENT, trained))
+        needed = [str(served_as)]
+        # 3. Production's deployment: the one a promotion made, else its own, else none.
+        made = await deployments.serving(production) if other is not None else None
+        if other is not None and made is None:
+            await deployments.ensure(spec_of(PRODUCTION_DEPLOYMENT, other))
+            needed.append(PRODUCTION_DEPLOYMENT)
         else:
             await deployments.remove(PRODUCTION_DEPLOYMENT)
+            if made is not None:
+                needed.append(made.spec.name)
         # 4. Ready replicas, and forge-chat at production's version in the gateway.
         started = time.monotonic()
-        ready = await asyncio.gather(*(deployments.wait_ready(name) for name in needed))
+        ready = await asyncio.gather(
+            _ready_or_own(deployments, str(served_as), trained),
+            *(deployments.wait_ready(name) for name in dict.fromkeys(needed[1:]) if name != served_as),
+        )
         waited_ready = time.monotonic() - started
     serving = ready[-1]
     replica = next(r for r in serving.replicas if r.state == "ready")
@@ -173,6 +192,21 @@ async def chat(ctx: MainJobContext) -> dict[str, object]:
 
 chat.order = 70  # type: ignore[attr-defined]
 chat.timeout_s = 600.0  # type: ignore[attr-defined]
+
+
+async def _ready_or_own(
+    deployments: Deployments, name: str, trained: Servable
+) -> orchestrator_pb2.Deployment:
+    """``name`` once a replica is ready; if it goes away meanwhile (a promotion-made deployment
+    of a canary that was rolled back is drained as the loser), the trained model's own
+    deployment instead."""
+    try:
+        return await deployments.wait_ready(name)
+    except DeploymentGoneError:
+        if name == DEPLOYMENT:
+            raise
+        await deployments.ensure(spec_of(DEPLOYMENT, trained))
+        return await deployments.wait_ready(DEPLOYMENT)
 
 
 def _bearer(token: str) -> dict[str, str]:

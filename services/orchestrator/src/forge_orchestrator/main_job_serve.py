@@ -11,7 +11,10 @@ the ``chat`` step (:mod:`.main_job_chat`) waits for it to be ready.
    vLLM, one replica of one simulated GPU of team ``main-job``): its driver workflow submits the
    replica as a production inference job, the scheduler places it, a trainer agent starts vLLM
    on a port it assigns, and the replica joins the gateway's pool once it answers. A deployment
-   of that name left by an earlier ``forge up`` (another model) is undeployed first.
+   of that name left by an earlier ``forge up`` (another model) is undeployed first. Where
+   promotions roll replicas (``forge up``), the checkpoint's eval-and-promote workflow usually
+   deployed it already, for its release runs (``<run>-step-<n>``, vLLM): the step reports that
+   deployment instead of making a second one.
 
 Deployments outlive ``forge down``: at the next ``forge up`` the driver workflow places the
 earlier run's replica again, and vLLM would start while the new model trains, only to be replaced
@@ -52,6 +55,10 @@ GONE_WAIT_S = 90.0
 
 class ServeStepError(RuntimeError):
     """A deployment of the main job could not be made or did not become ready; says why."""
+
+
+class DeploymentGoneError(ServeStepError):
+    """The deployment waited for no longer exists (e.g. a rolled-back canary's, drained)."""
 
 
 @dataclass(frozen=True)
@@ -122,6 +129,14 @@ class Deployments:
             raise
         return None if reply.deployment.state == "undeployed" else reply.deployment
 
+    async def serving(self, model: ModelRef) -> orchestrator_pb2.Deployment | None:
+        """A live deployment of ``model`` (``name:version``), whoever made it, or None."""
+        reply = await self._stub.ListDeployments(orchestrator_pb2.ListDeploymentsRequest(), timeout=RPC_S)
+        for deployment in reply.deployments:
+            if deployment.spec.model == str(model) and deployment.state not in ("undeploying", "undeployed"):
+                return deployment
+        return None
+
     async def ensure(self, spec: orchestrator_pb2.DeploymentSpec) -> tuple[orchestrator_pb2.Deployment, bool]:
         """Deploy ``spec``; a deployment of that name with another spec is undeployed first.
         The deployment, and whether one was replaced."""
@@ -155,7 +170,7 @@ class Deployments:
         while True:
             deployment = await self.get(name)
             if deployment is None:
-                raise ServeStepError(f"deployment {name} does not exist")
+                raise DeploymentGoneError(f"deployment {name} does not exist")
             if deployment.ready_replicas >= 1:
                 return deployment
             if time.monotonic() > deadline:
@@ -189,13 +204,20 @@ def describe(deployment: orchestrator_pb2.Deployment) -> dict[str, object]:
 async def serve(ctx: MainJobContext) -> dict[str, object]:
     # 1. The export and its identity.
     trained = trained_export(ctx)
-    # 2. Its deployment; the chat step waits for it.
+    # 2. Its deployment; the chat step waits for it. Where promotions roll replicas, the
+    # eval-and-promote workflow of this checkpoint may have deployed it already for its release
+    # runs: that deployment serves it, rather than a second set of replicas.
     orchestrator = ctx.endpoint("orchestrator")
     async with Deployments(orchestrator.grpc_target, orchestrator.token) as deployments:
-        deployment, replaced = await deployments.ensure(spec_of(DEPLOYMENT, trained))
+        existing = await deployments.serving(trained.model)
+        if existing is not None and existing.spec.name != DEPLOYMENT:
+            await deployments.remove(DEPLOYMENT)
+            deployment, replaced = existing, False
+        else:
+            deployment, replaced = await deployments.ensure(spec_of(DEPLOYMENT, trained))
     return {
         "ok": True,
-        "deployment": DEPLOYMENT,
+        "deployment": deployment.spec.name,
         "model": str(trained.model),
         "model_dir": str(trained.path),
         "engine": "vllm",

@@ -3,7 +3,8 @@
 :class:`JobEventRouter`: a ``JobStateChanged`` event whose job carries a ``workflow_id`` label is
 recorded in ``job_events`` and signalled to that workflow. :class:`CheckpointRouter` hands a
 published checkpoint to that workflow and starts its eval-and-promote (unless the job is labelled
-``auto_eval=false``). :class:`EventRouters` sends each event to the router of its type.
+``auto_eval=false``). :class:`PromotionRouter` starts a ``promotion_rollout`` workflow for each
+``ModelPromoted``. :class:`EventRouters` sends each event to the router of its type.
 """
 
 from __future__ import annotations
@@ -22,11 +23,12 @@ from temporalio.client import Client
 from temporalio.service import RPCError, RPCStatusCode
 
 from forge_kit.db import utcnow
+from forge_kit.modelref import ModelRef
 from forge_orchestrator.activities import state_name
 from forge_orchestrator.inbox import JOB_EVENT_SIGNAL, JobEvent
 from forge_orchestrator.routing import Routing
 from forge_orchestrator.store import JobEventRow
-from forge_orchestrator.training import CHECKPOINT_SIGNAL, CheckpointInfo
+from forge_orchestrator.training.model import CHECKPOINT_SIGNAL, CheckpointInfo
 
 log = structlog.get_logger(__name__)
 
@@ -56,14 +58,25 @@ class TemporalSignaller:
         return await self._signal(workflow_id, CHECKPOINT_SIGNAL, checkpoint)
 
     async def _signal(self, workflow_id: str, name: str, payload: object) -> bool:
-        handle = self._client.get_workflow_handle(workflow_id)
-        try:
-            await handle.signal(name, payload, rpc_timeout=self._rpc_timeout)
-        except RPCError as exc:
-            if exc.status == RPCStatusCode.NOT_FOUND:
-                return False
-            raise
-        return True
+        return await signal_if_running(
+            self._client, workflow_id, name, payload, rpc_timeout=self._rpc_timeout
+        )
+
+
+async def signal_if_running(
+    client: Client, workflow_id: str, name: str, payload: object, *, rpc_timeout: timedelta
+) -> bool:
+    """Signal ``name`` with ``payload`` to the workflow: False when it no longer runs (Temporal
+    answers NOT_FOUND for a closed or unknown one), so the event is dropped, not retried forever.
+    Any other failure raises, and the consumer retries. Every router that signals uses this."""
+    handle = client.get_workflow_handle(workflow_id)
+    try:
+        await handle.signal(name, payload, rpc_timeout=rpc_timeout)
+    except RPCError as exc:
+        if exc.status == RPCStatusCode.NOT_FOUND:
+            return False
+        raise
+    return True
 
 
 class JobEventRouter:
@@ -189,15 +202,45 @@ class CheckpointRouter:
         log.info("checkpoint.eval_started", workflow_id=started, model=f"{name}:{version}", uri=event.uri)
 
 
+class PromotionRouter:
+    """Consumer handler for ``ModelPromoted`` (canary or production, made by anyone): starts the
+    ``promotion_rollout`` workflow (:mod:`forge_orchestrator.deploy.promoted`) under an id derived
+    from the event id, so a redelivered event finds it already started."""
+
+    def __init__(self, starter: WorkflowStarter, *, poll_s: float = 2.0) -> None:
+        self._starter = starter
+        self._poll_s = poll_s
+
+    async def handle(self, event: Message, session: AsyncSession) -> None:
+        if not isinstance(event, events_pb2.ModelPromoted) or event.stage not in ("canary", "production"):
+            return
+        data: dict[str, object] = {
+            "model": str(ModelRef.of(event.model)),
+            "stage": event.stage,
+            "previous": str(ModelRef.of(event.previous)) if event.HasField("previous") else "",
+            "is_rollback": event.is_rollback,
+            "event_id": event.meta.event_id,
+            "poll_s": self._poll_s,
+        }
+        started, _ = await self._starter.start_workflow(
+            "promotion_rollout", data, f"promotion-rollout-{event.meta.event_id}"
+        )
+        log.info("promotion.rollout_started", workflow_id=started, model=data["model"], stage=event.stage)
+
+
 @dataclass(frozen=True)
 class EventRouters:
     """One consumer, several topics: each event goes to the router of its type."""
 
     job_events: JobEventRouter
     checkpoints: CheckpointRouter
+    promotions: PromotionRouter | None = None
+    """None: promotions roll no replicas here."""
 
     async def handle(self, event: Message, session: AsyncSession) -> None:
         if isinstance(event, events_pb2.JobStateChanged):
             await self.job_events.handle(event, session)
         elif isinstance(event, events_pb2.CheckpointPublished):
             await self.checkpoints.handle(event, session)
+        elif isinstance(event, events_pb2.ModelPromoted) and self.promotions is not None:
+            await self.promotions.handle(event, session)

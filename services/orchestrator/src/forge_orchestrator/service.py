@@ -26,40 +26,43 @@ from temporalio.exceptions import ActivityError, FailureError, WorkflowAlreadySt
 from temporalio.service import RPCError, RPCStatusCode, TLSConfig
 from temporalio.worker import Interceptor, Worker
 
-from forge_experiments import recipecatalog
 from forge_kit import errors
 from forge_kit.backoff import Backoff
 from forge_orchestrator.activities import SchedulerActivities
-from forge_orchestrator.canary_activities import CanaryActivities
 from forge_orchestrator.cpt.model import CptInput, validate_cpt
 from forge_orchestrator.cpt.workflow import CptWorkflow
+from forge_orchestrator.deploy.promoted import (
+    PromotionRolloutInput,
+    PromotionRolloutWorkflow,
+    validate_promotion_rollout,
+)
 from forge_orchestrator.deploy.promotion import PromotionActivities
 from forge_orchestrator.deploy.workflow import DeploymentWorkflow
-from forge_orchestrator.eval_activities import EvalActivities
 from forge_orchestrator.grant import MEMO_GRANT, sign
 from forge_orchestrator.identity import ADMIN, Caller, authorize_start
+from forge_orchestrator.inbox import PROGRESS_QUERY
+from forge_orchestrator.promote.activities import EvalActivities
+from forge_orchestrator.promote.canary_activities import CanaryActivities
+from forge_orchestrator.promote.model import EvalAndPromoteInput
+from forge_orchestrator.promote.service import validate_eval_and_promote
+from forge_orchestrator.promote.workflow import EvalAndPromoteWorkflow
 from forge_orchestrator.rlhf.worker import rlhf_task_queue, validate_rlhf
 from forge_orchestrator.rlhf.workflow import RlhfInput, RlhfWorkflow
+from forge_orchestrator.smoke.model import SmokeInput
+from forge_orchestrator.smoke.service import validate_smoke
+from forge_orchestrator.smoke.workflow import SmokeWorkflow
 from forge_orchestrator.sweep.service import sweep_memo, validate_sweep
 from forge_orchestrator.sweep.workflow import SweepInput, SweepWorkflow
 from forge_orchestrator.synthetic.model import SyntheticInput, validate_synthetic
 from forge_orchestrator.synthetic.worker import synthetic_task_queue
 from forge_orchestrator.synthetic.workflow import SyntheticWorkflow
-from forge_orchestrator.training import (
-    TrainInput,
-    TrainWorkflow,
-)
+from forge_orchestrator.training.model import TrainInput
+from forge_orchestrator.training.service import validate_train
+from forge_orchestrator.training.workflow import TrainWorkflow
 from forge_orchestrator.vlm_curriculum import (
     VlmCurriculumInput,
     VlmCurriculumWorkflow,
     validate_vlm_curriculum,
-)
-from forge_orchestrator.workflows import (
-    PROGRESS_QUERY,
-    EvalAndPromoteInput,
-    EvalAndPromoteWorkflow,
-    SmokeInput,
-    SmokeWorkflow,
 )
 
 log = structlog.get_logger(__name__)
@@ -67,36 +70,6 @@ log = structlog.get_logger(__name__)
 #: Memo keys of every workflow the API starts: who started it and the team it acts for.
 MEMO_CALLER, MEMO_TEAM = "forge_caller", "forge_team"
 _WORKFLOW_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,79}$")
-
-
-def validate_smoke(params: SmokeInput) -> None:
-    if not params.team:
-        raise errors.ValidationError("input.team", "must not be empty")
-    if not 0 < params.timeout_s <= 3600:
-        raise errors.ValidationError("input.timeout_s", "must be > 0 and at most 3600")
-    if not 0 <= params.hold_s <= 3600:
-        raise errors.ValidationError("input.hold_s", "must be between 0 and 3600")
-
-
-_MODEL_PART = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-
-
-def validate_eval_and_promote(params: EvalAndPromoteInput) -> None:
-    for name in ("model_name", "model_version"):
-        if not _MODEL_PART.match(getattr(params, name)):
-            raise errors.ValidationError(f"input.{name}", "must be 1-128 letters, digits, '.', '_' or '-'")
-    if not params.uri:
-        raise errors.ValidationError("input.uri", "must not be empty")
-    if not params.suite:
-        raise errors.ValidationError("input.suite", "must not be empty")
-    if not 0 <= params.limit <= 100_000:
-        raise errors.ValidationError("input.limit", "must be between 0 and 100000")
-    if not 0 <= params.canary_percent <= 100:
-        raise errors.ValidationError("input.canary_percent", "must be between 0 and 100")
-    if not 0.1 <= params.poll_s <= 600:
-        raise errors.ValidationError("input.poll_s", "must be between 0.1 and 600")
-    if not 1 <= params.run_timeout_s <= 7 * 86400:
-        raise errors.ValidationError("input.run_timeout_s", "must be between 1 and 604800")
 
 
 def _main_queue(task_queue: str) -> str:
@@ -118,30 +91,6 @@ class WorkflowKind:
     """Extra memo entries from the validated input (a sweep's followed metric)."""
 
 
-def validate_train(params: TrainInput) -> None:
-    if not _MODEL_PART.match(params.recipe):
-        raise errors.ValidationError("input.recipe", "must be 1-128 letters, digits, '.', '_' or '-'")
-    if not params.team:
-        raise errors.ValidationError("input.team", "must not be empty")
-    # The job's own rules from the catalogue: a typo is refused here, not on a node after queueing.
-    recipecatalog.check_overrides(params.recipe, params.overrides, "input.overrides", "input.recipe")
-    if not 1 <= params.replicas <= 1024:
-        raise errors.ValidationError("input.replicas", "must be between 1 and 1024")
-    if not 0 <= params.gpus_per_replica <= 64:
-        raise errors.ValidationError("input.gpus_per_replica", "must be between 0 and 64")
-    if not 0 <= params.max_infra_retries <= 100:
-        raise errors.ValidationError("input.max_infra_retries", "must be between 0 and 100")
-    if not 1 <= params.timeout_s <= 30 * 86400:
-        raise errors.ValidationError("input.timeout_s", "must be between 1 and 2592000")
-    if not 0 <= params.checkpoint_wait_s <= 86400:
-        raise errors.ValidationError("input.checkpoint_wait_s", "must be between 0 and 86400")
-    for key in params.labels:
-        if not key or key in ("workflow_id", "recipe"):
-            raise errors.ValidationError(
-                f"input.labels.{key}", "must be a non-empty key other than workflow_id and recipe (set here)"
-            )
-
-
 KINDS: dict[str, WorkflowKind] = {
     "smoke": WorkflowKind("smoke", SmokeWorkflow, SmokeInput, validate_smoke),
     "training": WorkflowKind("training", TrainWorkflow, TrainInput, validate_train),
@@ -153,6 +102,10 @@ KINDS: dict[str, WorkflowKind] = {
         "vlm_curriculum", VlmCurriculumWorkflow, VlmCurriculumInput, validate_vlm_curriculum
     ),
     "cpt": WorkflowKind("cpt", CptWorkflow, CptInput, validate_cpt),
+    # Started by the ModelPromoted consumer (routers.PromotionRouter); an admin may re-run one.
+    "promotion_rollout": WorkflowKind(
+        "promotion_rollout", PromotionRolloutWorkflow, PromotionRolloutInput, validate_promotion_rollout
+    ),
     # Run by the RLHF worker (rlhf/worker.py) on its own queue, with its children.
     "rlhf": WorkflowKind("rlhf", RlhfWorkflow, RlhfInput, validate_rlhf, queue=rlhf_task_queue),
     # Run by the synthetic-data worker (synthetic/worker.py) on its own queue, with its children.
@@ -367,7 +320,7 @@ class OrchestratorService:
                 raise errors.NotFoundError(f"workflow {handle.id!r} not found") from None
             if exc.status == RPCStatusCode.INVALID_ARGUMENT:  # an id Temporal cannot take
                 raise errors.ValidationError("workflow_id", exc.message) from None
-            raise
+            raise temporal_unavailable(exc) from exc
         if not caller.is_admin:
             try:
                 team = await description.memo_value(MEMO_TEAM, default="")
@@ -404,6 +357,8 @@ class OrchestratorService:
             result = await handle.result(follow_runs=False, rpc_timeout=self._rpc_timeout)
         except WorkflowFailureError as exc:
             return dataclasses.replace(view, error=failure_message(exc))
+        except RPCError as exc:
+            raise temporal_unavailable(exc) from exc
         return dataclasses.replace(view, result=to_json(result))
 
     async def _progress(self, handle: WorkflowHandle[Any, Any]) -> dict[str, Any] | None:
@@ -430,6 +385,26 @@ class OrchestratorService:
             )
         await handle.cancel(reason=reason, rpc_timeout=self._rpc_timeout)
         log.info("workflow.cancel_requested", workflow_id=workflow_id, reason=reason)
+
+
+#: Temporal's answers that say it did not get to the request (its RPC timed out, as it does on a
+#: loaded machine, or it is unreachable): the caller may send the same request again.
+TRANSIENT_TEMPORAL = frozenset(
+    {
+        RPCStatusCode.CANCELLED,  # the SDK's "Timeout expired"
+        RPCStatusCode.DEADLINE_EXCEEDED,
+        RPCStatusCode.UNAVAILABLE,
+        RPCStatusCode.RESOURCE_EXHAUSTED,
+    }
+)
+
+
+def temporal_unavailable(exc: RPCError) -> Exception:
+    """What to raise for Temporal's ``exc``: ``UnavailableError`` (``UNAVAILABLE``, retry) when
+    it is transient, else ``exc`` itself (``INTERNAL``)."""
+    if exc.status in TRANSIENT_TEMPORAL:
+        return errors.UnavailableError(f"Temporal did not answer ({exc.message}); retry", retry_after_s=2.0)
+    return exc
 
 
 async def connect_temporal(
@@ -474,6 +449,7 @@ def build_worker(
         methods += [
             eval_activities.register_model,
             eval_activities.current_model,
+            eval_activities.model_uri,
             eval_activities.run_suite,
             eval_activities.get_run,
             eval_activities.compare_runs,

@@ -5,7 +5,7 @@ Stages default to ``vlm_world_lm`` (the language model, pre-trained on the synth
 its corpus must exist on the nodes: ``python -m forge_training.vlm.dataset
 $FORGE_DATA_DIR/vlm/world-0``), ``vlm_align``, ``vlm_interleave`` and ``vlm_instruct``
 (``forge_training.recipes``). Each stage is one ``training`` child workflow
-(:class:`~forge_orchestrator.training.TrainWorkflow`): its job is checkpointable and resumes
+(:class:`~forge_orchestrator.training.workflow.TrainWorkflow`): its job is checkpointable and resumes
 from its last checkpoint after a preemption, its metrics and checkpoints are tracked as any text
 run's. The parent handed on is the checkpoint's manifest (object-store URL, checked against its
 sha256 by the next stage), else its export. ``parent`` starts the chain from an existing
@@ -27,7 +27,8 @@ with workflow.unsafe.imports_passed_through():
     from forge_kit import errors
     from forge_orchestrator.identity import Caller
     from forge_orchestrator.routing import AUTO_EVAL_LABEL
-    from forge_orchestrator.training import TrainInput, TrainResult, TrainWorkflow
+    from forge_orchestrator.training.model import TrainInput, TrainResult
+    from forge_orchestrator.training.workflow import TrainWorkflow
 
 DEFAULT_STAGES = ["vlm_world_lm", "vlm_align", "vlm_interleave", "vlm_instruct"]
 

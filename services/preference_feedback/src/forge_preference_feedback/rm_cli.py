@@ -3,7 +3,7 @@
 ``forge rm eval (--checkpoint DIR | --version latest) --pairs FILE.jsonl.gz --out OUT`` is the
 benchmark contract: it scores HH-RLHF-format pairs with a Hugging Face reward-model checkpoint
 and writes ``OUT/summary.json`` = ``{"accuracy", "ci95_low", "ci95_high", "n"}`` (Wilson
-interval; see :mod:`forge_training.rm_eval`). ``--version`` (a version, ``latest`` or ``active``, with
+interval; see :mod:`forge_training.rm.eval`). ``--version`` (a version, ``latest`` or ``active``, with
 ``--name``) is resolved through the registry over gRPC at ``$FORGE_CLI_PREFERENCE_FEEDBACK_TARGET``
 (default ``127.0.0.1:50058``). ``forge rm list`` / ``register`` / ``set-status`` are the registry
 itself (register and set-status need the service token, i.e. an admin).
@@ -101,8 +101,8 @@ def eval_(
 ) -> None:
     """Held-out pairwise accuracy of a reward model on a file of pairs, with its 95% Wilson interval."""
     # The training library (the ``rm`` extra) scores; the other commands only talk to the registry.
-    from forge_training.rm_eval import PairsError
-    from forge_training.rm_score import score_pairs
+    from forge_training.rm.eval import PairsError
+    from forge_training.rm.score import score_pairs
 
     if (checkpoint is None) == (not version):
         raise typer.BadParameter(

@@ -6,6 +6,7 @@ needs (vectors, the owning document id, filterable metadata) and can always be r
 
 from __future__ import annotations
 
+import abc
 import enum
 import json
 import shutil
@@ -14,7 +15,7 @@ import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import qdrant_edge as qe
 
@@ -158,7 +159,115 @@ class VectorIndex(Protocol):
         """Flush and release everything."""
 
 
-class QdrantEdgeIndex:
+@dataclass(frozen=True)
+class Nearest:
+    """The ``limit`` points nearest to ``vector`` by the named vector ``using``."""
+
+    using: str
+    vector: SparseVector | tuple[float, ...]
+    limit: int
+
+
+@dataclass(frozen=True)
+class IndexQuery:
+    """One search as every backend runs it: the points of ``tenant`` whose metadata holds every
+    term of ``metadata_terms`` (the filter, also on each prefetch), ranked by ``nearest``, or, with
+    ``fusion`` set, by the fusion of the ``prefetch`` candidate lists inside the engine."""
+
+    tenant: str
+    metadata_terms: tuple[str, ...]
+    limit: int
+    nearest: Nearest | None = None
+    prefetch: tuple[Nearest, ...] = ()
+    fusion: Fusion | None = None
+    rrf_k: int = 60
+
+
+class SearchQueries(abc.ABC):
+    """The searches of :class:`VectorIndex`, built once for both backends: each subclass runs an
+    :class:`IndexQuery` in :meth:`_run`, translating it into its client's types."""
+
+    _dense_dim: int | None
+
+    def search_sparse(
+        self,
+        collection: str,
+        query: SparseVector,
+        limit: int,
+        metadata_filter: Mapping[str, str],
+        *,
+        tenant: str,
+    ) -> list[IndexHit]:
+        if not query:
+            return []
+        return self._run(
+            collection, _query(tenant, metadata_filter, limit, nearest=Nearest(SPARSE_VECTOR, query, limit))
+        )
+
+    def search_dense(
+        self,
+        collection: str,
+        query: Sequence[float],
+        limit: int,
+        metadata_filter: Mapping[str, str],
+        *,
+        tenant: str,
+    ) -> list[IndexHit]:
+        self._require_dense()
+        return self._run(
+            collection,
+            _query(tenant, metadata_filter, limit, nearest=Nearest(DENSE_VECTOR, tuple(query), limit)),
+        )
+
+    def search_hybrid(
+        self,
+        collection: str,
+        sparse: SparseVector,
+        dense: Sequence[float],
+        limit: int,
+        metadata_filter: Mapping[str, str],
+        params: HybridParams,
+        *,
+        tenant: str,
+    ) -> list[IndexHit]:
+        self._require_dense()
+        candidates = max(limit, params.candidates)
+        prefetch = [Nearest(DENSE_VECTOR, tuple(dense), candidates)]
+        if sparse:  # a query of stop characters only has no terms: dense alone then
+            prefetch.append(Nearest(SPARSE_VECTOR, sparse, candidates))
+        return self._run(
+            collection,
+            _query(
+                tenant,
+                metadata_filter,
+                limit,
+                prefetch=tuple(prefetch),
+                fusion=params.fusion,
+                rrf_k=params.rrf_k,
+            ),
+        )
+
+    def _require_dense(self) -> None:
+        if self._dense_dim is None:
+            raise RuntimeError("this index was opened without dense vectors")
+
+    @abc.abstractmethod
+    def _run(self, collection: str, query: IndexQuery) -> list[IndexHit]:
+        """The hits of ``query`` in ``collection``, by the backend's own client."""
+
+
+def _query(tenant: str, metadata_filter: Mapping[str, str], limit: int, **shape: Any) -> IndexQuery:
+    """The tenant's points that match every metadata pair exactly.
+
+    The caller's pairs only ever add ``must`` conditions on the ``meta`` field, beside the one on
+    ``tenant``: a filter can narrow the tenant's points, never reach another tenant's.
+    """
+    if not tenant:
+        raise ValueError("a tenant is required")
+    return IndexQuery(tenant, tuple(metadata_terms(metadata_filter)), limit, **shape)
+
+
+class QdrantEdgeIndex(SearchQueries):
     """``VectorIndex`` on Qdrant Edge: one embedded ``EdgeShard`` per collection under ``root``.
 
     Each shard has the sparse vector ``bm25`` with Qdrant's IDF modifier, the dense vector ``dense``
@@ -290,86 +399,26 @@ class QdrantEdgeIndex:
             ]
             shard.update(qe.UpdateOperation.delete_points_by_filter(qe.Filter(must=conditions)))
 
-    def search_sparse(
-        self,
-        collection: str,
-        query: SparseVector,
-        limit: int,
-        metadata_filter: Mapping[str, str],
-        *,
-        tenant: str,
-    ) -> list[IndexHit]:
-        if not query:
-            return []
-        return self._query(
-            collection,
-            qe.QueryRequest(
-                limit=limit,
-                query=qe.Query.Nearest(_sparse(query), using=SPARSE_VECTOR),
-                filter=_filter(tenant, metadata_filter),
-                with_payload=["document_id"],
-            ),
-        )
-
-    def search_dense(
-        self,
-        collection: str,
-        query: Sequence[float],
-        limit: int,
-        metadata_filter: Mapping[str, str],
-        *,
-        tenant: str,
-    ) -> list[IndexHit]:
-        self._require_dense()
-        return self._query(
-            collection,
-            qe.QueryRequest(
-                limit=limit,
-                query=qe.Query.Nearest(list(query), using=DENSE_VECTOR),
-                filter=_filter(tenant, metadata_filter),
-                with_payload=["document_id"],
-            ),
-        )
-
-    def search_hybrid(
-        self,
-        collection: str,
-        sparse: SparseVector,
-        dense: Sequence[float],
-        limit: int,
-        metadata_filter: Mapping[str, str],
-        params: HybridParams,
-        *,
-        tenant: str,
-    ) -> list[IndexHit]:
-        self._require_dense()
-        flt = _filter(tenant, metadata_filter)
-        candidates = max(limit, params.candidates)
-        prefetches = [
-            qe.Prefetch(limit=candidates, query=qe.Query.Nearest(list(dense), using=DENSE_VECTOR), filter=flt)
-        ]
-        if sparse:  # a query of stop characters only has no terms: dense alone then
-            prefetches.append(
-                qe.Prefetch(
-                    limit=candidates, query=qe.Query.Nearest(_sparse(sparse), using=SPARSE_VECTOR), filter=flt
-                )
+    def _run(self, collection: str, query: IndexQuery) -> list[IndexHit]:
+        flt = _filter(query)
+        if query.fusion is None:
+            assert query.nearest is not None
+            request = qe.QueryRequest(
+                limit=query.limit, query=_nearest(query.nearest), filter=flt, with_payload=["document_id"]
             )
-        # The stubs type the fusion query as ``Fusion`` although its variants are what is passed.
-        fusion: qe.Fusion = (
-            qe.Fusion.Rrf(k=params.rrf_k) if params.fusion is Fusion.RRF else qe.Fusion.Dbsf()  # type: ignore[assignment]
-        )
-        return self._query(
-            collection,
-            qe.QueryRequest(
-                limit=limit, query=fusion, prefetches=prefetches, filter=flt, with_payload=["document_id"]
-            ),
-        )
-
-    def _require_dense(self) -> None:
-        if self._dense_dim is None:
-            raise RuntimeError("this index was opened without dense vectors")
-
-    def _query(self, collection: str, request: qe.QueryRequest) -> list[IndexHit]:
+        else:
+            # The stubs type the fusion query as ``Fusion`` although its variants are what is passed.
+            fusion: qe.Fusion = (
+                qe.Fusion.Rrf(k=query.rrf_k) if query.fusion is Fusion.RRF else qe.Fusion.Dbsf()  # type: ignore[assignment]
+            )
+            prefetches = [qe.Prefetch(limit=n.limit, query=_nearest(n), filter=flt) for n in query.prefetch]
+            request = qe.QueryRequest(
+                limit=query.limit,
+                query=fusion,
+                prefetches=prefetches,
+                filter=flt,
+                with_payload=["document_id"],
+            )
         with self._lock:
             shard = self._open(collection, create=False)
             if shard is None:
@@ -398,16 +447,15 @@ def _sparse(vector: SparseVector) -> qe.SparseVector:
     return qe.SparseVector(list(vector.indices), list(vector.values))
 
 
-def _filter(tenant: str, metadata_filter: Mapping[str, str]) -> qe.Filter:
-    """The tenant's points that match every metadata pair exactly.
+def _nearest(nearest: Nearest) -> qe.Query:
+    vector = nearest.vector
+    return qe.Query.Nearest(
+        _sparse(vector) if isinstance(vector, SparseVector) else list(vector), using=nearest.using
+    )
 
-    The caller's pairs only ever add ``must`` conditions on the ``meta`` field, beside the one on
-    ``tenant``: a filter can narrow the tenant's points, never reach another tenant's.
-    """
-    if not tenant:
-        raise ValueError("a tenant is required")
-    conditions: list[qe.ConditionType] = [qe.FieldCondition("tenant", match=qe.MatchValue(tenant))]
-    conditions += [
-        qe.FieldCondition("meta", match=qe.MatchValue(term)) for term in metadata_terms(metadata_filter)
-    ]
+
+def _filter(query: IndexQuery) -> qe.Filter:
+    """``tenant`` and every metadata term (see :func:`_query`)."""
+    conditions: list[qe.ConditionType] = [qe.FieldCondition("tenant", match=qe.MatchValue(query.tenant))]
+    conditions += [qe.FieldCondition("meta", match=qe.MatchValue(term)) for term in query.metadata_terms]
     return qe.Filter(must=conditions)

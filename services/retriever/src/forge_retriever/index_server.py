@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,9 +26,11 @@ from forge_retriever.index import (
     DENSE_VECTOR,
     SPARSE_VECTOR,
     Fusion,
-    HybridParams,
     IndexHit,
     IndexPoint,
+    IndexQuery,
+    Nearest,
+    SearchQueries,
     metadata_terms,
 )
 from forge_retriever.text import SparseVector
@@ -78,7 +80,7 @@ class CollectionLayout:
         )
 
 
-class QdrantServerIndex:
+class QdrantServerIndex(SearchQueries):
     """``VectorIndex`` on a Qdrant server (or qdrant-client's local mode): see the module docstring."""
 
     def __init__(
@@ -235,81 +237,37 @@ class QdrantServerIndex:
                 self._name(collection), points_selector=models.FilterSelector(filter=flt), wait=True
             )
 
-    def search_sparse(
-        self,
-        collection: str,
-        query: SparseVector,
-        limit: int,
-        metadata_filter: Mapping[str, str],
-        *,
-        tenant: str,
-    ) -> list[IndexHit]:
-        if not query:
-            return []
-        return self._query(
-            collection,
-            query=_sparse(query),
-            using=SPARSE_VECTOR,
-            limit=limit,
-            flt=_filter(tenant, metadata_filter),
-        )
-
-    def search_dense(
-        self,
-        collection: str,
-        query: Sequence[float],
-        limit: int,
-        metadata_filter: Mapping[str, str],
-        *,
-        tenant: str,
-    ) -> list[IndexHit]:
-        self._require_dense()
-        return self._query(
-            collection,
-            query=list(query),
-            using=DENSE_VECTOR,
-            limit=limit,
-            flt=_filter(tenant, metadata_filter),
-            params=self._layout.search_params(),
-        )
-
-    def search_hybrid(
-        self,
-        collection: str,
-        sparse: SparseVector,
-        dense: Sequence[float],
-        limit: int,
-        metadata_filter: Mapping[str, str],
-        params: HybridParams,
-        *,
-        tenant: str,
-    ) -> list[IndexHit]:
-        self._require_dense()
-        flt = _filter(tenant, metadata_filter)
-        candidates = max(limit, params.candidates)
+    def _run(self, collection: str, query: IndexQuery) -> list[IndexHit]:
+        flt = _filter(query)
+        if query.fusion is None:
+            assert query.nearest is not None
+            nearest = query.nearest
+            return self._query(
+                collection,
+                query=_vector(nearest),
+                using=nearest.using,
+                limit=query.limit,
+                flt=flt,
+                params=self._search_params(nearest),
+            )
         prefetch = [
             models.Prefetch(
-                query=list(dense),
-                using=DENSE_VECTOR,
-                limit=candidates,
-                filter=flt,
-                params=self._layout.search_params(),
+                query=_vector(n), using=n.using, limit=n.limit, filter=flt, params=self._search_params(n)
             )
+            for n in query.prefetch
         ]
-        if sparse:
-            prefetch.append(
-                models.Prefetch(query=_sparse(sparse), using=SPARSE_VECTOR, limit=candidates, filter=flt)
-            )
         fusion: models.Query = (
-            models.RrfQuery(rrf=models.Rrf(k=params.rrf_k))
-            if params.fusion is Fusion.RRF
+            models.RrfQuery(rrf=models.Rrf(k=query.rrf_k))
+            if query.fusion is Fusion.RRF
             else models.FusionQuery(fusion=models.Fusion.DBSF)
         )
-        return self._query(collection, query=fusion, using=None, limit=limit, flt=flt, prefetch=prefetch)
+        return self._query(
+            collection, query=fusion, using=None, limit=query.limit, flt=flt, prefetch=prefetch
+        )
 
-    def _require_dense(self) -> None:
-        if self._dense_dim is None:
-            raise RuntimeError("this index was opened without dense vectors")
+    def _search_params(self, nearest: Nearest) -> models.SearchParams | None:
+        """The layout's HNSW search parameters for a dense list (sparse lists need none)."""
+        return self._layout.search_params() if nearest.using == DENSE_VECTOR else None
 
     def _query(
         self,
@@ -354,15 +312,18 @@ def _sparse(vector: SparseVector) -> models.SparseVector:
     return models.SparseVector(indices=list(vector.indices), values=list(vector.values))
 
 
-def _filter(tenant: str, metadata_filter: Mapping[str, str]) -> models.Filter:
-    """The tenant's points that match every metadata pair exactly (as ``index._filter``)."""
-    if not tenant:
-        raise ValueError("a tenant is required")
+def _vector(nearest: Nearest) -> models.SparseVector | list[float]:
+    vector = nearest.vector
+    return _sparse(vector) if isinstance(vector, SparseVector) else list(vector)
+
+
+def _filter(query: IndexQuery) -> models.Filter:
+    """The tenant's points that match every metadata term (as ``index._filter``)."""
     conditions: list[models.Condition] = [
-        models.FieldCondition(key="tenant", match=models.MatchValue(value=tenant))
+        models.FieldCondition(key="tenant", match=models.MatchValue(value=query.tenant))
     ]
     conditions += [
         models.FieldCondition(key="meta", match=models.MatchValue(value=term))
-        for term in metadata_terms(metadata_filter)
+        for term in query.metadata_terms
     ]
     return models.Filter(must=conditions)

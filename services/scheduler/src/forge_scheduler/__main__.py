@@ -26,7 +26,7 @@ async def main() -> None:
         on_commit=relay.wake if relay else lambda: None,
         watch_queue_size=settings.watch_queue_size,
     )
-    await service.load_tokens()
+    await service.teams.load_tokens()
     loop = SchedulingLoop(
         service,
         PolicyConfig(preemption_grace_s=settings.preemption_grace_s),
@@ -41,7 +41,7 @@ async def main() -> None:
     await app.run(
         register=[lambda server: scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(api, server)],
         service_names=[scheduler_pb2.DESCRIPTOR.services_by_name["SchedulerService"].full_name],
-        authenticators=[service.authenticate],
+        authenticators=[service.teams.authenticate],
     )
 
 

@@ -20,6 +20,7 @@ from forge_kit import errors
 from forge_kit.grpckit import SERVICE_PRINCIPAL, current_principal, require_admin
 from forge_kit.paging import decode_page, page_info
 from forge_scheduler.commands import AgentCommand, CancelJob, PreemptJob, StartJob
+from forge_scheduler.messages import spec_from_proto, spec_to_proto
 from forge_scheduler.records import (
     ClusterView,
     GpuInfo,
@@ -48,7 +49,7 @@ def job_to_proto(job: JobRow, queue_position: int = 0) -> scheduler_pb2.Job:
     pending = job.state == PENDING
     return scheduler_pb2.Job(
         id=job.id,
-        spec=scheduler_pb2.JobSpec.FromString(job.spec),
+        spec=spec_to_proto(job.job_spec),
         state=job.state,  # type: ignore[arg-type]
         created_at=_ts(job.created_at),
         started_at=_ts(job.started_at),
@@ -225,7 +226,7 @@ class SchedulerApi(scheduler_pb2_grpc.SchedulerServiceServicer):
     async def IssueTeamToken(
         self, request: scheduler_pb2.IssueTeamTokenRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.IssueTeamTokenResponse:
-        token, token_id = await self._service.issue_team_token(request.team, request.description)
+        token, token_id = await self._service.teams.issue_team_token(request.team, request.description)
         return scheduler_pb2.IssueTeamTokenResponse(token=token, token_id=token_id)
 
     async def GetCaller(
@@ -245,7 +246,7 @@ class SchedulerApi(scheduler_pb2_grpc.SchedulerServiceServicer):
         if not request.HasField("spec"):
             raise errors.ValidationError("spec", "is required")
         job = await self._service.submit_job(
-            request.spec, request.request_id, on_behalf_of=request.on_behalf_of
+            spec_from_proto(request.spec), request.request_id, on_behalf_of=request.on_behalf_of
         )
         return scheduler_pb2.SubmitJobResponse(job=self._job(job))
 
@@ -273,13 +274,13 @@ class SchedulerApi(scheduler_pb2_grpc.SchedulerServiceServicer):
     async def WatchJobs(
         self, request: scheduler_pb2.WatchJobsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[scheduler_pb2.WatchJobsResponse]:
-        async for job in self._service.watch(request.team, request.job_ids, request.send_initial):
+        async for job in self._service.watches.watch(request.team, request.job_ids, request.send_initial):
             yield scheduler_pb2.WatchJobsResponse(job=self._job(job))
 
     async def CreateTeam(
         self, request: scheduler_pb2.CreateTeamRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.CreateTeamResponse:
-        team = await self._service.create_team(
+        team = await self._service.teams.create_team(
             request.name, request.display_name, [quota_from_proto(q) for q in request.quotas], request.cohort
         )
         return scheduler_pb2.CreateTeamResponse(team=team_to_proto(team))
@@ -287,13 +288,15 @@ class SchedulerApi(scheduler_pb2_grpc.SchedulerServiceServicer):
     async def GetTeam(
         self, request: scheduler_pb2.GetTeamRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.GetTeamResponse:
-        return scheduler_pb2.GetTeamResponse(team=team_to_proto(await self._service.get_team(request.name)))
+        return scheduler_pb2.GetTeamResponse(
+            team=team_to_proto(await self._service.teams.get_team(request.name))
+        )
 
     async def ListTeams(
         self, request: scheduler_pb2.ListTeamsRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.ListTeamsResponse:
         size, offset = decode_page(request.page, max_size=self._max_page_size)
-        teams, total = await self._service.list_teams(size, offset)
+        teams, total = await self._service.teams.list_teams(size, offset)
         return scheduler_pb2.ListTeamsResponse(
             teams=[team_to_proto(t) for t in teams], page=page_info(offset, len(teams), total)
         )
@@ -304,7 +307,9 @@ class SchedulerApi(scheduler_pb2_grpc.SchedulerServiceServicer):
         if not request.HasField("quota"):
             raise errors.ValidationError("quota", "is required")
         return scheduler_pb2.SetQuotaResponse(
-            team=team_to_proto(await self._service.set_quota(request.team, quota_from_proto(request.quota)))
+            team=team_to_proto(
+                await self._service.teams.set_quota(request.team, quota_from_proto(request.quota))
+            )
         )
 
     async def GetQueueStats(
@@ -317,8 +322,8 @@ class SchedulerApi(scheduler_pb2_grpc.SchedulerServiceServicer):
         self, request: scheduler_pb2.ListNodesRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.ListNodesResponse:
         size, offset = decode_page(request.page, max_size=self._max_page_size)
-        nodes, total = await self._service.list_nodes(size, offset)
-        used = await self._service.used_gpus()
+        nodes, total = await self._service.nodes.list_nodes(size, offset)
+        used = await self._service.nodes.used_gpus()
         return scheduler_pb2.ListNodesResponse(
             nodes=[node_to_proto(n, used.get(n.name)) for n in nodes],
             page=page_info(offset, len(nodes), total),
@@ -341,7 +346,7 @@ class SchedulerApi(scheduler_pb2_grpc.SchedulerServiceServicer):
             raise errors.ValidationError(
                 "register_node", "the first message of a session must be register_node"
             )
-        node = await self._service.register_node(registration_from_proto(first.register_node))
+        node = await self._service.nodes.register_node(registration_from_proto(first.register_node))
         log.info("agent.registered", node=node.name, node_id=node.node_id, gpus=len(node.gpus))
         commands = self._service.hub.open(node.name)
         told: set[str] = set()  # stale replicas this session already told to stop
@@ -353,9 +358,9 @@ class SchedulerApi(scheduler_pb2_grpc.SchedulerServiceServicer):
                 )
             )
             running = first.register_node.running_job_ids
-            for command in await self._service.outstanding_starts(node.name, running):
+            for command in await self._service.nodes.outstanding_starts(node.name, running):
                 yield command_to_proto(command)
-            for cancel in await self._service.stale_runs(node.name, running):
+            for cancel in await self._service.nodes.stale_runs(node.name, running):
                 told.add(cancel.job_id)
                 log.warning("agent.stale_replica", node=node.name, job_id=cancel.job_id)
                 yield command_to_proto(cancel)
@@ -371,7 +376,7 @@ class SchedulerApi(scheduler_pb2_grpc.SchedulerServiceServicer):
         finally:
             reader.cancel()
             self._service.hub.close(node.name, commands)
-            await asyncio.shield(self._service.mark_node_lost(node.name))
+            await asyncio.shield(self._service.nodes.mark_node_lost(node.name))
             log.info("agent.disconnected", node=node.name)
 
     async def _read_agent(
@@ -384,10 +389,10 @@ class SchedulerApi(scheduler_pb2_grpc.SchedulerServiceServicer):
             kind = message.WhichOneof("message")
             if kind == "heartbeat":
                 running = message.heartbeat.running_job_ids
-                await self._service.heartbeat(node_name, running)
+                await self._service.nodes.heartbeat(node_name, running)
                 # A session that outlived a loss timeout (a partition that healed without
                 # breaking the connection) still runs what the scheduler requeued meanwhile.
-                for cancel in await self._service.stale_runs(node_name, set(running) - told):
+                for cancel in await self._service.nodes.stale_runs(node_name, set(running) - told):
                     told.add(cancel.job_id)
                     log.warning("agent.stale_replica", node=node_name, job_id=cancel.job_id)
                     self._service.hub.send(node_name, cancel)

@@ -16,12 +16,15 @@ from forge_scheduler.states import NODE_NOT_READY, NODE_READY, SCHEDULED
 from forge_scheduler.store import JobRow, NodeRow
 
 
-class NodesMixin:
-    """Nodes of :class:`~forge_scheduler.service.SchedulerService`."""
+class Nodes:
+    """Nodes as their agents announce them: a collaborator of
+    :class:`~forge_scheduler.service.SchedulerService` (its ``nodes``). ``wake`` is called after
+    a change that may let a job start (a node registered)."""
 
-    _db: Database
-    _clock: Callable[[], dt.datetime]
-    _wake: Callable[[], None]
+    def __init__(self, db: Database, clock: Callable[[], dt.datetime], wake: Callable[[], None]) -> None:
+        self._db = db
+        self._clock = clock
+        self._wake = wake
 
     async def register_node(self, request: NodeRegistration) -> NodeRow:
         """Create or resume a node by name; the node id is stable across reconnects."""

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import datetime as dt
 
-from forge.scheduler.v1 import scheduler_pb2
-
 from forge_scheduler.policy import Job, Node, Placement, Priority
 from forge_scheduler.store import JobRow, NodeRow
 
@@ -20,7 +18,7 @@ def epoch(value: dt.datetime) -> float:
 
 def policy_job(job: JobRow) -> Job:
     """The policy's view of a job record."""
-    spec = scheduler_pb2.JobSpec.FromString(job.spec)
+    spec = job.job_spec
     return Job(
         id=job.id,
         team=job.team,
@@ -32,8 +30,8 @@ def policy_job(job: JobRow) -> Job:
         submit_time=epoch(job.created_at),
         min_runtime_s=job.min_runtime_s,
         checkpointable=job.checkpointable,
-        time_limit_s=float(spec.max_runtime_seconds) or None,
-        workload=scheduler_pb2.JobKind.Name(spec.kind).removeprefix("JOB_KIND_").lower(),
+        time_limit_s=spec.time_limit_s,
+        workload=spec.kind.value,
     )
 
 

@@ -5,9 +5,12 @@ transaction (the outbox), then broadcast to in-process watchers once committed; 
 agents (start, preempt, cancel) are sent through the :class:`~forge_scheduler.hub.AgentHub` only
 after that commit. Placement and preemption decisions come from the scheduling loop
 (:mod:`forge_scheduler.scheduling`), which applies the policy engine's cycle through this class.
-Teams and quotas (:mod:`.teams`) and nodes (:mod:`.nodes`) are its mixins; it takes and returns
-the records of :mod:`.records` and store rows, and sends agents the commands of :mod:`.commands`:
-:mod:`forge_scheduler.api` owns every translation to and from gRPC messages.
+It owns the job lifecycle and composes three collaborators: ``teams`` (:class:`.teams.Teams`:
+teams, quotas, team tokens), ``nodes`` (:class:`.nodes.Nodes`: registration, heartbeats, the
+GPUs jobs hold) and ``watches`` (:class:`.watches.Watches`: every committed job change to its
+watchers). It takes and returns the records of :mod:`.records` and store rows, and sends agents
+the commands of :mod:`.commands`: :mod:`forge_scheduler.api` owns every translation to and from
+gRPC messages.
 
 A job's replicas are grouped by node: one StartJob per node, with all of the job's GPU indices
 on that node (torchrun runs one worker per GPU). ``replica_states`` tracks each node's last
@@ -27,7 +30,6 @@ from typing import TypeVar
 import sqlalchemy as sa
 import structlog
 from forge.events.v1 import events_pb2
-from forge.scheduler.v1 import scheduler_pb2
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm.exc import StaleDataError
 
@@ -38,7 +40,9 @@ from forge_kit.grpckit import current_principal
 from forge_kit.stats import percentile
 from forge_scheduler.commands import CancelJob
 from forge_scheduler.hub import AgentHub
-from forge_scheduler.nodes import NodesMixin, holding_jobs, used_gpu_indices
+from forge_scheduler.jobspec import JobSpec
+from forge_scheduler.messages import routing_to_proto
+from forge_scheduler.nodes import Nodes, holding_jobs, used_gpu_indices
 from forge_scheduler.policy import never_fits
 from forge_scheduler.policy_view import epoch, policy_job, policy_node
 from forge_scheduler.records import ClusterView, QueueStats, ReplicaReport
@@ -56,9 +60,9 @@ from forge_scheduler.states import (
     UNSPECIFIED,
 )
 from forge_scheduler.store import JobRow, NodeRow, QuotaRow, TeamRow, TeamUsageRow
-from forge_scheduler.teams import TeamsMixin
-from forge_scheduler.validation import placement_of, validate_name, validate_spec
-from forge_scheduler.watches import WatchesMixin, visible_team
+from forge_scheduler.teams import Teams
+from forge_scheduler.validation import validate_name, validate_spec
+from forge_scheduler.watches import Watches, visible_team
 
 __all__ = [
     "ACTIVE",
@@ -123,8 +127,9 @@ def _by_admin() -> bool:
 ENDPOINT = re.compile(r"https?://[A-Za-z0-9.:\[\]-]{1,253}:[0-9]{1,5}")
 
 
-class SchedulerService(TeamsMixin, NodesMixin, WatchesMixin):
-    """Owns the scheduler's database; every public method is one transaction."""
+class SchedulerService:
+    """Owns the scheduler's database; every public method (its own and its collaborators') is one
+    transaction."""
 
     def __init__(
         self,
@@ -139,13 +144,12 @@ class SchedulerService(TeamsMixin, NodesMixin, WatchesMixin):
         self._db = db
         self._producer = producer
         self._clock = clock
-        self._on_commit = on_commit
-        self._watch_queue_size = watch_queue_size
-        self._watchers = []
         self.hub = hub or AgentHub()
         self.cluster = ClusterView()
-        self._team_tokens: dict[str, str] = {}
         self._wake: Callable[[], None] = lambda: None
+        self.teams = Teams(db, clock, self._woken)
+        self.nodes = Nodes(db, clock, self._woken)
+        self.watches = Watches(db, on_commit, watch_queue_size)
 
     @property
     def db(self) -> Database:
@@ -158,11 +162,17 @@ class SchedulerService(TeamsMixin, NodesMixin, WatchesMixin):
         """``wake`` is called after every change that may let a job start (the scheduling loop)."""
         self._wake = wake
 
+    def _woken(self) -> None:
+        """The collaborators' wake: whatever :meth:`on_change` set last."""
+        self._wake()
+
+    def committed(self, job: JobRow) -> None:
+        """``job``'s change is committed: its watchers hear of it (:meth:`.watches.Watches.committed`)."""
+        self.watches.committed(job)
+
     # --- jobs --------------------------------------------------------------------------------
 
-    async def submit_job(
-        self, spec: scheduler_pb2.JobSpec, request_id: str = "", *, on_behalf_of: str = ""
-    ) -> JobRow:
+    async def submit_job(self, spec: JobSpec, request_id: str = "", *, on_behalf_of: str = "") -> JobRow:
         """Queue a job. A retry with the same ``request_id`` returns the job created first.
         ``on_behalf_of`` names the team whose rights an admin caller (the orchestrator, for a
         team's caller) acts with: the job must be that team's."""
@@ -189,20 +199,20 @@ class SchedulerService(TeamsMixin, NodesMixin, WatchesMixin):
                 name=spec.name,
                 team=spec.team,
                 priority_class=spec.priority_class,
-                gpu_type=spec.resources.gpu_type,
-                gpus_per_replica=spec.resources.gpu_count,
-                replicas=max(1, spec.replicas),
-                spec=spec.SerializeToString(),
+                gpu_type=spec.gpu_type,
+                gpus_per_replica=spec.gpus_per_replica,
+                replicas=spec.tasks,
+                spec=spec.to_json(),
                 state=PENDING,
                 message="queued",
                 assigned_nodes=[],
                 preemption_count=0,
                 created_at=now,
                 queued_at=now,
-                placement=placement_of(spec).value,
-                min_runtime_s=float(spec.min_runtime_seconds),
+                placement=spec.effective_placement.value,
+                min_runtime_s=float(spec.min_runtime_s),
                 checkpointable=spec.checkpointable,
-                checkpoint_interval_s=float(spec.checkpoint_interval_seconds),
+                checkpoint_interval_s=float(spec.checkpoint_interval_s),
                 attempt=0,
                 borrowed=False,
                 # A submission on a team's behalf is that team's, whoever relays it.
@@ -415,7 +425,7 @@ class SchedulerService(TeamsMixin, NodesMixin, WatchesMixin):
         return stats
 
     async def stage_transition(self, session: AsyncSession, job: JobRow, previous: int, reason: str) -> None:
-        spec = scheduler_pb2.JobSpec.FromString(job.spec)
+        spec = job.job_spec
         event = events_pb2.JobStateChanged(
             job_id=job.id,
             team=job.team,
@@ -425,7 +435,7 @@ class SchedulerService(TeamsMixin, NodesMixin, WatchesMixin):
             reason=reason,
             node_names=list(job.assigned_nodes),
             labels=dict(spec.labels),
-            routing=spec.routing if spec.HasField("routing") else None,
+            routing=routing_to_proto(spec.routing) if spec.routing is not None else None,
         )
         await stage_event(session, event, producer=self._producer, key=job.id)
 

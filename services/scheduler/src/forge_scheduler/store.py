@@ -9,6 +9,7 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Mapped, mapped_column
 
 from forge_kit.db import Base, utcnow
+from forge_scheduler.jobspec import JobSpec
 
 
 class TeamRow(Base):
@@ -35,7 +36,8 @@ class QuotaRow(Base):
 
 
 class JobRow(Base):
-    """A job record; ``spec`` is the serialised ``forge.scheduler.v1.JobSpec`` as submitted."""
+    """A job record; ``spec`` is what was submitted, the domain's :class:`JobSpec` as JSON
+    (:attr:`job_spec` reads it back)."""
 
     __tablename__ = "jobs"
 
@@ -47,7 +49,7 @@ class JobRow(Base):
     gpu_type: Mapped[str] = mapped_column(sa.String(63), default="")
     gpus_per_replica: Mapped[int] = mapped_column(sa.Integer, default=0)
     replicas: Mapped[int] = mapped_column(sa.Integer, default=1)
-    spec: Mapped[bytes] = mapped_column(sa.LargeBinary)
+    spec: Mapped[dict[str, Any]] = mapped_column(sa.JSON)
     state: Mapped[int] = mapped_column(sa.Integer, index=True)
     message: Mapped[str] = mapped_column(sa.Text, default="")
     assigned_nodes: Mapped[list[str]] = mapped_column(sa.JSON, default=list)
@@ -91,6 +93,11 @@ class JobRow(Base):
     later commit put back a replica the earlier had freed: its GPU stayed draining for good."""
 
     __mapper_args__ = {"version_id_col": version}
+
+    @property
+    def job_spec(self) -> JobSpec:
+        """What was submitted, typed."""
+        return JobSpec.from_json(self.spec)
 
 
 class NodeRow(Base):

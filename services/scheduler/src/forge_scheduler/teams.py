@@ -22,13 +22,16 @@ def token_hash(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
-class TeamsMixin:
-    """Teams, quotas and team tokens of :class:`~forge_scheduler.service.SchedulerService`."""
+class Teams:
+    """Teams, quotas and team tokens: a collaborator of
+    :class:`~forge_scheduler.service.SchedulerService` (its ``teams``). ``wake`` is called after a
+    change that may let a job start (a quota set)."""
 
-    _db: Database
-    _clock: Callable[[], dt.datetime]
-    _wake: Callable[[], None]
-    _team_tokens: dict[str, str]
+    def __init__(self, db: Database, clock: Callable[[], dt.datetime], wake: Callable[[], None]) -> None:
+        self._db = db
+        self._clock = clock
+        self._wake = wake
+        self._team_tokens: dict[str, str] = {}
 
     # --- team tokens -------------------------------------------------------------------------
 
@@ -115,8 +118,6 @@ class TeamsMixin:
             session.add(quota_row(team, quota))
         self._wake()
         return await self.get_team(team)
-
-    # --- jobs --------------------------------------------------------------------------------
 
 
 def quota_row(team: str, quota: QuotaSpec) -> QuotaRow:

@@ -4,23 +4,12 @@ from __future__ import annotations
 
 import re
 
-from forge.scheduler.v1 import scheduler_pb2
-
 from forge_kit import errors
 from forge_kit.validate import check_finite, check_labels
-from forge_scheduler.policy import Placement
+from forge_scheduler.jobspec import GPU_KINDS, JobSpec
 from forge_scheduler.records import QuotaSpec
 
 MAX_DURATION_S = 90 * 86400
-#: Kinds that are gangs of GPU tasks; other kinds (unspecified, eval, interactive) may be CPU-only.
-GPU_KINDS = frozenset(
-    {scheduler_pb2.JOB_KIND_TRAINING, scheduler_pb2.JOB_KIND_FINE_TUNE, scheduler_pb2.JOB_KIND_INFERENCE}
-)
-_PLACEMENTS = {
-    scheduler_pb2.PLACEMENT_ANY: Placement.ANY,
-    scheduler_pb2.PLACEMENT_SAME_NODE: Placement.SAME_NODE,
-    scheduler_pb2.PLACEMENT_SAME_NODE_GROUP: Placement.SAME_GROUP,
-}
 PRIORITY_CLASSES = ("production", "high", "normal", "preemptible")
 _NAME = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
 
@@ -35,37 +24,35 @@ def validate_name(field_name: str, value: str) -> None:
         )
 
 
-def validate_spec(spec: scheduler_pb2.JobSpec) -> None:
-    """Reject a spec the scheduler could never run, naming the field."""
+def validate_spec(spec: JobSpec) -> None:
+    """Reject a spec the scheduler could never run, naming the field (by its name in the API)."""
     validate_name("spec.name", spec.name)
     validate_name("spec.team", spec.team)
-    if spec.placement not in (*_PLACEMENTS, scheduler_pb2.PLACEMENT_UNSPECIFIED):
-        raise errors.ValidationError("spec.placement", f"unknown placement {spec.placement}")
-    for name in ("max_runtime_seconds", "min_runtime_seconds", "checkpoint_interval_seconds"):
-        if getattr(spec, name) > MAX_DURATION_S:
+    durations = {
+        "max_runtime_seconds": spec.max_runtime_s,
+        "min_runtime_seconds": spec.min_runtime_s,
+        "checkpoint_interval_seconds": spec.checkpoint_interval_s,
+    }
+    for name, value in durations.items():
+        if value > MAX_DURATION_S:
             raise errors.ValidationError(f"spec.{name}", f"must be at most {MAX_DURATION_S} (90 days)")
-    if spec.max_runtime_seconds and spec.min_runtime_seconds > spec.max_runtime_seconds:
+    if spec.max_runtime_s and spec.min_runtime_s > spec.max_runtime_s:
         raise errors.ValidationError("spec.min_runtime_seconds", "must not exceed max_runtime_seconds")
     if spec.priority_class not in PRIORITY_CLASSES:
         raise errors.ValidationError("spec.priority_class", f"must be one of {', '.join(PRIORITY_CLASSES)}")
-    if spec.resources.gpu_count == 0 and spec.kind in GPU_KINDS:
-        kind = scheduler_pb2.JobKind.Name(spec.kind).removeprefix("JOB_KIND_").lower()
-        raise errors.ValidationError("spec.resources.gpu_count", f"must be at least 1 for a {kind} job")
-    if spec.resources.gpu_count > 0 and not spec.resources.gpu_type:
+    if spec.gpus_per_replica == 0 and spec.kind in GPU_KINDS:
+        raise errors.ValidationError(
+            "spec.resources.gpu_count", f"must be at least 1 for a {spec.kind.value} job"
+        )
+    if spec.gpus_per_replica > 0 and not spec.gpu_type:
         raise errors.ValidationError("spec.resources.gpu_type", "is required when gpu_count > 0")
-    if spec.resources.gpu_count > 64:
+    if spec.gpus_per_replica > 64:
         raise errors.ValidationError("spec.resources.gpu_count", "must be at most 64 per replica")
     if spec.replicas > 1024:
         raise errors.ValidationError("spec.replicas", "must be at most 1024")
     if not spec.command:
         raise errors.ValidationError("spec.command", "must not be empty")
     check_labels("spec.labels", spec.labels)
-
-
-def placement_of(spec: scheduler_pb2.JobSpec) -> Placement:
-    if spec.placement != scheduler_pb2.PLACEMENT_UNSPECIFIED:
-        return _PLACEMENTS[spec.placement]
-    return Placement.SAME_GROUP if spec.same_node_group else Placement.ANY
 
 
 #: Largest fair-share weight: far beyond any real ratio, and finite (NaN or infinity would

@@ -35,21 +35,22 @@ def visible_team(team: str) -> str:
     return principal.team
 
 
-class WatchesMixin:
-    """Watches of :class:`~forge_scheduler.service.SchedulerService`."""
+class Watches:
+    """Job watches: a collaborator of :class:`~forge_scheduler.service.SchedulerService` (its
+    ``watches``), told of every committed change (:meth:`committed`, which calls ``on_commit``
+    first); a watcher's queue holds ``queue_size`` changes."""
 
-    _db: Database
-    _on_commit: Callable[[], None]
-    _watch_queue_size: int
-    _watchers: list[_Watcher]
-
-    # --- watches -----------------------------------------------------------------------------
+    def __init__(self, db: Database, on_commit: Callable[[], None], queue_size: int = 1000) -> None:
+        self._db = db
+        self._on_commit = on_commit
+        self._queue_size = queue_size
+        self._watchers: list[_Watcher] = []
 
     async def watch(self, team: str, job_ids: Iterable[str], send_initial: bool) -> AsyncIterator[JobRow]:
         """Yield matching jobs after every committed change; a watcher too slow to keep up is
         dropped with RESOURCE_EXHAUSTED rather than letting its queue grow without bound."""
         team = visible_team(team)
-        watcher = _Watcher(team=team, job_ids=frozenset(job_ids), queue=asyncio.Queue(self._watch_queue_size))
+        watcher = _Watcher(team=team, job_ids=frozenset(job_ids), queue=asyncio.Queue(self._queue_size))
         self._watchers.append(watcher)
         try:
             if send_initial:

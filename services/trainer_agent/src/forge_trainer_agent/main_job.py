@@ -24,12 +24,13 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from forge.orchestrator.v1 import orchestrator_pb2, orchestrator_pb2_grpc
+from forge.orchestrator.v1 import orchestrator_pb2
 from forge.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
-from google.protobuf import json_format, struct_pb2
+from google.protobuf import json_format
 
 from forge_kit.grpckit import make_channel
 from forge_kit.mainjob import Endpoint, MainJobContext
+from forge_kit.orchestrator_client import OrchestratorClient, status_name
 
 TEAM = "main-job"
 GPU_TYPE = "SIM"
@@ -91,32 +92,20 @@ train.timeout_s = WAIT_NODES_S + WAIT_TRAIN_S + 60  # type: ignore[attr-defined]
 
 
 async def _run_workflow(orchestrator: Endpoint, data: dict[str, Any]) -> dict[str, Any]:
-    payload = struct_pb2.Struct()
-    payload.update(data)
-    async with make_channel(orchestrator.grpc_target, token=orchestrator.token) as channel:
-        stub = orchestrator_pb2_grpc.OrchestratorServiceStub(channel)
-        started = await stub.StartWorkflow(
-            orchestrator_pb2.StartWorkflowRequest(workflow_type="training", input=payload), timeout=RPC_S
-        )
-        deadline = time.monotonic() + WAIT_TRAIN_S
-        while True:
-            reply = await stub.GetWorkflow(
-                orchestrator_pb2.GetWorkflowRequest(workflow_id=started.workflow_id), timeout=RPC_S
-            )
-            if reply.status != orchestrator_pb2.WORKFLOW_STATUS_RUNNING:
-                break
-            if time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"training workflow {started.workflow_id} still running after {WAIT_TRAIN_S:.0f}s"
-                )
-            await asyncio.sleep(1.0)
+    async with OrchestratorClient(orchestrator.grpc_target, orchestrator.token) as client:
+        workflow_id = await client.start("training", data)
+        try:
+            reply = await client.wait(workflow_id, timeout_s=WAIT_TRAIN_S, poll_s=1.0)
+        except TimeoutError:
+            raise RuntimeError(
+                f"training workflow {workflow_id} still running after {WAIT_TRAIN_S:.0f}s"
+            ) from None
     if reply.status != orchestrator_pb2.WORKFLOW_STATUS_COMPLETED:
-        status = orchestrator_pb2.WorkflowStatus.Name(reply.status)
         raise RuntimeError(
-            f"training workflow {started.workflow_id} ended {status}: {reply.error or 'no error given'}"
+            f"training workflow {workflow_id} ended {status_name(reply.status)}: {reply.error or 'no error given'}"
         )
     result = json_format.MessageToDict(reply.result)
-    return {**result, "workflow_id": started.workflow_id}
+    return {**result, "workflow_id": workflow_id}
 
 
 async def _wait_for_nodes(

@@ -8,9 +8,15 @@ every text step): a chat completion with an image, through the gateway, about a 
    sized for the main job's minutes, not for accuracy (the curriculum's figures are
    ``forge bench vlm``'s; ``vlm.from_scratch=false``: the LM keeps the parent's weights); the
    trainer exports it as a LLaVA folder.
-2. **Serve** it: load the folder into the model server (``POST /admin/v1/models`` as
-   :data:`MODEL_NAME` at ``step-<n>``), make sure the gateway routes to that model server, and
-   wait until the gateway's ``/v1/models`` lists it.
+2. **Serve** it as a deployment, like every model the platform serves: the folder is laid out as
+   Forge's engine reads a version (``<layout>/shapes-vlm/``: links to the export's files and
+   ``forge_model.json`` with ``step-<n>``), deployed through the orchestrator's Deploy API as
+   :data:`DEPLOYMENT` (engine ``forge``, one replica of one simulated GPU, placed by the
+   scheduler, started by a trainer agent, in the gateway's pool once it answers), and the step
+   waits until the gateway's ``/v1/models`` lists :data:`MODEL_NAME` at that version. The engine
+   is Forge's (the text models' replicas are vLLM's); vLLM-CPU serves a LLaVA export of this
+   shape (heads of 64) only through its Transformers backend, ``model_impl=transformers``, since
+   its own LLaVA path imports torchvision. The deployment is the same either way.
 3. **Ask**: render a scene of the shapes world (:mod:`forge_training.vlm.world`, a held-out
    question template), send it as an ``image_url`` data URI with the question through the
    gateway with the ``openai`` SDK, and report the answer next to the scene's true answer, and
@@ -18,21 +24,27 @@ every text step): a chat completion with an image, through the gateway, about a 
 
 The step succeeds when the answer came back through the gateway from the trained version with the
 image counted in its usage; whether a model trained for seconds answers *correctly* is reported
-(``correct``), not required.
+(``correct``), not required. The deployment is then undeployed: its simulated GPU is the next
+``forge up``'s training job's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
 import openai
+from forge.common.v1 import common_pb2
+from forge.orchestrator.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
+from forge_kit.grpckit import make_channel
 from forge_kit.mainjob import Endpoint, MainJobContext
 from forge_trainer_agent.main_job import GPU_TYPE, TEAM, _run_workflow
 
@@ -44,6 +56,13 @@ MODEL_HEADER = "x-forge-model"
 SCENE_SEED = 7
 WAIT_GATEWAY_S = 45.0
 HTTP_S = 120.0
+#: The deployment serving the trained VLM, and the engine settings of its replica (torch's decode
+#: attention: a replica's own HOME would otherwise build the C++ kernel first, over a minute).
+DEPLOYMENT = "main-job-vlm"
+ENGINE_ARGS = ("torch_threads=1", "decode_attention=torch")
+READY_WAIT_S = 240.0
+RPC_S = 30.0
+VERSION_FILE = "forge_model.json"
 
 
 class VlmStepError(RuntimeError):
@@ -102,8 +121,12 @@ async def vlm(ctx: MainJobContext) -> dict[str, object]:
     folder, step = Path(checkpoint["uri"]), int(checkpoint["step"])
     trained_s = time.monotonic() - started
     # 2 and 3. Serve and ask.
-    asked = await serve_and_ask(
-        ctx.endpoint("model_server"), ctx.endpoint("inference_gateway"), folder, MODEL_NAME, f"step-{step}"
+    asked = await deploy_and_ask(
+        ctx.endpoint("orchestrator"),
+        ctx.endpoint("inference_gateway"),
+        folder,
+        f"step-{step}",
+        layout_root=ctx.root / "var" / "data" / "main-job" / "vlm",
     )
     return {
         **asked,
@@ -116,27 +139,109 @@ async def vlm(ctx: MainJobContext) -> dict[str, object]:
 
 
 vlm.order = 95  # type: ignore[attr-defined]
-vlm.timeout_s = 600.0  # type: ignore[attr-defined]
+vlm.timeout_s = 600.0 + READY_WAIT_S  # type: ignore[attr-defined]
 
 
-async def serve_and_ask(
-    server: Endpoint, gateway: Endpoint, folder: Path, name: str, version: str
+def lay_out(root: Path, folder: Path, version: str, name: str = MODEL_NAME) -> Path:
+    """``root/<name>/``: links to ``folder``'s files and the version file (``folder`` untouched)."""
+    served = root / name
+    served.mkdir(parents=True, exist_ok=True)
+    for old in served.iterdir():
+        old.unlink()
+    for item in folder.iterdir():
+        if item.name != VERSION_FILE:
+            (served / item.name).symlink_to(item.resolve())
+    (served / VERSION_FILE).write_text(json.dumps({"version": version}))
+    return served
+
+
+def deployment_spec(served: Path, version: str, team: str, gpu_type: str) -> orchestrator_pb2.DeploymentSpec:
+    return orchestrator_pb2.DeploymentSpec(
+        name=DEPLOYMENT,
+        team=team,
+        model=f"{served.name}:{version}",
+        model_dir=str(served),
+        engine=orchestrator_pb2.ENGINE_FORGE,
+        min_replicas=1,
+        max_replicas=1,
+        replicas=1,
+        resources=common_pb2.ResourceRequest(gpu_count=1, gpu_type=gpu_type),
+        engine_args=list(ENGINE_ARGS),
+    )
+
+
+async def _deploy(
+    stub: orchestrator_pb2_grpc.OrchestratorServiceAsyncStub, spec: orchestrator_pb2.DeploymentSpec
+) -> None:
+    """Deploy ``spec``, replacing a deployment of that name an earlier run left with another spec."""
+    try:
+        await stub.Deploy(orchestrator_pb2.DeployRequest(spec=spec), timeout=RPC_S)
+        return
+    except grpc.aio.AioRpcError as exc:
+        if exc.code() != grpc.StatusCode.ALREADY_EXISTS:
+            raise VlmStepError(f"deploying {spec.model}: {exc.code().name}: {exc.details()}") from None
+    await stub.Undeploy(orchestrator_pb2.UndeployRequest(name=spec.name), timeout=RPC_S)
+    deadline = time.monotonic() + READY_WAIT_S
+    while await _deployment(stub, spec.name) is not None:
+        if time.monotonic() > deadline:
+            raise VlmStepError(f"the earlier {spec.name} was still undeploying after {READY_WAIT_S:g}s")
+        await asyncio.sleep(1.0)
+    await stub.Deploy(orchestrator_pb2.DeployRequest(spec=spec), timeout=RPC_S)
+
+
+async def _deployment(
+    stub: orchestrator_pb2_grpc.OrchestratorServiceAsyncStub, name: str
+) -> orchestrator_pb2.Deployment | None:
+    try:
+        reply = await stub.GetDeployment(orchestrator_pb2.GetDeploymentRequest(name=name), timeout=RPC_S)
+    except grpc.aio.AioRpcError as exc:
+        if exc.code() == grpc.StatusCode.NOT_FOUND:
+            return None
+        raise
+    return None if reply.deployment.state == "undeployed" else reply.deployment
+
+
+async def deploy_and_ask(
+    orchestrator: Endpoint,
+    gateway: Endpoint,
+    folder: Path,
+    version: str,
+    *,
+    layout_root: Path,
+    team: str = TEAM,
+    gpu_type: str = GPU_TYPE,
 ) -> dict[str, object]:
-    """Load ``folder`` as ``name:version`` on the model server, route the gateway to it, and ask
-    about a generated scene through the gateway (steps 2 and 3 of the module docstring)."""
+    """Steps 2 and 3 of the module docstring: ``folder`` deployed as ``shapes-vlm:<version>``,
+    asked about a generated scene through the gateway, then undeployed."""
+    served = lay_out(layout_root, folder, version)
+    started = time.monotonic()
+    async with make_channel(orchestrator.grpc_target, token=orchestrator.token) as channel:
+        stub = orchestrator_pb2_grpc.OrchestratorServiceStub(channel)
+        await _deploy(stub, deployment_spec(served, version, team, gpu_type))
+        try:
+            while (
+                deployment := await _deployment(stub, DEPLOYMENT)
+            ) is None or deployment.ready_replicas < 1:
+                if time.monotonic() - started > READY_WAIT_S:
+                    state = f"{deployment.state}: {deployment.message}" if deployment else "gone"
+                    raise VlmStepError(f"{DEPLOYMENT} had no ready replica after {READY_WAIT_S:g}s ({state})")
+                await asyncio.sleep(1.0)
+            replica = next(r for r in deployment.replicas if r.state == "ready")
+            ready_s = time.monotonic() - started
+            asked = await ask(gateway, MODEL_NAME, version)
+        finally:
+            await stub.Undeploy(orchestrator_pb2.UndeployRequest(name=DEPLOYMENT), timeout=RPC_S)
+    return {
+        **asked,
+        "deployment": f"{DEPLOYMENT} (engine forge): replica {replica.job_id} on {replica.node}, undeployed after",
+        "replica_ready_after_s": round(ready_s, 1),
+    }
+
+
+async def ask(gateway: Endpoint, name: str, version: str) -> dict[str, object]:
+    """Wait until the gateway lists ``name`` at ``version``, then ask it about a generated scene
+    through the gateway (step 3 of the module docstring)."""
     async with httpx.AsyncClient(timeout=HTTP_S) as client:
-        reply = await client.post(
-            f"{server.http_url}/admin/v1/models",
-            json={"name": name, "path": str(folder), "version": version},
-            headers=_bearer(server.token),
-        )
-        _expect(reply, {201}, f"loading {folder} into the model server as {name}:{version}")
-        reply = await client.post(
-            f"{gateway.http_url}/admin/v1/replicas",
-            json={"url": server.http_url, "token": server.token},
-            headers=_bearer(gateway.token),
-        )
-        _expect(reply, {201, 409}, f"adding {server.http_url} to the gateway's replicas")
         waited = await _wait_listed(client, gateway, name, version)
     png, question, expected, qtype = await asyncio.to_thread(scene_question)
     uri = "data:image/png;base64," + base64.b64encode(png).decode()
@@ -203,8 +308,3 @@ async def _wait_listed(client: httpx.AsyncClient, gateway: Endpoint, name: str, 
 
 def _bearer(token: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"}
-
-
-def _expect(reply: httpx.Response, statuses: set[int], doing: str) -> None:
-    if reply.status_code not in statuses:
-        raise VlmStepError(f"{doing}: HTTP {reply.status_code}: {reply.text[:500]}")

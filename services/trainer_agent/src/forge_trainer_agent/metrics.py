@@ -34,6 +34,13 @@ TRAINING_METRIC = Gauge(
 METRICS_FILE = "metrics.jsonl"
 
 
+def attempt_offset(run_dir: Path) -> int:
+    """Where an attempt about to start begins in the run's metrics file: its size now (earlier
+    attempts' lines were published by them). Taken before the attempt's process starts."""
+    path = run_dir / METRICS_FILE
+    return path.stat().st_size if path.exists() else 0
+
+
 @dataclass
 class _Cursor:
     offset: int = 0
@@ -78,11 +85,12 @@ class MetricsStreamer:
         self._producer = producer
         self._interval_s = interval_s
 
-    async def follow(self, job_id: str, run_id: str, run_dir: Path, stop: asyncio.Event) -> None:
-        """Publish until ``stop`` is set, then once more for what was written last."""
+    async def follow(self, job_id: str, run_id: str, run_dir: Path, stop: asyncio.Event, offset: int) -> None:
+        """Publish until ``stop`` is set, then once more for what was written last. ``offset``:
+        where this attempt's lines start (:func:`attempt_offset`, taken before its process starts:
+        what the process writes before this task first runs is its own)."""
         path = run_dir / METRICS_FILE
-        # Only what this attempt writes: earlier attempts' lines were published by them.
-        cursor = _Cursor(offset=path.stat().st_size if path.exists() else 0)
+        cursor = _Cursor(offset=offset)
         try:
             while not stop.is_set():
                 await self.publish_new(job_id, run_id, path, cursor)

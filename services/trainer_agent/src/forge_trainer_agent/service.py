@@ -31,7 +31,7 @@ from prometheus_client import Counter, Gauge
 from forge_kit import errors
 from forge_kit.jobenv import SERVE_PORT_ENV, with_serve_port
 from forge_trainer_agent.checkpoints import CheckpointAnnouncer
-from forge_trainer_agent.metrics import MetricsStreamer
+from forge_trainer_agent.metrics import MetricsStreamer, attempt_offset
 from forge_trainer_agent.node import NodeInfo
 from forge_trainer_agent.runner import (
     ExitStatus,
@@ -360,6 +360,7 @@ class AgentService:
             # submitted: a team's own inference job keeps the private network of any team job.
             serving=spec.kind == scheduler_pb2.JOB_KIND_INFERENCE and command.submitted_by_admin,
         )
+        metrics_from = attempt_offset(run_dir)
         try:
             process = await self._runner.launch(launch)
         except LaunchError as exc:
@@ -394,7 +395,8 @@ class AgentService:
         )
         if self._metrics is not None:
             active.metrics = self._spawn(
-                self._metrics.follow(job_id, row.run_id, run_dir, active.done), name=f"metrics-{job_id}"
+                self._metrics.follow(job_id, row.run_id, run_dir, active.done, metrics_from),
+                name=f"metrics-{job_id}",
             )
         active.supervisor = self._spawn(self._supervise(active), name=f"supervise-{job_id}")
 

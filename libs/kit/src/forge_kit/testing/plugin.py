@@ -4,6 +4,8 @@ Integration fixtures start real servers once per session: ``kafka_broker`` (Tans
 ``temporal_server`` (Temporal dev server), ``mlflow_server`` (an MLflow tracking server);
 ``postgres_url`` makes a fresh database on the PostgreSQL at ``FORGE_TEST_POSTGRES`` (default 127.0.0.1:5432) and drops it afterwards;
 ``redis_url`` points at the Redis at ``FORGE_TEST_REDIS_URL`` (default redis://127.0.0.1:6379/0).
+``db`` is a SQLite database in the test's folder, migrated with the folder a package's conftest
+names in ``db_migrations`` (every service's tests share this one fixture).
 It also registers the ``integration`` marker (tests that start real servers).
 """
 
@@ -13,11 +15,14 @@ import asyncio
 import concurrent.futures
 import os
 import uuid
-from collections.abc import Coroutine, Iterator
+from collections.abc import AsyncIterator, Coroutine, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
+import pytest_asyncio
 
+from forge_kit.db import Base, Database
 from forge_kit.testing.processes import MlflowServer, TansuBroker, TemporalDevServer, free_port
 
 
@@ -95,3 +100,25 @@ def postgres_url() -> Iterator[str]:
 def redis_url() -> str:
     """URL of the Redis server tests share; callers namespace their keys."""
     return os.environ.get("FORGE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+@pytest.fixture
+def db_migrations() -> Path | None:
+    """The Alembic folder the ``db`` fixture migrates to head: a package's conftest overrides this
+    with its own ``migrations/``. None (the default): ``db`` creates the tables declared on
+    :class:`forge_kit.db.Base` (the kit's own outbox and processed-event tables)."""
+    return None
+
+
+@pytest_asyncio.fixture
+async def db(tmp_path: Path, db_migrations: Path | None) -> AsyncIterator[Database]:
+    """A SQLite database in the test's folder, migrated (or created) from ``db_migrations``,
+    disposed after the test."""
+    database = Database(f"sqlite+aiosqlite:///{tmp_path / 'test.db'}")
+    if db_migrations is None:
+        async with database.engine.begin() as connection:
+            await connection.run_sync(Base.metadata.create_all)
+    else:
+        await database.migrate(db_migrations)
+    yield database
+    await database.dispose()

@@ -19,7 +19,7 @@ import urllib.request
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
-from forge_kit.localinfra import bin_path, mlflow_healthy, mlflow_server_argv, port_open, tansu_binary
+from forge_kit.localinfra import bin_path, mlflow_healthy, mlflow_server_argv, port_open, tansu_broker_argv
 
 if TYPE_CHECKING:
     from forge_kit.vllm import VllmLaunch
@@ -121,18 +121,7 @@ class TansuBroker(_Process):
 
     def start(self, timeout_s: float = 30.0) -> TansuBroker:
         url = f"tcp://127.0.0.1:{self.port}"
-        self._spawn(
-            [
-                tansu_binary(),
-                "broker",
-                "--listener-url",
-                url,
-                "--advertised-listener-url",
-                f"tcp://127.0.0.1:{self.advertised_port}",
-                "--storage-engine",
-                "memory://tansu/",
-            ]
-        )
+        self._spawn(tansu_broker_argv(url, f"tcp://127.0.0.1:{self.advertised_port}"))
         assert self.proc is not None
         wait_for_port(self.port, timeout_s, self.proc)
         return self

@@ -78,7 +78,7 @@ class EncoderRewardModeling(RewardModeling):
     file to score the export with (``forge rm eval --pairs``), and with ``pairs.extra_val_fraction``
     the held-out share of ``pairs.extra_train`` to ``held_out_extra_pairs.jsonl``, and the pairs it
     trains on (before any ``pairs.length_balance``) to ``train_pairs.jsonl``, the file
-    :mod:`forge_training.rm_residual` fits a length correction on; the export carries the tokenizer
+    :mod:`forge_training.rm.residual` fits a length correction on; the export carries the tokenizer
     with ``truncation_side="left"``, ``model_max_length = data.seq_len`` and
     :data:`pairs.ENCODER_CHAT_TEMPLATE`, so ``forge rm eval`` encodes pairs as training did."""
 

@@ -41,7 +41,8 @@ with workflow.unsafe.imports_passed_through():
     import yaml
 
     from forge_experiments import cptmix
-    from forge_kit.jobcmd import render_value
+    from forge_experiments.jobcmd import render_value
+    from forge_kit.modelref import ModelRef
     from forge_orchestrator.cpt.activities import CptActivities, ReportInput, ReportOutput
     from forge_orchestrator.cpt.model import (
         CptInput,
@@ -51,7 +52,9 @@ with workflow.unsafe.imports_passed_through():
         space_of,
         validate_cpt,
     )
-    from forge_orchestrator.eval_activities import (
+    from forge_orchestrator.identity import ADMIN
+    from forge_orchestrator.inbox import ACTIVITY_RETRY, PROGRESS_QUERY
+    from forge_orchestrator.promote.activities import (
         Comparison,
         EvalActivities,
         ModelId,
@@ -59,20 +62,17 @@ with workflow.unsafe.imports_passed_through():
         RunInput,
         RunState,
     )
-    from forge_orchestrator.identity import ADMIN
-    from forge_orchestrator.sweep.activities import TRACK_RETRY, TRACK_TIMEOUT
-    from forge_orchestrator.sweep.model import MEMO_METRIC, SweepInput, SweepResult
-    from forge_orchestrator.sweep.workflow import SweepWorkflow
-    from forge_orchestrator.training import TrainInput, TrainResult, TrainWorkflow
-    from forge_orchestrator.workflows import (
-        ACTIVITY_RETRY,
+    from forge_orchestrator.promote.model import EvalAndPromoteInput, EvalAndPromoteResult
+    from forge_orchestrator.promote.workflow import (
         EVAL_ACTIVITY_TIMEOUT,
-        PROGRESS_QUERY,
-        EvalAndPromoteInput,
-        EvalAndPromoteResult,
         EvalAndPromoteWorkflow,
         wait_eval_run,
     )
+    from forge_orchestrator.sweep.activities import TRACK_RETRY, TRACK_TIMEOUT
+    from forge_orchestrator.sweep.model import MEMO_METRIC, SweepInput, SweepResult
+    from forge_orchestrator.sweep.workflow import SweepWorkflow
+    from forge_orchestrator.training.model import TrainInput, TrainResult
+    from forge_orchestrator.training.workflow import TrainWorkflow
 
 #: The eval metric both suites report per document (perplexity tasks; lower is better).
 METRIC = "bits_per_byte"
@@ -373,7 +373,7 @@ class CptWorkflow:
         # 8. The hand-over.
         if result.chosen is not None and params.promote:
             self._step = "hand-over: eval_and_promote"
-            version = str(result.chosen["extra"]["model"]).split(":", 1)[1]
+            version = ModelRef.parse(str(result.chosen["extra"]["model"])).version
             handover_id = f"{wid}-promote"
             promoted: EvalAndPromoteResult = await workflow.execute_child_workflow(
                 EvalAndPromoteWorkflow.run,

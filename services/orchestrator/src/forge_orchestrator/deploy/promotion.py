@@ -15,7 +15,8 @@ gateway's aliases to know when a version no longer gets traffic.
 - ``promotion_status``: whether the deployment has all its replicas in the gateway's pool.
 - ``promotion_routed``: whether any gateway alias still sends traffic to ``name:version``.
 - ``promotion_drain``: undeploy every running deployment serving ``name:version`` (each drains
-  its replicas out of the pool before their jobs are cancelled).
+  its replicas out of the pool before their jobs are cancelled); one already undeploying counts
+  as drained.
 """
 
 from __future__ import annotations
@@ -79,6 +80,10 @@ class Served:
     ready: bool = False
     message: str = ""
     ready_timeout_s: float = 0.0
+    created: bool = False
+    """This call deployed it (False: it found a running deployment of the version, made by a
+    person, another promotion or the main job, which is not its to undeploy when the release is
+    blocked)."""
 
 
 @dataclass
@@ -191,7 +196,7 @@ class PromotionActivities:
             status = await self._deployments.deploy(spec, PROMOTION_CALLER)
         except (errors.ValidationError, errors.AlreadyExistsError) as exc:
             raise ApplicationError(str(exc), type=type(exc).__name__, non_retryable=True) from exc
-        return Served(spec.name, status.state == "ready", status.message, serving.ready_timeout_s)
+        return Served(spec.name, status.state == "ready", status.message, serving.ready_timeout_s, True)
 
     @activity.defn(name="promotion_status")
     async def status(self, deployment: str) -> Served:
@@ -236,11 +241,14 @@ class PromotionActivities:
             return Drained()
         out = Drained()
         for status in await self._deployments.list(PROMOTION_CALLER):
-            if status.spec.model != model or status.state in ("undeploying", "undeployed"):
+            if status.spec.model != model or status.state == "undeployed":
                 continue
-            try:
-                await self._deployments.undeploy(status.spec.name, PROMOTION_CALLER)
-            except errors.NotFoundError:
-                continue
+            # One already undeploying is being drained by its driver: an earlier call for the same
+            # loser did it (eval-and-promote and the ModelPromoted rollout both drain a loser).
+            if status.state != "undeploying":
+                try:
+                    await self._deployments.undeploy(status.spec.name, PROMOTION_CALLER)
+                except errors.NotFoundError:
+                    continue
             out.deployments.append(status.spec.name)
         return out

@@ -10,7 +10,8 @@ from temporalio import workflow
 with workflow.unsafe.imports_passed_through():
     from forge_orchestrator.activities import SubmitJobInput
     from forge_orchestrator.identity import ADMIN
-    from forge_orchestrator.training import TrainInput, TrainWorkflow
+    from forge_orchestrator.training.model import TrainInput
+    from forge_orchestrator.training.workflow import TrainWorkflow
 
 
 @dataclass

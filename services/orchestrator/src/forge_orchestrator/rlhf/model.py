@@ -12,7 +12,7 @@ from typing import Any
 
 from forge_experiments.overoptimisation import overoptimised
 from forge_experiments.rmlength import length_gate
-from forge_orchestrator.workflows import EvalAndPromoteInput
+from forge_orchestrator.promote.model import EvalAndPromoteInput
 
 CHANCE = 0.5
 

@@ -19,14 +19,14 @@ from forge_experiments import recipecatalog
 from forge_kit import errors
 from forge_kit.settings import ForgeSettings, service_config
 from forge_orchestrator.activities import SchedulerActivities
-from forge_orchestrator.canary_activities import CanaryActivities
 from forge_orchestrator.deploy.promotion import PromotionActivities
-from forge_orchestrator.eval_activities import EvalActivities
+from forge_orchestrator.promote.activities import EvalActivities
+from forge_orchestrator.promote.canary_activities import CanaryActivities
+from forge_orchestrator.promote.model import TIERS
 from forge_orchestrator.rlhf.activities import RlhfActivities
 from forge_orchestrator.rlhf.sampling import RlhfSampler
 from forge_orchestrator.rlhf.shadow import MAX_PAIRS, alias_name
 from forge_orchestrator.rlhf.workflow import RLHF_WORKFLOWS, RlhfInput
-from forge_orchestrator.workflows import TIERS
 
 
 class RlhfSettings(ForgeSettings):
@@ -70,6 +70,7 @@ def build_rlhf_worker(
         scheduler.cancel_job,
         evals.register_model,
         evals.current_model,
+        evals.model_uri,
         evals.run_suite,
         evals.get_run,
         evals.compare_runs,

@@ -48,8 +48,11 @@ from temporalio.common import RetryPolicy
 from temporalio.exceptions import ApplicationError
 
 with workflow.unsafe.imports_passed_through():
+    from forge_experiments.jobcmd import PolicyCheckCommand, RewardModelEvalCommand
     from forge_experiments.rmlength import registry_metrics
-    from forge_kit.jobcmd import PolicyCheckCommand, RewardModelEvalCommand
+    from forge_orchestrator.inbox import ACTIVITY_RETRY, ACTIVITY_TIMEOUT, PROGRESS_QUERY
+    from forge_orchestrator.promote.model import EvalAndPromoteInput, EvalAndPromoteResult
+    from forge_orchestrator.promote.workflow import EvalAndPromoteWorkflow
     from forge_orchestrator.rlhf.activities import (
         RegisterRewardModelInput,
         RewardModelStatusInput,
@@ -72,15 +75,9 @@ with workflow.unsafe.imports_passed_through():
         rm_version,
         round_gates,
     )
-    from forge_orchestrator.training import AUTO_EVAL_LABEL, TrainInput, TrainResult, TrainWorkflow
-    from forge_orchestrator.workflows import (
-        ACTIVITY_RETRY,
-        ACTIVITY_TIMEOUT,
-        PROGRESS_QUERY,
-        EvalAndPromoteInput,
-        EvalAndPromoteResult,
-        EvalAndPromoteWorkflow,
-    )
+    from forge_orchestrator.routing import AUTO_EVAL_LABEL
+    from forge_orchestrator.training.model import TrainInput, TrainResult
+    from forge_orchestrator.training.workflow import TrainWorkflow
 
 __all__ = ["RLHF_WORKFLOWS", "RlhfInput", "RlhfResult", "RlhfWorkflow"]
 

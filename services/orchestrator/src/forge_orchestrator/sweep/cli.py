@@ -16,8 +16,8 @@ from rich.console import Console
 
 from forge_experiments import sweepspace
 from forge_kit import clitools, errors
+from forge_kit.orchestrator_client import OrchestratorClient, response_to_dict
 from forge_orchestrator.cli import JsonOption, TargetOption, TokenOption, resolve_token
-from forge_orchestrator.client import OrchestratorClient, response_to_dict
 from forge_orchestrator.sweep.report import trust_line, write_report
 
 app = typer.Typer(help="Hyperparameter sweeps and ablations.", no_args_is_help=True)

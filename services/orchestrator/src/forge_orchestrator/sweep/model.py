@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from forge_experiments.earlystop import rung_trust
+from forge_experiments.jobcmd import TrainCommand
 from forge_experiments.sweepspace import Space
-from forge_kit.jobcmd import TrainCommand
 from forge_orchestrator.identity import Caller
 
 #: Signal carrying one value of a trial's metric.
@@ -43,7 +43,7 @@ class SweepInput:
     team: str = ""
     """Team the trials are submitted for (the space's ``team``, which must agree when set)."""
     python: str = "python"
-    """Interpreter on the nodes that runs the training entry point (:class:`forge_kit.jobcmd.TrainCommand`)."""
+    """Interpreter on the nodes that runs the training entry point (:class:`forge_experiments.jobcmd.TrainCommand`)."""
     final_metric_wait_s: float = 60.0
     """How long a succeeded trial waits for its value at the full budget (it travels on another
     topic than the job's end) before its last value counts."""
@@ -135,7 +135,7 @@ def trust_of(space: Space, trials: list[Trial]) -> dict[str, Any]:
 
 
 def trial_command(python: str, recipe: str, overrides: dict[str, Any]) -> list[str]:
-    """The command line of one trial's job (:class:`forge_kit.jobcmd.TrainCommand`)."""
+    """The command line of one trial's job (:class:`forge_experiments.jobcmd.TrainCommand`)."""
     return TrainCommand.with_values(recipe, overrides, python).argv()
 
 

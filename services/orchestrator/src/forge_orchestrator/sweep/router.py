@@ -26,6 +26,7 @@ from temporalio.client import Client
 from temporalio.service import RPCError, RPCStatusCode
 
 from forge_experiments.sweepspace import COOLDOWN_PREFIX
+from forge_orchestrator.routers import signal_if_running
 from forge_orchestrator.store import JobEventRow
 from forge_orchestrator.sweep.workflow import MEMO_METRIC, METRIC_SIGNAL, TrialMetric
 
@@ -61,14 +62,9 @@ class TemporalSweepSignaller:
         return value if isinstance(value, str) else ""
 
     async def trial_metric(self, workflow_id: str, metric: TrialMetric) -> bool:
-        handle = self._client.get_workflow_handle(workflow_id)
-        try:
-            await handle.signal(METRIC_SIGNAL, metric, rpc_timeout=self._rpc_timeout)
-        except RPCError as exc:
-            if exc.status == RPCStatusCode.NOT_FOUND:
-                return False
-            raise
-        return True
+        return await signal_if_running(
+            self._client, workflow_id, METRIC_SIGNAL, metric, rpc_timeout=self._rpc_timeout
+        )
 
 
 class MetricsRouter:

@@ -36,6 +36,7 @@ cancels every running trial, and so does its failure (a submission the scheduler
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
 import math
@@ -50,6 +51,13 @@ with workflow.unsafe.imports_passed_through():
     from forge_experiments.earlystop import Asha, AshaPromotion, Guarded, MedianStopping
     from forge_orchestrator.activities import CancelJobInput, SchedulerActivities, SubmitJobInput
     from forge_orchestrator.identity import ADMIN, Caller
+    from forge_orchestrator.inbox import (
+        ACTIVITY_RETRY,
+        ACTIVITY_TIMEOUT,
+        JOB_EVENT_SIGNAL,
+        PROGRESS_QUERY,
+        JobEvent,
+    )
     from forge_orchestrator.sweep.activities import (
         TRACK_RETRY,
         TRACK_TIMEOUT,
@@ -76,14 +84,7 @@ with workflow.unsafe.imports_passed_through():
         trial_command,
         trust_of,
     )
-    from forge_orchestrator.training import AUTO_EVAL_LABEL, CHECKPOINT_SIGNAL, CheckpointInfo
-    from forge_orchestrator.workflows import (
-        ACTIVITY_RETRY,
-        ACTIVITY_TIMEOUT,
-        JOB_EVENT_SIGNAL,
-        PROGRESS_QUERY,
-        JobEvent,
-    )
+    from forge_orchestrator.training.model import CHECKPOINT_SIGNAL, CheckpointInfo
 
 __all__ = ["MEMO_METRIC", "METRIC_SIGNAL", "SweepInput", "SweepResult", "SweepWorkflow", "TrialMetric"]
 _MAX_IGNORED_KEPT = 20
@@ -149,9 +150,7 @@ class SweepWorkflow:
     def _summary(self) -> dict[str, Any]:
         space = self._space
         best = self._best()
-        by_state: dict[str, int] = {}
-        for t in self._trials:
-            by_state[t.state] = by_state.get(t.state, 0) + 1
+        by_state = dict(collections.Counter(t.state for t in self._trials))
         occupancy = self._rule.occupancy() if isinstance(self._rule, Asha | AshaPromotion) else {}
         return {
             "name": space.name if space else "",
@@ -353,6 +352,8 @@ class SweepWorkflow:
                     )
                 else:
                     chosen = dict(self._trials[index - 1].params)
+                if isinstance(self._rule, Guarded):  # its rate front needs each trial's rate
+                    self._rule.describe(str(index), chosen)
                 await self._submit(Trial(index, config, chosen, seed), params, space, team, caller)
             if not any(t.state in ACTIVE for t in self._trials):
                 for trial in self._trials:  # paused at a rung and never promoted
@@ -405,9 +406,9 @@ class SweepWorkflow:
                 "recipe": space.recipe,
                 SWEEP_LABEL: info.workflow_id,
                 TRIAL_LABEL: str(trial.index),
-                AUTO_EVAL_LABEL: "false",
                 **resumes,
             },
+            auto_eval=False,
             gpu_count=space.gpus_per_trial,
             gpu_type=space.gpu_type,
             checkpointable=True,
@@ -436,12 +437,11 @@ class SweepWorkflow:
         )
 
     def _promotion(self, total: int) -> Trial | None:
-        """The paused trial a free slot resumes (:meth:`AshaPromotion.next_promotion`); rungs no
-        trial can still reach (none left to start, none in flight below) promote at least one."""
+        """The paused trial a free slot resumes (:meth:`AshaPromotion.next_promotion`), final rungs known."""
         if not isinstance(self._rule, AshaPromotion):
             return None
         assert self._space is not None
-        final_below = 0
+        final_below = 0  # rungs no trial can still reach (none left to start, none in flight below)
         if len(self._trials) >= total:
             reached = [self._rule.reached(str(t.index)) for t in self._trials if t.state in ACTIVE]
             final_below = min([*reached, self._space.max_steps])

@@ -10,6 +10,7 @@ from typing import Any
 
 from forge_experiments import recipecatalog
 from forge_kit import errors
+from forge_kit.modelref import ModelRef
 from forge_orchestrator.identity import Caller
 
 #: Outcomes of a run: trained (the whole pipeline), or an early end that says why.
@@ -118,6 +119,10 @@ def validate_synthetic(params: SyntheticInput) -> None:
             raise errors.ValidationError(
                 f"input.{name}", "must be 1-128 letters, digits, '.', '_', ':' or '-'"
             )
+    try:
+        ModelRef.parse(params.student_model)  # the gateway's grammar: the run may deploy it
+    except ValueError as exc:
+        raise errors.ValidationError("input.student_model", str(exc)) from None
     for name in ("teacher_url", "student_url"):
         url = getattr(params, name)
         if url and (

@@ -3,7 +3,10 @@
 
 Like the RLHF loop it runs on a queue of its own, ``<task queue>-synthetic``, so the main worker's
 registrations stay as they are; children inherit the queue, and job events reach them by
-workflow id whatever their queue.
+workflow id whatever their queue. It registers the promotion activities
+(:class:`~forge_orchestrator.deploy.promotion.PromotionActivities`) the workflow deploys and
+drains its student with; their ``deployment`` workflows run on the main queue, as every
+deployment's do.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from temporalio.worker import Interceptor, Worker
 
 from forge_kit.settings import ForgeSettings, service_config
 from forge_orchestrator.activities import SchedulerActivities
+from forge_orchestrator.deploy.promotion import PromotionActivities
 from forge_orchestrator.synthetic.activities import Endpoint, SyntheticActivities, Tracker
 from forge_orchestrator.synthetic.workflow import SYNTHETIC_WORKFLOWS
 
@@ -64,16 +68,20 @@ def build_synthetic_worker(
     teacher: Endpoint,
     student: Endpoint,
     tracker: Tracker | None = None,
+    promotions: PromotionActivities | None = None,
     *,
     guard: Interceptor | None,
 ) -> Worker:
-    """A worker on :func:`synthetic_task_queue` (``task_queue``) for the workflow, its children and activities."""
+    """A worker on :func:`synthetic_task_queue` (``task_queue``) for the workflow, its children and
+    activities. ``promotions`` None (or without serving): the student is not deployed, it is
+    sampled at ``student`` as it is."""
     synthetic = SyntheticActivities(teacher, student, tracker)
     methods: list[Callable[..., Any]] = [
         scheduler.ensure_team,
         scheduler.submit_job,
         scheduler.cancel_job,
         *synthetic.methods(),
+        *(promotions or PromotionActivities()).methods(),
     ]
     return Worker(
         client,

@@ -17,8 +17,18 @@ In numbered steps (every file under ``<work_uri>/<workflow id>/``, the run's fol
    whose verifier throws dropped with the reason; near-duplicates removed (MinHash) within the
    set and against every eval benchmark's test split; the student's prompts written. Nothing
    left ends the run (``nothing_verified``);
-4. **student** (activity): the student samples ``samples`` answers per problem through the
-   platform (its OpenAI-compatible endpoint: the inference gateway, or a model server);
+4. **student**: the student samples ``samples`` answers per problem through the platform (its
+   OpenAI-compatible endpoint: the inference gateway, or a model server). Where promotions roll
+   replicas (the orchestrator's ``promote_deploy``) and the student is sampled through the
+   gateway, the student is a deployment's replica for the sampling, through the single driver
+   promotions use (:mod:`forge_orchestrator.deploy.rollout`): ``student_uri`` is deployed as
+   ``<student_model>:<run version>`` (a version of this run's own, so the gateway routes the
+   samples to this deployment's replicas only, whatever else serves ``student_model``) with the
+   ``promote_deploy_*`` settings, the samples name it, and it is drained right after (also when
+   sampling fails or the run is cancelled). A deployment not ready within
+   ``promote_deploy_ready_timeout_s`` fails the run. Elsewhere (``promote_deploy`` off, or a
+   ``student_url`` of the input or of ``FORGE_SYNTHETIC_STUDENT_URL``) ``student_model`` is
+   sampled at the endpoint as it is;
 5. **band** (a job): pass rates, their histogram, the problems in ``[band_low, band_high]``; an
    empty band ends the run (``empty_band``) with the histogram in the message, the result and
    MLflow. Otherwise the band is written as the versioned dataset: token shards and the SFT
@@ -38,16 +48,21 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 from datetime import timedelta
 from typing import Any
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
-from temporalio.exceptions import is_cancelled_exception
+from temporalio.exceptions import ApplicationError, is_cancelled_exception
 
 with workflow.unsafe.imports_passed_through():
-    from forge_kit.jobcmd import SyntheticStageCommand
+    from forge_experiments.jobcmd import SyntheticStageCommand
+    from forge_kit.modelref import ModelRef
+    from forge_orchestrator.deploy.rollout import drain_version, serve_version
+    from forge_orchestrator.inbox import ACTIVITY_RETRY, ACTIVITY_TIMEOUT, PROGRESS_QUERY
     from forge_orchestrator.rlhf.job import JobInput, JobResult, JobWorkflow
+    from forge_orchestrator.routing import AUTO_EVAL_LABEL
     from forge_orchestrator.synthetic.activities import (
         GenerateInput,
         GenerateResult,
@@ -58,8 +73,8 @@ with workflow.unsafe.imports_passed_through():
         WriteInput,
     )
     from forge_orchestrator.synthetic.model import SyntheticInput, SyntheticResult
-    from forge_orchestrator.training import AUTO_EVAL_LABEL, TrainInput, TrainResult, TrainWorkflow
-    from forge_orchestrator.workflows import ACTIVITY_RETRY, ACTIVITY_TIMEOUT, PROGRESS_QUERY
+    from forge_orchestrator.training.model import TrainInput, TrainResult
+    from forge_orchestrator.training.workflow import TrainWorkflow
 
 __all__ = ["SYNTHETIC_WORKFLOWS", "SyntheticInput", "SyntheticResult", "SyntheticWorkflow"]
 
@@ -71,6 +86,10 @@ TRACK_TIMEOUT = timedelta(minutes=3)
 TRACK_RETRY = RetryPolicy(
     initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=30), maximum_attempts=20
 )
+#: Histories recorded before the student was deployed for its sampling replay without it.
+STUDENT_DEPLOYMENT_PATCH = "synthetic-student-deployment"
+#: How often the wait for the student's replicas (and for its drain) polls.
+DEPLOY_POLL_S = 2.0
 
 
 def join(base: str, *parts: str) -> str:
@@ -79,6 +98,12 @@ def join(base: str, *parts: str) -> str:
 
 def histogram_line(histogram: dict[str, int]) -> str:
     return ", ".join(f"{b}: {n}" for b, n in histogram.items())
+
+
+def student_ref(student_model: str, workflow_id: str) -> ModelRef:
+    """The student as this run deploys it: ``student_model``'s name pinned to a version of the run's own."""
+    version = "synthetic-" + hashlib.sha256(workflow_id.encode()).hexdigest()[:12]
+    return ModelRef(ModelRef.parse(student_model).name, version)
 
 
 @workflow.defn(name="synthetic")
@@ -216,27 +241,38 @@ class SyntheticWorkflow:
                 "nothing_verified",
                 f"no problem survived verification and dedup: {curated.get('verify')}",
             )
-        # 4. The student's samples, through the platform.
-        self._step = "student sampling"
-        sampled: SampleResult = await self._act(
-            SyntheticActivities.sample_student,
-            SampleInput(
-                work_dir=work,
-                prompts="prompts.jsonl",
-                student_url=params.student_url,
-                student_model=params.student_model,
-                n=params.samples,
-                max_tokens=params.student_max_tokens,
-                temperature=params.student_temperature,
-                seed=params.seed,
-                concurrency=params.concurrency,
-            ),
-            long=True,
-        )
+        # 4. The student's samples, through the platform (on a deployment of its own where
+        # promotions roll replicas).
+        student: dict[str, Any] = {}
+        try:
+            if not params.student_url and workflow.patched(STUDENT_DEPLOYMENT_PATCH):
+                await self._deploy_student(params, student)
+            self._step = "student sampling"
+            sampled: SampleResult = await self._act(
+                SyntheticActivities.sample_student,
+                SampleInput(
+                    work_dir=work,
+                    prompts="prompts.jsonl",
+                    student_url=params.student_url,
+                    student_model=student.get("model", params.student_model),
+                    n=params.samples,
+                    max_tokens=params.student_max_tokens,
+                    temperature=params.student_temperature,
+                    seed=params.seed,
+                    concurrency=params.concurrency,
+                ),
+                long=True,
+            )
+        finally:
+            # Also after a failure or a cancellation, the deployment ready or not.
+            if student.get("model"):
+                self._step = "student drain"
+                student["drained"] = await drain_version(self._act, student["model"], DEPLOY_POLL_S)
         result.stages["student"] = {
             "prompts": sampled.prompts,
             "sampled": sampled.sampled,
             "failed": sampled.failed,
+            **student,
         }
         # 5. The band, and the dataset.
         band = await self._stage(
@@ -304,6 +340,26 @@ class SyntheticWorkflow:
             f"trained on {result.stages['band'].get('kept', 0)} problems ({result.dataset.get('tokens', 0)} tokens); "
             f"held-out accuracy {tuned.get('accuracy')} (before: {result.heldout.get('base', {}).get('accuracy')})",
         )
+
+    async def _deploy_student(self, params: SyntheticInput, student: dict[str, Any]) -> None:
+        """The student served by a deployment's replicas (``promotion_serve``, then its status until
+        ready), noted in ``student`` (``model``, then ``deployment``) as soon as it may exist, so
+        the caller drains it whatever happens next; ``student`` stays empty when promotions deploy
+        nothing here. Not ready in time: the run fails saying why."""
+        self._step = "student deployment"
+        student["model"] = str(student_ref(params.student_model, workflow.info().workflow_id))
+        served = await serve_version(self._act, student["model"], params.student_uri, DEPLOY_POLL_S)
+        if not served.deployment:
+            student.clear()
+            return
+        student["deployment"] = served.deployment
+        if not served.ready:
+            raise ApplicationError(
+                f"the student's deployment {served.deployment} was not ready within "
+                f"{served.ready_timeout_s:g} s: {served.message}",
+                type="StudentNotServed",
+                non_retryable=True,
+            )
 
     async def _end(self, params: SyntheticInput, outcome: str, message: str) -> SyntheticResult:
         """8. The summary file and the MLflow run's record; the result."""
