@@ -7,7 +7,7 @@ from forge.common.v1 import common_pb2
 from hypothesis import given
 from hypothesis import strategies as st
 
-from forge_kit.modelref import NAME_MAX, TEXT_MAX, VERSION_MAX, ModelRef
+from forge_kit.modelref import NAME_MAX, TEXT_MAX, VERSION_MAX, ModelRef, label
 
 _ALNUM = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
 _NAMES = st.builds(
@@ -45,6 +45,12 @@ def test_parse_splits_at_the_colon(text: str, name: str, version: str) -> None:
     ref = ModelRef.parse(text)
     assert (ref.name, ref.version, ref.pinned) == (name, version, bool(version))
     assert str(ref) == text
+
+
+@given(name=st.from_regex(r"[a-z][a-z0-9_-]{0,20}", fullmatch=True), version=st.sampled_from(["", "v1", "3"]))
+def test_label_writes_a_reference_as_a_model_ref_does(name: str, version: str) -> None:
+    assert label(name, version) == str(ModelRef(name, version))
+    assert label(name, "") == name  # never "name:"
 
 
 def test_an_empty_version_formats_as_the_bare_name() -> None:

@@ -46,6 +46,13 @@ def _shown(text: str, limit: int = 80) -> str:
     return repr(text if len(text) <= limit else text[:limit] + "…")
 
 
+def label(name: str, version: str) -> str:
+    """How a model version is written: ``name:version``, or ``name`` when no version is named. Not
+    checked (for messages, logs and reports of what a record or message holds); a
+    :class:`ModelRef` writes itself the same way."""
+    return f"{name}{SEPARATOR}{version}" if version else name
+
+
 def check_name(name: str) -> str:
     """``name`` when it is a valid model name, else a :class:`ValueError` naming it."""
     if not isinstance(name, str) or not _NAME.fullmatch(name):
@@ -101,7 +108,7 @@ class ModelRef:
         return cls(message.name, message.version)
 
     def __str__(self) -> str:
-        return f"{self.name}{SEPARATOR}{self.version}" if self.version else self.name
+        return label(self.name, self.version)
 
     @property
     def pinned(self) -> bool:

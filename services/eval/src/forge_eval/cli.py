@@ -42,7 +42,7 @@ from forge_eval.harness import (
 from forge_eval.tasks import DataRoots, load_task, shipped_tasks
 from forge_kit import clitools, errors
 from forge_kit.grpckit import make_channel
-from forge_kit.modelref import ModelRef
+from forge_kit.modelref import ModelRef, label
 from forge_kit.paths import resolve_data_path
 
 app = typer.Typer(help="Run benchmark tasks, compare runs and apply the release gate.", no_args_is_help=True)
@@ -318,11 +318,11 @@ def models(
     reply = _call(target, token, lambda stub: stub.ListModels(request, timeout=10))
     rows = [
         {
-            "model": f"{m.ref.name}:{m.ref.version}",
+            "model": label(m.ref.name, m.ref.version),
             "stage": m.stage,
             "traffic": m.traffic_percent or "",
             "training_run": m.lineage.training_run_id,
-            "parent": f"{m.lineage.parent.name}:{m.lineage.parent.version}" if m.lineage.parent.name else "",
+            "parent": label(m.lineage.parent.name, m.lineage.parent.version) if m.lineage.parent.name else "",
             "uri": m.uri,
             "runs": len(m.eval_run_ids),
         }
@@ -395,7 +395,7 @@ def history(
         {
             "when": e.created_at.ToDatetime().isoformat(timespec="seconds"),
             "action": e.action,
-            "model": f"{e.model.name}:{e.model.version}",
+            "model": label(e.model.name, e.model.version),
             "stage": f"{e.from_stage or '-'} -> {e.to_stage}",
             "actor": e.actor,
             "forced": "FORCED" if e.forced else "",
@@ -465,14 +465,14 @@ def rollout_status(
     events = _call(target, token, lambda stub: stub.ListStageEvents(request, timeout=10)).events
     toggles = [e.action for e in events if e.action in ("pause", "resume")]
     status: dict[str, Any] = {
-        "canary": f"{canary.ref.name}:{canary.ref.version}" if canary is not None else "",
+        "canary": label(canary.ref.name, canary.ref.version) if canary is not None else "",
         "traffic_percent": canary.traffic_percent if canary is not None else 0,
         "paused": bool(toggles) and toggles[0] == "pause",
         "decisions": [
             {
                 "when": e.created_at.ToDatetime().isoformat(timespec="seconds"),
                 "action": e.action,
-                "model": f"{e.model.name}:{e.model.version}",
+                "model": label(e.model.name, e.model.version),
                 "actor": e.actor,
                 "reason": e.reason,
                 "evidence": json.loads(e.evidence)

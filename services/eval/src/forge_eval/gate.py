@@ -20,6 +20,7 @@ from forge_eval.spec import RunSpec
 from forge_eval.store.registry import PRODUCTION, ModelRow, holders
 from forge_eval.store.runs import MetricRow, RunRow, RunStatus, example_scores, status_name
 from forge_eval.tasks import load_task, shipped_tasks
+from forge_kit.modelref import label
 
 ALPHA = 0.05
 #: The stage whose model's runs are the gate's baseline.
@@ -153,7 +154,7 @@ def baseline_of(found: tuple[ModelRow, RunRow, Comparison] | None) -> reports.Ba
         return None
     production, run, comparison = found
     return reports.Baseline(
-        f"{production.name}:{production.version}",
+        label(production.name, production.version),
         run.id,
         comparison.verdict.name,
         [(d.name, d.result) for d in comparison.deltas],
@@ -171,7 +172,7 @@ async def gate_check(session: AsyncSession, model: ModelRow) -> tuple[str, dict[
         )
     ).all()
     passing = [r for r in runs if r.status == RunStatus.SUCCEEDED and r.passed_gate]
-    ref = f"{model.name}:{model.version}"
+    ref = label(model.name, model.version)
     if passing:
         return passing[0].id, {}
     if not runs:
@@ -211,7 +212,7 @@ async def gate_check(session: AsyncSession, model: ModelRow) -> tuple[str, dict[
             report["comparison"] = {
                 "candidate_run_id": finished.id,
                 "baseline_run_id": baseline.id,
-                "production": f"{production.name}:{production.version}",
+                "production": label(production.name, production.version),
                 "verdict": comparison.verdict.name,
                 "deltas": {
                     d.name: {

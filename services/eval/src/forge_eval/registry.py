@@ -38,7 +38,7 @@ from forge_eval.store.runs import RunRow
 from forge_kit import errors
 from forge_kit.db import Database, utcnow
 from forge_kit.events import stage_event
-from forge_kit.modelref import check_name, check_version
+from forge_kit.modelref import check_name, check_version, label
 from forge_kit.validate import MAX_URI_CHARS, check_labels, check_text
 
 log = structlog.get_logger(__name__)
@@ -330,7 +330,7 @@ class ModelRegistry:
             record = await _event_view(session, event)
         if forced:
             log.warning(
-                "eval.promotion_forced", model=f"{name}:{version}", stage=stage, actor=now_actor, reason=why
+                "eval.promotion_forced", model=label(name, version), stage=stage, actor=now_actor, reason=why
             )
         self._on_commit()
         return Promotion(view, previous, record)

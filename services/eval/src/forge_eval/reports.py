@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from forge_eval.stats import PairedResult
 from forge_eval.store.runs import MetricRow, RunRow
+from forge_kit.modelref import label
 
 SMOKE_NOTE = (
     "**Smoke tier**: each task's small stratified subset, for when compute is short. Intervals are "
@@ -88,8 +89,8 @@ def comparison_report(
     tolerance: float,
 ) -> str:
     lines = [
-        f"# Comparison: {candidate.model_name}:{candidate.model_version} vs "
-        f"{baseline.model_name}:{baseline.model_version}",
+        f"# Comparison: {label(candidate.model_name, candidate.model_version)} vs "
+        f"{label(baseline.model_name, baseline.model_version)}",
         "",
         f"- suite: `{candidate.suite}`, tier: **{candidate.tier}**, spec hash (baseline): `{baseline.spec_hash}`",
         f"- runs: baseline {baseline.id}, candidate {candidate.id}",

@@ -23,6 +23,7 @@ import httpx
 
 from forge_eval.spec import RunSpec
 from forge_kit.backoff import AIMDLimiter, GaveUp, RetryPolicy, send_with_retries
+from forge_kit.modelref import label
 
 
 class RunnerError(Exception):
@@ -60,7 +61,7 @@ def pinned_model(spec: RunSpec, served_version: str) -> str:
     a run scores the version its spec pins, or fails."""
     if not spec.model_version or not served_version:
         return spec.model_name
-    return f"{spec.model_name}:{spec.model_version}"
+    return label(spec.model_name, spec.model_version)
 
 
 class SuiteRunner(Protocol):
@@ -261,12 +262,12 @@ class OpenAICompletionsRunner:
                 f"model endpoint {base} is unreachable or not OpenAI-compatible: {exc!r}"
             ) from exc
         served = list(cards)
-        if f"{spec.model_name}:{spec.model_version}" in cards:
-            return f"{spec.model_name}:{spec.model_version}"
+        if label(spec.model_name, spec.model_version) in cards:
+            return label(spec.model_name, spec.model_version)
         if spec.model_name in cards:
             return pinned_model(spec, str(cards[spec.model_name].get("version") or ""))
         raise RunnerError(
-            f"model endpoint {base} does not serve {spec.model_name}:{spec.model_version} (it serves {served})"
+            f"model endpoint {base} does not serve {label(spec.model_name, spec.model_version)} (it serves {served})"
         )
 
     async def _complete(

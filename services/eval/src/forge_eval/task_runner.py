@@ -30,6 +30,7 @@ from forge_eval.scorers import get_scorer
 from forge_eval.spec import OPTIONS, RunSpec
 from forge_eval.tasks import DataRoots, TaskConfig, dataset_hash, load_task, shipped_tasks
 from forge_kit import errors
+from forge_kit.modelref import label
 
 
 class TaskCatalog:
@@ -110,7 +111,7 @@ class TaskSuiteRunner:
         task = self._configure(spec)
         backend = OpenAIBackend(
             endpoint,
-            f"{spec.model_name}:{spec.model_version}" if spec.model_version else spec.model_name,
+            label(spec.model_name, spec.model_version),
             cache=self._cache,
             token=self._token if token is None else token,
             timeout_s=self._timeout_s,

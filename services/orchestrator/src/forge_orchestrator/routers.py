@@ -23,7 +23,7 @@ from temporalio.client import Client
 from temporalio.service import RPCError, RPCStatusCode
 
 from forge_kit.db import utcnow
-from forge_kit.modelref import ModelRef
+from forge_kit.modelref import ModelRef, label
 from forge_orchestrator.activities import state_name
 from forge_orchestrator.inbox import JOB_EVENT_SIGNAL, JobEvent
 from forge_orchestrator.routing import Routing
@@ -199,7 +199,7 @@ class CheckpointRouter:
             "tier": self._tier,
         }
         started, _ = await self._starter.start_workflow("eval_and_promote", data, workflow_id)
-        log.info("checkpoint.eval_started", workflow_id=started, model=f"{name}:{version}", uri=event.uri)
+        log.info("checkpoint.eval_started", workflow_id=started, model=label(name, version), uri=event.uri)
 
 
 class PromotionRouter:

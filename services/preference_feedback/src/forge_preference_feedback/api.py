@@ -12,6 +12,7 @@ from google.protobuf import timestamp_pb2
 
 from forge_kit import errors
 from forge_kit.grpckit import current_principal, require_admin, timestamp_field
+from forge_kit.modelref import label
 from forge_kit.paging import decode_page, page_info
 from forge_preference_feedback.quality import QualityPolicy
 from forge_preference_feedback.registry import HeldoutAccuracy, RewardModelRegistry, heldout_of
@@ -177,7 +178,7 @@ class FeedbackApi(feedback_pb2_grpc.PreferenceFeedbackServiceServicer):
         require_admin("RecordRlhfRound")
         rounds = self._require_rounds()
         r = request.round
-        model = f"{r.reward_model.name}:{r.reward_model.version}" if r.reward_model.name else ""
+        model = label(r.reward_model.name, r.reward_model.version) if r.reward_model.name else ""
         row = await rounds.record(
             RoundReport(
                 workflow_id=r.workflow_id,

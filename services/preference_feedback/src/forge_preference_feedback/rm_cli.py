@@ -24,7 +24,7 @@ from google.protobuf import json_format
 from forge_experiments import rmlength
 from forge_kit import clitools
 from forge_kit.grpckit import make_channel
-from forge_kit.modelref import ModelRef
+from forge_kit.modelref import ModelRef, label
 
 app = typer.Typer(
     help="Reward models: score checkpoints on preference pairs; the registry.", no_args_is_help=True
@@ -113,7 +113,7 @@ def eval_(
         if checkpoint is None:
             request = feedback_pb2.GetRewardModelRequest(ref=common_pb2.ModelRef(name=name, version=version))
             found = _call(target, token, lambda stub: stub.GetRewardModel(request, timeout=10)).reward_model
-            details["reward_model"] = f"{found.ref.name}:{found.ref.version}"
+            details["reward_model"] = label(found.ref.name, found.ref.version)
             details["registered_snapshot_id"] = found.snapshot_id
             checkpoint = _local_copy(found.uri, Path(scratch))
         try:
@@ -153,7 +153,7 @@ def list_(
         status = feedback_pb2.RewardModelStatus.Name(m.status).removeprefix("REWARD_MODEL_STATUS_").lower()
         rows.append(
             {
-                "model": f"{m.ref.name}:{m.ref.version}",
+                "model": label(m.ref.name, m.ref.version),
                 "status": status,
                 "accuracy": f"{h.accuracy:.3f} [{h.ci95_low:.3f}, {h.ci95_high:.3f}] n={h.n}" if h.n else "-",
                 "shorter-preferred": _stratum(m.metrics, "preferred_shorter"),

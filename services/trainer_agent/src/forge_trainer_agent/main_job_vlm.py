@@ -46,6 +46,7 @@ from forge.orchestrator.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
 from forge_kit.grpckit import make_channel
 from forge_kit.mainjob import Endpoint, MainJobContext
+from forge_kit.modelref import label
 from forge_trainer_agent.main_job import GPU_TYPE, TEAM, _run_workflow
 
 RECIPE = "vlm_joint"
@@ -159,7 +160,7 @@ def deployment_spec(served: Path, version: str, team: str, gpu_type: str) -> orc
     return orchestrator_pb2.DeploymentSpec(
         name=DEPLOYMENT,
         team=team,
-        model=f"{served.name}:{version}",
+        model=label(served.name, version),
         model_dir=str(served),
         engine=orchestrator_pb2.ENGINE_FORGE,
         min_replicas=1,

@@ -34,6 +34,7 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from forge_kit.grpckit import make_channel
+from forge_kit.modelref import label
 from forge_kit.paths import resolve_data_path
 from forge_orchestrator.activities import failed
 from forge_orchestrator.rlhf.shadow import ShadowPairs
@@ -155,11 +156,7 @@ class RlhfSampler:
             async for chunk in stub.Generate(request, timeout=self._rpc_timeout_s):
                 pieces.append(chunk.text_delta)
                 if chunk.HasField("model") and chunk.model.name:
-                    served = (
-                        f"{chunk.model.name}:{chunk.model.version}"
-                        if chunk.model.version
-                        else chunk.model.name
-                    )
+                    served = label(chunk.model.name, chunk.model.version)
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 return None
