@@ -26,7 +26,13 @@ from forge_cli.platform import INFRA, Backing, Infra, ServiceSpec
 from forge_cli.supervisor import Component, Paths
 from forge_kit.events import ensure_topics
 from forge_kit.grpckit import check_health
-from forge_kit.localinfra import mlflow_healthy, mlflow_server_argv, port_open, tansu_broker_argv
+from forge_kit.localinfra import (
+    MLFLOW_SERVER_ENV,
+    mlflow_healthy,
+    mlflow_server_argv,
+    port_open,
+    tansu_broker_argv,
+)
 from forge_kit.paths import private_dir
 
 INFRA_TIMEOUT_S = 120.0
@@ -152,6 +158,7 @@ def mlflow_component(infra: Infra, paths: Paths, store: str = "") -> Component:
             str(paths.mlflow_dir / "artifacts"),
             host=platform.HOST,
         ),
+        env=MLFLOW_SERVER_ENV,
         marker=MLFLOW_MARKER,
         health=healthy,
         ports=(infra.mlflow_port,),

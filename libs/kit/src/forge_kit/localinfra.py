@@ -55,6 +55,12 @@ def tansu_broker_argv(listener_url: str, advertised_url: str | None = None) -> l
     ]
 
 
+#: The environment an MLflow tracking server runs with here. Forge only tracks runs; MLflow's job
+#: execution (GenAI scorers, prompt optimisation) would start a job runner and a pool of huey
+#: worker processes beside every server.
+MLFLOW_SERVER_ENV = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+
+
 def mlflow_server_argv(
     port: int,
     backend_store_uri: str,
@@ -64,7 +70,8 @@ def mlflow_server_argv(
     workers: int = 1,
 ) -> list[str]:
     """The command of an MLflow tracking server that serves its own artifacts (clients upload
-    through it, so they need no access to the artifact store): ``forge up`` and tests run this."""
+    through it, so they need no access to the artifact store): ``forge up`` and tests run this,
+    with :data:`MLFLOW_SERVER_ENV`."""
     return [
         bin_path("mlflow"),
         "server",

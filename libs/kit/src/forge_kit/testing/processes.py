@@ -19,7 +19,14 @@ import urllib.request
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
-from forge_kit.localinfra import bin_path, mlflow_healthy, mlflow_server_argv, port_open, tansu_broker_argv
+from forge_kit.localinfra import (
+    MLFLOW_SERVER_ENV,
+    bin_path,
+    mlflow_healthy,
+    mlflow_server_argv,
+    port_open,
+    tansu_broker_argv,
+)
 
 if TYPE_CHECKING:
     from forge_kit.vllm import VllmLaunch
@@ -144,7 +151,7 @@ class MlflowServer(_Process):
         argv = mlflow_server_argv(
             self.port, f"sqlite:///{self.root / 'mlflow.db'}", str(self.root / "artifacts")
         )
-        self._spawn(argv, cwd=str(self.root))
+        self._spawn(argv, env={**os.environ, **MLFLOW_SERVER_ENV}, cwd=str(self.root))
         deadline = time.monotonic() + timeout_s
         while not mlflow_healthy(self.url):
             if self.proc is not None and self.proc.poll() is not None:
