@@ -18,12 +18,64 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any
 
-from forge_experiments.earlystop import Asha, AshaPromotion, Guarded
+from forge_experiments.earlystop import Asha, AshaPromotion, Guarded, curve_noise
 from forge_experiments.sweepspace import Space, parse
-from forge_training.bench.sweep import ETA, replayer, run_asha, trust
+from forge_training.bench.sweep import ETA, Trial, _config, replayer, run_asha, trust
+
+
+@dataclasses.dataclass
+class Projected(Guarded):
+    """Experimental (RESULTS.md, 2026-12-06, projection entry): rungs before the last keep at most
+    ``cap`` trials (the rate front, then by deficit; 0: Guarded's ``n - n // eta``); the last
+    rung finishes the ``finish`` trials whose value projected to ``max_steps`` (straight in log
+    step through the rung before and this one) is best."""
+
+    cap: int = 0
+    finish: int = 3
+
+    def projected(self, trial: str, rung: int) -> float:
+        value = self._key(self.recorded[rung][trial])
+        index = self.rungs.index(rung)
+        before = self._value_at(trial, self.rungs[index - 1]) if index else None
+        if before is None or not math.isfinite(value):
+            return value
+        slope = (value - self._key(before)) / math.log(rung / self.rungs[index - 1])
+        return value + slope * math.log(self.max_steps / rung)
+
+    def chosen(self, rung: int) -> set[str]:
+        values = self.recorded[rung]
+        if rung == self.rungs[-1]:
+            return set(sorted(values, key=lambda t: (self.projected(t, rung), t))[: self.finish])
+        ranked = sorted(values, key=lambda t: (self._key(values[t]), t))
+        front = sorted(self.front(rung), key=lambda t: (self._key(values[t]), t))
+        rest = sorted((t for t in ranked if t not in front), key=lambda t: (self.deficit(t, rung), t))
+        keep = max(1, len(ranked) // self.eta)
+        return set((front + rest)[: self.cap or max(keep, len(ranked) - keep)])
+
+
+@dataclasses.dataclass
+class NoiseBudget(Projected):
+    """Experimental: rungs before the last stop only trials whose deficit exceeds 2·√2·σ (σ:
+    :func:`curve_noise` of every trial's curve so far); the last rung finishes, by projection, as
+    many trials as leave the sweep within ``budget`` of the grid's trial-steps."""
+
+    budget: float = 0.5
+
+    def chosen(self, rung: int) -> set[str]:
+        values = self.recorded[rung]
+        if rung != self.rungs[-1]:
+            margin = 2 * math.sqrt(2) * curve_noise(list(self.history.values()))
+            return {t for t in values if self.deficit(t, rung) <= margin}
+        started = self.recorded[self.rungs[0]]
+        spent = sum(max(r for r in self.rungs if t in self.recorded[r]) + 1 for t in started)
+        left = self.budget * len(started) * self.max_steps - spent
+        self.finish = max(1, int(left // (self.max_steps - rung)))
+        return super().chosen(rung)
+
 
 #: name → (rule, first rung, Guarded's settings)
 CANDIDATES: dict[str, tuple[str, int, dict[str, Any]]] = {
@@ -34,6 +86,10 @@ CANDIDATES: dict[str, tuple[str, int, dict[str, Any]]] = {
     "guarded-front": ("guarded", 9, {"last": "front"}),  # the rate front at every rung
     "guarded-catchup": ("guarded", 9, {"last": "catchup"}),
     "guarded-none": ("guarded", 9, {"last": "none"}),  # top third only at the last rung
+    # experimental (Projected, NoiseBudget): RESULTS.md, 2026-12-06, projection entry
+    "projected-8": ("projected", 9, {}),
+    "projected-10": ("projected", 9, {"cap": 10}),
+    "noise-budget": ("noise-budget", 9, {}),
 }
 
 
@@ -44,12 +100,21 @@ Loaded = tuple[
 
 def load(space: Space, records: Path, partial: bool = False) -> Loaded:
     """The configurations, their curves, cooldown values by rung and finals, in the space's
-    order (``partial``: only the configurations recorded so far; else a missing one is a
-    KeyError)."""
-    kept = [json.loads(p.read_text()) for p in sorted(records.glob("*.json"))]
-    by_params = {json.dumps(r["params"], sort_keys=True): r for r in kept}
-    configs = [p for p in space.configurations() if not partial or json.dumps(p, sort_keys=True) in by_params]
-    chosen = [by_params[json.dumps(p, sort_keys=True)] for p in configs]
+    order, found by the resolved recipe's hash as the bench finds them (``partial``: only the
+    configurations recorded so far; else a missing one is a KeyError)."""
+
+    def record(index: int, params: dict[str, Any]) -> dict[str, Any] | None:
+        # by the resolved recipe's hash, as the bench finds them (two spaces may share a trial)
+        digest = _config(space, Trial(index, dict(params), None), False).recipe_hash()
+        path = records / f"{digest}-{space.metric}.json"
+        return json.loads(path.read_text()) if path.is_file() else None
+
+    found = [(p, record(i, p)) for i, p in enumerate(space.configurations())]
+    missing = [p for p, r in found if r is None]
+    if missing and not partial:
+        raise KeyError(f"{space.name}: no record of {missing[0]} in {records}")
+    configs = [p for p, r in found if r is not None]
+    chosen = [r for _, r in found if r is not None]
     curves = {i: [(int(s), float(v)) for s, v in r["curve"]] for i, r in enumerate(chosen)}
     cooled = {i: {int(s): float(v) for s, v in r.get("rung_values", [])} for i, r in enumerate(chosen)}
     return configs, curves, cooled, [float(r["final"]) for r in chosen]
@@ -62,8 +127,11 @@ def replay(space: Space, records: Path, name: str, partial: bool = False) -> dic
     variant = dataclasses.replace(space, early_stopping=es)
     mode = space.mode
     rule: Asha | AshaPromotion
-    if rule_name == "guarded":
-        rule = Guarded(min_steps=first, eta=ETA, max_steps=space.max_steps, mode=mode, **settings)  # type: ignore[arg-type]
+    kinds = {"guarded": Guarded, "projected": Projected, "noise-budget": NoiseBudget}
+    if rule_name in kinds:
+        es = dataclasses.replace(es, rule="guarded")
+        variant = dataclasses.replace(space, early_stopping=es)
+        rule = kinds[rule_name](min_steps=first, eta=ETA, max_steps=space.max_steps, mode=mode, **settings)  # type: ignore[arg-type]
     else:
         rule = AshaPromotion(min_steps=first, eta=ETA, max_steps=space.max_steps, mode=mode)  # type: ignore[arg-type]
     plan = [(p, None) for p in configs]
