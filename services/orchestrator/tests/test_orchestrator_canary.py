@@ -34,7 +34,7 @@ from forge_kit.latency import LATENCY_BUCKETS
 from forge_kit.paths import data_dir
 from forge_kit.testing import ServiceProcess, TemporalDevServer, eventually
 from forge_orchestrator.activities import SchedulerActivities
-from forge_orchestrator.promote.activities import EvalActivities
+from forge_orchestrator.eval_activities import EvalActivities
 from forge_orchestrator.promote.canary_activities import CanaryActivities
 from forge_orchestrator.promote.model import EvalAndPromoteInput, EvalAndPromoteResult
 from forge_orchestrator.service import build_worker

@@ -32,9 +32,7 @@ from forge_orchestrator.activities import CancelJobInput, SubmitJobInput
 from forge_orchestrator.cpt.activities import CptActivities, ReportInput
 from forge_orchestrator.cpt.workflow import CptWorkflow
 from forge_orchestrator.deploy.promotion import PromotionActivities
-from forge_orchestrator.identity import Caller
-from forge_orchestrator.inbox import JOB_EVENT_SIGNAL, PROGRESS_QUERY, JobEvent
-from forge_orchestrator.promote.activities import (
+from forge_orchestrator.eval_activities import (
     Comparison,
     ModelId,
     PromoteInput,
@@ -42,6 +40,8 @@ from forge_orchestrator.promote.activities import (
     RunInput,
     RunState,
 )
+from forge_orchestrator.identity import Caller
+from forge_orchestrator.inbox import JOB_EVENT_SIGNAL, PROGRESS_QUERY, JobEvent
 from forge_orchestrator.promote.canary_activities import CanaryActivities
 from forge_orchestrator.promote.workflow import EvalAndPromoteWorkflow
 from forge_orchestrator.service import OrchestratorService
@@ -96,7 +96,7 @@ def overrides_of(sub: SubmitJobInput) -> dict[str, str]:
 
 class RecordingEval:
     """Eval's registry, runs and comparisons for the workflow's activities (names and types as
-    :class:`forge_orchestrator.promote.activities.EvalActivities`)."""
+    :class:`forge_orchestrator.eval_activities.EvalActivities`)."""
 
     def __init__(self, scheduler: FakeScheduler) -> None:
         self.scheduler = scheduler

@@ -20,7 +20,7 @@ from forge_kit.http import HttpServer
 from forge_kit.paths import data_dir
 from forge_kit.testing import ServiceProcess, TemporalDevServer
 from forge_orchestrator.activities import SchedulerActivities
-from forge_orchestrator.promote.activities import EvalActivities
+from forge_orchestrator.eval_activities import EvalActivities
 from forge_orchestrator.promote.model import EvalAndPromoteInput, EvalAndPromoteResult
 from forge_orchestrator.promote.service import validate_eval_and_promote
 from forge_orchestrator.routers import CheckpointRouter

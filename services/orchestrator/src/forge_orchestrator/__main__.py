@@ -23,9 +23,9 @@ from forge_orchestrator.cpt.activities import CptActivities
 from forge_orchestrator.deploy.activities import DeployActivities
 from forge_orchestrator.deploy.promotion import PromotionActivities, promotion_serving
 from forge_orchestrator.deploy.service import DeploymentService
+from forge_orchestrator.eval_activities import EvalActivities
 from forge_orchestrator.grant import StartGuard, grant_key
 from forge_orchestrator.identity import SchedulerAuthenticator
-from forge_orchestrator.promote.activities import EvalActivities
 from forge_orchestrator.promote.canary_activities import CanaryActivities
 from forge_orchestrator.rlhf.activities import RlhfActivities
 from forge_orchestrator.rlhf.sampling import RlhfSampler

@@ -38,10 +38,10 @@ from forge_orchestrator.deploy.promoted import (
 )
 from forge_orchestrator.deploy.promotion import PromotionActivities
 from forge_orchestrator.deploy.workflow import DeploymentWorkflow
+from forge_orchestrator.eval_activities import EvalActivities
 from forge_orchestrator.grant import MEMO_GRANT, sign
 from forge_orchestrator.identity import ADMIN, Caller, authorize_start
 from forge_orchestrator.inbox import PROGRESS_QUERY
-from forge_orchestrator.promote.activities import EvalActivities
 from forge_orchestrator.promote.canary_activities import CanaryActivities
 from forge_orchestrator.promote.model import EvalAndPromoteInput
 from forge_orchestrator.promote.service import validate_eval_and_promote

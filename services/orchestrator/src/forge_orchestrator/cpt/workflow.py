@@ -52,9 +52,7 @@ with workflow.unsafe.imports_passed_through():
         space_of,
         validate_cpt,
     )
-    from forge_orchestrator.identity import ADMIN
-    from forge_orchestrator.inbox import ACTIVITY_RETRY, PROGRESS_QUERY
-    from forge_orchestrator.promote.activities import (
+    from forge_orchestrator.eval_activities import (
         Comparison,
         EvalActivities,
         ModelId,
@@ -62,6 +60,8 @@ with workflow.unsafe.imports_passed_through():
         RunInput,
         RunState,
     )
+    from forge_orchestrator.identity import ADMIN
+    from forge_orchestrator.inbox import ACTIVITY_RETRY, PROGRESS_QUERY
     from forge_orchestrator.promote.model import EvalAndPromoteInput, EvalAndPromoteResult
     from forge_orchestrator.promote.workflow import (
         EVAL_ACTIVITY_TIMEOUT,

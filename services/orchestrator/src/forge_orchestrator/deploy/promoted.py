@@ -45,8 +45,8 @@ with workflow.unsafe.imports_passed_through():
     from forge_kit import errors
     from forge_kit.modelref import ModelRef
     from forge_orchestrator.deploy.rollout import SERVING_STAGES, drain_loser, serve_version
+    from forge_orchestrator.eval_activities import EvalActivities, ModelId, RolloutState
     from forge_orchestrator.inbox import ACTIVITY_RETRY, ACTIVITY_TIMEOUT
-    from forge_orchestrator.promote.activities import EvalActivities, ModelId, RolloutState
 
 WORKFLOW_TYPE = "promotion_rollout"
 WORKFLOW_PREFIX = "promotion-rollout-"

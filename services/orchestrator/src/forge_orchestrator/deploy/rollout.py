@@ -26,7 +26,7 @@ from temporalio import workflow
 with workflow.unsafe.imports_passed_through():
     from forge_kit.modelref import ModelRef
     from forge_orchestrator.deploy.promotion import Drained, PromotionActivities, Served, ServeInput
-    from forge_orchestrator.promote.activities import EvalActivities, ModelId, RolloutState
+    from forge_orchestrator.eval_activities import EvalActivities, ModelId, RolloutState
 
 #: The longest a loser's drain waits for the gateway to stop routing to it.
 ROUTED_WAIT_S = 60.0

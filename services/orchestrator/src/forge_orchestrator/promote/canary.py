@@ -22,7 +22,7 @@ from typing import Any
 from temporalio import workflow
 from temporalio.exceptions import ActivityError
 
-from forge_orchestrator.promote.activities import DecisionInput, EvalActivities, ModelId, RolloutState
+from forge_orchestrator.eval_activities import DecisionInput, EvalActivities, ModelId, RolloutState
 from forge_orchestrator.promote.canary_activities import (
     CanaryActivities,
     Look,

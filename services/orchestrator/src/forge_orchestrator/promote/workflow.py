@@ -1,7 +1,7 @@
 """The ``eval_and_promote`` workflow (:class:`EvalAndPromoteWorkflow`, its steps in its docstring)
 and :func:`wait_eval_run`, which every workflow that runs eval suites uses. Deterministic: time from
 ``workflow.now()``, every call to another service through an activity (eval's in
-:mod:`~forge_orchestrator.promote.activities`, the canary's in
+:mod:`~forge_orchestrator.eval_activities`, the canary's in
 :mod:`~forge_orchestrator.promote.canary_activities`).
 """
 
@@ -17,8 +17,7 @@ from temporalio.exceptions import ApplicationError
 with workflow.unsafe.imports_passed_through():
     from forge_orchestrator.deploy.promotion import Served
     from forge_orchestrator.deploy.rollout import drain_version, serve_version
-    from forge_orchestrator.inbox import ACTIVITY_RETRY, PROGRESS_QUERY
-    from forge_orchestrator.promote.activities import (
+    from forge_orchestrator.eval_activities import (
         Comparison,
         EvalActivities,
         ModelId,
@@ -27,6 +26,7 @@ with workflow.unsafe.imports_passed_through():
         RunInput,
         RunState,
     )
+    from forge_orchestrator.inbox import ACTIVITY_RETRY, PROGRESS_QUERY
     from forge_orchestrator.promote.canary import CanaryOutcome, guard_canary
     from forge_orchestrator.promote.canary_activities import CanaryActivities, PolicyInput
     from forge_orchestrator.promote.model import EvalAndPromoteInput, EvalAndPromoteResult, policy_family

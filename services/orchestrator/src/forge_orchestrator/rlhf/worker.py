@@ -20,7 +20,7 @@ from forge_kit import errors
 from forge_kit.settings import ForgeSettings, service_config
 from forge_orchestrator.activities import SchedulerActivities
 from forge_orchestrator.deploy.promotion import PromotionActivities
-from forge_orchestrator.promote.activities import EvalActivities
+from forge_orchestrator.eval_activities import EvalActivities
 from forge_orchestrator.promote.canary_activities import CanaryActivities
 from forge_orchestrator.promote.model import TIERS
 from forge_orchestrator.rlhf.activities import RlhfActivities

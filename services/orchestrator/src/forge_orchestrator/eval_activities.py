@@ -1,4 +1,6 @@
-"""Activities of the eval-and-promote workflow: calls to the eval service over gRPC.
+"""Activities that call the eval service over gRPC (its registry, runs and rollout decisions):
+eval-and-promote, the deployments' promotion steps, CPT and RLHF use them, so they live beside
+:mod:`forge_orchestrator.activities` (the scheduler's) rather than in one use case's package.
 
 Each returns plain dataclasses (Temporal serialises them as JSON). Failures follow
 :func:`forge_orchestrator.activities.failed`: permanent gRPC statuses are non-retryable.
