@@ -20,7 +20,11 @@ from forge_orchestrator.activities import SchedulerActivities
 from forge_orchestrator.inbox import JOB_EVENT_SIGNAL, PROGRESS_QUERY, JobEvent
 from forge_orchestrator.service import build_worker
 from forge_orchestrator.training.model import CHECKPOINT_SIGNAL, CheckpointInfo
-from forge_orchestrator.vlm_curriculum import VlmCurriculumInput, VlmCurriculumResult, validate_vlm_curriculum
+from forge_orchestrator.vlm_curriculum.model import (
+    VlmCurriculumInput,
+    VlmCurriculumResult,
+    validate_vlm_curriculum,
+)
 
 SCHEDULER_TOKEN = "scheduler-test-token"  # the session scheduler's token (conftest)
 

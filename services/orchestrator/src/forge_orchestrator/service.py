@@ -59,11 +59,8 @@ from forge_orchestrator.synthetic.workflow import SyntheticWorkflow
 from forge_orchestrator.training.model import TrainInput
 from forge_orchestrator.training.service import validate_train
 from forge_orchestrator.training.workflow import TrainWorkflow
-from forge_orchestrator.vlm_curriculum import (
-    VlmCurriculumInput,
-    VlmCurriculumWorkflow,
-    validate_vlm_curriculum,
-)
+from forge_orchestrator.vlm_curriculum.model import VlmCurriculumInput, validate_vlm_curriculum
+from forge_orchestrator.vlm_curriculum.workflow import VlmCurriculumWorkflow
 
 log = structlog.get_logger(__name__)
 
