@@ -19,6 +19,7 @@ import argparse
 import dataclasses
 import json
 import math
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -59,16 +60,27 @@ class Projected(Guarded):
 
 @dataclasses.dataclass
 class NoiseBudget(Projected):
-    """Experimental: rungs before the last stop only trials whose deficit exceeds 2·√2·σ (σ:
-    :func:`curve_noise` of every trial's curve so far); the last rung finishes, by projection, as
-    many trials as leave the sweep within ``budget`` of the grid's trial-steps."""
+    """Experimental: rungs before the last stop only trials whose deficit exceeds a margin; the
+    last rung finishes, by projection, as many trials as leave the sweep within ``budget`` of the
+    grid's trial-steps (branch steps not counted). The margin (``scale``): ``curve``, 2·√2·σ
+    with σ the :func:`curve_noise` of every trial's curve so far; ``deficits``, ``k`` times the
+    median of the rung's non-negative deficits (scale-free: the typical gap of a trial to one of
+    no larger rate that it cannot be told apart from)."""
 
     budget: float = 0.5
+    scale: str = "curve"
+    k: float = 3.0
+
+    def margin(self, rung: int) -> float:
+        if self.scale == "curve":
+            return 2 * math.sqrt(2) * curve_noise(list(self.history.values()))
+        gaps = [d for d in (self.deficit(t, rung) for t in self.recorded[rung]) if 0 <= d < math.inf]
+        return self.k * statistics.median(gaps) if gaps else math.inf
 
     def chosen(self, rung: int) -> set[str]:
         values = self.recorded[rung]
         if rung != self.rungs[-1]:
-            margin = 2 * math.sqrt(2) * curve_noise(list(self.history.values()))
+            margin = self.margin(rung)
             return {t for t in values if self.deficit(t, rung) <= margin}
         started = self.recorded[self.rungs[0]]
         spent = sum(max(r for r in self.rungs if t in self.recorded[r]) + 1 for t in started)
@@ -90,6 +102,10 @@ CANDIDATES: dict[str, tuple[str, int, dict[str, Any]]] = {
     "projected-8": ("projected", 9, {}),
     "projected-10": ("projected", 9, {"cap": 10}),
     "noise-budget": ("noise-budget", 9, {}),
+    "deficit-budget-2": ("noise-budget", 9, {"scale": "deficits", "k": 2.0}),
+    "deficit-budget-3": ("noise-budget", 9, {"scale": "deficits", "k": 3.0}),
+    "deficit-budget-4": ("noise-budget", 9, {"scale": "deficits", "k": 4.0}),
+    "deficit-budget-6": ("noise-budget", 9, {"scale": "deficits", "k": 6.0}),
 }
 
 
