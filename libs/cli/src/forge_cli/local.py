@@ -377,7 +377,8 @@ async def up(
                 console.print(f"created PostgreSQL databases: {', '.join(dbs.created)}", highlight=False)
             if dbs.reset:
                 console.print(
-                    f"reset PostgreSQL databases whose state folder ({profile.root}) was gone: "
+                    f"reset PostgreSQL databases that were not this state folder's ({profile.root}: "
+                    "it was new, or they were another stopped checkout's): "
                     f"{', '.join(dbs.reset)}; the profile's Redis keys were cleared too",
                     highlight=False,
                 )

@@ -126,7 +126,8 @@ class Databases:
 
     created: list[str]
     reset: list[str]
-    """Databases dropped and created again: their state folder was gone (see :func:`pair_databases`)."""
+    """Databases dropped and created again: not paired with this state folder, and no other
+    platform connected to them (see :func:`pair_databases`)."""
 
 
 async def ensure_databases(profile: Profile, rows: Iterable[ServiceSpec]) -> Databases:
