@@ -116,14 +116,24 @@ Loaded = tuple[
 
 def load(space: Space, records: Path, partial: bool = False) -> Loaded:
     """The configurations, their curves, cooldown values by rung and finals, in the space's
-    order, found by the resolved recipe's hash as the bench finds them (``partial``: only the
-    configurations recorded so far; else a missing one is a KeyError)."""
+    order, found by the resolved recipe's hash as the bench finds them, else (records with
+    cooldown branches) by parameters (``partial``: only the configurations recorded so far; else
+    a missing one is a KeyError)."""
+
+    by_params: dict[str, dict[str, Any]] | None = None
 
     def record(index: int, params: dict[str, Any]) -> dict[str, Any] | None:
-        # by the resolved recipe's hash, as the bench finds them (two spaces may share a trial)
+        # by the resolved recipe's hash, as the bench finds them (two spaces may share a trial);
+        # records with cooldown branches (another recipe hash) by their parameters
+        nonlocal by_params
         digest = _config(space, Trial(index, dict(params), None), False).recipe_hash()
         path = records / f"{digest}-{space.metric}.json"
-        return json.loads(path.read_text()) if path.is_file() else None
+        if path.is_file():
+            return json.loads(path.read_text())
+        if by_params is None:
+            kept = [json.loads(p.read_text()) for p in sorted(records.glob("*.json"))]
+            by_params = {json.dumps(r["params"], sort_keys=True): r for r in kept if r.get("rung_values")}
+        return by_params.get(json.dumps(params, sort_keys=True))
 
     found = [(p, record(i, p)) for i, p in enumerate(space.configurations())]
     missing = [p for p, r in found if r is None]
