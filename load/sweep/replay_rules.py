@@ -62,7 +62,9 @@ class Projected(Guarded):
 class NoiseBudget(Projected):
     """Experimental: rungs before the last stop only trials whose deficit exceeds a margin; the
     last rung finishes, by projection, as many trials as leave the sweep within ``budget`` of the
-    grid's trial-steps (branch steps not counted). The margin (``scale``): ``curve``, 2·√2·σ
+    grid's trial-steps, counting each rung's cooldown branch (``ceil(branch × rung)`` steps; the
+    replay sets ``branch`` to the space's cooldown fraction when its rungs judge after a branch).
+    The margin (``scale``): ``curve``, 2·√2·σ
     with σ the :func:`curve_noise` of every trial's curve so far; ``deficits``, ``k`` times the
     median of the rung's non-negative deficits (scale-free: the typical gap of a trial to one of
     no larger rate that it cannot be told apart from)."""
@@ -70,6 +72,7 @@ class NoiseBudget(Projected):
     budget: float = 0.5
     scale: str = "curve"
     k: float = 3.0
+    branch: float = 0.0
 
     def margin(self, rung: int) -> float:
         if self.scale == "curve":
@@ -83,7 +86,10 @@ class NoiseBudget(Projected):
             margin = self.margin(rung)
             return {t for t in values if self.deficit(t, rung) <= margin}
         started = self.recorded[self.rungs[0]]
-        spent = sum(max(r for r in self.rungs if t in self.recorded[r]) + 1 for t in started)
+        spent = 0
+        for t in started:
+            reached = [r for r in self.rungs if t in self.recorded[r]]
+            spent += max(reached) + 1 + sum(math.ceil(self.branch * r) for r in reached)
         left = self.budget * len(started) * self.max_steps - spent
         self.finish = max(1, int(left // (self.max_steps - rung)))
         return super().chosen(rung)
@@ -157,6 +163,8 @@ def replay(space: Space, records: Path, name: str, partial: bool = False) -> dic
     if rule_name in kinds:
         es = dataclasses.replace(es, rule="guarded")
         variant = dataclasses.replace(space, early_stopping=es)
+        if rule_name == "noise-budget" and space.early_stopping.rung_eval == "cooldown":
+            settings = {**settings, "branch": space.early_stopping.cooldown_fraction}
         rule = kinds[rule_name](min_steps=first, eta=ETA, max_steps=space.max_steps, mode=mode, **settings)  # type: ignore[arg-type]
     else:
         rule = AshaPromotion(min_steps=first, eta=ETA, max_steps=space.max_steps, mode=mode)  # type: ignore[arg-type]
