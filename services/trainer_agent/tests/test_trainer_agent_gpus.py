@@ -226,7 +226,9 @@ async def test_detected_topology_reaches_the_scheduler_and_jobs_see_exactly_thei
         "import json, os, pathlib, sys, time\n"
         "out = pathlib.Path(sys.argv[1]) / (os.environ['FORGE_JOB_ID'] + '.json')\n"
         "keys = ('CUDA_VISIBLE_DEVICES', 'CUDA_DEVICE_ORDER')\n"
-        "out.write_text(json.dumps({k: os.environ.get(k) for k in keys}))\n"
+        "tmp = out.with_suffix('.part')\n"  # written whole, then renamed: the test reads once it exists
+        "tmp.write_text(json.dumps({k: os.environ.get(k) for k in keys}))\n"
+        "os.replace(tmp, out)\n"
         "while not pathlib.Path(sys.argv[2]).exists(): time.sleep(0.05)\n"
     )
     try:

@@ -213,7 +213,9 @@ class TemporalDevServer(_Process):
             self._spawn(argv)
             assert self.proc is not None
             try:
+                started = time.monotonic()
                 wait_for_port(self.port, timeout_s, self.proc)
+                self.wait_frontend(timeout_s - (time.monotonic() - started))
                 return self
             except RuntimeError:
                 if attempt == 2:
@@ -223,6 +225,29 @@ class TemporalDevServer(_Process):
                     self._log = None
                 time.sleep(1.0)
         return self
+
+    def wait_frontend(self, timeout_s: float) -> None:
+        """Block until the frontend answers ``GetSystemInfo``: its port opens before it is healthy,
+        and a client that connects then fails ("Frontend is not healthy yet")."""
+        import grpc
+        from temporalio.api.workflowservice.v1 import request_response_pb2 as rr
+
+        deadline = time.monotonic() + max(timeout_s, 1.0)
+        with grpc.insecure_channel(self.target) as channel:
+            call = channel.unary_unary(
+                "/temporal.api.workflowservice.v1.WorkflowService/GetSystemInfo",
+                request_serializer=rr.GetSystemInfoRequest.SerializeToString,
+                response_deserializer=rr.GetSystemInfoResponse.FromString,
+            )
+            while time.monotonic() < deadline:
+                if self.proc is not None and self.proc.poll() is not None:
+                    raise RuntimeError(f"temporal dev server exited with {self.proc.returncode}")
+                try:
+                    call(rr.GetSystemInfoRequest(), timeout=2)
+                    return
+                except grpc.RpcError:
+                    time.sleep(0.1)
+        raise TimeoutError(f"temporal dev server at {self.target} not healthy within {timeout_s:.0f}s")
 
 
 class ServiceProcess(_Process):
