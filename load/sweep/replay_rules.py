@@ -23,9 +23,10 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from forge_experiments.earlystop import Asha, AshaPromotion, Guarded, curve_noise
+from forge_experiments.earlystop import Asha, AshaPromotion, Guarded
+from forge_experiments.rungtrust import curve_noise
 from forge_experiments.sweepspace import Space, parse
-from forge_training.bench.sweep import ETA, Trial, _config, replayer, run_asha, trust
+from forge_training.bench.sweep import ETA, Trial, _config, make_rule, replayer, run_asha, trust
 
 
 @dataclasses.dataclass
@@ -99,7 +100,8 @@ class NoiseBudget(Projected):
 CANDIDATES: dict[str, tuple[str, int, dict[str, Any]]] = {
     "asha-27": ("asha", 27, {}),
     "asha-9": ("asha", 9, {}),
-    "guarded": ("guarded", 9, {}),  # the default: front + runners-up by deficit, one rate down at the last
+    "budgeted": ("budgeted", 9, {}),  # the default (earlystop.Budgeted: deficit-budget-3 made a rule)
+    "guarded": ("guarded", 9, {}),  # front + runners-up by deficit, one rate down at the last
     "guarded-value": ("guarded", 9, {"runners": "value"}),  # top third by value + front (before #42's fix)
     "guarded-front": ("guarded", 9, {"last": "front"}),  # the rate front at every rung
     "guarded-catchup": ("guarded", 9, {"last": "catchup"}),
@@ -131,15 +133,17 @@ def load(space: Space, records: Path, partial: bool = False) -> Loaded:
     def record(index: int, params: dict[str, Any]) -> dict[str, Any] | None:
         # by the resolved recipe's hash, as the bench finds them (two spaces may share a trial);
         # records with cooldown branches (another recipe hash) by their parameters
+        # (a space whose rungs judge after a branch needs the branch records: those first)
         nonlocal by_params
-        digest = _config(space, Trial(index, dict(params), None), False).recipe_hash()
-        path = records / f"{digest}-{space.metric}.json"
-        if path.is_file():
-            return json.loads(path.read_text())
         if by_params is None:
             kept = [json.loads(p.read_text()) for p in sorted(records.glob("*.json"))]
             by_params = {json.dumps(r["params"], sort_keys=True): r for r in kept if r.get("rung_values")}
-        return by_params.get(json.dumps(params, sort_keys=True))
+        branched = by_params.get(json.dumps(params, sort_keys=True))
+        if branched is not None and space.early_stopping.rung_eval == "cooldown":
+            return branched
+        digest = _config(space, Trial(index, dict(params), None), False).recipe_hash()
+        path = records / f"{digest}-{space.metric}.json"
+        return json.loads(path.read_text()) if path.is_file() else branched
 
     found = [(p, record(i, p)) for i, p in enumerate(space.configurations())]
     missing = [p for p, r in found if r is None]
@@ -160,7 +164,9 @@ def replay(space: Space, records: Path, name: str, partial: bool = False) -> dic
     mode = space.mode
     rule: Asha | AshaPromotion
     kinds = {"guarded": Guarded, "projected": Projected, "noise-budget": NoiseBudget}
-    if rule_name in kinds:
+    if rule_name == "budgeted":
+        rule = make_rule(variant, first)
+    elif rule_name in kinds:
         es = dataclasses.replace(es, rule="guarded")
         variant = dataclasses.replace(space, early_stopping=es)
         if rule_name == "noise-budget" and space.early_stopping.rung_eval == "cooldown":

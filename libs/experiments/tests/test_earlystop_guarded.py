@@ -7,14 +7,8 @@ import math
 
 import pytest
 
-from forge_experiments.earlystop import (
-    Guarded,
-    curve_noise,
-    default_min_steps,
-    kendall_tau,
-    rung_trust,
-    spearman_rho,
-)
+from forge_experiments.earlystop import Guarded, default_min_steps
+from forge_experiments.rungtrust import curve_noise, kendall_tau, rung_trust, spearman_rho
 
 #: Rungs 1, 3, 9 of 27 steps.
 RULE = {"min_steps": 1, "eta": 3, "max_steps": 27}

@@ -172,20 +172,23 @@ def test_auto_rung_eval_with_a_swept_schedule_and_an_explicit_choice() -> None:
     assert sweepspace.parse(figure).early_stopping.rung_eval == "value"
 
 
-def test_early_stopping_with_no_settings_is_the_guarded_rule_with_rungs_from_the_budget() -> None:
-    """``early_stopping: {}`` names no rule and no rung: the guarded rule, rungs at a 27th, a 9th
+def test_early_stopping_with_no_settings_is_the_budgeted_rule_with_rungs_from_the_budget() -> None:
+    """``early_stopping: {}`` names no rule and no rung: the budgeted rule, rungs at a 27th, a 9th
     and a third of the budget, evaluations at the first; ASHA still needs its ``min_steps``."""
     text = BASE.replace("early_stopping: {rule: asha, min_steps: 3, eta: 3}", "early_stopping: {}")
     text = text.replace("max_steps: 81", "max_steps: 243")
     space = sweepspace.parse(text)
     es = space.early_stopping
-    assert (es.rule, es.min_steps, es.eta, es.rung_eval) == ("guarded", 9, 3, "value")
+    assert (es.rule, es.min_steps, es.eta, es.rung_eval, es.branch) == ("budgeted", 9, 3, "value", 0.0)
     assert space.rungs() == [9, 27, 81]
     assert space.trial_overrides(space.configurations()[0])["eval_interval"] == 9
     assert sweepspace.from_dict(sweepspace.to_dict(space)) == space
     wsd = sweepspace.parse(text + "overrides: {optim.schedule: wsd}\n")
     assert wsd.early_stopping.rung_eval == "cooldown" and wsd.rungs() == [9, 27, 81]
-    assert space == sweepspace.parse(text.replace("early_stopping: {}", "early_stopping: {rule: guarded}"))
+    assert wsd.early_stopping.branch == 0.1
+    assert space == sweepspace.parse(text.replace("early_stopping: {}", "early_stopping: {rule: budgeted}"))
+    guarded = sweepspace.parse(text.replace("early_stopping: {}", "early_stopping: {rule: guarded}"))
+    assert guarded.early_stopping.rule == "guarded" and guarded.rungs() == [9, 27, 81]
     with pytest.raises(ValidationError) as caught:
         sweepspace.parse(text.replace("early_stopping: {}", "early_stopping: {rule: asha}"))
     assert caught.value.field == "early_stopping.min_steps"

@@ -100,14 +100,14 @@ def test_cooldown_rungs_grid_records_and_an_asha_only_run(tmp_path: Path) -> Non
     assert alone["asha"]["trial_steps"] == first["asha"]["trial_steps"]
 
 
-def test_several_spaces_worst_figures_and_the_guarded_default(tmp_path: Path) -> None:
+def test_several_spaces_worst_figures_and_the_default_rule(tmp_path: Path) -> None:
     """Two spaces in one run: each one's summary under ``spaces/<name>``, the worst regret and
-    compute ratio over them; the second names no early-stopping setting (the guarded rule, rungs
+    compute ratio over them; the second names no early-stopping setting (the budgeted rule, rungs
     1 and 3 of 9) and reads the grid records the first wrote (same trials, same cadence)."""
     first, second = tmp_path / "a.yaml", tmp_path / "b.yaml"
     first.write_text(SPACE)
     second.write_text(
-        SPACE.replace("name: tiny", "name: tiny-guarded").replace(
+        SPACE.replace("name: tiny", "name: tiny-default").replace(
             "early_stopping: {rule: asha, min_steps: 1, eta: 3}", "early_stopping: {}"
         )
     )
@@ -117,9 +117,9 @@ def test_several_spaces_worst_figures_and_the_guarded_default(tmp_path: Path) ->
     assert result.exit_code == 0, result.output
     summary = json.loads((out / "summary.json").read_text())
     spaces = summary["spaces"]
-    assert sorted(spaces) == ["tiny", "tiny-guarded"] and "per_trial" not in spaces["tiny"]
-    assert spaces["tiny"]["rule"] == "asha" and spaces["tiny-guarded"]["rule"] == "guarded"
-    assert spaces["tiny-guarded"]["rungs"] == [1, 3] and spaces["tiny-guarded"]["grid"]["reused"] == 3
+    assert sorted(spaces) == ["tiny", "tiny-default"] and "per_trial" not in spaces["tiny"]
+    assert spaces["tiny"]["rule"] == "asha" and spaces["tiny-default"]["rule"] == "budgeted"
+    assert spaces["tiny-default"]["rungs"] == [1, 3] and spaces["tiny-default"]["grid"]["reused"] == 3
     worst = summary["worst"]
     assert worst["regret"] == max(s["regret"] for s in spaces.values())
     assert worst["compute_ratio"] == max(s["compute_ratio"] for s in spaces.values())
@@ -145,7 +145,7 @@ def test_drawn_spaces_are_seeded_valid_and_refused_without_a_seed(tmp_path: Path
     assert len({s.name for s in spaces}) == 10
     for space in spaces:
         assert len(space.configurations()) == 12 and space.max_steps == 243
-        assert space.early_stopping.rule == "guarded" and space.rungs() == [9, 27, 81]
+        assert space.early_stopping.rule == "budgeted" and space.rungs() == [9, 27, 81]
         assert space.parameters[0].key == "optim.lr" and space.overrides["optim.schedule"] in (
             "cosine",
             "wsd",

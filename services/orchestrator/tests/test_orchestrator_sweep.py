@@ -498,18 +498,45 @@ async def cooled(handle: WorkflowHandle[Any, Any], job: str, step: int, value: f
     )
 
 
-async def test_the_guarded_default_keeps_the_rate_front_of_a_complete_rung_and_reports_its_trust(
-    client: Client, tmp_path: Path
+#: (setting, curves at steps 1-3, finals of the resumed trials, trials by state once they are
+#: resumed, end states, trust: stopped within the noise, rung 3's correlations)
+RUNG_CASES = {
+    # t1 (rate 0.002, 3.0) is the top third at rung 3, t0 (the lowest rate, 3.6) on the rate front,
+    # t2 (0.003, 4.5) beaten by lower rates: t1 and t0 resumed; t0, behind at rung 3, finishes
+    # first, so rung 3 ranked the finishers in reverse
+    "guarded": (
+        "{rule: guarded}",
+        {"job-0": [5.5, 4.6, 3.6], "job-1": [5.0, 4.0, 3.0], "job-2": [6.0, 5.0, 4.5]},
+        {"job-0-1": 2.4, "job-1-1": 2.5},
+        {"paused": 1, "pending": 2},
+        ["completed", "completed", "stopped"],
+        (0, {"finished": 2, "spearman": -1.0, "kendall": -1.0}),
+    ),
+    # the default (budgeted): half the grid's 27 steps less the 12 spent leaves one finisher, the
+    # best projected to step 9 (2 · v3 - v1): t0 0.4, t1 1.0, t2 3.0; t1, the rung's leader, stops
+    # with a value no worse than the best there: a stop within the (zero) noise
+    "default": (
+        "{}",
+        {"job-0": [6.0, 4.6, 3.2], "job-1": [5.0, 4.0, 3.0], "job-2": [6.0, 5.0, 4.5]},
+        {"job-0-1": 2.4},
+        {"paused": 2, "pending": 1},
+        ["completed", "stopped", "stopped"],
+        (1, {"finished": 1, "spearman": None, "kendall": None}),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(RUNG_CASES))
+async def test_complete_rungs_decide_once_and_the_sweep_reports_its_trust(
+    client: Client, tmp_path: Path, case: str
 ) -> None:
-    """``early_stopping: {}``: the guarded rule, rungs 1 and 3 of 9 (a 27th and a 9th of the
-    budget, at least 1). Every trial goes on past rung 1 (no ranking to compare with yet). At
-    rung 3 every trial waits until the rung is complete (no trial can still reach it): then t1
-    (rate 0.002, 3.0) is the top third, and t0 (the lowest rate, 3.6) is on the rate front (no
-    lower rate beats it), while t2 (0.003, 4.5) is beaten by lower rates: t1 and t0 are resumed,
-    t2 ends stopped. t0, behind at rung 3, finishes first (2.4 against 2.5): the trust report
-    says rung 3 ranked the finishers in reverse. The parent run gets the sweep's figures."""
+    """Rungs 1 and 3 of 9 (a 27th and a 9th of the budget, at least 1) with no ``min_steps``.
+    Every trial goes on past rung 1 (no ranking to compare with yet). At rung 3 every trial waits
+    until the rung is complete (no trial can still reach it); then the rule decides once (see
+    :data:`RUNG_CASES`). The parent run gets the sweep's figures."""
+    setting, curves, finals, waiting, states, (within, rung3) = RUNG_CASES[case]
     space = SPACE.replace(
-        "early_stopping: {rule: asha, min_steps: 1, eta: 3, form: stopping}", "early_stopping: {}"
+        "early_stopping: {rule: asha, min_steps: 1, eta: 3, form: stopping}", f"early_stopping: {setting}"
     )
     space = space.replace("0.001, 0.002, 0.003, 0.004", "0.001, 0.002, 0.003").replace(
         "trials: 4", "trials: 3"
@@ -518,7 +545,6 @@ async def test_the_guarded_default_keeps_the_rate_front_of_a_complete_rung_and_r
     scheduler, tracker = ResumingScheduler(), RecordingTracker()
     sweeps = SweepActivities(f"sqlite+aiosqlite:///{tmp_path / 'orchestrator.db'}", tracker)
     submitted = lambda *jobs: asyncio.sleep(0, all(j in scheduler.submitted for j in jobs))  # noqa: E731
-    curves = {"job-0": [5.5, 4.6, 3.6], "job-1": [5.0, 4.0, 3.0], "job-2": [6.0, 5.0, 4.5]}
     async with worker_for(client, queue, scheduler, sweeps):
         handle = await client.start_workflow(
             "sweep",
@@ -536,20 +562,23 @@ async def test_the_guarded_default_keeps_the_rate_front_of_a_complete_rung_and_r
             if step == 1:
                 await eventually(lambda: _is(state_of(handle, 2), "running"))
                 assert scheduler.cancelled == []  # nothing waits at the first rung
-        await eventually(lambda: submitted("job-1-1", "job-0-1"))
-        assert (await progress(handle))["trials_by_state"] == {"paused": 1, "pending": 2}
-        for job, final in (("job-0-1", 2.4), ("job-1-1", 2.5)):
+        await eventually(lambda: submitted(*finals))
+        assert (await progress(handle))["trials_by_state"] == waiting
+        for job, final in finals.items():
             await event(handle, job, "RUNNING")
             await metric(handle, job, 9, final)
             await event(handle, job, "SUCCEEDED")
         result = await handle.result()
-    assert [t.state for t in result.trials] == ["completed", "completed", "stopped"]
-    assert [t.stopped_at for t in result.trials] == [None, None, 3] and result.best_metric == 2.4
+    stopped = len(states) - len(finals)
+    assert [t.state for t in result.trials] == states
+    assert [t.stopped_at for t in result.trials] == [None if s == "completed" else 3 for s in states]
+    assert result.best_metric == 2.4
     assert result.rungs == [1, 3] and result.summary["rung_occupancy"] == {"1": 3, "3": 3}
     trust = result.summary["trust"]
-    assert trust["stopped"] == 1 and trust["stopped_within_noise"] == 0
-    assert trust["rungs"]["3"] == {"finished": 2, "spearman": -1.0, "kendall": -1.0}
+    assert trust["stopped"] == stopped and trust["stopped_within_noise"] == within
+    assert trust["rungs"]["3"] == rung3
     logged = tracker.metrics["parent"]
-    assert logged["best_metric"] == 2.4 and logged["stopped"] == 1.0 and logged["stopped_within_noise"] == 0.0
-    assert logged["trials_completed"] == 2.0 and logged["trials_stopped"] == 1.0
+    assert logged["best_metric"] == 2.4 and logged["stopped"] == stopped
+    assert logged["stopped_within_noise"] == within
+    assert logged["trials_completed"] == len(finals) and logged["trials_stopped"] == stopped
     assert tracker.ended["parent"] == "FINISHED"

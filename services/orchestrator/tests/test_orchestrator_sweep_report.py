@@ -10,7 +10,7 @@ from typing import Any
 from forge.events.v1 import events_pb2
 from typer.testing import CliRunner
 
-from forge_experiments.earlystop import rung_trust
+from forge_experiments.rungtrust import rung_trust
 from forge_kit.db import Database, utcnow
 from forge_orchestrator.store import JobEventRow
 from forge_orchestrator.sweep.cli import app, sweep_state

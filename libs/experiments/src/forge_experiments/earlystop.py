@@ -1,5 +1,6 @@
-"""Early-stopping rules of hyperparameter sweeps: the guarded rule (the default), ASHA and
-median stopping; and how far a sweep's rungs could be trusted (:func:`rung_trust`).
+"""Early-stopping rules of hyperparameter sweeps: the budgeted rule (the default), the guarded
+rule it builds on, ASHA and median stopping. How far a sweep's rungs could be trusted is
+:mod:`forge_experiments.rungtrust`.
 
 All are pure and deterministic (no clock, no I/O), so a Temporal workflow can hold one in its
 state and replay it, and the sweep benchmark runs the very same rule in-process.
@@ -22,7 +23,7 @@ nothing extra; the price is a resumption from a checkpoint. With a finite set of
 once none is left to start and no trial can still reach a rung, that rung promotes its top
 ``max(1, n // η)``: the sweep always ends with at least one trial at the full budget.
 
-**Guarded** (:class:`Guarded`, the default of a space's ``early_stopping``): ASHA's promotion
+**Guarded** (:class:`Guarded`, ``rule: guarded``): ASHA's promotion
 form hedged against successive halving's short-horizon bias (a configuration that leads early,
 typically a higher learning rate, is not the one that leads at the end of the schedule), so that
 it needs no hand-picked first rung: its rungs are a 27th, a 9th and a third of the budget
@@ -51,6 +52,28 @@ ASHA's other places again by deficit among the trials off the front. The cap
 last rung's ``n // η + 1`` bound the trials run to the full budget: with 12 configurations, at
 most 8 past the second rung and 3 to the end (0.47 of the grid's steps with the cooldown
 branches of ``wsd``, 0.43 without).
+
+**Budgeted** (:class:`Budgeted`, the default of a space's ``early_stopping``): the guarded
+rule's rungs and completeness, with two changes that make it hold on spaces whose best
+configuration leads late (load/sweep/RESULTS.md, the projection entry, and #42's closing note):
+
+- *Stop only what is clearly behind.* A complete rung before the last stops a trial only when
+  its deficit (as the guarded rule measures it: behind the best other trial of no larger rate)
+  exceeds ``margin_k`` times the median of the rung's non-negative deficits. The margin is
+  scale-free: it is the typical gap between trials the rung cannot tell apart, so it adapts to
+  the metric's units and to how far the configurations have spread at that budget; a fixed share
+  (ASHA's ``n // eta``) stops the late leader whenever it is a few places down early on.
+- *Spend what is left on the likeliest finishers.* The last rung finishes as many trials as keep
+  the sweep within ``budget`` of the grid's trial-steps (every configuration at ``max_steps``),
+  counting every step already spent, each rung's cooldown branch (``ceil(branch × rung)`` steps,
+  ``branch`` the space's ``cooldown_fraction`` when its rungs judge after a branch) and a paused
+  trial's one extra step, and at least one. They are ranked by the value projected to
+  ``max_steps``, straight in log step through the trial's values at the rung before and this one:
+  a trial still gaining on the leader ranks above one that has flattened out.
+
+With 12 configurations under defaults (rungs a 27th, a 9th and a third of the budget, ``budget``
+0.5) the sweep costs at most half the grid's trial-steps whatever the margin keeps, since the last
+rung's finishers are counted from what the earlier ones spent.
 
 **Median stopping** (Golovin et al. 2017, Google Vizier): from ``min_steps`` on, a trial whose
 value at a reported step is worse than the median of the other trials' values at that step is
@@ -275,69 +298,6 @@ def default_min_steps(max_steps: int, eta: int = 3) -> int:
     return max(1, max_steps // eta**3)
 
 
-def _ranks(values: list[float]) -> list[float]:
-    """Average ranks (ties share the mean of their places)."""
-    order = sorted(range(len(values)), key=lambda i: values[i])
-    out = [0.0] * len(values)
-    i = 0
-    while i < len(order):
-        j = i
-        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
-            j += 1
-        for k in range(i, j + 1):
-            out[order[k]] = (i + j) / 2.0
-        i = j + 1
-    return out
-
-
-def kendall_tau(xs: list[float], ys: list[float]) -> float:
-    """Kendall's τ-b of paired values (NaN under 2 pairs or with a constant side). Pure Python:
-    a workflow's rule calls it, and rungs hold at most a few thousand trials."""
-    n = len(xs)
-    concordant = discordant = ties_x = ties_y = 0
-    for i in range(n):
-        for j in range(i + 1, n):
-            dx, dy = xs[i] - xs[j], ys[i] - ys[j]
-            if dx == 0 and dy == 0:
-                continue
-            if dx == 0:
-                ties_x += 1
-            elif dy == 0:
-                ties_y += 1
-            elif (dx > 0) == (dy > 0):
-                concordant += 1
-            else:
-                discordant += 1
-    denominator = math.sqrt((concordant + discordant + ties_x) * (concordant + discordant + ties_y))
-    return (concordant - discordant) / denominator if denominator > 0 else math.nan
-
-
-def spearman_rho(xs: list[float], ys: list[float]) -> float:
-    """Spearman's ρ of paired values (NaN under 2 pairs or with a constant side)."""
-    if len(xs) < 2:
-        return math.nan
-    rx, ry = _ranks(xs), _ranks(ys)
-    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
-    sxy = sum((a - mx) * (b - my) for a, b in zip(rx, ry, strict=True))
-    sxx, syy = sum((a - mx) ** 2 for a in rx), sum((b - my) ** 2 for b in ry)
-    return sxy / math.sqrt(sxx * syy) if sxx > 0 and syy > 0 else math.nan
-
-
-def curve_noise(curves: list[list[tuple[int, float]]]) -> float:
-    """The evaluation noise the curves show: per curve, the root mean square of its second
-    differences over ``√6`` (the standard deviation of independent noise on a locally straight
-    curve; curvature only adds to it, so the estimate errs large), the median over curves with
-    at least three points (0.0 when none has)."""
-    per_curve: list[float] = []
-    for curve in curves:
-        ys = [v for _, v in curve if _valid(v) and not math.isinf(v)]
-        if len(ys) < 3:
-            continue
-        second = [ys[i - 1] - 2 * ys[i] + ys[i + 1] for i in range(1, len(ys) - 1)]
-        per_curve.append(math.sqrt(sum(d * d for d in second) / len(second) / 6.0))
-    return statistics.median(per_curve) if per_curve else 0.0
-
-
 @dataclass
 class Guarded(AshaPromotion):
     """ASHA's promotion form hedged against its short-horizon bias (see the module docstring).
@@ -502,55 +462,94 @@ class Guarded(AshaPromotion):
         return [t for t in ranked if t not in self.promoted[rung]]
 
 
-def _at(curve: list[tuple[int, float]], step: int) -> float | None:
-    """A curve's value at ``step`` (the first one reported at or past it)."""
-    for s, v in curve:
-        if s >= step:
-            return v
-    return None
+@dataclass
+class Budgeted(Guarded):
+    """The guarded rule with a scale-free stopping margin and budgeted finishers (see the module
+    docstring): rungs before the last keep every trial whose :meth:`deficit` is within
+    :meth:`margin`; the last finishes the :meth:`finishers` best by :meth:`projected`."""
+
+    budget: float = 0.5
+    """The sweep's trial-steps as a share of the grid's (every trial at ``max_steps``)."""
+    margin_k: float = 3.0
+    """The margin in medians of the rung's non-negative deficits."""
+    branch: float = 0.0
+    """Each rung's cooldown branch as a share of the rung (0: rungs judge the value as reported)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0.0 < self.budget <= 1.0 or not self.margin_k > 0.0 or not 0.0 <= self.branch <= 1.0:
+            raise ValueError("budget in (0, 1], margin_k > 0 and branch in [0, 1] are required")
+
+    def margin(self, rung: int) -> float:
+        """``margin_k`` times the median of the rung's non-negative, finite deficits (inf: none)."""
+        gaps = [d for d in (self.deficit(t, rung) for t in self.recorded[rung]) if 0.0 <= d < math.inf]
+        return self.margin_k * statistics.median(gaps) if gaps else math.inf
+
+    def projected(self, trial: str, rung: int) -> float:
+        """The trial's value (lower is better) at ``max_steps``, straight in log step through its
+        values at the rung before and ``rung`` (its value at ``rung`` when there is no earlier one)."""
+        value = self._key(self.recorded[rung][trial])
+        index = self.rungs.index(rung)
+        before = self._value_at(trial, self.rungs[index - 1]) if index else None
+        if before is None or not math.isfinite(value) or not math.isfinite(self._key(before)):
+            return value
+        slope = (value - self._key(before)) / math.log(rung / self.rungs[index - 1])
+        return value + slope * math.log(self.max_steps / rung)
+
+    def spent(self) -> int:
+        """Trial-steps spent so far: each trial's highest rung reached, plus the step it paused at
+        and the cooldown branches of the rungs it reached."""
+        total = 0
+        for trial in self.recorded[self.rungs[0]]:
+            reached = [r for r in self.rungs if trial in self.recorded[r]]
+            total += max(reached) + 1 + sum(math.ceil(self.branch * r) for r in reached)
+        return total
+
+    def finishers(self, rung: int) -> int:
+        """How many trials the last ``rung`` can finish within the budget (at least one)."""
+        left = self.budget * len(self.recorded[self.rungs[0]]) * self.max_steps - self.spent()
+        return max(1, int(left // (self.max_steps - rung)))
+
+    def chosen(self, rung: int) -> set[str]:
+        values = self.recorded[rung]
+        if rung != self.rungs[-1]:
+            margin = self.margin(rung)
+            return {t for t in values if self.deficit(t, rung) <= margin}
+        ranked = sorted(values, key=lambda t: (self.projected(t, rung), t))
+        return set(ranked[: self.finishers(rung)])
 
 
-def _or_none(value: float) -> float | None:
-    return None if math.isnan(value) else round(value, 4)
+Rule = Asha | AshaPromotion | Guarded | Budgeted | MedianStopping
 
 
-def rung_trust(
-    curves: dict[str, list[tuple[int, float]]],
-    finals: dict[str, float],
-    stopped: dict[str, int],
-    rungs_: list[int],
-    mode: Mode = "min",
-    z: float = 2.0,
-) -> dict[str, Any]:
-    """How far a sweep's rungs can be trusted, from what it saw: per rung, the rank correlation
-    (Spearman's ρ, Kendall's τ) between the values at the rung and the final values of the
-    trials that finished (``finals``); the evaluation noise σ of the curves (:func:`curve_noise`);
-    and how many of the ``stopped`` trials (trial → the rung it ended at) were, at that rung,
-    within ``z · √2 · σ`` of the best value recorded there: stops the data could not justify.
-    ``curves``: trial → (step, value) as the rule judged them."""
-    sign = 1.0 if mode == "min" else -1.0
-    sigma = curve_noise(list(curves.values()))
-    margin = z * math.sqrt(2.0) * sigma
-    per_rung: dict[str, Any] = {}
-    for rung in rungs_:
-        pairs = [(_at(curves.get(t, []), rung), f) for t, f in finals.items()]
-        xs = [x for x, f in pairs if x is not None and math.isfinite(x) and math.isfinite(f)]
-        ys = [f for x, f in pairs if x is not None and math.isfinite(x) and math.isfinite(f)]
-        per_rung[str(rung)] = {
-            "finished": len(xs),
-            "spearman": _or_none(spearman_rho(xs, ys)),
-            "kendall": _or_none(kendall_tau(xs, ys)),
-        }
-    close = 0
-    for trial, rung in stopped.items():
-        mine = _at(curves.get(trial, []), rung)
-        there = [v for c in curves.values() if (v := _at(c, rung)) is not None and math.isfinite(v)]
-        if mine is not None and there and sign * (mine - min(there, key=lambda v: sign * v)) <= margin:
-            close += 1
-    return {
-        "noise": round(sigma, 5),
-        "margin": round(margin, 5),
-        "rungs": per_rung,
-        "stopped": len(stopped),
-        "stopped_within_noise": close,
-    }
+def build(
+    rule: str,
+    min_steps: int,
+    eta: int,
+    max_steps: int,
+    mode: str = "min",
+    form: str = "promotion",
+    min_trials: int = 3,
+    branch: float = 0.0,
+) -> Rule | None:
+    """The rule a space's ``early_stopping`` names (``budgeted``, ``guarded``, ``asha`` in its
+    ``form``, ``median``; None for ``none``). ``branch``: each rung's cooldown branch as a share of
+    the rung, which the budgeted rule counts against its budget."""
+    if mode not in ("min", "max"):
+        raise ValueError(f"mode must be min or max, not {mode!r}")
+    sense: Mode = "min" if mode == "min" else "max"
+    if rule == "budgeted":
+        return Budgeted(min_steps, eta, max_steps, sense, branch=branch)
+    if rule == "guarded":
+        return Guarded(min_steps, eta, max_steps, sense)
+    if rule == "asha":
+        return (
+            AshaPromotion(min_steps, eta, max_steps, sense)
+            if form == "promotion"
+            else Asha(min_steps, eta, max_steps, sense)
+        )
+    if rule == "median":
+        return MedianStopping(min_steps, min_trials, sense)
+    if rule == "none":
+        return None
+    raise ValueError(f"unknown early-stopping rule {rule!r}")

@@ -21,9 +21,10 @@ A space file (see ``load/sweep/space.yaml``)::
     priority_class: preemptible
     gpus_per_trial: 1                    # devices per trial (a training job asks for at least 1)
     gpu_type: H100                       # device type of the trials (SIM on forge up's agents)
-    early_stopping: {}                   # the guarded rule (forge_experiments.earlystop: complete
-                                         # rungs, learning-rate front), rungs at max_steps / 27,
-                                         # / 9, / 3; or {rule: asha, min_steps,
+    early_stopping: {}                   # the budgeted rule (forge_experiments.earlystop: complete
+                                         # rungs, a scale-free margin, finishers within half the
+                                         # grid's steps), rungs at max_steps / 27, / 9, / 3;
+                                         # or {rule: guarded|asha, min_steps,
                                          # eta, form: promotion|stopping, rung_eval: auto|value|
                                          # cooldown, cooldown_fraction}, median or none
 
@@ -57,9 +58,11 @@ MAX_SEEDS = 64
 MAX_HISTORY_EVENTS = 40_000
 EVENTS_PER_TRIAL = 12
 SAMPLERS = ("grid", "random", "tpe")
-RULES = ("guarded", "asha", "median", "none")
-RUNG_RULES = ("guarded", "asha")  # rules that judge trials at rungs
-DEFAULT_RULE = "guarded"  # the rule of an ``early_stopping`` mapping that names none
+RULES = ("budgeted", "guarded", "asha", "median", "none")
+RUNG_RULES = ("budgeted", "guarded", "asha")  # rules that judge trials at rungs
+#: Rules that pause trials at complete rungs and know each trial's rate (promotion form only).
+GUARDED_RULES = ("budgeted", "guarded")
+DEFAULT_RULE = "budgeted"  # the rule of an ``early_stopping`` mapping that names none
 #: ASHA's forms (``early_stopping.form``).
 ASHA_FORMS = ("promotion", "stopping")
 #: What ASHA compares at a rung (``early_stopping.rung_eval``): the metric as the trial reports
@@ -154,6 +157,11 @@ class EarlyStopping:
     cooldown_fraction: float = 0.1
     """Branch length as a share of the steps so far: its steps count against the sweep's compute
     (0.1 and 0.2 measured in load/sweep/RESULTS.md)."""
+
+    @property
+    def branch(self) -> float:
+        """The share of each rung a trial spends on its cooldown branch (0: no branches)."""
+        return self.cooldown_fraction if self.rung_eval == "cooldown" else 0.0
 
 
 @dataclass(frozen=True)
@@ -320,7 +328,7 @@ def _early_stopping(data: Any, max_steps: int) -> EarlyStopping:
     rule = _field(data, "rule", "early_stopping.", str, DEFAULT_RULE)
     if rule not in RULES:
         raise ValidationError("early_stopping.rule", f"must be one of {', '.join(RULES)}")
-    default_min = {"none": 1, "guarded": default_min_steps(max_steps)}.get(rule, ...)
+    default_min = 1 if rule == "none" else default_min_steps(max_steps) if rule in GUARDED_RULES else ...
     min_steps = _field(data, "min_steps", "early_stopping.", int, default_min)
     eta = _field(data, "eta", "early_stopping.", int, 3)
     min_trials = _field(data, "min_trials", "early_stopping.", int, 3)
@@ -333,22 +341,23 @@ def _early_stopping(data: Any, max_steps: int) -> EarlyStopping:
     form = _field(data, "form", "early_stopping.", str, "promotion")
     if form not in ASHA_FORMS:
         raise ValidationError("early_stopping.form", f"must be one of {', '.join(ASHA_FORMS)}")
-    if form != "promotion" and rule == "guarded":
+    if form != "promotion" and rule in GUARDED_RULES:
         raise ValidationError(
-            "early_stopping.form", "the guarded rule pauses trials at rungs (promotion form) only"
+            "early_stopping.form", f"the {rule} rule pauses trials at rungs (promotion form) only"
         )
     rung_eval = _field(data, "rung_eval", "early_stopping.", str, "auto")
     if rung_eval not in RUNG_EVALS:
         raise ValidationError("early_stopping.rung_eval", f"must be one of {', '.join(RUNG_EVALS)}")
     if rung_eval == "cooldown" and rule not in RUNG_RULES:
         raise ValidationError(
-            "early_stopping.rung_eval", "cooldown evaluations are taken at the rungs of asha or guarded only"
+            "early_stopping.rung_eval",
+            "cooldown evaluations are taken at the rungs of budgeted, guarded or asha only",
         )
     fraction = _number(data, "cooldown_fraction", "early_stopping.", 0.1)
     if "cooldown_fraction" in data and (rung_eval == "value" or rule not in RUNG_RULES):
         raise ValidationError(
             "early_stopping.cooldown_fraction",
-            "applies only with rung_eval: cooldown or auto under asha or guarded",
+            "applies only with rung_eval: cooldown or auto under budgeted, guarded or asha",
         )
     if not 0.0 < fraction <= 1.0:
         raise ValidationError("early_stopping.cooldown_fraction", "must be in (0, 1]")

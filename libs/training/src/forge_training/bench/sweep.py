@@ -7,7 +7,7 @@ Writes ``DIR/summary.json``::
 
     {"space", "recipe", "metric", "mode", "eta", "rule", "form", "rung_eval", "cooldown_fraction",
      "rungs", "max_steps",
-     "trust",           # forge_experiments.earlystop.rung_trust of the early-stopping side's trials
+     "trust",           # forge_experiments.rungtrust.rung_trust of the early-stopping side's trials
      "grid": {"best_metric", "best_trial", "trial_steps", "wall_s", "reused"},
      "asha": {"best_metric", "best_trial", "trial_steps", "branch_steps", "stopped_early", "resumed",
               "rung_occupancy", "concurrency", "wall_s"},
@@ -56,8 +56,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from forge_experiments.earlystop import Asha, AshaPromotion, Guarded, rung_trust
-from forge_experiments.sweepspace import COOLDOWN_PREFIX, Space
+from forge_experiments.earlystop import Asha, AshaPromotion, Guarded, build
+from forge_experiments.rungtrust import rung_trust
+from forge_experiments.sweepspace import COOLDOWN_PREFIX, RUNG_RULES, Space
 from forge_kit.objectstore import ObjectStore
 from forge_training import cooldown, recipes, schema, validation
 from forge_training.train import RunContext
@@ -313,7 +314,7 @@ def replayer(
 
 
 def trust(space: Space, trials: Sequence[Trial], rungs: list[int]) -> dict[str, Any]:
-    """:func:`forge_experiments.earlystop.rung_trust` of the early-stopping side's trials, on the values
+    """:func:`forge_experiments.rungtrust.rung_trust` of the early-stopping side's trials, on the values
     its rule judged (the cooldown branches' under ``rung_eval: cooldown``)."""
     cooled = space.early_stopping.rung_eval == "cooldown"
     return rung_trust(
@@ -326,13 +327,20 @@ def trust(space: Space, trials: Sequence[Trial], rungs: list[int]) -> dict[str, 
 
 
 def make_rule(space: Space, min_steps: int) -> Asha | AshaPromotion:
-    """The rule the space names (η = :data:`ETA`, rungs from ``min_steps``): ``guarded``
-    (:class:`Guarded`), else ASHA in the space's form (a space with no ASHA-like rule: promotion)."""
-    mode = space.mode
-    if space.early_stopping.rule == "guarded":
-        return Guarded(min_steps=min_steps, eta=ETA, max_steps=space.max_steps, mode=mode)  # type: ignore[arg-type]
-    rule_type = AshaPromotion if space.early_stopping.form == "promotion" else Asha
-    return rule_type(min_steps=min_steps, eta=ETA, max_steps=space.max_steps, mode=mode)  # type: ignore[arg-type]
+    """The rule the space names (η = :data:`ETA`, rungs from ``min_steps``,
+    :func:`forge_experiments.earlystop.build`); a space with no rung rule: ASHA, promotion form."""
+    es = space.early_stopping
+    rule = build(
+        es.rule if es.rule in RUNG_RULES else "asha",
+        min_steps,
+        ETA,
+        space.max_steps,
+        space.mode,
+        es.form,
+        branch=es.branch,
+    )
+    assert isinstance(rule, Asha | AshaPromotion)
+    return rule
 
 
 def run_asha(
@@ -444,7 +452,7 @@ def benchmark(
     seeds: list[int | None] = list(space.seeds) or [None]
     configs = space.configurations()
     plan = [(params, seed) for params in configs for seed in seeds]
-    min_steps = space.early_stopping.min_steps if space.early_stopping.rule in ("asha", "guarded") else 0
+    min_steps = space.early_stopping.min_steps if space.early_stopping.rule in RUNG_RULES else 0
     min_steps = min_steps or max(1, space.max_steps // ETA**3)
     # 1. Grid: every trial at full budget (or its record from an earlier run of the same config).
     started = time.perf_counter()
@@ -492,7 +500,7 @@ def benchmark(
         "metric": space.metric,
         "mode": space.mode,
         "eta": ETA,
-        "rule": "guarded" if isinstance(asha_rule, Guarded) else "asha",
+        "rule": space.early_stopping.rule if space.early_stopping.rule in RUNG_RULES else "asha",
         "form": space.early_stopping.form,
         "rung_eval": space.early_stopping.rung_eval,
         "cooldown_fraction": space.early_stopping.cooldown_fraction

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from forge_experiments.earlystop import rung_trust
 from forge_experiments.jobcmd import TrainCommand
+from forge_experiments.rungtrust import rung_trust
 from forge_experiments.sweepspace import Space
 from forge_orchestrator.identity import Caller
 
@@ -121,7 +121,7 @@ class SweepResult:
 
 
 def trust_of(space: Space, trials: list[Trial]) -> dict[str, Any]:
-    """How far the sweep's rungs could be trusted (:func:`forge_experiments.earlystop.rung_trust`), on
+    """How far the sweep's rungs could be trusted (:func:`forge_experiments.rungtrust.rung_trust`), on
     the values its rule judged (the branches' under ``rung_eval: cooldown``)."""
     if not space.rungs():
         return {}

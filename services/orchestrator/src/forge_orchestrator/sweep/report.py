@@ -217,7 +217,7 @@ def _num(value: Any) -> str:
 
 
 def trust_line(trust: Mapping[str, Any]) -> str:
-    """One line of the rungs' trust (:func:`forge_experiments.earlystop.rung_trust`): per rung, the rank
+    """One line of the rungs' trust (:func:`forge_experiments.rungtrust.rung_trust`): per rung, the rank
     correlations with the final values of the trials that finished; the stops within the noise."""
     parts = [
         f"rung {rung}: Spearman {_num(row.get('spearman'))}, Kendall {_num(row.get('kendall'))}"

@@ -10,10 +10,10 @@ In steps:
    the grid, or from the study's sampler (random, TPE) through an activity;
 3. follow each trial's job events (``job_event``) and its metric (``trial_metric``, sent by the
    orchestrator's ``TrainingMetrics`` consumer with (job, step, value)):
-   - the early-stopping rule (guarded, ASHA or median, :mod:`forge_experiments.earlystop`) judges each
+   - the early-stopping rule (budgeted, guarded, ASHA or median, :mod:`forge_experiments.earlystop`) judges each
      value as it arrives (under ``rung_eval: cooldown``, each value after a rung's branch); a
      stopped trial is cancelled (its job checkpoints on SIGTERM) and recorded ``stopped``. Under
-     the promotion form (guarded, ASHA's default) a trial at a rung is ``paused`` unless promotable
+     the promotion form (budgeted, guarded, ASHA's default) a trial at a rung is ``paused`` unless promotable
      at once; a free slot first resumes the best promotable paused trial (a new job from its first
      job's checkpoints, ``resumes_job``), then starts a new one; still paused at the end: ``stopped``;
    - PENDING after it ran: a preemption (the job resumes from its checkpoint when it runs again,
@@ -48,7 +48,7 @@ from temporalio.exceptions import ApplicationError, is_cancelled_exception
 
 with workflow.unsafe.imports_passed_through():
     from forge_experiments import sweepspace
-    from forge_experiments.earlystop import Asha, AshaPromotion, Guarded, MedianStopping
+    from forge_experiments.earlystop import Asha, AshaPromotion, Guarded, Rule, build
     from forge_orchestrator.activities import CancelJobInput, SchedulerActivities, SubmitJobInput
     from forge_orchestrator.identity import ADMIN, Caller
     from forge_orchestrator.inbox import (
@@ -90,6 +90,11 @@ __all__ = ["MEMO_METRIC", "METRIC_SIGNAL", "SweepInput", "SweepResult", "SweepWo
 _MAX_IGNORED_KEPT = 20
 
 
+#: ``workflow.patched`` marker of the budgeted rule as the default (histories from before it
+#: replay with the guarded rule, the default they ran under).
+BUDGETED_RULE = "sweep-budgeted-rule"
+
+
 @workflow.defn(name="sweep")
 class SweepWorkflow:
     def __init__(self) -> None:
@@ -101,7 +106,7 @@ class SweepWorkflow:
         self._ignored = 0
         self._ignored_recent: list[str] = []
         self._space: sweepspace.Space | None = None
-        self._rule: Asha | AshaPromotion | MedianStopping | None = None
+        self._rule: Rule | None = None
         self._step = "starting"
         self._exhausted = ""
         self._parent_run = ""
@@ -260,11 +265,12 @@ class SweepWorkflow:
             raise ApplicationError(f"bad space: {exc}", type="BadSpace", non_retryable=True) from None
         self._space = space
         es = space.early_stopping
-        if es.rule in ("asha", "guarded"):
-            form = Guarded if es.rule == "guarded" else AshaPromotion if es.form == "promotion" else Asha
-            self._rule = form(es.min_steps, es.eta, space.max_steps, space.mode)  # type: ignore[arg-type]
-        elif es.rule == "median":
-            self._rule = MedianStopping(es.min_steps, es.min_trials, space.mode)  # type: ignore[arg-type]
+        rule = es.rule
+        if rule == "budgeted" and not workflow.patched(BUDGETED_RULE):
+            rule = "guarded"  # a sweep started before the budgeted rule was the default replays as it ran
+        self._rule = build(
+            rule, es.min_steps, es.eta, space.max_steps, space.mode, es.form, es.min_trials, es.branch
+        )
         self._final_wait_s = max(params.final_metric_wait_s, params.checkpoint_wait_s)
         self._checkpoint_wait = params.checkpoint_wait_s > 0
         caller = params.caller or ADMIN
