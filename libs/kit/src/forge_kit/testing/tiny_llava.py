@@ -3,12 +3,14 @@
 For tests that need a real model_server to serve images: ``LlavaForConditionalGeneration`` with
 random (seeded) weights, a byte-level BPE tokenizer with the ``<image>`` special token
 (``config.image_token_id``), a chat template in which an image part renders as ``<image>``, and a
-``preprocessor_config.json`` (a CLIP image processor). Every image is ``image_seq_length`` =
+``preprocessor_config.json`` (a CLIP image processor) and ``processor_config.json`` (a
+``LlavaProcessor``'s patch size and feature strategy, as Forge's export writes). Every image is ``image_seq_length`` =
 (image_size / patch_size)^2 placeholders. torch, tokenizers and transformers are imported on call.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -83,4 +85,13 @@ def save_tiny_llava(
     CLIPImageProcessor(
         size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size}
     ).save_pretrained(folder)
+    # A LlavaProcessor's settings, as Forge's VLM export writes them: vLLM expands ``<image>`` with it.
+    processor = {
+        "processor_class": "LlavaProcessor",
+        "patch_size": patch_size,
+        "vision_feature_select_strategy": "default",
+        "num_additional_image_tokens": 1,
+        "image_token": IMAGE_TOKEN,
+    }
+    (folder / "processor_config.json").write_text(json.dumps(processor, indent=2) + "\n")
     return folder
