@@ -24,11 +24,14 @@ from temporalio.client import Client, WorkflowFailureError, WorkflowHandle
 from temporalio.exceptions import ApplicationError
 from temporalio.worker import Replayer, Worker
 
+from forge_experiments import sweepspace
+from forge_experiments.earlystop import Asha, Budgeted, Guarded
 from forge_kit import errors
 from forge_kit.testing import TemporalDevServer, eventually
 from forge_orchestrator.activities import CancelJobInput, SubmitJobInput
 from forge_orchestrator.inbox import JOB_EVENT_SIGNAL, PROGRESS_QUERY, JobEvent
 from forge_orchestrator.sweep.activities import SweepActivities
+from forge_orchestrator.sweep.model import rule_of
 from forge_orchestrator.sweep.service import validate_sweep
 from forge_orchestrator.sweep.workflow import (
     METRIC_SIGNAL,
@@ -289,6 +292,13 @@ def test_bad_sweeps_are_refused_naming_the_field() -> None:
         assert caught.value.field == field, caught.value
     with pytest.raises(errors.ValidationError, match=r"input\.space\.team"):
         validate_sweep(SweepInput(space=SPACE, team="other"))
+
+
+def test_a_sweep_started_before_the_budgeted_default_keeps_the_guarded_rule() -> None:
+    default = sweepspace.parse(SPACE.replace("{rule: asha, min_steps: 1, eta: 3, form: stopping}", "{}"))
+    assert type(rule_of(default)) is Budgeted and type(rule_of(default, budgeted=False)) is Guarded
+    asha = sweepspace.parse(SPACE)
+    assert type(rule_of(asha)) is type(rule_of(asha, budgeted=False)) is Asha  # only the default changed
 
 
 async def test_lost_nodes_past_the_limit_fail_a_trial_and_spent_gpu_hours_cancel_the_rest(

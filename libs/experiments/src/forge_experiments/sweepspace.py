@@ -60,8 +60,7 @@ EVENTS_PER_TRIAL = 12
 SAMPLERS = ("grid", "random", "tpe")
 RULES = ("budgeted", "guarded", "asha", "median", "none")
 RUNG_RULES = ("budgeted", "guarded", "asha")  # rules that judge trials at rungs
-#: Rules that pause trials at complete rungs and know each trial's rate (promotion form only).
-GUARDED_RULES = ("budgeted", "guarded")
+GUARDED_RULES = ("budgeted", "guarded")  # rules pausing trials at complete rungs (promotion form)
 DEFAULT_RULE = "budgeted"  # the rule of an ``early_stopping`` mapping that names none
 #: ASHA's forms (``early_stopping.form``).
 ASHA_FORMS = ("promotion", "stopping")
@@ -159,8 +158,7 @@ class EarlyStopping:
     (0.1 and 0.2 measured in load/sweep/RESULTS.md)."""
 
     @property
-    def branch(self) -> float:
-        """The share of each rung a trial spends on its cooldown branch (0: no branches)."""
+    def branch(self) -> float:  # each rung's cooldown branch as a share of the rung (0: none)
         return self.cooldown_fraction if self.rung_eval == "cooldown" else 0.0
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from forge_experiments.earlystop import Rule, build
 from forge_experiments.jobcmd import TrainCommand
 from forge_experiments.rungtrust import rung_trust
 from forge_experiments.sweepspace import Space
@@ -118,6 +119,19 @@ class SweepResult:
     parent_run_id: str = ""
     summary: dict[str, Any] = field(default_factory=dict)
     """What the progress query answers, less the trials (the report reads both)."""
+
+
+#: ``workflow.patched`` marker of the budgeted rule as the default (histories from before it
+#: replay with the guarded rule, the default they ran under).
+BUDGETED_RULE = "sweep-budgeted-rule"
+
+
+def rule_of(space: Space, budgeted: bool = True) -> Rule | None:
+    """The early-stopping rule the space names; ``budgeted`` False: a space naming the budgeted
+    rule gets the guarded one (a sweep started before :data:`BUDGETED_RULE`)."""
+    es = space.early_stopping
+    rule = "guarded" if es.rule == "budgeted" and not budgeted else es.rule
+    return build(rule, es.min_steps, es.eta, space.max_steps, space.mode, es.form, es.min_trials, es.branch)
 
 
 def trust_of(space: Space, trials: list[Trial]) -> dict[str, Any]:

@@ -10,12 +10,13 @@ In steps:
    the grid, or from the study's sampler (random, TPE) through an activity;
 3. follow each trial's job events (``job_event``) and its metric (``trial_metric``, sent by the
    orchestrator's ``TrainingMetrics`` consumer with (job, step, value)):
-   - the early-stopping rule (budgeted, guarded, ASHA or median, :mod:`forge_experiments.earlystop`) judges each
-     value as it arrives (under ``rung_eval: cooldown``, each value after a rung's branch); a
-     stopped trial is cancelled (its job checkpoints on SIGTERM) and recorded ``stopped``. Under
-     the promotion form (budgeted, guarded, ASHA's default) a trial at a rung is ``paused`` unless promotable
-     at once; a free slot first resumes the best promotable paused trial (a new job from its first
-     job's checkpoints, ``resumes_job``), then starts a new one; still paused at the end: ``stopped``;
+   - the early-stopping rule (:mod:`forge_experiments.earlystop`) judges each value as it arrives
+     (under ``rung_eval: cooldown``, each value after a rung's branch); a stopped trial is
+     cancelled (its job checkpoints on SIGTERM) and recorded ``stopped``. Under the promotion
+     form (the budgeted and guarded rules, ASHA's default) a trial at a rung is ``paused`` unless
+     promotable at once; a free slot first resumes the best promotable paused trial (a new job
+     from its first job's checkpoints, ``resumes_job``), then starts a new one; still paused at
+     the end: ``stopped``;
    - PENDING after it ran: a preemption (the job resumes from its checkpoint when it runs again,
      and the trial is not a failure) or a lost node, an infrastructure failure the scheduler
      retried; past ``max_infra_retries`` the trial is cancelled and recorded ``failed``;
@@ -48,7 +49,7 @@ from temporalio.exceptions import ApplicationError, is_cancelled_exception
 
 with workflow.unsafe.imports_passed_through():
     from forge_experiments import sweepspace
-    from forge_experiments.earlystop import Asha, AshaPromotion, Guarded, Rule, build
+    from forge_experiments.earlystop import Asha, AshaPromotion, Guarded, Rule
     from forge_orchestrator.activities import CancelJobInput, SchedulerActivities, SubmitJobInput
     from forge_orchestrator.identity import ADMIN, Caller
     from forge_orchestrator.inbox import (
@@ -71,6 +72,7 @@ with workflow.unsafe.imports_passed_through():
     )
     from forge_orchestrator.sweep.model import (
         ACTIVE,
+        BUDGETED_RULE,
         MEMO_METRIC,
         METRIC_SIGNAL,
         RESUMES_LABEL,
@@ -80,6 +82,7 @@ with workflow.unsafe.imports_passed_through():
         SweepResult,
         Trial,
         TrialMetric,
+        rule_of,
         run_metrics,
         trial_command,
         trust_of,
@@ -88,11 +91,6 @@ with workflow.unsafe.imports_passed_through():
 
 __all__ = ["MEMO_METRIC", "METRIC_SIGNAL", "SweepInput", "SweepResult", "SweepWorkflow", "TrialMetric"]
 _MAX_IGNORED_KEPT = 20
-
-
-#: ``workflow.patched`` marker of the budgeted rule as the default (histories from before it
-#: replay with the guarded rule, the default they ran under).
-BUDGETED_RULE = "sweep-budgeted-rule"
 
 
 @workflow.defn(name="sweep")
@@ -264,13 +262,8 @@ class SweepWorkflow:
         except Exception as exc:  # noqa: BLE001 - the API checked it; an old or forged input
             raise ApplicationError(f"bad space: {exc}", type="BadSpace", non_retryable=True) from None
         self._space = space
-        es = space.early_stopping
-        rule = es.rule
-        if rule == "budgeted" and not workflow.patched(BUDGETED_RULE):
-            rule = "guarded"  # a sweep started before the budgeted rule was the default replays as it ran
-        self._rule = build(
-            rule, es.min_steps, es.eta, space.max_steps, space.mode, es.form, es.min_trials, es.branch
-        )
+        # a sweep started before the budgeted rule was the default replays with the guarded rule
+        self._rule = rule_of(space, budgeted=workflow.patched(BUDGETED_RULE))
         self._final_wait_s = max(params.final_metric_wait_s, params.checkpoint_wait_s)
         self._checkpoint_wait = params.checkpoint_wait_s > 0
         caller = params.caller or ADMIN
