@@ -19,34 +19,23 @@ import argparse
 import dataclasses
 import json
 import math
-import statistics
 from pathlib import Path
 from typing import Any
 
-from forge_experiments.earlystop import Asha, AshaPromotion, Guarded
+from forge_experiments.earlystop import Asha, AshaPromotion, Budgeted, Guarded
 from forge_experiments.rungtrust import curve_noise
 from forge_experiments.sweepspace import Space, parse
 from forge_training.bench.sweep import ETA, Trial, _config, make_rule, replayer, run_asha, trust
 
 
 @dataclasses.dataclass
-class Projected(Guarded):
+class Projected(Budgeted):
     """Experimental (RESULTS.md, 2026-12-06, projection entry): rungs before the last keep at most
     ``cap`` trials (the rate front, then by deficit; 0: Guarded's ``n - n // eta``); the last
-    rung finishes the ``finish`` trials whose value projected to ``max_steps`` (straight in log
-    step through the rung before and this one) is best."""
+    rung finishes the ``finish`` trials best by :meth:`Budgeted.projected`."""
 
     cap: int = 0
     finish: int = 3
-
-    def projected(self, trial: str, rung: int) -> float:
-        value = self._key(self.recorded[rung][trial])
-        index = self.rungs.index(rung)
-        before = self._value_at(trial, self.rungs[index - 1]) if index else None
-        if before is None or not math.isfinite(value):
-            return value
-        slope = (value - self._key(before)) / math.log(rung / self.rungs[index - 1])
-        return value + slope * math.log(self.max_steps / rung)
 
     def chosen(self, rung: int) -> set[str]:
         values = self.recorded[rung]
@@ -60,40 +49,12 @@ class Projected(Guarded):
 
 
 @dataclasses.dataclass
-class NoiseBudget(Projected):
-    """Experimental: rungs before the last stop only trials whose deficit exceeds a margin; the
-    last rung finishes, by projection, as many trials as leave the sweep within ``budget`` of the
-    grid's trial-steps, counting each rung's cooldown branch (``ceil(branch × rung)`` steps; the
-    replay sets ``branch`` to the space's cooldown fraction when its rungs judge after a branch).
-    The margin (``scale``): ``curve``, 2·√2·σ
-    with σ the :func:`curve_noise` of every trial's curve so far; ``deficits``, ``k`` times the
-    median of the rung's non-negative deficits (scale-free: the typical gap of a trial to one of
-    no larger rate that it cannot be told apart from)."""
-
-    budget: float = 0.5
-    scale: str = "curve"
-    k: float = 3.0
-    branch: float = 0.0
+class NoiseBudget(Budgeted):
+    """Experimental: the budgeted rule with a margin of 2·√2·σ, σ the :func:`curve_noise` of
+    every trial's curve so far, in place of ``margin_k`` medians of the rung's deficits."""
 
     def margin(self, rung: int) -> float:
-        if self.scale == "curve":
-            return 2 * math.sqrt(2) * curve_noise(list(self.history.values()))
-        gaps = [d for d in (self.deficit(t, rung) for t in self.recorded[rung]) if 0 <= d < math.inf]
-        return self.k * statistics.median(gaps) if gaps else math.inf
-
-    def chosen(self, rung: int) -> set[str]:
-        values = self.recorded[rung]
-        if rung != self.rungs[-1]:
-            margin = self.margin(rung)
-            return {t for t in values if self.deficit(t, rung) <= margin}
-        started = self.recorded[self.rungs[0]]
-        spent = 0
-        for t in started:
-            reached = [r for r in self.rungs if t in self.recorded[r]]
-            spent += max(reached) + 1 + sum(math.ceil(self.branch * r) for r in reached)
-        left = self.budget * len(started) * self.max_steps - spent
-        self.finish = max(1, int(left // (self.max_steps - rung)))
-        return super().chosen(rung)
+        return 2 * math.sqrt(2) * curve_noise(list(self.history.values()))
 
 
 #: name → (rule, first rung, Guarded's settings)
@@ -110,10 +71,11 @@ CANDIDATES: dict[str, tuple[str, int, dict[str, Any]]] = {
     "projected-8": ("projected", 9, {}),
     "projected-10": ("projected", 9, {"cap": 10}),
     "noise-budget": ("noise-budget", 9, {}),
-    "deficit-budget-2": ("noise-budget", 9, {"scale": "deficits", "k": 2.0}),
-    "deficit-budget-3": ("noise-budget", 9, {"scale": "deficits", "k": 3.0}),
-    "deficit-budget-4": ("noise-budget", 9, {"scale": "deficits", "k": 4.0}),
-    "deficit-budget-6": ("noise-budget", 9, {"scale": "deficits", "k": 6.0}),
+    # the budgeted rule at other margins (deficit-budget-3 is the default's)
+    "deficit-budget-2": ("deficit-budget", 9, {"margin_k": 2.0}),
+    "deficit-budget-3": ("deficit-budget", 9, {"margin_k": 3.0}),
+    "deficit-budget-4": ("deficit-budget", 9, {"margin_k": 4.0}),
+    "deficit-budget-6": ("deficit-budget", 9, {"margin_k": 6.0}),
 }
 
 
@@ -163,14 +125,19 @@ def replay(space: Space, records: Path, name: str, partial: bool = False) -> dic
     variant = dataclasses.replace(space, early_stopping=es)
     mode = space.mode
     rule: Asha | AshaPromotion
-    kinds = {"guarded": Guarded, "projected": Projected, "noise-budget": NoiseBudget}
+    kinds = {
+        "guarded": Guarded,
+        "projected": Projected,
+        "noise-budget": NoiseBudget,
+        "deficit-budget": Budgeted,
+    }
     if rule_name == "budgeted":
         rule = make_rule(variant, first)
     elif rule_name in kinds:
         es = dataclasses.replace(es, rule="guarded")
         variant = dataclasses.replace(space, early_stopping=es)
-        if rule_name == "noise-budget" and space.early_stopping.rung_eval == "cooldown":
-            settings = {**settings, "branch": space.early_stopping.cooldown_fraction}
+        if rule_name != "guarded":
+            settings = {**settings, "branch": space.early_stopping.branch}
         rule = kinds[rule_name](min_steps=first, eta=ETA, max_steps=space.max_steps, mode=mode, **settings)  # type: ignore[arg-type]
     else:
         rule = AshaPromotion(min_steps=first, eta=ETA, max_steps=space.max_steps, mode=mode)  # type: ignore[arg-type]
