@@ -1,6 +1,7 @@
 """Regret of an ``--asha-only`` run against grid records trained apart (``DIR/grid-cache`` of a
 bench run, or of ``record_grid.py --eval-every E --cooldown 0`` with ``E`` the space's first rung:
-the same recipe hashes as the bench's grid trials). Prints, as JSON: the early-stopping side's
+the same recipe hashes as the bench's grid trials; records with cooldown branches, ``record_grid.py
+--cooldown``, by their parameters: a branch leaves the trial's path unchanged). Prints, as JSON: the early-stopping side's
 figures, how many of the grid's trials have a record, the best of those, the regret against it,
 and whether every trial the early-stopping side finished ended at its grid record's value.
 
@@ -31,11 +32,19 @@ def main() -> None:
     seeds: list[int | None] = list(space.seeds) or [None]
     plan = [(p, s) for p in space.configurations() for s in seeds]
     grid: dict[int, float] = {}
+    by_params = {
+        (json.dumps(r["params"], sort_keys=True), r.get("seed")): float(r["final"])
+        for d in args.grid_cache
+        for r in (json.loads(f.read_text()) for f in sorted(d.glob("*.json")))
+        if r.get("rung_values") and r.get("final") is not None
+    }
     for index, (params, seed) in enumerate(plan):
         name = f"{_config(space, Trial(index, dict(params), seed), False).recipe_hash()}-{space.metric}.json"
         found = [d / name for d in args.grid_cache if (d / name).is_file()]
         if found:
             grid[index] = float(json.loads(found[0].read_text())["final"])
+        elif (branched := by_params.get((json.dumps(params, sort_keys=True), seed))) is not None:
+            grid[index] = branched  # a record with cooldown branches (another recipe hash): same final
     asha = [r for r in summary["per_trial"] if r["run"] == "asha"]
     finished = {r["trial"]: r["final"] for r in asha if r["final"] is not None}
     sign = 1.0 if space.mode == "min" else -1.0
