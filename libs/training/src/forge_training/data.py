@@ -19,6 +19,8 @@ import gzip
 import hashlib
 import json
 import os
+import shutil
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -136,26 +138,60 @@ def prepare(config: DataConfig, cache_dir: Path, tokenizer_json: str | None = No
     2. train the byte-level BPE on the whole corpus (or take ``tokenizer_json``, a parent
        model's tokenizer) and save ``tokenizer.json``;
     3. split the text, encode each split, and write its shards, index last.
+
+    Steps 2 and 3 write into a folder of this call's own, renamed to ``<data hash>`` when
+    complete: jobs that share a cache (sweep trials on one node) and prepare the same corpus at
+    once never write into each other's files or read a half-written one; the first rename wins.
     """
     # 1. Reuse.
     digest = data_hash(config, tokenizer_json)
     root = cache_dir / digest
-    if all((root / s / INDEX_FILE).exists() for s in ("train", "val")) and (root / TOKENIZER_FILE).exists():
+    if _complete(root):
         return PreparedData(root, digest)
-    root.mkdir(parents=True, exist_ok=True)
-    # 2. Tokenizer.
-    text = read_corpus(config)
-    tok = Tokenizer.from_str(tokenizer_json) if tokenizer_json else train_tokenizer(text, config.vocab_size)
-    if tok.get_vocab_size() > 65535:
-        raise ValueError(f"a vocabulary of {tok.get_vocab_size()} does not fit uint16 shards")
-    tok.save(str(root / f"{TOKENIZER_FILE}.tmp"))
-    os.replace(root / f"{TOKENIZER_FILE}.tmp", root / TOKENIZER_FILE)
-    # 3. Splits.
-    cut = int(len(text) * (1.0 - config.val_fraction))
-    for name, part in (("train", text[:cut]), ("val", text[cut:])):
-        ids = np.asarray(tok.encode(part).ids, dtype=np.uint16)
-        _write_shards(ids, root / name, config.shard_tokens, chars=len(part))
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{digest}.", dir=cache_dir))
+    try:
+        # 2. Tokenizer.
+        text = read_corpus(config)
+        tok = (
+            Tokenizer.from_str(tokenizer_json) if tokenizer_json else train_tokenizer(text, config.vocab_size)
+        )
+        if tok.get_vocab_size() > 65535:
+            raise ValueError(f"a vocabulary of {tok.get_vocab_size()} does not fit uint16 shards")
+        tok.save(str(work / TOKENIZER_FILE))
+        # 3. Splits.
+        cut = int(len(text) * (1.0 - config.val_fraction))
+        for name, part in (("train", text[:cut]), ("val", text[cut:])):
+            ids = np.asarray(tok.encode(part).ids, dtype=np.uint16)
+            _write_shards(ids, work / name, config.shard_tokens, chars=len(part))
+        _publish(work, root)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     return PreparedData(root, digest)
+
+
+def _complete(root: Path) -> bool:
+    return (
+        all((root / s / INDEX_FILE).exists() for s in ("train", "val")) and (root / TOKENIZER_FILE).exists()
+    )
+
+
+def _publish(work: Path, root: Path) -> None:
+    """Rename the finished ``work`` folder to ``root``; when another preparation got there first,
+    keep its (identical) result; an incomplete ``root`` (a crash mid-way, before preparations
+    were renamed into place) is replaced."""
+    try:
+        os.rename(work, root)
+        return
+    except OSError:
+        if _complete(root):
+            return
+    shutil.rmtree(root, ignore_errors=True)
+    try:
+        os.rename(work, root)
+    except OSError:
+        if not _complete(root):
+            raise
 
 
 class TokenShards:
