@@ -48,10 +48,14 @@ from forge_training.vlm.tokens import SequenceEncoder
 NOT_VLLM = {
     "vlm_world_lm": "4 heads of 16, a size vLLM's CPU attention refuses; its shape stays that of the VLM "
     "results (with HEAD_64, the VLM over it is served: test_a_vlm_export_with_heads_of_64_...)",
-    "vlm_align": "a LLaVA over vlm_world_lm's language model (head size 16): served by Forge's engine",
-    "vlm_interleave": "a LLaVA over vlm_world_lm's language model (head size 16): served by Forge's engine",
-    "vlm_instruct": "a LLaVA over vlm_world_lm's language model (head size 16): served by Forge's engine",
-    "vlm_joint": "a LLaVA over vlm_world_lm's language model (head size 16): served by Forge's engine",
+    "vlm_align": "a LLaVA over vlm_world_lm's language model (head size 16) by default; over a parent "
+    "with heads of 64 vLLM serves it (the main job's vlm step)",
+    "vlm_interleave": "a LLaVA over vlm_world_lm's language model (head size 16) by default; over a parent "
+    "with heads of 64 vLLM serves it (the main job's vlm step)",
+    "vlm_instruct": "a LLaVA over vlm_world_lm's language model (head size 16) by default; over a parent "
+    "with heads of 64 vLLM serves it (the main job's vlm step)",
+    "vlm_joint": "a LLaVA over vlm_world_lm's language model (head size 16) by default; over a parent "
+    "with heads of 64 vLLM serves it (the main job's vlm step)",
 }
 CHAT = ("shakespeare_tiny", "smoke", "cpt_scifact", "sft_hh", "dpo_hh")
 SCORERS = ("reward_hh", "reward_hh_minilm", "rerank_beir_minilm")
