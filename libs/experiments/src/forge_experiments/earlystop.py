@@ -55,7 +55,7 @@ branches of ``wsd``, 0.43 without).
 
 **Budgeted** (:class:`Budgeted`, the default of a space's ``early_stopping``): the guarded
 rule's rungs and completeness, with two changes that make it hold on spaces whose best
-configuration leads late (load/sweep/RESULTS.md, the projection entry, and #42's closing note):
+configuration leads late (measured in load/sweep/RESULTS.md):
 
 - *Stop only what is clearly behind.* A complete rung before the last stops a trial only when
   its deficit (as the guarded rule measures it: behind the best other trial of no larger rate)

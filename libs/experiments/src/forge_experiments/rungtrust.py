@@ -7,13 +7,9 @@ from __future__ import annotations
 
 import math
 import statistics
-from typing import Any, Literal
+from typing import Any
 
-Mode = Literal["min", "max"]
-
-
-def _valid(value: float) -> bool:
-    return isinstance(value, int | float) and not math.isnan(value)
+from forge_experiments.earlystop import Mode
 
 
 def _ranks(values: list[float]) -> list[float]:
@@ -71,7 +67,7 @@ def curve_noise(curves: list[list[tuple[int, float]]]) -> float:
     at least three points (0.0 when none has)."""
     per_curve: list[float] = []
     for curve in curves:
-        ys = [v for _, v in curve if _valid(v) and not math.isinf(v)]
+        ys = [v for _, v in curve if isinstance(v, int | float) and math.isfinite(v)]
         if len(ys) < 3:
             continue
         second = [ys[i - 1] - 2 * ys[i] + ys[i + 1] for i in range(1, len(ys) - 1)]
