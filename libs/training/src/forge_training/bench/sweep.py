@@ -339,7 +339,8 @@ def make_rule(space: Space, min_steps: int) -> Asha | AshaPromotion:
         es.form,
         branch=es.branch,
     )
-    assert isinstance(rule, Asha | AshaPromotion)
+    if not isinstance(rule, Asha | AshaPromotion):  # build gives a rung rule for every rung rule name
+        raise TypeError(f"{es.rule!r} is not a rule that judges at rungs")
     return rule
 
 
