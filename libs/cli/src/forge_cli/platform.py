@@ -133,12 +133,11 @@ SERVICES: tuple[ServiceSpec, ...] = (
             "NODE_GROUP": "local",
             "RUNNER": "torchrun",
             # Jobs run sandboxed: besides the datasets they read the exports of earlier jobs on
-            # any agent and preference snapshots, vLLM's environment (a deployment's replicas)
-            # and the folder the main job's vlm step lays its version out in (links to an export,
-            # for its Forge-engine replica); the rlhf workflow's jobs write objects/rlhf.
+            # any agent (a deployment's replicas serve them) and preference snapshots, and vLLM's
+            # environment; the rlhf workflow's jobs write objects/rlhf.
             "JOB_READ_PATHS": (
                 "{root}/var/data/trainer_agent*/runs,{root}/var/data/preference_feedback/snapshots,"
-                "{checkout}/.venv-vllm,{root}/var/data/main-job/vlm"
+                "{checkout}/.venv-vllm"
             ),
             "JOB_WRITE_PATHS": "{root}/var/objects/rlhf",
         },
@@ -192,7 +191,7 @@ SERVICES: tuple[ServiceSpec, ...] = (
             "CANARY_POLICY": "local",
             "INFERENCE_GATEWAY_URL": "{http:inference_gateway}",
             # The agents run on this machine: replicas start from this checkout's environments
-            # (vLLM's own; Forge's for the ``forge`` engine, e.g. the main job's VLM).
+            # (vLLM's own; Forge's for a deployment that names the ``forge`` engine).
             "DEPLOY_VLLM_PYTHON": "{checkout}/.venv-vllm/bin/python",
             "DEPLOY_FORGE_PYTHON": "{checkout}/.venv/bin/python",
             # Every promotion (the main job's eval and rlhf steps, `forge eval promote`, a rollback)
