@@ -18,10 +18,10 @@ from forge.retrieval.v1 import retrieval_pb2, retrieval_pb2_grpc
 from prometheus_client import REGISTRY
 
 from forge_inference_gateway.openai_api import install_gateway_api
-from forge_inference_gateway.rag import RagService
-from forge_inference_gateway.rag_clients import Candidate, GrpcReranker, GrpcRetriever, RerankAnswer
-from forge_inference_gateway.rag_context import assemble_context, cited
-from forge_inference_gateway.rag_query import RagLimits, parse_chat, parse_query
+from forge_inference_gateway.rag.clients import Candidate, GrpcReranker, GrpcRetriever, RerankAnswer
+from forge_inference_gateway.rag.context import assemble_context, cited
+from forge_inference_gateway.rag.query import RagLimits, parse_chat, parse_query
+from forge_inference_gateway.rag.service import RagService
 from forge_inference_gateway.service import InferenceGateway
 from forge_kit import errors
 from forge_kit.cache import InMemoryCache

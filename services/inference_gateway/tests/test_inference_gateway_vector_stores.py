@@ -22,9 +22,9 @@ from typer.testing import CliRunner, Result
 from forge_inference_gateway.admin_cli import rag_app, tenants_app
 from forge_inference_gateway.document_index import GrpcDocumentIndex
 from forge_inference_gateway.openai_api import install_gateway_api
-from forge_inference_gateway.rag import RagService
-from forge_inference_gateway.rag_clients import GrpcReranker, GrpcRetriever
-from forge_inference_gateway.rag_query import RagLimits
+from forge_inference_gateway.rag.clients import GrpcReranker, GrpcRetriever
+from forge_inference_gateway.rag.query import RagLimits
+from forge_inference_gateway.rag.service import RagService
 from forge_inference_gateway.service import InferenceGateway
 from forge_inference_gateway.vector_store_values import check_attributes, index_value
 from forge_inference_gateway.vector_stores import DocumentLimits, VectorStores

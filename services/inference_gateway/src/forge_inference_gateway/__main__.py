@@ -16,8 +16,8 @@ from forge_inference_gateway.config import InferenceGatewaySettings
 from forge_inference_gateway.document_index import GrpcDocumentIndex
 from forge_inference_gateway.embeddings import GrpcEmbedder
 from forge_inference_gateway.openai_api import install_gateway_api
-from forge_inference_gateway.rag import RagService
-from forge_inference_gateway.rag_clients import GrpcReranker, GrpcRetriever
+from forge_inference_gateway.rag.clients import GrpcReranker, GrpcRetriever
+from forge_inference_gateway.rag.service import RagService
 from forge_inference_gateway.replica_pool import ReplicaPool
 from forge_inference_gateway.response_cache import ResponseCache
 from forge_inference_gateway.service import InferenceGateway

@@ -6,7 +6,7 @@ from pydantic import Field, SecretStr, model_validator
 
 from forge_inference_gateway.admission import AdmissionPolicy
 from forge_inference_gateway.autoscaling import AutoscalePolicy
-from forge_inference_gateway.rag_query import RagLimits
+from forge_inference_gateway.rag.query import RagLimits
 from forge_inference_gateway.replica_pool import RoutingPolicy, normalize_url
 from forge_inference_gateway.vector_stores import DocumentLimits
 from forge_kit import errors

@@ -11,7 +11,7 @@ from typing import Protocol
 import grpc
 from forge.retrieval.v1 import retrieval_pb2, retrieval_pb2_grpc
 
-from forge_inference_gateway.rag_clients import TENANT_METADATA_KEY, Candidate, grpc_error
+from forge_inference_gateway.rag.clients import TENANT_METADATA_KEY, Candidate, grpc_error
 from forge_kit.grpckit import make_channel
 
 

@@ -31,8 +31,8 @@ from forge_inference_gateway.embeddings import GrpcEmbedder, create_embeddings
 from forge_inference_gateway.key_api import install_key_api, require_scope
 from forge_inference_gateway.metering import TAIL_BYTES, usage_of
 from forge_inference_gateway.openai_schema import bearer_scheme, check_generation, install_openapi
-from forge_inference_gateway.rag import RagService
-from forge_inference_gateway.rag_chat import chat_chunks, chat_completion, rag_tokens
+from forge_inference_gateway.rag.chat import chat_chunks, chat_completion, rag_tokens
+from forge_inference_gateway.rag.service import RagService
 from forge_inference_gateway.response_cache import CACHE_HEADER
 from forge_inference_gateway.router import MODEL_HEADER, GenerationRequest
 from forge_inference_gateway.service import InferenceGateway

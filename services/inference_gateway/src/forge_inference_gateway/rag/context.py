@@ -7,7 +7,7 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from forge_inference_gateway.rag_clients import Candidate
+from forge_inference_gateway.rag.clients import Candidate
 
 _CITATION = re.compile(r"\[(\d+(?:\s*,\s*\d+)*)\]")
 #: Overlap shorter than this many words is coincidence, not a shared chunk boundary.

@@ -15,7 +15,7 @@
    that budget lasts and keeps the retriever's order for the rest (``rerank.partial``, with how
    many were ``scored``); when it is unavailable, fails, or the deadline is too near to start,
    the retriever's order is kept and the response says so (``rerank.skipped``).
-5. **Assemble** the context (:func:`~forge_inference_gateway.rag_context.assemble_context`): drop repeated and overlapping chunk text,
+5. **Assemble** the context (:func:`~forge_inference_gateway.rag.context.assemble_context`): drop repeated and overlapping chunk text,
    keep the reranked order, fit the token budget, number the passages ``[1]..[n]`` and ask for
    citations.
 6. **Generate** through the gateway's own completion path (aliases, canaries, admission, routing,
@@ -30,8 +30,8 @@ replica's count showed, until the count fits (:meth:`RagService._fit`); the budg
 by the model's ``max_model_len``. A replica without the route leaves the estimate in place, and
 every response says which under ``context.token_count``.
 
-The parts live beside this module: :mod:`rag_query` (step 1), :mod:`rag_clients` (the retriever
-and reranker, steps 3-4), :mod:`rag_context` (step 5); this one runs them in order.
+The parts live beside this module in the ``rag`` package: ``query`` (step 1), ``clients`` (the
+retriever and reranker, steps 3-4), ``context`` (step 5); this one runs them in order.
 """
 
 from __future__ import annotations
@@ -48,9 +48,9 @@ import structlog
 from prometheus_client import Counter, Histogram
 
 from forge_inference_gateway.aliases import Alias
-from forge_inference_gateway.rag_clients import Candidate, Reranker, Retriever
-from forge_inference_gateway.rag_context import Passage, assemble_context, cited
-from forge_inference_gateway.rag_query import RagLimits, RagQuery, parse_chat, parse_query
+from forge_inference_gateway.rag.clients import Candidate, Reranker, Retriever
+from forge_inference_gateway.rag.context import Passage, assemble_context, cited
+from forge_inference_gateway.rag.query import RagLimits, RagQuery, parse_chat, parse_query
 from forge_inference_gateway.service import InferenceGateway
 from forge_inference_gateway.tenants import Tenant
 from forge_kit import errors
