@@ -10,10 +10,10 @@ import pytest
 from prometheus_client import REGISTRY
 
 from forge_inference_gateway.api_keys import ApiKeys
-from forge_inference_gateway.document_index import GrpcDocumentIndex
 from forge_inference_gateway.openai_api import install_gateway_api
 from forge_inference_gateway.service import InferenceGateway
-from forge_inference_gateway.vector_stores import VectorStores
+from forge_inference_gateway.vector_stores.index import GrpcDocumentIndex
+from forge_inference_gateway.vector_stores.service import VectorStores
 from forge_kit.db import Database
 from forge_kit.http import make_app
 

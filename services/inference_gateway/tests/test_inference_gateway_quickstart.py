@@ -15,13 +15,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from forge_inference_gateway.document_index import GrpcDocumentIndex
 from forge_inference_gateway.embeddings import GrpcEmbedder
 from forge_inference_gateway.openai_api import install_gateway_api
 from forge_inference_gateway.rag.clients import GrpcReranker, GrpcRetriever
 from forge_inference_gateway.rag.query import RagLimits
 from forge_inference_gateway.rag.service import RagService
-from forge_inference_gateway.vector_stores import VectorStores
+from forge_inference_gateway.vector_stores.index import GrpcDocumentIndex
+from forge_inference_gateway.vector_stores.service import VectorStores
 from forge_kit.cache import InMemoryCache
 from forge_kit.db import Database
 from forge_kit.http import HttpServer, make_app

@@ -20,14 +20,14 @@ import typer
 from typer.testing import CliRunner, Result
 
 from forge_inference_gateway.admin_cli import rag_app, tenants_app
-from forge_inference_gateway.document_index import GrpcDocumentIndex
 from forge_inference_gateway.openai_api import install_gateway_api
 from forge_inference_gateway.rag.clients import GrpcReranker, GrpcRetriever
 from forge_inference_gateway.rag.query import RagLimits
 from forge_inference_gateway.rag.service import RagService
 from forge_inference_gateway.service import InferenceGateway
-from forge_inference_gateway.vector_store_values import check_attributes, index_value
-from forge_inference_gateway.vector_stores import DocumentLimits, VectorStores
+from forge_inference_gateway.vector_stores.index import GrpcDocumentIndex
+from forge_inference_gateway.vector_stores.service import DocumentLimits, VectorStores
+from forge_inference_gateway.vector_stores.values import check_attributes, index_value
 from forge_kit import errors
 from forge_kit.cache import InMemoryCache
 from forge_kit.db import Database

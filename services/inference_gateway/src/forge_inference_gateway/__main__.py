@@ -13,7 +13,6 @@ from forge_inference_gateway.admission import Admission
 from forge_inference_gateway.api import GatewayInferenceApi
 from forge_inference_gateway.autoscaling import Autoscaler
 from forge_inference_gateway.config import InferenceGatewaySettings
-from forge_inference_gateway.document_index import GrpcDocumentIndex
 from forge_inference_gateway.embeddings import GrpcEmbedder
 from forge_inference_gateway.openai_api import install_gateway_api
 from forge_inference_gateway.rag.clients import GrpcReranker, GrpcRetriever
@@ -23,7 +22,8 @@ from forge_inference_gateway.response_cache import ResponseCache
 from forge_inference_gateway.service import InferenceGateway
 from forge_inference_gateway.training_prompts import TrainingPrompts
 from forge_inference_gateway.upstream import ModelServerClient
-from forge_inference_gateway.vector_stores import VectorStores
+from forge_inference_gateway.vector_stores.index import GrpcDocumentIndex
+from forge_inference_gateway.vector_stores.service import VectorStores
 from forge_kit.app import ServiceApp
 from forge_kit.cache import make_cache
 from forge_kit.events import topic_for

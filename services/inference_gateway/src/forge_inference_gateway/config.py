@@ -8,7 +8,7 @@ from forge_inference_gateway.admission import AdmissionPolicy
 from forge_inference_gateway.autoscaling import AutoscalePolicy
 from forge_inference_gateway.rag.query import RagLimits
 from forge_inference_gateway.replica_pool import RoutingPolicy, normalize_url
-from forge_inference_gateway.vector_stores import DocumentLimits
+from forge_inference_gateway.vector_stores.service import DocumentLimits
 from forge_kit import errors
 from forge_kit.limits import OPENAI_MAX_BODY_BYTES, RAG_MAX_QUERY_CHARS
 from forge_kit.settings import ServiceSettings, service_config

@@ -38,8 +38,8 @@ from forge_inference_gateway.router import MODEL_HEADER, GenerationRequest
 from forge_inference_gateway.service import InferenceGateway
 from forge_inference_gateway.tenants import PRIORITY_CLASSES
 from forge_inference_gateway.upstream import StreamBroken, UpstreamError, UpstreamUnavailableError, error_for
-from forge_inference_gateway.vector_store_api import install_vector_store_api, name_store
-from forge_inference_gateway.vector_stores import VectorStores
+from forge_inference_gateway.vector_stores.api import install_vector_store_api, name_store
+from forge_inference_gateway.vector_stores.service import VectorStores
 from forge_kit import errors
 from forge_kit.http import reject_unknown_query, require_token
 from forge_kit.openai_errors import install_openai_error_handlers, openai_error

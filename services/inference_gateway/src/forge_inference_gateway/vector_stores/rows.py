@@ -1,4 +1,4 @@
-"""Tables of a tenant's documents on the public API (``vector_stores.py``): uploaded files, vector
+"""Tables of a tenant's documents on the public API (``service.py``): uploaded files, vector
 stores (one retriever collection each, named by the store's id, in the tenant's namespace) and
 what each store holds with its indexing status.
 

@@ -1,5 +1,5 @@
 """``/v1/files`` and ``/v1/vector_stores``: OpenAI's Files and Vector Stores API over a tenant's
-documents (:mod:`vector_stores`), translation only; plus one Forge route, ``POST
+documents (``service.py``), translation only; plus one Forge route, ``POST
 /v1/vector_stores/{id}/documents``, that upserts texts by id in batches.
 
 Errors use the OpenAI format: 400 naming the field, 403 ``quota_exceeded`` past a tenant's limit,
@@ -19,13 +19,18 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from forge_inference_gateway.tenants import Tenant
-from forge_inference_gateway.vector_store_values import (
+from forge_inference_gateway.vector_stores.service import (
+    DocumentIn,
+    QuotaExceededError,
+    TooLargeError,
+    VectorStores,
+)
+from forge_inference_gateway.vector_stores.values import (
     MAX_ATTRIBUTES,
     Attribute,
     check_attributes,
     check_name,
 )
-from forge_inference_gateway.vector_stores import DocumentIn, QuotaExceededError, TooLargeError, VectorStores
 from forge_kit import errors
 from forge_kit.openai_errors import openai_error
 

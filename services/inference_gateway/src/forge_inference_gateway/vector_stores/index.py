@@ -26,7 +26,7 @@ class IndexDocument:
 
 
 class DocumentIndex(Protocol):
-    """The retriever as :class:`~forge_inference_gateway.vector_stores.VectorStores` calls it: one
+    """The retriever as :class:`~forge_inference_gateway.vector_stores.service.VectorStores` calls it: one
     call per upload, delete or search, each all-or-nothing on the retriever's side."""
 
     async def upsert(

@@ -1,4 +1,4 @@
-"""The values of the document API (``vector_stores.py``): the checks its inputs get and the
+"""The values of the document API (``service.py``): the checks its inputs get and the
 OpenAI-shaped objects it answers with (``vector_store``, ``vector_store.file``, ``file``)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from forge_inference_gateway.vector_store_rows import RagFileRow, VectorStoreItemRow, VectorStoreRow
+from forge_inference_gateway.vector_stores.rows import RagFileRow, VectorStoreItemRow, VectorStoreRow
 from forge_kit import errors
 
 Attribute = str | int | float | bool

@@ -28,12 +28,12 @@ from typing import Any
 import sqlalchemy as sa
 import structlog
 
-from forge_inference_gateway.document_index import DocumentIndex, IndexDocument
 from forge_inference_gateway.store import TenantRow
 from forge_inference_gateway.tenants import Tenant
 from forge_inference_gateway.upstream import UpstreamError, UpstreamUnavailableError
-from forge_inference_gateway.vector_store_rows import RagFileRow, VectorStoreItemRow, VectorStoreRow
-from forge_inference_gateway.vector_store_values import (
+from forge_inference_gateway.vector_stores.index import DocumentIndex, IndexDocument
+from forge_inference_gateway.vector_stores.rows import RagFileRow, VectorStoreItemRow, VectorStoreRow
+from forge_inference_gateway.vector_stores.values import (
     FILE_PURPOSES,
     MAX_DOCUMENT_ID_CHARS,
     Attribute,
