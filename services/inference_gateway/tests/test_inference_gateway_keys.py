@@ -9,7 +9,7 @@ import httpx
 import pytest
 from prometheus_client import REGISTRY
 
-from forge_inference_gateway.api_keys import ApiKeys
+from forge_inference_gateway.keys.service import ApiKeys
 from forge_inference_gateway.openai_api import install_gateway_api
 from forge_inference_gateway.service import InferenceGateway
 from forge_inference_gateway.vector_stores.index import GrpcDocumentIndex

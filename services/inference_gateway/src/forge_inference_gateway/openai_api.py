@@ -28,7 +28,7 @@ from pydantic import BaseModel, Field, StrictBool
 
 from forge_inference_gateway.aliases import Alias
 from forge_inference_gateway.embeddings import GrpcEmbedder, create_embeddings
-from forge_inference_gateway.key_api import install_key_api, require_scope
+from forge_inference_gateway.keys.api import install_key_api, require_scope
 from forge_inference_gateway.metering import TAIL_BYTES, usage_of
 from forge_inference_gateway.openai_schema import bearer_scheme, check_generation, install_openapi
 from forge_inference_gateway.rag.chat import chat_chunks, chat_completion, rag_tokens

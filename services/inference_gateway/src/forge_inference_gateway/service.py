@@ -30,8 +30,8 @@ import structlog
 
 from forge_inference_gateway.admission import Admission
 from forge_inference_gateway.aliases import Aliases
-from forge_inference_gateway.api_keys import ApiKeys
 from forge_inference_gateway.autoscaling import Autoscaler
+from forge_inference_gateway.keys.service import ApiKeys
 from forge_inference_gateway.replica_pool import NoReplicaError, ReplicaPool
 from forge_inference_gateway.replicas import Replicas
 from forge_inference_gateway.response_cache import ResponseCache

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import sqlalchemy as sa
 from prometheus_client import Counter
 
-from forge_inference_gateway.api_key_rows import ApiKeyRow, KeyAuditRow
+from forge_inference_gateway.keys.rows import ApiKeyRow, KeyAuditRow
 from forge_inference_gateway.read_through import ReadThrough
 from forge_inference_gateway.store import TenantRow
 from forge_inference_gateway.tenants import Tenant, Tenants, hash_api_key, new_api_key

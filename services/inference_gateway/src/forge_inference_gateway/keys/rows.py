@@ -1,4 +1,4 @@
-"""Tables of the key lifecycle (``api_keys.py``): a tenant's API keys (only the SHA-256 of each is
+"""Tables of the key lifecycle (``keys.service``): a tenant's API keys (only the SHA-256 of each is
 kept, with a short prefix to recognise it by), their usage, and the audit log of every change."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""HTTP routes of the key lifecycle (:mod:`api_keys`): the scope check every ``/v1`` route declares,
+"""HTTP routes of the key lifecycle (:mod:`~forge_inference_gateway.keys.service`): the scope check every ``/v1`` route declares,
 a tenant's own keys and their usage (``GET /v1/keys``), and the admin routes under
 ``/admin/v1/tenants/{name}/keys`` and ``…/audit`` (what ``forge tenants`` calls). Translation only.
 """
@@ -13,7 +13,7 @@ from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from forge_inference_gateway.api_keys import MAX_LIFETIME_S, MAX_OVERLAP_S, SCOPES, ApiKeys, KeyView
+from forge_inference_gateway.keys.service import MAX_LIFETIME_S, MAX_OVERLAP_S, SCOPES, ApiKeys, KeyView
 from forge_kit import errors
 
 
