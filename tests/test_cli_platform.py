@@ -108,6 +108,28 @@ def test_the_real_table_is_consistent() -> None:
     }
 
 
+def test_forge_up_starts_no_fixed_model_server_and_the_gateway_gets_no_static_replica() -> None:
+    """Serving under `forge up` is the deployments' vLLM replicas: the model server's row stays in
+    the table (Compose and Kubernetes run it, and wire the gateway to it) but starts no process
+    here, the main job's steps do not see it, and the gateway starts with an empty pool."""
+    local = platform.local_table()
+    started = {s.name for s in platform.started(local)}
+    assert "model_server" in {s.name for s in local}
+    assert "model_server" not in started
+    assert {"trainer_agent", "trainer_agent_3", "inference_gateway", "eval"} <= started
+    gateway = next(s for s in local if s.name == "inference_gateway")
+    names = [s.name for s in local]
+    env = platform.service_env(
+        gateway,
+        local,
+        {n: f"tok-{n}" for n in names},
+        Path("/repo"),
+        event_keys={s.service: EVENT_KEYS["alpha"] for s in local},
+        generated={platform.generated_name(gateway, "BOOTSTRAP_API_KEY"): "k"},
+    )
+    assert env["FORGE_INFERENCE_GATEWAY_MODEL_SERVER_URL"] == ""
+
+
 def test_validate_names_the_problem() -> None:
     bad = (*TABLE, ServiceSpec("delta", grpc_port=1001, http_port=2004, calls=(grpc("nobody"),)))
     problems = platform.validate(bad)

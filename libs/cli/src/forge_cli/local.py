@@ -351,10 +351,10 @@ async def up(
     profile: profiles.Profile | None = None,
 ) -> int:
     """Bring ``specs`` (rows of ``table``) up, print them, run the main job; 0 only if all worked.
-    Rows with ``instances`` > 1 start that many local copies. A ``profile`` moves the rows to its
+    Rows with ``instances`` > 1 start that many local copies, rows with 0 none. A ``profile`` moves the rows to its
     ports and infrastructure and gives them its backing services (``forge up --profile``)."""
     table = platform.local_table(table)
-    specs = platform.local_table(specs)
+    specs = platform.started(platform.local_table(specs))
     backing = None
     if profile is not None:
         table, specs, infra, backing = (
@@ -396,7 +396,7 @@ async def up(
     console.print(table_of([*infra_up, *services_up]))
     if not run_main_job:
         return 0
-    return await run_main(context(paths, table, secrets.tokens, infra, backing), console)
+    return await run_main(context(paths, platform.started(table), secrets.tokens, infra, backing), console)
 
 
 async def run_main(ctx: mainjob.MainJobContext, console: Console) -> int:
@@ -460,7 +460,7 @@ async def status(paths: Paths, specs: Sequence[ServiceSpec], console: Console, i
     components = infra_components(infra, paths)
     components += [
         Component(s.name, [], s.module, _bound_health(s), urls=(s.grpc_target, s.http_url))
-        for s in platform.local_table(specs)
+        for s in platform.started(platform.local_table(specs))
     ]
     table = Table(title="Forge platform", title_justify="left")
     for column in ("component", "pid", "alive", "healthy", "addresses"):

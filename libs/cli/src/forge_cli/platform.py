@@ -27,7 +27,9 @@ How a row becomes environment variables (``<NAME>`` is the caller, ``<T>`` the c
   value become that deployment's Qdrant URL and collection layout;
 - ``instances``: how many copies ``forge up`` runs here (three trainer agents stand in for three
   nodes); copy n ≥ 2 is named ``<name>_<n>``, listens on both ports + 10·(n-1) and keeps the
-  service's package and settings prefix (:func:`local_table`).
+  service's package and settings prefix (:func:`local_table`). 0: a service of Compose and
+  Kubernetes that ``forge up`` does not run (its row stays in the table, for the wiring of its
+  callers' settings; :func:`started` leaves it out).
 """
 
 from __future__ import annotations
@@ -142,7 +144,10 @@ SERVICES: tuple[ServiceSpec, ...] = (
             "JOB_WRITE_PATHS": "{root}/var/objects/rlhf",
         },
     ),
-    ServiceSpec("model_server", grpc_port=50054, http_port=8000),
+    # Forge's own engine as a fixed server: Compose and Kubernetes run it (their GPU overlays put
+    # vLLM in its place). `forge up` runs none: every model there is served by the vLLM replicas of
+    # a deployment the scheduler placed (the main job's `serve` step, and every promotion).
+    ServiceSpec("model_server", grpc_port=50054, http_port=8000, instances=0),
     # In production the index lives on a Qdrant server (retriever replicas share it); `make up`
     # keeps the embedded Qdrant Edge.
     ServiceSpec(
@@ -168,6 +173,8 @@ SERVICES: tuple[ServiceSpec, ...] = (
         http_port=8080,
         calls=(http("model_server"), grpc("retriever"), grpc("reranker")),
         generated=("BOOTSTRAP_API_KEY",),
+        # No fixed replica here (`forge up` runs no model server): the pool is what deployments add.
+        local={"MODEL_SERVER_URL": ""},
     ),
     ServiceSpec("eval", grpc_port=50057, http_port=8057, calls=(http("inference_gateway"),)),
     ServiceSpec("preference_feedback", grpc_port=50058, http_port=8058, calls=(http("inference_gateway"),)),
@@ -430,6 +437,11 @@ def local_table(table: Iterable[ServiceSpec] = SERVICES) -> tuple[ServiceSpec, .
                 )
             )
     return tuple(rows)
+
+
+def started(rows: Iterable[ServiceSpec]) -> tuple[ServiceSpec, ...]:
+    """The rows of ``rows`` that ``forge up`` runs (``instances`` ≥ 1; copies count as started)."""
+    return tuple(spec for spec in rows if spec.instances > 0)
 
 
 def select(names: Iterable[str] | None, table: Iterable[ServiceSpec] = SERVICES) -> tuple[ServiceSpec, ...]:

@@ -20,7 +20,7 @@ the main job nobody else chats, so the steps that hand a model to eval-and-promo
    tenant's per-minute limit), until the registry no longer holds that model in
    ``canary`` (the analysis decided), ``stop`` is set or ``max_requests`` were sent.
 
-:func:`canary_summary` turns an eval-and-promote result's ``canary`` entry (its decision and the
+:func:`main_job_traffic` starts it for a main-job step. :func:`canary_summary` turns an eval-and-promote result's ``canary`` entry (its decision and the
 analysis' evidence) into the line and figures a step's table prints.
 """
 
@@ -42,6 +42,7 @@ from forge.common.v1 import common_pb2
 from forge.eval.v1 import eval_pb2, eval_pb2_grpc
 
 from forge_kit.grpckit import make_channel
+from forge_kit.mainjob import MainJobContext
 from forge_kit.modelref import ModelRef
 
 MODEL_HEADER = "x-forge-model"
@@ -230,6 +231,33 @@ async def serve_and_drive(
     except (RuntimeError, httpx.HTTPError, grpc.aio.AioRpcError) as exc:
         report.note = f"traffic stopped: {exc}"[:500]
         return report
+
+
+def main_job_traffic(
+    ctx: MainJobContext, alias: str, stop: asyncio.Event
+) -> asyncio.Task[TrafficReport] | None:
+    """:func:`serve_and_drive` as a task for a main-job step (``eval``, ``rlhf``): the platform's
+    registry (``eval``) and gateway, and its model server where the platform runs one (``forge
+    up`` runs none: the versions' deployments serve them). None when the platform has no gateway."""
+    try:
+        registry, gateway = ctx.endpoint("eval"), ctx.endpoint("inference_gateway")
+    except KeyError:
+        return None
+    server: Http | None = None
+    with contextlib.suppress(KeyError):
+        found = ctx.endpoint("model_server")
+        server = Http(found.http_url, found.token)
+    return asyncio.create_task(
+        serve_and_drive(
+            registry.grpc_target,
+            registry.token,
+            server,
+            Http(gateway.http_url, gateway.token),
+            alias=alias,
+            root=ctx.root,
+            stop=stop,
+        )
+    )
 
 
 async def _serve_and_drive(

@@ -25,19 +25,17 @@ The step never imports the CLI or another service: ``ctx`` is the kit's
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from pathlib import Path
-from typing import Any
 
 from forge.common.v1 import common_pb2
 from forge.eval.v1 import eval_pb2, eval_pb2_grpc
 from forge.orchestrator.v1 import orchestrator_pb2
 from google.protobuf import json_format
 
-from forge_experiments.canary_traffic import Http, canary_summary, serve_and_drive
+from forge_experiments.canary_traffic import canary_summary, main_job_traffic
 from forge_kit.grpckit import make_channel
-from forge_kit.mainjob import Endpoint, MainJobContext
+from forge_kit.mainjob import MainJobContext
 from forge_kit.modelref import ModelRef
 from forge_kit.orchestrator_client import OrchestratorClient, status_name
 
@@ -120,7 +118,7 @@ async def evaluate_checkpoint(ctx: MainJobContext, *, timeout_s: float = STEP_TI
     workflow_id = model.labels.get("workflow_id") or f"eval-{model.ref.name}-{model.ref.version}"[:80]
     # 3. The workflow, until it closes; traffic for its canary meanwhile.
     stop = asyncio.Event()
-    traffic = _canary_traffic(ctx, eval_endpoint, stop)
+    traffic = main_job_traffic(ctx, PUBLIC_MODEL, stop)
     try:
         async with OrchestratorClient(orchestrator.grpc_target, orchestrator.token) as workflows:
             # NOT_FOUND: not visible yet; UNAVAILABLE, DEADLINE_EXCEEDED: not answered this time.
@@ -163,30 +161,6 @@ async def evaluate_checkpoint(ctx: MainJobContext, *, timeout_s: float = STEP_TI
         "intervals": dict(result.get("intervals", {})),
         "report": result.get("report_path", ""),
     }
-
-
-def _canary_traffic(ctx: MainJobContext, registry: Endpoint, stop: asyncio.Event) -> asyncio.Task[Any] | None:
-    """The traffic task for the canary, when the platform has a gateway (and a model server it
-    loads the versions into only where their deployments do not serve them)."""
-    try:
-        gateway = ctx.endpoint("inference_gateway")
-    except KeyError:
-        return None
-    server: Http | None = None
-    with contextlib.suppress(KeyError):
-        found = ctx.endpoint("model_server")
-        server = Http(found.http_url, found.token)
-    return asyncio.create_task(
-        serve_and_drive(
-            registry.grpc_target,
-            registry.token,
-            server,
-            Http(gateway.http_url, gateway.token),
-            alias=PUBLIC_MODEL,
-            root=ctx.root,
-            stop=stop,
-        )
-    )
 
 
 def _canary(canary: dict[str, object]) -> str:

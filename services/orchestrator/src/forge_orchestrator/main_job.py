@@ -25,7 +25,7 @@ import grpc
 from forge.orchestrator.v1 import orchestrator_pb2
 from google.protobuf import json_format
 
-from forge_experiments.canary_traffic import Http, canary_summary, serve_and_drive
+from forge_experiments.canary_traffic import TrafficReport, canary_summary, main_job_traffic
 from forge_kit.mainjob import MainJobContext
 from forge_kit.orchestrator_client import RETRIED_WHILE_WAITING, OrchestratorClient, status_name
 from forge_orchestrator.main_job_raters import RaterPool
@@ -232,27 +232,12 @@ async def rlhf(ctx: MainJobContext) -> dict[str, object]:
     feedback = ctx.endpoint("preference_feedback")
     pool = RaterPool(feedback.grpc_target, feedback.token)
     stop, canary_done = asyncio.Event(), asyncio.Event()
-    registry, server, gateway = (
-        ctx.endpoint("eval"),
-        ctx.endpoint("model_server"),
-        ctx.endpoint("inference_gateway"),
-    )
     async with OrchestratorClient(endpoint.grpc_target, endpoint.token) as client:
         # 2.
         workflow_id = await client.start("rlhf", data, workflow_id=f"main-job-rlhf-{uuid.uuid4().hex[:8]}")
         # 3.
         raters = asyncio.create_task(pool.run(stop))
-        traffic = asyncio.create_task(
-            serve_and_drive(
-                registry.grpc_target,
-                registry.token,
-                Http(server.http_url, server.token),
-                Http(gateway.http_url, gateway.token),
-                alias=PUBLIC_MODEL,
-                root=ctx.root,
-                stop=canary_done,
-            )
-        )
+        traffic = main_job_traffic(ctx, PUBLIC_MODEL, canary_done)
         watcher = asyncio.create_task(_stop_raters_when_collected(client, workflow_id, stop))
         # 4.
         try:
@@ -269,7 +254,7 @@ async def rlhf(ctx: MainJobContext) -> dict[str, object]:
             canary_done.set()
             watcher.cancel()
             answers = await raters
-            sent = await traffic
+            sent = await traffic if traffic is not None else TrafficReport()
         result = json_format.MessageToDict(reply.result)
         canary = await _canary_of(client, result)
     if reply.status != orchestrator_pb2.WORKFLOW_STATUS_COMPLETED:
