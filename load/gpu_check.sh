@@ -110,7 +110,7 @@ if ((DRY_RUN)); then
     check "the Forge interpreter $FORGE_PY" test -x "$FORGE_PY"
     check "python3 can make the vLLM environment (venv)" python3 -c "import venv, ensurepip"
     for module in "$TRAIN_MODULE" "$RECIPES_MODULE" forge_trainer_agent.gpus pynvml \
-        forge_inference_gateway forge_inference_gateway.cli forge_kit.paths forge_cli.main transformers; do
+        forge_inference_gateway forge_inference_gateway.bench.load_cli forge_kit.paths forge_cli.main transformers; do
         check "module $module" "$FORGE_PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('$module') is None)"
     done
     check "recipe $RECIPE in the catalogue" "$FORGE_PY" -c "import sys

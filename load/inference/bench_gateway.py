@@ -46,7 +46,7 @@ from typing import Any
 
 import httpx
 
-from forge_inference_gateway.loadgen import RequestResult, make_workload, run, send
+from forge_inference_gateway.bench.loadgen import RequestResult, make_workload, run, send
 from forge_kit.stats import percentile
 from forge_kit.testing import ServiceProcess
 from forge_kit.testing.processes import cpu_seconds

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from forge_inference_gateway.loadgen import arrival_gaps, parse_goodput
+from forge_inference_gateway.bench.loadgen import arrival_gaps, parse_goodput
 
 pytestmark = pytest.mark.integration
 FORGE = str(Path(sys.executable).parent / "forge")

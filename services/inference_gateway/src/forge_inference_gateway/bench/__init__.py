@@ -1,7 +1,8 @@
-"""The gateway's benchmarks, apart from the request path and loaded only by ``forge bench`` (the
-``forge.bench`` entry points of this package): ``canary`` (:mod:`.canary`, the guarded canary's
-analysis against real replicas behind :mod:`.fault_replica` fronts) and ``serving``
-(:mod:`.serving`, the gateway in front of vLLM or model servers under :mod:`forge_inference_gateway.loadgen`)."""
+"""The gateway's benchmarks and load tools, apart from the request path (nothing there imports
+them): the ``forge.bench`` entry points ``canary`` (:mod:`.canary`, the guarded canary's analysis
+against real replicas behind :mod:`.fault_replica` fronts) and ``serving`` (:mod:`.serving`, the
+gateway in front of vLLM or model servers), and ``forge load inference`` (:mod:`.load_cli`), all
+measuring with one load generator (:mod:`.loadgen`, vLLM's ``bench serve`` methodology)."""
 
 from __future__ import annotations
 

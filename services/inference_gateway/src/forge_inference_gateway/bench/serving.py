@@ -11,7 +11,7 @@ engine's default: one for Forge's forward, one per core for vLLM's OpenMP).
 1. **Load**, in ``--rounds`` rounds: in each round every target in turn (one at a time on the
    machine; the order reversed every other round) gets ``--num-prompts`` streamed completions of
    ``--input-len`` prompt tokens and exactly ``--output-len`` output tokens (``ignore_eos``),
-   ``--max-concurrency`` in flight (:mod:`forge_inference_gateway.loadgen`, vLLM's ``bench
+   ``--max-concurrency`` in flight (:mod:`forge_inference_gateway.bench.loadgen`, vLLM's ``bench
    serve`` method), after one warm-up per target. All three servers are up for the whole load, so
    the targets take turns minutes apart instead of one after the other's whole run: on a machine
    shared with other work, whose load changes by the minute, each round's targets see about the
@@ -50,8 +50,7 @@ import httpx
 import numpy as np
 import typer
 
-from forge_inference_gateway import loadgen
-from forge_inference_gateway.bench import start_gateway
+from forge_inference_gateway.bench import loadgen, start_gateway
 from forge_inference_gateway.bench import start_model_server as launch_model_server
 from forge_kit.testing import ServiceProcess
 from forge_kit.testing.processes import VllmServer, free_port

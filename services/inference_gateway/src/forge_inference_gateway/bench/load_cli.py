@@ -1,7 +1,7 @@
 """``forge load inference``: serving load against the gateway, a model server or ``vllm serve``.
 
 Registered under the ``forge.cli`` entry-point group as ``load``; the measurement is
-:mod:`forge_inference_gateway.loadgen` (vLLM's ``bench serve`` methodology).
+:mod:`forge_inference_gateway.bench.loadgen` (vLLM's ``bench serve`` methodology).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Annotated
 
 import typer
 
-from forge_inference_gateway.loadgen import LoadSpec, parse_goodput, run_load
+from forge_inference_gateway.bench.loadgen import LoadSpec, parse_goodput, run_load
 from forge_kit import clitools
 
 app = typer.Typer(add_completion=False, help="Load and soak scenarios.")

@@ -1,7 +1,7 @@
 """Serving load with vLLM's ``bench serve`` methodology, against any OpenAI-compatible server.
 
 ``forge load inference --base-url URL --model NAME (--request-rate R | --max-concurrency C)
---num-prompts N --out DIR`` (see :mod:`forge_inference_gateway.cli`) runs it; the gateway's own
+--num-prompts N --out DIR`` (see :mod:`forge_inference_gateway.bench.load_cli`) runs it; the gateway's own
 benchmarks (``load/inference/bench_gateway.py``) call :func:`run` and :func:`summarize` directly.
 
 Method (as vLLM's ``benchmarks/serve.py``):
