@@ -24,7 +24,7 @@ from typer.testing import CliRunner
 from forge_kit.grpckit import make_channel
 from forge_kit.testing import TemporalDevServer
 from forge_orchestrator.cli import app as cli_app
-from forge_orchestrator.main_job import smoke
+from forge_orchestrator.main_job.smoke import smoke
 from forge_orchestrator.service import WORKFLOWS
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]

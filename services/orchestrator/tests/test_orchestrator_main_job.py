@@ -19,9 +19,9 @@ from temporalio.client import Client
 
 from forge_kit.testing import TemporalDevServer
 from forge_kit.testing.grpcserver import grpc_test_server
-from forge_orchestrator import main_job
 from forge_orchestrator.api import OrchestratorApi
-from forge_orchestrator.main_job import RlhfStepError, rlhf, rlhf_input, round_report
+from forge_orchestrator.main_job import rlhf as main_job
+from forge_orchestrator.main_job.rlhf import RlhfStepError, rlhf, rlhf_input, round_report
 from forge_orchestrator.rlhf.model import DriftPoint, RlhfInput, RlhfResult, RoundRecord
 from forge_orchestrator.rlhf.worker import validate_rlhf
 from forge_orchestrator.service import OrchestratorService, parse_input
@@ -137,7 +137,7 @@ def test_report_of_a_stalled_round_says_stalled_and_why() -> None:
 def test_the_rule_raters_prefer_more_full_stops_then_the_shorter_reply() -> None:
     from forge.common.v1 import common_pb2
 
-    from forge_orchestrator.main_job_raters import rule_choice
+    from forge_orchestrator.main_job.raters import rule_choice
 
     assert rule_choice("Yes. Sure.", "Yes sure.") == common_pb2.PREFERENCE_CHOICE_A
     assert rule_choice("a long reply.", "short.") == common_pb2.PREFERENCE_CHOICE_B

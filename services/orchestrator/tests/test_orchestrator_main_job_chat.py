@@ -17,8 +17,8 @@ from forge.orchestrator.v1 import orchestrator_pb2
 
 from forge_kit.modelref import ModelRef
 from forge_orchestrator.deploy.model import DeploymentInput, replica_command, validate_deployment
-from forge_orchestrator.main_job_chat import ChatStepError, chat, local_folder, registered_model
-from forge_orchestrator.main_job_serve import ServeStepError, serve, spec_of, trained_export
+from forge_orchestrator.main_job.chat import ChatStepError, chat, local_folder, registered_model
+from forge_orchestrator.main_job.serve import ServeStepError, serve, spec_of, trained_export
 
 
 @dataclass

@@ -4,9 +4,9 @@ exists, is small enough for ``forge up`` and has rungs to stop trials at; its ta
 from __future__ import annotations
 
 from forge_experiments import sweepspace
-from forge_orchestrator.main_job import TEAM as TRAIN_TEAM
-from forge_orchestrator.main_job import rlhf
-from forge_orchestrator.main_job_sweep import SPACE, TEAM, _trial_row, sweep
+from forge_orchestrator.main_job.rlhf import TEAM as TRAIN_TEAM
+from forge_orchestrator.main_job.rlhf import rlhf
+from forge_orchestrator.main_job.sweep import SPACE, TEAM, _trial_row, sweep
 from forge_orchestrator.sweep.service import validate_sweep
 from forge_orchestrator.sweep.workflow import SweepInput
 

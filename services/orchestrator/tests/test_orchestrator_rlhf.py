@@ -49,7 +49,7 @@ from forge_kit.testing import ServiceProcess, TemporalDevServer
 from forge_orchestrator.activities import SchedulerActivities
 from forge_orchestrator.eval_activities import EvalActivities
 from forge_orchestrator.inbox import JOB_EVENT_SIGNAL, PROGRESS_QUERY, JobEvent
-from forge_orchestrator.main_job import RLHF_SIZES
+from forge_orchestrator.main_job.rlhf import RLHF_SIZES
 from forge_orchestrator.rlhf.activities import RlhfActivities
 from forge_orchestrator.rlhf.sampling import RlhfSampler
 from forge_orchestrator.rlhf.worker import build_rlhf_worker, rlhf_task_queue

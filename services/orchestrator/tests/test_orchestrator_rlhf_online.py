@@ -44,7 +44,7 @@ from forge_kit.testing.tiny_llama import save_tiny_llama
 from forge_orchestrator.activities import SchedulerActivities
 from forge_orchestrator.eval_activities import EvalActivities
 from forge_orchestrator.inbox import PROGRESS_QUERY
-from forge_orchestrator.main_job_raters import RaterPool
+from forge_orchestrator.main_job.raters import RaterPool
 from forge_orchestrator.rlhf.activities import RlhfActivities
 from forge_orchestrator.rlhf.sampling import RlhfSampler
 from forge_orchestrator.rlhf.shadow import ShadowInput, ShadowPairs

@@ -181,7 +181,7 @@ class StepContext:
 async def test_main_job_tracking_step_shows_the_closed_run_of_the_train_step(
     mlflow_server: MlflowServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from forge_orchestrator import main_job_tracking
+    from forge_orchestrator.main_job import tracking as main_job_tracking
     from forge_orchestrator.tracking_consumer import render_loss_curve
 
     tracker = Tracker(mlflow_server.url)

@@ -1,16 +1,8 @@
-"""The orchestrator's steps of the platform main job (entry-point group ``forge.main_job``).
-
-``forge up`` calls them with its main-job context once every service is healthy:
-
-- :func:`smoke` (order 10): the ``smoke`` workflow, through every layer;
-- :func:`rlhf` (order 80, after ``train``, ``preferences``, ``eval`` and ``chat``): one small
-  online RLHF round end to end: the train step's checkpoint, as the chat step serves it through
-  the gateway, is sampled on the prompt pool, the rule-based simulated raters answer the
-  comparisons made from its samples, and the round trains on them (see :func:`rlhf`).
-
-The steps never import the CLI or another service: they need ``ctx.endpoint(name)`` with
-``grpc_target`` and ``token``, ``ctx.results`` and ``ctx.object_store_url``, described by the
-local protocols below.
+"""The ``rlhf`` step of the platform main job (order 80, after ``train``, ``preferences``,
+``eval`` and ``chat``): one small online RLHF round end to end: the train step's checkpoint, as the
+chat step serves it through the gateway, is sampled on the prompt pool, the rule-based simulated
+raters (:mod:`.raters`) answer the comparisons made from its samples, and the round trains on them
+(see :func:`rlhf`).
 """
 
 from __future__ import annotations
@@ -28,38 +20,7 @@ from google.protobuf import json_format
 from forge_experiments.canary_traffic import TrafficReport, canary_summary, main_job_traffic
 from forge_kit.mainjob import MainJobContext
 from forge_kit.orchestrator_client import RETRIED_WHILE_WAITING, OrchestratorClient, status_name
-from forge_orchestrator.main_job_raters import RaterPool
-
-#: How long the smoke workflow may take before the step gives up waiting on it.
-SMOKE_WAIT_S = 90.0
-
-
-async def smoke(ctx: MainJobContext) -> dict[str, object]:
-    """Start the ``smoke`` workflow on the orchestrator and wait for it: a gRPC call into the
-    orchestrator, a Temporal workflow calling the scheduler, and the scheduler's job events
-    coming back through Kafka to the orchestrator's consumer."""
-    endpoint = ctx.endpoint("orchestrator")
-    async with OrchestratorClient(endpoint.grpc_target, endpoint.token) as client:
-        workflow_id = await client.start("smoke", {"timeout_s": SMOKE_WAIT_S / 2})
-        reply = await client.wait(workflow_id, timeout_s=SMOKE_WAIT_S)
-    if reply.status != orchestrator_pb2.WORKFLOW_STATUS_COMPLETED:
-        ended = status_name(reply.status)
-        raise RuntimeError(f"smoke workflow {workflow_id} ended {ended}: {reply.error or 'no error given'}")
-    result = json_format.MessageToDict(reply.result)
-    return {
-        "ok": True,
-        "workflow_id": workflow_id,
-        "job_id": result["job_id"],
-        "states_seen": list(result["states_seen"]),
-        "elapsed_s": result["elapsed_s"],
-    }
-
-
-smoke.order = 10  # type: ignore[attr-defined]
-smoke.timeout_s = SMOKE_WAIT_S + 30  # type: ignore[attr-defined]
-
-
-# --- one small RLHF round ---------------------------------------------------------------------
+from forge_orchestrator.main_job.raters import RaterPool
 
 #: How long the round may take: reward-model and DPO jobs (which wait for the agents' polls), then
 #: eval-and-promote, which, where promotions roll replicas (``forge up``), deploys the policy on
@@ -213,7 +174,7 @@ async def rlhf(ctx: MainJobContext) -> dict[str, object]:
        chat step serves through the gateway (the current policy);
     2. start the ``rlhf`` workflow; it samples the policy on the prompt pool through the gateway
        and queues the pairs as comparisons in the feedback service;
-    3. meanwhile the rule-based rater pool (:mod:`.main_job_raters`) answers what the feedback
+    3. meanwhile the rule-based rater pool (:mod:`.raters`) answers what the feedback
        service hands out, until the round stops waiting for preferences; the round then
        snapshots every accepted pair, trains the reward model as a job on the trainer agents,
        evaluates and registers it, runs DPO with the over-optimisation monitor and the drift

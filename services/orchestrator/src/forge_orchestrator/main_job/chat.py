@@ -43,7 +43,7 @@ from forge.orchestrator.v1 import orchestrator_pb2
 from forge_kit.grpckit import make_channel
 from forge_kit.mainjob import Endpoint, MainJobContext
 from forge_kit.modelref import ModelRef
-from forge_orchestrator.main_job_serve import (
+from forge_orchestrator.main_job.serve import (
     DEPLOYMENT,
     DeploymentGoneError,
     Deployments,

@@ -3,7 +3,7 @@
 
 vLLM takes a minute or more to start on a CPU, so the step deploys the train step's export as
 soon as it exists and does not wait: the replica starts while ``tracking`` and ``eval`` run, and
-the ``chat`` step (:mod:`.main_job_chat`) waits for it to be ready.
+the ``chat`` step (:mod:`.chat`) waits for it to be ready.
 
 1. take the export and its identity: the orchestrator names a checkpoint ``<run>:step-<n>`` in
    eval's registry (the train step's ``checkpoint_id``);
