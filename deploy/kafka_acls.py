@@ -23,7 +23,7 @@ CONSUMES: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
                 events_pb2.CheckpointPublished.DESCRIPTOR.full_name,
             ),
         ),
-        # The consumer that records training runs in MLflow (``forge_orchestrator.tracking_consumer``).
+        # The consumer that records training runs in MLflow (``forge_orchestrator.tracking.consumer``).
         (
             "orchestrator-tracking",
             (

@@ -58,7 +58,7 @@ from forge_kit.events import ensure_topics
 from forge_kit.grpckit import make_channel
 from forge_kit.paths import resolve_data_path
 from forge_kit.testing import MlflowServer, ServiceProcess
-from forge_orchestrator.tracking import RunFilter, Tracker
+from forge_orchestrator.tracking.tracker import RunFilter, Tracker
 
 pytestmark = [
     pytest.mark.integration,

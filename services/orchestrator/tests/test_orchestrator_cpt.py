@@ -47,7 +47,7 @@ from forge_orchestrator.promote.workflow import EvalAndPromoteWorkflow
 from forge_orchestrator.service import OrchestratorService
 from forge_orchestrator.sweep.activities import SweepActivities
 from forge_orchestrator.sweep.workflow import METRIC_SIGNAL, SweepWorkflow, TrialMetric
-from forge_orchestrator.tracking import PARENT_TAG, Tracker
+from forge_orchestrator.tracking.tracker import PARENT_TAG, Tracker
 from forge_orchestrator.training.model import CHECKPOINT_SIGNAL, CheckpointInfo
 from forge_orchestrator.training.workflow import TrainWorkflow
 

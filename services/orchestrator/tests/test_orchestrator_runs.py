@@ -18,8 +18,8 @@ import pytest
 from typer.testing import CliRunner
 
 from forge_kit.testing import MlflowServer
-from forge_orchestrator.runs_cli import app
-from forge_orchestrator.tracking import RunFilter, Tracker
+from forge_orchestrator.tracking.cli import app
+from forge_orchestrator.tracking.tracker import RunFilter, Tracker
 
 pytestmark = [pytest.mark.integration]
 
@@ -182,7 +182,7 @@ async def test_main_job_tracking_step_shows_the_closed_run_of_the_train_step(
     mlflow_server: MlflowServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from forge_orchestrator.main_job import tracking as main_job_tracking
-    from forge_orchestrator.tracking_consumer import render_loss_curve
+    from forge_orchestrator.tracking.consumer import render_loss_curve
 
     tracker = Tracker(mlflow_server.url)
     job_id = f"job-{uuid.uuid4().hex[:8]}"

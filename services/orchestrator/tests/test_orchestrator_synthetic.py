@@ -65,7 +65,7 @@ from forge_orchestrator.service import build_worker
 from forge_orchestrator.synthetic.activities import Endpoint
 from forge_orchestrator.synthetic.worker import build_synthetic_worker, synthetic_task_queue
 from forge_orchestrator.synthetic.workflow import SYNTHETIC_WORKFLOWS, SyntheticInput, SyntheticResult
-from forge_orchestrator.tracking import RunFilter, Tracker
+from forge_orchestrator.tracking.tracker import RunFilter, Tracker
 from forge_orchestrator.training.model import CHECKPOINT_SIGNAL, CheckpointInfo
 from forge_training.synthetic.problems import ProgrammaticTeacher
 from forge_training.synthetic_teacher import build_app

@@ -32,8 +32,8 @@ from forge_kit.events import TOPICS, KafkaPublisher, ProcessedEvent, ensure_topi
 from forge_kit.objectstore import ObjectStore
 from forge_kit.testing import MlflowServer, ServiceProcess, TansuBroker, TemporalDevServer, eventkeys
 from forge_orchestrator.activities import SchedulerActivities, SubmitJobInput
-from forge_orchestrator.tracking import PARENT_TAG, RunFilter, Tracker
-from forge_orchestrator.tracking_consumer import RunRecorder, SchedulerJobs
+from forge_orchestrator.tracking.consumer import RunRecorder, SchedulerJobs
+from forge_orchestrator.tracking.tracker import PARENT_TAG, RunFilter, Tracker
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.integration]
 

@@ -29,8 +29,8 @@ from forge_kit.events import (
 )
 from forge_kit.testing import MlflowServer, ServiceProcess, TansuBroker, eventkeys
 from forge_orchestrator.activities import SchedulerActivities, SubmitJobInput
-from forge_orchestrator.tracking import RunFilter, Tracker, unreachable
-from forge_orchestrator.tracking_consumer import RunRecorder, SchedulerJobs
+from forge_orchestrator.tracking.consumer import RunRecorder, SchedulerJobs
+from forge_orchestrator.tracking.tracker import RunFilter, Tracker, unreachable
 
 TEAM = "tracking-outage"
 

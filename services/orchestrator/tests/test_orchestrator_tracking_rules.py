@@ -10,15 +10,7 @@ from pathlib import Path
 import pytest
 
 from forge_kit.testing import MlflowServer
-from forge_orchestrator.tracking import (
-    RunFilter,
-    TrackedRun,
-    Tracker,
-    differing_params,
-    filter_value,
-    valid_key,
-)
-from forge_orchestrator.tracking_consumer import (
+from forge_orchestrator.tracking.consumer import (
     JobInfo,
     RunRecorder,
     job_params,
@@ -26,6 +18,14 @@ from forge_orchestrator.tracking_consumer import (
     manifest_params,
     overrides_of,
     render_loss_curve,
+)
+from forge_orchestrator.tracking.tracker import (
+    RunFilter,
+    TrackedRun,
+    Tracker,
+    differing_params,
+    filter_value,
+    valid_key,
 )
 
 

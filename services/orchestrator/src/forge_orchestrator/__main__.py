@@ -46,7 +46,7 @@ from forge_orchestrator.synthetic.worker import (
     endpoints,
     synthetic_task_queue,
 )
-from forge_orchestrator.tracking import Tracker
+from forge_orchestrator.tracking.tracker import Tracker
 
 
 def catch_up_topics(settings: OrchestratorSettings) -> list[str]:
@@ -71,7 +71,7 @@ def agent_logs(app: ServiceApp, settings: OrchestratorSettings) -> AgentEventLog
 def add_tracking(app: ServiceApp, db: Database, settings: OrchestratorSettings) -> None:
     """The consumer that records training runs in MLflow (its own group, so it neither delays
     nor is delayed by the workflows' consumer)."""
-    from forge_orchestrator.tracking_consumer import RunRecorder, SchedulerJobs, git_commit
+    from forge_orchestrator.tracking.consumer import RunRecorder, SchedulerJobs, git_commit
 
     jobs = SchedulerJobs(settings.scheduler_target, settings.scheduler_token.get_secret_value())
     recorder = RunRecorder(

@@ -145,8 +145,8 @@ app.command("show", help="Same as `get`.")(get)
 
 def mlflow_links(uri: str, workflow_id: str) -> list[str]:
     """The MLflow pages of the runs a workflow's jobs made; none when MLflow is not reachable."""
-    from forge_orchestrator.runs_cli import tracker_for
-    from forge_orchestrator.tracking import RunFilter
+    from forge_orchestrator.tracking.cli import tracker_for
+    from forge_orchestrator.tracking.tracker import RunFilter
 
     try:
         runs = tracker_for(uri).find_runs(RunFilter(workflow_id=workflow_id), max_results=20)

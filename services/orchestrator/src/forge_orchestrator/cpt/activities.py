@@ -19,7 +19,7 @@ from typing import Any
 from temporalio import activity
 
 from forge_experiments import cptreport
-from forge_orchestrator.tracking import PARENT_TAG, TAG_ROLE, TAG_WORKFLOW, Tracker
+from forge_orchestrator.tracking.tracker import PARENT_TAG, TAG_ROLE, TAG_WORKFLOW, Tracker
 
 CURVE_METRICS = (
     "general_fraction",

@@ -26,7 +26,7 @@ from forge.orchestrator.v1 import orchestrator_pb2
 
 from forge_kit.mainjob import MainJobContext
 from forge_kit.orchestrator_client import OrchestratorClient, response_to_dict, status_name
-from forge_orchestrator.tracking import Tracker
+from forge_orchestrator.tracking.tracker import Tracker
 
 #: The train step's team: its quota (set by that step) covers the two simulated GPUs of
 #: ``forge up``'s agents, so the trials are placed as soon as a GPU is free.

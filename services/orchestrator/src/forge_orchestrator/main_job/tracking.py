@@ -12,7 +12,7 @@ import asyncio
 import time
 
 from forge_kit.mainjob import MainJobContext
-from forge_orchestrator.tracking import RunFilter, Tracker
+from forge_orchestrator.tracking.tracker import RunFilter, Tracker
 
 #: How long the run may take to show up closed after the train step returned.
 TRACKING_WAIT_S = 120.0

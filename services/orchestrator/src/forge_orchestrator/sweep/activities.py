@@ -32,7 +32,7 @@ INDEX_ATTR = "forge_index"
 
 
 class Tracker(Protocol):
-    """What the sweep needs of experiment tracking (``forge_orchestrator.tracking.Tracker``)."""
+    """What the sweep needs of experiment tracking (``forge_orchestrator.tracking.tracker.Tracker``)."""
 
     def ensure_sweep_run(self, sweep_id: str, name: str, params: dict[str, Any]) -> str: ...
 

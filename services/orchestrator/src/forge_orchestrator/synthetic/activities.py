@@ -113,7 +113,7 @@ class TrackInput:
 
 
 class Tracker(Protocol):
-    """What the workflow needs of experiment tracking (``forge_orchestrator.tracking.Tracker``)."""
+    """What the workflow needs of experiment tracking (``forge_orchestrator.tracking.tracker.Tracker``)."""
 
     def ensure_workflow_run(self, workflow_id: str, role: str, name: str, params: dict[str, Any]) -> str: ...
 

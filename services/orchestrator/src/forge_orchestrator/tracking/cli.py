@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from forge_kit import clitools
-from forge_orchestrator.tracking import (
+from forge_orchestrator.tracking.tracker import (
     PARENT_TAG,
     TAG_JOB,
     TAG_RECIPE,

@@ -6,7 +6,7 @@ handler's database writes) and inherits whatever verification the kit's consumer
 
 - ``JobStateChanged`` of a training job (its labels name a ``recipe``: the training workflow and
   sweep trials set it): the job's MLflow run is made (:meth:`Tracker.ensure_job_run`) with tags
-  from the job (:data:`~forge_orchestrator.tracking.TAG_JOB` …; ``sweep_id``/``trial`` labels
+  from the job (:data:`~forge_orchestrator.tracking.tracker.TAG_JOB` …; ``sweep_id``/``trial`` labels
   become the sweep tags and the sweep's parent run its parent) and params (recipe, overrides
   from the job's command, code version). A terminal state closes the run (SUCCEEDED → FINISHED,
   FAILED → FAILED, CANCELLED → KILLED) and logs the loss/LR curve rendered from the run's metrics.
@@ -51,7 +51,7 @@ from forge_kit.grpckit import LazyChannel
 from forge_kit.objectstore import ObjectStore
 from forge_orchestrator.activities import state_name
 from forge_orchestrator.store import TrackedRunRow
-from forge_orchestrator.tracking import (
+from forge_orchestrator.tracking.tracker import (
     TAG_CHECKPOINT,
     TAG_RECIPE,
     TAG_SWEEP,
@@ -139,7 +139,7 @@ def overrides_of(command: Sequence[str]) -> list[str]:
 
 
 def job_tags(job: JobInfo) -> dict[str, str]:
-    """The run's tags from the job: the contract in :mod:`forge_orchestrator.tracking`."""
+    """The run's tags from the job: the contract in :mod:`forge_orchestrator.tracking.tracker`."""
     tags = {TAG_TEAM: job.team, TAG_RECIPE: job.labels.get("recipe", "")}
     for label, tag in (("workflow_id", TAG_WORKFLOW), ("sweep_id", TAG_SWEEP), ("trial", TAG_TRIAL)):
         if job.labels.get(label):
