@@ -164,3 +164,17 @@ def test_a_round_refuses_a_reward_model_that_judges_length() -> None:
     assert reward_gate(judge, gates=round_gates(params)) == ""
     no_strata = {k: v for k, v in detector.items() if k != "by_length"}
     assert "no 'by_length'" in reward_gate(no_strata, gates=round_gates(params))
+
+
+def test_the_round_report_carries_every_field_the_caller_sets_in_the_contract() -> None:
+    """The workflow's round record and the feedback service's (``RoundReport``) are each side's own
+    type of one proto message, ``RlhfRound``: a field added to the contract must reach both, so
+    each side checks its type against the message (the service sets the timestamps)."""
+    from dataclasses import fields
+
+    from forge.feedback.v1 import feedback_pb2
+
+    from forge_orchestrator.rlhf.activities import RoundReportInput
+
+    contract = {f.name for f in feedback_pb2.RlhfRound.DESCRIPTOR.fields} - {"started_at", "updated_at"}
+    assert {f.name for f in fields(RoundReportInput)} == contract

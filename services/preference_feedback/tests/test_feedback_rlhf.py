@@ -267,3 +267,14 @@ async def test_only_admins_export_snapshots_or_record_rounds_over_grpc(
             assert (stored.workflow_id, stored.status, stored.step) == ("rlhf-1", "running", "buffering")
             listed = await admin.ListRlhfRounds(feedback_pb2.ListRlhfRoundsRequest(workflow_id="rlhf-1"))
             assert [r.round for r in listed.rounds] == [1]
+
+
+def test_the_round_report_is_the_contracts_message_less_what_the_service_sets() -> None:
+    """``RoundReport`` is this service's type of ``RlhfRound`` (the workflow has its own): a field
+    added to the message must reach it (the service sets the timestamps)."""
+    from dataclasses import fields
+
+    from forge.feedback.v1 import feedback_pb2
+
+    contract = {f.name for f in feedback_pb2.RlhfRound.DESCRIPTOR.fields} - {"started_at", "updated_at"}
+    assert {f.name for f in fields(RoundReport)} == contract
