@@ -222,6 +222,7 @@ async def deploy_and_ask(
 async def ask(gateway: Endpoint, name: str, version: str) -> dict[str, object]:
     """Wait until the gateway lists ``name`` at ``version``, then ask it about a generated scene
     through the gateway, and the same question without the image (step 3 of the module docstring)."""
+    served = label(name, version)
     async with httpx.AsyncClient(timeout=HTTP_S) as client:
         waited = await _wait_listed(client, gateway, name, version)
     png, question, expected, qtype = await asyncio.to_thread(scene_question)
@@ -232,7 +233,7 @@ async def ask(gateway: Endpoint, name: str, version: str) -> dict[str, object]:
 
         async def chat(content: list[dict[str, Any]]) -> tuple[Any, str]:
             raw = await sdk.chat.completions.with_raw_response.create(
-                model=f"{name}:{version}",
+                model=served,
                 messages=[{"role": "user", "content": content}],  # type: ignore[misc,list-item]
                 max_tokens=8,
                 temperature=0,
@@ -250,9 +251,9 @@ async def ask(gateway: Endpoint, name: str, version: str) -> dict[str, object]:
 
     return {
         "ok": bool(
-            usage and usage.completion_tokens > 0 and image_tokens > 0 and served_by == f"{name}:{version}"
+            usage and usage.completion_tokens > 0 and image_tokens > 0 and served_by == served
         ),
-        "model": f"{name}:{version}",
+        "model": served,
         "served_by": served_by,
         "gateway_saw_model_after_s": round(waited, 2),
         "image_bytes": len(png),
@@ -278,7 +279,7 @@ async def _wait_listed(client: httpx.AsyncClient, gateway: Endpoint, name: str, 
                 return time.monotonic() - started
         if time.monotonic() - started > WAIT_GATEWAY_S:
             raise VlmStepError(
-                f"the gateway did not list {name}:{version} within {WAIT_GATEWAY_S:.0f}s "
+                f"the gateway did not list {label(name, version)} within {WAIT_GATEWAY_S:.0f}s "
                 f"(its /v1/models: HTTP {reply.status_code} {reply.text[:500]})"
             )
         await asyncio.sleep(0.5)
