@@ -21,9 +21,9 @@ from forge_kit.paths import data_dir
 from forge_kit.testing import ServiceProcess, TemporalDevServer
 from forge_orchestrator.activities import SchedulerActivities
 from forge_orchestrator.eval_activities import EvalActivities
+from forge_orchestrator.event_handlers import CheckpointHandler
 from forge_orchestrator.promote.model import EvalAndPromoteInput, EvalAndPromoteResult
 from forge_orchestrator.promote.service import validate_eval_and_promote
-from forge_orchestrator.routers import CheckpointRouter
 from forge_orchestrator.service import build_worker, parse_input
 
 EVAL_TOKEN = "eval-test-token"
@@ -174,10 +174,10 @@ async def test_a_published_checkpoint_starts_one_idempotent_eval_workflow() -> N
     from forge.events.v1 import events_pb2
 
     starter = RecordingStarter()
-    router = CheckpointRouter(starter, suite="tinyshakespeare_ppl", limit=50, tier="smoke")
+    handler = CheckpointHandler(starter, suite="tinyshakespeare_ppl", limit=50, tier="smoke")
     event = events_pb2.CheckpointPublished(run_id="pretrain-7", step=2000, uri="file:///ckpt/hf")
-    await router.handle(event, session=None)  # type: ignore[arg-type]
-    await router.handle(events_pb2.CheckpointPublished(run_id="x", step=1), session=None)  # type: ignore[arg-type]
+    await handler.handle(event, session=None)  # type: ignore[arg-type]
+    await handler.handle(events_pb2.CheckpointPublished(run_id="x", step=1), session=None)  # type: ignore[arg-type]
     [(kind, data, workflow_id)] = starter.started
     assert kind == "eval_and_promote" and workflow_id == "eval-pretrain-7-step-2000"
     assert data["model_name"] == "pretrain-7" and data["model_version"] == "step-2000"
@@ -205,7 +205,7 @@ def test_bad_eval_and_promote_input_names_the_field(change: dict[str, object], f
 
 
 def test_an_unknown_tier_is_refused_when_the_workflow_is_started() -> None:
-    """The API's input parser (StartWorkflow, and the checkpoint router's start) refuses it with
+    """The API's input parser (StartWorkflow, and the checkpoint handler's start) refuses it with
     the field named, before any workflow exists; the two known tiers are accepted."""
     from forge_kit import errors
 

@@ -18,7 +18,7 @@ from forge_orchestrator.config import OrchestratorSettings
 from forge_orchestrator.deploy.model import DeploymentInput, validate_deployment
 from forge_orchestrator.deploy.promoted import PromotionRolloutInput, validate_promotion_rollout
 from forge_orchestrator.deploy.promotion import deployment_name, lay_out, promotion_serving
-from forge_orchestrator.routers import PromotionRouter
+from forge_orchestrator.event_handlers import PromotionHandler
 from forge_orchestrator.service import KINDS, parse_input
 from forge_orchestrator.synthetic.model import SyntheticInput, validate_synthetic
 from forge_orchestrator.synthetic.workflow import student_ref
@@ -83,7 +83,7 @@ def test_replica_interpreters_are_absolute_or_looked_up_on_path(
 
 
 class RecordingStarter:
-    """The :class:`~forge_orchestrator.routers.WorkflowStarter` seam, recording what it starts."""
+    """The :class:`~forge_orchestrator.event_handlers.WorkflowStarter` seam, recording what it starts."""
 
     def __init__(self) -> None:
         self.started: list[tuple[str, dict[str, object], str]] = []
@@ -109,10 +109,10 @@ def _promoted(
 
 async def test_every_serving_promotion_starts_one_rollout_named_after_its_event() -> None:
     starter = RecordingStarter()
-    router = PromotionRouter(starter, poll_s=0.5)
-    await router.handle(_promoted("production", "v1", "v0", rollback=True), session=None)  # type: ignore[arg-type]
-    await router.handle(_promoted("canary", "v2"), session=None)  # type: ignore[arg-type]
-    await router.handle(_promoted("archived", "v3"), session=None)  # type: ignore[arg-type]
+    handler = PromotionHandler(starter, poll_s=0.5)
+    await handler.handle(_promoted("production", "v1", "v0", rollback=True), session=None)  # type: ignore[arg-type]
+    await handler.handle(_promoted("canary", "v2"), session=None)  # type: ignore[arg-type]
+    await handler.handle(_promoted("archived", "v3"), session=None)  # type: ignore[arg-type]
     assert starter.started == [
         (
             "promotion_rollout",
@@ -139,7 +139,7 @@ async def test_every_serving_promotion_starts_one_rollout_named_after_its_event(
             "promotion-rollout-ev-canary-v2",
         ),
     ]
-    # What the router starts is a valid input of the workflow kind it names.
+    # What the handler starts is a valid input of the workflow kind it names.
     for kind, data, _ in starter.started:
         KINDS[kind].validate(parse_input(KINDS[kind].input, data))
 

@@ -224,7 +224,7 @@ class Agent:
         self.ran[suffix] = job_id
         job = (await stub.GetJob(scheduler_pb2.GetJobRequest(job_id=job_id))).job
         assert job.spec.labels["workflow_id"] == handle.id
-        # The loop's training jobs keep the checkpoint router from evaluating their checkpoints.
+        # The loop's training jobs keep the checkpoint handler from evaluating their checkpoints.
         assert job.spec.labels.get(AUTO_EVAL_LABEL) == ("false" if suffix in ("r1-rm", "r1-dpo") else None)
         run_dir = self._runs / job_id
         run_dir.mkdir(parents=True)

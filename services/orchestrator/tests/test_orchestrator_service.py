@@ -24,8 +24,8 @@ from forge_kit.events import ProcessedEvent
 from forge_kit.testing import eventkeys
 from forge_orchestrator.api import view_to_proto
 from forge_orchestrator.cli import resolve_token
+from forge_orchestrator.event_handlers import CheckpointHandler, JobEventHandler
 from forge_orchestrator.inbox import JobEvent
-from forge_orchestrator.routers import CheckpointRouter, JobEventRouter
 from forge_orchestrator.routing import AUTO_EVAL_LABEL
 from forge_orchestrator.service import (
     KINDS,
@@ -127,7 +127,7 @@ def _consumer(db: Database, signaller: RecordingSignaller) -> EventConsumer:
         bootstrap="unused:9",
         group_id="orchestrator",
         topics=[TOPIC],
-        handler=JobEventRouter(signaller).handle,
+        handler=JobEventHandler(signaller).handle,
         verifier=eventkeys.verifier(),
         max_attempts=1,
     )
@@ -195,11 +195,11 @@ async def _checkpoint_of_a_job(
     job.labels.update({"workflow_id": "rlhf-1-r1-dpo", **labels})
     checkpoint = events_pb2.CheckpointPublished(job_id="job-7", run_id="job-7", step=10, uri="/runs/job-7/hf")
     checkpoint.meta.event_id = "ev-ckpt"
-    router = CheckpointRouter(starter, suite="tinyshakespeare_ppl", limit=5, signaller=signaller)
+    handler = CheckpointHandler(starter, suite="tinyshakespeare_ppl", limit=5, signaller=signaller)
     async with db.session() as session:
-        await JobEventRouter(signaller).handle(job, session)
+        await JobEventHandler(signaller).handle(job, session)
     async with db.session() as session:
-        await router.handle(checkpoint, session)
+        await handler.handle(checkpoint, session)
     return signaller, starter
 
 
@@ -229,11 +229,11 @@ async def test_typed_routing_hints_route_without_labels(db: Database) -> None:
     job.routing.skip_auto_eval = True
     checkpoint = events_pb2.CheckpointPublished(job_id="job-8", run_id="job-8", step=3, uri="/runs/job-8/hf")
     checkpoint.meta.event_id = "ev-ckpt-8"
-    router = CheckpointRouter(starter, suite="tinyshakespeare_ppl", limit=5, signaller=signaller)
+    handler = CheckpointHandler(starter, suite="tinyshakespeare_ppl", limit=5, signaller=signaller)
     async with db.session() as session:
-        await JobEventRouter(signaller).handle(job, session)
+        await JobEventHandler(signaller).handle(job, session)
     async with db.session() as session:
-        await router.handle(checkpoint, session)
+        await handler.handle(checkpoint, session)
     assert [owner for owner, _ in signaller.checkpoints] == ["rlhf-2-r1-dpo"]
     assert starter.started == []
 

@@ -6,7 +6,7 @@ trials are submitted to the real scheduler and the Optuna study is on SQLite. Th
 trainer agent and the broker: it runs each trial's job command exactly as an agent would
 (``FORGE_RUN_DIR``, ``FORGE_JOB_ID``), and hands its state changes (``JobStateChanged``) and its
 ``metrics.jsonl`` lines (``TrainingMetrics``) to the orchestrator's own consumer handlers
-(:class:`JobEventRouter`, :class:`MetricsRouter`), which record and signal as they do from Kafka.
+(:class:`JobEventHandler`, :class:`MetricsHandler`), which record and signal as they do from Kafka.
 """
 
 from __future__ import annotations
@@ -31,11 +31,11 @@ from forge_kit.grpckit import make_channel
 from forge_kit.paths import resolve_data_path
 from forge_kit.testing import ServiceProcess, TemporalDevServer
 from forge_orchestrator.activities import SchedulerActivities
+from forge_orchestrator.event_handlers import JobEventHandler, TemporalSignaller
 from forge_orchestrator.inbox import PROGRESS_QUERY
-from forge_orchestrator.routers import JobEventRouter, TemporalSignaller
 from forge_orchestrator.service import OrchestratorService, build_worker
 from forge_orchestrator.sweep.activities import SweepActivities, study_storage_url
-from forge_orchestrator.sweep.router import MetricsRouter, TemporalSweepSignaller
+from forge_orchestrator.sweep.metrics_handler import MetricsHandler, TemporalSweepSignaller
 from forge_orchestrator.sweep.workflow import SweepResult
 
 pytestmark = [
@@ -71,8 +71,8 @@ class Agent:
         self, handle: WorkflowHandle[Any, Any], stub: Any, db: Database, client: Client, runs: Path
     ) -> None:
         self._handle, self._stub, self._db, self._runs = handle, stub, db, runs
-        self._jobs = JobEventRouter(TemporalSignaller(client))
-        self._metrics = MetricsRouter(TemporalSweepSignaller(client))
+        self._jobs = JobEventHandler(TemporalSignaller(client))
+        self._metrics = MetricsHandler(TemporalSweepSignaller(client))
         self.ran: dict[str, int] = {}
         """job id → the run's exit status."""
 

@@ -1,5 +1,5 @@
 """The sweep report from a sweep's state, the CLI refusing a bad space before any call, and the
-TrainingMetrics router sending a sweep only its followed metric."""
+TrainingMetrics handler sending a sweep only its followed metric."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from forge_experiments.rungtrust import rung_trust
 from forge_kit.db import Database, utcnow
 from forge_orchestrator.store import JobEventRow
 from forge_orchestrator.sweep.cli import app, sweep_state
+from forge_orchestrator.sweep.metrics_handler import MetricsHandler
 from forge_orchestrator.sweep.model import run_metrics
 from forge_orchestrator.sweep.report import (
     configurations,
@@ -22,7 +23,6 @@ from forge_orchestrator.sweep.report import (
     trust_line,
     write_report,
 )
-from forge_orchestrator.sweep.router import MetricsRouter
 from forge_orchestrator.sweep.workflow import TrialMetric
 
 
@@ -151,9 +151,9 @@ class FakeSweepSignaller:
         return True
 
 
-async def test_metrics_router_signals_only_a_sweeps_followed_metric(db: Database) -> None:
+async def test_metrics_handler_signals_only_a_sweeps_followed_metric(db: Database) -> None:
     signaller = FakeSweepSignaller({"sweep-1": "val_loss"})
-    router = MetricsRouter(signaller)
+    handler = MetricsHandler(signaller)
     async with db.session() as session:
         for job, workflow in (("j1", "sweep-1"), ("j2", "training-1")):
             session.add(
@@ -172,13 +172,13 @@ async def test_metrics_router_signals_only_a_sweeps_followed_metric(db: Database
             event.meta.event_id = f"{job}-{step}"
             return event
 
-        await router.handle(metrics("j1", 10, loss=3.0), session)  # no val_loss at this step
-        await router.handle(metrics("j1", 9, loss=3.0, val_loss=2.5), session)
-        await router.handle(metrics("j2", 9, val_loss=2.0), session)  # a training workflow's job
-        await router.handle(metrics("j-unknown", 9, val_loss=1.0), session)  # no workflow started it
+        await handler.handle(metrics("j1", 10, loss=3.0), session)  # no val_loss at this step
+        await handler.handle(metrics("j1", 9, loss=3.0, val_loss=2.5), session)
+        await handler.handle(metrics("j2", 9, val_loss=2.0), session)  # a training workflow's job
+        await handler.handle(metrics("j-unknown", 9, val_loss=1.0), session)  # no workflow started it
         # A rung's cooldown branch (its own metrics line): signalled flagged, under its own event id.
-        await router.handle(metrics("j1", 3, cooldown_val_loss=2.7, cooldown_steps=1.0), session)
-        await router.handle(metrics("j2", 3, cooldown_val_loss=2.0), session)
+        await handler.handle(metrics("j1", 3, cooldown_val_loss=2.7, cooldown_steps=1.0), session)
+        await handler.handle(metrics("j2", 3, cooldown_val_loss=2.0), session)
     assert signaller.sent == [
         ("sweep-1", TrialMetric("j1", 9, 2.5, "j1-9")),
         ("sweep-1", TrialMetric("j1", 3, 2.7, "j1-3/cooldown", cooldown=True)),

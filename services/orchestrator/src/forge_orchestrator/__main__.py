@@ -24,22 +24,22 @@ from forge_orchestrator.deploy.activities import DeployActivities
 from forge_orchestrator.deploy.promotion import PromotionActivities, promotion_serving
 from forge_orchestrator.deploy.service import DeploymentService
 from forge_orchestrator.eval_activities import EvalActivities
+from forge_orchestrator.event_handlers import (
+    CheckpointHandler,
+    EventHandlers,
+    JobEventHandler,
+    PromotionHandler,
+    TemporalSignaller,
+)
 from forge_orchestrator.grant import StartGuard, grant_key
 from forge_orchestrator.identity import SchedulerAuthenticator
 from forge_orchestrator.promote.canary_activities import CanaryActivities
 from forge_orchestrator.rlhf.activities import RlhfActivities
 from forge_orchestrator.rlhf.sampling import RlhfSampler
 from forge_orchestrator.rlhf.worker import RlhfSettings, build_rlhf_worker, rlhf_task_queue
-from forge_orchestrator.routers import (
-    CheckpointRouter,
-    EventRouters,
-    JobEventRouter,
-    PromotionRouter,
-    TemporalSignaller,
-)
 from forge_orchestrator.service import KINDS, OrchestratorService, build_worker, connect_temporal
 from forge_orchestrator.sweep.activities import SweepActivities
-from forge_orchestrator.sweep.router import MetricsRouter, TemporalSweepSignaller
+from forge_orchestrator.sweep.metrics_handler import MetricsHandler, TemporalSweepSignaller
 from forge_orchestrator.synthetic.worker import (
     SyntheticSettings,
     build_synthetic_worker,
@@ -230,9 +230,9 @@ async def main() -> None:
     workflows = OrchestratorService(client, settings.task_queue, kinds=kinds, grant_key=key)
     if settings.kafka_enabled:
         signaller = TemporalSignaller(client)
-        routers = EventRouters(
-            job_events=JobEventRouter(signaller),
-            checkpoints=CheckpointRouter(
+        handlers = EventHandlers(
+            job_events=JobEventHandler(signaller),
+            checkpoints=CheckpointHandler(
                 workflows,
                 suite=settings.release_suite,
                 limit=settings.release_limit,
@@ -240,7 +240,7 @@ async def main() -> None:
                 signaller=signaller,
             ),
             # Every ModelPromoted rolls replicas where promotions deploy (deploy/promoted.py).
-            promotions=PromotionRouter(workflows, poll_s=settings.deploy_poll_s) if serving else None,
+            promotions=PromotionHandler(workflows, poll_s=settings.deploy_poll_s) if serving else None,
         )
         topics = [
             events_pb2.JobStateChanged.DESCRIPTOR.full_name,
@@ -251,7 +251,7 @@ async def main() -> None:
         consumer = app.event_consumer(
             group_id=settings.consumer_group,
             topics=[TOPICS[name] for name in topics],
-            handler=MetricsRouter(TemporalSweepSignaller(client), then=routers.handle).handle,
+            handler=MetricsHandler(TemporalSweepSignaller(client), then=handlers.handle).handle,
             session_timeout_ms=settings.consumer_session_timeout_ms,
         )
         # The broker may lose events (the local one keeps nothing across a restart): read job

@@ -2,7 +2,7 @@
 the progress query, and submitting and cancelling the job.
 
 Workflows that wait on scheduler jobs receive the job's state changes as the ``job_event`` signal,
-sent by this process's Kafka consumer (``routers.JobEventRouter``) for every job labelled with
+sent by this process's Kafka consumer (``event_handlers.JobEventHandler``) for every job labelled with
 the workflow's id. Signals may repeat (at-least-once delivery); each carries its event id and a
 workflow applies an event id once. Deterministic, as workflow code must be.
 """
@@ -72,7 +72,7 @@ class JobEventInbox:
         return {"step": self._step, "job_id": self._job_id, "states_seen": self._states()}
 
     def _mine(self) -> list[JobEvent]:
-        """Events of the job this workflow follows (the router may signal others it submitted)."""
+        """Events of the job this workflow follows (the job-event handler may signal others it submitted)."""
         return [e for e in self._events if e.job_id == self._job_id]
 
     def _states(self) -> list[str]:

@@ -4,7 +4,7 @@
 workflow type and its input, starts it on its kind's task queue (the main worker's, or
 ``<queue>-rlhf`` for the RLHF loop) and returns at once.
 The handlers of its Kafka consumer, which route job events and checkpoints to workflows, are in
-:mod:`forge_orchestrator.routers`.
+:mod:`forge_orchestrator.event_handlers`.
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ KINDS: dict[str, WorkflowKind] = {
         "vlm_curriculum", VlmCurriculumWorkflow, VlmCurriculumInput, validate_vlm_curriculum
     ),
     "cpt": WorkflowKind("cpt", CptWorkflow, CptInput, validate_cpt),
-    # Started by the ModelPromoted consumer (routers.PromotionRouter); an admin may re-run one.
+    # Started by the ModelPromoted consumer (event_handlers.PromotionHandler); an admin may re-run one.
     "promotion_rollout": WorkflowKind(
         "promotion_rollout", PromotionRolloutWorkflow, PromotionRolloutInput, validate_promotion_rollout
     ),

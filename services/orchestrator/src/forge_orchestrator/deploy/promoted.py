@@ -3,7 +3,7 @@
 Eval's registry publishes ``ModelPromoted`` for every change of ``canary`` or ``production``,
 whoever made it: ``eval_and_promote``, an operator's ``forge eval promote`` or ``forge eval
 rollback``, a canary decision (``forge eval rollout``, or the guarded canary's analysis). The
-orchestrator's event consumer (:class:`~forge_orchestrator.routers.PromotionRouter`) starts this
+orchestrator's event consumer (:class:`~forge_orchestrator.event_handlers.PromotionHandler`) starts this
 workflow for each, with an id derived from the event, so a redelivered event does nothing twice.
 
 Why here, and not in the promote API: eval owns the registry and cannot call back into the

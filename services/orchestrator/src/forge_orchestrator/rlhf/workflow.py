@@ -207,7 +207,7 @@ class RlhfWorkflow(RoundCollection):
             timeout_s=params.job_timeout_s,
             checkpoint_wait_s=params.checkpoint_wait_s,
             # The loop gates its reward model itself and hands the DPO checkpoint to
-            # eval-and-promote after the drift check: the checkpoint router must not as well.
+            # eval-and-promote after the drift check: the checkpoint handler must not as well.
             labels={AUTO_EVAL_LABEL: "false"},
         )
 

@@ -1,2 +1,2 @@
-"""Sweeps and ablations: the ``sweep`` workflow, its activities, the metrics router, the report
+"""Sweeps and ablations: the ``sweep`` workflow, its activities, the metrics handler, the report
 and the ``forge sweep`` CLI."""

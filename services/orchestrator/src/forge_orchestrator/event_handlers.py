@@ -1,10 +1,10 @@
-"""The orchestrator's event routers: handlers of its Kafka consumer, in the consumer's transaction.
+"""The orchestrator's event handlers: what its Kafka consumer does with each event, in the consumer's transaction.
 
-:class:`JobEventRouter`: a ``JobStateChanged`` event whose job carries a ``workflow_id`` label is
-recorded in ``job_events`` and signalled to that workflow. :class:`CheckpointRouter` hands a
+:class:`JobEventHandler`: a ``JobStateChanged`` event whose job carries a ``workflow_id`` label is
+recorded in ``job_events`` and signalled to that workflow. :class:`CheckpointHandler` hands a
 published checkpoint to that workflow and starts its eval-and-promote (unless the job is labelled
-``auto_eval=false``). :class:`PromotionRouter` starts a ``promotion_rollout`` workflow for each
-``ModelPromoted``. :class:`EventRouters` sends each event to the router of its type.
+``auto_eval=false``). :class:`PromotionHandler` starts a ``promotion_rollout`` workflow for each
+``ModelPromoted``. :class:`EventHandlers` sends each event to the handler of its type.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ log = structlog.get_logger(__name__)
 
 
 class WorkflowSignaller(Protocol):
-    """Delivers a job event to a workflow. Called by :class:`JobEventRouter` once per new event."""
+    """Delivers a job event to a workflow. Called by :class:`JobEventHandler` once per new event."""
 
     async def job_event(self, workflow_id: str, event: JobEvent) -> bool:
         """Signal ``event``; False when the workflow no longer runs (closed or unknown). Raises
@@ -68,7 +68,7 @@ async def signal_if_running(
 ) -> bool:
     """Signal ``name`` with ``payload`` to the workflow: False when it no longer runs (Temporal
     answers NOT_FOUND for a closed or unknown one), so the event is dropped, not retried forever.
-    Any other failure raises, and the consumer retries. Every router that signals uses this."""
+    Any other failure raises, and the consumer retries. Every handler that signals uses this."""
     handle = client.get_workflow_handle(workflow_id)
     try:
         await handle.signal(name, payload, rpc_timeout=rpc_timeout)
@@ -79,7 +79,7 @@ async def signal_if_running(
     return True
 
 
-class JobEventRouter:
+class JobEventHandler:
     """The job-event consumer's handler: record, then signal, in the consumer's transaction.
 
     The row and the consumer's processed-event mark commit only after the signal went out, so a
@@ -119,7 +119,7 @@ class JobEventRouter:
 
 
 class WorkflowStarter(Protocol):
-    """Starts a workflow by type (the :class:`OrchestratorService`); used by event routers."""
+    """Starts a workflow by type (the :class:`OrchestratorService`); used by event handlers."""
 
     async def start_workflow(
         self, workflow_type: str, data: Mapping[str, object], workflow_id: str = ""
@@ -127,7 +127,7 @@ class WorkflowStarter(Protocol):
         """Start it (idempotent on ``workflow_id``); returns (workflow id, run id)."""
 
 
-class CheckpointRouter:
+class CheckpointHandler:
     """Consumer handler for ``CheckpointPublished``: each published checkpoint starts one
     eval-and-promote workflow, whose id is derived from the checkpoint so a redelivered event
     finds the workflow already there instead of evaluating twice.
@@ -202,7 +202,7 @@ class CheckpointRouter:
         log.info("checkpoint.eval_started", workflow_id=started, model=label(name, version), uri=event.uri)
 
 
-class PromotionRouter:
+class PromotionHandler:
     """Consumer handler for ``ModelPromoted`` (canary or production, made by anyone): starts the
     ``promotion_rollout`` workflow (:mod:`forge_orchestrator.deploy.promoted`) under an id derived
     from the event id, so a redelivered event finds it already started."""
@@ -229,12 +229,12 @@ class PromotionRouter:
 
 
 @dataclass(frozen=True)
-class EventRouters:
-    """One consumer, several topics: each event goes to the router of its type."""
+class EventHandlers:
+    """One consumer, several topics: each event goes to the handler of its type."""
 
-    job_events: JobEventRouter
-    checkpoints: CheckpointRouter
-    promotions: PromotionRouter | None = None
+    job_events: JobEventHandler
+    checkpoints: CheckpointHandler
+    promotions: PromotionHandler | None = None
     """None: promotions roll no replicas here."""
 
     async def handle(self, event: Message, session: AsyncSession) -> None:

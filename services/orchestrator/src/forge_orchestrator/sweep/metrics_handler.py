@@ -1,7 +1,7 @@
 """The ``TrainingMetrics`` consumer's handler for sweeps: a trial's metric reaches its sweep.
 
 A metrics event names its job; the job's workflow is known from the job's recorded
-``JobStateChanged`` events (``job_events``, written by the job-event router when the job
+``JobStateChanged`` events (``job_events``, written by the job-event handler when the job
 started). Only a workflow started as a sweep carries the followed metric's name in its memo
 (:data:`MEMO_METRIC`); for one, the event's value of that metric, if it has one, is signalled
 as ``trial_metric`` (job, step, value, event id), and so is its value after a rung's cooldown
@@ -26,7 +26,7 @@ from temporalio.client import Client
 from temporalio.service import RPCError, RPCStatusCode
 
 from forge_experiments.sweepspace import COOLDOWN_PREFIX
-from forge_orchestrator.routers import signal_if_running
+from forge_orchestrator.event_handlers import signal_if_running
 from forge_orchestrator.store import JobEventRow
 from forge_orchestrator.sweep.workflow import MEMO_METRIC, METRIC_SIGNAL, TrialMetric
 
@@ -67,13 +67,13 @@ class TemporalSweepSignaller:
         )
 
 
-class MetricsRouter:
+class MetricsHandler:
     """Consumer handler for ``TrainingMetrics`` (see the module docstring)."""
 
     def __init__(self, signaller: SweepSignaller, then: Handler | None = None) -> None:
         self._signaller = signaller
         self._then = then
-        """The handler of every other event (the consumer's other routers)."""
+        """The handler of every other event (the consumer's other handlers)."""
         self._followed: OrderedDict[str, str] = OrderedDict()
 
     async def _metric_of(self, workflow_id: str) -> str:
