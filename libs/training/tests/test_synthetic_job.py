@@ -1,4 +1,4 @@
-"""The synthetic-data workflow's stage jobs (``forge_training.synthetic_job``) over a real run folder:
+"""The synthetic-data workflow's stage jobs (``forge_training.synthetic.job``) over a real run folder:
 the command the orchestrator builds reaches the program with every option; ``curate`` verifies
 (planted errors caught, an unreadable line dropped with its reason), removes a problem that copies
 a benchmark's test question and writes the student's prompts; ``band`` turns recorded platform
@@ -16,7 +16,7 @@ import pytest
 
 from forge_experiments.jobcmd import JobCommandError, SyntheticStageCommand
 from forge_kit.testing.tiny_llama import save_tiny_llama
-from forge_training import synthetic_job
+from forge_training.synthetic import job as synthetic_job
 from forge_training.synthetic.problems import ProgrammaticTeacher, dumps, templates
 
 

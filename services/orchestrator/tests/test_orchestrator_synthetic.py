@@ -68,7 +68,7 @@ from forge_orchestrator.synthetic.workflow import SYNTHETIC_WORKFLOWS, Synthetic
 from forge_orchestrator.tracking.tracker import RunFilter, Tracker
 from forge_orchestrator.training.model import CHECKPOINT_SIGNAL, CheckpointInfo
 from forge_training.synthetic.problems import ProgrammaticTeacher
-from forge_training.synthetic_teacher import build_app
+from forge_training.synthetic.teacher import build_app
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio, pytest.mark.timeout(900)]
 HISTORIES = Path(__file__).parent / "histories"

@@ -1,6 +1,6 @@
 """The synthetic workflow's teacher client against real HTTP servers.
 
-- the programmatic teacher (``forge_training.synthetic_teacher``) served on a real socket: problems
+- the programmatic teacher (``forge_training.synthetic.teacher``) served on a real socket: problems
   and k solutions come back in the documented format, the same for a retried call; its refusals
   (an unknown template, a foreign problem id, a wrong token) are 4xx answers the client does not
   retry;
@@ -32,7 +32,7 @@ from forge_kit.http import HttpServer
 from forge_orchestrator.synthetic.activities import Endpoint, GenerateInput, SyntheticActivities
 from forge_orchestrator.synthetic.teacher import TeacherClient
 from forge_training.synthetic.problems import ProgrammaticTeacher, loads
-from forge_training.synthetic_teacher import build_app
+from forge_training.synthetic.teacher import build_app
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(120)]
 TOKEN = "teacher-test-token"

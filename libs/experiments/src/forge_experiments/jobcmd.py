@@ -4,7 +4,7 @@ A service that submits a job says *what* to run (:class:`TrainCommand`,
 :class:`PolicyCheckCommand`, :class:`RewardModelEvalCommand`) and gets the argument vector from here; none spells another
 package's module names or flags. The programs are the training library's
 (``forge_training.run``, ``forge_training.policy_check``, ``forge_training.rm.score``,
-``forge_training.synthetic_job``), installed beside the trainer agent;
+``forge_training.synthetic.job``), installed beside the trainer agent;
 its tests parse what these builders produce with the programs' own argument parsers.
 
 It lives here, not in the chassis: it is a contract between the submitters (the orchestrator's
@@ -25,7 +25,7 @@ POLICY_CHECK_MODULE = "forge_training.policy_check"
 """``python -m`` module of an RLHF drift check (KL, proxy reward, held-out agreement)."""
 RM_SCORE_MODULE = "forge_training.rm.score"
 """``python -m`` module scoring preference pairs with a reward-model checkpoint."""
-SYNTHETIC_MODULE = "forge_training.synthetic_job"
+SYNTHETIC_MODULE = "forge_training.synthetic.job"
 """``python -m`` module of one stage of the synthetic-data workflow (curate, band, heldout)."""
 SYNTHETIC_STAGES = ("curate", "band", "heldout")
 
@@ -166,7 +166,7 @@ _OPTION = re.compile(r"^[a-z][a-z0-9-]{0,63}$")
 
 @dataclass(frozen=True)
 class SyntheticStageCommand:
-    """``python -m forge_training.synthetic_job STAGE --work DIR [--option value ...]``: one stage
+    """``python -m forge_training.synthetic.job STAGE --work DIR [--option value ...]``: one stage
     of the synthetic-data workflow over the run's folder; writes ``DIR/<stage>.json``."""
 
     stage: str

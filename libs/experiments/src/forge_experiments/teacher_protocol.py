@@ -2,7 +2,7 @@
 
 The teacher is any OpenAI-compatible ``/v1/chat/completions`` endpoint. In production that is vLLM
 serving a strong model; on a machine without one, the training library's programmatic teacher
-(``python -m forge_training.synthetic_teacher``) serves the same format from templates, with a
+(``python -m forge_training.synthetic.teacher``) serves the same format from templates, with a
 configurable error rate. Both sides of the exchange use this one module: the orchestrator's
 teacher client builds requests and parses answers with it, the programmatic teacher parses
 requests and builds answers with it.

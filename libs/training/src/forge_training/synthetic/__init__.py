@@ -19,4 +19,8 @@ API (the synthetic-data workflow builds on these; each module's docstring has th
 - ``difficulty``: the ``Student`` protocol (``sample(prompts, n) -> completions``), the local
   ``HFStudent``, pass rates, the band filter and its histogram (``EmptyBandError``).
 - ``dataset``: token shards, the SFT ``.jsonl`` the ``sft`` task reads, content hash, lineage.
+- ``job``: the workflow's stage jobs (``python -m forge_training.synthetic.job STAGE --work DIR``:
+  curate, band, held-out eval) over one run folder.
+- ``teacher``: the programmatic teacher served over the OpenAI chat API (``python -m
+  forge_training.synthetic.teacher --port N``), what the workflow calls when no model teaches.
 """

@@ -2,7 +2,7 @@
 
 The format of the exchange (JSON in the chat messages) is :mod:`forge_experiments.teacher_protocol`. In
 production the endpoint is vLLM serving a strong model; on a machine without one it is the
-training library's programmatic teacher (``python -m forge_training.synthetic_teacher``), which
+training library's programmatic teacher (``python -m forge_training.synthetic.teacher``), which
 writes problems from templates and worked solutions with a configurable error rate.
 
 A teacher is an unreliable service, and its answers are hostile input. Each call:

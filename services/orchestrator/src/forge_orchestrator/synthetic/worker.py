@@ -34,7 +34,7 @@ class SyntheticSettings(ForgeSettings):
 
     teacher_url: str = "http://127.0.0.1:8071/v1"
     """OpenAI-compatible base URL of the teacher: vLLM serving a strong model in production; by
-    default the programmatic teacher (``python -m forge_training.synthetic_teacher``)."""
+    default the programmatic teacher (``python -m forge_training.synthetic.teacher``)."""
 
     teacher_token: str = ""
     """Bearer token of ``teacher_url`` (sent to that URL only)."""

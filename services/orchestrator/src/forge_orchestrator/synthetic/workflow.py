@@ -11,7 +11,7 @@ In numbered steps (every file under ``<work_uri>/<workflow id>/``, the run's fol
    writes ``problems`` problems from the seed templates and ``k`` solutions each into
    ``problems.jsonl``. Malformed answers, timeouts and 429s are retried and counted; a call that
    gives up costs its problems, never the run. No problem at all ends the run (``no_problems``);
-3. **curate** (a job through the scheduler, ``forge_training.synthetic_job curate``): every
+3. **curate** (a job through the scheduler, ``forge_training.synthetic.job curate``): every
    solution verified (SymPy on the final answer and the calculator steps, programs-of-thought
    in the eval sandbox), disagreements dropped or settled by majority (``policy``), a problem
    whose verifier throws dropped with the reason; near-duplicates removed (MinHash) within the
@@ -133,7 +133,7 @@ class SyntheticWorkflow:
     async def _stage(
         self, params: SyntheticInput, stage: str, options: list[tuple[str, str]]
     ) -> dict[str, Any]:
-        """Run one ``synthetic_job`` stage as a job (the ``rlhf_job`` child) and read its summary."""
+        """Run one ``synthetic.job`` stage as a job (the ``rlhf_job`` child) and read its summary."""
         assert self._result is not None
         work = self._result.work_dir
         command = SyntheticStageCommand(stage, work, tuple(options), params.python).argv()

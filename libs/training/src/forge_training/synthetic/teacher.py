@@ -13,7 +13,7 @@ programmatic teacher's configurable error rate, so that verification has somethi
 - a solutions request with ``n = k`` answers the problem's first ``k`` worked solutions, one a
   choice (the same for any ``k``: a retried call gets the same answers).
 
-Run it with ``python -m forge_training.synthetic_teacher --port 8071 [--error-rate 0.2]
+Run it with ``python -m forge_training.synthetic.teacher --port 8071 [--error-rate 0.2]
 [--seed 0] [--model forge-teacher] [--token-file FILE]``; with a token, requests must carry it as
 a bearer token. ``/healthz``, ``/readyz`` and ``/metrics`` are there as on every Forge server.
 """
