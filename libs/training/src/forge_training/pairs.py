@@ -244,6 +244,15 @@ def encode_pairs(
     return out
 
 
+def keep_end(ids: list[int], max_len: int, cls_id: int, sep_id: int) -> list[int]:
+    """``[CLS] ids [SEP]`` in at most ``max_len`` tokens (at least one of ``ids``), ``ids`` cut from
+    the left: an encoder reward model sees the end of the conversation, the final response,
+    whatever its length. The rule training (:func:`encode_pairs_for_encoder`) and scoring
+    (:mod:`forge_training.rm.eval`) share."""
+    room = max(max_len - 2, 1)
+    return [cls_id, *ids[-room:], sep_id]
+
+
 def encode_pairs_for_encoder(
     tok: Tokenizer, pairs: list[PreferencePair], max_len: int, cls_id: int, sep_id: int
 ) -> list[tuple[Encoded, Encoded]]:
@@ -261,14 +270,13 @@ def encode_pairs_for_encoder(
     )
     goods = tok.encode_batch([" " + p.chosen for p in pairs], add_special_tokens=False)
     bads = tok.encode_batch([" " + p.rejected for p in pairs], add_special_tokens=False)
-    room = max_len - 2
     out = []
     for prompt, good, bad in zip(prompts, goods, bads, strict=True):
         rows = []
         for response in (good.ids, bad.ids):
             text = list(prompt.ids) + list(response)
-            kept = text[-room:]
-            prompt_len = 1 + max(0, len(prompt.ids) - (len(text) - len(kept)))
-            rows.append(Encoded(tuple([cls_id, *kept, sep_id]), prompt_len))
+            wrapped = keep_end(text, max_len, cls_id, sep_id)
+            dropped = len(text) - (len(wrapped) - 2)
+            rows.append(Encoded(tuple(wrapped), 1 + max(0, len(prompt.ids) - dropped)))
         out.append((rows[0], rows[1]))
     return out

@@ -18,7 +18,7 @@ as skipped, not scored.
 An encoder checkpoint, one whose tokenizer wraps a sequence in ``[CLS] … [SEP]`` (BERT; the
 trainer's ``reward_hh_minilm`` recipe exports ``BertForSequenceClassification``, which reads the
 reward at ``[CLS]``), is scored as that recipe trains it: ``[CLS] prompt + " " + response [SEP]``
-with the tokens cut from the *left* when too long (:func:`keep_end`), so the final response
+with the tokens cut from the *left* when too long (:func:`forge_training.pairs.keep_end`), so the final response
 survives and the oldest turns go first, and ``max_length`` defaults to the tokenizer's
 ``model_max_length`` (the length it was trained at) when that is set. Its chat template (or, if
 it has none, the same template with no end-of-sequence token) renders the prompt.
@@ -54,7 +54,7 @@ from typing import Any
 
 from forge_experiments import rmlength
 from forge_kit.stats import wilson_interval
-from forge_training.pairs import fit
+from forge_training.pairs import fit, keep_end
 
 _TURN = re.compile(r"\n\n(Human|Assistant):")
 _ROLES = {"Human": "user", "Assistant": "assistant"}
@@ -175,13 +175,6 @@ def read_pairs(path: Path, skipped: Counter[str]) -> Iterator[Pair]:
                 skipped[pair] += 1
             else:
                 yield pair
-
-
-def keep_end(ids: list[int], max_length: int, cls_id: int, sep_id: int) -> list[int]:
-    """``[CLS] ids [SEP]`` in at most ``max_length`` tokens, ``ids`` cut from the left: a BERT
-    reward model sees the end of the conversation, the final response, whatever its length."""
-    room = max(max_length - 2, 1)
-    return [cls_id, *ids[-room:], sep_id]
 
 
 @dataclass
