@@ -60,6 +60,13 @@ class IndexPoint:
     dense: Sequence[float] | None = None
     tenant: str = DEFAULT_TENANT
 
+    def dense_of(self, dim: int) -> list[float]:
+        """The point's dense vector, which an index of ``dim``-float dense vectors needs; a
+        :class:`ValueError` naming the point when it has none of that size (both backends)."""
+        if self.dense is None or len(self.dense) != dim:
+            raise ValueError(f"point {self.point_id} needs a dense vector of {dim} floats")
+        return list(self.dense)
+
 
 class Fusion(enum.Enum):
     """How a hybrid query merges its dense and sparse candidate lists."""
@@ -380,9 +387,7 @@ class QdrantEdgeIndex(SearchQueries):
             SPARSE_VECTOR: qe.SparseVector(list(p.sparse.indices), list(p.sparse.values))
         }
         if self._dense_dim is not None:
-            if p.dense is None or len(p.dense) != self._dense_dim:
-                raise ValueError(f"point {p.point_id} needs a dense vector of {self._dense_dim} floats")
-            vectors[DENSE_VECTOR] = list(p.dense)
+            vectors[DENSE_VECTOR] = p.dense_of(self._dense_dim)
         return vectors
 
     def delete_documents(self, collection: str, document_ids: Iterable[str], *, tenant: str) -> None:

@@ -217,9 +217,7 @@ class QdrantServerIndex(SearchQueries):
     def _vectors(self, p: IndexPoint) -> dict[str, Any]:
         vectors: dict[str, Any] = {SPARSE_VECTOR: _sparse(p.sparse)}
         if self._dense_dim is not None:
-            if p.dense is None or len(p.dense) != self._dense_dim:
-                raise ValueError(f"point {p.point_id} needs a dense vector of {self._dense_dim} floats")
-            vectors[DENSE_VECTOR] = list(p.dense)
+            vectors[DENSE_VECTOR] = p.dense_of(self._dense_dim)
         return vectors
 
     def delete_documents(self, collection: str, document_ids: Iterable[str], *, tenant: str) -> None:
