@@ -12,7 +12,8 @@ from typer.testing import CliRunner
 
 from forge_training.bench import app
 
-pytestmark = [pytest.mark.slow]
+# A whole bench (parent, search, final run) in the module fixture: minutes on a loaded machine.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 TINY = ["--parent-steps", "12", "--search-steps", "6", "--final-steps", "6", "--windows", "24",
         "--fractions", "0.1,0.5", "--lrs", "1e-3,3e-3", "--quiet"]  # fmt: skip
