@@ -80,12 +80,12 @@ RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/${TOR
 
 
 KERNEL_LAYER = """
-# The model server's native decode-attention kernel (forge_model_server.kernels), built here with a
+# The model server's native decode-attention kernel (forge_model_server.model.kernels), built here with a
 # compiler that leaves the image afterwards; a host whose CPU kind differs from the builder's
 # (AVX-512 against AVX2) cannot build its own and runs torch's matmuls instead, with a warning.
 ENV TORCH_EXTENSIONS_DIR=/opt/forge/torch_extensions
 RUN apt-get update && apt-get install -y --no-install-recommends g++ \\
- && python -c "from forge_model_server.kernels import paged_decode_attention; paged_decode_attention()" \\
+ && python -c "from forge_model_server.model.kernels import paged_decode_attention; paged_decode_attention()" \\
  && apt-get purge -y --auto-remove g++ && rm -rf /var/lib/apt/lists/* \\
  && chown -R forge:forge /opt/forge
 """

@@ -137,7 +137,7 @@ async def test_model_list_shows_tenants_no_host_path(tmp_path: Path) -> None:
 
 
 def test_the_model_servers_list_has_no_host_path() -> None:
-    from forge_model_server.openai_api import model_card
+    from forge_model_server.entrypoints.openai_api import model_card
     from forge_model_server.service import ModelInfo
 
     info = ModelInfo("tiny", "3", CHECKPOINT, 1, 64, ("model.safetensors",))

@@ -12,7 +12,7 @@ import pytest
 from forge_kit.http import make_app
 from forge_kit.objectstore import ObjectStore
 from forge_kit.testing.tiny_llama import save_tiny_llama as save_random_llama
-from forge_model_server.openai_api import install_openai_api
+from forge_model_server.entrypoints.openai_api import install_openai_api
 from forge_model_server.service import (
     Engine,
     GenerationChunk,

@@ -13,7 +13,7 @@ from forge.inference.v1 import inference_pb2, inference_pb2_grpc
 
 from forge_kit.grpckit import FIELD_METADATA_KEY, GrpcServer, make_channel
 from forge_kit.testing.grpcserver import grpc_test_server
-from forge_model_server.api import InferenceApi
+from forge_model_server.entrypoints.grpc_api import InferenceApi
 from forge_model_server.service import ModelServer
 
 TOKEN = "test-token"

@@ -9,11 +9,11 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
-from forge_model_server import paged_plan
-from forge_model_server.engine import EngineConfig, EngineCore, RequestOutput
-from forge_model_server.llama import DecodeAttention, LlamaModel
-from forge_model_server.paged_plan import BatchLayout
-from forge_model_server.sampling import SamplingParams
+from forge_model_server.engine.core import EngineConfig, EngineCore, RequestOutput
+from forge_model_server.model import paged_plan
+from forge_model_server.model.llama import DecodeAttention, LlamaModel
+from forge_model_server.model.paged_plan import BatchLayout
+from forge_model_server.sample.sampler import SamplingParams
 
 PROMPTS = [
     "To be, or not to be",

@@ -15,11 +15,11 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from forge_model_server import kernels, llama
-from forge_model_server.engine import EngineConfig
-from forge_model_server.kernels import KernelUnavailableError, paged_decode_attention
-from forge_model_server.llama import LlamaModel
-from forge_model_server.runner import HFEngineLoader
+from forge_model_server.engine.async_engine import HFEngineLoader
+from forge_model_server.engine.core import EngineConfig
+from forge_model_server.model import kernels, llama
+from forge_model_server.model.kernels import KernelUnavailableError, paged_decode_attention
+from forge_model_server.model.llama import LlamaModel
 from forge_model_server.service import ModelInfo, ModelNotLoadedError
 
 
@@ -162,7 +162,7 @@ def test_native_is_float32_only(tiny_llama: Path) -> None:
     )
 
 
-LOAD = "from forge_model_server.kernels import paged_decode_attention; print(paged_decode_attention())"
+LOAD = "from forge_model_server.model.kernels import paged_decode_attention; print(paged_decode_attention())"
 
 
 def test_a_built_kernel_loads_without_a_compiler_and_a_missing_one_is_named(tmp_path: Path) -> None:

@@ -22,10 +22,10 @@ from forge_kit.http import make_app
 from forge_kit.objectstore import ObjectStore
 from forge_kit.testing import eventually
 from forge_kit.testing.grpcserver import grpc_test_server
-from forge_model_server.api import InferenceApi
-from forge_model_server.engine import EngineConfig
-from forge_model_server.openai_api import install_openai_api
-from forge_model_server.runner import AsyncEngine, HFEngineLoader
+from forge_model_server.engine.async_engine import AsyncEngine, HFEngineLoader
+from forge_model_server.engine.core import EngineConfig
+from forge_model_server.entrypoints.grpc_api import InferenceApi
+from forge_model_server.entrypoints.openai_api import install_openai_api
 from forge_model_server.service import GenerationRequest, ModelDirectory, ModelServer
 
 TOKEN = "live-token"

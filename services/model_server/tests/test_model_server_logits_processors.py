@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from forge_model_server.logits_processors import apply_logits_processors
-from forge_model_server.sampling import SamplingParams
+from forge_model_server.sample.logits_processors import apply_logits_processors
+from forge_model_server.sample.sampler import SamplingParams
 
 
 def _reference(

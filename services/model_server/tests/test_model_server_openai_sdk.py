@@ -15,9 +15,9 @@ from transformers import PreTrainedTokenizerFast
 
 from forge_kit.http import HttpServer, make_app
 from forge_kit.objectstore import ObjectStore
-from forge_model_server.engine import EngineConfig
-from forge_model_server.openai_api import install_openai_api
-from forge_model_server.runner import HFEngineLoader
+from forge_model_server.engine.async_engine import HFEngineLoader
+from forge_model_server.engine.core import EngineConfig
+from forge_model_server.entrypoints.openai_api import install_openai_api
 from forge_model_server.service import ModelDirectory, ModelServer
 
 TOKEN = "sdk-token"

@@ -8,7 +8,12 @@ import ipaddress
 import httpx
 import pytest
 
-from forge_model_server.safe_fetch import FetchError, fetch_public, is_public_address, parse_networks
+from forge_model_server.entrypoints.safe_fetch import (
+    FetchError,
+    fetch_public,
+    is_public_address,
+    parse_networks,
+)
 
 
 @pytest.mark.parametrize(

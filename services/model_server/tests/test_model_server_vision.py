@@ -25,11 +25,11 @@ from PIL import Image
 from forge_kit.http import HttpServer, make_app
 from forge_kit.objectstore import ObjectStore
 from forge_kit.testing.tiny_llava import save_tiny_llava
-from forge_model_server.engine import EngineConfig
-from forge_model_server.image_inputs import ImagePolicy
-from forge_model_server.openai_api import install_openai_api
-from forge_model_server.runner import AsyncEngine, HFEngineLoader
-from forge_model_server.safe_fetch import parse_networks
+from forge_model_server.engine.async_engine import AsyncEngine, HFEngineLoader
+from forge_model_server.engine.core import EngineConfig
+from forge_model_server.entrypoints.image_inputs import ImagePolicy
+from forge_model_server.entrypoints.openai_api import install_openai_api
+from forge_model_server.entrypoints.safe_fetch import parse_networks
 from forge_model_server.service import ModelDirectory, ModelServer
 
 TOKEN = "vision-token"
@@ -404,7 +404,7 @@ def test_one_step_encodes_every_new_image_in_one_batch(llava: Path, reference: A
     """Three image requests admitted together: their first step runs the vision tower once, on
     all three images, and each prompt's placeholders get its own image (greedy = transformers)."""
     from forge_kit.images import ImageBytes
-    from forge_model_server.sampling import SamplingParams
+    from forge_model_server.sample.sampler import SamplingParams
     from forge_model_server.service import ChatMessage, GenerationRequest, ImageInput, ModelInfo
 
     engine = HFEngineLoader(EngineConfig(num_blocks=64, block_size=8), max_waiting=8)(

@@ -19,9 +19,9 @@ from PIL import Image
 from forge_kit.http import HttpServer, make_app
 from forge_kit.objectstore import ObjectStore
 from forge_kit.testing.tiny_llama import save_tiny_llama
-from forge_model_server.engine import EngineConfig
-from forge_model_server.openai_api import install_openai_api
-from forge_model_server.runner import HFEngineLoader
+from forge_model_server.engine.async_engine import HFEngineLoader
+from forge_model_server.engine.core import EngineConfig
+from forge_model_server.entrypoints.openai_api import install_openai_api
 from forge_model_server.service import ModelDirectory, ModelServer
 
 vlm = pytest.importorskip("forge_training.vlm.model")

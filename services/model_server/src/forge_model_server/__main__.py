@@ -10,14 +10,14 @@ from forge.inference.v1 import inference_pb2, inference_pb2_grpc
 from forge_kit.app import ServiceApp
 from forge_kit.http import make_app
 from forge_kit.objectstore import ObjectStore
-from forge_model_server.admin_api import install_admin_api
-from forge_model_server.api import InferenceApi
 from forge_model_server.config import ModelServerSettings
-from forge_model_server.engine import EngineConfig
-from forge_model_server.image_inputs import ImagePolicy
-from forge_model_server.openai_api import install_openai_api
-from forge_model_server.runner import HFEngineLoader
-from forge_model_server.safe_fetch import parse_networks
+from forge_model_server.engine.async_engine import HFEngineLoader
+from forge_model_server.engine.core import EngineConfig
+from forge_model_server.entrypoints.admin_api import install_admin_api
+from forge_model_server.entrypoints.grpc_api import InferenceApi
+from forge_model_server.entrypoints.image_inputs import ImagePolicy
+from forge_model_server.entrypoints.openai_api import install_openai_api
+from forge_model_server.entrypoints.safe_fetch import parse_networks
 from forge_model_server.service import ModelDirectory, ModelServer
 
 

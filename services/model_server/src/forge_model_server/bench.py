@@ -42,9 +42,9 @@ import typer
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from forge_kit import clitools
-from forge_model_server.engine import EngineConfig, EngineCore
-from forge_model_server.llama import DecodeAttention, LlamaModel
-from forge_model_server.sampling import SamplingParams
+from forge_model_server.engine.core import EngineConfig, EngineCore
+from forge_model_server.model.llama import DecodeAttention, LlamaModel
+from forge_model_server.sample.sampler import SamplingParams
 
 app = typer.Typer(add_completion=False, help="Inference engine benchmark (engine).")
 

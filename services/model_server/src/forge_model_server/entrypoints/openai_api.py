@@ -24,8 +24,9 @@ from forge_kit.openai_protocol import (
     CompletionBody,
     SamplingBody,
 )
-from forge_model_server.image_inputs import ImagePolicy, chat_messages
-from forge_model_server.sampling_params import chat_requests, completion_requests, merged
+from forge_model_server.entrypoints.image_inputs import ImagePolicy, chat_messages
+from forge_model_server.entrypoints.tokenizer_api import install_tokenizer_api
+from forge_model_server.sample.params import chat_requests, completion_requests, merged
 from forge_model_server.service import (
     ChunkStream,
     GenerationChunk,
@@ -36,7 +37,6 @@ from forge_model_server.service import (
     ModelServer,
     TokenLogprob,
 )
-from forge_model_server.tokenizer_api import install_tokenizer_api
 
 
 def _usage(last: GenerationChunk | None) -> dict[str, int]:

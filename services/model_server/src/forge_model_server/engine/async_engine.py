@@ -24,12 +24,13 @@ from typing import Any
 from forge_kit import errors
 from forge_kit.images import MAX_IMAGE_PIXELS, ImageError, open_image
 from forge_model_server import metrics, service
-from forge_model_server.detokenize import IncrementalDecoder, token_pieces
-from forge_model_server.engine import EngineConfig, EngineCore, RequestOutput
-from forge_model_server.kernels import KernelUnavailableError
-from forge_model_server.llama import DecodeAttention, LlamaModel, UnsupportedModelError
-from forge_model_server.multimodal import ImageSpan
-from forge_model_server.sampling import Logprob, SamplingParams
+from forge_model_server.engine.core import EngineConfig, EngineCore, RequestOutput
+from forge_model_server.engine.detokenize import IncrementalDecoder, token_pieces
+from forge_model_server.model.kernels import KernelUnavailableError
+from forge_model_server.model.llama import DecodeAttention, LlamaModel, UnsupportedModelError
+from forge_model_server.model.multimodal import ImageSpan
+from forge_model_server.model.vision import VisionEncoder, is_llava, load_llava
+from forge_model_server.sample.sampler import Logprob, SamplingParams
 from forge_model_server.service import (
     GenerationChunk,
     GenerationRequest,
@@ -38,7 +39,6 @@ from forge_model_server.service import (
     ModelNotLoadedError,
     TokenLogprob,
 )
-from forge_model_server.vision import VisionEncoder, is_llava, load_llava
 
 Clock = Callable[[], float]
 

@@ -2,7 +2,7 @@
 
 A part's URL is a base64 ``data:image/…`` URI (PNG, JPEG, WebP or GIF), or, only where the
 operator allowed it (``IMAGE_URL_FETCH``, off by default), an http(s) URL fetched through
-:func:`forge_model_server.safe_fetch.fetch_public` (public addresses only, no redirect to another host, a
+:func:`forge_model_server.entrypoints.safe_fetch.fetch_public` (public addresses only, no redirect to another host, a
 size limit and a timeout, no credentials). Every refusal is a 400 naming the part
 (``messages.0.content.1``); the pixels are decoded later, by the engine of a model that reads
 images, with the pixel limit (a text-only model refuses the request before that).
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from forge_kit import errors
 from forge_kit.images import MAX_IMAGE_BYTES, ImageBytes, ImageError, decode_data_uri
 from forge_kit.openai_protocol import ChatMessageBody, ImageRef, message_parts
-from forge_model_server.safe_fetch import FetchError, IPNetwork, fetch_public
+from forge_model_server.entrypoints.safe_fetch import FetchError, IPNetwork, fetch_public
 from forge_model_server.service import ChatMessage, ImageInput
 
 

@@ -2,7 +2,7 @@
 
 One call runs every scheduled token of every sequence in the step as one flat batch: the
 projections (q/k/v fused into one weight, gate/up into another) and the MLP are single matmuls over
-all tokens, on weights packed once at load (:class:`~forge_model_server.kernels.Linear`). Attention writes the new keys and values into their cache slots, then:
+all tokens, on weights packed once at load (:class:`~forge_model_server.model.kernels.Linear`). Attention writes the new keys and values into their cache slots, then:
 
 - **decoding sequences** (one new token each) read the cache where it lies, as PagedAttention
   does: by default through the native kernel of :mod:`.kernels` (one pass over each sequence's
@@ -36,13 +36,13 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from forge_model_server.kernels import (
+from forge_model_server.model.kernels import (
     KernelUnavailableError,
     Linear,
     PagedDecodeAttention,
     paged_decode_attention,
 )
-from forge_model_server.paged_plan import (
+from forge_model_server.model.paged_plan import (
     BatchLayout,
     BlockRun,
     CacheShape,

@@ -1,5 +1,5 @@
 """How one engine step's sequences attend over the paged KV cache: the plan, built once per step
-and read by every layer of :class:`forge_model_server.llama.LlamaModel`.
+and read by every layer of :class:`forge_model_server.model.llama.LlamaModel`.
 
 - **decoding sequences** (one new token each) go to the native kernel (:class:`KernelDecode`:
   their block tables and context lengths), or, with torch's batched matmuls, read the cache where

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
 from forge_kit.http import require_token
-from forge_model_server.openai_api import model_card
+from forge_model_server.entrypoints.openai_api import model_card
 from forge_model_server.service import ModelServer
 
 

@@ -2,7 +2,7 @@
 
 :class:`EngineCore` is synchronous and owns no thread, clock or event loop: a step is
 ``schedule()`` → ``execute()`` (one batched forward over every scheduled token) → ``update()``
-(sample, detect the end, free blocks). :class:`~forge_model_server.runner.AsyncEngine` drives it
+(sample, detect the end, free blocks). :class:`~forge_model_server.engine.async_engine.AsyncEngine` drives it
 live; tests drive ``step()`` directly, so what they check is exactly what runs.
 
 Memory is a fixed pool of KV blocks (``block_size`` token slots each). A sequence holds a block
@@ -25,9 +25,8 @@ from enum import Enum
 
 import torch
 
-from forge_model_server.llama import LlamaModel
-from forge_model_server.logits_processors import apply_logits_processors
-from forge_model_server.multimodal import (
+from forge_model_server.model.llama import LlamaModel
+from forge_model_server.model.multimodal import (
     Encode,
     ImageSlice,
     ImageSpan,
@@ -36,8 +35,9 @@ from forge_model_server.multimodal import (
     release_computed,
     step_images,
 )
-from forge_model_server.paged_plan import BatchLayout
-from forge_model_server.sampling import Logprob, SamplingParams, logprob_of, sample_rows
+from forge_model_server.model.paged_plan import BatchLayout
+from forge_model_server.sample.logits_processors import apply_logits_processors
+from forge_model_server.sample.sampler import Logprob, SamplingParams, logprob_of, sample_rows
 
 
 class BlockPool:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from forge_model_server.llama import DecodeAttention, LlamaConfig, LlamaModel, UnsupportedModelError
+from forge_model_server.model.llama import DecodeAttention, LlamaConfig, LlamaModel, UnsupportedModelError
 
 PREPROCESSOR_FILE = "preprocessor_config.json"
 #: Weight-name prefixes of the three parts, as transformers 4.x/5.x save them (either layout).

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from forge_model_server.sampling import SamplingParams
+from forge_model_server.sample.sampler import SamplingParams
 
 
 def _pairs(ids: Sequence[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
