@@ -250,9 +250,7 @@ async def ask(gateway: Endpoint, name: str, version: str) -> dict[str, object]:
     from forge_training.vlm.metrics import exact_match
 
     return {
-        "ok": bool(
-            usage and usage.completion_tokens > 0 and image_tokens > 0 and served_by == served
-        ),
+        "ok": bool(usage and usage.completion_tokens > 0 and image_tokens > 0 and served_by == served),
         "model": served,
         "served_by": served_by,
         "gateway_saw_model_after_s": round(waited, 2),
