@@ -27,7 +27,7 @@ from forge.eval.v1 import eval_pb2, eval_pb2_grpc
 from forge_kit.events import ensure_topics
 from forge_kit.grpckit import make_channel
 from forge_kit.modelref import ModelRef
-from forge_kit.testing import ServiceProcess, TansuBroker, eventkeys
+from forge_kit.testing import ServiceProcess, TansuBroker, base_env
 from forge_kit.testing.tiny_llama import save_tiny_llama
 
 pytestmark = pytest.mark.integration
@@ -55,45 +55,37 @@ def platform(tmp_path: Path) -> Iterator[dict[str, Endpoint]]:
     started: list[ServiceProcess] = []
     try:
         asyncio.run(ensure_topics(broker.bootstrap))
-        common = {"KAFKA_BOOTSTRAP": broker.bootstrap, "GRPC_PORT": "0", "HTTP_PORT": "0"}
 
-        def start(name: str, env: dict[str, str]) -> ServiceProcess:
-            prefix = f"FORGE_{name.upper()}_"
+        def start(name: str, token: str, **settings: str) -> ServiceProcess:
             # Each service signs its events with its own key and verifies the others' (forge up: var/secrets).
-            full = {**{prefix + k: v for k, v in {**common, **env}.items()}, **eventkeys.service_env(name)}
+            env = base_env(name, token=token, kafka=broker.bootstrap, **settings)
             proc = ServiceProcess(
-                f"forge_{name}", env=full, cwd=str(tmp_path), log_path=str(tmp_path / f"{name}.log")
+                f"forge_{name}", env=env, cwd=str(tmp_path), log_path=str(tmp_path / f"{name}.log")
             ).start(90)
             started.append(proc)
             return proc
 
         evals = start(
             "eval",
-            {
-                "AUTH_TOKEN": EVAL_TOKEN,
-                "DATA_DIR": str(tmp_path / "eval"),
-                "RESPONSE_CACHE_PATH": str(tmp_path / "eval" / "cache.sqlite"),
-            },
+            EVAL_TOKEN,
+            data_dir=str(tmp_path / "eval"),
+            response_cache_path=str(tmp_path / "eval" / "cache.sqlite"),
         )
         (tmp_path / "models").mkdir()
         server = start(
             "model_server",
-            {
-                "AUTH_TOKEN": SERVER_TOKEN,
-                "MODELS_DIR": str(tmp_path / "models"),
-                "KAFKA_ENABLED": "false",
-                "TORCH_THREADS": "1",
-            },
+            SERVER_TOKEN,
+            models_dir=str(tmp_path / "models"),
+            kafka_enabled="false",
+            torch_threads="1",
         )
         gateway = start(
             "inference_gateway",
-            {
-                "AUTH_TOKEN": GATEWAY_TOKEN,
-                "DATA_DIR": str(tmp_path / "gateway"),
-                "MODEL_SERVER_URL": server.http_url,
-                "MODEL_SERVER_TOKEN": SERVER_TOKEN,
-                "BOOTSTRAP_API_KEY": TENANT_KEY,
-            },
+            GATEWAY_TOKEN,
+            data_dir=str(tmp_path / "gateway"),
+            model_server_url=server.http_url,
+            model_server_token=SERVER_TOKEN,
+            bootstrap_api_key=TENANT_KEY,
         )
         yield {
             "eval": Endpoint(evals.http_url, evals.grpc_target, EVAL_TOKEN),

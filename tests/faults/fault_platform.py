@@ -19,7 +19,7 @@ from pathlib import Path
 import asyncpg
 
 from forge_kit.events import ensure_topics
-from forge_kit.testing import ServiceProcess, TansuBroker, TemporalDevServer, eventkeys, free_port
+from forge_kit.testing import ServiceProcess, TansuBroker, TemporalDevServer, base_env, free_port
 
 SCHEDULER_TOKEN = "faults-scheduler-token"
 ORCHESTRATOR_TOKEN = "faults-orchestrator-token"
@@ -158,12 +158,14 @@ def start_platform(
     scheduler = ServiceProcess(
         "forge_scheduler",
         env={
-            "FORGE_SCHEDULER_GRPC_PORT": str(scheduler_ports[0]),
-            "FORGE_SCHEDULER_HTTP_PORT": str(scheduler_ports[1]),
-            "FORGE_SCHEDULER_DATA_DIR": str(root / "scheduler"),
-            "FORGE_SCHEDULER_KAFKA_BOOTSTRAP": broker.bootstrap,
-            "FORGE_SCHEDULER_AUTH_TOKEN": SCHEDULER_TOKEN,
-            **eventkeys.service_env("scheduler"),
+            **base_env(
+                "scheduler",
+                token=SCHEDULER_TOKEN,
+                data_dir=root / "scheduler",
+                kafka=broker.bootstrap,
+                grpc_port=scheduler_ports[0],
+                http_port=scheduler_ports[1],
+            ),
             **(scheduler_env or {}),
         },
         log_path=str(root / "scheduler.log"),
@@ -171,17 +173,19 @@ def start_platform(
     orchestrator = ServiceProcess(
         "forge_orchestrator",
         env={
-            "FORGE_ORCHESTRATOR_GRPC_PORT": str(free_port()),
-            "FORGE_ORCHESTRATOR_HTTP_PORT": str(free_port()),
-            "FORGE_ORCHESTRATOR_AUTH_TOKEN": ORCHESTRATOR_TOKEN,
-            "FORGE_ORCHESTRATOR_DATA_DIR": str(root / "orchestrator"),
-            "FORGE_ORCHESTRATOR_KAFKA_BOOTSTRAP": broker.bootstrap,
-            "FORGE_ORCHESTRATOR_TEMPORAL_TARGET": temporal.target,
-            "FORGE_ORCHESTRATOR_CONSUMER_SESSION_TIMEOUT_MS": "3000",
-            "FORGE_ORCHESTRATOR_CATCH_UP_INTERVAL_S": "2",
-            "FORGE_ORCHESTRATOR_SCHEDULER_TARGET": f"127.0.0.1:{scheduler_ports[0]}",
-            "FORGE_ORCHESTRATOR_SCHEDULER_TOKEN": SCHEDULER_TOKEN,
-            **eventkeys.service_env("orchestrator"),
+            **base_env(
+                "orchestrator",
+                token=ORCHESTRATOR_TOKEN,
+                data_dir=root / "orchestrator",
+                kafka=broker.bootstrap,
+                grpc_port=free_port(),
+                http_port=free_port(),
+                temporal_target=temporal.target,
+                consumer_session_timeout_ms="3000",
+                catch_up_interval_s="2",
+                scheduler_target=f"127.0.0.1:{scheduler_ports[0]}",
+                scheduler_token=SCHEDULER_TOKEN,
+            ),
             **(orchestrator_env or {}),
         },
         log_path=str(root / "orchestrator.log"),
@@ -202,20 +206,20 @@ def agent_process(platform: Platform, name: str, gpus: str = "SIMx1") -> Service
     root = platform.root
     return ServiceProcess(
         "forge_trainer_agent",
-        env={
-            "FORGE_TRAINER_AGENT_GRPC_PORT": str(free_port()),
-            "FORGE_TRAINER_AGENT_HTTP_PORT": str(free_port()),
-            "FORGE_TRAINER_AGENT_AUTH_TOKEN": AGENT_TOKEN,
-            "FORGE_TRAINER_AGENT_DATA_DIR": str(root / name),
-            "FORGE_TRAINER_AGENT_OBJECT_STORE_URL": str(root / "objects"),
-            "FORGE_TRAINER_AGENT_KAFKA_BOOTSTRAP": platform.broker.bootstrap,
-            "FORGE_TRAINER_AGENT_SCHEDULER_TARGET": platform.scheduler.grpc_target,
-            "FORGE_TRAINER_AGENT_SCHEDULER_TOKEN": SCHEDULER_TOKEN,
-            "FORGE_TRAINER_AGENT_NODE_NAME": name,
-            "FORGE_TRAINER_AGENT_GPUS": gpus,
-            "FORGE_TRAINER_AGENT_RECONNECT_MAX_S": "2",
-            **eventkeys.service_env("trainer_agent"),
-        },
+        env=base_env(
+            "trainer_agent",
+            token=AGENT_TOKEN,
+            data_dir=root / name,
+            kafka=platform.broker.bootstrap,
+            grpc_port=free_port(),
+            http_port=free_port(),
+            object_store_url=str(root / "objects"),
+            scheduler_target=platform.scheduler.grpc_target,
+            scheduler_token=SCHEDULER_TOKEN,
+            node_name=name,
+            gpus=gpus,
+            reconnect_max_s="2",
+        ),
         log_path=str(root / f"{name}.log"),
     )
 
@@ -237,14 +241,14 @@ def model_server_process(root: Path, name: str, token: str) -> ServiceProcess:
     again in place), one torch thread, Kafka off."""
     return ServiceProcess(
         "forge_model_server",
-        env={
-            "FORGE_MODEL_SERVER_GRPC_PORT": str(free_port()),
-            "FORGE_MODEL_SERVER_HTTP_PORT": str(free_port()),
-            "FORGE_MODEL_SERVER_AUTH_TOKEN": token,
-            "FORGE_MODEL_SERVER_MODELS_DIR": str(root / "models"),
-            "FORGE_MODEL_SERVER_KAFKA_ENABLED": "false",
-            "FORGE_MODEL_SERVER_TORCH_THREADS": "1",
-        },
+        env=base_env(
+            "model_server",
+            token=token,
+            grpc_port=free_port(),
+            http_port=free_port(),
+            models_dir=str(root / "models"),
+            torch_threads="1",
+        ),
         cwd=str(root),
         log_path=str(root / f"{name}.log"),
     )

@@ -29,7 +29,7 @@ from test_service_faults import announced
 
 from forge_kit.events import ensure_topics
 from forge_kit.paths import data_dir
-from forge_kit.testing import ServiceProcess, TansuBroker, eventkeys, free_port
+from forge_kit.testing import ServiceProcess, TansuBroker, base_env, free_port
 from forge_kit.testing.fault_proxy import FaultProxy
 
 TOKEN = "faults-feedback-token"
@@ -78,17 +78,17 @@ class FeedbackRig:
         self.broker = TansuBroker(log_path=str(self.root / "tansu.log"), advertised_port=proxy_port).start()
         self.link = FaultProxy(("127.0.0.1", self.broker.port), port=proxy_port, name="broker").start()
         asyncio.run(ensure_topics(self.link.address))
-        env = {
-            "FORGE_PREFERENCE_FEEDBACK_GRPC_PORT": str(free_port()),
-            "FORGE_PREFERENCE_FEEDBACK_HTTP_PORT": str(free_port()),
-            "FORGE_PREFERENCE_FEEDBACK_DATA_DIR": str(self.data),
-            "FORGE_PREFERENCE_FEEDBACK_AUTH_TOKEN": TOKEN,
-            "FORGE_PREFERENCE_FEEDBACK_SEED_DIR": str(data_dir() / "preferences" / "hh-rlhf"),
-            "FORGE_PREFERENCE_FEEDBACK_SEED_LIMIT": str(self.seeds),
-            "FORGE_PREFERENCE_FEEDBACK_OVERLAP_K": str(RATERS),
-            "FORGE_PREFERENCE_FEEDBACK_KAFKA_BOOTSTRAP": self.link.address,
-            **eventkeys.service_env("preference_feedback"),
-        }
+        env = base_env(
+            "preference_feedback",
+            token=TOKEN,
+            data_dir=self.data,
+            kafka=self.link.address,
+            grpc_port=free_port(),
+            http_port=free_port(),
+            seed_dir=str(data_dir() / "preferences" / "hh-rlhf"),
+            seed_limit=str(self.seeds),
+            overlap_k=str(RATERS),
+        )
         if self.broken_outbox:
             env["PYTHONPATH"] = os.pathsep.join(
                 filter(None, [str(BROKEN_OUTBOX), os.environ.get("PYTHONPATH")])

@@ -31,7 +31,7 @@ from forge_kit.events import ensure_topics
 from forge_kit.grpckit import make_channel
 from forge_kit.http import HttpServer
 from forge_kit.paths import data_dir
-from forge_kit.testing import ServiceProcess, TansuBroker, TemporalDevServer, eventkeys, free_port
+from forge_kit.testing import ServiceProcess, TansuBroker, TemporalDevServer, base_env, free_port
 from forge_kit.testing.fault_proxy import FaultProxy
 
 EVAL_TOKEN = "faults-promo-eval-token"
@@ -183,9 +183,7 @@ class PromotionRig:
 
 
 def _service(root: Path, name: str, env: dict[str, str]) -> ServiceProcess:
-    prefix = f"FORGE_{name.upper()}_"
-    full = {**{prefix + k: v for k, v in env.items()}, **eventkeys.service_env(name)}
-    return ServiceProcess(f"forge_{name}", env=full, cwd=str(root), log_path=str(root / f"{name}.log"))
+    return ServiceProcess(f"forge_{name}", env=env, cwd=str(root), log_path=str(root / f"{name}.log"))
 
 
 async def start_rig(root: Path, clock_env: dict[str, str]) -> PromotionRig:
@@ -196,27 +194,30 @@ async def start_rig(root: Path, clock_env: dict[str, str]) -> PromotionRig:
     await ensure_topics(f"127.0.0.1:{proxy_port}")
     temporal = TemporalDevServer(db_file=str(root / "temporal.db"), log_path=str(root / "temporal.log"))
     await asyncio.to_thread(temporal.start)
-    kafka = {"KAFKA_BOOTSTRAP": f"127.0.0.1:{proxy_port}", "GRPC_PORT": str(free_port()), "HTTP_PORT": "0"}
+    kafka = f"127.0.0.1:{proxy_port}"
     evals = _service(
         root,
         "eval",
-        {
-            **kafka,
-            "AUTH_TOKEN": EVAL_TOKEN,
-            "DATA_DIR": str(root / "eval"),
-            "BENCHMARKS_DIR": str(data_dir() / "benchmarks"),
-            "RESPONSE_CACHE_PATH": str(root / "eval" / "cache.sqlite"),
-        },
+        base_env(
+            "eval",
+            token=EVAL_TOKEN,
+            data_dir=root / "eval",
+            kafka=kafka,
+            grpc_port=free_port(),
+            benchmarks_dir=str(data_dir() / "benchmarks"),
+            response_cache_path=str(root / "eval" / "cache.sqlite"),
+        ),
     )
     gateway = _service(
         root,
         "inference_gateway",
-        {
-            **kafka,
-            "GRPC_PORT": str(free_port()),
-            "AUTH_TOKEN": GATEWAY_TOKEN,
-            "DATA_DIR": str(root / "gateway"),
-        },
+        base_env(
+            "inference_gateway",
+            token=GATEWAY_TOKEN,
+            data_dir=root / "gateway",
+            kafka=kafka,
+            grpc_port=free_port(),
+        ),
     )
     for process in (evals, gateway):
         await asyncio.to_thread(process.start, 90)
@@ -231,19 +232,19 @@ async def start_rig(root: Path, clock_env: dict[str, str]) -> PromotionRig:
     orchestrator = ServiceProcess(
         "forge_orchestrator",
         env={
-            "FORGE_ORCHESTRATOR_GRPC_PORT": str(free_port()),
-            "FORGE_ORCHESTRATOR_HTTP_PORT": str(free_port()),
-            "FORGE_ORCHESTRATOR_AUTH_TOKEN": ORCHESTRATOR_TOKEN,
-            "FORGE_ORCHESTRATOR_DATA_DIR": str(root / "orchestrator"),
-            "FORGE_ORCHESTRATOR_KAFKA_BOOTSTRAP": f"127.0.0.1:{proxy_port}",
-            "FORGE_ORCHESTRATOR_TEMPORAL_TARGET": temporal.target,
-            "FORGE_ORCHESTRATOR_EVAL_TARGET": evals.grpc_target,
-            "FORGE_ORCHESTRATOR_EVAL_TOKEN": EVAL_TOKEN,
-            "FORGE_ORCHESTRATOR_GATEWAY_METRICS_URLS": json.dumps(
-                [f"http://127.0.0.1:{exposition.port}/metrics"]
+            **base_env(
+                "orchestrator",
+                token=ORCHESTRATOR_TOKEN,
+                data_dir=root / "orchestrator",
+                kafka=kafka,
+                grpc_port=free_port(),
+                http_port=free_port(),
+                temporal_target=temporal.target,
+                eval_target=evals.grpc_target,
+                eval_token=EVAL_TOKEN,
+                gateway_metrics_urls=json.dumps([f"http://127.0.0.1:{exposition.port}/metrics"]),
+                canary_policy_dir=str(root / "policies"),
             ),
-            "FORGE_ORCHESTRATOR_CANARY_POLICY_DIR": str(root / "policies"),
-            **eventkeys.service_env("orchestrator"),
             **clock_env,
         },
         log_path=str(root / "orchestrator.log"),

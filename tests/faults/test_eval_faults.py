@@ -34,7 +34,7 @@ from forge.eval.v1 import eval_pb2, eval_pb2_grpc
 
 from forge_kit.grpckit import make_channel
 from forge_kit.paths import data_dir
-from forge_kit.testing import ServiceProcess, free_port, tiny_llama
+from forge_kit.testing import ServiceProcess, base_env, free_port, tiny_llama
 
 pytestmark = [pytest.mark.integration, pytest.mark.faults_full, pytest.mark.timeout(300)]
 TOKEN = "faults-eval-token"
@@ -85,21 +85,21 @@ def assert_same_result(
 def eval_process(root: Path, name: str, endpoint: str, endpoint_token: str) -> ServiceProcess:
     return ServiceProcess(
         "forge_eval",
-        env={
-            "FORGE_EVAL_GRPC_PORT": str(free_port()),
-            "FORGE_EVAL_HTTP_PORT": str(free_port()),
-            "FORGE_EVAL_DATA_DIR": str(root / name),
-            "FORGE_EVAL_RESPONSE_CACHE_PATH": str(root / name / "cache.sqlite"),
-            "FORGE_EVAL_KAFKA_ENABLED": "false",
-            "FORGE_EVAL_AUTH_TOKEN": TOKEN,
+        env=base_env(
+            "eval",
+            token=TOKEN,
+            data_dir=root / name,
+            grpc_port=free_port(),
+            http_port=free_port(),
+            response_cache_path=str(root / name / "cache.sqlite"),
             # The model server is eval's model endpoint here: its token is sent only there.
-            "FORGE_EVAL_INFERENCE_GATEWAY_URL": endpoint,
-            "FORGE_EVAL_INFERENCE_GATEWAY_TOKEN": endpoint_token,
-            "FORGE_EVAL_CORPORA_DIR": str(DATA / "corpora"),
-            "FORGE_EVAL_BENCHMARKS_DIR": str(DATA / "benchmarks"),
-            "FORGE_EVAL_REQUEST_CONCURRENCY": str(CONCURRENCY),
-            "FORGE_EVAL_REQUEST_BATCH_SIZE": "1",  # one prompt per call: the kill lands between answers
-        },
+            inference_gateway_url=endpoint,
+            inference_gateway_token=endpoint_token,
+            corpora_dir=str(DATA / "corpora"),
+            benchmarks_dir=str(DATA / "benchmarks"),
+            request_concurrency=str(CONCURRENCY),
+            request_batch_size="1",  # one prompt per call: the kill lands between answers
+        ),
         log_path=str(root / f"{name}.log"),
     )
 

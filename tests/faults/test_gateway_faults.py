@@ -31,7 +31,7 @@ import httpx
 import pytest
 from fault_platform import model_server_process, vllm_metric, wait_ready
 
-from forge_kit.testing import ServiceProcess, free_port, tiny_llama
+from forge_kit.testing import ServiceProcess, base_env, free_port, tiny_llama
 
 pytestmark = [pytest.mark.integration, pytest.mark.faults_full, pytest.mark.timeout(300)]
 TOKEN = "faults-gateway-token"
@@ -120,17 +120,17 @@ def gateway_process(root: Path, first_replica: str) -> ServiceProcess:
     replica is probed again within 2 s (its back-off capped there)."""
     return ServiceProcess(
         "forge_inference_gateway",
-        env={
-            "FORGE_INFERENCE_GATEWAY_GRPC_PORT": str(free_port()),
-            "FORGE_INFERENCE_GATEWAY_HTTP_PORT": str(free_port()),
-            "FORGE_INFERENCE_GATEWAY_AUTH_TOKEN": TOKEN,
-            "FORGE_INFERENCE_GATEWAY_DATA_DIR": str(root / "gateway"),
-            "FORGE_INFERENCE_GATEWAY_KAFKA_ENABLED": "false",
-            "FORGE_INFERENCE_GATEWAY_MODEL_SERVER_URL": first_replica,
-            "FORGE_INFERENCE_GATEWAY_MODEL_SERVER_TOKEN": TOKEN,
-            "FORGE_INFERENCE_GATEWAY_RESPONSE_CACHE_TTL_S": "0",
-            "FORGE_INFERENCE_GATEWAY_EJECT_MAX_S": "2",
-        },
+        env=base_env(
+            "inference_gateway",
+            token=TOKEN,
+            data_dir=root / "gateway",
+            grpc_port=free_port(),
+            http_port=free_port(),
+            model_server_url=first_replica,
+            model_server_token=TOKEN,
+            response_cache_ttl_s="0",
+            eject_max_s="2",
+        ),
         log_path=str(root / "gateway.log"),
     )
 

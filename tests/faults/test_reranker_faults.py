@@ -21,7 +21,7 @@ from fault_platform import wait_ready
 from forge.rerank.v1 import rerank_pb2, rerank_pb2_grpc
 
 from forge_kit.grpckit import make_channel
-from forge_kit.testing import ServiceProcess, free_port
+from forge_kit.testing import ServiceProcess, base_env, free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.faults_full, pytest.mark.timeout(300)]
 TOKEN = "faults-reranker-token"
@@ -70,13 +70,13 @@ async def client(
 async def test_reranker_kill_answers_everything_the_same_after_restart(tmp_path: Path) -> None:
     reranker = ServiceProcess(
         "forge_reranker",
-        env={
-            "FORGE_RERANKER_GRPC_PORT": str(free_port()),
-            "FORGE_RERANKER_HTTP_PORT": str(free_port()),
-            "FORGE_RERANKER_AUTH_TOKEN": TOKEN,
-            "FORGE_RERANKER_DATA_DIR": str(tmp_path / "reranker"),
-            "FORGE_RERANKER_KAFKA_ENABLED": "false",
-        },
+        env=base_env(
+            "reranker",
+            token=TOKEN,
+            data_dir=tmp_path / "reranker",
+            grpc_port=free_port(),
+            http_port=free_port(),
+        ),
         log_path=str(tmp_path / "reranker.log"),
     ).start(90)
     seen: dict[int, list[tuple[float, Ranking]]] = {}

@@ -34,7 +34,7 @@ from google.protobuf.message import Message
 from forge_kit.events import ensure_topics, topic_for
 from forge_kit.grpckit import make_channel
 from forge_kit.paths import data_dir
-from forge_kit.testing import ServiceProcess, TansuBroker, eventkeys, free_port
+from forge_kit.testing import ServiceProcess, TansuBroker, base_env, free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.faults_full, pytest.mark.timeout(300)]
 TOKEN = "faults-retriever-token"
@@ -122,15 +122,15 @@ async def test_retriever_kill_loses_no_document(tmp_path: Path) -> None:
     await ensure_topics(broker.bootstrap)
     retriever = ServiceProcess(
         "forge_retriever",
-        env={
-            "FORGE_RETRIEVER_GRPC_PORT": str(free_port()),
-            "FORGE_RETRIEVER_HTTP_PORT": str(free_port()),
-            "FORGE_RETRIEVER_DATA_DIR": str(tmp_path / "retriever"),
-            "FORGE_RETRIEVER_KAFKA_BOOTSTRAP": broker.bootstrap,
-            "FORGE_RETRIEVER_AUTH_TOKEN": TOKEN,
-            "FORGE_RETRIEVER_DENSE_ENABLED": "false",  # BM25 only: the fault is the subject here
-            **eventkeys.service_env("retriever"),
-        },
+        env=base_env(
+            "retriever",
+            token=TOKEN,
+            data_dir=tmp_path / "retriever",
+            kafka=broker.bootstrap,
+            grpc_port=free_port(),
+            http_port=free_port(),
+            dense_enabled="false",  # BM25 only: the fault is the subject here
+        ),
         log_path=str(tmp_path / "retriever.log"),
     ).start()
     try:
@@ -232,15 +232,6 @@ async def test_preference_feedback_kill_loses_no_preference(tmp_path: Path) -> N
     """Raters answer through the JSON API while the service is killed -9 and started again;
     every acknowledged preference is in the database once and on Kafka."""
     data = tmp_path / "feedback"
-    env = {
-        "FORGE_PREFERENCE_FEEDBACK_GRPC_PORT": str(free_port()),
-        "FORGE_PREFERENCE_FEEDBACK_HTTP_PORT": str(free_port()),
-        "FORGE_PREFERENCE_FEEDBACK_DATA_DIR": str(data),
-        "FORGE_PREFERENCE_FEEDBACK_AUTH_TOKEN": TOKEN,
-        "FORGE_PREFERENCE_FEEDBACK_SEED_DIR": str(DATA / "preferences" / "hh-rlhf"),
-        "FORGE_PREFERENCE_FEEDBACK_SEED_LIMIT": "40",
-        "FORGE_PREFERENCE_FEEDBACK_OVERLAP_K": str(FEEDBACK_RATERS),
-    }
     for r in range(FEEDBACK_RATERS):
         subprocess.run(
             [
@@ -258,8 +249,17 @@ async def test_preference_feedback_kill_loses_no_preference(tmp_path: Path) -> N
         )
     broker = TansuBroker(log_path=str(tmp_path / "tansu.log")).start()
     await ensure_topics(broker.bootstrap)
-    env["FORGE_PREFERENCE_FEEDBACK_KAFKA_BOOTSTRAP"] = broker.bootstrap
-    env.update(eventkeys.service_env("preference_feedback"))
+    env = base_env(
+        "preference_feedback",
+        token=TOKEN,
+        data_dir=data,
+        kafka=broker.bootstrap,
+        grpc_port=free_port(),
+        http_port=free_port(),
+        seed_dir=str(DATA / "preferences" / "hh-rlhf"),
+        seed_limit="40",
+        overlap_k=str(FEEDBACK_RATERS),
+    )
     service = ServiceProcess(
         "forge_preference_feedback", env=env, log_path=str(tmp_path / "feedback.log")
     ).start()

@@ -31,7 +31,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from forge_kit.grpckit import check_health
-from forge_kit.testing import ServiceProcess, TemporalDevServer
+from forge_kit.testing import ServiceProcess, TemporalDevServer, base_env
 from forge_kit.testing.fuzz import SERVER_FAULTS, messages, unary_caller
 
 pytestmark = [
@@ -103,15 +103,8 @@ def server(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServiceProcess]:
     module = request.param
-    prefix = TARGETS[module][0]
     data = tmp_path_factory.mktemp(module)
-    env = {
-        f"{prefix}GRPC_PORT": "0",
-        f"{prefix}HTTP_PORT": "0",
-        f"{prefix}DATA_DIR": str(data),
-        f"{prefix}KAFKA_ENABLED": "false",
-        f"{prefix}AUTH_TOKEN": TOKEN,
-    }
+    env = base_env(module.removeprefix("forge_"), token=TOKEN, data_dir=data)
     env.update(EXTRA_ENV.get(module, {}))
     if module == "forge_model_server":
         env["FORGE_MODEL_SERVER_MODELS_DIR"] = str(data / "models")
@@ -301,13 +294,7 @@ def test_near_valid_job_submissions_never_get_a_server_error(
     data = tmp_path_factory.mktemp("submit-fuzz")
     process = ServiceProcess(
         "forge_scheduler",
-        env={
-            "FORGE_SCHEDULER_GRPC_PORT": "0",
-            "FORGE_SCHEDULER_HTTP_PORT": "0",
-            "FORGE_SCHEDULER_DATA_DIR": str(data),
-            "FORGE_SCHEDULER_KAFKA_ENABLED": "false",
-            "FORGE_SCHEDULER_AUTH_TOKEN": TOKEN,
-        },
+        env=base_env("scheduler", token=TOKEN, data_dir=data),
         log_path=str(data / "service.log"),
     ).start()
     statuses: Counter[str] = Counter()

@@ -19,7 +19,7 @@ import schemathesis
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from forge_kit.testing import ServiceProcess
+from forge_kit.testing import ServiceProcess, base_env
 
 pytestmark = [
     pytest.mark.integration,
@@ -36,30 +36,23 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess
     data = tmp_path_factory.mktemp("http-fuzz")
     upstream = ServiceProcess(
         "forge_model_server",
-        env={
-            "FORGE_MODEL_SERVER_GRPC_PORT": "0",
-            "FORGE_MODEL_SERVER_HTTP_PORT": "0",
-            "FORGE_MODEL_SERVER_DATA_DIR": str(data / "ms"),
-            "FORGE_MODEL_SERVER_MODELS_DIR": str(data / "models"),
-            "FORGE_MODEL_SERVER_KAFKA_ENABLED": "false",
-            "FORGE_MODEL_SERVER_AUTH_TOKEN": MODEL_SERVER_TOKEN,
-        },
+        env=base_env(
+            "model_server", token=MODEL_SERVER_TOKEN, data_dir=data / "ms", models_dir=str(data / "models")
+        ),
         log_path=str(data / "model_server.log"),
         cwd=str(data),
     ).start()
     gateway = ServiceProcess(
         "forge_inference_gateway",
-        env={
-            "FORGE_INFERENCE_GATEWAY_GRPC_PORT": "0",
-            "FORGE_INFERENCE_GATEWAY_HTTP_PORT": "0",
-            "FORGE_INFERENCE_GATEWAY_DATA_DIR": str(data / "gw"),
-            "FORGE_INFERENCE_GATEWAY_KAFKA_ENABLED": "false",
-            "FORGE_INFERENCE_GATEWAY_MODEL_SERVER_URL": upstream.http_url,
-            "FORGE_INFERENCE_GATEWAY_MODEL_SERVER_TOKEN": MODEL_SERVER_TOKEN,
-            "FORGE_INFERENCE_GATEWAY_BOOTSTRAP_API_KEY": TENANT_KEY,
-            "FORGE_INFERENCE_GATEWAY_AUTH_TOKEN": GATEWAY_ADMIN_TOKEN,
-            "FORGE_INFERENCE_GATEWAY_DEFAULT_RPM_LIMIT": "1000000",
-        },
+        env=base_env(
+            "inference_gateway",
+            token=GATEWAY_ADMIN_TOKEN,
+            data_dir=data / "gw",
+            model_server_url=upstream.http_url,
+            model_server_token=MODEL_SERVER_TOKEN,
+            bootstrap_api_key=TENANT_KEY,
+            default_rpm_limit="1000000",
+        ),
         log_path=str(data / "gateway.log"),
         cwd=str(data),
     ).start()
@@ -194,14 +187,12 @@ def feedback(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Service
     data = tmp_path_factory.mktemp("http-fuzz-feedback")
     process = ServiceProcess(
         "forge_preference_feedback",
-        env={
-            "FORGE_PREFERENCE_FEEDBACK_GRPC_PORT": "0",
-            "FORGE_PREFERENCE_FEEDBACK_HTTP_PORT": "0",
-            "FORGE_PREFERENCE_FEEDBACK_DATA_DIR": str(data),
-            "FORGE_PREFERENCE_FEEDBACK_KAFKA_ENABLED": "false",
-            "FORGE_PREFERENCE_FEEDBACK_AUTH_TOKEN": "fuzz-feedback-token",
-            "FORGE_PREFERENCE_FEEDBACK_ADMIN_PASSWORD": FEEDBACK_ADMIN_PASSWORD,
-        },
+        env=base_env(
+            "preference_feedback",
+            token="fuzz-feedback-token",
+            data_dir=data,
+            admin_password=FEEDBACK_ADMIN_PASSWORD,
+        ),
         log_path=str(data / "service.log"),
         cwd=str(data),
     ).start()

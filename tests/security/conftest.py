@@ -20,7 +20,7 @@ import pytest
 from forge.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 from forge_kit.grpckit import make_channel
-from forge_kit.testing import ServiceProcess, TemporalDevServer
+from forge_kit.testing import ServiceProcess, TemporalDevServer, base_env
 
 SCHEDULER_TOKEN = "security-scheduler-token"
 ORCHESTRATOR_TOKEN = "security-orchestrator-token"
@@ -48,13 +48,7 @@ def orchestrator_token() -> str:
 def scheduler(security_root: Path) -> Iterator[ServiceProcess]:
     process = ServiceProcess(
         "forge_scheduler",
-        env={
-            "FORGE_SCHEDULER_GRPC_PORT": "0",
-            "FORGE_SCHEDULER_HTTP_PORT": "0",
-            "FORGE_SCHEDULER_DATA_DIR": str(security_root / "scheduler"),
-            "FORGE_SCHEDULER_KAFKA_ENABLED": "false",
-            "FORGE_SCHEDULER_AUTH_TOKEN": SCHEDULER_TOKEN,
-        },
+        env=base_env("scheduler", token=SCHEDULER_TOKEN, data_dir=security_root / "scheduler"),
         log_path=str(security_root / "scheduler.log"),
     ).start(90)
     yield process
@@ -93,17 +87,15 @@ def orchestrator(
 ) -> Iterator[ServiceProcess]:
     process = ServiceProcess(
         "forge_orchestrator",
-        env={
-            "FORGE_ORCHESTRATOR_GRPC_PORT": "0",
-            "FORGE_ORCHESTRATOR_HTTP_PORT": "0",
-            "FORGE_ORCHESTRATOR_AUTH_TOKEN": ORCHESTRATOR_TOKEN,
-            "FORGE_ORCHESTRATOR_DATA_DIR": str(security_root / "orchestrator"),
-            "FORGE_ORCHESTRATOR_KAFKA_ENABLED": "false",
-            "FORGE_ORCHESTRATOR_TEMPORAL_TARGET": temporal_server.target,
-            "FORGE_ORCHESTRATOR_TASK_QUEUE": orchestrator_queue,
-            "FORGE_ORCHESTRATOR_SCHEDULER_TARGET": scheduler.grpc_target,
-            "FORGE_ORCHESTRATOR_SCHEDULER_TOKEN": SCHEDULER_TOKEN,
-        },
+        env=base_env(
+            "orchestrator",
+            token=ORCHESTRATOR_TOKEN,
+            data_dir=security_root / "orchestrator",
+            temporal_target=temporal_server.target,
+            task_queue=orchestrator_queue,
+            scheduler_target=scheduler.grpc_target,
+            scheduler_token=SCHEDULER_TOKEN,
+        ),
         log_path=str(security_root / "orchestrator.log"),
     )
     try:

@@ -29,7 +29,7 @@ from forge.eval.v1 import eval_pb2, eval_pb2_grpc
 
 from forge_kit.grpckit import make_channel
 from forge_kit.paths import data_dir
-from forge_kit.testing import ServiceProcess, free_port
+from forge_kit.testing import ServiceProcess, base_env, free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -110,19 +110,19 @@ def eval_service(tmp_path: Path, listen: Callable[[], Listener]) -> Iterator[tup
     gateway = listen()
     process = ServiceProcess(
         "forge_eval",
-        env={
-            "FORGE_EVAL_GRPC_PORT": str(free_port()),
-            "FORGE_EVAL_HTTP_PORT": str(free_port()),
-            "FORGE_EVAL_DATA_DIR": str(tmp_path / "eval"),
-            "FORGE_EVAL_RESPONSE_CACHE_PATH": "",
-            "FORGE_EVAL_KAFKA_ENABLED": "false",
-            "FORGE_EVAL_AUTH_TOKEN": EVAL_TOKEN,
-            "FORGE_EVAL_USER_TOKENS": json.dumps({"ci": EVAL_USER_TOKEN}),
-            "FORGE_EVAL_INFERENCE_GATEWAY_URL": gateway.url,
-            "FORGE_EVAL_INFERENCE_GATEWAY_TOKEN": GATEWAY_KEY,
-            "FORGE_EVAL_CORPORA_DIR": str(DATA / "corpora"),
-            "FORGE_EVAL_BENCHMARKS_DIR": str(DATA / "benchmarks"),
-        },
+        env=base_env(
+            "eval",
+            token=EVAL_TOKEN,
+            data_dir=tmp_path / "eval",
+            grpc_port=free_port(),
+            http_port=free_port(),
+            response_cache_path="",
+            user_tokens=json.dumps({"ci": EVAL_USER_TOKEN}),
+            inference_gateway_url=gateway.url,
+            inference_gateway_token=GATEWAY_KEY,
+            corpora_dir=str(DATA / "corpora"),
+            benchmarks_dir=str(DATA / "benchmarks"),
+        ),
         log_path=str(tmp_path / "eval.log"),
     ).start(90)
     yield process, gateway
@@ -200,17 +200,17 @@ def gateway(tmp_path: Path, listen: Callable[[], Listener]) -> Iterator[tuple[Se
     configured = listen()
     process = ServiceProcess(
         "forge_inference_gateway",
-        env={
-            "FORGE_INFERENCE_GATEWAY_GRPC_PORT": str(free_port()),
-            "FORGE_INFERENCE_GATEWAY_HTTP_PORT": str(free_port()),
-            "FORGE_INFERENCE_GATEWAY_AUTH_TOKEN": GATEWAY_ADMIN,
-            "FORGE_INFERENCE_GATEWAY_DATA_DIR": str(tmp_path / "gateway"),
-            "FORGE_INFERENCE_GATEWAY_KAFKA_ENABLED": "false",
-            "FORGE_INFERENCE_GATEWAY_MODEL_SERVER_URL": configured.url,
-            "FORGE_INFERENCE_GATEWAY_MODEL_SERVER_TOKEN": MODEL_SERVER_TOKEN,
-            "FORGE_INFERENCE_GATEWAY_METRICS_INTERVAL_S": "0.2",
-            "FORGE_INFERENCE_GATEWAY_REPLICA_SYNC_S": "0.5",
-        },
+        env=base_env(
+            "inference_gateway",
+            token=GATEWAY_ADMIN,
+            data_dir=tmp_path / "gateway",
+            grpc_port=free_port(),
+            http_port=free_port(),
+            model_server_url=configured.url,
+            model_server_token=MODEL_SERVER_TOKEN,
+            metrics_interval_s="0.2",
+            replica_sync_s="0.5",
+        ),
         log_path=str(tmp_path / "gateway.log"),
     ).start(90)
     yield process, configured

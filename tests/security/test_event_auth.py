@@ -34,7 +34,7 @@ from forge_kit.eventauth import HEADER_SIGNATURE, EventSigner
 from forge_kit.eventlog import CatchUp, CatchUpSource
 from forge_kit.events import HEADER_ID, HEADER_PRODUCER, HEADER_TYPE, ensure_topics, new_meta, topic_for
 from forge_kit.grpckit import make_channel, serve
-from forge_kit.testing import ServiceProcess, TansuBroker, eventkeys, free_port
+from forge_kit.testing import ServiceProcess, TansuBroker, base_env, eventkeys, free_port
 
 pytestmark = pytest.mark.integration
 
@@ -168,16 +168,15 @@ def test_forged_document_changes_never_reach_another_tenants_index(
 ) -> None:
     retriever = ServiceProcess(
         "forge_retriever",
-        env={
-            "FORGE_RETRIEVER_GRPC_PORT": "0",
-            "FORGE_RETRIEVER_HTTP_PORT": "0",
-            "FORGE_RETRIEVER_DATA_DIR": str(tmp_path / "retriever"),
-            "FORGE_RETRIEVER_KAFKA_BOOTSTRAP": broker.bootstrap,
-            "FORGE_RETRIEVER_AUTH_TOKEN": RETRIEVER_TOKEN,
-            "FORGE_RETRIEVER_DENSE_ENABLED": "false",
-            "FORGE_RETRIEVER_DOCUMENT_SOURCES": '["cms"]',
-            **eventkeys.service_env("retriever", extra=["cms"]),
-        },
+        env=base_env(
+            "retriever",
+            token=RETRIEVER_TOKEN,
+            data_dir=tmp_path / "retriever",
+            kafka=broker.bootstrap,
+            extra_producers=["cms"],
+            dense_enabled="false",
+            document_sources='["cms"]',
+        ),
         log_path=str(tmp_path / "retriever.log"),
     ).start(120)
     try:
@@ -206,15 +205,13 @@ def test_forged_document_changes_never_reach_another_tenants_index(
 def test_forged_model_promotions_do_not_move_production(broker: TansuBroker, tmp_path: Path) -> None:
     gateway = ServiceProcess(
         "forge_inference_gateway",
-        env={
-            "FORGE_INFERENCE_GATEWAY_GRPC_PORT": "0",
-            "FORGE_INFERENCE_GATEWAY_HTTP_PORT": "0",
-            "FORGE_INFERENCE_GATEWAY_AUTH_TOKEN": GATEWAY_TOKEN,
-            "FORGE_INFERENCE_GATEWAY_DATA_DIR": str(tmp_path / "gateway"),
-            "FORGE_INFERENCE_GATEWAY_KAFKA_BOOTSTRAP": broker.bootstrap,
-            "FORGE_INFERENCE_GATEWAY_MODEL_SERVER_URL": f"http://127.0.0.1:{free_port()}",
-            **eventkeys.service_env("inference_gateway"),
-        },
+        env=base_env(
+            "inference_gateway",
+            token=GATEWAY_TOKEN,
+            data_dir=tmp_path / "gateway",
+            kafka=broker.bootstrap,
+            model_server_url=f"http://127.0.0.1:{free_port()}",
+        ),
         cwd=str(tmp_path),
         log_path=str(tmp_path / "gateway.log"),
     ).start(60)

@@ -29,7 +29,7 @@ from forge.retrieval.v1 import retrieval_pb2, retrieval_pb2_grpc
 
 from forge_kit.events import ensure_topics, new_meta, topic_for
 from forge_kit.grpckit import make_channel
-from forge_kit.testing import ServiceProcess, TansuBroker, eventkeys
+from forge_kit.testing import ServiceProcess, TansuBroker, base_env, eventkeys
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -48,16 +48,15 @@ def broker(tmp_path: Path) -> Iterator[TansuBroker]:
 def retriever(tmp_path: Path, broker: TansuBroker) -> ServiceProcess:
     return ServiceProcess(
         "forge_retriever",
-        env={
-            "FORGE_RETRIEVER_GRPC_PORT": "0",
-            "FORGE_RETRIEVER_HTTP_PORT": "0",
-            "FORGE_RETRIEVER_DATA_DIR": str(tmp_path / "retriever"),
-            "FORGE_RETRIEVER_KAFKA_BOOTSTRAP": broker.bootstrap,
-            "FORGE_RETRIEVER_AUTH_TOKEN": TOKEN,
-            "FORGE_RETRIEVER_DENSE_ENABLED": "false",
-            "FORGE_RETRIEVER_DOCUMENT_SOURCES": '["cms"]',
-            **eventkeys.service_env("retriever", extra=["cms"]),
-        },
+        env=base_env(
+            "retriever",
+            token=TOKEN,
+            data_dir=tmp_path / "retriever",
+            kafka=broker.bootstrap,
+            extra_producers=["cms"],
+            dense_enabled="false",
+            document_sources='["cms"]',
+        ),
         log_path=str(tmp_path / "retriever.log"),
     )
 

@@ -24,7 +24,7 @@ from forge.common.v1 import common_pb2
 from forge.eval.v1 import eval_pb2, eval_pb2_grpc
 from forge.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 
-from forge_kit.testing import ServiceProcess
+from forge_kit.testing import ServiceProcess, base_env
 from forge_kit.testing.tiny_llama import save_tiny_llama
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -38,15 +38,11 @@ MODEL = "llama"
 HUGE = 30 * 1024 * 1024
 
 
-def _service(module: str, prefix: str, data: Path, **extra: str) -> ServiceProcess:
-    env = {
-        f"{prefix}GRPC_PORT": "0",
-        f"{prefix}HTTP_PORT": "0",
-        f"{prefix}DATA_DIR": str(data),
-        f"{prefix}KAFKA_ENABLED": "false",
-        **{f"{prefix}{key.upper()}": value for key, value in extra.items()},
-    }
-    return ServiceProcess(module, env=env, log_path=str(data / "service.log"), cwd=str(data)).start(90)
+def _service(service: str, data: Path, token: str, **settings: str) -> ServiceProcess:
+    env = base_env(service, token=token, data_dir=data, **settings)
+    return ServiceProcess(
+        f"forge_{service}", env=env, log_path=str(data / "service.log"), cwd=str(data)
+    ).start(90)
 
 
 @pytest.fixture(scope="module")
@@ -54,10 +50,9 @@ def model_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServicePr
     data = tmp_path_factory.mktemp("model-server")
     save_tiny_llama(data / "models" / MODEL)
     process = _service(
-        "forge_model_server",
-        "FORGE_MODEL_SERVER_",
+        "model_server",
         data,
-        auth_token=MODEL_SERVER_TOKEN,
+        MODEL_SERVER_TOKEN,
         models_dir=str(data / "models"),
         torch_threads="1",
     )
@@ -70,10 +65,9 @@ def gateway(
     model_server: ServiceProcess, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServiceProcess]:
     process = _service(
-        "forge_inference_gateway",
-        "FORGE_INFERENCE_GATEWAY_",
+        "inference_gateway",
         tmp_path_factory.mktemp("gateway"),
-        auth_token=GATEWAY_ADMIN_TOKEN,
+        GATEWAY_ADMIN_TOKEN,
         model_server_url=model_server.http_url,
         model_server_token=MODEL_SERVER_TOKEN,
         bootstrap_api_key=TENANT_KEY,
@@ -87,7 +81,7 @@ def gateway(
 @pytest.fixture(scope="module")
 def scheduler(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
     data = tmp_path_factory.mktemp("scheduler")
-    process = _service("forge_scheduler", "FORGE_SCHEDULER_", data, auth_token=SERVICE_TOKEN)
+    process = _service("scheduler", data, SERVICE_TOKEN)
     yield process
     process.stop()
 
@@ -96,10 +90,9 @@ def scheduler(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProce
 def eval_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
     data = tmp_path_factory.mktemp("eval")
     process = _service(
-        "forge_eval",
-        "FORGE_EVAL_",
+        "eval",
         data,
-        auth_token=SERVICE_TOKEN,
+        SERVICE_TOKEN,
         response_cache_path=str(data / "cache.sqlite"),
     )
     yield process

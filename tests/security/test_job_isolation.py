@@ -37,7 +37,7 @@ from typer.testing import CliRunner
 
 from forge_cli import tokens
 from forge_kit.grpckit import make_channel
-from forge_kit.testing import ServiceProcess, TemporalDevServer, eventually, free_port
+from forge_kit.testing import ServiceProcess, TemporalDevServer, base_env, eventually, free_port
 from forge_scheduler.cli import cluster_app
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the agent isolates jobs only when it runs as root")
@@ -90,28 +90,28 @@ class Platform:
         self.agent_data = root / "var" / "data" / "trainer_agent"
         self.scheduler = ServiceProcess(
             "forge_scheduler",
-            env={
-                "FORGE_SCHEDULER_GRPC_PORT": str(free_port()),
-                "FORGE_SCHEDULER_HTTP_PORT": str(free_port()),
-                "FORGE_SCHEDULER_DATA_DIR": str(root / "var" / "data" / "scheduler"),
-                "FORGE_SCHEDULER_KAFKA_ENABLED": "false",
-                "FORGE_SCHEDULER_AUTH_TOKEN": self.secrets["scheduler"],
-                "FORGE_SCHEDULER_HEARTBEAT_INTERVAL_S": "1",
-            },
+            env=base_env(
+                "scheduler",
+                token=self.secrets["scheduler"],
+                data_dir=root / "var" / "data" / "scheduler",
+                grpc_port=free_port(),
+                http_port=free_port(),
+                heartbeat_interval_s="1",
+            ),
             log_path=str(root / "scheduler.log"),
         )
         self.agent = ServiceProcess(
             "forge_trainer_agent",
             env={
-                "FORGE_TRAINER_AGENT_GRPC_PORT": "0",
-                "FORGE_TRAINER_AGENT_HTTP_PORT": "0",
-                "FORGE_TRAINER_AGENT_DATA_DIR": str(self.agent_data),
-                "FORGE_TRAINER_AGENT_OBJECT_STORE_URL": str(root / "var" / "objects"),
-                "FORGE_TRAINER_AGENT_KAFKA_ENABLED": "false",
-                "FORGE_TRAINER_AGENT_AUTH_TOKEN": self.secrets["trainer_agent"],
-                "FORGE_TRAINER_AGENT_SCHEDULER_TOKEN": self.secrets["scheduler"],
-                "FORGE_TRAINER_AGENT_NODE_NAME": "node-sec",
-                "FORGE_TRAINER_AGENT_GPUS": "SIMx1",
+                **base_env(
+                    "trainer_agent",
+                    token=self.secrets["trainer_agent"],
+                    data_dir=self.agent_data,
+                    object_store_url=str(root / "var" / "objects"),
+                    scheduler_token=self.secrets["scheduler"],
+                    node_name="node-sec",
+                    gpus="SIMx1",
+                ),
                 **agent_settings,
             },
             log_path=str(root / "agent.log"),

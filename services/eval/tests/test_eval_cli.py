@@ -18,7 +18,7 @@ from test_eval_harness import CORPUS_BAD, CORPUS_GOOD, write_mc_task
 from typer.testing import CliRunner
 
 from forge_eval.cli import app
-from forge_kit.testing import ServiceProcess
+from forge_kit.testing import ServiceProcess, base_env
 
 pytestmark = pytest.mark.integration
 
@@ -123,15 +123,13 @@ def test_bad_input_writes_nothing(endpoint: tuple[str, EndpointState], tmp_path:
 def eval_service(tmp_path: Path) -> Iterator[ServiceProcess]:
     process = ServiceProcess(
         "forge_eval",
-        env={
-            "FORGE_EVAL_GRPC_PORT": "0",
-            "FORGE_EVAL_HTTP_PORT": "0",
-            "FORGE_EVAL_DATA_DIR": str(tmp_path / "eval"),
-            "FORGE_EVAL_KAFKA_ENABLED": "false",
-            "FORGE_EVAL_AUTH_TOKEN": "service-token",
-            "FORGE_EVAL_ADMIN_TOKENS": json.dumps({"alice": "alice-token"}),
-            "FORGE_EVAL_USER_TOKENS": json.dumps({"ci": "ci-token"}),
-        },
+        env=base_env(
+            "eval",
+            token="service-token",
+            data_dir=tmp_path / "eval",
+            admin_tokens=json.dumps({"alice": "alice-token"}),
+            user_tokens=json.dumps({"ci": "ci-token"}),
+        ),
         log_path=str(tmp_path / "eval.log"),
     ).start()
     yield process

@@ -25,7 +25,7 @@ from tiny_checkpoint import make_tiny_checkpoint
 from forge_eval.backend import Continuation, OpenAIBackend
 from forge_eval.harness import run_task
 from forge_eval.tasks import DataRoots, load_task
-from forge_kit.testing import ServiceProcess
+from forge_kit.testing import ServiceProcess, base_env
 
 pytestmark = pytest.mark.integration
 
@@ -54,29 +54,20 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     write_data(root / "benchmarks" / "mc")
     server = ServiceProcess(
         "forge_model_server",
-        env={
-            "FORGE_MODEL_SERVER_GRPC_PORT": "0",
-            "FORGE_MODEL_SERVER_HTTP_PORT": "0",
-            "FORGE_MODEL_SERVER_AUTH_TOKEN": TOKEN,
-            "FORGE_MODEL_SERVER_MODELS_DIR": str(root / "models"),
-            "FORGE_MODEL_SERVER_KAFKA_ENABLED": "false",
-            "FORGE_MODEL_SERVER_TORCH_THREADS": "1",
-        },
+        env=base_env("model_server", token=TOKEN, models_dir=str(root / "models"), torch_threads="1"),
         cwd=str(root),
         log_path=str(root / "model_server.log"),
     ).start(90)
     gateway = ServiceProcess(
         "forge_inference_gateway",
-        env={
-            "FORGE_INFERENCE_GATEWAY_GRPC_PORT": "0",
-            "FORGE_INFERENCE_GATEWAY_HTTP_PORT": "0",
-            "FORGE_INFERENCE_GATEWAY_AUTH_TOKEN": "agreement-admin",
-            "FORGE_INFERENCE_GATEWAY_DATA_DIR": str(root / "gateway"),
-            "FORGE_INFERENCE_GATEWAY_KAFKA_ENABLED": "false",
-            "FORGE_INFERENCE_GATEWAY_MODEL_SERVER_URL": server.http_url,
-            "FORGE_INFERENCE_GATEWAY_MODEL_SERVER_TOKEN": TOKEN,
-            "FORGE_INFERENCE_GATEWAY_BOOTSTRAP_API_KEY": GATEWAY_KEY,
-        },
+        env=base_env(
+            "inference_gateway",
+            token="agreement-admin",
+            data_dir=root / "gateway",
+            model_server_url=server.http_url,
+            model_server_token=TOKEN,
+            bootstrap_api_key=GATEWAY_KEY,
+        ),
         cwd=str(root),
         log_path=str(root / "gateway.log"),
     )

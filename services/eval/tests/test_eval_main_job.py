@@ -30,7 +30,7 @@ from forge_cli.mainjob import MainJobContext, ServiceEndpoint
 from forge_eval.main_job import StepError, evaluate_checkpoint
 from forge_kit.events import KafkaPublisher, ensure_topics
 from forge_kit.grpckit import make_channel
-from forge_kit.testing import ServiceProcess, TansuBroker, TemporalDevServer, eventkeys
+from forge_kit.testing import ServiceProcess, TansuBroker, TemporalDevServer, base_env, eventkeys
 from forge_kit.testing.processes import free_port
 
 EVAL_TOKEN = "eval-main-job-token"
@@ -65,15 +65,13 @@ def platform(
         start,
         ServiceProcess(
             "forge_eval",
-            env={
-                "FORGE_EVAL_GRPC_PORT": "0",
-                "FORGE_EVAL_HTTP_PORT": "0",
-                "FORGE_EVAL_DATA_DIR": str(data / "eval"),
-                "FORGE_EVAL_KAFKA_BOOTSTRAP": kafka_broker.bootstrap,
-                **eventkeys.service_env("eval"),
-                "FORGE_EVAL_AUTH_TOKEN": EVAL_TOKEN,
-                "FORGE_EVAL_RESPONSE_CACHE_PATH": str(data / "eval" / "cache.sqlite"),
-            },
+            env=base_env(
+                "eval",
+                token=EVAL_TOKEN,
+                data_dir=data / "eval",
+                kafka=kafka_broker.bootstrap,
+                response_cache_path=str(data / "eval" / "cache.sqlite"),
+            ),
             log_path=str(data / "eval.log"),
         ),
     )
@@ -81,14 +79,9 @@ def platform(
         start,
         ServiceProcess(
             "forge_model_server",
-            env={
-                "FORGE_MODEL_SERVER_GRPC_PORT": "0",
-                "FORGE_MODEL_SERVER_HTTP_PORT": "0",
-                "FORGE_MODEL_SERVER_AUTH_TOKEN": SERVER_TOKEN,
-                "FORGE_MODEL_SERVER_MODELS_DIR": str(data / "models"),
-                "FORGE_MODEL_SERVER_KAFKA_ENABLED": "false",
-                "FORGE_MODEL_SERVER_TORCH_THREADS": "1",
-            },
+            env=base_env(
+                "model_server", token=SERVER_TOKEN, models_dir=str(data / "models"), torch_threads="1"
+            ),
             cwd=str(data),
             log_path=str(data / "model_server.log"),
         ),
@@ -98,19 +91,17 @@ def platform(
     gateway = start(
         ServiceProcess(
             "forge_inference_gateway",
-            env={
-                "FORGE_INFERENCE_GATEWAY_GRPC_PORT": "0",
-                "FORGE_INFERENCE_GATEWAY_HTTP_PORT": "0",
-                "FORGE_INFERENCE_GATEWAY_AUTH_TOKEN": GATEWAY_TOKEN,
-                "FORGE_INFERENCE_GATEWAY_DATA_DIR": str(data / "gateway"),
-                "FORGE_INFERENCE_GATEWAY_KAFKA_BOOTSTRAP": kafka_broker.bootstrap,
-                "FORGE_INFERENCE_GATEWAY_MODEL_SERVER_URL": server.http_url,
-                "FORGE_INFERENCE_GATEWAY_MODEL_SERVER_TOKEN": SERVER_TOKEN,
+            env=base_env(
+                "inference_gateway",
+                token=GATEWAY_TOKEN,
+                data_dir=data / "gateway",
+                kafka=kafka_broker.bootstrap,
+                model_server_url=server.http_url,
+                model_server_token=SERVER_TOKEN,
                 # the default tenant, as whom the platform's own token (the steps') chats
-                "FORGE_INFERENCE_GATEWAY_BOOTSTRAP_API_KEY": "main-job-default-key",
-                "FORGE_INFERENCE_GATEWAY_RESPONSE_CACHE_TTL_S": "0",
-                **eventkeys.service_env("inference_gateway"),
-            },
+                bootstrap_api_key="main-job-default-key",
+                response_cache_ttl_s="0",
+            ),
             cwd=str(data),
             log_path=str(data / "gateway.log"),
         )
@@ -118,22 +109,22 @@ def platform(
     orchestrator = ServiceProcess(
         "forge_orchestrator",
         env={
-            "FORGE_ORCHESTRATOR_GRPC_PORT": "0",
-            "FORGE_ORCHESTRATOR_HTTP_PORT": "0",
-            "FORGE_ORCHESTRATOR_AUTH_TOKEN": ORCHESTRATOR_TOKEN,
-            "FORGE_ORCHESTRATOR_DATA_DIR": str(data / "orchestrator"),
-            "FORGE_ORCHESTRATOR_KAFKA_BOOTSTRAP": kafka_broker.bootstrap,
-            "FORGE_ORCHESTRATOR_TEMPORAL_TARGET": temporal_server.target,
-            "FORGE_ORCHESTRATOR_TASK_QUEUE": f"main-job-{suffix}",
-            # forge up's canary policy (a window of seconds) on the gateway's metrics.
-            "FORGE_ORCHESTRATOR_CANARY_POLICY": "local",
-            "FORGE_ORCHESTRATOR_GATEWAY_METRICS_URLS": f'["{gateway.http_url}/metrics"]',
-            "FORGE_ORCHESTRATOR_CONSUMER_GROUP": f"main-job-{suffix}",
-            "FORGE_ORCHESTRATOR_CONSUMER_SESSION_TIMEOUT_MS": "3000",
-            **eventkeys.service_env("orchestrator"),
-            "FORGE_ORCHESTRATOR_SCHEDULER_TARGET": f"127.0.0.1:{free_port()}",
-            "FORGE_ORCHESTRATOR_EVAL_TARGET": evals.grpc_target,
-            "FORGE_ORCHESTRATOR_EVAL_TOKEN": EVAL_TOKEN,
+            **base_env(
+                "orchestrator",
+                token=ORCHESTRATOR_TOKEN,
+                data_dir=data / "orchestrator",
+                kafka=kafka_broker.bootstrap,
+                temporal_target=temporal_server.target,
+                task_queue=f"main-job-{suffix}",
+                # forge up's canary policy (a window of seconds) on the gateway's metrics.
+                canary_policy="local",
+                gateway_metrics_urls=f'["{gateway.http_url}/metrics"]',
+                consumer_group=f"main-job-{suffix}",
+                consumer_session_timeout_ms="3000",
+                scheduler_target=f"127.0.0.1:{free_port()}",
+                eval_target=evals.grpc_target,
+                eval_token=EVAL_TOKEN,
+            ),
             **{f"FORGE_ORCHESTRATOR_{k}": v for k, v in RELEASE.items()},
         },
         log_path=str(data / "orchestrator.log"),

@@ -178,7 +178,7 @@ def test_default_settings_complete_against_the_real_model_server(tmp_path: Path)
     speed, and the run still scores every item."""
     from tiny_checkpoint import make_tiny_checkpoint
 
-    from forge_kit.testing import ServiceProcess
+    from forge_kit.testing import ServiceProcess, base_env
 
     make_tiny_checkpoint(tmp_path / "models" / "tiny", context=64)
     data = tmp_path / "benchmarks" / "toy_gen"
@@ -194,16 +194,14 @@ def test_default_settings_complete_against_the_real_model_server(tmp_path: Path)
     )
     server = ServiceProcess(
         "forge_model_server",
-        env={
-            "FORGE_MODEL_SERVER_GRPC_PORT": "0",
-            "FORGE_MODEL_SERVER_HTTP_PORT": "0",
-            "FORGE_MODEL_SERVER_AUTH_TOKEN": "overload-token",
-            "FORGE_MODEL_SERVER_MODELS_DIR": str(tmp_path / "models"),
-            "FORGE_MODEL_SERVER_KAFKA_ENABLED": "false",
-            "FORGE_MODEL_SERVER_TORCH_THREADS": "1",
-            "FORGE_MODEL_SERVER_MAX_WAITING_REQUESTS": "4",
-            "FORGE_MODEL_SERVER_MAX_NUM_SEQS": "4",
-        },
+        env=base_env(
+            "model_server",
+            token="overload-token",
+            models_dir=str(tmp_path / "models"),
+            torch_threads="1",
+            max_waiting_requests="4",
+            max_num_seqs="4",
+        ),
         cwd=str(tmp_path),
         log_path=str(tmp_path / "model_server.log"),
     ).start(90)

@@ -21,7 +21,7 @@ from forge_eval.tasks import DataRoots, Doc, build_docs, dataset_hash, load_task
 from forge_eval.vlm_data import write_shapes
 from forge_kit import errors
 from forge_kit.paths import resolve_data_path
-from forge_kit.testing import ServiceProcess
+from forge_kit.testing import ServiceProcess, base_env
 from forge_kit.testing.tiny_llava import save_tiny_llava
 
 pytest.importorskip("forge_training.vlm.world")
@@ -40,14 +40,7 @@ def roots(tmp_path_factory: pytest.TempPathFactory) -> DataRoots:
 def model_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
     root = tmp_path_factory.mktemp("vlm-serve")
     save_tiny_llava(root / "models" / "llava", context=512)
-    env = {
-        "FORGE_MODEL_SERVER_GRPC_PORT": "0",
-        "FORGE_MODEL_SERVER_HTTP_PORT": "0",
-        "FORGE_MODEL_SERVER_AUTH_TOKEN": TOKEN,
-        "FORGE_MODEL_SERVER_MODELS_DIR": str(root / "models"),
-        "FORGE_MODEL_SERVER_KAFKA_ENABLED": "false",
-        "FORGE_MODEL_SERVER_TORCH_THREADS": "1",
-    }
+    env = base_env("model_server", token=TOKEN, models_dir=str(root / "models"), torch_threads="1")
     proc = ServiceProcess("forge_model_server", env=env, cwd=str(root), log_path=str(root / "log")).start(60)
     yield proc
     proc.stop()

@@ -13,7 +13,7 @@ from forge_inference_gateway.embeddings import GrpcEmbedder
 from forge_inference_gateway.openai_api import install_gateway_api
 from forge_inference_gateway.service import InferenceGateway
 from forge_kit.http import HttpServer, make_app
-from forge_kit.testing import ServiceProcess
+from forge_kit.testing import ServiceProcess, base_env
 
 from .conftest import ADMIN_TOKEN, API_KEY
 
@@ -25,14 +25,7 @@ MODEL = "all-MiniLM-L6-v2"
 @pytest.fixture(scope="module")
 def retriever(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
     root = tmp_path_factory.mktemp("embeddings")
-    env = {
-        "FORGE_RETRIEVER_GRPC_PORT": "0",
-        "FORGE_RETRIEVER_HTTP_PORT": "0",
-        "FORGE_RETRIEVER_AUTH_TOKEN": SERVICE_TOKEN,
-        "FORGE_RETRIEVER_DATA_DIR": str(root / "data"),
-        "FORGE_RETRIEVER_KAFKA_ENABLED": "false",
-        "FORGE_RETRIEVER_EMBEDDING_BACKEND": "torch",
-    }
+    env = base_env("retriever", token=SERVICE_TOKEN, data_dir=root / "data", embedding_backend="torch")
     proc = ServiceProcess("forge_retriever", env=env, cwd=str(root), log_path=str(root / "log")).start(120)
     yield proc
     proc.stop()

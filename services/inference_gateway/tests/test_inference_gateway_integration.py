@@ -22,7 +22,7 @@ from forge_kit.cache import InMemoryCache
 from forge_kit.db import Database
 from forge_kit.events import KafkaPublisher, ensure_topics
 from forge_kit.http import make_app
-from forge_kit.testing import ServiceProcess, TansuBroker, eventkeys
+from forge_kit.testing import ServiceProcess, TansuBroker, base_env, eventkeys
 
 pytestmark = pytest.mark.integration
 MODEL_SERVER_TOKEN = "ms-token"
@@ -39,13 +39,7 @@ def model_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServicePr
     (root / "models" / "tiny" / "config.json").write_text(
         json.dumps({"model_type": "llama", "max_position_embeddings": 64})
     )
-    env = {
-        "FORGE_MODEL_SERVER_GRPC_PORT": "0",
-        "FORGE_MODEL_SERVER_HTTP_PORT": "0",
-        "FORGE_MODEL_SERVER_AUTH_TOKEN": MODEL_SERVER_TOKEN,
-        "FORGE_MODEL_SERVER_MODELS_DIR": str(root / "models"),
-        "FORGE_MODEL_SERVER_KAFKA_ENABLED": "false",
-    }
+    env = base_env("model_server", token=MODEL_SERVER_TOKEN, models_dir=str(root / "models"))
     proc = ServiceProcess("forge_model_server", env=env, cwd=str(root), log_path=str(root / "log")).start(30)
     yield proc
     proc.stop()
@@ -115,17 +109,15 @@ def test_promotion_event_updates_the_alias_of_a_running_gateway(
     canaries of other versions of ``tiny``, on other partitions, so in no fixed order with ours."""
     broker = TansuBroker(log_path=str(tmp_path / "broker.log")).start()
     asyncio.run(ensure_topics(broker.bootstrap))
-    env = {
-        "FORGE_INFERENCE_GATEWAY_GRPC_PORT": "0",
-        "FORGE_INFERENCE_GATEWAY_HTTP_PORT": "0",
-        "FORGE_INFERENCE_GATEWAY_AUTH_TOKEN": GATEWAY_TOKEN,
-        "FORGE_INFERENCE_GATEWAY_DATA_DIR": str(tmp_path / "data"),
-        "FORGE_INFERENCE_GATEWAY_KAFKA_BOOTSTRAP": broker.bootstrap,
-        "FORGE_INFERENCE_GATEWAY_MODEL_SERVER_URL": model_server.http_url,
-        "FORGE_INFERENCE_GATEWAY_MODEL_SERVER_TOKEN": MODEL_SERVER_TOKEN,
-        "FORGE_INFERENCE_GATEWAY_BOOTSTRAP_API_KEY": TENANT_KEY,
-        **eventkeys.service_env("inference_gateway"),
-    }
+    env = base_env(
+        "inference_gateway",
+        token=GATEWAY_TOKEN,
+        data_dir=tmp_path / "data",
+        kafka=broker.bootstrap,
+        model_server_url=model_server.http_url,
+        model_server_token=MODEL_SERVER_TOKEN,
+        bootstrap_api_key=TENANT_KEY,
+    )
     gateway = ServiceProcess(
         "forge_inference_gateway", env=env, cwd=str(tmp_path), log_path=str(tmp_path / "log")
     )

@@ -15,7 +15,7 @@ import pytest
 
 from forge_inference_gateway.replica_pool import RoutingPolicy, parse_load
 from forge_inference_gateway.service import InferenceGateway
-from forge_kit.testing import ServiceProcess, tiny_llama
+from forge_kit.testing import ServiceProcess, base_env, tiny_llama
 
 pytestmark = pytest.mark.integration
 TOKEN = "upstream-token"  # what build_gateway presents to replicas
@@ -35,14 +35,7 @@ def model_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Ser
     save_tiny_llama(root / "models" / "llama")
     procs = []
     for i in range(2):
-        env = {
-            "FORGE_MODEL_SERVER_GRPC_PORT": "0",
-            "FORGE_MODEL_SERVER_HTTP_PORT": "0",
-            "FORGE_MODEL_SERVER_AUTH_TOKEN": TOKEN,
-            "FORGE_MODEL_SERVER_MODELS_DIR": str(root / "models"),
-            "FORGE_MODEL_SERVER_KAFKA_ENABLED": "false",
-            "FORGE_MODEL_SERVER_TORCH_THREADS": "1",
-        }
+        env = base_env("model_server", token=TOKEN, models_dir=str(root / "models"), torch_threads="1")
         procs.append(
             ServiceProcess("forge_model_server", env=env, cwd=str(root), log_path=str(root / f"log{i}"))
         )

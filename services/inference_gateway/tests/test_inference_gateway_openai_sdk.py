@@ -18,7 +18,7 @@ from forge_inference_gateway.openai_api import install_gateway_api
 from forge_inference_gateway.service import InferenceGateway
 from forge_kit.db import Database
 from forge_kit.http import HttpServer, make_app
-from forge_kit.testing import ServiceProcess
+from forge_kit.testing import ServiceProcess, base_env
 from forge_kit.testing.processes import VllmServer, free_port
 from forge_kit.testing.tiny_llama import save_tiny_llama
 from forge_kit.vllm import VllmLaunch
@@ -56,14 +56,9 @@ def tiny_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def forge_engine(tiny_folder: Path) -> Iterator[str]:
     """Forge's model_server process serving the tiny Llama; its URL."""
     root = tiny_folder.parent.parent
-    env = {
-        "FORGE_MODEL_SERVER_GRPC_PORT": "0",
-        "FORGE_MODEL_SERVER_HTTP_PORT": "0",
-        "FORGE_MODEL_SERVER_AUTH_TOKEN": UPSTREAM_TOKEN,
-        "FORGE_MODEL_SERVER_MODELS_DIR": str(tiny_folder.parent),
-        "FORGE_MODEL_SERVER_KAFKA_ENABLED": "false",
-        "FORGE_MODEL_SERVER_TORCH_THREADS": "1",
-    }
+    env = base_env(
+        "model_server", token=UPSTREAM_TOKEN, models_dir=str(tiny_folder.parent), torch_threads="1"
+    )
     proc = ServiceProcess("forge_model_server", env=env, cwd=str(root), log_path=str(root / "log")).start(60)
     yield proc.http_url
     proc.stop()

@@ -44,17 +44,10 @@ def platform_services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict
     root = tmp_path_factory.mktemp("quickstart")
     save_tiny_llama(root / "models" / "llama")
     procs = {
-        "retriever": _service("forge_retriever", "FORGE_RETRIEVER_", root, {}),
-        "reranker": _service("forge_reranker", "FORGE_RERANKER_", root, {}),
+        "retriever": _service("retriever", root),
+        "reranker": _service("reranker", root),
         "model_server": _service(
-            "forge_model_server",
-            "FORGE_MODEL_SERVER_",
-            root,
-            {
-                "FORGE_MODEL_SERVER_AUTH_TOKEN": UPSTREAM_TOKEN,
-                "FORGE_MODEL_SERVER_MODELS_DIR": str(root / "models"),
-                "FORGE_MODEL_SERVER_TORCH_THREADS": "1",
-            },
+            "model_server", root, token=UPSTREAM_TOKEN, models_dir=str(root / "models"), torch_threads="1"
         ),
     }
     try:

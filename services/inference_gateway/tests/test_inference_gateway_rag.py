@@ -28,7 +28,7 @@ from forge_kit.cache import InMemoryCache
 from forge_kit.http import make_app
 from forge_kit.limits import RAG_MAX_QUERY_CHARS
 from forge_kit.modelref import ModelRef
-from forge_kit.testing import ServiceProcess, free_port, tiny_llama
+from forge_kit.testing import ServiceProcess, base_env, free_port, tiny_llama
 from forge_kit.testing.grpcserver import grpc_test_server
 
 SERVICE_TOKEN = "svc-token"
@@ -244,15 +244,9 @@ def save_tiny_llama(folder: Path) -> Path:
     )
 
 
-def _service(module: str, prefix: str, root: Path, extra: dict[str, str]) -> ServiceProcess:
-    env = {
-        f"{prefix}GRPC_PORT": "0",
-        f"{prefix}HTTP_PORT": "0",
-        f"{prefix}AUTH_TOKEN": SERVICE_TOKEN,
-        f"{prefix}DATA_DIR": str(root / module),
-        f"{prefix}KAFKA_ENABLED": "false",
-        **extra,
-    }
+def _service(service: str, root: Path, token: str = SERVICE_TOKEN, **settings: str) -> ServiceProcess:
+    module = f"forge_{service}"
+    env = base_env(service, token=token, data_dir=root / module, **settings)
     return ServiceProcess(module, env=env, cwd=str(root), log_path=str(root / f"{module}.log"))
 
 
@@ -261,23 +255,12 @@ def services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Ser
     root = tmp_path_factory.mktemp("rag")
     save_tiny_llama(root / "models" / "llama")
     procs = {
-        "retriever": _service(
-            "forge_retriever", "FORGE_RETRIEVER_", root, {"FORGE_RETRIEVER_DENSE_ENABLED": "false"}
-        ),
+        "retriever": _service("retriever", root, dense_enabled="false"),
         # The lexical reranker alone, so the tests below see its order, not its blend with the
         # retriever's (test_grpc_reranker_sends_the_retrieval_scores covers what the blend gets).
-        "reranker": _service(
-            "forge_reranker", "FORGE_RERANKER_", root, {"FORGE_RERANKER_RETRIEVAL_WEIGHT": "0"}
-        ),
+        "reranker": _service("reranker", root, retrieval_weight="0"),
         "model_server": _service(
-            "forge_model_server",
-            "FORGE_MODEL_SERVER_",
-            root,
-            {
-                "FORGE_MODEL_SERVER_AUTH_TOKEN": UPSTREAM_TOKEN,
-                "FORGE_MODEL_SERVER_MODELS_DIR": str(root / "models"),
-                "FORGE_MODEL_SERVER_TORCH_THREADS": "1",
-            },
+            "model_server", root, token=UPSTREAM_TOKEN, models_dir=str(root / "models"), torch_threads="1"
         ),
     }
     try:

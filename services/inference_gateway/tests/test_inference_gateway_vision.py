@@ -23,7 +23,7 @@ from forge_inference_gateway.openai_api import install_gateway_api
 from forge_inference_gateway.service import InferenceGateway
 from forge_kit.db import Database
 from forge_kit.http import HttpServer, make_app
-from forge_kit.testing import ServiceProcess
+from forge_kit.testing import ServiceProcess, base_env
 from forge_kit.testing.tiny_llama import save_tiny_llama
 from forge_kit.testing.tiny_llava import save_tiny_llava
 
@@ -59,14 +59,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def model_server(models: Path) -> Iterator[ServiceProcess]:
-    env = {
-        "FORGE_MODEL_SERVER_GRPC_PORT": "0",
-        "FORGE_MODEL_SERVER_HTTP_PORT": "0",
-        "FORGE_MODEL_SERVER_AUTH_TOKEN": UPSTREAM_TOKEN,
-        "FORGE_MODEL_SERVER_MODELS_DIR": str(models),
-        "FORGE_MODEL_SERVER_KAFKA_ENABLED": "false",
-        "FORGE_MODEL_SERVER_TORCH_THREADS": "1",
-    }
+    env = base_env("model_server", token=UPSTREAM_TOKEN, models_dir=str(models), torch_threads="1")
     root = models.parent
     proc = ServiceProcess("forge_model_server", env=env, cwd=str(root), log_path=str(root / "log")).start(60)
     yield proc

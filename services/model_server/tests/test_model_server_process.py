@@ -12,7 +12,7 @@ import httpx
 import pytest
 from forge.inference.v1 import inference_pb2, inference_pb2_grpc
 
-from forge_kit.testing import ServiceProcess
+from forge_kit.testing import ServiceProcess, base_env
 
 pytestmark = pytest.mark.integration
 TOKEN = "process-token"
@@ -24,14 +24,7 @@ def process(tmp_path: Path, tiny_llama: Path) -> Iterator[ServiceProcess]:
     models = tmp_path / "models" / "tiny"
     models.mkdir(parents=True)
     (models / "config.json").write_text(json.dumps({"model_type": "llama", "max_position_embeddings": 64}))
-    env = {
-        "FORGE_MODEL_SERVER_GRPC_PORT": "0",
-        "FORGE_MODEL_SERVER_HTTP_PORT": "0",
-        "FORGE_MODEL_SERVER_AUTH_TOKEN": TOKEN,
-        "FORGE_MODEL_SERVER_MODELS_DIR": str(tmp_path / "models"),
-        "FORGE_MODEL_SERVER_KAFKA_ENABLED": "false",
-        "FORGE_MODEL_SERVER_TORCH_THREADS": "1",
-    }
+    env = base_env("model_server", token=TOKEN, models_dir=str(tmp_path / "models"), torch_threads="1")
     proc = ServiceProcess(
         "forge_model_server", env=env, cwd=str(tmp_path), log_path=str(tmp_path / "log")
     ).start(30)

@@ -19,7 +19,7 @@ from forge.scheduler.v1 import scheduler_pb2_grpc
 
 from forge_kit.events import ensure_topics
 from forge_kit.grpckit import make_channel
-from forge_kit.testing import ServiceProcess, TansuBroker, TemporalDevServer, eventkeys
+from forge_kit.testing import ServiceProcess, TansuBroker, TemporalDevServer, base_env
 
 MIGRATIONS = Path(__file__).parents[1] / "src" / "forge_orchestrator" / "migrations"
 HISTORIES = Path(__file__).parent / "histories"
@@ -42,14 +42,7 @@ def start_scheduler(kafka_broker: TansuBroker) -> Callable[[Path], ServiceProces
     def start(data: Path) -> ServiceProcess:
         return ServiceProcess(
             "forge_scheduler",
-            env={
-                "FORGE_SCHEDULER_GRPC_PORT": "0",
-                "FORGE_SCHEDULER_HTTP_PORT": "0",
-                "FORGE_SCHEDULER_DATA_DIR": str(data),
-                "FORGE_SCHEDULER_KAFKA_BOOTSTRAP": kafka_broker.bootstrap,
-                "FORGE_SCHEDULER_AUTH_TOKEN": SCHEDULER_TOKEN,
-                **eventkeys.service_env("scheduler"),
-            },
+            env=base_env("scheduler", token=SCHEDULER_TOKEN, data_dir=data, kafka=kafka_broker.bootstrap),
             log_path=str(data / "scheduler.log"),
         ).start()
 
@@ -75,19 +68,17 @@ def start_serving_agent() -> Callable[..., ServiceProcess]:
     def start(scheduler: ServiceProcess, data: Path, *, gpus: int, node: str) -> ServiceProcess:
         process = ServiceProcess(
             "forge_trainer_agent",
-            env={
-                "FORGE_TRAINER_AGENT_GRPC_PORT": "0",
-                "FORGE_TRAINER_AGENT_HTTP_PORT": "0",
-                "FORGE_TRAINER_AGENT_DATA_DIR": str(data),
-                "FORGE_TRAINER_AGENT_KAFKA_ENABLED": "false",
-                "FORGE_TRAINER_AGENT_AUTH_TOKEN": SCHEDULER_TOKEN,
-                "FORGE_TRAINER_AGENT_SCHEDULER_TARGET": scheduler.grpc_target,
-                "FORGE_TRAINER_AGENT_SCHEDULER_TOKEN": SCHEDULER_TOKEN,
-                "FORGE_TRAINER_AGENT_NODE_NAME": f"{node}-{uuid.uuid4().hex[:6]}",
-                "FORGE_TRAINER_AGENT_GPUS": f"SERVEx{gpus}",
-                "FORGE_TRAINER_AGENT_JOB_SANDBOX": "",
-                "FORGE_TRAINER_AGENT_STOP_GRACE_S": "10",
-            },
+            env=base_env(
+                "trainer_agent",
+                token=SCHEDULER_TOKEN,
+                data_dir=data,
+                scheduler_target=scheduler.grpc_target,
+                scheduler_token=SCHEDULER_TOKEN,
+                node_name=f"{node}-{uuid.uuid4().hex[:6]}",
+                gpus=f"SERVEx{gpus}",
+                job_sandbox="",
+                stop_grace_s="10",
+            ),
             log_path=str(data / "agent.log"),
         )
         return _started(process, 60)
@@ -105,28 +96,21 @@ def start_serving_gateway() -> Callable[..., ServiceProcess]:
     def start(
         data: Path, *, token: str, tenant_key: str, broker: TansuBroker | None = None, **settings: str
     ) -> ServiceProcess:
-        events = (
-            {
-                "FORGE_INFERENCE_GATEWAY_KAFKA_BOOTSTRAP": broker.bootstrap,
-                **eventkeys.service_env("inference_gateway"),
-            }
-            if broker is not None
-            else {"FORGE_INFERENCE_GATEWAY_KAFKA_ENABLED": "false"}
-        )
-        env = {
-            "FORGE_INFERENCE_GATEWAY_GRPC_PORT": "0",
-            "FORGE_INFERENCE_GATEWAY_HTTP_PORT": "0",
-            "FORGE_INFERENCE_GATEWAY_AUTH_TOKEN": token,
-            "FORGE_INFERENCE_GATEWAY_DATA_DIR": str(data / "data"),
-            **events,
-            "FORGE_INFERENCE_GATEWAY_MODEL_SERVER_URL": "",
-            "FORGE_INFERENCE_GATEWAY_BOOTSTRAP_API_KEY": tenant_key,
-            "FORGE_INFERENCE_GATEWAY_RESPONSE_CACHE_TTL_S": "0",
+        defaults = {
+            "model_server_url": "",
+            "bootstrap_api_key": tenant_key,
+            "response_cache_ttl_s": "0",
             # A replica busy on loaded cores can take seconds to answer a scrape (the default
             # allows 1 s); a killed one still leaves at once (its connections are refused).
-            "FORGE_INFERENCE_GATEWAY_SCRAPE_TIMEOUT_S": "10",
-            **{f"FORGE_INFERENCE_GATEWAY_{name.upper()}": value for name, value in settings.items()},
+            "scrape_timeout_s": "10",
         }
+        env = base_env(
+            "inference_gateway",
+            token=token,
+            data_dir=data / "data",
+            kafka=broker.bootstrap if broker is not None else None,
+            **{**defaults, **settings},
+        )
         process = ServiceProcess(
             "forge_inference_gateway", env=env, cwd=str(data), log_path=str(data / "gateway.log")
         )
@@ -196,20 +180,18 @@ def _spawn(
     else:
         suffix = uuid.uuid4().hex[:8]
         data = base / f"orchestrator-{suffix}"
-        env = {
-            "FORGE_ORCHESTRATOR_GRPC_PORT": "0",
-            "FORGE_ORCHESTRATOR_HTTP_PORT": "0",
-            "FORGE_ORCHESTRATOR_AUTH_TOKEN": ORCHESTRATOR_TOKEN,
-            "FORGE_ORCHESTRATOR_DATA_DIR": str(data),
-            "FORGE_ORCHESTRATOR_KAFKA_BOOTSTRAP": broker.bootstrap,
-            "FORGE_ORCHESTRATOR_TEMPORAL_TARGET": temporal.target,
-            "FORGE_ORCHESTRATOR_TASK_QUEUE": f"forge-orchestrator-{suffix}",
-            "FORGE_ORCHESTRATOR_CONSUMER_GROUP": f"orchestrator-{suffix}",
-            "FORGE_ORCHESTRATOR_CONSUMER_SESSION_TIMEOUT_MS": "3000",
-            "FORGE_ORCHESTRATOR_SCHEDULER_TARGET": scheduler.grpc_target,
-            "FORGE_ORCHESTRATOR_SCHEDULER_TOKEN": SCHEDULER_TOKEN,
-            **eventkeys.service_env("orchestrator"),
-        }
+        env = base_env(
+            "orchestrator",
+            token=ORCHESTRATOR_TOKEN,
+            data_dir=data,
+            kafka=broker.bootstrap,
+            temporal_target=temporal.target,
+            task_queue=f"forge-orchestrator-{suffix}",
+            consumer_group=f"orchestrator-{suffix}",
+            consumer_session_timeout_ms="3000",
+            scheduler_target=scheduler.grpc_target,
+            scheduler_token=SCHEDULER_TOKEN,
+        )
     process = ServiceProcess("forge_orchestrator", env=env, log_path=str(data / "orchestrator.log"))
     return Orchestrator(_started(process, 60), env, data)
 

@@ -32,7 +32,7 @@ from forge_kit.grpckit import make_channel
 from forge_kit.http import HttpServer
 from forge_kit.latency import LATENCY_BUCKETS
 from forge_kit.paths import data_dir
-from forge_kit.testing import ServiceProcess, TemporalDevServer, eventually
+from forge_kit.testing import ServiceProcess, TemporalDevServer, base_env, eventually
 from forge_orchestrator.activities import SchedulerActivities
 from forge_orchestrator.eval_activities import EvalActivities
 from forge_orchestrator.promote.canary_activities import CanaryActivities
@@ -144,14 +144,7 @@ def eval_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServicePr
     data = tmp_path_factory.mktemp("eval")
     process = ServiceProcess(
         "forge_eval",
-        env={
-            "FORGE_EVAL_GRPC_PORT": "0",
-            "FORGE_EVAL_HTTP_PORT": "0",
-            "FORGE_EVAL_DATA_DIR": str(data),
-            "FORGE_EVAL_KAFKA_ENABLED": "false",
-            "FORGE_EVAL_AUTH_TOKEN": EVAL_TOKEN,
-            "FORGE_EVAL_BENCHMARKS_DIR": str(BENCHMARKS),
-        },
+        env=base_env("eval", token=EVAL_TOKEN, data_dir=data, benchmarks_dir=str(BENCHMARKS)),
         log_path=str(data / "eval.log"),
     ).start()
     yield process

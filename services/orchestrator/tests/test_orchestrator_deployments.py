@@ -38,7 +38,7 @@ from forge.orchestrator.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 from forge.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 from forge_kit.grpckit import make_channel
-from forge_kit.testing import ServiceProcess, TemporalDevServer, eventually
+from forge_kit.testing import ServiceProcess, TemporalDevServer, base_env, eventually
 from forge_kit.testing.tiny_llama import save_tiny_llama
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.asyncio, pytest.mark.timeout(900)]
@@ -103,22 +103,20 @@ def orchestrator(
 ) -> Iterator[ServiceProcess]:
     root = tmp_path_factory.mktemp("orchestrator")
     suffix = uuid.uuid4().hex[:8]
-    env = {
-        "FORGE_ORCHESTRATOR_GRPC_PORT": "0",
-        "FORGE_ORCHESTRATOR_HTTP_PORT": "0",
-        "FORGE_ORCHESTRATOR_AUTH_TOKEN": ORCHESTRATOR_TOKEN,
-        "FORGE_ORCHESTRATOR_DATA_DIR": str(root),
-        "FORGE_ORCHESTRATOR_KAFKA_ENABLED": "false",
-        "FORGE_ORCHESTRATOR_TEMPORAL_TARGET": temporal_server.target,
-        "FORGE_ORCHESTRATOR_TASK_QUEUE": f"forge-deploy-{suffix}",
-        "FORGE_ORCHESTRATOR_SCHEDULER_TARGET": scheduler.grpc_target,
-        "FORGE_ORCHESTRATOR_SCHEDULER_TOKEN": SCHEDULER_TOKEN,
-        "FORGE_ORCHESTRATOR_INFERENCE_GATEWAY_URL": gateway.http_url,
-        "FORGE_ORCHESTRATOR_INFERENCE_GATEWAY_TOKEN": GATEWAY_TOKEN,
-        "FORGE_ORCHESTRATOR_DEPLOY_FORGE_PYTHON": sys.executable,
-        "FORGE_ORCHESTRATOR_DEPLOY_POLL_S": "0.5",
-        "FORGE_ORCHESTRATOR_DEPLOY_SCALE_DOWN_DELAY_S": "5",
-    }
+    env = base_env(
+        "orchestrator",
+        token=ORCHESTRATOR_TOKEN,
+        data_dir=root,
+        temporal_target=temporal_server.target,
+        task_queue=f"forge-deploy-{suffix}",
+        scheduler_target=scheduler.grpc_target,
+        scheduler_token=SCHEDULER_TOKEN,
+        inference_gateway_url=gateway.http_url,
+        inference_gateway_token=GATEWAY_TOKEN,
+        deploy_forge_python=sys.executable,
+        deploy_poll_s="0.5",
+        deploy_scale_down_delay_s="5",
+    )
     process = ServiceProcess("forge_orchestrator", env=env, log_path=str(root / "orchestrator.log")).start(90)
     yield process
     process.stop()

@@ -18,7 +18,7 @@ from temporalio.client import Client
 from forge_kit.grpckit import make_channel
 from forge_kit.http import HttpServer
 from forge_kit.paths import data_dir
-from forge_kit.testing import ServiceProcess, TemporalDevServer
+from forge_kit.testing import ServiceProcess, TemporalDevServer, base_env
 from forge_orchestrator.activities import SchedulerActivities
 from forge_orchestrator.eval_activities import EvalActivities
 from forge_orchestrator.event_handlers import CheckpointHandler
@@ -80,14 +80,7 @@ def eval_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServicePr
     data = tmp_path_factory.mktemp("eval")
     process = ServiceProcess(
         "forge_eval",
-        env={
-            "FORGE_EVAL_GRPC_PORT": "0",
-            "FORGE_EVAL_HTTP_PORT": "0",
-            "FORGE_EVAL_DATA_DIR": str(data),
-            "FORGE_EVAL_KAFKA_ENABLED": "false",
-            "FORGE_EVAL_AUTH_TOKEN": EVAL_TOKEN,
-            "FORGE_EVAL_BENCHMARKS_DIR": str(BENCHMARKS),
-        },
+        env=base_env("eval", token=EVAL_TOKEN, data_dir=data, benchmarks_dir=str(BENCHMARKS)),
         log_path=str(data / "eval.log"),
     ).start()
     yield process

@@ -48,7 +48,7 @@ from forge_experiments.canary_traffic import Http, serve_and_drive
 from forge_kit.grpckit import make_channel
 from forge_kit.http import HttpServer
 from forge_kit.paths import data_dir
-from forge_kit.testing import ServiceProcess, TansuBroker, TemporalDevServer, eventkeys, eventually
+from forge_kit.testing import ServiceProcess, TansuBroker, TemporalDevServer, base_env, eventually
 from forge_kit.testing.tiny_llama import save_tiny_llama
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.asyncio, pytest.mark.timeout(1200)]
@@ -135,57 +135,53 @@ def platform(
         evals = start(
             ServiceProcess(
                 "forge_eval",
-                env={
-                    "FORGE_EVAL_GRPC_PORT": "0",
-                    "FORGE_EVAL_HTTP_PORT": "0",
-                    "FORGE_EVAL_DATA_DIR": str(root / "eval"),
-                    "FORGE_EVAL_KAFKA_BOOTSTRAP": kafka_broker.bootstrap,
-                    **eventkeys.service_env("eval"),
-                    "FORGE_EVAL_AUTH_TOKEN": EVAL_TOKEN,
-                    "FORGE_EVAL_BENCHMARKS_DIR": str(BENCHMARKS),
-                    "FORGE_EVAL_RESPONSE_CACHE_PATH": str(root / "eval" / "cache.sqlite"),
+                env=base_env(
+                    "eval",
+                    token=EVAL_TOKEN,
+                    data_dir=root / "eval",
+                    kafka=kafka_broker.bootstrap,
+                    benchmarks_dir=str(BENCHMARKS),
+                    response_cache_path=str(root / "eval" / "cache.sqlite"),
                     # Release runs without an endpoint score the versions' replicas through it.
-                    "FORGE_EVAL_INFERENCE_GATEWAY_URL": gateway.http_url,
-                    "FORGE_EVAL_INFERENCE_GATEWAY_TOKEN": TENANT_KEY,
-                },
+                    inference_gateway_url=gateway.http_url,
+                    inference_gateway_token=TENANT_KEY,
+                ),
                 log_path=str(root / "eval.log"),
             )
         )
         orchestrator = start(
             ServiceProcess(
                 "forge_orchestrator",
-                env={
-                    "FORGE_ORCHESTRATOR_GRPC_PORT": "0",
-                    "FORGE_ORCHESTRATOR_HTTP_PORT": "0",
-                    "FORGE_ORCHESTRATOR_AUTH_TOKEN": ORCHESTRATOR_TOKEN,
-                    "FORGE_ORCHESTRATOR_DATA_DIR": str(root / "orchestrator"),
+                env=base_env(
+                    "orchestrator",
+                    token=ORCHESTRATOR_TOKEN,
+                    data_dir=root / "orchestrator",
                     # It consumes ModelPromoted: every promotion, whoever made it, rolls replicas.
-                    "FORGE_ORCHESTRATOR_KAFKA_BOOTSTRAP": kafka_broker.bootstrap,
-                    "FORGE_ORCHESTRATOR_CONSUMER_GROUP": f"orchestrator-{suffix}",
-                    **eventkeys.service_env("orchestrator"),
-                    "FORGE_ORCHESTRATOR_TEMPORAL_TARGET": temporal_server.target,
-                    "FORGE_ORCHESTRATOR_TASK_QUEUE": f"forge-promote-{suffix}",
-                    "FORGE_ORCHESTRATOR_SCHEDULER_TARGET": scheduler.grpc_target,
-                    "FORGE_ORCHESTRATOR_SCHEDULER_TOKEN": SCHEDULER_TOKEN,
-                    "FORGE_ORCHESTRATOR_EVAL_TARGET": evals.grpc_target,
-                    "FORGE_ORCHESTRATOR_EVAL_TOKEN": EVAL_TOKEN,
-                    "FORGE_ORCHESTRATOR_INFERENCE_GATEWAY_URL": gateway.http_url,
-                    "FORGE_ORCHESTRATOR_INFERENCE_GATEWAY_TOKEN": GATEWAY_TOKEN,
-                    "FORGE_ORCHESTRATOR_GATEWAY_METRICS_URLS": f'["{gateway.http_url}/metrics"]',
-                    "FORGE_ORCHESTRATOR_CANARY_POLICY_DIR": str(root / "policies"),
-                    "FORGE_ORCHESTRATOR_DEPLOY_FORGE_PYTHON": sys.executable,
-                    "FORGE_ORCHESTRATOR_DEPLOY_POLL_S": "0.5",
-                    "FORGE_ORCHESTRATOR_PROMOTE_DEPLOY": "true",
-                    "FORGE_ORCHESTRATOR_PROMOTE_DEPLOY_TEAM": "serving",
-                    "FORGE_ORCHESTRATOR_PROMOTE_DEPLOY_GPU_TYPE": "SERVE",
+                    kafka=kafka_broker.bootstrap,
+                    consumer_group=f"orchestrator-{suffix}",
+                    temporal_target=temporal_server.target,
+                    task_queue=f"forge-promote-{suffix}",
+                    scheduler_target=scheduler.grpc_target,
+                    scheduler_token=SCHEDULER_TOKEN,
+                    eval_target=evals.grpc_target,
+                    eval_token=EVAL_TOKEN,
+                    inference_gateway_url=gateway.http_url,
+                    inference_gateway_token=GATEWAY_TOKEN,
+                    gateway_metrics_urls=f'["{gateway.http_url}/metrics"]',
+                    canary_policy_dir=str(root / "policies"),
+                    deploy_forge_python=sys.executable,
+                    deploy_poll_s="0.5",
+                    promote_deploy="true",
+                    promote_deploy_team="serving",
+                    promote_deploy_gpu_type="SERVE",
                     # Torch's decode attention: each replica (a HOME of its own) would otherwise
                     # build the C++ kernel before it answers, over a minute on loaded cores.
-                    "FORGE_ORCHESTRATOR_PROMOTE_DEPLOY_ENGINE_ARGS": (
+                    promote_deploy_engine_args=(
                         '["torch_threads=1", "num_kv_blocks=64", "decode_attention=torch"]'
                     ),
-                    "FORGE_ORCHESTRATOR_PROMOTE_DEPLOY_DIR": str(root / "promoted"),
-                    "FORGE_ORCHESTRATOR_PROMOTE_DEPLOY_READY_TIMEOUT_S": str(WAIT_S),
-                },
+                    promote_deploy_dir=str(root / "promoted"),
+                    promote_deploy_ready_timeout_s=str(WAIT_S),
+                ),
                 log_path=str(root / "orchestrator.log"),
             )
         )

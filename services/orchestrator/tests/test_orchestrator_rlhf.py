@@ -45,7 +45,7 @@ from temporalio.worker import Replayer
 from forge_kit.grpckit import make_channel
 from forge_kit.http import HttpServer
 from forge_kit.paths import data_dir
-from forge_kit.testing import ServiceProcess, TemporalDevServer
+from forge_kit.testing import ServiceProcess, TemporalDevServer, base_env
 from forge_orchestrator.activities import SchedulerActivities
 from forge_orchestrator.eval_activities import EvalActivities
 from forge_orchestrator.inbox import JOB_EVENT_SIGNAL, PROGRESS_QUERY, JobEvent
@@ -132,16 +132,14 @@ class Feedback:
 def start_feedback(data: Path, seed_dir: Path, limit: int) -> Feedback:
     process = ServiceProcess(
         "forge_preference_feedback",
-        env={
-            "FORGE_PREFERENCE_FEEDBACK_GRPC_PORT": "0",
-            "FORGE_PREFERENCE_FEEDBACK_HTTP_PORT": "0",
-            "FORGE_PREFERENCE_FEEDBACK_DATA_DIR": str(data),
-            "FORGE_PREFERENCE_FEEDBACK_KAFKA_ENABLED": "false",
-            "FORGE_PREFERENCE_FEEDBACK_AUTH_TOKEN": FEEDBACK_TOKEN,
-            "FORGE_PREFERENCE_FEEDBACK_SEED_DIR": str(seed_dir),
-            "FORGE_PREFERENCE_FEEDBACK_SEED_LIMIT": str(limit),
-            "FORGE_PREFERENCE_FEEDBACK_QUALITY_MIN_MEDIAN_SECONDS": "0",
-        },
+        env=base_env(
+            "preference_feedback",
+            token=FEEDBACK_TOKEN,
+            data_dir=data,
+            seed_dir=str(seed_dir),
+            seed_limit=str(limit),
+            quality_min_median_seconds="0",
+        ),
         log_path=str(data / "feedback.log"),
     )
     process.start()
@@ -285,14 +283,7 @@ def eval_service(tmp_path: Path) -> Iterator[ServiceProcess]:
     data.mkdir()
     process = ServiceProcess(
         "forge_eval",
-        env={
-            "FORGE_EVAL_GRPC_PORT": "0",
-            "FORGE_EVAL_HTTP_PORT": "0",
-            "FORGE_EVAL_DATA_DIR": str(data),
-            "FORGE_EVAL_KAFKA_ENABLED": "false",
-            "FORGE_EVAL_AUTH_TOKEN": EVAL_TOKEN,
-            "FORGE_EVAL_BENCHMARKS_DIR": str(DATA / "benchmarks"),
-        },
+        env=base_env("eval", token=EVAL_TOKEN, data_dir=data, benchmarks_dir=str(DATA / "benchmarks")),
         log_path=str(data / "eval.log"),
     ).start()
     yield process

@@ -39,7 +39,7 @@ from temporalio.worker import Replayer
 
 from forge_kit.grpckit import make_channel
 from forge_kit.paths import data_dir
-from forge_kit.testing import ServiceProcess, TemporalDevServer
+from forge_kit.testing import ServiceProcess, TemporalDevServer, base_env
 from forge_kit.testing.tiny_llama import save_tiny_llama
 from forge_orchestrator.activities import SchedulerActivities
 from forge_orchestrator.eval_activities import EvalActivities
@@ -66,14 +66,7 @@ NOT_OPTED_IN = "Our confidential launch plan is"
 def model_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
     root = tmp_path_factory.mktemp("model-server")
     save_tiny_llama(root / "models" / "tiny", initializer_range=0.2)
-    env = {
-        "FORGE_MODEL_SERVER_GRPC_PORT": "0",
-        "FORGE_MODEL_SERVER_HTTP_PORT": "0",
-        "FORGE_MODEL_SERVER_AUTH_TOKEN": UPSTREAM_TOKEN,
-        "FORGE_MODEL_SERVER_MODELS_DIR": str(root / "models"),
-        "FORGE_MODEL_SERVER_KAFKA_ENABLED": "false",
-        "FORGE_MODEL_SERVER_TORCH_THREADS": "1",
-    }
+    env = base_env("model_server", token=UPSTREAM_TOKEN, models_dir=str(root / "models"), torch_threads="1")
     proc = ServiceProcess("forge_model_server", env=env, cwd=str(root), log_path=str(root / "log")).start(60)
     yield proc
     proc.stop()
@@ -84,17 +77,15 @@ def gateway(
     model_server: ServiceProcess, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServiceProcess]:
     root = tmp_path_factory.mktemp("gateway")
-    env = {
-        "FORGE_INFERENCE_GATEWAY_GRPC_PORT": "0",
-        "FORGE_INFERENCE_GATEWAY_HTTP_PORT": "0",
-        "FORGE_INFERENCE_GATEWAY_AUTH_TOKEN": GATEWAY_TOKEN,
-        "FORGE_INFERENCE_GATEWAY_DATA_DIR": str(root / "data"),
-        "FORGE_INFERENCE_GATEWAY_KAFKA_ENABLED": "false",
-        "FORGE_INFERENCE_GATEWAY_MODEL_SERVER_URL": model_server.http_url,
-        "FORGE_INFERENCE_GATEWAY_MODEL_SERVER_TOKEN": UPSTREAM_TOKEN,
-        "FORGE_INFERENCE_GATEWAY_BOOTSTRAP_API_KEY": DEFAULT_KEY,
-        "FORGE_INFERENCE_GATEWAY_RESPONSE_CACHE_TTL_S": "0",
-    }
+    env = base_env(
+        "inference_gateway",
+        token=GATEWAY_TOKEN,
+        data_dir=root / "data",
+        model_server_url=model_server.http_url,
+        model_server_token=UPSTREAM_TOKEN,
+        bootstrap_api_key=DEFAULT_KEY,
+        response_cache_ttl_s="0",
+    )
     proc = ServiceProcess(
         "forge_inference_gateway", env=env, cwd=str(root), log_path=str(root / "log")
     ).start(60)
@@ -129,14 +120,9 @@ def feedback(tmp_path: Path) -> Iterator[tuple[ServiceProcess, Path]]:
     data = tmp_path / "feedback"
     process = ServiceProcess(
         "forge_preference_feedback",
-        env={
-            "FORGE_PREFERENCE_FEEDBACK_GRPC_PORT": "0",
-            "FORGE_PREFERENCE_FEEDBACK_HTTP_PORT": "0",
-            "FORGE_PREFERENCE_FEEDBACK_DATA_DIR": str(data),
-            "FORGE_PREFERENCE_FEEDBACK_KAFKA_ENABLED": "false",
-            "FORGE_PREFERENCE_FEEDBACK_AUTH_TOKEN": FEEDBACK_TOKEN,
-            "FORGE_PREFERENCE_FEEDBACK_QUALITY_MIN_MEDIAN_SECONDS": "0",
-        },
+        env=base_env(
+            "preference_feedback", token=FEEDBACK_TOKEN, data_dir=data, quality_min_median_seconds="0"
+        ),
         log_path=str(tmp_path / "feedback.log"),
     )
     process.start()

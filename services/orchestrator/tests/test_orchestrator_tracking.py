@@ -30,7 +30,14 @@ from forge_kit.consumer import EventConsumer
 from forge_kit.db import Database
 from forge_kit.events import TOPICS, KafkaPublisher, ProcessedEvent, ensure_topics, new_meta
 from forge_kit.objectstore import ObjectStore
-from forge_kit.testing import MlflowServer, ServiceProcess, TansuBroker, TemporalDevServer, eventkeys
+from forge_kit.testing import (
+    MlflowServer,
+    ServiceProcess,
+    TansuBroker,
+    TemporalDevServer,
+    base_env,
+    eventkeys,
+)
 from forge_orchestrator.activities import SchedulerActivities, SubmitJobInput
 from forge_orchestrator.tracking.consumer import RunRecorder, SchedulerJobs
 from forge_orchestrator.tracking.tracker import PARENT_TAG, RunFilter, Tracker
@@ -301,23 +308,21 @@ async def test_the_orchestrator_process_tracks_a_job_and_loses_nothing_when_mlfl
     metric published while the MLflow server is down arrives once it is back."""
     mlflow = MlflowServer(tmp_path / "mlflow", log_path=str(tmp_path / "mlflow.log")).start()
     suffix = uuid.uuid4().hex[:8]
-    env = {
-        "FORGE_ORCHESTRATOR_GRPC_PORT": "0",
-        "FORGE_ORCHESTRATOR_HTTP_PORT": "0",
-        "FORGE_ORCHESTRATOR_AUTH_TOKEN": "orchestrator-tracking-test",
-        "FORGE_ORCHESTRATOR_DATA_DIR": str(tmp_path / "orchestrator"),
-        "FORGE_ORCHESTRATOR_KAFKA_BOOTSTRAP": kafka_broker.bootstrap,
-        "FORGE_ORCHESTRATOR_TEMPORAL_TARGET": temporal_server.target,
-        "FORGE_ORCHESTRATOR_TASK_QUEUE": f"forge-orchestrator-{suffix}",
-        "FORGE_ORCHESTRATOR_CONSUMER_GROUP": f"orchestrator-{suffix}",
-        "FORGE_ORCHESTRATOR_TRACKING_CONSUMER_GROUP": f"orchestrator-tracking-{suffix}",
-        "FORGE_ORCHESTRATOR_CONSUMER_SESSION_TIMEOUT_MS": "3000",
-        "FORGE_ORCHESTRATOR_SCHEDULER_TARGET": scheduler.grpc_target,
-        "FORGE_ORCHESTRATOR_SCHEDULER_TOKEN": scheduler_token,
-        "FORGE_ORCHESTRATOR_MLFLOW_URI": mlflow.url,
-        "FORGE_ORCHESTRATOR_OBJECT_STORE_URL": str(tmp_path / "objects"),
-        **eventkeys.service_env("orchestrator"),
-    }
+    env = base_env(
+        "orchestrator",
+        token="orchestrator-tracking-test",
+        data_dir=tmp_path / "orchestrator",
+        kafka=kafka_broker.bootstrap,
+        temporal_target=temporal_server.target,
+        task_queue=f"forge-orchestrator-{suffix}",
+        consumer_group=f"orchestrator-{suffix}",
+        tracking_consumer_group=f"orchestrator-tracking-{suffix}",
+        consumer_session_timeout_ms="3000",
+        scheduler_target=scheduler.grpc_target,
+        scheduler_token=scheduler_token,
+        mlflow_uri=mlflow.url,
+        object_store_url=str(tmp_path / "objects"),
+    )
     orchestrator = ServiceProcess(
         "forge_orchestrator", env=env, log_path=str(tmp_path / "orchestrator.log")
     ).start()

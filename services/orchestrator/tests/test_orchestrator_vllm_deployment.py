@@ -45,7 +45,7 @@ from forge.orchestrator.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 from forge.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 from forge_kit.grpckit import make_channel
-from forge_kit.testing import ServiceProcess, TemporalDevServer, eventually
+from forge_kit.testing import ServiceProcess, TemporalDevServer, base_env, eventually
 from forge_kit.testing.tiny_llama import save_tiny_llama
 from forge_kit.vllm import vllm_python
 
@@ -129,21 +129,19 @@ def orchestrator(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[ServiceProcess]:
     root = tmp_path_factory.mktemp("orchestrator")
-    env = {
-        "FORGE_ORCHESTRATOR_GRPC_PORT": "0",
-        "FORGE_ORCHESTRATOR_HTTP_PORT": "0",
-        "FORGE_ORCHESTRATOR_AUTH_TOKEN": ORCHESTRATOR_TOKEN,
-        "FORGE_ORCHESTRATOR_DATA_DIR": str(root),
-        "FORGE_ORCHESTRATOR_KAFKA_ENABLED": "false",
-        "FORGE_ORCHESTRATOR_TEMPORAL_TARGET": temporal_server.target,
-        "FORGE_ORCHESTRATOR_TASK_QUEUE": f"forge-vllm-deploy-{uuid.uuid4().hex[:8]}",
-        "FORGE_ORCHESTRATOR_SCHEDULER_TARGET": scheduler.grpc_target,
-        "FORGE_ORCHESTRATOR_SCHEDULER_TOKEN": SCHEDULER_TOKEN,
-        "FORGE_ORCHESTRATOR_INFERENCE_GATEWAY_URL": gateway.http_url,
-        "FORGE_ORCHESTRATOR_INFERENCE_GATEWAY_TOKEN": GATEWAY_TOKEN,
-        "FORGE_ORCHESTRATOR_DEPLOY_VLLM_PYTHON": vllm_interpreter,
-        "FORGE_ORCHESTRATOR_DEPLOY_POLL_S": "0.5",
-    }
+    env = base_env(
+        "orchestrator",
+        token=ORCHESTRATOR_TOKEN,
+        data_dir=root,
+        temporal_target=temporal_server.target,
+        task_queue=f"forge-vllm-deploy-{uuid.uuid4().hex[:8]}",
+        scheduler_target=scheduler.grpc_target,
+        scheduler_token=SCHEDULER_TOKEN,
+        inference_gateway_url=gateway.http_url,
+        inference_gateway_token=GATEWAY_TOKEN,
+        deploy_vllm_python=vllm_interpreter,
+        deploy_poll_s="0.5",
+    )
     process = ServiceProcess("forge_orchestrator", env=env, log_path=str(root / "orchestrator.log")).start(90)
     yield process
     process.stop()

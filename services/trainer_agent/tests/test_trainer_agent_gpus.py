@@ -19,7 +19,7 @@ from forge.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 from forge_kit.db import Database
 from forge_kit.grpckit import make_channel
-from forge_kit.testing import ServiceProcess, eventually, free_port
+from forge_kit.testing import ServiceProcess, base_env, eventually, free_port
 from forge_trainer_agent.gpus import Detected, detect_gpus, node_gpus
 from forge_trainer_agent.node import ADDRESS_LABEL, GpuInfo, NodeInfo
 from forge_trainer_agent.runner import LocalProcessRunner
@@ -198,13 +198,13 @@ TOKEN = "gpu-token"
 
 @pytest.fixture
 def scheduler(tmp_path: Path) -> Iterator[ServiceProcess]:
-    env = {
-        "FORGE_SCHEDULER_GRPC_PORT": str(free_port()),
-        "FORGE_SCHEDULER_HTTP_PORT": str(free_port()),
-        "FORGE_SCHEDULER_DATA_DIR": str(tmp_path / "scheduler"),
-        "FORGE_SCHEDULER_KAFKA_ENABLED": "false",
-        "FORGE_SCHEDULER_AUTH_TOKEN": TOKEN,
-    }
+    env = base_env(
+        "scheduler",
+        token=TOKEN,
+        data_dir=tmp_path / "scheduler",
+        grpc_port=free_port(),
+        http_port=free_port(),
+    )
     process = ServiceProcess("forge_scheduler", env=env, log_path=str(tmp_path / "scheduler.log")).start()
     yield process
     process.stop()

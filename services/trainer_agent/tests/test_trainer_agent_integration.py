@@ -15,7 +15,7 @@ from forge.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 
 from forge_kit.backoff import Backoff
 from forge_kit.grpckit import make_channel
-from forge_kit.testing import ServiceProcess, eventually, free_port
+from forge_kit.testing import ServiceProcess, base_env, eventually, free_port
 from forge_trainer_agent.service import AgentService
 from forge_trainer_agent.session import SchedulerSession
 
@@ -25,14 +25,14 @@ TOKEN = "it-token"
 
 @pytest.fixture
 def scheduler(tmp_path: Path) -> Iterator[ServiceProcess]:
-    env = {
-        "FORGE_SCHEDULER_GRPC_PORT": str(free_port()),
-        "FORGE_SCHEDULER_HTTP_PORT": str(free_port()),
-        "FORGE_SCHEDULER_DATA_DIR": str(tmp_path / "scheduler"),
-        "FORGE_SCHEDULER_KAFKA_ENABLED": "false",
-        "FORGE_SCHEDULER_AUTH_TOKEN": TOKEN,
-        "FORGE_SCHEDULER_HEARTBEAT_INTERVAL_S": "1",
-    }
+    env = base_env(
+        "scheduler",
+        token=TOKEN,
+        data_dir=tmp_path / "scheduler",
+        grpc_port=free_port(),
+        http_port=free_port(),
+        heartbeat_interval_s="1",
+    )
     process = ServiceProcess("forge_scheduler", env=env, log_path=str(tmp_path / "scheduler.log")).start()
     yield process
     process.stop()
@@ -57,21 +57,19 @@ def node_named(
 async def test_agent_process_registers_its_gpus_and_goes_not_ready_when_stopped(
     scheduler: ServiceProcess, scheduler_stub: scheduler_pb2_grpc.SchedulerServiceStub, tmp_path: Path
 ) -> None:
-    env = {
-        "FORGE_TRAINER_AGENT_GRPC_PORT": "0",
-        "FORGE_TRAINER_AGENT_HTTP_PORT": "0",
-        "FORGE_TRAINER_AGENT_DATA_DIR": str(tmp_path / "agent"),
-        "FORGE_TRAINER_AGENT_KAFKA_ENABLED": "false",
-        "FORGE_TRAINER_AGENT_AUTH_TOKEN": TOKEN,
-        "FORGE_TRAINER_AGENT_SCHEDULER_TARGET": scheduler.grpc_target,
-        "FORGE_TRAINER_AGENT_SCHEDULER_TOKEN": TOKEN,
-        "FORGE_TRAINER_AGENT_NODE_NAME": "node-it",
-        "FORGE_TRAINER_AGENT_GPUS": "H100x8:81559",
-        "FORGE_TRAINER_AGENT_NODE_GROUP": "block-a",
-        "FORGE_TRAINER_AGENT_RACK": "rack-3",
-        "FORGE_TRAINER_AGENT_NVLINK_DOMAIN": "nvl-1",
-        "FORGE_TRAINER_AGENT_ADVERTISE_ADDRESS": "10.1.2.3",
-    }
+    env = base_env(
+        "trainer_agent",
+        token=TOKEN,
+        data_dir=tmp_path / "agent",
+        scheduler_target=scheduler.grpc_target,
+        scheduler_token=TOKEN,
+        node_name="node-it",
+        gpus="H100x8:81559",
+        node_group="block-a",
+        rack="rack-3",
+        nvlink_domain="nvl-1",
+        advertise_address="10.1.2.3",
+    )
     agent = ServiceProcess("forge_trainer_agent", env=env, log_path=str(tmp_path / "agent.log")).start()
     try:
         node = await eventually(node_named(scheduler_stub, "node-it", scheduler_pb2.NODE_STATE_READY))

@@ -20,7 +20,7 @@ import pytest
 from forge.orchestrator.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
 from forge_kit.grpckit import make_channel
-from forge_kit.testing import ServiceProcess, TemporalDevServer, eventually
+from forge_kit.testing import ServiceProcess, TemporalDevServer, base_env, eventually
 from forge_kit.testing.tiny_llava import save_tiny_llava
 from forge_kit.vllm import vllm_python
 from forge_trainer_agent.main_job_vlm import (
@@ -80,59 +80,46 @@ def platform(tmp_path: Path, temporal_server: TemporalDevServer) -> Iterator[tup
     started: list[ServiceProcess] = []
     try:
 
-        def start(name: str, env: dict[str, str]) -> ServiceProcess:
-            prefix = f"FORGE_{name.upper()}_"
-            base = {
-                "GRPC_PORT": "0",
-                "HTTP_PORT": "0",
-                "KAFKA_ENABLED": "false",
-                "DATA_DIR": str(tmp_path / name),
-            }
+        def start(name: str, token: str, **settings: str) -> ServiceProcess:
             proc = ServiceProcess(
                 f"forge_{name}",
-                env={prefix + k: v for k, v in {**base, **env}.items()},
+                env=base_env(name, token=token, data_dir=tmp_path / name, **settings),
                 cwd=str(tmp_path),
                 log_path=str(tmp_path / f"{name}.log"),
             ).start(90)
             started.append(proc)
             return proc
 
-        scheduler = start("scheduler", {"AUTH_TOKEN": SCHEDULER_TOKEN})
+        scheduler = start("scheduler", SCHEDULER_TOKEN)
         start(
             "trainer_agent",
-            {
-                "AUTH_TOKEN": SCHEDULER_TOKEN,
-                "SCHEDULER_TARGET": scheduler.grpc_target,
-                "SCHEDULER_TOKEN": SCHEDULER_TOKEN,
-                "NODE_NAME": f"vlm-node-{uuid.uuid4().hex[:6]}",
-                "GPUS": "SIMx1",
-                "JOB_SANDBOX": "",
-                "STOP_GRACE_S": "10",
-            },
+            SCHEDULER_TOKEN,
+            scheduler_target=scheduler.grpc_target,
+            scheduler_token=SCHEDULER_TOKEN,
+            node_name=f"vlm-node-{uuid.uuid4().hex[:6]}",
+            gpus="SIMx1",
+            job_sandbox="",
+            stop_grace_s="10",
         )
         gateway = start(
             "inference_gateway",
-            {
-                "AUTH_TOKEN": GATEWAY_TOKEN,
-                "MODEL_SERVER_URL": "",
-                "MODELS_REFRESH_S": "1",
-                "BOOTSTRAP_API_KEY": "vlm-step-tenant",
-                "SCRAPE_TIMEOUT_S": "10",
-            },
+            GATEWAY_TOKEN,
+            model_server_url="",
+            models_refresh_s="1",
+            bootstrap_api_key="vlm-step-tenant",
+            scrape_timeout_s="10",
         )
         orchestrator = start(
             "orchestrator",
-            {
-                "AUTH_TOKEN": ORCHESTRATOR_TOKEN,
-                "TEMPORAL_TARGET": temporal_server.target,
-                "TASK_QUEUE": f"vlm-step-{uuid.uuid4().hex[:8]}",
-                "SCHEDULER_TARGET": scheduler.grpc_target,
-                "SCHEDULER_TOKEN": SCHEDULER_TOKEN,
-                "INFERENCE_GATEWAY_URL": gateway.http_url,
-                "INFERENCE_GATEWAY_TOKEN": GATEWAY_TOKEN,
-                "DEPLOY_VLLM_PYTHON": str(vllm_python()),
-                "DEPLOY_POLL_S": "0.5",
-            },
+            ORCHESTRATOR_TOKEN,
+            temporal_target=temporal_server.target,
+            task_queue=f"vlm-step-{uuid.uuid4().hex[:8]}",
+            scheduler_target=scheduler.grpc_target,
+            scheduler_token=SCHEDULER_TOKEN,
+            inference_gateway_url=gateway.http_url,
+            inference_gateway_token=GATEWAY_TOKEN,
+            deploy_vllm_python=str(vllm_python()),
+            deploy_poll_s="0.5",
         )
         yield (
             Endpoint(orchestrator.http_url, orchestrator.grpc_target, ORCHESTRATOR_TOKEN),

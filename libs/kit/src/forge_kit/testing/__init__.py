@@ -1,11 +1,12 @@
-"""Test helpers: free ports, the real local broker and Temporal dev server, service processes,
-waiting for a condition."""
+"""Test helpers: free ports, the real local broker and Temporal dev server, service processes and
+their base settings, waiting for a condition."""
 
 from forge_kit.testing.processes import (
     MlflowServer,
     ServiceProcess,
     TansuBroker,
     TemporalDevServer,
+    base_env,
     free_port,
     wait_for_port,
 )
@@ -16,6 +17,7 @@ __all__ = [
     "ServiceProcess",
     "TansuBroker",
     "TemporalDevServer",
+    "base_env",
     "eventually",
     "free_port",
     "wait_for_port",

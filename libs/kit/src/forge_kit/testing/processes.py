@@ -16,6 +16,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterable
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
@@ -58,6 +59,68 @@ def cpu_seconds(pid: int | None) -> float:
         raise ValueError("the process is not running")
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def base_env(
+    service: str,
+    *,
+    token: str,
+    data_dir: str | Path | None = None,
+    kafka: str | None = None,
+    grpc_port: int | str = 0,
+    http_port: int | str = 0,
+    extra_producers: Iterable[str] = (),
+    **settings: str,
+) -> dict[str, str]:
+    """The ``FORGE_<SERVICE>_*`` environment of a service process a test starts: its ports, its
+    ``AUTH_TOKEN``, its ``DATA_DIR`` (when given: the model server keeps none), and its Kafka
+    settings, then each of ``settings`` upper-cased under the same prefix (``models_dir=...`` is
+    ``FORGE_<SERVICE>_MODELS_DIR``).
+
+    Port 0 (the default) lets the service bind any free port and report it in its ready file,
+    where :class:`ServiceProcess` reads it; a test that must know a port before the start (to
+    restart a service on it, or to hand it to another process first) passes one, e.g.
+    :func:`free_port`. A port may be given as text too, so a wrapper can pass its own ``**settings``
+    (all text) on to this function and still type-check.
+
+    With ``kafka`` (a bootstrap address) the service publishes and consumes events, so it also
+    gets its test signing key and the verify keys of every topic owner and of ``extra_producers``
+    (:func:`forge_kit.testing.eventkeys.service_env`); without it, ``KAFKA_ENABLED`` is false and
+    no key is set, since a service off Kafka neither signs nor verifies events.
+
+    It refuses what it cannot set as asked rather than dropping or overriding it: a setting that
+    names one of the variables above, two settings with one name, a value that is not text, or
+    ``extra_producers`` without ``kafka``.
+    """
+    prefix = f"FORGE_{service.upper()}_"
+    env = {
+        f"{prefix}GRPC_PORT": str(grpc_port),
+        f"{prefix}HTTP_PORT": str(http_port),
+        f"{prefix}AUTH_TOKEN": token,
+    }
+    if data_dir is not None:
+        env[f"{prefix}DATA_DIR"] = str(data_dir)
+    extra = list(extra_producers)
+    if kafka is None:
+        if extra:
+            raise ValueError(f"extra_producers {extra} need kafka: {service} without it verifies no event")
+        env[f"{prefix}KAFKA_ENABLED"] = "false"
+    else:
+        from forge_kit.testing import eventkeys
+
+        env[f"{prefix}KAFKA_BOOTSTRAP"] = kafka
+        env.update(eventkeys.service_env(service, extra=extra))
+    keys: dict[str, str] = {}
+    for key, value in settings.items():
+        if not isinstance(value, str):
+            raise TypeError(f"setting {key} of {service} is {type(value).__name__}, not str")
+        name = prefix + key.upper()
+        if name in env:
+            raise ValueError(f"setting {key} would override {name}, which base_env sets itself")
+        if name in keys:
+            raise ValueError(f"settings {keys[name]} and {key} are both {name}")
+        keys[name] = key
+    return {**env, **{prefix + key.upper(): value for key, value in settings.items()}}
 
 
 class _Process:
