@@ -305,7 +305,16 @@ async def run_workflow(
                 result: SyntheticResult = await handle.result()
             finally:
                 serving_jobs.cancel()
-            progress = await handle.query(PROGRESS_QUERY)
+            # A closed workflow's query replays its history on a worker; on a loaded machine the
+            # query task can expire first ("context canceled"), so it is asked again.
+            for attempt in range(5):
+                try:
+                    progress = await handle.query(PROGRESS_QUERY)
+                    break
+                except RPCError:
+                    if attempt == 4:
+                        raise
+                    await asyncio.sleep(2)
             assert progress["step"] == f"done: {result.outcome}"
         history = await handle.fetch_history()
         await Replayer(workflows=list(SYNTHETIC_WORKFLOWS)).replay_workflow(history)
