@@ -84,11 +84,11 @@ async def test_model_list_shows_tenants_no_host_path(tmp_path: Path) -> None:
     from fastapi import FastAPI
     from fastapi.responses import PlainTextResponse
 
+    from forge_inference_gateway.caching.response_cache import ResponseCache
     from forge_inference_gateway.openai_api import install_gateway_api
-    from forge_inference_gateway.replica_pool import ReplicaPool, RoutingPolicy
-    from forge_inference_gateway.response_cache import ResponseCache
+    from forge_inference_gateway.replicas.pool import ReplicaPool, RoutingPolicy
+    from forge_inference_gateway.replicas.upstream import ModelServerClient
     from forge_inference_gateway.service import InferenceGateway
-    from forge_inference_gateway.upstream import ModelServerClient
     from forge_kit.cache import InMemoryCache
     from forge_kit.http import make_app
 

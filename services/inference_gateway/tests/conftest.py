@@ -20,12 +20,12 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from forge.common.v1 import common_pb2
 from forge.events.v1 import events_pb2
 
-from forge_inference_gateway.admission import Admission, AdmissionPolicy
+from forge_inference_gateway.caching.response_cache import ResponseCache
 from forge_inference_gateway.openai_api import install_gateway_api
-from forge_inference_gateway.replica_pool import ReplicaPool, RoutingPolicy
-from forge_inference_gateway.response_cache import ResponseCache
+from forge_inference_gateway.replicas.pool import ReplicaPool, RoutingPolicy
+from forge_inference_gateway.replicas.upstream import ModelServerClient
+from forge_inference_gateway.routing.admission import Admission, AdmissionPolicy
 from forge_inference_gateway.service import InferenceGateway
-from forge_inference_gateway.upstream import ModelServerClient
 from forge_kit.cache import Cache, InMemoryCache
 from forge_kit.db import Database
 from forge_kit.events import new_meta

@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from forge_inference_gateway.admission import Admission, AdmissionPolicy, Lease, level_for
-from forge_inference_gateway.replica_pool import ReplicaPool, RoutingPolicy
+from forge_inference_gateway.replicas.pool import ReplicaPool, RoutingPolicy
+from forge_inference_gateway.replicas.upstream import ModelServerClient
+from forge_inference_gateway.routing.admission import Admission, AdmissionPolicy, Lease, level_for
 from forge_inference_gateway.service import InferenceGateway
-from forge_inference_gateway.upstream import ModelServerClient
 from forge_kit import errors
 from forge_kit.modelref import ModelRef
 

@@ -9,11 +9,11 @@ from typing import Any
 
 from prometheus_client import REGISTRY
 
-from forge_inference_gateway.admission import Admission, AdmissionPolicy
-from forge_inference_gateway.autoscaling import AutoscalePolicy, Autoscaler
-from forge_inference_gateway.replica_pool import Load, ReplicaPool, RoutingPolicy
+from forge_inference_gateway.replicas.autoscaling import AutoscalePolicy, Autoscaler
+from forge_inference_gateway.replicas.pool import Load, ReplicaPool, RoutingPolicy
+from forge_inference_gateway.replicas.upstream import ModelServerClient
+from forge_inference_gateway.routing.admission import Admission, AdmissionPolicy
 from forge_inference_gateway.service import InferenceGateway
-from forge_inference_gateway.upstream import ModelServerClient
 from forge_kit.modelref import ModelRef
 
 

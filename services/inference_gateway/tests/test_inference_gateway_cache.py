@@ -10,7 +10,7 @@ import pytest
 from forge.common.v1 import common_pb2
 from forge.events.v1 import events_pb2
 
-from forge_inference_gateway.response_cache import complete_stream, is_deterministic
+from forge_inference_gateway.caching.response_cache import complete_stream, is_deterministic
 from forge_inference_gateway.service import InferenceGateway
 from forge_kit.cache import RedisCache
 from forge_kit.db import Database

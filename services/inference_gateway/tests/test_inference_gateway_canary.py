@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 from prometheus_client import REGISTRY
 
-from forge_inference_gateway.router import GenerationRequest
+from forge_inference_gateway.routing.router import GenerationRequest
 from forge_inference_gateway.service import InferenceGateway
-from forge_inference_gateway.tenants import Tenant
+from forge_inference_gateway.tenants.registry import Tenant
 from forge_kit import errors
 from forge_kit.db import Database
 

@@ -15,9 +15,9 @@ from forge.common.v1 import common_pb2
 from forge.events.v1 import events_pb2
 
 from forge_inference_gateway.openai_api import install_gateway_api
-from forge_inference_gateway.replica_pool import ReplicaPool
+from forge_inference_gateway.replicas.pool import ReplicaPool
+from forge_inference_gateway.replicas.upstream import ModelServerClient
 from forge_inference_gateway.service import InferenceGateway
-from forge_inference_gateway.upstream import ModelServerClient
 from forge_kit.cache import InMemoryCache
 from forge_kit.db import Database
 from forge_kit.events import KafkaPublisher, ensure_topics

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from forge_inference_gateway.replica_pool import RoutingPolicy, parse_load
+from forge_inference_gateway.replicas.pool import RoutingPolicy, parse_load
 from forge_inference_gateway.service import InferenceGateway
 from forge_kit.testing import ServiceProcess, base_env, tiny_llama
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from forge_inference_gateway.router import GenerationRequest
+from forge_inference_gateway.routing.router import GenerationRequest
 from forge_inference_gateway.service import InferenceGateway
 from forge_kit.db import Database
 from forge_kit.modelref import ModelRef

@@ -16,7 +16,7 @@ import pydantic
 import pytest
 
 from forge_inference_gateway.config import InferenceGatewaySettings
-from forge_inference_gateway.replica_pool import (
+from forge_inference_gateway.replicas.pool import (
     Load,
     NoReplicaError,
     Replica,
@@ -25,8 +25,8 @@ from forge_inference_gateway.replica_pool import (
     fold_versions,
     parse_load,
 )
+from forge_inference_gateway.replicas.upstream import ModelServerClient, UpstreamUnavailableError
 from forge_inference_gateway.service import InferenceGateway
-from forge_inference_gateway.upstream import ModelServerClient, UpstreamUnavailableError
 from forge_kit import errors
 from forge_kit.modelref import ModelRef
 

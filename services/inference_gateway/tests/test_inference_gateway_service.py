@@ -13,7 +13,7 @@ from forge.events.v1 import events_pb2
 
 from forge_inference_gateway.service import InferenceGateway
 from forge_inference_gateway.store import TenantRow
-from forge_inference_gateway.tenants import hash_api_key
+from forge_inference_gateway.tenants.registry import hash_api_key
 from forge_kit import errors
 from forge_kit.consumer import EventConsumer
 from forge_kit.db import Database
@@ -161,7 +161,7 @@ async def test_consumer_applies_a_promotion_once(
 async def test_reads_are_loaded_once_for_concurrent_requests_and_never_after_a_change() -> None:
     import asyncio
 
-    from forge_inference_gateway.read_through import ReadThrough
+    from forge_inference_gateway.caching.read_through import ReadThrough
 
     now = [0.0]
     cache: ReadThrough[str, int] = ReadThrough(ttl_s=1.0, clock=lambda: now[0])

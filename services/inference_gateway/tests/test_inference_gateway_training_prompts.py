@@ -16,7 +16,7 @@ import pytest
 
 from forge_inference_gateway.openai_api import install_gateway_api
 from forge_inference_gateway.service import InferenceGateway
-from forge_inference_gateway.training_prompts import TrainingPrompts, prompt_text
+from forge_inference_gateway.tenants.training_prompts import TrainingPrompts, prompt_text
 from forge_kit.http import make_app
 
 from .conftest import ADMIN_TOKEN

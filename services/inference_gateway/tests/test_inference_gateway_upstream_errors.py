@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from forge_inference_gateway.upstream_errors import conform_error
+from forge_inference_gateway.replicas.upstream_errors import conform_error
 
 IMAGE_CHAT = {
     "model": "tiny",

@@ -10,6 +10,7 @@ import asyncio
 import base64
 import io
 import shutil
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -364,6 +365,25 @@ async def test_preempted_image_requests_are_recomputed_from_their_pixels(
         models, engine=EngineConfig(num_blocks=20, block_size=4, max_num_batched_tokens=64)
     )
     try:
+        # Load the model, then hold its first forward until all three requests are in: on a busy
+        # machine one request could otherwise finish before the next arrives, and nothing would
+        # compete for the pool.
+        _, engine = await server.load("llava")
+        assert isinstance(engine, AsyncEngine)
+        execute, admitted = engine.core.execute, threading.Event()
+
+        def held_execute(inputs: Any) -> Any:
+            assert admitted.wait(60), "three requests were not admitted within 60 s"
+            return execute(inputs)
+
+        engine.core.execute = held_execute  # type: ignore[method-assign]
+
+        async def admit_all() -> None:
+            while len(engine.core.waiting) + len(engine.core.running) < 3:
+                await asyncio.sleep(0.01)
+            admitted.set()
+
+        watcher = asyncio.create_task(admit_all())
         async with openai.AsyncOpenAI(
             base_url=f"http://127.0.0.1:{http.port}/v1", api_key=TOKEN, max_retries=0, timeout=120
         ) as client:
@@ -376,8 +396,7 @@ async def test_preempted_image_requests_are_recomputed_from_their_pixels(
                     for im in images
                 )
             )
-            engine = server._engines["llava"]
-            assert isinstance(engine, AsyncEngine)
+            await watcher
             preemptions = engine.core.stats.num_preemptions
     finally:
         await server.drain(0)

@@ -9,19 +9,19 @@ from pathlib import Path
 from forge.events.v1 import events_pb2
 from forge.inference.v1 import inference_pb2, inference_pb2_grpc
 
-from forge_inference_gateway.admission import Admission
 from forge_inference_gateway.api import GatewayInferenceApi
-from forge_inference_gateway.autoscaling import Autoscaler
+from forge_inference_gateway.caching.response_cache import ResponseCache
 from forge_inference_gateway.config import InferenceGatewaySettings
 from forge_inference_gateway.embeddings import GrpcEmbedder
 from forge_inference_gateway.openai_api import install_gateway_api
 from forge_inference_gateway.rag.clients import GrpcReranker, GrpcRetriever
 from forge_inference_gateway.rag.service import RagService
-from forge_inference_gateway.replica_pool import ReplicaPool
-from forge_inference_gateway.response_cache import ResponseCache
+from forge_inference_gateway.replicas.autoscaling import Autoscaler
+from forge_inference_gateway.replicas.pool import ReplicaPool
+from forge_inference_gateway.replicas.upstream import ModelServerClient
+from forge_inference_gateway.routing.admission import Admission
 from forge_inference_gateway.service import InferenceGateway
-from forge_inference_gateway.training_prompts import TrainingPrompts
-from forge_inference_gateway.upstream import ModelServerClient
+from forge_inference_gateway.tenants.training_prompts import TrainingPrompts
 from forge_inference_gateway.vector_stores.index import GrpcDocumentIndex
 from forge_inference_gateway.vector_stores.service import VectorStores
 from forge_kit.app import ServiceApp

@@ -15,9 +15,9 @@ import grpc
 from forge.common.v1 import common_pb2
 from forge.inference.v1 import inference_pb2, inference_pb2_grpc
 
+from forge_inference_gateway.replicas.upstream import UpstreamError, UpstreamUnavailableError
 from forge_inference_gateway.service import InferenceGateway, StreamChunk
-from forge_inference_gateway.tenants import BOOTSTRAP_TENANT
-from forge_inference_gateway.upstream import UpstreamError, UpstreamUnavailableError
+from forge_inference_gateway.tenants.registry import BOOTSTRAP_TENANT
 from forge_kit import errors
 from forge_kit.modelref import ModelRef
 from forge_kit.validate import check_finite, check_seed

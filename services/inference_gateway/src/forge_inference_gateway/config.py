@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pydantic import Field, SecretStr, model_validator
 
-from forge_inference_gateway.admission import AdmissionPolicy
-from forge_inference_gateway.autoscaling import AutoscalePolicy
 from forge_inference_gateway.rag.query import RagLimits
-from forge_inference_gateway.replica_pool import RoutingPolicy, normalize_url
+from forge_inference_gateway.replicas.autoscaling import AutoscalePolicy
+from forge_inference_gateway.replicas.pool import RoutingPolicy, normalize_url
+from forge_inference_gateway.routing.admission import AdmissionPolicy
 from forge_inference_gateway.vector_stores.service import DocumentLimits
 from forge_kit import errors
 from forge_kit.limits import OPENAI_MAX_BODY_BYTES, RAG_MAX_QUERY_CHARS

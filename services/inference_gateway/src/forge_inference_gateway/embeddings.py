@@ -20,7 +20,7 @@ import grpc
 from forge.retrieval.v1 import retrieval_pb2, retrieval_pb2_grpc
 
 from forge_inference_gateway.rag.clients import TENANT_METADATA_KEY, grpc_error
-from forge_inference_gateway.tenants import Tenant
+from forge_inference_gateway.tenants.registry import Tenant
 from forge_kit import errors
 from forge_kit.grpckit import make_channel
 from forge_kit.openai_protocol import (

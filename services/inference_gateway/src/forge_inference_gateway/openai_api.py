@@ -26,18 +26,23 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import Counter
 from pydantic import BaseModel, Field, StrictBool
 
-from forge_inference_gateway.aliases import Alias
+from forge_inference_gateway.caching.response_cache import CACHE_HEADER
 from forge_inference_gateway.embeddings import GrpcEmbedder, create_embeddings
 from forge_inference_gateway.keys.api import install_key_api, require_scope
-from forge_inference_gateway.metering import TAIL_BYTES, usage_of
 from forge_inference_gateway.openai_schema import bearer_scheme, check_generation, install_openapi
 from forge_inference_gateway.rag.chat import chat_chunks, chat_completion, rag_tokens
 from forge_inference_gateway.rag.service import RagService
-from forge_inference_gateway.response_cache import CACHE_HEADER
-from forge_inference_gateway.router import MODEL_HEADER, GenerationRequest
+from forge_inference_gateway.replicas.metering import TAIL_BYTES, usage_of
+from forge_inference_gateway.replicas.upstream import (
+    StreamBroken,
+    UpstreamError,
+    UpstreamUnavailableError,
+    error_for,
+)
+from forge_inference_gateway.routing.aliases import Alias
+from forge_inference_gateway.routing.router import MODEL_HEADER, GenerationRequest
 from forge_inference_gateway.service import InferenceGateway
-from forge_inference_gateway.tenants import PRIORITY_CLASSES
-from forge_inference_gateway.upstream import StreamBroken, UpstreamError, UpstreamUnavailableError, error_for
+from forge_inference_gateway.tenants.registry import PRIORITY_CLASSES
 from forge_inference_gateway.vector_stores.api import install_vector_store_api, name_store
 from forge_inference_gateway.vector_stores.service import VectorStores
 from forge_kit import errors

@@ -7,10 +7,10 @@ A request goes through these steps, in the HTTP routes and the gRPC servicer ali
 2. admit it against the tenant's requests-per-minute bucket (:meth:`Tenants.admit
    <tenants.Tenants.admit>`; the shared cache: Redis or in-process);
 3. :meth:`Router.route <router.Router.route>`: resolve ``model`` through the alias table
-   (:mod:`aliases`), splitting an alias's traffic to its canary, and give the request its priority
+   (:mod:`routing.aliases`), splitting an alias's traffic to its canary, and give the request its priority
    level;
 4. :meth:`Router.forward <router.Router.forward>`: answer from the response cache, or take a slot on
-   a replica (:mod:`admission`, :mod:`replica_pool`) and send it there with what is left of the deadline.
+   a replica (:mod:`routing.admission`, :mod:`replicas.pool`) and send it there with what is left of the deadline.
 
 :class:`InferenceGateway` builds the parts — :attr:`~InferenceGateway.tenants`,
 :attr:`~InferenceGateway.aliases`, :attr:`~InferenceGateway.replicas` (membership and the control
@@ -28,18 +28,23 @@ from urllib.parse import urlencode
 
 import structlog
 
-from forge_inference_gateway.admission import Admission
-from forge_inference_gateway.aliases import Aliases
-from forge_inference_gateway.autoscaling import Autoscaler
+from forge_inference_gateway.caching.response_cache import ResponseCache
 from forge_inference_gateway.keys.service import ApiKeys
-from forge_inference_gateway.replica_pool import NoReplicaError, ReplicaPool
-from forge_inference_gateway.replicas import Replicas
-from forge_inference_gateway.response_cache import ResponseCache
-from forge_inference_gateway.router import GenerationRequest, Router
-from forge_inference_gateway.shadow import Shadows
-from forge_inference_gateway.tenants import Tenant, Tenants
-from forge_inference_gateway.training_prompts import TrainingPrompts
-from forge_inference_gateway.upstream import Reply, UpstreamError, UpstreamUnavailableError, error_for
+from forge_inference_gateway.replicas.autoscaling import Autoscaler
+from forge_inference_gateway.replicas.membership import Replicas
+from forge_inference_gateway.replicas.pool import NoReplicaError, ReplicaPool
+from forge_inference_gateway.replicas.upstream import (
+    Reply,
+    UpstreamError,
+    UpstreamUnavailableError,
+    error_for,
+)
+from forge_inference_gateway.routing.admission import Admission
+from forge_inference_gateway.routing.aliases import Aliases
+from forge_inference_gateway.routing.router import GenerationRequest, Router
+from forge_inference_gateway.routing.shadow import Shadows
+from forge_inference_gateway.tenants.registry import Tenant, Tenants
+from forge_inference_gateway.tenants.training_prompts import TrainingPrompts
 from forge_kit.cache import Cache
 from forge_kit.db import Database
 from forge_kit.modelref import ModelRef

@@ -28,7 +28,7 @@ class TenantRow(Base):
 
 class TrainingPromptRow(Base):
     """A production prompt of a tenant that allowed training (``TenantRow.allow_training``), for
-    the RLHF prompt pool (``training_prompts.py``); one row per (tenant, prompt text)."""
+    the RLHF prompt pool (``tenants/training_prompts.py``); one row per (tenant, prompt text)."""
 
     __tablename__ = "training_prompts"
     __table_args__ = (

@@ -33,10 +33,10 @@ from dataclasses import dataclass
 import sqlalchemy as sa
 from prometheus_client import Counter
 
+from forge_inference_gateway.caching.read_through import ReadThrough
 from forge_inference_gateway.keys.rows import ApiKeyRow, KeyAuditRow
-from forge_inference_gateway.read_through import ReadThrough
 from forge_inference_gateway.store import TenantRow
-from forge_inference_gateway.tenants import Tenant, Tenants, hash_api_key, new_api_key
+from forge_inference_gateway.tenants.registry import Tenant, Tenants, hash_api_key, new_api_key
 from forge_kit import errors
 from forge_kit.db import Database
 

@@ -13,7 +13,7 @@ from forge.rerank.v1 import rerank_pb2, rerank_pb2_grpc
 from forge.retrieval.v1 import retrieval_pb2, retrieval_pb2_grpc
 
 from forge_inference_gateway.rag.query import RagQuery
-from forge_inference_gateway.upstream import UpstreamError, UpstreamUnavailableError
+from forge_inference_gateway.replicas.upstream import UpstreamError, UpstreamUnavailableError
 from forge_kit import errors
 from forge_kit.grpckit import FIELD_METADATA_KEY, make_channel
 

@@ -47,12 +47,12 @@ from dataclasses import asdict, dataclass, field
 import structlog
 from prometheus_client import Counter, Histogram
 
-from forge_inference_gateway.aliases import Alias
 from forge_inference_gateway.rag.clients import Candidate, Reranker, Retriever
 from forge_inference_gateway.rag.context import Passage, assemble_context, cited
 from forge_inference_gateway.rag.query import RagLimits, RagQuery, parse_chat, parse_query
+from forge_inference_gateway.routing.aliases import Alias
 from forge_inference_gateway.service import InferenceGateway
-from forge_inference_gateway.tenants import Tenant
+from forge_inference_gateway.tenants.registry import Tenant
 from forge_kit import errors
 from forge_kit.cache import Cache
 from forge_kit.modelref import ModelRef

@@ -18,7 +18,7 @@ from fastapi import FastAPI, File, Form, Query, Request, UploadFile
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from forge_inference_gateway.tenants import Tenant
+from forge_inference_gateway.tenants.registry import Tenant
 from forge_inference_gateway.vector_stores.service import (
     DocumentIn,
     QuotaExceededError,

@@ -28,9 +28,9 @@ from typing import Any
 import sqlalchemy as sa
 import structlog
 
+from forge_inference_gateway.replicas.upstream import UpstreamError, UpstreamUnavailableError
 from forge_inference_gateway.store import TenantRow
-from forge_inference_gateway.tenants import Tenant
-from forge_inference_gateway.upstream import UpstreamError, UpstreamUnavailableError
+from forge_inference_gateway.tenants.registry import Tenant
 from forge_inference_gateway.vector_stores.index import DocumentIndex, IndexDocument
 from forge_inference_gateway.vector_stores.rows import RagFileRow, VectorStoreItemRow, VectorStoreRow
 from forge_inference_gateway.vector_stores.values import (

@@ -1,7 +1,7 @@
 """Canary shadow pairs into the raters' queue (an activity of the online RLHF round).
 
 The gateway mirrors a share of an alias's production requests to its shadow model and stores
-each pair of answers (``PUT /admin/v1/aliases/{alias}/shadow``, :mod:`forge_inference_gateway.shadow`).
+each pair of answers (``PUT /admin/v1/aliases/{alias}/shadow``, :mod:`forge_inference_gateway.routing.shadow`).
 When the round's policy alias has a shadow, the round also queues those pairs as comparisons:
 
 1. read the alias (``GET /admin/v1/aliases``) from the configured gateway URL only, with its

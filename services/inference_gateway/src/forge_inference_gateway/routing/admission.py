@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from forge_inference_gateway.replica_pool import Replica, ReplicaPool
+from forge_inference_gateway.replicas.pool import Replica, ReplicaPool
 from forge_kit import errors
 from forge_kit.modelref import ModelRef
 
@@ -147,7 +147,7 @@ class Admission:
            replica has room for its priority, take the slot at once;
         2. otherwise queue, shedding the worst waiter when the queue is over its bound (429);
         3. wait for :meth:`pump` to hand over a slot, or for the deadline (``TimeoutError``).
-        Raises :class:`~forge_inference_gateway.replica_pool.NoReplicaError` when no healthy replica can
+        Raises :class:`~forge_inference_gateway.replicas.pool.NoReplicaError` when no healthy replica can
         serve the model at all.
         """
         arrived = self._clock()

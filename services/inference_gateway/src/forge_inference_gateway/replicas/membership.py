@@ -1,6 +1,6 @@
 """The replica set's membership and its control loop.
 
-:mod:`replica_pool` holds the pool itself (each replica's load, health and prefix affinity) and picks
+:mod:`.pool` holds the pool itself (each replica's load, health and prefix affinity) and picks
 a replica for a request; this module keeps the pool's admin-added replicas in the store, so every
 gateway replica routes to the same set, and runs the loop that keeps membership, scraped load and
 the autoscaling signal current.
@@ -17,8 +17,8 @@ from collections.abc import Callable
 import sqlalchemy as sa
 import structlog
 
-from forge_inference_gateway.autoscaling import Autoscaler
-from forge_inference_gateway.replica_pool import Replica, ReplicaPool, normalize_url
+from forge_inference_gateway.replicas.autoscaling import Autoscaler
+from forge_inference_gateway.replicas.pool import Replica, ReplicaPool, normalize_url
 from forge_inference_gateway.store import UpstreamReplicaRow
 from forge_kit import errors
 from forge_kit.db import Database

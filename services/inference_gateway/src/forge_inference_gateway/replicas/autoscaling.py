@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from prometheus_client import Gauge
 
-from forge_inference_gateway.admission import Admission
+from forge_inference_gateway.routing.admission import Admission
 from forge_kit.modelref import ModelRef
 
 DESIRED = Gauge(

@@ -23,8 +23,8 @@ import sqlalchemy as sa
 import structlog
 from prometheus_client import Counter
 
-from forge_inference_gateway.admission import LEVELS
-from forge_inference_gateway.router import Forwarded, Routed, Router
+from forge_inference_gateway.routing.admission import LEVELS
+from forge_inference_gateway.routing.router import Forwarded, Routed, Router
 from forge_inference_gateway.store import ShadowPairRow, utcnow
 from forge_kit import errors
 from forge_kit.db import Database

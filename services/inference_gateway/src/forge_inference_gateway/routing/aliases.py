@@ -18,7 +18,7 @@ from forge.events.v1 import events_pb2
 from google.protobuf.message import Message
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from forge_inference_gateway.read_through import ReadThrough
+from forge_inference_gateway.caching.read_through import ReadThrough
 from forge_inference_gateway.store import ModelAliasRow
 from forge_kit import errors
 from forge_kit.db import Database, utcnow
@@ -51,7 +51,7 @@ class Alias:
     def previous(self) -> ModelRef | None:
         """The stable model version the alias named before :attr:`model` (None: none, or the
         same): the router keeps sending it the alias's traffic while no replica serves the new
-        one yet (:meth:`~forge_inference_gateway.replica_pool.ReplicaPool.serving`)."""
+        one yet (:meth:`~forge_inference_gateway.replicas.pool.ReplicaPool.serving`)."""
         if not self.previous_name:
             return None
         previous = ModelRef(self.previous_name, self.previous_version)

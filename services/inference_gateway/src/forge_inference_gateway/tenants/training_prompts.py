@@ -23,7 +23,7 @@ from prometheus_client import Counter
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
 from forge_inference_gateway.store import TenantRow, TrainingPromptRow, utcnow
-from forge_inference_gateway.tenants import Tenant
+from forge_inference_gateway.tenants.registry import Tenant
 from forge_kit import errors
 from forge_kit.db import Database
 

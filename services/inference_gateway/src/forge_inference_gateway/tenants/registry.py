@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import sqlalchemy as sa
 
-from forge_inference_gateway.admission import LEVELS
-from forge_inference_gateway.read_through import ReadThrough
+from forge_inference_gateway.caching.read_through import ReadThrough
+from forge_inference_gateway.routing.admission import LEVELS
 from forge_inference_gateway.store import TenantRow
 from forge_kit import errors
 from forge_kit.cache import Cache
@@ -41,7 +41,7 @@ class Tenant:
     priority_class: str
     rpm_limit: int
     allow_training: bool = False
-    """Its prompts may be recorded for the RLHF prompt pool (``training_prompts.py``)."""
+    """Its prompts may be recorded for the RLHF prompt pool (:mod:`.training_prompts`)."""
 
 
 def _tenant(row: TenantRow) -> Tenant:
@@ -57,7 +57,7 @@ def _tenant(row: TenantRow) -> Tenant:
 class Tenants:
     """Who may call (step 1 of a request, :func:`authenticate`) and how often (step 2, :func:`admit`).
 
-    Key lookups are kept ``ttl_s`` (:class:`~forge_inference_gateway.read_through.ReadThrough`);
+    Key lookups are kept ``ttl_s`` (:class:`~forge_inference_gateway.caching.read_through.ReadThrough`);
     the rate-limit buckets live in ``cache`` (Redis shared by every gateway replica, or in process).
     """
 

@@ -45,7 +45,7 @@ from urllib.parse import urlsplit
 import structlog
 from prometheus_client import Counter, Gauge
 
-from forge_inference_gateway.upstream import ModelServerClient, UpstreamUnavailableError, error_for
+from forge_inference_gateway.replicas.upstream import ModelServerClient, UpstreamUnavailableError, error_for
 from forge_kit import errors
 from forge_kit.modelref import ModelRef
 

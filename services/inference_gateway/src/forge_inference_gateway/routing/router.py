@@ -4,7 +4,7 @@
    while no replica serves its new one yet), splitting an alias's traffic to its canary by a sticky hash of the user (or session, or the request), and give the request
    its priority level (the tenant's class, lowered by the request's ``priority``);
 4. :meth:`Router.forward`: answer a deterministic request from the response cache, or take a slot
-   on a replica (:mod:`admission`; :mod:`replica_pool` picks the replica) — queueing in priority order,
+   on a replica (:mod:`.admission`; :mod:`~forge_inference_gateway.replicas.pool` picks the replica) — queueing in priority order,
    shed with 429 when the model's queue is full — and send it there with what is left of the
    deadline, trying another replica when one cannot be reached or is full.
 """
@@ -19,26 +19,26 @@ from dataclasses import dataclass, field
 
 from prometheus_client import Counter, Histogram
 
-from forge_inference_gateway.admission import Admission, Lease, level_for
-from forge_inference_gateway.aliases import Alias, Aliases, canary_bucket
-from forge_inference_gateway.autoscaling import Autoscaler
-from forge_inference_gateway.metering import TAIL_BYTES, meter
-from forge_inference_gateway.replica_pool import NoReplicaError, ReplicaPool
-from forge_inference_gateway.response_cache import (
+from forge_inference_gateway.caching.response_cache import (
     CACHE_HEADER,
     ResponseCache,
     cache_key,
     complete_stream,
     is_deterministic,
 )
-from forge_inference_gateway.tenants import Tenant
-from forge_inference_gateway.upstream import (
+from forge_inference_gateway.replicas.autoscaling import Autoscaler
+from forge_inference_gateway.replicas.metering import TAIL_BYTES, meter
+from forge_inference_gateway.replicas.pool import NoReplicaError, ReplicaPool
+from forge_inference_gateway.replicas.upstream import (
     StreamBroken,
     StreamReply,
     UpstreamUnavailableError,
     not_served_body,
 )
-from forge_inference_gateway.upstream_errors import conform_error
+from forge_inference_gateway.replicas.upstream_errors import conform_error
+from forge_inference_gateway.routing.admission import Admission, Lease, level_for
+from forge_inference_gateway.routing.aliases import Alias, Aliases, canary_bucket
+from forge_inference_gateway.tenants.registry import Tenant
 from forge_kit import errors
 from forge_kit.latency import LATENCY_BUCKETS
 from forge_kit.modelref import ModelRef
@@ -138,7 +138,7 @@ class Routed:
     requested: str = ""
     """The ``model`` the caller sent (an alias or a model id): what errors name."""
     shadow: ModelRef | None = None
-    """The alias's shadow model when this request is also mirrored there (:mod:`shadow`)."""
+    """The alias's shadow model when this request is also mirrored there (:mod:`.shadow`)."""
 
     @property
     def target(self) -> str:
@@ -350,7 +350,7 @@ class Router:
                 # (a model it lists but cannot load keeps the replica's own reason).
                 content, headers["content-type"] = not_served_body(routed.requested), "application/json"
             elif 400 <= status < 500:
-                # Whichever engine refused, the caller sees one shape (upstream_errors).
+                # Whichever engine refused, the caller sees one shape (replicas.upstream_errors).
                 content, headers["content-type"] = (
                     conform_error(status, content, routed.body),
                     "application/json",

@@ -1,0 +1,1 @@
+"""What the gateway keeps to avoid work: replayed deterministic answers and read-through database reads."""

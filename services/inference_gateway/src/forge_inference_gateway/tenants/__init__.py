@@ -1,0 +1,1 @@
+"""Tenants: API keys, priority classes, rate limits and their training-prompt consent."""
