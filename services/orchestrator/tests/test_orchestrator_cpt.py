@@ -8,8 +8,11 @@ shift per replay fraction and peak LR, small noise) and compares runs with the k
 bootstrap, as eval's CompareRuns does.
 
 Paths: the search stops a run early, the rule picks the mixture and the checkpoint and the final
-run is handed to eval-and-promote; a rule nothing meets ends the workflow with the reason and no
-final run; bad inputs are refused through the API's start path naming the field.
+run is handed to eval-and-promote; where promotions roll replicas every measurement runs on a
+deployment of its checkpoint (a recording stand-in of the promotion activities), undeployed once
+its runs ended, and replicas that are never ready fail the workflow; a rule nothing meets ends
+the workflow with the reason and no final run; bad inputs are refused through the API's start
+path naming the field.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from forge_kit.testing import MlflowServer, TemporalDevServer, eventually
 from forge_orchestrator.activities import CancelJobInput, SubmitJobInput
 from forge_orchestrator.cpt.activities import CptActivities, ReportInput
 from forge_orchestrator.cpt.workflow import CptWorkflow
-from forge_orchestrator.deploy.promotion import PromotionActivities
+from forge_orchestrator.deploy.promotion import Drained, PromotionActivities, Served, ServeInput
 from forge_orchestrator.eval_activities import (
     Comparison,
     ModelId,
@@ -103,6 +106,8 @@ class RecordingEval:
         self.models: dict[str, str] = {}
         self.runs: dict[str, np.ndarray] = {}
         self.promoted: list[tuple[str, str]] = []
+        self.deployments: RecordingDeployments | None = None
+        self.on_replicas: list[bool] = []
         rng = np.random.default_rng(1)
         self.difficulty = {s: rng.normal(0, 0.3, DOCS) for s in BASE}
 
@@ -130,7 +135,11 @@ class RecordingEval:
 
     @activity.defn(name="eval_run_suite")
     async def run_suite(self, params: RunInput) -> str:
-        assert params.serve_model and params.limit == 20
+        assert params.limit == 20
+        on_replicas = not params.serve_model
+        if on_replicas:  # the run scores a live deployment through the gateway
+            assert self.deployments is not None and str(params.model) in self.deployments.live
+        self.on_replicas.append(on_replicas)
         run_id = f"run-{len(self.runs)}"
         self.runs[run_id] = self._scores(params.model, params.suite)
         return run_id
@@ -159,6 +168,47 @@ class RecordingEval:
     def methods(self) -> list[Any]:
         return [self.register_model, self.current_model, self.run_suite, self.get_run, self.compare_runs,
                 self.promote_model]  # fmt: skip
+
+
+class RecordingDeployments:
+    """The promotion activities (names and types as :class:`PromotionActivities`) over a record:
+    each version's deployment, ready at once or never."""
+
+    def __init__(self, ready: bool = True) -> None:
+        self.ready = ready
+        self.live: dict[str, str] = {}
+        self.made: list[str] = []
+        self.drained: list[str] = []
+
+    def _why(self) -> str:
+        return "" if self.ready else "no node has room"
+
+    @activity.defn(name="promotion_serve")
+    async def serve(self, params: ServeInput) -> Served:
+        if params.model in self.live:
+            return Served(self.live[params.model], self.ready, self._why(), 0.5)
+        self.live[params.model] = f"d{len(self.made)}"
+        self.made.append(params.model)
+        return Served(self.live[params.model], self.ready, self._why(), 0.5, created=True)
+
+    @activity.defn(name="promotion_status")
+    async def status(self, deployment: str) -> Served:
+        return Served(deployment, self.ready, self._why(), 0.5)
+
+    @activity.defn(name="promotion_routed")
+    async def routed(self, model: str) -> bool:
+        return False
+
+    @activity.defn(name="promotion_drain")
+    async def drain(self, model: str) -> Drained:
+        name = self.live.pop(model, None)
+        if name is None:
+            return Drained()
+        self.drained.append(model)
+        return Drained([name])
+
+    def methods(self) -> list[Any]:
+        return [self.serve, self.status, self.routed, self.drain]
 
 
 async def drive(client: Client, scheduler: FakeScheduler, stop: asyncio.Event) -> None:
@@ -215,29 +265,39 @@ def cpt_input(tmp_path: Path, **rule: Any) -> dict[str, Any]:
 
 
 def worker_for(
-    client: Client, queue: str, scheduler: FakeScheduler, evals: RecordingEval, tmp_path: Path
+    client: Client,
+    queue: str,
+    scheduler: FakeScheduler,
+    evals: RecordingEval,
+    tmp_path: Path,
+    deployments: RecordingDeployments | None = None,
 ) -> Worker:
     sweeps = SweepActivities(f"sqlite+aiosqlite:///{tmp_path / 'orchestrator.db'}", None)
+    promotion = deployments.methods() if deployments is not None else PromotionActivities().methods()
     return Worker(
         client,
         task_queue=queue,
         workflows=[CptWorkflow, SweepWorkflow, TrainWorkflow, EvalAndPromoteWorkflow],
         activities=[scheduler.ensure_team, scheduler.submit_job, scheduler.cancel_job, *sweeps.methods(),
                     *evals.methods(), *CptActivities(None).methods(), *CanaryActivities().methods(),
-                    *PromotionActivities().methods()],
+                    *promotion],
     )  # fmt: skip
 
 
 async def run_cpt(
-    temporal_server: TemporalDevServer, tmp_path: Path, data: dict[str, Any]
+    temporal_server: TemporalDevServer,
+    tmp_path: Path,
+    data: dict[str, Any],
+    deployments: RecordingDeployments | None = None,
 ) -> tuple[dict[str, Any], FakeScheduler, RecordingEval]:
     client = await Client.connect(temporal_server.target)
     queue = f"cpt-{uuid.uuid4().hex[:8]}"
     scheduler = FakeScheduler()
     evals = RecordingEval(scheduler)
+    evals.deployments = deployments
     service = OrchestratorService(client, queue)
     stop = asyncio.Event()
-    async with worker_for(client, queue, scheduler, evals, tmp_path):
+    async with worker_for(client, queue, scheduler, evals, tmp_path, deployments):
         driver = asyncio.create_task(drive(client, scheduler, stop))
         # The API's start path: what `forge workflows start cpt --input '{…}'` sends.
         workflow_id, _ = await service.start_workflow("cpt", data)
@@ -318,6 +378,35 @@ async def test_search_stops_early_the_rule_picks_the_mixture_and_checkpoint_and_
     md = Path(result["report"]["markdown"]).read_text()
     assert "**Chosen**" in md and Path(result["report"]["png"]).stat().st_size > 10_000
     assert Path(result["report"]["json"]).is_file()
+    # No promotion serving configured: every run is on a model server eval starts.
+    assert evals.on_replicas and not any(evals.on_replicas)
+
+
+async def test_measurements_run_on_deployments_each_undeployed_once_its_runs_ended(
+    temporal_server: TemporalDevServer, tmp_path: Path
+) -> None:
+    deployments = RecordingDeployments()
+    result, _, evals = await run_cpt(temporal_server, tmp_path, cpt_input(tmp_path), deployments)
+    assert result["outcome"] == "chosen" and result["handover"]["decision"] == "promoted"
+    # The base, the 3 completed search runs and the final run, each deployed for its two runs
+    # (the run stand-in checks the deployment was live), then undeployed; the hand-over's
+    # eval-and-promote deploys the chosen version again, which stays: it is in production now.
+    measured = [m for m in deployments.made if m != result["chosen"]["extra"]["model"]]
+    assert len(deployments.made) == 6 and len(measured) == 4
+    assert all(evals.on_replicas) and len(evals.on_replicas) == 2 * 5 + 1
+    assert sorted(deployments.drained) == sorted(deployments.made[:5])
+    assert list(deployments.live) == [result["chosen"]["extra"]["model"]]
+
+
+async def test_replicas_never_ready_fail_it_and_their_deployment_is_undeployed(
+    temporal_server: TemporalDevServer, tmp_path: Path
+) -> None:
+    deployments = RecordingDeployments(ready=False)
+    with pytest.raises(WorkflowFailureError) as failed:
+        await run_cpt(temporal_server, tmp_path, cpt_input(tmp_path), deployments)
+    cause = failed.value.cause
+    assert "were not ready within 0.5s: no node has room" in str(cause)
+    assert deployments.made == deployments.drained and len(deployments.made) == 1 and not deployments.live
 
 
 async def test_a_rule_nothing_meets_ends_with_the_reason_and_no_final_run(

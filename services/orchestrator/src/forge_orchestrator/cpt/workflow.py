@@ -5,7 +5,12 @@ In steps (the anchors: Ibrahim et al. 2024 — re-warm and re-decay the LR, repl
 of general data; data-mixing laws — fit the mixture on short runs):
 
 1. **Base**: register the base checkpoint in eval's registry (``<model_name>:<id>.base``) and
-   run the domain and the general suite on it (a model server eval starts for each run);
+   run the domain and the general suite on it. Where promotions roll replicas
+   (:mod:`forge_orchestrator.deploy.rollout`) every measured checkpoint is served by a
+   deployment first, ready before its runs, which score it through eval's default endpoint (the
+   gateway, pinned by ``name:version``); the deployment is undeployed once both runs ended, and
+   replicas not ready in time fail the workflow (``ReplicasNotReady``). Elsewhere each run is on
+   a model server eval starts for it;
 2. **Mixture search**: one child ``sweep`` workflow per replay fraction, all side by side, each
    searching the peak LRs on ``search_fraction`` of the budget with the LR re-warmed and
    re-decayed (:func:`forge_experiments.cptmix.sweep_space`) and early stopping on the domain
@@ -52,6 +57,8 @@ with workflow.unsafe.imports_passed_through():
         space_of,
         validate_cpt,
     )
+    from forge_orchestrator.deploy.promotion import Served
+    from forge_orchestrator.deploy.rollout import drain_version, serve_version
     from forge_orchestrator.eval_activities import (
         Comparison,
         EvalActivities,
@@ -76,13 +83,16 @@ with workflow.unsafe.imports_passed_through():
 
 #: The eval metric both suites report per document (perplexity tasks; lower is better).
 METRIC = "bits_per_byte"
+#: ``workflow.patched`` marker of the measurement runs on deployments (histories from before it
+#: replay with eval's own model servers).
+MEASURES_ON_REPLICAS = "cpt-measures-on-replicas"
 
 
 class _Measured:
-    """One checkpoint's two suite runs."""
+    """One checkpoint's two suite runs, and whether this workflow deployed it for them."""
 
-    def __init__(self, model: ModelId, runs: dict[str, str]) -> None:
-        self.model, self.runs = model, runs
+    def __init__(self, model: ModelId, runs: dict[str, str], deployed: bool = False) -> None:
+        self.model, self.runs, self.deployed = model, runs, deployed
 
 
 @workflow.defn(name="cpt")
@@ -93,6 +103,7 @@ class CptWorkflow:
         self._sweeps: list[str] = []
         self._runs: dict[str, str] = {}
         self._mixture: dict[str, Any] = {}
+        self._deployments: dict[str, str] = {}
 
     @workflow.query(name=PROGRESS_QUERY)
     def progress(self) -> dict[str, Any]:
@@ -102,6 +113,7 @@ class CptWorkflow:
             "points": [p.as_dict() for p in self._points],
             "mixture": dict(self._mixture),
             "eval_runs": dict(self._runs),
+            "deployments": dict(self._deployments),
         }
 
     async def _call(self, method: Any, *args: object) -> Any:
@@ -121,6 +133,22 @@ class CptWorkflow:
                 parent=parent,
             ),
         )
+        serve, deployed = True, False
+        if workflow.patched(MEASURES_ON_REPLICAS):
+            served: Served = await serve_version(self._call, str(model), uri, params.eval_poll_s)
+            deployed = served.created
+            if served.deployment and not served.ready:
+                if deployed:
+                    await drain_version(self._call, str(model), params.eval_poll_s)
+                raise ApplicationError(
+                    f"the replicas of {model} ({served.deployment}) were not ready within "
+                    f"{served.ready_timeout_s:g}s: {served.message}",
+                    type="ReplicasNotReady",
+                    non_retryable=True,
+                )
+            serve = not served.deployment
+            if served.deployment:
+                self._deployments[str(model)] = served.deployment
         runs = {}
         for suite in (params.domain_suite, params.general_suite):
             runs[suite] = await self._call(
@@ -131,13 +159,22 @@ class CptWorkflow:
                     limit=params.eval_limit,
                     seed=params.eval_seed,
                     tier=params.eval_tier,
-                    serve_model=True,
+                    serve_model=serve,
                 ),
             )
-        return _Measured(model, runs)
+        return _Measured(model, runs, deployed)
 
     async def _wait(self, params: CptInput, run_id: str) -> RunState:
         return await wait_eval_run(self._call, run_id, params.eval_poll_s, params.eval_timeout_s, self._runs)
+
+    async def _finished(self, params: CptInput, measured: _Measured) -> dict[str, RunState]:
+        """Both runs of ``measured``, ended; the deployment made for them undeployed."""
+        try:
+            return {s: await self._wait(params, r) for s, r in measured.runs.items()}
+        finally:
+            if measured.deployed:
+                await drain_version(self._call, str(measured.model), params.eval_poll_s)
+                self._deployments.pop(str(measured.model), None)
 
     async def _point(
         self,
@@ -153,8 +190,9 @@ class CptWorkflow:
     ) -> cptmix.Point:
         losses: dict[str, cptmix.Loss] = {}
         deltas: dict[str, tuple[float, float, float]] = {}
+        states = await self._finished(params, measured)
         for suite in (params.domain_suite, params.general_suite):
-            state = await self._wait(params, measured.runs[suite])
+            state = states[suite]
             if METRIC not in state.metrics:
                 raise ApplicationError(
                     f"suite {suite} reports no {METRIC} (a perplexity task is needed)",
@@ -204,7 +242,7 @@ class CptWorkflow:
         # 1. The base.
         self._step = "measuring the base"
         base = await self._start(params, ModelId(params.model_name, f"{tag}.base"), params.base, "")
-        base_states = {s: await self._wait(params, r) for s, r in base.runs.items()}
+        base_states = await self._finished(params, base)
         base_row = {
             "label": "base",
             "uri": params.base,
