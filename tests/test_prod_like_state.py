@@ -148,3 +148,15 @@ def test_clear_redis_deletes_only_the_prefix(redis_url: str) -> None:
     finally:
         client.delete(f"other-{prefix}")
         client.close()
+
+
+def test_only_the_services_forge_up_starts_get_a_database(tmp_path: Path) -> None:
+    """The model server row is kept for Compose and Kubernetes but ``forge up`` runs none
+    (``instances=0``): prod-like makes no database for it."""
+    from forge_cli import platform
+
+    names = profiles.resolve("prod-like", tmp_path).databases(platform.SERVICES)
+    assert names and not any(n.endswith("model_server") for n in names)
+    started = {s.name for s in platform.started(platform.SERVICES)}
+    assert len(names) == len([s for s in platform.SERVICES if s.name in started]) + 1  # + MLflow's
+    assert any(n.endswith("inference_gateway") for n in names)

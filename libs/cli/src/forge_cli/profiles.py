@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from forge_cli.platform import INFRA, Backing, Infra, ServiceSpec, database_name
+from forge_cli.platform import INFRA, Backing, Infra, ServiceSpec, database_name, started
 
 if TYPE_CHECKING:
     import asyncpg
@@ -66,10 +66,11 @@ class Profile:
         )
 
     def databases(self, rows: Iterable[ServiceSpec]) -> list[str]:
-        """Every database this profile's services and MLflow use (none for ``dev``)."""
+        """Every database this profile's started services (:func:`~forge_cli.platform.started`)
+        and MLflow use (none for ``dev``)."""
         if self.backing is None:
             return []
-        return [*(PROD_LIKE_DATABASE_PREFIX + database_name(s) for s in rows), _mlflow_db()]
+        return [*(PROD_LIKE_DATABASE_PREFIX + database_name(s) for s in started(rows)), _mlflow_db()]
 
 
 def _mlflow_db() -> str:
