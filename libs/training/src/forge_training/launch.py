@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,14 +22,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from forge_kit.objectstore import ObjectStore
+from forge_kit.ports import free_port
 from forge_training import schema, validation
 from forge_training.train import RunContext, train
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass(frozen=True)

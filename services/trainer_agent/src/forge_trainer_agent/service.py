@@ -15,7 +15,6 @@ import datetime as dt
 import os
 import re
 import signal
-import socket
 import uuid
 from collections import deque
 from collections.abc import Callable, Coroutine
@@ -30,6 +29,7 @@ from prometheus_client import Counter, Gauge
 
 from forge_kit import errors
 from forge_kit.jobenv import SERVE_PORT_ENV, with_serve_port
+from forge_kit.ports import free_port
 from forge_trainer_agent.checkpoints import CheckpointAnnouncer
 from forge_trainer_agent.metrics import MetricsStreamer, attempt_offset
 from forge_trainer_agent.node import NodeInfo
@@ -96,13 +96,6 @@ class _Active:
     done: asyncio.Event = field(default_factory=asyncio.Event)
     metrics: asyncio.Task[None] | None = None
     """Publishes the run's training metrics while it lives (rank 0 writes them)."""
-
-
-def free_port(host: str = "") -> int:
-    """A TCP port free on this node now (the kernel's pick), for a serving replica to listen on."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 def _report(row: RunRow, endpoint: str = "") -> StatusReport:

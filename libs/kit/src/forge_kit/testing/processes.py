@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,16 +27,10 @@ from forge_kit.localinfra import (
     port_open,
     tansu_broker_argv,
 )
+from forge_kit.ports import free_port
 
 if TYPE_CHECKING:
     from forge_kit.vllm import VllmLaunch
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def wait_for_port(port: int, timeout_s: float = 30.0, proc: subprocess.Popen[bytes] | None = None) -> None:
