@@ -176,7 +176,19 @@ SERVICES: tuple[ServiceSpec, ...] = (
         # No fixed replica here (`forge up` runs no model server): the pool is what deployments add.
         local={"MODEL_SERVER_URL": ""},
     ),
-    ServiceSpec("eval", grpc_port=50057, http_port=8057, calls=(http("inference_gateway"),)),
+    ServiceSpec(
+        "eval",
+        grpc_port=50057,
+        http_port=8057,
+        calls=(http("inference_gateway"),),
+        # A run eval serves itself (RunSuite's serve_model) is on vLLM, from this checkout's
+        # environment, as every model forge up serves.
+        local={
+            "MODEL_SERVER_ENGINE": "vllm",
+            "VLLM_PYTHON": "{checkout}/.venv-vllm/bin/python",
+            "VLLM_ENGINE_ARGS": '["--max-num-seqs", "8"]',
+        },
+    ),
     ServiceSpec("preference_feedback", grpc_port=50058, http_port=8058, calls=(http("inference_gateway"),)),
     ServiceSpec(
         "orchestrator",

@@ -81,10 +81,13 @@ class VllmLaunch:
     """CPU build: OpenMP threads of the engine (0: vLLM's default, one per core)."""
     python: str = ""
     """The interpreter of vLLM's environment (empty: :func:`vllm_python`)."""
+    also_served_as: tuple[str, ...] = ()
+    """More names requests may use (a model's ``name:version``); see :func:`server_argv`."""
 
     def __post_init__(self) -> None:
-        if not _NAME.match(self.served_name):
-            raise LaunchError(f"served_name: {self.served_name!r} is not a model name")
+        for name in (self.served_name, *self.also_served_as):
+            if not _NAME.match(name):
+                raise LaunchError(f"served_name: {name!r} is not a model name")
         if not 0 < self.port < 65536:
             raise LaunchError(f"port: {self.port} is not a TCP port")
         if not (self.model_dir / "config.json").is_file():
@@ -101,7 +104,13 @@ class VllmLaunch:
         """The server's command line."""
         python = self.python or str(vllm_python())
         return server_argv(
-            python, str(self.model_dir), self.served_name, self.host, str(self.port), self.engine_args
+            python,
+            str(self.model_dir),
+            self.served_name,
+            self.host,
+            str(self.port),
+            self.engine_args,
+            self.also_served_as,
         )
 
     def env(self, base: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -14,11 +14,26 @@ from forge_eval.config import EvalSettings
 from forge_eval.endpoints import EndpointRegistry
 from forge_eval.registry import ModelRegistry
 from forge_eval.runs import RunService
-from forge_eval.serving import LocalModelServer
+from forge_eval.serving import LocalModelServer, ModelHost, VllmModelServer
 from forge_eval.task_runner import TaskCatalog, TaskSuiteRunner
 from forge_eval.tasks import DataRoots
 from forge_kit.app import ServiceApp
 from forge_kit.paths import resolve_data_path
+from forge_kit.vllm import parse_engine_flags
+
+
+def model_host(settings: EvalSettings, work_dir: Path) -> ModelHost:
+    """The engine that serves ``serve_model`` runs (``model_server_engine``)."""
+    if settings.model_server_engine == "vllm":
+        return VllmModelServer(
+            settings.vllm_python,
+            work_dir,
+            engine_args=parse_engine_flags(settings.vllm_engine_args),
+            start_timeout_s=settings.model_server_start_timeout_s,
+        )
+    return LocalModelServer(
+        settings.model_server_command, work_dir, start_timeout_s=settings.model_server_start_timeout_s
+    )
 
 
 async def main() -> None:
@@ -47,11 +62,7 @@ async def main() -> None:
         producer=app.name,
         on_commit=on_commit,
         run_concurrency=settings.run_concurrency,
-        model_host=LocalModelServer(
-            settings.model_server_command,
-            data / "serving",
-            start_timeout_s=settings.model_server_start_timeout_s,
-        ),
+        model_host=model_host(settings, data / "serving"),
         reports_dir=data / "reports",
         # Each credential goes only to the endpoint it was issued for.
         endpoints=EndpointRegistry(

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-from pydantic import Field, SecretStr
+import os
+from typing import Literal
+
+from pydantic import Field, SecretStr, field_validator
 
 from forge_kit.settings import ServiceSettings, service_config
+from forge_kit.vllm import LaunchError, parse_engine_flags
 
 
 class EvalSettings(ServiceSettings):
@@ -69,3 +73,29 @@ class EvalSettings(ServiceSettings):
 
     model_server_start_timeout_s: float = Field(default=180.0, gt=0)
     """How long a model server started for a run may take to serve its checkpoint."""
+
+    model_server_engine: Literal["forge", "vllm"] = "forge"
+    """The engine of ``serve_model`` runs: Forge's model server (``model_server_command``) or
+    vLLM's OpenAI-compatible server from vLLM's own environment (``vllm_python``)."""
+
+    vllm_python: str = Field(default="", max_length=1024)
+    """vLLM's interpreter for ``serve_model`` runs; empty: ``$FORGE_VLLM_PYTHON``, else the
+    checkout's ``.venv-vllm``. A relative path is taken from eval's working directory."""
+
+    vllm_engine_args: list[str] = Field(default_factory=list, max_length=64)
+    """vLLM engine flags of ``serve_model`` runs, JSON list (``["--max-num-seqs", "8"]``), the
+    flags ``forge serve deploy --arg`` takes; checked at start."""
+
+    @field_validator("vllm_python")
+    @classmethod
+    def _absolute_interpreter(cls, value: str) -> str:
+        return os.path.abspath(value) if "/" in value and not os.path.isabs(value) else value
+
+    @field_validator("vllm_engine_args")
+    @classmethod
+    def _known_engine_flags(cls, value: list[str]) -> list[str]:
+        try:
+            parse_engine_flags(value)
+        except LaunchError as exc:
+            raise ValueError(str(exc)) from None
+        return value

@@ -1,5 +1,6 @@
-"""Model servers eval starts for a run: a ``forge_model_server`` subprocess serving one registered
-checkpoint folder for the duration of one run (RunSuite's ``serve_model``).
+"""Model servers eval starts for a run: a subprocess serving one registered checkpoint folder for
+the duration of one run (RunSuite's ``serve_model``), Forge's ``forge_model_server``
+(:class:`LocalModelServer`) or vLLM's OpenAI-compatible server (:class:`VllmModelServer`).
 
 Why here and not in the workflow: the server must live exactly as long as the run that queries
 it, and the run executes in this process. It is started after the run is claimed, health-checked
@@ -20,7 +21,7 @@ import shutil
 import signal
 import sys
 import tempfile
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,8 @@ from typing import Protocol
 import httpx
 
 from forge_eval import spawn
+from forge_kit.ports import free_port
+from forge_kit.vllm import LaunchError, NotReady, VllmLaunch, wait_ready
 
 #: The file the model server reads a model's version from (its folder name is the model's name).
 VERSION_FILE = "forge_model.json"
@@ -105,7 +108,7 @@ class LocalModelServer:
             yield served
         finally:
             if process is not None:
-                await self._stop(process)
+                await _stop(process, self._stop_timeout_s)
             shutil.rmtree(root, ignore_errors=True)
 
     async def _spawn(self, root: Path, models: Path, token: str) -> asyncio.subprocess.Process:
@@ -125,19 +128,7 @@ class LocalModelServer:
             "FORGE_READY_FILE": str(root / "ready.json"),
             **self._env,
         }
-        log = (root / "server.log").open("wb")
-        try:
-            return await asyncio.create_subprocess_exec(
-                *spawn.command(self._command, die_with_parent=True),
-                env=env,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=log,
-                stderr=asyncio.subprocess.STDOUT,
-            )
-        except OSError as exc:
-            raise ModelServerError(f"cannot start the model server {self._command}: {exc}") from exc
-        finally:
-            log.close()
+        return await _start(self._command, env, root)
 
     async def _wait_healthy(
         self, process: asyncio.subprocess.Process, root: Path, token: str, model: str
@@ -162,16 +153,106 @@ class LocalModelServer:
             f"the model server did not serve {model} within {self._start_timeout_s:g}s: {_tail(root)}"
         )
 
-    async def _stop(self, process: asyncio.subprocess.Process) -> None:
-        if process.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                process.send_signal(signal.SIGTERM)
+
+class VllmModelServer:
+    """:class:`ModelHost` that runs vLLM's OpenAI-compatible server (:mod:`forge_kit.vllm`, from
+    vLLM's own environment) on the checkpoint folder itself, as ``name`` and ``name:version``.
+
+    1. start it on a free port with a random key (in its environment, never in argv) and the
+       operator's engine arguments;
+    2. wait until ``/health`` answers and ``/v1/models`` lists the model (a minute or more on CPUs);
+    3. on exit, SIGTERM, then SIGKILL after ``stop_timeout_s``.
+
+    The checkpoint must have a shape vLLM serves (on CPUs a head size of 64, not 16); a LLaVA
+    export needs ``model_impl: transformers`` among the engine arguments on a CPU build.
+    """
+
+    def __init__(
+        self,
+        python: str = "",
+        work_dir: Path | None = None,
+        *,
+        engine_args: Mapping[str, str | int | float | bool] | None = None,
+        kv_cache_gib: int = 1,
+        threads: int = 0,
+        start_timeout_s: float = 300.0,
+        stop_timeout_s: float = 10.0,
+    ) -> None:
+        self._python = python
+        self._work_dir = work_dir
+        self._engine_args = dict(engine_args or {})
+        self._kv_cache_gib = kv_cache_gib
+        self._threads = threads
+        self._start_timeout_s = start_timeout_s
+        self._stop_timeout_s = stop_timeout_s
+
+    @asynccontextmanager
+    async def serve(self, name: str, version: str, checkpoint: Path) -> AsyncIterator[ServedModel]:
+        if self._work_dir is not None:
+            self._work_dir.mkdir(parents=True, exist_ok=True)
+        root = Path(tempfile.mkdtemp(prefix=f"vllm-{name}-", dir=self._work_dir))
+        process: asyncio.subprocess.Process | None = None
+        try:
+            token = secrets.token_urlsafe(24)
             try:
-                await asyncio.wait_for(asyncio.shield(process.wait()), timeout=self._stop_timeout_s)
-            except TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    process.kill()
-        await process.wait()
+                launch = VllmLaunch(
+                    checkpoint,
+                    free_port("127.0.0.1"),
+                    name,
+                    engine_args=self._engine_args,
+                    api_key=token,
+                    kv_cache_gib=self._kv_cache_gib,
+                    threads=self._threads,
+                    python=self._python,
+                    also_served_as=(f"{name}:{version}",),
+                )
+                argv = launch.argv()
+            except (LaunchError, FileNotFoundError) as exc:
+                raise ModelServerError(f"cannot serve {name}:{version} on vLLM: {exc}") from exc
+            if shutil.which(argv[0]) is None:
+                raise ModelServerError(f"cannot serve {name}:{version} on vLLM: no interpreter {argv[0]}")
+            process = await _start(argv, launch.env(), root)
+            running = process
+            try:
+                await asyncio.to_thread(
+                    wait_ready, launch, self._start_timeout_s, alive=lambda: running.returncode is None
+                )
+            except NotReady as exc:
+                raise ModelServerError(f"{exc}: {_tail(root)}") from exc
+            yield ServedModel(endpoint=launch.url, token=token, model=name)
+        finally:
+            if process is not None:
+                await _stop(process, self._stop_timeout_s)
+            shutil.rmtree(root, ignore_errors=True)
+
+
+async def _start(argv: Sequence[str], env: Mapping[str, str], root: Path) -> asyncio.subprocess.Process:
+    """``argv`` as a child that dies with this process, its output in ``root/server.log``."""
+    log = (root / "server.log").open("wb")
+    try:
+        return await asyncio.create_subprocess_exec(
+            *spawn.command(argv, die_with_parent=True),
+            env=dict(env),
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=log,
+            stderr=asyncio.subprocess.STDOUT,
+        )
+    except OSError as exc:
+        raise ModelServerError(f"cannot start the model server {list(argv)}: {exc}") from exc
+    finally:
+        log.close()
+
+
+async def _stop(process: asyncio.subprocess.Process, timeout_s: float) -> None:
+    if process.returncode is None:
+        with contextlib.suppress(ProcessLookupError):
+            process.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(asyncio.shield(process.wait()), timeout=timeout_s)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                process.kill()
+    await process.wait()
 
 
 def _lay_out(root: Path, name: str, version: str, checkpoint: Path) -> Path:
