@@ -40,10 +40,7 @@ pytestmark = pytest.mark.timeout(900)
 
 def test_every_recipe_that_shapes_a_model_shapes_one_vllm_serves() -> None:
     shaped = [name for name in recipes.RECIPES if recipes.build(name).task == "pretrain"]
-    assert "smoke" in shaped and "shakespeare_tiny" in shaped
-    # The VLM's language model (4 heads of 16) is served only inside the VLM, by Forge's engine,
-    # whose image path vLLM's LLaVA does not replace here; its shape stays that of its results.
-    shaped.remove("vlm_world_lm")
+    assert "smoke" in shaped and "shakespeare_tiny" in shaped and "vlm_world_lm" in shaped
     for name in shaped:
         model = recipes.build(name).model
         head = model.hidden_size // model.num_heads

@@ -2,19 +2,21 @@
 defaults (tiny data, the recipe's model shape) and exported as its runs export, and one vLLM
 process (``vllm_loads.py``, in ``.venv-vllm``) loads every export in turn with vLLM's ``LLM``.
 
-- A causal LM (``shakespeare_tiny``, ``smoke``, ``cpt_scifact``, ``sft_hh``, ``dpo_hh``) answers a
-  chat: vLLM renders the prompt with the export's own chat template and encodes it with its
+- A causal LM (``shakespeare_tiny``, ``smoke``, ``cpt_scifact``, ``sft_hh``, ``dpo_hh``,
+  ``vlm_world_lm``) answers a chat: vLLM renders the prompt with the export's own chat template and encodes it with its
   tokenizer to exactly the ids ``transformers`` gives; every token it generates greedily is the
   ``transformers`` model's most likely next one; it reads the export's generation config and
   stops on its end-of-text token.
 - A scorer (``reward_hh``'s Llama, ``reward_hh_minilm``'s and ``rerank_beir_minilm``'s BERT) loads
   as a pooling model and gives the logit ``transformers`` gives for the same ids.
-- The VLM recipes are named in :data:`NOT_VLLM` with the reason (their language model's head of
-  16); a new recipe fails :func:`test_every_recipe_is_loaded_or_says_why_not` until it is added to
-  one or the other. With a head of 64 (:data:`HEAD_64`), ``vlm_align``'s LLaVA export answers an
-  ``image_url`` chat in vLLM's Transformers backend (``model_impl="transformers"``: vLLM's own
-  LLaVA module imports ``torchvision``, absent from the CPU environment) with the training side's
+- A VLM (``vlm_align``, ``vlm_interleave``, ``vlm_instruct`` over ``vlm_world_lm``, each stage
+  over the one before as in the curriculum, and ``vlm_joint``) answers an ``image_url`` chat as
+  a LLaVA export in vLLM's Transformers backend (``model_impl="transformers"``: vLLM's own LLaVA
+  module imports ``torchvision``, absent from the CPU environment) with the training side's
   prompt ids and the ``transformers`` LLaVA's greedy tokens.
+
+A recipe vLLM cannot serve goes in :data:`NOT_VLLM` with the reason (none today); a new recipe
+fails :func:`test_every_recipe_is_loaded_or_says_why_not` until it is in one of the lists.
 """
 
 from __future__ import annotations
@@ -45,19 +47,8 @@ from forge_training.vlm.model import load_vlm
 from forge_training.vlm.tokens import SequenceEncoder
 
 #: Recipes whose export vLLM does not serve here, and why.
-NOT_VLLM = {
-    "vlm_world_lm": "4 heads of 16, a size vLLM's CPU attention refuses; its shape stays that of the VLM "
-    "results (with HEAD_64, the VLM over it is served: test_a_vlm_export_with_heads_of_64_...)",
-    "vlm_align": "a LLaVA over vlm_world_lm's language model (head size 16) by default; over a parent "
-    "with heads of 64 vLLM serves it (the main job's vlm step)",
-    "vlm_interleave": "a LLaVA over vlm_world_lm's language model (head size 16) by default; over a parent "
-    "with heads of 64 vLLM serves it (the main job's vlm step)",
-    "vlm_instruct": "a LLaVA over vlm_world_lm's language model (head size 16) by default; over a parent "
-    "with heads of 64 vLLM serves it (the main job's vlm step)",
-    "vlm_joint": "a LLaVA over vlm_world_lm's language model (head size 16) by default; over a parent "
-    "with heads of 64 vLLM serves it (the main job's vlm step)",
-}
-CHAT = ("shakespeare_tiny", "smoke", "cpt_scifact", "sft_hh", "dpo_hh")
+NOT_VLLM: dict[str, str] = {}
+CHAT = ("shakespeare_tiny", "smoke", "cpt_scifact", "sft_hh", "dpo_hh", "vlm_world_lm")
 SCORERS = ("reward_hh", "reward_hh_minilm", "rerank_beir_minilm")
 #: Short: ``smoke`` is trained on 32-token sequences, and its export's context is that long (its
 #: byte-level BPE of 300 pieces makes this prompt 27 tokens).
@@ -69,9 +60,7 @@ MAX_TOKENS = 12
 LOGPROB_SLACK = 1e-3
 pytestmark = pytest.mark.timeout(1200)
 
-#: ``vlm_world_lm`` with one head of 64 (hidden 64): a shape vLLM's CPU attention serves.
-HEAD_64 = {"model.num_heads": "1", "model.num_kv_heads": "1"}
-VLM = "vlm_align@head64"
+VLMS = ("vlm_align", "vlm_interleave", "vlm_instruct", "vlm_joint")
 VLM_QUESTION = "What colour is the circle?"
 
 #: Overrides that make any recipe a step or two on one thread.
@@ -124,21 +113,24 @@ def _beir(root: Path) -> Path:
     return root
 
 
-def _vlm_export(root: Path) -> Path:
-    """``vlm_world_lm`` at :data:`HEAD_64`, then ``vlm_align`` over it, on a tiny synthetic world."""
+def _vlm_exports(root: Path) -> dict[str, Path]:
+    """``vlm_world_lm``, then each VLM stage over the one before (``vlm_joint`` over the LM), on
+    a tiny synthetic world."""
     folder = root / "world"
     write_world(
         folder, 0, WorldSize(captions=24, documents=8, chats=24, text_scenes=100, eval_items=4, per_shard=20)
     )
     small = {"global_batch_size": "4", "micro_batch_size": "2", "eval_batches": "1"}
-    lm = _train(root, "vlm_world_lm", {**small, **HEAD_64, "data.corpus": str(folder / "text.txt")})
-    over = {
-        "init.parent": str(lm),
-        "vlm.world": str(folder),
-        "vlm.eval_items": "2",
-        "vlm.max_new_tokens": "2",
-    }
-    return _train(root, "vlm_align", {**small, **over})
+    out = {"vlm_world_lm": _train(root, "vlm_world_lm", {**small, "data.corpus": str(folder / "text.txt")})}
+    over = {"vlm.world": str(folder), "vlm.eval_items": "2", "vlm.max_new_tokens": "2"}
+    for recipe, parent in (
+        ("vlm_align", "vlm_world_lm"),
+        ("vlm_interleave", "vlm_align"),
+        ("vlm_instruct", "vlm_interleave"),
+        ("vlm_joint", "vlm_world_lm"),
+    ):
+        out[recipe] = _train(root, recipe, {**small, **over, "init.parent": str(out[parent])})
+    return out
 
 
 def _vlm_messages(image: bytes) -> list[dict[str, Any]]:
@@ -211,7 +203,7 @@ def exports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             "micro_batch_size": "1",
         },
     )
-    out[VLM] = _vlm_export(root)
+    out |= _vlm_exports(root)
     return out
 
 
@@ -223,16 +215,17 @@ def loaded(exports: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -
         {"name": n, "path": str(exports[n]), "kind": "chat", "messages": MESSAGES, "max_tokens": MAX_TOKENS}
         for n in CHAT
     ] + [{"name": n, "path": str(exports[n]), "kind": "classify", "texts": TEXTS} for n in SCORERS]
-    models.append(
+    models += [
         {
-            "name": VLM,
-            "path": str(exports[VLM]),
+            "name": n,
+            "path": str(exports[n]),
             "kind": "chat",
             "messages": _vlm_messages(_scene_png()),
             "max_tokens": MAX_TOKENS,
             "engine": {"model_impl": "transformers"},
         }
-    )
+        for n in VLMS
+    ]
     plan = root / "vllm_plan.json"
     engine = {"dtype": "float32", "max_num_seqs": 2, "seed": 0, "enforce_eager": True}
     plan.write_text(json.dumps({"engine": engine, "models": models}))
@@ -261,8 +254,8 @@ def loaded(exports: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -
 
 
 def test_every_recipe_is_loaded_or_says_why_not() -> None:
-    assert not set(NOT_VLLM) & {*CHAT, *SCORERS}
-    assert {*NOT_VLLM, *CHAT, *SCORERS} == set(recipes.RECIPES)
+    assert not set(NOT_VLLM) & {*CHAT, *SCORERS, *VLMS}
+    assert {*NOT_VLLM, *CHAT, *SCORERS, *VLMS} == set(recipes.RECIPES)
 
 
 @pytest.mark.parametrize("recipe", CHAT)
@@ -317,12 +310,13 @@ def test_a_scorer_export_loads_in_vllm_and_scores_as_transformers_does(
         assert scores == pytest.approx(logits.tolist(), abs=1e-4), (recipe, text)
 
 
-def test_a_vlm_export_with_heads_of_64_answers_an_image_chat_in_vllm_as_transformers_does(
-    exports: dict[str, Path], loaded: dict[str, dict[str, Any]]
+@pytest.mark.parametrize("recipe", VLMS)
+def test_a_vlm_export_answers_an_image_chat_in_vllm_as_transformers_does(
+    recipe: str, exports: dict[str, Path], loaded: dict[str, dict[str, Any]]
 ) -> None:
-    answer = loaded[VLM]
+    answer = loaded[recipe]
     assert "error" not in answer, answer.get("traceback")
-    vlm = load_vlm(exports[VLM])
+    vlm = load_vlm(exports[recipe])
     # vLLM renders the export's template and expands <image> to one token per patch, as training does.
     ids = SequenceEncoder.of(vlm, 512).prompt_ids(
         [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": VLM_QUESTION}]}]

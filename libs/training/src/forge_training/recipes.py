@@ -172,10 +172,12 @@ def rerank_beir_minilm() -> TrainConfig:
 def vlm_world_lm() -> TrainConfig:
     """The VLM curriculum's language model: a tiny Llama pre-trained on the synthetic visual
     world's text (captions, descriptions, train-template questions with answers), so the LM
-    speaks the world's language before it sees an image, as a real VLM's LM has read the web."""
+    speaks the world's language before it sees an image, as a real VLM's LM has read the web.
+    One head of 64: the size vLLM's CPU and GPU attention serve, so every stage's LLaVA export
+    over it loads in vLLM."""
     return TrainConfig(
         name="vlm_world_lm",
-        model=ModelConfig(hidden_size=64, intermediate_size=172, num_layers=3, num_heads=4, num_kv_heads=4),
+        model=ModelConfig(hidden_size=64, intermediate_size=172, num_layers=3, num_heads=1, num_kv_heads=1),
         data=DataConfig(corpus=VLM_WORLD_TEXT, vocab_size=512, seq_len=64),
         optim=OptimConfig(lr=3e-3, min_lr=3e-4, warmup_steps=30),
         checkpoint=CheckpointConfig(interval_steps=200, keep_last=2),
