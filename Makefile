@@ -61,12 +61,17 @@ TEST_JOBS ?= 3
 # A local copy of the public datasets, laid out as FORGE_DATA_DIR is; without one they are downloaded.
 DATA_MIRROR ?= $(wildcard ../shared/data)
 
-.PHONY: help install sandbox test-tools data up down status test fuzz faults faults-long verify load soak bench gen secrets clean
+.PHONY: help install environments sandbox test-tools data up down status test fuzz faults faults-long verify load soak bench gen secrets clean
 
 help:
 	@sed -n 's/^#   //p' Makefile
 
-install: sandbox $(STAMP) $(NPM_STAMP) $(VLLM_STAMP)
+# Forge's, vLLM's and npm's environments build side by side (their downloads and unpacking
+# overlap): on a fresh machine they are a third of `make up`.
+install: sandbox
+	@$(MAKE) --no-print-directory -j3 environments
+
+environments: $(STAMP) $(NPM_STAMP) $(VLLM_STAMP)
 
 # Debian's bubblewrap for the job and code sandboxes: installed as root, else the command to run.
 sandbox:
