@@ -27,25 +27,25 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-#: Seconds of each unit in a CI run (three at a time): only their order matters (the longest start
-#: first, so no long unit is left to run alone at the end).
+#: Seconds of each unit in a quiet run here (three at a time): only their order matters (the
+#: longest start first, so no long unit is left to run alone at the end).
 EXPECTED_S = {
-    "services/orchestrator/tests [4/4]": 716,
-    "services/orchestrator/tests [3/4]": 481,
-    "libs/training/tests [2/2]": 470,
-    "services/orchestrator/tests [2/4]": 465,
-    "services/eval/tests": 411,
-    "services/inference_gateway/tests": 309,
-    "tests": 302,
-    "tests/security": 282,
-    "services/orchestrator/tests [1/4]": 244,
-    "libs/training/tests [1/2]": 236,
-    "services/trainer_agent/tests": 166,
-    "services/preference_feedback/tests": 106,
-    "services/model_server/tests": 104,
-    "tests/fuzz": 99,
-    "libs/kit/tests": 92,
-    "services/retriever/tests": 90,
+    "services/orchestrator/tests [4/4]": 461,
+    "services/eval/tests": 290,
+    "libs/training/tests [2/2]": 249,
+    "services/orchestrator/tests [3/4]": 233,
+    "services/orchestrator/tests [2/4]": 183,
+    "tests/security": 179,
+    "services/trainer_agent/tests": 172,
+    "tests": 169,
+    "services/inference_gateway/tests": 165,
+    "libs/training/tests [1/2]": 141,
+    "services/orchestrator/tests [1/4]": 131,
+    "tests/fuzz": 92,
+    "services/model_server/tests": 86,
+    "libs/kit/tests": 76,
+    "services/preference_feedback/tests": 60,
+    "services/retriever/tests": 49,
 }
 
 
