@@ -37,6 +37,13 @@ KNOWN_DEFAULT_SECRETS = frozenset(
 _KNOWN_DEFAULT_PATTERN = re.compile(r"^dev-token-[a-z0-9_-]*$")
 
 
+def interpreter_path(value: str) -> str:
+    """An interpreter setting as a child process can use it: a bare name (``python``) stays, to
+    be looked up on ``PATH``; a relative path is made absolute against the working directory
+    (children start in folders of their own, where it would name nothing)."""
+    return os.path.abspath(value) if "/" in value and not os.path.isabs(value) else value
+
+
 def is_known_default(value: str) -> bool:
     """True for a secret that is public knowledge: a former default or a ``dev-token-<service>``."""
     lowered = value.strip().lower()

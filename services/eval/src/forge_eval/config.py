@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import os
 from typing import Literal
 
 from pydantic import Field, SecretStr, field_validator
 
-from forge_kit.settings import ServiceSettings, service_config
+from forge_kit.settings import ServiceSettings, interpreter_path, service_config
 from forge_kit.vllm import LaunchError, parse_engine_flags
 
 
@@ -89,7 +88,7 @@ class EvalSettings(ServiceSettings):
     @field_validator("vllm_python")
     @classmethod
     def _absolute_interpreter(cls, value: str) -> str:
-        return os.path.abspath(value) if "/" in value and not os.path.isabs(value) else value
+        return interpreter_path(value)
 
     @field_validator("vllm_engine_args")
     @classmethod

@@ -96,9 +96,7 @@ class LocalModelServer:
 
     @asynccontextmanager
     async def serve(self, name: str, version: str, checkpoint: Path) -> AsyncIterator[ServedModel]:
-        if self._work_dir is not None:
-            self._work_dir.mkdir(parents=True, exist_ok=True)
-        root = Path(tempfile.mkdtemp(prefix=f"serve-{name}-", dir=self._work_dir))
+        root = _scratch(self._work_dir, f"serve-{name}-")
         process: asyncio.subprocess.Process | None = None
         try:
             models = _lay_out(root, name, version, checkpoint)
@@ -188,9 +186,7 @@ class VllmModelServer:
 
     @asynccontextmanager
     async def serve(self, name: str, version: str, checkpoint: Path) -> AsyncIterator[ServedModel]:
-        if self._work_dir is not None:
-            self._work_dir.mkdir(parents=True, exist_ok=True)
-        root = Path(tempfile.mkdtemp(prefix=f"vllm-{name}-", dir=self._work_dir))
+        root = _scratch(self._work_dir, f"vllm-{name}-")
         process: asyncio.subprocess.Process | None = None
         try:
             token = secrets.token_urlsafe(24)
@@ -224,6 +220,13 @@ class VllmModelServer:
             if process is not None:
                 await _stop(process, self._stop_timeout_s)
             shutil.rmtree(root, ignore_errors=True)
+
+
+def _scratch(work_dir: Path | None, prefix: str) -> Path:
+    """A new folder for one served run (its log, its model layout), under ``work_dir`` when set."""
+    if work_dir is not None:
+        work_dir.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=work_dir))
 
 
 async def _start(argv: Sequence[str], env: Mapping[str, str], root: Path) -> asyncio.subprocess.Process:

@@ -9,7 +9,7 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from temporalio.service import TLSConfig
 
-from forge_kit.settings import ServiceSettings, service_config
+from forge_kit.settings import ServiceSettings, interpreter_path, service_config
 
 NO_TOKEN = SecretStr("")
 
@@ -187,8 +187,7 @@ class OrchestratorSettings(ServiceSettings):
     @field_validator("deploy_forge_python", "deploy_vllm_python")
     @classmethod
     def _absolute_interpreter(cls, value: str) -> str:
-        # A bare name ("python") is looked up on the node's PATH; a relative path is made absolute.
-        return os.path.abspath(value) if "/" in value and not os.path.isabs(value) else value
+        return interpreter_path(value)
 
     @model_validator(mode="after")
     def _promote_deploy_placeable(self) -> OrchestratorSettings:
