@@ -543,6 +543,31 @@ async def test_worker_recovers_runs_left_running(runs: RunService, runner: Any) 
     assert (await runs.get_run(run.id))[0].status == RunStatus.SUCCEEDED
 
 
+async def test_stopping_the_worker_waits_for_the_runs_it_cancels(runs: RunService, runner: Any) -> None:
+    """A cancelled run unwinds (its session hands the connection back) before the worker returns:
+    a run still unwinding after it would be cancelled again at loop shutdown, mid-close."""
+    import asyncio
+
+    started, unwound = asyncio.Event(), asyncio.Event()
+
+    async def blocking_run(spec: Any, endpoint: str, *, token: str | None = None) -> list[Any]:
+        started.set()
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await asyncio.sleep(0.05)  # as a session's connection handed back to the pool
+            unwound.set()
+        return []
+
+    runner.run = blocking_run
+    await runs.run_suite("gsm8k", "tiny", "1", endpoint="", limit=1, seed=0, options={})
+    worker = asyncio.create_task(runs.run_worker())
+    await asyncio.wait_for(started.wait(), timeout=30)
+    worker.cancel()
+    await asyncio.gather(worker, return_exceptions=True)
+    assert unwound.is_set()
+
+
 async def test_get_unknown_run_is_not_found(runs: RunService) -> None:
     with pytest.raises(errors.NotFoundError):
         await runs.get_run("run-missing")

@@ -280,8 +280,11 @@ class RunService:
                 task.add_done_callback(tasks.discard)
                 task.add_done_callback(lambda _: slots.release())
         finally:
+            # Wait for the cancelled runs: a run cancelled while its session hands the connection
+            # back must finish closing it before the worker returns (see test_eval_service).
             for task in tasks:
                 task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def claim_next_run(self) -> str | None:
         """Mark the oldest PENDING run RUNNING and return its id."""
