@@ -6,11 +6,11 @@ far less wall time than one pytest process running them in turn. Each folder is 
 process: its session fixtures (broker, Temporal dev server) are its own, every server binds a free
 port and every database is named at random, so the processes share nothing but the machine.
 
-``--threads N`` runs each unit with ``OMP_NUM_THREADS=N`` (torch's, vLLM's and the spawned
-services' thread pools); by default the environment's is kept. Each unit's CPU seconds (its
-processes and the descendants they reaped) are printed beside its time.
+Each unit's CPU seconds (its processes and the descendants they reaped) are printed beside its
+time. Units inherit the environment (``OMP_NUM_THREADS=1 python scripts/run_tests.py`` caps the
+thread pools of torch, vLLM and the services they spawn).
 
-Usage: python scripts/run_tests.py [-j N] [--threads N] [PATH ...] [-- PYTEST ARGS]
+Usage: python scripts/run_tests.py [-j N] [PATH ...] [-- PYTEST ARGS]
 
 The paths (default: libs services tests) are split into units: each ``<path>/*/tests`` folder
 under libs/ and services/, each sub-folder of tests/ and tests/ itself without them. Units start
@@ -119,11 +119,9 @@ def main(argv: list[str]) -> int:
         own, pytest_args = argv[: argv.index("--")], argv[argv.index("--") + 1 :]
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("-j", "--jobs", type=int, default=int(os.environ.get("FORGE_TEST_JOBS", "3")))
-    parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("paths", nargs="*", default=["libs", "services", "tests"])
     args = parser.parse_args(own)
     todo = units(args.paths)
-    env = {**os.environ, **({"OMP_NUM_THREADS": str(args.threads)} if args.threads > 0 else {})}
     lock = threading.Lock()
     results: dict[str, tuple[int, float, float]] = {}
     started = time.monotonic()
@@ -137,7 +135,7 @@ def main(argv: list[str]) -> int:
             begin = time.monotonic()
             with tempfile.TemporaryFile(mode="w+") as log:
                 command = [sys.executable, "-m", "pytest", *pytest_args, *unit_args]
-                process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+                process = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
                 _, status, usage = os.wait4(process.pid, 0)
                 process.returncode = rc = os.waitstatus_to_exitcode(status)
                 log.seek(0)
@@ -158,7 +156,7 @@ def main(argv: list[str]) -> int:
     cpu_s = sum(cpu for _, _, cpu in results.values())
     print(
         f"===== {len(results)} units in {time.monotonic() - started:.0f} s ({args.jobs} at a time, "
-        f"{cpu_s:.0f} CPU s, OMP_NUM_THREADS={env.get('OMP_NUM_THREADS', 'unset')}) ====="
+        f"{cpu_s:.0f} CPU s) ====="
     )
     failed = 0
     for name, (rc, elapsed, cpu) in sorted(results.items(), key=lambda item: -item[1][1]):

@@ -281,7 +281,7 @@ class RunService:
                 task.add_done_callback(lambda _: slots.release())
         finally:
             # Wait for the cancelled runs: a run cancelled while its session hands the connection
-            # back must finish closing it before the worker returns (see test_eval_service).
+            # back must finish closing it before the worker returns (see test_eval_worker).
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)

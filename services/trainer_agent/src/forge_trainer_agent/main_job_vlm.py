@@ -61,7 +61,8 @@ HTTP_S = 120.0
 #: the replica answers one question and compiling its graphs first would double its start-up.
 DEPLOYMENT = "main-job-vlm"
 ENGINE_ARGS = ("--max-num-seqs", "4", "--model-impl", "transformers", "--enforce-eager")
-#: vLLM starts in 60-75 s on an idle 2-core machine; the main job's other work shares the cores.
+#: The eager replica is ready in about 50 s on a 2-core machine; the main job's other work shares
+#: the cores.
 READY_WAIT_S = 420.0
 RPC_S = 30.0
 
