@@ -188,7 +188,9 @@ def _spec(models: Path, deployment: str, **overrides: object) -> orchestrator_pb
         "max_replicas": 2,
         "replicas": 1,
         "resources": common_pb2.ResourceRequest(gpu_count=1, gpu_type="SERVE"),
-        "engine_args": ["torch_threads=1", "num_kv_blocks=64"],
+        # Torch's decode attention: each replica (a run folder and HOME of its own) would
+        # otherwise build the C++ kernel before it answers (model_server's tests cover the kernel).
+        "engine_args": ["torch_threads=1", "num_kv_blocks=64", "decode_attention=torch"],
     }
     fields.update(overrides)
     return orchestrator_pb2.DeploymentSpec(**fields)  # type: ignore[arg-type]
