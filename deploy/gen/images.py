@@ -15,6 +15,8 @@ from .common import (
     RUNTIME_PACKAGES,
     TORCH_SERVICES,
     UID,
+    VLLM_ENV,
+    VLLM_SERVICES,
     healthcheck_command,
     host,
 )
@@ -44,7 +46,7 @@ RUN groupadd --system --gid {uid} forge \\
  && useradd --system --uid {uid} --gid forge --home-dir /app --shell /usr/sbin/nologin forge
 
 WORKDIR /app
-{torch}
+{torch}{vllm}
 COPY libs/protos /src/libs/protos
 COPY libs/kit /src/libs/kit
 {library_copies}{runtime_copies}COPY services/{name} /src/services/{name}
@@ -79,14 +81,28 @@ RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/${TOR
 """
 
 
+VLLM_LAYER = """
+# vLLM, the engine of the replicas this node starts, in an environment of its own (its pins differ
+# from Forge's): the CPU build unless the build asks for CUDA, with TORCH_VARIANT as above and
+#   docker build --build-arg VLLM_REQUIREMENTS=requirements-vllm-cuda.txt ...
+# The C++ compiler stays: torch.compile builds vLLM's CPU graphs with it when a replica starts.
+ARG VLLM_REQUIREMENTS=requirements-vllm.txt
+COPY scripts/install_vllm.sh requirements-vllm.txt requirements-vllm-cuda.txt /tmp/vllm/
+RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/* \\
+ && PYTHON_BOOT=python /tmp/vllm/install_vllm.sh {vllm_env} /tmp/vllm/${{VLLM_REQUIREMENTS}} \\
+      --extra-index-url https://download.pytorch.org/whl/${{TORCH_VARIANT}} \\
+ && rm -rf /tmp/vllm
+"""
+
 KERNEL_LAYER = """
-# The model server's native decode-attention kernel (forge_model_server.model.kernels), built here with a
-# compiler that leaves the image afterwards; a host whose CPU kind differs from the builder's
-# (AVX-512 against AVX2) cannot build its own and runs torch's matmuls instead, with a warning.
+# The model server's native decode-attention kernel (forge_model_server.model.kernels), built here
+# {purge_note}; a host whose CPU kind differs
+# from the builder's (AVX-512 against AVX2) cannot build its own and runs torch's matmuls instead,
+# with a warning.
 ENV TORCH_EXTENSIONS_DIR=/opt/forge/torch_extensions
 RUN apt-get update && apt-get install -y --no-install-recommends g++ \\
  && python -c "from forge_model_server.model.kernels import paged_decode_attention; paged_decode_attention()" \\
- && apt-get purge -y --auto-remove g++ && rm -rf /var/lib/apt/lists/* \\
+ && {purge}rm -rf /var/lib/apt/lists/* \\
  && chown -R forge:forge /opt/forge
 """
 
@@ -107,6 +123,7 @@ def dockerfile(spec: ServiceSpec) -> str:
         # Models come with the image or the object store; never from a hub at run time.
         offline="\n    HF_HUB_OFFLINE=1 \\" if heavy else "",
         torch=TORCH_LAYER if heavy else "",
+        vllm=VLLM_LAYER.format(vllm_env=VLLM_ENV) if spec.name in VLLM_SERVICES else "",
         library_copies="".join(f"COPY libs/{lib} /src/libs/{lib}\n" for lib in LIBRARIES.get(spec.name, ())),
         library_installs="".join(f" /src/libs/{lib}" for lib in LIBRARIES.get(spec.name, ())),
         runtime_copies="".join(
@@ -114,5 +131,18 @@ def dockerfile(spec: ServiceSpec) -> str:
         ),
         runtime_installs="".join(f" /src/services/{p}" for p in RUNTIME_PACKAGES.get(spec.name, ())),
         healthcheck=json.dumps(healthcheck_command(spec.http_port)[1:]),
-        kernel=KERNEL_LAYER if "model_server" in (spec.name, *RUNTIME_PACKAGES.get(spec.name, ())) else "",
+        kernel=_kernel_layer(spec),
+    )
+
+
+def _kernel_layer(spec: ServiceSpec) -> str:
+    """The decode-attention kernel's build, where the image runs Forge's engine; the compiler
+    leaves the image afterwards unless vLLM needs it (:data:`VLLM_LAYER`)."""
+    if "model_server" not in (spec.name, *RUNTIME_PACKAGES.get(spec.name, ())):
+        return ""
+    if spec.name in VLLM_SERVICES:
+        return KERNEL_LAYER.format(purge_note="with the compiler vLLM keeps", purge="")
+    return KERNEL_LAYER.format(
+        purge_note="with a compiler that leaves the image afterwards",
+        purge="apt-get purge -y --auto-remove g++ && ",
     )

@@ -177,7 +177,45 @@ def network_policies() -> list[dict[str, Any]]:
     )
     policies.append(qdrant.network_policy(MONITORING_SELECTOR))
     policies.append(gpu.agent_peer_policy(by_name()["trainer_agent"]))
+    policies.append(replica_policy())
     return policies
+
+
+#: Where a serving replica listens on an agent's pod: a port the agent asks the kernel for (Linux's
+#: default ``net.ipv4.ip_local_port_range``).
+REPLICA_PORTS = (32768, 60999)
+
+
+def replica_policy() -> dict[str, Any]:
+    """The serving replicas agents start: the gateway routes to them and the orchestrator checks
+    their health (``/v1/models``), on the port the agent assigned; monitoring scrapes them."""
+    agent = by_name()["trainer_agent"]
+    first, last = REPLICA_PORTS
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {"name": f"{host(agent)}-replicas", "namespace": NAMESPACE, "labels": _labels(agent)},
+        "spec": {
+            "podSelector": {"matchLabels": {"app.kubernetes.io/name": host(agent)}},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {
+                    "from": [
+                        *(
+                            {
+                                "podSelector": {
+                                    "matchLabels": {"app.kubernetes.io/name": host(by_name()[name])}
+                                }
+                            }
+                            for name in ("inference_gateway", "orchestrator")
+                        ),
+                        MONITORING_SELECTOR,
+                    ],
+                    "ports": [{"port": first, "endPort": last, "protocol": "TCP"}],
+                }
+            ],
+        },
+    }
 
 
 MLFLOW_LABELS = {"app.kubernetes.io/name": "mlflow", "app.kubernetes.io/part-of": "forge"}

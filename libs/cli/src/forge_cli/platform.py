@@ -408,12 +408,16 @@ def production_env(spec: ServiceSpec, backing: Backing) -> dict[str, str]:
 
 #: Settings containers get that ``forge up`` has no counterpart for: the listen address, the
 #: transport security of the broker and Temporal (the local stand-ins run without SASL and TLS),
-#: and the agents' job isolation, off in images that run them unprivileged (``forge up``'s run
-#: as root and isolate jobs).
+#: the agents' job isolation, off in images that run them unprivileged (``forge up``'s run as root
+#: and isolate jobs), the address an agent's replicas are reached at, and the engines' interpreters
+#: in the agent's image (``forge up`` names this checkout's, as ``local`` settings).
 CONTAINER_ONLY = frozenset(
     {
         "HOST",
         "JOB_SANDBOX",
+        "ADVERTISE_ADDRESS",
+        "DEPLOY_VLLM_PYTHON",
+        "DEPLOY_FORGE_PYTHON",
         "KAFKA_SECURITY_PROTOCOL",
         "KAFKA_SASL_MECHANISM",
         "KAFKA_SASL_USERNAME",
