@@ -79,3 +79,20 @@ def test_distinct_template_problems_survive_their_own_dedup() -> None:
     exact = len(questions) - len(set(questions))
     assert report.within_set >= exact  # exact repeats always go
     assert len(report.kept) > 0.8 * len(items)
+
+
+def test_tasks_reading_the_same_split_share_one_index_and_the_first_names_a_match() -> None:
+    same = ("Ana has 12 apples and gets 30 more from her brother at the market today",) * 2
+    other = ("A train leaves the station at noon and travels sixty miles every single hour",)
+    sources = [
+        dedup.BenchmarkSource("mmlu", same),
+        dedup.BenchmarkSource("mmlu_cloze", same),
+        dedup.BenchmarkSource("trains", other),
+    ]
+    decontaminator = dedup.Decontaminator(sources)
+    assert decontaminator.indexes["mmlu"] is decontaminator.indexes["mmlu_cloze"]
+    assert decontaminator.indexes["trains"] is not decontaminator.indexes["mmlu"]
+    assert decontaminator.sizes == {"mmlu": 2, "mmlu_cloze": 2, "trains": 1}
+    assert decontaminator.match([same[0].replace("today", "this morning")]) == ("mmlu", "mmlu:0")
+    assert decontaminator.match([other[0].replace("noon", "midday")]) == ("trains", "trains:0")
+    assert decontaminator.match(["Something else entirely, with no words in common at all here"]) is None

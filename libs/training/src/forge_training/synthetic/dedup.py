@@ -117,7 +117,8 @@ def benchmark_sources(
 
 
 class Decontaminator:
-    """One LSH per benchmark source; :meth:`match` names the first source a text is close to."""
+    """One LSH per benchmark split (tasks reading the same split share it); :meth:`match` names the
+    first source a text is close to."""
 
     def __init__(
         self,
@@ -131,7 +132,13 @@ class Decontaminator:
         self.texts = {source.name: source.texts for source in sources}
         self.indexes: dict[str, MinHashLSH] = {}
         self.sizes: dict[str, int] = {}
+        # Tasks that read the same split (``mmlu`` and ``mmlu_cloze``) share one index: built once.
+        built: dict[tuple[str, ...], MinHashLSH] = {}
         for source in sources:
+            self.sizes[source.name] = len(source.texts)
+            if source.texts in built:
+                self.indexes[source.name] = built[source.texts]
+                continue
             lsh = MinHashLSH(threshold=threshold, num_perm=num_perm)
             hashes = MinHash.bulk(
                 [sorted(shingles(t, ngram)) for t in source.texts], num_perm=num_perm, seed=1
@@ -140,8 +147,7 @@ class Decontaminator:
                 for i, m in enumerate(hashes):
                     if not m.is_empty():
                         session.insert(f"{source.name}:{i}", m, check_duplication=False)
-            self.indexes[source.name] = lsh
-            self.sizes[source.name] = len(source.texts)
+            self.indexes[source.name] = built[source.texts] = lsh
 
     def match(self, texts: Sequence[str]) -> tuple[str, str] | None:
         """(source, matched key) of the first benchmark text near any of ``texts``, or None. LSH
@@ -152,7 +158,11 @@ class Decontaminator:
             if m.is_empty():
                 continue
             grams = shingles(text, self.ngram)
+            queried: set[int] = set()
             for name, lsh in self.indexes.items():
+                if id(lsh) in queried:  # a shared index: its first source answered for it
+                    continue
+                queried.add(id(lsh))
                 for key in sorted(lsh.query(m), key=lambda k: int(k.rsplit(":", 1)[1])):
                     other = shingles(self.texts[name][int(key.rsplit(":", 1)[1])], self.ngram)
                     if _jaccard(grams, other) >= self.threshold:
