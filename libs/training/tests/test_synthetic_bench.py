@@ -10,9 +10,9 @@ from forge_kit.stats import item_means
 from forge_training.synthetic.bench import (
     _accuracy,
     _band_vs_unfiltered,
-    default_tasks_dir,
     equal_token_rows,
 )
+from forge_training.synthetic.dedup import default_tasks_dir
 
 
 def test_equal_token_rows_fill_the_budget_by_repeating() -> None:

@@ -14,6 +14,7 @@ from forge_training.data import EOT, train_tokenizer
 from forge_training.export import export_hf
 from forge_training.synthetic import difficulty
 from forge_training.synthetic.problems import Problem, Solution
+from forge_training.synthetic.student import HFStudent
 from forge_training.synthetic.verify import Verified
 
 
@@ -76,7 +77,7 @@ def test_hf_student_samples_in_batches_reproducibly(tmp_path: Path) -> None:
         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
     )  # fmt: skip
     export_hf(LlamaForCausalLM(config), tok, tmp_path)
-    student = difficulty.HFStudent(tmp_path, batch_size=4)
+    student = HFStudent(tmp_path, batch_size=4)
     prompts = [difficulty.prompt_of("what is 2+3?"), difficulty.prompt_of("what is 20+30 and more?")]
     a = student.sample(prompts, 3, temperature=1.0, max_new_tokens=6, seed=1)
     b = student.sample(prompts, 3, temperature=1.0, max_new_tokens=6, seed=1)
@@ -85,7 +86,7 @@ def test_hf_student_samples_in_batches_reproducibly(tmp_path: Path) -> None:
     assert greedy[0][0] == greedy[0][1]
 
 
-def _tiny_student(tmp_path: Path, batch_size: int) -> difficulty.HFStudent:
+def _tiny_student(tmp_path: Path, batch_size: int) -> HFStudent:
     tok = train_tokenizer("User: what is 2+3?\nAssistant: 2+3 = 5.\n#### 5\n" * 20, 300)
     torch.manual_seed(0)
     config = LlamaConfig(
@@ -96,7 +97,7 @@ def _tiny_student(tmp_path: Path, batch_size: int) -> difficulty.HFStudent:
     with torch.no_grad():
         model.lm_head.weight.mul_(40)  # a peaked next-token distribution, so that sampling is testable
     export_hf(model, tok, tmp_path)
-    return difficulty.HFStudent(tmp_path, batch_size=batch_size)
+    return HFStudent(tmp_path, batch_size=batch_size)
 
 
 def test_hf_student_greedy_matches_transformers_generate(tmp_path: Path) -> None:
@@ -137,7 +138,7 @@ def test_hf_student_other_architectures_sample_through_generate(tmp_path: Path) 
     tok = train_tokenizer("User: what is 2+3?\nAssistant: 2+3 = 5.\n#### 5\n" * 20, 300)
     config = GPT2Config(vocab_size=tok.get_vocab_size(), n_embd=16, n_layer=1, n_head=2, n_positions=64)
     export_hf(GPT2LMHeadModel(config), tok, tmp_path)
-    student = difficulty.HFStudent(tmp_path, batch_size=4)
+    student = HFStudent(tmp_path, batch_size=4)
     assert student.model.config.model_type == "gpt2"
     prompts = [difficulty.prompt_of("what is 2+3?"), difficulty.prompt_of("what is 20+30 and more?")]
     a = student.sample(prompts, 3, temperature=1.0, max_new_tokens=6, seed=1)

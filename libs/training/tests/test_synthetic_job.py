@@ -105,3 +105,19 @@ def test_band_keeps_the_band_and_versions_it_or_reports_an_empty_one(run: Path, 
     empty = json.loads((run / "band.json").read_text())
     assert empty["dataset"] == {} and empty["counts"]["kept"] == 0
     assert empty["histogram"]["0.0-0.1"] == len(curated) == empty["counts"]["below_band"]
+
+
+def test_the_grading_steps_start_without_torch() -> None:
+    """``curate`` and ``band`` grade text (the student's samples were recorded by the workflow):
+    what they import leaves torch out, a few seconds less for each step's process."""
+    code = (
+        "import sys\n"
+        "from forge_training.synthetic import job, dataset, dedup, difficulty, verify\n"
+        "from forge_training.synthetic.dedup import Decontaminator, benchmark_sources, default_tasks_dir\n"
+        "from forge_training.synthetic.difficulty import EmptyBandError, band_filter, pass_rates, prompt_of\n"
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.strip() == "[]"

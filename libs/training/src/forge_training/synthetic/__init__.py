@@ -16,8 +16,10 @@ API (the synthetic-data workflow builds on these; each module's docstring has th
   ``numbers_match``, ``grade(completion, answer)``.
 - ``dedup``: MinHash LSH (``datasketch``) within the set and against the eval benchmarks' test
   splits, with counts per source.
-- ``difficulty``: the ``Student`` protocol (``sample(prompts, n) -> completions``), the local
-  ``HFStudent``, pass rates, the band filter and its histogram (``EmptyBandError``).
+- ``dedup`` also knows where the eval tasks are (``default_tasks_dir``).
+- ``difficulty``: the ``Student`` protocol (``sample(prompts, n) -> completions``), pass rates, the
+  band filter and its histogram (``EmptyBandError``); torch-free.
+- ``student``: ``HFStudent``, the local student (torch) on a Forge export or any causal LM.
 - ``dataset``: token shards, the SFT ``.jsonl`` the ``sft`` task reads, content hash, lineage.
 - ``job``: the workflow's stage jobs (``python -m forge_training.synthetic.job STAGE --work DIR``:
   curate, band, held-out eval) over one run folder.

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import random
 import time
 from dataclasses import dataclass
@@ -52,6 +51,7 @@ from forge_training.synthetic.problems import (
     ProgrammaticTeacher,
     generate,
 )
+from forge_training.synthetic.student import HFStudent
 from forge_training.synthetic.verify import Verified, Verifier, grade, numbers_match, parse_answer
 from forge_training.train import RunContext
 from forge_training.train import train as run_training
@@ -83,13 +83,6 @@ class BenchConfig:
     batch: int = 16
     sft_lr: float = 5e-4
     sft_seeds: int = 3
-
-
-def default_tasks_dir() -> Path:
-    """The eval service's task folder in this checkout (``FORGE_EVAL_TASKS_DIR`` overrides)."""
-    if os.environ.get("FORGE_EVAL_TASKS_DIR"):
-        return Path(os.environ["FORGE_EVAL_TASKS_DIR"])
-    return Path(__file__).resolve().parents[5] / "services" / "eval" / "src" / "forge_eval" / "tasks"
 
 
 def _ctx(root: Path, cache: Path) -> RunContext:
@@ -164,7 +157,7 @@ def _sft_tokens(tok: Tokenizer, items: list[Verified]) -> list[int]:
 
 
 def evaluate(model: Path, held: list[Verified], cfg: BenchConfig) -> list[float]:
-    student = difficulty.HFStudent(model)
+    student = HFStudent(model)
     prompts = [difficulty.prompt_of(v.problem.question) for v in held]
     out = student.sample(prompts, 1, temperature=0.0, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)
     return [float(grade(c[0], v.answer)) for c, v in zip(out, held, strict=True)]
@@ -236,7 +229,7 @@ def run_bench(
         "skipped": skipped,
     }
     log("pass rates")
-    sampler = difficulty.HFStudent(student_dir)
+    sampler = HFStudent(student_dir)
     rates = difficulty.pass_rates(
         sampler, deduped.kept, cfg.samples, temperature=1.0, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed
     )
@@ -386,7 +379,7 @@ def synthetic(
     summary = run_bench(
         cfg,
         out,
-        tasks_dir or default_tasks_dir(),
+        tasks_dir or dedup.default_tasks_dir(),
         log=lambda m: typer.echo(f"== {m}", err=True),
         student=student,
     )

@@ -23,6 +23,7 @@ import glob
 import gzip
 import io
 import json
+import os
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -82,6 +83,13 @@ def _records(path: Path, ds: Mapping[str, Any]) -> Iterator[dict[str, Any]]:
             yield dict(zip(columns, row, strict=False)) if columns else {str(i): v for i, v in enumerate(row)}
     else:
         raise ValueError(f"{path}: format {fmt!r} is not read for decontamination")
+
+
+def default_tasks_dir() -> Path:
+    """The eval service's task folder in this checkout (``FORGE_EVAL_TASKS_DIR`` overrides)."""
+    if os.environ.get("FORGE_EVAL_TASKS_DIR"):
+        return Path(os.environ["FORGE_EVAL_TASKS_DIR"])
+    return Path(__file__).resolve().parents[5] / "services" / "eval" / "src" / "forge_eval" / "tasks"
 
 
 def benchmark_sources(

@@ -69,9 +69,8 @@ def read_problems(path: Path) -> tuple[list[Problem], dict[str, int]]:
 
 def curate(work: Path, args: argparse.Namespace) -> dict[str, Any]:
     from forge_kit.paths import data_path
-    from forge_training.synthetic.bench import default_tasks_dir
     from forge_training.synthetic.dataset import problems_jsonl
-    from forge_training.synthetic.dedup import Decontaminator, benchmark_sources, dedup
+    from forge_training.synthetic.dedup import Decontaminator, benchmark_sources, dedup, default_tasks_dir
     from forge_training.synthetic.difficulty import prompt_of
     from forge_training.synthetic.verify import Verifier
 
@@ -208,8 +207,9 @@ def band(work: Path, args: argparse.Namespace) -> dict[str, Any]:
 
 def heldout(work: Path, args: argparse.Namespace) -> dict[str, Any]:
     from forge_kit.stats import paired_compare, wilson_interval
-    from forge_training.synthetic.difficulty import HFStudent, prompt_of
+    from forge_training.synthetic.difficulty import prompt_of
     from forge_training.synthetic.problems import ProgrammaticTeacher, templates
+    from forge_training.synthetic.student import HFStudent
     from forge_training.synthetic.verify import grade
 
     chosen = templates([t for t in args.templates.split(",") if t])
