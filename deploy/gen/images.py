@@ -95,15 +95,12 @@ RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /
 """
 
 KERNEL_LAYER = """
-# The model server's native decode-attention kernel (forge_model_server.model.kernels), built here
-# {purge_note}; a host whose CPU kind differs
-# from the builder's (AVX-512 against AVX2) cannot build its own and runs torch's matmuls instead,
-# with a warning.
+# The model server's native decode-attention kernel (forge_model_server.model.kernels), built here;
+# a host whose CPU kind differs from the builder's (AVX-512 against AVX2) cannot build its own and
+# runs torch's matmuls instead, with a warning. {compiler}
 ENV TORCH_EXTENSIONS_DIR=/opt/forge/torch_extensions
-RUN apt-get update && apt-get install -y --no-install-recommends g++ \\
- && python -c "from forge_model_server.model.kernels import paged_decode_attention; paged_decode_attention()" \\
- && {purge}rm -rf /var/lib/apt/lists/* \\
- && chown -R forge:forge /opt/forge
+RUN {install}python -c "from forge_model_server.model.kernels import paged_decode_attention; paged_decode_attention()" \\
+ && {purge}chown -R forge:forge /opt/forge
 """
 
 
@@ -136,13 +133,14 @@ def dockerfile(spec: ServiceSpec) -> str:
 
 
 def _kernel_layer(spec: ServiceSpec) -> str:
-    """The decode-attention kernel's build, where the image runs Forge's engine; the compiler
-    leaves the image afterwards unless vLLM needs it (:data:`VLLM_LAYER`)."""
+    """The decode-attention kernel's build, where the image runs Forge's engine: with the compiler
+    :data:`VLLM_LAYER` installed and keeps, else with one that leaves the image afterwards."""
     if "model_server" not in (spec.name, *RUNTIME_PACKAGES.get(spec.name, ())):
         return ""
     if spec.name in VLLM_SERVICES:
-        return KERNEL_LAYER.format(purge_note="with the compiler vLLM keeps", purge="")
+        return KERNEL_LAYER.format(compiler="(The compiler is vLLM's.)", install="", purge="")
     return KERNEL_LAYER.format(
-        purge_note="with a compiler that leaves the image afterwards",
-        purge="apt-get purge -y --auto-remove g++ && ",
+        compiler="(The compiler leaves the image.)",
+        install="apt-get update && apt-get install -y --no-install-recommends g++ \\\n && ",
+        purge="apt-get purge -y --auto-remove g++ && rm -rf /var/lib/apt/lists/* \\\n && ",
     )

@@ -15,8 +15,7 @@ API (the synthetic-data workflow builds on these; each module's docstring has th
   ``counts()``); programs-of-thought run in ``forge_kit.sandbox``; ``parse_answer``,
   ``numbers_match``, ``grade(completion, answer)``.
 - ``dedup``: MinHash LSH (``datasketch``) within the set and against the eval benchmarks' test
-  splits, with counts per source.
-- ``dedup`` also knows where the eval tasks are (``default_tasks_dir``).
+  splits (the eval tasks' folder: ``default_tasks_dir``), with counts per source.
 - ``difficulty``: the ``Student`` protocol (``sample(prompts, n) -> completions``), pass rates, the
   band filter and its histogram (``EmptyBandError``); torch-free.
 - ``student``: ``HFStudent``, the local student (torch) on a Forge export or any causal LM.
