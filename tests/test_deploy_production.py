@@ -1,5 +1,5 @@
-"""The production wiring, checked statically: GPU workloads request GPUs, the gateway reaches vLLM
-in the GPU profile (Compose override and Kubernetes overlay), the retriever indexes into the
+"""The production wiring, checked statically: GPU workloads request GPUs, promotions roll vLLM
+replicas in the GPU profile (Compose override and Kubernetes overlay), the retriever indexes into the
 Qdrant server, and ``forge up --profile prod-like`` gives services the environment Compose does."""
 
 from __future__ import annotations
@@ -67,9 +67,8 @@ def test_the_gpu_override_is_valid_compose_and_every_gpu_workload_reserves_gpus(
     for document in (_yaml(COMPOSE_GPU), gpu_compose):
         errors = [e.message for e in jsonschema.Draft7Validator(schema).iter_errors(document)]
         assert errors == []
-    for name in ("vllm", "trainer-agent"):
-        devices = gpu_compose["services"][name]["deploy"]["resources"]["reservations"]["devices"]
-        assert devices == [{"driver": "nvidia", "count": "all", "capabilities": ["gpu"]}], name
+    devices = gpu_compose["services"]["trainer-agent"]["deploy"]["resources"]["reservations"]["devices"]
+    assert devices == [{"driver": "nvidia", "count": "all", "capabilities": ["gpu"]}]
     agent = gpu_compose["services"]["trainer-agent"]
     assert agent["build"]["args"]["TORCH_VARIANT"].startswith("cu") and agent["image"].endswith("-cuda")
     assert agent["build"]["dockerfile"] == "services/trainer_agent/Dockerfile"  # merged with the base
@@ -93,7 +92,7 @@ def test_every_kubernetes_gpu_workload_requests_gpus_and_tolerates_gpu_nodes() -
         for d in workloads
         if any("nvidia.com/gpu" in c["resources"].get("limits", {}) for c in _containers(d))
     }
-    assert requesting == {"vllm", "trainer-agent"}
+    assert requesting == {"trainer-agent"}
     for doc in workloads:
         if doc["metadata"]["name"] not in requesting:
             continue
@@ -120,28 +119,47 @@ def test_trainer_agents_run_one_per_gpu_node_and_advertise_their_pod_address() -
     assert peers["spec"]["ingress"] == [{"from": [selector]}]
 
 
-# --- vLLM -----------------------------------------------------------------------------------------
+# --- GPU serving ----------------------------------------------------------------------------------
 
 
-def test_the_gateway_reaches_vllm_in_the_gpu_profile_as_it_reaches_the_model_server(
-    gpu_compose: dict[str, Any],
+def _serving(settings: dict[str, str], gpu_type: str, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """How an orchestrator given the ``PROMOTE_DEPLOY*`` variables of ``settings`` deploys a
+    promoted version (its settings read from the environment, as in a container)."""
+    from forge_orchestrator.config import OrchestratorSettings
+    from forge_orchestrator.deploy.promotion import promotion_serving
+
+    for key, value in settings.items():
+        if key.startswith("FORGE_ORCHESTRATOR_PROMOTE_DEPLOY"):
+            monkeypatch.setenv(key, value)
+    monkeypatch.setenv("FORGE_ORCHESTRATOR_PROMOTE_DEPLOY_GPU_TYPE", gpu_type)
+    return promotion_serving(OrchestratorSettings())
+
+
+def test_the_gpu_profile_serves_promotions_on_vllm_replicas_the_scheduler_places(
+    gpu_compose: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     services = gpu_compose["services"]
-    env = services["inference-gateway"]["environment"]
-    assert env["FORGE_INFERENCE_GATEWAY_MODEL_SERVER_URL"] == "http://vllm:8000"
-    assert services["inference-gateway"]["depends_on"]["vllm"] == {"condition": "service_healthy"}
-    # vLLM checks the very token the gateway presents to the CPU model server.
-    assert services["vllm"]["environment"]["VLLM_API_KEY"].startswith("${FORGE_TOKEN_MODEL_SERVER:?")
-    assert "FORGE_INFERENCE_GATEWAY_MODEL_SERVER_TOKEN" in env
-    assert services["vllm"]["image"].startswith("vllm/vllm-openai:v")
-    assert services["vllm"]["entrypoint"] == ["vllm", "serve"]
-    assert "priority" in services["vllm"]["command"]
-    # Without the override the gateway keeps the CPU model server.
-    base = _yaml(COMPOSE)["services"]["inference-gateway"]["environment"]
-    assert base["FORGE_INFERENCE_GATEWAY_MODEL_SERVER_URL"] == "http://model-server:8000"
+    # No fixed vLLM server: promotions roll replicas on the agents' GPUs.
+    assert "vllm" not in services
+    env = services["orchestrator"]["environment"]
+    assert env["FORGE_ORCHESTRATOR_PROMOTE_DEPLOY_GPU_TYPE"] == "${FORGE_SERVING_GPU_TYPE:-H100}"
+    serving = _serving(env, "H100", monkeypatch)
+    assert serving is not None
+    assert (serving.engine, serving.team, serving.gpu_type) == ("vllm", "serving", "H100")
+    assert serving.replicas == 1 < serving.max_replicas  # autoscaled on the gateway's queue signal
+    # The replicas start from the agent's own vLLM, reachable where the agent says they are.
+    assert env["FORGE_ORCHESTRATOR_DEPLOY_VLLM_PYTHON"] == "/opt/vllm/bin/python"
+    assert services["trainer-agent"]["ipc"] == "host"
+    # Without the override promotions roll nothing, and the gateway keeps the CPU model server.
+    base = _yaml(COMPOSE)["services"]
+    assert "FORGE_ORCHESTRATOR_PROMOTE_DEPLOY" not in base["orchestrator"]["environment"]
+    gateway = services["inference-gateway"]["environment"]
+    assert gateway["FORGE_INFERENCE_GATEWAY_MODEL_SERVER_URL"] == "http://model-server:8000"
 
 
-def test_the_kubernetes_gpu_overlay_validates_and_scales_vllm_on_its_queue() -> None:
+def test_the_kubernetes_gpu_overlay_validates_and_turns_promotions_into_vllm_deployments(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     import kubernetes_validate
 
     docs = _documents(K8S_GPU)
@@ -149,19 +167,22 @@ def test_the_kubernetes_gpu_overlay_validates_and_scales_vllm_on_its_queue() -> 
         if doc["kind"] != "Kustomization":
             kubernetes_validate.validate(doc, "1.30.0", strict=True)
     [kustomization] = [d for d in docs if d["kind"] == "Kustomization"]
-    assert kustomization["resources"] == ["../k8s", "vllm.yaml"]
-    [patch] = [
-        d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("gateway-config")
-    ]
-    assert patch["data"] == {"FORGE_INFERENCE_GATEWAY_MODEL_SERVER_URL": "http://vllm.forge.svc:8000"}
-    [hpa] = [d for d in docs if d["kind"] == "HorizontalPodAutoscaler"]
-    assert hpa["spec"]["metrics"][0]["pods"]["metric"]["name"] == "vllm_num_requests_waiting"
+    assert kustomization["resources"] == ["../k8s"]
+    [patch] = [d for d in docs if d["kind"] == "ConfigMap"]
+    assert patch["metadata"]["name"] == "forge-orchestrator-config"
+    gpu_type = patch["data"]["FORGE_ORCHESTRATOR_PROMOTE_DEPLOY_GPU_TYPE"]
+    serving = _serving(patch["data"], gpu_type, monkeypatch)
+    assert serving is not None and (serving.engine, serving.gpu_type) == ("vllm", gpu_type)
+    assert serving.replicas < serving.max_replicas
+    # Replicas are scheduler jobs on the agents, not pods: no workload of the overlay's own.
+    assert not [d for d in docs if d["kind"] in ("Deployment", "HorizontalPodAutoscaler")]
+    # The model servers' autoscaler still reads vLLM's queue through Prometheus Adapter.
     rules = _yaml(ROOT / "deploy" / "prometheus" / "adapter-rules.yaml")["rules"]["custom"]
     assert [r["name"]["as"] for r in rules] == ["vllm_num_requests_waiting"]
     assert rules[0]["seriesQuery"].startswith("vllm:num_requests_waiting")
 
 
-def test_kustomize_builds_the_gpu_overlay_with_the_gateway_on_vllm() -> None:
+def test_kustomize_builds_the_gpu_overlay_with_the_orchestrator_deploying_promotions() -> None:
     kubectl = shutil.which("kubectl")
     if kubectl is None:
         pytest.skip("kubectl is not installed; the overlay's files are checked one by one above")
@@ -169,14 +190,10 @@ def test_kustomize_builds_the_gpu_overlay_with_the_gateway_on_vllm() -> None:
     assert built.returncode == 0, built.stderr
     docs = [d for d in yaml.safe_load_all(built.stdout) if d]
     [config] = [
-        d
-        for d in docs
-        if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "forge-inference-gateway-config"
+        d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "forge-orchestrator-config"
     ]
-    assert config["data"]["FORGE_INFERENCE_GATEWAY_MODEL_SERVER_URL"] == "http://vllm.forge.svc:8000"
-    assert config["data"]["FORGE_INFERENCE_GATEWAY_HTTP_PORT"] == str(
-        GATEWAY.http_port
-    )  # merged, not replaced
+    assert config["data"]["FORGE_ORCHESTRATOR_PROMOTE_DEPLOY"] == "true"
+    assert config["data"]["FORGE_ORCHESTRATOR_DEPLOY_VLLM_PYTHON"] == "/opt/vllm/bin/python"  # merged
     assert {d["metadata"]["name"] for d in docs if d["kind"] == "StatefulSet"} == {"qdrant"}
 
 

@@ -1,103 +1,78 @@
 """GPU deployment: the Compose GPU profile (``docker-compose.gpu.yml``) and the Kubernetes GPU
 overlay (``deploy/k8s-gpu/``).
 
-- vLLM's official OpenAI server (``vllm/vllm-openai``) serves a registered checkpoint's Hugging Face
-  export from the object store; the gateway's model-server URL points at it, exactly as at the CPU
-  model server (same ``/v1`` API, same bearer token, the same ``vllm:*`` metric names), so
-  admission, routing and dashboards do not change.
 - The trainer agent runs the CUDA build of its image on every GPU node, given all the node's GPUs
   (Compose: a device reservation; Kubernetes: a DaemonSet requesting ``nvidia.com/gpu``), and finds
-  them itself through NVML.
-- vLLM scales on ``vllm:num_requests_waiting`` (Prometheus Adapter exposes it as the pods metric
-  ``vllm_num_requests_waiting``: ``deploy/prometheus/adapter-rules.yaml``).
+  them itself through NVML. Its image carries vLLM's CUDA build (``/opt/vllm``).
+- Serving is deployments: every promotion (``PROMOTE_DEPLOY``) starts the version's vLLM replicas
+  as inference jobs the scheduler places on those GPUs, the gateway routes to them once they are
+  ready, and the version that lost is drained. A promoted version runs
+  :data:`SERVING_MIN_REPLICAS` replicas and scales up to :data:`SERVING_MAX_REPLICAS` on the
+  gateway's ``vllm:num_requests_waiting`` signal (the deployment workflow, not a
+  HorizontalPodAutoscaler: replicas are scheduler jobs, not pods of their own). The CPU model
+  server of the base files stays the gateway's pool for models no deployment serves.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
-from forge_cli import secretsfile
 from forge_cli.platform import ServiceSpec
-from forge_cli.secretsfile import required
 
-from .common import DATA_ROOT, IMAGE_TAG, NAMESPACE, by_name, host
+from .common import IMAGE_TAG, NAMESPACE, by_name, host
 
-#: vLLM's release on PyPI at the time of writing, and its official server image of the same tag.
-VLLM_VERSION = "0.33.0"
-VLLM_IMAGE = f"vllm/vllm-openai:v{VLLM_VERSION}"
-VLLM_PORT = 8000
 #: The CUDA build of PyTorch the GPU images install (a ``TORCH_VARIANT`` build argument: any
 #: variant PyTorch publishes for the pinned torch release, e.g. ``cu126``, ``cu128``, ``cu130``).
 CUDA_VARIANT = "cu128"
 #: GPUs a trainer agent pod asks for: all of a node's (the agent hands them out to jobs itself).
 GPUS_PER_NODE = 8
-#: Where the served checkpoint's Hugging Face export is, in the object store (docs/DEPLOY.md).
-SERVED_MODEL_PATH = f"{DATA_ROOT}/objects/serving/current/hf"
-SERVED_MODEL_NAME = "forge-serving"
-VLLM_ARGS = [
-    "--served-model-name",
-    "$(SERVED_MODEL_NAME)",
-    "--port",
-    str(VLLM_PORT),
-    # The gateway sends a request's priority; vLLM schedules by it (lower first), as the CPU server does.
-    "--scheduling-policy",
-    "priority",
-    "--enable-prefix-caching",
-]
-GPU_WORKLOADS = ("vllm", "trainer-agent")
+#: The GPU type serving replicas ask the scheduler for (as the agents register it: ``NVIDIA H100
+#: 80GB HBM3`` is ``H100``); in Compose, ``FORGE_SERVING_GPU_TYPE`` overrides it.
+SERVING_GPU_TYPE = "H100"
+#: Replicas of a promoted version: at least, and at most as the gateway's queue signal asks.
+SERVING_MIN_REPLICAS = 1
+SERVING_MAX_REPLICAS = 8
+#: The team whose inference pool serving replicas are placed in.
+SERVING_TEAM = "serving"
 _NVIDIA_GPUS = {"devices": [{"driver": "nvidia", "count": "all", "capabilities": ["gpu"]}]}
-_HEALTH = [
-    "CMD",
-    "python3",
-    "-c",
-    "import sys, urllib.request; "
-    f"sys.exit(0 if urllib.request.urlopen('http://127.0.0.1:{VLLM_PORT}/health', timeout=3).status == 200 else 1)",
-]
 
 
-def gateway() -> ServiceSpec:
-    return by_name()["inference_gateway"]
+def serving_settings(gpu_type: str) -> dict[str, str]:
+    """The orchestrator's settings (without its prefix) that make promotions roll vLLM replicas."""
+    return {
+        "PROMOTE_DEPLOY": "true",
+        "PROMOTE_DEPLOY_ENGINE": "vllm",
+        "PROMOTE_DEPLOY_TEAM": SERVING_TEAM,
+        "PROMOTE_DEPLOY_GPU_TYPE": gpu_type,
+        "PROMOTE_DEPLOY_REPLICAS": str(SERVING_MIN_REPLICAS),
+        "PROMOTE_DEPLOY_MAX_REPLICAS": str(SERVING_MAX_REPLICAS),
+        "PROMOTE_DEPLOY_ENGINE_ARGS": json.dumps([]),
+    }
+
+
+def _orchestrator() -> ServiceSpec:
+    return by_name()["orchestrator"]
 
 
 def compose_gpu() -> dict[str, Any]:
     """The override file the GPU profile adds to ``docker-compose.yml``."""
-    gw = gateway()
-    model = "${FORGE_VLLM_MODEL:-" + SERVED_MODEL_PATH + "}"
-    name = "${FORGE_VLLM_MODEL_NAME:-" + SERVED_MODEL_NAME + "}"
+    orch = _orchestrator()
+    gpu_type = "${FORGE_SERVING_GPU_TYPE:-" + SERVING_GPU_TYPE + "}"
     return {
         "name": "forge",
         "services": {
-            "vllm": {
-                "image": VLLM_IMAGE,
-                "entrypoint": ["vllm", "serve"],
-                "command": [model, *(name if a == "$(SERVED_MODEL_NAME)" else a for a in VLLM_ARGS)],
-                "environment": {
-                    # The gateway presents the model server's token; vLLM checks it as its API key.
-                    "VLLM_API_KEY": required(secretsfile.token_var("model_server")),
-                    "HF_HUB_OFFLINE": "1",
-                },
-                "volumes": [f"objects:{DATA_ROOT}/objects:ro"],
-                "ipc": "host",  # PyTorch's shared memory between tensor-parallel workers
-                "deploy": {"resources": {"reservations": _NVIDIA_GPUS}},
-                "healthcheck": {
-                    "test": _HEALTH,
-                    "interval": "10s",
-                    "timeout": "5s",
-                    "retries": 60,
-                    "start_period": "120s",
-                },
-                "restart": "unless-stopped",
-            },
             "trainer-agent": {
                 "build": {
                     "args": {"TORCH_VARIANT": CUDA_VARIANT, "VLLM_REQUIREMENTS": "requirements-vllm-cuda.txt"}
                 },
                 "image": f"forge/trainer-agent:{IMAGE_TAG}-cuda",
+                # PyTorch's shared memory between a replica's tensor-parallel workers (and NCCL's).
+                "ipc": "host",
                 "deploy": {"resources": {"reservations": _NVIDIA_GPUS}},
             },
-            host(gw): {
-                "environment": {f"{gw.prefix}MODEL_SERVER_URL": f"http://vllm:{VLLM_PORT}"},
-                "depends_on": {"vllm": {"condition": "service_healthy"}},
+            host(orch): {
+                "environment": {f"{orch.prefix}{k}": v for k, v in serving_settings(gpu_type).items()},
             },
         },
     }
@@ -107,162 +82,24 @@ def _labels(name: str) -> dict[str, str]:
     return {"app.kubernetes.io/name": name, "app.kubernetes.io/part-of": "forge"}
 
 
-def vllm_manifests() -> list[dict[str, Any]]:
-    """vLLM's Deployment, Service, autoscaler, budget, network policy and settings."""
-    meta = {"namespace": NAMESPACE, "labels": _labels("vllm")}
-    gw = gateway()
-    probe = {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10, "timeoutSeconds": 5}
-    config = {
-        "apiVersion": "v1",
-        "kind": "ConfigMap",
-        "metadata": {"name": "forge-vllm-config", **meta},
-        "data": {
-            "MODEL_PATH": SERVED_MODEL_PATH,
-            "SERVED_MODEL_NAME": SERVED_MODEL_NAME,
-            "HF_HUB_OFFLINE": "1",
-        },
-    }
-    container = {
-        "name": "vllm",
-        "image": VLLM_IMAGE,
-        "command": ["vllm", "serve"],
-        "args": ["$(MODEL_PATH)", *VLLM_ARGS],
-        "ports": [{"name": "http", "containerPort": VLLM_PORT}],
-        "envFrom": [{"configMapRef": {"name": "forge-vllm-config"}}],
-        "env": [
-            {
-                "name": "VLLM_API_KEY",
-                "valueFrom": {"secretKeyRef": {"name": "forge-tokens", "key": "model_server"}},
-            }
-        ],
-        # Loading weights and compiling CUDA graphs takes minutes: the start-up probe waits.
-        "startupProbe": {**probe, "failureThreshold": 90},
-        "readinessProbe": probe,
-        "livenessProbe": {**probe, "failureThreshold": 3},
-        "resources": {
-            "requests": {"cpu": "4", "memory": "32Gi", "nvidia.com/gpu": "1"},
-            "limits": {"cpu": "16", "memory": "64Gi", "nvidia.com/gpu": "1"},
-        },
-        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
-        "volumeMounts": [
-            {"name": "objects", "mountPath": f"{DATA_ROOT}/objects", "readOnly": True},
-            {"name": "shm", "mountPath": "/dev/shm"},
-        ],
-    }
-    deployment = {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": {"name": "vllm", **meta},
-        "spec": {
-            "replicas": 1,
-            "selector": {"matchLabels": {"app.kubernetes.io/name": "vllm"}},
-            "template": {
-                "metadata": {
-                    "labels": _labels("vllm"),
-                    "annotations": {
-                        "prometheus.io/scrape": "true",
-                        "prometheus.io/port": str(VLLM_PORT),
-                        "prometheus.io/path": "/metrics",
-                    },
-                },
-                "spec": {
-                    "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
-                    "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
-                    "containers": [container],
-                    "volumes": [
-                        {
-                            "name": "objects",
-                            "persistentVolumeClaim": {"claimName": "forge-objects", "readOnly": True},
-                        },
-                        {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}},
-                    ],
-                },
-            },
-        },
-    }
-    service = {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": {"name": "vllm", **meta},
-        "spec": {
-            "selector": {"app.kubernetes.io/name": "vllm"},
-            "ports": [{"name": "http", "port": VLLM_PORT, "targetPort": "http"}],
-        },
-    }
-    autoscaler = {
-        "apiVersion": "autoscaling/v2",
-        "kind": "HorizontalPodAutoscaler",
-        "metadata": {"name": "vllm", **meta},
-        "spec": {
-            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": "vllm"},
-            "minReplicas": 1,
-            "maxReplicas": 8,
-            # vllm:num_requests_waiting through Prometheus Adapter (deploy/prometheus/adapter-rules.yaml).
-            "metrics": [
-                {
-                    "type": "Pods",
-                    "pods": {
-                        "metric": {"name": "vllm_num_requests_waiting"},
-                        "target": {"type": "AverageValue", "averageValue": "4"},
-                    },
-                }
-            ],
-            # A new replica needs minutes to load: scale up at once, down slowly.
-            "behavior": {
-                "scaleUp": {"stabilizationWindowSeconds": 0},
-                "scaleDown": {"stabilizationWindowSeconds": 600},
-            },
-        },
-    }
-    budget = {
-        "apiVersion": "policy/v1",
-        "kind": "PodDisruptionBudget",
-        "metadata": {"name": "vllm", **meta},
-        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": {"app.kubernetes.io/name": "vllm"}}},
-    }
-    policy = {
-        "apiVersion": "networking.k8s.io/v1",
-        "kind": "NetworkPolicy",
-        "metadata": {"name": "vllm-ingress", **meta},
-        "spec": {
-            "podSelector": {"matchLabels": {"app.kubernetes.io/name": "vllm"}},
-            "policyTypes": ["Ingress"],
-            "ingress": [
-                {
-                    "from": [
-                        {"podSelector": {"matchLabels": {"app.kubernetes.io/name": host(gw)}}},
-                        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}},
-                    ],
-                    "ports": [{"port": VLLM_PORT, "protocol": "TCP"}],
-                }
-            ],
-        },
-    }
-    return [config, deployment, service, autoscaler, budget, policy]
-
-
 def overlay() -> dict[str, list[dict[str, Any]]]:
-    """``deploy/k8s-gpu/``: the base plus vLLM, with the gateway pointed at vLLM."""
-    gw = gateway()
+    """``deploy/k8s-gpu/``: the base with promotions rolling vLLM replicas on the GPU nodes."""
+    orch = _orchestrator()
     patch = {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": {"name": f"forge-{host(gw)}-config", "namespace": NAMESPACE},
-        "data": {f"{gw.prefix}MODEL_SERVER_URL": f"http://vllm.{NAMESPACE}.svc:{VLLM_PORT}"},
+        "metadata": {"name": f"forge-{host(orch)}-config", "namespace": NAMESPACE},
+        "data": {f"{orch.prefix}{k}": v for k, v in serving_settings(SERVING_GPU_TYPE).items()},
     }
     kustomization = {
         "apiVersion": "kustomize.config.k8s.io/v1beta1",
         "kind": "Kustomization",
         "metadata": {"name": "forge-gpu"},
         "namespace": NAMESPACE,
-        "resources": ["../k8s", "vllm.yaml"],
-        "patches": [{"path": "gateway-to-vllm.yaml"}],
+        "resources": ["../k8s"],
+        "patches": [{"path": "orchestrator-serving.yaml"}],
     }
-    return {
-        "vllm.yaml": vllm_manifests(),
-        "gateway-to-vllm.yaml": [patch],
-        "kustomization.yaml": [kustomization],
-    }
+    return {"orchestrator-serving.yaml": [patch], "kustomization.yaml": [kustomization]}
 
 
 def agent_daemonset(deployment: dict[str, Any], spec: ServiceSpec) -> dict[str, Any]:
@@ -277,6 +114,11 @@ def agent_daemonset(deployment: dict[str, Any], spec: ServiceSpec) -> dict[str, 
         {"name": f"{spec.prefix}NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
         {"name": f"{spec.prefix}ADVERTISE_ADDRESS", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
     ]
+    # Shared memory for a replica's tensor-parallel workers and NCCL (the runtime's 64 MiB is too little).
+    container.setdefault("volumeMounts", []).append({"name": "shm", "mountPath": "/dev/shm"})
+    pod.setdefault("volumes", []).append(
+        {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}}
+    )
     # The NVIDIA device plugin (GPU Operator) labels GPU nodes and taints them for GPU work only.
     pod["nodeSelector"] = {"nvidia.com/gpu.present": "true"}
     pod["tolerations"] = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]

@@ -17,7 +17,12 @@ from forge_kit.modelref import ModelRef
 from forge_orchestrator.config import OrchestratorSettings
 from forge_orchestrator.deploy.model import DeploymentInput, validate_deployment
 from forge_orchestrator.deploy.promoted import PromotionRolloutInput, validate_promotion_rollout
-from forge_orchestrator.deploy.promotion import deployment_name, lay_out, promotion_serving
+from forge_orchestrator.deploy.promotion import (
+    deployment_name,
+    lay_out,
+    promotion_deployment,
+    promotion_serving,
+)
 from forge_orchestrator.event_handlers import PromotionHandler
 from forge_orchestrator.service import KINDS, parse_input
 from forge_orchestrator.synthetic.model import SyntheticInput, validate_synthetic
@@ -68,6 +73,39 @@ def test_promotions_roll_replicas_only_when_configured(tmp_path: Path) -> None:
     )
     assert serving is not None and serving.gpu_type == "SERVE" and serving.engine == "forge"
     assert serving.layout_dir == str(tmp_path / "promoted")
+    # By default a promoted version runs a fixed number of replicas.
+    fixed = promotion_deployment(serving, ModelRef("tiny", "v3"), tmp_path / "tiny")
+    assert (fixed.min_replicas, fixed.replicas, fixed.max_replicas, fixed.autoscale) == (1, 1, 1, False)
+    validate_deployment(fixed)
+
+
+def test_a_promoted_version_autoscales_up_to_the_maximum_when_one_is_set(tmp_path: Path) -> None:
+    settings = OrchestratorSettings(
+        promote_deploy=True,
+        promote_deploy_engine="vllm",
+        promote_deploy_gpu_type="H100",
+        promote_deploy_replicas=2,
+        promote_deploy_max_replicas=8,
+        promote_deploy_engine_args=["--max-num-seqs", "64"],
+    )
+    serving = promotion_serving(settings)
+    assert serving is not None
+    spec = promotion_deployment(serving, ModelRef("tiny", "v3"), tmp_path / "hf")
+    assert (spec.min_replicas, spec.replicas, spec.max_replicas, spec.autoscale) == (2, 2, 8, True)
+    assert (spec.name, spec.engine, spec.gpu_type, spec.engine_args) == (
+        "tiny-v3",
+        "vllm",
+        "H100",
+        ["--max-num-seqs", "64"],
+    )
+    validate_deployment(spec)
+    with pytest.raises(ValueError, match="promote_deploy_max_replicas"):
+        OrchestratorSettings(
+            promote_deploy=True,
+            promote_deploy_gpu_type="H100",
+            promote_deploy_replicas=3,
+            promote_deploy_max_replicas=2,
+        )
 
 
 def test_replica_interpreters_are_absolute_or_looked_up_on_path(

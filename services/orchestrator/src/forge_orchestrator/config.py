@@ -165,7 +165,12 @@ class OrchestratorSettings(ServiceSettings):
     """GPUs per replica."""
 
     promote_deploy_replicas: int = Field(default=1, ge=1, le=64)
-    """Replicas of a promoted version."""
+    """Replicas of a promoted version (its deployment's ``min_replicas``)."""
+
+    promote_deploy_max_replicas: int = Field(default=0, ge=0, le=64)
+    """Most replicas of a promoted version: above ``promote_deploy_replicas``, its deployment
+    scales on the gateway's ``vllm:num_requests_waiting`` between the two; 0: as many as
+    ``promote_deploy_replicas`` (a fixed count)."""
 
     promote_deploy_engine_args: list[str] = Field(default_factory=list, max_length=64)
     """Engine arguments of each replica (as ``forge serve deploy --arg``)."""
@@ -193,6 +198,8 @@ class OrchestratorSettings(ServiceSettings):
     def _promote_deploy_placeable(self) -> OrchestratorSettings:
         if self.promote_deploy and not self.promote_deploy_gpu_type:
             raise ValueError("promote_deploy needs promote_deploy_gpu_type (the GPU type replicas ask for)")
+        if self.promote_deploy_max_replicas and self.promote_deploy_max_replicas < self.promote_deploy_replicas:
+            raise ValueError("promote_deploy_max_replicas must be 0 or at least promote_deploy_replicas")
         return self
 
     @model_validator(mode="after")

@@ -57,6 +57,8 @@ class PromotionServing:
     gpu_type: str
     engine: str = "forge"
     replicas: int = 1
+    max_replicas: int = 0
+    """Above ``replicas``: the deployment autoscales between the two; 0: a fixed count."""
     gpu_count: int = 1
     engine_args: tuple[str, ...] = ()
     layout_dir: str = "var/data/promoted"
@@ -100,10 +102,30 @@ def promotion_serving(settings: OrchestratorSettings) -> PromotionServing | None
         gpu_type=settings.promote_deploy_gpu_type,
         engine=settings.promote_deploy_engine,
         replicas=settings.promote_deploy_replicas,
+        max_replicas=settings.promote_deploy_max_replicas,
         gpu_count=settings.promote_deploy_gpu_count,
         engine_args=tuple(settings.promote_deploy_engine_args),
         layout_dir=settings.promote_deploy_dir or str(Path(settings.data_dir) / "promoted"),
         ready_timeout_s=settings.promote_deploy_ready_timeout_s,
+    )
+
+
+def promotion_deployment(serving: PromotionServing, model: ModelRef, model_dir: Path) -> DeploymentInput:
+    """The deployment of ``model`` (served from ``model_dir``) that a promotion starts: ``replicas``
+    of them, autoscaled up to ``max_replicas`` when that is more."""
+    return DeploymentInput(
+        name=deployment_name(model),
+        team=serving.team,
+        model=str(model),
+        model_dir=str(model_dir),
+        engine=serving.engine,
+        min_replicas=serving.replicas,
+        max_replicas=max(serving.replicas, serving.max_replicas),
+        autoscale=serving.max_replicas > serving.replicas,
+        replicas=serving.replicas,
+        gpu_count=serving.gpu_count,
+        gpu_type=serving.gpu_type,
+        engine_args=list(serving.engine_args),
     )
 
 
@@ -179,19 +201,7 @@ class PromotionActivities:
         model_dir = checkpoint
         if serving.engine == "forge":
             model_dir = lay_out(Path(serving.layout_dir).resolve(), model, checkpoint)
-        spec = DeploymentInput(
-            name=deployment_name(model),
-            team=serving.team,
-            model=str(model),
-            model_dir=str(model_dir),
-            engine=serving.engine,
-            min_replicas=serving.replicas,
-            max_replicas=serving.replicas,
-            replicas=serving.replicas,
-            gpu_count=serving.gpu_count,
-            gpu_type=serving.gpu_type,
-            engine_args=list(serving.engine_args),
-        )
+        spec = promotion_deployment(serving, model, model_dir)
         try:
             status = await self._deployments.deploy(spec, PROMOTION_CALLER)
         except (errors.ValidationError, errors.AlreadyExistsError) as exc:
