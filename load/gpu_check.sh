@@ -135,7 +135,7 @@ for mode in ('ddp', 'fsdp'):
     check "torchrun is in the Forge environment" "$FORGE_PY" -m torch.distributed.run --help
     check "the planner predicts the check's shape" env GPU_CHECK_PLAN_ONLY=1 "$FORGE_PY" -c "exec(compile(open('$SCRIPT').read().split('# <report>')[-2], 'report', 'exec'))"
     check "the report's program compiles" "$FORGE_PY" -c "compile(open('$SCRIPT').read().split('# <report>')[-2], 'report', 'exec')"
-    for file in docker-compose.gpu.yml deploy/k8s-gpu/vllm.yaml deploy/k8s-gpu/kustomization.yaml; do
+    for file in docker-compose.gpu.yml deploy/k8s-gpu/orchestrator-serving.yaml deploy/k8s-gpu/kustomization.yaml; do
         check "deployment file $file" test -s "$ROOT/$file"
     done
     check "this script parses" bash -n "$SCRIPT"
