@@ -198,7 +198,10 @@ class OrchestratorSettings(ServiceSettings):
     def _promote_deploy_placeable(self) -> OrchestratorSettings:
         if self.promote_deploy and not self.promote_deploy_gpu_type:
             raise ValueError("promote_deploy needs promote_deploy_gpu_type (the GPU type replicas ask for)")
-        if self.promote_deploy_max_replicas and self.promote_deploy_max_replicas < self.promote_deploy_replicas:
+        if (
+            self.promote_deploy_max_replicas
+            and self.promote_deploy_max_replicas < self.promote_deploy_replicas
+        ):
             raise ValueError("promote_deploy_max_replicas must be 0 or at least promote_deploy_replicas")
         return self
 

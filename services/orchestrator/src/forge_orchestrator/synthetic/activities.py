@@ -23,7 +23,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-import openai
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
@@ -271,6 +270,8 @@ class SyntheticActivities:
         """``n`` completions of each prompt from the student through its OpenAI-compatible endpoint
         (the gateway, or a model server), one call a prompt, ``concurrency`` at a time; each
         prompt's seed comes from the input's seed and the prompt's id, so a retry asks the same."""
+        import openai  # here, not at the top: the orchestrator's start-up does not pay for the SDK
+
         store = ObjectStore(params.work_dir)
         done = await asyncio.to_thread(self._summary, store, "sample.json")
         if done is not None:

@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Any
-
-import openai
+from typing import TYPE_CHECKING, Any
 
 from forge_experiments import teacher_protocol as tp
 from forge_kit.backoff import Backoff, parse_retry_after
+
+if TYPE_CHECKING:
+    import openai
 
 MAX_REASONS = 20
 
@@ -102,6 +103,9 @@ class TeacherClient:
     ) -> None:
         if max_attempts < 1:
             raise ValueError("max_attempts must be at least 1")
+        # The SDK is imported when a client is made: the orchestrator's start-up does not pay for it.
+        import openai
+
         self.model = model
         self.stats = TeacherStats()
         self._client = openai.AsyncOpenAI(
@@ -158,6 +162,8 @@ class TeacherClient:
 
     async def _call(self, user: str, n: int, seed: int, parse: Any) -> Any:
         """Steps 1-5 of the module docstring; None when the call gave up."""
+        import openai
+
         backoff = Backoff(*self._backoff_s)
         for attempt in range(1, self._attempts + 1):
             self.stats.calls += 1
@@ -187,6 +193,8 @@ class TeacherClient:
         return None
 
     async def _send(self, user: str, n: int, seed: int) -> Any:
+        import openai
+
         try:
             return await self._client.chat.completions.create(
                 model=self.model,

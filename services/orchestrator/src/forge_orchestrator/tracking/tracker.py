@@ -23,16 +23,22 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import requests
 import structlog
-from mlflow.entities import Metric, Param, RunTag
-from mlflow.exceptions import MlflowException, RestException
-from mlflow.tracking import MlflowClient
-from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID, MLFLOW_RUN_NAME
+
+if TYPE_CHECKING:
+    from mlflow.entities import Param
+    from mlflow.exceptions import MlflowException
 
 log = structlog.get_logger(__name__)
+
+#: MLflow's own tag names (``mlflow.utils.mlflow_tags``), spelled out so that importing this module
+#: does not import MLflow (seconds of CPU): MLflow is imported by the first :class:`Tracker`, and
+#: an orchestrator with no tracking server never makes one.
+MLFLOW_PARENT_RUN_ID = "mlflow.parentRunId"
+MLFLOW_RUN_NAME = "mlflow.runName"
 
 EXPERIMENT = "forge"
 TAG_JOB = "forge.job_id"
@@ -154,6 +160,8 @@ class Tracker:
             raise ValueError(f"tracking URI must be an http(s) URL of an MLflow server, got {tracking_uri!r}")
         self.tracking_uri = tracking_uri.rstrip("/")
         self.ui_url = (ui_url or tracking_uri).rstrip("/")
+        from mlflow.tracking import MlflowClient
+
         self._client = MlflowClient(tracking_uri=self.tracking_uri)
         self._experiment_name = experiment
         self._experiment_id = ""
@@ -163,6 +171,8 @@ class Tracker:
 
     def experiment_id(self) -> str:
         """The experiment's id, creating the experiment on first use (two creators: one wins)."""
+        from mlflow.exceptions import MlflowException
+
         with self._lock:
             if not self._experiment_id:
                 found = self._client.get_experiment_by_name(self._experiment_name)
@@ -307,6 +317,8 @@ class Tracker:
         """After creating ``created``: if another caller made a run for the same thing at the same
         time (the sweep's activity and the tracking consumer may), the oldest one is kept and
         ours is deleted, so every caller ends up with the same run."""
+        from mlflow.exceptions import MlflowException
+
         # A run another caller created in the same instant may not be visible yet: decide only
         # once it has had time to appear, so every caller sees the same candidates.
         time.sleep(SETTLE_S)
@@ -331,6 +343,8 @@ class Tracker:
         return run.info.run_id
 
     def set_tags(self, run_id: str, tags: Mapping[str, object]) -> None:
+        from mlflow.entities import RunTag
+
         clean = _clean(tags, MAX_TAG_VALUE, "tag")
         if clean:
             self._client.log_batch(run_id, tags=[RunTag(k, v) for k, v in clean.items()])
@@ -338,6 +352,9 @@ class Tracker:
     def log_params(self, run_id: str, params: Mapping[str, object]) -> list[str]:
         """Log the params the run does not have yet; returns the keys whose logged value differs
         from the one given (MLflow params never change; the first value stays)."""
+        from mlflow.entities import Param
+        from mlflow.exceptions import MlflowException
+
         clean = _clean(params, MAX_PARAM_VALUE, "param")
         if not clean:
             return []
@@ -357,6 +374,8 @@ class Tracker:
         return conflicts
 
     def _log_params_one_by_one(self, run_id: str, params: Sequence[Param]) -> list[str]:
+        from mlflow.exceptions import MlflowException
+
         conflicts = []
         for param in params:
             try:
@@ -375,6 +394,8 @@ class Tracker:
         """Log ``metrics`` at ``step``; non-finite values and refused names are skipped. Returns
         how many were logged. Give the event's time as ``timestamp_ms``: MLflow then stores a
         repeated (name, step, value, time) once, so a replay adds nothing."""
+        from mlflow.entities import Metric
+
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
         stamp = timestamp_ms if timestamp_ms is not None else int(time.time() * 1000)
@@ -406,6 +427,8 @@ def unreachable(exc: BaseException) -> bool:
     """Did a call fail because the server is away (refused connection, timeout, retries spent,
     a 5xx from it or a proxy before it), rather than because it refused the request? Only the
     first is worth waiting out: the same request succeeds once the server is back."""
+    from mlflow.exceptions import MlflowException, RestException
+
     seen: set[int] = set()
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
