@@ -72,6 +72,9 @@ def test_the_orchestrator_starts_replicas_with_the_interpreters_of_the_agents_im
         assert env["FORGE_ORCHESTRATOR_DEPLOY_VLLM_PYTHON"] == vllm
         # The base image's interpreter, where the agent and the model server are installed.
         assert env["FORGE_ORCHESTRATOR_DEPLOY_FORGE_PYTHON"] == "/usr/local/bin/python"
+        # Ready replicas join the gateway's pool through its admin API, at the gateway's address
+        # (not the default 127.0.0.1, which is the orchestrator's own container).
+        assert env["FORGE_ORCHESTRATOR_INFERENCE_GATEWAY_URL"] == "http://inference-gateway:8080"
     # The official Python images install their interpreter there.
     assert "FROM python:3.11-slim" in AGENT_DOCKERFILE.read_text()
 

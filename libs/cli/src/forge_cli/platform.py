@@ -199,16 +199,17 @@ SERVICES: tuple[ServiceSpec, ...] = (
             grpc("eval"),
             grpc("preference_feedback"),
             grpc("inference_gateway"),
+            # Its admin API: deployments add and drain replicas, promotions read the aliases,
+            # online RLHF reads the production prompt pool.
+            http("inference_gateway"),
             grpc("retriever"),
         ),
         temporal=True,
         tracking=True,
-        # The guarded canary watches the gateway's metrics, with the local policy's short window;
-        # online RLHF rounds read the production prompt pool from the gateway's admin API.
+        # The guarded canary watches the gateway's metrics, with the local policy's short window.
         local={
             "GATEWAY_METRICS_URLS": '["{http:inference_gateway}/metrics"]',
             "CANARY_POLICY": "local",
-            "INFERENCE_GATEWAY_URL": "{http:inference_gateway}",
             # The agents run on this machine: replicas start from this checkout's environments
             # (vLLM's own; Forge's for a deployment that names the ``forge`` engine).
             "DEPLOY_VLLM_PYTHON": "{checkout}/.venv-vllm/bin/python",
