@@ -75,6 +75,8 @@ def test_the_orchestrator_starts_replicas_with_the_interpreters_of_the_agents_im
         # Ready replicas join the gateway's pool through its admin API, at the gateway's address
         # (not the default 127.0.0.1, which is the orchestrator's own container).
         assert env["FORGE_ORCHESTRATOR_INFERENCE_GATEWAY_URL"] == "http://inference-gateway:8080"
+    # The guarded canary counts each arm's traffic on Compose's one gateway.
+    assert compose["FORGE_ORCHESTRATOR_GATEWAY_METRICS_URLS"] == '["http://inference-gateway:8080/metrics"]'
     # The official Python images install their interpreter there.
     assert "FROM python:3.11-slim" in AGENT_DOCKERFILE.read_text()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from forge_cli import secretsfile
@@ -22,6 +23,7 @@ from .common import (
     QDRANT_COMPOSE_URL,
     TLS_DIR,
     UID,
+    by_name,
     healthcheck_command,
     host,
     mlflow_command,
@@ -223,6 +225,13 @@ def compose() -> dict[str, Any]:
             # The replicas it starts are reached at this container's name (the gateway routes to
             # them, the orchestrator checks their health).
             env[f"{spec.prefix}ADVERTISE_ADDRESS"] = host(spec)
+        if spec.name == "orchestrator":
+            # The guarded canary reads the traffic of each arm from the gateway's counters: Compose
+            # runs one gateway, so its /metrics is all of it (Kubernetes' replicas are not one URL).
+            gateway = by_name()["inference_gateway"]
+            env[f"{spec.prefix}GATEWAY_METRICS_URLS"] = json.dumps(
+                [f"http://{host(gateway)}:{gateway.http_port}/metrics"]
+            )
         volumes = [f"{host(spec)}-data:{DATA_ROOT}/data", f"objects:{DATA_ROOT}/objects"]
         if spec.temporal:
             env.update(temporal_tls_settings(spec, "orchestrator"))
