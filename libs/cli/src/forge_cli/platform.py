@@ -410,8 +410,9 @@ def production_env(spec: ServiceSpec, backing: Backing) -> dict[str, str]:
 #: Settings containers get that ``forge up`` has no counterpart for: the listen address, the
 #: transport security of the broker and Temporal (the local stand-ins run without SASL and TLS),
 #: the agents' job isolation, off in images that run them unprivileged (``forge up``'s run as root
-#: and isolate jobs), the address an agent's replicas are reached at, and the engines' interpreters
-#: in the agent's image (``forge up`` names this checkout's, as ``local`` settings).
+#: and isolate jobs), the address an agent's replicas are reached at, the engines' interpreters
+#: in the agent's image and the gateway metrics the canary reads (Compose's one gateway; ``forge
+#: up`` names this checkout's interpreters and its gateway, as ``local`` settings).
 CONTAINER_ONLY = frozenset(
     {
         "HOST",
@@ -419,6 +420,7 @@ CONTAINER_ONLY = frozenset(
         "ADVERTISE_ADDRESS",
         "DEPLOY_VLLM_PYTHON",
         "DEPLOY_FORGE_PYTHON",
+        "GATEWAY_METRICS_URLS",
         "KAFKA_SECURITY_PROTOCOL",
         "KAFKA_SASL_MECHANISM",
         "KAFKA_SASL_USERNAME",
