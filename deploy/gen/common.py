@@ -125,6 +125,11 @@ def host(spec: ServiceSpec | str) -> str:
     return name.replace("_", "-")
 
 
+def http_url(spec: ServiceSpec) -> str:
+    """A service's HTTP address inside Compose and Kubernetes (its host name and HTTP port)."""
+    return f"http://{host(spec)}:{spec.http_port}"
+
+
 def by_name() -> dict[str, ServiceSpec]:
     """The platform table by service name."""
     return {s.name: s for s in SERVICES}
@@ -163,7 +168,7 @@ def service_settings(
         if call.kind == "grpc":
             env[f"{stem}_TARGET"] = f"{host(callee)}:{callee.grpc_port}"
         else:
-            env[f"{stem}_URL"] = f"http://{host(callee)}:{callee.http_port}"
+            env[f"{stem}_URL"] = http_url(callee)
     if spec.temporal:
         env["TEMPORAL_TARGET"] = temporal
     if spec.tracking:

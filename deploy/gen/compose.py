@@ -26,6 +26,7 @@ from .common import (
     by_name,
     healthcheck_command,
     host,
+    http_url,
     mlflow_command,
     secret_env,
     service_settings,
@@ -228,10 +229,8 @@ def compose() -> dict[str, Any]:
         if spec.name == "orchestrator":
             # The guarded canary reads the traffic of each arm from the gateway's counters: Compose
             # runs one gateway, so its /metrics is all of it (Kubernetes' replicas are not one URL).
-            gateway = by_name()["inference_gateway"]
-            env[f"{spec.prefix}GATEWAY_METRICS_URLS"] = json.dumps(
-                [f"http://{host(gateway)}:{gateway.http_port}/metrics"]
-            )
+            gateway = http_url(by_name()["inference_gateway"])
+            env[f"{spec.prefix}GATEWAY_METRICS_URLS"] = json.dumps([f"{gateway}/metrics"])
         volumes = [f"{host(spec)}-data:{DATA_ROOT}/data", f"objects:{DATA_ROOT}/objects"]
         if spec.temporal:
             env.update(temporal_tls_settings(spec, "orchestrator"))
