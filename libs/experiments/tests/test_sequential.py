@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
 
 import numpy as np
 import pytest
 
-from forge_experiments.canary import CanaryPolicy, Outcome, analyze, counts_of, load_policy
+from forge_experiments.canary import (
+    CanaryPolicy,
+    Outcome,
+    analyze,
+    counts_of,
+    federation_url,
+    load_policy,
+    parse_metrics,
+)
 from forge_experiments.sequential import Arm, compare_rates, mixture_lr
 from forge_kit import errors
 
@@ -180,3 +189,37 @@ def test_a_paused_analysis_never_promotes_but_still_rolls_back() -> None:
         counts_of(traffic(rng, 400, error=0.2)), production, POLICY, elapsed_s=30, extensions=0, paused=True
     )
     assert bad.decision == "rollback"
+
+
+def test_parsed_counters_sum_every_replicas_series() -> None:
+    """Two gateway replicas in one exposition (as Prometheus federates them, each sample labelled
+    with its ``instance``): every counter and histogram bucket is the sum of theirs."""
+    lines = []
+    for instance, (ok, failed, fast) in {"a:8080": (3, 1, 2), "b:8080": (5, 0, 4)}.items():
+        at = f'instance="{instance}",model="m:2",split="canary"'
+        lines += [
+            f'forge_gateway_upstream_requests_total{{{at},status="200"}} {ok} 1700000000000',
+            f'forge_gateway_upstream_requests_total{{{at},status="500"}} {failed} 1700000000000',
+            f'forge_gateway_time_to_first_token_seconds_bucket{{{at},le="0.1"}} {fast} 1700000000000',
+            f'forge_gateway_time_to_first_token_seconds_bucket{{{at},le="+Inf"}} {ok + failed} 1700000000000',
+            f"forge_gateway_empty_answers_total{{{at}}} 1 1700000000000",
+        ]
+    counts = parse_metrics("\n".join(lines) + "\n", [("m:2", "canary")])[("m:2", "canary")]
+    assert counts.statuses == {"200": 8.0, "500": 1.0}
+    assert counts.ttft == {"0.1": 6.0, "+Inf": 9.0} and counts.empty == 2.0
+
+
+def test_the_federation_address_asks_for_the_analysis_series_only() -> None:
+    url = urlsplit(federation_url("http://prometheus.monitoring.svc:9090/"))
+    assert (url.scheme, url.netloc, url.path) == ("http", "prometheus.monitoring.svc:9090", "/federate")
+    (match,) = parse_qs(url.query)["match[]"]
+    assert match.startswith('{__name__=~"') and match.endswith('"}')
+    names = match[len('{__name__=~"') : -2].split("|")
+    assert sorted(names) == sorted(
+        [
+            "forge_gateway_upstream_requests_total",
+            "forge_gateway_time_to_first_token_seconds_bucket",
+            "forge_gateway_inter_token_latency_seconds_bucket",
+            "forge_gateway_empty_answers_total",
+        ]
+    )

@@ -29,6 +29,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlencode
 
 import numpy as np
 import yaml
@@ -170,7 +171,10 @@ class SplitCounts:
 
 
 def parse_metrics(text: str, series: Iterable[tuple[str, str]]) -> dict[tuple[str, str], SplitCounts]:
-    """The counters of each ``(model, split)`` in ``series`` from a Prometheus exposition."""
+    """The counters of each ``(model, split)`` in ``series`` from a Prometheus exposition, summed
+    over its series: one gateway's ``/metrics``, or every replica's at once as a Prometheus
+    server's federation endpoint gives them (:func:`federation_url`; each sample then carries
+    its replica's ``instance`` label)."""
     wanted = {key: SplitCounts() for key in series}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -182,12 +186,25 @@ def parse_metrics(text: str, series: Iterable[tuple[str, str]]) -> dict[tuple[st
                 status = sample.labels.get("status", "")
                 counts.statuses[status] = counts.statuses.get(status, 0.0) + sample.value
             elif sample.name == f"{TTFT_METRIC}_bucket":
-                counts.ttft[sample.labels["le"]] = sample.value
+                le = sample.labels["le"]
+                counts.ttft[le] = counts.ttft.get(le, 0.0) + sample.value
             elif sample.name == f"{ITL_METRIC}_bucket":
-                counts.itl[sample.labels["le"]] = sample.value
+                le = sample.labels["le"]
+                counts.itl[le] = counts.itl.get(le, 0.0) + sample.value
             elif sample.name == f"{EMPTY_METRIC}_total":
                 counts.empty += sample.value
     return wanted
+
+
+def federation_url(prometheus_url: str) -> str:
+    """The address of the series the analysis reads, every gateway replica's, on the Prometheus
+    server at ``prometheus_url`` that scrapes them (its ``/federate`` endpoint: each series'
+    latest sample, in the exposition format :func:`parse_metrics` reads)."""
+    names = "|".join(
+        (f"{REQUESTS_METRIC}_total", f"{TTFT_METRIC}_bucket", f"{ITL_METRIC}_bucket", f"{EMPTY_METRIC}_total")
+    )
+    match = urlencode({"match[]": f'{{__name__=~"{names}"}}'})
+    return f"{prometheus_url.rstrip('/')}/federate?{match}"
 
 
 @dataclass(frozen=True)

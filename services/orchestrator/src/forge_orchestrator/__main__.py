@@ -133,7 +133,7 @@ async def main() -> None:
     activities = SchedulerActivities(settings.scheduler_target, settings.scheduler_token.get_secret_value())
     eval_activities = EvalActivities(settings.eval_target, settings.eval_token.get_secret_value())
     canary = CanaryActivities(
-        settings.gateway_metrics_urls,
+        settings.canary_metrics_urls(),
         default_family=settings.canary_policy,
         policy_dir=Path(settings.canary_policy_dir) if settings.canary_policy_dir else None,
     )

@@ -5,10 +5,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 from typing import Literal
+from urllib.parse import urlsplit
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from temporalio.service import TLSConfig
 
+from forge_experiments.canary import federation_url
 from forge_kit.settings import ServiceSettings, interpreter_path, service_config
 
 NO_TOKEN = SecretStr("")
@@ -108,6 +110,12 @@ class OrchestratorSettings(ServiceSettings):
     by the guarded canary's analysis; empty: no gateway is watched and a canary sees no traffic
     (so it is never promoted by the default policy)."""
 
+    gateway_metrics_prometheus_url: str = ""
+    """A Prometheus server that scrapes every inference gateway replica (``http://host:9090``):
+    the guarded canary then reads their counters, summed, from its federation endpoint
+    (:func:`forge_experiments.canary.federation_url`), for gateways behind a Service that reaches
+    one replica at a time (Kubernetes). Instead of ``gateway_metrics_urls``, not beside them."""
+
     canary_policy: str = ""
     """Canary policy family of eval-and-promote workflows whose input names none; empty: the
     model's name (``policies/canary/<name>.yaml``, else ``default.yaml``)."""
@@ -204,6 +212,24 @@ class OrchestratorSettings(ServiceSettings):
         ):
             raise ValueError("promote_deploy_max_replicas must be 0 or at least promote_deploy_replicas")
         return self
+
+    @model_validator(mode="after")
+    def _one_canary_metrics_source(self) -> OrchestratorSettings:
+        url = self.gateway_metrics_prometheus_url
+        if url and self.gateway_metrics_urls:
+            raise ValueError(
+                "gateway_metrics_prometheus_url and gateway_metrics_urls both count the gateways' "
+                "traffic (twice, summed): set one"
+            )
+        if url and urlsplit(url).scheme not in ("http", "https"):
+            raise ValueError(f"gateway_metrics_prometheus_url: {url!r} is not an http(s) URL")
+        return self
+
+    def canary_metrics_urls(self) -> list[str]:
+        """Where the guarded canary reads the gateways' counters (each address's summed)."""
+        if self.gateway_metrics_prometheus_url:
+            return [federation_url(self.gateway_metrics_prometheus_url)]
+        return list(self.gateway_metrics_urls)
 
     @model_validator(mode="after")
     def _temporal_tls_all_or_nothing(self) -> OrchestratorSettings:

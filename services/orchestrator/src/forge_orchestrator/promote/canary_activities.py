@@ -1,9 +1,10 @@
 """Activities of the guarded canary (:mod:`forge_orchestrator.promote.canary`): its policy file, the
 gateway's metrics, and one look of the sequential analysis (:func:`forge_experiments.canary.analyze`).
 
-The gateway's ``/metrics`` (every replica's, summed) are read over HTTP; ``gateway_metrics_urls``
-empty means there is no gateway to watch, so the canary sees no traffic (and is never promoted by
-default). A gateway that cannot be reached fails the activity, which Temporal retries.
+The gateway's ``/metrics`` (every replica's, summed) are read over HTTP, from each replica or
+from a Prometheus server's federation endpoint (the settings' ``canary_metrics_urls``); none means
+there is no gateway to watch, so the canary sees no traffic (and is never promoted by default). A
+gateway that cannot be reached fails the activity, which Temporal retries.
 """
 
 from __future__ import annotations
