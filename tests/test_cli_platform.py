@@ -147,9 +147,11 @@ def test_select_rejects_unknown_services() -> None:
 # --- the table against the services' own settings classes ---------------------------------------
 
 # Fields that name an address but are not calls between Forge services: every service's
-# (forge_kit.settings.ServiceSettings) infrastructure, and the retriever's optional Qdrant server
-# (QDRANT_URL; empty = the embedded Qdrant Edge).
-NOT_CALLS = {"DATABASE_URL", "REDIS_URL", "OBJECT_STORE_URL", "QDRANT_URL"}
+# (forge_kit.settings.ServiceSettings) infrastructure, the retriever's optional Qdrant server
+# (QDRANT_URL; empty = the embedded Qdrant Edge) and the orchestrator's optional Prometheus
+# (GATEWAY_METRICS_PROMETHEUS_URL, an operator's, for gateway replicas behind one Service;
+# empty = each gateway's /metrics).
+NOT_CALLS = {"DATABASE_URL", "REDIS_URL", "OBJECT_STORE_URL", "QDRANT_URL", "GATEWAY_METRICS_PROMETHEUS_URL"}
 
 
 def _settings_fields(spec: ServiceSpec) -> set[str] | None:
