@@ -19,6 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 from prometheus_client import REGISTRY, start_http_server
 
 from forge_experiments.canary import parse_metrics
@@ -49,11 +50,8 @@ def prometheus(tmp_path: Path, replicas: list[str]) -> Iterator[str]:
     if binary is None:
         missing("prometheus is not installed (Debian package prometheus; `make test` installs it as root)")
     config = tmp_path / "prometheus.yml"
-    targets = ", ".join(f'"{t}"' for t in replicas)
-    config.write_text(
-        "global: {scrape_interval: 1s}\n"
-        f"scrape_configs:\n- job_name: gateway\n  static_configs: [{{targets: [{targets}]}}]\n"
-    )
+    scrape = {"job_name": "gateway", "static_configs": [{"targets": replicas}]}
+    config.write_text(yaml.safe_dump({"global": {"scrape_interval": "1s"}, "scrape_configs": [scrape]}))
     port = free_port()
     with (tmp_path / "prometheus.log").open("wb") as log:
         proc = subprocess.Popen(

@@ -46,6 +46,13 @@ REQUESTS_METRIC = "forge_gateway_upstream_requests"
 TTFT_METRIC = "forge_gateway_time_to_first_token_seconds"
 ITL_METRIC = "forge_gateway_inter_token_latency_seconds"
 EMPTY_METRIC = "forge_gateway_empty_answers"
+#: The series the analysis reads (:func:`parse_metrics`), and asks Prometheus for (:func:`federation_url`).
+_REQUESTS, _TTFT, _ITL, _EMPTY = SERIES = (
+    f"{REQUESTS_METRIC}_total",
+    f"{TTFT_METRIC}_bucket",
+    f"{ITL_METRIC}_bucket",
+    f"{EMPTY_METRIC}_total",
+)
 #: Statuses that are the model's failure; other non-2xx statuses are left out of the error rate.
 ERROR_STATUSES = frozenset({"timeout", "unavailable", "broken"})
 NOT_COUNTED = frozenset({"cached", "499"})
@@ -182,16 +189,16 @@ def parse_metrics(text: str, series: Iterable[tuple[str, str]]) -> dict[tuple[st
             counts = wanted.get(key)
             if counts is None:
                 continue
-            if sample.name == f"{REQUESTS_METRIC}_total":
+            if sample.name == _REQUESTS:
                 status = sample.labels.get("status", "")
                 counts.statuses[status] = counts.statuses.get(status, 0.0) + sample.value
-            elif sample.name == f"{TTFT_METRIC}_bucket":
+            elif sample.name == _TTFT:
                 le = sample.labels["le"]
                 counts.ttft[le] = counts.ttft.get(le, 0.0) + sample.value
-            elif sample.name == f"{ITL_METRIC}_bucket":
+            elif sample.name == _ITL:
                 le = sample.labels["le"]
                 counts.itl[le] = counts.itl.get(le, 0.0) + sample.value
-            elif sample.name == f"{EMPTY_METRIC}_total":
+            elif sample.name == _EMPTY:
                 counts.empty += sample.value
     return wanted
 
@@ -200,10 +207,7 @@ def federation_url(prometheus_url: str) -> str:
     """The address of the series the analysis reads, every gateway replica's, on the Prometheus
     server at ``prometheus_url`` that scrapes them (its ``/federate`` endpoint: each series'
     latest sample, in the exposition format :func:`parse_metrics` reads)."""
-    names = "|".join(
-        (f"{REQUESTS_METRIC}_total", f"{TTFT_METRIC}_bucket", f"{ITL_METRIC}_bucket", f"{EMPTY_METRIC}_total")
-    )
-    match = urlencode({"match[]": f'{{__name__=~"{names}"}}'})
+    match = urlencode({"match[]": f'{{__name__=~"{"|".join(SERIES)}"}}'})
     return f"{prometheus_url.rstrip('/')}/federate?{match}"
 
 
