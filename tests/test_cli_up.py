@@ -239,6 +239,8 @@ def _flaky_binder(tmp_path: Path, failure: str) -> supervisor.Component:
         if not tried.exists():
             tried.write_text("1")
             print({failure!r}, flush=True)
+            for frame in range(40):  # a Go panic's goroutine dump: the failure lies far above the end
+                print(f"main.frame{{frame}}(0xc000123456?)\\n\\t/src/main.go:{{frame}} +0x1b9", flush=True)
             sys.exit(1)
         print("serving", flush=True)
         time.sleep(60)
@@ -280,8 +282,19 @@ def test_a_service_whose_port_was_taken_at_bind_is_started_again(tmp_path: Path,
     other = tmp_path / "other"
     other.mkdir()
     crasher = _flaky_binder(other, "ValueError: NO_SUCH_SETTING")
-    with pytest.raises(local.UpFailed, match="binder exited during start-up"):
+    with pytest.raises(local.UpFailed, match="binder exited during start-up") as failed:
         asyncio.run(local.bring_up([crasher], supervisor.Paths(other), timeout_s=30))
+    assert "ValueError: NO_SUCH_SETTING" not in str(failed.value)  # 80 lines above the end, not a Go panic
+    panicker = other / "panicker"
+    panicker.mkdir()
+    with pytest.raises(local.UpFailed, match="reported 'panic: runtime error: nil map'"):
+        asyncio.run(
+            local.bring_up(
+                [_flaky_binder(panicker, "panic: runtime error: nil map")],
+                supervisor.Paths(panicker),
+                timeout_s=30,
+            )
+        )
     assert supervisor.Paths(other).log_file("binder").read_text().count(supervisor.START_BANNER) == 1
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import shutil
 import sys
 import time
@@ -268,6 +269,20 @@ BIND_FAILURES = ("failed to bind to address", "address already in use", "failed 
 BIND_RETRY_S = 2.0
 
 
+#: The line that names a Go binary's crash (Temporal's dev server): its goroutine dump follows
+#: it, often past the log's last lines. (A Python traceback names its error on its last line.)
+CRASH_HEADS = re.compile(r"^(panic: |fatal error: )", re.MULTILINE)
+
+
+def _crash_report(log: str) -> str:
+    """The line where ``log``'s crash report starts, quoted, or nothing when it has none."""
+    found = CRASH_HEADS.search(log)
+    if found is None:
+        return ""
+    line = log[found.start() :].split("\n", 1)[0]
+    return f"it reported {line!r}; "
+
+
 async def _wait_healthy(started: Started, paths: Paths, timeout_s: float) -> None:
     """Wait until ``started`` answers its health check. A process that exits because its port
     was taken is started again until the deadline (its pid in ``started`` follows); any other
@@ -276,16 +291,15 @@ async def _wait_healthy(started: Started, paths: Paths, timeout_s: float) -> Non
     deadline = time.monotonic() + timeout_s
     while True:
         if not supervisor.is_running(started.pid, component.marker):
-            tail = supervisor.log_tail(paths, component.name)
-            this_run = tail.rsplit(supervisor.START_BANNER, 1)[-1].lower()  # not an earlier start's
-            lost_port = any(failure in this_run for failure in BIND_FAILURES)
+            this_run = supervisor.last_start_log(paths, component.name)  # not an earlier start's
+            lost_port = any(failure in this_run.lower() for failure in BIND_FAILURES)
             if lost_port and time.monotonic() + BIND_RETRY_S < deadline:
                 await asyncio.sleep(BIND_RETRY_S)
                 started.pid = supervisor.spawn(component, paths)
                 continue
             raise UpFailed(
-                f"{component.name} exited during start-up; last lines of "
-                f"{paths.log_file(component.name)}:\n{tail}"
+                f"{component.name} exited during start-up; {_crash_report(this_run)}"
+                f"last lines of {paths.log_file(component.name)}:\n{supervisor.log_tail(paths, component.name)}"
             )
         if await component.health():
             return

@@ -191,6 +191,24 @@ def log_tail(paths: Paths, name: str, lines: int = 20) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
+#: How much of a log :func:`last_start_log` reads back, at most: a Go panic's goroutine dump
+#: runs to hundreds of lines, far past what :func:`log_tail` shows.
+LAST_START_BYTES = 256 * 1024
+
+
+def last_start_log(paths: Paths, name: str) -> str:
+    """What a component wrote since its latest start (:data:`START_BANNER`): its last
+    :data:`LAST_START_BYTES` at most."""
+    try:
+        with open(paths.log_file(name), "rb") as log:
+            log.seek(0, os.SEEK_END)
+            log.seek(max(0, log.tell() - LAST_START_BYTES))
+            text = log.read().decode(errors="replace")
+    except OSError:
+        return ""
+    return text.rsplit(START_BANNER, 1)[-1]
+
+
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)
