@@ -8,10 +8,7 @@ port and every database is named at random, so the processes share nothing but t
 
 Each unit's CPU seconds (its processes and the descendants they reaped) are printed beside its
 time. Units inherit the environment (``OMP_NUM_THREADS=1 python scripts/run_tests.py`` caps the
-thread pools of torch, vLLM and the services they spawn), with ``OMP_WAIT_POLICY=PASSIVE`` unless
-it is set: units side by side keep more torch processes busy than the machine has cores, and an
-OpenMP thread that spins between parallel regions (libgomp's default) burns the core another
-process was waiting for.
+thread pools of torch, vLLM and the services they spawn).
 
 Usage: python scripts/run_tests.py [-j N] [PATH ...] [-- PYTEST ARGS]
 
@@ -125,7 +122,6 @@ def main(argv: list[str]) -> int:
     parser.add_argument("paths", nargs="*", default=["libs", "services", "tests"])
     args = parser.parse_args(own)
     todo = units(args.paths)
-    env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
     lock = threading.Lock()
     results: dict[str, tuple[int, float, float]] = {}
     started = time.monotonic()
@@ -139,7 +135,7 @@ def main(argv: list[str]) -> int:
             begin = time.monotonic()
             with tempfile.TemporaryFile(mode="w+") as log:
                 command = [sys.executable, "-m", "pytest", *pytest_args, *unit_args]
-                process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+                process = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
                 _, status, usage = os.wait4(process.pid, 0)
                 process.returncode = rc = os.waitstatus_to_exitcode(status)
                 log.seek(0)
@@ -160,7 +156,7 @@ def main(argv: list[str]) -> int:
     cpu_s = sum(cpu for _, _, cpu in results.values())
     print(
         f"===== {len(results)} units in {time.monotonic() - started:.0f} s ({args.jobs} at a time, "
-        f"{cpu_s:.0f} CPU s, OMP_WAIT_POLICY={env['OMP_WAIT_POLICY']}) ====="
+        f"{cpu_s:.0f} CPU s) ====="
     )
     failed = 0
     for name, (rc, elapsed, cpu) in sorted(results.items(), key=lambda item: -item[1][1]):

@@ -345,8 +345,6 @@ def test_job_environment_keeps_the_agents_secrets_out_and_placement_authoritativ
         "NCCL_IB_HCA": "mlx5",
         "GLOO_SOCKET_IFNAME": "eth1",
         "CUDA_DEVICE_ORDER": "FASTEST_FIRST",
-        "OMP_WAIT_POLICY": "PASSIVE",  # and the node's OpenMP policy (CPU jobs sharing its cores)
-        "OMP_NUM_THREADS": "64",  # not its thread count: that is the job's
     }
 
     env = job_environment(spec, base)
@@ -358,7 +356,6 @@ def test_job_environment_keeps_the_agents_secrets_out_and_placement_authoritativ
         "mlx5",
         "eth1",
     )
-    assert env["OMP_WAIT_POLICY"] == "PASSIVE" and "OMP_NUM_THREADS" not in env
     assert "FORGE_TRAINER_AGENT_AUTH_TOKEN" not in env and "FORGE_READY_FILE" not in env
     assert (env["FORGE_JOB_ID"], env["FORGE_ATTEMPT"], env["NODE_RANK"], env["NNODES"]) == (
         "job-e",

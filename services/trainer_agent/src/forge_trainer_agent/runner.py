@@ -26,11 +26,10 @@ from forge_kit.jobenv import TERMINATION_LOG_ENV
 from forge_trainer_agent.sandbox import JobSandbox
 
 #: The only variables of the agent's environment a job gets: where programs and the Python code
-#: are, the locale, the node's collective-communication settings (``NCCL_*``, the gloo and
+#: are, the locale, and the node's collective-communication settings (``NCCL_*``, the gloo and
 #: torchrun network interface: which NIC and fabric this node's jobs talk over, set by the
-#: operator on the agent; docs/DEPLOY.md) and its OpenMP wait policy (whether a CPU job's idle
-#: threads spin or sleep: a node's choice, as jobs share its cores). Everything else a job sees is
-#: its own declared env and its placement.
+#: operator on the agent; docs/DEPLOY.md). Everything else a job sees is its own declared env and
+#: its placement.
 INHERITED_ENV = (
     "PATH",
     "PYTHONPATH",
@@ -42,7 +41,6 @@ INHERITED_ENV = (
     "TZ",
     "GLOO_SOCKET_IFNAME",
     "TP_SOCKET_IFNAME",
-    "OMP_WAIT_POLICY",
 )
 INHERITED_ENV_PREFIXES = ("LC_", "NCCL_")
 
