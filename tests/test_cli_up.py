@@ -282,9 +282,8 @@ def test_a_service_whose_port_was_taken_at_bind_is_started_again(tmp_path: Path,
     other = tmp_path / "other"
     other.mkdir()
     crasher = _flaky_binder(other, "ValueError: NO_SUCH_SETTING")
-    with pytest.raises(local.UpFailed, match="binder exited during start-up") as failed:
+    with pytest.raises(local.UpFailed, match="binder exited during start-up"):
         asyncio.run(local.bring_up([crasher], supervisor.Paths(other), timeout_s=30))
-    assert "ValueError: NO_SUCH_SETTING" not in str(failed.value)  # 80 lines above the end, not a Go panic
     panicker = other / "panicker"
     panicker.mkdir()
     with pytest.raises(local.UpFailed, match="reported 'panic: runtime error: nil map'"):

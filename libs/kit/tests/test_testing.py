@@ -25,7 +25,7 @@ def _server_socket() -> socket.socket:
 def test_free_port_is_bindable_by_a_server_and_by_no_one_else_until_then() -> None:
     picked = {free_port() for _ in range(40)}
     # Other processes binding port 0 meanwhile (servers, Temporal choosing its internal ports)
-    # are not handed a picked port: with the kernel's plain pick, about one in 600 would be.
+    # are not handed a picked port: with the kernel's plain pick, about one in 300 would be.
     for _ in range(6000):
         with socket.socket() as other:
             other.bind(("", 0))
