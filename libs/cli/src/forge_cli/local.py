@@ -286,7 +286,7 @@ def _crash_report(log: str) -> str:
 async def _wait_healthy(started: Started, paths: Paths, timeout_s: float) -> None:
     """Wait until ``started`` answers its health check. A process that exits because its port
     was taken is started again until the deadline (its pid in ``started`` follows); any other
-    exit, or the deadline, fails with the log's last lines."""
+    exit, or the deadline, fails with the log's last lines (and the line naming a Go crash)."""
     component = started.component
     deadline = time.monotonic() + timeout_s
     while True:
